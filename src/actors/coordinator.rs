@@ -1,0 +1,244 @@
+//! The coordinator: hands out the roster of data endpoints once every rank
+//! has joined, and releases barriers. Both wait at most the job's timeout;
+//! on expiry every waiting rank gets an error naming the ranks that never
+//! arrived, never a silent hang.
+
+use std::collections::{BTreeMap, HashMap};
+use std::time::Duration;
+
+use actix::prelude::*;
+use tokio::sync::oneshot;
+
+/// Rank `rank` joins the job, reachable for ring traffic at `data_endpoint`.
+#[derive(Message, Debug)]
+#[rtype(result = "Result<Vec<String>, String>")]
+pub struct Join {
+    /// The joining rank.
+    pub rank: usize,
+    /// The world size the rank was configured with.
+    pub world_size: usize,
+    /// Its data-plane listener, `ip:port`.
+    pub data_endpoint: String,
+}
+
+/// Rank `rank` waits until every rank has reached barrier `name`.
+#[derive(Message, Debug)]
+#[rtype(result = "Result<(), String>")]
+pub struct Barrier {
+    /// The waiting rank.
+    pub rank: usize,
+    /// The barrier's name; the same name must be used by all ranks.
+    pub name: String,
+}
+
+type Waiter<T> = oneshot::Sender<Result<T, String>>;
+
+/// Rendezvous and barriers for one job.
+pub struct Coordinator {
+    world_size: usize,
+    timeout: Duration,
+    joined: BTreeMap<usize, (String, Waiter<Vec<String>>)>,
+    roster: Option<Vec<String>>,
+    barriers: HashMap<String, BTreeMap<usize, Waiter<()>>>,
+}
+
+impl Coordinator {
+    /// A coordinator for `world_size` ranks that waits at most `timeout`
+    /// for a rendezvous or a barrier to fill.
+    pub fn new(world_size: usize, timeout: Duration) -> Self {
+        Self {
+            world_size,
+            timeout,
+            joined: BTreeMap::new(),
+            roster: None,
+            barriers: HashMap::new(),
+        }
+    }
+
+    fn missing<T>(&self, present: &BTreeMap<usize, T>) -> String {
+        let missing: Vec<String> = (0..self.world_size)
+            .filter(|r| !present.contains_key(r))
+            .map(|r| r.to_string())
+            .collect();
+        format!(
+            "rank{} {}",
+            if missing.len() == 1 { "" } else { "s" },
+            missing.join(", ")
+        )
+    }
+}
+
+impl Actor for Coordinator {
+    type Context = Context<Self>;
+
+    fn started(&mut self, ctx: &mut Self::Context) {
+        ctx.run_later(self.timeout, |coordinator, _| {
+            if coordinator.roster.is_some() {
+                return;
+            }
+            let reason = format!(
+                "rendezvous timed out after {:.1}s: {} never joined (world size {})",
+                coordinator.timeout.as_secs_f64(),
+                coordinator.missing(&coordinator.joined),
+                coordinator.world_size
+            );
+            tracing::error!("{reason}");
+            for (_, (_, waiter)) in std::mem::take(&mut coordinator.joined) {
+                let _ = waiter.send(Err(reason.clone()));
+            }
+        });
+    }
+}
+
+fn reply<T: Send + 'static>(
+    rx: oneshot::Receiver<Result<T, String>>,
+) -> ResponseFuture<Result<T, String>> {
+    Box::pin(async move {
+        rx.await
+            .unwrap_or_else(|_| Err("the coordinator stopped".to_string()))
+    })
+}
+
+impl Handler<Join> for Coordinator {
+    type Result = ResponseFuture<Result<Vec<String>, String>>;
+
+    fn handle(&mut self, msg: Join, _: &mut Self::Context) -> Self::Result {
+        let (tx, rx) = oneshot::channel();
+        let refusal = if msg.world_size != self.world_size {
+            Some(format!(
+                "rank {} was started for world size {}, the job has {}",
+                msg.rank, msg.world_size, self.world_size
+            ))
+        } else if msg.rank >= self.world_size {
+            Some(format!(
+                "rank {} is outside world size {}",
+                msg.rank, self.world_size
+            ))
+        } else if self.roster.is_some() || self.joined.contains_key(&msg.rank) {
+            Some(format!("rank {} joined twice", msg.rank))
+        } else {
+            None
+        };
+        if let Some(reason) = refusal {
+            let _ = tx.send(Err(reason));
+            return reply(rx);
+        }
+        tracing::debug!(rank = msg.rank, endpoint = %msg.data_endpoint, "rank joined");
+        self.joined.insert(msg.rank, (msg.data_endpoint, tx));
+        if self.joined.len() == self.world_size {
+            let joined = std::mem::take(&mut self.joined);
+            let roster: Vec<String> = joined
+                .values()
+                .map(|(endpoint, _)| endpoint.clone())
+                .collect();
+            tracing::info!(world_size = self.world_size, "rendezvous complete");
+            for (_, (_, waiter)) in joined {
+                let _ = waiter.send(Ok(roster.clone()));
+            }
+            self.roster = Some(roster);
+        }
+        reply(rx)
+    }
+}
+
+impl Handler<Barrier> for Coordinator {
+    type Result = ResponseFuture<Result<(), String>>;
+
+    fn handle(&mut self, msg: Barrier, ctx: &mut Self::Context) -> Self::Result {
+        let (tx, rx) = oneshot::channel();
+        if msg.rank >= self.world_size {
+            let _ = tx.send(Err(format!(
+                "rank {} is outside world size {}",
+                msg.rank, self.world_size
+            )));
+            return reply(rx);
+        }
+        let waiting = self.barriers.entry(msg.name.clone()).or_default();
+        if waiting.is_empty() {
+            let name = msg.name.clone();
+            ctx.run_later(self.timeout, move |coordinator, _| {
+                let Some(waiting) = coordinator.barriers.remove(&name) else {
+                    return;
+                };
+                let reason = format!(
+                    "barrier {name:?} timed out after {:.1}s: {} never arrived",
+                    coordinator.timeout.as_secs_f64(),
+                    coordinator.missing(&waiting)
+                );
+                tracing::error!("{reason}");
+                for (_, waiter) in waiting {
+                    let _ = waiter.send(Err(reason.clone()));
+                }
+            });
+        }
+        waiting.insert(msg.rank, tx);
+        if waiting.len() == self.world_size {
+            for (_, waiter) in self.barriers.remove(&msg.name).unwrap_or_default() {
+                let _ = waiter.send(Ok(()));
+            }
+        }
+        reply(rx)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[actix::test]
+    async fn roster_is_handed_out_by_rank() {
+        let c = Coordinator::new(2, Duration::from_secs(5)).start();
+        let late = c.send(Join {
+            rank: 1,
+            world_size: 2,
+            data_endpoint: "b".into(),
+        });
+        let early = c.send(Join {
+            rank: 0,
+            world_size: 2,
+            data_endpoint: "a".into(),
+        });
+        let (late, early) = futures::join!(late, early);
+        assert_eq!(late.unwrap().unwrap(), vec!["a", "b"]);
+        assert_eq!(early.unwrap().unwrap(), vec!["a", "b"]);
+    }
+
+    #[actix::test]
+    async fn a_rank_that_never_arrives_is_named() {
+        let c = Coordinator::new(3, Duration::from_millis(200)).start();
+        let err = c
+            .send(Join {
+                rank: 0,
+                world_size: 3,
+                data_endpoint: "a".into(),
+            })
+            .await
+            .unwrap()
+            .unwrap_err();
+        assert!(err.contains("ranks 1, 2 never joined"), "{err}");
+        let b1 = c
+            .send(Barrier {
+                rank: 2,
+                name: "end".into(),
+            })
+            .await
+            .unwrap()
+            .unwrap_err();
+        assert!(b1.contains("ranks 0, 1 never arrived"), "{b1}");
+    }
+
+    #[actix::test]
+    async fn wrong_world_size_and_duplicates_are_refused() {
+        let c = Coordinator::new(2, Duration::from_secs(5)).start();
+        let err = c
+            .send(Join {
+                rank: 0,
+                world_size: 3,
+                data_endpoint: "a".into(),
+            })
+            .await
+            .unwrap()
+            .unwrap_err();
+        assert!(err.contains("world size 3"), "{err}");
+    }
+}

@@ -1,0 +1,162 @@
+//! The device actor: a `SyncArbiter` thread that owns the compute device,
+//! the model replica and the communicator. Every tensor operation and every
+//! collective of a rank runs here (or on the communicator thread it owns),
+//! never on the async arbiters.
+
+use std::net::{SocketAddr, TcpListener};
+use std::sync::Arc;
+use std::time::Duration;
+
+use actix::prelude::*;
+use anyhow::{anyhow, Context as _, Result};
+
+use crate::collective::{ParamChecksum, Replica, StepReport};
+use crate::config::JobConfig;
+use crate::data::Batch;
+use crate::engines::comm::memory::MemoryTransport;
+use crate::engines::comm::tcp::TcpTransport;
+use crate::engines::comm::{CommWorker, Communicator};
+use crate::engines::compute::device_for;
+use crate::models::{Model, ParamInit};
+
+/// Builds a rank's model; called on the device thread with the job's seeded
+/// initialiser, so every rank builds the same initial parameters.
+pub type ModelFactory = Arc<dyn Fn(&ParamInit) -> Result<Model> + Send + Sync>;
+
+/// How this rank reaches its ring neighbours.
+pub enum RingLink {
+    /// Alone: collectives are no-ops.
+    Single,
+    /// Threads of one process.
+    Memory(MemoryTransport),
+    /// Processes: this rank's bound listener and every rank's endpoint.
+    Tcp {
+        /// This rank.
+        rank: usize,
+        /// Listener already bound to this rank's endpoint.
+        listener: TcpListener,
+        /// `endpoints[r]` is rank `r`'s.
+        endpoints: Vec<SocketAddr>,
+        /// Deadline of connecting and of every collective.
+        timeout: Duration,
+    },
+}
+
+impl RingLink {
+    fn into_communicator(self) -> Result<Communicator> {
+        Ok(match self {
+            Self::Single => Communicator::single(),
+            Self::Memory(transport) => Communicator::new(Box::new(transport)),
+            Self::Tcp {
+                rank,
+                listener,
+                endpoints,
+                timeout,
+            } => Communicator::new(Box::new(TcpTransport::connect(
+                rank, &endpoints, &listener, timeout,
+            )?)),
+        })
+    }
+}
+
+/// Builds the replica: the model, the ring, and rank 0's parameters
+/// broadcast to all.
+#[derive(Message)]
+#[rtype(result = "Result<()>")]
+pub struct Prepare {
+    /// The job.
+    pub job: Arc<JobConfig>,
+    /// The model's constructor.
+    pub model: ModelFactory,
+    /// The ring this rank joins.
+    pub link: RingLink,
+}
+
+/// One training step on this rank's batch.
+#[derive(Message)]
+#[rtype(result = "Result<StepReport>")]
+pub struct TrainStep(pub Batch);
+
+/// Counts correct predictions on this rank's batch, summed over ranks.
+#[derive(Message)]
+#[rtype(result = "Result<(usize, usize)>")]
+pub struct Evaluate(pub Batch);
+
+/// Compares the replicas' parameter checksums.
+#[derive(Message)]
+#[rtype(result = "Result<ParamChecksum>")]
+pub struct CheckReplicas;
+
+/// Copies out the parameters, by name.
+#[derive(Message)]
+#[rtype(result = "Result<Vec<(String, Vec<f32>)>>")]
+pub struct ReadParameters;
+
+/// The device thread's state: empty until [`Prepare`].
+#[derive(Default)]
+pub struct DeviceActor {
+    replica: Option<Replica>,
+}
+
+impl DeviceActor {
+    fn replica(&mut self) -> Result<&mut Replica> {
+        self.replica
+            .as_mut()
+            .ok_or_else(|| anyhow!("the device actor was used before Prepare"))
+    }
+}
+
+impl Actor for DeviceActor {
+    type Context = SyncContext<Self>;
+}
+
+impl Handler<Prepare> for DeviceActor {
+    type Result = Result<()>;
+
+    fn handle(&mut self, msg: Prepare, _: &mut Self::Context) -> Result<()> {
+        let device = device_for(msg.job.cluster.device)?;
+        let init = ParamInit::new(msg.job.train.seed, device.clone());
+        let model = (msg.model)(&init).context("building the model")?;
+        let comm = CommWorker::spawn(msg.link.into_communicator()?)?;
+        let mut replica = Replica::new(model, &msg.job, comm, device)?;
+        replica.broadcast_parameters()?;
+        self.replica = Some(replica);
+        Ok(())
+    }
+}
+
+impl Handler<TrainStep> for DeviceActor {
+    type Result = Result<StepReport>;
+
+    fn handle(&mut self, msg: TrainStep, _: &mut Self::Context) -> Self::Result {
+        self.replica()?.train_step(&msg.0)
+    }
+}
+
+impl Handler<Evaluate> for DeviceActor {
+    type Result = Result<(usize, usize)>;
+
+    fn handle(&mut self, msg: Evaluate, _: &mut Self::Context) -> Self::Result {
+        self.replica()?.evaluate(&msg.0)
+    }
+}
+
+impl Handler<CheckReplicas> for DeviceActor {
+    type Result = Result<ParamChecksum>;
+
+    fn handle(&mut self, _: CheckReplicas, _: &mut Self::Context) -> Self::Result {
+        self.replica()?.check_replicas_agree()
+    }
+}
+
+impl Handler<ReadParameters> for DeviceActor {
+    type Result = Result<Vec<(String, Vec<f32>)>>;
+
+    fn handle(&mut self, _: ReadParameters, _: &mut Self::Context) -> Self::Result {
+        self.replica()?
+            .parameters()
+            .iter()
+            .map(|p| Ok((p.name.clone(), p.var.flatten_all()?.to_vec1::<f32>()?)))
+            .collect()
+    }
+}

@@ -1,0 +1,12 @@
+//! The roles, one actor each: the [`coordinator`] (rendezvous, barriers),
+//! the [`trainer`] (the training loop) and its [`device`] (a `SyncArbiter`
+//! thread that owns the model replica and the communicator). Every message
+//! an actor accepts is defined in its file.
+
+pub mod coordinator;
+pub mod device;
+pub mod trainer;
+
+pub use coordinator::Coordinator;
+pub use device::DeviceActor;
+pub use trainer::Trainer;

@@ -1,0 +1,12 @@
+//! Collective data parallelism: every rank holds a whole replica of the
+//! model, computes gradients on its slice of the global batch, and the
+//! gradients are averaged by ring all-reduce of fused buckets, overlapped
+//! with the rest of backward.
+
+mod bucket;
+mod checksum;
+mod replica;
+
+pub use bucket::{Bucket, BucketPlan};
+pub use checksum::ParamChecksum;
+pub use replica::{Replica, StepReport};

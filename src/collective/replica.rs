@@ -1,0 +1,308 @@
+//! One rank's replica: the model, its optimizer and the communicator, and
+//! the data-parallel training step over them. Runs on the device thread.
+
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use candle_core::backprop::GradStore;
+use candle_core::{Device, Tensor, Var};
+
+use super::{BucketPlan, ParamChecksum};
+use crate::config::JobConfig;
+use crate::data::Batch;
+use crate::engines::comm::{CommWorker, Pending};
+use crate::models::{Model, NamedParam};
+use crate::optim::{LrPolicy, Optimizer};
+
+/// What one training step measured.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct StepReport {
+    /// Mean loss over the global batch (all ranks).
+    pub loss: f32,
+    /// Learning rate the step used.
+    pub lr: f64,
+    /// Wall time of the whole step on this rank.
+    pub step_time: Duration,
+    /// Time the communication thread spent in this step's collectives.
+    pub comm_time: Duration,
+    /// Time the compute thread waited for communication after backward: the
+    /// part of communication that backward did not hide.
+    pub exposed_comm_time: Duration,
+}
+
+/// A model replica that trains in lockstep with the other ranks.
+pub struct Replica {
+    model: Model,
+    params: Vec<NamedParam>,
+    plan: BucketPlan,
+    optimizer: Optimizer,
+    lr_policy: LrPolicy,
+    comm: CommWorker,
+    device: Device,
+    step: usize,
+}
+
+impl Replica {
+    /// A replica of `model` for `job`, talking to the other ranks through
+    /// `comm`.
+    pub fn new(model: Model, job: &JobConfig, comm: CommWorker, device: Device) -> Result<Self> {
+        let params = model.parameters();
+        let backward_order: Vec<(usize, usize)> = (0..model.blocks().len())
+            .rev()
+            .flat_map(|block| {
+                params
+                    .iter()
+                    .enumerate()
+                    .filter(move |(_, p)| p.block == block)
+            })
+            .map(|(i, p)| (i, p.var.elem_count()))
+            .collect();
+        let cap_bytes = job.strategy.fuse_grad_size_bytes();
+        let plan = BucketPlan::new(&backward_order, cap_bytes);
+        let lr_policy = LrPolicy::new(&job.train, comm.world_size());
+        let vars: Vec<Var> = params.iter().map(|p| p.var.clone()).collect();
+        let optimizer = Optimizer::new(&job.train, vars, lr_policy.at(0))?;
+        tracing::debug!(
+            rank = comm.rank(),
+            buckets = plan.buckets.len(),
+            params = model.parameter_count(),
+            "replica ready"
+        );
+        Ok(Self {
+            model,
+            params,
+            plan,
+            optimizer,
+            lr_policy,
+            comm,
+            device,
+            step: 0,
+        })
+    }
+
+    /// This rank.
+    pub fn rank(&self) -> usize {
+        self.comm.rank()
+    }
+
+    /// Ranks training together.
+    pub fn world_size(&self) -> usize {
+        self.comm.world_size()
+    }
+
+    /// The gradient buckets.
+    pub fn bucket_plan(&self) -> &BucketPlan {
+        &self.plan
+    }
+
+    /// The parameters, in model order.
+    pub fn parameters(&self) -> &[NamedParam] {
+        &self.params
+    }
+
+    /// Makes every rank start from rank 0's parameters.
+    pub fn broadcast_parameters(&mut self) -> Result<()> {
+        let mut flat = Vec::with_capacity(self.model.parameter_count());
+        for p in &self.params {
+            flat.extend(p.var.flatten_all()?.to_vec1::<f32>()?);
+        }
+        let flat = self.comm.run(move |c| {
+            c.broadcast(
+                "broadcast of the initial parameters",
+                bytemuck::cast_slice_mut(&mut flat),
+                0,
+            )?;
+            Ok(flat)
+        })?;
+        let mut offset = 0;
+        for p in &self.params {
+            let n = p.var.elem_count();
+            p.var.set(&Tensor::from_slice(
+                &flat[offset..offset + n],
+                p.var.shape(),
+                &self.device,
+            )?)?;
+            offset += n;
+        }
+        Ok(())
+    }
+
+    /// One synchronous data-parallel step on this rank's `batch`.
+    pub fn train_step(&mut self, batch: &Batch) -> Result<StepReport> {
+        let started = Instant::now();
+        let comm_before = self.comm.busy_time();
+        let lr = self.lr_policy.at(self.step);
+        self.optimizer.set_learning_rate(lr);
+        let x = Tensor::from_slice(&batch.features, (batch.rows(), batch.dim), &self.device)?;
+        let y = Tensor::from_slice(&batch.labels, batch.rows(), &self.device)?;
+
+        // Forward, block by block; each block's input is a fresh variable so
+        // backward can stop at the block boundary and hand its gradient on.
+        let blocks = self.model.blocks();
+        let mut inputs: Vec<Var> = Vec::with_capacity(blocks.len());
+        let mut outputs: Vec<Tensor> = Vec::with_capacity(blocks.len());
+        let mut h = x;
+        for block in blocks {
+            let input = Var::from_tensor(&h)?;
+            let out = block
+                .forward(input.as_tensor())
+                .with_context(|| format!("forward of block {}", block.name()))?;
+            h = out.detach();
+            inputs.push(input);
+            outputs.push(out);
+        }
+        let loss = candle_nn::loss::cross_entropy(&outputs[blocks.len() - 1], &y)?;
+        let local_loss = loss.to_scalar::<f32>()?;
+
+        // Backward from the last block; every completed bucket is handed to
+        // the communication thread at once.
+        let mut pending: Vec<Pending<Vec<f32>>> = Vec::with_capacity(self.plan.buckets.len());
+        let mut bucket_index = 0;
+        let mut filling: Vec<f32> = Vec::new();
+        let mut upstream: Option<Tensor> = None;
+        for i in (0..blocks.len()).rev() {
+            let grads = match &upstream {
+                None => loss.backward()?,
+                Some(g) => (&outputs[i] * g)?.sum_all()?.backward()?,
+            };
+            for (param_index, param) in self.params.iter().enumerate().filter(|(_, p)| p.block == i)
+            {
+                let grad = grads
+                    .get(param.var.as_tensor())
+                    .with_context(|| format!("no gradient for {}", param.name))?;
+                let bucket = &self.plan.buckets[bucket_index];
+                if filling.is_empty() {
+                    filling.reserve(bucket.len);
+                }
+                filling.extend(grad.flatten_all()?.to_vec1::<f32>()?);
+                if bucket.params.last() == Some(&param_index) {
+                    pending.push(self.submit_bucket(bucket_index, std::mem::take(&mut filling)));
+                    bucket_index += 1;
+                }
+            }
+            if i > 0 {
+                let g = grads
+                    .get(inputs[i].as_tensor())
+                    .with_context(|| format!("no input gradient for block {i}"))?;
+                upstream = Some(g.detach());
+            }
+        }
+
+        let waiting = Instant::now();
+        let mut averaged = GradStore::default();
+        for (bucket, reduced) in self.plan.buckets.iter().zip(pending) {
+            let values = reduced.wait()?;
+            let mut offset = 0;
+            for &param_index in &bucket.params {
+                let var = &self.params[param_index].var;
+                let n = var.elem_count();
+                averaged.insert(
+                    var.as_tensor(),
+                    Tensor::from_slice(&values[offset..offset + n], var.shape(), &self.device)?,
+                );
+                offset += n;
+            }
+        }
+        let exposed_comm_time = waiting.elapsed();
+        self.optimizer.step(&averaged)?;
+
+        let world = self.world_size() as f32;
+        let loss = self.comm.run(move |c| {
+            let mut sum = [local_loss];
+            c.all_reduce_sum("all-reduce of the step loss", &mut sum)?;
+            Ok(sum[0] / world)
+        })?;
+        self.step += 1;
+        Ok(StepReport {
+            loss,
+            lr,
+            step_time: started.elapsed(),
+            comm_time: self.comm.busy_time().saturating_sub(comm_before),
+            exposed_comm_time,
+        })
+    }
+
+    fn submit_bucket(&self, index: usize, mut values: Vec<f32>) -> Pending<Vec<f32>> {
+        let world = self.world_size() as f32;
+        let step = self.step;
+        self.comm.submit(move |c| {
+            c.all_reduce_sum(
+                &format!("all-reduce of gradient bucket {index} at step {step}"),
+                &mut values,
+            )?;
+            values.iter_mut().for_each(|v| *v /= world);
+            Ok(values)
+        })
+    }
+
+    /// Counts correct predictions on this rank's `batch` and sums the counts
+    /// over all ranks: `(correct, total)`.
+    pub fn evaluate(&mut self, batch: &Batch) -> Result<(usize, usize)> {
+        let correct = if batch.rows() == 0 {
+            0
+        } else {
+            let x = Tensor::from_slice(&batch.features, (batch.rows(), batch.dim), &self.device)?;
+            let predicted = self.model.forward(&x)?.argmax(1)?.to_vec1::<u32>()?;
+            predicted
+                .iter()
+                .zip(&batch.labels)
+                .filter(|(p, l)| p == l)
+                .count()
+        };
+        // Counts below 2^24 are exact in f32.
+        let mut counts = [correct as f32, batch.rows() as f32];
+        let counts = self.comm.run(move |c| {
+            c.all_reduce_sum("all-reduce of evaluation counts", &mut counts)?;
+            Ok(counts)
+        })?;
+        Ok((counts[0] as usize, counts[1] as usize))
+    }
+
+    /// The checksum of this replica's parameters.
+    pub fn checksum(&self) -> Result<ParamChecksum> {
+        Ok(ParamChecksum::of(&self.params)?)
+    }
+
+    /// Compares every replica's checksum; a difference stops training with
+    /// an error naming the ranks that disagree with rank 0.
+    pub fn check_replicas_agree(&mut self) -> Result<ParamChecksum> {
+        let mine = self.checksum()?;
+        let step = self.step;
+        let all = self.comm.run(move |c| {
+            c.all_gather(
+                &format!("all-gather of parameter checksums at step {step}"),
+                &mine.0,
+            )
+        })?;
+        let reference = &all[0];
+        let diverged: Vec<String> = all
+            .iter()
+            .enumerate()
+            .filter(|(_, sum)| *sum != reference)
+            .map(|(rank, sum)| format!("rank {rank} has {}", hex_prefix(sum)))
+            .collect();
+        if !diverged.is_empty() {
+            bail!(
+                "replicas diverged at step {step}: rank 0 has parameter checksum {}, {}",
+                hex_prefix(reference),
+                diverged.join(", ")
+            );
+        }
+        Ok(mine)
+    }
+
+    /// Waits until every rank reaches this point.
+    pub fn barrier(&self, what: &str) -> Result<()> {
+        let op = what.to_string();
+        self.comm.run(move |c| c.barrier(&op))
+    }
+
+    /// Steps taken so far.
+    pub fn steps_done(&self) -> usize {
+        self.step
+    }
+}
+
+fn hex_prefix(bytes: &[u8]) -> String {
+    bytes.iter().take(8).map(|b| format!("{b:02x}")).collect()
+}

@@ -1,0 +1,268 @@
+//! `[cluster]`: the job's topology — how many nodes and processes, on which device, and where
+//! the coordinator and the trainers listen.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+
+use serde::{Deserialize, Serialize};
+
+use super::FieldError;
+
+/// Compute device the trainers run on.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DeviceKind {
+    /// Host CPU; the only device supported in this release.
+    #[default]
+    Cpu,
+    /// CUDA GPU; accepted by the parser so the error can say "not supported yet" rather than
+    /// "unknown variant".
+    Gpu,
+}
+
+/// `[cluster]` section: the process layout of the job.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ClusterConfig {
+    /// Number of machines (`PADDLE_NNODES`).
+    pub nnodes: usize,
+    /// Trainer processes per machine (`PADDLE_LOCAL_SIZE`).
+    pub nproc_per_node: usize,
+    /// Total trainers (`PADDLE_TRAINERS_NUM`); redundant with `nnodes × nproc_per_node` and only
+    /// accepted when equal, so a launcher and a file that disagree are caught before training.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub world_size: Option<usize>,
+    /// Compute device.
+    pub device: DeviceKind,
+    /// `host:port` of the coordinator (rendezvous) process (`PADDLE_MASTER`); `None` lets the
+    /// launcher choose.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub master: Option<String>,
+    /// Data endpoints (`ip:port`) of the trainers, indexed by rank
+    /// (`PADDLE_TRAINER_ENDPOINTS`). Empty means in-process or assigned by the launcher.
+    pub endpoints: Vec<String>,
+    /// Largest control frame accepted from a peer, in MiB; bounds memory a corrupt or hostile
+    /// length prefix can make a process allocate.
+    pub max_frame_mb: usize,
+}
+
+impl Default for ClusterConfig {
+    fn default() -> Self {
+        Self {
+            nnodes: 1,
+            nproc_per_node: 2,
+            world_size: None,
+            device: DeviceKind::Cpu,
+            master: None,
+            endpoints: Vec::new(),
+            max_frame_mb: 1024,
+        }
+    }
+}
+
+impl ClusterConfig {
+    /// Number of trainer processes, `nnodes × nproc_per_node` (saturating; validation rejects
+    /// overflow).
+    pub fn world_size(&self) -> usize {
+        self.nnodes.saturating_mul(self.nproc_per_node)
+    }
+
+    /// [`ClusterConfig::max_frame_mb`] in bytes (saturating).
+    pub fn max_frame_bytes(&self) -> usize {
+        self.max_frame_mb.saturating_mul(1 << 20)
+    }
+
+    /// Range and consistency checks of the section.
+    pub(crate) fn check(&self) -> Result<(), FieldError> {
+        if self.nnodes == 0 {
+            return Err(FieldError::new(
+                "cluster.nnodes",
+                "must be at least 1, got 0",
+            ));
+        }
+        if self.nproc_per_node == 0 {
+            return Err(FieldError::new(
+                "cluster.nproc_per_node",
+                "must be at least 1, got 0",
+            ));
+        }
+        let Some(product) = self.nnodes.checked_mul(self.nproc_per_node) else {
+            return Err(FieldError::new(
+                "cluster.nproc_per_node",
+                format!(
+                    "cluster.nnodes × cluster.nproc_per_node = {} × {} overflows",
+                    self.nnodes, self.nproc_per_node
+                ),
+            ));
+        };
+        if let Some(world_size) = self.world_size {
+            if world_size != product {
+                return Err(FieldError::new(
+                    "cluster.world_size",
+                    format!(
+                        "{world_size} contradicts cluster.nnodes × cluster.nproc_per_node = {} × {}",
+                        self.nnodes, self.nproc_per_node
+                    ),
+                ));
+            }
+        }
+        if self.device == DeviceKind::Gpu {
+            return Err(FieldError::new(
+                "cluster.device",
+                "\"gpu\" is not supported yet (CPU only in this release)",
+            ));
+        }
+        if let Some(master) = &self.master {
+            check_host_port(master).map_err(|why| FieldError::new("cluster.master", why))?;
+        }
+        self.check_endpoints(product)?;
+        if self.max_frame_mb == 0 {
+            return Err(FieldError::new(
+                "cluster.max_frame_mb",
+                "must be at least 1, got 0",
+            ));
+        }
+        Ok(())
+    }
+
+    /// Endpoints, when given, must be one distinct `ip:port` per trainer.
+    fn check_endpoints(&self, world_size: usize) -> Result<(), FieldError> {
+        if self.endpoints.is_empty() {
+            return Ok(());
+        }
+        let mut seen: HashMap<SocketAddr, usize> = HashMap::new();
+        for (i, endpoint) in self.endpoints.iter().enumerate() {
+            let key = format!("cluster.endpoints[{i}]");
+            let addr: SocketAddr = endpoint.trim().parse().map_err(|_| {
+                FieldError::new(&key, format!("{endpoint:?} is not an ip:port address"))
+            })?;
+            if let Some(first) = seen.insert(addr, i) {
+                return Err(FieldError::new(
+                    key,
+                    format!("{endpoint:?} duplicates cluster.endpoints[{first}]"),
+                ));
+            }
+        }
+        if self.endpoints.len() != world_size {
+            return Err(FieldError::new(
+                "cluster.endpoints",
+                format!(
+                    "has {} entries but the world size is {world_size} \
+                     (cluster.nnodes × cluster.nproc_per_node = {} × {})",
+                    self.endpoints.len(),
+                    self.nnodes,
+                    self.nproc_per_node
+                ),
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// Accepts `host:port` with a non-empty host (IP or name) and a numeric port; the coordinator
+/// may be given by host name, unlike trainer endpoints.
+fn check_host_port(text: &str) -> Result<(), String> {
+    if text.parse::<SocketAddr>().is_ok() {
+        return Ok(());
+    }
+    let valid = text
+        .rsplit_once(':')
+        .is_some_and(|(host, port)| !host.is_empty() && port.parse::<u16>().is_ok());
+    if valid {
+        Ok(())
+    } else {
+        Err(format!("{text:?} is not a host:port address"))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::config::tests::{err_text, load_str, load_with};
+
+    #[test]
+    fn world_size_contradiction_names_both_sides() {
+        let msg = err_text(load_str("[cluster]\nworld_size = 3\nnnodes = 1\n"));
+        assert_eq!(
+            msg,
+            "config.toml: cluster.world_size: 3 contradicts \
+             cluster.nnodes × cluster.nproc_per_node = 1 × 2"
+        );
+        let config = load_str("[cluster]\nworld_size = 4\nnnodes = 2\n").unwrap();
+        assert_eq!(config.world_size(), 4);
+    }
+
+    #[test]
+    fn zero_processes_rejected() {
+        let msg = err_text(load_str("[cluster]\nnnodes = 0\n"));
+        assert!(msg.starts_with("config.toml: cluster.nnodes: "), "{msg}");
+        let msg = err_text(load_str("[cluster]\nnproc_per_node = 0\n"));
+        assert!(
+            msg.starts_with("config.toml: cluster.nproc_per_node: "),
+            "{msg}"
+        );
+        let msg = err_text(load_str("[cluster]\nmax_frame_mb = 0\n"));
+        assert!(
+            msg.starts_with("config.toml: cluster.max_frame_mb: "),
+            "{msg}"
+        );
+    }
+
+    #[test]
+    fn endpoint_that_is_not_ip_port_is_rejected_by_index() {
+        let msg = err_text(load_str(
+            "[cluster]\nendpoints = [\"127.0.0.1:7001\", \"localhost\"]\n",
+        ));
+        assert_eq!(
+            msg,
+            "config.toml: cluster.endpoints[1]: \"localhost\" is not an ip:port address"
+        );
+    }
+
+    #[test]
+    fn endpoint_count_must_match_world_size() {
+        let msg = err_text(load_str("[cluster]\nendpoints = [\"127.0.0.1:7001\"]\n"));
+        assert!(
+            msg.starts_with(
+                "config.toml: cluster.endpoints: has 1 entries but the world size is 2"
+            ),
+            "{msg}"
+        );
+        let msg = err_text(load_str(
+            "[cluster]\nendpoints = [\"127.0.0.1:7001\", \"127.0.0.1:7001\"]\n",
+        ));
+        assert!(
+            msg.contains(
+                "cluster.endpoints[1]: \"127.0.0.1:7001\" duplicates cluster.endpoints[0]"
+            ),
+            "{msg}"
+        );
+        let config =
+            load_str("[cluster]\nendpoints = [\"127.0.0.1:7001\", \"[::1]:7002\"]\n").unwrap();
+        assert_eq!(config.cluster.endpoints.len(), 2);
+    }
+
+    #[test]
+    fn gpu_device_is_not_supported_yet() {
+        let msg = err_text(load_str("[cluster]\ndevice = \"gpu\"\n"));
+        assert_eq!(
+            msg,
+            "config.toml: cluster.device: \"gpu\" is not supported yet (CPU only in this release)"
+        );
+        let msg = err_text(load_str("[cluster]\ndevice = \"tpu\"\n"));
+        assert!(
+            msg.starts_with("config.toml: cluster.device: unknown variant `tpu`"),
+            "{msg}"
+        );
+    }
+
+    #[test]
+    fn master_must_be_host_port() {
+        let config = load_str("[cluster]\nmaster = \"node0:6170\"\n").unwrap();
+        assert_eq!(config.cluster.master.as_deref(), Some("node0:6170"));
+        let msg = err_text(load_with("", &[("PADDLE_MASTER", "node0")], &[]));
+        assert_eq!(
+            msg,
+            "environment (PADDLE_MASTER): cluster.master: \"node0\" is not a host:port address"
+        );
+    }
+}

@@ -1,0 +1,623 @@
+//! Job configuration: one TOML file with the sections `[cluster]`, `[strategy]`, `[train]` and
+//! `[fault_tolerance]`, overridable by environment variables (Paddle launcher compatibility) and
+//! by `--set section.key=value` command-line overrides.
+//!
+//! Precedence is file < environment < `--set`, and all three go through one path so that they
+//! cannot disagree about parsing or validation:
+//!
+//! 1. the file is parsed into a [`toml::Table`];
+//! 2. environment overrides are written into that table (see `env.rs`);
+//! 3. `--set` overrides are written into that table (see `overrides.rs`);
+//! 4. keys of strategies / fault-tolerance features that are not built yet are rejected with a
+//!    "not supported yet" error instead of a generic "unknown field";
+//! 5. the table is deserialized into [`JobConfig`] with `deny_unknown_fields` everywhere, through
+//!    `serde_path_to_error` so that errors carry the dotted key path;
+//! 6. the typed config is validated (ranges and cross-field contradictions).
+//!
+//! Every error is a [`ConfigError`] naming where the offending value came from (the file, the
+//! environment variable, or `--set`) and the dotted key, e.g.
+//! `config.toml: strategy.fuse_grad_size_in_MB: invalid type: string "x", expected f64`.
+
+mod cluster;
+mod env;
+mod fault_tolerance;
+mod overrides;
+mod strategy;
+mod train;
+
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+use toml::{Table, Value};
+
+pub use cluster::{ClusterConfig, DeviceKind};
+pub use fault_tolerance::FaultToleranceConfig;
+pub use strategy::DistributedStrategy;
+pub use train::{DatasetKind, LrScaling, ModelKind, OptimizerKind, TrainConfig, TrainLength};
+
+/// Source name to pass to [`JobConfig::from_toml_str`] when the text is not a file on disk (and
+/// the source name of [`JobConfig::default`]), so errors still say where a value came from.
+pub const DEFAULT_SOURCE_NAME: &str = "<built-in default>";
+
+/// Source name of errors in `--set` overrides, and of values written by them.
+const SET_SOURCE: &str = "--set";
+
+/// Key shown for errors about the document root, which has no dotted name of its own.
+const ROOT_KEY: &str = "(top level)";
+
+/// Why a job configuration could not be loaded.
+///
+/// Kept to two variants so callers can print it as is: the message always names the source
+/// (file, environment variable or `--set`) and the dotted key at fault.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    /// A value is malformed, of the wrong type, unknown, unsupported or contradicts another.
+    #[error("{source_name}: {key}: {message}")]
+    Invalid {
+        /// Where the offending value came from: the config file name, `<built-in default>`,
+        /// `environment`, `environment (VAR)` or `--set`.
+        source_name: String,
+        /// Dotted key (`strategy.fuse_grad_size_in_MB`, `cluster.endpoints[1]`), the environment
+        /// variable, the `--set` text, or the line and column of a TOML syntax error.
+        key: String,
+        /// What is wrong with it.
+        message: String,
+    },
+    /// The config file could not be read.
+    #[error("{}: cannot read config file: {error}", path.display())]
+    Io {
+        /// The file that could not be read.
+        path: PathBuf,
+        /// The underlying I/O error (shown in the message, so not chained as a `source`).
+        error: std::io::Error,
+    },
+}
+
+/// A validation failure before the source of the value is known; the loader turns it into a
+/// [`ConfigError`] naming the file, variable or `--set` that supplied `key`.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct FieldError {
+    key: String,
+    message: String,
+}
+
+impl FieldError {
+    /// Error about the dotted `key`.
+    pub(crate) fn new(key: impl Into<String>, message: impl Into<String>) -> Self {
+        Self {
+            key: key.into(),
+            message: message.into(),
+        }
+    }
+}
+
+/// A key that belongs to a feature of a later release. Rejecting it explicitly tells users the
+/// option exists but is not built yet, instead of suggesting a typo with "unknown field".
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct UnsupportedKey {
+    /// Top-level section, e.g. `strategy`.
+    pub(crate) section: &'static str,
+    /// Key inside the section, e.g. `a_sync`.
+    pub(crate) key: &'static str,
+    /// The feature it belongs to, shown in parentheses after "not supported yet".
+    pub(crate) reason: &'static str,
+}
+
+/// Reads an environment variable of this process; pass `&process_env` to the loaders.
+///
+/// The loaders take the environment as a function so tests (and embedders) can supply a fake
+/// one without mutating the real process environment. Variables that are not valid Unicode are
+/// treated as unset.
+pub fn process_env(name: &str) -> Option<String> {
+    std::env::var(name).ok()
+}
+
+/// The resolved configuration of one training job.
+///
+/// Built only through [`JobConfig::from_file`] / [`JobConfig::from_toml_str`] (or
+/// [`JobConfig::default`]), so a value of this type has been validated. Serializes back to TOML
+/// with [`JobConfig::to_toml_string`] so a launcher can hand the exact resolved config to its
+/// child processes.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct JobConfig {
+    /// Topology: nodes, processes per node, endpoints.
+    #[serde(default)]
+    pub cluster: ClusterConfig,
+    /// Distributed strategy knobs (gradient fusion, consistency checks).
+    #[serde(default)]
+    pub strategy: DistributedStrategy,
+    /// Model, data and optimizer.
+    #[serde(default)]
+    pub train: TrainConfig,
+    /// Timeouts of collectives and rendezvous.
+    #[serde(default)]
+    pub fault_tolerance: FaultToleranceConfig,
+    /// Where this config was loaded from (file name or `<built-in default>`), for messages.
+    #[serde(skip)]
+    pub source_name: String,
+}
+
+impl Default for JobConfig {
+    /// The built-in defaults, identical to loading an empty file.
+    fn default() -> Self {
+        Self {
+            cluster: ClusterConfig::default(),
+            strategy: DistributedStrategy::default(),
+            train: TrainConfig::default(),
+            fault_tolerance: FaultToleranceConfig::default(),
+            source_name: DEFAULT_SOURCE_NAME.to_string(),
+        }
+    }
+}
+
+impl JobConfig {
+    /// Loads `path`, applies environment overrides read through `env` and then the `--set`
+    /// `overrides` (each `section.key=value`), and validates the result.
+    pub fn from_file(
+        path: &Path,
+        env: &dyn Fn(&str) -> Option<String>,
+        overrides: &[String],
+    ) -> Result<JobConfig, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|error| ConfigError::Io {
+            path: path.to_path_buf(),
+            error,
+        })?;
+        Self::from_toml_str(&text, &path.display().to_string(), env, overrides)
+    }
+
+    /// Like [`JobConfig::from_file`] for TOML text already in memory; `source_name` is what
+    /// errors about values from the text are attributed to (use [`DEFAULT_SOURCE_NAME`] when
+    /// there is no file).
+    pub fn from_toml_str(
+        text: &str,
+        source_name: &str,
+        env: &dyn Fn(&str) -> Option<String>,
+        overrides: &[String],
+    ) -> Result<JobConfig, ConfigError> {
+        let table = parse_document(text, source_name)?;
+        load(table, source_name, env, overrides)
+    }
+
+    /// Number of trainer processes in the job (`cluster.nnodes × cluster.nproc_per_node`).
+    pub fn world_size(&self) -> usize {
+        self.cluster.world_size()
+    }
+
+    /// Serializes the resolved config back to TOML, e.g. to pass it to child processes, which
+    /// load it with [`JobConfig::from_toml_str`]. The result loads to an equal `JobConfig`
+    /// (given the same source name and no further overrides).
+    pub fn to_toml_string(&self) -> Result<String, ConfigError> {
+        let mut out = String::new();
+        serde_path_to_error::serialize(self, toml::Serializer::new(&mut out)).map_err(|err| {
+            ConfigError::Invalid {
+                source_name: self.source_name.clone(),
+                key: display_path(&err.path().to_string()),
+                message: format!("cannot serialize to TOML: {}", err.inner()),
+            }
+        })?;
+        Ok(out)
+    }
+
+    /// Checks ranges and cross-field consistency; errors are attributed to `source_name`.
+    ///
+    /// The loaders already call this (with finer attribution to environment variables and
+    /// `--set`); it is public for configs built or modified in code.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        self.check().map_err(|e| ConfigError::Invalid {
+            source_name: self.source_name.clone(),
+            key: e.key,
+            message: e.message,
+        })
+    }
+
+    /// Validation of every section; the first failure wins.
+    fn check(&self) -> Result<(), FieldError> {
+        self.cluster.check()?;
+        self.strategy.check()?;
+        self.train.check(self.world_size())?;
+        self.fault_tolerance.check()
+    }
+}
+
+/// The whole pipeline after the file has been parsed: env, `--set`, unsupported keys,
+/// deserialization, defaults that depend on other keys, validation.
+fn load(
+    mut table: Table,
+    source_name: &str,
+    env: &dyn Fn(&str) -> Option<String>,
+    overrides: &[String],
+) -> Result<JobConfig, ConfigError> {
+    let mut provenance = Provenance::new(source_name);
+    env::apply(&mut table, env, &mut provenance)?;
+    overrides::apply(&mut table, overrides, &mut provenance)?;
+    reject_unsupported(&table, &provenance)?;
+    let mut config = deserialize(table, &provenance)?;
+    config.source_name = source_name.to_string();
+    config.train.resolve_defaults();
+    config
+        .check()
+        .map_err(|e| provenance.error(e.key, e.message))?;
+    Ok(config)
+}
+
+/// Parses TOML text, turning syntax errors into a [`ConfigError`] with line and column.
+fn parse_document(text: &str, source_name: &str) -> Result<Table, ConfigError> {
+    text.parse::<Table>().map_err(|err| {
+        let key = match err.span() {
+            Some(span) => {
+                let (line, column) = line_column(text, span.start);
+                format!("line {line}, column {column}")
+            }
+            None => ROOT_KEY.to_string(),
+        };
+        ConfigError::Invalid {
+            source_name: source_name.to_string(),
+            key,
+            message: format!(
+                "invalid TOML: {}",
+                err.message().trim_end().replace('\n', "; ")
+            ),
+        }
+    })
+}
+
+/// 1-based line and column (in characters) of byte `offset` in `text`.
+fn line_column(text: &str, offset: usize) -> (usize, usize) {
+    let before = text.get(..offset).unwrap_or(text);
+    let line = before.matches('\n').count() + 1;
+    let line_start = before.rfind('\n').map_or(0, |i| i + 1);
+    let column = before[line_start..].chars().count() + 1;
+    (line, column)
+}
+
+/// Rejects keys of features listed in the sections' "not supported yet" tables.
+fn reject_unsupported(table: &Table, provenance: &Provenance) -> Result<(), ConfigError> {
+    let listed = strategy::UNSUPPORTED_KEYS
+        .iter()
+        .chain(fault_tolerance::UNSUPPORTED_KEYS);
+    for entry in listed {
+        let present = table
+            .get(entry.section)
+            .and_then(Value::as_table)
+            .is_some_and(|section| section.contains_key(entry.key));
+        if present {
+            return Err(provenance.error(
+                format!("{}.{}", entry.section, entry.key),
+                format!("not supported yet ({})", entry.reason),
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// Deserializes the merged table, naming the dotted key of the first error.
+fn deserialize(table: Table, provenance: &Provenance) -> Result<JobConfig, ConfigError> {
+    serde_path_to_error::deserialize(Value::Table(table)).map_err(|err| {
+        let path = err.path().to_string();
+        let message = err.into_inner().message().trim_end().to_string();
+        // The error is attributed to whoever wrote the value at `path`; an unknown field is
+        // reported at its enclosing table (`strategy: unknown field `x``, with serde's list of
+        // the valid ones), but still attributed to whoever wrote the field itself.
+        let key = match unknown_field_name(&message) {
+            Some(field) if path == field => ROOT_KEY.to_string(),
+            Some(field) => match path.strip_suffix(field).and_then(|p| p.strip_suffix('.')) {
+                Some(parent) => parent.to_string(),
+                None => display_path(&path),
+            },
+            None => display_path(&path),
+        };
+        ConfigError::Invalid {
+            source_name: provenance.source_of(&path).to_string(),
+            key,
+            message,
+        }
+    })
+}
+
+/// `serde_path_to_error` prints the root path as `.`; give it a readable name.
+fn display_path(path: &str) -> String {
+    if path.is_empty() || path == "." {
+        ROOT_KEY.to_string()
+    } else {
+        path.to_string()
+    }
+}
+
+/// The field name in serde's "unknown field `x`, expected ..." message, if it is one.
+fn unknown_field_name(message: &str) -> Option<&str> {
+    let rest = message.strip_prefix("unknown field `")?;
+    rest.split('`').next()
+}
+
+/// Writes `value` at the dotted `path` inside `table`, creating intermediate tables, so env and
+/// `--set` overrides edit the document exactly like a file would.
+fn set_path(table: &mut Table, path: &[&str], value: Value) -> Result<(), String> {
+    let Some((last, parents)) = path.split_last() else {
+        return Err("empty key".to_string());
+    };
+    let mut current = table;
+    for (depth, segment) in parents.iter().enumerate() {
+        let entry = current
+            .entry(segment.to_string())
+            .or_insert_with(|| Value::Table(Table::new()));
+        current = match entry {
+            Value::Table(inner) => inner,
+            other => {
+                return Err(format!(
+                    "cannot set `{}`: `{}` is a {}, not a table",
+                    path.join("."),
+                    path[..=depth].join("."),
+                    other.type_str()
+                ))
+            }
+        };
+    }
+    current.insert(last.to_string(), value);
+    Ok(())
+}
+
+/// Records which keys environment variables and `--set` wrote, so errors about those keys name
+/// the variable or `--set` instead of the file.
+#[derive(Debug)]
+struct Provenance {
+    /// The config file (or `<built-in default>`): the source of every key not written later.
+    file: String,
+    /// `(dotted key, source name)` in the order written; later writes win.
+    writes: Vec<(String, String)>,
+}
+
+impl Provenance {
+    fn new(file: &str) -> Self {
+        Self {
+            file: file.to_string(),
+            writes: Vec::new(),
+        }
+    }
+
+    /// Notes that `source` wrote the dotted `key` (and everything below it).
+    fn record(&mut self, key: String, source: String) {
+        self.writes.push((key, source));
+    }
+
+    /// Who supplied the value at `key`: the latest write at or above `key`; failing that, the
+    /// latest write below it (the override created or changed part of that value); otherwise
+    /// the file.
+    fn source_of(&self, key: &str) -> &str {
+        let latest = |matches: &dyn Fn(&str) -> bool| {
+            self.writes
+                .iter()
+                .rev()
+                .find(|(written, _)| matches(written))
+                .map(|(_, source)| source.as_str())
+        };
+        latest(&|written| is_within(key, written))
+            .or_else(|| latest(&|written| is_within(written, key)))
+            .unwrap_or(&self.file)
+    }
+
+    /// A [`ConfigError`] about `key`, attributed to whoever supplied it.
+    fn error(&self, key: impl Into<String>, message: impl Into<String>) -> ConfigError {
+        let key = key.into();
+        ConfigError::Invalid {
+            source_name: self.source_of(&key).to_string(),
+            key,
+            message: message.into(),
+        }
+    }
+}
+
+/// Whether dotted `key` is `ancestor` itself or lies below it (`a.b` and `a.b[0]` are within
+/// `a.b`; `a.bc` is not).
+fn is_within(key: &str, ancestor: &str) -> bool {
+    match key.strip_prefix(ancestor) {
+        Some(rest) => rest.is_empty() || rest.starts_with('.') || rest.starts_with('['),
+        None => false,
+    }
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use super::*;
+    use std::collections::HashMap;
+
+    /// An environment with no variables set.
+    pub(crate) fn no_env(_: &str) -> Option<String> {
+        None
+    }
+
+    /// Loads `text` as `config.toml` with no environment and no overrides.
+    pub(crate) fn load_str(text: &str) -> Result<JobConfig, ConfigError> {
+        JobConfig::from_toml_str(text, "config.toml", &no_env, &[])
+    }
+
+    /// Loads `text` as `config.toml` with a fake environment and `--set` overrides.
+    pub(crate) fn load_with(
+        text: &str,
+        vars: &[(&str, &str)],
+        sets: &[&str],
+    ) -> Result<JobConfig, ConfigError> {
+        let vars: HashMap<String, String> = vars
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        let env = move |name: &str| vars.get(name).cloned();
+        let sets: Vec<String> = sets.iter().map(|s| s.to_string()).collect();
+        JobConfig::from_toml_str(text, "config.toml", &env, &sets)
+    }
+
+    /// The Display text of a failed load; panics if it succeeded.
+    pub(crate) fn err_text(result: Result<JobConfig, ConfigError>) -> String {
+        match result {
+            Ok(config) => panic!("expected an error, got {config:?}"),
+            Err(err) => err.to_string(),
+        }
+    }
+
+    #[test]
+    fn empty_string_gives_the_defaults() {
+        let config = JobConfig::from_toml_str("", DEFAULT_SOURCE_NAME, &no_env, &[]).unwrap();
+        assert_eq!(config, JobConfig::default());
+        assert_eq!(config.source_name, "<built-in default>");
+        assert_eq!(config.cluster.nnodes, 1);
+        assert_eq!(config.cluster.nproc_per_node, 2);
+        assert_eq!(config.cluster.world_size, None);
+        assert_eq!(config.cluster.device, DeviceKind::Cpu);
+        assert_eq!(config.cluster.max_frame_mb, 1024);
+        assert!(config.cluster.endpoints.is_empty());
+        assert_eq!(config.world_size(), 2);
+        assert_eq!(config.strategy.fuse_grad_size_in_mb, 32.0);
+        assert_eq!(config.strategy.check_every, 10);
+        assert_eq!(config.train.model, ModelKind::Mlp);
+        assert_eq!(config.train.hidden_sizes, vec![128]);
+        assert_eq!(config.train.dataset, DatasetKind::Digits);
+        assert_eq!(config.train.epochs, Some(20));
+        assert_eq!(config.train.steps, None);
+        assert_eq!(config.train.length(), TrainLength::Epochs(20));
+        assert_eq!(config.train.batch_size, 64);
+        assert_eq!(config.train.lr, 0.05);
+        assert_eq!(config.train.lr_scaling, LrScaling::None);
+        assert_eq!(config.train.optimizer, OptimizerKind::Sgd);
+        assert_eq!(config.train.seed, 42);
+        assert_eq!(config.fault_tolerance.timeout_s, 1800.0);
+        config.validate().unwrap();
+    }
+
+    #[test]
+    fn unknown_key_in_each_section_is_rejected_by_name() {
+        for section in ["cluster", "strategy", "train", "fault_tolerance"] {
+            let text = format!("[{section}]\nbogus_key = 1\n");
+            let msg = err_text(load_str(&text));
+            assert!(
+                msg.starts_with(&format!(
+                    "config.toml: {section}: unknown field `bogus_key`"
+                )),
+                "{msg}"
+            );
+            assert!(msg.contains("expected"), "{msg}");
+        }
+        let msg = err_text(load_str("[bogus_section]\nx = 1\n"));
+        assert!(
+            msg.contains("unknown field `bogus_section`, expected one of `cluster`"),
+            "{msg}"
+        );
+    }
+
+    #[test]
+    fn misspelled_strategy_key_lists_the_valid_ones() {
+        let msg = err_text(load_str("[strategy]\nfuse_grad_size = 64\n"));
+        assert!(
+            msg.starts_with("config.toml: strategy: unknown field `fuse_grad_size`, expected"),
+            "{msg}"
+        );
+        assert!(msg.contains("fuse_grad_size_in_MB"), "{msg}");
+    }
+
+    #[test]
+    fn type_error_names_the_key() {
+        let msg = err_text(load_str("[strategy]\nfuse_grad_size_in_MB = \"x\"\n"));
+        assert_eq!(
+            msg,
+            "config.toml: strategy.fuse_grad_size_in_MB: invalid type: string \"x\", expected f64"
+        );
+        let msg = err_text(load_str("[train]\nhidden_sizes = [64, \"x\"]\n"));
+        assert!(
+            msg.starts_with("config.toml: train.hidden_sizes[1]: "),
+            "{msg}"
+        );
+        let msg = err_text(load_str("[cluster]\nnnodes = -1\n"));
+        assert!(msg.starts_with("config.toml: cluster.nnodes: "), "{msg}");
+    }
+
+    #[test]
+    fn syntax_error_names_file_and_position() {
+        let msg = err_text(load_str("[train]\nlr = = 3\n"));
+        assert!(msg.starts_with("config.toml: line 2, column "), "{msg}");
+        assert!(msg.contains("invalid TOML"), "{msg}");
+    }
+
+    #[test]
+    fn section_that_is_not_a_table_is_rejected() {
+        let msg = err_text(load_str("train = 3\n"));
+        assert!(msg.starts_with("config.toml: train: invalid type"), "{msg}");
+    }
+
+    #[test]
+    fn round_trip_through_toml_gives_an_equal_config() {
+        let text = r#"
+            [cluster]
+            nnodes = 2
+            nproc_per_node = 2
+            world_size = 4
+            master = "127.0.0.1:6170"
+            endpoints = ["127.0.0.1:6171", "127.0.0.1:6172", "127.0.0.1:6173", "127.0.0.1:6174"]
+            [strategy]
+            fuse_grad_size_in_MB = 0.5
+            check_every = 0
+            [train]
+            hidden_sizes = [64, 32]
+            dataset = "synthetic"
+            steps = 100
+            batch_size = 128
+            lr_scaling = "sqrt"
+            optimizer = "adamw"
+            weight_decay = 0.01
+            [fault_tolerance]
+            timeout_s = 30.5
+        "#;
+        let config = load_str(text).unwrap();
+        let serialized = config.to_toml_string().unwrap();
+        let reloaded = load_str(&serialized).unwrap();
+        assert_eq!(config, reloaded, "{serialized}");
+        assert!(
+            serialized.contains("fuse_grad_size_in_MB = 0.5"),
+            "{serialized}"
+        );
+
+        let default = JobConfig::default();
+        let reloaded = JobConfig::from_toml_str(
+            &default.to_toml_string().unwrap(),
+            DEFAULT_SOURCE_NAME,
+            &no_env,
+            &[],
+        )
+        .unwrap();
+        assert_eq!(default, reloaded);
+    }
+
+    #[test]
+    fn from_file_names_the_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("job.toml");
+        std::fs::write(&path, "[train]\nlr = \"fast\"\n").unwrap();
+        let msg = err_text(JobConfig::from_file(&path, &no_env, &[]));
+        assert!(
+            msg.starts_with(&format!("{}: train.lr: ", path.display())),
+            "{msg}"
+        );
+
+        std::fs::write(&path, "[train]\nlr = 0.1\n").unwrap();
+        let config = JobConfig::from_file(&path, &no_env, &[]).unwrap();
+        assert_eq!(config.train.lr, 0.1);
+        assert_eq!(config.source_name, path.display().to_string());
+
+        let missing = dir.path().join("missing.toml");
+        let err = JobConfig::from_file(&missing, &no_env, &[]).unwrap_err();
+        assert!(matches!(err, ConfigError::Io { .. }), "{err:?}");
+        assert!(err.to_string().contains("missing.toml"), "{err}");
+    }
+
+    #[test]
+    fn provenance_prefers_the_latest_write_at_or_above_a_key() {
+        let mut p = Provenance::new("f.toml");
+        p.record("cluster.world_size".into(), "env".into());
+        p.record("cluster.endpoints".into(), "--set".into());
+        assert_eq!(p.source_of("cluster.world_size"), "env");
+        assert_eq!(p.source_of("cluster.endpoints[2]"), "--set");
+        assert_eq!(p.source_of("cluster.nnodes"), "f.toml");
+        assert_eq!(p.source_of("cluster.world_sizes"), "f.toml");
+        assert_eq!(p.source_of("cluster"), "--set");
+        p.record("cluster".into(), "late".into());
+        assert_eq!(p.source_of("cluster.world_size"), "late");
+    }
+}

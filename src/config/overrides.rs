@@ -1,0 +1,152 @@
+//! `--set section.key=value` command-line overrides, the highest-precedence config source.
+//!
+//! The key is a dotted path (nested tables allowed: `strategy.a_sync_configs.k_steps=4`); the
+//! value is parsed as a TOML value (`3`, `0.5`, `true`, `"s"`, `[1, 2]`) and falls back to a
+//! plain string when it is not one, so `--set train.optimizer=adamw` needs no quoting. The value
+//! is written into the config table, so it is checked exactly like the same key in the file;
+//! errors about keys written by `--set` name `--set` as their source.
+
+use toml::{Table, Value};
+
+use super::{set_path, ConfigError, Provenance, SET_SOURCE};
+
+/// Applies every override in order (later ones win), recording them in `provenance`.
+pub(super) fn apply(
+    table: &mut Table,
+    overrides: &[String],
+    provenance: &mut Provenance,
+) -> Result<(), ConfigError> {
+    for text in overrides {
+        let error = |message: String| ConfigError::Invalid {
+            source_name: SET_SOURCE.to_string(),
+            key: text.clone(),
+            message,
+        };
+        let (path, value) = parse(text).map_err(error)?;
+        set_path(table, &path, value).map_err(error)?;
+        provenance.record(path.join("."), SET_SOURCE.to_string());
+    }
+    Ok(())
+}
+
+/// Splits `section.key=value` into the key's segments and the parsed value.
+fn parse(text: &str) -> Result<(Vec<&str>, Value), String> {
+    const EXPECTED: &str = "expected `section.key=value`";
+    let Some((key, raw)) = text.split_once('=') else {
+        return Err(format!("{EXPECTED} (no `=`)"));
+    };
+    let key = key.trim();
+    if key.is_empty() {
+        return Err(format!("{EXPECTED} (empty key)"));
+    }
+    let path: Vec<&str> = key.split('.').map(str::trim).collect();
+    if path.len() < 2 {
+        return Err(format!("{EXPECTED} (no section in `{key}`)"));
+    }
+    if path.iter().any(|segment| segment.is_empty()) {
+        return Err(format!("{EXPECTED} (empty segment in `{key}`)"));
+    }
+    Ok((path, parse_value(raw.trim())))
+}
+
+/// Parses `raw` as a single TOML value, or keeps it as a string if it is not exactly one.
+fn parse_value(raw: &str) -> Value {
+    if let Ok(mut document) = format!("v = {raw}").parse::<Table>() {
+        // More than one key means `raw` smuggled in extra lines; treat it as text instead.
+        if document.len() == 1 {
+            if let Some(value) = document.remove("v") {
+                return value;
+            }
+        }
+    }
+    Value::String(raw.to_string())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::tests::{err_text, load_with};
+    use crate::config::OptimizerKind;
+
+    #[test]
+    fn values_parse_as_toml_or_fall_back_to_strings() {
+        assert_eq!(parse_value("3"), Value::Integer(3));
+        assert_eq!(parse_value("0.5"), Value::Float(0.5));
+        assert_eq!(parse_value("true"), Value::Boolean(true));
+        assert_eq!(parse_value("\"s\""), Value::String("s".into()));
+        assert_eq!(
+            parse_value("[1,2]"),
+            Value::Array(vec![Value::Integer(1), Value::Integer(2)])
+        );
+        assert_eq!(parse_value("adamw"), Value::String("adamw".into()));
+        assert_eq!(parse_value("1\nw = 2"), Value::String("1\nw = 2".into()));
+        assert_eq!(parse_value(""), Value::String(String::new()));
+    }
+
+    #[test]
+    fn set_beats_env_and_file() {
+        let config = load_with(
+            "[cluster]\nworld_size = 2\n[train]\nlr = 0.1\n",
+            &[("PADDLE_TRAINERS_NUM", "8")],
+            &[
+                "cluster.world_size=4",
+                "cluster.nnodes=2",
+                "train.lr=0.2",
+                "train.optimizer=adamw",
+                "train.hidden_sizes=[32, 16]",
+            ],
+        )
+        .unwrap();
+        assert_eq!(config.cluster.world_size, Some(4));
+        assert_eq!(config.train.lr, 0.2);
+        assert_eq!(config.train.optimizer, OptimizerKind::Adamw);
+        assert_eq!(config.train.hidden_sizes, vec![32, 16]);
+    }
+
+    #[test]
+    fn unknown_key_from_set_is_rejected_and_attributed() {
+        let msg = err_text(load_with("", &[], &["strategy.bogus=1"]));
+        assert!(
+            msg.starts_with("--set: strategy: unknown field `bogus`"),
+            "{msg}"
+        );
+    }
+
+    #[test]
+    fn bad_value_from_set_names_set() {
+        let msg = err_text(load_with("[train]\nlr = 0.1\n", &[], &["train.lr=fast"]));
+        assert_eq!(
+            msg,
+            "--set: train.lr: invalid type: string \"fast\", expected f64"
+        );
+        let msg = err_text(load_with("", &[], &["train.batch_size=7"]));
+        assert!(msg.starts_with("--set: train.batch_size: "), "{msg}");
+    }
+
+    #[test]
+    fn malformed_overrides_are_rejected_naming_the_text() {
+        for (text, why) in [
+            ("foo", "no `=`"),
+            ("=3", "empty key"),
+            ("lr=3", "no section"),
+            ("train..lr=3", "empty segment"),
+        ] {
+            let msg = err_text(load_with("", &[], &[text]));
+            assert!(
+                msg.starts_with(&format!("--set: {text}: expected")),
+                "{msg}"
+            );
+            assert!(msg.contains(why), "{msg}");
+        }
+        let msg = err_text(load_with("[train]\nlr = 0.1\n", &[], &["train.lr.x=1"]));
+        assert_eq!(
+            msg,
+            "--set: train.lr.x=1: cannot set `train.lr.x`: `train.lr` is a float, not a table"
+        );
+        let msg = err_text(load_with("", &[], &["train.lr.x=1"]));
+        assert!(
+            msg.starts_with("--set: train.lr: invalid type: map"),
+            "{msg}"
+        );
+    }
+}

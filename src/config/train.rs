@@ -1,0 +1,346 @@
+//! `[train]`: model, data set, run length, batch size and optimizer of the job.
+
+use serde::{Deserialize, Serialize};
+
+use super::FieldError;
+
+/// Epochs run when neither `train.steps` nor `train.epochs` is given.
+const DEFAULT_EPOCHS: usize = 20;
+
+/// Model architecture.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ModelKind {
+    /// Multi-layer perceptron with `train.hidden_sizes` hidden layers.
+    #[default]
+    Mlp,
+}
+
+/// Training data set.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DatasetKind {
+    /// The bundled 8×8 handwritten digits set.
+    #[default]
+    Digits,
+    /// Generated classification data shaped by the `train.synthetic_*` keys.
+    Synthetic,
+}
+
+/// How the learning rate is scaled with the world size (the global batch grows with it).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum LrScaling {
+    /// Use `train.lr` as given.
+    #[default]
+    None,
+    /// Multiply `train.lr` by the world size.
+    Linear,
+    /// Multiply `train.lr` by the square root of the world size.
+    Sqrt,
+}
+
+/// Optimizer algorithm.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum OptimizerKind {
+    /// SGD with `train.momentum`.
+    #[default]
+    Sgd,
+    /// AdamW with decoupled `train.weight_decay`.
+    Adamw,
+}
+
+/// How long to train: exactly one of `train.steps` / `train.epochs` after loading.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TrainLength {
+    /// A fixed number of optimizer steps.
+    Steps(usize),
+    /// A number of passes over the training split.
+    Epochs(usize),
+}
+
+/// `[train]` section.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default = "TrainConfig::unresolved", deny_unknown_fields)]
+pub struct TrainConfig {
+    /// Model architecture.
+    pub model: ModelKind,
+    /// Widths of the hidden layers, input side first; empty gives a linear model.
+    pub hidden_sizes: Vec<usize>,
+    /// Training data set.
+    pub dataset: DatasetKind,
+    /// Number of generated samples (synthetic data set only).
+    pub synthetic_samples: usize,
+    /// Number of features per generated sample (synthetic data set only).
+    pub synthetic_features: usize,
+    /// Number of classes of the generated data (synthetic data set only).
+    pub synthetic_classes: usize,
+    /// Fraction of the data held out for evaluation, strictly between 0 and 1.
+    pub test_fraction: f64,
+    /// Run length in optimizer steps; exclusive with `epochs`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub steps: Option<usize>,
+    /// Run length in epochs; exclusive with `steps`, and 20 when neither is given.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub epochs: Option<usize>,
+    /// GLOBAL batch size, split evenly across the world, so it must be divisible by the world
+    /// size; keeping it global makes results comparable across world sizes.
+    pub batch_size: usize,
+    /// Base learning rate (before `lr_scaling`).
+    pub lr: f64,
+    /// Learning-rate scaling with the world size.
+    pub lr_scaling: LrScaling,
+    /// Steps of linear learning-rate warm-up from 0; 0 disables warm-up.
+    pub warmup_steps: usize,
+    /// Optimizer algorithm.
+    pub optimizer: OptimizerKind,
+    /// SGD momentum, in `[0, 1)`.
+    pub momentum: f64,
+    /// Weight decay, `>= 0`.
+    pub weight_decay: f64,
+    /// Seed of parameter initialisation, data generation and shuffling; the same on every
+    /// replica so they start identical.
+    pub seed: u64,
+    /// Steps between progress log lines (at least 1).
+    pub log_every: usize,
+}
+
+impl Default for TrainConfig {
+    /// The resolved defaults: every key at its default and `epochs = Some(20)`.
+    fn default() -> Self {
+        let mut config = Self::unresolved();
+        config.resolve_defaults();
+        config
+    }
+}
+
+impl TrainConfig {
+    /// Defaults for keys missing from a present `[train]` table. `steps` and `epochs` are both
+    /// `None` here so giving only `steps` does not collide with the default epoch count;
+    /// [`TrainConfig::resolve_defaults`] fills that in afterwards.
+    fn unresolved() -> Self {
+        Self {
+            model: ModelKind::Mlp,
+            hidden_sizes: vec![128],
+            dataset: DatasetKind::Digits,
+            synthetic_samples: 16384,
+            synthetic_features: 64,
+            synthetic_classes: 10,
+            test_fraction: 0.2,
+            steps: None,
+            epochs: None,
+            batch_size: 64,
+            lr: 0.05,
+            lr_scaling: LrScaling::None,
+            warmup_steps: 0,
+            optimizer: OptimizerKind::Sgd,
+            momentum: 0.9,
+            weight_decay: 0.0,
+            seed: 42,
+            log_every: 10,
+        }
+    }
+
+    /// Applies defaults that depend on other keys: 20 epochs when no run length is given.
+    pub(crate) fn resolve_defaults(&mut self) {
+        if self.steps.is_none() && self.epochs.is_none() {
+            self.epochs = Some(DEFAULT_EPOCHS);
+        }
+    }
+
+    /// The run length; steps win if (unvalidated) both are set, 20 epochs if neither is.
+    pub fn length(&self) -> TrainLength {
+        match (self.steps, self.epochs) {
+            (Some(steps), _) => TrainLength::Steps(steps),
+            (None, Some(epochs)) => TrainLength::Epochs(epochs),
+            (None, None) => TrainLength::Epochs(DEFAULT_EPOCHS),
+        }
+    }
+
+    /// Per-process batch size: the global batch split over `world_size` replicas.
+    pub fn local_batch_size(&self, world_size: usize) -> usize {
+        self.batch_size / world_size.max(1)
+    }
+
+    /// Range checks of the section; `world_size` is needed for the batch split.
+    pub(crate) fn check(&self, world_size: usize) -> Result<(), FieldError> {
+        for (i, &width) in self.hidden_sizes.iter().enumerate() {
+            if width == 0 {
+                return Err(FieldError::new(
+                    format!("train.hidden_sizes[{i}]"),
+                    "a hidden layer must have at least 1 unit, got 0",
+                ));
+            }
+        }
+        at_least("train.synthetic_samples", self.synthetic_samples, 1)?;
+        at_least("train.synthetic_features", self.synthetic_features, 1)?;
+        at_least("train.synthetic_classes", self.synthetic_classes, 2)?;
+        let f = self.test_fraction;
+        if !(f > 0.0 && f < 1.0) {
+            return Err(FieldError::new(
+                "train.test_fraction",
+                format!("must be strictly between 0 and 1, got {f}"),
+            ));
+        }
+        match (self.steps, self.epochs) {
+            (Some(steps), Some(epochs)) => {
+                return Err(FieldError::new(
+                    "train.steps",
+                    format!(
+                        "train.steps = {steps} contradicts train.epochs = {epochs}: \
+                         give only one of them"
+                    ),
+                ))
+            }
+            (Some(steps), None) => at_least("train.steps", steps, 1)?,
+            (None, Some(epochs)) => at_least("train.epochs", epochs, 1)?,
+            (None, None) => {}
+        }
+        at_least("train.batch_size", self.batch_size, 1)?;
+        if !self.batch_size.is_multiple_of(world_size) {
+            return Err(FieldError::new(
+                "train.batch_size",
+                format!(
+                    "the global batch size {} is not divisible by the world size {world_size}",
+                    self.batch_size
+                ),
+            ));
+        }
+        positive_finite("train.lr", self.lr)?;
+        let m = self.momentum;
+        if !((0.0..1.0).contains(&m)) {
+            return Err(FieldError::new(
+                "train.momentum",
+                format!("must be in [0, 1), got {m}"),
+            ));
+        }
+        let wd = self.weight_decay;
+        if !(wd.is_finite() && wd >= 0.0) {
+            return Err(FieldError::new(
+                "train.weight_decay",
+                format!("must be a finite number >= 0, got {wd}"),
+            ));
+        }
+        if i64::try_from(self.seed).is_err() {
+            return Err(FieldError::new(
+                "train.seed",
+                format!(
+                    "must be at most {} (TOML integers are signed 64-bit), got {}",
+                    i64::MAX,
+                    self.seed
+                ),
+            ));
+        }
+        at_least("train.log_every", self.log_every, 1)
+    }
+}
+
+/// `value >= min`, or an error naming `key`.
+fn at_least(key: &str, value: usize, min: usize) -> Result<(), FieldError> {
+    if value < min {
+        return Err(FieldError::new(
+            key,
+            format!("must be at least {min}, got {value}"),
+        ));
+    }
+    Ok(())
+}
+
+/// `value` is finite and `> 0`, or an error naming `key`.
+fn positive_finite(key: &str, value: f64) -> Result<(), FieldError> {
+    if !(value.is_finite() && value > 0.0) {
+        return Err(FieldError::new(
+            key,
+            format!("must be a finite number > 0, got {value}"),
+        ));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::tests::{err_text, load_str};
+
+    #[test]
+    fn batch_size_must_split_evenly() {
+        let msg = err_text(load_str("[cluster]\nnnodes = 2\n[train]\nbatch_size = 6\n"));
+        assert_eq!(
+            msg,
+            "config.toml: train.batch_size: the global batch size 6 is not divisible by the \
+             world size 4"
+        );
+        let config = load_str("[train]\nbatch_size = 6\n").unwrap();
+        assert_eq!(config.train.local_batch_size(config.world_size()), 3);
+    }
+
+    #[test]
+    fn steps_and_epochs_contradict() {
+        let msg = err_text(load_str("[train]\nsteps = 100\nepochs = 5\n"));
+        assert_eq!(
+            msg,
+            "config.toml: train.steps: train.steps = 100 contradicts train.epochs = 5: \
+             give only one of them"
+        );
+    }
+
+    #[test]
+    fn run_length_defaults_and_zero() {
+        let config = load_str("[train]\nsteps = 100\n").unwrap();
+        assert_eq!((config.train.steps, config.train.epochs), (Some(100), None));
+        assert_eq!(config.train.length(), TrainLength::Steps(100));
+        let config = load_str("[train]\nlr = 0.1\n").unwrap();
+        assert_eq!(config.train.epochs, Some(20));
+        let config = load_str("[train]\nepochs = 3\n").unwrap();
+        assert_eq!(config.train.length(), TrainLength::Epochs(3));
+        let msg = err_text(load_str("[train]\nsteps = 0\n"));
+        assert!(
+            msg.starts_with("config.toml: train.steps: must be at least 1"),
+            "{msg}"
+        );
+        let msg = err_text(load_str("[train]\nepochs = 0\n"));
+        assert!(
+            msg.starts_with("config.toml: train.epochs: must be at least 1"),
+            "{msg}"
+        );
+    }
+
+    #[test]
+    fn enums_parse_lowercase() {
+        let config = load_str(
+            "[train]\noptimizer = \"adamw\"\nlr_scaling = \"linear\"\ndataset = \"synthetic\"\n",
+        )
+        .unwrap();
+        assert_eq!(config.train.optimizer, OptimizerKind::Adamw);
+        assert_eq!(config.train.lr_scaling, LrScaling::Linear);
+        assert_eq!(config.train.dataset, DatasetKind::Synthetic);
+        let msg = err_text(load_str("[train]\noptimizer = \"adam\"\n"));
+        assert!(
+            msg.starts_with("config.toml: train.optimizer: unknown variant `adam`, expected"),
+            "{msg}"
+        );
+    }
+
+    #[test]
+    fn ranges_are_checked() {
+        for (text, key) in [
+            ("test_fraction = 1.0", "train.test_fraction"),
+            ("test_fraction = 0", "train.test_fraction"),
+            ("lr = 0", "train.lr"),
+            ("momentum = 1.0", "train.momentum"),
+            ("momentum = -0.1", "train.momentum"),
+            ("weight_decay = -1e-4", "train.weight_decay"),
+            ("batch_size = 0", "train.batch_size"),
+            ("log_every = 0", "train.log_every"),
+            ("synthetic_classes = 1", "train.synthetic_classes"),
+            ("hidden_sizes = [32, 0]", "train.hidden_sizes[1]"),
+        ] {
+            let msg = err_text(load_str(&format!("[train]\n{text}\n")));
+            assert!(
+                msg.starts_with(&format!("config.toml: {key}: ")),
+                "{text}: {msg}"
+            );
+        }
+    }
+}

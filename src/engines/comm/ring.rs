@@ -1,0 +1,263 @@
+//! Ring collectives over any [`RingTransport`].
+//!
+//! The buffer is cut into `n` segments (segment `i` is
+//! `i*len/n..(i+1)*len/n`, so any length works, including 0 and lengths not
+//! divisible by `n`). Reduce-scatter: in step `k` every rank sends segment
+//! `rank-k` and adds the received segment `rank-k-1` into its own copy;
+//! after `n-1` steps rank `r` holds the full sum of segment `r+1`.
+//! All-gather: `n-1` more steps pass the finished segments around. Each
+//! segment is summed on exactly one rank and then copied, so every rank ends
+//! with bit-identical values, and the order of additions depends only on
+//! `n` — the same in threads and in processes.
+
+use std::borrow::Cow;
+use std::ops::Range;
+
+use anyhow::{ensure, Result};
+
+use super::memory;
+use super::transport::RingTransport;
+
+/// Collectives for one rank.
+pub struct Communicator {
+    transport: Box<dyn RingTransport>,
+}
+
+/// Views received bytes as floats, copying only if they are misaligned.
+fn as_f32(bytes: &[u8]) -> Cow<'_, [f32]> {
+    match bytemuck::try_cast_slice(bytes) {
+        Ok(floats) => Cow::Borrowed(floats),
+        Err(_) => Cow::Owned(bytemuck::pod_collect_to_vec(bytes)),
+    }
+}
+
+fn segment(len: usize, n: usize, i: usize) -> Range<usize> {
+    (i * len / n)..((i + 1) * len / n)
+}
+
+/// A shared view of segment `a` and a mutable one of segment `b` of the same
+/// buffer; the two must not overlap.
+fn split_segments<T>(data: &mut [T], a: Range<usize>, b: Range<usize>) -> (&[T], &mut [T]) {
+    if a.end <= b.start {
+        let (lo, hi) = data.split_at_mut(b.start);
+        (&lo[a], &mut hi[..b.len()])
+    } else {
+        let (lo, hi) = data.split_at_mut(a.start);
+        (&hi[..a.len()], &mut lo[b])
+    }
+}
+
+impl Communicator {
+    /// A communicator over `transport`.
+    pub fn new(transport: Box<dyn RingTransport>) -> Self {
+        Self { transport }
+    }
+
+    /// The communicator of a world of one: every collective is a no-op.
+    pub fn single() -> Self {
+        let transport = memory::ring(1, std::time::Duration::from_secs(1))
+            .pop()
+            .expect("a ring of one has one end");
+        Self::new(Box::new(transport))
+    }
+
+    /// This rank.
+    pub fn rank(&self) -> usize {
+        self.transport.rank()
+    }
+
+    /// Ranks in the ring.
+    pub fn world_size(&self) -> usize {
+        self.transport.world_size()
+    }
+
+    /// Sums `data` over all ranks, in place.
+    pub fn all_reduce_sum(&mut self, op: &str, data: &mut [f32]) -> Result<()> {
+        let n = self.world_size();
+        if n == 1 {
+            return Ok(());
+        }
+        let rank = self.rank();
+        let len = data.len();
+        for k in 0..n - 1 {
+            let send = segment(len, n, (rank + n - k) % n);
+            let recv = segment(len, n, (rank + 2 * n - k - 1) % n);
+            let recv_len = recv.len();
+            let (outgoing, target) = split_segments(data, send, recv);
+            self.transport.exchange(
+                op,
+                bytemuck::cast_slice(outgoing),
+                recv_len * 4,
+                &mut |offset, piece| {
+                    let start = offset / 4;
+                    for (acc, x) in target[start..].iter_mut().zip(as_f32(piece).iter()) {
+                        *acc += x;
+                    }
+                },
+            )?;
+        }
+        self.ring_all_gather(op, data, 1)
+    }
+
+    /// Passes finished segments around the ring: before, rank `r` owns
+    /// segment `r + shift`; after, every rank has every segment.
+    fn ring_all_gather<T: bytemuck::Pod>(
+        &mut self,
+        op: &str,
+        data: &mut [T],
+        shift: usize,
+    ) -> Result<()> {
+        let n = self.world_size();
+        let rank = self.rank();
+        let len = data.len();
+        let width = std::mem::size_of::<T>();
+        for k in 0..n - 1 {
+            let send = segment(len, n, (rank + shift + n - k) % n);
+            let recv = segment(len, n, (rank + shift + 2 * n - k - 1) % n);
+            let recv_len = recv.len();
+            let (outgoing, target) = split_segments(data, send, recv);
+            let target_bytes: &mut [u8] = bytemuck::cast_slice_mut(target);
+            self.transport.exchange(
+                op,
+                bytemuck::cast_slice(outgoing),
+                recv_len * width,
+                &mut |offset, piece| {
+                    target_bytes[offset..offset + piece.len()].copy_from_slice(piece);
+                },
+            )?;
+        }
+        Ok(())
+    }
+
+    /// Gathers every rank's `mine` (all ranks pass the same length); element
+    /// `r` of the result is rank `r`'s.
+    pub fn all_gather(&mut self, op: &str, mine: &[u8]) -> Result<Vec<Vec<u8>>> {
+        let n = self.world_size();
+        let width = mine.len();
+        let mut all = vec![0u8; width * n];
+        let rank = self.rank();
+        all[rank * width..(rank + 1) * width].copy_from_slice(mine);
+        if n > 1 {
+            // Blocks of equal width are exactly the ring's segments.
+            self.ring_all_gather(op, &mut all, 0)?;
+        }
+        Ok(all
+            .chunks(width.max(1))
+            .take(n)
+            .map(<[u8]>::to_vec)
+            .collect())
+    }
+
+    /// Copies `root`'s `data` to every rank, along the ring.
+    pub fn broadcast(&mut self, op: &str, data: &mut [u8], root: usize) -> Result<()> {
+        let n = self.world_size();
+        ensure!(
+            root < n,
+            "{op}: broadcast root {root} is outside world size {n}"
+        );
+        if n == 1 {
+            return Ok(());
+        }
+        let position = (self.rank() + n - root) % n;
+        if position > 0 {
+            let len = data.len();
+            self.transport.recv(op, len, &mut |offset, piece| {
+                data[offset..offset + piece.len()].copy_from_slice(piece)
+            })?;
+        }
+        if position < n - 1 {
+            self.transport.send(op, data)?;
+        }
+        Ok(())
+    }
+
+    /// Returns once every rank has called it.
+    pub fn barrier(&mut self, op: &str) -> Result<()> {
+        let mut token = [1.0f32];
+        self.all_reduce_sum(op, &mut token)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    fn run_ring<T: Send>(n: usize, f: impl Fn(&mut Communicator) -> T + Sync) -> Vec<T> {
+        let transports = memory::ring(n, Duration::from_secs(10));
+        std::thread::scope(|s| {
+            let handles: Vec<_> = transports
+                .into_iter()
+                .map(|t| {
+                    let f = &f;
+                    s.spawn(move || f(&mut Communicator::new(Box::new(t))))
+                })
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| h.join().expect("rank thread"))
+                .collect()
+        })
+    }
+
+    fn rank_buffer(rank: usize, len: usize) -> Vec<f32> {
+        (0..len)
+            .map(|i| ((rank * 7919 + i * 31) % 1000) as f32 / 8.0)
+            .collect()
+    }
+
+    #[test]
+    fn all_reduce_matches_plain_sum_for_all_sizes() {
+        for n in 1..=5usize {
+            for len in [0, 1, n.saturating_sub(1), n + 1, 1031, 100_003] {
+                let results = run_ring(n, |c| {
+                    let mut data = rank_buffer(c.rank(), len);
+                    c.all_reduce_sum("test", &mut data).map(|()| data)
+                });
+                let expected: Vec<f32> = (0..len)
+                    .map(|i| (0..n).map(|r| rank_buffer(r, len)[i]).sum())
+                    .collect();
+                for (rank, r) in results.into_iter().enumerate() {
+                    // Values are multiples of 1/8 below 1000: every sum is exact.
+                    assert_eq!(r.unwrap(), expected, "n={n} len={len} rank={rank}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn broadcast_and_all_gather() {
+        for n in 1..=4 {
+            let results = run_ring(n, |c| {
+                let mut data = vec![c.rank() as u8; 5];
+                c.broadcast("bcast", &mut data, n - 1)?;
+                let gathered = c.all_gather("gather", &[c.rank() as u8, 9])?;
+                c.barrier("barrier")?;
+                Ok::<_, anyhow::Error>((data, gathered))
+            });
+            for r in results {
+                let (data, gathered) = r.unwrap();
+                assert_eq!(data, vec![(n - 1) as u8; 5]);
+                assert_eq!(
+                    gathered,
+                    (0..n).map(|i| vec![i as u8, 9]).collect::<Vec<_>>()
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn a_missing_rank_times_out_naming_it() {
+        let mut transports = memory::ring(3, Duration::from_millis(200));
+        let _silent = transports.pop();
+        let mut first = Communicator::new(Box::new(transports.remove(0)));
+        let err = first
+            .all_reduce_sum("all-reduce of bucket 0", &mut [1.0; 9])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("timed out") && err.contains("rank 2") && err.contains("bucket 0"),
+            "{err}"
+        );
+    }
+}

@@ -1,0 +1,271 @@
+//! Ring links over TCP between processes.
+//!
+//! Each rank opens one connection to its right neighbour (it only writes
+//! there) and accepts one from its left neighbour (it only reads there), so
+//! the two directions never share a socket and a large send can run on a
+//! scoped thread while the calling thread receives and reduces.
+
+use std::io::{self, Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::thread;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+
+use super::transport::{MessageHeader, RingTransport};
+
+/// Pieces handed to `on_recv`: big enough to keep syscalls rare, small
+/// enough that reducing one piece overlaps receiving the next.
+const RECV_PIECE_BYTES: usize = 512 * 1024;
+/// Sends up to this size fit in the kernel's socket buffers, so they are
+/// written inline rather than on a thread.
+const INLINE_SEND_BYTES: usize = 64 * 1024;
+const HELLO_MAGIC: &[u8; 8] = b"FLOTHELO";
+
+/// One rank's two TCP links.
+pub struct TcpTransport {
+    rank: usize,
+    world_size: usize,
+    to_right: TcpStream,
+    from_left: TcpStream,
+    sent: u64,
+    received: u64,
+    timeout: Duration,
+    /// Reused receive buffer; `f32` so pieces can be viewed as floats
+    /// without copying.
+    scratch: Vec<f32>,
+}
+
+impl TcpTransport {
+    /// Joins the ring: connects to the right neighbour's endpoint and accepts
+    /// the left neighbour on `listener` (this rank's own endpoint, bound
+    /// before the rendezvous so that every peer can already connect).
+    pub fn connect(
+        rank: usize,
+        endpoints: &[SocketAddr],
+        listener: &TcpListener,
+        timeout: Duration,
+    ) -> Result<Self> {
+        let world_size = endpoints.len();
+        anyhow::ensure!(
+            world_size >= 2,
+            "a TCP ring needs two ranks or more, got {world_size}"
+        );
+        let right = (rank + 1) % world_size;
+        let left = (rank + world_size - 1) % world_size;
+        let deadline = Instant::now() + timeout;
+        let (to_right, from_left) = thread::scope(|s| {
+            let accepting = s.spawn(|| accept_left(listener, rank, left, deadline));
+            let connected = connect_right(endpoints[right], rank, world_size, right, deadline);
+            let accepted = accepting
+                .join()
+                .map_err(|_| anyhow::anyhow!("ring accept thread panicked"))?;
+            Ok::<_, anyhow::Error>((connected?, accepted?))
+        })?;
+        for stream in [&to_right, &from_left] {
+            stream.set_nodelay(true)?;
+            stream.set_read_timeout(Some(timeout))?;
+            stream.set_write_timeout(Some(timeout))?;
+        }
+        Ok(Self {
+            rank,
+            world_size,
+            to_right,
+            from_left,
+            sent: 0,
+            received: 0,
+            timeout,
+            scratch: vec![0.0; RECV_PIECE_BYTES / 4],
+        })
+    }
+
+    fn link_error(&self, op: &str, peer: usize, e: io::Error) -> anyhow::Error {
+        match e.kind() {
+            io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => anyhow::anyhow!(
+                "{op}: timed out after {:.1}s waiting for rank {peer} (rank {} of {})",
+                self.timeout.as_secs_f64(),
+                self.rank,
+                self.world_size
+            ),
+            io::ErrorKind::InvalidData => anyhow::anyhow!("{e}"),
+            io::ErrorKind::UnexpectedEof
+            | io::ErrorKind::ConnectionReset
+            | io::ErrorKind::BrokenPipe => {
+                anyhow::anyhow!("{op}: rank {peer} closed its ring link ({e})")
+            }
+            _ => anyhow::anyhow!("{op}: ring link to rank {peer}: {e}"),
+        }
+    }
+}
+
+fn write_message(stream: &mut &TcpStream, header: MessageHeader, bytes: &[u8]) -> io::Result<()> {
+    stream.write_all(&header.encode())?;
+    stream.write_all(bytes)
+}
+
+fn connect_right(
+    addr: SocketAddr,
+    rank: usize,
+    world_size: usize,
+    right: usize,
+    deadline: Instant,
+) -> Result<TcpStream> {
+    let mut last_error = None;
+    while Instant::now() < deadline {
+        match TcpStream::connect_timeout(&addr, Duration::from_secs(1)) {
+            Ok(mut stream) => {
+                let mut hello = HELLO_MAGIC.to_vec();
+                hello.extend_from_slice(&(rank as u64).to_le_bytes());
+                hello.extend_from_slice(&(world_size as u64).to_le_bytes());
+                stream
+                    .write_all(&hello)
+                    .with_context(|| format!("sending ring hello to rank {right} at {addr}"))?;
+                return Ok(stream);
+            }
+            Err(e) => last_error = Some(e),
+        }
+        thread::sleep(Duration::from_millis(20));
+    }
+    bail!(
+        "could not connect to rank {right} at {addr} before the timeout: {}",
+        last_error.map_or_else(|| "no attempt finished".to_string(), |e| e.to_string())
+    )
+}
+
+fn accept_left(
+    listener: &TcpListener,
+    rank: usize,
+    left: usize,
+    deadline: Instant,
+) -> Result<TcpStream> {
+    listener.set_nonblocking(true)?;
+    let local = listener.local_addr()?;
+    loop {
+        match listener.accept() {
+            Ok((mut stream, peer)) => {
+                stream.set_nonblocking(false)?;
+                stream.set_read_timeout(Some(
+                    deadline
+                        .saturating_duration_since(Instant::now())
+                        .max(Duration::from_millis(100)),
+                ))?;
+                let mut hello = [0u8; 24];
+                if stream.read_exact(&mut hello).is_err() || &hello[..8] != HELLO_MAGIC {
+                    tracing::warn!(%peer, "dropped a connection to ring endpoint {local} that sent no ring hello");
+                    continue;
+                }
+                let from = u64::from_le_bytes(hello[8..16].try_into()?) as usize;
+                if from != left {
+                    bail!("rank {rank}: rank {from} connected from {peer}, but the left neighbour is rank {left}");
+                }
+                return Ok(stream);
+            }
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                if Instant::now() >= deadline {
+                    bail!("rank {rank}: rank {left} never connected to {local} before the timeout");
+                }
+                thread::sleep(Duration::from_millis(5));
+            }
+            Err(e) => return Err(e).with_context(|| format!("accepting on ring endpoint {local}")),
+        }
+    }
+}
+
+/// Reads one message from the left link into `scratch`, piece by piece.
+/// A wrong header comes back as `InvalidData` carrying the reason.
+fn read_message(
+    from_left: &TcpStream,
+    scratch: &mut [f32],
+    expected: MessageHeader,
+    op: &str,
+    left: usize,
+    on_recv: &mut dyn FnMut(usize, &[u8]),
+) -> io::Result<()> {
+    let mut header = [0u8; MessageHeader::SIZE];
+    (&*from_left).read_exact(&mut header)?;
+    MessageHeader::check(&header, expected, op, left)
+        .map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e.to_string()))?;
+    let len = expected.len as usize;
+    let mut offset = 0;
+    while offset < len {
+        let piece = (len - offset).min(RECV_PIECE_BYTES);
+        let buf = &mut bytemuck::cast_slice_mut::<f32, u8>(scratch)[..piece];
+        (&*from_left).read_exact(buf)?;
+        on_recv(offset, buf);
+        offset += piece;
+    }
+    Ok(())
+}
+
+impl RingTransport for TcpTransport {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn world_size(&self) -> usize {
+        self.world_size
+    }
+
+    fn send(&mut self, op: &str, bytes: &[u8]) -> Result<()> {
+        let header = MessageHeader {
+            seq: self.sent,
+            len: bytes.len() as u64,
+        };
+        self.sent += 1;
+        write_message(&mut &self.to_right, header, bytes)
+            .map_err(|e| self.link_error(op, self.right(), e))
+    }
+
+    fn recv(&mut self, op: &str, len: usize, on_recv: &mut dyn FnMut(usize, &[u8])) -> Result<()> {
+        let expected = MessageHeader {
+            seq: self.received,
+            len: len as u64,
+        };
+        self.received += 1;
+        let left = self.left();
+        read_message(
+            &self.from_left,
+            &mut self.scratch,
+            expected,
+            op,
+            left,
+            on_recv,
+        )
+        .map_err(|e| self.link_error(op, left, e))
+    }
+
+    fn exchange(
+        &mut self,
+        op: &str,
+        send: &[u8],
+        recv_len: usize,
+        on_recv: &mut dyn FnMut(usize, &[u8]),
+    ) -> Result<()> {
+        if send.len() <= INLINE_SEND_BYTES {
+            self.send(op, send)?;
+            return self.recv(op, recv_len, on_recv);
+        }
+        let outgoing = MessageHeader {
+            seq: self.sent,
+            len: send.len() as u64,
+        };
+        let expected = MessageHeader {
+            seq: self.received,
+            len: recv_len as u64,
+        };
+        self.sent += 1;
+        self.received += 1;
+        let (left, right) = (self.left(), self.right());
+        let (to_right, from_left, scratch) = (&self.to_right, &self.from_left, &mut self.scratch);
+        let (sent, received) = thread::scope(|s| {
+            let writer = s.spawn(move || write_message(&mut &*to_right, outgoing, send));
+            let received = read_message(from_left, scratch, expected, op, left, on_recv);
+            let sent = writer
+                .join()
+                .unwrap_or_else(|_| Err(io::Error::other("ring sender thread panicked")));
+            (sent, received)
+        });
+        received.map_err(|e| self.link_error(op, left, e))?;
+        sent.map_err(|e| self.link_error(op, right, e))
+    }
+}

@@ -1,0 +1,10 @@
+//! flotilla: a distributed deep-learning training runtime.
+pub mod actors;
+pub mod collective;
+pub mod config;
+pub mod data;
+pub mod engines;
+pub mod models;
+pub mod net;
+pub mod optim;
+pub mod rng;

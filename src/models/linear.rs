@@ -1,0 +1,63 @@
+//! A fully connected block with an optional activation.
+
+use candle_core::{Tensor, Var};
+
+use super::{Block, ParamInit};
+
+/// What follows the affine map.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Activation {
+    /// Logits: nothing.
+    Identity,
+    /// max(0, x).
+    Relu,
+}
+
+/// `y = act(x Wᵀ + b)` with `W` of shape (out, in).
+pub struct Linear {
+    name: String,
+    weight: Var,
+    bias: Var,
+    activation: Activation,
+}
+
+impl Linear {
+    /// A layer of `inputs → outputs` initialised from `init` under `name`.
+    pub fn new(
+        name: &str,
+        inputs: usize,
+        outputs: usize,
+        activation: Activation,
+        init: &ParamInit,
+    ) -> candle_core::Result<Self> {
+        Ok(Self {
+            name: name.to_string(),
+            weight: init.fan_in_uniform(&format!("{name}.weight"), &[outputs, inputs], inputs)?,
+            bias: init.fan_in_uniform(&format!("{name}.bias"), &[outputs], inputs)?,
+            activation,
+        })
+    }
+}
+
+impl Block for Linear {
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        let y = x
+            .matmul(&self.weight.as_tensor().t()?)?
+            .broadcast_add(self.bias.as_tensor())?;
+        match self.activation {
+            Activation::Identity => Ok(y),
+            Activation::Relu => y.relu(),
+        }
+    }
+
+    fn parameters(&self) -> Vec<(String, Var)> {
+        vec![
+            ("bias".to_string(), self.bias.clone()),
+            ("weight".to_string(), self.weight.clone()),
+        ]
+    }
+}

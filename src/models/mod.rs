@@ -1,0 +1,96 @@
+//! Sequential-block models.
+//!
+//! A model is an ordered list of [`Block`]s; the output of block `i` is the
+//! input of block `i + 1`, and the last block's output is the logits. The
+//! data-parallel engine runs backward block by block from the last one (so
+//! a bucket of gradients can be all-reduced while earlier blocks are still
+//! in backward), and the pipeline engine will cut the same list into stages.
+
+mod init;
+mod linear;
+mod mlp;
+
+pub use init::ParamInit;
+pub use linear::{Activation, Linear};
+pub use mlp::mlp;
+
+use anyhow::{ensure, Result};
+use candle_core::{Tensor, Var};
+
+/// One unit of a sequential model: a function of its input with named
+/// parameters.
+pub trait Block: Send {
+    /// The block's name, unique within its model; parameter names are
+    /// `"{block}.{param}"`.
+    fn name(&self) -> &str;
+    /// Output for input `x` (rows are samples).
+    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor>;
+    /// The block's parameters with their names inside the block, in a fixed
+    /// order.
+    fn parameters(&self) -> Vec<(String, Var)>;
+}
+
+/// A parameter with its model-wide name.
+#[derive(Debug, Clone)]
+pub struct NamedParam {
+    /// `"{block}.{param}"`.
+    pub name: String,
+    /// Index of the block that owns it.
+    pub block: usize,
+    /// The trainable variable.
+    pub var: Var,
+}
+
+/// A model: blocks applied in order.
+pub struct Model {
+    blocks: Vec<Box<dyn Block>>,
+}
+
+impl Model {
+    /// A model of `blocks`, whose names must be distinct.
+    pub fn new(blocks: Vec<Box<dyn Block>>) -> Result<Self> {
+        ensure!(!blocks.is_empty(), "a model needs at least one block");
+        let mut names: Vec<&str> = blocks.iter().map(|b| b.name()).collect();
+        names.sort_unstable();
+        if let Some(w) = names.windows(2).find(|w| w[0] == w[1]) {
+            anyhow::bail!(
+                "two blocks are named {:?}; block names must be unique",
+                w[0]
+            );
+        }
+        Ok(Self { blocks })
+    }
+
+    /// The blocks, in order.
+    pub fn blocks(&self) -> &[Box<dyn Block>] {
+        &self.blocks
+    }
+
+    /// Every parameter, block by block in model order, each block's in its
+    /// own order: the order buckets and broadcasts use.
+    pub fn parameters(&self) -> Vec<NamedParam> {
+        self.blocks
+            .iter()
+            .enumerate()
+            .flat_map(|(block, b)| {
+                b.parameters()
+                    .into_iter()
+                    .map(move |(name, var)| NamedParam {
+                        name: format!("{}.{name}", b.name()),
+                        block,
+                        var,
+                    })
+            })
+            .collect()
+    }
+
+    /// Total number of scalar parameters.
+    pub fn parameter_count(&self) -> usize {
+        self.parameters().iter().map(|p| p.var.elem_count()).sum()
+    }
+
+    /// The logits for input `x`.
+    pub fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        self.blocks.iter().try_fold(x.clone(), |h, b| b.forward(&h))
+    }
+}

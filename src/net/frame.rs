@@ -1,0 +1,154 @@
+//! The frame: a small typed header, then the tensor payload as raw bytes,
+//! so a large tensor is never pushed through a serializer.
+//!
+//! Layout inside one length-delimited frame:
+//! `[u32 LE header length][postcard header][payload bytes]`.
+
+use anyhow::{bail, ensure, Context, Result};
+use bytes::{BufMut, Bytes, BytesMut};
+use serde::{Deserialize, Serialize};
+use tokio_util::codec::LengthDelimitedCodec;
+
+/// Messages of the control plane.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub enum ControlMessage {
+    /// A trainer announces itself at rendezvous, with the endpoint its ring
+    /// listener is bound to.
+    Join {
+        /// The rank the launcher gave it.
+        rank: usize,
+        /// The world size it was configured with, checked against the
+        /// coordinator's.
+        world_size: usize,
+        /// `ip:port` of its data-plane listener.
+        data_endpoint: String,
+    },
+    /// Rendezvous complete: every rank's data endpoint, by rank.
+    Roster {
+        /// `endpoints[r]` is rank `r`'s.
+        endpoints: Vec<String>,
+    },
+    /// A request was refused or failed; the reason names what went wrong.
+    Refused {
+        /// Human-readable cause.
+        reason: String,
+    },
+    /// A rank waits at the barrier `name`.
+    Barrier {
+        /// Who is waiting.
+        rank: usize,
+        /// Which barrier.
+        name: String,
+    },
+    /// Everyone reached barrier `name`.
+    Released {
+        /// Which barrier.
+        name: String,
+    },
+}
+
+/// One frame: a header and its payload.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Frame {
+    /// The typed message.
+    pub header: ControlMessage,
+    /// Raw little-endian tensor bytes (empty for pure control messages).
+    pub payload: Bytes,
+}
+
+const HEADER_LEN_BYTES: usize = 4;
+/// Headers are small; a larger claimed length is a malformed frame.
+const MAX_HEADER_BYTES: usize = 1 << 20;
+
+impl Frame {
+    /// A frame without payload.
+    pub fn control(header: ControlMessage) -> Self {
+        Self {
+            header,
+            payload: Bytes::new(),
+        }
+    }
+
+    /// Encodes the frame body (the codec adds the outer length).
+    pub fn encode(&self) -> Result<Bytes> {
+        let header = postcard::to_stdvec(&self.header).context("encoding a frame header")?;
+        let mut out = BytesMut::with_capacity(HEADER_LEN_BYTES + header.len() + self.payload.len());
+        out.put_u32_le(header.len() as u32);
+        out.extend_from_slice(&header);
+        out.extend_from_slice(&self.payload);
+        Ok(out.freeze())
+    }
+
+    /// Decodes a frame body, rejecting truncated or malformed ones without
+    /// trusting any length it claims.
+    pub fn decode(mut body: Bytes) -> Result<Self> {
+        ensure!(
+            body.len() >= HEADER_LEN_BYTES,
+            "malformed frame: {} bytes, shorter than its header length",
+            body.len()
+        );
+        let header_len = u32::from_le_bytes(body[..HEADER_LEN_BYTES].try_into()?) as usize;
+        if header_len > MAX_HEADER_BYTES || header_len > body.len() - HEADER_LEN_BYTES {
+            bail!(
+                "malformed frame: header claims {header_len} bytes, frame has {}",
+                body.len() - HEADER_LEN_BYTES
+            );
+        }
+        let rest = body.split_off(HEADER_LEN_BYTES);
+        let mut rest = rest;
+        let payload = rest.split_off(header_len);
+        let header = postcard::from_bytes(&rest).context("malformed frame header")?;
+        Ok(Self { header, payload })
+    }
+}
+
+/// The length-delimited codec with a deliberate cap (the default is 8 MiB).
+pub fn codec(max_frame_bytes: usize) -> LengthDelimitedCodec {
+    LengthDelimitedCodec::builder()
+        .max_frame_length(max_frame_bytes)
+        .length_field_type::<u32>()
+        .new_codec()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use bytes::Buf;
+    use tokio_util::codec::{Decoder, Encoder};
+
+    #[test]
+    fn round_trip_with_payload() {
+        let frame = Frame {
+            header: ControlMessage::Join {
+                rank: 3,
+                world_size: 4,
+                data_endpoint: "127.0.0.1:9".into(),
+            },
+            payload: Bytes::from_static(&[1, 2, 3, 4]),
+        };
+        assert_eq!(Frame::decode(frame.encode().unwrap()).unwrap(), frame);
+    }
+
+    #[test]
+    fn malformed_frames_are_errors_not_panics() {
+        assert!(Frame::decode(Bytes::from_static(&[1])).is_err());
+        assert!(Frame::decode(Bytes::from_static(&[255, 255, 255, 255, 0])).is_err());
+        assert!(Frame::decode(Bytes::from_static(&[2, 0, 0, 0, 200, 200])).is_err());
+    }
+
+    #[test]
+    fn frames_above_the_cap_are_refused() {
+        let mut codec = codec(16);
+        let mut wire = BytesMut::new();
+        codec.encode(Bytes::from(vec![0u8; 8]), &mut wire).unwrap();
+        assert_eq!(codec.decode(&mut wire).unwrap().unwrap().remaining(), 8);
+        assert!(codec
+            .encode(Bytes::from(vec![0u8; 17]), &mut BytesMut::new())
+            .is_err());
+        let mut claimed = BytesMut::from(&(1u32 << 30).to_be_bytes()[..]);
+        assert!(
+            codec.decode(&mut claimed).is_err(),
+            "a huge claimed length is refused before allocating"
+        );
+    }
+}

@@ -1,0 +1,19 @@
+//! Transport of the control plane: framed messages between roles.
+//!
+//! - [`frame`]: a frame is a postcard-encoded [`ControlMessage`] header
+//!   followed by raw little-endian tensor bytes, inside a length-delimited
+//!   TCP frame whose size is capped.
+//! - [`bus`]: the one interface roles talk to the coordinator through, in
+//!   memory (actor messages) or over TCP (frames).
+//! - [`server`]: the coordinator's TCP endpoint, turning frames into actor
+//!   messages.
+//!
+//! Bulk tensors (all-reduce chunks) do not travel here: they go through the
+//! communicators of `engines::comm`, on their own sockets.
+
+pub mod bus;
+pub mod frame;
+pub mod server;
+
+pub use bus::ControlBus;
+pub use frame::{ControlMessage, Frame};
