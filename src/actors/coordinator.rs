@@ -90,13 +90,8 @@ impl Actor for Coordinator {
     }
 }
 
-fn reply<T: Send + 'static>(
-    rx: oneshot::Receiver<Result<T, String>>,
-) -> ResponseFuture<Result<T, String>> {
-    Box::pin(async move {
-        rx.await
-            .unwrap_or_else(|_| Err("the coordinator stopped".to_string()))
-    })
+fn reply<T: Send + 'static>(rx: oneshot::Receiver<Result<T, String>>) -> ResponseFuture<Result<T, String>> {
+    Box::pin(async move { rx.await.unwrap_or_else(|_| Err("the coordinator stopped".to_string())) })
 }
 
 impl Handler<Join> for Coordinator {
@@ -110,10 +105,7 @@ impl Handler<Join> for Coordinator {
                 msg.rank, msg.world_size, self.world_size
             ))
         } else if msg.rank >= self.world_size {
-            Some(format!(
-                "rank {} is outside world size {}",
-                msg.rank, self.world_size
-            ))
+            Some(format!("rank {} is outside world size {}", msg.rank, self.world_size))
         } else if self.roster.is_some() || self.joined.contains_key(&msg.rank) {
             Some(format!("rank {} joined twice", msg.rank))
         } else {
@@ -127,10 +119,7 @@ impl Handler<Join> for Coordinator {
         self.joined.insert(msg.rank, (msg.data_endpoint, tx));
         if self.joined.len() == self.world_size {
             let joined = std::mem::take(&mut self.joined);
-            let roster: Vec<String> = joined
-                .values()
-                .map(|(endpoint, _)| endpoint.clone())
-                .collect();
+            let roster: Vec<String> = joined.values().map(|(endpoint, _)| endpoint.clone()).collect();
             tracing::info!(world_size = self.world_size, "rendezvous complete");
             for (_, (_, waiter)) in joined {
                 let _ = waiter.send(Ok(roster.clone()));

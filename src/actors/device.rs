@@ -29,32 +29,33 @@ pub enum RingLink {
     Single,
     /// Threads of one process.
     Memory(MemoryTransport),
-    /// Processes: this rank's bound listener and every rank's endpoint.
+    /// Processes: this rank's listener, bound before the rendezvous so
+    /// that its neighbour can connect as soon as the roster is out.
     Tcp {
         /// This rank.
         rank: usize,
         /// Listener already bound to this rank's endpoint.
         listener: TcpListener,
-        /// `endpoints[r]` is rank `r`'s.
-        endpoints: Vec<SocketAddr>,
         /// Deadline of connecting and of every collective.
         timeout: Duration,
     },
 }
 
 impl RingLink {
-    fn into_communicator(self) -> Result<Communicator> {
+    /// The communicator over this link; `roster[r]` is rank `r`'s data
+    /// endpoint, as the rendezvous handed it out.
+    fn into_communicator(self, roster: &[String]) -> Result<Communicator> {
         Ok(match self {
             Self::Single => Communicator::single(),
             Self::Memory(transport) => Communicator::new(Box::new(transport)),
-            Self::Tcp {
-                rank,
-                listener,
-                endpoints,
-                timeout,
-            } => Communicator::new(Box::new(TcpTransport::connect(
-                rank, &endpoints, &listener, timeout,
-            )?)),
+            Self::Tcp { rank, listener, timeout } => {
+                let endpoints = roster
+                    .iter()
+                    .enumerate()
+                    .map(|(r, e)| e.parse::<SocketAddr>().with_context(|| format!("rank {r} announced a bad endpoint {e:?}")))
+                    .collect::<Result<Vec<_>>>()?;
+                Communicator::new(Box::new(TcpTransport::connect(rank, &endpoints, &listener, timeout)?))
+            }
         })
     }
 }
@@ -70,6 +71,8 @@ pub struct Prepare {
     pub model: ModelFactory,
     /// The ring this rank joins.
     pub link: RingLink,
+    /// Every rank's data endpoint, from the rendezvous.
+    pub roster: Vec<String>,
 }
 
 /// One training step on this rank's batch.
@@ -117,7 +120,7 @@ impl Handler<Prepare> for DeviceActor {
         let device = device_for(msg.job.cluster.device)?;
         let init = ParamInit::new(msg.job.train.seed, device.clone());
         let model = (msg.model)(&init).context("building the model")?;
-        let comm = CommWorker::spawn(msg.link.into_communicator()?)?;
+        let comm = CommWorker::spawn(msg.link.into_communicator(&msg.roster)?)?;
         let mut replica = Replica::new(model, &msg.job, comm, device)?;
         replica.broadcast_parameters()?;
         self.replica = Some(replica);

@@ -10,10 +10,7 @@ use actix::prelude::*;
 use anyhow::{Context as _, Result};
 use indicatif::{ProgressBar, ProgressStyle};
 
-use super::device::{
-    CheckReplicas, DeviceActor, Evaluate, ModelFactory, Prepare, ReadParameters, RingLink,
-    TrainStep,
-};
+use super::device::{CheckReplicas, DeviceActor, Evaluate, ModelFactory, Prepare, ReadParameters, RingLink, TrainStep};
 use crate::collective::ParamChecksum;
 use crate::config::{JobConfig, TrainLength};
 use crate::data::{Dataset, ShardedLoader};
@@ -117,32 +114,19 @@ impl TrainingRun {
         let world = job.world_size();
         let mut bus = self.bus.context("Train was sent twice")?;
         let link = self.link.context("Train was sent twice")?;
-        bus.join(rank, world, self.data_endpoint.clone()).await?;
-        self.device
-            .send(Prepare {
-                job: job.clone(),
-                model: self.model.clone(),
-                link,
-            })
-            .await??;
+        let roster = bus.join(rank, world, self.data_endpoint.clone()).await?;
+        self.device.send(Prepare { job: job.clone(), model: self.model.clone(), link, roster }).await??;
 
         let train = &job.train;
-        let loader = ShardedLoader::new(
-            self.train_data.clone(),
-            train.batch_size,
-            rank,
-            world,
-            train.seed,
-        )
-        .with_context(|| format!("train.batch_size = {}", train.batch_size))?;
+        let loader = ShardedLoader::new(self.train_data.clone(), train.batch_size, rank, world, train.seed)
+            .with_context(|| format!("train.batch_size = {}", train.batch_size))?;
         let steps = match train.length() {
             TrainLength::Steps(s) => s,
             TrainLength::Epochs(e) => e * loader.batches_per_epoch(),
         };
         let progress = progress_bar(self.show_progress, steps);
         let started = Instant::now();
-        let (mut step_time, mut comm_time, mut exposed) =
-            (Duration::ZERO, Duration::ZERO, Duration::ZERO);
+        let (mut step_time, mut comm_time, mut exposed) = (Duration::ZERO, Duration::ZERO, Duration::ZERO);
         let mut losses = Vec::with_capacity(steps);
         let check_every = job.strategy.check_every;
         for step in 0..steps {
@@ -154,10 +138,7 @@ impl TrainingRun {
             progress.set_position(step as u64 + 1);
             progress.set_message(format!("loss {:.4}", report.loss));
             let log_every = train.log_every.max(1);
-            if rank == 0
-                && progress.is_hidden()
-                && ((step + 1) % log_every == 0 || step + 1 == steps)
-            {
+            if rank == 0 && progress.is_hidden() && ((step + 1) % log_every == 0 || step + 1 == steps) {
                 let rate = ((step + 1) * train.batch_size) as f64 / started.elapsed().as_secs_f64();
                 tracing::info!(
                     "step {}/{steps} loss {:.4} lr {:.4} {rate:.0} samples/s",
@@ -175,12 +156,8 @@ impl TrainingRun {
 
         let param_checksum = self.device.send(CheckReplicas).await??;
         let test_rows = self.test_data.len();
-        let shard: Vec<usize> =
-            (rank * test_rows / world..(rank + 1) * test_rows / world).collect();
-        let (correct, total) = self
-            .device
-            .send(Evaluate(self.test_data.select(&shard)))
-            .await??;
+        let shard: Vec<usize> = (rank * test_rows / world..(rank + 1) * test_rows / world).collect();
+        let (correct, total) = self.device.send(Evaluate(self.test_data.select(&shard))).await??;
         let parameters = self.device.send(ReadParameters).await??;
         bus.barrier(rank, "end of training").await?;
         let ratio = |d: Duration| {
@@ -194,11 +171,7 @@ impl TrainingRun {
             rank,
             steps,
             final_loss: losses.last().copied().unwrap_or(f32::NAN),
-            test_accuracy: if total == 0 {
-                0.0
-            } else {
-                correct as f64 / total as f64
-            },
+            test_accuracy: if total == 0 { 0.0 } else { correct as f64 / total as f64 },
             samples_per_sec: (steps * train.batch_size) as f64 / elapsed.as_secs_f64().max(1e-9),
             comm_time_ratio: ratio(comm_time),
             exposed_comm_ratio: ratio(exposed),
@@ -214,9 +187,9 @@ fn progress_bar(show: bool, steps: usize) -> ProgressBar {
         return ProgressBar::hidden();
     }
     let bar = ProgressBar::new(steps as u64);
-    if let Ok(style) = ProgressStyle::with_template(
-        "{spinner} [{elapsed_precise}] {bar:40} {pos}/{len} steps  {msg}  ({eta} left)",
-    ) {
+    if let Ok(style) =
+        ProgressStyle::with_template("{spinner} [{elapsed_precise}] {bar:40} {pos}/{len} steps  {msg}  ({eta} left)")
+    {
         bar.set_style(style);
     }
     bar

@@ -58,10 +58,7 @@ mod tests {
     fn buckets_close_at_the_cap_and_keep_order() {
         let plan = BucketPlan::new(&[(3, 10), (2, 5), (1, 40), (0, 3)], 15 * 4);
         assert_eq!(
-            plan.buckets
-                .iter()
-                .map(|b| b.params.clone())
-                .collect::<Vec<_>>(),
+            plan.buckets.iter().map(|b| b.params.clone()).collect::<Vec<_>>(),
             vec![vec![3, 2], vec![1], vec![0]]
         );
         assert_eq!(plan.buckets.iter().map(|b| b.len).sum::<usize>(), 58);

@@ -49,12 +49,7 @@ impl Replica {
         let params = model.parameters();
         let backward_order: Vec<(usize, usize)> = (0..model.blocks().len())
             .rev()
-            .flat_map(|block| {
-                params
-                    .iter()
-                    .enumerate()
-                    .filter(move |(_, p)| p.block == block)
-            })
+            .flat_map(|block| params.iter().enumerate().filter(move |(_, p)| p.block == block))
             .map(|(i, p)| (i, p.var.elem_count()))
             .collect();
         let cap_bytes = job.strategy.fuse_grad_size_bytes();
@@ -165,8 +160,7 @@ impl Replica {
                 None => loss.backward()?,
                 Some(g) => (&outputs[i] * g)?.sum_all()?.backward()?,
             };
-            for (param_index, param) in self.params.iter().enumerate().filter(|(_, p)| p.block == i)
-            {
+            for (param_index, param) in self.params.iter().enumerate().filter(|(_, p)| p.block == i) {
                 let grad = grads
                     .get(param.var.as_tensor())
                     .with_context(|| format!("no gradient for {}", param.name))?;
@@ -243,11 +237,7 @@ impl Replica {
         } else {
             let x = Tensor::from_slice(&batch.features, (batch.rows(), batch.dim), &self.device)?;
             let predicted = self.model.forward(&x)?.argmax(1)?.to_vec1::<u32>()?;
-            predicted
-                .iter()
-                .zip(&batch.labels)
-                .filter(|(p, l)| p == l)
-                .count()
+            predicted.iter().zip(&batch.labels).filter(|(p, l)| p == l).count()
         };
         // Counts below 2^24 are exact in f32.
         let mut counts = [correct as f32, batch.rows() as f32];
@@ -268,12 +258,9 @@ impl Replica {
     pub fn check_replicas_agree(&mut self) -> Result<ParamChecksum> {
         let mine = self.checksum()?;
         let step = self.step;
-        let all = self.comm.run(move |c| {
-            c.all_gather(
-                &format!("all-gather of parameter checksums at step {step}"),
-                &mine.0,
-            )
-        })?;
+        let all = self
+            .comm
+            .run(move |c| c.all_gather(&format!("all-gather of parameter checksums at step {step}"), &mine.0))?;
         let reference = &all[0];
         let diverged: Vec<String> = all
             .iter()

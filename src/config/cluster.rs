@@ -75,16 +75,10 @@ impl ClusterConfig {
     /// Range and consistency checks of the section.
     pub(crate) fn check(&self) -> Result<(), FieldError> {
         if self.nnodes == 0 {
-            return Err(FieldError::new(
-                "cluster.nnodes",
-                "must be at least 1, got 0",
-            ));
+            return Err(FieldError::new("cluster.nnodes", "must be at least 1, got 0"));
         }
         if self.nproc_per_node == 0 {
-            return Err(FieldError::new(
-                "cluster.nproc_per_node",
-                "must be at least 1, got 0",
-            ));
+            return Err(FieldError::new("cluster.nproc_per_node", "must be at least 1, got 0"));
         }
         let Some(product) = self.nnodes.checked_mul(self.nproc_per_node) else {
             return Err(FieldError::new(
@@ -117,10 +111,7 @@ impl ClusterConfig {
         }
         self.check_endpoints(product)?;
         if self.max_frame_mb == 0 {
-            return Err(FieldError::new(
-                "cluster.max_frame_mb",
-                "must be at least 1, got 0",
-            ));
+            return Err(FieldError::new("cluster.max_frame_mb", "must be at least 1, got 0"));
         }
         Ok(())
     }
@@ -133,9 +124,10 @@ impl ClusterConfig {
         let mut seen: HashMap<SocketAddr, usize> = HashMap::new();
         for (i, endpoint) in self.endpoints.iter().enumerate() {
             let key = format!("cluster.endpoints[{i}]");
-            let addr: SocketAddr = endpoint.trim().parse().map_err(|_| {
-                FieldError::new(&key, format!("{endpoint:?} is not an ip:port address"))
-            })?;
+            let addr: SocketAddr = endpoint
+                .trim()
+                .parse()
+                .map_err(|_| FieldError::new(&key, format!("{endpoint:?} is not an ip:port address")))?;
             if let Some(first) = seen.insert(addr, i) {
                 return Err(FieldError::new(
                     key,
@@ -196,22 +188,14 @@ mod tests {
         let msg = err_text(load_str("[cluster]\nnnodes = 0\n"));
         assert!(msg.starts_with("config.toml: cluster.nnodes: "), "{msg}");
         let msg = err_text(load_str("[cluster]\nnproc_per_node = 0\n"));
-        assert!(
-            msg.starts_with("config.toml: cluster.nproc_per_node: "),
-            "{msg}"
-        );
+        assert!(msg.starts_with("config.toml: cluster.nproc_per_node: "), "{msg}");
         let msg = err_text(load_str("[cluster]\nmax_frame_mb = 0\n"));
-        assert!(
-            msg.starts_with("config.toml: cluster.max_frame_mb: "),
-            "{msg}"
-        );
+        assert!(msg.starts_with("config.toml: cluster.max_frame_mb: "), "{msg}");
     }
 
     #[test]
     fn endpoint_that_is_not_ip_port_is_rejected_by_index() {
-        let msg = err_text(load_str(
-            "[cluster]\nendpoints = [\"127.0.0.1:7001\", \"localhost\"]\n",
-        ));
+        let msg = err_text(load_str("[cluster]\nendpoints = [\"127.0.0.1:7001\", \"localhost\"]\n"));
         assert_eq!(
             msg,
             "config.toml: cluster.endpoints[1]: \"localhost\" is not an ip:port address"
@@ -222,22 +206,17 @@ mod tests {
     fn endpoint_count_must_match_world_size() {
         let msg = err_text(load_str("[cluster]\nendpoints = [\"127.0.0.1:7001\"]\n"));
         assert!(
-            msg.starts_with(
-                "config.toml: cluster.endpoints: has 1 entries but the world size is 2"
-            ),
+            msg.starts_with("config.toml: cluster.endpoints: has 1 entries but the world size is 2"),
             "{msg}"
         );
         let msg = err_text(load_str(
             "[cluster]\nendpoints = [\"127.0.0.1:7001\", \"127.0.0.1:7001\"]\n",
         ));
         assert!(
-            msg.contains(
-                "cluster.endpoints[1]: \"127.0.0.1:7001\" duplicates cluster.endpoints[0]"
-            ),
+            msg.contains("cluster.endpoints[1]: \"127.0.0.1:7001\" duplicates cluster.endpoints[0]"),
             "{msg}"
         );
-        let config =
-            load_str("[cluster]\nendpoints = [\"127.0.0.1:7001\", \"[::1]:7002\"]\n").unwrap();
+        let config = load_str("[cluster]\nendpoints = [\"127.0.0.1:7001\", \"[::1]:7002\"]\n").unwrap();
         assert_eq!(config.cluster.endpoints.len(), 2);
     }
 

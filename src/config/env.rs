@@ -111,9 +111,9 @@ fn parse(kind: Parse, text: &str) -> Result<Value, String> {
                 .map(|item| Value::String(item.to_string()))
                 .collect(),
         )),
-        Parse::SizeMb => parse_size_mb(text).map(Value::Float).ok_or_else(|| {
-            format!("expected a size like \"32\", \"32MB\" or \"1GB\", found {text:?}")
-        }),
+        Parse::SizeMb => parse_size_mb(text)
+            .map(Value::Float)
+            .ok_or_else(|| format!("expected a size like \"32\", \"32MB\" or \"1GB\", found {text:?}")),
     }
 }
 
@@ -190,11 +190,7 @@ mod tests {
             msg,
             "environment: PADDLE_TRAINERS_NUM: expected an integer, found \"x\""
         );
-        let msg = err_text(load_with(
-            "",
-            &[("FLAGS_fuse_parameter_groups_size", "lots")],
-            &[],
-        ));
+        let msg = err_text(load_with("", &[("FLAGS_fuse_parameter_groups_size", "lots")], &[]));
         assert!(
             msg.starts_with("environment: FLAGS_fuse_parameter_groups_size: expected a size"),
             "{msg}"
@@ -209,11 +205,7 @@ mod tests {
             "environment (PADDLE_TRAINERS_NUM): cluster.world_size: 3 contradicts \
              cluster.nnodes × cluster.nproc_per_node = 1 × 2"
         );
-        let msg = err_text(load_with(
-            "",
-            &[("PADDLE_TRAINER_ENDPOINTS", "127.0.0.1:1,nope")],
-            &[],
-        ));
+        let msg = err_text(load_with("", &[("PADDLE_TRAINER_ENDPOINTS", "127.0.0.1:1,nope")], &[]));
         assert_eq!(
             msg,
             "environment (PADDLE_TRAINER_ENDPOINTS): cluster.endpoints[1]: \
@@ -229,9 +221,6 @@ mod tests {
     #[test]
     fn section_that_is_not_a_table_names_the_variable() {
         let msg = err_text(load_with("cluster = 1\n", &[("PADDLE_NNODES", "2")], &[]));
-        assert!(
-            msg.starts_with("environment: PADDLE_NNODES: cannot set"),
-            "{msg}"
-        );
+        assert!(msg.starts_with("environment: PADDLE_NNODES: cannot set"), "{msg}");
     }
 }

@@ -87,19 +87,10 @@ mod tests {
     #[test]
     fn timeout_must_be_positive() {
         let msg = err_text(load_str("[fault_tolerance]\ntimeout_s = 0\n"));
-        assert!(
-            msg.starts_with("config.toml: fault_tolerance.timeout_s: "),
-            "{msg}"
-        );
+        assert!(msg.starts_with("config.toml: fault_tolerance.timeout_s: "), "{msg}");
         let msg = err_text(load_str("[fault_tolerance]\ntimeout_s = inf\n"));
-        assert!(
-            msg.starts_with("config.toml: fault_tolerance.timeout_s: "),
-            "{msg}"
-        );
+        assert!(msg.starts_with("config.toml: fault_tolerance.timeout_s: "), "{msg}");
         let config = load_str("[fault_tolerance]\ntimeout_s = 2.5\n").unwrap();
-        assert_eq!(
-            config.fault_tolerance.timeout(),
-            Duration::from_millis(2500)
-        );
+        assert_eq!(config.fault_tolerance.timeout(), Duration::from_millis(2500));
     }
 }

@@ -189,12 +189,10 @@ impl JobConfig {
     /// (given the same source name and no further overrides).
     pub fn to_toml_string(&self) -> Result<String, ConfigError> {
         let mut out = String::new();
-        serde_path_to_error::serialize(self, toml::Serializer::new(&mut out)).map_err(|err| {
-            ConfigError::Invalid {
-                source_name: self.source_name.clone(),
-                key: display_path(&err.path().to_string()),
-                message: format!("cannot serialize to TOML: {}", err.inner()),
-            }
+        serde_path_to_error::serialize(self, toml::Serializer::new(&mut out)).map_err(|err| ConfigError::Invalid {
+            source_name: self.source_name.clone(),
+            key: display_path(&err.path().to_string()),
+            message: format!("cannot serialize to TOML: {}", err.inner()),
         })?;
         Ok(out)
     }
@@ -235,9 +233,7 @@ fn load(
     let mut config = deserialize(table, &provenance)?;
     config.source_name = source_name.to_string();
     config.train.resolve_defaults();
-    config
-        .check()
-        .map_err(|e| provenance.error(e.key, e.message))?;
+    config.check().map_err(|e| provenance.error(e.key, e.message))?;
     Ok(config)
 }
 
@@ -254,10 +250,7 @@ fn parse_document(text: &str, source_name: &str) -> Result<Table, ConfigError> {
         ConfigError::Invalid {
             source_name: source_name.to_string(),
             key,
-            message: format!(
-                "invalid TOML: {}",
-                err.message().trim_end().replace('\n', "; ")
-            ),
+            message: format!("invalid TOML: {}", err.message().trim_end().replace('\n', "; ")),
         }
     })
 }
@@ -432,15 +425,8 @@ pub(crate) mod tests {
     }
 
     /// Loads `text` as `config.toml` with a fake environment and `--set` overrides.
-    pub(crate) fn load_with(
-        text: &str,
-        vars: &[(&str, &str)],
-        sets: &[&str],
-    ) -> Result<JobConfig, ConfigError> {
-        let vars: HashMap<String, String> = vars
-            .iter()
-            .map(|(k, v)| (k.to_string(), v.to_string()))
-            .collect();
+    pub(crate) fn load_with(text: &str, vars: &[(&str, &str)], sets: &[&str]) -> Result<JobConfig, ConfigError> {
+        let vars: HashMap<String, String> = vars.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
         let env = move |name: &str| vars.get(name).cloned();
         let sets: Vec<String> = sets.iter().map(|s| s.to_string()).collect();
         JobConfig::from_toml_str(text, "config.toml", &env, &sets)
@@ -489,9 +475,7 @@ pub(crate) mod tests {
             let text = format!("[{section}]\nbogus_key = 1\n");
             let msg = err_text(load_str(&text));
             assert!(
-                msg.starts_with(&format!(
-                    "config.toml: {section}: unknown field `bogus_key`"
-                )),
+                msg.starts_with(&format!("config.toml: {section}: unknown field `bogus_key`")),
                 "{msg}"
             );
             assert!(msg.contains("expected"), "{msg}");
@@ -521,10 +505,7 @@ pub(crate) mod tests {
             "config.toml: strategy.fuse_grad_size_in_MB: invalid type: string \"x\", expected f64"
         );
         let msg = err_text(load_str("[train]\nhidden_sizes = [64, \"x\"]\n"));
-        assert!(
-            msg.starts_with("config.toml: train.hidden_sizes[1]: "),
-            "{msg}"
-        );
+        assert!(msg.starts_with("config.toml: train.hidden_sizes[1]: "), "{msg}");
         let msg = err_text(load_str("[cluster]\nnnodes = -1\n"));
         assert!(msg.starts_with("config.toml: cluster.nnodes: "), "{msg}");
     }
@@ -569,19 +550,11 @@ pub(crate) mod tests {
         let serialized = config.to_toml_string().unwrap();
         let reloaded = load_str(&serialized).unwrap();
         assert_eq!(config, reloaded, "{serialized}");
-        assert!(
-            serialized.contains("fuse_grad_size_in_MB = 0.5"),
-            "{serialized}"
-        );
+        assert!(serialized.contains("fuse_grad_size_in_MB = 0.5"), "{serialized}");
 
         let default = JobConfig::default();
-        let reloaded = JobConfig::from_toml_str(
-            &default.to_toml_string().unwrap(),
-            DEFAULT_SOURCE_NAME,
-            &no_env,
-            &[],
-        )
-        .unwrap();
+        let reloaded =
+            JobConfig::from_toml_str(&default.to_toml_string().unwrap(), DEFAULT_SOURCE_NAME, &no_env, &[]).unwrap();
         assert_eq!(default, reloaded);
     }
 
@@ -591,10 +564,7 @@ pub(crate) mod tests {
         let path = dir.path().join("job.toml");
         std::fs::write(&path, "[train]\nlr = \"fast\"\n").unwrap();
         let msg = err_text(JobConfig::from_file(&path, &no_env, &[]));
-        assert!(
-            msg.starts_with(&format!("{}: train.lr: ", path.display())),
-            "{msg}"
-        );
+        assert!(msg.starts_with(&format!("{}: train.lr: ", path.display())), "{msg}");
 
         std::fs::write(&path, "[train]\nlr = 0.1\n").unwrap();
         let config = JobConfig::from_file(&path, &no_env, &[]).unwrap();

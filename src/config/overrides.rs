@@ -11,11 +11,7 @@ use toml::{Table, Value};
 use super::{set_path, ConfigError, Provenance, SET_SOURCE};
 
 /// Applies every override in order (later ones win), recording them in `provenance`.
-pub(super) fn apply(
-    table: &mut Table,
-    overrides: &[String],
-    provenance: &mut Provenance,
-) -> Result<(), ConfigError> {
+pub(super) fn apply(table: &mut Table, overrides: &[String], provenance: &mut Provenance) -> Result<(), ConfigError> {
     for text in overrides {
         let error = |message: String| ConfigError::Invalid {
             source_name: SET_SOURCE.to_string(),
@@ -106,19 +102,13 @@ mod tests {
     #[test]
     fn unknown_key_from_set_is_rejected_and_attributed() {
         let msg = err_text(load_with("", &[], &["strategy.bogus=1"]));
-        assert!(
-            msg.starts_with("--set: strategy: unknown field `bogus`"),
-            "{msg}"
-        );
+        assert!(msg.starts_with("--set: strategy: unknown field `bogus`"), "{msg}");
     }
 
     #[test]
     fn bad_value_from_set_names_set() {
         let msg = err_text(load_with("[train]\nlr = 0.1\n", &[], &["train.lr=fast"]));
-        assert_eq!(
-            msg,
-            "--set: train.lr: invalid type: string \"fast\", expected f64"
-        );
+        assert_eq!(msg, "--set: train.lr: invalid type: string \"fast\", expected f64");
         let msg = err_text(load_with("", &[], &["train.batch_size=7"]));
         assert!(msg.starts_with("--set: train.batch_size: "), "{msg}");
     }
@@ -132,10 +122,7 @@ mod tests {
             ("train..lr=3", "empty segment"),
         ] {
             let msg = err_text(load_with("", &[], &[text]));
-            assert!(
-                msg.starts_with(&format!("--set: {text}: expected")),
-                "{msg}"
-            );
+            assert!(msg.starts_with(&format!("--set: {text}: expected")), "{msg}");
             assert!(msg.contains(why), "{msg}");
         }
         let msg = err_text(load_with("[train]\nlr = 0.1\n", &[], &["train.lr.x=1"]));
@@ -144,9 +131,6 @@ mod tests {
             "--set: train.lr.x=1: cannot set `train.lr.x`: `train.lr` is a float, not a table"
         );
         let msg = err_text(load_with("", &[], &["train.lr.x=1"]));
-        assert!(
-            msg.starts_with("--set: train.lr: invalid type: map"),
-            "{msg}"
-        );
+        assert!(msg.starts_with("--set: train.lr: invalid type: map"), "{msg}");
     }
 }

@@ -98,10 +98,7 @@ mod tests {
             "--set: strategy.a_sync_configs: not supported yet (parameter server)"
         );
         let msg = err_text(load_str("[strategy]\namp = false\n"));
-        assert!(
-            msg.ends_with("not supported yet (mixed precision)"),
-            "{msg}"
-        );
+        assert!(msg.ends_with("not supported yet (mixed precision)"), "{msg}");
     }
 
     #[test]

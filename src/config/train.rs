@@ -210,10 +210,7 @@ impl TrainConfig {
         positive_finite("train.lr", self.lr)?;
         let m = self.momentum;
         if !((0.0..1.0).contains(&m)) {
-            return Err(FieldError::new(
-                "train.momentum",
-                format!("must be in [0, 1), got {m}"),
-            ));
+            return Err(FieldError::new("train.momentum", format!("must be in [0, 1), got {m}")));
         }
         let wd = self.weight_decay;
         if !(wd.is_finite() && wd >= 0.0) {
@@ -239,10 +236,7 @@ impl TrainConfig {
 /// `value >= min`, or an error naming `key`.
 fn at_least(key: &str, value: usize, min: usize) -> Result<(), FieldError> {
     if value < min {
-        return Err(FieldError::new(
-            key,
-            format!("must be at least {min}, got {value}"),
-        ));
+        return Err(FieldError::new(key, format!("must be at least {min}, got {value}")));
     }
     Ok(())
 }
@@ -295,10 +289,7 @@ mod tests {
         let config = load_str("[train]\nepochs = 3\n").unwrap();
         assert_eq!(config.train.length(), TrainLength::Epochs(3));
         let msg = err_text(load_str("[train]\nsteps = 0\n"));
-        assert!(
-            msg.starts_with("config.toml: train.steps: must be at least 1"),
-            "{msg}"
-        );
+        assert!(msg.starts_with("config.toml: train.steps: must be at least 1"), "{msg}");
         let msg = err_text(load_str("[train]\nepochs = 0\n"));
         assert!(
             msg.starts_with("config.toml: train.epochs: must be at least 1"),
@@ -308,10 +299,8 @@ mod tests {
 
     #[test]
     fn enums_parse_lowercase() {
-        let config = load_str(
-            "[train]\noptimizer = \"adamw\"\nlr_scaling = \"linear\"\ndataset = \"synthetic\"\n",
-        )
-        .unwrap();
+        let config =
+            load_str("[train]\noptimizer = \"adamw\"\nlr_scaling = \"linear\"\ndataset = \"synthetic\"\n").unwrap();
         assert_eq!(config.train.optimizer, OptimizerKind::Adamw);
         assert_eq!(config.train.lr_scaling, LrScaling::Linear);
         assert_eq!(config.train.dataset, DatasetKind::Synthetic);
@@ -337,10 +326,7 @@ mod tests {
             ("hidden_sizes = [32, 0]", "train.hidden_sizes[1]"),
         ] {
             let msg = err_text(load_str(&format!("[train]\n{text}\n")));
-            assert!(
-                msg.starts_with(&format!("config.toml: {key}: ")),
-                "{text}: {msg}"
-            );
+            assert!(msg.starts_with(&format!("config.toml: {key}: ")), "{text}: {msg}");
         }
     }
 }

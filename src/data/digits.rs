@@ -24,9 +24,7 @@ pub(super) fn load() -> Result<Dataset> {
             );
         }
         for v in &values[..PIXELS] {
-            let pixel: f32 = v
-                .parse()
-                .with_context(|| format!("digits.csv line {}", line_no + 1))?;
+            let pixel: f32 = v.parse().with_context(|| format!("digits.csv line {}", line_no + 1))?;
             features.push(pixel / MAX_PIXEL);
         }
         labels.push(

@@ -44,13 +44,7 @@ pub struct ShardedLoader {
 impl ShardedLoader {
     /// A loader for `rank` of `world_size`; `global_batch` must divide by the
     /// world size and fit in the dataset.
-    pub fn new(
-        data: Arc<Dataset>,
-        global_batch: usize,
-        rank: usize,
-        world_size: usize,
-        seed: u64,
-    ) -> Result<Self> {
+    pub fn new(data: Arc<Dataset>, global_batch: usize, rank: usize, world_size: usize, seed: u64) -> Result<Self> {
         ensure!(
             world_size > 0 && rank < world_size,
             "rank {rank} is outside world size {world_size}"

@@ -34,12 +34,7 @@ impl ParamInit {
 
     /// Kaiming-uniform for a layer of `fan_in` inputs, as PyTorch's `Linear`
     /// does: bound `1/sqrt(fan_in)`.
-    pub fn fan_in_uniform(
-        &self,
-        name: &str,
-        shape: &[usize],
-        fan_in: usize,
-    ) -> candle_core::Result<Var> {
+    pub fn fan_in_uniform(&self, name: &str, shape: &[usize], fan_in: usize) -> candle_core::Result<Var> {
         self.uniform(name, shape, 1.0 / (fan_in.max(1) as f32).sqrt())
     }
 }

@@ -53,10 +53,7 @@ impl Model {
         let mut names: Vec<&str> = blocks.iter().map(|b| b.name()).collect();
         names.sort_unstable();
         if let Some(w) = names.windows(2).find(|w| w[0] == w[1]) {
-            anyhow::bail!(
-                "two blocks are named {:?}; block names must be unique",
-                w[0]
-            );
+            anyhow::bail!("two blocks are named {:?}; block names must be unique", w[0]);
         }
         Ok(Self { blocks })
     }
@@ -73,13 +70,11 @@ impl Model {
             .iter()
             .enumerate()
             .flat_map(|(block, b)| {
-                b.parameters()
-                    .into_iter()
-                    .map(move |(name, var)| NamedParam {
-                        name: format!("{}.{name}", b.name()),
-                        block,
-                        var,
-                    })
+                b.parameters().into_iter().map(move |(name, var)| NamedParam {
+                    name: format!("{}.{name}", b.name()),
+                    block,
+                    var,
+                })
             })
             .collect()
     }

@@ -55,12 +55,7 @@ impl ControlBus {
     }
 
     /// Joins the rendezvous; returns every rank's data endpoint, by rank.
-    pub async fn join(
-        &mut self,
-        rank: usize,
-        world_size: usize,
-        data_endpoint: String,
-    ) -> Result<Vec<String>> {
+    pub async fn join(&mut self, rank: usize, world_size: usize, data_endpoint: String) -> Result<Vec<String>> {
         match self {
             Self::InMemory(coordinator) => coordinator
                 .send(Join {

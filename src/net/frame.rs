@@ -142,9 +142,7 @@ mod tests {
         let mut wire = BytesMut::new();
         codec.encode(Bytes::from(vec![0u8; 8]), &mut wire).unwrap();
         assert_eq!(codec.decode(&mut wire).unwrap().unwrap().remaining(), 8);
-        assert!(codec
-            .encode(Bytes::from(vec![0u8; 17]), &mut BytesMut::new())
-            .is_err());
+        assert!(codec.encode(Bytes::from(vec![0u8; 17]), &mut BytesMut::new()).is_err());
         let mut claimed = BytesMut::from(&(1u32 << 30).to_be_bytes()[..]);
         assert!(
             codec.decode(&mut claimed).is_err(),

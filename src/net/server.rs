@@ -18,9 +18,7 @@ pub async fn serve(listener: TcpListener, coordinator: Addr<Coordinator>, max_fr
             Ok((stream, peer)) => {
                 let coordinator = coordinator.clone();
                 actix::spawn(async move {
-                    if let Err(reason) =
-                        handle_connection(stream, coordinator, max_frame_bytes).await
-                    {
+                    if let Err(reason) = handle_connection(stream, coordinator, max_frame_bytes).await {
                         tracing::warn!(%peer, "closed control connection: {reason}");
                     }
                 });

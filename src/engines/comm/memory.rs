@@ -25,8 +25,7 @@ pub struct MemoryTransport {
 /// Builds the links of a ring of `world_size` ranks; element `r` belongs to
 /// rank `r`.
 pub fn ring(world_size: usize, timeout: Duration) -> Vec<MemoryTransport> {
-    let (senders, receivers): (Vec<_>, Vec<_>) =
-        (0..world_size).map(|_| channel::<Message>()).unzip();
+    let (senders, receivers): (Vec<_>, Vec<_>) = (0..world_size).map(|_| channel::<Message>()).unzip();
     // Channel r carries messages *into* rank r, from its left neighbour.
     let mut receivers: Vec<Option<Receiver<Message>>> = receivers.into_iter().map(Some).collect();
     (0..world_size)

@@ -101,12 +101,7 @@ impl Communicator {
 
     /// Passes finished segments around the ring: before, rank `r` owns
     /// segment `r + shift`; after, every rank has every segment.
-    fn ring_all_gather<T: bytemuck::Pod>(
-        &mut self,
-        op: &str,
-        data: &mut [T],
-        shift: usize,
-    ) -> Result<()> {
+    fn ring_all_gather<T: bytemuck::Pod>(&mut self, op: &str, data: &mut [T], shift: usize) -> Result<()> {
         let n = self.world_size();
         let rank = self.rank();
         let len = data.len();
@@ -141,20 +136,13 @@ impl Communicator {
             // Blocks of equal width are exactly the ring's segments.
             self.ring_all_gather(op, &mut all, 0)?;
         }
-        Ok(all
-            .chunks(width.max(1))
-            .take(n)
-            .map(<[u8]>::to_vec)
-            .collect())
+        Ok(all.chunks(width.max(1)).take(n).map(<[u8]>::to_vec).collect())
     }
 
     /// Copies `root`'s `data` to every rank, along the ring.
     pub fn broadcast(&mut self, op: &str, data: &mut [u8], root: usize) -> Result<()> {
         let n = self.world_size();
-        ensure!(
-            root < n,
-            "{op}: broadcast root {root} is outside world size {n}"
-        );
+        ensure!(root < n, "{op}: broadcast root {root} is outside world size {n}");
         if n == 1 {
             return Ok(());
         }
@@ -193,17 +181,12 @@ mod tests {
                     s.spawn(move || f(&mut Communicator::new(Box::new(t))))
                 })
                 .collect();
-            handles
-                .into_iter()
-                .map(|h| h.join().expect("rank thread"))
-                .collect()
+            handles.into_iter().map(|h| h.join().expect("rank thread")).collect()
         })
     }
 
     fn rank_buffer(rank: usize, len: usize) -> Vec<f32> {
-        (0..len)
-            .map(|i| ((rank * 7919 + i * 31) % 1000) as f32 / 8.0)
-            .collect()
+        (0..len).map(|i| ((rank * 7919 + i * 31) % 1000) as f32 / 8.0).collect()
     }
 
     #[test]
@@ -214,9 +197,8 @@ mod tests {
                     let mut data = rank_buffer(c.rank(), len);
                     c.all_reduce_sum("test", &mut data).map(|()| data)
                 });
-                let expected: Vec<f32> = (0..len)
-                    .map(|i| (0..n).map(|r| rank_buffer(r, len)[i]).sum())
-                    .collect();
+                let inputs: Vec<Vec<f32>> = (0..n).map(|r| rank_buffer(r, len)).collect();
+                let expected: Vec<f32> = (0..len).map(|i| inputs.iter().map(|b| b[i]).sum()).collect();
                 for (rank, r) in results.into_iter().enumerate() {
                     // Values are multiples of 1/8 below 1000: every sum is exact.
                     assert_eq!(r.unwrap(), expected, "n={n} len={len} rank={rank}");
@@ -238,10 +220,7 @@ mod tests {
             for r in results {
                 let (data, gathered) = r.unwrap();
                 assert_eq!(data, vec![(n - 1) as u8; 5]);
-                assert_eq!(
-                    gathered,
-                    (0..n).map(|i| vec![i as u8, 9]).collect::<Vec<_>>()
-                );
+                assert_eq!(gathered, (0..n).map(|i| vec![i as u8, 9]).collect::<Vec<_>>());
             }
         }
     }

@@ -40,17 +40,9 @@ impl TcpTransport {
     /// Joins the ring: connects to the right neighbour's endpoint and accepts
     /// the left neighbour on `listener` (this rank's own endpoint, bound
     /// before the rendezvous so that every peer can already connect).
-    pub fn connect(
-        rank: usize,
-        endpoints: &[SocketAddr],
-        listener: &TcpListener,
-        timeout: Duration,
-    ) -> Result<Self> {
+    pub fn connect(rank: usize, endpoints: &[SocketAddr], listener: &TcpListener, timeout: Duration) -> Result<Self> {
         let world_size = endpoints.len();
-        anyhow::ensure!(
-            world_size >= 2,
-            "a TCP ring needs two ranks or more, got {world_size}"
-        );
+        anyhow::ensure!(world_size >= 2, "a TCP ring needs two ranks or more, got {world_size}");
         let right = (rank + 1) % world_size;
         let left = (rank + world_size - 1) % world_size;
         let deadline = Instant::now() + timeout;
@@ -88,9 +80,7 @@ impl TcpTransport {
                 self.world_size
             ),
             io::ErrorKind::InvalidData => anyhow::anyhow!("{e}"),
-            io::ErrorKind::UnexpectedEof
-            | io::ErrorKind::ConnectionReset
-            | io::ErrorKind::BrokenPipe => {
+            io::ErrorKind::UnexpectedEof | io::ErrorKind::ConnectionReset | io::ErrorKind::BrokenPipe => {
                 anyhow::anyhow!("{op}: rank {peer} closed its ring link ({e})")
             }
             _ => anyhow::anyhow!("{op}: ring link to rank {peer}: {e}"),
@@ -132,12 +122,7 @@ fn connect_right(
     )
 }
 
-fn accept_left(
-    listener: &TcpListener,
-    rank: usize,
-    left: usize,
-    deadline: Instant,
-) -> Result<TcpStream> {
+fn accept_left(listener: &TcpListener, rank: usize, left: usize, deadline: Instant) -> Result<TcpStream> {
     listener.set_nonblocking(true)?;
     let local = listener.local_addr()?;
     loop {
@@ -212,8 +197,7 @@ impl RingTransport for TcpTransport {
             len: bytes.len() as u64,
         };
         self.sent += 1;
-        write_message(&mut &self.to_right, header, bytes)
-            .map_err(|e| self.link_error(op, self.right(), e))
+        write_message(&mut &self.to_right, header, bytes).map_err(|e| self.link_error(op, self.right(), e))
     }
 
     fn recv(&mut self, op: &str, len: usize, on_recv: &mut dyn FnMut(usize, &[u8])) -> Result<()> {
@@ -223,15 +207,8 @@ impl RingTransport for TcpTransport {
         };
         self.received += 1;
         let left = self.left();
-        read_message(
-            &self.from_left,
-            &mut self.scratch,
-            expected,
-            op,
-            left,
-            on_recv,
-        )
-        .map_err(|e| self.link_error(op, left, e))
+        read_message(&self.from_left, &mut self.scratch, expected, op, left, on_recv)
+            .map_err(|e| self.link_error(op, left, e))
     }
 
     fn exchange(

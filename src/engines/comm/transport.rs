@@ -28,14 +28,8 @@ impl MessageHeader {
     }
 
     /// Decodes a header and checks it is the one expected next.
-    pub fn check(
-        bytes: &[u8; Self::SIZE],
-        expected: MessageHeader,
-        op: &str,
-        peer: usize,
-    ) -> Result<()> {
-        let word =
-            |i: usize| u64::from_le_bytes(bytes[i * 8..(i + 1) * 8].try_into().unwrap_or_default());
+    pub fn check(bytes: &[u8; Self::SIZE], expected: MessageHeader, op: &str, peer: usize) -> Result<()> {
+        let word = |i: usize| u64::from_le_bytes(bytes[i * 8..(i + 1) * 8].try_into().unwrap_or_default());
         if word(0) != Self::MAGIC {
             bail!("{op}: corrupt message from rank {peer}: bad magic (stream torn or not a flotilla peer)");
         }
@@ -100,13 +94,7 @@ mod tests {
     fn header_round_trip_and_mismatch() {
         let h = MessageHeader { seq: 3, len: 12 };
         assert!(MessageHeader::check(&h.encode(), h, "op", 1).is_ok());
-        let err = MessageHeader::check(
-            &h.encode(),
-            MessageHeader { seq: 4, len: 12 },
-            "all-reduce",
-            2,
-        )
-        .unwrap_err();
+        let err = MessageHeader::check(&h.encode(), MessageHeader { seq: 4, len: 12 }, "all-reduce", 2).unwrap_err();
         assert!(err.to_string().contains("rank 2"), "{err}");
         let mut bad = h.encode();
         bad[0] ^= 1;

@@ -33,9 +33,9 @@ pub struct Pending<T> {
 impl<T> Pending<T> {
     /// Blocks until the collective has finished.
     pub fn wait(self) -> Result<T> {
-        self.result.recv().map_err(|_| {
-            anyhow!("the communication thread stopped before finishing a collective")
-        })?
+        self.result
+            .recv()
+            .map_err(|_| anyhow!("the communication thread stopped before finishing a collective"))?
     }
 }
 

@@ -1,0 +1,147 @@
+//! `flotilla bench allreduce`: ring all-reduce between real processes on
+//! loopback, reported as nccl-tests does: median time, algorithm bandwidth
+//! (bytes / time) and bus bandwidth (algbw × 2(n−1)/n, what each link
+//! carries, comparable across world sizes).
+
+use std::net::TcpListener;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result};
+use serde::Serialize;
+
+use crate::engines::comm::tcp::TcpTransport;
+use crate::engines::comm::Communicator;
+use crate::job::connect_control;
+use crate::launch::{supervise, ChildSpec, OutputMode};
+
+/// Arguments shared by the parent and its ranks.
+#[derive(Debug, Clone, clap::Args)]
+pub struct AllReduceArgs {
+    /// Buffer sizes in MiB, comma-separated.
+    #[arg(long, value_delimiter = ',', default_value = "1,16,64")]
+    pub size_mb: Vec<f64>,
+    /// Timed iterations per size (after two warm-up ones).
+    #[arg(long, default_value_t = 20)]
+    pub iters: usize,
+    /// One JSON object a line instead of a table.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// One size's figures.
+#[derive(Debug, Clone, Serialize)]
+pub struct AllReduceFigures {
+    /// Always `"allreduce"`.
+    pub op: &'static str,
+    /// Processes.
+    pub nproc: usize,
+    /// Buffer size in bytes.
+    pub bytes: usize,
+    /// Median wall time of one all-reduce, seconds.
+    pub median_s: f64,
+    /// bytes / median, GB/s (1e9).
+    pub algbw_gbps: f64,
+    /// algbw × 2(n−1)/n, GB/s.
+    pub busbw_gbps: f64,
+}
+
+/// Starts `nproc` ranks of this binary on loopback and relays rank 0's
+/// figures.
+pub fn run(nproc: usize, args: &AllReduceArgs) -> Result<()> {
+    anyhow::ensure!(nproc >= 2, "--nproc must be at least 2 for an all-reduce benchmark");
+    let master = free_loopback_port()?;
+    let exe = std::env::current_exe().context("locating the flotilla binary")?;
+    let mut rank_args = vec!["bench".to_string(), "allreduce-rank".to_string(), "--iters".to_string(), args.iters.to_string()];
+    rank_args.push("--size-mb".to_string());
+    rank_args.push(args.size_mb.iter().map(f64::to_string).collect::<Vec<_>>().join(","));
+    if args.json {
+        rank_args.push("--json".to_string());
+    }
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).div_ceil(nproc).max(1);
+    let children = (0..nproc)
+        .map(|rank| ChildSpec {
+            rank,
+            program: exe.clone(),
+            args: rank_args.clone(),
+            env: vec![
+                ("PADDLE_TRAINER_ID".to_string(), rank.to_string()),
+                ("PADDLE_TRAINERS_NUM".to_string(), nproc.to_string()),
+                ("PADDLE_MASTER".to_string(), master.clone()),
+                ("RAYON_NUM_THREADS".to_string(), threads.to_string()),
+            ],
+        })
+        .collect();
+    supervise(children, OutputMode::Rank0Plain)
+}
+
+fn free_loopback_port() -> Result<String> {
+    let probe = TcpListener::bind("127.0.0.1:0").context("finding a free loopback port")?;
+    Ok(probe.local_addr()?.to_string())
+}
+
+fn env_usize(name: &str) -> Result<usize> {
+    let value = std::env::var(name).with_context(|| format!("{name} is not set (this command is started by `flotilla bench allreduce`)"))?;
+    value.parse().with_context(|| format!("{name} = {value:?} is not a number"))
+}
+
+/// One rank of the benchmark (started by [`run`]).
+pub fn run_rank(args: &AllReduceArgs) -> Result<()> {
+    anyhow::ensure!(args.iters >= 1, "--iters must be at least 1");
+    let rank = env_usize("PADDLE_TRAINER_ID")?;
+    let world = env_usize("PADDLE_TRAINERS_NUM")?;
+    let master = std::env::var("PADDLE_MASTER").context("PADDLE_MASTER is not set")?;
+    let timeout = Duration::from_secs(120);
+    let listener = TcpListener::bind("127.0.0.1:0").context("binding the ring listener")?;
+    let endpoint = listener.local_addr()?.to_string();
+    let roster = actix::System::new().block_on(async move {
+        let mut bus = connect_control(rank, world, &master, timeout, 1 << 20).await?;
+        let roster = bus.join(rank, world, endpoint).await?;
+        Ok::<_, anyhow::Error>(roster)
+    })?;
+    let endpoints = roster.iter().map(|e| e.parse()).collect::<Result<Vec<_>, _>>()?;
+    let mut comm = Communicator::new(Box::new(TcpTransport::connect(rank, &endpoints, &listener, timeout)?));
+    if rank == 0 && !args.json {
+        println!("{:>10} {:>6} {:>12} {:>12} {:>12}", "size_MiB", "nproc", "median_ms", "algbw_GB/s", "busbw_GB/s");
+    }
+    for &size_mb in &args.size_mb {
+        let len = ((size_mb * (1 << 20) as f64) as usize) / 4;
+        let mut data: Vec<f32> = (0..len).map(|i| (i % 97) as f32).collect();
+        let mut times = Vec::with_capacity(args.iters);
+        for iter in 0..args.iters + 2 {
+            comm.barrier("benchmark barrier")?;
+            let start = Instant::now();
+            comm.all_reduce_sum("benchmark all-reduce", &mut data)?;
+            if iter >= 2 {
+                times.push(start.elapsed().as_secs_f64());
+            }
+        }
+        times.sort_by(f64::total_cmp);
+        let median = times[times.len() / 2];
+        let bytes = len * 4;
+        let algbw = bytes as f64 / median / 1e9;
+        let figures = AllReduceFigures {
+            op: "allreduce",
+            nproc: world,
+            bytes,
+            median_s: median,
+            algbw_gbps: algbw,
+            busbw_gbps: algbw * 2.0 * (world - 1) as f64 / world as f64,
+        };
+        if rank == 0 {
+            if args.json {
+                println!("{}", serde_json::to_string(&figures)?);
+            } else {
+                println!(
+                    "{:>10} {:>6} {:>12.3} {:>12.3} {:>12.3}",
+                    size_mb,
+                    world,
+                    median * 1e3,
+                    figures.algbw_gbps,
+                    figures.busbw_gbps
+                );
+            }
+        }
+    }
+    comm.barrier("end of benchmark")?;
+    Ok(())
+}

@@ -1,0 +1,3 @@
+//! Benchmarks that print figures (never asserts): `flotilla bench …`.
+
+pub mod allreduce;

@@ -1,0 +1,30 @@
+//! The control line of one process of a multi-process job: rank 0 hosts
+//! the coordinator on the master endpoint, and every rank (rank 0 too)
+//! connects to it over TCP, so all ranks take the same path.
+
+use std::time::Duration;
+
+use actix::Actor;
+use anyhow::{Context, Result};
+
+use crate::actors::Coordinator;
+use crate::net::{server, ControlBus};
+
+/// Hosts the coordinator when `rank` is 0, then connects to it. Must run
+/// inside an actix system.
+pub async fn connect_control(
+    rank: usize,
+    world_size: usize,
+    master: &str,
+    timeout: Duration,
+    max_frame_bytes: usize,
+) -> Result<ControlBus> {
+    if rank == 0 {
+        let control = tokio::net::TcpListener::bind(master)
+            .await
+            .with_context(|| format!("rank 0: cannot bind the coordinator endpoint {master} (cluster.master)"))?;
+        let coordinator = Coordinator::new(world_size, timeout).start();
+        actix::spawn(server::serve(control, coordinator, max_frame_bytes));
+    }
+    ControlBus::connect(master, timeout, max_frame_bytes).await.with_context(|| format!("rank {rank}"))
+}

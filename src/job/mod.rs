@@ -1,0 +1,119 @@
+//! The library face: what a Paddle user writes with `fleet.init(strategy)`,
+//! a flotilla user writes as a [`TrainingJob`] — a config (with its
+//! `DistributedStrategy`), a model built from blocks, and a dataset — and
+//! hands to [`TrainingJob::run`], which trains it in-process or as one rank
+//! of a launched cluster. The built-in jobs take the same path.
+
+mod control;
+mod outputs;
+mod process;
+mod simulated;
+
+pub use control::connect_control;
+pub use outputs::{RunOutcome, Summary};
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use anyhow::{Context, Result};
+
+use crate::actors::device::ModelFactory;
+use crate::config::{DatasetKind, JobConfig, ModelKind};
+use crate::data::Dataset;
+use crate::models::{mlp, Model, ParamInit};
+
+/// Where and how a run reports.
+#[derive(Debug, Clone)]
+pub struct RunOptions {
+    /// Directory for `summary.json`, `params.safetensors` and the resolved
+    /// `config.toml` (written by rank 0).
+    pub run_dir: PathBuf,
+    /// Draw a progress bar on rank 0.
+    pub show_progress: bool,
+}
+
+/// A model, its data and the config that says how to train it.
+#[derive(Clone)]
+pub struct TrainingJob {
+    /// The validated job config.
+    pub config: Arc<JobConfig>,
+    /// Builds the model on each rank's device thread.
+    pub model: ModelFactory,
+    /// Training split.
+    pub train_data: Arc<Dataset>,
+    /// Held-out split.
+    pub test_data: Arc<Dataset>,
+}
+
+impl TrainingJob {
+    /// A job over a user's model and data.
+    pub fn new(
+        config: JobConfig,
+        model: impl Fn(&ParamInit) -> Result<Model> + Send + Sync + 'static,
+        train_data: Dataset,
+        test_data: Dataset,
+    ) -> Self {
+        Self {
+            config: Arc::new(config),
+            model: Arc::new(model),
+            train_data: Arc::new(train_data),
+            test_data: Arc::new(test_data),
+        }
+    }
+
+    /// The job `config.train` describes with the built-in models and data.
+    pub fn builtin(config: JobConfig) -> Result<Self> {
+        let train = &config.train;
+        let data = match train.dataset {
+            DatasetKind::Digits => Dataset::digits()?,
+            DatasetKind::Synthetic => Dataset::synthetic(
+                train.synthetic_samples,
+                train.synthetic_features,
+                train.synthetic_classes,
+                train.seed,
+            )?,
+        };
+        let (train_data, test_data) = data
+            .split(train.test_fraction, train.seed)
+            .context("train.test_fraction")?;
+        let (inputs, classes, hidden) = (data.dim, data.classes, train.hidden_sizes.clone());
+        let model = match train.model {
+            ModelKind::Mlp => move |init: &ParamInit| mlp(inputs, &hidden, classes, init),
+        };
+        Ok(Self::new(config, model, train_data, test_data))
+    }
+
+    /// Runs the job the way its environment asks: as one rank of a launched
+    /// cluster when `PADDLE_TRAINER_ID` is set (by `flotilla launch`), else
+    /// as a simulated cluster of `cluster.world_size` ranks in this process.
+    /// Returns rank 0's outcome (other ranks of a launched job get `None`).
+    pub fn run(&self, options: &RunOptions) -> Result<Option<RunOutcome>> {
+        match std::env::var("PADDLE_TRAINER_ID") {
+            Ok(id) => {
+                let rank = id
+                    .trim()
+                    .parse()
+                    .with_context(|| format!("PADDLE_TRAINER_ID = {id:?} is not a rank"))?;
+                self.run_rank(rank, options)
+            }
+            Err(_) => self.run_simulated(options).map(Some),
+        }
+    }
+
+    /// All ranks as actors of this process, ring links in memory.
+    pub fn run_simulated(&self, options: &RunOptions) -> Result<RunOutcome> {
+        let outcome = simulated::run(self, options.show_progress)?;
+        outcome.write(&options.run_dir, &self.config)?;
+        Ok(outcome)
+    }
+
+    /// One rank of a multi-process job over TCP; rank 0 also hosts the
+    /// coordinator at `cluster.master` and writes the outputs.
+    pub fn run_rank(&self, rank: usize, options: &RunOptions) -> Result<Option<RunOutcome>> {
+        let outcome = process::run(self, rank, options.show_progress && rank == 0)?;
+        if let Some(outcome) = &outcome {
+            outcome.write(&options.run_dir, &self.config)?;
+        }
+        Ok(outcome)
+    }
+}

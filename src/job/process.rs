@@ -1,0 +1,69 @@
+//! One rank of a multi-process job. Rank 0 also hosts the coordinator on
+//! `cluster.master`; every rank binds its data endpoint (the configured one,
+//! or an ephemeral port) before joining, reaches the coordinator over TCP
+//! and builds its ring from the roster.
+
+use std::net::TcpListener;
+
+use actix::prelude::*;
+use anyhow::{anyhow, Context, Result};
+
+use super::{RunOutcome, TrainingJob};
+use crate::actors::device::RingLink;
+use crate::actors::trainer::Train;
+use crate::actors::{DeviceActor, Trainer};
+use super::control::connect_control;
+
+pub(super) fn run(job: &TrainingJob, rank: usize, show_progress: bool) -> Result<Option<RunOutcome>> {
+    let config = job.config.clone();
+    let world = config.world_size();
+    anyhow::ensure!(
+        rank < world,
+        "PADDLE_TRAINER_ID = {rank} is outside the world size {world}"
+    );
+    let timeout = config.fault_tolerance.timeout();
+    let max_frame = config.cluster.max_frame_bytes();
+    let master = config.cluster.master.clone().ok_or_else(|| {
+        anyhow!("{}: cluster.master is not set: a multi-process job needs the coordinator's ip:port (flotilla launch sets PADDLE_MASTER)", config.source_name)
+    })?;
+    let endpoint = config
+        .cluster
+        .endpoints
+        .get(rank)
+        .cloned()
+        .unwrap_or_else(|| "127.0.0.1:0".to_string());
+    let listener = TcpListener::bind(&endpoint)
+        .with_context(|| format!("rank {rank}: cannot bind its data endpoint {endpoint}"))?;
+    let data_endpoint = listener.local_addr()?.to_string();
+    let link = if world == 1 {
+        RingLink::Single
+    } else {
+        RingLink::Tcp {
+            rank,
+            listener,
+            timeout,
+        }
+    };
+
+    let outcome = System::new().block_on(async move {
+        let bus = connect_control(rank, world, &master, timeout, max_frame).await?;
+        let trainer = Trainer {
+            rank,
+            job: config.clone(),
+            model: job.model.clone(),
+            train_data: job.train_data.clone(),
+            test_data: job.test_data.clone(),
+            bus: Some(bus),
+            link: Some(link),
+            data_endpoint,
+            device: SyncArbiter::start(1, DeviceActor::default),
+            show_progress,
+        };
+        trainer
+            .start()
+            .send(Train)
+            .await
+            .map_err(|e| anyhow!("rank {rank}: trainer actor stopped: {e}"))?
+    })?;
+    Ok((rank == 0).then(|| RunOutcome::from_rank0(outcome, world, "multi-process")))
+}

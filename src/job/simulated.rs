@@ -1,0 +1,56 @@
+//! The simulated cluster: every rank's trainer and device actor in this
+//! process, the coordinator reached by actor messages, ring links in memory.
+
+use actix::prelude::*;
+use anyhow::{anyhow, Result};
+
+use super::{RunOutcome, TrainingJob};
+use crate::actors::device::RingLink;
+use crate::actors::trainer::Train;
+use crate::actors::{Coordinator, DeviceActor, Trainer};
+use crate::engines::comm::memory;
+use crate::net::ControlBus;
+
+pub(super) fn run(job: &TrainingJob, show_progress: bool) -> Result<RunOutcome> {
+    let world = job.config.world_size();
+    let timeout = job.config.fault_tolerance.timeout();
+    let outcomes = System::new().block_on(async move {
+        let coordinator = Coordinator::new(world, timeout).start();
+        let links: Vec<RingLink> = if world == 1 {
+            vec![RingLink::Single]
+        } else {
+            memory::ring(world, timeout).into_iter().map(RingLink::Memory).collect()
+        };
+        let runs: Vec<_> = links
+            .into_iter()
+            .enumerate()
+            .map(|(rank, link)| {
+                let trainer = Trainer {
+                    rank,
+                    job: job.config.clone(),
+                    model: job.model.clone(),
+                    train_data: job.train_data.clone(),
+                    test_data: job.test_data.clone(),
+                    bus: Some(ControlBus::InMemory(coordinator.clone())),
+                    link: Some(link),
+                    data_endpoint: format!("memory:{rank}"),
+                    device: SyncArbiter::start(1, DeviceActor::default),
+                    show_progress: show_progress && rank == 0,
+                };
+                trainer.start().send(Train)
+            })
+            .collect();
+        futures::future::join_all(runs).await
+    });
+    let mut rank0 = None;
+    for (rank, outcome) in outcomes.into_iter().enumerate() {
+        let outcome = outcome
+            .map_err(|e| anyhow!("rank {rank}: trainer actor stopped: {e}"))?
+            .map_err(|e| e.context(format!("rank {rank}")))?;
+        if rank == 0 {
+            rank0 = Some(outcome);
+        }
+    }
+    let rank0 = rank0.ok_or_else(|| anyhow!("a job needs at least one rank"))?;
+    Ok(RunOutcome::from_rank0(rank0, world, "in-process"))
+}

@@ -1,0 +1,166 @@
+//! `flotilla launch`: starts this node's trainer processes with the
+//! environment Paddle's launcher sets, and supervises them.
+//!
+//! Port layout (as `paddle.distributed.launch` with `--started_port`): the
+//! coordinator listens on the first node's `started_port` unless `--master`
+//! says otherwise, and local rank `i` of every node on `started_port + 1 + i`.
+
+mod supervisor;
+
+pub use supervisor::{supervise, OutputMode};
+
+use std::path::PathBuf;
+
+use anyhow::{bail, ensure, Result};
+
+/// The launcher's arguments, in Paddle's words.
+#[derive(Debug, Clone, clap::Args)]
+pub struct LaunchArgs {
+    /// Number of nodes in the job.
+    #[arg(long, default_value_t = 1)]
+    pub nnodes: usize,
+    /// Trainer processes on this node.
+    #[arg(long, default_value_t = 1)]
+    pub nproc_per_node: usize,
+    /// This node's IP, one of --cluster_node_ips.
+    #[arg(long, default_value = "127.0.0.1")]
+    pub node_ip: String,
+    /// Every node's IP, comma-separated, node 0 first.
+    #[arg(long, default_value = "127.0.0.1", value_delimiter = ',')]
+    pub cluster_node_ips: Vec<String>,
+    /// The coordinator's IP:PORT (default: the first node, --started_port).
+    #[arg(long)]
+    pub master: Option<String>,
+    /// First port of the job on each node.
+    #[arg(long, default_value_t = 6170)]
+    pub started_port: u16,
+    /// What each process runs: `train [ARGS]` for flotilla's own trainer,
+    /// or a program of your own and its arguments.
+    #[arg(last = true, required = true)]
+    pub command: Vec<String>,
+}
+
+/// One process to start.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ChildSpec {
+    /// Its global rank.
+    pub rank: usize,
+    /// The program.
+    pub program: PathBuf,
+    /// Its arguments.
+    pub args: Vec<String>,
+    /// Environment added to the launcher's own.
+    pub env: Vec<(String, String)>,
+}
+
+impl LaunchArgs {
+    /// The processes this node starts, with their environment.
+    pub fn plan(&self, flotilla: PathBuf) -> Result<Vec<ChildSpec>> {
+        ensure!(self.nnodes >= 1 && self.nproc_per_node >= 1, "--nnodes and --nproc_per_node must be at least 1");
+        if self.cluster_node_ips.len() != self.nnodes {
+            bail!(
+                "--cluster_node_ips lists {} node(s) ({}), but --nnodes is {}",
+                self.cluster_node_ips.len(),
+                self.cluster_node_ips.join(","),
+                self.nnodes
+            );
+        }
+        let Some(node_rank) = self.cluster_node_ips.iter().position(|ip| ip == &self.node_ip) else {
+            bail!("--node_ip {} is not one of --cluster_node_ips {}", self.node_ip, self.cluster_node_ips.join(","));
+        };
+        let last_port = usize::from(self.started_port) + self.nproc_per_node;
+        ensure!(last_port <= usize::from(u16::MAX), "--started_port {} leaves no room for {} processes", self.started_port, self.nproc_per_node);
+        let world = self.nnodes * self.nproc_per_node;
+        let master = self.master.clone().unwrap_or_else(|| format!("{}:{}", self.cluster_node_ips[0], self.started_port));
+        let endpoints: Vec<String> = self
+            .cluster_node_ips
+            .iter()
+            .flat_map(|ip| (0..self.nproc_per_node).map(move |i| format!("{ip}:{}", usize::from(self.started_port) + 1 + i)))
+            .collect();
+        let (program, args) = match self.command.split_first() {
+            Some((first, rest)) if first == "train" => {
+                (flotilla, ["run", "--role", "trainer"].iter().map(|s| s.to_string()).chain(rest.iter().cloned()).collect())
+            }
+            Some((first, rest)) => (PathBuf::from(first), rest.to_vec()),
+            None => bail!("launch needs a command after `--`: `train --config FILE` or a program"),
+        };
+        let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).div_ceil(self.nproc_per_node).max(1);
+        Ok((0..self.nproc_per_node)
+            .map(|local_rank| {
+                let rank = node_rank * self.nproc_per_node + local_rank;
+                let mut env = vec![
+                    ("TRAINING_ROLE", "TRAINER".to_string()),
+                    ("PADDLE_TRAINER_ID", rank.to_string()),
+                    ("PADDLE_GLOBAL_RANK", rank.to_string()),
+                    ("PADDLE_LOCAL_RANK", local_rank.to_string()),
+                    ("PADDLE_LOCAL_SIZE", self.nproc_per_node.to_string()),
+                    ("PADDLE_NNODES", self.nnodes.to_string()),
+                    ("PADDLE_TRAINERS_NUM", world.to_string()),
+                    ("PADDLE_TRAINER_ENDPOINTS", endpoints.join(",")),
+                    ("PADDLE_CURRENT_ENDPOINT", endpoints[rank].clone()),
+                    ("PADDLE_MASTER", master.clone()),
+                    ("POD_IP", self.node_ip.clone()),
+                    ("FLAGS_selected_gpus", local_rank.to_string()),
+                ];
+                // Processes on one node must not all claim every core.
+                for var in ["CANDLE_NUM_THREADS", "RAYON_NUM_THREADS"] {
+                    if std::env::var_os(var).is_none() {
+                        env.push((var, threads.to_string()));
+                    }
+                }
+                ChildSpec {
+                    rank,
+                    program: program.clone(),
+                    args: args.clone(),
+                    env: env.into_iter().map(|(k, v)| (k.to_string(), v)).collect(),
+                }
+            })
+            .collect())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        launch: LaunchArgs,
+    }
+
+    fn args(line: &str) -> LaunchArgs {
+        Cli::try_parse_from(std::iter::once("launch").chain(line.split_whitespace())).unwrap().launch
+    }
+
+    #[test]
+    fn second_node_gets_global_ranks_and_paddle_env() {
+        let plan = args("--nnodes 2 --nproc_per_node 2 --node_ip 10.0.0.2 --cluster_node_ips 10.0.0.1,10.0.0.2 -- train --config c.toml")
+            .plan("flotilla".into())
+            .unwrap();
+        assert_eq!(plan.iter().map(|c| c.rank).collect::<Vec<_>>(), vec![2, 3]);
+        assert_eq!(plan[0].args, vec!["run", "--role", "trainer", "--config", "c.toml"]);
+        let env = |k: &str| plan[1].env.iter().find(|(n, _)| n == k).map(|(_, v)| v.clone()).unwrap();
+        assert_eq!(env("PADDLE_TRAINERS_NUM"), "4");
+        assert_eq!(env("PADDLE_TRAINER_ENDPOINTS"), "10.0.0.1:6171,10.0.0.1:6172,10.0.0.2:6171,10.0.0.2:6172");
+        assert_eq!(env("PADDLE_CURRENT_ENDPOINT"), "10.0.0.2:6172");
+        assert_eq!(env("PADDLE_MASTER"), "10.0.0.1:6170");
+        assert_eq!(env("FLAGS_selected_gpus"), "1");
+    }
+
+    #[test]
+    fn inconsistent_node_lists_are_rejected() {
+        let err = args("--nnodes 2 --node_ip 127.0.0.1 --cluster_node_ips 127.0.0.1 -- train").plan("f".into()).unwrap_err();
+        assert!(err.to_string().contains("--nnodes is 2"), "{err}");
+        let err = args("--node_ip 10.9.9.9 -- train").plan("f".into()).unwrap_err();
+        assert!(err.to_string().contains("10.9.9.9"), "{err}");
+    }
+
+    #[test]
+    fn other_programs_run_as_given() {
+        let plan = args("--nproc_per_node 1 -- ./my_job --flag").plan("flotilla".into()).unwrap();
+        assert_eq!(plan[0].program, PathBuf::from("./my_job"));
+        assert_eq!(plan[0].args, vec!["--flag"]);
+    }
+}

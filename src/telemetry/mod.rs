@@ -1,0 +1,10 @@
+//! Logging setup. Logs go to stderr through `tracing`; `RUST_LOG` filters
+//! them (default `info`).
+
+use tracing_subscriber::EnvFilter;
+
+/// Installs the global subscriber once; later calls are no-ops.
+pub fn init_logging() {
+    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
+    let _ = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).with_target(false).try_init();
+}
