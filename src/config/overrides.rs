@@ -20,9 +20,27 @@ pub(super) fn apply(table: &mut Table, overrides: &[String], provenance: &mut Pr
         };
         let (path, value) = parse(text).map_err(error)?;
         set_path(table, &path, value).map_err(error)?;
+        drop_replaced_length(table, &path, provenance);
         provenance.record(path.join("."), SET_SOURCE.to_string());
     }
     Ok(())
+}
+
+/// `train.steps` and `train.epochs` are two ways of saying how long to train, so setting one on
+/// the command line replaces the other when the file or the environment gave it; two `--set`
+/// overrides naming both still contradict each other.
+fn drop_replaced_length(table: &mut Table, path: &[&str], provenance: &Provenance) {
+    let other = match path {
+        ["train", "steps"] => "epochs",
+        ["train", "epochs"] => "steps",
+        _ => return,
+    };
+    if provenance.source_of(&format!("train.{other}")) == SET_SOURCE {
+        return;
+    }
+    if let Some(Value::Table(train)) = table.get_mut("train") {
+        train.remove(other);
+    }
 }
 
 /// Splits `section.key=value` into the key's segments and the parsed value.

@@ -20,19 +20,19 @@ pub struct LaunchArgs {
     #[arg(long, default_value_t = 1)]
     pub nnodes: usize,
     /// Trainer processes on this node.
-    #[arg(long, default_value_t = 1)]
+    #[arg(long = "nproc_per_node", alias = "nproc-per-node", default_value_t = 1)]
     pub nproc_per_node: usize,
     /// This node's IP, one of --cluster_node_ips.
-    #[arg(long, default_value = "127.0.0.1")]
+    #[arg(long = "node_ip", alias = "node-ip", default_value = "127.0.0.1")]
     pub node_ip: String,
     /// Every node's IP, comma-separated, node 0 first.
-    #[arg(long, default_value = "127.0.0.1", value_delimiter = ',')]
+    #[arg(long = "cluster_node_ips", alias = "cluster-node-ips", default_value = "127.0.0.1", value_delimiter = ',')]
     pub cluster_node_ips: Vec<String>,
     /// The coordinator's IP:PORT (default: the first node, --started_port).
     #[arg(long)]
     pub master: Option<String>,
     /// First port of the job on each node.
-    #[arg(long, default_value_t = 6170)]
+    #[arg(long = "started_port", alias = "started-port", default_value_t = 6170)]
     pub started_port: u16,
     /// What each process runs: `train [ARGS]` for flotilla's own trainer,
     /// or a program of your own and its arguments.

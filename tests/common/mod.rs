@@ -1,0 +1,57 @@
+//! Shared by the integration tests: building jobs and comparing parameters.
+
+#![allow(dead_code)]
+
+use std::collections::HashMap;
+use std::net::TcpListener;
+use std::path::Path;
+
+use flotilla::config::JobConfig;
+use flotilla::job::{RunOptions, RunOutcome, TrainingJob};
+
+/// A job from the built-in config text plus `overrides`, no environment.
+pub fn config(overrides: &[&str]) -> JobConfig {
+    let overrides: Vec<String> = overrides.iter().map(|s| s.to_string()).collect();
+    JobConfig::from_toml_str(include_str!("../../config.toml"), "config.toml", &|_| None, &overrides).expect("valid test config")
+}
+
+/// Trains `config` as a simulated cluster, outputs in a temporary directory.
+pub fn train_in_process(config: JobConfig) -> RunOutcome {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let options = RunOptions { run_dir: dir.path().to_path_buf(), show_progress: false };
+    TrainingJob::builtin(config).expect("job").run_simulated(&options).expect("training succeeds")
+}
+
+/// Largest absolute difference between two parameter sets, by name.
+pub fn max_abs_diff(a: &[(String, Vec<f32>)], b: &[(String, Vec<f32>)]) -> f32 {
+    let b: HashMap<&str, &Vec<f32>> = b.iter().map(|(n, v)| (n.as_str(), v)).collect();
+    assert_eq!(a.len(), b.len(), "parameter sets differ in size");
+    a.iter()
+        .map(|(name, va)| {
+            let vb = b.get(name.as_str()).unwrap_or_else(|| panic!("{name} missing"));
+            assert_eq!(va.len(), vb.len(), "{name} differs in shape");
+            va.iter().zip(vb.iter()).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
+        })
+        .fold(0.0, f32::max)
+}
+
+/// Reads a `params.safetensors` written by a run.
+pub fn read_params(path: &Path) -> Vec<(String, Vec<f32>)> {
+    let tensors = candle_core::safetensors::load(path, &candle_core::Device::Cpu).expect("params.safetensors");
+    tensors.into_iter().map(|(name, t)| (name, t.to_vec1::<f32>().expect("flat f32"))).collect()
+}
+
+/// A base port with `count` free consecutive loopback ports after it.
+pub fn free_port_range(count: u16) -> u16 {
+    for _ in 0..50 {
+        let base = TcpListener::bind("127.0.0.1:0").expect("bind").local_addr().expect("addr").port();
+        if base > u16::MAX - count {
+            continue;
+        }
+        let all_free = (base..base + count).all(|p| TcpListener::bind(("127.0.0.1", p)).is_ok());
+        if all_free {
+            return base;
+        }
+    }
+    panic!("no free loopback port range of {count}");
+}
