@@ -55,3 +55,55 @@ pub fn free_port_range(count: u16) -> u16 {
     }
     panic!("no free loopback port range of {count}");
 }
+
+/// What a finished flotilla process printed.
+pub struct Finished {
+    pub success: bool,
+    pub stdout: String,
+    pub stderr: String,
+}
+
+/// Runs the flotilla binary with `args` and extra `env`, killing it (by pid)
+/// if it outlives `timeout_s`.
+pub fn flotilla(args: &[&str], env: &[(&str, String)], timeout_s: u64) -> Finished {
+    use std::io::Read;
+    use std::process::{Command, Stdio};
+    use std::time::{Duration, Instant};
+
+    let mut child = Command::new(env!("CARGO_BIN_EXE_flotilla"))
+        .args(args)
+        // The launcher's variables come only from `env`, never from the
+        // environment the tests run in.
+        .env_remove("PADDLE_TRAINER_ID")
+        .envs(env.iter().map(|(k, v)| (*k, v.as_str())))
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("flotilla starts");
+    let mut stdout = child.stdout.take().expect("stdout");
+    let mut stderr = child.stderr.take().expect("stderr");
+    let out = std::thread::spawn(move || {
+        let mut s = String::new();
+        let _ = stdout.read_to_string(&mut s);
+        s
+    });
+    let err = std::thread::spawn(move || {
+        let mut s = String::new();
+        let _ = stderr.read_to_string(&mut s);
+        s
+    });
+    let deadline = Instant::now() + Duration::from_secs(timeout_s);
+    let status = loop {
+        if let Some(status) = child.try_wait().expect("try_wait") {
+            break status;
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("flotilla {args:?} did not finish within {timeout_s}s; killed pid {}", child.id());
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    Finished { success: status.success(), stdout: out.join().unwrap_or_default(), stderr: err.join().unwrap_or_default() }
+}

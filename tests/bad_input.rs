@@ -1,0 +1,47 @@
+//! Bad configs are rejected before anything starts, naming the key and its
+//! source.
+
+mod common;
+
+use common::flotilla;
+
+fn train_with(toml: &str, extra: &[&str]) -> String {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("job.toml");
+    std::fs::write(&path, toml).unwrap();
+    let mut args = vec!["train", "--config", path.to_str().unwrap(), "--run-dir", dir.path().to_str().unwrap()];
+    args.extend_from_slice(extra);
+    let finished = flotilla(&args, &[], 60);
+    assert!(!finished.success, "should fail:\n{}", finished.stdout);
+    finished.stderr
+}
+
+#[test]
+fn unknown_key_is_named_with_the_file() {
+    let err = train_with("[strategy]\nfuse_grad_size = 3\n", &[]);
+    assert!(err.contains("job.toml") && err.contains("fuse_grad_size"), "{err}");
+}
+
+#[test]
+fn type_error_is_named() {
+    let err = train_with("[train]\nbatch_size = \"big\"\n", &[]);
+    assert!(err.contains("train.batch_size"), "{err}");
+}
+
+#[test]
+fn world_size_contradiction_is_named() {
+    let err = train_with("[cluster]\nnproc_per_node = 2\nworld_size = 3\n", &[]);
+    assert!(err.contains("cluster.world_size") && err.contains("3"), "{err}");
+}
+
+#[test]
+fn strategies_not_built_yet_say_so() {
+    let err = train_with("", &["--set", "strategy.a_sync=true"]);
+    assert!(err.contains("strategy.a_sync") && err.contains("not supported yet"), "{err}");
+}
+
+#[test]
+fn trainer_role_without_a_launcher_says_how_to_start_it() {
+    let finished = flotilla(&["run", "--role", "trainer"], &[], 30);
+    assert!(!finished.success && finished.stderr.contains("flotilla launch"), "{}", finished.stderr);
+}

@@ -1,0 +1,93 @@
+//! Real trainer processes over TCP on loopback, started by `flotilla launch`.
+
+mod common;
+
+use common::{config, flotilla, free_port_range, max_abs_diff, read_params, train_in_process};
+
+const STEPS: &str = "train.steps=20";
+
+#[test]
+fn launched_processes_equal_in_process_and_single_process_training() {
+    let dir = tempfile::tempdir().unwrap();
+    let run_dir = dir.path().join("run");
+    let port = free_port_range(3).to_string();
+    let finished = flotilla(
+        &[
+            "launch", "--nnodes", "1", "--nproc_per_node", "2", "--node_ip", "127.0.0.1", "--cluster_node_ips", "127.0.0.1",
+            "--started_port", &port, "--", "train", "--config", "config.toml", "--set", STEPS, "--run-dir",
+            run_dir.to_str().unwrap(),
+        ],
+        &[],
+        120,
+    );
+    assert!(finished.success, "launch failed:\n{}\n{}", finished.stdout, finished.stderr);
+    assert!(finished.stdout.contains("[rank 0]"), "output is prefixed by rank:\n{}", finished.stdout);
+    let summary: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(run_dir.join("summary.json")).unwrap()).unwrap();
+    assert_eq!(summary["world_size"], 2);
+    assert_eq!(summary["cluster"], "multi-process");
+
+    // Same ring, same reduction order: bit-identical to the simulated cluster.
+    let simulated = train_in_process(config(&[STEPS]));
+    assert_eq!(summary["param_checksum"], simulated.summary.param_checksum.as_str());
+
+    // And within the stated tolerance of one process on the global batch
+    // (see data_parallel_equivalence.rs for why 1e-5).
+    let reference = train_in_process(config(&[STEPS, "cluster.nproc_per_node=1"]));
+    let diff = max_abs_diff(&reference.parameters, &read_params(&run_dir.join("params.safetensors")));
+    assert!(diff <= 1e-5, "max |Δparam| = {diff:e}");
+}
+
+#[test]
+fn a_failing_rank_stops_the_launch_with_its_error() {
+    let port = free_port_range(3).to_string();
+    let finished = flotilla(
+        &["launch", "--nproc_per_node", "2", "--started_port", &port, "--", "train", "--config", "no-such-file.toml"],
+        &[],
+        60,
+    );
+    assert!(!finished.success);
+    assert!(finished.stderr.contains("failed") && finished.stderr.contains("no-such-file.toml"), "{}", finished.stderr);
+}
+
+#[test]
+fn a_rank_that_never_arrives_is_named_by_the_timeout() {
+    let port = free_port_range(1);
+    let finished = flotilla(
+        &["run", "--role", "trainer", "--config", "config.toml", "--set", "fault_tolerance.timeout_s=2", "--set", STEPS],
+        &[
+            ("PADDLE_TRAINER_ID", "0".to_string()),
+            ("PADDLE_TRAINERS_NUM", "2".to_string()),
+            ("PADDLE_MASTER", format!("127.0.0.1:{port}")),
+        ],
+        60,
+    );
+    assert!(!finished.success);
+    assert!(finished.stderr.contains("rank 1 never joined"), "{}", finished.stderr);
+}
+
+#[test]
+fn a_port_in_use_is_reported_with_its_address() {
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = taken.local_addr().unwrap().to_string();
+    let master = format!("127.0.0.1:{}", free_port_range(1));
+    let finished = flotilla(
+        &["run", "--role", "trainer", "--config", "config.toml", "--set", STEPS],
+        &[
+            ("PADDLE_TRAINER_ID", "0".to_string()),
+            ("PADDLE_TRAINERS_NUM", "2".to_string()),
+            ("PADDLE_MASTER", master.clone()),
+            ("PADDLE_TRAINER_ENDPOINTS", format!("{addr},127.0.0.1:1")),
+        ],
+        60,
+    );
+    assert!(!finished.success);
+    assert!(finished.stderr.contains(&format!("cannot bind its data endpoint {addr}")), "{}", finished.stderr);
+
+    let finished = flotilla(
+        &["run", "--role", "trainer", "--config", "config.toml", "--set", STEPS],
+        &[("PADDLE_TRAINER_ID", "0".to_string()), ("PADDLE_TRAINERS_NUM", "2".to_string()), ("PADDLE_MASTER", addr.clone())],
+        60,
+    );
+    assert!(!finished.success);
+    assert!(finished.stderr.contains(&format!("cannot bind the coordinator endpoint {addr}")), "{}", finished.stderr);
+}
