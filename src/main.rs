@@ -18,7 +18,11 @@ const EMBEDDED_CONFIG: &str = include_str!("../config.toml");
 const DEFAULT_CONFIG: &str = "config.toml";
 
 #[derive(Parser)]
-#[command(name = "flotilla", version, about = "Distributed deep-learning training: parameter server, collective, pipeline")]
+#[command(
+    name = "flotilla",
+    version,
+    about = "Distributed deep-learning training: parameter server, collective, pipeline"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -94,13 +98,18 @@ fn main() -> ExitCode {
 fn run(cli: Cli) -> Result<()> {
     match cli.command {
         Command::Train(args) => train(&args),
-        Command::Run { role: Role::Trainer, train: args } => {
+        Command::Run {
+            role: Role::Trainer,
+            train: args,
+        } => {
             if std::env::var_os("PADDLE_TRAINER_ID").is_none() {
                 bail!("`run --role trainer` needs PADDLE_TRAINER_ID (and the rest of the launcher's environment); use `flotilla launch`, or `flotilla train` for an in-process job");
             }
             train(&args)
         }
-        Command::Run { role: Role::Pserver, .. } => bail!("--role pserver: the parameter-server strategy is not supported yet"),
+        Command::Run {
+            role: Role::Pserver, ..
+        } => bail!("--role pserver: the parameter-server strategy is not supported yet"),
         Command::Launch(args) => {
             let exe = std::env::current_exe().context("locating the flotilla binary")?;
             supervise(args.plan(exe)?, OutputMode::Prefixed)
@@ -124,7 +133,10 @@ fn load_config(args: &TrainArgs) -> Result<JobConfig> {
 fn train(args: &TrainArgs) -> Result<()> {
     let config = load_config(args)?;
     let run_dir = args.run_dir.clone().unwrap_or_else(default_run_dir);
-    let options = RunOptions { run_dir: run_dir.clone(), show_progress: std::io::stderr().is_terminal() };
+    let options = RunOptions {
+        run_dir: run_dir.clone(),
+        show_progress: std::io::stderr().is_terminal(),
+    };
     let job = TrainingJob::builtin(config)?;
     if let Some(outcome) = job.run(&options)? {
         let s = &outcome.summary;
@@ -145,6 +157,8 @@ fn train(args: &TrainArgs) -> Result<()> {
 }
 
 fn default_run_dir() -> PathBuf {
-    let secs = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
+    let secs = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
     PathBuf::from("runs").join(secs.to_string())
 }

@@ -9,7 +9,13 @@ fn train_with(toml: &str, extra: &[&str]) -> String {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("job.toml");
     std::fs::write(&path, toml).unwrap();
-    let mut args = vec!["train", "--config", path.to_str().unwrap(), "--run-dir", dir.path().to_str().unwrap()];
+    let mut args = vec![
+        "train",
+        "--config",
+        path.to_str().unwrap(),
+        "--run-dir",
+        dir.path().to_str().unwrap(),
+    ];
     args.extend_from_slice(extra);
     let finished = flotilla(&args, &[], 60);
     assert!(!finished.success, "should fail:\n{}", finished.stdout);
@@ -37,11 +43,18 @@ fn world_size_contradiction_is_named() {
 #[test]
 fn strategies_not_built_yet_say_so() {
     let err = train_with("", &["--set", "strategy.a_sync=true"]);
-    assert!(err.contains("strategy.a_sync") && err.contains("not supported yet"), "{err}");
+    assert!(
+        err.contains("strategy.a_sync") && err.contains("not supported yet"),
+        "{err}"
+    );
 }
 
 #[test]
 fn trainer_role_without_a_launcher_says_how_to_start_it() {
     let finished = flotilla(&["run", "--role", "trainer"], &[], 30);
-    assert!(!finished.success && finished.stderr.contains("flotilla launch"), "{}", finished.stderr);
+    assert!(
+        !finished.success && finished.stderr.contains("flotilla launch"),
+        "{}",
+        finished.stderr
+    );
 }

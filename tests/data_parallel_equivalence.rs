@@ -28,9 +28,20 @@ fn compare(world: usize, extra: &[&str]) {
     assert_eq!(reference.summary.steps, 20);
     assert_eq!(parallel.summary.world_size, world);
     let diff = max_abs_diff(&reference.parameters, &parallel.parameters);
-    assert!(diff <= TOLERANCE, "world {world} {extra:?}: max |Δparam| = {diff:e} > {TOLERANCE:e}");
-    let loss_diff = reference.losses.iter().zip(&parallel.losses).map(|(a, b)| (a - b).abs()).fold(0.0, f32::max);
-    assert!(loss_diff <= 1e-4, "world {world}: global mean loss differs by {loss_diff:e}");
+    assert!(
+        diff <= TOLERANCE,
+        "world {world} {extra:?}: max |Δparam| = {diff:e} > {TOLERANCE:e}"
+    );
+    let loss_diff = reference
+        .losses
+        .iter()
+        .zip(&parallel.losses)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0.0, f32::max);
+    assert!(
+        loss_diff <= 1e-4,
+        "world {world}: global mean loss differs by {loss_diff:e}"
+    );
     eprintln!("world {world} {extra:?}: max |Δparam| = {diff:e}");
 }
 
@@ -43,19 +54,41 @@ fn four_ranks_sgd_momentum_equal_one_process() {
 fn four_ranks_adamw_with_small_buckets_equal_one_process() {
     // 2 KiB buckets (524 floats) split the 64-128-10 MLP's gradients into
     // two all-reduces: fc1's 1,300 values, then fc0's 8,320.
-    compare(4, &["train.optimizer=adamw", "train.lr=0.001", "strategy.fuse_grad_size_in_MB=0.002"]);
+    compare(
+        4,
+        &[
+            "train.optimizer=adamw",
+            "train.lr=0.001",
+            "strategy.fuse_grad_size_in_MB=0.002",
+        ],
+    );
 }
 
 #[test]
 fn three_ranks_odd_bucket_sizes_equal_one_process() {
     // 131-float buckets: one per layer (200, 722 and 2,405 values), and a
     // global batch of 66 = 3 × 22.
-    compare(3, &["train.batch_size=66", "train.hidden_sizes=[37, 19]", "strategy.fuse_grad_size_in_MB=0.0005"]);
+    compare(
+        3,
+        &[
+            "train.batch_size=66",
+            "train.hidden_sizes=[37, 19]",
+            "strategy.fuse_grad_size_in_MB=0.0005",
+        ],
+    );
 }
 
 #[test]
 fn default_job_reaches_the_expected_accuracy() {
     let outcome = train_in_process(config(&[]));
-    assert!(outcome.summary.test_accuracy >= 0.95, "test accuracy {}", outcome.summary.test_accuracy);
-    assert!(outcome.summary.final_loss < 0.3, "final loss {}", outcome.summary.final_loss);
+    assert!(
+        outcome.summary.test_accuracy >= 0.95,
+        "test accuracy {}",
+        outcome.summary.test_accuracy
+    );
+    assert!(
+        outcome.summary.final_loss < 0.3,
+        "final loss {}",
+        outcome.summary.final_loss
+    );
 }

@@ -13,16 +13,41 @@ fn launched_processes_equal_in_process_and_single_process_training() {
     let port = free_port_range(3).to_string();
     let finished = flotilla(
         &[
-            "launch", "--nnodes", "1", "--nproc_per_node", "2", "--node_ip", "127.0.0.1", "--cluster_node_ips", "127.0.0.1",
-            "--started_port", &port, "--", "train", "--config", "config.toml", "--set", STEPS, "--run-dir",
+            "launch",
+            "--nnodes",
+            "1",
+            "--nproc_per_node",
+            "2",
+            "--node_ip",
+            "127.0.0.1",
+            "--cluster_node_ips",
+            "127.0.0.1",
+            "--started_port",
+            &port,
+            "--",
+            "train",
+            "--config",
+            "config.toml",
+            "--set",
+            STEPS,
+            "--run-dir",
             run_dir.to_str().unwrap(),
         ],
         &[],
         120,
     );
-    assert!(finished.success, "launch failed:\n{}\n{}", finished.stdout, finished.stderr);
-    assert!(finished.stdout.contains("[rank 0]"), "output is prefixed by rank:\n{}", finished.stdout);
-    let summary: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(run_dir.join("summary.json")).unwrap()).unwrap();
+    assert!(
+        finished.success,
+        "launch failed:\n{}\n{}",
+        finished.stdout, finished.stderr
+    );
+    assert!(
+        finished.stdout.contains("[rank 0]"),
+        "output is prefixed by rank:\n{}",
+        finished.stdout
+    );
+    let summary: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(run_dir.join("summary.json")).unwrap()).unwrap();
     assert_eq!(summary["world_size"], 2);
     assert_eq!(summary["cluster"], "multi-process");
 
@@ -41,19 +66,43 @@ fn launched_processes_equal_in_process_and_single_process_training() {
 fn a_failing_rank_stops_the_launch_with_its_error() {
     let port = free_port_range(3).to_string();
     let finished = flotilla(
-        &["launch", "--nproc_per_node", "2", "--started_port", &port, "--", "train", "--config", "no-such-file.toml"],
+        &[
+            "launch",
+            "--nproc_per_node",
+            "2",
+            "--started_port",
+            &port,
+            "--",
+            "train",
+            "--config",
+            "no-such-file.toml",
+        ],
         &[],
         60,
     );
     assert!(!finished.success);
-    assert!(finished.stderr.contains("failed") && finished.stderr.contains("no-such-file.toml"), "{}", finished.stderr);
+    assert!(
+        finished.stderr.contains("failed") && finished.stderr.contains("no-such-file.toml"),
+        "{}",
+        finished.stderr
+    );
 }
 
 #[test]
 fn a_rank_that_never_arrives_is_named_by_the_timeout() {
     let port = free_port_range(1);
     let finished = flotilla(
-        &["run", "--role", "trainer", "--config", "config.toml", "--set", "fault_tolerance.timeout_s=2", "--set", STEPS],
+        &[
+            "run",
+            "--role",
+            "trainer",
+            "--config",
+            "config.toml",
+            "--set",
+            "fault_tolerance.timeout_s=2",
+            "--set",
+            STEPS,
+        ],
         &[
             ("PADDLE_TRAINER_ID", "0".to_string()),
             ("PADDLE_TRAINERS_NUM", "2".to_string()),
@@ -81,13 +130,29 @@ fn a_port_in_use_is_reported_with_its_address() {
         60,
     );
     assert!(!finished.success);
-    assert!(finished.stderr.contains(&format!("cannot bind its data endpoint {addr}")), "{}", finished.stderr);
+    assert!(
+        finished
+            .stderr
+            .contains(&format!("cannot bind its data endpoint {addr}")),
+        "{}",
+        finished.stderr
+    );
 
     let finished = flotilla(
         &["run", "--role", "trainer", "--config", "config.toml", "--set", STEPS],
-        &[("PADDLE_TRAINER_ID", "0".to_string()), ("PADDLE_TRAINERS_NUM", "2".to_string()), ("PADDLE_MASTER", addr.clone())],
+        &[
+            ("PADDLE_TRAINER_ID", "0".to_string()),
+            ("PADDLE_TRAINERS_NUM", "2".to_string()),
+            ("PADDLE_MASTER", addr.clone()),
+        ],
         60,
     );
     assert!(!finished.success);
-    assert!(finished.stderr.contains(&format!("cannot bind the coordinator endpoint {addr}")), "{}", finished.stderr);
+    assert!(
+        finished
+            .stderr
+            .contains(&format!("cannot bind the coordinator endpoint {addr}")),
+        "{}",
+        finished.stderr
+    );
 }

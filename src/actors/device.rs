@@ -48,11 +48,18 @@ impl RingLink {
         Ok(match self {
             Self::Single => Communicator::single(),
             Self::Memory(transport) => Communicator::new(Box::new(transport)),
-            Self::Tcp { rank, listener, timeout } => {
+            Self::Tcp {
+                rank,
+                listener,
+                timeout,
+            } => {
                 let endpoints = roster
                     .iter()
                     .enumerate()
-                    .map(|(r, e)| e.parse::<SocketAddr>().with_context(|| format!("rank {r} announced a bad endpoint {e:?}")))
+                    .map(|(r, e)| {
+                        e.parse::<SocketAddr>()
+                            .with_context(|| format!("rank {r} announced a bad endpoint {e:?}"))
+                    })
                     .collect::<Result<Vec<_>>>()?;
                 Communicator::new(Box::new(TcpTransport::connect(rank, &endpoints, &listener, timeout)?))
             }

@@ -115,7 +115,14 @@ impl TrainingRun {
         let mut bus = self.bus.context("Train was sent twice")?;
         let link = self.link.context("Train was sent twice")?;
         let roster = bus.join(rank, world, self.data_endpoint.clone()).await?;
-        self.device.send(Prepare { job: job.clone(), model: self.model.clone(), link, roster }).await??;
+        self.device
+            .send(Prepare {
+                job: job.clone(),
+                model: self.model.clone(),
+                link,
+                roster,
+            })
+            .await??;
 
         let train = &job.train;
         let loader = ShardedLoader::new(self.train_data.clone(), train.batch_size, rank, world, train.seed)

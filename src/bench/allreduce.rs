@@ -51,13 +51,21 @@ pub fn run(nproc: usize, args: &AllReduceArgs) -> Result<()> {
     anyhow::ensure!(nproc >= 2, "--nproc must be at least 2 for an all-reduce benchmark");
     let master = free_loopback_port()?;
     let exe = std::env::current_exe().context("locating the flotilla binary")?;
-    let mut rank_args = vec!["bench".to_string(), "allreduce-rank".to_string(), "--iters".to_string(), args.iters.to_string()];
+    let mut rank_args = vec![
+        "bench".to_string(),
+        "allreduce-rank".to_string(),
+        "--iters".to_string(),
+        args.iters.to_string(),
+    ];
     rank_args.push("--size-mb".to_string());
     rank_args.push(args.size_mb.iter().map(f64::to_string).collect::<Vec<_>>().join(","));
     if args.json {
         rank_args.push("--json".to_string());
     }
-    let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).div_ceil(nproc).max(1);
+    let threads = std::thread::available_parallelism()
+        .map_or(1, |n| n.get())
+        .div_ceil(nproc)
+        .max(1);
     let children = (0..nproc)
         .map(|rank| ChildSpec {
             rank,
@@ -80,8 +88,11 @@ fn free_loopback_port() -> Result<String> {
 }
 
 fn env_usize(name: &str) -> Result<usize> {
-    let value = std::env::var(name).with_context(|| format!("{name} is not set (this command is started by `flotilla bench allreduce`)"))?;
-    value.parse().with_context(|| format!("{name} = {value:?} is not a number"))
+    let value = std::env::var(name)
+        .with_context(|| format!("{name} is not set (this command is started by `flotilla bench allreduce`)"))?;
+    value
+        .parse()
+        .with_context(|| format!("{name} = {value:?} is not a number"))
 }
 
 /// One rank of the benchmark (started by [`run`]).
@@ -101,7 +112,10 @@ pub fn run_rank(args: &AllReduceArgs) -> Result<()> {
     let endpoints = roster.iter().map(|e| e.parse()).collect::<Result<Vec<_>, _>>()?;
     let mut comm = Communicator::new(Box::new(TcpTransport::connect(rank, &endpoints, &listener, timeout)?));
     if rank == 0 && !args.json {
-        println!("{:>10} {:>6} {:>12} {:>12} {:>12}", "size_MiB", "nproc", "median_ms", "algbw_GB/s", "busbw_GB/s");
+        println!(
+            "{:>10} {:>6} {:>12} {:>12} {:>12}",
+            "size_MiB", "nproc", "median_ms", "algbw_GB/s", "busbw_GB/s"
+        );
     }
     for &size_mb in &args.size_mb {
         let len = ((size_mb * (1 << 20) as f64) as usize) / 4;

@@ -50,7 +50,7 @@ impl ShardedLoader {
             "rank {rank} is outside world size {world_size}"
         );
         ensure!(
-            global_batch > 0 && global_batch % world_size == 0,
+            global_batch > 0 && global_batch.is_multiple_of(world_size),
             "global batch {global_batch} does not divide into {world_size} equal rank batches"
         );
         ensure!(

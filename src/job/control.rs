@@ -26,5 +26,7 @@ pub async fn connect_control(
         let coordinator = Coordinator::new(world_size, timeout).start();
         actix::spawn(server::serve(control, coordinator, max_frame_bytes));
     }
-    ControlBus::connect(master, timeout, max_frame_bytes).await.with_context(|| format!("rank {rank}"))
+    ControlBus::connect(master, timeout, max_frame_bytes)
+        .await
+        .with_context(|| format!("rank {rank}"))
 }

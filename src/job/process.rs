@@ -8,11 +8,11 @@ use std::net::TcpListener;
 use actix::prelude::*;
 use anyhow::{anyhow, Context, Result};
 
+use super::control::connect_control;
 use super::{RunOutcome, TrainingJob};
 use crate::actors::device::RingLink;
 use crate::actors::trainer::Train;
 use crate::actors::{DeviceActor, Trainer};
-use super::control::connect_control;
 
 pub(super) fn run(job: &TrainingJob, rank: usize, show_progress: bool) -> Result<Option<RunOutcome>> {
     let config = job.config.clone();

@@ -26,7 +26,12 @@ pub struct LaunchArgs {
     #[arg(long = "node_ip", alias = "node-ip", default_value = "127.0.0.1")]
     pub node_ip: String,
     /// Every node's IP, comma-separated, node 0 first.
-    #[arg(long = "cluster_node_ips", alias = "cluster-node-ips", default_value = "127.0.0.1", value_delimiter = ',')]
+    #[arg(
+        long = "cluster_node_ips",
+        alias = "cluster-node-ips",
+        default_value = "127.0.0.1",
+        value_delimiter = ','
+    )]
     pub cluster_node_ips: Vec<String>,
     /// The coordinator's IP:PORT (default: the first node, --started_port).
     #[arg(long)]
@@ -56,7 +61,10 @@ pub struct ChildSpec {
 impl LaunchArgs {
     /// The processes this node starts, with their environment.
     pub fn plan(&self, flotilla: PathBuf) -> Result<Vec<ChildSpec>> {
-        ensure!(self.nnodes >= 1 && self.nproc_per_node >= 1, "--nnodes and --nproc_per_node must be at least 1");
+        ensure!(
+            self.nnodes >= 1 && self.nproc_per_node >= 1,
+            "--nnodes and --nproc_per_node must be at least 1"
+        );
         if self.cluster_node_ips.len() != self.nnodes {
             bail!(
                 "--cluster_node_ips lists {} node(s) ({}), but --nnodes is {}",
@@ -66,25 +74,47 @@ impl LaunchArgs {
             );
         }
         let Some(node_rank) = self.cluster_node_ips.iter().position(|ip| ip == &self.node_ip) else {
-            bail!("--node_ip {} is not one of --cluster_node_ips {}", self.node_ip, self.cluster_node_ips.join(","));
+            bail!(
+                "--node_ip {} is not one of --cluster_node_ips {}",
+                self.node_ip,
+                self.cluster_node_ips.join(",")
+            );
         };
         let last_port = usize::from(self.started_port) + self.nproc_per_node;
-        ensure!(last_port <= usize::from(u16::MAX), "--started_port {} leaves no room for {} processes", self.started_port, self.nproc_per_node);
+        ensure!(
+            last_port <= usize::from(u16::MAX),
+            "--started_port {} leaves no room for {} processes",
+            self.started_port,
+            self.nproc_per_node
+        );
         let world = self.nnodes * self.nproc_per_node;
-        let master = self.master.clone().unwrap_or_else(|| format!("{}:{}", self.cluster_node_ips[0], self.started_port));
+        let master = self
+            .master
+            .clone()
+            .unwrap_or_else(|| format!("{}:{}", self.cluster_node_ips[0], self.started_port));
         let endpoints: Vec<String> = self
             .cluster_node_ips
             .iter()
-            .flat_map(|ip| (0..self.nproc_per_node).map(move |i| format!("{ip}:{}", usize::from(self.started_port) + 1 + i)))
+            .flat_map(|ip| {
+                (0..self.nproc_per_node).map(move |i| format!("{ip}:{}", usize::from(self.started_port) + 1 + i))
+            })
             .collect();
         let (program, args) = match self.command.split_first() {
-            Some((first, rest)) if first == "train" => {
-                (flotilla, ["run", "--role", "trainer"].iter().map(|s| s.to_string()).chain(rest.iter().cloned()).collect())
-            }
+            Some((first, rest)) if first == "train" => (
+                flotilla,
+                ["run", "--role", "trainer"]
+                    .iter()
+                    .map(|s| s.to_string())
+                    .chain(rest.iter().cloned())
+                    .collect(),
+            ),
             Some((first, rest)) => (PathBuf::from(first), rest.to_vec()),
             None => bail!("launch needs a command after `--`: `train --config FILE` or a program"),
         };
-        let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).div_ceil(self.nproc_per_node).max(1);
+        let threads = std::thread::available_parallelism()
+            .map_or(1, |n| n.get())
+            .div_ceil(self.nproc_per_node)
+            .max(1);
         Ok((0..self.nproc_per_node)
             .map(|local_rank| {
                 let rank = node_rank * self.nproc_per_node + local_rank;
@@ -131,7 +161,9 @@ mod tests {
     }
 
     fn args(line: &str) -> LaunchArgs {
-        Cli::try_parse_from(std::iter::once("launch").chain(line.split_whitespace())).unwrap().launch
+        Cli::try_parse_from(std::iter::once("launch").chain(line.split_whitespace()))
+            .unwrap()
+            .launch
     }
 
     #[test]
@@ -141,9 +173,19 @@ mod tests {
             .unwrap();
         assert_eq!(plan.iter().map(|c| c.rank).collect::<Vec<_>>(), vec![2, 3]);
         assert_eq!(plan[0].args, vec!["run", "--role", "trainer", "--config", "c.toml"]);
-        let env = |k: &str| plan[1].env.iter().find(|(n, _)| n == k).map(|(_, v)| v.clone()).unwrap();
+        let env = |k: &str| {
+            plan[1]
+                .env
+                .iter()
+                .find(|(n, _)| n == k)
+                .map(|(_, v)| v.clone())
+                .unwrap()
+        };
         assert_eq!(env("PADDLE_TRAINERS_NUM"), "4");
-        assert_eq!(env("PADDLE_TRAINER_ENDPOINTS"), "10.0.0.1:6171,10.0.0.1:6172,10.0.0.2:6171,10.0.0.2:6172");
+        assert_eq!(
+            env("PADDLE_TRAINER_ENDPOINTS"),
+            "10.0.0.1:6171,10.0.0.1:6172,10.0.0.2:6171,10.0.0.2:6172"
+        );
         assert_eq!(env("PADDLE_CURRENT_ENDPOINT"), "10.0.0.2:6172");
         assert_eq!(env("PADDLE_MASTER"), "10.0.0.1:6170");
         assert_eq!(env("FLAGS_selected_gpus"), "1");
@@ -151,7 +193,9 @@ mod tests {
 
     #[test]
     fn inconsistent_node_lists_are_rejected() {
-        let err = args("--nnodes 2 --node_ip 127.0.0.1 --cluster_node_ips 127.0.0.1 -- train").plan("f".into()).unwrap_err();
+        let err = args("--nnodes 2 --node_ip 127.0.0.1 --cluster_node_ips 127.0.0.1 -- train")
+            .plan("f".into())
+            .unwrap_err();
         assert!(err.to_string().contains("--nnodes is 2"), "{err}");
         let err = args("--node_ip 10.9.9.9 -- train").plan("f".into()).unwrap_err();
         assert!(err.to_string().contains("10.9.9.9"), "{err}");
@@ -159,7 +203,9 @@ mod tests {
 
     #[test]
     fn other_programs_run_as_given() {
-        let plan = args("--nproc_per_node 1 -- ./my_job --flag").plan("flotilla".into()).unwrap();
+        let plan = args("--nproc_per_node 1 -- ./my_job --flag")
+            .plan("flotilla".into())
+            .unwrap();
         assert_eq!(plan[0].program, PathBuf::from("./my_job"));
         assert_eq!(plan[0].args, vec!["--flag"]);
     }

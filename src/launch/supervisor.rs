@@ -106,7 +106,12 @@ fn start(spec: &ChildSpec, mode: OutputMode) -> Result<Running> {
     if let Some(err) = child.stderr.take() {
         pumps.push(pump(err, rank, false, Some(stderr_tail.clone()), true));
     }
-    Ok(Running { rank, child, stderr_tail, pumps })
+    Ok(Running {
+        rank,
+        child,
+        stderr_tail,
+        pumps,
+    })
 }
 
 fn pump(
@@ -118,10 +123,18 @@ fn pump(
 ) -> thread::JoinHandle<()> {
     thread::spawn(move || {
         for line in BufReader::new(stream).lines().map_while(Result::ok) {
-            let text = if plain { format!("{line}\n") } else { format!("[rank {rank}] {line}\n") };
+            let text = if plain {
+                format!("{line}\n")
+            } else {
+                format!("[rank {rank}] {line}\n")
+            };
             // A closed launcher output (e.g. a closed pipe) must not stop
             // the child, so write errors are ignored.
-            let _ = if to_stderr { std::io::stderr().write_all(text.as_bytes()) } else { std::io::stdout().write_all(text.as_bytes()) };
+            let _ = if to_stderr {
+                std::io::stderr().write_all(text.as_bytes())
+            } else {
+                std::io::stdout().write_all(text.as_bytes())
+            };
             if let Some(tail) = &tail {
                 if let Ok(mut tail) = tail.lock() {
                     if tail.len() == TAIL_LINES {
@@ -164,7 +177,15 @@ fn failure(mut failed: Running, status: ExitStatus, interrupted: bool) -> anyhow
     for pump in failed.pumps.drain(..) {
         let _ = pump.join();
     }
-    let tail: Vec<String> = failed.stderr_tail.lock().map(|t| t.iter().cloned().collect()).unwrap_or_default();
+    let tail: Vec<String> = failed
+        .stderr_tail
+        .lock()
+        .map(|t| t.iter().cloned().collect())
+        .unwrap_or_default();
     let cause = if interrupted { "was interrupted" } else { "failed" };
-    anyhow::anyhow!("rank {} {cause} ({status}); the other ranks were stopped. Its last output:\n{}", failed.rank, tail.join("\n"))
+    anyhow::anyhow!(
+        "rank {} {cause} ({status}); the other ranks were stopped. Its last output:\n{}",
+        failed.rank,
+        tail.join("\n")
+    )
 }

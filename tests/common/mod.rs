@@ -12,14 +12,21 @@ use flotilla::job::{RunOptions, RunOutcome, TrainingJob};
 /// A job from the built-in config text plus `overrides`, no environment.
 pub fn config(overrides: &[&str]) -> JobConfig {
     let overrides: Vec<String> = overrides.iter().map(|s| s.to_string()).collect();
-    JobConfig::from_toml_str(include_str!("../../config.toml"), "config.toml", &|_| None, &overrides).expect("valid test config")
+    JobConfig::from_toml_str(include_str!("../../config.toml"), "config.toml", &|_| None, &overrides)
+        .expect("valid test config")
 }
 
 /// Trains `config` as a simulated cluster, outputs in a temporary directory.
 pub fn train_in_process(config: JobConfig) -> RunOutcome {
     let dir = tempfile::tempdir().expect("temp dir");
-    let options = RunOptions { run_dir: dir.path().to_path_buf(), show_progress: false };
-    TrainingJob::builtin(config).expect("job").run_simulated(&options).expect("training succeeds")
+    let options = RunOptions {
+        run_dir: dir.path().to_path_buf(),
+        show_progress: false,
+    };
+    TrainingJob::builtin(config)
+        .expect("job")
+        .run_simulated(&options)
+        .expect("training succeeds")
 }
 
 /// Largest absolute difference between two parameter sets, by name.
@@ -38,13 +45,20 @@ pub fn max_abs_diff(a: &[(String, Vec<f32>)], b: &[(String, Vec<f32>)]) -> f32 {
 /// Reads a `params.safetensors` written by a run.
 pub fn read_params(path: &Path) -> Vec<(String, Vec<f32>)> {
     let tensors = candle_core::safetensors::load(path, &candle_core::Device::Cpu).expect("params.safetensors");
-    tensors.into_iter().map(|(name, t)| (name, t.to_vec1::<f32>().expect("flat f32"))).collect()
+    tensors
+        .into_iter()
+        .map(|(name, t)| (name, t.to_vec1::<f32>().expect("flat f32")))
+        .collect()
 }
 
 /// A base port with `count` free consecutive loopback ports after it.
 pub fn free_port_range(count: u16) -> u16 {
     for _ in 0..50 {
-        let base = TcpListener::bind("127.0.0.1:0").expect("bind").local_addr().expect("addr").port();
+        let base = TcpListener::bind("127.0.0.1:0")
+            .expect("bind")
+            .local_addr()
+            .expect("addr")
+            .port();
         if base > u16::MAX - count {
             continue;
         }
@@ -101,9 +115,16 @@ pub fn flotilla(args: &[&str], env: &[(&str, String)], timeout_s: u64) -> Finish
         if Instant::now() > deadline {
             let _ = child.kill();
             let _ = child.wait();
-            panic!("flotilla {args:?} did not finish within {timeout_s}s; killed pid {}", child.id());
+            panic!(
+                "flotilla {args:?} did not finish within {timeout_s}s; killed pid {}",
+                child.id()
+            );
         }
         std::thread::sleep(Duration::from_millis(20));
     };
-    Finished { success: status.success(), stdout: out.join().unwrap_or_default(), stderr: err.join().unwrap_or_default() }
+    Finished {
+        success: status.success(),
+        stdout: out.join().unwrap_or_default(),
+        stderr: err.join().unwrap_or_default(),
+    }
 }

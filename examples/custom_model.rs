@@ -1,0 +1,82 @@
+//! A program of your own, trained by flotilla: your model as blocks, your
+//! dataset, a `DistributedStrategy` in code — what a Paddle user writes in
+//! `train.py` around `fleet.init(strategy)`.
+//!
+//! In one process (a simulated cluster of 2 ranks):
+//!
+//!     cargo run --release --example custom_model
+//!
+//! As 2 real processes over TCP, started by flotilla's launcher:
+//!
+//!     cargo build --release --example custom_model
+//!     cargo run --release -- launch --nproc_per_node 2 -- target/release/examples/custom_model
+
+use anyhow::Result;
+use candle_core::{Tensor, Var};
+
+use flotilla::config::{process_env, JobConfig};
+use flotilla::data::Dataset;
+use flotilla::job::{RunOptions, TrainingJob};
+use flotilla::models::{Activation, Block, Linear, Model, ParamInit};
+
+/// A block flotilla has never heard of: `x + relu(x W + b)`, a residual layer.
+struct Residual {
+    name: String,
+    inner: Linear,
+}
+
+impl Block for Residual {
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        x + self.inner.forward(x)?
+    }
+
+    fn parameters(&self) -> Vec<(String, Var)> {
+        self.inner.parameters()
+    }
+}
+
+fn model(init: &ParamInit) -> Result<Model> {
+    let width = 96;
+    Model::new(vec![
+        Box::new(Linear::new("embed", 64, width, Activation::Relu, init)?),
+        Box::new(Residual { name: "res0".into(), inner: Linear::new("res0", width, width, Activation::Relu, init)? }),
+        Box::new(Residual { name: "res1".into(), inner: Linear::new("res1", width, width, Activation::Relu, init)? }),
+        Box::new(Linear::new("head", width, 10, Activation::Identity, init)?),
+    ])
+}
+
+fn main() -> Result<()> {
+    flotilla::telemetry::init_logging();
+    // The strategy in code, in the same TOML words as a config file; the
+    // launcher's environment (PADDLE_*) still overrides it.
+    let config = JobConfig::from_toml_str(
+        r#"
+        [cluster]
+        nproc_per_node = 2
+
+        [strategy]
+        fuse_grad_size_in_MB = 1
+        check_every = 20
+
+        [train]
+        epochs = 15
+        batch_size = 64
+        optimizer = "adamw"
+        lr = 0.002
+        "#,
+        "custom_model.rs",
+        &process_env,
+        &[],
+    )?;
+    let (train, test) = Dataset::digits()?.split(0.2, config.train.seed)?;
+    let job = TrainingJob::new(config, model, train, test);
+    let options = RunOptions { run_dir: "runs/custom_model".into(), show_progress: true };
+    if let Some(outcome) = job.run(&options)? {
+        println!("test accuracy {:.4} after {} steps", outcome.summary.test_accuracy, outcome.summary.steps);
+    }
+    Ok(())
+}
