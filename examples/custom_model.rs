@@ -43,8 +43,14 @@ fn model(init: &ParamInit) -> Result<Model> {
     let width = 96;
     Model::new(vec![
         Box::new(Linear::new("embed", 64, width, Activation::Relu, init)?),
-        Box::new(Residual { name: "res0".into(), inner: Linear::new("res0", width, width, Activation::Relu, init)? }),
-        Box::new(Residual { name: "res1".into(), inner: Linear::new("res1", width, width, Activation::Relu, init)? }),
+        Box::new(Residual {
+            name: "res0".into(),
+            inner: Linear::new("res0", width, width, Activation::Relu, init)?,
+        }),
+        Box::new(Residual {
+            name: "res1".into(),
+            inner: Linear::new("res1", width, width, Activation::Relu, init)?,
+        }),
         Box::new(Linear::new("head", width, 10, Activation::Identity, init)?),
     ])
 }
@@ -74,9 +80,15 @@ fn main() -> Result<()> {
     )?;
     let (train, test) = Dataset::digits()?.split(0.2, config.train.seed)?;
     let job = TrainingJob::new(config, model, train, test);
-    let options = RunOptions { run_dir: "runs/custom_model".into(), show_progress: true };
+    let options = RunOptions {
+        run_dir: "runs/custom_model".into(),
+        show_progress: true,
+    };
     if let Some(outcome) = job.run(&options)? {
-        println!("test accuracy {:.4} after {} steps", outcome.summary.test_accuracy, outcome.summary.steps);
+        println!(
+            "test accuracy {:.4} after {} steps",
+            outcome.summary.test_accuracy, outcome.summary.steps
+        );
     }
     Ok(())
 }
