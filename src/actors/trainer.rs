@@ -125,7 +125,7 @@ impl TrainingRun {
             .await??;
 
         let train = &job.train;
-        let loader = ShardedLoader::new(self.train_data.clone(), train.batch_size, rank, world, train.seed)
+        let mut loader = ShardedLoader::new(self.train_data.clone(), train.batch_size, rank, world, train.seed)
             .with_context(|| format!("train.batch_size = {}", train.batch_size))?;
         let steps = match train.length() {
             TrainLength::Steps(s) => s,

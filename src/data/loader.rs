@@ -39,6 +39,8 @@ pub struct ShardedLoader {
     rank: usize,
     world_size: usize,
     seed: u64,
+    /// The permutation of the current epoch, drawn once per epoch.
+    epoch_order: Option<(usize, Vec<usize>)>,
 }
 
 impl ShardedLoader {
@@ -64,6 +66,7 @@ impl ShardedLoader {
             rank,
             world_size,
             seed,
+            epoch_order: None,
         })
     }
 
@@ -78,14 +81,24 @@ impl ShardedLoader {
     }
 
     /// This rank's batch at global step `step`.
-    pub fn batch(&self, step: usize) -> Batch {
+    pub fn batch(&mut self, step: usize) -> Batch {
         let per_epoch = self.batches_per_epoch();
         let epoch = step / per_epoch;
-        let mut order: Vec<usize> = (0..self.data.len()).collect();
-        SplitMix64::for_stream(self.seed, "epoch-shuffle", epoch as u64).shuffle(&mut order);
         let start = (step % per_epoch) * self.global_batch + self.rank * self.local_batch();
-        self.data.select(&order[start..start + self.local_batch()])
+        let local = self.local_batch();
+        let (data, seed) = (&self.data, self.seed);
+        let (_, order) = match &mut self.epoch_order {
+            Some(cached) if cached.0 == epoch => cached,
+            slot => slot.insert((epoch, epoch_permutation(data.len(), seed, epoch))),
+        };
+        self.data.select(&order[start..start + local])
     }
+}
+
+fn epoch_permutation(rows: usize, seed: u64, epoch: usize) -> Vec<usize> {
+    let mut order: Vec<usize> = (0..rows).collect();
+    SplitMix64::for_stream(seed, "epoch-shuffle", epoch as u64).shuffle(&mut order);
+    order
 }
 
 #[cfg(test)]
@@ -95,16 +108,22 @@ mod tests {
     #[test]
     fn rank_batches_concatenate_to_the_global_batch() {
         let data = Arc::new(Dataset::synthetic(100, 3, 2, 5).unwrap());
-        let whole = ShardedLoader::new(data.clone(), 20, 0, 1, 9).unwrap();
+        let mut whole = ShardedLoader::new(data.clone(), 20, 0, 1, 9).unwrap();
         for step in [0, 4, 5, 13] {
             let mut joined = Vec::new();
             for rank in 0..4 {
-                let l = ShardedLoader::new(data.clone(), 20, rank, 4, 9).unwrap();
+                let mut l = ShardedLoader::new(data.clone(), 20, rank, 4, 9).unwrap();
                 joined.extend(l.batch(step).labels);
             }
             assert_eq!(joined, whole.batch(step).labels);
         }
-        assert_ne!(whole.batch(0), whole.batch(5), "epochs are reshuffled");
+        let (first, next_epoch) = (whole.batch(0), whole.batch(5));
+        assert_ne!(first, next_epoch, "epochs are reshuffled");
+        assert_eq!(
+            whole.batch(0),
+            first,
+            "going back to an earlier epoch gives the same batch"
+        );
     }
 
     #[test]
