@@ -37,7 +37,7 @@ pub struct AllReduceFigures {
     pub nproc: usize,
     /// Buffer size in bytes.
     pub bytes: usize,
-    /// Median wall time of one all-reduce, seconds.
+    /// Median over iterations of the slowest rank's time, seconds.
     pub median_s: f64,
     /// bytes / median, GB/s (1e9).
     pub algbw_gbps: f64,
@@ -129,8 +129,19 @@ pub fn run_rank(args: &AllReduceArgs) -> Result<()> {
                 times.push(start.elapsed().as_secs_f64());
             }
         }
-        times.sort_by(f64::total_cmp);
-        let median = times[times.len() / 2];
+        // As nccl-tests and the PyTorch peer do: an iteration takes as long
+        // as its slowest rank.
+        let mine: Vec<u8> = times.iter().flat_map(|t| t.to_le_bytes()).collect();
+        let all = comm.all_gather("benchmark timings", &mine)?;
+        let mut slowest: Vec<f64> = (0..times.len())
+            .map(|i| {
+                all.iter()
+                    .map(|rank| f64::from_le_bytes(rank[i * 8..(i + 1) * 8].try_into().unwrap_or_default()))
+                    .fold(0.0, f64::max)
+            })
+            .collect();
+        slowest.sort_by(f64::total_cmp);
+        let median = slowest[slowest.len() / 2];
         let bytes = len * 4;
         let algbw = bytes as f64 / median / 1e9;
         let figures = AllReduceFigures {

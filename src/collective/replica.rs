@@ -131,18 +131,18 @@ impl Replica {
         let x = Tensor::from_slice(&batch.features, (batch.rows(), batch.dim), &self.device)?;
         let y = Tensor::from_slice(&batch.labels, batch.rows(), &self.device)?;
 
-        // Forward, block by block; each block's input is a fresh variable so
-        // backward can stop at the block boundary and hand its gradient on.
+        // Forward, block by block; each block's input (but the data's) is a
+        // fresh variable so backward can stop at the block boundary and hand
+        // its gradient on.
         let blocks = self.model.blocks();
-        let mut inputs: Vec<Var> = Vec::with_capacity(blocks.len());
+        let mut inputs: Vec<Tensor> = Vec::with_capacity(blocks.len());
         let mut outputs: Vec<Tensor> = Vec::with_capacity(blocks.len());
-        let mut h = x;
-        for block in blocks {
-            let input = Var::from_tensor(&h)?;
-            let out = block
-                .forward(input.as_tensor())
-                .with_context(|| format!("forward of block {}", block.name()))?;
-            h = out.detach();
+        for (i, block) in blocks.iter().enumerate() {
+            let input = match outputs.last() {
+                None => x.clone(),
+                Some(previous) => Var::from_tensor(&previous.detach())?.as_tensor().clone(),
+            };
+            let out = block.forward(&input).with_context(|| format!("forward of block {i} ({})", block.name()))?;
             inputs.push(input);
             outputs.push(out);
         }
@@ -176,16 +176,18 @@ impl Replica {
             }
             if i > 0 {
                 let g = grads
-                    .get(inputs[i].as_tensor())
+                    .get(&inputs[i])
                     .with_context(|| format!("no input gradient for block {i}"))?;
                 upstream = Some(g.detach());
             }
         }
 
-        let waiting = Instant::now();
+        let mut exposed_comm_time = Duration::ZERO;
         let mut averaged = GradStore::default();
         for (bucket, reduced) in self.plan.buckets.iter().zip(pending) {
+            let waiting = Instant::now();
             let values = reduced.wait()?;
+            exposed_comm_time += waiting.elapsed();
             let mut offset = 0;
             for &param_index in &bucket.params {
                 let var = &self.params[param_index].var;
@@ -197,7 +199,6 @@ impl Replica {
                 offset += n;
             }
         }
-        let exposed_comm_time = waiting.elapsed();
         self.optimizer.step(&averaged)?;
 
         let world = self.world_size() as f32;

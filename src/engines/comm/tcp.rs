@@ -16,7 +16,7 @@ use super::transport::{MessageHeader, RingTransport};
 
 /// Pieces handed to `on_recv`: big enough to keep syscalls rare, small
 /// enough that reducing one piece overlaps receiving the next.
-const RECV_PIECE_BYTES: usize = 512 * 1024;
+const RECV_PIECE_BYTES: usize = 2 * 1024 * 1024;
 /// Sends up to this size fit in the kernel's socket buffers, so they are
 /// written inline rather than on a thread.
 const INLINE_SEND_BYTES: usize = 64 * 1024;
