@@ -142,7 +142,9 @@ impl Replica {
                 None => x.clone(),
                 Some(previous) => Var::from_tensor(&previous.detach())?.as_tensor().clone(),
             };
-            let out = block.forward(&input).with_context(|| format!("forward of block {i} ({})", block.name()))?;
+            let out = block
+                .forward(&input)
+                .with_context(|| format!("forward of block {i} ({})", block.name()))?;
             inputs.push(input);
             outputs.push(out);
         }

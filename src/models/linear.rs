@@ -49,7 +49,9 @@ impl Block for Linear {
     }
 
     fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
-        let y = x.matmul(self.weight.as_tensor())?.broadcast_add(self.bias.as_tensor())?;
+        let y = x
+            .matmul(self.weight.as_tensor())?
+            .broadcast_add(self.bias.as_tensor())?;
         match self.activation {
             Activation::Identity => Ok(y),
             Activation::Relu => y.relu(),

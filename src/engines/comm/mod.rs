@@ -15,6 +15,7 @@
 
 pub mod memory;
 pub mod ring;
+mod send_queue;
 pub mod tcp;
 pub mod transport;
 pub mod worker;

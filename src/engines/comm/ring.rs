@@ -1,5 +1,9 @@
 //! Ring collectives over any [`RingTransport`].
 //!
+//! All-reduce streams: segments are cut into pieces, and a piece moves on
+//! to the right neighbour as soon as it has been reduced, so the steps
+//! below overlap like a pipeline (as NCCL's ring does).
+//!
 //! The buffer is cut into `n` segments (segment `i` is
 //! `i*len/n..(i+1)*len/n`, so any length works, including 0 and lengths not
 //! divisible by `n`). Reduce-scatter: in step `k` every rank sends segment
@@ -29,6 +33,19 @@ fn as_f32(bytes: &[u8]) -> Cow<'_, [f32]> {
         Ok(floats) => Cow::Borrowed(floats),
         Err(_) => Cow::Owned(bytemuck::pod_collect_to_vec(bytes)),
     }
+}
+
+/// Floats per piece of the streamed all-reduce: small enough that a ring of
+/// four keeps every link busy on a 16 MiB segment, large enough that the
+/// per-message cost stays negligible.
+const PIECE_FLOATS: usize = 256 * 1024;
+
+/// `range` cut into consecutive pieces of at most [`PIECE_FLOATS`].
+fn pieces(range: Range<usize>) -> impl Iterator<Item = Range<usize>> {
+    let end = range.end;
+    range
+        .step_by(PIECE_FLOATS)
+        .map(move |start| start..(start + PIECE_FLOATS).min(end))
 }
 
 fn segment(len: usize, n: usize, i: usize) -> Range<usize> {
@@ -73,30 +90,65 @@ impl Communicator {
 
     /// Sums `data` over all ranks, in place.
     pub fn all_reduce_sum(&mut self, op: &str, data: &mut [f32]) -> Result<()> {
-        let n = self.world_size();
-        if n == 1 {
+        if self.world_size() == 1 {
             return Ok(());
         }
-        let rank = self.rank();
-        let len = data.len();
-        for k in 0..n - 1 {
-            let send = segment(len, n, (rank + n - k) % n);
-            let recv = segment(len, n, (rank + 2 * n - k - 1) % n);
-            let recv_len = recv.len();
-            let (outgoing, target) = split_segments(data, send, recv);
-            self.transport.exchange(
-                op,
-                bytemuck::cast_slice(outgoing),
-                recv_len * 4,
-                &mut |offset, piece| {
-                    let start = offset / 4;
-                    for (acc, x) in target[start..].iter_mut().zip(as_f32(piece).iter()) {
-                        *acc += x;
-                    }
-                },
-            )?;
+        let streamed = self.stream_all_reduce(op, data);
+        // Queued pieces point into `data`: they must be sent before the
+        // buffer is handed back, whatever happened.
+        let flushed = self.transport.flush(op);
+        streamed.and(flushed)
+    }
+
+    /// Ring all-reduce as a pipeline: every piece is forwarded to the right
+    /// as soon as it has been received and reduced, instead of waiting for
+    /// the whole step, so the `2(n-1)` steps overlap.
+    fn stream_all_reduce(&mut self, op: &str, data: &mut [f32]) -> Result<()> {
+        let (n, rank, len) = (self.world_size(), self.rank(), data.len());
+        let steps = 2 * (n - 1);
+        // The segment received in step `t`, which is also the one sent in
+        // step `t + 1`; step 0 sends the rank's own segment.
+        let received_in = |t: usize| {
+            if t < n - 1 {
+                (rank + 2 * n - t - 1) % n
+            } else {
+                (rank + 2 * n - 1 - t) % n
+            }
+        };
+        let base = data.as_mut_ptr();
+        // SAFETY (every raw slice below): pieces are disjoint ranges inside
+        // `data`, which stays borrowed until the caller's flush. A piece is
+        // queued for sending only after its last write (its reduction or
+        // copy), and it is written again only in a later step, with data that
+        // the right neighbour can only produce after it has read the whole
+        // queued piece, i.e. after the send thread is done with it.
+        let bytes_of = |piece: &Range<usize>| unsafe {
+            std::slice::from_raw_parts(base.add(piece.start) as *const u8, piece.len() * 4)
+        };
+        for piece in pieces(segment(len, n, rank)) {
+            unsafe { self.transport.send_queued(op, bytes_of(&piece))? };
         }
-        self.ring_all_gather(op, data, 1)
+        for t in 0..steps {
+            let reduce = t < n - 1;
+            for piece in pieces(segment(len, n, received_in(t))) {
+                let target = unsafe { std::slice::from_raw_parts_mut(base.add(piece.start), piece.len()) };
+                if reduce {
+                    self.transport.recv(op, piece.len() * 4, &mut |offset, bytes| {
+                        let target = &mut target[offset / 4..];
+                        target
+                            .iter_mut()
+                            .zip(as_f32(bytes).iter())
+                            .for_each(|(acc, x)| *acc += x);
+                    })?;
+                } else {
+                    self.transport.recv_into(op, bytemuck::cast_slice_mut(target))?;
+                }
+                if t + 1 < steps {
+                    unsafe { self.transport.send_queued(op, bytes_of(&piece))? };
+                }
+            }
+        }
+        Ok(())
     }
 
     /// Passes finished segments around the ring: before, rank `r` owns

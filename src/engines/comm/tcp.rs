@@ -1,9 +1,9 @@
 //! Ring links over TCP between processes.
 //!
 //! Each rank opens one connection to its right neighbour (it only writes
-//! there) and accepts one from its left neighbour (it only reads there), so
-//! the two directions never share a socket and a large send can run on a
-//! scoped thread while the calling thread receives and reduces.
+//! there, from its send-queue thread) and accepts one from its left
+//! neighbour (it only reads there, on the calling thread), so sending and
+//! receiving-and-reducing always run at the same time.
 
 use std::io::{self, Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
@@ -12,21 +12,19 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 
+use super::send_queue::SendQueue;
 use super::transport::{MessageHeader, RingTransport};
 
 /// Pieces handed to `on_recv`: big enough to keep syscalls rare, small
 /// enough that reducing one piece overlaps receiving the next.
 const RECV_PIECE_BYTES: usize = 2 * 1024 * 1024;
-/// Sends up to this size fit in the kernel's socket buffers, so they are
-/// written inline rather than on a thread.
-const INLINE_SEND_BYTES: usize = 64 * 1024;
 const HELLO_MAGIC: &[u8; 8] = b"FLOTHELO";
 
 /// One rank's two TCP links.
 pub struct TcpTransport {
     rank: usize,
     world_size: usize,
-    to_right: TcpStream,
+    to_right: SendQueue,
     from_left: TcpStream,
     sent: u64,
     received: u64,
@@ -62,7 +60,7 @@ impl TcpTransport {
         Ok(Self {
             rank,
             world_size,
-            to_right,
+            to_right: SendQueue::new(to_right, format!("ring-send-rank{rank}"))?,
             from_left,
             sent: 0,
             received: 0,
@@ -86,11 +84,6 @@ impl TcpTransport {
             _ => anyhow::anyhow!("{op}: ring link to rank {peer}: {e}"),
         }
     }
-}
-
-fn write_message(stream: &mut &TcpStream, header: MessageHeader, bytes: &[u8]) -> io::Result<()> {
-    stream.write_all(&header.encode())?;
-    stream.write_all(bytes)
 }
 
 fn connect_right(
@@ -192,12 +185,25 @@ impl RingTransport for TcpTransport {
     }
 
     fn send(&mut self, op: &str, bytes: &[u8]) -> Result<()> {
+        // SAFETY: `bytes` outlives the flush below, which waits for the write.
+        unsafe { self.send_queued(op, bytes)? };
+        self.flush(op)
+    }
+
+    unsafe fn send_queued(&mut self, op: &str, bytes: &[u8]) -> Result<()> {
         let header = MessageHeader {
             seq: self.sent,
             len: bytes.len() as u64,
         };
         self.sent += 1;
-        write_message(&mut &self.to_right, header, bytes).map_err(|e| self.link_error(op, self.right(), e))
+        // SAFETY: the caller keeps `bytes` valid and unchanged until `flush`.
+        unsafe { self.to_right.push(header, bytes) }.map_err(|e| self.link_error(op, self.right(), e))
+    }
+
+    fn flush(&mut self, op: &str) -> Result<()> {
+        self.to_right
+            .wait_all()
+            .map_err(|e| self.link_error(op, self.right(), e))
     }
 
     fn recv(&mut self, op: &str, len: usize, on_recv: &mut dyn FnMut(usize, &[u8])) -> Result<()> {
@@ -211,6 +217,24 @@ impl RingTransport for TcpTransport {
             .map_err(|e| self.link_error(op, left, e))
     }
 
+    fn recv_into(&mut self, op: &str, target: &mut [u8]) -> Result<()> {
+        let expected = MessageHeader {
+            seq: self.received,
+            len: target.len() as u64,
+        };
+        self.received += 1;
+        let left = self.left();
+        let mut header = [0u8; MessageHeader::SIZE];
+        (&self.from_left)
+            .read_exact(&mut header)
+            .and_then(|()| {
+                MessageHeader::check(&header, expected, op, left)
+                    .map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e.to_string()))
+            })
+            .and_then(|()| (&self.from_left).read_exact(target))
+            .map_err(|e| self.link_error(op, left, e))
+    }
+
     fn exchange(
         &mut self,
         op: &str,
@@ -218,31 +242,11 @@ impl RingTransport for TcpTransport {
         recv_len: usize,
         on_recv: &mut dyn FnMut(usize, &[u8]),
     ) -> Result<()> {
-        if send.len() <= INLINE_SEND_BYTES {
-            self.send(op, send)?;
-            return self.recv(op, recv_len, on_recv);
-        }
-        let outgoing = MessageHeader {
-            seq: self.sent,
-            len: send.len() as u64,
-        };
-        let expected = MessageHeader {
-            seq: self.received,
-            len: recv_len as u64,
-        };
-        self.sent += 1;
-        self.received += 1;
-        let (left, right) = (self.left(), self.right());
-        let (to_right, from_left, scratch) = (&self.to_right, &self.from_left, &mut self.scratch);
-        let (sent, received) = thread::scope(|s| {
-            let writer = s.spawn(move || write_message(&mut &*to_right, outgoing, send));
-            let received = read_message(from_left, scratch, expected, op, left, on_recv);
-            let sent = writer
-                .join()
-                .unwrap_or_else(|_| Err(io::Error::other("ring sender thread panicked")));
-            (sent, received)
-        });
-        received.map_err(|e| self.link_error(op, left, e))?;
-        sent.map_err(|e| self.link_error(op, right, e))
+        // SAFETY: `send` is borrowed for this whole call, which flushes
+        // before it returns, on every path.
+        unsafe { self.send_queued(op, send)? };
+        let received = self.recv(op, recv_len, on_recv);
+        let flushed = self.flush(op);
+        received.and(flushed)
     }
 }

@@ -61,9 +61,30 @@ pub trait RingTransport: Send {
     fn world_size(&self) -> usize;
     /// Sends one message to the right neighbour.
     fn send(&mut self, op: &str, bytes: &[u8]) -> Result<()>;
+    /// Queues one message for the right neighbour and may return before it
+    /// is sent; messages leave in the order queued. The default sends at once.
+    ///
+    /// # Safety
+    /// `bytes` must stay valid and must not be written to until the next
+    /// [`RingTransport::flush`] has returned.
+    unsafe fn send_queued(&mut self, op: &str, bytes: &[u8]) -> Result<()> {
+        self.send(op, bytes)
+    }
+    /// Waits until every queued message has been sent.
+    fn flush(&mut self, _op: &str) -> Result<()> {
+        Ok(())
+    }
     /// Receives one message of exactly `len` bytes from the left neighbour,
     /// handing it to `on_recv(offset, piece)` piece by piece as it arrives.
     fn recv(&mut self, op: &str, len: usize, on_recv: &mut dyn FnMut(usize, &[u8])) -> Result<()>;
+    /// Receives one message of exactly `target.len()` bytes straight into
+    /// `target` (no staging copy where the transport allows it).
+    fn recv_into(&mut self, op: &str, target: &mut [u8]) -> Result<()> {
+        let len = target.len();
+        self.recv(op, len, &mut |offset, piece| {
+            target[offset..offset + piece.len()].copy_from_slice(piece)
+        })
+    }
     /// Sends and receives at the same time. The default sends first, which
     /// is right for transports whose send never blocks.
     fn exchange(
