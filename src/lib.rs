@@ -1,4 +1,41 @@
 //! flotilla: a distributed deep-learning training runtime.
+//!
+//! One [`config::DistributedStrategy`] decides how a job spreads over
+//! machines and the runtime does the communication. This release runs the
+//! collective data-parallel strategy on CPU: every rank holds a replica of
+//! the model, and gradients are averaged by a ring all-reduce of fused
+//! buckets, overlapped with backward.
+//!
+//! # Using it as a library
+//!
+//! Define a model as [`models::Block`]s, load a [`data::Dataset`] and a
+//! [`config::JobConfig`], and hand them to [`job::TrainingJob::run`]: it
+//! trains in this process as a simulated cluster, or as one rank when the
+//! program is started by `flotilla launch` (see `examples/custom_model.rs`).
+//!
+//! # Layout
+//!
+//! - [`config`]: the job's TOML (`[cluster]`, `[strategy]`, `[train]`,
+//!   `[fault_tolerance]`), environment and `--set` overrides, validation.
+//! - [`actors`]: the roles — coordinator (rendezvous, barriers), trainer
+//!   (the training loop), device (a `SyncArbiter` thread owning the replica
+//!   and the communicator).
+//! - [`collective`]: the data-parallel replica — block-wise backward,
+//!   gradient buckets, replica checksums.
+//! - [`engines`]: the ring collectives over memory or TCP transports, and
+//!   compute-device selection.
+//! - [`net`]: the control plane — frames, the coordinator's TCP server, the
+//!   bus roles use to reach it.
+//! - [`models`], [`optim`], [`data`]: blocks and the MLP; SGD with momentum,
+//!   AdamW and the learning-rate policy; datasets and the sharded loader.
+//! - [`job`]: a training job run in-process or as one launched rank, and the
+//!   files a run writes.
+//! - [`launch`]: `flotilla launch`, starting and supervising a node's ranks.
+//! - [`bench`](mod@bench): benchmarks that print figures.
+//! - [`rng`], [`telemetry`]: the seeded generator every rank shares; logging.
+
+#![warn(missing_docs, unreachable_pub)]
+
 pub mod actors;
 pub mod bench;
 pub mod collective;

@@ -244,7 +244,7 @@ mod tests {
     #[test]
     fn all_reduce_matches_plain_sum_for_all_sizes() {
         for n in 1..=5usize {
-            for len in [0, 1, n.saturating_sub(1), n + 1, 1031, 100_003] {
+            for len in [0, 1, n.saturating_sub(1), n + 1, 1031, 100_003, 1_000_003] {
                 let results = run_ring(n, |c| {
                     let mut data = rank_buffer(c.rank(), len);
                     c.all_reduce_sum("test", &mut data).map(|()| data)
