@@ -1,0 +1,62 @@
+//! The coordinator's TCP endpoint refuses bad frames without falling over:
+//! an oversized length, a malformed header, an unexpected message each close
+//! that one connection, and the next client is served.
+
+use std::time::Duration;
+
+use actix::Actor;
+use flotilla::actors::Coordinator;
+use flotilla::net::{server, ControlBus, ControlMessage, Frame};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+
+const CAP: usize = 4096;
+
+async fn start_coordinator(world_size: usize) -> String {
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let addr = listener.local_addr().expect("addr").to_string();
+    let coordinator = Coordinator::new(world_size, Duration::from_secs(5)).start();
+    actix::spawn(server::serve(listener, coordinator, CAP));
+    addr
+}
+
+/// Sends raw bytes and expects the server to close the connection.
+async fn closes_after(addr: &str, bytes: &[u8]) {
+    let mut stream = TcpStream::connect(addr).await.expect("connect");
+    stream.write_all(bytes).await.expect("write");
+    let mut buf = [0u8; 64];
+    let read = tokio::time::timeout(Duration::from_secs(5), stream.read(&mut buf)).await.expect("closed in time");
+    assert!(matches!(read, Ok(0) | Err(_)), "connection should be closed, got {read:?}");
+}
+
+fn framed(body: &[u8]) -> Vec<u8> {
+    let mut out = (body.len() as u32).to_be_bytes().to_vec();
+    out.extend_from_slice(body);
+    out
+}
+
+#[actix::test]
+async fn bad_frames_close_only_their_connection() {
+    let addr = start_coordinator(1).await;
+    // A length far above the cap: refused before anything is allocated.
+    closes_after(&addr, &(1u32 << 30).to_be_bytes()).await;
+    // A header length larger than the frame.
+    closes_after(&addr, &framed(&[200, 0, 0, 0, 1, 2])).await;
+    // A well-formed frame carrying a message the coordinator never accepts.
+    let roster = Frame::control(ControlMessage::Roster { endpoints: vec![] }).encode().expect("encode");
+    closes_after(&addr, &framed(&roster)).await;
+
+    let mut bus = ControlBus::connect(&addr, Duration::from_secs(5), CAP).await.expect("connect");
+    let roster = bus.join(0, 1, "127.0.0.1:9".to_string()).await.expect("served after the bad clients");
+    assert_eq!(roster, vec!["127.0.0.1:9".to_string()]);
+    bus.barrier(0, "done").await.expect("barrier of one");
+}
+
+#[actix::test]
+async fn an_unreachable_coordinator_is_named() {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    let addr = listener.local_addr().expect("addr").to_string();
+    drop(listener);
+    let err = ControlBus::connect(&addr, Duration::from_millis(300), CAP).await.err().expect("nobody listens");
+    assert!(err.to_string().contains(&addr), "{err}");
+}
