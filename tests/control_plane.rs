@@ -25,8 +25,13 @@ async fn closes_after(addr: &str, bytes: &[u8]) {
     let mut stream = TcpStream::connect(addr).await.expect("connect");
     stream.write_all(bytes).await.expect("write");
     let mut buf = [0u8; 64];
-    let read = tokio::time::timeout(Duration::from_secs(5), stream.read(&mut buf)).await.expect("closed in time");
-    assert!(matches!(read, Ok(0) | Err(_)), "connection should be closed, got {read:?}");
+    let read = tokio::time::timeout(Duration::from_secs(5), stream.read(&mut buf))
+        .await
+        .expect("closed in time");
+    assert!(
+        matches!(read, Ok(0) | Err(_)),
+        "connection should be closed, got {read:?}"
+    );
 }
 
 fn framed(body: &[u8]) -> Vec<u8> {
@@ -43,11 +48,18 @@ async fn bad_frames_close_only_their_connection() {
     // A header length larger than the frame.
     closes_after(&addr, &framed(&[200, 0, 0, 0, 1, 2])).await;
     // A well-formed frame carrying a message the coordinator never accepts.
-    let roster = Frame::control(ControlMessage::Roster { endpoints: vec![] }).encode().expect("encode");
+    let roster = Frame::control(ControlMessage::Roster { endpoints: vec![] })
+        .encode()
+        .expect("encode");
     closes_after(&addr, &framed(&roster)).await;
 
-    let mut bus = ControlBus::connect(&addr, Duration::from_secs(5), CAP).await.expect("connect");
-    let roster = bus.join(0, 1, "127.0.0.1:9".to_string()).await.expect("served after the bad clients");
+    let mut bus = ControlBus::connect(&addr, Duration::from_secs(5), CAP)
+        .await
+        .expect("connect");
+    let roster = bus
+        .join(0, 1, "127.0.0.1:9".to_string())
+        .await
+        .expect("served after the bad clients");
     assert_eq!(roster, vec!["127.0.0.1:9".to_string()]);
     bus.barrier(0, "done").await.expect("barrier of one");
 }
@@ -57,6 +69,9 @@ async fn an_unreachable_coordinator_is_named() {
     let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
     let addr = listener.local_addr().expect("addr").to_string();
     drop(listener);
-    let err = ControlBus::connect(&addr, Duration::from_millis(300), CAP).await.err().expect("nobody listens");
+    let err = ControlBus::connect(&addr, Duration::from_millis(300), CAP)
+        .await
+        .err()
+        .expect("nobody listens");
     assert!(err.to_string().contains(&addr), "{err}");
 }

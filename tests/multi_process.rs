@@ -156,3 +156,89 @@ fn a_port_in_use_is_reported_with_its_address() {
         finished.stderr
     );
 }
+
+/// Pids of the ranks a launcher reported starting.
+fn started_pids(launcher_stderr: &str) -> Vec<i32> {
+    launcher_stderr
+        .lines()
+        .filter_map(|line| line.split("pid=").nth(1))
+        .filter_map(|rest| rest.split_whitespace().next()?.parse().ok())
+        .collect()
+}
+
+#[test]
+fn ctrl_c_reaches_every_rank_and_the_launch_stops() {
+    use std::io::Read;
+    use std::process::{Command, Stdio};
+    use std::time::{Duration, Instant};
+
+    let port = free_port_range(3).to_string();
+    let mut launcher = Command::new(env!("CARGO_BIN_EXE_flotilla"))
+        .args([
+            "launch",
+            "--nproc_per_node",
+            "2",
+            "--started_port",
+            &port,
+            "--",
+            "train",
+            "--config",
+            "config.toml",
+        ])
+        .args([
+            "--set",
+            "train.steps=1000000",
+            "--set",
+            "train.log_every=1",
+            "--run-dir",
+        ])
+        .arg(tempfile::tempdir().unwrap().path())
+        .env_remove("PADDLE_TRAINER_ID")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stdout = launcher.stdout.take().unwrap();
+    let mut stderr = launcher.stderr.take().unwrap();
+    let out = std::thread::spawn(move || {
+        let mut s = String::new();
+        let _ = stdout.read_to_string(&mut s);
+        s
+    });
+    let err = std::thread::spawn(move || {
+        let mut s = String::new();
+        let _ = stderr.read_to_string(&mut s);
+        s
+    });
+    std::thread::sleep(Duration::from_secs(2));
+    unsafe { libc::kill(launcher.id() as i32, libc::SIGINT) };
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let status = loop {
+        if let Some(status) = launcher.try_wait().unwrap() {
+            break status;
+        }
+        if Instant::now() > deadline {
+            let _ = launcher.kill();
+            panic!("the launcher did not stop within 30 s of Ctrl-C");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let (stdout, stderr) = (out.join().unwrap(), err.join().unwrap());
+    let pids = started_pids(&stderr);
+    let alive: Vec<i32> = pids
+        .iter()
+        .copied()
+        .filter(|pid| unsafe { libc::kill(*pid, 0) } == 0)
+        .collect();
+    for pid in &alive {
+        unsafe { libc::kill(*pid, libc::SIGKILL) };
+    }
+    assert!(!status.success());
+    assert_eq!(pids.len(), 2, "both ranks were started:\n{stderr}");
+    assert!(alive.is_empty(), "ranks {alive:?} outlived the launcher");
+    assert!(
+        stdout.contains("[rank 0]") || stderr.contains("[rank 0] "),
+        "rank 0 was training:\n{stderr}"
+    );
+    assert!(stderr.contains("interrupted"), "{stderr}");
+}

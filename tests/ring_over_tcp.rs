@@ -9,7 +9,9 @@ use flotilla::engines::comm::tcp::TcpTransport;
 use flotilla::engines::comm::Communicator;
 
 fn on_tcp_ring<T: Send>(n: usize, f: impl Fn(&mut Communicator) -> T + Sync) -> Vec<T> {
-    let listeners: Vec<TcpListener> = (0..n).map(|_| TcpListener::bind("127.0.0.1:0").expect("bind")).collect();
+    let listeners: Vec<TcpListener> = (0..n)
+        .map(|_| TcpListener::bind("127.0.0.1:0").expect("bind"))
+        .collect();
     let endpoints: Vec<SocketAddr> = listeners.iter().map(|l| l.local_addr().expect("addr")).collect();
     std::thread::scope(|s| {
         let handles: Vec<_> = listeners
@@ -18,8 +20,8 @@ fn on_tcp_ring<T: Send>(n: usize, f: impl Fn(&mut Communicator) -> T + Sync) -> 
             .map(|(rank, listener)| {
                 let (endpoints, f) = (&endpoints, &f);
                 s.spawn(move || {
-                    let transport =
-                        TcpTransport::connect(rank, endpoints, listener, Duration::from_secs(20)).expect("ring connects");
+                    let transport = TcpTransport::connect(rank, endpoints, listener, Duration::from_secs(20))
+                        .expect("ring connects");
                     f(&mut Communicator::new(Box::new(transport)))
                 })
             })

@@ -97,6 +97,7 @@ fn start(spec: &ChildSpec, mode: OutputMode) -> Result<Running> {
         .spawn()
         .with_context(|| format!("rank {}: cannot start {}", spec.rank, spec.program.display()))?;
     let rank = spec.rank;
+    tracing::info!(rank, pid = child.id(), "started {}", spec.program.display());
     let stderr_tail = Arc::new(Mutex::new(VecDeque::with_capacity(TAIL_LINES)));
     let mut pumps = Vec::new();
     if let Some(out) = child.stdout.take() {
