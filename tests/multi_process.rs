@@ -2,7 +2,7 @@
 
 mod common;
 
-use common::{config, flotilla, free_port_range, max_abs_diff, read_params, train_in_process};
+use common::{config, flotilla, free_port_range, max_abs_diff, read_params, start_flotilla, train_in_process};
 
 const STEPS: &str = "train.steps=20";
 
@@ -168,13 +168,10 @@ fn started_pids(launcher_stderr: &str) -> Vec<i32> {
 
 #[test]
 fn ctrl_c_reaches_every_rank_and_the_launch_stops() {
-    use std::io::Read;
-    use std::process::{Command, Stdio};
-    use std::time::{Duration, Instant};
-
     let port = free_port_range(3).to_string();
-    let mut launcher = Command::new(env!("CARGO_BIN_EXE_flotilla"))
-        .args([
+    let dir = tempfile::tempdir().unwrap();
+    let launcher = start_flotilla(
+        &[
             "launch",
             "--nproc_per_node",
             "2",
@@ -184,61 +181,35 @@ fn ctrl_c_reaches_every_rank_and_the_launch_stops() {
             "train",
             "--config",
             "config.toml",
-        ])
-        .args([
             "--set",
             "train.steps=1000000",
-            "--set",
-            "train.log_every=1",
             "--run-dir",
-        ])
-        .arg(tempfile::tempdir().unwrap().path())
-        .env_remove("PADDLE_TRAINER_ID")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut stdout = launcher.stdout.take().unwrap();
-    let mut stderr = launcher.stderr.take().unwrap();
-    let out = std::thread::spawn(move || {
-        let mut s = String::new();
-        let _ = stdout.read_to_string(&mut s);
-        s
-    });
-    let err = std::thread::spawn(move || {
-        let mut s = String::new();
-        let _ = stderr.read_to_string(&mut s);
-        s
-    });
-    std::thread::sleep(Duration::from_secs(2));
-    unsafe { libc::kill(launcher.id() as i32, libc::SIGINT) };
-    let deadline = Instant::now() + Duration::from_secs(30);
-    let status = loop {
-        if let Some(status) = launcher.try_wait().unwrap() {
-            break status;
-        }
-        if Instant::now() > deadline {
-            let _ = launcher.kill();
-            panic!("the launcher did not stop within 30 s of Ctrl-C");
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    };
-    let (stdout, stderr) = (out.join().unwrap(), err.join().unwrap());
-    let pids = started_pids(&stderr);
+            dir.path().to_str().unwrap(),
+        ],
+        &[],
+    );
+    std::thread::sleep(std::time::Duration::from_secs(2));
+    // SAFETY: signalling the launcher this test started and has not reaped.
+    unsafe { libc::kill(launcher.child.id() as i32, libc::SIGINT) };
+    let finished = launcher.finish(30);
+    let pids = started_pids(&finished.stderr);
+    // SAFETY: signal 0 only asks whether the pid exists.
     let alive: Vec<i32> = pids
         .iter()
         .copied()
         .filter(|pid| unsafe { libc::kill(*pid, 0) } == 0)
         .collect();
     for pid in &alive {
+        // SAFETY: a rank this test's launcher started; ended so no test leaks it.
         unsafe { libc::kill(*pid, libc::SIGKILL) };
     }
-    assert!(!status.success());
-    assert_eq!(pids.len(), 2, "both ranks were started:\n{stderr}");
+    assert!(!finished.success);
+    assert_eq!(pids.len(), 2, "both ranks were started:\n{}", finished.stderr);
     assert!(alive.is_empty(), "ranks {alive:?} outlived the launcher");
     assert!(
-        stdout.contains("[rank 0]") || stderr.contains("[rank 0] "),
-        "rank 0 was training:\n{stderr}"
+        finished.stderr.contains("[rank 0] "),
+        "rank 0 was training:\n{}",
+        finished.stderr
     );
-    assert!(stderr.contains("interrupted"), "{stderr}");
+    assert!(finished.stderr.contains("interrupted"), "{}", finished.stderr);
 }

@@ -77,17 +77,27 @@ pub struct Finished {
     pub stderr: String,
 }
 
-/// Runs the flotilla binary with `args` and extra `env`, killing it (by pid)
-/// if it outlives `timeout_s`.
-pub fn flotilla(args: &[&str], env: &[(&str, String)], timeout_s: u64) -> Finished {
-    use std::io::Read;
-    use std::process::{Command, Stdio};
-    use std::time::{Duration, Instant};
+/// A flotilla process started by a test, its output being collected.
+pub struct Started {
+    pub child: std::process::Child,
+    stdout: std::thread::JoinHandle<String>,
+    stderr: std::thread::JoinHandle<String>,
+}
 
+fn collect(mut stream: impl std::io::Read + Send + 'static) -> std::thread::JoinHandle<String> {
+    std::thread::spawn(move || {
+        let mut s = String::new();
+        let _ = stream.read_to_string(&mut s);
+        s
+    })
+}
+
+/// Starts the flotilla binary with `args` and extra `env`; the launcher's
+/// variables come only from `env`, never from the tests' environment.
+pub fn start_flotilla(args: &[&str], env: &[(&str, String)]) -> Started {
+    use std::process::{Command, Stdio};
     let mut child = Command::new(env!("CARGO_BIN_EXE_flotilla"))
         .args(args)
-        // The launcher's variables come only from `env`, never from the
-        // environment the tests run in.
         .env_remove("PADDLE_TRAINER_ID")
         .envs(env.iter().map(|(k, v)| (*k, v.as_str())))
         .stdin(Stdio::null())
@@ -95,36 +105,40 @@ pub fn flotilla(args: &[&str], env: &[(&str, String)], timeout_s: u64) -> Finish
         .stderr(Stdio::piped())
         .spawn()
         .expect("flotilla starts");
-    let mut stdout = child.stdout.take().expect("stdout");
-    let mut stderr = child.stderr.take().expect("stderr");
-    let out = std::thread::spawn(move || {
-        let mut s = String::new();
-        let _ = stdout.read_to_string(&mut s);
-        s
-    });
-    let err = std::thread::spawn(move || {
-        let mut s = String::new();
-        let _ = stderr.read_to_string(&mut s);
-        s
-    });
-    let deadline = Instant::now() + Duration::from_secs(timeout_s);
-    let status = loop {
-        if let Some(status) = child.try_wait().expect("try_wait") {
-            break status;
+    let stdout = collect(child.stdout.take().expect("stdout"));
+    let stderr = collect(child.stderr.take().expect("stderr"));
+    Started { child, stdout, stderr }
+}
+
+impl Started {
+    /// Waits for the process, killing it (by pid) if it outlives `timeout_s`.
+    pub fn finish(mut self, timeout_s: u64) -> Finished {
+        use std::time::{Duration, Instant};
+        let deadline = Instant::now() + Duration::from_secs(timeout_s);
+        let status = loop {
+            if let Some(status) = self.child.try_wait().expect("try_wait") {
+                break status;
+            }
+            if Instant::now() > deadline {
+                let _ = self.child.kill();
+                let _ = self.child.wait();
+                panic!(
+                    "flotilla did not finish within {timeout_s}s; killed pid {}",
+                    self.child.id()
+                );
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        };
+        Finished {
+            success: status.success(),
+            stdout: self.stdout.join().unwrap_or_default(),
+            stderr: self.stderr.join().unwrap_or_default(),
         }
-        if Instant::now() > deadline {
-            let _ = child.kill();
-            let _ = child.wait();
-            panic!(
-                "flotilla {args:?} did not finish within {timeout_s}s; killed pid {}",
-                child.id()
-            );
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    };
-    Finished {
-        success: status.success(),
-        stdout: out.join().unwrap_or_default(),
-        stderr: err.join().unwrap_or_default(),
     }
+}
+
+/// Runs the flotilla binary with `args` and extra `env` to its end (at most
+/// `timeout_s`).
+pub fn flotilla(args: &[&str], env: &[(&str, String)], timeout_s: u64) -> Finished {
+    start_flotilla(args, env).finish(timeout_s)
 }

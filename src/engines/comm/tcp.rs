@@ -149,8 +149,16 @@ fn accept_left(listener: &TcpListener, rank: usize, left: usize, deadline: Insta
     }
 }
 
+/// Reads the next header from the left link and checks it is `expected`;
+/// a wrong one comes back as `InvalidData` carrying the reason.
+fn read_header(from_left: &TcpStream, expected: MessageHeader, op: &str, left: usize) -> io::Result<()> {
+    let mut header = [0u8; MessageHeader::SIZE];
+    (&*from_left).read_exact(&mut header)?;
+    MessageHeader::check(&header, expected, op, left)
+        .map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e.to_string()))
+}
+
 /// Reads one message from the left link into `scratch`, piece by piece.
-/// A wrong header comes back as `InvalidData` carrying the reason.
 fn read_message(
     from_left: &TcpStream,
     scratch: &mut [f32],
@@ -159,10 +167,7 @@ fn read_message(
     left: usize,
     on_recv: &mut dyn FnMut(usize, &[u8]),
 ) -> io::Result<()> {
-    let mut header = [0u8; MessageHeader::SIZE];
-    (&*from_left).read_exact(&mut header)?;
-    MessageHeader::check(&header, expected, op, left)
-        .map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e.to_string()))?;
+    read_header(from_left, expected, op, left)?;
     let len = expected.len as usize;
     let mut offset = 0;
     while offset < len {
@@ -224,29 +229,8 @@ impl RingTransport for TcpTransport {
         };
         self.received += 1;
         let left = self.left();
-        let mut header = [0u8; MessageHeader::SIZE];
-        (&self.from_left)
-            .read_exact(&mut header)
-            .and_then(|()| {
-                MessageHeader::check(&header, expected, op, left)
-                    .map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e.to_string()))
-            })
+        read_header(&self.from_left, expected, op, left)
             .and_then(|()| (&self.from_left).read_exact(target))
             .map_err(|e| self.link_error(op, left, e))
-    }
-
-    fn exchange(
-        &mut self,
-        op: &str,
-        send: &[u8],
-        recv_len: usize,
-        on_recv: &mut dyn FnMut(usize, &[u8]),
-    ) -> Result<()> {
-        // SAFETY: `send` is borrowed for this whole call, which flushes
-        // before it returns, on every path.
-        unsafe { self.send_queued(op, send)? };
-        let received = self.recv(op, recv_len, on_recv);
-        let flushed = self.flush(op);
-        received.and(flushed)
     }
 }

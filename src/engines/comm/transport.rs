@@ -85,8 +85,8 @@ pub trait RingTransport: Send {
             target[offset..offset + piece.len()].copy_from_slice(piece)
         })
     }
-    /// Sends and receives at the same time. The default sends first, which
-    /// is right for transports whose send never blocks.
+    /// Sends and receives at the same time: the send is queued, the
+    /// message from the left is received, then the send is waited for.
     fn exchange(
         &mut self,
         op: &str,
@@ -94,8 +94,12 @@ pub trait RingTransport: Send {
         recv_len: usize,
         on_recv: &mut dyn FnMut(usize, &[u8]),
     ) -> Result<()> {
-        self.send(op, send)?;
-        self.recv(op, recv_len, on_recv)
+        // SAFETY: `send` is borrowed for this whole call, which flushes
+        // before it returns, on every path.
+        unsafe { self.send_queued(op, send)? };
+        let received = self.recv(op, recv_len, on_recv);
+        let flushed = self.flush(op);
+        received.and(flushed)
     }
     /// The left neighbour's rank.
     fn left(&self) -> usize {
