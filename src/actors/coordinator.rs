@@ -174,60 +174,48 @@ impl Handler<Barrier> for Coordinator {
 mod tests {
     use super::*;
 
+    async fn join(c: &Addr<Coordinator>, rank: usize, world_size: usize) -> Result<Vec<String>, String> {
+        let data_endpoint = format!("endpoint-{rank}");
+        c.send(Join {
+            rank,
+            world_size,
+            data_endpoint,
+        })
+        .await
+        .expect("coordinator alive")
+    }
+
     #[actix::test]
     async fn roster_is_handed_out_by_rank() {
         let c = Coordinator::new(2, Duration::from_secs(5)).start();
-        let late = c.send(Join {
-            rank: 1,
-            world_size: 2,
-            data_endpoint: "b".into(),
-        });
-        let early = c.send(Join {
-            rank: 0,
-            world_size: 2,
-            data_endpoint: "a".into(),
-        });
-        let (late, early) = futures::join!(late, early);
-        assert_eq!(late.unwrap().unwrap(), vec!["a", "b"]);
-        assert_eq!(early.unwrap().unwrap(), vec!["a", "b"]);
+        let (late, early) = futures::join!(join(&c, 1, 2), join(&c, 0, 2));
+        assert_eq!(late, Ok(vec!["endpoint-0".to_string(), "endpoint-1".to_string()]));
+        assert_eq!(early, late);
     }
 
     #[actix::test]
     async fn a_rank_that_never_arrives_is_named() {
         let c = Coordinator::new(3, Duration::from_millis(200)).start();
-        let err = c
-            .send(Join {
-                rank: 0,
-                world_size: 3,
-                data_endpoint: "a".into(),
-            })
-            .await
-            .unwrap()
-            .unwrap_err();
+        let err = join(&c, 0, 3).await.expect_err("ranks 1 and 2 are missing");
         assert!(err.contains("ranks 1, 2 never joined"), "{err}");
-        let b1 = c
+        let barrier = c
             .send(Barrier {
                 rank: 2,
                 name: "end".into(),
             })
             .await
-            .unwrap()
-            .unwrap_err();
-        assert!(b1.contains("ranks 0, 1 never arrived"), "{b1}");
+            .expect("coordinator alive");
+        let err = barrier.expect_err("ranks 0 and 1 never reach the barrier");
+        assert!(err.contains("ranks 0, 1 never arrived"), "{err}");
     }
 
     #[actix::test]
     async fn wrong_world_size_and_duplicates_are_refused() {
-        let c = Coordinator::new(2, Duration::from_secs(5)).start();
-        let err = c
-            .send(Join {
-                rank: 0,
-                world_size: 3,
-                data_endpoint: "a".into(),
-            })
-            .await
-            .unwrap()
-            .unwrap_err();
+        let c = Coordinator::new(2, Duration::from_millis(300)).start();
+        let err = join(&c, 0, 3).await.expect_err("world size differs");
         assert!(err.contains("world size 3"), "{err}");
+        let (first, twice) = futures::join!(join(&c, 1, 2), join(&c, 1, 2));
+        assert!(twice.expect_err("same rank twice").contains("rank 1 joined twice"));
+        assert!(first.expect_err("rank 0 never came").contains("rank 0 never joined"));
     }
 }
