@@ -106,13 +106,13 @@ mod tests {
     use super::*;
 
     #[test]
-    fn rank_batches_concatenate_to_the_global_batch() {
-        let data = Arc::new(Dataset::synthetic(100, 3, 2, 5).unwrap());
-        let mut whole = ShardedLoader::new(data.clone(), 20, 0, 1, 9).unwrap();
+    fn rank_batches_concatenate_to_the_global_batch() -> anyhow::Result<()> {
+        let data = Arc::new(Dataset::synthetic(100, 3, 2, 5)?);
+        let mut whole = ShardedLoader::new(data.clone(), 20, 0, 1, 9)?;
         for step in [0, 4, 5, 13] {
             let mut joined = Vec::new();
             for rank in 0..4 {
-                let mut l = ShardedLoader::new(data.clone(), 20, rank, 4, 9).unwrap();
+                let mut l = ShardedLoader::new(data.clone(), 20, rank, 4, 9)?;
                 joined.extend(l.batch(step).labels);
             }
             assert_eq!(joined, whole.batch(step).labels);
@@ -124,11 +124,13 @@ mod tests {
             first,
             "going back to an earlier epoch gives the same batch"
         );
+        Ok(())
     }
 
     #[test]
-    fn indivisible_batch_is_rejected() {
-        let data = Arc::new(Dataset::synthetic(10, 2, 2, 1).unwrap());
+    fn indivisible_batch_is_rejected() -> anyhow::Result<()> {
+        let data = Arc::new(Dataset::synthetic(10, 2, 2, 1)?);
         assert!(ShardedLoader::new(data, 7, 0, 2, 0).is_err());
+        Ok(())
     }
 }

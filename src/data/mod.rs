@@ -114,22 +114,24 @@ mod tests {
     use super::*;
 
     #[test]
-    fn digits_load_with_expected_shape() {
-        let d = Dataset::digits().unwrap();
+    fn digits_load_with_expected_shape() -> anyhow::Result<()> {
+        let d = Dataset::digits()?;
         assert_eq!(d.len(), 1797);
         assert_eq!(d.dim, 64);
         assert_eq!(d.classes, 10);
         assert!(d.features.iter().all(|&x| (0.0..=1.0).contains(&x)));
+        Ok(())
     }
 
     #[test]
-    fn split_is_deterministic_and_disjoint_in_size() {
-        let d = Dataset::digits().unwrap();
-        let (a, b) = d.split(0.2, 1).unwrap();
-        let (a2, _) = d.split(0.2, 1).unwrap();
+    fn split_is_deterministic_and_disjoint_in_size() -> anyhow::Result<()> {
+        let d = Dataset::digits()?;
+        let (a, b) = d.split(0.2, 1)?;
+        let (a2, _) = d.split(0.2, 1)?;
         assert_eq!(a, a2);
         assert_eq!(a.len() + b.len(), d.len());
         assert_eq!(b.len(), 359);
+        Ok(())
     }
 
     #[test]

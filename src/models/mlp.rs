@@ -37,9 +37,9 @@ mod tests {
     use candle_core::{Device, Tensor};
 
     #[test]
-    fn shapes_names_and_determinism() {
+    fn shapes_names_and_determinism() -> anyhow::Result<()> {
         let init = ParamInit::new(1, Device::Cpu);
-        let model = mlp(4, &[8, 6], 3, &init).unwrap();
+        let model = mlp(4, &[8, 6], 3, &init)?;
         let names: Vec<String> = model.parameters().into_iter().map(|p| p.name).collect();
         assert_eq!(
             names,
@@ -53,21 +53,12 @@ mod tests {
             ]
         );
         assert_eq!(model.parameter_count(), 4 * 8 + 8 + 8 * 6 + 6 + 6 * 3 + 3);
-        let x = Tensor::ones((5, 4), candle_core::DType::F32, &Device::Cpu).unwrap();
-        assert_eq!(model.forward(&x).unwrap().dims(), &[5, 3]);
-        let again = mlp(4, &[8, 6], 3, &init).unwrap();
-        let a = model.parameters()[1]
-            .var
-            .flatten_all()
-            .unwrap()
-            .to_vec1::<f32>()
-            .unwrap();
-        let b = again.parameters()[1]
-            .var
-            .flatten_all()
-            .unwrap()
-            .to_vec1::<f32>()
-            .unwrap();
+        let x = Tensor::ones((5, 4), candle_core::DType::F32, &Device::Cpu)?;
+        assert_eq!(model.forward(&x)?.dims(), &[5, 3]);
+        let again = mlp(4, &[8, 6], 3, &init)?;
+        let a = model.parameters()[1].var.flatten_all()?.to_vec1::<f32>()?;
+        let b = again.parameters()[1].var.flatten_all()?.to_vec1::<f32>()?;
         assert_eq!(a, b);
+        Ok(())
     }
 }

@@ -117,7 +117,7 @@ mod tests {
     use tokio_util::codec::{Decoder, Encoder};
 
     #[test]
-    fn round_trip_with_payload() {
+    fn round_trip_with_payload() -> anyhow::Result<()> {
         let frame = Frame {
             header: ControlMessage::Join {
                 rank: 3,
@@ -126,7 +126,8 @@ mod tests {
             },
             payload: Bytes::from_static(&[1, 2, 3, 4]),
         };
-        assert_eq!(Frame::decode(frame.encode().unwrap()).unwrap(), frame);
+        assert_eq!(Frame::decode(frame.encode()?)?, frame);
+        Ok(())
     }
 
     #[test]
@@ -137,16 +138,17 @@ mod tests {
     }
 
     #[test]
-    fn frames_above_the_cap_are_refused() {
+    fn frames_above_the_cap_are_refused() -> anyhow::Result<()> {
         let mut codec = codec(16);
         let mut wire = BytesMut::new();
-        codec.encode(Bytes::from(vec![0u8; 8]), &mut wire).unwrap();
-        assert_eq!(codec.decode(&mut wire).unwrap().unwrap().remaining(), 8);
+        codec.encode(Bytes::from(vec![0u8; 8]), &mut wire)?;
+        assert_eq!(codec.decode(&mut wire)?.map(|b| b.remaining()), Some(8));
         assert!(codec.encode(Bytes::from(vec![0u8; 17]), &mut BytesMut::new()).is_err());
         let mut claimed = BytesMut::from(&(1u32 << 30).to_be_bytes()[..]);
         assert!(
             codec.decode(&mut claimed).is_err(),
             "a huge claimed length is refused before allocating"
         );
+        Ok(())
     }
 }

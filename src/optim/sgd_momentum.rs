@@ -72,8 +72,8 @@ mod tests {
     use candle_core::Device;
 
     #[test]
-    fn matches_hand_computed_momentum_steps() {
-        let var = Var::new(&[1.0f32, -2.0], &Device::Cpu).unwrap();
+    fn matches_hand_computed_momentum_steps() -> anyhow::Result<()> {
+        let var = Var::new(&[1.0f32, -2.0], &Device::Cpu)?;
         let mut opt = SgdMomentum::new(
             vec![var.clone()],
             SgdMomentumConfig {
@@ -81,15 +81,15 @@ mod tests {
                 momentum: 0.5,
                 weight_decay: 0.0,
             },
-        )
-        .unwrap();
+        )?;
         for _ in 0..2 {
             let mut grads = GradStore::default();
-            grads.insert(&var, Tensor::new(&[1.0f32, 1.0], &Device::Cpu).unwrap());
-            opt.step(&grads).unwrap();
+            grads.insert(&var, Tensor::new(&[1.0f32, 1.0], &Device::Cpu)?);
+            opt.step(&grads)?;
         }
         // v1 = 1, p = 0.9; v2 = 1.5, p = 0.75.
-        let p = var.to_vec1::<f32>().unwrap();
+        let p = var.to_vec1::<f32>()?;
         assert!((p[0] - 0.75).abs() < 1e-6 && (p[1] + 2.25).abs() < 1e-6, "{p:?}");
+        Ok(())
     }
 }

@@ -242,7 +242,7 @@ mod tests {
     }
 
     #[test]
-    fn all_reduce_matches_plain_sum_for_all_sizes() {
+    fn all_reduce_matches_plain_sum_for_all_sizes() -> anyhow::Result<()> {
         for n in 1..=5usize {
             for len in [0, 1, n.saturating_sub(1), n + 1, 1031, 100_003, 1_000_003] {
                 let results = run_ring(n, |c| {
@@ -253,14 +253,15 @@ mod tests {
                 let expected: Vec<f32> = (0..len).map(|i| inputs.iter().map(|b| b[i]).sum()).collect();
                 for (rank, r) in results.into_iter().enumerate() {
                     // Values are multiples of 1/8 below 1000: every sum is exact.
-                    assert_eq!(r.unwrap(), expected, "n={n} len={len} rank={rank}");
+                    assert_eq!(r?, expected, "n={n} len={len} rank={rank}");
                 }
             }
         }
+        Ok(())
     }
 
     #[test]
-    fn broadcast_and_all_gather() {
+    fn broadcast_and_all_gather() -> anyhow::Result<()> {
         for n in 1..=4 {
             let results = run_ring(n, |c| {
                 let mut data = vec![c.rank() as u8; 5];
@@ -270,11 +271,12 @@ mod tests {
                 Ok::<_, anyhow::Error>((data, gathered))
             });
             for r in results {
-                let (data, gathered) = r.unwrap();
+                let (data, gathered) = r?;
                 assert_eq!(data, vec![(n - 1) as u8; 5]);
                 assert_eq!(gathered, (0..n).map(|i| vec![i as u8, 9]).collect::<Vec<_>>());
             }
         }
+        Ok(())
     }
 
     #[test]
