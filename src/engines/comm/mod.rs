@@ -13,6 +13,7 @@
 //!   submitted by the compute thread, so communication overlaps backward
 //!   ([`worker`]).
 
+mod links;
 pub mod memory;
 pub mod ring;
 mod send_queue;

@@ -1,6 +1,6 @@
-//! A thread that writes queued messages to one socket, in order, so the
-//! ring can keep forwarding pieces while the calling thread receives and
-//! reduces the next ones.
+//! A thread that writes queued messages to one link, in order, so the ring
+//! can keep forwarding pieces while the calling thread receives and reduces
+//! the next ones.
 
 use std::io::{self, Write};
 use std::net::TcpStream;
@@ -9,8 +9,21 @@ use std::thread::JoinHandle;
 
 use super::transport::MessageHeader;
 
+/// Where a send queue writes: a socket, or a shared-memory link.
+pub(super) trait MessageSink: Send + 'static {
+    /// Writes one whole message.
+    fn write_message(&mut self, header: MessageHeader, bytes: &[u8]) -> io::Result<()>;
+}
+
+impl MessageSink for TcpStream {
+    fn write_message(&mut self, header: MessageHeader, bytes: &[u8]) -> io::Result<()> {
+        self.write_all(&header.encode())?;
+        self.write_all(bytes)
+    }
+}
+
 struct Job {
-    header: [u8; MessageHeader::SIZE],
+    header: MessageHeader,
     /// Address and length of bytes the queue's owner keeps alive until
     /// [`SendQueue::wait_all`] returns.
     ptr: usize,
@@ -26,17 +39,17 @@ pub(super) struct SendQueue {
 }
 
 impl SendQueue {
-    /// Starts the writer thread on (a handle to) `stream`.
-    pub(super) fn new(stream: TcpStream, name: String) -> io::Result<Self> {
+    /// Starts the writer thread on `sink`.
+    pub(super) fn new(sink: impl MessageSink, name: String) -> io::Result<Self> {
         let (jobs, queue) = channel::<Job>();
         let (report, results) = channel();
         let thread = std::thread::Builder::new().name(name).spawn(move || {
-            let mut stream = stream;
+            let mut sink = sink;
             for job in queue {
                 // SAFETY: `push`'s contract keeps the bytes alive and
                 // unchanged until `wait_all` has received this job's result.
                 let bytes = unsafe { std::slice::from_raw_parts(job.ptr as *const u8, job.len) };
-                let written = stream.write_all(&job.header).and_then(|()| stream.write_all(bytes));
+                let written = sink.write_message(job.header, bytes);
                 if report.send(written).is_err() {
                     break;
                 }
@@ -57,7 +70,7 @@ impl SendQueue {
     /// [`SendQueue::wait_all`] has returned.
     pub(super) unsafe fn push(&mut self, header: MessageHeader, bytes: &[u8]) -> io::Result<()> {
         let job = Job {
-            header: header.encode(),
+            header,
             ptr: bytes.as_ptr() as usize,
             len: bytes.len(),
         };
