@@ -7,35 +7,26 @@ use common::{config, flotilla, free_port_range, max_abs_diff, read_params, start
 const STEPS: &str = "train.steps=20";
 
 #[test]
-fn launched_processes_equal_in_process_and_single_process_training() {
+fn launched_processes_over_shared_memory_equal_in_process_and_single_process_training() {
+    launched_job_matches_ground_truth("cluster.shared_memory=true");
+}
+
+#[test]
+fn launched_processes_over_tcp_equal_in_process_and_single_process_training() {
+    launched_job_matches_ground_truth("cluster.shared_memory=false");
+}
+
+fn launched_job_matches_ground_truth(transport: &str) {
     let dir = tempfile::tempdir().unwrap();
     let run_dir = dir.path().join("run");
     let port = free_port_range(3).to_string();
-    let finished = flotilla(
-        &[
-            "launch",
-            "--nnodes",
-            "1",
-            "--nproc_per_node",
-            "2",
-            "--node_ip",
-            "127.0.0.1",
-            "--cluster_node_ips",
-            "127.0.0.1",
-            "--started_port",
-            &port,
-            "--",
-            "train",
-            "--config",
-            "config.toml",
-            "--set",
-            STEPS,
-            "--run-dir",
-            run_dir.to_str().unwrap(),
-        ],
-        &[],
-        120,
-    );
+    #[rustfmt::skip]
+    let args = [
+        "launch", "--nnodes", "1", "--nproc_per_node", "2", "--node_ip", "127.0.0.1", "--cluster_node_ips", "127.0.0.1",
+        "--started_port", &port, "--", "train", "--config", "config.toml", "--set", STEPS, "--set", transport,
+        "--run-dir", run_dir.to_str().unwrap(),
+    ];
+    let finished = flotilla(&args, &[], 120);
     assert!(
         finished.success,
         "launch failed:\n{}\n{}",
@@ -59,7 +50,7 @@ fn launched_processes_equal_in_process_and_single_process_training() {
     // (see data_parallel_equivalence.rs for why 1e-5).
     let reference = train_in_process(config(&[STEPS, "cluster.nproc_per_node=1"]));
     let diff = max_abs_diff(&reference.parameters, &read_params(&run_dir.join("params.safetensors")));
-    assert!(diff <= 1e-5, "max |Δparam| = {diff:e}");
+    assert!(diff <= 1e-5, "{transport}: max |Δparam| = {diff:e}");
 }
 
 #[test]

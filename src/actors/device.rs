@@ -14,8 +14,7 @@ use crate::collective::{ParamChecksum, Replica, StepReport};
 use crate::config::JobConfig;
 use crate::data::Batch;
 use crate::engines::comm::memory::MemoryTransport;
-use crate::engines::comm::tcp::TcpTransport;
-use crate::engines::comm::{CommWorker, Communicator};
+use crate::engines::comm::{connect_ring, CommWorker, Communicator};
 use crate::engines::compute::device_for;
 use crate::models::{Model, ParamInit};
 
@@ -38,6 +37,8 @@ pub enum RingLink {
         listener: TcpListener,
         /// Deadline of connecting and of every collective.
         timeout: Duration,
+        /// Use shared memory when every rank is on this host.
+        shared_memory: bool,
     },
 }
 
@@ -52,6 +53,7 @@ impl RingLink {
                 rank,
                 listener,
                 timeout,
+                shared_memory,
             } => {
                 let endpoints = roster
                     .iter()
@@ -61,7 +63,7 @@ impl RingLink {
                             .with_context(|| format!("rank {r} announced a bad endpoint {e:?}"))
                     })
                     .collect::<Result<Vec<_>>>()?;
-                Communicator::new(Box::new(TcpTransport::connect(rank, &endpoints, &listener, timeout)?))
+                connect_ring(rank, &endpoints, &listener, timeout, shared_memory)?
             }
         })
     }

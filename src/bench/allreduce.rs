@@ -9,8 +9,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result};
 use serde::Serialize;
 
-use crate::engines::comm::tcp::TcpTransport;
-use crate::engines::comm::Communicator;
+use crate::engines::comm::connect_ring;
 use crate::job::connect_control;
 use crate::launch::{supervise, ChildSpec, OutputMode};
 
@@ -26,6 +25,19 @@ pub struct AllReduceArgs {
     /// One JSON object a line instead of a table.
     #[arg(long)]
     pub json: bool,
+    /// Ring transport between the processes.
+    #[arg(long, value_enum, default_value_t = Transport::Shm)]
+    pub transport: Transport,
+}
+
+/// The ring transport a benchmark uses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Transport {
+    /// Shared memory between processes of this host.
+    Shm,
+    /// Loopback TCP.
+    Tcp,
 }
 
 /// One size's figures.
@@ -35,6 +47,8 @@ pub struct AllReduceFigures {
     pub op: &'static str,
     /// Processes.
     pub nproc: usize,
+    /// The ring transport.
+    pub transport: Transport,
     /// Buffer size in bytes.
     pub bytes: usize,
     /// Median over iterations of the slowest rank's time, seconds.
@@ -62,6 +76,8 @@ pub fn run(nproc: usize, args: &AllReduceArgs) -> Result<()> {
     if args.json {
         rank_args.push("--json".to_string());
     }
+    rank_args.push("--transport".to_string());
+    rank_args.push(format!("{:?}", args.transport).to_lowercase());
     let threads = std::thread::available_parallelism()
         .map_or(1, |n| n.get())
         .div_ceil(nproc)
@@ -110,11 +126,11 @@ pub fn run_rank(args: &AllReduceArgs) -> Result<()> {
         Ok::<_, anyhow::Error>(roster)
     })?;
     let endpoints = roster.iter().map(|e| e.parse()).collect::<Result<Vec<_>, _>>()?;
-    let mut comm = Communicator::new(Box::new(TcpTransport::connect(rank, &endpoints, &listener, timeout)?));
+    let mut comm = connect_ring(rank, &endpoints, &listener, timeout, args.transport == Transport::Shm)?;
     if rank == 0 && !args.json {
         println!(
-            "{:>10} {:>6} {:>12} {:>12} {:>12}",
-            "size_MiB", "nproc", "median_ms", "algbw_GB/s", "busbw_GB/s"
+            "{:>10} {:>6} {:>9} {:>12} {:>12} {:>12}",
+            "size_MiB", "nproc", "transport", "median_ms", "algbw_GB/s", "busbw_GB/s"
         );
     }
     for &size_mb in &args.size_mb {
@@ -147,6 +163,7 @@ pub fn run_rank(args: &AllReduceArgs) -> Result<()> {
         let figures = AllReduceFigures {
             op: "allreduce",
             nproc: world,
+            transport: args.transport,
             bytes,
             median_s: median,
             algbw_gbps: algbw,
@@ -157,9 +174,10 @@ pub fn run_rank(args: &AllReduceArgs) -> Result<()> {
                 println!("{}", serde_json::to_string(&figures)?);
             } else {
                 println!(
-                    "{:>10} {:>6} {:>12.3} {:>12.3} {:>12.3}",
+                    "{:>10} {:>6} {:>9} {:>12.3} {:>12.3} {:>12.3}",
                     size_mb,
                     world,
+                    format!("{:?}", args.transport).to_lowercase(),
                     median * 1e3,
                     figures.algbw_gbps,
                     figures.busbw_gbps

@@ -44,6 +44,9 @@ pub struct ClusterConfig {
     /// Largest control frame accepted from a peer, in MiB; bounds memory a corrupt or hostile
     /// length prefix can make a process allocate.
     pub max_frame_mb: usize,
+    /// When every rank is on one host, move ring traffic through shared memory (`/dev/shm`)
+    /// instead of loopback TCP, sparing the kernel's two copies of every byte.
+    pub shared_memory: bool,
 }
 
 impl Default for ClusterConfig {
@@ -56,6 +59,7 @@ impl Default for ClusterConfig {
             master: None,
             endpoints: Vec::new(),
             max_frame_mb: 1024,
+            shared_memory: true,
         }
     }
 }

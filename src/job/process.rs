@@ -42,6 +42,7 @@ pub(super) fn run(job: &TrainingJob, rank: usize, show_progress: bool) -> Result
             rank,
             listener,
             timeout,
+            shared_memory: config.cluster.shared_memory,
         }
     };
 

@@ -4,9 +4,10 @@
 //! - **rank**: one participant, `0..world_size`; its *right* neighbour is
 //!   `rank + 1 (mod n)`, its *left* one `rank - 1 (mod n)`.
 //! - **transport**: how bytes reach the neighbours — [`tcp`] sockets between
-//!   processes, or [`memory`] channels between threads of one process. Both
-//!   carry the same per-message header, so the algorithms above them are
-//!   identical and give bit-identical results in both worlds.
+//!   processes, [`shm`] shared memory between processes of one host, or
+//!   [`memory`] channels between threads of one process. All carry the same
+//!   messages, so the algorithms above them are identical and give
+//!   bit-identical results in every world.
 //! - **ring all-reduce**: reduce-scatter then all-gather, `2(n-1)` steps,
 //!   each moving `1/n` of the buffer ([`ring`]).
 //! - **worker**: a thread that owns a communicator and runs collectives
@@ -17,6 +18,7 @@ mod links;
 pub mod memory;
 pub mod ring;
 mod send_queue;
+pub mod shm;
 pub mod tcp;
 pub mod transport;
 pub mod worker;
@@ -24,3 +26,24 @@ pub mod worker;
 pub use ring::Communicator;
 pub use transport::RingTransport;
 pub use worker::{CommWorker, Pending};
+
+use std::net::{SocketAddr, TcpListener};
+use std::time::Duration;
+
+/// The communicator of `rank` in a ring of processes at `endpoints`: over
+/// shared memory when `shared_memory` allows it and every rank is on one
+/// host, over TCP otherwise.
+pub fn connect_ring(
+    rank: usize,
+    endpoints: &[SocketAddr],
+    listener: &TcpListener,
+    timeout: Duration,
+    shared_memory: bool,
+) -> anyhow::Result<Communicator> {
+    let transport: Box<dyn RingTransport> = if shared_memory && shm::all_on_one_host(endpoints) {
+        Box::new(shm::ShmTransport::connect(rank, endpoints, listener, timeout)?)
+    } else {
+        Box::new(tcp::TcpTransport::connect(rank, endpoints, listener, timeout)?)
+    };
+    Ok(Communicator::new(transport))
+}

@@ -1,14 +1,22 @@
-//! The ring collectives over real TCP sockets on 127.0.0.1, one thread per
-//! rank: sums against a plain sum, for sizes that cut segments into many
-//! pieces, into uneven ones, and into empty ones.
+//! The ring collectives over the transports between processes — TCP
+//! sockets on 127.0.0.1 and shared memory — one thread per rank: sums
+//! against a plain sum, for sizes that cut segments into many pieces, into
+//! uneven ones, and into empty ones.
 
 use std::net::{SocketAddr, TcpListener};
 use std::time::Duration;
 
+use flotilla::engines::comm::shm::ShmTransport;
 use flotilla::engines::comm::tcp::TcpTransport;
-use flotilla::engines::comm::Communicator;
+use flotilla::engines::comm::{Communicator, RingTransport};
 
-fn on_tcp_ring<T: Send>(n: usize, f: impl Fn(&mut Communicator) -> T + Sync) -> Vec<T> {
+#[derive(Clone, Copy, Debug)]
+enum Kind {
+    Tcp,
+    Shm,
+}
+
+fn on_ring<T: Send>(kind: Kind, n: usize, f: impl Fn(&mut Communicator) -> T + Sync) -> Vec<T> {
     let listeners: Vec<TcpListener> = (0..n)
         .map(|_| TcpListener::bind("127.0.0.1:0").expect("bind"))
         .collect();
@@ -20,9 +28,16 @@ fn on_tcp_ring<T: Send>(n: usize, f: impl Fn(&mut Communicator) -> T + Sync) -> 
             .map(|(rank, listener)| {
                 let (endpoints, f) = (&endpoints, &f);
                 s.spawn(move || {
-                    let transport = TcpTransport::connect(rank, endpoints, listener, Duration::from_secs(20))
-                        .expect("ring connects");
-                    f(&mut Communicator::new(Box::new(transport)))
+                    let timeout = Duration::from_secs(20);
+                    let transport: Box<dyn RingTransport> = match kind {
+                        Kind::Tcp => {
+                            Box::new(TcpTransport::connect(rank, endpoints, listener, timeout).expect("connects"))
+                        }
+                        Kind::Shm => {
+                            Box::new(ShmTransport::connect(rank, endpoints, listener, timeout).expect("connects"))
+                        }
+                    };
+                    f(&mut Communicator::new(transport))
                 })
             })
             .collect();
@@ -36,11 +51,20 @@ fn rank_buffer(rank: usize, len: usize) -> Vec<f32> {
 
 #[test]
 fn all_reduce_over_tcp_matches_plain_sum() {
+    all_reduce_matches_plain_sum(Kind::Tcp);
+}
+
+#[test]
+fn all_reduce_over_shared_memory_matches_plain_sum() {
+    all_reduce_matches_plain_sum(Kind::Shm);
+}
+
+fn all_reduce_matches_plain_sum(kind: Kind) {
     for n in 2..=4usize {
         // 0, fewer values than ranks, uneven, and 2.3 M floats (several
         // 256 Ki pieces per segment).
         let sizes = [0, n - 1, 1031, 2_300_017];
-        let results = on_tcp_ring(n, |c| {
+        let results = on_ring(kind, n, |c| {
             sizes
                 .iter()
                 .map(|&len| {
@@ -55,15 +79,21 @@ fn all_reduce_over_tcp_matches_plain_sum() {
             for (rank, per_size) in results.iter().enumerate() {
                 let got = per_size[i].as_ref().expect("all-reduce succeeds");
                 // Multiples of 1/8 below 1000: every partial sum is exact.
-                assert!(got == &expected, "n={n} len={len} rank={rank}");
+                assert!(got == &expected, "{kind:?} n={n} len={len} rank={rank}");
             }
         }
     }
 }
 
 #[test]
-fn broadcast_gather_and_barrier_over_tcp() {
-    let results = on_tcp_ring(3, |c| {
+fn broadcast_gather_and_barrier() {
+    for kind in [Kind::Tcp, Kind::Shm] {
+        broadcast_gather_and_barrier_over(kind);
+    }
+}
+
+fn broadcast_gather_and_barrier_over(kind: Kind) {
+    let results = on_ring(kind, 3, |c| {
         let mut data = vec![c.rank() as u8; 3 << 20];
         c.broadcast("test broadcast", &mut data, 1)?;
         let gathered = c.all_gather("test gather", &[c.rank() as u8; 5])?;
@@ -79,7 +109,13 @@ fn broadcast_gather_and_barrier_over_tcp() {
 
 #[test]
 fn a_dead_neighbour_is_an_error_naming_it() {
-    let results = on_tcp_ring(2, |c| {
+    for kind in [Kind::Tcp, Kind::Shm] {
+        a_dead_neighbour_over(kind);
+    }
+}
+
+fn a_dead_neighbour_over(kind: Kind) {
+    let results = on_ring(kind, 2, |c| {
         if c.rank() == 1 {
             return Ok(());
         }
@@ -88,5 +124,5 @@ fn a_dead_neighbour_is_an_error_naming_it() {
         c.all_reduce_sum("all-reduce of bucket 0", &mut [1.0; 1000])
     });
     let err = results[0].as_ref().expect_err("rank 1 is gone").to_string();
-    assert!(err.contains("rank 1") && err.contains("bucket 0"), "{err}");
+    assert!(err.contains("rank 1") && err.contains("bucket 0"), "{kind:?}: {err}");
 }
