@@ -32,7 +32,7 @@ use std::time::Duration;
 
 /// The communicator of `rank` in a ring of processes at `endpoints`: over
 /// shared memory when `shared_memory` allows it and every rank is on one
-/// host, over TCP otherwise.
+/// host that has `/dev/shm`, over TCP otherwise.
 pub fn connect_ring(
     rank: usize,
     endpoints: &[SocketAddr],
@@ -40,7 +40,7 @@ pub fn connect_ring(
     timeout: Duration,
     shared_memory: bool,
 ) -> anyhow::Result<Communicator> {
-    let transport: Box<dyn RingTransport> = if shared_memory && shm::all_on_one_host(endpoints) {
+    let transport: Box<dyn RingTransport> = if shared_memory && shm::usable_for(endpoints) {
         Box::new(shm::ShmTransport::connect(rank, endpoints, listener, timeout)?)
     } else {
         Box::new(tcp::TcpTransport::connect(rank, endpoints, listener, timeout)?)

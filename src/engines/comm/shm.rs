@@ -339,7 +339,8 @@ impl RingTransport for ShmTransport {
     }
 }
 
-/// Whether every endpoint is on one host, so the ring can use shared memory.
-pub fn all_on_one_host(endpoints: &[SocketAddr]) -> bool {
-    endpoints.windows(2).all(|w| w[0].ip() == w[1].ip())
+/// Whether the ring can use shared memory: every endpoint on one host, and
+/// that host has `/dev/shm` (the same answer on every rank of the host).
+pub fn usable_for(endpoints: &[SocketAddr]) -> bool {
+    endpoints.windows(2).all(|w| w[0].ip() == w[1].ip()) && Path::new("/dev/shm").is_dir()
 }
