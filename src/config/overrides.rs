@@ -118,6 +118,15 @@ mod tests {
     }
 
     #[test]
+    fn setting_steps_replaces_the_files_epochs_but_two_sets_still_clash() {
+        let config = load_with("[train]\nepochs = 30\n", &[], &["train.steps=7"]).unwrap();
+        assert_eq!(config.train.steps, Some(7));
+        assert_eq!(config.train.epochs, None);
+        let msg = err_text(load_with("", &[], &["train.steps=7", "train.epochs=2"]));
+        assert!(msg.contains("train.steps") && msg.contains("train.epochs"), "{msg}");
+    }
+
+    #[test]
     fn unknown_key_from_set_is_rejected_and_attributed() {
         let msg = err_text(load_with("", &[], &["strategy.bogus=1"]));
         assert!(msg.starts_with("--set: strategy: unknown field `bogus`"), "{msg}");
