@@ -279,12 +279,6 @@ impl RingTransport for ShmTransport {
         self.world_size
     }
 
-    fn send(&mut self, op: &str, bytes: &[u8]) -> Result<()> {
-        // SAFETY: `bytes` outlives the flush below, which waits for the copy.
-        unsafe { self.send_queued(op, bytes)? };
-        self.flush(op)
-    }
-
     unsafe fn send_queued(&mut self, op: &str, bytes: &[u8]) -> Result<()> {
         let header = MessageHeader {
             seq: self.sent,

@@ -59,20 +59,22 @@ pub trait RingTransport: Send {
     fn rank(&self) -> usize;
     /// Ranks in the ring.
     fn world_size(&self) -> usize;
-    /// Sends one message to the right neighbour.
-    fn send(&mut self, op: &str, bytes: &[u8]) -> Result<()>;
     /// Queues one message for the right neighbour and may return before it
-    /// is sent; messages leave in the order queued. The default sends at once.
+    /// is sent; messages leave in the order queued.
     ///
     /// # Safety
     /// `bytes` must stay valid and must not be written to until the next
     /// [`RingTransport::flush`] has returned.
-    unsafe fn send_queued(&mut self, op: &str, bytes: &[u8]) -> Result<()> {
-        self.send(op, bytes)
-    }
+    unsafe fn send_queued(&mut self, op: &str, bytes: &[u8]) -> Result<()>;
     /// Waits until every queued message has been sent.
     fn flush(&mut self, _op: &str) -> Result<()> {
         Ok(())
+    }
+    /// Sends one message to the right neighbour and waits until it is sent.
+    fn send(&mut self, op: &str, bytes: &[u8]) -> Result<()> {
+        // SAFETY: `bytes` is borrowed until the flush below has returned.
+        unsafe { self.send_queued(op, bytes)? };
+        self.flush(op)
     }
     /// Receives one message of exactly `len` bytes from the left neighbour,
     /// handing it to `on_recv(offset, piece)` piece by piece as it arrives.
