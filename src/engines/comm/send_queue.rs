@@ -35,6 +35,8 @@ pub(super) struct SendQueue {
     jobs: Option<Sender<Job>>,
     results: Receiver<io::Result<()>>,
     outstanding: usize,
+    /// Messages queued so far: the next one's sequence number.
+    sent: u64,
     thread: Option<JoinHandle<()>>,
 }
 
@@ -59,16 +61,21 @@ impl SendQueue {
             jobs: Some(jobs),
             results,
             outstanding: 0,
+            sent: 0,
             thread: Some(thread),
         })
     }
 
-    /// Queues `header` then `bytes`.
+    /// Queues `bytes` as the link's next message.
     ///
     /// # Safety
     /// `bytes` must stay valid and must not be written to until the next
     /// [`SendQueue::wait_all`] has returned.
-    pub(super) unsafe fn push(&mut self, header: MessageHeader, bytes: &[u8]) -> io::Result<()> {
+    pub(super) unsafe fn push(&mut self, bytes: &[u8]) -> io::Result<()> {
+        let header = MessageHeader {
+            seq: self.sent,
+            len: bytes.len() as u64,
+        };
         let job = Job {
             header,
             ptr: bytes.as_ptr() as usize,
@@ -79,6 +86,7 @@ impl SendQueue {
             .and_then(|jobs| jobs.send(job).ok())
             .ok_or_else(|| io::Error::new(io::ErrorKind::BrokenPipe, "the ring sender thread has stopped"))?;
         self.outstanding += 1;
+        self.sent += 1;
         Ok(())
     }
 

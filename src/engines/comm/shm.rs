@@ -179,7 +179,6 @@ pub struct ShmTransport {
     from_left: TcpStream,
     incoming: Region,
     next_slot: usize,
-    sent: u64,
     received: u64,
     timeout: Duration,
 }
@@ -250,7 +249,6 @@ impl ShmTransport {
             from_left,
             incoming,
             next_slot: 0,
-            sent: 0,
             received: 0,
             timeout,
         })
@@ -280,13 +278,8 @@ impl RingTransport for ShmTransport {
     }
 
     unsafe fn send_queued(&mut self, op: &str, bytes: &[u8]) -> Result<()> {
-        let header = MessageHeader {
-            seq: self.sent,
-            len: bytes.len() as u64,
-        };
-        self.sent += 1;
         // SAFETY: the caller keeps `bytes` valid and unchanged until `flush`.
-        unsafe { self.to_right.push(header, bytes) }.map_err(|e| self.link_error(op, self.right(), e))
+        unsafe { self.to_right.push(bytes) }.map_err(|e| self.link_error(op, self.right(), e))
     }
 
     fn flush(&mut self, op: &str) -> Result<()> {

@@ -25,7 +25,6 @@ pub struct TcpTransport {
     world_size: usize,
     to_right: SendQueue,
     from_left: TcpStream,
-    sent: u64,
     received: u64,
     timeout: Duration,
     /// Reused receive buffer; `f32` so pieces can be viewed as floats
@@ -45,7 +44,6 @@ impl TcpTransport {
             world_size,
             to_right: SendQueue::new(to_right, format!("ring-send-rank{rank}"))?,
             from_left,
-            sent: 0,
             received: 0,
             timeout,
             scratch: vec![0.0; RECV_PIECE_BYTES / 4],
@@ -98,13 +96,8 @@ impl RingTransport for TcpTransport {
     }
 
     unsafe fn send_queued(&mut self, op: &str, bytes: &[u8]) -> Result<()> {
-        let header = MessageHeader {
-            seq: self.sent,
-            len: bytes.len() as u64,
-        };
-        self.sent += 1;
         // SAFETY: the caller keeps `bytes` valid and unchanged until `flush`.
-        unsafe { self.to_right.push(header, bytes) }.map_err(|e| self.link_error(op, self.right(), e))
+        unsafe { self.to_right.push(bytes) }.map_err(|e| self.link_error(op, self.right(), e))
     }
 
     fn flush(&mut self, op: &str) -> Result<()> {
