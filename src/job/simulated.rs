@@ -37,20 +37,21 @@ pub(super) fn run(job: &TrainingJob, show_progress: bool) -> Result<RunOutcome> 
                     device: SyncArbiter::start(1, DeviceActor::default),
                     show_progress: show_progress && rank == 0,
                 };
-                trainer.start().send(Train)
+                let run = trainer.start().send(Train);
+                async move {
+                    run.await
+                        .map_err(|e| anyhow!("rank {rank}: trainer actor stopped: {e}"))?
+                        .map_err(|e| e.context(format!("rank {rank}")))
+                }
             })
             .collect();
-        futures::future::join_all(runs).await
-    });
-    let mut rank0 = None;
-    for (rank, outcome) in outcomes.into_iter().enumerate() {
-        let outcome = outcome
-            .map_err(|e| anyhow!("rank {rank}: trainer actor stopped: {e}"))?
-            .map_err(|e| e.context(format!("rank {rank}")))?;
-        if rank == 0 {
-            rank0 = Some(outcome);
-        }
-    }
-    let rank0 = rank0.ok_or_else(|| anyhow!("a job needs at least one rank"))?;
+        // The first rank to fail ends the run with its error, rather than
+        // leaving it to wait for the others' timeouts.
+        futures::future::try_join_all(runs).await
+    })?;
+    let rank0 = outcomes
+        .into_iter()
+        .next()
+        .ok_or_else(|| anyhow!("a job needs at least one rank"))?;
     Ok(RunOutcome::from_rank0(rank0, world, "in-process"))
 }
