@@ -95,8 +95,13 @@ fn collect(mut stream: impl std::io::Read + Send + 'static) -> std::thread::Join
 /// Starts the flotilla binary with `args` and extra `env`; the launcher's
 /// variables come only from `env`, never from the tests' environment.
 pub fn start_flotilla(args: &[&str], env: &[(&str, String)]) -> Started {
+    start_program(env!("CARGO_BIN_EXE_flotilla"), args, env)
+}
+
+/// Starts `program` with `args` and extra `env`, as [`start_flotilla`].
+pub fn start_program(program: &str, args: &[&str], env: &[(&str, String)]) -> Started {
     use std::process::{Command, Stdio};
-    let mut child = Command::new(env!("CARGO_BIN_EXE_flotilla"))
+    let mut child = Command::new(program)
         .args(args)
         .env_remove("PADDLE_TRAINER_ID")
         .envs(env.iter().map(|(k, v)| (*k, v.as_str())))
