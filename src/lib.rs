@@ -13,6 +13,27 @@
 //! trains in this process as a simulated cluster, or as one rank when the
 //! program is started by `flotilla launch` (see `examples/custom_model.rs`).
 //!
+//! ```
+//! use flotilla::config::{process_env, JobConfig};
+//! use flotilla::job::{RunOptions, TrainingJob};
+//!
+//! # fn main() -> anyhow::Result<()> {
+//! // Two data-parallel ranks, five steps of the built-in digits MLP.
+//! let config = JobConfig::from_toml_str(
+//!     "[cluster]\nnproc_per_node = 2\n[train]\nsteps = 5\nbatch_size = 32\n",
+//!     "example",
+//!     &process_env,
+//!     &[],
+//! )?;
+//! let run_dir = std::env::temp_dir().join("flotilla-doc-example");
+//! let options = RunOptions { run_dir, show_progress: false };
+//! let outcome = TrainingJob::builtin(config)?.run_simulated(&options)?;
+//! assert_eq!(outcome.summary.world_size, 2);
+//! assert_eq!(outcome.summary.steps, 5);
+//! # Ok(())
+//! # }
+//! ```
+//!
 //! # Layout
 //!
 //! - [`config`]: the job's TOML (`[cluster]`, `[strategy]`, `[train]`,
