@@ -17,10 +17,12 @@ use std::sync::Arc;
 
 use anyhow::{Context, Result};
 
-use crate::actors::device::ModelFactory;
+use crate::actors::device::{ModelFactory, RingLink};
+use crate::actors::{DeviceActor, Trainer};
 use crate::config::{DatasetKind, JobConfig, ModelKind};
 use crate::data::Dataset;
 use crate::models::{mlp, Model, ParamInit};
+use crate::net::ControlBus;
 
 /// Where and how a run reports.
 #[derive(Debug, Clone)]
@@ -81,6 +83,29 @@ impl TrainingJob {
             ModelKind::Mlp => move |init: &ParamInit| mlp(inputs, &hidden, classes, init),
         };
         Ok(Self::new(config, model, train_data, test_data))
+    }
+
+    /// The trainer actor of `rank`, with its own device actor.
+    fn trainer(
+        &self,
+        rank: usize,
+        bus: ControlBus,
+        link: RingLink,
+        data_endpoint: String,
+        show_progress: bool,
+    ) -> Trainer {
+        Trainer {
+            rank,
+            job: self.config.clone(),
+            model: self.model.clone(),
+            train_data: self.train_data.clone(),
+            test_data: self.test_data.clone(),
+            bus: Some(bus),
+            link: Some(link),
+            data_endpoint,
+            device: actix::SyncArbiter::start(1, DeviceActor::default),
+            show_progress,
+        }
     }
 
     /// Runs the job the way its environment asks: as one rank of a launched

@@ -12,7 +12,6 @@ use super::control::connect_control;
 use super::{RunOutcome, TrainingJob};
 use crate::actors::device::RingLink;
 use crate::actors::trainer::Train;
-use crate::actors::{DeviceActor, Trainer};
 
 pub(super) fn run(job: &TrainingJob, rank: usize, show_progress: bool) -> Result<Option<RunOutcome>> {
     let config = job.config.clone();
@@ -48,19 +47,7 @@ pub(super) fn run(job: &TrainingJob, rank: usize, show_progress: bool) -> Result
 
     let outcome = System::new().block_on(async move {
         let bus = connect_control(rank, world, &master, timeout, max_frame).await?;
-        let trainer = Trainer {
-            rank,
-            job: config.clone(),
-            model: job.model.clone(),
-            train_data: job.train_data.clone(),
-            test_data: job.test_data.clone(),
-            bus: Some(bus),
-            link: Some(link),
-            data_endpoint,
-            device: SyncArbiter::start(1, DeviceActor::default),
-            show_progress,
-        };
-        trainer
+        job.trainer(rank, bus, link, data_endpoint, show_progress)
             .start()
             .send(Train)
             .await

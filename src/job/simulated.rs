@@ -7,7 +7,7 @@ use anyhow::{anyhow, Result};
 use super::{RunOutcome, TrainingJob};
 use crate::actors::device::RingLink;
 use crate::actors::trainer::Train;
-use crate::actors::{Coordinator, DeviceActor, Trainer};
+use crate::actors::Coordinator;
 use crate::engines::comm::memory;
 use crate::net::ControlBus;
 
@@ -25,18 +25,8 @@ pub(super) fn run(job: &TrainingJob, show_progress: bool) -> Result<RunOutcome> 
             .into_iter()
             .enumerate()
             .map(|(rank, link)| {
-                let trainer = Trainer {
-                    rank,
-                    job: job.config.clone(),
-                    model: job.model.clone(),
-                    train_data: job.train_data.clone(),
-                    test_data: job.test_data.clone(),
-                    bus: Some(ControlBus::InMemory(coordinator.clone())),
-                    link: Some(link),
-                    data_endpoint: format!("memory:{rank}"),
-                    device: SyncArbiter::start(1, DeviceActor::default),
-                    show_progress: show_progress && rank == 0,
-                };
+                let bus = ControlBus::InMemory(coordinator.clone());
+                let trainer = job.trainer(rank, bus, link, format!("memory:{rank}"), show_progress && rank == 0);
                 let run = trainer.start().send(Train);
                 async move {
                     run.await
