@@ -35,10 +35,11 @@ fn as_f32(bytes: &[u8]) -> Cow<'_, [f32]> {
     }
 }
 
-/// Floats per piece of the streamed all-reduce: small enough that a ring of
-/// four keeps every link busy on a 16 MiB segment, large enough that the
-/// per-message cost stays negligible.
-const PIECE_FLOATS: usize = 256 * 1024;
+/// Floats per piece of the streamed all-reduce (256 KiB): small enough that
+/// a piece is reduced and forwarded while still in cache and the ring fills
+/// fast, large enough that the per-message cost stays small. Measured best
+/// of 64 KiB – 2 MiB over both TCP and shared memory (BENCHMARKS.md).
+const PIECE_FLOATS: usize = 64 * 1024;
 
 /// `range` cut into consecutive pieces of at most [`PIECE_FLOATS`].
 fn pieces(range: Range<usize>) -> impl Iterator<Item = Range<usize>> {

@@ -24,9 +24,10 @@ use super::send_queue::{MessageSink, SendQueue};
 use super::transport::{MessageHeader, RingTransport};
 
 /// Bytes per slot: one piece of the streamed all-reduce.
-const SLOT_BYTES: usize = 1 << 20;
-/// Slots per link: chunks in flight before the sender waits for a credit.
-const SLOTS: usize = 8;
+const SLOT_BYTES: usize = 1 << 18;
+/// Slots per link: chunks in flight before the sender waits for a credit
+/// (4 MiB per link).
+const SLOTS: usize = 16;
 const REGION_BYTES: usize = SLOT_BYTES * SLOTS;
 const SHM_PREFIX: &str = "/dev/shm/flotilla-";
 const DOORBELL_MAGIC: u64 = u64::from_le_bytes(*b"FLOTSHM1");
