@@ -85,11 +85,6 @@ impl Replica {
         self.comm.world_size()
     }
 
-    /// The gradient buckets.
-    pub fn bucket_plan(&self) -> &BucketPlan {
-        &self.plan
-    }
-
     /// The parameters, in model order.
     pub fn parameters(&self) -> &[NamedParam] {
         &self.params
@@ -279,17 +274,6 @@ impl Replica {
             );
         }
         Ok(mine)
-    }
-
-    /// Waits until every rank reaches this point.
-    pub fn barrier(&self, what: &str) -> Result<()> {
-        let op = what.to_string();
-        self.comm.run(move |c| c.barrier(&op))
-    }
-
-    /// Steps taken so far.
-    pub fn steps_done(&self) -> usize {
-        self.step
     }
 }
 
