@@ -47,6 +47,12 @@ pub struct ClusterConfig {
     /// When every rank is on one host, move ring traffic through shared memory (`/dev/shm`)
     /// instead of loopback TCP, sparing the kernel's two copies of every byte.
     pub shared_memory: bool,
+    /// Parameter-server shards; `> 0` selects the parameter-server strategy (the trainers are
+    /// then the `world_size` processes). 0 with `pservers` given means "as many as listed".
+    pub server_num: usize,
+    /// `ip:port` of every parameter-server shard, indexed by shard
+    /// (`PADDLE_PSERVERS_IP_PORT_LIST` / `PADDLE_PSERVER_ENDPOINTS`). Empty means in-process.
+    pub pservers: Vec<String>,
 }
 
 impl Default for ClusterConfig {
@@ -60,6 +66,8 @@ impl Default for ClusterConfig {
             endpoints: Vec::new(),
             max_frame_mb: 1024,
             shared_memory: true,
+            server_num: 0,
+            pservers: Vec::new(),
         }
     }
 }
@@ -69,6 +77,18 @@ impl ClusterConfig {
     /// overflow).
     pub fn world_size(&self) -> usize {
         self.nnodes.saturating_mul(self.nproc_per_node)
+    }
+
+    /// Whether the job uses the parameter-server strategy.
+    pub fn is_parameter_server(&self) -> bool {
+        self.server_num > 0
+    }
+
+    /// Fills `server_num` in from the length of `pservers` when only the list was given.
+    pub(crate) fn resolve_defaults(&mut self) {
+        if self.server_num == 0 {
+            self.server_num = self.pservers.len();
+        }
     }
 
     /// [`ClusterConfig::max_frame_mb`] in bytes (saturating).
@@ -113,37 +133,12 @@ impl ClusterConfig {
         if let Some(master) = &self.master {
             check_host_port(master).map_err(|why| FieldError::new("cluster.master", why))?;
         }
-        self.check_endpoints(product)?;
-        if self.max_frame_mb == 0 {
-            return Err(FieldError::new("cluster.max_frame_mb", "must be at least 1, got 0"));
-        }
-        Ok(())
-    }
-
-    /// Endpoints, when given, must be one distinct `ip:port` per trainer.
-    fn check_endpoints(&self, world_size: usize) -> Result<(), FieldError> {
-        if self.endpoints.is_empty() {
-            return Ok(());
-        }
-        let mut seen: HashMap<SocketAddr, usize> = HashMap::new();
-        for (i, endpoint) in self.endpoints.iter().enumerate() {
-            let key = format!("cluster.endpoints[{i}]");
-            let addr: SocketAddr = endpoint
-                .trim()
-                .parse()
-                .map_err(|_| FieldError::new(&key, format!("{endpoint:?} is not an ip:port address")))?;
-            if let Some(first) = seen.insert(addr, i) {
-                return Err(FieldError::new(
-                    key,
-                    format!("{endpoint:?} duplicates cluster.endpoints[{first}]"),
-                ));
-            }
-        }
-        if self.endpoints.len() != world_size {
+        check_address_list("cluster.endpoints", &self.endpoints)?;
+        if !self.endpoints.is_empty() && self.endpoints.len() != product {
             return Err(FieldError::new(
                 "cluster.endpoints",
                 format!(
-                    "has {} entries but the world size is {world_size} \
+                    "has {} entries but the world size is {product} \
                      (cluster.nnodes × cluster.nproc_per_node = {} × {})",
                     self.endpoints.len(),
                     self.nnodes,
@@ -151,8 +146,39 @@ impl ClusterConfig {
                 ),
             ));
         }
+        check_address_list("cluster.pservers", &self.pservers)?;
+        if !self.pservers.is_empty() && self.pservers.len() != self.server_num {
+            return Err(FieldError::new(
+                "cluster.pservers",
+                format!(
+                    "lists {} parameter servers but cluster.server_num = {}",
+                    self.pservers.len(),
+                    self.server_num
+                ),
+            ));
+        }
+        if self.max_frame_mb == 0 {
+            return Err(FieldError::new("cluster.max_frame_mb", "must be at least 1, got 0"));
+        }
         Ok(())
     }
+
+}
+
+/// Every entry of the list at `key` must be a distinct `ip:port`.
+fn check_address_list(key: &str, addresses: &[String]) -> Result<(), FieldError> {
+    let mut seen: HashMap<SocketAddr, usize> = HashMap::new();
+    for (i, address) in addresses.iter().enumerate() {
+        let entry = format!("{key}[{i}]");
+        let addr: SocketAddr = address
+            .trim()
+            .parse()
+            .map_err(|_| FieldError::new(&entry, format!("{address:?} is not an ip:port address")))?;
+        if let Some(first) = seen.insert(addr, i) {
+            return Err(FieldError::new(entry, format!("{address:?} duplicates {key}[{first}]")));
+        }
+    }
+    Ok(())
 }
 
 /// Accepts `host:port` with a non-empty host (IP or name) and a numeric port; the coordinator

@@ -59,6 +59,17 @@ const ENV_OVERRIDES: &[EnvOverride] = &[
         parse: Parse::List,
     },
     EnvOverride {
+        var: "PADDLE_PSERVER_ENDPOINTS",
+        key: &["cluster", "pservers"],
+        parse: Parse::List,
+    },
+    // After PADDLE_PSERVER_ENDPOINTS, so Paddle's primary name wins when both are set.
+    EnvOverride {
+        var: "PADDLE_PSERVERS_IP_PORT_LIST",
+        key: &["cluster", "pservers"],
+        parse: Parse::List,
+    },
+    EnvOverride {
         var: "PADDLE_MASTER",
         key: &["cluster", "master"],
         parse: Parse::Text,
@@ -178,6 +189,27 @@ mod tests {
     }
 
     #[test]
+    fn parameter_server_launcher_variables() {
+        let vars = [
+            ("PADDLE_TRAINERS_NUM", "4"),
+            ("PADDLE_PSERVERS_IP_PORT_LIST", "127.0.0.1:6170,127.0.0.1:6171"),
+        ];
+        let ctr = "[train]\nmodel = \"wide_deep\"\ndataset = \"criteo_synthetic\"\noptimizer = \"adam\"\n";
+        let config = load_with(ctr, &vars, &[]).unwrap();
+        assert_eq!(config.world_size(), 4, "the trainer count alone sets the trainers per node");
+        assert_eq!(config.cluster.server_num, 2, "the server count follows the list");
+        assert!(config.cluster.is_parameter_server());
+        let msg = err_text(load_with(&format!("[cluster]\nserver_num = 3\n{ctr}"), &vars, &[]));
+        assert_eq!(
+            msg,
+            "environment (PADDLE_PSERVERS_IP_PORT_LIST): cluster.pservers: lists 2 parameter servers \
+             but cluster.server_num = 3"
+        );
+        let config = load_with(ctr, &[("PADDLE_PSERVER_ENDPOINTS", "127.0.0.1:7000")], &[]).unwrap();
+        assert_eq!(config.cluster.pservers, vec!["127.0.0.1:7000".to_string()]);
+    }
+
+    #[test]
     fn empty_variables_are_ignored() {
         let config = load_with(FOUR_NODES, &[("PADDLE_TRAINERS_NUM", " ")], &[]).unwrap();
         assert_eq!(config.cluster.world_size, Some(4));
@@ -199,7 +231,7 @@ mod tests {
 
     #[test]
     fn later_errors_are_attributed_to_the_variable() {
-        let msg = err_text(load_with("", &[("PADDLE_TRAINERS_NUM", "3")], &[]));
+        let msg = err_text(load_with("[cluster]\nnproc_per_node = 2\n", &[("PADDLE_TRAINERS_NUM", "3")], &[]));
         assert_eq!(
             msg,
             "environment (PADDLE_TRAINERS_NUM): cluster.world_size: 3 contradicts \

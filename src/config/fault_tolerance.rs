@@ -17,7 +17,6 @@ pub(crate) const UNSUPPORTED_KEYS: &[UnsupportedKey] = &[
     unsupported("max_restarts", "elastic restart"),
     unsupported("heartbeat_interval_ms", "heartbeats"),
     unsupported("heartbeat_misses", "heartbeats"),
-    unsupported("retry", "collective retry"),
 ];
 
 /// Entry of [`UNSUPPORTED_KEYS`] in the `[fault_tolerance]` section.
@@ -36,11 +35,18 @@ pub struct FaultToleranceConfig {
     /// Deadline in seconds of every collective and of rendezvous; a peer that does not answer
     /// within it fails the job instead of hanging it.
     pub timeout_s: f64,
+    /// Times a parameter-server pull or push that failed at the network level (connection
+    /// refused or reset) is retried, with exponential backoff, before the job fails naming the
+    /// unreachable server.
+    pub retry: usize,
 }
 
 impl Default for FaultToleranceConfig {
     fn default() -> Self {
-        Self { timeout_s: 1800.0 }
+        Self {
+            timeout_s: 1800.0,
+            retry: 3,
+        }
     }
 }
 

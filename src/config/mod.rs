@@ -19,6 +19,7 @@
 //! `config.toml: strategy.fuse_grad_size_in_MB: invalid type: string "x", expected f64`.
 
 mod cluster;
+mod combination;
 mod env;
 mod fault_tolerance;
 mod overrides;
@@ -32,7 +33,7 @@ use toml::{Table, Value};
 
 pub use cluster::{ClusterConfig, DeviceKind};
 pub use fault_tolerance::FaultToleranceConfig;
-pub use strategy::DistributedStrategy;
+pub use strategy::{AsyncConfigs, DistributedStrategy, PsMode};
 pub use train::{DatasetKind, LrScaling, ModelKind, OptimizerKind, TrainConfig, TrainLength};
 
 /// Source name to pass to [`JobConfig::from_toml_str`] when the text is not a file on disk (and
@@ -214,7 +215,8 @@ impl JobConfig {
         self.cluster.check()?;
         self.strategy.check()?;
         self.train.check(self.world_size())?;
-        self.fault_tolerance.check()
+        self.fault_tolerance.check()?;
+        combination::check(self)
     }
 }
 
@@ -230,11 +232,28 @@ fn load(
     env::apply(&mut table, env, &mut provenance)?;
     overrides::apply(&mut table, overrides, &mut provenance)?;
     reject_unsupported(&table, &provenance)?;
+    trainers_from_world_size(&mut table);
     let mut config = deserialize(table, &provenance)?;
     config.source_name = source_name.to_string();
+    config.cluster.resolve_defaults();
     config.train.resolve_defaults();
     config.check().map_err(|e| provenance.error(e.key, e.message))?;
     Ok(config)
+}
+
+/// A world size given alone (as a parameter-server launcher gives `PADDLE_TRAINERS_NUM`) means
+/// that many trainers on this node: it sets `cluster.nproc_per_node` when neither it nor
+/// `cluster.nnodes` was given, instead of contradicting their defaults.
+fn trainers_from_world_size(table: &mut Table) {
+    let Some(Value::Table(cluster)) = table.get_mut("cluster") else {
+        return;
+    };
+    if cluster.contains_key("nnodes") || cluster.contains_key("nproc_per_node") {
+        return;
+    }
+    if let Some(world_size) = cluster.get("world_size").cloned() {
+        cluster.insert("nproc_per_node".to_string(), world_size);
+    }
 }
 
 /// Parses TOML text, turning syntax errors into a [`ConfigError`] with line and column.
@@ -455,7 +474,7 @@ pub(crate) mod tests {
         assert_eq!(config.strategy.fuse_grad_size_in_mb, 32.0);
         assert_eq!(config.strategy.check_every, 10);
         assert_eq!(config.train.model, ModelKind::Mlp);
-        assert_eq!(config.train.hidden_sizes, vec![128]);
+        assert_eq!(config.train.hidden_sizes(), vec![128]);
         assert_eq!(config.train.dataset, DatasetKind::Digits);
         assert_eq!(config.train.epochs, Some(20));
         assert_eq!(config.train.steps, None);

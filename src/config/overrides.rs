@@ -114,7 +114,7 @@ mod tests {
         assert_eq!(config.cluster.world_size, Some(4));
         assert_eq!(config.train.lr, 0.2);
         assert_eq!(config.train.optimizer, OptimizerKind::Adamw);
-        assert_eq!(config.train.hidden_sizes, vec![32, 16]);
+        assert_eq!(config.train.hidden_sizes(), vec![32, 16]);
     }
 
     #[test]

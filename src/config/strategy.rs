@@ -1,5 +1,6 @@
-//! `[strategy]`: Paddle `DistributedStrategy`-style knobs of collective data parallelism, plus
-//! the list of Paddle strategies that are recognised but not built yet.
+//! `[strategy]`: Paddle `DistributedStrategy`-style knobs of collective data parallelism and of
+//! the parameter server's update mode, plus the list of Paddle strategies that are recognised
+//! but not built yet.
 
 use serde::{Deserialize, Serialize};
 
@@ -9,8 +10,6 @@ use super::{FieldError, UnsupportedKey};
 /// the "not supported yet" error. Checked before deserialization so these never surface as a
 /// misleading "unknown field".
 pub(crate) const UNSUPPORTED_KEYS: &[UnsupportedKey] = &[
-    unsupported("a_sync", "parameter server"),
-    unsupported("a_sync_configs", "parameter server"),
     unsupported("pipeline", "pipeline parallel"),
     unsupported("pipeline_configs", "pipeline parallel"),
     unsupported("hybrid_configs", "pipeline parallel"),
@@ -45,6 +44,47 @@ pub struct DistributedStrategy {
     /// Steps between cross-replica parameter checksum comparisons, which catch replicas that
     /// silently diverged; 0 disables the check.
     pub check_every: usize,
+    /// Parameter server only: `false` is sync mode (a shard applies step t once every
+    /// trainer's gradients of step t have arrived, so the result equals one process training the
+    /// global batch); `true` is async mode (each push applied on arrival, trainers never wait for
+    /// each other), or geo mode when `a_sync_configs.k_steps > 0`.
+    pub a_sync: bool,
+    /// Parameter server only: settings of the asynchronous modes.
+    pub a_sync_configs: AsyncConfigs,
+}
+
+/// `[strategy.a_sync_configs]`, Paddle's name for the asynchronous parameter-server settings.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct AsyncConfigs {
+    /// Geo mode when `> 0` (with `a_sync = true`): trainers train on local copies and send the
+    /// parameter deltas every `k_steps` steps, trading staleness for far fewer messages.
+    pub k_steps: usize,
+}
+
+/// How parameter-server shards apply trainers' updates, from `a_sync` and `k_steps`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PsMode {
+    /// Step t is applied once every trainer's push of step t is in; deterministic.
+    Sync,
+    /// Each push is applied on arrival.
+    Async,
+    /// Trainers send parameter deltas every `k_steps` local steps.
+    Geo {
+        /// Local steps between delta pushes.
+        k_steps: usize,
+    },
+}
+
+impl PsMode {
+    /// The mode's name in summaries and logs.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Self::Sync => "sync",
+            Self::Async => "async",
+            Self::Geo { .. } => "geo",
+        }
+    }
 }
 
 impl Default for DistributedStrategy {
@@ -52,6 +92,8 @@ impl Default for DistributedStrategy {
         Self {
             fuse_grad_size_in_mb: 32.0,
             check_every: 10,
+            a_sync: false,
+            a_sync_configs: AsyncConfigs::default(),
         }
     }
 }
@@ -63,8 +105,26 @@ impl DistributedStrategy {
         ((self.fuse_grad_size_in_mb * (1u64 << 20) as f64) as usize).max(1)
     }
 
+    /// The parameter-server update mode these keys select.
+    pub fn ps_mode(&self) -> PsMode {
+        match (self.a_sync, self.a_sync_configs.k_steps) {
+            (false, _) => PsMode::Sync,
+            (true, 0) => PsMode::Async,
+            (true, k_steps) => PsMode::Geo { k_steps },
+        }
+    }
+
     /// Range checks of the section.
     pub(crate) fn check(&self) -> Result<(), FieldError> {
+        if self.a_sync_configs.k_steps > 0 && !self.a_sync {
+            return Err(FieldError::new(
+                "strategy.a_sync_configs.k_steps",
+                format!(
+                    "k_steps = {} selects geo mode, which is asynchronous: set strategy.a_sync = true too",
+                    self.a_sync_configs.k_steps
+                ),
+            ));
+        }
         let size = self.fuse_grad_size_in_mb;
         if !(size.is_finite() && size > 0.0) {
             return Err(FieldError::new(
@@ -82,20 +142,20 @@ mod tests {
 
     #[test]
     fn unsupported_strategies_are_rejected_with_the_reason() {
-        let msg = err_text(load_str("[strategy]\na_sync = true\n"));
+        let msg = err_text(load_str("[strategy]\npipeline = true\n"));
         assert_eq!(
             msg,
-            "config.toml: strategy.a_sync: not supported yet (parameter server)"
+            "config.toml: strategy.pipeline: not supported yet (pipeline parallel)"
         );
         let msg = err_text(load_str("[strategy.sharding_configs]\nstage = 2\n"));
         assert_eq!(
             msg,
             "config.toml: strategy.sharding_configs: not supported yet (sharding)"
         );
-        let msg = err_text(load_with("", &[], &["strategy.a_sync_configs.k_steps=4"]));
+        let msg = err_text(load_with("", &[], &["strategy.pipeline_configs.accumulate_steps=4"]));
         assert_eq!(
             msg,
-            "--set: strategy.a_sync_configs: not supported yet (parameter server)"
+            "--set: strategy.pipeline_configs: not supported yet (pipeline parallel)"
         );
         let msg = err_text(load_str("[strategy]\namp = false\n"));
         assert!(msg.ends_with("not supported yet (mixed precision)"), "{msg}");

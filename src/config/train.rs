@@ -9,22 +9,50 @@ const DEFAULT_EPOCHS: usize = 20;
 
 /// Model architecture.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
+#[serde(rename_all = "snake_case")]
 pub enum ModelKind {
-    /// Multi-layer perceptron with `train.hidden_sizes` hidden layers.
+    /// Multi-layer perceptron with `train.hidden_sizes` hidden layers (collective strategy).
     #[default]
     Mlp,
+    /// Wide&deep CTR model over the 26 sparse slots and 13 dense features of Criteo
+    /// (parameter-server strategy): a shared embedding table of width `train.embedding_dim`
+    /// feeding the `train.hidden_sizes` deep layers, plus a width-1 table and a linear layer on
+    /// the dense features for the wide part.
+    WideDeep,
+}
+
+impl ModelKind {
+    /// Hidden layers when `train.hidden_sizes` is not given: PaddleRec's wide&deep sizes for
+    /// wide&deep.
+    fn default_hidden_sizes(self) -> Vec<usize> {
+        match self {
+            Self::Mlp => vec![128],
+            Self::WideDeep => vec![256, 128, 64],
+        }
+    }
 }
 
 /// Training data set.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
+#[serde(rename_all = "snake_case")]
 pub enum DatasetKind {
     /// The bundled 8×8 handwritten digits set.
     #[default]
     Digits,
     /// Generated classification data shaped by the `train.synthetic_*` keys.
     Synthetic,
+    /// Generated click logs in Criteo's shape (Zipf-distributed ids, a planted click model):
+    /// `train.synthetic_samples` samples, `train.test_fraction` of them held out.
+    CriteoSynthetic,
+    /// Criteo display-advertising TSV files: `train.train_files` and `train.test_files`.
+    Criteo,
+}
+
+impl DatasetKind {
+    /// Whether the set is click logs (for the CTR model) rather than dense classification data.
+    pub fn is_click_log(self) -> bool {
+        matches!(self, Self::CriteoSynthetic | Self::Criteo)
+    }
 }
 
 /// How the learning rate is scaled with the world size (the global batch grows with it).
@@ -47,8 +75,12 @@ pub enum OptimizerKind {
     /// SGD with `train.momentum`.
     #[default]
     Sgd,
-    /// AdamW with decoupled `train.weight_decay`.
+    /// AdamW with decoupled `train.weight_decay` (collective strategy).
     Adamw,
+    /// Adagrad, applied per row by the parameter servers.
+    Adagrad,
+    /// Adam with per-row moments, applied by the parameter servers.
+    Adam,
 }
 
 /// How long to train: exactly one of `train.steps` / `train.epochs` after loading.
@@ -66,8 +98,12 @@ pub enum TrainLength {
 pub struct TrainConfig {
     /// Model architecture.
     pub model: ModelKind,
-    /// Widths of the hidden layers, input side first; empty gives a linear model.
-    pub hidden_sizes: Vec<usize>,
+    /// Widths of the hidden layers, input side first; empty gives a linear model. Defaults
+    /// depend on the model (see [`TrainConfig::hidden_sizes`]).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub hidden_sizes: Option<Vec<usize>>,
+    /// Width of the shared embedding table of the wide&deep model.
+    pub embedding_dim: usize,
     /// Training data set.
     pub dataset: DatasetKind,
     /// Number of generated samples (synthetic data set only).
@@ -76,6 +112,12 @@ pub struct TrainConfig {
     pub synthetic_features: usize,
     /// Number of classes of the generated data (synthetic data set only).
     pub synthetic_classes: usize,
+    /// Largest vocabulary of one sparse slot of generated click logs.
+    pub synthetic_vocab: usize,
+    /// Criteo TSV files to train on, read in order and streamed (dataset `criteo`).
+    pub train_files: Vec<String>,
+    /// Criteo TSV files held out for evaluation (dataset `criteo`).
+    pub test_files: Vec<String>,
     /// Fraction of the data held out for evaluation, strictly between 0 and 1.
     pub test_fraction: f64,
     /// Run length in optimizer steps; exclusive with `epochs`.
@@ -122,11 +164,15 @@ impl TrainConfig {
     fn unresolved() -> Self {
         Self {
             model: ModelKind::Mlp,
-            hidden_sizes: vec![128],
+            hidden_sizes: None,
+            embedding_dim: 9,
             dataset: DatasetKind::Digits,
             synthetic_samples: 16384,
             synthetic_features: 64,
             synthetic_classes: 10,
+            synthetic_vocab: 100_000,
+            train_files: Vec::new(),
+            test_files: Vec::new(),
             test_fraction: 0.2,
             steps: None,
             epochs: None,
@@ -142,11 +188,22 @@ impl TrainConfig {
         }
     }
 
-    /// Applies defaults that depend on other keys: 20 epochs when no run length is given.
+    /// Applies defaults that depend on other keys: 20 epochs when no run length is given, the
+    /// model's hidden layers when none are.
     pub(crate) fn resolve_defaults(&mut self) {
         if self.steps.is_none() && self.epochs.is_none() {
             self.epochs = Some(DEFAULT_EPOCHS);
         }
+        if self.hidden_sizes.is_none() {
+            self.hidden_sizes = Some(self.model.default_hidden_sizes());
+        }
+    }
+
+    /// Widths of the hidden layers (the model's defaults if the config gave none).
+    pub fn hidden_sizes(&self) -> Vec<usize> {
+        self.hidden_sizes
+            .clone()
+            .unwrap_or_else(|| self.model.default_hidden_sizes())
     }
 
     /// The run length; steps win if (unvalidated) both are set, 20 epochs if neither is.
@@ -165,7 +222,7 @@ impl TrainConfig {
 
     /// Range checks of the section; `world_size` is needed for the batch split.
     pub(crate) fn check(&self, world_size: usize) -> Result<(), FieldError> {
-        for (i, &width) in self.hidden_sizes.iter().enumerate() {
+        for (i, &width) in self.hidden_sizes().iter().enumerate() {
             if width == 0 {
                 return Err(FieldError::new(
                     format!("train.hidden_sizes[{i}]"),
@@ -176,6 +233,8 @@ impl TrainConfig {
         at_least("train.synthetic_samples", self.synthetic_samples, 1)?;
         at_least("train.synthetic_features", self.synthetic_features, 1)?;
         at_least("train.synthetic_classes", self.synthetic_classes, 2)?;
+        at_least("train.synthetic_vocab", self.synthetic_vocab, 1)?;
+        at_least("train.embedding_dim", self.embedding_dim, 1)?;
         let f = self.test_fraction;
         if !(f > 0.0 && f < 1.0) {
             return Err(FieldError::new(
@@ -304,9 +363,9 @@ mod tests {
         assert_eq!(config.train.optimizer, OptimizerKind::Adamw);
         assert_eq!(config.train.lr_scaling, LrScaling::Linear);
         assert_eq!(config.train.dataset, DatasetKind::Synthetic);
-        let msg = err_text(load_str("[train]\noptimizer = \"adam\"\n"));
+        let msg = err_text(load_str("[train]\noptimizer = \"adamax\"\n"));
         assert!(
-            msg.starts_with("config.toml: train.optimizer: unknown variant `adam`, expected"),
+            msg.starts_with("config.toml: train.optimizer: unknown variant `adamax`, expected"),
             "{msg}"
         );
     }

@@ -74,13 +74,17 @@ impl TrainingJob {
                 train.synthetic_classes,
                 train.seed,
             )?,
+            DatasetKind::CriteoSynthetic | DatasetKind::Criteo => {
+                anyhow::bail!("click logs train on parameter servers: see `ParameterServerJob`")
+            }
         };
         let (train_data, test_data) = data
             .split(train.test_fraction, train.seed)
             .context("train.test_fraction")?;
-        let (inputs, classes, hidden) = (data.dim, data.classes, train.hidden_sizes.clone());
+        let (inputs, classes, hidden) = (data.dim, data.classes, train.hidden_sizes());
         let model = match train.model {
             ModelKind::Mlp => move |init: &ParamInit| mlp(inputs, &hidden, classes, init),
+            ModelKind::WideDeep => anyhow::bail!("wide_deep trains on parameter servers: see `ParameterServerJob`"),
         };
         Ok(Self::new(config, model, train_data, test_data))
     }

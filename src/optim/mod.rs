@@ -40,6 +40,12 @@ impl Optimizer {
                     ..ParamsAdamW::default()
                 },
             )?),
+            OptimizerKind::Adagrad | OptimizerKind::Adam => {
+                return Err(candle_core::Error::Msg(format!(
+                    "train.optimizer = {:?} runs on parameter servers, not on a replica",
+                    train.optimizer
+                )))
+            }
         })
     }
 

@@ -1,0 +1,178 @@
+//! Rules across sections: which models, data sets and optimizers each strategy trains, so a
+//! mismatch is a config error naming the key rather than a failure deep inside a run.
+
+use super::{DatasetKind, FieldError, JobConfig, ModelKind, OptimizerKind};
+
+/// Checks that strategy, model, data set and optimizer fit together.
+pub(super) fn check(config: &JobConfig) -> Result<(), FieldError> {
+    let train = &config.train;
+    if config.cluster.is_parameter_server() {
+        check_parameter_server(config)?;
+    } else {
+        check_collective(config)?;
+    }
+    match (train.model, train.dataset.is_click_log()) {
+        (ModelKind::WideDeep, false) => Err(FieldError::new(
+            "train.dataset",
+            format!(
+                "{} is not click logs: the wide_deep model reads \"criteo_synthetic\" or \"criteo\"",
+                dataset_name(train.dataset)
+            ),
+        )),
+        (ModelKind::Mlp, true) => Err(FieldError::new(
+            "train.dataset",
+            format!(
+                "{} is click logs, which the mlp model cannot read: use model = \"wide_deep\"",
+                dataset_name(train.dataset)
+            ),
+        )),
+        _ => check_files(config),
+    }
+}
+
+/// The parameter servers train the CTR model with their own optimizers.
+fn check_parameter_server(config: &JobConfig) -> Result<(), FieldError> {
+    let train = &config.train;
+    let servers = config.cluster.server_num;
+    if train.model != ModelKind::WideDeep {
+        return Err(FieldError::new(
+            "train.model",
+            format!(
+                "the parameter-server strategy (cluster.server_num = {servers}) trains \"wide_deep\"; \
+                 dense models train with the collective strategy (cluster.server_num = 0)"
+            ),
+        ));
+    }
+    if train.optimizer == OptimizerKind::Adamw {
+        return Err(FieldError::new(
+            "train.optimizer",
+            "\"adamw\" is not a parameter-server optimizer: use \"sgd\", \"adagrad\" or \"adam\"",
+        ));
+    }
+    if train.warmup_steps > 0 {
+        return Err(FieldError::new(
+            "train.warmup_steps",
+            format!(
+                "{}: the parameter servers apply a constant learning rate; set 0",
+                train.warmup_steps
+            ),
+        ));
+    }
+    if train.weight_decay > 0.0 {
+        return Err(FieldError::new(
+            "train.weight_decay",
+            format!(
+                "{}: the parameter servers' optimizers have no weight decay; set 0",
+                train.weight_decay
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// Collective data parallelism trains dense models with replica-side optimizers.
+fn check_collective(config: &JobConfig) -> Result<(), FieldError> {
+    let train = &config.train;
+    if train.model == ModelKind::WideDeep {
+        return Err(FieldError::new(
+            "train.model",
+            "\"wide_deep\" trains on parameter servers: set cluster.server_num (or start the job \
+             with `flotilla launch-ps`)",
+        ));
+    }
+    if matches!(train.optimizer, OptimizerKind::Adagrad | OptimizerKind::Adam) {
+        return Err(FieldError::new(
+            "train.optimizer",
+            "adagrad and adam run on parameter servers; the collective strategy has \"sgd\" and \"adamw\"",
+        ));
+    }
+    if config.strategy.a_sync {
+        return Err(FieldError::new(
+            "strategy.a_sync",
+            "applies to the parameter-server strategy: set cluster.server_num",
+        ));
+    }
+    Ok(())
+}
+
+/// Data set `criteo` needs its files.
+fn check_files(config: &JobConfig) -> Result<(), FieldError> {
+    let train = &config.train;
+    if train.dataset != DatasetKind::Criteo {
+        return Ok(());
+    }
+    for (key, files) in [("train.train_files", &train.train_files), ("train.test_files", &train.test_files)] {
+        if files.is_empty() {
+            return Err(FieldError::new(
+                key,
+                "dataset \"criteo\" needs at least one TSV file here",
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// The data set's name as written in the config.
+fn dataset_name(dataset: DatasetKind) -> &'static str {
+    match dataset {
+        DatasetKind::Digits => "\"digits\"",
+        DatasetKind::Synthetic => "\"synthetic\"",
+        DatasetKind::CriteoSynthetic => "\"criteo_synthetic\"",
+        DatasetKind::Criteo => "\"criteo\"",
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::config::tests::{err_text, load_str};
+
+    const CTR: &str = "[cluster]\nserver_num = 2\n[train]\nmodel = \"wide_deep\"\ndataset = \"criteo_synthetic\"\n\
+                       optimizer = \"adam\"\nlr = 0.001\n";
+
+    #[test]
+    fn the_ctr_job_loads_with_wide_deep_defaults() {
+        let config = load_str(CTR).unwrap();
+        assert!(config.cluster.is_parameter_server());
+        assert_eq!(config.train.hidden_sizes(), vec![256, 128, 64]);
+        assert_eq!(config.train.embedding_dim, 9);
+    }
+
+    #[test]
+    fn strategy_and_model_must_fit() {
+        let msg = err_text(load_str("[cluster]\nserver_num = 2\n"));
+        assert!(msg.starts_with("config.toml: train.model: the parameter-server strategy"), "{msg}");
+        let msg = err_text(load_str("[train]\nmodel = \"wide_deep\"\ndataset = \"criteo_synthetic\"\n"));
+        assert!(msg.starts_with("config.toml: train.model: \"wide_deep\" trains on parameter servers"), "{msg}");
+        let msg = err_text(load_str(&format!("{CTR}optimizer = \"adamw\"\n").replace("optimizer = \"adam\"\n", "")));
+        assert!(msg.starts_with("config.toml: train.optimizer: \"adamw\" is not"), "{msg}");
+        let msg = err_text(load_str("[train]\noptimizer = \"adagrad\"\n"));
+        assert!(msg.starts_with("config.toml: train.optimizer: adagrad and adam run on"), "{msg}");
+        let msg = err_text(load_str("[strategy]\na_sync = true\n"));
+        assert!(msg.starts_with("config.toml: strategy.a_sync: applies to the parameter-server"), "{msg}");
+    }
+
+    #[test]
+    fn data_must_fit_the_model() {
+        let msg = err_text(load_str(&CTR.replace("criteo_synthetic", "digits")));
+        assert!(msg.starts_with("config.toml: train.dataset: \"digits\" is not click logs"), "{msg}");
+        let msg = err_text(load_str("[train]\ndataset = \"criteo_synthetic\"\n"));
+        assert!(msg.starts_with("config.toml: train.dataset: \"criteo_synthetic\" is click logs"), "{msg}");
+        let msg = err_text(load_str(&CTR.replace("criteo_synthetic", "criteo")));
+        assert_eq!(
+            msg,
+            "config.toml: train.train_files: dataset \"criteo\" needs at least one TSV file here"
+        );
+    }
+
+    #[test]
+    fn geo_needs_a_sync_and_modes_follow_the_keys() {
+        use crate::config::strategy::PsMode;
+        let msg = err_text(load_str(&format!("{CTR}[strategy.a_sync_configs]\nk_steps = 4\n")));
+        assert!(msg.starts_with("config.toml: strategy.a_sync_configs.k_steps: k_steps = 4 selects geo"), "{msg}");
+        let config = load_str(&format!("{CTR}[strategy]\na_sync = true\n")).unwrap();
+        assert_eq!(config.strategy.ps_mode(), PsMode::Async);
+        let config = load_str(&format!("{CTR}[strategy]\na_sync = true\na_sync_configs = {{ k_steps = 4 }}\n")).unwrap();
+        assert_eq!(config.strategy.ps_mode(), PsMode::Geo { k_steps: 4 });
+        assert_eq!(load_str(CTR).unwrap().strategy.ps_mode(), PsMode::Sync);
+    }
+}
