@@ -9,10 +9,12 @@
 mod init;
 mod linear;
 mod mlp;
+mod wide_deep;
 
 pub use init::ParamInit;
 pub use linear::{Activation, Linear};
 pub use mlp::mlp;
+pub use wide_deep::{click_probability, sigmoid_cross_entropy, SparseRows, WideDeep, DENSE_FEATURES, SPARSE_SLOTS};
 
 use anyhow::{ensure, Result};
 use candle_core::{Tensor, Var};
