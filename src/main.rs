@@ -10,8 +10,10 @@ use clap::{Parser, Subcommand, ValueEnum};
 
 use flotilla::bench::allreduce::{self, AllReduceArgs};
 use flotilla::config::{process_env, JobConfig};
-use flotilla::job::{RunOptions, TrainingJob};
-use flotilla::launch::{supervise, LaunchArgs, OutputMode};
+use flotilla::data::ctr::{write_synthetic, CriteoSynth, Split};
+use flotilla::job::ps::{ParameterServerJob, PsSummary};
+use flotilla::job::{RunOptions, RunOutcome, TrainingJob};
+use flotilla::launch::{supervise, LaunchArgs, LaunchPsArgs, OutputMode};
 
 /// The default job, compiled in so `flotilla train` works from any directory.
 const EMBEDDED_CONFIG: &str = include_str!("../config.toml");
@@ -43,6 +45,12 @@ enum Command {
     },
     /// Start this node's trainer processes (`paddle.distributed.launch`).
     Launch(LaunchArgs),
+    /// Start the parameter servers and trainers of a parameter-server job (`launch_ps`).
+    #[command(name = "launch-ps", alias = "launch_ps")]
+    LaunchPs(LaunchPsArgs),
+    /// Write data sets to files.
+    #[command(subcommand)]
+    Data(DataCommand),
     /// Benchmarks that print figures.
     #[command(subcommand)]
     Bench(BenchCommand),
@@ -67,6 +75,28 @@ struct TrainArgs {
     /// Where rank 0 writes summary.json (default: runs/<unix time>).
     #[arg(long)]
     run_dir: Option<PathBuf>,
+}
+
+#[derive(Subcommand)]
+enum DataCommand {
+    /// Generate Criteo-shaped click logs (the `criteo_synthetic` data set) as Criteo TSV.
+    CriteoSynthetic {
+        /// Samples to write.
+        #[arg(long)]
+        samples: u64,
+        /// Output file.
+        #[arg(long)]
+        out: PathBuf,
+        /// Write the held-out split instead of the training split.
+        #[arg(long)]
+        test: bool,
+        /// The generator's seed (`train.seed`).
+        #[arg(long, default_value_t = 42)]
+        seed: u64,
+        /// Largest slot vocabulary (`train.synthetic_vocab`).
+        #[arg(long, default_value_t = 100_000)]
+        vocab: usize,
+    },
 }
 
 #[derive(Subcommand)]
@@ -98,21 +128,26 @@ fn main() -> ExitCode {
 fn run(cli: Cli) -> Result<()> {
     match cli.command {
         Command::Train(args) => train(&args),
-        Command::Run {
-            role: Role::Trainer,
-            train: args,
-        } => {
-            if std::env::var_os("PADDLE_TRAINER_ID").is_none() {
-                bail!("`run --role trainer` needs PADDLE_TRAINER_ID (and the rest of the launcher's environment); use `flotilla launch`, or `flotilla train` for an in-process job");
-            }
-            train(&args)
-        }
-        Command::Run {
-            role: Role::Pserver, ..
-        } => bail!("--role pserver: the parameter-server strategy is not supported yet"),
+        Command::Run { role, train: args } => run_role(role, &args),
         Command::Launch(args) => {
             let exe = std::env::current_exe().context("locating the flotilla binary")?;
             supervise(args.plan(exe)?, OutputMode::Prefixed)
+        }
+        Command::LaunchPs(args) => {
+            let exe = std::env::current_exe().context("locating the flotilla binary")?;
+            supervise(args.plan(exe)?, OutputMode::Prefixed)
+        }
+        Command::Data(DataCommand::CriteoSynthetic {
+            samples,
+            out,
+            test,
+            seed,
+            vocab,
+        }) => {
+            let split = if test { Split::Test } else { Split::Train };
+            write_synthetic(&out, &CriteoSynth::new(seed, vocab), split, samples)?;
+            println!("wrote {samples} samples to {}", out.display());
+            Ok(())
         }
         Command::Bench(BenchCommand::Allreduce { nproc, args }) => allreduce::run(nproc, &args),
         Command::Bench(BenchCommand::AllreduceRank(args)) => allreduce::run_rank(&args),
@@ -130,15 +165,59 @@ fn load_config(args: &TrainArgs) -> Result<JobConfig> {
     Ok(config)
 }
 
-fn train(args: &TrainArgs) -> Result<()> {
+/// One role of a launched job; the environment (set by the launcher) says which rank or shard.
+fn run_role(role: Role, args: &TrainArgs) -> Result<()> {
     let config = load_config(args)?;
-    let run_dir = args.run_dir.clone().unwrap_or_else(default_run_dir);
-    let options = RunOptions {
-        run_dir: run_dir.clone(),
+    let options = run_options(args);
+    match (role, config.cluster.is_parameter_server()) {
+        (Role::Pserver, true) => {
+            let job = ParameterServerJob::builtin(config)?;
+            job.run_server(flotilla::job::ps::shard_index_from_env(&job.config)?)
+        }
+        (Role::Pserver, false) => bail!(
+            "--role pserver: {} is not a parameter-server job (cluster.server_num = 0); start it with `flotilla launch-ps`",
+            config.source_name
+        ),
+        (Role::Trainer, parameter_server) => {
+            let id = std::env::var("PADDLE_TRAINER_ID").map_err(|_| {
+                anyhow::anyhow!("`run --role trainer` needs PADDLE_TRAINER_ID (and the rest of the launcher's environment); use `flotilla launch` or `launch-ps`, or `flotilla train` for an in-process job")
+            })?;
+            let rank: usize = id
+                .trim()
+                .parse()
+                .with_context(|| format!("PADDLE_TRAINER_ID = {id:?} is not a rank"))?;
+            if parameter_server {
+                let summary = ParameterServerJob::builtin(config)?.run_trainer(rank, &options)?;
+                print_ps_summary(summary.as_ref(), &options);
+            } else {
+                let outcome = TrainingJob::builtin(config)?.run_rank(rank, &options)?;
+                print_collective_summary(outcome.as_ref(), &options);
+            }
+            Ok(())
+        }
+    }
+}
+
+fn run_options(args: &TrainArgs) -> RunOptions {
+    RunOptions {
+        run_dir: args.run_dir.clone().unwrap_or_else(default_run_dir),
         show_progress: std::io::stderr().is_terminal(),
-    };
-    let job = TrainingJob::builtin(config)?;
-    if let Some(outcome) = job.run(&options)? {
+    }
+}
+
+fn print_ps_summary(summary: Option<&PsSummary>, options: &RunOptions) {
+    if let Some(s) = summary {
+        let ceiling = s.planted_auc.map(|a| format!(" (planted model {a:.4})")).unwrap_or_default();
+        println!(
+            "parameter-server ({}) {} × {} servers, {} trainers: {} steps, final loss {:.4}, test AUC {:.4}{ceiling}, {:.0} samples/s",
+            s.mode, s.cluster, s.servers, s.trainers, s.steps, s.final_loss, s.auc, s.samples_per_sec
+        );
+        println!("summary: {}", options.run_dir.join("summary.json").display());
+    }
+}
+
+fn print_collective_summary(outcome: Option<&RunOutcome>, options: &RunOptions) {
+    if let Some(outcome) = outcome {
         let s = &outcome.summary;
         println!(
             "{} {} × {}: {} steps, final loss {:.4}, test accuracy {:.4}, {:.0} samples/s, comm {:.1}% of step time",
@@ -151,7 +230,20 @@ fn train(args: &TrainArgs) -> Result<()> {
             s.samples_per_sec,
             100.0 * s.comm_time_ratio
         );
-        println!("summary: {}", run_dir.join("summary.json").display());
+        println!("summary: {}", options.run_dir.join("summary.json").display());
+    }
+}
+
+/// `flotilla train`: the whole job in this process, or the role a launcher's environment names.
+fn train(args: &TrainArgs) -> Result<()> {
+    let config = load_config(args)?;
+    let options = run_options(args);
+    if config.cluster.is_parameter_server() {
+        let summary = ParameterServerJob::builtin(config)?.run(&options)?;
+        print_ps_summary(summary.as_ref(), &options);
+    } else {
+        let outcome = TrainingJob::builtin(config)?.run(&options)?;
+        print_collective_summary(outcome.as_ref(), &options);
     }
     Ok(())
 }

@@ -1,5 +1,6 @@
 //! The device actor: a `SyncArbiter` thread that owns the compute device,
-//! the model replica and the communicator. Every tensor operation and every
+//! the model replica and the communicator (collective strategy), or the
+//! CTR worker (parameter-server strategy). Every tensor operation and every
 //! collective of a rank runs here (or on the communicator thread it owns),
 //! never on the async arbiters.
 
@@ -16,7 +17,10 @@ use crate::data::Batch;
 use crate::engines::comm::memory::MemoryTransport;
 use crate::engines::comm::{connect_ring, CommWorker, Communicator};
 use crate::engines::compute::device_for;
+use crate::data::ctr::CtrBatch;
 use crate::models::{Model, ParamInit};
+use crate::ps::worker::{CtrWorker, PullPlan, ShardUpdate, StepOutcome};
+use crate::ps::wire::PulledRows;
 
 /// Builds a rank's model; called on the device thread with the job's seeded
 /// initialiser, so every rank builds the same initial parameters.
@@ -104,10 +108,41 @@ pub struct CheckReplicas;
 #[rtype(result = "Result<Vec<(String, Vec<f32>)>>")]
 pub struct ReadParameters;
 
-/// The device thread's state: empty until [`Prepare`].
+/// Builds the CTR worker of a parameter-server trainer.
+#[derive(Message)]
+#[rtype(result = "Result<()>")]
+pub struct PrepareCtr(pub Arc<JobConfig>);
+
+/// Plans the pull of a CTR batch (training, or evaluation when `training` is false).
+#[derive(Message)]
+#[rtype(result = "Result<PullPlan>")]
+pub struct PlanCtr {
+    /// This trainer's part of the batch.
+    pub batch: CtrBatch,
+    /// Whether the batch is trained on.
+    pub training: bool,
+}
+
+/// Trains on the planned CTR batch with the rows pulled from each shard.
+#[derive(Message)]
+#[rtype(result = "Result<StepOutcome>")]
+pub struct TrainCtr(pub Vec<PulledRows>);
+
+/// Click probabilities of the planned CTR batch.
+#[derive(Message)]
+#[rtype(result = "Result<Vec<f32>>")]
+pub struct PredictCtr(pub Vec<PulledRows>);
+
+/// Geo mode: the deltas not pushed yet.
+#[derive(Message)]
+#[rtype(result = "Result<Option<Vec<ShardUpdate>>>")]
+pub struct FlushCtr;
+
+/// The device thread's state: empty until [`Prepare`] or [`PrepareCtr`].
 #[derive(Default)]
 pub struct DeviceActor {
     replica: Option<Replica>,
+    ctr: Option<CtrWorker>,
 }
 
 impl DeviceActor {
@@ -115,6 +150,12 @@ impl DeviceActor {
         self.replica
             .as_mut()
             .ok_or_else(|| anyhow!("the device actor was used before Prepare"))
+    }
+
+    fn ctr(&mut self) -> Result<&mut CtrWorker> {
+        self.ctr
+            .as_mut()
+            .ok_or_else(|| anyhow!("the device actor was used before PrepareCtr"))
     }
 }
 
@@ -170,5 +211,47 @@ impl Handler<ReadParameters> for DeviceActor {
             .iter()
             .map(|p| Ok((p.name.clone(), p.var.flatten_all()?.to_vec1::<f32>()?)))
             .collect()
+    }
+}
+
+impl Handler<PrepareCtr> for DeviceActor {
+    type Result = Result<()>;
+
+    fn handle(&mut self, msg: PrepareCtr, _: &mut Self::Context) -> Result<()> {
+        let device = device_for(msg.0.cluster.device)?;
+        self.ctr = Some(CtrWorker::new(&msg.0, device)?);
+        Ok(())
+    }
+}
+
+impl Handler<PlanCtr> for DeviceActor {
+    type Result = Result<PullPlan>;
+
+    fn handle(&mut self, msg: PlanCtr, _: &mut Self::Context) -> Self::Result {
+        self.ctr()?.plan(msg.batch, msg.training)
+    }
+}
+
+impl Handler<TrainCtr> for DeviceActor {
+    type Result = Result<StepOutcome>;
+
+    fn handle(&mut self, msg: TrainCtr, _: &mut Self::Context) -> Self::Result {
+        self.ctr()?.train_step(msg.0)
+    }
+}
+
+impl Handler<PredictCtr> for DeviceActor {
+    type Result = Result<Vec<f32>>;
+
+    fn handle(&mut self, msg: PredictCtr, _: &mut Self::Context) -> Self::Result {
+        self.ctr()?.predict(msg.0)
+    }
+}
+
+impl Handler<FlushCtr> for DeviceActor {
+    type Result = Result<Option<Vec<ShardUpdate>>>;
+
+    fn handle(&mut self, _: FlushCtr, _: &mut Self::Context) -> Self::Result {
+        self.ctr()?.flush()
     }
 }

@@ -5,6 +5,8 @@
 
 pub mod coordinator;
 pub mod device;
+pub mod ps_trainer;
+pub mod pserver;
 pub mod trainer;
 
 pub use coordinator::Coordinator;

@@ -189,7 +189,7 @@ impl TrainingRun {
     }
 }
 
-fn progress_bar(show: bool, steps: usize) -> ProgressBar {
+pub(crate) fn progress_bar(show: bool, steps: usize) -> ProgressBar {
     if !show {
         return ProgressBar::hidden();
     }

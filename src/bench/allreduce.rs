@@ -85,6 +85,7 @@ pub fn run(nproc: usize, args: &AllReduceArgs) -> Result<()> {
     let children = (0..nproc)
         .map(|rank| ChildSpec {
             rank,
+            name: format!("rank {rank}"),
             program: exe.clone(),
             args: rank_args.clone(),
             env: vec![

@@ -1,7 +1,7 @@
 //! Rules across sections: which models, data sets and optimizers each strategy trains, so a
 //! mismatch is a config error naming the key rather than a failure deep inside a run.
 
-use super::{DatasetKind, FieldError, JobConfig, ModelKind, OptimizerKind};
+use super::{DatasetKind, FieldError, JobConfig, ModelKind, OptimizerKind, PsMode};
 
 /// Checks that strategy, model, data set and optimizer fit together.
 pub(super) fn check(config: &JobConfig) -> Result<(), FieldError> {
@@ -57,6 +57,19 @@ fn check_parameter_server(config: &JobConfig) -> Result<(), FieldError> {
                 train.warmup_steps
             ),
         ));
+    }
+    if let PsMode::Geo { k_steps } = config.strategy.ps_mode() {
+        // Geo trainers train their local copies with plain SGD, as Paddle's GeoSGD does; the
+        // shards only add the deltas, so no other optimizer would take effect.
+        if train.optimizer != OptimizerKind::Sgd || train.momentum != 0.0 {
+            return Err(FieldError::new(
+                "train.optimizer",
+                format!(
+                    "geo mode (strategy.a_sync_configs.k_steps = {k_steps}) trains local copies with plain SGD: \
+                     set train.optimizer = \"sgd\" and train.momentum = 0"
+                ),
+            ));
+        }
     }
     if train.weight_decay > 0.0 {
         return Err(FieldError::new(
@@ -125,6 +138,7 @@ fn dataset_name(dataset: DatasetKind) -> &'static str {
 #[cfg(test)]
 mod tests {
     use crate::config::tests::{err_text, load_str};
+    use crate::config::PsMode;
 
     const CTR: &str = "[cluster]\nserver_num = 2\n[train]\nmodel = \"wide_deep\"\ndataset = \"criteo_synthetic\"\n\
                        optimizer = \"adam\"\nlr = 0.001\n";
@@ -166,12 +180,15 @@ mod tests {
 
     #[test]
     fn geo_needs_a_sync_and_modes_follow_the_keys() {
-        use crate::config::strategy::PsMode;
         let msg = err_text(load_str(&format!("{CTR}[strategy.a_sync_configs]\nk_steps = 4\n")));
         assert!(msg.starts_with("config.toml: strategy.a_sync_configs.k_steps: k_steps = 4 selects geo"), "{msg}");
         let config = load_str(&format!("{CTR}[strategy]\na_sync = true\n")).unwrap();
         assert_eq!(config.strategy.ps_mode(), PsMode::Async);
-        let config = load_str(&format!("{CTR}[strategy]\na_sync = true\na_sync_configs = {{ k_steps = 4 }}\n")).unwrap();
+        let geo = format!("{CTR}[strategy]\na_sync = true\na_sync_configs = {{ k_steps = 4 }}\n");
+        let msg = err_text(load_str(&geo));
+        assert!(msg.starts_with("config.toml: train.optimizer: geo mode"), "{msg}");
+        let geo = geo.replace("optimizer = \"adam\"", "optimizer = \"sgd\"\nmomentum = 0.0");
+        let config = load_str(&geo).unwrap();
         assert_eq!(config.strategy.ps_mode(), PsMode::Geo { k_steps: 4 });
         assert_eq!(load_str(CTR).unwrap().strategy.ps_mode(), PsMode::Sync);
     }

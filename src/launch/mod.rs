@@ -5,8 +5,10 @@
 //! coordinator listens on the first node's `started_port` unless `--master`
 //! says otherwise, and local rank `i` of every node on `started_port + 1 + i`.
 
+mod ps;
 mod supervisor;
 
+pub use ps::LaunchPsArgs;
 pub use supervisor::{supervise, OutputMode};
 
 use std::path::PathBuf;
@@ -48,8 +50,10 @@ pub struct LaunchArgs {
 /// One process to start.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ChildSpec {
-    /// Its global rank.
+    /// Its global rank (its index among the processes of one role).
     pub rank: usize,
+    /// How its output lines and errors name it: `rank 3`, `server 0`, `trainer 1`.
+    pub name: String,
     /// The program.
     pub program: PathBuf,
     /// Its arguments.
@@ -140,6 +144,7 @@ impl LaunchArgs {
                 }
                 ChildSpec {
                     rank,
+                    name: format!("rank {rank}"),
                     program: program.clone(),
                     args: args.clone(),
                     env: env.into_iter().map(|(k, v)| (k.to_string(), v)).collect(),

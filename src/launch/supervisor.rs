@@ -30,7 +30,7 @@ const TAIL_LINES: usize = 20;
 const STOP_GRACE: Duration = Duration::from_secs(5);
 
 struct Running {
-    rank: usize,
+    name: String,
     child: Child,
     stderr_tail: Arc<Mutex<VecDeque<String>>>,
     pumps: Vec<thread::JoinHandle<()>>,
@@ -95,20 +95,19 @@ fn start(spec: &ChildSpec, mode: OutputMode) -> Result<Running> {
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
-        .with_context(|| format!("rank {}: cannot start {}", spec.rank, spec.program.display()))?;
-    let rank = spec.rank;
-    tracing::info!(rank, pid = child.id(), "started {}", spec.program.display());
+        .with_context(|| format!("{}: cannot start {}", spec.name, spec.program.display()))?;
+    tracing::info!(process = %spec.name, pid = child.id(), "started {}", spec.program.display());
     let stderr_tail = Arc::new(Mutex::new(VecDeque::with_capacity(TAIL_LINES)));
     let mut pumps = Vec::new();
     if let Some(out) = child.stdout.take() {
-        let plain = mode == OutputMode::Rank0Plain && rank == 0;
-        pumps.push(pump(out, rank, plain, None, false));
+        let plain = mode == OutputMode::Rank0Plain && spec.rank == 0;
+        pumps.push(pump(out, spec.name.clone(), plain, None, false));
     }
     if let Some(err) = child.stderr.take() {
-        pumps.push(pump(err, rank, false, Some(stderr_tail.clone()), true));
+        pumps.push(pump(err, spec.name.clone(), false, Some(stderr_tail.clone()), true));
     }
     Ok(Running {
-        rank,
+        name: spec.name.clone(),
         child,
         stderr_tail,
         pumps,
@@ -117,7 +116,7 @@ fn start(spec: &ChildSpec, mode: OutputMode) -> Result<Running> {
 
 fn pump(
     stream: impl Read + Send + 'static,
-    rank: usize,
+    name: String,
     plain: bool,
     tail: Option<Arc<Mutex<VecDeque<String>>>>,
     to_stderr: bool,
@@ -127,7 +126,7 @@ fn pump(
             let text = if plain {
                 format!("{line}\n")
             } else {
-                format!("[rank {rank}] {line}\n")
+                format!("[{name}] {line}\n")
             };
             // A closed launcher output (e.g. a closed pipe) must not stop
             // the child, so write errors are ignored.
@@ -167,7 +166,7 @@ fn stop_all(running: &mut [Running], signal: libc::c_int) {
             thread::sleep(Duration::from_millis(20));
         }
         if matches!(r.child.try_wait(), Ok(None)) {
-            tracing::warn!(rank = r.rank, "did not stop within {STOP_GRACE:?}; killing it");
+            tracing::warn!(process = %r.name, "did not stop within {STOP_GRACE:?}; killing it");
             let _ = r.child.kill();
         }
         let _ = r.child.wait();
@@ -185,8 +184,8 @@ fn failure(mut failed: Running, status: ExitStatus, interrupted: bool) -> anyhow
         .unwrap_or_default();
     let cause = if interrupted { "was interrupted" } else { "failed" };
     anyhow::anyhow!(
-        "rank {} {cause} ({status}); the other ranks were stopped. Its last output:\n{}",
-        failed.rank,
+        "{} {cause} ({status}); the other processes were stopped. Its last output:\n{}",
+        failed.name,
         tail.join("\n")
     )
 }

@@ -6,6 +6,7 @@
 
 use anyhow::{bail, ensure, Context, Result};
 use bytes::{BufMut, Bytes, BytesMut};
+use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 use tokio_util::codec::LengthDelimitedCodec;
 
@@ -47,11 +48,12 @@ pub enum ControlMessage {
     },
 }
 
-/// One frame: a header and its payload.
+/// One frame: a header and its payload. The control plane's headers are [`ControlMessage`]s;
+/// other protocols (the parameter servers') bring their own header type.
 #[derive(Debug, Clone, PartialEq)]
-pub struct Frame {
+pub struct Frame<H = ControlMessage> {
     /// The typed message.
-    pub header: ControlMessage,
+    pub header: H,
     /// Raw little-endian tensor bytes (empty for pure control messages).
     pub payload: Bytes,
 }
@@ -60,9 +62,9 @@ const HEADER_LEN_BYTES: usize = 4;
 /// Headers are small; a larger claimed length is a malformed frame.
 const MAX_HEADER_BYTES: usize = 1 << 20;
 
-impl Frame {
+impl<H: Serialize + DeserializeOwned> Frame<H> {
     /// A frame without payload.
-    pub fn control(header: ControlMessage) -> Self {
+    pub fn control(header: H) -> Self {
         Self {
             header,
             payload: Bytes::new(),

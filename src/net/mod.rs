@@ -7,12 +7,14 @@
 //!   memory (actor messages) or over TCP (frames).
 //! - [`server`]: the coordinator's TCP endpoint, turning frames into actor
 //!   messages.
+//! - [`ps_server`]: a parameter-server shard's TCP endpoint, likewise.
 //!
 //! Bulk tensors (all-reduce chunks) do not travel here: they go through the
 //! communicators of `engines::comm`, on their own sockets.
 
 pub mod bus;
 pub mod frame;
+pub mod ps_server;
 pub mod server;
 
 pub use bus::ControlBus;

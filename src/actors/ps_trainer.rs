@@ -1,0 +1,246 @@
+//! The trainer of the parameter-server strategy: per batch it has its device actor plan the
+//! pull (each id once, grouped by shard), pulls from every shard in parallel, trains, and
+//! pushes the update back; at the end trainer 0 evaluates the AUC on the held-out set with the
+//! shards' final values and has the shards save their tables.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Instant;
+
+use actix::prelude::*;
+use anyhow::{Context as _, Result};
+
+use super::device::{DeviceActor, FlushCtr, PlanCtr, PredictCtr, PrepareCtr, TrainCtr};
+use super::trainer::progress_bar;
+use crate::config::{JobConfig, TrainLength};
+use crate::data::ctr::{CtrLoader, CtrSource};
+use crate::metrics::auc;
+use crate::ps::client::PsClient;
+use crate::ps::wire::{PullRequest, PulledRows, PushRequest, Reply, Request, UpdateKind};
+use crate::ps::worker::{PullPlan, ShardUpdate};
+
+/// What a parameter-server trainer needs.
+pub struct PsTrainer {
+    /// This trainer's index (`PADDLE_TRAINER_ID`).
+    pub rank: usize,
+    /// The job.
+    pub job: Arc<JobConfig>,
+    /// Training data (each trainer reads its part of every global batch).
+    pub train_data: CtrSource,
+    /// Held-out data, evaluated by trainer 0.
+    pub test_data: CtrSource,
+    /// Links to the shards; taken when training starts.
+    pub client: Option<PsClient>,
+    /// The device actor of this trainer.
+    pub device: Addr<DeviceActor>,
+    /// Where trainer 0 has the shards save their tables (`ps-shard-<i>.safetensors`).
+    pub save_dir: Option<PathBuf>,
+    /// Draw a progress bar.
+    pub show_progress: bool,
+}
+
+/// Runs the training loop to its end.
+#[derive(Message)]
+#[rtype(result = "Result<PsOutcome>")]
+pub struct TrainPs;
+
+/// What a parameter-server trainer reports.
+#[derive(Debug, Clone)]
+pub struct PsOutcome {
+    /// The trainer.
+    pub rank: usize,
+    /// Steps taken.
+    pub steps: usize,
+    /// Loss of every step on this trainer's part of the batch.
+    pub losses: Vec<f32>,
+    /// Samples per second of the whole job (global batch × steps over this trainer's time).
+    pub samples_per_sec: f64,
+    /// Held-out AUC (trainer 0 only).
+    pub auc: Option<f64>,
+    /// Held-out samples evaluated (trainer 0 only).
+    pub test_samples: usize,
+}
+
+impl Actor for PsTrainer {
+    type Context = Context<Self>;
+}
+
+impl Handler<TrainPs> for PsTrainer {
+    type Result = ResponseFuture<Result<PsOutcome>>;
+
+    fn handle(&mut self, _: TrainPs, _: &mut Self::Context) -> Self::Result {
+        let run = PsRun {
+            rank: self.rank,
+            job: self.job.clone(),
+            train_data: self.train_data.clone(),
+            test_data: self.test_data.clone(),
+            client: self.client.take(),
+            device: self.device.clone(),
+            save_dir: self.save_dir.clone(),
+            show_progress: self.show_progress,
+        };
+        Box::pin(run.execute())
+    }
+}
+
+struct PsRun {
+    rank: usize,
+    job: Arc<JobConfig>,
+    train_data: CtrSource,
+    test_data: CtrSource,
+    client: Option<PsClient>,
+    device: Addr<DeviceActor>,
+    save_dir: Option<PathBuf>,
+    show_progress: bool,
+}
+
+impl PsRun {
+    async fn execute(self) -> Result<PsOutcome> {
+        let rank = self.rank;
+        let job = self.job.clone();
+        let train = &job.train;
+        let world = job.world_size();
+        let mut client = self.client.context("TrainPs was sent twice")?;
+        self.device.send(PrepareCtr(job.clone())).await??;
+        client.wait_for_servers().await?;
+
+        let steps = match train.length() {
+            TrainLength::Steps(steps) => steps,
+            TrainLength::Epochs(epochs) => {
+                epochs * (self.train_data.records_per_epoch()? as usize / train.batch_size).max(1)
+            }
+        };
+        let mut loader = CtrLoader::new(self.train_data.clone(), train.batch_size, rank, world)
+            .with_context(|| format!("trainer {rank}: training data"))?;
+        let progress = progress_bar(self.show_progress, steps);
+        let started = Instant::now();
+        let mut losses = Vec::with_capacity(steps);
+        for step in 0..steps {
+            let batch = loader.next_batch()?;
+            let plan = self.device.send(PlanCtr { batch, training: true }).await??;
+            let pulled = pull(&mut client, rank, step as u64, false, plan, &format!("pull of step {step}")).await?;
+            let outcome = self.device.send(TrainCtr(pulled)).await??;
+            if let Some(updates) = outcome.push {
+                push(&mut client, rank, step as u64, &job, updates, &format!("push of step {step}")).await?;
+            }
+            losses.push(outcome.loss);
+            progress.set_position(step as u64 + 1);
+            progress.set_message(format!("loss {:.4}", outcome.loss));
+            if rank == 0 && progress.is_hidden() && ((step + 1) % train.log_every == 0 || step + 1 == steps) {
+                let rate = ((step + 1) * train.batch_size) as f64 / started.elapsed().as_secs_f64();
+                tracing::info!("step {}/{steps} loss {:.4} {rate:.0} samples/s", step + 1, outcome.loss);
+            }
+        }
+        if let Some(updates) = self.device.send(FlushCtr).await?? {
+            push(&mut client, rank, steps as u64, &job, updates, "final geo push").await?;
+        }
+        let elapsed = started.elapsed();
+        progress.finish_and_clear();
+        let everyone = |request: Request| vec![request; client.server_num()];
+        client
+            .call_all(everyone(Request::EndTraining { trainer: rank }), "end of training")
+            .await?;
+
+        let (auc, test_samples) = if rank == 0 {
+            let evaluated = self.evaluate(&mut client, steps as u64).await?;
+            if let Some(dir) = &self.save_dir {
+                std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+                let saves = (0..client.server_num())
+                    .map(|shard| Request::Save {
+                        path: dir.join(format!("ps-shard-{shard}.safetensors")).display().to_string(),
+                    })
+                    .collect();
+                client.call_all(saves, "save of the tables").await?;
+            }
+            evaluated
+        } else {
+            (None, 0)
+        };
+        client.call_all(everyone(Request::Leave { trainer: rank }), "leave").await?;
+        Ok(PsOutcome {
+            rank,
+            steps,
+            losses,
+            samples_per_sec: (steps * train.batch_size) as f64 / elapsed.as_secs_f64().max(1e-9),
+            auc,
+            test_samples,
+        })
+    }
+
+    /// AUC of the shards' final values on the held-out set (once every trainer has ended).
+    async fn evaluate(&self, client: &mut PsClient, version: u64) -> Result<(Option<f64>, usize)> {
+        let mut loader = CtrLoader::new(self.test_data.clone(), self.job.train.batch_size, 0, 1)
+            .context("trainer 0: held-out data")?;
+        let (mut scores, mut labels) = (Vec::new(), Vec::new());
+        while let Some(batch) = loader.next_eval_batch()? {
+            labels.extend_from_slice(&batch.labels);
+            let plan = self.device.send(PlanCtr { batch, training: false }).await??;
+            let pulled = pull(client, self.rank, version, true, plan, "pull for evaluation").await?;
+            scores.extend(self.device.send(PredictCtr(pulled)).await??);
+        }
+        Ok((auc(&scores, &labels), scores.len()))
+    }
+}
+
+/// Pulls `plan` from every shard at once.
+async fn pull(
+    client: &mut PsClient,
+    trainer: usize,
+    version: u64,
+    after_training: bool,
+    plan: PullPlan,
+    what: &str,
+) -> Result<Vec<PulledRows>> {
+    let requests = plan
+        .ids
+        .into_iter()
+        .map(|ids| {
+            Request::Pull(PullRequest {
+                trainer,
+                version,
+                after_training,
+                ids,
+                dense: plan.dense,
+            })
+        })
+        .collect();
+    client
+        .call_all(requests, what)
+        .await?
+        .into_iter()
+        .enumerate()
+        .map(|(shard, reply)| match reply {
+            Reply::Rows(rows) => Ok(rows),
+            Reply::Done => anyhow::bail!("parameter server {shard} answered the {what} without rows"),
+        })
+        .collect()
+}
+
+/// Pushes each shard its part of an update.
+async fn push(
+    client: &mut PsClient,
+    trainer: usize,
+    step: u64,
+    job: &JobConfig,
+    updates: Vec<ShardUpdate>,
+    what: &str,
+) -> Result<()> {
+    let kind = match job.strategy.ps_mode() {
+        crate::config::PsMode::Geo { .. } => UpdateKind::Deltas,
+        _ => UpdateKind::Gradients,
+    };
+    let requests = updates
+        .into_iter()
+        .map(|update| {
+            Request::Push(PushRequest {
+                trainer,
+                step,
+                kind,
+                ids: update.ids,
+                values: update.values,
+                dense: update.dense,
+            })
+        })
+        .collect();
+    client.call_all(requests, what).await.map(drop)
+}

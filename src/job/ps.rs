@@ -1,0 +1,346 @@
+//! The parameter-server job: the wide&deep CTR model trained by `world_size` trainers against
+//! `cluster.server_num` shards — all as actors of this process (simulated cluster), or as one
+//! role of a job started by `flotilla launch-ps` (`TRAINING_ROLE`, Paddle's variables).
+
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use actix::prelude::*;
+use anyhow::{anyhow, bail, Context as _, Result};
+use futures::channel::oneshot;
+use serde::Serialize;
+
+use super::RunOptions;
+use crate::actors::ps_trainer::{PsOutcome, PsTrainer, TrainPs};
+use crate::actors::pserver::PServer;
+use crate::actors::DeviceActor;
+use crate::config::{DatasetKind, JobConfig, LrScaling, OptimizerKind};
+use crate::data::ctr::{CriteoSynth, CtrSource, Split};
+use crate::models::{ParamInit, WideDeep};
+use crate::net::ps_server::serve_shard;
+use crate::ps::client::{PsClient, RemoteShard, ShardLink};
+use crate::ps::dense::{dense_range, DenseSlice};
+use crate::ps::optimizer::ServerOptimizer;
+use crate::ps::table::{RowInit, SparseTable};
+use crate::ps::worker::table_layout;
+use crate::ps::{Shard, ShardSpec};
+
+/// Held-out samples over which the planted model's AUC (the ceiling) is computed.
+const CEILING_SAMPLES: u64 = 20_000;
+
+/// The figures of a parameter-server run, as written to `summary.json`.
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct PsSummary {
+    /// `parameter-server`.
+    pub strategy: String,
+    /// `sync`, `async` or `geo`.
+    pub mode: String,
+    /// Where the roles ran: `in-process` or `multi-process`.
+    pub cluster: String,
+    /// Trainers.
+    pub trainers: usize,
+    /// Parameter-server shards.
+    pub servers: usize,
+    /// Steps per trainer.
+    pub steps: usize,
+    /// Samples per second counted over all trainers.
+    pub samples_per_sec: f64,
+    /// Trainer 0's loss on its part of the last batch.
+    pub final_loss: f32,
+    /// AUC on the held-out set with the shards' final values.
+    pub auc: f64,
+    /// Held-out samples evaluated.
+    pub test_samples: usize,
+    /// AUC of the planted click model on the same held-out set: the ceiling (synthetic data).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub planted_auc: Option<f64>,
+}
+
+/// A parameter-server job: the config and its data.
+#[derive(Clone)]
+pub struct ParameterServerJob {
+    /// The validated config (`cluster.server_num > 0`).
+    pub config: Arc<JobConfig>,
+    /// Training click logs.
+    pub train_data: CtrSource,
+    /// Held-out click logs.
+    pub test_data: CtrSource,
+}
+
+impl ParameterServerJob {
+    /// The job `config.train` describes.
+    pub fn builtin(config: JobConfig) -> Result<Self> {
+        let train = &config.train;
+        let (train_data, test_data) = match train.dataset {
+            DatasetKind::CriteoSynthetic => {
+                let synth = Arc::new(CriteoSynth::new(train.seed, train.synthetic_vocab));
+                let test = (train.synthetic_samples as f64 * train.test_fraction).round() as u64;
+                let source = |split, samples| CtrSource::Synthetic {
+                    synth: synth.clone(),
+                    split,
+                    samples,
+                };
+                (
+                    source(Split::Train, train.synthetic_samples as u64 - test),
+                    source(Split::Test, test.max(1)),
+                )
+            }
+            DatasetKind::Criteo => {
+                let files = |names: &[String]| CtrSource::Files(names.iter().map(PathBuf::from).collect());
+                (files(&train.train_files), files(&train.test_files))
+            }
+            DatasetKind::Digits | DatasetKind::Synthetic => {
+                bail!("the parameter-server job trains on click logs (criteo_synthetic or criteo)")
+            }
+        };
+        Ok(Self {
+            config: Arc::new(config),
+            train_data,
+            test_data,
+        })
+    }
+
+    /// Runs the role the environment names: `TRAINING_ROLE=PSERVER` serves one shard,
+    /// `TRAINING_ROLE=TRAINER` trains as `PADDLE_TRAINER_ID`; without them every role runs
+    /// in this process. Returns the summary where this process is trainer 0.
+    pub fn run(&self, options: &RunOptions) -> Result<Option<PsSummary>> {
+        match std::env::var("TRAINING_ROLE").ok().as_deref().map(str::trim) {
+            Some("PSERVER") => self.run_server(shard_index_from_env(&self.config)?).map(|()| None),
+            Some("TRAINER") => {
+                let id = std::env::var("PADDLE_TRAINER_ID").context("TRAINING_ROLE=TRAINER needs PADDLE_TRAINER_ID")?;
+                let rank = id
+                    .trim()
+                    .parse()
+                    .with_context(|| format!("PADDLE_TRAINER_ID = {id:?} is not a trainer index"))?;
+                self.run_trainer(rank, options)
+            }
+            Some(other) => bail!("TRAINING_ROLE = {other:?}: expected PSERVER or TRAINER"),
+            None => self.run_simulated(options).map(Some),
+        }
+    }
+
+    /// Every shard and trainer as actors of this process.
+    pub fn run_simulated(&self, options: &RunOptions) -> Result<PsSummary> {
+        let config = self.config.clone();
+        let (servers, world) = (config.cluster.server_num, config.world_size());
+        let (timeout, retry) = (config.fault_tolerance.timeout(), config.fault_tolerance.retry);
+        let outcomes = System::new().block_on(async move {
+            let shards = (0..servers)
+                .map(|index| {
+                    let shard = build_shard(&config, index)?;
+                    let (all_left, _) = oneshot::channel();
+                    Ok(PServer::start_in_arbiter(&Arbiter::new().handle(), move |_| {
+                        PServer::new(shard, all_left)
+                    }))
+                })
+                .collect::<Result<Vec<_>>>()?;
+            let runs = (0..world).map(|rank| {
+                let links = shards.iter().cloned().map(ShardLink::Local).collect();
+                let trainer = self.trainer(rank, PsClient::new(links, retry, timeout), options, rank == 0);
+                async move {
+                    trainer
+                        .start()
+                        .send(TrainPs)
+                        .await
+                        .map_err(|e| anyhow!("trainer {rank}: actor stopped: {e}"))?
+                        .map_err(|e| e.context(format!("trainer {rank}")))
+                }
+            });
+            futures::future::try_join_all(runs).await
+        })?;
+        let rank0 = outcomes.into_iter().next().context("a job needs at least one trainer")?;
+        let summary = self.summary(rank0, "in-process")?;
+        write_outputs(&options.run_dir, &summary, &self.config)?;
+        Ok(summary)
+    }
+
+    /// Serves shard `index` at `cluster.pservers[index]` until every trainer has left.
+    pub fn run_server(&self, index: usize) -> Result<()> {
+        let config = self.config.clone();
+        let endpoint = config.cluster.pservers.get(index).cloned().with_context(|| {
+            format!(
+                "parameter server {index}: cluster.pservers (PADDLE_PSERVERS_IP_PORT_LIST) has no entry {index}"
+            )
+        })?;
+        let listener = TcpListener::bind(&endpoint)
+            .with_context(|| format!("parameter server {index}: cannot listen on {endpoint}"))?;
+        listener.set_nonblocking(true)?;
+        let shard = build_shard(&config, index)?;
+        tracing::info!("parameter server {index} of {} listening on {endpoint}", config.cluster.server_num);
+        System::new().block_on(async move {
+            let listener = tokio::net::TcpListener::from_std(listener)?;
+            let (all_left, done) = oneshot::channel();
+            let actor = PServer::start_in_arbiter(&Arbiter::new().handle(), move |_| PServer::new(shard, all_left));
+            actix::spawn(serve_shard(listener, actor, config.cluster.max_frame_bytes()));
+            done.await
+                .map_err(|_| anyhow!("parameter server {index} stopped before every trainer left"))?;
+            tracing::info!("parameter server {index}: every trainer has left; shutting down");
+            Ok(())
+        })
+    }
+
+    /// Trains as trainer `rank` against the shards at `cluster.pservers`.
+    pub fn run_trainer(&self, rank: usize, options: &RunOptions) -> Result<Option<PsSummary>> {
+        let config = self.config.clone();
+        let world = config.world_size();
+        anyhow::ensure!(rank < world, "PADDLE_TRAINER_ID = {rank} is outside the {world} trainers");
+        anyhow::ensure!(
+            config.cluster.pservers.len() == config.cluster.server_num,
+            "{}: cluster.pservers (PADDLE_PSERVERS_IP_PORT_LIST) must list the {} parameter servers of a multi-process job",
+            config.source_name,
+            config.cluster.server_num
+        );
+        let max_frame = config.cluster.max_frame_bytes();
+        let links = config
+            .cluster
+            .pservers
+            .iter()
+            .map(|endpoint| ShardLink::Remote(RemoteShard::new(endpoint.clone(), max_frame)))
+            .collect();
+        let client = PsClient::new(links, config.fault_tolerance.retry, config.fault_tolerance.timeout());
+        let outcome = System::new().block_on(async move {
+            self.trainer(rank, client, options, options.show_progress && rank == 0)
+                .start()
+                .send(TrainPs)
+                .await
+                .map_err(|e| anyhow!("trainer {rank}: actor stopped: {e}"))?
+        })?;
+        if rank != 0 {
+            return Ok(None);
+        }
+        let summary = self.summary(outcome, "multi-process")?;
+        write_outputs(&options.run_dir, &summary, &self.config)?;
+        Ok(Some(summary))
+    }
+
+    fn trainer(&self, rank: usize, client: PsClient, options: &RunOptions, show_progress: bool) -> PsTrainer {
+        PsTrainer {
+            rank,
+            job: self.config.clone(),
+            train_data: self.train_data.clone(),
+            test_data: self.test_data.clone(),
+            client: Some(client),
+            device: SyncArbiter::start(1, DeviceActor::default),
+            save_dir: (rank == 0).then(|| options.run_dir.clone()),
+            show_progress: show_progress && options.show_progress,
+        }
+    }
+
+    fn summary(&self, rank0: PsOutcome, cluster: &str) -> Result<PsSummary> {
+        let config = &self.config;
+        let planted_auc = match &self.test_data {
+            CtrSource::Synthetic { synth, split, samples } => synth.planted_auc(*split, (*samples).min(CEILING_SAMPLES)),
+            CtrSource::Files(_) => None,
+        };
+        Ok(PsSummary {
+            strategy: "parameter-server".to_string(),
+            mode: config.strategy.ps_mode().name().to_string(),
+            cluster: cluster.to_string(),
+            trainers: config.world_size(),
+            servers: config.cluster.server_num,
+            steps: rank0.steps,
+            samples_per_sec: rank0.samples_per_sec,
+            final_loss: rank0.losses.last().copied().unwrap_or(f32::NAN),
+            auc: rank0
+                .auc
+                .context("the held-out set has only one class (or no samples): AUC is undefined")?,
+            test_samples: rank0.test_samples,
+            planted_auc,
+        })
+    }
+}
+
+/// Shard `index` of the job, freshly initialised: its slice of the model's dense parameters
+/// (from the seed, as every trainer would build them) and empty tables.
+pub fn build_shard(job: &JobConfig, index: usize) -> Result<Shard> {
+    let servers = job.cluster.server_num;
+    let optimizer = server_optimizer(job);
+    let model = WideDeep::new(
+        job.train.embedding_dim,
+        &job.train.hidden_sizes(),
+        &ParamInit::new(job.train.seed, candle_core::Device::Cpu),
+    )?;
+    let mut dense = Vec::new();
+    for (_, var) in model.parameters() {
+        dense.extend(var.flatten_all()?.to_vec1::<f32>()?);
+    }
+    let range = dense_range(dense.len(), index, servers);
+    let slice = DenseSlice::new(range.start, dense[range].to_vec(), optimizer);
+    let tables = table_layout(job)
+        .into_iter()
+        .map(|table| {
+            let init = RowInit {
+                seed: job.train.seed,
+                bound: table.init_bound,
+            };
+            SparseTable::new(table.name, table.width, init, optimizer)
+        })
+        .collect();
+    let spec = ShardSpec {
+        index,
+        server_num: servers,
+        trainers: job.world_size(),
+        mode: job.strategy.ps_mode(),
+    };
+    Ok(Shard::new(spec, slice, tables))
+}
+
+/// The shards' optimizer from `train.optimizer`, `train.lr` (scaled by `train.lr_scaling` with
+/// the trainer count) and `train.momentum`.
+pub fn server_optimizer(job: &JobConfig) -> ServerOptimizer {
+    let train = &job.train;
+    let trainers = job.world_size() as f64;
+    let lr = (train.lr
+        * match train.lr_scaling {
+            LrScaling::None => 1.0,
+            LrScaling::Linear => trainers,
+            LrScaling::Sqrt => trainers.sqrt(),
+        }) as f32;
+    match train.optimizer {
+        OptimizerKind::Adagrad => ServerOptimizer::Adagrad {
+            lr,
+            epsilon: 1e-10,
+            initial_accumulator: 0.0,
+        },
+        OptimizerKind::Adam => ServerOptimizer::Adam {
+            lr,
+            beta1: 0.9,
+            beta2: 0.999,
+            epsilon: 1e-8,
+        },
+        // Validation keeps AdamW off parameter servers.
+        OptimizerKind::Sgd | OptimizerKind::Adamw => ServerOptimizer::Sgd {
+            lr,
+            momentum: train.momentum as f32,
+        },
+    }
+}
+
+/// Which shard this process serves: the position of `POD_IP:PADDLE_PORT` in the server list
+/// (as Paddle's launcher identifies servers).
+pub fn shard_index_from_env(job: &JobConfig) -> Result<usize> {
+    let ip = std::env::var("POD_IP").context("TRAINING_ROLE=PSERVER needs POD_IP")?;
+    let port = std::env::var("PADDLE_PORT").context("TRAINING_ROLE=PSERVER needs PADDLE_PORT")?;
+    let me = format!("{}:{}", ip.trim(), port.trim());
+    job.cluster
+        .pservers
+        .iter()
+        .position(|endpoint| endpoint.trim() == me)
+        .with_context(|| {
+            format!(
+                "POD_IP:PADDLE_PORT = {me} is not in the server list {:?} (PADDLE_PSERVERS_IP_PORT_LIST)",
+                job.cluster.pservers
+            )
+        })
+}
+
+/// Writes `summary.json` and the resolved `config.toml` (the shards wrote their tables).
+fn write_outputs(run_dir: &Path, summary: &PsSummary, config: &JobConfig) -> Result<()> {
+    std::fs::create_dir_all(run_dir).with_context(|| format!("creating run directory {}", run_dir.display()))?;
+    let text = serde_json::to_string_pretty(summary)?;
+    std::fs::write(run_dir.join("summary.json"), text + "\n")
+        .with_context(|| format!("writing {}/summary.json", run_dir.display()))?;
+    std::fs::write(run_dir.join("config.toml"), config.to_toml_string()?)
+        .with_context(|| format!("writing {}/config.toml", run_dir.display()))
+}

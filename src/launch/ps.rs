@@ -1,0 +1,184 @@
+//! `flotilla launch-ps` (alias `launch_ps`): starts the parameter servers and the trainers of a
+//! parameter-server job with the environment Paddle's `launch_ps` / `fleetrun` sets, and
+//! supervises them. Servers listen on `host:started_port + i` unless `--servers` lists their
+//! endpoints; trainers need no listening port, but get `PADDLE_TRAINER_ENDPOINTS` as in Paddle.
+
+use std::path::PathBuf;
+
+use anyhow::{bail, ensure, Result};
+
+use super::ChildSpec;
+
+/// Command-line arguments of `flotilla launch-ps`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct LaunchPsArgs {
+    /// Parameter-server processes to start (`--server_num`).
+    #[arg(long = "server_num", alias = "server-num")]
+    pub server_num: Option<usize>,
+    /// Trainer processes to start (`--worker_num`).
+    #[arg(long = "worker_num", alias = "worker-num")]
+    pub worker_num: Option<usize>,
+    /// Explicit `ip:port` of every server, comma-separated (instead of `--server_num`).
+    #[arg(long, value_delimiter = ',')]
+    pub servers: Vec<String>,
+    /// Explicit `ip:port` of every trainer, comma-separated (instead of `--worker_num`).
+    #[arg(long, value_delimiter = ',')]
+    pub workers: Vec<String>,
+    /// The address this node's processes use.
+    #[arg(long, default_value = "127.0.0.1")]
+    pub host: String,
+    /// First port: servers take `started_port + i` (Paddle's `PADDLE_PORT` default, 6170),
+    /// trainers the ports after them.
+    #[arg(long = "started_port", alias = "started-port", default_value_t = 6170)]
+    pub started_port: u16,
+    /// `train [--config FILE] [--set K=V]…` (run as each role), or a program of your own.
+    #[arg(last = true, required = true)]
+    pub command: Vec<String>,
+}
+
+impl LaunchPsArgs {
+    /// The server processes, then the trainer processes, with their environment.
+    pub fn plan(&self, flotilla: PathBuf) -> Result<Vec<ChildSpec>> {
+        let servers = self.endpoints("--servers", &self.servers, "--server_num", self.server_num, 0)?;
+        let workers = self.endpoints("--workers", &self.workers, "--worker_num", self.worker_num, servers.len())?;
+        let role_command = |role: &str| -> Result<(PathBuf, Vec<String>)> {
+            match self.command.split_first() {
+                Some((first, rest)) if first == "train" => Ok((
+                    flotilla.clone(),
+                    ["run", "--role", role]
+                        .iter()
+                        .map(|s| s.to_string())
+                        .chain(rest.iter().cloned())
+                        .collect(),
+                )),
+                Some((first, rest)) => Ok((PathBuf::from(first), rest.to_vec())),
+                None => bail!("launch-ps needs a command after `--`: `train --config FILE` or a program"),
+            }
+        };
+        let common = [
+            ("PADDLE_PSERVERS_IP_PORT_LIST", servers.join(",")),
+            ("PADDLE_PSERVER_ENDPOINTS", servers.join(",")),
+            ("PADDLE_TRAINER_ENDPOINTS", workers.join(",")),
+            ("PADDLE_TRAINERS_NUM", workers.len().to_string()),
+        ];
+        let processes = servers.len() + workers.len();
+        let threads = std::thread::available_parallelism()
+            .map_or(1, |n| n.get())
+            .div_ceil(processes)
+            .max(1);
+        let mut children = Vec::with_capacity(processes);
+        for (role, endpoints) in [("pserver", &servers), ("trainer", &workers)] {
+            let (program, args) = role_command(role)?;
+            for (index, endpoint) in endpoints.iter().enumerate() {
+                let (ip, port) = endpoint
+                    .rsplit_once(':')
+                    .ok_or_else(|| anyhow::anyhow!("{endpoint:?} is not an ip:port address"))?;
+                let mut env: Vec<(String, String)> = common.iter().map(|(k, v)| (k.to_string(), v.clone())).collect();
+                env.push(("POD_IP".into(), ip.to_string()));
+                env.push(("PADDLE_PORT".into(), port.to_string()));
+                if role == "pserver" {
+                    env.push(("TRAINING_ROLE".into(), "PSERVER".into()));
+                } else {
+                    env.push(("TRAINING_ROLE".into(), "TRAINER".into()));
+                    env.push(("PADDLE_TRAINER_ID".into(), index.to_string()));
+                    env.push(("PADDLE_CURRENT_ENDPOINT".into(), endpoint.clone()));
+                }
+                // Processes on one node must not all claim every core.
+                for var in ["CANDLE_NUM_THREADS", "RAYON_NUM_THREADS"] {
+                    if std::env::var_os(var).is_none() {
+                        env.push((var.into(), threads.to_string()));
+                    }
+                }
+                children.push(ChildSpec {
+                    rank: index,
+                    name: format!("{} {index}", if role == "pserver" { "server" } else { "trainer" }),
+                    program: program.clone(),
+                    args: args.clone(),
+                    env,
+                });
+            }
+        }
+        Ok(children)
+    }
+
+    /// The endpoints of one role: the explicit list, or `count` ports on `--host` from
+    /// `started_port + first`.
+    fn endpoints(
+        &self,
+        list_flag: &str,
+        list: &[String],
+        count_flag: &str,
+        count: Option<usize>,
+        first: usize,
+    ) -> Result<Vec<String>> {
+        if !list.is_empty() {
+            if let Some(count) = count.filter(|&c| c != list.len()) {
+                bail!("{list_flag} lists {} endpoints but {count_flag} is {count}", list.len());
+            }
+            return Ok(list.iter().map(|e| e.trim().to_string()).collect());
+        }
+        let count = count.ok_or_else(|| anyhow::anyhow!("give {count_flag} or {list_flag}"))?;
+        ensure!(count >= 1, "{count_flag} must be at least 1");
+        let last = usize::from(self.started_port) + first + count - 1;
+        ensure!(
+            last <= usize::from(u16::MAX),
+            "--started_port {} leaves no room for {count} processes",
+            self.started_port
+        );
+        Ok((0..count)
+            .map(|i| format!("{}:{}", self.host, usize::from(self.started_port) + first + i))
+            .collect())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        launch: LaunchPsArgs,
+    }
+
+    fn plan(line: &str) -> Result<Vec<ChildSpec>> {
+        Cli::try_parse_from(std::iter::once("launch-ps").chain(line.split_whitespace()))?
+            .launch
+            .plan("flotilla".into())
+    }
+
+    fn env<'a>(child: &'a ChildSpec, key: &str) -> &'a str {
+        child.env.iter().find(|(k, _)| k == key).map_or("", |(_, v)| v.as_str())
+    }
+
+    #[test]
+    fn servers_then_trainers_with_paddle_variables() -> Result<()> {
+        let children = plan("--server_num 2 --worker_num 3 -- train --config c.toml")?;
+        let names: Vec<&str> = children.iter().map(|c| c.name.as_str()).collect();
+        assert_eq!(names, ["server 0", "server 1", "trainer 0", "trainer 1", "trainer 2"]);
+        assert_eq!(children[1].args, ["run", "--role", "pserver", "--config", "c.toml"]);
+        assert_eq!(children[4].args, ["run", "--role", "trainer", "--config", "c.toml"]);
+        assert_eq!(env(&children[1], "TRAINING_ROLE"), "PSERVER");
+        assert_eq!(env(&children[1], "PADDLE_PORT"), "6171");
+        assert_eq!(env(&children[0], "PADDLE_PSERVERS_IP_PORT_LIST"), "127.0.0.1:6170,127.0.0.1:6171");
+        assert_eq!(env(&children[0], "PADDLE_PSERVER_ENDPOINTS"), "127.0.0.1:6170,127.0.0.1:6171");
+        assert_eq!(env(&children[3], "TRAINING_ROLE"), "TRAINER");
+        assert_eq!(env(&children[3], "PADDLE_TRAINER_ID"), "1");
+        assert_eq!(env(&children[3], "PADDLE_TRAINERS_NUM"), "3");
+        assert_eq!(env(&children[3], "PADDLE_PORT"), "6173");
+        Ok(())
+    }
+
+    #[test]
+    fn explicit_endpoints_and_their_contradictions() -> Result<()> {
+        let children = plan("--servers 10.0.0.1:7000,10.0.0.2:7000 --workers 10.0.0.3:1,10.0.0.4:1 -- ./mine x")?;
+        assert_eq!(children[1].program, PathBuf::from("./mine"));
+        assert_eq!(env(&children[1], "POD_IP"), "10.0.0.2");
+        let err = plan("--server_num 3 --servers 10.0.0.1:7000 --worker_num 1 -- train").unwrap_err();
+        assert_eq!(err.to_string(), "--servers lists 1 endpoints but --server_num is 3");
+        let err = plan("--worker_num 1 -- train").unwrap_err();
+        assert_eq!(err.to_string(), "give --server_num or --servers");
+        Ok(())
+    }
+}

@@ -1,0 +1,48 @@
+//! A parameter-server shard's TCP endpoint: each connection's frames become [`ShardCall`]s and
+//! the answers go back as frames. A malformed frame or one above the cap closes that
+//! connection with a log line; the shard keeps serving the others.
+
+use actix::Addr;
+use futures::{SinkExt, StreamExt};
+use tokio::net::{TcpListener, TcpStream};
+use tokio_util::codec::Framed;
+
+use super::frame::codec;
+use crate::actors::pserver::{PServer, ShardCall};
+use crate::ps::wire::{decode_request, encode_reply};
+
+/// Accepts trainer connections until the actor system stops.
+pub async fn serve_shard(listener: TcpListener, shard: Addr<PServer>, max_frame_bytes: usize) {
+    loop {
+        match listener.accept().await {
+            Ok((stream, peer)) => {
+                let shard = shard.clone();
+                actix::spawn(async move {
+                    if let Err(reason) = handle_connection(stream, shard, max_frame_bytes).await {
+                        tracing::warn!(%peer, "closed parameter-server connection: {reason}");
+                    }
+                });
+            }
+            Err(e) => tracing::warn!("accepting a parameter-server connection failed: {e}"),
+        }
+    }
+}
+
+async fn handle_connection(stream: TcpStream, shard: Addr<PServer>, max_frame_bytes: usize) -> Result<(), String> {
+    stream.set_nodelay(true).map_err(|e| e.to_string())?;
+    let mut framed = Framed::new(stream, codec(max_frame_bytes));
+    while let Some(body) = framed.next().await {
+        let body = body.map_err(|e| format!("bad frame: {e}"))?;
+        let request = decode_request(body.freeze()).map_err(|e| e.to_string())?;
+        let answer = match shard.send(ShardCall(request)).await {
+            Ok(answer) => answer,
+            Err(e) => Err(anyhow::anyhow!("parameter server unavailable: {e}")),
+        };
+        let encoded = encode_reply(&answer).map_err(|e| e.to_string())?;
+        framed
+            .send(encoded)
+            .await
+            .map_err(|e| format!("sending the answer: {e}"))?;
+    }
+    Ok(())
+}

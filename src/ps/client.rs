@@ -1,0 +1,188 @@
+//! The trainer's side of the parameter servers: one link per shard, in memory (an actor address
+//! in a simulated cluster) or a TCP connection, and requests sent to all shards in parallel.
+//!
+//! Network failures (refused, reset, closed) of a request are retried `retry` times with
+//! exponential backoff on a fresh connection; pushes are idempotent on the shard, so a retry
+//! after a lost answer is safe. A shard that answers nothing within the timeout, or stays
+//! unreachable, is an error naming it and its endpoint.
+
+use std::time::Duration;
+
+use actix::Addr;
+use anyhow::{anyhow, bail, Context as _, Result};
+use bytes::Bytes;
+use futures::{SinkExt, StreamExt};
+use tokio::net::TcpStream;
+use tokio_util::codec::{Framed, LengthDelimitedCodec};
+
+use super::wire::{decode_reply, encode_request, Reply, Request};
+use crate::actors::pserver::{PServer, ShardCall};
+use crate::net::frame::codec;
+
+/// First backoff between retries; doubled each time.
+const FIRST_BACKOFF: Duration = Duration::from_millis(50);
+/// Pause between connection attempts while a shard is starting up.
+const STARTUP_POLL: Duration = Duration::from_millis(100);
+
+/// How a trainer reaches one shard.
+pub enum ShardLink {
+    /// The shard actor of this process.
+    Local(Addr<PServer>),
+    /// A shard process.
+    Remote(RemoteShard),
+}
+
+/// A TCP connection to a shard, re-established when it breaks.
+pub struct RemoteShard {
+    endpoint: String,
+    connection: Option<Framed<TcpStream, LengthDelimitedCodec>>,
+    max_frame_bytes: usize,
+}
+
+impl RemoteShard {
+    /// A link to the shard at `endpoint`; connects on first use.
+    pub fn new(endpoint: String, max_frame_bytes: usize) -> Self {
+        Self {
+            endpoint,
+            connection: None,
+            max_frame_bytes,
+        }
+    }
+
+    async fn connect(&mut self) -> std::io::Result<&mut Framed<TcpStream, LengthDelimitedCodec>> {
+        if self.connection.is_none() {
+            let stream = TcpStream::connect(&self.endpoint).await?;
+            stream.set_nodelay(true)?;
+            self.connection = Some(Framed::new(stream, codec(self.max_frame_bytes)));
+        }
+        self.connection
+            .as_mut()
+            .ok_or_else(|| std::io::Error::other("no connection"))
+    }
+
+    /// One attempt: send the frame, read the answer. Errors are network-level.
+    async fn exchange(&mut self, frame: Bytes) -> std::io::Result<Bytes> {
+        let connection = self.connect().await?;
+        connection.send(frame).await?;
+        match connection.next().await {
+            Some(answer) => Ok(answer?.freeze()),
+            None => Err(std::io::Error::new(
+                std::io::ErrorKind::ConnectionReset,
+                "the shard closed the connection",
+            )),
+        }
+    }
+}
+
+/// The links to every shard of the job, with the retry and timeout policy.
+pub struct PsClient {
+    shards: Vec<ShardLink>,
+    retry: usize,
+    timeout: Duration,
+}
+
+impl PsClient {
+    /// A client over `shards` (indexed by shard).
+    pub fn new(shards: Vec<ShardLink>, retry: usize, timeout: Duration) -> Self {
+        Self {
+            shards,
+            retry,
+            timeout,
+        }
+    }
+
+    /// Shards in the job.
+    pub fn server_num(&self) -> usize {
+        self.shards.len()
+    }
+
+    /// Waits until every remote shard accepts a connection (they may still be starting), for
+    /// at most the timeout.
+    pub async fn wait_for_servers(&mut self) -> Result<()> {
+        let timeout = self.timeout;
+        for (index, link) in self.shards.iter_mut().enumerate() {
+            let ShardLink::Remote(remote) = link else {
+                continue;
+            };
+            let started = tokio::time::Instant::now();
+            loop {
+                match remote.connect().await {
+                    Ok(_) => break,
+                    Err(e) if started.elapsed() < timeout => {
+                        tracing::debug!("parameter server {index} at {} not up yet: {e}", remote.endpoint);
+                        tokio::time::sleep(STARTUP_POLL).await;
+                    }
+                    Err(e) => bail!(
+                        "parameter server {index} at {} did not accept a connection within {:.0?}: {e}",
+                        remote.endpoint,
+                        timeout
+                    ),
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Sends `requests[s]` to shard `s`, all shards at once, and returns the answers by shard;
+    /// `what` names the operation in errors ("pull of step 17").
+    pub async fn call_all(&mut self, requests: Vec<Request>, what: &str) -> Result<Vec<Reply>> {
+        let (retry, timeout) = (self.retry, self.timeout);
+        let calls = self
+            .shards
+            .iter_mut()
+            .zip(requests)
+            .enumerate()
+            .map(|(index, (link, request))| call(index, link, request, retry, timeout, what));
+        futures::future::try_join_all(calls).await
+    }
+}
+
+/// One request to shard `index`, with retries over TCP.
+async fn call(
+    index: usize,
+    link: &mut ShardLink,
+    request: Request,
+    retry: usize,
+    timeout: Duration,
+    what: &str,
+) -> Result<Reply> {
+    let remote = match link {
+        ShardLink::Local(shard) => {
+            let answer = tokio::time::timeout(timeout, shard.send(ShardCall(request)))
+                .await
+                .map_err(|_| anyhow!("parameter server {index} did not answer the {what} within {timeout:.0?}"))?;
+            return answer.map_err(|e| anyhow!("parameter server {index} is gone: {e}"))?;
+        }
+        ShardLink::Remote(remote) => remote,
+    };
+    let frame = encode_request(&request)?;
+    let mut backoff = FIRST_BACKOFF;
+    let mut attempt = 0;
+    loop {
+        match tokio::time::timeout(timeout, remote.exchange(frame.clone())).await {
+            Err(_) => bail!(
+                "parameter server {index} at {} did not answer the {what} within {timeout:.0?}",
+                remote.endpoint
+            ),
+            Ok(Ok(answer)) => {
+                return decode_reply(answer)
+                    .with_context(|| format!("{what} at parameter server {index} ({})", remote.endpoint))
+            }
+            Ok(Err(e)) if attempt < retry => {
+                tracing::warn!(
+                    "{what} at parameter server {index} ({}) failed: {e}; retry {} of {retry} in {backoff:.0?}",
+                    remote.endpoint,
+                    attempt + 1
+                );
+                remote.connection = None;
+                tokio::time::sleep(backoff).await;
+                backoff *= 2;
+                attempt += 1;
+            }
+            Ok(Err(e)) => bail!(
+                "parameter server {index} at {} is unreachable: the {what} failed after {retry} retries: {e}",
+                remote.endpoint
+            ),
+        }
+    }
+}

@@ -1,0 +1,326 @@
+//! One parameter-server shard's state machine: its dense slice and its rows of every sparse
+//! table, and the rule of each mode for when an update is applied.
+//!
+//! - **sync**: the pushes of step t are held until every trainer's has arrived, then summed in
+//!   trainer order (so the result does not depend on arrival order), divided by the trainer
+//!   count (each trainer's gradient is the mean over its part of the global batch) and applied
+//!   once; pulls of step t+1 wait for that. The result equals one process training the global
+//!   batch.
+//! - **async**: each push is applied on arrival, as it is.
+//! - **geo**: pushes carry parameter deltas of k local steps; the shard adds `delta / trainers`,
+//!   so the trainers' models are averaged.
+//!
+//! A push is identified by (trainer, step), so a push retried after a lost answer is applied
+//! once.
+
+use std::path::Path;
+
+use anyhow::{bail, ensure, Result};
+use rustc_hash::FxHashMap;
+
+use super::dense::DenseSlice;
+use super::snapshot::{load_shard, save_shard, ShardSnapshotInfo};
+use super::table::SparseTable;
+use super::wire::{PullRequest, PulledRows, PushRequest, UpdateKind};
+use crate::config::PsMode;
+
+/// Where a shard sits in the job.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ShardSpec {
+    /// This shard's index.
+    pub index: usize,
+    /// Shards in the job.
+    pub server_num: usize,
+    /// Trainers in the job.
+    pub trainers: usize,
+    /// Update mode.
+    pub mode: PsMode,
+}
+
+/// A shard's parameters and the bookkeeping of its mode.
+pub struct Shard {
+    spec: ShardSpec,
+    dense: DenseSlice,
+    tables: Vec<SparseTable>,
+    /// Sync: steps applied so far; async and geo: pushes applied so far.
+    applied: u64,
+    /// Sync: the pushes of step `applied`, by trainer.
+    pending: Vec<Option<PushRequest>>,
+    /// Async and geo: the last step applied per trainer, to drop retried pushes.
+    last_step: Vec<Option<u64>>,
+    ended: Vec<bool>,
+    left: Vec<bool>,
+}
+
+impl Shard {
+    /// A shard holding `dense` and `tables` (in the job's table order).
+    pub fn new(spec: ShardSpec, dense: DenseSlice, tables: Vec<SparseTable>) -> Self {
+        Self {
+            spec,
+            dense,
+            tables,
+            applied: 0,
+            pending: vec![None; spec.trainers],
+            last_step: vec![None; spec.trainers],
+            ended: vec![false; spec.trainers],
+            left: vec![false; spec.trainers],
+        }
+    }
+
+    /// Where the shard sits.
+    pub fn spec(&self) -> ShardSpec {
+        self.spec
+    }
+
+    /// The shard's tables.
+    pub fn tables(&self) -> &[SparseTable] {
+        &self.tables
+    }
+
+    /// The shard's dense slice.
+    pub fn dense(&self) -> &DenseSlice {
+        &self.dense
+    }
+
+    /// Whether `pull` can be answered now, or must wait for other trainers' pushes (sync mode)
+    /// or for every trainer to end training (a final evaluation).
+    pub fn can_answer(&self, pull: &PullRequest) -> bool {
+        let synced = self.spec.mode != PsMode::Sync || self.applied >= pull.version;
+        synced && (!pull.after_training || self.ended.iter().all(|&e| e))
+    }
+
+    /// Reads the requested rows (creating rows seen for the first time) and the dense slice.
+    pub fn pull(&mut self, pull: &PullRequest) -> Result<PulledRows> {
+        self.check_trainer(pull.trainer)?;
+        self.check_table_count(pull.ids.len(), "pull")?;
+        let rows = self
+            .tables
+            .iter_mut()
+            .zip(&pull.ids)
+            .map(|(table, ids)| {
+                let mut out = vec![0.0; ids.len() * table.width()];
+                table.pull(ids, &mut out)?;
+                Ok(out)
+            })
+            .collect::<Result<_>>()?;
+        let dense = if pull.dense { self.dense.values().to_vec() } else { Vec::new() };
+        Ok(PulledRows { rows, dense })
+    }
+
+    /// Takes a trainer's update; applies it now or, in sync mode, when the step is complete.
+    /// Returns whether anything was applied (pulls waiting on the shard may now be answerable).
+    pub fn push(&mut self, push: PushRequest) -> Result<bool> {
+        self.check_push(&push)?;
+        let trainer = push.trainer;
+        match self.spec.mode {
+            PsMode::Sync => {
+                if push.step < self.applied || self.pending[trainer].is_some() {
+                    return Ok(false); // a retry of a push already taken
+                }
+                ensure!(
+                    push.step == self.applied,
+                    "trainer {trainer} pushed step {} while shard {} is at step {}: trainers out of step",
+                    push.step,
+                    self.spec.index,
+                    self.applied
+                );
+                self.pending[trainer] = Some(push);
+                if self.pending.iter().all(Option::is_some) {
+                    self.apply_step()?;
+                    return Ok(true);
+                }
+                Ok(false)
+            }
+            PsMode::Async | PsMode::Geo { .. } => {
+                if self.last_step[trainer].is_some_and(|last| push.step <= last) {
+                    return Ok(false);
+                }
+                self.last_step[trainer] = Some(push.step);
+                let scale = match push.kind {
+                    UpdateKind::Gradients => 1.0,
+                    UpdateKind::Deltas => 1.0 / self.spec.trainers as f32,
+                };
+                self.apply(push.kind, &push.ids, scaled(push.values, scale), scaled_one(push.dense, scale))?;
+                self.applied += 1;
+                Ok(true)
+            }
+        }
+    }
+
+    /// Records that `trainer` pushed its last update; returns whether all have.
+    pub fn end_training(&mut self, trainer: usize) -> Result<bool> {
+        self.check_trainer(trainer)?;
+        self.ended[trainer] = true;
+        Ok(self.ended.iter().all(|&e| e))
+    }
+
+    /// Records that `trainer` is gone; returns whether all are, so the shard can exit.
+    pub fn leave(&mut self, trainer: usize) -> Result<bool> {
+        self.check_trainer(trainer)?;
+        self.left[trainer] = true;
+        Ok(self.left.iter().all(|&l| l))
+    }
+
+    /// Writes the dense slice and every table to `path`.
+    pub fn save(&self, path: &Path) -> Result<()> {
+        let tables: Vec<&SparseTable> = self.tables.iter().collect();
+        save_shard(path, &self.snapshot_info(), &self.dense, &tables)
+    }
+
+    /// Replaces the dense slice and the tables with those saved in `path`.
+    pub fn load(&mut self, path: &Path) -> Result<()> {
+        let info = self.snapshot_info();
+        let mut tables: Vec<&mut SparseTable> = self.tables.iter_mut().collect();
+        load_shard(path, &info, &mut self.dense, &mut tables)
+    }
+
+    fn snapshot_info(&self) -> ShardSnapshotInfo {
+        ShardSnapshotInfo {
+            shard: self.spec.index,
+            server_num: self.spec.server_num,
+        }
+    }
+
+    /// Sync mode: sums the step's pushes in trainer order, averages and applies them.
+    fn apply_step(&mut self) -> Result<()> {
+        let pushes: Vec<PushRequest> = self.pending.iter_mut().filter_map(Option::take).collect();
+        let scale = 1.0 / pushes.len() as f32;
+        let mut dense = vec![0.0f32; self.dense.len()];
+        for push in &pushes {
+            for (sum, g) in dense.iter_mut().zip(&push.dense) {
+                *sum += g;
+            }
+        }
+        let mut ids = Vec::with_capacity(self.tables.len());
+        let mut values = Vec::with_capacity(self.tables.len());
+        for (t, table) in self.tables.iter().enumerate() {
+            let (table_ids, table_values) = sum_rows(&pushes, t, table.width());
+            ids.push(table_ids);
+            values.push(table_values);
+        }
+        self.apply(UpdateKind::Gradients, &ids, scaled(values, scale), scaled_one(dense, scale))?;
+        self.applied += 1;
+        Ok(())
+    }
+
+    fn apply(&mut self, kind: UpdateKind, ids: &[Vec<u64>], values: Vec<Vec<f32>>, dense: Vec<f32>) -> Result<()> {
+        for ((table, ids), values) in self.tables.iter_mut().zip(ids).zip(&values) {
+            match kind {
+                UpdateKind::Gradients => table.apply_gradients(ids, values)?,
+                UpdateKind::Deltas => table.add_deltas(ids, values)?,
+            }
+        }
+        match kind {
+            UpdateKind::Gradients => self.dense.apply_gradients(&dense),
+            UpdateKind::Deltas => self.dense.add_deltas(&dense),
+        }
+    }
+
+    /// Everything about a push that can be wrong, checked before it is stored, so a bad push
+    /// fails at once with the trainer's name on it.
+    fn check_push(&self, push: &PushRequest) -> Result<()> {
+        self.check_trainer(push.trainer)?;
+        self.check_table_count(push.ids.len().max(push.values.len()), "push")?;
+        ensure!(
+            push.ids.len() == push.values.len(),
+            "push from trainer {} has ids for {} tables and values for {}",
+            push.trainer,
+            push.ids.len(),
+            push.values.len()
+        );
+        for ((table, ids), values) in self.tables.iter().zip(&push.ids).zip(&push.values) {
+            ensure!(
+                values.len() == ids.len() * table.width(),
+                "push from trainer {} to table {:?}: {} values for {} rows of width {} (expected {})",
+                push.trainer,
+                table.name(),
+                values.len(),
+                ids.len(),
+                table.width(),
+                ids.len() * table.width()
+            );
+        }
+        ensure!(
+            push.dense.len() == self.dense.len(),
+            "push from trainer {}: {} dense values, shard {} holds {}",
+            push.trainer,
+            push.dense.len(),
+            self.spec.index,
+            self.dense.len()
+        );
+        let expected = match self.spec.mode {
+            PsMode::Geo { .. } => UpdateKind::Deltas,
+            PsMode::Sync | PsMode::Async => UpdateKind::Gradients,
+        };
+        ensure!(
+            push.kind == expected,
+            "push from trainer {} carries {:?}, but shard {} runs in {} mode",
+            push.trainer,
+            push.kind,
+            self.spec.index,
+            self.spec.mode.name()
+        );
+        Ok(())
+    }
+
+    fn check_trainer(&self, trainer: usize) -> Result<()> {
+        ensure!(
+            trainer < self.spec.trainers,
+            "trainer {trainer} is not in this job of {} trainers",
+            self.spec.trainers
+        );
+        Ok(())
+    }
+
+    fn check_table_count(&self, named: usize, what: &str) -> Result<()> {
+        if named > self.tables.len() {
+            let names: Vec<&str> = self.tables.iter().map(SparseTable::name).collect();
+            bail!(
+                "{what} names table {} but the job has {} tables ({})",
+                named - 1,
+                self.tables.len(),
+                names.join(", ")
+            );
+        }
+        ensure!(
+            named == self.tables.len(),
+            "{what} covers {named} of the job's {} tables",
+            self.tables.len()
+        );
+        Ok(())
+    }
+}
+
+/// The rows of table `t` over all `pushes`, each id once (first-seen order), gradients summed.
+fn sum_rows(pushes: &[PushRequest], t: usize, width: usize) -> (Vec<u64>, Vec<f32>) {
+    let mut position: FxHashMap<u64, usize> = FxHashMap::default();
+    let mut ids = Vec::new();
+    let mut sums: Vec<f32> = Vec::new();
+    for push in pushes {
+        for (id, row) in push.ids[t].iter().zip(push.values[t].chunks_exact(width)) {
+            let at = *position.entry(*id).or_insert_with(|| {
+                ids.push(*id);
+                sums.resize(sums.len() + width, 0.0);
+                ids.len() - 1
+            });
+            for (sum, g) in sums[at * width..(at + 1) * width].iter_mut().zip(row) {
+                *sum += g;
+            }
+        }
+    }
+    (ids, sums)
+}
+
+fn scaled(mut tables: Vec<Vec<f32>>, scale: f32) -> Vec<Vec<f32>> {
+    for values in &mut tables {
+        values.iter_mut().for_each(|v| *v *= scale);
+    }
+    tables
+}
+
+fn scaled_one(mut values: Vec<f32>, scale: f32) -> Vec<f32> {
+    if scale != 1.0 {
+        values.iter_mut().for_each(|v| *v *= scale);
+    }
+    values
+}

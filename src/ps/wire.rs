@@ -1,0 +1,406 @@
+//! The parameter servers' protocol: what trainers ask of a shard and what it answers.
+//!
+//! In a simulated cluster these values travel as actor messages; between processes each is one
+//! [`Frame`]: a small postcard header carrying the counts, then the ids (u64 LE) and the values
+//! (f32 LE) as raw bytes, so a pull of a hundred thousand rows never goes through a serializer.
+//! Decoding checks the payload against the counts, so a torn or malicious frame is an error,
+//! never misread floats.
+
+use anyhow::{bail, ensure, Result};
+use bytes::{BufMut, Bytes, BytesMut};
+use serde::{Deserialize, Serialize};
+
+use crate::net::Frame;
+
+/// Rows of the sparse tables and the dense slice a trainer needs from one shard.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PullRequest {
+    /// The asking trainer.
+    pub trainer: usize,
+    /// Sync mode: the number of applied steps the answer must include (the trainer's step);
+    /// the shard holds the answer until it has applied that many. Ignored in async and geo.
+    pub version: u64,
+    /// Wait until every trainer has ended training (for the final evaluation).
+    pub after_training: bool,
+    /// Ids to pull, per table (table index = position).
+    pub ids: Vec<Vec<u64>>,
+    /// Whether to send this shard's dense slice.
+    pub dense: bool,
+}
+
+/// A shard's answer to a [`PullRequest`].
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct PulledRows {
+    /// Per table, the rows of the requested ids in request order (`ids × width` values).
+    pub rows: Vec<Vec<f32>>,
+    /// The dense slice, empty unless requested.
+    pub dense: Vec<f32>,
+}
+
+/// What a push carries.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum UpdateKind {
+    /// Gradients of one step (sync and async): the shard's optimizer applies them.
+    Gradients,
+    /// Parameter deltas of `k_steps` local steps (geo): the shard adds their mean.
+    Deltas,
+}
+
+/// One trainer's update for one shard.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PushRequest {
+    /// The pushing trainer.
+    pub trainer: usize,
+    /// The trainer's step; with `trainer` it makes a retried push idempotent.
+    pub step: u64,
+    /// Gradients or deltas.
+    pub kind: UpdateKind,
+    /// Ids per table.
+    pub ids: Vec<Vec<u64>>,
+    /// Per table, `ids × width` values.
+    pub values: Vec<Vec<f32>>,
+    /// Values for the whole dense slice of the shard.
+    pub dense: Vec<f32>,
+}
+
+/// A request to a shard.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Request {
+    /// Read rows and the dense slice.
+    Pull(PullRequest),
+    /// Apply an update.
+    Push(PushRequest),
+    /// The trainer has pushed its last update.
+    EndTraining {
+        /// Which trainer.
+        trainer: usize,
+    },
+    /// The trainer will send nothing more; the shard exits once every trainer has left.
+    Leave {
+        /// Which trainer.
+        trainer: usize,
+    },
+    /// Write the shard's tables and dense slice to `path` (safetensors).
+    Save {
+        /// File to write, on the shard's machine.
+        path: String,
+    },
+}
+
+/// A shard's answer.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Reply {
+    /// Answer to a pull.
+    Rows(PulledRows),
+    /// Any other request was carried out.
+    Done,
+}
+
+/// The typed header of a parameter-server frame; counts describe the raw payload.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+enum Header {
+    Pull {
+        trainer: u32,
+        version: u64,
+        after_training: bool,
+        ids: Vec<u32>,
+        dense: bool,
+    },
+    Push {
+        trainer: u32,
+        step: u64,
+        kind: UpdateKind,
+        ids: Vec<u32>,
+        values: Vec<u32>,
+        dense: u32,
+    },
+    EndTraining {
+        trainer: u32,
+    },
+    Leave {
+        trainer: u32,
+    },
+    Save {
+        path: String,
+    },
+    Rows {
+        rows: Vec<u32>,
+        dense: u32,
+    },
+    Done,
+    Failed {
+        reason: String,
+    },
+}
+
+/// Encodes a request as a frame body.
+pub fn encode_request(request: &Request) -> Result<Bytes> {
+    let mut payload = BytesMut::new();
+    let header = match request {
+        Request::Pull(pull) => {
+            put_ids(&mut payload, &pull.ids);
+            Header::Pull {
+                trainer: pull.trainer as u32,
+                version: pull.version,
+                after_training: pull.after_training,
+                ids: counts(pull.ids.iter().map(Vec::len))?,
+                dense: pull.dense,
+            }
+        }
+        Request::Push(push) => {
+            put_ids(&mut payload, &push.ids);
+            for values in &push.values {
+                put_floats(&mut payload, values);
+            }
+            put_floats(&mut payload, &push.dense);
+            Header::Push {
+                trainer: push.trainer as u32,
+                step: push.step,
+                kind: push.kind,
+                ids: counts(push.ids.iter().map(Vec::len))?,
+                values: counts(push.values.iter().map(Vec::len))?,
+                dense: count(push.dense.len())?,
+            }
+        }
+        Request::EndTraining { trainer } => Header::EndTraining {
+            trainer: *trainer as u32,
+        },
+        Request::Leave { trainer } => Header::Leave {
+            trainer: *trainer as u32,
+        },
+        Request::Save { path } => Header::Save { path: path.clone() },
+    };
+    Frame {
+        header,
+        payload: payload.freeze(),
+    }
+    .encode()
+}
+
+/// Decodes a request frame body.
+pub fn decode_request(body: Bytes) -> Result<Request> {
+    let frame = Frame::<Header>::decode(body)?;
+    let mut payload = Payload::new(frame.payload);
+    let request = match frame.header {
+        Header::Pull {
+            trainer,
+            version,
+            after_training,
+            ids,
+            dense,
+        } => Request::Pull(PullRequest {
+            trainer: trainer as usize,
+            version,
+            after_training,
+            ids: ids.iter().map(|&n| payload.ids(n)).collect::<Result<_>>()?,
+            dense,
+        }),
+        Header::Push {
+            trainer,
+            step,
+            kind,
+            ids,
+            values,
+            dense,
+        } => Request::Push(PushRequest {
+            trainer: trainer as usize,
+            step,
+            kind,
+            ids: ids.iter().map(|&n| payload.ids(n)).collect::<Result<_>>()?,
+            values: values.iter().map(|&n| payload.floats(n)).collect::<Result<_>>()?,
+            dense: payload.floats(dense)?,
+        }),
+        Header::EndTraining { trainer } => Request::EndTraining {
+            trainer: trainer as usize,
+        },
+        Header::Leave { trainer } => Request::Leave {
+            trainer: trainer as usize,
+        },
+        Header::Save { path } => Request::Save { path },
+        other => bail!("malformed request: a {} frame is an answer", header_name(&other)),
+    };
+    payload.finish()?;
+    Ok(request)
+}
+
+/// Encodes a shard's answer, or its refusal with the reason, as a frame body.
+pub fn encode_reply(reply: &Result<Reply>) -> Result<Bytes> {
+    let mut payload = BytesMut::new();
+    let header = match reply {
+        Ok(Reply::Rows(rows)) => {
+            for values in &rows.rows {
+                put_floats(&mut payload, values);
+            }
+            put_floats(&mut payload, &rows.dense);
+            Header::Rows {
+                rows: counts(rows.rows.iter().map(Vec::len))?,
+                dense: count(rows.dense.len())?,
+            }
+        }
+        Ok(Reply::Done) => Header::Done,
+        Err(e) => Header::Failed {
+            reason: format!("{e:#}"),
+        },
+    };
+    Frame {
+        header,
+        payload: payload.freeze(),
+    }
+    .encode()
+}
+
+/// Decodes a shard's answer; a refusal becomes an error carrying the shard's reason.
+pub fn decode_reply(body: Bytes) -> Result<Reply> {
+    let frame = Frame::<Header>::decode(body)?;
+    let mut payload = Payload::new(frame.payload);
+    let reply = match frame.header {
+        Header::Rows { rows, dense } => Reply::Rows(PulledRows {
+            rows: rows.iter().map(|&n| payload.floats(n)).collect::<Result<_>>()?,
+            dense: payload.floats(dense)?,
+        }),
+        Header::Done => Reply::Done,
+        Header::Failed { reason } => bail!("{reason}"),
+        other => bail!("malformed answer: a {} frame is a request", header_name(&other)),
+    };
+    payload.finish()?;
+    Ok(reply)
+}
+
+fn header_name(header: &Header) -> &'static str {
+    match header {
+        Header::Pull { .. } => "pull",
+        Header::Push { .. } => "push",
+        Header::EndTraining { .. } => "end-of-training",
+        Header::Leave { .. } => "leave",
+        Header::Save { .. } => "save",
+        Header::Rows { .. } => "rows",
+        Header::Done => "done",
+        Header::Failed { .. } => "failed",
+    }
+}
+
+fn count(n: usize) -> Result<u32> {
+    u32::try_from(n).map_err(|_| anyhow::anyhow!("{n} values do not fit in one frame"))
+}
+
+fn counts(lens: impl Iterator<Item = usize>) -> Result<Vec<u32>> {
+    lens.map(count).collect()
+}
+
+fn put_ids(out: &mut BytesMut, tables: &[Vec<u64>]) {
+    for ids in tables {
+        out.reserve(ids.len() * 8);
+        for id in ids {
+            out.put_u64_le(*id);
+        }
+    }
+}
+
+fn put_floats(out: &mut BytesMut, values: &[f32]) {
+    out.reserve(values.len() * 4);
+    for v in values {
+        out.put_f32_le(*v);
+    }
+}
+
+/// The raw part of a frame, consumed in order against the header's counts.
+struct Payload {
+    bytes: Bytes,
+    offset: usize,
+}
+
+impl Payload {
+    fn new(bytes: Bytes) -> Self {
+        Self { bytes, offset: 0 }
+    }
+
+    fn take(&mut self, len: usize) -> Result<&[u8]> {
+        let end = self.offset.checked_add(len).filter(|&end| end <= self.bytes.len());
+        let Some(end) = end else {
+            bail!(
+                "malformed frame: the header announces {len} more payload bytes, {} are left",
+                self.bytes.len() - self.offset
+            );
+        };
+        let slice = &self.bytes[self.offset..end];
+        self.offset = end;
+        Ok(slice)
+    }
+
+    fn ids(&mut self, n: u32) -> Result<Vec<u64>> {
+        let bytes = self.take(n as usize * 8)?;
+        Ok(bytes
+            .chunks_exact(8)
+            .map(|c| u64::from_le_bytes([c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]]))
+            .collect())
+    }
+
+    fn floats(&mut self, n: u32) -> Result<Vec<f32>> {
+        let bytes = self.take(n as usize * 4)?;
+        Ok(bytes
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect())
+    }
+
+    fn finish(self) -> Result<()> {
+        ensure!(
+            self.offset == self.bytes.len(),
+            "malformed frame: {} payload bytes beyond what the header announces",
+            self.bytes.len() - self.offset
+        );
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn push() -> Request {
+        Request::Push(PushRequest {
+            trainer: 2,
+            step: 17,
+            kind: UpdateKind::Gradients,
+            ids: vec![vec![1, u64::MAX], vec![]],
+            values: vec![vec![0.5, -1.0, 2.0, 3.0], vec![]],
+            dense: vec![1.0, 2.0, 3.0],
+        })
+    }
+
+    #[test]
+    fn requests_and_replies_round_trip() -> Result<()> {
+        let pull = Request::Pull(PullRequest {
+            trainer: 1,
+            version: 9,
+            after_training: true,
+            ids: vec![vec![5, 6, 7], vec![8]],
+            dense: true,
+        });
+        for request in [pull, push(), Request::Leave { trainer: 3 }, Request::Save { path: "x".into() }] {
+            assert_eq!(decode_request(encode_request(&request)?)?, request);
+        }
+        let rows = Reply::Rows(PulledRows {
+            rows: vec![vec![1.0, 2.0], vec![]],
+            dense: vec![4.0],
+        });
+        assert_eq!(decode_reply(encode_reply(&Ok(rows.clone()))?)?, rows);
+        let failed = decode_reply(encode_reply(&Err(anyhow::anyhow!("unknown table 3")))?).unwrap_err();
+        assert_eq!(failed.to_string(), "unknown table 3");
+        Ok(())
+    }
+
+    #[test]
+    fn payload_that_disagrees_with_the_header_is_an_error() -> Result<()> {
+        let body = encode_request(&push())?;
+        let short = body.slice(..body.len() - 4);
+        let msg = decode_request(short).unwrap_err().to_string();
+        assert!(msg.starts_with("malformed frame: the header announces 12 more payload bytes"), "{msg}");
+        let mut long = BytesMut::from(&body[..]);
+        long.put_u8(0);
+        assert!(decode_request(long.freeze()).is_err());
+        let answer = encode_reply(&Ok(Reply::Done))?;
+        assert!(decode_request(answer).unwrap_err().to_string().contains("is an answer"));
+        Ok(())
+    }
+}

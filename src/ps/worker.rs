@@ -1,0 +1,418 @@
+//! The trainer's compute for the parameter-server strategy, run on its device thread: it plans
+//! which rows a batch needs from which shard (each id once), runs forward and backward of the
+//! wide&deep model on the pulled rows, and says what to push back. In geo mode it also keeps
+//! the local copies the trainer trains on between pushes.
+
+use anyhow::{ensure, Context as _, Result};
+use candle_core::{Device, Tensor, Var};
+use rustc_hash::FxHashMap;
+
+use super::dense::dense_range;
+use super::optimizer::ServerOptimizer;
+use super::placement::shard_of;
+use super::wire::PulledRows;
+use crate::config::{JobConfig, PsMode};
+use crate::data::ctr::CtrBatch;
+use crate::models::{click_probability, sigmoid_cross_entropy, ParamInit, SparseRows, WideDeep, SPARSE_SLOTS};
+
+/// One sparse table of the job.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct TableSpec {
+    /// Name (in snapshots and errors).
+    pub name: &'static str,
+    /// Floats per row.
+    pub width: usize,
+    /// New rows start uniform in `[-init_bound, init_bound)`.
+    pub init_bound: f32,
+}
+
+/// The sparse tables of the wide&deep job, in table-index order: the deep part's shared
+/// embedding (rows of norm about 1/√3, like a Kaiming-uniform layer) and the wide part's
+/// per-id weights (starting near 0, as a linear model's should).
+pub fn table_layout(job: &JobConfig) -> Vec<TableSpec> {
+    let width = job.train.embedding_dim;
+    vec![
+        TableSpec {
+            name: "embedding",
+            width,
+            init_bound: 1.0 / (width as f32).sqrt(),
+        },
+        TableSpec {
+            name: "wide",
+            width: 1,
+            init_bound: 0.01,
+        },
+    ]
+}
+
+/// What a step needs from each shard.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PullPlan {
+    /// `ids[shard][table]`: ids to pull, each once.
+    pub ids: Vec<Vec<Vec<u64>>>,
+    /// Whether the dense slices are needed.
+    pub dense: bool,
+}
+
+/// One shard's part of an update.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ShardUpdate {
+    /// Ids per table.
+    pub ids: Vec<Vec<u64>>,
+    /// Per table, `ids × width` gradients or deltas.
+    pub values: Vec<Vec<f32>>,
+    /// The shard's dense slice of gradients or deltas.
+    pub dense: Vec<f32>,
+}
+
+/// What a training step produced.
+#[derive(Debug, Clone)]
+pub struct StepOutcome {
+    /// Mean loss over this trainer's batch.
+    pub loss: f32,
+    /// The update to push, by shard; `None` between geo pushes.
+    pub push: Option<Vec<ShardUpdate>>,
+}
+
+/// The batch between planning its pull and running it.
+struct PlannedBatch {
+    batch: CtrBatch,
+    /// The batch's distinct ids in first-seen order.
+    unique: Vec<u64>,
+    /// Per sample and slot, the position of its id in `unique`.
+    index: Vec<u32>,
+    /// `slots[table][u]`: which shard and which position of that shard's id list `unique[u]`
+    /// is pulled from; `None` when it is already held locally (geo).
+    slots: Vec<Vec<Option<(usize, usize)>>>,
+}
+
+/// Local copies of geo mode: what the trainer trains on between pushes, and the values they
+/// started from, whose difference is the delta to push.
+struct GeoCopies {
+    k_steps: usize,
+    steps_since_push: usize,
+    /// Per table, id → `[local row, base row]` (2 × width floats).
+    rows: Vec<FxHashMap<u64, Vec<f32>>>,
+    /// `[local, base]` of the dense parameters; `None` until pulled after a push.
+    dense: Option<(Vec<f32>, Vec<f32>)>,
+}
+
+/// The trainer's model and the step logic around it.
+pub struct CtrWorker {
+    model: WideDeep,
+    dense_vars: Vec<Var>,
+    dense_len: usize,
+    widths: Vec<usize>,
+    server_num: usize,
+    device: Device,
+    /// Geo mode: the optimizer of the local copies.
+    local_optimizer: ServerOptimizer,
+    geo: Option<GeoCopies>,
+    planned: Option<PlannedBatch>,
+}
+
+impl CtrWorker {
+    /// The worker of `job` on `device`.
+    pub fn new(job: &JobConfig, device: Device) -> Result<Self> {
+        let init = ParamInit::new(job.train.seed, device.clone());
+        let model = WideDeep::new(job.train.embedding_dim, &job.train.hidden_sizes(), &init)?;
+        let dense_vars: Vec<Var> = model.parameters().into_iter().map(|(_, v)| v).collect();
+        let dense_len = dense_vars.iter().map(|v| v.elem_count()).sum();
+        let geo = match job.strategy.ps_mode() {
+            PsMode::Geo { k_steps } => Some(GeoCopies {
+                k_steps,
+                steps_since_push: 0,
+                rows: vec![FxHashMap::default(); 2],
+                dense: None,
+            }),
+            PsMode::Sync | PsMode::Async => None,
+        };
+        Ok(Self {
+            model,
+            dense_vars,
+            dense_len,
+            widths: table_layout(job).into_iter().map(|t| t.width).collect(),
+            server_num: job.cluster.server_num,
+            device,
+            local_optimizer: ServerOptimizer::Sgd {
+                lr: job.train.lr as f32,
+                momentum: 0.0,
+            },
+            geo,
+            planned: None,
+        })
+    }
+
+    /// Deduplicates the batch's ids and says what to pull from which shard. With `training`
+    /// false (evaluation) geo's local copies are bypassed: the shards' values are evaluated.
+    pub fn plan(&mut self, batch: CtrBatch, training: bool) -> Result<PullPlan> {
+        ensure!(
+            batch.ids.len() == batch.len * SPARSE_SLOTS,
+            "a batch of {} samples has {} ids, expected {}",
+            batch.len,
+            batch.ids.len(),
+            batch.len * SPARSE_SLOTS
+        );
+        let mut position: FxHashMap<u64, u32> = FxHashMap::default();
+        let mut unique = Vec::new();
+        let index: Vec<u32> = batch
+            .ids
+            .iter()
+            .map(|&id| {
+                *position.entry(id).or_insert_with(|| {
+                    unique.push(id);
+                    (unique.len() - 1) as u32
+                })
+            })
+            .collect();
+        let geo = self.geo.as_ref().filter(|_| training);
+        let mut ids = vec![vec![Vec::new(); self.widths.len()]; self.server_num];
+        let slots = (0..self.widths.len())
+            .map(|table| {
+                unique
+                    .iter()
+                    .map(|&id| {
+                        if geo.is_some_and(|g| g.rows[table].contains_key(&id)) {
+                            return None;
+                        }
+                        let shard = shard_of(table, id, self.server_num);
+                        ids[shard][table].push(id);
+                        Some((shard, ids[shard][table].len() - 1))
+                    })
+                    .collect()
+            })
+            .collect();
+        let dense = !training || geo.is_none_or(|g| g.dense.is_none());
+        self.planned = Some(PlannedBatch {
+            batch,
+            unique,
+            index,
+            slots,
+        });
+        Ok(PullPlan { ids, dense })
+    }
+
+    /// Runs forward and backward of the planned batch on the pulled rows (`pulled[shard]`)
+    /// and returns the loss and what to push.
+    pub fn train_step(&mut self, pulled: Vec<PulledRows>) -> Result<StepOutcome> {
+        let planned = self.planned.take().context("a step was run before it was planned")?;
+        let rows = self.gather(&planned, &pulled, true)?;
+        let dense = self.dense_values(&pulled, true)?;
+        self.set_dense(&dense)?;
+        let row_vars = rows
+            .iter()
+            .zip(&self.widths)
+            .map(|(values, &w)| Var::from_tensor(&Tensor::from_slice(values, (planned.unique.len(), w), &self.device)?))
+            .collect::<candle_core::Result<Vec<_>>>()?;
+        let batch = &planned.batch;
+        let (dense_in, index) = self.inputs(&planned)?;
+        let logits = self.model.logits(
+            &dense_in,
+            &SparseRows {
+                deep: row_vars[0].as_tensor(),
+                wide: row_vars[1].as_tensor(),
+                index: &index,
+            },
+        )?;
+        let labels = Tensor::from_slice(&batch.labels, batch.len, &self.device)?;
+        let loss = sigmoid_cross_entropy(&logits, &labels)?;
+        let grads = loss.backward()?;
+        let loss = loss.to_scalar::<f32>()?;
+        let grad_of = |var: &Var| -> Result<Vec<f32>> {
+            Ok(match grads.get(var.as_tensor()) {
+                Some(g) => g.flatten_all()?.to_vec1::<f32>()?,
+                None => vec![0.0; var.elem_count()],
+            })
+        };
+        let row_grads = row_vars.iter().map(grad_of).collect::<Result<Vec<_>>>()?;
+        let mut dense_grad = Vec::with_capacity(self.dense_len);
+        for var in &self.dense_vars {
+            dense_grad.extend(grad_of(var)?);
+        }
+        let push = match self.geo.is_some() {
+            true => self.geo_step(&planned, &row_grads, &dense_grad)?,
+            false => Some(self.split_gradients(&planned, &row_grads, &dense_grad)),
+        };
+        Ok(StepOutcome { loss, push })
+    }
+
+    /// Click probabilities of the planned batch under the pulled (shard) values.
+    pub fn predict(&mut self, pulled: Vec<PulledRows>) -> Result<Vec<f32>> {
+        let planned = self.planned.take().context("a prediction was run before it was planned")?;
+        let rows = self.gather(&planned, &pulled, false)?;
+        let dense = self.dense_values(&pulled, false)?;
+        self.set_dense(&dense)?;
+        let row_tensors = rows
+            .iter()
+            .zip(&self.widths)
+            .map(|(values, &w)| Tensor::from_slice(values, (planned.unique.len(), w), &self.device))
+            .collect::<candle_core::Result<Vec<_>>>()?;
+        let (dense_in, index) = self.inputs(&planned)?;
+        let logits = self.model.logits(
+            &dense_in,
+            &SparseRows {
+                deep: &row_tensors[0],
+                wide: &row_tensors[1],
+                index: &index,
+            },
+        )?;
+        Ok(click_probability(&logits)?.to_vec1::<f32>()?)
+    }
+
+    fn inputs(&self, planned: &PlannedBatch) -> Result<(Tensor, Tensor)> {
+        let batch = &planned.batch;
+        let dense = Tensor::from_slice(&batch.dense, (batch.len, batch.dense.len() / batch.len.max(1)), &self.device)?;
+        let index = Tensor::from_slice(&planned.index, planned.index.len(), &self.device)?;
+        Ok((dense, index))
+    }
+
+    /// Per table, the rows of the batch's unique ids (`unique × width`), from the pulled
+    /// answers or, in geo mode while training, from the local copies (which take in the
+    /// pulled rows).
+    fn gather(&mut self, planned: &PlannedBatch, pulled: &[PulledRows], training: bool) -> Result<Vec<Vec<f32>>> {
+        ensure!(
+            pulled.len() == self.server_num,
+            "answers from {} shards, expected {}",
+            pulled.len(),
+            self.server_num
+        );
+        let mut tables = Vec::with_capacity(self.widths.len());
+        for (table, &width) in self.widths.iter().enumerate() {
+            let mut rows = vec![0.0f32; planned.unique.len() * width];
+            for (u, slot) in planned.slots[table].iter().enumerate() {
+                let out = &mut rows[u * width..(u + 1) * width];
+                match slot {
+                    Some((shard, k)) => {
+                        let answer = &pulled[*shard].rows[table];
+                        let row = answer.get(k * width..(k + 1) * width).with_context(|| {
+                            format!(
+                                "shard {shard} sent {} values for table {table}, too few for row {k}",
+                                answer.len()
+                            )
+                        })?;
+                        out.copy_from_slice(row);
+                    }
+                    None => {
+                        let geo = self.geo.as_ref().context("a row is local outside geo mode")?;
+                        let copy = geo.rows[table]
+                            .get(&planned.unique[u])
+                            .context("a local row vanished")?;
+                        out.copy_from_slice(&copy[..width]);
+                    }
+                }
+            }
+            if let Some(geo) = self.geo.as_mut().filter(|_| training) {
+                for (u, slot) in planned.slots[table].iter().enumerate() {
+                    if slot.is_some() {
+                        let row = &rows[u * width..(u + 1) * width];
+                        geo.rows[table].insert(planned.unique[u], [row, row].concat());
+                    }
+                }
+            }
+            tables.push(rows);
+        }
+        Ok(tables)
+    }
+
+    /// The full dense parameter vector: the shards' slices joined, or geo's local copy.
+    fn dense_values(&mut self, pulled: &[PulledRows], training: bool) -> Result<Vec<f32>> {
+        if let Some((local, _)) = self.geo.as_ref().filter(|_| training).and_then(|g| g.dense.as_ref()) {
+            return Ok(local.clone());
+        }
+        let dense: Vec<f32> = pulled.iter().flat_map(|p| p.dense.iter().copied()).collect();
+        ensure!(
+            dense.len() == self.dense_len,
+            "the shards sent {} dense values, the model has {}",
+            dense.len(),
+            self.dense_len
+        );
+        if let Some(geo) = self.geo.as_mut().filter(|_| training) {
+            geo.dense = Some((dense.clone(), dense.clone()));
+        }
+        Ok(dense)
+    }
+
+    fn set_dense(&self, values: &[f32]) -> Result<()> {
+        let mut offset = 0;
+        for var in &self.dense_vars {
+            let n = var.elem_count();
+            let tensor = Tensor::from_slice(&values[offset..offset + n], var.shape(), &self.device)?;
+            var.set(&tensor)?;
+            offset += n;
+        }
+        Ok(())
+    }
+
+    /// Sync and async: the step's gradients, each row to the shard it lives on.
+    fn split_gradients(&self, planned: &PlannedBatch, row_grads: &[Vec<f32>], dense_grad: &[f32]) -> Vec<ShardUpdate> {
+        let mut updates = self.empty_updates(dense_grad);
+        for (table, &width) in self.widths.iter().enumerate() {
+            for (u, &id) in planned.unique.iter().enumerate() {
+                let shard = shard_of(table, id, self.server_num);
+                updates[shard].ids[table].push(id);
+                updates[shard].values[table].extend_from_slice(&row_grads[table][u * width..(u + 1) * width]);
+            }
+        }
+        updates
+    }
+
+    /// Geo: one local SGD step on the local copies; every `k_steps` steps, the deltas since the
+    /// last push, after which the copies are dropped and pulled fresh.
+    fn geo_step(
+        &mut self,
+        planned: &PlannedBatch,
+        row_grads: &[Vec<f32>],
+        dense_grad: &[f32],
+    ) -> Result<Option<Vec<ShardUpdate>>> {
+        let optimizer = self.local_optimizer;
+        let geo = self.geo.as_mut().context("geo step outside geo mode")?;
+        for (table, &width) in self.widths.iter().enumerate() {
+            for (u, id) in planned.unique.iter().enumerate() {
+                let copy = geo.rows[table].get_mut(id).context("a local row vanished")?;
+                optimizer.apply(&mut copy[..width], &mut [], &row_grads[table][u * width..(u + 1) * width]);
+            }
+        }
+        let (local, _) = geo.dense.as_mut().context("geo dense copy missing")?;
+        optimizer.apply(local, &mut [], dense_grad);
+        geo.steps_since_push += 1;
+        if geo.steps_since_push < geo.k_steps {
+            return Ok(None);
+        }
+        self.flush()
+    }
+
+    /// Geo: the deltas of the local steps not pushed yet (`None` if there are none, and always
+    /// outside geo mode); the local copies are dropped, to be pulled fresh.
+    pub fn flush(&mut self) -> Result<Option<Vec<ShardUpdate>>> {
+        let Some(geo) = self.geo.as_mut().filter(|g| g.steps_since_push > 0) else {
+            return Ok(None);
+        };
+        geo.steps_since_push = 0;
+        let (local, base) = geo.dense.take().context("geo dense copy missing")?;
+        let dense_delta: Vec<f32> = local.iter().zip(&base).map(|(l, b)| l - b).collect();
+        let rows = std::mem::replace(&mut geo.rows, vec![FxHashMap::default(); self.widths.len()]);
+        let mut updates = self.empty_updates(&dense_delta);
+        for (table, (copies, &width)) in rows.into_iter().zip(&self.widths).enumerate() {
+            let mut copies: Vec<(u64, Vec<f32>)> = copies.into_iter().collect();
+            copies.sort_unstable_by_key(|(id, _)| *id);
+            for (id, copy) in copies {
+                let shard = shard_of(table, id, self.server_num);
+                updates[shard].ids[table].push(id);
+                let (local, base) = copy.split_at(width);
+                updates[shard].values[table].extend(local.iter().zip(base).map(|(l, b)| l - b));
+            }
+        }
+        Ok(Some(updates))
+    }
+
+    /// One update per shard holding its slice of `dense` and no rows yet.
+    fn empty_updates(&self, dense: &[f32]) -> Vec<ShardUpdate> {
+        (0..self.server_num)
+            .map(|shard| ShardUpdate {
+                ids: vec![Vec::new(); self.widths.len()],
+                values: vec![Vec::new(); self.widths.len()],
+                dense: dense[dense_range(self.dense_len, shard, self.server_num)].to_vec(),
+            })
+            .collect()
+    }
+}

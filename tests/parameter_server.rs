@@ -1,0 +1,262 @@
+//! The parameter-server strategy in a simulated cluster: sync mode against an independent
+//! single-process reference, the asynchronous modes against sync, and bad input.
+
+mod common;
+
+use std::collections::HashMap;
+use std::path::Path;
+
+use candle_core::{Device, Tensor, Var};
+use flotilla::config::JobConfig;
+use flotilla::data::ctr::CtrLoader;
+use flotilla::job::ps::{build_shard, ParameterServerJob, PsSummary};
+use flotilla::job::RunOptions;
+use flotilla::models::{sigmoid_cross_entropy, ParamInit, SparseRows, WideDeep};
+use flotilla::ps::table::{init_row, RowInit};
+use flotilla::ps::wire::{PushRequest, UpdateKind};
+use flotilla::ps::worker::table_layout;
+
+/// A small CTR job: narrow model, small vocabularies (so rows are shared between trainers and
+/// steps), 2 shards × 3 trainers.
+fn ctr_config(overrides: &[&str]) -> JobConfig {
+    let base = r#"
+        [cluster]
+        server_num = 2
+        nproc_per_node = 3
+        [train]
+        model = "wide_deep"
+        embedding_dim = 4
+        hidden_sizes = [16, 8]
+        dataset = "criteo_synthetic"
+        synthetic_samples = 21000
+        synthetic_vocab = 300
+        test_fraction = 0.05
+        batch_size = 96
+        steps = 20
+        optimizer = "sgd"
+        momentum = 0.0
+        lr = 0.1
+        [fault_tolerance]
+        timeout_s = 30
+    "#;
+    let overrides: Vec<String> = overrides.iter().map(|s| s.to_string()).collect();
+    JobConfig::from_toml_str(base, "ctr.toml", &|_| None, &overrides).expect("valid test config")
+}
+
+fn run(config: JobConfig, run_dir: &Path) -> PsSummary {
+    let options = RunOptions {
+        run_dir: run_dir.to_path_buf(),
+        show_progress: false,
+    };
+    ParameterServerJob::builtin(config)
+        .expect("job")
+        .run_simulated(&options)
+        .expect("training succeeds")
+}
+
+/// The tensors of one shard snapshot, as f32 values or u64 ids.
+struct ShardFile {
+    tensors: HashMap<String, (Vec<u8>, usize)>,
+}
+
+impl ShardFile {
+    fn read(path: &Path) -> Self {
+        let bytes = std::fs::read(path).expect("shard snapshot");
+        let file = safetensors::SafeTensors::deserialize(&bytes).expect("safetensors");
+        let tensors = file
+            .tensors()
+            .into_iter()
+            .map(|(name, view)| (name, (view.data().to_vec(), view.dtype().bitsize() / 8)))
+            .collect();
+        Self { tensors }
+    }
+
+    fn floats(&self, name: &str) -> Vec<f32> {
+        let (data, size) = self.tensors.get(name).unwrap_or_else(|| panic!("{name} missing"));
+        assert_eq!(*size, 4);
+        data.chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect()
+    }
+
+    fn ids(&self, name: &str) -> Vec<u64> {
+        let (data, size) = self.tensors.get(name).unwrap_or_else(|| panic!("{name} missing"));
+        assert_eq!(*size, 8);
+        data.chunks_exact(8).map(|c| u64::from_le_bytes(c.try_into().unwrap())).collect()
+    }
+}
+
+/// Plain single-process SGD on the global batches, written independently of the shards:
+/// whole tables in hash maps, candle's autograd on the batch's rows, updates by hand.
+fn reference(config: &JobConfig) -> (Vec<f32>, Vec<HashMap<u64, Vec<f32>>>) {
+    let train = &config.train;
+    let job = ParameterServerJob::builtin(config.clone()).unwrap();
+    let model = WideDeep::new(train.embedding_dim, &train.hidden_sizes(), &ParamInit::new(train.seed, Device::Cpu)).unwrap();
+    let params: Vec<Var> = model.parameters().into_iter().map(|(_, v)| v).collect();
+    let specs = table_layout(config);
+    let mut tables: Vec<HashMap<u64, Vec<f32>>> = vec![HashMap::new(); specs.len()];
+    let mut loader = CtrLoader::new(job.train_data.clone(), train.batch_size, 0, 1).unwrap();
+    let lr = train.lr as f32;
+    for _ in 0..train.steps.unwrap() {
+        let batch = loader.next_batch().unwrap();
+        let mut unique: Vec<u64> = Vec::new();
+        let mut position = HashMap::new();
+        let index: Vec<u32> = batch
+            .ids
+            .iter()
+            .map(|id| *position.entry(*id).or_insert_with(|| {
+                unique.push(*id);
+                unique.len() as u32 - 1
+            }))
+            .collect();
+        let rows: Vec<Var> = specs
+            .iter()
+            .zip(&mut tables)
+            .map(|(spec, table)| {
+                let mut values = Vec::new();
+                for id in &unique {
+                    let row = table.entry(*id).or_insert_with(|| {
+                        let mut row = vec![0.0; spec.width];
+                        init_row(&RowInit { seed: train.seed, bound: spec.init_bound }, spec.name, *id, &mut row);
+                        row
+                    });
+                    values.extend_from_slice(row);
+                }
+                Var::from_tensor(&Tensor::from_vec(values, (unique.len(), spec.width), &Device::Cpu).unwrap()).unwrap()
+            })
+            .collect();
+        let dense = Tensor::from_slice(&batch.dense, (batch.len, 13), &Device::Cpu).unwrap();
+        let index = Tensor::from_vec(index, batch.ids.len(), &Device::Cpu).unwrap();
+        let logits = model
+            .logits(&dense, &SparseRows { deep: rows[0].as_tensor(), wide: rows[1].as_tensor(), index: &index })
+            .unwrap();
+        let labels = Tensor::from_slice(&batch.labels, batch.len, &Device::Cpu).unwrap();
+        let grads = sigmoid_cross_entropy(&logits, &labels).unwrap().backward().unwrap();
+        for p in &params {
+            let g = grads.get(p.as_tensor()).unwrap();
+            p.set(&(p.as_tensor() - (g * f64::from(lr)).unwrap()).unwrap()).unwrap();
+        }
+        for ((spec, table), var) in specs.iter().zip(&mut tables).zip(&rows) {
+            let g = grads.get(var.as_tensor()).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+            for (u, id) in unique.iter().enumerate() {
+                let row = table.get_mut(id).unwrap();
+                for (v, g) in row.iter_mut().zip(&g[u * spec.width..(u + 1) * spec.width]) {
+                    *v -= lr * g;
+                }
+            }
+        }
+    }
+    let dense = params.iter().flat_map(|p| p.flatten_all().unwrap().to_vec1::<f32>().unwrap()).collect();
+    (dense, tables)
+}
+
+/// Tolerance of sync mode against the reference: the shards sum the trainers' gradients
+/// (each a mean over a third of the batch) where the reference takes one mean, so every step
+/// differs by f32 rounding (~1e-7 relative); over 20 steps of lr 0.1 on values of order 1 that
+/// stays far below 1e-5, while a real error (a lost or doubled gradient, a row on the wrong
+/// shard) moves values by about lr × gradient ≈ 1e-3 or more.
+const SYNC_TOLERANCE: f32 = 1e-5;
+
+#[test]
+fn sync_mode_equals_single_process_training_of_the_global_batch() {
+    let config = ctr_config(&[]);
+    let dir = tempfile::tempdir().unwrap();
+    let summary = run(config.clone(), dir.path());
+    assert_eq!((summary.mode.as_str(), summary.trainers, summary.servers), ("sync", 3, 2));
+    let (dense, tables) = reference(&config);
+
+    let shards: Vec<ShardFile> = (0..2)
+        .map(|i| ShardFile::read(&dir.path().join(format!("ps-shard-{i}.safetensors"))))
+        .collect();
+    let served: Vec<f32> = shards.iter().flat_map(|s| s.floats("dense.values")).collect();
+    assert_eq!(served.len(), dense.len());
+    let dense_diff = served.iter().zip(&dense).map(|(a, b)| (a - b).abs()).fold(0.0, f32::max);
+    assert!(dense_diff <= SYNC_TOLERANCE, "dense: max |Δ| = {dense_diff:e}");
+
+    for (spec, table) in table_layout(&config).iter().zip(&tables) {
+        let mut seen = 0;
+        let mut worst = 0.0f32;
+        for shard in &shards {
+            let ids = shard.ids(&format!("sparse.{}.ids", spec.name));
+            let values = shard.floats(&format!("sparse.{}.values", spec.name));
+            for (id, row) in ids.iter().zip(values.chunks_exact(spec.width)) {
+                let expected = match table.get(id) {
+                    Some(trained) => {
+                        seen += 1;
+                        trained.clone()
+                    }
+                    None => {
+                        // Created by the final evaluation's pull, never trained.
+                        let mut row = vec![0.0; spec.width];
+                        init_row(&RowInit { seed: config.train.seed, bound: spec.init_bound }, spec.name, *id, &mut row);
+                        row
+                    }
+                };
+                for (a, b) in row.iter().zip(&expected) {
+                    worst = worst.max((a - b).abs());
+                }
+            }
+        }
+        assert_eq!(seen, table.len(), "{}: every trained row is on exactly one shard", spec.name);
+        assert!(worst <= SYNC_TOLERANCE, "{}: max |Δrow| = {worst:e}", spec.name);
+    }
+}
+
+#[test]
+fn async_and_geo_reach_the_auc_of_sync() {
+    let common = [
+        "cluster.nproc_per_node=2",
+        "train.steps=300",
+        "train.batch_size=256",
+        "train.synthetic_vocab=5000",
+        "train.synthetic_samples=100000",
+        "train.test_fraction=0.1",
+        "train.embedding_dim=8",
+        "train.hidden_sizes=[32, 16]",
+    ];
+    let auc = |mode: &[&str]| {
+        let overrides: Vec<&str> = common.iter().chain(mode).copied().collect();
+        let dir = tempfile::tempdir().unwrap();
+        run(ctr_config(&overrides), dir.path())
+    };
+    let sync = auc(&[]);
+    let ceiling = sync.planted_auc.unwrap();
+    assert!(sync.auc > 0.5 + 0.5 * (ceiling - 0.5), "sync AUC {} against the planted model's {ceiling}", sync.auc);
+    for (name, mode) in [
+        ("async", vec!["strategy.a_sync=true"]),
+        ("geo", vec!["strategy.a_sync=true", "strategy.a_sync_configs.k_steps=4"]),
+    ] {
+        let summary = auc(&mode);
+        assert_eq!(summary.mode, name);
+        assert!(
+            (summary.auc - sync.auc).abs() <= 0.01,
+            "{name} AUC {} against sync {}",
+            summary.auc,
+            sync.auc
+        );
+    }
+}
+
+#[test]
+fn a_push_to_an_unknown_table_or_with_a_row_of_the_wrong_width_is_refused() {
+    let config = ctr_config(&[]);
+    let mut shard = build_shard(&config, 0).unwrap();
+    let dense = vec![0.0; shard.dense().len()];
+    let push = |ids: Vec<Vec<u64>>, values: Vec<Vec<f32>>| PushRequest {
+        trainer: 1,
+        step: 0,
+        kind: UpdateKind::Gradients,
+        ids,
+        values,
+        dense: dense.clone(),
+    };
+    let err = shard
+        .push(push(vec![vec![], vec![], vec![7]], vec![vec![], vec![], vec![1.0]]))
+        .unwrap_err();
+    assert_eq!(err.to_string(), "push names table 2 but the job has 2 tables (embedding, wide)");
+    let err = shard.push(push(vec![vec![7], vec![]], vec![vec![1.0, 2.0, 3.0], vec![]])).unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "push from trainer 1 to table \"embedding\": 3 values for 1 rows of width 4 (expected 4)"
+    );
+    let err = shard.push(push(vec![vec![], vec![]], vec![vec![], vec![]]));
+    assert!(err.is_ok(), "a well-formed push is taken: {err:?}");
+}

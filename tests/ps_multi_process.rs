@@ -1,0 +1,117 @@
+//! Parameter-server jobs as real processes on loopback, started by `flotilla launch-ps`, and
+//! the errors a trainer gives when its servers are missing or misbehave.
+
+mod common;
+
+use std::net::TcpListener;
+use std::time::Duration;
+
+use common::{flotilla, free_port_range};
+use flotilla::ps::client::{PsClient, RemoteShard, ShardLink};
+use flotilla::ps::wire::Request;
+
+#[test]
+fn launch_ps_trains_the_ctr_job_to_the_expected_auc_and_servers_exit() {
+    let dir = tempfile::tempdir().unwrap();
+    let run_dir = dir.path().join("run");
+    let port = free_port_range(4).to_string();
+    #[rustfmt::skip]
+    let args = [
+        "launch-ps", "--server_num", "2", "--worker_num", "2", "--started_port", &port, "--",
+        "train", "--config", "examples/ctr_ps.toml", "--set", "train.steps=150",
+        "--run-dir", run_dir.to_str().unwrap(),
+    ];
+    let finished = flotilla(&args, &[], 240);
+    assert!(finished.success, "launch-ps failed:\n{}\n{}", finished.stdout, finished.stderr);
+    assert!(finished.stderr.contains("[server 1]"), "servers ran:\n{}", finished.stderr);
+    assert!(
+        finished.stderr.contains("every trainer has left; shutting down"),
+        "servers shut down cleanly:\n{}",
+        finished.stderr
+    );
+    let summary: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(run_dir.join("summary.json")).unwrap()).unwrap();
+    assert_eq!(summary["mode"], "sync");
+    assert_eq!(summary["cluster"], "multi-process");
+    assert_eq!((summary["trainers"].as_u64(), summary["servers"].as_u64()), (Some(2), Some(2)));
+    let auc = summary["auc"].as_f64().unwrap();
+    let ceiling = summary["planted_auc"].as_f64().unwrap();
+    assert!(auc > 0.5 + 0.5 * (ceiling - 0.5), "AUC {auc} against the planted model's {ceiling}");
+    for shard in 0..2 {
+        assert!(run_dir.join(format!("ps-shard-{shard}.safetensors")).exists());
+    }
+}
+
+#[test]
+fn a_server_list_that_disagrees_with_server_num_is_a_config_error() {
+    let finished = flotilla(
+        &["train", "--config", "examples/ctr_ps.toml", "--set", "cluster.pservers=[\"127.0.0.1:7001\"]"],
+        &[],
+        30,
+    );
+    assert!(!finished.success);
+    assert!(
+        finished
+            .stderr
+            .contains("--set: cluster.pservers: lists 1 parameter servers but cluster.server_num = 2"),
+        "{}",
+        finished.stderr
+    );
+}
+
+#[test]
+fn an_unreachable_server_is_named_after_the_timeout() {
+    let port = free_port_range(2);
+    let servers = format!("[\"127.0.0.1:{port}\", \"127.0.0.1:{}\"]", port + 1);
+    let set_servers = format!("cluster.pservers={servers}");
+    let finished = flotilla(
+        &[
+            "run", "--role", "trainer", "--config", "examples/ctr_ps.toml", "--set", &set_servers, "--set",
+            "fault_tolerance.timeout_s=1",
+        ],
+        &[("PADDLE_TRAINER_ID", "0".to_string())],
+        30,
+    );
+    assert!(!finished.success);
+    assert!(
+        finished.stderr.contains(&format!(
+            "parameter server 0 at 127.0.0.1:{port} did not accept a connection within 1"
+        )),
+        "{}",
+        finished.stderr
+    );
+}
+
+#[test]
+fn a_server_that_drops_every_request_fails_the_call_after_the_retries() {
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let endpoint = listener.local_addr().unwrap().to_string();
+    // Accepts and closes at once, so every attempt fails at the network level; for 10 s at most.
+    listener.set_nonblocking(true).unwrap();
+    let acceptor = std::thread::spawn(move || {
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        let mut accepted = 0;
+        while accepted < 4 && std::time::Instant::now() < deadline {
+            match listener.accept() {
+                Ok((stream, _)) => {
+                    drop(stream);
+                    accepted += 1;
+                }
+                Err(_) => std::thread::sleep(Duration::from_millis(5)),
+            }
+        }
+        accepted
+    });
+    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    let err = runtime.block_on(async {
+        let link = ShardLink::Remote(RemoteShard::new(endpoint.clone(), 1 << 20));
+        let mut client = PsClient::new(vec![link], 3, Duration::from_secs(10));
+        client.call_all(vec![Request::Leave { trainer: 0 }], "leave").await.unwrap_err()
+    });
+    assert!(
+        err.to_string()
+            .starts_with(&format!("parameter server 0 at {endpoint} is unreachable: the leave failed after 3 retries")),
+        "{err}"
+    );
+    assert_eq!(acceptor.join().unwrap(), 4, "one attempt and three retries");
+}
