@@ -52,6 +52,7 @@
 //! - [`job`]: a training job run in-process or as one launched rank, and the
 //!   files a run writes.
 //! - [`launch`]: `flotilla launch`, starting and supervising a node's ranks.
+//! - [`metrics`]: quality measures of model outputs (ROC AUC).
 //! - [`bench`](mod@bench): benchmarks that print figures.
 //! - [`rng`], [`telemetry`]: the seeded generator every rank shares; logging.
 
@@ -65,6 +66,7 @@ pub mod data;
 pub mod engines;
 pub mod job;
 pub mod launch;
+pub mod metrics;
 pub mod models;
 pub mod net;
 pub mod optim;

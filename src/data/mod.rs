@@ -4,6 +4,7 @@
 //! [`ShardedLoader`] cuts each global batch into one slice per rank, so that
 //! `world_size` ranks together see exactly the batches one process would.
 
+pub mod ctr;
 mod digits;
 mod loader;
 mod synthetic;

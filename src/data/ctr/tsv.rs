@@ -1,0 +1,330 @@
+//! The public Criteo display-advertising TSV layout, so real Criteo files and
+//! synthetic ones are read by the same code:
+//!
+//! ```text
+//! label \t I1 … I13 \t C1 … C26 \n
+//! ```
+//!
+//! 40 tab-separated columns: the label 0 or 1, 13 decimal integers (possibly
+//! negative or empty), 26 categorical values as 8 lower-case hex digits
+//! (possibly empty). Lines end with `\n`; `\r\n` is accepted and empty lines
+//! are skipped.
+
+use std::fs::File;
+use std::io::{BufRead, BufReader, BufWriter, Read, Write};
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context, Result};
+
+use super::{CriteoSynth, CtrRecord, Split, DENSE_FEATURES, SPARSE_SLOTS};
+
+/// Columns per line: label, integers, categoricals.
+const COLUMNS: usize = 1 + DENSE_FEATURES + SPARSE_SLOTS;
+
+/// Writes `record` as one TSV line, ending in `\n`.
+pub fn write_record(out: &mut impl Write, record: &CtrRecord) -> std::io::Result<()> {
+    out.write_all(if record.label { b"1" } else { b"0" })?;
+    for x in &record.dense {
+        match x {
+            Some(v) => write!(out, "\t{v}")?,
+            None => out.write_all(b"\t")?,
+        }
+    }
+    for c in &record.sparse {
+        match c {
+            Some(v) => write!(out, "\t{v:08x}")?,
+            None => out.write_all(b"\t")?,
+        }
+    }
+    out.write_all(b"\n")
+}
+
+/// The Criteo name of a 1-based column, for error messages.
+fn column_name(column: usize) -> String {
+    match column {
+        1 => "label".to_string(),
+        c if c <= 1 + DENSE_FEATURES => format!("I{}", c - 1),
+        c => format!("C{}", c - 1 - DENSE_FEATURES),
+    }
+}
+
+/// Parses one TSV line (a trailing `\n` or `\r\n` is ignored). Errors name
+/// the 1-based column and what is wrong with it.
+pub fn parse_line(line: &str) -> Result<CtrRecord, String> {
+    let line = line.trim_end_matches(['\n', '\r']);
+    let found = line.split('\t').count();
+    if found != COLUMNS {
+        return Err(format!("expected {COLUMNS} tab-separated columns, found {found}"));
+    }
+    let mut fields = line.split('\t');
+    let mut next = || fields.next().unwrap_or_default();
+    let bad =
+        |column: usize, field: &str, why: &str| format!("column {column} ({}): {field:?} {why}", column_name(column));
+    let label = match next() {
+        "0" => false,
+        "1" => true,
+        other => return Err(bad(1, other, "is not a label: it must be 0 or 1")),
+    };
+    let mut dense = [None; DENSE_FEATURES];
+    for (j, slot) in dense.iter_mut().enumerate() {
+        let field = next();
+        if !field.is_empty() {
+            *slot = Some(
+                field
+                    .parse::<i64>()
+                    .map_err(|_| bad(2 + j, field, "is not an integer"))?,
+            );
+        }
+    }
+    let mut sparse = [None; SPARSE_SLOTS];
+    for (s, slot) in sparse.iter_mut().enumerate() {
+        let field = next();
+        let column = 2 + DENSE_FEATURES + s;
+        if field.is_empty() {
+            continue;
+        }
+        if !field.bytes().all(|b| b.is_ascii_hexdigit()) {
+            return Err(bad(column, field, "is not hexadecimal"));
+        }
+        if field.len() > 8 {
+            return Err(bad(column, field, "has more than 8 hex digits"));
+        }
+        *slot = Some(u32::from_str_radix(field, 16).map_err(|e| bad(column, field, &e.to_string()))?);
+    }
+    Ok(CtrRecord { label, dense, sparse })
+}
+
+/// Streams records from a list of TSV files in order, one reused line buffer
+/// at a time, so files far larger than memory can be read.
+#[derive(Debug)]
+pub struct TsvReader {
+    files: Vec<PathBuf>,
+    /// Index in `files` of the file being read.
+    current: usize,
+    reader: Option<BufReader<File>>,
+    /// 1-based number of the line in `line`, within the current file.
+    line_number: u64,
+    line: String,
+}
+
+impl TsvReader {
+    /// A reader positioned at the start of the first file; every file must
+    /// exist now, so a typo fails at start-up rather than mid-epoch.
+    pub fn open(files: Vec<PathBuf>) -> Result<Self> {
+        for path in &files {
+            File::open(path).with_context(|| format!("cannot open CTR data file {}", path.display()))?;
+        }
+        let mut reader = Self {
+            files,
+            current: 0,
+            reader: None,
+            line_number: 0,
+            line: String::new(),
+        };
+        reader.rewind()?;
+        Ok(reader)
+    }
+
+    /// The next record, or `None` after the last line of the last file.
+    /// Errors carry `path:line:`.
+    pub fn next_record(&mut self) -> Result<Option<CtrRecord>> {
+        if !self.next_line()? {
+            return Ok(None);
+        }
+        let record = parse_line(&self.line).map_err(|e| anyhow::anyhow!("{}: {e}", self.location()))?;
+        Ok(Some(record))
+    }
+
+    /// Passes over the next record without parsing it, for records another
+    /// rank reads; false after the last line of the last file.
+    pub fn skip_record(&mut self) -> Result<bool> {
+        self.next_line()
+    }
+
+    /// Goes back to the start of the first file, for the next epoch.
+    pub fn rewind(&mut self) -> Result<()> {
+        self.current = 0;
+        self.line_number = 0;
+        self.reader = match self.files.first() {
+            Some(path) => Some(open_buffered(path)?),
+            None => None,
+        };
+        Ok(())
+    }
+
+    /// Reads the next non-empty line into `self.line`; false at the end.
+    fn next_line(&mut self) -> Result<bool> {
+        loop {
+            let Some(reader) = self.reader.as_mut() else {
+                return Ok(false);
+            };
+            self.line.clear();
+            let read = reader.read_line(&mut self.line);
+            self.line_number += 1;
+            if read.with_context(|| format!("{}: cannot read", self.location()))? == 0 {
+                self.current += 1;
+                self.line_number = 0;
+                self.reader = match self.files.get(self.current) {
+                    Some(path) => Some(open_buffered(path)?),
+                    None => None,
+                };
+                continue;
+            }
+            if !self.line.trim_end_matches(['\n', '\r']).is_empty() {
+                return Ok(true);
+            }
+        }
+    }
+
+    /// `path:line` of the line last read.
+    fn location(&self) -> String {
+        let path = self
+            .files
+            .get(self.current)
+            .map_or_else(String::new, |p| p.display().to_string());
+        format!("{path}:{}", self.line_number)
+    }
+}
+
+fn open_buffered(path: &Path) -> Result<BufReader<File>> {
+    let file = File::open(path).with_context(|| format!("cannot open CTR data file {}", path.display()))?;
+    Ok(BufReader::with_capacity(1 << 16, file))
+}
+
+/// Records in `path` (its non-empty lines), counted by scanning bytes
+/// without parsing, so sizing an epoch costs one fast pass over the file.
+pub(super) fn count_records(path: &Path) -> Result<u64> {
+    let mut file = open_buffered(path)?;
+    let mut buffer = vec![0u8; 1 << 16];
+    let (mut records, mut line_has_content) = (0u64, false);
+    loop {
+        let read = file
+            .read(&mut buffer)
+            .with_context(|| format!("cannot read {}", path.display()))?;
+        if read == 0 {
+            return Ok(records + u64::from(line_has_content));
+        }
+        for &byte in &buffer[..read] {
+            match byte {
+                b'\n' => {
+                    records += u64::from(line_has_content);
+                    line_has_content = false;
+                }
+                b'\r' => {}
+                _ => line_has_content = true,
+            }
+        }
+    }
+}
+
+/// Writes the first `samples` samples of `split` to `path` in the Criteo
+/// layout, so synthetic data can exercise the file path of the loader.
+pub fn write_synthetic(path: &Path, synth: &CriteoSynth, split: Split, samples: u64) -> Result<()> {
+    let file = File::create(path).with_context(|| format!("cannot create {}", path.display()))?;
+    let mut out = BufWriter::with_capacity(1 << 16, file);
+    for index in 0..samples {
+        write_record(&mut out, &synth.record(split, index))
+            .with_context(|| format!("cannot write {}", path.display()))?;
+    }
+    out.flush().with_context(|| format!("cannot write {}", path.display()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn line_with(column: usize, value: &str) -> String {
+        let mut fields = vec![String::new(); COLUMNS];
+        fields[0] = "0".into();
+        fields[column - 1] = value.into();
+        fields.join("\t")
+    }
+
+    #[test]
+    fn synthetic_records_round_trip_through_tsv() -> Result<()> {
+        let synth = CriteoSynth::new(3, 5000);
+        let dir = tempfile::tempdir()?;
+        let path = dir.path().join("train.tsv");
+        write_synthetic(&path, &synth, Split::Train, 500)?;
+        let mut reader = TsvReader::open(vec![path])?;
+        for index in 0..500 {
+            let expected = synth.record(Split::Train, index);
+            let read = reader
+                .next_record()?
+                .ok_or_else(|| anyhow::anyhow!("file ended at {index}"))?;
+            assert_eq!(read.feature_ids(), expected.feature_ids());
+            assert_eq!(read, expected);
+            assert_eq!(synth.click_logit(&read), synth.click_logit(&expected));
+        }
+        assert_eq!(reader.next_record()?, None);
+        assert_eq!(count_records(&dir.path().join("train.tsv"))?, 500);
+        Ok(())
+    }
+
+    #[test]
+    fn writes_the_criteo_layout() -> Result<()> {
+        let mut record = parse_line(&line_with(2, "-2")).map_err(anyhow::Error::msg)?;
+        record.sparse[0] = Some(0xab);
+        record.label = true;
+        let mut out = Vec::new();
+        write_record(&mut out, &record)?;
+        let text = String::from_utf8(out)?;
+        assert!(text.starts_with("1\t-2\t\t"));
+        assert!(text.ends_with("\t000000ab\t\t\t\t\t\t\t\t\t\t\t\t\t\t\t\t\t\t\t\t\t\t\t\t\t\n"));
+        assert_eq!(
+            parse_line(&text.replace('\n', "\r\n")).map_err(anyhow::Error::msg)?,
+            record
+        );
+        Ok(())
+    }
+
+    #[test]
+    fn errors_name_the_column() {
+        let err = |line: &str| parse_line(line).err().unwrap_or_default();
+        assert_eq!(err(&line_with(15, "zz")), "column 15 (C1): \"zz\" is not hexadecimal");
+        assert_eq!(
+            err(&line_with(40, "123456789")),
+            "column 40 (C26): \"123456789\" has more than 8 hex digits"
+        );
+        assert_eq!(err(&line_with(3, "1.5")), "column 3 (I2): \"1.5\" is not an integer");
+        assert!(err(&line_with(1, "2")).starts_with("column 1 (label): \"2\""));
+        let short = line_with(2, "1");
+        let short = &short[..short.rfind('\t').unwrap_or(0)];
+        assert_eq!(err(short), "expected 40 tab-separated columns, found 39");
+    }
+
+    #[test]
+    fn reader_streams_files_in_order_skips_blank_lines_and_rewinds() -> Result<()> {
+        let dir = tempfile::tempdir()?;
+        let (a, b) = (dir.path().join("a.tsv"), dir.path().join("b.tsv"));
+        std::fs::write(&a, format!("{}\n\n{}\r\n", line_with(2, "1"), line_with(2, "2")))?;
+        std::fs::write(&b, format!("{}\n{}", line_with(2, "3"), line_with(15, "xyz")))?;
+        assert_eq!((count_records(&a)?, count_records(&b)?), (2, 2));
+        let mut reader = TsvReader::open(vec![a, b.clone()])?;
+        let mut seen = Vec::new();
+        for _ in 0..3 {
+            seen.push(reader.next_record()?.and_then(|r| r.dense[0]));
+        }
+        assert_eq!(seen, vec![Some(1), Some(2), Some(3)]);
+        let bad = reader.next_record().err().map(|e| e.to_string()).unwrap_or_default();
+        assert_eq!(
+            bad,
+            format!("{}:2: column 15 (C1): \"xyz\" is not hexadecimal", b.display())
+        );
+        assert!(!reader.skip_record()?);
+        reader.rewind()?;
+        assert!(reader.skip_record()?);
+        assert_eq!(reader.next_record()?.and_then(|r| r.dense[0]), Some(2));
+        Ok(())
+    }
+
+    #[test]
+    fn a_missing_file_is_named() {
+        let missing = PathBuf::from("/nonexistent/day_0.tsv");
+        let err = TsvReader::open(vec![missing])
+            .err()
+            .map(|e| e.to_string())
+            .unwrap_or_default();
+        assert!(err.contains("/nonexistent/day_0.tsv"), "{err}");
+    }
+}
