@@ -52,6 +52,8 @@
 //! - [`job`]: a training job run in-process or as one launched rank, and the
 //!   files a run writes.
 //! - [`launch`]: `flotilla launch`, starting and supervising a node's ranks.
+//! - [`ps`]: a parameter-server shard's storage — sparse tables, its dense
+//!   slice, the server-side optimizer, snapshots.
 //! - [`bench`](mod@bench): benchmarks that print figures.
 //! - [`rng`], [`telemetry`]: the seeded generator every rank shares; logging.
 
@@ -68,5 +70,6 @@ pub mod launch;
 pub mod models;
 pub mod net;
 pub mod optim;
+pub mod ps;
 pub mod rng;
 pub mod telemetry;
