@@ -53,6 +53,9 @@
 //!   files a run writes.
 //! - [`launch`]: `flotilla launch`, starting and supervising a node's ranks.
 //! - [`metrics`]: quality measures of model outputs (ROC AUC).
+//! - [`ps`]: the parameter-server strategy — a shard's tables, dense slice,
+//!   optimizer and snapshots, the placement of rows, the protocol, the
+//!   trainer's client and its step logic.
 //! - [`bench`](mod@bench): benchmarks that print figures.
 //! - [`rng`], [`telemetry`]: the seeded generator every rank shares; logging.
 
@@ -70,5 +73,6 @@ pub mod metrics;
 pub mod models;
 pub mod net;
 pub mod optim;
+pub mod ps;
 pub mod rng;
 pub mod telemetry;

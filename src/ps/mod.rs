@@ -1,0 +1,34 @@
+//! The storage and optimizer core of a parameter-server shard.
+//!
+//! Vocabulary:
+//! - a **shard** is one parameter server's part of the model: a contiguous
+//!   [`dense::DenseSlice`] of the flattened dense parameters and, of every
+//!   sparse embedding table, the rows whose feature ids hash to it;
+//! - a **row** is one feature id's embedding, `width` floats, followed in
+//!   memory by its optimizer state; rows are created, initialised from the
+//!   job's seed, on first pull or push ([`table::SparseTable`]);
+//! - a **push** carries gradients the shard applies with its
+//!   [`optimizer::ServerOptimizer`], lazily: rows not pushed are untouched;
+//!   in geo mode a push carries deltas the shard simply adds;
+//! - a **snapshot** is one safetensors file per shard ([`snapshot`]).
+//!
+//! Layout: storage ([`table`], [`dense`], [`optimizer`], [`snapshot`]); the
+//! shard's rules per mode ([`shard`]); where a row lives ([`placement`]);
+//! what travels between trainer and shard ([`wire`]); the trainer's side
+//! ([`client`] for the links, [`worker`] for its step on the device thread).
+//! The shard actor and its TCP endpoint are in `actors::pserver` and
+//! `net::ps_server`.
+
+pub mod client;
+pub mod dense;
+pub mod optimizer;
+pub mod placement;
+mod row_index;
+mod row_pages;
+pub mod shard;
+pub mod snapshot;
+pub mod table;
+pub mod wire;
+pub mod worker;
+
+pub use shard::{Shard, ShardSpec};

@@ -1,0 +1,615 @@
+//! A shard's dense slice and sparse tables saved to, and loaded from, one
+//! safetensors file.
+//!
+//! Tensors: `dense.values` F32 `[len]`, `dense.state` F32 `[state_len]`, and
+//! per table `sparse.<table>.ids` U64 `[n]`, `sparse.<table>.values` F32
+//! `[n, width]`, `sparse.<table>.state` F32 `[n, state_len]` (`[n, 0]` for a
+//! stateless optimizer), rows in the same order in all three. Metadata:
+//! `format = "flotilla-ps-shard"`, `shard`, `server_num`, `dense.offset`,
+//! `dense.optimizer`, and per table `sparse.<table>.width` and
+//! `sparse.<table>.optimizer`.
+
+use std::borrow::Cow;
+use std::collections::{HashMap, HashSet};
+use std::fs::{self, File};
+use std::path::Path;
+
+use anyhow::{bail, ensure, Context};
+use safetensors::tensor::TensorView;
+use safetensors::{Dtype, SafeTensors, View};
+
+use super::dense::DenseSlice;
+use super::table::SparseTable;
+
+/// The `format` metadata value that marks a file as a PS shard snapshot.
+const FORMAT: &str = "flotilla-ps-shard";
+
+/// Which shard of how many wrote a snapshot: a file is loaded only by the
+/// same shard of an equally sized server group, because rows and the dense
+/// range are placed by both numbers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ShardSnapshotInfo {
+    /// This shard's index, from 0.
+    pub shard: usize,
+    /// Parameter servers in the job.
+    pub server_num: usize,
+}
+
+/// Writes the shard to `path` atomically: a temporary file in the same
+/// directory, synced, then renamed over `path`, so a crash leaves either the
+/// old snapshot or the new one, never half of one.
+pub fn save_shard(
+    path: &Path,
+    info: &ShardSnapshotInfo,
+    dense: &DenseSlice,
+    tables: &[&SparseTable],
+) -> anyhow::Result<()> {
+    let mut metadata = HashMap::from([
+        ("format".to_owned(), FORMAT.to_owned()),
+        ("shard".to_owned(), info.shard.to_string()),
+        ("server_num".to_owned(), info.server_num.to_string()),
+        ("dense.offset".to_owned(), dense.offset().to_string()),
+        ("dense.optimizer".to_owned(), dense.optimizer().name().to_owned()),
+    ]);
+    let mut tensors = vec![
+        (
+            "dense.values".to_owned(),
+            ShardTensor::new(Part::Floats(dense.values()), vec![dense.len()]),
+        ),
+        (
+            "dense.state".to_owned(),
+            ShardTensor::new(Part::Floats(dense.state()), vec![dense.state().len()]),
+        ),
+    ];
+    let mut names = HashSet::new();
+    for &table in tables {
+        let name = table.name();
+        ensure!(
+            names.insert(name),
+            "saving {}: two tables are named `{name}`",
+            path.display()
+        );
+        let (rows, width) = (table.len(), table.width());
+        let state_len = table.optimizer().state_len(width);
+        metadata.insert(format!("sparse.{name}.width"), width.to_string());
+        metadata.insert(format!("sparse.{name}.optimizer"), table.optimizer().name().to_owned());
+        tensors.push((
+            format!("sparse.{name}.ids"),
+            ShardTensor::new(Part::Ids(table), vec![rows]),
+        ));
+        tensors.push((
+            format!("sparse.{name}.values"),
+            ShardTensor::new(Part::Values(table), vec![rows, width]),
+        ));
+        tensors.push((
+            format!("sparse.{name}.state"),
+            ShardTensor::new(Part::State(table), vec![rows, state_len]),
+        ));
+    }
+    write_atomically(path, |temporary| {
+        safetensors::serialize_to_file(tensors, Some(metadata), temporary)
+            .with_context(|| format!("writing {}", temporary.display()))
+    })
+    .with_context(|| format!("saving PS shard {} to {}", info.shard, path.display()))
+}
+
+/// Replaces `dense` and every table of `tables` with the snapshot in `path`:
+/// rows created since it was taken are dropped.
+///
+/// Everything is checked before anything changes — format, shard and server
+/// count, the dense range, each table's presence, width and optimizer — so a
+/// mismatched file leaves the shard as it was. (A file that passes these
+/// checks but repeats an id fails after the tables were refilled.)
+pub fn load_shard(
+    path: &Path,
+    info: &ShardSnapshotInfo,
+    dense: &mut DenseSlice,
+    tables: &mut [&mut SparseTable],
+) -> anyhow::Result<()> {
+    let bytes = fs::read(path).with_context(|| format!("reading PS shard snapshot {}", path.display()))?;
+    load_from_bytes(&bytes, info, dense, tables)
+        .with_context(|| format!("loading PS shard snapshot {}", path.display()))
+}
+
+fn load_from_bytes(
+    bytes: &[u8],
+    info: &ShardSnapshotInfo,
+    dense: &mut DenseSlice,
+    tables: &mut [&mut SparseTable],
+) -> anyhow::Result<()> {
+    let file = ShardFile::parse(bytes)?;
+    file.expect("shard", &info.shard.to_string())?;
+    file.expect("server_num", &info.server_num.to_string())?;
+    file.expect("dense.offset", &dense.offset().to_string())?;
+    file.expect("dense.optimizer", dense.optimizer().name())?;
+    let dense_values = file.tensor("dense.values", Dtype::F32, Some(&[dense.len()]))?;
+    let dense_state = file.tensor("dense.state", Dtype::F32, Some(&[dense.state().len()]))?;
+
+    let mut loads: Vec<TableLoad<'_>> = Vec::with_capacity(tables.len());
+    for table in tables.iter() {
+        let name = table.name();
+        ensure!(
+            loads.iter().all(|load| load.name != name),
+            "two tables are named `{name}`"
+        );
+        let ids_name = format!("sparse.{name}.ids");
+        ensure!(file.has(&ids_name), "table `{name}` is missing from the file");
+        file.expect(&format!("sparse.{name}.width"), &table.width().to_string())?;
+        file.expect(&format!("sparse.{name}.optimizer"), table.optimizer().name())?;
+        let ids = file.tensor(&ids_name, Dtype::U64, None)?;
+        let [rows] = ids.shape() else {
+            bail!("`{ids_name}` has shape {:?}, not [rows]", ids.shape());
+        };
+        let (width, state_len) = (table.width(), table.optimizer().state_len(table.width()));
+        loads.push(TableLoad {
+            name: name.to_owned(),
+            ids: ids.data(),
+            values: file
+                .tensor(&format!("sparse.{name}.values"), Dtype::F32, Some(&[*rows, width]))?
+                .data(),
+            state: file
+                .tensor(&format!("sparse.{name}.state"), Dtype::F32, Some(&[*rows, state_len]))?
+                .data(),
+        });
+    }
+    for table in file.table_names() {
+        ensure!(
+            loads.iter().any(|load| load.name == table),
+            "the file holds table `{table}`, which this shard does not have"
+        );
+    }
+
+    dense.restore(floats(dense_values.data()), floats(dense_state.data()))?;
+    for (table, load) in tables.iter_mut().zip(loads) {
+        table.clear();
+        let (width, state_len) = (table.width(), table.optimizer().state_len(table.width()));
+        let values = floats(load.values);
+        let state = floats(load.state);
+        for (i, id) in load.ids.chunks_exact(8).map(u64_from_le).enumerate() {
+            table.insert_row(id, &values[i * width..][..width], &state[i * state_len..][..state_len])?;
+        }
+        let rows = load.ids.len() / 8;
+        ensure!(
+            table.len() == rows,
+            "table `{}`: {rows} ids but only {} distinct",
+            table.name(),
+            table.len()
+        );
+    }
+    Ok(())
+}
+
+/// One table's tensors, checked, waiting to be copied in.
+struct TableLoad<'a> {
+    name: String,
+    ids: &'a [u8],
+    values: &'a [u8],
+    state: &'a [u8],
+}
+
+/// A parsed snapshot whose every accessor explains a mismatch.
+struct ShardFile<'a> {
+    tensors: SafeTensors<'a>,
+    metadata: HashMap<String, String>,
+}
+
+impl<'a> ShardFile<'a> {
+    fn parse(bytes: &'a [u8]) -> anyhow::Result<Self> {
+        let not_ours = || format!("not a flotilla PS shard file (no `format = \"{FORMAT}\"` safetensors header)");
+        let (_, header) = SafeTensors::read_metadata(bytes).with_context(not_ours)?;
+        let metadata = header.metadata().clone().unwrap_or_default();
+        if metadata.get("format").map(String::as_str) != Some(FORMAT) {
+            bail!(not_ours());
+        }
+        let tensors = SafeTensors::deserialize(bytes).with_context(not_ours)?;
+        Ok(Self { tensors, metadata })
+    }
+
+    /// Fails unless metadata `key` is `want`, naming both values.
+    fn expect(&self, key: &str, want: &str) -> anyhow::Result<()> {
+        match self.metadata.get(key) {
+            Some(got) if got == want => Ok(()),
+            Some(got) => bail!("the file's {key} is {got}, this shard's is {want}"),
+            None => bail!("the file has no `{key}` (this shard's is {want})"),
+        }
+    }
+
+    fn has(&self, name: &str) -> bool {
+        self.tensors.tensor(name).is_ok()
+    }
+
+    /// Tensor `name`, which must have `dtype` and, when given, `shape`.
+    fn tensor(&self, name: &str, dtype: Dtype, shape: Option<&[usize]>) -> anyhow::Result<TensorView<'a>> {
+        let view = self
+            .tensors
+            .tensor(name)
+            .with_context(|| format!("tensor `{name}` is missing"))?;
+        ensure!(
+            view.dtype() == dtype,
+            "`{name}` is {:?}, expected {dtype:?}",
+            view.dtype()
+        );
+        if let Some(shape) = shape {
+            ensure!(
+                view.shape() == shape,
+                "`{name}` has shape {:?}, this shard expects {shape:?}",
+                view.shape()
+            );
+        }
+        Ok(view)
+    }
+
+    /// Names of the sparse tables in the file.
+    fn table_names(&self) -> impl Iterator<Item = &str> + '_ {
+        self.tensors
+            .names()
+            .into_iter()
+            .filter_map(|name| name.strip_prefix("sparse.")?.strip_suffix(".ids"))
+    }
+}
+
+/// Where a saved tensor's floats or ids come from: table rows are gathered
+/// only when the writer asks, one tensor at a time, so saving needs one
+/// tensor's worth of extra memory rather than a copy of the shard.
+enum Part<'a> {
+    Floats(&'a [f32]),
+    Ids(&'a SparseTable),
+    Values(&'a SparseTable),
+    State(&'a SparseTable),
+}
+
+struct ShardTensor<'a> {
+    part: Part<'a>,
+    shape: Vec<usize>,
+}
+
+impl<'a> ShardTensor<'a> {
+    fn new(part: Part<'a>, shape: Vec<usize>) -> Self {
+        Self { part, shape }
+    }
+}
+
+impl View for ShardTensor<'_> {
+    fn dtype(&self) -> Dtype {
+        match self.part {
+            Part::Ids(_) => Dtype::U64,
+            _ => Dtype::F32,
+        }
+    }
+
+    fn shape(&self) -> &[usize] {
+        &self.shape
+    }
+
+    fn data(&self) -> Cow<'_, [u8]> {
+        let mut bytes = Vec::with_capacity(self.data_len());
+        match self.part {
+            Part::Floats(floats) => floats.iter().for_each(|f| bytes.extend_from_slice(&f.to_le_bytes())),
+            Part::Ids(table) => table
+                .rows()
+                .for_each(|(id, _, _)| bytes.extend_from_slice(&id.to_le_bytes())),
+            Part::Values(table) => table
+                .rows()
+                .flat_map(|(_, value, _)| value)
+                .for_each(|f| bytes.extend_from_slice(&f.to_le_bytes())),
+            Part::State(table) => table
+                .rows()
+                .flat_map(|(_, _, state)| state)
+                .for_each(|f| bytes.extend_from_slice(&f.to_le_bytes())),
+        }
+        Cow::Owned(bytes)
+    }
+
+    fn data_len(&self) -> usize {
+        self.shape.iter().product::<usize>() * self.dtype().bitsize() / 8
+    }
+}
+
+fn floats(bytes: &[u8]) -> Vec<f32> {
+    bytes
+        .chunks_exact(4)
+        .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+        .collect()
+}
+
+fn u64_from_le(b: &[u8]) -> u64 {
+    u64::from_le_bytes([b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7]])
+}
+
+/// Runs `write` on a temporary sibling of `path`, syncs it, renames it over
+/// `path` and syncs the directory; the temporary file is removed on failure.
+fn write_atomically(path: &Path, write: impl FnOnce(&Path) -> anyhow::Result<()>) -> anyhow::Result<()> {
+    let file_name = path.file_name().context("the path has no file name")?;
+    let dir = match path.parent() {
+        Some(dir) if !dir.as_os_str().is_empty() => dir,
+        _ => Path::new("."),
+    };
+    let temporary = dir.join(format!(".{}.tmp-{}", file_name.to_string_lossy(), std::process::id()));
+    let result = write(&temporary).and_then(|()| {
+        File::open(&temporary)
+            .and_then(|file| file.sync_all())
+            .with_context(|| format!("syncing {}", temporary.display()))?;
+        fs::rename(&temporary, path).with_context(|| format!("renaming {} into place", temporary.display()))?;
+        File::open(dir)
+            .and_then(|dir| dir.sync_all())
+            .with_context(|| format!("syncing directory {}", dir.display()))
+    });
+    if result.is_err() {
+        // Best effort: the error being returned matters more than this one.
+        let _ = fs::remove_file(&temporary);
+    }
+    result
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ps::optimizer::ServerOptimizer;
+    use crate::ps::table::RowInit;
+
+    const INFO: ShardSnapshotInfo = ShardSnapshotInfo {
+        shard: 1,
+        server_num: 3,
+    };
+    const INIT: RowInit = RowInit { seed: 9, bound: 0.1 };
+    const ADAM: ServerOptimizer = ServerOptimizer::Adam {
+        lr: 0.01,
+        beta1: 0.9,
+        beta2: 0.999,
+        epsilon: 1e-8,
+    };
+    const SGD: ServerOptimizer = ServerOptimizer::Sgd { lr: 0.1, momentum: 0.0 };
+
+    /// A shard as a few steps of training leave it: Adam on the dense slice
+    /// and on table `user`, stateless SGD on table `item`.
+    struct Shard {
+        dense: DenseSlice,
+        user: SparseTable,
+        item: SparseTable,
+    }
+
+    impl Shard {
+        fn fresh() -> Self {
+            Self {
+                dense: DenseSlice::new(4, vec![0.0; 4], ADAM),
+                user: SparseTable::new("user", 3, INIT, ADAM),
+                item: SparseTable::new("item", 2, INIT, SGD),
+            }
+        }
+
+        fn trained() -> anyhow::Result<Self> {
+            let mut shard = Self::fresh();
+            for step in 0..3 {
+                let g = step as f32 + 1.0;
+                shard.dense.apply_gradients(&[0.1 * g, -0.2, 0.3, g])?;
+                shard.user.apply_gradients(&[1, 2 + step, 1 << 40], &[g; 9])?;
+                shard.item.apply_gradients(&[7, 8], &[-g; 4])?;
+            }
+            Ok(shard)
+        }
+
+        /// One more identical step on both shards: equal results only if the
+        /// Adam moments and step counts came back too.
+        fn step(&mut self) -> anyhow::Result<()> {
+            self.dense.apply_gradients(&[1.0, 2.0, 3.0, 4.0])?;
+            self.user.apply_gradients(&[1, 3, 1 << 40], &[0.5; 9])?;
+            self.item.apply_gradients(&[7], &[1.0; 2])
+        }
+
+        fn save(&self, path: &Path) -> anyhow::Result<()> {
+            save_shard(path, &INFO, &self.dense, &[&self.user, &self.item])
+        }
+
+        fn load(&mut self, path: &Path, info: &ShardSnapshotInfo) -> anyhow::Result<()> {
+            load_shard(path, info, &mut self.dense, &mut [&mut self.user, &mut self.item])
+        }
+    }
+
+    type Rows = Vec<(u64, Vec<f32>, Vec<f32>)>;
+
+    fn sorted_rows(table: &SparseTable) -> Rows {
+        let mut rows: Rows = table.rows().map(|(id, v, s)| (id, v.to_vec(), s.to_vec())).collect();
+        rows.sort_unstable_by_key(|row| row.0);
+        rows
+    }
+
+    fn assert_same(a: &Shard, b: &Shard) {
+        assert_eq!(a.dense.values(), b.dense.values());
+        assert_eq!(a.dense.state(), b.dense.state());
+        assert_eq!(sorted_rows(&a.user), sorted_rows(&b.user));
+        assert_eq!(sorted_rows(&a.item), sorted_rows(&b.item));
+    }
+
+    /// The chained message of `result`'s error, or "" if it succeeded.
+    fn message(result: anyhow::Result<()>) -> String {
+        result.err().map(|e| format!("{e:#}")).unwrap_or_default()
+    }
+
+    #[test]
+    fn round_trip_keeps_values_and_optimizer_state() -> anyhow::Result<()> {
+        let dir = tempfile::tempdir()?;
+        let path = dir.path().join("shard-1.safetensors");
+        let mut original = Shard::trained()?;
+        original.save(&path)?;
+
+        let mut loaded = Shard::fresh();
+        loaded.user.pull(&[99], &mut [0.0; 3])?; // created after the snapshot: must go
+        loaded.load(&path, &INFO)?;
+        assert_eq!(loaded.user.len(), 5);
+        assert_same(&original, &loaded);
+
+        original.step()?;
+        loaded.step()?;
+        assert_same(&original, &loaded);
+
+        let leftovers: Vec<_> = fs::read_dir(dir.path())?.collect::<Result<_, _>>()?;
+        assert_eq!(leftovers.len(), 1, "temporary files left: {leftovers:?}");
+        Ok(())
+    }
+
+    #[test]
+    fn saving_again_replaces_the_file() -> anyhow::Result<()> {
+        let dir = tempfile::tempdir()?;
+        let path = dir.path().join("shard.safetensors");
+        Shard::fresh().save(&path)?;
+        let trained = Shard::trained()?;
+        trained.save(&path)?;
+        let mut loaded = Shard::fresh();
+        loaded.load(&path, &INFO)?;
+        assert_same(&trained, &loaded);
+        Ok(())
+    }
+
+    #[test]
+    fn wrong_shard_or_server_count_is_refused_and_changes_nothing() -> anyhow::Result<()> {
+        let dir = tempfile::tempdir()?;
+        let path = dir.path().join("shard.safetensors");
+        Shard::trained()?.save(&path)?;
+        let mut shard = Shard::fresh();
+        let err = message(shard.load(
+            &path,
+            &ShardSnapshotInfo {
+                shard: 2,
+                server_num: 3,
+            },
+        ));
+        assert!(
+            err.contains("shard.safetensors") && err.contains("shard is 1, this shard's is 2"),
+            "{err}"
+        );
+        let err = message(shard.load(
+            &path,
+            &ShardSnapshotInfo {
+                shard: 1,
+                server_num: 4,
+            },
+        ));
+        assert!(err.contains("server_num is 3, this shard's is 4"), "{err}");
+        assert_same(&shard, &Shard::fresh());
+        Ok(())
+    }
+
+    #[test]
+    fn table_mismatches_are_named() -> anyhow::Result<()> {
+        let dir = tempfile::tempdir()?;
+        let path = dir.path().join("shard.safetensors");
+        let saved = Shard::trained()?;
+        save_shard(&path, &INFO, &saved.dense, &[&saved.user])?;
+        let mut shard = Shard::fresh();
+        let err = message(shard.load(&path, &INFO));
+        assert!(err.contains("table `item` is missing"), "{err}");
+
+        saved.save(&path)?;
+        let mut wide = SparseTable::new("user", 4, INIT, ADAM);
+        let err = message(load_shard(
+            &path,
+            &INFO,
+            &mut shard.dense,
+            &mut [&mut wide, &mut shard.item],
+        ));
+        assert!(err.contains("sparse.user.width is 3, this shard's is 4"), "{err}");
+
+        let mut adagrad = SparseTable::new(
+            "user",
+            3,
+            INIT,
+            ServerOptimizer::Adagrad {
+                lr: 0.1,
+                epsilon: 1e-10,
+                initial_accumulator: 0.0,
+            },
+        );
+        let err = message(load_shard(
+            &path,
+            &INFO,
+            &mut shard.dense,
+            &mut [&mut adagrad, &mut shard.item],
+        ));
+        assert!(
+            err.contains("sparse.user.optimizer is adam, this shard's is adagrad"),
+            "{err}"
+        );
+
+        let mut momentum = SparseTable::new("item", 2, INIT, ServerOptimizer::Sgd { lr: 0.1, momentum: 0.9 });
+        let err = message(load_shard(
+            &path,
+            &INFO,
+            &mut shard.dense,
+            &mut [&mut shard.user, &mut momentum],
+        ));
+        assert!(
+            err.contains("sparse.item.state") && err.contains("[2, 0]") && err.contains("[2, 2]"),
+            "{err}"
+        );
+
+        let err = message(load_shard(&path, &INFO, &mut shard.dense, &mut [&mut shard.user]));
+        assert!(
+            err.contains("holds table `item`, which this shard does not have"),
+            "{err}"
+        );
+        assert_same(&shard, &Shard::fresh());
+        Ok(())
+    }
+
+    #[test]
+    fn dense_mismatches_are_named() -> anyhow::Result<()> {
+        let dir = tempfile::tempdir()?;
+        let path = dir.path().join("shard.safetensors");
+        let saved = Shard::trained()?;
+        saved.save(&path)?;
+        let mut shard = Shard::fresh();
+        let mut longer = DenseSlice::new(4, vec![0.0; 5], ADAM);
+        let err = message(load_shard(
+            &path,
+            &INFO,
+            &mut longer,
+            &mut [&mut shard.user, &mut shard.item],
+        ));
+        assert!(
+            err.contains("dense.values") && err.contains("[4]") && err.contains("[5]"),
+            "{err}"
+        );
+        let mut moved = DenseSlice::new(5, vec![0.0; 4], ADAM);
+        let err = message(load_shard(
+            &path,
+            &INFO,
+            &mut moved,
+            &mut [&mut shard.user, &mut shard.item],
+        ));
+        assert!(err.contains("dense.offset is 4, this shard's is 5"), "{err}");
+        let mut sgd = DenseSlice::new(4, vec![0.0; 4], SGD);
+        let err = message(load_shard(
+            &path,
+            &INFO,
+            &mut sgd,
+            &mut [&mut shard.user, &mut shard.item],
+        ));
+        assert!(err.contains("dense.optimizer is adam, this shard's is sgd"), "{err}");
+        Ok(())
+    }
+
+    #[test]
+    fn other_files_are_not_taken_for_shards() -> anyhow::Result<()> {
+        let dir = tempfile::tempdir()?;
+        let garbage = dir.path().join("garbage.safetensors");
+        fs::write(&garbage, b"not a tensor file at all")?;
+        let mut shard = Shard::fresh();
+        let err = message(shard.load(&garbage, &INFO));
+        assert!(
+            err.contains("garbage.safetensors") && err.contains("not a flotilla PS shard file"),
+            "{err}"
+        );
+
+        let model = dir.path().join("model.safetensors");
+        let weight = [0u8; 8];
+        let view = TensorView::new(Dtype::F32, vec![2], &weight)?;
+        safetensors::serialize_to_file([("weight", view)], None, &model)?;
+        let err = message(shard.load(&model, &INFO));
+        assert!(
+            err.contains("model.safetensors") && err.contains("not a flotilla PS shard file"),
+            "{err}"
+        );
+        assert!(message(shard.load(&dir.path().join("absent"), &INFO)).contains("absent"));
+        Ok(())
+    }
+}
