@@ -207,7 +207,10 @@ fn run_options(args: &TrainArgs) -> RunOptions {
 
 fn print_ps_summary(summary: Option<&PsSummary>, options: &RunOptions) {
     if let Some(s) = summary {
-        let ceiling = s.planted_auc.map(|a| format!(" (planted model {a:.4})")).unwrap_or_default();
+        let ceiling = s
+            .planted_auc
+            .map(|a| format!(" (planted model {a:.4})"))
+            .unwrap_or_default();
         println!(
             "parameter-server ({}) {} × {} servers, {} trainers: {} steps, final loss {:.4}, test AUC {:.4}{ceiling}, {:.0} samples/s",
             s.mode, s.cluster, s.servers, s.trainers, s.steps, s.final_loss, s.auc, s.samples_per_sec

@@ -74,13 +74,17 @@ impl ShardFile {
     fn floats(&self, name: &str) -> Vec<f32> {
         let (data, size) = self.tensors.get(name).unwrap_or_else(|| panic!("{name} missing"));
         assert_eq!(*size, 4);
-        data.chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect()
+        data.chunks_exact(4)
+            .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+            .collect()
     }
 
     fn ids(&self, name: &str) -> Vec<u64> {
         let (data, size) = self.tensors.get(name).unwrap_or_else(|| panic!("{name} missing"));
         assert_eq!(*size, 8);
-        data.chunks_exact(8).map(|c| u64::from_le_bytes(c.try_into().unwrap())).collect()
+        data.chunks_exact(8)
+            .map(|c| u64::from_le_bytes(c.try_into().unwrap()))
+            .collect()
     }
 }
 
@@ -89,7 +93,12 @@ impl ShardFile {
 fn reference(config: &JobConfig) -> (Vec<f32>, Vec<HashMap<u64, Vec<f32>>>) {
     let train = &config.train;
     let job = ParameterServerJob::builtin(config.clone()).unwrap();
-    let model = WideDeep::new(train.embedding_dim, &train.hidden_sizes(), &ParamInit::new(train.seed, Device::Cpu)).unwrap();
+    let model = WideDeep::new(
+        train.embedding_dim,
+        &train.hidden_sizes(),
+        &ParamInit::new(train.seed, Device::Cpu),
+    )
+    .unwrap();
     let params: Vec<Var> = model.parameters().into_iter().map(|(_, v)| v).collect();
     let specs = table_layout(config);
     let mut tables: Vec<HashMap<u64, Vec<f32>>> = vec![HashMap::new(); specs.len()];
@@ -102,10 +111,12 @@ fn reference(config: &JobConfig) -> (Vec<f32>, Vec<HashMap<u64, Vec<f32>>>) {
         let index: Vec<u32> = batch
             .ids
             .iter()
-            .map(|id| *position.entry(*id).or_insert_with(|| {
-                unique.push(*id);
-                unique.len() as u32 - 1
-            }))
+            .map(|id| {
+                *position.entry(*id).or_insert_with(|| {
+                    unique.push(*id);
+                    unique.len() as u32 - 1
+                })
+            })
             .collect();
         let rows: Vec<Var> = specs
             .iter()
@@ -115,7 +126,15 @@ fn reference(config: &JobConfig) -> (Vec<f32>, Vec<HashMap<u64, Vec<f32>>>) {
                 for id in &unique {
                     let row = table.entry(*id).or_insert_with(|| {
                         let mut row = vec![0.0; spec.width];
-                        init_row(&RowInit { seed: train.seed, bound: spec.init_bound }, spec.name, *id, &mut row);
+                        init_row(
+                            &RowInit {
+                                seed: train.seed,
+                                bound: spec.init_bound,
+                            },
+                            spec.name,
+                            *id,
+                            &mut row,
+                        );
                         row
                     });
                     values.extend_from_slice(row);
@@ -126,7 +145,14 @@ fn reference(config: &JobConfig) -> (Vec<f32>, Vec<HashMap<u64, Vec<f32>>>) {
         let dense = Tensor::from_slice(&batch.dense, (batch.len, 13), &Device::Cpu).unwrap();
         let index = Tensor::from_vec(index, batch.ids.len(), &Device::Cpu).unwrap();
         let logits = model
-            .logits(&dense, &SparseRows { deep: rows[0].as_tensor(), wide: rows[1].as_tensor(), index: &index })
+            .logits(
+                &dense,
+                &SparseRows {
+                    deep: rows[0].as_tensor(),
+                    wide: rows[1].as_tensor(),
+                    index: &index,
+                },
+            )
             .unwrap();
         let labels = Tensor::from_slice(&batch.labels, batch.len, &Device::Cpu).unwrap();
         let grads = sigmoid_cross_entropy(&logits, &labels).unwrap().backward().unwrap();
@@ -135,7 +161,13 @@ fn reference(config: &JobConfig) -> (Vec<f32>, Vec<HashMap<u64, Vec<f32>>>) {
             p.set(&(p.as_tensor() - (g * f64::from(lr)).unwrap()).unwrap()).unwrap();
         }
         for ((spec, table), var) in specs.iter().zip(&mut tables).zip(&rows) {
-            let g = grads.get(var.as_tensor()).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+            let g = grads
+                .get(var.as_tensor())
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .to_vec1::<f32>()
+                .unwrap();
             for (u, id) in unique.iter().enumerate() {
                 let row = table.get_mut(id).unwrap();
                 for (v, g) in row.iter_mut().zip(&g[u * spec.width..(u + 1) * spec.width]) {
@@ -144,7 +176,10 @@ fn reference(config: &JobConfig) -> (Vec<f32>, Vec<HashMap<u64, Vec<f32>>>) {
             }
         }
     }
-    let dense = params.iter().flat_map(|p| p.flatten_all().unwrap().to_vec1::<f32>().unwrap()).collect();
+    let dense = params
+        .iter()
+        .flat_map(|p| p.flatten_all().unwrap().to_vec1::<f32>().unwrap())
+        .collect();
     (dense, tables)
 }
 
@@ -160,7 +195,10 @@ fn sync_mode_equals_single_process_training_of_the_global_batch() {
     let config = ctr_config(&[]);
     let dir = tempfile::tempdir().unwrap();
     let summary = run(config.clone(), dir.path());
-    assert_eq!((summary.mode.as_str(), summary.trainers, summary.servers), ("sync", 3, 2));
+    assert_eq!(
+        (summary.mode.as_str(), summary.trainers, summary.servers),
+        ("sync", 3, 2)
+    );
     let (dense, tables) = reference(&config);
 
     let shards: Vec<ShardFile> = (0..2)
@@ -168,7 +206,11 @@ fn sync_mode_equals_single_process_training_of_the_global_batch() {
         .collect();
     let served: Vec<f32> = shards.iter().flat_map(|s| s.floats("dense.values")).collect();
     assert_eq!(served.len(), dense.len());
-    let dense_diff = served.iter().zip(&dense).map(|(a, b)| (a - b).abs()).fold(0.0, f32::max);
+    let dense_diff = served
+        .iter()
+        .zip(&dense)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0.0, f32::max);
     assert!(dense_diff <= SYNC_TOLERANCE, "dense: max |Δ| = {dense_diff:e}");
 
     for (spec, table) in table_layout(&config).iter().zip(&tables) {
@@ -186,7 +228,15 @@ fn sync_mode_equals_single_process_training_of_the_global_batch() {
                     None => {
                         // Created by the final evaluation's pull, never trained.
                         let mut row = vec![0.0; spec.width];
-                        init_row(&RowInit { seed: config.train.seed, bound: spec.init_bound }, spec.name, *id, &mut row);
+                        init_row(
+                            &RowInit {
+                                seed: config.train.seed,
+                                bound: spec.init_bound,
+                            },
+                            spec.name,
+                            *id,
+                            &mut row,
+                        );
                         row
                     }
                 };
@@ -195,7 +245,12 @@ fn sync_mode_equals_single_process_training_of_the_global_batch() {
                 }
             }
         }
-        assert_eq!(seen, table.len(), "{}: every trained row is on exactly one shard", spec.name);
+        assert_eq!(
+            seen,
+            table.len(),
+            "{}: every trained row is on exactly one shard",
+            spec.name
+        );
         assert!(worst <= SYNC_TOLERANCE, "{}: max |Δrow| = {worst:e}", spec.name);
     }
 }
@@ -211,6 +266,8 @@ fn async_and_geo_reach_the_auc_of_sync() {
         "train.test_fraction=0.1",
         "train.embedding_dim=8",
         "train.hidden_sizes=[32, 16]",
+        "train.optimizer=adagrad",
+        "train.lr=0.05",
     ];
     let auc = |mode: &[&str]| {
         let overrides: Vec<&str> = common.iter().chain(mode).copied().collect();
@@ -219,7 +276,11 @@ fn async_and_geo_reach_the_auc_of_sync() {
     };
     let sync = auc(&[]);
     let ceiling = sync.planted_auc.unwrap();
-    assert!(sync.auc > 0.5 + 0.5 * (ceiling - 0.5), "sync AUC {} against the planted model's {ceiling}", sync.auc);
+    assert!(
+        sync.auc > 0.5 + 0.5 * (ceiling - 0.5),
+        "sync AUC {} against the planted model's {ceiling}",
+        sync.auc
+    );
     for (name, mode) in [
         ("async", vec!["strategy.a_sync=true"]),
         ("geo", vec!["strategy.a_sync=true", "strategy.a_sync_configs.k_steps=4"]),
@@ -251,8 +312,13 @@ fn a_push_to_an_unknown_table_or_with_a_row_of_the_wrong_width_is_refused() {
     let err = shard
         .push(push(vec![vec![], vec![], vec![7]], vec![vec![], vec![], vec![1.0]]))
         .unwrap_err();
-    assert_eq!(err.to_string(), "push names table 2 but the job has 2 tables (embedding, wide)");
-    let err = shard.push(push(vec![vec![7], vec![]], vec![vec![1.0, 2.0, 3.0], vec![]])).unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "push names table 2 but the job has 2 tables (embedding, wide)"
+    );
+    let err = shard
+        .push(push(vec![vec![7], vec![]], vec![vec![1.0, 2.0, 3.0], vec![]]))
+        .unwrap_err();
     assert_eq!(
         err.to_string(),
         "push from trainer 1 to table \"embedding\": 3 values for 1 rows of width 4 (expected 4)"

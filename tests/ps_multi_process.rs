@@ -22,8 +22,16 @@ fn launch_ps_trains_the_ctr_job_to_the_expected_auc_and_servers_exit() {
         "--run-dir", run_dir.to_str().unwrap(),
     ];
     let finished = flotilla(&args, &[], 240);
-    assert!(finished.success, "launch-ps failed:\n{}\n{}", finished.stdout, finished.stderr);
-    assert!(finished.stderr.contains("[server 1]"), "servers ran:\n{}", finished.stderr);
+    assert!(
+        finished.success,
+        "launch-ps failed:\n{}\n{}",
+        finished.stdout, finished.stderr
+    );
+    assert!(
+        finished.stderr.contains("[server 1]"),
+        "servers ran:\n{}",
+        finished.stderr
+    );
     assert!(
         finished.stderr.contains("every trainer has left; shutting down"),
         "servers shut down cleanly:\n{}",
@@ -33,10 +41,16 @@ fn launch_ps_trains_the_ctr_job_to_the_expected_auc_and_servers_exit() {
         serde_json::from_str(&std::fs::read_to_string(run_dir.join("summary.json")).unwrap()).unwrap();
     assert_eq!(summary["mode"], "sync");
     assert_eq!(summary["cluster"], "multi-process");
-    assert_eq!((summary["trainers"].as_u64(), summary["servers"].as_u64()), (Some(2), Some(2)));
+    assert_eq!(
+        (summary["trainers"].as_u64(), summary["servers"].as_u64()),
+        (Some(2), Some(2))
+    );
     let auc = summary["auc"].as_f64().unwrap();
     let ceiling = summary["planted_auc"].as_f64().unwrap();
-    assert!(auc > 0.5 + 0.5 * (ceiling - 0.5), "AUC {auc} against the planted model's {ceiling}");
+    assert!(
+        auc > 0.5 + 0.5 * (ceiling - 0.5),
+        "AUC {auc} against the planted model's {ceiling}"
+    );
     for shard in 0..2 {
         assert!(run_dir.join(format!("ps-shard-{shard}.safetensors")).exists());
     }
@@ -45,7 +59,13 @@ fn launch_ps_trains_the_ctr_job_to_the_expected_auc_and_servers_exit() {
 #[test]
 fn a_server_list_that_disagrees_with_server_num_is_a_config_error() {
     let finished = flotilla(
-        &["train", "--config", "examples/ctr_ps.toml", "--set", "cluster.pservers=[\"127.0.0.1:7001\"]"],
+        &[
+            "train",
+            "--config",
+            "examples/ctr_ps.toml",
+            "--set",
+            "cluster.pservers=[\"127.0.0.1:7001\"]",
+        ],
         &[],
         30,
     );
@@ -66,7 +86,14 @@ fn an_unreachable_server_is_named_after_the_timeout() {
     let set_servers = format!("cluster.pservers={servers}");
     let finished = flotilla(
         &[
-            "run", "--role", "trainer", "--config", "examples/ctr_ps.toml", "--set", &set_servers, "--set",
+            "run",
+            "--role",
+            "trainer",
+            "--config",
+            "examples/ctr_ps.toml",
+            "--set",
+            &set_servers,
+            "--set",
             "fault_tolerance.timeout_s=1",
         ],
         &[("PADDLE_TRAINER_ID", "0".to_string())],
@@ -102,15 +129,22 @@ fn a_server_that_drops_every_request_fails_the_call_after_the_retries() {
         }
         accepted
     });
-    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
     let err = runtime.block_on(async {
         let link = ShardLink::Remote(RemoteShard::new(endpoint.clone(), 1 << 20));
         let mut client = PsClient::new(vec![link], 3, Duration::from_secs(10));
-        client.call_all(vec![Request::Leave { trainer: 0 }], "leave").await.unwrap_err()
+        client
+            .call_all(vec![Request::Leave { trainer: 0 }], "leave")
+            .await
+            .unwrap_err()
     });
     assert!(
-        err.to_string()
-            .starts_with(&format!("parameter server 0 at {endpoint} is unreachable: the leave failed after 3 retries")),
+        err.to_string().starts_with(&format!(
+            "parameter server 0 at {endpoint} is unreachable: the leave failed after 3 retries"
+        )),
         "{err}"
     );
     assert_eq!(acceptor.join().unwrap(), 4, "one attempt and three retries");

@@ -13,14 +13,14 @@ use anyhow::{anyhow, Context as _, Result};
 
 use crate::collective::{ParamChecksum, Replica, StepReport};
 use crate::config::JobConfig;
+use crate::data::ctr::CtrBatch;
 use crate::data::Batch;
 use crate::engines::comm::memory::MemoryTransport;
 use crate::engines::comm::{connect_ring, CommWorker, Communicator};
 use crate::engines::compute::device_for;
-use crate::data::ctr::CtrBatch;
 use crate::models::{Model, ParamInit};
-use crate::ps::worker::{CtrWorker, PullPlan, ShardUpdate, StepOutcome};
 use crate::ps::wire::PulledRows;
+use crate::ps::worker::{CtrWorker, PullPlan, ShardUpdate, StepOutcome};
 
 /// Builds a rank's model; called on the device thread with the job's seeded
 /// initialiser, so every rank builds the same initial parameters.

@@ -95,12 +95,12 @@ struct PsRun {
 }
 
 impl PsRun {
-    async fn execute(self) -> Result<PsOutcome> {
+    async fn execute(mut self) -> Result<PsOutcome> {
         let rank = self.rank;
         let job = self.job.clone();
         let train = &job.train;
         let world = job.world_size();
-        let mut client = self.client.context("TrainPs was sent twice")?;
+        let mut client = self.client.take().context("TrainPs was sent twice")?;
         self.device.send(PrepareCtr(job.clone())).await??;
         client.wait_for_servers().await?;
 
@@ -118,10 +118,26 @@ impl PsRun {
         for step in 0..steps {
             let batch = loader.next_batch()?;
             let plan = self.device.send(PlanCtr { batch, training: true }).await??;
-            let pulled = pull(&mut client, rank, step as u64, false, plan, &format!("pull of step {step}")).await?;
+            let pulled = pull(
+                &mut client,
+                rank,
+                step as u64,
+                false,
+                plan,
+                &format!("pull of step {step}"),
+            )
+            .await?;
             let outcome = self.device.send(TrainCtr(pulled)).await??;
             if let Some(updates) = outcome.push {
-                push(&mut client, rank, step as u64, &job, updates, &format!("push of step {step}")).await?;
+                push(
+                    &mut client,
+                    rank,
+                    step as u64,
+                    &job,
+                    updates,
+                    &format!("push of step {step}"),
+                )
+                .await?;
             }
             losses.push(outcome.loss);
             progress.set_position(step as u64 + 1);
@@ -136,7 +152,8 @@ impl PsRun {
         }
         let elapsed = started.elapsed();
         progress.finish_and_clear();
-        let everyone = |request: Request| vec![request; client.server_num()];
+        let servers = client.server_num();
+        let everyone = |request: Request| vec![request; servers];
         client
             .call_all(everyone(Request::EndTraining { trainer: rank }), "end of training")
             .await?;
@@ -156,7 +173,9 @@ impl PsRun {
         } else {
             (None, 0)
         };
-        client.call_all(everyone(Request::Leave { trainer: rank }), "leave").await?;
+        client
+            .call_all(everyone(Request::Leave { trainer: rank }), "leave")
+            .await?;
         Ok(PsOutcome {
             rank,
             steps,

@@ -162,7 +162,6 @@ impl ClusterConfig {
         }
         Ok(())
     }
-
 }
 
 /// Every entry of the list at `key` must be a distinct `ip:port`.

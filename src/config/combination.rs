@@ -1,7 +1,7 @@
 //! Rules across sections: which models, data sets and optimizers each strategy trains, so a
 //! mismatch is a config error naming the key rather than a failure deep inside a run.
 
-use super::{DatasetKind, FieldError, JobConfig, ModelKind, OptimizerKind, PsMode};
+use super::{DatasetKind, FieldError, JobConfig, ModelKind, OptimizerKind};
 
 /// Checks that strategy, model, data set and optimizer fit together.
 pub(super) fn check(config: &JobConfig) -> Result<(), FieldError> {
@@ -58,19 +58,6 @@ fn check_parameter_server(config: &JobConfig) -> Result<(), FieldError> {
             ),
         ));
     }
-    if let PsMode::Geo { k_steps } = config.strategy.ps_mode() {
-        // Geo trainers train their local copies with plain SGD, as Paddle's GeoSGD does; the
-        // shards only add the deltas, so no other optimizer would take effect.
-        if train.optimizer != OptimizerKind::Sgd || train.momentum != 0.0 {
-            return Err(FieldError::new(
-                "train.optimizer",
-                format!(
-                    "geo mode (strategy.a_sync_configs.k_steps = {k_steps}) trains local copies with plain SGD: \
-                     set train.optimizer = \"sgd\" and train.momentum = 0"
-                ),
-            ));
-        }
-    }
     if train.weight_decay > 0.0 {
         return Err(FieldError::new(
             "train.weight_decay",
@@ -114,7 +101,10 @@ fn check_files(config: &JobConfig) -> Result<(), FieldError> {
     if train.dataset != DatasetKind::Criteo {
         return Ok(());
     }
-    for (key, files) in [("train.train_files", &train.train_files), ("train.test_files", &train.test_files)] {
+    for (key, files) in [
+        ("train.train_files", &train.train_files),
+        ("train.test_files", &train.test_files),
+    ] {
         if files.is_empty() {
             return Err(FieldError::new(
                 key,
@@ -154,23 +144,48 @@ mod tests {
     #[test]
     fn strategy_and_model_must_fit() {
         let msg = err_text(load_str("[cluster]\nserver_num = 2\n"));
-        assert!(msg.starts_with("config.toml: train.model: the parameter-server strategy"), "{msg}");
-        let msg = err_text(load_str("[train]\nmodel = \"wide_deep\"\ndataset = \"criteo_synthetic\"\n"));
-        assert!(msg.starts_with("config.toml: train.model: \"wide_deep\" trains on parameter servers"), "{msg}");
-        let msg = err_text(load_str(&format!("{CTR}optimizer = \"adamw\"\n").replace("optimizer = \"adam\"\n", "")));
-        assert!(msg.starts_with("config.toml: train.optimizer: \"adamw\" is not"), "{msg}");
+        assert!(
+            msg.starts_with("config.toml: train.model: the parameter-server strategy"),
+            "{msg}"
+        );
+        let msg = err_text(load_str(
+            "[train]\nmodel = \"wide_deep\"\ndataset = \"criteo_synthetic\"\n",
+        ));
+        assert!(
+            msg.starts_with("config.toml: train.model: \"wide_deep\" trains on parameter servers"),
+            "{msg}"
+        );
+        let msg = err_text(load_str(
+            &format!("{CTR}optimizer = \"adamw\"\n").replace("optimizer = \"adam\"\n", ""),
+        ));
+        assert!(
+            msg.starts_with("config.toml: train.optimizer: \"adamw\" is not"),
+            "{msg}"
+        );
         let msg = err_text(load_str("[train]\noptimizer = \"adagrad\"\n"));
-        assert!(msg.starts_with("config.toml: train.optimizer: adagrad and adam run on"), "{msg}");
+        assert!(
+            msg.starts_with("config.toml: train.optimizer: adagrad and adam run on"),
+            "{msg}"
+        );
         let msg = err_text(load_str("[strategy]\na_sync = true\n"));
-        assert!(msg.starts_with("config.toml: strategy.a_sync: applies to the parameter-server"), "{msg}");
+        assert!(
+            msg.starts_with("config.toml: strategy.a_sync: applies to the parameter-server"),
+            "{msg}"
+        );
     }
 
     #[test]
     fn data_must_fit_the_model() {
         let msg = err_text(load_str(&CTR.replace("criteo_synthetic", "digits")));
-        assert!(msg.starts_with("config.toml: train.dataset: \"digits\" is not click logs"), "{msg}");
+        assert!(
+            msg.starts_with("config.toml: train.dataset: \"digits\" is not click logs"),
+            "{msg}"
+        );
         let msg = err_text(load_str("[train]\ndataset = \"criteo_synthetic\"\n"));
-        assert!(msg.starts_with("config.toml: train.dataset: \"criteo_synthetic\" is click logs"), "{msg}");
+        assert!(
+            msg.starts_with("config.toml: train.dataset: \"criteo_synthetic\" is click logs"),
+            "{msg}"
+        );
         let msg = err_text(load_str(&CTR.replace("criteo_synthetic", "criteo")));
         assert_eq!(
             msg,
@@ -181,13 +196,13 @@ mod tests {
     #[test]
     fn geo_needs_a_sync_and_modes_follow_the_keys() {
         let msg = err_text(load_str(&format!("{CTR}[strategy.a_sync_configs]\nk_steps = 4\n")));
-        assert!(msg.starts_with("config.toml: strategy.a_sync_configs.k_steps: k_steps = 4 selects geo"), "{msg}");
+        assert!(
+            msg.starts_with("config.toml: strategy.a_sync_configs.k_steps: k_steps = 4 selects geo"),
+            "{msg}"
+        );
         let config = load_str(&format!("{CTR}[strategy]\na_sync = true\n")).unwrap();
         assert_eq!(config.strategy.ps_mode(), PsMode::Async);
         let geo = format!("{CTR}[strategy]\na_sync = true\na_sync_configs = {{ k_steps = 4 }}\n");
-        let msg = err_text(load_str(&geo));
-        assert!(msg.starts_with("config.toml: train.optimizer: geo mode"), "{msg}");
-        let geo = geo.replace("optimizer = \"adam\"", "optimizer = \"sgd\"\nmomentum = 0.0");
         let config = load_str(&geo).unwrap();
         assert_eq!(config.strategy.ps_mode(), PsMode::Geo { k_steps: 4 });
         assert_eq!(load_str(CTR).unwrap().strategy.ps_mode(), PsMode::Sync);

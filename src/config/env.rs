@@ -196,7 +196,11 @@ mod tests {
         ];
         let ctr = "[train]\nmodel = \"wide_deep\"\ndataset = \"criteo_synthetic\"\noptimizer = \"adam\"\n";
         let config = load_with(ctr, &vars, &[]).unwrap();
-        assert_eq!(config.world_size(), 4, "the trainer count alone sets the trainers per node");
+        assert_eq!(
+            config.world_size(),
+            4,
+            "the trainer count alone sets the trainers per node"
+        );
         assert_eq!(config.cluster.server_num, 2, "the server count follows the list");
         assert!(config.cluster.is_parameter_server());
         let msg = err_text(load_with(&format!("[cluster]\nserver_num = 3\n{ctr}"), &vars, &[]));
@@ -231,7 +235,11 @@ mod tests {
 
     #[test]
     fn later_errors_are_attributed_to_the_variable() {
-        let msg = err_text(load_with("[cluster]\nnproc_per_node = 2\n", &[("PADDLE_TRAINERS_NUM", "3")], &[]));
+        let msg = err_text(load_with(
+            "[cluster]\nnproc_per_node = 2\n",
+            &[("PADDLE_TRAINERS_NUM", "3")],
+            &[],
+        ));
         assert_eq!(
             msg,
             "environment (PADDLE_TRAINERS_NUM): cluster.world_size: 3 contradicts \

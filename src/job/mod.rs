@@ -5,9 +5,9 @@
 //! of a launched cluster. The built-in jobs take the same path.
 
 mod control;
-pub mod ps;
 mod outputs;
 mod process;
+pub mod ps;
 mod simulated;
 
 pub use control::connect_control;

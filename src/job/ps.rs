@@ -4,6 +4,7 @@
 
 use std::net::TcpListener;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use actix::prelude::*;
@@ -15,7 +16,7 @@ use super::RunOptions;
 use crate::actors::ps_trainer::{PsOutcome, PsTrainer, TrainPs};
 use crate::actors::pserver::PServer;
 use crate::actors::DeviceActor;
-use crate::config::{DatasetKind, JobConfig, LrScaling, OptimizerKind};
+use crate::config::{DatasetKind, JobConfig};
 use crate::data::ctr::{CriteoSynth, CtrSource, Split};
 use crate::models::{ParamInit, WideDeep};
 use crate::net::ps_server::serve_shard;
@@ -25,6 +26,9 @@ use crate::ps::optimizer::ServerOptimizer;
 use crate::ps::table::{RowInit, SparseTable};
 use crate::ps::worker::table_layout;
 use crate::ps::{Shard, ShardSpec};
+
+/// How long a shard waits, once every trainer has left, for their connections to close.
+const LEAVE_GRACE: std::time::Duration = std::time::Duration::from_secs(5);
 
 /// Held-out samples over which the planted model's AUC (the ceiling) is computed.
 const CEILING_SAMPLES: u64 = 20_000;
@@ -149,7 +153,10 @@ impl ParameterServerJob {
             });
             futures::future::try_join_all(runs).await
         })?;
-        let rank0 = outcomes.into_iter().next().context("a job needs at least one trainer")?;
+        let rank0 = outcomes
+            .into_iter()
+            .next()
+            .context("a job needs at least one trainer")?;
         let summary = self.summary(rank0, "in-process")?;
         write_outputs(&options.run_dir, &summary, &self.config)?;
         Ok(summary)
@@ -159,22 +166,35 @@ impl ParameterServerJob {
     pub fn run_server(&self, index: usize) -> Result<()> {
         let config = self.config.clone();
         let endpoint = config.cluster.pservers.get(index).cloned().with_context(|| {
-            format!(
-                "parameter server {index}: cluster.pservers (PADDLE_PSERVERS_IP_PORT_LIST) has no entry {index}"
-            )
+            format!("parameter server {index}: cluster.pservers (PADDLE_PSERVERS_IP_PORT_LIST) has no entry {index}")
         })?;
         let listener = TcpListener::bind(&endpoint)
             .with_context(|| format!("parameter server {index}: cannot listen on {endpoint}"))?;
         listener.set_nonblocking(true)?;
         let shard = build_shard(&config, index)?;
-        tracing::info!("parameter server {index} of {} listening on {endpoint}", config.cluster.server_num);
+        tracing::info!(
+            "parameter server {index} of {} listening on {endpoint}",
+            config.cluster.server_num
+        );
         System::new().block_on(async move {
             let listener = tokio::net::TcpListener::from_std(listener)?;
             let (all_left, done) = oneshot::channel();
             let actor = PServer::start_in_arbiter(&Arbiter::new().handle(), move |_| PServer::new(shard, all_left));
-            actix::spawn(serve_shard(listener, actor, config.cluster.max_frame_bytes()));
+            let open = Arc::new(AtomicUsize::new(0));
+            actix::spawn(serve_shard(
+                listener,
+                actor,
+                config.cluster.max_frame_bytes(),
+                open.clone(),
+            ));
             done.await
                 .map_err(|_| anyhow!("parameter server {index} stopped before every trainer left"))?;
+            // The last trainer's leave is answered after the shard learns of it: wait (boundedly)
+            // until the trainers have read their answers and hung up.
+            let deadline = tokio::time::Instant::now() + LEAVE_GRACE;
+            while open.load(Ordering::SeqCst) > 0 && tokio::time::Instant::now() < deadline {
+                tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+            }
             tracing::info!("parameter server {index}: every trainer has left; shutting down");
             Ok(())
         })
@@ -184,7 +204,10 @@ impl ParameterServerJob {
     pub fn run_trainer(&self, rank: usize, options: &RunOptions) -> Result<Option<PsSummary>> {
         let config = self.config.clone();
         let world = config.world_size();
-        anyhow::ensure!(rank < world, "PADDLE_TRAINER_ID = {rank} is outside the {world} trainers");
+        anyhow::ensure!(
+            rank < world,
+            "PADDLE_TRAINER_ID = {rank} is outside the {world} trainers"
+        );
         anyhow::ensure!(
             config.cluster.pservers.len() == config.cluster.server_num,
             "{}: cluster.pservers (PADDLE_PSERVERS_IP_PORT_LIST) must list the {} parameter servers of a multi-process job",
@@ -230,7 +253,9 @@ impl ParameterServerJob {
     fn summary(&self, rank0: PsOutcome, cluster: &str) -> Result<PsSummary> {
         let config = &self.config;
         let planted_auc = match &self.test_data {
-            CtrSource::Synthetic { synth, split, samples } => synth.planted_auc(*split, (*samples).min(CEILING_SAMPLES)),
+            CtrSource::Synthetic { synth, split, samples } => {
+                synth.planted_auc(*split, (*samples).min(CEILING_SAMPLES))
+            }
             CtrSource::Files(_) => None,
         };
         Ok(PsSummary {
@@ -255,7 +280,7 @@ impl ParameterServerJob {
 /// (from the seed, as every trainer would build them) and empty tables.
 pub fn build_shard(job: &JobConfig, index: usize) -> Result<Shard> {
     let servers = job.cluster.server_num;
-    let optimizer = server_optimizer(job);
+    let optimizer = ServerOptimizer::for_job(job);
     let model = WideDeep::new(
         job.train.embedding_dim,
         &job.train.hidden_sizes(),
@@ -284,37 +309,6 @@ pub fn build_shard(job: &JobConfig, index: usize) -> Result<Shard> {
         mode: job.strategy.ps_mode(),
     };
     Ok(Shard::new(spec, slice, tables))
-}
-
-/// The shards' optimizer from `train.optimizer`, `train.lr` (scaled by `train.lr_scaling` with
-/// the trainer count) and `train.momentum`.
-pub fn server_optimizer(job: &JobConfig) -> ServerOptimizer {
-    let train = &job.train;
-    let trainers = job.world_size() as f64;
-    let lr = (train.lr
-        * match train.lr_scaling {
-            LrScaling::None => 1.0,
-            LrScaling::Linear => trainers,
-            LrScaling::Sqrt => trainers.sqrt(),
-        }) as f32;
-    match train.optimizer {
-        OptimizerKind::Adagrad => ServerOptimizer::Adagrad {
-            lr,
-            epsilon: 1e-10,
-            initial_accumulator: 0.0,
-        },
-        OptimizerKind::Adam => ServerOptimizer::Adam {
-            lr,
-            beta1: 0.9,
-            beta2: 0.999,
-            epsilon: 1e-8,
-        },
-        // Validation keeps AdamW off parameter servers.
-        OptimizerKind::Sgd | OptimizerKind::Adamw => ServerOptimizer::Sgd {
-            lr,
-            momentum: train.momentum as f32,
-        },
-    }
 }
 
 /// Which shard this process serves: the position of `POD_IP:PADDLE_PORT` in the server list

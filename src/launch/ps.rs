@@ -40,7 +40,13 @@ impl LaunchPsArgs {
     /// The server processes, then the trainer processes, with their environment.
     pub fn plan(&self, flotilla: PathBuf) -> Result<Vec<ChildSpec>> {
         let servers = self.endpoints("--servers", &self.servers, "--server_num", self.server_num, 0)?;
-        let workers = self.endpoints("--workers", &self.workers, "--worker_num", self.worker_num, servers.len())?;
+        let workers = self.endpoints(
+            "--workers",
+            &self.workers,
+            "--worker_num",
+            self.worker_num,
+            servers.len(),
+        )?;
         let role_command = |role: &str| -> Result<(PathBuf, Vec<String>)> {
             match self.command.split_first() {
                 Some((first, rest)) if first == "train" => Ok((
@@ -161,8 +167,14 @@ mod tests {
         assert_eq!(children[4].args, ["run", "--role", "trainer", "--config", "c.toml"]);
         assert_eq!(env(&children[1], "TRAINING_ROLE"), "PSERVER");
         assert_eq!(env(&children[1], "PADDLE_PORT"), "6171");
-        assert_eq!(env(&children[0], "PADDLE_PSERVERS_IP_PORT_LIST"), "127.0.0.1:6170,127.0.0.1:6171");
-        assert_eq!(env(&children[0], "PADDLE_PSERVER_ENDPOINTS"), "127.0.0.1:6170,127.0.0.1:6171");
+        assert_eq!(
+            env(&children[0], "PADDLE_PSERVERS_IP_PORT_LIST"),
+            "127.0.0.1:6170,127.0.0.1:6171"
+        );
+        assert_eq!(
+            env(&children[0], "PADDLE_PSERVER_ENDPOINTS"),
+            "127.0.0.1:6170,127.0.0.1:6171"
+        );
         assert_eq!(env(&children[3], "TRAINING_ROLE"), "TRAINER");
         assert_eq!(env(&children[3], "PADDLE_TRAINER_ID"), "1");
         assert_eq!(env(&children[3], "PADDLE_TRAINERS_NUM"), "3");

@@ -164,7 +164,13 @@ mod tests {
             .iter()
             .map(|&(x, y)| {
                 // ln σ(z), written per sign so neither branch overflows.
-                let log_sigmoid = |z: f64| if z < 0.0 { z - z.exp().ln_1p() } else { -(-z).exp().ln_1p() };
+                let log_sigmoid = |z: f64| {
+                    if z < 0.0 {
+                        z - z.exp().ln_1p()
+                    } else {
+                        -(-z).exp().ln_1p()
+                    }
+                };
                 -(y * log_sigmoid(x) + (1.0 - y) * log_sigmoid(-x))
             })
             .sum::<f64>()

@@ -2,6 +2,9 @@
 //! the answers go back as frames. A malformed frame or one above the cap closes that
 //! connection with a log line; the shard keeps serving the others.
 
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+
 use actix::Addr;
 use futures::{SinkExt, StreamExt};
 use tokio::net::{TcpListener, TcpStream};
@@ -11,16 +14,20 @@ use super::frame::codec;
 use crate::actors::pserver::{PServer, ShardCall};
 use crate::ps::wire::{decode_request, encode_reply};
 
-/// Accepts trainer connections until the actor system stops.
-pub async fn serve_shard(listener: TcpListener, shard: Addr<PServer>, max_frame_bytes: usize) {
+/// Accepts trainer connections until the actor system stops; `open` counts the connections
+/// being served, so the shard can let the last answers go out before it exits.
+pub async fn serve_shard(listener: TcpListener, shard: Addr<PServer>, max_frame_bytes: usize, open: Arc<AtomicUsize>) {
     loop {
         match listener.accept().await {
             Ok((stream, peer)) => {
                 let shard = shard.clone();
+                let open = open.clone();
+                open.fetch_add(1, Ordering::SeqCst);
                 actix::spawn(async move {
                     if let Err(reason) = handle_connection(stream, shard, max_frame_bytes).await {
                         tracing::warn!(%peer, "closed parameter-server connection: {reason}");
                     }
+                    open.fetch_sub(1, Ordering::SeqCst);
                 });
             }
             Err(e) => tracing::warn!("accepting a parameter-server connection failed: {e}"),

@@ -84,11 +84,7 @@ pub struct PsClient {
 impl PsClient {
     /// A client over `shards` (indexed by shard).
     pub fn new(shards: Vec<ShardLink>, retry: usize, timeout: Duration) -> Self {
-        Self {
-            shards,
-            retry,
-            timeout,
-        }
+        Self { shards, retry, timeout }
     }
 
     /// Shards in the job.

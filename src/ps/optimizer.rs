@@ -7,6 +7,8 @@
 //! steps' worth of bias correction over that time, not a hundred (as
 //! Paddle's and TensorFlow's lazy sparse Adam do).
 
+use crate::config::{JobConfig, LrScaling, OptimizerKind};
+
 /// A per-row optimizer with its state stored next to the row.
 ///
 /// State layout per row of `width`, after the row's value:
@@ -50,6 +52,37 @@ pub enum ServerOptimizer {
 }
 
 impl ServerOptimizer {
+    /// The shards' optimizer from `train.optimizer`, `train.lr` (scaled by `train.lr_scaling` with
+    /// the trainer count) and `train.momentum`.
+    pub fn for_job(job: &JobConfig) -> Self {
+        let train = &job.train;
+        let trainers = job.world_size() as f64;
+        let lr = (train.lr
+            * match train.lr_scaling {
+                LrScaling::None => 1.0,
+                LrScaling::Linear => trainers,
+                LrScaling::Sqrt => trainers.sqrt(),
+            }) as f32;
+        match train.optimizer {
+            OptimizerKind::Adagrad => Self::Adagrad {
+                lr,
+                epsilon: 1e-10,
+                initial_accumulator: 0.0,
+            },
+            OptimizerKind::Adam => Self::Adam {
+                lr,
+                beta1: 0.9,
+                beta2: 0.999,
+                epsilon: 1e-8,
+            },
+            // Validation keeps AdamW off parameter servers.
+            OptimizerKind::Sgd | OptimizerKind::Adamw => Self::Sgd {
+                lr,
+                momentum: train.momentum as f32,
+            },
+        }
+    }
+
     /// Floats of state kept per row of `width`: sizes the row storage and is
     /// checked when a snapshot is loaded.
     pub fn state_len(&self, width: usize) -> usize {

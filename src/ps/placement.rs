@@ -34,7 +34,12 @@ mod tests {
             counts[shard_of(1, id, 4)] += 1;
         }
         assert!(counts.iter().all(|&c| (9_000..11_000).contains(&c)), "{counts:?}");
-        let differ = (0..1000u64).filter(|&id| shard_of(0, id, 2) != shard_of(1, id, 2)).count();
-        assert!((400..600).contains(&differ), "tables are placed independently: {differ}");
+        let differ = (0..1000u64)
+            .filter(|&id| shard_of(0, id, 2) != shard_of(1, id, 2))
+            .count();
+        assert!(
+            (400..600).contains(&differ),
+            "tables are placed independently: {differ}"
+        );
     }
 }

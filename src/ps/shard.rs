@@ -103,7 +103,11 @@ impl Shard {
                 Ok(out)
             })
             .collect::<Result<_>>()?;
-        let dense = if pull.dense { self.dense.values().to_vec() } else { Vec::new() };
+        let dense = if pull.dense {
+            self.dense.values().to_vec()
+        } else {
+            Vec::new()
+        };
         Ok(PulledRows { rows, dense })
     }
 
@@ -140,7 +144,12 @@ impl Shard {
                     UpdateKind::Gradients => 1.0,
                     UpdateKind::Deltas => 1.0 / self.spec.trainers as f32,
                 };
-                self.apply(push.kind, &push.ids, scaled(push.values, scale), scaled_one(push.dense, scale))?;
+                self.apply(
+                    push.kind,
+                    &push.ids,
+                    scaled(push.values, scale),
+                    scaled_one(push.dense, scale),
+                )?;
                 self.applied += 1;
                 Ok(true)
             }
@@ -198,7 +207,12 @@ impl Shard {
             ids.push(table_ids);
             values.push(table_values);
         }
-        self.apply(UpdateKind::Gradients, &ids, scaled(values, scale), scaled_one(dense, scale))?;
+        self.apply(
+            UpdateKind::Gradients,
+            &ids,
+            scaled(values, scale),
+            scaled_one(dense, scale),
+        )?;
         self.applied += 1;
         Ok(())
     }

@@ -377,7 +377,12 @@ mod tests {
             ids: vec![vec![5, 6, 7], vec![8]],
             dense: true,
         });
-        for request in [pull, push(), Request::Leave { trainer: 3 }, Request::Save { path: "x".into() }] {
+        for request in [
+            pull,
+            push(),
+            Request::Leave { trainer: 3 },
+            Request::Save { path: "x".into() },
+        ] {
             assert_eq!(decode_request(encode_request(&request)?)?, request);
         }
         let rows = Reply::Rows(PulledRows {
@@ -395,7 +400,10 @@ mod tests {
         let body = encode_request(&push())?;
         let short = body.slice(..body.len() - 4);
         let msg = decode_request(short).unwrap_err().to_string();
-        assert!(msg.starts_with("malformed frame: the header announces 12 more payload bytes"), "{msg}");
+        assert!(
+            msg.starts_with("malformed frame: the header announces 12 more payload bytes"),
+            "{msg}"
+        );
         let mut long = BytesMut::from(&body[..]);
         long.put_u8(0);
         assert!(decode_request(long.freeze()).is_err());

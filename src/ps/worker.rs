@@ -87,7 +87,9 @@ struct PlannedBatch {
 }
 
 /// Local copies of geo mode: what the trainer trains on between pushes, and the values they
-/// started from, whose difference is the delta to push.
+/// started from, whose difference is the delta to push. The job's optimizer runs here, on the
+/// trainer; its state outlives the copies (which are pulled fresh after every push), as the
+/// shards only add deltas.
 struct GeoCopies {
     k_steps: usize,
     steps_since_push: usize,
@@ -95,6 +97,10 @@ struct GeoCopies {
     rows: Vec<FxHashMap<u64, Vec<f32>>>,
     /// `[local, base]` of the dense parameters; `None` until pulled after a push.
     dense: Option<(Vec<f32>, Vec<f32>)>,
+    /// Per table, id → the local optimizer's state of that row.
+    row_state: Vec<FxHashMap<u64, Vec<f32>>>,
+    /// The local optimizer's state of the dense parameters.
+    dense_state: Vec<f32>,
 }
 
 /// The trainer's model and the step logic around it.
@@ -118,13 +124,21 @@ impl CtrWorker {
         let model = WideDeep::new(job.train.embedding_dim, &job.train.hidden_sizes(), &init)?;
         let dense_vars: Vec<Var> = model.parameters().into_iter().map(|(_, v)| v).collect();
         let dense_len = dense_vars.iter().map(|v| v.elem_count()).sum();
+        let local_optimizer = ServerOptimizer::for_job(job);
+        let tables = table_layout(job).len();
         let geo = match job.strategy.ps_mode() {
-            PsMode::Geo { k_steps } => Some(GeoCopies {
-                k_steps,
-                steps_since_push: 0,
-                rows: vec![FxHashMap::default(); 2],
-                dense: None,
-            }),
+            PsMode::Geo { k_steps } => {
+                let mut dense_state = vec![0.0; local_optimizer.state_len(dense_len)];
+                local_optimizer.init_state(&mut dense_state);
+                Some(GeoCopies {
+                    k_steps,
+                    steps_since_push: 0,
+                    rows: vec![FxHashMap::default(); tables],
+                    dense: None,
+                    row_state: vec![FxHashMap::default(); tables],
+                    dense_state,
+                })
+            }
             PsMode::Sync | PsMode::Async => None,
         };
         Ok(Self {
@@ -134,10 +148,7 @@ impl CtrWorker {
             widths: table_layout(job).into_iter().map(|t| t.width).collect(),
             server_num: job.cluster.server_num,
             device,
-            local_optimizer: ServerOptimizer::Sgd {
-                lr: job.train.lr as f32,
-                momentum: 0.0,
-            },
+            local_optimizer,
             geo,
             planned: None,
         })
@@ -238,7 +249,10 @@ impl CtrWorker {
 
     /// Click probabilities of the planned batch under the pulled (shard) values.
     pub fn predict(&mut self, pulled: Vec<PulledRows>) -> Result<Vec<f32>> {
-        let planned = self.planned.take().context("a prediction was run before it was planned")?;
+        let planned = self
+            .planned
+            .take()
+            .context("a prediction was run before it was planned")?;
         let rows = self.gather(&planned, &pulled, false)?;
         let dense = self.dense_values(&pulled, false)?;
         self.set_dense(&dense)?;
@@ -261,7 +275,11 @@ impl CtrWorker {
 
     fn inputs(&self, planned: &PlannedBatch) -> Result<(Tensor, Tensor)> {
         let batch = &planned.batch;
-        let dense = Tensor::from_slice(&batch.dense, (batch.len, batch.dense.len() / batch.len.max(1)), &self.device)?;
+        let dense = Tensor::from_slice(
+            &batch.dense,
+            (batch.len, batch.dense.len() / batch.len.max(1)),
+            &self.device,
+        )?;
         let index = Tensor::from_slice(&planned.index, planned.index.len(), &self.device)?;
         Ok((dense, index))
     }
@@ -369,11 +387,16 @@ impl CtrWorker {
         for (table, &width) in self.widths.iter().enumerate() {
             for (u, id) in planned.unique.iter().enumerate() {
                 let copy = geo.rows[table].get_mut(id).context("a local row vanished")?;
-                optimizer.apply(&mut copy[..width], &mut [], &row_grads[table][u * width..(u + 1) * width]);
+                let state = geo.row_state[table].entry(*id).or_insert_with(|| {
+                    let mut state = vec![0.0; optimizer.state_len(width)];
+                    optimizer.init_state(&mut state);
+                    state
+                });
+                optimizer.apply(&mut copy[..width], state, &row_grads[table][u * width..(u + 1) * width]);
             }
         }
         let (local, _) = geo.dense.as_mut().context("geo dense copy missing")?;
-        optimizer.apply(local, &mut [], dense_grad);
+        optimizer.apply(local, &mut geo.dense_state, dense_grad);
         geo.steps_since_push += 1;
         if geo.steps_since_push < geo.k_steps {
             return Ok(None);
