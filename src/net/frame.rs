@@ -134,9 +134,9 @@ mod tests {
 
     #[test]
     fn malformed_frames_are_errors_not_panics() {
-        assert!(Frame::decode(Bytes::from_static(&[1])).is_err());
-        assert!(Frame::decode(Bytes::from_static(&[255, 255, 255, 255, 0])).is_err());
-        assert!(Frame::decode(Bytes::from_static(&[2, 0, 0, 0, 200, 200])).is_err());
+        assert!(Frame::<ControlMessage>::decode(Bytes::from_static(&[1])).is_err());
+        assert!(Frame::<ControlMessage>::decode(Bytes::from_static(&[255, 255, 255, 255, 0])).is_err());
+        assert!(Frame::<ControlMessage>::decode(Bytes::from_static(&[2, 0, 0, 0, 200, 200])).is_err());
     }
 
     #[test]
