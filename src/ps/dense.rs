@@ -1,5 +1,6 @@
 //! A shard's contiguous range of the model's dense parameters.
 
+use std::fmt;
 use std::ops::Range;
 
 use anyhow::ensure;
@@ -11,7 +12,6 @@ use super::optimizer::ServerOptimizer;
 ///
 /// The whole slice is one optimizer "row": every push covers all of it, so
 /// Adam keeps one pair of `beta^t` for the slice.
-#[derive(Debug)]
 pub struct DenseSlice {
     offset: usize,
     values: Vec<f32>,
@@ -105,6 +105,17 @@ impl DenseSlice {
             self.values.len()
         );
         Ok(())
+    }
+}
+
+/// A summary: the floats themselves would flood any log they reach.
+impl fmt::Debug for DenseSlice {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("DenseSlice")
+            .field("offset", &self.offset)
+            .field("len", &self.values.len())
+            .field("optimizer", &self.optimizer)
+            .finish_non_exhaustive()
     }
 }
 

@@ -87,7 +87,7 @@ impl ServerOptimizer {
     /// checked when a snapshot is loaded.
     pub fn state_len(&self, width: usize) -> usize {
         match *self {
-            Self::Sgd { momentum, .. } if momentum == 0.0 => 0,
+            Self::Sgd { momentum: 0.0, .. } => 0,
             Self::Sgd { .. } | Self::Adagrad { .. } => width,
             Self::Adam { .. } => 2 * width + 2,
         }
@@ -123,7 +123,7 @@ impl ServerOptimizer {
         assert_eq!(grad.len(), width, "gradient length differs from the row width");
         assert_eq!(state.len(), self.state_len(width), "optimizer state length differs");
         match *self {
-            Self::Sgd { lr, momentum } if momentum == 0.0 => {
+            Self::Sgd { lr, momentum: 0.0 } => {
                 for (p, &g) in value.iter_mut().zip(grad) {
                     *p -= lr * g;
                 }
@@ -257,7 +257,8 @@ mod tests {
 
     #[test]
     fn adagrad_matches_pytorch() {
-        let (lr, epsilon, initial_accumulator) = (0.1, 1e-10, 0.1);
+        // A large epsilon, so that where it is added shows in the result.
+        let (lr, epsilon, initial_accumulator) = (0.1, 0.1, 0.1);
         let (value, state) = run(ServerOptimizer::Adagrad {
             lr,
             epsilon,
@@ -278,7 +279,8 @@ mod tests {
 
     #[test]
     fn adam_matches_pytorch() {
-        let (lr, beta1, beta2, epsilon) = (0.01f32, 0.9f32, 0.999f32, 1e-8f32);
+        // A large epsilon, so that where it is added shows in the result.
+        let (lr, beta1, beta2, epsilon) = (0.01f32, 0.9f32, 0.999f32, 0.1f32);
         let (value, state) = run(ServerOptimizer::Adam {
             lr,
             beta1,

@@ -33,7 +33,7 @@ const GROUP_WIDTH: usize = 16;
 
 /// Maps feature ids to row slots; one hash per lookup, nothing allocated per
 /// row.
-#[derive(Debug, Default)]
+#[derive(Default)]
 pub(crate) struct RowIndex {
     map: FxHashMap<RowKey, u32>,
 }

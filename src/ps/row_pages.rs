@@ -14,7 +14,6 @@ pub(crate) const PAGE_ROWS: usize = 1 << 14;
 
 /// Rows of `stride` floats addressed by slot; slots count up from 0 and are
 /// never freed.
-#[derive(Debug)]
 pub(crate) struct RowPages {
     stride: usize,
     pages: Vec<Box<[f32]>>,
