@@ -9,6 +9,7 @@ use anyhow::{bail, Context, Result};
 use clap::{Parser, Subcommand, ValueEnum};
 
 use flotilla::bench::allreduce::{self, AllReduceArgs};
+use flotilla::bench::ps::{self as ps_bench, PsBenchArgs, PsBenchShardArgs};
 use flotilla::config::{process_env, JobConfig};
 use flotilla::data::ctr::{write_synthetic, CriteoSynth, Split};
 use flotilla::job::ps::{ParameterServerJob, PsSummary};
@@ -112,6 +113,11 @@ enum BenchCommand {
     /// One rank of `bench allreduce` (started by it).
     #[command(hide = true)]
     AllreduceRank(AllReduceArgs),
+    /// Pull and push throughput against parameter-server shard processes on loopback.
+    Ps(PsBenchArgs),
+    /// One shard of `bench ps` (started by it).
+    #[command(hide = true)]
+    PsShard(PsBenchShardArgs),
 }
 
 fn main() -> ExitCode {
@@ -151,6 +157,8 @@ fn run(cli: Cli) -> Result<()> {
         }
         Command::Bench(BenchCommand::Allreduce { nproc, args }) => allreduce::run(nproc, &args),
         Command::Bench(BenchCommand::AllreduceRank(args)) => allreduce::run_rank(&args),
+        Command::Bench(BenchCommand::Ps(args)) => ps_bench::run(&args),
+        Command::Bench(BenchCommand::PsShard(args)) => ps_bench::run_shard(&args),
     }
 }
 

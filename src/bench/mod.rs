@@ -1,3 +1,4 @@
 //! Benchmarks that print figures (never asserts): `flotilla bench …`.
 
 pub mod allreduce;
+pub mod ps;

@@ -7,7 +7,7 @@
 //! never misread floats.
 
 use anyhow::{bail, ensure, Result};
-use bytes::{BufMut, Bytes, BytesMut};
+use bytes::{Bytes, BytesMut};
 use serde::{Deserialize, Serialize};
 
 use crate::net::Frame;
@@ -287,20 +287,18 @@ fn counts(lens: impl Iterator<Item = usize>) -> Result<Vec<u32>> {
     lens.map(count).collect()
 }
 
+// The wire is little-endian; on such hosts values are copied as they lie in memory.
+#[cfg(not(target_endian = "little"))]
+compile_error!("the parameter-server wire format copies little-endian memory as is");
+
 fn put_ids(out: &mut BytesMut, tables: &[Vec<u64>]) {
     for ids in tables {
-        out.reserve(ids.len() * 8);
-        for id in ids {
-            out.put_u64_le(*id);
-        }
+        out.extend_from_slice(bytemuck::cast_slice(ids));
     }
 }
 
 fn put_floats(out: &mut BytesMut, values: &[f32]) {
-    out.reserve(values.len() * 4);
-    for v in values {
-        out.put_f32_le(*v);
-    }
+    out.extend_from_slice(bytemuck::cast_slice(values));
 }
 
 /// The raw part of a frame, consumed in order against the header's counts.
@@ -327,20 +325,14 @@ impl Payload {
         Ok(slice)
     }
 
+    // Received bytes need not be aligned for u64/f32: `pod_collect_to_vec` copies into an
+    // aligned vector either way.
     fn ids(&mut self, n: u32) -> Result<Vec<u64>> {
-        let bytes = self.take(n as usize * 8)?;
-        Ok(bytes
-            .chunks_exact(8)
-            .map(|c| u64::from_le_bytes([c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]]))
-            .collect())
+        Ok(bytemuck::pod_collect_to_vec(self.take(n as usize * 8)?))
     }
 
     fn floats(&mut self, n: u32) -> Result<Vec<f32>> {
-        let bytes = self.take(n as usize * 4)?;
-        Ok(bytes
-            .chunks_exact(4)
-            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-            .collect())
+        Ok(bytemuck::pod_collect_to_vec(self.take(n as usize * 4)?))
     }
 
     fn finish(self) -> Result<()> {
@@ -356,6 +348,7 @@ impl Payload {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use bytes::BufMut;
 
     fn push() -> Request {
         Request::Push(PushRequest {
