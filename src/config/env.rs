@@ -87,6 +87,7 @@ pub(super) fn apply(
     env: &dyn Fn(&str) -> Option<String>,
     provenance: &mut Provenance,
 ) -> Result<(), ConfigError> {
+    let mut server_list = None;
     for entry in ENV_OVERRIDES {
         let Some(raw) = env(entry.var) else {
             continue;
@@ -101,8 +102,22 @@ pub(super) fn apply(
             message,
         };
         let value = parse(entry.parse, text).map_err(error)?;
+        if let (["cluster", "pservers"], Value::Array(list)) = (entry.key, &value) {
+            server_list = Some((entry.var, list.len()));
+        }
         set_path(table, entry.key, value).map_err(error)?;
         provenance.record(entry.key.join("."), format!("{ENV_SOURCE} ({})", entry.var));
+    }
+    // The launcher's server list also says how many servers the job has, as its trainer count
+    // says how many trainers.
+    if let Some((var, servers)) = server_list {
+        let key = ["cluster", "server_num"];
+        set_path(table, &key, Value::Integer(servers as i64)).map_err(|message| ConfigError::Invalid {
+            source_name: ENV_SOURCE.to_string(),
+            key: var.to_string(),
+            message,
+        })?;
+        provenance.record(key.join("."), format!("{ENV_SOURCE} ({var})"));
     }
     Ok(())
 }
@@ -203,11 +218,12 @@ mod tests {
         );
         assert_eq!(config.cluster.server_num, 2, "the server count follows the list");
         assert!(config.cluster.is_parameter_server());
-        let msg = err_text(load_with(&format!("[cluster]\nserver_num = 3\n{ctr}"), &vars, &[]));
+        let config = load_with(&format!("[cluster]\nserver_num = 3\n{ctr}"), &vars, &[]).unwrap();
+        assert_eq!(config.cluster.server_num, 2, "the launcher's list wins over the file");
+        let msg = err_text(load_with(ctr, &vars, &["cluster.server_num=3"]));
         assert_eq!(
             msg,
-            "environment (PADDLE_PSERVERS_IP_PORT_LIST): cluster.pservers: lists 2 parameter servers \
-             but cluster.server_num = 3"
+            "--set: cluster.pservers: lists 2 parameter servers but cluster.server_num = 3"
         );
         let config = load_with(ctr, &[("PADDLE_PSERVER_ENDPOINTS", "127.0.0.1:7000")], &[]).unwrap();
         assert_eq!(config.cluster.pservers, vec!["127.0.0.1:7000".to_string()]);
