@@ -52,11 +52,18 @@ fn column_name(column: usize) -> String {
 /// the 1-based column and what is wrong with it.
 pub fn parse_line(line: &str) -> Result<CtrRecord, String> {
     let line = line.trim_end_matches(['\n', '\r']);
-    let found = line.split('\t').count();
+    let mut fields = [""; COLUMNS];
+    let mut found = 0;
+    for field in line.split('\t') {
+        if let Some(f) = fields.get_mut(found) {
+            *f = field;
+        }
+        found += 1;
+    }
     if found != COLUMNS {
         return Err(format!("expected {COLUMNS} tab-separated columns, found {found}"));
     }
-    let mut fields = line.split('\t');
+    let mut fields = fields.into_iter();
     let mut next = || fields.next().unwrap_or_default();
     let bad =
         |column: usize, field: &str, why: &str| format!("column {column} ({}): {field:?} {why}", column_name(column));
@@ -104,7 +111,8 @@ pub struct TsvReader {
     reader: Option<BufReader<File>>,
     /// 1-based number of the line in `line`, within the current file.
     line_number: u64,
-    line: String,
+    /// Raw bytes, so skipped lines are never checked for UTF-8.
+    line: Vec<u8>,
 }
 
 impl TsvReader {
@@ -119,7 +127,7 @@ impl TsvReader {
             current: 0,
             reader: None,
             line_number: 0,
-            line: String::new(),
+            line: Vec::new(),
         };
         reader.rewind()?;
         Ok(reader)
@@ -131,7 +139,9 @@ impl TsvReader {
         if !self.next_line()? {
             return Ok(None);
         }
-        let record = parse_line(&self.line).map_err(|e| anyhow::anyhow!("{}: {e}", self.location()))?;
+        let text =
+            std::str::from_utf8(&self.line).map_err(|e| anyhow::anyhow!("{}: not UTF-8: {e}", self.location()))?;
+        let record = parse_line(text).map_err(|e| anyhow::anyhow!("{}: {e}", self.location()))?;
         Ok(Some(record))
     }
 
@@ -159,7 +169,7 @@ impl TsvReader {
                 return Ok(false);
             };
             self.line.clear();
-            let read = reader.read_line(&mut self.line);
+            let read = reader.read_until(b'\n', &mut self.line);
             self.line_number += 1;
             if read.with_context(|| format!("{}: cannot read", self.location()))? == 0 {
                 self.current += 1;
@@ -170,7 +180,7 @@ impl TsvReader {
                 };
                 continue;
             }
-            if !self.line.trim_end_matches(['\n', '\r']).is_empty() {
+            if self.line.iter().any(|&b| b != b'\n' && b != b'\r') {
                 return Ok(true);
             }
         }
