@@ -42,9 +42,18 @@ fn world_size_contradiction_is_named() {
 
 #[test]
 fn strategies_not_built_yet_say_so() {
+    let err = train_with("", &["--set", "strategy.pipeline=true"]);
+    assert!(
+        err.contains("strategy.pipeline") && err.contains("not supported yet"),
+        "{err}"
+    );
+}
+
+#[test]
+fn parameter_server_keys_on_a_collective_job_say_what_they_need() {
     let err = train_with("", &["--set", "strategy.a_sync=true"]);
     assert!(
-        err.contains("strategy.a_sync") && err.contains("not supported yet"),
+        err.contains("strategy.a_sync: applies to the parameter-server strategy: set cluster.server_num"),
         "{err}"
     );
 }

@@ -223,7 +223,8 @@ mod tests {
         let msg = err_text(load_with(ctr, &vars, &["cluster.server_num=3"]));
         assert_eq!(
             msg,
-            "--set: cluster.pservers: lists 2 parameter servers but cluster.server_num = 3"
+            "environment (PADDLE_PSERVERS_IP_PORT_LIST): cluster.pservers: lists 2 parameter servers \
+             but cluster.server_num = 3"
         );
         let config = load_with(ctr, &[("PADDLE_PSERVER_ENDPOINTS", "127.0.0.1:7000")], &[]).unwrap();
         assert_eq!(config.cluster.pservers, vec!["127.0.0.1:7000".to_string()]);
