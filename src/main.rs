@@ -121,6 +121,7 @@ enum BenchCommand {
 }
 
 fn main() -> ExitCode {
+    keep_freed_buffers();
     flotilla::telemetry::init_logging();
     match run(Cli::parse()) {
         Ok(()) => ExitCode::SUCCESS,
@@ -223,6 +224,12 @@ fn print_ps_summary(summary: Option<&PsSummary>, options: &RunOptions) {
             "parameter-server ({}) {} × {} servers, {} trainers: {} steps, final loss {:.4}, test AUC {:.4}{ceiling}, {:.0} samples/s",
             s.mode, s.cluster, s.servers, s.trainers, s.steps, s.final_loss, s.auc, s.samples_per_sec
         );
+        for t in &s.tables {
+            println!(
+                "  table {}: {} rows, {:.1} bytes/row (raw {})",
+                t.name, t.rows, t.bytes_per_row, t.raw_bytes_per_row
+            );
+        }
         println!("summary: {}", options.run_dir.join("summary.json").display());
     }
 }
@@ -257,6 +264,22 @@ fn train(args: &TrainArgs) -> Result<()> {
         print_collective_summary(outcome.as_ref(), &options);
     }
     Ok(())
+}
+
+/// Every training step allocates and frees the same large buffers (frames of pulled rows,
+/// gradients). glibc returns such buffers to the kernel on free and faults them in again on the
+/// next allocation, which measured as a third of a 25 MB pull; keeping freed memory for reuse
+/// (as PyTorch's caching allocator does) made pulls and pushes 2.2× faster (`bench ps`). Set
+/// `MALLOC_MMAP_THRESHOLD_` / `MALLOC_TRIM_THRESHOLD_` to choose otherwise.
+fn keep_freed_buffers() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    if std::env::var_os("MALLOC_MMAP_THRESHOLD_").is_none() && std::env::var_os("MALLOC_TRIM_THRESHOLD_").is_none() {
+        // SAFETY: mallopt only adjusts allocator parameters; called before any other thread exists.
+        unsafe {
+            libc::mallopt(libc::M_MMAP_THRESHOLD, 32 << 20);
+            libc::mallopt(libc::M_TRIM_THRESHOLD, 1 << 30);
+        }
+    }
 }
 
 fn default_run_dir() -> PathBuf {

@@ -16,7 +16,7 @@ use crate::config::{JobConfig, TrainLength};
 use crate::data::ctr::{CtrLoader, CtrSource};
 use crate::metrics::auc;
 use crate::ps::client::PsClient;
-use crate::ps::wire::{PullRequest, PulledRows, PushRequest, Reply, Request, UpdateKind};
+use crate::ps::wire::{PullRequest, PulledRows, PushRequest, Reply, Request, TableStats, UpdateKind};
 use crate::ps::worker::{PullPlan, ShardUpdate};
 
 /// What a parameter-server trainer needs.
@@ -59,6 +59,8 @@ pub struct PsOutcome {
     pub auc: Option<f64>,
     /// Held-out samples evaluated (trainer 0 only).
     pub test_samples: usize,
+    /// Rows and bytes of each table over all shards, at the end (trainer 0 only).
+    pub tables: Vec<TableStats>,
 }
 
 impl Actor for PsTrainer {
@@ -158,8 +160,9 @@ impl PsRun {
             .call_all(everyone(Request::EndTraining { trainer: rank }), "end of training")
             .await?;
 
-        let (auc, test_samples) = if rank == 0 {
-            let evaluated = self.evaluate(&mut client, steps as u64).await?;
+        let (auc, test_samples, tables) = if rank == 0 {
+            let (auc, test_samples) = self.evaluate(&mut client, steps as u64).await?;
+            let tables = table_stats(&mut client).await?;
             if let Some(dir) = &self.save_dir {
                 std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
                 let saves = (0..client.server_num())
@@ -169,9 +172,9 @@ impl PsRun {
                     .collect();
                 client.call_all(saves, "save of the tables").await?;
             }
-            evaluated
+            (auc, test_samples, tables)
         } else {
-            (None, 0)
+            (None, 0, Vec::new())
         };
         client
             .call_all(everyone(Request::Leave { trainer: rank }), "leave")
@@ -183,6 +186,7 @@ impl PsRun {
             samples_per_sec: (steps * train.batch_size) as f64 / elapsed.as_secs_f64().max(1e-9),
             auc,
             test_samples,
+            tables,
         })
     }
 
@@ -199,6 +203,25 @@ impl PsRun {
         }
         Ok((auc(&scores, &labels), scores.len()))
     }
+}
+
+/// Each table's rows and bytes, summed over the shards.
+async fn table_stats(client: &mut PsClient) -> Result<Vec<TableStats>> {
+    let replies = client
+        .call_all(vec![Request::Stats; client.server_num()], "table statistics")
+        .await?;
+    let mut total: Vec<TableStats> = Vec::new();
+    for reply in replies {
+        let Reply::Stats(tables) = reply else {
+            anyhow::bail!("a parameter server answered the statistics request with something else");
+        };
+        total.resize(tables.len().max(total.len()), TableStats::default());
+        for (sum, table) in total.iter_mut().zip(tables) {
+            sum.rows += table.rows;
+            sum.bytes += table.bytes;
+        }
+    }
+    Ok(total)
 }
 
 /// Pulls `plan` from every shard at once.
@@ -230,7 +253,7 @@ async fn pull(
         .enumerate()
         .map(|(shard, reply)| match reply {
             Reply::Rows(rows) => Ok(rows),
-            Reply::Done => anyhow::bail!("parameter server {shard} answered the {what} without rows"),
+            _ => anyhow::bail!("parameter server {shard} answered the {what} without rows"),
         })
         .collect()
 }

@@ -90,6 +90,7 @@ impl Handler<ShardCall> for PServer {
                 Reply::Done
             }),
             Request::Save { path } => self.shard.save(path.as_ref()).map(|()| Reply::Done),
+            Request::Stats => Ok(Reply::Stats(self.shard.stats())),
         };
         let outcome = outcome.map_err(|e| e.context(format!("parameter server {index}")));
         Box::pin(async move { outcome })

@@ -24,6 +24,7 @@ use crate::ps::client::{PsClient, RemoteShard, ShardLink};
 use crate::ps::dense::{dense_range, DenseSlice};
 use crate::ps::optimizer::ServerOptimizer;
 use crate::ps::table::{RowInit, SparseTable};
+use crate::ps::wire::TableStats;
 use crate::ps::worker::table_layout;
 use crate::ps::{Shard, ShardSpec};
 
@@ -59,6 +60,21 @@ pub struct PsSummary {
     /// AUC of the planted click model on the same held-out set: the ceiling (synthetic data).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub planted_auc: Option<f64>,
+    /// Size of each sparse table at the end, over all shards.
+    pub tables: Vec<TableFigures>,
+}
+
+/// How big one sparse table grew, and what a row costs.
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct TableFigures {
+    /// The table.
+    pub name: String,
+    /// Rows over all shards.
+    pub rows: u64,
+    /// Bytes the shards allocated per row (values, optimizer state, index).
+    pub bytes_per_row: f64,
+    /// The ideal: id, values and optimizer state, `8 + 4 × (width + state)`.
+    pub raw_bytes_per_row: usize,
 }
 
 /// A parameter-server job: the config and its data.
@@ -272,8 +288,23 @@ impl ParameterServerJob {
                 .context("the held-out set has only one class (or no samples): AUC is undefined")?,
             test_samples: rank0.test_samples,
             planted_auc,
+            tables: table_figures(config, &rank0.tables),
         })
     }
+}
+
+fn table_figures(job: &JobConfig, stats: &[TableStats]) -> Vec<TableFigures> {
+    let optimizer = ServerOptimizer::for_job(job);
+    table_layout(job)
+        .iter()
+        .zip(stats)
+        .map(|(spec, stats)| TableFigures {
+            name: spec.name.to_string(),
+            rows: stats.rows,
+            bytes_per_row: stats.bytes as f64 / stats.rows.max(1) as f64,
+            raw_bytes_per_row: 8 + 4 * (spec.width + optimizer.state_len(spec.width)),
+        })
+        .collect()
 }
 
 /// Shard `index` of the job, freshly initialised: its slice of the model's dense parameters

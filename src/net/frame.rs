@@ -73,12 +73,9 @@ impl<H: Serialize + DeserializeOwned> Frame<H> {
 
     /// Encodes the frame body (the codec adds the outer length).
     pub fn encode(&self) -> Result<Bytes> {
-        let header = postcard::to_stdvec(&self.header).context("encoding a frame header")?;
-        let mut out = BytesMut::with_capacity(HEADER_LEN_BYTES + header.len() + self.payload.len());
-        out.put_u32_le(header.len() as u32);
-        out.extend_from_slice(&header);
-        out.extend_from_slice(&self.payload);
-        Ok(out.freeze())
+        encode_with(&self.header, self.payload.len(), |out| {
+            out.extend_from_slice(&self.payload)
+        })
     }
 
     /// Decodes a frame body, rejecting truncated or malformed ones without
@@ -102,6 +99,21 @@ impl<H: Serialize + DeserializeOwned> Frame<H> {
         let header = postcard::from_bytes(&rest).context("malformed frame header")?;
         Ok(Self { header, payload })
     }
+}
+
+/// Encodes a frame body whose `payload_len` payload bytes `write_payload` appends, straight into
+/// the one buffer that is sent, so a large payload is copied once.
+pub fn encode_with<H: Serialize>(
+    header: &H,
+    payload_len: usize,
+    write_payload: impl FnOnce(&mut BytesMut),
+) -> Result<Bytes> {
+    let header = postcard::to_stdvec(header).context("encoding a frame header")?;
+    let mut out = BytesMut::with_capacity(HEADER_LEN_BYTES + header.len() + payload_len);
+    out.put_u32_le(header.len() as u32);
+    out.extend_from_slice(&header);
+    write_payload(&mut out);
+    Ok(out.freeze())
 }
 
 /// The length-delimited codec with a deliberate cap (the default is 8 MiB).

@@ -21,7 +21,7 @@ use rustc_hash::FxHashMap;
 use super::dense::DenseSlice;
 use super::snapshot::{load_shard, save_shard, ShardSnapshotInfo};
 use super::table::SparseTable;
-use super::wire::{PullRequest, PulledRows, PushRequest, UpdateKind};
+use super::wire::{PullRequest, PulledRows, PushRequest, TableStats, UpdateKind};
 use crate::config::PsMode;
 
 /// Where a shard sits in the job.
@@ -168,6 +168,17 @@ impl Shard {
         self.check_trainer(trainer)?;
         self.left[trainer] = true;
         Ok(self.left.iter().all(|&l| l))
+    }
+
+    /// Rows and allocated bytes of every table.
+    pub fn stats(&self) -> Vec<TableStats> {
+        self.tables
+            .iter()
+            .map(|t| TableStats {
+                rows: t.len() as u64,
+                bytes: t.memory_bytes() as u64,
+            })
+            .collect()
     }
 
     /// Writes the dense slice and every table to `path`.

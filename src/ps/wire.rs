@@ -10,6 +10,7 @@ use anyhow::{bail, ensure, Result};
 use bytes::{Bytes, BytesMut};
 use serde::{Deserialize, Serialize};
 
+use crate::net::frame::encode_with;
 use crate::net::Frame;
 
 /// Rows of the sparse tables and the dense slice a trainer needs from one shard.
@@ -85,6 +86,17 @@ pub enum Request {
         /// File to write, on the shard's machine.
         path: String,
     },
+    /// Report the tables' sizes.
+    Stats,
+}
+
+/// One table's size on one shard.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct TableStats {
+    /// Rows held.
+    pub rows: u64,
+    /// Bytes allocated for them and their index.
+    pub bytes: u64,
 }
 
 /// A shard's answer.
@@ -92,6 +104,8 @@ pub enum Request {
 pub enum Reply {
     /// Answer to a pull.
     Rows(PulledRows),
+    /// Answer to [`Request::Stats`], per table.
+    Stats(Vec<TableStats>),
     /// Any other request was carried out.
     Done,
 }
@@ -123,6 +137,11 @@ enum Header {
     Save {
         path: String,
     },
+    Stats,
+    TableStats {
+        rows: Vec<u64>,
+        bytes: Vec<u64>,
+    },
     Rows {
         rows: Vec<u32>,
         dense: u32,
@@ -135,32 +154,41 @@ enum Header {
 
 /// Encodes a request as a frame body.
 pub fn encode_request(request: &Request) -> Result<Bytes> {
-    let mut payload = BytesMut::new();
     let header = match request {
         Request::Pull(pull) => {
-            put_ids(&mut payload, &pull.ids);
-            Header::Pull {
+            let len = pull.ids.iter().map(|ids| ids.len() * 8).sum();
+            let header = Header::Pull {
                 trainer: pull.trainer as u32,
                 version: pull.version,
                 after_training: pull.after_training,
                 ids: counts(pull.ids.iter().map(Vec::len))?,
                 dense: pull.dense,
-            }
+            };
+            return encode_with(&header, len, |out| put_ids(out, &pull.ids));
         }
         Request::Push(push) => {
-            put_ids(&mut payload, &push.ids);
-            for values in &push.values {
-                put_floats(&mut payload, values);
-            }
-            put_floats(&mut payload, &push.dense);
-            Header::Push {
+            let len = push.ids.iter().map(|ids| ids.len() * 8).sum::<usize>()
+                + push
+                    .values
+                    .iter()
+                    .chain(std::iter::once(&push.dense))
+                    .map(|v| v.len() * 4)
+                    .sum::<usize>();
+            let header = Header::Push {
                 trainer: push.trainer as u32,
                 step: push.step,
                 kind: push.kind,
                 ids: counts(push.ids.iter().map(Vec::len))?,
                 values: counts(push.values.iter().map(Vec::len))?,
                 dense: count(push.dense.len())?,
-            }
+            };
+            return encode_with(&header, len, |out| {
+                put_ids(out, &push.ids);
+                for values in &push.values {
+                    put_floats(out, values);
+                }
+                put_floats(out, &push.dense);
+            });
         }
         Request::EndTraining { trainer } => Header::EndTraining {
             trainer: *trainer as u32,
@@ -169,12 +197,9 @@ pub fn encode_request(request: &Request) -> Result<Bytes> {
             trainer: *trainer as u32,
         },
         Request::Save { path } => Header::Save { path: path.clone() },
+        Request::Stats => Header::Stats,
     };
-    Frame {
-        header,
-        payload: payload.freeze(),
-    }
-    .encode()
+    encode_with(&header, 0, |_| {})
 }
 
 /// Decodes a request frame body.
@@ -217,6 +242,7 @@ pub fn decode_request(body: Bytes) -> Result<Request> {
             trainer: trainer as usize,
         },
         Header::Save { path } => Request::Save { path },
+        Header::Stats => Request::Stats,
         other => bail!("malformed request: a {} frame is an answer", header_name(&other)),
     };
     payload.finish()?;
@@ -225,28 +251,35 @@ pub fn decode_request(body: Bytes) -> Result<Request> {
 
 /// Encodes a shard's answer, or its refusal with the reason, as a frame body.
 pub fn encode_reply(reply: &Result<Reply>) -> Result<Bytes> {
-    let mut payload = BytesMut::new();
     let header = match reply {
         Ok(Reply::Rows(rows)) => {
-            for values in &rows.rows {
-                put_floats(&mut payload, values);
-            }
-            put_floats(&mut payload, &rows.dense);
-            Header::Rows {
+            let len = rows
+                .rows
+                .iter()
+                .chain(std::iter::once(&rows.dense))
+                .map(|v| v.len() * 4)
+                .sum();
+            let header = Header::Rows {
                 rows: counts(rows.rows.iter().map(Vec::len))?,
                 dense: count(rows.dense.len())?,
-            }
+            };
+            return encode_with(&header, len, |out| {
+                for values in &rows.rows {
+                    put_floats(out, values);
+                }
+                put_floats(out, &rows.dense);
+            });
         }
+        Ok(Reply::Stats(tables)) => Header::TableStats {
+            rows: tables.iter().map(|t| t.rows).collect(),
+            bytes: tables.iter().map(|t| t.bytes).collect(),
+        },
         Ok(Reply::Done) => Header::Done,
         Err(e) => Header::Failed {
             reason: format!("{e:#}"),
         },
     };
-    Frame {
-        header,
-        payload: payload.freeze(),
-    }
-    .encode()
+    encode_with(&header, 0, |_| {})
 }
 
 /// Decodes a shard's answer; a refusal becomes an error carrying the shard's reason.
@@ -258,6 +291,20 @@ pub fn decode_reply(body: Bytes) -> Result<Reply> {
             rows: rows.iter().map(|&n| payload.floats(n)).collect::<Result<_>>()?,
             dense: payload.floats(dense)?,
         }),
+        Header::TableStats { rows, bytes } => {
+            ensure!(
+                rows.len() == bytes.len(),
+                "malformed answer: {} row counts for {} byte counts",
+                rows.len(),
+                bytes.len()
+            );
+            Reply::Stats(
+                rows.into_iter()
+                    .zip(bytes)
+                    .map(|(rows, bytes)| TableStats { rows, bytes })
+                    .collect(),
+            )
+        }
         Header::Done => Reply::Done,
         Header::Failed { reason } => bail!("{reason}"),
         other => bail!("malformed answer: a {} frame is a request", header_name(&other)),
@@ -273,6 +320,8 @@ fn header_name(header: &Header) -> &'static str {
         Header::EndTraining { .. } => "end-of-training",
         Header::Leave { .. } => "leave",
         Header::Save { .. } => "save",
+        Header::Stats => "stats",
+        Header::TableStats { .. } => "table-stats",
         Header::Rows { .. } => "rows",
         Header::Done => "done",
         Header::Failed { .. } => "failed",
@@ -375,6 +424,7 @@ mod tests {
             push(),
             Request::Leave { trainer: 3 },
             Request::Save { path: "x".into() },
+            Request::Stats,
         ] {
             assert_eq!(decode_request(encode_request(&request)?)?, request);
         }
@@ -383,6 +433,8 @@ mod tests {
             dense: vec![4.0],
         });
         assert_eq!(decode_reply(encode_reply(&Ok(rows.clone()))?)?, rows);
+        let stats = Reply::Stats(vec![TableStats { rows: 3, bytes: 300 }, TableStats::default()]);
+        assert_eq!(decode_reply(encode_reply(&Ok(stats.clone()))?)?, stats);
         let failed = decode_reply(encode_reply(&Err(anyhow::anyhow!("unknown table 3")))?).unwrap_err();
         assert_eq!(failed.to_string(), "unknown table 3");
         Ok(())
