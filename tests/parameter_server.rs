@@ -326,3 +326,34 @@ fn a_push_to_an_unknown_table_or_with_a_row_of_the_wrong_width_is_refused() {
     let err = shard.push(push(vec![vec![], vec![]], vec![vec![], vec![]]));
     assert!(err.is_ok(), "a well-formed push is taken: {err:?}");
 }
+
+#[test]
+fn shards_start_from_the_tables_a_run_saved() {
+    let dir = tempfile::tempdir().unwrap();
+    run(ctr_config(&[]), dir.path());
+    let from = format!("train.init_tables_from={:?}", dir.path().display().to_string());
+    let config = ctr_config(&[&from]);
+    for index in 0..2 {
+        let shard = build_shard(&config, index).unwrap();
+        let file = ShardFile::read(&dir.path().join(format!("ps-shard-{index}.safetensors")));
+        assert_eq!(shard.dense().values(), file.floats("dense.values").as_slice());
+        for table in shard.tables() {
+            let ids = file.ids(&format!("sparse.{}.ids", table.name()));
+            let values = file.floats(&format!("sparse.{}.values", table.name()));
+            let saved: HashMap<u64, &[f32]> = ids.iter().copied().zip(values.chunks_exact(table.width())).collect();
+            assert_eq!(table.len(), saved.len(), "{}", table.name());
+            for (id, value, _) in table.rows() {
+                assert_eq!(Some(&value), saved.get(&id), "{} row {id}", table.name());
+            }
+        }
+    }
+    let three = ctr_config(&[&from, "cluster.server_num=3"]);
+    let err = format!(
+        "{:#}",
+        build_shard(&three, 0)
+            .err()
+            .expect("a snapshot of 2 shards does not fit 3")
+    );
+    assert!(err.starts_with("parameter server 0: train.init_tables_from: "), "{err}");
+    assert!(err.contains("server"), "{err}");
+}

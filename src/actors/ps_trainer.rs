@@ -16,6 +16,7 @@ use crate::config::{JobConfig, TrainLength};
 use crate::data::ctr::{CtrLoader, CtrSource};
 use crate::metrics::auc;
 use crate::ps::client::PsClient;
+use crate::ps::snapshot::shard_file_name;
 use crate::ps::wire::{PullRequest, PulledRows, PushRequest, Reply, Request, TableStats, UpdateKind};
 use crate::ps::worker::{PullPlan, ShardUpdate};
 
@@ -167,7 +168,7 @@ impl PsRun {
                 std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
                 let saves = (0..client.server_num())
                     .map(|shard| Request::Save {
-                        path: dir.join(format!("ps-shard-{shard}.safetensors")).display().to_string(),
+                        path: dir.join(shard_file_name(shard)).display().to_string(),
                     })
                     .collect();
                 client.call_all(saves, "save of the tables").await?;

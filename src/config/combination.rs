@@ -80,6 +80,12 @@ fn check_collective(config: &JobConfig) -> Result<(), FieldError> {
              with `flotilla launch-ps`)",
         ));
     }
+    if train.init_tables_from.is_some() {
+        return Err(FieldError::new(
+            "train.init_tables_from",
+            "parameter-server tables to start from, but this is a collective job (cluster.server_num = 0)",
+        ));
+    }
     if matches!(train.optimizer, OptimizerKind::Adagrad | OptimizerKind::Adam) {
         return Err(FieldError::new(
             "train.optimizer",

@@ -118,6 +118,11 @@ pub struct TrainConfig {
     pub train_files: Vec<String>,
     /// Criteo TSV files held out for evaluation (dataset `criteo`).
     pub test_files: Vec<String>,
+    /// Parameter server only: a directory of `ps-shard-<i>.safetensors` files (what a run
+    /// leaves in its run directory) that the shards start from instead of fresh parameters, as
+    /// Paddle's `fleet.init_server(dirname)`. The shard count must be the same.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub init_tables_from: Option<String>,
     /// Fraction of the data held out for evaluation, strictly between 0 and 1.
     pub test_fraction: f64,
     /// Run length in optimizer steps; exclusive with `epochs`.
@@ -173,6 +178,7 @@ impl TrainConfig {
             synthetic_vocab: 100_000,
             train_files: Vec::new(),
             test_files: Vec::new(),
+            init_tables_from: None,
             test_fraction: 0.2,
             steps: None,
             epochs: None,

@@ -23,6 +23,7 @@ use crate::net::ps_server::serve_shard;
 use crate::ps::client::{PsClient, RemoteShard, ShardLink};
 use crate::ps::dense::{dense_range, DenseSlice};
 use crate::ps::optimizer::ServerOptimizer;
+use crate::ps::snapshot::shard_file_name;
 use crate::ps::table::{RowInit, SparseTable};
 use crate::ps::wire::TableStats;
 use crate::ps::worker::table_layout;
@@ -307,8 +308,8 @@ fn table_figures(job: &JobConfig, stats: &[TableStats]) -> Vec<TableFigures> {
         .collect()
 }
 
-/// Shard `index` of the job, freshly initialised: its slice of the model's dense parameters
-/// (from the seed, as every trainer would build them) and empty tables.
+/// Shard `index` of the job: its slice of the model's dense parameters (from the seed, as every
+/// trainer would build them) and empty tables, or what `train.init_tables_from` holds.
 pub fn build_shard(job: &JobConfig, index: usize) -> Result<Shard> {
     let servers = job.cluster.server_num;
     let optimizer = ServerOptimizer::for_job(job);
@@ -339,7 +340,15 @@ pub fn build_shard(job: &JobConfig, index: usize) -> Result<Shard> {
         trainers: job.world_size(),
         mode: job.strategy.ps_mode(),
     };
-    Ok(Shard::new(spec, slice, tables))
+    let mut shard = Shard::new(spec, slice, tables);
+    if let Some(dir) = &job.train.init_tables_from {
+        let path = Path::new(dir).join(shard_file_name(index));
+        shard
+            .load(&path)
+            .with_context(|| format!("parameter server {index}: train.init_tables_from"))?;
+        tracing::info!("parameter server {index} starts from {}", path.display());
+    }
+    Ok(shard)
 }
 
 /// Which shard this process serves: the position of `POD_IP:PADDLE_PORT` in the server list

@@ -24,6 +24,12 @@ use super::table::SparseTable;
 /// The `format` metadata value that marks a file as a PS shard snapshot.
 const FORMAT: &str = "flotilla-ps-shard";
 
+/// The snapshot file of shard `index` in a directory: the name a run saves its shards under
+/// and `train.init_tables_from` loads them by.
+pub fn shard_file_name(index: usize) -> String {
+    format!("ps-shard-{index}.safetensors")
+}
+
 /// Which shard of how many wrote a snapshot: a file is loaded only by the
 /// same shard of an equally sized server group, because rows and the dense
 /// range are placed by both numbers.
