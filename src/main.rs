@@ -221,8 +221,17 @@ fn print_ps_summary(summary: Option<&PsSummary>, options: &RunOptions) {
             .map(|a| format!(" (planted model {a:.4})"))
             .unwrap_or_default();
         println!(
-            "parameter-server ({}) {} × {} servers, {} trainers: {} steps, final loss {:.4}, test AUC {:.4}{ceiling}, {:.0} samples/s",
-            s.mode, s.cluster, s.servers, s.trainers, s.steps, s.final_loss, s.auc, s.samples_per_sec
+            "parameter-server ({}) {} × {} servers, {} trainers: {} steps, final loss {:.4}, test AUC {:.4}{ceiling}, \
+             {:.0} samples/s, pull/push {:.1}% of step time",
+            s.mode,
+            s.cluster,
+            s.servers,
+            s.trainers,
+            s.steps,
+            s.final_loss,
+            s.auc,
+            s.samples_per_sec,
+            100.0 * s.comm_time_ratio
         );
         for t in &s.tables {
             println!(

@@ -5,14 +5,14 @@
 
 use std::path::PathBuf;
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use actix::prelude::*;
 use anyhow::{Context as _, Result};
 
 use super::device::{DeviceActor, FlushCtr, PlanCtr, PredictCtr, PrepareCtr, TrainCtr};
 use super::trainer::progress_bar;
-use crate::config::{JobConfig, TrainLength};
+use crate::config::{JobConfig, PsMode, TrainLength};
 use crate::data::ctr::{CtrLoader, CtrSource};
 use crate::metrics::auc;
 use crate::ps::client::PsClient;
@@ -56,6 +56,8 @@ pub struct PsOutcome {
     pub losses: Vec<f32>,
     /// Samples per second of the whole job (global batch × steps over this trainer's time).
     pub samples_per_sec: f64,
+    /// Time in pulls and pushes (waiting for other trainers included) over training time.
+    pub comm_time_ratio: f64,
     /// Held-out AUC (trainer 0 only).
     pub auc: Option<f64>,
     /// Held-out samples evaluated (trainer 0 only).
@@ -118,20 +120,38 @@ impl PsRun {
         let progress = progress_bar(self.show_progress, steps);
         let started = Instant::now();
         let mut losses = Vec::with_capacity(steps);
+        let mut comm_time = Duration::ZERO;
+        // Async mode pulls step t+1's rows while step t computes, as Paddle's async
+        // communicator does: its trainers never wait, so slightly staler rows are within its
+        // contract. Sync mode cannot (step t+1's pull waits for step t's pushes), nor can geo
+        // (its plan depends on the local copies step t changes).
+        let prefetch = job.strategy.ps_mode() == PsMode::Async;
+        let mut prefetched = None;
         for step in 0..steps {
-            let batch = loader.next_batch()?;
-            let plan = self.device.send(PlanCtr { batch, training: true }).await??;
-            let pulled = pull(
-                &mut client,
-                rank,
-                step as u64,
-                false,
-                plan,
-                &format!("pull of step {step}"),
-            )
-            .await?;
-            let outcome = self.device.send(TrainCtr(pulled)).await??;
+            let pulling = Instant::now();
+            let pulled = match prefetched.take() {
+                Some(pulled) => pulled,
+                None => {
+                    let batch = loader.next_batch()?;
+                    let plan = self.device.send(PlanCtr { batch, training: true }).await??;
+                    pull(&mut client, rank, step as u64, plan, &format!("pull of step {step}")).await?
+                }
+            };
+            comm_time += pulling.elapsed();
+            let training = self.device.send(TrainCtr(pulled));
+            let outcome = if prefetch && step + 1 < steps {
+                let batch = loader.next_batch()?;
+                let plan = self.device.send(PlanCtr { batch, training: true }).await??;
+                let what = format!("pull of step {}", step + 1);
+                let next = pull(&mut client, rank, step as u64 + 1, plan, &what);
+                let (outcome, next) = futures::join!(training, next);
+                prefetched = Some(next?);
+                outcome??
+            } else {
+                training.await??
+            };
             if let Some(updates) = outcome.push {
+                let pushing = Instant::now();
                 push(
                     &mut client,
                     rank,
@@ -141,6 +161,7 @@ impl PsRun {
                     &format!("push of step {step}"),
                 )
                 .await?;
+                comm_time += pushing.elapsed();
             }
             losses.push(outcome.loss);
             progress.set_position(step as u64 + 1);
@@ -185,6 +206,7 @@ impl PsRun {
             steps,
             losses,
             samples_per_sec: (steps * train.batch_size) as f64 / elapsed.as_secs_f64().max(1e-9),
+            comm_time_ratio: comm_time.as_secs_f64() / elapsed.as_secs_f64().max(1e-9),
             auc,
             test_samples,
             tables,
@@ -199,7 +221,7 @@ impl PsRun {
         while let Some(batch) = loader.next_eval_batch()? {
             labels.extend_from_slice(&batch.labels);
             let plan = self.device.send(PlanCtr { batch, training: false }).await??;
-            let pulled = pull(client, self.rank, version, true, plan, "pull for evaluation").await?;
+            let pulled = pull_rows(client, self.rank, version, true, plan, "pull for evaluation").await?;
             scores.extend(self.device.send(PredictCtr(pulled)).await??);
         }
         Ok((auc(&scores, &labels), scores.len()))
@@ -225,8 +247,19 @@ async fn table_stats(client: &mut PsClient) -> Result<Vec<TableStats>> {
     Ok(total)
 }
 
-/// Pulls `plan` from every shard at once.
+/// Pulls `plan` from every shard at once, for training.
 async fn pull(
+    client: &mut PsClient,
+    trainer: usize,
+    version: u64,
+    plan: PullPlan,
+    what: &str,
+) -> Result<Vec<PulledRows>> {
+    pull_rows(client, trainer, version, false, plan, what).await
+}
+
+/// Pulls `plan` from every shard at once; with `after_training`, once every trainer has ended.
+async fn pull_rows(
     client: &mut PsClient,
     trainer: usize,
     version: u64,
@@ -269,7 +302,7 @@ async fn push(
     what: &str,
 ) -> Result<()> {
     let kind = match job.strategy.ps_mode() {
-        crate::config::PsMode::Geo { .. } => UpdateKind::Deltas,
+        PsMode::Geo { .. } => UpdateKind::Deltas,
         _ => UpdateKind::Gradients,
     };
     let requests = updates

@@ -52,6 +52,9 @@ pub struct PsSummary {
     pub steps: usize,
     /// Samples per second counted over all trainers.
     pub samples_per_sec: f64,
+    /// Trainer 0's time in pulls and pushes (including waits for other trainers in sync mode)
+    /// over its training time.
+    pub comm_time_ratio: f64,
     /// Trainer 0's loss on its part of the last batch.
     pub final_loss: f32,
     /// AUC on the held-out set with the shards' final values.
@@ -283,6 +286,7 @@ impl ParameterServerJob {
             servers: config.cluster.server_num,
             steps: rank0.steps,
             samples_per_sec: rank0.samples_per_sec,
+            comm_time_ratio: rank0.comm_time_ratio,
             final_loss: rank0.losses.last().copied().unwrap_or(f32::NAN),
             auc: rank0
                 .auc

@@ -3,6 +3,8 @@
 //! wide&deep model on the pulled rows, and says what to push back. In geo mode it also keeps
 //! the local copies the trainer trains on between pushes.
 
+use std::collections::VecDeque;
+
 use anyhow::{ensure, Context as _, Result};
 use candle_core::{Device, Tensor, Var};
 use rustc_hash::FxHashMap;
@@ -114,7 +116,8 @@ pub struct CtrWorker {
     /// Geo mode: the optimizer of the local copies.
     local_optimizer: ServerOptimizer,
     geo: Option<GeoCopies>,
-    planned: Option<PlannedBatch>,
+    /// Batches planned and not yet run, oldest first (async mode plans one step ahead).
+    planned: VecDeque<PlannedBatch>,
 }
 
 impl CtrWorker {
@@ -150,7 +153,7 @@ impl CtrWorker {
             device,
             local_optimizer,
             geo,
-            planned: None,
+            planned: VecDeque::new(),
         })
     }
 
@@ -194,7 +197,7 @@ impl CtrWorker {
             })
             .collect();
         let dense = !training || geo.is_none_or(|g| g.dense.is_none());
-        self.planned = Some(PlannedBatch {
+        self.planned.push_back(PlannedBatch {
             batch,
             unique,
             index,
@@ -206,7 +209,10 @@ impl CtrWorker {
     /// Runs forward and backward of the planned batch on the pulled rows (`pulled[shard]`)
     /// and returns the loss and what to push.
     pub fn train_step(&mut self, pulled: Vec<PulledRows>) -> Result<StepOutcome> {
-        let planned = self.planned.take().context("a step was run before it was planned")?;
+        let planned = self
+            .planned
+            .pop_front()
+            .context("a step was run before it was planned")?;
         let rows = self.gather(&planned, &pulled, true)?;
         let dense = self.dense_values(&pulled, true)?;
         self.set_dense(&dense)?;
@@ -251,7 +257,7 @@ impl CtrWorker {
     pub fn predict(&mut self, pulled: Vec<PulledRows>) -> Result<Vec<f32>> {
         let planned = self
             .planned
-            .take()
+            .pop_front()
             .context("a prediction was run before it was planned")?;
         let rows = self.gather(&planned, &pulled, false)?;
         let dense = self.dense_values(&pulled, false)?;
