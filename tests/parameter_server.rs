@@ -357,3 +357,39 @@ fn shards_start_from_the_tables_a_run_saved() {
     assert!(err.starts_with("parameter server 0: train.init_tables_from: "), "{err}");
     assert!(err.contains("server"), "{err}");
 }
+
+#[test]
+fn criteo_tsv_files_train_exactly_like_the_generator_they_were_written_from() {
+    use flotilla::data::ctr::{write_synthetic, CriteoSynth, Split};
+    let synthetic = ctr_config(&[]);
+    let train = &synthetic.train;
+    let test_samples = (train.synthetic_samples as f64 * train.test_fraction).round() as u64;
+    let synth = CriteoSynth::new(train.seed, train.synthetic_vocab);
+    let files = tempfile::tempdir().unwrap();
+    let (train_file, test_file) = (files.path().join("train.tsv"), files.path().join("test.tsv"));
+    write_synthetic(
+        &train_file,
+        &synth,
+        Split::Train,
+        train.synthetic_samples as u64 - test_samples,
+    )
+    .unwrap();
+    write_synthetic(&test_file, &synth, Split::Test, test_samples).unwrap();
+
+    let from_files = ctr_config(&[
+        "train.dataset=criteo",
+        &format!("train.train_files=[{:?}]", train_file.display().to_string()),
+        &format!("train.test_files=[{:?}]", test_file.display().to_string()),
+    ]);
+    let (a, b) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let generated = run(synthetic, a.path());
+    let read = run(from_files, b.path());
+    assert_eq!(read.test_samples, generated.test_samples);
+    assert_eq!((read.auc, read.final_loss), (generated.auc, generated.final_loss));
+    let dense = |dir: &Path| ShardFile::read(&dir.join("ps-shard-0.safetensors")).floats("dense.values");
+    assert_eq!(
+        dense(a.path()),
+        dense(b.path()),
+        "the same records give the same parameters"
+    );
+}
