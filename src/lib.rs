@@ -39,19 +39,22 @@
 //! - [`config`]: the job's TOML (`[cluster]`, `[strategy]`, `[train]`,
 //!   `[fault_tolerance]`), environment and `--set` overrides, validation.
 //! - [`actors`]: the roles — coordinator (rendezvous, barriers), trainer
-//!   (the training loop), device (a `SyncArbiter` thread owning the replica
-//!   and the communicator).
+//!   (the collective loop), device (a `SyncArbiter` thread owning the replica
+//!   and the communicator, or the CTR worker), pserver (a parameter-server
+//!   shard), ps_trainer (the parameter-server loop).
 //! - [`collective`]: the data-parallel replica — block-wise backward,
 //!   gradient buckets, replica checksums.
 //! - [`engines`]: the ring collectives over memory or TCP transports, and
 //!   compute-device selection.
-//! - [`net`]: the control plane — frames, the coordinator's TCP server, the
-//!   bus roles use to reach it.
-//! - [`models`], [`optim`], [`data`]: blocks and the MLP; SGD with momentum,
-//!   AdamW and the learning-rate policy; datasets and the sharded loader.
-//! - [`job`]: a training job run in-process or as one launched rank, and the
-//!   files a run writes.
-//! - [`launch`]: `flotilla launch`, starting and supervising a node's ranks.
+//! - [`net`]: the control plane — frames, the coordinator's and the shards'
+//!   TCP servers, the bus roles use to reach the coordinator.
+//! - [`models`], [`optim`], [`data`]: blocks, the MLP and wide&deep; SGD with
+//!   momentum, AdamW and the learning-rate policy; datasets and loaders
+//!   (digits, synthetic, Criteo-shaped click logs and Criteo TSV).
+//! - [`job`]: a collective or parameter-server job run in-process or as one
+//!   launched role, and the files a run writes.
+//! - [`launch`]: `flotilla launch` and `launch-ps`, starting and supervising
+//!   a node's processes.
 //! - [`metrics`]: quality measures of model outputs (ROC AUC).
 //! - [`ps`]: the parameter-server strategy — a shard's tables, dense slice,
 //!   optimizer and snapshots, the placement of rows, the protocol, the
