@@ -209,28 +209,8 @@ impl CtrWorker {
     /// Runs forward and backward of the planned batch on the pulled rows (`pulled[shard]`)
     /// and returns the loss and what to push.
     pub fn train_step(&mut self, pulled: Vec<PulledRows>) -> Result<StepOutcome> {
-        let planned = self
-            .planned
-            .pop_front()
-            .context("a step was run before it was planned")?;
-        let rows = self.gather(&planned, &pulled, true)?;
-        let dense = self.dense_values(&pulled, true)?;
-        self.set_dense(&dense)?;
-        let row_vars = rows
-            .iter()
-            .zip(&self.widths)
-            .map(|(values, &w)| Var::from_tensor(&Tensor::from_slice(values, (planned.unique.len(), w), &self.device)?))
-            .collect::<candle_core::Result<Vec<_>>>()?;
+        let (planned, row_vars, logits) = self.forward(&pulled, true)?;
         let batch = &planned.batch;
-        let (dense_in, index) = self.inputs(&planned)?;
-        let logits = self.model.logits(
-            &dense_in,
-            &SparseRows {
-                deep: row_vars[0].as_tensor(),
-                wide: row_vars[1].as_tensor(),
-                index: &index,
-            },
-        )?;
         let labels = Tensor::from_slice(&batch.labels, batch.len, &self.device)?;
         let loss = sigmoid_cross_entropy(&logits, &labels)?;
         let grads = loss.backward()?;
@@ -255,28 +235,35 @@ impl CtrWorker {
 
     /// Click probabilities of the planned batch under the pulled (shard) values.
     pub fn predict(&mut self, pulled: Vec<PulledRows>) -> Result<Vec<f32>> {
+        let (_, _, logits) = self.forward(&pulled, false)?;
+        Ok(click_probability(&logits)?.to_vec1::<f32>()?)
+    }
+
+    /// The logits of the oldest planned batch, with its rows as variables (for their
+    /// gradients) and the model's dense parameters set from the pulled (or geo's local) values.
+    fn forward(&mut self, pulled: &[PulledRows], training: bool) -> Result<(PlannedBatch, Vec<Var>, Tensor)> {
         let planned = self
             .planned
             .pop_front()
-            .context("a prediction was run before it was planned")?;
-        let rows = self.gather(&planned, &pulled, false)?;
-        let dense = self.dense_values(&pulled, false)?;
+            .context("a batch was run before it was planned")?;
+        let rows = self.gather(&planned, pulled, training)?;
+        let dense = self.dense_values(pulled, training)?;
         self.set_dense(&dense)?;
-        let row_tensors = rows
+        let row_vars = rows
             .iter()
             .zip(&self.widths)
-            .map(|(values, &w)| Tensor::from_slice(values, (planned.unique.len(), w), &self.device))
+            .map(|(values, &w)| Var::from_tensor(&Tensor::from_slice(values, (planned.unique.len(), w), &self.device)?))
             .collect::<candle_core::Result<Vec<_>>>()?;
         let (dense_in, index) = self.inputs(&planned)?;
         let logits = self.model.logits(
             &dense_in,
             &SparseRows {
-                deep: &row_tensors[0],
-                wide: &row_tensors[1],
+                deep: row_vars[0].as_tensor(),
+                wide: row_vars[1].as_tensor(),
                 index: &index,
             },
         )?;
-        Ok(click_probability(&logits)?.to_vec1::<f32>()?)
+        Ok((planned, row_vars, logits))
     }
 
     fn inputs(&self, planned: &PlannedBatch) -> Result<(Tensor, Tensor)> {
