@@ -393,3 +393,42 @@ fn criteo_tsv_files_train_exactly_like_the_generator_they_were_written_from() {
         "the same records give the same parameters"
     );
 }
+
+#[test]
+fn a_pull_held_for_a_trainer_that_never_pushes_names_it_after_the_timeout() {
+    use actix::prelude::*;
+    use flotilla::actors::pserver::{PServer, ShardCall};
+    use flotilla::ps::wire::{PullRequest, Request};
+
+    let config = ctr_config(&["cluster.nproc_per_node=2", "fault_tolerance.timeout_s=1"]);
+    let shard = build_shard(&config, 0).unwrap();
+    let dense = vec![0.0; shard.dense().len()];
+    let started = std::time::Instant::now();
+    let err = System::new().block_on(async move {
+        let (all_left, _) = futures::channel::oneshot::channel();
+        let server = PServer::new(shard, all_left, config.fault_tolerance.timeout()).start();
+        let push = PushRequest {
+            trainer: 0,
+            step: 0,
+            kind: UpdateKind::Gradients,
+            ids: vec![vec![], vec![]],
+            values: vec![vec![], vec![]],
+            dense,
+        };
+        server.send(ShardCall(Request::Push(push))).await.unwrap().unwrap();
+        let pull = PullRequest {
+            trainer: 0,
+            version: 1,
+            after_training: false,
+            ids: vec![vec![], vec![]],
+            dense: true,
+        };
+        server.send(ShardCall(Request::Pull(pull))).await.unwrap().unwrap_err()
+    });
+    assert_eq!(
+        err.to_string(),
+        "parameter server 0: no answer to trainer 0's pull within 1s: step 0 still waits for the pushes of trainers [1]"
+    );
+    let waited = started.elapsed().as_secs_f64();
+    assert!((0.9..5.0).contains(&waited), "answered after {waited:.1}s");
+}

@@ -2,7 +2,12 @@
 //! that sync mode must hold back (the step is not complete yet) wait here, not on the trainer's
 //! connection, and are answered as soon as the shard applies the step.
 //!
+//! A held pull is answered with an error after the job's timeout, naming the trainers the shard
+//! still waits for, so a trainer that died or stalled is named rather than waited on forever.
+//!
 //! Start it on its own arbiter (a dedicated thread): the optimizer runs inside its handlers.
+
+use std::time::{Duration, Instant};
 
 use actix::prelude::*;
 use anyhow::{anyhow, Result};
@@ -19,30 +24,48 @@ pub struct ShardCall(pub Request);
 /// The shard actor.
 pub struct PServer {
     shard: Shard,
-    waiting: Vec<(PullRequest, oneshot::Sender<Result<PulledRows>>)>,
+    waiting: Vec<Waiting>,
     all_left: Option<oneshot::Sender<()>>,
+    timeout: Duration,
+}
+
+/// A pull held until the shard can answer it.
+struct Waiting {
+    pull: PullRequest,
+    answer: oneshot::Sender<Result<PulledRows>>,
+    deadline: Instant,
 }
 
 impl PServer {
     /// The actor of `shard`; `all_left` fires once every trainer has left, so the process
-    /// hosting the shard can exit.
-    pub fn new(shard: Shard, all_left: oneshot::Sender<()>) -> Self {
+    /// hosting the shard can exit. A pull is held at most `timeout`.
+    pub fn new(shard: Shard, all_left: oneshot::Sender<()>, timeout: Duration) -> Self {
         Self {
             shard,
             waiting: Vec::new(),
             all_left: Some(all_left),
+            timeout,
         }
     }
 
-    /// Answers the held pulls that the shard can answer now.
+    /// Answers the held pulls that the shard can answer now, and refuses those past their
+    /// deadline with what they still wait for.
     fn answer_waiting(&mut self) {
-        let waiting = std::mem::take(&mut self.waiting);
-        for (pull, answer) in waiting {
-            if self.shard.can_answer(&pull) {
-                // The trainer may have given up (timeout); nothing to do then.
-                let _ = answer.send(self.shard.pull(&pull));
+        let index = self.shard.spec().index;
+        let now = Instant::now();
+        for held in std::mem::take(&mut self.waiting) {
+            // A trainer that gave up no longer listens; nothing to do then.
+            if self.shard.can_answer(&held.pull) {
+                let _ = held.answer.send(self.shard.pull(&held.pull));
+            } else if now >= held.deadline {
+                let _ = held.answer.send(Err(anyhow!(
+                    "parameter server {index}: no answer to trainer {}'s pull within {:.0?}: {}",
+                    held.pull.trainer,
+                    self.timeout,
+                    self.shard.waiting_for(&held.pull)
+                )));
             } else {
-                self.waiting.push((pull, answer));
+                self.waiting.push(held);
             }
         }
     }
@@ -55,12 +78,17 @@ impl Actor for PServer {
 impl Handler<ShardCall> for PServer {
     type Result = ResponseFuture<Result<Reply>>;
 
-    fn handle(&mut self, ShardCall(request): ShardCall, _: &mut Context<Self>) -> Self::Result {
+    fn handle(&mut self, ShardCall(request): ShardCall, ctx: &mut Context<Self>) -> Self::Result {
         let index = self.shard.spec().index;
         let outcome = match request {
             Request::Pull(pull) if !self.shard.can_answer(&pull) => {
                 let (answer, later) = oneshot::channel();
-                self.waiting.push((pull, answer));
+                self.waiting.push(Waiting {
+                    pull,
+                    answer,
+                    deadline: Instant::now() + self.timeout,
+                });
+                ctx.run_later(self.timeout, |shard, _| shard.answer_waiting());
                 return Box::pin(async move {
                     later
                         .await

@@ -134,8 +134,9 @@ pub fn run_shard(args: &PsBenchShardArgs) -> Result<()> {
     actix::System::new().block_on(async move {
         let listener = tokio::net::TcpListener::from_std(listener)?;
         let (all_left, done) = futures::channel::oneshot::channel();
-        let actor =
-            actix::Actor::start_in_arbiter(&actix::Arbiter::new().handle(), move |_| PServer::new(shard, all_left));
+        let actor = actix::Actor::start_in_arbiter(&actix::Arbiter::new().handle(), move |_| {
+            PServer::new(shard, all_left, Duration::from_secs(60))
+        });
         let open = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
         actix::spawn(serve_shard(listener, actor, 1 << 30, open));
         let _ = done.await;

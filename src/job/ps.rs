@@ -155,7 +155,7 @@ impl ParameterServerJob {
                     let shard = build_shard(&config, index)?;
                     let (all_left, _) = oneshot::channel();
                     Ok(PServer::start_in_arbiter(&Arbiter::new().handle(), move |_| {
-                        PServer::new(shard, all_left)
+                        PServer::new(shard, all_left, timeout)
                     }))
                 })
                 .collect::<Result<Vec<_>>>()?;
@@ -192,6 +192,7 @@ impl ParameterServerJob {
             .with_context(|| format!("parameter server {index}: cannot listen on {endpoint}"))?;
         listener.set_nonblocking(true)?;
         let shard = build_shard(&config, index)?;
+        let timeout = config.fault_tolerance.timeout();
         tracing::info!(
             "parameter server {index} of {} listening on {endpoint}",
             config.cluster.server_num
@@ -199,7 +200,9 @@ impl ParameterServerJob {
         System::new().block_on(async move {
             let listener = tokio::net::TcpListener::from_std(listener)?;
             let (all_left, done) = oneshot::channel();
-            let actor = PServer::start_in_arbiter(&Arbiter::new().handle(), move |_| PServer::new(shard, all_left));
+            let actor = PServer::start_in_arbiter(&Arbiter::new().handle(), move |_| {
+                PServer::new(shard, all_left, timeout)
+            });
             let open = Arc::new(AtomicUsize::new(0));
             actix::spawn(serve_shard(
                 listener,

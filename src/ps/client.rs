@@ -23,6 +23,9 @@ use crate::net::frame::codec;
 const FIRST_BACKOFF: Duration = Duration::from_millis(50);
 /// Pause between connection attempts while a shard is starting up.
 const STARTUP_POLL: Duration = Duration::from_millis(100);
+/// A shard refuses a pull it held for the timeout with the names of the trainers it waits for;
+/// the trainer waits this much longer, so that answer rather than its own timeout is reported.
+const SHARD_ANSWER_GRACE: Duration = Duration::from_secs(2);
 
 /// How a trainer reaches one shard.
 pub enum ShardLink {
@@ -144,7 +147,7 @@ async fn call(
 ) -> Result<Reply> {
     let remote = match link {
         ShardLink::Local(shard) => {
-            let answer = tokio::time::timeout(timeout, shard.send(ShardCall(request)))
+            let answer = tokio::time::timeout(timeout + SHARD_ANSWER_GRACE, shard.send(ShardCall(request)))
                 .await
                 .map_err(|_| anyhow!("parameter server {index} did not answer the {what} within {timeout:.0?}"))?;
             return answer.map_err(|e| anyhow!("parameter server {index} is gone: {e}"))?;
@@ -155,7 +158,7 @@ async fn call(
     let mut backoff = FIRST_BACKOFF;
     let mut attempt = 0;
     loop {
-        match tokio::time::timeout(timeout, remote.exchange(frame.clone())).await {
+        match tokio::time::timeout(timeout + SHARD_ANSWER_GRACE, remote.exchange(frame.clone())).await {
             Err(_) => bail!(
                 "parameter server {index} at {} did not answer the {what} within {timeout:.0?}",
                 remote.endpoint

@@ -89,6 +89,21 @@ impl Shard {
         synced && (!pull.after_training || self.ended.iter().all(|&e| e))
     }
 
+    /// What a pull that cannot be answered yet waits for, naming the trainers it waits on.
+    pub fn waiting_for(&self, pull: &PullRequest) -> String {
+        let missing =
+            |done: &dyn Fn(usize) -> bool| -> Vec<usize> { (0..self.spec.trainers).filter(|&t| !done(t)).collect() };
+        if self.spec.mode == PsMode::Sync && self.applied < pull.version {
+            let step = self.applied;
+            format!(
+                "step {step} still waits for the pushes of trainers {:?}",
+                missing(&|t| self.pending[t].is_some())
+            )
+        } else {
+            format!("trainers {:?} have not ended training", missing(&|t| self.ended[t]))
+        }
+    }
+
     /// Reads the requested rows (creating rows seen for the first time) and the dense slice.
     pub fn pull(&mut self, pull: &PullRequest) -> Result<PulledRows> {
         self.check_trainer(pull.trainer)?;
