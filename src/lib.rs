@@ -56,6 +56,8 @@
 //! - [`launch`]: `flotilla launch` and `launch-ps`, starting and supervising
 //!   a node's processes.
 //! - [`metrics`]: quality measures of model outputs (ROC AUC).
+//! - [`pipeline`]: pipeline parallelism — schedules (GPipe, 1F1B,
+//!   interleaved) and the cut of a model into stages.
 //! - [`ps`]: the parameter-server strategy — a shard's tables, dense slice,
 //!   optimizer and snapshots, the placement of rows, the protocol, the
 //!   trainer's client and its step logic.
@@ -76,6 +78,7 @@ pub mod metrics;
 pub mod models;
 pub mod net;
 pub mod optim;
+pub mod pipeline;
 pub mod ps;
 pub mod rng;
 pub mod telemetry;

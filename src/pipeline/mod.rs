@@ -1,0 +1,6 @@
+//! Pipeline parallelism: a model's blocks cut into stages, micro-batches streamed through
+//! them. [`schedule`] says in which order each stage runs forwards and backwards (GPipe, 1F1B,
+//! interleaved 1F1B) and simulates them; [`partition`] cuts the block list into stages.
+
+pub mod partition;
+pub mod schedule;
