@@ -65,6 +65,11 @@ impl Model {
         &self.blocks
     }
 
+    /// The blocks, in order, to be cut into pipeline stages.
+    pub fn into_blocks(self) -> Vec<Box<dyn Block>> {
+        self.blocks
+    }
+
     /// Every parameter, block by block in model order, each block's in its
     /// own order: the order buckets and broadcasts use.
     pub fn parameters(&self) -> Vec<NamedParam> {

@@ -1,0 +1,205 @@
+//! One pipeline stage's step: its model chunks, run in the order its schedule gives, with
+//! activations and gradients exchanged through a [`StageLink`]. Each chunk's input (but the
+//! data's) is a fresh variable, so backward stops at the chunk boundary and hands the input's
+//! gradient to the previous stage; parameter gradients are summed over the micro-batches, so
+//! the caller's optimizer step sees the gradient of the whole batch.
+
+use std::collections::HashMap;
+
+use anyhow::{ensure, Context as _, Result};
+use candle_core::{Tensor, Var};
+
+use super::link::StageLink;
+use super::schedule::{stage_ops, Op, ScheduleKind};
+use crate::models::Block;
+
+/// A contiguous run of a model's blocks, on one stage.
+pub type Chunk = Vec<Box<dyn Block>>;
+
+/// A stage: its chunks (chunk `c` is virtual stage `c·p + stage`) and its schedule.
+pub struct Stage {
+    index: usize,
+    stages: usize,
+    chunks: Vec<Chunk>,
+    schedule: Vec<Op>,
+    micro_batches: usize,
+}
+
+/// What one step of a stage produced.
+pub struct StageStep {
+    /// Gradient of the step's loss (the mean over micro-batches) for every parameter, in
+    /// [`Stage::parameters`] order.
+    pub gradients: Vec<Tensor>,
+    /// The step's loss, on the stage holding the last virtual stage.
+    pub loss: Option<f32>,
+    /// The most micro-batch chunks whose activations were held at once.
+    pub peak_activations: usize,
+}
+
+/// A forward pass whose backward has not run yet.
+struct Stashed {
+    /// The chunk's input variable (none for the data).
+    input: Option<Tensor>,
+    output: Tensor,
+    /// The micro-batch loss, on the last virtual stage.
+    loss: Option<Tensor>,
+}
+
+impl Stage {
+    /// Stage `index` of `stages`, holding `chunks` (one per virtual stage of its own) and
+    /// running `kind`'s schedule over `micro_batches` micro-batches.
+    pub fn new(
+        index: usize,
+        stages: usize,
+        chunks: Vec<Chunk>,
+        kind: ScheduleKind,
+        micro_batches: usize,
+    ) -> Result<Self> {
+        ensure!(
+            chunks.len() == kind.virtual_stages(),
+            "stage {index} holds {} model chunks, the schedule expects {}",
+            chunks.len(),
+            kind.virtual_stages()
+        );
+        ensure!(
+            chunks.iter().all(|c| !c.is_empty()),
+            "stage {index} has an empty model chunk"
+        );
+        Ok(Self {
+            index,
+            stages,
+            chunks,
+            schedule: stage_ops(kind, stages, micro_batches, index)?,
+            micro_batches,
+        })
+    }
+
+    /// The stage's parameters, chunk by chunk, each block's in its own order, named
+    /// `"{block}.{param}"`.
+    pub fn parameters(&self) -> Vec<(String, Var)> {
+        self.chunks
+            .iter()
+            .flatten()
+            .flat_map(|block| {
+                let name = block.name().to_string();
+                block
+                    .parameters()
+                    .into_iter()
+                    .map(move |(param, var)| (format!("{name}.{param}"), var))
+            })
+            .collect()
+    }
+
+    /// Runs one step. `inputs[i]` is micro-batch `i`'s data (read by the stage holding virtual
+    /// stage 0); `loss(i, output)` is micro-batch `i`'s mean loss (called on the stage holding
+    /// the last virtual stage).
+    pub fn step(
+        &mut self,
+        link: &mut dyn StageLink,
+        inputs: &[Tensor],
+        loss: &dyn Fn(usize, &Tensor) -> candle_core::Result<Tensor>,
+    ) -> Result<StageStep> {
+        let (p, s, m) = (self.stages, self.index, self.micro_batches);
+        let last = self.chunks.len() * p - 1;
+        let params: Vec<Vec<Var>> = self
+            .chunks
+            .iter()
+            .map(|chunk| {
+                chunk
+                    .iter()
+                    .flat_map(|b| b.parameters().into_iter().map(|(_, v)| v))
+                    .collect()
+            })
+            .collect();
+        let mut sums: Vec<Vec<Option<Tensor>>> = params.iter().map(|ps| vec![None; ps.len()]).collect();
+        let mut stash: HashMap<(usize, usize), Stashed> = HashMap::new();
+        let mut loss_sum = 0.0f32;
+        let mut peak = 0;
+        for op in self.schedule.clone() {
+            match op {
+                Op::Forward { micro, chunk } => {
+                    let virtual_stage = chunk * p + s;
+                    let what = format!("forward of micro-batch {micro} into virtual stage {virtual_stage}");
+                    let input = if virtual_stage == 0 {
+                        None
+                    } else {
+                        let received = link.recv_forward(&what)?;
+                        Some(Var::from_tensor(&received)?.as_tensor().clone())
+                    };
+                    let data = match &input {
+                        Some(x) => x.clone(),
+                        None => inputs
+                            .get(micro)
+                            .with_context(|| format!("stage {s}: no input for micro-batch {micro}"))?
+                            .clone(),
+                    };
+                    let output = self.chunks[chunk]
+                        .iter()
+                        .try_fold(data, |h, block| block.forward(&h))
+                        .with_context(|| format!("stage {s}: {what}"))?;
+                    let micro_loss = if virtual_stage == last {
+                        // Each micro-batch's mean loss weighs 1/m of the batch's.
+                        let l = (loss(micro, &output)? / m as f64)?;
+                        loss_sum += l.to_scalar::<f32>()?;
+                        Some(l)
+                    } else {
+                        link.send_forward(&what, output.detach())?;
+                        None
+                    };
+                    stash.insert(
+                        (micro, chunk),
+                        Stashed {
+                            input,
+                            output,
+                            loss: micro_loss,
+                        },
+                    );
+                    peak = peak.max(stash.len());
+                }
+                Op::Backward { micro, chunk } => {
+                    let virtual_stage = chunk * p + s;
+                    let what = format!("backward of micro-batch {micro} out of virtual stage {virtual_stage}");
+                    let stashed = stash
+                        .remove(&(micro, chunk))
+                        .with_context(|| format!("stage {s}: {what} before its forward"))?;
+                    let grads = match &stashed.loss {
+                        Some(l) => l.backward()?,
+                        None => {
+                            let upstream = link.recv_backward(&what)?;
+                            (&stashed.output * upstream)?.sum_all()?.backward()?
+                        }
+                    };
+                    for (var, sum) in params[chunk].iter().zip(sums[chunk].iter_mut()) {
+                        let g = grads
+                            .get(var.as_tensor())
+                            .with_context(|| format!("stage {s}: {what}: a parameter got no gradient"))?;
+                        *sum = Some(match sum.take() {
+                            Some(acc) => (acc + g)?,
+                            None => g.clone(),
+                        });
+                    }
+                    if let Some(input) = &stashed.input {
+                        let g = grads
+                            .get(input)
+                            .with_context(|| format!("stage {s}: {what}: no gradient for the input"))?;
+                        link.send_backward(&what, g.detach())?;
+                    }
+                }
+            }
+        }
+        let gradients = sums
+            .into_iter()
+            .zip(&params)
+            .flat_map(|(sums, vars)| sums.into_iter().zip(vars))
+            .map(|(sum, var)| match sum {
+                Some(g) => Ok(g),
+                None => Ok(var.zeros_like()?),
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(StageStep {
+            gradients,
+            loss: (last % p == s).then_some(loss_sum),
+            peak_activations: peak,
+        })
+    }
+}
