@@ -101,7 +101,7 @@ fn interleaved(p: usize, m: usize, v: usize, s: usize) -> Result<Vec<Op>> {
     if v < 2 {
         bail!("interleaving needs at least 2 virtual stages per stage, got {v}");
     }
-    if m % p != 0 {
+    if !m.is_multiple_of(p) {
         bail!("interleaved 1F1B needs the micro-batch count ({m}) to be a multiple of the stage count ({p})");
     }
     let total = m * v;
@@ -273,9 +273,9 @@ mod tests {
     fn every_schedule_runs_without_deadlock_and_each_op_once() {
         for kind in KINDS {
             for p in 1..=5 {
-                for m in 1..=12 {
+                for m in 1..=12usize {
                     let interleaved = matches!(kind, ScheduleKind::Interleaved { .. });
-                    if interleaved && m % p != 0 {
+                    if interleaved && !m.is_multiple_of(p) {
                         assert!(stage_ops(kind, p, m, 0).is_err(), "{kind:?} p={p} m={m}");
                         continue;
                     }
