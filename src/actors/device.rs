@@ -19,6 +19,8 @@ use crate::engines::comm::memory::MemoryTransport;
 use crate::engines::comm::{connect_ring, CommWorker, Communicator};
 use crate::engines::compute::device_for;
 use crate::models::{Model, ParamInit};
+use crate::pipeline::link::StageLink;
+use crate::pipeline::replica::{PipelineReplica, PipelineReport};
 use crate::ps::wire::PulledRows;
 use crate::ps::worker::{CtrWorker, PullPlan, ShardUpdate, StepOutcome};
 
@@ -49,7 +51,7 @@ pub enum RingLink {
 impl RingLink {
     /// The communicator over this link; `roster[r]` is rank `r`'s data
     /// endpoint, as the rendezvous handed it out.
-    fn into_communicator(self, roster: &[String]) -> Result<Communicator> {
+    pub(crate) fn into_communicator(self, roster: &[String]) -> Result<Communicator> {
         Ok(match self {
             Self::Single => Communicator::single(),
             Self::Memory(transport) => Communicator::new(Box::new(transport)),
@@ -138,11 +140,38 @@ pub struct PredictCtr(pub Vec<PulledRows>);
 #[rtype(result = "Result<Option<Vec<ShardUpdate>>>")]
 pub struct FlushCtr;
 
-/// The device thread's state: empty until [`Prepare`] or [`PrepareCtr`].
+/// Builds this rank's pipeline stage.
+#[derive(Message)]
+#[rtype(result = "Result<()>")]
+pub struct PreparePipeline {
+    /// The job.
+    pub job: Arc<JobConfig>,
+    /// The model's constructor (the stage keeps its own chunks).
+    pub model: ModelFactory,
+    /// This rank's stage.
+    pub stage: usize,
+    /// Links to the neighbouring stages.
+    pub link: Box<dyn StageLink>,
+    /// The ring among this stage's data-parallel replicas.
+    pub data_parallel: RingLink,
+}
+
+/// One pipeline step on this replica's part of the batch.
+#[derive(Message)]
+#[rtype(result = "Result<PipelineReport>")]
+pub struct PipelineStep(pub Batch);
+
+/// Evaluates this replica's part of the held-out set through the pipeline.
+#[derive(Message)]
+#[rtype(result = "Result<Option<(usize, usize)>>")]
+pub struct PipelineEvaluate(pub Batch);
+
+/// The device thread's state: empty until [`Prepare`], [`PrepareCtr`] or [`PreparePipeline`].
 #[derive(Default)]
 pub struct DeviceActor {
     replica: Option<Replica>,
     ctr: Option<CtrWorker>,
+    pipeline: Option<PipelineReplica>,
 }
 
 impl DeviceActor {
@@ -150,6 +179,12 @@ impl DeviceActor {
         self.replica
             .as_mut()
             .ok_or_else(|| anyhow!("the device actor was used before Prepare"))
+    }
+
+    fn pipeline(&mut self) -> Result<&mut PipelineReplica> {
+        self.pipeline
+            .as_mut()
+            .ok_or_else(|| anyhow!("the device actor was used before PreparePipeline"))
     }
 
     fn ctr(&mut self) -> Result<&mut CtrWorker> {
@@ -206,6 +241,9 @@ impl Handler<ReadParameters> for DeviceActor {
     type Result = Result<Vec<(String, Vec<f32>)>>;
 
     fn handle(&mut self, _: ReadParameters, _: &mut Self::Context) -> Self::Result {
+        if let Some(pipeline) = &self.pipeline {
+            return pipeline.parameters();
+        }
         self.replica()?
             .parameters()
             .iter()
@@ -253,5 +291,41 @@ impl Handler<FlushCtr> for DeviceActor {
 
     fn handle(&mut self, _: FlushCtr, _: &mut Self::Context) -> Self::Result {
         self.ctr()?.flush()
+    }
+}
+
+impl Handler<PreparePipeline> for DeviceActor {
+    type Result = Result<()>;
+
+    fn handle(&mut self, msg: PreparePipeline, _: &mut Self::Context) -> Result<()> {
+        let device = device_for(msg.job.cluster.device)?;
+        let init = ParamInit::new(msg.job.train.seed, device.clone());
+        let model = (msg.model)(&init).context("building the model")?;
+        let data_parallel = msg.data_parallel.into_communicator(&[])?;
+        self.pipeline = Some(PipelineReplica::new(
+            &msg.job,
+            model,
+            msg.stage,
+            msg.link,
+            data_parallel,
+            device,
+        )?);
+        Ok(())
+    }
+}
+
+impl Handler<PipelineStep> for DeviceActor {
+    type Result = Result<PipelineReport>;
+
+    fn handle(&mut self, msg: PipelineStep, _: &mut Self::Context) -> Self::Result {
+        self.pipeline()?.train_step(&msg.0)
+    }
+}
+
+impl Handler<PipelineEvaluate> for DeviceActor {
+    type Result = Result<Option<(usize, usize)>>;
+
+    fn handle(&mut self, msg: PipelineEvaluate, _: &mut Self::Context) -> Self::Result {
+        self.pipeline()?.evaluate(&msg.0)
     }
 }

@@ -7,6 +7,7 @@ pub mod coordinator;
 pub mod device;
 pub mod ps_trainer;
 pub mod pserver;
+pub mod stage;
 pub mod trainer;
 
 pub use coordinator::Coordinator;

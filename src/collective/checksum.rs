@@ -15,16 +15,25 @@ pub struct ParamChecksum(pub [u8; 32]);
 impl ParamChecksum {
     /// The checksum of `params`.
     pub fn of(params: &[NamedParam]) -> candle_core::Result<Self> {
-        let mut sorted: Vec<&NamedParam> = params.iter().collect();
-        sorted.sort_by(|a, b| a.name.cmp(&b.name));
+        let values = params
+            .iter()
+            .map(|p| Ok((p.name.clone(), p.var.flatten_all()?.to_vec1::<f32>()?)))
+            .collect::<candle_core::Result<Vec<_>>>()?;
+        Ok(Self::of_values(&values))
+    }
+
+    /// The checksum of parameters given by name and values (e.g. gathered from pipeline
+    /// stages).
+    pub fn of_values(params: &[(String, Vec<f32>)]) -> Self {
+        let mut sorted: Vec<&(String, Vec<f32>)> = params.iter().collect();
+        sorted.sort_by(|a, b| a.0.cmp(&b.0));
         let mut hasher = Sha256::new();
-        for p in sorted {
-            hasher.update(p.name.as_bytes());
-            let values = p.var.flatten_all()?.to_vec1::<f32>()?;
+        for (name, values) in sorted {
+            hasher.update(name.as_bytes());
             // Native bytes are little-endian on every target flotilla builds for.
-            hasher.update(bytemuck::cast_slice::<f32, u8>(&values));
+            hasher.update(bytemuck::cast_slice::<f32, u8>(values));
         }
-        Ok(Self(hasher.finalize().into()))
+        Self(hasher.finalize().into())
     }
 }
 

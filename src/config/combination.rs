@@ -1,11 +1,12 @@
 //! Rules across sections: which models, data sets and optimizers each strategy trains, so a
 //! mismatch is a config error naming the key rather than a failure deep inside a run.
 
-use super::{DatasetKind, FieldError, JobConfig, ModelKind, OptimizerKind};
+use super::{DatasetKind, FieldError, HybridConfigs, JobConfig, ModelKind, OptimizerKind, PipelineConfigs};
 
 /// Checks that strategy, model, data set and optimizer fit together.
 pub(super) fn check(config: &JobConfig) -> Result<(), FieldError> {
     let train = &config.train;
+    check_pipeline(config)?;
     if config.cluster.is_parameter_server() {
         check_parameter_server(config)?;
     } else {
@@ -99,6 +100,32 @@ fn check_collective(config: &JobConfig) -> Result<(), FieldError> {
         ));
     }
     Ok(())
+}
+
+/// Pipeline keys take effect only with `strategy.pipeline = true`, and then must fit the world
+/// and the batch.
+fn check_pipeline(config: &JobConfig) -> Result<(), FieldError> {
+    let strategy = &config.strategy;
+    if !strategy.pipeline {
+        if strategy.hybrid_configs != HybridConfigs::default()
+            || strategy.pipeline_configs != PipelineConfigs::default()
+        {
+            return Err(FieldError::new(
+                "strategy.pipeline",
+                "pipeline_configs / hybrid_configs are set but strategy.pipeline is false: set it to true",
+            ));
+        }
+        return Ok(());
+    }
+    if config.cluster.is_parameter_server() {
+        return Err(FieldError::new(
+            "strategy.pipeline",
+            "pipelines run collectively; a parameter-server job (cluster.server_num > 0) cannot pipeline",
+        ));
+    }
+    strategy
+        .pipeline_configs
+        .check(&strategy.hybrid_configs, config.world_size(), config.train.batch_size)
 }
 
 /// Data set `criteo` needs its files.
@@ -196,6 +223,29 @@ mod tests {
         assert_eq!(
             msg,
             "config.toml: train.train_files: dataset \"criteo\" needs at least one TSV file here"
+        );
+    }
+
+    #[test]
+    fn pipeline_layouts_must_fit_the_world_and_the_batch() {
+        let pp = "[cluster]\nnproc_per_node = 4\n[train]\nbatch_size = 32\nhidden_sizes = [8, 8, 8]\n\
+                  [strategy]\npipeline = true\n";
+        let ok = format!("{pp}[strategy.hybrid_configs]\ndp_degree = 2\npp_degree = 2\n[strategy.pipeline_configs]\naccumulate_steps = 4\n");
+        load_str(&ok).unwrap();
+        for (extra, key, says) in [
+            ("[strategy.hybrid_configs]\ndp_degree = 1\npp_degree = 2\n", "strategy.hybrid_configs", "must equal the world size 4"),
+            ("[strategy.hybrid_configs]\npp_degree = 4\n[strategy.pipeline_configs]\naccumulate_steps = 3\n", "strategy.pipeline_configs.accumulate_steps", "does not split"),
+            ("[strategy.hybrid_configs]\npp_degree = 4\n[strategy.pipeline_configs]\nschedule_mode = \"FThenB\"\nvirtual_pipeline_stages = 2\n", "strategy.pipeline_configs.virtual_pipeline_stages", "cannot interleave"),
+            ("[strategy.hybrid_configs]\npp_degree = 4\n[strategy.pipeline_configs]\naccumulate_steps = 2\nvirtual_pipeline_stages = 2\n", "strategy.pipeline_configs.accumulate_steps", "multiple of pp_degree"),
+            ("[strategy.hybrid_configs]\npp_degree = 4\n[strategy.pipeline_configs]\naccumulate_steps = 2\nmicro_batch_size = 4\n", "strategy.pipeline_configs.micro_batch_size", "contradicts"),
+        ] {
+            let msg = err_text(load_str(&format!("{pp}{extra}")));
+            assert!(msg.starts_with(&format!("config.toml: {key}: ")) && msg.contains(says), "{msg}");
+        }
+        let msg = err_text(load_str("[strategy.hybrid_configs]\npp_degree = 2\n"));
+        assert!(
+            msg.starts_with("config.toml: strategy.pipeline: pipeline_configs / hybrid_configs are set"),
+            "{msg}"
         );
     }
 

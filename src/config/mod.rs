@@ -23,6 +23,7 @@ mod combination;
 mod env;
 mod fault_tolerance;
 mod overrides;
+mod pipeline;
 mod strategy;
 mod train;
 
@@ -33,6 +34,7 @@ use toml::{Table, Value};
 
 pub use cluster::{ClusterConfig, DeviceKind};
 pub use fault_tolerance::FaultToleranceConfig;
+pub use pipeline::{HybridConfigs, PipelineConfigs, ScheduleMode};
 pub use strategy::{AsyncConfigs, DistributedStrategy, PsMode};
 pub use train::{DatasetKind, LrScaling, ModelKind, OptimizerKind, TrainConfig, TrainLength};
 

@@ -4,15 +4,13 @@
 
 use serde::{Deserialize, Serialize};
 
+use super::pipeline::{HybridConfigs, PipelineConfigs};
 use super::{FieldError, UnsupportedKey};
 
 /// Keys of `[strategy]` that belong to strategies of a later release, with the strategy named in
 /// the "not supported yet" error. Checked before deserialization so these never surface as a
 /// misleading "unknown field".
 pub(crate) const UNSUPPORTED_KEYS: &[UnsupportedKey] = &[
-    unsupported("pipeline", "pipeline parallel"),
-    unsupported("pipeline_configs", "pipeline parallel"),
-    unsupported("hybrid_configs", "pipeline parallel"),
     unsupported("recompute", "recompute"),
     unsupported("recompute_configs", "recompute"),
     unsupported("gradient_merge", "gradient merge"),
@@ -51,6 +49,13 @@ pub struct DistributedStrategy {
     pub a_sync: bool,
     /// Parameter server only: settings of the asynchronous modes.
     pub a_sync_configs: AsyncConfigs,
+    /// Pipeline parallelism: the model's blocks cut into `hybrid_configs.pp_degree` stages,
+    /// micro-batches streamed through them.
+    pub pipeline: bool,
+    /// Schedule and micro-batching of the pipeline.
+    pub pipeline_configs: PipelineConfigs,
+    /// Pipeline stages × data-parallel replicas of the pipeline.
+    pub hybrid_configs: HybridConfigs,
 }
 
 /// `[strategy.a_sync_configs]`, Paddle's name for the asynchronous parameter-server settings.
@@ -94,6 +99,9 @@ impl Default for DistributedStrategy {
             check_every: 10,
             a_sync: false,
             a_sync_configs: AsyncConfigs::default(),
+            pipeline: false,
+            pipeline_configs: PipelineConfigs::default(),
+            hybrid_configs: HybridConfigs::default(),
         }
     }
 }
@@ -142,20 +150,17 @@ mod tests {
 
     #[test]
     fn unsupported_strategies_are_rejected_with_the_reason() {
-        let msg = err_text(load_str("[strategy]\npipeline = true\n"));
-        assert_eq!(
-            msg,
-            "config.toml: strategy.pipeline: not supported yet (pipeline parallel)"
-        );
+        let msg = err_text(load_str("[strategy]\nrecompute = true\n"));
+        assert_eq!(msg, "config.toml: strategy.recompute: not supported yet (recompute)");
         let msg = err_text(load_str("[strategy.sharding_configs]\nstage = 2\n"));
         assert_eq!(
             msg,
             "config.toml: strategy.sharding_configs: not supported yet (sharding)"
         );
-        let msg = err_text(load_with("", &[], &["strategy.pipeline_configs.accumulate_steps=4"]));
+        let msg = err_text(load_with("", &[], &["strategy.gradient_merge_configs.k_steps=4"]));
         assert_eq!(
             msg,
-            "--set: strategy.pipeline_configs: not supported yet (pipeline parallel)"
+            "--set: strategy.gradient_merge_configs: not supported yet (gradient merge)"
         );
         let msg = err_text(load_str("[strategy]\namp = false\n"));
         assert!(msg.ends_with("not supported yet (mixed precision)"), "{msg}");

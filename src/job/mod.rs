@@ -6,6 +6,7 @@
 
 mod control;
 mod outputs;
+mod pipeline;
 mod process;
 pub mod ps;
 mod simulated;
@@ -132,7 +133,11 @@ impl TrainingJob {
 
     /// All ranks as actors of this process, ring links in memory.
     pub fn run_simulated(&self, options: &RunOptions) -> Result<RunOutcome> {
-        let outcome = simulated::run(self, options.show_progress)?;
+        let outcome = if self.config.strategy.pipeline {
+            pipeline::run(self, options.show_progress)?
+        } else {
+            simulated::run(self, options.show_progress)?
+        };
         outcome.write(&options.run_dir, &self.config)?;
         Ok(outcome)
     }
@@ -140,6 +145,12 @@ impl TrainingJob {
     /// One rank of a multi-process job over TCP; rank 0 also hosts the
     /// coordinator at `cluster.master` and writes the outputs.
     pub fn run_rank(&self, rank: usize, options: &RunOptions) -> Result<Option<RunOutcome>> {
+        anyhow::ensure!(
+            !self.config.strategy.pipeline,
+            "{}: strategy.pipeline: pipeline stages run in one process (`flotilla train`) in this release; \
+             stage links between processes are not built yet",
+            self.config.source_name
+        );
         let outcome = process::run(self, rank, options.show_progress && rank == 0)?;
         if let Some(outcome) = &outcome {
             outcome.write(&options.run_dir, &self.config)?;

@@ -34,6 +34,9 @@ pub struct Summary {
     pub exposed_comm_ratio: f64,
     /// SHA-256 of every parameter's bytes in name order.
     pub param_checksum: String,
+    /// Pipeline jobs: the most micro-batch activations each stage held at once.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub peak_activations: Option<Vec<usize>>,
 }
 
 /// Rank 0's view of a finished run.
@@ -61,6 +64,7 @@ impl RunOutcome {
                 comm_time_ratio: rank0.comm_time_ratio,
                 exposed_comm_ratio: rank0.exposed_comm_ratio,
                 param_checksum: rank0.param_checksum.to_string(),
+                peak_activations: None,
             },
             parameters: rank0.parameters,
             losses: rank0.losses,

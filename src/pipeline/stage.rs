@@ -74,6 +74,11 @@ impl Stage {
         })
     }
 
+    /// This stage's index.
+    pub fn index(&self) -> usize {
+        self.index
+    }
+
     /// The stage's parameters, chunk by chunk, each block's in its own order, named
     /// `"{block}.{param}"`.
     pub fn parameters(&self) -> Vec<(String, Var)> {
@@ -88,6 +93,44 @@ impl Stage {
                     .map(move |(param, var)| (format!("{name}.{param}"), var))
             })
             .collect()
+    }
+
+    /// Forward passes only of `micro_batches` micro-batches, one after the other
+    /// (evaluation): returns the outputs of the last virtual stage on the stage that holds it,
+    /// nothing elsewhere. `inputs` is read by the stage holding virtual stage 0.
+    pub fn forward_only(
+        &mut self,
+        link: &mut dyn StageLink,
+        micro_batches: usize,
+        inputs: &[Tensor],
+    ) -> Result<Vec<Tensor>> {
+        let (p, s) = (self.stages, self.index);
+        let last = self.chunks.len() * p - 1;
+        let mut outputs = Vec::new();
+        for micro in 0..micro_batches {
+            for (chunk, blocks) in self.chunks.iter().enumerate() {
+                let virtual_stage = chunk * p + s;
+                let what = format!("evaluation forward of micro-batch {micro} into virtual stage {virtual_stage}");
+                let input = if virtual_stage == 0 {
+                    inputs
+                        .get(micro)
+                        .with_context(|| format!("stage {s}: no input for micro-batch {micro}"))?
+                        .clone()
+                } else {
+                    link.recv_forward(&what)?
+                };
+                let output = blocks
+                    .iter()
+                    .try_fold(input, |h, block| block.forward(&h))
+                    .with_context(|| format!("stage {s}: {what}"))?;
+                if virtual_stage == last {
+                    outputs.push(output);
+                } else {
+                    link.send_forward(&what, output)?;
+                }
+            }
+        }
+        Ok(outputs)
     }
 
     /// Runs one step. `inputs[i]` is micro-batch `i`'s data (read by the stage holding virtual

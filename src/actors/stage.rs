@@ -1,0 +1,147 @@
+//! The stage actor: one rank of a pipeline job — stage `s` of pipeline replica `d`. It has its
+//! device actor build the stage, feeds it the replica's part of every global batch (the stage
+//! cuts it into micro-batches), evaluates through the pipeline at the end, and reports.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use actix::prelude::*;
+use anyhow::{Context as _, Result};
+
+use super::device::{
+    DeviceActor, ModelFactory, PipelineEvaluate, PipelineStep, PreparePipeline, ReadParameters, RingLink,
+};
+use super::trainer::progress_bar;
+use crate::config::{JobConfig, TrainLength};
+use crate::data::{Dataset, ShardedLoader};
+use crate::pipeline::link::StageLink;
+
+/// What a pipeline rank needs.
+pub struct StageActor {
+    /// Global rank: `replica × pp_degree + stage`.
+    pub rank: usize,
+    /// The job.
+    pub job: Arc<JobConfig>,
+    /// The model's constructor.
+    pub model: ModelFactory,
+    /// Training split (each replica reads its part of every global batch).
+    pub train_data: Arc<Dataset>,
+    /// Held-out split (each replica evaluates a contiguous part).
+    pub test_data: Arc<Dataset>,
+    /// Links to the neighbouring stages; taken at start.
+    pub link: Option<Box<dyn StageLink>>,
+    /// The ring among this stage's replicas; taken at start.
+    pub data_parallel: Option<RingLink>,
+    /// The device actor of this rank.
+    pub device: Addr<DeviceActor>,
+    /// Draw a progress bar.
+    pub show_progress: bool,
+}
+
+/// Runs the pipeline training loop to its end.
+#[derive(Message)]
+#[rtype(result = "Result<StageOutcome>")]
+pub struct TrainStage;
+
+/// What a pipeline rank reports.
+#[derive(Debug, Clone)]
+pub struct StageOutcome {
+    /// Global rank.
+    pub rank: usize,
+    /// Steps taken.
+    pub steps: usize,
+    /// Global mean loss of every step (ranks holding the last virtual stage).
+    pub losses: Vec<f32>,
+    /// Held-out (correct, total) summed over replicas (ranks holding the last virtual stage).
+    pub evaluated: Option<(usize, usize)>,
+    /// Global samples per second.
+    pub samples_per_sec: f64,
+    /// Data-parallel all-reduce time over step time.
+    pub allreduce_ratio: f64,
+    /// Most micro-batch activations this stage held at once.
+    pub peak_activations: usize,
+    /// The stage's final parameters by name.
+    pub parameters: Vec<(String, Vec<f32>)>,
+}
+
+impl Actor for StageActor {
+    type Context = Context<Self>;
+}
+
+impl Handler<TrainStage> for StageActor {
+    type Result = ResponseFuture<Result<StageOutcome>>;
+
+    fn handle(&mut self, _: TrainStage, _: &mut Self::Context) -> Self::Result {
+        let job = self.job.clone();
+        let rank = self.rank;
+        let (p, d) = (
+            job.strategy.hybrid_configs.pp_degree,
+            job.strategy.hybrid_configs.dp_degree,
+        );
+        let (replica, stage) = (rank / p, rank % p);
+        let device = self.device.clone();
+        let model = self.model.clone();
+        let (train_data, test_data) = (self.train_data.clone(), self.test_data.clone());
+        let link = self.link.take();
+        let data_parallel = self.data_parallel.take();
+        let show_progress = self.show_progress;
+        Box::pin(async move {
+            device
+                .send(PreparePipeline {
+                    job: job.clone(),
+                    model,
+                    stage,
+                    link: link.context("TrainStage was sent twice")?,
+                    data_parallel: data_parallel.context("TrainStage was sent twice")?,
+                })
+                .await??;
+            let train = &job.train;
+            let mut loader = ShardedLoader::new(train_data, train.batch_size, replica, d, train.seed)
+                .with_context(|| format!("train.batch_size = {}", train.batch_size))?;
+            let steps = match train.length() {
+                TrainLength::Steps(s) => s,
+                TrainLength::Epochs(e) => e * loader.batches_per_epoch(),
+            };
+            let progress = progress_bar(show_progress, steps);
+            let started = Instant::now();
+            let (mut step_time, mut allreduce) = (Duration::ZERO, Duration::ZERO);
+            let (mut losses, mut peak) = (Vec::new(), 0);
+            for step in 0..steps {
+                let report = device
+                    .send(PipelineStep(loader.batch(step)))
+                    .await?
+                    .with_context(|| format!("rank {rank} (stage {stage} of replica {replica}), step {step}"))?;
+                step_time += report.step_time;
+                allreduce += report.allreduce_time;
+                peak = peak.max(report.peak_activations);
+                progress.set_position(step as u64 + 1);
+                if let Some(loss) = report.loss {
+                    losses.push(loss);
+                    progress.set_message(format!("loss {loss:.4}"));
+                    let shown = (step + 1) % train.log_every == 0 || step + 1 == steps;
+                    if replica == 0 && progress.is_hidden() && shown {
+                        tracing::info!("step {}/{steps} loss {loss:.4} lr {:.4}", step + 1, report.lr);
+                    }
+                }
+            }
+            let elapsed = started.elapsed();
+            progress.finish_and_clear();
+            // The held-out set is cut like a global batch: whole micro-batches per replica.
+            let m = job.strategy.pipeline_configs.accumulate_steps;
+            let per_replica = test_data.len() / (d * m) * m;
+            let rows: Vec<usize> = (replica * per_replica..(replica + 1) * per_replica).collect();
+            let evaluated = device.send(PipelineEvaluate(test_data.select(&rows))).await??;
+            let parameters = device.send(ReadParameters).await??;
+            Ok(StageOutcome {
+                rank,
+                steps,
+                losses,
+                evaluated,
+                samples_per_sec: (steps * train.batch_size) as f64 / elapsed.as_secs_f64().max(1e-9),
+                allreduce_ratio: allreduce.as_secs_f64() / step_time.as_secs_f64().max(1e-9),
+                peak_activations: peak,
+                parameters,
+            })
+        })
+    }
+}

@@ -1,0 +1,148 @@
+//! `[strategy]` keys of pipeline parallelism (Paddle's names): `pipeline`,
+//! `pipeline_configs` and `hybrid_configs`.
+
+use serde::{Deserialize, Serialize};
+
+use super::FieldError;
+
+/// Order of forwards and backwards over the micro-batches (`pipeline_configs.schedule_mode`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub enum ScheduleMode {
+    /// GPipe: all forwards, then all backwards.
+    FThenB,
+    /// One forward, one backward in the steady state (interleaved when
+    /// `virtual_pipeline_stages > 1`).
+    #[default]
+    #[serde(rename = "1F1B")]
+    OneFOneB,
+}
+
+/// `[strategy.pipeline_configs]`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct PipelineConfigs {
+    /// The schedule.
+    pub schedule_mode: ScheduleMode,
+    /// Micro-batches per step (`m`).
+    pub accumulate_steps: usize,
+    /// Samples per micro-batch; optional, and when given it must equal the global batch over
+    /// `dp_degree × accumulate_steps`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub micro_batch_size: Option<usize>,
+    /// Model chunks per stage (`v`); more than 1 interleaves 1F1B.
+    pub virtual_pipeline_stages: usize,
+    /// First block of stages 1, 2, … (of virtual stages when interleaving); empty balances the
+    /// stages by parameter count.
+    pub stage_boundaries: Vec<usize>,
+}
+
+impl Default for PipelineConfigs {
+    fn default() -> Self {
+        Self {
+            schedule_mode: ScheduleMode::OneFOneB,
+            accumulate_steps: 1,
+            micro_batch_size: None,
+            virtual_pipeline_stages: 1,
+            stage_boundaries: Vec::new(),
+        }
+    }
+}
+
+/// `[strategy.hybrid_configs]`: how the world is split into pipeline stages and data-parallel
+/// replicas of the pipeline.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct HybridConfigs {
+    /// Replicas of the whole pipeline (`d`); each stage all-reduces within its replicas.
+    pub dp_degree: usize,
+    /// Pipeline stages (`p`).
+    pub pp_degree: usize,
+}
+
+impl Default for HybridConfigs {
+    fn default() -> Self {
+        Self {
+            dp_degree: 1,
+            pp_degree: 1,
+        }
+    }
+}
+
+impl PipelineConfigs {
+    /// Range and consistency checks, given the hybrid layout, the world size and the global
+    /// batch.
+    pub(crate) fn check(&self, hybrid: &HybridConfigs, world_size: usize, batch_size: usize) -> Result<(), FieldError> {
+        let (d, p) = (hybrid.dp_degree, hybrid.pp_degree);
+        if d == 0 || p == 0 {
+            let key = if d == 0 { "dp_degree" } else { "pp_degree" };
+            return Err(FieldError::new(
+                format!("strategy.hybrid_configs.{key}"),
+                "must be at least 1, got 0",
+            ));
+        }
+        if d.checked_mul(p) != Some(world_size) {
+            return Err(FieldError::new(
+                "strategy.hybrid_configs",
+                format!("dp_degree × pp_degree = {d} × {p} must equal the world size {world_size}"),
+            ));
+        }
+        let m = self.accumulate_steps;
+        if m == 0 {
+            return Err(FieldError::new(
+                "strategy.pipeline_configs.accumulate_steps",
+                "must be at least 1, got 0",
+            ));
+        }
+        let v = self.virtual_pipeline_stages;
+        if v == 0 {
+            return Err(FieldError::new(
+                "strategy.pipeline_configs.virtual_pipeline_stages",
+                "must be at least 1, got 0",
+            ));
+        }
+        if v > 1 && self.schedule_mode == ScheduleMode::FThenB {
+            return Err(FieldError::new(
+                "strategy.pipeline_configs.virtual_pipeline_stages",
+                format!("{v} virtual stages interleave 1F1B; schedule_mode = \"FThenB\" cannot interleave"),
+            ));
+        }
+        if v > 1 && !m.is_multiple_of(p) {
+            return Err(FieldError::new(
+                "strategy.pipeline_configs.accumulate_steps",
+                format!("interleaving needs the micro-batch count ({m}) to be a multiple of pp_degree ({p})"),
+            ));
+        }
+        let replica_batch = batch_size / d;
+        if !batch_size.is_multiple_of(d) || !replica_batch.is_multiple_of(m) {
+            return Err(FieldError::new(
+                "strategy.pipeline_configs.accumulate_steps",
+                format!(
+                    "the global batch {batch_size} does not split into dp_degree {d} × {m} micro-batches of equal size"
+                ),
+            ));
+        }
+        if let Some(size) = self.micro_batch_size {
+            if size != replica_batch / m {
+                return Err(FieldError::new(
+                    "strategy.pipeline_configs.micro_batch_size",
+                    format!(
+                        "{size} contradicts train.batch_size / (dp_degree × accumulate_steps) = {batch_size} / ({d} × {m}) = {}",
+                        replica_batch / m
+                    ),
+                ));
+            }
+        }
+        if !self.stage_boundaries.is_empty() && self.stage_boundaries.len() + 1 != p * v {
+            return Err(FieldError::new(
+                "strategy.pipeline_configs.stage_boundaries",
+                format!(
+                    "{} boundaries give {} stages, the pipeline has pp_degree × virtual_pipeline_stages = {}",
+                    self.stage_boundaries.len(),
+                    self.stage_boundaries.len() + 1,
+                    p * v
+                ),
+            ));
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,216 @@
+//! One rank of a pipeline job, on its device thread: its stage of one replica of the
+//! pipeline, the optimizer of the stage's parameters, and the data-parallel ring among the
+//! stage's replicas (hybrid data × pipeline parallelism).
+
+use std::time::{Duration, Instant};
+
+use anyhow::{Context as _, Result};
+use candle_core::backprop::GradStore;
+use candle_core::{Device, Tensor, Var};
+
+use super::link::StageLink;
+use super::partition::{balanced, explicit};
+use super::schedule::ScheduleKind;
+use super::stage::{Chunk, Stage};
+use crate::config::{JobConfig, ScheduleMode};
+use crate::data::Batch;
+use crate::engines::comm::Communicator;
+use crate::models::{Block, Model};
+use crate::optim::{LrPolicy, Optimizer};
+
+/// What one pipeline step measured on this rank.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct PipelineReport {
+    /// Mean loss over the global batch, on the ranks holding the last virtual stage.
+    pub loss: Option<f32>,
+    /// Learning rate of the step.
+    pub lr: f64,
+    /// Wall time of the step.
+    pub step_time: Duration,
+    /// Time in the data-parallel all-reduce of the stage's gradients.
+    pub allreduce_time: Duration,
+    /// Most micro-batch activations held at once.
+    pub peak_activations: usize,
+}
+
+/// A rank's stage, optimizer and links.
+pub struct PipelineReplica {
+    stage: Stage,
+    params: Vec<(String, Var)>,
+    optimizer: Optimizer,
+    lr_policy: LrPolicy,
+    link: Box<dyn StageLink>,
+    data_parallel: Communicator,
+    device: Device,
+    micro_batches: usize,
+    holds_loss: bool,
+    step: usize,
+}
+
+/// The schedule `job` asks for.
+pub fn schedule_kind(job: &JobConfig) -> ScheduleKind {
+    let configs = &job.strategy.pipeline_configs;
+    match (configs.schedule_mode, configs.virtual_pipeline_stages) {
+        (ScheduleMode::FThenB, _) => ScheduleKind::FThenB,
+        (ScheduleMode::OneFOneB, v) if v > 1 => ScheduleKind::Interleaved { virtual_stages: v },
+        (ScheduleMode::OneFOneB, _) => ScheduleKind::OneFOneB,
+    }
+}
+
+impl PipelineReplica {
+    /// Stage `stage` of `model` (every rank builds the whole model from the seed and keeps its
+    /// chunks), linked to its neighbours by `link` and to its replicas by `data_parallel`.
+    pub fn new(
+        job: &JobConfig,
+        model: Model,
+        stage: usize,
+        link: Box<dyn StageLink>,
+        data_parallel: Communicator,
+        device: Device,
+    ) -> Result<Self> {
+        let kind = schedule_kind(job);
+        let configs = &job.strategy.pipeline_configs;
+        let p = job.strategy.hybrid_configs.pp_degree;
+        let virtual_stages = p * kind.virtual_stages();
+        let weights: Vec<usize> = model
+            .blocks()
+            .iter()
+            .map(|b| b.parameters().iter().map(|(_, v)| v.elem_count()).sum())
+            .collect();
+        let cuts = if configs.stage_boundaries.is_empty() {
+            balanced(&weights, virtual_stages)
+        } else {
+            explicit(&configs.stage_boundaries, weights.len(), virtual_stages)
+        }
+        .context("strategy.pipeline_configs: cutting the model into stages")?;
+        let mut blocks: Vec<Option<Box<dyn Block>>> = model.into_blocks().into_iter().map(Some).collect();
+        let chunks: Vec<Chunk> = cuts
+            .into_iter()
+            .enumerate()
+            .filter(|(k, _)| k % p == stage)
+            .map(|(_, range)| range.filter_map(|i| blocks[i].take()).collect())
+            .collect();
+        let stage = Stage::new(stage, p, chunks, kind, configs.accumulate_steps)?;
+        let params = stage.parameters();
+        let dp = job.strategy.hybrid_configs.dp_degree;
+        let lr_policy = LrPolicy::new(&job.train, dp);
+        let optimizer = Optimizer::new(
+            &job.train,
+            params.iter().map(|(_, v)| v.clone()).collect(),
+            lr_policy.at(0),
+        )?;
+        Ok(Self {
+            holds_loss: (virtual_stages - 1) % p == stage.index(),
+            stage,
+            params,
+            optimizer,
+            lr_policy,
+            link,
+            data_parallel,
+            device,
+            micro_batches: configs.accumulate_steps,
+            step: 0,
+        })
+    }
+
+    /// One step on this replica's part of the global batch.
+    pub fn train_step(&mut self, batch: &Batch) -> Result<PipelineReport> {
+        let started = Instant::now();
+        let lr = self.lr_policy.at(self.step);
+        self.optimizer.set_learning_rate(lr);
+        let (inputs, labels) = self.micro_batches(batch)?;
+        let loss = |i: usize, out: &Tensor| candle_nn::loss::cross_entropy(out, &labels[i]);
+        let step = self.stage.step(self.link.as_mut(), &inputs, &loss)?;
+
+        let reducing = Instant::now();
+        let replicas = self.data_parallel.world_size() as f32;
+        let mut flat: Vec<f32> = Vec::new();
+        for g in &step.gradients {
+            flat.extend(g.flatten_all()?.to_vec1::<f32>()?);
+        }
+        let mut loss_value = [step.loss.unwrap_or(0.0)];
+        if replicas > 1.0 {
+            let at = self.step;
+            self.data_parallel
+                .all_reduce_sum(&format!("all-reduce of stage gradients at step {at}"), &mut flat)?;
+            if self.holds_loss {
+                self.data_parallel
+                    .all_reduce_sum(&format!("all-reduce of the loss at step {at}"), &mut loss_value)?;
+            }
+        }
+        let allreduce_time = reducing.elapsed();
+        let mut grads = GradStore::default();
+        let mut offset = 0;
+        for (_, var) in &self.params {
+            let n = var.elem_count();
+            let mean: Vec<f32> = flat[offset..offset + n].iter().map(|g| g / replicas).collect();
+            grads.insert(var.as_tensor(), Tensor::from_vec(mean, var.shape(), &self.device)?);
+            offset += n;
+        }
+        self.optimizer.step(&grads)?;
+        self.step += 1;
+        Ok(PipelineReport {
+            loss: self.holds_loss.then_some(loss_value[0] / replicas),
+            lr,
+            step_time: started.elapsed(),
+            allreduce_time,
+            peak_activations: step.peak_activations,
+        })
+    }
+
+    /// Correct predictions and samples of `batch` (this replica's part of the held-out set),
+    /// summed over replicas, on the ranks holding the last virtual stage.
+    pub fn evaluate(&mut self, batch: &Batch) -> Result<Option<(usize, usize)>> {
+        let (inputs, labels) = self.micro_batches(batch)?;
+        let outputs = self
+            .stage
+            .forward_only(self.link.as_mut(), self.micro_batches, &inputs)?;
+        if !self.holds_loss {
+            return Ok(None);
+        }
+        let mut correct = 0usize;
+        for (out, y) in outputs.iter().zip(&labels) {
+            let predicted = out.argmax(1)?.to_vec1::<u32>()?;
+            correct += predicted
+                .iter()
+                .zip(y.to_vec1::<u32>()?)
+                .filter(|(p, l)| **p == *l)
+                .count();
+        }
+        // Counts below 2^24 are exact in f32.
+        let mut counts = [correct as f32, batch.rows() as f32];
+        if self.data_parallel.world_size() > 1 {
+            self.data_parallel
+                .all_reduce_sum("all-reduce of evaluation counts", &mut counts)?;
+        }
+        Ok(Some((counts[0] as usize, counts[1] as usize)))
+    }
+
+    /// The stage's parameters by name.
+    pub fn parameters(&self) -> Result<Vec<(String, Vec<f32>)>> {
+        self.params
+            .iter()
+            .map(|(name, var)| Ok((name.clone(), var.flatten_all()?.to_vec1::<f32>()?)))
+            .collect()
+    }
+
+    /// `batch` cut into the step's micro-batches: inputs and labels.
+    fn micro_batches(&self, batch: &Batch) -> Result<(Vec<Tensor>, Vec<Tensor>)> {
+        let m = self.micro_batches;
+        let rows = batch.rows();
+        anyhow::ensure!(
+            rows.is_multiple_of(m) && rows > 0,
+            "a batch of {rows} rows does not split into {m} micro-batches"
+        );
+        let x = Tensor::from_slice(&batch.features, (rows, batch.dim), &self.device)?;
+        let y = Tensor::from_slice(&batch.labels, rows, &self.device)?;
+        let size = rows / m;
+        let inputs = (0..m)
+            .map(|i| x.narrow(0, i * size, size))
+            .collect::<candle_core::Result<_>>()?;
+        let labels = (0..m)
+            .map(|i| y.narrow(0, i * size, size))
+            .collect::<candle_core::Result<_>>()?;
+        Ok((inputs, labels))
+    }
+}
