@@ -60,6 +60,11 @@ pub struct StageOutcome {
     pub allreduce_ratio: f64,
     /// Most micro-batch activations this stage held at once.
     pub peak_activations: usize,
+    /// Most bytes of activations this stage held for backward at once.
+    pub peak_activation_bytes: usize,
+    /// Time waiting for neighbours over the time of the schedules: the stage's bubble as a
+    /// share of the pipeline's step.
+    pub bubble_fraction: f64,
     /// The stage's final parameters by name.
     pub parameters: Vec<(String, Vec<f32>)>,
 }
@@ -105,7 +110,8 @@ impl Handler<TrainStage> for StageActor {
             let progress = progress_bar(show_progress, steps);
             let started = Instant::now();
             let (mut step_time, mut allreduce) = (Duration::ZERO, Duration::ZERO);
-            let (mut losses, mut peak) = (Vec::new(), 0);
+            let (mut losses, mut peak, mut peak_bytes) = (Vec::new(), 0, 0);
+            let (mut pipeline_wait, mut pipeline_time) = (Duration::ZERO, Duration::ZERO);
             for step in 0..steps {
                 let report = device
                     .send(PipelineStep(loader.batch(step)))
@@ -114,6 +120,9 @@ impl Handler<TrainStage> for StageActor {
                 step_time += report.step_time;
                 allreduce += report.allreduce_time;
                 peak = peak.max(report.peak_activations);
+                peak_bytes = peak_bytes.max(report.peak_activation_bytes);
+                pipeline_wait += report.pipeline_wait;
+                pipeline_time += report.pipeline_time;
                 progress.set_position(step as u64 + 1);
                 if let Some(loss) = report.loss {
                     losses.push(loss);
@@ -140,6 +149,8 @@ impl Handler<TrainStage> for StageActor {
                 samples_per_sec: (steps * train.batch_size) as f64 / elapsed.as_secs_f64().max(1e-9),
                 allreduce_ratio: allreduce.as_secs_f64() / step_time.as_secs_f64().max(1e-9),
                 peak_activations: peak,
+                peak_activation_bytes: peak_bytes,
+                bubble_fraction: pipeline_wait.as_secs_f64() / pipeline_time.as_secs_f64().max(1e-9),
                 parameters,
             })
         })

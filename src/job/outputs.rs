@@ -34,9 +34,13 @@ pub struct Summary {
     pub exposed_comm_ratio: f64,
     /// SHA-256 of every parameter's bytes in name order.
     pub param_checksum: String,
-    /// Pipeline jobs: the most micro-batch activations each stage held at once.
+    /// Pipeline jobs: per stage, the most bytes of activations held for backward at once.
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub peak_activations: Option<Vec<usize>>,
+    pub peak_activation_bytes: Option<Vec<usize>>,
+    /// Pipeline jobs: time stages waited for their neighbours over the time of the schedules,
+    /// averaged over stages (the bubble's share of the pipeline's step).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub bubble_fraction: Option<f64>,
 }
 
 /// Rank 0's view of a finished run.
@@ -64,7 +68,8 @@ impl RunOutcome {
                 comm_time_ratio: rank0.comm_time_ratio,
                 exposed_comm_ratio: rank0.exposed_comm_ratio,
                 param_checksum: rank0.param_checksum.to_string(),
-                peak_activations: None,
+                peak_activation_bytes: None,
+                bubble_fraction: None,
             },
             parameters: rank0.parameters,
             losses: rank0.losses,

@@ -31,6 +31,13 @@ pub struct PipelineReport {
     pub allreduce_time: Duration,
     /// Most micro-batch activations held at once.
     pub peak_activations: usize,
+    /// Most bytes of activations held for backward at once.
+    pub peak_activation_bytes: usize,
+    /// Time the stage waited for its neighbours in the schedule (the bubble).
+    pub pipeline_wait: Duration,
+    /// Time of the schedule (forwards, backwards and waits), without the all-reduce and the
+    /// optimizer.
+    pub pipeline_time: Duration,
 }
 
 /// A rank's stage, optimizer and links.
@@ -155,6 +162,9 @@ impl PipelineReplica {
             step_time: started.elapsed(),
             allreduce_time,
             peak_activations: step.peak_activations,
+            peak_activation_bytes: step.peak_activation_bytes,
+            pipeline_wait: step.waiting,
+            pipeline_time: step.elapsed,
         })
     }
 

@@ -5,6 +5,7 @@
 //! the caller's optimizer step sees the gradient of the whole batch.
 
 use std::collections::HashMap;
+use std::time::{Duration, Instant};
 
 use anyhow::{ensure, Context as _, Result};
 use candle_core::{Tensor, Var};
@@ -34,6 +35,14 @@ pub struct StageStep {
     pub loss: Option<f32>,
     /// The most micro-batch chunks whose activations were held at once.
     pub peak_activations: usize,
+    /// The most bytes of block outputs held for backward at once (what autograd keeps of each
+    /// forward until its backward).
+    pub peak_activation_bytes: usize,
+    /// Time spent waiting for a neighbour's activation or gradient: the stage's share of the
+    /// pipeline bubble.
+    pub waiting: Duration,
+    /// Wall time of the whole step.
+    pub elapsed: Duration,
 }
 
 /// A forward pass whose backward has not run yet.
@@ -41,6 +50,8 @@ struct Stashed {
     /// The chunk's input variable (none for the data).
     input: Option<Tensor>,
     output: Tensor,
+    /// Bytes of the block outputs this forward keeps alive.
+    bytes: usize,
     /// The micro-batch loss, on the last virtual stage.
     loss: Option<Tensor>,
 }
@@ -157,7 +168,9 @@ impl Stage {
         let mut sums: Vec<Vec<Option<Tensor>>> = params.iter().map(|ps| vec![None; ps.len()]).collect();
         let mut stash: HashMap<(usize, usize), Stashed> = HashMap::new();
         let mut loss_sum = 0.0f32;
-        let mut peak = 0;
+        let (mut peak, mut held_bytes, mut peak_bytes) = (0, 0usize, 0usize);
+        let started = Instant::now();
+        let mut waiting = Duration::ZERO;
         for op in self.schedule.clone() {
             match op {
                 Op::Forward { micro, chunk } => {
@@ -166,7 +179,9 @@ impl Stage {
                     let input = if virtual_stage == 0 {
                         None
                     } else {
+                        let asked = Instant::now();
                         let received = link.recv_forward(&what)?;
+                        waiting += asked.elapsed();
                         Some(Var::from_tensor(&received)?.as_tensor().clone())
                     };
                     let data = match &input {
@@ -176,9 +191,14 @@ impl Stage {
                             .with_context(|| format!("stage {s}: no input for micro-batch {micro}"))?
                             .clone(),
                     };
+                    let mut bytes = 0;
                     let output = self.chunks[chunk]
                         .iter()
-                        .try_fold(data, |h, block| block.forward(&h))
+                        .try_fold(data, |h, block| {
+                            let out = block.forward(&h)?;
+                            bytes += out.elem_count() * out.dtype().size_in_bytes();
+                            Ok::<_, candle_core::Error>(out)
+                        })
                         .with_context(|| format!("stage {s}: {what}"))?;
                     let micro_loss = if virtual_stage == last {
                         // Each micro-batch's mean loss weighs 1/m of the batch's.
@@ -194,10 +214,13 @@ impl Stage {
                         Stashed {
                             input,
                             output,
+                            bytes,
                             loss: micro_loss,
                         },
                     );
+                    held_bytes += bytes;
                     peak = peak.max(stash.len());
+                    peak_bytes = peak_bytes.max(held_bytes);
                 }
                 Op::Backward { micro, chunk } => {
                     let virtual_stage = chunk * p + s;
@@ -208,10 +231,13 @@ impl Stage {
                     let grads = match &stashed.loss {
                         Some(l) => l.backward()?,
                         None => {
+                            let asked = Instant::now();
                             let upstream = link.recv_backward(&what)?;
+                            waiting += asked.elapsed();
                             (&stashed.output * upstream)?.sum_all()?.backward()?
                         }
                     };
+                    held_bytes -= stashed.bytes;
                     for (var, sum) in params[chunk].iter().zip(sums[chunk].iter_mut()) {
                         let g = grads
                             .get(var.as_tensor())
@@ -243,6 +269,9 @@ impl Stage {
             gradients,
             loss: (last % p == s).then_some(loss_sum),
             peak_activations: peak,
+            peak_activation_bytes: peak_bytes,
+            waiting,
+            elapsed: started.elapsed(),
         })
     }
 }
