@@ -9,6 +9,7 @@ use anyhow::{bail, Context, Result};
 use clap::{Parser, Subcommand, ValueEnum};
 
 use flotilla::bench::allreduce::{self, AllReduceArgs};
+use flotilla::bench::pipeline::{self as pipeline_bench, PipelineBenchArgs};
 use flotilla::bench::ps::{self as ps_bench, PsBenchArgs, PsBenchShardArgs};
 use flotilla::config::{process_env, JobConfig};
 use flotilla::data::ctr::{write_synthetic, CriteoSynth, Split};
@@ -115,6 +116,8 @@ enum BenchCommand {
     AllreduceRank(AllReduceArgs),
     /// Pull and push throughput against parameter-server shard processes on loopback.
     Ps(PsBenchArgs),
+    /// The measured bubble of a pipeline schedule against the theory, with equal stages.
+    Pipeline(PipelineBenchArgs),
     /// One shard of `bench ps` (started by it).
     #[command(hide = true)]
     PsShard(PsBenchShardArgs),
@@ -159,6 +162,7 @@ fn run(cli: Cli) -> Result<()> {
         Command::Bench(BenchCommand::Allreduce { nproc, args }) => allreduce::run(nproc, &args),
         Command::Bench(BenchCommand::AllreduceRank(args)) => allreduce::run_rank(&args),
         Command::Bench(BenchCommand::Ps(args)) => ps_bench::run(&args),
+        Command::Bench(BenchCommand::Pipeline(args)) => pipeline_bench::run(&args),
         Command::Bench(BenchCommand::PsShard(args)) => ps_bench::run_shard(&args),
     }
 }

@@ -1,4 +1,5 @@
 //! Benchmarks that print figures (never asserts): `flotilla bench …`.
 
 pub mod allreduce;
+pub mod pipeline;
 pub mod ps;
