@@ -107,7 +107,7 @@ pub struct TextBatch {
 
 impl TextBatch {
     /// Inputs and targets as `(rows, block_size)` u32 tensors on `device`:
-    /// the shapes [`crate::models::gpt`] and [`crate::models::lm_loss`] take.
+    /// the shapes [`crate::models::gpt()`] and [`crate::models::lm_loss`] take.
     pub fn tensors(&self, device: &Device) -> candle_core::Result<(Tensor, Tensor)> {
         let shape = (self.rows, self.block_size);
         Ok((
@@ -192,10 +192,10 @@ impl TextBatches {
     }
 
     /// This rank's rows of global batch `step`.
-    pub fn batch(&self, step: u64) -> TextBatch {
+    pub fn batch(&self, step: usize) -> TextBatch {
         // Every rank draws the whole global batch's offsets so its rows are
         // the same ones a single process would read.
-        let mut rng = SplitMix64::for_stream(self.seed, "text-windows", step);
+        let mut rng = SplitMix64::for_stream(self.seed, "text-windows", step as u64);
         let starts_available = self.tokens.len() - self.block_size;
         let starts: Vec<usize> = (0..self.global_batch).map(|_| rng.below(starts_available)).collect();
         let local = self.local_batch();
