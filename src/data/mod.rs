@@ -8,6 +8,7 @@ pub mod ctr;
 mod digits;
 mod loader;
 mod synthetic;
+pub mod text;
 
 pub use loader::{Batch, ShardedLoader};
 

@@ -6,11 +6,13 @@
 //! a bucket of gradients can be all-reduced while earlier blocks are still
 //! in backward), and the pipeline engine will cut the same list into stages.
 
+mod gpt;
 mod init;
 mod linear;
 mod mlp;
 mod wide_deep;
 
+pub use gpt::{gpt, lm_loss, GptConfig};
 pub use init::ParamInit;
 pub use linear::{Activation, Linear};
 pub use mlp::mlp;

@@ -1,0 +1,94 @@
+//! Causal multi-head self-attention.
+
+use candle_core::{Tensor, Var, D};
+
+use super::dense::{Dense, INIT_STD};
+use crate::models::ParamInit;
+
+/// Heads attend, each over its own `n_embd / n_head` slice, to the positions
+/// at or before their own; the heads' outputs are concatenated and projected.
+pub(super) struct CausalSelfAttention {
+    q: Dense,
+    k: Dense,
+    v: Dense,
+    proj: Dense,
+    n_head: usize,
+}
+
+impl CausalSelfAttention {
+    /// Projections named `"{name}.q"`, `.k`, `.v`, `.proj`; the output
+    /// projection starts smaller by `residual_scale` (GPT-2's 1/√(2·layers)),
+    /// so the residual stream's variance does not grow with depth.
+    pub(super) fn new(
+        name: &str,
+        n_embd: usize,
+        n_head: usize,
+        residual_scale: f32,
+        init: &ParamInit,
+    ) -> candle_core::Result<Self> {
+        let dense = |part: &str, std| Dense::new(&format!("{name}.{part}"), n_embd, n_embd, std, init);
+        Ok(Self {
+            q: dense("q", INIT_STD)?,
+            k: dense("k", INIT_STD)?,
+            v: dense("v", INIT_STD)?,
+            proj: dense("proj", INIT_STD * residual_scale)?,
+            n_head,
+        })
+    }
+
+    /// `x` of shape (B, T, C) → (B, T, C).
+    pub(super) fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        let (b, t, c) = x.dims3()?;
+        let (h, d) = (self.n_head, c / self.n_head);
+        let rows = x.reshape((b * t, c))?;
+        // Each layout is made contiguous once, so matmuls and their gradients
+        // never run on strided views: q, v as (B, H, T, D), k as (B, H, D, T).
+        let q = (self.q.forward(&rows)? * (1.0 / (d as f64).sqrt()))?
+            .reshape((b, t, h, d))?
+            .transpose(1, 2)?
+            .contiguous()?;
+        let k = self
+            .k
+            .forward(&rows)?
+            .reshape((b, t, h, d))?
+            .permute((0, 2, 3, 1))?
+            .contiguous()?;
+        let v = self
+            .v
+            .forward(&rows)?
+            .reshape((b, t, h, d))?
+            .transpose(1, 2)?
+            .contiguous()?;
+        let scores = q.matmul(&k)?.broadcast_add(&causal_mask(t, x.device())?)?;
+        let y = softmax_last_dim(&scores)?.matmul(&v)?; // (B, H, T, D)
+        let y = y.transpose(1, 2)?.contiguous()?.reshape((b * t, c))?;
+        self.proj.forward(&y)?.reshape((b, t, c))
+    }
+
+    /// The projections' parameters under `prefix`.
+    pub(super) fn parameters(&self, prefix: &str) -> Vec<(String, Var)> {
+        [("q", &self.q), ("k", &self.k), ("v", &self.v), ("proj", &self.proj)]
+            .into_iter()
+            .flat_map(|(part, dense)| dense.parameters(&format!("{prefix}.{part}")))
+            .collect()
+    }
+}
+
+/// (T, T): 0 where key position ≤ query position, −∞ above the diagonal, so
+/// a later token gets exactly zero weight (and the diagonal keeps every row's
+/// maximum finite).
+fn causal_mask(t: usize, device: &candle_core::Device) -> candle_core::Result<Tensor> {
+    let mask: Vec<f32> = (0..t)
+        .flat_map(|query| (0..t).map(move |key| if key <= query { 0.0 } else { f32::NEG_INFINITY }))
+        .collect();
+    Tensor::from_vec(mask, (t, t), device)
+}
+
+/// Softmax over the last dimension from differentiable ops: candle-nn's
+/// `softmax_last_dim` is registered without a backward and would silently
+/// stop gradients. The max is subtracted for stability and detached, since
+/// softmax does not depend on it.
+fn softmax_last_dim(x: &Tensor) -> candle_core::Result<Tensor> {
+    let shifted = x.broadcast_sub(&x.max_keepdim(D::Minus1)?.detach())?.exp()?;
+    shifted.broadcast_div(&shifted.sum_keepdim(D::Minus1)?)
+}

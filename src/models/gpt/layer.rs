@@ -1,0 +1,73 @@
+//! One pre-LayerNorm transformer layer: the `h{i}` blocks.
+
+use candle_core::{Tensor, Var};
+
+use super::attention::CausalSelfAttention;
+use super::dense::{Dense, INIT_STD};
+use super::norm::LayerNorm;
+use crate::models::{Block, ParamInit};
+
+/// `x + attn(ln1(x))`, then `x + mlp(ln2(x))`; the MLP is C → 4C → C with
+/// the exact (erf) GELU, PyTorch's `nn.GELU()` default.
+pub(super) struct TransformerLayer {
+    name: String,
+    ln1: LayerNorm,
+    attn: CausalSelfAttention,
+    ln2: LayerNorm,
+    fc: Dense,
+    proj: Dense,
+}
+
+impl TransformerLayer {
+    /// Layer `name` of a model with `n_layer` layers (which sets the
+    /// residual projections' initial scale).
+    pub(super) fn new(
+        name: &str,
+        n_embd: usize,
+        n_head: usize,
+        n_layer: usize,
+        init: &ParamInit,
+    ) -> candle_core::Result<Self> {
+        let residual_scale = 1.0 / ((2 * n_layer) as f32).sqrt();
+        Ok(Self {
+            name: name.to_string(),
+            ln1: LayerNorm::new(n_embd, init)?,
+            attn: CausalSelfAttention::new(&format!("{name}.attn"), n_embd, n_head, residual_scale, init)?,
+            ln2: LayerNorm::new(n_embd, init)?,
+            fc: Dense::new(&format!("{name}.mlp.fc"), n_embd, 4 * n_embd, INIT_STD, init)?,
+            proj: Dense::new(
+                &format!("{name}.mlp.proj"),
+                4 * n_embd,
+                n_embd,
+                INIT_STD * residual_scale,
+                init,
+            )?,
+        })
+    }
+}
+
+impl Block for TransformerLayer {
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// (B, T, C) → (B, T, C).
+    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        let (b, t, c) = x.dims3()?;
+        let x = (x + self.attn.forward(&self.ln1.forward(x)?)?)?;
+        let hidden = self
+            .fc
+            .forward(&self.ln2.forward(&x)?.reshape((b * t, c))?)?
+            .gelu_erf()?;
+        x + self.proj.forward(&hidden)?.reshape((b, t, c))?
+    }
+
+    fn parameters(&self) -> Vec<(String, Var)> {
+        let mut params = self.ln1.parameters("ln1");
+        params.extend(self.attn.parameters("attn"));
+        params.extend(self.ln2.parameters("ln2"));
+        params.extend(self.fc.parameters("mlp.fc"));
+        params.extend(self.proj.parameters("mlp.proj"));
+        params
+    }
+}

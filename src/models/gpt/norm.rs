@@ -1,0 +1,43 @@
+//! Layer normalisation written from differentiable tensor ops.
+//!
+//! candle-nn's `ops::layer_norm` is a fused kernel registered without a
+//! backward (`apply_op3_no_bwd`): gradients would silently stop at it.
+
+use candle_core::{DType, Tensor, Var, D};
+
+use crate::models::ParamInit;
+
+const EPS: f64 = 1e-5;
+
+/// `gain · (x − mean) / sqrt(var + ε) + bias` over the last dimension.
+pub(super) struct LayerNorm {
+    gain: Var,
+    bias: Var,
+}
+
+impl LayerNorm {
+    /// Gain 1 and bias 0, so the layer starts as a plain normalisation.
+    pub(super) fn new(width: usize, init: &ParamInit) -> candle_core::Result<Self> {
+        Ok(Self {
+            gain: Var::ones(width, DType::F32, init.device())?,
+            bias: Var::zeros(width, DType::F32, init.device())?,
+        })
+    }
+
+    pub(super) fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        let centred = x.broadcast_sub(&x.mean_keepdim(D::Minus1)?)?;
+        let variance = centred.sqr()?.mean_keepdim(D::Minus1)?;
+        centred
+            .broadcast_mul(&(variance + EPS)?.sqrt()?.recip()?)?
+            .broadcast_mul(self.gain.as_tensor())?
+            .broadcast_add(self.bias.as_tensor())
+    }
+
+    /// `"{prefix}.gain"`, `"{prefix}.bias"`.
+    pub(super) fn parameters(&self, prefix: &str) -> Vec<(String, Var)> {
+        vec![
+            (format!("{prefix}.gain"), self.gain.clone()),
+            (format!("{prefix}.bias"), self.bias.clone()),
+        ]
+    }
+}
