@@ -47,14 +47,7 @@ impl ShardedLoader {
     /// A loader for `rank` of `world_size`; `global_batch` must divide by the
     /// world size and fit in the dataset.
     pub fn new(data: Arc<Dataset>, global_batch: usize, rank: usize, world_size: usize, seed: u64) -> Result<Self> {
-        ensure!(
-            world_size > 0 && rank < world_size,
-            "rank {rank} is outside world size {world_size}"
-        );
-        ensure!(
-            global_batch > 0 && global_batch.is_multiple_of(world_size),
-            "global batch {global_batch} does not divide into {world_size} equal rank batches"
-        );
+        super::check_rank_batch(global_batch, rank, world_size)?;
         ensure!(
             global_batch <= data.len(),
             "global batch {global_batch} is larger than the dataset ({} rows)",

@@ -111,6 +111,20 @@ impl Dataset {
     }
 }
 
+/// Every loader's precondition: `rank` is in the world and the global batch splits into equal,
+/// non-empty rank batches (so ranks together read exactly the batch one process would).
+pub(crate) fn check_rank_batch(global_batch: usize, rank: usize, world_size: usize) -> Result<()> {
+    ensure!(
+        world_size > 0 && rank < world_size,
+        "rank {rank} is outside world size {world_size}"
+    );
+    ensure!(
+        global_batch > 0 && global_batch.is_multiple_of(world_size),
+        "global batch {global_batch} does not divide into {world_size} equal rank batches"
+    );
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -161,14 +161,7 @@ impl TextBatches {
         world_size: usize,
         seed: u64,
     ) -> Result<Self> {
-        ensure!(
-            world_size > 0 && rank < world_size,
-            "rank {rank} is outside world size {world_size}"
-        );
-        ensure!(
-            global_batch > 0 && global_batch.is_multiple_of(world_size),
-            "global batch {global_batch} does not divide into {world_size} equal rank batches"
-        );
+        super::check_rank_batch(global_batch, rank, world_size)?;
         ensure!(block_size > 0, "a window needs at least one input token");
         ensure!(
             tokens.len() > block_size,

@@ -72,12 +72,7 @@ impl CtrLoader {
     /// `global_batch` records, which must divide evenly among them. For
     /// files, every file is scanned once now to count its records.
     pub fn new(source: CtrSource, global_batch: usize, rank: usize, world: usize) -> Result<Self> {
-        ensure!(global_batch > 0, "the global batch must hold at least one record");
-        ensure!(world > 0 && rank < world, "rank {rank} is outside world size {world}");
-        ensure!(
-            global_batch.is_multiple_of(world),
-            "global batch {global_batch} does not divide into {world} equal rank batches"
-        );
+        crate::data::check_rank_batch(global_batch, rank, world)?;
         let records = source.records_per_epoch()?;
         let cursor = match source {
             CtrSource::Synthetic { synth, split, .. } => Cursor::Synthetic { synth, split },
