@@ -159,12 +159,7 @@ impl Shard {
                     UpdateKind::Gradients => 1.0,
                     UpdateKind::Deltas => 1.0 / self.spec.trainers as f32,
                 };
-                self.apply(
-                    push.kind,
-                    &push.ids,
-                    scaled(push.values, scale),
-                    scaled_one(push.dense, scale),
-                )?;
+                self.apply(push.kind, scale, &push.ids, push.values, push.dense)?;
                 self.applied += 1;
                 Ok(true)
             }
@@ -233,17 +228,25 @@ impl Shard {
             ids.push(table_ids);
             values.push(table_values);
         }
-        self.apply(
-            UpdateKind::Gradients,
-            &ids,
-            scaled(values, scale),
-            scaled_one(dense, scale),
-        )?;
+        self.apply(UpdateKind::Gradients, scale, &ids, values, dense)?;
         self.applied += 1;
         Ok(())
     }
 
-    fn apply(&mut self, kind: UpdateKind, ids: &[Vec<u64>], values: Vec<Vec<f32>>, dense: Vec<f32>) -> Result<()> {
+    /// Applies `scale ×` the update: gradients through the optimizer, deltas added.
+    fn apply(
+        &mut self,
+        kind: UpdateKind,
+        scale: f32,
+        ids: &[Vec<u64>],
+        mut values: Vec<Vec<f32>>,
+        mut dense: Vec<f32>,
+    ) -> Result<()> {
+        if scale != 1.0 {
+            for v in values.iter_mut().flatten().chain(dense.iter_mut()) {
+                *v *= scale;
+            }
+        }
         for ((table, ids), values) in self.tables.iter_mut().zip(ids).zip(&values) {
             match kind {
                 UpdateKind::Gradients => table.apply_gradients(ids, values)?,
@@ -349,18 +352,4 @@ fn sum_rows(pushes: &[PushRequest], t: usize, width: usize) -> (Vec<u64>, Vec<f3
         }
     }
     (ids, sums)
-}
-
-fn scaled(mut tables: Vec<Vec<f32>>, scale: f32) -> Vec<Vec<f32>> {
-    for values in &mut tables {
-        values.iter_mut().for_each(|v| *v *= scale);
-    }
-    tables
-}
-
-fn scaled_one(mut values: Vec<f32>, scale: f32) -> Vec<f32> {
-    if scale != 1.0 {
-        values.iter_mut().for_each(|v| *v *= scale);
-    }
-    values
 }
