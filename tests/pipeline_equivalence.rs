@@ -65,7 +65,7 @@ fn pipelined(kind: ScheduleKind, stages: usize, m: usize) -> HashMap<String, Vec
     // Virtual stage k is chunk k / p of stage k % p.
     let mut chunks: Vec<Vec<Chunk>> = (0..stages).map(|_| Vec::new()).collect();
     for (k, range) in cuts.into_iter().enumerate() {
-        chunks[k % stages].push(range.map(|i| blocks[i].take().unwrap()).collect());
+        chunks[k % stages].push(Chunk::new(range.map(|i| blocks[i].take().unwrap()).collect()));
     }
     let micro = BATCH / m;
     let inputs: Vec<Tensor> = (0..m).map(|i| x.narrow(0, i * micro, micro).unwrap()).collect();

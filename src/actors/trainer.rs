@@ -131,6 +131,7 @@ impl TrainingRun {
             TrainLength::Steps(s) => s,
             TrainLength::Epochs(e) => e * loader.batches_per_epoch(),
         };
+        crate::optim::check_run_length(&job.strategy, steps)?;
         let progress = progress_bar(self.show_progress, steps);
         let started = Instant::now();
         let (mut step_time, mut comm_time, mut exposed) = (Duration::ZERO, Duration::ZERO, Duration::ZERO);

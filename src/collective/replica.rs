@@ -11,8 +11,9 @@ use super::{BucketPlan, ParamChecksum};
 use crate::config::JobConfig;
 use crate::data::Batch;
 use crate::engines::comm::{CommWorker, Pending};
+use crate::engines::compute::segments::{self, Segments};
 use crate::models::{Model, NamedParam};
-use crate::optim::{LrPolicy, Optimizer};
+use crate::optim::{GradientMerge, LrPolicy, Optimizer};
 
 /// What one training step measured.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -39,6 +40,10 @@ pub struct Replica {
     lr_policy: LrPolicy,
     comm: CommWorker,
     device: Device,
+    /// How forward and backward cut the model (per block, or recomputed segments).
+    segments: Segments,
+    merge: GradientMerge,
+    /// Batches trained.
     step: usize,
 }
 
@@ -57,6 +62,14 @@ impl Replica {
         let lr_policy = LrPolicy::new(&job.train, comm.world_size());
         let vars: Vec<Var> = params.iter().map(|p| p.var.clone()).collect();
         let optimizer = Optimizer::new(&job.train, vars, lr_policy.at(0))?;
+        let blocks = model.blocks().len();
+        let segments = if job.strategy.recompute {
+            let names: Vec<&str> = model.blocks().iter().map(|b| b.name()).collect();
+            Segments::recomputed(blocks, &job.strategy.recompute_configs.resolve(&names)?)
+        } else {
+            Segments::per_block(blocks)
+        };
+        let merge = GradientMerge::new(&job.strategy, plan.buckets.len());
         tracing::debug!(
             rank = comm.rank(),
             buckets = plan.buckets.len(),
@@ -71,6 +84,8 @@ impl Replica {
             lr_policy,
             comm,
             device,
+            segments,
+            merge,
             step: 0,
         })
     }
@@ -117,86 +132,70 @@ impl Replica {
         Ok(())
     }
 
-    /// One synchronous data-parallel step on this rank's `batch`.
+    /// One synchronous data-parallel step on this rank's `batch`; with gradient merge, the
+    /// optimizer steps (and gradients are all-reduced) on every k-th batch only.
     pub fn train_step(&mut self, batch: &Batch) -> Result<StepReport> {
         let started = Instant::now();
         let comm_before = self.comm.busy_time();
-        let lr = self.lr_policy.at(self.step);
+        let lr = self.lr_policy.at(self.merge.optimizer_step(self.step));
         self.optimizer.set_learning_rate(lr);
         let x = Tensor::from_slice(&batch.features, (batch.rows(), batch.dim), &self.device)?;
         let y = Tensor::from_slice(&batch.labels, batch.rows(), &self.device)?;
 
-        // Forward, block by block; each block's input (but the data's) is a
-        // fresh variable so backward can stop at the block boundary and hand
-        // its gradient on.
         let blocks = self.model.blocks();
-        let mut inputs: Vec<Tensor> = Vec::with_capacity(blocks.len());
-        let mut outputs: Vec<Tensor> = Vec::with_capacity(blocks.len());
-        for (i, block) in blocks.iter().enumerate() {
-            let input = match outputs.last() {
-                None => x.clone(),
-                Some(previous) => Var::from_tensor(&previous.detach())?.as_tensor().clone(),
-            };
-            let out = block
-                .forward(&input)
-                .with_context(|| format!("forward of block {i} ({})", block.name()))?;
-            inputs.push(input);
-            outputs.push(out);
-        }
-        let loss = candle_nn::loss::cross_entropy(&outputs[blocks.len() - 1], &y)?;
-        let local_loss = loss.to_scalar::<f32>()?;
+        let forward = segments::forward(blocks, &self.segments, x)?;
+        let (local_loss, upstream) =
+            segments::loss_gradient(forward.output(), |out| candle_nn::loss::cross_entropy(out, &y))?;
 
-        // Backward from the last block; every completed bucket is handed to
-        // the communication thread at once.
-        let mut pending: Vec<Pending<Vec<f32>>> = Vec::with_capacity(self.plan.buckets.len());
+        // Backward segment by segment from the last; every completed bucket is handed to the
+        // communication thread at once (with gradient merge, only on the merge's last batch).
+        let step = self.step;
+        let (params, plan, merge, comm) = (&self.params, &self.plan, &mut self.merge, &self.comm);
+        let mut pending: Vec<Pending<Vec<f32>>> = Vec::with_capacity(plan.buckets.len());
         let mut bucket_index = 0;
         let mut filling: Vec<f32> = Vec::new();
-        let mut upstream: Option<Tensor> = None;
-        for i in (0..blocks.len()).rev() {
-            let grads = match &upstream {
-                None => loss.backward()?,
-                Some(g) => (&outputs[i] * g)?.sum_all()?.backward()?,
-            };
-            for (param_index, param) in self.params.iter().enumerate().filter(|(_, p)| p.block == i) {
-                let grad = grads
-                    .get(param.var.as_tensor())
-                    .with_context(|| format!("no gradient for {}", param.name))?;
-                let bucket = &self.plan.buckets[bucket_index];
-                if filling.is_empty() {
-                    filling.reserve(bucket.len);
-                }
-                filling.extend(grad.flatten_all()?.to_vec1::<f32>()?);
-                if bucket.params.last() == Some(&param_index) {
-                    pending.push(self.submit_bucket(bucket_index, std::mem::take(&mut filling)));
-                    bucket_index += 1;
+        segments::backward(blocks, &self.segments, forward, &upstream, &mut |range, grads| {
+            for block in range.rev() {
+                for (param_index, param) in params.iter().enumerate().filter(|(_, p)| p.block == block) {
+                    let grad = grads
+                        .get(param.var.as_tensor())
+                        .with_context(|| format!("no gradient for {}", param.name))?;
+                    let bucket = &plan.buckets[bucket_index];
+                    if filling.is_empty() {
+                        filling.reserve(bucket.len);
+                    }
+                    filling.extend(grad.flatten_all()?.to_vec1::<f32>()?);
+                    if bucket.params.last() == Some(&param_index) {
+                        if let Some(merged) = merge.add(step, bucket_index, std::mem::take(&mut filling)) {
+                            pending.push(submit_bucket(comm, step, bucket_index, merged));
+                        }
+                        bucket_index += 1;
+                    }
                 }
             }
-            if i > 0 {
-                let g = grads
-                    .get(&inputs[i])
-                    .with_context(|| format!("no input gradient for block {i}"))?;
-                upstream = Some(g.detach());
-            }
-        }
+            Ok(())
+        })?;
 
         let mut exposed_comm_time = Duration::ZERO;
-        let mut averaged = GradStore::default();
-        for (bucket, reduced) in self.plan.buckets.iter().zip(pending) {
-            let waiting = Instant::now();
-            let values = reduced.wait()?;
-            exposed_comm_time += waiting.elapsed();
-            let mut offset = 0;
-            for &param_index in &bucket.params {
-                let var = &self.params[param_index].var;
-                let n = var.elem_count();
-                averaged.insert(
-                    var.as_tensor(),
-                    Tensor::from_slice(&values[offset..offset + n], var.shape(), &self.device)?,
-                );
-                offset += n;
+        if !pending.is_empty() {
+            let mut averaged = GradStore::default();
+            for (bucket, reduced) in self.plan.buckets.iter().zip(pending) {
+                let waiting = Instant::now();
+                let values = reduced.wait()?;
+                exposed_comm_time += waiting.elapsed();
+                let mut offset = 0;
+                for &param_index in &bucket.params {
+                    let var = &self.params[param_index].var;
+                    let n = var.elem_count();
+                    averaged.insert(
+                        var.as_tensor(),
+                        Tensor::from_slice(&values[offset..offset + n], var.shape(), &self.device)?,
+                    );
+                    offset += n;
+                }
             }
+            self.optimizer.step(&averaged)?;
         }
-        self.optimizer.step(&averaged)?;
 
         let world = self.world_size() as f32;
         let loss = self.comm.run(move |c| {
@@ -211,19 +210,6 @@ impl Replica {
             step_time: started.elapsed(),
             comm_time: self.comm.busy_time().saturating_sub(comm_before),
             exposed_comm_time,
-        })
-    }
-
-    fn submit_bucket(&self, index: usize, mut values: Vec<f32>) -> Pending<Vec<f32>> {
-        let world = self.world_size() as f32;
-        let step = self.step;
-        self.comm.submit(move |c| {
-            c.all_reduce_sum(
-                &format!("all-reduce of gradient bucket {index} at step {step}"),
-                &mut values,
-            )?;
-            values.iter_mut().for_each(|v| *v /= world);
-            Ok(values)
         })
     }
 
@@ -275,6 +261,20 @@ impl Replica {
         }
         Ok(mine)
     }
+}
+
+/// Hands bucket `index`'s gradients of `step` to the communication thread, which all-reduces
+/// them and divides by the world size.
+fn submit_bucket(comm: &CommWorker, step: usize, index: usize, mut values: Vec<f32>) -> Pending<Vec<f32>> {
+    let world = comm.world_size() as f32;
+    comm.submit(move |c| {
+        c.all_reduce_sum(
+            &format!("all-reduce of gradient bucket {index} at step {step}"),
+            &mut values,
+        )?;
+        values.iter_mut().for_each(|v| *v /= world);
+        Ok(values)
+    })
 }
 
 fn hex_prefix(bytes: &[u8]) -> String {

@@ -59,6 +59,17 @@ fn check_parameter_server(config: &JobConfig) -> Result<(), FieldError> {
             ),
         ));
     }
+    for (set, key) in [
+        (config.strategy.recompute, "strategy.recompute"),
+        (config.strategy.gradient_merge, "strategy.gradient_merge"),
+    ] {
+        if set {
+            return Err(FieldError::new(
+                key,
+                "applies to dense models trained collectively or in a pipeline, not to the parameter-server strategy",
+            ));
+        }
+    }
     if train.weight_decay > 0.0 {
         return Err(FieldError::new(
             "train.weight_decay",

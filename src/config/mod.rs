@@ -22,6 +22,7 @@ mod cluster;
 mod combination;
 mod env;
 mod fault_tolerance;
+mod memory;
 mod overrides;
 mod pipeline;
 mod strategy;
@@ -34,6 +35,7 @@ use toml::{Table, Value};
 
 pub use cluster::{ClusterConfig, DeviceKind};
 pub use fault_tolerance::FaultToleranceConfig;
+pub use memory::{BlockRef, GradientMergeConfigs, RecomputeConfigs};
 pub use pipeline::{HybridConfigs, PipelineConfigs, ScheduleMode};
 pub use strategy::{AsyncConfigs, DistributedStrategy, PsMode};
 pub use train::{DatasetKind, LrScaling, ModelKind, OptimizerKind, TrainConfig, TrainLength};

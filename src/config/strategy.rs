@@ -4,6 +4,7 @@
 
 use serde::{Deserialize, Serialize};
 
+use super::memory::{GradientMergeConfigs, RecomputeConfigs};
 use super::pipeline::{HybridConfigs, PipelineConfigs};
 use super::{FieldError, UnsupportedKey};
 
@@ -11,10 +12,6 @@ use super::{FieldError, UnsupportedKey};
 /// the "not supported yet" error. Checked before deserialization so these never surface as a
 /// misleading "unknown field".
 pub(crate) const UNSUPPORTED_KEYS: &[UnsupportedKey] = &[
-    unsupported("recompute", "recompute"),
-    unsupported("recompute_configs", "recompute"),
-    unsupported("gradient_merge", "gradient merge"),
-    unsupported("gradient_merge_configs", "gradient merge"),
     unsupported("sharding", "sharding"),
     unsupported("sharding_configs", "sharding"),
     unsupported("amp", "mixed precision"),
@@ -56,6 +53,16 @@ pub struct DistributedStrategy {
     pub pipeline_configs: PipelineConfigs,
     /// Pipeline stages × data-parallel replicas of the pipeline.
     pub hybrid_configs: HybridConfigs,
+    /// Activation recomputation: only the outputs of `recompute_configs.checkpoints` are kept
+    /// from forward to backward; the rest is recomputed in backward.
+    pub recompute: bool,
+    /// Which activations recomputation keeps.
+    pub recompute_configs: RecomputeConfigs,
+    /// Gradients of `gradient_merge_configs.k_steps` batches are accumulated (and all-reduced
+    /// once) before one optimizer step: a larger batch in the memory of a smaller one.
+    pub gradient_merge: bool,
+    /// How many batches merge, and whether their gradients are averaged or summed.
+    pub gradient_merge_configs: GradientMergeConfigs,
 }
 
 /// `[strategy.a_sync_configs]`, Paddle's name for the asynchronous parameter-server settings.
@@ -102,6 +109,10 @@ impl Default for DistributedStrategy {
             pipeline: false,
             pipeline_configs: PipelineConfigs::default(),
             hybrid_configs: HybridConfigs::default(),
+            recompute: false,
+            recompute_configs: RecomputeConfigs::default(),
+            gradient_merge: false,
+            gradient_merge_configs: GradientMergeConfigs::default(),
         }
     }
 }
@@ -122,8 +133,23 @@ impl DistributedStrategy {
         }
     }
 
+    /// Batches per optimizer step: `gradient_merge_configs.k_steps` with gradient merge, else 1.
+    pub fn merge_steps(&self) -> usize {
+        if self.gradient_merge {
+            self.gradient_merge_configs.k_steps
+        } else {
+            1
+        }
+    }
+
     /// Range checks of the section.
     pub(crate) fn check(&self) -> Result<(), FieldError> {
+        super::memory::check(
+            self.recompute,
+            &self.recompute_configs,
+            self.gradient_merge,
+            &self.gradient_merge_configs,
+        )?;
         if self.a_sync_configs.k_steps > 0 && !self.a_sync {
             return Err(FieldError::new(
                 "strategy.a_sync_configs.k_steps",
@@ -150,18 +176,13 @@ mod tests {
 
     #[test]
     fn unsupported_strategies_are_rejected_with_the_reason() {
-        let msg = err_text(load_str("[strategy]\nrecompute = true\n"));
-        assert_eq!(msg, "config.toml: strategy.recompute: not supported yet (recompute)");
         let msg = err_text(load_str("[strategy.sharding_configs]\nstage = 2\n"));
         assert_eq!(
             msg,
             "config.toml: strategy.sharding_configs: not supported yet (sharding)"
         );
-        let msg = err_text(load_with("", &[], &["strategy.gradient_merge_configs.k_steps=4"]));
-        assert_eq!(
-            msg,
-            "--set: strategy.gradient_merge_configs: not supported yet (gradient merge)"
-        );
+        let msg = err_text(load_with("", &[], &["strategy.sharding=true"]));
+        assert_eq!(msg, "--set: strategy.sharding: not supported yet (sharding)");
         let msg = err_text(load_str("[strategy]\namp = false\n"));
         assert!(msg.ends_with("not supported yet (mixed precision)"), "{msg}");
     }

@@ -1,8 +1,10 @@
 //! Optimizers and the learning-rate policy.
 
+mod gradient_merge;
 mod lr_policy;
 mod sgd_momentum;
 
+pub use gradient_merge::{check_run_length, GradientMerge};
 pub use lr_policy::LrPolicy;
 pub use sgd_momentum::{SgdMomentum, SgdMomentumConfig};
 

@@ -16,7 +16,7 @@ use crate::config::{JobConfig, ScheduleMode};
 use crate::data::Batch;
 use crate::engines::comm::Communicator;
 use crate::models::{Block, Model};
-use crate::optim::{LrPolicy, Optimizer};
+use crate::optim::{GradientMerge, LrPolicy, Optimizer};
 
 /// What one pipeline step measured on this rank.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -51,6 +51,8 @@ pub struct PipelineReplica {
     device: Device,
     micro_batches: usize,
     holds_loss: bool,
+    merge: GradientMerge,
+    /// Batches trained.
     step: usize,
 }
 
@@ -90,12 +92,31 @@ impl PipelineReplica {
             explicit(&configs.stage_boundaries, weights.len(), virtual_stages)
         }
         .context("strategy.pipeline_configs: cutting the model into stages")?;
+        let checkpoints = if job.strategy.recompute {
+            let names: Vec<&str> = model.blocks().iter().map(|b| b.name()).collect();
+            Some(job.strategy.recompute_configs.resolve(&names)?)
+        } else {
+            None
+        };
         let mut blocks: Vec<Option<Box<dyn Block>>> = model.into_blocks().into_iter().map(Some).collect();
         let chunks: Vec<Chunk> = cuts
             .into_iter()
             .enumerate()
             .filter(|(k, _)| k % p == stage)
-            .map(|(_, range)| range.filter_map(|i| blocks[i].take()).collect())
+            .map(|(_, range)| {
+                let chunk_blocks = range.clone().filter_map(|i| blocks[i].take()).collect();
+                match &checkpoints {
+                    None => Chunk::new(chunk_blocks),
+                    Some(all) => {
+                        let within: Vec<usize> = all
+                            .iter()
+                            .filter(|c| range.contains(c))
+                            .map(|c| c - range.start)
+                            .collect();
+                        Chunk::recomputed(chunk_blocks, &within)
+                    }
+                }
+            })
             .collect();
         let stage = Stage::new(stage, p, chunks, kind, configs.accumulate_steps)?;
         let params = stage.parameters();
@@ -116,14 +137,16 @@ impl PipelineReplica {
             data_parallel,
             device,
             micro_batches: configs.accumulate_steps,
+            merge: GradientMerge::new(&job.strategy, 1),
             step: 0,
         })
     }
 
-    /// One step on this replica's part of the global batch.
+    /// One step on this replica's part of the global batch; with gradient merge, the optimizer
+    /// steps (and gradients are all-reduced) on every k-th batch only.
     pub fn train_step(&mut self, batch: &Batch) -> Result<PipelineReport> {
         let started = Instant::now();
-        let lr = self.lr_policy.at(self.step);
+        let lr = self.lr_policy.at(self.merge.optimizer_step(self.step));
         self.optimizer.set_learning_rate(lr);
         let (inputs, labels) = self.micro_batches(batch)?;
         let loss = |i: usize, out: &Tensor| candle_nn::loss::cross_entropy(out, &labels[i]);
@@ -135,26 +158,29 @@ impl PipelineReplica {
         for g in &step.gradients {
             flat.extend(g.flatten_all()?.to_vec1::<f32>()?);
         }
+        let at = self.step;
+        let merged = self.merge.add(at, 0, flat);
         let mut loss_value = [step.loss.unwrap_or(0.0)];
-        if replicas > 1.0 {
-            let at = self.step;
+        if replicas > 1.0 && self.holds_loss {
             self.data_parallel
-                .all_reduce_sum(&format!("all-reduce of stage gradients at step {at}"), &mut flat)?;
-            if self.holds_loss {
+                .all_reduce_sum(&format!("all-reduce of the loss at step {at}"), &mut loss_value)?;
+        }
+        if let Some(mut flat) = merged {
+            if replicas > 1.0 {
                 self.data_parallel
-                    .all_reduce_sum(&format!("all-reduce of the loss at step {at}"), &mut loss_value)?;
+                    .all_reduce_sum(&format!("all-reduce of stage gradients at step {at}"), &mut flat)?;
             }
+            let mut grads = GradStore::default();
+            let mut offset = 0;
+            for (_, var) in &self.params {
+                let n = var.elem_count();
+                let mean: Vec<f32> = flat[offset..offset + n].iter().map(|g| g / replicas).collect();
+                grads.insert(var.as_tensor(), Tensor::from_vec(mean, var.shape(), &self.device)?);
+                offset += n;
+            }
+            self.optimizer.step(&grads)?;
         }
         let allreduce_time = reducing.elapsed();
-        let mut grads = GradStore::default();
-        let mut offset = 0;
-        for (_, var) in &self.params {
-            let n = var.elem_count();
-            let mean: Vec<f32> = flat[offset..offset + n].iter().map(|g| g / replicas).collect();
-            grads.insert(var.as_tensor(), Tensor::from_vec(mean, var.shape(), &self.device)?);
-            offset += n;
-        }
-        self.optimizer.step(&grads)?;
         self.step += 1;
         Ok(PipelineReport {
             loss: self.holds_loss.then_some(loss_value[0] / replicas),

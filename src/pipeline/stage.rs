@@ -12,10 +12,29 @@ use candle_core::{Tensor, Var};
 
 use super::link::StageLink;
 use super::schedule::{stage_ops, Op, ScheduleKind};
+use crate::engines::compute::segments::{self, Forward, Segments};
 use crate::models::Block;
 
-/// A contiguous run of a model's blocks, on one stage.
-pub type Chunk = Vec<Box<dyn Block>>;
+/// A contiguous run of a model's blocks on one stage, and how its backward is cut.
+pub struct Chunk {
+    blocks: Vec<Box<dyn Block>>,
+    segments: Segments,
+}
+
+impl Chunk {
+    /// `blocks` as one segment: every activation is held from forward to backward.
+    pub fn new(blocks: Vec<Box<dyn Block>>) -> Self {
+        let segments = Segments::whole(blocks.len());
+        Self { blocks, segments }
+    }
+
+    /// `blocks` with activation recomputation: only the outputs of the blocks at `checkpoints`
+    /// (indices within the chunk) and the chunk's input are held from forward to backward.
+    pub fn recomputed(blocks: Vec<Box<dyn Block>>, checkpoints: &[usize]) -> Self {
+        let segments = Segments::recomputed(blocks.len(), checkpoints);
+        Self { blocks, segments }
+    }
+}
 
 /// A stage: its chunks (chunk `c` is virtual stage `c·p + stage`) and its schedule.
 pub struct Stage {
@@ -47,13 +66,10 @@ pub struct StageStep {
 
 /// A forward pass whose backward has not run yet.
 struct Stashed {
-    /// The chunk's input variable (none for the data).
-    input: Option<Tensor>,
-    output: Tensor,
-    /// Bytes of the block outputs this forward keeps alive.
-    bytes: usize,
-    /// The micro-batch loss, on the last virtual stage.
-    loss: Option<Tensor>,
+    forward: Forward,
+    /// The gradient of the micro-batch's loss with respect to the output, on the last virtual
+    /// stage; elsewhere it comes from the next stage.
+    loss_gradient: Option<Tensor>,
 }
 
 impl Stage {
@@ -73,7 +89,7 @@ impl Stage {
             kind.virtual_stages()
         );
         ensure!(
-            chunks.iter().all(|c| !c.is_empty()),
+            chunks.iter().all(|c| !c.blocks.is_empty()),
             "stage {index} has an empty model chunk"
         );
         Ok(Self {
@@ -95,7 +111,7 @@ impl Stage {
     pub fn parameters(&self) -> Vec<(String, Var)> {
         self.chunks
             .iter()
-            .flatten()
+            .flat_map(|chunk| &chunk.blocks)
             .flat_map(|block| {
                 let name = block.name().to_string();
                 block
@@ -119,7 +135,7 @@ impl Stage {
         let last = self.chunks.len() * p - 1;
         let mut outputs = Vec::new();
         for micro in 0..micro_batches {
-            for (chunk, blocks) in self.chunks.iter().enumerate() {
+            for (chunk, Chunk { blocks, .. }) in self.chunks.iter().enumerate() {
                 let virtual_stage = chunk * p + s;
                 let what = format!("evaluation forward of micro-batch {micro} into virtual stage {virtual_stage}");
                 let input = if virtual_stage == 0 {
@@ -160,6 +176,7 @@ impl Stage {
             .iter()
             .map(|chunk| {
                 chunk
+                    .blocks
                     .iter()
                     .flat_map(|b| b.parameters().into_iter().map(|(_, v)| v))
                     .collect()
@@ -177,48 +194,30 @@ impl Stage {
                     let virtual_stage = chunk * p + s;
                     let what = format!("forward of micro-batch {micro} into virtual stage {virtual_stage}");
                     let input = if virtual_stage == 0 {
-                        None
+                        inputs
+                            .get(micro)
+                            .with_context(|| format!("stage {s}: no input for micro-batch {micro}"))?
+                            .clone()
                     } else {
                         let asked = Instant::now();
                         let received = link.recv_forward(&what)?;
                         waiting += asked.elapsed();
-                        Some(Var::from_tensor(&received)?.as_tensor().clone())
+                        Var::from_tensor(&received)?.as_tensor().clone()
                     };
-                    let data = match &input {
-                        Some(x) => x.clone(),
-                        None => inputs
-                            .get(micro)
-                            .with_context(|| format!("stage {s}: no input for micro-batch {micro}"))?
-                            .clone(),
-                    };
-                    let mut bytes = 0;
-                    let output = self.chunks[chunk]
-                        .iter()
-                        .try_fold(data, |h, block| {
-                            let out = block.forward(&h)?;
-                            bytes += out.elem_count() * out.dtype().size_in_bytes();
-                            Ok::<_, candle_core::Error>(out)
-                        })
-                        .with_context(|| format!("stage {s}: {what}"))?;
-                    let micro_loss = if virtual_stage == last {
+                    let Chunk { blocks, segments } = &self.chunks[chunk];
+                    let forward =
+                        segments::forward(blocks, segments, input).with_context(|| format!("stage {s}: {what}"))?;
+                    let loss_gradient = if virtual_stage == last {
                         // Each micro-batch's mean loss weighs 1/m of the batch's.
-                        let l = (loss(micro, &output)? / m as f64)?;
-                        loss_sum += l.to_scalar::<f32>()?;
-                        Some(l)
+                        let (l, g) = segments::loss_gradient(forward.output(), |out| loss(micro, out)? / m as f64)?;
+                        loss_sum += l;
+                        Some(g)
                     } else {
-                        link.send_forward(&what, output.detach())?;
+                        link.send_forward(&what, forward.output().detach())?;
                         None
                     };
-                    stash.insert(
-                        (micro, chunk),
-                        Stashed {
-                            input,
-                            output,
-                            bytes,
-                            loss: micro_loss,
-                        },
-                    );
-                    held_bytes += bytes;
+                    held_bytes += forward.held_bytes();
+                    stash.insert((micro, chunk), Stashed { forward, loss_gradient });
                     peak = peak.max(stash.len());
                     peak_bytes = peak_bytes.max(held_bytes);
                 }
@@ -228,30 +227,39 @@ impl Stage {
                     let stashed = stash
                         .remove(&(micro, chunk))
                         .with_context(|| format!("stage {s}: {what} before its forward"))?;
-                    let grads = match &stashed.loss {
-                        Some(l) => l.backward()?,
+                    let upstream = match stashed.loss_gradient {
+                        Some(g) => g,
                         None => {
                             let asked = Instant::now();
                             let upstream = link.recv_backward(&what)?;
                             waiting += asked.elapsed();
-                            (&stashed.output * upstream)?.sum_all()?.backward()?
+                            upstream
                         }
                     };
-                    held_bytes -= stashed.bytes;
-                    for (var, sum) in params[chunk].iter().zip(sums[chunk].iter_mut()) {
-                        let g = grads
-                            .get(var.as_tensor())
-                            .with_context(|| format!("stage {s}: {what}: a parameter got no gradient"))?;
-                        *sum = Some(match sum.take() {
-                            Some(acc) => (acc + g)?,
-                            None => g.clone(),
-                        });
-                    }
-                    if let Some(input) = &stashed.input {
-                        let g = grads
-                            .get(input)
+                    let forward_bytes = stashed.forward.held_bytes();
+                    let Chunk { blocks, segments } = &self.chunks[chunk];
+                    let chunk_sums = &mut sums[chunk];
+                    // Every parameter a segment's graph reached gets its share, so a weight
+                    // used in two segments of the chunk (a tied head) sums both.
+                    let done = segments::backward(blocks, segments, stashed.forward, &upstream, &mut |_, grads| {
+                        for (var, sum) in params[chunk].iter().zip(chunk_sums.iter_mut()) {
+                            if let Some(g) = grads.get(var.as_tensor()) {
+                                *sum = Some(match sum.take() {
+                                    Some(acc) => (acc + g)?,
+                                    None => g.clone(),
+                                });
+                            }
+                        }
+                        Ok(())
+                    })
+                    .with_context(|| format!("stage {s}: {what}"))?;
+                    peak_bytes = peak_bytes.max(held_bytes + done.recomputed_bytes);
+                    held_bytes -= forward_bytes;
+                    if virtual_stage > 0 {
+                        let g = done
+                            .input_gradient
                             .with_context(|| format!("stage {s}: {what}: no gradient for the input"))?;
-                        link.send_backward(&what, g.detach())?;
+                        link.send_backward(&what, g)?;
                     }
                 }
             }

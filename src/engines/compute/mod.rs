@@ -2,6 +2,8 @@
 //! `cuda` feature, selected here so that models and optimizers never name a
 //! backend themselves.
 
+pub mod segments;
+
 use anyhow::{bail, Result};
 use candle_core::Device;
 
