@@ -42,9 +42,9 @@ fn world_size_contradiction_is_named() {
 
 #[test]
 fn strategies_not_built_yet_say_so() {
-    let err = train_with("", &["--set", "strategy.recompute=true"]);
+    let err = train_with("", &["--set", "strategy.sharding=true"]);
     assert!(
-        err.contains("strategy.recompute") && err.contains("not supported yet"),
+        err.contains("strategy.sharding") && err.contains("not supported yet"),
         "{err}"
     );
 }

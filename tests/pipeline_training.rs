@@ -66,3 +66,39 @@ fn more_stages_than_blocks_is_an_error_naming_both() {
         "{err}"
     );
 }
+
+#[test]
+fn a_character_gpt_trains_in_a_hybrid_pipeline_like_one_process() {
+    let gpt = [
+        "train.model=\"gpt\"",
+        "train.dataset=\"text\"",
+        "train.gpt.n_layer=2",
+        "train.gpt.n_head=2",
+        "train.gpt.n_embd=16",
+        "train.gpt.block_size=16",
+        "train.batch_size=16",
+        "train.steps=4",
+        "train.test_fraction=0.002",
+    ];
+    let mut single = gpt.to_vec();
+    single.push("cluster.nproc_per_node=1");
+    let reference = train_in_process(config(&single));
+    let mut hybrid = gpt.to_vec();
+    hybrid.extend([
+        "strategy.pipeline=true",
+        "cluster.nproc_per_node=4",
+        "strategy.hybrid_configs.dp_degree=2",
+        "strategy.hybrid_configs.pp_degree=2",
+        "strategy.pipeline_configs.accumulate_steps=2",
+    ]);
+    let outcome = train_in_process(config(&hybrid));
+    let diff = max_abs_diff(&reference.parameters, &outcome.parameters);
+    assert!(diff <= TOLERANCE, "max |Δparam| = {diff:e}");
+    // Next-character accuracy over every position of the held-out windows (the pipeline
+    // evaluates whole micro-batches per replica, so it may leave out a few windows).
+    let (accuracy, want) = (outcome.summary.test_accuracy, reference.summary.test_accuracy);
+    assert!(
+        (accuracy - want).abs() < 0.02 && accuracy > 0.05,
+        "{accuracy} vs {want}"
+    );
+}

@@ -12,7 +12,7 @@ use crate::config::JobConfig;
 use crate::data::Batch;
 use crate::engines::comm::{CommWorker, Pending};
 use crate::engines::compute::segments::{self, Segments};
-use crate::models::{Model, NamedParam};
+use crate::models::{correct_predictions, cross_entropy, Model, NamedParam};
 use crate::optim::{GradientMerge, LrPolicy, Optimizer};
 
 /// What one training step measured.
@@ -139,13 +139,11 @@ impl Replica {
         let comm_before = self.comm.busy_time();
         let lr = self.lr_policy.at(self.merge.optimizer_step(self.step));
         self.optimizer.set_learning_rate(lr);
-        let x = Tensor::from_slice(&batch.features, (batch.rows(), batch.dim), &self.device)?;
-        let y = Tensor::from_slice(&batch.labels, batch.rows(), &self.device)?;
+        let (x, y) = batch.tensors(&self.device)?;
 
         let blocks = self.model.blocks();
         let forward = segments::forward(blocks, &self.segments, x)?;
-        let (local_loss, upstream) =
-            segments::loss_gradient(forward.output(), |out| candle_nn::loss::cross_entropy(out, &y))?;
+        let (local_loss, upstream) = segments::loss_gradient(forward.output(), |out| cross_entropy(out, &y))?;
 
         // Backward segment by segment from the last; every completed bucket is handed to the
         // communication thread at once (with gradient merge, only on the merge's last batch).
@@ -219,12 +217,11 @@ impl Replica {
         let correct = if batch.rows() == 0 {
             0
         } else {
-            let x = Tensor::from_slice(&batch.features, (batch.rows(), batch.dim), &self.device)?;
-            let predicted = self.model.forward(&x)?.argmax(1)?.to_vec1::<u32>()?;
-            predicted.iter().zip(&batch.labels).filter(|(p, l)| p == l).count()
+            let (x, y) = batch.tensors(&self.device)?;
+            correct_predictions(&self.model.forward(&x)?, &y)?
         };
         // Counts below 2^24 are exact in f32.
-        let mut counts = [correct as f32, batch.rows() as f32];
+        let mut counts = [correct as f32, batch.labels.len() as f32];
         let counts = self.comm.run(move |c| {
             c.all_reduce_sum("all-reduce of evaluation counts", &mut counts)?;
             Ok(counts)

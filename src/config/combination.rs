@@ -12,22 +12,27 @@ pub(super) fn check(config: &JobConfig) -> Result<(), FieldError> {
     } else {
         check_collective(config)?;
     }
-    match (train.model, train.dataset.is_click_log()) {
-        (ModelKind::WideDeep, false) => Err(FieldError::new(
+    let dataset = dataset_name(train.dataset);
+    match (train.model, train.dataset) {
+        (ModelKind::WideDeep, d) if !d.is_click_log() => Err(FieldError::new(
             "train.dataset",
-            format!(
-                "{} is not click logs: the wide_deep model reads \"criteo_synthetic\" or \"criteo\"",
-                dataset_name(train.dataset)
-            ),
+            format!("{dataset} is not click logs: the wide_deep model reads \"criteo_synthetic\" or \"criteo\""),
         )),
-        (ModelKind::Mlp, true) => Err(FieldError::new(
+        (ModelKind::Mlp, d) if d.is_click_log() => Err(FieldError::new(
             "train.dataset",
-            format!(
-                "{} is click logs, which the mlp model cannot read: use model = \"wide_deep\"",
-                dataset_name(train.dataset)
-            ),
+            format!("{dataset} is click logs, which the mlp model cannot read: use model = \"wide_deep\""),
         )),
-        _ => check_files(config),
+        (ModelKind::Gpt, d) if d != DatasetKind::Text => Err(FieldError::new(
+            "train.dataset",
+            format!("{dataset} is not text: the gpt model reads dataset = \"text\""),
+        )),
+        (ModelKind::Mlp | ModelKind::WideDeep, DatasetKind::Text) => {
+            Err(FieldError::new("train.dataset", "\"text\" is read by model = \"gpt\""))
+        }
+        _ => {
+            train.gpt.check()?;
+            check_files(config)
+        }
     }
 }
 
@@ -166,6 +171,7 @@ fn dataset_name(dataset: DatasetKind) -> &'static str {
         DatasetKind::Synthetic => "\"synthetic\"",
         DatasetKind::CriteoSynthetic => "\"criteo_synthetic\"",
         DatasetKind::Criteo => "\"criteo\"",
+        DatasetKind::Text => "\"text\"",
     }
 }
 
@@ -230,6 +236,19 @@ mod tests {
             msg.starts_with("config.toml: train.dataset: \"criteo_synthetic\" is click logs"),
             "{msg}"
         );
+        let msg = err_text(load_str("[train]\nmodel = \"gpt\"\n"));
+        assert!(
+            msg.starts_with("config.toml: train.dataset: \"digits\" is not text"),
+            "{msg}"
+        );
+        let msg = err_text(load_str("[train]\ndataset = \"text\"\n"));
+        assert!(
+            msg.starts_with("config.toml: train.dataset: \"text\" is read by"),
+            "{msg}"
+        );
+        let gpt = "[train]\nmodel = \"gpt\"\ndataset = \"text\"\n[train.gpt]\nn_head = 3\n";
+        let msg = err_text(load_str(gpt));
+        assert!(msg.starts_with("config.toml: train.gpt.n_head: 3 heads"), "{msg}");
         let msg = err_text(load_str(&CTR.replace("criteo_synthetic", "criteo")));
         assert_eq!(
             msg,

@@ -19,6 +19,9 @@ pub enum ModelKind {
     /// feeding the `train.hidden_sizes` deep layers, plus a width-1 table and a linear layer on
     /// the dense features for the wide part.
     WideDeep,
+    /// A decoder-only transformer (GPT shaped, `[train.gpt]`) trained as a character-level
+    /// language model on `dataset = "text"` (collective or pipeline strategy).
+    Gpt,
 }
 
 impl ModelKind {
@@ -28,6 +31,7 @@ impl ModelKind {
         match self {
             Self::Mlp => vec![128],
             Self::WideDeep => vec![256, 128, 64],
+            Self::Gpt => Vec::new(),
         }
     }
 }
@@ -46,6 +50,10 @@ pub enum DatasetKind {
     CriteoSynthetic,
     /// Criteo display-advertising TSV files: `train.train_files` and `train.test_files`.
     Criteo,
+    /// The shipped text, Jules Verne's *Around the World in 80 Days*, as characters: windows
+    /// of `train.gpt.block_size` characters every half window, the last `train.test_fraction`
+    /// of the text held out.
+    Text,
 }
 
 impl DatasetKind {
@@ -83,6 +91,53 @@ pub enum OptimizerKind {
     Adam,
 }
 
+/// `[train.gpt]`: the shape of the GPT model (its vocabulary is the text's characters).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct GptShape {
+    /// Transformer layers (blocks `h0` … of the model, what pipelines cut).
+    pub n_layer: usize,
+    /// Attention heads; must divide `n_embd`.
+    pub n_head: usize,
+    /// Width of the residual stream.
+    pub n_embd: usize,
+    /// Characters per window: the sequence length.
+    pub block_size: usize,
+}
+
+impl Default for GptShape {
+    fn default() -> Self {
+        Self {
+            n_layer: 4,
+            n_head: 4,
+            n_embd: 64,
+            block_size: 64,
+        }
+    }
+}
+
+impl GptShape {
+    pub(crate) fn check(&self) -> Result<(), FieldError> {
+        for (key, value) in [
+            ("n_layer", self.n_layer),
+            ("n_head", self.n_head),
+            ("n_embd", self.n_embd),
+            ("block_size", self.block_size),
+        ] {
+            if value == 0 {
+                return Err(FieldError::new(format!("train.gpt.{key}"), "must be at least 1, got 0"));
+            }
+        }
+        if !self.n_embd.is_multiple_of(self.n_head) {
+            return Err(FieldError::new(
+                "train.gpt.n_head",
+                format!("{} heads do not split n_embd = {} evenly", self.n_head, self.n_embd),
+            ));
+        }
+        Ok(())
+    }
+}
+
 /// How long to train: exactly one of `train.steps` / `train.epochs` after loading.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum TrainLength {
@@ -104,6 +159,8 @@ pub struct TrainConfig {
     pub hidden_sizes: Option<Vec<usize>>,
     /// Width of the shared embedding table of the wide&deep model.
     pub embedding_dim: usize,
+    /// Shape of the GPT model.
+    pub gpt: GptShape,
     /// Training data set.
     pub dataset: DatasetKind,
     /// Number of generated samples (synthetic data set only).
@@ -171,6 +228,7 @@ impl TrainConfig {
             model: ModelKind::Mlp,
             hidden_sizes: None,
             embedding_dim: 9,
+            gpt: GptShape::default(),
             dataset: DatasetKind::Digits,
             synthetic_samples: 16384,
             synthetic_features: 64,

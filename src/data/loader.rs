@@ -8,26 +8,43 @@
 //! on the global batch would read — the ground truth tests compare against.
 
 use anyhow::{ensure, Result};
+use candle_core::{Device, Tensor};
 use std::sync::Arc;
 
-use super::Dataset;
+use super::{Dataset, Inputs};
 use crate::rng::SplitMix64;
 
-/// A batch of rows, features row-major.
+/// A batch of rows, inputs row-major.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Batch {
-    /// `rows() * dim` feature values.
-    pub features: Vec<f32>,
-    /// One label per row.
+    /// `rows() * dim` inputs.
+    pub inputs: Inputs,
+    /// One label per row, or one per input (next tokens).
     pub labels: Vec<u32>,
-    /// Features per row.
+    /// Inputs per row.
     pub dim: usize,
 }
 
 impl Batch {
     /// Number of rows.
     pub fn rows(&self) -> usize {
-        self.labels.len()
+        self.inputs.len() / self.dim.max(1)
+    }
+
+    /// Inputs `(rows, dim)` (f32 features or u32 tokens) and targets, `(rows)` or `(rows, dim)`,
+    /// on `device`.
+    pub fn tensors(&self, device: &Device) -> candle_core::Result<(Tensor, Tensor)> {
+        let rows = self.rows();
+        let x = match &self.inputs {
+            Inputs::Features(v) => Tensor::from_slice(v, (rows, self.dim), device)?,
+            Inputs::Tokens(v) => Tensor::from_slice(v, (rows, self.dim), device)?,
+        };
+        let y = if self.labels.len() == rows {
+            Tensor::from_slice(&self.labels, rows, device)?
+        } else {
+            Tensor::from_slice(&self.labels, (rows, self.dim), device)?
+        };
+        Ok((x, y))
     }
 }
 

@@ -1,6 +1,7 @@
 //! Datasets and the sharded loader each trainer reads its part from.
 //!
-//! A [`Dataset`] is a dense classification set held in memory; the
+//! A [`Dataset`] is held in memory: rows of dense features with a class
+//! each, or windows of token ids with the next token of every position; the
 //! [`ShardedLoader`] cuts each global batch into one slice per rank, so that
 //! `world_size` ranks together see exactly the batches one process would.
 
@@ -16,22 +17,62 @@ use anyhow::{ensure, Result};
 
 use crate::rng::SplitMix64;
 
-/// A dense classification dataset: `len()` rows of `dim` features and a
-/// label in `0..classes` each.
+/// A model's inputs, row-major.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Inputs {
+    /// Dense features.
+    Features(Vec<f32>),
+    /// Token ids.
+    Tokens(Vec<u32>),
+}
+
+impl Inputs {
+    /// Values held.
+    pub fn len(&self) -> usize {
+        match self {
+            Self::Features(v) => v.len(),
+            Self::Tokens(v) => v.len(),
+        }
+    }
+
+    /// True when no values are held.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Rows `indices` of `width` values each, in that order.
+    fn select(&self, indices: &[usize], width: usize) -> Self {
+        fn rows<T: Copy>(values: &[T], indices: &[usize], width: usize) -> Vec<T> {
+            let mut out = Vec::with_capacity(indices.len() * width);
+            for &i in indices {
+                out.extend_from_slice(&values[i * width..(i + 1) * width]);
+            }
+            out
+        }
+        match self {
+            Self::Features(v) => Self::Features(rows(v, indices, width)),
+            Self::Tokens(v) => Self::Tokens(rows(v, indices, width)),
+        }
+    }
+}
+
+/// `len()` rows of `dim` inputs each, with a label in `0..classes` per row
+/// (classification) or per input (the next token after each of a window's
+/// tokens).
 #[derive(Debug, Clone, PartialEq)]
 pub struct Dataset {
-    /// Row-major features, `len() * dim` values.
-    pub features: Vec<f32>,
-    /// One class index per row.
+    /// Row-major inputs, `len() * dim` values.
+    pub inputs: Inputs,
+    /// One class per row, or `dim` next tokens per row.
     pub labels: Vec<u32>,
-    /// Features per row.
+    /// Inputs per row.
     pub dim: usize,
-    /// Number of classes (labels are below it).
+    /// Number of classes (labels are below it): the vocabulary for tokens.
     pub classes: usize,
 }
 
 impl Dataset {
-    /// Builds a dataset, checking that the shapes agree.
+    /// A classification dataset of dense features, checking that the shapes agree.
     pub fn new(features: Vec<f32>, labels: Vec<u32>, dim: usize, classes: usize) -> Result<Self> {
         ensure!(dim > 0, "a dataset needs at least one feature per row");
         ensure!(
@@ -44,10 +85,36 @@ impl Dataset {
             anyhow::bail!("label {bad} is not below the class count {classes}");
         }
         Ok(Self {
-            features,
+            inputs: Inputs::Features(features),
             labels,
             dim,
             classes,
+        })
+    }
+
+    /// Language-model windows over `tokens` (ids below `vocab`): row `i` is the `block_size`
+    /// tokens from `i · stride`, its labels the token after each of them.
+    pub fn token_windows(tokens: &[u32], block_size: usize, stride: usize, vocab: usize) -> Result<Self> {
+        ensure!(block_size > 0 && stride > 0, "windows need a block size and a stride");
+        ensure!(
+            tokens.len() > block_size,
+            "{} tokens cannot hold a window of {block_size} inputs and its last target",
+            tokens.len()
+        );
+        if let Some(bad) = tokens.iter().find(|&&t| t as usize >= vocab) {
+            anyhow::bail!("token {bad} is not below the vocabulary size {vocab}");
+        }
+        let starts: Vec<usize> = (0..tokens.len() - block_size).step_by(stride).collect();
+        let (mut inputs, mut labels) = (Vec::new(), Vec::new());
+        for &start in &starts {
+            inputs.extend_from_slice(&tokens[start..start + block_size]);
+            labels.extend_from_slice(&tokens[start + 1..start + block_size + 1]);
+        }
+        Ok(Self {
+            inputs: Inputs::Tokens(inputs),
+            labels,
+            dim: block_size,
+            classes: vocab,
         })
     }
 
@@ -63,24 +130,23 @@ impl Dataset {
 
     /// Number of rows.
     pub fn len(&self) -> usize {
-        self.labels.len()
+        self.inputs.len() / self.dim
     }
 
     /// True when the dataset has no rows.
     pub fn is_empty(&self) -> bool {
-        self.labels.is_empty()
+        self.inputs.is_empty()
     }
 
     /// The rows at `indices`, in that order.
     pub fn select(&self, indices: &[usize]) -> Batch {
-        let mut features = Vec::with_capacity(indices.len() * self.dim);
-        let mut labels = Vec::with_capacity(indices.len());
+        let labels_per_row = self.labels.len() / self.len().max(1);
+        let mut labels = Vec::with_capacity(indices.len() * labels_per_row);
         for &i in indices {
-            features.extend_from_slice(&self.features[i * self.dim..(i + 1) * self.dim]);
-            labels.push(self.labels[i]);
+            labels.extend_from_slice(&self.labels[i * labels_per_row..(i + 1) * labels_per_row]);
         }
         Batch {
-            features,
+            inputs: self.inputs.select(indices, self.dim),
             labels,
             dim: self.dim,
         }
@@ -101,7 +167,7 @@ impl Dataset {
         let to_set = |idx: &[usize]| {
             let b = self.select(idx);
             Dataset {
-                features: b.features,
+                inputs: b.inputs,
                 labels: b.labels,
                 dim: self.dim,
                 classes: self.classes,
@@ -135,7 +201,10 @@ mod tests {
         assert_eq!(d.len(), 1797);
         assert_eq!(d.dim, 64);
         assert_eq!(d.classes, 10);
-        assert!(d.features.iter().all(|&x| (0.0..=1.0).contains(&x)));
+        let Inputs::Features(pixels) = &d.inputs else {
+            anyhow::bail!("digits are dense features")
+        };
+        assert!(pixels.iter().all(|&x| (0.0..=1.0).contains(&x)));
         Ok(())
     }
 
@@ -147,6 +216,20 @@ mod tests {
         assert_eq!(a, a2);
         assert_eq!(a.len() + b.len(), d.len());
         assert_eq!(b.len(), 359);
+        Ok(())
+    }
+
+    #[test]
+    fn windows_hold_their_next_tokens() -> anyhow::Result<()> {
+        let tokens: Vec<u32> = (0..10).collect();
+        let d = Dataset::token_windows(&tokens, 4, 2, 10)?;
+        // Starts 0, 2, 4: the last window needs a target after it.
+        assert_eq!((d.len(), d.dim), (3, 4));
+        let b = d.select(&[2, 0]);
+        assert_eq!(b.inputs, Inputs::Tokens(vec![4, 5, 6, 7, 0, 1, 2, 3]));
+        assert_eq!(b.labels, vec![5, 6, 7, 8, 1, 2, 3, 4]);
+        assert!(Dataset::token_windows(&tokens, 10, 1, 10).is_err());
+        assert!(Dataset::token_windows(&tokens, 4, 1, 9).is_err());
         Ok(())
     }
 

@@ -19,7 +19,6 @@ mod layer;
 mod norm;
 
 use anyhow::{ensure, Context, Result};
-use candle_core::Tensor;
 
 use self::{embed::Embedding, head::Head, layer::TransformerLayer};
 use super::{Block, Model, ParamInit};
@@ -81,23 +80,14 @@ pub fn gpt(config: &GptConfig, init: &ParamInit) -> Result<Model> {
     Model::new(blocks)
 }
 
-/// Mean next-token cross-entropy over all B·T positions of `logits`
-/// (B, T, V) against `targets` (B, T) u32.
-pub fn lm_loss(logits: &Tensor, targets: &Tensor) -> candle_core::Result<Tensor> {
-    let (b, t, v) = logits.dims3()?;
-    let target_shape = targets.dims2()?;
-    if target_shape != (b, t) {
-        candle_core::bail!("targets of shape {target_shape:?} for logits of shape {:?}", (b, t, v));
-    }
-    candle_nn::loss::cross_entropy(&logits.reshape((b * t, v))?, &targets.flatten_all()?)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::data::text::{TextBatches, TextCorpus};
+    use crate::data::text::TextCorpus;
+    use crate::data::{Dataset, ShardedLoader};
+    use crate::models::cross_entropy;
     use crate::rng::SplitMix64;
-    use candle_core::{DType, Device, Var};
+    use candle_core::{DType, Device, Tensor, Var};
     use candle_nn::Optimizer;
     use std::sync::Arc;
 
@@ -188,8 +178,8 @@ mod tests {
         }
         let x = ids(&[0, 3, 1, 4, 1, 5, 2, 6, 5, 3], 2)?;
         let y = ids(&[3, 1, 4, 1, 5, 2, 6, 5, 3, 5], 2)?;
-        let loss = |m: &Model| -> anyhow::Result<f32> { Ok(lm_loss(&m.forward(&x)?, &y)?.to_scalar::<f32>()?) };
-        let grads = lm_loss(&model.forward(&x)?, &y)?.backward()?;
+        let loss = |m: &Model| -> anyhow::Result<f32> { Ok(cross_entropy(&m.forward(&x)?, &y)?.to_scalar::<f32>()?) };
+        let grads = cross_entropy(&model.forward(&x)?, &y)?.backward()?;
         // f32 with ε = 1e-2: rounding error ≈ 1e-7/ε and truncation ≈ ε²;
         // measured differences were ≤ 3e-5, so 1e-4 absolute + 1% relative,
         // with every checked gradient above 2e-3 (a missing term shows).
@@ -249,9 +239,9 @@ mod tests {
     #[test]
     fn uniform_logits_cost_ln_vocab() -> anyhow::Result<()> {
         let logits = Tensor::zeros((2, 3, 7), DType::F32, &Device::Cpu)?;
-        let loss = lm_loss(&logits, &ids(&[0, 1, 2, 3, 4, 6], 2)?)?.to_scalar::<f32>()?;
+        let loss = cross_entropy(&logits, &ids(&[0, 1, 2, 3, 4, 6], 2)?)?.to_scalar::<f32>()?;
         assert!((loss - 7f32.ln()).abs() < 1e-6, "{loss}");
-        assert!(lm_loss(&logits, &ids(&[0, 1, 2, 3], 2)?).is_err());
+        assert!(cross_entropy(&logits, &ids(&[0, 1, 2, 3], 2)?).is_err());
         Ok(())
     }
 
@@ -259,7 +249,7 @@ mod tests {
     fn stage_by_stage_backward_equals_whole_backward() -> anyhow::Result<()> {
         let model = gpt(&tiny(false), &ParamInit::new(9, Device::Cpu))?;
         let (x, y) = (ids(&[0, 3, 1, 4, 1, 5, 2, 6], 2)?, ids(&[3, 1, 4, 1, 5, 2, 6, 5], 2)?);
-        let whole = lm_loss(&model.forward(&x)?, &y)?.backward()?;
+        let whole = cross_entropy(&model.forward(&x)?, &y)?.backward()?;
         // Stages [embed, h0] and [h1, head], the second's input a fresh Var.
         let (first, second) = model.blocks().split_at(2);
         let boundary = first.iter().try_fold(x, |h, b| b.forward(&h))?;
@@ -267,7 +257,7 @@ mod tests {
         let logits = second
             .iter()
             .try_fold(input.as_tensor().clone(), |h, b| b.forward(&h))?;
-        let late = lm_loss(&logits, &y)?.backward()?;
+        let late = cross_entropy(&logits, &y)?.backward()?;
         let g = late.get(input.as_tensor()).context("boundary gradient")?.detach();
         let early = (boundary * g)?.sum_all()?.backward()?;
         for p in model.parameters() {
@@ -304,20 +294,20 @@ mod tests {
             ..Default::default()
         };
         let mut optimizer = candle_nn::AdamW::new(vars, params)?;
-        let batches = TextBatches::new(Arc::from(train), 32, 16, 0, 1, 7)?;
+        let windows = Dataset::token_windows(&train, 32, 16, corpus.vocab.len())?;
+        let mut batches = ShardedLoader::new(Arc::new(windows), 16, 0, 1, 7)?;
         let started = std::time::Instant::now();
         for step in 0..200 {
             let (x, y) = batches.batch(step).tensors(&Device::Cpu)?;
-            let loss = lm_loss(&model.forward(&x)?, &y)?;
+            let loss = cross_entropy(&model.forward(&x)?, &y)?;
             if step % 20 == 0 {
                 eprintln!("step {step:3}: train loss {:.3}", loss.to_scalar::<f32>()?);
             }
             optimizer.backward_step(&loss)?;
         }
-        let (x, y) = TextBatches::new(Arc::from(test), 32, 64, 0, 1, 1)?
-            .batch(0)
-            .tensors(&Device::Cpu)?;
-        let held_out = lm_loss(&model.forward(&x)?, &y)?.to_scalar::<f32>()?;
+        let test = Dataset::token_windows(&test, 32, 32, corpus.vocab.len())?;
+        let (x, y) = test.select(&(0..64).collect::<Vec<_>>()).tensors(&Device::Cpu)?;
+        let held_out = cross_entropy(&model.forward(&x)?, &y)?.to_scalar::<f32>()?;
         let chance = (config.vocab as f32).ln();
         eprintln!(
             "held-out loss {held_out:.3} (ln vocab {chance:.3}) after {:.1?}",

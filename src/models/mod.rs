@@ -9,12 +9,14 @@
 mod gpt;
 mod init;
 mod linear;
+mod loss;
 mod mlp;
 mod wide_deep;
 
-pub use gpt::{gpt, lm_loss, GptConfig};
+pub use gpt::{gpt, GptConfig};
 pub use init::ParamInit;
 pub use linear::{Activation, Linear};
+pub use loss::{correct_predictions, cross_entropy};
 pub use mlp::mlp;
 pub use wide_deep::{click_probability, sigmoid_cross_entropy, SparseRows, WideDeep, DENSE_FEATURES, SPARSE_SLOTS};
 

@@ -1,0 +1,55 @@
+//! The training loss and the evaluation count of every model: cross-entropy of logits over
+//! their last dimension, against one target per row (classification, `(N, C)` logits) or per
+//! position (a language model, `(B, T, V)` logits and `(B, T)` next tokens).
+
+use candle_core::{Tensor, D};
+
+/// Logits flattened to `(positions, classes)` and targets to `(positions)`, checking that the
+/// targets have the logits' leading shape.
+fn positions(logits: &Tensor, targets: &Tensor) -> candle_core::Result<(Tensor, Tensor)> {
+    let dims = logits.dims();
+    let Some((&classes, leading)) = dims.split_last() else {
+        candle_core::bail!("logits must have a class dimension, got a scalar");
+    };
+    if leading.is_empty() || targets.dims() != leading {
+        candle_core::bail!("targets of shape {:?} for logits of shape {dims:?}", targets.dims());
+    }
+    let n = leading.iter().product::<usize>();
+    Ok((logits.reshape((n, classes))?, targets.flatten_all()?))
+}
+
+/// Mean cross-entropy over every position.
+pub fn cross_entropy(logits: &Tensor, targets: &Tensor) -> candle_core::Result<Tensor> {
+    let (logits, targets) = positions(logits, targets)?;
+    candle_nn::loss::cross_entropy(&logits, &targets)
+}
+
+/// Positions whose most likely class is the target.
+pub fn correct_predictions(logits: &Tensor, targets: &Tensor) -> candle_core::Result<usize> {
+    let (logits, targets) = positions(logits, targets)?;
+    let hits = logits.argmax(D::Minus1)?.eq(&targets)?;
+    Ok(hits.to_dtype(candle_core::DType::U32)?.sum_all()?.to_scalar::<u32>()? as usize)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::Device;
+
+    #[test]
+    fn rows_and_positions_share_one_loss() -> candle_core::Result<()> {
+        let dev = Device::Cpu;
+        let logits = Tensor::new(
+            &[[2f32, 0.0, 0.0], [0.0, 0.0, 3.0], [1.0, 2.0, 0.0], [0.0, 0.0, 0.0]],
+            &dev,
+        )?;
+        let targets = Tensor::new(&[0u32, 1, 1, 2], &dev)?;
+        let flat = cross_entropy(&logits, &targets)?.to_scalar::<f32>()?;
+        let by_position = cross_entropy(&logits.reshape((2, 2, 3))?, &targets.reshape((2, 2))?)?;
+        assert_eq!(flat, by_position.to_scalar::<f32>()?);
+        // Row 3's tie goes to the first class (argmax), not the target 2.
+        assert_eq!(correct_predictions(&logits, &targets)?, 2);
+        assert!(cross_entropy(&logits.reshape((2, 2, 3))?, &targets).is_err());
+        Ok(())
+    }
+}
