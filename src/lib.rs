@@ -51,7 +51,7 @@
 //! - [`models`], [`optim`], [`data`]: blocks, the MLP and wide&deep; SGD with
 //!   momentum, AdamW and the learning-rate policy; datasets and loaders
 //!   (digits, synthetic, Criteo-shaped click logs and Criteo TSV).
-//! - [`job`]: a collective or parameter-server job run in-process or as one
+//! - [`job`]: a collective, pipeline or parameter-server job run in-process or as one
 //!   launched role, and the files a run writes.
 //! - [`launch`]: `flotilla launch` and `launch-ps`, starting and supervising
 //!   a node's processes.

@@ -1,6 +1,7 @@
 //! The coordinator's TCP endpoint refuses bad frames without falling over:
 //! an oversized length, a malformed header, an unexpected message each close
-//! that one connection, and the next client is served.
+//! that one connection, and the next client is served. Gathers hand rank 0
+//! every part, and one too large for a frame is refused with the cap's name.
 
 use std::time::Duration;
 
@@ -74,4 +75,51 @@ async fn an_unreachable_coordinator_is_named() {
         .err()
         .expect("nobody listens");
     assert!(err.to_string().contains(&addr), "{err}");
+}
+
+/// Every bus hands its part of gather `name` at once; the answers by rank.
+async fn gather_all(
+    buses: &mut [ControlBus],
+    name: &str,
+    parts: [Vec<u8>; 3],
+) -> Vec<anyhow::Result<Vec<bytes::Bytes>>> {
+    let gathers = buses
+        .iter_mut()
+        .zip(parts)
+        .enumerate()
+        .map(|(rank, (bus, part))| bus.gather(rank, name, part.into()));
+    futures::future::join_all(gathers).await
+}
+
+#[actix::test]
+async fn gathers_hand_rank_0_every_part_and_oversized_ones_are_refused_by_name() {
+    let addr = start_coordinator(3).await;
+    let mut buses = Vec::new();
+    for _ in 0..3 {
+        buses.push(
+            ControlBus::connect(&addr, Duration::from_secs(5), CAP)
+                .await
+                .expect("connect"),
+        );
+    }
+    let answers = gather_all(&mut buses, "small", [b"zero".to_vec(), Vec::new(), b"two".to_vec()]).await;
+    let answers: Vec<_> = answers.into_iter().map(|a| a.expect("gathered")).collect();
+    assert_eq!(answers[0], [&b"zero"[..], b"", b"two"]);
+    assert!(
+        answers[1].is_empty() && answers[2].is_empty(),
+        "only rank 0 gets the parts"
+    );
+
+    // Each part fits under the cap, the three together do not.
+    let answers = gather_all(&mut buses, "large", [vec![1; 1500], vec![2; 1500], vec![3; 1500]]).await;
+    let err = format!(
+        "{:#}",
+        answers[0].as_ref().expect_err("rank 0's answer exceeds the cap")
+    );
+    assert!(err.contains("exceeds cluster.max_frame_mb (4096 bytes)"), "{err}");
+    let err = format!(
+        "{:#}",
+        buses[1].gather(1, "too large", vec![0; CAP].into()).await.unwrap_err()
+    );
+    assert!(err.contains("exceeds cluster.max_frame_mb"), "{err}");
 }

@@ -21,8 +21,8 @@ const TOLERANCE: f32 = 1e-6;
 
 fn data() -> (Tensor, Tensor, usize, usize) {
     let set = Dataset::synthetic(BATCH, 10, 4, 7).unwrap();
-    let x = Tensor::from_slice(&set.features, (BATCH, set.dim), &Device::Cpu).unwrap();
-    let y = Tensor::from_slice(&set.labels, BATCH, &Device::Cpu).unwrap();
+    let all: Vec<usize> = (0..BATCH).collect();
+    let (x, y) = set.select(&all).tensors(&Device::Cpu).unwrap();
     (x, y, set.dim, set.classes)
 }
 
@@ -80,7 +80,7 @@ fn pipelined(kind: ScheduleKind, stages: usize, m: usize) -> HashMap<String, Vec
             std::thread::spawn(move || {
                 let mut stage = Stage::new(s, stages, chunks, kind, m).unwrap();
                 let loss = |i: usize, out: &Tensor| candle_nn::loss::cross_entropy(out, &labels[i]);
-                let step = stage.step(&mut link, &inputs, &loss).unwrap();
+                let step = stage.step(&mut link, &inputs, &loss, &mut None).unwrap();
                 stage
                     .parameters()
                     .into_iter()

@@ -1,12 +1,14 @@
 //! The coordinator: hands out the roster of data endpoints once every rank
-//! has joined, and releases barriers. Both wait at most the job's timeout;
-//! on expiry every waiting rank gets an error naming the ranks that never
-//! arrived, never a silent hang.
+//! has joined, and releases barriers — gathers too, which are barriers where
+//! each rank hands rank 0 a part (a launched pipeline's stage outcomes). All
+//! wait at most the job's timeout; on expiry every waiting rank gets an
+//! error naming the ranks that never arrived, never a silent hang.
 
 use std::collections::{BTreeMap, HashMap};
 use std::time::Duration;
 
 use actix::prelude::*;
+use bytes::Bytes;
 use tokio::sync::oneshot;
 
 /// Rank `rank` joins the job, reachable for ring traffic at `data_endpoint`.
@@ -31,7 +33,22 @@ pub struct Barrier {
     pub name: String,
 }
 
+/// Rank `rank` hands `part` to rank 0 at gather `name` and waits until every rank has
+/// handed its own. Rank 0 gets every rank's part, by rank; the others get none.
+#[derive(Message, Debug)]
+#[rtype(result = "Result<Vec<Bytes>, String>")]
+pub struct Gather {
+    /// The arriving rank.
+    pub rank: usize,
+    /// The gather's name; the same name must be used by all ranks.
+    pub name: String,
+    /// What this rank hands rank 0 (empty when it has nothing to add).
+    pub part: Bytes,
+}
+
 type Waiter<T> = oneshot::Sender<Result<T, String>>;
+/// A rank waiting at a barrier or gather: its part (empty at a barrier), and where its answer goes.
+type Arrival = (Bytes, Waiter<Vec<Bytes>>);
 
 /// Rendezvous and barriers for one job.
 pub struct Coordinator {
@@ -39,7 +56,8 @@ pub struct Coordinator {
     timeout: Duration,
     joined: BTreeMap<usize, (String, Waiter<Vec<String>>)>,
     roster: Option<Vec<String>>,
-    barriers: HashMap<String, BTreeMap<usize, Waiter<()>>>,
+    /// Ranks waiting at each barrier or gather.
+    barriers: HashMap<String, BTreeMap<usize, Arrival>>,
 }
 
 impl Coordinator {
@@ -65,6 +83,50 @@ impl Coordinator {
             if missing.len() == 1 { "" } else { "s" },
             missing.join(", ")
         )
+    }
+
+    /// `rank` arrives at barrier `name` with `part`: the answer comes once every rank has
+    /// arrived (rank 0 gets all parts, by rank), or with an error naming the missing ranks
+    /// once the timeout has passed since the first arrival.
+    fn arrive(
+        &mut self,
+        rank: usize,
+        name: String,
+        part: Bytes,
+        ctx: &mut Context<Self>,
+    ) -> oneshot::Receiver<Result<Vec<Bytes>, String>> {
+        let (tx, rx) = oneshot::channel();
+        if rank >= self.world_size {
+            let _ = tx.send(Err(format!("rank {rank} is outside world size {}", self.world_size)));
+            return rx;
+        }
+        let waiting = self.barriers.entry(name.clone()).or_default();
+        if waiting.is_empty() {
+            let name = name.clone();
+            ctx.run_later(self.timeout, move |coordinator, _| {
+                let Some(waiting) = coordinator.barriers.remove(&name) else {
+                    return;
+                };
+                let reason = format!(
+                    "barrier {name:?} timed out after {:.1}s: {} never arrived",
+                    coordinator.timeout.as_secs_f64(),
+                    coordinator.missing(&waiting)
+                );
+                tracing::error!("{reason}");
+                for (_, (_, waiter)) in waiting {
+                    let _ = waiter.send(Err(reason.clone()));
+                }
+            });
+        }
+        waiting.insert(rank, (part, tx));
+        if waiting.len() == self.world_size {
+            let arrived = self.barriers.remove(&name).unwrap_or_default();
+            let parts: Vec<Bytes> = arrived.values().map(|(part, _)| part.clone()).collect();
+            for (rank, (_, waiter)) in arrived {
+                let _ = waiter.send(Ok(if rank == 0 { parts.clone() } else { Vec::new() }));
+            }
+        }
+        rx
     }
 }
 
@@ -134,39 +196,16 @@ impl Handler<Barrier> for Coordinator {
     type Result = ResponseFuture<Result<(), String>>;
 
     fn handle(&mut self, msg: Barrier, ctx: &mut Self::Context) -> Self::Result {
-        let (tx, rx) = oneshot::channel();
-        if msg.rank >= self.world_size {
-            let _ = tx.send(Err(format!(
-                "rank {} is outside world size {}",
-                msg.rank, self.world_size
-            )));
-            return reply(rx);
-        }
-        let waiting = self.barriers.entry(msg.name.clone()).or_default();
-        if waiting.is_empty() {
-            let name = msg.name.clone();
-            ctx.run_later(self.timeout, move |coordinator, _| {
-                let Some(waiting) = coordinator.barriers.remove(&name) else {
-                    return;
-                };
-                let reason = format!(
-                    "barrier {name:?} timed out after {:.1}s: {} never arrived",
-                    coordinator.timeout.as_secs_f64(),
-                    coordinator.missing(&waiting)
-                );
-                tracing::error!("{reason}");
-                for (_, waiter) in waiting {
-                    let _ = waiter.send(Err(reason.clone()));
-                }
-            });
-        }
-        waiting.insert(msg.rank, tx);
-        if waiting.len() == self.world_size {
-            for (_, waiter) in self.barriers.remove(&msg.name).unwrap_or_default() {
-                let _ = waiter.send(Ok(()));
-            }
-        }
-        reply(rx)
+        let answer = reply(self.arrive(msg.rank, msg.name, Bytes::new(), ctx));
+        Box::pin(async move { answer.await.map(|_| ()) })
+    }
+}
+
+impl Handler<Gather> for Coordinator {
+    type Result = ResponseFuture<Result<Vec<Bytes>, String>>;
+
+    fn handle(&mut self, msg: Gather, ctx: &mut Self::Context) -> Self::Result {
+        reply(self.arrive(msg.rank, msg.name, msg.part, ctx))
     }
 }
 
@@ -207,6 +246,26 @@ mod tests {
             .expect("coordinator alive");
         let err = barrier.expect_err("ranks 0 and 1 never reach the barrier");
         assert!(err.contains("ranks 0, 1 never arrived"), "{err}");
+    }
+
+    #[actix::test]
+    async fn a_gather_hands_rank_0_every_part_by_rank() {
+        let c = Coordinator::new(3, Duration::from_secs(5)).start();
+        let gather = |rank: usize, part: &'static [u8]| {
+            c.send(Gather {
+                rank,
+                name: "outcomes".into(),
+                part: Bytes::from_static(part),
+            })
+        };
+        let (two, zero, one) = futures::join!(gather(2, b"c"), gather(0, b"a"), gather(1, b""));
+        let zero = zero.expect("coordinator alive").expect("all arrived");
+        assert_eq!(
+            zero,
+            vec![Bytes::from_static(b"a"), Bytes::new(), Bytes::from_static(b"c")]
+        );
+        assert_eq!(one.expect("coordinator alive"), Ok(Vec::new()));
+        assert_eq!(two.expect("coordinator alive"), Ok(Vec::new()));
     }
 
     #[actix::test]

@@ -4,7 +4,7 @@
 //! collective of a rank runs here (or on the communicator thread it owns),
 //! never on the async arbiters.
 
-use std::net::{SocketAddr, TcpListener};
+use std::net::TcpListener;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -16,10 +16,10 @@ use crate::config::JobConfig;
 use crate::data::ctr::CtrBatch;
 use crate::data::Batch;
 use crate::engines::comm::memory::MemoryTransport;
-use crate::engines::comm::{connect_ring, CommWorker, Communicator};
+use crate::engines::comm::{connect_ring, parse_endpoints, CommWorker, Communicator, RingTransport};
 use crate::engines::compute::device_for;
 use crate::models::{Model, ParamInit};
-use crate::pipeline::link::StageLink;
+use crate::pipeline::link::{StageLink, TransportStageLink};
 use crate::pipeline::replica::{PipelineReplica, PipelineReport};
 use crate::ps::wire::PulledRows;
 use crate::ps::worker::{CtrWorker, PullPlan, ShardUpdate, StepOutcome};
@@ -60,17 +60,7 @@ impl RingLink {
                 listener,
                 timeout,
                 shared_memory,
-            } => {
-                let endpoints = roster
-                    .iter()
-                    .enumerate()
-                    .map(|(r, e)| {
-                        e.parse::<SocketAddr>()
-                            .with_context(|| format!("rank {r} announced a bad endpoint {e:?}"))
-                    })
-                    .collect::<Result<Vec<_>>>()?;
-                connect_ring(rank, &endpoints, &listener, timeout, shared_memory)?
-            }
+            } => connect_ring(rank, &parse_endpoints(roster)?, &listener, timeout, shared_memory)?,
         })
     }
 }
@@ -151,9 +141,24 @@ pub struct PreparePipeline {
     /// This rank's stage.
     pub stage: usize,
     /// Links to the neighbouring stages.
-    pub link: Box<dyn StageLink>,
+    pub link: StageLinks,
     /// The ring among this stage's data-parallel replicas.
-    pub data_parallel: RingLink,
+    pub data_parallel: Communicator,
+}
+
+/// How a pipeline stage reaches its neighbour stages.
+pub enum StageLinks {
+    /// Made already: channels between the threads of one process (a one-stage pipeline's
+    /// loop to itself included).
+    Made(Box<dyn StageLink>),
+    /// Connected ring transports to stages in other processes; the device thread wraps them
+    /// in a [`TransportStageLink`], so that received tensors land on its device.
+    Rings {
+        /// Ring rank `stage` of the replica's stages in order.
+        forward: Box<dyn RingTransport>,
+        /// Ring rank `p − 1 − stage` of the replica's stages in reverse order.
+        backward: Box<dyn RingTransport>,
+    },
 }
 
 /// One pipeline step on this replica's part of the batch.
@@ -301,13 +306,18 @@ impl Handler<PreparePipeline> for DeviceActor {
         let device = device_for(msg.job.cluster.device)?;
         let init = ParamInit::new(msg.job.train.seed, device.clone());
         let model = (msg.model)(&init).context("building the model")?;
-        let data_parallel = msg.data_parallel.into_communicator(&[])?;
+        let link: Box<dyn StageLink> = match msg.link {
+            StageLinks::Made(link) => link,
+            StageLinks::Rings { forward, backward } => {
+                Box::new(TransportStageLink::new(msg.stage, forward, backward, device.clone())?)
+            }
+        };
         self.pipeline = Some(PipelineReplica::new(
             &msg.job,
             model,
             msg.stage,
-            msg.link,
-            data_parallel,
+            link,
+            msg.data_parallel,
             device,
         )?);
         Ok(())

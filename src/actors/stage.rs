@@ -1,20 +1,25 @@
 //! The stage actor: one rank of a pipeline job — stage `s` of pipeline replica `d`. It has its
 //! device actor build the stage, feeds it the replica's part of every global batch (the stage
-//! cuts it into micro-batches), evaluates through the pipeline at the end, and reports.
+//! cuts it into micro-batches), evaluates through the pipeline at the end, and reports. A
+//! launched job's ranks send their [`StageOutcome`]s to rank 0 as bytes
+//! ([`StageOutcome::to_bytes`]), since rank 0 writes the outputs of every stage.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use actix::prelude::*;
-use anyhow::{Context as _, Result};
+use anyhow::{ensure, Context as _, Result};
+use bytes::Bytes;
+use serde::{Deserialize, Serialize};
 
 use super::device::{
-    DeviceActor, ModelFactory, PipelineEvaluate, PipelineStep, PreparePipeline, ReadParameters, RingLink,
+    DeviceActor, ModelFactory, PipelineEvaluate, PipelineStep, PreparePipeline, ReadParameters, StageLinks,
 };
 use super::trainer::progress_bar;
 use crate::config::{JobConfig, TrainLength};
 use crate::data::{Dataset, ShardedLoader};
-use crate::pipeline::link::StageLink;
+use crate::engines::comm::Communicator;
+use crate::net::frame::{encode_with, Frame};
 
 /// What a pipeline rank needs.
 pub struct StageActor {
@@ -29,9 +34,9 @@ pub struct StageActor {
     /// Held-out split (each replica evaluates a contiguous part).
     pub test_data: Arc<Dataset>,
     /// Links to the neighbouring stages; taken at start.
-    pub link: Option<Box<dyn StageLink>>,
+    pub link: Option<StageLinks>,
     /// The ring among this stage's replicas; taken at start.
-    pub data_parallel: Option<RingLink>,
+    pub data_parallel: Option<Communicator>,
     /// The device actor of this rank.
     pub device: Addr<DeviceActor>,
     /// Draw a progress bar.
@@ -44,7 +49,7 @@ pub struct StageActor {
 pub struct TrainStage;
 
 /// What a pipeline rank reports.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct StageOutcome {
     /// Global rank.
     pub rank: usize,
@@ -65,8 +70,58 @@ pub struct StageOutcome {
     /// Time waiting for neighbours over the time of the schedules: the stage's bubble as a
     /// share of the pipeline's step.
     pub bubble_fraction: f64,
-    /// The stage's final parameters by name.
+    /// The stage's final parameters by name (as bytes, they travel apart from the serialized
+    /// rest: see [`StageOutcome::to_bytes`]).
+    #[serde(skip)]
     pub parameters: Vec<(String, Vec<f32>)>,
+}
+
+/// The serialized part of an encoded [`StageOutcome`]: the figures (the parameters are skipped),
+/// and each parameter's name and length; the values follow as raw f32 bytes.
+type EncodedHeader = (StageOutcome, Vec<(String, u64)>);
+
+impl StageOutcome {
+    /// Encodes the outcome as a frame body: the figures and parameter names serialized, the
+    /// parameter values as raw f32 bytes, never through the serializer.
+    pub fn to_bytes(&self) -> Result<Bytes> {
+        let lengths: Vec<(&str, u64)> = self
+            .parameters
+            .iter()
+            .map(|(name, values)| (name.as_str(), values.len() as u64))
+            .collect();
+        let header = (self, lengths);
+        let payload_len = self.parameters.iter().map(|(_, v)| v.len() * 4).sum();
+        encode_with(&header, payload_len, |out| {
+            for (_, values) in &self.parameters {
+                out.extend_from_slice(bytemuck::cast_slice(values));
+            }
+        })
+    }
+
+    /// Decodes what [`StageOutcome::to_bytes`] encoded, checking every length against the bytes
+    /// that arrived.
+    pub fn from_bytes(bytes: Bytes) -> Result<Self> {
+        let frame = Frame::<EncodedHeader>::decode(bytes).context("decoding a stage outcome")?;
+        let (mut outcome, lengths) = frame.header;
+        let expected = lengths
+            .iter()
+            .try_fold(0u64, |sum, (_, n)| sum.checked_add(n.checked_mul(4)?));
+        ensure!(
+            expected == Some(frame.payload.len() as u64),
+            "rank {}: its stage outcome lists parameters that do not fill the {} bytes that arrived",
+            outcome.rank,
+            frame.payload.len()
+        );
+        let mut offset = 0;
+        for (name, n) in lengths {
+            let end = offset + n as usize * 4;
+            outcome
+                .parameters
+                .push((name, bytemuck::pod_collect_to_vec(&frame.payload[offset..end])));
+            offset = end;
+        }
+        Ok(outcome)
+    }
 }
 
 impl Actor for StageActor {
@@ -116,7 +171,7 @@ impl Handler<TrainStage> for StageActor {
                 let report = device
                     .send(PipelineStep(loader.batch(step)))
                     .await?
-                    .with_context(|| format!("rank {rank} (stage {stage} of replica {replica}), step {step}"))?;
+                    .with_context(|| format!("step {step}"))?;
                 step_time += report.step_time;
                 allreduce += report.allreduce_time;
                 peak = peak.max(report.peak_activations);
@@ -154,5 +209,36 @@ impl Handler<TrainStage> for StageActor {
                 parameters,
             })
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn outcomes_survive_their_bytes_and_short_ones_are_refused() {
+        let outcome = StageOutcome {
+            rank: 1,
+            steps: 3,
+            losses: vec![2.5, f32::NAN, 0.25],
+            evaluated: Some((7, 9)),
+            samples_per_sec: 12.5,
+            allreduce_ratio: 0.125,
+            peak_activations: 4,
+            peak_activation_bytes: 4096,
+            bubble_fraction: 0.5,
+            parameters: vec![("fc0.weight".into(), vec![1.0, -2.0, 3.5]), ("fc0.bias".into(), vec![])],
+        };
+        let bytes = outcome.to_bytes().unwrap();
+        let back = StageOutcome::from_bytes(bytes.clone()).unwrap();
+        assert_eq!(back.parameters, outcome.parameters);
+        assert_eq!((back.rank, back.steps, back.evaluated), (1, 3, Some((7, 9))));
+        assert_eq!(format!("{:?}", back.losses), format!("{:?}", outcome.losses));
+        assert_eq!(back.peak_activation_bytes, 4096);
+
+        let err = StageOutcome::from_bytes(bytes.slice(..bytes.len() - 4)).unwrap_err();
+        assert!(err.to_string().contains("rank 1"), "{err}");
+        assert!(StageOutcome::from_bytes(Bytes::from_static(&[9, 0, 0, 0, 1])).is_err());
     }
 }

@@ -1,13 +1,23 @@
 //! `flotilla bench pipeline`: the measured bubble of a schedule against the theory, with
-//! stages of equal, known cost — `stages × virtual` identical blocks (a `width × width` linear
-//! layer with ReLU each, one per virtual stage), real stage actors and transfers in one
-//! process — trained for a few steps on synthetic data.
+//! stages of equal, known cost — `stages × virtual` identical blocks, one per virtual stage,
+//! real stage actors and transfers in one process — trained for a few steps on synthetic data.
+//!
+//! A block either takes a fixed time (`--cost-ms`: it sleeps that long in forward and twice
+//! that in backward, the usual ratio), so stages cost exactly the same however many cores the
+//! machine has and what remains of the bubble beyond the theory is the runtime's own overhead;
+//! or it computes (`--cost-ms 0`: a `width × width` linear layer with ReLU), as a real model
+//! does, which on a machine with fewer cores than stages also measures the contention.
+
+use std::time::Duration;
 
 use anyhow::Result;
+use candle_core::{CpuStorage, CustomOp1, Layout, Shape, Tensor, Var};
 use serde::Serialize;
 
 use crate::config::JobConfig;
+use crate::data::Dataset;
 use crate::job::{RunOptions, TrainingJob};
+use crate::models::{mlp, Block, Model, ParamInit};
 
 /// Arguments of `flotilla bench pipeline`.
 #[derive(Debug, Clone, clap::Args)]
@@ -24,7 +34,11 @@ pub struct PipelineBenchArgs {
     /// Model chunks per stage (`v`); more than 1 interleaves 1F1B.
     #[arg(long = "virtual", default_value_t = 1)]
     pub virtual_stages: usize,
-    /// Width of every block; its cost is `batch / m × width²` multiply-adds per micro-batch.
+    /// Milliseconds a block's forward takes (backward: twice that); 0 computes instead.
+    #[arg(long = "cost-ms", default_value_t = 4.0)]
+    pub cost_ms: f64,
+    /// Width of the data and of every block; with `--cost-ms 0` a block's cost is
+    /// `batch / m × width²` multiply-adds per micro-batch.
     #[arg(long, default_value_t = 512)]
     pub width: usize,
     /// Global batch (samples per step).
@@ -65,27 +79,34 @@ pub struct PipelineFigures {
 pub fn run(args: &PipelineBenchArgs) -> Result<()> {
     let (p, v, m) = (args.stages, args.virtual_stages, args.micro_batches);
     let blocks = p * v;
-    let hidden = vec![args.width.to_string(); blocks - 1].join(", ");
     let text = format!(
         "[cluster]\nnproc_per_node = {p}\n\
          [strategy]\npipeline = true\n\
          [strategy.hybrid_configs]\npp_degree = {p}\n\
          [strategy.pipeline_configs]\nschedule_mode = {:?}\naccumulate_steps = {m}\nvirtual_pipeline_stages = {v}\n\
-         [train]\ndataset = \"synthetic\"\nsynthetic_samples = {}\nsynthetic_features = {w}\nsynthetic_classes = {w}\n\
-         hidden_sizes = [{hidden}]\nsteps = {}\nbatch_size = {}\ntest_fraction = 0.5\nlog_every = 1000000\n",
-        args.schedule,
-        4 * args.batch,
-        args.steps,
-        args.batch,
-        w = args.width,
+         [train]\nsteps = {}\nbatch_size = {}\nlog_every = 1000000\n",
+        args.schedule, args.steps, args.batch,
     );
     let config = JobConfig::from_toml_str(&text, "bench pipeline", &|_| None, &[])?;
+    let w = args.width;
+    let data = Dataset::synthetic(2 * args.batch, w, w, config.train.seed)?;
+    let cost = Duration::from_secs_f64(args.cost_ms.max(0.0) / 1e3);
+    let model = move |init: &ParamInit| -> Result<Model> {
+        if cost.is_zero() {
+            return mlp(w, &vec![w; blocks - 1], w, init);
+        }
+        let timed = (0..blocks)
+            .map(|i| Ok(Box::new(TimedBlock::new(format!("timed{i}"), cost, init)?) as Box<dyn Block>))
+            .collect::<Result<_>>()?;
+        Model::new(timed)
+    };
     let dir = std::env::temp_dir().join(format!("flotilla-bench-pipeline-{}", std::process::id()));
     let options = RunOptions {
         run_dir: dir.clone(),
         show_progress: false,
     };
-    let job = TrainingJob::builtin(config)?;
+    let (train, test) = data.split(0.5, 1)?;
+    let job = TrainingJob::new(config, model, train, test);
     job.run_simulated(&options)?; // warm-up: first-touch allocations and thread start-up
     let summary = job.run_simulated(&options)?.summary;
     let _ = std::fs::remove_dir_all(&dir);
@@ -112,4 +133,56 @@ pub fn run(args: &PipelineBenchArgs) -> Result<()> {
         );
     }
     Ok(())
+}
+
+/// A block of known cost: `x · scale`, taking `cost` in forward and `2 · cost` in backward.
+struct TimedBlock {
+    name: String,
+    scale: Var,
+    cost: Duration,
+}
+
+impl TimedBlock {
+    fn new(name: String, cost: Duration, init: &ParamInit) -> candle_core::Result<Self> {
+        let scale = Var::from_tensor(&Tensor::ones(1, candle_core::DType::F32, init.device())?)?;
+        Ok(Self { name, scale, cost })
+    }
+}
+
+impl Block for TimedBlock {
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        x.broadcast_mul(self.scale.as_tensor())?.apply_op1(Delay(self.cost))
+    }
+
+    fn parameters(&self) -> Vec<(String, Var)> {
+        vec![("scale".to_string(), self.scale.clone())]
+    }
+}
+
+/// The identity, taking its time: `.0` in forward, twice that in backward.
+struct Delay(Duration);
+
+impl CustomOp1 for Delay {
+    fn name(&self) -> &'static str {
+        "delay"
+    }
+
+    fn cpu_fwd(&self, storage: &CpuStorage, layout: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+        std::thread::sleep(self.0);
+        match (storage, layout.contiguous_offsets()) {
+            (CpuStorage::F32(values), Some((start, end))) => {
+                Ok((CpuStorage::F32(values[start..end].to_vec()), layout.shape().clone()))
+            }
+            _ => candle_core::bail!("delay: expects contiguous f32 input"),
+        }
+    }
+
+    fn bwd(&self, _arg: &Tensor, _res: &Tensor, grad_res: &Tensor) -> candle_core::Result<Option<Tensor>> {
+        std::thread::sleep(2 * self.0);
+        Ok(Some(grad_res.clone()))
+    }
 }

@@ -10,6 +10,7 @@ mod pipeline;
 mod process;
 pub mod ps;
 mod simulated;
+mod stage_rings;
 
 pub use control::connect_control;
 pub use outputs::{RunOutcome, Summary};
@@ -22,9 +23,25 @@ use anyhow::{Context, Result};
 use crate::actors::device::{ModelFactory, RingLink};
 use crate::actors::{DeviceActor, Trainer};
 use crate::config::{DatasetKind, JobConfig, ModelKind};
+use crate::data::text::TextCorpus;
 use crate::data::Dataset;
-use crate::models::{mlp, Model, ParamInit};
+use crate::models::{gpt, mlp, GptConfig, Model, ParamInit};
 use crate::net::ControlBus;
+
+type ModelBuilder = Box<dyn Fn(&ParamInit) -> Result<Model> + Send + Sync>;
+
+/// (train, test) windows of the shipped text: the test part is the end of the text, so no
+/// test window overlaps a training one; windows start every half window.
+fn text_windows(train: &crate::config::TrainConfig) -> Result<(Dataset, Dataset)> {
+    let corpus = TextCorpus::around_the_world()?;
+    let (train_tokens, test_tokens) = corpus.split(train.test_fraction).context("train.test_fraction")?;
+    let block = train.gpt.block_size;
+    let windows = |tokens: &[u32]| {
+        Dataset::token_windows(tokens, block, block.div_ceil(2), corpus.vocab.len())
+            .with_context(|| format!("train.gpt.block_size = {block}"))
+    };
+    Ok((windows(&train_tokens)?, windows(&test_tokens)?))
+}
 
 /// Where and how a run reports.
 #[derive(Debug, Clone)]
@@ -68,24 +85,43 @@ impl TrainingJob {
     /// The job `config.train` describes with the built-in models and data.
     pub fn builtin(config: JobConfig) -> Result<Self> {
         let train = &config.train;
-        let data = match train.dataset {
-            DatasetKind::Digits => Dataset::digits()?,
+        let (train_data, test_data) = match train.dataset {
+            DatasetKind::Digits => Dataset::digits()?
+                .split(train.test_fraction, train.seed)
+                .context("train.test_fraction")?,
             DatasetKind::Synthetic => Dataset::synthetic(
                 train.synthetic_samples,
                 train.synthetic_features,
                 train.synthetic_classes,
                 train.seed,
-            )?,
+            )?
+            .split(train.test_fraction, train.seed)
+            .context("train.test_fraction")?,
+            DatasetKind::Text => text_windows(train)?,
             DatasetKind::CriteoSynthetic | DatasetKind::Criteo => {
                 anyhow::bail!("click logs train on parameter servers: see `ParameterServerJob`")
             }
         };
-        let (train_data, test_data) = data
-            .split(train.test_fraction, train.seed)
-            .context("train.test_fraction")?;
-        let (inputs, classes, hidden) = (data.dim, data.classes, train.hidden_sizes());
-        let model = match train.model {
-            ModelKind::Mlp => move |init: &ParamInit| mlp(inputs, &hidden, classes, init),
+        let (inputs, classes) = (train_data.dim, train_data.classes);
+        let model: ModelBuilder = match train.model {
+            ModelKind::Mlp => {
+                let hidden = train.hidden_sizes();
+                Box::new(move |init: &ParamInit| mlp(inputs, &hidden, classes, init))
+            }
+            ModelKind::Gpt => {
+                let shape = GptConfig {
+                    vocab: classes,
+                    block_size: train.gpt.block_size,
+                    n_layer: train.gpt.n_layer,
+                    n_head: train.gpt.n_head,
+                    n_embd: train.gpt.n_embd,
+                    // The head's own weight: a tied one needs the embedding and the head in
+                    // one backward pass, which neither per-block data parallelism nor stages
+                    // at both ends of a pipeline give.
+                    tie_head: false,
+                };
+                Box::new(move |init: &ParamInit| gpt(&shape, init))
+            }
             ModelKind::WideDeep => anyhow::bail!("wide_deep trains on parameter servers: see `ParameterServerJob`"),
         };
         Ok(Self::new(config, model, train_data, test_data))
@@ -142,16 +178,14 @@ impl TrainingJob {
         Ok(outcome)
     }
 
-    /// One rank of a multi-process job over TCP; rank 0 also hosts the
-    /// coordinator at `cluster.master` and writes the outputs.
+    /// One rank of a multi-process job over TCP or shared memory; rank 0
+    /// also hosts the coordinator at `cluster.master` and writes the outputs.
     pub fn run_rank(&self, rank: usize, options: &RunOptions) -> Result<Option<RunOutcome>> {
-        anyhow::ensure!(
-            !self.config.strategy.pipeline,
-            "{}: strategy.pipeline: pipeline stages run in one process (`flotilla train`) in this release; \
-             stage links between processes are not built yet",
-            self.config.source_name
-        );
-        let outcome = process::run(self, rank, options.show_progress && rank == 0)?;
+        let outcome = if self.config.strategy.pipeline {
+            pipeline::run_rank(self, rank, options.show_progress)?
+        } else {
+            process::run(self, rank, options.show_progress && rank == 0)?
+        };
         if let Some(outcome) = &outcome {
             outcome.write(&options.run_dir, &self.config)?;
         }

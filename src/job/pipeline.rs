@@ -1,18 +1,24 @@
-//! A pipeline job in one process: `dp_degree` replicas of a `pp_degree`-stage pipeline, every
-//! rank a stage actor with its own device actor; stages linked by channels, each stage's
-//! replicas by an in-memory ring.
+//! A pipeline job: `dp_degree` replicas of a `pp_degree`-stage pipeline, every rank a stage
+//! actor with its own device actor. In one process ([`run`]) stages are linked by channels and
+//! each stage's replicas by an in-memory ring. As one rank of a launched job ([`run_rank`])
+//! they are linked by rings over TCP or shared memory ([`super::stage_rings`]), and rank 0
+//! writes the outputs from the outcomes replica 0's ranks gather to it over the control bus.
 
 use actix::prelude::*;
 use anyhow::{anyhow, Context as _, Result};
+use bytes::Bytes;
 
-use super::{RunOutcome, Summary, TrainingJob};
-use crate::actors::device::RingLink;
+use super::control::connect_control;
+use super::process::{bind, RankEndpoints};
+use super::{stage_rings, RunOutcome, Summary, TrainingJob};
+use crate::actors::device::StageLinks;
 use crate::actors::stage::{StageActor, StageOutcome, TrainStage};
 use crate::actors::DeviceActor;
 use crate::collective::ParamChecksum;
-use crate::engines::comm::memory;
-use crate::pipeline::link::{memory_links, StageLink};
+use crate::engines::comm::{memory, Communicator};
+use crate::pipeline::link::memory_links;
 
+/// All ranks in this process.
 pub(super) fn run(job: &TrainingJob, show_progress: bool) -> Result<RunOutcome> {
     let config = job.config.clone();
     let (d, p) = (
@@ -22,55 +28,111 @@ pub(super) fn run(job: &TrainingJob, show_progress: bool) -> Result<RunOutcome> 
     let timeout = config.fault_tolerance.timeout();
     let outcomes = System::new().block_on(async move {
         // links[rank]: stage links within each replica, rings across replicas of each stage.
-        let mut stage_links: Vec<Option<Box<dyn StageLink>>> = Vec::with_capacity(d * p);
+        let mut stage_links: Vec<Option<StageLinks>> = Vec::with_capacity(d * p);
         for _ in 0..d {
             stage_links.extend(
                 memory_links(p, timeout)
                     .into_iter()
-                    .map(|l| Some(Box::new(l) as Box<dyn StageLink>)),
+                    .map(|l| Some(StageLinks::Made(Box::new(l)))),
             );
         }
-        let mut rings: Vec<Vec<Option<RingLink>>> = (0..p)
+        let mut rings: Vec<Vec<Option<Communicator>>> = (0..p)
             .map(|_| {
                 if d == 1 {
-                    vec![Some(RingLink::Single)]
+                    vec![Some(Communicator::single())]
                 } else {
                     memory::ring(d, timeout)
                         .into_iter()
-                        .map(|t| Some(RingLink::Memory(t)))
+                        .map(|t| Some(Communicator::new(Box::new(t))))
                         .collect()
                 }
             })
             .collect();
         let runs = (0..d * p).map(|rank| {
-            let (replica, stage) = (rank / p, rank % p);
-            let actor = StageActor {
-                rank,
-                job: config.clone(),
-                model: job.model.clone(),
-                train_data: job.train_data.clone(),
-                test_data: job.test_data.clone(),
-                link: stage_links[rank].take(),
-                data_parallel: rings[stage][replica].take(),
-                device: SyncArbiter::start(1, DeviceActor::default),
-                show_progress: show_progress && rank == p - 1,
-            };
+            let (link, data_parallel) = (stage_links[rank].take(), rings[rank % p][rank / p].take());
             async move {
-                actor
-                    .start()
-                    .send(TrainStage)
-                    .await
-                    .map_err(|e| anyhow!("rank {rank}: stage actor stopped: {e}"))?
-                    .map_err(|e| e.context(format!("rank {rank} (stage {stage} of replica {replica})")))
+                let link = link.context("each rank's stage link is taken once")?;
+                let data_parallel = data_parallel.context("each rank's ring is taken once")?;
+                train(stage_actor(job, rank, link, data_parallel, show_progress)).await
             }
         });
         futures::future::try_join_all(runs).await
     })?;
-    summarise(job, &outcomes[..p])
+    summarise(job, &outcomes[..p], "in-process")
+}
+
+/// One rank of a launched job: rank 0 also hosts the coordinator and returns the outcome.
+pub(super) fn run_rank(job: &TrainingJob, rank: usize, show_progress: bool) -> Result<Option<RunOutcome>> {
+    let config = job.config.clone();
+    let (world, p) = (config.world_size(), config.strategy.hybrid_configs.pp_degree);
+    let (timeout, max_frame) = (config.fault_tolerance.timeout(), config.cluster.max_frame_bytes());
+    let RankEndpoints {
+        master,
+        listener,
+        data_endpoint,
+    } = bind(&config, rank)?;
+    System::new().block_on(async move {
+        let mut bus = connect_control(rank, world, &master, timeout, max_frame).await?;
+        let roster = bus.join(rank, world, data_endpoint).await?;
+        let (link, data_parallel) = stage_rings::connect(&mut bus, &config, rank, &roster, listener).await?;
+        let outcome = train(stage_actor(job, rank, link, data_parallel, show_progress)).await?;
+        // Rank 0 holds only its own stage, and the outputs need every stage's parameters and
+        // the last stage's losses: replica 0's ranks (0..p) hand it their outcomes. The gather
+        // is the end-of-training barrier too, so no rank (rank 0, with the coordinator, least
+        // of all) leaves while another still needs it.
+        let part = if rank < p { outcome.to_bytes()? } else { Bytes::new() };
+        let parts = bus.gather(rank, "stage outcomes of replica 0", part).await?;
+        if rank != 0 {
+            return Ok(None);
+        }
+        let replica0 = parts
+            .into_iter()
+            .take(p)
+            .map(StageOutcome::from_bytes)
+            .collect::<Result<Vec<_>>>()
+            .context("rank 0: gathering the stage outcomes of replica 0")?;
+        summarise(job, &replica0, "multi-process").map(Some)
+    })
+}
+
+/// Rank `rank`'s stage actor with its own device actor; the rank of replica 0's last stage,
+/// which sees the loss, draws the progress bar. Must run inside an actix system.
+fn stage_actor(
+    job: &TrainingJob,
+    rank: usize,
+    link: StageLinks,
+    data_parallel: Communicator,
+    show_progress: bool,
+) -> StageActor {
+    let p = job.config.strategy.hybrid_configs.pp_degree;
+    StageActor {
+        rank,
+        job: job.config.clone(),
+        model: job.model.clone(),
+        train_data: job.train_data.clone(),
+        test_data: job.test_data.clone(),
+        link: Some(link),
+        data_parallel: Some(data_parallel),
+        device: SyncArbiter::start(1, DeviceActor::default),
+        show_progress: show_progress && rank == p - 1,
+    }
+}
+
+/// Trains `actor` to its end; an error names its rank, stage and replica.
+async fn train(actor: StageActor) -> Result<StageOutcome> {
+    let rank = actor.rank;
+    let p = actor.job.strategy.hybrid_configs.pp_degree;
+    let (replica, stage) = (rank / p, rank % p);
+    actor
+        .start()
+        .send(TrainStage)
+        .await
+        .map_err(|e| anyhow!("rank {rank}: stage actor stopped: {e}"))?
+        .map_err(|e| e.context(format!("rank {rank} (stage {stage} of replica {replica})")))
 }
 
 /// The run's outcome from replica 0's stages (replicas hold equal parameters).
-fn summarise(job: &TrainingJob, replica0: &[StageOutcome]) -> Result<RunOutcome> {
+fn summarise(job: &TrainingJob, replica0: &[StageOutcome], cluster: &str) -> Result<RunOutcome> {
     let config = &job.config;
     let last = replica0.last().context("a pipeline needs at least one stage")?;
     let holder = replica0
@@ -83,7 +145,7 @@ fn summarise(job: &TrainingJob, replica0: &[StageOutcome]) -> Result<RunOutcome>
         summary: Summary {
             strategy: "pipeline".to_string(),
             world_size: config.world_size(),
-            cluster: "in-process".to_string(),
+            cluster: cluster.to_string(),
             steps: last.steps,
             samples_per_sec: last.samples_per_sec,
             final_loss: holder.losses.last().copied().unwrap_or(f32::NAN),

@@ -12,16 +12,26 @@ use super::control::connect_control;
 use super::{RunOutcome, TrainingJob};
 use crate::actors::device::RingLink;
 use crate::actors::trainer::Train;
+use crate::config::JobConfig;
 
-pub(super) fn run(job: &TrainingJob, rank: usize, show_progress: bool) -> Result<Option<RunOutcome>> {
-    let config = job.config.clone();
+/// Where a rank of a launched job meets the others.
+pub(super) struct RankEndpoints {
+    /// The coordinator's `ip:port`.
+    pub master: String,
+    /// This rank's data endpoint, bound before the rendezvous so that peers
+    /// can connect as soon as the roster is out.
+    pub listener: TcpListener,
+    /// The listener's address, announced at the rendezvous.
+    pub data_endpoint: String,
+}
+
+/// Checks `rank` against the world and binds its data endpoint.
+pub(super) fn bind(config: &JobConfig, rank: usize) -> Result<RankEndpoints> {
     let world = config.world_size();
     anyhow::ensure!(
         rank < world,
         "PADDLE_TRAINER_ID = {rank} is outside the world size {world}"
     );
-    let timeout = config.fault_tolerance.timeout();
-    let max_frame = config.cluster.max_frame_bytes();
     let master = config.cluster.master.clone().ok_or_else(|| {
         anyhow!("{}: cluster.master is not set: a multi-process job needs the coordinator's ip:port (flotilla launch sets PADDLE_MASTER)", config.source_name)
     })?;
@@ -34,6 +44,23 @@ pub(super) fn run(job: &TrainingJob, rank: usize, show_progress: bool) -> Result
     let listener = TcpListener::bind(&endpoint)
         .with_context(|| format!("rank {rank}: cannot bind its data endpoint {endpoint}"))?;
     let data_endpoint = listener.local_addr()?.to_string();
+    Ok(RankEndpoints {
+        master,
+        listener,
+        data_endpoint,
+    })
+}
+
+pub(super) fn run(job: &TrainingJob, rank: usize, show_progress: bool) -> Result<Option<RunOutcome>> {
+    let config = job.config.clone();
+    let world = config.world_size();
+    let timeout = config.fault_tolerance.timeout();
+    let max_frame = config.cluster.max_frame_bytes();
+    let RankEndpoints {
+        master,
+        listener,
+        data_endpoint,
+    } = bind(&config, rank)?;
     let link = if world == 1 {
         RingLink::Single
     } else {

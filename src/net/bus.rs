@@ -4,13 +4,14 @@
 use std::time::{Duration, Instant};
 
 use actix::Addr;
-use anyhow::{anyhow, bail, Context, Result};
+use anyhow::{anyhow, bail, ensure, Context, Result};
+use bytes::Bytes;
 use futures::{SinkExt, StreamExt};
 use tokio::net::TcpStream;
 use tokio_util::codec::{Framed, LengthDelimitedCodec};
 
 use super::frame::{codec, ControlMessage, Frame};
-use crate::actors::coordinator::{Barrier, Coordinator, Join};
+use crate::actors::coordinator::{Barrier, Coordinator, Gather, Join};
 
 /// A role's line to the coordinator.
 pub enum ControlBus {
@@ -67,12 +68,13 @@ impl ControlBus {
                 .context("the coordinator stopped")?
                 .map_err(|reason| anyhow!("rank {rank}: {reason}")),
             Self::Tcp { .. } => match self
-                .request(ControlMessage::Join {
+                .request(Frame::control(ControlMessage::Join {
                     rank,
                     world_size,
                     data_endpoint,
-                })
+                }))
                 .await?
+                .header
             {
                 ControlMessage::Roster { endpoints } => Ok(endpoints),
                 other => Err(self.unexpected(rank, other)),
@@ -92,15 +94,46 @@ impl ControlBus {
                 .context("the coordinator stopped")?
                 .map_err(|reason| anyhow!("rank {rank}: {reason}")),
             Self::Tcp { .. } => match self
-                .request(ControlMessage::Barrier {
+                .request(Frame::control(ControlMessage::Barrier {
                     rank,
                     name: name.to_string(),
-                })
+                }))
                 .await?
+                .header
             {
                 ControlMessage::Released { .. } => Ok(()),
                 other => Err(self.unexpected(rank, other)),
             },
+        }
+    }
+
+    /// Hands `part` to rank 0 at gather `name` and waits until every rank has handed its own
+    /// (so it is a barrier too). Rank 0 gets every rank's part, by rank; the others get none.
+    pub async fn gather(&mut self, rank: usize, name: &str, part: Bytes) -> Result<Vec<Bytes>> {
+        match self {
+            Self::InMemory(coordinator) => coordinator
+                .send(Gather {
+                    rank,
+                    name: name.to_string(),
+                    part,
+                })
+                .await
+                .context("the coordinator stopped")?
+                .map_err(|reason| anyhow!("rank {rank}: {reason}")),
+            Self::Tcp { .. } => {
+                let request = Frame {
+                    header: ControlMessage::Gather {
+                        rank,
+                        name: name.to_string(),
+                    },
+                    payload: part,
+                };
+                let answer = self.request(request).await?;
+                match answer.header {
+                    ControlMessage::Gathered { lengths, .. } => split_parts(rank, answer.payload, &lengths),
+                    other => Err(self.unexpected(rank, other)),
+                }
+            }
         }
     }
 
@@ -111,7 +144,7 @@ impl ControlBus {
         }
     }
 
-    async fn request(&mut self, message: ControlMessage) -> Result<ControlMessage> {
+    async fn request(&mut self, message: Frame) -> Result<Frame> {
         let Self::Tcp {
             connection,
             master,
@@ -120,8 +153,15 @@ impl ControlBus {
         else {
             bail!("in-memory bus has no frames");
         };
+        let encoded = message.encode()?;
+        let cap = connection.codec().max_frame_length();
+        ensure!(
+            encoded.len() <= cap,
+            "a message of {} bytes to the coordinator at {master} exceeds cluster.max_frame_mb ({cap} bytes)",
+            encoded.len()
+        );
         connection
-            .send(Frame::control(message).encode()?)
+            .send(encoded)
             .await
             .with_context(|| format!("sending to the coordinator at {master}"))?;
         // The coordinator answers within its own deadline; past that plus a
@@ -136,6 +176,17 @@ impl ControlBus {
             })?
             .ok_or_else(|| anyhow!("the coordinator at {master} closed the connection"))?
             .with_context(|| format!("reading from the coordinator at {master}"))?;
-        Ok(Frame::decode(answer.freeze())?.header)
+        Frame::decode(answer.freeze())
     }
+}
+
+/// A gather's answer payload cut into the parts its header lists.
+fn split_parts(rank: usize, mut payload: Bytes, lengths: &[u64]) -> Result<Vec<Bytes>> {
+    let total = lengths.iter().try_fold(0u64, |sum, &n| sum.checked_add(n));
+    ensure!(
+        total == Some(payload.len() as u64),
+        "rank {rank}: the coordinator's gather lists parts that do not fill its {} bytes",
+        payload.len()
+    );
+    Ok(lengths.iter().map(|&n| payload.split_to(n as usize)).collect())
 }

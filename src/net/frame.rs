@@ -46,6 +46,21 @@ pub enum ControlMessage {
         /// Which barrier.
         name: String,
     },
+    /// A rank hands rank 0 its part of gather `name`: the frame's payload.
+    Gather {
+        /// Who hands it.
+        rank: usize,
+        /// Which gather.
+        name: String,
+    },
+    /// Everyone reached gather `name`; to rank 0 the payload is every rank's part, by rank,
+    /// back to back.
+    Gathered {
+        /// Which gather.
+        name: String,
+        /// Bytes of each rank's part (empty for ranks other than 0).
+        lengths: Vec<u64>,
+    },
 }
 
 /// One frame: a header and its payload. The control plane's headers are [`ControlMessage`]s;

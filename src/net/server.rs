@@ -1,15 +1,17 @@
 //! The coordinator's TCP endpoint: each connection's frames become actor
 //! messages, and the actor's answers go back as frames. A malformed frame,
 //! one above the cap or an unexpected message closes that connection with a
-//! log line; the server keeps serving the others.
+//! log line; the server keeps serving the others. An answer above the cap
+//! (a large gather) goes back as a refusal that says so.
 
-use actix::Addr;
+use actix::{Addr, MailboxError};
+use bytes::Bytes;
 use futures::{SinkExt, StreamExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio_util::codec::Framed;
 
-use super::frame::{codec, ControlMessage, Frame};
-use crate::actors::coordinator::{Barrier, Coordinator, Join};
+use super::frame::{codec, encode_with, ControlMessage, Frame};
+use crate::actors::coordinator::{Barrier, Coordinator, Gather, Join};
 
 /// Accepts control connections until the actor system stops.
 pub async fn serve(listener: TcpListener, coordinator: Addr<Coordinator>, max_frame_bytes: usize) {
@@ -38,47 +40,76 @@ async fn handle_connection(
     while let Some(body) = framed.next().await {
         let body = body.map_err(|e| format!("bad frame: {e}"))?;
         let frame = Frame::decode(body.freeze()).map_err(|e| e.to_string())?;
-        let answer = match frame.header {
+        // The answer's header, and the parts its payload carries back to back.
+        let answer: Result<(ControlMessage, Vec<Bytes>), ControlMessage> = match frame.header {
             ControlMessage::Join {
                 rank,
                 world_size,
                 data_endpoint,
-            } => {
-                match coordinator
+            } => answered(
+                coordinator
                     .send(Join {
                         rank,
                         world_size,
                         data_endpoint,
                     })
-                    .await
-                {
-                    Ok(Ok(endpoints)) => ControlMessage::Roster { endpoints },
-                    Ok(Err(reason)) => ControlMessage::Refused { reason },
-                    Err(e) => ControlMessage::Refused {
-                        reason: format!("coordinator unavailable: {e}"),
-                    },
-                }
-            }
-            ControlMessage::Barrier { rank, name } => match coordinator
-                .send(Barrier {
-                    rank,
-                    name: name.clone(),
-                })
-                .await
-            {
-                Ok(Ok(())) => ControlMessage::Released { name },
-                Ok(Err(reason)) => ControlMessage::Refused { reason },
-                Err(e) => ControlMessage::Refused {
-                    reason: format!("coordinator unavailable: {e}"),
-                },
-            },
+                    .await,
+            )
+            .map(|endpoints| (ControlMessage::Roster { endpoints }, Vec::new())),
+            ControlMessage::Barrier { rank, name } => answered(
+                coordinator
+                    .send(Barrier {
+                        rank,
+                        name: name.clone(),
+                    })
+                    .await,
+            )
+            .map(|()| (ControlMessage::Released { name }, Vec::new())),
+            ControlMessage::Gather { rank, name } => answered(
+                coordinator
+                    .send(Gather {
+                        rank,
+                        name: name.clone(),
+                        part: frame.payload,
+                    })
+                    .await,
+            )
+            .map(|parts| {
+                let lengths = parts.iter().map(|p| p.len() as u64).collect();
+                (ControlMessage::Gathered { name, lengths }, parts)
+            }),
             other => return Err(format!("unexpected message {other:?}")),
         };
-        let encoded = Frame::control(answer).encode().map_err(|e| e.to_string())?;
+        let (header, parts) = answer.unwrap_or_else(|refusal| (refusal, Vec::new()));
+        let payload_len = parts.iter().map(Bytes::len).sum();
+        let mut encoded = encode_with(&header, payload_len, |out| {
+            parts.iter().for_each(|p| out.extend_from_slice(p))
+        })
+        .map_err(|e| e.to_string())?;
+        if encoded.len() > max_frame_bytes {
+            let reason = format!(
+                "the coordinator's answer of {} bytes exceeds cluster.max_frame_mb ({max_frame_bytes} bytes)",
+                encoded.len()
+            );
+            encoded = Frame::control(ControlMessage::Refused { reason })
+                .encode()
+                .map_err(|e| e.to_string())?;
+        }
         framed
             .send(encoded)
             .await
             .map_err(|e| format!("sending the answer: {e}"))?;
     }
     Ok(())
+}
+
+/// The coordinator's answer, or the refusal that goes back instead.
+fn answered<T>(sent: Result<Result<T, String>, MailboxError>) -> Result<T, ControlMessage> {
+    match sent {
+        Ok(Ok(answer)) => Ok(answer),
+        Ok(Err(reason)) => Err(ControlMessage::Refused { reason }),
+        Err(e) => Err(ControlMessage::Refused {
+            reason: format!("coordinator unavailable: {e}"),
+        }),
+    }
 }

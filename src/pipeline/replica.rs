@@ -15,8 +15,9 @@ use super::stage::{Chunk, Stage};
 use crate::config::{JobConfig, ScheduleMode};
 use crate::data::Batch;
 use crate::engines::comm::Communicator;
-use crate::models::{Block, Model};
+use crate::models::{correct_predictions, cross_entropy, Block, Model};
 use crate::optim::{GradientMerge, LrPolicy, Optimizer};
+use crate::telemetry::timeline::{record, Span, Timeline};
 
 /// What one pipeline step measured on this rank.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -54,6 +55,8 @@ pub struct PipelineReplica {
     merge: GradientMerge,
     /// Batches trained.
     step: usize,
+    /// Spans of the schedule, all-reduces and optimizer steps, when tracing.
+    timeline: Option<Timeline>,
 }
 
 /// The schedule `job` asks for.
@@ -139,6 +142,7 @@ impl PipelineReplica {
             micro_batches: configs.accumulate_steps,
             merge: GradientMerge::new(&job.strategy, 1),
             step: 0,
+            timeline: None,
         })
     }
 
@@ -149,8 +153,10 @@ impl PipelineReplica {
         let lr = self.lr_policy.at(self.merge.optimizer_step(self.step));
         self.optimizer.set_learning_rate(lr);
         let (inputs, labels) = self.micro_batches(batch)?;
-        let loss = |i: usize, out: &Tensor| candle_nn::loss::cross_entropy(out, &labels[i]);
-        let step = self.stage.step(self.link.as_mut(), &inputs, &loss)?;
+        let loss = |i: usize, out: &Tensor| cross_entropy(out, &labels[i]);
+        let step = self
+            .stage
+            .step(self.link.as_mut(), &inputs, &loss, &mut self.timeline)?;
 
         let reducing = Instant::now();
         let replicas = self.data_parallel.world_size() as f32;
@@ -167,9 +173,12 @@ impl PipelineReplica {
         }
         if let Some(mut flat) = merged {
             if replicas > 1.0 {
+                let reducing = Instant::now();
                 self.data_parallel
                     .all_reduce_sum(&format!("all-reduce of stage gradients at step {at}"), &mut flat)?;
+                record(&mut self.timeline, || format!("all-reduce {at}"), "allreduce", reducing);
             }
+            let stepping = Instant::now();
             let mut grads = GradStore::default();
             let mut offset = 0;
             for (_, var) in &self.params {
@@ -179,6 +188,7 @@ impl PipelineReplica {
                 offset += n;
             }
             self.optimizer.step(&grads)?;
+            record(&mut self.timeline, || format!("optimizer {at}"), "optimizer", stepping);
         }
         let allreduce_time = reducing.elapsed();
         self.step += 1;
@@ -206,20 +216,25 @@ impl PipelineReplica {
         }
         let mut correct = 0usize;
         for (out, y) in outputs.iter().zip(&labels) {
-            let predicted = out.argmax(1)?.to_vec1::<u32>()?;
-            correct += predicted
-                .iter()
-                .zip(y.to_vec1::<u32>()?)
-                .filter(|(p, l)| **p == *l)
-                .count();
+            correct += correct_predictions(out, y)?;
         }
         // Counts below 2^24 are exact in f32.
-        let mut counts = [correct as f32, batch.rows() as f32];
+        let mut counts = [correct as f32, batch.labels.len() as f32];
         if self.data_parallel.world_size() > 1 {
             self.data_parallel
                 .all_reduce_sum("all-reduce of evaluation counts", &mut counts)?;
         }
         Ok(Some((counts[0] as usize, counts[1] as usize)))
+    }
+
+    /// Starts recording a timeline, measured from `origin`.
+    pub fn trace_from(&mut self, origin: Instant) {
+        self.timeline = Some(Timeline::new(origin));
+    }
+
+    /// The spans recorded so far (none unless tracing).
+    pub fn take_spans(&mut self) -> Vec<Span> {
+        self.timeline.as_mut().map(Timeline::take).unwrap_or_default()
     }
 
     /// The stage's parameters by name.
@@ -238,8 +253,7 @@ impl PipelineReplica {
             rows.is_multiple_of(m) && rows > 0,
             "a batch of {rows} rows does not split into {m} micro-batches"
         );
-        let x = Tensor::from_slice(&batch.features, (rows, batch.dim), &self.device)?;
-        let y = Tensor::from_slice(&batch.labels, rows, &self.device)?;
+        let (x, y) = batch.tensors(&self.device)?;
         let size = rows / m;
         let inputs = (0..m)
             .map(|i| x.narrow(0, i * size, size))

@@ -14,6 +14,7 @@ use super::link::StageLink;
 use super::schedule::{stage_ops, Op, ScheduleKind};
 use crate::engines::compute::segments::{self, Forward, Segments};
 use crate::models::Block;
+use crate::telemetry::timeline::{record, Timeline};
 
 /// A contiguous run of a model's blocks on one stage, and how its backward is cut.
 pub struct Chunk {
@@ -168,9 +169,10 @@ impl Stage {
         link: &mut dyn StageLink,
         inputs: &[Tensor],
         loss: &dyn Fn(usize, &Tensor) -> candle_core::Result<Tensor>,
+        timeline: &mut Option<Timeline>,
     ) -> Result<StageStep> {
-        let (p, s, m) = (self.stages, self.index, self.micro_batches);
-        let last = self.chunks.len() * p - 1;
+        let (p, s, m, v) = (self.stages, self.index, self.micro_batches, self.chunks.len());
+        let last = v * p - 1;
         let params: Vec<Vec<Var>> = self
             .chunks
             .iter()
@@ -202,8 +204,10 @@ impl Stage {
                         let asked = Instant::now();
                         let received = link.recv_forward(&what)?;
                         waiting += asked.elapsed();
+                        record(timeline, || format!("recv activation {micro}"), "recv", asked);
                         Var::from_tensor(&received)?.as_tensor().clone()
                     };
+                    let computing = Instant::now();
                     let Chunk { blocks, segments } = &self.chunks[chunk];
                     let forward =
                         segments::forward(blocks, segments, input).with_context(|| format!("stage {s}: {what}"))?;
@@ -213,9 +217,14 @@ impl Stage {
                         loss_sum += l;
                         Some(g)
                     } else {
-                        link.send_forward(&what, forward.output().detach())?;
                         None
                     };
+                    record(timeline, || span_name('F', micro, chunk, v), "forward", computing);
+                    if loss_gradient.is_none() {
+                        let sending = Instant::now();
+                        link.send_forward(&what, forward.output().detach())?;
+                        record(timeline, || format!("send activation {micro}"), "send", sending);
+                    }
                     held_bytes += forward.held_bytes();
                     stash.insert((micro, chunk), Stashed { forward, loss_gradient });
                     peak = peak.max(stash.len());
@@ -233,9 +242,11 @@ impl Stage {
                             let asked = Instant::now();
                             let upstream = link.recv_backward(&what)?;
                             waiting += asked.elapsed();
+                            record(timeline, || format!("recv gradient {micro}"), "recv", asked);
                             upstream
                         }
                     };
+                    let computing = Instant::now();
                     let forward_bytes = stashed.forward.held_bytes();
                     let Chunk { blocks, segments } = &self.chunks[chunk];
                     let chunk_sums = &mut sums[chunk];
@@ -253,13 +264,16 @@ impl Stage {
                         Ok(())
                     })
                     .with_context(|| format!("stage {s}: {what}"))?;
+                    record(timeline, || span_name('B', micro, chunk, v), "backward", computing);
                     peak_bytes = peak_bytes.max(held_bytes + done.recomputed_bytes);
                     held_bytes -= forward_bytes;
                     if virtual_stage > 0 {
                         let g = done
                             .input_gradient
                             .with_context(|| format!("stage {s}: {what}: no gradient for the input"))?;
+                        let sending = Instant::now();
                         link.send_backward(&what, g)?;
+                        record(timeline, || format!("send gradient {micro}"), "send", sending);
                     }
                 }
             }
@@ -281,5 +295,15 @@ impl Stage {
             waiting,
             elapsed: started.elapsed(),
         })
+    }
+}
+
+/// A span's name on the timeline: `F3` is the forward of micro-batch 3, `B3.1` the backward
+/// of micro-batch 3 through the stage's second model chunk (named only when interleaving).
+fn span_name(pass: char, micro: usize, chunk: usize, chunks: usize) -> String {
+    if chunks > 1 {
+        format!("{pass}{micro}.{chunk}")
+    } else {
+        format!("{pass}{micro}")
     }
 }

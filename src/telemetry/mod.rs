@@ -1,5 +1,7 @@
-//! Logging setup. Logs go to stderr through `tracing`; `RUST_LOG` filters
-//! them (default `info`).
+//! What a run tells about itself: logs (to stderr through `tracing`,
+//! filtered by `RUST_LOG`, default `info`) and timelines.
+
+pub mod timeline;
 
 use std::io::IsTerminal;
 

@@ -30,6 +30,8 @@ pub use worker::{CommWorker, Pending};
 use std::net::{SocketAddr, TcpListener};
 use std::time::Duration;
 
+use anyhow::Context;
+
 /// The communicator of `rank` in a ring of processes at `endpoints`: over
 /// shared memory when `shared_memory` allows it and every rank is on one
 /// host that has `/dev/shm`, over TCP otherwise.
@@ -40,10 +42,39 @@ pub fn connect_ring(
     timeout: Duration,
     shared_memory: bool,
 ) -> anyhow::Result<Communicator> {
-    let transport: Box<dyn RingTransport> = if shared_memory && shm::usable_for(endpoints) {
+    Ok(Communicator::new(connect_ring_transport(
+        rank,
+        endpoints,
+        listener,
+        timeout,
+        shared_memory,
+    )?))
+}
+
+/// The transport under [`connect_ring`], for rings that carry other traffic
+/// than collectives (pipeline stages' activations).
+pub fn connect_ring_transport(
+    rank: usize,
+    endpoints: &[SocketAddr],
+    listener: &TcpListener,
+    timeout: Duration,
+    shared_memory: bool,
+) -> anyhow::Result<Box<dyn RingTransport>> {
+    Ok(if shared_memory && shm::usable_for(endpoints) {
         Box::new(shm::ShmTransport::connect(rank, endpoints, listener, timeout)?)
     } else {
         Box::new(tcp::TcpTransport::connect(rank, endpoints, listener, timeout)?)
-    };
-    Ok(Communicator::new(transport))
+    })
+}
+
+/// The rendezvous roster (`roster[r]` is rank `r`'s `ip:port`) as addresses.
+pub fn parse_endpoints(roster: &[String]) -> anyhow::Result<Vec<SocketAddr>> {
+    roster
+        .iter()
+        .enumerate()
+        .map(|(r, e)| {
+            e.parse::<SocketAddr>()
+                .with_context(|| format!("rank {r} announced a bad endpoint {e:?}"))
+        })
+        .collect()
 }

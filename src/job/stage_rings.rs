@@ -1,0 +1,104 @@
+//! The rings of one rank of a launched pipeline job, all served by the rank's one data
+//! endpoint: the data-parallel ring among its stage's replicas, and the forward and backward
+//! rings among its replica's stages. A listener accepts only a hello from its ring-left
+//! neighbour, so the rings are connected in phases that coordinator barriers keep apart.
+
+use std::net::{SocketAddr, TcpListener};
+use std::time::Duration;
+
+use anyhow::{anyhow, Context, Result};
+
+use crate::actors::device::StageLinks;
+use crate::config::JobConfig;
+use crate::engines::comm::{connect_ring_transport, parse_endpoints, Communicator, RingTransport};
+use crate::net::ControlBus;
+use crate::pipeline::link::memory_links;
+
+/// Connects rank `rank`'s rings over `listener`, its data endpoint: (a) the data-parallel ring
+/// of its stage (ranks `r·p + stage`, when `dp_degree` > 1), then (b) the forward stage ring of
+/// its replica (ranks `replica·p + 0..p`, when `pp_degree` > 1), then (c) the backward one.
+/// `roster[r]` is rank `r`'s data endpoint.
+pub(super) async fn connect(
+    bus: &mut ControlBus,
+    config: &JobConfig,
+    rank: usize,
+    roster: &[String],
+    listener: TcpListener,
+) -> Result<(StageLinks, Communicator)> {
+    let (d, p) = (
+        config.strategy.hybrid_configs.dp_degree,
+        config.strategy.hybrid_configs.pp_degree,
+    );
+    let (replica, stage) = (rank / p, rank % p);
+    let rings = Rings {
+        who: format!("rank {rank} (stage {stage} of replica {replica})"),
+        listener,
+        endpoints: parse_endpoints(roster)?,
+        timeout: config.fault_tolerance.timeout(),
+        shared_memory: config.cluster.shared_memory,
+    };
+    let data_parallel = if d > 1 {
+        let replicas = (0..d).map(|r| r * p + stage).collect();
+        let name = format!("the data-parallel ring of stage {stage}");
+        Communicator::new(rings.connect(&name, replicas, replica).await?)
+    } else {
+        Communicator::single()
+    };
+    let link = if p > 1 {
+        if d > 1 {
+            bus.barrier(rank, "data-parallel rings connected").await?;
+        }
+        let stages: Vec<usize> = (0..p).map(|s| replica * p + s).collect();
+        let name = format!("the forward stage ring of replica {replica}");
+        let forward = rings.connect(&name, stages.clone(), stage).await?;
+        bus.barrier(rank, "forward stage rings connected").await?;
+        let name = format!("the backward stage ring of replica {replica}");
+        let backward = rings
+            .connect(&name, stages.into_iter().rev().collect(), p - 1 - stage)
+            .await?;
+        StageLinks::Rings { forward, backward }
+    } else {
+        // One stage: hand-offs between its own chunks (interleaving) loop back in memory.
+        let to_itself = memory_links(1, rings.timeout).pop();
+        StageLinks::Made(Box::new(to_itself.context("a one-stage pipeline has a link")?))
+    };
+    tracing::info!("{}: pipeline rings connected", rings.who);
+    Ok((link, data_parallel))
+}
+
+/// What connecting one of a rank's rings takes.
+struct Rings {
+    /// Names the rank in errors.
+    who: String,
+    listener: TcpListener,
+    /// Every rank's data endpoint, by rank.
+    endpoints: Vec<SocketAddr>,
+    timeout: Duration,
+    shared_memory: bool,
+}
+
+impl Rings {
+    /// Joins the ring over `members` (global ranks, in ring order) at `position`. Connecting
+    /// blocks, so it runs on the blocking pool: the coordinator that rank 0 hosts on this
+    /// thread keeps answering meanwhile.
+    async fn connect(&self, name: &str, members: Vec<usize>, position: usize) -> Result<Box<dyn RingTransport>> {
+        let context = || format!("{}: connecting {name} (ranks {members:?})", self.who);
+        let endpoints = members
+            .iter()
+            .map(|&r| self.endpoints.get(r).copied())
+            .collect::<Option<Vec<_>>>()
+            .ok_or_else(|| anyhow!("the roster lists {} endpoints", self.endpoints.len()))
+            .with_context(context)?;
+        let listener = self.listener.try_clone().with_context(context)?;
+        let (timeout, shared_memory) = (self.timeout, self.shared_memory);
+        let transport = tokio::task::spawn_blocking(move || {
+            connect_ring_transport(position, &endpoints, &listener, timeout, shared_memory)
+        })
+        .await
+        .map_err(|e| anyhow!("the connecting thread failed: {e}"))
+        .and_then(|connected| connected)
+        .with_context(context)?;
+        tracing::debug!("{}: connected {name}", self.who);
+        Ok(transport)
+    }
+}
