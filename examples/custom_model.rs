@@ -83,6 +83,7 @@ fn main() -> Result<()> {
     let options = RunOptions {
         run_dir: "runs/custom_model".into(),
         show_progress: true,
+        trace: None,
     };
     if let Some(outcome) = job.run(&options)? {
         println!(

@@ -77,6 +77,10 @@ struct TrainArgs {
     /// Where rank 0 writes summary.json (default: runs/<unix time>).
     #[arg(long)]
     run_dir: Option<PathBuf>,
+    /// Write the pipeline's timeline (forward, backward, send, receive, all-reduce spans; one
+    /// track per stage) to this chrome-trace JSON file, for Perfetto or chrome://tracing.
+    #[arg(long, value_name = "FILE")]
+    trace: Option<PathBuf>,
 }
 
 #[derive(Subcommand)]
@@ -215,6 +219,7 @@ fn run_options(args: &TrainArgs) -> RunOptions {
     RunOptions {
         run_dir: args.run_dir.clone().unwrap_or_else(default_run_dir),
         show_progress: std::io::stderr().is_terminal(),
+        trace: args.trace.clone(),
     }
 }
 

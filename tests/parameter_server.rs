@@ -47,6 +47,7 @@ fn run(config: JobConfig, run_dir: &Path) -> PsSummary {
     let options = RunOptions {
         run_dir: run_dir.to_path_buf(),
         show_progress: false,
+        trace: None,
     };
     ParameterServerJob::builtin(config)
         .expect("job")

@@ -33,6 +33,7 @@ fn a_launched_pipeline_over_tcp_equals_in_process_and_single_process_training() 
 fn launched_pipeline_matches_ground_truth(transport: &str) {
     let dir = tempfile::tempdir().unwrap();
     let run_dir = dir.path().join("run");
+    let trace = dir.path().join("trace.json");
     let port = free_port_range(5).to_string();
     let mut args = vec![
         "launch",
@@ -46,6 +47,8 @@ fn launched_pipeline_matches_ground_truth(transport: &str) {
         "config.toml",
         "--run-dir",
         run_dir.to_str().unwrap(),
+        "--trace",
+        trace.to_str().unwrap(),
     ];
     for set in PIPELINE.iter().chain([&STEPS, &transport]) {
         args.extend(["--set", *set]);
@@ -62,6 +65,22 @@ fn launched_pipeline_matches_ground_truth(transport: &str) {
     assert_eq!(summary["world_size"], 4);
     assert_eq!(summary["cluster"], "multi-process");
     assert_eq!(summary["steps"], 20);
+    // Each rank writes its own timeline, measured on its own clock.
+    for rank in 0..4 {
+        let path = dir.path().join(format!("trace.rank{rank}.json"));
+        let trace: serde_json::Value = serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+        let spans = trace["traceEvents"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|e| e["ph"] == "X");
+        assert_eq!(
+            spans.filter(|e| e["cat"] == "forward").count(),
+            20 * 4,
+            "{}",
+            path.display()
+        );
+    }
 
     // Same stages, same ring all-reduce: bit-identical to the pipeline in one process.
     let mut overrides = PIPELINE.to_vec();

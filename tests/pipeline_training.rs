@@ -52,6 +52,7 @@ fn more_stages_than_blocks_is_an_error_naming_both() {
     let options = flotilla::job::RunOptions {
         run_dir: dir.path().to_path_buf(),
         show_progress: false,
+        trace: None,
     };
     let job = flotilla::job::TrainingJob::builtin(config(&[
         "train.hidden_sizes=[16]",
@@ -100,5 +101,74 @@ fn a_character_gpt_trains_in_a_hybrid_pipeline_like_one_process() {
     assert!(
         (accuracy - want).abs() < 0.02 && accuracy > 0.05,
         "{accuracy} vs {want}"
+    );
+}
+
+#[test]
+fn the_trace_shows_each_stage_on_its_own_track_in_schedule_order() {
+    let dir = tempfile::tempdir().unwrap();
+    let trace = dir.path().join("trace.json");
+    let options = flotilla::job::RunOptions {
+        run_dir: dir.path().join("run"),
+        show_progress: false,
+        trace: Some(trace.clone()),
+    };
+    let job = flotilla::job::TrainingJob::builtin(config(&[
+        MODEL,
+        "train.steps=2",
+        "strategy.pipeline=true",
+        "cluster.nproc_per_node=4",
+        "strategy.hybrid_configs.dp_degree=2",
+        "strategy.hybrid_configs.pp_degree=2",
+        "strategy.pipeline_configs.accumulate_steps=4",
+    ]))
+    .unwrap();
+    job.run_simulated(&options).unwrap();
+    let trace: serde_json::Value = serde_json::from_slice(&std::fs::read(&trace).unwrap()).unwrap();
+    let events = trace["traceEvents"].as_array().unwrap();
+    let tracks: Vec<&str> = events
+        .iter()
+        .filter(|e| e["name"] == "thread_name")
+        .map(|e| e["args"]["name"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        tracks,
+        [
+            "stage 0 (replica 0)",
+            "stage 1 (replica 0)",
+            "stage 0 (replica 1)",
+            "stage 1 (replica 1)"
+        ]
+    );
+    // (tid, name) → spans, in time order.
+    let spans = |tid: u64, name: &str| -> Vec<(f64, f64)> {
+        events
+            .iter()
+            .filter(|e| e["ph"] == "X" && e["tid"] == tid && e["name"] == name)
+            .map(|e| (e["ts"].as_f64().unwrap(), e["dur"].as_f64().unwrap()))
+            .collect()
+    };
+    for tid in 0..4 {
+        for span in ["F0", "F3", "B0", "B3", "all-reduce 0", "optimizer 1"] {
+            assert_eq!(
+                spans(tid, span).len(),
+                if span.contains(' ') { 1 } else { 2 },
+                "{tid} {span}"
+            );
+        }
+    }
+    // A micro-batch's forward on stage 1 starts after stage 0 sent it, and its backward on
+    // stage 0 after stage 1's backward of it ended.
+    let ((f0, f0_len), (f1, _)) = (spans(0, "F0")[0], spans(1, "F0")[0]);
+    assert!(
+        f1 >= f0 + f0_len,
+        "stage 1 F0 at {f1} µs, stage 0 F0 ended at {}",
+        f0 + f0_len
+    );
+    let ((b1, b1_len), (b0, _)) = (spans(1, "B2")[0], spans(0, "B2")[0]);
+    assert!(
+        b0 >= b1 + b1_len,
+        "stage 0 B2 at {b0} µs, stage 1 B2 ended at {}",
+        b1 + b1_len
     );
 }

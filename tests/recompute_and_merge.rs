@@ -103,6 +103,7 @@ fn a_run_that_ends_inside_a_merge_is_refused() {
     let options = flotilla::job::RunOptions {
         run_dir: dir.path().to_path_buf(),
         show_progress: false,
+        trace: None,
     };
     let job = flotilla::job::TrainingJob::builtin(config(&[
         "strategy.gradient_merge=true",
@@ -120,6 +121,7 @@ fn an_unknown_checkpoint_is_an_error_naming_the_blocks() {
     let options = flotilla::job::RunOptions {
         run_dir: dir.path().to_path_buf(),
         show_progress: false,
+        trace: None,
     };
     let job = flotilla::job::TrainingJob::builtin(config(&[
         "strategy.recompute=true",

@@ -6,7 +6,7 @@
 
 use std::net::TcpListener;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use actix::prelude::*;
 use anyhow::{anyhow, Context as _, Result};
@@ -23,6 +23,7 @@ use crate::pipeline::link::{StageLink, TransportStageLink};
 use crate::pipeline::replica::{PipelineReplica, PipelineReport};
 use crate::ps::wire::PulledRows;
 use crate::ps::worker::{CtrWorker, PullPlan, ShardUpdate, StepOutcome};
+use crate::telemetry::timeline::Span;
 
 /// Builds a rank's model; called on the device thread with the job's seeded
 /// initialiser, so every rank builds the same initial parameters.
@@ -144,6 +145,8 @@ pub struct PreparePipeline {
     pub link: StageLinks,
     /// The ring among this stage's data-parallel replicas.
     pub data_parallel: Communicator,
+    /// Record a timeline measured from this instant.
+    pub trace_from: Option<Instant>,
 }
 
 /// How a pipeline stage reaches its neighbour stages.
@@ -312,15 +315,25 @@ impl Handler<PreparePipeline> for DeviceActor {
                 Box::new(TransportStageLink::new(msg.stage, forward, backward, device.clone())?)
             }
         };
-        self.pipeline = Some(PipelineReplica::new(
-            &msg.job,
-            model,
-            msg.stage,
-            link,
-            msg.data_parallel,
-            device,
-        )?);
+        let mut pipeline = PipelineReplica::new(&msg.job, model, msg.stage, link, msg.data_parallel, device)?;
+        if let Some(origin) = msg.trace_from {
+            pipeline.trace_from(origin);
+        }
+        self.pipeline = Some(pipeline);
         Ok(())
+    }
+}
+
+/// Hands over the pipeline's timeline spans recorded so far.
+#[derive(Message)]
+#[rtype(result = "Result<Vec<Span>>")]
+pub struct TakeSpans;
+
+impl Handler<TakeSpans> for DeviceActor {
+    type Result = Result<Vec<Span>>;
+
+    fn handle(&mut self, _: TakeSpans, _: &mut Self::Context) -> Self::Result {
+        Ok(self.pipeline()?.take_spans())
     }
 }
 

@@ -13,13 +13,14 @@ use bytes::Bytes;
 use serde::{Deserialize, Serialize};
 
 use super::device::{
-    DeviceActor, ModelFactory, PipelineEvaluate, PipelineStep, PreparePipeline, ReadParameters, StageLinks,
+    DeviceActor, ModelFactory, PipelineEvaluate, PipelineStep, PreparePipeline, ReadParameters, StageLinks, TakeSpans,
 };
 use super::trainer::progress_bar;
 use crate::config::{JobConfig, TrainLength};
 use crate::data::{Dataset, ShardedLoader};
 use crate::engines::comm::Communicator;
 use crate::net::frame::{encode_with, Frame};
+use crate::telemetry::timeline::Span;
 
 /// What a pipeline rank needs.
 pub struct StageActor {
@@ -41,6 +42,8 @@ pub struct StageActor {
     pub device: Addr<DeviceActor>,
     /// Draw a progress bar.
     pub show_progress: bool,
+    /// Record a timeline measured from this instant.
+    pub trace_from: Option<Instant>,
 }
 
 /// Runs the pipeline training loop to its end.
@@ -74,6 +77,10 @@ pub struct StageOutcome {
     /// rest: see [`StageOutcome::to_bytes`]).
     #[serde(skip)]
     pub parameters: Vec<(String, Vec<f32>)>,
+    /// The stage's timeline (empty unless tracing); stays in the rank's process, whose clock
+    /// it is measured on.
+    #[serde(skip)]
+    pub spans: Vec<Span>,
 }
 
 /// The serialized part of an encoded [`StageOutcome`]: the figures (the parameters are skipped),
@@ -145,6 +152,7 @@ impl Handler<TrainStage> for StageActor {
         let link = self.link.take();
         let data_parallel = self.data_parallel.take();
         let show_progress = self.show_progress;
+        let trace_from = self.trace_from;
         Box::pin(async move {
             device
                 .send(PreparePipeline {
@@ -153,6 +161,7 @@ impl Handler<TrainStage> for StageActor {
                     stage,
                     link: link.context("TrainStage was sent twice")?,
                     data_parallel: data_parallel.context("TrainStage was sent twice")?,
+                    trace_from,
                 })
                 .await??;
             let train = &job.train;
@@ -196,6 +205,7 @@ impl Handler<TrainStage> for StageActor {
             let rows: Vec<usize> = (replica * per_replica..(replica + 1) * per_replica).collect();
             let evaluated = device.send(PipelineEvaluate(test_data.select(&rows))).await??;
             let parameters = device.send(ReadParameters).await??;
+            let spans = device.send(TakeSpans).await??;
             Ok(StageOutcome {
                 rank,
                 steps,
@@ -207,6 +217,7 @@ impl Handler<TrainStage> for StageActor {
                 peak_activation_bytes: peak_bytes,
                 bubble_fraction: pipeline_wait.as_secs_f64() / pipeline_time.as_secs_f64().max(1e-9),
                 parameters,
+                spans,
             })
         })
     }
@@ -229,6 +240,7 @@ mod tests {
             peak_activation_bytes: 4096,
             bubble_fraction: 0.5,
             parameters: vec![("fc0.weight".into(), vec![1.0, -2.0, 3.5]), ("fc0.bias".into(), vec![])],
+            spans: Vec::new(),
         };
         let bytes = outcome.to_bytes().unwrap();
         let back = StageOutcome::from_bytes(bytes.clone()).unwrap();

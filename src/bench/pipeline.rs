@@ -50,6 +50,9 @@ pub struct PipelineBenchArgs {
     /// One JSON object instead of a line of text.
     #[arg(long)]
     pub json: bool,
+    /// Write the timed run's timeline (chrome-trace JSON, one track per stage) here.
+    #[arg(long, value_name = "FILE")]
+    pub trace: Option<std::path::PathBuf>,
 }
 
 /// One run's figures.
@@ -104,11 +107,16 @@ pub fn run(args: &PipelineBenchArgs) -> Result<()> {
     let options = RunOptions {
         run_dir: dir.clone(),
         show_progress: false,
+        trace: None,
     };
     let (train, test) = data.split(0.5, 1)?;
     let job = TrainingJob::new(config, model, train, test);
     job.run_simulated(&options)?; // warm-up: first-touch allocations and thread start-up
-    let summary = job.run_simulated(&options)?.summary;
+    let traced = RunOptions {
+        trace: args.trace.clone(),
+        ..options
+    };
+    let summary = job.run_simulated(&traced)?.summary;
     let _ = std::fs::remove_dir_all(&dir);
     let share = summary.bubble_fraction.unwrap_or(f64::NAN);
     let theory = (p - 1) as f64 / (v * m) as f64;

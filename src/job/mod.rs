@@ -43,6 +43,16 @@ fn text_windows(train: &crate::config::TrainConfig) -> Result<(Dataset, Dataset)
     Ok((windows(&train_tokens)?, windows(&test_tokens)?))
 }
 
+/// Timelines are recorded by pipeline stages only, so far; asking for one elsewhere is an
+/// error rather than a missing file.
+fn refuse_trace(options: &RunOptions) -> Result<()> {
+    anyhow::ensure!(
+        options.trace.is_none(),
+        "--trace records pipeline jobs (strategy.pipeline = true); this job is data parallel"
+    );
+    Ok(())
+}
+
 /// Where and how a run reports.
 #[derive(Debug, Clone)]
 pub struct RunOptions {
@@ -51,6 +61,9 @@ pub struct RunOptions {
     pub run_dir: PathBuf,
     /// Draw a progress bar on rank 0.
     pub show_progress: bool,
+    /// Write a chrome-trace timeline of the run here (pipeline jobs): one track per rank; a
+    /// launched rank writes its own `<stem>.rank<N>.json` beside it.
+    pub trace: Option<PathBuf>,
 }
 
 /// A model, its data and the config that says how to train it.
@@ -170,8 +183,9 @@ impl TrainingJob {
     /// All ranks as actors of this process, ring links in memory.
     pub fn run_simulated(&self, options: &RunOptions) -> Result<RunOutcome> {
         let outcome = if self.config.strategy.pipeline {
-            pipeline::run(self, options.show_progress)?
+            pipeline::run(self, options)?
         } else {
+            refuse_trace(options)?;
             simulated::run(self, options.show_progress)?
         };
         outcome.write(&options.run_dir, &self.config)?;
@@ -182,8 +196,9 @@ impl TrainingJob {
     /// also hosts the coordinator at `cluster.master` and writes the outputs.
     pub fn run_rank(&self, rank: usize, options: &RunOptions) -> Result<Option<RunOutcome>> {
         let outcome = if self.config.strategy.pipeline {
-            pipeline::run_rank(self, rank, options.show_progress)?
+            pipeline::run_rank(self, rank, options)?
         } else {
+            refuse_trace(options)?;
             process::run(self, rank, options.show_progress && rank == 0)?
         };
         if let Some(outcome) = &outcome {

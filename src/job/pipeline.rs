@@ -10,17 +10,22 @@ use bytes::Bytes;
 
 use super::control::connect_control;
 use super::process::{bind, RankEndpoints};
-use super::{stage_rings, RunOutcome, Summary, TrainingJob};
+use super::{stage_rings, RunOptions, RunOutcome, Summary, TrainingJob};
 use crate::actors::device::StageLinks;
 use crate::actors::stage::{StageActor, StageOutcome, TrainStage};
 use crate::actors::DeviceActor;
 use crate::collective::ParamChecksum;
 use crate::engines::comm::{memory, Communicator};
 use crate::pipeline::link::memory_links;
+use crate::telemetry::timeline::{write_chrome_trace, Track};
+use std::path::{Path, PathBuf};
+use std::time::Instant;
 
 /// All ranks in this process.
-pub(super) fn run(job: &TrainingJob, show_progress: bool) -> Result<RunOutcome> {
+pub(super) fn run(job: &TrainingJob, options: &RunOptions) -> Result<RunOutcome> {
     let config = job.config.clone();
+    let show_progress = options.show_progress;
+    let trace_from = options.trace.as_ref().map(|_| Instant::now());
     let (d, p) = (
         config.strategy.hybrid_configs.dp_degree,
         config.strategy.hybrid_configs.pp_degree,
@@ -53,17 +58,22 @@ pub(super) fn run(job: &TrainingJob, show_progress: bool) -> Result<RunOutcome> 
             async move {
                 let link = link.context("each rank's stage link is taken once")?;
                 let data_parallel = data_parallel.context("each rank's ring is taken once")?;
-                train(stage_actor(job, rank, link, data_parallel, show_progress)).await
+                train(stage_actor(job, rank, link, data_parallel, show_progress, trace_from)).await
             }
         });
         futures::future::try_join_all(runs).await
     })?;
+    if let Some(path) = &options.trace {
+        write_chrome_trace(path, &outcomes.iter().map(|o| track(job, o)).collect::<Vec<_>>())?;
+    }
     summarise(job, &outcomes[..p], "in-process")
 }
 
 /// One rank of a launched job: rank 0 also hosts the coordinator and returns the outcome.
-pub(super) fn run_rank(job: &TrainingJob, rank: usize, show_progress: bool) -> Result<Option<RunOutcome>> {
+pub(super) fn run_rank(job: &TrainingJob, rank: usize, options: &RunOptions) -> Result<Option<RunOutcome>> {
     let config = job.config.clone();
+    let show_progress = options.show_progress;
+    let trace_from = options.trace.as_ref().map(|_| Instant::now());
     let (world, p) = (config.world_size(), config.strategy.hybrid_configs.pp_degree);
     let (timeout, max_frame) = (config.fault_tolerance.timeout(), config.cluster.max_frame_bytes());
     let RankEndpoints {
@@ -75,7 +85,11 @@ pub(super) fn run_rank(job: &TrainingJob, rank: usize, show_progress: bool) -> R
         let mut bus = connect_control(rank, world, &master, timeout, max_frame).await?;
         let roster = bus.join(rank, world, data_endpoint).await?;
         let (link, data_parallel) = stage_rings::connect(&mut bus, &config, rank, &roster, listener).await?;
-        let outcome = train(stage_actor(job, rank, link, data_parallel, show_progress)).await?;
+        let outcome = train(stage_actor(job, rank, link, data_parallel, show_progress, trace_from)).await?;
+        if let Some(path) = &options.trace {
+            // Each process measures from its own clock: one file per rank.
+            write_chrome_trace(&rank_trace_path(path, rank), &[track(job, &outcome)])?;
+        }
         // Rank 0 holds only its own stage, and the outputs need every stage's parameters and
         // the last stage's losses: replica 0's ranks (0..p) hand it their outcomes. The gather
         // is the end-of-training barrier too, so no rank (rank 0, with the coordinator, least
@@ -103,6 +117,7 @@ fn stage_actor(
     link: StageLinks,
     data_parallel: Communicator,
     show_progress: bool,
+    trace_from: Option<Instant>,
 ) -> StageActor {
     let p = job.config.strategy.hybrid_configs.pp_degree;
     StageActor {
@@ -115,7 +130,28 @@ fn stage_actor(
         data_parallel: Some(data_parallel),
         device: SyncArbiter::start(1, DeviceActor::default),
         show_progress: show_progress && rank == p - 1,
+        trace_from,
     }
+}
+
+/// Rank `outcome.rank`'s timeline as a track named by its stage and replica.
+fn track(job: &TrainingJob, outcome: &StageOutcome) -> Track {
+    let p = job.config.strategy.hybrid_configs.pp_degree;
+    Track {
+        name: format!("stage {} (replica {})", outcome.rank % p, outcome.rank / p),
+        spans: outcome.spans.clone(),
+    }
+}
+
+/// `trace.json` → `trace.rank3.json`.
+fn rank_trace_path(path: &Path, rank: usize) -> PathBuf {
+    let stem = path
+        .file_stem()
+        .map_or_else(|| "trace".into(), |s| s.to_string_lossy().into_owned());
+    let extension = path
+        .extension()
+        .map_or_else(|| "json".into(), |e| e.to_string_lossy().into_owned());
+    path.with_file_name(format!("{stem}.rank{rank}.{extension}"))
 }
 
 /// Trains `actor` to its end; an error names its rank, stage and replica.

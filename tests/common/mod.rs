@@ -22,6 +22,7 @@ pub fn train_in_process(config: JobConfig) -> RunOutcome {
     let options = RunOptions {
         run_dir: dir.path().to_path_buf(),
         show_progress: false,
+        trace: None,
     };
     TrainingJob::builtin(config)
         .expect("job")
