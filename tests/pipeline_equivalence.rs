@@ -80,7 +80,23 @@ fn pipelined(kind: ScheduleKind, stages: usize, m: usize) -> HashMap<String, Vec
             std::thread::spawn(move || {
                 let mut stage = Stage::new(s, stages, chunks, kind, m).unwrap();
                 let loss = |i: usize, out: &Tensor| candle_nn::loss::cross_entropy(out, &labels[i]);
-                let step = stage.step(&mut link, &inputs, &loss, &mut None).unwrap();
+                // Every parameter's final gradient is handed out once, as soon as it is final.
+                let mut finished: Vec<Option<Vec<f32>>> = vec![None; stage.parameters().len()];
+                let step = stage
+                    .step(&mut link, &inputs, &loss, &mut None, &mut |first, grads| {
+                        for (slot, g) in finished[first..].iter_mut().zip(grads) {
+                            assert!(slot.is_none(), "a gradient was handed out twice");
+                            *slot = Some(g.flatten_all()?.to_vec1()?);
+                        }
+                        Ok(())
+                    })
+                    .unwrap();
+                for (early, g) in finished.iter().zip(&step.gradients) {
+                    assert_eq!(
+                        early.as_ref(),
+                        Some(&g.flatten_all().unwrap().to_vec1::<f32>().unwrap())
+                    );
+                }
                 stage
                     .parameters()
                     .into_iter()

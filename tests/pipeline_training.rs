@@ -23,6 +23,7 @@ fn pipelines_and_hybrid_pipelines_train_like_one_process() {
         (1, 2, "virtual_pipeline_stages=2"),
         (2, 2, "schedule_mode=\"1F1B\""),
         (2, 2, "schedule_mode=\"FThenB\""),
+        (2, 2, "pp_allreduce_in_optimize=true"),
     ] {
         let layout = [
             format!("cluster.nproc_per_node={}", dp * pp),
@@ -149,7 +150,7 @@ fn the_trace_shows_each_stage_on_its_own_track_in_schedule_order() {
             .collect()
     };
     for tid in 0..4 {
-        for span in ["F0", "F3", "B0", "B3", "all-reduce 0", "optimizer 1"] {
+        for span in ["F0", "F3", "B0", "B3", "all-reduce wait 0", "optimizer 1"] {
             assert_eq!(
                 spans(tid, span).len(),
                 if span.contains(' ') { 1 } else { 2 },

@@ -66,6 +66,9 @@ pub struct StageOutcome {
     pub samples_per_sec: f64,
     /// Data-parallel all-reduce time over step time.
     pub allreduce_ratio: f64,
+    /// Time waiting for the data-parallel all-reduce after the schedule over step time: the
+    /// share the backward did not hide.
+    pub exposed_allreduce_ratio: f64,
     /// Most micro-batch activations this stage held at once.
     pub peak_activations: usize,
     /// Most bytes of activations this stage held for backward at once.
@@ -171,9 +174,10 @@ impl Handler<TrainStage> for StageActor {
                 TrainLength::Steps(s) => s,
                 TrainLength::Epochs(e) => e * loader.batches_per_epoch(),
             };
+            crate::optim::check_run_length(&job.strategy, steps)?;
             let progress = progress_bar(show_progress, steps);
             let started = Instant::now();
-            let (mut step_time, mut allreduce) = (Duration::ZERO, Duration::ZERO);
+            let (mut step_time, mut allreduce, mut exposed) = (Duration::ZERO, Duration::ZERO, Duration::ZERO);
             let (mut losses, mut peak, mut peak_bytes) = (Vec::new(), 0, 0);
             let (mut pipeline_wait, mut pipeline_time) = (Duration::ZERO, Duration::ZERO);
             for step in 0..steps {
@@ -183,6 +187,7 @@ impl Handler<TrainStage> for StageActor {
                     .with_context(|| format!("step {step}"))?;
                 step_time += report.step_time;
                 allreduce += report.allreduce_time;
+                exposed += report.exposed_allreduce_time;
                 peak = peak.max(report.peak_activations);
                 peak_bytes = peak_bytes.max(report.peak_activation_bytes);
                 pipeline_wait += report.pipeline_wait;
@@ -213,6 +218,7 @@ impl Handler<TrainStage> for StageActor {
                 evaluated,
                 samples_per_sec: (steps * train.batch_size) as f64 / elapsed.as_secs_f64().max(1e-9),
                 allreduce_ratio: allreduce.as_secs_f64() / step_time.as_secs_f64().max(1e-9),
+                exposed_allreduce_ratio: exposed.as_secs_f64() / step_time.as_secs_f64().max(1e-9),
                 peak_activations: peak,
                 peak_activation_bytes: peak_bytes,
                 bubble_fraction: pipeline_wait.as_secs_f64() / pipeline_time.as_secs_f64().max(1e-9),
@@ -236,6 +242,7 @@ mod tests {
             evaluated: Some((7, 9)),
             samples_per_sec: 12.5,
             allreduce_ratio: 0.125,
+            exposed_allreduce_ratio: 0.0625,
             peak_activations: 4,
             peak_activation_bytes: 4096,
             bubble_fraction: 0.5,

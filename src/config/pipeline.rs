@@ -34,6 +34,10 @@ pub struct PipelineConfigs {
     /// First block of stages 1, 2, … (of virtual stages when interleaving); empty balances the
     /// stages by parameter count.
     pub stage_boundaries: Vec<usize>,
+    /// With data-parallel replicas: all-reduce a stage's gradients once, in the optimizer step,
+    /// instead of block by block as each block's last backward finishes (overlapped with the
+    /// backward still to run).
+    pub pp_allreduce_in_optimize: bool,
 }
 
 impl Default for PipelineConfigs {
@@ -44,6 +48,7 @@ impl Default for PipelineConfigs {
             micro_batch_size: None,
             virtual_pipeline_stages: 1,
             stage_boundaries: Vec::new(),
+            pp_allreduce_in_optimize: false,
         }
     }
 }

@@ -187,7 +187,7 @@ fn summarise(job: &TrainingJob, replica0: &[StageOutcome], cluster: &str) -> Res
             final_loss: holder.losses.last().copied().unwrap_or(f32::NAN),
             test_accuracy: if total == 0 { 0.0 } else { correct as f64 / total as f64 },
             comm_time_ratio: holder.allreduce_ratio,
-            exposed_comm_ratio: holder.allreduce_ratio,
+            exposed_comm_ratio: holder.exposed_allreduce_ratio,
             param_checksum: ParamChecksum::of_values(&parameters).to_string(),
             peak_activation_bytes: Some(replica0.iter().map(|o| o.peak_activation_bytes).collect()),
             bubble_fraction: Some(replica0.iter().map(|o| o.bubble_fraction).sum::<f64>() / replica0.len() as f64),

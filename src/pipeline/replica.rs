@@ -14,7 +14,7 @@ use super::schedule::ScheduleKind;
 use super::stage::{Chunk, Stage};
 use crate::config::{JobConfig, ScheduleMode};
 use crate::data::Batch;
-use crate::engines::comm::Communicator;
+use crate::engines::comm::{CommWorker, Communicator, Pending};
 use crate::models::{correct_predictions, cross_entropy, Block, Model};
 use crate::optim::{GradientMerge, LrPolicy, Optimizer};
 use crate::telemetry::timeline::{record, Span, Timeline};
@@ -28,8 +28,10 @@ pub struct PipelineReport {
     pub lr: f64,
     /// Wall time of the step.
     pub step_time: Duration,
-    /// Time in the data-parallel all-reduce of the stage's gradients.
+    /// Time the communication thread spent in the step's all-reduces.
     pub allreduce_time: Duration,
+    /// Time the step waited for them after the schedule: what backward did not hide.
+    pub exposed_allreduce_time: Duration,
     /// Most micro-batch activations held at once.
     pub peak_activations: usize,
     /// Most bytes of activations held for backward at once.
@@ -48,7 +50,11 @@ pub struct PipelineReplica {
     optimizer: Optimizer,
     lr_policy: LrPolicy,
     link: Box<dyn StageLink>,
-    data_parallel: Communicator,
+    /// The ring among the stage's replicas, on its own thread.
+    data_parallel: CommWorker,
+    /// All-reduce each block's gradients as soon as they are final (else once, after the
+    /// schedule).
+    overlap_allreduce: bool,
     device: Device,
     micro_batches: usize,
     holds_loss: bool,
@@ -95,6 +101,8 @@ impl PipelineReplica {
             explicit(&configs.stage_boundaries, weights.len(), virtual_stages)
         }
         .context("strategy.pipeline_configs: cutting the model into stages")?;
+        let dp = job.strategy.hybrid_configs.dp_degree;
+        let overlap_allreduce = dp > 1 && !configs.pp_allreduce_in_optimize;
         let checkpoints = if job.strategy.recompute {
             let names: Vec<&str> = model.blocks().iter().map(|b| b.name()).collect();
             Some(job.strategy.recompute_configs.resolve(&names)?)
@@ -109,6 +117,7 @@ impl PipelineReplica {
             .map(|(_, range)| {
                 let chunk_blocks = range.clone().filter_map(|i| blocks[i].take()).collect();
                 match &checkpoints {
+                    None if overlap_allreduce => Chunk::per_block(chunk_blocks),
                     None => Chunk::new(chunk_blocks),
                     Some(all) => {
                         let within: Vec<usize> = all
@@ -123,7 +132,7 @@ impl PipelineReplica {
             .collect();
         let stage = Stage::new(stage, p, chunks, kind, configs.accumulate_steps)?;
         let params = stage.parameters();
-        let dp = job.strategy.hybrid_configs.dp_degree;
+        let params_len = params.len();
         let lr_policy = LrPolicy::new(&job.train, dp);
         let optimizer = Optimizer::new(
             &job.train,
@@ -137,10 +146,11 @@ impl PipelineReplica {
             optimizer,
             lr_policy,
             link,
-            data_parallel,
+            data_parallel: CommWorker::spawn(data_parallel)?,
+            overlap_allreduce,
             device,
             micro_batches: configs.accumulate_steps,
-            merge: GradientMerge::new(&job.strategy, 1),
+            merge: GradientMerge::new(&job.strategy, params_len),
             step: 0,
             timeline: None,
         })
@@ -150,53 +160,84 @@ impl PipelineReplica {
     /// steps (and gradients are all-reduced) on every k-th batch only.
     pub fn train_step(&mut self, batch: &Batch) -> Result<PipelineReport> {
         let started = Instant::now();
-        let lr = self.lr_policy.at(self.merge.optimizer_step(self.step));
+        let at = self.step;
+        let lr = self.lr_policy.at(self.merge.optimizer_step(at));
         self.optimizer.set_learning_rate(lr);
         let (inputs, labels) = self.micro_batches(batch)?;
         let loss = |i: usize, out: &Tensor| cross_entropy(out, &labels[i]);
-        let step = self
-            .stage
-            .step(self.link.as_mut(), &inputs, &loss, &mut self.timeline)?;
+        let comm_before = self.data_parallel.busy_time();
 
-        let reducing = Instant::now();
-        let replicas = self.data_parallel.world_size() as f32;
-        let mut flat: Vec<f32> = Vec::new();
-        for g in &step.gradients {
-            flat.extend(g.flatten_all()?.to_vec1::<f32>()?);
+        // Overlapping, each block's gradients go to the communication thread as soon as its
+        // last backward is done; otherwise the whole stage's go after the schedule.
+        let overlap = self.overlap_allreduce;
+        let (merge, comm) = (&mut self.merge, &self.data_parallel);
+        let mut reducing: Vec<(usize, Pending<Vec<f32>>)> = Vec::new();
+        let step = self.stage.step(
+            self.link.as_mut(),
+            &inputs,
+            &loss,
+            &mut self.timeline,
+            &mut |first, grads| {
+                if overlap {
+                    if let Some(merged) = merge.add(at, first, flatten(grads)?) {
+                        reducing.push((first, submit_gradients(comm, at, first, merged)));
+                    }
+                }
+                Ok(())
+            },
+        )?;
+        if !overlap {
+            if let Some(merged) = self.merge.add(at, 0, flatten(&step.gradients)?) {
+                reducing.push((0, submit_gradients(comm, at, 0, merged)));
+            }
         }
-        let at = self.step;
-        let merged = self.merge.add(at, 0, flat);
-        let mut loss_value = [step.loss.unwrap_or(0.0)];
+        let replicas = comm.world_size() as f32;
+        let mut loss_value = step.loss.unwrap_or(0.0);
         if replicas > 1.0 && self.holds_loss {
-            self.data_parallel
-                .all_reduce_sum(&format!("all-reduce of the loss at step {at}"), &mut loss_value)?;
+            loss_value = comm.run(move |c| {
+                let mut sum = [loss_value];
+                c.all_reduce_sum(&format!("all-reduce of the loss at step {at}"), &mut sum)?;
+                Ok(sum[0])
+            })?;
         }
-        if let Some(mut flat) = merged {
-            if replicas > 1.0 {
-                let reducing = Instant::now();
-                self.data_parallel
-                    .all_reduce_sum(&format!("all-reduce of stage gradients at step {at}"), &mut flat)?;
-                record(&mut self.timeline, || format!("all-reduce {at}"), "allreduce", reducing);
-            }
-            let stepping = Instant::now();
+
+        let waiting = Instant::now();
+        let mut exposed = Duration::ZERO;
+        if !reducing.is_empty() {
             let mut grads = GradStore::default();
-            let mut offset = 0;
-            for (_, var) in &self.params {
-                let n = var.elem_count();
-                let mean: Vec<f32> = flat[offset..offset + n].iter().map(|g| g / replicas).collect();
-                grads.insert(var.as_tensor(), Tensor::from_vec(mean, var.shape(), &self.device)?);
-                offset += n;
+            for (first, pending) in reducing {
+                let values = pending.wait()?;
+                let mut offset = 0;
+                for (_, var) in &self.params[first..] {
+                    if offset == values.len() {
+                        break;
+                    }
+                    let n = var.elem_count();
+                    grads.insert(
+                        var.as_tensor(),
+                        Tensor::from_slice(&values[offset..offset + n], var.shape(), &self.device)?,
+                    );
+                    offset += n;
+                }
             }
+            exposed = waiting.elapsed();
+            record(
+                &mut self.timeline,
+                || format!("all-reduce wait {at}"),
+                "allreduce",
+                waiting,
+            );
+            let stepping = Instant::now();
             self.optimizer.step(&grads)?;
             record(&mut self.timeline, || format!("optimizer {at}"), "optimizer", stepping);
         }
-        let allreduce_time = reducing.elapsed();
         self.step += 1;
         Ok(PipelineReport {
-            loss: self.holds_loss.then_some(loss_value[0] / replicas),
+            loss: self.holds_loss.then_some(loss_value / replicas),
             lr,
             step_time: started.elapsed(),
-            allreduce_time,
+            allreduce_time: self.data_parallel.busy_time().saturating_sub(comm_before),
+            exposed_allreduce_time: exposed,
             peak_activations: step.peak_activations,
             peak_activation_bytes: step.peak_activation_bytes,
             pipeline_wait: step.waiting,
@@ -220,10 +261,10 @@ impl PipelineReplica {
         }
         // Counts below 2^24 are exact in f32.
         let mut counts = [correct as f32, batch.labels.len() as f32];
-        if self.data_parallel.world_size() > 1 {
-            self.data_parallel
-                .all_reduce_sum("all-reduce of evaluation counts", &mut counts)?;
-        }
+        let counts = self.data_parallel.run(move |c| {
+            c.all_reduce_sum("all-reduce of evaluation counts", &mut counts)?;
+            Ok(counts)
+        })?;
         Ok(Some((counts[0] as usize, counts[1] as usize)))
     }
 
@@ -263,4 +304,29 @@ impl PipelineReplica {
             .collect::<candle_core::Result<_>>()?;
         Ok((inputs, labels))
     }
+}
+
+/// The gradients, one flat buffer.
+fn flatten(grads: &[Tensor]) -> Result<Vec<f32>> {
+    let mut flat = Vec::with_capacity(grads.iter().map(Tensor::elem_count).sum());
+    for g in grads {
+        flat.extend(g.flatten_all()?.to_vec1::<f32>()?);
+    }
+    Ok(flat)
+}
+
+/// Hands the gradients of parameters `first…` of step `step` to the communication thread,
+/// which averages them over the replicas.
+fn submit_gradients(comm: &CommWorker, step: usize, first: usize, mut values: Vec<f32>) -> Pending<Vec<f32>> {
+    let replicas = comm.world_size() as f32;
+    comm.submit(move |c| {
+        if replicas > 1.0 {
+            c.all_reduce_sum(
+                &format!("all-reduce of the gradients of stage parameters {first}… at step {step}"),
+                &mut values,
+            )?;
+            values.iter_mut().for_each(|v| *v /= replicas);
+        }
+        Ok(values)
+    })
 }

@@ -29,6 +29,13 @@ impl Chunk {
         Self { blocks, segments }
     }
 
+    /// `blocks` cut per block, so the gradients of each block are final (and can be
+    /// all-reduced) as soon as its last backward is done.
+    pub fn per_block(blocks: Vec<Box<dyn Block>>) -> Self {
+        let segments = Segments::per_block(blocks.len());
+        Self { blocks, segments }
+    }
+
     /// `blocks` with activation recomputation: only the outputs of the blocks at `checkpoints`
     /// (indices within the chunk) and the chunk's input are held from forward to backward.
     pub fn recomputed(blocks: Vec<Box<dyn Block>>, checkpoints: &[usize]) -> Self {
@@ -163,13 +170,16 @@ impl Stage {
 
     /// Runs one step. `inputs[i]` is micro-batch `i`'s data (read by the stage holding virtual
     /// stage 0); `loss(i, output)` is micro-batch `i`'s mean loss (called on the stage holding
-    /// the last virtual stage).
+    /// the last virtual stage). As soon as the gradients of a segment's parameters are summed
+    /// over every micro-batch, `finished(first, gradients)` gets them: `first` is the index of
+    /// the first in [`Stage::parameters`] order, the rest follow it.
     pub fn step(
         &mut self,
         link: &mut dyn StageLink,
         inputs: &[Tensor],
         loss: &dyn Fn(usize, &Tensor) -> candle_core::Result<Tensor>,
         timeline: &mut Option<Timeline>,
+        finished: &mut dyn FnMut(usize, &[Tensor]) -> Result<()>,
     ) -> Result<StageStep> {
         let (p, s, m, v) = (self.stages, self.index, self.micro_batches, self.chunks.len());
         let last = v * p - 1;
@@ -184,6 +194,19 @@ impl Stage {
                     .collect()
             })
             .collect();
+        // Where each chunk's and each block's parameters start in the stage's order.
+        let mut first_param: Vec<Vec<usize>> = Vec::with_capacity(v);
+        let mut next = 0;
+        for chunk in &self.chunks {
+            let mut firsts = Vec::with_capacity(chunk.blocks.len() + 1);
+            for block in &chunk.blocks {
+                firsts.push(next);
+                next += block.parameters().len();
+            }
+            firsts.push(next);
+            first_param.push(firsts);
+        }
+        let mut backwards_left = vec![m; v];
         let mut sums: Vec<Vec<Option<Tensor>>> = params.iter().map(|ps| vec![None; ps.len()]).collect();
         let mut stash: HashMap<(usize, usize), Stashed> = HashMap::new();
         let mut loss_sum = 0.0f32;
@@ -250,16 +273,28 @@ impl Stage {
                     let forward_bytes = stashed.forward.held_bytes();
                     let Chunk { blocks, segments } = &self.chunks[chunk];
                     let chunk_sums = &mut sums[chunk];
+                    backwards_left[chunk] -= 1;
+                    let last_backward = backwards_left[chunk] == 0;
+                    let (firsts, chunk_params) = (&first_param[chunk], &params[chunk]);
                     // Every parameter a segment's graph reached gets its share, so a weight
                     // used in two segments of the chunk (a tied head) sums both.
-                    let done = segments::backward(blocks, segments, stashed.forward, &upstream, &mut |_, grads| {
-                        for (var, sum) in params[chunk].iter().zip(chunk_sums.iter_mut()) {
+                    let done = segments::backward(blocks, segments, stashed.forward, &upstream, &mut |range, grads| {
+                        for (var, sum) in chunk_params.iter().zip(chunk_sums.iter_mut()) {
                             if let Some(g) = grads.get(var.as_tensor()) {
                                 *sum = Some(match sum.take() {
                                     Some(acc) => (acc + g)?,
                                     None => g.clone(),
                                 });
                             }
+                        }
+                        if last_backward {
+                            let (start, end) = (firsts[range.start] - firsts[0], firsts[range.end] - firsts[0]);
+                            let final_sums = chunk_sums[start..end]
+                                .iter()
+                                .zip(&chunk_params[start..end])
+                                .map(|(sum, var)| sum.clone().map_or_else(|| var.zeros_like(), Ok))
+                                .collect::<candle_core::Result<Vec<_>>>()?;
+                            finished(firsts[range.start], &final_sums)?;
                         }
                         Ok(())
                     })
