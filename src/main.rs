@@ -274,6 +274,15 @@ fn print_collective_summary(outcome: Option<&RunOutcome>, options: &RunOptions) 
 fn train(args: &TrainArgs) -> Result<()> {
     let config = load_config(args)?;
     let options = run_options(args);
+    let launched = std::env::var_os("PADDLE_TRAINER_ID").is_some() || std::env::var_os("TRAINING_ROLE").is_some();
+    if !launched {
+        // Every role of the job shares this process's cores (a launcher sets this itself).
+        let roles = config.world_size() + config.cluster.server_num;
+        for (var, threads) in flotilla::launch::thread_env(roles) {
+            // Before any thread exists and before the first tensor op sizes candle's pool.
+            std::env::set_var(var, threads);
+        }
+    }
     if config.cluster.is_parameter_server() {
         let summary = ParameterServerJob::builtin(config)?.run(&options)?;
         print_ps_summary(summary.as_ref(), &options);

@@ -7,7 +7,7 @@ use std::path::PathBuf;
 
 use anyhow::{bail, ensure, Result};
 
-use super::ChildSpec;
+use super::{thread_env, ChildSpec};
 
 /// Command-line arguments of `flotilla launch-ps`.
 #[derive(Debug, Clone, clap::Args)]
@@ -68,10 +68,6 @@ impl LaunchPsArgs {
             ("PADDLE_TRAINERS_NUM", workers.len().to_string()),
         ];
         let processes = servers.len() + workers.len();
-        let threads = std::thread::available_parallelism()
-            .map_or(1, |n| n.get())
-            .div_ceil(processes)
-            .max(1);
         let mut children = Vec::with_capacity(processes);
         for (role, endpoints) in [("pserver", &servers), ("trainer", &workers)] {
             let (program, args) = role_command(role)?;
@@ -89,12 +85,7 @@ impl LaunchPsArgs {
                     env.push(("PADDLE_TRAINER_ID".into(), index.to_string()));
                     env.push(("PADDLE_CURRENT_ENDPOINT".into(), endpoint.clone()));
                 }
-                // Processes on one node must not all claim every core.
-                for var in ["CANDLE_NUM_THREADS", "RAYON_NUM_THREADS"] {
-                    if std::env::var_os(var).is_none() {
-                        env.push((var.into(), threads.to_string()));
-                    }
-                }
+                env.extend(thread_env(processes).into_iter().map(|(k, v)| (k.into(), v)));
                 children.push(ChildSpec {
                     rank: index,
                     name: format!("{} {index}", if role == "pserver" { "server" } else { "trainer" }),
