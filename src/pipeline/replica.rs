@@ -191,6 +191,9 @@ impl PipelineReplica {
                 reducing.push((0, submit_gradients(comm, at, 0, merged)));
             }
         }
+        // The loss's all-reduce queues behind the gradients' on the communication thread, so
+        // waiting for it is waiting for them too: what backward did not hide starts here.
+        let waiting = Instant::now();
         let replicas = comm.world_size() as f32;
         let mut loss_value = step.loss.unwrap_or(0.0);
         if replicas > 1.0 && self.holds_loss {
@@ -201,32 +204,31 @@ impl PipelineReplica {
             })?;
         }
 
-        let waiting = Instant::now();
-        let mut exposed = Duration::ZERO;
-        if !reducing.is_empty() {
-            let mut grads = GradStore::default();
-            for (first, pending) in reducing {
-                let values = pending.wait()?;
-                let mut offset = 0;
-                for (_, var) in &self.params[first..] {
-                    if offset == values.len() {
-                        break;
-                    }
-                    let n = var.elem_count();
-                    grads.insert(
-                        var.as_tensor(),
-                        Tensor::from_slice(&values[offset..offset + n], var.shape(), &self.device)?,
-                    );
-                    offset += n;
+        let optimizer_steps = !reducing.is_empty();
+        let mut grads = GradStore::default();
+        for (first, pending) in reducing {
+            let values = pending.wait()?;
+            let mut offset = 0;
+            for (_, var) in &self.params[first..] {
+                if offset == values.len() {
+                    break;
                 }
+                let n = var.elem_count();
+                grads.insert(
+                    var.as_tensor(),
+                    Tensor::from_slice(&values[offset..offset + n], var.shape(), &self.device)?,
+                );
+                offset += n;
             }
-            exposed = waiting.elapsed();
-            record(
-                &mut self.timeline,
-                || format!("all-reduce wait {at}"),
-                "allreduce",
-                waiting,
-            );
+        }
+        let exposed = waiting.elapsed();
+        record(
+            &mut self.timeline,
+            || format!("all-reduce wait {at}"),
+            "allreduce",
+            waiting,
+        );
+        if optimizer_steps {
             let stepping = Instant::now();
             self.optimizer.step(&grads)?;
             record(&mut self.timeline, || format!("optimizer {at}"), "optimizer", stepping);
