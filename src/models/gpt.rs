@@ -14,6 +14,7 @@
 mod attention;
 mod dense;
 mod embed;
+mod fused;
 mod head;
 mod layer;
 mod norm;

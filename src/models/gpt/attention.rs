@@ -59,8 +59,13 @@ impl CausalSelfAttention {
             .reshape((b, t, h, d))?
             .transpose(1, 2)?
             .contiguous()?;
-        let scores = q.matmul(&k)?.broadcast_add(&causal_mask(t, x.device())?)?;
-        let y = softmax_last_dim(&scores)?.matmul(&v)?; // (B, H, T, D)
+        let scores = q.matmul(&k)?;
+        let probs = if x.device().is_cpu() {
+            super::fused::causal_softmax(&scores)?
+        } else {
+            softmax_last_dim(&scores.broadcast_add(&causal_mask(t, x.device())?)?)?
+        };
+        let y = probs.matmul(&v)?; // (B, H, T, D)
         let y = y.transpose(1, 2)?.contiguous()?.reshape((b * t, c))?;
         self.proj.forward(&y)?.reshape((b, t, c))
     }

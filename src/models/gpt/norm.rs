@@ -1,7 +1,9 @@
-//! Layer normalisation written from differentiable tensor ops.
+//! Layer normalisation with a backward.
 //!
 //! candle-nn's `ops::layer_norm` is a fused kernel registered without a
-//! backward (`apply_op3_no_bwd`): gradients would silently stop at it.
+//! backward (`apply_op3_no_bwd`): gradients would silently stop at it. On the
+//! CPU the normalisation is our fused kernel ([`super::fused::normalize`]);
+//! elsewhere it is written from differentiable tensor ops.
 
 use candle_core::{DType, Tensor, Var, D};
 
@@ -25,10 +27,14 @@ impl LayerNorm {
     }
 
     pub(super) fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
-        let centred = x.broadcast_sub(&x.mean_keepdim(D::Minus1)?)?;
-        let variance = centred.sqr()?.mean_keepdim(D::Minus1)?;
-        centred
-            .broadcast_mul(&(variance + EPS)?.sqrt()?.recip()?)?
+        let normalized = if x.device().is_cpu() {
+            super::fused::normalize(x, EPS as f32)?
+        } else {
+            let centred = x.broadcast_sub(&x.mean_keepdim(D::Minus1)?)?;
+            let variance = centred.sqr()?.mean_keepdim(D::Minus1)?;
+            centred.broadcast_mul(&(variance + EPS)?.sqrt()?.recip()?)?
+        };
+        normalized
             .broadcast_mul(self.gain.as_tensor())?
             .broadcast_add(self.bias.as_tensor())
     }

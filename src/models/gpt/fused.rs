@@ -1,0 +1,235 @@
+//! Fused CPU kernels, with their backward, for the two GPT ops that are otherwise a chain of
+//! element-wise passes over memory: the causal softmax of attention scores and the
+//! normalisation of LayerNorm. candle-nn's fused versions register no backward, and the
+//! composed versions (kept for other devices) cost a pass per op; these cost one pass forward
+//! and one backward, row by row.
+
+use candle_core::{CpuStorage, CustomOp1, CustomOp2, Layout, Shape, Tensor};
+
+/// The f32 values of a contiguous tensor's storage.
+fn values<'a>(storage: &'a CpuStorage, layout: &Layout, op: &str) -> candle_core::Result<&'a [f32]> {
+    match (storage, layout.contiguous_offsets()) {
+        (CpuStorage::F32(v), Some((start, end))) => Ok(&v[start..end]),
+        _ => candle_core::bail!("{op}: expects a contiguous f32 tensor"),
+    }
+}
+
+/// The length of the last dimension.
+fn row_len(layout: &Layout) -> candle_core::Result<usize> {
+    match layout.dims().last() {
+        Some(&n) if n > 0 => Ok(n),
+        _ => candle_core::bail!("expects a non-empty last dimension, got {:?}", layout.dims()),
+    }
+}
+
+/// Softmax over the last dimension of `(…, T, T)` attention scores, row `q` over keys `0..=q`
+/// only (the later keys get probability 0): the causal mask and the softmax in one pass.
+pub(super) fn causal_softmax(scores: &Tensor) -> candle_core::Result<Tensor> {
+    scores.contiguous()?.apply_op1(CausalSoftmax)
+}
+
+struct CausalSoftmax;
+
+impl CustomOp1 for CausalSoftmax {
+    fn name(&self) -> &'static str {
+        "causal-softmax"
+    }
+
+    fn cpu_fwd(&self, storage: &CpuStorage, layout: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+        let x = values(storage, layout, self.name())?;
+        let t = row_len(layout)?;
+        let mut y = vec![0f32; x.len()];
+        for (r, (row, out)) in x.chunks_exact(t).zip(y.chunks_exact_mut(t)).enumerate() {
+            let visible = r % t + 1;
+            let max = row[..visible].iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let mut sum = 0.0;
+            for (o, &v) in out[..visible].iter_mut().zip(&row[..visible]) {
+                *o = (v - max).exp();
+                sum += *o;
+            }
+            out[..visible].iter_mut().for_each(|o| *o /= sum);
+        }
+        Ok((CpuStorage::F32(y), layout.shape().clone()))
+    }
+
+    fn bwd(&self, _scores: &Tensor, probs: &Tensor, grad: &Tensor) -> candle_core::Result<Option<Tensor>> {
+        Ok(Some(probs.apply_op2_no_bwd(&grad.contiguous()?, &SoftmaxBackward)?))
+    }
+}
+
+/// `dx = y ⊙ (g − Σ g ⊙ y)` row by row, from the probabilities `y` and their gradient `g`.
+struct SoftmaxBackward;
+
+impl CustomOp2 for SoftmaxBackward {
+    fn name(&self) -> &'static str {
+        "softmax-backward"
+    }
+
+    fn cpu_fwd(
+        &self,
+        probs: &CpuStorage,
+        probs_layout: &Layout,
+        grad: &CpuStorage,
+        grad_layout: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let (y, g) = (
+            values(probs, probs_layout, self.name())?,
+            values(grad, grad_layout, self.name())?,
+        );
+        let n = row_len(probs_layout)?;
+        let mut dx = vec![0f32; y.len()];
+        for ((y, g), dx) in y.chunks_exact(n).zip(g.chunks_exact(n)).zip(dx.chunks_exact_mut(n)) {
+            let dot: f32 = y.iter().zip(g).map(|(y, g)| y * g).sum();
+            for ((d, &y), &g) in dx.iter_mut().zip(y).zip(g) {
+                *d = y * (g - dot);
+            }
+        }
+        Ok((CpuStorage::F32(dx), probs_layout.shape().clone()))
+    }
+}
+
+/// `(x − mean) / sqrt(var + eps)` over the last dimension.
+pub(super) fn normalize(x: &Tensor, eps: f32) -> candle_core::Result<Tensor> {
+    x.contiguous()?.apply_op1(Normalize { eps })
+}
+
+struct Normalize {
+    eps: f32,
+}
+
+/// A row's mean and `1 / sqrt(var + eps)`.
+fn moments(row: &[f32], eps: f32) -> (f32, f32) {
+    let n = row.len() as f32;
+    let mean = row.iter().sum::<f32>() / n;
+    let var = row.iter().map(|v| (v - mean) * (v - mean)).sum::<f32>() / n;
+    (mean, 1.0 / (var + eps).sqrt())
+}
+
+impl CustomOp1 for Normalize {
+    fn name(&self) -> &'static str {
+        "normalize"
+    }
+
+    fn cpu_fwd(&self, storage: &CpuStorage, layout: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+        let x = values(storage, layout, self.name())?;
+        let n = row_len(layout)?;
+        let mut y = vec![0f32; x.len()];
+        for (row, out) in x.chunks_exact(n).zip(y.chunks_exact_mut(n)) {
+            let (mean, inv_std) = moments(row, self.eps);
+            for (o, &v) in out.iter_mut().zip(row) {
+                *o = (v - mean) * inv_std;
+            }
+        }
+        Ok((CpuStorage::F32(y), layout.shape().clone()))
+    }
+
+    fn bwd(&self, x: &Tensor, _normalized: &Tensor, grad: &Tensor) -> candle_core::Result<Option<Tensor>> {
+        Ok(Some(x.apply_op2_no_bwd(
+            &grad.contiguous()?,
+            &NormalizeBackward { eps: self.eps },
+        )?))
+    }
+}
+
+/// `dx = (g − mean(g) − x̂ · mean(g ⊙ x̂)) / sqrt(var + eps)` row by row, from the input `x`
+/// (whose moments it recomputes) and the gradient `g` of the normalised output `x̂`.
+struct NormalizeBackward {
+    eps: f32,
+}
+
+impl CustomOp2 for NormalizeBackward {
+    fn name(&self) -> &'static str {
+        "normalize-backward"
+    }
+
+    fn cpu_fwd(
+        &self,
+        input: &CpuStorage,
+        input_layout: &Layout,
+        grad: &CpuStorage,
+        grad_layout: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let (x, g) = (
+            values(input, input_layout, self.name())?,
+            values(grad, grad_layout, self.name())?,
+        );
+        let n = row_len(input_layout)?;
+        let mut dx = vec![0f32; x.len()];
+        for ((x, g), dx) in x.chunks_exact(n).zip(g.chunks_exact(n)).zip(dx.chunks_exact_mut(n)) {
+            let (mean, inv_std) = moments(x, self.eps);
+            let (mut g_mean, mut gx_mean) = (0.0, 0.0);
+            for (&x, &g) in x.iter().zip(g) {
+                g_mean += g;
+                gx_mean += g * (x - mean) * inv_std;
+            }
+            let n = n as f32;
+            let (g_mean, gx_mean) = (g_mean / n, gx_mean / n);
+            for ((d, &x), &g) in dx.iter_mut().zip(x).zip(g) {
+                *d = (g - g_mean - (x - mean) * inv_std * gx_mean) * inv_std;
+            }
+        }
+        Ok((CpuStorage::F32(dx), input_layout.shape().clone()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::{Device, Var, D};
+
+    fn input(shape: (usize, usize, usize), seed: u64) -> candle_core::Result<Var> {
+        let mut rng = crate::rng::SplitMix64::new(seed);
+        let n = shape.0 * shape.1 * shape.2;
+        let v: Vec<f32> = (0..n).map(|_| 3.0 * rng.normal()).collect();
+        Var::from_tensor(&Tensor::from_vec(v, shape, &Device::Cpu)?)
+    }
+
+    /// Largest difference of values and of the gradients of `Σ w ⊙ f(x)` (fixed weights `w`).
+    fn compare(
+        fused: impl Fn(&Tensor) -> candle_core::Result<Tensor>,
+        composed: impl Fn(&Tensor) -> candle_core::Result<Tensor>,
+        x: &Var,
+    ) -> candle_core::Result<(f32, f32)> {
+        let w = input(x.dims3()?, 99)?;
+        let run = |f: &dyn Fn(&Tensor) -> candle_core::Result<Tensor>| -> candle_core::Result<(Tensor, Tensor)> {
+            let y = f(x.as_tensor())?;
+            let grads = (&y * w.as_tensor())?.sum_all()?.backward()?;
+            Ok((y, grads.get(x.as_tensor()).expect("gradient").clone()))
+        };
+        let ((y1, g1), (y2, g2)) = (run(&fused)?, run(&composed)?);
+        let diff = |a: &Tensor, b: &Tensor| -> candle_core::Result<f32> {
+            (a - b)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()
+        };
+        Ok((diff(&y1, &y2)?, diff(&g1, &g2)?))
+    }
+
+    #[test]
+    fn causal_softmax_equals_mask_then_softmax() -> candle_core::Result<()> {
+        let x = input((3, 5, 5), 1)?;
+        let mask: Vec<f32> = (0..5)
+            .flat_map(|q| (0..5).map(move |k| if k <= q { 0.0 } else { f32::NEG_INFINITY }))
+            .collect();
+        let mask = Tensor::from_vec(mask, (5, 5), &Device::Cpu)?;
+        let composed = |s: &Tensor| -> candle_core::Result<Tensor> {
+            let s = s.broadcast_add(&mask)?;
+            let e = s.broadcast_sub(&s.max_keepdim(D::Minus1)?.detach())?.exp()?;
+            e.broadcast_div(&e.sum_keepdim(D::Minus1)?)
+        };
+        let (values, grads) = compare(causal_softmax, composed, &x)?;
+        assert!(values < 1e-6 && grads < 1e-5, "values {values:e}, gradients {grads:e}");
+        Ok(())
+    }
+
+    #[test]
+    fn normalize_equals_its_composition() -> candle_core::Result<()> {
+        let x = input((2, 4, 16), 2)?;
+        let composed = |x: &Tensor| -> candle_core::Result<Tensor> {
+            let centred = x.broadcast_sub(&x.mean_keepdim(D::Minus1)?)?;
+            let var = centred.sqr()?.mean_keepdim(D::Minus1)?;
+            centred.broadcast_mul(&(var + 1e-5)?.sqrt()?.recip()?)
+        };
+        let (values, grads) = compare(|x| normalize(x, 1e-5), composed, &x)?;
+        assert!(values < 1e-5 && grads < 1e-4, "values {values:e}, gradients {grads:e}");
+        Ok(())
+    }
+}
