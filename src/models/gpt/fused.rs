@@ -1,8 +1,8 @@
-//! Fused CPU kernels, with their backward, for the two GPT ops that are otherwise a chain of
-//! element-wise passes over memory: the causal softmax of attention scores and the
-//! normalisation of LayerNorm. candle-nn's fused versions register no backward, and the
-//! composed versions (kept for other devices) cost a pass per op; these cost one pass forward
-//! and one backward, row by row.
+//! Fused CPU kernels, with their backward, for the GPT ops whose backward is otherwise a chain
+//! of element-wise passes over memory: the causal softmax of attention scores, the
+//! normalisation of LayerNorm and the (erf) GELU. candle-nn's fused softmax and LayerNorm
+//! register no backward, and the composed versions (kept for other devices) cost a pass per
+//! op; these cost one pass forward and one backward.
 
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, Layout, Shape, Tensor};
 
@@ -172,6 +172,64 @@ impl CustomOp2 for NormalizeBackward {
     }
 }
 
+/// `x · Φ(x)`, the exact (erf) GELU.
+pub(super) fn gelu(x: &Tensor) -> candle_core::Result<Tensor> {
+    x.contiguous()?.apply_op1(Gelu)
+}
+
+struct Gelu;
+
+/// Φ(x), the standard normal CDF.
+fn normal_cdf(x: f32) -> f32 {
+    0.5 * (1.0 + candle_core::cpu::erf::erf_f32(x * std::f32::consts::FRAC_1_SQRT_2))
+}
+
+impl CustomOp1 for Gelu {
+    fn name(&self) -> &'static str {
+        "gelu"
+    }
+
+    fn cpu_fwd(&self, storage: &CpuStorage, layout: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+        let x = values(storage, layout, self.name())?;
+        let y = x.iter().map(|&x| x * normal_cdf(x)).collect();
+        Ok((CpuStorage::F32(y), layout.shape().clone()))
+    }
+
+    fn bwd(&self, x: &Tensor, _y: &Tensor, grad: &Tensor) -> candle_core::Result<Option<Tensor>> {
+        Ok(Some(x.apply_op2_no_bwd(&grad.contiguous()?, &GeluBackward)?))
+    }
+}
+
+/// `dx = g · (Φ(x) + x · φ(x))`.
+struct GeluBackward;
+
+impl CustomOp2 for GeluBackward {
+    fn name(&self) -> &'static str {
+        "gelu-backward"
+    }
+
+    fn cpu_fwd(
+        &self,
+        input: &CpuStorage,
+        input_layout: &Layout,
+        grad: &CpuStorage,
+        grad_layout: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let (x, g) = (
+            values(input, input_layout, self.name())?,
+            values(grad, grad_layout, self.name())?,
+        );
+        // 1 / sqrt(2π)
+        const INV_SQRT_TAU: f32 = 0.398_942_3;
+        let dx = x
+            .iter()
+            .zip(g)
+            .map(|(&x, &g)| g * (normal_cdf(x) + x * INV_SQRT_TAU * (-0.5 * x * x).exp()))
+            .collect();
+        Ok((CpuStorage::F32(dx), input_layout.shape().clone()))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -217,6 +275,14 @@ mod tests {
         };
         let (values, grads) = compare(causal_softmax, composed, &x)?;
         assert!(values < 1e-6 && grads < 1e-5, "values {values:e}, gradients {grads:e}");
+        Ok(())
+    }
+
+    #[test]
+    fn gelu_equals_candles() -> candle_core::Result<()> {
+        let x = input((2, 3, 7), 3)?;
+        let (values, grads) = compare(gelu, |x| x.gelu_erf(), &x)?;
+        assert!(values < 1e-5 && grads < 1e-5, "values {values:e}, gradients {grads:e}");
         Ok(())
     }
 

@@ -55,10 +55,12 @@ impl Block for TransformerLayer {
     fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
         let (b, t, c) = x.dims3()?;
         let x = (x + self.attn.forward(&self.ln1.forward(x)?)?)?;
-        let hidden = self
-            .fc
-            .forward(&self.ln2.forward(&x)?.reshape((b * t, c))?)?
-            .gelu_erf()?;
+        let hidden = self.fc.forward(&self.ln2.forward(&x)?.reshape((b * t, c))?)?;
+        let hidden = if x.device().is_cpu() {
+            super::fused::gelu(&hidden)?
+        } else {
+            hidden.gelu_erf()?
+        };
         x + self.proj.forward(&hidden)?.reshape((b, t, c))?
     }
 
