@@ -67,3 +67,21 @@ fn trainer_role_without_a_launcher_says_how_to_start_it() {
         finished.stderr
     );
 }
+
+#[test]
+fn a_role_with_a_token_too_short_to_be_a_secret_is_refused() {
+    let finished = flotilla(
+        &["run", "--role", "trainer", "--config", "config.toml"],
+        &[
+            ("PADDLE_TRAINER_ID", "0".to_string()),
+            ("PADDLE_MASTER", "127.0.0.1:9".to_string()),
+            ("FLOTILLA_TOKEN", "short".to_string()),
+        ],
+        30,
+    );
+    assert!(
+        !finished.success && finished.stderr.contains("cluster.token") && finished.stderr.contains("16 characters"),
+        "{}",
+        finished.stderr
+    );
+}

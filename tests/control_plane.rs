@@ -1,5 +1,6 @@
-//! The coordinator's TCP endpoint refuses bad frames without falling over:
-//! an oversized length, a malformed header, an unexpected message each close
+//! The coordinator's TCP endpoint refuses strangers and bad frames without
+//! falling over: a client without the cluster token or with a wrong one, an
+//! oversized length, a malformed header, an unexpected message each close
 //! that one connection, and the next client is served. Gathers hand rank 0
 //! every part, and one too large for a frame is refused with the cap's name.
 
@@ -7,23 +8,37 @@ use std::time::Duration;
 
 use actix::Actor;
 use flotilla::actors::Coordinator;
+use flotilla::net::auth::{self, ClusterToken, Credentials};
 use flotilla::net::{server, ControlBus, ControlMessage, Frame};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 
 const CAP: usize = 4096;
+const TOKEN: &str = "the control plane test's token";
+
+/// Handshakes within 2 s: a client that sends half a hello is dropped well before the test's
+/// 5 s wait for the close.
+fn credentials(token: &str) -> Credentials {
+    Credentials::new(ClusterToken::new(token).expect("token"), Duration::from_secs(2))
+}
 
 async fn start_coordinator(world_size: usize) -> String {
     let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
     let addr = listener.local_addr().expect("addr").to_string();
     let coordinator = Coordinator::new(world_size, Duration::from_secs(5)).start();
-    actix::spawn(server::serve(listener, coordinator, CAP));
+    actix::spawn(server::serve(listener, coordinator, CAP, credentials(TOKEN)));
     addr
 }
 
-/// Sends raw bytes and expects the server to close the connection.
-async fn closes_after(addr: &str, bytes: &[u8]) {
+/// Sends raw bytes (after the handshake, with `token`) and expects the server to close the
+/// connection.
+async fn closes_after(addr: &str, token: Option<&str>, bytes: &[u8]) {
     let mut stream = TcpStream::connect(addr).await.expect("connect");
+    if let Some(token) = token {
+        auth::connect(&mut stream, &credentials(token))
+            .await
+            .expect("handshake");
+    }
     stream.write_all(bytes).await.expect("write");
     let mut buf = [0u8; 64];
     let read = tokio::time::timeout(Duration::from_secs(5), stream.read(&mut buf))
@@ -44,17 +59,34 @@ fn framed(body: &[u8]) -> Vec<u8> {
 #[actix::test]
 async fn bad_frames_close_only_their_connection() {
     let addr = start_coordinator(1).await;
-    // A length far above the cap: refused before anything is allocated.
-    closes_after(&addr, &(1u32 << 30).to_be_bytes()).await;
+    let join = Frame::control(ControlMessage::Join {
+        rank: 0,
+        world_size: 1,
+        data_endpoint: "127.0.0.1:9".into(),
+    })
+    .encode()
+    .expect("encode");
+    // A well-formed frame from a client that skipped the handshake: dropped unread.
+    closes_after(&addr, None, &framed(&join)).await;
+    // A huge length prefix without the handshake.
+    closes_after(&addr, None, &(1u32 << 30).to_be_bytes()).await;
+    // A client with another token learns the server does not share it, and is dropped.
+    let mut stranger = TcpStream::connect(&addr).await.expect("connect");
+    let err = auth::connect(&mut stranger, &credentials("a token of somebody else"))
+        .await
+        .unwrap_err();
+    assert!(err.to_string().contains("does not know the cluster token"), "{err}");
+    // Past the handshake: a length far above the cap, refused before anything is allocated.
+    closes_after(&addr, Some(TOKEN), &(1u32 << 30).to_be_bytes()).await;
     // A header length larger than the frame.
-    closes_after(&addr, &framed(&[200, 0, 0, 0, 1, 2])).await;
+    closes_after(&addr, Some(TOKEN), &framed(&[200, 0, 0, 0, 1, 2])).await;
     // A well-formed frame carrying a message the coordinator never accepts.
     let roster = Frame::control(ControlMessage::Roster { endpoints: vec![] })
         .encode()
         .expect("encode");
-    closes_after(&addr, &framed(&roster)).await;
+    closes_after(&addr, Some(TOKEN), &framed(&roster)).await;
 
-    let mut bus = ControlBus::connect(&addr, Duration::from_secs(5), CAP)
+    let mut bus = ControlBus::connect(&addr, Duration::from_secs(5), CAP, &credentials(TOKEN))
         .await
         .expect("connect");
     let roster = bus
@@ -70,7 +102,7 @@ async fn an_unreachable_coordinator_is_named() {
     let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
     let addr = listener.local_addr().expect("addr").to_string();
     drop(listener);
-    let err = ControlBus::connect(&addr, Duration::from_millis(300), CAP)
+    let err = ControlBus::connect(&addr, Duration::from_millis(300), CAP, &credentials(TOKEN))
         .await
         .err()
         .expect("nobody listens");
@@ -97,7 +129,7 @@ async fn gathers_hand_rank_0_every_part_and_oversized_ones_are_refused_by_name()
     let mut buses = Vec::new();
     for _ in 0..3 {
         buses.push(
-            ControlBus::connect(&addr, Duration::from_secs(5), CAP)
+            ControlBus::connect(&addr, Duration::from_secs(5), CAP, &credentials(TOKEN))
                 .await
                 .expect("connect"),
         );

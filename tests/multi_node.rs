@@ -83,7 +83,8 @@ fn one_launcher_per_node_trains_like_the_in_process_cluster() {
                 "--cluster_node_ips", &cluster, "--started_port", "6170", "--", "train", "--config", "config.toml",
                 "--set", STEPS, "--set", "fault_tolerance.timeout_s=30", "--run-dir", run_dir.to_str().unwrap(),
             ];
-            start_program("ip", &args, &[])
+            // The nodes of one job share a token; each launcher hands it to its processes.
+            start_program("ip", &args, &[("FLOTILLA_TOKEN", common::TEST_TOKEN.to_string())])
         })
         .collect();
     let finished: Vec<_> = launchers.into_iter().map(|l| l.finish(120)).collect();

@@ -8,6 +8,7 @@ use std::net::TcpListener;
 use std::time::Duration;
 
 use common::{config, flotilla, free_port_range, max_abs_diff, read_params, start_flotilla, train_in_process};
+use flotilla::net::auth::{ClusterToken, Credentials};
 use flotilla::net::ControlBus;
 
 const STEPS: &str = "train.steps=20";
@@ -186,7 +187,8 @@ fn a_stage_peer_that_never_connects_is_named_by_the_rank_waiting_for_it() {
         .build()
         .unwrap();
     let (_bus, roster) = runtime.block_on(async {
-        let mut bus = ControlBus::connect(&master, Duration::from_secs(30), 1 << 20)
+        let credentials = Credentials::new(ClusterToken::new(common::TEST_TOKEN).unwrap(), Duration::from_secs(30));
+        let mut bus = ControlBus::connect(&master, Duration::from_secs(30), 1 << 20, &credentials)
             .await
             .expect("rank 0 hosts the coordinator");
         let roster = bus.join(1, 2, silent.clone()).await;

@@ -7,7 +7,8 @@ use std::net::TcpListener;
 use std::time::Duration;
 
 use common::{flotilla, free_port_range};
-use flotilla::ps::client::{PsClient, RemoteShard, ShardLink};
+use flotilla::net::auth::{ClusterToken, Credentials};
+use flotilla::ps::client::{PsClient, ShardLink};
 use flotilla::ps::wire::Request;
 
 #[test]
@@ -134,7 +135,8 @@ fn a_server_that_drops_every_request_fails_the_call_after_the_retries() {
         .build()
         .unwrap();
     let err = runtime.block_on(async {
-        let link = ShardLink::Remote(RemoteShard::new(endpoint.clone(), 1 << 20));
+        let credentials = Credentials::new(ClusterToken::new(common::TEST_TOKEN).unwrap(), Duration::from_secs(5));
+        let link = ShardLink::remote(endpoint.clone(), 1 << 20, credentials);
         let mut client = PsClient::new(vec![link], 3, Duration::from_secs(10));
         client
             .call_all(vec![Request::Leave { trainer: 0 }], "leave")

@@ -9,6 +9,9 @@ use std::time::Duration;
 use flotilla::engines::comm::shm::ShmTransport;
 use flotilla::engines::comm::tcp::TcpTransport;
 use flotilla::engines::comm::{Communicator, RingTransport};
+use flotilla::net::auth::{ClusterToken, Credentials};
+
+const TOKEN: &str = "the ring transports test's token";
 
 #[derive(Clone, Copy, Debug)]
 enum Kind {
@@ -29,13 +32,14 @@ fn on_ring<T: Send>(kind: Kind, n: usize, f: impl Fn(&mut Communicator) -> T + S
                 let (endpoints, f) = (&endpoints, &f);
                 s.spawn(move || {
                     let timeout = Duration::from_secs(20);
+                    let credentials = Credentials::new(ClusterToken::new(TOKEN).expect("token"), timeout);
                     let transport: Box<dyn RingTransport> = match kind {
-                        Kind::Tcp => {
-                            Box::new(TcpTransport::connect(rank, endpoints, listener, timeout).expect("connects"))
-                        }
-                        Kind::Shm => {
-                            Box::new(ShmTransport::connect(rank, endpoints, listener, timeout).expect("connects"))
-                        }
+                        Kind::Tcp => Box::new(
+                            TcpTransport::connect(rank, endpoints, listener, timeout, &credentials).expect("connects"),
+                        ),
+                        Kind::Shm => Box::new(
+                            ShmTransport::connect(rank, endpoints, listener, timeout, &credentials).expect("connects"),
+                        ),
                     };
                     f(&mut Communicator::new(transport))
                 })
@@ -125,4 +129,35 @@ fn a_dead_neighbour_over(kind: Kind) {
     });
     let err = results[0].as_ref().expect_err("rank 1 is gone").to_string();
     assert!(err.contains("rank 1") && err.contains("bucket 0"), "{kind:?}: {err}");
+}
+
+#[test]
+fn a_stranger_at_a_ring_endpoint_is_dropped_and_the_ring_still_forms() {
+    let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
+    let peer = TcpListener::bind("127.0.0.1:0").expect("bind");
+    let endpoints = [listener.local_addr().unwrap(), peer.local_addr().unwrap()];
+    // Before the ring connects, someone without the token knocks and sends garbage.
+    let mut stranger = std::net::TcpStream::connect(endpoints[0]).expect("connect");
+    std::io::Write::write_all(&mut stranger, &[0xAB; 64]).expect("write");
+    let timeout = Duration::from_secs(20);
+    let credentials = Credentials::new(ClusterToken::new(TOKEN).expect("token"), timeout);
+    let sums = std::thread::scope(|s| {
+        let ranks: Vec<_> = [&listener, &peer]
+            .into_iter()
+            .enumerate()
+            .map(|(rank, l)| {
+                let (endpoints, credentials) = (&endpoints, &credentials);
+                s.spawn(move || {
+                    let transport = TcpTransport::connect(rank, endpoints, l, timeout, credentials).expect("connects");
+                    let mut values = vec![rank as f32 + 1.0; 3];
+                    Communicator::new(Box::new(transport))
+                        .all_reduce_sum("sum", &mut values)
+                        .expect("all-reduce");
+                    values
+                })
+            })
+            .collect();
+        ranks.into_iter().map(|h| h.join().expect("rank")).collect::<Vec<_>>()
+    });
+    assert_eq!(sums, vec![vec![3.0; 3]; 2]);
 }

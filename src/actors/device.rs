@@ -19,6 +19,7 @@ use crate::engines::comm::memory::MemoryTransport;
 use crate::engines::comm::{connect_ring, parse_endpoints, CommWorker, Communicator, RingTransport};
 use crate::engines::compute::device_for;
 use crate::models::{Model, ParamInit};
+use crate::net::auth::Credentials;
 use crate::pipeline::link::{StageLink, TransportStageLink};
 use crate::pipeline::replica::{PipelineReplica, PipelineReport};
 use crate::ps::wire::PulledRows;
@@ -46,6 +47,8 @@ pub enum RingLink {
         timeout: Duration,
         /// Use shared memory when every rank is on this host.
         shared_memory: bool,
+        /// What the ring's connections prove.
+        credentials: Credentials,
     },
 }
 
@@ -61,7 +64,15 @@ impl RingLink {
                 listener,
                 timeout,
                 shared_memory,
-            } => connect_ring(rank, &parse_endpoints(roster)?, &listener, timeout, shared_memory)?,
+                credentials,
+            } => connect_ring(
+                rank,
+                &parse_endpoints(roster)?,
+                &listener,
+                timeout,
+                shared_memory,
+                &credentials,
+            )?,
         })
     }
 }

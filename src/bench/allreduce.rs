@@ -12,6 +12,7 @@ use serde::Serialize;
 use crate::engines::comm::connect_ring;
 use crate::job::connect_control;
 use crate::launch::{supervise, ChildSpec, OutputMode};
+use crate::net::auth::{ClusterToken, Credentials, TOKEN_VAR};
 
 /// Arguments shared by the parent and its ranks.
 #[derive(Debug, Clone, clap::Args)]
@@ -82,6 +83,7 @@ pub fn run(nproc: usize, args: &AllReduceArgs) -> Result<()> {
         .map_or(1, |n| n.get())
         .div_ceil(nproc)
         .max(1);
+    let token = ClusterToken::generate()?;
     let children = (0..nproc)
         .map(|rank| ChildSpec {
             rank,
@@ -93,6 +95,7 @@ pub fn run(nproc: usize, args: &AllReduceArgs) -> Result<()> {
                 ("PADDLE_TRAINERS_NUM".to_string(), nproc.to_string()),
                 ("PADDLE_MASTER".to_string(), master.clone()),
                 ("RAYON_NUM_THREADS".to_string(), threads.to_string()),
+                (TOKEN_VAR.to_string(), token.clone()),
             ],
         })
         .collect();
@@ -119,15 +122,24 @@ pub fn run_rank(args: &AllReduceArgs) -> Result<()> {
     let world = env_usize("PADDLE_TRAINERS_NUM")?;
     let master = std::env::var("PADDLE_MASTER").context("PADDLE_MASTER is not set")?;
     let timeout = Duration::from_secs(120);
+    let credentials = Credentials::from_env(timeout)?;
     let listener = TcpListener::bind("127.0.0.1:0").context("binding the ring listener")?;
     let endpoint = listener.local_addr()?.to_string();
+    let control = credentials.clone();
     let roster = actix::System::new().block_on(async move {
-        let mut bus = connect_control(rank, world, &master, timeout, 1 << 20).await?;
+        let mut bus = connect_control(rank, world, &master, timeout, 1 << 20, &control).await?;
         let roster = bus.join(rank, world, endpoint).await?;
         Ok::<_, anyhow::Error>(roster)
     })?;
     let endpoints = roster.iter().map(|e| e.parse()).collect::<Result<Vec<_>, _>>()?;
-    let mut comm = connect_ring(rank, &endpoints, &listener, timeout, args.transport == Transport::Shm)?;
+    let mut comm = connect_ring(
+        rank,
+        &endpoints,
+        &listener,
+        timeout,
+        args.transport == Transport::Shm,
+        &credentials,
+    )?;
     if rank == 0 && !args.json {
         println!(
             "{:>10} {:>6} {:>9} {:>12} {:>12} {:>12}",

@@ -12,8 +12,9 @@ use serde::Serialize;
 
 use crate::actors::pserver::PServer;
 use crate::config::PsMode;
+use crate::net::auth::{ClusterToken, Credentials, TOKEN_VAR};
 use crate::net::ps_server::serve_shard;
-use crate::ps::client::{PsClient, RemoteShard, ShardLink};
+use crate::ps::client::{PsClient, ShardLink};
 use crate::ps::dense::DenseSlice;
 use crate::ps::optimizer::ServerOptimizer;
 use crate::ps::placement::shard_of;
@@ -89,9 +90,11 @@ pub fn run(args: &PsBenchArgs) -> Result<()> {
     }
     for &shards in &args.shards {
         for &width in &args.widths {
-            let servers = ShardProcesses::start(&exe, shards, width)?;
+            let token = ClusterToken::generate()?;
+            let servers = ShardProcesses::start(&exe, shards, width, &token)?;
+            let credentials = Credentials::new(ClusterToken::new(&token)?, Duration::from_secs(60));
             let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
-            let figures = runtime.block_on(measure(&servers.endpoints, width, args));
+            let figures = runtime.block_on(measure(&servers.endpoints, width, args, &credentials));
             drop(servers);
             for f in figures? {
                 if args.json {
@@ -129,6 +132,7 @@ pub fn run_shard(args: &PsBenchShardArgs) -> Result<()> {
     };
     let table = SparseTable::new("bench", args.width, RowInit { seed: 1, bound: 0.1 }, optimizer);
     let shard = Shard::new(spec, DenseSlice::new(0, Vec::new(), optimizer), vec![table]);
+    let credentials = Credentials::from_env(Duration::from_secs(60))?;
     let listener = TcpListener::bind(&args.endpoint).with_context(|| format!("binding {}", args.endpoint))?;
     listener.set_nonblocking(true)?;
     actix::System::new().block_on(async move {
@@ -138,7 +142,7 @@ pub fn run_shard(args: &PsBenchShardArgs) -> Result<()> {
             PServer::new(shard, all_left, Duration::from_secs(60))
         });
         let open = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
-        actix::spawn(serve_shard(listener, actor, 1 << 30, open));
+        actix::spawn(serve_shard(listener, actor, 1 << 30, open, credentials));
         let _ = done.await;
         // Let the answer to the client's leave go out.
         tokio::time::sleep(Duration::from_millis(100)).await;
@@ -153,7 +157,7 @@ struct ShardProcesses {
 }
 
 impl ShardProcesses {
-    fn start(exe: &std::path::Path, shards: usize, width: usize) -> Result<Self> {
+    fn start(exe: &std::path::Path, shards: usize, width: usize, token: &str) -> Result<Self> {
         let mut servers = Self {
             endpoints: Vec::new(),
             children: Vec::new(),
@@ -168,6 +172,7 @@ impl ShardProcesses {
                 .args(["--shard", &shard.to_string(), "--shards", &shards.to_string()])
                 .args(["--width", &width.to_string()])
                 .env("RAYON_NUM_THREADS", threads.to_string())
+                .env(TOKEN_VAR, token)
                 .stdin(Stdio::null())
                 .spawn()
                 .with_context(|| format!("starting benchmark shard {shard}"))?;
@@ -193,11 +198,16 @@ impl Drop for ShardProcesses {
     }
 }
 
-async fn measure(endpoints: &[String], width: usize, args: &PsBenchArgs) -> Result<Vec<PsFigures>> {
+async fn measure(
+    endpoints: &[String],
+    width: usize,
+    args: &PsBenchArgs,
+    credentials: &Credentials,
+) -> Result<Vec<PsFigures>> {
     let shards = endpoints.len();
     let links = endpoints
         .iter()
-        .map(|e| ShardLink::Remote(RemoteShard::new(e.clone(), 1 << 30)))
+        .map(|e| ShardLink::remote(e.clone(), 1 << 30, credentials.clone()))
         .collect();
     let mut client = PsClient::new(links, 0, Duration::from_secs(60));
     client.wait_for_servers().await?;

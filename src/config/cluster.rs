@@ -4,6 +4,7 @@
 use std::collections::HashMap;
 use std::net::SocketAddr;
 
+use anyhow::Context as _;
 use serde::{Deserialize, Serialize};
 
 use super::FieldError;
@@ -47,6 +48,11 @@ pub struct ClusterConfig {
     /// When every rank is on one host, move ring traffic through shared memory (`/dev/shm`)
     /// instead of loopback TCP, sparing the kernel's two copies of every byte.
     pub shared_memory: bool,
+    /// The secret every connection between roles proves it knows (HMAC handshake; at least 16
+    /// characters). Also `FLOTILLA_TOKEN`; `flotilla launch` generates one when neither is set.
+    /// Never written to the run directory's config.
+    #[serde(skip_serializing)]
+    pub token: Option<String>,
     /// Parameter-server shards; `> 0` selects the parameter-server strategy (the trainers are
     /// then the `world_size` processes). 0 with `pservers` given means "as many as listed".
     pub server_num: usize,
@@ -66,6 +72,7 @@ impl Default for ClusterConfig {
             endpoints: Vec::new(),
             max_frame_mb: 1024,
             shared_memory: true,
+            token: None,
             server_num: 0,
             pservers: Vec::new(),
         }
@@ -94,6 +101,17 @@ impl ClusterConfig {
     /// [`ClusterConfig::max_frame_mb`] in bytes (saturating).
     pub fn max_frame_bytes(&self) -> usize {
         self.max_frame_mb.saturating_mul(1 << 20)
+    }
+
+    /// The cluster token that connections between processes prove they know.
+    pub fn cluster_token(&self) -> anyhow::Result<crate::net::auth::ClusterToken> {
+        let text = self.token.as_deref().ok_or_else(|| {
+            anyhow::anyhow!(
+                "cluster.token is not set: processes of one job must share a secret (set FLOTILLA_TOKEN \
+                 or cluster.token to the same value everywhere; `flotilla launch` generates one for its node)"
+            )
+        })?;
+        crate::net::auth::ClusterToken::new(text).context("cluster.token")
     }
 
     /// Range and consistency checks of the section.

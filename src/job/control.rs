@@ -8,6 +8,7 @@ use actix::Actor;
 use anyhow::{Context, Result};
 
 use crate::actors::Coordinator;
+use crate::net::auth::Credentials;
 use crate::net::{server, ControlBus};
 
 /// Hosts the coordinator when `rank` is 0, then connects to it. Must run
@@ -18,15 +19,21 @@ pub async fn connect_control(
     master: &str,
     timeout: Duration,
     max_frame_bytes: usize,
+    credentials: &Credentials,
 ) -> Result<ControlBus> {
     if rank == 0 {
         let control = tokio::net::TcpListener::bind(master)
             .await
             .with_context(|| format!("rank 0: cannot bind the coordinator endpoint {master} (cluster.master)"))?;
         let coordinator = Coordinator::new(world_size, timeout).start();
-        actix::spawn(server::serve(control, coordinator, max_frame_bytes));
+        actix::spawn(server::serve(
+            control,
+            coordinator,
+            max_frame_bytes,
+            credentials.clone(),
+        ));
     }
-    ControlBus::connect(master, timeout, max_frame_bytes)
+    ControlBus::connect(master, timeout, max_frame_bytes, credentials)
         .await
         .with_context(|| format!("rank {rank}"))
 }

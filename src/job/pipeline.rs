@@ -80,11 +80,13 @@ pub(super) fn run_rank(job: &TrainingJob, rank: usize, options: &RunOptions) -> 
         master,
         listener,
         data_endpoint,
+        credentials,
     } = bind(&config, rank)?;
     System::new().block_on(async move {
-        let mut bus = connect_control(rank, world, &master, timeout, max_frame).await?;
+        let mut bus = connect_control(rank, world, &master, timeout, max_frame, &credentials).await?;
         let roster = bus.join(rank, world, data_endpoint).await?;
-        let (link, data_parallel) = stage_rings::connect(&mut bus, &config, rank, &roster, listener).await?;
+        let (link, data_parallel) =
+            stage_rings::connect(&mut bus, &config, rank, &roster, listener, credentials).await?;
         let outcome = train(stage_actor(job, rank, link, data_parallel, show_progress, trace_from)).await?;
         if let Some(path) = &options.trace {
             // Each process measures from its own clock: one file per rank.

@@ -13,6 +13,7 @@ use super::{RunOutcome, TrainingJob};
 use crate::actors::device::RingLink;
 use crate::actors::trainer::Train;
 use crate::config::JobConfig;
+use crate::net::auth::Credentials;
 
 /// Where a rank of a launched job meets the others.
 pub(super) struct RankEndpoints {
@@ -23,6 +24,8 @@ pub(super) struct RankEndpoints {
     pub listener: TcpListener,
     /// The listener's address, announced at the rendezvous.
     pub data_endpoint: String,
+    /// What every connection to another process proves.
+    pub credentials: Credentials,
 }
 
 /// Checks `rank` against the world and binds its data endpoint.
@@ -44,10 +47,12 @@ pub(super) fn bind(config: &JobConfig, rank: usize) -> Result<RankEndpoints> {
     let listener = TcpListener::bind(&endpoint)
         .with_context(|| format!("rank {rank}: cannot bind its data endpoint {endpoint}"))?;
     let data_endpoint = listener.local_addr()?.to_string();
+    let credentials = Credentials::new(config.cluster.cluster_token()?, config.fault_tolerance.timeout());
     Ok(RankEndpoints {
         master,
         listener,
         data_endpoint,
+        credentials,
     })
 }
 
@@ -60,6 +65,7 @@ pub(super) fn run(job: &TrainingJob, rank: usize, show_progress: bool) -> Result
         master,
         listener,
         data_endpoint,
+        credentials,
     } = bind(&config, rank)?;
     let link = if world == 1 {
         RingLink::Single
@@ -69,11 +75,12 @@ pub(super) fn run(job: &TrainingJob, rank: usize, show_progress: bool) -> Result
             listener,
             timeout,
             shared_memory: config.cluster.shared_memory,
+            credentials: credentials.clone(),
         }
     };
 
     let outcome = System::new().block_on(async move {
-        let bus = connect_control(rank, world, &master, timeout, max_frame).await?;
+        let bus = connect_control(rank, world, &master, timeout, max_frame, &credentials).await?;
         job.trainer(rank, bus, link, data_endpoint, show_progress)
             .start()
             .send(Train)

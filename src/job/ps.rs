@@ -19,8 +19,9 @@ use crate::actors::DeviceActor;
 use crate::config::{DatasetKind, JobConfig};
 use crate::data::ctr::{CriteoSynth, CtrSource, Split};
 use crate::models::{ParamInit, WideDeep};
+use crate::net::auth::Credentials;
 use crate::net::ps_server::serve_shard;
-use crate::ps::client::{PsClient, RemoteShard, ShardLink};
+use crate::ps::client::{PsClient, ShardLink};
 use crate::ps::dense::{dense_range, DenseSlice};
 use crate::ps::optimizer::ServerOptimizer;
 use crate::ps::snapshot::shard_file_name;
@@ -193,6 +194,7 @@ impl ParameterServerJob {
         listener.set_nonblocking(true)?;
         let shard = build_shard(&config, index)?;
         let timeout = config.fault_tolerance.timeout();
+        let credentials = Credentials::new(config.cluster.cluster_token()?, timeout);
         tracing::info!(
             "parameter server {index} of {} listening on {endpoint}",
             config.cluster.server_num
@@ -209,6 +211,7 @@ impl ParameterServerJob {
                 actor,
                 config.cluster.max_frame_bytes(),
                 open.clone(),
+                credentials,
             ));
             done.await
                 .map_err(|_| anyhow!("parameter server {index} stopped before every trainer left"))?;
@@ -238,11 +241,12 @@ impl ParameterServerJob {
             config.cluster.server_num
         );
         let max_frame = config.cluster.max_frame_bytes();
+        let credentials = Credentials::new(config.cluster.cluster_token()?, config.fault_tolerance.timeout());
         let links = config
             .cluster
             .pservers
             .iter()
-            .map(|endpoint| ShardLink::Remote(RemoteShard::new(endpoint.clone(), max_frame)))
+            .map(|endpoint| ShardLink::remote(endpoint.clone(), max_frame, credentials.clone()))
             .collect();
         let client = PsClient::new(links, config.fault_tolerance.retry, config.fault_tolerance.timeout());
         let outcome = System::new().block_on(async move {

@@ -11,6 +11,7 @@ use anyhow::{anyhow, Context, Result};
 use crate::actors::device::StageLinks;
 use crate::config::JobConfig;
 use crate::engines::comm::{connect_ring_transport, parse_endpoints, Communicator, RingTransport};
+use crate::net::auth::Credentials;
 use crate::net::ControlBus;
 use crate::pipeline::link::memory_links;
 
@@ -24,6 +25,7 @@ pub(super) async fn connect(
     rank: usize,
     roster: &[String],
     listener: TcpListener,
+    credentials: Credentials,
 ) -> Result<(StageLinks, Communicator)> {
     let (d, p) = (
         config.strategy.hybrid_configs.dp_degree,
@@ -36,6 +38,7 @@ pub(super) async fn connect(
         endpoints: parse_endpoints(roster)?,
         timeout: config.fault_tolerance.timeout(),
         shared_memory: config.cluster.shared_memory,
+        credentials,
     };
     let data_parallel = if d > 1 {
         let replicas = (0..d).map(|r| r * p + stage).collect();
@@ -75,6 +78,7 @@ struct Rings {
     endpoints: Vec<SocketAddr>,
     timeout: Duration,
     shared_memory: bool,
+    credentials: Credentials,
 }
 
 impl Rings {
@@ -90,9 +94,9 @@ impl Rings {
             .ok_or_else(|| anyhow!("the roster lists {} endpoints", self.endpoints.len()))
             .with_context(context)?;
         let listener = self.listener.try_clone().with_context(context)?;
-        let (timeout, shared_memory) = (self.timeout, self.shared_memory);
+        let (timeout, shared_memory, credentials) = (self.timeout, self.shared_memory, self.credentials.clone());
         let transport = tokio::task::spawn_blocking(move || {
-            connect_ring_transport(position, &endpoints, &listener, timeout, shared_memory)
+            connect_ring_transport(position, &endpoints, &listener, timeout, shared_memory, &credentials)
         })
         .await
         .map_err(|e| anyhow!("the connecting thread failed: {e}"))

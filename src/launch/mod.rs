@@ -15,6 +15,8 @@ use std::path::PathBuf;
 
 use anyhow::{bail, ensure, Result};
 
+use crate::net::auth::{ClusterToken, TOKEN_VAR};
+
 /// The launcher's arguments, in Paddle's words.
 #[derive(Debug, Clone, clap::Args)]
 pub struct LaunchArgs {
@@ -115,6 +117,7 @@ impl LaunchArgs {
             Some((first, rest)) => (PathBuf::from(first), rest.to_vec()),
             None => bail!("launch needs a command after `--`: `train --config FILE` or a program"),
         };
+        let token = token_env(self.nnodes == 1)?;
         Ok((0..self.nproc_per_node)
             .map(|local_rank| {
                 let rank = node_rank * self.nproc_per_node + local_rank;
@@ -133,6 +136,7 @@ impl LaunchArgs {
                     ("FLAGS_selected_gpus", local_rank.to_string()),
                 ];
                 env.extend(thread_env(self.nproc_per_node));
+                env.extend(token.iter().cloned());
                 ChildSpec {
                     rank,
                     name: format!("rank {rank}"),
@@ -143,6 +147,17 @@ impl LaunchArgs {
             })
             .collect())
     }
+}
+
+/// The cluster token for the processes of one launcher: the one in `FLOTILLA_TOKEN` (which
+/// they inherit), else a fresh one when this launcher starts the whole job (one node); the
+/// nodes of a multi-node job must share one, so there it comes from `FLOTILLA_TOKEN` or
+/// `cluster.token` on every node (a process without it says so).
+pub fn token_env(whole_job: bool) -> Result<Vec<(&'static str, String)>> {
+    if !whole_job || std::env::var_os(TOKEN_VAR).is_some() {
+        return Ok(Vec::new());
+    }
+    Ok(vec![(TOKEN_VAR, ClusterToken::generate()?)])
 }
 
 /// The compute-thread variables (`CANDLE_NUM_THREADS`, `RAYON_NUM_THREADS`) for `ranks` ranks

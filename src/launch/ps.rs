@@ -7,7 +7,7 @@ use std::path::PathBuf;
 
 use anyhow::{bail, ensure, Result};
 
-use super::{thread_env, ChildSpec};
+use super::{thread_env, token_env, ChildSpec};
 
 /// Command-line arguments of `flotilla launch-ps`.
 #[derive(Debug, Clone, clap::Args)]
@@ -68,6 +68,7 @@ impl LaunchPsArgs {
             ("PADDLE_TRAINERS_NUM", workers.len().to_string()),
         ];
         let processes = servers.len() + workers.len();
+        let token = token_env(true)?;
         let mut children = Vec::with_capacity(processes);
         for (role, endpoints) in [("pserver", &servers), ("trainer", &workers)] {
             let (program, args) = role_command(role)?;
@@ -86,6 +87,7 @@ impl LaunchPsArgs {
                     env.push(("PADDLE_CURRENT_ENDPOINT".into(), endpoint.clone()));
                 }
                 env.extend(thread_env(processes).into_iter().map(|(k, v)| (k.into(), v)));
+                env.extend(token.iter().map(|(k, v)| (k.to_string(), v.clone())));
                 children.push(ChildSpec {
                     rank: index,
                     name: format!("{} {index}", if role == "pserver" { "server" } else { "trainer" }),

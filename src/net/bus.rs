@@ -10,6 +10,7 @@ use futures::{SinkExt, StreamExt};
 use tokio::net::TcpStream;
 use tokio_util::codec::{Framed, LengthDelimitedCodec};
 
+use super::auth::{self, Credentials};
 use super::frame::{codec, ControlMessage, Frame};
 use crate::actors::coordinator::{Barrier, Coordinator, Gather, Join};
 
@@ -32,9 +33,14 @@ pub enum ControlBus {
 impl ControlBus {
     /// Connects to the coordinator at `master`, retrying while it starts,
     /// for at most `timeout`.
-    pub async fn connect(master: &str, timeout: Duration, max_frame_bytes: usize) -> Result<Self> {
+    pub async fn connect(
+        master: &str,
+        timeout: Duration,
+        max_frame_bytes: usize,
+        credentials: &Credentials,
+    ) -> Result<Self> {
         let deadline = Instant::now() + timeout;
-        let stream = loop {
+        let mut stream = loop {
             match TcpStream::connect(master).await {
                 Ok(stream) => break stream,
                 Err(e) if Instant::now() < deadline => {
@@ -47,6 +53,9 @@ impl ControlBus {
                 ),
             }
         };
+        auth::connect(&mut stream, credentials)
+            .await
+            .with_context(|| format!("handshake with the coordinator at {master}"))?;
         stream.set_nodelay(true)?;
         Ok(Self::Tcp {
             connection: Framed::new(stream, codec(max_frame_bytes)),

@@ -12,6 +12,7 @@
 //! Bulk tensors (all-reduce chunks) do not travel here: they go through the
 //! communicators of `engines::comm`, on their own sockets.
 
+pub mod auth;
 pub mod bus;
 pub mod frame;
 pub mod ps_server;

@@ -10,20 +10,33 @@ use futures::{SinkExt, StreamExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio_util::codec::Framed;
 
+use super::auth::{self, Credentials};
 use super::frame::codec;
 use crate::actors::pserver::{PServer, ShardCall};
 use crate::ps::wire::{decode_request, encode_reply};
 
 /// Accepts trainer connections until the actor system stops; `open` counts the connections
-/// being served, so the shard can let the last answers go out before it exits.
-pub async fn serve_shard(listener: TcpListener, shard: Addr<PServer>, max_frame_bytes: usize, open: Arc<AtomicUsize>) {
+/// being served, so the shard can let the last answers go out before it exits. A connection
+/// that fails the cluster-token handshake is dropped before any frame is read.
+pub async fn serve_shard(
+    listener: TcpListener,
+    shard: Addr<PServer>,
+    max_frame_bytes: usize,
+    open: Arc<AtomicUsize>,
+    credentials: Credentials,
+) {
     loop {
         match listener.accept().await {
-            Ok((stream, peer)) => {
+            Ok((mut stream, peer)) => {
                 let shard = shard.clone();
                 let open = open.clone();
-                open.fetch_add(1, Ordering::SeqCst);
+                let credentials = credentials.clone();
                 actix::spawn(async move {
+                    if let Err(e) = auth::accept(&mut stream, &credentials).await {
+                        tracing::warn!(%peer, "dropped a parameter-server connection before any frame: {e:#}");
+                        return;
+                    }
+                    open.fetch_add(1, Ordering::SeqCst);
                     if let Err(reason) = handle_connection(stream, shard, max_frame_bytes).await {
                         tracing::warn!(%peer, "closed parameter-server connection: {reason}");
                     }

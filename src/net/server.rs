@@ -10,16 +10,28 @@ use futures::{SinkExt, StreamExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio_util::codec::Framed;
 
+use super::auth::{self, Credentials};
 use super::frame::{codec, encode_with, ControlMessage, Frame};
 use crate::actors::coordinator::{Barrier, Coordinator, Gather, Join};
 
-/// Accepts control connections until the actor system stops.
-pub async fn serve(listener: TcpListener, coordinator: Addr<Coordinator>, max_frame_bytes: usize) {
+/// Accepts control connections until the actor system stops; a connection that fails the
+/// cluster-token handshake is dropped before any frame is read.
+pub async fn serve(
+    listener: TcpListener,
+    coordinator: Addr<Coordinator>,
+    max_frame_bytes: usize,
+    credentials: Credentials,
+) {
     loop {
         match listener.accept().await {
-            Ok((stream, peer)) => {
+            Ok((mut stream, peer)) => {
                 let coordinator = coordinator.clone();
+                let credentials = credentials.clone();
                 actix::spawn(async move {
+                    if let Err(e) = auth::accept(&mut stream, &credentials).await {
+                        tracing::warn!(%peer, "dropped a control connection before any frame: {e:#}");
+                        return;
+                    }
                     if let Err(reason) = handle_connection(stream, coordinator, max_frame_bytes).await {
                         tracing::warn!(%peer, "closed control connection: {reason}");
                     }

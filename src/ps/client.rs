@@ -13,6 +13,8 @@ use anyhow::{anyhow, bail, Context as _, Result};
 use bytes::Bytes;
 use futures::{SinkExt, StreamExt};
 use tokio::net::TcpStream;
+
+use crate::net::auth::{self, Credentials};
 use tokio_util::codec::{Framed, LengthDelimitedCodec};
 
 use super::wire::{decode_reply, encode_request, Reply, Request};
@@ -32,7 +34,14 @@ pub enum ShardLink {
     /// The shard actor of this process.
     Local(Addr<PServer>),
     /// A shard process.
-    Remote(RemoteShard),
+    Remote(Box<RemoteShard>),
+}
+
+impl ShardLink {
+    /// The link to the shard process at `endpoint`.
+    pub fn remote(endpoint: String, max_frame_bytes: usize, credentials: Credentials) -> Self {
+        Self::Remote(Box::new(RemoteShard::new(endpoint, max_frame_bytes, credentials)))
+    }
 }
 
 /// A TCP connection to a shard, re-established when it breaks.
@@ -40,21 +49,26 @@ pub struct RemoteShard {
     endpoint: String,
     connection: Option<Framed<TcpStream, LengthDelimitedCodec>>,
     max_frame_bytes: usize,
+    credentials: Credentials,
 }
 
 impl RemoteShard {
-    /// A link to the shard at `endpoint`; connects on first use.
-    pub fn new(endpoint: String, max_frame_bytes: usize) -> Self {
+    /// A link to the shard at `endpoint`; connects (and proves the cluster token) on first use.
+    pub fn new(endpoint: String, max_frame_bytes: usize, credentials: Credentials) -> Self {
         Self {
             endpoint,
             connection: None,
             max_frame_bytes,
+            credentials,
         }
     }
 
     async fn connect(&mut self) -> std::io::Result<&mut Framed<TcpStream, LengthDelimitedCodec>> {
         if self.connection.is_none() {
-            let stream = TcpStream::connect(&self.endpoint).await?;
+            let mut stream = TcpStream::connect(&self.endpoint).await?;
+            auth::connect(&mut stream, &self.credentials)
+                .await
+                .map_err(|e| std::io::Error::new(std::io::ErrorKind::PermissionDenied, format!("{e:#}")))?;
             stream.set_nodelay(true)?;
             self.connection = Some(Framed::new(stream, codec(self.max_frame_bytes)));
         }

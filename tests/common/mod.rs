@@ -93,10 +93,19 @@ fn collect(mut stream: impl std::io::Read + Send + 'static) -> std::thread::Join
     })
 }
 
+/// The cluster token the tests hand the roles they start by hand (a launcher makes its own).
+pub const TEST_TOKEN: &str = "the integration tests' cluster token";
+
 /// Starts the flotilla binary with `args` and extra `env`; the launcher's
-/// variables come only from `env`, never from the tests' environment.
+/// variables come only from `env`, never from the tests' environment. A role
+/// started by hand (`run --role …`) gets [`TEST_TOKEN`] unless `env` names a
+/// token.
 pub fn start_flotilla(args: &[&str], env: &[(&str, String)]) -> Started {
-    start_program(env!("CARGO_BIN_EXE_flotilla"), args, env)
+    let mut env = env.to_vec();
+    if args.first() == Some(&"run") && !env.iter().any(|(k, _)| *k == "FLOTILLA_TOKEN") {
+        env.push(("FLOTILLA_TOKEN", TEST_TOKEN.to_string()));
+    }
+    start_program(env!("CARGO_BIN_EXE_flotilla"), args, &env)
 }
 
 /// Starts `program` with `args` and extra `env`, as [`start_flotilla`].
@@ -105,6 +114,7 @@ pub fn start_program(program: &str, args: &[&str], env: &[(&str, String)]) -> St
     let mut child = Command::new(program)
         .args(args)
         .env_remove("PADDLE_TRAINER_ID")
+        .env_remove("FLOTILLA_TOKEN")
         .envs(env.iter().map(|(k, v)| (*k, v.as_str())))
         .stdin(Stdio::null())
         .stdout(Stdio::piped())

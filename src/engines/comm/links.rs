@@ -9,16 +9,19 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 
+use crate::net::auth::{self, Credentials};
+
 const HELLO_MAGIC: &[u8; 8] = b"FLOTHELO";
 
 /// Connects `rank` to its right neighbour and accepts its left one, within
-/// `timeout`; returns `(to_right, from_left)`, with no-delay and the
-/// timeout set on both.
+/// `timeout`, each connection opened by the cluster-token handshake; returns
+/// `(to_right, from_left)`, with no-delay and the timeout set on both.
 pub(super) fn connect_ring_links(
     rank: usize,
     endpoints: &[SocketAddr],
     listener: &TcpListener,
     timeout: Duration,
+    credentials: &Credentials,
 ) -> Result<(TcpStream, TcpStream)> {
     let world_size = endpoints.len();
     anyhow::ensure!(
@@ -29,8 +32,8 @@ pub(super) fn connect_ring_links(
     let left = (rank + world_size - 1) % world_size;
     let deadline = Instant::now() + timeout;
     let (to_right, from_left) = thread::scope(|s| {
-        let accepting = s.spawn(|| accept_left(listener, rank, left, deadline));
-        let connected = connect_right(endpoints[right], rank, world_size, right, deadline);
+        let accepting = s.spawn(|| accept_left(listener, rank, left, deadline, credentials));
+        let connected = connect_right(endpoints[right], rank, world_size, right, deadline, credentials);
         let accepted = accepting
             .join()
             .map_err(|_| anyhow::anyhow!("ring accept thread panicked"))?;
@@ -74,11 +77,14 @@ fn connect_right(
     world_size: usize,
     right: usize,
     deadline: Instant,
+    credentials: &Credentials,
 ) -> Result<TcpStream> {
     let mut last_error = None;
     while Instant::now() < deadline {
         match TcpStream::connect_timeout(&addr, Duration::from_secs(1)) {
             Ok(mut stream) => {
+                auth::connect_sync(&mut stream, credentials)
+                    .with_context(|| format!("rank {rank}: handshake with rank {right} at {addr}"))?;
                 let mut hello = HELLO_MAGIC.to_vec();
                 hello.extend_from_slice(&(rank as u64).to_le_bytes());
                 hello.extend_from_slice(&(world_size as u64).to_le_bytes());
@@ -97,13 +103,23 @@ fn connect_right(
     )
 }
 
-fn accept_left(listener: &TcpListener, rank: usize, left: usize, deadline: Instant) -> Result<TcpStream> {
+fn accept_left(
+    listener: &TcpListener,
+    rank: usize,
+    left: usize,
+    deadline: Instant,
+    credentials: &Credentials,
+) -> Result<TcpStream> {
     listener.set_nonblocking(true)?;
     let local = listener.local_addr()?;
     loop {
         match listener.accept() {
             Ok((mut stream, peer)) => {
                 stream.set_nonblocking(false)?;
+                if let Err(e) = auth::accept_sync(&mut stream, credentials) {
+                    tracing::warn!(%peer, "dropped a connection to ring endpoint {local} before any frame: {e:#}");
+                    continue;
+                }
                 stream.set_read_timeout(Some(
                     deadline
                         .saturating_duration_since(Instant::now())

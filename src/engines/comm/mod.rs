@@ -32,15 +32,19 @@ use std::time::Duration;
 
 use anyhow::Context;
 
+use crate::net::auth::Credentials;
+
 /// The communicator of `rank` in a ring of processes at `endpoints`: over
 /// shared memory when `shared_memory` allows it and every rank is on one
-/// host that has `/dev/shm`, over TCP otherwise.
+/// host that has `/dev/shm`, over TCP otherwise. Every connection starts
+/// with the cluster-token handshake.
 pub fn connect_ring(
     rank: usize,
     endpoints: &[SocketAddr],
     listener: &TcpListener,
     timeout: Duration,
     shared_memory: bool,
+    credentials: &Credentials,
 ) -> anyhow::Result<Communicator> {
     Ok(Communicator::new(connect_ring_transport(
         rank,
@@ -48,6 +52,7 @@ pub fn connect_ring(
         listener,
         timeout,
         shared_memory,
+        credentials,
     )?))
 }
 
@@ -59,11 +64,24 @@ pub fn connect_ring_transport(
     listener: &TcpListener,
     timeout: Duration,
     shared_memory: bool,
+    credentials: &Credentials,
 ) -> anyhow::Result<Box<dyn RingTransport>> {
     Ok(if shared_memory && shm::usable_for(endpoints) {
-        Box::new(shm::ShmTransport::connect(rank, endpoints, listener, timeout)?)
+        Box::new(shm::ShmTransport::connect(
+            rank,
+            endpoints,
+            listener,
+            timeout,
+            credentials,
+        )?)
     } else {
-        Box::new(tcp::TcpTransport::connect(rank, endpoints, listener, timeout)?)
+        Box::new(tcp::TcpTransport::connect(
+            rank,
+            endpoints,
+            listener,
+            timeout,
+            credentials,
+        )?)
     })
 }
 

@@ -22,6 +22,7 @@ use anyhow::{bail, Context, Result};
 use super::links::{connect_ring_links, link_error};
 use super::send_queue::{MessageSink, SendQueue};
 use super::transport::{MessageHeader, RingTransport};
+use crate::net::auth::Credentials;
 
 /// Bytes per slot: one piece of the streamed all-reduce.
 const SLOT_BYTES: usize = 1 << 18;
@@ -197,9 +198,15 @@ impl ShmTransport {
     /// Joins the ring as [`super::tcp::TcpTransport::connect`] does, then
     /// swaps the data path of both links to shared memory. Every endpoint
     /// must be on this host.
-    pub fn connect(rank: usize, endpoints: &[SocketAddr], listener: &TcpListener, timeout: Duration) -> Result<Self> {
+    pub fn connect(
+        rank: usize,
+        endpoints: &[SocketAddr],
+        listener: &TcpListener,
+        timeout: Duration,
+        credentials: &Credentials,
+    ) -> Result<Self> {
         let world_size = endpoints.len();
-        let (mut to_right, mut from_left) = connect_ring_links(rank, endpoints, listener, timeout)?;
+        let (mut to_right, mut from_left) = connect_ring_links(rank, endpoints, listener, timeout, credentials)?;
         let unique = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| d.as_nanos());

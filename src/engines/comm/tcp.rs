@@ -14,6 +14,7 @@ use anyhow::Result;
 use super::links::{connect_ring_links, link_error};
 use super::send_queue::SendQueue;
 use super::transport::{MessageHeader, RingTransport};
+use crate::net::auth::Credentials;
 
 /// Pieces handed to `on_recv`: big enough to keep syscalls rare, small
 /// enough that reducing one piece overlaps receiving the next.
@@ -36,9 +37,15 @@ impl TcpTransport {
     /// Joins the ring: connects to the right neighbour's endpoint and accepts
     /// the left neighbour on `listener` (this rank's own endpoint, bound
     /// before the rendezvous so that every peer can already connect).
-    pub fn connect(rank: usize, endpoints: &[SocketAddr], listener: &TcpListener, timeout: Duration) -> Result<Self> {
+    pub fn connect(
+        rank: usize,
+        endpoints: &[SocketAddr],
+        listener: &TcpListener,
+        timeout: Duration,
+        credentials: &Credentials,
+    ) -> Result<Self> {
         let world_size = endpoints.len();
-        let (to_right, from_left) = connect_ring_links(rank, endpoints, listener, timeout)?;
+        let (to_right, from_left) = connect_ring_links(rank, endpoints, listener, timeout, credentials)?;
         Ok(Self {
             rank,
             world_size,

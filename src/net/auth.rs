@@ -1,0 +1,280 @@
+//! The handshake every connection between roles starts with: both ends prove they know the
+//! cluster token, without sending it, before any other byte is read.
+//!
+//! 1. connecting side → accepting side: `FLOTAUTH` and a fresh 32-byte nonce `c`;
+//! 2. accepting side → connecting side: a fresh nonce `s` and `HMAC-SHA256(token, "server" ‖ c ‖ s)`;
+//! 3. connecting side → accepting side: `HMAC-SHA256(token, "client" ‖ c ‖ s)`.
+//!
+//! Each side checks the other's MAC (in constant time) and drops the connection on a mismatch:
+//! a stranger learns nothing it could replay, since both nonces are fresh. Every read is
+//! bounded by the deadline the caller gives; nothing the peer sends sizes an allocation.
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::time::Duration;
+
+use anyhow::{bail, Context as _, Result};
+use hmac::{Hmac, Mac};
+use sha2::Sha256;
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+
+const MAGIC: &[u8; 8] = b"FLOTAUTH";
+const NONCE: usize = 32;
+const MAC: usize = 32;
+const HELLO: usize = MAGIC.len() + NONCE;
+const REPLY: usize = NONCE + MAC;
+
+/// The longest a peer may take over its handshake: honest peers answer in milliseconds, and a
+/// silent stranger must not hold up an accept loop for the job's whole timeout.
+const HANDSHAKE_MAX: Duration = Duration::from_secs(10);
+
+/// The variable a launcher hands its processes the token in (`cluster.token` reads it too).
+pub const TOKEN_VAR: &str = "FLOTILLA_TOKEN";
+
+/// What a connection's handshake needs: the token and the deadline.
+#[derive(Debug, Clone)]
+pub struct Credentials {
+    token: ClusterToken,
+    timeout: Duration,
+}
+
+impl Credentials {
+    /// `token`, with handshakes bounded by `timeout` (and by 10 s at most).
+    pub fn new(token: ClusterToken, timeout: Duration) -> Self {
+        Self {
+            token,
+            timeout: timeout.min(HANDSHAKE_MAX),
+        }
+    }
+
+    /// The token of [`TOKEN_VAR`], as the processes of a benchmark get it.
+    pub fn from_env(timeout: Duration) -> Result<Self> {
+        let text = std::env::var(TOKEN_VAR).with_context(|| format!("{TOKEN_VAR} is not set"))?;
+        Ok(Self::new(ClusterToken::new(&text).context(TOKEN_VAR)?, timeout))
+    }
+}
+
+/// The secret every role of one cluster shares (`cluster.token` or `FLOTILLA_TOKEN`).
+#[derive(Clone, PartialEq, Eq)]
+pub struct ClusterToken(Vec<u8>);
+
+impl std::fmt::Debug for ClusterToken {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("ClusterToken(…)")
+    }
+}
+
+impl ClusterToken {
+    /// The token written as text.
+    pub fn new(text: &str) -> Result<Self> {
+        anyhow::ensure!(
+            text.len() >= 16,
+            "a cluster token needs at least 16 characters, got {}",
+            text.len()
+        );
+        Ok(Self(text.as_bytes().to_vec()))
+    }
+
+    /// A fresh random token (64 hex digits), as a launcher hands its processes.
+    pub fn generate() -> Result<String> {
+        let mut bytes = [0u8; 32];
+        getrandom::fill(&mut bytes).map_err(|e| anyhow::anyhow!("no randomness for a cluster token: {e}"))?;
+        Ok(bytes.iter().map(|b| format!("{b:02x}")).collect())
+    }
+
+    fn mac(&self, role: &[u8], client: &[u8], server: &[u8]) -> Hmac<Sha256> {
+        let mut mac = Hmac::<Sha256>::new_from_slice(&self.0).expect("HMAC takes keys of any length");
+        for part in [role, client, server] {
+            mac.update(part);
+        }
+        mac
+    }
+}
+
+fn nonce() -> Result<[u8; NONCE]> {
+    let mut bytes = [0u8; NONCE];
+    getrandom::fill(&mut bytes).map_err(|e| anyhow::anyhow!("no randomness for a handshake nonce: {e}"))?;
+    Ok(bytes)
+}
+
+/// The accepting side's answer to `hello`: its nonce and its proof, or an error when `hello`
+/// is not a flotilla hello.
+fn answer(token: &ClusterToken, hello: &[u8; HELLO]) -> Result<([u8; NONCE], [u8; REPLY])> {
+    if &hello[..MAGIC.len()] != MAGIC {
+        bail!("not a flotilla handshake (a peer without the cluster token, or not a flotilla peer)");
+    }
+    let server = nonce()?;
+    let mut reply = [0u8; REPLY];
+    reply[..NONCE].copy_from_slice(&server);
+    let proof = token
+        .mac(b"server", &hello[MAGIC.len()..], &server)
+        .finalize()
+        .into_bytes();
+    reply[NONCE..].copy_from_slice(&proof);
+    Ok((server, reply))
+}
+
+/// The connecting side's proof, after checking the accepting side's.
+fn prove(token: &ClusterToken, client: &[u8; NONCE], reply: &[u8; REPLY]) -> Result<[u8; MAC]> {
+    let server = &reply[..NONCE];
+    token
+        .mac(b"server", client, server)
+        .verify_slice(&reply[NONCE..])
+        .map_err(|_| anyhow::anyhow!("the peer does not know the cluster token"))?;
+    Ok(token.mac(b"client", client, server).finalize().into_bytes().into())
+}
+
+/// The accepting side's check of the connecting side's proof.
+fn check(token: &ClusterToken, hello: &[u8; HELLO], server: &[u8; NONCE], proof: &[u8; MAC]) -> Result<()> {
+    token
+        .mac(b"client", &hello[MAGIC.len()..], server)
+        .verify_slice(proof)
+        .map_err(|_| anyhow::anyhow!("the peer does not know the cluster token"))
+}
+
+fn hello() -> Result<([u8; NONCE], [u8; HELLO])> {
+    let client = nonce()?;
+    let mut hello = [0u8; HELLO];
+    hello[..MAGIC.len()].copy_from_slice(MAGIC);
+    hello[MAGIC.len()..].copy_from_slice(&client);
+    Ok((client, hello))
+}
+
+/// The connecting side of the handshake on a blocking stream, every read within the deadline.
+pub fn connect_sync(stream: &mut TcpStream, credentials: &Credentials) -> Result<()> {
+    let token = &credentials.token;
+    stream.set_read_timeout(Some(credentials.timeout))?;
+    let (client, hello) = hello()?;
+    stream.write_all(&hello).context("sending the handshake")?;
+    let mut reply = [0u8; REPLY];
+    stream.read_exact(&mut reply).context("reading the handshake reply")?;
+    let proof = prove(token, &client, &reply)?;
+    stream.write_all(&proof).context("sending the handshake proof")?;
+    Ok(())
+}
+
+/// The accepting side of the handshake on a blocking stream, every read within the deadline.
+pub fn accept_sync(stream: &mut TcpStream, credentials: &Credentials) -> Result<()> {
+    let token = &credentials.token;
+    stream.set_read_timeout(Some(credentials.timeout))?;
+    let mut hello = [0u8; HELLO];
+    stream.read_exact(&mut hello).context("reading the handshake")?;
+    let (server, reply) = answer(token, &hello)?;
+    stream.write_all(&reply).context("answering the handshake")?;
+    let mut proof = [0u8; MAC];
+    stream.read_exact(&mut proof).context("reading the handshake proof")?;
+    check(token, &hello, &server, &proof)
+}
+
+/// The connecting side of the handshake on an async stream, all of it within the deadline.
+pub async fn connect<S: AsyncRead + AsyncWrite + Unpin>(stream: &mut S, credentials: &Credentials) -> Result<()> {
+    let (token, timeout) = (&credentials.token, credentials.timeout);
+    let exchange = async {
+        let (client, hello) = hello()?;
+        stream.write_all(&hello).await.context("sending the handshake")?;
+        let mut reply = [0u8; REPLY];
+        stream
+            .read_exact(&mut reply)
+            .await
+            .context("reading the handshake reply")?;
+        let proof = prove(token, &client, &reply)?;
+        stream.write_all(&proof).await.context("sending the handshake proof")?;
+        Ok(())
+    };
+    tokio::time::timeout(timeout, exchange)
+        .await
+        .map_err(|_| anyhow::anyhow!("the handshake took longer than {timeout:.1?}"))?
+}
+
+/// The accepting side of the handshake on an async stream, all of it within the deadline.
+pub async fn accept<S: AsyncRead + AsyncWrite + Unpin>(stream: &mut S, credentials: &Credentials) -> Result<()> {
+    let (token, timeout) = (&credentials.token, credentials.timeout);
+    let exchange = async {
+        let mut hello = [0u8; HELLO];
+        stream.read_exact(&mut hello).await.context("reading the handshake")?;
+        let (server, reply) = answer(token, &hello)?;
+        stream.write_all(&reply).await.context("answering the handshake")?;
+        let mut proof = [0u8; MAC];
+        stream
+            .read_exact(&mut proof)
+            .await
+            .context("reading the handshake proof")?;
+        check(token, &hello, &server, &proof)
+    };
+    tokio::time::timeout(timeout, exchange)
+        .await
+        .map_err(|_| anyhow::anyhow!("the handshake took longer than {timeout:.1?}"))?
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::net::TcpListener;
+
+    fn token(text: &str) -> ClusterToken {
+        ClusterToken::new(text).unwrap()
+    }
+
+    fn credentials(text: &str) -> Credentials {
+        Credentials::new(token(text), Duration::from_secs(2))
+    }
+
+    /// Runs the accepting side with `server` and the connecting side with `client` over
+    /// loopback; returns both results.
+    fn handshake(server: Credentials, client: impl FnOnce(&mut TcpStream) -> Result<()>) -> (Result<()>, Result<()>) {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let accepting = std::thread::spawn(move || {
+            let (mut stream, _) = listener.accept().unwrap();
+            accept_sync(&mut stream, &server)
+        });
+        let mut stream = TcpStream::connect(addr).unwrap();
+        let connected = client(&mut stream);
+        drop(stream);
+        (accepting.join().unwrap(), connected)
+    }
+
+    #[test]
+    fn the_same_token_passes_both_ways() {
+        let c = credentials("a cluster token of enough length");
+        let (server, client) = handshake(c.clone(), |s| connect_sync(s, &c));
+        assert!(server.is_ok() && client.is_ok(), "{server:?} {client:?}");
+    }
+
+    #[test]
+    fn a_wrong_token_is_refused_by_both_sides() {
+        let (server, client) = handshake(credentials("the servers token, long enough"), |s| {
+            connect_sync(s, &credentials("another token, also long enough"))
+        });
+        assert!(client
+            .unwrap_err()
+            .to_string()
+            .contains("does not know the cluster token"));
+        assert!(server.is_err());
+    }
+
+    #[test]
+    fn garbage_and_silence_are_refused_without_a_hang() {
+        let c = credentials("a cluster token of enough length");
+        let (server, _) = handshake(c.clone(), |s| {
+            s.write_all(&[0xff; 64])?;
+            Ok(())
+        });
+        assert!(server.unwrap_err().to_string().contains("not a flotilla handshake"));
+        let (server, _) = handshake(c, |s| {
+            s.write_all(b"FLOTAUTH")?; // then nothing: the accepting side must not wait forever
+            std::thread::sleep(Duration::from_millis(2500));
+            Ok(())
+        });
+        assert!(server.is_err());
+    }
+
+    #[test]
+    fn tokens_are_long_and_fresh() {
+        assert!(ClusterToken::new("short").is_err());
+        let (a, b) = (ClusterToken::generate().unwrap(), ClusterToken::generate().unwrap());
+        assert_eq!(a.len(), 64);
+        assert_ne!(a, b);
+        assert_eq!(format!("{:?}", token(&a)), "ClusterToken(…)");
+    }
+}
