@@ -142,8 +142,18 @@ fn hello() -> Result<([u8; NONCE], [u8; HELLO])> {
 
 /// The connecting side of the handshake on a blocking stream, every read within the deadline.
 pub fn connect_sync(stream: &mut TcpStream, credentials: &Credentials) -> Result<()> {
-    let token = &credentials.token;
     stream.set_read_timeout(Some(credentials.timeout))?;
+    connect_on(stream, &credentials.token)
+}
+
+/// The accepting side of the handshake on a blocking stream, every read within the deadline.
+pub fn accept_sync(stream: &mut TcpStream, credentials: &Credentials) -> Result<()> {
+    stream.set_read_timeout(Some(credentials.timeout))?;
+    accept_on(stream, &credentials.token)
+}
+
+/// The connecting side over any blocking byte stream (whose reads the caller bounds).
+pub fn connect_on(stream: &mut (impl Read + Write), token: &ClusterToken) -> Result<()> {
     let (client, hello) = hello()?;
     stream.write_all(&hello).context("sending the handshake")?;
     let mut reply = [0u8; REPLY];
@@ -153,10 +163,8 @@ pub fn connect_sync(stream: &mut TcpStream, credentials: &Credentials) -> Result
     Ok(())
 }
 
-/// The accepting side of the handshake on a blocking stream, every read within the deadline.
-pub fn accept_sync(stream: &mut TcpStream, credentials: &Credentials) -> Result<()> {
-    let token = &credentials.token;
-    stream.set_read_timeout(Some(credentials.timeout))?;
+/// The accepting side over any blocking byte stream (whose reads the caller bounds).
+pub fn accept_on(stream: &mut (impl Read + Write), token: &ClusterToken) -> Result<()> {
     let mut hello = [0u8; HELLO];
     stream.read_exact(&mut hello).context("reading the handshake")?;
     let (server, reply) = answer(token, &hello)?;
