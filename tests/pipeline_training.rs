@@ -3,7 +3,7 @@
 
 mod common;
 
-use common::{config, max_abs_diff, train_in_process};
+use common::{config, max_abs_diff, run_error, train_in_process};
 
 const STEPS: &str = "train.steps=20";
 const MODEL: &str = "train.hidden_sizes=[64, 32, 32]";
@@ -49,20 +49,12 @@ fn pipelines_and_hybrid_pipelines_train_like_one_process() {
 
 #[test]
 fn more_stages_than_blocks_is_an_error_naming_both() {
-    let dir = tempfile::tempdir().unwrap();
-    let options = flotilla::job::RunOptions {
-        run_dir: dir.path().to_path_buf(),
-        show_progress: false,
-        trace: None,
-    };
-    let job = flotilla::job::TrainingJob::builtin(config(&[
+    let err = run_error(config(&[
         "train.hidden_sizes=[16]",
         "strategy.pipeline=true",
         "cluster.nproc_per_node=4",
         "strategy.hybrid_configs.pp_degree=4",
-    ]))
-    .unwrap();
-    let err = format!("{:#}", job.run_simulated(&options).unwrap_err());
+    ]));
     assert!(
         err.contains("4 pipeline stages need at least 4 blocks, the model has 2"),
         "{err}"

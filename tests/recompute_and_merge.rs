@@ -3,7 +3,7 @@
 
 mod common;
 
-use common::{config, max_abs_diff, train_in_process};
+use common::{config, max_abs_diff, run_error, train_in_process};
 
 const MODEL: &str = "train.hidden_sizes=[64, 32, 32]";
 
@@ -99,36 +99,20 @@ fn recompute_trains_exactly_like_keeping_every_activation() {
 
 #[test]
 fn a_run_that_ends_inside_a_merge_is_refused() {
-    let dir = tempfile::tempdir().unwrap();
-    let options = flotilla::job::RunOptions {
-        run_dir: dir.path().to_path_buf(),
-        show_progress: false,
-        trace: None,
-    };
-    let job = flotilla::job::TrainingJob::builtin(config(&[
+    let err = run_error(config(&[
         "strategy.gradient_merge=true",
         "strategy.gradient_merge_configs.k_steps=4",
         "train.steps=10",
-    ]))
-    .unwrap();
-    let err = format!("{:#}", job.run_simulated(&options).unwrap_err());
+    ]));
     assert!(err.contains("k_steps = 4"), "{err}");
 }
 
 #[test]
 fn an_unknown_checkpoint_is_an_error_naming_the_blocks() {
-    let dir = tempfile::tempdir().unwrap();
-    let options = flotilla::job::RunOptions {
-        run_dir: dir.path().to_path_buf(),
-        show_progress: false,
-        trace: None,
-    };
-    let job = flotilla::job::TrainingJob::builtin(config(&[
+    let err = run_error(config(&[
         "strategy.recompute=true",
         "strategy.recompute_configs.checkpoints=[\"fc9\"]",
         "train.steps=2",
-    ]))
-    .unwrap();
-    let err = format!("{:#}", job.run_simulated(&options).unwrap_err());
+    ]));
     assert!(err.contains("no block \"fc9\"") && err.contains("fc0, fc1"), "{err}");
 }

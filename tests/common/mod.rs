@@ -30,6 +30,18 @@ pub fn train_in_process(config: JobConfig) -> RunOutcome {
         .expect("training succeeds")
 }
 
+/// The error (with its causes) that training `config` as a simulated cluster ends with.
+pub fn run_error(config: JobConfig) -> String {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let options = RunOptions {
+        run_dir: dir.path().to_path_buf(),
+        show_progress: false,
+        trace: None,
+    };
+    let job = TrainingJob::builtin(config).expect("job");
+    format!("{:#}", job.run_simulated(&options).expect_err("the run fails"))
+}
+
 /// Largest absolute difference between two parameter sets, by name.
 pub fn max_abs_diff(a: &[(String, Vec<f32>)], b: &[(String, Vec<f32>)]) -> f32 {
     let b: HashMap<&str, &Vec<f32>> = b.iter().map(|(n, v)| (n.as_str(), v)).collect();

@@ -22,6 +22,39 @@ fn row_len(layout: &Layout) -> candle_core::Result<usize> {
     }
 }
 
+/// A new tensor of `layout`'s shape whose rows of `row` values are `f(index, input row, output
+/// row)` of the input's.
+fn map_rows(
+    storage: &CpuStorage,
+    layout: &Layout,
+    op: &str,
+    row: usize,
+    f: impl Fn(usize, &[f32], &mut [f32]),
+) -> candle_core::Result<(CpuStorage, Shape)> {
+    let x = values(storage, layout, op)?;
+    let mut y = vec![0f32; x.len()];
+    for (r, (input, output)) in x.chunks_exact(row).zip(y.chunks_exact_mut(row)).enumerate() {
+        f(r, input, output);
+    }
+    Ok((CpuStorage::F32(y), layout.shape().clone()))
+}
+
+/// [`map_rows`] of two inputs of one shape (a backward's input and gradient): `f(a row, b row,
+/// output row)`.
+fn map_rows2(
+    (a, a_layout): (&CpuStorage, &Layout),
+    (b, b_layout): (&CpuStorage, &Layout),
+    op: &str,
+    row: usize,
+    f: impl Fn(&[f32], &[f32], &mut [f32]),
+) -> candle_core::Result<(CpuStorage, Shape)> {
+    let b = values(b, b_layout, op)?;
+    if b.len() != a_layout.shape().elem_count() {
+        candle_core::bail!("{op}: the gradient has {} values for {:?}", b.len(), a_layout.dims());
+    }
+    map_rows(a, a_layout, op, row, |r, a, out| f(a, &b[r * row..(r + 1) * row], out))
+}
+
 /// Softmax over the last dimension of `(…, T, T)` attention scores, row `q` over keys `0..=q`
 /// only (the later keys get probability 0): the causal mask and the softmax in one pass.
 pub(super) fn causal_softmax(scores: &Tensor) -> candle_core::Result<Tensor> {
@@ -36,10 +69,8 @@ impl CustomOp1 for CausalSoftmax {
     }
 
     fn cpu_fwd(&self, storage: &CpuStorage, layout: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
-        let x = values(storage, layout, self.name())?;
         let t = row_len(layout)?;
-        let mut y = vec![0f32; x.len()];
-        for (r, (row, out)) in x.chunks_exact(t).zip(y.chunks_exact_mut(t)).enumerate() {
+        map_rows(storage, layout, self.name(), t, |r, row, out| {
             let visible = r % t + 1;
             let max = row[..visible].iter().copied().fold(f32::NEG_INFINITY, f32::max);
             let mut sum = 0.0;
@@ -48,8 +79,7 @@ impl CustomOp1 for CausalSoftmax {
                 sum += *o;
             }
             out[..visible].iter_mut().for_each(|o| *o /= sum);
-        }
-        Ok((CpuStorage::F32(y), layout.shape().clone()))
+        })
     }
 
     fn bwd(&self, _scores: &Tensor, probs: &Tensor, grad: &Tensor) -> candle_core::Result<Option<Tensor>> {
@@ -72,19 +102,19 @@ impl CustomOp2 for SoftmaxBackward {
         grad: &CpuStorage,
         grad_layout: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
-        let (y, g) = (
-            values(probs, probs_layout, self.name())?,
-            values(grad, grad_layout, self.name())?,
-        );
         let n = row_len(probs_layout)?;
-        let mut dx = vec![0f32; y.len()];
-        for ((y, g), dx) in y.chunks_exact(n).zip(g.chunks_exact(n)).zip(dx.chunks_exact_mut(n)) {
-            let dot: f32 = y.iter().zip(g).map(|(y, g)| y * g).sum();
-            for ((d, &y), &g) in dx.iter_mut().zip(y).zip(g) {
-                *d = y * (g - dot);
-            }
-        }
-        Ok((CpuStorage::F32(dx), probs_layout.shape().clone()))
+        map_rows2(
+            (probs, probs_layout),
+            (grad, grad_layout),
+            self.name(),
+            n,
+            |y, g, dx| {
+                let dot: f32 = y.iter().zip(g).map(|(y, g)| y * g).sum();
+                for ((d, &y), &g) in dx.iter_mut().zip(y).zip(g) {
+                    *d = y * (g - dot);
+                }
+            },
+        )
     }
 }
 
@@ -111,16 +141,12 @@ impl CustomOp1 for Normalize {
     }
 
     fn cpu_fwd(&self, storage: &CpuStorage, layout: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
-        let x = values(storage, layout, self.name())?;
-        let n = row_len(layout)?;
-        let mut y = vec![0f32; x.len()];
-        for (row, out) in x.chunks_exact(n).zip(y.chunks_exact_mut(n)) {
+        map_rows(storage, layout, self.name(), row_len(layout)?, |_, row, out| {
             let (mean, inv_std) = moments(row, self.eps);
             for (o, &v) in out.iter_mut().zip(row) {
                 *o = (v - mean) * inv_std;
             }
-        }
-        Ok((CpuStorage::F32(y), layout.shape().clone()))
+        })
     }
 
     fn bwd(&self, x: &Tensor, _normalized: &Tensor, grad: &Tensor) -> candle_core::Result<Option<Tensor>> {
@@ -149,26 +175,25 @@ impl CustomOp2 for NormalizeBackward {
         grad: &CpuStorage,
         grad_layout: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
-        let (x, g) = (
-            values(input, input_layout, self.name())?,
-            values(grad, grad_layout, self.name())?,
-        );
         let n = row_len(input_layout)?;
-        let mut dx = vec![0f32; x.len()];
-        for ((x, g), dx) in x.chunks_exact(n).zip(g.chunks_exact(n)).zip(dx.chunks_exact_mut(n)) {
-            let (mean, inv_std) = moments(x, self.eps);
-            let (mut g_mean, mut gx_mean) = (0.0, 0.0);
-            for (&x, &g) in x.iter().zip(g) {
-                g_mean += g;
-                gx_mean += g * (x - mean) * inv_std;
-            }
-            let n = n as f32;
-            let (g_mean, gx_mean) = (g_mean / n, gx_mean / n);
-            for ((d, &x), &g) in dx.iter_mut().zip(x).zip(g) {
-                *d = (g - g_mean - (x - mean) * inv_std * gx_mean) * inv_std;
-            }
-        }
-        Ok((CpuStorage::F32(dx), input_layout.shape().clone()))
+        map_rows2(
+            (input, input_layout),
+            (grad, grad_layout),
+            self.name(),
+            n,
+            |x, g, dx| {
+                let (mean, inv_std) = moments(x, self.eps);
+                let (mut g_mean, mut gx_mean) = (0.0, 0.0);
+                for (&x, &g) in x.iter().zip(g) {
+                    g_mean += g;
+                    gx_mean += g * (x - mean) * inv_std;
+                }
+                let (g_mean, gx_mean) = (g_mean / n as f32, gx_mean / n as f32);
+                for ((d, &x), &g) in dx.iter_mut().zip(x).zip(g) {
+                    *d = (g - g_mean - (x - mean) * inv_std * gx_mean) * inv_std;
+                }
+            },
+        )
     }
 }
 
@@ -190,9 +215,11 @@ impl CustomOp1 for Gelu {
     }
 
     fn cpu_fwd(&self, storage: &CpuStorage, layout: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
-        let x = values(storage, layout, self.name())?;
-        let y = x.iter().map(|&x| x * normal_cdf(x)).collect();
-        Ok((CpuStorage::F32(y), layout.shape().clone()))
+        map_rows(storage, layout, self.name(), row_len(layout)?, |_, x, y| {
+            for (y, &x) in y.iter_mut().zip(x) {
+                *y = x * normal_cdf(x);
+            }
+        })
     }
 
     fn bwd(&self, x: &Tensor, _y: &Tensor, grad: &Tensor) -> candle_core::Result<Option<Tensor>> {
@@ -215,18 +242,20 @@ impl CustomOp2 for GeluBackward {
         grad: &CpuStorage,
         grad_layout: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
-        let (x, g) = (
-            values(input, input_layout, self.name())?,
-            values(grad, grad_layout, self.name())?,
-        );
         // 1 / sqrt(2π)
         const INV_SQRT_TAU: f32 = 0.398_942_3;
-        let dx = x
-            .iter()
-            .zip(g)
-            .map(|(&x, &g)| g * (normal_cdf(x) + x * INV_SQRT_TAU * (-0.5 * x * x).exp()))
-            .collect();
-        Ok((CpuStorage::F32(dx), input_layout.shape().clone()))
+        let n = row_len(input_layout)?;
+        map_rows2(
+            (input, input_layout),
+            (grad, grad_layout),
+            self.name(),
+            n,
+            |x, g, dx| {
+                for ((d, &x), &g) in dx.iter_mut().zip(x).zip(g) {
+                    *d = g * (normal_cdf(x) + x * INV_SQRT_TAU * (-0.5 * x * x).exp());
+                }
+            },
+        )
     }
 }
 
