@@ -2,7 +2,7 @@
 //! in a simulated cluster) or a TCP connection, and requests sent to all shards in parallel.
 //!
 //! Network failures (refused, reset, closed) of a request are retried `retry` times with
-//! exponential backoff on a fresh connection; pushes are idempotent on the shard, so a retry
+//! exponential backoff and jitter on a fresh connection; pushes are idempotent on the shard, so a retry
 //! after a lost answer is safe. A shard that answers nothing within the timeout, or stays
 //! unreachable, is an error naming it and its endpoint.
 
@@ -20,6 +20,18 @@ use tokio_util::codec::{Framed, LengthDelimitedCodec};
 use super::wire::{decode_reply, encode_request, Reply, Request};
 use crate::actors::pserver::{PServer, ShardCall};
 use crate::net::frame::codec;
+
+/// `backoff` scaled by a random factor in [0.5, 1): trainers that failed together (a shard
+/// restarting) do not all come back at the same instant.
+fn jittered(backoff: Duration) -> Duration {
+    let mut bytes = [0u8; 4];
+    // Without randomness the retry still happens, only without the spread.
+    let unit = match getrandom::fill(&mut bytes) {
+        Ok(()) => f64::from(u32::from_le_bytes(bytes)) / (f64::from(u32::MAX) + 1.0),
+        Err(_) => 0.5,
+    };
+    backoff.mul_f64(0.5 + 0.5 * unit)
+}
 
 /// First backoff between retries; doubled each time.
 const FIRST_BACKOFF: Duration = Duration::from_millis(50);
@@ -182,13 +194,14 @@ async fn call(
                     .with_context(|| format!("{what} at parameter server {index} ({})", remote.endpoint))
             }
             Ok(Err(e)) if attempt < retry => {
+                let pause = jittered(backoff);
                 tracing::warn!(
-                    "{what} at parameter server {index} ({}) failed: {e}; retry {} of {retry} in {backoff:.0?}",
+                    "{what} at parameter server {index} ({}) failed: {e}; retry {} of {retry} in {pause:.0?}",
                     remote.endpoint,
                     attempt + 1
                 );
                 remote.connection = None;
-                tokio::time::sleep(backoff).await;
+                tokio::time::sleep(pause).await;
                 backoff *= 2;
                 attempt += 1;
             }
@@ -197,5 +210,18 @@ async fn call(
                 remote.endpoint
             ),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn jitter_spreads_a_backoff_over_its_upper_half() {
+        let backoff = Duration::from_millis(200);
+        let pauses: Vec<Duration> = (0..64).map(|_| jittered(backoff)).collect();
+        assert!(pauses.iter().all(|p| *p >= backoff / 2 && *p < backoff), "{pauses:?}");
+        assert!(pauses.iter().any(|p| p != &pauses[0]), "the pauses differ");
     }
 }
