@@ -20,27 +20,46 @@ use crate::telemetry::timeline::{record, Timeline};
 pub struct Chunk {
     blocks: Vec<Box<dyn Block>>,
     segments: Segments,
+    /// The blocks' parameters, block by block.
+    params: Vec<Var>,
+    /// Where block `b`'s parameters start in `params`; one more entry for the end.
+    block_first: Vec<usize>,
 }
 
 impl Chunk {
     /// `blocks` as one segment: every activation is held from forward to backward.
     pub fn new(blocks: Vec<Box<dyn Block>>) -> Self {
         let segments = Segments::whole(blocks.len());
-        Self { blocks, segments }
+        Self::cut(blocks, segments)
     }
 
     /// `blocks` cut per block, so the gradients of each block are final (and can be
     /// all-reduced) as soon as its last backward is done.
     pub fn per_block(blocks: Vec<Box<dyn Block>>) -> Self {
         let segments = Segments::per_block(blocks.len());
-        Self { blocks, segments }
+        Self::cut(blocks, segments)
     }
 
     /// `blocks` with activation recomputation: only the outputs of the blocks at `checkpoints`
     /// (indices within the chunk) and the chunk's input are held from forward to backward.
     pub fn recomputed(blocks: Vec<Box<dyn Block>>, checkpoints: &[usize]) -> Self {
         let segments = Segments::recomputed(blocks.len(), checkpoints);
-        Self { blocks, segments }
+        Self::cut(blocks, segments)
+    }
+
+    fn cut(blocks: Vec<Box<dyn Block>>, segments: Segments) -> Self {
+        let (mut params, mut block_first) = (Vec::new(), Vec::with_capacity(blocks.len() + 1));
+        for block in &blocks {
+            block_first.push(params.len());
+            params.extend(block.parameters().into_iter().map(|(_, var)| var));
+        }
+        block_first.push(params.len());
+        Self {
+            blocks,
+            segments,
+            params,
+            block_first,
+        }
     }
 }
 
@@ -183,31 +202,18 @@ impl Stage {
     ) -> Result<StageStep> {
         let (p, s, m, v) = (self.stages, self.index, self.micro_batches, self.chunks.len());
         let last = v * p - 1;
-        let params: Vec<Vec<Var>> = self
+        // Where each chunk's parameters start in the stage's order.
+        let chunk_first: Vec<usize> = self
             .chunks
             .iter()
-            .map(|chunk| {
-                chunk
-                    .blocks
-                    .iter()
-                    .flat_map(|b| b.parameters().into_iter().map(|(_, v)| v))
-                    .collect()
+            .scan(0, |next, chunk| {
+                let first = *next;
+                *next += chunk.params.len();
+                Some(first)
             })
             .collect();
-        // Where each chunk's and each block's parameters start in the stage's order.
-        let mut first_param: Vec<Vec<usize>> = Vec::with_capacity(v);
-        let mut next = 0;
-        for chunk in &self.chunks {
-            let mut firsts = Vec::with_capacity(chunk.blocks.len() + 1);
-            for block in &chunk.blocks {
-                firsts.push(next);
-                next += block.parameters().len();
-            }
-            firsts.push(next);
-            first_param.push(firsts);
-        }
         let mut backwards_left = vec![m; v];
-        let mut sums: Vec<Vec<Option<Tensor>>> = params.iter().map(|ps| vec![None; ps.len()]).collect();
+        let mut sums: Vec<Vec<Option<Tensor>>> = self.chunks.iter().map(|c| vec![None; c.params.len()]).collect();
         let mut stash: HashMap<(usize, usize), Stashed> = HashMap::new();
         let mut loss_sum = 0.0f32;
         let (mut peak, mut held_bytes, mut peak_bytes) = (0, 0usize, 0usize);
@@ -231,7 +237,7 @@ impl Stage {
                         Var::from_tensor(&received)?.as_tensor().clone()
                     };
                     let computing = Instant::now();
-                    let Chunk { blocks, segments } = &self.chunks[chunk];
+                    let Chunk { blocks, segments, .. } = &self.chunks[chunk];
                     let forward =
                         segments::forward(blocks, segments, input).with_context(|| format!("stage {s}: {what}"))?;
                     let loss_gradient = if virtual_stage == last {
@@ -271,11 +277,11 @@ impl Stage {
                     };
                     let computing = Instant::now();
                     let forward_bytes = stashed.forward.held_bytes();
-                    let Chunk { blocks, segments } = &self.chunks[chunk];
+                    let Chunk { blocks, segments, .. } = &self.chunks[chunk];
                     let chunk_sums = &mut sums[chunk];
                     backwards_left[chunk] -= 1;
                     let last_backward = backwards_left[chunk] == 0;
-                    let (firsts, chunk_params) = (&first_param[chunk], &params[chunk]);
+                    let (firsts, chunk_params) = (&self.chunks[chunk].block_first, &self.chunks[chunk].params);
                     // Every parameter a segment's graph reached gets its share, so a weight
                     // used in two segments of the chunk (a tied head) sums both.
                     let done = segments::backward(blocks, segments, stashed.forward, &upstream, &mut |range, grads| {
@@ -288,13 +294,13 @@ impl Stage {
                             }
                         }
                         if last_backward {
-                            let (start, end) = (firsts[range.start] - firsts[0], firsts[range.end] - firsts[0]);
+                            let (start, end) = (firsts[range.start], firsts[range.end]);
                             let final_sums = chunk_sums[start..end]
                                 .iter()
                                 .zip(&chunk_params[start..end])
                                 .map(|(sum, var)| sum.clone().map_or_else(|| var.zeros_like(), Ok))
                                 .collect::<candle_core::Result<Vec<_>>>()?;
-                            finished(firsts[range.start], &final_sums)?;
+                            finished(chunk_first[chunk] + start, &final_sums)?;
                         }
                         Ok(())
                     })
@@ -315,8 +321,8 @@ impl Stage {
         }
         let gradients = sums
             .into_iter()
-            .zip(&params)
-            .flat_map(|(sums, vars)| sums.into_iter().zip(vars))
+            .zip(&self.chunks)
+            .flat_map(|(sums, chunk)| sums.into_iter().zip(&chunk.params))
             .map(|(sum, var)| match sum {
                 Some(g) => Ok(g),
                 None => Ok(var.zeros_like()?),
