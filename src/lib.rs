@@ -61,6 +61,8 @@
 //! - [`ps`]: the parameter-server strategy — a shard's tables, dense slice,
 //!   optimizer and snapshots, the placement of rows, the protocol, the
 //!   trainer's client and its step logic.
+//! - [`checkpoint`]: coordinated checkpoints — atomic files, a checksummed manifest committed
+//!   last, the newest intact one found again.
 //! - [`bench`](mod@bench): benchmarks that print figures.
 //! - [`rng`], [`telemetry`]: the seeded generator every rank shares; logging.
 
@@ -68,6 +70,7 @@
 
 pub mod actors;
 pub mod bench;
+pub mod checkpoint;
 pub mod collective;
 pub mod config;
 pub mod data;

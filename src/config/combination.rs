@@ -7,6 +7,7 @@ use super::{DatasetKind, FieldError, HybridConfigs, JobConfig, ModelKind, Optimi
 pub(super) fn check(config: &JobConfig) -> Result<(), FieldError> {
     let train = &config.train;
     check_pipeline(config)?;
+    check_checkpoints(config)?;
     if config.cluster.is_parameter_server() {
         check_parameter_server(config)?;
     } else {
@@ -37,6 +38,19 @@ pub(super) fn check(config: &JobConfig) -> Result<(), FieldError> {
 }
 
 /// The parameter servers train the CTR model with their own optimizers.
+/// A checkpoint holds optimizer state, not half-merged gradients, so it is taken where a merge
+/// has just completed.
+fn check_checkpoints(config: &JobConfig) -> Result<(), FieldError> {
+    let (every, k) = (config.fault_tolerance.checkpoint_every, config.strategy.merge_steps());
+    if every > 0 && !every.is_multiple_of(k) {
+        return Err(FieldError::new(
+            "fault_tolerance.checkpoint_every",
+            format!("{every} is not a multiple of strategy.gradient_merge_configs.k_steps = {k}: a checkpoint must fall where a merge completes"),
+        ));
+    }
+    Ok(())
+}
+
 fn check_parameter_server(config: &JobConfig) -> Result<(), FieldError> {
     let train = &config.train;
     let servers = config.cluster.server_num;

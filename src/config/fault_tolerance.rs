@@ -1,32 +1,13 @@
-//! `[fault_tolerance]`: deadlines that turn a hung peer into an error instead of a hang, plus
-//! the keys of the later fault-tolerance release (checkpointing, restarts, heartbeats) that are
-//! recognised but not built yet.
+//! `[fault_tolerance]`: deadlines that turn a hung peer into an error instead of a hang,
+//! retries of transient network errors, heartbeats that find dead or stalled roles, coordinated
+//! checkpoints, and restarts from the last one.
 
+use std::path::PathBuf;
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
-use super::{FieldError, UnsupportedKey};
-
-/// Keys of `[fault_tolerance]` from a later release, rejected with "not supported yet" before
-/// deserialization (same mechanism as the strategy list).
-pub(crate) const UNSUPPORTED_KEYS: &[UnsupportedKey] = &[
-    unsupported("checkpoint_every", "checkpointing"),
-    unsupported("keep_checkpoints", "checkpointing"),
-    unsupported("checkpoint_dir", "checkpointing"),
-    unsupported("max_restarts", "elastic restart"),
-    unsupported("heartbeat_interval_ms", "heartbeats"),
-    unsupported("heartbeat_misses", "heartbeats"),
-];
-
-/// Entry of [`UNSUPPORTED_KEYS`] in the `[fault_tolerance]` section.
-const fn unsupported(key: &'static str, reason: &'static str) -> UnsupportedKey {
-    UnsupportedKey {
-        section: "fault_tolerance",
-        key,
-        reason,
-    }
-}
+use super::FieldError;
 
 /// `[fault_tolerance]` section.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -39,6 +20,19 @@ pub struct FaultToleranceConfig {
     /// refused or reset) is retried, with exponential backoff, before the job fails naming the
     /// unreachable server.
     pub retry: usize,
+    /// Steps between coordinated checkpoints; 0 turns checkpointing off.
+    pub checkpoint_every: usize,
+    /// Committed checkpoints kept; older ones are deleted once a newer one is committed.
+    pub keep_checkpoints: usize,
+    /// Where checkpoints go, one `step-N` directory each (relative to the working directory).
+    pub checkpoint_dir: PathBuf,
+    /// Times a launcher restarts the job's processes after one of them died, each time from
+    /// the last committed checkpoint, before it gives up.
+    pub max_restarts: usize,
+    /// How often every role tells the coordinator it is alive, in milliseconds.
+    pub heartbeat_interval_ms: u64,
+    /// Heartbeat intervals a role may stay silent before the coordinator declares it dead.
+    pub heartbeat_misses: u32,
 }
 
 impl Default for FaultToleranceConfig {
@@ -46,6 +40,12 @@ impl Default for FaultToleranceConfig {
         Self {
             timeout_s: 1800.0,
             retry: 3,
+            checkpoint_every: 0,
+            keep_checkpoints: 3,
+            checkpoint_dir: PathBuf::from("checkpoints"),
+            max_restarts: 0,
+            heartbeat_interval_ms: 1000,
+            heartbeat_misses: 5,
         }
     }
 }
@@ -57,6 +57,16 @@ impl FaultToleranceConfig {
         Duration::try_from_secs_f64(self.timeout_s).unwrap_or(Duration::MAX)
     }
 
+    /// How long a role may stay silent before it is declared dead.
+    pub fn heartbeat_deadline(&self) -> Duration {
+        self.heartbeat_interval() * self.heartbeat_misses
+    }
+
+    /// [`FaultToleranceConfig::heartbeat_interval_ms`] as a `Duration`.
+    pub fn heartbeat_interval(&self) -> Duration {
+        Duration::from_millis(self.heartbeat_interval_ms)
+    }
+
     /// Range checks of the section.
     pub(crate) fn check(&self) -> Result<(), FieldError> {
         let t = self.timeout_s;
@@ -64,6 +74,30 @@ impl FaultToleranceConfig {
             return Err(FieldError::new(
                 "fault_tolerance.timeout_s",
                 format!("must be a positive, finite number of seconds, got {t}"),
+            ));
+        }
+        if self.keep_checkpoints == 0 {
+            return Err(FieldError::new(
+                "fault_tolerance.keep_checkpoints",
+                "must be at least 1: a restart needs a checkpoint to return to",
+            ));
+        }
+        if self.heartbeat_interval_ms < 10 {
+            return Err(FieldError::new(
+                "fault_tolerance.heartbeat_interval_ms",
+                format!("must be at least 10 ms, got {}", self.heartbeat_interval_ms),
+            ));
+        }
+        if self.heartbeat_misses == 0 {
+            return Err(FieldError::new(
+                "fault_tolerance.heartbeat_misses",
+                "must be at least 1",
+            ));
+        }
+        if self.checkpoint_every > 0 && self.checkpoint_dir.as_os_str().is_empty() {
+            return Err(FieldError::new(
+                "fault_tolerance.checkpoint_dir",
+                "must name a directory when checkpoint_every is set",
             ));
         }
         Ok(())
@@ -77,17 +111,25 @@ mod tests {
     use crate::config::tests::{err_text, load_str};
 
     #[test]
-    fn later_release_keys_are_not_supported_yet() {
-        let msg = err_text(load_str("[fault_tolerance]\nmax_restarts = 3\n"));
-        assert_eq!(
-            msg,
-            "config.toml: fault_tolerance.max_restarts: not supported yet (elastic restart)"
-        );
-        let msg = err_text(load_str("[fault_tolerance]\ncheckpoint_dir = \"ckpt\"\n"));
+    fn every_key_is_settable_and_checked() {
+        let config = load_str(
+            "[fault_tolerance]\ncheckpoint_every = 5\nkeep_checkpoints = 2\ncheckpoint_dir = \"ckpt\"\n\
+             max_restarts = 3\nheartbeat_interval_ms = 200\nheartbeat_misses = 4\n",
+        )
+        .unwrap();
+        let ft = &config.fault_tolerance;
+        assert_eq!((ft.checkpoint_every, ft.keep_checkpoints, ft.max_restarts), (5, 2, 3));
+        assert_eq!(ft.checkpoint_dir, std::path::PathBuf::from("ckpt"));
+        assert_eq!(ft.heartbeat_deadline(), Duration::from_millis(800));
+        let msg = err_text(load_str("[fault_tolerance]\nkeep_checkpoints = 0\n"));
         assert!(
-            msg.contains("fault_tolerance.checkpoint_dir: not supported yet"),
+            msg.contains("fault_tolerance.keep_checkpoints: must be at least 1"),
             "{msg}"
         );
+        let msg = err_text(load_str("[fault_tolerance]\nheartbeat_misses = 0\n"));
+        assert!(msg.contains("fault_tolerance.heartbeat_misses"), "{msg}");
+        let msg = err_text(load_str("[fault_tolerance]\ncheckpoint_everyy = 5\n"));
+        assert!(msg.contains("checkpoint_everyy"), "{msg}");
     }
 
     #[test]

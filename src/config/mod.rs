@@ -289,10 +289,7 @@ fn line_column(text: &str, offset: usize) -> (usize, usize) {
 
 /// Rejects keys of features listed in the sections' "not supported yet" tables.
 fn reject_unsupported(table: &Table, provenance: &Provenance) -> Result<(), ConfigError> {
-    let listed = strategy::UNSUPPORTED_KEYS
-        .iter()
-        .chain(fault_tolerance::UNSUPPORTED_KEYS);
-    for entry in listed {
+    for entry in strategy::UNSUPPORTED_KEYS {
         let present = table
             .get(entry.section)
             .and_then(Value::as_table)

@@ -1,0 +1,383 @@
+//! Coordinated checkpoints on disk. `DIR/step-00000120/` holds the files the roles wrote for
+//! step 120 and a `manifest.json`, written last, once every role has acknowledged, that lists
+//! each file with its size and SHA-256. Every file is written to a temporary name, synced and
+//! renamed, so a crash never leaves half a file under a real name; a checkpoint without a
+//! manifest (a role died before the commit) or whose files do not match it (truncated, a
+//! flipped byte) is skipped for the one before it.
+
+use std::collections::{HashMap, HashSet};
+use std::fs::{self, File};
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+use anyhow::{bail, ensure, Context, Result};
+use candle_core::{Device, Tensor};
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+
+use crate::config::FaultToleranceConfig;
+
+/// The file every committed checkpoint directory ends with.
+pub const MANIFEST: &str = "manifest.json";
+/// The manifest's `format` value.
+const FORMAT: &str = "flotilla-checkpoint";
+const STEP_PREFIX: &str = "step-";
+
+/// One file of a checkpoint as its writer saw it: what the manifest records and the reader
+/// checks. Small enough to travel to the committing rank in a gather.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FileRecord {
+    /// The file's name inside the step directory.
+    pub name: String,
+    /// Its length.
+    pub bytes: u64,
+    /// SHA-256 of its contents, lowercase hex.
+    pub sha256: String,
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+struct Manifest {
+    format: String,
+    step: usize,
+    world_size: usize,
+    /// The global mean loss of every step up to `step`, so a resumed run reports the whole run.
+    losses: Vec<f32>,
+    files: Vec<FileRecord>,
+}
+
+/// The checkpoint directory of a job: where roles write their files and the coordinator's rank
+/// commits them.
+#[derive(Debug, Clone)]
+pub struct CheckpointStore {
+    root: PathBuf,
+    keep: usize,
+}
+
+/// A committed checkpoint whose files all matched its manifest when it was found.
+#[derive(Debug)]
+pub struct Checkpoint {
+    /// The step it was taken after: training resumes with this step's successor.
+    pub step: usize,
+    /// Its directory.
+    pub dir: PathBuf,
+    /// Global mean loss of every step before [`Checkpoint::step`].
+    pub losses: Vec<f32>,
+    world_size: usize,
+    files: Vec<FileRecord>,
+}
+
+impl CheckpointStore {
+    /// A store at `root` that keeps the newest `keep` checkpoints.
+    pub fn new(root: impl Into<PathBuf>, keep: usize) -> Self {
+        Self {
+            root: root.into(),
+            keep: keep.max(1),
+        }
+    }
+
+    /// The store `[fault_tolerance]` describes.
+    pub fn from_config(config: &FaultToleranceConfig) -> Self {
+        Self::new(&config.checkpoint_dir, config.keep_checkpoints)
+    }
+
+    /// The store's directory.
+    pub fn root(&self) -> &Path {
+        &self.root
+    }
+
+    fn step_dir(&self, step: usize) -> PathBuf {
+        self.root.join(format!("{STEP_PREFIX}{step:08}"))
+    }
+
+    /// Writes `bytes` as file `name` of step `step`'s checkpoint, atomically, and returns its
+    /// record for the manifest.
+    pub fn write(&self, step: usize, name: &str, bytes: &[u8]) -> Result<FileRecord> {
+        ensure!(
+            !name.is_empty() && !name.starts_with('.') && !name.contains(['/', '\\']) && name != MANIFEST,
+            "{name:?} cannot name a checkpoint file"
+        );
+        let dir = self.step_dir(step);
+        fs::create_dir_all(&dir).with_context(|| format!("creating checkpoint directory {}", dir.display()))?;
+        write_atomically(&dir, name, bytes)?;
+        Ok(FileRecord {
+            name: name.to_string(),
+            bytes: bytes.len() as u64,
+            sha256: sha256_hex(bytes),
+        })
+    }
+
+    /// Commits step `step`'s checkpoint once every role has written its `files`: the manifest
+    /// goes last, so the checkpoint exists only when all its files do. Then checkpoints older
+    /// than the newest `keep` are deleted.
+    pub fn commit(&self, step: usize, world_size: usize, losses: &[f32], files: Vec<FileRecord>) -> Result<()> {
+        let dir = self.step_dir(step);
+        let mut names = HashSet::new();
+        for file in &files {
+            ensure!(
+                names.insert(&file.name),
+                "checkpoint of step {step}: two roles wrote {}",
+                file.name
+            );
+            let path = dir.join(&file.name);
+            let on_disk = fs::metadata(&path).with_context(|| format!("committing {}", path.display()))?;
+            ensure!(
+                on_disk.len() == file.bytes,
+                "committing {}: {} bytes on disk, its writer wrote {}",
+                path.display(),
+                on_disk.len(),
+                file.bytes
+            );
+        }
+        let manifest = Manifest {
+            format: FORMAT.to_string(),
+            step,
+            world_size,
+            losses: losses.to_vec(),
+            files,
+        };
+        write_atomically(&dir, MANIFEST, &serde_json::to_vec_pretty(&manifest)?)?;
+        tracing::info!(step, dir = %dir.display(), "checkpoint committed");
+        self.prune(step)
+    }
+
+    /// Deletes every step directory older than the newest `keep` committed ones up to `newest`,
+    /// torn ones included.
+    fn prune(&self, newest: usize) -> Result<()> {
+        let steps = self.steps()?;
+        let committed: Vec<usize> = steps
+            .iter()
+            .copied()
+            .filter(|&s| s <= newest && self.step_dir(s).join(MANIFEST).exists())
+            .collect();
+        let Some(&oldest_kept) = committed.iter().rev().nth(self.keep - 1) else {
+            return Ok(());
+        };
+        for step in steps.into_iter().filter(|&s| s < oldest_kept) {
+            let dir = self.step_dir(step);
+            fs::remove_dir_all(&dir).with_context(|| format!("deleting old checkpoint {}", dir.display()))?;
+        }
+        Ok(())
+    }
+
+    /// Steps that have a directory, oldest first.
+    fn steps(&self) -> Result<Vec<usize>> {
+        let entries = match fs::read_dir(&self.root) {
+            Ok(entries) => entries,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+            Err(e) => return Err(e).with_context(|| format!("reading {}", self.root.display())),
+        };
+        let mut steps = Vec::new();
+        for entry in entries {
+            let name = entry?.file_name();
+            if let Some(step) = name
+                .to_str()
+                .and_then(|n| n.strip_prefix(STEP_PREFIX))
+                .and_then(|n| n.parse().ok())
+            {
+                steps.push(step);
+            }
+        }
+        steps.sort_unstable();
+        Ok(steps)
+    }
+
+    /// The newest checkpoint whose manifest is present and whose every file matches it; the
+    /// ones skipped on the way are logged with the reason. `None` when there is none.
+    pub fn latest(&self) -> Result<Option<Checkpoint>> {
+        for step in self.steps()?.into_iter().rev() {
+            match self.verify(step) {
+                Ok(checkpoint) => return Ok(Some(checkpoint)),
+                Err(e) => tracing::warn!(step, "skipping checkpoint: {e:#}"),
+            }
+        }
+        Ok(None)
+    }
+
+    /// Step `step`'s checkpoint, if its manifest is there and every file matches it.
+    fn verify(&self, step: usize) -> Result<Checkpoint> {
+        let dir = self.step_dir(step);
+        let manifest_path = dir.join(MANIFEST);
+        let text = match fs::read(&manifest_path) {
+            Ok(text) => text,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                bail!("{} has no manifest: it was never committed", dir.display())
+            }
+            Err(e) => return Err(e).with_context(|| format!("reading {}", manifest_path.display())),
+        };
+        let manifest: Manifest =
+            serde_json::from_slice(&text).with_context(|| format!("{} is malformed", manifest_path.display()))?;
+        ensure!(
+            manifest.format == FORMAT && manifest.step == step,
+            "{} is not the manifest of step {step}",
+            manifest_path.display()
+        );
+        for file in &manifest.files {
+            let path = dir.join(&file.name);
+            let bytes = fs::read(&path).with_context(|| format!("reading {}", path.display()))?;
+            ensure!(
+                bytes.len() as u64 == file.bytes,
+                "{} has {} bytes, the manifest says {} (truncated?)",
+                path.display(),
+                bytes.len(),
+                file.bytes
+            );
+            ensure!(
+                sha256_hex(&bytes) == file.sha256,
+                "{} does not match its checksum (corrupted)",
+                path.display()
+            );
+        }
+        Ok(Checkpoint {
+            step,
+            dir,
+            losses: manifest.losses,
+            world_size: manifest.world_size,
+            files: manifest.files,
+        })
+    }
+}
+
+impl Checkpoint {
+    /// Refuses a checkpoint taken by a job of another size: its files are cut for that size.
+    pub fn check_world_size(&self, world_size: usize) -> Result<()> {
+        ensure!(
+            self.world_size == world_size,
+            "checkpoint {} was taken by a job of {} processes; this one has {world_size}",
+            self.dir.display(),
+            self.world_size
+        );
+        Ok(())
+    }
+
+    /// The contents of file `name`.
+    pub fn read(&self, name: &str) -> Result<Vec<u8>> {
+        let record = self
+            .files
+            .iter()
+            .find(|f| f.name == name)
+            .with_context(|| format!("checkpoint {} has no file {name}", self.dir.display()))?;
+        let path = self.dir.join(name);
+        let bytes = fs::read(&path).with_context(|| format!("reading {}", path.display()))?;
+        ensure!(
+            bytes.len() as u64 == record.bytes,
+            "{} changed since it was checked",
+            path.display()
+        );
+        Ok(bytes)
+    }
+}
+
+/// Writes `dir/name` through a temporary file that is synced, renamed over the name, and made
+/// durable by syncing the directory.
+fn write_atomically(dir: &Path, name: &str, bytes: &[u8]) -> Result<()> {
+    let temporary = dir.join(format!(".{name}.tmp"));
+    let path = dir.join(name);
+    let mut file = File::create(&temporary).with_context(|| format!("creating {}", temporary.display()))?;
+    file.write_all(bytes)
+        .and_then(|()| file.sync_all())
+        .with_context(|| format!("writing {}", temporary.display()))?;
+    fs::rename(&temporary, &path).with_context(|| format!("renaming {} to {}", temporary.display(), path.display()))?;
+    File::open(dir)
+        .and_then(|d| d.sync_all())
+        .with_context(|| format!("syncing directory {}", dir.display()))
+}
+
+/// SHA-256 of `bytes` in lowercase hex.
+fn sha256_hex(bytes: &[u8]) -> String {
+    Sha256::digest(bytes).iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// `tensors` and `metadata` as the bytes of a safetensors file.
+pub fn encode_tensors(tensors: &[(String, Tensor)], metadata: HashMap<String, String>) -> Result<Vec<u8>> {
+    let views = tensors.iter().map(|(name, tensor)| (name.as_str(), tensor));
+    Ok(safetensors::serialize(views, Some(metadata))?)
+}
+
+/// The tensors (on `device`) and metadata of a safetensors file's bytes.
+pub fn decode_tensors(bytes: &[u8], device: &Device) -> Result<(HashMap<String, Tensor>, HashMap<String, String>)> {
+    let (_, header) = safetensors::SafeTensors::read_metadata(bytes)?;
+    let metadata = header.metadata().clone().unwrap_or_default();
+    Ok((candle_core::safetensors::load_buffer(bytes, device)?, metadata))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn store_with_steps(root: &Path, steps: &[usize]) -> Result<CheckpointStore> {
+        let store = CheckpointStore::new(root, 2);
+        for &step in steps {
+            let a = store.write(step, "a.bin", &vec![step as u8; 1000])?;
+            let b = store.write(step, "b.bin", b"second role")?;
+            store.commit(step, 2, &vec![1.0; step], vec![a, b])?;
+        }
+        Ok(store)
+    }
+
+    #[test]
+    fn newest_valid_checkpoint_is_found_and_old_ones_pruned() -> Result<()> {
+        let root = tempfile::tempdir()?;
+        let store = store_with_steps(root.path(), &[5, 10, 15])?;
+        assert_eq!(store.steps()?, vec![10, 15], "keep = 2");
+        let latest = store.latest()?.expect("a checkpoint");
+        assert_eq!((latest.step, latest.losses.len()), (15, 15));
+        assert_eq!(latest.read("a.bin")?, vec![15u8; 1000]);
+        latest.check_world_size(2)?;
+        assert!(latest.check_world_size(3).is_err());
+        assert!(latest.read("c.bin").is_err());
+        assert!(!latest.dir.join(".a.bin.tmp").exists());
+        Ok(())
+    }
+
+    #[test]
+    fn truncated_corrupted_and_uncommitted_checkpoints_are_skipped() -> Result<()> {
+        let root = tempfile::tempdir()?;
+        let mut store = store_with_steps(root.path(), &[5, 10])?;
+        store.keep = 10;
+        let file = store.step_dir(10).join("a.bin");
+        let mut bytes = fs::read(&file)?;
+        bytes[500] ^= 0x01;
+        fs::write(&file, &bytes)?;
+        assert_eq!(store.latest()?.expect("step 5 is intact").step, 5);
+
+        fs::write(&file, &bytes[..999])?;
+        assert_eq!(store.latest()?.expect("step 5 is intact").step, 5);
+
+        // A role died before step 20 was committed: files without a manifest.
+        store.write(20, "a.bin", b"half of a checkpoint")?;
+        assert_eq!(store.latest()?.expect("step 5 is intact").step, 5);
+
+        fs::write(store.step_dir(5).join("b.bin"), b"second rolf")?;
+        assert!(store.latest()?.is_none(), "nothing intact is left");
+        Ok(())
+    }
+
+    #[test]
+    fn a_commit_needs_every_file_written_in_full() -> Result<()> {
+        let root = tempfile::tempdir()?;
+        let store = CheckpointStore::new(root.path(), 3);
+        let mut record = store.write(1, "a.bin", b"abc")?;
+        record.bytes = 4;
+        let err = store.commit(1, 1, &[], vec![record.clone()]).unwrap_err().to_string();
+        assert!(err.contains("3 bytes on disk"), "{err}");
+        record.name = "missing.bin".into();
+        assert!(store.commit(1, 1, &[], vec![record]).is_err());
+        assert!(store.write(1, MANIFEST, b"{}").is_err());
+        assert!(store.write(1, "../escape", b"").is_err());
+        assert!(store.latest()?.is_none());
+        Ok(())
+    }
+
+    #[test]
+    fn tensors_and_metadata_survive_encoding() -> Result<()> {
+        let t = Tensor::new(&[[1.0f32, 2.0], [3.0, 4.0]], &Device::Cpu)?;
+        let bytes = encode_tensors(
+            &[("w".to_string(), t.clone())],
+            HashMap::from([("optimizer".to_string(), "sgd".to_string())]),
+        )?;
+        let (tensors, metadata) = decode_tensors(&bytes, &Device::Cpu)?;
+        assert_eq!(tensors["w"].to_vec2::<f32>()?, t.to_vec2::<f32>()?);
+        assert_eq!(metadata["optimizer"], "sgd");
+        Ok(())
+    }
+}
