@@ -81,9 +81,8 @@ fn main() -> Result<()> {
     let (train, test) = Dataset::digits()?.split(0.2, config.train.seed)?;
     let job = TrainingJob::new(config, model, train, test);
     let options = RunOptions {
-        run_dir: "runs/custom_model".into(),
         show_progress: true,
-        trace: None,
+        ..RunOptions::new("runs/custom_model")
     };
     if let Some(outcome) = job.run(&options)? {
         println!(

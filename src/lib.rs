@@ -26,7 +26,7 @@
 //!     &[],
 //! )?;
 //! let run_dir = std::env::temp_dir().join("flotilla-doc-example");
-//! let options = RunOptions { run_dir, show_progress: false, trace: None };
+//! let options = RunOptions::new(run_dir);
 //! let outcome = TrainingJob::builtin(config)?.run_simulated(&options)?;
 //! assert_eq!(outcome.summary.world_size, 2);
 //! assert_eq!(outcome.summary.steps, 5);

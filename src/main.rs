@@ -14,7 +14,7 @@ use flotilla::bench::ps::{self as ps_bench, PsBenchArgs, PsBenchShardArgs};
 use flotilla::config::{process_env, JobConfig};
 use flotilla::data::ctr::{write_synthetic, CriteoSynth, Split};
 use flotilla::job::ps::{ParameterServerJob, PsSummary};
-use flotilla::job::{RunOptions, RunOutcome, TrainingJob};
+use flotilla::job::{Resume, RunOptions, RunOutcome, TrainingJob, RESUME_VAR};
 use flotilla::launch::{supervise, LaunchArgs, LaunchPsArgs, OutputMode};
 
 /// The default job, compiled in so `flotilla train` works from any directory.
@@ -81,6 +81,10 @@ struct TrainArgs {
     /// track per stage) to this chrome-trace JSON file, for Perfetto or chrome://tracing.
     #[arg(long, value_name = "FILE")]
     trace: Option<PathBuf>,
+    /// Continue a stopped job from the newest intact checkpoint in this directory (its
+    /// `fault_tolerance.checkpoint_dir`); later checkpoints are written there too.
+    #[arg(long, value_name = "DIR")]
+    resume: Option<PathBuf>,
 }
 
 #[derive(Subcommand)]
@@ -220,6 +224,12 @@ fn run_options(args: &TrainArgs) -> RunOptions {
         run_dir: args.run_dir.clone().unwrap_or_else(default_run_dir),
         show_progress: std::io::stderr().is_terminal(),
         trace: args.trace.clone(),
+        resume: match &args.resume {
+            Some(dir) => Resume::From(dir.clone()),
+            // A launcher restarting the job after a failure.
+            None if std::env::var_os(RESUME_VAR).is_some() => Resume::IfAny,
+            None => Resume::Fresh,
+        },
     }
 }
 

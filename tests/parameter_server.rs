@@ -44,11 +44,7 @@ fn ctr_config(overrides: &[&str]) -> JobConfig {
 }
 
 fn run(config: JobConfig, run_dir: &Path) -> PsSummary {
-    let options = RunOptions {
-        run_dir: run_dir.to_path_buf(),
-        show_progress: false,
-        trace: None,
-    };
+    let options = RunOptions::new(run_dir);
     ParameterServerJob::builtin(config)
         .expect("job")
         .run_simulated(&options)

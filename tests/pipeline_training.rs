@@ -102,9 +102,8 @@ fn the_trace_shows_each_stage_on_its_own_track_in_schedule_order() {
     let dir = tempfile::tempdir().unwrap();
     let trace = dir.path().join("trace.json");
     let options = flotilla::job::RunOptions {
-        run_dir: dir.path().join("run"),
-        show_progress: false,
         trace: Some(trace.clone()),
+        ..flotilla::job::RunOptions::new(dir.path().join("run"))
     };
     let job = flotilla::job::TrainingJob::builtin(config(&[
         MODEL,

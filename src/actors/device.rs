@@ -11,6 +11,7 @@ use std::time::{Duration, Instant};
 use actix::prelude::*;
 use anyhow::{anyhow, Context as _, Result};
 
+use crate::checkpoint::{CheckpointStore, FileRecord};
 use crate::collective::{ParamChecksum, Replica, StepReport};
 use crate::config::JobConfig;
 use crate::data::ctr::CtrBatch;
@@ -185,6 +186,23 @@ pub struct PipelineStep(pub Batch);
 #[rtype(result = "Result<Option<(usize, usize)>>")]
 pub struct PipelineEvaluate(pub Batch);
 
+/// Writes this rank's training state as file `file` of step `step`'s checkpoint in `store`.
+#[derive(Message)]
+#[rtype(result = "Result<FileRecord>")]
+pub struct SaveCheckpoint {
+    /// The job's checkpoint directory.
+    pub store: CheckpointStore,
+    /// The step the checkpoint is taken after.
+    pub step: usize,
+    /// The file's name in the step's directory.
+    pub file: String,
+}
+
+/// Continues from a training state written by [`SaveCheckpoint`].
+#[derive(Message)]
+#[rtype(result = "Result<()>")]
+pub struct RestoreCheckpoint(pub Vec<u8>);
+
 /// The device thread's state: empty until [`Prepare`], [`PrepareCtr`] or [`PreparePipeline`].
 #[derive(Default)]
 pub struct DeviceActor {
@@ -268,6 +286,23 @@ impl Handler<ReadParameters> for DeviceActor {
             .iter()
             .map(|p| Ok((p.name.clone(), p.var.flatten_all()?.to_vec1::<f32>()?)))
             .collect()
+    }
+}
+
+impl Handler<SaveCheckpoint> for DeviceActor {
+    type Result = Result<FileRecord>;
+
+    fn handle(&mut self, msg: SaveCheckpoint, _: &mut Self::Context) -> Self::Result {
+        let bytes = self.replica()?.save_state()?;
+        msg.store.write(msg.step, &msg.file, &bytes)
+    }
+}
+
+impl Handler<RestoreCheckpoint> for DeviceActor {
+    type Result = Result<()>;
+
+    fn handle(&mut self, msg: RestoreCheckpoint, _: &mut Self::Context) -> Self::Result {
+        self.replica()?.restore_state(&msg.0)
     }
 }
 

@@ -3,6 +3,7 @@
 //! thread that owns the model replica and the communicator). Every message
 //! an actor accepts is defined in its file.
 
+pub(crate) mod checkpointing;
 pub mod coordinator;
 pub mod device;
 pub mod ps_trainer;

@@ -10,10 +10,15 @@ use actix::prelude::*;
 use anyhow::{Context as _, Result};
 use indicatif::{ProgressBar, ProgressStyle};
 
-use super::device::{CheckReplicas, DeviceActor, Evaluate, ModelFactory, Prepare, ReadParameters, RingLink, TrainStep};
+use super::checkpointing;
+use super::device::{
+    CheckReplicas, DeviceActor, Evaluate, ModelFactory, Prepare, ReadParameters, RestoreCheckpoint, RingLink,
+    SaveCheckpoint, TrainStep,
+};
 use crate::collective::ParamChecksum;
 use crate::config::{JobConfig, TrainLength};
 use crate::data::{Dataset, ShardedLoader};
+use crate::job::Recovery;
 use crate::net::ControlBus;
 
 /// What a rank needs to train.
@@ -38,7 +43,12 @@ pub struct Trainer {
     pub device: Addr<DeviceActor>,
     /// Draw a progress bar (rank 0 on a terminal).
     pub show_progress: bool,
+    /// The checkpoint to start from and where to write new ones.
+    pub(crate) recovery: Recovery,
 }
+
+/// The file a data-parallel job's checkpoint holds: rank 0's replica (all replicas are equal).
+const REPLICA_FILE: &str = "replica.safetensors";
 
 /// Runs the training loop to its end.
 #[derive(Message)]
@@ -89,6 +99,7 @@ impl Handler<Train> for Trainer {
             data_endpoint: self.data_endpoint.clone(),
             device: self.device.clone(),
             show_progress: self.show_progress,
+            recovery: self.recovery.clone(),
         };
         Box::pin(run.execute())
     }
@@ -105,6 +116,7 @@ struct TrainingRun {
     data_endpoint: String,
     device: Addr<DeviceActor>,
     show_progress: bool,
+    recovery: Recovery,
 }
 
 impl TrainingRun {
@@ -132,12 +144,20 @@ impl TrainingRun {
             TrainLength::Epochs(e) => e * loader.batches_per_epoch(),
         };
         crate::optim::check_run_length(&job.strategy, steps)?;
+        let first = self.recovery.first_step(steps)?;
+        let mut losses = Vec::with_capacity(steps);
+        if let Some(checkpoint) = &self.recovery.start {
+            self.device
+                .send(RestoreCheckpoint(checkpoint.read(REPLICA_FILE)?))
+                .await??;
+            losses.extend_from_slice(&checkpoint.losses);
+        }
         let progress = progress_bar(self.show_progress, steps);
+        progress.set_position(first as u64);
         let started = Instant::now();
         let (mut step_time, mut comm_time, mut exposed) = (Duration::ZERO, Duration::ZERO, Duration::ZERO);
-        let mut losses = Vec::with_capacity(steps);
         let check_every = job.strategy.check_every;
-        for step in 0..steps {
+        for step in first..steps {
             let report = self.device.send(TrainStep(loader.batch(step))).await??;
             step_time += report.step_time;
             comm_time += report.comm_time;
@@ -147,7 +167,7 @@ impl TrainingRun {
             progress.set_message(format!("loss {:.4}", report.loss));
             let log_every = train.log_every.max(1);
             if rank == 0 && progress.is_hidden() && ((step + 1) % log_every == 0 || step + 1 == steps) {
-                let rate = ((step + 1) * train.batch_size) as f64 / started.elapsed().as_secs_f64();
+                let rate = ((step + 1 - first) * train.batch_size) as f64 / started.elapsed().as_secs_f64();
                 tracing::info!(
                     "step {}/{steps} loss {:.4} lr {:.4} {rate:.0} samples/s",
                     step + 1,
@@ -157,6 +177,24 @@ impl TrainingRun {
             }
             if check_every > 0 && (step + 1) % check_every == 0 {
                 self.device.send(CheckReplicas).await??;
+            }
+            if let Some(store) = self
+                .recovery
+                .store
+                .as_ref()
+                .filter(|_| self.recovery.due(&job, step + 1, steps))
+            {
+                let written = if rank == 0 {
+                    let save = SaveCheckpoint {
+                        store: store.clone(),
+                        step: step + 1,
+                        file: REPLICA_FILE.to_string(),
+                    };
+                    vec![self.device.send(save).await??]
+                } else {
+                    Vec::new()
+                };
+                checkpointing::acknowledge(&mut bus, rank, world, store, step + 1, &losses, &written).await?;
             }
         }
         let elapsed = started.elapsed();
@@ -180,7 +218,7 @@ impl TrainingRun {
             steps,
             final_loss: losses.last().copied().unwrap_or(f32::NAN),
             test_accuracy: if total == 0 { 0.0 } else { correct as f64 / total as f64 },
-            samples_per_sec: (steps * train.batch_size) as f64 / elapsed.as_secs_f64().max(1e-9),
+            samples_per_sec: ((steps - first) * train.batch_size) as f64 / elapsed.as_secs_f64().max(1e-9),
             comm_time_ratio: ratio(comm_time),
             exposed_comm_ratio: ratio(exposed),
             param_checksum,

@@ -6,6 +6,7 @@
 mod bucket;
 mod checksum;
 mod replica;
+pub mod training_state;
 
 pub use bucket::{Bucket, BucketPlan};
 pub use checksum::ParamChecksum;

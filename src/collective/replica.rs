@@ -105,6 +105,17 @@ impl Replica {
         &self.params
     }
 
+    /// Parameters, optimizer state and batches trained, as one checkpoint file.
+    pub fn save_state(&self) -> Result<Vec<u8>> {
+        super::training_state::encode(&self.params, &self.optimizer, self.step)
+    }
+
+    /// Continues from a state saved by [`Replica::save_state`], as if never stopped.
+    pub fn restore_state(&mut self, bytes: &[u8]) -> Result<()> {
+        self.step = super::training_state::restore(bytes, &self.params, &mut self.optimizer, &self.device)?;
+        Ok(())
+    }
+
     /// Makes every rank start from rank 0's parameters.
     pub fn broadcast_parameters(&mut self) -> Result<()> {
         let mut flat = Vec::with_capacity(self.model.parameter_count());

@@ -42,6 +42,12 @@ pub(super) fn check(config: &JobConfig) -> Result<(), FieldError> {
 /// has just completed.
 fn check_checkpoints(config: &JobConfig) -> Result<(), FieldError> {
     let (every, k) = (config.fault_tolerance.checkpoint_every, config.strategy.merge_steps());
+    if every > 0 && (config.strategy.pipeline || config.cluster.is_parameter_server()) {
+        return Err(FieldError::new(
+            "fault_tolerance.checkpoint_every",
+            "checkpoints are taken by data-parallel jobs only, so far (not pipeline or parameter-server jobs)",
+        ));
+    }
     if every > 0 && !every.is_multiple_of(k) {
         return Err(FieldError::new(
             "fault_tolerance.checkpoint_every",

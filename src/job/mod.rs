@@ -9,11 +9,14 @@ mod outputs;
 mod pipeline;
 mod process;
 pub mod ps;
+mod recovery;
 mod simulated;
 mod stage_rings;
 
 pub use control::connect_control;
 pub use outputs::{RunOutcome, Summary};
+pub(crate) use recovery::Recovery;
+pub use recovery::{Resume, RESUME_VAR};
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -64,6 +67,20 @@ pub struct RunOptions {
     /// Write a chrome-trace timeline of the run here (pipeline jobs): one track per rank; a
     /// launched rank writes its own `<stem>.rank<N>.json` beside it.
     pub trace: Option<PathBuf>,
+    /// Where training starts: from step 0, or from a checkpoint.
+    pub resume: Resume,
+}
+
+impl RunOptions {
+    /// A fresh run writing to `run_dir`, without progress bar or timeline.
+    pub fn new(run_dir: impl Into<PathBuf>) -> Self {
+        Self {
+            run_dir: run_dir.into(),
+            show_progress: false,
+            trace: None,
+            resume: Resume::Fresh,
+        }
+    }
 }
 
 /// A model, its data and the config that says how to train it.
@@ -148,6 +165,7 @@ impl TrainingJob {
         link: RingLink,
         data_endpoint: String,
         show_progress: bool,
+        recovery: Recovery,
     ) -> Trainer {
         Trainer {
             rank,
@@ -160,6 +178,7 @@ impl TrainingJob {
             data_endpoint,
             device: actix::SyncArbiter::start(1, DeviceActor::default),
             show_progress,
+            recovery,
         }
     }
 
@@ -186,7 +205,7 @@ impl TrainingJob {
             pipeline::run(self, options)?
         } else {
             refuse_trace(options)?;
-            simulated::run(self, options.show_progress)?
+            simulated::run(self, options)?
         };
         outcome.write(&options.run_dir, &self.config)?;
         Ok(outcome)
@@ -199,7 +218,7 @@ impl TrainingJob {
             pipeline::run_rank(self, rank, options)?
         } else {
             refuse_trace(options)?;
-            process::run(self, rank, options.show_progress && rank == 0)?
+            process::run(self, rank, options)?
         };
         if let Some(outcome) = &outcome {
             outcome.write(&options.run_dir, &self.config)?;

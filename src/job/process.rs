@@ -9,7 +9,7 @@ use actix::prelude::*;
 use anyhow::{anyhow, Context, Result};
 
 use super::control::connect_control;
-use super::{RunOutcome, TrainingJob};
+use super::{Recovery, RunOptions, RunOutcome, TrainingJob};
 use crate::actors::device::RingLink;
 use crate::actors::trainer::Train;
 use crate::config::JobConfig;
@@ -56,8 +56,10 @@ pub(super) fn bind(config: &JobConfig, rank: usize) -> Result<RankEndpoints> {
     })
 }
 
-pub(super) fn run(job: &TrainingJob, rank: usize, show_progress: bool) -> Result<Option<RunOutcome>> {
+pub(super) fn run(job: &TrainingJob, rank: usize, options: &RunOptions) -> Result<Option<RunOutcome>> {
     let config = job.config.clone();
+    let show_progress = options.show_progress && rank == 0;
+    let recovery = Recovery::plan(&config, &options.resume)?;
     let world = config.world_size();
     let timeout = config.fault_tolerance.timeout();
     let max_frame = config.cluster.max_frame_bytes();
@@ -81,7 +83,7 @@ pub(super) fn run(job: &TrainingJob, rank: usize, show_progress: bool) -> Result
 
     let outcome = System::new().block_on(async move {
         let bus = connect_control(rank, world, &master, timeout, max_frame, &credentials).await?;
-        job.trainer(rank, bus, link, data_endpoint, show_progress)
+        job.trainer(rank, bus, link, data_endpoint, show_progress, recovery)
             .start()
             .send(Train)
             .await

@@ -4,15 +4,16 @@
 use actix::prelude::*;
 use anyhow::{anyhow, Result};
 
-use super::{RunOutcome, TrainingJob};
+use super::{Recovery, RunOptions, RunOutcome, TrainingJob};
 use crate::actors::device::RingLink;
 use crate::actors::trainer::Train;
 use crate::actors::Coordinator;
 use crate::engines::comm::memory;
 use crate::net::ControlBus;
 
-pub(super) fn run(job: &TrainingJob, show_progress: bool) -> Result<RunOutcome> {
+pub(super) fn run(job: &TrainingJob, options: &RunOptions) -> Result<RunOutcome> {
     let world = job.config.world_size();
+    let recovery = Recovery::plan(&job.config, &options.resume)?;
     let timeout = job.config.fault_tolerance.timeout();
     let outcomes = System::new().block_on(async move {
         let coordinator = Coordinator::new(world, timeout).start();
@@ -26,7 +27,15 @@ pub(super) fn run(job: &TrainingJob, show_progress: bool) -> Result<RunOutcome> 
             .enumerate()
             .map(|(rank, link)| {
                 let bus = ControlBus::InMemory(coordinator.clone());
-                let trainer = job.trainer(rank, bus, link, format!("memory:{rank}"), show_progress && rank == 0);
+                let show_progress = options.show_progress && rank == 0;
+                let trainer = job.trainer(
+                    rank,
+                    bus,
+                    link,
+                    format!("memory:{rank}"),
+                    show_progress,
+                    recovery.clone(),
+                );
                 let run = trainer.start().send(Train);
                 async move {
                     run.await

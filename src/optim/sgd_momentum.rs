@@ -6,6 +6,11 @@ use candle_core::backprop::GradStore;
 use candle_core::{Tensor, Var};
 use candle_nn::Optimizer;
 
+use super::{check_state_entry, OptimizerState};
+
+/// The state slot of one parameter: its velocity.
+const SLOTS: &[&str] = &["momentum"];
+
 /// Hyper-parameters of [`SgdMomentum`].
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct SgdMomentumConfig {
@@ -63,6 +68,37 @@ impl Optimizer for SgdMomentum {
 
     fn set_learning_rate(&mut self, lr: f64) {
         self.config.lr = lr;
+    }
+}
+
+impl SgdMomentum {
+    /// Copies of the velocities; a parameter that has none yet exports nothing, and the step
+    /// count is 0 (SGD keeps none).
+    pub fn state(&self) -> candle_core::Result<OptimizerState> {
+        let mut tensors = Vec::new();
+        for (index, (_, velocity)) in self.params.iter().enumerate() {
+            if let Some(velocity) = velocity {
+                tensors.push((index, "momentum".to_string(), velocity.copy()?.detach()));
+            }
+        }
+        Ok(OptimizerState { steps: 0, tensors })
+    }
+
+    /// Replaces the whole state with `state` (a parameter it lacks has no velocity yet); checks
+    /// every entry before changing anything. The step count is ignored.
+    pub fn load_state(&mut self, state: OptimizerState) -> candle_core::Result<()> {
+        for (index, slot, tensor) in &state.tensors {
+            let param = self.params.get(*index).map(|(var, _)| var);
+            check_state_entry("sgd", SLOTS, self.params.len(), param, *index, slot, tensor)?;
+        }
+        for (_, velocity) in &mut self.params {
+            *velocity = None;
+        }
+        for (index, _, tensor) in state.tensors {
+            let (var, velocity) = &mut self.params[index];
+            *velocity = Some(tensor.to_device(var.device())?.copy()?.detach());
+        }
+        Ok(())
     }
 }
 

@@ -19,11 +19,7 @@ pub fn config(overrides: &[&str]) -> JobConfig {
 /// Trains `config` as a simulated cluster, outputs in a temporary directory.
 pub fn train_in_process(config: JobConfig) -> RunOutcome {
     let dir = tempfile::tempdir().expect("temp dir");
-    let options = RunOptions {
-        run_dir: dir.path().to_path_buf(),
-        show_progress: false,
-        trace: None,
-    };
+    let options = RunOptions::new(dir.path());
     TrainingJob::builtin(config)
         .expect("job")
         .run_simulated(&options)
@@ -33,11 +29,7 @@ pub fn train_in_process(config: JobConfig) -> RunOutcome {
 /// The error (with its causes) that training `config` as a simulated cluster ends with.
 pub fn run_error(config: JobConfig) -> String {
     let dir = tempfile::tempdir().expect("temp dir");
-    let options = RunOptions {
-        run_dir: dir.path().to_path_buf(),
-        show_progress: false,
-        trace: None,
-    };
+    let options = RunOptions::new(dir.path());
     let job = TrainingJob::builtin(config).expect("job");
     format!("{:#}", job.run_simulated(&options).expect_err("the run fails"))
 }

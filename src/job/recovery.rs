@@ -1,0 +1,99 @@
+//! Where a run starts and where it saves: step 0 or a committed checkpoint, and the
+//! checkpoint directory the run writes to.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use anyhow::{bail, ensure, Result};
+
+use crate::checkpoint::{Checkpoint, CheckpointStore};
+use crate::config::JobConfig;
+
+/// Set (to any value) by a launcher on the processes it restarts after a failure: each resumes
+/// from the newest intact checkpoint in `fault_tolerance.checkpoint_dir`, if there is one.
+pub const RESUME_VAR: &str = "FLOTILLA_RESUME";
+
+/// Where training starts.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub enum Resume {
+    /// From step 0. A checkpoint directory that already holds an earlier run's checkpoints is
+    /// refused rather than mixed with this run's.
+    #[default]
+    Fresh,
+    /// From the newest intact checkpoint in `fault_tolerance.checkpoint_dir`, or from step 0
+    /// when it has none: a launcher's restart ([`RESUME_VAR`]).
+    IfAny,
+    /// From the newest intact checkpoint in this directory, which must hold one
+    /// (`flotilla train --resume DIR`); the run's later checkpoints go there too.
+    From(PathBuf),
+}
+
+/// The checkpoints of one run: where it writes them (when `checkpoint_every` is set) and the
+/// one it starts from.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct Recovery {
+    /// Where checkpoints are written; `None` when the run takes none.
+    pub(crate) store: Option<CheckpointStore>,
+    /// The checkpoint training continues from.
+    pub(crate) start: Option<Arc<Checkpoint>>,
+}
+
+impl Recovery {
+    /// The recovery of `config` started as `resume` says.
+    pub(crate) fn plan(config: &JobConfig, resume: &Resume) -> Result<Self> {
+        let ft = &config.fault_tolerance;
+        let root = match resume {
+            Resume::From(dir) => dir.clone(),
+            Resume::Fresh | Resume::IfAny => ft.checkpoint_dir.clone(),
+        };
+        let store = CheckpointStore::new(&root, ft.keep_checkpoints);
+        let start = match resume {
+            Resume::Fresh if ft.checkpoint_every > 0 => {
+                if let Some(earlier) = store.latest()? {
+                    bail!(
+                        "{} already holds checkpoints of an earlier run (newest: step {}): resume it with \
+                         `flotilla train --resume {}`, or set fault_tolerance.checkpoint_dir to another directory",
+                        root.display(),
+                        earlier.step,
+                        root.display()
+                    );
+                }
+                None
+            }
+            Resume::Fresh => None,
+            Resume::IfAny => store.latest()?,
+            Resume::From(_) => Some(store.latest()?.ok_or_else(|| {
+                anyhow::anyhow!("--resume {}: no intact checkpoint there to resume from", root.display())
+            })?),
+        };
+        if let Some(checkpoint) = &start {
+            checkpoint.check_world_size(config.world_size() + config.cluster.server_num)?;
+            tracing::info!(step = checkpoint.step, dir = %checkpoint.dir.display(), "resuming from checkpoint");
+        }
+        Ok(Self {
+            store: (ft.checkpoint_every > 0).then_some(store),
+            start: start.map(Arc::new),
+        })
+    }
+
+    /// The first step to train of a run of `steps` steps.
+    pub(crate) fn first_step(&self, steps: usize) -> Result<usize> {
+        let Some(checkpoint) = &self.start else {
+            return Ok(0);
+        };
+        ensure!(
+            checkpoint.step <= steps,
+            "checkpoint {} is of step {}, past the end of this run ({steps} steps)",
+            checkpoint.dir.display(),
+            checkpoint.step
+        );
+        Ok(checkpoint.step)
+    }
+
+    /// Whether a checkpoint is due after `done` steps of `steps` (none after the last: the run's
+    /// outputs hold the final state).
+    pub(crate) fn due(&self, config: &JobConfig, done: usize, steps: usize) -> bool {
+        let every = config.fault_tolerance.checkpoint_every;
+        self.store.is_some() && every > 0 && done.is_multiple_of(every) && done < steps
+    }
+}
