@@ -15,7 +15,7 @@ use flotilla::config::{process_env, JobConfig};
 use flotilla::data::ctr::{write_synthetic, CriteoSynth, Split};
 use flotilla::job::ps::{ParameterServerJob, PsSummary};
 use flotilla::job::{Resume, RunOptions, RunOutcome, TrainingJob, RESUME_VAR};
-use flotilla::launch::{supervise, LaunchArgs, LaunchPsArgs, OutputMode};
+use flotilla::launch::{supervise, ChildSpec, LaunchArgs, LaunchPsArgs, OutputMode};
 
 /// The default job, compiled in so `flotilla train` works from any directory.
 const EMBEDDED_CONFIG: &str = include_str!("../config.toml");
@@ -149,11 +149,15 @@ fn run(cli: Cli) -> Result<()> {
         Command::Run { role, train: args } => run_role(role, &args),
         Command::Launch(args) => {
             let exe = std::env::current_exe().context("locating the flotilla binary")?;
-            supervise(args.plan(exe)?, OutputMode::Prefixed)
+            let children = args.plan(exe)?;
+            let restarts = max_restarts(args.max_restarts, &args.command, &children)?;
+            supervise(children, OutputMode::Prefixed, restarts)
         }
         Command::LaunchPs(args) => {
             let exe = std::env::current_exe().context("locating the flotilla binary")?;
-            supervise(args.plan(exe)?, OutputMode::Prefixed)
+            let children = args.plan(exe)?;
+            let restarts = max_restarts(args.max_restarts, &args.command, &children)?;
+            supervise(children, OutputMode::Prefixed, restarts)
         }
         Command::Data(DataCommand::CriteoSynthetic {
             samples,
@@ -176,14 +180,52 @@ fn run(cli: Cli) -> Result<()> {
 }
 
 fn load_config(args: &TrainArgs) -> Result<JobConfig> {
+    load_config_with_env(args, &process_env)
+}
+
+fn load_config_with_env(args: &TrainArgs, env: &dyn Fn(&str) -> Option<String>) -> Result<JobConfig> {
     let config = match &args.config {
-        Some(path) => JobConfig::from_file(path, &process_env, &args.overrides)?,
+        Some(path) => JobConfig::from_file(path, env, &args.overrides)?,
         None if std::path::Path::new(DEFAULT_CONFIG).exists() => {
-            JobConfig::from_file(DEFAULT_CONFIG.as_ref(), &process_env, &args.overrides)?
+            JobConfig::from_file(DEFAULT_CONFIG.as_ref(), env, &args.overrides)?
         }
-        None => JobConfig::from_toml_str(EMBEDDED_CONFIG, "<built-in config.toml>", &process_env, &args.overrides)?,
+        None => JobConfig::from_toml_str(EMBEDDED_CONFIG, "<built-in config.toml>", env, &args.overrides)?,
     };
     Ok(config)
+}
+
+/// `train [ARGS]` after a launcher's `--`, parsed as the processes will parse it.
+#[derive(Parser)]
+struct LaunchedTrain {
+    #[command(flatten)]
+    args: TrainArgs,
+}
+
+/// Restarts a launcher allows: `--max_restarts`, else `fault_tolerance.max_restarts` of the job
+/// when the processes run flotilla's trainer (the config read as a trainer process will read
+/// it, so a bad one fails here, before anything starts), else none.
+fn max_restarts(flag: Option<usize>, command: &[String], children: &[ChildSpec]) -> Result<usize> {
+    if let Some(restarts) = flag {
+        return Ok(restarts);
+    }
+    let (Some((train, rest)), Some(trainer)) = (command.split_first(), children.last()) else {
+        return Ok(0);
+    };
+    if train != "train" {
+        return Ok(0);
+    }
+    let args = LaunchedTrain::try_parse_from(command.iter().map(String::as_str))
+        .with_context(|| format!("the command after `--`: train {}", rest.join(" ")))?
+        .args;
+    let env = |key: &str| {
+        trainer
+            .env
+            .iter()
+            .find(|(k, _)| k == key)
+            .map(|(_, v)| v.clone())
+            .or_else(|| process_env(key))
+    };
+    Ok(load_config_with_env(&args, &env)?.fault_tolerance.max_restarts)
 }
 
 /// One role of a launched job; the environment (set by the launcher) says which rank or shard.

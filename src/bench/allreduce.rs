@@ -99,7 +99,7 @@ pub fn run(nproc: usize, args: &AllReduceArgs) -> Result<()> {
             ],
         })
         .collect();
-    supervise(children, OutputMode::Rank0Plain)
+    supervise(children, OutputMode::Rank0Plain, 0)
 }
 
 fn free_loopback_port() -> Result<String> {

@@ -43,6 +43,10 @@ pub struct LaunchArgs {
     /// First port of the job on each node.
     #[arg(long = "started_port", alias = "started-port", default_value_t = 6170)]
     pub started_port: u16,
+    /// Times all processes are restarted (from the last checkpoint) after one fails (default:
+    /// the job's `fault_tolerance.max_restarts`; 0 for a program of your own).
+    #[arg(long = "max_restarts", alias = "max-restarts")]
+    pub max_restarts: Option<usize>,
     /// What each process runs: `train [ARGS]` for flotilla's own trainer,
     /// or a program of your own and its arguments.
     #[arg(last = true, required = true)]

@@ -31,6 +31,10 @@ pub struct LaunchPsArgs {
     /// trainers the ports after them.
     #[arg(long = "started_port", alias = "started-port", default_value_t = 6170)]
     pub started_port: u16,
+    /// Times all processes are restarted (from the last checkpoint) after one fails (default:
+    /// the job's `fault_tolerance.max_restarts`; 0 for a program of your own).
+    #[arg(long = "max_restarts", alias = "max-restarts")]
+    pub max_restarts: Option<usize>,
     /// `train [--config FILE] [--set K=V]…` (run as each role), or a program of your own.
     #[arg(last = true, required = true)]
     pub command: Vec<String>,

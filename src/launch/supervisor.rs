@@ -1,18 +1,20 @@
 //! Runs the planned processes: prefixes their output with the rank,
 //! forwards Ctrl-C (and SIGTERM), and if one fails stops the others and
-//! reports the failed rank's last words.
+//! restarts them all from the last checkpoint, or reports the failed rank's last words.
 
 use std::collections::VecDeque;
 use std::io::{BufRead, BufReader, Read, Write};
+use std::os::unix::process::ExitStatusExt;
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread;
 use std::time::{Duration, Instant};
 
-use anyhow::{bail, Context, Result};
+use anyhow::{anyhow, Context, Result};
 
 use super::ChildSpec;
+use crate::job::RESUME_VAR;
 
 /// How children's output reaches the launcher's.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -36,20 +38,57 @@ struct Running {
     pumps: Vec<thread::JoinHandle<()>>,
 }
 
-/// Starts `children` and waits for all of them; an error names the first
-/// rank that failed and quotes the end of its stderr.
-pub fn supervise(children: Vec<ChildSpec>, mode: OutputMode) -> Result<()> {
+/// How one start of the processes ended, when not in success.
+enum Ended {
+    /// A process failed: the others were stopped, and a restart may follow.
+    Failed(anyhow::Error),
+    /// The launcher was interrupted, or could not start a process: no restart.
+    Stopped(anyhow::Error),
+}
+
+/// Starts `children` and waits for all of them. When one fails, the others are stopped and,
+/// up to `max_restarts` times, all are started again with [`RESUME_VAR`] set, so they continue
+/// from the last committed checkpoint. The final error names the rank that failed last and
+/// quotes the end of its stderr.
+pub fn supervise(children: Vec<ChildSpec>, mode: OutputMode, max_restarts: usize) -> Result<()> {
     let interrupted = Arc::new(AtomicBool::new(false));
     for signal in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
         signal_hook::flag::register(signal, interrupted.clone()).context("installing the signal handler")?;
     }
+    let mut children = children;
+    let mut restarts = 0;
+    loop {
+        match run_once(&children, mode, &interrupted) {
+            Ok(()) => return Ok(()),
+            Err(Ended::Failed(e)) if restarts < max_restarts => {
+                restarts += 1;
+                tracing::warn!(
+                    "{e:#}\nrestarting all {} processes from the last checkpoint (restart {restarts} of {max_restarts})",
+                    children.len()
+                );
+                if restarts == 1 {
+                    for child in &mut children {
+                        child.env.push((RESUME_VAR.to_string(), "1".to_string()));
+                    }
+                }
+            }
+            Err(Ended::Failed(e)) if max_restarts > 0 => {
+                return Err(e.context(format!("gave up after {max_restarts} restart(s)")))
+            }
+            Err(Ended::Failed(e) | Ended::Stopped(e)) => return Err(e),
+        }
+    }
+}
+
+/// Starts every child once and waits for all of them, or for the first failure.
+fn run_once(children: &[ChildSpec], mode: OutputMode, interrupted: &AtomicBool) -> Result<(), Ended> {
     let mut running = Vec::with_capacity(children.len());
     for spec in children {
-        match start(&spec, mode) {
+        match start(spec, mode) {
             Ok(child) => running.push(child),
             Err(e) => {
                 stop_all(&mut running, libc::SIGTERM);
-                return Err(e);
+                return Err(Ended::Stopped(e));
             }
         }
     }
@@ -60,18 +99,33 @@ pub fn supervise(children: Vec<ChildSpec>, mode: OutputMode) -> Result<()> {
             signal_all(&running, libc::SIGINT);
             interrupt_sent = true;
         }
-        let mut all_done = true;
-        for index in 0..running.len() {
-            match running[index].child.try_wait()? {
-                Some(status) if !status.success() => {
-                    let failed = running.remove(index);
-                    stop_all(&mut running, libc::SIGTERM);
-                    return Err(failure(failed, status, interrupt_sent));
-                }
-                Some(_) => {}
-                None => all_done = false,
-            }
+        let mut statuses = Vec::with_capacity(running.len());
+        for r in &mut running {
+            statuses.push(
+                r.child
+                    .try_wait()
+                    .context("waiting for a child process")
+                    .map_err(Ended::Stopped)?,
+            );
         }
+        // A process killed by a signal is the cause; the ones that then lost it as a peer
+        // failed because of it.
+        let failed = statuses
+            .iter()
+            .enumerate()
+            .filter_map(|(index, status)| status.filter(|s| !s.success()).map(|s| (index, s)))
+            .min_by_key(|(_, status)| status.signal().is_none());
+        if let Some((index, status)) = failed {
+            let failed = running.remove(index);
+            stop_all(&mut running, libc::SIGTERM);
+            let error = failure(failed, status, interrupt_sent);
+            return Err(if interrupt_sent {
+                Ended::Stopped(error)
+            } else {
+                Ended::Failed(error)
+            });
+        }
+        let all_done = statuses.iter().all(Option::is_some);
         if all_done {
             for r in &mut running {
                 for pump in r.pumps.drain(..) {
@@ -79,7 +133,7 @@ pub fn supervise(children: Vec<ChildSpec>, mode: OutputMode) -> Result<()> {
                 }
             }
             if interrupt_sent {
-                bail!("interrupted");
+                return Err(Ended::Stopped(anyhow!("interrupted")));
             }
             return Ok(());
         }
@@ -156,10 +210,12 @@ fn signal_all(running: &[Running], signal: libc::c_int) {
     }
 }
 
-/// Signals every child, then kills whichever has not exited after a grace
-/// period, and reaps them all.
+/// Signals every child (continuing stopped ones), then kills whichever has not exited after a
+/// grace period, and reaps them all.
 fn stop_all(running: &mut [Running], signal: libc::c_int) {
     signal_all(running, signal);
+    // A stopped (SIGSTOP) process acts on the signal only once continued.
+    signal_all(running, libc::SIGCONT);
     let deadline = Instant::now() + STOP_GRACE;
     for r in running.iter_mut() {
         while Instant::now() < deadline && matches!(r.child.try_wait(), Ok(None)) {
@@ -183,9 +239,13 @@ fn failure(mut failed: Running, status: ExitStatus, interrupted: bool) -> anyhow
         .map(|t| t.iter().cloned().collect())
         .unwrap_or_default();
     let cause = if interrupted { "was interrupted" } else { "failed" };
-    anyhow::anyhow!(
-        "{} {cause} ({status}); the other processes were stopped. Its last output:\n{}",
-        failed.name,
-        tail.join("\n")
+    let last_words = if tail.is_empty() {
+        "It wrote nothing to stderr.".to_string()
+    } else {
+        format!("Its last output:\n{}", tail.join("\n"))
+    };
+    anyhow!(
+        "{} {cause} ({status}); the other processes were stopped. {last_words}",
+        failed.name
     )
 }

@@ -1,0 +1,179 @@
+//! Faults injected into real jobs: a launched trainer killed (SIGKILL) or stalled (SIGSTOP) in
+//! the middle of a run is found, every process is restarted from the last committed checkpoint,
+//! and the job's final parameters equal those of a run that was never interrupted; damaged
+//! checkpoints are skipped for the one before.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use common::{config, free_port_range, start_flotilla, train_in_process};
+use flotilla::job::{Resume, RunOptions, TrainingJob};
+
+/// Long enough (a few seconds launched) that a fault lands mid-run; checkpoints every 500.
+const STEPS: &str = "train.steps=3000";
+const EVERY: usize = 500;
+
+/// The pids of `launcher`'s children.
+fn children_of(launcher: u32) -> Vec<i32> {
+    let mut pids = Vec::new();
+    for task in std::fs::read_dir(format!("/proc/{launcher}/task"))
+        .into_iter()
+        .flatten()
+        .flatten()
+    {
+        let children = std::fs::read_to_string(task.path().join("children")).unwrap_or_default();
+        pids.extend(children.split_whitespace().filter_map(|p| p.parse::<i32>().ok()));
+    }
+    pids
+}
+
+/// Waits (at most 60 s) until step `step`'s checkpoint is committed in `dir`.
+fn wait_for_commit(dir: &Path, step: usize) {
+    let manifest = dir.join(format!("step-{step:08}")).join("manifest.json");
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !manifest.exists() {
+        assert!(Instant::now() < deadline, "{} never appeared", manifest.display());
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+/// A number that differs from run to run, printed so a failure can be replayed by hand.
+fn pick(choices: usize) -> usize {
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.subsec_nanos());
+    nanos as usize % choices
+}
+
+/// Launches 2 trainers that checkpoint every [`EVERY`] steps and may restart once, sends
+/// `signal` to one of them after a checkpoint, and checks that the job finishes with the
+/// parameters of an uninterrupted run. Returns the launcher's stderr.
+fn survive(signal: i32, extra: &[&str]) -> String {
+    let dir = tempfile::tempdir().unwrap();
+    let (run_dir, checkpoints) = (dir.path().join("run"), dir.path().join("checkpoints"));
+    let port = free_port_range(3).to_string();
+    let every = format!("fault_tolerance.checkpoint_every={EVERY}");
+    let checkpoint_dir = format!("fault_tolerance.checkpoint_dir={}", checkpoints.display());
+    #[rustfmt::skip]
+    let mut args = vec![
+        "launch", "--nproc_per_node", "2", "--started_port", &port, "--", "train", "--config", "config.toml",
+        "--set", STEPS, "--set", &every, "--set", &checkpoint_dir, "--set", "fault_tolerance.max_restarts=1",
+        "--run-dir", run_dir.to_str().unwrap(),
+    ];
+    for set in extra {
+        args.extend(["--set", set]);
+    }
+    let launcher = start_flotilla(&args, &[]);
+    let (victim, at) = (pick(2), EVERY * (1 + pick(2)));
+    eprintln!("signal {signal} to the process of rank {victim} after the checkpoint of step {at}");
+    wait_for_commit(&checkpoints, at);
+    let children = children_of(launcher.child.id());
+    assert_eq!(children.len(), 2, "the launcher runs two trainers: {children:?}");
+    // Children start in rank order.
+    let mut sorted = children.clone();
+    sorted.sort_unstable();
+    // SAFETY: a pid of a process this test's launcher started and still supervises.
+    unsafe {
+        libc::kill(sorted[victim], signal);
+    }
+    let finished = launcher.finish(120);
+    for pid in children {
+        // SAFETY: as above; the launcher has reaped them, so this is a no-op unless it failed
+        // to, in which case the test must not leave them behind.
+        unsafe {
+            libc::kill(pid, libc::SIGKILL);
+        }
+    }
+    assert!(
+        finished.success,
+        "the job did not survive:\n{}\n{}",
+        finished.stdout, finished.stderr
+    );
+    assert!(
+        finished
+            .stderr
+            .contains("restarting all 2 processes from the last checkpoint"),
+        "{}",
+        finished.stderr
+    );
+    assert!(
+        finished.stderr.contains("resuming from checkpoint step="),
+        "{}",
+        finished.stderr
+    );
+
+    let summary: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(run_dir.join("summary.json")).unwrap()).unwrap();
+    assert_eq!(summary["steps"], 3000);
+    // Same ring, same order, resumed at a step boundary with the optimizer state: bit-identical.
+    let uninterrupted = train_in_process(config(&[STEPS]));
+    assert_eq!(summary["param_checksum"], uninterrupted.summary.param_checksum.as_str());
+    let final_loss = summary["final_loss"].as_f64().unwrap();
+    assert_eq!(
+        final_loss as f32, uninterrupted.summary.final_loss as f32,
+        "the loss history is restored too"
+    );
+    finished.stderr
+}
+
+#[test]
+fn a_killed_trainer_is_restarted_from_the_checkpoint_and_the_run_equals_an_uninterrupted_one() {
+    let stderr = survive(libc::SIGKILL, &[]);
+    assert!(stderr.contains("signal: 9 (SIGKILL)"), "{stderr}");
+}
+
+#[test]
+fn a_stalled_trainer_is_named_by_the_deadline_and_the_job_rolls_back() {
+    let stderr = survive(libc::SIGSTOP, &["fault_tolerance.timeout_s=2"]);
+    assert!(stderr.contains("timed out after 2.0s waiting for rank"), "{stderr}");
+}
+
+/// An in-process 2-rank run of 20 steps with checkpoints every 5 in `checkpoints`.
+fn run_with_checkpoints(checkpoints: &Path, run_dir: PathBuf, resume: Resume) -> anyhow::Result<String> {
+    let dir = format!("fault_tolerance.checkpoint_dir={}", checkpoints.display());
+    let job = TrainingJob::builtin(config(&["train.steps=20", "fault_tolerance.checkpoint_every=5", &dir]))?;
+    let outcome = job.run_simulated(&RunOptions {
+        resume,
+        ..RunOptions::new(run_dir)
+    })?;
+    Ok(outcome.summary.param_checksum)
+}
+
+#[test]
+fn a_damaged_checkpoint_is_skipped_for_the_one_before() {
+    let dir = tempfile::tempdir().unwrap();
+    let checkpoints = dir.path().join("checkpoints");
+    let whole = run_with_checkpoints(&checkpoints, dir.path().join("whole"), Resume::Fresh).unwrap();
+    let step = |s: usize| checkpoints.join(format!("step-{s:08}")).join("replica.safetensors");
+
+    // One byte flipped in the newest checkpoint, the one before it truncated: the run resumes
+    // from step 5 and still ends where the uninterrupted one did.
+    let mut bytes = std::fs::read(step(15)).unwrap();
+    let middle = bytes.len() / 2;
+    bytes[middle] ^= 0x10;
+    std::fs::write(step(15), &bytes).unwrap();
+    let truncated = std::fs::read(step(10)).unwrap();
+    std::fs::write(step(10), &truncated[..truncated.len() - 1]).unwrap();
+    let resumed = run_with_checkpoints(
+        &checkpoints,
+        dir.path().join("resumed"),
+        Resume::From(checkpoints.clone()),
+    )
+    .unwrap();
+    assert_eq!(resumed, whole);
+    assert!(
+        checkpoints.join("step-00000015").exists(),
+        "the resumed run checkpoints again"
+    );
+
+    // A fresh run does not write into a directory holding another run's checkpoints.
+    let err = run_with_checkpoints(&checkpoints, dir.path().join("fresh"), Resume::Fresh).unwrap_err();
+    assert!(err.to_string().contains("already holds checkpoints"), "{err}");
+
+    // Nothing intact to resume from is an error, not a fresh start.
+    let empty = dir.path().join("empty");
+    let err = run_with_checkpoints(&empty, dir.path().join("none"), Resume::From(empty.clone())).unwrap_err();
+    assert!(err.to_string().contains("no intact checkpoint"), "{err}");
+}
