@@ -112,7 +112,7 @@ fn survive(signal: i32, extra: &[&str]) -> String {
     assert_eq!(summary["param_checksum"], uninterrupted.summary.param_checksum.as_str());
     let final_loss = summary["final_loss"].as_f64().unwrap();
     assert_eq!(
-        final_loss as f32, uninterrupted.summary.final_loss as f32,
+        final_loss as f32, uninterrupted.summary.final_loss,
         "the loss history is restored too"
     );
     finished.stderr
