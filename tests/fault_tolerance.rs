@@ -130,6 +130,24 @@ fn a_stalled_trainer_is_named_by_the_deadline_and_the_job_rolls_back() {
     assert!(stderr.contains("timed out after 2.0s waiting for rank"), "{stderr}");
 }
 
+#[test]
+fn a_stalled_trainer_is_declared_dead_by_its_missed_heartbeats_and_the_job_rolls_back() {
+    let stderr = survive(
+        libc::SIGSTOP,
+        &[
+            "fault_tolerance.heartbeat_interval_ms=200",
+            "fault_tolerance.heartbeat_misses=5",
+        ],
+    );
+    // A stalled rank 1 is declared dead by the coordinator; a stalled rank 0 takes the
+    // coordinator with it, which rank 1 finds out by its own deadline.
+    assert!(
+        stderr.contains("rank 1 declared dead: no heartbeat for")
+            || stderr.contains("the coordinator (rank 0) at 127.0.0.1"),
+        "{stderr}"
+    );
+}
+
 /// An in-process 2-rank run of 20 steps with checkpoints every 5 in `checkpoints`.
 fn run_with_checkpoints(checkpoints: &Path, run_dir: PathBuf, resume: Resume) -> anyhow::Result<String> {
     let dir = format!("fault_tolerance.checkpoint_dir={}", checkpoints.display());

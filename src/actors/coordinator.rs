@@ -3,9 +3,14 @@
 //! each rank hands rank 0 a part (a launched pipeline's stage outcomes). All
 //! wait at most the job's timeout; on expiry every waiting rank gets an
 //! error naming the ranks that never arrived, never a silent hang.
+//!
+//! It also watches the ranks' heartbeats: a rank silent for longer than the heartbeat deadline,
+//! or whose heartbeat connection breaks before it said goodbye, is declared dead, and from then
+//! on every waiting rank and every heartbeat is answered with the reason, so every process of
+//! the job stops (and its launcher restarts them from the last checkpoint).
 
-use std::collections::{BTreeMap, HashMap};
-use std::time::Duration;
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::time::{Duration, Instant};
 
 use actix::prelude::*;
 use bytes::Bytes;
@@ -46,6 +51,30 @@ pub struct Gather {
     pub part: Bytes,
 }
 
+/// Rank `rank` is alive. Answered with the reason once the job is aborted.
+#[derive(Message, Debug)]
+#[rtype(result = "Result<(), String>")]
+pub struct Heartbeat {
+    /// The living rank.
+    pub rank: usize,
+}
+
+/// Rank `rank` has finished: its silence from now on is not a death.
+#[derive(Message, Debug)]
+#[rtype(result = "()")]
+pub struct Leave {
+    /// The leaving rank.
+    pub rank: usize,
+}
+
+/// Rank `rank`'s heartbeat connection broke before it left: its process is gone.
+#[derive(Message, Debug)]
+#[rtype(result = "()")]
+pub struct ConnectionLost {
+    /// The lost rank.
+    pub rank: usize,
+}
+
 type Waiter<T> = oneshot::Sender<Result<T, String>>;
 /// A rank waiting at a barrier or gather: its part (empty at a barrier), and where its answer goes.
 type Arrival = (Bytes, Waiter<Vec<Bytes>>);
@@ -58,6 +87,14 @@ pub struct Coordinator {
     roster: Option<Vec<String>>,
     /// Ranks waiting at each barrier or gather.
     barriers: HashMap<String, BTreeMap<usize, Arrival>>,
+    /// How long a rank may go without a heartbeat; `None` when ranks share this process.
+    heartbeat_deadline: Option<Duration>,
+    /// When each rank that heartbeats was last heard from.
+    last_heard: HashMap<usize, Instant>,
+    /// Ranks that finished and stopped heartbeating.
+    left: HashSet<usize>,
+    /// Why the job was aborted, once a rank was declared dead.
+    aborted: Option<String>,
 }
 
 impl Coordinator {
@@ -70,6 +107,59 @@ impl Coordinator {
             joined: BTreeMap::new(),
             roster: None,
             barriers: HashMap::new(),
+            heartbeat_deadline: None,
+            last_heard: HashMap::new(),
+            left: HashSet::new(),
+            aborted: None,
+        }
+    }
+
+    /// Declares a rank dead once it has been silent for `deadline` since its last heartbeat
+    /// (ranks are watched from their first heartbeat on).
+    pub fn with_heartbeat_deadline(mut self, deadline: Duration) -> Self {
+        self.heartbeat_deadline = Some(deadline);
+        self
+    }
+
+    /// Declares `rank` dead for `why`: the job is aborted, and every rank waiting here is told.
+    fn declare_dead(&mut self, rank: usize, why: &str) {
+        if self.aborted.is_some() || self.left.contains(&rank) {
+            return;
+        }
+        let reason = format!("rank {rank} declared dead: {why}; the job is stopped");
+        tracing::error!("{reason}");
+        for (_, waiting) in self.barriers.drain() {
+            for (_, (_, waiter)) in waiting {
+                let _ = waiter.send(Err(reason.clone()));
+            }
+        }
+        for (_, (_, waiter)) in std::mem::take(&mut self.joined) {
+            let _ = waiter.send(Err(reason.clone()));
+        }
+        self.aborted = Some(reason);
+    }
+
+    /// Declares dead every watched rank silent for longer than the deadline.
+    fn check_heartbeats(&mut self) {
+        let Some(deadline) = self.heartbeat_deadline else {
+            return;
+        };
+        let silent: Vec<(usize, Duration)> = self
+            .last_heard
+            .iter()
+            .filter(|(rank, _)| !self.left.contains(rank))
+            .map(|(&rank, heard)| (rank, heard.elapsed()))
+            .filter(|(_, silence)| *silence > deadline)
+            .collect();
+        for (rank, silence) in silent {
+            self.declare_dead(
+                rank,
+                &format!(
+                    "no heartbeat for {:.1}s (deadline {:.1}s)",
+                    silence.as_secs_f64(),
+                    deadline.as_secs_f64()
+                ),
+            );
         }
     }
 
@@ -96,6 +186,10 @@ impl Coordinator {
         ctx: &mut Context<Self>,
     ) -> oneshot::Receiver<Result<Vec<Bytes>, String>> {
         let (tx, rx) = oneshot::channel();
+        if let Some(reason) = &self.aborted {
+            let _ = tx.send(Err(reason.clone()));
+            return rx;
+        }
         if rank >= self.world_size {
             let _ = tx.send(Err(format!("rank {rank} is outside world size {}", self.world_size)));
             return rx;
@@ -134,6 +228,10 @@ impl Actor for Coordinator {
     type Context = Context<Self>;
 
     fn started(&mut self, ctx: &mut Self::Context) {
+        if let Some(deadline) = self.heartbeat_deadline {
+            // Checked a few times per deadline, so a death is found soon after it is due.
+            ctx.run_interval(deadline / 4, |coordinator, _| coordinator.check_heartbeats());
+        }
         ctx.run_later(self.timeout, |coordinator, _| {
             if coordinator.roster.is_some() {
                 return;
@@ -189,6 +287,34 @@ impl Handler<Join> for Coordinator {
             self.roster = Some(roster);
         }
         reply(rx)
+    }
+}
+
+impl Handler<Heartbeat> for Coordinator {
+    type Result = Result<(), String>;
+
+    fn handle(&mut self, msg: Heartbeat, _: &mut Self::Context) -> Self::Result {
+        if let Some(reason) = &self.aborted {
+            return Err(reason.clone());
+        }
+        self.last_heard.insert(msg.rank, Instant::now());
+        Ok(())
+    }
+}
+
+impl Handler<Leave> for Coordinator {
+    type Result = ();
+
+    fn handle(&mut self, msg: Leave, _: &mut Self::Context) {
+        self.left.insert(msg.rank);
+    }
+}
+
+impl Handler<ConnectionLost> for Coordinator {
+    type Result = ();
+
+    fn handle(&mut self, msg: ConnectionLost, _: &mut Self::Context) {
+        self.declare_dead(msg.rank, "its heartbeat connection broke (the process is gone)");
     }
 }
 
@@ -266,6 +392,51 @@ mod tests {
         );
         assert_eq!(one.expect("coordinator alive"), Ok(Vec::new()));
         assert_eq!(two.expect("coordinator alive"), Ok(Vec::new()));
+    }
+
+    #[actix::test]
+    async fn a_silent_rank_is_declared_dead_and_everyone_is_told() {
+        let c = Coordinator::new(2, Duration::from_secs(30))
+            .with_heartbeat_deadline(Duration::from_millis(200))
+            .start();
+        for rank in 0..2 {
+            c.send(Heartbeat { rank }).await.unwrap().unwrap();
+        }
+        let barrier = c.send(Barrier {
+            rank: 0,
+            name: "step".into(),
+        });
+        // Rank 0 keeps heartbeating; rank 1 falls silent.
+        let beating = async {
+            for _ in 0..10 {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                let _ = c.send(Heartbeat { rank: 0 }).await;
+            }
+        };
+        let (waited, ()) = futures::join!(barrier, beating);
+        let err = waited.unwrap().expect_err("the barrier cannot complete");
+        assert!(err.contains("rank 1 declared dead: no heartbeat for"), "{err}");
+        let refused = c.send(Heartbeat { rank: 0 }).await.unwrap().unwrap_err();
+        assert_eq!(refused, err, "every later heartbeat hears why the job stopped");
+    }
+
+    #[actix::test]
+    async fn a_lost_connection_is_a_death_unless_the_rank_left() {
+        let c = Coordinator::new(2, Duration::from_secs(30))
+            .with_heartbeat_deadline(Duration::from_secs(30))
+            .start();
+        c.send(Leave { rank: 1 }).await.unwrap();
+        c.send(ConnectionLost { rank: 1 }).await.unwrap();
+        c.send(Heartbeat { rank: 0 })
+            .await
+            .unwrap()
+            .expect("a rank that left is not dead");
+        c.send(ConnectionLost { rank: 0 }).await.unwrap();
+        let err = c.send(Heartbeat { rank: 1 }).await.unwrap().unwrap_err();
+        assert!(
+            err.contains("rank 0 declared dead: its heartbeat connection broke"),
+            "{err}"
+        );
     }
 
     #[actix::test]

@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result};
 use serde::Serialize;
 
+use crate::config::FaultToleranceConfig;
 use crate::engines::comm::connect_ring;
 use crate::job::connect_control;
 use crate::launch::{supervise, ChildSpec, OutputMode};
@@ -127,7 +128,11 @@ pub fn run_rank(args: &AllReduceArgs) -> Result<()> {
     let endpoint = listener.local_addr()?.to_string();
     let control = credentials.clone();
     let roster = actix::System::new().block_on(async move {
-        let mut bus = connect_control(rank, world, &master, timeout, 1 << 20, &control).await?;
+        let fault_tolerance = FaultToleranceConfig {
+            timeout_s: timeout.as_secs_f64(),
+            ..FaultToleranceConfig::default()
+        };
+        let mut bus = connect_control(rank, world, &master, &fault_tolerance, 1 << 20, &control).await?;
         let roster = bus.join(rank, world, endpoint).await?;
         Ok::<_, anyhow::Error>(roster)
     })?;

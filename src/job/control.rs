@@ -2,12 +2,11 @@
 //! the coordinator on the master endpoint, and every rank (rank 0 too)
 //! connects to it over TCP, so all ranks take the same path.
 
-use std::time::Duration;
-
 use actix::Actor;
 use anyhow::{Context, Result};
 
 use crate::actors::Coordinator;
+use crate::config::FaultToleranceConfig;
 use crate::net::auth::Credentials;
 use crate::net::{server, ControlBus};
 
@@ -17,15 +16,18 @@ pub async fn connect_control(
     rank: usize,
     world_size: usize,
     master: &str,
-    timeout: Duration,
+    fault_tolerance: &FaultToleranceConfig,
     max_frame_bytes: usize,
     credentials: &Credentials,
 ) -> Result<ControlBus> {
+    let timeout = fault_tolerance.timeout();
     if rank == 0 {
         let control = tokio::net::TcpListener::bind(master)
             .await
             .with_context(|| format!("rank 0: cannot bind the coordinator endpoint {master} (cluster.master)"))?;
-        let coordinator = Coordinator::new(world_size, timeout).start();
+        let coordinator = Coordinator::new(world_size, timeout)
+            .with_heartbeat_deadline(fault_tolerance.heartbeat_deadline())
+            .start();
         actix::spawn(server::serve(
             control,
             coordinator,

@@ -5,6 +5,7 @@
 //! of a launched cluster. The built-in jobs take the same path.
 
 mod control;
+mod heartbeat;
 mod outputs;
 mod pipeline;
 mod process;

@@ -9,6 +9,7 @@ use anyhow::{anyhow, Context as _, Result};
 use bytes::Bytes;
 
 use super::control::connect_control;
+use super::heartbeat::watched;
 use super::process::{bind, RankEndpoints};
 use super::{stage_rings, RunOptions, RunOutcome, Summary, TrainingJob};
 use crate::actors::device::StageLinks;
@@ -75,7 +76,7 @@ pub(super) fn run_rank(job: &TrainingJob, rank: usize, options: &RunOptions) -> 
     let show_progress = options.show_progress;
     let trace_from = options.trace.as_ref().map(|_| Instant::now());
     let (world, p) = (config.world_size(), config.strategy.hybrid_configs.pp_degree);
-    let (timeout, max_frame) = (config.fault_tolerance.timeout(), config.cluster.max_frame_bytes());
+    let max_frame = config.cluster.max_frame_bytes();
     let RankEndpoints {
         master,
         listener,
@@ -83,11 +84,12 @@ pub(super) fn run_rank(job: &TrainingJob, rank: usize, options: &RunOptions) -> 
         credentials,
     } = bind(&config, rank)?;
     System::new().block_on(async move {
-        let mut bus = connect_control(rank, world, &master, timeout, max_frame, &credentials).await?;
+        let mut bus = connect_control(rank, world, &master, &config.fault_tolerance, max_frame, &credentials).await?;
         let roster = bus.join(rank, world, data_endpoint).await?;
         let (link, data_parallel) =
-            stage_rings::connect(&mut bus, &config, rank, &roster, listener, credentials).await?;
-        let outcome = train(stage_actor(job, rank, link, data_parallel, show_progress, trace_from)).await?;
+            stage_rings::connect(&mut bus, &config, rank, &roster, listener, credentials.clone()).await?;
+        let training = train(stage_actor(job, rank, link, data_parallel, show_progress, trace_from));
+        let outcome = watched(training, rank, &master, &config, &credentials).await?;
         if let Some(path) = &options.trace {
             // Each process measures from its own clock: one file per rank.
             write_chrome_trace(&rank_trace_path(path, rank), &[track(job, &outcome)])?;

@@ -9,6 +9,7 @@ use actix::prelude::*;
 use anyhow::{anyhow, Context, Result};
 
 use super::control::connect_control;
+use super::heartbeat::watched;
 use super::{Recovery, RunOptions, RunOutcome, TrainingJob};
 use crate::actors::device::RingLink;
 use crate::actors::trainer::Train;
@@ -82,12 +83,15 @@ pub(super) fn run(job: &TrainingJob, rank: usize, options: &RunOptions) -> Resul
     };
 
     let outcome = System::new().block_on(async move {
-        let bus = connect_control(rank, world, &master, timeout, max_frame, &credentials).await?;
-        job.trainer(rank, bus, link, data_endpoint, show_progress, recovery)
-            .start()
-            .send(Train)
-            .await
-            .map_err(|e| anyhow!("rank {rank}: trainer actor stopped: {e}"))?
+        let bus = connect_control(rank, world, &master, &config.fault_tolerance, max_frame, &credentials).await?;
+        let training = async {
+            job.trainer(rank, bus, link, data_endpoint, show_progress, recovery)
+                .start()
+                .send(Train)
+                .await
+                .map_err(|e| anyhow!("rank {rank}: trainer actor stopped: {e}"))?
+        };
+        watched(training, rank, &master, &config, &credentials).await
     })?;
     Ok((rank == 0).then(|| RunOutcome::from_rank0(outcome, world, "multi-process")))
 }

@@ -146,6 +146,32 @@ impl ControlBus {
         }
     }
 
+    /// Tells the coordinator `rank` is alive, waiting at most `limit` for its answer: `Err` when
+    /// the line failed, `Ok(Err(reason))` when the coordinator has stopped the job.
+    pub async fn heartbeat(&mut self, rank: usize, limit: Duration) -> Result<Result<(), String>> {
+        match self
+            .request_within(Frame::control(ControlMessage::Heartbeat { rank }), limit)
+            .await?
+            .header
+        {
+            ControlMessage::Alive => Ok(Ok(())),
+            ControlMessage::Refused { reason } => Ok(Err(reason)),
+            other => Err(self.unexpected(rank, other)),
+        }
+    }
+
+    /// Tells the coordinator `rank` has finished, so its silence is not a death.
+    pub async fn leave(&mut self, rank: usize, limit: Duration) -> Result<()> {
+        match self
+            .request_within(Frame::control(ControlMessage::Leave { rank }), limit)
+            .await?
+            .header
+        {
+            ControlMessage::Alive => Ok(()),
+            other => Err(self.unexpected(rank, other)),
+        }
+    }
+
     fn unexpected(&self, rank: usize, answer: ControlMessage) -> anyhow::Error {
         match answer {
             ControlMessage::Refused { reason } => anyhow!("rank {rank}: {reason}"),
@@ -153,13 +179,18 @@ impl ControlBus {
         }
     }
 
+    /// Sends `message` and waits for the answer; the coordinator answers within its own
+    /// deadline, so past that plus a grace period it is presumed dead.
     async fn request(&mut self, message: Frame) -> Result<Frame> {
-        let Self::Tcp {
-            connection,
-            master,
-            timeout,
-        } = self
-        else {
+        let limit = match self {
+            Self::Tcp { timeout, .. } => *timeout + Duration::from_secs(5),
+            Self::InMemory(_) => Duration::ZERO,
+        };
+        self.request_within(message, limit).await
+    }
+
+    async fn request_within(&mut self, message: Frame, limit: Duration) -> Result<Frame> {
+        let Self::Tcp { connection, master, .. } = self else {
             bail!("in-memory bus has no frames");
         };
         let encoded = message.encode()?;
@@ -173,14 +204,12 @@ impl ControlBus {
             .send(encoded)
             .await
             .with_context(|| format!("sending to the coordinator at {master}"))?;
-        // The coordinator answers within its own deadline; past that plus a
-        // grace period it is presumed dead.
-        let answer = tokio::time::timeout(*timeout + Duration::from_secs(5), connection.next())
+        let answer = tokio::time::timeout(limit, connection.next())
             .await
             .map_err(|_| {
                 anyhow!(
                     "the coordinator at {master} did not answer within {:.1}s",
-                    timeout.as_secs_f64()
+                    limit.as_secs_f64()
                 )
             })?
             .ok_or_else(|| anyhow!("the coordinator at {master} closed the connection"))?

@@ -61,6 +61,19 @@ pub enum ControlMessage {
         /// Bytes of each rank's part (empty for ranks other than 0).
         lengths: Vec<u64>,
     },
+    /// A rank is alive; sent every `fault_tolerance.heartbeat_interval_ms` on a connection of
+    /// its own. Answered by [`ControlMessage::Alive`], or refused once the job is aborted.
+    Heartbeat {
+        /// Who is alive.
+        rank: usize,
+    },
+    /// The coordinator heard the heartbeat (or the farewell) and the job goes on.
+    Alive,
+    /// A rank has finished and stops heartbeating: its silence is no longer a death.
+    Leave {
+        /// Who leaves.
+        rank: usize,
+    },
 }
 
 /// One frame: a header and its payload. The control plane's headers are [`ControlMessage`]s;

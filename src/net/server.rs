@@ -8,11 +8,11 @@ use actix::{Addr, MailboxError};
 use bytes::Bytes;
 use futures::{SinkExt, StreamExt};
 use tokio::net::{TcpListener, TcpStream};
-use tokio_util::codec::Framed;
+use tokio_util::codec::{Framed, LengthDelimitedCodec};
 
 use super::auth::{self, Credentials};
 use super::frame::{codec, encode_with, ControlMessage, Frame};
-use crate::actors::coordinator::{Barrier, Coordinator, Gather, Join};
+use crate::actors::coordinator::{Barrier, ConnectionLost, Coordinator, Gather, Heartbeat, Join, Leave};
 
 /// Accepts control connections until the actor system stops; a connection that fails the
 /// cluster-token handshake is dropped before any frame is read.
@@ -49,6 +49,22 @@ async fn handle_connection(
 ) -> Result<(), String> {
     stream.set_nodelay(true).map_err(|e| e.to_string())?;
     let mut framed = Framed::new(stream, codec(max_frame_bytes));
+    // The rank whose heartbeats this connection carries: if it ends before the rank left, the
+    // rank's process is gone.
+    let mut heartbeats_of = None;
+    let served = serve_frames(&mut framed, &coordinator, max_frame_bytes, &mut heartbeats_of).await;
+    if let Some(rank) = heartbeats_of {
+        coordinator.do_send(ConnectionLost { rank });
+    }
+    served
+}
+
+async fn serve_frames(
+    framed: &mut Framed<TcpStream, LengthDelimitedCodec>,
+    coordinator: &Addr<Coordinator>,
+    max_frame_bytes: usize,
+    heartbeats_of: &mut Option<usize>,
+) -> Result<(), String> {
     while let Some(body) = framed.next().await {
         let body = body.map_err(|e| format!("bad frame: {e}"))?;
         let frame = Frame::decode(body.freeze()).map_err(|e| e.to_string())?;
@@ -90,6 +106,18 @@ async fn handle_connection(
                 let lengths = parts.iter().map(|p| p.len() as u64).collect();
                 (ControlMessage::Gathered { name, lengths }, parts)
             }),
+            ControlMessage::Heartbeat { rank } => {
+                *heartbeats_of = Some(rank);
+                answered(coordinator.send(Heartbeat { rank }).await).map(|()| (ControlMessage::Alive, Vec::new()))
+            }
+            ControlMessage::Leave { rank } => {
+                *heartbeats_of = None;
+                coordinator
+                    .send(Leave { rank })
+                    .await
+                    .map_err(|e| format!("coordinator unavailable: {e}"))?;
+                Ok((ControlMessage::Alive, Vec::new()))
+            }
             other => return Err(format!("unexpected message {other:?}")),
         };
         let (header, parts) = answer.unwrap_or_else(|refusal| (refusal, Vec::new()));
