@@ -54,29 +54,36 @@ fn launched_job_matches_ground_truth(transport: &str) {
 }
 
 #[test]
+fn a_bad_config_is_refused_by_the_launcher_before_anything_starts() {
+    let port = free_port_range(3).to_string();
+    #[rustfmt::skip]
+    let args = ["launch", "--nproc_per_node", "2", "--started_port", &port, "--", "train", "--config", "no-such-file.toml"];
+    let finished = flotilla(&args, &[], 60);
+    assert!(!finished.success);
+    assert!(finished.stderr.contains("no-such-file.toml"), "{}", finished.stderr);
+    assert!(
+        !finished.stderr.contains("started"),
+        "no process was started:\n{}",
+        finished.stderr
+    );
+}
+
+#[test]
 fn a_failing_rank_stops_the_launch_with_its_error() {
     let port = free_port_range(3).to_string();
-    let finished = flotilla(
-        &[
-            "launch",
-            "--nproc_per_node",
-            "2",
-            "--started_port",
-            &port,
-            "--",
-            "train",
-            "--config",
-            "no-such-file.toml",
-        ],
-        &[],
-        60,
-    );
+    // Rank 1 fails at once; rank 0 would run for a minute if not stopped.
+    let script = r#"if [ "$PADDLE_TRAINER_ID" = 1 ]; then echo "rank one gives up" >&2; exit 3; fi; exec sleep 60"#;
+    let started = std::time::Instant::now();
+    #[rustfmt::skip]
+    let args = ["launch", "--nproc_per_node", "2", "--started_port", &port, "--", "/bin/sh", "-c", script];
+    let finished = flotilla(&args, &[], 60);
     assert!(!finished.success);
     assert!(
-        finished.stderr.contains("failed") && finished.stderr.contains("no-such-file.toml"),
+        finished.stderr.contains("rank 1 failed (exit status: 3)") && finished.stderr.contains("rank one gives up"),
         "{}",
         finished.stderr
     );
+    assert!(started.elapsed().as_secs() < 30, "rank 0 was stopped, not waited for");
 }
 
 #[test]
