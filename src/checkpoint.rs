@@ -40,8 +40,6 @@ struct Manifest {
     format: String,
     step: usize,
     world_size: usize,
-    /// The global mean loss of every step up to `step`, so a resumed run reports the whole run.
-    losses: Vec<f32>,
     files: Vec<FileRecord>,
 }
 
@@ -60,8 +58,6 @@ pub struct Checkpoint {
     pub step: usize,
     /// Its directory.
     pub dir: PathBuf,
-    /// Global mean loss of every step before [`Checkpoint::step`].
-    pub losses: Vec<f32>,
     world_size: usize,
     files: Vec<FileRecord>,
 }
@@ -109,7 +105,7 @@ impl CheckpointStore {
     /// Commits step `step`'s checkpoint once every role has written its `files`: the manifest
     /// goes last, so the checkpoint exists only when all its files do. Then checkpoints older
     /// than the newest `keep` are deleted.
-    pub fn commit(&self, step: usize, world_size: usize, losses: &[f32], files: Vec<FileRecord>) -> Result<()> {
+    pub fn commit(&self, step: usize, world_size: usize, files: Vec<FileRecord>) -> Result<()> {
         let dir = self.step_dir(step);
         let mut names = HashSet::new();
         for file in &files {
@@ -132,7 +128,6 @@ impl CheckpointStore {
             format: FORMAT.to_string(),
             step,
             world_size,
-            losses: losses.to_vec(),
             files,
         };
         write_atomically(&dir, MANIFEST, &serde_json::to_vec_pretty(&manifest)?)?;
@@ -230,7 +225,6 @@ impl CheckpointStore {
         Ok(Checkpoint {
             step,
             dir,
-            losses: manifest.losses,
             world_size: manifest.world_size,
             files: manifest.files,
         })
@@ -309,7 +303,7 @@ mod tests {
         for &step in steps {
             let a = store.write(step, "a.bin", &vec![step as u8; 1000])?;
             let b = store.write(step, "b.bin", b"second role")?;
-            store.commit(step, 2, &vec![1.0; step], vec![a, b])?;
+            store.commit(step, 2, vec![a, b])?;
         }
         Ok(store)
     }
@@ -320,7 +314,7 @@ mod tests {
         let store = store_with_steps(root.path(), &[5, 10, 15])?;
         assert_eq!(store.steps()?, vec![10, 15], "keep = 2");
         let latest = store.latest()?.expect("a checkpoint");
-        assert_eq!((latest.step, latest.losses.len()), (15, 15));
+        assert_eq!(latest.step, 15);
         assert_eq!(latest.read("a.bin")?, vec![15u8; 1000]);
         latest.check_world_size(2)?;
         assert!(latest.check_world_size(3).is_err());
@@ -358,10 +352,10 @@ mod tests {
         let store = CheckpointStore::new(root.path(), 3);
         let mut record = store.write(1, "a.bin", b"abc")?;
         record.bytes = 4;
-        let err = store.commit(1, 1, &[], vec![record.clone()]).unwrap_err().to_string();
+        let err = store.commit(1, 1, vec![record.clone()]).unwrap_err().to_string();
         assert!(err.contains("3 bytes on disk"), "{err}");
         record.name = "missing.bin".into();
-        assert!(store.commit(1, 1, &[], vec![record]).is_err());
+        assert!(store.commit(1, 1, vec![record]).is_err());
         assert!(store.write(1, MANIFEST, b"{}").is_err());
         assert!(store.write(1, "../escape", b"").is_err());
         assert!(store.latest()?.is_none());

@@ -1,5 +1,5 @@
-//! Faults injected into real jobs: a launched trainer killed (SIGKILL) or stalled (SIGSTOP) in
-//! the middle of a run is found, every process is restarted from the last committed checkpoint,
+//! Faults injected into real jobs: a launched trainer or pipeline stage killed (SIGKILL) or
+//! stalled (SIGSTOP) in the middle of a run is found, every process is restarted from the last committed checkpoint,
 //! and the job's final parameters equal those of a run that was never interrupted; damaged
 //! checkpoints are skipped for the one before.
 
@@ -11,9 +11,35 @@ use std::time::{Duration, Instant};
 use common::{config, free_port_range, start_flotilla, train_in_process};
 use flotilla::job::{Resume, RunOptions, TrainingJob};
 
-/// Long enough (a few seconds launched) that a fault lands mid-run; checkpoints every 500.
-const STEPS: &str = "train.steps=3000";
-const EVERY: usize = 500;
+/// A launched job to hurt: its processes, its settings, how long it runs and how often it
+/// checkpoints (long enough, a few seconds launched, that a fault lands mid-run).
+struct Job {
+    processes: usize,
+    settings: &'static [&'static str],
+    steps: usize,
+    every: usize,
+}
+
+const DATA_PARALLEL: Job = Job {
+    processes: 2,
+    settings: &[],
+    steps: 3000,
+    every: 500,
+};
+
+const PIPELINE: Job = Job {
+    processes: 4,
+    settings: &[
+        "strategy.pipeline=true",
+        "cluster.nproc_per_node=4",
+        "strategy.hybrid_configs.dp_degree=2",
+        "strategy.hybrid_configs.pp_degree=2",
+        "strategy.pipeline_configs.schedule_mode=\"1F1B\"",
+        "strategy.pipeline_configs.accumulate_steps=4",
+    ],
+    steps: 1500,
+    every: 250,
+};
 
 /// The pids of `launcher`'s children.
 fn children_of(launcher: u32) -> Vec<i32> {
@@ -47,30 +73,35 @@ fn pick(choices: usize) -> usize {
     nanos as usize % choices
 }
 
-/// Launches 2 trainers that checkpoint every [`EVERY`] steps and may restart once, sends
-/// `signal` to one of them after a checkpoint, and checks that the job finishes with the
-/// parameters of an uninterrupted run. Returns the launcher's stderr.
-fn survive(signal: i32, extra: &[&str]) -> String {
+/// Launches `job`, which checkpoints every `job.every` steps and may restart once, sends
+/// `signal` to one of its processes after a checkpoint, and checks that the job finishes with
+/// the parameters of an uninterrupted run. Returns the launcher's stderr.
+fn survive(job: &Job, signal: i32, extra: &[&str]) -> String {
     let dir = tempfile::tempdir().unwrap();
     let (run_dir, checkpoints) = (dir.path().join("run"), dir.path().join("checkpoints"));
-    let port = free_port_range(3).to_string();
-    let every = format!("fault_tolerance.checkpoint_every={EVERY}");
-    let checkpoint_dir = format!("fault_tolerance.checkpoint_dir={}", checkpoints.display());
+    let port = free_port_range(job.processes as u16 + 1).to_string();
+    let processes = job.processes.to_string();
+    let mut settings: Vec<String> = job.settings.iter().chain(extra).map(|s| s.to_string()).collect();
+    settings.extend([
+        format!("train.steps={}", job.steps),
+        format!("fault_tolerance.checkpoint_every={}", job.every),
+        format!("fault_tolerance.checkpoint_dir={}", checkpoints.display()),
+        "fault_tolerance.max_restarts=1".to_string(),
+    ]);
     #[rustfmt::skip]
     let mut args = vec![
-        "launch", "--nproc_per_node", "2", "--started_port", &port, "--", "train", "--config", "config.toml",
-        "--set", STEPS, "--set", &every, "--set", &checkpoint_dir, "--set", "fault_tolerance.max_restarts=1",
+        "launch", "--nproc_per_node", &processes, "--started_port", &port, "--", "train", "--config", "config.toml",
         "--run-dir", run_dir.to_str().unwrap(),
     ];
-    for set in extra {
-        args.extend(["--set", set]);
+    for set in &settings {
+        args.extend(["--set", set.as_str()]);
     }
     let launcher = start_flotilla(&args, &[]);
-    let (victim, at) = (pick(2), EVERY * (1 + pick(2)));
+    let (victim, at) = (pick(job.processes), job.every * (1 + pick(2)));
     eprintln!("signal {signal} to the process of rank {victim} after the checkpoint of step {at}");
     wait_for_commit(&checkpoints, at);
     let children = children_of(launcher.child.id());
-    assert_eq!(children.len(), 2, "the launcher runs two trainers: {children:?}");
+    assert_eq!(children.len(), job.processes, "the launcher's processes: {children:?}");
     // Children start in rank order.
     let mut sorted = children.clone();
     sorted.sort_unstable();
@@ -78,7 +109,7 @@ fn survive(signal: i32, extra: &[&str]) -> String {
     unsafe {
         libc::kill(sorted[victim], signal);
     }
-    let finished = launcher.finish(120);
+    let finished = launcher.finish(180);
     for pid in children {
         // SAFETY: as above; the launcher has reaped them, so this is a no-op unless it failed
         // to, in which case the test must not leave them behind.
@@ -91,13 +122,8 @@ fn survive(signal: i32, extra: &[&str]) -> String {
         "the job did not survive:\n{}\n{}",
         finished.stdout, finished.stderr
     );
-    assert!(
-        finished
-            .stderr
-            .contains("restarting all 2 processes from the last checkpoint"),
-        "{}",
-        finished.stderr
-    );
+    let restarted = format!("restarting all {} processes from the last checkpoint", job.processes);
+    assert!(finished.stderr.contains(&restarted), "{}", finished.stderr);
     assert!(
         finished.stderr.contains("resuming from checkpoint step="),
         "{}",
@@ -106,9 +132,12 @@ fn survive(signal: i32, extra: &[&str]) -> String {
 
     let summary: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(run_dir.join("summary.json")).unwrap()).unwrap();
-    assert_eq!(summary["steps"], 3000);
-    // Same ring, same order, resumed at a step boundary with the optimizer state: bit-identical.
-    let uninterrupted = train_in_process(config(&[STEPS]));
+    assert_eq!(summary["steps"], job.steps);
+    // Same rings, same order, resumed at a step boundary with the optimizer state: bit-identical.
+    let mut reference: Vec<&str> = job.settings.to_vec();
+    let steps = format!("train.steps={}", job.steps);
+    reference.push(&steps);
+    let uninterrupted = train_in_process(config(&reference));
     assert_eq!(summary["param_checksum"], uninterrupted.summary.param_checksum.as_str());
     let final_loss = summary["final_loss"].as_f64().unwrap();
     assert_eq!(
@@ -120,19 +149,26 @@ fn survive(signal: i32, extra: &[&str]) -> String {
 
 #[test]
 fn a_killed_trainer_is_restarted_from_the_checkpoint_and_the_run_equals_an_uninterrupted_one() {
-    let stderr = survive(libc::SIGKILL, &[]);
+    let stderr = survive(&DATA_PARALLEL, libc::SIGKILL, &[]);
+    assert!(stderr.contains("signal: 9 (SIGKILL)"), "{stderr}");
+}
+
+#[test]
+fn a_killed_pipeline_stage_is_restarted_from_the_checkpoint_and_the_run_equals_an_uninterrupted_one() {
+    let stderr = survive(&PIPELINE, libc::SIGKILL, &[]);
     assert!(stderr.contains("signal: 9 (SIGKILL)"), "{stderr}");
 }
 
 #[test]
 fn a_stalled_trainer_is_named_by_the_deadline_and_the_job_rolls_back() {
-    let stderr = survive(libc::SIGSTOP, &["fault_tolerance.timeout_s=2"]);
+    let stderr = survive(&DATA_PARALLEL, libc::SIGSTOP, &["fault_tolerance.timeout_s=2"]);
     assert!(stderr.contains("timed out after 2.0s waiting for rank"), "{stderr}");
 }
 
 #[test]
 fn a_stalled_trainer_is_declared_dead_by_its_missed_heartbeats_and_the_job_rolls_back() {
     let stderr = survive(
+        &DATA_PARALLEL,
         libc::SIGSTOP,
         &[
             "fault_tolerance.heartbeat_interval_ms=200",

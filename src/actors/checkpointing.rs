@@ -9,14 +9,13 @@ use crate::checkpoint::{CheckpointStore, FileRecord};
 use crate::net::ControlBus;
 
 /// Rank `rank` acknowledges step `step`'s checkpoint with the `written` files; on rank 0 this
-/// returns after the commit. `losses` (rank 0's) is the global mean loss of every step so far.
+/// returns after the commit.
 pub(crate) async fn acknowledge(
     bus: &mut ControlBus,
     rank: usize,
     world_size: usize,
     store: &CheckpointStore,
     step: usize,
-    losses: &[f32],
     written: &[FileRecord],
 ) -> Result<()> {
     let part = Bytes::from(serde_json::to_vec(written)?);
@@ -30,5 +29,5 @@ pub(crate) async fn acknowledge(
             serde_json::from_slice(part).with_context(|| format!("rank {from}'s checkpoint acknowledgement"))?;
         files.extend(records);
     }
-    store.commit(step, world_size, losses, files)
+    store.commit(step, world_size, files)
 }

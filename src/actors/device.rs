@@ -196,11 +196,13 @@ pub struct SaveCheckpoint {
     pub step: usize,
     /// The file's name in the step's directory.
     pub file: String,
+    /// The losses this rank has seen, kept with the state.
+    pub losses: Vec<f32>,
 }
 
-/// Continues from a training state written by [`SaveCheckpoint`].
+/// Continues from a training state written by [`SaveCheckpoint`]; answers the losses it held.
 #[derive(Message)]
-#[rtype(result = "Result<()>")]
+#[rtype(result = "Result<Vec<f32>>")]
 pub struct RestoreCheckpoint(pub Vec<u8>);
 
 /// The device thread's state: empty until [`Prepare`], [`PrepareCtr`] or [`PreparePipeline`].
@@ -293,16 +295,22 @@ impl Handler<SaveCheckpoint> for DeviceActor {
     type Result = Result<FileRecord>;
 
     fn handle(&mut self, msg: SaveCheckpoint, _: &mut Self::Context) -> Self::Result {
-        let bytes = self.replica()?.save_state()?;
+        let bytes = match &self.pipeline {
+            Some(pipeline) => pipeline.save_state(&msg.losses)?,
+            None => self.replica()?.save_state(&msg.losses)?,
+        };
         msg.store.write(msg.step, &msg.file, &bytes)
     }
 }
 
 impl Handler<RestoreCheckpoint> for DeviceActor {
-    type Result = Result<()>;
+    type Result = Result<Vec<f32>>;
 
     fn handle(&mut self, msg: RestoreCheckpoint, _: &mut Self::Context) -> Self::Result {
-        self.replica()?.restore_state(&msg.0)
+        match &mut self.pipeline {
+            Some(pipeline) => pipeline.restore_state(&msg.0),
+            None => self.replica()?.restore_state(&msg.0),
+        }
     }
 }
 

@@ -12,14 +12,18 @@ use anyhow::{ensure, Context as _, Result};
 use bytes::Bytes;
 use serde::{Deserialize, Serialize};
 
+use super::checkpointing;
 use super::device::{
-    DeviceActor, ModelFactory, PipelineEvaluate, PipelineStep, PreparePipeline, ReadParameters, StageLinks, TakeSpans,
+    DeviceActor, ModelFactory, PipelineEvaluate, PipelineStep, PreparePipeline, ReadParameters, RestoreCheckpoint,
+    SaveCheckpoint, StageLinks, TakeSpans,
 };
 use super::trainer::progress_bar;
 use crate::config::{JobConfig, TrainLength};
 use crate::data::{Dataset, ShardedLoader};
 use crate::engines::comm::Communicator;
+use crate::job::Recovery;
 use crate::net::frame::{encode_with, Frame};
+use crate::net::ControlBus;
 use crate::telemetry::timeline::Span;
 
 /// What a pipeline rank needs.
@@ -44,6 +48,15 @@ pub struct StageActor {
     pub show_progress: bool,
     /// Record a timeline measured from this instant.
     pub trace_from: Option<Instant>,
+    /// The line to the coordinator, for checkpoints; taken at start.
+    pub bus: Option<ControlBus>,
+    /// The checkpoint to start from and where to write new ones.
+    pub(crate) recovery: Recovery,
+}
+
+/// The checkpoint file of stage `stage`, written by its rank in replica 0 (replicas are equal).
+fn stage_file(stage: usize) -> String {
+    format!("stage-{stage}.safetensors")
 }
 
 /// Runs the pipeline training loop to its end.
@@ -156,6 +169,8 @@ impl Handler<TrainStage> for StageActor {
         let data_parallel = self.data_parallel.take();
         let show_progress = self.show_progress;
         let trace_from = self.trace_from;
+        let mut bus = self.bus.take();
+        let recovery = self.recovery.clone();
         Box::pin(async move {
             device
                 .send(PreparePipeline {
@@ -175,12 +190,21 @@ impl Handler<TrainStage> for StageActor {
                 TrainLength::Epochs(e) => e * loader.batches_per_epoch(),
             };
             crate::optim::check_run_length(&job.strategy, steps)?;
+            let first = recovery.first_step(steps)?;
+            let mut losses = Vec::new();
+            if let Some(checkpoint) = &recovery.start {
+                // Every replica of a stage continues from replica 0's state of it, and the
+                // stage holding the loss from replica 0's losses.
+                let restored = RestoreCheckpoint(checkpoint.read(&stage_file(stage))?);
+                losses = device.send(restored).await??;
+            }
             let progress = progress_bar(show_progress, steps);
+            progress.set_position(first as u64);
             let started = Instant::now();
             let (mut step_time, mut allreduce, mut exposed) = (Duration::ZERO, Duration::ZERO, Duration::ZERO);
-            let (mut losses, mut peak, mut peak_bytes) = (Vec::new(), 0, 0);
+            let (mut peak, mut peak_bytes) = (0, 0);
             let (mut pipeline_wait, mut pipeline_time) = (Duration::ZERO, Duration::ZERO);
-            for step in 0..steps {
+            for step in first..steps {
                 let report = device
                     .send(PipelineStep(loader.batch(step)))
                     .await?
@@ -201,6 +225,23 @@ impl Handler<TrainStage> for StageActor {
                         tracing::info!("step {}/{steps} loss {loss:.4} lr {:.4}", step + 1, report.lr);
                     }
                 }
+                if let Some(store) = recovery.store.as_ref().filter(|_| recovery.due(&job, step + 1, steps)) {
+                    let written = if replica == 0 {
+                        let save = SaveCheckpoint {
+                            store: store.clone(),
+                            step: step + 1,
+                            file: stage_file(stage),
+                            losses: losses.clone(),
+                        };
+                        vec![device.send(save).await??]
+                    } else {
+                        Vec::new()
+                    };
+                    let bus = bus
+                        .as_mut()
+                        .context("a checkpointing stage needs a line to the coordinator")?;
+                    checkpointing::acknowledge(bus, rank, d * p, store, step + 1, &written).await?;
+                }
             }
             let elapsed = started.elapsed();
             progress.finish_and_clear();
@@ -216,7 +257,7 @@ impl Handler<TrainStage> for StageActor {
                 steps,
                 losses,
                 evaluated,
-                samples_per_sec: (steps * train.batch_size) as f64 / elapsed.as_secs_f64().max(1e-9),
+                samples_per_sec: ((steps - first) * train.batch_size) as f64 / elapsed.as_secs_f64().max(1e-9),
                 allreduce_ratio: allreduce.as_secs_f64() / step_time.as_secs_f64().max(1e-9),
                 exposed_allreduce_ratio: exposed.as_secs_f64() / step_time.as_secs_f64().max(1e-9),
                 peak_activations: peak,

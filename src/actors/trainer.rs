@@ -147,10 +147,8 @@ impl TrainingRun {
         let first = self.recovery.first_step(steps)?;
         let mut losses = Vec::with_capacity(steps);
         if let Some(checkpoint) = &self.recovery.start {
-            self.device
-                .send(RestoreCheckpoint(checkpoint.read(REPLICA_FILE)?))
-                .await??;
-            losses.extend_from_slice(&checkpoint.losses);
+            let restored = RestoreCheckpoint(checkpoint.read(REPLICA_FILE)?);
+            losses = self.device.send(restored).await??;
         }
         let progress = progress_bar(self.show_progress, steps);
         progress.set_position(first as u64);
@@ -189,12 +187,13 @@ impl TrainingRun {
                         store: store.clone(),
                         step: step + 1,
                         file: REPLICA_FILE.to_string(),
+                        losses: losses.clone(),
                     };
                     vec![self.device.send(save).await??]
                 } else {
                     Vec::new()
                 };
-                checkpointing::acknowledge(&mut bus, rank, world, store, step + 1, &losses, &written).await?;
+                checkpointing::acknowledge(&mut bus, rank, world, store, step + 1, &written).await?;
             }
         }
         let elapsed = started.elapsed();

@@ -7,7 +7,7 @@ use anyhow::{bail, Context, Result};
 use candle_core::backprop::GradStore;
 use candle_core::{Device, Tensor, Var};
 
-use super::{BucketPlan, ParamChecksum};
+use super::{training_state, BucketPlan, ParamChecksum};
 use crate::config::JobConfig;
 use crate::data::Batch;
 use crate::engines::comm::{CommWorker, Pending};
@@ -105,15 +105,23 @@ impl Replica {
         &self.params
     }
 
-    /// Parameters, optimizer state and batches trained, as one checkpoint file.
-    pub fn save_state(&self) -> Result<Vec<u8>> {
-        super::training_state::encode(&self.params, &self.optimizer, self.step)
+    /// Parameters, optimizer state, batches trained and the run's `losses`, as one checkpoint
+    /// file.
+    pub fn save_state(&self, losses: &[f32]) -> Result<Vec<u8>> {
+        training_state::encode(&self.named_vars(), &self.optimizer, self.step, losses)
     }
 
-    /// Continues from a state saved by [`Replica::save_state`], as if never stopped.
-    pub fn restore_state(&mut self, bytes: &[u8]) -> Result<()> {
-        self.step = super::training_state::restore(bytes, &self.params, &mut self.optimizer, &self.device)?;
-        Ok(())
+    /// Continues from a state saved by [`Replica::save_state`], as if never stopped; returns the
+    /// losses it held.
+    pub fn restore_state(&mut self, bytes: &[u8]) -> Result<Vec<f32>> {
+        let params: Vec<(&str, &Var)> = self.params.iter().map(|p| (p.name.as_str(), &p.var)).collect();
+        let restored = training_state::restore(bytes, &params, &mut self.optimizer, &self.device)?;
+        self.step = restored.batches;
+        Ok(restored.losses)
+    }
+
+    fn named_vars(&self) -> Vec<(&str, &Var)> {
+        self.params.iter().map(|p| (p.name.as_str(), &p.var)).collect()
     }
 
     /// Makes every rank start from rank 0's parameters.

@@ -1,45 +1,58 @@
 //! The training state of a replica (or of a pipeline stage) as one safetensors file: every
 //! parameter as `param.<name>`, every optimizer slot as `optimizer.<name>.<slot>`, and in the
-//! metadata the optimizer's kind, its update counter and the batches trained. Restoring it
-//! makes the following steps those of the run that saved it, bit for bit.
+//! metadata the optimizer's kind, its update counter, the batches trained and the losses seen so
+//! far (so a resumed run reports the whole run). Restoring it makes the following steps those
+//! of the run that saved it, bit for bit.
 
 use std::collections::HashMap;
 
 use anyhow::{bail, ensure, Context, Result};
-use candle_core::Device;
+use candle_core::{Device, Var};
 
 use crate::checkpoint::{decode_tensors, encode_tensors};
-use crate::models::NamedParam;
 use crate::optim::{Optimizer, OptimizerState};
 
 const FORMAT: &str = "flotilla-training-state";
 
-/// `params`, `optimizer`'s state and `batches` (batches trained so far) as safetensors bytes.
-pub fn encode(params: &[NamedParam], optimizer: &Optimizer, batches: usize) -> Result<Vec<u8>> {
+/// What a restored state says about the run so far.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Restored {
+    /// Batches trained.
+    pub batches: usize,
+    /// The loss of every step, as the saving rank saw them (empty where it sees none).
+    pub losses: Vec<f32>,
+}
+
+/// `params` (by name), `optimizer`'s state, `batches` (batches trained so far) and `losses` as
+/// safetensors bytes.
+pub fn encode(params: &[(&str, &Var)], optimizer: &Optimizer, batches: usize, losses: &[f32]) -> Result<Vec<u8>> {
     let state = optimizer.state()?;
     let mut tensors = Vec::with_capacity(params.len() + state.tensors.len());
-    for p in params {
-        tensors.push((format!("param.{}", p.name), p.var.as_tensor().clone()));
+    for (name, var) in params {
+        tensors.push((format!("param.{name}"), var.as_tensor().clone()));
     }
     for (index, slot, tensor) in state.tensors {
-        let param = params
+        let (name, _) = params
             .get(index)
             .context("optimizer state of a parameter the replica lacks")?;
-        tensors.push((format!("optimizer.{}.{slot}", param.name), tensor));
+        tensors.push((format!("optimizer.{name}.{slot}"), tensor));
     }
+    // Bit patterns, so that a NaN loss survives too.
+    let loss_bits: Vec<u32> = losses.iter().map(|l| l.to_bits()).collect();
     let metadata = HashMap::from([
         ("format".to_string(), FORMAT.to_string()),
         ("optimizer".to_string(), optimizer.name().to_string()),
         ("optimizer_steps".to_string(), state.steps.to_string()),
         ("batches".to_string(), batches.to_string()),
+        ("loss_bits".to_string(), serde_json::to_string(&loss_bits)?),
     ]);
     encode_tensors(&tensors, metadata)
 }
 
-/// Loads bytes written by [`encode`] into `params` and `optimizer`; returns the batches trained.
-/// A file of another model (a parameter missing, extra or of another shape) or of another
-/// optimizer is refused by name before anything changes.
-pub fn restore(bytes: &[u8], params: &[NamedParam], optimizer: &mut Optimizer, device: &Device) -> Result<usize> {
+/// Loads bytes written by [`encode`] into `params` and `optimizer`. A file of another model (a
+/// parameter missing, extra or of another shape) or of another optimizer is refused by name
+/// before anything changes.
+pub fn restore(bytes: &[u8], params: &[(&str, &Var)], optimizer: &mut Optimizer, device: &Device) -> Result<Restored> {
     let (mut tensors, metadata) = decode_tensors(bytes, device)?;
     let meta = |key: &str| {
         metadata
@@ -55,23 +68,22 @@ pub fn restore(bytes: &[u8], params: &[NamedParam], optimizer: &mut Optimizer, d
     );
     let steps: u64 = meta("optimizer_steps")?.parse().context("optimizer_steps")?;
     let batches: usize = meta("batches")?.parse().context("batches")?;
+    let loss_bits: Vec<u32> = serde_json::from_str(meta("loss_bits")?).context("loss_bits")?;
 
     let mut values = Vec::with_capacity(params.len());
-    for p in params {
-        let key = format!("param.{}", p.name);
+    for (name, var) in params {
         let value = tensors
-            .remove(&key)
-            .with_context(|| format!("the checkpoint has no parameter {}", p.name))?;
+            .remove(&format!("param.{name}"))
+            .with_context(|| format!("the checkpoint has no parameter {name}"))?;
         ensure!(
-            value.dims() == p.var.dims(),
-            "parameter {}: the checkpoint's shape is {:?}, the model's {:?}",
-            p.name,
+            value.dims() == var.dims(),
+            "parameter {name}: the checkpoint's shape is {:?}, the model's {:?}",
             value.dims(),
-            p.var.dims()
+            var.dims()
         );
         values.push(value);
     }
-    let index: HashMap<&str, usize> = params.iter().enumerate().map(|(i, p)| (p.name.as_str(), i)).collect();
+    let index: HashMap<&str, usize> = params.iter().enumerate().map(|(i, (name, _))| (*name, i)).collect();
     let mut state = OptimizerState {
         steps,
         tensors: Vec::with_capacity(tensors.len()),
@@ -86,8 +98,11 @@ pub fn restore(bytes: &[u8], params: &[NamedParam], optimizer: &mut Optimizer, d
         state.tensors.push((i, slot.to_string(), tensor));
     }
     optimizer.load_state(state)?;
-    for (p, value) in params.iter().zip(values) {
-        p.var.set(&value)?;
+    for ((_, var), value) in params.iter().zip(values) {
+        var.set(&value)?;
     }
-    Ok(batches)
+    Ok(Restored {
+        batches,
+        losses: loss_bits.into_iter().map(f32::from_bits).collect(),
+    })
 }

@@ -42,10 +42,10 @@ pub(super) fn check(config: &JobConfig) -> Result<(), FieldError> {
 /// has just completed.
 fn check_checkpoints(config: &JobConfig) -> Result<(), FieldError> {
     let (every, k) = (config.fault_tolerance.checkpoint_every, config.strategy.merge_steps());
-    if every > 0 && (config.strategy.pipeline || config.cluster.is_parameter_server()) {
+    if every > 0 && config.cluster.is_parameter_server() {
         return Err(FieldError::new(
             "fault_tolerance.checkpoint_every",
-            "checkpoints are taken by data-parallel jobs only, so far (not pipeline or parameter-server jobs)",
+            "checkpoints are taken by data-parallel and pipeline jobs only, so far (not parameter-server jobs)",
         ));
     }
     if every > 0 && !every.is_multiple_of(k) {

@@ -11,12 +11,13 @@ use bytes::Bytes;
 use super::control::connect_control;
 use super::heartbeat::watched;
 use super::process::{bind, RankEndpoints};
-use super::{stage_rings, RunOptions, RunOutcome, Summary, TrainingJob};
+use super::{stage_rings, Recovery, RunOptions, RunOutcome, Summary, TrainingJob};
 use crate::actors::device::StageLinks;
 use crate::actors::stage::{StageActor, StageOutcome, TrainStage};
-use crate::actors::DeviceActor;
+use crate::actors::{Coordinator, DeviceActor};
 use crate::collective::ParamChecksum;
 use crate::engines::comm::{memory, Communicator};
+use crate::net::ControlBus;
 use crate::pipeline::link::memory_links;
 use crate::telemetry::timeline::{write_chrome_trace, Track};
 use std::path::{Path, PathBuf};
@@ -32,7 +33,10 @@ pub(super) fn run(job: &TrainingJob, options: &RunOptions) -> Result<RunOutcome>
         config.strategy.hybrid_configs.pp_degree,
     );
     let timeout = config.fault_tolerance.timeout();
+    let recovery = Recovery::plan(&config, &options.resume)?;
     let outcomes = System::new().block_on(async move {
+        // For the checkpoint protocol's gathers.
+        let coordinator = Coordinator::new(d * p, timeout).start();
         // links[rank]: stage links within each replica, rings across replicas of each stage.
         let mut stage_links: Vec<Option<StageLinks>> = Vec::with_capacity(d * p);
         for _ in 0..d {
@@ -56,10 +60,17 @@ pub(super) fn run(job: &TrainingJob, options: &RunOptions) -> Result<RunOutcome>
             .collect();
         let runs = (0..d * p).map(|rank| {
             let (link, data_parallel) = (stage_links[rank].take(), rings[rank % p][rank / p].take());
+            let bus = ControlBus::InMemory(coordinator.clone());
+            let recovery = recovery.clone();
             async move {
                 let link = link.context("each rank's stage link is taken once")?;
                 let data_parallel = data_parallel.context("each rank's ring is taken once")?;
-                train(stage_actor(job, rank, link, data_parallel, show_progress, trace_from)).await
+                let lines = StageLines {
+                    link,
+                    data_parallel,
+                    bus,
+                };
+                train(stage_actor(job, rank, lines, recovery, show_progress, trace_from)).await
             }
         });
         futures::future::try_join_all(runs).await
@@ -83,12 +94,20 @@ pub(super) fn run_rank(job: &TrainingJob, rank: usize, options: &RunOptions) -> 
         data_endpoint,
         credentials,
     } = bind(&config, rank)?;
+    let recovery = Recovery::plan(&config, &options.resume)?;
     System::new().block_on(async move {
         let mut bus = connect_control(rank, world, &master, &config.fault_tolerance, max_frame, &credentials).await?;
         let roster = bus.join(rank, world, data_endpoint).await?;
         let (link, data_parallel) =
             stage_rings::connect(&mut bus, &config, rank, &roster, listener, credentials.clone()).await?;
-        let training = train(stage_actor(job, rank, link, data_parallel, show_progress, trace_from));
+        // The stage's own line for the checkpoint protocol; `bus` gathers the outcomes after.
+        let stage_bus = ControlBus::connect(&master, config.fault_tolerance.timeout(), max_frame, &credentials).await?;
+        let lines = StageLines {
+            link,
+            data_parallel,
+            bus: stage_bus,
+        };
+        let training = train(stage_actor(job, rank, lines, recovery, show_progress, trace_from));
         let outcome = watched(training, rank, &master, &config, &credentials).await?;
         if let Some(path) = &options.trace {
             // Each process measures from its own clock: one file per rank.
@@ -113,13 +132,20 @@ pub(super) fn run_rank(job: &TrainingJob, rank: usize, options: &RunOptions) -> 
     })
 }
 
+/// How a stage reaches the others: its neighbours, its replicas, the coordinator.
+struct StageLines {
+    link: StageLinks,
+    data_parallel: Communicator,
+    bus: ControlBus,
+}
+
 /// Rank `rank`'s stage actor with its own device actor; the rank of replica 0's last stage,
 /// which sees the loss, draws the progress bar. Must run inside an actix system.
 fn stage_actor(
     job: &TrainingJob,
     rank: usize,
-    link: StageLinks,
-    data_parallel: Communicator,
+    lines: StageLines,
+    recovery: Recovery,
     show_progress: bool,
     trace_from: Option<Instant>,
 ) -> StageActor {
@@ -130,8 +156,10 @@ fn stage_actor(
         model: job.model.clone(),
         train_data: job.train_data.clone(),
         test_data: job.test_data.clone(),
-        link: Some(link),
-        data_parallel: Some(data_parallel),
+        link: Some(lines.link),
+        data_parallel: Some(lines.data_parallel),
+        bus: Some(lines.bus),
+        recovery,
         device: SyncArbiter::start(1, DeviceActor::default),
         show_progress: show_progress && rank == p - 1,
         trace_from,

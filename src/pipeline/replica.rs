@@ -12,6 +12,7 @@ use super::link::StageLink;
 use super::partition::{balanced, explicit};
 use super::schedule::ScheduleKind;
 use super::stage::{Chunk, Stage};
+use crate::collective::training_state;
 use crate::config::{JobConfig, ScheduleMode};
 use crate::data::Batch;
 use crate::engines::comm::{CommWorker, Communicator, Pending};
@@ -154,6 +155,25 @@ impl PipelineReplica {
             step: 0,
             timeline: None,
         })
+    }
+
+    /// The stage's parameters, optimizer state, batches trained and the `losses` it saw, as one
+    /// checkpoint file.
+    pub fn save_state(&self, losses: &[f32]) -> Result<Vec<u8>> {
+        training_state::encode(&self.named_vars(), &self.optimizer, self.step, losses)
+    }
+
+    /// Continues from a state saved by [`PipelineReplica::save_state`] (by this stage of any
+    /// replica), as if never stopped; returns the losses it held.
+    pub fn restore_state(&mut self, bytes: &[u8]) -> Result<Vec<f32>> {
+        let params: Vec<(&str, &Var)> = self.params.iter().map(|(name, var)| (name.as_str(), var)).collect();
+        let restored = training_state::restore(bytes, &params, &mut self.optimizer, &self.device)?;
+        self.step = restored.batches;
+        Ok(restored.losses)
+    }
+
+    fn named_vars(&self) -> Vec<(&str, &Var)> {
+        self.params.iter().map(|(name, var)| (name.as_str(), var)).collect()
     }
 
     /// One step on this replica's part of the global batch; with gradient merge, the optimizer
