@@ -11,7 +11,7 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 
 use anyhow::{bail, ensure, Context, Result};
-use candle_core::{Device, Tensor};
+use candle_core::{DType, Device, Tensor};
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
@@ -88,18 +88,40 @@ impl CheckpointStore {
     /// Writes `bytes` as file `name` of step `step`'s checkpoint, atomically, and returns its
     /// record for the manifest.
     pub fn write(&self, step: usize, name: &str, bytes: &[u8]) -> Result<FileRecord> {
+        self.write_with(step, name, |out| Ok(out.write_all(bytes)?))
+    }
+
+    /// Writes what `contents` writes as file `name` of step `step`'s checkpoint, atomically,
+    /// streaming it to disk and through the checksum; returns its record for the manifest.
+    pub fn write_with(
+        &self,
+        step: usize,
+        name: &str,
+        contents: impl FnOnce(&mut dyn Write) -> Result<()>,
+    ) -> Result<FileRecord> {
         ensure!(
             !name.is_empty() && !name.starts_with('.') && !name.contains(['/', '\\']) && name != MANIFEST,
             "{name:?} cannot name a checkpoint file"
         );
         let dir = self.step_dir(step);
         fs::create_dir_all(&dir).with_context(|| format!("creating checkpoint directory {}", dir.display()))?;
-        write_atomically(&dir, name, bytes)?;
-        Ok(FileRecord {
-            name: name.to_string(),
-            bytes: bytes.len() as u64,
-            sha256: sha256_hex(bytes),
-        })
+        let mut record = None;
+        write_atomically(&dir, name, |file| {
+            let mut out = HashingWriter {
+                inner: std::io::BufWriter::with_capacity(8 << 20, file),
+                hasher: Sha256::new(),
+                bytes: 0,
+            };
+            contents(&mut out)?;
+            out.inner.flush()?;
+            record = Some(FileRecord {
+                name: name.to_string(),
+                bytes: out.bytes,
+                sha256: hex(&out.hasher.finalize()),
+            });
+            Ok(())
+        })?;
+        record.context("the file was written")
     }
 
     /// Commits step `step`'s checkpoint once every role has written its `files`: the manifest
@@ -130,7 +152,8 @@ impl CheckpointStore {
             world_size,
             files,
         };
-        write_atomically(&dir, MANIFEST, &serde_json::to_vec_pretty(&manifest)?)?;
+        let text = serde_json::to_vec_pretty(&manifest)?;
+        write_atomically(&dir, MANIFEST, |file| Ok(file.write_all(&text)?))?;
         tracing::info!(step, dir = %dir.display(), "checkpoint committed");
         self.prune(step)
     }
@@ -261,14 +284,14 @@ impl Checkpoint {
     }
 }
 
-/// Writes `dir/name` through a temporary file that is synced, renamed over the name, and made
-/// durable by syncing the directory.
-fn write_atomically(dir: &Path, name: &str, bytes: &[u8]) -> Result<()> {
+/// Writes `dir/name` (its contents by `contents`) through a temporary file that is synced,
+/// renamed over the name, and made durable by syncing the directory.
+fn write_atomically(dir: &Path, name: &str, contents: impl FnOnce(&mut File) -> Result<()>) -> Result<()> {
     let temporary = dir.join(format!(".{name}.tmp"));
     let path = dir.join(name);
     let mut file = File::create(&temporary).with_context(|| format!("creating {}", temporary.display()))?;
-    file.write_all(bytes)
-        .and_then(|()| file.sync_all())
+    contents(&mut file)
+        .and_then(|()| Ok(file.sync_all()?))
         .with_context(|| format!("writing {}", temporary.display()))?;
     fs::rename(&temporary, &path).with_context(|| format!("renaming {} to {}", temporary.display(), path.display()))?;
     File::open(dir)
@@ -276,15 +299,83 @@ fn write_atomically(dir: &Path, name: &str, bytes: &[u8]) -> Result<()> {
         .with_context(|| format!("syncing directory {}", dir.display()))
 }
 
-/// SHA-256 of `bytes` in lowercase hex.
-fn sha256_hex(bytes: &[u8]) -> String {
-    Sha256::digest(bytes).iter().map(|b| format!("{b:02x}")).collect()
+/// A writer that checksums and counts what passes through it.
+struct HashingWriter<W> {
+    inner: W,
+    hasher: Sha256,
+    bytes: u64,
 }
 
-/// `tensors` and `metadata` as the bytes of a safetensors file.
-pub fn encode_tensors(tensors: &[(String, Tensor)], metadata: HashMap<String, String>) -> Result<Vec<u8>> {
-    let views = tensors.iter().map(|(name, tensor)| (name.as_str(), tensor));
-    Ok(safetensors::serialize(views, Some(metadata))?)
+/// Writes at least this long are checksummed on another core while they go to disk.
+const PARALLEL_HASH_BYTES: usize = 1 << 20;
+
+impl<W: Write + Send> Write for HashingWriter<W> {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        let written = self.inner.write(buf)?;
+        self.hasher.update(&buf[..written]);
+        self.bytes += written as u64;
+        Ok(written)
+    }
+
+    fn write_all(&mut self, buf: &[u8]) -> std::io::Result<()> {
+        let (inner, hasher) = (&mut self.inner, &mut self.hasher);
+        if buf.len() < PARALLEL_HASH_BYTES {
+            inner.write_all(buf)?;
+            hasher.update(buf);
+        } else {
+            std::thread::scope(|scope| {
+                scope.spawn(|| hasher.update(buf));
+                inner.write_all(buf)
+            })?;
+        }
+        self.bytes += buf.len() as u64;
+        Ok(())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        self.inner.flush()
+    }
+}
+
+/// SHA-256 of `bytes` in lowercase hex.
+fn sha256_hex(bytes: &[u8]) -> String {
+    hex(&Sha256::digest(bytes))
+}
+
+fn hex(digest: &[u8]) -> String {
+    digest.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// Writes `tensors` (f32) and `metadata` to `out` as a safetensors file, one tensor at a time,
+/// so that a checkpoint never holds a second copy of the whole state in memory.
+pub fn write_tensors(
+    out: &mut dyn Write,
+    tensors: &[(String, Tensor)],
+    metadata: HashMap<String, String>,
+) -> Result<()> {
+    let mut header = serde_json::Map::new();
+    header.insert("__metadata__".to_string(), serde_json::to_value(metadata)?);
+    let mut offset = 0usize;
+    for (name, tensor) in tensors {
+        ensure!(tensor.dtype() == DType::F32, "{name} is {:?}, not f32", tensor.dtype());
+        let end = offset + tensor.elem_count() * 4;
+        let entry = serde_json::json!({"dtype": "F32", "shape": tensor.dims(), "data_offsets": [offset, end]});
+        ensure!(
+            header.insert(name.clone(), entry).is_none(),
+            "two tensors are named {name}"
+        );
+        offset = end;
+    }
+    let mut header = serde_json::to_vec(&header)?;
+    // The format pads the header with spaces to a multiple of 8 bytes.
+    header.resize(header.len().next_multiple_of(8), b' ');
+    out.write_all(&(header.len() as u64).to_le_bytes())?;
+    out.write_all(&header)?;
+    for (_, tensor) in tensors {
+        let values = tensor.flatten_all()?.to_vec1::<f32>()?;
+        out.write_all(bytemuck::cast_slice(&values))?;
+    }
+    Ok(())
 }
 
 /// The tensors (on `device`) and metadata of a safetensors file's bytes.
@@ -365,12 +456,15 @@ mod tests {
     #[test]
     fn tensors_and_metadata_survive_encoding() -> Result<()> {
         let t = Tensor::new(&[[1.0f32, 2.0], [3.0, 4.0]], &Device::Cpu)?;
-        let bytes = encode_tensors(
-            &[("w".to_string(), t.clone())],
+        let mut bytes = Vec::new();
+        write_tensors(
+            &mut bytes,
+            &[("w".to_string(), t.clone()), ("b".to_string(), t.sum_keepdim(1)?)],
             HashMap::from([("optimizer".to_string(), "sgd".to_string())]),
         )?;
         let (tensors, metadata) = decode_tensors(&bytes, &Device::Cpu)?;
         assert_eq!(tensors["w"].to_vec2::<f32>()?, t.to_vec2::<f32>()?);
+        assert_eq!(tensors["b"].to_vec2::<f32>()?, vec![vec![3.0], vec![7.0]]);
         assert_eq!(metadata["optimizer"], "sgd");
         Ok(())
     }

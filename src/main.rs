@@ -9,6 +9,7 @@ use anyhow::{bail, Context, Result};
 use clap::{Parser, Subcommand, ValueEnum};
 
 use flotilla::bench::allreduce::{self, AllReduceArgs};
+use flotilla::bench::checkpoint::{self as checkpoint_bench, CheckpointBenchArgs};
 use flotilla::bench::pipeline::{self as pipeline_bench, PipelineBenchArgs};
 use flotilla::bench::ps::{self as ps_bench, PsBenchArgs, PsBenchShardArgs};
 use flotilla::config::{process_env, JobConfig};
@@ -122,6 +123,8 @@ enum BenchCommand {
     /// One rank of `bench allreduce` (started by it).
     #[command(hide = true)]
     AllreduceRank(AllReduceArgs),
+    /// Checkpoint save and restore throughput against the disk's sequential write speed (dd).
+    Checkpoint(CheckpointBenchArgs),
     /// Pull and push throughput against parameter-server shard processes on loopback.
     Ps(PsBenchArgs),
     /// The measured bubble of a pipeline schedule against the theory, with equal stages.
@@ -173,6 +176,7 @@ fn run(cli: Cli) -> Result<()> {
         }
         Command::Bench(BenchCommand::Allreduce { nproc, args }) => allreduce::run(nproc, &args),
         Command::Bench(BenchCommand::AllreduceRank(args)) => allreduce::run_rank(&args),
+        Command::Bench(BenchCommand::Checkpoint(args)) => checkpoint_bench::run(&args),
         Command::Bench(BenchCommand::Ps(args)) => ps_bench::run(&args),
         Command::Bench(BenchCommand::Pipeline(args)) => pipeline_bench::run(&args),
         Command::Bench(BenchCommand::PsShard(args)) => ps_bench::run_shard(&args),

@@ -295,11 +295,17 @@ impl Handler<SaveCheckpoint> for DeviceActor {
     type Result = Result<FileRecord>;
 
     fn handle(&mut self, msg: SaveCheckpoint, _: &mut Self::Context) -> Self::Result {
-        let bytes = match &self.pipeline {
-            Some(pipeline) => pipeline.save_state(&msg.losses)?,
-            None => self.replica()?.save_state(&msg.losses)?,
-        };
-        msg.store.write(msg.step, &msg.file, &bytes)
+        let losses = &msg.losses;
+        match &self.pipeline {
+            Some(pipeline) => msg
+                .store
+                .write_with(msg.step, &msg.file, |out| pipeline.save_state(out, losses)),
+            None => {
+                let replica = self.replica()?;
+                msg.store
+                    .write_with(msg.step, &msg.file, |out| replica.save_state(out, losses))
+            }
+        }
     }
 }
 

@@ -105,10 +105,10 @@ impl Replica {
         &self.params
     }
 
-    /// Parameters, optimizer state, batches trained and the run's `losses`, as one checkpoint
-    /// file.
-    pub fn save_state(&self, losses: &[f32]) -> Result<Vec<u8>> {
-        training_state::encode(&self.named_vars(), &self.optimizer, self.step, losses)
+    /// Parameters, optimizer state, batches trained and the run's `losses`, to `out` as one
+    /// checkpoint file.
+    pub fn save_state(&self, out: &mut dyn std::io::Write, losses: &[f32]) -> Result<()> {
+        training_state::write(out, &self.named_vars(), &self.optimizer, self.step, losses)
     }
 
     /// Continues from a state saved by [`Replica::save_state`], as if never stopped; returns the

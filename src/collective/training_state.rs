@@ -5,11 +5,12 @@
 //! of the run that saved it, bit for bit.
 
 use std::collections::HashMap;
+use std::io::Write;
 
 use anyhow::{bail, ensure, Context, Result};
 use candle_core::{Device, Var};
 
-use crate::checkpoint::{decode_tensors, encode_tensors};
+use crate::checkpoint::{decode_tensors, write_tensors};
 use crate::optim::{Optimizer, OptimizerState};
 
 const FORMAT: &str = "flotilla-training-state";
@@ -23,9 +24,15 @@ pub struct Restored {
     pub losses: Vec<f32>,
 }
 
-/// `params` (by name), `optimizer`'s state, `batches` (batches trained so far) and `losses` as
-/// safetensors bytes.
-pub fn encode(params: &[(&str, &Var)], optimizer: &Optimizer, batches: usize, losses: &[f32]) -> Result<Vec<u8>> {
+/// Writes `params` (by name), `optimizer`'s state, `batches` (batches trained so far) and
+/// `losses` to `out` as a safetensors file.
+pub fn write(
+    out: &mut dyn Write,
+    params: &[(&str, &Var)],
+    optimizer: &Optimizer,
+    batches: usize,
+    losses: &[f32],
+) -> Result<()> {
     let state = optimizer.state()?;
     let mut tensors = Vec::with_capacity(params.len() + state.tensors.len());
     for (name, var) in params {
@@ -46,10 +53,10 @@ pub fn encode(params: &[(&str, &Var)], optimizer: &Optimizer, batches: usize, lo
         ("batches".to_string(), batches.to_string()),
         ("loss_bits".to_string(), serde_json::to_string(&loss_bits)?),
     ]);
-    encode_tensors(&tensors, metadata)
+    write_tensors(out, &tensors, metadata)
 }
 
-/// Loads bytes written by [`encode`] into `params` and `optimizer`. A file of another model (a
+/// Loads bytes written by [`write`] into `params` and `optimizer`. A file of another model (a
 /// parameter missing, extra or of another shape) or of another optimizer is refused by name
 /// before anything changes.
 pub fn restore(bytes: &[u8], params: &[(&str, &Var)], optimizer: &mut Optimizer, device: &Device) -> Result<Restored> {

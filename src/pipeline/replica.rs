@@ -157,10 +157,10 @@ impl PipelineReplica {
         })
     }
 
-    /// The stage's parameters, optimizer state, batches trained and the `losses` it saw, as one
+    /// The stage's parameters, optimizer state, batches trained and the `losses` it saw, to `out` as one
     /// checkpoint file.
-    pub fn save_state(&self, losses: &[f32]) -> Result<Vec<u8>> {
-        training_state::encode(&self.named_vars(), &self.optimizer, self.step, losses)
+    pub fn save_state(&self, out: &mut dyn std::io::Write, losses: &[f32]) -> Result<()> {
+        training_state::write(out, &self.named_vars(), &self.optimizer, self.step, losses)
     }
 
     /// Continues from a state saved by [`PipelineReplica::save_state`] (by this stage of any
