@@ -239,7 +239,7 @@ fn run_role(role: Role, args: &TrainArgs) -> Result<()> {
     match (role, config.cluster.is_parameter_server()) {
         (Role::Pserver, true) => {
             let job = ParameterServerJob::builtin(config)?;
-            job.run_server(flotilla::job::ps::shard_index_from_env(&job.config)?)
+            job.run_server(flotilla::job::ps::shard_index_from_env(&job.config)?, &options)
         }
         (Role::Pserver, false) => bail!(
             "--role pserver: {} is not a parameter-server job (cluster.server_num = 0); start it with `flotilla launch-ps`",

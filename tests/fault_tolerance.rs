@@ -1,5 +1,5 @@
-//! Faults injected into real jobs: a launched trainer or pipeline stage killed (SIGKILL) or
-//! stalled (SIGSTOP) in the middle of a run is found, every process is restarted from the last committed checkpoint,
+//! Faults injected into real jobs: a launched trainer, pipeline stage or parameter-server shard
+//! killed (SIGKILL), or a trainer stalled (SIGSTOP), in the middle of a run is found, every process is restarted from the last committed checkpoint,
 //! and the job's final parameters equal those of a run that was never interrupted; damaged
 //! checkpoints are skipped for the one before.
 
@@ -9,26 +9,38 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use common::{config, free_port_range, start_flotilla, train_in_process};
+use flotilla::config::JobConfig;
+use flotilla::job::ps::{build_shard, ParameterServerJob};
 use flotilla::job::{Resume, RunOptions, TrainingJob};
 
-/// A launched job to hurt: its processes, its settings, how long it runs and how often it
-/// checkpoints (long enough, a few seconds launched, that a fault lands mid-run).
+/// A launched job to hurt: how it is launched, its settings, how long it runs and how often it
+/// checkpoints (long enough, a few seconds launched, that a fault lands mid-run), and which of
+/// its processes may be hit (the first `victims`, in start order).
 struct Job {
+    launcher: &'static [&'static str],
+    config: &'static str,
     processes: usize,
+    victims: usize,
     settings: &'static [&'static str],
     steps: usize,
     every: usize,
 }
 
 const DATA_PARALLEL: Job = Job {
+    launcher: &["launch", "--nproc_per_node", "2"],
+    config: "config.toml",
     processes: 2,
+    victims: 2,
     settings: &[],
     steps: 3000,
     every: 500,
 };
 
 const PIPELINE: Job = Job {
+    launcher: &["launch", "--nproc_per_node", "4"],
+    config: "config.toml",
     processes: 4,
+    victims: 4,
     settings: &[
         "strategy.pipeline=true",
         "cluster.nproc_per_node=4",
@@ -39,6 +51,17 @@ const PIPELINE: Job = Job {
     ],
     steps: 1500,
     every: 250,
+};
+
+/// Sync parameter servers; the victim is one of the two shards (started first).
+const PARAMETER_SERVER: Job = Job {
+    launcher: &["launch-ps", "--server_num", "2", "--worker_num", "2"],
+    config: "examples/ctr_ps.toml",
+    processes: 4,
+    victims: 2,
+    settings: &[],
+    steps: 240,
+    every: 60,
 };
 
 /// The pids of `launcher`'s children.
@@ -75,12 +98,11 @@ fn pick(choices: usize) -> usize {
 
 /// Launches `job`, which checkpoints every `job.every` steps and may restart once, sends
 /// `signal` to one of its processes after a checkpoint, and checks that the job finishes with
-/// the parameters of an uninterrupted run. Returns the launcher's stderr.
+/// the outcome of an uninterrupted run. Returns the launcher's stderr.
 fn survive(job: &Job, signal: i32, extra: &[&str]) -> String {
     let dir = tempfile::tempdir().unwrap();
     let (run_dir, checkpoints) = (dir.path().join("run"), dir.path().join("checkpoints"));
     let port = free_port_range(job.processes as u16 + 1).to_string();
-    let processes = job.processes.to_string();
     let mut settings: Vec<String> = job.settings.iter().chain(extra).map(|s| s.to_string()).collect();
     settings.extend([
         format!("train.steps={}", job.steps),
@@ -88,21 +110,19 @@ fn survive(job: &Job, signal: i32, extra: &[&str]) -> String {
         format!("fault_tolerance.checkpoint_dir={}", checkpoints.display()),
         "fault_tolerance.max_restarts=1".to_string(),
     ]);
+    let mut args = job.launcher.to_vec();
     #[rustfmt::skip]
-    let mut args = vec![
-        "launch", "--nproc_per_node", &processes, "--started_port", &port, "--", "train", "--config", "config.toml",
-        "--run-dir", run_dir.to_str().unwrap(),
-    ];
+    args.extend(["--started_port", &port, "--", "train", "--config", job.config, "--run-dir", run_dir.to_str().unwrap()]);
     for set in &settings {
         args.extend(["--set", set.as_str()]);
     }
     let launcher = start_flotilla(&args, &[]);
-    let (victim, at) = (pick(job.processes), job.every * (1 + pick(2)));
-    eprintln!("signal {signal} to the process of rank {victim} after the checkpoint of step {at}");
+    let (victim, at) = (pick(job.victims), job.every * (1 + pick(2)));
+    eprintln!("signal {signal} to process {victim} (in start order) after the checkpoint of step {at}");
     wait_for_commit(&checkpoints, at);
     let children = children_of(launcher.child.id());
     assert_eq!(children.len(), job.processes, "the launcher's processes: {children:?}");
-    // Children start in rank order.
+    // Children start in order, so their pids ascend.
     let mut sorted = children.clone();
     sorted.sort_unstable();
     // SAFETY: a pid of a process this test's launcher started and still supervises.
@@ -133,23 +153,73 @@ fn survive(job: &Job, signal: i32, extra: &[&str]) -> String {
     let summary: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(run_dir.join("summary.json")).unwrap()).unwrap();
     assert_eq!(summary["steps"], job.steps);
-    // Same rings, same order, resumed at a step boundary with the optimizer state: bit-identical.
     let mut reference: Vec<&str> = job.settings.to_vec();
     let steps = format!("train.steps={}", job.steps);
     reference.push(&steps);
-    let uninterrupted = train_in_process(config(&reference));
-    assert_eq!(summary["param_checksum"], uninterrupted.summary.param_checksum.as_str());
-    let final_loss = summary["final_loss"].as_f64().unwrap();
-    assert_eq!(
-        final_loss as f32, uninterrupted.summary.final_loss,
-        "the loss history is restored too"
-    );
+    // Same rings or shards, same summation order, resumed at a step boundary with every
+    // optimizer state: bit-identical to an uninterrupted run.
+    if job.launcher[0] == "launch-ps" {
+        matches_uninterrupted_parameter_servers(&reference, &summary, &run_dir);
+    } else {
+        let uninterrupted = train_in_process(config(&reference));
+        assert_eq!(summary["param_checksum"], uninterrupted.summary.param_checksum.as_str());
+        let final_loss = summary["final_loss"].as_f64().unwrap();
+        assert_eq!(
+            final_loss as f32, uninterrupted.summary.final_loss,
+            "the loss history is restored too"
+        );
+    }
     finished.stderr
+}
+
+/// The shards' saved tables and dense slices, and the AUC and loss of the summary, equal those
+/// of the same job run uninterrupted in one process.
+fn matches_uninterrupted_parameter_servers(settings: &[&str], summary: &serde_json::Value, run_dir: &Path) {
+    let load = |path: &Path| {
+        JobConfig::from_file(
+            path,
+            &|_| None,
+            &settings.iter().map(|s| s.to_string()).collect::<Vec<_>>(),
+        )
+    };
+    let config = load(Path::new("examples/ctr_ps.toml")).unwrap();
+    let reference_dir = tempfile::tempdir().unwrap();
+    let uninterrupted = ParameterServerJob::builtin(config.clone())
+        .unwrap()
+        .run_simulated(&RunOptions::new(reference_dir.path()))
+        .unwrap();
+    assert_eq!(summary["auc"].as_f64().unwrap(), uninterrupted.auc);
+    assert_eq!(summary["final_loss"].as_f64().unwrap() as f32, uninterrupted.final_loss);
+    for index in 0..config.cluster.server_num {
+        let contents = |dir: &Path| {
+            let mut shard = build_shard(&config, index).unwrap();
+            shard.load(&dir.join(format!("ps-shard-{index}.safetensors"))).unwrap();
+            let mut tables: Vec<Vec<(u64, Vec<f32>, Vec<f32>)>> = shard
+                .tables()
+                .iter()
+                .map(|t| t.rows().map(|(id, v, s)| (id, v.to_vec(), s.to_vec())).collect())
+                .collect();
+            tables
+                .iter_mut()
+                .for_each(|rows| rows.sort_unstable_by_key(|row| row.0));
+            (shard.dense().values().to_vec(), shard.dense().state().to_vec(), tables)
+        };
+        assert!(
+            contents(run_dir) == contents(reference_dir.path()),
+            "shard {index} differs"
+        );
+    }
 }
 
 #[test]
 fn a_killed_trainer_is_restarted_from_the_checkpoint_and_the_run_equals_an_uninterrupted_one() {
     let stderr = survive(&DATA_PARALLEL, libc::SIGKILL, &[]);
+    assert!(stderr.contains("signal: 9 (SIGKILL)"), "{stderr}");
+}
+
+#[test]
+fn a_killed_parameter_server_shard_is_restarted_from_the_checkpoint_and_the_run_equals_an_uninterrupted_one() {
+    let stderr = survive(&PARAMETER_SERVER, libc::SIGKILL, &[]);
     assert!(stderr.contains("signal: 9 (SIGKILL)"), "{stderr}");
 }
 

@@ -12,8 +12,10 @@ use anyhow::{Context as _, Result};
 
 use super::device::{DeviceActor, FlushCtr, PlanCtr, PredictCtr, PrepareCtr, TrainCtr};
 use super::trainer::progress_bar;
+use crate::checkpoint::CheckpointStore;
 use crate::config::{JobConfig, PsMode, TrainLength};
 use crate::data::ctr::{CtrLoader, CtrSource};
+use crate::job::Recovery;
 use crate::metrics::auc;
 use crate::ps::client::PsClient;
 use crate::ps::snapshot::shard_file_name;
@@ -38,6 +40,8 @@ pub struct PsTrainer {
     pub save_dir: Option<PathBuf>,
     /// Draw a progress bar.
     pub show_progress: bool,
+    /// The checkpoint to start from and where trainer 0 has new ones taken.
+    pub(crate) recovery: Recovery,
 }
 
 /// Runs the training loop to its end.
@@ -83,6 +87,7 @@ impl Handler<TrainPs> for PsTrainer {
             device: self.device.clone(),
             save_dir: self.save_dir.clone(),
             show_progress: self.show_progress,
+            recovery: self.recovery.clone(),
         };
         Box::pin(run.execute())
     }
@@ -97,6 +102,7 @@ struct PsRun {
     device: Addr<DeviceActor>,
     save_dir: Option<PathBuf>,
     show_progress: bool,
+    recovery: Recovery,
 }
 
 impl PsRun {
@@ -117,7 +123,11 @@ impl PsRun {
         };
         let mut loader = CtrLoader::new(self.train_data.clone(), train.batch_size, rank, world)
             .with_context(|| format!("trainer {rank}: training data"))?;
+        // The shards hold the state of a checkpoint; the trainers only move on to its step.
+        let first = self.recovery.first_step(steps)?;
+        loader.skip_batches(first)?;
         let progress = progress_bar(self.show_progress, steps);
+        progress.set_position(first as u64);
         let started = Instant::now();
         let mut losses = Vec::with_capacity(steps);
         let mut comm_time = Duration::ZERO;
@@ -127,7 +137,7 @@ impl PsRun {
         // (its plan depends on the local copies step t changes).
         let prefetch = job.strategy.ps_mode() == PsMode::Async;
         let mut prefetched = None;
-        for step in 0..steps {
+        for step in first..steps {
             let pulling = Instant::now();
             let pulled = match prefetched.take() {
                 Some(pulled) => pulled,
@@ -167,8 +177,13 @@ impl PsRun {
             progress.set_position(step as u64 + 1);
             progress.set_message(format!("loss {:.4}", outcome.loss));
             if rank == 0 && progress.is_hidden() && ((step + 1) % train.log_every == 0 || step + 1 == steps) {
-                let rate = ((step + 1) * train.batch_size) as f64 / started.elapsed().as_secs_f64();
+                let rate = ((step + 1 - first) * train.batch_size) as f64 / started.elapsed().as_secs_f64();
                 tracing::info!("step {}/{steps} loss {:.4} {rate:.0} samples/s", step + 1, outcome.loss);
+            }
+            if let Some(store) = self.recovery.store.as_ref().filter(|_| rank == 0) {
+                if self.recovery.due(&job, step + 1, steps) {
+                    checkpoint(&mut client, store, step + 1, world).await?;
+                }
             }
         }
         if let Some(updates) = self.device.send(FlushCtr).await?? {
@@ -205,7 +220,7 @@ impl PsRun {
             rank,
             steps,
             losses,
-            samples_per_sec: (steps * train.batch_size) as f64 / elapsed.as_secs_f64().max(1e-9),
+            samples_per_sec: ((steps - first) * train.batch_size) as f64 / elapsed.as_secs_f64().max(1e-9),
             comm_time_ratio: comm_time.as_secs_f64() / elapsed.as_secs_f64().max(1e-9),
             auc,
             test_samples,
@@ -319,4 +334,21 @@ async fn push(
         })
         .collect();
     client.call_all(requests, what).await.map(drop)
+}
+
+/// Has every shard write its part of step `step`'s checkpoint (each once it has applied that
+/// step: every trainer pushed it), then commits the checkpoint: in sync mode the trainers hold
+/// nothing a restart needs besides the step.
+async fn checkpoint(client: &mut PsClient, store: &CheckpointStore, step: usize, trainers: usize) -> Result<()> {
+    let servers = client.server_num();
+    let dir = store.root().display().to_string();
+    let orders = vec![Request::Checkpoint { dir, step: step as u64 }; servers];
+    let mut files = Vec::with_capacity(servers);
+    for reply in client.call_all(orders, &format!("checkpoint of step {step}")).await? {
+        match reply {
+            Reply::Checkpointed(record) => files.push(record),
+            other => anyhow::bail!("a shard answered a checkpoint order with {other:?}"),
+        }
+    }
+    store.commit(step, trainers + servers, files)
 }

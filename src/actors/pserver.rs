@@ -13,6 +13,8 @@ use actix::prelude::*;
 use anyhow::{anyhow, Result};
 use futures::channel::oneshot;
 
+use crate::checkpoint::{CheckpointStore, FileRecord};
+use crate::ps::snapshot::shard_file_name;
 use crate::ps::wire::{PullRequest, PulledRows, Reply, Request};
 use crate::ps::Shard;
 
@@ -25,8 +27,17 @@ pub struct ShardCall(pub Request);
 pub struct PServer {
     shard: Shard,
     waiting: Vec<Waiting>,
+    /// Checkpoint orders held until the shard has applied their step.
+    checkpoints: Vec<HeldCheckpoint>,
     all_left: Option<oneshot::Sender<()>>,
     timeout: Duration,
+}
+
+/// A checkpoint of step `step` into `dir`, held until the shard has applied that step.
+struct HeldCheckpoint {
+    dir: String,
+    step: u64,
+    answer: oneshot::Sender<Result<FileRecord>>,
 }
 
 /// A pull held until the shard can answer it.
@@ -43,6 +54,7 @@ impl PServer {
         Self {
             shard,
             waiting: Vec::new(),
+            checkpoints: Vec::new(),
             all_left: Some(all_left),
             timeout,
         }
@@ -53,6 +65,13 @@ impl PServer {
     fn answer_waiting(&mut self) {
         let index = self.shard.spec().index;
         let now = Instant::now();
+        for held in std::mem::take(&mut self.checkpoints) {
+            if self.shard.applied() >= held.step {
+                let _ = held.answer.send(self.checkpoint(&held.dir, held.step));
+            } else {
+                self.checkpoints.push(held);
+            }
+        }
         for held in std::mem::take(&mut self.waiting) {
             // A trainer that gave up no longer listens; nothing to do then.
             if self.shard.can_answer(&held.pull) {
@@ -68,6 +87,22 @@ impl PServer {
                 self.waiting.push(held);
             }
         }
+    }
+}
+
+impl PServer {
+    /// Writes the shard's file of step `step`'s checkpoint in `dir`.
+    fn checkpoint(&self, dir: &str, step: u64) -> Result<FileRecord> {
+        let spec = self.shard.spec();
+        anyhow::ensure!(
+            self.shard.applied() == step,
+            "parameter server {}: asked for the checkpoint of step {step} at step {}",
+            spec.index,
+            self.shard.applied()
+        );
+        let bytes = self.shard.snapshot_bytes()?;
+        // The shard's own store only writes files; the trainer that ordered it commits.
+        CheckpointStore::new(dir, 1).write(step as usize, &shard_file_name(spec.index), &bytes)
     }
 }
 
@@ -119,6 +154,18 @@ impl Handler<ShardCall> for PServer {
             }),
             Request::Save { path } => self.shard.save(path.as_ref()).map(|()| Reply::Done),
             Request::Stats => Ok(Reply::Stats(self.shard.stats())),
+            // Every trainer has pushed the step before: held until the shard applies it.
+            Request::Checkpoint { dir, step } if self.shard.applied() < step => {
+                let (answer, later) = oneshot::channel();
+                self.checkpoints.push(HeldCheckpoint { dir, step, answer });
+                return Box::pin(async move {
+                    later
+                        .await
+                        .map_err(|_| anyhow!("parameter server {index} stopped before checkpointing"))?
+                        .map(Reply::Checkpointed)
+                });
+            }
+            Request::Checkpoint { dir, step } => self.checkpoint(&dir, step).map(Reply::Checkpointed),
         };
         let outcome = outcome.map_err(|e| e.context(format!("parameter server {index}")));
         Box::pin(async move { outcome })

@@ -1,7 +1,7 @@
 //! Rules across sections: which models, data sets and optimizers each strategy trains, so a
 //! mismatch is a config error naming the key rather than a failure deep inside a run.
 
-use super::{DatasetKind, FieldError, HybridConfigs, JobConfig, ModelKind, OptimizerKind, PipelineConfigs};
+use super::{DatasetKind, FieldError, HybridConfigs, JobConfig, ModelKind, OptimizerKind, PipelineConfigs, PsMode};
 
 /// Checks that strategy, model, data set and optimizer fit together.
 pub(super) fn check(config: &JobConfig) -> Result<(), FieldError> {
@@ -42,10 +42,10 @@ pub(super) fn check(config: &JobConfig) -> Result<(), FieldError> {
 /// has just completed.
 fn check_checkpoints(config: &JobConfig) -> Result<(), FieldError> {
     let (every, k) = (config.fault_tolerance.checkpoint_every, config.strategy.merge_steps());
-    if every > 0 && config.cluster.is_parameter_server() {
+    if every > 0 && config.cluster.is_parameter_server() && config.strategy.ps_mode() != PsMode::Sync {
         return Err(FieldError::new(
             "fault_tolerance.checkpoint_every",
-            "checkpoints are taken by data-parallel and pipeline jobs only, so far (not parameter-server jobs)",
+            "parameter-server checkpoints need sync mode (strategy.a_sync = false): an async or geo trainer's own state is not saved yet",
         ));
     }
     if every > 0 && !every.is_multiple_of(k) {

@@ -12,7 +12,7 @@ use anyhow::{anyhow, bail, Context as _, Result};
 use futures::channel::oneshot;
 use serde::Serialize;
 
-use super::RunOptions;
+use super::{Recovery, RunOptions};
 use crate::actors::ps_trainer::{PsOutcome, PsTrainer, TrainPs};
 use crate::actors::pserver::PServer;
 use crate::actors::DeviceActor;
@@ -131,7 +131,9 @@ impl ParameterServerJob {
     /// in this process. Returns the summary where this process is trainer 0.
     pub fn run(&self, options: &RunOptions) -> Result<Option<PsSummary>> {
         match std::env::var("TRAINING_ROLE").ok().as_deref().map(str::trim) {
-            Some("PSERVER") => self.run_server(shard_index_from_env(&self.config)?).map(|()| None),
+            Some("PSERVER") => self
+                .run_server(shard_index_from_env(&self.config)?, options)
+                .map(|()| None),
             Some("TRAINER") => {
                 let id = std::env::var("PADDLE_TRAINER_ID").context("TRAINING_ROLE=TRAINER needs PADDLE_TRAINER_ID")?;
                 let rank = id
@@ -150,10 +152,11 @@ impl ParameterServerJob {
         let config = self.config.clone();
         let (servers, world) = (config.cluster.server_num, config.world_size());
         let (timeout, retry) = (config.fault_tolerance.timeout(), config.fault_tolerance.retry);
+        let recovery = Recovery::plan(&config, &options.resume)?;
         let outcomes = System::new().block_on(async move {
             let shards = (0..servers)
                 .map(|index| {
-                    let shard = build_shard(&config, index)?;
+                    let shard = start_shard(&config, index, &recovery)?;
                     let (all_left, _) = oneshot::channel();
                     Ok(PServer::start_in_arbiter(&Arbiter::new().handle(), move |_| {
                         PServer::new(shard, all_left, timeout)
@@ -162,7 +165,8 @@ impl ParameterServerJob {
                 .collect::<Result<Vec<_>>>()?;
             let runs = (0..world).map(|rank| {
                 let links = shards.iter().cloned().map(ShardLink::Local).collect();
-                let trainer = self.trainer(rank, PsClient::new(links, retry, timeout), options, rank == 0);
+                let client = PsClient::new(links, retry, timeout);
+                let trainer = self.trainer(rank, client, options, rank == 0, recovery.clone());
                 async move {
                     trainer
                         .start()
@@ -184,7 +188,7 @@ impl ParameterServerJob {
     }
 
     /// Serves shard `index` at `cluster.pservers[index]` until every trainer has left.
-    pub fn run_server(&self, index: usize) -> Result<()> {
+    pub fn run_server(&self, index: usize, options: &RunOptions) -> Result<()> {
         let config = self.config.clone();
         let endpoint = config.cluster.pservers.get(index).cloned().with_context(|| {
             format!("parameter server {index}: cluster.pservers (PADDLE_PSERVERS_IP_PORT_LIST) has no entry {index}")
@@ -192,7 +196,7 @@ impl ParameterServerJob {
         let listener = TcpListener::bind(&endpoint)
             .with_context(|| format!("parameter server {index}: cannot listen on {endpoint}"))?;
         listener.set_nonblocking(true)?;
-        let shard = build_shard(&config, index)?;
+        let shard = start_shard(&config, index, &Recovery::plan(&config, &options.resume)?)?;
         let timeout = config.fault_tolerance.timeout();
         let credentials = Credentials::new(config.cluster.cluster_token()?, timeout);
         tracing::info!(
@@ -249,8 +253,9 @@ impl ParameterServerJob {
             .map(|endpoint| ShardLink::remote(endpoint.clone(), max_frame, credentials.clone()))
             .collect();
         let client = PsClient::new(links, config.fault_tolerance.retry, config.fault_tolerance.timeout());
+        let recovery = Recovery::plan(&config, &options.resume)?;
         let outcome = System::new().block_on(async move {
-            self.trainer(rank, client, options, options.show_progress && rank == 0)
+            self.trainer(rank, client, options, options.show_progress && rank == 0, recovery)
                 .start()
                 .send(TrainPs)
                 .await
@@ -264,7 +269,14 @@ impl ParameterServerJob {
         Ok(Some(summary))
     }
 
-    fn trainer(&self, rank: usize, client: PsClient, options: &RunOptions, show_progress: bool) -> PsTrainer {
+    fn trainer(
+        &self,
+        rank: usize,
+        client: PsClient,
+        options: &RunOptions,
+        show_progress: bool,
+        recovery: Recovery,
+    ) -> PsTrainer {
         PsTrainer {
             rank,
             job: self.config.clone(),
@@ -274,6 +286,7 @@ impl ParameterServerJob {
             device: SyncArbiter::start(1, DeviceActor::default),
             save_dir: (rank == 0).then(|| options.run_dir.clone()),
             show_progress: show_progress && options.show_progress,
+            recovery,
         }
     }
 
@@ -358,6 +371,17 @@ pub fn build_shard(job: &JobConfig, index: usize) -> Result<Shard> {
             .load(&path)
             .with_context(|| format!("parameter server {index}: train.init_tables_from"))?;
         tracing::info!("parameter server {index} starts from {}", path.display());
+    }
+    Ok(shard)
+}
+
+/// Shard `index` of the job, brought to the checkpoint `recovery` starts from (if any).
+fn start_shard(job: &JobConfig, index: usize, recovery: &Recovery) -> Result<Shard> {
+    let mut shard = build_shard(job, index)?;
+    if let Some(checkpoint) = &recovery.start {
+        shard
+            .resume(&checkpoint.read(&shard_file_name(index))?, checkpoint.step as u64)
+            .with_context(|| format!("parameter server {index}: resuming from {}", checkpoint.dir.display()))?;
     }
     Ok(shard)
 }

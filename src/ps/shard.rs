@@ -19,7 +19,7 @@ use anyhow::{bail, ensure, Result};
 use rustc_hash::FxHashMap;
 
 use super::dense::DenseSlice;
-use super::snapshot::{load_shard, save_shard, ShardSnapshotInfo};
+use super::snapshot::{load_from_bytes, load_shard, save_shard, shard_bytes, ShardSnapshotInfo};
 use super::table::SparseTable;
 use super::wire::{PullRequest, PulledRows, PushRequest, TableStats, UpdateKind};
 use crate::config::PsMode;
@@ -195,6 +195,27 @@ impl Shard {
     pub fn save(&self, path: &Path) -> Result<()> {
         let tables: Vec<&SparseTable> = self.tables.iter().collect();
         save_shard(path, &self.snapshot_info(), &self.dense, &tables)
+    }
+
+    /// Steps applied so far (sync mode), or pushes applied (async and geo).
+    pub fn applied(&self) -> u64 {
+        self.applied
+    }
+
+    /// The dense slice and every table as the bytes of a snapshot file, for a checkpoint.
+    pub fn snapshot_bytes(&self) -> Result<Vec<u8>> {
+        let tables: Vec<&SparseTable> = self.tables.iter().collect();
+        shard_bytes(&self.snapshot_info(), &self.dense, &tables)
+    }
+
+    /// Continues from a checkpoint taken after `step` sync steps: the tables and dense slice of
+    /// `bytes` (as [`Shard::snapshot_bytes`] made them), and the step count.
+    pub fn resume(&mut self, bytes: &[u8], step: u64) -> Result<()> {
+        let info = self.snapshot_info();
+        let mut tables: Vec<&mut SparseTable> = self.tables.iter_mut().collect();
+        load_from_bytes(bytes, &info, &mut self.dense, &mut tables)?;
+        self.applied = step;
+        Ok(())
     }
 
     /// Replaces the dense slice and the tables with those saved in `path`.

@@ -50,6 +50,30 @@ pub fn save_shard(
     dense: &DenseSlice,
     tables: &[&SparseTable],
 ) -> anyhow::Result<()> {
+    let (tensors, metadata) =
+        shard_tensors(info, dense, tables).with_context(|| format!("saving {}", path.display()))?;
+    write_atomically(path, |temporary| {
+        safetensors::serialize_to_file(tensors, Some(metadata), temporary)
+            .with_context(|| format!("writing {}", temporary.display()))
+    })
+    .with_context(|| format!("saving PS shard {} to {}", info.shard, path.display()))
+}
+
+/// The shard as the bytes of a snapshot file (what [`save_shard`] writes), for a checkpoint.
+pub fn shard_bytes(info: &ShardSnapshotInfo, dense: &DenseSlice, tables: &[&SparseTable]) -> anyhow::Result<Vec<u8>> {
+    let (tensors, metadata) = shard_tensors(info, dense, tables)?;
+    Ok(safetensors::serialize(tensors, Some(metadata))?)
+}
+
+/// A snapshot's tensors, by name, lent to the serializer.
+type NamedTensors<'a> = Vec<(String, ShardTensor<'a>)>;
+
+/// The tensors and metadata of a shard's snapshot.
+fn shard_tensors<'a>(
+    info: &ShardSnapshotInfo,
+    dense: &'a DenseSlice,
+    tables: &[&'a SparseTable],
+) -> anyhow::Result<(NamedTensors<'a>, HashMap<String, String>)> {
     let mut metadata = HashMap::from([
         ("format".to_owned(), FORMAT.to_owned()),
         ("shard".to_owned(), info.shard.to_string()),
@@ -70,11 +94,7 @@ pub fn save_shard(
     let mut names = HashSet::new();
     for &table in tables {
         let name = table.name();
-        ensure!(
-            names.insert(name),
-            "saving {}: two tables are named `{name}`",
-            path.display()
-        );
+        ensure!(names.insert(name), "two tables are named `{name}`");
         let (rows, width) = (table.len(), table.width());
         let state_len = table.optimizer().state_len(width);
         metadata.insert(format!("sparse.{name}.width"), width.to_string());
@@ -92,11 +112,7 @@ pub fn save_shard(
             ShardTensor::new(Part::State(table), vec![rows, state_len]),
         ));
     }
-    write_atomically(path, |temporary| {
-        safetensors::serialize_to_file(tensors, Some(metadata), temporary)
-            .with_context(|| format!("writing {}", temporary.display()))
-    })
-    .with_context(|| format!("saving PS shard {} to {}", info.shard, path.display()))
+    Ok((tensors, metadata))
 }
 
 /// Replaces `dense` and every table of `tables` with the snapshot in `path`:
@@ -117,7 +133,9 @@ pub fn load_shard(
         .with_context(|| format!("loading PS shard snapshot {}", path.display()))
 }
 
-fn load_from_bytes(
+/// Replaces `dense` and every table of `tables` with the snapshot held in `bytes` (as
+/// [`load_shard`] does with a file).
+pub fn load_from_bytes(
     bytes: &[u8],
     info: &ShardSnapshotInfo,
     dense: &mut DenseSlice,

@@ -10,6 +10,7 @@ use anyhow::{bail, ensure, Result};
 use bytes::{Bytes, BytesMut};
 use serde::{Deserialize, Serialize};
 
+use crate::checkpoint::FileRecord;
 use crate::net::frame::encode_with;
 use crate::net::Frame;
 
@@ -88,6 +89,14 @@ pub enum Request {
     },
     /// Report the tables' sizes.
     Stats,
+    /// Write the shard's part of the checkpoint of sync step `step` into the checkpoint
+    /// directory `dir`, once the shard has applied exactly `step` steps.
+    Checkpoint {
+        /// The job's checkpoint directory, on the shard's machine.
+        dir: String,
+        /// The step the checkpoint is taken after.
+        step: u64,
+    },
 }
 
 /// One table's size on one shard.
@@ -106,6 +115,8 @@ pub enum Reply {
     Rows(PulledRows),
     /// Answer to [`Request::Stats`], per table.
     Stats(Vec<TableStats>),
+    /// Answer to [`Request::Checkpoint`]: the file the shard wrote.
+    Checkpointed(FileRecord),
     /// Any other request was carried out.
     Done,
 }
@@ -138,6 +149,11 @@ enum Header {
         path: String,
     },
     Stats,
+    Checkpoint {
+        dir: String,
+        step: u64,
+    },
+    Checkpointed(FileRecord),
     TableStats {
         rows: Vec<u64>,
         bytes: Vec<u64>,
@@ -198,6 +214,10 @@ pub fn encode_request(request: &Request) -> Result<Bytes> {
         },
         Request::Save { path } => Header::Save { path: path.clone() },
         Request::Stats => Header::Stats,
+        Request::Checkpoint { dir, step } => Header::Checkpoint {
+            dir: dir.clone(),
+            step: *step,
+        },
     };
     encode_with(&header, 0, |_| {})
 }
@@ -243,6 +263,7 @@ pub fn decode_request(body: Bytes) -> Result<Request> {
         },
         Header::Save { path } => Request::Save { path },
         Header::Stats => Request::Stats,
+        Header::Checkpoint { dir, step } => Request::Checkpoint { dir, step },
         other => bail!("malformed request: a {} frame is an answer", header_name(&other)),
     };
     payload.finish()?;
@@ -274,6 +295,7 @@ pub fn encode_reply(reply: &Result<Reply>) -> Result<Bytes> {
             rows: tables.iter().map(|t| t.rows).collect(),
             bytes: tables.iter().map(|t| t.bytes).collect(),
         },
+        Ok(Reply::Checkpointed(record)) => Header::Checkpointed(record.clone()),
         Ok(Reply::Done) => Header::Done,
         Err(e) => Header::Failed {
             reason: format!("{e:#}"),
@@ -305,6 +327,7 @@ pub fn decode_reply(body: Bytes) -> Result<Reply> {
                     .collect(),
             )
         }
+        Header::Checkpointed(record) => Reply::Checkpointed(record),
         Header::Done => Reply::Done,
         Header::Failed { reason } => bail!("{reason}"),
         other => bail!("malformed answer: a {} frame is a request", header_name(&other)),
@@ -321,6 +344,8 @@ fn header_name(header: &Header) -> &'static str {
         Header::Leave { .. } => "leave",
         Header::Save { .. } => "save",
         Header::Stats => "stats",
+        Header::Checkpoint { .. } => "checkpoint",
+        Header::Checkpointed(_) => "checkpointed",
         Header::TableStats { .. } => "table-stats",
         Header::Rows { .. } => "rows",
         Header::Done => "done",
