@@ -172,6 +172,9 @@ fn survive(job: &Job, signal: i32, extra: &[&str]) -> String {
     finished.stderr
 }
 
+/// A table row: id, values, optimizer state.
+type Row = (u64, Vec<f32>, Vec<f32>);
+
 /// The shards' saved tables and dense slices, and the AUC and loss of the summary, equal those
 /// of the same job run uninterrupted in one process.
 fn matches_uninterrupted_parameter_servers(settings: &[&str], summary: &serde_json::Value, run_dir: &Path) {
@@ -194,7 +197,7 @@ fn matches_uninterrupted_parameter_servers(settings: &[&str], summary: &serde_js
         let contents = |dir: &Path| {
             let mut shard = build_shard(&config, index).unwrap();
             shard.load(&dir.join(format!("ps-shard-{index}.safetensors"))).unwrap();
-            let mut tables: Vec<Vec<(u64, Vec<f32>, Vec<f32>)>> = shard
+            let mut tables: Vec<Vec<Row>> = shard
                 .tables()
                 .iter()
                 .map(|t| t.rows().map(|(id, v, s)| (id, v.to_vec(), s.to_vec())).collect())
