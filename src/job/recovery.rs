@@ -21,7 +21,7 @@ pub enum Resume {
     #[default]
     Fresh,
     /// From the newest intact checkpoint in `fault_tolerance.checkpoint_dir`, or from step 0
-    /// when it has none: a launcher's restart ([`RESUME_VAR`]).
+    /// when it has none or the run takes none: a launcher's restart ([`RESUME_VAR`]).
     IfAny,
     /// From the newest intact checkpoint in this directory, which must hold one
     /// (`flotilla train --resume DIR`); the run's later checkpoints go there too.
@@ -61,7 +61,10 @@ impl Recovery {
                 None
             }
             Resume::Fresh => None,
-            Resume::IfAny => store.latest()?,
+            // Only a run that checkpoints owns its directory (its fresh start refused one holding
+            // another run's checkpoints); one that does not restarts from step 0.
+            Resume::IfAny if ft.checkpoint_every > 0 => store.latest()?,
+            Resume::IfAny => None,
             Resume::From(_) => Some(store.latest()?.ok_or_else(|| {
                 anyhow::anyhow!("--resume {}: no intact checkpoint there to resume from", root.display())
             })?),
