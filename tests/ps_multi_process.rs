@@ -15,7 +15,7 @@ use flotilla::ps::wire::Request;
 fn launch_ps_trains_the_ctr_job_to_the_expected_auc_and_servers_exit() {
     let dir = tempfile::tempdir().unwrap();
     let run_dir = dir.path().join("run");
-    let port = free_port_range(4).to_string();
+    let port = free_port_range(5).to_string();
     #[rustfmt::skip]
     let args = [
         "launch-ps", "--server_num", "2", "--worker_num", "2", "--started_port", &port, "--",

@@ -95,6 +95,8 @@ pub struct Coordinator {
     left: HashSet<usize>,
     /// Why the job was aborted, once a rank was declared dead.
     aborted: Option<String>,
+    /// What to call each rank in messages (`rank N` when not given).
+    names: Vec<String>,
 }
 
 impl Coordinator {
@@ -111,7 +113,18 @@ impl Coordinator {
             last_heard: HashMap::new(),
             left: HashSet::new(),
             aborted: None,
+            names: Vec::new(),
         }
+    }
+
+    /// Calls rank `r` `names[r]` in its messages (a parameter-server job's "server 1").
+    pub fn with_names(mut self, names: Vec<String>) -> Self {
+        self.names = names;
+        self
+    }
+
+    fn name(&self, rank: usize) -> String {
+        self.names.get(rank).cloned().unwrap_or_else(|| format!("rank {rank}"))
     }
 
     /// Declares a rank dead once it has been silent for `deadline` since its last heartbeat
@@ -126,7 +139,7 @@ impl Coordinator {
         if self.aborted.is_some() || self.left.contains(&rank) {
             return;
         }
-        let reason = format!("rank {rank} declared dead: {why}; the job is stopped");
+        let reason = format!("{} declared dead: {why}; the job is stopped", self.name(rank));
         tracing::error!("{reason}");
         for (_, waiting) in self.barriers.drain() {
             for (_, (_, waiter)) in waiting {
@@ -232,6 +245,13 @@ impl Actor for Coordinator {
             // Checked a few times per deadline, so a death is found soon after it is due.
             ctx.run_interval(deadline / 4, |coordinator, _| coordinator.check_heartbeats());
         }
+    }
+}
+
+impl Coordinator {
+    /// Fails the rendezvous `timeout` after its first arrival unless every rank has joined by
+    /// then. (Roles that only heartbeat, as a parameter-server job's, never join.)
+    fn expire_rendezvous(&mut self, ctx: &mut Context<Self>) {
         ctx.run_later(self.timeout, |coordinator, _| {
             if coordinator.roster.is_some() {
                 return;
@@ -257,7 +277,7 @@ fn reply<T: Send + 'static>(rx: oneshot::Receiver<Result<T, String>>) -> Respons
 impl Handler<Join> for Coordinator {
     type Result = ResponseFuture<Result<Vec<String>, String>>;
 
-    fn handle(&mut self, msg: Join, _: &mut Self::Context) -> Self::Result {
+    fn handle(&mut self, msg: Join, ctx: &mut Self::Context) -> Self::Result {
         let (tx, rx) = oneshot::channel();
         let refusal = if msg.world_size != self.world_size {
             Some(format!(
@@ -276,6 +296,9 @@ impl Handler<Join> for Coordinator {
             return reply(rx);
         }
         tracing::debug!(rank = msg.rank, endpoint = %msg.data_endpoint, "rank joined");
+        if self.joined.is_empty() {
+            self.expire_rendezvous(ctx);
+        }
         self.joined.insert(msg.rank, (msg.data_endpoint, tx));
         if self.joined.len() == self.world_size {
             let joined = std::mem::take(&mut self.joined);

@@ -22,20 +22,36 @@ pub async fn connect_control(
 ) -> Result<ControlBus> {
     let timeout = fault_tolerance.timeout();
     if rank == 0 {
-        let control = tokio::net::TcpListener::bind(master)
+        let coordinator = Coordinator::new(world_size, timeout);
+        host_coordinator(coordinator, master, fault_tolerance, max_frame_bytes, credentials)
             .await
-            .with_context(|| format!("rank 0: cannot bind the coordinator endpoint {master} (cluster.master)"))?;
-        let coordinator = Coordinator::new(world_size, timeout)
-            .with_heartbeat_deadline(fault_tolerance.heartbeat_deadline())
-            .start();
-        actix::spawn(server::serve(
-            control,
-            coordinator,
-            max_frame_bytes,
-            credentials.clone(),
-        ));
+            .context("rank 0")?;
     }
     ControlBus::connect(master, timeout, max_frame_bytes, credentials)
         .await
         .with_context(|| format!("rank {rank}"))
+}
+
+/// Serves `coordinator`, watching heartbeats, at `master` (cluster.master) until the actor
+/// system stops. Must run inside an actix system.
+pub(super) async fn host_coordinator(
+    coordinator: Coordinator,
+    master: &str,
+    fault_tolerance: &FaultToleranceConfig,
+    max_frame_bytes: usize,
+    credentials: &Credentials,
+) -> Result<()> {
+    let control = tokio::net::TcpListener::bind(master)
+        .await
+        .with_context(|| format!("cannot bind the coordinator endpoint {master} (cluster.master)"))?;
+    let coordinator = coordinator
+        .with_heartbeat_deadline(fault_tolerance.heartbeat_deadline())
+        .start();
+    actix::spawn(server::serve(
+        control,
+        coordinator,
+        max_frame_bytes,
+        credentials.clone(),
+    ));
+    Ok(())
 }

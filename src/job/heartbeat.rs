@@ -59,7 +59,7 @@ async fn beat(
         let left = deadline.saturating_sub(last_answer.elapsed());
         if left.is_zero() {
             return Err(anyhow!(
-                "rank {rank}: the coordinator (rank 0) at {master} has not answered a heartbeat for {:.1}s \
+                "rank {rank}: the coordinator at {master} has not answered a heartbeat for {:.1}s \
                  (fault_tolerance.heartbeat_interval_ms × heartbeat_misses): presumed dead",
                 deadline.as_secs_f64()
             ));

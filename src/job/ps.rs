@@ -12,10 +12,12 @@ use anyhow::{anyhow, bail, Context as _, Result};
 use futures::channel::oneshot;
 use serde::Serialize;
 
+use super::control::host_coordinator;
+use super::heartbeat::watched;
 use super::{Recovery, RunOptions};
 use crate::actors::ps_trainer::{PsOutcome, PsTrainer, TrainPs};
 use crate::actors::pserver::PServer;
-use crate::actors::DeviceActor;
+use crate::actors::{Coordinator, DeviceActor};
 use crate::config::{DatasetKind, JobConfig};
 use crate::data::ctr::{CriteoSynth, CtrSource, Split};
 use crate::models::{ParamInit, WideDeep};
@@ -203,7 +205,21 @@ impl ParameterServerJob {
             "parameter server {index} of {} listening on {endpoint}",
             config.cluster.server_num
         );
+        let heartbeats = self.heartbeat_line(index)?;
         System::new().block_on(async move {
+            if let (0, Some((master, credentials))) = (index, &heartbeats) {
+                let names = role_names(&config);
+                let coordinator = Coordinator::new(names.len(), timeout).with_names(names);
+                host_coordinator(
+                    coordinator,
+                    master,
+                    &config.fault_tolerance,
+                    config.cluster.max_frame_bytes(),
+                    credentials,
+                )
+                .await
+                .with_context(|| format!("parameter server {index}"))?;
+            }
             let listener = tokio::net::TcpListener::from_std(listener)?;
             let (all_left, done) = oneshot::channel();
             let actor = PServer::start_in_arbiter(&Arbiter::new().handle(), move |_| {
@@ -217,17 +233,35 @@ impl ParameterServerJob {
                 open.clone(),
                 credentials,
             ));
-            done.await
-                .map_err(|_| anyhow!("parameter server {index} stopped before every trainer left"))?;
-            // The last trainer's leave is answered after the shard learns of it: wait (boundedly)
-            // until the trainers have read their answers and hung up.
-            let deadline = tokio::time::Instant::now() + LEAVE_GRACE;
-            while open.load(Ordering::SeqCst) > 0 && tokio::time::Instant::now() < deadline {
-                tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+            let serving = async {
+                done.await
+                    .map_err(|_| anyhow!("parameter server {index} stopped before every trainer left"))?;
+                // The last trainer's leave is answered after the shard learns of it: wait
+                // (boundedly) until the trainers have read their answers and hung up.
+                let deadline = tokio::time::Instant::now() + LEAVE_GRACE;
+                while open.load(Ordering::SeqCst) > 0 && tokio::time::Instant::now() < deadline {
+                    tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+                }
+                tracing::info!("parameter server {index}: every trainer has left; shutting down");
+                Ok(())
+            };
+            match &heartbeats {
+                Some((master, credentials)) => watched(serving, index, master, &config, credentials).await,
+                None => serving.await,
             }
-            tracing::info!("parameter server {index}: every trainer has left; shutting down");
-            Ok(())
         })
+    }
+
+    /// Where role `rank` (servers first, then trainers) heartbeats, when the job has a
+    /// coordinator (`cluster.master`, which `launch-ps` sets): server 0 hosts it.
+    fn heartbeat_line(&self, rank: usize) -> Result<Option<(String, Credentials)>> {
+        let config = &self.config;
+        let Some(master) = config.cluster.master.clone() else {
+            tracing::warn!("role {rank}: no cluster.master, so no heartbeats: only deadlines find a dead peer");
+            return Ok(None);
+        };
+        let credentials = Credentials::new(config.cluster.cluster_token()?, config.fault_tolerance.timeout());
+        Ok(Some((master, credentials)))
     }
 
     /// Trains as trainer `rank` against the shards at `cluster.pservers`.
@@ -254,12 +288,20 @@ impl ParameterServerJob {
             .collect();
         let client = PsClient::new(links, config.fault_tolerance.retry, config.fault_tolerance.timeout());
         let recovery = Recovery::plan(&config, &options.resume)?;
+        let heartbeats = self.heartbeat_line(config.cluster.server_num + rank)?;
         let outcome = System::new().block_on(async move {
-            self.trainer(rank, client, options, options.show_progress && rank == 0, recovery)
-                .start()
-                .send(TrainPs)
-                .await
-                .map_err(|e| anyhow!("trainer {rank}: actor stopped: {e}"))?
+            let training = async {
+                self.trainer(rank, client, options, options.show_progress && rank == 0, recovery)
+                    .start()
+                    .send(TrainPs)
+                    .await
+                    .map_err(|e| anyhow!("trainer {rank}: actor stopped: {e}"))?
+            };
+            let role = config.cluster.server_num + rank;
+            match &heartbeats {
+                Some((master, credentials)) => watched(training, role, master, &config, credentials).await,
+                None => training.await,
+            }
         })?;
         if rank != 0 {
             return Ok(None);
@@ -373,6 +415,14 @@ pub fn build_shard(job: &JobConfig, index: usize) -> Result<Shard> {
         tracing::info!("parameter server {index} starts from {}", path.display());
     }
     Ok(shard)
+}
+
+/// What the coordinator calls the roles of a parameter-server job: servers first, then trainers.
+fn role_names(job: &JobConfig) -> Vec<String> {
+    let servers = (0..job.cluster.server_num).map(|i| format!("server {i}"));
+    servers
+        .chain((0..job.world_size()).map(|t| format!("trainer {t}")))
+        .collect()
 }
 
 /// Shard `index` of the job, brought to the checkpoint `recovery` starts from (if any).

@@ -35,6 +35,10 @@ pub struct LaunchPsArgs {
     /// the job's `fault_tolerance.max_restarts`; 0 for a program of your own).
     #[arg(long = "max_restarts", alias = "max-restarts")]
     pub max_restarts: Option<usize>,
+    /// Where server 0 hosts the coordinator the roles heartbeat to (default: `--host`, the
+    /// port after the trainers').
+    #[arg(long)]
+    pub master: Option<String>,
     /// `train [--config FILE] [--set K=V]…` (run as each role), or a program of your own.
     #[arg(last = true, required = true)]
     pub command: Vec<String>,
@@ -65,7 +69,20 @@ impl LaunchPsArgs {
                 None => bail!("launch-ps needs a command after `--`: `train --config FILE` or a program"),
             }
         };
+        let master = match &self.master {
+            Some(master) => master.clone(),
+            None => {
+                let port = usize::from(self.started_port) + servers.len() + workers.len();
+                ensure!(
+                    port <= usize::from(u16::MAX),
+                    "--started_port {} leaves no port for the coordinator",
+                    self.started_port
+                );
+                format!("{}:{port}", self.host)
+            }
+        };
         let common = [
+            ("PADDLE_MASTER", master),
             ("PADDLE_PSERVERS_IP_PORT_LIST", servers.join(",")),
             ("PADDLE_PSERVER_ENDPOINTS", servers.join(",")),
             ("PADDLE_TRAINER_ENDPOINTS", workers.join(",")),

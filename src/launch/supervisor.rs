@@ -28,6 +28,8 @@ pub enum OutputMode {
 
 /// Lines of a failed rank's stderr quoted in the launcher's error.
 const TAIL_LINES: usize = 20;
+/// How long, after a first failure, the other processes' exits are awaited to find the cause.
+const CAUSE_GRACE: Duration = Duration::from_millis(100);
 /// How long children get to stop after SIGTERM before SIGKILL.
 const STOP_GRACE: Duration = Duration::from_secs(5);
 
@@ -99,14 +101,12 @@ fn run_once(children: &[ChildSpec], mode: OutputMode, interrupted: &AtomicBool) 
             signal_all(&running, libc::SIGINT);
             interrupt_sent = true;
         }
-        let mut statuses = Vec::with_capacity(running.len());
-        for r in &mut running {
-            statuses.push(
-                r.child
-                    .try_wait()
-                    .context("waiting for a child process")
-                    .map_err(Ended::Stopped)?,
-            );
+        let mut statuses = poll(&mut running)?;
+        if statuses.iter().flatten().any(|s| !s.success()) {
+            // The peers of a killed process fail within moments of it, and may be reaped first:
+            // a moment more lets the cause show itself.
+            thread::sleep(CAUSE_GRACE);
+            statuses = poll(&mut running)?;
         }
         // A process killed by a signal is the cause; the ones that then lost it as a peer
         // failed because of it.
@@ -139,6 +139,19 @@ fn run_once(children: &[ChildSpec], mode: OutputMode, interrupted: &AtomicBool) 
         }
         thread::sleep(Duration::from_millis(20));
     }
+}
+
+/// Every child's exit status, `None` for those still running.
+fn poll(running: &mut [Running]) -> Result<Vec<Option<ExitStatus>>, Ended> {
+    running
+        .iter_mut()
+        .map(|r| {
+            r.child
+                .try_wait()
+                .context("waiting for a child process")
+                .map_err(Ended::Stopped)
+        })
+        .collect()
 }
 
 fn start(spec: &ChildSpec, mode: OutputMode) -> Result<Running> {
