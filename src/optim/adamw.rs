@@ -128,9 +128,11 @@ impl AdamW {
             v.zero_set()?;
         }
         for (index, slot, tensor) in state.tensors {
-            let (m, v) = self.params[index].moments.as_ref().expect("checked above");
-            let moment = if slot == "m" { m } else { v };
-            moment.set(&tensor.to_device(moment.device())?)?;
+            // Every entry was checked above: a float parameter within range.
+            if let Some((m, v)) = self.params.get(index).and_then(|p| p.moments.as_ref()) {
+                let moment = if slot == "m" { m } else { v };
+                moment.set(&tensor.to_device(moment.device())?)?;
+            }
         }
         self.step_t = step_t;
         Ok(())
