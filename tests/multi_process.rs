@@ -87,6 +87,28 @@ fn a_failing_rank_stops_the_launch_with_its_error() {
 }
 
 #[test]
+fn restarts_resume_from_the_checkpoint_until_they_are_used_up() {
+    let port = free_port_range(3).to_string();
+    // Every start fails; each says whether it was asked to resume.
+    let script = r#"echo "rank $PADDLE_TRAINER_ID resume=${FLOTILLA_RESUME:-no}" >&2; exit 3"#;
+    #[rustfmt::skip]
+    let args = ["launch", "--nproc_per_node", "2", "--started_port", &port, "--max_restarts", "2", "--", "/bin/sh", "-c", script];
+    let finished = flotilla(&args, &[], 60);
+    assert!(!finished.success);
+    let err = &finished.stderr;
+    for expected in [
+        "rank 0 resume=no",
+        "(restart 1 of 2)",
+        "rank 0 resume=1",
+        "(restart 2 of 2)",
+        "gave up after 2 restart(s)",
+    ] {
+        assert!(err.contains(expected), "{expected:?} missing:\n{err}");
+    }
+    assert!(!err.contains("restart 3"), "{err}");
+}
+
+#[test]
 fn a_rank_that_never_arrives_is_named_by_the_timeout() {
     let port = free_port_range(1);
     let finished = flotilla(
