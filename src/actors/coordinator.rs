@@ -242,8 +242,9 @@ impl Actor for Coordinator {
 
     fn started(&mut self, ctx: &mut Self::Context) {
         if let Some(deadline) = self.heartbeat_deadline {
-            // Checked a few times per deadline, so a death is found soon after it is due.
-            ctx.run_interval(deadline / 4, |coordinator, _| coordinator.check_heartbeats());
+            // Checked ten times per deadline (a walk over the ranks), so a death is found
+            // within a tenth of the deadline of being due.
+            ctx.run_interval(deadline / 10, |coordinator, _| coordinator.check_heartbeats());
         }
     }
 }
