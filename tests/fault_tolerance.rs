@@ -8,7 +8,7 @@ mod common;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use common::{config, free_port_range, start_flotilla, train_in_process};
+use common::{config, free_port_range, start_flotilla, train_in_process, PIPELINE_2X2};
 use flotilla::config::JobConfig;
 use flotilla::job::ps::{build_shard, ParameterServerJob};
 use flotilla::job::{Resume, RunOptions, TrainingJob};
@@ -41,14 +41,7 @@ const PIPELINE: Job = Job {
     config: "config.toml",
     processes: 4,
     victims: 4,
-    settings: &[
-        "strategy.pipeline=true",
-        "cluster.nproc_per_node=4",
-        "strategy.hybrid_configs.dp_degree=2",
-        "strategy.hybrid_configs.pp_degree=2",
-        "strategy.pipeline_configs.schedule_mode=\"1F1B\"",
-        "strategy.pipeline_configs.accumulate_steps=4",
-    ],
+    settings: &PIPELINE_2X2,
     steps: 1500,
     every: 250,
 };

@@ -7,19 +7,13 @@ mod common;
 use std::net::TcpListener;
 use std::time::Duration;
 
-use common::{config, flotilla, free_port_range, max_abs_diff, read_params, start_flotilla, train_in_process};
+use common::{
+    config, flotilla, free_port_range, max_abs_diff, read_params, start_flotilla, train_in_process, PIPELINE_2X2,
+};
 use flotilla::net::auth::{ClusterToken, Credentials};
 use flotilla::net::ControlBus;
 
 const STEPS: &str = "train.steps=20";
-const PIPELINE: [&str; 6] = [
-    "strategy.pipeline=true",
-    "cluster.nproc_per_node=4",
-    "strategy.hybrid_configs.dp_degree=2",
-    "strategy.hybrid_configs.pp_degree=2",
-    "strategy.pipeline_configs.schedule_mode=\"1F1B\"",
-    "strategy.pipeline_configs.accumulate_steps=4",
-];
 
 #[test]
 fn a_launched_pipeline_over_shared_memory_equals_in_process_and_single_process_training() {
@@ -51,7 +45,7 @@ fn launched_pipeline_matches_ground_truth(transport: &str) {
         "--trace",
         trace.to_str().unwrap(),
     ];
-    for set in PIPELINE.iter().chain([&STEPS, &transport]) {
+    for set in PIPELINE_2X2.iter().chain([&STEPS, &transport]) {
         args.extend(["--set", *set]);
     }
     let finished = flotilla(&args, &[], 180);
@@ -84,7 +78,7 @@ fn launched_pipeline_matches_ground_truth(transport: &str) {
     }
 
     // Same stages, same ring all-reduce: bit-identical to the pipeline in one process.
-    let mut overrides = PIPELINE.to_vec();
+    let mut overrides = PIPELINE_2X2.to_vec();
     overrides.push(STEPS);
     let in_process = train_in_process(config(&overrides));
     assert_eq!(summary["param_checksum"], in_process.summary.param_checksum.as_str());

@@ -245,10 +245,7 @@ impl ParameterServerJob {
                 tracing::info!("parameter server {index}: every trainer has left; shutting down");
                 Ok(())
             };
-            match &heartbeats {
-                Some((master, credentials)) => watched(serving, index, master, &config, credentials).await,
-                None => serving.await,
-            }
+            with_heartbeats(serving, index, heartbeats.as_ref(), &config).await
         })
     }
 
@@ -297,11 +294,7 @@ impl ParameterServerJob {
                     .await
                     .map_err(|e| anyhow!("trainer {rank}: actor stopped: {e}"))?
             };
-            let role = config.cluster.server_num + rank;
-            match &heartbeats {
-                Some((master, credentials)) => watched(training, role, master, &config, credentials).await,
-                None => training.await,
-            }
+            with_heartbeats(training, config.cluster.server_num + rank, heartbeats.as_ref(), &config).await
         })?;
         if rank != 0 {
             return Ok(None);
@@ -415,6 +408,20 @@ pub fn build_shard(job: &JobConfig, index: usize) -> Result<Shard> {
         tracing::info!("parameter server {index} starts from {}", path.display());
     }
     Ok(shard)
+}
+
+/// Runs `work` of role `role`, heartbeating on `line` (the coordinator and the credentials) when
+/// the job has one.
+async fn with_heartbeats<T>(
+    work: impl std::future::Future<Output = Result<T>>,
+    role: usize,
+    line: Option<&(String, Credentials)>,
+    config: &JobConfig,
+) -> Result<T> {
+    match line {
+        Some((master, credentials)) => watched(work, role, master, config, credentials).await,
+        None => work.await,
+    }
 }
 
 /// What the coordinator calls the roles of a parameter-server job: servers first, then trainers.

@@ -162,3 +162,13 @@ impl Started {
 pub fn flotilla(args: &[&str], env: &[(&str, String)], timeout_s: u64) -> Finished {
     start_flotilla(args, env).finish(timeout_s)
 }
+
+/// A hybrid job of 2 pipeline replicas × 2 stages (1F1B, 4 micro-batches) on 4 ranks.
+pub const PIPELINE_2X2: [&str; 6] = [
+    "strategy.pipeline=true",
+    "cluster.nproc_per_node=4",
+    "strategy.hybrid_configs.dp_degree=2",
+    "strategy.hybrid_configs.pp_degree=2",
+    "strategy.pipeline_configs.schedule_mode=\"1F1B\"",
+    "strategy.pipeline_configs.accumulate_steps=4",
+];
