@@ -1,6 +1,7 @@
 //! What a run tells about itself: logs (to stderr through `tracing`,
-//! filtered by `RUST_LOG`, default `info`) and timelines.
+//! filtered by `RUST_LOG`, default `info`), per-step metrics and timelines.
 
+pub mod metrics;
 pub mod timeline;
 
 use std::io::IsTerminal;
