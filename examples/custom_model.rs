@@ -18,6 +18,7 @@ use flotilla::config::{process_env, JobConfig};
 use flotilla::data::Dataset;
 use flotilla::job::{RunOptions, TrainingJob};
 use flotilla::models::{Activation, Block, Linear, Model, ParamInit};
+use flotilla::telemetry::monitor::ProgressView;
 
 /// A block flotilla has never heard of: `x + relu(x W + b)`, a residual layer.
 struct Residual {
@@ -81,7 +82,7 @@ fn main() -> Result<()> {
     let (train, test) = Dataset::digits()?.split(0.2, config.train.seed)?;
     let job = TrainingJob::new(config, model, train, test);
     let options = RunOptions {
-        show_progress: true,
+        progress: ProgressView::from_environment(),
         ..RunOptions::new("runs/custom_model")
     };
     if let Some(outcome) = job.run(&options)? {

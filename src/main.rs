@@ -1,7 +1,6 @@
 //! The flotilla binary: `flotilla <command>`; `flotilla run --role …` runs
 //! one role of a launched job.
 
-use std::io::IsTerminal;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
@@ -17,6 +16,9 @@ use flotilla::data::ctr::{write_synthetic, CriteoSynth, Split};
 use flotilla::job::ps::{ParameterServerJob, PsSummary};
 use flotilla::job::{Resume, RunOptions, RunOutcome, TrainingJob, RESUME_VAR};
 use flotilla::launch::{supervise, ChildSpec, LaunchArgs, LaunchPsArgs, OutputMode};
+use flotilla::telemetry::metrics::METRICS_FILE;
+use flotilla::telemetry::monitor::ProgressView;
+use flotilla::telemetry::summary_table;
 
 /// The default job, compiled in so `flotilla train` works from any directory.
 const EMBEDDED_CONFIG: &str = include_str!("../config.toml");
@@ -57,6 +59,22 @@ enum Command {
     /// Benchmarks that print figures.
     #[command(subcommand)]
     Bench(BenchCommand),
+    /// Work with the timelines of `train --trace DIR`.
+    #[command(subcommand)]
+    Trace(TraceCommand),
+}
+
+#[derive(Subcommand)]
+enum TraceCommand {
+    /// Merge the ranks' `rank-N.json` timelines onto the coordinator's clock, one track per
+    /// rank (for Perfetto or chrome://tracing).
+    Merge {
+        /// The directory given to `--trace`.
+        dir: PathBuf,
+        /// The merged trace (default: DIR/trace.json).
+        #[arg(short, long)]
+        out: Option<PathBuf>,
+    },
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -78,10 +96,15 @@ struct TrainArgs {
     /// Where rank 0 writes summary.json (default: runs/<unix time>).
     #[arg(long)]
     run_dir: Option<PathBuf>,
-    /// Write the pipeline's timeline (forward, backward, send, receive, all-reduce spans; one
-    /// track per stage) to this chrome-trace JSON file, for Perfetto or chrome://tracing.
-    #[arg(long, value_name = "FILE")]
+    /// Write every rank's timeline (data, forward, backward, all-reduce buckets, waits,
+    /// pipeline sends and receives, pulls and pushes) into this directory as `rank-N.json`
+    /// chrome traces; an in-process job also merges them into `trace.json`, a launched one
+    /// with `flotilla trace merge DIR`. Open them in Perfetto or chrome://tracing.
+    #[arg(long, value_name = "DIR")]
     trace: Option<PathBuf>,
+    /// Serve the reporting rank's per-step figures for Prometheus at `http://HOST:PORT/metrics`.
+    #[arg(long, value_name = "PORT")]
+    metrics_port: Option<u16>,
     /// Continue a stopped job from the newest intact checkpoint in this directory (its
     /// `fault_tolerance.checkpoint_dir`); later checkpoints are written there too.
     #[arg(long, value_name = "DIR")]
@@ -180,6 +203,12 @@ fn run(cli: Cli) -> Result<()> {
         Command::Bench(BenchCommand::Ps(args)) => ps_bench::run(&args),
         Command::Bench(BenchCommand::Pipeline(args)) => pipeline_bench::run(&args),
         Command::Bench(BenchCommand::PsShard(args)) => ps_bench::run_shard(&args),
+        Command::Trace(TraceCommand::Merge { dir, out }) => {
+            let out = out.unwrap_or_else(|| dir.join("trace.json"));
+            flotilla::telemetry::timeline::write_merged(&dir, &out)?;
+            println!("merged trace: {}", out.display());
+            Ok(())
+        }
     }
 }
 
@@ -255,10 +284,10 @@ fn run_role(role: Role, args: &TrainArgs) -> Result<()> {
                 .with_context(|| format!("PADDLE_TRAINER_ID = {id:?} is not a rank"))?;
             if parameter_server {
                 let summary = ParameterServerJob::builtin(config)?.run_trainer(rank, &options)?;
-                print_ps_summary(summary.as_ref(), &options);
+                print_ps_summary(summary.as_ref(), &options)?;
             } else {
                 let outcome = TrainingJob::builtin(config)?.run_rank(rank, &options)?;
-                print_collective_summary(outcome.as_ref(), &options);
+                print_collective_summary(outcome.as_ref(), &options)?;
             }
             Ok(())
         }
@@ -268,7 +297,8 @@ fn run_role(role: Role, args: &TrainArgs) -> Result<()> {
 fn run_options(args: &TrainArgs) -> RunOptions {
     RunOptions {
         run_dir: args.run_dir.clone().unwrap_or_else(default_run_dir),
-        show_progress: std::io::stderr().is_terminal(),
+        progress: ProgressView::from_environment(),
+        metrics_port: args.metrics_port,
         trace: args.trace.clone(),
         resume: match &args.resume {
             Some(dir) => Resume::From(dir.clone()),
@@ -279,51 +309,35 @@ fn run_options(args: &TrainArgs) -> RunOptions {
     }
 }
 
-fn print_ps_summary(summary: Option<&PsSummary>, options: &RunOptions) {
+fn print_ps_summary(summary: Option<&PsSummary>, options: &RunOptions) -> Result<()> {
     if let Some(s) = summary {
-        let ceiling = s
-            .planted_auc
-            .map(|a| format!(" (planted model {a:.4})"))
-            .unwrap_or_default();
-        println!(
-            "parameter-server ({}) {} × {} servers, {} trainers: {} steps, final loss {:.4}, test AUC {:.4}{ceiling}, \
-             {:.0} samples/s, pull/push {:.1}% of step time",
-            s.mode,
-            s.cluster,
-            s.servers,
-            s.trainers,
-            s.steps,
-            s.final_loss,
-            s.auc,
-            s.samples_per_sec,
-            100.0 * s.comm_time_ratio
+        let title = format!(
+            "parameter-server ({}) {} × {} servers, {} trainers",
+            s.mode, s.cluster, s.servers, s.trainers
         );
-        for t in &s.tables {
-            println!(
-                "  table {}: {} rows, {:.1} bytes/row (raw {})",
-                t.name, t.rows, t.bytes_per_row, t.raw_bytes_per_row
-            );
-        }
-        println!("summary: {}", options.run_dir.join("summary.json").display());
+        print_summary(&title, s, options)?;
     }
+    Ok(())
 }
 
-fn print_collective_summary(outcome: Option<&RunOutcome>, options: &RunOptions) {
+fn print_collective_summary(outcome: Option<&RunOutcome>, options: &RunOptions) -> Result<()> {
     if let Some(outcome) = outcome {
         let s = &outcome.summary;
-        println!(
-            "{} {} × {}: {} steps, final loss {:.4}, test accuracy {:.4}, {:.0} samples/s, comm {:.1}% of step time",
-            s.strategy,
-            s.cluster,
-            s.world_size,
-            s.steps,
-            s.final_loss,
-            s.test_accuracy,
-            s.samples_per_sec,
-            100.0 * s.comm_time_ratio
-        );
-        println!("summary: {}", options.run_dir.join("summary.json").display());
+        print_summary(&format!("{} {} × {}", s.strategy, s.cluster, s.world_size), s, options)?;
     }
+    Ok(())
+}
+
+/// The summary's table, then where its files are.
+fn print_summary(title: &str, summary: &impl serde::Serialize, options: &RunOptions) -> Result<()> {
+    print!("{}", summary_table::render(title, summary)?);
+    println!("summary: {}", options.run_dir.join("summary.json").display());
+    println!(
+        "metrics: {} (plot them: flotilla report {})",
+        options.run_dir.join(METRICS_FILE).display(),
+        options.run_dir.display()
+    );
+    Ok(())
 }
 
 /// `flotilla train`: the whole job in this process, or the role a launcher's environment names.
@@ -341,10 +355,10 @@ fn train(args: &TrainArgs) -> Result<()> {
     }
     if config.cluster.is_parameter_server() {
         let summary = ParameterServerJob::builtin(config)?.run(&options)?;
-        print_ps_summary(summary.as_ref(), &options);
+        print_ps_summary(summary.as_ref(), &options)?;
     } else {
         let outcome = TrainingJob::builtin(config)?.run(&options)?;
-        print_collective_summary(outcome.as_ref(), &options);
+        print_collective_summary(outcome.as_ref(), &options)?;
     }
     Ok(())
 }

@@ -28,7 +28,7 @@ fn a_launched_pipeline_over_tcp_equals_in_process_and_single_process_training() 
 fn launched_pipeline_matches_ground_truth(transport: &str) {
     let dir = tempfile::tempdir().unwrap();
     let run_dir = dir.path().join("run");
-    let trace = dir.path().join("trace.json");
+    let trace = dir.path().join("trace");
     let port = free_port_range(5).to_string();
     let mut args = vec![
         "launch",
@@ -62,7 +62,7 @@ fn launched_pipeline_matches_ground_truth(transport: &str) {
     assert_eq!(summary["steps"], 20);
     // Each rank writes its own timeline, measured on its own clock.
     for rank in 0..4 {
-        let path = dir.path().join(format!("trace.rank{rank}.json"));
+        let path = trace.join(format!("rank-{rank}.json"));
         let trace: serde_json::Value = serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
         let spans = trace["traceEvents"]
             .as_array()
@@ -74,6 +74,41 @@ fn launched_pipeline_matches_ground_truth(transport: &str) {
             20 * 4,
             "{}",
             path.display()
+        );
+    }
+
+    // Merged onto the coordinator's clock, a micro-batch's forward on stage 1 starts after
+    // stage 0's forward of it ended, in every step.
+    let merged = dir.path().join("merged.json");
+    let merging = flotilla(
+        &[
+            "trace",
+            "merge",
+            trace.to_str().unwrap(),
+            "-o",
+            merged.to_str().unwrap(),
+        ],
+        &[],
+        60,
+    );
+    assert!(merging.success, "{}", merging.stderr);
+    let merged: serde_json::Value = serde_json::from_slice(&std::fs::read(&merged).unwrap()).unwrap();
+    let forwards = |pid: u64| -> Vec<(f64, f64)> {
+        merged["traceEvents"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|e| e["ph"] == "X" && e["pid"] == pid && e["name"] == "F0")
+            .map(|e| (e["ts"].as_f64().unwrap(), e["dur"].as_f64().unwrap()))
+            .collect()
+    };
+    let (stage0, stage1) = (forwards(0), forwards(1));
+    assert_eq!((stage0.len(), stage1.len()), (20, 20));
+    for (step, ((start0, length0), (start1, _))) in stage0.iter().zip(&stage1).enumerate() {
+        assert!(
+            *start1 >= start0 + length0,
+            "step {step}: stage 1's F0 starts at {start1} µs, before stage 0's ended at {} µs",
+            start0 + length0
         );
     }
 

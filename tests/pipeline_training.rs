@@ -100,9 +100,9 @@ fn a_character_gpt_trains_in_a_hybrid_pipeline_like_one_process() {
 #[test]
 fn the_trace_shows_each_stage_on_its_own_track_in_schedule_order() {
     let dir = tempfile::tempdir().unwrap();
-    let trace = dir.path().join("trace.json");
+    let trace_dir = dir.path().join("trace");
     let options = flotilla::job::RunOptions {
-        trace: Some(trace.clone()),
+        trace: Some(trace_dir.clone()),
         ..flotilla::job::RunOptions::new(dir.path().join("run"))
     };
     let job = flotilla::job::TrainingJob::builtin(config(&[
@@ -116,36 +116,42 @@ fn the_trace_shows_each_stage_on_its_own_track_in_schedule_order() {
     ]))
     .unwrap();
     job.run_simulated(&options).unwrap();
-    let trace: serde_json::Value = serde_json::from_slice(&std::fs::read(&trace).unwrap()).unwrap();
+    // One file per rank, and the in-process job's merge of them.
+    for rank in 0..4 {
+        assert!(trace_dir.join(format!("rank-{rank}.json")).exists(), "rank {rank}");
+    }
+    let trace: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(trace_dir.join("trace.json")).unwrap()).unwrap();
     let events = trace["traceEvents"].as_array().unwrap();
-    let tracks: Vec<&str> = events
+    let mut tracks: Vec<(u64, &str)> = events
         .iter()
-        .filter(|e| e["name"] == "thread_name")
-        .map(|e| e["args"]["name"].as_str().unwrap())
+        .filter(|e| e["name"] == "process_name")
+        .map(|e| (e["pid"].as_u64().unwrap(), e["args"]["name"].as_str().unwrap()))
         .collect();
+    tracks.sort();
     assert_eq!(
         tracks,
         [
-            "stage 0 (replica 0)",
-            "stage 1 (replica 0)",
-            "stage 0 (replica 1)",
-            "stage 1 (replica 1)"
+            (0, "rank 0: stage 0 (replica 0)"),
+            (1, "rank 1: stage 1 (replica 0)"),
+            (2, "rank 2: stage 0 (replica 1)"),
+            (3, "rank 3: stage 1 (replica 1)")
         ]
     );
-    // (tid, name) → spans, in time order.
-    let spans = |tid: u64, name: &str| -> Vec<(f64, f64)> {
+    // (rank, name) → spans, in time order.
+    let spans = |pid: u64, name: &str| -> Vec<(f64, f64)> {
         events
             .iter()
-            .filter(|e| e["ph"] == "X" && e["tid"] == tid && e["name"] == name)
+            .filter(|e| e["ph"] == "X" && e["pid"] == pid && e["name"] == name)
             .map(|e| (e["ts"].as_f64().unwrap(), e["dur"].as_f64().unwrap()))
             .collect()
     };
-    for tid in 0..4 {
+    for pid in 0..4 {
         for span in ["F0", "F3", "B0", "B3", "all-reduce wait 0", "optimizer 1"] {
             assert_eq!(
-                spans(tid, span).len(),
+                spans(pid, span).len(),
                 if span.contains(' ') { 1 } else { 2 },
-                "{tid} {span}"
+                "{pid} {span}"
             );
         }
     }

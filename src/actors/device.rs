@@ -91,6 +91,8 @@ pub struct Prepare {
     pub link: RingLink,
     /// Every rank's data endpoint, from the rendezvous.
     pub roster: Vec<String>,
+    /// Record a timeline measured from this instant.
+    pub trace_from: Option<Instant>,
 }
 
 /// One training step on this rank's batch.
@@ -247,6 +249,9 @@ impl Handler<Prepare> for DeviceActor {
         let comm = CommWorker::spawn(msg.link.into_communicator(&msg.roster)?)?;
         let mut replica = Replica::new(model, &msg.job, comm, device)?;
         replica.broadcast_parameters()?;
+        if let Some(origin) = msg.trace_from {
+            replica.trace_from(origin);
+        }
         self.replica = Some(replica);
         Ok(())
     }
@@ -384,7 +389,7 @@ impl Handler<PreparePipeline> for DeviceActor {
     }
 }
 
-/// Hands over the pipeline's timeline spans recorded so far.
+/// Hands over the timeline spans recorded so far (collective or pipeline ranks).
 #[derive(Message)]
 #[rtype(result = "Result<Vec<Span>>")]
 pub struct TakeSpans;
@@ -393,7 +398,10 @@ impl Handler<TakeSpans> for DeviceActor {
     type Result = Result<Vec<Span>>;
 
     fn handle(&mut self, _: TakeSpans, _: &mut Self::Context) -> Self::Result {
-        Ok(self.pipeline()?.take_spans())
+        match &mut self.pipeline {
+            Some(pipeline) => Ok(pipeline.take_spans()),
+            None => Ok(self.replica()?.take_spans()),
+        }
     }
 }
 

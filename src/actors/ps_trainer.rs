@@ -11,7 +11,6 @@ use actix::prelude::*;
 use anyhow::{Context as _, Result};
 
 use super::device::{DeviceActor, FlushCtr, PlanCtr, PredictCtr, PrepareCtr, TrainCtr};
-use super::trainer::progress_bar;
 use crate::checkpoint::CheckpointStore;
 use crate::config::{JobConfig, PsMode, TrainLength};
 use crate::data::ctr::{CtrLoader, CtrSource};
@@ -21,6 +20,9 @@ use crate::ps::client::PsClient;
 use crate::ps::snapshot::shard_file_name;
 use crate::ps::wire::{PullRequest, PulledRows, PushRequest, Reply, Request, TableStats, UpdateKind};
 use crate::ps::worker::{PullPlan, ShardUpdate};
+use crate::telemetry::metrics::peak_rss_bytes;
+use crate::telemetry::monitor::{Monitor, MonitorSettings, StepSample};
+use crate::telemetry::timeline::{Lane, Timeline, TraceTarget};
 
 /// What a parameter-server trainer needs.
 pub struct PsTrainer {
@@ -38,8 +40,10 @@ pub struct PsTrainer {
     pub device: Addr<DeviceActor>,
     /// Where trainer 0 has the shards save their tables (`ps-shard-<i>.safetensors`).
     pub save_dir: Option<PathBuf>,
-    /// Draw a progress bar.
-    pub show_progress: bool,
+    /// How to report every step: trainer 0's only.
+    pub monitor: Option<MonitorSettings>,
+    /// Where to write this trainer's timeline, and how far the coordinator's clock is ahead.
+    pub trace: Option<(TraceTarget, f64)>,
     /// The checkpoint to start from and where trainer 0 has new ones taken.
     pub(crate) recovery: Recovery,
 }
@@ -86,7 +90,8 @@ impl Handler<TrainPs> for PsTrainer {
             client: self.client.take(),
             device: self.device.clone(),
             save_dir: self.save_dir.clone(),
-            show_progress: self.show_progress,
+            monitor: self.monitor.clone(),
+            trace: self.trace.clone(),
             recovery: self.recovery.clone(),
         };
         Box::pin(run.execute())
@@ -101,7 +106,8 @@ struct PsRun {
     client: Option<PsClient>,
     device: Addr<DeviceActor>,
     save_dir: Option<PathBuf>,
-    show_progress: bool,
+    monitor: Option<MonitorSettings>,
+    trace: Option<(TraceTarget, f64)>,
     recovery: Recovery,
 }
 
@@ -126,8 +132,12 @@ impl PsRun {
         // The shards hold the state of a checkpoint; the trainers only move on to its step.
         let first = self.recovery.first_step(steps)?;
         loader.skip_batches(first)?;
-        let progress = progress_bar(self.show_progress, steps);
-        progress.set_position(first as u64);
+        let mut monitor = self
+            .monitor
+            .as_ref()
+            .map(|settings| Monitor::start(settings, steps, first, train.batch_size * world, train.log_every))
+            .transpose()?;
+        let mut timeline = self.trace.as_ref().map(|(t, _)| Timeline::new(t.origin.instant));
         let started = Instant::now();
         let mut losses = Vec::with_capacity(steps);
         let mut comm_time = Duration::ZERO;
@@ -138,7 +148,8 @@ impl PsRun {
         let prefetch = job.strategy.ps_mode() == PsMode::Async;
         let mut prefetched = None;
         for step in first..steps {
-            let pulling = Instant::now();
+            let step_started = Instant::now();
+            let pulling = step_started;
             let pulled = match prefetched.take() {
                 Some(pulled) => pulled,
                 None => {
@@ -147,7 +158,11 @@ impl PsRun {
                     pull(&mut client, rank, step as u64, plan, &format!("pull of step {step}")).await?
                 }
             };
-            comm_time += pulling.elapsed();
+            let pulled_at = Instant::now();
+            let mut step_comm = pulled_at - pulling;
+            if let Some(t) = &mut timeline {
+                t.record_between(Lane::Communication, format!("pull {step}"), "pull", pulling, pulled_at);
+            }
             let training = self.device.send(TrainCtr(pulled));
             let outcome = if prefetch && step + 1 < steps {
                 let batch = loader.next_batch()?;
@@ -160,6 +175,9 @@ impl PsRun {
             } else {
                 training.await??
             };
+            if let Some(t) = &mut timeline {
+                t.record(format!("train {step}"), "compute", pulled_at);
+            }
             if let Some(updates) = outcome.push {
                 let pushing = Instant::now();
                 push(
@@ -171,14 +189,32 @@ impl PsRun {
                     &format!("push of step {step}"),
                 )
                 .await?;
-                comm_time += pushing.elapsed();
+                step_comm += pushing.elapsed();
+                if let Some(t) = &mut timeline {
+                    t.record_between(
+                        Lane::Communication,
+                        format!("push {step}"),
+                        "push",
+                        pushing,
+                        Instant::now(),
+                    );
+                }
             }
+            comm_time += step_comm;
             losses.push(outcome.loss);
-            progress.set_position(step as u64 + 1);
-            progress.set_message(format!("loss {:.4}", outcome.loss));
-            if rank == 0 && progress.is_hidden() && ((step + 1) % train.log_every == 0 || step + 1 == steps) {
-                let rate = ((step + 1 - first) * train.batch_size) as f64 / started.elapsed().as_secs_f64();
-                tracing::info!("step {}/{steps} loss {:.4} {rate:.0} samples/s", step + 1, outcome.loss);
+            if let Some(monitor) = &mut monitor {
+                let sample = StepSample {
+                    loss: outcome.loss,
+                    // Trainers exchange no losses: the loss is trainer 0's part of the batch.
+                    loss_spread: None,
+                    lr: train.lr,
+                    step_time: step_started.elapsed(),
+                    comm_time: step_comm,
+                    exposed_comm_time: step_comm,
+                    bubble_fraction: None,
+                    peak_rss_bytes: peak_rss_bytes(),
+                };
+                monitor.record(step + 1, sample)?;
             }
             if let Some(store) = self.recovery.store.as_ref().filter(|_| rank == 0) {
                 if self.recovery.due(&job, step + 1, steps) {
@@ -190,7 +226,12 @@ impl PsRun {
             push(&mut client, rank, steps as u64, &job, updates, "final geo push").await?;
         }
         let elapsed = started.elapsed();
-        progress.finish_and_clear();
+        if let Some(monitor) = &monitor {
+            monitor.finish();
+        }
+        if let (Some((trace, clock_offset_us)), Some(mut timeline)) = (&self.trace, timeline) {
+            trace.write(rank, &format!("trainer {rank}"), *clock_offset_us, timeline.take())?;
+        }
         let servers = client.server_num();
         let everyone = |request: Request| vec![request; servers];
         client

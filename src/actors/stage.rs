@@ -17,14 +17,14 @@ use super::device::{
     DeviceActor, ModelFactory, PipelineEvaluate, PipelineStep, PreparePipeline, ReadParameters, RestoreCheckpoint,
     SaveCheckpoint, StageLinks, TakeSpans,
 };
-use super::trainer::progress_bar;
 use crate::config::{JobConfig, TrainLength};
 use crate::data::{Dataset, ShardedLoader};
 use crate::engines::comm::Communicator;
 use crate::job::Recovery;
 use crate::net::frame::{encode_with, Frame};
 use crate::net::ControlBus;
-use crate::telemetry::timeline::Span;
+use crate::telemetry::monitor::{Monitor, MonitorSettings, StepSample};
+use crate::telemetry::timeline::TraceTarget;
 
 /// What a pipeline rank needs.
 pub struct StageActor {
@@ -44,10 +44,10 @@ pub struct StageActor {
     pub data_parallel: Option<Communicator>,
     /// The device actor of this rank.
     pub device: Addr<DeviceActor>,
-    /// Draw a progress bar.
-    pub show_progress: bool,
-    /// Record a timeline measured from this instant.
-    pub trace_from: Option<Instant>,
+    /// How to report every step: the reporting rank's only.
+    pub monitor: Option<MonitorSettings>,
+    /// Where to write this rank's timeline, when tracing.
+    pub trace: Option<TraceTarget>,
     /// The line to the coordinator, for checkpoints; taken at start.
     pub bus: Option<ControlBus>,
     /// The checkpoint to start from and where to write new ones.
@@ -93,10 +93,6 @@ pub struct StageOutcome {
     /// rest: see [`StageOutcome::to_bytes`]).
     #[serde(skip)]
     pub parameters: Vec<(String, Vec<f32>)>,
-    /// The stage's timeline (empty unless tracing); stays in the rank's process, whose clock
-    /// it is measured on.
-    #[serde(skip)]
-    pub spans: Vec<Span>,
 }
 
 /// The serialized part of an encoded [`StageOutcome`]: the figures (the parameters are skipped),
@@ -167,11 +163,15 @@ impl Handler<TrainStage> for StageActor {
         let (train_data, test_data) = (self.train_data.clone(), self.test_data.clone());
         let link = self.link.take();
         let data_parallel = self.data_parallel.take();
-        let show_progress = self.show_progress;
-        let trace_from = self.trace_from;
+        let monitor_settings = self.monitor.clone();
+        let trace = self.trace.clone();
         let mut bus = self.bus.take();
         let recovery = self.recovery.clone();
         Box::pin(async move {
+            let clock_offset_us = match (&trace, bus.as_mut()) {
+                (Some(_), Some(bus)) => bus.clock_offset_us().await?,
+                _ => 0.0,
+            };
             device
                 .send(PreparePipeline {
                     job: job.clone(),
@@ -179,7 +179,7 @@ impl Handler<TrainStage> for StageActor {
                     stage,
                     link: link.context("TrainStage was sent twice")?,
                     data_parallel: data_parallel.context("TrainStage was sent twice")?,
-                    trace_from,
+                    trace_from: trace.as_ref().map(|t| t.origin.instant),
                 })
                 .await??;
             let train = &job.train;
@@ -198,8 +198,10 @@ impl Handler<TrainStage> for StageActor {
                 let restored = RestoreCheckpoint(checkpoint.read(&stage_file(stage))?);
                 losses = device.send(restored).await??;
             }
-            let progress = progress_bar(show_progress, steps);
-            progress.set_position(first as u64);
+            let mut monitor = monitor_settings
+                .as_ref()
+                .map(|settings| Monitor::start(settings, steps, first, train.batch_size, train.log_every))
+                .transpose()?;
             let started = Instant::now();
             let (mut step_time, mut allreduce, mut exposed) = (Duration::ZERO, Duration::ZERO, Duration::ZERO);
             let (mut peak, mut peak_bytes) = (0, 0);
@@ -216,13 +218,22 @@ impl Handler<TrainStage> for StageActor {
                 peak_bytes = peak_bytes.max(report.peak_activation_bytes);
                 pipeline_wait += report.pipeline_wait;
                 pipeline_time += report.pipeline_time;
-                progress.set_position(step as u64 + 1);
                 if let Some(loss) = report.loss {
                     losses.push(loss);
-                    progress.set_message(format!("loss {loss:.4}"));
-                    let shown = (step + 1) % train.log_every == 0 || step + 1 == steps;
-                    if replica == 0 && progress.is_hidden() && shown {
-                        tracing::info!("step {}/{steps} loss {loss:.4} lr {:.4}", step + 1, report.lr);
+                    if let Some(monitor) = &mut monitor {
+                        let sample = StepSample {
+                            loss,
+                            loss_spread: report.loss_spread,
+                            lr: report.lr,
+                            step_time: report.step_time,
+                            comm_time: report.allreduce_time,
+                            exposed_comm_time: report.exposed_allreduce_time,
+                            bubble_fraction: Some(
+                                report.pipeline_wait.as_secs_f64() / report.pipeline_time.as_secs_f64().max(1e-9),
+                            ),
+                            peak_rss_bytes: report.peak_rss_bytes,
+                        };
+                        monitor.record(step + 1, sample)?;
                     }
                 }
                 if let Some(store) = recovery.store.as_ref().filter(|_| recovery.due(&job, step + 1, steps)) {
@@ -244,14 +255,20 @@ impl Handler<TrainStage> for StageActor {
                 }
             }
             let elapsed = started.elapsed();
-            progress.finish_and_clear();
+            if let Some(monitor) = &monitor {
+                monitor.finish();
+            }
             // The held-out set is cut like a global batch: whole micro-batches per replica.
             let m = job.strategy.pipeline_configs.accumulate_steps;
             let per_replica = test_data.len() / (d * m) * m;
             let rows: Vec<usize> = (replica * per_replica..(replica + 1) * per_replica).collect();
             let evaluated = device.send(PipelineEvaluate(test_data.select(&rows))).await??;
             let parameters = device.send(ReadParameters).await??;
-            let spans = device.send(TakeSpans).await??;
+            if let Some(trace) = &trace {
+                let spans = device.send(TakeSpans).await??;
+                let role = format!("stage {stage} (replica {replica})");
+                trace.write(rank, &role, clock_offset_us, spans)?;
+            }
             Ok(StageOutcome {
                 rank,
                 steps,
@@ -264,7 +281,6 @@ impl Handler<TrainStage> for StageActor {
                 peak_activation_bytes: peak_bytes,
                 bubble_fraction: pipeline_wait.as_secs_f64() / pipeline_time.as_secs_f64().max(1e-9),
                 parameters,
-                spans,
             })
         })
     }
@@ -288,7 +304,6 @@ mod tests {
             peak_activation_bytes: 4096,
             bubble_fraction: 0.5,
             parameters: vec![("fc0.weight".into(), vec![1.0, -2.0, 3.5]), ("fc0.bias".into(), vec![])],
-            spans: Vec::new(),
         };
         let bytes = outcome.to_bytes().unwrap();
         let back = StageOutcome::from_bytes(bytes.clone()).unwrap();

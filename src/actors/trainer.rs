@@ -8,18 +8,19 @@ use std::time::{Duration, Instant};
 
 use actix::prelude::*;
 use anyhow::{Context as _, Result};
-use indicatif::{ProgressBar, ProgressStyle};
 
 use super::checkpointing;
 use super::device::{
     CheckReplicas, DeviceActor, Evaluate, ModelFactory, Prepare, ReadParameters, RestoreCheckpoint, RingLink,
-    SaveCheckpoint, TrainStep,
+    SaveCheckpoint, TakeSpans, TrainStep,
 };
 use crate::collective::ParamChecksum;
 use crate::config::{JobConfig, TrainLength};
 use crate::data::{Dataset, ShardedLoader};
 use crate::job::Recovery;
 use crate::net::ControlBus;
+use crate::telemetry::monitor::{Monitor, MonitorSettings, StepSample};
+use crate::telemetry::timeline::TraceTarget;
 
 /// What a rank needs to train.
 pub struct Trainer {
@@ -41,8 +42,10 @@ pub struct Trainer {
     pub data_endpoint: String,
     /// The device actor of this rank.
     pub device: Addr<DeviceActor>,
-    /// Draw a progress bar (rank 0 on a terminal).
-    pub show_progress: bool,
+    /// How to report every step: the reporting rank's only.
+    pub monitor: Option<MonitorSettings>,
+    /// Where to write this rank's timeline, when tracing.
+    pub trace: Option<TraceTarget>,
     /// The checkpoint to start from and where to write new ones.
     pub(crate) recovery: Recovery,
 }
@@ -98,7 +101,8 @@ impl Handler<Train> for Trainer {
             link: self.link.take(),
             data_endpoint: self.data_endpoint.clone(),
             device: self.device.clone(),
-            show_progress: self.show_progress,
+            monitor: self.monitor.clone(),
+            trace: self.trace.clone(),
             recovery: self.recovery.clone(),
         };
         Box::pin(run.execute())
@@ -115,7 +119,8 @@ struct TrainingRun {
     link: Option<RingLink>,
     data_endpoint: String,
     device: Addr<DeviceActor>,
-    show_progress: bool,
+    monitor: Option<MonitorSettings>,
+    trace: Option<TraceTarget>,
     recovery: Recovery,
 }
 
@@ -127,12 +132,17 @@ impl TrainingRun {
         let mut bus = self.bus.context("Train was sent twice")?;
         let link = self.link.context("Train was sent twice")?;
         let roster = bus.join(rank, world, self.data_endpoint.clone()).await?;
+        let clock_offset_us = match &self.trace {
+            Some(_) => bus.clock_offset_us().await?,
+            None => 0.0,
+        };
         self.device
             .send(Prepare {
                 job: job.clone(),
                 model: self.model.clone(),
                 link,
                 roster,
+                trace_from: self.trace.as_ref().map(|t| t.origin.instant),
             })
             .await??;
 
@@ -150,8 +160,11 @@ impl TrainingRun {
             let restored = RestoreCheckpoint(checkpoint.read(REPLICA_FILE)?);
             losses = self.device.send(restored).await??;
         }
-        let progress = progress_bar(self.show_progress, steps);
-        progress.set_position(first as u64);
+        let mut monitor = self
+            .monitor
+            .as_ref()
+            .map(|settings| Monitor::start(settings, steps, first, train.batch_size, train.log_every))
+            .transpose()?;
         let started = Instant::now();
         let (mut step_time, mut comm_time, mut exposed) = (Duration::ZERO, Duration::ZERO, Duration::ZERO);
         let check_every = job.strategy.check_every;
@@ -161,17 +174,18 @@ impl TrainingRun {
             comm_time += report.comm_time;
             exposed += report.exposed_comm_time;
             losses.push(report.loss);
-            progress.set_position(step as u64 + 1);
-            progress.set_message(format!("loss {:.4}", report.loss));
-            let log_every = train.log_every.max(1);
-            if rank == 0 && progress.is_hidden() && ((step + 1) % log_every == 0 || step + 1 == steps) {
-                let rate = ((step + 1 - first) * train.batch_size) as f64 / started.elapsed().as_secs_f64();
-                tracing::info!(
-                    "step {}/{steps} loss {:.4} lr {:.4} {rate:.0} samples/s",
-                    step + 1,
-                    report.loss,
-                    report.lr
-                );
+            if let Some(monitor) = &mut monitor {
+                let sample = StepSample {
+                    loss: report.loss,
+                    loss_spread: Some(report.loss_spread),
+                    lr: report.lr,
+                    step_time: report.step_time,
+                    comm_time: report.comm_time,
+                    exposed_comm_time: report.exposed_comm_time,
+                    bubble_fraction: None,
+                    peak_rss_bytes: report.peak_rss_bytes,
+                };
+                monitor.record(step + 1, sample)?;
             }
             if check_every > 0 && (step + 1) % check_every == 0 {
                 self.device.send(CheckReplicas).await??;
@@ -197,7 +211,13 @@ impl TrainingRun {
             }
         }
         let elapsed = started.elapsed();
-        progress.finish_and_clear();
+        if let Some(monitor) = &monitor {
+            monitor.finish();
+        }
+        if let Some(trace) = &self.trace {
+            let spans = self.device.send(TakeSpans).await??;
+            trace.write(rank, "trainer", clock_offset_us, spans)?;
+        }
 
         let param_checksum = self.device.send(CheckReplicas).await??;
         let test_rows = self.test_data.len();
@@ -225,17 +245,4 @@ impl TrainingRun {
             losses,
         })
     }
-}
-
-pub(crate) fn progress_bar(show: bool, steps: usize) -> ProgressBar {
-    if !show {
-        return ProgressBar::hidden();
-    }
-    let bar = ProgressBar::new(steps as u64);
-    if let Ok(style) =
-        ProgressStyle::with_template("{spinner} [{elapsed_precise}] {bar:40} {pos}/{len} steps  {msg}  ({eta} left)")
-    {
-        bar.set_style(style);
-    }
-    bar
 }

@@ -14,6 +14,9 @@ use crate::engines::comm::{CommWorker, Pending};
 use crate::engines::compute::segments::{self, Segments};
 use crate::models::{correct_predictions, cross_entropy, Model, NamedParam};
 use crate::optim::{GradientMerge, LrPolicy, Optimizer};
+use crate::telemetry::metrics::peak_rss_bytes;
+use crate::telemetry::rank_figures::RankFigures;
+use crate::telemetry::timeline::{record, Lane, Span, Timeline};
 
 /// What one training step measured.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -29,6 +32,10 @@ pub struct StepReport {
     /// Time the compute thread waited for communication after backward: the
     /// part of communication that backward did not hide.
     pub exposed_comm_time: Duration,
+    /// Largest minus smallest of the ranks' losses.
+    pub loss_spread: f32,
+    /// The largest peak resident set of the ranks' processes.
+    pub peak_rss_bytes: u64,
 }
 
 /// A model replica that trains in lockstep with the other ranks.
@@ -45,6 +52,8 @@ pub struct Replica {
     merge: GradientMerge,
     /// Batches trained.
     step: usize,
+    /// Spans of the steps, when tracing.
+    timeline: Option<Timeline>,
 }
 
 impl Replica {
@@ -87,7 +96,18 @@ impl Replica {
             segments,
             merge,
             step: 0,
+            timeline: None,
         })
+    }
+
+    /// Starts recording a timeline, measured from `origin`.
+    pub fn trace_from(&mut self, origin: Instant) {
+        self.timeline = Some(Timeline::new(origin));
+    }
+
+    /// The spans recorded so far (none unless tracing).
+    pub fn take_spans(&mut self) -> Vec<Span> {
+        self.timeline.as_mut().map(Timeline::take).unwrap_or_default()
     }
 
     /// This rank.
@@ -155,20 +175,24 @@ impl Replica {
     /// optimizer steps (and gradients are all-reduced) on every k-th batch only.
     pub fn train_step(&mut self, batch: &Batch) -> Result<StepReport> {
         let started = Instant::now();
+        let step = self.step;
         let comm_before = self.comm.busy_time();
-        let lr = self.lr_policy.at(self.merge.optimizer_step(self.step));
+        let lr = self.lr_policy.at(self.merge.optimizer_step(step));
         self.optimizer.set_learning_rate(lr);
         let (x, y) = batch.tensors(&self.device)?;
+        record(&mut self.timeline, || format!("data {step}"), "data", started);
 
+        let forwarding = Instant::now();
         let blocks = self.model.blocks();
         let forward = segments::forward(blocks, &self.segments, x)?;
         let (local_loss, upstream) = segments::loss_gradient(forward.output(), |out| cross_entropy(out, &y))?;
+        record(&mut self.timeline, || format!("forward {step}"), "forward", forwarding);
 
         // Backward segment by segment from the last; every completed bucket is handed to the
         // communication thread at once (with gradient merge, only on the merge's last batch).
-        let step = self.step;
+        let backwarding = Instant::now();
         let (params, plan, merge, comm) = (&self.params, &self.plan, &mut self.merge, &self.comm);
-        let mut pending: Vec<Pending<Vec<f32>>> = Vec::with_capacity(plan.buckets.len());
+        let mut pending: Vec<Pending<ReducedBucket>> = Vec::with_capacity(plan.buckets.len());
         let mut bucket_index = 0;
         let mut filling: Vec<f32> = Vec::new();
         segments::backward(blocks, &self.segments, forward, &upstream, &mut |range, grads| {
@@ -192,14 +216,30 @@ impl Replica {
             }
             Ok(())
         })?;
+        record(
+            &mut self.timeline,
+            || format!("backward {step}"),
+            "backward",
+            backwarding,
+        );
 
         let mut exposed_comm_time = Duration::ZERO;
         if !pending.is_empty() {
             let mut averaged = GradStore::default();
-            for (bucket, reduced) in self.plan.buckets.iter().zip(pending) {
+            for (index, (bucket, reduced)) in self.plan.buckets.iter().zip(pending).enumerate() {
                 let waiting = Instant::now();
-                let values = reduced.wait()?;
+                let ReducedBucket { values, started, ended } = reduced.wait()?;
                 exposed_comm_time += waiting.elapsed();
+                record(
+                    &mut self.timeline,
+                    || format!("wait for bucket {index}"),
+                    "wait",
+                    waiting,
+                );
+                if let Some(timeline) = &mut self.timeline {
+                    let name = format!("all-reduce bucket {index} ({} KiB)", values.len() * 4 / 1024);
+                    timeline.record_between(Lane::Communication, name, "allreduce", started, ended);
+                }
                 let mut offset = 0;
                 for &param_index in &bucket.params {
                     let var = &self.params[param_index].var;
@@ -211,22 +251,34 @@ impl Replica {
                     offset += n;
                 }
             }
+            let stepping = Instant::now();
             self.optimizer.step(&averaged)?;
+            record(
+                &mut self.timeline,
+                || format!("optimizer {step}"),
+                "optimizer",
+                stepping,
+            );
         }
 
-        let world = self.world_size() as f32;
-        let loss = self.comm.run(move |c| {
-            let mut sum = [local_loss];
-            c.all_reduce_sum("all-reduce of the step loss", &mut sum)?;
-            Ok(sum[0] / world)
-        })?;
+        let gathering = Instant::now();
+        let mine = RankFigures {
+            loss: local_loss,
+            peak_rss_bytes: peak_rss_bytes(),
+        };
+        let figures = self
+            .comm
+            .run(move |c| mine.gather(c, &format!("gather of the losses of step {step}")))?;
+        record(&mut self.timeline, || format!("loss gather {step}"), "wait", gathering);
         self.step += 1;
         Ok(StepReport {
-            loss,
+            loss: figures.mean_loss,
             lr,
             step_time: started.elapsed(),
             comm_time: self.comm.busy_time().saturating_sub(comm_before),
             exposed_comm_time,
+            loss_spread: figures.loss_spread,
+            peak_rss_bytes: figures.peak_rss_bytes,
         })
     }
 
@@ -279,17 +331,29 @@ impl Replica {
     }
 }
 
+/// A bucket's averaged gradients and when the communication thread worked on them.
+struct ReducedBucket {
+    values: Vec<f32>,
+    started: Instant,
+    ended: Instant,
+}
+
 /// Hands bucket `index`'s gradients of `step` to the communication thread, which all-reduces
 /// them and divides by the world size.
-fn submit_bucket(comm: &CommWorker, step: usize, index: usize, mut values: Vec<f32>) -> Pending<Vec<f32>> {
+fn submit_bucket(comm: &CommWorker, step: usize, index: usize, mut values: Vec<f32>) -> Pending<ReducedBucket> {
     let world = comm.world_size() as f32;
     comm.submit(move |c| {
+        let started = Instant::now();
         c.all_reduce_sum(
             &format!("all-reduce of gradient bucket {index} at step {step}"),
             &mut values,
         )?;
         values.iter_mut().for_each(|v| *v /= world);
-        Ok(values)
+        Ok(ReducedBucket {
+            values,
+            started,
+            ended: Instant::now(),
+        })
     })
 }
 

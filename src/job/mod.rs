@@ -31,6 +31,9 @@ use crate::data::text::TextCorpus;
 use crate::data::Dataset;
 use crate::models::{gpt, mlp, GptConfig, Model, ParamInit};
 use crate::net::ControlBus;
+use crate::telemetry::clock::TraceOrigin;
+use crate::telemetry::monitor::{MonitorSettings, ProgressView};
+use crate::telemetry::timeline::{self, TraceTarget};
 
 type ModelBuilder = Box<dyn Fn(&ParamInit) -> Result<Model> + Send + Sync>;
 
@@ -47,40 +50,60 @@ fn text_windows(train: &crate::config::TrainConfig) -> Result<(Dataset, Dataset)
     Ok((windows(&train_tokens)?, windows(&test_tokens)?))
 }
 
-/// Timelines are recorded by pipeline stages only, so far; asking for one elsewhere is an
-/// error rather than a missing file.
-fn refuse_trace(options: &RunOptions) -> Result<()> {
-    anyhow::ensure!(
-        options.trace.is_none(),
-        "--trace records pipeline jobs (strategy.pipeline = true); this job is data parallel"
-    );
-    Ok(())
-}
-
 /// Where and how a run reports.
 #[derive(Debug, Clone)]
 pub struct RunOptions {
     /// Directory for `summary.json`, `params.safetensors` and the resolved
     /// `config.toml` (written by rank 0).
     pub run_dir: PathBuf,
-    /// Draw a progress bar on rank 0.
-    pub show_progress: bool,
-    /// Write a chrome-trace timeline of the run here (pipeline jobs): one track per rank; a
-    /// launched rank writes its own `<stem>.rank<N>.json` beside it.
+    /// Where the reporting rank's progress goes.
+    pub progress: ProgressView,
+    /// Serve the reporting rank's per-step figures for Prometheus on this port.
+    pub metrics_port: Option<u16>,
+    /// Write each rank's chrome-trace timeline into this directory as `rank-N.json` (an
+    /// in-process job also merges them into `trace.json`; `flotilla trace merge` merges a
+    /// launched job's).
     pub trace: Option<PathBuf>,
     /// Where training starts: from step 0, or from a checkpoint.
     pub resume: Resume,
 }
 
 impl RunOptions {
-    /// A fresh run writing to `run_dir`, without progress bar or timeline.
+    /// A fresh run writing to `run_dir`, reporting progress in log lines, without timeline.
     pub fn new(run_dir: impl Into<PathBuf>) -> Self {
         Self {
             run_dir: run_dir.into(),
-            show_progress: false,
+            progress: ProgressView::Log,
+            metrics_port: None,
             trace: None,
             resume: Resume::Fresh,
         }
+    }
+
+    /// How the reporting rank reports.
+    pub(crate) fn monitor(&self) -> MonitorSettings {
+        MonitorSettings {
+            view: self.progress,
+            run_dir: self.run_dir.clone(),
+            metrics_port: self.metrics_port,
+        }
+    }
+
+    /// An in-process job's ranks share one clock: their timelines are merged at once into
+    /// `DIR/trace.json`.
+    pub(crate) fn merge_in_process_trace(&self) -> Result<()> {
+        match &self.trace {
+            Some(dir) => timeline::write_merged(dir, &dir.join("trace.json")),
+            None => Ok(()),
+        }
+    }
+
+    /// Where this process's ranks write their timelines, measured from now.
+    pub(crate) fn trace_target(&self) -> Option<TraceTarget> {
+        self.trace.as_ref().map(|dir| TraceTarget {
+            dir: dir.clone(),
+            origin: TraceOrigin::now(),
+        })
     }
 }
 
@@ -158,14 +181,14 @@ impl TrainingJob {
         Ok(Self::new(config, model, train_data, test_data))
     }
 
-    /// The trainer actor of `rank`, with its own device actor.
+    /// The trainer actor of `rank`, with its own device actor; rank 0 reports.
     fn trainer(
         &self,
         rank: usize,
         bus: ControlBus,
         link: RingLink,
         data_endpoint: String,
-        show_progress: bool,
+        options: &RunOptions,
         recovery: Recovery,
     ) -> Trainer {
         Trainer {
@@ -178,7 +201,8 @@ impl TrainingJob {
             link: Some(link),
             data_endpoint,
             device: actix::SyncArbiter::start(1, DeviceActor::default),
-            show_progress,
+            monitor: (rank == 0).then(|| options.monitor()),
+            trace: options.trace_target(),
             recovery,
         }
     }
@@ -205,9 +229,9 @@ impl TrainingJob {
         let outcome = if self.config.strategy.pipeline {
             pipeline::run(self, options)?
         } else {
-            refuse_trace(options)?;
             simulated::run(self, options)?
         };
+        options.merge_in_process_trace()?;
         outcome.write(&options.run_dir, &self.config)?;
         Ok(outcome)
     }
@@ -218,7 +242,6 @@ impl TrainingJob {
         let outcome = if self.config.strategy.pipeline {
             pipeline::run_rank(self, rank, options)?
         } else {
-            refuse_trace(options)?;
             process::run(self, rank, options)?
         };
         if let Some(outcome) = &outcome {

@@ -19,15 +19,12 @@ use crate::collective::ParamChecksum;
 use crate::engines::comm::{memory, Communicator};
 use crate::net::ControlBus;
 use crate::pipeline::link::memory_links;
-use crate::telemetry::timeline::{write_chrome_trace, Track};
-use std::path::{Path, PathBuf};
-use std::time::Instant;
+use crate::telemetry::timeline::TraceTarget;
 
 /// All ranks in this process.
 pub(super) fn run(job: &TrainingJob, options: &RunOptions) -> Result<RunOutcome> {
     let config = job.config.clone();
-    let show_progress = options.show_progress;
-    let trace_from = options.trace.as_ref().map(|_| Instant::now());
+    let trace = options.trace_target();
     let (d, p) = (
         config.strategy.hybrid_configs.dp_degree,
         config.strategy.hybrid_configs.pp_degree,
@@ -62,6 +59,7 @@ pub(super) fn run(job: &TrainingJob, options: &RunOptions) -> Result<RunOutcome>
             let (link, data_parallel) = (stage_links[rank].take(), rings[rank % p][rank / p].take());
             let bus = ControlBus::InMemory(coordinator.clone());
             let recovery = recovery.clone();
+            let trace = trace.clone();
             async move {
                 let link = link.context("each rank's stage link is taken once")?;
                 let data_parallel = data_parallel.context("each rank's ring is taken once")?;
@@ -70,22 +68,18 @@ pub(super) fn run(job: &TrainingJob, options: &RunOptions) -> Result<RunOutcome>
                     data_parallel,
                     bus,
                 };
-                train(stage_actor(job, rank, lines, recovery, show_progress, trace_from)).await
+                train(stage_actor(job, rank, lines, recovery, options, trace)).await
             }
         });
         futures::future::try_join_all(runs).await
     })?;
-    if let Some(path) = &options.trace {
-        write_chrome_trace(path, &outcomes.iter().map(|o| track(job, o)).collect::<Vec<_>>())?;
-    }
     summarise(job, &outcomes[..p], "in-process")
 }
 
 /// One rank of a launched job: rank 0 also hosts the coordinator and returns the outcome.
 pub(super) fn run_rank(job: &TrainingJob, rank: usize, options: &RunOptions) -> Result<Option<RunOutcome>> {
     let config = job.config.clone();
-    let show_progress = options.show_progress;
-    let trace_from = options.trace.as_ref().map(|_| Instant::now());
+    let trace = options.trace_target();
     let (world, p) = (config.world_size(), config.strategy.hybrid_configs.pp_degree);
     let max_frame = config.cluster.max_frame_bytes();
     let RankEndpoints {
@@ -107,12 +101,8 @@ pub(super) fn run_rank(job: &TrainingJob, rank: usize, options: &RunOptions) -> 
             data_parallel,
             bus: stage_bus,
         };
-        let training = train(stage_actor(job, rank, lines, recovery, show_progress, trace_from));
+        let training = train(stage_actor(job, rank, lines, recovery, options, trace));
         let outcome = watched(training, rank, &master, &config, &credentials).await?;
-        if let Some(path) = &options.trace {
-            // Each process measures from its own clock: one file per rank.
-            write_chrome_trace(&rank_trace_path(path, rank), &[track(job, &outcome)])?;
-        }
         // Rank 0 holds only its own stage, and the outputs need every stage's parameters and
         // the last stage's losses: replica 0's ranks (0..p) hand it their outcomes. The gather
         // is the end-of-training barrier too, so no rank (rank 0, with the coordinator, least
@@ -140,14 +130,14 @@ struct StageLines {
 }
 
 /// Rank `rank`'s stage actor with its own device actor; the rank of replica 0's last stage,
-/// which sees the loss, draws the progress bar. Must run inside an actix system.
+/// which sees the loss, reports. Must run inside an actix system.
 fn stage_actor(
     job: &TrainingJob,
     rank: usize,
     lines: StageLines,
     recovery: Recovery,
-    show_progress: bool,
-    trace_from: Option<Instant>,
+    options: &RunOptions,
+    trace: Option<TraceTarget>,
 ) -> StageActor {
     let p = job.config.strategy.hybrid_configs.pp_degree;
     StageActor {
@@ -161,29 +151,9 @@ fn stage_actor(
         bus: Some(lines.bus),
         recovery,
         device: SyncArbiter::start(1, DeviceActor::default),
-        show_progress: show_progress && rank == p - 1,
-        trace_from,
+        monitor: (rank == p - 1).then(|| options.monitor()),
+        trace,
     }
-}
-
-/// Rank `outcome.rank`'s timeline as a track named by its stage and replica.
-fn track(job: &TrainingJob, outcome: &StageOutcome) -> Track {
-    let p = job.config.strategy.hybrid_configs.pp_degree;
-    Track {
-        name: format!("stage {} (replica {})", outcome.rank % p, outcome.rank / p),
-        spans: outcome.spans.clone(),
-    }
-}
-
-/// `trace.json` → `trace.rank3.json`.
-fn rank_trace_path(path: &Path, rank: usize) -> PathBuf {
-    let stem = path
-        .file_stem()
-        .map_or_else(|| "trace".into(), |s| s.to_string_lossy().into_owned());
-    let extension = path
-        .extension()
-        .map_or_else(|| "json".into(), |e| e.to_string_lossy().into_owned());
-    path.with_file_name(format!("{stem}.rank{rank}.{extension}"))
 }
 
 /// Trains `actor` to its end; an error names its rank, stage and replica.

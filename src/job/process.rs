@@ -59,7 +59,6 @@ pub(super) fn bind(config: &JobConfig, rank: usize) -> Result<RankEndpoints> {
 
 pub(super) fn run(job: &TrainingJob, rank: usize, options: &RunOptions) -> Result<Option<RunOutcome>> {
     let config = job.config.clone();
-    let show_progress = options.show_progress && rank == 0;
     let recovery = Recovery::plan(&config, &options.resume)?;
     let world = config.world_size();
     let timeout = config.fault_tolerance.timeout();
@@ -85,7 +84,7 @@ pub(super) fn run(job: &TrainingJob, rank: usize, options: &RunOptions) -> Resul
     let outcome = System::new().block_on(async move {
         let bus = connect_control(rank, world, &master, &config.fault_tolerance, max_frame, &credentials).await?;
         let training = async {
-            job.trainer(rank, bus, link, data_endpoint, show_progress, recovery)
+            job.trainer(rank, bus, link, data_endpoint, options, recovery)
                 .start()
                 .send(Train)
                 .await

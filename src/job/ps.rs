@@ -23,6 +23,7 @@ use crate::data::ctr::{CriteoSynth, CtrSource, Split};
 use crate::models::{ParamInit, WideDeep};
 use crate::net::auth::Credentials;
 use crate::net::ps_server::serve_shard;
+use crate::net::ControlBus;
 use crate::ps::client::{PsClient, ShardLink};
 use crate::ps::dense::{dense_range, DenseSlice};
 use crate::ps::optimizer::ServerOptimizer;
@@ -31,6 +32,7 @@ use crate::ps::table::{RowInit, SparseTable};
 use crate::ps::wire::TableStats;
 use crate::ps::worker::table_layout;
 use crate::ps::{Shard, ShardSpec};
+use crate::telemetry::timeline::TraceTarget;
 
 /// How long a shard waits, once every trainer has left, for their connections to close.
 const LEAVE_GRACE: std::time::Duration = std::time::Duration::from_secs(5);
@@ -155,6 +157,7 @@ impl ParameterServerJob {
         let (servers, world) = (config.cluster.server_num, config.world_size());
         let (timeout, retry) = (config.fault_tolerance.timeout(), config.fault_tolerance.retry);
         let recovery = Recovery::plan(&config, &options.resume)?;
+        let trace = options.trace_target();
         let outcomes = System::new().block_on(async move {
             let shards = (0..servers)
                 .map(|index| {
@@ -168,7 +171,8 @@ impl ParameterServerJob {
             let runs = (0..world).map(|rank| {
                 let links = shards.iter().cloned().map(ShardLink::Local).collect();
                 let client = PsClient::new(links, retry, timeout);
-                let trainer = self.trainer(rank, client, options, rank == 0, recovery.clone());
+                let trace = trace.clone().map(|t| (t, 0.0));
+                let trainer = self.trainer(rank, client, options, trace, recovery.clone());
                 async move {
                     trainer
                         .start()
@@ -185,6 +189,7 @@ impl ParameterServerJob {
             .next()
             .context("a job needs at least one trainer")?;
         let summary = self.summary(rank0, "in-process")?;
+        options.merge_in_process_trace()?;
         write_outputs(&options.run_dir, &summary, &self.config)?;
         Ok(summary)
     }
@@ -287,8 +292,17 @@ impl ParameterServerJob {
         let recovery = Recovery::plan(&config, &options.resume)?;
         let heartbeats = self.heartbeat_line(config.cluster.server_num + rank)?;
         let outcome = System::new().block_on(async move {
+            let trace = match (options.trace_target(), &heartbeats) {
+                (Some(target), Some((master, credentials))) => {
+                    let timeout = config.fault_tolerance.timeout();
+                    let mut bus = ControlBus::connect(master, timeout, max_frame, credentials).await?;
+                    Some((target, bus.clock_offset_us().await?))
+                }
+                (Some(target), None) => Some((target, 0.0)),
+                (None, _) => None,
+            };
             let training = async {
-                self.trainer(rank, client, options, options.show_progress && rank == 0, recovery)
+                self.trainer(rank, client, options, trace, recovery)
                     .start()
                     .send(TrainPs)
                     .await
@@ -309,7 +323,7 @@ impl ParameterServerJob {
         rank: usize,
         client: PsClient,
         options: &RunOptions,
-        show_progress: bool,
+        trace: Option<(TraceTarget, f64)>,
         recovery: Recovery,
     ) -> PsTrainer {
         PsTrainer {
@@ -320,7 +334,8 @@ impl ParameterServerJob {
             client: Some(client),
             device: SyncArbiter::start(1, DeviceActor::default),
             save_dir: (rank == 0).then(|| options.run_dir.clone()),
-            show_progress: show_progress && options.show_progress,
+            monitor: (rank == 0).then(|| options.monitor()),
+            trace,
             recovery,
         }
     }

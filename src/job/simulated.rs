@@ -27,15 +27,7 @@ pub(super) fn run(job: &TrainingJob, options: &RunOptions) -> Result<RunOutcome>
             .enumerate()
             .map(|(rank, link)| {
                 let bus = ControlBus::InMemory(coordinator.clone());
-                let show_progress = options.show_progress && rank == 0;
-                let trainer = job.trainer(
-                    rank,
-                    bus,
-                    link,
-                    format!("memory:{rank}"),
-                    show_progress,
-                    recovery.clone(),
-                );
+                let trainer = job.trainer(rank, bus, link, format!("memory:{rank}"), options, recovery.clone());
                 let run = trainer.start().send(Train);
                 async move {
                     run.await

@@ -3,7 +3,7 @@
 //! restarts them all from the last checkpoint, or reports the failed rank's last words.
 
 use std::collections::VecDeque;
-use std::io::{BufRead, BufReader, Read, Write};
+use std::io::{BufRead, BufReader, IsTerminal, Read, Write};
 use std::os::unix::process::ExitStatusExt;
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -12,9 +12,67 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, Context, Result};
+use indicatif::ProgressBar;
 
 use super::ChildSpec;
 use crate::job::RESUME_VAR;
+use crate::telemetry::monitor::{progress_bar, ProgressLine, PROGRESS_FOR_LAUNCHER, PROGRESS_VAR};
+
+/// The launcher's progress bar, drawn from the reporting rank's progress lines when the
+/// launcher's stderr is a terminal (the children's is a pipe); made at the first line, which
+/// says how many steps there are.
+#[derive(Clone, Default)]
+struct LauncherBar(Option<Arc<Mutex<Option<ProgressBar>>>>);
+
+impl LauncherBar {
+    fn for_terminal() -> Self {
+        Self(std::io::stderr().is_terminal().then(Arc::default))
+    }
+
+    /// Moves the bar if `line` is a progress line; `false` for any other line.
+    fn update(&self, line: &str) -> bool {
+        let (Some(shared), Some(progress)) = (&self.0, ProgressLine::parse(line)) else {
+            return false;
+        };
+        if let Ok(mut bar) = shared.lock() {
+            let bar = bar.get_or_insert_with(|| progress_bar(progress.steps));
+            bar.set_position(progress.step as u64);
+            bar.set_message(format!(
+                "loss {:.4}  {:.0} samples/s",
+                progress.loss, progress.samples_per_sec
+            ));
+        }
+        true
+    }
+
+    /// Writes `text` above the bar.
+    fn write(&self, text: &str, to_stderr: bool) {
+        let emit = || {
+            // A closed launcher output (e.g. a closed pipe) must not stop the child, so write
+            // errors are ignored.
+            let _ = if to_stderr {
+                std::io::stderr().write_all(text.as_bytes())
+            } else {
+                std::io::stdout().write_all(text.as_bytes())
+            };
+        };
+        match self.0.as_ref().and_then(|shared| shared.lock().ok()) {
+            Some(bar) => match bar.as_ref() {
+                Some(bar) => bar.suspend(emit),
+                None => emit(),
+            },
+            None => emit(),
+        }
+    }
+
+    fn finish(&self) {
+        if let Some(Ok(mut bar)) = self.0.as_ref().map(|shared| shared.lock()) {
+            if let Some(bar) = bar.take() {
+                bar.finish_and_clear();
+            }
+        }
+    }
+}
 
 /// How children's output reaches the launcher's.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -57,10 +115,22 @@ pub fn supervise(children: Vec<ChildSpec>, mode: OutputMode, max_restarts: usize
     for signal in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
         signal_hook::flag::register(signal, interrupted.clone()).context("installing the signal handler")?;
     }
-    let mut children = children;
+    let bar = LauncherBar::for_terminal();
+    let ended = restart_until_done(children, mode, max_restarts, &interrupted, &bar);
+    bar.finish();
+    ended
+}
+
+fn restart_until_done(
+    mut children: Vec<ChildSpec>,
+    mode: OutputMode,
+    max_restarts: usize,
+    interrupted: &AtomicBool,
+    bar: &LauncherBar,
+) -> Result<()> {
     let mut restarts = 0;
     loop {
-        match run_once(&children, mode, &interrupted) {
+        match run_once(&children, mode, interrupted, bar) {
             Ok(()) => return Ok(()),
             Err(Ended::Failed(e)) if restarts < max_restarts => {
                 restarts += 1;
@@ -83,10 +153,15 @@ pub fn supervise(children: Vec<ChildSpec>, mode: OutputMode, max_restarts: usize
 }
 
 /// Starts every child once and waits for all of them, or for the first failure.
-fn run_once(children: &[ChildSpec], mode: OutputMode, interrupted: &AtomicBool) -> Result<(), Ended> {
+fn run_once(
+    children: &[ChildSpec],
+    mode: OutputMode,
+    interrupted: &AtomicBool,
+    bar: &LauncherBar,
+) -> Result<(), Ended> {
     let mut running = Vec::with_capacity(children.len());
     for spec in children {
-        match start(spec, mode) {
+        match start(spec, mode, bar) {
             Ok(child) => running.push(child),
             Err(e) => {
                 stop_all(&mut running, libc::SIGTERM);
@@ -154,8 +229,12 @@ fn poll(running: &mut [Running]) -> Result<Vec<Option<ExitStatus>>, Ended> {
         .collect()
 }
 
-fn start(spec: &ChildSpec, mode: OutputMode) -> Result<Running> {
-    let mut child = Command::new(&spec.program)
+fn start(spec: &ChildSpec, mode: OutputMode, bar: &LauncherBar) -> Result<Running> {
+    let mut command = Command::new(&spec.program);
+    if bar.0.is_some() {
+        command.env(PROGRESS_VAR, PROGRESS_FOR_LAUNCHER);
+    }
+    let mut child = command
         .args(&spec.args)
         .envs(spec.env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
         .stdin(Stdio::null())
@@ -168,10 +247,17 @@ fn start(spec: &ChildSpec, mode: OutputMode) -> Result<Running> {
     let mut pumps = Vec::new();
     if let Some(out) = child.stdout.take() {
         let plain = mode == OutputMode::Rank0Plain && spec.rank == 0;
-        pumps.push(pump(out, spec.name.clone(), plain, None, false));
+        pumps.push(pump(out, spec.name.clone(), plain, None, false, bar.clone()));
     }
     if let Some(err) = child.stderr.take() {
-        pumps.push(pump(err, spec.name.clone(), false, Some(stderr_tail.clone()), true));
+        pumps.push(pump(
+            err,
+            spec.name.clone(),
+            false,
+            Some(stderr_tail.clone()),
+            true,
+            bar.clone(),
+        ));
     }
     Ok(Running {
         name: spec.name.clone(),
@@ -187,21 +273,19 @@ fn pump(
     plain: bool,
     tail: Option<Arc<Mutex<VecDeque<String>>>>,
     to_stderr: bool,
+    bar: LauncherBar,
 ) -> thread::JoinHandle<()> {
     thread::spawn(move || {
         for line in BufReader::new(stream).lines().map_while(Result::ok) {
+            if bar.update(&line) {
+                continue;
+            }
             let text = if plain {
                 format!("{line}\n")
             } else {
                 format!("[{name}] {line}\n")
             };
-            // A closed launcher output (e.g. a closed pipe) must not stop
-            // the child, so write errors are ignored.
-            let _ = if to_stderr {
-                std::io::stderr().write_all(text.as_bytes())
-            } else {
-                std::io::stdout().write_all(text.as_bytes())
-            };
+            bar.write(&text, to_stderr);
             if let Some(tail) = &tail {
                 if let Ok(mut tail) = tail.lock() {
                     if tail.len() == TAIL_LINES {

@@ -13,6 +13,10 @@ use tokio_util::codec::{Framed, LengthDelimitedCodec};
 use super::auth::{self, Credentials};
 use super::frame::{codec, ControlMessage, Frame};
 use crate::actors::coordinator::{Barrier, Coordinator, Gather, Join};
+use crate::telemetry::clock::{self, ClockSample};
+
+/// Round trips of a clock measurement: the shortest one bounds the error best.
+const CLOCK_PROBES: usize = 8;
 
 /// A role's line to the coordinator.
 pub enum ControlBus {
@@ -170,6 +174,30 @@ impl ControlBus {
             ControlMessage::Alive => Ok(()),
             other => Err(self.unexpected(rank, other)),
         }
+    }
+
+    /// How far the coordinator's wall clock is ahead of this process's, in microseconds:
+    /// NTP's estimate from the probe with the shortest round trip of a few (zero in memory,
+    /// where both are one clock).
+    pub async fn clock_offset_us(&mut self) -> Result<f64> {
+        if let Self::InMemory(_) = self {
+            return Ok(0.0);
+        }
+        let mut samples = Vec::with_capacity(CLOCK_PROBES);
+        for _ in 0..CLOCK_PROBES {
+            let sent = clock::unix_now_us();
+            let answer = self.request(Frame::control(ControlMessage::ClockProbe)).await?;
+            let received = clock::unix_now_us();
+            match answer.header {
+                ControlMessage::Clock { unix_us } => samples.push(ClockSample {
+                    sent,
+                    remote: unix_us,
+                    received,
+                }),
+                other => return Err(self.unexpected(0, other)),
+            }
+        }
+        Ok(clock::offset_us(&samples))
     }
 
     fn unexpected(&self, rank: usize, answer: ControlMessage) -> anyhow::Error {

@@ -74,6 +74,14 @@ pub enum ControlMessage {
         /// Who leaves.
         rank: usize,
     },
+    /// What time is it at the coordinator? Asked a few times at start by roles that record a
+    /// timeline, to put every process's spans on the coordinator's clock.
+    ClockProbe,
+    /// The coordinator's wall clock when it answered a [`ControlMessage::ClockProbe`].
+    Clock {
+        /// Microseconds since the Unix epoch.
+        unix_us: f64,
+    },
 }
 
 /// One frame: a header and its payload. The control plane's headers are [`ControlMessage`]s;

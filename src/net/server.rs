@@ -118,6 +118,12 @@ async fn serve_frames(
                     .map_err(|e| format!("coordinator unavailable: {e}"))?;
                 Ok((ControlMessage::Alive, Vec::new()))
             }
+            ControlMessage::ClockProbe => Ok((
+                ControlMessage::Clock {
+                    unix_us: crate::telemetry::clock::unix_now_us(),
+                },
+                Vec::new(),
+            )),
             other => return Err(format!("unexpected message {other:?}")),
         };
         let (header, parts) = answer.unwrap_or_else(|refusal| (refusal, Vec::new()));

@@ -18,6 +18,8 @@ use crate::data::Batch;
 use crate::engines::comm::{CommWorker, Communicator, Pending};
 use crate::models::{correct_predictions, cross_entropy, Block, Model};
 use crate::optim::{GradientMerge, LrPolicy, Optimizer};
+use crate::telemetry::metrics::peak_rss_bytes;
+use crate::telemetry::rank_figures::RankFigures;
 use crate::telemetry::timeline::{record, Span, Timeline};
 
 /// What one pipeline step measured on this rank.
@@ -42,6 +44,11 @@ pub struct PipelineReport {
     /// Time of the schedule (forwards, backwards and waits), without the all-reduce and the
     /// optimizer.
     pub pipeline_time: Duration,
+    /// Largest minus smallest of the replicas' losses, on the ranks holding the last virtual
+    /// stage.
+    pub loss_spread: Option<f32>,
+    /// The largest peak resident set of the processes of this stage's replicas.
+    pub peak_rss_bytes: u64,
 }
 
 /// A rank's stage, optimizer and links.
@@ -214,15 +221,11 @@ impl PipelineReplica {
         // The loss's all-reduce queues behind the gradients' on the communication thread, so
         // waiting for it is waiting for them too: what backward did not hide starts here.
         let waiting = Instant::now();
-        let replicas = comm.world_size() as f32;
-        let mut loss_value = step.loss.unwrap_or(0.0);
-        if replicas > 1.0 && self.holds_loss {
-            loss_value = comm.run(move |c| {
-                let mut sum = [loss_value];
-                c.all_reduce_sum(&format!("all-reduce of the loss at step {at}"), &mut sum)?;
-                Ok(sum[0])
-            })?;
-        }
+        let mine = RankFigures {
+            loss: step.loss.unwrap_or(0.0),
+            peak_rss_bytes: peak_rss_bytes(),
+        };
+        let figures = comm.run(move |c| mine.gather(c, &format!("gather of the losses of step {at}")))?;
 
         let optimizer_steps = !reducing.is_empty();
         let mut grads = GradStore::default();
@@ -255,7 +258,9 @@ impl PipelineReplica {
         }
         self.step += 1;
         Ok(PipelineReport {
-            loss: self.holds_loss.then_some(loss_value / replicas),
+            loss: self.holds_loss.then_some(figures.mean_loss),
+            loss_spread: self.holds_loss.then_some(figures.loss_spread),
+            peak_rss_bytes: figures.peak_rss_bytes,
             lr,
             step_time: started.elapsed(),
             allreduce_time: self.data_parallel.busy_time().saturating_sub(comm_before),

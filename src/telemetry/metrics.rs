@@ -22,8 +22,11 @@ pub struct StepMetrics {
     pub step_time_s: f64,
     /// Global batch over step time.
     pub samples_per_sec: f64,
-    /// Time blocked on communication over step time (the reporting rank's).
+    /// Time in communication over step time (the reporting rank's; overlapped or not).
     pub comm_time_ratio: f64,
+    /// Time the compute thread was blocked on communication over step time: the part that
+    /// nothing hid.
+    pub exposed_comm_ratio: f64,
     /// Pipeline jobs: time stages waited for their neighbours over the schedule's time.
     pub bubble_fraction: Option<f64>,
     /// The largest resident set any process of the job has had so far, in bytes.
@@ -35,7 +38,8 @@ pub struct StepMetrics {
     /// Mean loss over the global batch.
     pub loss: f32,
     /// Largest minus smallest of the ranks' local losses: ranks that stop agreeing show here.
-    pub loss_spread: f32,
+    /// Parameter-server jobs, whose trainers exchange no losses, leave it out.
+    pub loss_spread: Option<f32>,
 }
 
 /// Appends one line per step to `metrics.jsonl`, flushed per line so that a run that dies keeps
@@ -121,12 +125,13 @@ mod tests {
             step_time_s: 0.1,
             samples_per_sec: 640.0,
             comm_time_ratio: 0.2,
+            exposed_comm_ratio: 0.05,
             bubble_fraction: None,
             peak_rss_bytes: 1 << 20,
             gpu_memory_bytes: None,
             lr: 0.1,
             loss: 2.0 / step as f32,
-            loss_spread: 0.01,
+            loss_spread: Some(0.01),
         }
     }
 

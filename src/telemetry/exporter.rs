@@ -1,0 +1,233 @@
+//! The Prometheus endpoint of a run (`--metrics-port`): `GET /metrics` answers the reporting
+//! rank's latest step figures in the OpenMetrics text format (prometheus-client encodes them).
+//! It serves only while training runs: the task ends when the exporter is dropped.
+
+use std::net::TcpListener as StdListener;
+use std::sync::atomic::AtomicU64;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{Context as _, Result};
+use prometheus_client::encoding::text::encode;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::registry::Registry;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+
+use super::metrics::StepMetrics;
+
+type FloatGauge = Gauge<f64, AtomicU64>;
+
+/// The gauges a scrape reads.
+#[derive(Default, Clone)]
+struct Gauges {
+    steps: Counter,
+    loss: FloatGauge,
+    loss_spread: FloatGauge,
+    samples_per_sec: FloatGauge,
+    step_time: FloatGauge,
+    comm_time_ratio: FloatGauge,
+    exposed_comm_ratio: FloatGauge,
+    bubble_fraction: FloatGauge,
+    learning_rate: FloatGauge,
+    peak_rss: FloatGauge,
+}
+
+impl Gauges {
+    fn registry(&self) -> Registry {
+        let mut registry = Registry::with_prefix("flotilla");
+        let g = self.clone();
+        registry.register("steps", "Training steps done", g.steps);
+        registry.register("loss", "Mean loss over the global batch of the last step", g.loss);
+        registry.register(
+            "loss_spread",
+            "Largest minus smallest rank loss of the last step",
+            g.loss_spread,
+        );
+        registry.register(
+            "samples_per_second",
+            "Global samples per second of the last step",
+            g.samples_per_sec,
+        );
+        registry.register("step_time_seconds", "Wall time of the last step", g.step_time);
+        registry.register(
+            "comm_time_ratio",
+            "Time in communication over step time, last step",
+            g.comm_time_ratio,
+        );
+        registry.register(
+            "exposed_comm_ratio",
+            "Time compute waited for communication over step time, last step",
+            g.exposed_comm_ratio,
+        );
+        registry.register(
+            "bubble_fraction",
+            "Pipeline jobs: time stages waited for neighbours over schedule time, last step",
+            g.bubble_fraction,
+        );
+        registry.register("learning_rate", "Learning rate of the last step", g.learning_rate);
+        registry.register(
+            "peak_rss_bytes",
+            "Largest peak resident set of the job's processes",
+            g.peak_rss,
+        );
+        registry
+    }
+}
+
+/// Serves `/metrics` on a port while it lives.
+pub struct Exporter {
+    gauges: Gauges,
+    server: tokio::task::JoinHandle<()>,
+}
+
+impl Exporter {
+    /// Listens on every interface at `port` (as Prometheus exporters do, so that a scraper on
+    /// another machine reaches it). Must be called inside a tokio runtime.
+    pub fn serve(port: u16) -> Result<Self> {
+        let address = format!("0.0.0.0:{port}");
+        let listener = StdListener::bind(&address)
+            .and_then(|l| l.set_nonblocking(true).map(|()| l))
+            .with_context(|| format!("--metrics-port {port}: cannot listen on {address}"))?;
+        let listener = tokio::net::TcpListener::from_std(listener)
+            .with_context(|| format!("--metrics-port {port}: cannot listen on {address}"))?;
+        let gauges = Gauges::default();
+        let registry = Arc::new(gauges.registry());
+        let server = tokio::spawn(async move {
+            while let Ok((stream, _)) = listener.accept().await {
+                let registry = registry.clone();
+                tokio::spawn(async move {
+                    if let Err(e) = answer(stream, &registry).await {
+                        tracing::debug!("metrics scrape: {e:#}");
+                    }
+                });
+            }
+        });
+        tracing::info!("serving Prometheus metrics on http://{address}/metrics");
+        Ok(Self { gauges, server })
+    }
+
+    /// Publishes a step's figures.
+    pub fn publish(&self, m: &StepMetrics) {
+        let g = &self.gauges;
+        g.steps.inc_by((m.step as u64).saturating_sub(g.steps.get()));
+        g.loss.set(f64::from(m.loss));
+        g.loss_spread.set(m.loss_spread.map_or(f64::NAN, f64::from));
+        g.samples_per_sec.set(m.samples_per_sec);
+        g.step_time.set(m.step_time_s);
+        g.comm_time_ratio.set(m.comm_time_ratio);
+        g.exposed_comm_ratio.set(m.exposed_comm_ratio);
+        g.bubble_fraction.set(m.bubble_fraction.unwrap_or(f64::NAN));
+        g.learning_rate.set(m.lr);
+        g.peak_rss.set(m.peak_rss_bytes as f64);
+    }
+}
+
+impl Drop for Exporter {
+    fn drop(&mut self) {
+        self.server.abort();
+    }
+}
+
+/// Longest a scraper may take to send its request.
+const REQUEST_DEADLINE: Duration = Duration::from_secs(5);
+
+/// Reads one HTTP request head and answers it: the metrics for `GET /metrics`, 404 otherwise.
+async fn answer(mut stream: TcpStream, registry: &Registry) -> Result<()> {
+    let mut head = Vec::with_capacity(1024);
+    let mut buffer = [0u8; 1024];
+    tokio::time::timeout(REQUEST_DEADLINE, async {
+        while !head.windows(4).any(|w| w == b"\r\n\r\n") && head.len() < 16 * 1024 {
+            let n = stream.read(&mut buffer).await?;
+            if n == 0 {
+                break;
+            }
+            head.extend_from_slice(&buffer[..n]);
+        }
+        anyhow::Ok(())
+    })
+    .await
+    .context("the request did not arrive in time")??;
+    let request_line = head.split(|&b| b == b'\r').next().unwrap_or_default();
+    let response = if request_line.starts_with(b"GET /metrics ") {
+        let mut body = String::new();
+        encode(&mut body, registry).context("encoding the metrics")?;
+        format!(
+            "HTTP/1.1 200 OK\r\nContent-Type: application/openmetrics-text; version=1.0.0; charset=utf-8\r\n\
+             Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
+            body.len()
+        )
+    } else {
+        "HTTP/1.1 404 Not Found\r\nContent-Length: 24\r\nConnection: close\r\n\r\nonly /metrics is served\n".to_string()
+    };
+    stream.write_all(response.as_bytes()).await?;
+    stream.shutdown().await?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    async fn get(port: u16, path: &str) -> Result<String> {
+        let mut stream = TcpStream::connect(("127.0.0.1", port)).await?;
+        stream
+            .write_all(format!("GET {path} HTTP/1.1\r\nHost: localhost\r\n\r\n").as_bytes())
+            .await?;
+        let mut response = String::new();
+        tokio::time::timeout(REQUEST_DEADLINE, stream.read_to_string(&mut response)).await??;
+        Ok(response)
+    }
+
+    #[tokio::test]
+    async fn a_scrape_reads_the_latest_step() -> Result<()> {
+        let port = StdListener::bind("127.0.0.1:0")?.local_addr()?.port();
+        let exporter = Exporter::serve(port)?;
+        exporter.publish(&StepMetrics {
+            step: 7,
+            elapsed_s: 1.0,
+            step_time_s: 0.125,
+            samples_per_sec: 512.0,
+            comm_time_ratio: 0.25,
+            exposed_comm_ratio: 0.0625,
+            bubble_fraction: None,
+            peak_rss_bytes: 1 << 20,
+            gpu_memory_bytes: None,
+            lr: 0.05,
+            loss: 1.5,
+            loss_spread: Some(0.5),
+        });
+        let response = get(port, "/metrics").await?;
+        assert!(response.starts_with("HTTP/1.1 200"), "{response}");
+        for line in [
+            "flotilla_steps_total 7",
+            "flotilla_loss 1.5",
+            "flotilla_loss_spread 0.5",
+            "flotilla_comm_time_ratio 0.25",
+            "flotilla_peak_rss_bytes 1048576",
+            "# EOF",
+        ] {
+            assert!(response.lines().any(|l| l == line), "no {line:?} in {response}");
+        }
+        assert!(get(port, "/").await?.starts_with("HTTP/1.1 404"));
+        drop(exporter);
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        assert!(
+            TcpStream::connect(("127.0.0.1", port)).await.is_err(),
+            "still serving after drop"
+        );
+        Ok(())
+    }
+
+    #[test]
+    fn a_port_in_use_is_named() -> Result<()> {
+        let taken = StdListener::bind("0.0.0.0:0")?;
+        let port = taken.local_addr()?.port();
+        let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+        let error = runtime.block_on(async { Exporter::serve(port).err() });
+        let error = format!("{:#}", error.context("a second listener on a used port")?);
+        assert!(error.contains(&format!("--metrics-port {port}")), "{error}");
+        Ok(())
+    }
+}

@@ -1,0 +1,235 @@
+//! What a person watching a run sees: metrics.jsonl for every step, the ranks' timelines merged
+//! onto one clock, the Prometheus endpoint, progress lines for a launcher, the summary table.
+
+mod common;
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::time::{Duration, Instant};
+
+use common::{flotilla, free_port_range, start_flotilla};
+use serde_json::Value;
+
+const STEPS: usize = 40;
+
+/// Every field of a metrics.jsonl line, in order.
+const FIELDS: [&str; 12] = [
+    "step",
+    "elapsed_s",
+    "step_time_s",
+    "samples_per_sec",
+    "comm_time_ratio",
+    "exposed_comm_ratio",
+    "bubble_fraction",
+    "peak_rss_bytes",
+    "gpu_memory_bytes",
+    "lr",
+    "loss",
+    "loss_spread",
+];
+
+fn json(path: &std::path::Path) -> Value {
+    serde_json::from_slice(&std::fs::read(path).unwrap_or_else(|e| panic!("{}: {e}", path.display())))
+        .unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+}
+
+/// `(start, end)` of every span named `name` on rank `pid`, in time order.
+fn spans(trace: &Value, pid: u64, name: impl Fn(&str) -> bool) -> Vec<(f64, f64)> {
+    let mut found: Vec<(f64, f64)> = trace["traceEvents"]
+        .as_array()
+        .expect("traceEvents")
+        .iter()
+        .filter(|e| e["ph"] == "X" && e["pid"] == pid && e["name"].as_str().is_some_and(&name))
+        .map(|e| {
+            let start = e["ts"].as_f64().expect("ts");
+            (start, start + e["dur"].as_f64().expect("dur"))
+        })
+        .collect();
+    found.sort_by(|a, b| a.0.total_cmp(&b.0));
+    found
+}
+
+#[test]
+fn a_launched_two_rank_job_leaves_every_steps_metrics_and_timelines_on_one_clock() {
+    let dir = tempfile::tempdir().unwrap();
+    let (run_dir, trace_dir) = (dir.path().join("run"), dir.path().join("trace"));
+    let port = free_port_range(3).to_string();
+    let steps = format!("train.steps={STEPS}");
+    let launched = flotilla(
+        &[
+            "launch",
+            "--nproc_per_node",
+            "2",
+            "--started_port",
+            &port,
+            "--",
+            "train",
+            "--run-dir",
+            run_dir.to_str().unwrap(),
+            "--trace",
+            trace_dir.to_str().unwrap(),
+            "--set",
+            &steps,
+        ],
+        &[],
+        120,
+    );
+    assert!(launched.success, "{}\n{}", launched.stdout, launched.stderr);
+
+    // The summary table holds the figures of summary.json.
+    let summary = json(&run_dir.join("summary.json"));
+    for (key, value) in summary.as_object().unwrap() {
+        let row = launched
+            .stdout
+            .lines()
+            .find(|l| l.contains(&format!("| {key} ")))
+            .unwrap_or_else(|| panic!("no row {key} in\n{}", launched.stdout));
+        if let Some(text) = value.as_str() {
+            assert!(row.contains(text), "{row} vs {value}");
+        }
+    }
+
+    let metrics = std::fs::read_to_string(run_dir.join("metrics.jsonl")).unwrap();
+    let lines: Vec<Value> = metrics.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    assert_eq!(lines.len(), STEPS);
+    for (index, line) in lines.iter().enumerate() {
+        let keys: Vec<&str> = line.as_object().unwrap().keys().map(String::as_str).collect();
+        assert_eq!(keys, FIELDS, "line {}", index + 1);
+        assert_eq!(line["step"], index + 1);
+        let number = |key: &str| line[key].as_f64().unwrap_or_else(|| panic!("{key} in {line}"));
+        assert!(number("loss").is_finite() && number("loss") > 0.0, "{line}");
+        assert!(number("loss_spread") >= 0.0, "{line}");
+        assert!(number("samples_per_sec") > 0.0 && number("step_time_s") > 0.0, "{line}");
+        assert!((0.0..=1.5).contains(&number("comm_time_ratio")), "{line}");
+        assert!((0.0..=1.0).contains(&number("exposed_comm_ratio")), "{line}");
+        assert!(number("peak_rss_bytes") > 1e6, "{line}");
+        assert!(number("lr") > 0.0, "{line}");
+        assert!(
+            line["bubble_fraction"].is_null() && line["gpu_memory_bytes"].is_null(),
+            "{line}"
+        );
+    }
+    assert_eq!(
+        lines.last().unwrap()["loss"].as_f64().unwrap() as f32,
+        summary["final_loss"].as_f64().unwrap() as f32
+    );
+
+    let merged_path = dir.path().join("merged.json");
+    let merged = flotilla(
+        &[
+            "trace",
+            "merge",
+            trace_dir.to_str().unwrap(),
+            "-o",
+            merged_path.to_str().unwrap(),
+        ],
+        &[],
+        30,
+    );
+    assert!(merged.success, "{}", merged.stderr);
+    let trace = json(&merged_path);
+    let ranks: Vec<&str> = trace["traceEvents"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|e| e["name"] == "process_name")
+        .map(|e| e["args"]["name"].as_str().unwrap())
+        .collect();
+    assert_eq!(ranks, ["rank 0: trainer", "rank 1: trainer"]);
+    for pid in 0..2 {
+        for kind in ["data", "forward", "backward", "optimizer"] {
+            let found = spans(&trace, pid, |n| n.starts_with(&format!("{kind} ")));
+            assert_eq!(found.len(), STEPS, "rank {pid} {kind}");
+        }
+    }
+    // A ring all-reduce cannot end on one rank before the other has started it: on one clock,
+    // each step's first bucket overlaps across the ranks.
+    let first_bucket = |pid| spans(&trace, pid, |n| n.starts_with("all-reduce bucket 0 "));
+    let (rank0, rank1) = (first_bucket(0), first_bucket(1));
+    assert_eq!((rank0.len(), rank1.len()), (STEPS, STEPS));
+    for (step, (a, b)) in rank0.iter().zip(&rank1).enumerate() {
+        assert!(
+            a.1 >= b.0 && b.1 >= a.0,
+            "step {step}: rank 0's bucket 0 ran {a:?} µs, rank 1's {b:?} µs"
+        );
+    }
+}
+
+#[test]
+fn prometheus_scrapes_the_running_job() {
+    let dir = tempfile::tempdir().unwrap();
+    let port = free_port_range(1);
+    let run_dir = dir.path().join("run");
+    // Long enough to be scraped while it runs; stopped by the test once scraped.
+    let mut job = start_flotilla(
+        &[
+            "train",
+            "--run-dir",
+            run_dir.to_str().unwrap(),
+            "--metrics-port",
+            &port.to_string(),
+            "--set",
+            "train.epochs=2000",
+        ],
+        &[],
+    );
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let scraped = loop {
+        assert!(Instant::now() < deadline, "no metrics with steps within 60 s");
+        if let Some(status) = job.child.try_wait().unwrap() {
+            panic!("the job ended ({status}) before it was scraped");
+        }
+        if let Ok(mut stream) = TcpStream::connect(("127.0.0.1", port)) {
+            stream.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+            stream
+                .write_all(b"GET /metrics HTTP/1.1\r\nHost: localhost\r\n\r\n")
+                .unwrap();
+            let mut response = String::new();
+            let _ = stream.read_to_string(&mut response);
+            let steps = response
+                .lines()
+                .find_map(|l| l.strip_prefix("flotilla_steps_total "))
+                .and_then(|v| v.parse::<u64>().ok());
+            if steps.is_some_and(|s| s > 0) {
+                break response;
+            }
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    let _ = job.child.kill();
+    let _ = job.child.wait();
+    assert!(scraped.starts_with("HTTP/1.1 200"), "{scraped}");
+    for gauge in [
+        "flotilla_loss ",
+        "flotilla_loss_spread ",
+        "flotilla_samples_per_second ",
+        "flotilla_comm_time_ratio ",
+    ] {
+        assert!(
+            scraped.lines().any(|l| l.starts_with(gauge)),
+            "no {gauge} in\n{scraped}"
+        );
+    }
+}
+
+#[test]
+fn a_rank_under_a_launcher_on_a_terminal_writes_a_progress_line_per_step() {
+    let dir = tempfile::tempdir().unwrap();
+    let run_dir = dir.path().join("run");
+    let steps = format!("train.steps={STEPS}");
+    let finished = flotilla(
+        &["train", "--run-dir", run_dir.to_str().unwrap(), "--set", &steps],
+        &[("FLOTILLA_PROGRESS", "launcher".to_string())],
+        60,
+    );
+    assert!(finished.success, "{}", finished.stderr);
+    let progress: Vec<Value> = finished
+        .stderr
+        .lines()
+        .filter_map(|l| l.strip_prefix("flotilla-progress "))
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(progress.len(), STEPS);
+    assert_eq!(progress[STEPS - 1]["step"], STEPS);
+    assert_eq!(progress[0]["steps"], STEPS);
+}
