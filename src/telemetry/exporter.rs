@@ -31,7 +31,7 @@ struct Gauges {
     exposed_comm_ratio: FloatGauge,
     bubble_fraction: FloatGauge,
     learning_rate: FloatGauge,
-    peak_rss: FloatGauge,
+    peak_rss: Gauge,
 }
 
 impl Gauges {
@@ -120,7 +120,7 @@ impl Exporter {
         g.exposed_comm_ratio.set(m.exposed_comm_ratio);
         g.bubble_fraction.set(m.bubble_fraction.unwrap_or(f64::NAN));
         g.learning_rate.set(m.lr);
-        g.peak_rss.set(m.peak_rss_bytes as f64);
+        g.peak_rss.set(i64::try_from(m.peak_rss_bytes).unwrap_or(i64::MAX));
     }
 }
 
