@@ -1,7 +1,9 @@
 //! What a run tells about itself: logs (to stderr through `tracing`,
-//! filtered by `RUST_LOG`, default `info`), per-step metrics and timelines.
+//! filtered by `RUST_LOG`, default `info`), per-step metrics, the report
+//! drawn from them, and timelines.
 
 pub mod metrics;
+pub mod report;
 pub mod timeline;
 
 use std::io::IsTerminal;
