@@ -59,6 +59,14 @@ enum Command {
     /// Benchmarks that print figures.
     #[command(subcommand)]
     Bench(BenchCommand),
+    /// Plot a run's loss, throughput and communication ratio against step into RUN_DIR/report.png.
+    Report {
+        /// The run's directory (train's --run-dir), holding metrics.jsonl.
+        run_dir: PathBuf,
+        /// Where to write the PNG (default: RUN_DIR/report.png).
+        #[arg(short, long)]
+        out: Option<PathBuf>,
+    },
     /// Work with the timelines of `train --trace DIR`.
     #[command(subcommand)]
     Trace(TraceCommand),
@@ -203,6 +211,12 @@ fn run(cli: Cli) -> Result<()> {
         Command::Bench(BenchCommand::Ps(args)) => ps_bench::run(&args),
         Command::Bench(BenchCommand::Pipeline(args)) => pipeline_bench::run(&args),
         Command::Bench(BenchCommand::PsShard(args)) => ps_bench::run_shard(&args),
+        Command::Report { run_dir, out } => {
+            let out = out.unwrap_or_else(|| run_dir.join("report.png"));
+            flotilla::telemetry::report::render(&run_dir, &out)?;
+            println!("wrote {}", out.display());
+            Ok(())
+        }
         Command::Trace(TraceCommand::Merge { dir, out }) => {
             let out = out.unwrap_or_else(|| dir.join("trace.json"));
             flotilla::telemetry::timeline::write_merged(&dir, &out)?;

@@ -6,7 +6,7 @@ use std::io::{BufRead, BufReader, BufWriter, Write};
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context as _, Result};
-use serde::{Deserialize, Serialize};
+use serde::{Deserialize, Deserializer, Serialize};
 
 /// The file's name inside a run directory.
 pub const METRICS_FILE: &str = "metrics.jsonl";
@@ -17,15 +17,20 @@ pub struct StepMetrics {
     /// Steps done after this one (1 for the first).
     pub step: usize,
     /// Seconds since the training loop started (or resumed).
+    #[serde(deserialize_with = "nan_if_null")]
     pub elapsed_s: f64,
     /// Wall time of this step.
+    #[serde(deserialize_with = "nan_if_null")]
     pub step_time_s: f64,
     /// Global batch over step time.
+    #[serde(deserialize_with = "nan_if_null")]
     pub samples_per_sec: f64,
     /// Time in communication over step time (the reporting rank's; overlapped or not).
+    #[serde(deserialize_with = "nan_if_null")]
     pub comm_time_ratio: f64,
     /// Time the compute thread was blocked on communication over step time: the part that
     /// nothing hid.
+    #[serde(deserialize_with = "nan_if_null")]
     pub exposed_comm_ratio: f64,
     /// Pipeline jobs: time stages waited for their neighbours over the schedule's time.
     pub bubble_fraction: Option<f64>,
@@ -34,12 +39,20 @@ pub struct StepMetrics {
     /// GPU jobs: device memory in use, in bytes.
     pub gpu_memory_bytes: Option<u64>,
     /// Learning rate the step used.
+    #[serde(deserialize_with = "nan_if_null")]
     pub lr: f64,
     /// Mean loss over the global batch.
+    #[serde(deserialize_with = "nan_if_null")]
     pub loss: f32,
     /// Largest minus smallest of the ranks' local losses: ranks that stop agreeing show here.
     /// Parameter-server jobs, whose trainers exchange no losses, leave it out.
     pub loss_spread: Option<f32>,
+}
+
+/// JSON has no NaN or infinity: serde_json writes them as null (a diverged loss, a step too short
+/// to time), read back as NaN so such a line still reads.
+fn nan_if_null<'de, D: Deserializer<'de>, F: Deserialize<'de> + From<f32>>(deserializer: D) -> Result<F, D::Error> {
+    Ok(Option::<F>::deserialize(deserializer)?.unwrap_or_else(|| F::from(f32::NAN)))
 }
 
 /// Appends one line per step to `metrics.jsonl`, flushed per line so that a run that dies keeps
@@ -163,6 +176,22 @@ mod tests {
         std::fs::write(&path, format!("{}\n{{\"step\": \n", serde_json::to_string(&step(1))?))?;
         let error = format!("{:#}", read_metrics(&path).unwrap_err());
         assert!(error.contains("line 2"), "{error}");
+        Ok(())
+    }
+
+    #[test]
+    fn a_diverged_step_reads_back_as_nan() -> Result<()> {
+        let diverged = StepMetrics {
+            loss: f32::NAN,
+            exposed_comm_ratio: f64::INFINITY,
+            samples_per_sec: f64::INFINITY,
+            ..step(1)
+        };
+        let line = serde_json::to_string(&diverged)?;
+        assert!(line.contains("\"loss\":null"), "{line}");
+        let back: StepMetrics = serde_json::from_str(&line)?;
+        assert!(back.loss.is_nan() && back.exposed_comm_ratio.is_nan() && back.samples_per_sec.is_nan());
+        assert_eq!(back.step, 1);
         Ok(())
     }
 

@@ -1,11 +1,13 @@
 //! What a run tells about itself: logs (to stderr through `tracing`,
-//! filtered by `RUST_LOG`, default `info`), per-step metrics and timelines.
+//! filtered by `RUST_LOG`, default `info`), per-step metrics, the report
+//! drawn from them, and timelines.
 
 pub mod clock;
 pub mod exporter;
 pub mod metrics;
 pub mod monitor;
 pub mod rank_figures;
+pub mod report;
 pub mod summary_table;
 pub mod timeline;
 
