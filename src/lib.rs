@@ -55,6 +55,8 @@
 //!   launched role, and the files a run writes.
 //! - [`launch`]: `flotilla launch` and `launch-ps`, starting and supervising
 //!   a node's processes.
+//! - [`doctor`]: `flotilla doctor`, the checks before a launch — config,
+//!   endpoints, ports, peers, clock, GPU libraries.
 //! - [`metrics`]: quality measures of model outputs (ROC AUC).
 //! - [`pipeline`]: pipeline parallelism — schedules (GPipe, 1F1B,
 //!   interleaved) and the cut of a model into stages.
@@ -74,6 +76,7 @@ pub mod checkpoint;
 pub mod collective;
 pub mod config;
 pub mod data;
+pub mod doctor;
 pub mod engines;
 pub mod job;
 pub mod launch;

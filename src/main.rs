@@ -67,6 +67,8 @@ enum Command {
         #[arg(short, long)]
         out: Option<PathBuf>,
     },
+    /// Check a job's config, endpoints, ports, peers, clock and GPU libraries before launching it.
+    Doctor(DoctorArgs),
     /// Work with the timelines of `train --trace DIR`.
     #[command(subcommand)]
     Trace(TraceCommand),
@@ -95,12 +97,8 @@ enum Role {
 
 #[derive(clap::Args)]
 struct TrainArgs {
-    /// The job's TOML file (default: ./config.toml, else the built-in one).
-    #[arg(long)]
-    config: Option<PathBuf>,
-    /// Override a key: `section.key=value` (repeatable).
-    #[arg(long = "set", value_name = "KEY=VALUE")]
-    overrides: Vec<String>,
+    #[command(flatten)]
+    job: ConfigArgs,
     /// Where rank 0 writes summary.json (default: runs/<unix time>).
     #[arg(long)]
     run_dir: Option<PathBuf>,
@@ -117,6 +115,25 @@ struct TrainArgs {
     /// `fault_tolerance.checkpoint_dir`); later checkpoints are written there too.
     #[arg(long, value_name = "DIR")]
     resume: Option<PathBuf>,
+}
+
+/// Where a job's config comes from.
+#[derive(clap::Args)]
+struct ConfigArgs {
+    /// The job's TOML file (default: ./config.toml, else the built-in one).
+    #[arg(long)]
+    config: Option<PathBuf>,
+    /// Override a key: `section.key=value` (repeatable).
+    #[arg(long = "set", value_name = "KEY=VALUE")]
+    overrides: Vec<String>,
+}
+
+#[derive(clap::Args)]
+struct DoctorArgs {
+    #[command(flatten)]
+    job: ConfigArgs,
+    #[command(flatten)]
+    checks: flotilla::doctor::DoctorOptions,
 }
 
 #[derive(Subcommand)]
@@ -223,14 +240,15 @@ fn run(cli: Cli) -> Result<()> {
             println!("merged trace: {}", out.display());
             Ok(())
         }
+        Command::Doctor(args) => flotilla::doctor::run(&args.checks, load_config(&args.job)),
     }
 }
 
-fn load_config(args: &TrainArgs) -> Result<JobConfig> {
+fn load_config(args: &ConfigArgs) -> Result<JobConfig> {
     load_config_with_env(args, &process_env)
 }
 
-fn load_config_with_env(args: &TrainArgs, env: &dyn Fn(&str) -> Option<String>) -> Result<JobConfig> {
+fn load_config_with_env(args: &ConfigArgs, env: &dyn Fn(&str) -> Option<String>) -> Result<JobConfig> {
     let config = match &args.config {
         Some(path) => JobConfig::from_file(path, env, &args.overrides)?,
         None if std::path::Path::new(DEFAULT_CONFIG).exists() => {
@@ -272,12 +290,12 @@ fn max_restarts(flag: Option<usize>, command: &[String], children: &[ChildSpec])
             .map(|(_, v)| v.clone())
             .or_else(|| process_env(key))
     };
-    Ok(load_config_with_env(&args, &env)?.fault_tolerance.max_restarts)
+    Ok(load_config_with_env(&args.job, &env)?.fault_tolerance.max_restarts)
 }
 
 /// One role of a launched job; the environment (set by the launcher) says which rank or shard.
 fn run_role(role: Role, args: &TrainArgs) -> Result<()> {
-    let config = load_config(args)?;
+    let config = load_config(&args.job)?;
     let options = run_options(args);
     match (role, config.cluster.is_parameter_server()) {
         (Role::Pserver, true) => {
@@ -356,7 +374,7 @@ fn print_summary(title: &str, summary: &impl serde::Serialize, options: &RunOpti
 
 /// `flotilla train`: the whole job in this process, or the role a launcher's environment names.
 fn train(args: &TrainArgs) -> Result<()> {
-    let config = load_config(args)?;
+    let config = load_config(&args.job)?;
     let options = run_options(args);
     let launched = std::env::var_os("PADDLE_TRAINER_ID").is_some() || std::env::var_os("TRAINING_ROLE").is_some();
     if !launched {

@@ -21,6 +21,9 @@ pub enum DeviceKind {
     Gpu,
 }
 
+/// Why `cluster.device = "gpu"` is rejected: this build has no CUDA support.
+pub(crate) const GPU_NOT_BUILT: &str = "\"gpu\" is not supported yet (CPU only in this release)";
+
 /// `[cluster]` section: the process layout of the job.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
@@ -143,10 +146,7 @@ impl ClusterConfig {
             }
         }
         if self.device == DeviceKind::Gpu {
-            return Err(FieldError::new(
-                "cluster.device",
-                "\"gpu\" is not supported yet (CPU only in this release)",
-            ));
+            return Err(FieldError::new("cluster.device", GPU_NOT_BUILT));
         }
         if let Some(master) = &self.master {
             check_host_port(master).map_err(|why| FieldError::new("cluster.master", why))?;

@@ -33,6 +33,7 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 use toml::{Table, Value};
 
+pub(crate) use cluster::GPU_NOT_BUILT;
 pub use cluster::{ClusterConfig, DeviceKind};
 pub use fault_tolerance::FaultToleranceConfig;
 pub use memory::{BlockRef, GradientMergeConfigs, RecomputeConfigs};

@@ -17,6 +17,12 @@ use anyhow::{bail, ensure, Result};
 
 use crate::net::auth::{ClusterToken, TOKEN_VAR};
 
+/// The address a launcher's processes use when no flag names one (`--node_ip`, `--host`).
+pub const DEFAULT_NODE_IP: &str = "127.0.0.1";
+
+/// The first port of a launched job when `--started_port` is not given (Paddle's `PADDLE_PORT`).
+pub const DEFAULT_STARTED_PORT: u16 = 6170;
+
 /// The launcher's arguments, in Paddle's words.
 #[derive(Debug, Clone, clap::Args)]
 pub struct LaunchArgs {
@@ -27,13 +33,13 @@ pub struct LaunchArgs {
     #[arg(long = "nproc_per_node", alias = "nproc-per-node", default_value_t = 1)]
     pub nproc_per_node: usize,
     /// This node's IP, one of --cluster_node_ips.
-    #[arg(long = "node_ip", alias = "node-ip", default_value = "127.0.0.1")]
+    #[arg(long = "node_ip", alias = "node-ip", default_value = DEFAULT_NODE_IP)]
     pub node_ip: String,
     /// Every node's IP, comma-separated, node 0 first.
     #[arg(
         long = "cluster_node_ips",
         alias = "cluster-node-ips",
-        default_value = "127.0.0.1",
+        default_value = DEFAULT_NODE_IP,
         value_delimiter = ','
     )]
     pub cluster_node_ips: Vec<String>,
@@ -41,7 +47,7 @@ pub struct LaunchArgs {
     #[arg(long)]
     pub master: Option<String>,
     /// First port of the job on each node.
-    #[arg(long = "started_port", alias = "started-port", default_value_t = 6170)]
+    #[arg(long = "started_port", alias = "started-port", default_value_t = DEFAULT_STARTED_PORT)]
     pub started_port: u16,
     /// Times all processes are restarted (from the last checkpoint) after one fails (default:
     /// the job's `fault_tolerance.max_restarts`; 0 for a program of your own).
@@ -68,9 +74,22 @@ pub struct ChildSpec {
     pub env: Vec<(String, String)>,
 }
 
+/// Where the processes of a launched job listen.
+#[derive(Debug, Clone, PartialEq)]
+pub struct JobAddresses {
+    /// The coordinator's `host:port` (`PADDLE_MASTER`).
+    pub master: String,
+    /// Every trainer's `ip:port`, by rank (`PADDLE_TRAINER_ENDPOINTS`).
+    pub trainers: Vec<String>,
+    /// Every parameter-server shard's `ip:port` (`PADDLE_PSERVERS_IP_PORT_LIST`); empty for a
+    /// collective job.
+    pub servers: Vec<String>,
+}
+
 impl LaunchArgs {
-    /// The processes this node starts, with their environment.
-    pub fn plan(&self, flotilla: PathBuf) -> Result<Vec<ChildSpec>> {
+    /// The coordinator's and the trainers' addresses of the whole job, as every node's launcher
+    /// computes them from the same flags.
+    pub fn addresses(&self) -> Result<JobAddresses> {
         ensure!(
             self.nnodes >= 1 && self.nproc_per_node >= 1,
             "--nnodes and --nproc_per_node must be at least 1"
@@ -83,13 +102,6 @@ impl LaunchArgs {
                 self.nnodes
             );
         }
-        let Some(node_rank) = self.cluster_node_ips.iter().position(|ip| ip == &self.node_ip) else {
-            bail!(
-                "--node_ip {} is not one of --cluster_node_ips {}",
-                self.node_ip,
-                self.cluster_node_ips.join(",")
-            );
-        };
         let last_port = usize::from(self.started_port) + self.nproc_per_node;
         ensure!(
             last_port <= usize::from(u16::MAX),
@@ -97,18 +109,39 @@ impl LaunchArgs {
             self.started_port,
             self.nproc_per_node
         );
-        let world = self.nnodes * self.nproc_per_node;
         let master = self
             .master
             .clone()
             .unwrap_or_else(|| format!("{}:{}", self.cluster_node_ips[0], self.started_port));
-        let endpoints: Vec<String> = self
+        let trainers = self
             .cluster_node_ips
             .iter()
             .flat_map(|ip| {
                 (0..self.nproc_per_node).map(move |i| format!("{ip}:{}", usize::from(self.started_port) + 1 + i))
             })
             .collect();
+        Ok(JobAddresses {
+            master,
+            trainers,
+            servers: Vec::new(),
+        })
+    }
+
+    /// The processes this node starts, with their environment.
+    pub fn plan(&self, flotilla: PathBuf) -> Result<Vec<ChildSpec>> {
+        let JobAddresses {
+            master,
+            trainers: endpoints,
+            ..
+        } = self.addresses()?;
+        let Some(node_rank) = self.cluster_node_ips.iter().position(|ip| ip == &self.node_ip) else {
+            bail!(
+                "--node_ip {} is not one of --cluster_node_ips {}",
+                self.node_ip,
+                self.cluster_node_ips.join(",")
+            );
+        };
+        let world = self.nnodes * self.nproc_per_node;
         let (program, args) = match self.command.split_first() {
             Some((first, rest)) if first == "train" => (
                 flotilla,

@@ -7,7 +7,7 @@ use std::path::PathBuf;
 
 use anyhow::{bail, ensure, Result};
 
-use super::{thread_env, token_env, ChildSpec};
+use super::{thread_env, token_env, ChildSpec, JobAddresses, DEFAULT_NODE_IP, DEFAULT_STARTED_PORT};
 
 /// Command-line arguments of `flotilla launch-ps`.
 #[derive(Debug, Clone, clap::Args)]
@@ -25,11 +25,11 @@ pub struct LaunchPsArgs {
     #[arg(long, value_delimiter = ',')]
     pub workers: Vec<String>,
     /// The address this node's processes use.
-    #[arg(long, default_value = "127.0.0.1")]
+    #[arg(long, default_value = DEFAULT_NODE_IP)]
     pub host: String,
     /// First port: servers take `started_port + i` (Paddle's `PADDLE_PORT` default, 6170),
     /// trainers the ports after them.
-    #[arg(long = "started_port", alias = "started-port", default_value_t = 6170)]
+    #[arg(long = "started_port", alias = "started-port", default_value_t = DEFAULT_STARTED_PORT)]
     pub started_port: u16,
     /// Times all processes are restarted (from the last checkpoint) after one fails (default:
     /// the job's `fault_tolerance.max_restarts`; 0 for a program of your own).
@@ -45,16 +45,42 @@ pub struct LaunchPsArgs {
 }
 
 impl LaunchPsArgs {
-    /// The server processes, then the trainer processes, with their environment.
-    pub fn plan(&self, flotilla: PathBuf) -> Result<Vec<ChildSpec>> {
+    /// The servers', the trainers' and the coordinator's addresses.
+    pub fn addresses(&self) -> Result<JobAddresses> {
         let servers = self.endpoints("--servers", &self.servers, "--server_num", self.server_num, 0)?;
-        let workers = self.endpoints(
+        let trainers = self.endpoints(
             "--workers",
             &self.workers,
             "--worker_num",
             self.worker_num,
             servers.len(),
         )?;
+        let master = match &self.master {
+            Some(master) => master.clone(),
+            None => {
+                let port = usize::from(self.started_port) + servers.len() + trainers.len();
+                ensure!(
+                    port <= usize::from(u16::MAX),
+                    "--started_port {} leaves no port for the coordinator",
+                    self.started_port
+                );
+                format!("{}:{port}", self.host)
+            }
+        };
+        Ok(JobAddresses {
+            master,
+            trainers,
+            servers,
+        })
+    }
+
+    /// The server processes, then the trainer processes, with their environment.
+    pub fn plan(&self, flotilla: PathBuf) -> Result<Vec<ChildSpec>> {
+        let JobAddresses {
+            master,
+            trainers: workers,
+            servers,
+        } = self.addresses()?;
         let role_command = |role: &str| -> Result<(PathBuf, Vec<String>)> {
             match self.command.split_first() {
                 Some((first, rest)) if first == "train" => Ok((
@@ -67,18 +93,6 @@ impl LaunchPsArgs {
                 )),
                 Some((first, rest)) => Ok((PathBuf::from(first), rest.to_vec())),
                 None => bail!("launch-ps needs a command after `--`: `train --config FILE` or a program"),
-            }
-        };
-        let master = match &self.master {
-            Some(master) => master.clone(),
-            None => {
-                let port = usize::from(self.started_port) + servers.len() + workers.len();
-                ensure!(
-                    port <= usize::from(u16::MAX),
-                    "--started_port {} leaves no port for the coordinator",
-                    self.started_port
-                );
-                format!("{}:{port}", self.host)
             }
         };
         let common = [

@@ -1,0 +1,185 @@
+//! The compute device: a CPU job needs nothing; a GPU job needs a CUDA build, the driver
+//! (`libcuda.so.1`) with at least one device, and NCCL (`libnccl.so.2`).
+
+use std::ffi::{c_int, c_uint, c_void, CStr};
+
+use super::report::Line;
+use crate::config::DeviceKind;
+
+/// The CUDA driver library, as the CUDA runtime loads it.
+const LIBCUDA: &CStr = c"libcuda.so.1";
+/// NCCL, the collectives library GPU jobs use between devices.
+const LIBNCCL: &CStr = c"libnccl.so.2";
+
+/// `CUDA_ERROR_NO_DEVICE`: the driver loads but sees no device.
+const CUDA_ERROR_NO_DEVICE: c_int = 100;
+
+/// `CUresult cuInit(unsigned int flags)`.
+type CuInit = unsafe extern "C" fn(c_uint) -> c_int;
+/// `CUresult cuDeviceGetCount(int *count)`.
+type CuDeviceGetCount = unsafe extern "C" fn(*mut c_int) -> c_int;
+
+/// The lines of the device check.
+pub(super) fn check_device(device: DeviceKind) -> Vec<Line> {
+    match device {
+        DeviceKind::Cpu => vec![Line::ok("device: cpu — no GPU libraries needed")],
+        DeviceKind::Gpu => vec![
+            Line::fail(
+                "device: gpu — built without CUDA support: this release trains on CPU only; set \
+                 cluster.device = \"cpu\", or use a build with CUDA support",
+            ),
+            check_driver(),
+            check_library(LIBNCCL, "install NCCL"),
+        ],
+    }
+}
+
+/// The driver loads and counts at least one device.
+fn check_driver() -> Line {
+    let name = LIBCUDA.to_string_lossy();
+    let library = match Library::open(LIBCUDA) {
+        Ok(library) => library,
+        Err(why) => return cannot_load(&name, &why, "install the NVIDIA driver"),
+    };
+    let (Some(init), Some(count)) = (library.symbol(c"cuInit"), library.symbol(c"cuDeviceGetCount")) else {
+        return Line::fail(format!(
+            "device: {name} loads but lacks cuInit or cuDeviceGetCount — reinstall the NVIDIA driver"
+        ));
+    };
+    // SAFETY: the symbols come from the CUDA driver, whose C ABI declares these signatures.
+    let (init, count) = unsafe {
+        (
+            std::mem::transmute::<*mut c_void, CuInit>(init),
+            std::mem::transmute::<*mut c_void, CuDeviceGetCount>(count),
+        )
+    };
+    let mut devices: c_int = 0;
+    // SAFETY: cuInit takes flags (must be 0); cuDeviceGetCount writes one int we own. The library
+    // stays loaded (`RTLD_NODELETE`) while the driver's threads may run.
+    let result = unsafe {
+        match init(0) {
+            0 => count(&mut devices),
+            error => error,
+        }
+    };
+    match result {
+        0 if devices > 0 => Line::ok(format!("device: {name} loads; {devices} CUDA device(s)")),
+        0 | CUDA_ERROR_NO_DEVICE => Line::fail(format!(
+            "device: {name} loads but sees no CUDA device — check nvidia-smi and CUDA_VISIBLE_DEVICES"
+        )),
+        error => Line::fail(format!(
+            "device: {name} loads but the driver fails (CUresult {error}) — check nvidia-smi; the driver may be \
+             older than its library, or the device in use or lost"
+        )),
+    }
+}
+
+/// `name` can be loaded.
+fn check_library(name: &CStr, install: &str) -> Line {
+    let shown = name.to_string_lossy();
+    match Library::open(name) {
+        Ok(_) => Line::ok(format!("device: {shown} loads")),
+        Err(why) => cannot_load(&shown, &why, install),
+    }
+}
+
+fn cannot_load(name: &str, why: &str, install: &str) -> Line {
+    Line::fail(format!(
+        "device: {name} cannot be loaded ({why}) — {install}, or add its directory to LD_LIBRARY_PATH"
+    ))
+}
+
+/// A shared library loaded with `dlopen`, closed on drop.
+struct Library {
+    handle: *mut c_void,
+}
+
+impl Library {
+    /// Loads `name` lazily. `RTLD_NODELETE` keeps it mapped after the close: the CUDA driver
+    /// starts threads in `cuInit` that run its code.
+    fn open(name: &CStr) -> Result<Self, String> {
+        // SAFETY: `name` is a NUL-terminated string; dlopen runs the library's initialisers,
+        // which the system libraries named here are built to have run.
+        let handle = unsafe { libc::dlopen(name.as_ptr(), libc::RTLD_LAZY | libc::RTLD_NODELETE) };
+        if handle.is_null() {
+            return Err(dl_error());
+        }
+        Ok(Self { handle })
+    }
+
+    /// The address of `symbol`, if the library has it.
+    fn symbol(&self, symbol: &CStr) -> Option<*mut c_void> {
+        // SAFETY: `handle` is a live handle from dlopen and `symbol` is NUL-terminated.
+        let address = unsafe { libc::dlsym(self.handle, symbol.as_ptr()) };
+        (!address.is_null()).then_some(address)
+    }
+}
+
+impl Drop for Library {
+    fn drop(&mut self) {
+        // SAFETY: `handle` came from a successful dlopen and is closed exactly once.
+        unsafe {
+            libc::dlclose(self.handle);
+        }
+    }
+}
+
+/// The message of the last failed `dl*` call on this thread.
+fn dl_error() -> String {
+    // SAFETY: dlerror returns null or a NUL-terminated string valid until the next dl* call on
+    // this thread; it is copied at once.
+    unsafe {
+        let message = libc::dlerror();
+        if message.is_null() {
+            "unknown error".to_string()
+        } else {
+            CStr::from_ptr(message).to_string_lossy().into_owned()
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::doctor::report::Status;
+
+    #[test]
+    fn cpu_needs_nothing() {
+        assert_eq!(
+            check_device(DeviceKind::Cpu),
+            [Line::ok("device: cpu — no GPU libraries needed")]
+        );
+    }
+
+    #[test]
+    fn gpu_fails_in_a_build_without_cuda_and_names_each_library() {
+        let lines = check_device(DeviceKind::Gpu);
+        assert_eq!(lines.len(), 3);
+        assert_eq!(lines[0].status, Status::Fail);
+        assert!(lines[0].text.contains("built without CUDA support"), "{}", lines[0]);
+        assert!(lines[1].text.starts_with("device: libcuda.so.1 "), "{}", lines[1]);
+        assert!(lines[2].text.starts_with("device: libnccl.so.2 "), "{}", lines[2]);
+    }
+
+    #[test]
+    fn libraries_that_load_and_that_do_not() {
+        assert_eq!(check_library(c"libc.so.6", "x"), Line::ok("device: libc.so.6 loads"));
+        let line = check_library(c"libflotilla-no-such-library.so.9", "install it");
+        assert_eq!(line.status, Status::Fail);
+        assert!(
+            line.text
+                .starts_with("device: libflotilla-no-such-library.so.9 cannot be loaded (")
+                && line
+                    .text
+                    .ends_with("— install it, or add its directory to LD_LIBRARY_PATH"),
+            "{line}"
+        );
+    }
+
+    #[test]
+    fn libraries_lack_symbols_they_do_not_define() {
+        let library = Library::open(c"libc.so.6").unwrap();
+        assert!(library.symbol(c"malloc").is_some());
+        assert!(library.symbol(c"cuInit").is_none());
+    }
+}

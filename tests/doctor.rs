@@ -1,0 +1,198 @@
+//! `flotilla doctor` on temporary configs: a port in use, peers that never answer, a healthy
+//! job and an unknown key. Network only on loopback.
+
+mod common;
+
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use common::{flotilla, free_port_range, Finished};
+use socket2::{Domain, Socket, Type};
+
+/// A config file of a 2-rank job with these addresses, in a directory removed on drop.
+struct JobFile {
+    _dir: tempfile::TempDir,
+    path: PathBuf,
+}
+
+fn job_file(master: &str, endpoints: [&str; 2]) -> JobFile {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let path = dir.path().join("job.toml");
+    let text = format!(
+        "[cluster]\nnproc_per_node = 2\nmaster = \"{master}\"\nendpoints = [\"{}\", \"{}\"]\n",
+        endpoints[0], endpoints[1]
+    );
+    std::fs::write(&path, text).expect("write the config");
+    JobFile { _dir: dir, path }
+}
+
+fn doctor(job: &JobFile, extra: &[&str]) -> Finished {
+    let config = job.path.to_str().expect("utf-8 temp path");
+    let args: Vec<&str> = ["doctor", "--config", config].iter().chain(extra).copied().collect();
+    flotilla(&args, &[], 30)
+}
+
+/// The report's check lines (all but the count line at the end).
+fn check_lines(run: &Finished) -> Vec<&str> {
+    run.stdout.lines().filter(|l| l.starts_with('[')).collect()
+}
+
+fn failures(run: &Finished) -> Vec<&str> {
+    run.stdout.lines().filter(|l| l.starts_with("[FAIL]")).collect()
+}
+
+#[test]
+fn a_port_in_use_fails_naming_the_key_and_the_process() {
+    let taken = TcpListener::bind("127.0.0.1:0").expect("bind");
+    let taken = taken.local_addr().expect("addr");
+    let free = free_port_range(2);
+    let job = job_file(
+        &format!("127.0.0.1:{free}"),
+        [&taken.to_string(), &format!("127.0.0.1:{}", free + 1)],
+    );
+    let run = doctor(&job, &[]);
+    assert!(!run.success, "{}", run.stdout);
+    let failed = failures(&run);
+    assert_eq!(failed.len(), 1, "{}", run.stdout);
+    // The test process holds the port; same user, so the doctor may read its descriptors.
+    assert!(
+        failed[0].starts_with(&format!(
+            "[FAIL] port {taken} (cluster.endpoints[0]) is in use (pid {}, ",
+            std::process::id()
+        )),
+        "{}",
+        run.stdout
+    );
+    assert!(
+        failed[0].ends_with("stop that process or choose another port (--set cluster.endpoints=[...])"),
+        "{}",
+        failed[0]
+    );
+    assert!(run.stderr.contains("1 of 9 checks failed"), "{}", run.stderr);
+}
+
+/// A loopback listener that never answers a connect, as a host behind a firewall that drops
+/// packets: its backlog is 0, so its accept queue holds one connection (Linux admits one more
+/// than the backlog); the test fills it, after which the kernel drops SYNs to it and a connect
+/// times out.
+struct SilentListener {
+    addr: SocketAddr,
+    _socket: Socket,
+    _queued: Vec<TcpStream>,
+}
+
+fn silent_listener() -> SilentListener {
+    let socket = Socket::new(Domain::IPV4, Type::STREAM, None).expect("socket");
+    socket
+        .bind(&SocketAddr::from(([127, 0, 0, 1], 0)).into())
+        .expect("bind");
+    socket.listen(0).expect("listen");
+    let addr = socket.local_addr().expect("addr").as_socket().expect("an IP address");
+    let mut queued = Vec::new();
+    for _ in 0..16 {
+        match TcpStream::connect_timeout(&addr, Duration::from_millis(200)) {
+            Ok(stream) => queued.push(stream),
+            Err(e) if e.kind() == std::io::ErrorKind::TimedOut => {
+                return SilentListener {
+                    addr,
+                    _socket: socket,
+                    _queued: queued,
+                }
+            }
+            Err(e) => panic!("filling the accept queue of {addr}: {e}"),
+        }
+    }
+    panic!("the accept queue of {addr} (backlog 0) still took connections after 16");
+}
+
+#[test]
+fn peers_that_never_answer_fail_as_unreachable_at_once() {
+    // 127.0.0.0/8 is all loopback on Linux: with --node-ip 127.0.0.2, 127.0.0.1 is another node.
+    TcpListener::bind("127.0.0.2:0").expect("127.0.0.2 is a loopback address here");
+    let silent: Vec<SilentListener> = (0..3).map(|_| silent_listener()).collect();
+    let job = job_file(
+        &silent[0].addr.to_string(),
+        [&silent[1].addr.to_string(), &silent[2].addr.to_string()],
+    );
+    let started = Instant::now();
+    let run = doctor(&job, &["--node-ip", "127.0.0.2", "--connect-timeout-ms", "1000"]);
+    let elapsed = started.elapsed();
+    assert!(!run.success, "{}", run.stdout);
+    let failed = failures(&run);
+    let keys = ["cluster.master", "cluster.endpoints[0]", "cluster.endpoints[1]"];
+    assert_eq!(failed.len(), keys.len(), "{}", run.stdout);
+    for ((line, key), listener) in failed.iter().zip(keys).zip(&silent) {
+        assert_eq!(
+            *line,
+            format!(
+                "[FAIL] peer {} ({key}) unreachable: no answer in 1.0s — check the address, routing and firewall",
+                listener.addr
+            )
+        );
+    }
+    // Connected one after another, three silent peers would take 3 s.
+    assert!(elapsed < Duration::from_millis(2500), "took {elapsed:?}");
+}
+
+#[test]
+fn a_healthy_job_passes() {
+    let base = free_port_range(3);
+    let job = job_file(
+        &format!("127.0.0.1:{base}"),
+        [&format!("127.0.0.1:{}", base + 1), &format!("127.0.0.1:{}", base + 2)],
+    );
+    let run = doctor(&job, &[]);
+    assert!(run.success, "{}\n{}", run.stdout, run.stderr);
+    let lines = check_lines(&run);
+    assert_eq!(lines.len(), 9, "{}", run.stdout);
+    // The clock may warn in a container; nothing else should.
+    for line in &lines {
+        assert!(
+            line.starts_with("[ OK ]") || line.starts_with("[WARN] clock: "),
+            "{}",
+            run.stdout
+        );
+    }
+    let config = job.path.display();
+    assert_eq!(
+        lines[0],
+        format!("[ OK ] config: {config} is valid (collective, 2 ranks on 1 node)")
+    );
+    assert_eq!(lines[1], format!("[ OK ] resolve cluster.master = 127.0.0.1:{base}"));
+    assert_eq!(
+        lines[5],
+        format!("[ OK ] port 127.0.0.1:{} (cluster.endpoints[0]) is free", base + 1)
+    );
+    assert_eq!(lines[8], "[ OK ] device: cpu — no GPU libraries needed");
+}
+
+#[test]
+fn an_unknown_key_fails_naming_it_and_stops() {
+    let base = free_port_range(3);
+    let job = job_file(
+        &format!("127.0.0.1:{base}"),
+        [&format!("127.0.0.1:{}", base + 1), &format!("127.0.0.1:{}", base + 2)],
+    );
+    let run = doctor(&job, &["--set", "cluster.nproc_per_nod=2"]);
+    assert!(!run.success);
+    let lines = check_lines(&run);
+    assert_eq!(lines.len(), 1, "{}", run.stdout);
+    assert!(
+        lines[0].starts_with("[FAIL] config: --set: cluster: unknown field `nproc_per_nod`"),
+        "{}",
+        lines[0]
+    );
+
+    let dir = tempfile::tempdir().expect("temp dir");
+    let path = dir.path().join("job.toml");
+    std::fs::write(&path, "[train]\nstepz = 3\n").expect("write the config");
+    let run = flotilla(&["doctor", "--config", path.to_str().expect("utf-8")], &[], 30);
+    assert!(!run.success);
+    assert_eq!(
+        check_lines(&run)[0].split(", expected").next(),
+        Some(format!("[FAIL] config: {}: train: unknown field `stepz`", path.display()).as_str()),
+        "{}",
+        run.stdout
+    );
+}
