@@ -66,7 +66,8 @@
 //! - [`checkpoint`]: coordinated checkpoints — atomic files, a checksummed manifest committed
 //!   last, the newest intact one found again.
 //! - [`bench`](mod@bench): benchmarks that print figures.
-//! - [`rng`], [`telemetry`]: the seeded generator every rank shares; logging.
+//! - [`rng`], [`telemetry`]: the seeded generator every rank shares; logging, per-step
+//!   metrics, progress, the report, timelines and their merge.
 
 #![warn(missing_docs, unreachable_pub)]
 

@@ -114,6 +114,14 @@ fn a_launched_two_rank_job_leaves_every_steps_metrics_and_timelines_on_one_clock
         summary["final_loss"].as_f64().unwrap() as f32
     );
 
+    // The report of the run: a PNG of the declared size (IHDR's width and height).
+    let report = flotilla(&["report", run_dir.to_str().unwrap()], &[], 60);
+    assert!(report.success, "{}", report.stderr);
+    let png = std::fs::read(run_dir.join("report.png")).unwrap();
+    assert_eq!(&png[..8], b"\x89PNG\r\n\x1a\n");
+    let dimension = |at: usize| u32::from_be_bytes(png[at..at + 4].try_into().unwrap());
+    assert_eq!((dimension(16), dimension(20)), flotilla::telemetry::report::IMAGE_SIZE);
+
     let merged_path = dir.path().join("merged.json");
     let merged = flotilla(
         &[
