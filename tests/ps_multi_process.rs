@@ -55,6 +55,18 @@ fn launch_ps_trains_the_ctr_job_to_the_expected_auc_and_servers_exit() {
     for shard in 0..2 {
         assert!(run_dir.join(format!("ps-shard-{shard}.safetensors")).exists());
     }
+    // Trainer 0 reports every step; its trainers exchange no losses, so there is no spread.
+    let metrics = std::fs::read_to_string(run_dir.join("metrics.jsonl")).unwrap();
+    let lines: Vec<serde_json::Value> = metrics.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    assert_eq!(Some(lines.len() as u64), summary["steps"].as_u64());
+    for (index, line) in lines.iter().enumerate() {
+        assert_eq!(line["step"], index + 1);
+        assert!(line["loss"].as_f64().is_some_and(f64::is_finite), "{line}");
+        assert!(
+            line["loss_spread"].is_null() && line["samples_per_sec"].as_f64() > Some(0.0),
+            "{line}"
+        );
+    }
 }
 
 #[test]

@@ -135,7 +135,7 @@ impl PsRun {
         let mut monitor = self
             .monitor
             .as_ref()
-            .map(|settings| Monitor::start(settings, steps, first, train.batch_size * world, train.log_every))
+            .map(|settings| Monitor::start(settings, steps, first, train.batch_size, train.log_every))
             .transpose()?;
         let mut timeline = self.trace.as_ref().map(|(t, _)| Timeline::new(t.origin.instant));
         let started = Instant::now();
