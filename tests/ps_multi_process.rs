@@ -14,13 +14,13 @@ use flotilla::ps::wire::Request;
 #[test]
 fn launch_ps_trains_the_ctr_job_to_the_expected_auc_and_servers_exit() {
     let dir = tempfile::tempdir().unwrap();
-    let run_dir = dir.path().join("run");
+    let (run_dir, trace) = (dir.path().join("run"), dir.path().join("trace"));
     let port = free_port_range(5).to_string();
     #[rustfmt::skip]
     let args = [
         "launch-ps", "--server_num", "2", "--worker_num", "2", "--started_port", &port, "--",
         "train", "--config", "examples/ctr_ps.toml", "--set", "train.steps=150",
-        "--run-dir", run_dir.to_str().unwrap(),
+        "--run-dir", run_dir.to_str().unwrap(), "--trace", trace.to_str().unwrap(),
     ];
     let finished = flotilla(&args, &[], 240);
     assert!(
@@ -66,6 +66,50 @@ fn launch_ps_trains_the_ctr_job_to_the_expected_auc_and_servers_exit() {
             line["loss_spread"].is_null() && line["samples_per_sec"].as_f64() > Some(0.0),
             "{line}"
         );
+    }
+    servers_serve_each_push_while_its_trainer_waits_for_it(&trace);
+}
+
+/// On the merged clock, a server's handling of a push lies inside the trainer's push span: the
+/// trainer sent it before and had its answer after.
+fn servers_serve_each_push_while_its_trainer_waits_for_it(trace: &std::path::Path) {
+    let merged = flotilla(&["trace", "merge", trace.to_str().unwrap()], &[], 60);
+    assert!(merged.success, "{}", merged.stderr);
+    let trace: serde_json::Value = serde_json::from_slice(&std::fs::read(trace.join("trace.json")).unwrap()).unwrap();
+    let events = trace["traceEvents"].as_array().unwrap();
+    let mut tracks: Vec<(u64, &str)> = events
+        .iter()
+        .filter(|e| e["name"] == "process_name")
+        .map(|e| (e["pid"].as_u64().unwrap(), e["args"]["name"].as_str().unwrap()))
+        .collect();
+    tracks.sort();
+    let names = [
+        (0, "rank 0: server 0"),
+        (1, "rank 1: server 1"),
+        (2, "rank 2: trainer 0"),
+        (3, "rank 3: trainer 1"),
+    ];
+    assert_eq!(tracks, names);
+    let span = |pid: u64, name: &str| -> (f64, f64) {
+        let event = events
+            .iter()
+            .find(|e| e["ph"] == "X" && e["pid"] == pid && e["name"] == name)
+            .unwrap_or_else(|| panic!("no span {name:?} on track {pid}"));
+        let start = event["ts"].as_f64().unwrap();
+        (start, start + event["dur"].as_f64().unwrap())
+    };
+    for step in [0, 75, 149] {
+        for trainer in 0..2 {
+            let (sent, answered) = span(2 + trainer, &format!("push {step}"));
+            for server in 0..2 {
+                let (start, end) = span(server, &format!("push of trainer {trainer} (step {step})"));
+                assert!(
+                    sent <= start && end <= answered,
+                    "step {step}: server {server} handled trainer {trainer}'s push over {start}..{end} µs, \
+                     outside the trainer's {sent}..{answered} µs"
+                );
+            }
+        }
     }
 }
 

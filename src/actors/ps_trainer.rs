@@ -230,7 +230,9 @@ impl PsRun {
             monitor.finish();
         }
         if let (Some((trace, clock_offset_us)), Some(mut timeline)) = (&self.trace, timeline) {
-            trace.write(rank, &format!("trainer {rank}"), *clock_offset_us, timeline.take())?;
+            // Servers are tracks 0.., trainers after them, as they are numbered for heartbeats.
+            let track = job.cluster.server_num + rank;
+            trace.write(track, &format!("trainer {rank}"), *clock_offset_us, timeline.take())?;
         }
         let servers = client.server_num();
         let everyone = |request: Request| vec![request; servers];

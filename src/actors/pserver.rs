@@ -17,15 +17,23 @@ use crate::checkpoint::{CheckpointStore, FileRecord};
 use crate::ps::snapshot::shard_file_name;
 use crate::ps::wire::{PullRequest, PulledRows, Reply, Request};
 use crate::ps::Shard;
+use crate::telemetry::timeline::{Span, Timeline};
 
 /// A request from a trainer; every request gets an answer, a refusal carrying the reason.
 #[derive(Message)]
 #[rtype(result = "Result<Reply>")]
 pub struct ShardCall(pub Request);
 
+/// Hands over the shard's timeline spans recorded so far (none unless tracing).
+#[derive(Message)]
+#[rtype(result = "Vec<Span>")]
+pub struct TakeShardSpans;
+
 /// The shard actor.
 pub struct PServer {
     shard: Shard,
+    /// Spans of the requests it served, when tracing.
+    timeline: Option<Timeline>,
     waiting: Vec<Waiting>,
     /// Checkpoint orders held until the shard has applied their step.
     checkpoints: Vec<HeldCheckpoint>,
@@ -53,11 +61,18 @@ impl PServer {
     pub fn new(shard: Shard, all_left: oneshot::Sender<()>, timeout: Duration) -> Self {
         Self {
             shard,
+            timeline: None,
             waiting: Vec::new(),
             checkpoints: Vec::new(),
             all_left: Some(all_left),
             timeout,
         }
+    }
+
+    /// Records a timeline of the requests it serves, measured from `origin`.
+    pub fn traced_from(mut self, origin: Option<Instant>) -> Self {
+        self.timeline = origin.map(Timeline::new);
+        self
     }
 
     /// Answers the held pulls that the shard can answer now, and refuses those past their
@@ -115,6 +130,8 @@ impl Handler<ShardCall> for PServer {
 
     fn handle(&mut self, ShardCall(request): ShardCall, ctx: &mut Context<Self>) -> Self::Result {
         let index = self.shard.spec().index;
+        let started = Instant::now();
+        let span = self.timeline.as_ref().and_then(|_| span_of(&request));
         let outcome = match request {
             Request::Pull(pull) if !self.shard.can_answer(&pull) => {
                 let (answer, later) = oneshot::channel();
@@ -167,7 +184,32 @@ impl Handler<ShardCall> for PServer {
             }
             Request::Checkpoint { dir, step } => self.checkpoint(&dir, step).map(Reply::Checkpointed),
         };
+        if let (Some(timeline), Some((name, category))) = (&mut self.timeline, span) {
+            timeline.record(name, category, started);
+        }
         let outcome = outcome.map_err(|e| e.context(format!("parameter server {index}")));
         Box::pin(async move { outcome })
+    }
+}
+
+impl Handler<TakeShardSpans> for PServer {
+    type Result = Vec<Span>;
+
+    fn handle(&mut self, _: TakeShardSpans, _: &mut Context<Self>) -> Vec<Span> {
+        self.timeline.as_mut().map(Timeline::take).unwrap_or_default()
+    }
+}
+
+/// The span a request's handling is recorded as: the work of the shard's thread (a held pull
+/// is recorded when it is answered by the push that completes its step).
+fn span_of(request: &Request) -> Option<(String, &'static str)> {
+    match request {
+        Request::Pull(pull) => Some((
+            format!("pull of trainer {} (step {})", pull.trainer, pull.version),
+            "pull",
+        )),
+        Request::Push(push) => Some((format!("push of trainer {} (step {})", push.trainer, push.step), "push")),
+        Request::Checkpoint { step, .. } => Some((format!("checkpoint of step {step}"), "checkpoint")),
+        _ => None,
     }
 }

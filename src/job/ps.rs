@@ -16,7 +16,7 @@ use super::control::host_coordinator;
 use super::heartbeat::watched;
 use super::{Recovery, RunOptions};
 use crate::actors::ps_trainer::{PsOutcome, PsTrainer, TrainPs};
-use crate::actors::pserver::PServer;
+use crate::actors::pserver::{PServer, TakeShardSpans};
 use crate::actors::{Coordinator, DeviceActor};
 use crate::config::{DatasetKind, JobConfig};
 use crate::data::ctr::{CriteoSynth, CtrSource, Split};
@@ -163,8 +163,9 @@ impl ParameterServerJob {
                 .map(|index| {
                     let shard = start_shard(&config, index, &recovery)?;
                     let (all_left, _) = oneshot::channel();
+                    let origin = trace.as_ref().map(|t| t.origin.instant);
                     Ok(PServer::start_in_arbiter(&Arbiter::new().handle(), move |_| {
-                        PServer::new(shard, all_left, timeout)
+                        PServer::new(shard, all_left, timeout).traced_from(origin)
                     }))
                 })
                 .collect::<Result<Vec<_>>>()?;
@@ -182,7 +183,14 @@ impl ParameterServerJob {
                         .map_err(|e| e.context(format!("trainer {rank}")))
                 }
             });
-            futures::future::try_join_all(runs).await
+            let outcomes = futures::future::try_join_all(runs).await?;
+            if let Some(trace) = &trace {
+                for (index, shard) in shards.iter().enumerate() {
+                    let spans = shard.send(TakeShardSpans).await?;
+                    trace.write(index, &format!("server {index}"), 0.0, spans)?;
+                }
+            }
+            anyhow::Ok(outcomes)
         })?;
         let rank0 = outcomes
             .into_iter()
@@ -227,13 +235,25 @@ impl ParameterServerJob {
             }
             let listener = tokio::net::TcpListener::from_std(listener)?;
             let (all_left, done) = oneshot::channel();
+            let trace = options.trace_target();
+            let origin = trace.as_ref().map(|t| t.origin.instant);
+            // Measured at start, while the coordinator surely serves.
+            let clock_offset_us = match (&trace, &heartbeats) {
+                // Server 0 hosts the coordinator: its clock is the coordinator's.
+                (Some(_), Some((master, credentials))) if index > 0 => {
+                    let max_frame = config.cluster.max_frame_bytes();
+                    let mut bus = ControlBus::connect(master, timeout, max_frame, credentials).await?;
+                    bus.clock_offset_us().await?
+                }
+                _ => 0.0,
+            };
             let actor = PServer::start_in_arbiter(&Arbiter::new().handle(), move |_| {
-                PServer::new(shard, all_left, timeout)
+                PServer::new(shard, all_left, timeout).traced_from(origin)
             });
             let open = Arc::new(AtomicUsize::new(0));
             actix::spawn(serve_shard(
                 listener,
-                actor,
+                actor.clone(),
                 config.cluster.max_frame_bytes(),
                 open.clone(),
                 credentials,
@@ -248,6 +268,10 @@ impl ParameterServerJob {
                     tokio::time::sleep(std::time::Duration::from_millis(10)).await;
                 }
                 tracing::info!("parameter server {index}: every trainer has left; shutting down");
+                if let Some(trace) = &trace {
+                    let spans = actor.send(TakeShardSpans).await?;
+                    trace.write(index, &format!("server {index}"), clock_offset_us, spans)?;
+                }
                 Ok(())
             };
             with_heartbeats(serving, index, heartbeats.as_ref(), &config).await
