@@ -241,3 +241,81 @@ fn a_rank_under_a_launcher_on_a_terminal_writes_a_progress_line_per_step() {
     assert_eq!(progress[STEPS - 1]["step"], STEPS);
     assert_eq!(progress[0]["steps"], STEPS);
 }
+
+#[test]
+fn a_launcher_on_a_terminal_draws_the_reporting_ranks_progress_as_its_bar() {
+    use std::os::fd::{FromRawFd, OwnedFd};
+    use std::process::{Command, Stdio};
+
+    // A pseudo-terminal for the launcher's stderr, 120 columns wide.
+    let (mut controller, mut terminal) = (-1, -1);
+    let size = libc::winsize {
+        ws_row: 40,
+        ws_col: 120,
+        ws_xpixel: 0,
+        ws_ypixel: 0,
+    };
+    // SAFETY: openpty writes two descriptors into the integers it is given; the name and
+    // termios pointers may be null.
+    let opened = unsafe {
+        libc::openpty(
+            &mut controller,
+            &mut terminal,
+            std::ptr::null_mut(),
+            std::ptr::null(),
+            &size,
+        )
+    };
+    assert_eq!(opened, 0, "openpty: {}", std::io::Error::last_os_error());
+    // SAFETY: both descriptors were just opened and are owned by nothing else.
+    let (controller, terminal) = unsafe { (OwnedFd::from_raw_fd(controller), OwnedFd::from_raw_fd(terminal)) };
+
+    let dir = tempfile::tempdir().unwrap();
+    let port = free_port_range(3).to_string();
+    let run_dir = dir.path().join("run");
+    let mut launcher = Command::new(env!("CARGO_BIN_EXE_flotilla"))
+        .args([
+            "launch",
+            "--nproc_per_node",
+            "2",
+            "--started_port",
+            &port,
+            "--",
+            "train",
+        ])
+        .args(["--run-dir", run_dir.to_str().unwrap(), "--set", "train.steps=3000"])
+        .env_remove("PADDLE_TRAINER_ID")
+        .env_remove("FLOTILLA_TOKEN")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::from(terminal))
+        .spawn()
+        .unwrap();
+    // The terminal's output, until the launcher (its last writer) has exited.
+    let reader = std::thread::spawn(move || {
+        let mut drawn = Vec::new();
+        let _ = std::fs::File::from(controller).read_to_end(&mut drawn);
+        String::from_utf8_lossy(&drawn).into_owned()
+    });
+    let deadline = Instant::now() + Duration::from_secs(120);
+    let status = loop {
+        if let Some(status) = launcher.try_wait().unwrap() {
+            break status;
+        }
+        if Instant::now() > deadline {
+            let _ = launcher.kill();
+            let _ = launcher.wait();
+            panic!("the launcher did not finish within 120 s; killed pid {}", launcher.id());
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let drawn = reader.join().unwrap();
+    assert!(status.success(), "{drawn}");
+    assert!(drawn.contains("/3000 steps"), "no bar in:\n{drawn}");
+    assert!(drawn.contains("samples/s"), "no throughput in the bar:\n{drawn}");
+    assert!(
+        !drawn.contains("flotilla-progress"),
+        "progress lines printed as text:\n{drawn}"
+    );
+    assert!(drawn.contains("[rank 0]"), "the ranks' logs still show:\n{drawn}");
+}
