@@ -7,7 +7,7 @@ use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::time::{Duration, Instant};
 
-use common::{flotilla, free_port_range, start_flotilla};
+use common::{flotilla, free_port_range, start_flotilla, wait_or_kill};
 use serde_json::Value;
 
 const STEPS: usize = 40;
@@ -297,18 +297,7 @@ fn a_launcher_on_a_terminal_draws_the_reporting_ranks_progress_as_its_bar() {
         let _ = std::fs::File::from(controller).read_to_end(&mut drawn);
         String::from_utf8_lossy(&drawn).into_owned()
     });
-    let deadline = Instant::now() + Duration::from_secs(120);
-    let status = loop {
-        if let Some(status) = launcher.try_wait().unwrap() {
-            break status;
-        }
-        if Instant::now() > deadline {
-            let _ = launcher.kill();
-            let _ = launcher.wait();
-            panic!("the launcher did not finish within 120 s; killed pid {}", launcher.id());
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    };
+    let status = wait_or_kill(&mut launcher, 120);
     let drawn = reader.join().unwrap();
     assert!(status.success(), "{drawn}");
     assert!(drawn.contains("/3000 steps"), "no bar in:\n{drawn}");

@@ -133,27 +133,29 @@ pub fn start_program(program: &str, args: &[&str], env: &[(&str, String)]) -> St
 impl Started {
     /// Waits for the process, killing it (by pid) if it outlives `timeout_s`.
     pub fn finish(mut self, timeout_s: u64) -> Finished {
-        use std::time::{Duration, Instant};
-        let deadline = Instant::now() + Duration::from_secs(timeout_s);
-        let status = loop {
-            if let Some(status) = self.child.try_wait().expect("try_wait") {
-                break status;
-            }
-            if Instant::now() > deadline {
-                let _ = self.child.kill();
-                let _ = self.child.wait();
-                panic!(
-                    "flotilla did not finish within {timeout_s}s; killed pid {}",
-                    self.child.id()
-                );
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        };
+        let status = wait_or_kill(&mut self.child, timeout_s);
         Finished {
             success: status.success(),
             stdout: self.stdout.join().unwrap_or_default(),
             stderr: self.stderr.join().unwrap_or_default(),
         }
+    }
+}
+
+/// Waits for `child`, killing it (by pid) and failing the test if it outlives `timeout_s`.
+pub fn wait_or_kill(child: &mut std::process::Child, timeout_s: u64) -> std::process::ExitStatus {
+    use std::time::{Duration, Instant};
+    let deadline = Instant::now() + Duration::from_secs(timeout_s);
+    loop {
+        if let Some(status) = child.try_wait().expect("try_wait") {
+            return status;
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("flotilla did not finish within {timeout_s}s; killed pid {}", child.id());
+        }
+        std::thread::sleep(Duration::from_millis(20));
     }
 }
 
