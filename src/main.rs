@@ -23,6 +23,8 @@ use flotilla::telemetry::summary_table;
 /// The default job, compiled in so `flotilla train` works from any directory.
 const EMBEDDED_CONFIG: &str = include_str!("../config.toml");
 const DEFAULT_CONFIG: &str = "config.toml";
+/// The run directory when `--run-dir` is not given; a launcher sets it for its processes.
+const RUN_DIR_VAR: &str = "FLOTILLA_RUN_DIR";
 
 #[derive(Parser)]
 #[command(
@@ -99,7 +101,8 @@ enum Role {
 struct TrainArgs {
     #[command(flatten)]
     job: ConfigArgs,
-    /// Where rank 0 writes summary.json (default: runs/<unix time>).
+    /// Where rank 0 writes summary.json (default: $FLOTILLA_RUN_DIR, which a launcher sets for
+    /// all its processes, else runs/<unix time>).
     #[arg(long)]
     run_dir: Option<PathBuf>,
     /// Write every rank's timeline (data, forward, backward, all-reduce buckets, waits,
@@ -200,15 +203,11 @@ fn run(cli: Cli) -> Result<()> {
         Command::Run { role, train: args } => run_role(role, &args),
         Command::Launch(args) => {
             let exe = std::env::current_exe().context("locating the flotilla binary")?;
-            let children = args.plan(exe)?;
-            let restarts = max_restarts(args.max_restarts, &args.command, &children)?;
-            supervise(children, OutputMode::Prefixed, restarts)
+            launch(args.plan(exe)?, &args.command, args.max_restarts)
         }
         Command::LaunchPs(args) => {
             let exe = std::env::current_exe().context("locating the flotilla binary")?;
-            let children = args.plan(exe)?;
-            let restarts = max_restarts(args.max_restarts, &args.command, &children)?;
-            supervise(children, OutputMode::Prefixed, restarts)
+            launch(args.plan(exe)?, &args.command, args.max_restarts)
         }
         Command::Data(DataCommand::CriteoSynthetic {
             samples,
@@ -264,6 +263,20 @@ fn load_config_with_env(args: &ConfigArgs, env: &dyn Fn(&str) -> Option<String>)
 struct LaunchedTrain {
     #[command(flatten)]
     args: TrainArgs,
+}
+
+/// Runs a launcher's processes. Unless told otherwise, they all write into one default run
+/// directory, chosen here once: the ranks that write a job's outputs (rank 0's summary, the
+/// reporting rank's metrics) and every restart of the job then agree on it.
+fn launch(mut children: Vec<ChildSpec>, command: &[String], restarts_flag: Option<usize>) -> Result<()> {
+    let restarts = max_restarts(restarts_flag, command, &children)?;
+    if std::env::var_os(RUN_DIR_VAR).is_none() {
+        let run_dir = default_run_dir().display().to_string();
+        for child in &mut children {
+            child.env.push((RUN_DIR_VAR.to_string(), run_dir.clone()));
+        }
+    }
+    supervise(children, OutputMode::Prefixed, restarts)
 }
 
 /// Restarts a launcher allows: `--max_restarts`, else `fault_tolerance.max_restarts` of the job
@@ -328,7 +341,11 @@ fn run_role(role: Role, args: &TrainArgs) -> Result<()> {
 
 fn run_options(args: &TrainArgs) -> RunOptions {
     RunOptions {
-        run_dir: args.run_dir.clone().unwrap_or_else(default_run_dir),
+        run_dir: args
+            .run_dir
+            .clone()
+            .or_else(|| std::env::var_os(RUN_DIR_VAR).map(PathBuf::from))
+            .unwrap_or_else(default_run_dir),
         progress: ProgressView::from_environment(),
         metrics_port: args.metrics_port,
         trace: args.trace.clone(),

@@ -308,3 +308,38 @@ fn a_launcher_on_a_terminal_draws_the_reporting_ranks_progress_as_its_bar() {
     );
     assert!(drawn.contains("[rank 0]"), "the ranks' logs still show:\n{drawn}");
 }
+
+#[test]
+fn a_launched_pipelines_outputs_and_metrics_share_the_launchers_run_directory() {
+    // Rank 0 writes summary.json, rank 1 (the last stage) metrics.jsonl: without --run-dir both
+    // take the directory the launcher hands its processes.
+    let dir = tempfile::tempdir().unwrap();
+    let port = free_port_range(3).to_string();
+    let launched = flotilla(
+        &[
+            "launch",
+            "--nproc_per_node",
+            "2",
+            "--started_port",
+            &port,
+            "--",
+            "train",
+            "--set",
+            "strategy.pipeline=true",
+            "--set",
+            "strategy.hybrid_configs.pp_degree=2",
+            "--set",
+            "train.steps=10",
+        ],
+        &[("FLOTILLA_RUN_DIR", dir.path().display().to_string())],
+        120,
+    );
+    assert!(launched.success, "{}", launched.stderr);
+    assert!(dir.path().join("summary.json").exists());
+    let metrics = std::fs::read_to_string(dir.path().join("metrics.jsonl")).unwrap();
+    assert_eq!(metrics.lines().count(), 10);
+    assert!(
+        metrics.lines().all(|l| l.contains("\"bubble_fraction\":0.")),
+        "{metrics}"
+    );
+}
