@@ -7,7 +7,7 @@ use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::time::{Duration, Instant};
 
-use common::{flotilla, free_port_range, start_flotilla, wait_or_kill};
+use common::{flotilla, free_port_range, start_flotilla, trace_spans, trace_tracks, wait_or_kill};
 use serde_json::Value;
 
 const STEPS: usize = 40;
@@ -31,22 +31,6 @@ const FIELDS: [&str; 12] = [
 fn json(path: &std::path::Path) -> Value {
     serde_json::from_slice(&std::fs::read(path).unwrap_or_else(|e| panic!("{}: {e}", path.display())))
         .unwrap_or_else(|e| panic!("{}: {e}", path.display()))
-}
-
-/// `(start, end)` of every span named `name` on rank `pid`, in time order.
-fn spans(trace: &Value, pid: u64, name: impl Fn(&str) -> bool) -> Vec<(f64, f64)> {
-    let mut found: Vec<(f64, f64)> = trace["traceEvents"]
-        .as_array()
-        .expect("traceEvents")
-        .iter()
-        .filter(|e| e["ph"] == "X" && e["pid"] == pid && e["name"].as_str().is_some_and(&name))
-        .map(|e| {
-            let start = e["ts"].as_f64().expect("ts");
-            (start, start + e["dur"].as_f64().expect("dur"))
-        })
-        .collect();
-    found.sort_by(|a, b| a.0.total_cmp(&b.0));
-    found
 }
 
 #[test]
@@ -136,23 +120,20 @@ fn a_launched_two_rank_job_leaves_every_steps_metrics_and_timelines_on_one_clock
     );
     assert!(merged.success, "{}", merged.stderr);
     let trace = json(&merged_path);
-    let ranks: Vec<&str> = trace["traceEvents"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .filter(|e| e["name"] == "process_name")
-        .map(|e| e["args"]["name"].as_str().unwrap())
-        .collect();
-    assert_eq!(ranks, ["rank 0: trainer", "rank 1: trainer"]);
+    let ranks = trace_tracks(&trace);
+    assert_eq!(
+        ranks,
+        [(0, "rank 0: trainer".to_string()), (1, "rank 1: trainer".to_string())]
+    );
     for pid in 0..2 {
         for kind in ["data", "forward", "backward", "optimizer"] {
-            let found = spans(&trace, pid, |n| n.starts_with(&format!("{kind} ")));
+            let found = trace_spans(&trace, pid, |n| n.starts_with(&format!("{kind} ")));
             assert_eq!(found.len(), STEPS, "rank {pid} {kind}");
         }
     }
     // A ring all-reduce cannot end on one rank before the other has started it: on one clock,
     // each step's first bucket overlaps across the ranks.
-    let first_bucket = |pid| spans(&trace, pid, |n| n.starts_with("all-reduce bucket 0 "));
+    let first_bucket = |pid| trace_spans(&trace, pid, |n| n.starts_with("all-reduce bucket 0 "));
     let (rank0, rank1) = (first_bucket(0), first_bucket(1));
     assert_eq!((rank0.len(), rank1.len()), (STEPS, STEPS));
     for (step, (a, b)) in rank0.iter().zip(&rank1).enumerate() {

@@ -122,15 +122,12 @@ fn the_trace_shows_each_stage_on_its_own_track_in_schedule_order() {
     }
     let trace: serde_json::Value =
         serde_json::from_slice(&std::fs::read(trace_dir.join("trace.json")).unwrap()).unwrap();
-    let events = trace["traceEvents"].as_array().unwrap();
-    let mut tracks: Vec<(u64, &str)> = events
-        .iter()
-        .filter(|e| e["name"] == "process_name")
-        .map(|e| (e["pid"].as_u64().unwrap(), e["args"]["name"].as_str().unwrap()))
-        .collect();
-    tracks.sort();
+    let tracks = common::trace_tracks(&trace);
     assert_eq!(
-        tracks,
+        tracks
+            .iter()
+            .map(|(pid, name)| (*pid, name.as_str()))
+            .collect::<Vec<_>>(),
         [
             (0, "rank 0: stage 0 (replica 0)"),
             (1, "rank 1: stage 1 (replica 0)"),
@@ -138,14 +135,8 @@ fn the_trace_shows_each_stage_on_its_own_track_in_schedule_order() {
             (3, "rank 3: stage 1 (replica 1)")
         ]
     );
-    // (rank, name) → spans, in time order.
-    let spans = |pid: u64, name: &str| -> Vec<(f64, f64)> {
-        events
-            .iter()
-            .filter(|e| e["ph"] == "X" && e["pid"] == pid && e["name"] == name)
-            .map(|e| (e["ts"].as_f64().unwrap(), e["dur"].as_f64().unwrap()))
-            .collect()
-    };
+    // (rank, name) → (start, end) of its spans, in time order.
+    let spans = |pid: u64, name: &str| common::trace_spans(&trace, pid, |n| n == name);
     for pid in 0..4 {
         for span in ["F0", "F3", "B0", "B3", "all-reduce wait 0", "optimizer 1"] {
             assert_eq!(
@@ -157,18 +148,10 @@ fn the_trace_shows_each_stage_on_its_own_track_in_schedule_order() {
     }
     // A micro-batch's forward on stage 1 starts after stage 0 sent it, and its backward on
     // stage 0 after stage 1's backward of it ended.
-    let ((f0, f0_len), (f1, _)) = (spans(0, "F0")[0], spans(1, "F0")[0]);
-    assert!(
-        f1 >= f0 + f0_len,
-        "stage 1 F0 at {f1} µs, stage 0 F0 ended at {}",
-        f0 + f0_len
-    );
-    let ((b1, b1_len), (b0, _)) = (spans(1, "B2")[0], spans(0, "B2")[0]);
-    assert!(
-        b0 >= b1 + b1_len,
-        "stage 0 B2 at {b0} µs, stage 1 B2 ended at {}",
-        b1 + b1_len
-    );
+    let ((_, f0_end), (f1, _)) = (spans(0, "F0")[0], spans(1, "F0")[0]);
+    assert!(f1 >= f0_end, "stage 1 F0 at {f1} µs, stage 0 F0 ended at {f0_end}");
+    let ((_, b1_end), (b0, _)) = (spans(1, "B2")[0], spans(0, "B2")[0]);
+    assert!(b0 >= b1_end, "stage 0 B2 at {b0} µs, stage 1 B2 ended at {b1_end}");
 }
 
 #[test]

@@ -76,13 +76,8 @@ fn servers_serve_each_push_while_its_trainer_waits_for_it(trace: &std::path::Pat
     let merged = flotilla(&["trace", "merge", trace.to_str().unwrap()], &[], 60);
     assert!(merged.success, "{}", merged.stderr);
     let trace: serde_json::Value = serde_json::from_slice(&std::fs::read(trace.join("trace.json")).unwrap()).unwrap();
-    let events = trace["traceEvents"].as_array().unwrap();
-    let mut tracks: Vec<(u64, &str)> = events
-        .iter()
-        .filter(|e| e["name"] == "process_name")
-        .map(|e| (e["pid"].as_u64().unwrap(), e["args"]["name"].as_str().unwrap()))
-        .collect();
-    tracks.sort();
+    let tracks = common::trace_tracks(&trace);
+    let tracks: Vec<(u64, &str)> = tracks.iter().map(|(pid, name)| (*pid, name.as_str())).collect();
     let names = [
         (0, "rank 0: server 0"),
         (1, "rank 1: server 1"),
@@ -91,12 +86,10 @@ fn servers_serve_each_push_while_its_trainer_waits_for_it(trace: &std::path::Pat
     ];
     assert_eq!(tracks, names);
     let span = |pid: u64, name: &str| -> (f64, f64) {
-        let event = events
-            .iter()
-            .find(|e| e["ph"] == "X" && e["pid"] == pid && e["name"] == name)
-            .unwrap_or_else(|| panic!("no span {name:?} on track {pid}"));
-        let start = event["ts"].as_f64().unwrap();
-        (start, start + event["dur"].as_f64().unwrap())
+        let found = common::trace_spans(&trace, pid, |n| n == name);
+        *found
+            .first()
+            .unwrap_or_else(|| panic!("no span {name:?} on track {pid}"))
     };
     for step in [0, 75, 149] {
         for trainer in 0..2 {

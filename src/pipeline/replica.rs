@@ -19,7 +19,7 @@ use crate::engines::comm::{CommWorker, Communicator, Pending};
 use crate::models::{correct_predictions, cross_entropy, Block, Model};
 use crate::optim::{GradientMerge, LrPolicy, Optimizer};
 use crate::telemetry::metrics::peak_rss_bytes;
-use crate::telemetry::rank_figures::RankFigures;
+use crate::telemetry::rank_figures::{JobFigures, RankFigures};
 use crate::telemetry::timeline::{record, Span, Timeline};
 
 /// What one pipeline step measured on this rank.
@@ -47,7 +47,8 @@ pub struct PipelineReport {
     /// Largest minus smallest of the replicas' losses, on the ranks holding the last virtual
     /// stage.
     pub loss_spread: Option<f32>,
-    /// The largest peak resident set of the processes of this stage's replicas.
+    /// The largest peak resident set of the processes of the replicas of the last virtual stage
+    /// (on the ranks holding it; elsewhere this rank's own).
     pub peak_rss_bytes: u64,
 }
 
@@ -218,14 +219,19 @@ impl PipelineReplica {
                 reducing.push((0, submit_gradients(comm, at, 0, merged)));
             }
         }
-        // The loss's all-reduce queues behind the gradients' on the communication thread, so
-        // waiting for it is waiting for them too: what backward did not hide starts here.
+        // The loss's gather queues behind the gradients' all-reduce on the communication thread,
+        // so waiting for it is waiting for them too: what backward did not hide starts here.
         let waiting = Instant::now();
         let mine = RankFigures {
             loss: step.loss.unwrap_or(0.0),
             peak_rss_bytes: peak_rss_bytes(),
         };
-        let figures = comm.run(move |c| mine.gather(c, &format!("gather of the losses of step {at}")))?;
+        // Only the ranks holding the loss report; the other stages' rings carry no extra message.
+        let figures = if self.holds_loss {
+            comm.run(move |c| mine.gather(c, &format!("gather of the losses of step {at}")))?
+        } else {
+            JobFigures::of(&[mine])
+        };
 
         let optimizer_steps = !reducing.is_empty();
         let mut grads = GradStore::default();

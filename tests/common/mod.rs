@@ -174,3 +174,35 @@ pub const PIPELINE_2X2: [&str; 6] = [
     "strategy.pipeline_configs.schedule_mode=\"1F1B\"",
     "strategy.pipeline_configs.accumulate_steps=4",
 ];
+
+/// A chrome trace's process tracks, `(pid, name)` sorted by pid.
+pub fn trace_tracks(trace: &serde_json::Value) -> Vec<(u64, String)> {
+    let mut tracks: Vec<(u64, String)> = trace["traceEvents"]
+        .as_array()
+        .expect("traceEvents")
+        .iter()
+        .filter(|e| e["name"] == "process_name")
+        .map(|e| {
+            let pid = e["pid"].as_u64().expect("pid");
+            (pid, e["args"]["name"].as_str().expect("track name").to_string())
+        })
+        .collect();
+    tracks.sort();
+    tracks
+}
+
+/// `(start, end)` in µs of the spans on track `pid` whose name `name` accepts, in time order.
+pub fn trace_spans(trace: &serde_json::Value, pid: u64, name: impl Fn(&str) -> bool) -> Vec<(f64, f64)> {
+    let mut found: Vec<(f64, f64)> = trace["traceEvents"]
+        .as_array()
+        .expect("traceEvents")
+        .iter()
+        .filter(|e| e["ph"] == "X" && e["pid"] == pid && e["name"].as_str().is_some_and(&name))
+        .map(|e| {
+            let start = e["ts"].as_f64().expect("ts");
+            (start, start + e["dur"].as_f64().expect("dur"))
+        })
+        .collect();
+    found.sort_by(|a, b| a.0.total_cmp(&b.0));
+    found
+}
