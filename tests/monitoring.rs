@@ -13,7 +13,7 @@ use serde_json::Value;
 const STEPS: usize = 40;
 
 /// Every field of a metrics.jsonl line, in order.
-const FIELDS: [&str; 12] = [
+const FIELDS: [&str; 13] = [
     "step",
     "elapsed_s",
     "step_time_s",
@@ -23,6 +23,7 @@ const FIELDS: [&str; 12] = [
     "bubble_fraction",
     "peak_rss_bytes",
     "gpu_memory_bytes",
+    "gpu_utilization",
     "lr",
     "loss",
     "loss_spread",
@@ -89,7 +90,9 @@ fn a_launched_two_rank_job_leaves_every_steps_metrics_and_timelines_on_one_clock
         assert!(number("peak_rss_bytes") > 1e6, "{line}");
         assert!(number("lr") > 0.0, "{line}");
         assert!(
-            line["bubble_fraction"].is_null() && line["gpu_memory_bytes"].is_null(),
+            line["bubble_fraction"].is_null()
+                && line["gpu_memory_bytes"].is_null()
+                && line["gpu_utilization"].is_null(),
             "{line}"
         );
     }

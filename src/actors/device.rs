@@ -54,6 +54,15 @@ pub enum RingLink {
 }
 
 impl RingLink {
+    /// This rank's place in the ring.
+    fn rank(&self) -> usize {
+        match self {
+            Self::Single => 0,
+            Self::Memory(transport) => transport.rank(),
+            Self::Tcp { rank, .. } => *rank,
+        }
+    }
+
     /// The communicator over this link; `roster[r]` is rank `r`'s data
     /// endpoint, as the rendezvous handed it out.
     pub(crate) fn into_communicator(self, roster: &[String]) -> Result<Communicator> {
@@ -118,7 +127,12 @@ pub struct ReadParameters;
 /// Builds the CTR worker of a parameter-server trainer.
 #[derive(Message)]
 #[rtype(result = "Result<()>")]
-pub struct PrepareCtr(pub Arc<JobConfig>);
+pub struct PrepareCtr {
+    /// The job.
+    pub job: Arc<JobConfig>,
+    /// The trainer's rank.
+    pub rank: usize,
+}
 
 /// Plans the pull of a CTR batch (training, or evaluation when `training` is false).
 #[derive(Message)]
@@ -153,6 +167,8 @@ pub struct PreparePipeline {
     pub job: Arc<JobConfig>,
     /// The model's constructor (the stage keeps its own chunks).
     pub model: ModelFactory,
+    /// This rank, in the whole job.
+    pub rank: usize,
     /// This rank's stage.
     pub stage: usize,
     /// Links to the neighbouring stages.
@@ -243,10 +259,14 @@ impl Handler<Prepare> for DeviceActor {
     type Result = Result<()>;
 
     fn handle(&mut self, msg: Prepare, _: &mut Self::Context) -> Result<()> {
-        let device = device_for(msg.job.cluster.device)?;
+        let device = device_for(msg.job.cluster.device, msg.link.rank())?;
         let init = ParamInit::new(msg.job.train.seed, device.clone());
         let model = (msg.model)(&init).context("building the model")?;
-        let comm = CommWorker::spawn(msg.link.into_communicator(&msg.roster)?)?;
+        #[cfg_attr(not(feature = "cuda"), allow(unused_mut))]
+        let mut comm = msg.link.into_communicator(&msg.roster)?;
+        #[cfg(feature = "cuda")]
+        comm.connect_nccl(&device)?;
+        let comm = CommWorker::spawn(comm)?;
         let mut replica = Replica::new(model, &msg.job, comm, device)?;
         replica.broadcast_parameters()?;
         if let Some(origin) = msg.trace_from {
@@ -329,8 +349,8 @@ impl Handler<PrepareCtr> for DeviceActor {
     type Result = Result<()>;
 
     fn handle(&mut self, msg: PrepareCtr, _: &mut Self::Context) -> Result<()> {
-        let device = device_for(msg.0.cluster.device)?;
-        self.ctr = Some(CtrWorker::new(&msg.0, device)?);
+        let device = device_for(msg.job.cluster.device, msg.rank)?;
+        self.ctr = Some(CtrWorker::new(&msg.job, device)?);
         Ok(())
     }
 }
@@ -371,7 +391,7 @@ impl Handler<PreparePipeline> for DeviceActor {
     type Result = Result<()>;
 
     fn handle(&mut self, msg: PreparePipeline, _: &mut Self::Context) -> Result<()> {
-        let device = device_for(msg.job.cluster.device)?;
+        let device = device_for(msg.job.cluster.device, msg.rank)?;
         let init = ParamInit::new(msg.job.train.seed, device.clone());
         let model = (msg.model)(&init).context("building the model")?;
         let link: Box<dyn StageLink> = match msg.link {

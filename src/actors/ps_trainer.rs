@@ -118,7 +118,12 @@ impl PsRun {
         let train = &job.train;
         let world = job.world_size();
         let mut client = self.client.take().context("TrainPs was sent twice")?;
-        self.device.send(PrepareCtr(job.clone())).await??;
+        self.device
+            .send(PrepareCtr {
+                job: job.clone(),
+                rank: self.rank,
+            })
+            .await??;
         client.wait_for_servers().await?;
 
         let steps = match train.length() {

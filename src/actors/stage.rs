@@ -176,6 +176,7 @@ impl Handler<TrainStage> for StageActor {
                 .send(PreparePipeline {
                     job: job.clone(),
                     model,
+                    rank,
                     stage,
                     link: link.context("TrainStage was sent twice")?,
                     data_parallel: data_parallel.context("TrainStage was sent twice")?,

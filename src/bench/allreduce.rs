@@ -1,16 +1,18 @@
-//! `flotilla bench allreduce`: ring all-reduce between real processes on
-//! loopback, reported as nccl-tests does: median time, algorithm bandwidth
-//! (bytes / time) and bus bandwidth (algbw × 2(n−1)/n, what each link
-//! carries, comparable across world sizes).
+//! `flotilla bench allreduce`: all-reduce between real processes, by the ring on loopback or
+//! by NCCL on one GPU per process, reported as nccl-tests does: median time, algorithm
+//! bandwidth (bytes / time) and bus bandwidth (algbw × 2(n−1)/n, what each link carries,
+//! comparable across world sizes).
 
 use std::net::TcpListener;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
+use candle_core::{Device, Tensor};
 use serde::Serialize;
 
-use crate::config::FaultToleranceConfig;
-use crate::engines::comm::connect_ring;
+use crate::config::{DeviceKind, FaultToleranceConfig};
+use crate::engines::comm::{connect_ring, Communicator};
+use crate::engines::compute::device_for;
 use crate::job::connect_control;
 use crate::launch::{supervise, ChildSpec, OutputMode};
 use crate::net::auth::{ClusterToken, Credentials, TOKEN_VAR};
@@ -27,9 +29,23 @@ pub struct AllReduceArgs {
     /// One JSON object a line instead of a table.
     #[arg(long)]
     pub json: bool,
-    /// Ring transport between the processes.
+    /// Ring transport between the processes (and NCCL's bootstrap).
     #[arg(long, value_enum, default_value_t = Transport::Shm)]
     pub transport: Transport,
+    /// What reduces: the ring on host buffers, or NCCL on GPU buffers (one GPU per process,
+    /// rank r on visible GPU r; needs a `cuda` build).
+    #[arg(long, value_enum, default_value_t = Backend::Ring)]
+    pub backend: Backend,
+}
+
+/// The all-reduce a benchmark measures.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Backend {
+    /// flotilla's ring over the transport, host memory.
+    Ring,
+    /// NCCL, GPU memory.
+    Nccl,
 }
 
 /// The ring transport a benchmark uses.
@@ -51,6 +67,8 @@ pub struct AllReduceFigures {
     pub nproc: usize,
     /// The ring transport.
     pub transport: Transport,
+    /// Ring or NCCL.
+    pub backend: Backend,
     /// Buffer size in bytes.
     pub bytes: usize,
     /// Median over iterations of the slowest rank's time, seconds.
@@ -64,7 +82,10 @@ pub struct AllReduceFigures {
 /// Starts `nproc` ranks of this binary on loopback and relays rank 0's
 /// figures.
 pub fn run(nproc: usize, args: &AllReduceArgs) -> Result<()> {
-    anyhow::ensure!(nproc >= 2, "--nproc must be at least 2 for an all-reduce benchmark");
+    anyhow::ensure!(
+        nproc >= 2 || args.backend == Backend::Nccl,
+        "--nproc must be at least 2 for a ring all-reduce benchmark"
+    );
     let master = free_loopback_port()?;
     let exe = std::env::current_exe().context("locating the flotilla binary")?;
     let mut rank_args = vec![
@@ -80,6 +101,8 @@ pub fn run(nproc: usize, args: &AllReduceArgs) -> Result<()> {
     }
     rank_args.push("--transport".to_string());
     rank_args.push(format!("{:?}", args.transport).to_lowercase());
+    rank_args.push("--backend".to_string());
+    rank_args.push(format!("{:?}", args.backend).to_lowercase());
     let threads = std::thread::available_parallelism()
         .map_or(1, |n| n.get())
         .div_ceil(nproc)
@@ -136,29 +159,41 @@ pub fn run_rank(args: &AllReduceArgs) -> Result<()> {
         let roster = bus.join(rank, world, endpoint).await?;
         Ok::<_, anyhow::Error>(roster)
     })?;
+    let device = match args.backend {
+        Backend::Ring => Device::Cpu,
+        Backend::Nccl => device_for(DeviceKind::Gpu, rank)?,
+    };
     let endpoints = roster.iter().map(|e| e.parse()).collect::<Result<Vec<_>, _>>()?;
-    let mut comm = connect_ring(
-        rank,
-        &endpoints,
-        &listener,
-        timeout,
-        args.transport == Transport::Shm,
-        &credentials,
-    )?;
+    let mut comm = if world == 1 {
+        Communicator::single()
+    } else {
+        connect_ring(
+            rank,
+            &endpoints,
+            &listener,
+            timeout,
+            args.transport == Transport::Shm,
+            &credentials,
+        )?
+    };
+    #[cfg(feature = "cuda")]
+    if args.backend == Backend::Nccl {
+        comm.join_nccl(&device)?;
+    }
     if rank == 0 && !args.json {
         println!(
-            "{:>10} {:>6} {:>9} {:>12} {:>12} {:>12}",
-            "size_MiB", "nproc", "transport", "median_ms", "algbw_GB/s", "busbw_GB/s"
+            "{:>10} {:>6} {:>9} {:>7} {:>12} {:>12} {:>12}",
+            "size_MiB", "nproc", "transport", "backend", "median_ms", "algbw_GB/s", "busbw_GB/s"
         );
     }
     for &size_mb in &args.size_mb {
         let len = ((size_mb * (1 << 20) as f64) as usize) / 4;
-        let mut data: Vec<f32> = (0..len).map(|i| (i % 97) as f32).collect();
+        let mut all_reduce = buffer_of(len, &device)?;
         let mut times = Vec::with_capacity(args.iters);
         for iter in 0..args.iters + 2 {
             comm.barrier("benchmark barrier")?;
             let start = Instant::now();
-            comm.all_reduce_sum("benchmark all-reduce", &mut data)?;
+            all_reduce(&mut comm)?;
             if iter >= 2 {
                 times.push(start.elapsed().as_secs_f64());
             }
@@ -182,6 +217,7 @@ pub fn run_rank(args: &AllReduceArgs) -> Result<()> {
             op: "allreduce",
             nproc: world,
             transport: args.transport,
+            backend: args.backend,
             bytes,
             median_s: median,
             algbw_gbps: algbw,
@@ -192,10 +228,11 @@ pub fn run_rank(args: &AllReduceArgs) -> Result<()> {
                 println!("{}", serde_json::to_string(&figures)?);
             } else {
                 println!(
-                    "{:>10} {:>6} {:>9} {:>12.3} {:>12.3} {:>12.3}",
+                    "{:>10} {:>6} {:>9} {:>7} {:>12.3} {:>12.3} {:>12.3}",
                     size_mb,
                     world,
                     format!("{:?}", args.transport).to_lowercase(),
+                    format!("{:?}", args.backend).to_lowercase(),
                     median * 1e3,
                     figures.algbw_gbps,
                     figures.busbw_gbps
@@ -205,4 +242,23 @@ pub fn run_rank(args: &AllReduceArgs) -> Result<()> {
     }
     comm.barrier("end of benchmark")?;
     Ok(())
+}
+
+/// One timed all-reduce of a benchmark's buffer.
+type TimedAllReduce = Box<dyn FnMut(&mut Communicator) -> Result<()>>;
+
+/// A buffer of `len` floats on `device` and the all-reduce the benchmark times: the ring's, in
+/// place on the host, or NCCL's (every figure includes waiting for the GPU).
+fn buffer_of(len: usize, device: &Device) -> Result<TimedAllReduce> {
+    let data: Vec<f32> = (0..len).map(|i| (i % 97) as f32).collect();
+    Ok(if device.is_cuda() {
+        let tensor = Tensor::from_vec(data, len, device)?;
+        Box::new(move |comm| {
+            comm.all_reduce_mean_tensor("benchmark all-reduce", tensor.clone())
+                .map(drop)
+        })
+    } else {
+        let mut data = data;
+        Box::new(move |comm| comm.all_reduce_sum("benchmark all-reduce", &mut data))
+    })
 }

@@ -5,6 +5,7 @@
 
 mod bucket;
 mod checksum;
+mod gradient_bucket;
 mod replica;
 pub mod training_state;
 

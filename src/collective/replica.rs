@@ -7,6 +7,7 @@ use anyhow::{bail, Context, Result};
 use candle_core::backprop::GradStore;
 use candle_core::{Device, Tensor, Var};
 
+use super::gradient_bucket::{BucketFill, BucketValues};
 use super::{training_state, BucketPlan, ParamChecksum};
 use crate::config::JobConfig;
 use crate::data::Batch;
@@ -49,7 +50,7 @@ pub struct Replica {
     device: Device,
     /// How forward and backward cut the model (per block, or recomputed segments).
     segments: Segments,
-    merge: GradientMerge,
+    merge: GradientMerge<BucketValues>,
     /// Batches trained.
     step: usize,
     /// Spans of the steps, when tracing.
@@ -146,26 +147,19 @@ impl Replica {
 
     /// Makes every rank start from rank 0's parameters.
     pub fn broadcast_parameters(&mut self) -> Result<()> {
-        let mut flat = Vec::with_capacity(self.model.parameter_count());
-        for p in &self.params {
-            flat.extend(p.var.flatten_all()?.to_vec1::<f32>()?);
-        }
-        let flat = self.comm.run(move |c| {
-            c.broadcast(
-                "broadcast of the initial parameters",
-                bytemuck::cast_slice_mut(&mut flat),
-                0,
-            )?;
-            Ok(flat)
-        })?;
+        let flat = self
+            .params
+            .iter()
+            .map(|p| p.var.flatten_all())
+            .collect::<candle_core::Result<Vec<_>>>()?;
+        let flat = Tensor::cat(&flat, 0)?;
+        let flat = self
+            .comm
+            .run(move |c| c.broadcast_tensor("broadcast of the initial parameters", flat, 0))?;
         let mut offset = 0;
         for p in &self.params {
             let n = p.var.elem_count();
-            p.var.set(&Tensor::from_slice(
-                &flat[offset..offset + n],
-                p.var.shape(),
-                &self.device,
-            )?)?;
+            p.var.set(&flat.narrow(0, offset, n)?.reshape(p.var.shape())?)?;
             offset += n;
         }
         Ok(())
@@ -194,7 +188,7 @@ impl Replica {
         let (params, plan, merge, comm) = (&self.params, &self.plan, &mut self.merge, &self.comm);
         let mut pending: Vec<Pending<ReducedBucket>> = Vec::with_capacity(plan.buckets.len());
         let mut bucket_index = 0;
-        let mut filling: Vec<f32> = Vec::new();
+        let mut filling = BucketFill::new(&self.device);
         segments::backward(blocks, &self.segments, forward, &upstream, &mut |range, grads| {
             for block in range.rev() {
                 for (param_index, param) in params.iter().enumerate().filter(|(_, p)| p.block == block) {
@@ -202,12 +196,9 @@ impl Replica {
                         .get(param.var.as_tensor())
                         .with_context(|| format!("no gradient for {}", param.name))?;
                     let bucket = &plan.buckets[bucket_index];
-                    if filling.is_empty() {
-                        filling.reserve(bucket.len);
-                    }
-                    filling.extend(grad.flatten_all()?.to_vec1::<f32>()?);
+                    filling.push(grad, bucket.len)?;
                     if bucket.params.last() == Some(&param_index) {
-                        if let Some(merged) = merge.add(step, bucket_index, std::mem::take(&mut filling)) {
+                        if let Some(merged) = merge.add(step, bucket_index, filling.take()?)? {
                             pending.push(submit_bucket(comm, step, bucket_index, merged));
                         }
                         bucket_index += 1;
@@ -243,12 +234,8 @@ impl Replica {
                 let mut offset = 0;
                 for &param_index in &bucket.params {
                     let var = &self.params[param_index].var;
-                    let n = var.elem_count();
-                    averaged.insert(
-                        var.as_tensor(),
-                        Tensor::from_slice(&values[offset..offset + n], var.shape(), &self.device)?,
-                    );
-                    offset += n;
+                    averaged.insert(var.as_tensor(), values.gradient(offset, var.shape(), &self.device)?);
+                    offset += var.elem_count();
                 }
             }
             let stepping = Instant::now();
@@ -333,22 +320,17 @@ impl Replica {
 
 /// A bucket's averaged gradients and when the communication thread worked on them.
 struct ReducedBucket {
-    values: Vec<f32>,
+    values: BucketValues,
     started: Instant,
     ended: Instant,
 }
 
 /// Hands bucket `index`'s gradients of `step` to the communication thread, which all-reduces
 /// them and divides by the world size.
-fn submit_bucket(comm: &CommWorker, step: usize, index: usize, mut values: Vec<f32>) -> Pending<ReducedBucket> {
-    let world = comm.world_size() as f32;
+fn submit_bucket(comm: &CommWorker, step: usize, index: usize, values: BucketValues) -> Pending<ReducedBucket> {
     comm.submit(move |c| {
         let started = Instant::now();
-        c.all_reduce_sum(
-            &format!("all-reduce of gradient bucket {index} at step {step}"),
-            &mut values,
-        )?;
-        values.iter_mut().for_each(|v| *v /= world);
+        let values = values.all_reduce_mean(c, &format!("all-reduce of gradient bucket {index} at step {step}"))?;
         Ok(ReducedBucket {
             values,
             started,

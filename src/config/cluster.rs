@@ -13,16 +13,17 @@ use super::FieldError;
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum DeviceKind {
-    /// Host CPU; the only device supported in this release.
+    /// Host CPU.
     #[default]
     Cpu,
-    /// CUDA GPU; accepted by the parser so the error can say "not supported yet" rather than
-    /// "unknown variant".
+    /// One CUDA GPU per rank (`FLAGS_selected_gpus`, else the rank's place on its node); needs
+    /// a build with the `cuda` feature. A build without it still parses the value, so its
+    /// error can say how to get one rather than "unknown variant".
     Gpu,
 }
 
-/// Why `cluster.device = "gpu"` is rejected: this build has no CUDA support.
-pub(crate) const GPU_NOT_BUILT: &str = "\"gpu\" is not supported yet (CPU only in this release)";
+/// Why `cluster.device = "gpu"` is rejected by a build without the `cuda` feature.
+pub(crate) const GPU_NOT_BUILT: &str = "\"gpu\": built without CUDA support; rebuild with --features cuda";
 
 /// `[cluster]` section: the process layout of the job.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -145,7 +146,7 @@ impl ClusterConfig {
                 ));
             }
         }
-        if self.device == DeviceKind::Gpu {
+        if self.device == DeviceKind::Gpu && !cfg!(feature = "cuda") {
             return Err(FieldError::new("cluster.device", GPU_NOT_BUILT));
         }
         if let Some(master) = &self.master {
@@ -217,6 +218,7 @@ fn check_host_port(text: &str) -> Result<(), String> {
 #[cfg(test)]
 mod tests {
     use crate::config::tests::{err_text, load_str, load_with};
+    use crate::config::DeviceKind;
 
     #[test]
     fn world_size_contradiction_names_both_sides() {
@@ -268,12 +270,16 @@ mod tests {
     }
 
     #[test]
-    fn gpu_device_is_not_supported_yet() {
-        let msg = err_text(load_str("[cluster]\ndevice = \"gpu\"\n"));
-        assert_eq!(
-            msg,
-            "config.toml: cluster.device: \"gpu\" is not supported yet (CPU only in this release)"
-        );
+    fn gpu_device_needs_a_cuda_build() {
+        let loaded = load_str("[cluster]\ndevice = \"gpu\"\n");
+        if cfg!(feature = "cuda") {
+            assert_eq!(loaded.unwrap().cluster.device, DeviceKind::Gpu);
+        } else {
+            assert_eq!(
+                err_text(loaded),
+                "config.toml: cluster.device: \"gpu\": built without CUDA support; rebuild with --features cuda"
+            );
+        }
         let msg = err_text(load_str("[cluster]\ndevice = \"tpu\"\n"));
         assert!(
             msg.starts_with("config.toml: cluster.device: unknown variant `tpu`"),

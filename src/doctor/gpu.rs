@@ -24,10 +24,14 @@ pub(super) fn check_device(device: DeviceKind) -> Vec<Line> {
     match device {
         DeviceKind::Cpu => vec![Line::ok("device: cpu — no GPU libraries needed")],
         DeviceKind::Gpu => vec![
-            Line::fail(
-                "device: gpu — built without CUDA support: this release trains on CPU only; set \
-                 cluster.device = \"cpu\", or use a build with CUDA support",
-            ),
+            if cfg!(feature = "cuda") {
+                Line::ok("device: gpu — built with CUDA support")
+            } else {
+                Line::fail(
+                    "device: gpu — built without CUDA support; rebuild with --features cuda, or set \
+                     cluster.device = \"cpu\"",
+                )
+            },
             check_driver(),
             check_library(LIBNCCL, "install NCCL"),
         ],
@@ -152,6 +156,7 @@ mod tests {
     }
 
     #[test]
+    #[cfg(not(feature = "cuda"))]
     fn gpu_fails_in_a_build_without_cuda_and_names_each_library() {
         let lines = check_device(DeviceKind::Gpu);
         assert_eq!(lines.len(), 3);

@@ -6,20 +6,39 @@ use anyhow::{ensure, Result};
 
 use crate::config::DistributedStrategy;
 
-/// Accumulators of a rank's gradient buffers (one per fusion bucket, or one for all).
-pub struct GradientMerge {
-    k: usize,
-    avg: bool,
-    sums: Vec<Option<Vec<f32>>>,
+/// A gradient buffer that merges: host floats, or a flat tensor on the compute device.
+pub trait MergeBuffer: Sized {
+    /// The elementwise sum of two buffers of one length.
+    fn plus(self, other: Self) -> Result<Self>;
+    /// Every element divided by `k`.
+    fn divided_by(self, k: f32) -> Result<Self>;
 }
 
-impl GradientMerge {
+impl MergeBuffer for Vec<f32> {
+    fn plus(mut self, other: Self) -> Result<Self> {
+        self.iter_mut().zip(&other).for_each(|(s, v)| *s += v);
+        Ok(self)
+    }
+
+    fn divided_by(self, k: f32) -> Result<Self> {
+        Ok(self.into_iter().map(|g| g / k).collect())
+    }
+}
+
+/// Accumulators of a rank's gradient buffers (one per fusion bucket, or one for all).
+pub struct GradientMerge<B = Vec<f32>> {
+    k: usize,
+    avg: bool,
+    sums: Vec<Option<B>>,
+}
+
+impl<B: MergeBuffer> GradientMerge<B> {
     /// Merging as `strategy` says, over `buffers` gradient buffers.
     pub fn new(strategy: &DistributedStrategy, buffers: usize) -> Self {
         Self {
             k: strategy.merge_steps(),
             avg: strategy.gradient_merge_configs.avg,
-            sums: vec![None; buffers],
+            sums: (0..buffers).map(|_| None).collect(),
         }
     }
 
@@ -36,24 +55,20 @@ impl GradientMerge {
     /// Adds batch `batch`'s gradients of buffer `index`. On the batch that completes the
     /// merge, returns the merged buffer (the mean of the k batches', or their sum) and starts
     /// a new merge of that buffer.
-    pub fn add(&mut self, batch: usize, index: usize, values: Vec<f32>) -> Option<Vec<f32>> {
+    pub fn add(&mut self, batch: usize, index: usize, values: B) -> Result<Option<B>> {
         let sum = match self.sums[index].take() {
             None => values,
-            Some(mut sum) => {
-                sum.iter_mut().zip(&values).for_each(|(s, v)| *s += v);
-                sum
-            }
+            Some(sum) => sum.plus(values)?,
         };
         if !self.completes(batch) {
             self.sums[index] = Some(sum);
-            return None;
+            return Ok(None);
         }
-        Some(if self.avg && self.k > 1 {
-            let k = self.k as f32;
-            sum.into_iter().map(|g| g / k).collect()
+        Ok(Some(if self.avg && self.k > 1 {
+            sum.divided_by(self.k as f32)?
         } else {
             sum
-        })
+        }))
     }
 }
 
@@ -84,12 +99,12 @@ mod tests {
     }
 
     #[test]
-    fn merges_k_batches_into_their_mean_or_sum() {
+    fn merges_k_batches_into_their_mean_or_sum() -> Result<()> {
         let mut mean = GradientMerge::new(&strategy(3, true), 1);
         let mut sum = GradientMerge::new(&strategy(3, false), 1);
         for batch in 0..6 {
             let values = vec![batch as f32, 1.0];
-            let (m, s) = (mean.add(batch, 0, values.clone()), sum.add(batch, 0, values));
+            let (m, s) = (mean.add(batch, 0, values.clone())?, sum.add(batch, 0, values)?);
             match batch {
                 2 => assert_eq!((m.unwrap(), s.unwrap()), (vec![1.0, 1.0], vec![3.0, 3.0])),
                 5 => assert_eq!(m.unwrap(), vec![4.0, 1.0]),
@@ -98,7 +113,8 @@ mod tests {
         }
         assert_eq!(mean.optimizer_step(5), 1);
         let mut off = GradientMerge::new(&DistributedStrategy::default(), 2);
-        assert_eq!(off.add(0, 1, vec![2.0]), Some(vec![2.0]));
+        assert_eq!(off.add(0, 1, vec![2.0])?, Some(vec![2.0]));
+        Ok(())
     }
 
     #[test]

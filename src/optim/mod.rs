@@ -6,7 +6,7 @@ mod lr_policy;
 mod sgd_momentum;
 
 pub use adamw::AdamW;
-pub use gradient_merge::{check_run_length, GradientMerge};
+pub use gradient_merge::{check_run_length, GradientMerge, MergeBuffer};
 pub use lr_policy::LrPolicy;
 pub use sgd_momentum::{SgdMomentum, SgdMomentumConfig};
 

@@ -207,7 +207,7 @@ impl PipelineReplica {
             &mut self.timeline,
             &mut |first, grads| {
                 if overlap {
-                    if let Some(merged) = merge.add(at, first, flatten(grads)?) {
+                    if let Some(merged) = merge.add(at, first, flatten(grads)?)? {
                         reducing.push((first, submit_gradients(comm, at, first, merged)));
                     }
                 }
@@ -215,7 +215,7 @@ impl PipelineReplica {
             },
         )?;
         if !overlap {
-            if let Some(merged) = self.merge.add(at, 0, flatten(&step.gradients)?) {
+            if let Some(merged) = self.merge.add(at, 0, flatten(&step.gradients)?)? {
                 reducing.push((0, submit_gradients(comm, at, 0, merged)));
             }
         }

@@ -32,6 +32,8 @@ struct Gauges {
     bubble_fraction: FloatGauge,
     learning_rate: FloatGauge,
     peak_rss: Gauge,
+    gpu_memory: FloatGauge,
+    gpu_utilization: FloatGauge,
 }
 
 impl Gauges {
@@ -71,6 +73,16 @@ impl Gauges {
             "peak_rss_bytes",
             "Largest peak resident set of the job's processes",
             g.peak_rss,
+        );
+        registry.register(
+            "gpu_memory_bytes",
+            "GPU jobs: device memory in use on the reporting process's GPUs",
+            g.gpu_memory,
+        );
+        registry.register(
+            "gpu_utilization_percent",
+            "GPU jobs: share of time a kernel ran on the reporting process's GPUs",
+            g.gpu_utilization,
         );
         registry
     }
@@ -121,6 +133,8 @@ impl Exporter {
         g.bubble_fraction.set(m.bubble_fraction.unwrap_or(f64::NAN));
         g.learning_rate.set(m.lr);
         g.peak_rss.set(i64::try_from(m.peak_rss_bytes).unwrap_or(i64::MAX));
+        g.gpu_memory.set(m.gpu_memory_bytes.map_or(f64::NAN, |b| b as f64));
+        g.gpu_utilization.set(m.gpu_utilization.unwrap_or(f64::NAN));
     }
 }
 
@@ -194,6 +208,7 @@ mod tests {
             bubble_fraction: None,
             peak_rss_bytes: 1 << 20,
             gpu_memory_bytes: None,
+            gpu_utilization: None,
             lr: 0.05,
             loss: 1.5,
             loss_spread: Some(0.5),

@@ -36,8 +36,10 @@ pub struct StepMetrics {
     pub bubble_fraction: Option<f64>,
     /// The largest resident set any process of the job has had so far, in bytes.
     pub peak_rss_bytes: u64,
-    /// GPU jobs: device memory in use, in bytes.
+    /// GPU jobs: device memory in use on the reporting process's GPUs (NVML), in bytes.
     pub gpu_memory_bytes: Option<u64>,
+    /// GPU jobs: share of time a kernel ran on the reporting process's GPUs (NVML), in percent.
+    pub gpu_utilization: Option<f64>,
     /// Learning rate the step used.
     #[serde(deserialize_with = "nan_if_null")]
     pub lr: f64,
@@ -142,6 +144,7 @@ mod tests {
             bubble_fraction: None,
             peak_rss_bytes: 1 << 20,
             gpu_memory_bytes: None,
+            gpu_utilization: None,
             lr: 0.1,
             loss: 2.0 / step as f32,
             loss_spread: Some(0.01),

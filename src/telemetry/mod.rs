@@ -4,6 +4,7 @@
 
 pub mod clock;
 pub mod exporter;
+pub mod gpu;
 pub mod metrics;
 pub mod monitor;
 pub mod rank_figures;

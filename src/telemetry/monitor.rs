@@ -11,6 +11,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 use serde::{Deserialize, Serialize};
 
 use super::exporter::Exporter;
+use super::gpu;
 use super::metrics::{MetricsLog, StepMetrics};
 
 /// Set by `flotilla launch` on a terminal: the reporting rank writes progress lines for the
@@ -161,6 +162,7 @@ impl Monitor {
     /// Reports step `step` (1-based: steps done) and returns its metrics.
     pub fn record(&mut self, step: usize, sample: StepSample) -> Result<StepMetrics> {
         let step_s = sample.step_time.as_secs_f64().max(1e-9);
+        let gpu = gpu::sample();
         let metrics = StepMetrics {
             step,
             elapsed_s: self.started.elapsed().as_secs_f64(),
@@ -170,7 +172,8 @@ impl Monitor {
             exposed_comm_ratio: sample.exposed_comm_time.as_secs_f64() / step_s,
             bubble_fraction: sample.bubble_fraction,
             peak_rss_bytes: sample.peak_rss_bytes,
-            gpu_memory_bytes: None,
+            gpu_memory_bytes: gpu.map(|g| g.memory_bytes),
+            gpu_utilization: gpu.map(|g| g.utilization_percent),
             lr: sample.lr,
             loss: sample.loss,
             loss_spread: sample.loss_spread,

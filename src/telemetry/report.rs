@@ -389,6 +389,7 @@ mod tests {
                     bubble_fraction: pipeline.then_some(0.3 + 0.02 * wobble),
                     peak_rss_bytes: 200 << 20,
                     gpu_memory_bytes: None,
+                    gpu_utilization: None,
                     lr: 0.1,
                     loss: (2.3 * (-t / 30.0).exp() + 0.1) as f32,
                     loss_spread: Some((0.2 * (-t / 60.0).exp()) as f32),

@@ -16,10 +16,13 @@
 
 mod links;
 pub mod memory;
+#[cfg(feature = "cuda")]
+pub mod nccl;
 pub mod ring;
 mod send_queue;
 pub mod shm;
 pub mod tcp;
+mod tensors;
 pub mod transport;
 pub mod worker;
 

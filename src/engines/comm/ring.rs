@@ -22,9 +22,12 @@ use anyhow::{ensure, Result};
 use super::memory;
 use super::transport::RingTransport;
 
-/// Collectives for one rank.
+/// Collectives for one rank: the ring's, on host buffers, and on GPU jobs NCCL's, on device
+/// tensors.
 pub struct Communicator {
     transport: Box<dyn RingTransport>,
+    #[cfg(feature = "cuda")]
+    nccl: Option<super::nccl::NcclComm>,
 }
 
 /// Views received bytes as floats, copying only if they are misaligned.
@@ -68,7 +71,33 @@ fn split_segments<T>(data: &mut [T], a: Range<usize>, b: Range<usize>) -> (&[T],
 impl Communicator {
     /// A communicator over `transport`.
     pub fn new(transport: Box<dyn RingTransport>) -> Self {
-        Self { transport }
+        Self {
+            transport,
+            #[cfg(feature = "cuda")]
+            nccl: None,
+        }
+    }
+
+    /// Joins the ranks' NCCL communicator when they train on distinct GPUs (see
+    /// [`super::nccl::connect`]); device tensors then go through NCCL.
+    #[cfg(feature = "cuda")]
+    pub fn connect_nccl(&mut self, device: &candle_core::Device) -> Result<()> {
+        self.nccl = super::nccl::connect(self, device)?;
+        Ok(())
+    }
+
+    /// Joins the ranks' NCCL communicator on GPU `device`, whatever the world (see
+    /// [`super::nccl::join`]).
+    #[cfg(feature = "cuda")]
+    pub fn join_nccl(&mut self, device: &candle_core::Device) -> Result<()> {
+        self.nccl = Some(super::nccl::join(self, device.as_cuda_device()?)?);
+        Ok(())
+    }
+
+    /// The NCCL communicator, on GPU jobs whose ranks have one.
+    #[cfg(feature = "cuda")]
+    pub fn nccl(&self) -> Option<&super::nccl::NcclComm> {
+        self.nccl.as_ref()
     }
 
     /// The communicator of a world of one: every collective is a no-op.

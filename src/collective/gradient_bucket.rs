@@ -1,0 +1,169 @@
+//! A fusion bucket's gradients on their way through the all-reduce: host floats for the ring
+//! (CPU jobs), or one flat tensor that stays on the GPU for NCCL.
+
+use anyhow::{Context, Result};
+use candle_core::{Device, Shape, Tensor};
+
+use crate::engines::comm::Communicator;
+use crate::optim::MergeBuffer;
+
+/// A bucket's values.
+pub(super) enum BucketValues {
+    /// On the host, for the ring.
+    Host(Vec<f32>),
+    /// One flat f32 tensor on the compute device.
+    Device(Tensor),
+}
+
+/// Gathers a bucket's gradients, in fill order, where its all-reduce wants them.
+pub(super) struct BucketFill {
+    host: Option<Vec<f32>>,
+    device: Vec<Tensor>,
+}
+
+impl BucketFill {
+    /// An empty bucket for gradients on `device`: GPU gradients stay on the GPU.
+    pub(super) fn new(device: &Device) -> Self {
+        Self {
+            host: (!device.is_cuda()).then(Vec::new),
+            device: Vec::new(),
+        }
+    }
+
+    /// Appends a gradient, flattened.
+    pub(super) fn push(&mut self, grad: &Tensor, bucket_len: usize) -> Result<()> {
+        match &mut self.host {
+            Some(host) => {
+                if host.is_empty() {
+                    host.reserve(bucket_len);
+                }
+                host.extend(grad.flatten_all()?.to_vec1::<f32>()?);
+            }
+            None => self.device.push(grad.flatten_all()?),
+        }
+        Ok(())
+    }
+
+    /// The gradients pushed since the last take, as one bucket.
+    pub(super) fn take(&mut self) -> Result<BucketValues> {
+        Ok(match &mut self.host {
+            Some(host) => BucketValues::Host(std::mem::take(host)),
+            None => BucketValues::Device(Tensor::cat(&std::mem::take(&mut self.device), 0)?),
+        })
+    }
+}
+
+impl BucketValues {
+    /// Number of values.
+    pub(super) fn len(&self) -> usize {
+        match self {
+            Self::Host(values) => values.len(),
+            Self::Device(tensor) => tensor.elem_count(),
+        }
+    }
+
+    /// The mean of the bucket over all ranks of `comm`: by NCCL when the ranks have it, else
+    /// by the ring (a device bucket through host memory).
+    pub(super) fn all_reduce_mean(self, comm: &mut Communicator, op: &str) -> Result<Self> {
+        Ok(match self {
+            Self::Host(mut values) => {
+                comm.all_reduce_mean(op, &mut values)?;
+                Self::Host(values)
+            }
+            Self::Device(tensor) => Self::Device(comm.all_reduce_mean_tensor(op, tensor)?),
+        })
+    }
+
+    /// The `len` values from `offset` as a tensor of `shape` on `device`.
+    pub(super) fn gradient(&self, offset: usize, shape: &Shape, device: &Device) -> Result<Tensor> {
+        let len = shape.elem_count();
+        let values = match self {
+            Self::Host(values) => Tensor::from_slice(&values[offset..offset + len], len, device)?,
+            Self::Device(tensor) => tensor.narrow(0, offset, len)?,
+        };
+        values
+            .reshape(shape)
+            .with_context(|| format!("a gradient of shape {shape:?} at offset {offset}"))
+    }
+}
+
+impl MergeBuffer for BucketValues {
+    fn plus(self, other: Self) -> Result<Self> {
+        Ok(match (self, other) {
+            (Self::Host(sum), Self::Host(values)) => Self::Host(sum.plus(values)?),
+            (Self::Device(sum), Self::Device(values)) => Self::Device((sum + values)?),
+            _ => anyhow::bail!("a host and a device bucket cannot merge"),
+        })
+    }
+
+    fn divided_by(self, k: f32) -> Result<Self> {
+        Ok(match self {
+            Self::Host(values) => Self::Host(values.divided_by(k)?),
+            Self::Device(tensor) => Self::Device((tensor / f64::from(k))?),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::engines::comm::memory;
+
+    /// The device path, run on CPU tensors: a 3-rank ring averages it as it averages host floats.
+    #[test]
+    fn device_and_host_buckets_reduce_to_the_same_mean() -> Result<()> {
+        let rings = memory::ring(3, std::time::Duration::from_secs(5));
+        let means = std::thread::scope(|scope| {
+            let handles: Vec<_> = rings
+                .into_iter()
+                .map(|transport| {
+                    scope.spawn(move || -> Result<(Vec<f32>, Vec<f32>)> {
+                        let mut comm = Communicator::new(Box::new(transport));
+                        let mine: Vec<f32> = (0..7).map(|i| (comm.rank() * 10 + i) as f32).collect();
+                        let tensor = Tensor::from_vec(mine.clone(), 7, &Device::Cpu)?;
+                        let BucketValues::Device(device) =
+                            BucketValues::Device(tensor).all_reduce_mean(&mut comm, "test")?
+                        else {
+                            anyhow::bail!("a device bucket came back from the host")
+                        };
+                        let BucketValues::Host(host) = BucketValues::Host(mine).all_reduce_mean(&mut comm, "test")?
+                        else {
+                            anyhow::bail!("a host bucket came back from the device")
+                        };
+                        Ok((device.to_vec1()?, host))
+                    })
+                })
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| h.join().expect("rank thread"))
+                .collect::<Result<Vec<_>>>()
+        })?;
+        let expected: Vec<f32> = (0..7).map(|i| (10 + i) as f32).collect();
+        for (device, host) in means {
+            assert_eq!(device, expected);
+            assert_eq!(host, expected);
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn buckets_merge_and_give_back_shaped_gradients() -> Result<()> {
+        let tensor = |v: &[f32]| Tensor::from_slice(v, v.len(), &Device::Cpu);
+        let device = BucketValues::Device(tensor(&[1.0, 2.0, 3.0, 4.0, 5.0, 6.0])?)
+            .plus(BucketValues::Device(tensor(&[1.0; 6])?))?
+            .divided_by(2.0)?;
+        let host = BucketValues::Host(vec![1.0, 2.0, 3.0, 4.0, 5.0, 6.0])
+            .plus(BucketValues::Host(vec![1.0; 6]))?
+            .divided_by(2.0)?;
+        let shape = Shape::from((2, 2));
+        for bucket in [device, host] {
+            let grad = bucket.gradient(2, &shape, &Device::Cpu)?;
+            assert_eq!(grad.to_vec2::<f32>()?, [[2.0, 2.5], [3.0, 3.5]]);
+        }
+        assert!(BucketValues::Host(vec![1.0])
+            .plus(BucketValues::Device(tensor(&[1.0])?))
+            .is_err());
+        Ok(())
+    }
+}

@@ -1,0 +1,162 @@
+//! NCCL collectives on GPU tensors (feature `cuda`), beside the ring: the ring keeps the small
+//! host-side collectives (losses, checksums, counts) and carries NCCL's bootstrap; NCCL moves
+//! the gradient buckets and the initial parameters without leaving the GPUs.
+//!
+//! NCCL runs on a stream of its own. A bucket enters it only after the compute stream's last
+//! write to it (cudarc records an event per write and makes the reading stream wait on it), so
+//! the compute stream goes on with backward while earlier buckets are reduced; the result is
+//! read back by the compute stream the same way.
+
+use std::ffi::{c_char, CStr};
+use std::sync::Arc;
+
+use anyhow::{anyhow, Context, Result};
+use candle_core::backprop::BackpropOp;
+use candle_core::{CudaDevice, CudaStorage, Device, Storage, Tensor};
+use cudarc::driver::{CudaSlice, CudaStream, CudaView};
+use cudarc::nccl::result::NcclError;
+use cudarc::nccl::{Comm, Id, ReduceOp};
+
+use super::Communicator;
+use crate::engines::compute::cuda;
+
+/// One rank's NCCL communicator and the stream its collectives run on.
+pub struct NcclComm {
+    comm: Comm,
+    device: CudaDevice,
+    stream: Arc<CudaStream>,
+}
+
+// SAFETY: an NCCL communicator may be used from any thread, one thread at a time; `NcclComm`
+// is owned by one communication thread and only moved, never shared.
+unsafe impl Send for NcclComm {}
+
+/// NCCL for the ranks of `ring`, each on its GPU `device`, when the job has use for it: not
+/// on the CPU, nor in a world of one, nor when ranks share a GPU (NCCL refuses two ranks on one
+/// device; their gradients then travel through the host ring, slower but correct).
+pub fn connect(ring: &mut Communicator, device: &Device) -> Result<Option<NcclComm>> {
+    let Device::Cuda(device) = device else {
+        return Ok(None);
+    };
+    if ring.world_size() == 1 {
+        return Ok(None);
+    }
+    let rank = ring.rank();
+    let mine = cuda::uuid(device)?;
+    let uuids = ring.all_gather("all-gather of the ranks' GPU ids", mine.as_bytes())?;
+    if let Some(other) = (0..uuids.len()).find(|&r| r != rank && uuids[r] == uuids[rank]) {
+        tracing::warn!(
+            "ranks {rank} and {other} share GPU {mine}: NCCL cannot put two ranks on one device, \
+             so gradients go through the host ring"
+        );
+        return Ok(None);
+    }
+    join(ring, device).map(Some)
+}
+
+/// The NCCL communicator of the ring's ranks, whatever their devices: rank 0 makes the unique
+/// id and the ring carries it to the others.
+pub fn join(ring: &mut Communicator, device: &CudaDevice) -> Result<NcclComm> {
+    let rank = ring.rank();
+    let mut id = [0u8; 128];
+    if rank == 0 {
+        let made = Id::new().map_err(|e| nccl_failure(rank, "creating the NCCL unique id", e))?;
+        for (byte, c) in id.iter_mut().zip(made.internal()) {
+            *byte = *c as u8;
+        }
+    }
+    ring.broadcast("broadcast of the NCCL unique id", &mut id, 0)?;
+    let stream = device
+        .cuda_stream()
+        .context()
+        .new_stream()
+        .map_err(|why| anyhow!("rank {rank}: creating NCCL's stream: {why}"))?;
+    let comm = Comm::from_rank(
+        stream.clone(),
+        rank,
+        ring.world_size(),
+        Id::uninit(id.map(|b| b as c_char)),
+    )
+    .map_err(|e| nccl_failure(rank, "joining the NCCL communicator", e))?;
+    tracing::debug!(rank, "NCCL communicator ready");
+    Ok(NcclComm {
+        comm,
+        device: device.clone(),
+        stream,
+    })
+}
+
+impl NcclComm {
+    /// The mean of `tensor` (f32, contiguous) over all ranks, as a new flat tensor.
+    pub fn all_reduce_mean(&self, op: &str, tensor: &Tensor) -> Result<Tensor> {
+        let mut out = self.alloc(op, tensor.elem_count())?;
+        with_view(tensor, |input| {
+            self.comm.all_reduce(&input, &mut out, &ReduceOp::Avg).map(drop)
+        })
+        .map_err(|e| self.failure(op, e))??;
+        self.finish(op, out)
+    }
+
+    /// `root`'s `tensor` (f32, contiguous) on every rank, as a new flat tensor.
+    pub fn broadcast(&self, op: &str, tensor: &Tensor, root: usize) -> Result<Tensor> {
+        let mut out = self.alloc(op, tensor.elem_count())?;
+        let root = i32::try_from(root).context("NCCL numbers ranks with i32")?;
+        with_view(tensor, |input| {
+            self.comm.broadcast(Some(&input), &mut out, root).map(drop)
+        })
+        .map_err(|e| self.failure(op, e))??;
+        self.finish(op, out)
+    }
+
+    fn alloc(&self, op: &str, len: usize) -> Result<CudaSlice<f32>> {
+        // SAFETY: every element is written by the collective before anything reads it.
+        unsafe { self.stream.alloc::<f32>(len) }.map_err(|why| anyhow!("{op}: allocating {len} floats: {why}"))
+    }
+
+    /// Waits for the collective (so its time is measured and its input may be freed) and
+    /// wraps the result as a tensor of the compute device.
+    fn finish(&self, op: &str, out: CudaSlice<f32>) -> Result<Tensor> {
+        self.stream
+            .synchronize()
+            .map_err(|why| anyhow!("rank {}: {op}: the NCCL stream failed: {why}", self.comm.rank()))?;
+        let len = out.len();
+        let storage = Storage::Cuda(CudaStorage::wrap_cuda_slice(out, self.device.clone()));
+        Ok(Tensor::from_storage(storage, len, BackpropOp::none(), false))
+    }
+
+    fn failure(&self, op: &str, error: NcclError) -> anyhow::Error {
+        nccl_failure(self.comm.rank(), op, error)
+    }
+}
+
+/// Runs `collective` on a view of `tensor`'s f32 storage.
+fn with_view<T>(
+    tensor: &Tensor,
+    collective: impl FnOnce(CudaView<'_, f32>) -> std::result::Result<T, NcclError>,
+) -> std::result::Result<Result<T>, NcclError> {
+    let (storage, layout) = tensor.storage_and_layout();
+    let Storage::Cuda(storage) = &*storage else {
+        return Ok(Err(anyhow!("NCCL was handed a tensor that is not on a GPU")));
+    };
+    let slice = match storage.as_cuda_slice::<f32>() {
+        Ok(slice) => slice,
+        Err(why) => return Ok(Err(anyhow!("NCCL moves f32 tensors: {why}"))),
+    };
+    let Some((start, end)) = layout.contiguous_offsets() else {
+        return Ok(Err(anyhow!("NCCL was handed a non-contiguous tensor")));
+    };
+    collective(slice.slice(start..end)).map(Ok)
+}
+
+/// An NCCL failure as a person can act on it: the rank, the operation, NCCL's name and text for
+/// the error, and how to make NCCL say more.
+fn nccl_failure(rank: usize, op: &str, error: NcclError) -> anyhow::Error {
+    // SAFETY: ncclGetErrorString returns a static, NUL-terminated string for any result code.
+    let text = unsafe { CStr::from_ptr(cudarc::nccl::sys::ncclGetErrorString(error.0)) }.to_string_lossy();
+    let hint = if std::env::var_os("NCCL_DEBUG").is_some() {
+        "NCCL's own log above says more"
+    } else {
+        "set NCCL_DEBUG=WARN (or INFO) for NCCL's own account"
+    };
+    anyhow!("rank {rank}: {op} failed in NCCL: {:?} ({text}); {hint}", error.0)
+}
