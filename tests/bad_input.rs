@@ -85,3 +85,35 @@ fn a_role_with_a_token_too_short_to_be_a_secret_is_refused() {
         finished.stderr
     );
 }
+
+/// A build without the `cuda` feature, asked for a GPU by the config or by a benchmark, says how
+/// to get one.
+#[test]
+#[cfg(not(feature = "cuda"))]
+fn a_gpu_in_a_build_without_cuda_says_to_rebuild() {
+    let err = train_with("[cluster]\ndevice = \"gpu\"\n", &[]);
+    assert!(
+        err.contains("cluster.device") && err.contains("built without CUDA support; rebuild with --features cuda"),
+        "{err}"
+    );
+    let bench = flotilla(
+        &[
+            "bench",
+            "allreduce",
+            "--backend",
+            "nccl",
+            "--nproc",
+            "1",
+            "--size-mb",
+            "1",
+        ],
+        &[],
+        60,
+    );
+    assert!(!bench.success, "should fail:\n{}", bench.stdout);
+    assert!(
+        bench.stderr.contains("rebuild with --features cuda"),
+        "{}",
+        bench.stderr
+    );
+}

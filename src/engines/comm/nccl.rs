@@ -11,7 +11,7 @@ use std::ffi::{c_char, CStr};
 use std::sync::Arc;
 
 use anyhow::{anyhow, Context, Result};
-use candle_core::backprop::BackpropOp;
+use candle_core::op::BackpropOp;
 use candle_core::{CudaDevice, CudaStorage, Device, Storage, Tensor};
 use cudarc::driver::{CudaSlice, CudaStream, CudaView};
 use cudarc::nccl::result::NcclError;
@@ -70,7 +70,7 @@ pub fn join(ring: &mut Communicator, device: &CudaDevice) -> Result<NcclComm> {
         .cuda_stream()
         .context()
         .new_stream()
-        .map_err(|why| anyhow!("rank {rank}: creating NCCL's stream: {why}"))?;
+        .map_err(|why| anyhow!("rank {rank}: creating NCCL's stream: {}", cuda::explain(&why)))?;
     let comm = Comm::from_rank(
         stream.clone(),
         rank,
@@ -110,15 +110,20 @@ impl NcclComm {
 
     fn alloc(&self, op: &str, len: usize) -> Result<CudaSlice<f32>> {
         // SAFETY: every element is written by the collective before anything reads it.
-        unsafe { self.stream.alloc::<f32>(len) }.map_err(|why| anyhow!("{op}: allocating {len} floats: {why}"))
+        unsafe { self.stream.alloc::<f32>(len) }
+            .map_err(|why| anyhow!("{op}: allocating {len} floats: {}", cuda::explain(&why)))
     }
 
     /// Waits for the collective (so its time is measured and its input may be freed) and
     /// wraps the result as a tensor of the compute device.
     fn finish(&self, op: &str, out: CudaSlice<f32>) -> Result<Tensor> {
-        self.stream
-            .synchronize()
-            .map_err(|why| anyhow!("rank {}: {op}: the NCCL stream failed: {why}", self.comm.rank()))?;
+        self.stream.synchronize().map_err(|why| {
+            anyhow!(
+                "rank {}: {op}: the NCCL stream failed: {}",
+                self.comm.rank(),
+                cuda::explain(&why)
+            )
+        })?;
         let len = out.len();
         let storage = Storage::Cuda(CudaStorage::wrap_cuda_slice(out, self.device.clone()));
         Ok(Tensor::from_storage(storage, len, BackpropOp::none(), false))

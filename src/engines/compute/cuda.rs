@@ -3,7 +3,8 @@
 
 use anyhow::{anyhow, bail, Context, Result};
 use candle_core::{CudaDevice, Device};
-use cudarc::driver::CudaContext;
+use cudarc::driver::sys::CUresult;
+use cudarc::driver::{CudaContext, DriverError};
 
 use crate::telemetry::gpu;
 
@@ -39,8 +40,23 @@ pub fn uuid(device: &CudaDevice) -> Result<String> {
     let context = device.cuda_stream().context().clone();
     let uuid = context
         .uuid()
-        .map_err(|why| anyhow!("GPU {}: reading its UUID: {why}", context.ordinal()))?;
+        .map_err(|why| anyhow!("GPU {}: reading its UUID: {}", context.ordinal(), explain(&why)))?;
     Ok(nvml_uuid(&uuid.bytes))
+}
+
+/// A driver error by its name, with what to do about the common ones.
+pub fn explain(error: &DriverError) -> String {
+    let what = match error.0 {
+        CUresult::CUDA_ERROR_NO_DEVICE => "no GPU is visible: check nvidia-smi and CUDA_VISIBLE_DEVICES",
+        CUresult::CUDA_ERROR_STUB_LIBRARY => {
+            "the libcuda.so.1 loaded is a link-time stub, not the NVIDIA driver: take its folder off LD_LIBRARY_PATH"
+        }
+        CUresult::CUDA_ERROR_UNSUPPORTED_PTX_VERSION => {
+            "the NVIDIA driver is older than the CUDA 13.0 this binary's kernels were built with: update it (580 or later)"
+        }
+        _ => "check that nvidia-smi works",
+    };
+    format!("{:?}: {what}", error.0)
 }
 
 /// A device UUID as NVML spells it: `GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx`.
