@@ -265,7 +265,7 @@ impl Handler<Prepare> for DeviceActor {
         #[cfg_attr(not(feature = "cuda"), allow(unused_mut))]
         let mut comm = msg.link.into_communicator(&msg.roster)?;
         #[cfg(feature = "cuda")]
-        comm.connect_nccl(&device)?;
+        comm.connect_nccl(&device, msg.job.fault_tolerance.timeout())?;
         let comm = CommWorker::spawn(comm)?;
         let mut replica = Replica::new(model, &msg.job, comm, device)?;
         replica.broadcast_parameters()?;

@@ -178,7 +178,7 @@ pub fn run_rank(args: &AllReduceArgs) -> Result<()> {
     };
     #[cfg(feature = "cuda")]
     if args.backend == Backend::Nccl {
-        comm.join_nccl(&device)?;
+        comm.join_nccl(&device, timeout)?;
     }
     if rank == 0 && !args.json {
         println!(

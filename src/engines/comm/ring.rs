@@ -79,18 +79,19 @@ impl Communicator {
     }
 
     /// Joins the ranks' NCCL communicator when they train on distinct GPUs (see
-    /// [`super::nccl::connect`]); device tensors then go through NCCL.
+    /// [`super::nccl::connect`]); device tensors then go through NCCL, each collective within
+    /// `timeout`.
     #[cfg(feature = "cuda")]
-    pub fn connect_nccl(&mut self, device: &candle_core::Device) -> Result<()> {
-        self.nccl = super::nccl::connect(self, device)?;
+    pub fn connect_nccl(&mut self, device: &candle_core::Device, timeout: std::time::Duration) -> Result<()> {
+        self.nccl = super::nccl::connect(self, device, timeout)?;
         Ok(())
     }
 
     /// Joins the ranks' NCCL communicator on GPU `device`, whatever the world (see
     /// [`super::nccl::join`]).
     #[cfg(feature = "cuda")]
-    pub fn join_nccl(&mut self, device: &candle_core::Device) -> Result<()> {
-        self.nccl = Some(super::nccl::join(self, device.as_cuda_device()?)?);
+    pub fn join_nccl(&mut self, device: &candle_core::Device, timeout: std::time::Duration) -> Result<()> {
+        self.nccl = Some(super::nccl::join(self, device.as_cuda_device()?, timeout)?);
         Ok(())
     }
 
