@@ -180,6 +180,7 @@ impl Replica {
         let blocks = self.model.blocks();
         let forward = segments::forward(blocks, &self.segments, x)?;
         let (local_loss, upstream) = segments::loss_gradient(forward.output(), |out| cross_entropy(out, &y))?;
+        self.settle_for_trace()?;
         record(&mut self.timeline, || format!("forward {step}"), "forward", forwarding);
 
         // Backward segment by segment from the last; every completed bucket is handed to the
@@ -207,6 +208,7 @@ impl Replica {
             }
             Ok(())
         })?;
+        self.settle_for_trace()?;
         record(
             &mut self.timeline,
             || format!("backward {step}"),
@@ -240,6 +242,7 @@ impl Replica {
             }
             let stepping = Instant::now();
             self.optimizer.step(&averaged)?;
+            self.settle_for_trace()?;
             record(
                 &mut self.timeline,
                 || format!("optimizer {step}"),
@@ -267,6 +270,16 @@ impl Replica {
             loss_spread: figures.loss_spread,
             peak_rss_bytes: figures.peak_rss_bytes,
         })
+    }
+
+    /// On a GPU, kernels run after the calls that launch them return: a traced step waits for
+    /// them at the end of each compute span, so that the span is the GPU's time (untraced steps
+    /// never wait).
+    fn settle_for_trace(&self) -> Result<()> {
+        if self.timeline.is_some() && self.device.is_cuda() {
+            self.device.synchronize()?;
+        }
+        Ok(())
     }
 
     /// Counts correct predictions on this rank's `batch` and sums the counts
