@@ -1,4 +1,5 @@
-//! `flotilla doctor` on temporary configs: a port in use, peers that never answer, a healthy
+//! `flotilla doctor` on temporary configs: a port in use, peers that never answer, stand-ins of
+//! the CUDA driver, a healthy
 //! job and an unknown key. Network only on loopback.
 
 mod common;
@@ -190,5 +191,73 @@ fn an_unknown_key_fails_naming_it_and_stops() {
         Some(format!("[FAIL] config: {}: train: unknown field `stepz`", path.display()).as_str()),
         "{}",
         run.stdout
+    );
+}
+
+/// Builds a stand-in CUDA driver, `libcuda.so.1` from `source`, into a temporary directory.
+fn fake_driver(source: &str) -> tempfile::TempDir {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let c = dir.path().join("libcuda.c");
+    std::fs::write(&c, source).expect("write the driver's source");
+    let built = std::process::Command::new("cc")
+        .args(["-shared", "-fPIC", "-o"])
+        .arg(dir.path().join("libcuda.so.1"))
+        .arg(&c)
+        .status()
+        .expect("cc runs (gcc is part of the toolchain this project builds with)");
+    assert!(built.success(), "cc failed to build the stand-in driver");
+    dir
+}
+
+/// The GPU check loads the driver it finds, counts its devices and reads its CUDA version:
+/// against two stand-ins of `libcuda.so.1` (one with 2 devices and CUDA 12.4, one a link-time
+/// stub) put first on the library path.
+#[test]
+fn the_gpu_check_asks_the_driver_it_finds() {
+    let base = free_port_range(3);
+    let job = job_file(
+        &format!("127.0.0.1:{base}"),
+        [&format!("127.0.0.1:{}", base + 1), &format!("127.0.0.1:{}", base + 2)],
+    );
+    let config = job.path.to_str().expect("utf-8 temp path");
+    let gpu_lines = |driver: &tempfile::TempDir| {
+        let library_path = driver.path().to_str().expect("utf-8 temp path").to_string();
+        let run = flotilla(
+            &["doctor", "--config", config, "--set", "cluster.device=\"gpu\""],
+            &[("LD_LIBRARY_PATH", library_path)],
+            30,
+        );
+        check_lines(&run)
+            .into_iter()
+            .filter(|l| l.contains("libcuda") || l.contains("driver runs"))
+            .map(str::to_string)
+            .collect::<Vec<_>>()
+    };
+
+    let working = fake_driver(
+        "int cuInit(unsigned flags) { return 0; }\n\
+         int cuDeviceGetCount(int *count) { *count = 2; return 0; }\n\
+         int cuDriverGetVersion(int *version) { *version = 12040; return 0; }\n",
+    );
+    let lines = gpu_lines(&working);
+    assert_eq!(lines.len(), 2, "{lines:?}");
+    assert_eq!(lines[0], "[ OK ] device: libcuda.so.1 loads; 2 CUDA device(s)");
+    assert!(
+        lines[1].starts_with("[WARN] device: the driver runs CUDA up to 12.4, older than the 13.0"),
+        "{}",
+        lines[1]
+    );
+
+    let stub = fake_driver(
+        "int cuInit(unsigned flags) { return 34; }\n\
+         int cuDeviceGetCount(int *count) { return 34; }\n\
+         int cuDriverGetVersion(int *version) { return 34; }\n",
+    );
+    let lines = gpu_lines(&stub);
+    assert_eq!(lines.len(), 1, "{lines:?}");
+    assert!(
+        lines[0].starts_with("[FAIL] device: the libcuda.so.1 found is a link-time stub"),
+        "{}",
+        lines[0]
     );
 }

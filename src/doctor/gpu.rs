@@ -13,42 +13,87 @@ const LIBNCCL: &CStr = c"libnccl.so.2";
 
 /// `CUDA_ERROR_NO_DEVICE`: the driver loads but sees no device.
 const CUDA_ERROR_NO_DEVICE: c_int = 100;
+/// `CUDA_ERROR_STUB_LIBRARY`: what loaded is a link-time stub, not the driver.
+const CUDA_ERROR_STUB_LIBRARY: c_int = 34;
 
 /// `CUresult cuInit(unsigned int flags)`.
 type CuInit = unsafe extern "C" fn(c_uint) -> c_int;
 /// `CUresult cuDeviceGetCount(int *count)`.
 type CuDeviceGetCount = unsafe extern "C" fn(*mut c_int) -> c_int;
+type CuDriverGetVersion = unsafe extern "C" fn(*mut c_int) -> c_int;
+
+/// The CUDA version `scripts/cuda-toolchain.sh` builds with (as the driver API numbers it).
+const TOOLCHAIN_CUDA: c_int = 13000;
 
 /// The lines of the device check.
 pub(super) fn check_device(device: DeviceKind) -> Vec<Line> {
     match device {
         DeviceKind::Cpu => vec![Line::ok("device: cpu — no GPU libraries needed")],
-        DeviceKind::Gpu => vec![
-            if cfg!(feature = "cuda") {
+        DeviceKind::Gpu => {
+            let mut lines = vec![if cfg!(feature = "cuda") {
                 Line::ok("device: gpu — built with CUDA support")
             } else {
                 Line::fail(
                     "device: gpu — built without CUDA support; rebuild with --features cuda, or set \
                      cluster.device = \"cpu\"",
                 )
-            },
-            check_driver(),
-            check_library(LIBNCCL, "install NCCL"),
-        ],
+            }];
+            lines.extend(check_driver());
+            lines.push(check_library(LIBNCCL, "install NCCL"));
+            lines
+        }
     }
 }
 
-/// The driver loads and counts at least one device.
-fn check_driver() -> Line {
+/// The driver loads, counts at least one device, and runs the CUDA the toolchain builds with.
+fn check_driver() -> Vec<Line> {
+    let (line, library) = count_devices();
+    let mut lines = vec![line];
+    if let Some(library) = library {
+        lines.extend(driver_version(&library));
+    }
+    lines
+}
+
+/// The newest CUDA the driver runs, against the toolchain's.
+fn driver_version(library: &Library) -> Option<Line> {
+    let version = library.symbol(c"cuDriverGetVersion")?;
+    // SAFETY: cuDriverGetVersion's C ABI signature; it writes one int we own, and needs no cuInit.
+    let version = unsafe { std::mem::transmute::<*mut c_void, CuDriverGetVersion>(version) };
+    let mut cuda: c_int = 0;
+    // SAFETY: as above.
+    if unsafe { version(&mut cuda) } != 0 {
+        return None;
+    }
+    Some(version_line(cuda))
+}
+
+fn version_line(cuda: c_int) -> Line {
+    let shown = format!("{}.{}", cuda / 1000, cuda % 1000 / 10);
+    if cuda >= TOOLCHAIN_CUDA {
+        Line::ok(format!("device: the driver runs CUDA up to {shown}"))
+    } else {
+        Line::warn(format!(
+            "device: the driver runs CUDA up to {shown}, older than the {}.{} scripts/cuda-toolchain.sh builds \
+             with — update the driver (580 or later), or build with this machine's own CUDA toolkit",
+            TOOLCHAIN_CUDA / 1000,
+            TOOLCHAIN_CUDA % 1000 / 10
+        ))
+    }
+}
+
+/// The driver loads and counts at least one device; the library, when it loads.
+fn count_devices() -> (Line, Option<Library>) {
     let name = LIBCUDA.to_string_lossy();
     let library = match Library::open(LIBCUDA) {
         Ok(library) => library,
-        Err(why) => return cannot_load(&name, &why, "install the NVIDIA driver"),
+        Err(why) => return (cannot_load(&name, &why, "install the NVIDIA driver"), None),
     };
     let (Some(init), Some(count)) = (library.symbol(c"cuInit"), library.symbol(c"cuDeviceGetCount")) else {
-        return Line::fail(format!(
+        let line = Line::fail(format!(
             "device: {name} loads but lacks cuInit or cuDeviceGetCount — reinstall the NVIDIA driver"
         ));
+        return (line, None);
     };
     // SAFETY: the symbols come from the CUDA driver, whose C ABI declares these signatures.
     let (init, count) = unsafe {
@@ -66,16 +111,21 @@ fn check_driver() -> Line {
             error => error,
         }
     };
-    match result {
+    let line = match result {
         0 if devices > 0 => Line::ok(format!("device: {name} loads; {devices} CUDA device(s)")),
         0 | CUDA_ERROR_NO_DEVICE => Line::fail(format!(
             "device: {name} loads but sees no CUDA device — check nvidia-smi and CUDA_VISIBLE_DEVICES"
+        )),
+        CUDA_ERROR_STUB_LIBRARY => Line::fail(format!(
+            "device: the {name} found is a link-time stub, not the NVIDIA driver — take its folder off \
+             LD_LIBRARY_PATH, or install the driver"
         )),
         error => Line::fail(format!(
             "device: {name} loads but the driver fails (CUresult {error}) — check nvidia-smi; the driver may be \
              older than its library, or the device in use or lost"
         )),
-    }
+    };
+    (line, Some(library))
 }
 
 /// `name` can be loaded.
@@ -164,6 +214,18 @@ mod tests {
         assert!(lines[0].text.contains("built without CUDA support"), "{}", lines[0]);
         assert!(lines[1].text.starts_with("device: libcuda.so.1 "), "{}", lines[1]);
         assert!(lines[2].text.starts_with("device: libnccl.so.2 "), "{}", lines[2]);
+    }
+
+    #[test]
+    fn a_driver_older_than_the_toolchain_is_a_warning() {
+        assert_eq!(version_line(13020), Line::ok("device: the driver runs CUDA up to 13.2"));
+        let old = version_line(12040);
+        assert_eq!(old.status, Status::Warn);
+        assert!(
+            old.text
+                .starts_with("device: the driver runs CUDA up to 12.4, older than the 13.0"),
+            "{old}"
+        );
     }
 
     #[test]
