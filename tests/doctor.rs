@@ -1,6 +1,5 @@
 //! `flotilla doctor` on temporary configs: a port in use, peers that never answer, stand-ins of
-//! the CUDA driver, a healthy
-//! job and an unknown key. Network only on loopback.
+//! the CUDA driver, a healthy job and an unknown key. Network only on loopback.
 
 mod common;
 
