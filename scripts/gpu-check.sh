@@ -5,6 +5,9 @@
 #   scripts/gpu-check.sh [OUT.json]                     # builds target/release/flotilla with --features cuda
 #   FLOTILLA_BIN=path/flotilla scripts/gpu-check.sh     # a `cuda` binary built elsewhere
 #
+# A binary built elsewhere travels lighter without its debug sections (157 MB → 65 MB):
+#   objcopy --strip-debug target/release/flotilla flotilla-cuda
+#
 # Checks:
 #   1. the digits MLP and the GPT, one rank on the GPU, against the same jobs on the CPU: every
 #      step's loss within TOLERANCE (relative). Both run in f32; the GPU sums in other orders
@@ -47,6 +50,8 @@ if ! command -v nvidia-smi >/dev/null; then
 fi
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader >"$work/gpu.csv"
 say "GPU: $(cat "$work/gpu.csv")"
+started=$SECONDS
+"$bin" doctor --set cluster.device=gpu >"$work/doctor.txt" 2>&1 || true
 
 # train NAME DEVICE ARGS...: one job into $work/NAME, bounded in time; its exit status is kept.
 train() {
@@ -90,10 +95,10 @@ bench() {
 bench nccl-2proc-1gpu 2
 bench nccl-1proc 1
 
-python3 - "$work" "$out_json" "$TOLERANCE" <<'PY'
-import json, math, pathlib, sys
+python3 - "$work" "$out_json" "$TOLERANCE" "$((SECONDS - started))" <<'PY'
+import json, pathlib, sys
 
-work, out, tol = pathlib.Path(sys.argv[1]), sys.argv[2], float(sys.argv[3])
+work, out, tol, seconds = pathlib.Path(sys.argv[1]), sys.argv[2], float(sys.argv[3]), int(sys.argv[4])
 
 def status(name):
     return int((work / f"{name}.status").read_text())
@@ -128,6 +133,8 @@ def bench(name):
 
 report = {
     "gpu": (work / "gpu.csv").read_text().strip(),
+    "seconds": seconds,
+    "doctor": [l for l in (work / "doctor.txt").read_text().splitlines() if "device" in l],
     "tolerance_relative": tol,
     "mlp_one_gpu_vs_cpu": compare("mlp-cpu", "mlp-gpu"),
     "gpt_one_gpu_vs_cpu": compare("gpt-cpu", "gpt-gpu"),
@@ -140,7 +147,7 @@ two, one = report["nccl_allreduce_2_processes_1_gpu"], report["nccl_allreduce_1_
 # Two ranks on one GPU: NCCL either runs them or refuses with an error that names NCCL.
 two["ok"] = bool(two["figures"]) if two["exit_status"] == 0 else bool(two["error"] and "NCCL" in two["error"])
 one["ok"] = one["exit_status"] == 0 and len(one["figures"]) == 4
-checks = [v for v in report.values() if isinstance(v, dict)]
+checks = [v for v in report.values() if isinstance(v, dict) and "ok" in v]
 report["passed"] = all(c["ok"] for c in checks)
 pathlib.Path(out).write_text(json.dumps(report, indent=2) + "\n")
 print(json.dumps(report, indent=2))
