@@ -53,13 +53,15 @@ say "GPU: $(cat "$work/gpu.csv")"
 started=$SECONDS
 "$bin" doctor --set cluster.device=gpu >"$work/doctor.txt" 2>&1 || true
 
-# train NAME DEVICE ARGS...: one job into $work/NAME, bounded in time; its exit status is kept.
+# train NAME DEVICE ARGS...: one job into $work/NAME, bounded in time (under `flotilla launch`
+# when LAUNCHER holds its arguments); its exit status is kept.
+LAUNCHER=()
 train() {
     local name="$1" device="$2"
     shift 2
     say "train $name on $device"
     local status=0
-    timeout 150 "$bin" train --run-dir "$work/$name" --set "cluster.device=$device" "$@" \
+    timeout 150 "$bin" "${LAUNCHER[@]}" train --run-dir "$work/$name" --set "cluster.device=$device" "$@" \
         >"$work/$name.log" 2>&1 || status=$?
     echo "$status" >"$work/$name.status"
     [[ $status -eq 0 ]] || { say "$name failed ($status):"; tail -5 "$work/$name.log" >&2; }
@@ -78,6 +80,10 @@ train dp2-cpu cpu "${MLP[@]}" --set cluster.nproc_per_node=2
 export FLAGS_selected_gpus=0
 train dp2-gpu gpu "${MLP[@]}" --set cluster.nproc_per_node=2
 unset FLAGS_selected_gpus
+# One process under the launcher, which hands it FLAGS_selected_gpus=0.
+LAUNCHER=(launch --nproc_per_node 1 --started_port 29170 --)
+train mlp-launched-gpu gpu "${MLP[@]}" "${ONE[@]}"
+LAUNCHER=()
 train gpt-large-gpu gpu --config examples/gpt.toml \
     --set train.steps=150 --set train.batch_size=64 --set train.gpt.n_layer=8 \
     --set train.gpt.n_embd=512 --set train.gpt.n_head=8 --set train.gpt.block_size=128 \
@@ -117,11 +123,13 @@ def compare(cpu, gpu):
             "samples_per_sec_cpu": a[-1]["samples_per_sec"], "samples_per_sec_gpu": b[-1]["samples_per_sec"]}
 
 def gpu_figures(name):
-    lines = losses(name)[10:]
+    every = losses(name)
+    lines = every[10:]  # past the warm-up
     util = [l["gpu_utilization"] for l in lines if l.get("gpu_utilization") is not None]
     mem = [l["gpu_memory_bytes"] for l in lines if l.get("gpu_memory_bytes") is not None]
-    return {"ok": status(name) == 0 and bool(util) and bool(mem), "steps": len(lines) + 10,
+    return {"ok": status(name) == 0 and bool(util) and bool(mem), "steps": len(every),
             "mean_gpu_utilization_percent": sum(util) / len(util) if util else None,
+            "utilization_above_85_percent": bool(util) and sum(util) / len(util) > 85,
             "max_gpu_memory_bytes": max(mem) if mem else None,
             "samples_per_sec": lines[-1]["samples_per_sec"] if lines else None}
 
@@ -138,6 +146,7 @@ report = {
     "tolerance_relative": tol,
     "mlp_one_gpu_vs_cpu": compare("mlp-cpu", "mlp-gpu"),
     "gpt_one_gpu_vs_cpu": compare("gpt-cpu", "gpt-gpu"),
+    "mlp_launched_gpu_vs_cpu": compare("mlp-cpu", "mlp-launched-gpu"),
     "data_parallel_2_ranks_shared_gpu_vs_cpu": compare("dp2-cpu", "dp2-gpu"),
     "gpt_large_gpu": gpu_figures("gpt-large-gpu"),
     "nccl_allreduce_2_processes_1_gpu": bench("nccl-2proc-1gpu"),

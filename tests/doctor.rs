@@ -27,6 +27,14 @@ fn job_file(master: &str, endpoints: [&str; 2]) -> JobFile {
     JobFile { _dir: dir, path }
 }
 
+/// A job whose coordinator and two ranks take three free loopback ports from `base`.
+fn loopback_job(base: u16) -> JobFile {
+    job_file(
+        &format!("127.0.0.1:{base}"),
+        [&format!("127.0.0.1:{}", base + 1), &format!("127.0.0.1:{}", base + 2)],
+    )
+}
+
 fn doctor(job: &JobFile, extra: &[&str]) -> Finished {
     let config = job.path.to_str().expect("utf-8 temp path");
     let args: Vec<&str> = ["doctor", "--config", config].iter().chain(extra).copied().collect();
@@ -134,10 +142,7 @@ fn peers_that_never_answer_fail_as_unreachable() {
 #[test]
 fn a_healthy_job_passes() {
     let base = free_port_range(3);
-    let job = job_file(
-        &format!("127.0.0.1:{base}"),
-        [&format!("127.0.0.1:{}", base + 1), &format!("127.0.0.1:{}", base + 2)],
-    );
+    let job = loopback_job(base);
     let run = doctor(&job, &[]);
     assert!(run.success, "{}\n{}", run.stdout, run.stderr);
     let lines = check_lines(&run);
@@ -165,11 +170,7 @@ fn a_healthy_job_passes() {
 
 #[test]
 fn an_unknown_key_fails_naming_it_and_stops() {
-    let base = free_port_range(3);
-    let job = job_file(
-        &format!("127.0.0.1:{base}"),
-        [&format!("127.0.0.1:{}", base + 1), &format!("127.0.0.1:{}", base + 2)],
-    );
+    let job = loopback_job(free_port_range(3));
     let run = doctor(&job, &["--set", "cluster.nproc_per_nod=2"]);
     assert!(!run.success);
     let lines = check_lines(&run);
@@ -213,11 +214,7 @@ fn fake_driver(source: &str) -> tempfile::TempDir {
 /// stub) put first on the library path.
 #[test]
 fn the_gpu_check_asks_the_driver_it_finds() {
-    let base = free_port_range(3);
-    let job = job_file(
-        &format!("127.0.0.1:{base}"),
-        [&format!("127.0.0.1:{}", base + 1), &format!("127.0.0.1:{}", base + 2)],
-    );
+    let job = loopback_job(free_port_range(3));
     let config = job.path.to_str().expect("utf-8 temp path");
     let gpu_lines = |driver: &tempfile::TempDir| {
         let library_path = driver.path().to_str().expect("utf-8 temp path").to_string();
