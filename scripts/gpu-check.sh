@@ -2,7 +2,7 @@
 # The GPU check: what CI cannot run, on a machine with one NVIDIA GPU, in under 5 minutes once
 # the binary exists. Writes every figure to one JSON file and exits non-zero if a check fails.
 #
-#   scripts/gpu-check.sh [OUT.json]                     # builds target/release/flotilla with --features cuda
+#   scripts/gpu-check.sh [OUT.json]                     # builds target/cuda/release/flotilla (--features cuda)
 #   FLOTILLA_BIN=path/flotilla scripts/gpu-check.sh     # a `cuda` binary built elsewhere
 #
 # A binary built elsewhere travels lighter without its debug sections (157 MB → 65 MB):
@@ -36,8 +36,9 @@ say() { echo "gpu-check: $*" >&2; }
 
 if [[ -z "$bin" ]]; then
     eval "$(scripts/cuda-toolchain.sh --libs)"
-    cargo build --release --features cuda >&2
-    bin="$PWD/target/release/flotilla"
+    # Beside the CPU build, as check-cuda.sh --full, so neither rebuilds the other.
+    CARGO_TARGET_DIR="$PWD/target/cuda" cargo build --release --features cuda >&2
+    bin="$PWD/target/cuda/release/flotilla"
 fi
 missing="$(ldd "$bin" | awk '/not found/ {print $1}' | tr '\n' ' ')"
 if [[ -n "$missing" ]]; then
