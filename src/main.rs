@@ -111,9 +111,11 @@ struct TrainArgs {
     /// with `flotilla trace merge DIR`. Open them in Perfetto or chrome://tracing.
     #[arg(long, value_name = "DIR")]
     trace: Option<PathBuf>,
-    /// Serve the reporting rank's per-step figures for Prometheus at `http://HOST:PORT/metrics`.
-    #[arg(long, value_name = "PORT")]
-    metrics_port: Option<u16>,
+    /// Serve the reporting rank's per-step figures for Prometheus at
+    /// `http://ADDRESS:PORT/metrics`: a bare PORT listens on 127.0.0.1 only (the endpoint has
+    /// no authentication); `0.0.0.0:PORT` lets another machine scrape it.
+    #[arg(long = "metrics-port", value_name = "[ADDRESS:]PORT", value_parser = flotilla::telemetry::exporter::parse_listen_address)]
+    metrics_address: Option<std::net::SocketAddr>,
     /// Continue a stopped job from the newest intact checkpoint in this directory (its
     /// `fault_tolerance.checkpoint_dir`); later checkpoints are written there too.
     #[arg(long, value_name = "DIR")]
@@ -347,7 +349,7 @@ fn run_options(args: &TrainArgs) -> RunOptions {
             .or_else(|| std::env::var_os(RUN_DIR_VAR).map(PathBuf::from))
             .unwrap_or_else(default_run_dir),
         progress: ProgressView::from_environment(),
-        metrics_port: args.metrics_port,
+        metrics_address: args.metrics_address,
         trace: args.trace.clone(),
         resume: match &args.resume {
             Some(dir) => Resume::From(dir.clone()),

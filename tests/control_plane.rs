@@ -155,3 +155,41 @@ async fn gathers_hand_rank_0_every_part_and_oversized_ones_are_refused_by_name()
     );
     assert!(err.contains("exceeds cluster.max_frame_mb"), "{err}");
 }
+
+#[actix::test]
+async fn a_connection_speaks_for_one_rank_only() {
+    let addr = start_coordinator(2).await;
+    let mut bus = ControlBus::connect(&addr, Duration::from_secs(5), CAP, &credentials(TOKEN))
+        .await
+        .expect("connect");
+    let limit = Duration::from_secs(5);
+    assert_eq!(bus.heartbeat(0, limit).await.expect("answered"), Ok(()));
+    // The same line now claims rank 1's heartbeat (as a process of another job, or a confused
+    // one, could to keep a stalled rank 1 looking alive): the connection is closed unanswered.
+    assert!(
+        bus.heartbeat(1, limit).await.is_err(),
+        "a heartbeat for another rank was accepted"
+    );
+    let mut bus = ControlBus::connect(&addr, Duration::from_secs(5), CAP, &credentials(TOKEN))
+        .await
+        .expect("connect");
+    assert!(bus.leave(0, limit).await.is_ok());
+    assert!(
+        bus.leave(1, limit).await.is_err(),
+        "a leave for another rank was accepted"
+    );
+}
+
+#[actix::test]
+async fn a_process_of_another_job_with_the_same_token_is_refused() {
+    let addr = start_coordinator(1).await;
+    let other_job = Credentials::new(
+        ClusterToken::new(TOKEN).expect("token").for_job("another job"),
+        Duration::from_secs(2),
+    );
+    let err = ControlBus::connect(&addr, Duration::from_secs(5), CAP, &other_job)
+        .await
+        .err()
+        .expect("refused");
+    assert!(format!("{err:#}").contains("belongs to another job"), "{err:#}");
+}

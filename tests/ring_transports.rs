@@ -20,9 +20,17 @@ enum Kind {
 }
 
 fn on_ring<T: Send>(kind: Kind, n: usize, f: impl Fn(&mut Communicator) -> T + Sync) -> Vec<T> {
-    let listeners: Vec<TcpListener> = (0..n)
+    on_listeners(kind, &bind_endpoints(n), f)
+}
+
+/// `n` ring endpoints on loopback, bound before any rank connects (as a launched rank's are).
+fn bind_endpoints(n: usize) -> Vec<TcpListener> {
+    (0..n)
         .map(|_| TcpListener::bind("127.0.0.1:0").expect("bind"))
-        .collect();
+        .collect()
+}
+
+fn on_listeners<T: Send>(kind: Kind, listeners: &[TcpListener], f: impl Fn(&mut Communicator) -> T + Sync) -> Vec<T> {
     let endpoints: Vec<SocketAddr> = listeners.iter().map(|l| l.local_addr().expect("addr")).collect();
     std::thread::scope(|s| {
         let handles: Vec<_> = listeners
@@ -160,4 +168,35 @@ fn a_stranger_at_a_ring_endpoint_is_dropped_and_the_ring_still_forms() {
         ranks.into_iter().map(|h| h.join().expect("rank")).collect::<Vec<_>>()
     });
     assert_eq!(sums, vec![vec![3.0; 3]; 2]);
+}
+
+#[test]
+fn silent_and_slow_strangers_at_every_ring_endpoint_cost_the_ring_nothing() {
+    for kind in [Kind::Tcp, Kind::Shm] {
+        let listeners = bind_endpoints(3);
+        // Before the ranks connect, each endpoint holds three silent connections and one that
+        // starts a handshake and stops: each would hold a one-at-a-time accept loop for the
+        // handshake's 10 s, longer together than the ring's 20 s timeout.
+        let strangers: Vec<std::net::TcpStream> = listeners
+            .iter()
+            .flat_map(|l| {
+                let addr = l.local_addr().expect("addr");
+                (0..4).map(move |i| {
+                    let mut stream = std::net::TcpStream::connect(addr).expect("connect");
+                    if i == 3 {
+                        std::io::Write::write_all(&mut stream, b"FLOTAUTH").expect("write");
+                    }
+                    stream
+                })
+            })
+            .collect();
+        let sums = on_listeners(kind, &listeners, |c| {
+            let mut values = vec![c.rank() as f32 + 1.0; 5];
+            c.all_reduce_sum("sum", &mut values).map(|()| values)
+        });
+        for sum in sums {
+            assert_eq!(sum.expect("the ring forms and sums"), vec![6.0; 5], "{kind:?}");
+        }
+        drop(strangers);
+    }
 }

@@ -57,6 +57,12 @@ pub struct ClusterConfig {
     /// Never written to the run directory's config.
     #[serde(skip_serializing)]
     pub token: Option<String>,
+    /// Which job this process belongs to: every handshake proves it beside the token, so two
+    /// jobs that share a token and a host never talk to each other. Also `FLOTILLA_JOB_ID`;
+    /// `flotilla launch` (one node) and `launch-ps` generate one when neither is set; the nodes of
+    /// a multi-node job share one. Not written to the run directory (a resumed run is a new job).
+    #[serde(skip_serializing)]
+    pub job_id: Option<String>,
     /// Parameter-server shards; `> 0` selects the parameter-server strategy (the trainers are
     /// then the `world_size` processes). 0 with `pservers` given means "as many as listed".
     pub server_num: usize,
@@ -77,6 +83,7 @@ impl Default for ClusterConfig {
             max_frame_mb: 1024,
             shared_memory: true,
             token: None,
+            job_id: None,
             server_num: 0,
             pservers: Vec::new(),
         }
@@ -115,7 +122,8 @@ impl ClusterConfig {
                  or cluster.token to the same value everywhere; `flotilla launch` generates one for its node)"
             )
         })?;
-        crate::net::auth::ClusterToken::new(text).context("cluster.token")
+        let token = crate::net::auth::ClusterToken::new(text).context("cluster.token")?;
+        Ok(token.for_job(self.job_id.as_deref().unwrap_or_default()))
     }
 
     /// Range and consistency checks of the section.

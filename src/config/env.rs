@@ -80,6 +80,11 @@ const ENV_OVERRIDES: &[EnvOverride] = &[
         parse: Parse::Text,
     },
     EnvOverride {
+        var: "FLOTILLA_JOB_ID",
+        key: &["cluster", "job_id"],
+        parse: Parse::Text,
+    },
+    EnvOverride {
         var: "FLAGS_fuse_parameter_groups_size",
         key: &["strategy", "fuse_grad_size_in_MB"],
         parse: Parse::SizeMb,

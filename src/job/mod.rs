@@ -58,8 +58,8 @@ pub struct RunOptions {
     pub run_dir: PathBuf,
     /// Where the reporting rank's progress goes.
     pub progress: ProgressView,
-    /// Serve the reporting rank's per-step figures for Prometheus on this port.
-    pub metrics_port: Option<u16>,
+    /// Serve the reporting rank's per-step figures for Prometheus at this address.
+    pub metrics_address: Option<std::net::SocketAddr>,
     /// Write each rank's chrome-trace timeline into this directory as `rank-N.json` (an
     /// in-process job also merges them into `trace.json`; `flotilla trace merge` merges a
     /// launched job's).
@@ -74,7 +74,7 @@ impl RunOptions {
         Self {
             run_dir: run_dir.into(),
             progress: ProgressView::Log,
-            metrics_port: None,
+            metrics_address: None,
             trace: None,
             resume: Resume::Fresh,
         }
@@ -85,7 +85,7 @@ impl RunOptions {
         MonitorSettings {
             view: self.progress,
             run_dir: self.run_dir.clone(),
-            metrics_port: self.metrics_port,
+            metrics_address: self.metrics_address,
         }
     }
 

@@ -15,7 +15,7 @@ use std::path::PathBuf;
 
 use anyhow::{bail, ensure, Result};
 
-use crate::net::auth::{ClusterToken, TOKEN_VAR};
+use crate::net::auth::{generate_job_id, ClusterToken, JOB_ID_VAR, TOKEN_VAR};
 
 /// The address a launcher's processes use when no flag names one (`--node_ip`, `--host`).
 pub const DEFAULT_NODE_IP: &str = "127.0.0.1";
@@ -154,7 +154,7 @@ impl LaunchArgs {
             Some((first, rest)) => (PathBuf::from(first), rest.to_vec()),
             None => bail!("launch needs a command after `--`: `train --config FILE` or a program"),
         };
-        let token = token_env(self.nnodes == 1)?;
+        let token = credentials_env(self.nnodes == 1)?;
         Ok((0..self.nproc_per_node)
             .map(|local_rank| {
                 let rank = node_rank * self.nproc_per_node + local_rank;
@@ -186,15 +186,21 @@ impl LaunchArgs {
     }
 }
 
-/// The cluster token for the processes of one launcher: the one in `FLOTILLA_TOKEN` (which
-/// they inherit), else a fresh one when this launcher starts the whole job (one node); the
-/// nodes of a multi-node job must share one, so there it comes from `FLOTILLA_TOKEN` or
-/// `cluster.token` on every node (a process without it says so).
-pub fn token_env(whole_job: bool) -> Result<Vec<(&'static str, String)>> {
-    if !whole_job || std::env::var_os(TOKEN_VAR).is_some() {
-        return Ok(Vec::new());
+/// The cluster token and the job id for the processes of one launcher: those in
+/// `FLOTILLA_TOKEN` and `FLOTILLA_JOB_ID` (which they inherit), else fresh ones when this
+/// launcher starts the whole job (one node), so that two jobs on one host never talk even when
+/// they share a token. The nodes of a multi-node job must share both, so there they come from
+/// the variables (or `cluster.token`, `cluster.job_id`) on every node (a process without a
+/// token says so).
+pub fn credentials_env(whole_job: bool) -> Result<Vec<(&'static str, String)>> {
+    let mut env = Vec::new();
+    if whole_job && std::env::var_os(TOKEN_VAR).is_none() {
+        env.push((TOKEN_VAR, ClusterToken::generate()?));
     }
-    Ok(vec![(TOKEN_VAR, ClusterToken::generate()?)])
+    if whole_job && std::env::var_os(JOB_ID_VAR).is_none() {
+        env.push((JOB_ID_VAR, generate_job_id()?));
+    }
+    Ok(env)
 }
 
 /// The compute-thread variables (`CANDLE_NUM_THREADS`, `RAYON_NUM_THREADS`) for `ranks` ranks

@@ -7,7 +7,7 @@ use std::path::PathBuf;
 
 use anyhow::{bail, ensure, Result};
 
-use super::{thread_env, token_env, ChildSpec, JobAddresses, DEFAULT_NODE_IP, DEFAULT_STARTED_PORT};
+use super::{credentials_env, thread_env, ChildSpec, JobAddresses, DEFAULT_NODE_IP, DEFAULT_STARTED_PORT};
 
 /// Command-line arguments of `flotilla launch-ps`.
 #[derive(Debug, Clone, clap::Args)]
@@ -103,7 +103,7 @@ impl LaunchPsArgs {
             ("PADDLE_TRAINERS_NUM", workers.len().to_string()),
         ];
         let processes = servers.len() + workers.len();
-        let token = token_env(true)?;
+        let token = credentials_env(true)?;
         let mut children = Vec::with_capacity(processes);
         for (role, endpoints) in [("pserver", &servers), ("trainer", &workers)] {
             let (program, args) = role_command(role)?;

@@ -2,14 +2,17 @@
 //! cluster token, without sending it, before any other byte is read.
 //!
 //! 1. connecting side → accepting side: `FLOTAUTH` and a fresh 32-byte nonce `c`;
-//! 2. accepting side → connecting side: a fresh nonce `s` and `HMAC-SHA256(token, "server" ‖ c ‖ s)`;
-//! 3. connecting side → accepting side: `HMAC-SHA256(token, "client" ‖ c ‖ s)`.
+//! 2. accepting side → connecting side: a fresh nonce `s` and `HMAC-SHA256(token, "server" ‖ job ‖ c ‖ s)`;
+//! 3. connecting side → accepting side: `HMAC-SHA256(token, "client" ‖ job ‖ c ‖ s)`.
+//!
+//! `job` is the job id (length-prefixed): two jobs that share a token, on one host or one set of
+//! ports, cannot complete a handshake with each other, so neither can steer the other.
 //!
 //! Each side checks the other's MAC (in constant time) and drops the connection on a mismatch:
 //! a stranger learns nothing it could replay, since both nonces are fresh. Every read is
 //! bounded by the deadline the caller gives; nothing the peer sends sizes an allocation.
 
-use std::io::{Read, Write};
+use std::io::{self, ErrorKind, Read, Write};
 use std::net::TcpStream;
 use std::time::Duration;
 
@@ -23,6 +26,9 @@ const NONCE: usize = 32;
 const MAC: usize = 32;
 const HELLO: usize = MAGIC.len() + NONCE;
 const REPLY: usize = NONCE + MAC;
+
+/// Why a peer's proof fails: either a stranger or a process of another job.
+const MISMATCH: &str = "the peer does not know the cluster token, or belongs to another job (cluster.job_id)";
 
 /// The longest a peer may take over its handshake: honest peers answer in milliseconds, and a
 /// silent stranger must not hold up an accept loop for the job's whole timeout.
@@ -47,16 +53,28 @@ impl Credentials {
         }
     }
 
-    /// The token of [`TOKEN_VAR`], as the processes of a benchmark get it.
+    /// The token of [`TOKEN_VAR`] for the job of [`JOB_ID_VAR`], as the processes of a
+    /// benchmark get them.
     pub fn from_env(timeout: Duration) -> Result<Self> {
         let text = std::env::var(TOKEN_VAR).with_context(|| format!("{TOKEN_VAR} is not set"))?;
-        Ok(Self::new(ClusterToken::new(&text).context(TOKEN_VAR)?, timeout))
+        let job = std::env::var(JOB_ID_VAR).unwrap_or_default();
+        Ok(Self::new(
+            ClusterToken::new(&text).context(TOKEN_VAR)?.for_job(&job),
+            timeout,
+        ))
     }
 }
 
-/// The secret every role of one cluster shares (`cluster.token` or `FLOTILLA_TOKEN`).
+/// The variable a launcher hands its processes the job id in (`cluster.job_id` reads it too).
+pub const JOB_ID_VAR: &str = "FLOTILLA_JOB_ID";
+
+/// The secret every role of one cluster shares (`cluster.token` or `FLOTILLA_TOKEN`), bound to
+/// the job its holder belongs to.
 #[derive(Clone, PartialEq, Eq)]
-pub struct ClusterToken(Vec<u8>);
+pub struct ClusterToken {
+    secret: Vec<u8>,
+    job: String,
+}
 
 impl std::fmt::Debug for ClusterToken {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -72,23 +90,44 @@ impl ClusterToken {
             "a cluster token needs at least 16 characters, got {}",
             text.len()
         );
-        Ok(Self(text.as_bytes().to_vec()))
+        Ok(Self {
+            secret: text.as_bytes().to_vec(),
+            job: String::new(),
+        })
+    }
+
+    /// The same secret for the processes of job `job` only (`cluster.job_id`).
+    pub fn for_job(self, job: &str) -> Self {
+        Self {
+            job: job.to_string(),
+            ..self
+        }
     }
 
     /// A fresh random token (64 hex digits), as a launcher hands its processes.
     pub fn generate() -> Result<String> {
-        let mut bytes = [0u8; 32];
-        getrandom::fill(&mut bytes).map_err(|e| anyhow::anyhow!("no randomness for a cluster token: {e}"))?;
-        Ok(bytes.iter().map(|b| format!("{b:02x}")).collect())
+        random_hex::<32>("a cluster token")
     }
 
     fn mac(&self, role: &[u8], client: &[u8], server: &[u8]) -> Hmac<Sha256> {
-        let mut mac = Hmac::<Sha256>::new_from_slice(&self.0).expect("HMAC takes keys of any length");
-        for part in [role, client, server] {
+        let mut mac = Hmac::<Sha256>::new_from_slice(&self.secret).expect("HMAC takes keys of any length");
+        let job = self.job.as_bytes();
+        for part in [role, &(job.len() as u64).to_le_bytes(), job, client, server] {
             mac.update(part);
         }
         mac
     }
+}
+
+/// A fresh job id (32 hex digits), as a launcher hands the processes of one job.
+pub fn generate_job_id() -> Result<String> {
+    random_hex::<16>("a job id")
+}
+
+fn random_hex<const N: usize>(what: &str) -> Result<String> {
+    let mut bytes = [0u8; N];
+    getrandom::fill(&mut bytes).map_err(|e| anyhow::anyhow!("no randomness for {what}: {e}"))?;
+    Ok(bytes.iter().map(|b| format!("{b:02x}")).collect())
 }
 
 fn nonce() -> Result<[u8; NONCE]> {
@@ -120,7 +159,7 @@ fn prove(token: &ClusterToken, client: &[u8; NONCE], reply: &[u8; REPLY]) -> Res
     token
         .mac(b"server", client, server)
         .verify_slice(&reply[NONCE..])
-        .map_err(|_| anyhow::anyhow!("the peer does not know the cluster token"))?;
+        .map_err(|_| anyhow::anyhow!(MISMATCH))?;
     Ok(token.mac(b"client", client, server).finalize().into_bytes().into())
 }
 
@@ -129,7 +168,7 @@ fn check(token: &ClusterToken, hello: &[u8; HELLO], server: &[u8; NONCE], proof:
     token
         .mac(b"client", &hello[MAGIC.len()..], server)
         .verify_slice(proof)
-        .map_err(|_| anyhow::anyhow!("the peer does not know the cluster token"))
+        .map_err(|_| anyhow::anyhow!(MISMATCH))
 }
 
 fn hello() -> Result<([u8; NONCE], [u8; HELLO])> {
@@ -143,35 +182,40 @@ fn hello() -> Result<([u8; NONCE], [u8; HELLO])> {
 /// The connecting side of the handshake on a blocking stream, every read within the deadline.
 pub fn connect_sync(stream: &mut TcpStream, credentials: &Credentials) -> Result<()> {
     stream.set_read_timeout(Some(credentials.timeout))?;
-    connect_on(stream, &credentials.token)
+    let (client, hello) = hello()?;
+    stream.write_all(&hello).context("sending the handshake")?;
+    let mut reply = [0u8; REPLY];
+    read_within(stream, &mut reply, "reading the handshake reply", credentials.timeout)?;
+    let proof = prove(&credentials.token, &client, &reply)?;
+    stream.write_all(&proof).context("sending the handshake proof")?;
+    Ok(())
 }
 
 /// The accepting side of the handshake on a blocking stream, every read within the deadline.
 pub fn accept_sync(stream: &mut TcpStream, credentials: &Credentials) -> Result<()> {
     stream.set_read_timeout(Some(credentials.timeout))?;
-    accept_on(stream, &credentials.token)
-}
-
-/// The connecting side over any blocking byte stream (whose reads the caller bounds).
-pub fn connect_on(stream: &mut (impl Read + Write), token: &ClusterToken) -> Result<()> {
-    let (client, hello) = hello()?;
-    stream.write_all(&hello).context("sending the handshake")?;
-    let mut reply = [0u8; REPLY];
-    stream.read_exact(&mut reply).context("reading the handshake reply")?;
-    let proof = prove(token, &client, &reply)?;
-    stream.write_all(&proof).context("sending the handshake proof")?;
-    Ok(())
-}
-
-/// The accepting side over any blocking byte stream (whose reads the caller bounds).
-pub fn accept_on(stream: &mut (impl Read + Write), token: &ClusterToken) -> Result<()> {
     let mut hello = [0u8; HELLO];
-    stream.read_exact(&mut hello).context("reading the handshake")?;
-    let (server, reply) = answer(token, &hello)?;
+    read_within(stream, &mut hello, "reading the handshake", credentials.timeout)?;
+    let (server, reply) = answer(&credentials.token, &hello)?;
     stream.write_all(&reply).context("answering the handshake")?;
     let mut proof = [0u8; MAC];
-    stream.read_exact(&mut proof).context("reading the handshake proof")?;
-    check(token, &hello, &server, &proof)
+    read_within(stream, &mut proof, "reading the handshake proof", credentials.timeout)?;
+    check(&credentials.token, &hello, &server, &proof)
+}
+
+/// Fills `buf` from a stream whose reads time out after `timeout`; a timeout is said as one (a
+/// socket's read timeout surfaces as "Resource temporarily unavailable").
+fn read_within(stream: &mut impl Read, buf: &mut [u8], what: &str, timeout: Duration) -> Result<()> {
+    stream
+        .read_exact(buf)
+        .map_err(|e| match e.kind() {
+            ErrorKind::WouldBlock | ErrorKind::TimedOut => io::Error::new(
+                ErrorKind::TimedOut,
+                format!("the peer sent nothing for {:.1}s", timeout.as_secs_f64()),
+            ),
+            _ => e,
+        })
+        .context(what.to_string())
 }
 
 /// The connecting side of the handshake on an async stream, all of it within the deadline.
@@ -259,6 +303,32 @@ mod tests {
             .to_string()
             .contains("does not know the cluster token"));
         assert!(server.is_err());
+    }
+
+    #[test]
+    fn one_token_in_two_jobs_is_refused_by_both_sides() {
+        let job = |id: &str| {
+            Credentials::new(
+                token("one token shared by two jobs").for_job(id),
+                Duration::from_secs(2),
+            )
+        };
+        let (server, client) = handshake(job("job-a"), |s| connect_sync(s, &job("job-b")));
+        assert!(client.unwrap_err().to_string().contains("another job"));
+        assert!(server.is_err());
+        let (server, client) = handshake(job("job-a"), |s| connect_sync(s, &job("job-a")));
+        assert!(server.is_ok() && client.is_ok(), "{server:?} {client:?}");
+    }
+
+    #[test]
+    fn a_silent_peer_is_named_as_a_timeout() {
+        let (server, _) = handshake(credentials("a cluster token of enough length"), |_| {
+            std::thread::sleep(Duration::from_millis(2500));
+            Ok(())
+        });
+        let error = format!("{:#}", server.unwrap_err());
+        assert!(error.contains("sent nothing for 2.0s"), "{error}");
+        assert!(!error.contains("os error"), "{error}");
     }
 
     #[test]

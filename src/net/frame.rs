@@ -84,6 +84,26 @@ pub enum ControlMessage {
     },
 }
 
+impl ControlMessage {
+    /// The rank a role's request speaks for; `None` for the coordinator's answers and probes.
+    pub fn rank(&self) -> Option<usize> {
+        match self {
+            Self::Join { rank, .. }
+            | Self::Barrier { rank, .. }
+            | Self::Gather { rank, .. }
+            | Self::Heartbeat { rank }
+            | Self::Leave { rank } => Some(*rank),
+            Self::Roster { .. }
+            | Self::Refused { .. }
+            | Self::Released { .. }
+            | Self::Gathered { .. }
+            | Self::Alive
+            | Self::ClockProbe
+            | Self::Clock { .. } => None,
+        }
+    }
+}
+
 /// One frame: a header and its payload. The control plane's headers are [`ControlMessage`]s;
 /// other protocols (the parameter servers') bring their own header type.
 #[derive(Debug, Clone, PartialEq)]

@@ -2,7 +2,9 @@
 //! messages, and the actor's answers go back as frames. A malformed frame,
 //! one above the cap or an unexpected message closes that connection with a
 //! log line; the server keeps serving the others. An answer above the cap
-//! (a large gather) goes back as a refusal that says so.
+//! (a large gather) goes back as a refusal that says so. A connection speaks for one rank, the
+//! first it names: a message for another rank closes it, so no process can send heartbeats, a
+//! leave or a barrier arrival in another rank's name.
 
 use actix::{Addr, MailboxError};
 use bytes::Bytes;
@@ -52,7 +54,15 @@ async fn handle_connection(
     // The rank whose heartbeats this connection carries: if it ends before the rank left, the
     // rank's process is gone.
     let mut heartbeats_of = None;
-    let served = serve_frames(&mut framed, &coordinator, max_frame_bytes, &mut heartbeats_of).await;
+    let mut speaks_for = None;
+    let served = serve_frames(
+        &mut framed,
+        &coordinator,
+        max_frame_bytes,
+        &mut heartbeats_of,
+        &mut speaks_for,
+    )
+    .await;
     if let Some(rank) = heartbeats_of {
         coordinator.do_send(ConnectionLost { rank });
     }
@@ -64,10 +74,17 @@ async fn serve_frames(
     coordinator: &Addr<Coordinator>,
     max_frame_bytes: usize,
     heartbeats_of: &mut Option<usize>,
+    speaks_for: &mut Option<usize>,
 ) -> Result<(), String> {
     while let Some(body) = framed.next().await {
         let body = body.map_err(|e| format!("bad frame: {e}"))?;
-        let frame = Frame::decode(body.freeze()).map_err(|e| e.to_string())?;
+        let frame: Frame = Frame::decode(body.freeze()).map_err(|e| e.to_string())?;
+        if let Some(claimed) = frame.header.rank() {
+            match *speaks_for.get_or_insert(claimed) {
+                own if own == claimed => {}
+                own => return Err(format!("a connection of rank {own} sent a message for rank {claimed}")),
+            }
+        }
         // The answer's header, and the parts its payload carries back to back.
         let answer: Result<(ControlMessage, Vec<Bytes>), ControlMessage> = match frame.header {
             ControlMessage::Join {

@@ -2,7 +2,7 @@
 //! rank's latest step figures in the OpenMetrics text format (prometheus-client encodes them).
 //! It serves only while training runs: the task ends when the exporter is dropped.
 
-use std::net::TcpListener as StdListener;
+use std::net::{Ipv4Addr, SocketAddr, TcpListener as StdListener};
 use std::sync::atomic::AtomicU64;
 use std::sync::Arc;
 use std::time::Duration;
@@ -88,6 +88,17 @@ impl Gauges {
     }
 }
 
+/// Where `--metrics-port` listens: `PORT` alone is loopback only, since the endpoint has no
+/// authentication and shows the run's figures to whoever connects; `ADDRESS:PORT` (e.g.
+/// `0.0.0.0:9400`) opens it to a scraper on another machine.
+pub fn parse_listen_address(text: &str) -> Result<SocketAddr, String> {
+    if let Ok(port) = text.parse::<u16>() {
+        return Ok(SocketAddr::from((Ipv4Addr::LOCALHOST, port)));
+    }
+    text.parse()
+        .map_err(|_| format!("{text:?} is neither a port nor an address:port (e.g. 9400 or 0.0.0.0:9400)"))
+}
+
 /// Serves `/metrics` on a port while it lives.
 pub struct Exporter {
     gauges: Gauges,
@@ -95,15 +106,12 @@ pub struct Exporter {
 }
 
 impl Exporter {
-    /// Listens on every interface at `port` (as Prometheus exporters do, so that a scraper on
-    /// another machine reaches it). Must be called inside a tokio runtime.
-    pub fn serve(port: u16) -> Result<Self> {
-        let address = format!("0.0.0.0:{port}");
-        let listener = StdListener::bind(&address)
+    /// Listens at `address` ([`parse_listen_address`]). Must be called inside a tokio runtime.
+    pub fn serve(address: SocketAddr) -> Result<Self> {
+        let listener = StdListener::bind(address)
             .and_then(|l| l.set_nonblocking(true).map(|()| l))
-            .with_context(|| format!("--metrics-port {port}: cannot listen on {address}"))?;
-        let listener = tokio::net::TcpListener::from_std(listener)
-            .with_context(|| format!("--metrics-port {port}: cannot listen on {address}"))?;
+            .and_then(tokio::net::TcpListener::from_std)
+            .with_context(|| format!("--metrics-port {address}: cannot listen"))?;
         let gauges = Gauges::default();
         let registry = Arc::new(gauges.registry());
         let server = tokio::spawn(async move {
@@ -197,7 +205,7 @@ mod tests {
     #[tokio::test]
     async fn a_scrape_reads_the_latest_step() -> Result<()> {
         let port = StdListener::bind("127.0.0.1:0")?.local_addr()?.port();
-        let exporter = Exporter::serve(port)?;
+        let exporter = Exporter::serve(parse_listen_address(&port.to_string())?)?;
         exporter.publish(&StepMetrics {
             step: 7,
             elapsed_s: 1.0,
@@ -237,12 +245,27 @@ mod tests {
 
     #[test]
     fn a_port_in_use_is_named() -> Result<()> {
-        let taken = StdListener::bind("0.0.0.0:0")?;
-        let port = taken.local_addr()?.port();
+        let taken = StdListener::bind("127.0.0.1:0")?;
+        let address = taken.local_addr()?;
         let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
-        let error = runtime.block_on(async { Exporter::serve(port).err() });
+        let error = runtime.block_on(async { Exporter::serve(address).err() });
         let error = format!("{:#}", error.context("a second listener on a used port")?);
-        assert!(error.contains(&format!("--metrics-port {port}")), "{error}");
+        assert!(error.contains(&format!("--metrics-port {address}")), "{error}");
         Ok(())
+    }
+
+    #[test]
+    fn a_bare_port_listens_on_loopback_only() {
+        assert_eq!(parse_listen_address("9400"), Ok("127.0.0.1:9400".parse().unwrap()));
+        assert_eq!(
+            parse_listen_address("0.0.0.0:9400"),
+            Ok("0.0.0.0:9400".parse().unwrap())
+        );
+        assert_eq!(parse_listen_address("[::1]:9400"), Ok("[::1]:9400".parse().unwrap()));
+        let error = parse_listen_address("9400x").unwrap_err();
+        assert!(
+            error.contains("\"9400x\" is neither a port nor an address:port"),
+            "{error}"
+        );
     }
 }

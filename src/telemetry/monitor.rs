@@ -3,6 +3,7 @@
 //! steps otherwise, a line of `metrics.jsonl`, and the Prometheus gauges.
 
 use std::io::IsTerminal;
+use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
@@ -89,8 +90,8 @@ pub struct MonitorSettings {
     pub view: ProgressView,
     /// Where `metrics.jsonl` is written.
     pub run_dir: PathBuf,
-    /// Serve the figures for Prometheus on this port.
-    pub metrics_port: Option<u16>,
+    /// Serve the figures for Prometheus at this address.
+    pub metrics_address: Option<SocketAddr>,
 }
 
 /// What the reporting rank measured in a step.
@@ -139,7 +140,7 @@ impl Monitor {
         log_every: usize,
     ) -> Result<Self> {
         let metrics = MetricsLog::open(&settings.run_dir, first)?;
-        let exporter = settings.metrics_port.map(Exporter::serve).transpose()?;
+        let exporter = settings.metrics_address.map(Exporter::serve).transpose()?;
         let bar = if settings.view == ProgressView::Terminal {
             progress_bar(steps)
         } else {
@@ -233,7 +234,7 @@ mod tests {
         let settings = MonitorSettings {
             view: ProgressView::Log,
             run_dir: dir.path().to_path_buf(),
-            metrics_port: None,
+            metrics_address: None,
         };
         let mut monitor = Monitor::start(&settings, 3, 0, 64, 1)?;
         for step in 1..=3 {

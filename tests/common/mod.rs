@@ -119,6 +119,7 @@ pub fn start_program(program: &str, args: &[&str], env: &[(&str, String)]) -> St
         .args(args)
         .env_remove("PADDLE_TRAINER_ID")
         .env_remove("FLOTILLA_TOKEN")
+        .env_remove("FLOTILLA_JOB_ID")
         .envs(env.iter().map(|(k, v)| (*k, v.as_str())))
         .stdin(Stdio::null())
         .stdout(Stdio::piped())

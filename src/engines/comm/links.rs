@@ -4,6 +4,8 @@
 
 use std::io::{self, Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{mpsc, Arc};
 use std::thread;
 use std::time::{Duration, Instant};
 
@@ -82,25 +84,46 @@ fn connect_right(
     let mut last_error = None;
     while Instant::now() < deadline {
         match TcpStream::connect_timeout(&addr, Duration::from_secs(1)) {
-            Ok(mut stream) => {
-                auth::connect_sync(&mut stream, credentials)
-                    .with_context(|| format!("rank {rank}: handshake with rank {right} at {addr}"))?;
-                let mut hello = HELLO_MAGIC.to_vec();
-                hello.extend_from_slice(&(rank as u64).to_le_bytes());
-                hello.extend_from_slice(&(world_size as u64).to_le_bytes());
-                stream
-                    .write_all(&hello)
-                    .with_context(|| format!("sending ring hello to rank {right} at {addr}"))?;
-                return Ok(stream);
-            }
-            Err(e) => last_error = Some(e),
+            Ok(mut stream) => match introduce(&mut stream, rank, world_size, credentials) {
+                Ok(()) => return Ok(stream),
+                // A peer that proves a different token will not change its mind.
+                Err(e) if e.root_cause().downcast_ref::<io::Error>().is_none() => {
+                    return Err(e).with_context(|| format!("rank {rank}: handshake with rank {right} at {addr}"))
+                }
+                // A connection the neighbour closed or left unanswered (its endpoint busy with
+                // strangers, or not listening yet) is tried again.
+                Err(e) => last_error = Some(format!("{e:#}")),
+            },
+            Err(e) => last_error = Some(e.to_string()),
         }
         thread::sleep(Duration::from_millis(20));
     }
     bail!(
-        "could not connect to rank {right} at {addr} before the timeout: {}",
-        last_error.map_or_else(|| "no attempt finished".to_string(), |e| e.to_string())
+        "rank {rank}: could not connect to rank {right} at {addr} before the timeout: {}",
+        last_error.unwrap_or_else(|| "no attempt finished".to_string())
     )
+}
+
+/// The connecting side of one connection: the cluster-token handshake, then the ring hello
+/// naming this rank.
+fn introduce(stream: &mut TcpStream, rank: usize, world_size: usize, credentials: &Credentials) -> Result<()> {
+    auth::connect_sync(stream, credentials)?;
+    let mut hello = HELLO_MAGIC.to_vec();
+    hello.extend_from_slice(&(rank as u64).to_le_bytes());
+    hello.extend_from_slice(&(world_size as u64).to_le_bytes());
+    stream.write_all(&hello).context("sending the ring hello")
+}
+
+/// Handshakes running at once on one ring endpoint; a connection beyond them is closed at once.
+/// Honest peers are one left neighbour (and its retries), so only a flood of strangers meets
+/// the bound, and the neighbour then retries until the deadline.
+const MAX_PENDING_HANDSHAKES: usize = 64;
+
+/// An accepted connection that passed the handshake and sent its ring hello.
+struct Greeted {
+    stream: TcpStream,
+    peer: SocketAddr,
+    from: usize,
 }
 
 fn accept_left(
@@ -112,29 +135,38 @@ fn accept_left(
 ) -> Result<TcpStream> {
     listener.set_nonblocking(true)?;
     let local = listener.local_addr()?;
+    // Each connection's handshake runs on a thread of its own, so a silent or slow stranger
+    // costs the real neighbour nothing; the threads end by themselves within the handshake's
+    // deadline.
+    let (greeted, greetings) = mpsc::channel::<Greeted>();
+    let pending = Arc::new(AtomicUsize::new(0));
     loop {
+        if let Ok(Greeted { stream, peer, from }) = greetings.try_recv() {
+            if from != left {
+                bail!("rank {rank}: rank {from} connected from {peer}, but the left neighbour is rank {left}");
+            }
+            return Ok(stream);
+        }
         match listener.accept() {
-            Ok((mut stream, peer)) => {
-                stream.set_nonblocking(false)?;
-                if let Err(e) = auth::accept_sync(&mut stream, credentials) {
-                    tracing::warn!(%peer, "dropped a connection to ring endpoint {local} before any frame: {e:#}");
+            Ok((stream, peer)) => {
+                if pending.load(Ordering::Acquire) >= MAX_PENDING_HANDSHAKES {
+                    tracing::warn!(%peer, "closed a connection to ring endpoint {local}: {MAX_PENDING_HANDSHAKES} handshakes are already pending");
                     continue;
                 }
-                stream.set_read_timeout(Some(
-                    deadline
-                        .saturating_duration_since(Instant::now())
-                        .max(Duration::from_millis(100)),
-                ))?;
-                let mut hello = [0u8; 24];
-                if stream.read_exact(&mut hello).is_err() || &hello[..8] != HELLO_MAGIC {
-                    tracing::warn!(%peer, "dropped a connection to ring endpoint {local} that sent no ring hello");
-                    continue;
-                }
-                let from = u64::from_le_bytes(hello[8..16].try_into()?) as usize;
-                if from != left {
-                    bail!("rank {rank}: rank {from} connected from {peer}, but the left neighbour is rank {left}");
-                }
-                return Ok(stream);
+                pending.fetch_add(1, Ordering::AcqRel);
+                let (greeted, pending, credentials) = (greeted.clone(), pending.clone(), credentials.clone());
+                thread::Builder::new()
+                    .name(format!("ring-accept-rank{rank}"))
+                    .spawn(move || {
+                        match greet(stream, deadline, &credentials) {
+                            Ok((stream, from)) => {
+                                let _ = greeted.send(Greeted { stream, peer, from });
+                            }
+                            Err(e) => tracing::warn!(%peer, "dropped a connection to ring endpoint {local}: {e:#}"),
+                        }
+                        pending.fetch_sub(1, Ordering::AcqRel);
+                    })
+                    .context("starting a ring handshake thread")?;
             }
             Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
                 if Instant::now() >= deadline {
@@ -145,4 +177,21 @@ fn accept_left(
             Err(e) => return Err(e).with_context(|| format!("accepting on ring endpoint {local}")),
         }
     }
+}
+
+/// The accepting side of one connection: the cluster-token handshake, then the ring hello;
+/// returns the stream and the rank it names.
+fn greet(mut stream: TcpStream, deadline: Instant, credentials: &Credentials) -> Result<(TcpStream, usize)> {
+    stream.set_nonblocking(false)?;
+    auth::accept_sync(&mut stream, credentials).context("before any frame")?;
+    stream.set_read_timeout(Some(
+        deadline
+            .saturating_duration_since(Instant::now())
+            .max(Duration::from_millis(100)),
+    ))?;
+    let mut hello = [0u8; 24];
+    stream.read_exact(&mut hello).context("no ring hello")?;
+    anyhow::ensure!(&hello[..8] == HELLO_MAGIC, "not a ring hello");
+    let from = u64::from_le_bytes(hello[8..16].try_into()?) as usize;
+    Ok((stream, from))
 }

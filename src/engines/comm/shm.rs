@@ -14,6 +14,7 @@ use std::fs::OpenOptions;
 use std::io::{self, Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::os::fd::AsRawFd;
+use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
@@ -43,9 +44,15 @@ struct Region {
 unsafe impl Send for Region {}
 
 impl Region {
-    /// Creates the link's file (which must not exist yet) and maps it.
+    /// Creates the link's file (which must not exist yet) and maps it. Only this user may open
+    /// it: every gradient on the link passes through it.
     fn create(path: &Path) -> io::Result<Self> {
-        let file = OpenOptions::new().read(true).write(true).create_new(true).open(path)?;
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .open(path)?;
         file.set_len(REGION_BYTES as u64)?;
         Self::map(&file)
     }
@@ -338,4 +345,19 @@ impl RingTransport for ShmTransport {
 /// that host has `/dev/shm` (the same answer on every rank of the host).
 pub fn usable_for(endpoints: &[SocketAddr]) -> bool {
     endpoints.windows(2).all(|w| w[0].ip() == w[1].ip()) && Path::new("/dev/shm").is_dir()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::fs::PermissionsExt;
+
+    #[test]
+    fn link_files_are_private_to_their_user() {
+        let path = PathBuf::from(format!("{SHM_PREFIX}mode-test-{}", std::process::id()));
+        let _remove = RemoveOnDrop(path.clone());
+        let _region = Region::create(&path).expect("creates the link file");
+        let mode = std::fs::metadata(&path).expect("the link file").permissions().mode();
+        assert_eq!(mode & 0o777, 0o600, "{} has mode {mode:o}", path.display());
+    }
 }
