@@ -226,3 +226,37 @@ fn a_stage_peer_that_never_connects_is_named_by_the_rank_waiting_for_it() {
         finished.stderr
     );
 }
+
+#[test]
+fn a_stage_larger_than_a_frame_hands_its_parameters_to_rank_0_in_pieces() {
+    let dir = tempfile::tempdir().unwrap();
+    let run_dir = dir.path().join("run");
+    let port = free_port_range(3).to_string();
+    // About 2.4 MB of parameters over two stages, with 1 MiB frames: the final gather of the
+    // stages' outcomes cannot travel in one frame.
+    let settings = [
+        "strategy.pipeline=true",
+        "cluster.nproc_per_node=2",
+        "strategy.hybrid_configs.pp_degree=2",
+        "train.hidden_sizes=[1024, 512]",
+        "train.steps=3",
+        "cluster.max_frame_mb=1",
+    ];
+    #[rustfmt::skip]
+    let mut args = vec!["launch", "--nproc_per_node", "2", "--started_port", &port, "--", "train", "--config", "config.toml", "--run-dir", run_dir.to_str().unwrap()];
+    for set in &settings {
+        args.extend(["--set", *set]);
+    }
+    let finished = flotilla(&args, &[], 180);
+    assert!(
+        finished.success,
+        "launch failed:\n{}\n{}",
+        finished.stdout, finished.stderr
+    );
+    let summary: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(run_dir.join("summary.json")).unwrap()).unwrap();
+    let in_process = train_in_process(config(&settings));
+    assert_eq!(summary["param_checksum"], in_process.summary.param_checksum.as_str());
+    let launched = read_params(&run_dir.join("params.safetensors"));
+    assert_eq!(max_abs_diff(&in_process.parameters, &launched), 0.0);
+}

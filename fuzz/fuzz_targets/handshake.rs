@@ -4,7 +4,7 @@
 
 use std::io::{Read, Write};
 
-use flotilla::net::auth::{accept_on, connect_on, ClusterToken};
+use flotilla::net::auth::{accept_on, connect_on, ClusterToken, Credentials};
 use libfuzzer_sys::fuzz_target;
 
 /// A peer that answers with the fuzzer's bytes and swallows what it is sent.
@@ -30,6 +30,7 @@ impl Write for Scripted<'_> {
 
 fuzz_target!(|data: &[u8]| {
     let token = ClusterToken::new("the fuzzing cluster's token").expect("token");
-    assert!(accept_on(&mut Scripted { input: data }, &token).is_err() || data.len() >= 72);
-    assert!(connect_on(&mut Scripted { input: data }, &token).is_err() || data.len() >= 64);
+    let credentials = Credentials::new(token, std::time::Duration::from_secs(1));
+    assert!(accept_on(&mut Scripted { input: data }, &credentials).is_err() || data.len() >= 72);
+    assert!(connect_on(&mut Scripted { input: data }, &credentials).is_err() || data.len() >= 64);
 });

@@ -39,7 +39,8 @@ pub struct Barrier {
 }
 
 /// Rank `rank` hands `part` to rank 0 at gather `name` and waits until every rank has
-/// handed its own. Rank 0 gets every rank's part, by rank; the others get none.
+/// handed its own. Every rank is answered with every rank's part, by rank (shared, not
+/// copied); the buses hand the parts to rank 0 alone and their lengths to every rank.
 #[derive(Message, Debug)]
 #[rtype(result = "Result<Vec<Bytes>, String>")]
 pub struct Gather {
@@ -229,8 +230,8 @@ impl Coordinator {
         if waiting.len() == self.world_size {
             let arrived = self.barriers.remove(&name).unwrap_or_default();
             let parts: Vec<Bytes> = arrived.values().map(|(part, _)| part.clone()).collect();
-            for (rank, (_, waiter)) in arrived {
-                let _ = waiter.send(Ok(if rank == 0 { parts.clone() } else { Vec::new() }));
+            for (_, (_, waiter)) in arrived {
+                let _ = waiter.send(Ok(parts.clone()));
             }
         }
         rx
@@ -399,7 +400,7 @@ mod tests {
     }
 
     #[actix::test]
-    async fn a_gather_hands_rank_0_every_part_by_rank() {
+    async fn a_gather_answers_every_rank_with_every_part_by_rank() {
         let c = Coordinator::new(3, Duration::from_secs(5)).start();
         let gather = |rank: usize, part: &'static [u8]| {
             c.send(Gather {
@@ -414,8 +415,9 @@ mod tests {
             zero,
             vec![Bytes::from_static(b"a"), Bytes::new(), Bytes::from_static(b"c")]
         );
-        assert_eq!(one.expect("coordinator alive"), Ok(Vec::new()));
-        assert_eq!(two.expect("coordinator alive"), Ok(Vec::new()));
+        // The parts are shared, not copied: the buses hand them to rank 0 alone.
+        assert_eq!(one.expect("coordinator alive"), Ok(zero.clone()));
+        assert_eq!(two.expect("coordinator alive"), Ok(zero));
     }
 
     #[actix::test]

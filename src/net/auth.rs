@@ -182,6 +182,18 @@ fn hello() -> Result<([u8; NONCE], [u8; HELLO])> {
 /// The connecting side of the handshake on a blocking stream, every read within the deadline.
 pub fn connect_sync(stream: &mut TcpStream, credentials: &Credentials) -> Result<()> {
     stream.set_read_timeout(Some(credentials.timeout))?;
+    connect_on(stream, credentials)
+}
+
+/// The accepting side of the handshake on a blocking stream, every read within the deadline.
+pub fn accept_sync(stream: &mut TcpStream, credentials: &Credentials) -> Result<()> {
+    stream.set_read_timeout(Some(credentials.timeout))?;
+    accept_on(stream, credentials)
+}
+
+/// The connecting side over any blocking byte stream whose reads the caller bounds by
+/// `credentials`' deadline.
+pub fn connect_on(stream: &mut (impl Read + Write), credentials: &Credentials) -> Result<()> {
     let (client, hello) = hello()?;
     stream.write_all(&hello).context("sending the handshake")?;
     let mut reply = [0u8; REPLY];
@@ -191,9 +203,9 @@ pub fn connect_sync(stream: &mut TcpStream, credentials: &Credentials) -> Result
     Ok(())
 }
 
-/// The accepting side of the handshake on a blocking stream, every read within the deadline.
-pub fn accept_sync(stream: &mut TcpStream, credentials: &Credentials) -> Result<()> {
-    stream.set_read_timeout(Some(credentials.timeout))?;
+/// The accepting side over any blocking byte stream whose reads the caller bounds by
+/// `credentials`' deadline.
+pub fn accept_on(stream: &mut (impl Read + Write), credentials: &Credentials) -> Result<()> {
     let mut hello = [0u8; HELLO];
     read_within(stream, &mut hello, "reading the handshake", credentials.timeout)?;
     let (server, reply) = answer(&credentials.token, &hello)?;

@@ -15,6 +15,9 @@ use super::frame::{codec, ControlMessage, Frame};
 use crate::actors::coordinator::{Barrier, Coordinator, Gather, Join};
 use crate::telemetry::clock::{self, ClockSample};
 
+/// Room for a gather answer's header beside its name and lengths.
+const GATHER_HEADER_BYTES: usize = 256;
+
 /// Round trips of a clock measurement: the shortest one bounds the error best.
 const CLOCK_PROBES: usize = 8;
 
@@ -122,6 +125,8 @@ impl ControlBus {
 
     /// Hands `part` to rank 0 at gather `name` and waits until every rank has handed its own
     /// (so it is a barrier too). Rank 0 gets every rank's part, by rank; the others get none.
+    /// Over TCP the parts travel in pieces, so no part and no answer is bounded by
+    /// `cluster.max_frame_mb` (a pipeline stage's final parameters can be larger).
     pub async fn gather(&mut self, rank: usize, name: &str, part: Bytes) -> Result<Vec<Bytes>> {
         match self {
             Self::InMemory(coordinator) => coordinator
@@ -132,21 +137,68 @@ impl ControlBus {
                 })
                 .await
                 .context("the coordinator stopped")?
+                .map(|parts| if rank == 0 { parts } else { Vec::new() })
                 .map_err(|reason| anyhow!("rank {rank}: {reason}")),
-            Self::Tcp { .. } => {
-                let request = Frame {
-                    header: ControlMessage::Gather {
-                        rank,
-                        name: name.to_string(),
-                    },
-                    payload: part,
-                };
-                let answer = self.request(request).await?;
-                match answer.header {
-                    ControlMessage::Gathered { lengths, .. } => split_parts(rank, answer.payload, &lengths),
-                    other => Err(self.unexpected(rank, other)),
-                }
+            Self::Tcp { .. } => self.gather_in_pieces(rank, name, part).await,
+        }
+    }
+
+    /// A gather as rounds: a first empty one tells every rank the world size; then each round
+    /// every rank hands the next piece of its part, sized so that rank 0's answer (a piece of
+    /// every rank) fits in a frame, until a round where every rank's piece was its last.
+    async fn gather_in_pieces(&mut self, rank: usize, name: &str, mut part: Bytes) -> Result<Vec<Bytes>> {
+        let Self::Tcp { connection, .. } = self else {
+            bail!("in-memory bus has no frames");
+        };
+        let cap = connection.codec().max_frame_length();
+        let (lengths, _) = self
+            .gather_round(rank, &format!("{name} (start)"), Bytes::new())
+            .await?;
+        let world_size = lengths.len().max(1);
+        // The answer's header: the name and a length per rank, with room to spare.
+        let header = GATHER_HEADER_BYTES + name.len() + 10 * world_size;
+        let piece = cap.saturating_sub(header) / world_size;
+        ensure!(
+            piece > 0,
+            "rank {rank}: cluster.max_frame_mb ({cap} bytes) leaves no room for gather {name:?} of {world_size} ranks"
+        );
+        let mut gathered = vec![Vec::new(); world_size];
+        for round in 1.. {
+            let mine = part.split_to(part.len().min(piece));
+            let (lengths, parts) = self
+                .gather_round(rank, &format!("{name} (piece {round})"), mine)
+                .await?;
+            for (whole, piece) in gathered.iter_mut().zip(parts) {
+                whole.extend_from_slice(&piece);
             }
+            if lengths.iter().all(|&n| n < piece as u64) {
+                break;
+            }
+        }
+        Ok(if rank == 0 {
+            gathered.into_iter().map(Bytes::from).collect()
+        } else {
+            Vec::new()
+        })
+    }
+
+    /// One round of a gather over TCP: every rank's part length, and (to rank 0) the parts.
+    async fn gather_round(&mut self, rank: usize, name: &str, part: Bytes) -> Result<(Vec<u64>, Vec<Bytes>)> {
+        let request = Frame {
+            header: ControlMessage::Gather {
+                rank,
+                name: name.to_string(),
+            },
+            payload: part,
+        };
+        let answer = self.request(request).await?;
+        match answer.header {
+            ControlMessage::Gathered { lengths, .. } if rank == 0 => {
+                let parts = split_parts(rank, answer.payload, &lengths)?;
+                Ok((lengths, parts))
+            }
+            ControlMessage::Gathered { lengths, .. } => Ok((lengths, Vec::new())),
+            other => Err(self.unexpected(rank, other)),
         }
     }
 

@@ -54,11 +54,12 @@ pub enum ControlMessage {
         name: String,
     },
     /// Everyone reached gather `name`; to rank 0 the payload is every rank's part, by rank,
-    /// back to back.
+    /// back to back (to the others it is empty).
     Gathered {
         /// Which gather.
         name: String,
-        /// Bytes of each rank's part (empty for ranks other than 0).
+        /// Bytes of each rank's part, by rank (to every rank: how a gather in pieces knows
+        /// when every rank has sent its last).
         lengths: Vec<u64>,
     },
     /// A rank is alive; sent every `fault_tolerance.heartbeat_interval_ms` on a connection of

@@ -121,7 +121,8 @@ async fn serve_frames(
             )
             .map(|parts| {
                 let lengths = parts.iter().map(|p| p.len() as u64).collect();
-                (ControlMessage::Gathered { name, lengths }, parts)
+                let payload = if rank == 0 { parts } else { Vec::new() };
+                (ControlMessage::Gathered { name, lengths }, payload)
             }),
             ControlMessage::Heartbeat { rank } => {
                 *heartbeats_of = Some(rank);
