@@ -1,0 +1,221 @@
+//! Every decoder of bytes from the network, as property tests on the stable toolchain (the fuzz
+//! targets in `fuzz/` need nightly and run by hand): control frames, parameter-server requests
+//! and replies, pipeline stage outcomes and both sides of the handshake. Arbitrary bytes, and
+//! valid encodings cut short, with a byte changed or with a length overwritten by a huge one,
+//! give an error or a value — never a panic, and never an allocation sized by a claimed length
+//! (that would abort the test process). Valid encodings decode to what was encoded.
+
+use std::io::{Read, Write};
+use std::time::Duration;
+
+use bytes::Bytes;
+use flotilla::actors::stage::StageOutcome;
+use flotilla::net::auth::{accept_on, connect_on, ClusterToken, Credentials};
+use flotilla::net::{ControlMessage, Frame};
+use flotilla::ps::wire::{
+    decode_reply, decode_request, encode_reply, encode_request, PullRequest, PulledRows, PushRequest, Reply, Request,
+    UpdateKind,
+};
+use proptest::prelude::*;
+
+/// Runs every decoder on `body`; only a panic fails.
+fn decode_with_every_decoder(body: &[u8]) {
+    let body = Bytes::copy_from_slice(body);
+    let _ = Frame::<ControlMessage>::decode(body.clone());
+    let _ = decode_request(body.clone());
+    let _ = decode_reply(body.clone());
+    let _ = StageOutcome::from_bytes(body);
+}
+
+fn control_frames() -> Vec<Frame> {
+    vec![
+        Frame::control(ControlMessage::Join {
+            rank: 3,
+            world_size: 4,
+            data_endpoint: "127.0.0.1:6174".into(),
+        }),
+        Frame::control(ControlMessage::Gathered {
+            name: "stage outcomes".into(),
+            lengths: vec![3, 0, 5],
+        }),
+        Frame {
+            header: ControlMessage::Gather {
+                rank: 1,
+                name: "checkpoint of step 40".into(),
+            },
+            payload: Bytes::from_static(b"a part of some bytes"),
+        },
+        Frame::control(ControlMessage::Heartbeat { rank: 2 }),
+    ]
+}
+
+fn requests() -> Vec<Request> {
+    vec![
+        Request::Pull(PullRequest {
+            trainer: 1,
+            version: 7,
+            after_training: false,
+            ids: vec![vec![1, 5, 9], vec![], vec![u64::MAX]],
+            dense: true,
+        }),
+        Request::Push(PushRequest {
+            trainer: 0,
+            step: 12,
+            kind: UpdateKind::Gradients,
+            ids: vec![vec![4, 2], vec![8]],
+            values: vec![vec![0.5; 8], vec![-1.0; 4]],
+            dense: vec![0.25; 6],
+        }),
+        Request::Checkpoint {
+            dir: "/tmp/checkpoints".into(),
+            step: 60,
+        },
+        Request::Leave { trainer: 3 },
+    ]
+}
+
+fn replies() -> Vec<Reply> {
+    vec![
+        Reply::Rows(PulledRows {
+            rows: vec![vec![1.0, 2.0], vec![], vec![3.5; 5]],
+            dense: vec![0.125; 3],
+        }),
+        Reply::Done,
+    ]
+}
+
+fn stage_outcome() -> StageOutcome {
+    StageOutcome {
+        rank: 1,
+        steps: 20,
+        losses: vec![2.5, 1.25],
+        evaluated: Some((90, 100)),
+        samples_per_sec: 1000.0,
+        allreduce_ratio: 0.1,
+        exposed_allreduce_ratio: 0.05,
+        peak_activations: 4,
+        peak_activation_bytes: 4096,
+        bubble_fraction: 0.2,
+        parameters: vec![("block1.weight".into(), vec![0.5; 12]), ("block1.bias".into(), vec![])],
+    }
+}
+
+/// Every valid encoding the decoders are tested from.
+fn valid_encodings() -> Vec<Bytes> {
+    let mut all: Vec<Bytes> = control_frames().iter().map(|f| f.encode().expect("encodes")).collect();
+    all.extend(requests().iter().map(|r| encode_request(r).expect("encodes")));
+    all.extend(replies().into_iter().map(|r| encode_reply(&Ok(r)).expect("encodes")));
+    all.push(encode_reply(&Err(anyhow::anyhow!("a shard's failure"))).expect("encodes"));
+    all.push(stage_outcome().to_bytes().expect("encodes"));
+    all
+}
+
+/// How a valid encoding is damaged.
+#[derive(Debug, Clone)]
+enum Damage {
+    CutAt(usize),
+    Xor(usize, u8),
+    HugeLengthAt(usize),
+}
+
+fn damage() -> impl Strategy<Value = Damage> {
+    prop_oneof![
+        any::<usize>().prop_map(Damage::CutAt),
+        (any::<usize>(), 1..=255u8).prop_map(|(at, x)| Damage::Xor(at, x)),
+        any::<usize>().prop_map(Damage::HugeLengthAt),
+    ]
+}
+
+fn damaged(valid: &[u8], damage: &Damage) -> Vec<u8> {
+    let mut bytes = valid.to_vec();
+    if bytes.is_empty() {
+        return bytes;
+    }
+    match *damage {
+        Damage::CutAt(at) => bytes.truncate(at % bytes.len()),
+        Damage::Xor(at, x) => {
+            let at = at % bytes.len();
+            bytes[at] ^= x;
+        }
+        Damage::HugeLengthAt(at) => {
+            // A big-endian u32 length prefix, and postcard's varint of a length near 2^35.
+            let at = at % bytes.len();
+            for (i, b) in [0xff, 0xff, 0xff, 0xff, 0x7f].into_iter().enumerate() {
+                if let Some(slot) = bytes.get_mut(at + i) {
+                    *slot = b;
+                }
+            }
+        }
+    }
+    bytes
+}
+
+/// A peer that answers with scripted bytes and swallows what it is sent.
+struct Scripted<'a>(&'a [u8]);
+
+impl Read for Scripted<'_> {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        self.0.read(buf)
+    }
+}
+
+impl Write for Scripted<'_> {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 2000, ..ProptestConfig::default() })]
+
+    #[test]
+    fn arbitrary_bytes_are_refused_or_decoded_without_a_panic(body in proptest::collection::vec(any::<u8>(), 0..600)) {
+        decode_with_every_decoder(&body);
+    }
+
+    #[test]
+    fn damaged_encodings_are_refused_or_decoded_without_a_panic(which in any::<usize>(), damage in damage()) {
+        let encodings = valid_encodings();
+        let valid = &encodings[which % encodings.len()];
+        decode_with_every_decoder(&damaged(valid, &damage));
+    }
+
+    #[test]
+    fn a_handshake_against_arbitrary_bytes_fails_cleanly(script in proptest::collection::vec(any::<u8>(), 0..160)) {
+        let token = ClusterToken::new("the property tests' cluster token").expect("token");
+        let credentials = Credentials::new(token, Duration::from_secs(1));
+        // Guessing a valid MAC is impossible: arbitrary bytes never pass.
+        prop_assert!(accept_on(&mut Scripted(&script), &credentials).is_err());
+        prop_assert!(connect_on(&mut Scripted(&script), &credentials).is_err());
+    }
+}
+
+#[test]
+fn valid_encodings_decode_to_what_was_encoded() {
+    for frame in control_frames() {
+        let decoded = Frame::<ControlMessage>::decode(frame.encode().expect("encodes")).expect("decodes");
+        assert_eq!(decoded, frame);
+    }
+    for request in requests() {
+        assert_eq!(
+            decode_request(encode_request(&request).expect("encodes")).expect("decodes"),
+            request
+        );
+    }
+    for reply in replies() {
+        assert_eq!(
+            decode_reply(encode_reply(&Ok(reply.clone())).expect("encodes")).expect("decodes"),
+            reply
+        );
+    }
+    let failure = decode_reply(encode_reply(&Err(anyhow::anyhow!("a shard's failure"))).expect("encodes"));
+    assert!(format!("{:#}", failure.expect_err("a failure")).contains("a shard's failure"));
+    let encoded = stage_outcome().to_bytes().expect("encodes");
+    let decoded = StageOutcome::from_bytes(encoded.clone()).expect("decodes");
+    assert_eq!(decoded.to_bytes().expect("encodes"), encoded);
+    assert_eq!(decoded.parameters, stage_outcome().parameters);
+}
