@@ -71,6 +71,20 @@ pub(super) fn link_error(
     }
 }
 
+/// A handshake read that timed out surfaces as "Resource temporarily unavailable (os error
+/// 11)"; say that the peer did not answer in time instead.
+fn handshake_error(e: anyhow::Error) -> anyhow::Error {
+    let timed_out = e
+        .root_cause()
+        .downcast_ref::<io::Error>()
+        .is_some_and(|io| matches!(io.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut));
+    if timed_out {
+        anyhow::anyhow!("{e}: no answer within the handshake timeout (fault_tolerance.timeout_s, at most 10 s)")
+    } else {
+        e
+    }
+}
+
 fn connect_right(
     addr: SocketAddr,
     rank: usize,
@@ -84,6 +98,7 @@ fn connect_right(
         match TcpStream::connect_timeout(&addr, Duration::from_secs(1)) {
             Ok(mut stream) => {
                 auth::connect_sync(&mut stream, credentials)
+                    .map_err(handshake_error)
                     .with_context(|| format!("rank {rank}: handshake with rank {right} at {addr}"))?;
                 let mut hello = HELLO_MAGIC.to_vec();
                 hello.extend_from_slice(&(rank as u64).to_le_bytes());
@@ -144,5 +159,28 @@ fn accept_left(
             }
             Err(e) => return Err(e).with_context(|| format!("accepting on ring endpoint {local}")),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::net::auth::ClusterToken;
+
+    #[test]
+    fn a_peer_silent_in_the_handshake_is_a_timeout_not_an_os_error() -> Result<()> {
+        // Connections queue in the backlog of a listener that never accepts: nobody answers.
+        let silent = TcpListener::bind("127.0.0.1:0")?;
+        let credentials = Credentials::new(
+            ClusterToken::new("a token of sixteen characters")?,
+            Duration::from_millis(200),
+        );
+        let deadline = Instant::now() + Duration::from_secs(5);
+        let err = connect_right(silent.local_addr()?, 0, 2, 1, deadline, &credentials).unwrap_err();
+        let text = format!("{err:#}");
+        assert!(text.contains("handshake with rank 1"), "{text}");
+        assert!(text.contains("no answer within the handshake timeout"), "{text}");
+        assert!(!text.contains("os error"), "{text}");
+        Ok(())
     }
 }
