@@ -4,8 +4,9 @@
 //! by the CPU's own instruction at many GB/s, so checksumming costs the disk nothing, and it
 //! catches torn and flipped bytes, which is its job; it is not a defence against tampering). Every file is written to a temporary name, synced and
 //! renamed, so a crash never leaves half a file under a real name; a checkpoint without a
-//! manifest (a role died before the commit) or whose files do not match it (truncated, a
-//! flipped byte) is skipped for the one before it.
+//! manifest (a role died before the commit), whose files do not match it (truncated, a
+//! flipped byte), or whose safetensors files are malformed is skipped, with a warning naming
+//! the file, for the one before it.
 
 use std::collections::{HashMap, HashSet};
 use std::fs::{self, File};
@@ -23,6 +24,10 @@ pub const MANIFEST: &str = "manifest.json";
 /// The manifest's `format` value.
 const FORMAT: &str = "flotilla-checkpoint";
 const STEP_PREFIX: &str = "step-";
+/// Checkpoint files with this suffix are safetensors, whose header is checked on reading.
+const SAFETENSORS: &str = ".safetensors";
+/// The safetensors format's largest header.
+const MAX_SAFETENSORS_HEADER: u64 = 100_000_000;
 
 /// One file of a checkpoint as its writer saw it: what the manifest records and the reader
 /// checks. Small enough to travel to the committing rank in a gather.
@@ -244,6 +249,9 @@ impl CheckpointStore {
                 "{} does not match its checksum (corrupted)",
                 path.display()
             );
+            if file.name.ends_with(SAFETENSORS) {
+                check_safetensors_header(&path, bytes).with_context(|| format!("{} is malformed", path.display()))?;
+            }
         }
         Ok(Checkpoint {
             step,
@@ -315,6 +323,33 @@ fn checksum_file(path: &Path) -> std::io::Result<(u64, u32)> {
             Err(e) => return Err(e),
         }
     }
+}
+
+/// Checks that the safetensors file at `path`, `len` bytes long, has a header that parses and
+/// places its tensors exactly in the rest of the file. A checksum only proves the file is what
+/// its writer wrote; a faulty writer's file would otherwise fail only when a role restores it,
+/// too late to fall back to an earlier checkpoint.
+fn check_safetensors_header(path: &Path, len: u64) -> Result<()> {
+    let mut file = File::open(path)?;
+    let mut prefix = [0u8; 8];
+    file.read_exact(&mut prefix)
+        .context("shorter than a safetensors header")?;
+    let header_len = u64::from_le_bytes(prefix);
+    ensure!(
+        header_len <= MAX_SAFETENSORS_HEADER && header_len <= len - 8,
+        "its safetensors header claims {header_len} bytes, the file has {len}"
+    );
+    let mut header = vec![0u8; header_len as usize];
+    file.read_exact(&mut header)?;
+    let metadata: safetensors::tensor::Metadata =
+        serde_json::from_slice(&header).context("its safetensors header does not parse")?;
+    let data = len - 8 - header_len;
+    ensure!(
+        metadata.data_len() as u64 == data,
+        "its safetensors header places {} bytes of tensors, the file holds {data}",
+        metadata.data_len()
+    );
+    Ok(())
 }
 
 /// A writer that checksums and counts what passes through it.
@@ -425,6 +460,28 @@ mod tests {
 
         fs::write(store.step_dir(5).join("b.bin"), b"second rolf")?;
         assert!(store.latest()?.is_none(), "nothing intact is left");
+        Ok(())
+    }
+
+    #[test]
+    fn a_malformed_file_with_a_valid_checksum_falls_back_naming_the_file() -> Result<()> {
+        let root = tempfile::tempdir()?;
+        let store = CheckpointStore::new(root.path(), 3);
+        let t = Tensor::new(&[1.0f32, 2.0], &Device::Cpu)?;
+        for step in [5, 10] {
+            let record = store.write_with(step, "replica.safetensors", |out| {
+                write_tensors(out, &[("w".to_string(), t.clone())], HashMap::new())
+            })?;
+            store.commit(step, 1, vec![record])?;
+        }
+        // A faulty writer: a header length far past the file, checksummed as written.
+        let record = store.write(15, "replica.safetensors", &u64::MAX.to_le_bytes())?;
+        store.commit(15, 1, vec![record])?;
+        let bad = store.step_dir(15).join("replica.safetensors");
+        let err = format!("{:#}", store.verify(15).unwrap_err());
+        assert!(err.contains(&format!("{} is malformed", bad.display())), "{err}");
+        assert!(err.contains("header claims"), "{err}");
+        assert_eq!(store.latest()?.expect("step 10 is intact").step, 10);
         Ok(())
     }
 

@@ -3,7 +3,10 @@
 
 mod common;
 
-use common::flotilla;
+use common::{flotilla, free_port_range};
+
+/// The parameter-server example, as a job of a few steps.
+const PS_JOB: &str = include_str!("../examples/ctr_ps.toml");
 
 fn train_with(toml: &str, extra: &[&str]) -> String {
     let dir = tempfile::tempdir().unwrap();
@@ -116,4 +119,73 @@ fn a_gpu_in_a_build_without_cuda_says_to_rebuild() {
         "{}",
         bench.stderr
     );
+}
+
+/// Values that pass a type check but would overflow a deadline or abort on an allocation are
+/// refused naming the key and the allowed range, in a collective and an in-process
+/// parameter-server job alike.
+#[test]
+fn durations_past_the_clock_and_models_past_memory_are_refused_by_key() {
+    for job in ["", PS_JOB] {
+        for (sets, expected) in [
+            (
+                &["fault_tolerance.timeout_s=1.8e19"][..],
+                "fault_tolerance.timeout_s: must be in (0, 2592000] seconds",
+            ),
+            (
+                &[
+                    "fault_tolerance.heartbeat_interval_ms=9223372036854775807",
+                    "fault_tolerance.heartbeat_misses=4294967295",
+                ][..],
+                "fault_tolerance.heartbeat_interval_ms: must be in [10, 2592000000] ms",
+            ),
+            (
+                &["fault_tolerance.heartbeat_misses=4294967295"][..],
+                "fault_tolerance.heartbeat_misses: heartbeat_interval_ms × heartbeat_misses",
+            ),
+            (
+                &["train.hidden_sizes=[4000000000]"][..],
+                "train.hidden_sizes: the job needs at least",
+            ),
+        ] {
+            let mut args = vec!["--set", "train.steps=2"];
+            for set in sets {
+                args.extend(["--set", set]);
+            }
+            let err = train_with(job, &args);
+            assert!(err.contains(expected), "{sets:?}: {err}");
+            assert!(!err.contains("panicked"), "{sets:?}: {err}");
+        }
+    }
+}
+
+#[test]
+fn an_integer_too_large_for_set_is_out_of_range() {
+    let err = train_with("", &["--set", "train.steps=99999999999999999999"]);
+    assert!(
+        err.contains("--set: train.steps: 99999999999999999999 is out of range for a 64-bit integer"),
+        "{err}"
+    );
+}
+
+/// `launch-ps --worker_num` is an environment variable to the roles, and the environment
+/// outranks the file's `cluster.nproc_per_node`.
+#[test]
+fn launch_ps_worker_num_outranks_the_files_trainers_per_node() {
+    let dir = tempfile::tempdir().unwrap();
+    let (config, run_dir) = (dir.path().join("job.toml"), dir.path().join("run"));
+    std::fs::write(&config, PS_JOB.replace("server_num = 2\n", "nproc_per_node = 2\n")).unwrap();
+    let port = free_port_range(6).to_string();
+    #[rustfmt::skip]
+    let args = [
+        "launch-ps", "--server_num", "1", "--worker_num", "3", "--started_port", &port, "--",
+        "train", "--config", config.to_str().unwrap(), "--set", "train.steps=3",
+        "--set", "train.batch_size=48", "--set", "train.synthetic_samples=2000",
+        "--run-dir", run_dir.to_str().unwrap(),
+    ];
+    let finished = flotilla(&args, &[], 240);
+    assert!(finished.success, "launch-ps failed:\n{}", finished.stderr);
+    let summary: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(run_dir.join("summary.json")).unwrap()).unwrap();
+    assert_eq!(summary["trainers"].as_u64(), Some(3));
 }

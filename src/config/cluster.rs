@@ -25,6 +25,9 @@ pub enum DeviceKind {
 /// Why `cluster.device = "gpu"` is rejected by a build without the `cuda` feature.
 pub(crate) const GPU_NOT_BUILT: &str = "\"gpu\": built without CUDA support; rebuild with --features cuda";
 
+/// Largest `cluster.max_frame_mb`: frames carry a 32-bit length, so none reaches 4 GiB.
+const MAX_FRAME_MB: usize = 4095;
+
 /// `[cluster]` section: the process layout of the job.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
@@ -184,8 +187,14 @@ impl ClusterConfig {
                 ),
             ));
         }
-        if self.max_frame_mb == 0 {
-            return Err(FieldError::new("cluster.max_frame_mb", "must be at least 1, got 0"));
+        if !(1..=MAX_FRAME_MB).contains(&self.max_frame_mb) {
+            return Err(FieldError::new(
+                "cluster.max_frame_mb",
+                format!(
+                    "must be in [1, {MAX_FRAME_MB}] MiB (a frame's length is a 32-bit number), got {}",
+                    self.max_frame_mb
+                ),
+            ));
         }
         Ok(())
     }
@@ -246,8 +255,13 @@ mod tests {
         assert!(msg.starts_with("config.toml: cluster.nnodes: "), "{msg}");
         let msg = err_text(load_str("[cluster]\nnproc_per_node = 0\n"));
         assert!(msg.starts_with("config.toml: cluster.nproc_per_node: "), "{msg}");
-        let msg = err_text(load_str("[cluster]\nmax_frame_mb = 0\n"));
-        assert!(msg.starts_with("config.toml: cluster.max_frame_mb: "), "{msg}");
+        for frame in [0, 4096] {
+            let msg = err_text(load_str(&format!("[cluster]\nmax_frame_mb = {frame}\n")));
+            assert!(
+                msg.starts_with("config.toml: cluster.max_frame_mb: must be in [1, 4095] MiB"),
+                "{msg}"
+            );
+        }
     }
 
     #[test]

@@ -263,8 +263,8 @@ mod tests {
     #[test]
     fn later_errors_are_attributed_to_the_variable() {
         let msg = err_text(load_with(
-            "[cluster]\nnproc_per_node = 2\n",
-            &[("PADDLE_TRAINERS_NUM", "3")],
+            "",
+            &[("PADDLE_TRAINERS_NUM", "3"), ("PADDLE_LOCAL_SIZE", "2")],
             &[],
         ));
         assert_eq!(

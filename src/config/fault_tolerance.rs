@@ -9,6 +9,13 @@ use serde::{Deserialize, Serialize};
 
 use super::FieldError;
 
+/// Longest deadline any key may ask for, 30 days: far beyond any real wait, and far below the
+/// point where a deadline overflows the clock.
+const MAX_WAIT: Duration = Duration::from_secs(30 * 24 * 3600);
+/// Most retries of a pull or push: the backoff doubles each time, and after 20 it already
+/// waits for hours.
+const MAX_RETRY: usize = 20;
+
 /// `[fault_tolerance]` section.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
@@ -51,15 +58,18 @@ impl Default for FaultToleranceConfig {
 }
 
 impl FaultToleranceConfig {
-    /// [`FaultToleranceConfig::timeout_s`] as a `Duration` (saturating; validation keeps it in
-    /// range).
+    /// [`FaultToleranceConfig::timeout_s`] as a `Duration` (saturating; validation keeps it at
+    /// most 30 days).
     pub fn timeout(&self) -> Duration {
         Duration::try_from_secs_f64(self.timeout_s).unwrap_or(Duration::MAX)
     }
 
-    /// How long a role may stay silent before it is declared dead.
+    /// How long a role may stay silent before it is declared dead (saturating; validation keeps
+    /// it at most 30 days).
     pub fn heartbeat_deadline(&self) -> Duration {
-        self.heartbeat_interval() * self.heartbeat_misses
+        self.heartbeat_interval()
+            .checked_mul(self.heartbeat_misses)
+            .unwrap_or(Duration::MAX)
     }
 
     /// [`FaultToleranceConfig::heartbeat_interval_ms`] as a `Duration`.
@@ -69,11 +79,20 @@ impl FaultToleranceConfig {
 
     /// Range checks of the section.
     pub(crate) fn check(&self) -> Result<(), FieldError> {
-        let t = self.timeout_s;
-        if !(t > 0.0 && Duration::try_from_secs_f64(t).is_ok()) {
+        let (t, max_s) = (self.timeout_s, MAX_WAIT.as_secs());
+        if !(t > 0.0 && t <= max_s as f64) {
             return Err(FieldError::new(
                 "fault_tolerance.timeout_s",
-                format!("must be a positive, finite number of seconds, got {t}"),
+                format!("must be in (0, {max_s}] seconds (at most 30 days), got {t}"),
+            ));
+        }
+        if self.retry > MAX_RETRY {
+            return Err(FieldError::new(
+                "fault_tolerance.retry",
+                format!(
+                    "must be in [0, {MAX_RETRY}] (the backoff doubles each retry), got {}",
+                    self.retry
+                ),
             ));
         }
         if self.keep_checkpoints == 0 {
@@ -82,16 +101,26 @@ impl FaultToleranceConfig {
                 "must be at least 1: a restart needs a checkpoint to return to",
             ));
         }
-        if self.heartbeat_interval_ms < 10 {
+        let (interval, misses, max_ms) = (self.heartbeat_interval_ms, self.heartbeat_misses, MAX_WAIT.as_millis());
+        if !(10..=max_ms).contains(&u128::from(interval)) {
             return Err(FieldError::new(
                 "fault_tolerance.heartbeat_interval_ms",
-                format!("must be at least 10 ms, got {}", self.heartbeat_interval_ms),
+                format!("must be in [10, {max_ms}] ms (at most 30 days), got {interval}"),
             ));
         }
-        if self.heartbeat_misses == 0 {
+        if misses == 0 {
             return Err(FieldError::new(
                 "fault_tolerance.heartbeat_misses",
                 "must be at least 1",
+            ));
+        }
+        if u128::from(interval) * u128::from(misses) > max_ms {
+            return Err(FieldError::new(
+                "fault_tolerance.heartbeat_misses",
+                format!(
+                    "heartbeat_interval_ms × heartbeat_misses = {interval} × {misses} ms must be at most {max_ms} ms \
+                     (30 days)"
+                ),
             ));
         }
         if self.checkpoint_every > 0 && self.checkpoint_dir.as_os_str().is_empty() {
@@ -138,7 +167,34 @@ mod tests {
         assert!(msg.starts_with("config.toml: fault_tolerance.timeout_s: "), "{msg}");
         let msg = err_text(load_str("[fault_tolerance]\ntimeout_s = inf\n"));
         assert!(msg.starts_with("config.toml: fault_tolerance.timeout_s: "), "{msg}");
+        let msg = err_text(load_str("[fault_tolerance]\ntimeout_s = 1.8e19\n"));
+        assert!(
+            msg.starts_with("config.toml: fault_tolerance.timeout_s: must be in (0, 2592000] seconds"),
+            "{msg}"
+        );
+        load_str("[fault_tolerance]\ntimeout_s = 2592000\n").unwrap();
         let config = load_str("[fault_tolerance]\ntimeout_s = 2.5\n").unwrap();
         assert_eq!(config.fault_tolerance.timeout(), Duration::from_millis(2500));
+    }
+
+    #[test]
+    fn heartbeats_and_retries_are_bounded() {
+        let msg = err_text(load_str(
+            "[fault_tolerance]\nheartbeat_interval_ms = 9223372036854775807\nheartbeat_misses = 4294967295\n",
+        ));
+        assert!(
+            msg.starts_with("config.toml: fault_tolerance.heartbeat_interval_ms: must be in [10, 2592000000] ms"),
+            "{msg}"
+        );
+        let msg = err_text(load_str("[fault_tolerance]\nheartbeat_misses = 4294967295\n"));
+        assert!(
+            msg.starts_with("config.toml: fault_tolerance.heartbeat_misses: heartbeat_interval_ms × heartbeat_misses"),
+            "{msg}"
+        );
+        let msg = err_text(load_str("[fault_tolerance]\nretry = 64\n"));
+        assert!(
+            msg.starts_with("config.toml: fault_tolerance.retry: must be in [0, 20]"),
+            "{msg}"
+        );
     }
 }

@@ -12,7 +12,8 @@
 //!    "not supported yet" error instead of a generic "unknown field";
 //! 5. the table is deserialized into [`JobConfig`] with `deny_unknown_fields` everywhere, through
 //!    `serde_path_to_error` so that errors carry the dotted key path;
-//! 6. the typed config is validated (ranges and cross-field contradictions).
+//! 6. the typed config is validated (ranges, cross-field contradictions, and whether the model
+//!    and data fit in this host's memory).
 //!
 //! Every error is a [`ConfigError`] naming where the offending value came from (the file, the
 //! environment variable, or `--set`) and the dotted key, e.g.
@@ -22,6 +23,7 @@ mod cluster;
 mod combination;
 mod env;
 mod fault_tolerance;
+mod footprint;
 mod memory;
 mod overrides;
 mod pipeline;
@@ -221,7 +223,8 @@ impl JobConfig {
         self.strategy.check()?;
         self.train.check(self.world_size())?;
         self.fault_tolerance.check()?;
-        combination::check(self)
+        combination::check(self)?;
+        footprint::check(self, footprint::available_memory())
     }
 }
 
@@ -237,7 +240,7 @@ fn load(
     env::apply(&mut table, env, &mut provenance)?;
     overrides::apply(&mut table, overrides, &mut provenance)?;
     reject_unsupported(&table, &provenance)?;
-    trainers_from_world_size(&mut table);
+    trainers_from_world_size(&mut table, &mut provenance);
     let mut config = deserialize(table, &provenance)?;
     config.source_name = source_name.to_string();
     config.cluster.resolve_defaults();
@@ -246,19 +249,36 @@ fn load(
     Ok(config)
 }
 
-/// A world size given alone (as a parameter-server launcher gives `PADDLE_TRAINERS_NUM`) means
-/// that many trainers on this node: it sets `cluster.nproc_per_node` when neither it nor
-/// `cluster.nnodes` was given, instead of contradicting their defaults.
-fn trainers_from_world_size(table: &mut Table) {
+/// A world size given alone (as a parameter-server launcher gives `PADDLE_TRAINERS_NUM`) says how
+/// many trainers there are: it sets `cluster.nproc_per_node` (to world size / `cluster.nnodes`)
+/// when neither layout key was given, or when `nproc_per_node` was given by a source the world
+/// size outranks (the file, under an environment variable or `--set`), instead of contradicting
+/// it.
+fn trainers_from_world_size(table: &mut Table, provenance: &mut Provenance) {
     let Some(Value::Table(cluster)) = table.get_mut("cluster") else {
         return;
     };
-    if cluster.contains_key("nnodes") || cluster.contains_key("nproc_per_node") {
+    let Some(world_size) = cluster.get("world_size").and_then(Value::as_integer) else {
+        return;
+    };
+    let replaces = if cluster.contains_key("nproc_per_node") {
+        provenance.precedence("cluster.world_size") > provenance.precedence("cluster.nproc_per_node")
+    } else {
+        !cluster.contains_key("nnodes")
+    };
+    if !replaces {
         return;
     }
-    if let Some(world_size) = cluster.get("world_size").cloned() {
-        cluster.insert("nproc_per_node".to_string(), world_size);
+    let nnodes = match cluster.get("nnodes") {
+        Some(value) => value.as_integer().unwrap_or(0),
+        None => 1,
+    };
+    if nnodes <= 0 || world_size % nnodes != 0 {
+        return;
     }
+    cluster.insert("nproc_per_node".to_string(), Value::Integer(world_size / nnodes));
+    let source = provenance.source_of("cluster.world_size").to_string();
+    provenance.record("cluster.nproc_per_node".to_string(), source);
 }
 
 /// Parses TOML text, turning syntax errors into a [`ConfigError`] with line and column.
@@ -408,6 +428,12 @@ impl Provenance {
         latest(&|written| is_within(key, written))
             .or_else(|| latest(&|written| is_within(written, key)))
             .unwrap_or(&self.file)
+    }
+
+    /// How late the value at `key` was written: `None` for the file, else the index of the
+    /// latest override at or above it, so a larger value outranks a smaller one.
+    fn precedence(&self, key: &str) -> Option<usize> {
+        self.writes.iter().rposition(|(written, _)| is_within(key, written))
     }
 
     /// A [`ConfigError`] about `key`, attributed to whoever supplied it.
@@ -596,6 +622,28 @@ pub(crate) mod tests {
         let err = JobConfig::from_file(&missing, &no_env, &[]).unwrap_err();
         assert!(matches!(err, ConfigError::Io { .. }), "{err:?}");
         assert!(err.to_string().contains("missing.toml"), "{err}");
+    }
+
+    #[test]
+    fn a_trainer_count_from_the_launcher_outranks_the_files_layout() {
+        let file = "[cluster]\nnproc_per_node = 2\n";
+        let config = load_with(file, &[("PADDLE_TRAINERS_NUM", "4")], &[]).unwrap();
+        assert_eq!((config.cluster.nnodes, config.cluster.nproc_per_node), (1, 4));
+        let config = load_with(
+            "[cluster]\nnnodes = 2\nnproc_per_node = 1\n",
+            &[],
+            &["cluster.world_size=4"],
+        )
+        .unwrap();
+        assert_eq!((config.cluster.nnodes, config.cluster.nproc_per_node), (2, 2));
+        let msg = err_text(load_with(
+            file,
+            &[("PADDLE_TRAINERS_NUM", "3"), ("PADDLE_LOCAL_SIZE", "2")],
+            &[],
+        ));
+        assert!(msg.contains("cluster.world_size: 3 contradicts"), "{msg}");
+        let msg = err_text(load_str("[cluster]\nnproc_per_node = 2\nworld_size = 3\n"));
+        assert!(msg.contains("cluster.world_size: 3 contradicts"), "{msg}");
     }
 
     #[test]

@@ -18,7 +18,12 @@ pub(super) fn apply(table: &mut Table, overrides: &[String], provenance: &mut Pr
             key: text.clone(),
             message,
         };
-        let (path, value) = parse(text).map_err(error)?;
+        let (path, raw) = parse(text).map_err(error)?;
+        let value = parse_value(raw).map_err(|message| ConfigError::Invalid {
+            source_name: SET_SOURCE.to_string(),
+            key: path.join("."),
+            message,
+        })?;
         set_path(table, &path, value).map_err(error)?;
         drop_replaced_length(table, &path, provenance);
         provenance.record(path.join("."), SET_SOURCE.to_string());
@@ -43,8 +48,8 @@ fn drop_replaced_length(table: &mut Table, path: &[&str], provenance: &Provenanc
     }
 }
 
-/// Splits `section.key=value` into the key's segments and the parsed value.
-fn parse(text: &str) -> Result<(Vec<&str>, Value), String> {
+/// Splits `section.key=value` into the key's segments and the value's text.
+fn parse(text: &str) -> Result<(Vec<&str>, &str), String> {
     const EXPECTED: &str = "expected `section.key=value`";
     let Some((key, raw)) = text.split_once('=') else {
         return Err(format!("{EXPECTED} (no `=`)"));
@@ -60,20 +65,31 @@ fn parse(text: &str) -> Result<(Vec<&str>, Value), String> {
     if path.iter().any(|segment| segment.is_empty()) {
         return Err(format!("{EXPECTED} (empty segment in `{key}`)"));
     }
-    Ok((path, parse_value(raw.trim())))
+    Ok((path, raw.trim()))
 }
 
-/// Parses `raw` as a single TOML value, or keeps it as a string if it is not exactly one.
-fn parse_value(raw: &str) -> Value {
+/// Parses `raw` as a single TOML value, or keeps it as a string if it is not exactly one; an
+/// integer too large for TOML is an error rather than a string that fails as "invalid type".
+fn parse_value(raw: &str) -> Result<Value, String> {
     if let Ok(mut document) = format!("v = {raw}").parse::<Table>() {
         // More than one key means `raw` smuggled in extra lines; treat it as text instead.
         if document.len() == 1 {
             if let Some(value) = document.remove("v") {
-                return value;
+                return Ok(value);
             }
         }
     }
-    Value::String(raw.to_string())
+    let digits = raw.replace('_', "");
+    let unsigned = digits.strip_prefix(['+', '-']).unwrap_or(&digits);
+    let is_integer = !unsigned.is_empty() && unsigned.chars().all(|c| c.is_ascii_digit());
+    if is_integer && digits.parse::<i64>().is_err() {
+        return Err(format!(
+            "{raw} is out of range for a 64-bit integer (from {} to {})",
+            i64::MIN,
+            i64::MAX
+        ));
+    }
+    Ok(Value::String(raw.to_string()))
 }
 
 #[cfg(test)]
@@ -84,17 +100,16 @@ mod tests {
 
     #[test]
     fn values_parse_as_toml_or_fall_back_to_strings() {
-        assert_eq!(parse_value("3"), Value::Integer(3));
-        assert_eq!(parse_value("0.5"), Value::Float(0.5));
-        assert_eq!(parse_value("true"), Value::Boolean(true));
-        assert_eq!(parse_value("\"s\""), Value::String("s".into()));
-        assert_eq!(
-            parse_value("[1,2]"),
-            Value::Array(vec![Value::Integer(1), Value::Integer(2)])
-        );
-        assert_eq!(parse_value("adamw"), Value::String("adamw".into()));
-        assert_eq!(parse_value("1\nw = 2"), Value::String("1\nw = 2".into()));
-        assert_eq!(parse_value(""), Value::String(String::new()));
+        let value = |raw: &str| parse_value(raw).unwrap();
+        assert_eq!(value("3"), Value::Integer(3));
+        assert_eq!(value("0.5"), Value::Float(0.5));
+        assert_eq!(value("true"), Value::Boolean(true));
+        assert_eq!(value("\"s\""), Value::String("s".into()));
+        assert_eq!(value("[1,2]"), Value::Array(vec![Value::Integer(1), Value::Integer(2)]));
+        assert_eq!(value("adamw"), Value::String("adamw".into()));
+        assert_eq!(value("1\nw = 2"), Value::String("1\nw = 2".into()));
+        assert_eq!(value(""), Value::String(String::new()));
+        assert_eq!(value("1_000"), Value::Integer(1000));
     }
 
     #[test]
@@ -138,6 +153,21 @@ mod tests {
         assert_eq!(msg, "--set: train.lr: invalid type: string \"fast\", expected f64");
         let msg = err_text(load_with("", &[], &["train.batch_size=7"]));
         assert!(msg.starts_with("--set: train.batch_size: "), "{msg}");
+    }
+
+    #[test]
+    fn an_integer_too_large_is_out_of_range_not_a_string() {
+        let msg = err_text(load_with("", &[], &["train.steps=99999999999999999999"]));
+        assert_eq!(
+            msg,
+            "--set: train.steps: 99999999999999999999 is out of range for a 64-bit integer \
+             (from -9223372036854775808 to 9223372036854775807)"
+        );
+        let msg = err_text(load_with("", &[], &["train.seed=-99999999999999999999"]));
+        assert!(
+            msg.starts_with("--set: train.seed: -99999999999999999999 is out of range"),
+            "{msg}"
+        );
     }
 
     #[test]

@@ -195,3 +195,26 @@ fn greet(mut stream: TcpStream, deadline: Instant, credentials: &Credentials) ->
     let from = u64::from_le_bytes(hello[8..16].try_into()?) as usize;
     Ok((stream, from))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::net::auth::ClusterToken;
+
+    #[test]
+    fn a_peer_silent_in_the_handshake_is_a_timeout_not_an_os_error() -> Result<()> {
+        // Connections queue in the backlog of a listener that never accepts: nobody answers.
+        let silent = TcpListener::bind("127.0.0.1:0")?;
+        let credentials = Credentials::new(
+            ClusterToken::new("a token of sixteen characters")?,
+            Duration::from_millis(200),
+        );
+        let deadline = Instant::now() + Duration::from_secs(2);
+        let err = connect_right(silent.local_addr()?, 0, 2, 1, deadline, &credentials).unwrap_err();
+        let text = format!("{err:#}");
+        assert!(text.contains("could not connect to rank 1"), "{text}");
+        assert!(text.contains("the peer sent nothing for 0.2s"), "{text}");
+        assert!(!text.contains("os error"), "{text}");
+        Ok(())
+    }
+}

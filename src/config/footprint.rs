@@ -1,0 +1,275 @@
+//! The memory a job will take on one node, estimated from the config before anything is
+//! allocated, so that a size typo (`hidden_sizes = [4000000000]`) is an error naming the key and
+//! the bytes instead of an allocation that aborts the process.
+//!
+//! The estimate counts what grows with the keys: parameters with their gradients and optimizer
+//! state, activations of one batch, generated data, the per-step loss record, and parameter-server
+//! tables. It is a lower bound of the real use (no allocator or framework overhead), so a job
+//! it refuses could never have run.
+
+use super::{DatasetKind, FieldError, JobConfig, ModelKind, OptimizerKind, TrainLength};
+use crate::models::{DENSE_FEATURES, SPARSE_SLOTS};
+
+/// Bytes of one f32.
+const F32: u128 = 4;
+/// Pixels and classes of the bundled digits set.
+const DIGITS_SHAPE: (usize, usize) = (64, 10);
+/// Characters of the shipped text's vocabulary, rounded up: the GPT's vocabulary.
+const TEXT_VOCAB: u128 = 128;
+
+/// One part of the estimate: the key that sizes it, what it is, its bytes on the node.
+#[derive(Debug)]
+struct Need {
+    key: &'static str,
+    what: &'static str,
+    bytes: u128,
+}
+
+/// Refuses `config` when its estimated memory on one node exceeds `available` bytes (the host's
+/// available memory; `None` where it cannot be read skips the check). The error names the key of
+/// the largest part and lists every part.
+pub(super) fn check(config: &JobConfig, available: Option<u64>) -> Result<(), FieldError> {
+    let Some(available) = available else {
+        return Ok(());
+    };
+    let needs = estimate(config);
+    let total: u128 = needs.iter().map(|n| n.bytes).fold(0, u128::saturating_add);
+    if total <= u128::from(available) {
+        return Ok(());
+    }
+    let largest = needs.iter().max_by_key(|n| n.bytes).map_or("train", |n| n.key);
+    let parts: Vec<String> = needs
+        .iter()
+        .filter(|n| n.bytes > 0)
+        .map(|n| format!("{}: {} ({})", n.what, bytes_text(n.bytes), n.key))
+        .collect();
+    Err(FieldError::new(
+        largest,
+        format!(
+            "the job needs at least {} of memory on this node ({}), more than the {} available",
+            bytes_text(total),
+            parts.join("; "),
+            bytes_text(u128::from(available))
+        ),
+    ))
+}
+
+/// The parts of the node's memory use of `config`.
+fn estimate(config: &JobConfig) -> Vec<Need> {
+    let train = &config.train;
+    let trainers = config.cluster.nproc_per_node as u128;
+    let local_batch = train.local_batch_size(config.world_size()) as u128;
+    // Gradients and optimizer state are as large as the parameters, per state slot.
+    let state_copies: u128 = match train.optimizer {
+        OptimizerKind::Sgd if train.momentum == 0.0 => 2,
+        OptimizerKind::Sgd | OptimizerKind::Adagrad => 3,
+        OptimizerKind::Adamw | OptimizerKind::Adam => 4,
+    };
+    let (model_key, params, activations) = match train.model {
+        ModelKind::Mlp => {
+            let (inputs, classes) = match train.dataset {
+                DatasetKind::Synthetic => (train.synthetic_features, train.synthetic_classes),
+                _ => DIGITS_SHAPE,
+            };
+            let widths = widths(inputs, &train.hidden_sizes(), classes);
+            let activations = mul(&[local_batch, widths.iter().sum(), F32, 2]);
+            ("train.hidden_sizes", dense_parameters(&widths), activations)
+        }
+        ModelKind::WideDeep => {
+            let inputs = SPARSE_SLOTS * train.embedding_dim.saturating_add(1) + DENSE_FEATURES;
+            let widths = widths(inputs, &train.hidden_sizes(), 1);
+            let activations = mul(&[local_batch, widths.iter().sum(), F32, 2]);
+            ("train.hidden_sizes", dense_parameters(&widths), activations)
+        }
+        ModelKind::Gpt => {
+            let g = &train.gpt;
+            let (c, t, layers, heads) = (
+                g.n_embd as u128,
+                g.block_size as u128,
+                g.n_layer as u128,
+                g.n_head as u128,
+            );
+            let per_layer = mul(&[12, c, c]).saturating_add(13 * c);
+            let params = mul(&[layers, per_layer])
+                .saturating_add(mul(&[2 * TEXT_VOCAB + t, c]))
+                .saturating_add(2 * c);
+            // Per token and layer: the residual stream and MLP (about 16 C) and the attention
+            // scores (heads × T), each with its gradient; then the logits.
+            let per_token =
+                mul(&[layers, mul(&[16, c]).saturating_add(mul(&[2, heads, t]))]).saturating_add(TEXT_VOCAB);
+            let activations = mul(&[local_batch, t, per_token, F32, 2]);
+            ("train.gpt", params, activations)
+        }
+    };
+    let data_rows = match train.dataset {
+        DatasetKind::Synthetic => train.synthetic_features.saturating_add(1),
+        DatasetKind::CriteoSynthetic => SPARSE_SLOTS * 2 + DENSE_FEATURES + 1,
+        DatasetKind::Digits | DatasetKind::Criteo | DatasetKind::Text => 0,
+    };
+    let generated = mul(&[train.synthetic_samples as u128, data_rows as u128, F32]);
+    let losses = match train.length() {
+        TrainLength::Steps(steps) => mul(&[steps as u128, F32]),
+        TrainLength::Epochs(_) => 0,
+    };
+    // Every id of every slot may get a row (embedding, wide weight, optimizer state) on the
+    // servers; only generated click logs bound the ids.
+    let table_rows = match train.dataset {
+        DatasetKind::CriteoSynthetic if train.model == ModelKind::WideDeep => {
+            (train.synthetic_vocab.min(train.synthetic_samples) as u128) * SPARSE_SLOTS as u128
+        }
+        _ => 0,
+    };
+    let row_bytes = mul(&[train.embedding_dim as u128 + 1, state_copies - 1, F32]);
+    vec![
+        Need {
+            key: model_key,
+            what: "parameters, gradients and optimizer state",
+            bytes: mul(&[params, state_copies, F32, trainers]),
+        },
+        Need {
+            key: "train.batch_size",
+            what: "activations of a batch",
+            bytes: mul(&[activations, trainers]),
+        },
+        Need {
+            key: "train.synthetic_samples",
+            what: "generated data",
+            bytes: mul(&[generated, trainers]),
+        },
+        Need {
+            key: "train.steps",
+            what: "the loss of every step",
+            bytes: mul(&[losses, trainers]),
+        },
+        Need {
+            key: "train.synthetic_vocab",
+            what: "parameter-server table rows",
+            bytes: mul(&[table_rows, row_bytes]),
+        },
+    ]
+}
+
+/// Layer widths from the input to the output.
+fn widths(inputs: usize, hidden: &[usize], outputs: usize) -> Vec<u128> {
+    std::iter::once(inputs)
+        .chain(hidden.iter().copied())
+        .chain(std::iter::once(outputs))
+        .map(|w| w as u128)
+        .collect()
+}
+
+/// Weights and biases of dense layers of `widths`.
+fn dense_parameters(widths: &[u128]) -> u128 {
+    widths
+        .windows(2)
+        .map(|w| mul(&[w[0] + 1, w[1]]))
+        .fold(0, u128::saturating_add)
+}
+
+/// The saturating product of `factors`.
+fn mul(factors: &[u128]) -> u128 {
+    factors.iter().fold(1, |product, &f| product.saturating_mul(f))
+}
+
+/// `bytes` in binary units, e.g. `1.2 TiB`.
+fn bytes_text(bytes: u128) -> String {
+    const UNITS: [&str; 7] = ["B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB"];
+    let mut value = bytes as f64;
+    let mut unit = 0;
+    while value >= 1024.0 && unit + 1 < UNITS.len() {
+        value /= 1024.0;
+        unit += 1;
+    }
+    if unit == 0 {
+        format!("{bytes} B")
+    } else {
+        format!("{value:.1} {}", UNITS[unit])
+    }
+}
+
+/// The memory this host can still give a new process (`MemAvailable` of `/proc/meminfo`), or
+/// `None` where that cannot be read.
+pub(super) fn available_memory() -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib.saturating_mul(1024))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const GIB: u64 = 1 << 30;
+
+    /// The default job changed by `edit`, unvalidated: loading would check it against this
+    /// host's memory.
+    fn job(edit: impl FnOnce(&mut JobConfig)) -> JobConfig {
+        let mut config = JobConfig::default();
+        edit(&mut config);
+        config
+    }
+
+    /// `key: message` of the refusal of `config` on a node with `available` bytes.
+    fn refusal(config: &JobConfig, available: u64) -> String {
+        let err = check(config, Some(available)).unwrap_err();
+        format!("{}: {}", err.key, err.message)
+    }
+
+    #[test]
+    fn the_default_jobs_fit_in_a_small_machine() {
+        check(&JobConfig::default(), Some(GIB)).unwrap();
+        check(&job(|c| c.train.hidden_sizes = Some(vec![u32::MAX as usize])), None).unwrap();
+        let gpt = job(|c| {
+            c.train.model = ModelKind::Gpt;
+            c.train.dataset = DatasetKind::Text;
+        });
+        check(&gpt, Some(GIB)).unwrap();
+    }
+
+    #[test]
+    fn a_huge_hidden_layer_is_refused_naming_the_key_and_the_bytes() {
+        let msg = refusal(&job(|c| c.train.hidden_sizes = Some(vec![4_000_000_000])), 64 * GIB);
+        assert!(
+            msg.starts_with("train.hidden_sizes: the job needs at least 8.4 TiB"),
+            "{msg}"
+        );
+        assert!(
+            msg.contains("parameters, gradients and optimizer state: 6.5 TiB (train.hidden_sizes)"),
+            "{msg}"
+        );
+        assert!(msg.ends_with("more than the 64.0 GiB available"), "{msg}");
+    }
+
+    #[test]
+    fn batches_data_steps_and_gpt_shapes_count() {
+        let msg = refusal(&job(|c| c.train.batch_size = 2_000_000_000_000), 64 * GIB);
+        assert!(msg.starts_with("train.batch_size: "), "{msg}");
+        let msg = refusal(
+            &job(|c| {
+                c.train.dataset = DatasetKind::Synthetic;
+                c.train.synthetic_samples = 100_000_000_000;
+            }),
+            64 * GIB,
+        );
+        assert!(msg.starts_with("train.synthetic_samples: "), "{msg}");
+        let msg = refusal(&job(|c| c.train.steps = Some(100_000_000_000_000)), 64 * GIB);
+        assert!(msg.starts_with("train.steps: "), "{msg}");
+        let msg = refusal(
+            &job(|c| {
+                c.train.model = ModelKind::Gpt;
+                c.train.dataset = DatasetKind::Text;
+                c.train.gpt.n_embd = 1 << 20;
+            }),
+            64 * GIB,
+        );
+        assert!(msg.starts_with("train.gpt: "), "{msg}");
+    }
+
+    #[test]
+    fn sizes_read_in_binary_units() {
+        assert_eq!(bytes_text(512), "512 B");
+        assert_eq!(bytes_text(1536), "1.5 KiB");
+        assert_eq!(bytes_text(u128::from(3 * GIB)), "3.0 GiB");
+    }
+}
