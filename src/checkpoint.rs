@@ -17,8 +17,6 @@ use anyhow::{bail, ensure, Context, Result};
 use candle_core::{DType, Device, Tensor};
 use serde::{Deserialize, Serialize};
 
-use crate::config::FaultToleranceConfig;
-
 /// The file every committed checkpoint directory ends with.
 pub const MANIFEST: &str = "manifest.json";
 /// The manifest's `format` value.
@@ -75,11 +73,6 @@ impl CheckpointStore {
             root: root.into(),
             keep: keep.max(1),
         }
-    }
-
-    /// The store `[fault_tolerance]` describes.
-    pub fn from_config(config: &FaultToleranceConfig) -> Self {
-        Self::new(&config.checkpoint_dir, config.keep_checkpoints)
     }
 
     /// The store's directory.
@@ -293,14 +286,21 @@ impl Checkpoint {
 }
 
 /// Writes `dir/name` (its contents by `contents`) through a temporary file that is synced,
-/// renamed over the name, and made durable by syncing the directory.
-fn write_atomically(dir: &Path, name: &str, contents: impl FnOnce(&mut File) -> Result<()>) -> Result<()> {
+/// renamed over the name, and made durable by syncing the directory. A failed write (a full
+/// disk) removes the temporary file, so it leaves nothing behind.
+pub(crate) fn write_atomically(dir: &Path, name: &str, contents: impl FnOnce(&mut File) -> Result<()>) -> Result<()> {
     let temporary = dir.join(format!(".{name}.tmp"));
     let path = dir.join(name);
     let mut file = File::create(&temporary).with_context(|| format!("creating {}", temporary.display()))?;
-    contents(&mut file)
+    let written = contents(&mut file)
         .and_then(|()| Ok(file.sync_all()?))
-        .with_context(|| format!("writing {}", temporary.display()))?;
+        .with_context(|| format!("writing {}", temporary.display()));
+    if let Err(e) = written {
+        drop(file);
+        // Best effort: the write's own error is the one to report.
+        let _ = fs::remove_file(&temporary);
+        return Err(e);
+    }
     fs::rename(&temporary, &path).with_context(|| format!("renaming {} to {}", temporary.display(), path.display()))?;
     File::open(dir)
         .and_then(|d| d.sync_all())

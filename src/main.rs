@@ -14,7 +14,7 @@ use flotilla::bench::ps::{self as ps_bench, PsBenchArgs, PsBenchShardArgs};
 use flotilla::config::{process_env, JobConfig};
 use flotilla::data::ctr::{write_synthetic, CriteoSynth, Split};
 use flotilla::job::ps::{ParameterServerJob, PsSummary};
-use flotilla::job::{Resume, RunOptions, RunOutcome, TrainingJob, RESUME_VAR};
+use flotilla::job::{resumed_config, run_dir, Resume, RunOptions, RunOutcome, TrainingJob, RESUME_VAR};
 use flotilla::launch::{supervise, ChildSpec, LaunchArgs, LaunchPsArgs, OutputMode};
 use flotilla::telemetry::metrics::METRICS_FILE;
 use flotilla::telemetry::monitor::ProgressView;
@@ -25,6 +25,8 @@ const EMBEDDED_CONFIG: &str = include_str!("../config.toml");
 const DEFAULT_CONFIG: &str = "config.toml";
 /// The run directory when `--run-dir` is not given; a launcher sets it for its processes.
 const RUN_DIR_VAR: &str = "FLOTILLA_RUN_DIR";
+/// Where default run directories are made.
+const RUNS: &str = "runs";
 
 #[derive(Parser)]
 #[command(
@@ -101,10 +103,15 @@ enum Role {
 struct TrainArgs {
     #[command(flatten)]
     job: ConfigArgs,
-    /// Where rank 0 writes summary.json (default: $FLOTILLA_RUN_DIR, which a launcher sets for
-    /// all its processes, else runs/<unix time>).
+    /// The run's directory: its config.toml, metrics.jsonl, params.safetensors, summary.json
+    /// and, by default, its checkpoints (default: $FLOTILLA_RUN_DIR, which a launcher sets for
+    /// all its processes, else a new runs/<UTC date>-<time>-<pid>). One that already holds
+    /// files is refused unless --overwrite.
     #[arg(long)]
     run_dir: Option<PathBuf>,
+    /// Write into a --run-dir that already holds another run's files.
+    #[arg(long, requires = "run_dir")]
+    overwrite: bool,
     /// Write every rank's timeline (data, forward, backward, all-reduce buckets, waits,
     /// pipeline sends and receives, pulls and pushes) into this directory as `rank-N.json`
     /// chrome traces; an in-process job also merges them into `trace.json`, a launched one
@@ -116,9 +123,10 @@ struct TrainArgs {
     /// no authentication); `0.0.0.0:PORT` lets another machine scrape it.
     #[arg(long = "metrics-port", value_name = "[ADDRESS:]PORT", value_parser = flotilla::telemetry::exporter::parse_listen_address)]
     metrics_address: Option<std::net::SocketAddr>,
-    /// Continue a stopped job from the newest intact checkpoint in this directory (its
-    /// `fault_tolerance.checkpoint_dir`); later checkpoints are written there too.
-    #[arg(long, value_name = "DIR")]
+    /// Continue the stopped run in this run directory, with the config.toml it wrote (`--set`
+    /// may change only how long and how it runs), from the newest intact checkpoint of its
+    /// `fault_tolerance.checkpoint_dir`; its outputs go on being written there.
+    #[arg(long, value_name = "RUN_DIR", conflicts_with_all = ["run_dir", "config"])]
     resume: Option<PathBuf>,
 }
 
@@ -260,6 +268,14 @@ fn load_config_with_env(args: &ConfigArgs, env: &dyn Fn(&str) -> Option<String>)
     Ok(config)
 }
 
+/// A `train` or `run` process's config: the resumed run's own, else as [`load_config_with_env`].
+fn load_train_config(args: &TrainArgs, env: &dyn Fn(&str) -> Option<String>) -> Result<JobConfig> {
+    match &args.resume {
+        Some(dir) => resumed_config(dir, env, &args.job.overrides),
+        None => load_config_with_env(&args.job, env),
+    }
+}
+
 /// `train [ARGS]` after a launcher's `--`, parsed as the processes will parse it.
 #[derive(Parser)]
 struct LaunchedTrain {
@@ -269,34 +285,53 @@ struct LaunchedTrain {
 
 /// Runs a launcher's processes. Unless told otherwise, they all write into one default run
 /// directory, chosen here once: the ranks that write a job's outputs (rank 0's summary, the
-/// reporting rank's metrics) and every restart of the job then agree on it.
+/// reporting rank's metrics) and every restart of the job then agree on it. A run directory
+/// the command names is checked here, once, as `train` checks it: the processes (and their
+/// restarts) then share it.
 fn launch(mut children: Vec<ChildSpec>, command: &[String], restarts_flag: Option<usize>) -> Result<()> {
-    let restarts = max_restarts(restarts_flag, command, &children)?;
-    if std::env::var_os(RUN_DIR_VAR).is_none() {
-        let run_dir = default_run_dir().display().to_string();
-        for child in &mut children {
-            child.env.push((RUN_DIR_VAR.to_string(), run_dir.clone()));
+    let train = launched_train(command)?;
+    let restarts = max_restarts(restarts_flag, train.as_ref(), &children)?;
+    match &train {
+        Some(args) if args.resume.is_some() => {}
+        Some(TrainArgs {
+            run_dir: Some(dir),
+            overwrite,
+            ..
+        }) => run_dir::check_named(dir, *overwrite)?,
+        _ if std::env::var_os(RUN_DIR_VAR).is_none() => {
+            let run_dir = run_dir::create_unique(RUNS.as_ref())?.display().to_string();
+            for child in &mut children {
+                child.env.push((RUN_DIR_VAR.to_string(), run_dir.clone()));
+            }
         }
+        _ => {}
     }
     supervise(children, OutputMode::Prefixed, restarts)
+}
+
+/// The arguments of a launcher's `train` command, when it runs flotilla's trainer.
+fn launched_train(command: &[String]) -> Result<Option<TrainArgs>> {
+    match command.split_first() {
+        Some((train, rest)) if train == "train" => {
+            let args = LaunchedTrain::try_parse_from(command.iter().map(String::as_str))
+                .with_context(|| format!("the command after `--`: train {}", rest.join(" ")))?
+                .args;
+            Ok(Some(args))
+        }
+        _ => Ok(None),
+    }
 }
 
 /// Restarts a launcher allows: `--max_restarts`, else `fault_tolerance.max_restarts` of the job
 /// when the processes run flotilla's trainer (the config read as a trainer process will read
 /// it, so a bad one fails here, before anything starts), else none.
-fn max_restarts(flag: Option<usize>, command: &[String], children: &[ChildSpec]) -> Result<usize> {
+fn max_restarts(flag: Option<usize>, train: Option<&TrainArgs>, children: &[ChildSpec]) -> Result<usize> {
     if let Some(restarts) = flag {
         return Ok(restarts);
     }
-    let (Some((train, rest)), Some(trainer)) = (command.split_first(), children.last()) else {
+    let (Some(args), Some(trainer)) = (train, children.last()) else {
         return Ok(0);
     };
-    if train != "train" {
-        return Ok(0);
-    }
-    let args = LaunchedTrain::try_parse_from(command.iter().map(String::as_str))
-        .with_context(|| format!("the command after `--`: train {}", rest.join(" ")))?
-        .args;
     let env = |key: &str| {
         trainer
             .env
@@ -305,13 +340,13 @@ fn max_restarts(flag: Option<usize>, command: &[String], children: &[ChildSpec])
             .map(|(_, v)| v.clone())
             .or_else(|| process_env(key))
     };
-    Ok(load_config_with_env(&args.job, &env)?.fault_tolerance.max_restarts)
+    Ok(load_train_config(args, &env)?.fault_tolerance.max_restarts)
 }
 
 /// One role of a launched job; the environment (set by the launcher) says which rank or shard.
 fn run_role(role: Role, args: &TrainArgs) -> Result<()> {
-    let config = load_config(&args.job)?;
-    let options = run_options(args);
+    let config = load_train_config(args, &process_env)?;
+    let options = run_options(args, &config)?;
     match (role, config.cluster.is_parameter_server()) {
         (Role::Pserver, true) => {
             let job = ParameterServerJob::builtin(config)?;
@@ -341,23 +376,27 @@ fn run_role(role: Role, args: &TrainArgs) -> Result<()> {
     }
 }
 
-fn run_options(args: &TrainArgs) -> RunOptions {
-    RunOptions {
-        run_dir: args
-            .run_dir
-            .clone()
-            .or_else(|| std::env::var_os(RUN_DIR_VAR).map(PathBuf::from))
-            .unwrap_or_else(default_run_dir),
+/// Where a process of the job `config` writes and starts: a resumed run in its own directory
+/// from its checkpoints; else in `--run-dir`, the launcher's directory or a new one.
+fn run_options(args: &TrainArgs, config: &JobConfig) -> Result<RunOptions> {
+    let run_dir = match (&args.resume, &args.run_dir, std::env::var_os(RUN_DIR_VAR)) {
+        (Some(dir), _, _) | (None, Some(dir), _) => dir.clone(),
+        (None, None, Some(dir)) => PathBuf::from(dir),
+        (None, None, None) => run_dir::create_unique(RUNS.as_ref())?,
+    };
+    let resume = match &args.resume {
+        Some(_) => Resume::From(config.fault_tolerance.checkpoint_dir_of(&run_dir)),
+        // A launcher restarting the job after a failure.
+        None if std::env::var_os(RESUME_VAR).is_some() => Resume::IfAny,
+        None => Resume::Fresh,
+    };
+    Ok(RunOptions {
+        run_dir,
         progress: ProgressView::from_environment(),
         metrics_address: args.metrics_address,
         trace: args.trace.clone(),
-        resume: match &args.resume {
-            Some(dir) => Resume::From(dir.clone()),
-            // A launcher restarting the job after a failure.
-            None if std::env::var_os(RESUME_VAR).is_some() => Resume::IfAny,
-            None => Resume::Fresh,
-        },
-    }
+        resume,
+    })
 }
 
 fn print_ps_summary(summary: Option<&PsSummary>, options: &RunOptions) -> Result<()> {
@@ -393,9 +432,13 @@ fn print_summary(title: &str, summary: &impl serde::Serialize, options: &RunOpti
 
 /// `flotilla train`: the whole job in this process, or the role a launcher's environment names.
 fn train(args: &TrainArgs) -> Result<()> {
-    let config = load_config(&args.job)?;
-    let options = run_options(args);
+    let config = load_train_config(args, &process_env)?;
     let launched = std::env::var_os("PADDLE_TRAINER_ID").is_some() || std::env::var_os("TRAINING_ROLE").is_some();
+    // A launched process shares the directory its launcher checked.
+    if let (false, None, Some(dir)) = (launched, &args.resume, &args.run_dir) {
+        run_dir::check_named(dir, args.overwrite)?;
+    }
+    let options = run_options(args, &config)?;
     if !launched {
         // Every role of the job shares this process's cores (a launcher sets this itself).
         let roles = config.world_size() + config.cluster.server_num;
@@ -428,11 +471,4 @@ fn keep_freed_buffers() {
             libc::mallopt(libc::M_TRIM_THRESHOLD, 1 << 30);
         }
     }
-}
-
-fn default_run_dir() -> PathBuf {
-    let secs = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_secs());
-    PathBuf::from("runs").join(secs.to_string())
 }

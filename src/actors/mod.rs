@@ -6,6 +6,7 @@
 pub(crate) mod checkpointing;
 pub mod coordinator;
 pub mod device;
+mod divergence;
 pub mod ps_trainer;
 pub mod pserver;
 pub mod stage;

@@ -11,6 +11,7 @@ use actix::prelude::*;
 use anyhow::{Context as _, Result};
 
 use super::device::{DeviceActor, FlushCtr, PlanCtr, PredictCtr, PrepareCtr, TrainCtr};
+use super::divergence::check_loss;
 use crate::checkpoint::CheckpointStore;
 use crate::config::{JobConfig, PsMode, TrainLength};
 use crate::data::ctr::{CtrLoader, CtrSource};
@@ -221,6 +222,7 @@ impl PsRun {
                 };
                 monitor.record(step + 1, sample)?;
             }
+            check_loss(rank, step + 1, outcome.loss)?;
             if let Some(store) = self.recovery.store.as_ref().filter(|_| rank == 0) {
                 if self.recovery.due(&job, step + 1, steps) {
                     checkpoint(&mut client, store, step + 1, world).await?;

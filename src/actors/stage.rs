@@ -17,6 +17,7 @@ use super::device::{
     DeviceActor, ModelFactory, PipelineEvaluate, PipelineStep, PreparePipeline, ReadParameters, RestoreCheckpoint,
     SaveCheckpoint, StageLinks, TakeSpans,
 };
+use super::divergence::check_loss;
 use crate::config::{JobConfig, TrainLength};
 use crate::data::{Dataset, ShardedLoader};
 use crate::engines::comm::Communicator;
@@ -236,6 +237,7 @@ impl Handler<TrainStage> for StageActor {
                         };
                         monitor.record(step + 1, sample)?;
                     }
+                    check_loss(rank, step + 1, loss)?;
                 }
                 if let Some(store) = recovery.store.as_ref().filter(|_| recovery.due(&job, step + 1, steps)) {
                     let written = if replica == 0 {

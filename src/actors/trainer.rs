@@ -14,6 +14,7 @@ use super::device::{
     CheckReplicas, DeviceActor, Evaluate, ModelFactory, Prepare, ReadParameters, RestoreCheckpoint, RingLink,
     SaveCheckpoint, TakeSpans, TrainStep,
 };
+use super::divergence::check_loss;
 use crate::collective::ParamChecksum;
 use crate::config::{JobConfig, TrainLength};
 use crate::data::{Dataset, ShardedLoader};
@@ -187,6 +188,7 @@ impl TrainingRun {
                 };
                 monitor.record(step + 1, sample)?;
             }
+            check_loss(rank, step + 1, report.loss)?;
             if check_every > 0 && (step + 1) % check_every == 0 {
                 self.device.send(CheckReplicas).await??;
             }

@@ -2,7 +2,7 @@
 //! retries of transient network errors, heartbeats that find dead or stalled roles, coordinated
 //! checkpoints, and restarts from the last one.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
@@ -31,8 +31,9 @@ pub struct FaultToleranceConfig {
     pub checkpoint_every: usize,
     /// Committed checkpoints kept; older ones are deleted once a newer one is committed.
     pub keep_checkpoints: usize,
-    /// Where checkpoints go, one `step-N` directory each (relative to the working directory).
-    pub checkpoint_dir: PathBuf,
+    /// Where checkpoints go, one `step-N` directory each (relative to the working directory);
+    /// unset, `checkpoints` inside the run directory, so that two runs never meet each other's.
+    pub checkpoint_dir: Option<PathBuf>,
     /// Times a launcher restarts the job's processes after one of them died, each time from
     /// the last committed checkpoint, before it gives up.
     pub max_restarts: usize,
@@ -49,7 +50,7 @@ impl Default for FaultToleranceConfig {
             retry: 3,
             checkpoint_every: 0,
             keep_checkpoints: 3,
-            checkpoint_dir: PathBuf::from("checkpoints"),
+            checkpoint_dir: None,
             max_restarts: 0,
             heartbeat_interval_ms: 1000,
             heartbeat_misses: 5,
@@ -58,6 +59,13 @@ impl Default for FaultToleranceConfig {
 }
 
 impl FaultToleranceConfig {
+    /// Where the checkpoints of a run writing into `run_dir` go.
+    pub fn checkpoint_dir_of(&self, run_dir: &Path) -> PathBuf {
+        self.checkpoint_dir
+            .clone()
+            .unwrap_or_else(|| run_dir.join("checkpoints"))
+    }
+
     /// [`FaultToleranceConfig::timeout_s`] as a `Duration` (saturating; validation keeps it at
     /// most 30 days).
     pub fn timeout(&self) -> Duration {
@@ -123,10 +131,14 @@ impl FaultToleranceConfig {
                 ),
             ));
         }
-        if self.checkpoint_every > 0 && self.checkpoint_dir.as_os_str().is_empty() {
+        if self
+            .checkpoint_dir
+            .as_ref()
+            .is_some_and(|dir| dir.as_os_str().is_empty())
+        {
             return Err(FieldError::new(
                 "fault_tolerance.checkpoint_dir",
-                "must name a directory when checkpoint_every is set",
+                "must name a directory (leave it unset for the run directory's `checkpoints`)",
             ));
         }
         Ok(())
@@ -148,7 +160,12 @@ mod tests {
         .unwrap();
         let ft = &config.fault_tolerance;
         assert_eq!((ft.checkpoint_every, ft.keep_checkpoints, ft.max_restarts), (5, 2, 3));
-        assert_eq!(ft.checkpoint_dir, std::path::PathBuf::from("ckpt"));
+        assert_eq!(ft.checkpoint_dir_of("run".as_ref()), std::path::PathBuf::from("ckpt"));
+        let default = load_str("").unwrap().fault_tolerance;
+        assert_eq!(
+            default.checkpoint_dir_of("run".as_ref()),
+            std::path::Path::new("run").join("checkpoints")
+        );
         assert_eq!(ft.heartbeat_deadline(), Duration::from_millis(800));
         let msg = err_text(load_str("[fault_tolerance]\nkeep_checkpoints = 0\n"));
         assert!(

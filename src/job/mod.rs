@@ -11,13 +11,16 @@ mod pipeline;
 mod process;
 pub mod ps;
 mod recovery;
+mod resumed;
+pub mod run_dir;
 mod simulated;
 mod stage_rings;
 
 pub use control::connect_control;
-pub use outputs::{RunOutcome, Summary};
+pub use outputs::{RunOutcome, Summary, CONFIG_FILE};
 pub(crate) use recovery::Recovery;
 pub use recovery::{Resume, RESUME_VAR};
+pub use resumed::{resumed_config, SAFE_TO_CHANGE};
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -54,7 +57,7 @@ fn text_windows(train: &crate::config::TrainConfig) -> Result<(Dataset, Dataset)
 #[derive(Debug, Clone)]
 pub struct RunOptions {
     /// Directory for `summary.json`, `params.safetensors` and the resolved
-    /// `config.toml` (written by rank 0).
+    /// `config.toml` (written by rank 0), and the default checkpoint directory's parent.
     pub run_dir: PathBuf,
     /// Where the reporting rank's progress goes.
     pub progress: ProgressView,
@@ -226,26 +229,30 @@ impl TrainingJob {
 
     /// All ranks as actors of this process, ring links in memory.
     pub fn run_simulated(&self, options: &RunOptions) -> Result<RunOutcome> {
+        outputs::write_config(&options.run_dir, &self.config)?;
         let outcome = if self.config.strategy.pipeline {
             pipeline::run(self, options)?
         } else {
             simulated::run(self, options)?
         };
         options.merge_in_process_trace()?;
-        outcome.write(&options.run_dir, &self.config)?;
+        outcome.write(&options.run_dir)?;
         Ok(outcome)
     }
 
     /// One rank of a multi-process job over TCP or shared memory; rank 0
     /// also hosts the coordinator at `cluster.master` and writes the outputs.
     pub fn run_rank(&self, rank: usize, options: &RunOptions) -> Result<Option<RunOutcome>> {
+        if rank == 0 {
+            outputs::write_config(&options.run_dir, &self.config)?;
+        }
         let outcome = if self.config.strategy.pipeline {
             pipeline::run_rank(self, rank, options)?
         } else {
             process::run(self, rank, options)?
         };
         if let Some(outcome) = &outcome {
-            outcome.write(&options.run_dir, &self.config)?;
+            outcome.write(&options.run_dir)?;
         }
         Ok(outcome)
     }

@@ -1,7 +1,11 @@
-//! What a run leaves behind: `summary.json` (the figures), the final
-//! parameters as `params.safetensors`, and the resolved `config.toml`.
+//! What a run leaves behind: the resolved `config.toml`, written as it starts (so that a stopped
+//! run can be resumed from its directory), and at its end the final parameters as
+//! `params.safetensors`, then `summary.json` (the figures). Every file is written to a temporary
+//! name and renamed, and the summary goes last: a run that could not write its parameters (a
+//! full disk) leaves no summary claiming it finished.
 
 use std::collections::HashMap;
+use std::io::{BufWriter, Write};
 use std::path::Path;
 
 use anyhow::{Context, Result};
@@ -9,7 +13,13 @@ use candle_core::{Device, Tensor};
 use serde::Serialize;
 
 use crate::actors::trainer::RankOutcome;
+use crate::checkpoint::{write_atomically, write_tensors};
 use crate::config::JobConfig;
+
+/// The resolved config of a run, in its run directory.
+pub const CONFIG_FILE: &str = "config.toml";
+const SUMMARY_FILE: &str = "summary.json";
+const PARAMS_FILE: &str = "params.safetensors";
 
 /// The figures of a run, as written to `summary.json`.
 #[derive(Debug, Clone, Serialize, PartialEq)]
@@ -76,22 +86,37 @@ impl RunOutcome {
         }
     }
 
-    /// Writes `summary.json`, `params.safetensors` and `config.toml` into
-    /// `run_dir` (created if needed).
-    pub fn write(&self, run_dir: &Path, config: &JobConfig) -> Result<()> {
-        std::fs::create_dir_all(run_dir).with_context(|| format!("creating run directory {}", run_dir.display()))?;
-        let summary = serde_json::to_string_pretty(&self.summary)?;
-        std::fs::write(run_dir.join("summary.json"), summary + "\n")
-            .with_context(|| format!("writing {}/summary.json", run_dir.display()))?;
+    /// Writes `params.safetensors`, then `summary.json`, into `run_dir`.
+    pub fn write(&self, run_dir: &Path) -> Result<()> {
         let tensors = self
             .parameters
             .iter()
             .map(|(name, values)| Ok((name.clone(), Tensor::from_slice(values, values.len(), &Device::Cpu)?)))
-            .collect::<Result<HashMap<_, _>>>()?;
-        candle_core::safetensors::save(&tensors, run_dir.join("params.safetensors"))
-            .with_context(|| format!("writing {}/params.safetensors", run_dir.display()))?;
-        std::fs::write(run_dir.join("config.toml"), config.to_toml_string()?)
-            .with_context(|| format!("writing {}/config.toml", run_dir.display()))?;
-        Ok(())
+            .collect::<Result<Vec<_>>>()?;
+        write_output(run_dir, PARAMS_FILE, |out| write_tensors(out, &tensors, HashMap::new()))?;
+        write_summary(run_dir, &self.summary)
     }
+}
+
+/// Writes the resolved `config.toml` into `run_dir` (created if needed).
+pub(crate) fn write_config(run_dir: &Path, config: &JobConfig) -> Result<()> {
+    let text = config.to_toml_string()?;
+    write_output(run_dir, CONFIG_FILE, |out| Ok(out.write_all(text.as_bytes())?))
+}
+
+/// Writes `summary.json` into `run_dir`: the last output of a run.
+pub(crate) fn write_summary(run_dir: &Path, summary: &impl Serialize) -> Result<()> {
+    let text = serde_json::to_string_pretty(summary)? + "\n";
+    write_output(run_dir, SUMMARY_FILE, |out| Ok(out.write_all(text.as_bytes())?))
+}
+
+/// Writes what `contents` writes as `run_dir/name`, atomically.
+fn write_output(run_dir: &Path, name: &str, contents: impl FnOnce(&mut dyn Write) -> Result<()>) -> Result<()> {
+    std::fs::create_dir_all(run_dir).with_context(|| format!("creating run directory {}", run_dir.display()))?;
+    write_atomically(run_dir, name, |file| {
+        let mut out = BufWriter::new(file);
+        contents(&mut out)?;
+        Ok(out.flush()?)
+    })
+    .with_context(|| format!("{}: cannot write the run's {name}", run_dir.display()))
 }

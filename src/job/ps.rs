@@ -14,6 +14,7 @@ use serde::Serialize;
 
 use super::control::host_coordinator;
 use super::heartbeat::watched;
+use super::outputs::{write_config, write_summary};
 use super::{Recovery, RunOptions};
 use crate::actors::ps_trainer::{PsOutcome, PsTrainer, TrainPs};
 use crate::actors::pserver::{PServer, TakeShardSpans};
@@ -153,10 +154,11 @@ impl ParameterServerJob {
 
     /// Every shard and trainer as actors of this process.
     pub fn run_simulated(&self, options: &RunOptions) -> Result<PsSummary> {
+        write_config(&options.run_dir, &self.config)?;
         let config = self.config.clone();
         let (servers, world) = (config.cluster.server_num, config.world_size());
         let (timeout, retry) = (config.fault_tolerance.timeout(), config.fault_tolerance.retry);
-        let recovery = Recovery::plan(&config, &options.resume)?;
+        let recovery = Recovery::plan(&config, options)?;
         let trace = options.trace_target();
         let outcomes = System::new().block_on(async move {
             let shards = (0..servers)
@@ -198,7 +200,7 @@ impl ParameterServerJob {
             .context("a job needs at least one trainer")?;
         let summary = self.summary(rank0, "in-process")?;
         options.merge_in_process_trace()?;
-        write_outputs(&options.run_dir, &summary, &self.config)?;
+        write_summary(&options.run_dir, &summary)?;
         Ok(summary)
     }
 
@@ -211,7 +213,7 @@ impl ParameterServerJob {
         let listener = TcpListener::bind(&endpoint)
             .with_context(|| format!("parameter server {index}: cannot listen on {endpoint}"))?;
         listener.set_nonblocking(true)?;
-        let shard = start_shard(&config, index, &Recovery::plan(&config, &options.resume)?)?;
+        let shard = start_shard(&config, index, &Recovery::plan(&config, options)?)?;
         let timeout = config.fault_tolerance.timeout();
         let credentials = Credentials::new(config.cluster.cluster_token()?, timeout);
         tracing::info!(
@@ -298,6 +300,9 @@ impl ParameterServerJob {
             rank < world,
             "PADDLE_TRAINER_ID = {rank} is outside the {world} trainers"
         );
+        if rank == 0 {
+            write_config(&options.run_dir, &self.config)?;
+        }
         anyhow::ensure!(
             config.cluster.pservers.len() == config.cluster.server_num,
             "{}: cluster.pservers (PADDLE_PSERVERS_IP_PORT_LIST) must list the {} parameter servers of a multi-process job",
@@ -313,7 +318,7 @@ impl ParameterServerJob {
             .map(|endpoint| ShardLink::remote(endpoint.clone(), max_frame, credentials.clone()))
             .collect();
         let client = PsClient::new(links, config.fault_tolerance.retry, config.fault_tolerance.timeout());
-        let recovery = Recovery::plan(&config, &options.resume)?;
+        let recovery = Recovery::plan(&config, options)?;
         let heartbeats = self.heartbeat_line(config.cluster.server_num + rank)?;
         let outcome = System::new().block_on(async move {
             let trace = match (options.trace_target(), &heartbeats) {
@@ -338,7 +343,7 @@ impl ParameterServerJob {
             return Ok(None);
         }
         let summary = self.summary(outcome, "multi-process")?;
-        write_outputs(&options.run_dir, &summary, &self.config)?;
+        write_summary(&options.run_dir, &summary)?;
         Ok(Some(summary))
     }
 
@@ -498,14 +503,4 @@ pub fn shard_index_from_env(job: &JobConfig) -> Result<usize> {
                 job.cluster.pservers
             )
         })
-}
-
-/// Writes `summary.json` and the resolved `config.toml` (the shards wrote their tables).
-fn write_outputs(run_dir: &Path, summary: &PsSummary, config: &JobConfig) -> Result<()> {
-    std::fs::create_dir_all(run_dir).with_context(|| format!("creating run directory {}", run_dir.display()))?;
-    let text = serde_json::to_string_pretty(summary)?;
-    std::fs::write(run_dir.join("summary.json"), text + "\n")
-        .with_context(|| format!("writing {}/summary.json", run_dir.display()))?;
-    std::fs::write(run_dir.join("config.toml"), config.to_toml_string()?)
-        .with_context(|| format!("writing {}/config.toml", run_dir.display()))
 }

@@ -6,11 +6,12 @@ use std::sync::Arc;
 
 use anyhow::{bail, ensure, Result};
 
+use super::RunOptions;
 use crate::checkpoint::{Checkpoint, CheckpointStore};
 use crate::config::JobConfig;
 
 /// Set (to any value) by a launcher on the processes it restarts after a failure: each resumes
-/// from the newest intact checkpoint in `fault_tolerance.checkpoint_dir`, if there is one.
+/// from the newest intact checkpoint in its checkpoint directory, if there is one.
 pub const RESUME_VAR: &str = "FLOTILLA_RESUME";
 
 /// Where training starts.
@@ -20,11 +21,12 @@ pub enum Resume {
     /// refused rather than mixed with this run's.
     #[default]
     Fresh,
-    /// From the newest intact checkpoint in `fault_tolerance.checkpoint_dir`, or from step 0
+    /// From the newest intact checkpoint in the checkpoint directory, or from step 0
     /// when it has none or the run takes none: a launcher's restart ([`RESUME_VAR`]).
     IfAny,
-    /// From the newest intact checkpoint in this directory, which must hold one
-    /// (`flotilla train --resume DIR`); the run's later checkpoints go there too.
+    /// From the newest intact checkpoint in this checkpoint directory, which must hold one
+    /// (`flotilla train --resume RUN_DIR` resumes from its run's); the run's later checkpoints
+    /// go there too.
     From(PathBuf),
 }
 
@@ -39,12 +41,13 @@ pub(crate) struct Recovery {
 }
 
 impl Recovery {
-    /// The recovery of `config` started as `resume` says.
-    pub(crate) fn plan(config: &JobConfig, resume: &Resume) -> Result<Self> {
-        let ft = &config.fault_tolerance;
+    /// The recovery of `config` started as `options.resume` says; checkpoints go to
+    /// `fault_tolerance.checkpoint_dir`, by default inside the run directory.
+    pub(crate) fn plan(config: &JobConfig, options: &RunOptions) -> Result<Self> {
+        let (ft, resume) = (&config.fault_tolerance, &options.resume);
         let root = match resume {
             Resume::From(dir) => dir.clone(),
-            Resume::Fresh | Resume::IfAny => ft.checkpoint_dir.clone(),
+            Resume::Fresh | Resume::IfAny => ft.checkpoint_dir_of(&options.run_dir),
         };
         let store = CheckpointStore::new(&root, ft.keep_checkpoints);
         let start = match resume {
@@ -52,10 +55,10 @@ impl Recovery {
                 if let Some(earlier) = store.latest()? {
                     bail!(
                         "{} already holds checkpoints of an earlier run (newest: step {}): resume it with \
-                         `flotilla train --resume {}`, or set fault_tolerance.checkpoint_dir to another directory",
+                         `flotilla train --resume RUN_DIR` (that run's directory), or set \
+                         fault_tolerance.checkpoint_dir to another directory",
                         root.display(),
-                        earlier.step,
-                        root.display()
+                        earlier.step
                     );
                 }
                 None

@@ -13,7 +13,7 @@ use crate::net::ControlBus;
 
 pub(super) fn run(job: &TrainingJob, options: &RunOptions) -> Result<RunOutcome> {
     let world = job.config.world_size();
-    let recovery = Recovery::plan(&job.config, &options.resume)?;
+    let recovery = Recovery::plan(&job.config, options)?;
     let timeout = job.config.fault_tolerance.timeout();
     let outcomes = System::new().block_on(async move {
         let coordinator = Coordinator::new(world, timeout).start();

@@ -99,20 +99,33 @@ impl MetricsLog {
     }
 }
 
-/// Every step's metrics in `path`, in file order; a malformed line is an error naming it.
+/// Every step's metrics in `path`, in file order; a malformed line is an error naming it, except
+/// a last line cut short (no newline: the run was killed while writing it), which is skipped.
 pub fn read_metrics(path: &Path) -> Result<Vec<StepMetrics>> {
     let file = File::open(path).with_context(|| format!("opening {}", path.display()))?;
-    let mut steps = Vec::new();
-    for (index, line) in BufReader::new(file).lines().enumerate() {
-        let line = line.with_context(|| format!("reading {}", path.display()))?;
+    let mut reader = BufReader::new(file);
+    let (mut steps, mut line, mut number) = (Vec::new(), String::new(), 0usize);
+    loop {
+        line.clear();
+        if reader
+            .read_line(&mut line)
+            .with_context(|| format!("reading {}", path.display()))?
+            == 0
+        {
+            return Ok(steps);
+        }
+        number += 1;
         if line.trim().is_empty() {
             continue;
         }
-        let metrics = serde_json::from_str(&line)
-            .with_context(|| format!("{} line {}: not a step's metrics", path.display(), index + 1))?;
-        steps.push(metrics);
+        match serde_json::from_str(&line) {
+            Ok(metrics) => steps.push(metrics),
+            Err(e) if !line.ends_with('\n') => {
+                tracing::warn!(file = %path.display(), line = number, "skipping a torn last line: {e}");
+            }
+            Err(e) => return Err(e).with_context(|| format!("{} line {number}: not a step's metrics", path.display())),
+        }
     }
-    Ok(steps)
 }
 
 /// The largest resident set this process has had, in bytes (0 where the OS does not say).
@@ -179,6 +192,21 @@ mod tests {
         std::fs::write(&path, format!("{}\n{{\"step\": \n", serde_json::to_string(&step(1))?))?;
         let error = format!("{:#}", read_metrics(&path).unwrap_err());
         assert!(error.contains("line 2"), "{error}");
+        Ok(())
+    }
+
+    #[test]
+    fn a_torn_last_line_is_skipped() -> Result<()> {
+        let dir = tempfile::tempdir()?;
+        let path = dir.path().join(METRICS_FILE);
+        let whole = format!(
+            "{}\n{}\n",
+            serde_json::to_string(&step(1))?,
+            serde_json::to_string(&step(2))?
+        );
+        std::fs::write(&path, format!("{whole}{{\"step\": 3, \"elaps"))?;
+        let steps: Vec<usize> = read_metrics(&path)?.iter().map(|m| m.step).collect();
+        assert_eq!(steps, vec![1, 2]);
         Ok(())
     }
 

@@ -105,17 +105,28 @@ pub const TEST_TOKEN: &str = "the integration tests' cluster token";
 /// started by hand (`run --role …`) gets [`TEST_TOKEN`] unless `env` names a
 /// token.
 pub fn start_flotilla(args: &[&str], env: &[(&str, String)]) -> Started {
+    start_flotilla_in(Path::new("."), args, env)
+}
+
+/// Starts the flotilla binary as [`start_flotilla`] does, in the working directory `cwd`.
+pub fn start_flotilla_in(cwd: &Path, args: &[&str], env: &[(&str, String)]) -> Started {
     let mut env = env.to_vec();
     if args.first() == Some(&"run") && !env.iter().any(|(k, _)| *k == "FLOTILLA_TOKEN") {
         env.push(("FLOTILLA_TOKEN", TEST_TOKEN.to_string()));
     }
-    start_program(env!("CARGO_BIN_EXE_flotilla"), args, &env)
+    start_program_in(cwd, env!("CARGO_BIN_EXE_flotilla"), args, &env)
 }
 
 /// Starts `program` with `args` and extra `env`, as [`start_flotilla`].
 pub fn start_program(program: &str, args: &[&str], env: &[(&str, String)]) -> Started {
+    start_program_in(Path::new("."), program, args, env)
+}
+
+/// Starts `program` as [`start_program`] does, in the working directory `cwd`.
+pub fn start_program_in(cwd: &Path, program: &str, args: &[&str], env: &[(&str, String)]) -> Started {
     use std::process::{Command, Stdio};
     let mut child = Command::new(program)
+        .current_dir(cwd)
         .args(args)
         .env_remove("PADDLE_TRAINER_ID")
         .env_remove("FLOTILLA_TOKEN")

@@ -1,0 +1,136 @@
+//! `flotilla train --resume RUN_DIR`: a run continues with its own configuration, the
+//! `config.toml` it wrote into its directory as it started. `--set` may change how long and how
+//! it runs (its length, checkpoints, logging, deadlines, endpoints), not what it trains: another
+//! model, optimizer, learning rate, batch or strategy would make the resumed run a different
+//! one under the old one's name.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use anyhow::{bail, ensure, Result};
+use toml::Value;
+
+use super::CONFIG_FILE;
+use crate::config::JobConfig;
+
+/// The keys a resumed run may change; every other one is refused.
+pub const SAFE_TO_CHANGE: &[&str] = &[
+    "train.steps",
+    "train.epochs",
+    "train.log_every",
+    "strategy.check_every",
+    "fault_tolerance.timeout_s",
+    "fault_tolerance.retry",
+    "fault_tolerance.checkpoint_every",
+    "fault_tolerance.keep_checkpoints",
+    "fault_tolerance.max_restarts",
+    "fault_tolerance.heartbeat_interval_ms",
+    "fault_tolerance.heartbeat_misses",
+    "cluster.master",
+    "cluster.endpoints",
+    "cluster.pservers",
+    "cluster.max_frame_mb",
+    "cluster.shared_memory",
+];
+
+/// The config of the run in `run_dir`, read with the environment `env` and the command line's
+/// `overrides`, which may only change [`SAFE_TO_CHANGE`] keys.
+pub fn resumed_config(run_dir: &Path, env: &dyn Fn(&str) -> Option<String>, overrides: &[String]) -> Result<JobConfig> {
+    let path = run_dir.join(CONFIG_FILE);
+    ensure!(
+        path.is_file(),
+        "--resume {}: no {CONFIG_FILE} there. --resume takes the directory of the run to continue \
+         (train's --run-dir), where every run writes its config as it starts",
+        run_dir.display()
+    );
+    let saved = JobConfig::from_file(&path, env, &[])?;
+    let resumed = JobConfig::from_file(&path, env, overrides)?;
+    let (before, after) = (leaves(&saved)?, leaves(&resumed)?);
+    let unset = Value::String("unset".to_string());
+    let refused: Vec<String> = before
+        .keys()
+        .chain(after.keys())
+        .filter(|key| !SAFE_TO_CHANGE.contains(&key.as_str()) && before.get(*key) != after.get(*key))
+        .collect::<std::collections::BTreeSet<_>>()
+        .into_iter()
+        .map(|key| {
+            let (was, now) = (before.get(key).unwrap_or(&unset), after.get(key).unwrap_or(&unset));
+            format!("{key} was {was}, --set makes it {now}")
+        })
+        .collect();
+    if !refused.is_empty() {
+        bail!(
+            "--resume {}: a resumed run trains what it trained, and here {}. Start a new run for that; a \
+             resumed one may change only {}",
+            run_dir.display(),
+            refused.join("; "),
+            SAFE_TO_CHANGE.join(", ")
+        );
+    }
+    Ok(resumed)
+}
+
+/// Every value of `config` that is not a table, by dotted key.
+fn leaves(config: &JobConfig) -> Result<BTreeMap<String, Value>> {
+    fn walk(prefix: &str, value: Value, out: &mut BTreeMap<String, Value>) {
+        match value {
+            Value::Table(table) => {
+                for (key, value) in table {
+                    let key = if prefix.is_empty() {
+                        key
+                    } else {
+                        format!("{prefix}.{key}")
+                    };
+                    walk(&key, value, out);
+                }
+            }
+            leaf => {
+                out.insert(prefix.to_string(), leaf);
+            }
+        }
+    }
+    let mut out = BTreeMap::new();
+    walk("", Value::try_from(config)?, &mut out);
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn run_dir_with(config: &str) -> Result<tempfile::TempDir> {
+        let dir = tempfile::tempdir()?;
+        std::fs::write(dir.path().join(CONFIG_FILE), config)?;
+        Ok(dir)
+    }
+
+    #[test]
+    fn a_resumed_run_keeps_its_config_and_may_run_longer() -> Result<()> {
+        let dir = run_dir_with("[train]\nlr = 0.5\nepochs = 2\n")?;
+        let same = resumed_config(dir.path(), &|_| None, &[])?;
+        assert_eq!((same.train.lr, same.train.epochs), (0.5, Some(2)));
+        let longer = resumed_config(dir.path(), &|_| None, &["train.steps=40".to_string()])?;
+        assert_eq!((longer.train.lr, longer.train.steps), (0.5, Some(40)));
+        Ok(())
+    }
+
+    #[test]
+    fn a_changed_learning_rate_or_model_is_named() -> Result<()> {
+        let dir = run_dir_with("[train]\nlr = 0.5\n")?;
+        let set = ["train.lr=0.1".to_string(), "train.hidden_sizes=[8]".to_string()];
+        let refused = resumed_config(dir.path(), &|_| None, &set).unwrap_err().to_string();
+        assert!(refused.contains("train.lr was 0.5, --set makes it 0.1"), "{refused}");
+        assert!(
+            refused.contains("train.hidden_sizes was [128], --set makes it [8]"),
+            "{refused}"
+        );
+        Ok(())
+    }
+
+    #[test]
+    fn a_directory_without_config_is_not_a_run() {
+        let dir = tempfile::tempdir().unwrap();
+        let refused = resumed_config(dir.path(), &|_| None, &[]).unwrap_err().to_string();
+        assert!(refused.contains("no config.toml there"), "{refused}");
+    }
+}

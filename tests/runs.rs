@@ -1,0 +1,252 @@
+//! Runs that must not be lost: run directories are never shared, final outputs are whole or
+//! absent, a run resumes with its own configuration, and a diverged run fails. Every test runs
+//! the real binary in a directory of its own.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use common::{flotilla, start_flotilla_in, Finished};
+
+/// Seconds any one `train` of these tests may take.
+const TIMEOUT_S: u64 = 120;
+
+/// `flotilla ARGS` run in `cwd` to its end.
+fn flotilla_in(cwd: &Path, args: &[&str]) -> Finished {
+    start_flotilla_in(cwd, args, &[]).finish(TIMEOUT_S)
+}
+
+fn run_dirs(cwd: &Path) -> Vec<PathBuf> {
+    let mut dirs: Vec<PathBuf> = std::fs::read_dir(cwd.join("runs"))
+        .expect("runs/ was made")
+        .map(|entry| entry.expect("entry").path())
+        .collect();
+    dirs.sort();
+    dirs
+}
+
+/// The steps of `run_dir/metrics.jsonl`, in file order.
+fn metric_steps(run_dir: &Path) -> Vec<u64> {
+    std::fs::read_to_string(run_dir.join("metrics.jsonl"))
+        .expect("metrics.jsonl")
+        .lines()
+        .map(|line| {
+            let metrics: serde_json::Value = serde_json::from_str(line).expect("a whole line");
+            metrics["step"].as_u64().expect("step")
+        })
+        .collect()
+}
+
+fn summary(run_dir: &Path) -> serde_json::Value {
+    serde_json::from_str(&std::fs::read_to_string(run_dir.join("summary.json")).expect("summary.json"))
+        .expect("summary.json is JSON")
+}
+
+#[test]
+fn two_runs_started_together_get_their_own_directories() {
+    let cwd = tempfile::tempdir().unwrap();
+    let args = ["train", "--set", "train.steps=30"];
+    let runs = [
+        start_flotilla_in(cwd.path(), &args, &[]),
+        start_flotilla_in(cwd.path(), &args, &[]),
+    ];
+    for run in runs {
+        let finished = run.finish(TIMEOUT_S);
+        assert!(finished.success, "{}", finished.stderr);
+    }
+    let dirs = run_dirs(cwd.path());
+    assert_eq!(dirs.len(), 2, "{dirs:?}");
+    for dir in &dirs {
+        assert_eq!(metric_steps(dir), (1..=30).collect::<Vec<_>>(), "{}", dir.display());
+        assert_eq!(summary(dir)["steps"], 30);
+    }
+}
+
+#[test]
+fn a_named_run_directory_is_not_written_over_unless_asked() {
+    let cwd = tempfile::tempdir().unwrap();
+    let run_dir = cwd.path().join("mine");
+    let run = |extra: &[&str]| {
+        let mut args = vec![
+            "train",
+            "--set",
+            "train.steps=5",
+            "--run-dir",
+            run_dir.to_str().unwrap(),
+        ];
+        args.extend(extra);
+        flotilla_in(cwd.path(), &args)
+    };
+    let first = run(&[]);
+    assert!(first.success, "{}", first.stderr);
+    let second = run(&[]);
+    assert!(!second.success, "a second run into the same directory was accepted");
+    assert!(
+        second.stderr.contains(&run_dir.display().to_string()) && second.stderr.contains("--overwrite"),
+        "{}",
+        second.stderr
+    );
+    let overwritten = run(&["--overwrite"]);
+    assert!(overwritten.success, "{}", overwritten.stderr);
+    assert_eq!(metric_steps(&run_dir), (1..=5).collect::<Vec<_>>());
+}
+
+#[test]
+fn a_second_run_does_not_meet_the_first_runs_checkpoints() {
+    let cwd = tempfile::tempdir().unwrap();
+    let args = [
+        "train",
+        "--set",
+        "train.steps=10",
+        "--set",
+        "fault_tolerance.checkpoint_every=5",
+    ];
+    for _ in 0..2 {
+        let run = flotilla_in(cwd.path(), &args);
+        assert!(run.success, "{}", run.stderr);
+    }
+    for dir in run_dirs(cwd.path()) {
+        let manifest = dir.join("checkpoints/step-00000005/manifest.json");
+        assert!(manifest.is_file(), "{} is missing", manifest.display());
+    }
+}
+
+#[test]
+fn report_skips_a_torn_last_line() {
+    let cwd = tempfile::tempdir().unwrap();
+    let run_dir = cwd.path().join("run");
+    let run = flotilla_in(
+        cwd.path(),
+        &[
+            "train",
+            "--set",
+            "train.steps=6",
+            "--run-dir",
+            run_dir.to_str().unwrap(),
+        ],
+    );
+    assert!(run.success, "{}", run.stderr);
+    // The run killed while it wrote its last line: the line is cut, without its newline.
+    let metrics = run_dir.join("metrics.jsonl");
+    let text = std::fs::read_to_string(&metrics).unwrap();
+    std::fs::write(&metrics, &text[..text.len() - 20]).unwrap();
+    let report = flotilla(&["report", run_dir.to_str().unwrap()], &[], TIMEOUT_S);
+    assert!(report.success, "{}", report.stderr);
+    assert!(run_dir.join("report.png").is_file());
+}
+
+/// A tmpfs mounted for a test, unmounted when it is dropped (also when the test fails).
+struct Tmpfs(PathBuf);
+
+impl Tmpfs {
+    fn mount(at: PathBuf, size: &str) -> Self {
+        std::fs::create_dir_all(&at).unwrap();
+        let mounted = Command::new("mount")
+            .args(["-t", "tmpfs", "-o", &format!("size={size}"), "tmpfs"])
+            .arg(&at)
+            .output()
+            .expect("mount runs");
+        assert!(
+            mounted.status.success(),
+            "this test needs to mount a tmpfs (as root): {}",
+            String::from_utf8_lossy(&mounted.stderr)
+        );
+        Self(at)
+    }
+}
+
+impl Drop for Tmpfs {
+    fn drop(&mut self) {
+        let _ = Command::new("umount").arg(&self.0).status();
+    }
+}
+
+#[test]
+fn a_full_disk_leaves_no_summary_and_no_partial_files() {
+    let cwd = tempfile::tempdir().unwrap();
+    let disk = Tmpfs::mount(cwd.path().join("disk"), "256k");
+    let run_dir = disk.0.join("run");
+    // About 1.2 MB of parameters, which cannot fit.
+    let run = flotilla_in(
+        cwd.path(),
+        &[
+            "train",
+            "--set",
+            "train.steps=2",
+            "--set",
+            "train.hidden_sizes=[4096]",
+            "--run-dir",
+            run_dir.to_str().unwrap(),
+        ],
+    );
+    assert!(!run.success, "the run claimed success on a full disk");
+    assert!(
+        run.stderr.contains("params.safetensors") && run.stderr.contains("No space left on device"),
+        "{}",
+        run.stderr
+    );
+    let mut left: Vec<String> = std::fs::read_dir(&run_dir)
+        .unwrap()
+        .map(|entry| entry.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    left.sort();
+    assert_eq!(left, ["config.toml", "metrics.jsonl"], "no summary, no partial file");
+}
+
+#[test]
+fn a_diverged_run_fails_naming_the_step() {
+    let cwd = tempfile::tempdir().unwrap();
+    let run = flotilla_in(
+        cwd.path(),
+        &["train", "--set", "train.steps=20", "--set", "train.lr=1e30"],
+    );
+    assert!(!run.success, "a diverged run exited 0");
+    assert!(
+        run.stderr.contains("step ") && (run.stderr.contains("loss is NaN") || run.stderr.contains("loss is infinite")),
+        "{}",
+        run.stderr
+    );
+    assert!(
+        !run_dirs(cwd.path())[0].join("summary.json").exists(),
+        "a diverged run wrote a summary"
+    );
+}
+
+#[test]
+fn a_run_resumes_with_its_own_config_and_refuses_another_learning_rate() {
+    let cwd = tempfile::tempdir().unwrap();
+    let run_dir = cwd.path().join("run");
+    let dir = run_dir.to_str().unwrap();
+    let first = flotilla_in(
+        cwd.path(),
+        &[
+            "train",
+            "--set",
+            "train.steps=20",
+            "--set",
+            "train.lr=0.1",
+            "--set",
+            "fault_tolerance.checkpoint_every=10",
+            "--run-dir",
+            dir,
+        ],
+    );
+    assert!(first.success, "{}", first.stderr);
+
+    let changed = flotilla_in(cwd.path(), &["train", "--resume", dir, "--set", "train.lr=0.5"]);
+    assert!(!changed.success, "a resume with another learning rate was accepted");
+    assert!(
+        changed.stderr.contains("train.lr was 0.1, --set makes it 0.5"),
+        "{}",
+        changed.stderr
+    );
+
+    // Extended by 10 steps, from the checkpoint of step 10, with the run's own learning rate.
+    let longer = flotilla_in(cwd.path(), &["train", "--resume", dir, "--set", "train.steps=30"]);
+    assert!(longer.success, "{}", longer.stderr);
+    assert_eq!(summary(&run_dir)["steps"], 30);
+    assert_eq!(metric_steps(&run_dir), (1..=30).collect::<Vec<_>>());
+    let config = std::fs::read_to_string(run_dir.join("config.toml")).unwrap();
+    assert!(config.contains("lr = 0.1"), "{config}");
+}
