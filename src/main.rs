@@ -1,6 +1,7 @@
 //! The flotilla binary: `flotilla <command>`; `flotilla run --role …` runs
 //! one role of a launched job.
 
+use std::io::Write;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
@@ -14,7 +15,7 @@ use flotilla::bench::ps::{self as ps_bench, PsBenchArgs, PsBenchShardArgs};
 use flotilla::config::{process_env, JobConfig};
 use flotilla::data::ctr::{write_synthetic, CriteoSynth, Split};
 use flotilla::job::ps::{ParameterServerJob, PsSummary};
-use flotilla::job::{Resume, RunOptions, RunOutcome, TrainingJob, RESUME_VAR};
+use flotilla::job::{Refusal, Resume, RunOptions, RunOutcome, TrainingJob, REFUSAL_EXIT_CODE, RESUME_VAR};
 use flotilla::launch::{supervise, ChildSpec, LaunchArgs, LaunchPsArgs, OutputMode};
 use flotilla::telemetry::metrics::METRICS_FILE;
 use flotilla::telemetry::monitor::ProgressView;
@@ -191,8 +192,13 @@ fn main() -> ExitCode {
     match run(Cli::parse()) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("error: {e:#}");
-            ExitCode::FAILURE
+            // A closed stderr must not turn the error into a panic.
+            let _ = writeln!(std::io::stderr(), "error: {e:#}");
+            if e.chain().any(|cause| cause.is::<Refusal>()) {
+                ExitCode::from(REFUSAL_EXIT_CODE)
+            } else {
+                ExitCode::FAILURE
+            }
         }
     }
 }
@@ -218,7 +224,7 @@ fn run(cli: Cli) -> Result<()> {
         }) => {
             let split = if test { Split::Test } else { Split::Train };
             write_synthetic(&out, &CriteoSynth::new(seed, vocab), split, samples)?;
-            println!("wrote {samples} samples to {}", out.display());
+            print_out(&format!("wrote {samples} samples to {}\n", out.display()));
             Ok(())
         }
         Command::Bench(BenchCommand::Allreduce { nproc, args }) => allreduce::run(nproc, &args),
@@ -230,13 +236,13 @@ fn run(cli: Cli) -> Result<()> {
         Command::Report { run_dir, out } => {
             let out = out.unwrap_or_else(|| run_dir.join("report.png"));
             flotilla::telemetry::report::render(&run_dir, &out)?;
-            println!("wrote {}", out.display());
+            print_out(&format!("wrote {}\n", out.display()));
             Ok(())
         }
         Command::Trace(TraceCommand::Merge { dir, out }) => {
             let out = out.unwrap_or_else(|| dir.join("trace.json"));
             flotilla::telemetry::timeline::write_merged(&dir, &out)?;
-            println!("merged trace: {}", out.display());
+            print_out(&format!("merged trace: {}\n", out.display()));
             Ok(())
         }
         Command::Doctor(args) => flotilla::doctor::run(&args.checks, load_config(&args.job)),
@@ -245,6 +251,12 @@ fn run(cli: Cli) -> Result<()> {
 
 fn load_config(args: &ConfigArgs) -> Result<JobConfig> {
     load_config_with_env(args, &process_env)
+}
+
+/// The config of a process that trains: one that does not load is a refusal, as no restart
+/// changes it.
+fn load_training_config(args: &ConfigArgs) -> Result<JobConfig> {
+    load_config(args).map_err(Refusal::wrap)
 }
 
 fn load_config_with_env(args: &ConfigArgs, env: &dyn Fn(&str) -> Option<String>) -> Result<JobConfig> {
@@ -308,7 +320,7 @@ fn max_restarts(flag: Option<usize>, command: &[String], children: &[ChildSpec])
 
 /// One role of a launched job; the environment (set by the launcher) says which rank or shard.
 fn run_role(role: Role, args: &TrainArgs) -> Result<()> {
-    let config = load_config(&args.job)?;
+    let config = load_training_config(&args.job)?;
     let options = run_options(args);
     match (role, config.cluster.is_parameter_server()) {
         (Role::Pserver, true) => {
@@ -379,19 +391,24 @@ fn print_collective_summary(outcome: Option<&RunOutcome>, options: &RunOptions) 
 
 /// The summary's table, then where its files are.
 fn print_summary(title: &str, summary: &impl serde::Serialize, options: &RunOptions) -> Result<()> {
-    print!("{}", summary_table::render(title, summary)?);
-    println!("summary: {}", options.run_dir.join("summary.json").display());
-    println!(
-        "metrics: {} (plot them: flotilla report {})",
+    print_out(&format!(
+        "{}summary: {}\nmetrics: {} (plot them: flotilla report {})\n",
+        summary_table::render(title, summary)?,
+        options.run_dir.join("summary.json").display(),
         options.run_dir.join(METRICS_FILE).display(),
         options.run_dir.display()
-    );
+    ));
     Ok(())
+}
+
+/// Writes `text` to stdout; a closed stdout (`| head`) must not fail or kill the process.
+fn print_out(text: &str) {
+    let _ = std::io::stdout().write_all(text.as_bytes());
 }
 
 /// `flotilla train`: the whole job in this process, or the role a launcher's environment names.
 fn train(args: &TrainArgs) -> Result<()> {
-    let config = load_config(&args.job)?;
+    let config = load_training_config(&args.job)?;
     let options = run_options(args);
     let launched = std::env::var_os("PADDLE_TRAINER_ID").is_some() || std::env::var_os("TRAINING_ROLE").is_some();
     if !launched {

@@ -17,7 +17,7 @@ mod stage_rings;
 pub use control::connect_control;
 pub use outputs::{RunOutcome, Summary};
 pub(crate) use recovery::Recovery;
-pub use recovery::{Resume, RESUME_VAR};
+pub use recovery::{Refusal, Resume, REFUSAL_EXIT_CODE, RESUME_VAR};
 
 use std::path::PathBuf;
 use std::sync::Arc;
