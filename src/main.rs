@@ -1,6 +1,7 @@
 //! The flotilla binary: `flotilla <command>`; `flotilla run --role …` runs
 //! one role of a launched job.
 
+use std::io::Write;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
@@ -14,7 +15,9 @@ use flotilla::bench::ps::{self as ps_bench, PsBenchArgs, PsBenchShardArgs};
 use flotilla::config::{process_env, JobConfig};
 use flotilla::data::ctr::{write_synthetic, CriteoSynth, Split};
 use flotilla::job::ps::{ParameterServerJob, PsSummary};
-use flotilla::job::{resumed_config, run_dir, Resume, RunOptions, RunOutcome, TrainingJob, RESUME_VAR};
+use flotilla::job::{
+    resumed_config, run_dir, Refusal, Resume, RunOptions, RunOutcome, TrainingJob, REFUSAL_EXIT_CODE, RESUME_VAR,
+};
 use flotilla::launch::{supervise, ChildSpec, LaunchArgs, LaunchPsArgs, OutputMode};
 use flotilla::telemetry::metrics::METRICS_FILE;
 use flotilla::telemetry::monitor::ProgressView;
@@ -201,8 +204,13 @@ fn main() -> ExitCode {
     match run(Cli::parse()) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("error: {e:#}");
-            ExitCode::FAILURE
+            // A closed stderr must not turn the error into a panic.
+            let _ = writeln!(std::io::stderr(), "error: {e:#}");
+            if e.chain().any(|cause| cause.is::<Refusal>()) {
+                ExitCode::from(REFUSAL_EXIT_CODE)
+            } else {
+                ExitCode::FAILURE
+            }
         }
     }
 }
@@ -228,7 +236,7 @@ fn run(cli: Cli) -> Result<()> {
         }) => {
             let split = if test { Split::Test } else { Split::Train };
             write_synthetic(&out, &CriteoSynth::new(seed, vocab), split, samples)?;
-            println!("wrote {samples} samples to {}", out.display());
+            print_out(&format!("wrote {samples} samples to {}\n", out.display()));
             Ok(())
         }
         Command::Bench(BenchCommand::Allreduce { nproc, args }) => allreduce::run(nproc, &args),
@@ -240,13 +248,13 @@ fn run(cli: Cli) -> Result<()> {
         Command::Report { run_dir, out } => {
             let out = out.unwrap_or_else(|| run_dir.join("report.png"));
             flotilla::telemetry::report::render(&run_dir, &out)?;
-            println!("wrote {}", out.display());
+            print_out(&format!("wrote {}\n", out.display()));
             Ok(())
         }
         Command::Trace(TraceCommand::Merge { dir, out }) => {
             let out = out.unwrap_or_else(|| dir.join("trace.json"));
             flotilla::telemetry::timeline::write_merged(&dir, &out)?;
-            println!("merged trace: {}", out.display());
+            print_out(&format!("merged trace: {}\n", out.display()));
             Ok(())
         }
         Command::Doctor(args) => flotilla::doctor::run(&args.checks, load_config(&args.job)),
@@ -257,6 +265,8 @@ fn load_config(args: &ConfigArgs) -> Result<JobConfig> {
     load_config_with_env(args, &process_env)
 }
 
+/// The config of a process that trains: one that does not load is a refusal, as no restart
+/// changes it.
 fn load_config_with_env(args: &ConfigArgs, env: &dyn Fn(&str) -> Option<String>) -> Result<JobConfig> {
     let config = match &args.config {
         Some(path) => JobConfig::from_file(path, env, &args.overrides)?,
@@ -269,11 +279,13 @@ fn load_config_with_env(args: &ConfigArgs, env: &dyn Fn(&str) -> Option<String>)
 }
 
 /// A `train` or `run` process's config: the resumed run's own, else as [`load_config_with_env`].
+/// An error is a refusal: no restart can change it.
 fn load_train_config(args: &TrainArgs, env: &dyn Fn(&str) -> Option<String>) -> Result<JobConfig> {
     match &args.resume {
         Some(dir) => resumed_config(dir, env, &args.job.overrides),
         None => load_config_with_env(&args.job, env),
     }
+    .map_err(Refusal::wrap)
 }
 
 /// `train [ARGS]` after a launcher's `--`, parsed as the processes will parse it.
@@ -420,14 +432,19 @@ fn print_collective_summary(outcome: Option<&RunOutcome>, options: &RunOptions) 
 
 /// The summary's table, then where its files are.
 fn print_summary(title: &str, summary: &impl serde::Serialize, options: &RunOptions) -> Result<()> {
-    print!("{}", summary_table::render(title, summary)?);
-    println!("summary: {}", options.run_dir.join("summary.json").display());
-    println!(
-        "metrics: {} (plot them: flotilla report {})",
+    print_out(&format!(
+        "{}summary: {}\nmetrics: {} (plot them: flotilla report {})\n",
+        summary_table::render(title, summary)?,
+        options.run_dir.join("summary.json").display(),
         options.run_dir.join(METRICS_FILE).display(),
         options.run_dir.display()
-    );
+    ));
     Ok(())
+}
+
+/// Writes `text` to stdout; a closed stdout (`| head`) must not fail or kill the process.
+fn print_out(text: &str) {
+    let _ = std::io::stdout().write_all(text.as_bytes());
 }
 
 /// `flotilla train`: the whole job in this process, or the role a launcher's environment names.

@@ -8,7 +8,9 @@ mod common;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use common::{config, free_port_range, start_flotilla, train_in_process, PIPELINE_2X2};
+use common::{
+    children_of, config, flotilla, free_port_range, start_flotilla, train_in_process, wait_for_training, PIPELINE_2X2,
+};
 use flotilla::config::JobConfig;
 use flotilla::job::ps::{build_shard, ParameterServerJob};
 use flotilla::job::{Resume, RunOptions, TrainingJob};
@@ -56,20 +58,6 @@ const PARAMETER_SERVER: Job = Job {
     steps: 240,
     every: 60,
 };
-
-/// The pids of `launcher`'s children.
-fn children_of(launcher: u32) -> Vec<i32> {
-    let mut pids = Vec::new();
-    for task in std::fs::read_dir(format!("/proc/{launcher}/task"))
-        .into_iter()
-        .flatten()
-        .flatten()
-    {
-        let children = std::fs::read_to_string(task.path().join("children")).unwrap_or_default();
-        pids.extend(children.split_whitespace().filter_map(|p| p.parse::<i32>().ok()));
-    }
-    pids
-}
 
 /// Waits (at most 60 s) until step `step`'s checkpoint is committed in `dir`.
 fn wait_for_commit(dir: &Path, step: usize) {
@@ -135,7 +123,7 @@ fn survive(job: &Job, signal: i32, extra: &[&str]) -> String {
         "the job did not survive:\n{}\n{}",
         finished.stdout, finished.stderr
     );
-    let restarted = format!("restarting all {} processes from the last checkpoint", job.processes);
+    let restarted = format!("restarting all {} processes (restart 1 of 1)", job.processes);
     assert!(finished.stderr.contains(&restarted), "{}", finished.stderr);
     assert!(
         finished.stderr.contains("resuming from checkpoint step="),
@@ -263,6 +251,81 @@ fn a_stalled_trainer_is_declared_dead_by_its_missed_heartbeats_and_the_job_rolls
     // coordinator with it, which rank 1 finds out by its own deadline.
     assert!(
         stderr.contains("rank 1 declared dead: no heartbeat for") || stderr.contains("the coordinator at 127.0.0.1"),
+        "{stderr}"
+    );
+}
+
+#[test]
+fn a_second_run_refused_by_the_first_runs_checkpoints_stops_instead_of_resuming_them() {
+    let dir = tempfile::tempdir().unwrap();
+    let checkpoints = format!(
+        "fault_tolerance.checkpoint_dir={}",
+        dir.path().join("checkpoints").display()
+    );
+    // README's fault-tolerance launch, twice with the same checkpoint directory.
+    let launch = |name: &str| {
+        let run_dir = dir.path().join(name);
+        let port = free_port_range(3).to_string();
+        #[rustfmt::skip]
+        let args = ["launch", "--nproc_per_node", "2", "--started_port", &port, "--", "train",
+            "--run-dir", run_dir.to_str().unwrap(), "--set", "fault_tolerance.checkpoint_every=500",
+            "--set", "fault_tolerance.max_restarts=3", "--set", "train.steps=3000", "--set", &checkpoints];
+        (flotilla(&args, &[], 180), run_dir)
+    };
+    let (first, _) = launch("first");
+    assert!(first.success, "{}", first.stderr);
+    let (second, run_dir) = launch("second");
+    let stderr = &second.stderr;
+    assert!(
+        !second.success,
+        "the second run resumed the first's checkpoints:\n{stderr}"
+    );
+    assert!(
+        stderr.contains("already holds checkpoints of an earlier run") && stderr.contains("no restart can help"),
+        "{stderr}"
+    );
+    assert!(
+        !stderr.contains("restarting all") && !stderr.contains("resuming from checkpoint"),
+        "{stderr}"
+    );
+    assert!(!run_dir.join("summary.json").exists());
+}
+
+#[test]
+fn a_restarted_job_without_checkpoints_says_it_starts_again_at_step_0() {
+    let dir = tempfile::tempdir().unwrap();
+    let run_dir = dir.path().join("run");
+    let port = free_port_range(3).to_string();
+    #[rustfmt::skip]
+    let args = ["launch", "--nproc_per_node", "2", "--started_port", &port, "--", "train",
+        "--run-dir", run_dir.to_str().unwrap(), "--set", "train.steps=3000",
+        "--set", "fault_tolerance.max_restarts=1"];
+    let launcher = start_flotilla(&args, &[]);
+    wait_for_training(&run_dir);
+    let children = children_of(launcher.child.id());
+    assert_eq!(children.len(), 2, "the launcher's processes: {children:?}");
+    // SAFETY: a pid of a process this test's launcher started and still supervises.
+    unsafe {
+        libc::kill(children[pick(2)], libc::SIGKILL);
+    }
+    let finished = launcher.finish(180);
+    for pid in children {
+        // SAFETY: as in `survive`.
+        unsafe {
+            libc::kill(pid, libc::SIGKILL);
+        }
+    }
+    let stderr = &finished.stderr;
+    assert!(finished.success, "{stderr}");
+    assert!(
+        stderr.contains("restarting all 2 processes (restart 1 of 1)"),
+        "{stderr}"
+    );
+    assert!(!stderr.contains("from the last checkpoint"), "{stderr}");
+    assert!(
+        stderr.contains(
+            "no checkpoint to resume from (fault_tolerance.checkpoint_every = 0): training starts again at step 0"
+        ),
         "{stderr}"
     );
 }

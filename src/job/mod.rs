@@ -19,7 +19,7 @@ mod stage_rings;
 pub use control::connect_control;
 pub use outputs::{RunOutcome, Summary, CONFIG_FILE};
 pub(crate) use recovery::Recovery;
-pub use recovery::{Resume, RESUME_VAR};
+pub use recovery::{Refusal, Resume, REFUSAL_EXIT_CODE, RESUME_VAR};
 pub use resumed::{resumed_config, SAFE_TO_CHANGE};
 
 use std::path::PathBuf;

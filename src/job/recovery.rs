@@ -4,7 +4,7 @@
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use anyhow::{bail, ensure, Result};
+use anyhow::{anyhow, ensure, Result};
 
 use super::RunOptions;
 use crate::checkpoint::{Checkpoint, CheckpointStore};
@@ -13,6 +13,35 @@ use crate::config::JobConfig;
 /// Set (to any value) by a launcher on the processes it restarts after a failure: each resumes
 /// from the newest intact checkpoint in its checkpoint directory, if there is one.
 pub const RESUME_VAR: &str = "FLOTILLA_RESUME";
+
+/// The exit status of a process that refused to start for a reason no restart can change (an
+/// invalid config, another run's checkpoints, a resume that does not match): `EX_CONFIG` of
+/// sysexits.h. A launcher stops the job rather than restart it.
+pub const REFUSAL_EXIT_CODE: u8 = 78;
+
+/// An error that makes the process exit with [`REFUSAL_EXIT_CODE`]; it reads as the error it
+/// wraps.
+#[derive(Debug)]
+pub struct Refusal(pub anyhow::Error);
+
+impl Refusal {
+    /// `error`, marked as a refusal: `.map_err(Refusal::wrap)`.
+    pub fn wrap(error: anyhow::Error) -> anyhow::Error {
+        Self(error).into()
+    }
+}
+
+impl std::fmt::Display for Refusal {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.0.fmt(f)
+    }
+}
+
+impl std::error::Error for Refusal {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        self.0.source()
+    }
+}
 
 /// Where training starts.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -53,13 +82,13 @@ impl Recovery {
         let start = match resume {
             Resume::Fresh if ft.checkpoint_every > 0 => {
                 if let Some(earlier) = store.latest()? {
-                    bail!(
+                    return Err(Refusal::wrap(anyhow!(
                         "{} already holds checkpoints of an earlier run (newest: step {}): resume it with \
                          `flotilla train --resume RUN_DIR` (that run's directory), or set \
                          fault_tolerance.checkpoint_dir to another directory",
                         root.display(),
                         earlier.step
-                    );
+                    )));
                 }
                 None
             }
@@ -72,9 +101,23 @@ impl Recovery {
                 anyhow::anyhow!("--resume {}: no intact checkpoint there to resume from", root.display())
             })?),
         };
-        if let Some(checkpoint) = &start {
-            checkpoint.check_world_size(config.world_size() + config.cluster.server_num)?;
-            tracing::info!(step = checkpoint.step, dir = %checkpoint.dir.display(), "resuming from checkpoint");
+        match &start {
+            Some(checkpoint) => {
+                checkpoint
+                    .check_world_size(config.world_size() + config.cluster.server_num)
+                    .map_err(Refusal::wrap)?;
+                tracing::info!(step = checkpoint.step, dir = %checkpoint.dir.display(), "resuming from checkpoint");
+            }
+            // A launcher restarted the job after a failure: say what that means here.
+            None if *resume == Resume::IfAny => {
+                let why = if ft.checkpoint_every > 0 {
+                    format!("none committed in {}", root.display())
+                } else {
+                    "fault_tolerance.checkpoint_every = 0".to_string()
+                };
+                tracing::warn!("no checkpoint to resume from ({why}): training starts again at step 0");
+            }
+            None => {}
         }
         Ok(Self {
             store: (ft.checkpoint_every > 0).then_some(store),

@@ -1,12 +1,14 @@
 //! Runs the planned processes: prefixes their output with the rank,
-//! forwards Ctrl-C (and SIGTERM), and if one fails stops the others and
-//! restarts them all from the last checkpoint, or reports the failed rank's last words.
+//! forwards Ctrl-C (and SIGTERM; a second signal or a grace period kills them), and if one fails
+//! stops the others and restarts them all (a process that refused to start is not restarted),
+//! or reports the failed rank's last words. Each process leads its own process group, so stopping
+//! it stops what it started too, and dies with the launcher.
 
 use std::collections::VecDeque;
 use std::io::{BufRead, BufReader, IsTerminal, Read, Write};
-use std::os::unix::process::ExitStatusExt;
+use std::os::unix::process::{CommandExt, ExitStatusExt};
 use std::process::{Child, Command, ExitStatus, Stdio};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread;
 use std::time::{Duration, Instant};
@@ -15,7 +17,7 @@ use anyhow::{anyhow, Context, Result};
 use indicatif::ProgressBar;
 
 use super::ChildSpec;
-use crate::job::RESUME_VAR;
+use crate::job::{REFUSAL_EXIT_CODE, RESUME_VAR};
 use crate::telemetry::monitor::{progress_bar, ProgressLine, PROGRESS_FOR_LAUNCHER, PROGRESS_VAR};
 
 /// The launcher's progress bar, drawn from the reporting rank's progress lines when the
@@ -88,8 +90,37 @@ pub enum OutputMode {
 const TAIL_LINES: usize = 20;
 /// How long, after a first failure, the other processes' exits are awaited to find the cause.
 const CAUSE_GRACE: Duration = Duration::from_millis(100);
-/// How long children get to stop after SIGTERM before SIGKILL.
+/// How long children get to stop after SIGTERM (or a forwarded Ctrl-C) before SIGKILL.
 const STOP_GRACE: Duration = Duration::from_secs(5);
+/// How long the output of stopped processes is still read: a process that left its process
+/// group may hold their pipes open for ever.
+const OUTPUT_GRACE: Duration = Duration::from_secs(1);
+
+/// The SIGINTs and SIGTERMs the launcher received: the first asks the processes to stop, a
+/// second kills them.
+#[derive(Clone)]
+struct Interrupts(Arc<AtomicUsize>);
+
+impl Interrupts {
+    fn install() -> Result<Self> {
+        let count = Arc::new(AtomicUsize::new(0));
+        for signal in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
+            let count = count.clone();
+            // SAFETY: the handler only increments an atomic, which is async-signal-safe.
+            unsafe {
+                signal_hook::low_level::register(signal, move || {
+                    count.fetch_add(1, Ordering::SeqCst);
+                })
+            }
+            .context("installing the signal handler")?;
+        }
+        Ok(Self(count))
+    }
+
+    fn count(&self) -> usize {
+        self.0.load(Ordering::SeqCst)
+    }
+}
 
 struct Running {
     name: String,
@@ -102,21 +133,23 @@ struct Running {
 enum Ended {
     /// A process failed: the others were stopped, and a restart may follow.
     Failed(anyhow::Error),
-    /// The launcher was interrupted, or could not start a process: no restart.
+    /// The launcher was interrupted, could not start a process, or a process refused to start:
+    /// no restart.
     Stopped(anyhow::Error),
 }
 
 /// Starts `children` and waits for all of them. When one fails, the others are stopped and,
-/// up to `max_restarts` times, all are started again with [`RESUME_VAR`] set, so they continue
-/// from the last committed checkpoint. The final error names the rank that failed last and
-/// quotes the end of its stderr.
+/// up to `max_restarts` times, all are started again with [`RESUME_VAR`] set, so that a job with
+/// checkpoints continues from the last committed one. One that exits with [`REFUSAL_EXIT_CODE`]
+/// is not restarted. The final error names the rank that failed last and quotes the end of its
+/// stderr.
+///
+/// The children die with the thread that calls this (their parent-death signal): call it from
+/// the main thread.
 pub fn supervise(children: Vec<ChildSpec>, mode: OutputMode, max_restarts: usize) -> Result<()> {
-    let interrupted = Arc::new(AtomicBool::new(false));
-    for signal in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
-        signal_hook::flag::register(signal, interrupted.clone()).context("installing the signal handler")?;
-    }
+    let interrupts = Interrupts::install()?;
     let bar = LauncherBar::for_terminal();
-    let ended = restart_until_done(children, mode, max_restarts, &interrupted, &bar);
+    let ended = restart_until_done(children, mode, max_restarts, &interrupts, &bar);
     bar.finish();
     ended
 }
@@ -125,17 +158,19 @@ fn restart_until_done(
     mut children: Vec<ChildSpec>,
     mode: OutputMode,
     max_restarts: usize,
-    interrupted: &AtomicBool,
+    interrupts: &Interrupts,
     bar: &LauncherBar,
 ) -> Result<()> {
     let mut restarts = 0;
     loop {
-        match run_once(&children, mode, interrupted, bar) {
+        match run_once(&children, mode, interrupts, bar) {
             Ok(()) => return Ok(()),
             Err(Ended::Failed(e)) if restarts < max_restarts => {
                 restarts += 1;
+                // Only the processes know whether the job checkpoints; each says where it resumes.
                 tracing::warn!(
-                    "{e:#}\nrestarting all {} processes from the last checkpoint (restart {restarts} of {max_restarts})",
+                    "{e:#}\nrestarting all {} processes (restart {restarts} of {max_restarts}): a job with \
+                     checkpoints resumes from the last committed one, a job without starts again at step 0",
                     children.len()
                 );
                 if restarts == 1 {
@@ -153,28 +188,43 @@ fn restart_until_done(
 }
 
 /// Starts every child once and waits for all of them, or for the first failure.
-fn run_once(
-    children: &[ChildSpec],
-    mode: OutputMode,
-    interrupted: &AtomicBool,
-    bar: &LauncherBar,
-) -> Result<(), Ended> {
+fn run_once(children: &[ChildSpec], mode: OutputMode, interrupts: &Interrupts, bar: &LauncherBar) -> Result<(), Ended> {
     let mut running = Vec::with_capacity(children.len());
     for spec in children {
         match start(spec, mode, bar) {
             Ok(child) => running.push(child),
             Err(e) => {
-                stop_all(&mut running, libc::SIGTERM);
+                stop_all(&mut running, libc::SIGTERM, interrupts);
                 return Err(Ended::Stopped(e));
             }
         }
     }
-    let mut interrupt_sent = false;
+    let mut interrupted_at = None;
     loop {
-        if interrupted.load(Ordering::Relaxed) && !interrupt_sent {
-            tracing::warn!("interrupted: forwarding to {} trainer process(es)", running.len());
-            signal_all(&running, libc::SIGINT);
-            interrupt_sent = true;
+        let signals = interrupts.count();
+        if signals > 0 && interrupted_at.is_none() {
+            tracing::warn!(
+                "interrupted: forwarding to {} process(es); a second signal kills them",
+                running.len()
+            );
+            signal_groups(&running, libc::SIGINT);
+            // A stopped (SIGSTOP) process acts on the signal only once continued.
+            signal_groups(&running, libc::SIGCONT);
+            interrupted_at = Some(Instant::now());
+        }
+        if let Some(at) = interrupted_at {
+            let why = if signals > 1 {
+                Some("a second signal".to_string())
+            } else {
+                (at.elapsed() >= STOP_GRACE).then(|| format!("they did not stop within {STOP_GRACE:?}"))
+            };
+            if let Some(why) = why {
+                tracing::warn!("killing the processes still running: {why}");
+                kill_all(&mut running);
+                return Err(Ended::Stopped(anyhow!(
+                    "interrupted; the processes still running were killed ({why})"
+                )));
+            }
         }
         let mut statuses = poll(&mut running)?;
         if statuses.iter().flatten().any(|s| !s.success()) {
@@ -183,37 +233,41 @@ fn run_once(
             thread::sleep(CAUSE_GRACE);
             statuses = poll(&mut running)?;
         }
-        // A process killed by a signal is the cause; the ones that then lost it as a peer
-        // failed because of it.
+        // A process that refused to start is the cause (no restart changes it); else one killed
+        // by a signal; the ones that then lost it as a peer failed because of it.
         let failed = statuses
             .iter()
             .enumerate()
             .filter_map(|(index, status)| status.filter(|s| !s.success()).map(|s| (index, s)))
-            .min_by_key(|(_, status)| status.signal().is_none());
+            .min_by_key(|(_, status)| (!refused(status), status.signal().is_none()));
         if let Some((index, status)) = failed {
-            let failed = running.remove(index);
-            stop_all(&mut running, libc::SIGTERM);
-            let error = failure(failed, status, interrupt_sent);
-            return Err(if interrupt_sent {
+            let mut failed = running.remove(index);
+            // What the failed process left running in its group would otherwise live on.
+            kill_all(std::slice::from_mut(&mut failed));
+            stop_all(&mut running, libc::SIGTERM, interrupts);
+            let interrupted = interrupted_at.is_some();
+            let error = failure(&failed, status, interrupted);
+            return Err(if interrupted || refused(&status) {
                 Ended::Stopped(error)
             } else {
                 Ended::Failed(error)
             });
         }
-        let all_done = statuses.iter().all(Option::is_some);
-        if all_done {
-            for r in &mut running {
-                for pump in r.pumps.drain(..) {
-                    let _ = pump.join();
-                }
-            }
-            if interrupt_sent {
+        if statuses.iter().all(Option::is_some) {
+            // Whatever the processes left running in their groups ends with the job.
+            kill_all(&mut running);
+            if interrupted_at.is_some() {
                 return Err(Ended::Stopped(anyhow!("interrupted")));
             }
             return Ok(());
         }
         thread::sleep(Duration::from_millis(20));
     }
+}
+
+/// Whether a process exited refusing to start, for a reason no restart changes.
+fn refused(status: &ExitStatus) -> bool {
+    status.code() == Some(i32::from(REFUSAL_EXIT_CODE))
 }
 
 /// Every child's exit status, `None` for those still running.
@@ -234,7 +288,10 @@ fn start(spec: &ChildSpec, mode: OutputMode, bar: &LauncherBar) -> Result<Runnin
     if bar.0.is_some() {
         command.env(PROGRESS_VAR, PROGRESS_FOR_LAUNCHER);
     }
+    die_with_launcher(&mut command);
     let mut child = command
+        // A group of its own: stopping the child stops what it started too.
+        .process_group(0)
         .args(&spec.args)
         .envs(spec.env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
         .stdin(Stdio::null())
@@ -267,6 +324,31 @@ fn start(spec: &ChildSpec, mode: OutputMode, bar: &LauncherBar) -> Result<Runnin
     })
 }
 
+/// Has the child killed when the launcher dies, even by SIGKILL, rather than outlive it holding
+/// its ports. The kernel sends the signal when the thread that started the child exits, hence
+/// [`supervise`] on the main thread.
+#[cfg(target_os = "linux")]
+fn die_with_launcher(command: &mut Command) {
+    let launcher = std::process::id() as libc::pid_t;
+    // SAFETY: the closure runs between fork and exec, and makes only async-signal-safe calls
+    // and no allocation.
+    unsafe {
+        command.pre_exec(move || {
+            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL as libc::c_ulong) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            // The launcher may have died before that took effect: nothing would send the signal.
+            if libc::getppid() != launcher {
+                return Err(std::io::Error::from_raw_os_error(libc::ESRCH));
+            }
+            Ok(())
+        });
+    }
+}
+
+#[cfg(not(target_os = "linux"))]
+fn die_with_launcher(_command: &mut Command) {}
+
 fn pump(
     stream: impl Read + Send + 'static,
     name: String,
@@ -298,51 +380,71 @@ fn pump(
     })
 }
 
-fn signal_all(running: &[Running], signal: libc::c_int) {
+/// Sends `signal` to every child's process group: the child and whatever it started.
+fn signal_groups(running: &[Running], signal: libc::c_int) {
     for r in running {
-        // The pid belongs to a child we started and have not reaped.
+        // SAFETY: each child leads a process group of its own, whose id is its pid; a child not
+        // yet reaped keeps it, and a reaped one's group ends with its last member.
         unsafe {
-            libc::kill(r.child.id() as libc::pid_t, signal);
+            libc::kill(-(r.child.id() as libc::pid_t), signal);
         }
     }
 }
 
-/// Signals every child (continuing stopped ones), then kills whichever has not exited after a
-/// grace period, and reaps them all.
-fn stop_all(running: &mut [Running], signal: libc::c_int) {
-    signal_all(running, signal);
+/// Signals every child's process group (continuing stopped processes), then, after a grace
+/// period or at a second interrupt, kills the groups and reaps the children.
+fn stop_all(running: &mut [Running], signal: libc::c_int, interrupts: &Interrupts) {
+    signal_groups(running, signal);
     // A stopped (SIGSTOP) process acts on the signal only once continued.
-    signal_all(running, libc::SIGCONT);
+    signal_groups(running, libc::SIGCONT);
     let deadline = Instant::now() + STOP_GRACE;
     for r in running.iter_mut() {
-        while Instant::now() < deadline && matches!(r.child.try_wait(), Ok(None)) {
+        while Instant::now() < deadline && interrupts.count() < 2 && matches!(r.child.try_wait(), Ok(None)) {
             thread::sleep(Duration::from_millis(20));
         }
         if matches!(r.child.try_wait(), Ok(None)) {
             tracing::warn!(process = %r.name, "did not stop within {STOP_GRACE:?}; killing it");
-            let _ = r.child.kill();
         }
+    }
+    kill_all(running);
+}
+
+/// Kills every child's process group, reaps the children and takes the rest of their output.
+fn kill_all(running: &mut [Running]) {
+    signal_groups(running, libc::SIGKILL);
+    for r in running.iter_mut() {
         let _ = r.child.wait();
+        let deadline = Instant::now() + OUTPUT_GRACE;
+        while r.pumps.iter().any(|pump| !pump.is_finished()) && Instant::now() < deadline {
+            thread::sleep(Duration::from_millis(10));
+        }
+        // A pump still reading after that is left to end with the pipe's last holder.
+        for pump in r.pumps.drain(..).filter(|pump| pump.is_finished()) {
+            let _ = pump.join();
+        }
     }
 }
 
-fn failure(mut failed: Running, status: ExitStatus, interrupted: bool) -> anyhow::Error {
-    for pump in failed.pumps.drain(..) {
-        let _ = pump.join();
-    }
+fn failure(failed: &Running, status: ExitStatus, interrupted: bool) -> anyhow::Error {
     let tail: Vec<String> = failed
         .stderr_tail
         .lock()
         .map(|t| t.iter().cloned().collect())
         .unwrap_or_default();
-    let cause = if interrupted { "was interrupted" } else { "failed" };
+    let (cause, consequence) = if interrupted {
+        ("was interrupted", "")
+    } else if refused(&status) {
+        ("refused to start", "no restart can help, so ")
+    } else {
+        ("failed", "")
+    };
     let last_words = if tail.is_empty() {
         "It wrote nothing to stderr.".to_string()
     } else {
         format!("Its last output:\n{}", tail.join("\n"))
     };
     anyhow!(
-        "{} {cause} ({status}); the other processes were stopped. {last_words}",
+        "{} {cause} ({status}); {consequence}the other processes were stopped. {last_words}",
         failed.name
     )
 }

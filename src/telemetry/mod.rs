@@ -24,5 +24,7 @@ pub fn init_logging() {
         .with_writer(std::io::stderr)
         .with_target(false)
         .with_ansi(std::io::stderr().is_terminal())
+        // Its fallback for a failed write is `eprintln!`, which panics on a closed stderr.
+        .log_internal_errors(false)
         .try_init();
 }

@@ -2,7 +2,7 @@
 //! terminal, or the launcher's, fed by progress lines), log lines every `train.log_every`
 //! steps otherwise, a line of `metrics.jsonl`, and the Prometheus gauges.
 
-use std::io::IsTerminal;
+use std::io::{IsTerminal, Write};
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
@@ -197,7 +197,12 @@ impl Monitor {
                     loss: sample.loss,
                     samples_per_sec: rate,
                 };
-                eprintln!("{PROGRESS_LINE_PREFIX}{}", serde_json::to_string(&line)?);
+                // A closed stderr must not stop training.
+                let _ = writeln!(
+                    std::io::stderr(),
+                    "{PROGRESS_LINE_PREFIX}{}",
+                    serde_json::to_string(&line)?
+                );
             }
             ProgressView::Log if due => {
                 let spread = sample

@@ -5,6 +5,7 @@
 use std::collections::HashMap;
 use std::net::TcpListener;
 use std::path::Path;
+use std::time::{Duration, Instant};
 
 use flotilla::config::JobConfig;
 use flotilla::job::{RunOptions, RunOutcome, TrainingJob};
@@ -73,6 +74,30 @@ pub fn free_port_range(count: u16) -> u16 {
         }
     }
     panic!("no free loopback port range of {count}");
+}
+
+/// The pids of `launcher`'s children.
+pub fn children_of(launcher: u32) -> Vec<i32> {
+    let mut pids = Vec::new();
+    for task in std::fs::read_dir(format!("/proc/{launcher}/task"))
+        .into_iter()
+        .flatten()
+        .flatten()
+    {
+        let children = std::fs::read_to_string(task.path().join("children")).unwrap_or_default();
+        pids.extend(children.split_whitespace().filter_map(|p| p.parse::<i32>().ok()));
+    }
+    pids
+}
+
+/// Waits (at most 60 s) until `run_dir`'s metrics.jsonl has a line: training is under way.
+pub fn wait_for_training(run_dir: &Path) {
+    let metrics = run_dir.join("metrics.jsonl");
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while std::fs::read_to_string(&metrics).map_or(true, |m| !m.contains('\n')) {
+        assert!(Instant::now() < deadline, "{} never got a line", metrics.display());
+        std::thread::sleep(Duration::from_millis(20));
+    }
 }
 
 /// What a finished flotilla process printed.
@@ -156,7 +181,6 @@ impl Started {
 
 /// Waits for `child`, killing it (by pid) and failing the test if it outlives `timeout_s`.
 pub fn wait_or_kill(child: &mut std::process::Child, timeout_s: u64) -> std::process::ExitStatus {
-    use std::time::{Duration, Instant};
     let deadline = Instant::now() + Duration::from_secs(timeout_s);
     loop {
         if let Some(status) = child.try_wait().expect("try_wait") {
