@@ -205,7 +205,7 @@ mod tests {
     #[tokio::test]
     async fn a_scrape_reads_the_latest_step() -> Result<()> {
         let port = StdListener::bind("127.0.0.1:0")?.local_addr()?.port();
-        let exporter = Exporter::serve(parse_listen_address(&port.to_string())?)?;
+        let exporter = Exporter::serve(parse_listen_address(&port.to_string()).map_err(anyhow::Error::msg)?)?;
         exporter.publish(&StepMetrics {
             step: 7,
             elapsed_s: 1.0,

@@ -1,0 +1,164 @@
+//! Strangers at every listening port of a launched job while it starts: connections that stay
+//! silent and connections that begin a handshake and stop, to the coordinator, to the ranks'
+//! data endpoints (their rings and stage rings) and to the parameter-server shards. No stranger
+//! may cost a real peer its connection: each job ends with the result of an undisturbed run.
+
+mod common;
+
+use std::io::Write;
+use std::net::{Ipv4Addr, SocketAddr, TcpStream};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use common::{config, flotilla, free_port_range, train_in_process, PIPELINE_2X2};
+use flotilla::config::JobConfig;
+use flotilla::job::ps::ParameterServerJob;
+use flotilla::job::RunOptions;
+
+/// Connections a crowd keeps open at each port.
+const PER_PORT: usize = 3;
+/// The longest a crowd stays (the jobs below start well within it).
+const CROWD_FOR: Duration = Duration::from_secs(60);
+
+/// Strangers keeping [`PER_PORT`] connections open at each of `ports` on loopback, the oldest
+/// replaced by a fresh one every half second so that strangers keep arriving while the job
+/// starts; every third begins the handshake (`FLOTAUTH`) and stops. Leaves when dropped.
+struct Crowd {
+    leave: Arc<AtomicBool>,
+    thread: Option<JoinHandle<usize>>,
+}
+
+impl Crowd {
+    fn at(ports: std::ops::Range<u16>) -> Self {
+        let leave = Arc::new(AtomicBool::new(false));
+        let thread = std::thread::spawn({
+            let leave = leave.clone();
+            move || {
+                let deadline = Instant::now() + CROWD_FOR;
+                let mut open: Vec<Vec<TcpStream>> = ports.clone().map(|_| Vec::new()).collect();
+                let mut arrivals = 0;
+                let mut last_turnover = Instant::now();
+                while !leave.load(Ordering::Relaxed) && Instant::now() < deadline {
+                    let turnover = last_turnover.elapsed() > Duration::from_millis(500);
+                    for (port, held) in ports.clone().zip(&mut open) {
+                        if turnover && held.len() == PER_PORT {
+                            held.remove(0);
+                        }
+                        if held.len() < PER_PORT {
+                            if let Ok(mut stream) = stranger_to(port) {
+                                arrivals += 1;
+                                if arrivals % 3 == 0 {
+                                    let _ = stream.write_all(b"FLOTAUTH");
+                                }
+                                held.push(stream);
+                            }
+                        }
+                    }
+                    if turnover {
+                        last_turnover = Instant::now();
+                    }
+                    std::thread::sleep(Duration::from_millis(20));
+                }
+                arrivals
+            }
+        });
+        Self {
+            leave,
+            thread: Some(thread),
+        }
+    }
+
+    /// Sends the crowd away; how many connections it made.
+    fn leave(mut self) -> usize {
+        self.leave.store(true, Ordering::Relaxed);
+        self.thread.take().map_or(0, |t| t.join().expect("the crowd's thread"))
+    }
+}
+
+/// A connection to `port` on 127.0.0.1 from 127.0.0.2: a stranger's own port then never takes
+/// one of the job's (the job binds 127.0.0.1 only).
+fn stranger_to(port: u16) -> std::io::Result<TcpStream> {
+    use socket2::{Domain, Socket, Type};
+    let socket = Socket::new(Domain::IPV4, Type::STREAM, None)?;
+    socket.bind(&SocketAddr::from((Ipv4Addr::new(127, 0, 0, 2), 0)).into())?;
+    socket.connect_timeout(
+        &SocketAddr::from((Ipv4Addr::LOCALHOST, port)).into(),
+        Duration::from_millis(50),
+    )?;
+    Ok(socket.into())
+}
+
+impl Drop for Crowd {
+    fn drop(&mut self) {
+        self.leave.store(true, Ordering::Relaxed);
+    }
+}
+
+/// Launches `launcher` (its arguments before `--started_port`) on `ports` ports with a crowd at
+/// all of them, training `config` with `settings`; the summary of the run.
+fn launch_among_strangers(launcher: &[&str], ports: u16, config_file: &str, settings: &[&str]) -> serde_json::Value {
+    let dir = tempfile::tempdir().unwrap();
+    let run_dir = dir.path().join("run");
+    let first = free_port_range(ports);
+    let crowd = Crowd::at(first..first + ports);
+    let port = first.to_string();
+    let mut args = launcher.to_vec();
+    #[rustfmt::skip]
+    args.extend(["--started_port", &port, "--", "train", "--config", config_file, "--run-dir", run_dir.to_str().unwrap()]);
+    for set in settings {
+        args.extend(["--set", set]);
+    }
+    let finished = flotilla(&args, &[], 180);
+    let arrivals = crowd.leave();
+    assert!(
+        finished.success,
+        "the job did not survive {arrivals} strangers:\n{}\n{}",
+        finished.stdout, finished.stderr
+    );
+    assert!(
+        arrivals >= PER_PORT * usize::from(ports),
+        "only {arrivals} strangers arrived"
+    );
+    serde_json::from_str(&std::fs::read_to_string(run_dir.join("summary.json")).unwrap()).unwrap()
+}
+
+#[test]
+fn a_data_parallel_job_among_strangers_ends_as_an_undisturbed_one() {
+    for transport in ["cluster.shared_memory=true", "cluster.shared_memory=false"] {
+        let settings = ["train.steps=30", transport];
+        let summary = launch_among_strangers(&["launch", "--nproc_per_node", "2"], 3, "config.toml", &settings);
+        let undisturbed = train_in_process(config(&settings));
+        assert_eq!(
+            summary["param_checksum"],
+            undisturbed.summary.param_checksum.as_str(),
+            "{transport}"
+        );
+    }
+}
+
+#[test]
+fn a_pipeline_job_among_strangers_ends_as_an_undisturbed_one() {
+    let mut settings = PIPELINE_2X2.to_vec();
+    settings.push("train.steps=10");
+    let summary = launch_among_strangers(&["launch", "--nproc_per_node", "4"], 5, "config.toml", &settings);
+    let undisturbed = train_in_process(config(&settings));
+    assert_eq!(summary["param_checksum"], undisturbed.summary.param_checksum.as_str());
+}
+
+#[test]
+fn a_parameter_server_job_among_strangers_ends_as_an_undisturbed_one() {
+    let settings = ["train.steps=60"];
+    let launcher = ["launch-ps", "--server_num", "2", "--worker_num", "2"];
+    let summary = launch_among_strangers(&launcher, 5, "examples/ctr_ps.toml", &settings);
+    let config = JobConfig::from_file("examples/ctr_ps.toml".as_ref(), &|_| None, &settings.map(String::from)).unwrap();
+    let reference_dir = tempfile::tempdir().unwrap();
+    let undisturbed = ParameterServerJob::builtin(config)
+        .unwrap()
+        .run_simulated(&RunOptions::new(reference_dir.path()))
+        .unwrap();
+    // Sync mode: the same pushes in the same order on every shard, so the same figures exactly.
+    assert_eq!(summary["auc"].as_f64().unwrap(), undisturbed.auc);
+    assert_eq!(summary["final_loss"].as_f64().unwrap() as f32, undisturbed.final_loss);
+}
