@@ -3,12 +3,14 @@
 //! against a plain sum, for sizes that cut segments into many pieces, into
 //! uneven ones, and into empty ones.
 
+mod common;
+
 use std::net::{SocketAddr, TcpListener};
 use std::time::Duration;
 
 use flotilla::engines::comm::shm::ShmTransport;
 use flotilla::engines::comm::tcp::TcpTransport;
-use flotilla::engines::comm::{Communicator, RingTransport};
+use flotilla::engines::comm::{Communicator, RingPlace, RingTransport};
 use flotilla::net::auth::{ClusterToken, Credentials};
 
 const TOKEN: &str = "the ring transports test's token";
@@ -31,29 +33,62 @@ fn bind_endpoints(n: usize) -> Vec<TcpListener> {
 }
 
 fn on_listeners<T: Send>(kind: Kind, listeners: &[TcpListener], f: impl Fn(&mut Communicator) -> T + Sync) -> Vec<T> {
+    let ranks: Vec<usize> = (0..listeners.len()).collect();
+    on_sub_ring(kind, &ranks, listeners, Duration::from_secs(20), f)
+}
+
+/// One thread per member of a ring over the global `ranks` (in ring order), each serving its
+/// endpoint on `listeners[position]`.
+fn on_sub_ring<T: Send>(
+    kind: Kind,
+    ranks: &[usize],
+    listeners: &[TcpListener],
+    timeout: Duration,
+    f: impl Fn(&mut Communicator) -> T + Sync,
+) -> Vec<T> {
     let endpoints: Vec<SocketAddr> = listeners.iter().map(|l| l.local_addr().expect("addr")).collect();
     std::thread::scope(|s| {
         let handles: Vec<_> = listeners
             .iter()
             .enumerate()
-            .map(|(rank, listener)| {
+            .map(|(position, listener)| {
                 let (endpoints, f) = (&endpoints, &f);
                 s.spawn(move || {
-                    let timeout = Duration::from_secs(20);
-                    let credentials = Credentials::new(ClusterToken::new(TOKEN).expect("token"), timeout);
-                    let transport: Box<dyn RingTransport> = match kind {
-                        Kind::Tcp => Box::new(
-                            TcpTransport::connect(rank, endpoints, listener, timeout, &credentials).expect("connects"),
-                        ),
-                        Kind::Shm => Box::new(
-                            ShmTransport::connect(rank, endpoints, listener, timeout, &credentials).expect("connects"),
-                        ),
-                    };
+                    let transport = connect(kind, ranks, position, endpoints, listener, timeout).expect("connects");
                     f(&mut Communicator::new(transport))
                 })
             })
             .collect();
         handles.into_iter().map(|h| h.join().expect("rank thread")).collect()
+    })
+}
+
+/// The member at `position` of a ring over the global `ranks` joins it.
+fn connect(
+    kind: Kind,
+    ranks: &[usize],
+    position: usize,
+    endpoints: &[SocketAddr],
+    listener: &TcpListener,
+    timeout: Duration,
+) -> anyhow::Result<Box<dyn RingTransport>> {
+    let place = RingPlace::new(position, ranks.to_vec())?;
+    let credentials = Credentials::new(ClusterToken::new(TOKEN).expect("token"), timeout);
+    Ok(match kind {
+        Kind::Tcp => Box::new(TcpTransport::connect(
+            place,
+            endpoints,
+            listener,
+            timeout,
+            &credentials,
+        )?),
+        Kind::Shm => Box::new(ShmTransport::connect(
+            place,
+            endpoints,
+            listener,
+            timeout,
+            &credentials,
+        )?),
     })
 }
 
@@ -140,6 +175,64 @@ fn a_dead_neighbour_over(kind: Kind) {
 }
 
 #[test]
+fn a_member_that_left_a_ring_over_some_ranks_is_named_by_its_rank() {
+    for kind in [Kind::Tcp, Kind::Shm] {
+        for leaving in [0, 1] {
+            // A stage ring over ranks 2 and 5: positions 0 and 1 are not the ranks.
+            let ranks = [2, 5];
+            let results = on_sub_ring(kind, &ranks, &bind_endpoints(2), Duration::from_secs(20), |c| {
+                if c.rank() == leaving {
+                    return Ok(());
+                }
+                c.all_reduce_sum("all-reduce of bucket 0", &mut [1.0; 1000])
+            });
+            let staying = 1 - leaving;
+            let err = format!("{:#}", results[staying].as_ref().expect_err("the neighbour is gone"));
+            assert!(
+                err.contains(&format!("rank {}", ranks[leaving])) && err.contains("bucket 0"),
+                "{kind:?}, rank {} left: {err}",
+                ranks[leaving]
+            );
+            assert!(!err.contains("rank 0") && !err.contains("rank 1"), "{kind:?}: {err}");
+        }
+    }
+}
+
+#[test]
+fn a_member_silent_in_a_ring_over_some_ranks_times_out_naming_both_ranks() {
+    let silent_until_timed_out = std::sync::Barrier::new(2);
+    let results = on_sub_ring(Kind::Tcp, &[2, 5], &bind_endpoints(2), Duration::from_secs(2), |c| {
+        let outcome = match c.rank() {
+            0 => c.all_reduce_sum("all-reduce of bucket 0", &mut [1.0; 10]),
+            _ => Ok(()),
+        };
+        silent_until_timed_out.wait();
+        outcome
+    });
+    let err = format!("{:#}", results[0].as_ref().expect_err("rank 5 never sends"));
+    assert!(
+        err.contains("waiting for rank 5 (rank 2 at position 0 of the ring over ranks [2, 5])"),
+        "{err}"
+    );
+}
+
+#[test]
+fn a_member_nobody_serves_is_named_by_its_rank() {
+    let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
+    let unserved = SocketAddr::from(([127, 0, 0, 1], common::free_port_range(1)));
+    let endpoints = [listener.local_addr().expect("addr"), unserved];
+    let err = connect(Kind::Tcp, &[2, 5], 0, &endpoints, &listener, Duration::from_millis(500))
+        .err()
+        .expect("rank 5 never answers");
+    let err = format!("{err:#}");
+    assert!(
+        err.contains(&format!("rank 2: could not connect to rank 5 at {unserved}")),
+        "{err}"
+    );
+    assert!(!err.contains("rank 0") && !err.contains("rank 1"), "{err}");
+}
+
+#[test]
 fn a_stranger_at_a_ring_endpoint_is_dropped_and_the_ring_still_forms() {
     let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
     let peer = TcpListener::bind("127.0.0.1:0").expect("bind");
@@ -156,7 +249,8 @@ fn a_stranger_at_a_ring_endpoint_is_dropped_and_the_ring_still_forms() {
             .map(|(rank, l)| {
                 let (endpoints, credentials) = (&endpoints, &credentials);
                 s.spawn(move || {
-                    let transport = TcpTransport::connect(rank, endpoints, l, timeout, credentials).expect("connects");
+                    let place = RingPlace::identity(rank, endpoints.len());
+                    let transport = TcpTransport::connect(place, endpoints, l, timeout, credentials).expect("connects");
                     let mut values = vec![rank as f32 + 1.0; 3];
                     Communicator::new(Box::new(transport))
                         .all_reduce_sum("sum", &mut values)

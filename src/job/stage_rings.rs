@@ -10,7 +10,7 @@ use anyhow::{anyhow, Context, Result};
 
 use crate::actors::device::StageLinks;
 use crate::config::JobConfig;
-use crate::engines::comm::{connect_ring_transport, parse_endpoints, Communicator, RingTransport};
+use crate::engines::comm::{connect_ring_transport, parse_endpoints, Communicator, RingPlace, RingTransport};
 use crate::net::auth::Credentials;
 use crate::net::ControlBus;
 use crate::pipeline::link::memory_links;
@@ -93,10 +93,11 @@ impl Rings {
             .collect::<Option<Vec<_>>>()
             .ok_or_else(|| anyhow!("the roster lists {} endpoints", self.endpoints.len()))
             .with_context(context)?;
+        let place = RingPlace::new(position, members.clone()).with_context(context)?;
         let listener = self.listener.try_clone().with_context(context)?;
         let (timeout, shared_memory, credentials) = (self.timeout, self.shared_memory, self.credentials.clone());
         let transport = tokio::task::spawn_blocking(move || {
-            connect_ring_transport(position, &endpoints, &listener, timeout, shared_memory, &credentials)
+            connect_ring_transport(place, &endpoints, &listener, timeout, shared_memory, &credentials)
         })
         .await
         .map_err(|e| anyhow!("the connecting thread failed: {e}"))

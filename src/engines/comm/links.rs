@@ -1,6 +1,7 @@
 //! The TCP connections between ring neighbours, shared by the transports:
 //! each rank connects to its right neighbour and accepts its left one,
-//! checking a hello that names the connecting rank.
+//! checking a hello that names the connecting ring position. Errors name
+//! global ranks, which on a pipeline's sub-rings are not the positions.
 
 use std::io::{self, Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
@@ -11,31 +12,36 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 
+use super::RingPlace;
 use crate::net::auth::{self, Credentials};
 
 const HELLO_MAGIC: &[u8; 8] = b"FLOTHELO";
 
-/// Connects `rank` to its right neighbour and accepts its left one, within
-/// `timeout`, each connection opened by the cluster-token handshake; returns
-/// `(to_right, from_left)`, with no-delay and the timeout set on both.
+/// Connects the member at `place` to its right neighbour and accepts its left
+/// one (`endpoints` by position), within `timeout`, each connection opened by
+/// the cluster-token handshake; returns `(to_right, from_left)`, with no-delay
+/// and the timeout set on both.
 pub(super) fn connect_ring_links(
-    rank: usize,
+    place: &RingPlace,
     endpoints: &[SocketAddr],
     listener: &TcpListener,
     timeout: Duration,
     credentials: &Credentials,
 ) -> Result<(TcpStream, TcpStream)> {
-    let world_size = endpoints.len();
+    let world_size = place.world_size();
     anyhow::ensure!(
         world_size >= 2,
         "a ring between processes needs two ranks or more, got {world_size}"
     );
-    let right = (rank + 1) % world_size;
-    let left = (rank + world_size - 1) % world_size;
+    anyhow::ensure!(
+        endpoints.len() == world_size,
+        "{place}: the ring has {world_size} members but {} endpoints",
+        endpoints.len()
+    );
     let deadline = Instant::now() + timeout;
     let (to_right, from_left) = thread::scope(|s| {
-        let accepting = s.spawn(|| accept_left(listener, rank, left, deadline, credentials));
-        let connected = connect_right(endpoints[right], rank, world_size, right, deadline, credentials);
+        let accepting = s.spawn(|| accept_left(listener, place, deadline, credentials));
+        let connected = connect_right(endpoints[place.right()], place, deadline, credentials);
         let accepted = accepting
             .join()
             .map_err(|_| anyhow::anyhow!("ring accept thread panicked"))?;
@@ -49,21 +55,14 @@ pub(super) fn connect_ring_links(
     Ok((to_right, from_left))
 }
 
-/// An I/O error on a ring link as an error naming the operation and peer.
-pub(super) fn link_error(
-    op: &str,
-    peer: usize,
-    rank: usize,
-    world_size: usize,
-    timeout: Duration,
-    e: io::Error,
-) -> anyhow::Error {
+/// An I/O error on the link to the neighbour at position `peer` as an error naming the
+/// operation and the neighbour's rank.
+pub(super) fn link_error(op: &str, peer: usize, place: &RingPlace, timeout: Duration, e: io::Error) -> anyhow::Error {
+    let peer = place.rank_at(peer);
     match e.kind() {
         io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => anyhow::anyhow!(
-            "{op}: timed out after {:.1}s waiting for rank {peer} (rank {} of {})",
-            timeout.as_secs_f64(),
-            rank,
-            world_size
+            "{op}: timed out after {:.1}s waiting for rank {peer} ({place})",
+            timeout.as_secs_f64()
         ),
         io::ErrorKind::InvalidData => anyhow::anyhow!("{e}"),
         io::ErrorKind::UnexpectedEof | io::ErrorKind::ConnectionReset | io::ErrorKind::BrokenPipe => {
@@ -75,16 +74,15 @@ pub(super) fn link_error(
 
 fn connect_right(
     addr: SocketAddr,
-    rank: usize,
-    world_size: usize,
-    right: usize,
+    place: &RingPlace,
     deadline: Instant,
     credentials: &Credentials,
 ) -> Result<TcpStream> {
+    let (rank, right) = (place.rank(), place.rank_at(place.right()));
     let mut last_error = None;
     while Instant::now() < deadline {
         match TcpStream::connect_timeout(&addr, Duration::from_secs(1)) {
-            Ok(mut stream) => match introduce(&mut stream, rank, world_size, credentials) {
+            Ok(mut stream) => match introduce(&mut stream, place, credentials) {
                 Ok(()) => return Ok(stream),
                 // A peer that proves a different token will not change its mind.
                 Err(e) if e.root_cause().downcast_ref::<io::Error>().is_none() => {
@@ -105,12 +103,12 @@ fn connect_right(
 }
 
 /// The connecting side of one connection: the cluster-token handshake, then the ring hello
-/// naming this rank.
-fn introduce(stream: &mut TcpStream, rank: usize, world_size: usize, credentials: &Credentials) -> Result<()> {
+/// naming this member's position.
+fn introduce(stream: &mut TcpStream, place: &RingPlace, credentials: &Credentials) -> Result<()> {
     auth::connect_sync(stream, credentials)?;
     let mut hello = HELLO_MAGIC.to_vec();
-    hello.extend_from_slice(&(rank as u64).to_le_bytes());
-    hello.extend_from_slice(&(world_size as u64).to_le_bytes());
+    hello.extend_from_slice(&(place.position() as u64).to_le_bytes());
+    hello.extend_from_slice(&(place.world_size() as u64).to_le_bytes());
     stream.write_all(&hello).context("sending the ring hello")
 }
 
@@ -123,16 +121,17 @@ const MAX_PENDING_HANDSHAKES: usize = 64;
 struct Greeted {
     stream: TcpStream,
     peer: SocketAddr,
+    /// The ring position the hello names.
     from: usize,
 }
 
 fn accept_left(
     listener: &TcpListener,
-    rank: usize,
-    left: usize,
+    place: &RingPlace,
     deadline: Instant,
     credentials: &Credentials,
 ) -> Result<TcpStream> {
+    let (rank, left) = (place.rank(), place.left());
     listener.set_nonblocking(true)?;
     let local = listener.local_addr()?;
     // Each connection's handshake runs on a thread of its own, so a silent or slow stranger
@@ -143,7 +142,11 @@ fn accept_left(
     loop {
         if let Ok(Greeted { stream, peer, from }) = greetings.try_recv() {
             if from != left {
-                bail!("rank {rank}: rank {from} connected from {peer}, but the left neighbour is rank {left}");
+                bail!(
+                    "rank {rank}: rank {} connected from {peer}, but the left neighbour is rank {}",
+                    place.rank_at(from),
+                    place.rank_at(left)
+                );
             }
             return Ok(stream);
         }
@@ -170,7 +173,10 @@ fn accept_left(
             }
             Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
                 if Instant::now() >= deadline {
-                    bail!("rank {rank}: rank {left} never connected to {local} before the timeout");
+                    bail!(
+                        "rank {rank}: rank {} never connected to {local} before the timeout",
+                        place.rank_at(left)
+                    );
                 }
                 thread::sleep(Duration::from_millis(5));
             }
@@ -180,7 +186,7 @@ fn accept_left(
 }
 
 /// The accepting side of one connection: the cluster-token handshake, then the ring hello;
-/// returns the stream and the rank it names.
+/// returns the stream and the ring position it names.
 fn greet(mut stream: TcpStream, deadline: Instant, credentials: &Credentials) -> Result<(TcpStream, usize)> {
     stream.set_nonblocking(false)?;
     auth::accept_sync(&mut stream, credentials).context("before any frame")?;
@@ -210,7 +216,8 @@ mod tests {
             Duration::from_millis(200),
         );
         let deadline = Instant::now() + Duration::from_secs(2);
-        let err = connect_right(silent.local_addr()?, 0, 2, 1, deadline, &credentials).unwrap_err();
+        let place = RingPlace::identity(0, 2);
+        let err = connect_right(silent.local_addr()?, &place, deadline, &credentials).unwrap_err();
         let text = format!("{err:#}");
         assert!(text.contains("could not connect to rank 1"), "{text}");
         assert!(text.contains("the peer sent nothing for 0.2s"), "{text}");

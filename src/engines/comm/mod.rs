@@ -18,6 +18,7 @@ mod links;
 pub mod memory;
 #[cfg(feature = "cuda")]
 pub mod nccl;
+mod place;
 pub mod ring;
 mod send_queue;
 pub mod shm;
@@ -26,6 +27,7 @@ mod tensors;
 pub mod transport;
 pub mod worker;
 
+pub use place::RingPlace;
 pub use ring::Communicator;
 pub use transport::RingTransport;
 pub use worker::{CommWorker, Pending};
@@ -50,7 +52,7 @@ pub fn connect_ring(
     credentials: &Credentials,
 ) -> anyhow::Result<Communicator> {
     Ok(Communicator::new(connect_ring_transport(
-        rank,
+        RingPlace::identity(rank, endpoints.len()),
         endpoints,
         listener,
         timeout,
@@ -59,10 +61,12 @@ pub fn connect_ring(
     )?))
 }
 
-/// The transport under [`connect_ring`], for rings that carry other traffic
-/// than collectives (pipeline stages' activations).
+/// The transport under [`connect_ring`] for the member at `place`, whose
+/// endpoint is `endpoints[place.position()]`: for rings over some of the
+/// ranks and rings that carry other traffic than collectives (pipeline
+/// stages' activations).
 pub fn connect_ring_transport(
-    rank: usize,
+    place: RingPlace,
     endpoints: &[SocketAddr],
     listener: &TcpListener,
     timeout: Duration,
@@ -71,7 +75,7 @@ pub fn connect_ring_transport(
 ) -> anyhow::Result<Box<dyn RingTransport>> {
     Ok(if shared_memory && shm::usable_for(endpoints) {
         Box::new(shm::ShmTransport::connect(
-            rank,
+            place,
             endpoints,
             listener,
             timeout,
@@ -79,7 +83,7 @@ pub fn connect_ring_transport(
         )?)
     } else {
         Box::new(tcp::TcpTransport::connect(
-            rank,
+            place,
             endpoints,
             listener,
             timeout,

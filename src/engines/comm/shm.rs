@@ -23,6 +23,7 @@ use anyhow::{bail, Context, Result};
 use super::links::{connect_ring_links, link_error};
 use super::send_queue::{MessageSink, SendQueue};
 use super::transport::{MessageHeader, RingTransport};
+use super::RingPlace;
 use crate::net::auth::Credentials;
 
 /// Bytes per slot: one piece of the streamed all-reduce.
@@ -182,8 +183,7 @@ impl Drop for ShmSink {
 
 /// One rank's two shared-memory links.
 pub struct ShmTransport {
-    rank: usize,
-    world_size: usize,
+    place: RingPlace,
     to_right: SendQueue,
     from_left: TcpStream,
     incoming: Region,
@@ -206,14 +206,14 @@ impl ShmTransport {
     /// swaps the data path of both links to shared memory. Every endpoint
     /// must be on this host.
     pub fn connect(
-        rank: usize,
+        place: RingPlace,
         endpoints: &[SocketAddr],
         listener: &TcpListener,
         timeout: Duration,
         credentials: &Credentials,
     ) -> Result<Self> {
-        let world_size = endpoints.len();
-        let (mut to_right, mut from_left) = connect_ring_links(rank, endpoints, listener, timeout, credentials)?;
+        let (mut to_right, mut from_left) = connect_ring_links(&place, endpoints, listener, timeout, credentials)?;
+        let (rank, left) = (place.rank(), place.rank_at(place.left()));
         let unique = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| d.as_nanos());
@@ -224,7 +224,6 @@ impl ShmTransport {
         to_right.write_all(&(name.len() as u16).to_le_bytes())?;
         to_right.write_all(name.as_bytes())?;
 
-        let left = (rank + world_size - 1) % world_size;
         let mut len = [0u8; 2];
         from_left
             .read_exact(&mut len)
@@ -258,8 +257,7 @@ impl ShmTransport {
             in_flight: 0,
         };
         Ok(Self {
-            rank,
-            world_size,
+            place,
             to_right: SendQueue::new(sink, format!("ring-shm-send-rank{rank}"))?,
             from_left,
             incoming,
@@ -270,7 +268,7 @@ impl ShmTransport {
     }
 
     fn link_error(&self, op: &str, peer: usize, e: io::Error) -> anyhow::Error {
-        link_error(op, peer, self.rank, self.world_size, self.timeout, e)
+        link_error(op, peer, &self.place, self.timeout, e)
     }
 
     fn read_doorbell(&mut self, op: &str) -> Result<Doorbell> {
@@ -278,18 +276,20 @@ impl ShmTransport {
         (&self.from_left)
             .read_exact(&mut bytes)
             .map_err(|e| self.link_error(op, self.left(), e))?;
-        Doorbell::decode(&bytes)
-            .ok_or_else(|| anyhow::anyhow!("{op}: corrupt doorbell from rank {} (bad magic)", self.left()))
+        Doorbell::decode(&bytes).ok_or_else(|| {
+            let left = self.place.rank_at(self.left());
+            anyhow::anyhow!("{op}: corrupt doorbell from rank {left} (bad magic)")
+        })
     }
 }
 
 impl RingTransport for ShmTransport {
     fn rank(&self) -> usize {
-        self.rank
+        self.place.position()
     }
 
     fn world_size(&self) -> usize {
-        self.world_size
+        self.place.world_size()
     }
 
     unsafe fn send_queued(&mut self, op: &str, bytes: &[u8]) -> Result<()> {
@@ -319,7 +319,7 @@ impl RingTransport for ShmTransport {
             {
                 bail!(
                     "{op}: rank {} rang for message #{} of {} bytes ({} bytes in slot {}), expected #{seq} of {len} bytes in slot {expected_slot} (ranks out of step)",
-                    self.left(),
+                    self.place.rank_at(self.left()),
                     bell.seq,
                     bell.msg_len,
                     chunk,

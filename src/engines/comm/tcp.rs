@@ -14,6 +14,7 @@ use anyhow::Result;
 use super::links::{connect_ring_links, link_error};
 use super::send_queue::SendQueue;
 use super::transport::{MessageHeader, RingTransport};
+use super::RingPlace;
 use crate::net::auth::Credentials;
 
 /// Pieces handed to `on_recv`: big enough to keep syscalls rare, small
@@ -22,8 +23,7 @@ const RECV_PIECE_BYTES: usize = 2 * 1024 * 1024;
 
 /// One rank's two TCP links.
 pub struct TcpTransport {
-    rank: usize,
-    world_size: usize,
+    place: RingPlace,
     to_right: SendQueue,
     from_left: TcpStream,
     received: u64,
@@ -34,22 +34,21 @@ pub struct TcpTransport {
 }
 
 impl TcpTransport {
-    /// Joins the ring: connects to the right neighbour's endpoint and accepts
-    /// the left neighbour on `listener` (this rank's own endpoint, bound
-    /// before the rendezvous so that every peer can already connect).
+    /// Joins the ring at `place`: connects to the right neighbour's endpoint
+    /// and accepts the left neighbour on `listener` (this rank's own endpoint,
+    /// bound before the rendezvous so that every peer can already connect).
     pub fn connect(
-        rank: usize,
+        place: RingPlace,
         endpoints: &[SocketAddr],
         listener: &TcpListener,
         timeout: Duration,
         credentials: &Credentials,
     ) -> Result<Self> {
-        let world_size = endpoints.len();
-        let (to_right, from_left) = connect_ring_links(rank, endpoints, listener, timeout, credentials)?;
+        let (to_right, from_left) = connect_ring_links(&place, endpoints, listener, timeout, credentials)?;
+        let to_right = SendQueue::new(to_right, format!("ring-send-rank{}", place.rank()))?;
         Ok(Self {
-            rank,
-            world_size,
-            to_right: SendQueue::new(to_right, format!("ring-send-rank{rank}"))?,
+            place,
+            to_right,
             from_left,
             received: 0,
             timeout,
@@ -58,12 +57,12 @@ impl TcpTransport {
     }
 
     fn link_error(&self, op: &str, peer: usize, e: io::Error) -> anyhow::Error {
-        link_error(op, peer, self.rank, self.world_size, self.timeout, e)
+        link_error(op, peer, &self.place, self.timeout, e)
     }
 }
 
-/// Reads the next header from the left link and checks it is `expected`;
-/// a wrong one comes back as `InvalidData` carrying the reason.
+/// Reads the next header from the left link (to rank `left`) and checks it
+/// is `expected`; a wrong one comes back as `InvalidData` carrying the reason.
 fn read_header(from_left: &TcpStream, expected: MessageHeader, op: &str, left: usize) -> io::Result<()> {
     let mut header = [0u8; MessageHeader::SIZE];
     (&*from_left).read_exact(&mut header)?;
@@ -95,11 +94,11 @@ fn read_message(
 
 impl RingTransport for TcpTransport {
     fn rank(&self) -> usize {
-        self.rank
+        self.place.position()
     }
 
     fn world_size(&self) -> usize {
-        self.world_size
+        self.place.world_size()
     }
 
     unsafe fn send_queued(&mut self, op: &str, bytes: &[u8]) -> Result<()> {
@@ -120,8 +119,15 @@ impl RingTransport for TcpTransport {
         };
         self.received += 1;
         let left = self.left();
-        read_message(&self.from_left, &mut self.scratch, expected, op, left, on_recv)
-            .map_err(|e| self.link_error(op, left, e))
+        read_message(
+            &self.from_left,
+            &mut self.scratch,
+            expected,
+            op,
+            self.place.rank_at(left),
+            on_recv,
+        )
+        .map_err(|e| self.link_error(op, left, e))
     }
 
     fn recv_into(&mut self, op: &str, target: &mut [u8]) -> Result<()> {
@@ -131,7 +137,7 @@ impl RingTransport for TcpTransport {
         };
         self.received += 1;
         let left = self.left();
-        read_header(&self.from_left, expected, op, left)
+        read_header(&self.from_left, expected, op, self.place.rank_at(left))
             .and_then(|()| (&self.from_left).read_exact(target))
             .map_err(|e| self.link_error(op, left, e))
     }

@@ -27,7 +27,8 @@ impl MessageHeader {
         out
     }
 
-    /// Decodes a header and checks it is the one expected next.
+    /// Decodes a header and checks it is the one expected next; `peer` is
+    /// the sender's rank, for errors.
     pub fn check(bytes: &[u8; Self::SIZE], expected: MessageHeader, op: &str, peer: usize) -> Result<()> {
         let word = |i: usize| u64::from_le_bytes(bytes[i * 8..(i + 1) * 8].try_into().unwrap_or_default());
         if word(0) != Self::MAGIC {
