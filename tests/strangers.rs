@@ -2,6 +2,7 @@
 //! silent and connections that begin a handshake and stop, to the coordinator, to the ranks'
 //! data endpoints (their rings and stage rings) and to the parameter-server shards. No stranger
 //! may cost a real peer its connection: each job ends with the result of an undisturbed run.
+//! And a process of another job that holds the same token cannot speak for a job's rank.
 
 mod common;
 
@@ -12,10 +13,14 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use common::{config, flotilla, free_port_range, train_in_process, PIPELINE_2X2};
+use common::{
+    children_of, config, flotilla, free_port_range, start_flotilla, train_in_process, wait_for_training, PIPELINE_2X2,
+};
 use flotilla::config::JobConfig;
 use flotilla::job::ps::ParameterServerJob;
 use flotilla::job::RunOptions;
+use flotilla::net::auth::{ClusterToken, Credentials};
+use flotilla::net::ControlBus;
 
 /// Connections a crowd keeps open at each port.
 const PER_PORT: usize = 3;
@@ -164,4 +169,83 @@ fn a_parameter_server_job_among_strangers_ends_as_an_undisturbed_one() {
     // Sync mode: the same pushes in the same order on every shard, so the same figures exactly.
     assert_eq!(summary["auc"].as_f64().unwrap(), undisturbed.auc);
     assert_eq!(summary["final_loss"].as_f64().unwrap() as f32, undisturbed.final_loss);
+}
+
+/// Heartbeats for `rank` to the coordinator at `master` every 100 ms, as a process of another
+/// job that shares the token would send them, until `stop` (at most 60 s); how many were
+/// answered as alive.
+fn heartbeat_as_another_job(master: String, token: &str, rank: usize, stop: Arc<AtomicBool>) -> JoinHandle<usize> {
+    let credentials = Credentials::new(ClusterToken::new(token).expect("token"), Duration::from_secs(2));
+    std::thread::spawn(move || {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("runtime");
+        runtime.block_on(async {
+            let (deadline, mut answered) = (Instant::now() + CROWD_FOR, 0);
+            let mut line = None;
+            while !stop.load(Ordering::Relaxed) && Instant::now() < deadline {
+                if line.is_none() {
+                    line = ControlBus::connect(&master, Duration::from_secs(1), 1 << 20, &credentials)
+                        .await
+                        .ok();
+                }
+                if let Some(bus) = line.as_mut() {
+                    match bus.heartbeat(rank, Duration::from_secs(1)).await {
+                        Ok(Ok(())) => answered += 1,
+                        _ => line = None,
+                    }
+                }
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            answered
+        })
+    })
+}
+
+#[test]
+fn a_process_of_another_job_with_the_same_token_cannot_keep_a_stalled_rank_alive() {
+    const TOKEN: &str = "one token that two jobs on this host share";
+    let dir = tempfile::tempdir().unwrap();
+    let run_dir = dir.path().join("run");
+    let port = free_port_range(3);
+    let started_port = port.to_string();
+    #[rustfmt::skip]
+    let mut args = vec!["launch", "--nproc_per_node", "2", "--started_port", &started_port, "--", "train", "--run-dir", run_dir.to_str().unwrap()];
+    for set in [
+        "train.steps=1000000",
+        "fault_tolerance.heartbeat_interval_ms=200",
+        "fault_tolerance.heartbeat_misses=5",
+        "fault_tolerance.timeout_s=60",
+        "fault_tolerance.max_restarts=0",
+    ] {
+        args.extend(["--set", set]);
+    }
+    let job = start_flotilla(&args, &[("FLOTILLA_TOKEN", TOKEN.to_string())]);
+    let launcher = job.child.id();
+    wait_for_training(&run_dir);
+    let stop = Arc::new(AtomicBool::new(false));
+    let intruder = heartbeat_as_another_job(format!("127.0.0.1:{port}"), TOKEN, 1, stop.clone());
+    let mut ranks = children_of(launcher);
+    ranks.sort_unstable();
+    // SAFETY: rank 1's pid, a child of the launcher this test started.
+    unsafe {
+        libc::kill(ranks[1], libc::SIGSTOP);
+    }
+    let finished = job.finish(120);
+    stop.store(true, Ordering::Relaxed);
+    let answered = intruder.join().expect("the intruder's thread");
+    for pid in ranks {
+        // SAFETY: as above; gone already unless the launcher failed to end it.
+        unsafe {
+            libc::kill(pid, libc::SIGKILL);
+        }
+    }
+    assert!(!finished.success, "the job went on with a stalled rank");
+    assert_eq!(answered, 0, "another job's heartbeats for rank 1 were taken");
+    assert!(
+        finished.stderr.contains("rank 1 declared dead: no heartbeat for"),
+        "the stalled rank was not found by its heartbeats:\n{}",
+        finished.stderr
+    );
 }
