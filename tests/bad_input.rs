@@ -12,12 +12,13 @@ fn train_with(toml: &str, extra: &[&str]) -> String {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("job.toml");
     std::fs::write(&path, toml).unwrap();
+    let run_dir = dir.path().join("run");
     let mut args = vec![
         "train",
         "--config",
         path.to_str().unwrap(),
         "--run-dir",
-        dir.path().to_str().unwrap(),
+        run_dir.to_str().unwrap(),
     ];
     args.extend_from_slice(extra);
     let finished = flotilla(&args, &[], 60);
@@ -156,6 +157,25 @@ fn durations_past_the_clock_and_models_past_memory_are_refused_by_key() {
             assert!(err.contains(expected), "{sets:?}: {err}");
             assert!(!err.contains("panicked"), "{sets:?}: {err}");
         }
+    }
+}
+
+/// A run length in epochs too long to count in steps is refused by key, in a collective, a
+/// pipeline and a parameter-server job, instead of wrapping or reserving a record for it.
+#[test]
+fn epochs_beyond_any_step_count_are_refused_by_key() {
+    let pipeline = ["strategy.pipeline=true", "strategy.hybrid_configs.pp_degree=2"];
+    for (job, extra) in [("", &[][..]), ("", &pipeline[..]), (PS_JOB, &[][..])] {
+        let mut args = vec!["--set", "train.epochs=9223372036854775807"];
+        for set in extra {
+            args.extend(["--set", set]);
+        }
+        let err = train_with(job, &args);
+        assert!(
+            err.contains("train.epochs = 9223372036854775807: with"),
+            "{extra:?}: {err}"
+        );
+        assert!(!err.contains("panicked"), "{extra:?}: {err}");
     }
 }
 

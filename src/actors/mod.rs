@@ -12,6 +12,10 @@ pub mod pserver;
 pub mod stage;
 pub mod trainer;
 
+/// The most steps' losses reserved up front: a run may be far longer than it will ever get
+/// (a huge `train.epochs`), and the record grows as steps are taken.
+const LOSSES_RESERVED: usize = 1 << 20;
+
 pub use coordinator::Coordinator;
 pub use device::DeviceActor;
 pub use trainer::Trainer;

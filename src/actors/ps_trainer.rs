@@ -12,8 +12,9 @@ use anyhow::{Context as _, Result};
 
 use super::device::{DeviceActor, FlushCtr, PlanCtr, PredictCtr, PrepareCtr, TrainCtr};
 use super::divergence::check_loss;
+use super::LOSSES_RESERVED;
 use crate::checkpoint::CheckpointStore;
-use crate::config::{JobConfig, PsMode, TrainLength};
+use crate::config::{JobConfig, PsMode};
 use crate::data::ctr::{CtrLoader, CtrSource};
 use crate::job::Recovery;
 use crate::metrics::auc;
@@ -127,12 +128,8 @@ impl PsRun {
             .await??;
         client.wait_for_servers().await?;
 
-        let steps = match train.length() {
-            TrainLength::Steps(steps) => steps,
-            TrainLength::Epochs(epochs) => {
-                epochs * (self.train_data.records_per_epoch()? as usize / train.batch_size).max(1)
-            }
-        };
+        let batches_per_epoch = (self.train_data.records_per_epoch()? as usize / train.batch_size).max(1);
+        let steps = train.length().steps(batches_per_epoch)?;
         let mut loader = CtrLoader::new(self.train_data.clone(), train.batch_size, rank, world)
             .with_context(|| format!("trainer {rank}: training data"))?;
         // The shards hold the state of a checkpoint; the trainers only move on to its step.
@@ -145,7 +142,7 @@ impl PsRun {
             .transpose()?;
         let mut timeline = self.trace.as_ref().map(|(t, _)| Timeline::new(t.origin.instant));
         let started = Instant::now();
-        let mut losses = Vec::with_capacity(steps);
+        let mut losses = Vec::with_capacity(steps.min(LOSSES_RESERVED));
         let mut comm_time = Duration::ZERO;
         // Async mode pulls step t+1's rows while step t computes, as Paddle's async
         // communicator does: its trainers never wait, so slightly staler rows are within its

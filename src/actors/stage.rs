@@ -18,7 +18,7 @@ use super::device::{
     SaveCheckpoint, StageLinks, TakeSpans,
 };
 use super::divergence::check_loss;
-use crate::config::{JobConfig, TrainLength};
+use crate::config::JobConfig;
 use crate::data::{Dataset, ShardedLoader};
 use crate::engines::comm::Communicator;
 use crate::job::Recovery;
@@ -187,10 +187,7 @@ impl Handler<TrainStage> for StageActor {
             let train = &job.train;
             let mut loader = ShardedLoader::new(train_data, train.batch_size, replica, d, train.seed)
                 .with_context(|| format!("train.batch_size = {}", train.batch_size))?;
-            let steps = match train.length() {
-                TrainLength::Steps(s) => s,
-                TrainLength::Epochs(e) => e * loader.batches_per_epoch(),
-            };
+            let steps = train.length().steps(loader.batches_per_epoch())?;
             crate::optim::check_run_length(&job.strategy, steps)?;
             let first = recovery.first_step(steps)?;
             let mut losses = Vec::new();

@@ -15,8 +15,9 @@ use super::device::{
     SaveCheckpoint, TakeSpans, TrainStep,
 };
 use super::divergence::check_loss;
+use super::LOSSES_RESERVED;
 use crate::collective::ParamChecksum;
-use crate::config::{JobConfig, TrainLength};
+use crate::config::JobConfig;
 use crate::data::{Dataset, ShardedLoader};
 use crate::job::Recovery;
 use crate::net::ControlBus;
@@ -150,13 +151,10 @@ impl TrainingRun {
         let train = &job.train;
         let mut loader = ShardedLoader::new(self.train_data.clone(), train.batch_size, rank, world, train.seed)
             .with_context(|| format!("train.batch_size = {}", train.batch_size))?;
-        let steps = match train.length() {
-            TrainLength::Steps(s) => s,
-            TrainLength::Epochs(e) => e * loader.batches_per_epoch(),
-        };
+        let steps = train.length().steps(loader.batches_per_epoch())?;
         crate::optim::check_run_length(&job.strategy, steps)?;
         let first = self.recovery.first_step(steps)?;
-        let mut losses = Vec::with_capacity(steps);
+        let mut losses = Vec::with_capacity(steps.min(LOSSES_RESERVED));
         if let Some(checkpoint) = &self.recovery.start {
             let restored = RestoreCheckpoint(checkpoint.read(REPLICA_FILE)?);
             losses = self.device.send(restored).await??;

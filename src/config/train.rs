@@ -147,6 +147,20 @@ pub enum TrainLength {
     Epochs(usize),
 }
 
+impl TrainLength {
+    /// The run's optimizer steps, with `batches_per_epoch` batches in a pass over the data.
+    pub fn steps(self, batches_per_epoch: usize) -> anyhow::Result<usize> {
+        match self {
+            Self::Steps(steps) => Ok(steps),
+            Self::Epochs(epochs) => epochs.checked_mul(batches_per_epoch).ok_or_else(|| {
+                anyhow::anyhow!(
+                    "train.epochs = {epochs}: with {batches_per_epoch} batches an epoch that is more steps than can be counted"
+                )
+            }),
+        }
+    }
+}
+
 /// `[train]` section.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default = "TrainConfig::unresolved", deny_unknown_fields)]
