@@ -8,9 +8,8 @@ mod common;
 use std::net::{SocketAddr, TcpListener};
 use std::time::Duration;
 
-use flotilla::engines::comm::shm::ShmTransport;
 use flotilla::engines::comm::tcp::TcpTransport;
-use flotilla::engines::comm::{Communicator, RingPlace, RingTransport};
+use flotilla::engines::comm::{connect_ring_transport, Communicator, RingPlace, RingTransport};
 use flotilla::net::auth::{ClusterToken, Credentials};
 
 const TOKEN: &str = "the ring transports test's token";
@@ -74,22 +73,9 @@ fn connect(
 ) -> anyhow::Result<Box<dyn RingTransport>> {
     let place = RingPlace::new(position, ranks.to_vec())?;
     let credentials = Credentials::new(ClusterToken::new(TOKEN).expect("token"), timeout);
-    Ok(match kind {
-        Kind::Tcp => Box::new(TcpTransport::connect(
-            place,
-            endpoints,
-            listener,
-            timeout,
-            &credentials,
-        )?),
-        Kind::Shm => Box::new(ShmTransport::connect(
-            place,
-            endpoints,
-            listener,
-            timeout,
-            &credentials,
-        )?),
-    })
+    // Every endpoint is on loopback, so shared memory is used exactly when asked for.
+    let shared_memory = matches!(kind, Kind::Shm);
+    connect_ring_transport(place, endpoints, listener, timeout, shared_memory, &credentials)
 }
 
 fn rank_buffer(rank: usize, len: usize) -> Vec<f32> {
