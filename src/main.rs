@@ -310,7 +310,8 @@ fn launch(mut children: Vec<ChildSpec>, command: &[String], restarts_flag: Optio
             overwrite,
             ..
         }) => run_dir::check_named(dir, *overwrite)?,
-        _ if std::env::var_os(RUN_DIR_VAR).is_none() => {
+        // flotilla's own trainer only: a program of the user's own keeps its outputs itself.
+        Some(_) if std::env::var_os(RUN_DIR_VAR).is_none() => {
             let run_dir = run_dir::create_unique(RUNS.as_ref())?.display().to_string();
             for child in &mut children {
                 child.env.push((RUN_DIR_VAR.to_string(), run_dir.clone()));

@@ -111,6 +111,7 @@ fn restarts_resume_from_the_checkpoint_until_they_are_used_up() {
 #[test]
 fn a_rank_that_never_arrives_is_named_by_the_timeout() {
     let port = free_port_range(1);
+    let run_dir = tempfile::tempdir().unwrap();
     let finished = flotilla(
         &[
             "run",
@@ -126,6 +127,7 @@ fn a_rank_that_never_arrives_is_named_by_the_timeout() {
         &[
             ("PADDLE_TRAINER_ID", "0".to_string()),
             ("PADDLE_TRAINERS_NUM", "2".to_string()),
+            ("FLOTILLA_RUN_DIR", run_dir.path().display().to_string()),
             ("PADDLE_MASTER", format!("127.0.0.1:{port}")),
         ],
         60,
@@ -136,6 +138,7 @@ fn a_rank_that_never_arrives_is_named_by_the_timeout() {
 
 #[test]
 fn a_port_in_use_is_reported_with_its_address() {
+    let run_dir = tempfile::tempdir().unwrap();
     let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let addr = taken.local_addr().unwrap().to_string();
     let master = format!("127.0.0.1:{}", free_port_range(1));
@@ -144,6 +147,7 @@ fn a_port_in_use_is_reported_with_its_address() {
         &[
             ("PADDLE_TRAINER_ID", "0".to_string()),
             ("PADDLE_TRAINERS_NUM", "2".to_string()),
+            ("FLOTILLA_RUN_DIR", run_dir.path().display().to_string()),
             ("PADDLE_MASTER", master.clone()),
             ("PADDLE_TRAINER_ENDPOINTS", format!("{addr},127.0.0.1:1")),
         ],
@@ -163,6 +167,7 @@ fn a_port_in_use_is_reported_with_its_address() {
         &[
             ("PADDLE_TRAINER_ID", "0".to_string()),
             ("PADDLE_TRAINERS_NUM", "2".to_string()),
+            ("FLOTILLA_RUN_DIR", run_dir.path().display().to_string()),
             ("PADDLE_MASTER", addr.clone()),
         ],
         60,
