@@ -64,7 +64,12 @@ fn parameter_server_keys_on_a_collective_job_say_what_they_need() {
 
 #[test]
 fn trainer_role_without_a_launcher_says_how_to_start_it() {
-    let finished = flotilla(&["run", "--role", "trainer"], &[], 30);
+    let run_dir = tempfile::tempdir().unwrap();
+    let finished = flotilla(
+        &["run", "--role", "trainer"],
+        &[("FLOTILLA_RUN_DIR", run_dir.path().display().to_string())],
+        30,
+    );
     assert!(
         !finished.success && finished.stderr.contains("flotilla launch"),
         "{}",
@@ -74,9 +79,11 @@ fn trainer_role_without_a_launcher_says_how_to_start_it() {
 
 #[test]
 fn a_role_with_a_token_too_short_to_be_a_secret_is_refused() {
+    let run_dir = tempfile::tempdir().unwrap();
     let finished = flotilla(
         &["run", "--role", "trainer", "--config", "config.toml"],
         &[
+            ("FLOTILLA_RUN_DIR", run_dir.path().display().to_string()),
             ("PADDLE_TRAINER_ID", "0".to_string()),
             ("PADDLE_MASTER", "127.0.0.1:9".to_string()),
             ("FLOTILLA_TOKEN", "short".to_string()),

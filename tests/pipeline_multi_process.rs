@@ -184,6 +184,7 @@ fn interleaved_deep_and_one_stage_pipelines_launch_bit_identical_to_in_process()
 fn a_stage_peer_that_never_connects_is_named_by_the_rank_waiting_for_it() {
     // Rank 1 joins the rendezvous announcing an endpoint nobody listens on, then goes silent.
     let master = format!("127.0.0.1:{}", free_port_range(1));
+    let run_dir = tempfile::tempdir().unwrap();
     let silent = TcpListener::bind("127.0.0.1:0")
         .unwrap()
         .local_addr()
@@ -200,6 +201,7 @@ fn a_stage_peer_that_never_connects_is_named_by_the_rank_waiting_for_it() {
             ("PADDLE_TRAINER_ID", "0".to_string()),
             ("PADDLE_TRAINERS_NUM", "2".to_string()),
             ("PADDLE_MASTER", master.clone()),
+            ("FLOTILLA_RUN_DIR", run_dir.path().display().to_string()),
         ],
     );
     let runtime = tokio::runtime::Builder::new_current_thread()

@@ -134,6 +134,7 @@ fn an_unreachable_server_is_named_after_the_timeout() {
     let port = free_port_range(2);
     let servers = format!("[\"127.0.0.1:{port}\", \"127.0.0.1:{}\"]", port + 1);
     let set_servers = format!("cluster.pservers={servers}");
+    let run_dir = tempfile::tempdir().unwrap();
     let finished = flotilla(
         &[
             "run",
@@ -146,7 +147,10 @@ fn an_unreachable_server_is_named_after_the_timeout() {
             "--set",
             "fault_tolerance.timeout_s=1",
         ],
-        &[("PADDLE_TRAINER_ID", "0".to_string())],
+        &[
+            ("PADDLE_TRAINER_ID", "0".to_string()),
+            ("FLOTILLA_RUN_DIR", run_dir.path().display().to_string()),
+        ],
         30,
     );
     assert!(!finished.success);
