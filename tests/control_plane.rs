@@ -26,7 +26,7 @@ async fn start_coordinator(world_size: usize) -> String {
     let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
     let addr = listener.local_addr().expect("addr").to_string();
     let coordinator = Coordinator::new(world_size, Duration::from_secs(5)).start();
-    actix::spawn(server::serve(listener, coordinator, CAP, credentials(TOKEN)));
+    actix::spawn(server::serve(listener, coordinator.into(), CAP, credentials(TOKEN)));
     addr
 }
 

@@ -394,8 +394,8 @@ fn criteo_tsv_files_train_exactly_like_the_generator_they_were_written_from() {
 #[test]
 fn a_pull_held_for_a_trainer_that_never_pushes_names_it_after_the_timeout() {
     use actix::prelude::*;
-    use flotilla::actors::pserver::{PServer, ShardCall};
-    use flotilla::ps::wire::{PullRequest, Request};
+    use flotilla::actors::pserver::PServer;
+    use flotilla::ps::wire::{PullRequest, Request, ShardCall};
 
     let config = ctr_config(&["cluster.nproc_per_node=2", "fault_tolerance.timeout_s=1"]);
     let shard = build_shard(&config, 0).unwrap();

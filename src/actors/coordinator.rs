@@ -16,65 +16,7 @@ use actix::prelude::*;
 use bytes::Bytes;
 use tokio::sync::oneshot;
 
-/// Rank `rank` joins the job, reachable for ring traffic at `data_endpoint`.
-#[derive(Message, Debug)]
-#[rtype(result = "Result<Vec<String>, String>")]
-pub struct Join {
-    /// The joining rank.
-    pub rank: usize,
-    /// The world size the rank was configured with.
-    pub world_size: usize,
-    /// Its data-plane listener, `ip:port`.
-    pub data_endpoint: String,
-}
-
-/// Rank `rank` waits until every rank has reached barrier `name`.
-#[derive(Message, Debug)]
-#[rtype(result = "Result<(), String>")]
-pub struct Barrier {
-    /// The waiting rank.
-    pub rank: usize,
-    /// The barrier's name; the same name must be used by all ranks.
-    pub name: String,
-}
-
-/// Rank `rank` hands `part` to rank 0 at gather `name` and waits until every rank has
-/// handed its own. Every rank is answered with every rank's part, by rank (shared, not
-/// copied); the buses hand the parts to rank 0 alone and their lengths to every rank.
-#[derive(Message, Debug)]
-#[rtype(result = "Result<Vec<Bytes>, String>")]
-pub struct Gather {
-    /// The arriving rank.
-    pub rank: usize,
-    /// The gather's name; the same name must be used by all ranks.
-    pub name: String,
-    /// What this rank hands rank 0 (empty when it has nothing to add).
-    pub part: Bytes,
-}
-
-/// Rank `rank` is alive. Answered with the reason once the job is aborted.
-#[derive(Message, Debug)]
-#[rtype(result = "Result<(), String>")]
-pub struct Heartbeat {
-    /// The living rank.
-    pub rank: usize,
-}
-
-/// Rank `rank` has finished: its silence from now on is not a death.
-#[derive(Message, Debug)]
-#[rtype(result = "()")]
-pub struct Leave {
-    /// The leaving rank.
-    pub rank: usize,
-}
-
-/// Rank `rank`'s heartbeat connection broke before it left: its process is gone.
-#[derive(Message, Debug)]
-#[rtype(result = "()")]
-pub struct ConnectionLost {
-    /// The lost rank.
-    pub rank: usize,
-}
+use crate::net::protocol::{Barrier, ConnectionLost, Gather, Heartbeat, Join, Leave};
 
 type Waiter<T> = oneshot::Sender<Result<T, String>>;
 /// A rank waiting at a barrier or gather: its part (empty at a barrier), and where its answer goes.

@@ -9,6 +9,7 @@ pub mod device;
 mod divergence;
 pub mod ps_trainer;
 pub mod pserver;
+pub mod recovery;
 pub mod stage;
 pub mod trainer;
 

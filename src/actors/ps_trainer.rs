@@ -12,11 +12,11 @@ use anyhow::{Context as _, Result};
 
 use super::device::{DeviceActor, FlushCtr, PlanCtr, PredictCtr, PrepareCtr, TrainCtr};
 use super::divergence::check_loss;
+use super::recovery::Recovery;
 use super::LOSSES_RESERVED;
 use crate::checkpoint::CheckpointStore;
 use crate::config::{JobConfig, PsMode};
 use crate::data::ctr::{CtrLoader, CtrSource};
-use crate::job::Recovery;
 use crate::metrics::auc;
 use crate::ps::client::PsClient;
 use crate::ps::snapshot::shard_file_name;

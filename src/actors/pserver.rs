@@ -19,10 +19,7 @@ use crate::ps::wire::{PullRequest, PulledRows, Reply, Request};
 use crate::ps::Shard;
 use crate::telemetry::timeline::{Span, Timeline};
 
-/// A request from a trainer; every request gets an answer, a refusal carrying the reason.
-#[derive(Message)]
-#[rtype(result = "Result<Reply>")]
-pub struct ShardCall(pub Request);
+use crate::ps::wire::ShardCall;
 
 /// Hands over the shard's timeline spans recorded so far (none unless tracing).
 #[derive(Message)]

@@ -18,10 +18,10 @@ use super::device::{
     SaveCheckpoint, StageLinks, TakeSpans,
 };
 use super::divergence::check_loss;
+use super::recovery::Recovery;
 use crate::config::JobConfig;
 use crate::data::{Dataset, ShardedLoader};
 use crate::engines::comm::Communicator;
-use crate::job::Recovery;
 use crate::net::frame::{encode_with, Frame};
 use crate::net::ControlBus;
 use crate::telemetry::monitor::{Monitor, MonitorSettings, StepSample};

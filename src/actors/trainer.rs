@@ -15,11 +15,11 @@ use super::device::{
     SaveCheckpoint, TakeSpans, TrainStep,
 };
 use super::divergence::check_loss;
+use super::recovery::Recovery;
 use super::LOSSES_RESERVED;
 use crate::collective::ParamChecksum;
 use crate::config::JobConfig;
 use crate::data::{Dataset, ShardedLoader};
-use crate::job::Recovery;
 use crate::net::ControlBus;
 use crate::telemetry::monitor::{Monitor, MonitorSettings, StepSample};
 use crate::telemetry::timeline::TraceTarget;

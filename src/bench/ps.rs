@@ -142,7 +142,7 @@ pub fn run_shard(args: &PsBenchShardArgs) -> Result<()> {
             PServer::new(shard, all_left, Duration::from_secs(60))
         });
         let open = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
-        actix::spawn(serve_shard(listener, actor, 1 << 30, open, credentials));
+        actix::spawn(serve_shard(listener, actor.recipient(), 1 << 30, open, credentials));
         let _ = done.await;
         // Let the answer to the client's leave go out.
         tokio::time::sleep(Duration::from_millis(100)).await;

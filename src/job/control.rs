@@ -49,7 +49,7 @@ pub(super) async fn host_coordinator(
         .start();
     actix::spawn(server::serve(
         control,
-        coordinator,
+        coordinator.into(),
         max_frame_bytes,
         credentials.clone(),
     ));

@@ -10,16 +10,15 @@ mod outputs;
 mod pipeline;
 mod process;
 pub mod ps;
-mod recovery;
 mod resumed;
 pub mod run_dir;
 mod simulated;
 mod stage_rings;
 
+pub(crate) use crate::actors::recovery::Recovery;
+pub use crate::actors::recovery::{Refusal, Resume, REFUSAL_EXIT_CODE, RESUME_VAR};
 pub use control::connect_control;
 pub use outputs::{RunOutcome, Summary, CONFIG_FILE};
-pub(crate) use recovery::Recovery;
-pub use recovery::{Refusal, Resume, REFUSAL_EXIT_CODE, RESUME_VAR};
 pub use resumed::{resumed_config, SAFE_TO_CHANGE};
 
 use std::path::PathBuf;

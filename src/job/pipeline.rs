@@ -30,7 +30,7 @@ pub(super) fn run(job: &TrainingJob, options: &RunOptions) -> Result<RunOutcome>
         config.strategy.hybrid_configs.pp_degree,
     );
     let timeout = config.fault_tolerance.timeout();
-    let recovery = Recovery::plan(&config, options)?;
+    let recovery = Recovery::plan(&config, &options.run_dir, &options.resume)?;
     let outcomes = System::new().block_on(async move {
         // For the checkpoint protocol's gathers.
         let coordinator = Coordinator::new(d * p, timeout).start();
@@ -57,7 +57,7 @@ pub(super) fn run(job: &TrainingJob, options: &RunOptions) -> Result<RunOutcome>
             .collect();
         let runs = (0..d * p).map(|rank| {
             let (link, data_parallel) = (stage_links[rank].take(), rings[rank % p][rank / p].take());
-            let bus = ControlBus::InMemory(coordinator.clone());
+            let bus = ControlBus::InMemory(coordinator.clone().into());
             let recovery = recovery.clone();
             let trace = trace.clone();
             async move {
@@ -88,7 +88,7 @@ pub(super) fn run_rank(job: &TrainingJob, rank: usize, options: &RunOptions) -> 
         data_endpoint,
         credentials,
     } = bind(&config, rank)?;
-    let recovery = Recovery::plan(&config, options)?;
+    let recovery = Recovery::plan(&config, &options.run_dir, &options.resume)?;
     System::new().block_on(async move {
         let mut bus = connect_control(rank, world, &master, &config.fault_tolerance, max_frame, &credentials).await?;
         let roster = bus.join(rank, world, data_endpoint).await?;

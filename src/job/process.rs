@@ -59,7 +59,7 @@ pub(super) fn bind(config: &JobConfig, rank: usize) -> Result<RankEndpoints> {
 
 pub(super) fn run(job: &TrainingJob, rank: usize, options: &RunOptions) -> Result<Option<RunOutcome>> {
     let config = job.config.clone();
-    let recovery = Recovery::plan(&config, options)?;
+    let recovery = Recovery::plan(&config, &options.run_dir, &options.resume)?;
     let world = config.world_size();
     let timeout = config.fault_tolerance.timeout();
     let max_frame = config.cluster.max_frame_bytes();

@@ -158,7 +158,7 @@ impl ParameterServerJob {
         let config = self.config.clone();
         let (servers, world) = (config.cluster.server_num, config.world_size());
         let (timeout, retry) = (config.fault_tolerance.timeout(), config.fault_tolerance.retry);
-        let recovery = Recovery::plan(&config, options)?;
+        let recovery = Recovery::plan(&config, &options.run_dir, &options.resume)?;
         let trace = options.trace_target();
         let outcomes = System::new().block_on(async move {
             let shards = (0..servers)
@@ -172,7 +172,10 @@ impl ParameterServerJob {
                 })
                 .collect::<Result<Vec<_>>>()?;
             let runs = (0..world).map(|rank| {
-                let links = shards.iter().cloned().map(ShardLink::Local).collect();
+                let links = shards
+                    .iter()
+                    .map(|shard| ShardLink::Local(shard.clone().recipient()))
+                    .collect();
                 let client = PsClient::new(links, retry, timeout);
                 let trace = trace.clone().map(|t| (t, 0.0));
                 let trainer = self.trainer(rank, client, options, trace, recovery.clone());
@@ -213,7 +216,11 @@ impl ParameterServerJob {
         let listener = TcpListener::bind(&endpoint)
             .with_context(|| format!("parameter server {index}: cannot listen on {endpoint}"))?;
         listener.set_nonblocking(true)?;
-        let shard = start_shard(&config, index, &Recovery::plan(&config, options)?)?;
+        let shard = start_shard(
+            &config,
+            index,
+            &Recovery::plan(&config, &options.run_dir, &options.resume)?,
+        )?;
         let timeout = config.fault_tolerance.timeout();
         let credentials = Credentials::new(config.cluster.cluster_token()?, timeout);
         tracing::info!(
@@ -255,7 +262,7 @@ impl ParameterServerJob {
             let open = Arc::new(AtomicUsize::new(0));
             actix::spawn(serve_shard(
                 listener,
-                actor.clone(),
+                actor.clone().recipient(),
                 config.cluster.max_frame_bytes(),
                 open.clone(),
                 credentials,
@@ -318,7 +325,7 @@ impl ParameterServerJob {
             .map(|endpoint| ShardLink::remote(endpoint.clone(), max_frame, credentials.clone()))
             .collect();
         let client = PsClient::new(links, config.fault_tolerance.retry, config.fault_tolerance.timeout());
-        let recovery = Recovery::plan(&config, options)?;
+        let recovery = Recovery::plan(&config, &options.run_dir, &options.resume)?;
         let heartbeats = self.heartbeat_line(config.cluster.server_num + rank)?;
         let outcome = System::new().block_on(async move {
             let trace = match (options.trace_target(), &heartbeats) {

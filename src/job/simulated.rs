@@ -13,7 +13,7 @@ use crate::net::ControlBus;
 
 pub(super) fn run(job: &TrainingJob, options: &RunOptions) -> Result<RunOutcome> {
     let world = job.config.world_size();
-    let recovery = Recovery::plan(&job.config, options)?;
+    let recovery = Recovery::plan(&job.config, &options.run_dir, &options.resume)?;
     let timeout = job.config.fault_tolerance.timeout();
     let outcomes = System::new().block_on(async move {
         let coordinator = Coordinator::new(world, timeout).start();
@@ -26,7 +26,7 @@ pub(super) fn run(job: &TrainingJob, options: &RunOptions) -> Result<RunOutcome>
             .into_iter()
             .enumerate()
             .map(|(rank, link)| {
-                let bus = ControlBus::InMemory(coordinator.clone());
+                let bus = ControlBus::InMemory(coordinator.clone().into());
                 let trainer = job.trainer(rank, bus, link, format!("memory:{rank}"), options, recovery.clone());
                 let run = trainer.start().send(Train);
                 async move {

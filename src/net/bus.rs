@@ -3,7 +3,6 @@
 
 use std::time::{Duration, Instant};
 
-use actix::Addr;
 use anyhow::{anyhow, bail, ensure, Context, Result};
 use bytes::Bytes;
 use futures::{SinkExt, StreamExt};
@@ -12,7 +11,7 @@ use tokio_util::codec::{Framed, LengthDelimitedCodec};
 
 use super::auth::{self, Credentials};
 use super::frame::{codec, ControlMessage, Frame};
-use crate::actors::coordinator::{Barrier, Coordinator, Gather, Join};
+use super::protocol::{Barrier, CoordinatorLine, Gather, Join};
 use crate::telemetry::clock::{self, ClockSample};
 
 /// Room for a gather answer's header beside its name and lengths.
@@ -24,7 +23,7 @@ const CLOCK_PROBES: usize = 8;
 /// A role's line to the coordinator.
 pub enum ControlBus {
     /// Same process: actor messages.
-    InMemory(Addr<Coordinator>),
+    InMemory(CoordinatorLine),
     /// Another process: frames over TCP.
     Tcp {
         /// The framed connection.
@@ -75,6 +74,7 @@ impl ControlBus {
     pub async fn join(&mut self, rank: usize, world_size: usize, data_endpoint: String) -> Result<Vec<String>> {
         match self {
             Self::InMemory(coordinator) => coordinator
+                .join
                 .send(Join {
                     rank,
                     world_size,
@@ -102,6 +102,7 @@ impl ControlBus {
     pub async fn barrier(&mut self, rank: usize, name: &str) -> Result<()> {
         match self {
             Self::InMemory(coordinator) => coordinator
+                .barrier
                 .send(Barrier {
                     rank,
                     name: name.to_string(),
@@ -130,6 +131,7 @@ impl ControlBus {
     pub async fn gather(&mut self, rank: usize, name: &str, part: Bytes) -> Result<Vec<Bytes>> {
         match self {
             Self::InMemory(coordinator) => coordinator
+                .gather
                 .send(Gather {
                     rank,
                     name: name.to_string(),

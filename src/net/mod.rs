@@ -3,6 +3,8 @@
 //! - [`frame`]: a frame is a postcard-encoded [`ControlMessage`] header
 //!   followed by raw little-endian tensor bytes, inside a length-delimited
 //!   TCP frame whose size is capped.
+//! - [`protocol`]: the coordinator's protocol as actor messages, and the
+//!   [`CoordinatorLine`] the transports deliver them through.
 //! - [`bus`]: the one interface roles talk to the coordinator through, in
 //!   memory (actor messages) or over TCP (frames).
 //! - [`server`]: the coordinator's TCP endpoint, turning frames into actor
@@ -15,8 +17,10 @@
 pub mod auth;
 pub mod bus;
 pub mod frame;
+pub mod protocol;
 pub mod ps_server;
 pub mod server;
 
 pub use bus::ControlBus;
 pub use frame::{ControlMessage, Frame};
+pub use protocol::CoordinatorLine;

@@ -5,14 +5,14 @@
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
-use actix::Addr;
+use actix::Recipient;
 use futures::{SinkExt, StreamExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio_util::codec::Framed;
 
 use super::auth::{self, Credentials};
 use super::frame::codec;
-use crate::actors::pserver::{PServer, ShardCall};
+use crate::ps::wire::ShardCall;
 use crate::ps::wire::{decode_request, encode_reply};
 
 /// Accepts trainer connections until the actor system stops; `open` counts the connections
@@ -20,7 +20,7 @@ use crate::ps::wire::{decode_request, encode_reply};
 /// that fails the cluster-token handshake is dropped before any frame is read.
 pub async fn serve_shard(
     listener: TcpListener,
-    shard: Addr<PServer>,
+    shard: Recipient<ShardCall>,
     max_frame_bytes: usize,
     open: Arc<AtomicUsize>,
     credentials: Credentials,
@@ -48,7 +48,11 @@ pub async fn serve_shard(
     }
 }
 
-async fn handle_connection(stream: TcpStream, shard: Addr<PServer>, max_frame_bytes: usize) -> Result<(), String> {
+async fn handle_connection(
+    stream: TcpStream,
+    shard: Recipient<ShardCall>,
+    max_frame_bytes: usize,
+) -> Result<(), String> {
     stream.set_nodelay(true).map_err(|e| e.to_string())?;
     let mut framed = Framed::new(stream, codec(max_frame_bytes));
     while let Some(body) = framed.next().await {

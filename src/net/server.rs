@@ -6,7 +6,7 @@
 //! first it names: a message for another rank closes it, so no process can send heartbeats, a
 //! leave or a barrier arrival in another rank's name.
 
-use actix::{Addr, MailboxError};
+use actix::MailboxError;
 use bytes::Bytes;
 use futures::{SinkExt, StreamExt};
 use tokio::net::{TcpListener, TcpStream};
@@ -14,13 +14,13 @@ use tokio_util::codec::{Framed, LengthDelimitedCodec};
 
 use super::auth::{self, Credentials};
 use super::frame::{codec, encode_with, ControlMessage, Frame};
-use crate::actors::coordinator::{Barrier, ConnectionLost, Coordinator, Gather, Heartbeat, Join, Leave};
+use super::protocol::{Barrier, ConnectionLost, CoordinatorLine, Gather, Heartbeat, Join, Leave};
 
 /// Accepts control connections until the actor system stops; a connection that fails the
 /// cluster-token handshake is dropped before any frame is read.
 pub async fn serve(
     listener: TcpListener,
-    coordinator: Addr<Coordinator>,
+    coordinator: CoordinatorLine,
     max_frame_bytes: usize,
     credentials: Credentials,
 ) {
@@ -46,7 +46,7 @@ pub async fn serve(
 
 async fn handle_connection(
     stream: TcpStream,
-    coordinator: Addr<Coordinator>,
+    coordinator: CoordinatorLine,
     max_frame_bytes: usize,
 ) -> Result<(), String> {
     stream.set_nodelay(true).map_err(|e| e.to_string())?;
@@ -64,14 +64,14 @@ async fn handle_connection(
     )
     .await;
     if let Some(rank) = heartbeats_of {
-        coordinator.do_send(ConnectionLost { rank });
+        coordinator.connection_lost.do_send(ConnectionLost { rank });
     }
     served
 }
 
 async fn serve_frames(
     framed: &mut Framed<TcpStream, LengthDelimitedCodec>,
-    coordinator: &Addr<Coordinator>,
+    coordinator: &CoordinatorLine,
     max_frame_bytes: usize,
     heartbeats_of: &mut Option<usize>,
     speaks_for: &mut Option<usize>,
@@ -93,6 +93,7 @@ async fn serve_frames(
                 data_endpoint,
             } => answered(
                 coordinator
+                    .join
                     .send(Join {
                         rank,
                         world_size,
@@ -103,6 +104,7 @@ async fn serve_frames(
             .map(|endpoints| (ControlMessage::Roster { endpoints }, Vec::new())),
             ControlMessage::Barrier { rank, name } => answered(
                 coordinator
+                    .barrier
                     .send(Barrier {
                         rank,
                         name: name.clone(),
@@ -112,6 +114,7 @@ async fn serve_frames(
             .map(|()| (ControlMessage::Released { name }, Vec::new())),
             ControlMessage::Gather { rank, name } => answered(
                 coordinator
+                    .gather
                     .send(Gather {
                         rank,
                         name: name.clone(),
@@ -126,11 +129,13 @@ async fn serve_frames(
             }),
             ControlMessage::Heartbeat { rank } => {
                 *heartbeats_of = Some(rank);
-                answered(coordinator.send(Heartbeat { rank }).await).map(|()| (ControlMessage::Alive, Vec::new()))
+                answered(coordinator.heartbeat.send(Heartbeat { rank }).await)
+                    .map(|()| (ControlMessage::Alive, Vec::new()))
             }
             ControlMessage::Leave { rank } => {
                 *heartbeats_of = None;
                 coordinator
+                    .leave
                     .send(Leave { rank })
                     .await
                     .map_err(|e| format!("coordinator unavailable: {e}"))?;

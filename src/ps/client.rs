@@ -8,7 +8,7 @@
 
 use std::time::Duration;
 
-use actix::Addr;
+use actix::Recipient;
 use anyhow::{anyhow, bail, Context as _, Result};
 use bytes::Bytes;
 use futures::{SinkExt, StreamExt};
@@ -17,8 +17,8 @@ use tokio::net::TcpStream;
 use crate::net::auth::{self, Credentials};
 use tokio_util::codec::{Framed, LengthDelimitedCodec};
 
+use super::wire::ShardCall;
 use super::wire::{decode_reply, encode_request, Reply, Request};
-use crate::actors::pserver::{PServer, ShardCall};
 use crate::net::frame::codec;
 
 /// `backoff` scaled by a random factor in [0.5, 1): trainers that failed together (a shard
@@ -44,7 +44,7 @@ const SHARD_ANSWER_GRACE: Duration = Duration::from_secs(2);
 /// How a trainer reaches one shard.
 pub enum ShardLink {
     /// The shard actor of this process.
-    Local(Addr<PServer>),
+    Local(Recipient<ShardCall>),
     /// A shard process.
     Remote(Box<RemoteShard>),
 }

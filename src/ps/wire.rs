@@ -108,6 +108,12 @@ pub struct TableStats {
     pub bytes: u64,
 }
 
+/// A request from a trainer to a shard in its process (or from the shard's TCP endpoint, for a
+/// trainer elsewhere); every request gets an answer, a refusal carrying the reason.
+#[derive(actix::Message)]
+#[rtype(result = "Result<Reply>")]
+pub struct ShardCall(pub Request);
+
 /// A shard's answer.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Reply {

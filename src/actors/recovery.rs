@@ -1,12 +1,11 @@
 //! Where a run starts and where it saves: step 0 or a committed checkpoint, and the
 //! checkpoint directory the run writes to.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use anyhow::{anyhow, ensure, Result};
 
-use super::RunOptions;
 use crate::checkpoint::{Checkpoint, CheckpointStore};
 use crate::config::JobConfig;
 
@@ -70,13 +69,13 @@ pub(crate) struct Recovery {
 }
 
 impl Recovery {
-    /// The recovery of `config` started as `options.resume` says; checkpoints go to
-    /// `fault_tolerance.checkpoint_dir`, by default inside the run directory.
-    pub(crate) fn plan(config: &JobConfig, options: &RunOptions) -> Result<Self> {
-        let (ft, resume) = (&config.fault_tolerance, &options.resume);
+    /// The recovery of `config` started as `resume` says; checkpoints go to
+    /// `fault_tolerance.checkpoint_dir`, by default inside `run_dir`.
+    pub(crate) fn plan(config: &JobConfig, run_dir: &Path, resume: &Resume) -> Result<Self> {
+        let ft = &config.fault_tolerance;
         let root = match resume {
             Resume::From(dir) => dir.clone(),
-            Resume::Fresh | Resume::IfAny => ft.checkpoint_dir_of(&options.run_dir),
+            Resume::Fresh | Resume::IfAny => ft.checkpoint_dir_of(run_dir),
         };
         let store = CheckpointStore::new(&root, ft.keep_checkpoints);
         let start = match resume {
