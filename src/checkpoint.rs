@@ -211,7 +211,7 @@ impl CheckpointStore {
     }
 
     /// Step `step`'s checkpoint, if its manifest is there and every file matches it.
-    fn verify(&self, step: usize) -> Result<Checkpoint> {
+    pub fn verify(&self, step: usize) -> Result<Checkpoint> {
         let dir = self.step_dir(step);
         let manifest_path = dir.join(MANIFEST);
         let text = match fs::read(&manifest_path) {

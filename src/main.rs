@@ -100,6 +100,8 @@ enum Role {
     Trainer,
     /// A parameter-server shard.
     Pserver,
+    /// The coordinator of a collective data-parallel job, as a process of its own.
+    Coordinator,
 }
 
 #[derive(clap::Args)]
@@ -221,11 +223,23 @@ fn run(cli: Cli) -> Result<()> {
         Command::Run { role, train: args } => run_role(role, &args),
         Command::Launch(args) => {
             let exe = std::env::current_exe().context("locating the flotilla binary")?;
-            launch(args.plan(exe)?, &args.command, args.max_restarts)
+            let train = launched_train(&args.command)?;
+            let children = args.plan(exe.clone(), false)?;
+            let config = launched_config(train.as_ref(), &children)?;
+            // The job's own config says whether the coordinator runs apart and ranks recover
+            // in place; the plan is then made again with it.
+            let children = match &config {
+                Some(config) if config.recovers_in_place() => args.plan(exe, true)?,
+                _ => children,
+            };
+            launch(children, train, config, args.max_restarts)
         }
         Command::LaunchPs(args) => {
             let exe = std::env::current_exe().context("locating the flotilla binary")?;
-            launch(args.plan(exe)?, &args.command, args.max_restarts)
+            let train = launched_train(&args.command)?;
+            let children = args.plan(exe)?;
+            let config = launched_config(train.as_ref(), &children)?;
+            launch(children, train, config, args.max_restarts)
         }
         Command::Data(DataCommand::CriteoSynthetic {
             samples,
@@ -300,9 +314,17 @@ struct LaunchedTrain {
 /// reporting rank's metrics) and every restart of the job then agree on it. A run directory
 /// the command names is checked here, once, as `train` checks it: the processes (and their
 /// restarts) then share it.
-fn launch(mut children: Vec<ChildSpec>, command: &[String], restarts_flag: Option<usize>) -> Result<()> {
-    let train = launched_train(command)?;
-    let restarts = max_restarts(restarts_flag, train.as_ref(), &children)?;
+fn launch(
+    mut children: Vec<ChildSpec>,
+    train: Option<TrainArgs>,
+    config: Option<JobConfig>,
+    restarts_flag: Option<usize>,
+) -> Result<()> {
+    // `--max_restarts`, else the job's `fault_tolerance.max_restarts`; none for a program of
+    // the user's own.
+    let restarts = restarts_flag
+        .or(config.map(|c| c.fault_tolerance.max_restarts))
+        .unwrap_or(0);
     match &train {
         Some(args) if args.resume.is_some() => {}
         Some(TrainArgs {
@@ -335,15 +357,11 @@ fn launched_train(command: &[String]) -> Result<Option<TrainArgs>> {
     }
 }
 
-/// Restarts a launcher allows: `--max_restarts`, else `fault_tolerance.max_restarts` of the job
-/// when the processes run flotilla's trainer (the config read as a trainer process will read
-/// it, so a bad one fails here, before anything starts), else none.
-fn max_restarts(flag: Option<usize>, train: Option<&TrainArgs>, children: &[ChildSpec]) -> Result<usize> {
-    if let Some(restarts) = flag {
-        return Ok(restarts);
-    }
+/// The job a launcher's processes run, when they run flotilla's trainer: its config read as a
+/// trainer process will read it, so a bad one fails here, before anything starts.
+fn launched_config(train: Option<&TrainArgs>, children: &[ChildSpec]) -> Result<Option<JobConfig>> {
     let (Some(args), Some(trainer)) = (train, children.last()) else {
-        return Ok(0);
+        return Ok(None);
     };
     let env = |key: &str| {
         trainer
@@ -353,7 +371,7 @@ fn max_restarts(flag: Option<usize>, train: Option<&TrainArgs>, children: &[Chil
             .map(|(_, v)| v.clone())
             .or_else(|| process_env(key))
     };
-    Ok(load_train_config(args, &env)?.fault_tolerance.max_restarts)
+    load_train_config(args, &env).map(Some)
 }
 
 /// One role of a launched job; the environment (set by the launcher) says which rank or shard.
@@ -361,6 +379,7 @@ fn run_role(role: Role, args: &TrainArgs) -> Result<()> {
     let config = load_train_config(args, &process_env)?;
     let options = run_options(args, &config)?;
     match (role, config.cluster.is_parameter_server()) {
+        (Role::Coordinator, _) => flotilla::job::run_coordinator(&config, &options),
         (Role::Pserver, true) => {
             let job = ParameterServerJob::builtin(config)?;
             job.run_server(flotilla::job::ps::shard_index_from_env(&job.config)?, &options)

@@ -1,13 +1,18 @@
-//! The coordinator: hands out the roster of data endpoints once every rank
-//! has joined, and releases barriers — gathers too, which are barriers where
-//! each rank hands rank 0 a part (a launched pipeline's stage outcomes). All
-//! wait at most the job's timeout; on expiry every waiting rank gets an
-//! error naming the ranks that never arrived, never a silent hang.
+//! The coordinator: hands out the roster of data endpoints once every rank has joined, releases
+//! barriers — gathers too, which are barriers where each rank hands rank 0 a part (a launched
+//! pipeline's stage outcomes) — and commits checkpoints once every rank has acknowledged its
+//! files. All wait at most the job's timeout; on expiry every waiting rank gets an error naming
+//! the ranks that never arrived, never a silent hang.
 //!
 //! It also watches the ranks' heartbeats: a rank silent for longer than the heartbeat deadline,
-//! or whose heartbeat connection breaks before it said goodbye, is declared dead, and from then
-//! on every waiting rank and every heartbeat is answered with the reason, so every process of
-//! the job stops (and its launcher restarts them from the last checkpoint).
+//! whose heartbeat line breaks before it said goodbye, or that joins again as a new process, is
+//! declared dead. Then, by default, the job stops: every waiting rank and every heartbeat is
+//! answered with the reason (and a launcher restarts the whole job from the last checkpoint).
+//! A coordinator that recovers in place instead starts a new *generation*: the survivors are
+//! told (at their next heartbeat, and at once if they wait here) to leave what they are blocked
+//! in and join again; the replacement of the lost rank joins too; once all have, every rank
+//! gets the new roster and the step of the newest checkpoint this coordinator committed, and
+//! training goes on from there.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::time::{Duration, Instant};
@@ -16,28 +21,51 @@ use actix::prelude::*;
 use bytes::Bytes;
 use tokio::sync::oneshot;
 
-use crate::net::protocol::{Barrier, ConnectionLost, Gather, Heartbeat, Join, Leave};
+use crate::checkpoint::{CheckpointStore, FileRecord};
+use crate::net::protocol::{Acknowledge, Barrier, Beat, ConnectionLost, Gather, Heartbeat, Join, Leave, Roster};
 
 type Waiter<T> = oneshot::Sender<Result<T, String>>;
 /// A rank waiting at a barrier or gather: its part (empty at a barrier), and where its answer goes.
 type Arrival = (Bytes, Waiter<Vec<Bytes>>);
 
-/// Rendezvous and barriers for one job.
+/// The ranks waiting at one barrier, gather or checkpoint acknowledgement.
+#[derive(Default)]
+struct Waiting {
+    arrivals: BTreeMap<usize, Arrival>,
+    /// The step whose checkpoint is committed once all have arrived (an acknowledgement).
+    commits: Option<usize>,
+}
+
+/// Rendezvous, barriers, checkpoint commits and failure handling for one job.
 pub struct Coordinator {
     world_size: usize,
     timeout: Duration,
-    joined: BTreeMap<usize, (String, Waiter<Vec<String>>)>,
-    roster: Option<Vec<String>>,
+    /// The generation forming or running: 0 at the start, one more after every rollback.
+    generation: u64,
+    /// Ranks that joined the forming generation: their endpoints, and where their roster goes.
+    joining: BTreeMap<usize, (String, Waiter<Roster>)>,
+    /// The generation each rank of the job last joined.
+    members: HashMap<usize, u64>,
     /// Ranks waiting at each barrier or gather.
-    barriers: HashMap<String, BTreeMap<usize, Arrival>>,
+    barriers: HashMap<String, Waiting>,
     /// How long a rank may go without a heartbeat; `None` when ranks share this process.
     heartbeat_deadline: Option<Duration>,
-    /// When each rank that heartbeats was last heard from.
-    last_heard: HashMap<usize, Instant>,
+    /// When each rank that heartbeats was last heard from, and on which line.
+    last_heard: HashMap<usize, (Instant, u64)>,
     /// Ranks that finished and stopped heartbeating.
     left: HashSet<usize>,
-    /// Why the job was aborted, once a rank was declared dead.
-    aborted: Option<String>,
+    /// Why the job was stopped, once it was.
+    stopped: Option<String>,
+    /// Why the running generation was rolled back (told to the ranks still in an older one).
+    rolled_back: String,
+    /// Whether a lost rank is replaced in place (else the job stops).
+    in_place: bool,
+    /// Where checkpoints are committed; `None` when the job takes none.
+    checkpoints: Option<CheckpointStore>,
+    /// The newest checkpoint committed (or the one the run started from).
+    committed: Option<usize>,
+    /// Told once every rank has left.
+    finished: Option<oneshot::Sender<()>>,
     /// What to call each rank in messages (`rank N` when not given).
     names: Vec<String>,
 }
@@ -49,13 +77,19 @@ impl Coordinator {
         Self {
             world_size,
             timeout,
-            joined: BTreeMap::new(),
-            roster: None,
+            generation: 0,
+            joining: BTreeMap::new(),
+            members: HashMap::new(),
             barriers: HashMap::new(),
             heartbeat_deadline: None,
             last_heard: HashMap::new(),
             left: HashSet::new(),
-            aborted: None,
+            stopped: None,
+            rolled_back: String::new(),
+            in_place: false,
+            checkpoints: None,
+            committed: None,
+            finished: None,
             names: Vec::new(),
         }
     }
@@ -66,10 +100,6 @@ impl Coordinator {
         self
     }
 
-    fn name(&self, rank: usize) -> String {
-        self.names.get(rank).cloned().unwrap_or_else(|| format!("rank {rank}"))
-    }
-
     /// Declares a rank dead once it has been silent for `deadline` since its last heartbeat
     /// (ranks are watched from their first heartbeat on).
     pub fn with_heartbeat_deadline(mut self, deadline: Duration) -> Self {
@@ -77,22 +107,81 @@ impl Coordinator {
         self
     }
 
-    /// Declares `rank` dead for `why`: the job is aborted, and every rank waiting here is told.
-    fn declare_dead(&mut self, rank: usize, why: &str) {
-        if self.aborted.is_some() || self.left.contains(&rank) {
-            return;
-        }
-        let reason = format!("{} declared dead: {why}; the job is stopped", self.name(rank));
-        tracing::error!("{reason}");
+    /// Commits the checkpoints the ranks acknowledge into `store`; training started from the
+    /// checkpoint of step `start` (if any).
+    pub fn with_checkpoints(mut self, store: Option<CheckpointStore>, start: Option<usize>) -> Self {
+        self.checkpoints = store;
+        self.committed = start;
+        self
+    }
+
+    /// Replaces a lost rank in place: the survivors roll back to the newest committed
+    /// checkpoint and go on with the lost rank's replacement, instead of stopping.
+    pub fn recovering_in_place(mut self) -> Self {
+        self.in_place = true;
+        self
+    }
+
+    /// Fires `done` once every rank has left (a coordinator of its own process then ends).
+    pub fn with_finish(mut self, done: oneshot::Sender<()>) -> Self {
+        self.finished = Some(done);
+        self
+    }
+
+    fn name(&self, rank: usize) -> String {
+        self.names.get(rank).cloned().unwrap_or_else(|| format!("rank {rank}"))
+    }
+
+    /// Answers every rank waiting at a barrier with `reason`.
+    fn fail_barriers(&mut self, reason: &str) {
         for (_, waiting) in self.barriers.drain() {
-            for (_, (_, waiter)) in waiting {
-                let _ = waiter.send(Err(reason.clone()));
+            for (_, (_, waiter)) in waiting.arrivals {
+                let _ = waiter.send(Err(reason.to_string()));
             }
         }
-        for (_, (_, waiter)) in std::mem::take(&mut self.joined) {
+    }
+
+    /// Declares `rank` dead for `why`: the job stops, or (in place) rolls back to a new
+    /// generation; every rank waiting here is told at once.
+    fn declare_dead(&mut self, rank: usize, why: &str) {
+        if self.stopped.is_some() || self.left.contains(&rank) {
+            return;
+        }
+        // Once a rank has left, training is over: there is nothing to roll back to.
+        if !self.in_place || !self.left.is_empty() {
+            let reason = format!("{} declared dead: {why}; the job is stopped", self.name(rank));
+            tracing::error!("{reason}");
+            self.fail_barriers(&reason);
+            for (_, (_, waiter)) in std::mem::take(&mut self.joining) {
+                let _ = waiter.send(Err(reason.clone()));
+            }
+            self.stopped = Some(reason);
+            return;
+        }
+        self.generation += 1;
+        let resume = match self.committed {
+            Some(step) => format!("the checkpoint of step {step}"),
+            None => "step 0".to_string(),
+        };
+        let reason = format!(
+            "{} declared dead: {why}; generation {} resumes from {resume} once its replacement joins",
+            self.name(rank),
+            self.generation
+        );
+        tracing::warn!("{reason}");
+        self.fail_barriers(&reason);
+        // Its replacement is a new member; the ranks already joining wait on for the new roster.
+        self.members.remove(&rank);
+        self.last_heard.remove(&rank);
+        if let Some((_, waiter)) = self.joining.remove(&rank) {
             let _ = waiter.send(Err(reason.clone()));
         }
-        self.aborted = Some(reason);
+        self.rolled_back = reason;
+    }
+
+    /// Whether `rank` is a member of a generation older than the one forming or running.
+    fn behind(&self, rank: usize) -> bool {
+        self.members.get(&rank).is_some_and(|&joined| joined < self.generation)
     }
 
     /// Declares dead every watched rank silent for longer than the deadline.
@@ -104,7 +193,7 @@ impl Coordinator {
             .last_heard
             .iter()
             .filter(|(rank, _)| !self.left.contains(rank))
-            .map(|(&rank, heard)| (rank, heard.elapsed()))
+            .map(|(&rank, (heard, _))| (rank, heard.elapsed()))
             .filter(|(_, silence)| *silence > deadline)
             .collect();
         for (rank, silence) in silent {
@@ -133,17 +222,23 @@ impl Coordinator {
 
     /// `rank` arrives at barrier `name` with `part`: the answer comes once every rank has
     /// arrived (rank 0 gets all parts, by rank), or with an error naming the missing ranks
-    /// once the timeout has passed since the first arrival.
+    /// once the timeout has passed since the first arrival. An acknowledgement (`commits`)
+    /// is answered once the checkpoint is committed.
     fn arrive(
         &mut self,
         rank: usize,
         name: String,
         part: Bytes,
+        commits: Option<usize>,
         ctx: &mut Context<Self>,
     ) -> oneshot::Receiver<Result<Vec<Bytes>, String>> {
         let (tx, rx) = oneshot::channel();
-        if let Some(reason) = &self.aborted {
+        if let Some(reason) = &self.stopped {
             let _ = tx.send(Err(reason.clone()));
+            return rx;
+        }
+        if self.behind(rank) {
+            let _ = tx.send(Err(self.rolled_back.clone()));
             return rx;
         }
         if rank >= self.world_size {
@@ -151,7 +246,8 @@ impl Coordinator {
             return rx;
         }
         let waiting = self.barriers.entry(name.clone()).or_default();
-        if waiting.is_empty() {
+        waiting.commits = commits;
+        if waiting.arrivals.is_empty() {
             let name = name.clone();
             ctx.run_later(self.timeout, move |coordinator, _| {
                 let Some(waiting) = coordinator.barriers.remove(&name) else {
@@ -160,23 +256,44 @@ impl Coordinator {
                 let reason = format!(
                     "barrier {name:?} timed out after {:.1}s: {} never arrived",
                     coordinator.timeout.as_secs_f64(),
-                    coordinator.missing(&waiting)
+                    coordinator.missing(&waiting.arrivals)
                 );
                 tracing::error!("{reason}");
-                for (_, (_, waiter)) in waiting {
+                for (_, (_, waiter)) in waiting.arrivals {
                     let _ = waiter.send(Err(reason.clone()));
                 }
             });
         }
-        waiting.insert(rank, (part, tx));
-        if waiting.len() == self.world_size {
+        waiting.arrivals.insert(rank, (part, tx));
+        if waiting.arrivals.len() == self.world_size {
             let arrived = self.barriers.remove(&name).unwrap_or_default();
-            let parts: Vec<Bytes> = arrived.values().map(|(part, _)| part.clone()).collect();
-            for (_, (_, waiter)) in arrived {
-                let _ = waiter.send(Ok(parts.clone()));
+            let parts: Vec<Bytes> = arrived.arrivals.values().map(|(part, _)| part.clone()).collect();
+            let answer = match arrived.commits {
+                Some(step) => self.commit(step, &parts).map(|()| parts),
+                None => Ok(parts),
+            };
+            for (_, (_, waiter)) in arrived.arrivals {
+                let _ = waiter.send(answer.clone());
             }
         }
         rx
+    }
+
+    /// Commits the checkpoint of `step` whose files every rank listed in its part.
+    fn commit(&mut self, step: usize, parts: &[Bytes]) -> Result<(), String> {
+        let mut files = Vec::new();
+        for (rank, part) in parts.iter().enumerate() {
+            let records: Vec<FileRecord> = serde_json::from_slice(part)
+                .map_err(|e| format!("rank {rank}'s acknowledgement of step {step}: {e}"))?;
+            files.extend(records);
+        }
+        if let Some(store) = &self.checkpoints {
+            store
+                .commit(step, self.world_size, files)
+                .map_err(|e| format!("committing the checkpoint of step {step}: {e:#}"))?;
+        }
+        self.committed = Some(step);
+        Ok(())
     }
 }
 
@@ -193,24 +310,43 @@ impl Actor for Coordinator {
 }
 
 impl Coordinator {
-    /// Fails the rendezvous `timeout` after its first arrival unless every rank has joined by
-    /// then. (Roles that only heartbeat, as a parameter-server job's, never join.)
+    /// Fails the forming generation `timeout` after its first arrival unless every rank has
+    /// joined by then. (Roles that only heartbeat, as a parameter-server job's, never join.)
     fn expire_rendezvous(&mut self, ctx: &mut Context<Self>) {
-        ctx.run_later(self.timeout, |coordinator, _| {
-            if coordinator.roster.is_some() {
+        let generation = self.generation;
+        ctx.run_later(self.timeout, move |coordinator, _| {
+            if coordinator.generation != generation || coordinator.joining.is_empty() {
                 return;
             }
             let reason = format!(
                 "rendezvous timed out after {:.1}s: {} never joined (world size {})",
                 coordinator.timeout.as_secs_f64(),
-                coordinator.missing(&coordinator.joined),
+                coordinator.missing(&coordinator.joining),
                 coordinator.world_size
             );
             tracing::error!("{reason}");
-            for (_, (_, waiter)) in std::mem::take(&mut coordinator.joined) {
+            for (_, (_, waiter)) in std::mem::take(&mut coordinator.joining) {
                 let _ = waiter.send(Err(reason.clone()));
             }
         });
+    }
+
+    /// Why `msg` may not join, if it may not.
+    fn refuse_join(&self, msg: &Join) -> Option<String> {
+        if let Some(reason) = &self.stopped {
+            Some(reason.clone())
+        } else if msg.world_size != self.world_size {
+            Some(format!(
+                "rank {} was started for world size {}, the job has {}",
+                msg.rank, msg.world_size, self.world_size
+            ))
+        } else if msg.rank >= self.world_size {
+            Some(format!("rank {} is outside world size {}", msg.rank, self.world_size))
+        } else if !self.in_place && (self.members.contains_key(&msg.rank) || self.joining.contains_key(&msg.rank)) {
+            Some(format!("rank {} joined twice", msg.rank))
+        } else {
+            None
+        }
     }
 }
 
@@ -219,53 +355,65 @@ fn reply<T: Send + 'static>(rx: oneshot::Receiver<Result<T, String>>) -> Respons
 }
 
 impl Handler<Join> for Coordinator {
-    type Result = ResponseFuture<Result<Vec<String>, String>>;
+    type Result = ResponseFuture<Result<Roster, String>>;
 
     fn handle(&mut self, msg: Join, ctx: &mut Self::Context) -> Self::Result {
         let (tx, rx) = oneshot::channel();
-        let refusal = if msg.world_size != self.world_size {
-            Some(format!(
-                "rank {} was started for world size {}, the job has {}",
-                msg.rank, msg.world_size, self.world_size
-            ))
-        } else if msg.rank >= self.world_size {
-            Some(format!("rank {} is outside world size {}", msg.rank, self.world_size))
-        } else if self.roster.is_some() || self.joined.contains_key(&msg.rank) {
-            Some(format!("rank {} joined twice", msg.rank))
-        } else {
-            None
-        };
-        if let Some(reason) = refusal {
+        if let Some(reason) = self.refuse_join(&msg) {
             let _ = tx.send(Err(reason));
             return reply(rx);
         }
-        tracing::debug!(rank = msg.rank, endpoint = %msg.data_endpoint, "rank joined");
-        if self.joined.is_empty() {
+        // A member of the running generation joining again is a new process in its place: the
+        // old one is gone, whether or not its line has broken yet.
+        if self.members.get(&msg.rank) == Some(&self.generation) {
+            self.declare_dead(msg.rank, "a new process joined in its place");
+        }
+        if let Some((_, earlier)) = self.joining.remove(&msg.rank) {
+            let _ = earlier.send(Err(format!("rank {} joined again from a new process", msg.rank)));
+        }
+        tracing::debug!(rank = msg.rank, endpoint = %msg.data_endpoint, generation = self.generation, "rank joined");
+        if self.joining.is_empty() {
             self.expire_rendezvous(ctx);
         }
-        self.joined.insert(msg.rank, (msg.data_endpoint, tx));
-        if self.joined.len() == self.world_size {
-            let joined = std::mem::take(&mut self.joined);
-            let roster: Vec<String> = joined.values().map(|(endpoint, _)| endpoint.clone()).collect();
-            tracing::info!(world_size = self.world_size, "rendezvous complete");
-            for (_, (_, waiter)) in joined {
+        self.joining.insert(msg.rank, (msg.data_endpoint, tx));
+        if self.joining.len() == self.world_size {
+            let joined = std::mem::take(&mut self.joining);
+            let roster = Roster {
+                endpoints: joined.values().map(|(endpoint, _)| endpoint.clone()).collect(),
+                generation: self.generation,
+                resume_step: self.committed,
+            };
+            tracing::info!(
+                world_size = self.world_size,
+                generation = self.generation,
+                resume_step = ?self.committed,
+                "rendezvous complete"
+            );
+            for (rank, (_, waiter)) in joined {
+                self.members.insert(rank, self.generation);
                 let _ = waiter.send(Ok(roster.clone()));
             }
-            self.roster = Some(roster);
         }
         reply(rx)
     }
 }
 
 impl Handler<Heartbeat> for Coordinator {
-    type Result = Result<(), String>;
+    type Result = Result<Beat, String>;
 
     fn handle(&mut self, msg: Heartbeat, _: &mut Self::Context) -> Self::Result {
-        if let Some(reason) = &self.aborted {
+        if let Some(reason) = &self.stopped {
             return Err(reason.clone());
         }
-        self.last_heard.insert(msg.rank, Instant::now());
-        Ok(())
+        self.last_heard.insert(msg.rank, (Instant::now(), msg.line));
+        Ok(if self.behind(msg.rank) {
+            Beat::RollBack {
+                generation: self.generation,
+                reason: self.rolled_back.clone(),
+            }
+        } else {
+            Beat::Alive
+        })
     }
 }
 
@@ -274,6 +422,11 @@ impl Handler<Leave> for Coordinator {
 
     fn handle(&mut self, msg: Leave, _: &mut Self::Context) {
         self.left.insert(msg.rank);
+        if self.left.len() == self.world_size {
+            if let Some(done) = self.finished.take() {
+                let _ = done.send(());
+            }
+        }
     }
 }
 
@@ -281,7 +434,14 @@ impl Handler<ConnectionLost> for Coordinator {
     type Result = ();
 
     fn handle(&mut self, msg: ConnectionLost, _: &mut Self::Context) {
-        self.declare_dead(msg.rank, "its heartbeat connection broke (the process is gone)");
+        // The line of a process already replaced (or declared dead) says nothing new.
+        if self
+            .last_heard
+            .get(&msg.rank)
+            .is_some_and(|&(_, line)| line == msg.line)
+        {
+            self.declare_dead(msg.rank, "its heartbeat connection broke (the process is gone)");
+        }
     }
 }
 
@@ -289,7 +449,7 @@ impl Handler<Barrier> for Coordinator {
     type Result = ResponseFuture<Result<(), String>>;
 
     fn handle(&mut self, msg: Barrier, ctx: &mut Self::Context) -> Self::Result {
-        let answer = reply(self.arrive(msg.rank, msg.name, Bytes::new(), ctx));
+        let answer = reply(self.arrive(msg.rank, msg.name, Bytes::new(), None, ctx));
         Box::pin(async move { answer.await.map(|_| ()) })
     }
 }
@@ -298,7 +458,21 @@ impl Handler<Gather> for Coordinator {
     type Result = ResponseFuture<Result<Vec<Bytes>, String>>;
 
     fn handle(&mut self, msg: Gather, ctx: &mut Self::Context) -> Self::Result {
-        reply(self.arrive(msg.rank, msg.name, msg.part, ctx))
+        reply(self.arrive(msg.rank, msg.name, msg.part, None, ctx))
+    }
+}
+
+impl Handler<Acknowledge> for Coordinator {
+    type Result = ResponseFuture<Result<(), String>>;
+
+    fn handle(&mut self, msg: Acknowledge, ctx: &mut Self::Context) -> Self::Result {
+        let part = match serde_json::to_vec(&msg.files) {
+            Ok(json) => Bytes::from(json),
+            Err(e) => return Box::pin(async move { Err(format!("rank {}'s file records: {e}", msg.rank)) }),
+        };
+        let name = format!("checkpoint of step {}", msg.step);
+        let answer = reply(self.arrive(msg.rank, name, part, Some(msg.step), ctx));
+        Box::pin(async move { answer.await.map(|_| ()) })
     }
 }
 
@@ -306,7 +480,7 @@ impl Handler<Gather> for Coordinator {
 mod tests {
     use super::*;
 
-    async fn join(c: &Addr<Coordinator>, rank: usize, world_size: usize) -> Result<Vec<String>, String> {
+    async fn join(c: &Addr<Coordinator>, rank: usize, world_size: usize) -> Result<Roster, String> {
         let data_endpoint = format!("endpoint-{rank}");
         c.send(Join {
             rank,
@@ -321,8 +495,10 @@ mod tests {
     async fn roster_is_handed_out_by_rank() {
         let c = Coordinator::new(2, Duration::from_secs(5)).start();
         let (late, early) = futures::join!(join(&c, 1, 2), join(&c, 0, 2));
-        assert_eq!(late, Ok(vec!["endpoint-0".to_string(), "endpoint-1".to_string()]));
-        assert_eq!(early, late);
+        let late = late.expect("both joined");
+        assert_eq!(late.endpoints, vec!["endpoint-0".to_string(), "endpoint-1".to_string()]);
+        assert_eq!((late.generation, late.resume_step), (0, None));
+        assert_eq!(early, Ok(late));
     }
 
     #[actix::test]
@@ -368,7 +544,7 @@ mod tests {
             .with_heartbeat_deadline(Duration::from_millis(200))
             .start();
         for rank in 0..2 {
-            c.send(Heartbeat { rank }).await.unwrap().unwrap();
+            c.send(Heartbeat { rank, line: 0 }).await.unwrap().unwrap();
         }
         let barrier = c.send(Barrier {
             rank: 0,
@@ -378,13 +554,13 @@ mod tests {
         let beating = async {
             for _ in 0..10 {
                 tokio::time::sleep(Duration::from_millis(50)).await;
-                let _ = c.send(Heartbeat { rank: 0 }).await;
+                let _ = c.send(Heartbeat { rank: 0, line: 0 }).await;
             }
         };
         let (waited, ()) = futures::join!(barrier, beating);
         let err = waited.unwrap().expect_err("the barrier cannot complete");
         assert!(err.contains("rank 1 declared dead: no heartbeat for"), "{err}");
-        let refused = c.send(Heartbeat { rank: 0 }).await.unwrap().unwrap_err();
+        let refused = c.send(Heartbeat { rank: 0, line: 0 }).await.unwrap().unwrap_err();
         assert_eq!(refused, err, "every later heartbeat hears why the job stopped");
     }
 
@@ -393,14 +569,15 @@ mod tests {
         let c = Coordinator::new(2, Duration::from_secs(30))
             .with_heartbeat_deadline(Duration::from_secs(30))
             .start();
+        c.send(Heartbeat { rank: 1, line: 1 }).await.unwrap().unwrap();
         c.send(Leave { rank: 1 }).await.unwrap();
-        c.send(ConnectionLost { rank: 1 }).await.unwrap();
-        c.send(Heartbeat { rank: 0 })
+        c.send(ConnectionLost { rank: 1, line: 1 }).await.unwrap();
+        c.send(Heartbeat { rank: 0, line: 2 })
             .await
             .unwrap()
             .expect("a rank that left is not dead");
-        c.send(ConnectionLost { rank: 0 }).await.unwrap();
-        let err = c.send(Heartbeat { rank: 1 }).await.unwrap().unwrap_err();
+        c.send(ConnectionLost { rank: 0, line: 2 }).await.unwrap();
+        let err = c.send(Heartbeat { rank: 1, line: 3 }).await.unwrap().unwrap_err();
         assert!(
             err.contains("rank 0 declared dead: its heartbeat connection broke"),
             "{err}"

@@ -17,7 +17,7 @@ use crate::config::JobConfig;
 use crate::data::ctr::CtrBatch;
 use crate::data::Batch;
 use crate::engines::comm::memory::MemoryTransport;
-use crate::engines::comm::{connect_ring, parse_endpoints, CommWorker, Communicator, RingTransport};
+use crate::engines::comm::{connect_ring, parse_endpoints, CommWorker, Communicator, RingBreaker, RingTransport};
 use crate::engines::compute::device_for;
 use crate::models::{Model, ParamInit};
 use crate::net::auth::Credentials;
@@ -50,6 +50,8 @@ pub enum RingLink {
         shared_memory: bool,
         /// What the ring's connections prove.
         credentials: Credentials,
+        /// Where the connected ring's sockets are handed, so a rollback order can break them.
+        breaker: RingBreaker,
     },
 }
 
@@ -75,14 +77,19 @@ impl RingLink {
                 timeout,
                 shared_memory,
                 credentials,
-            } => connect_ring(
-                rank,
-                &parse_endpoints(roster)?,
-                &listener,
-                timeout,
-                shared_memory,
-                &credentials,
-            )?,
+                breaker,
+            } => {
+                let ring = connect_ring(
+                    rank,
+                    &parse_endpoints(roster)?,
+                    &listener,
+                    timeout,
+                    shared_memory,
+                    &credentials,
+                )?;
+                breaker.arm(ring.sockets());
+                ring
+            }
         })
     }
 }
@@ -100,8 +107,31 @@ pub struct Prepare {
     pub link: RingLink,
     /// Every rank's data endpoint, from the rendezvous.
     pub roster: Vec<String>,
+    /// Whether rank 0's initial parameters are broadcast (not when a checkpoint's state is
+    /// restored next by every rank).
+    pub broadcast: bool,
     /// Record a timeline measured from this instant.
     pub trace_from: Option<Instant>,
+}
+
+/// Goes on over a new ring after a rollback: the model stays, the communicator is rebuilt.
+#[derive(Message)]
+#[rtype(result = "Result<()>")]
+pub struct Relink {
+    /// The job.
+    pub job: Arc<JobConfig>,
+    /// The ring this rank joins.
+    pub link: RingLink,
+    /// Every rank's data endpoint, from the new roster.
+    pub roster: Vec<String>,
+}
+
+/// The replica's whole training state with the run's `losses`, as a checkpoint file's bytes.
+#[derive(Message)]
+#[rtype(result = "Result<Vec<u8>>")]
+pub struct Snapshot {
+    /// Every step's loss so far.
+    pub losses: Vec<f32>,
 }
 
 /// One training step on this rank's batch.
@@ -262,18 +292,47 @@ impl Handler<Prepare> for DeviceActor {
         let device = device_for(msg.job.cluster.device, msg.link.rank())?;
         let init = ParamInit::new(msg.job.train.seed, device.clone());
         let model = (msg.model)(&init).context("building the model")?;
-        #[cfg_attr(not(feature = "cuda"), allow(unused_mut))]
-        let mut comm = msg.link.into_communicator(&msg.roster)?;
-        #[cfg(feature = "cuda")]
-        comm.connect_nccl(&device, msg.job.fault_tolerance.timeout())?;
-        let comm = CommWorker::spawn(comm)?;
+        let comm = comm_worker(&msg.job, msg.link, &msg.roster, &device)?;
         let mut replica = Replica::new(model, &msg.job, comm, device)?;
-        replica.broadcast_parameters()?;
+        if msg.broadcast {
+            replica.broadcast_parameters()?;
+        }
         if let Some(origin) = msg.trace_from {
             replica.trace_from(origin);
         }
         self.replica = Some(replica);
         Ok(())
+    }
+}
+
+/// The communication thread over `link`, with NCCL beside the ring on GPU jobs.
+#[cfg_attr(not(feature = "cuda"), allow(unused_variables, unused_mut))]
+fn comm_worker(job: &JobConfig, link: RingLink, roster: &[String], device: &candle_core::Device) -> Result<CommWorker> {
+    let mut comm = link.into_communicator(roster)?;
+    #[cfg(feature = "cuda")]
+    comm.connect_nccl(device, job.fault_tolerance.timeout())?;
+    CommWorker::spawn(comm)
+}
+
+impl Handler<Relink> for DeviceActor {
+    type Result = Result<()>;
+
+    fn handle(&mut self, msg: Relink, _: &mut Self::Context) -> Result<()> {
+        let replica = self.replica()?;
+        let device = replica.device().clone();
+        let comm = comm_worker(&msg.job, msg.link, &msg.roster, &device)?;
+        replica.relink(comm);
+        Ok(())
+    }
+}
+
+impl Handler<Snapshot> for DeviceActor {
+    type Result = Result<Vec<u8>>;
+
+    fn handle(&mut self, msg: Snapshot, _: &mut Self::Context) -> Self::Result {
+        let mut bytes = Vec::new();
+        self.replica()?.save_state(&mut bytes, &msg.losses)?;
+        Ok(bytes)
     }
 }
 

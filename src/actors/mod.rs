@@ -3,13 +3,13 @@
 //! thread that owns the model replica and the communicator). Every message
 //! an actor accepts is defined in its file.
 
-pub(crate) mod checkpointing;
 pub mod coordinator;
 pub mod device;
 mod divergence;
 pub mod ps_trainer;
 pub mod pserver;
 pub mod recovery;
+pub mod rollback;
 pub mod stage;
 pub mod trainer;
 

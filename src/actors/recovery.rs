@@ -124,18 +124,42 @@ impl Recovery {
         })
     }
 
+    /// The step of the checkpoint the run starts from, if any.
+    pub(crate) fn start_step(&self) -> Option<usize> {
+        self.start.as_ref().map(|checkpoint| checkpoint.step)
+    }
+
     /// The first step to train of a run of `steps` steps.
     pub(crate) fn first_step(&self, steps: usize) -> Result<usize> {
-        let Some(checkpoint) = &self.start else {
-            return Ok(0);
-        };
-        ensure!(
-            checkpoint.step <= steps,
-            "checkpoint {} is of step {}, past the end of this run ({steps} steps)",
-            checkpoint.dir.display(),
-            checkpoint.step
+        let first = self.start_step().unwrap_or(0);
+        self.check_first_step(first, steps)?;
+        Ok(first)
+    }
+
+    /// Refuses to continue a run of `steps` steps after step `first` (where the coordinator
+    /// says training resumes) when that is past its end.
+    pub(crate) fn check_first_step(&self, first: usize, steps: usize) -> Result<()> {
+        let dir = self.store.as_ref().map_or_else(
+            || self.start.as_ref().map(|c| c.dir.clone()).unwrap_or_default(),
+            |store| store.root().to_path_buf(),
         );
-        Ok(checkpoint.step)
+        ensure!(
+            first <= steps,
+            "the checkpoint of step {first} in {} is past the end of this run ({steps} steps)",
+            dir.display()
+        );
+        Ok(())
+    }
+
+    /// The committed checkpoint of step `step` (a rollback's, which the coordinator names).
+    pub(crate) fn committed(&self, step: usize, world_size: usize) -> Result<Checkpoint> {
+        let store = self
+            .store
+            .as_ref()
+            .ok_or_else(|| anyhow!("resuming at step {step}, but this run takes no checkpoints"))?;
+        let checkpoint = store.verify(step)?;
+        checkpoint.check_world_size(world_size)?;
+        Ok(checkpoint)
     }
 
     /// Whether a checkpoint is due after `done` steps of `steps` (none after the last: the run's

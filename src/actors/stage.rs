@@ -12,7 +12,6 @@ use anyhow::{ensure, Context as _, Result};
 use bytes::Bytes;
 use serde::{Deserialize, Serialize};
 
-use super::checkpointing;
 use super::device::{
     DeviceActor, ModelFactory, PipelineEvaluate, PipelineStep, PreparePipeline, ReadParameters, RestoreCheckpoint,
     SaveCheckpoint, StageLinks, TakeSpans,
@@ -251,7 +250,7 @@ impl Handler<TrainStage> for StageActor {
                     let bus = bus
                         .as_mut()
                         .context("a checkpointing stage needs a line to the coordinator")?;
-                    checkpointing::acknowledge(bus, rank, d * p, store, step + 1, &written).await?;
+                    bus.acknowledge(rank, step + 1, written).await?;
                 }
             }
             let elapsed = started.elapsed();

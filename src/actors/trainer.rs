@@ -2,6 +2,11 @@
 //! device actor build the replica, feeds it this rank's batches, checks
 //! replica agreement every `strategy.check_every` steps, evaluates, and
 //! waits at the final barrier so no rank leaves while others still need it.
+//!
+//! In a job that recovers in place, a failure the coordinator explains with a rollback order
+//! (another rank was lost) does not end the trainer: it joins the next generation over a new
+//! ring, restores the committed checkpoint's state — from the snapshot it kept in memory, or
+//! from disk — and trains on from there.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -9,17 +14,18 @@ use std::time::{Duration, Instant};
 use actix::prelude::*;
 use anyhow::{Context as _, Result};
 
-use super::checkpointing;
 use super::device::{
-    CheckReplicas, DeviceActor, Evaluate, ModelFactory, Prepare, ReadParameters, RestoreCheckpoint, RingLink,
-    SaveCheckpoint, TakeSpans, TrainStep,
+    CheckReplicas, DeviceActor, Evaluate, ModelFactory, Prepare, ReadParameters, Relink, RestoreCheckpoint, RingLink,
+    Snapshot, TakeSpans, TrainStep,
 };
 use super::divergence::check_loss;
 use super::recovery::Recovery;
+use super::rollback::Orders;
 use super::LOSSES_RESERVED;
 use crate::collective::ParamChecksum;
 use crate::config::JobConfig;
 use crate::data::{Dataset, ShardedLoader};
+use crate::net::protocol::Roster;
 use crate::net::ControlBus;
 use crate::telemetry::monitor::{Monitor, MonitorSettings, StepSample};
 use crate::telemetry::timeline::TraceTarget;
@@ -50,6 +56,16 @@ pub struct Trainer {
     pub trace: Option<TraceTarget>,
     /// The checkpoint to start from and where to write new ones.
     pub(crate) recovery: Recovery,
+    /// How this rank rolls back in place; `None` when a lost rank stops the job.
+    pub in_place: Option<InPlace>,
+}
+
+/// What a trainer needs to roll back inside its process.
+pub struct InPlace {
+    /// The coordinator's rollback orders.
+    pub orders: Orders,
+    /// Binds a data endpoint for the next generation's ring: the link, and its address.
+    pub relink: Box<dyn Fn() -> Result<(RingLink, String)> + Send>,
 }
 
 /// The file a data-parallel job's checkpoint holds: rank 0's replica (all replicas are equal).
@@ -106,6 +122,8 @@ impl Handler<Train> for Trainer {
             monitor: self.monitor.clone(),
             trace: self.trace.clone(),
             recovery: self.recovery.clone(),
+            in_place: self.in_place.take(),
+            kept: Kept::default(),
         };
         Box::pin(run.execute())
     }
@@ -124,16 +142,47 @@ struct TrainingRun {
     monitor: Option<MonitorSettings>,
     trace: Option<TraceTarget>,
     recovery: Recovery,
+    in_place: Option<InPlace>,
+    kept: Kept,
+}
+
+/// A replica's whole state after some step, as checkpoint bytes.
+type State = (usize, Arc<Vec<u8>>);
+
+/// The states a rank that rolls back in place keeps in memory: the newest committed one, and
+/// the one of a checkpoint not yet committed.
+#[derive(Default)]
+struct Kept {
+    committed: Option<State>,
+    pending: Option<State>,
+}
+
+impl Kept {
+    fn at(&self, step: usize) -> Option<Arc<Vec<u8>>> {
+        [&self.committed, &self.pending]
+            .into_iter()
+            .flatten()
+            .find(|(at, _)| *at == step)
+            .map(|(_, bytes)| bytes.clone())
+    }
+}
+
+/// The parts of a run that outlive a rollback.
+struct Loop {
+    loader: ShardedLoader,
+    steps: usize,
+    monitor: Option<Monitor>,
+    clock_offset_us: f64,
 }
 
 impl TrainingRun {
-    async fn execute(self) -> Result<RankOutcome> {
+    async fn execute(mut self) -> Result<RankOutcome> {
         let rank = self.rank;
         let job = self.job.clone();
         let world = job.world_size();
-        let mut bus = self.bus.context("Train was sent twice")?;
-        let link = self.link.context("Train was sent twice")?;
-        let roster = bus.join(rank, world, self.data_endpoint.clone()).await?;
+        let mut bus = self.bus.take().context("Train was sent twice")?;
+        let link = self.link.take().context("Train was sent twice")?;
+        let mut roster = bus.join(rank, world, self.data_endpoint.clone()).await?;
         let clock_offset_us = match &self.trace {
             Some(_) => bus.clock_offset_us().await?,
             None => 0.0,
@@ -143,37 +192,127 @@ impl TrainingRun {
                 job: job.clone(),
                 model: self.model.clone(),
                 link,
-                roster,
+                roster: roster.endpoints.clone(),
+                // A later generation's ranks all restore one state: nothing to broadcast.
+                broadcast: roster.generation == 0,
                 trace_from: self.trace.as_ref().map(|t| t.origin.instant),
             })
             .await??;
 
         let train = &job.train;
-        let mut loader = ShardedLoader::new(self.train_data.clone(), train.batch_size, rank, world, train.seed)
+        let loader = ShardedLoader::new(self.train_data.clone(), train.batch_size, rank, world, train.seed)
             .with_context(|| format!("train.batch_size = {}", train.batch_size))?;
         let steps = train.length().steps(loader.batches_per_epoch())?;
         crate::optim::check_run_length(&job.strategy, steps)?;
-        let first = self.recovery.first_step(steps)?;
-        let mut losses = Vec::with_capacity(steps.min(LOSSES_RESERVED));
-        if let Some(checkpoint) = &self.recovery.start {
-            let restored = RestoreCheckpoint(checkpoint.read(REPLICA_FILE)?);
-            losses = self.device.send(restored).await??;
-        }
-        let mut monitor = self
+        let first = roster.resume_step.unwrap_or(0);
+        self.recovery.check_first_step(first, steps)?;
+        let monitor = self
             .monitor
             .as_ref()
             .map(|settings| Monitor::start(settings, steps, first, train.batch_size, train.log_every))
             .transpose()?;
+        let mut run = Loop {
+            loader,
+            steps,
+            monitor,
+            clock_offset_us,
+        };
+        let mut failure = None;
+        // Each pass is one generation; a new one starts only on a rollback order to a newer
+        // generation, so the passes are bounded by the ranks the job loses.
+        loop {
+            if let Some(error) = failure.take() {
+                let Some(in_place) = self.in_place.as_mut() else {
+                    return Err(error);
+                };
+                in_place.orders.explain(error).await?;
+                match self.rejoin(&mut bus).await {
+                    Ok(next) => roster = next,
+                    Err(e) => {
+                        failure = Some(e);
+                        continue;
+                    }
+                }
+            }
+            match self.train_generation(&mut bus, &roster, &mut run).await {
+                Ok(outcome) => {
+                    if let Some(monitor) = &run.monitor {
+                        monitor.finish();
+                    }
+                    return Ok(outcome);
+                }
+                Err(e) => failure = Some(e),
+            }
+        }
+    }
+
+    /// Joins the next generation over a new ring after a rollback order.
+    async fn rejoin(&mut self, bus: &mut ControlBus) -> Result<Roster> {
+        let in_place = self.in_place.as_ref().context("a rollback without in-place recovery")?;
+        let (link, endpoint) = (in_place.relink)()?;
+        let roster = bus.join(self.rank, self.job.world_size(), endpoint).await?;
+        self.device
+            .send(Relink {
+                job: self.job.clone(),
+                link,
+                roster: roster.endpoints.clone(),
+            })
+            .await??;
+        tracing::info!(
+            rank = self.rank,
+            generation = roster.generation,
+            resume_step = roster.resume_step.unwrap_or(0),
+            "rejoined"
+        );
+        Ok(roster)
+    }
+
+    /// Brings the replica to the state after `step` steps (a fresh replica is the state of step
+    /// 0); returns the losses of those steps.
+    async fn restore(&mut self, step: usize) -> Result<Vec<f32>> {
+        let bytes = match self.kept.at(step) {
+            Some(bytes) => bytes,
+            None if step == 0 => {
+                if self.in_place.is_some() {
+                    let initial = self.device.send(Snapshot { losses: Vec::new() }).await??;
+                    self.kept.committed = Some((0, Arc::new(initial)));
+                }
+                return Ok(Vec::new());
+            }
+            None => {
+                let checkpoint = match &self.recovery.start {
+                    Some(start) if start.step == step => start.clone(),
+                    _ => Arc::new(self.recovery.committed(step, self.job.world_size())?),
+                };
+                let bytes = Arc::new(checkpoint.read(REPLICA_FILE)?);
+                if self.in_place.is_some() {
+                    self.kept.committed = Some((step, bytes.clone()));
+                }
+                bytes
+            }
+        };
+        self.device.send(RestoreCheckpoint(bytes.to_vec())).await?
+    }
+
+    /// Trains one generation, from its roster's resume step to the end of the run.
+    async fn train_generation(&mut self, bus: &mut ControlBus, roster: &Roster, run: &mut Loop) -> Result<RankOutcome> {
+        let rank = self.rank;
+        let job = self.job.clone();
+        let world = job.world_size();
+        let steps = run.steps;
+        let first = roster.resume_step.unwrap_or(0);
+        let mut losses = Vec::with_capacity(steps.min(LOSSES_RESERVED));
+        losses.extend(self.restore(first).await?);
         let started = Instant::now();
         let (mut step_time, mut comm_time, mut exposed) = (Duration::ZERO, Duration::ZERO, Duration::ZERO);
         let check_every = job.strategy.check_every;
         for step in first..steps {
-            let report = self.device.send(TrainStep(loader.batch(step))).await??;
+            let report = self.device.send(TrainStep(run.loader.batch(step))).await??;
             step_time += report.step_time;
             comm_time += report.comm_time;
             exposed += report.exposed_comm_time;
             losses.push(report.loss);
-            if let Some(monitor) = &mut monitor {
+            if let Some(monitor) = &mut run.monitor {
                 let sample = StepSample {
                     loss: report.loss,
                     loss_spread: Some(report.loss_spread),
@@ -190,33 +329,14 @@ impl TrainingRun {
             if check_every > 0 && (step + 1) % check_every == 0 {
                 self.device.send(CheckReplicas).await??;
             }
-            if let Some(store) = self
-                .recovery
-                .store
-                .as_ref()
-                .filter(|_| self.recovery.due(&job, step + 1, steps))
-            {
-                let written = if rank == 0 {
-                    let save = SaveCheckpoint {
-                        store: store.clone(),
-                        step: step + 1,
-                        file: REPLICA_FILE.to_string(),
-                        losses: losses.clone(),
-                    };
-                    vec![self.device.send(save).await??]
-                } else {
-                    Vec::new()
-                };
-                checkpointing::acknowledge(&mut bus, rank, world, store, step + 1, &written).await?;
+            if self.recovery.due(&job, step + 1, steps) {
+                self.checkpoint(bus, step + 1, &losses).await?;
             }
         }
         let elapsed = started.elapsed();
-        if let Some(monitor) = &monitor {
-            monitor.finish();
-        }
         if let Some(trace) = &self.trace {
             let spans = self.device.send(TakeSpans).await??;
-            trace.write(rank, "trainer", clock_offset_us, spans)?;
+            trace.write(rank, "trainer", run.clock_offset_us, spans)?;
         }
 
         let param_checksum = self.device.send(CheckReplicas).await??;
@@ -237,12 +357,46 @@ impl TrainingRun {
             steps,
             final_loss: losses.last().copied().unwrap_or(f32::NAN),
             test_accuracy: if total == 0 { 0.0 } else { correct as f64 / total as f64 },
-            samples_per_sec: ((steps - first) * train.batch_size) as f64 / elapsed.as_secs_f64().max(1e-9),
+            samples_per_sec: ((steps - first) * job.train.batch_size) as f64 / elapsed.as_secs_f64().max(1e-9),
             comm_time_ratio: ratio(comm_time),
             exposed_comm_ratio: ratio(exposed),
             param_checksum,
             parameters,
             losses,
         })
+    }
+
+    /// The checkpoint after `step` steps: rank 0 writes the replica (all are equal), every rank
+    /// acknowledges, the coordinator commits; a rank that rolls back in place keeps the state.
+    async fn checkpoint(&mut self, bus: &mut ControlBus, step: usize, losses: &[f32]) -> Result<()> {
+        let store = self.recovery.store.clone().context("a checkpoint without a store")?;
+        let keeps = self.in_place.is_some();
+        let written = if self.rank == 0 || keeps {
+            let state = Arc::new(
+                self.device
+                    .send(Snapshot {
+                        losses: losses.to_vec(),
+                    })
+                    .await??,
+            );
+            if keeps {
+                self.kept.pending = Some((step, state.clone()));
+            }
+            if self.rank == 0 {
+                let record = tokio::task::spawn_blocking(move || store.write(step, REPLICA_FILE, &state))
+                    .await
+                    .context("the checkpoint writer stopped")??;
+                vec![record]
+            } else {
+                Vec::new()
+            }
+        } else {
+            Vec::new()
+        };
+        bus.acknowledge(self.rank, step, written).await?;
+        if let Some(committed) = self.kept.pending.take() {
+            self.kept.committed = Some(committed);
+        }
+        Ok(())
     }
 }

@@ -10,6 +10,7 @@ use anyhow::{Context, Result};
 use candle_core::{Device, Tensor};
 use serde::Serialize;
 
+use crate::actors::Coordinator;
 use crate::config::{DeviceKind, FaultToleranceConfig};
 use crate::engines::comm::{connect_ring, Communicator};
 use crate::engines::compute::device_for;
@@ -121,6 +122,7 @@ pub fn run(nproc: usize, args: &AllReduceArgs) -> Result<()> {
                 ("RAYON_NUM_THREADS".to_string(), threads.to_string()),
                 (TOKEN_VAR.to_string(), token.clone()),
             ],
+            restart_alone: false,
         })
         .collect();
     supervise(children, OutputMode::Rank0Plain, 0)
@@ -155,7 +157,8 @@ pub fn run_rank(args: &AllReduceArgs) -> Result<()> {
             timeout_s: timeout.as_secs_f64(),
             ..FaultToleranceConfig::default()
         };
-        let mut bus = connect_control(rank, world, &master, &fault_tolerance, 1 << 20, &control).await?;
+        let coordinator = (rank == 0).then(|| Coordinator::new(world, timeout));
+        let mut bus = connect_control(coordinator, rank, &master, &fault_tolerance, 1 << 20, &control).await?;
         let roster = bus.join(rank, world, endpoint).await?;
         Ok::<_, anyhow::Error>(roster)
     })?;
@@ -163,7 +166,11 @@ pub fn run_rank(args: &AllReduceArgs) -> Result<()> {
         Backend::Ring => Device::Cpu,
         Backend::Nccl => device_for(DeviceKind::Gpu, rank)?,
     };
-    let endpoints = roster.iter().map(|e| e.parse()).collect::<Result<Vec<_>, _>>()?;
+    let endpoints = roster
+        .endpoints
+        .iter()
+        .map(|e| e.parse())
+        .collect::<Result<Vec<_>, _>>()?;
     let mut comm = if world == 1 {
         Communicator::single()
     } else {

@@ -121,6 +121,11 @@ impl Replica {
         self.comm.world_size()
     }
 
+    /// The device the replica computes on.
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+
     /// The parameters, in model order.
     pub fn parameters(&self) -> &[NamedParam] {
         &self.params
@@ -143,6 +148,13 @@ impl Replica {
 
     fn named_vars(&self) -> Vec<(&str, &Var)> {
         self.params.iter().map(|p| (p.name.as_str(), &p.var)).collect()
+    }
+
+    /// Goes on over the ring `comm` (a rollback rebuilt it): the collectives in flight on the old
+    /// one and the batches merged so far are dropped; the state comes from a snapshot next.
+    pub fn relink(&mut self, comm: CommWorker) {
+        self.comm = comm;
+        self.merge.clear();
     }
 
     /// Makes every rank start from rank 0's parameters.

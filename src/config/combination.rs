@@ -1,13 +1,16 @@
 //! Rules across sections: which models, data sets and optimizers each strategy trains, so a
 //! mismatch is a config error naming the key rather than a failure deep inside a run.
 
-use super::{DatasetKind, FieldError, HybridConfigs, JobConfig, ModelKind, OptimizerKind, PipelineConfigs, PsMode};
+use super::{
+    DatasetKind, FieldError, HybridConfigs, JobConfig, ModelKind, OptimizerKind, PipelineConfigs, PsMode, RecoveryMode,
+};
 
 /// Checks that strategy, model, data set and optimizer fit together.
 pub(super) fn check(config: &JobConfig) -> Result<(), FieldError> {
     let train = &config.train;
     check_pipeline(config)?;
     check_checkpoints(config)?;
+    check_recovery(config)?;
     if config.cluster.is_parameter_server() {
         check_parameter_server(config)?;
     } else {
@@ -52,6 +55,18 @@ fn check_checkpoints(config: &JobConfig) -> Result<(), FieldError> {
         return Err(FieldError::new(
             "fault_tolerance.checkpoint_every",
             format!("{every} is not a multiple of strategy.gradient_merge_configs.k_steps = {k}: a checkpoint must fall where a merge completes"),
+        ));
+    }
+    Ok(())
+}
+
+/// In-place recovery is built for collective data parallelism only.
+fn check_recovery(config: &JobConfig) -> Result<(), FieldError> {
+    let in_place = config.fault_tolerance.recovery == Some(RecoveryMode::InPlace);
+    if in_place && (config.strategy.pipeline || config.cluster.is_parameter_server()) {
+        return Err(FieldError::new(
+            "fault_tolerance.recovery",
+            "\"in_place\" is built for collective data-parallel jobs; a pipeline or parameter-server job recovers by \"restart\"",
         ));
     }
     Ok(())

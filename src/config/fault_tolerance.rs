@@ -41,6 +41,20 @@ pub struct FaultToleranceConfig {
     pub heartbeat_interval_ms: u64,
     /// Heartbeat intervals a role may stay silent before the coordinator declares it dead.
     pub heartbeat_misses: u32,
+    /// How a launched job recovers from a lost process; unset, in place where that is built
+    /// (collective data parallel), else by restarting every process.
+    pub recovery: Option<RecoveryMode>,
+}
+
+/// How a launched job recovers from a lost process.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum RecoveryMode {
+    /// Only the lost process is restarted; the others roll back to the last committed
+    /// checkpoint inside their processes. The coordinator runs as a process of its own.
+    InPlace,
+    /// Every process is restarted, from the last committed checkpoint.
+    Restart,
 }
 
 impl Default for FaultToleranceConfig {
@@ -54,6 +68,7 @@ impl Default for FaultToleranceConfig {
             max_restarts: 0,
             heartbeat_interval_ms: 1000,
             heartbeat_misses: 5,
+            recovery: None,
         }
     }
 }

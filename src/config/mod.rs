@@ -37,7 +37,7 @@ use toml::{Table, Value};
 
 pub(crate) use cluster::GPU_NOT_BUILT;
 pub use cluster::{ClusterConfig, DeviceKind};
-pub use fault_tolerance::FaultToleranceConfig;
+pub use fault_tolerance::{FaultToleranceConfig, RecoveryMode};
 pub use memory::{BlockRef, GradientMergeConfigs, RecomputeConfigs};
 pub use pipeline::{HybridConfigs, PipelineConfigs, ScheduleMode};
 pub use strategy::{AsyncConfigs, DistributedStrategy, PsMode};
@@ -185,6 +185,15 @@ impl JobConfig {
     ) -> Result<JobConfig, ConfigError> {
         let table = parse_document(text, source_name)?;
         load(table, source_name, env, overrides)
+    }
+
+    /// Whether a launched run of this job recovers from a lost process in place
+    /// (`fault_tolerance.recovery`; by default, when it is collective data parallel).
+    pub fn recovers_in_place(&self) -> bool {
+        match self.fault_tolerance.recovery {
+            Some(mode) => mode == RecoveryMode::InPlace,
+            None => !self.strategy.pipeline && !self.cluster.is_parameter_server(),
+        }
     }
 
     /// Number of trainer processes in the job (`cluster.nnodes × cluster.nproc_per_node`).

@@ -1,8 +1,7 @@
-//! The control line of one process of a multi-process job: rank 0 hosts
-//! the coordinator on the master endpoint, and every rank (rank 0 too)
+//! The control line of one process of a multi-process job: the coordinator is hosted on the
+//! master endpoint by rank 0 (or runs as a process of its own), and every rank (rank 0 too)
 //! connects to it over TCP, so all ranks take the same path.
 
-use actix::Actor;
 use anyhow::{Context, Result};
 
 use crate::actors::Coordinator;
@@ -10,22 +9,21 @@ use crate::config::FaultToleranceConfig;
 use crate::net::auth::Credentials;
 use crate::net::{server, ControlBus};
 
-/// Hosts the coordinator when `rank` is 0, then connects to it. Must run
-/// inside an actix system.
+/// Hosts `coordinator` when this process hosts one (rank 0's), then connects rank `rank` to
+/// the coordinator at `master`. Must run inside an actix system.
 pub async fn connect_control(
+    coordinator: Option<Coordinator>,
     rank: usize,
-    world_size: usize,
     master: &str,
     fault_tolerance: &FaultToleranceConfig,
     max_frame_bytes: usize,
     credentials: &Credentials,
 ) -> Result<ControlBus> {
     let timeout = fault_tolerance.timeout();
-    if rank == 0 {
-        let coordinator = Coordinator::new(world_size, timeout);
+    if let Some(coordinator) = coordinator {
         host_coordinator(coordinator, master, fault_tolerance, max_frame_bytes, credentials)
             .await
-            .context("rank 0")?;
+            .with_context(|| format!("rank {rank}"))?;
     }
     ControlBus::connect(master, timeout, max_frame_bytes, credentials)
         .await
@@ -44,9 +42,7 @@ pub(super) async fn host_coordinator(
     let control = tokio::net::TcpListener::bind(master)
         .await
         .with_context(|| format!("cannot bind the coordinator endpoint {master} (cluster.master)"))?;
-    let coordinator = coordinator
-        .with_heartbeat_deadline(fault_tolerance.heartbeat_deadline())
-        .start();
+    let coordinator = actix::Actor::start(coordinator.with_heartbeat_deadline(fault_tolerance.heartbeat_deadline()));
     actix::spawn(server::serve(
         control,
         coordinator.into(),

@@ -10,21 +10,25 @@ use std::time::{Duration, Instant};
 use anyhow::{anyhow, Result};
 use tokio::sync::oneshot;
 
+use crate::actors::rollback::OrderLine;
 use crate::config::JobConfig;
 use crate::net::auth::Credentials;
+use crate::net::protocol::Beat;
 use crate::net::ControlBus;
 
 /// Runs `work` (rank `rank`'s part of the job) while heartbeating to the coordinator at
-/// `master`; ends with the first error of either.
+/// `master`; ends with the first error of either. Rollback orders go down `orders` (a role that
+/// does not roll back in place stops on one).
 pub(super) async fn watched<T>(
     work: impl Future<Output = Result<T>>,
     rank: usize,
     master: &str,
     config: &JobConfig,
     credentials: &Credentials,
+    orders: Option<&OrderLine>,
 ) -> Result<T> {
     let (done, stop) = oneshot::channel();
-    let beats = beat(rank, master, config, credentials, stop);
+    let beats = beat(rank, master, config, credentials, orders, stop);
     tokio::pin!(work, beats);
     tokio::select! {
         outcome = &mut work => {
@@ -48,6 +52,7 @@ async fn beat(
     master: &str,
     config: &JobConfig,
     credentials: &Credentials,
+    orders: Option<&OrderLine>,
     mut stop: oneshot::Receiver<()>,
 ) -> Result<()> {
     let ft = &config.fault_tolerance;
@@ -66,7 +71,14 @@ async fn beat(
         }
         match connected(&mut line, master, left, max_frame, credentials).await {
             Ok(bus) => match bus.heartbeat(rank, left).await {
-                Ok(Ok(())) => last_answer = Instant::now(),
+                Ok(Ok(Beat::Alive)) => last_answer = Instant::now(),
+                Ok(Ok(Beat::RollBack { generation, reason })) => match orders {
+                    Some(orders) => {
+                        last_answer = Instant::now();
+                        orders.order(generation, reason);
+                    }
+                    None => return Err(anyhow!("rank {rank}: {reason}")),
+                },
                 // The coordinator stopped the job: say why, at once.
                 Ok(Err(reason)) => return Err(anyhow!("rank {rank}: {reason}")),
                 Err(e) => {

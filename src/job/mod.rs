@@ -5,6 +5,7 @@
 //! of a launched cluster. The built-in jobs take the same path.
 
 mod control;
+mod coordinator;
 mod heartbeat;
 mod outputs;
 mod pipeline;
@@ -18,7 +19,9 @@ mod stage_rings;
 pub(crate) use crate::actors::recovery::Recovery;
 pub use crate::actors::recovery::{Refusal, Resume, REFUSAL_EXIT_CODE, RESUME_VAR};
 pub use control::connect_control;
+pub use coordinator::run_coordinator;
 pub use outputs::{RunOutcome, Summary, CONFIG_FILE};
+pub use process::{coordinator_is_own_process, COORDINATOR_PROCESS_VAR};
 pub use resumed::{resumed_config, SAFE_TO_CHANGE};
 
 use std::path::PathBuf;
@@ -206,6 +209,7 @@ impl TrainingJob {
             monitor: (rank == 0).then(|| options.monitor()),
             trace: options.trace_target(),
             recovery,
+            in_place: None,
         }
     }
 

@@ -33,7 +33,9 @@ pub(super) fn run(job: &TrainingJob, options: &RunOptions) -> Result<RunOutcome>
     let recovery = Recovery::plan(&config, &options.run_dir, &options.resume)?;
     let outcomes = System::new().block_on(async move {
         // For the checkpoint protocol's gathers.
-        let coordinator = Coordinator::new(d * p, timeout).start();
+        let coordinator = Coordinator::new(d * p, timeout)
+            .with_checkpoints(recovery.store.clone(), recovery.start_step())
+            .start();
         // links[rank]: stage links within each replica, rings across replicas of each stage.
         let mut stage_links: Vec<Option<StageLinks>> = Vec::with_capacity(d * p);
         for _ in 0..d {
@@ -90,10 +92,29 @@ pub(super) fn run_rank(job: &TrainingJob, rank: usize, options: &RunOptions) -> 
     } = bind(&config, rank)?;
     let recovery = Recovery::plan(&config, &options.run_dir, &options.resume)?;
     System::new().block_on(async move {
-        let mut bus = connect_control(rank, world, &master, &config.fault_tolerance, max_frame, &credentials).await?;
+        let coordinator = (rank == 0).then(|| {
+            Coordinator::new(world, config.fault_tolerance.timeout())
+                .with_checkpoints(recovery.store.clone(), recovery.start_step())
+        });
+        let mut bus = connect_control(
+            coordinator,
+            rank,
+            &master,
+            &config.fault_tolerance,
+            max_frame,
+            &credentials,
+        )
+        .await?;
         let roster = bus.join(rank, world, data_endpoint).await?;
-        let (link, data_parallel) =
-            stage_rings::connect(&mut bus, &config, rank, &roster, listener, credentials.clone()).await?;
+        let (link, data_parallel) = stage_rings::connect(
+            &mut bus,
+            &config,
+            rank,
+            &roster.endpoints,
+            listener,
+            credentials.clone(),
+        )
+        .await?;
         // The stage's own line for the checkpoint protocol; `bus` gathers the outcomes after.
         let stage_bus = ControlBus::connect(&master, config.fault_tolerance.timeout(), max_frame, &credentials).await?;
         let lines = StageLines {
@@ -102,7 +123,7 @@ pub(super) fn run_rank(job: &TrainingJob, rank: usize, options: &RunOptions) -> 
             bus: stage_bus,
         };
         let training = train(stage_actor(job, rank, lines, recovery, options, trace));
-        let outcome = watched(training, rank, &master, &config, &credentials).await?;
+        let outcome = watched(training, rank, &master, &config, &credentials, None).await?;
         // Rank 0 holds only its own stage, and the outputs need every stage's parameters and
         // the last stage's losses: replica 0's ranks (0..p) hand it their outcomes. The gather
         // is the end-of-training barrier too, so no rank (rank 0, with the coordinator, least

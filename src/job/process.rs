@@ -1,7 +1,9 @@
 //! One rank of a multi-process job. Rank 0 also hosts the coordinator on
-//! `cluster.master`; every rank binds its data endpoint (the configured one,
-//! or an ephemeral port) before joining, reaches the coordinator over TCP
-//! and builds its ring from the roster.
+//! `cluster.master`, unless the coordinator runs as a process of its own
+//! ([`COORDINATOR_PROCESS_VAR`]): then a lost rank is replaced in place, and
+//! this rank rolls back inside its process. Every rank binds its data endpoint
+//! (the configured one, or an ephemeral port) before joining, reaches the
+//! coordinator over TCP and builds its ring from the roster.
 
 use std::net::TcpListener;
 
@@ -12,9 +14,22 @@ use super::control::connect_control;
 use super::heartbeat::watched;
 use super::{Recovery, RunOptions, RunOutcome, TrainingJob};
 use crate::actors::device::RingLink;
-use crate::actors::trainer::Train;
+use crate::actors::rollback::order_line;
+use crate::actors::trainer::{InPlace, Train};
+use crate::actors::Coordinator;
 use crate::config::JobConfig;
+use crate::engines::comm::RingBreaker;
 use crate::net::auth::Credentials;
+
+/// Set (to any value) on the trainers of a job whose coordinator runs as a process of its own
+/// (`flotilla run --role coordinator`, which `flotilla launch` starts): rank 0 hosts none, and
+/// a lost rank is replaced in place while the others roll back inside their processes.
+pub const COORDINATOR_PROCESS_VAR: &str = "FLOTILLA_COORDINATOR_PROCESS";
+
+/// Whether this process's job has a coordinator process of its own.
+pub fn coordinator_is_own_process() -> bool {
+    std::env::var_os(COORDINATOR_PROCESS_VAR).is_some()
+}
 
 /// Where a rank of a launched job meets the others.
 pub(super) struct RankEndpoints {
@@ -29,16 +44,16 @@ pub(super) struct RankEndpoints {
     pub credentials: Credentials,
 }
 
-/// Checks `rank` against the world and binds its data endpoint.
-pub(super) fn bind(config: &JobConfig, rank: usize) -> Result<RankEndpoints> {
-    let world = config.world_size();
-    anyhow::ensure!(
-        rank < world,
-        "PADDLE_TRAINER_ID = {rank} is outside the world size {world}"
-    );
-    let master = config.cluster.master.clone().ok_or_else(|| {
+/// The coordinator's `ip:port`, `cluster.master`.
+pub(super) fn master(config: &JobConfig) -> Result<String> {
+    config.cluster.master.clone().ok_or_else(|| {
         anyhow!("{}: cluster.master is not set: a multi-process job needs the coordinator's ip:port (flotilla launch sets PADDLE_MASTER)", config.source_name)
-    })?;
+    })
+}
+
+/// Binds `rank`'s data endpoint (the configured one, else an ephemeral port): the listener and
+/// its address.
+fn bind_data_endpoint(config: &JobConfig, rank: usize) -> Result<(TcpListener, String)> {
     let endpoint = config
         .cluster
         .endpoints
@@ -48,6 +63,18 @@ pub(super) fn bind(config: &JobConfig, rank: usize) -> Result<RankEndpoints> {
     let listener = TcpListener::bind(&endpoint)
         .with_context(|| format!("rank {rank}: cannot bind its data endpoint {endpoint}"))?;
     let data_endpoint = listener.local_addr()?.to_string();
+    Ok((listener, data_endpoint))
+}
+
+/// Checks `rank` against the world and binds its data endpoint.
+pub(super) fn bind(config: &JobConfig, rank: usize) -> Result<RankEndpoints> {
+    let world = config.world_size();
+    anyhow::ensure!(
+        rank < world,
+        "PADDLE_TRAINER_ID = {rank} is outside the world size {world}"
+    );
+    let master = master(config)?;
+    let (listener, data_endpoint) = bind_data_endpoint(config, rank)?;
     let credentials = Credentials::new(config.cluster.cluster_token()?, config.fault_tolerance.timeout());
     Ok(RankEndpoints {
         master,
@@ -69,28 +96,74 @@ pub(super) fn run(job: &TrainingJob, rank: usize, options: &RunOptions) -> Resul
         data_endpoint,
         credentials,
     } = bind(&config, rank)?;
-    let link = if world == 1 {
-        RingLink::Single
-    } else {
-        RingLink::Tcp {
-            rank,
-            listener,
-            timeout,
-            shared_memory: config.cluster.shared_memory,
-            credentials: credentials.clone(),
+    let ft = &config.fault_tolerance;
+    let own_coordinator = coordinator_is_own_process();
+    // A failed rank waits this long to hear whether a peer's death explains its failure: the
+    // coordinator's detection, then a heartbeat to carry the order.
+    let grace = ft.heartbeat_deadline() + 2 * ft.heartbeat_interval();
+    let (order_line, orders) = match own_coordinator {
+        true => {
+            let (line, orders) = order_line(grace);
+            (Some(line), Some(orders))
         }
+        false => (None, None),
     };
+    let breaker = order_line.as_ref().map(|line| line.breaker()).unwrap_or_default();
+    let link = ring_link(&config, rank, listener, &credentials, &breaker);
+    let in_place = orders.map(|orders| {
+        let (config, credentials) = (config.clone(), credentials.clone());
+        InPlace {
+            orders,
+            relink: Box::new(move || {
+                let (listener, endpoint) = bind_data_endpoint(&config, rank)?;
+                Ok((ring_link(&config, rank, listener, &credentials, &breaker), endpoint))
+            }),
+        }
+    });
+    let coordinator = (rank == 0 && !own_coordinator)
+        .then(|| Coordinator::new(world, timeout).with_checkpoints(recovery.store.clone(), recovery.start_step()));
 
     let outcome = System::new().block_on(async move {
-        let bus = connect_control(rank, world, &master, &config.fault_tolerance, max_frame, &credentials).await?;
+        let bus = connect_control(
+            coordinator,
+            rank,
+            &master,
+            &config.fault_tolerance,
+            max_frame,
+            &credentials,
+        )
+        .await?;
         let training = async {
-            job.trainer(rank, bus, link, data_endpoint, options, recovery)
+            let mut trainer = job.trainer(rank, bus, link, data_endpoint, options, recovery);
+            trainer.in_place = in_place;
+            trainer
                 .start()
                 .send(Train)
                 .await
                 .map_err(|e| anyhow!("rank {rank}: trainer actor stopped: {e}"))?
         };
-        watched(training, rank, &master, &config, &credentials).await
+        watched(training, rank, &master, &config, &credentials, order_line.as_ref()).await
     })?;
     Ok((rank == 0).then(|| RunOutcome::from_rank0(outcome, world, "multi-process")))
+}
+
+/// Rank `rank`'s ring link over `listener` (none when it trains alone).
+fn ring_link(
+    config: &JobConfig,
+    rank: usize,
+    listener: TcpListener,
+    credentials: &Credentials,
+    breaker: &RingBreaker,
+) -> RingLink {
+    if config.world_size() == 1 {
+        return RingLink::Single;
+    }
+    RingLink::Tcp {
+        rank,
+        listener,
+        timeout: config.fault_tolerance.timeout(),
+        shared_memory: config.cluster.shared_memory,
+        credentials: credentials.clone(),
+        breaker: breaker.clone(),
+    }
 }

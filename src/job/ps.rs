@@ -470,7 +470,7 @@ async fn with_heartbeats<T>(
     config: &JobConfig,
 ) -> Result<T> {
     match line {
-        Some((master, credentials)) => watched(work, role, master, config, credentials).await,
+        Some((master, credentials)) => watched(work, role, master, config, credentials, None).await,
         None => work.await,
     }
 }

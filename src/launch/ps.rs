@@ -129,6 +129,7 @@ impl LaunchPsArgs {
                     program: program.clone(),
                     args: args.clone(),
                     env,
+                    restart_alone: false,
                 });
             }
         }

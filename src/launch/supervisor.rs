@@ -163,7 +163,11 @@ fn restart_until_done(
 ) -> Result<()> {
     let mut restarts = 0;
     loop {
-        match run_once(&children, mode, interrupts, bar) {
+        let alone = Restarts {
+            done: &mut restarts,
+            max: max_restarts,
+        };
+        match run_once(&children, mode, interrupts, bar, alone) {
             Ok(()) => return Ok(()),
             Err(Ended::Failed(e)) if restarts < max_restarts => {
                 restarts += 1;
@@ -187,8 +191,22 @@ fn restart_until_done(
     }
 }
 
-/// Starts every child once and waits for all of them, or for the first failure.
-fn run_once(children: &[ChildSpec], mode: OutputMode, interrupts: &Interrupts, bar: &LauncherBar) -> Result<(), Ended> {
+/// The restarts a launcher allows, all processes' together, and how many it has made.
+struct Restarts<'a> {
+    done: &'a mut usize,
+    max: usize,
+}
+
+/// Starts every child once and waits for all of them, or for the first failure. A failed child
+/// that may be restarted alone ([`ChildSpec::restart_alone`]) is, while `alone` allows, and the
+/// others go on.
+fn run_once(
+    children: &[ChildSpec],
+    mode: OutputMode,
+    interrupts: &Interrupts,
+    bar: &LauncherBar,
+    alone: Restarts,
+) -> Result<(), Ended> {
     let mut running = Vec::with_capacity(children.len());
     for spec in children {
         match start(spec, mode, bar) {
@@ -244,9 +262,30 @@ fn run_once(children: &[ChildSpec], mode: OutputMode, interrupts: &Interrupts, b
             let mut failed = running.remove(index);
             // What the failed process left running in its group would otherwise live on.
             kill_all(std::slice::from_mut(&mut failed));
-            stop_all(&mut running, libc::SIGTERM, interrupts);
             let interrupted = interrupted_at.is_some();
-            let error = failure(&failed, status, interrupted);
+            if children[index].restart_alone && !interrupted && !refused(&status) && *alone.done < alone.max {
+                *alone.done += 1;
+                tracing::warn!(
+                    "{:#}\nrestarting {} alone (restart {} of {}): the other processes roll back in place \
+                     to the last committed checkpoint and wait for it",
+                    failure(&failed, status, false, "the other processes go on"),
+                    failed.name,
+                    alone.done,
+                    alone.max
+                );
+                let mut spec = children[index].clone();
+                spec.env.push((RESUME_VAR.to_string(), "1".to_string()));
+                match start(&spec, mode, bar) {
+                    Ok(replacement) => running.insert(index, replacement),
+                    Err(e) => {
+                        stop_all(&mut running, libc::SIGTERM, interrupts);
+                        return Err(Ended::Stopped(e));
+                    }
+                }
+                continue;
+            }
+            stop_all(&mut running, libc::SIGTERM, interrupts);
+            let error = failure(&failed, status, interrupted, "the other processes were stopped");
             return Err(if interrupted || refused(&status) {
                 Ended::Stopped(error)
             } else {
@@ -425,7 +464,8 @@ fn kill_all(running: &mut [Running]) {
     }
 }
 
-fn failure(failed: &Running, status: ExitStatus, interrupted: bool) -> anyhow::Error {
+/// Why `failed` ended, with the end of its stderr; `others` says what became of the rest.
+fn failure(failed: &Running, status: ExitStatus, interrupted: bool, others: &str) -> anyhow::Error {
     let tail: Vec<String> = failed
         .stderr_tail
         .lock()
@@ -444,7 +484,7 @@ fn failure(failed: &Running, status: ExitStatus, interrupted: bool) -> anyhow::E
         format!("Its last output:\n{}", tail.join("\n"))
     };
     anyhow!(
-        "{} {cause} ({status}); {consequence}the other processes were stopped. {last_words}",
+        "{} {cause} ({status}); {consequence}{others}. {last_words}",
         failed.name
     )
 }

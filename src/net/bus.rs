@@ -11,7 +11,8 @@ use tokio_util::codec::{Framed, LengthDelimitedCodec};
 
 use super::auth::{self, Credentials};
 use super::frame::{codec, ControlMessage, Frame};
-use super::protocol::{Barrier, CoordinatorLine, Gather, Join};
+use super::protocol::{Acknowledge, Barrier, Beat, CoordinatorLine, Gather, Heartbeat, Join, Roster};
+use crate::checkpoint::FileRecord;
 use crate::telemetry::clock::{self, ClockSample};
 
 /// Room for a gather answer's header beside its name and lengths.
@@ -70,8 +71,9 @@ impl ControlBus {
         })
     }
 
-    /// Joins the rendezvous; returns every rank's data endpoint, by rank.
-    pub async fn join(&mut self, rank: usize, world_size: usize, data_endpoint: String) -> Result<Vec<String>> {
+    /// Joins the rendezvous (at the start, or after a rollback); returns every rank's data
+    /// endpoint, by rank, with the generation and the step training continues after.
+    pub async fn join(&mut self, rank: usize, world_size: usize, data_endpoint: String) -> Result<Roster> {
         match self {
             Self::InMemory(coordinator) => coordinator
                 .join
@@ -92,7 +94,7 @@ impl ControlBus {
                 .await?
                 .header
             {
-                ControlMessage::Roster { endpoints } => Ok(endpoints),
+                ControlMessage::Roster(roster) => Ok(roster),
                 other => Err(self.unexpected(rank, other)),
             },
         }
@@ -204,15 +206,46 @@ impl ControlBus {
         }
     }
 
+    /// Acknowledges the checkpoint of step `step` with the `files` this rank wrote for it, and
+    /// waits until the coordinator has committed it (every rank acknowledged).
+    pub async fn acknowledge(&mut self, rank: usize, step: usize, files: Vec<FileRecord>) -> Result<()> {
+        match self {
+            Self::InMemory(coordinator) => coordinator
+                .acknowledge
+                .send(Acknowledge { rank, step, files })
+                .await
+                .context("the coordinator stopped")?
+                .map_err(|reason| anyhow!("rank {rank}: {reason}")),
+            Self::Tcp { .. } => {
+                let request = Frame {
+                    header: ControlMessage::Acknowledge { rank, step },
+                    payload: Bytes::from(serde_json::to_vec(&files)?),
+                };
+                match self.request(request).await?.header {
+                    ControlMessage::Committed { step: committed } if committed == step => Ok(()),
+                    other => Err(self.unexpected(rank, other)),
+                }
+            }
+        }
+    }
+
     /// Tells the coordinator `rank` is alive, waiting at most `limit` for its answer: `Err` when
-    /// the line failed, `Ok(Err(reason))` when the coordinator has stopped the job.
-    pub async fn heartbeat(&mut self, rank: usize, limit: Duration) -> Result<Result<(), String>> {
+    /// the line failed, `Ok(Err(reason))` when the coordinator has stopped the job, else what
+    /// the coordinator orders.
+    pub async fn heartbeat(&mut self, rank: usize, limit: Duration) -> Result<Result<Beat, String>> {
+        if let Self::InMemory(coordinator) = self {
+            return coordinator
+                .heartbeat
+                .send(Heartbeat { rank, line: 0 })
+                .await
+                .context("the coordinator stopped");
+        }
         match self
             .request_within(Frame::control(ControlMessage::Heartbeat { rank }), limit)
             .await?
             .header
         {
-            ControlMessage::Alive => Ok(Ok(())),
+            ControlMessage::Alive(beat) => Ok(Ok(beat)),
             ControlMessage::Refused { reason } => Ok(Err(reason)),
             other => Err(self.unexpected(rank, other)),
         }
@@ -225,7 +258,7 @@ impl ControlBus {
             .await?
             .header
         {
-            ControlMessage::Alive => Ok(()),
+            ControlMessage::Alive(_) => Ok(()),
             other => Err(self.unexpected(rank, other)),
         }
     }

@@ -10,6 +10,8 @@ use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 use tokio_util::codec::LengthDelimitedCodec;
 
+use super::protocol::{Beat, Roster};
+
 /// Messages of the control plane.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub enum ControlMessage {
@@ -24,11 +26,8 @@ pub enum ControlMessage {
         /// `ip:port` of its data-plane listener.
         data_endpoint: String,
     },
-    /// Rendezvous complete: every rank's data endpoint, by rank.
-    Roster {
-        /// `endpoints[r]` is rank `r`'s.
-        endpoints: Vec<String>,
-    },
+    /// Rendezvous complete: every rank's data endpoint, the generation, the step to resume at.
+    Roster(Roster),
     /// A request was refused or failed; the reason names what went wrong.
     Refused {
         /// Human-readable cause.
@@ -62,14 +61,27 @@ pub enum ControlMessage {
         /// when every rank has sent its last).
         lengths: Vec<u64>,
     },
+    /// A rank wrote its files of step `step`'s checkpoint (the payload: their records, JSON)
+    /// and waits for the commit.
+    Acknowledge {
+        /// Who acknowledges.
+        rank: usize,
+        /// The checkpoint's step.
+        step: usize,
+    },
+    /// Every rank acknowledged step `step`'s checkpoint and the coordinator committed it.
+    Committed {
+        /// The checkpoint's step.
+        step: usize,
+    },
     /// A rank is alive; sent every `fault_tolerance.heartbeat_interval_ms` on a connection of
     /// its own. Answered by [`ControlMessage::Alive`], or refused once the job is aborted.
     Heartbeat {
         /// Who is alive.
         rank: usize,
     },
-    /// The coordinator heard the heartbeat (or the farewell) and the job goes on.
-    Alive,
+    /// The coordinator heard the heartbeat (or the farewell): go on, or roll back.
+    Alive(Beat),
     /// A rank has finished and stops heartbeating: its silence is no longer a death.
     Leave {
         /// Who leaves.
@@ -92,13 +104,15 @@ impl ControlMessage {
             Self::Join { rank, .. }
             | Self::Barrier { rank, .. }
             | Self::Gather { rank, .. }
+            | Self::Acknowledge { rank, .. }
             | Self::Heartbeat { rank }
             | Self::Leave { rank } => Some(*rank),
-            Self::Roster { .. }
+            Self::Roster(_)
             | Self::Refused { .. }
             | Self::Released { .. }
             | Self::Gathered { .. }
-            | Self::Alive
+            | Self::Committed { .. }
+            | Self::Alive(_)
             | Self::ClockProbe
             | Self::Clock { .. } => None,
         }

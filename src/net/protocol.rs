@@ -6,10 +6,14 @@
 use actix::dev::ToEnvelope;
 use actix::prelude::*;
 use bytes::Bytes;
+use serde::{Deserialize, Serialize};
 
-/// Rank `rank` joins the job, reachable for ring traffic at `data_endpoint`.
+use crate::checkpoint::FileRecord;
+
+/// Rank `rank` joins the job, reachable for ring traffic at `data_endpoint`: at the start, and
+/// again after every rollback (a survivor, or the replacement of a lost rank).
 #[derive(Message, Debug)]
-#[rtype(result = "Result<Vec<String>, String>")]
+#[rtype(result = "Result<Roster, String>")]
 pub struct Join {
     /// The joining rank.
     pub rank: usize,
@@ -17,6 +21,19 @@ pub struct Join {
     pub world_size: usize,
     /// Its data-plane listener, `ip:port`.
     pub data_endpoint: String,
+}
+
+/// The answer to a [`Join`] once every rank has joined: who is where, in which generation, and
+/// where training goes on.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Roster {
+    /// `endpoints[r]` is rank `r`'s data endpoint.
+    pub endpoints: Vec<String>,
+    /// The job's generation: 0 at the start, one more after every rollback.
+    pub generation: u64,
+    /// The step of the newest checkpoint the coordinator committed (or the run started from):
+    /// every rank continues after it; `None` means from step 0.
+    pub resume_step: Option<usize>,
 }
 
 /// Rank `rank` waits until every rank has reached barrier `name`.
@@ -43,12 +60,44 @@ pub struct Gather {
     pub part: Bytes,
 }
 
-/// Rank `rank` is alive. Answered with the reason once the job is aborted.
+/// Rank `rank` wrote `files` for the checkpoint of step `step` and waits until every rank has:
+/// then the coordinator commits the checkpoint's manifest, and answers.
 #[derive(Message, Debug)]
 #[rtype(result = "Result<(), String>")]
+pub struct Acknowledge {
+    /// The acknowledging rank.
+    pub rank: usize,
+    /// The checkpoint's step.
+    pub step: usize,
+    /// What this rank wrote for it (nothing when another rank holds the same state).
+    pub files: Vec<FileRecord>,
+}
+
+/// Rank `rank` is alive, heard on the control line numbered `line`. Answered with the reason
+/// once the job is stopped.
+#[derive(Message, Debug)]
+#[rtype(result = "Result<Beat, String>")]
 pub struct Heartbeat {
     /// The living rank.
     pub rank: usize,
+    /// Which connection carried it (so the loss of an old process's line is told from the
+    /// loss of its replacement's).
+    pub line: u64,
+}
+
+/// The coordinator's answer to a heartbeat.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Beat {
+    /// Go on.
+    Alive,
+    /// A rank was lost: leave what you are blocked in, and join generation `generation`,
+    /// where training continues from the newest committed checkpoint.
+    RollBack {
+        /// The generation to join.
+        generation: u64,
+        /// Which rank was lost, and why.
+        reason: String,
+    },
 }
 
 /// Rank `rank` has finished: its silence from now on is not a death.
@@ -59,12 +108,15 @@ pub struct Leave {
     pub rank: usize,
 }
 
-/// Rank `rank`'s heartbeat connection broke before it left: its process is gone.
+/// Rank `rank`'s heartbeat line `line` broke before it left: its process is gone (unless a
+/// replacement already beats on another line).
 #[derive(Message, Debug)]
 #[rtype(result = "()")]
 pub struct ConnectionLost {
     /// The lost rank.
     pub rank: usize,
+    /// The line that broke.
+    pub line: u64,
 }
 
 /// Where a role's requests to the coordinator go: one recipient per message, so the buses and
@@ -74,6 +126,7 @@ pub struct CoordinatorLine {
     pub(super) join: Recipient<Join>,
     pub(super) barrier: Recipient<Barrier>,
     pub(super) gather: Recipient<Gather>,
+    pub(super) acknowledge: Recipient<Acknowledge>,
     pub(super) heartbeat: Recipient<Heartbeat>,
     pub(super) leave: Recipient<Leave>,
     pub(super) connection_lost: Recipient<ConnectionLost>,
@@ -84,12 +137,14 @@ where
     A: Handler<Join>
         + Handler<Barrier>
         + Handler<Gather>
+        + Handler<Acknowledge>
         + Handler<Heartbeat>
         + Handler<Leave>
         + Handler<ConnectionLost>,
     A::Context: ToEnvelope<A, Join>
         + ToEnvelope<A, Barrier>
         + ToEnvelope<A, Gather>
+        + ToEnvelope<A, Acknowledge>
         + ToEnvelope<A, Heartbeat>
         + ToEnvelope<A, Leave>
         + ToEnvelope<A, ConnectionLost>,
@@ -99,6 +154,7 @@ where
             join: coordinator.clone().recipient(),
             barrier: coordinator.clone().recipient(),
             gather: coordinator.clone().recipient(),
+            acknowledge: coordinator.clone().recipient(),
             heartbeat: coordinator.clone().recipient(),
             leave: coordinator.clone().recipient(),
             connection_lost: coordinator.recipient(),

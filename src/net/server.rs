@@ -6,6 +6,8 @@
 //! first it names: a message for another rank closes it, so no process can send heartbeats, a
 //! leave or a barrier arrival in another rank's name.
 
+use std::sync::atomic::{AtomicU64, Ordering};
+
 use actix::MailboxError;
 use bytes::Bytes;
 use futures::{SinkExt, StreamExt};
@@ -14,7 +16,12 @@ use tokio_util::codec::{Framed, LengthDelimitedCodec};
 
 use super::auth::{self, Credentials};
 use super::frame::{codec, encode_with, ControlMessage, Frame};
-use super::protocol::{Barrier, ConnectionLost, CoordinatorLine, Gather, Heartbeat, Join, Leave};
+use super::protocol::{Acknowledge, Barrier, Beat, ConnectionLost, CoordinatorLine, Gather, Heartbeat, Join, Leave};
+use crate::checkpoint::FileRecord;
+
+/// Numbers the control connections of this process, so that a rank's heartbeat line is told
+/// apart from the line of the process it replaced.
+static LINES: AtomicU64 = AtomicU64::new(1);
 
 /// Accepts control connections until the actor system stops; a connection that fails the
 /// cluster-token handshake is dropped before any frame is read.
@@ -51,6 +58,7 @@ async fn handle_connection(
 ) -> Result<(), String> {
     stream.set_nodelay(true).map_err(|e| e.to_string())?;
     let mut framed = Framed::new(stream, codec(max_frame_bytes));
+    let line = LINES.fetch_add(1, Ordering::Relaxed);
     // The rank whose heartbeats this connection carries: if it ends before the rank left, the
     // rank's process is gone.
     let mut heartbeats_of = None;
@@ -59,12 +67,13 @@ async fn handle_connection(
         &mut framed,
         &coordinator,
         max_frame_bytes,
+        line,
         &mut heartbeats_of,
         &mut speaks_for,
     )
     .await;
     if let Some(rank) = heartbeats_of {
-        coordinator.connection_lost.do_send(ConnectionLost { rank });
+        coordinator.connection_lost.do_send(ConnectionLost { rank, line });
     }
     served
 }
@@ -73,6 +82,7 @@ async fn serve_frames(
     framed: &mut Framed<TcpStream, LengthDelimitedCodec>,
     coordinator: &CoordinatorLine,
     max_frame_bytes: usize,
+    line: u64,
     heartbeats_of: &mut Option<usize>,
     speaks_for: &mut Option<usize>,
 ) -> Result<(), String> {
@@ -101,7 +111,7 @@ async fn serve_frames(
                     })
                     .await,
             )
-            .map(|endpoints| (ControlMessage::Roster { endpoints }, Vec::new())),
+            .map(|roster| (ControlMessage::Roster(roster), Vec::new())),
             ControlMessage::Barrier { rank, name } => answered(
                 coordinator
                     .barrier
@@ -127,10 +137,16 @@ async fn serve_frames(
                 let payload = if rank == 0 { parts } else { Vec::new() };
                 (ControlMessage::Gathered { name, lengths }, payload)
             }),
+            ControlMessage::Acknowledge { rank, step } => {
+                let files: Vec<FileRecord> = serde_json::from_slice(&frame.payload)
+                    .map_err(|e| format!("rank {rank}'s acknowledgement of step {step}: {e}"))?;
+                answered(coordinator.acknowledge.send(Acknowledge { rank, step, files }).await)
+                    .map(|()| (ControlMessage::Committed { step }, Vec::new()))
+            }
             ControlMessage::Heartbeat { rank } => {
                 *heartbeats_of = Some(rank);
-                answered(coordinator.heartbeat.send(Heartbeat { rank }).await)
-                    .map(|()| (ControlMessage::Alive, Vec::new()))
+                answered(coordinator.heartbeat.send(Heartbeat { rank, line }).await)
+                    .map(|beat| (ControlMessage::Alive(beat), Vec::new()))
             }
             ControlMessage::Leave { rank } => {
                 *heartbeats_of = None;
@@ -139,7 +155,7 @@ async fn serve_frames(
                     .send(Leave { rank })
                     .await
                     .map_err(|e| format!("coordinator unavailable: {e}"))?;
-                Ok((ControlMessage::Alive, Vec::new()))
+                Ok((ControlMessage::Alive(Beat::Alive), Vec::new()))
             }
             ControlMessage::ClockProbe => Ok((
                 ControlMessage::Clock {

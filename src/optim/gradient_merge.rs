@@ -42,6 +42,11 @@ impl<B: MergeBuffer> GradientMerge<B> {
         }
     }
 
+    /// Drops the batches merged so far (a rollback abandons them).
+    pub fn clear(&mut self) {
+        self.sums.iter_mut().for_each(|sum| *sum = None);
+    }
+
     /// Whether batch `batch` (counted from 0) completes a merge, so its optimizer step runs.
     pub fn completes(&self, batch: usize) -> bool {
         (batch + 1).is_multiple_of(self.k)

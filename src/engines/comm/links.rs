@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 
-use super::RingPlace;
+use super::{LinkSockets, RingPlace};
 use crate::net::auth::{self, Credentials};
 
 const HELLO_MAGIC: &[u8; 8] = b"FLOTHELO";
@@ -20,14 +20,14 @@ const HELLO_MAGIC: &[u8; 8] = b"FLOTHELO";
 /// Connects the member at `place` to its right neighbour and accepts its left
 /// one (`endpoints` by position), within `timeout`, each connection opened by
 /// the cluster-token handshake; returns `(to_right, from_left)`, with no-delay
-/// and the timeout set on both.
+/// and the timeout set on both, and clones of both for breaking them.
 pub(super) fn connect_ring_links(
     place: &RingPlace,
     endpoints: &[SocketAddr],
     listener: &TcpListener,
     timeout: Duration,
     credentials: &Credentials,
-) -> Result<(TcpStream, TcpStream)> {
+) -> Result<(TcpStream, TcpStream, LinkSockets)> {
     let world_size = place.world_size();
     anyhow::ensure!(
         world_size >= 2,
@@ -52,7 +52,8 @@ pub(super) fn connect_ring_links(
         stream.set_read_timeout(Some(timeout))?;
         stream.set_write_timeout(Some(timeout))?;
     }
-    Ok((to_right, from_left))
+    let sockets = LinkSockets::of(&to_right, &from_left)?;
+    Ok((to_right, from_left, sockets))
 }
 
 /// An I/O error on the link to the neighbour at position `peer` as an error naming the

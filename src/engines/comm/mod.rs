@@ -14,6 +14,7 @@
 //!   submitted by the compute thread, so communication overlaps backward
 //!   ([`worker`]).
 
+pub mod breaker;
 mod links;
 pub mod memory;
 #[cfg(feature = "cuda")]
@@ -27,6 +28,7 @@ mod tensors;
 pub mod transport;
 pub mod worker;
 
+pub use breaker::{LinkSockets, RingBreaker};
 pub use place::RingPlace;
 pub use ring::Communicator;
 pub use transport::RingTransport;

@@ -119,6 +119,11 @@ impl Communicator {
         self.transport.world_size()
     }
 
+    /// The sockets under the ring, for breaking it from another thread (none in memory).
+    pub fn sockets(&self) -> Option<super::LinkSockets> {
+        self.transport.sockets()
+    }
+
     /// Sums `data` over all ranks, in place.
     pub fn all_reduce_sum(&mut self, op: &str, data: &mut [f32]) -> Result<()> {
         if self.world_size() == 1 {

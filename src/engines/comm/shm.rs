@@ -23,6 +23,7 @@ use anyhow::{bail, Context, Result};
 use super::links::{connect_ring_links, link_error};
 use super::send_queue::{MessageSink, SendQueue};
 use super::transport::{MessageHeader, RingTransport};
+use super::LinkSockets;
 use super::RingPlace;
 use crate::net::auth::Credentials;
 
@@ -190,6 +191,8 @@ pub struct ShmTransport {
     next_slot: usize,
     received: u64,
     timeout: Duration,
+    /// Clones of the two sockets, for breaking the links from another thread.
+    sockets: LinkSockets,
 }
 
 /// Removes the link file once both sides have it mapped (or on failure).
@@ -212,7 +215,8 @@ impl ShmTransport {
         timeout: Duration,
         credentials: &Credentials,
     ) -> Result<Self> {
-        let (mut to_right, mut from_left) = connect_ring_links(&place, endpoints, listener, timeout, credentials)?;
+        let (mut to_right, mut from_left, sockets) =
+            connect_ring_links(&place, endpoints, listener, timeout, credentials)?;
         let (rank, left) = (place.rank(), place.rank_at(place.left()));
         let unique = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
@@ -264,6 +268,7 @@ impl ShmTransport {
             next_slot: 0,
             received: 0,
             timeout,
+            sockets,
         })
     }
 
@@ -286,6 +291,10 @@ impl ShmTransport {
 impl RingTransport for ShmTransport {
     fn rank(&self) -> usize {
         self.place.position()
+    }
+
+    fn sockets(&self) -> Option<LinkSockets> {
+        Some(self.sockets.clone())
     }
 
     fn world_size(&self) -> usize {

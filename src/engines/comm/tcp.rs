@@ -14,6 +14,7 @@ use anyhow::Result;
 use super::links::{connect_ring_links, link_error};
 use super::send_queue::SendQueue;
 use super::transport::{MessageHeader, RingTransport};
+use super::LinkSockets;
 use super::RingPlace;
 use crate::net::auth::Credentials;
 
@@ -28,6 +29,8 @@ pub struct TcpTransport {
     from_left: TcpStream,
     received: u64,
     timeout: Duration,
+    /// Clones of the two sockets, for breaking the links from another thread.
+    sockets: LinkSockets,
     /// Reused receive buffer; `f32` so pieces can be viewed as floats
     /// without copying.
     scratch: Vec<f32>,
@@ -44,7 +47,7 @@ impl TcpTransport {
         timeout: Duration,
         credentials: &Credentials,
     ) -> Result<Self> {
-        let (to_right, from_left) = connect_ring_links(&place, endpoints, listener, timeout, credentials)?;
+        let (to_right, from_left, sockets) = connect_ring_links(&place, endpoints, listener, timeout, credentials)?;
         let to_right = SendQueue::new(to_right, format!("ring-send-rank{}", place.rank()))?;
         Ok(Self {
             place,
@@ -52,6 +55,7 @@ impl TcpTransport {
             from_left,
             received: 0,
             timeout,
+            sockets,
             scratch: vec![0.0; RECV_PIECE_BYTES / 4],
         })
     }
@@ -95,6 +99,10 @@ fn read_message(
 impl RingTransport for TcpTransport {
     fn rank(&self) -> usize {
         self.place.position()
+    }
+
+    fn sockets(&self) -> Option<LinkSockets> {
+        Some(self.sockets.clone())
     }
 
     fn world_size(&self) -> usize {

@@ -60,6 +60,11 @@ pub trait RingTransport: Send {
     fn rank(&self) -> usize;
     /// Ranks in the ring.
     fn world_size(&self) -> usize;
+
+    /// The sockets under this link, for breaking it from another thread (none in memory).
+    fn sockets(&self) -> Option<super::LinkSockets> {
+        None
+    }
     /// Queues one message for the right neighbour and may return before it
     /// is sent; messages leave in the order queued.
     ///

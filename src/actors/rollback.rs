@@ -1,0 +1,111 @@
+//! How a rank of a job that recovers in place hears the coordinator's rollback orders: the
+//! thread that heartbeats gets them, breaks the ring the rank may be blocked in (so it leaves
+//! the collective at once, not after the link timeout), and hands the order to the training
+//! loop, which rolls back inside this process.
+
+use std::time::Duration;
+
+use anyhow::Result;
+use tokio::sync::watch;
+
+use crate::engines::comm::RingBreaker;
+
+/// The coordinator lost a rank: every survivor joins generation `generation`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RollbackOrder {
+    /// The generation to join.
+    pub generation: u64,
+    /// Which rank was lost, and why.
+    pub reason: String,
+}
+
+/// The heartbeat side: where orders go in.
+#[derive(Clone)]
+pub struct OrderLine {
+    ring: RingBreaker,
+    orders: watch::Sender<Option<RollbackOrder>>,
+}
+
+/// The training side: where orders come out.
+pub struct Orders {
+    orders: watch::Receiver<Option<RollbackOrder>>,
+    /// How long after a failure an order may still come (the coordinator's detection, then a
+    /// heartbeat to carry it).
+    grace: Duration,
+    /// The newest generation this rank rolled back to.
+    acted_on: u64,
+}
+
+/// A line for orders and its receiving end; `grace` bounds how long a failed rank waits to hear
+/// whether its failure was a peer's death.
+pub fn order_line(grace: Duration) -> (OrderLine, Orders) {
+    let (tx, rx) = watch::channel(None);
+    let line = OrderLine {
+        ring: RingBreaker::default(),
+        orders: tx,
+    };
+    (
+        line,
+        Orders {
+            orders: rx,
+            grace,
+            acted_on: 0,
+        },
+    )
+}
+
+impl OrderLine {
+    /// The coordinator ordered the rollback to `generation`: breaks the ring in use (once per
+    /// generation) and tells the training loop.
+    pub fn order(&self, generation: u64, reason: String) {
+        if self.ring.break_for(generation) {
+            tracing::warn!(generation, "rollback ordered: {reason}");
+            self.orders.send_replace(Some(RollbackOrder { generation, reason }));
+        }
+    }
+
+    /// Where the rank's ring hands its sockets.
+    pub fn breaker(&self) -> RingBreaker {
+        self.ring.clone()
+    }
+}
+
+impl Orders {
+    /// The rollback order that explains `failure`: one to a generation this rank has not rolled
+    /// back to yet, given now or within the grace period. Without one, `failure` stands.
+    pub async fn explain(&mut self, failure: anyhow::Error) -> Result<RollbackOrder> {
+        let acted_on = self.acted_on;
+        let newer = |order: &Option<RollbackOrder>| order.as_ref().is_some_and(|o| o.generation > acted_on);
+        let order = match tokio::time::timeout(self.grace, self.orders.wait_for(newer)).await {
+            Ok(Ok(order)) => order.clone(),
+            _ => None,
+        };
+        match order {
+            Some(order) => {
+                tracing::info!(generation = order.generation, "rolling back after: {failure:#}");
+                self.acted_on = order.generation;
+                Ok(order)
+            }
+            None => Err(failure),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn a_failure_without_an_order_stands_and_one_with_an_order_rolls_back_once() {
+        let (line, mut orders) = order_line(Duration::from_millis(100));
+        let err = orders.explain(anyhow::anyhow!("a real bug")).await.unwrap_err();
+        assert_eq!(err.to_string(), "a real bug");
+        line.order(1, "rank 2 declared dead".into());
+        line.order(1, "the same order, heard again".into());
+        let order = orders.explain(anyhow::anyhow!("ring broke")).await.unwrap();
+        assert_eq!(order.generation, 1);
+        assert_eq!(order.reason, "rank 2 declared dead");
+        let err = orders.explain(anyhow::anyhow!("later failure")).await.unwrap_err();
+        assert_eq!(err.to_string(), "later failure", "an order is acted on once");
+    }
+}

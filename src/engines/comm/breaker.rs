@@ -1,0 +1,85 @@
+//! Leaving a collective at once: a rank blocked in a ring operation on a peer that will never
+//! answer (dead, or stopped) would wait out the link timeout. The coordinator's rollback order
+//! reaches the rank on another thread, which shuts the ring's sockets down through a
+//! [`RingBreaker`]; every blocked read and write on them then fails at once, and the rank goes
+//! on to roll back.
+
+use std::net::{Shutdown, TcpStream};
+use std::sync::{Arc, Mutex, PoisonError};
+
+/// Clones of one ring member's two sockets (to its right and from its left neighbour).
+#[derive(Clone)]
+pub struct LinkSockets(Arc<[TcpStream; 2]>);
+
+impl LinkSockets {
+    /// Clones of `to_right` and `from_left`.
+    pub fn of(to_right: &TcpStream, from_left: &TcpStream) -> std::io::Result<Self> {
+        Ok(Self(Arc::new([to_right.try_clone()?, from_left.try_clone()?])))
+    }
+
+    fn shut(&self) {
+        for socket in self.0.iter() {
+            let _ = socket.shutdown(Shutdown::Both);
+        }
+    }
+}
+
+/// The ring of the running generation, as the thread that hears rollback orders sees it.
+#[derive(Clone, Default)]
+pub struct RingBreaker(Arc<Mutex<BreakerState>>);
+
+#[derive(Default)]
+struct BreakerState {
+    /// The sockets of the ring in use (none before it is connected, or on a ring of memory).
+    sockets: Option<LinkSockets>,
+    /// The newest generation whose order broke the ring.
+    broken_for: u64,
+}
+
+impl RingBreaker {
+    /// The ring just connected uses `sockets`.
+    pub fn arm(&self, sockets: Option<LinkSockets>) {
+        self.0.lock().unwrap_or_else(PoisonError::into_inner).sockets = sockets;
+    }
+
+    /// Breaks the ring in use for the rollback to `generation`, once per generation: returns
+    /// whether this call did.
+    pub fn break_for(&self, generation: u64) -> bool {
+        let mut state = self.0.lock().unwrap_or_else(PoisonError::into_inner);
+        if generation <= state.broken_for {
+            return false;
+        }
+        state.broken_for = generation;
+        if let Some(sockets) = state.sockets.take() {
+            sockets.shut();
+        }
+        true
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::Read;
+    use std::net::TcpListener;
+    use std::time::{Duration, Instant};
+
+    #[test]
+    fn a_read_blocked_on_a_silent_peer_fails_at_once_when_broken() {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let to_right = TcpStream::connect(listener.local_addr().unwrap()).unwrap();
+        let (_silent_peer, _) = listener.accept().unwrap();
+        let from_left = to_right.try_clone().unwrap();
+        from_left.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+        let breaker = RingBreaker::default();
+        breaker.arm(Some(LinkSockets::of(&to_right, &from_left).unwrap()));
+        let started = Instant::now();
+        let reader = std::thread::spawn(move || (&from_left).read(&mut [0u8; 8]));
+        std::thread::sleep(Duration::from_millis(100));
+        assert!(breaker.break_for(1));
+        assert!(!breaker.break_for(1), "one break per generation");
+        let read = reader.join().unwrap();
+        assert!(matches!(read, Ok(0) | Err(_)), "{read:?}");
+        assert!(started.elapsed() < Duration::from_secs(5), "{:?}", started.elapsed());
+    }
+}

@@ -1,0 +1,48 @@
+//! The coordinator as a process of its own (`flotilla run --role coordinator`): losing any
+//! trainer, rank 0 included, then never loses the coordinator, which replaces the lost rank in
+//! place — the survivors roll back inside their processes and only the lost one is restarted.
+
+use std::time::Duration;
+
+use actix::System;
+use anyhow::{ensure, Result};
+use tokio::sync::oneshot;
+
+use super::control::host_coordinator;
+use super::process::master;
+use super::{Recovery, RunOptions};
+use crate::actors::Coordinator;
+use crate::config::JobConfig;
+use crate::net::auth::Credentials;
+
+/// How long the coordinator lingers after the last rank left, so its farewell is answered.
+const LINGER: Duration = Duration::from_millis(200);
+
+/// Serves the coordinator of `config`'s job at `cluster.master` until every rank has finished.
+pub fn run_coordinator(config: &JobConfig, options: &RunOptions) -> Result<()> {
+    ensure!(
+        !config.strategy.pipeline && !config.cluster.is_parameter_server(),
+        "{}: a coordinator of its own (in-place recovery) is built for collective data-parallel jobs; \
+         pipeline and parameter-server jobs host theirs in rank 0 or server 0",
+        config.source_name
+    );
+    let recovery = Recovery::plan(config, &options.run_dir, &options.resume)?;
+    let master = master(config)?;
+    let ft = &config.fault_tolerance;
+    let credentials = Credentials::new(config.cluster.cluster_token()?, ft.timeout());
+    let world = config.world_size();
+    System::new().block_on(async move {
+        let (done, finished) = oneshot::channel();
+        let coordinator = Coordinator::new(world, ft.timeout())
+            .with_checkpoints(recovery.store.clone(), recovery.start_step())
+            .recovering_in_place()
+            .with_finish(done);
+        host_coordinator(coordinator, &master, ft, config.cluster.max_frame_bytes(), &credentials).await?;
+        tracing::info!(%master, world, "coordinator serving");
+        // The sender lives in the coordinator, which lives as long as this system.
+        let _ = finished.await;
+        tracing::info!("every rank has finished");
+        tokio::time::sleep(LINGER).await;
+        Ok(())
+    })
+}
