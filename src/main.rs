@@ -18,7 +18,8 @@ use flotilla::job::ps::{ParameterServerJob, PsSummary};
 use flotilla::job::{
     resumed_config, run_dir, Refusal, Resume, RunOptions, RunOutcome, TrainingJob, REFUSAL_EXIT_CODE, RESUME_VAR,
 };
-use flotilla::launch::{supervise, ChildSpec, LaunchArgs, LaunchPsArgs, OutputMode};
+use flotilla::launch::{supervise, ChildSpec, DeathWatch, LaunchArgs, LaunchPsArgs, OutputMode};
+use flotilla::net::auth::Credentials;
 use flotilla::telemetry::metrics::METRICS_FILE;
 use flotilla::telemetry::monitor::ProgressView;
 use flotilla::telemetry::summary_table;
@@ -224,14 +225,11 @@ fn run(cli: Cli) -> Result<()> {
         Command::Launch(args) => {
             let exe = std::env::current_exe().context("locating the flotilla binary")?;
             let train = launched_train(&args.command)?;
-            let children = args.plan(exe.clone(), false)?;
+            let mut children = args.plan(exe)?;
             let config = launched_config(train.as_ref(), &children)?;
-            // The job's own config says whether the coordinator runs apart and ranks recover
-            // in place; the plan is then made again with it.
-            let children = match &config {
-                Some(config) if config.recovers_in_place() => args.plan(exe, true)?,
-                _ => children,
-            };
+            if config.as_ref().is_some_and(JobConfig::recovers_in_place) {
+                args.recover_in_place(&mut children);
+            }
             launch(children, train, config, args.max_restarts)
         }
         Command::LaunchPs(args) => {
@@ -323,8 +321,12 @@ fn launch(
     // `--max_restarts`, else the job's `fault_tolerance.max_restarts`; none for a program of
     // the user's own.
     let restarts = restarts_flag
-        .or(config.map(|c| c.fault_tolerance.max_restarts))
+        .or(config.as_ref().map(|c| c.fault_tolerance.max_restarts))
         .unwrap_or(0);
+    let death_watch = match &config {
+        Some(config) if children.iter().any(|c| c.restart_alone) => Some(death_watch(config)?),
+        _ => None,
+    };
     match &train {
         Some(args) if args.resume.is_some() => {}
         Some(TrainArgs {
@@ -341,7 +343,25 @@ fn launch(
         }
         _ => {}
     }
-    supervise(children, OutputMode::Prefixed, restarts)
+    supervise(children, OutputMode::Prefixed, restarts, death_watch)
+}
+
+/// Watches the coordinator of `config`'s job for processes it declares dead.
+fn death_watch(config: &JobConfig) -> Result<DeathWatch> {
+    let ft = &config.fault_tolerance;
+    let master = config
+        .cluster
+        .master
+        .clone()
+        .context("cluster.master: the launcher's processes have no coordinator address")?;
+    let credentials = Credentials::new(config.cluster.cluster_token()?, ft.timeout());
+    DeathWatch::start(
+        master,
+        credentials,
+        ft.heartbeat_interval(),
+        ft.heartbeat_deadline(),
+        config.cluster.max_frame_bytes(),
+    )
 }
 
 /// The arguments of a launcher's `train` command, when it runs flotilla's trainer.

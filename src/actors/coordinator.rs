@@ -22,9 +22,14 @@ use bytes::Bytes;
 use tokio::sync::oneshot;
 
 use crate::checkpoint::{CheckpointStore, FileRecord};
-use crate::net::protocol::{Acknowledge, Barrier, Beat, ConnectionLost, Gather, Heartbeat, Join, Leave, Roster};
+use crate::net::protocol::{
+    Acknowledge, Barrier, Beat, ConnectionLost, DeadProcess, Gather, Heartbeat, Join, Leave, ListDead, Roster,
+};
 
 type Waiter<T> = oneshot::Sender<Result<T, String>>;
+
+/// The processes declared dead that are remembered for launchers to ask about.
+const DEAD_REMEMBERED: usize = 64;
 /// A rank waiting at a barrier or gather: its part (empty at a barrier), and where its answer goes.
 type Arrival = (Bytes, Waiter<Vec<Bytes>>);
 
@@ -50,8 +55,10 @@ pub struct Coordinator {
     barriers: HashMap<String, Waiting>,
     /// How long a rank may go without a heartbeat; `None` when ranks share this process.
     heartbeat_deadline: Option<Duration>,
-    /// When each rank that heartbeats was last heard from, and on which line.
-    last_heard: HashMap<usize, (Instant, u64)>,
+    /// When each rank that heartbeats was last heard from, on which line, and its process id.
+    last_heard: HashMap<usize, (Instant, u64, u32)>,
+    /// The processes declared dead, newest last (at most [`DEAD_REMEMBERED`]).
+    dead: Vec<DeadProcess>,
     /// Ranks that finished and stopped heartbeating.
     left: HashSet<usize>,
     /// Why the job was stopped, once it was.
@@ -83,6 +90,7 @@ impl Coordinator {
             barriers: HashMap::new(),
             heartbeat_deadline: None,
             last_heard: HashMap::new(),
+            dead: Vec::new(),
             left: HashSet::new(),
             stopped: None,
             rolled_back: String::new(),
@@ -172,7 +180,12 @@ impl Coordinator {
         self.fail_barriers(&reason);
         // Its replacement is a new member; the ranks already joining wait on for the new roster.
         self.members.remove(&rank);
-        self.last_heard.remove(&rank);
+        if let Some((_, _, pid)) = self.last_heard.remove(&rank) {
+            if self.dead.len() == DEAD_REMEMBERED {
+                self.dead.remove(0);
+            }
+            self.dead.push(DeadProcess { rank, pid });
+        }
         if let Some((_, waiter)) = self.joining.remove(&rank) {
             let _ = waiter.send(Err(reason.clone()));
         }
@@ -193,7 +206,7 @@ impl Coordinator {
             .last_heard
             .iter()
             .filter(|(rank, _)| !self.left.contains(rank))
-            .map(|(&rank, (heard, _))| (rank, heard.elapsed()))
+            .map(|(&rank, (heard, _, _))| (rank, heard.elapsed()))
             .filter(|(_, silence)| *silence > deadline)
             .collect();
         for (rank, silence) in silent {
@@ -405,7 +418,7 @@ impl Handler<Heartbeat> for Coordinator {
         if let Some(reason) = &self.stopped {
             return Err(reason.clone());
         }
-        self.last_heard.insert(msg.rank, (Instant::now(), msg.line));
+        self.last_heard.insert(msg.rank, (Instant::now(), msg.line, msg.pid));
         Ok(if self.behind(msg.rank) {
             Beat::RollBack {
                 generation: self.generation,
@@ -414,6 +427,14 @@ impl Handler<Heartbeat> for Coordinator {
         } else {
             Beat::Alive
         })
+    }
+}
+
+impl Handler<ListDead> for Coordinator {
+    type Result = Vec<DeadProcess>;
+
+    fn handle(&mut self, _: ListDead, _: &mut Self::Context) -> Self::Result {
+        self.dead.clone()
     }
 }
 
@@ -438,7 +459,7 @@ impl Handler<ConnectionLost> for Coordinator {
         if self
             .last_heard
             .get(&msg.rank)
-            .is_some_and(|&(_, line)| line == msg.line)
+            .is_some_and(|&(_, line, _)| line == msg.line)
         {
             self.declare_dead(msg.rank, "its heartbeat connection broke (the process is gone)");
         }
@@ -544,7 +565,7 @@ mod tests {
             .with_heartbeat_deadline(Duration::from_millis(200))
             .start();
         for rank in 0..2 {
-            c.send(Heartbeat { rank, line: 0 }).await.unwrap().unwrap();
+            c.send(Heartbeat { rank, pid: 0, line: 0 }).await.unwrap().unwrap();
         }
         let barrier = c.send(Barrier {
             rank: 0,
@@ -554,13 +575,27 @@ mod tests {
         let beating = async {
             for _ in 0..10 {
                 tokio::time::sleep(Duration::from_millis(50)).await;
-                let _ = c.send(Heartbeat { rank: 0, line: 0 }).await;
+                let _ = c
+                    .send(Heartbeat {
+                        rank: 0,
+                        pid: 0,
+                        line: 0,
+                    })
+                    .await;
             }
         };
         let (waited, ()) = futures::join!(barrier, beating);
         let err = waited.unwrap().expect_err("the barrier cannot complete");
         assert!(err.contains("rank 1 declared dead: no heartbeat for"), "{err}");
-        let refused = c.send(Heartbeat { rank: 0, line: 0 }).await.unwrap().unwrap_err();
+        let refused = c
+            .send(Heartbeat {
+                rank: 0,
+                pid: 0,
+                line: 0,
+            })
+            .await
+            .unwrap()
+            .unwrap_err();
         assert_eq!(refused, err, "every later heartbeat hears why the job stopped");
     }
 
@@ -569,15 +604,34 @@ mod tests {
         let c = Coordinator::new(2, Duration::from_secs(30))
             .with_heartbeat_deadline(Duration::from_secs(30))
             .start();
-        c.send(Heartbeat { rank: 1, line: 1 }).await.unwrap().unwrap();
+        c.send(Heartbeat {
+            rank: 1,
+            pid: 0,
+            line: 1,
+        })
+        .await
+        .unwrap()
+        .unwrap();
         c.send(Leave { rank: 1 }).await.unwrap();
         c.send(ConnectionLost { rank: 1, line: 1 }).await.unwrap();
-        c.send(Heartbeat { rank: 0, line: 2 })
+        c.send(Heartbeat {
+            rank: 0,
+            pid: 0,
+            line: 2,
+        })
+        .await
+        .unwrap()
+        .expect("a rank that left is not dead");
+        c.send(ConnectionLost { rank: 0, line: 2 }).await.unwrap();
+        let err = c
+            .send(Heartbeat {
+                rank: 1,
+                pid: 0,
+                line: 3,
+            })
             .await
             .unwrap()
-            .expect("a rank that left is not dead");
-        c.send(ConnectionLost { rank: 0, line: 2 }).await.unwrap();
-        let err = c.send(Heartbeat { rank: 1, line: 3 }).await.unwrap().unwrap_err();
+            .unwrap_err();
         assert!(
             err.contains("rank 0 declared dead: its heartbeat connection broke"),
             "{err}"

@@ -125,7 +125,7 @@ pub fn run(nproc: usize, args: &AllReduceArgs) -> Result<()> {
             restart_alone: false,
         })
         .collect();
-    supervise(children, OutputMode::Rank0Plain, 0)
+    supervise(children, OutputMode::Rank0Plain, 0, None)
 }
 
 fn free_loopback_port() -> Result<String> {

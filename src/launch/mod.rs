@@ -5,9 +5,11 @@
 //! coordinator listens on the first node's `started_port` unless `--master`
 //! says otherwise, and local rank `i` of every node on `started_port + 1 + i`.
 
+mod death_watch;
 mod ps;
 mod supervisor;
 
+pub use death_watch::DeathWatch;
 pub use ps::LaunchPsArgs;
 pub use supervisor::{supervise, OutputMode};
 
@@ -131,11 +133,8 @@ impl LaunchArgs {
         })
     }
 
-    /// The processes this node starts, with their environment. With `own_coordinator` (a
-    /// collective data-parallel job of flotilla's trainer), the first node also starts the
-    /// coordinator as a process of its own, and a failed trainer is restarted alone while the
-    /// others roll back in place.
-    pub fn plan(&self, flotilla: PathBuf, own_coordinator: bool) -> Result<Vec<ChildSpec>> {
+    /// The processes this node starts, with their environment.
+    pub fn plan(&self, flotilla: PathBuf) -> Result<Vec<ChildSpec>> {
         let JobAddresses {
             master,
             trainers: endpoints,
@@ -162,59 +161,78 @@ impl LaunchArgs {
             None => bail!("launch needs a command after `--`: `train --config FILE` or a program"),
         };
         let token = credentials_env(self.nnodes == 1)?;
-        let own_coordinator = own_coordinator && self.command.first().is_some_and(|c| c == "train");
-        let common = [
-            ("PADDLE_NNODES", self.nnodes.to_string()),
-            ("PADDLE_TRAINERS_NUM", world.to_string()),
-            ("PADDLE_TRAINER_ENDPOINTS", endpoints.join(",")),
-            ("PADDLE_MASTER", master.clone()),
-            ("POD_IP", self.node_ip.clone()),
-        ];
-        let mut children = Vec::with_capacity(self.nproc_per_node + 1);
-        if own_coordinator && node_rank == 0 {
-            let mut env = common.to_vec();
-            env.extend(thread_env(self.nproc_per_node + 1));
-            env.extend(token.iter().cloned());
-            children.push(ChildSpec {
-                rank: world,
-                name: "coordinator".to_string(),
-                program: program.clone(),
-                args: ["run", "--role", "coordinator"]
-                    .iter()
-                    .map(|s| s.to_string())
-                    .chain(self.command[1..].iter().cloned())
-                    .collect(),
-                env: env.into_iter().map(|(k, v)| (k.to_string(), v)).collect(),
-                restart_alone: false,
-            });
+        Ok((0..self.nproc_per_node)
+            .map(|local_rank| {
+                let rank = node_rank * self.nproc_per_node + local_rank;
+                let mut env = vec![
+                    ("TRAINING_ROLE", "TRAINER".to_string()),
+                    ("PADDLE_TRAINER_ID", rank.to_string()),
+                    ("PADDLE_GLOBAL_RANK", rank.to_string()),
+                    ("PADDLE_LOCAL_RANK", local_rank.to_string()),
+                    ("PADDLE_LOCAL_SIZE", self.nproc_per_node.to_string()),
+                    ("PADDLE_NNODES", self.nnodes.to_string()),
+                    ("PADDLE_TRAINERS_NUM", world.to_string()),
+                    ("PADDLE_TRAINER_ENDPOINTS", endpoints.join(",")),
+                    ("PADDLE_CURRENT_ENDPOINT", endpoints[rank].clone()),
+                    ("PADDLE_MASTER", master.clone()),
+                    ("POD_IP", self.node_ip.clone()),
+                    ("FLAGS_selected_gpus", local_rank.to_string()),
+                ];
+                env.extend(thread_env(self.nproc_per_node));
+                env.extend(token.iter().cloned());
+                ChildSpec {
+                    rank,
+                    name: format!("rank {rank}"),
+                    program: program.clone(),
+                    args: args.clone(),
+                    env: env.into_iter().map(|(k, v)| (k.to_string(), v)).collect(),
+                    restart_alone: false,
+                }
+            })
+            .collect())
+    }
+
+    /// Makes `children` (this node's trainers, as [`LaunchArgs::plan`] made them) a job that
+    /// recovers in place: the first node also starts the coordinator as a process of its own
+    /// (first, with the trainers' environment but no rank), and a failed trainer is restarted
+    /// alone while the others roll back inside their processes.
+    pub fn recover_in_place(&self, children: &mut Vec<ChildSpec>) {
+        let Some(first) = children.first().cloned() else {
+            return;
+        };
+        for child in children.iter_mut() {
+            child.env.push((COORDINATOR_PROCESS_VAR.to_string(), "1".to_string()));
+            child.restart_alone = true;
         }
-        children.extend((0..self.nproc_per_node).map(|local_rank| {
-            let rank = node_rank * self.nproc_per_node + local_rank;
-            let mut env = vec![
-                ("TRAINING_ROLE", "TRAINER".to_string()),
-                ("PADDLE_TRAINER_ID", rank.to_string()),
-                ("PADDLE_GLOBAL_RANK", rank.to_string()),
-                ("PADDLE_LOCAL_RANK", local_rank.to_string()),
-                ("PADDLE_LOCAL_SIZE", self.nproc_per_node.to_string()),
-                ("PADDLE_CURRENT_ENDPOINT", endpoints[rank].clone()),
-                ("FLAGS_selected_gpus", local_rank.to_string()),
-            ];
-            env.extend(common.iter().cloned());
-            env.extend(thread_env(self.nproc_per_node));
-            env.extend(token.iter().cloned());
-            if own_coordinator {
-                env.push((COORDINATOR_PROCESS_VAR, "1".to_string()));
-            }
+        if self.cluster_node_ips.first() != Some(&self.node_ip) {
+            return;
+        }
+        let trainer_only = [
+            "TRAINING_ROLE",
+            "PADDLE_TRAINER_ID",
+            "PADDLE_GLOBAL_RANK",
+            "PADDLE_LOCAL_RANK",
+            "PADDLE_CURRENT_ENDPOINT",
+        ];
+        let mut args = first.args.clone();
+        if let Some(role) = args.iter().position(|a| a == "trainer") {
+            args[role] = "coordinator".to_string();
+        }
+        children.insert(
+            0,
             ChildSpec {
-                rank,
-                name: format!("rank {rank}"),
-                program: program.clone(),
-                args: args.clone(),
-                env: env.into_iter().map(|(k, v)| (k.to_string(), v)).collect(),
-                restart_alone: own_coordinator,
-            }
-        }));
-        Ok(children)
+                rank: self.nnodes * self.nproc_per_node,
+                name: "coordinator".to_string(),
+                args,
+                env: first
+                    .env
+                    .into_iter()
+                    .filter(|(key, _)| !trainer_only.contains(&key.as_str()))
+                    .collect(),
+                restart_alone: false,
+                ..first
+            },
+        );
     }
 }
 
@@ -272,7 +290,7 @@ mod tests {
     #[test]
     fn second_node_gets_global_ranks_and_paddle_env() -> anyhow::Result<()> {
         let plan = args("--nnodes 2 --nproc_per_node 2 --node_ip 10.0.0.2 --cluster_node_ips 10.0.0.1,10.0.0.2 -- train --config c.toml")
-            .plan("flotilla".into(), false)
+            .plan("flotilla".into())
             ?;
         assert_eq!(plan.iter().map(|c| c.rank).collect::<Vec<_>>(), vec![2, 3]);
         assert_eq!(plan[0].args, vec!["run", "--role", "trainer", "--config", "c.toml"]);
@@ -298,16 +316,16 @@ mod tests {
     #[test]
     fn inconsistent_node_lists_are_rejected() {
         let err = args("--nnodes 2 --node_ip 127.0.0.1 --cluster_node_ips 127.0.0.1 -- train")
-            .plan("f".into(), false)
+            .plan("f".into())
             .unwrap_err();
         assert!(err.to_string().contains("--nnodes is 2"), "{err}");
-        let err = args("--node_ip 10.9.9.9 -- train").plan("f".into(), false).unwrap_err();
+        let err = args("--node_ip 10.9.9.9 -- train").plan("f".into()).unwrap_err();
         assert!(err.to_string().contains("10.9.9.9"), "{err}");
     }
 
     #[test]
     fn other_programs_run_as_given() -> anyhow::Result<()> {
-        let plan = args("--nproc_per_node 1 -- ./my_job --flag").plan("flotilla".into(), false)?;
+        let plan = args("--nproc_per_node 1 -- ./my_job --flag").plan("flotilla".into())?;
         assert_eq!(plan[0].program, PathBuf::from("./my_job"));
         assert_eq!(plan[0].args, vec!["--flag"]);
         Ok(())

@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 use anyhow::{anyhow, Context, Result};
 use indicatif::ProgressBar;
 
-use super::ChildSpec;
+use super::{ChildSpec, DeathWatch};
 use crate::job::{REFUSAL_EXIT_CODE, RESUME_VAR};
 use crate::telemetry::monitor::{progress_bar, ProgressLine, PROGRESS_FOR_LAUNCHER, PROGRESS_VAR};
 
@@ -125,6 +125,8 @@ impl Interrupts {
 struct Running {
     name: String,
     child: Child,
+    /// Killed because the coordinator declared it dead (once is enough).
+    killed_as_dead: bool,
     stderr_tail: Arc<Mutex<VecDeque<String>>>,
     pumps: Vec<thread::JoinHandle<()>>,
 }
@@ -146,10 +148,18 @@ enum Ended {
 ///
 /// The children die with the thread that calls this (their parent-death signal): call it from
 /// the main thread.
-pub fn supervise(children: Vec<ChildSpec>, mode: OutputMode, max_restarts: usize) -> Result<()> {
+///
+/// With a `death_watch`, a process the coordinator declared dead that still runs (stopped, or
+/// hung) is killed, and so replaced.
+pub fn supervise(
+    children: Vec<ChildSpec>,
+    mode: OutputMode,
+    max_restarts: usize,
+    death_watch: Option<DeathWatch>,
+) -> Result<()> {
     let interrupts = Interrupts::install()?;
     let bar = LauncherBar::for_terminal();
-    let ended = restart_until_done(children, mode, max_restarts, &interrupts, &bar);
+    let ended = restart_until_done(children, mode, max_restarts, &interrupts, &bar, death_watch.as_ref());
     bar.finish();
     ended
 }
@@ -160,6 +170,7 @@ fn restart_until_done(
     max_restarts: usize,
     interrupts: &Interrupts,
     bar: &LauncherBar,
+    death_watch: Option<&DeathWatch>,
 ) -> Result<()> {
     let mut restarts = 0;
     loop {
@@ -167,7 +178,7 @@ fn restart_until_done(
             done: &mut restarts,
             max: max_restarts,
         };
-        match run_once(&children, mode, interrupts, bar, alone) {
+        match run_once(&children, mode, interrupts, bar, alone, death_watch) {
             Ok(()) => return Ok(()),
             Err(Ended::Failed(e)) if restarts < max_restarts => {
                 restarts += 1;
@@ -206,6 +217,7 @@ fn run_once(
     interrupts: &Interrupts,
     bar: &LauncherBar,
     alone: Restarts,
+    death_watch: Option<&DeathWatch>,
 ) -> Result<(), Ended> {
     let mut running = Vec::with_capacity(children.len());
     for spec in children {
@@ -243,6 +255,9 @@ fn run_once(
                     "interrupted; the processes still running were killed ({why})"
                 )));
             }
+        }
+        if let Some(watch) = death_watch {
+            kill_declared_dead(&mut running, children, watch);
         }
         let mut statuses = poll(&mut running)?;
         if statuses.iter().flatten().any(|s| !s.success()) {
@@ -304,6 +319,22 @@ fn run_once(
     }
 }
 
+/// Kills the processes that may be restarted alone and that the coordinator declared dead while
+/// they still run (stopped, or hung): their exit is then handled as any death.
+fn kill_declared_dead(running: &mut [Running], children: &[ChildSpec], watch: &DeathWatch) {
+    for (r, spec) in running.iter_mut().zip(children) {
+        if spec.restart_alone && !r.killed_as_dead && watch.declared_dead(spec.rank, r.child.id()) {
+            r.killed_as_dead = true;
+            tracing::warn!(
+                "{} (pid {}) was declared dead by the coordinator but still runs: killing it so it is replaced",
+                r.name,
+                r.child.id()
+            );
+            signal_groups(std::slice::from_ref(r), libc::SIGKILL);
+        }
+    }
+}
+
 /// Whether a process exited refusing to start, for a reason no restart changes.
 fn refused(status: &ExitStatus) -> bool {
     status.code() == Some(i32::from(REFUSAL_EXIT_CODE))
@@ -358,6 +389,7 @@ fn start(spec: &ChildSpec, mode: OutputMode, bar: &LauncherBar) -> Result<Runnin
     Ok(Running {
         name: spec.name.clone(),
         child,
+        killed_as_dead: false,
         stderr_tail,
         pumps,
     })

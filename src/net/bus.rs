@@ -11,7 +11,7 @@ use tokio_util::codec::{Framed, LengthDelimitedCodec};
 
 use super::auth::{self, Credentials};
 use super::frame::{codec, ControlMessage, Frame};
-use super::protocol::{Acknowledge, Barrier, Beat, CoordinatorLine, Gather, Heartbeat, Join, Roster};
+use super::protocol::{Acknowledge, Barrier, Beat, CoordinatorLine, DeadProcess, Gather, Heartbeat, Join, Roster};
 use crate::checkpoint::FileRecord;
 use crate::telemetry::clock::{self, ClockSample};
 
@@ -236,18 +236,40 @@ impl ControlBus {
         if let Self::InMemory(coordinator) = self {
             return coordinator
                 .heartbeat
-                .send(Heartbeat { rank, line: 0 })
+                .send(Heartbeat {
+                    rank,
+                    pid: std::process::id(),
+                    line: 0,
+                })
                 .await
                 .context("the coordinator stopped");
         }
         match self
-            .request_within(Frame::control(ControlMessage::Heartbeat { rank }), limit)
+            .request_within(
+                Frame::control(ControlMessage::Heartbeat {
+                    rank,
+                    pid: std::process::id(),
+                }),
+                limit,
+            )
             .await?
             .header
         {
             ControlMessage::Alive(beat) => Ok(Ok(beat)),
             ControlMessage::Refused { reason } => Ok(Err(reason)),
             other => Err(self.unexpected(rank, other)),
+        }
+    }
+
+    /// The processes the coordinator declared dead, newest last (a launcher's question).
+    pub async fn list_dead(&mut self, limit: Duration) -> Result<Vec<DeadProcess>> {
+        match self
+            .request_within(Frame::control(ControlMessage::ListDead), limit)
+            .await?
+            .header
+        {
+            ControlMessage::Dead { processes } => Ok(processes),
+            other => Err(self.unexpected(0, other)),
         }
     }
 

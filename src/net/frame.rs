@@ -10,7 +10,7 @@ use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 use tokio_util::codec::LengthDelimitedCodec;
 
-use super::protocol::{Beat, Roster};
+use super::protocol::{Beat, DeadProcess, Roster};
 
 /// Messages of the control plane.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -79,6 +79,15 @@ pub enum ControlMessage {
     Heartbeat {
         /// Who is alive.
         rank: usize,
+        /// Its process id on its node.
+        pid: u32,
+    },
+    /// A launcher asks which processes the coordinator declared dead.
+    ListDead,
+    /// The processes declared dead, newest last.
+    Dead {
+        /// Rank and process id of each.
+        processes: Vec<DeadProcess>,
     },
     /// The coordinator heard the heartbeat (or the farewell): go on, or roll back.
     Alive(Beat),
@@ -105,13 +114,15 @@ impl ControlMessage {
             | Self::Barrier { rank, .. }
             | Self::Gather { rank, .. }
             | Self::Acknowledge { rank, .. }
-            | Self::Heartbeat { rank }
+            | Self::Heartbeat { rank, .. }
             | Self::Leave { rank } => Some(*rank),
             Self::Roster(_)
             | Self::Refused { .. }
             | Self::Released { .. }
             | Self::Gathered { .. }
             | Self::Committed { .. }
+            | Self::ListDead
+            | Self::Dead { .. }
             | Self::Alive(_)
             | Self::ClockProbe
             | Self::Clock { .. } => None,

@@ -80,6 +80,8 @@ pub struct Acknowledge {
 pub struct Heartbeat {
     /// The living rank.
     pub rank: usize,
+    /// Its process id on its node.
+    pub pid: u32,
     /// Which connection carried it (so the loss of an old process's line is told from the
     /// loss of its replacement's).
     pub line: u64,
@@ -98,6 +100,21 @@ pub enum Beat {
         /// Which rank was lost, and why.
         reason: String,
     },
+}
+
+/// The processes the coordinator declared dead, newest last: a launcher kills those of its own
+/// that still run (a stopped one, say), so that they are replaced.
+#[derive(Message, Debug)]
+#[rtype(result = "Vec<DeadProcess>")]
+pub struct ListDead;
+
+/// A process the coordinator declared dead.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DeadProcess {
+    /// Its rank.
+    pub rank: usize,
+    /// Its process id on its node.
+    pub pid: u32,
 }
 
 /// Rank `rank` has finished: its silence from now on is not a death.
@@ -128,6 +145,7 @@ pub struct CoordinatorLine {
     pub(super) gather: Recipient<Gather>,
     pub(super) acknowledge: Recipient<Acknowledge>,
     pub(super) heartbeat: Recipient<Heartbeat>,
+    pub(super) list_dead: Recipient<ListDead>,
     pub(super) leave: Recipient<Leave>,
     pub(super) connection_lost: Recipient<ConnectionLost>,
 }
@@ -139,6 +157,7 @@ where
         + Handler<Gather>
         + Handler<Acknowledge>
         + Handler<Heartbeat>
+        + Handler<ListDead>
         + Handler<Leave>
         + Handler<ConnectionLost>,
     A::Context: ToEnvelope<A, Join>
@@ -146,6 +165,7 @@ where
         + ToEnvelope<A, Gather>
         + ToEnvelope<A, Acknowledge>
         + ToEnvelope<A, Heartbeat>
+        + ToEnvelope<A, ListDead>
         + ToEnvelope<A, Leave>
         + ToEnvelope<A, ConnectionLost>,
 {
@@ -156,6 +176,7 @@ where
             gather: coordinator.clone().recipient(),
             acknowledge: coordinator.clone().recipient(),
             heartbeat: coordinator.clone().recipient(),
+            list_dead: coordinator.clone().recipient(),
             leave: coordinator.clone().recipient(),
             connection_lost: coordinator.recipient(),
         }

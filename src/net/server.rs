@@ -16,7 +16,9 @@ use tokio_util::codec::{Framed, LengthDelimitedCodec};
 
 use super::auth::{self, Credentials};
 use super::frame::{codec, encode_with, ControlMessage, Frame};
-use super::protocol::{Acknowledge, Barrier, Beat, ConnectionLost, CoordinatorLine, Gather, Heartbeat, Join, Leave};
+use super::protocol::{
+    Acknowledge, Barrier, Beat, ConnectionLost, CoordinatorLine, Gather, Heartbeat, Join, Leave, ListDead,
+};
 use crate::checkpoint::FileRecord;
 
 /// Numbers the control connections of this process, so that a rank's heartbeat line is told
@@ -143,9 +145,9 @@ async fn serve_frames(
                 answered(coordinator.acknowledge.send(Acknowledge { rank, step, files }).await)
                     .map(|()| (ControlMessage::Committed { step }, Vec::new()))
             }
-            ControlMessage::Heartbeat { rank } => {
+            ControlMessage::Heartbeat { rank, pid } => {
                 *heartbeats_of = Some(rank);
-                answered(coordinator.heartbeat.send(Heartbeat { rank, line }).await)
+                answered(coordinator.heartbeat.send(Heartbeat { rank, pid, line }).await)
                     .map(|beat| (ControlMessage::Alive(beat), Vec::new()))
             }
             ControlMessage::Leave { rank } => {
@@ -156,6 +158,14 @@ async fn serve_frames(
                     .await
                     .map_err(|e| format!("coordinator unavailable: {e}"))?;
                 Ok((ControlMessage::Alive(Beat::Alive), Vec::new()))
+            }
+            ControlMessage::ListDead => {
+                let processes = coordinator
+                    .list_dead
+                    .send(ListDead)
+                    .await
+                    .map_err(|e| format!("coordinator unavailable: {e}"))?;
+                Ok((ControlMessage::Dead { processes }, Vec::new()))
             }
             ControlMessage::ClockProbe => Ok((
                 ControlMessage::Clock {
