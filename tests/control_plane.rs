@@ -9,6 +9,7 @@ use std::time::Duration;
 use actix::Actor;
 use flotilla::actors::Coordinator;
 use flotilla::net::auth::{self, ClusterToken, Credentials};
+use flotilla::net::protocol::{Beat, Roster};
 use flotilla::net::{server, ControlBus, ControlMessage, Frame};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
@@ -81,9 +82,13 @@ async fn bad_frames_close_only_their_connection() {
     // A header length larger than the frame.
     closes_after(&addr, Some(TOKEN), &framed(&[200, 0, 0, 0, 1, 2])).await;
     // A well-formed frame carrying a message the coordinator never accepts.
-    let roster = Frame::control(ControlMessage::Roster { endpoints: vec![] })
-        .encode()
-        .expect("encode");
+    let roster = Frame::control(ControlMessage::Roster(Roster {
+        endpoints: vec![],
+        generation: 0,
+        resume_step: None,
+    }))
+    .encode()
+    .expect("encode");
     closes_after(&addr, Some(TOKEN), &framed(&roster)).await;
 
     let mut bus = ControlBus::connect(&addr, Duration::from_secs(5), CAP, &credentials(TOKEN))
@@ -93,7 +98,7 @@ async fn bad_frames_close_only_their_connection() {
         .join(0, 1, "127.0.0.1:9".to_string())
         .await
         .expect("served after the bad clients");
-    assert_eq!(roster, vec!["127.0.0.1:9".to_string()]);
+    assert_eq!(roster.endpoints, vec!["127.0.0.1:9".to_string()]);
     bus.barrier(0, "done").await.expect("barrier of one");
 }
 
@@ -158,7 +163,7 @@ async fn a_connection_speaks_for_one_rank_only() {
         .await
         .expect("connect");
     let limit = Duration::from_secs(5);
-    assert_eq!(bus.heartbeat(0, limit).await.expect("answered"), Ok(()));
+    assert_eq!(bus.heartbeat(0, limit).await.expect("answered"), Ok(Beat::Alive));
     // The same line now claims rank 1's heartbeat (as a process of another job, or a confused
     // one, could to keep a stalled rank 1 looking alive): the connection is closed unanswered.
     assert!(

@@ -6,10 +6,10 @@
 mod common;
 
 use std::path::{Path, PathBuf};
-use std::time::{Duration, Instant};
 
 use common::{
-    children_of, config, flotilla, free_port_range, start_flotilla, train_in_process, wait_for_training, PIPELINE_2X2,
+    children_of, config, flotilla, free_port_range, pick, start_flotilla, train_in_process, wait_for_commit,
+    wait_for_training, PIPELINE_2X2,
 };
 use flotilla::config::JobConfig;
 use flotilla::job::ps::{build_shard, ParameterServerJob};
@@ -28,12 +28,14 @@ struct Job {
     every: usize,
 }
 
+/// Whole-job restarts (in-place recovery, data parallel's default, is tested in
+/// `in_place_recovery.rs`).
 const DATA_PARALLEL: Job = Job {
     launcher: &["launch", "--nproc_per_node", "2"],
     config: "config.toml",
     processes: 2,
     victims: 2,
-    settings: &[],
+    settings: &["fault_tolerance.recovery=restart"],
     steps: 3000,
     every: 500,
 };
@@ -58,24 +60,6 @@ const PARAMETER_SERVER: Job = Job {
     steps: 240,
     every: 60,
 };
-
-/// Waits (at most 60 s) until step `step`'s checkpoint is committed in `dir`.
-fn wait_for_commit(dir: &Path, step: usize) {
-    let manifest = dir.join(format!("step-{step:08}")).join("manifest.json");
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while !manifest.exists() {
-        assert!(Instant::now() < deadline, "{} never appeared", manifest.display());
-        std::thread::sleep(Duration::from_millis(5));
-    }
-}
-
-/// A number that differs from run to run, printed so a failure can be replayed by hand.
-fn pick(choices: usize) -> usize {
-    let nanos = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.subsec_nanos());
-    nanos as usize % choices
-}
 
 /// Launches `job`, which checkpoints every `job.every` steps and may restart once, sends
 /// `signal` to one of its processes after a checkpoint, and checks that the job finishes with
@@ -299,7 +283,7 @@ fn a_restarted_job_without_checkpoints_says_it_starts_again_at_step_0() {
     #[rustfmt::skip]
     let args = ["launch", "--nproc_per_node", "2", "--started_port", &port, "--", "train",
         "--run-dir", run_dir.to_str().unwrap(), "--set", "train.steps=3000",
-        "--set", "fault_tolerance.max_restarts=1"];
+        "--set", "fault_tolerance.max_restarts=1", "--set", "fault_tolerance.recovery=restart"];
     let launcher = start_flotilla(&args, &[]);
     wait_for_training(&run_dir);
     let children = children_of(launcher.child.id());

@@ -216,7 +216,7 @@ fn a_stage_peer_that_never_connects_is_named_by_the_rank_waiting_for_it() {
         let roster = bus.join(1, 2, silent.clone()).await;
         (bus, roster)
     });
-    assert_eq!(roster.unwrap()[1], silent);
+    assert_eq!(roster.unwrap().endpoints[1], silent);
     let finished = rank0.finish(60);
     assert!(!finished.success, "rank 0 cannot train without stage 1");
     assert!(

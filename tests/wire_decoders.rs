@@ -11,6 +11,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use flotilla::actors::stage::StageOutcome;
 use flotilla::net::auth::{accept_on, connect_on, ClusterToken, Credentials};
+use flotilla::net::protocol::{Beat, DeadProcess, Roster};
 use flotilla::net::{ControlMessage, Frame};
 use flotilla::ps::wire::{
     decode_reply, decode_request, encode_reply, encode_request, PullRequest, PulledRows, PushRequest, Reply, Request,
@@ -45,7 +46,23 @@ fn control_frames() -> Vec<Frame> {
             },
             payload: Bytes::from_static(b"a part of some bytes"),
         },
-        Frame::control(ControlMessage::Heartbeat { rank: 2 }),
+        Frame::control(ControlMessage::Heartbeat { rank: 2, pid: 4321 }),
+        Frame {
+            header: ControlMessage::Acknowledge { rank: 2, step: 40 },
+            payload: Bytes::from_static(b"[]"),
+        },
+        Frame::control(ControlMessage::Alive(Beat::RollBack {
+            generation: 3,
+            reason: "rank 1 declared dead".into(),
+        })),
+        Frame::control(ControlMessage::Roster(Roster {
+            endpoints: vec!["127.0.0.1:6171".into(), "127.0.0.1:6172".into()],
+            generation: 3,
+            resume_step: Some(40),
+        })),
+        Frame::control(ControlMessage::Dead {
+            processes: vec![DeadProcess { rank: 1, pid: 77 }],
+        }),
     ]
 }
 

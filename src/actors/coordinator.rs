@@ -647,4 +647,96 @@ mod tests {
         assert!(twice.expect_err("same rank twice").contains("rank 1 joined twice"));
         assert!(first.expect_err("rank 0 never came").contains("rank 0 never joined"));
     }
+
+    async fn beat(c: &Addr<Coordinator>, rank: usize, line: u64) -> Result<Beat, String> {
+        c.send(Heartbeat {
+            rank,
+            pid: 100 + rank as u32,
+            line,
+        })
+        .await
+        .expect("coordinator alive")
+    }
+
+    #[actix::test]
+    async fn in_place_a_lost_rank_rolls_the_survivors_back_and_its_replacement_rejoins() {
+        let store_dir = tempfile::tempdir().unwrap();
+        let store = CheckpointStore::new(store_dir.path(), 3);
+        let c = Coordinator::new(3, Duration::from_secs(30))
+            .with_heartbeat_deadline(Duration::from_secs(30))
+            .with_checkpoints(Some(store), None)
+            .recovering_in_place()
+            .start();
+        let (a, b, d) = futures::join!(join(&c, 0, 3), join(&c, 1, 3), join(&c, 2, 3));
+        assert!(a.is_ok() && b.is_ok() && d.is_ok());
+        for rank in 0..3 {
+            assert_eq!(beat(&c, rank, rank as u64).await, Ok(Beat::Alive));
+        }
+        // Every rank acknowledges step 10's checkpoint (rank 0 wrote nothing here): committed.
+        let ack = |rank| {
+            c.send(Acknowledge {
+                rank,
+                step: 10,
+                files: Vec::new(),
+            })
+        };
+        let (x, y, z) = futures::join!(ack(0), ack(1), ack(2));
+        for answer in [x, y, z] {
+            answer.unwrap().expect("committed");
+        }
+        assert!(store_dir.path().join("step-00000010/manifest.json").exists());
+
+        // Rank 1's line breaks: rank 0, waiting at a barrier, is told at once; rank 2 at its beat.
+        let waiting = c.send(Barrier {
+            rank: 0,
+            name: "end".into(),
+        });
+        c.send(ConnectionLost { rank: 1, line: 1 }).await.unwrap();
+        let told = waiting.await.unwrap().unwrap_err();
+        assert!(
+            told.contains("rank 1 declared dead")
+                && told.contains("generation 1 resumes from the checkpoint of step 10"),
+            "{told}"
+        );
+        match beat(&c, 2, 2).await {
+            Ok(Beat::RollBack { generation: 1, reason }) => assert_eq!(reason, told),
+            other => panic!("rank 2 should roll back: {other:?}"),
+        }
+        assert_eq!(c.send(ListDead).await.unwrap(), vec![DeadProcess { rank: 1, pid: 101 }]);
+        // A request of the old generation is refused; the replacement beats as a newcomer.
+        let stale = c.send(Barrier {
+            rank: 2,
+            name: "x".into(),
+        });
+        assert!(stale.await.unwrap().is_err());
+        assert_eq!(beat(&c, 1, 7).await, Ok(Beat::Alive));
+        // The old line's loss after the replacement beat on a new one is no new death.
+        c.send(ConnectionLost { rank: 1, line: 1 }).await.unwrap();
+        let (a, b, d) = futures::join!(join(&c, 2, 3), join(&c, 0, 3), join(&c, 1, 3));
+        let roster = a.expect("generation 1 formed");
+        assert_eq!((roster.generation, roster.resume_step), (1, Some(10)));
+        assert_eq!(b, Ok(roster.clone()));
+        assert_eq!(d, Ok(roster));
+        assert_eq!(beat(&c, 2, 2).await, Ok(Beat::Alive), "rank 2 is in the new generation");
+    }
+
+    #[actix::test]
+    async fn in_place_a_rank_joining_again_from_a_new_process_replaces_the_old_one() {
+        let c = Coordinator::new(2, Duration::from_secs(30))
+            .recovering_in_place()
+            .start();
+        let (a, b) = futures::join!(join(&c, 0, 2), join(&c, 1, 2));
+        assert_eq!(a.unwrap().generation, 0);
+        assert_eq!(b.unwrap().generation, 0);
+        // Rank 1 restarted before its old line was seen to break.
+        let (rejoined, survivor) = futures::join!(join(&c, 1, 2), join(&c, 0, 2));
+        assert_eq!(rejoined.unwrap().generation, 1);
+        assert_eq!(survivor.unwrap().generation, 1);
+        // A replacement of another job's shape is refused, and changes nothing.
+        let err = join(&c, 1, 3).await.unwrap_err();
+        assert!(
+            err.contains("rank 1 was started for world size 3, the job has 2"),
+            "{err}"
+        );
+    }
 }

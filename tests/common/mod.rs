@@ -100,6 +100,24 @@ pub fn wait_for_training(run_dir: &Path) {
     }
 }
 
+/// Waits (at most 60 s) until step `step`'s checkpoint is committed in `dir`.
+pub fn wait_for_commit(dir: &Path, step: usize) {
+    let manifest = dir.join(format!("step-{step:08}")).join("manifest.json");
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !manifest.exists() {
+        assert!(Instant::now() < deadline, "{} never appeared", manifest.display());
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+/// A number that differs from run to run, printed so a failure can be replayed by hand.
+pub fn pick(choices: usize) -> usize {
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.subsec_nanos());
+    nanos as usize % choices
+}
+
 /// What a finished flotilla process printed.
 pub struct Finished {
     pub success: bool,

@@ -1,0 +1,255 @@
+//! In-place recovery of launched data-parallel jobs: the coordinator runs as a process of its
+//! own; when a rank is lost (killed, or stopped and declared dead by its missed heartbeats) only
+//! that rank is restarted, the survivors roll back inside their own processes to the newest
+//! committed checkpoint, and the job ends bitwise equal to a run that was never interrupted.
+
+mod common;
+
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+use common::{children_of, config, free_port_range, pick, start_flotilla, train_in_process, wait_for_commit};
+
+/// Ranks of the launched job.
+const RANKS: usize = 3;
+/// Settings shared by the launched job and its uninterrupted in-process twin: three ranks, a
+/// few seconds of training.
+const JOB: [&str; 3] = ["cluster.nproc_per_node=3", "train.batch_size=48", "train.steps=4000"];
+/// Checkpoint interval of the launched job.
+const EVERY: usize = 500;
+
+/// Which process is hurt.
+#[derive(Clone, Copy, Debug)]
+enum Victim {
+    Rank(usize),
+    Coordinator,
+}
+
+/// What a hurt launch left to check.
+struct Hurt {
+    stderr: String,
+    summary: serde_json::Value,
+    /// The survivors' pids before the fault, and the launcher's children once the lost process
+    /// was replaced.
+    survivors: HashMap<usize, i32>,
+    replaced: Vec<i32>,
+}
+
+/// Each launched trainer's rank, by pid, read from its environment.
+fn trainer_ranks(launcher: u32) -> HashMap<usize, i32> {
+    children_of(launcher)
+        .into_iter()
+        .filter_map(|pid| {
+            let environ = std::fs::read(format!("/proc/{pid}/environ")).ok()?;
+            let rank = environ
+                .split(|&b| b == 0)
+                .find_map(|var| var.strip_prefix(b"PADDLE_TRAINER_ID="))?;
+            Some((std::str::from_utf8(rank).ok()?.parse().ok()?, pid))
+        })
+        .collect()
+}
+
+/// The coordinator among the launcher's children: the one without a rank.
+fn coordinator_pid(launcher: u32) -> i32 {
+    let ranks = trainer_ranks(launcher);
+    let others: Vec<i32> = children_of(launcher)
+        .into_iter()
+        .filter(|pid| !ranks.values().any(|p| p == pid))
+        .collect();
+    assert_eq!(
+        others.len(),
+        1,
+        "one coordinator among the launcher's children: {others:?}"
+    );
+    others[0]
+}
+
+/// Waits (at most 60 s) until the launcher has `RANKS + 1` children again, none of them `gone`.
+fn wait_for_replacement(launcher: u32, gone: i32) -> Vec<i32> {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let children = children_of(launcher);
+        if children.len() == RANKS + 1 && !children.contains(&gone) {
+            return children;
+        }
+        assert!(Instant::now() < deadline, "no replacement of pid {gone}: {children:?}");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// Launches the job with `extra` settings, sends `signal` to `victim` after the checkpoint of
+/// a step picked at random, and waits for the job to end (at most 180 s).
+fn launch_and_hurt(victim: Victim, signal: i32, extra: &[&str]) -> Hurt {
+    let dir = tempfile::tempdir().unwrap();
+    let (run_dir, checkpoints) = (dir.path().join("run"), dir.path().join("checkpoints"));
+    let port = free_port_range(RANKS as u16 + 1).to_string();
+    let mut settings: Vec<String> = JOB.iter().chain(extra).map(|s| s.to_string()).collect();
+    settings.extend([
+        format!("fault_tolerance.checkpoint_every={EVERY}"),
+        format!("fault_tolerance.checkpoint_dir={}", checkpoints.display()),
+        "fault_tolerance.max_restarts=2".to_string(),
+        "fault_tolerance.heartbeat_interval_ms=200".to_string(),
+    ]);
+    #[rustfmt::skip]
+    let mut args = vec!["launch", "--nproc_per_node", "3", "--started_port", &port, "--", "train",
+        "--run-dir", run_dir.to_str().unwrap()];
+    for set in &settings {
+        args.extend(["--set", set.as_str()]);
+    }
+    let launcher = start_flotilla(&args, &[]);
+    let pid = launcher.child.id();
+    let at = EVERY * (1 + pick(3));
+    eprintln!("signal {signal} to {victim:?} after the checkpoint of step {at}");
+    wait_for_commit(&checkpoints, at);
+    let ranks = trainer_ranks(pid);
+    assert_eq!(ranks.len(), RANKS, "the launcher's trainers: {ranks:?}");
+    let target = match victim {
+        Victim::Rank(rank) => ranks[&rank],
+        Victim::Coordinator => coordinator_pid(pid),
+    };
+    let survivors: HashMap<usize, i32> = ranks.into_iter().filter(|&(_, p)| p != target).collect();
+    // SAFETY: a pid of a process this test's launcher started and still supervises.
+    unsafe {
+        libc::kill(target, signal);
+    }
+    let replaced = wait_for_replacement(pid, target);
+    let started = children_of(pid);
+    let finished = launcher.finish(180);
+    for child in started {
+        // SAFETY: as above; the launcher has reaped them, so this is a no-op unless it failed
+        // to, in which case the test must not leave them behind.
+        unsafe {
+            libc::kill(child, libc::SIGKILL);
+        }
+    }
+    assert!(finished.success, "the job did not survive:\n{}", finished.stderr);
+    let summary = serde_json::from_str(&std::fs::read_to_string(run_dir.join("summary.json")).unwrap()).unwrap();
+    Hurt {
+        stderr: finished.stderr,
+        summary,
+        survivors,
+        replaced,
+    }
+}
+
+/// The run ends as the same job uninterrupted in one process: the same rings, summation order
+/// and optimizer state, resumed at a step boundary, give the same bits.
+fn equals_uninterrupted(summary: &serde_json::Value) {
+    let uninterrupted = train_in_process(config(&JOB));
+    assert_eq!(summary["steps"], 4000);
+    assert_eq!(summary["param_checksum"], uninterrupted.summary.param_checksum.as_str());
+    assert_eq!(
+        summary["final_loss"].as_f64().unwrap() as f32,
+        uninterrupted.summary.final_loss,
+        "the loss history is restored too"
+    );
+}
+
+/// Only the lost rank was restarted: every survivor kept its process and rolled back in it.
+fn survivors_rolled_back_in_place(hurt: &Hurt, lost: usize) {
+    let stderr = &hurt.stderr;
+    assert!(
+        stderr.contains(&format!("restarting rank {lost} alone (restart 1 of 2)")),
+        "{stderr}"
+    );
+    assert!(!stderr.contains("restarting all"), "{stderr}");
+    for (rank, pid) in &hurt.survivors {
+        assert!(
+            hurt.replaced.contains(pid),
+            "rank {rank} (pid {pid}) was restarted: {:?}",
+            hurt.replaced
+        );
+        assert!(
+            stderr.contains(&format!("[rank {rank}]"))
+                && stderr.contains(&format!("rejoined rank={rank} generation=1")),
+            "rank {rank} did not roll back in place:\n{stderr}"
+        );
+    }
+    assert!(
+        stderr.contains(&format!("[rank {lost}]")) && stderr.contains("resuming from checkpoint step="),
+        "the replacement did not load the checkpoint:\n{stderr}"
+    );
+}
+
+#[test]
+fn a_killed_rank_is_replaced_alone_and_the_survivors_roll_back_in_their_processes() {
+    let lost = pick(RANKS);
+    let hurt = launch_and_hurt(Victim::Rank(lost), libc::SIGKILL, &[]);
+    assert!(
+        hurt.stderr.contains(&format!("rank {lost} declared dead")),
+        "{}",
+        hurt.stderr
+    );
+    survivors_rolled_back_in_place(&hurt, lost);
+    equals_uninterrupted(&hurt.summary);
+}
+
+#[test]
+fn a_stopped_rank_is_declared_dead_the_survivors_leave_their_collective_and_it_is_replaced() {
+    // The link timeout is the default 30 minutes: a survivor that waited it out, rather than
+    // leave its all-reduce when the coordinator declared the death, would outlast the test.
+    let lost = pick(RANKS);
+    let hurt = launch_and_hurt(Victim::Rank(lost), libc::SIGSTOP, &[]);
+    let stderr = &hurt.stderr;
+    assert!(
+        stderr.contains(&format!("rank {lost} declared dead: no heartbeat for")),
+        "{stderr}"
+    );
+    assert!(
+        stderr.contains(&format!("rank {lost} (pid"))
+            && stderr.contains("was declared dead by the coordinator but still runs"),
+        "the launcher did not kill the stopped rank:\n{stderr}"
+    );
+    survivors_rolled_back_in_place(&hurt, lost);
+    equals_uninterrupted(&hurt.summary);
+}
+
+#[test]
+fn a_killed_coordinator_is_restarted_and_the_job_ends_with_the_same_result() {
+    let hurt = launch_and_hurt(Victim::Coordinator, libc::SIGKILL, &[]);
+    assert!(
+        hurt.stderr.contains("coordinator failed (signal: 9 (SIGKILL))"),
+        "{}",
+        hurt.stderr
+    );
+    equals_uninterrupted(&hurt.summary);
+}
+
+#[test]
+fn without_checkpoints_the_survivors_roll_back_to_step_0_from_memory() {
+    let dir = tempfile::tempdir().unwrap();
+    let run_dir = dir.path().join("run");
+    let port = free_port_range(RANKS as u16 + 1).to_string();
+    #[rustfmt::skip]
+    let mut args = vec!["launch", "--nproc_per_node", "3", "--started_port", &port, "--", "train",
+        "--run-dir", run_dir.to_str().unwrap(), "--set", "fault_tolerance.max_restarts=1",
+        "--set", "fault_tolerance.heartbeat_interval_ms=200"];
+    for set in JOB {
+        args.extend(["--set", set]);
+    }
+    let launcher = start_flotilla(&args, &[]);
+    common::wait_for_training(&run_dir);
+    let ranks = trainer_ranks(launcher.child.id());
+    let lost = pick(RANKS);
+    // SAFETY: a pid of a process this test's launcher started and still supervises.
+    unsafe {
+        libc::kill(ranks[&lost], libc::SIGKILL);
+    }
+    let started = children_of(launcher.child.id());
+    let finished = launcher.finish(180);
+    for child in started {
+        // SAFETY: as in `launch_and_hurt`.
+        unsafe {
+            libc::kill(child, libc::SIGKILL);
+        }
+    }
+    let stderr = &finished.stderr;
+    assert!(finished.success, "{stderr}");
+    assert!(stderr.contains("generation 1 resumes from step 0"), "{stderr}");
+    assert!(
+        stderr.contains("rejoined") && stderr.contains("resume_step=0"),
+        "{stderr}"
+    );
+    let summary = serde_json::from_str(&std::fs::read_to_string(run_dir.join("summary.json")).unwrap()).unwrap();
+    equals_uninterrupted(&summary);
+}
