@@ -8,7 +8,9 @@ mod common;
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
-use common::{children_of, config, free_port_range, pick, start_flotilla, train_in_process, wait_for_commit};
+use common::{
+    children_of, config, free_port_range, pick, start_flotilla, train_in_process, trainer_ranks, wait_for_commit,
+};
 
 /// Ranks of the launched job.
 const RANKS: usize = 3;
@@ -33,20 +35,6 @@ struct Hurt {
     /// was replaced.
     survivors: HashMap<usize, i32>,
     replaced: Vec<i32>,
-}
-
-/// Each launched trainer's rank, by pid, read from its environment.
-fn trainer_ranks(launcher: u32) -> HashMap<usize, i32> {
-    children_of(launcher)
-        .into_iter()
-        .filter_map(|pid| {
-            let environ = std::fs::read(format!("/proc/{pid}/environ")).ok()?;
-            let rank = environ
-                .split(|&b| b == 0)
-                .find_map(|var| var.strip_prefix(b"PADDLE_TRAINER_ID="))?;
-            Some((std::str::from_utf8(rank).ok()?.parse().ok()?, pid))
-        })
-        .collect()
 }
 
 /// The coordinator among the launcher's children: the one without a rank.

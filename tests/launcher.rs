@@ -10,7 +10,7 @@ use std::process::{Command, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use common::{children_of, free_port_range, start_flotilla, wait_for_training, wait_or_kill};
+use common::{children_of, free_port_range, start_flotilla, trainer_ranks, wait_for_training, wait_or_kill};
 
 const MARK_VAR: &str = "FLOTILLA_TEST_MARK";
 
@@ -221,9 +221,9 @@ fn a_closed_output_does_not_stop_the_launcher_restarting_a_killed_rank() {
         eprintln!("head: {line}");
     }
     wait_for_training(&run_dir);
-    let ranks = children_of(launcher.id());
+    let ranks = trainer_ranks(launcher.id());
     assert_eq!(ranks.len(), 2, "the ranks: {ranks:?}");
-    signal(ranks[1] as u32, libc::SIGKILL);
+    signal(ranks[&1] as u32, libc::SIGKILL);
     let status = wait_or_kill(&mut launcher, 180);
     assert!(status.success(), "the launcher ended with {status}");
     let summary: serde_json::Value =

@@ -290,7 +290,10 @@ fn a_launcher_on_a_terminal_draws_the_reporting_ranks_progress_as_its_bar() {
         !drawn.contains("flotilla-progress"),
         "progress lines printed as text:\n{drawn}"
     );
-    assert!(drawn.contains("[rank 0]"), "the ranks' logs still show:\n{drawn}");
+    assert!(
+        drawn.contains("[coordinator]"),
+        "the processes' logs still show:\n{drawn}"
+    );
 }
 
 #[test]

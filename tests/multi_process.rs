@@ -229,7 +229,12 @@ fn ctrl_c_reaches_every_rank_and_the_launch_stops() {
         unsafe { libc::kill(*pid, libc::SIGKILL) };
     }
     assert!(!finished.success);
-    assert_eq!(pids.len(), 2, "both ranks were started:\n{}", finished.stderr);
+    assert_eq!(
+        pids.len(),
+        3,
+        "the coordinator and both ranks were started:\n{}",
+        finished.stderr
+    );
     assert!(alive.is_empty(), "ranks {alive:?} outlived the launcher");
     assert!(
         finished.stderr.contains("[rank 0] "),

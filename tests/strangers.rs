@@ -14,7 +14,8 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use common::{
-    children_of, config, flotilla, free_port_range, start_flotilla, train_in_process, wait_for_training, PIPELINE_2X2,
+    children_of, config, flotilla, free_port_range, start_flotilla, train_in_process, trainer_ranks, wait_for_training,
+    PIPELINE_2X2,
 };
 use flotilla::config::JobConfig;
 use flotilla::job::ps::ParameterServerJob;
@@ -226,16 +227,15 @@ fn a_process_of_another_job_with_the_same_token_cannot_keep_a_stalled_rank_alive
     wait_for_training(&run_dir);
     let stop = Arc::new(AtomicBool::new(false));
     let intruder = heartbeat_as_another_job(format!("127.0.0.1:{port}"), TOKEN, 1, stop.clone());
-    let mut ranks = children_of(launcher);
-    ranks.sort_unstable();
+    let processes = children_of(launcher);
     // SAFETY: rank 1's pid, a child of the launcher this test started.
     unsafe {
-        libc::kill(ranks[1], libc::SIGSTOP);
+        libc::kill(trainer_ranks(launcher)[&1], libc::SIGSTOP);
     }
     let finished = job.finish(120);
     stop.store(true, Ordering::Relaxed);
     let answered = intruder.join().expect("the intruder's thread");
-    for pid in ranks {
+    for pid in processes {
         // SAFETY: as above; gone already unless the launcher failed to end it.
         unsafe {
             libc::kill(pid, libc::SIGKILL);

@@ -672,12 +672,15 @@ mod tests {
         for rank in 0..3 {
             assert_eq!(beat(&c, rank, rank as u64).await, Ok(Beat::Alive));
         }
-        // Every rank acknowledges step 10's checkpoint (rank 0 wrote nothing here): committed.
+        // Every rank acknowledges step 10's checkpoint (rank 0 wrote the file): committed.
+        let written = CheckpointStore::new(store_dir.path(), 3)
+            .write(10, "replica", b"state")
+            .unwrap();
         let ack = |rank| {
             c.send(Acknowledge {
                 rank,
                 step: 10,
-                files: Vec::new(),
+                files: if rank == 0 { vec![written.clone()] } else { Vec::new() },
             })
         };
         let (x, y, z) = futures::join!(ack(0), ack(1), ack(2));

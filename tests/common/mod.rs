@@ -90,6 +90,20 @@ pub fn children_of(launcher: u32) -> Vec<i32> {
     pids
 }
 
+/// The pid of each of `launcher`'s trainers, by rank (read from their environments).
+pub fn trainer_ranks(launcher: u32) -> HashMap<usize, i32> {
+    children_of(launcher)
+        .into_iter()
+        .filter_map(|pid| {
+            let environ = std::fs::read(format!("/proc/{pid}/environ")).ok()?;
+            let rank = environ
+                .split(|&b| b == 0)
+                .find_map(|var| var.strip_prefix(b"PADDLE_TRAINER_ID="))?;
+            Some((std::str::from_utf8(rank).ok()?.parse().ok()?, pid))
+        })
+        .collect()
+}
+
 /// Waits (at most 60 s) until `run_dir`'s metrics.jsonl has a line: training is under way.
 pub fn wait_for_training(run_dir: &Path) {
     let metrics = run_dir.join("metrics.jsonl");
