@@ -163,11 +163,11 @@ async fn a_connection_speaks_for_one_rank_only() {
         .await
         .expect("connect");
     let limit = Duration::from_secs(5);
-    assert_eq!(bus.heartbeat(0, limit).await.expect("answered"), Ok(Beat::Alive));
+    assert_eq!(bus.heartbeat(0, None, limit).await.expect("answered"), Ok(Beat::Alive));
     // The same line now claims rank 1's heartbeat (as a process of another job, or a confused
     // one, could to keep a stalled rank 1 looking alive): the connection is closed unanswered.
     assert!(
-        bus.heartbeat(1, limit).await.is_err(),
+        bus.heartbeat(1, None, limit).await.is_err(),
         "a heartbeat for another rank was accepted"
     );
     let mut bus = ControlBus::connect(&addr, Duration::from_secs(5), CAP, &credentials(TOKEN))

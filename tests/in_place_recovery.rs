@@ -1,7 +1,8 @@
 //! In-place recovery of launched data-parallel jobs: the coordinator runs as a process of its
 //! own; when a rank is lost (killed, or stopped and declared dead by its missed heartbeats) only
 //! that rank is restarted, the survivors roll back inside their own processes to the newest
-//! committed checkpoint, and the job ends bitwise equal to a run that was never interrupted.
+//! committed checkpoint, and the job ends bitwise equal to a run that was never interrupted. A
+//! lost coordinator is restarted alone while the trainers train on.
 
 mod common;
 
@@ -193,13 +194,23 @@ fn a_stopped_rank_is_declared_dead_the_survivors_leave_their_collective_and_it_i
 }
 
 #[test]
-fn a_killed_coordinator_is_restarted_and_the_job_ends_with_the_same_result() {
+fn a_killed_coordinator_is_restarted_alone_and_costs_the_trainers_nothing() {
     let hurt = launch_and_hurt(Victim::Coordinator, libc::SIGKILL, &[]);
+    let stderr = &hurt.stderr;
     assert!(
-        hurt.stderr.contains("coordinator failed (signal: 9 (SIGKILL))"),
-        "{}",
-        hurt.stderr
+        stderr.contains("coordinator failed (signal: 9 (SIGKILL))")
+            && stderr.contains("restarting coordinator alone (restart 1 of 2)"),
+        "{stderr}"
     );
+    assert_eq!(hurt.survivors.len(), RANKS);
+    for (rank, pid) in &hurt.survivors {
+        assert!(hurt.replaced.contains(pid), "rank {rank} was restarted");
+        assert!(
+            stderr.contains(&format!("a rank trains on in its generation rank={rank}")),
+            "rank {rank} did not make itself known to the new coordinator:\n{stderr}"
+        );
+    }
+    assert!(!stderr.contains("rolling back"), "{stderr}");
     equals_uninterrupted(&hurt.summary);
 }
 

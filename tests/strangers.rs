@@ -192,7 +192,7 @@ fn heartbeat_as_another_job(master: String, token: &str, rank: usize, stop: Arc<
                         .ok();
                 }
                 if let Some(bus) = line.as_mut() {
-                    match bus.heartbeat(rank, Duration::from_secs(1)).await {
+                    match bus.heartbeat(rank, None, Duration::from_secs(1)).await {
                         Ok(Ok(_)) => answered += 1,
                         _ => line = None,
                     }

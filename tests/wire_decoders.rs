@@ -46,7 +46,11 @@ fn control_frames() -> Vec<Frame> {
             },
             payload: Bytes::from_static(b"a part of some bytes"),
         },
-        Frame::control(ControlMessage::Heartbeat { rank: 2, pid: 4321 }),
+        Frame::control(ControlMessage::Heartbeat {
+            rank: 2,
+            pid: 4321,
+            member_of: Some(3),
+        }),
         Frame {
             header: ControlMessage::Acknowledge { rank: 2, step: 40 },
             payload: Bytes::from_static(b"[]"),

@@ -419,6 +419,7 @@ impl Handler<Heartbeat> for Coordinator {
             return Err(reason.clone());
         }
         self.last_heard.insert(msg.rank, (Instant::now(), msg.line, msg.pid));
+        self.reannounced(&msg);
         Ok(if self.behind(msg.rank) {
             Beat::RollBack {
                 generation: self.generation,
@@ -427,6 +428,26 @@ impl Handler<Heartbeat> for Coordinator {
         } else {
             Beat::Alive
         })
+    }
+}
+
+impl Coordinator {
+    /// A rank that trains in generation `member_of` which this coordinator does not know as a
+    /// member (it was restarted) becomes one again; the job's generation is at least its.
+    fn reannounced(&mut self, beat: &Heartbeat) {
+        let Some(generation) = beat.member_of else {
+            return;
+        };
+        let declared_dead = self.dead.contains(&DeadProcess {
+            rank: beat.rank,
+            pid: beat.pid,
+        });
+        if declared_dead || self.members.contains_key(&beat.rank) || self.joining.contains_key(&beat.rank) {
+            return;
+        }
+        tracing::info!(rank = beat.rank, generation, "a rank trains on in its generation");
+        self.members.insert(beat.rank, generation);
+        self.generation = self.generation.max(generation);
     }
 }
 
@@ -565,7 +586,15 @@ mod tests {
             .with_heartbeat_deadline(Duration::from_millis(200))
             .start();
         for rank in 0..2 {
-            c.send(Heartbeat { rank, pid: 0, line: 0 }).await.unwrap().unwrap();
+            c.send(Heartbeat {
+                rank,
+                pid: 0,
+                member_of: None,
+                line: 0,
+            })
+            .await
+            .unwrap()
+            .unwrap();
         }
         let barrier = c.send(Barrier {
             rank: 0,
@@ -579,6 +608,7 @@ mod tests {
                     .send(Heartbeat {
                         rank: 0,
                         pid: 0,
+                        member_of: None,
                         line: 0,
                     })
                     .await;
@@ -591,6 +621,7 @@ mod tests {
             .send(Heartbeat {
                 rank: 0,
                 pid: 0,
+                member_of: None,
                 line: 0,
             })
             .await
@@ -607,6 +638,7 @@ mod tests {
         c.send(Heartbeat {
             rank: 1,
             pid: 0,
+            member_of: None,
             line: 1,
         })
         .await
@@ -617,6 +649,7 @@ mod tests {
         c.send(Heartbeat {
             rank: 0,
             pid: 0,
+            member_of: None,
             line: 2,
         })
         .await
@@ -627,6 +660,7 @@ mod tests {
             .send(Heartbeat {
                 rank: 1,
                 pid: 0,
+                member_of: None,
                 line: 3,
             })
             .await
@@ -652,6 +686,7 @@ mod tests {
         c.send(Heartbeat {
             rank,
             pid: 100 + rank as u32,
+            member_of: None,
             line,
         })
         .await

@@ -3,6 +3,8 @@
 //! the collective at once, not after the link timeout), and hands the order to the training
 //! loop, which rolls back inside this process.
 
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Result;
@@ -24,7 +26,12 @@ pub struct RollbackOrder {
 pub struct OrderLine {
     ring: RingBreaker,
     orders: watch::Sender<Option<RollbackOrder>>,
+    member_of: MemberOf,
 }
+
+/// The generation the rank last joined, one more (0: none yet), shared by both sides.
+#[derive(Clone, Default)]
+struct MemberOf(Arc<AtomicU64>);
 
 /// The training side: where orders come out.
 pub struct Orders {
@@ -34,15 +41,18 @@ pub struct Orders {
     grace: Duration,
     /// The newest generation this rank rolled back to.
     acted_on: u64,
+    member_of: MemberOf,
 }
 
 /// A line for orders and its receiving end; `grace` bounds how long a failed rank waits to hear
 /// whether its failure was a peer's death.
 pub fn order_line(grace: Duration) -> (OrderLine, Orders) {
     let (tx, rx) = watch::channel(None);
+    let member_of = MemberOf::default();
     let line = OrderLine {
         ring: RingBreaker::default(),
         orders: tx,
+        member_of: member_of.clone(),
     };
     (
         line,
@@ -50,6 +60,7 @@ pub fn order_line(grace: Duration) -> (OrderLine, Orders) {
             orders: rx,
             grace,
             acted_on: 0,
+            member_of,
         },
     )
 }
@@ -64,6 +75,11 @@ impl OrderLine {
         }
     }
 
+    /// The generation the rank last joined, for its heartbeats.
+    pub fn member_of(&self) -> Option<u64> {
+        self.member_of.0.load(Ordering::Relaxed).checked_sub(1)
+    }
+
     /// Where the rank's ring hands its sockets.
     pub fn breaker(&self) -> RingBreaker {
         self.ring.clone()
@@ -71,6 +87,11 @@ impl OrderLine {
 }
 
 impl Orders {
+    /// The rank joined `generation`.
+    pub fn joined(&self, generation: u64) {
+        self.member_of.0.store(generation + 1, Ordering::Relaxed);
+    }
+
     /// The rollback order that explains `failure`: one to a generation this rank has not rolled
     /// back to yet, given now or within the grace period. Without one, `failure` stands.
     pub async fn explain(&mut self, failure: anyhow::Error) -> Result<RollbackOrder> {

@@ -183,6 +183,9 @@ impl TrainingRun {
         let mut bus = self.bus.take().context("Train was sent twice")?;
         let link = self.link.take().context("Train was sent twice")?;
         let mut roster = bus.join(rank, world, self.data_endpoint.clone()).await?;
+        if let Some(in_place) = &self.in_place {
+            in_place.orders.joined(roster.generation);
+        }
         let clock_offset_us = match &self.trace {
             Some(_) => bus.clock_offset_us().await?,
             None => 0.0,
@@ -251,6 +254,7 @@ impl TrainingRun {
         let in_place = self.in_place.as_ref().context("a rollback without in-place recovery")?;
         let (link, endpoint) = (in_place.relink)()?;
         let roster = bus.join(self.rank, self.job.world_size(), endpoint).await?;
+        in_place.orders.joined(roster.generation);
         self.device
             .send(Relink {
                 job: self.job.clone(),

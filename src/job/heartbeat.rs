@@ -70,7 +70,7 @@ async fn beat(
             ));
         }
         match connected(&mut line, master, left, max_frame, credentials).await {
-            Ok(bus) => match bus.heartbeat(rank, left).await {
+            Ok(bus) => match bus.heartbeat(rank, orders.and_then(OrderLine::member_of), left).await {
                 Ok(Ok(Beat::Alive)) => last_answer = Instant::now(),
                 Ok(Ok(Beat::RollBack { generation, reason })) => match orders {
                     Some(orders) => {

@@ -194,8 +194,9 @@ impl LaunchArgs {
 
     /// Makes `children` (this node's trainers, as [`LaunchArgs::plan`] made them) a job that
     /// recovers in place: the first node also starts the coordinator as a process of its own
-    /// (first, with the trainers' environment but no rank), and a failed trainer is restarted
-    /// alone while the others roll back inside their processes.
+    /// (first, with the trainers' environment but no rank), and a failed process is restarted
+    /// alone: a trainer while the others roll back inside their processes, the coordinator
+    /// while the trainers train on and tell it who they are.
     pub fn recover_in_place(&self, children: &mut Vec<ChildSpec>) {
         let Some(first) = children.first().cloned() else {
             return;
@@ -229,7 +230,7 @@ impl LaunchArgs {
                     .into_iter()
                     .filter(|(key, _)| !trainer_only.contains(&key.as_str()))
                     .collect(),
-                restart_alone: false,
+                restart_alone: true,
                 ..first
             },
         );

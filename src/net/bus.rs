@@ -18,6 +18,10 @@ use crate::telemetry::clock::{self, ClockSample};
 /// Room for a gather answer's header beside its name and lengths.
 const GATHER_HEADER_BYTES: usize = 256;
 
+/// The longest a broken line to the coordinator is retried: a restarted coordinator is back in
+/// moments, and a role's heartbeats give up on a dead one sooner.
+const RECONNECT_MAX: Duration = Duration::from_secs(30);
+
 /// Round trips of a clock measurement: the shortest one bounds the error best.
 const CLOCK_PROBES: usize = 8;
 
@@ -34,7 +38,17 @@ pub enum ControlBus {
         /// How long one request may take, beyond the coordinator's own
         /// deadline, before the coordinator is presumed dead.
         timeout: Duration,
+        /// What a new connection proves, when the line breaks.
+        credentials: Credentials,
     },
+}
+
+/// How one exchange of a request and its answer failed.
+enum Exchange {
+    /// The connection broke: the coordinator's process may have been restarted.
+    Broken(anyhow::Error),
+    /// Anything else (no answer in time, a malformed one).
+    Failed(anyhow::Error),
 }
 
 impl ControlBus {
@@ -68,6 +82,7 @@ impl ControlBus {
             connection: Framed::new(stream, codec(max_frame_bytes)),
             master: master.to_string(),
             timeout,
+            credentials: credentials.clone(),
         })
     }
 
@@ -232,13 +247,21 @@ impl ControlBus {
     /// Tells the coordinator `rank` is alive, waiting at most `limit` for its answer: `Err` when
     /// the line failed, `Ok(Err(reason))` when the coordinator has stopped the job, else what
     /// the coordinator orders.
-    pub async fn heartbeat(&mut self, rank: usize, limit: Duration) -> Result<Result<Beat, String>> {
+    /// `member_of` is the generation the rank last joined, so that a restarted coordinator
+    /// learns who is training.
+    pub async fn heartbeat(
+        &mut self,
+        rank: usize,
+        member_of: Option<u64>,
+        limit: Duration,
+    ) -> Result<Result<Beat, String>> {
         if let Self::InMemory(coordinator) = self {
             return coordinator
                 .heartbeat
                 .send(Heartbeat {
                     rank,
                     pid: std::process::id(),
+                    member_of,
                     line: 0,
                 })
                 .await
@@ -249,6 +272,7 @@ impl ControlBus {
                 Frame::control(ControlMessage::Heartbeat {
                     rank,
                     pid: std::process::id(),
+                    member_of,
                 }),
                 limit,
             )
@@ -326,8 +350,17 @@ impl ControlBus {
         self.request_within(message, limit).await
     }
 
+    /// Sends `message` and waits at most `limit` for the answer. A line that broke (the
+    /// coordinator's process was restarted) is connected again, within `limit`, and the message
+    /// sent once more: every request is one the coordinator may hear twice.
     async fn request_within(&mut self, message: Frame, limit: Duration) -> Result<Frame> {
-        let Self::Tcp { connection, master, .. } = self else {
+        let Self::Tcp {
+            connection,
+            master,
+            credentials,
+            ..
+        } = self
+        else {
             bail!("in-memory bus has no frames");
         };
         let encoded = message.encode()?;
@@ -337,22 +370,47 @@ impl ControlBus {
             "a message of {} bytes to the coordinator at {master} exceeds cluster.max_frame_mb ({cap} bytes)",
             encoded.len()
         );
-        connection
-            .send(encoded)
-            .await
-            .with_context(|| format!("sending to the coordinator at {master}"))?;
-        let answer = tokio::time::timeout(limit, connection.next())
-            .await
-            .map_err(|_| {
-                anyhow!(
-                    "the coordinator at {master} did not answer within {:.1}s",
-                    limit.as_secs_f64()
-                )
-            })?
-            .ok_or_else(|| anyhow!("the coordinator at {master} closed the connection"))?
-            .with_context(|| format!("reading from the coordinator at {master}"))?;
-        Frame::decode(answer.freeze())
+        match exchange(connection, encoded.clone(), limit, master).await {
+            Ok(answer) => Ok(answer),
+            Err(Exchange::Failed(e)) => Err(e),
+            Err(Exchange::Broken(e)) => {
+                tracing::warn!("the line to the coordinator at {master} broke ({e:#}): connecting again");
+                let credentials = credentials.clone();
+                let master = master.clone();
+                *self = Self::connect(&master, limit.min(RECONNECT_MAX), cap, &credentials).await?;
+                let Self::Tcp { connection, .. } = self else {
+                    bail!("in-memory bus has no frames");
+                };
+                exchange(connection, encoded, limit, &master)
+                    .await
+                    .map_err(|(Exchange::Broken(e) | Exchange::Failed(e))| e)
+            }
+        }
     }
+}
+
+/// Sends `encoded` on `connection` and reads the answer, waiting at most `limit` for it.
+async fn exchange(
+    connection: &mut Framed<TcpStream, LengthDelimitedCodec>,
+    encoded: Bytes,
+    limit: Duration,
+    master: &str,
+) -> Result<Frame, Exchange> {
+    connection
+        .send(encoded)
+        .await
+        .map_err(|e| Exchange::Broken(anyhow!(e).context(format!("sending to the coordinator at {master}"))))?;
+    let answer = tokio::time::timeout(limit, connection.next())
+        .await
+        .map_err(|_| {
+            Exchange::Failed(anyhow!(
+                "the coordinator at {master} did not answer within {:.1}s",
+                limit.as_secs_f64()
+            ))
+        })?
+        .ok_or_else(|| Exchange::Broken(anyhow!("the coordinator at {master} closed the connection")))?
+        .map_err(|e| Exchange::Broken(anyhow!(e).context(format!("reading from the coordinator at {master}"))))?;
+    Frame::decode(answer.freeze()).map_err(Exchange::Failed)
 }
 
 /// A gather's answer payload cut into the parts its header lists.

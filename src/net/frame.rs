@@ -81,6 +81,8 @@ pub enum ControlMessage {
         rank: usize,
         /// Its process id on its node.
         pid: u32,
+        /// The generation it last joined (none before its first roster).
+        member_of: Option<u64>,
     },
     /// A launcher asks which processes the coordinator declared dead.
     ListDead,

@@ -82,6 +82,9 @@ pub struct Heartbeat {
     pub rank: usize,
     /// Its process id on its node.
     pub pid: u32,
+    /// The generation it last joined (none before its first roster): a coordinator that was
+    /// restarted learns from it who trains, and in which generation.
+    pub member_of: Option<u64>,
     /// Which connection carried it (so the loss of an old process's line is told from the
     /// loss of its replacement's).
     pub line: u64,

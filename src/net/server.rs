@@ -145,10 +145,15 @@ async fn serve_frames(
                 answered(coordinator.acknowledge.send(Acknowledge { rank, step, files }).await)
                     .map(|()| (ControlMessage::Committed { step }, Vec::new()))
             }
-            ControlMessage::Heartbeat { rank, pid } => {
+            ControlMessage::Heartbeat { rank, pid, member_of } => {
                 *heartbeats_of = Some(rank);
-                answered(coordinator.heartbeat.send(Heartbeat { rank, pid, line }).await)
-                    .map(|beat| (ControlMessage::Alive(beat), Vec::new()))
+                let beat = Heartbeat {
+                    rank,
+                    pid,
+                    member_of,
+                    line,
+                };
+                answered(coordinator.heartbeat.send(beat).await).map(|beat| (ControlMessage::Alive(beat), Vec::new()))
             }
             ControlMessage::Leave { rank } => {
                 *heartbeats_of = None;
