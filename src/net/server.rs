@@ -94,7 +94,15 @@ async fn serve_frames(
         if let Some(claimed) = frame.header.rank() {
             match *speaks_for.get_or_insert(claimed) {
                 own if own == claimed => {}
-                own => return Err(format!("a connection of rank {own} sent a message for rank {claimed}")),
+                own => {
+                    // Told, so the sender does not take the closed line for a lost coordinator.
+                    let reason = format!("a connection of rank {own} sent a message for rank {claimed}");
+                    let refusal = Frame::control(ControlMessage::Refused { reason: reason.clone() })
+                        .encode()
+                        .map_err(|e| e.to_string())?;
+                    let _ = framed.send(refusal).await;
+                    return Err(reason);
+                }
             }
         }
         // The answer's header, and the parts its payload carries back to back.
