@@ -1,40 +1,132 @@
 #!/usr/bin/env bash
-# Time from a fault to training resumed, at the heartbeat defaults (1000 ms x 5 misses).
-# Launches the default job (2 trainers on loopback, checkpoints every 500 steps, one restart
-# allowed), hits one trainer after the first checkpoint, and reads the launcher's log:
-#   kill -9  : the process dies; its ring neighbour and the launcher see it at once.
-#   SIGSTOP  : the process hangs; the coordinator declares it dead when its heartbeats stop.
-# Usage: benches/fault_recovery.sh [path/to/flotilla]   (default: target/release/flotilla)
+# Kill -> training resumed, for a launched data-parallel job that loses rank 1 (SIGKILL) after
+# a checkpoint: flotilla in place (only rank 1 restarted; the survivors roll back inside their
+# processes), flotilla restarting the whole job (fault_tolerance.recovery = "restart"), and the
+# peer, PyTorch DDP under `torchrun --max-restarts 1` (benches/torch_ddp_restart.py).
+#
+# The job: 3 trainers on loopback, an MLP of 64-4096-4096-4096-10 (34 M parameters, 135 MB; the
+# state with SGD momentum is 270 MB), a global batch of 48, 30 steps, a checkpoint every 5 steps;
+# the kill lands after the checkpoint of step 10. Heartbeats every 200 ms, 5 misses.
+#
+# Phases, read from the processes' own log lines (one host, one clock):
+#   detect      kill -> the coordinator declares rank 1 dead
+#   abort       declared -> the last survivor has left its collective ("rolling back after")
+#   replacement kill -> the replacement's first log line (the launcher saw the death, started it)
+#   rendezvous  kill -> the coordinator's roster of generation 1 (every rank joined again)
+#   ring        roster -> the last survivor has rebuilt its ring ("rejoined")
+#   restore     the slowest rank's restore: survivors from memory, the replacement from disk
+#   resumed     kill -> the last rank holds the checkpoint's state again
+#
+# Usage: benches/fault_recovery.sh [path/to/flotilla] [runs]   (default: target/release/flotilla, 3)
+# The peer runs when $FLOTILLA_PEERS_VENV (../shared/peers/setup.sh) has torch.
 set -euo pipefail
 flotilla=${1:-target/release/flotilla}
+runs=${2:-3}
 work=$(mktemp -d)
-trap 'rm -rf "$work"' EXIT
+launcher=
+cleanup() {
+    [ -n "$launcher" ] && kill -9 "$launcher" 2>/dev/null || true
+    rm -rf "$work"
+}
+trap cleanup EXIT
 
-seconds() { date -d "$1" +%s.%N; }
+settings=(--set cluster.nproc_per_node=3 --set train.batch_size=48 --set train.steps=30
+    --set 'train.hidden_sizes=[4096,4096,4096]' --set fault_tolerance.checkpoint_every=5
+    --set fault_tolerance.max_restarts=1 --set fault_tolerance.heartbeat_interval_ms=200)
 
-run() {
-    local signal=$1 port=$2
-    local log="$work/$signal.log" checkpoints="$work/$signal-checkpoints"
-    "$flotilla" launch --nproc_per_node 2 --started_port "$port" -- train --config config.toml \
-        --set train.steps=3000 --set fault_tolerance.checkpoint_every=500 \
-        --set fault_tolerance.checkpoint_dir="$checkpoints" --set fault_tolerance.max_restarts=1 \
-        --run-dir "$work/$signal-run" >"$log" 2>&1 &
-    local launcher=$!
-    for _ in $(seq 1 1000); do
-        [ -e "$checkpoints/step-00000500/manifest.json" ] && break
-        sleep 0.01
+now() { date +%s.%N; }
+
+# The pid of the child of $1 whose environment has $2=$3.
+child_with() {
+    for pid in $(cat /proc/"$1"/task/*/children); do
+        if tr '\0' '\n' <"/proc/$pid/environ" 2>/dev/null | grep -qx "$2=$3"; then
+            echo "$pid"
+            return
+        fi
     done
-    local victim
-    victim=$(cat /proc/$launcher/task/*/children | tr ' ' '\n' | grep -v '^$' | sort -n | tail -1)
-    local hit
-    hit=$(date -u +%Y-%m-%dT%H:%M:%S.%NZ)
-    kill "-$signal" "$victim"
-    wait "$launcher" || { echo "the job failed after SIG$signal:"; tail -20 "$log"; exit 1; }
-    local resumed
-    resumed=$(grep -m1 -o '[0-9T:.-]*Z  INFO resuming from checkpoint' "$log" | head -1 | cut -d' ' -f1)
-    awk -v s="$signal" -v a="$(seconds "$hit")" -v b="$(seconds "$resumed")" \
-        'BEGIN { printf "SIG%-5s of rank 1 -> training resumed after %.2f s\n", s, b - a }'
 }
 
-run KILL 7410
-run STOP 7420
+# Waits (at most 120 s) for file $1.
+wait_for() {
+    for _ in $(seq 1 12000); do
+        [ -e "$1" ] && return
+        sleep 0.01
+    done
+    echo "$1 never appeared" >&2
+    exit 1
+}
+
+flotilla_run() { # mode port
+    local mode=$1 port=$2 dir="$work/$1-$2"
+    mkdir -p "$dir"
+    "$flotilla" launch --nproc_per_node 3 --started_port "$port" -- train --config config.toml \
+        "${settings[@]}" --set fault_tolerance.recovery="$mode" \
+        --set fault_tolerance.checkpoint_dir="$dir/checkpoints" --run-dir "$dir/run" >"$dir/log" 2>&1 &
+    launcher=$!
+    wait_for "$dir/checkpoints/step-00000010/manifest.json"
+    local victim killed
+    victim=$(child_with "$launcher" PADDLE_TRAINER_ID 1)
+    killed=$(now)
+    kill -9 "$victim"
+    wait "$launcher" || { echo "the $mode job failed:"; tail -30 "$dir/log"; exit 1; }
+    launcher=
+    python3 - "$mode" "$killed" "$dir/log" <<'EOF'
+import re, sys
+from datetime import datetime, timezone
+mode, killed, log = sys.argv[1], float(sys.argv[2]), open(sys.argv[3]).read().splitlines()
+def t(line):
+    stamp = re.search(r"(\d{4}-\d\d-\d\dT[\d:.]+)Z", line).group(1)
+    return datetime.strptime(stamp[:26], "%Y-%m-%dT%H:%M:%S.%f").replace(tzinfo=timezone.utc).timestamp()
+def after(pattern):
+    return [(t(l), l) for l in log if re.search(pattern, l) and t(l) > killed]
+restored = after(r"state restored")
+resumed = max(x for x, _ in restored) - killed
+restore = max(float(re.search(r"seconds=([\d.e-]+)", l).group(1)) for _, l in restored)
+sources = sorted({re.search(r"from=\"?(\w+)", l).group(1) for _, l in restored})
+if mode == "in_place":
+    declared = after(r"rank 1 declared dead")[0][0]
+    abort = max(x for x, _ in after(r"rolling back after")) - declared
+    replacement = min(x for x, _ in after(r"^\[rank 1\]")) - killed
+    roster = after(r"rendezvous complete.*generation=1")[0][0]
+    ring = max(x for x, _ in after(r"rejoined")) - roster
+    print(f"in place : detect {declared - killed:.3f} s  abort {abort:.3f} s  replacement {replacement:.3f} s  "
+          f"rendezvous {roster - killed:.3f} s  ring {ring:.3f} s  restore {restore:.3f} s ({'+'.join(sources)})  "
+          f"resumed {resumed:.3f} s")
+else:
+    print(f"restart  : restore {restore:.3f} s ({'+'.join(sources)})  resumed {resumed:.3f} s")
+EOF
+}
+
+torch_run() { # port
+    local port=$1 dir="$work/torch-$1" venv=${FLOTILLA_PEERS_VENV:-$HOME/.cache/flotilla-peers}
+    mkdir -p "$dir"
+    "$venv/bin/torchrun" --nproc-per-node 3 --max-restarts 1 --monitor-interval 0.1 --rdzv-backend c10d \
+        --rdzv-endpoint "127.0.0.1:$port" benches/torch_ddp_restart.py --dir "$dir" >"$dir/log" 2>&1 &
+    launcher=$!
+    for _ in $(seq 1 12000); do
+        grep -q 'CHECKPOINT step=10 ' "$dir/log" 2>/dev/null && break
+        sleep 0.01
+    done
+    local victim killed
+    victim=$(child_with "$launcher" LOCAL_RANK 1)
+    killed=$(now)
+    kill -9 "$victim"
+    wait "$launcher" || { echo "the torchrun job failed:"; tail -30 "$dir/log"; exit 1; }
+    launcher=
+    python3 - "$killed" "$dir/log" <<'EOF'
+import re, sys
+killed, log = float(sys.argv[1]), open(sys.argv[2]).read()
+restored = [float(t) for t in re.findall(r"RESTORED rank=\d+ step=\d+ t=([\d.]+)", log) if float(t) > killed]
+print(f"torchrun : resumed {max(restored) - killed:.3f} s ({len(restored)} ranks restarted)")
+EOF
+}
+
+venv=${FLOTILLA_PEERS_VENV:-$HOME/.cache/flotilla-peers}
+for run in $(seq 1 "$runs"); do
+    echo "run $run"
+    flotilla_run in_place $((17200 + 10 * run))
+    flotilla_run restart $((17300 + 10 * run))
+    if [ -x "$venv/bin/torchrun" ]; then
+        torch_run $((17400 + 10 * run))
+    fi
+done

@@ -251,7 +251,7 @@ pub struct SaveCheckpoint {
 /// Continues from a training state written by [`SaveCheckpoint`]; answers the losses it held.
 #[derive(Message)]
 #[rtype(result = "Result<Vec<f32>>")]
-pub struct RestoreCheckpoint(pub Vec<u8>);
+pub struct RestoreCheckpoint(pub Arc<Vec<u8>>);
 
 /// The device thread's state: empty until [`Prepare`], [`PrepareCtr`] or [`PreparePipeline`].
 #[derive(Default)]

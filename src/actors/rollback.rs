@@ -8,9 +8,12 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Result;
-use tokio::sync::watch;
+use tokio::sync::{watch, Notify};
 
 use crate::engines::comm::RingBreaker;
+
+/// How often a failed rank asks for a heartbeat while it waits to hear of a rollback.
+const ASK_EVERY: Duration = Duration::from_millis(20);
 
 /// The coordinator lost a rank: every survivor joins generation `generation`.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -27,6 +30,7 @@ pub struct OrderLine {
     ring: RingBreaker,
     orders: watch::Sender<Option<RollbackOrder>>,
     member_of: MemberOf,
+    asked: Arc<Notify>,
 }
 
 /// The generation the rank last joined, one more (0: none yet), shared by both sides.
@@ -42,6 +46,8 @@ pub struct Orders {
     /// The newest generation this rank rolled back to.
     acted_on: u64,
     member_of: MemberOf,
+    /// Tells the heartbeat side to beat now: a failed rank wants its answer at once.
+    asked: Arc<Notify>,
 }
 
 /// A line for orders and its receiving end; `grace` bounds how long a failed rank waits to hear
@@ -49,10 +55,12 @@ pub struct Orders {
 pub fn order_line(grace: Duration) -> (OrderLine, Orders) {
     let (tx, rx) = watch::channel(None);
     let member_of = MemberOf::default();
+    let asked = Arc::new(Notify::new());
     let line = OrderLine {
         ring: RingBreaker::default(),
         orders: tx,
         member_of: member_of.clone(),
+        asked: asked.clone(),
     };
     (
         line,
@@ -61,6 +69,7 @@ pub fn order_line(grace: Duration) -> (OrderLine, Orders) {
             grace,
             acted_on: 0,
             member_of,
+            asked,
         },
     )
 }
@@ -80,6 +89,12 @@ impl OrderLine {
         self.member_of.0.load(Ordering::Relaxed).checked_sub(1)
     }
 
+    /// Resolves when the training side asks for a heartbeat now (it failed, and waits to hear
+    /// whether a rollback explains it).
+    pub async fn asked(&self) {
+        self.asked.notified().await;
+    }
+
     /// Where the rank's ring hands its sockets.
     pub fn breaker(&self) -> RingBreaker {
         self.ring.clone()
@@ -97,10 +112,17 @@ impl Orders {
     pub async fn explain(&mut self, failure: anyhow::Error) -> Result<RollbackOrder> {
         let acted_on = self.acted_on;
         let newer = |order: &Option<RollbackOrder>| order.as_ref().is_some_and(|o| o.generation > acted_on);
-        let order = match tokio::time::timeout(self.grace, self.orders.wait_for(newer)).await {
-            Ok(Ok(order)) => order.clone(),
-            _ => None,
-        };
+        let deadline = tokio::time::Instant::now() + self.grace;
+        let mut order = None;
+        // Heartbeats asked for every ASK_EVERY carry the order as soon as the coordinator has
+        // one, rather than at the next regular beat.
+        while order.is_none() && tokio::time::Instant::now() < deadline {
+            self.asked.notify_one();
+            let wait = ASK_EVERY.min(deadline.saturating_duration_since(tokio::time::Instant::now()));
+            if let Ok(Ok(heard)) = tokio::time::timeout(wait, self.orders.wait_for(newer)).await {
+                order = heard.clone();
+            }
+        }
         match order {
             Some(order) => {
                 tracing::info!(generation = order.generation, "rolling back after: {failure:#}");

@@ -193,7 +193,7 @@ impl Handler<TrainStage> for StageActor {
             if let Some(checkpoint) = &recovery.start {
                 // Every replica of a stage continues from replica 0's state of it, and the
                 // stage holding the loss from replica 0's losses.
-                let restored = RestoreCheckpoint(checkpoint.read(&stage_file(stage))?);
+                let restored = RestoreCheckpoint(Arc::new(checkpoint.read(&stage_file(stage))?));
                 losses = device.send(restored).await??;
             }
             let mut monitor = monitor_settings

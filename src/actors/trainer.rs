@@ -274,8 +274,9 @@ impl TrainingRun {
     /// Brings the replica to the state after `step` steps (a fresh replica is the state of step
     /// 0); returns the losses of those steps.
     async fn restore(&mut self, step: usize) -> Result<Vec<f32>> {
-        let bytes = match self.kept.at(step) {
-            Some(bytes) => bytes,
+        let started = Instant::now();
+        let (bytes, from) = match self.kept.at(step) {
+            Some(bytes) => (bytes, "memory"),
             None if step == 0 => {
                 if self.in_place.is_some() {
                     let initial = self.device.send(Snapshot { losses: Vec::new() }).await??;
@@ -292,10 +293,19 @@ impl TrainingRun {
                 if self.in_place.is_some() {
                     self.kept.committed = Some((step, bytes.clone()));
                 }
-                bytes
+                (bytes, "disk")
             }
         };
-        self.device.send(RestoreCheckpoint(bytes.to_vec())).await?
+        let losses = self.device.send(RestoreCheckpoint(bytes.clone())).await??;
+        tracing::info!(
+            rank = self.rank,
+            step,
+            from,
+            bytes = bytes.len(),
+            seconds = started.elapsed().as_secs_f64(),
+            "state restored"
+        );
+        Ok(losses)
     }
 
     /// Trains one generation, from its roster's resume step to the end of the run.

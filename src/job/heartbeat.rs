@@ -95,7 +95,17 @@ async fn beat(
                 return connected(&mut line, master, limit, max_frame, credentials).await?.leave(rank, limit).await;
             }
             () = tokio::time::sleep(interval) => {}
+            // A failed rank asks whether a rollback explains its failure: beat now.
+            () = asked(orders) => {}
         }
+    }
+}
+
+/// Resolves when the training side asks for a heartbeat now (never without an order line).
+async fn asked(orders: Option<&OrderLine>) {
+    match orders {
+        Some(orders) => orders.asked().await,
+        None => std::future::pending().await,
     }
 }
 

@@ -260,9 +260,13 @@ fn run_once(
             kill_declared_dead(&mut running, children, watch);
         }
         let mut statuses = poll(&mut running)?;
-        if statuses.iter().flatten().any(|s| !s.success()) {
+        let failed_here = |(status, spec): (&Option<ExitStatus>, &ChildSpec)| {
+            status.is_some_and(|s| !s.success()) && !spec.restart_alone
+        };
+        if statuses.iter().zip(children).any(failed_here) {
             // The peers of a killed process fail within moments of it, and may be reaped first:
-            // a moment more lets the cause show itself.
+            // a moment more lets the cause show itself. (A process restarted alone has no peers
+            // that fail with it: it is replaced at once.)
             thread::sleep(CAUSE_GRACE);
             statuses = poll(&mut running)?;
         }
