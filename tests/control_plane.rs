@@ -64,6 +64,7 @@ async fn bad_frames_close_only_their_connection() {
         rank: 0,
         world_size: 1,
         data_endpoint: "127.0.0.1:9".into(),
+        settings: Default::default(),
     })
     .encode()
     .expect("encode");
@@ -95,7 +96,7 @@ async fn bad_frames_close_only_their_connection() {
         .await
         .expect("connect");
     let roster = bus
-        .join(0, 1, "127.0.0.1:9".to_string())
+        .join(0, 1, "127.0.0.1:9".to_string(), Default::default())
         .await
         .expect("served after the bad clients");
     assert_eq!(roster.endpoints, vec!["127.0.0.1:9".to_string()]);

@@ -252,3 +252,60 @@ fn without_checkpoints_the_survivors_roll_back_to_step_0_from_memory() {
     let summary = serde_json::from_str(&std::fs::read_to_string(run_dir.join("summary.json")).unwrap()).unwrap();
     equals_uninterrupted(&summary);
 }
+
+#[test]
+fn a_replacement_started_with_another_config_is_refused_naming_the_key_and_the_job_goes_on() {
+    let dir = tempfile::tempdir().unwrap();
+    let (run_dir, rogue_dir) = (dir.path().join("run"), dir.path().join("rogue"));
+    let port = free_port_range(RANKS as u16 + 1);
+    let started_port = port.to_string();
+    let credentials = [
+        ("FLOTILLA_TOKEN", common::TEST_TOKEN.to_string()),
+        ("FLOTILLA_JOB_ID", "a job one process joins wrongly".to_string()),
+    ];
+    #[rustfmt::skip]
+    let mut args = vec!["launch", "--nproc_per_node", "3", "--started_port", &started_port, "--", "train",
+        "--run-dir", run_dir.to_str().unwrap(), "--set", "fault_tolerance.heartbeat_interval_ms=200"];
+    for set in JOB {
+        args.extend(["--set", set]);
+    }
+    let launcher = start_flotilla(&args, &credentials);
+    common::wait_for_training(&run_dir);
+    // Rank 1 again, with the job's token and id but another learning rate.
+    #[rustfmt::skip]
+    let mut rogue_args = vec!["run", "--role", "trainer", "--run-dir", rogue_dir.to_str().unwrap(),
+        "--set", "train.lr=0.1"];
+    for set in JOB {
+        rogue_args.extend(["--set", set]);
+    }
+    let mut rogue_env = credentials.to_vec();
+    rogue_env.extend([
+        ("PADDLE_TRAINER_ID", "1".to_string()),
+        ("PADDLE_TRAINERS_NUM", RANKS.to_string()),
+        ("PADDLE_MASTER", format!("127.0.0.1:{port}")),
+    ]);
+    let rogue = start_flotilla(&rogue_args, &rogue_env).finish(60);
+    let started = children_of(launcher.child.id());
+    let finished = launcher.finish(180);
+    for child in started {
+        // SAFETY: as in `launch_and_hurt`.
+        unsafe {
+            libc::kill(child, libc::SIGKILL);
+        }
+    }
+    assert!(!rogue.success);
+    assert!(
+        rogue.stderr.contains("rank 1 was started for another job:")
+            && rogue.stderr.contains("train.lr = 0.1, the job has 0.05"),
+        "{}",
+        rogue.stderr
+    );
+    let stderr = &finished.stderr;
+    assert!(finished.success, "{stderr}");
+    assert!(
+        !stderr.contains("declared dead"),
+        "the refused process cost the job a rank:\n{stderr}"
+    );
+    let summary = serde_json::from_str(&std::fs::read_to_string(run_dir.join("summary.json")).unwrap()).unwrap();
+    equals_uninterrupted(&summary);
+}

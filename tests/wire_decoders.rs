@@ -34,6 +34,10 @@ fn control_frames() -> Vec<Frame> {
             rank: 3,
             world_size: 4,
             data_endpoint: "127.0.0.1:6174".into(),
+            settings: [("train.lr".to_string(), "0.05".to_string())].into(),
+        }),
+        Frame::control(ControlMessage::Mismatched {
+            reason: "train.lr = 0.1, the job has 0.05".into(),
         }),
         Frame::control(ControlMessage::Gathered {
             name: "stage outcomes".into(),

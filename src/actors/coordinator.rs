@@ -14,7 +14,7 @@
 //! gets the new roster and the step of the newest checkpoint this coordinator committed, and
 //! training goes on from there.
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::time::{Duration, Instant};
 
 use actix::prelude::*;
@@ -23,7 +23,8 @@ use tokio::sync::oneshot;
 
 use crate::checkpoint::{CheckpointStore, FileRecord};
 use crate::net::protocol::{
-    Acknowledge, Barrier, Beat, ConnectionLost, DeadProcess, Gather, Heartbeat, Join, Leave, ListDead, Roster,
+    Acknowledge, Barrier, Beat, ConnectionLost, DeadProcess, Gather, Heartbeat, Join, JoinRefused, Leave, ListDead,
+    Roster, Settings,
 };
 
 type Waiter<T> = oneshot::Sender<Result<T, String>>;
@@ -73,6 +74,8 @@ pub struct Coordinator {
     committed: Option<usize>,
     /// Told once every rank has left.
     finished: Option<oneshot::Sender<()>>,
+    /// The job's settings, which a joining rank's must equal (none to compare when empty).
+    settings: Settings,
     /// What to call each rank in messages (`rank N` when not given).
     names: Vec<String>,
 }
@@ -98,6 +101,7 @@ impl Coordinator {
             checkpoints: None,
             committed: None,
             finished: None,
+            settings: Settings::new(),
             names: Vec::new(),
         }
     }
@@ -127,6 +131,13 @@ impl Coordinator {
     /// checkpoint and go on with the lost rank's replacement, instead of stopping.
     pub fn recovering_in_place(mut self) -> Self {
         self.in_place = true;
+        self
+    }
+
+    /// Refuses a rank whose settings differ from `settings` (a replacement started with another
+    /// config), naming every key that differs.
+    pub fn with_settings(mut self, settings: Settings) -> Self {
+        self.settings = settings;
         self
     }
 
@@ -345,21 +356,51 @@ impl Coordinator {
     }
 
     /// Why `msg` may not join, if it may not.
-    fn refuse_join(&self, msg: &Join) -> Option<String> {
+    fn refuse_join(&self, msg: &Join) -> Option<JoinRefused> {
         if let Some(reason) = &self.stopped {
-            Some(reason.clone())
+            Some(JoinRefused::Failed(reason.clone()))
         } else if msg.world_size != self.world_size {
-            Some(format!(
+            Some(JoinRefused::Mismatch(format!(
                 "rank {} was started for world size {}, the job has {}",
                 msg.rank, msg.world_size, self.world_size
-            ))
+            )))
         } else if msg.rank >= self.world_size {
-            Some(format!("rank {} is outside world size {}", msg.rank, self.world_size))
+            Some(JoinRefused::Mismatch(format!(
+                "rank {} is outside world size {}",
+                msg.rank, self.world_size
+            )))
+        } else if let Some(differences) = self.differences(&msg.settings) {
+            Some(JoinRefused::Mismatch(format!(
+                "rank {} was started for another job: {differences}",
+                msg.rank
+            )))
         } else if !self.in_place && (self.members.contains_key(&msg.rank) || self.joining.contains_key(&msg.rank)) {
-            Some(format!("rank {} joined twice", msg.rank))
+            Some(JoinRefused::Failed(format!("rank {} joined twice", msg.rank)))
         } else {
             None
         }
+    }
+
+    /// How `settings` differ from the job's, key by key; `None` when they do not (or when
+    /// either side has none to compare).
+    fn differences(&self, settings: &Settings) -> Option<String> {
+        if settings.is_empty() || self.settings.is_empty() {
+            return None;
+        }
+        let unset = "unset".to_string();
+        let keys: BTreeSet<&String> = settings.keys().chain(self.settings.keys()).collect();
+        let differences: Vec<String> = keys
+            .into_iter()
+            .filter(|key| settings.get(*key) != self.settings.get(*key))
+            .map(|key| {
+                let (its, ours) = (
+                    settings.get(key).unwrap_or(&unset),
+                    self.settings.get(key).unwrap_or(&unset),
+                );
+                format!("{key} = {its}, the job has {ours}")
+            })
+            .collect();
+        (!differences.is_empty()).then(|| differences.join("; "))
     }
 }
 
@@ -368,14 +409,16 @@ fn reply<T: Send + 'static>(rx: oneshot::Receiver<Result<T, String>>) -> Respons
 }
 
 impl Handler<Join> for Coordinator {
-    type Result = ResponseFuture<Result<Roster, String>>;
+    type Result = ResponseFuture<Result<Roster, JoinRefused>>;
 
     fn handle(&mut self, msg: Join, ctx: &mut Self::Context) -> Self::Result {
-        let (tx, rx) = oneshot::channel();
-        if let Some(reason) = self.refuse_join(&msg) {
-            let _ = tx.send(Err(reason));
-            return reply(rx);
+        if let Some(refusal) = self.refuse_join(&msg) {
+            if let JoinRefused::Mismatch(reason) = &refusal {
+                tracing::error!("refused a join: {reason}");
+            }
+            return Box::pin(async move { Err(refusal) });
         }
+        let (tx, rx) = oneshot::channel();
         // A member of the running generation joining again is a new process in its place: the
         // old one is gone, whether or not its line has broken yet.
         if self.members.get(&msg.rank) == Some(&self.generation) {
@@ -407,7 +450,8 @@ impl Handler<Join> for Coordinator {
                 let _ = waiter.send(Ok(roster.clone()));
             }
         }
-        reply(rx)
+        let answer = reply(rx);
+        Box::pin(async move { answer.await.map_err(JoinRefused::Failed) })
     }
 }
 
@@ -417,6 +461,16 @@ impl Handler<Heartbeat> for Coordinator {
     fn handle(&mut self, msg: Heartbeat, _: &mut Self::Context) -> Self::Result {
         if let Some(reason) = &self.stopped {
             return Err(reason.clone());
+        }
+        // Another process beating for a member whose own process beats still (one started for
+        // another job, or a replacement before the old one was found dead) speaks for nothing:
+        // its silence, or its line's loss, must not count as the member's.
+        let other_process = self
+            .last_heard
+            .get(&msg.rank)
+            .is_some_and(|&(_, _, pid)| pid != msg.pid && self.members.contains_key(&msg.rank));
+        if other_process {
+            return Ok(Beat::Alive);
         }
         self.last_heard.insert(msg.rank, (Instant::now(), msg.line, msg.pid));
         self.reannounced(&msg);
@@ -523,11 +577,25 @@ mod tests {
     use super::*;
 
     async fn join(c: &Addr<Coordinator>, rank: usize, world_size: usize) -> Result<Roster, String> {
+        join_with(c, rank, world_size, Settings::new())
+            .await
+            .map_err(|refused| match refused {
+                JoinRefused::Mismatch(reason) | JoinRefused::Failed(reason) => reason,
+            })
+    }
+
+    async fn join_with(
+        c: &Addr<Coordinator>,
+        rank: usize,
+        world_size: usize,
+        settings: Settings,
+    ) -> Result<Roster, JoinRefused> {
         let data_endpoint = format!("endpoint-{rank}");
         c.send(Join {
             rank,
             world_size,
             data_endpoint,
+            settings,
         })
         .await
         .expect("coordinator alive")
@@ -770,11 +838,31 @@ mod tests {
         let (rejoined, survivor) = futures::join!(join(&c, 1, 2), join(&c, 0, 2));
         assert_eq!(rejoined.unwrap().generation, 1);
         assert_eq!(survivor.unwrap().generation, 1);
-        // A replacement of another job's shape is refused, and changes nothing.
-        let err = join(&c, 1, 3).await.unwrap_err();
-        assert!(
-            err.contains("rank 1 was started for world size 3, the job has 2"),
-            "{err}"
+        // A replacement of another job's shape is refused as a mismatch, and changes nothing.
+        let err = join_with(&c, 1, 3, Settings::new()).await.unwrap_err();
+        assert_eq!(
+            err,
+            JoinRefused::Mismatch("rank 1 was started for world size 3, the job has 2".to_string())
         );
+    }
+
+    #[actix::test]
+    async fn a_rank_started_with_other_settings_is_refused_naming_every_key_that_differs() {
+        let settings = |lr: &str| -> Settings {
+            [
+                ("train.lr".to_string(), lr.to_string()),
+                ("train.seed".to_string(), "42".to_string()),
+            ]
+            .into()
+        };
+        let c = Coordinator::new(1, Duration::from_secs(30))
+            .with_settings(settings("0.05"))
+            .start();
+        let err = join_with(&c, 0, 1, settings("0.1")).await.unwrap_err();
+        assert_eq!(
+            err,
+            JoinRefused::Mismatch("rank 0 was started for another job: train.lr = 0.1, the job has 0.05".to_string())
+        );
+        assert!(join_with(&c, 0, 1, settings("0.05")).await.is_ok());
     }
 }

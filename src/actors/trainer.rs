@@ -182,7 +182,9 @@ impl TrainingRun {
         let world = job.world_size();
         let mut bus = self.bus.take().context("Train was sent twice")?;
         let link = self.link.take().context("Train was sent twice")?;
-        let mut roster = bus.join(rank, world, self.data_endpoint.clone()).await?;
+        let mut roster = bus
+            .join(rank, world, self.data_endpoint.clone(), job.shared_settings())
+            .await?;
         if let Some(in_place) = &self.in_place {
             in_place.orders.joined(roster.generation);
         }
@@ -253,7 +255,9 @@ impl TrainingRun {
     async fn rejoin(&mut self, bus: &mut ControlBus) -> Result<Roster> {
         let in_place = self.in_place.as_ref().context("a rollback without in-place recovery")?;
         let (link, endpoint) = (in_place.relink)()?;
-        let roster = bus.join(self.rank, self.job.world_size(), endpoint).await?;
+        let roster = bus
+            .join(self.rank, self.job.world_size(), endpoint, self.job.shared_settings())
+            .await?;
         in_place.orders.joined(roster.generation);
         self.device
             .send(Relink {

@@ -196,6 +196,43 @@ impl JobConfig {
         }
     }
 
+    /// Every setting that is not a table, by dotted key (`train.lr`).
+    pub fn leaves(&self) -> Result<std::collections::BTreeMap<String, toml::Value>, toml::ser::Error> {
+        fn walk(prefix: &str, value: toml::Value, out: &mut std::collections::BTreeMap<String, toml::Value>) {
+            match value {
+                toml::Value::Table(table) => {
+                    for (key, value) in table {
+                        let key = if prefix.is_empty() {
+                            key
+                        } else {
+                            format!("{prefix}.{key}")
+                        };
+                        walk(&key, value, out);
+                    }
+                }
+                leaf => {
+                    out.insert(prefix.to_string(), leaf);
+                }
+            }
+        }
+        let mut out = std::collections::BTreeMap::new();
+        walk("", toml::Value::try_from(self)?, &mut out);
+        Ok(out)
+    }
+
+    /// The settings every process of the job must share, as text by dotted key, for the
+    /// coordinator to compare a joining process's against its own: all but the secret
+    /// (`cluster.token`), which never travels.
+    pub fn shared_settings(&self) -> std::collections::BTreeMap<String, String> {
+        const OWN: &[&str] = &["cluster.token"];
+        self.leaves()
+            .unwrap_or_default()
+            .into_iter()
+            .filter(|(key, _)| !OWN.contains(&key.as_str()))
+            .map(|(key, value)| (key, value.to_string()))
+            .collect()
+    }
+
     /// Number of trainer processes in the job (`cluster.nnodes × cluster.nproc_per_node`).
     pub fn world_size(&self) -> usize {
         self.cluster.world_size()

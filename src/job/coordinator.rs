@@ -35,6 +35,7 @@ pub fn run_coordinator(config: &JobConfig, options: &RunOptions) -> Result<()> {
         let (done, finished) = oneshot::channel();
         let coordinator = Coordinator::new(world, ft.timeout())
             .with_checkpoints(recovery.store.clone(), recovery.start_step())
+            .with_settings(config.shared_settings())
             .recovering_in_place()
             .with_finish(done);
         host_coordinator(coordinator, &master, ft, config.cluster.max_frame_bytes(), &credentials).await?;

@@ -95,6 +95,7 @@ pub(super) fn run_rank(job: &TrainingJob, rank: usize, options: &RunOptions) -> 
         let coordinator = (rank == 0).then(|| {
             Coordinator::new(world, config.fault_tolerance.timeout())
                 .with_checkpoints(recovery.store.clone(), recovery.start_step())
+                .with_settings(config.shared_settings())
         });
         let mut bus = connect_control(
             coordinator,
@@ -105,7 +106,7 @@ pub(super) fn run_rank(job: &TrainingJob, rank: usize, options: &RunOptions) -> 
             &credentials,
         )
         .await?;
-        let roster = bus.join(rank, world, data_endpoint).await?;
+        let roster = bus.join(rank, world, data_endpoint, config.shared_settings()).await?;
         let (link, data_parallel) = stage_rings::connect(
             &mut bus,
             &config,

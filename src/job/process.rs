@@ -12,7 +12,7 @@ use anyhow::{anyhow, Context, Result};
 
 use super::control::connect_control;
 use super::heartbeat::watched;
-use super::{Recovery, RunOptions, RunOutcome, TrainingJob};
+use super::{Recovery, Refusal, RunOptions, RunOutcome, TrainingJob};
 use crate::actors::device::RingLink;
 use crate::actors::rollback::order_line;
 use crate::actors::trainer::{InPlace, Train};
@@ -20,6 +20,7 @@ use crate::actors::Coordinator;
 use crate::config::JobConfig;
 use crate::engines::comm::RingBreaker;
 use crate::net::auth::Credentials;
+use crate::net::protocol::Mismatch;
 
 /// Set (to any value) on the trainers of a job whose coordinator runs as a process of its own
 /// (`flotilla run --role coordinator`, which `flotilla launch` starts): rank 0 hosts none, and
@@ -123,27 +124,29 @@ pub(super) fn run(job: &TrainingJob, rank: usize, options: &RunOptions) -> Resul
     let coordinator = (rank == 0 && !own_coordinator)
         .then(|| Coordinator::new(world, timeout).with_checkpoints(recovery.store.clone(), recovery.start_step()));
 
-    let outcome = System::new().block_on(async move {
-        let bus = connect_control(
-            coordinator,
-            rank,
-            &master,
-            &config.fault_tolerance,
-            max_frame,
-            &credentials,
-        )
-        .await?;
-        let training = async {
-            let mut trainer = job.trainer(rank, bus, link, data_endpoint, options, recovery);
-            trainer.in_place = in_place;
-            trainer
-                .start()
-                .send(Train)
-                .await
-                .map_err(|e| anyhow!("rank {rank}: trainer actor stopped: {e}"))?
-        };
-        watched(training, rank, &master, &config, &credentials, order_line.as_ref()).await
-    })?;
+    let outcome = System::new()
+        .block_on(async move {
+            let bus = connect_control(
+                coordinator,
+                rank,
+                &master,
+                &config.fault_tolerance,
+                max_frame,
+                &credentials,
+            )
+            .await?;
+            let training = async {
+                let mut trainer = job.trainer(rank, bus, link, data_endpoint, options, recovery);
+                trainer.in_place = in_place;
+                trainer
+                    .start()
+                    .send(Train)
+                    .await
+                    .map_err(|e| anyhow!("rank {rank}: trainer actor stopped: {e}"))?
+            };
+            watched(training, rank, &master, &config, &credentials, order_line.as_ref()).await
+        })
+        .map_err(refused_if_mismatched)?;
     Ok((rank == 0).then(|| RunOutcome::from_rank0(outcome, world, "multi-process")))
 }
 
@@ -165,5 +168,15 @@ fn ring_link(
         shared_memory: config.cluster.shared_memory,
         credentials: credentials.clone(),
         breaker: breaker.clone(),
+    }
+}
+
+/// A rank the coordinator refused as started for another job exits as refusing to start: no
+/// restart of it can help.
+fn refused_if_mismatched(error: anyhow::Error) -> anyhow::Error {
+    if error.chain().any(|cause| cause.is::<Mismatch>()) {
+        Refusal::wrap(error)
+    } else {
+        error
     }
 }

@@ -4,7 +4,6 @@
 //! model, optimizer, learning rate, batch or strategy would make the resumed run a different
 //! one under the old one's name.
 
-use std::collections::BTreeMap;
 use std::path::Path;
 
 use anyhow::{bail, ensure, Result};
@@ -45,7 +44,7 @@ pub fn resumed_config(run_dir: &Path, env: &dyn Fn(&str) -> Option<String>, over
     );
     let saved = JobConfig::from_file(&path, env, &[])?;
     let resumed = JobConfig::from_file(&path, env, overrides)?;
-    let (before, after) = (leaves(&saved)?, leaves(&resumed)?);
+    let (before, after) = (saved.leaves()?, resumed.leaves()?);
     let unset = Value::String("unset".to_string());
     let refused: Vec<String> = before
         .keys()
@@ -68,30 +67,6 @@ pub fn resumed_config(run_dir: &Path, env: &dyn Fn(&str) -> Option<String>, over
         );
     }
     Ok(resumed)
-}
-
-/// Every value of `config` that is not a table, by dotted key.
-fn leaves(config: &JobConfig) -> Result<BTreeMap<String, Value>> {
-    fn walk(prefix: &str, value: Value, out: &mut BTreeMap<String, Value>) {
-        match value {
-            Value::Table(table) => {
-                for (key, value) in table {
-                    let key = if prefix.is_empty() {
-                        key
-                    } else {
-                        format!("{prefix}.{key}")
-                    };
-                    walk(&key, value, out);
-                }
-            }
-            leaf => {
-                out.insert(prefix.to_string(), leaf);
-            }
-        }
-    }
-    let mut out = BTreeMap::new();
-    walk("", Value::try_from(config)?, &mut out);
-    Ok(out)
 }
 
 #[cfg(test)]

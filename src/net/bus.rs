@@ -11,7 +11,10 @@ use tokio_util::codec::{Framed, LengthDelimitedCodec};
 
 use super::auth::{self, Credentials};
 use super::frame::{codec, ControlMessage, Frame};
-use super::protocol::{Acknowledge, Barrier, Beat, CoordinatorLine, DeadProcess, Gather, Heartbeat, Join, Roster};
+use super::protocol::{
+    Acknowledge, Barrier, Beat, CoordinatorLine, DeadProcess, Gather, Heartbeat, Join, JoinRefused, Mismatch, Roster,
+    Settings,
+};
 use crate::checkpoint::FileRecord;
 use crate::telemetry::clock::{self, ClockSample};
 
@@ -86,30 +89,45 @@ impl ControlBus {
         })
     }
 
-    /// Joins the rendezvous (at the start, or after a rollback); returns every rank's data
-    /// endpoint, by rank, with the generation and the step training continues after.
-    pub async fn join(&mut self, rank: usize, world_size: usize, data_endpoint: String) -> Result<Roster> {
+    /// Joins the rendezvous (at the start, or after a rollback) with the `settings` the rank was
+    /// started with; returns every rank's data endpoint, by rank, with the generation and the
+    /// step training continues after. A rank started for another job gets an error whose source
+    /// is a [`Mismatch`].
+    pub async fn join(
+        &mut self,
+        rank: usize,
+        world_size: usize,
+        data_endpoint: String,
+        settings: Settings,
+    ) -> Result<Roster> {
         match self {
-            Self::InMemory(coordinator) => coordinator
+            Self::InMemory(coordinator) => match coordinator
                 .join
                 .send(Join {
                     rank,
                     world_size,
                     data_endpoint,
+                    settings,
                 })
                 .await
                 .context("the coordinator stopped")?
-                .map_err(|reason| anyhow!("rank {rank}: {reason}")),
+            {
+                Ok(roster) => Ok(roster),
+                Err(JoinRefused::Mismatch(reason)) => Err(anyhow!(Mismatch(reason)).context(format!("rank {rank}"))),
+                Err(JoinRefused::Failed(reason)) => Err(anyhow!("rank {rank}: {reason}")),
+            },
             Self::Tcp { .. } => match self
                 .request(Frame::control(ControlMessage::Join {
                     rank,
                     world_size,
                     data_endpoint,
+                    settings,
                 }))
                 .await?
                 .header
             {
                 ControlMessage::Roster(roster) => Ok(roster),
+                ControlMessage::Mismatched { reason } => Err(anyhow!(Mismatch(reason)).context(format!("rank {rank}"))),
                 other => Err(self.unexpected(rank, other)),
             },
         }

@@ -10,7 +10,7 @@ use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 use tokio_util::codec::LengthDelimitedCodec;
 
-use super::protocol::{Beat, DeadProcess, Roster};
+use super::protocol::{Beat, DeadProcess, Roster, Settings};
 
 /// Messages of the control plane.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -25,6 +25,14 @@ pub enum ControlMessage {
         world_size: usize,
         /// `ip:port` of its data-plane listener.
         data_endpoint: String,
+        /// The settings it was started with, by dotted key (no secret among them).
+        settings: Settings,
+    },
+    /// A join was refused: the rank was started for another job (the reason names the
+    /// difference), so no restart of it can help.
+    Mismatched {
+        /// What differs.
+        reason: String,
     },
     /// Rendezvous complete: every rank's data endpoint, the generation, the step to resume at.
     Roster(Roster),
@@ -123,6 +131,7 @@ impl ControlMessage {
             | Self::Released { .. }
             | Self::Gathered { .. }
             | Self::Committed { .. }
+            | Self::Mismatched { .. }
             | Self::ListDead
             | Self::Dead { .. }
             | Self::Alive(_)
@@ -221,6 +230,7 @@ mod tests {
                 rank: 3,
                 world_size: 4,
                 data_endpoint: "127.0.0.1:9".into(),
+                settings: [("train.lr".to_string(), "0.05".to_string())].into(),
             },
             payload: Bytes::from_static(&[1, 2, 3, 4]),
         };

@@ -13,7 +13,7 @@ use crate::checkpoint::FileRecord;
 /// Rank `rank` joins the job, reachable for ring traffic at `data_endpoint`: at the start, and
 /// again after every rollback (a survivor, or the replacement of a lost rank).
 #[derive(Message, Debug)]
-#[rtype(result = "Result<Roster, String>")]
+#[rtype(result = "Result<Roster, JoinRefused>")]
 pub struct Join {
     /// The joining rank.
     pub rank: usize,
@@ -21,7 +21,35 @@ pub struct Join {
     pub world_size: usize,
     /// Its data-plane listener, `ip:port`.
     pub data_endpoint: String,
+    /// The settings it was started with ([`crate::config::JobConfig::shared_settings`]; empty
+    /// when it has none to compare).
+    pub settings: Settings,
 }
+
+/// A job's settings by dotted key, as text.
+pub type Settings = std::collections::BTreeMap<String, String>;
+
+/// Why a rank may not join.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum JoinRefused {
+    /// It was started for another job (another world size, other settings): no restart of it
+    /// can help.
+    Mismatch(String),
+    /// Anything else: the job stopped, the rendezvous timed out.
+    Failed(String),
+}
+
+/// A rank was started for another job than the coordinator's: the reason names what differs.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Mismatch(pub String);
+
+impl std::fmt::Display for Mismatch {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for Mismatch {}
 
 /// The answer to a [`Join`] once every rank has joined: who is where, in which generation, and
 /// where training goes on.

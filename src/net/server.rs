@@ -17,7 +17,7 @@ use tokio_util::codec::{Framed, LengthDelimitedCodec};
 use super::auth::{self, Credentials};
 use super::frame::{codec, encode_with, ControlMessage, Frame};
 use super::protocol::{
-    Acknowledge, Barrier, Beat, ConnectionLost, CoordinatorLine, Gather, Heartbeat, Join, Leave, ListDead,
+    Acknowledge, Barrier, Beat, ConnectionLost, CoordinatorLine, Gather, Heartbeat, Join, JoinRefused, Leave, ListDead,
 };
 use crate::checkpoint::FileRecord;
 
@@ -111,17 +111,23 @@ async fn serve_frames(
                 rank,
                 world_size,
                 data_endpoint,
-            } => answered(
-                coordinator
-                    .join
-                    .send(Join {
-                        rank,
-                        world_size,
-                        data_endpoint,
-                    })
-                    .await,
-            )
-            .map(|roster| (ControlMessage::Roster(roster), Vec::new())),
+                settings,
+            } => {
+                let join = Join {
+                    rank,
+                    world_size,
+                    data_endpoint,
+                    settings,
+                };
+                match coordinator.join.send(join).await {
+                    Ok(Ok(roster)) => Ok((ControlMessage::Roster(roster), Vec::new())),
+                    Ok(Err(JoinRefused::Mismatch(reason))) => Err(ControlMessage::Mismatched { reason }),
+                    Ok(Err(JoinRefused::Failed(reason))) => Err(ControlMessage::Refused { reason }),
+                    Err(e) => Err(ControlMessage::Refused {
+                        reason: format!("coordinator unavailable: {e}"),
+                    }),
+                }
+            }
             ControlMessage::Barrier { rank, name } => answered(
                 coordinator
                     .barrier
