@@ -1,14 +1,15 @@
 //! Two nodes, one launcher each: two network namespaces joined by a veth
 //! pair, made (and removed) by this test, so ranks on different "hosts"
 //! rendezvous and run their ring over TCP between the namespaces' own
-//! addresses. Needs root and iproute2 (as CI has); skipped, saying why,
-//! elsewhere.
+//! addresses; a rank lost on the second node is replaced by that node's
+//! launcher while rank 0 rolls back in place. Needs root and iproute2 (as CI
+//! has); skipped, saying why, elsewhere.
 
 mod common;
 
 use std::process::Command;
 
-use common::{config, start_program, train_in_process};
+use common::{children_of, config, start_program, train_in_process, trainer_ranks, wait_for_commit};
 
 const STEPS: &str = "train.steps=20";
 
@@ -33,7 +34,10 @@ fn ip(args: &[&str]) -> Result<(), String> {
 
 impl TwoHosts {
     fn create() -> Result<Self, String> {
-        let id = std::process::id();
+        // Unique among the tests of this process, which run at once.
+        static MADE: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+        let made = MADE.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let id = format!("{}{made}", std::process::id());
         let hosts = TwoHosts {
             names: [format!("flt{id}a"), format!("flt{id}b")],
             ips: ["10.231.7.1", "10.231.7.2"],
@@ -62,6 +66,28 @@ impl Drop for TwoHosts {
     }
 }
 
+/// Starts one launcher per node of `hosts`, each with one rank of the job `settings` writing
+/// into `run_dir` (shared by the nodes, as a shared file system would be).
+fn launch_on_both(hosts: &TwoHosts, run_dir: &std::path::Path, settings: &[&str]) -> Vec<common::Started> {
+    let cluster = hosts.ips.join(",");
+    (0..2)
+        .map(|node| {
+            #[rustfmt::skip]
+            let mut args = vec![
+                "netns", "exec", hosts.names[node].as_str(), env!("CARGO_BIN_EXE_flotilla"),
+                "launch", "--nnodes", "2", "--nproc_per_node", "1", "--node_ip", hosts.ips[node],
+                "--cluster_node_ips", &cluster, "--started_port", "6170", "--", "train", "--config", "config.toml",
+                "--set", "fault_tolerance.timeout_s=30", "--run-dir", run_dir.to_str().unwrap(),
+            ];
+            for set in settings {
+                args.extend(["--set", set]);
+            }
+            // The nodes of one job share a token; each launcher hands it to its processes.
+            start_program("ip", &args, &[("FLOTILLA_TOKEN", common::TEST_TOKEN.to_string())])
+        })
+        .collect()
+}
+
 #[test]
 fn one_launcher_per_node_trains_like_the_in_process_cluster() {
     let hosts = match TwoHosts::create() {
@@ -73,20 +99,7 @@ fn one_launcher_per_node_trains_like_the_in_process_cluster() {
     };
     let dir = tempfile::tempdir().unwrap();
     let run_dir = dir.path().join("run");
-    let cluster = hosts.ips.join(",");
-    let launchers: Vec<_> = (0..2)
-        .map(|node| {
-            #[rustfmt::skip]
-            let args = [
-                "netns", "exec", hosts.names[node].as_str(), env!("CARGO_BIN_EXE_flotilla"),
-                "launch", "--nnodes", "2", "--nproc_per_node", "1", "--node_ip", hosts.ips[node],
-                "--cluster_node_ips", &cluster, "--started_port", "6170", "--", "train", "--config", "config.toml",
-                "--set", STEPS, "--set", "fault_tolerance.timeout_s=30", "--run-dir", run_dir.to_str().unwrap(),
-            ];
-            // The nodes of one job share a token; each launcher hands it to its processes.
-            start_program("ip", &args, &[("FLOTILLA_TOKEN", common::TEST_TOKEN.to_string())])
-        })
-        .collect();
+    let launchers = launch_on_both(&hosts, &run_dir, &[STEPS]);
     let finished: Vec<_> = launchers.into_iter().map(|l| l.finish(120)).collect();
     for (node, f) in finished.iter().enumerate() {
         assert!(f.success, "node {node} failed:\n{}\n{}", f.stdout, f.stderr);
@@ -103,4 +116,57 @@ fn one_launcher_per_node_trains_like_the_in_process_cluster() {
     // Same ring, same reduction order, now over a network between hosts.
     let simulated = train_in_process(config(&[STEPS]));
     assert_eq!(summary["param_checksum"], simulated.summary.param_checksum.as_str());
+}
+
+#[test]
+fn a_rank_killed_on_the_second_node_is_replaced_there_and_rank_0_rolls_back_in_place() {
+    let hosts = match TwoHosts::create() {
+        Ok(hosts) => hosts,
+        Err(reason) => {
+            eprintln!("skipped: cannot make two network namespaces here ({reason})");
+            return;
+        }
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let run_dir = dir.path().join("run");
+    const LONG: &str = "train.steps=3000";
+    let settings = [
+        LONG,
+        "fault_tolerance.checkpoint_every=500",
+        "fault_tolerance.max_restarts=1",
+        "fault_tolerance.heartbeat_interval_ms=200",
+    ];
+    let launchers = launch_on_both(&hosts, &run_dir, &settings);
+    wait_for_commit(&run_dir.join("checkpoints"), 1000);
+    let second = launchers[1].child.id();
+    let rank_1 = trainer_ranks(second)[&1];
+    // SAFETY: the pid of a process the second node's launcher started and still supervises.
+    unsafe {
+        libc::kill(rank_1, libc::SIGKILL);
+    }
+    let started: Vec<i32> = launchers.iter().flat_map(|l| children_of(l.child.id())).collect();
+    let finished: Vec<_> = launchers.into_iter().map(|l| l.finish(180)).collect();
+    for pid in started {
+        // SAFETY: as above; reaped already unless a launcher failed to end it.
+        unsafe {
+            libc::kill(pid, libc::SIGKILL);
+        }
+    }
+    for (node, f) in finished.iter().enumerate() {
+        assert!(f.success, "node {node} failed:\n{}", f.stderr);
+    }
+    assert!(
+        finished[1].stderr.contains("restarting rank 1 alone (restart 1 of 1)"),
+        "{}",
+        finished[1].stderr
+    );
+    assert!(
+        finished[0].stderr.contains("rejoined rank=0 generation=1"),
+        "{}",
+        finished[0].stderr
+    );
+    let summary: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(run_dir.join("summary.json")).unwrap()).unwrap();
+    let uninterrupted = train_in_process(config(&[LONG]));
+    assert_eq!(summary["param_checksum"], uninterrupted.summary.param_checksum.as_str());
 }
