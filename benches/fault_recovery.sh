@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# Kill -> training resumed, for a launched data-parallel job that loses rank 1 (SIGKILL) after
-# a checkpoint: flotilla in place (only rank 1 restarted; the survivors roll back inside their
-# processes), flotilla restarting the whole job (fault_tolerance.recovery = "restart"), and the
-# peer, PyTorch DDP under `torchrun --max-restarts 1` (benches/torch_ddp_restart.py).
+# Kill -> training resumed, for a launched data-parallel job that loses rank 1 (SIGKILL, or
+# SIGSTOP: found by its missed heartbeats, then killed by its launcher) after a checkpoint:
+# flotilla in place (only rank 1 restarted; the survivors roll back inside their processes),
+# flotilla restarting the whole job (fault_tolerance.recovery = "restart"), and the peer,
+# PyTorch DDP under `torchrun --max-restarts 1` (benches/torch_ddp_restart.py).
 #
 # The job: 3 trainers on loopback, an MLP of 64-4096-4096-4096-10 (34 M parameters, 135 MB; the
 # state with SGD momentum is 270 MB), a global batch of 48, 30 steps, a checkpoint every 5 steps;
@@ -56,8 +57,8 @@ wait_for() {
     exit 1
 }
 
-flotilla_run() { # mode port
-    local mode=$1 port=$2 dir="$work/$1-$2"
+flotilla_run() { # mode port signal
+    local mode=$1 port=$2 signal=$3 dir="$work/$1-$2"
     mkdir -p "$dir"
     "$flotilla" launch --nproc_per_node 3 --started_port "$port" -- train --config config.toml \
         "${settings[@]}" --set fault_tolerance.recovery="$mode" \
@@ -67,13 +68,14 @@ flotilla_run() { # mode port
     local victim killed
     victim=$(child_with "$launcher" PADDLE_TRAINER_ID 1)
     killed=$(now)
-    kill -9 "$victim"
+    kill "-$signal" "$victim"
     wait "$launcher" || { echo "the $mode job failed:"; tail -30 "$dir/log"; exit 1; }
     launcher=
-    python3 - "$mode" "$killed" "$dir/log" <<'EOF'
+    python3 - "$mode" "$killed" "$dir/log" "$signal" <<'EOF'
 import re, sys
 from datetime import datetime, timezone
 mode, killed, log = sys.argv[1], float(sys.argv[2]), open(sys.argv[3]).read().splitlines()
+mode = f"{mode} SIG{sys.argv[4]}"
 def t(line):
     stamp = re.search(r"(\d{4}-\d\d-\d\dT[\d:.]+)Z", line).group(1)
     return datetime.strptime(stamp[:26], "%Y-%m-%dT%H:%M:%S.%f").replace(tzinfo=timezone.utc).timestamp()
@@ -83,17 +85,17 @@ restored = after(r"state restored")
 resumed = max(x for x, _ in restored) - killed
 restore = max(float(re.search(r"seconds=([\d.e-]+)", l).group(1)) for _, l in restored)
 sources = sorted({re.search(r"from=\"?(\w+)", l).group(1) for _, l in restored})
-if mode == "in_place":
+if mode.startswith("in_place"):
     declared = after(r"rank 1 declared dead")[0][0]
     abort = max(x for x, _ in after(r"rolling back after")) - declared
     replacement = min(x for x, _ in after(r"^\[rank 1\]")) - killed
     roster = after(r"rendezvous complete.*generation=1")[0][0]
     ring = max(x for x, _ in after(r"rejoined")) - roster
-    print(f"in place : detect {declared - killed:.3f} s  abort {abort:.3f} s  replacement {replacement:.3f} s  "
+    print(f"{mode:<16}: detect {declared - killed:.3f} s  abort {abort:.3f} s  replacement {replacement:.3f} s  "
           f"rendezvous {roster - killed:.3f} s  ring {ring:.3f} s  restore {restore:.3f} s ({'+'.join(sources)})  "
           f"resumed {resumed:.3f} s")
 else:
-    print(f"restart  : restore {restore:.3f} s ({'+'.join(sources)})  resumed {resumed:.3f} s")
+    print(f"{mode:<16}: restore {restore:.3f} s ({'+'.join(sources)})  resumed {resumed:.3f} s")
 EOF
 }
 
@@ -117,15 +119,16 @@ torch_run() { # port
 import re, sys
 killed, log = float(sys.argv[1]), open(sys.argv[2]).read()
 restored = [float(t) for t in re.findall(r"RESTORED rank=\d+ step=\d+ t=([\d.]+)", log) if float(t) > killed]
-print(f"torchrun : resumed {max(restored) - killed:.3f} s ({len(restored)} ranks restarted)")
+print(f"torchrun SIGKILL : resumed {max(restored) - killed:.3f} s ({len(restored)} ranks restarted)")
 EOF
 }
 
 venv=${FLOTILLA_PEERS_VENV:-$HOME/.cache/flotilla-peers}
 for run in $(seq 1 "$runs"); do
     echo "run $run"
-    flotilla_run in_place $((17200 + 10 * run))
-    flotilla_run restart $((17300 + 10 * run))
+    flotilla_run in_place $((17200 + 10 * run)) KILL
+    flotilla_run in_place $((17250 + 10 * run)) STOP
+    flotilla_run restart $((17300 + 10 * run)) KILL
     if [ -x "$venv/bin/torchrun" ]; then
         torch_run $((17400 + 10 * run))
     fi

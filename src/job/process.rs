@@ -102,12 +102,11 @@ pub(super) fn run(job: &TrainingJob, rank: usize, options: &RunOptions) -> Resul
     // A failed rank waits this long to hear whether a peer's death explains its failure: the
     // coordinator's detection, then a heartbeat to carry the order.
     let grace = ft.heartbeat_deadline() + 2 * ft.heartbeat_interval();
-    let (order_line, orders) = match own_coordinator {
-        true => {
-            let (line, orders) = order_line(grace);
-            (Some(line), Some(orders))
-        }
-        false => (None, None),
+    let (order_line, orders) = if own_coordinator {
+        let (line, orders) = order_line(grace);
+        (Some(line), Some(orders))
+    } else {
+        (None, None)
     };
     let breaker = order_line.as_ref().map(|line| line.breaker()).unwrap_or_default();
     let link = ring_link(&config, rank, listener, &credentials, &breaker);
