@@ -203,6 +203,14 @@ impl Replica {
         let mut bucket_index = 0;
         let mut filling = BucketFill::new(&self.device);
         segments::backward(blocks, &self.segments, forward, &upstream, &mut |range, grads| {
+            // A failed all-reduce dooms the step: stop computing it, with that collective's error
+            // (a rollback may follow).
+            if comm.failed() {
+                for reduced in pending.drain(..) {
+                    reduced.wait()?;
+                }
+                bail!("step {step}: a collective failed, so the step stops before the rest of backward");
+            }
             for block in range.rev() {
                 for (param_index, param) in params.iter().enumerate().filter(|(_, p)| p.block == block) {
                     let grad = grads

@@ -2,7 +2,7 @@
 //! it in order, so the compute thread can hand over a gradient bucket and go
 //! on with backward while the bucket is all-reduced.
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc::{channel, Receiver, Sender};
 use std::sync::Arc;
 use std::thread::JoinHandle;
@@ -20,6 +20,8 @@ pub struct CommWorker {
     jobs: Option<Sender<Job>>,
     thread: Option<JoinHandle<()>>,
     busy_nanos: Arc<AtomicU64>,
+    /// Set once a collective failed: the ring is broken, and every later one fails too.
+    failed: Arc<AtomicBool>,
     rank: usize,
     world_size: usize,
 }
@@ -55,6 +57,7 @@ impl CommWorker {
             jobs: Some(jobs),
             thread: Some(thread),
             busy_nanos: Arc::default(),
+            failed: Arc::default(),
             rank,
             world_size,
         })
@@ -76,11 +79,14 @@ impl CommWorker {
         collective: impl FnOnce(&mut Communicator) -> Result<T> + Send + 'static,
     ) -> Pending<T> {
         let (reply, result) = channel();
-        let busy = self.busy_nanos.clone();
+        let (busy, failed) = (self.busy_nanos.clone(), self.failed.clone());
         let job: Job = Box::new(move |comm| {
             let start = Instant::now();
             let outcome = collective(comm);
             busy.fetch_add(start.elapsed().as_nanos() as u64, Ordering::Relaxed);
+            if outcome.is_err() {
+                failed.store(true, Ordering::Relaxed);
+            }
             // The submitter may have given up waiting; nothing to do then.
             let _ = reply.send(outcome);
         });
@@ -98,6 +104,12 @@ impl CommWorker {
         collective: impl FnOnce(&mut Communicator) -> Result<T> + Send + 'static,
     ) -> Result<T> {
         self.submit(collective).wait()
+    }
+
+    /// Whether a collective has failed (a peer is gone, or the ring was broken to roll back):
+    /// the compute thread may stop its step early, its result is lost anyway.
+    pub fn failed(&self) -> bool {
+        self.failed.load(Ordering::Relaxed)
     }
 
     /// Total time spent inside collectives so far.
