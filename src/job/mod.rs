@@ -244,16 +244,17 @@ impl TrainingJob {
     }
 
     /// One rank of a multi-process job over TCP or shared memory; rank 0
-    /// also hosts the coordinator at `cluster.master` and writes the outputs.
+    /// writes the outputs, and hosts the coordinator at `cluster.master` unless
+    /// it runs as a process of its own.
     pub fn run_rank(&self, rank: usize, options: &RunOptions) -> Result<Option<RunOutcome>> {
         if rank == 0 {
             outputs::write_config(&options.run_dir, &self.config)?;
         }
-        let outcome = if self.config.strategy.pipeline {
-            pipeline::run_rank(self, rank, options)?
-        } else {
-            process::run(self, rank, options)?
-        };
+        if !self.config.strategy.pipeline {
+            // Rank 0 writes the outputs before it leaves the job.
+            return process::run(self, rank, options);
+        }
+        let outcome = pipeline::run_rank(self, rank, options)?;
         if let Some(outcome) = &outcome {
             outcome.write(&options.run_dir)?;
         }

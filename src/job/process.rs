@@ -120,8 +120,11 @@ pub(super) fn run(job: &TrainingJob, rank: usize, options: &RunOptions) -> Resul
             }),
         }
     });
-    let coordinator = (rank == 0 && !own_coordinator)
-        .then(|| Coordinator::new(world, timeout).with_checkpoints(recovery.store.clone(), recovery.start_step()));
+    let coordinator = (rank == 0 && !own_coordinator).then(|| {
+        Coordinator::new(world, timeout)
+            .with_checkpoints(recovery.store.clone(), recovery.start_step())
+            .with_settings(config.shared_settings())
+    });
 
     let outcome = System::new()
         .block_on(async move {
@@ -137,16 +140,23 @@ pub(super) fn run(job: &TrainingJob, rank: usize, options: &RunOptions) -> Resul
             let training = async {
                 let mut trainer = job.trainer(rank, bus, link, data_endpoint, options, recovery);
                 trainer.in_place = in_place;
-                trainer
+                let outcome = trainer
                     .start()
                     .send(Train)
                     .await
-                    .map_err(|e| anyhow!("rank {rank}: trainer actor stopped: {e}"))?
+                    .map_err(|e| anyhow!("rank {rank}: trainer actor stopped: {e}"))??;
+                // Rank 0 writes the outputs before it says goodbye: until then its loss is a
+                // death the coordinator recovers from.
+                let outcome = (rank == 0).then(|| RunOutcome::from_rank0(outcome, world, "multi-process"));
+                if let Some(outcome) = &outcome {
+                    outcome.write(&options.run_dir)?;
+                }
+                Ok(outcome)
             };
             watched(training, rank, &master, &config, &credentials, order_line.as_ref()).await
         })
         .map_err(refused_if_mismatched)?;
-    Ok((rank == 0).then(|| RunOutcome::from_rank0(outcome, world, "multi-process")))
+    Ok(outcome)
 }
 
 /// Rank `rank`'s ring link over `listener` (none when it trains alone).
