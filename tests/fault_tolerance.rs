@@ -8,8 +8,8 @@ mod common;
 use std::path::{Path, PathBuf};
 
 use common::{
-    children_of, config, flotilla, free_port_range, pick, start_flotilla, train_in_process, wait_for_commit,
-    wait_for_training, PIPELINE_2X2,
+    children_of, config, end_leftovers, flotilla, free_port_range, pick, start_flotilla, train_in_process,
+    wait_for_commit, wait_for_training, PIPELINE_2X2,
 };
 use flotilla::config::JobConfig;
 use flotilla::job::ps::{build_shard, ParameterServerJob};
@@ -95,13 +95,7 @@ fn survive(job: &Job, signal: i32, extra: &[&str]) -> String {
         libc::kill(sorted[victim], signal);
     }
     let finished = launcher.finish(180);
-    for pid in children {
-        // SAFETY: as above; the launcher has reaped them, so this is a no-op unless it failed
-        // to, in which case the test must not leave them behind.
-        unsafe {
-            libc::kill(pid, libc::SIGKILL);
-        }
-    }
+    end_leftovers(children);
     assert!(
         finished.success,
         "the job did not survive:\n{}\n{}",
@@ -293,12 +287,7 @@ fn a_restarted_job_without_checkpoints_says_it_starts_again_at_step_0() {
         libc::kill(children[pick(2)], libc::SIGKILL);
     }
     let finished = launcher.finish(180);
-    for pid in children {
-        // SAFETY: as in `survive`.
-        unsafe {
-            libc::kill(pid, libc::SIGKILL);
-        }
-    }
+    end_leftovers(children);
     let stderr = &finished.stderr;
     assert!(finished.success, "{stderr}");
     assert!(

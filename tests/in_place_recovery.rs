@@ -10,7 +10,8 @@ use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
 use common::{
-    children_of, config, free_port_range, pick, start_flotilla, train_in_process, trainer_ranks, wait_for_commit,
+    children_of, config, end_leftovers, free_port_range, pick, start_flotilla, train_in_process, trainer_ranks,
+    wait_for_commit,
 };
 
 /// Ranks of the launched job.
@@ -104,13 +105,7 @@ fn launch_and_hurt(victim: Victim, signal: i32, extra: &[&str]) -> Hurt {
     let replaced = wait_for_replacement(pid, target);
     let started = children_of(pid);
     let finished = launcher.finish(180);
-    for child in started {
-        // SAFETY: as above; the launcher has reaped them, so this is a no-op unless it failed
-        // to, in which case the test must not leave them behind.
-        unsafe {
-            libc::kill(child, libc::SIGKILL);
-        }
-    }
+    end_leftovers(started);
     assert!(finished.success, "the job did not survive:\n{}", finished.stderr);
     let summary = serde_json::from_str(&std::fs::read_to_string(run_dir.join("summary.json")).unwrap()).unwrap();
     Hurt {
@@ -236,12 +231,7 @@ fn without_checkpoints_the_survivors_roll_back_to_step_0_from_memory() {
     }
     let started = children_of(launcher.child.id());
     let finished = launcher.finish(180);
-    for child in started {
-        // SAFETY: as in `launch_and_hurt`.
-        unsafe {
-            libc::kill(child, libc::SIGKILL);
-        }
-    }
+    end_leftovers(started);
     let stderr = &finished.stderr;
     assert!(finished.success, "{stderr}");
     assert!(stderr.contains("generation 1 resumes from step 0"), "{stderr}");
@@ -287,12 +277,7 @@ fn a_replacement_started_with_another_config_is_refused_naming_the_key_and_the_j
     let rogue = start_flotilla(&rogue_args, &rogue_env).finish(60);
     let started = children_of(launcher.child.id());
     let finished = launcher.finish(180);
-    for child in started {
-        // SAFETY: as in `launch_and_hurt`.
-        unsafe {
-            libc::kill(child, libc::SIGKILL);
-        }
-    }
+    end_leftovers(started);
     assert!(!rogue.success);
     assert!(
         rogue.stderr.contains("rank 1 was started for another job:")

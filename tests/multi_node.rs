@@ -9,7 +9,7 @@ mod common;
 
 use std::process::Command;
 
-use common::{children_of, config, start_program, train_in_process, trainer_ranks, wait_for_commit};
+use common::{children_of, config, end_leftovers, start_program, train_in_process, trainer_ranks, wait_for_commit};
 
 const STEPS: &str = "train.steps=20";
 
@@ -58,6 +58,15 @@ impl TwoHosts {
     }
 }
 
+impl TwoHosts {
+    /// Two hosts, or `None` after saying why they cannot be made here.
+    fn create_or_say_why() -> Option<Self> {
+        TwoHosts::create()
+            .inspect_err(|reason| eprintln!("skipped: cannot make two network namespaces here ({reason})"))
+            .ok()
+    }
+}
+
 impl Drop for TwoHosts {
     fn drop(&mut self) {
         for name in &self.names {
@@ -90,12 +99,8 @@ fn launch_on_both(hosts: &TwoHosts, run_dir: &std::path::Path, settings: &[&str]
 
 #[test]
 fn one_launcher_per_node_trains_like_the_in_process_cluster() {
-    let hosts = match TwoHosts::create() {
-        Ok(hosts) => hosts,
-        Err(reason) => {
-            eprintln!("skipped: cannot make two network namespaces here ({reason})");
-            return;
-        }
+    let Some(hosts) = TwoHosts::create_or_say_why() else {
+        return;
     };
     let dir = tempfile::tempdir().unwrap();
     let run_dir = dir.path().join("run");
@@ -120,12 +125,8 @@ fn one_launcher_per_node_trains_like_the_in_process_cluster() {
 
 #[test]
 fn a_rank_killed_on_the_second_node_is_replaced_there_and_rank_0_rolls_back_in_place() {
-    let hosts = match TwoHosts::create() {
-        Ok(hosts) => hosts,
-        Err(reason) => {
-            eprintln!("skipped: cannot make two network namespaces here ({reason})");
-            return;
-        }
+    let Some(hosts) = TwoHosts::create_or_say_why() else {
+        return;
     };
     let dir = tempfile::tempdir().unwrap();
     let run_dir = dir.path().join("run");
@@ -146,12 +147,7 @@ fn a_rank_killed_on_the_second_node_is_replaced_there_and_rank_0_rolls_back_in_p
     }
     let started: Vec<i32> = launchers.iter().flat_map(|l| children_of(l.child.id())).collect();
     let finished: Vec<_> = launchers.into_iter().map(|l| l.finish(180)).collect();
-    for pid in started {
-        // SAFETY: as above; reaped already unless a launcher failed to end it.
-        unsafe {
-            libc::kill(pid, libc::SIGKILL);
-        }
-    }
+    end_leftovers(started);
     for (node, f) in finished.iter().enumerate() {
         assert!(f.success, "node {node} failed:\n{}", f.stderr);
     }

@@ -14,8 +14,8 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use common::{
-    children_of, config, flotilla, free_port_range, start_flotilla, train_in_process, trainer_ranks, wait_for_training,
-    PIPELINE_2X2,
+    children_of, config, end_leftovers, flotilla, free_port_range, start_flotilla, train_in_process, trainer_ranks,
+    wait_for_training, PIPELINE_2X2,
 };
 use flotilla::config::JobConfig;
 use flotilla::job::ps::ParameterServerJob;
@@ -235,12 +235,7 @@ fn a_process_of_another_job_with_the_same_token_cannot_keep_a_stalled_rank_alive
     let finished = job.finish(120);
     stop.store(true, Ordering::Relaxed);
     let answered = intruder.join().expect("the intruder's thread");
-    for pid in processes {
-        // SAFETY: as above; gone already unless the launcher failed to end it.
-        unsafe {
-            libc::kill(pid, libc::SIGKILL);
-        }
-    }
+    end_leftovers(processes);
     assert!(!finished.success, "the job went on with a stalled rank");
     assert_eq!(answered, 0, "another job's heartbeats for rank 1 were taken");
     assert!(

@@ -21,7 +21,9 @@ use actix::prelude::*;
 use bytes::Bytes;
 use tokio::sync::oneshot;
 
+use super::recovery::Recovery;
 use crate::checkpoint::{CheckpointStore, FileRecord};
+use crate::config::JobConfig;
 use crate::net::protocol::{
     Acknowledge, Barrier, Beat, ConnectionLost, DeadProcess, Gather, Heartbeat, Join, JoinRefused, Leave, ListDead,
     Roster, Settings,
@@ -132,6 +134,14 @@ impl Coordinator {
     pub fn recovering_in_place(mut self) -> Self {
         self.in_place = true;
         self
+    }
+
+    /// The coordinator of `config`'s job of `world_size` ranks: the job's deadline, the
+    /// checkpoints its run commits and starts from, and the settings every rank must share.
+    pub(crate) fn for_job(world_size: usize, config: &JobConfig, recovery: &Recovery) -> Self {
+        Self::new(world_size, config.fault_tolerance.timeout())
+            .with_checkpoints(recovery.store.clone(), recovery.start_step())
+            .with_settings(config.shared_settings())
     }
 
     /// Refuses a rank whose settings differ from `settings` (a replacement started with another

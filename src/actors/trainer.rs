@@ -16,7 +16,7 @@ use anyhow::{Context as _, Result};
 
 use super::device::{
     CheckReplicas, DeviceActor, Evaluate, ModelFactory, Prepare, ReadParameters, Relink, RestoreCheckpoint, RingLink,
-    Snapshot, TakeSpans, TrainStep,
+    SaveCheckpoint, Snapshot, TakeSpans, TrainStep,
 };
 use super::divergence::check_loss;
 use super::recovery::Recovery;
@@ -388,28 +388,31 @@ impl TrainingRun {
     /// acknowledges, the coordinator commits; a rank that rolls back in place keeps the state.
     async fn checkpoint(&mut self, bus: &mut ControlBus, step: usize, losses: &[f32]) -> Result<()> {
         let store = self.recovery.store.clone().context("a checkpoint without a store")?;
-        let keeps = self.in_place.is_some();
-        let written = if self.rank == 0 || keeps {
-            let state = Arc::new(
-                self.device
-                    .send(Snapshot {
-                        losses: losses.to_vec(),
-                    })
-                    .await??,
-            );
-            if keeps {
+        let writes = self.rank == 0;
+        let written = match (self.in_place.is_some(), writes) {
+            (false, false) => Vec::new(),
+            // Streamed to the file tensor by tensor: no copy of the state in memory.
+            (false, true) => {
+                let save = SaveCheckpoint {
+                    store,
+                    step,
+                    file: REPLICA_FILE.to_string(),
+                    losses: losses.to_vec(),
+                };
+                vec![self.device.send(save).await??]
+            }
+            // The copy kept for a rollback is the one written.
+            (true, _) => {
+                let losses = losses.to_vec();
+                let state = Arc::new(self.device.send(Snapshot { losses }).await??);
                 self.kept.pending = Some((step, state.clone()));
+                if writes {
+                    let write = tokio::task::spawn_blocking(move || store.write(step, REPLICA_FILE, &state));
+                    vec![write.await.context("the checkpoint writer stopped")??]
+                } else {
+                    Vec::new()
+                }
             }
-            if self.rank == 0 {
-                let record = tokio::task::spawn_blocking(move || store.write(step, REPLICA_FILE, &state))
-                    .await
-                    .context("the checkpoint writer stopped")??;
-                vec![record]
-            } else {
-                Vec::new()
-            }
-        } else {
-            Vec::new()
         };
         bus.acknowledge(self.rank, step, written).await?;
         if let Some(committed) = self.kept.pending.take() {

@@ -33,9 +33,7 @@ pub fn run_coordinator(config: &JobConfig, options: &RunOptions) -> Result<()> {
     let world = config.world_size();
     System::new().block_on(async move {
         let (done, finished) = oneshot::channel();
-        let coordinator = Coordinator::new(world, ft.timeout())
-            .with_checkpoints(recovery.store.clone(), recovery.start_step())
-            .with_settings(config.shared_settings())
+        let coordinator = Coordinator::for_job(world, config, &recovery)
             .recovering_in_place()
             .with_finish(done);
         host_coordinator(coordinator, &master, ft, config.cluster.max_frame_bytes(), &credentials).await?;

@@ -33,9 +33,7 @@ pub(super) fn run(job: &TrainingJob, options: &RunOptions) -> Result<RunOutcome>
     let recovery = Recovery::plan(&config, &options.run_dir, &options.resume)?;
     let outcomes = System::new().block_on(async move {
         // For the checkpoint protocol's gathers.
-        let coordinator = Coordinator::new(d * p, timeout)
-            .with_checkpoints(recovery.store.clone(), recovery.start_step())
-            .start();
+        let coordinator = Coordinator::for_job(d * p, &config, &recovery).start();
         // links[rank]: stage links within each replica, rings across replicas of each stage.
         let mut stage_links: Vec<Option<StageLinks>> = Vec::with_capacity(d * p);
         for _ in 0..d {
@@ -92,11 +90,7 @@ pub(super) fn run_rank(job: &TrainingJob, rank: usize, options: &RunOptions) -> 
     } = bind(&config, rank)?;
     let recovery = Recovery::plan(&config, &options.run_dir, &options.resume)?;
     System::new().block_on(async move {
-        let coordinator = (rank == 0).then(|| {
-            Coordinator::new(world, config.fault_tolerance.timeout())
-                .with_checkpoints(recovery.store.clone(), recovery.start_step())
-                .with_settings(config.shared_settings())
-        });
+        let coordinator = (rank == 0).then(|| Coordinator::for_job(world, &config, &recovery));
         let mut bus = connect_control(
             coordinator,
             rank,

@@ -89,7 +89,6 @@ pub(super) fn run(job: &TrainingJob, rank: usize, options: &RunOptions) -> Resul
     let config = job.config.clone();
     let recovery = Recovery::plan(&config, &options.run_dir, &options.resume)?;
     let world = config.world_size();
-    let timeout = config.fault_tolerance.timeout();
     let max_frame = config.cluster.max_frame_bytes();
     let RankEndpoints {
         master,
@@ -120,11 +119,7 @@ pub(super) fn run(job: &TrainingJob, rank: usize, options: &RunOptions) -> Resul
             }),
         }
     });
-    let coordinator = (rank == 0 && !own_coordinator).then(|| {
-        Coordinator::new(world, timeout)
-            .with_checkpoints(recovery.store.clone(), recovery.start_step())
-            .with_settings(config.shared_settings())
-    });
+    let coordinator = (rank == 0 && !own_coordinator).then(|| Coordinator::for_job(world, &config, &recovery));
 
     let outcome = System::new()
         .block_on(async move {

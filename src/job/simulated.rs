@@ -16,9 +16,7 @@ pub(super) fn run(job: &TrainingJob, options: &RunOptions) -> Result<RunOutcome>
     let recovery = Recovery::plan(&job.config, &options.run_dir, &options.resume)?;
     let timeout = job.config.fault_tolerance.timeout();
     let outcomes = System::new().block_on(async move {
-        let coordinator = Coordinator::new(world, timeout)
-            .with_checkpoints(recovery.store.clone(), recovery.start_step())
-            .start();
+        let coordinator = Coordinator::for_job(world, &job.config, &recovery).start();
         let links: Vec<RingLink> = if world == 1 {
             vec![RingLink::Single]
         } else {

@@ -132,6 +132,18 @@ pub fn pick(choices: usize) -> usize {
     nanos as usize % choices
 }
 
+/// Kills what is left of `pids`, the processes a test's launcher started: reaped already unless
+/// the launcher failed to end them, in which case the test must not leave them behind.
+pub fn end_leftovers(pids: impl IntoIterator<Item = i32>) {
+    for pid in pids {
+        // SAFETY: a pid of a process the test's own launcher started; SIGKILL of one already
+        // reaped by it is a no-op.
+        unsafe {
+            libc::kill(pid, libc::SIGKILL);
+        }
+    }
+}
+
 /// What a finished flotilla process printed.
 pub struct Finished {
     pub success: bool,
