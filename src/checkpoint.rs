@@ -47,6 +47,31 @@ struct Manifest {
     files: Vec<FileRecord>,
 }
 
+/// The coordinator's record of the newest checkpoint it committed, in a job whose nodes each
+/// keep their own copy of its files (no shared filesystem): which node holds which file.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CommitRecord {
+    /// The step it was taken after.
+    pub step: usize,
+    /// The job's processes.
+    pub world_size: usize,
+    /// Every file, with the nodes holding a copy.
+    pub files: Vec<HeldFile>,
+}
+
+/// A checkpoint file and the nodes that hold a copy of it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct HeldFile {
+    /// The file as its writers wrote it.
+    #[serde(flatten)]
+    pub record: FileRecord,
+    /// The hosts holding it.
+    pub nodes: Vec<String>,
+}
+
+/// The coordinator's [`CommitRecord`] in the checkpoint directory.
+const COMMIT_RECORD: &str = "committed.json";
+
 /// The checkpoint directory of a job: where roles write their files and the coordinator's rank
 /// commits them.
 #[derive(Debug, Clone)]
@@ -155,6 +180,28 @@ impl CheckpointStore {
         write_atomically(&dir, MANIFEST, |file| Ok(file.write_all(&text)?))?;
         tracing::info!(step, dir = %dir.display(), "checkpoint committed");
         self.prune(step)
+    }
+
+    /// Records `record` as the newest checkpoint committed, for a coordinator started again
+    /// to resume from: the files themselves are on the nodes it names.
+    pub fn record(&self, record: &CommitRecord) -> Result<()> {
+        fs::create_dir_all(&self.root).with_context(|| format!("creating {}", self.root.display()))?;
+        let text = serde_json::to_vec_pretty(record)?;
+        write_atomically(&self.root, COMMIT_RECORD, |file| Ok(file.write_all(&text)?))?;
+        tracing::info!(step = record.step, dir = %self.root.display(), "checkpoint committed");
+        Ok(())
+    }
+
+    /// The newest checkpoint [`Self::record`] recorded here, if any.
+    pub fn recorded(&self) -> Result<Option<CommitRecord>> {
+        let path = self.root.join(COMMIT_RECORD);
+        match fs::read(&path) {
+            Ok(text) => Ok(Some(
+                serde_json::from_slice(&text).with_context(|| format!("{} is malformed", path.display()))?,
+            )),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+            Err(e) => Err(e).with_context(|| format!("reading {}", path.display())),
+        }
     }
 
     /// Deletes every step directory older than the newest `keep` committed ones up to `newest`,
@@ -289,7 +336,11 @@ impl Checkpoint {
 /// renamed over the name, and made durable by syncing the directory. A failed write (a full
 /// disk) removes the temporary file, so it leaves nothing behind.
 pub(crate) fn write_atomically(dir: &Path, name: &str, contents: impl FnOnce(&mut File) -> Result<()>) -> Result<()> {
-    let temporary = dir.join(format!(".{name}.tmp"));
+    // A name of its own: processes of two nodes that share the directory may write the same
+    // file (each node's copy of one replicated state) at once.
+    static WRITES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let write = WRITES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let temporary = dir.join(format!(".{name}.{}-{write}.tmp", std::process::id()));
     let path = dir.join(name);
     let mut file = File::create(&temporary).with_context(|| format!("creating {}", temporary.display()))?;
     let written = contents(&mut file)
@@ -380,6 +431,9 @@ pub fn write_tensors(
     metadata: HashMap<String, String>,
 ) -> Result<()> {
     let mut header = serde_json::Map::new();
+    // In key order: replicas of one state write the same bytes, whatever each process's hash
+    // order (their copies are compared by checksum).
+    let metadata: std::collections::BTreeMap<String, String> = metadata.into_iter().collect();
     header.insert("__metadata__".to_string(), serde_json::to_value(metadata)?);
     let mut offset = 0usize;
     for (name, tensor) in tensors {
@@ -514,6 +568,47 @@ mod tests {
         assert_eq!(tensors["w"].to_vec2::<f32>()?, t.to_vec2::<f32>()?);
         assert_eq!(tensors["b"].to_vec2::<f32>()?, vec![vec![3.0], vec![7.0]]);
         assert_eq!(metadata["optimizer"], "sgd");
+        Ok(())
+    }
+
+    #[test]
+    fn one_state_encodes_to_the_same_bytes_whatever_the_hash_order() -> Result<()> {
+        let t = Tensor::new(&[1.0f32, 2.0], &Device::Cpu)?;
+        let encode = || -> Result<Vec<u8>> {
+            let metadata: HashMap<String, String> = (0..32).map(|i| (format!("key{i}"), i.to_string())).collect();
+            let mut bytes = Vec::new();
+            write_tensors(&mut bytes, &[("w".to_string(), t.clone())], metadata)?;
+            Ok(bytes)
+        };
+        let first = encode()?;
+        for _ in 0..8 {
+            assert!(encode()? == first, "two encodings of one state differ");
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn the_coordinators_record_of_a_node_local_commit_survives_it() -> Result<()> {
+        let dir = tempfile::tempdir()?;
+        let store = CheckpointStore::new(dir.path().join("checkpoints"), 2);
+        assert_eq!(store.recorded()?, None);
+        let record = CommitRecord {
+            step: 20,
+            world_size: 3,
+            files: vec![HeldFile {
+                record: FileRecord {
+                    name: "replica.safetensors".into(),
+                    bytes: 8,
+                    crc32c: 7,
+                },
+                nodes: vec!["10.0.0.1".into(), "10.0.0.2".into()],
+            }],
+        };
+        store.record(&record)?;
+        assert_eq!(CheckpointStore::new(store.root(), 2).recorded()?, Some(record));
+        std::fs::write(store.root().join(COMMIT_RECORD), b"{")?;
+        let error = store.recorded().unwrap_err().to_string();
+        assert!(error.contains("committed.json is malformed"), "{error}");
         Ok(())
     }
 }

@@ -22,7 +22,7 @@ use bytes::Bytes;
 use tokio::sync::oneshot;
 
 use super::recovery::Recovery;
-use crate::checkpoint::{CheckpointStore, FileRecord};
+use crate::checkpoint::{CheckpointStore, CommitRecord, FileRecord, HeldFile};
 use crate::config::JobConfig;
 use crate::net::protocol::{
     Acknowledge, Barrier, Beat, ConnectionLost, DeadProcess, Gather, Heartbeat, Join, JoinRefused, Leave, ListDead,
@@ -72,6 +72,8 @@ pub struct Coordinator {
     in_place: bool,
     /// Where checkpoints are committed; `None` when the job takes none.
     checkpoints: Option<CheckpointStore>,
+    /// The roster of the running generation (the nodes that hold checkpoint files).
+    roster: Option<Roster>,
     /// The newest checkpoint committed (or the one the run started from).
     committed: Option<usize>,
     /// Told once every rank has left.
@@ -101,6 +103,7 @@ impl Coordinator {
             rolled_back: String::new(),
             in_place: false,
             checkpoints: None,
+            roster: None,
             committed: None,
             finished: None,
             settings: Settings::new(),
@@ -313,18 +316,51 @@ impl Coordinator {
         rx
     }
 
-    /// Commits the checkpoint of `step` whose files every rank listed in its part.
+    /// Commits the checkpoint of `step` whose files every rank listed in its part. In a job that
+    /// recovers in place each node keeps its own copy of the replicated state (no shared
+    /// filesystem): the coordinator records which node holds which file, and each writer
+    /// commits its node's copy once told; otherwise the files are in the coordinator's
+    /// directory, and it commits them there.
     fn commit(&mut self, step: usize, parts: &[Bytes]) -> Result<(), String> {
-        let mut files = Vec::new();
+        let mut files: Vec<HeldFile> = Vec::new();
         for (rank, part) in parts.iter().enumerate() {
             let records: Vec<FileRecord> = serde_json::from_slice(part)
                 .map_err(|e| format!("rank {rank}'s acknowledgement of step {step}: {e}"))?;
-            files.extend(records);
+            let node = self
+                .roster
+                .as_ref()
+                .map_or_else(String::new, |r| r.host_of(rank).to_string());
+            for record in records {
+                match files.iter_mut().find(|held| held.record.name == record.name) {
+                    Some(held) if held.record == record => held.nodes.push(node.clone()),
+                    Some(held) => {
+                        return Err(format!(
+                            "checkpoint of step {step}: two copies of {} differ ({} bytes, CRC-32C {:08x}; {} bytes, {:08x})",
+                            record.name, held.record.bytes, held.record.crc32c, record.bytes, record.crc32c
+                        ))
+                    }
+                    None => files.push(HeldFile {
+                        record,
+                        nodes: vec![node.clone()],
+                    }),
+                }
+            }
         }
         if let Some(store) = &self.checkpoints {
-            store
-                .commit(step, self.world_size, files)
-                .map_err(|e| format!("committing the checkpoint of step {step}: {e:#}"))?;
+            let committed = if self.in_place {
+                store.record(&CommitRecord {
+                    step,
+                    world_size: self.world_size,
+                    files,
+                })
+            } else {
+                store.commit(
+                    step,
+                    self.world_size,
+                    files.into_iter().map(|held| held.record).collect(),
+                )
+            };
+            committed.map_err(|e| format!("committing the checkpoint of step {step}: {e:#}"))?;
         }
         self.committed = Some(step);
         Ok(())
@@ -459,6 +495,7 @@ impl Handler<Join> for Coordinator {
                 self.members.insert(rank, self.generation);
                 let _ = waiter.send(Ok(roster.clone()));
             }
+            self.roster = Some(roster);
         }
         let answer = reply(rx);
         Box::pin(async move { answer.await.map_err(JoinRefused::Failed) })
@@ -785,22 +822,33 @@ mod tests {
         for rank in 0..3 {
             assert_eq!(beat(&c, rank, rank as u64).await, Ok(Beat::Alive));
         }
-        // Every rank acknowledges step 10's checkpoint (rank 0 wrote the file): committed.
-        let written = CheckpointStore::new(store_dir.path(), 3)
-            .write(10, "replica", b"state")
-            .unwrap();
+        // Every rank acknowledges step 10's checkpoint; ranks 0 and 2 wrote a copy each on their
+        // nodes: committed, recording both holders (the files are theirs to commit).
+        let written = FileRecord {
+            name: "replica".into(),
+            bytes: 5,
+            crc32c: crc32c::crc32c(b"state"),
+        };
         let ack = |rank| {
             c.send(Acknowledge {
                 rank,
                 step: 10,
-                files: if rank == 0 { vec![written.clone()] } else { Vec::new() },
+                files: if rank == 1 { Vec::new() } else { vec![written.clone()] },
             })
         };
         let (x, y, z) = futures::join!(ack(0), ack(1), ack(2));
         for answer in [x, y, z] {
             answer.unwrap().expect("committed");
         }
-        assert!(store_dir.path().join("step-00000010/manifest.json").exists());
+        let record = CheckpointStore::new(store_dir.path(), 3).recorded().unwrap().unwrap();
+        assert_eq!(record.step, 10);
+        assert_eq!(
+            record.files,
+            vec![HeldFile {
+                record: written,
+                nodes: vec!["endpoint-0".into(), "endpoint-2".into()]
+            }]
+        );
 
         // Rank 1's line breaks: rank 0, waiting at a barrier, is told at once; rank 2 at its beat.
         let waiting = c.send(Barrier {

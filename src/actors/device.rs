@@ -17,7 +17,9 @@ use crate::config::JobConfig;
 use crate::data::ctr::CtrBatch;
 use crate::data::Batch;
 use crate::engines::comm::memory::MemoryTransport;
-use crate::engines::comm::{connect_ring, parse_endpoints, CommWorker, Communicator, RingBreaker, RingTransport};
+use crate::engines::comm::{
+    connect_ring, parse_endpoints, CommWorker, Communicator, RingBreaker, RingTransport, Shared,
+};
 use crate::engines::compute::device_for;
 use crate::models::{Model, ParamInit};
 use crate::net::auth::Credentials;
@@ -253,6 +255,17 @@ pub struct SaveCheckpoint {
 #[rtype(result = "Result<Vec<f32>>")]
 pub struct RestoreCheckpoint(pub Arc<Vec<u8>>);
 
+/// Gives the state after step `step` to the ranks that lack it: `Some` where this rank holds
+/// it. Answers where this rank's copy came from.
+#[derive(Message)]
+#[rtype(result = "Result<Shared>")]
+pub struct ShareState {
+    /// The step the state is of.
+    pub step: usize,
+    /// This rank's copy, if it holds one.
+    pub mine: Option<Arc<Vec<u8>>>,
+}
+
 /// The device thread's state: empty until [`Prepare`], [`PrepareCtr`] or [`PreparePipeline`].
 #[derive(Default)]
 pub struct DeviceActor {
@@ -401,6 +414,14 @@ impl Handler<RestoreCheckpoint> for DeviceActor {
             Some(pipeline) => pipeline.restore_state(&msg.0),
             None => self.replica()?.restore_state(&msg.0),
         }
+    }
+}
+
+impl Handler<ShareState> for DeviceActor {
+    type Result = Result<Shared>;
+
+    fn handle(&mut self, msg: ShareState, _: &mut Self::Context) -> Self::Result {
+        self.replica()?.share_state(msg.step, msg.mine)
     }
 }
 

@@ -16,7 +16,7 @@ use anyhow::{Context as _, Result};
 
 use super::device::{
     CheckReplicas, DeviceActor, Evaluate, ModelFactory, Prepare, ReadParameters, Relink, RestoreCheckpoint, RingLink,
-    SaveCheckpoint, Snapshot, TakeSpans, TrainStep,
+    SaveCheckpoint, ShareState, Snapshot, TakeSpans, TrainStep,
 };
 use super::divergence::check_loss;
 use super::recovery::Recovery;
@@ -25,6 +25,7 @@ use super::LOSSES_RESERVED;
 use crate::collective::ParamChecksum;
 use crate::config::JobConfig;
 use crate::data::{Dataset, ShardedLoader};
+use crate::engines::comm::Shared;
 use crate::net::protocol::Roster;
 use crate::net::ControlBus;
 use crate::telemetry::monitor::{Monitor, MonitorSettings, StepSample};
@@ -124,6 +125,7 @@ impl Handler<Train> for Trainer {
             recovery: self.recovery.clone(),
             in_place: self.in_place.take(),
             kept: Kept::default(),
+            roster: None,
         };
         Box::pin(run.execute())
     }
@@ -144,6 +146,8 @@ struct TrainingRun {
     recovery: Recovery,
     in_place: Option<InPlace>,
     kept: Kept,
+    /// The roster of the generation training.
+    roster: Option<Roster>,
 }
 
 /// A replica's whole state after some step, as checkpoint bytes.
@@ -276,30 +280,41 @@ impl TrainingRun {
     }
 
     /// Brings the replica to the state after `step` steps (a fresh replica is the state of step
-    /// 0); returns the losses of those steps.
+    /// 0); returns the losses of those steps. A rank that recovers in place takes the state
+    /// from memory, else from its node's disk, else from a peer that holds it (a replacement on
+    /// a node whose disk is empty or lost it).
     async fn restore(&mut self, step: usize) -> Result<Vec<f32>> {
         let started = Instant::now();
-        let (bytes, from) = match self.kept.at(step) {
-            Some(bytes) => (bytes, "memory"),
-            None if step == 0 => {
-                if self.in_place.is_some() {
-                    let initial = self.device.send(Snapshot { losses: Vec::new() }).await??;
-                    self.kept.committed = Some((0, Arc::new(initial)));
-                }
-                return Ok(Vec::new());
+        if step == 0 && self.kept.at(0).is_none() {
+            if self.in_place.is_some() {
+                let initial = self.device.send(Snapshot { losses: Vec::new() }).await??;
+                self.kept.committed = Some((0, Arc::new(initial)));
             }
-            None => {
-                let checkpoint = match &self.recovery.start {
-                    Some(start) if start.step == step => start.clone(),
-                    _ => Arc::new(self.recovery.committed(step, self.job.world_size())?),
-                };
-                let bytes = Arc::new(checkpoint.read(REPLICA_FILE)?);
-                if self.in_place.is_some() {
-                    self.kept.committed = Some((step, bytes.clone()));
+            return Ok(Vec::new());
+        }
+        let local = match self.kept.at(step) {
+            Some(bytes) => Some((bytes, "memory".to_string())),
+            None => match self.read_committed(step) {
+                Ok(bytes) => Some((bytes, "disk".to_string())),
+                Err(e) if self.in_place.is_some() => {
+                    tracing::info!(rank = self.rank, step, "not on this node's disk: {e:#}");
+                    None
                 }
-                (bytes, "disk")
-            }
+                Err(e) => return Err(e),
+            },
         };
+        let (bytes, from) = if self.in_place.is_some() {
+            let mine = local.as_ref().map(|(bytes, _)| bytes.clone());
+            match self.device.send(ShareState { step, mine }).await?? {
+                Shared::Held => local.context("a rank without the state was told it held it")?,
+                Shared::Received { bytes, from } => (Arc::new(bytes), format!("rank {from}")),
+            }
+        } else {
+            local.context("the state was read")?
+        };
+        if self.in_place.is_some() && from != "memory" {
+            self.kept.committed = Some((step, bytes.clone()));
+        }
         let losses = self.device.send(RestoreCheckpoint(bytes.clone())).await??;
         tracing::info!(
             rank = self.rank,
@@ -312,6 +327,15 @@ impl TrainingRun {
         Ok(losses)
     }
 
+    /// The replica file of step `step`'s committed checkpoint on this node's disk.
+    fn read_committed(&self, step: usize) -> Result<Arc<Vec<u8>>> {
+        let checkpoint = match &self.recovery.start {
+            Some(start) if start.step == step => start.clone(),
+            _ => Arc::new(self.recovery.committed(step, self.job.world_size())?),
+        };
+        Ok(Arc::new(checkpoint.read(REPLICA_FILE)?))
+    }
+
     /// Trains one generation, from its roster's resume step to the end of the run.
     async fn train_generation(&mut self, bus: &mut ControlBus, roster: &Roster, run: &mut Loop) -> Result<RankOutcome> {
         let rank = self.rank;
@@ -319,6 +343,7 @@ impl TrainingRun {
         let world = job.world_size();
         let steps = run.steps;
         let first = roster.resume_step.unwrap_or(0);
+        self.roster = Some(roster.clone());
         let mut losses = Vec::with_capacity(steps.min(LOSSES_RESERVED));
         losses.extend(self.restore(first).await?);
         let started = Instant::now();
@@ -385,16 +410,22 @@ impl TrainingRun {
     }
 
     /// The checkpoint after `step` steps: rank 0 writes the replica (all are equal), every rank
-    /// acknowledges, the coordinator commits; a rank that rolls back in place keeps the state.
+    /// acknowledges, the coordinator commits. In a job that recovers in place every rank keeps
+    /// the state in memory, and the first rank on each node writes it to that node's disk and
+    /// commits it there once the coordinator has: a node needs no shared filesystem, and a
+    /// node lost with its disk loses no committed checkpoint.
     async fn checkpoint(&mut self, bus: &mut ControlBus, step: usize, losses: &[f32]) -> Result<()> {
         let store = self.recovery.store.clone().context("a checkpoint without a store")?;
-        let writes = self.rank == 0;
+        let writes = match &self.in_place {
+            Some(_) => self.roster.as_ref().is_some_and(|r| r.first_on_its_host(self.rank)),
+            None => self.rank == 0,
+        };
         let written = match (self.in_place.is_some(), writes) {
             (false, false) => Vec::new(),
             // Streamed to the file tensor by tensor: no copy of the state in memory.
             (false, true) => {
                 let save = SaveCheckpoint {
-                    store,
+                    store: store.clone(),
                     step,
                     file: REPLICA_FILE.to_string(),
                     losses: losses.to_vec(),
@@ -407,6 +438,7 @@ impl TrainingRun {
                 let state = Arc::new(self.device.send(Snapshot { losses }).await??);
                 self.kept.pending = Some((step, state.clone()));
                 if writes {
+                    let store = store.clone();
                     let write = tokio::task::spawn_blocking(move || store.write(step, REPLICA_FILE, &state));
                     vec![write.await.context("the checkpoint writer stopped")??]
                 } else {
@@ -414,9 +446,14 @@ impl TrainingRun {
                 }
             }
         };
-        bus.acknowledge(self.rank, step, written).await?;
+        bus.acknowledge(self.rank, step, written.clone()).await?;
         if let Some(committed) = self.kept.pending.take() {
             self.kept.committed = Some(committed);
+            if writes {
+                let world_size = self.job.world_size();
+                let commit = tokio::task::spawn_blocking(move || store.commit(step, world_size, written));
+                commit.await.context("the checkpoint writer stopped")??;
+            }
         }
         Ok(())
     }

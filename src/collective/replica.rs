@@ -1,6 +1,7 @@
 //! One rank's replica: the model, its optimizer and the communicator, and
 //! the data-parallel training step over them. Runs on the device thread.
 
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
@@ -11,7 +12,7 @@ use super::gradient_bucket::{BucketFill, BucketValues};
 use super::{training_state, BucketPlan, ParamChecksum};
 use crate::config::JobConfig;
 use crate::data::Batch;
-use crate::engines::comm::{CommWorker, Pending};
+use crate::engines::comm::{CommWorker, Pending, Shared};
 use crate::engines::compute::segments::{self, Segments};
 use crate::models::{correct_predictions, cross_entropy, Model, NamedParam};
 use crate::optim::{GradientMerge, LrPolicy, Optimizer};
@@ -155,6 +156,13 @@ impl Replica {
     pub fn relink(&mut self, comm: CommWorker) {
         self.comm = comm;
         self.merge.clear();
+    }
+
+    /// Gives the state after step `step` — `mine`, where this rank holds it — to the ranks
+    /// that lack it (healing from a peer).
+    pub fn share_state(&mut self, step: usize, mine: Option<Arc<Vec<u8>>>) -> Result<Shared> {
+        self.comm
+            .run(move |c| c.share(&format!("the state of step {step}"), mine.as_deref().map(Vec::as_slice)))
     }
 
     /// Makes every rank start from rank 0's parameters.

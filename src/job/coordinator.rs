@@ -10,7 +10,7 @@ use tokio::sync::oneshot;
 
 use super::control::host_coordinator;
 use super::process::master;
-use super::{Recovery, RunOptions};
+use super::{Recovery, Resume, RunOptions};
 use crate::actors::Coordinator;
 use crate::config::JobConfig;
 use crate::net::auth::Credentials;
@@ -27,6 +27,12 @@ pub fn run_coordinator(config: &JobConfig, options: &RunOptions) -> Result<()> {
         config.source_name
     );
     let recovery = Recovery::plan(config, &options.run_dir, &options.resume)?;
+    // Restarted: the newest checkpoint it committed before (whose files are on the ranks'
+    // nodes, not necessarily here).
+    let recorded = match (&options.resume, &recovery.store) {
+        (Resume::Fresh, _) | (_, None) => None,
+        (_, Some(store)) => store.recorded()?.map(|record| record.step),
+    };
     let master = master(config)?;
     let ft = &config.fault_tolerance;
     let credentials = Credentials::new(config.cluster.cluster_token()?, ft.timeout());
@@ -34,6 +40,7 @@ pub fn run_coordinator(config: &JobConfig, options: &RunOptions) -> Result<()> {
     System::new().block_on(async move {
         let (done, finished) = oneshot::channel();
         let coordinator = Coordinator::for_job(world, config, &recovery)
+            .with_checkpoints(recovery.store.clone(), recorded.or(recovery.start_step()))
             .recovering_in_place()
             .with_finish(done);
         host_coordinator(coordinator, &master, ft, config.cluster.max_frame_bytes(), &credentials).await?;

@@ -64,6 +64,19 @@ pub struct Roster {
     pub resume_step: Option<usize>,
 }
 
+impl Roster {
+    /// The host rank `rank`'s data endpoint is on: the node it runs on.
+    pub fn host_of(&self, rank: usize) -> &str {
+        let endpoint = self.endpoints[rank].as_str();
+        endpoint.rsplit_once(':').map_or(endpoint, |(host, _)| host)
+    }
+
+    /// Whether `rank` is the first rank on its node.
+    pub fn first_on_its_host(&self, rank: usize) -> bool {
+        (0..rank).all(|other| self.host_of(other) != self.host_of(rank))
+    }
+}
+
 /// Rank `rank` waits until every rank has reached barrier `name`.
 #[derive(Message, Debug)]
 #[rtype(result = "Result<(), String>")]

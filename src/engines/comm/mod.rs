@@ -22,6 +22,7 @@ pub mod nccl;
 mod place;
 pub mod ring;
 mod send_queue;
+mod share;
 pub mod shm;
 pub mod tcp;
 mod tensors;
@@ -31,6 +32,7 @@ pub mod worker;
 pub use breaker::{LinkSockets, RingBreaker};
 pub use place::RingPlace;
 pub use ring::Communicator;
+pub use share::Shared;
 pub use transport::RingTransport;
 pub use worker::{CommWorker, Pending};
 

@@ -231,17 +231,40 @@ impl Communicator {
     pub fn broadcast(&mut self, op: &str, data: &mut [u8], root: usize) -> Result<()> {
         let n = self.world_size();
         ensure!(root < n, "{op}: broadcast root {root} is outside world size {n}");
-        if n == 1 {
+        if self.position_after(root) == 0 {
+            self.relay_from_root(op, data, n - 1)
+        } else {
+            self.relay(op, data, root, n - 1)
+        }
+    }
+
+    /// How many places along the ring this rank comes after `root`.
+    pub(super) fn position_after(&self, root: usize) -> usize {
+        let n = self.world_size();
+        (self.rank() + n - root) % n
+    }
+
+    /// The root's part of a broadcast to the `reach` ranks after it: `data` is only read, so
+    /// the root needs no mutable copy of it.
+    pub(super) fn relay_from_root(&mut self, op: &str, data: &[u8], reach: usize) -> Result<()> {
+        if reach > 0 {
+            self.transport.send(op, data)?;
+        }
+        Ok(())
+    }
+
+    /// Another rank's part of a broadcast from `root` to the `reach` ranks after it: one
+    /// within reach receives `data`, and passes it on while the next rank is within reach too.
+    pub(super) fn relay(&mut self, op: &str, data: &mut [u8], root: usize, reach: usize) -> Result<()> {
+        let position = self.position_after(root);
+        if position == 0 || position > reach {
             return Ok(());
         }
-        let position = (self.rank() + n - root) % n;
-        if position > 0 {
-            let len = data.len();
-            self.transport.recv(op, len, &mut |offset, piece| {
-                data[offset..offset + piece.len()].copy_from_slice(piece)
-            })?;
-        }
-        if position < n - 1 {
+        let len = data.len();
+        self.transport.recv(op, len, &mut |offset, piece| {
+            data[offset..offset + piece.len()].copy_from_slice(piece)
+        })?;
+        if position < reach {
             self.transport.send(op, data)?;
         }
         Ok(())
