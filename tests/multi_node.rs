@@ -78,24 +78,34 @@ impl Drop for TwoHosts {
 /// Starts one launcher per node of `hosts`, each with one rank of the job `settings` writing
 /// into `run_dir` (shared by the nodes, as a shared file system would be).
 fn launch_on_both(hosts: &TwoHosts, run_dir: &std::path::Path, settings: &[&str]) -> Vec<common::Started> {
-    let cluster = hosts.ips.join(",");
-    (0..2)
-        .map(|node| {
-            #[rustfmt::skip]
-            let mut args = vec![
-                "netns", "exec", hosts.names[node].as_str(), env!("CARGO_BIN_EXE_flotilla"),
-                "launch", "--nnodes", "2", "--nproc_per_node", "1", "--node_ip", hosts.ips[node],
-                "--cluster_node_ips", &cluster, "--started_port", "6170", "--", "train", "--config", "config.toml",
-                "--set", "fault_tolerance.timeout_s=30", "--run-dir", run_dir.to_str().unwrap(),
-            ];
-            for set in settings {
-                args.extend(["--set", set]);
-            }
-            // The nodes of one job share a token; each launcher hands it to its processes.
-            start_program("ip", &args, &[("FLOTILLA_TOKEN", common::TEST_TOKEN.to_string())])
-        })
-        .collect()
+    (0..2).map(|node| launch_on(hosts, node, run_dir, settings)).collect()
 }
+
+/// Starts the launcher of node `node` of `hosts`, with one rank of the job `settings` writing
+/// into `run_dir`.
+fn launch_on(hosts: &TwoHosts, node: usize, run_dir: &std::path::Path, settings: &[&str]) -> common::Started {
+    let cluster = hosts.ips.join(",");
+    #[rustfmt::skip]
+    let mut args = vec![
+        "netns", "exec", hosts.names[node].as_str(), env!("CARGO_BIN_EXE_flotilla"),
+        "launch", "--nnodes", "2", "--nproc_per_node", "1", "--node_ip", hosts.ips[node],
+        "--cluster_node_ips", &cluster, "--started_port", "6170", "--", "train", "--config", "config.toml",
+        "--set", "fault_tolerance.timeout_s=30", "--run-dir", run_dir.to_str().unwrap(),
+    ];
+    for set in settings {
+        args.extend(["--set", set]);
+    }
+    // The nodes of one job share a token; each launcher hands it to its processes.
+    start_program("ip", &args, &[("FLOTILLA_TOKEN", common::TEST_TOKEN.to_string())])
+}
+
+/// A long job that checkpoints every 500 steps and beats every 200 ms.
+const RECOVERABLE: [&str; 4] = [
+    "train.steps=3000",
+    "fault_tolerance.checkpoint_every=500",
+    "fault_tolerance.max_restarts=1",
+    "fault_tolerance.heartbeat_interval_ms=200",
+];
 
 #[test]
 fn one_launcher_per_node_trains_like_the_in_process_cluster() {
@@ -130,14 +140,7 @@ fn a_rank_killed_on_the_second_node_is_replaced_there_and_rank_0_rolls_back_in_p
     };
     let dir = tempfile::tempdir().unwrap();
     let run_dir = dir.path().join("run");
-    const LONG: &str = "train.steps=3000";
-    let settings = [
-        LONG,
-        "fault_tolerance.checkpoint_every=500",
-        "fault_tolerance.max_restarts=1",
-        "fault_tolerance.heartbeat_interval_ms=200",
-    ];
-    let launchers = launch_on_both(&hosts, &run_dir, &settings);
+    let launchers = launch_on_both(&hosts, &run_dir, &RECOVERABLE);
     wait_for_commit(&run_dir.join("checkpoints"), 1000);
     let second = launchers[1].child.id();
     let rank_1 = trainer_ranks(second)[&1];
@@ -163,6 +166,77 @@ fn a_rank_killed_on_the_second_node_is_replaced_there_and_rank_0_rolls_back_in_p
     );
     let summary: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(run_dir.join("summary.json")).unwrap()).unwrap();
-    let uninterrupted = train_in_process(config(&[LONG]));
+    let uninterrupted = train_in_process(config(&RECOVERABLE[..1]));
+    assert_eq!(summary["param_checksum"], uninterrupted.summary.param_checksum.as_str());
+}
+
+/// The committed checkpoints in `dir`, by step.
+fn committed_steps(dir: &std::path::Path) -> Vec<usize> {
+    let mut steps: Vec<usize> = std::fs::read_dir(dir)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter(|entry| entry.path().join("manifest.json").exists())
+        .filter_map(|entry| entry.file_name().to_str()?.strip_prefix("step-")?.parse().ok())
+        .collect();
+    steps.sort_unstable();
+    steps
+}
+
+#[test]
+fn a_node_lost_with_its_disk_comes_back_empty_and_takes_the_state_from_the_other() {
+    let Some(hosts) = TwoHosts::create_or_say_why() else {
+        return;
+    };
+    // No shared filesystem: each node its own run directory, checkpoints included.
+    let dir = tempfile::tempdir().unwrap();
+    let run_dirs = [dir.path().join("node-0"), dir.path().join("node-1")];
+    let first = launch_on(&hosts, 0, &run_dirs[0], &RECOVERABLE);
+    let second = launch_on(&hosts, 1, &run_dirs[1], &RECOVERABLE);
+    // Each node commits its own copy of the checkpoint.
+    wait_for_commit(&run_dirs[1].join("checkpoints"), 500);
+    wait_for_commit(&run_dirs[0].join("checkpoints"), 500);
+
+    // The whole second node goes: its launcher first (so nothing restarts), then its rank, then
+    // its disk.
+    let lost = children_of(second.child.id());
+    // SAFETY: the pids of the second node's launcher and of the processes it started.
+    unsafe {
+        libc::kill(second.child.id() as i32, libc::SIGKILL);
+        for &pid in &lost {
+            libc::kill(pid, libc::SIGKILL);
+        }
+    }
+    let gone = second.finish(10);
+    assert!(!gone.success);
+    std::fs::remove_dir_all(&run_dirs[1]).unwrap();
+
+    let second = launch_on(&hosts, 1, &run_dirs[1], &RECOVERABLE);
+    let started: Vec<i32> = [&first, &second]
+        .iter()
+        .flat_map(|l| children_of(l.child.id()))
+        .collect();
+    let finished = [first.finish(180), second.finish(180)];
+    end_leftovers(started);
+    for (node, f) in finished.iter().enumerate() {
+        assert!(f.success, "node {node} failed:\n{}", f.stderr);
+    }
+    assert!(
+        finished[0].stderr.contains("rejoined rank=0 generation=1"),
+        "{}",
+        finished[0].stderr
+    );
+    let healed = finished[1]
+        .stderr
+        .lines()
+        .find(|line| line.contains("state restored"))
+        .unwrap_or_else(|| panic!("the new rank 1 restored no state:\n{}", finished[1].stderr));
+    assert!(healed.contains("from=\"rank 0\""), "{healed}");
+    // The node came back empty and holds checkpoints of its own again.
+    let later = committed_steps(&run_dirs[1].join("checkpoints"));
+    assert!(!later.is_empty(), "{:?}", run_dirs[1]);
+    let summary: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(run_dirs[0].join("summary.json")).unwrap()).unwrap();
+    let uninterrupted = train_in_process(config(&RECOVERABLE[..1]));
     assert_eq!(summary["param_checksum"], uninterrupted.summary.param_checksum.as_str());
 }

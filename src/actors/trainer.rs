@@ -303,7 +303,8 @@ impl TrainingRun {
                 Err(e) => return Err(e),
             },
         };
-        let (bytes, from) = if self.in_place.is_some() {
+        // Every rank holds step 0's state: a fresh replica is it.
+        let (bytes, from) = if self.in_place.is_some() && step > 0 {
             let mine = local.as_ref().map(|(bytes, _)| bytes.clone());
             match self.device.send(ShareState { step, mine }).await?? {
                 Shared::Held => local.context("a rank without the state was told it held it")?,
