@@ -16,6 +16,8 @@
 #   rendezvous  kill -> the coordinator's roster of generation 1 (every rank joined again)
 #   ring        roster -> the last survivor has rebuilt its ring ("rejoined")
 #   restore     the slowest rank's restore: survivors from memory, the replacement from disk
+#               (or, with the checkpoint deleted from disk at the kill, from a peer: a node
+#               that came back with an empty disk)
 #   resumed     kill -> the last rank holds the checkpoint's state again
 #
 # Usage: benches/fault_recovery.sh [path/to/flotilla] [runs]   (default: target/release/flotilla, 3)
@@ -57,8 +59,8 @@ wait_for() {
     exit 1
 }
 
-flotilla_run() { # mode port signal
-    local mode=$1 port=$2 signal=$3 dir="$work/$1-$2"
+flotilla_run() { # mode port signal [disk_lost]
+    local mode=$1 port=$2 signal=$3 lost=${4:-} dir="$work/$1-$2"
     mkdir -p "$dir"
     "$flotilla" launch --nproc_per_node 3 --started_port "$port" -- train --config config.toml \
         "${settings[@]}" --set fault_tolerance.recovery="$mode" \
@@ -69,13 +71,14 @@ flotilla_run() { # mode port signal
     victim=$(child_with "$launcher" PADDLE_TRAINER_ID 1)
     killed=$(now)
     kill "-$signal" "$victim"
+    [ -n "$lost" ] && rm -rf "$dir/checkpoints/step-00000010"
     wait "$launcher" || { echo "the $mode job failed:"; tail -30 "$dir/log"; exit 1; }
     launcher=
-    python3 - "$mode" "$killed" "$dir/log" "$signal" <<'EOF'
+    python3 - "$mode" "$killed" "$dir/log" "$signal" "$lost" <<'EOF'
 import re, sys
 from datetime import datetime, timezone
 mode, killed, log = sys.argv[1], float(sys.argv[2]), open(sys.argv[3]).read().splitlines()
-mode = f"{mode} SIG{sys.argv[4]}"
+mode = f"{mode} SIG{sys.argv[4]}{' disk lost' if sys.argv[5] else ''}"
 def t(line):
     stamp = re.search(r"(\d{4}-\d\d-\d\dT[\d:.]+)Z", line).group(1)
     return datetime.strptime(stamp[:26], "%Y-%m-%dT%H:%M:%S.%f").replace(tzinfo=timezone.utc).timestamp()
@@ -84,18 +87,18 @@ def after(pattern):
 restored = after(r"state restored")
 resumed = max(x for x, _ in restored) - killed
 restore = max(float(re.search(r"seconds=([\d.e-]+)", l).group(1)) for _, l in restored)
-sources = sorted({re.search(r"from=\"?(\w+)", l).group(1) for _, l in restored})
+sources = sorted({re.search(r"from=\"?(\w+ ?\d*)", l).group(1) for _, l in restored})
 if mode.startswith("in_place"):
     declared = after(r"rank 1 declared dead")[0][0]
     abort = max(x for x, _ in after(r"rolling back after")) - declared
     replacement = min(x for x, _ in after(r"^\[rank 1\]")) - killed
     roster = after(r"rendezvous complete.*generation=1")[0][0]
     ring = max(x for x, _ in after(r"rejoined")) - roster
-    print(f"{mode:<16}: detect {declared - killed:.3f} s  abort {abort:.3f} s  replacement {replacement:.3f} s  "
+    print(f"{mode:<26}: detect {declared - killed:.3f} s  abort {abort:.3f} s  replacement {replacement:.3f} s  "
           f"rendezvous {roster - killed:.3f} s  ring {ring:.3f} s  restore {restore:.3f} s ({'+'.join(sources)})  "
           f"resumed {resumed:.3f} s")
 else:
-    print(f"{mode:<16}: restore {restore:.3f} s ({'+'.join(sources)})  resumed {resumed:.3f} s")
+    print(f"{mode:<26}: restore {restore:.3f} s ({'+'.join(sources)})  resumed {resumed:.3f} s")
 EOF
 }
 
@@ -119,7 +122,7 @@ torch_run() { # port
 import re, sys
 killed, log = float(sys.argv[1]), open(sys.argv[2]).read()
 restored = [float(t) for t in re.findall(r"RESTORED rank=\d+ step=\d+ t=([\d.]+)", log) if float(t) > killed]
-print(f"torchrun SIGKILL : resumed {max(restored) - killed:.3f} s ({len(restored)} ranks restarted)")
+print(f"torchrun SIGKILL           : resumed {max(restored) - killed:.3f} s ({len(restored)} ranks restarted)")
 EOF
 }
 
@@ -128,6 +131,7 @@ for run in $(seq 1 "$runs"); do
     echo "run $run"
     flotilla_run in_place $((17200 + 10 * run)) KILL
     flotilla_run in_place $((17250 + 10 * run)) STOP
+    flotilla_run in_place $((17350 + 10 * run)) KILL disk_lost
     flotilla_run restart $((17300 + 10 * run)) KILL
     if [ -x "$venv/bin/torchrun" ]; then
         torch_run $((17400 + 10 * run))
