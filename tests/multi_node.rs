@@ -78,12 +78,20 @@ impl Drop for TwoHosts {
 /// Starts one launcher per node of `hosts`, each with one rank of the job `settings` writing
 /// into `run_dir` (shared by the nodes, as a shared file system would be).
 fn launch_on_both(hosts: &TwoHosts, run_dir: &std::path::Path, settings: &[&str]) -> Vec<common::Started> {
-    (0..2).map(|node| launch_on(hosts, node, run_dir, settings)).collect()
+    (0..2)
+        .map(|node| launch_on(hosts, node, run_dir, settings, &[]))
+        .collect()
 }
 
 /// Starts the launcher of node `node` of `hosts`, with one rank of the job `settings` writing
-/// into `run_dir`.
-fn launch_on(hosts: &TwoHosts, node: usize, run_dir: &std::path::Path, settings: &[&str]) -> common::Started {
+/// into `run_dir`, passing `train` the flags `extra` too.
+fn launch_on(
+    hosts: &TwoHosts,
+    node: usize,
+    run_dir: &std::path::Path,
+    settings: &[&str],
+    extra: &[&str],
+) -> common::Started {
     let cluster = hosts.ips.join(",");
     #[rustfmt::skip]
     let mut args = vec![
@@ -95,6 +103,7 @@ fn launch_on(hosts: &TwoHosts, node: usize, run_dir: &std::path::Path, settings:
     for set in settings {
         args.extend(["--set", set]);
     }
+    args.extend(extra);
     // The nodes of one job share a token; each launcher hands it to its processes.
     start_program("ip", &args, &[("FLOTILLA_TOKEN", common::TEST_TOKEN.to_string())])
 }
@@ -185,14 +194,33 @@ fn committed_steps(dir: &std::path::Path) -> Vec<usize> {
 
 #[test]
 fn a_node_lost_with_its_disk_comes_back_empty_and_takes_the_state_from_the_other() {
+    lose_the_second_node(Disk::Emptied);
+}
+
+#[test]
+fn a_node_whose_launcher_is_started_again_resumes_from_its_own_disk() {
+    lose_the_second_node(Disk::Kept);
+}
+
+/// What becomes of the lost node's disk.
+#[derive(PartialEq)]
+enum Disk {
+    Kept,
+    Emptied,
+}
+
+/// Loses the second node — its launcher, its rank, and its disk unless `disk` is kept — after
+/// the first checkpoint, starts its launcher again, and checks where the new rank took its state
+/// from and that the job ends bitwise equal to an uninterrupted run.
+fn lose_the_second_node(disk: Disk) {
     let Some(hosts) = TwoHosts::create_or_say_why() else {
         return;
     };
     // No shared filesystem: each node its own run directory, checkpoints included.
     let dir = tempfile::tempdir().unwrap();
     let run_dirs = [dir.path().join("node-0"), dir.path().join("node-1")];
-    let first = launch_on(&hosts, 0, &run_dirs[0], &RECOVERABLE);
-    let second = launch_on(&hosts, 1, &run_dirs[1], &RECOVERABLE);
+    let first = launch_on(&hosts, 0, &run_dirs[0], &RECOVERABLE, &[]);
+    let second = launch_on(&hosts, 1, &run_dirs[1], &RECOVERABLE, &[]);
     // Each node commits its own copy of the checkpoint.
     wait_for_commit(&run_dirs[1].join("checkpoints"), 500);
     wait_for_commit(&run_dirs[0].join("checkpoints"), 500);
@@ -209,9 +237,12 @@ fn a_node_lost_with_its_disk_comes_back_empty_and_takes_the_state_from_the_other
     }
     let gone = second.finish(10);
     assert!(!gone.success);
-    std::fs::remove_dir_all(&run_dirs[1]).unwrap();
+    if disk == Disk::Emptied {
+        std::fs::remove_dir_all(&run_dirs[1]).unwrap();
+    }
 
-    let second = launch_on(&hosts, 1, &run_dirs[1], &RECOVERABLE);
+    // Into its own run directory again, which holds its part of this run.
+    let second = launch_on(&hosts, 1, &run_dirs[1], &RECOVERABLE, &["--overwrite"]);
     let started: Vec<i32> = [&first, &second]
         .iter()
         .flat_map(|l| children_of(l.child.id()))
@@ -226,13 +257,17 @@ fn a_node_lost_with_its_disk_comes_back_empty_and_takes_the_state_from_the_other
         "{}",
         finished[0].stderr
     );
-    let healed = finished[1]
+    let restored = finished[1]
         .stderr
         .lines()
         .find(|line| line.contains("state restored"))
         .unwrap_or_else(|| panic!("the new rank 1 restored no state:\n{}", finished[1].stderr));
-    assert!(healed.contains("from=\"rank 0\""), "{healed}");
-    // The node came back empty and holds checkpoints of its own again.
+    let source = match disk {
+        Disk::Emptied => "from=\"rank 0\"",
+        Disk::Kept => "from=\"disk\"",
+    };
+    assert!(restored.contains(source), "{restored}");
+    // The node holds checkpoints of its own again.
     let later = committed_steps(&run_dirs[1].join("checkpoints"));
     assert!(!later.is_empty(), "{:?}", run_dirs[1]);
     let summary: serde_json::Value =

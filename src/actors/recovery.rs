@@ -8,6 +8,7 @@ use anyhow::{anyhow, ensure, Result};
 
 use crate::checkpoint::{Checkpoint, CheckpointStore};
 use crate::config::JobConfig;
+use crate::net::protocol::Roster;
 
 /// Set (to any value) by a launcher on the processes it restarts after a failure: each resumes
 /// from the newest intact checkpoint in its checkpoint directory, if there is one.
@@ -66,6 +67,19 @@ pub(crate) struct Recovery {
     pub(crate) store: Option<CheckpointStore>,
     /// The checkpoint training continues from.
     pub(crate) start: Option<Arc<Checkpoint>>,
+    /// The newest checkpoint found in the directory of a fresh start that may be a replacement
+    /// ([`Self::plan_replaceable`]).
+    found_fresh: Option<usize>,
+}
+
+/// The refusal of a fresh start into `root`, which holds checkpoints up to step `step`.
+fn earlier_run(root: &Path, step: usize) -> anyhow::Error {
+    Refusal::wrap(anyhow!(
+        "{} already holds checkpoints of an earlier run (newest: step {step}): resume it with \
+         `flotilla train --resume RUN_DIR` (that run's directory), or set \
+         fault_tolerance.checkpoint_dir to another directory",
+        root.display()
+    ))
 }
 
 impl Recovery {
@@ -81,13 +95,7 @@ impl Recovery {
         let start = match resume {
             Resume::Fresh if ft.checkpoint_every > 0 => {
                 if let Some(earlier) = store.latest()? {
-                    return Err(Refusal::wrap(anyhow!(
-                        "{} already holds checkpoints of an earlier run (newest: step {}): resume it with \
-                         `flotilla train --resume RUN_DIR` (that run's directory), or set \
-                         fault_tolerance.checkpoint_dir to another directory",
-                        root.display(),
-                        earlier.step
-                    )));
+                    return Err(earlier_run(&root, earlier.step));
                 }
                 None
             }
@@ -121,7 +129,43 @@ impl Recovery {
         Ok(Self {
             store: (ft.checkpoint_every > 0).then_some(store),
             start: start.map(Arc::new),
+            found_fresh: None,
         })
+    }
+
+    /// The recovery of a rank of a job that recovers in place, started as `resume` says. Started
+    /// fresh, it may be the replacement of a lost rank on a node whose disk kept the job's
+    /// checkpoints (its node's launcher started again): the checkpoints found are refused only
+    /// once the coordinator says the job is new ([`Self::check_joined`]).
+    pub(crate) fn plan_replaceable(config: &JobConfig, run_dir: &Path, resume: &Resume) -> Result<Self> {
+        let ft = &config.fault_tolerance;
+        if *resume != Resume::Fresh || ft.checkpoint_every == 0 {
+            return Self::plan(config, run_dir, resume);
+        }
+        let store = CheckpointStore::new(ft.checkpoint_dir_of(run_dir), ft.keep_checkpoints);
+        let found = store.latest()?;
+        if let Some(checkpoint) = &found {
+            checkpoint
+                .check_world_size(config.world_size())
+                .map_err(Refusal::wrap)?;
+        }
+        Ok(Self {
+            store: Some(store),
+            found_fresh: found.as_ref().map(|checkpoint| checkpoint.step),
+            start: found.map(Arc::new),
+        })
+    }
+
+    /// Refuses a fresh start into a directory holding checkpoints of an earlier run once the
+    /// coordinator's roster shows the job is new (its first generation, from no checkpoint);
+    /// a replacement joining a running job uses them.
+    pub(crate) fn check_joined(&self, roster: &Roster) -> Result<()> {
+        match (self.found_fresh, &self.store) {
+            (Some(step), Some(store)) if roster.generation == 0 && roster.resume_step.is_none() => {
+                Err(earlier_run(store.root(), step))
+            }
+            _ => Ok(()),
+        }
     }
 
     /// The step of the checkpoint the run starts from, if any.

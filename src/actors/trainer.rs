@@ -189,6 +189,7 @@ impl TrainingRun {
         let mut roster = bus
             .join(rank, world, self.data_endpoint.clone(), job.shared_settings())
             .await?;
+        self.recovery.check_joined(&roster)?;
         if let Some(in_place) = &self.in_place {
             in_place.orders.joined(roster.generation);
         }

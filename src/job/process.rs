@@ -87,7 +87,12 @@ pub(super) fn bind(config: &JobConfig, rank: usize) -> Result<RankEndpoints> {
 
 pub(super) fn run(job: &TrainingJob, rank: usize, options: &RunOptions) -> Result<Option<RunOutcome>> {
     let config = job.config.clone();
-    let recovery = Recovery::plan(&config, &options.run_dir, &options.resume)?;
+    let own_coordinator = coordinator_is_own_process();
+    let recovery = if own_coordinator {
+        Recovery::plan_replaceable(&config, &options.run_dir, &options.resume)?
+    } else {
+        Recovery::plan(&config, &options.run_dir, &options.resume)?
+    };
     let world = config.world_size();
     let max_frame = config.cluster.max_frame_bytes();
     let RankEndpoints {
@@ -97,7 +102,6 @@ pub(super) fn run(job: &TrainingJob, rank: usize, options: &RunOptions) -> Resul
         credentials,
     } = bind(&config, rank)?;
     let ft = &config.fault_tolerance;
-    let own_coordinator = coordinator_is_own_process();
     // A failed rank waits this long to hear whether a peer's death explains its failure: the
     // coordinator's detection, then a heartbeat to carry the order.
     let grace = ft.heartbeat_deadline() + 2 * ft.heartbeat_interval();
