@@ -354,7 +354,7 @@ fn death_watch(config: &JobConfig) -> Result<DeathWatch> {
         .master
         .clone()
         .context("cluster.master: the launcher's processes have no coordinator address")?;
-    let credentials = Credentials::new(config.cluster.cluster_token()?, ft.timeout());
+    let credentials = Credentials::of_cluster(&config.cluster, ft.timeout())?;
     DeathWatch::start(
         master,
         credentials,

@@ -6,6 +6,7 @@
 mod bucket;
 mod checksum;
 mod gradient_bucket;
+pub mod rank_figures;
 mod replica;
 pub mod training_state;
 

@@ -9,6 +9,7 @@ use candle_core::backprop::GradStore;
 use candle_core::{Device, Tensor, Var};
 
 use super::gradient_bucket::{BucketFill, BucketValues};
+use super::rank_figures::RankFigures;
 use super::{training_state, BucketPlan, ParamChecksum};
 use crate::config::JobConfig;
 use crate::data::Batch;
@@ -17,7 +18,6 @@ use crate::engines::compute::segments::{self, Segments};
 use crate::models::{correct_predictions, cross_entropy, Model, NamedParam};
 use crate::optim::{GradientMerge, LrPolicy, Optimizer};
 use crate::telemetry::metrics::peak_rss_bytes;
-use crate::telemetry::rank_figures::RankFigures;
 use crate::telemetry::timeline::{record, Lane, Span, Timeline};
 
 /// What one training step measured.

@@ -4,7 +4,6 @@
 use std::collections::HashMap;
 use std::net::SocketAddr;
 
-use anyhow::Context as _;
 use serde::{Deserialize, Serialize};
 
 use super::FieldError;
@@ -115,18 +114,6 @@ impl ClusterConfig {
     /// [`ClusterConfig::max_frame_mb`] in bytes (saturating).
     pub fn max_frame_bytes(&self) -> usize {
         self.max_frame_mb.saturating_mul(1 << 20)
-    }
-
-    /// The cluster token that connections between processes prove they know.
-    pub fn cluster_token(&self) -> anyhow::Result<crate::net::auth::ClusterToken> {
-        let text = self.token.as_deref().ok_or_else(|| {
-            anyhow::anyhow!(
-                "cluster.token is not set: processes of one job must share a secret (set FLOTILLA_TOKEN \
-                 or cluster.token to the same value everywhere; `flotilla launch` generates one for its node)"
-            )
-        })?;
-        let token = crate::net::auth::ClusterToken::new(text).context("cluster.token")?;
-        Ok(token.for_job(self.job_id.as_deref().unwrap_or_default()))
     }
 
     /// Range and consistency checks of the section.

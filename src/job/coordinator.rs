@@ -35,7 +35,7 @@ pub fn run_coordinator(config: &JobConfig, options: &RunOptions) -> Result<()> {
     };
     let master = master(config)?;
     let ft = &config.fault_tolerance;
-    let credentials = Credentials::new(config.cluster.cluster_token()?, ft.timeout());
+    let credentials = Credentials::of_cluster(&config.cluster, ft.timeout())?;
     let world = config.world_size();
     System::new().block_on(async move {
         let (done, finished) = oneshot::channel();

@@ -76,7 +76,7 @@ pub(super) fn bind(config: &JobConfig, rank: usize) -> Result<RankEndpoints> {
     );
     let master = master(config)?;
     let (listener, data_endpoint) = bind_data_endpoint(config, rank)?;
-    let credentials = Credentials::new(config.cluster.cluster_token()?, config.fault_tolerance.timeout());
+    let credentials = Credentials::of_cluster(&config.cluster, config.fault_tolerance.timeout())?;
     Ok(RankEndpoints {
         master,
         listener,

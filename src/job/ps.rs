@@ -222,7 +222,7 @@ impl ParameterServerJob {
             &Recovery::plan(&config, &options.run_dir, &options.resume)?,
         )?;
         let timeout = config.fault_tolerance.timeout();
-        let credentials = Credentials::new(config.cluster.cluster_token()?, timeout);
+        let credentials = Credentials::of_cluster(&config.cluster, timeout)?;
         tracing::info!(
             "parameter server {index} of {} listening on {endpoint}",
             config.cluster.server_num
@@ -295,7 +295,7 @@ impl ParameterServerJob {
             tracing::warn!("role {rank}: no cluster.master, so no heartbeats: only deadlines find a dead peer");
             return Ok(None);
         };
-        let credentials = Credentials::new(config.cluster.cluster_token()?, config.fault_tolerance.timeout());
+        let credentials = Credentials::of_cluster(&config.cluster, config.fault_tolerance.timeout())?;
         Ok(Some((master, credentials)))
     }
 
@@ -317,7 +317,7 @@ impl ParameterServerJob {
             config.cluster.server_num
         );
         let max_frame = config.cluster.max_frame_bytes();
-        let credentials = Credentials::new(config.cluster.cluster_token()?, config.fault_tolerance.timeout());
+        let credentials = Credentials::of_cluster(&config.cluster, config.fault_tolerance.timeout())?;
         let links = config
             .cluster
             .pservers

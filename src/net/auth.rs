@@ -21,6 +21,8 @@ use hmac::{Hmac, Mac};
 use sha2::Sha256;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
+use crate::config::ClusterConfig;
+
 const MAGIC: &[u8; 8] = b"FLOTAUTH";
 const NONCE: usize = 32;
 const MAC: usize = 32;
@@ -51,6 +53,22 @@ impl Credentials {
             token,
             timeout: timeout.min(HANDSHAKE_MAX),
         }
+    }
+
+    /// The token of `cluster` (`cluster.token`, for the job `cluster.job_id`), with handshakes
+    /// bounded by `timeout`.
+    pub fn of_cluster(cluster: &ClusterConfig, timeout: Duration) -> Result<Self> {
+        let text = cluster.token.as_deref().ok_or_else(|| {
+            anyhow::anyhow!(
+                "cluster.token is not set: processes of one job must share a secret (set FLOTILLA_TOKEN \
+                 or cluster.token to the same value everywhere; `flotilla launch` generates one for its node)"
+            )
+        })?;
+        let token = ClusterToken::new(text).context("cluster.token")?;
+        Ok(Self::new(
+            token.for_job(cluster.job_id.as_deref().unwrap_or_default()),
+            timeout,
+        ))
     }
 
     /// The token of [`TOKEN_VAR`] for the job of [`JOB_ID_VAR`], as the processes of a

@@ -12,6 +12,7 @@ use super::link::StageLink;
 use super::partition::{balanced, explicit};
 use super::schedule::ScheduleKind;
 use super::stage::{Chunk, Stage};
+use crate::collective::rank_figures::{JobFigures, RankFigures};
 use crate::collective::training_state;
 use crate::config::{JobConfig, ScheduleMode};
 use crate::data::Batch;
@@ -19,7 +20,6 @@ use crate::engines::comm::{CommWorker, Communicator, Pending};
 use crate::models::{correct_predictions, cross_entropy, Block, Model};
 use crate::optim::{GradientMerge, LrPolicy, Optimizer};
 use crate::telemetry::metrics::peak_rss_bytes;
-use crate::telemetry::rank_figures::{JobFigures, RankFigures};
 use crate::telemetry::timeline::{record, Span, Timeline};
 
 /// What one pipeline step measured on this rank.

@@ -7,7 +7,6 @@ pub mod exporter;
 pub mod gpu;
 pub mod metrics;
 pub mod monitor;
-pub mod rank_figures;
 pub mod report;
 pub mod summary_table;
 pub mod timeline;
