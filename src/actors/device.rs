@@ -226,6 +226,31 @@ pub enum StageLinks {
     },
 }
 
+impl StageLinks {
+    /// Stage `stage`'s link, receiving tensors onto `device`.
+    fn on(self, stage: usize, device: &candle_core::Device) -> Result<Box<dyn StageLink>> {
+        Ok(match self {
+            StageLinks::Made(link) => link,
+            StageLinks::Rings { forward, backward } => {
+                Box::new(TransportStageLink::new(stage, forward, backward, device.clone())?)
+            }
+        })
+    }
+}
+
+/// A pipeline rank goes on over new links after a rollback: the stage stays, its links to the
+/// neighbour stages and its replicas' ring are rebuilt.
+#[derive(Message)]
+#[rtype(result = "Result<()>")]
+pub struct RelinkStage {
+    /// This rank's stage.
+    pub stage: usize,
+    /// Links to the neighbouring stages.
+    pub link: StageLinks,
+    /// The ring among this stage's data-parallel replicas.
+    pub data_parallel: Communicator,
+}
+
 /// One pipeline step on this replica's part of the batch.
 #[derive(Message)]
 #[rtype(result = "Result<PipelineReport>")]
@@ -344,8 +369,21 @@ impl Handler<Snapshot> for DeviceActor {
 
     fn handle(&mut self, msg: Snapshot, _: &mut Self::Context) -> Self::Result {
         let mut bytes = Vec::new();
-        self.replica()?.save_state(&mut bytes, &msg.losses)?;
+        match &self.pipeline {
+            Some(pipeline) => pipeline.save_state(&mut bytes, &msg.losses)?,
+            None => self.replica()?.save_state(&mut bytes, &msg.losses)?,
+        }
         Ok(bytes)
+    }
+}
+
+impl Handler<RelinkStage> for DeviceActor {
+    type Result = Result<()>;
+
+    fn handle(&mut self, msg: RelinkStage, _: &mut Self::Context) -> Result<()> {
+        let pipeline = self.pipeline()?;
+        let link = msg.link.on(msg.stage, &pipeline.device().clone())?;
+        pipeline.relink(link, msg.data_parallel)
     }
 }
 
@@ -421,7 +459,10 @@ impl Handler<ShareState> for DeviceActor {
     type Result = Result<Shared>;
 
     fn handle(&mut self, msg: ShareState, _: &mut Self::Context) -> Self::Result {
-        self.replica()?.share_state(msg.step, msg.mine)
+        match &mut self.pipeline {
+            Some(pipeline) => pipeline.share_state(msg.step, msg.mine),
+            None => self.replica()?.share_state(msg.step, msg.mine),
+        }
     }
 }
 
@@ -474,12 +515,7 @@ impl Handler<PreparePipeline> for DeviceActor {
         let device = device_for(msg.job.cluster.device, msg.rank)?;
         let init = ParamInit::new(msg.job.train.seed, device.clone());
         let model = (msg.model)(&init).context("building the model")?;
-        let link: Box<dyn StageLink> = match msg.link {
-            StageLinks::Made(link) => link,
-            StageLinks::Rings { forward, backward } => {
-                Box::new(TransportStageLink::new(msg.stage, forward, backward, device.clone())?)
-            }
-        };
+        let link = msg.link.on(msg.stage, &device)?;
         let mut pipeline = PipelineReplica::new(&msg.job, model, msg.stage, link, msg.data_parallel, device)?;
         if let Some(origin) = msg.trace_from {
             pipeline.trace_from(origin);

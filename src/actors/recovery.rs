@@ -206,6 +206,16 @@ impl Recovery {
         Ok(checkpoint)
     }
 
+    /// File `name` of step `step`'s committed checkpoint, from the one the run started from or
+    /// this node's checkpoint directory.
+    pub(crate) fn read_committed(&self, step: usize, world_size: usize, name: &str) -> Result<Arc<Vec<u8>>> {
+        let checkpoint = match &self.start {
+            Some(start) if start.step == step => start.clone(),
+            _ => Arc::new(self.committed(step, world_size)?),
+        };
+        Ok(Arc::new(checkpoint.read(name)?))
+    }
+
     /// Whether a checkpoint is due after `done` steps of `steps` (none after the last: the run's
     /// outputs hold the final state).
     pub(crate) fn due(&self, config: &JobConfig, done: usize, steps: usize) -> bool {

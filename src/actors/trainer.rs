@@ -15,17 +15,17 @@ use actix::prelude::*;
 use anyhow::{Context as _, Result};
 
 use super::device::{
-    CheckReplicas, DeviceActor, Evaluate, ModelFactory, Prepare, ReadParameters, Relink, RestoreCheckpoint, RingLink,
-    SaveCheckpoint, ShareState, Snapshot, TakeSpans, TrainStep,
+    CheckReplicas, DeviceActor, Evaluate, ModelFactory, Prepare, ReadParameters, Relink, RingLink, SaveCheckpoint,
+    Snapshot, TakeSpans, TrainStep,
 };
 use super::divergence::check_loss;
+use super::kept::{Kept, Restore};
 use super::recovery::Recovery;
 use super::rollback::Orders;
 use super::LOSSES_RESERVED;
 use crate::collective::ParamChecksum;
 use crate::config::JobConfig;
 use crate::data::{Dataset, ShardedLoader};
-use crate::engines::comm::Shared;
 use crate::net::protocol::Roster;
 use crate::net::ControlBus;
 use crate::telemetry::monitor::{Monitor, MonitorSettings, StepSample};
@@ -150,27 +150,6 @@ struct TrainingRun {
     roster: Option<Roster>,
 }
 
-/// A replica's whole state after some step, as checkpoint bytes.
-type State = (usize, Arc<Vec<u8>>);
-
-/// The states a rank that rolls back in place keeps in memory: the newest committed one, and
-/// the one of a checkpoint not yet committed.
-#[derive(Default)]
-struct Kept {
-    committed: Option<State>,
-    pending: Option<State>,
-}
-
-impl Kept {
-    fn at(&self, step: usize) -> Option<Arc<Vec<u8>>> {
-        [&self.committed, &self.pending]
-            .into_iter()
-            .flatten()
-            .find(|(at, _)| *at == step)
-            .map(|(_, bytes)| bytes.clone())
-    }
-}
-
 /// The parts of a run that outlive a rollback.
 struct Loop {
     loader: ShardedLoader,
@@ -280,62 +259,17 @@ impl TrainingRun {
         Ok(roster)
     }
 
-    /// Brings the replica to the state after `step` steps (a fresh replica is the state of step
-    /// 0); returns the losses of those steps. A rank that recovers in place takes the state
-    /// from memory, else from its node's disk, else from a peer that holds it (a replacement on
-    /// a node whose disk is empty or lost it).
+    /// Brings the replica to the state after `step` steps: see [`Restore::to`].
     async fn restore(&mut self, step: usize) -> Result<Vec<f32>> {
-        let started = Instant::now();
-        if step == 0 && self.kept.at(0).is_none() {
-            if self.in_place.is_some() {
-                let initial = self.device.send(Snapshot { losses: Vec::new() }).await??;
-                self.kept.committed = Some((0, Arc::new(initial)));
-            }
-            return Ok(Vec::new());
-        }
-        let local = match self.kept.at(step) {
-            Some(bytes) => Some((bytes, "memory".to_string())),
-            None => match self.read_committed(step) {
-                Ok(bytes) => Some((bytes, "disk".to_string())),
-                Err(e) if self.in_place.is_some() => {
-                    tracing::info!(rank = self.rank, step, "not on this node's disk: {e:#}");
-                    None
-                }
-                Err(e) => return Err(e),
-            },
+        let restore = Restore {
+            rank: self.rank,
+            device: &self.device,
+            kept: self.in_place.is_some().then_some(&mut self.kept),
         };
-        // Every rank holds step 0's state: a fresh replica is it.
-        let (bytes, from) = if self.in_place.is_some() && step > 0 {
-            let mine = local.as_ref().map(|(bytes, _)| bytes.clone());
-            match self.device.send(ShareState { step, mine }).await?? {
-                Shared::Held => local.context("a rank without the state was told it held it")?,
-                Shared::Received { bytes, from } => (Arc::new(bytes), format!("rank {from}")),
-            }
-        } else {
-            local.context("the state was read")?
-        };
-        if self.in_place.is_some() && from != "memory" {
-            self.kept.committed = Some((step, bytes.clone()));
-        }
-        let losses = self.device.send(RestoreCheckpoint(bytes.clone())).await??;
-        tracing::info!(
-            rank = self.rank,
-            step,
-            from,
-            bytes = bytes.len(),
-            seconds = started.elapsed().as_secs_f64(),
-            "state restored"
-        );
-        Ok(losses)
-    }
-
-    /// The replica file of step `step`'s committed checkpoint on this node's disk.
-    fn read_committed(&self, step: usize) -> Result<Arc<Vec<u8>>> {
-        let checkpoint = match &self.recovery.start {
-            Some(start) if start.step == step => start.clone(),
-            _ => Arc::new(self.recovery.committed(step, self.job.world_size())?),
-        };
-        Ok(Arc::new(checkpoint.read(REPLICA_FILE)?))
+        let (recovery, world_size) = (&self.recovery, self.job.world_size());
+        restore
+            .to(step, || recovery.read_committed(step, world_size, REPLICA_FILE))
+            .await
     }
 
     /// Trains one generation, from its roster's resume step to the end of the run.
@@ -438,7 +372,7 @@ impl TrainingRun {
             (true, _) => {
                 let losses = losses.to_vec();
                 let state = Arc::new(self.device.send(Snapshot { losses }).await??);
-                self.kept.pending = Some((step, state.clone()));
+                self.kept.taken(step, state.clone());
                 if writes {
                     let store = store.clone();
                     let write = tokio::task::spawn_blocking(move || store.write(step, REPLICA_FILE, &state));
@@ -449,8 +383,8 @@ impl TrainingRun {
             }
         };
         bus.acknowledge(self.rank, step, written.clone()).await?;
-        if let Some(committed) = self.kept.pending.take() {
-            self.kept.committed = Some(committed);
+        if self.in_place.is_some() {
+            self.kept.committed();
             if writes {
                 let world_size = self.job.world_size();
                 let commit = tokio::task::spawn_blocking(move || store.commit(step, world_size, written));

@@ -21,9 +21,9 @@ const LINGER: Duration = Duration::from_millis(200);
 /// Serves the coordinator of `config`'s job at `cluster.master` until every rank has finished.
 pub fn run_coordinator(config: &JobConfig, options: &RunOptions) -> Result<()> {
     ensure!(
-        !config.strategy.pipeline && !config.cluster.is_parameter_server(),
-        "{}: a coordinator of its own (in-place recovery) is built for collective data-parallel jobs; \
-         pipeline and parameter-server jobs host theirs in rank 0 or server 0",
+        !config.cluster.is_parameter_server(),
+        "{}: a coordinator of its own (in-place recovery) is built for collective data-parallel and \
+         pipeline jobs; parameter-server jobs host theirs in server 0",
         config.source_name
     );
     let recovery = Recovery::plan(config, &options.run_dir, &options.resume)?;
@@ -39,10 +39,14 @@ pub fn run_coordinator(config: &JobConfig, options: &RunOptions) -> Result<()> {
     let world = config.world_size();
     System::new().block_on(async move {
         let (done, finished) = oneshot::channel();
-        let coordinator = Coordinator::for_job(world, config, &recovery)
+        let mut coordinator = Coordinator::for_job(world, config, &recovery)
             .with_checkpoints(recovery.store.clone(), recorded.or(recovery.start_step()))
             .recovering_in_place()
             .with_finish(done);
+        // Every data-parallel rank holds the whole state; a pipeline stage holds its own part.
+        if !config.strategy.pipeline {
+            coordinator = coordinator.with_node_local_copies();
+        }
         host_coordinator(coordinator, &master, ft, config.cluster.max_frame_bytes(), &credentials).await?;
         tracing::info!(%master, world, "coordinator serving");
         // The sender lives in the coordinator, which lives as long as this system.

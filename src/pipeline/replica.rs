@@ -2,6 +2,7 @@
 //! pipeline, the optimizer of the stage's parameters, and the data-parallel ring among the
 //! stage's replicas (hybrid data × pipeline parallelism).
 
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, Result};
@@ -16,7 +17,7 @@ use crate::collective::rank_figures::{JobFigures, RankFigures};
 use crate::collective::training_state;
 use crate::config::{JobConfig, ScheduleMode};
 use crate::data::Batch;
-use crate::engines::comm::{CommWorker, Communicator, Pending};
+use crate::engines::comm::{CommWorker, Communicator, Pending, Shared};
 use crate::models::{correct_predictions, cross_entropy, Block, Model};
 use crate::optim::{GradientMerge, LrPolicy, Optimizer};
 use crate::telemetry::metrics::peak_rss_bytes;
@@ -184,6 +185,27 @@ impl PipelineReplica {
         self.params.iter().map(|(name, var)| (name.as_str(), var)).collect()
     }
 
+    /// Goes on over new links to the neighbour stages and a new ring among the stage's replicas
+    /// (a rollback rebuilt them): the batches merged so far are dropped; the state comes from a
+    /// snapshot next.
+    pub fn relink(&mut self, link: Box<dyn StageLink>, data_parallel: Communicator) -> Result<()> {
+        self.link = link;
+        self.data_parallel = CommWorker::spawn(data_parallel)?;
+        self.merge.clear();
+        Ok(())
+    }
+
+    /// Gives the stage's state after step `step` — `mine`, where this rank holds it — to the
+    /// stage's replicas that lack it (healing from a peer).
+    pub fn share_state(&mut self, step: usize, mine: Option<Arc<Vec<u8>>>) -> Result<Shared> {
+        self.data_parallel.run(move |c| {
+            c.share(
+                &format!("the stage's state of step {step}"),
+                mine.as_deref().map(Vec::as_slice),
+            )
+        })
+    }
+
     /// One step on this replica's part of the global batch; with gradient merge, the optimizer
     /// steps (and gradients are all-reduced) on every k-th batch only.
     pub fn train_step(&mut self, batch: &Batch) -> Result<PipelineReport> {
@@ -299,6 +321,11 @@ impl PipelineReplica {
             Ok(counts)
         })?;
         Ok(Some((counts[0] as usize, counts[1] as usize)))
+    }
+
+    /// The device the stage computes on.
+    pub fn device(&self) -> &Device {
+        &self.device
     }
 
     /// Starts recording a timeline, measured from `origin`.

@@ -30,16 +30,17 @@ pub struct RingBreaker(Arc<Mutex<BreakerState>>);
 
 #[derive(Default)]
 struct BreakerState {
-    /// The sockets of the ring in use (none before it is connected, or on a ring of memory).
-    sockets: Option<LinkSockets>,
+    /// The sockets of the rings in use (none before they are connected, or on rings of memory).
+    sockets: Vec<LinkSockets>,
     /// The newest generation whose order broke the ring.
     broken_for: u64,
 }
 
 impl RingBreaker {
-    /// The ring just connected uses `sockets`.
-    pub fn arm(&self, sockets: Option<LinkSockets>) {
-        self.0.lock().unwrap_or_else(PoisonError::into_inner).sockets = sockets;
+    /// A ring just connected uses `sockets` (a pipeline stage's rings each arm theirs).
+    pub fn arm(&self, sockets: impl IntoIterator<Item = LinkSockets>) {
+        let mut state = self.0.lock().unwrap_or_else(PoisonError::into_inner);
+        state.sockets.extend(sockets);
     }
 
     /// Breaks the ring in use for the rollback to `generation`, once per generation: returns
@@ -50,7 +51,7 @@ impl RingBreaker {
             return false;
         }
         state.broken_for = generation;
-        if let Some(sockets) = state.sockets.take() {
+        for sockets in std::mem::take(&mut state.sockets) {
             sockets.shut();
         }
         true

@@ -1,0 +1,124 @@
+//! What a rank that rolls back in place keeps of its state, and where a rollback takes the state
+//! from: memory, else its node's disk, else a peer that holds the same state (healing from a
+//! peer). Shared by data-parallel trainers and pipeline stages.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use actix::Addr;
+use anyhow::{Context as _, Result};
+
+use super::device::{DeviceActor, RestoreCheckpoint, ShareState, Snapshot};
+use crate::engines::comm::Shared;
+
+/// A rank's whole state after some step, as checkpoint bytes.
+type State = (usize, Arc<Vec<u8>>);
+
+/// The states a rank that rolls back in place keeps in memory: the newest committed one, and
+/// the one of a checkpoint not yet committed.
+#[derive(Default)]
+pub(crate) struct Kept {
+    committed: Option<State>,
+    pending: Option<State>,
+}
+
+impl Kept {
+    fn at(&self, step: usize) -> Option<Arc<Vec<u8>>> {
+        [&self.committed, &self.pending]
+            .into_iter()
+            .flatten()
+            .find(|(at, _)| *at == step)
+            .map(|(_, bytes)| bytes.clone())
+    }
+
+    /// The state of `step`'s checkpoint, taken before its commit.
+    pub(crate) fn taken(&mut self, step: usize, state: Arc<Vec<u8>>) {
+        self.pending = Some((step, state));
+    }
+
+    /// The checkpoint taken last was committed.
+    pub(crate) fn committed(&mut self) {
+        if let Some(pending) = self.pending.take() {
+            self.committed = Some(pending);
+        }
+    }
+}
+
+/// How a rank comes back to the state after a step.
+pub(crate) struct Restore<'a> {
+    /// The rank, for the log.
+    pub(crate) rank: usize,
+    /// Its device actor.
+    pub(crate) device: &'a Addr<DeviceActor>,
+    /// What it keeps, when it rolls back in place (`None`: it does not).
+    pub(crate) kept: Option<&'a mut Kept>,
+}
+
+impl Restore<'_> {
+    /// Brings the device's state to the one after `step` steps (a fresh one is step 0's) and
+    /// returns the losses of those steps. A rank that rolls back in place takes it from memory,
+    /// else from `disk` (its node's copy), else from the peer nearest it that holds it — every
+    /// rank sharing the state takes part in that exchange, so all call this at the same step.
+    /// One that does not roll back in place reads `disk`.
+    pub(crate) async fn to(self, step: usize, disk: impl FnOnce() -> Result<Arc<Vec<u8>>>) -> Result<Vec<f32>> {
+        let started = Instant::now();
+        let Restore { rank, device, kept } = self;
+        let Some(kept) = kept else {
+            if step == 0 {
+                return Ok(Vec::new());
+            }
+            return restored(rank, device, step, disk()?, "disk".to_string(), started).await;
+        };
+        if step == 0 && kept.at(0).is_none() {
+            // A fresh state is step 0's: kept to roll back to until a checkpoint is committed.
+            let initial = device.send(Snapshot { losses: Vec::new() }).await??;
+            kept.committed = Some((0, Arc::new(initial)));
+            return Ok(Vec::new());
+        }
+        let local = match kept.at(step) {
+            Some(bytes) => Some((bytes, "memory".to_string())),
+            None => match disk() {
+                Ok(bytes) => Some((bytes, "disk".to_string())),
+                Err(e) => {
+                    tracing::info!(rank, step, "not on this node's disk: {e:#}");
+                    None
+                }
+            },
+        };
+        // Every rank holds step 0's state (a fresh one is it): nothing to share.
+        let (bytes, from) = if step > 0 {
+            let mine = local.as_ref().map(|(bytes, _)| bytes.clone());
+            match device.send(ShareState { step, mine }).await?? {
+                Shared::Held => local.context("a rank without the state was told it held it")?,
+                Shared::Received { bytes, from } => (Arc::new(bytes), format!("rank {from}")),
+            }
+        } else {
+            local.context("step 0's state is kept")?
+        };
+        if from != "memory" {
+            kept.committed = Some((step, bytes.clone()));
+        }
+        restored(rank, device, step, bytes, from, started).await
+    }
+}
+
+/// Restores `bytes`, the state after `step`, on `device` and says where it came from.
+async fn restored(
+    rank: usize,
+    device: &Addr<DeviceActor>,
+    step: usize,
+    bytes: Arc<Vec<u8>>,
+    from: String,
+    started: Instant,
+) -> Result<Vec<f32>> {
+    let losses = device.send(RestoreCheckpoint(bytes.clone())).await??;
+    tracing::info!(
+        rank,
+        step,
+        from,
+        bytes = bytes.len(),
+        seconds = started.elapsed().as_secs_f64(),
+        "state restored"
+    );
+    Ok(losses)
+}
