@@ -28,14 +28,12 @@ struct Job {
     every: usize,
 }
 
-/// Whole-job restarts (in-place recovery, data parallel's default, is tested in
-/// `in_place_recovery.rs`).
 const DATA_PARALLEL: Job = Job {
     launcher: &["launch", "--nproc_per_node", "2"],
     config: "config.toml",
     processes: 2,
     victims: 2,
-    settings: &["fault_tolerance.recovery=restart"],
+    settings: &[],
     steps: 3000,
     every: 500,
 };
@@ -74,6 +72,9 @@ fn survive(job: &Job, signal: i32, extra: &[&str]) -> String {
         format!("fault_tolerance.checkpoint_every={}", job.every),
         format!("fault_tolerance.checkpoint_dir={}", checkpoints.display()),
         "fault_tolerance.max_restarts=1".to_string(),
+        // Whole-job restarts: in-place recovery, the default of launched data-parallel and
+        // pipeline jobs, is tested in `in_place_recovery.rs`.
+        "fault_tolerance.recovery=restart".to_string(),
     ]);
     let mut args = job.launcher.to_vec();
     #[rustfmt::skip]

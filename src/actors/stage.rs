@@ -10,18 +10,22 @@ use std::time::{Duration, Instant};
 use actix::prelude::*;
 use anyhow::{ensure, Context as _, Result};
 use bytes::Bytes;
+use futures::future::BoxFuture;
 use serde::{Deserialize, Serialize};
 
 use super::device::{
-    DeviceActor, ModelFactory, PipelineEvaluate, PipelineStep, PreparePipeline, ReadParameters, RestoreCheckpoint,
-    SaveCheckpoint, StageLinks, TakeSpans,
+    DeviceActor, ModelFactory, PipelineEvaluate, PipelineStep, PreparePipeline, ReadParameters, RelinkStage,
+    SaveCheckpoint, Snapshot, StageLinks, TakeSpans,
 };
 use super::divergence::check_loss;
+use super::kept::{Kept, Restore};
 use super::recovery::Recovery;
+use super::rollback::Orders;
 use crate::config::JobConfig;
 use crate::data::{Dataset, ShardedLoader};
 use crate::engines::comm::Communicator;
 use crate::net::frame::{encode_with, Frame};
+use crate::net::protocol::Roster;
 use crate::net::ControlBus;
 use crate::telemetry::monitor::{Monitor, MonitorSettings, StepSample};
 use crate::telemetry::timeline::TraceTarget;
@@ -38,10 +42,8 @@ pub struct StageActor {
     pub train_data: Arc<Dataset>,
     /// Held-out split (each replica evaluates a contiguous part).
     pub test_data: Arc<Dataset>,
-    /// Links to the neighbouring stages; taken at start.
-    pub link: Option<StageLinks>,
-    /// The ring among this stage's replicas; taken at start.
-    pub data_parallel: Option<Communicator>,
+    /// The first generation's links and roster; taken at start.
+    pub generation: Option<StageGeneration>,
     /// The device actor of this rank.
     pub device: Addr<DeviceActor>,
     /// How to report every step: the reporting rank's only.
@@ -52,6 +54,30 @@ pub struct StageActor {
     pub bus: Option<ControlBus>,
     /// The checkpoint to start from and where to write new ones.
     pub(crate) recovery: Recovery,
+    /// How this rank rolls back in place; `None` when a lost rank stops the job.
+    pub in_place: Option<StageInPlace>,
+}
+
+/// The links of one generation of a pipeline rank.
+pub struct StageGeneration {
+    /// The coordinator's roster, when the ranks joined one (a launched job).
+    pub roster: Option<Roster>,
+    /// Links to the neighbouring stages.
+    pub link: StageLinks,
+    /// The ring among this stage's replicas.
+    pub data_parallel: Communicator,
+}
+
+/// Joins the next generation over the rank's line to the coordinator: a new data endpoint, the
+/// new roster, the stage's rings connected again.
+pub type Rejoin = Box<dyn for<'a> FnMut(&'a mut ControlBus) -> BoxFuture<'a, Result<StageGeneration>> + Send>;
+
+/// What a pipeline rank needs to roll back inside its process.
+pub struct StageInPlace {
+    /// The coordinator's rollback orders.
+    pub orders: Orders,
+    /// How it joins the next generation.
+    pub rejoin: Rejoin,
 }
 
 /// The checkpoint file of stage `stage`, written by its rank in replica 0 (replicas are equal).
@@ -151,137 +177,307 @@ impl Handler<TrainStage> for StageActor {
     type Result = ResponseFuture<Result<StageOutcome>>;
 
     fn handle(&mut self, _: TrainStage, _: &mut Self::Context) -> Self::Result {
+        let p = self.job.strategy.hybrid_configs.pp_degree;
+        let run = StageRun {
+            rank: self.rank,
+            replica: self.rank / p,
+            stage: self.rank % p,
+            job: self.job.clone(),
+            model: self.model.clone(),
+            train_data: self.train_data.clone(),
+            test_data: self.test_data.clone(),
+            device: self.device.clone(),
+            monitor: self.monitor.clone(),
+            trace: self.trace.clone(),
+            bus: self.bus.take(),
+            recovery: self.recovery.clone(),
+            in_place: self.in_place.take(),
+            kept: Kept::default(),
+        };
+        let generation = self.generation.take();
+        Box::pin(async move { run.execute(generation.context("TrainStage was sent twice")?).await })
+    }
+}
+
+struct StageRun {
+    rank: usize,
+    replica: usize,
+    stage: usize,
+    job: Arc<JobConfig>,
+    model: ModelFactory,
+    train_data: Arc<Dataset>,
+    test_data: Arc<Dataset>,
+    device: Addr<DeviceActor>,
+    monitor: Option<MonitorSettings>,
+    trace: Option<TraceTarget>,
+    bus: Option<ControlBus>,
+    recovery: Recovery,
+    in_place: Option<StageInPlace>,
+    kept: Kept,
+}
+
+/// The parts of a run that outlive a rollback, and its figures so far.
+struct StageLoop {
+    loader: ShardedLoader,
+    steps: usize,
+    monitor: Option<Monitor>,
+    clock_offset_us: f64,
+}
+
+/// What one generation's steps measured.
+#[derive(Default)]
+struct StageFigures {
+    first: usize,
+    elapsed: Duration,
+    step_time: Duration,
+    allreduce: Duration,
+    exposed: Duration,
+    peak: usize,
+    peak_bytes: usize,
+    pipeline_wait: Duration,
+    pipeline_time: Duration,
+}
+
+impl StageRun {
+    async fn execute(mut self, generation: StageGeneration) -> Result<StageOutcome> {
         let job = self.job.clone();
-        let rank = self.rank;
-        let (p, d) = (
-            job.strategy.hybrid_configs.pp_degree,
-            job.strategy.hybrid_configs.dp_degree,
-        );
-        let (replica, stage) = (rank / p, rank % p);
-        let device = self.device.clone();
-        let model = self.model.clone();
-        let (train_data, test_data) = (self.train_data.clone(), self.test_data.clone());
-        let link = self.link.take();
-        let data_parallel = self.data_parallel.take();
-        let monitor_settings = self.monitor.clone();
-        let trace = self.trace.clone();
-        let mut bus = self.bus.take();
-        let recovery = self.recovery.clone();
-        Box::pin(async move {
-            let clock_offset_us = match (&trace, bus.as_mut()) {
-                (Some(_), Some(bus)) => bus.clock_offset_us().await?,
-                _ => 0.0,
-            };
-            device
-                .send(PreparePipeline {
-                    job: job.clone(),
-                    model,
-                    rank,
-                    stage,
-                    link: link.context("TrainStage was sent twice")?,
-                    data_parallel: data_parallel.context("TrainStage was sent twice")?,
-                    trace_from: trace.as_ref().map(|t| t.origin.instant),
-                })
-                .await??;
-            let train = &job.train;
-            let mut loader = ShardedLoader::new(train_data, train.batch_size, replica, d, train.seed)
-                .with_context(|| format!("train.batch_size = {}", train.batch_size))?;
-            let steps = train.length().steps(loader.batches_per_epoch())?;
-            crate::optim::check_run_length(&job.strategy, steps)?;
-            let first = recovery.first_step(steps)?;
-            let mut losses = Vec::new();
-            if let Some(checkpoint) = &recovery.start {
-                // Every replica of a stage continues from replica 0's state of it, and the
-                // stage holding the loss from replica 0's losses.
-                let restored = RestoreCheckpoint(Arc::new(checkpoint.read(&stage_file(stage))?));
-                losses = device.send(restored).await??;
-            }
-            let mut monitor = monitor_settings
-                .as_ref()
-                .map(|settings| Monitor::start(settings, steps, first, train.batch_size, train.log_every))
-                .transpose()?;
-            let started = Instant::now();
-            let (mut step_time, mut allreduce, mut exposed) = (Duration::ZERO, Duration::ZERO, Duration::ZERO);
-            let (mut peak, mut peak_bytes) = (0, 0);
-            let (mut pipeline_wait, mut pipeline_time) = (Duration::ZERO, Duration::ZERO);
-            for step in first..steps {
-                let report = device
-                    .send(PipelineStep(loader.batch(step)))
-                    .await?
-                    .with_context(|| format!("step {step}"))?;
-                step_time += report.step_time;
-                allreduce += report.allreduce_time;
-                exposed += report.exposed_allreduce_time;
-                peak = peak.max(report.peak_activations);
-                peak_bytes = peak_bytes.max(report.peak_activation_bytes);
-                pipeline_wait += report.pipeline_wait;
-                pipeline_time += report.pipeline_time;
-                if let Some(loss) = report.loss {
-                    losses.push(loss);
-                    if let Some(monitor) = &mut monitor {
-                        let sample = StepSample {
-                            loss,
-                            loss_spread: report.loss_spread,
-                            lr: report.lr,
-                            step_time: report.step_time,
-                            comm_time: report.allreduce_time,
-                            exposed_comm_time: report.exposed_allreduce_time,
-                            bubble_fraction: Some(
-                                report.pipeline_wait.as_secs_f64() / report.pipeline_time.as_secs_f64().max(1e-9),
-                            ),
-                            peak_rss_bytes: report.peak_rss_bytes,
-                        };
-                        monitor.record(step + 1, sample)?;
-                    }
-                    check_loss(rank, step + 1, loss)?;
-                }
-                if let Some(store) = recovery.store.as_ref().filter(|_| recovery.due(&job, step + 1, steps)) {
-                    let written = if replica == 0 {
-                        let save = SaveCheckpoint {
-                            store: store.clone(),
-                            step: step + 1,
-                            file: stage_file(stage),
-                            losses: losses.clone(),
-                        };
-                        vec![device.send(save).await??]
-                    } else {
-                        Vec::new()
-                    };
-                    let bus = bus
-                        .as_mut()
-                        .context("a checkpointing stage needs a line to the coordinator")?;
-                    bus.acknowledge(rank, step + 1, written).await?;
-                }
-            }
-            let elapsed = started.elapsed();
-            if let Some(monitor) = &monitor {
-                monitor.finish();
-            }
-            // The held-out set is cut like a global batch: whole micro-batches per replica.
-            let m = job.strategy.pipeline_configs.accumulate_steps;
-            let per_replica = test_data.len() / (d * m) * m;
-            let rows: Vec<usize> = (replica * per_replica..(replica + 1) * per_replica).collect();
-            let evaluated = device.send(PipelineEvaluate(test_data.select(&rows))).await??;
-            let parameters = device.send(ReadParameters).await??;
-            if let Some(trace) = &trace {
-                let spans = device.send(TakeSpans).await??;
-                let role = format!("stage {stage} (replica {replica})");
-                trace.write(rank, &role, clock_offset_us, spans)?;
-            }
-            Ok(StageOutcome {
+        let (rank, stage, replica) = (self.rank, self.stage, self.replica);
+        let d = job.strategy.hybrid_configs.dp_degree;
+        let clock_offset_us = match (&self.trace, self.bus.as_mut()) {
+            (Some(_), Some(bus)) => bus.clock_offset_us().await?,
+            _ => 0.0,
+        };
+        let StageGeneration {
+            roster,
+            link,
+            data_parallel,
+        } = generation;
+        if let Some(roster) = &roster {
+            self.recovery.check_joined(roster)?;
+        }
+        self.device
+            .send(PreparePipeline {
+                job: job.clone(),
+                model: self.model.clone(),
                 rank,
-                steps,
-                losses,
-                evaluated,
-                samples_per_sec: ((steps - first) * train.batch_size) as f64 / elapsed.as_secs_f64().max(1e-9),
-                allreduce_ratio: allreduce.as_secs_f64() / step_time.as_secs_f64().max(1e-9),
-                exposed_allreduce_ratio: exposed.as_secs_f64() / step_time.as_secs_f64().max(1e-9),
-                peak_activations: peak,
-                peak_activation_bytes: peak_bytes,
-                bubble_fraction: pipeline_wait.as_secs_f64() / pipeline_time.as_secs_f64().max(1e-9),
-                parameters,
+                stage,
+                link,
+                data_parallel,
+                trace_from: self.trace.as_ref().map(|t| t.origin.instant),
             })
+            .await??;
+        let train = &job.train;
+        let loader = ShardedLoader::new(self.train_data.clone(), train.batch_size, replica, d, train.seed)
+            .with_context(|| format!("train.batch_size = {}", train.batch_size))?;
+        let steps = train.length().steps(loader.batches_per_epoch())?;
+        crate::optim::check_run_length(&job.strategy, steps)?;
+        let mut first = match &roster {
+            Some(roster) => roster.resume_step.unwrap_or(0),
+            None => self.recovery.start_step().unwrap_or(0),
+        };
+        self.recovery.check_first_step(first, steps)?;
+        if let (Some(in_place), Some(roster)) = (&self.in_place, &roster) {
+            in_place.orders.joined(roster.generation);
+        }
+        let monitor = self
+            .monitor
+            .as_ref()
+            .map(|settings| Monitor::start(settings, steps, first, train.batch_size, train.log_every))
+            .transpose()?;
+        let mut run = StageLoop {
+            loader,
+            steps,
+            monitor,
+            clock_offset_us,
+        };
+        // Each pass is one generation; a new one starts only on a rollback order to a newer
+        // generation, so the passes are bounded by the ranks the job loses.
+        loop {
+            let failure = match self.train_generation(first, &mut run).await {
+                Ok(outcome) => {
+                    if let Some(monitor) = &run.monitor {
+                        monitor.finish();
+                    }
+                    return Ok(outcome);
+                }
+                Err(e) => e,
+            };
+            first = self.roll_back(failure).await?;
+        }
+    }
+
+    /// After `failure`: the coordinator's rollback order that explains it, and the next
+    /// generation joined; returns the step it resumes after. Without an order, `failure` stands.
+    async fn roll_back(&mut self, mut failure: anyhow::Error) -> Result<usize> {
+        loop {
+            let Some(in_place) = self.in_place.as_mut() else {
+                return Err(failure);
+            };
+            in_place.orders.explain(failure).await?;
+            let bus = self
+                .bus
+                .as_mut()
+                .context("a stage rolling back needs a line to the coordinator")?;
+            match (in_place.rejoin)(bus).await {
+                Ok(generation) => {
+                    let roster = generation.roster.context("a rejoined generation has a roster")?;
+                    in_place.orders.joined(roster.generation);
+                    self.device
+                        .send(RelinkStage {
+                            stage: self.stage,
+                            link: generation.link,
+                            data_parallel: generation.data_parallel,
+                        })
+                        .await??;
+                    tracing::info!(
+                        rank = self.rank,
+                        generation = roster.generation,
+                        resume_step = roster.resume_step.unwrap_or(0),
+                        "rejoined"
+                    );
+                    return Ok(roster.resume_step.unwrap_or(0));
+                }
+                Err(e) => failure = e,
+            }
+        }
+    }
+
+    /// Trains from the state after step `first` to the end of the run and evaluates.
+    async fn train_generation(&mut self, first: usize, run: &mut StageLoop) -> Result<StageOutcome> {
+        let job = self.job.clone();
+        let (rank, stage, replica) = (self.rank, self.stage, self.replica);
+        let steps = run.steps;
+        let mut losses = self.restore(first).await?;
+        let mut figures = StageFigures {
+            first,
+            ..StageFigures::default()
+        };
+        let started = Instant::now();
+        for step in first..steps {
+            let report = self
+                .device
+                .send(PipelineStep(run.loader.batch(step)))
+                .await?
+                .with_context(|| format!("step {step}"))?;
+            figures.step_time += report.step_time;
+            figures.allreduce += report.allreduce_time;
+            figures.exposed += report.exposed_allreduce_time;
+            figures.peak = figures.peak.max(report.peak_activations);
+            figures.peak_bytes = figures.peak_bytes.max(report.peak_activation_bytes);
+            figures.pipeline_wait += report.pipeline_wait;
+            figures.pipeline_time += report.pipeline_time;
+            if let Some(loss) = report.loss {
+                losses.push(loss);
+                if let Some(monitor) = &mut run.monitor {
+                    let sample = StepSample {
+                        loss,
+                        loss_spread: report.loss_spread,
+                        lr: report.lr,
+                        step_time: report.step_time,
+                        comm_time: report.allreduce_time,
+                        exposed_comm_time: report.exposed_allreduce_time,
+                        bubble_fraction: Some(
+                            report.pipeline_wait.as_secs_f64() / report.pipeline_time.as_secs_f64().max(1e-9),
+                        ),
+                        peak_rss_bytes: report.peak_rss_bytes,
+                    };
+                    monitor.record(step + 1, sample)?;
+                }
+                check_loss(rank, step + 1, loss)?;
+            }
+            if self.recovery.due(&job, step + 1, steps) {
+                self.checkpoint(step + 1, &losses).await?;
+            }
+        }
+        figures.elapsed = started.elapsed();
+        // The held-out set is cut like a global batch: whole micro-batches per replica.
+        let d = job.strategy.hybrid_configs.dp_degree;
+        let m = job.strategy.pipeline_configs.accumulate_steps;
+        let per_replica = self.test_data.len() / (d * m) * m;
+        let rows: Vec<usize> = (replica * per_replica..(replica + 1) * per_replica).collect();
+        let evaluated = self
+            .device
+            .send(PipelineEvaluate(self.test_data.select(&rows)))
+            .await??;
+        let parameters = self.device.send(ReadParameters).await??;
+        if let Some(trace) = &self.trace {
+            let spans = self.device.send(TakeSpans).await??;
+            let role = format!("stage {stage} (replica {replica})");
+            trace.write(rank, &role, run.clock_offset_us, spans)?;
+        }
+        let ratio = |d: Duration| d.as_secs_f64() / figures.step_time.as_secs_f64().max(1e-9);
+        Ok(StageOutcome {
+            rank,
+            steps,
+            losses,
+            evaluated,
+            samples_per_sec: ((steps - figures.first) * job.train.batch_size) as f64
+                / figures.elapsed.as_secs_f64().max(1e-9),
+            allreduce_ratio: ratio(figures.allreduce),
+            exposed_allreduce_ratio: ratio(figures.exposed),
+            peak_activations: figures.peak,
+            peak_activation_bytes: figures.peak_bytes,
+            bubble_fraction: figures.pipeline_wait.as_secs_f64() / figures.pipeline_time.as_secs_f64().max(1e-9),
+            parameters,
         })
+    }
+
+    /// Brings the stage to the state after `step` steps (every replica of a stage continues
+    /// from replica 0's state of it, the stage holding the loss from replica 0's losses): see
+    /// [`Restore::to`].
+    async fn restore(&mut self, step: usize) -> Result<Vec<f32>> {
+        let restore = Restore {
+            rank: self.rank,
+            device: &self.device,
+            kept: self.in_place.is_some().then_some(&mut self.kept),
+        };
+        let (recovery, world_size, file) = (&self.recovery, self.job.world_size(), stage_file(self.stage));
+        restore
+            .to(step, || recovery.read_committed(step, world_size, &file))
+            .await
+    }
+
+    /// The checkpoint after `step` steps: replica 0's rank of each stage writes the stage's
+    /// state (its replicas are equal), every rank acknowledges, the coordinator commits. A rank
+    /// that rolls back in place keeps its state in memory too.
+    async fn checkpoint(&mut self, step: usize, losses: &[f32]) -> Result<()> {
+        let store = self.recovery.store.clone().context("a checkpoint without a store")?;
+        let writes = self.replica == 0;
+        let written = if self.in_place.is_some() {
+            let state = Arc::new(
+                self.device
+                    .send(Snapshot {
+                        losses: losses.to_vec(),
+                    })
+                    .await??,
+            );
+            self.kept.taken(step, state.clone());
+            if writes {
+                let file = stage_file(self.stage);
+                let write = tokio::task::spawn_blocking(move || store.write(step, &file, &state));
+                vec![write.await.context("the checkpoint writer stopped")??]
+            } else {
+                Vec::new()
+            }
+        } else if writes {
+            // Streamed to the file tensor by tensor: no copy of the state in memory.
+            let save = SaveCheckpoint {
+                store,
+                step,
+                file: stage_file(self.stage),
+                losses: losses.to_vec(),
+            };
+            vec![self.device.send(save).await??]
+        } else {
+            Vec::new()
+        };
+        let bus = self
+            .bus
+            .as_mut()
+            .context("a checkpointing stage needs a line to the coordinator")?;
+        bus.acknowledge(self.rank, step, written).await?;
+        self.kept.committed();
+        Ok(())
     }
 }
 

@@ -60,13 +60,13 @@ fn check_checkpoints(config: &JobConfig) -> Result<(), FieldError> {
     Ok(())
 }
 
-/// In-place recovery is built for collective data parallelism only.
+/// In-place recovery is built for collective data-parallel and pipeline jobs.
 fn check_recovery(config: &JobConfig) -> Result<(), FieldError> {
     let in_place = config.fault_tolerance.recovery == Some(RecoveryMode::InPlace);
-    if in_place && (config.strategy.pipeline || config.cluster.is_parameter_server()) {
+    if in_place && config.cluster.is_parameter_server() {
         return Err(FieldError::new(
             "fault_tolerance.recovery",
-            "\"in_place\" is built for collective data-parallel jobs; a pipeline or parameter-server job recovers by \"restart\"",
+            "\"in_place\" is built for collective data-parallel and pipeline jobs; a parameter-server job recovers by \"restart\"",
         ));
     }
     Ok(())

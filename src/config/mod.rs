@@ -188,11 +188,11 @@ impl JobConfig {
     }
 
     /// Whether a launched run of this job recovers from a lost process in place
-    /// (`fault_tolerance.recovery`; by default, when it is collective data parallel).
+    /// (`fault_tolerance.recovery`; by default, unless it is a parameter-server job).
     pub fn recovers_in_place(&self) -> bool {
         match self.fault_tolerance.recovery {
             Some(mode) => mode == RecoveryMode::InPlace,
-            None => !self.strategy.pipeline && !self.cluster.is_parameter_server(),
+            None => !self.cluster.is_parameter_server(),
         }
     }
 

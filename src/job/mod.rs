@@ -250,14 +250,11 @@ impl TrainingJob {
         if rank == 0 {
             outputs::write_config(&options.run_dir, &self.config)?;
         }
-        if !self.config.strategy.pipeline {
-            // Rank 0 writes the outputs before it leaves the job.
-            return process::run(self, rank, options);
+        // Rank 0 writes the outputs before it leaves the job.
+        if self.config.strategy.pipeline {
+            pipeline::run_rank(self, rank, options)
+        } else {
+            process::run(self, rank, options)
         }
-        let outcome = pipeline::run_rank(self, rank, options)?;
-        if let Some(outcome) = &outcome {
-            outcome.write(&options.run_dir)?;
-        }
-        Ok(outcome)
     }
 }

@@ -4,19 +4,25 @@
 //! they are linked by rings over TCP or shared memory ([`super::stage_rings`]), and rank 0
 //! writes the outputs from the outcomes replica 0's ranks gather to it over the control bus.
 
+use std::net::TcpListener;
+
 use actix::prelude::*;
 use anyhow::{anyhow, Context as _, Result};
 use bytes::Bytes;
+use futures::future::BoxFuture;
 
 use super::control::connect_control;
 use super::heartbeat::watched;
-use super::process::{bind, RankEndpoints};
+use super::process::{bind, bind_data_endpoint, coordinator_is_own_process, refused_if_mismatched, RankEndpoints};
 use super::{stage_rings, Recovery, RunOptions, RunOutcome, Summary, TrainingJob};
 use crate::actors::device::StageLinks;
-use crate::actors::stage::{StageActor, StageOutcome, TrainStage};
+use crate::actors::rollback::{order_line, OrderLine};
+use crate::actors::stage::{Rejoin, StageActor, StageGeneration, StageInPlace, StageOutcome, TrainStage};
 use crate::actors::{Coordinator, DeviceActor};
 use crate::collective::ParamChecksum;
-use crate::engines::comm::{memory, Communicator};
+use crate::config::JobConfig;
+use crate::engines::comm::{memory, Communicator, RingBreaker};
+use crate::net::auth::Credentials;
 use crate::net::ControlBus;
 use crate::pipeline::link::memory_links;
 use crate::telemetry::timeline::TraceTarget;
@@ -61,14 +67,12 @@ pub(super) fn run(job: &TrainingJob, options: &RunOptions) -> Result<RunOutcome>
             let recovery = recovery.clone();
             let trace = trace.clone();
             async move {
-                let link = link.context("each rank's stage link is taken once")?;
-                let data_parallel = data_parallel.context("each rank's ring is taken once")?;
-                let lines = StageLines {
-                    link,
-                    data_parallel,
-                    bus,
+                let generation = StageGeneration {
+                    roster: None,
+                    link: link.context("each rank's stage link is taken once")?,
+                    data_parallel: data_parallel.context("each rank's ring is taken once")?,
                 };
-                train(stage_actor(job, rank, lines, recovery, options, trace)).await
+                train(stage_actor(job, rank, generation, bus, recovery, options, trace)).await
             }
         });
         futures::future::try_join_all(runs).await
@@ -76,7 +80,8 @@ pub(super) fn run(job: &TrainingJob, options: &RunOptions) -> Result<RunOutcome>
     summarise(job, &outcomes[..p], "in-process")
 }
 
-/// One rank of a launched job: rank 0 also hosts the coordinator and returns the outcome.
+/// One rank of a launched job: rank 0 also hosts the coordinator (unless it runs as a process
+/// of its own: then a lost rank is replaced in place), and writes the outputs.
 pub(super) fn run_rank(job: &TrainingJob, rank: usize, options: &RunOptions) -> Result<Option<RunOutcome>> {
     let config = job.config.clone();
     let trace = options.trace_target();
@@ -88,69 +93,128 @@ pub(super) fn run_rank(job: &TrainingJob, rank: usize, options: &RunOptions) -> 
         data_endpoint,
         credentials,
     } = bind(&config, rank)?;
-    let recovery = Recovery::plan(&config, &options.run_dir, &options.resume)?;
-    System::new().block_on(async move {
-        let coordinator = (rank == 0).then(|| Coordinator::for_job(world, &config, &recovery));
-        let mut bus = connect_control(
-            coordinator,
-            rank,
-            &master,
-            &config.fault_tolerance,
-            max_frame,
-            &credentials,
-        )
-        .await?;
-        let roster = bus.join(rank, world, data_endpoint, config.shared_settings()).await?;
-        let (link, data_parallel) = stage_rings::connect(
-            &mut bus,
-            &config,
-            rank,
-            &roster.endpoints,
-            listener,
-            credentials.clone(),
-        )
-        .await?;
-        // The stage's own line for the checkpoint protocol; `bus` gathers the outcomes after.
-        let stage_bus = ControlBus::connect(&master, config.fault_tolerance.timeout(), max_frame, &credentials).await?;
-        let lines = StageLines {
+    let own_coordinator = coordinator_is_own_process();
+    let recovery = if own_coordinator {
+        Recovery::plan_replaceable(&config, &options.run_dir, &options.resume)?
+    } else {
+        Recovery::plan(&config, &options.run_dir, &options.resume)?
+    };
+    let (order_line, orders) = if own_coordinator {
+        // A failed rank waits this long to hear whether a peer's death explains its failure.
+        let ft = &config.fault_tolerance;
+        let (line, orders) = order_line(ft.heartbeat_deadline() + 2 * ft.heartbeat_interval());
+        (Some(line), Some(orders))
+    } else {
+        (None, None)
+    };
+    let breaker = order_line.as_ref().map(OrderLine::breaker).unwrap_or_default();
+    System::new()
+        .block_on(async move {
+            let ft = &config.fault_tolerance;
+            let coordinator = (rank == 0 && !own_coordinator).then(|| Coordinator::for_job(world, &config, &recovery));
+            let mut bus = connect_control(coordinator, rank, &master, ft, max_frame, &credentials).await?;
+            let rings = StageRings {
+                config: config.clone(),
+                rank,
+                credentials: credentials.clone(),
+                breaker,
+            };
+            let generation = rings.join(&mut bus, listener, data_endpoint).await?;
+            // The stage's own line for checkpoints and rollbacks; `bus` gathers the outcomes after.
+            let stage_bus = ControlBus::connect(&master, ft.timeout(), max_frame, &credentials).await?;
+            let in_place = orders.map(|orders| StageInPlace {
+                orders,
+                rejoin: rings.rejoin(),
+            });
+            let training = async {
+                let mut actor = stage_actor(job, rank, generation, stage_bus, recovery, options, trace);
+                actor.in_place = in_place;
+                let outcome = train(actor).await?;
+                // Rank 0 holds only its own stage, and the outputs need every stage's parameters
+                // and the last stage's losses: replica 0's ranks (0..p) hand it their outcomes.
+                // The gather is the end-of-training barrier too, so no rank leaves while another
+                // still needs it.
+                let part = if rank < p { outcome.to_bytes()? } else { Bytes::new() };
+                let parts = bus.gather(rank, "stage outcomes of replica 0", part).await?;
+                if rank != 0 {
+                    return Ok(None);
+                }
+                let replica0 = parts
+                    .into_iter()
+                    .take(p)
+                    .map(StageOutcome::from_bytes)
+                    .collect::<Result<Vec<_>>>()
+                    .context("rank 0: gathering the stage outcomes of replica 0")?;
+                let outcome = summarise(job, &replica0, "multi-process")?;
+                // Written before rank 0 leaves the job: until then its loss is a death the
+                // coordinator recovers from.
+                outcome.write(&options.run_dir)?;
+                Ok(Some(outcome))
+            };
+            watched(training, rank, &master, &config, &credentials, order_line.as_ref()).await
+        })
+        .map_err(refused_if_mismatched)
+}
+
+/// What a launched pipeline rank joins a generation with.
+#[derive(Clone)]
+struct StageRings {
+    config: std::sync::Arc<JobConfig>,
+    rank: usize,
+    credentials: Credentials,
+    /// Where the connected rings' sockets go, so a rollback order can break them.
+    breaker: RingBreaker,
+}
+
+impl StageRings {
+    /// Joins the coordinator's next generation with `data_endpoint` (bound to `listener`) and
+    /// connects the rank's rings.
+    async fn join(
+        &self,
+        bus: &mut ControlBus,
+        listener: TcpListener,
+        data_endpoint: String,
+    ) -> Result<StageGeneration> {
+        let (config, rank) = (&self.config, self.rank);
+        let roster = bus
+            .join(rank, config.world_size(), data_endpoint, config.shared_settings())
+            .await?;
+        let (link, data_parallel) =
+            stage_rings::connect(bus, config, rank, &roster.endpoints, listener, self.credentials.clone()).await?;
+        let mut sockets: Vec<_> = data_parallel.sockets().into_iter().collect();
+        if let StageLinks::Rings { forward, backward } = &link {
+            sockets.extend(forward.sockets());
+            sockets.extend(backward.sockets());
+        }
+        self.breaker.arm(sockets);
+        Ok(StageGeneration {
+            roster: Some(roster),
             link,
             data_parallel,
-            bus: stage_bus,
-        };
-        let training = train(stage_actor(job, rank, lines, recovery, options, trace));
-        let outcome = watched(training, rank, &master, &config, &credentials, None).await?;
-        // Rank 0 holds only its own stage, and the outputs need every stage's parameters and
-        // the last stage's losses: replica 0's ranks (0..p) hand it their outcomes. The gather
-        // is the end-of-training barrier too, so no rank (rank 0, with the coordinator, least
-        // of all) leaves while another still needs it.
-        let part = if rank < p { outcome.to_bytes()? } else { Bytes::new() };
-        let parts = bus.gather(rank, "stage outcomes of replica 0", part).await?;
-        if rank != 0 {
-            return Ok(None);
-        }
-        let replica0 = parts
-            .into_iter()
-            .take(p)
-            .map(StageOutcome::from_bytes)
-            .collect::<Result<Vec<_>>>()
-            .context("rank 0: gathering the stage outcomes of replica 0")?;
-        summarise(job, &replica0, "multi-process").map(Some)
-    })
+        })
+    }
+
+    /// Joins each next generation from a new data endpoint.
+    fn rejoin(&self) -> Rejoin {
+        let rings = self.clone();
+        Box::new(move |bus: &mut ControlBus| -> BoxFuture<'_, Result<StageGeneration>> {
+            let rings = rings.clone();
+            Box::pin(async move {
+                let (listener, endpoint) = bind_data_endpoint(&rings.config, rings.rank)?;
+                rings.join(bus, listener, endpoint).await
+            })
+        })
+    }
 }
 
-/// How a stage reaches the others: its neighbours, its replicas, the coordinator.
-struct StageLines {
-    link: StageLinks,
-    data_parallel: Communicator,
-    bus: ControlBus,
-}
-
-/// Rank `rank`'s stage actor with its own device actor; the rank of replica 0's last stage,
-/// which sees the loss, reports. Must run inside an actix system.
+/// Rank `rank`'s stage actor with its own device actor, starting with `generation`'s links and
+/// `bus` to the coordinator; the rank of replica 0's last stage, which sees the loss, reports.
+/// Must run inside an actix system.
 fn stage_actor(
     job: &TrainingJob,
     rank: usize,
-    lines: StageLines,
+    generation: StageGeneration,
+    bus: ControlBus,
     recovery: Recovery,
     options: &RunOptions,
     trace: Option<TraceTarget>,
@@ -162,13 +226,13 @@ fn stage_actor(
         model: job.model.clone(),
         train_data: job.train_data.clone(),
         test_data: job.test_data.clone(),
-        link: Some(lines.link),
-        data_parallel: Some(lines.data_parallel),
-        bus: Some(lines.bus),
+        generation: Some(generation),
+        bus: Some(bus),
         recovery,
         device: SyncArbiter::start(1, DeviceActor::default),
         monitor: (rank == p - 1).then(|| options.monitor()),
         trace,
+        in_place: None,
     }
 }
 

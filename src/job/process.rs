@@ -54,7 +54,7 @@ pub(super) fn master(config: &JobConfig) -> Result<String> {
 
 /// Binds `rank`'s data endpoint (the configured one, else an ephemeral port): the listener and
 /// its address.
-fn bind_data_endpoint(config: &JobConfig, rank: usize) -> Result<(TcpListener, String)> {
+pub(super) fn bind_data_endpoint(config: &JobConfig, rank: usize) -> Result<(TcpListener, String)> {
     let endpoint = config
         .cluster
         .endpoints
@@ -181,7 +181,7 @@ fn ring_link(
 
 /// A rank the coordinator refused as started for another job exits as refusing to start: no
 /// restart of it can help.
-fn refused_if_mismatched(error: anyhow::Error) -> anyhow::Error {
+pub(super) fn refused_if_mismatched(error: anyhow::Error) -> anyhow::Error {
     if error.chain().any(|cause| cause.is::<Mismatch>()) {
         Refusal::wrap(error)
     } else {
