@@ -213,10 +213,20 @@ fn a_killed_pipeline_stage_is_replaced_alone_and_the_other_stages_roll_back_in_t
 
 #[test]
 fn a_stopped_rank_is_declared_dead_the_survivors_leave_their_collective_and_it_is_replaced() {
-    // The link timeout is the default 30 minutes: a survivor that waited it out, rather than
-    // leave its all-reduce when the coordinator declared the death, would outlast the test.
-    let lost = pick(DATA_PARALLEL.ranks);
-    let hurt = launch_and_hurt(&DATA_PARALLEL, Victim::Rank(lost), libc::SIGSTOP, &[]);
+    stop_a_rank(&DATA_PARALLEL);
+}
+
+#[test]
+fn a_stopped_pipeline_stage_is_declared_dead_the_others_leave_their_receives_and_it_is_replaced() {
+    stop_a_rank(&PIPELINE);
+}
+
+/// SIGSTOP of a random rank of `job`. The link timeout is the default 30 minutes: a survivor
+/// that waited it out, rather than leave its all-reduce or stage receive when the coordinator
+/// declared the death, would outlast the test.
+fn stop_a_rank(job: &Job) {
+    let lost = pick(job.ranks);
+    let hurt = launch_and_hurt(job, Victim::Rank(lost), libc::SIGSTOP, &[]);
     let stderr = &hurt.stderr;
     assert!(
         stderr.contains(&format!("rank {lost} declared dead: no heartbeat for")),
@@ -228,19 +238,29 @@ fn a_stopped_rank_is_declared_dead_the_survivors_leave_their_collective_and_it_i
         "the launcher did not kill the stopped rank:\n{stderr}"
     );
     survivors_rolled_back_in_place(&hurt, lost);
-    equals_uninterrupted(&DATA_PARALLEL, &hurt.summary);
+    equals_uninterrupted(job, &hurt.summary);
 }
 
 #[test]
 fn a_killed_coordinator_is_restarted_alone_and_costs_the_trainers_nothing() {
-    let hurt = launch_and_hurt(&DATA_PARALLEL, Victim::Coordinator, libc::SIGKILL, &[]);
+    kill_the_coordinator(&DATA_PARALLEL);
+}
+
+#[test]
+fn a_pipelines_killed_coordinator_is_restarted_alone_and_costs_the_stages_nothing() {
+    kill_the_coordinator(&PIPELINE);
+}
+
+/// SIGKILL of `job`'s coordinator.
+fn kill_the_coordinator(job: &Job) {
+    let hurt = launch_and_hurt(job, Victim::Coordinator, libc::SIGKILL, &[]);
     let stderr = &hurt.stderr;
     assert!(
         stderr.contains("coordinator failed (signal: 9 (SIGKILL))")
             && stderr.contains("restarting coordinator alone (restart 1 of 2)"),
         "{stderr}"
     );
-    assert_eq!(hurt.survivors.len(), DATA_PARALLEL.ranks);
+    assert_eq!(hurt.survivors.len(), job.ranks);
     for (rank, pid) in &hurt.survivors {
         assert!(hurt.replaced.contains(pid), "rank {rank} was restarted");
         assert!(
@@ -249,7 +269,7 @@ fn a_killed_coordinator_is_restarted_alone_and_costs_the_trainers_nothing() {
         );
     }
     assert!(!stderr.contains("rolling back"), "{stderr}");
-    equals_uninterrupted(&DATA_PARALLEL, &hurt.summary);
+    equals_uninterrupted(job, &hurt.summary);
 }
 
 #[test]
