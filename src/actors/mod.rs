@@ -11,6 +11,7 @@ pub mod ps_trainer;
 pub mod pserver;
 pub mod recovery;
 pub mod rollback;
+mod run_loop;
 pub mod stage;
 pub mod trainer;
 

@@ -21,13 +21,14 @@ use super::divergence::check_loss;
 use super::kept::{Kept, Restore};
 use super::recovery::Recovery;
 use super::rollback::Orders;
+use super::run_loop::RunLoop;
 use crate::config::JobConfig;
-use crate::data::{Dataset, ShardedLoader};
+use crate::data::Dataset;
 use crate::engines::comm::Communicator;
 use crate::net::frame::{encode_with, Frame};
 use crate::net::protocol::Roster;
 use crate::net::ControlBus;
-use crate::telemetry::monitor::{Monitor, MonitorSettings, StepSample};
+use crate::telemetry::monitor::{MonitorSettings, StepSample};
 use crate::telemetry::timeline::TraceTarget;
 
 /// What a pipeline rank needs.
@@ -216,14 +217,6 @@ struct StageRun {
     kept: Kept,
 }
 
-/// The parts of a run that outlive a rollback, and its figures so far.
-struct StageLoop {
-    loader: ShardedLoader,
-    steps: usize,
-    monitor: Option<Monitor>,
-    clock_offset_us: f64,
-}
-
 /// What one generation's steps measured.
 #[derive(Default)]
 struct StageFigures {
@@ -266,38 +259,28 @@ impl StageRun {
                 trace_from: self.trace.as_ref().map(|t| t.origin.instant),
             })
             .await??;
-        let train = &job.train;
-        let loader = ShardedLoader::new(self.train_data.clone(), train.batch_size, replica, d, train.seed)
-            .with_context(|| format!("train.batch_size = {}", train.batch_size))?;
-        let steps = train.length().steps(loader.batches_per_epoch())?;
-        crate::optim::check_run_length(&job.strategy, steps)?;
         let mut first = match &roster {
             Some(roster) => roster.resume_step.unwrap_or(0),
             None => self.recovery.start_step().unwrap_or(0),
         };
-        self.recovery.check_first_step(first, steps)?;
         if let (Some(in_place), Some(roster)) = (&self.in_place, &roster) {
             in_place.orders.joined(roster.generation);
         }
-        let monitor = self
-            .monitor
-            .as_ref()
-            .map(|settings| Monitor::start(settings, steps, first, train.batch_size, train.log_every))
-            .transpose()?;
-        let mut run = StageLoop {
-            loader,
-            steps,
-            monitor,
+        let mut run = RunLoop::start(
+            &job,
+            self.train_data.clone(),
+            (replica, d),
+            &self.recovery,
+            first,
+            self.monitor.as_ref(),
             clock_offset_us,
-        };
+        )?;
         // Each pass is one generation; a new one starts only on a rollback order to a newer
         // generation, so the passes are bounded by the ranks the job loses.
         loop {
             let failure = match self.train_generation(first, &mut run).await {
                 Ok(outcome) => {
-                    if let Some(monitor) = &run.monitor {
-                        monitor.finish();
-                    }
+                    run.finish();
                     return Ok(outcome);
                 }
                 Err(e) => e,
@@ -343,7 +326,7 @@ impl StageRun {
     }
 
     /// Trains from the state after step `first` to the end of the run and evaluates.
-    async fn train_generation(&mut self, first: usize, run: &mut StageLoop) -> Result<StageOutcome> {
+    async fn train_generation(&mut self, first: usize, run: &mut RunLoop) -> Result<StageOutcome> {
         let job = self.job.clone();
         let (rank, stage, replica) = (self.rank, self.stage, self.replica);
         let steps = run.steps;

@@ -22,13 +22,14 @@ use super::divergence::check_loss;
 use super::kept::{Kept, Restore};
 use super::recovery::Recovery;
 use super::rollback::Orders;
+use super::run_loop::RunLoop;
 use super::LOSSES_RESERVED;
 use crate::collective::ParamChecksum;
 use crate::config::JobConfig;
-use crate::data::{Dataset, ShardedLoader};
+use crate::data::Dataset;
 use crate::net::protocol::Roster;
 use crate::net::ControlBus;
-use crate::telemetry::monitor::{Monitor, MonitorSettings, StepSample};
+use crate::telemetry::monitor::{MonitorSettings, StepSample};
 use crate::telemetry::timeline::TraceTarget;
 
 /// What a rank needs to train.
@@ -150,14 +151,6 @@ struct TrainingRun {
     roster: Option<Roster>,
 }
 
-/// The parts of a run that outlive a rollback.
-struct Loop {
-    loader: ShardedLoader,
-    steps: usize,
-    monitor: Option<Monitor>,
-    clock_offset_us: f64,
-}
-
 impl TrainingRun {
     async fn execute(mut self) -> Result<RankOutcome> {
         let rank = self.rank;
@@ -188,24 +181,16 @@ impl TrainingRun {
             })
             .await??;
 
-        let train = &job.train;
-        let loader = ShardedLoader::new(self.train_data.clone(), train.batch_size, rank, world, train.seed)
-            .with_context(|| format!("train.batch_size = {}", train.batch_size))?;
-        let steps = train.length().steps(loader.batches_per_epoch())?;
-        crate::optim::check_run_length(&job.strategy, steps)?;
         let first = roster.resume_step.unwrap_or(0);
-        self.recovery.check_first_step(first, steps)?;
-        let monitor = self
-            .monitor
-            .as_ref()
-            .map(|settings| Monitor::start(settings, steps, first, train.batch_size, train.log_every))
-            .transpose()?;
-        let mut run = Loop {
-            loader,
-            steps,
-            monitor,
+        let mut run = RunLoop::start(
+            &job,
+            self.train_data.clone(),
+            (rank, world),
+            &self.recovery,
+            first,
+            self.monitor.as_ref(),
             clock_offset_us,
-        };
+        )?;
         let mut failure = None;
         // Each pass is one generation; a new one starts only on a rollback order to a newer
         // generation, so the passes are bounded by the ranks the job loses.
@@ -225,9 +210,7 @@ impl TrainingRun {
             }
             match self.train_generation(&mut bus, &roster, &mut run).await {
                 Ok(outcome) => {
-                    if let Some(monitor) = &run.monitor {
-                        monitor.finish();
-                    }
+                    run.finish();
                     return Ok(outcome);
                 }
                 Err(e) => failure = Some(e),
@@ -273,7 +256,12 @@ impl TrainingRun {
     }
 
     /// Trains one generation, from its roster's resume step to the end of the run.
-    async fn train_generation(&mut self, bus: &mut ControlBus, roster: &Roster, run: &mut Loop) -> Result<RankOutcome> {
+    async fn train_generation(
+        &mut self,
+        bus: &mut ControlBus,
+        roster: &Roster,
+        run: &mut RunLoop,
+    ) -> Result<RankOutcome> {
         let rank = self.rank;
         let job = self.job.clone();
         let world = job.world_size();

@@ -1,0 +1,60 @@
+//! The parts of a rank's training run that outlive a rollback: the batches it reads, how many
+//! steps the run has, and the monitor that reports them. Shared by trainers and stages.
+
+use std::sync::Arc;
+
+use anyhow::{Context as _, Result};
+
+use super::recovery::Recovery;
+use crate::config::JobConfig;
+use crate::data::{Dataset, ShardedLoader};
+use crate::telemetry::monitor::{Monitor, MonitorSettings};
+
+/// A rank's run, from the step it starts after to its end.
+pub(crate) struct RunLoop {
+    /// This rank's part of every global batch.
+    pub(crate) loader: ShardedLoader,
+    /// Steps of the whole run.
+    pub(crate) steps: usize,
+    /// The reporting rank's monitor.
+    pub(crate) monitor: Option<Monitor>,
+    /// This process's clock against the coordinator's, for timelines.
+    pub(crate) clock_offset_us: f64,
+}
+
+impl RunLoop {
+    /// The run of `job` as data-parallel replica `replica` of `replicas` reads `data`, started
+    /// after step `first` (refused past the run's end), reported by `monitor` where given.
+    pub(crate) fn start(
+        job: &JobConfig,
+        data: Arc<Dataset>,
+        (replica, replicas): (usize, usize),
+        recovery: &Recovery,
+        first: usize,
+        monitor: Option<&MonitorSettings>,
+        clock_offset_us: f64,
+    ) -> Result<Self> {
+        let train = &job.train;
+        let loader = ShardedLoader::new(data, train.batch_size, replica, replicas, train.seed)
+            .with_context(|| format!("train.batch_size = {}", train.batch_size))?;
+        let steps = train.length().steps(loader.batches_per_epoch())?;
+        crate::optim::check_run_length(&job.strategy, steps)?;
+        recovery.check_first_step(first, steps)?;
+        let monitor = monitor
+            .map(|settings| Monitor::start(settings, steps, first, train.batch_size, train.log_every))
+            .transpose()?;
+        Ok(Self {
+            loader,
+            steps,
+            monitor,
+            clock_offset_us,
+        })
+    }
+
+    /// The run ended: the monitor says so.
+    pub(crate) fn finish(&self) {
+        if let Some(monitor) = &self.monitor {
+            monitor.finish();
+        }
+    }
+}
