@@ -182,6 +182,20 @@ impl CheckpointStore {
         self.prune(step)
     }
 
+    /// Commits this node's copy of the checkpoint the coordinator recorded as `record`: the
+    /// manifest lists the record's files this directory holds in full (a node's own copies, or
+    /// every file on a shared filesystem).
+    pub fn commit_held(&self, record: &CommitRecord) -> Result<()> {
+        let dir = self.step_dir(record.step);
+        let here = record
+            .files
+            .iter()
+            .filter(|held| fs::metadata(dir.join(&held.record.name)).is_ok_and(|m| m.len() == held.record.bytes))
+            .map(|held| held.record.clone())
+            .collect();
+        self.commit(record.step, record.world_size, here)
+    }
+
     /// Records `record` as the newest checkpoint committed, for a coordinator started again
     /// to resume from: the files themselves are on the nodes it names.
     pub fn record(&self, record: &CommitRecord) -> Result<()> {
@@ -584,6 +598,33 @@ mod tests {
         for _ in 0..8 {
             assert!(encode()? == first, "two encodings of one state differ");
         }
+        Ok(())
+    }
+
+    #[test]
+    fn a_node_commits_the_files_of_a_record_it_holds() -> Result<()> {
+        let dir = tempfile::tempdir()?;
+        let store = CheckpointStore::new(dir.path(), 2);
+        let held = |record: FileRecord, node: &str| HeldFile {
+            record,
+            nodes: vec![node.to_string()],
+        };
+        let here = store.write(10, "stage-0.bin", b"stage 0's state")?;
+        let elsewhere = FileRecord {
+            name: "stage-1.bin".into(),
+            bytes: 64,
+            crc32c: 1,
+        };
+        let record = CommitRecord {
+            step: 10,
+            world_size: 4,
+            files: vec![held(here.clone(), "10.0.0.1"), held(elsewhere, "10.0.0.2")],
+        };
+        store.commit_held(&record)?;
+        let checkpoint = store.verify(10)?;
+        assert_eq!(checkpoint.files, vec![here]);
+        let error = checkpoint.read("stage-1.bin").unwrap_err().to_string();
+        assert!(error.contains("has no file stage-1.bin"), "{error}");
         Ok(())
     }
 

@@ -317,8 +317,12 @@ impl Coordinator {
         if waiting.arrivals.len() == self.world_size {
             let arrived = self.barriers.remove(&name).unwrap_or_default();
             let parts: Vec<Bytes> = arrived.arrivals.values().map(|(part, _)| part.clone()).collect();
+            // An acknowledgement is answered with the record of the commit.
             let answer = match arrived.commits {
-                Some(step) => self.commit(step, &parts).map(|()| parts),
+                Some(step) => self
+                    .commit(step, &parts)
+                    .and_then(|record| serde_json::to_vec(&record).map_err(|e| e.to_string()))
+                    .map(|record| vec![Bytes::from(record)]),
                 None => Ok(parts),
             };
             for (_, (_, waiter)) in arrived.arrivals {
@@ -332,7 +336,7 @@ impl Coordinator {
     /// copies (no shared filesystem) the coordinator records which node holds which file, and
     /// each writer commits its node's copy once told; otherwise the files are in the
     /// coordinator's directory, and it commits them there.
-    fn commit(&mut self, step: usize, parts: &[Bytes]) -> Result<(), String> {
+    fn commit(&mut self, step: usize, parts: &[Bytes]) -> Result<CommitRecord, String> {
         let mut files: Vec<HeldFile> = Vec::new();
         for (rank, part) in parts.iter().enumerate() {
             let records: Vec<FileRecord> = serde_json::from_slice(part)
@@ -357,24 +361,22 @@ impl Coordinator {
                 }
             }
         }
+        let record = CommitRecord {
+            step,
+            world_size: self.world_size,
+            files,
+        };
         if let Some(store) = &self.checkpoints {
             let committed = if self.node_local {
-                store.record(&CommitRecord {
-                    step,
-                    world_size: self.world_size,
-                    files,
-                })
+                store.record(&record)
             } else {
-                store.commit(
-                    step,
-                    self.world_size,
-                    files.into_iter().map(|held| held.record).collect(),
-                )
+                let files = record.files.iter().map(|held| held.record.clone()).collect();
+                store.commit(step, self.world_size, files)
             };
             committed.map_err(|e| format!("committing the checkpoint of step {step}: {e:#}"))?;
         }
         self.committed = Some(step);
-        Ok(())
+        Ok(record)
     }
 }
 
@@ -617,7 +619,7 @@ impl Handler<Gather> for Coordinator {
 }
 
 impl Handler<Acknowledge> for Coordinator {
-    type Result = ResponseFuture<Result<(), String>>;
+    type Result = ResponseFuture<Result<CommitRecord, String>>;
 
     fn handle(&mut self, msg: Acknowledge, ctx: &mut Self::Context) -> Self::Result {
         let part = match serde_json::to_vec(&msg.files) {
@@ -626,7 +628,11 @@ impl Handler<Acknowledge> for Coordinator {
         };
         let name = format!("checkpoint of step {}", msg.step);
         let answer = reply(self.arrive(msg.rank, name, part, Some(msg.step), ctx));
-        Box::pin(async move { answer.await.map(|_| ()) })
+        Box::pin(async move {
+            let parts = answer.await?;
+            let record = parts.first().ok_or("a commit without its record")?;
+            serde_json::from_slice(record).map_err(|e| format!("the record of a commit: {e}"))
+        })
     }
 }
 

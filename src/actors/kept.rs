@@ -9,7 +9,9 @@ use actix::Addr;
 use anyhow::{Context as _, Result};
 
 use super::device::{DeviceActor, RestoreCheckpoint, ShareState, Snapshot};
+use crate::checkpoint::{CheckpointStore, CommitRecord};
 use crate::engines::comm::Shared;
+use crate::net::protocol::Roster;
 
 /// A rank's whole state after some step, as checkpoint bytes.
 type State = (usize, Arc<Vec<u8>>);
@@ -42,6 +44,24 @@ impl Kept {
             self.committed = Some(pending);
         }
     }
+}
+
+/// Once the coordinator committed a checkpoint (its `record`), the first rank on each node
+/// commits that node's copy in `store`: every node keeps its own, and needs no shared
+/// filesystem.
+pub(crate) async fn commit_on_this_node(
+    store: &CheckpointStore,
+    record: CommitRecord,
+    roster: Option<&Roster>,
+    rank: usize,
+    world_size: usize,
+) -> Result<()> {
+    if !roster.is_some_and(|r| r.first_on_its_host(rank, 0..world_size)) {
+        return Ok(());
+    }
+    let store = store.clone();
+    let commit = tokio::task::spawn_blocking(move || store.commit_held(&record));
+    commit.await.context("the checkpoint committer stopped")?
 }
 
 /// How a rank comes back to the state after a step.

@@ -18,7 +18,7 @@ use super::device::{
     SaveCheckpoint, Snapshot, StageLinks, TakeSpans,
 };
 use super::divergence::check_loss;
-use super::kept::{Kept, Restore};
+use super::kept::{commit_on_this_node, Kept, Restore};
 use super::recovery::Recovery;
 use super::rollback::Orders;
 use super::run_loop::RunLoop;
@@ -194,6 +194,7 @@ impl Handler<TrainStage> for StageActor {
             recovery: self.recovery.clone(),
             in_place: self.in_place.take(),
             kept: Kept::default(),
+            roster: None,
         };
         let generation = self.generation.take();
         Box::pin(async move { run.execute(generation.context("TrainStage was sent twice")?).await })
@@ -215,6 +216,8 @@ struct StageRun {
     recovery: Recovery,
     in_place: Option<StageInPlace>,
     kept: Kept,
+    /// The roster of the generation training (a launched job's).
+    roster: Option<Roster>,
 }
 
 /// What one generation's steps measured.
@@ -266,6 +269,7 @@ impl StageRun {
         if let (Some(in_place), Some(roster)) = (&self.in_place, &roster) {
             in_place.orders.joined(roster.generation);
         }
+        self.roster = roster;
         let mut run = RunLoop::start(
             &job,
             self.train_data.clone(),
@@ -318,7 +322,9 @@ impl StageRun {
                         resume_step = roster.resume_step.unwrap_or(0),
                         "rejoined"
                     );
-                    return Ok(roster.resume_step.unwrap_or(0));
+                    let first = roster.resume_step.unwrap_or(0);
+                    self.roster = Some(roster);
+                    return Ok(first);
                 }
                 Err(e) => failure = e,
             }
@@ -422,10 +428,21 @@ impl StageRun {
 
     /// The checkpoint after `step` steps: replica 0's rank of each stage writes the stage's
     /// state (its replicas are equal), every rank acknowledges, the coordinator commits. A rank
-    /// that rolls back in place keeps its state in memory too.
+    /// that rolls back in place keeps its state in memory too, and each node keeps its own copy:
+    /// the first replica of each stage on a node writes the stage there, and the node's first
+    /// rank commits the node's files once the coordinator has.
     async fn checkpoint(&mut self, step: usize, losses: &[f32]) -> Result<()> {
         let store = self.recovery.store.clone().context("a checkpoint without a store")?;
-        let writes = self.replica == 0;
+        let writes = match (&self.in_place, &self.roster) {
+            (Some(_), Some(roster)) => {
+                let (d, p) = (
+                    self.job.strategy.hybrid_configs.dp_degree,
+                    self.job.strategy.hybrid_configs.pp_degree,
+                );
+                roster.first_on_its_host(self.rank, (0..d).map(|r| r * p + self.stage))
+            }
+            _ => self.replica == 0,
+        };
         let written = if self.in_place.is_some() {
             let state = Arc::new(
                 self.device
@@ -436,7 +453,7 @@ impl StageRun {
             );
             self.kept.taken(step, state.clone());
             if writes {
-                let file = stage_file(self.stage);
+                let (store, file) = (store.clone(), stage_file(self.stage));
                 let write = tokio::task::spawn_blocking(move || store.write(step, &file, &state));
                 vec![write.await.context("the checkpoint writer stopped")??]
             } else {
@@ -445,7 +462,7 @@ impl StageRun {
         } else if writes {
             // Streamed to the file tensor by tensor: no copy of the state in memory.
             let save = SaveCheckpoint {
-                store,
+                store: store.clone(),
                 step,
                 file: stage_file(self.stage),
                 losses: losses.to_vec(),
@@ -458,8 +475,11 @@ impl StageRun {
             .bus
             .as_mut()
             .context("a checkpointing stage needs a line to the coordinator")?;
-        bus.acknowledge(self.rank, step, written).await?;
-        self.kept.committed();
+        let record = bus.acknowledge(self.rank, step, written).await?;
+        if self.in_place.is_some() {
+            self.kept.committed();
+            commit_on_this_node(&store, record, self.roster.as_ref(), self.rank, self.job.world_size()).await?;
+        }
         Ok(())
     }
 }

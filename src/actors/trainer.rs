@@ -19,7 +19,7 @@ use super::device::{
     Snapshot, TakeSpans, TrainStep,
 };
 use super::divergence::check_loss;
-use super::kept::{Kept, Restore};
+use super::kept::{commit_on_this_node, Kept, Restore};
 use super::recovery::Recovery;
 use super::rollback::Orders;
 use super::run_loop::RunLoop;
@@ -341,7 +341,10 @@ impl TrainingRun {
     async fn checkpoint(&mut self, bus: &mut ControlBus, step: usize, losses: &[f32]) -> Result<()> {
         let store = self.recovery.store.clone().context("a checkpoint without a store")?;
         let writes = match &self.in_place {
-            Some(_) => self.roster.as_ref().is_some_and(|r| r.first_on_its_host(self.rank)),
+            Some(_) => self
+                .roster
+                .as_ref()
+                .is_some_and(|r| r.first_on_its_host(self.rank, 0..self.rank)),
             None => self.rank == 0,
         };
         let written = match (self.in_place.is_some(), writes) {
@@ -370,14 +373,10 @@ impl TrainingRun {
                 }
             }
         };
-        bus.acknowledge(self.rank, step, written.clone()).await?;
+        let record = bus.acknowledge(self.rank, step, written).await?;
         if self.in_place.is_some() {
             self.kept.committed();
-            if writes {
-                let world_size = self.job.world_size();
-                let commit = tokio::task::spawn_blocking(move || store.commit(step, world_size, written));
-                commit.await.context("the checkpoint writer stopped")??;
-            }
+            commit_on_this_node(&store, record, self.roster.as_ref(), self.rank, self.job.world_size()).await?;
         }
         Ok(())
     }

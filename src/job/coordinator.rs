@@ -39,14 +39,11 @@ pub fn run_coordinator(config: &JobConfig, options: &RunOptions) -> Result<()> {
     let world = config.world_size();
     System::new().block_on(async move {
         let (done, finished) = oneshot::channel();
-        let mut coordinator = Coordinator::for_job(world, config, &recovery)
+        let coordinator = Coordinator::for_job(world, config, &recovery)
             .with_checkpoints(recovery.store.clone(), recorded.or(recovery.start_step()))
             .recovering_in_place()
+            .with_node_local_copies()
             .with_finish(done);
-        // Every data-parallel rank holds the whole state; a pipeline stage holds its own part.
-        if !config.strategy.pipeline {
-            coordinator = coordinator.with_node_local_copies();
-        }
         host_coordinator(coordinator, &master, ft, config.cluster.max_frame_bytes(), &credentials).await?;
         tracing::info!(%master, world, "coordinator serving");
         // The sender lives in the coordinator, which lives as long as this system.

@@ -15,7 +15,7 @@ use super::protocol::{
     Acknowledge, Barrier, Beat, CoordinatorLine, DeadProcess, Gather, Heartbeat, Join, JoinRefused, Mismatch, Roster,
     Settings,
 };
-use crate::checkpoint::FileRecord;
+use crate::checkpoint::{CommitRecord, FileRecord};
 use crate::telemetry::clock::{self, ClockSample};
 
 /// Room for a gather answer's header beside its name and lengths.
@@ -240,8 +240,9 @@ impl ControlBus {
     }
 
     /// Acknowledges the checkpoint of step `step` with the `files` this rank wrote for it, and
-    /// waits until the coordinator has committed it (every rank acknowledged).
-    pub async fn acknowledge(&mut self, rank: usize, step: usize, files: Vec<FileRecord>) -> Result<()> {
+    /// waits until the coordinator has committed it (every rank acknowledged); answers its
+    /// record of the checkpoint's files and the nodes holding them.
+    pub async fn acknowledge(&mut self, rank: usize, step: usize, files: Vec<FileRecord>) -> Result<CommitRecord> {
         match self {
             Self::InMemory(coordinator) => coordinator
                 .acknowledge
@@ -254,8 +255,11 @@ impl ControlBus {
                     header: ControlMessage::Acknowledge { rank, step },
                     payload: Bytes::from(serde_json::to_vec(&files)?),
                 };
-                match self.request(request).await?.header {
-                    ControlMessage::Committed { step: committed } if committed == step => Ok(()),
+                let answer = self.request(request).await?;
+                match answer.header {
+                    ControlMessage::Committed { step: committed } if committed == step => {
+                        serde_json::from_slice(&answer.payload).context("the coordinator's record of the commit")
+                    }
                     other => Err(self.unexpected(rank, other)),
                 }
             }

@@ -77,7 +77,8 @@ pub enum ControlMessage {
         /// The checkpoint's step.
         step: usize,
     },
-    /// Every rank acknowledged step `step`'s checkpoint and the coordinator committed it.
+    /// Every rank acknowledged step `step`'s checkpoint and the coordinator committed it (the
+    /// payload: its record of which node holds which file, JSON).
     Committed {
         /// The checkpoint's step.
         step: usize,

@@ -8,7 +8,7 @@ use actix::prelude::*;
 use bytes::Bytes;
 use serde::{Deserialize, Serialize};
 
-use crate::checkpoint::FileRecord;
+use crate::checkpoint::{CommitRecord, FileRecord};
 
 /// Rank `rank` joins the job, reachable for ring traffic at `data_endpoint`: at the start, and
 /// again after every rollback (a survivor, or the replacement of a lost rank).
@@ -71,9 +71,13 @@ impl Roster {
         endpoint.rsplit_once(':').map_or(endpoint, |(host, _)| host)
     }
 
-    /// Whether `rank` is the first rank on its node.
-    pub fn first_on_its_host(&self, rank: usize) -> bool {
-        (0..rank).all(|other| self.host_of(other) != self.host_of(rank))
+    /// Whether `rank` is the lowest of the ranks `among` on its node (`among`: the ranks that
+    /// hold the same state, or every rank).
+    pub fn first_on_its_host(&self, rank: usize, among: impl IntoIterator<Item = usize>) -> bool {
+        among
+            .into_iter()
+            .filter(|&other| other < rank)
+            .all(|other| self.host_of(other) != self.host_of(rank))
     }
 }
 
@@ -104,7 +108,7 @@ pub struct Gather {
 /// Rank `rank` wrote `files` for the checkpoint of step `step` and waits until every rank has:
 /// then the coordinator commits the checkpoint's manifest, and answers.
 #[derive(Message, Debug)]
-#[rtype(result = "Result<(), String>")]
+#[rtype(result = "Result<CommitRecord, String>")]
 pub struct Acknowledge {
     /// The acknowledging rank.
     pub rank: usize,

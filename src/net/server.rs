@@ -156,8 +156,12 @@ async fn serve_frames(
             ControlMessage::Acknowledge { rank, step } => {
                 let files: Vec<FileRecord> = serde_json::from_slice(&frame.payload)
                     .map_err(|e| format!("rank {rank}'s acknowledgement of step {step}: {e}"))?;
-                answered(coordinator.acknowledge.send(Acknowledge { rank, step, files }).await)
-                    .map(|()| (ControlMessage::Committed { step }, Vec::new()))
+                answered(coordinator.acknowledge.send(Acknowledge { rank, step, files }).await).and_then(|record| {
+                    let record = serde_json::to_vec(&record).map_err(|e| ControlMessage::Refused {
+                        reason: format!("the commit of step {step}: {e}"),
+                    })?;
+                    Ok((ControlMessage::Committed { step }, vec![Bytes::from(record)]))
+                })
             }
             ControlMessage::Heartbeat { rank, pid, member_of } => {
                 *heartbeats_of = Some(rank);
