@@ -79,24 +79,25 @@ impl Drop for TwoHosts {
 /// into `run_dir` (shared by the nodes, as a shared file system would be).
 fn launch_on_both(hosts: &TwoHosts, run_dir: &std::path::Path, settings: &[&str]) -> Vec<common::Started> {
     (0..2)
-        .map(|node| launch_on(hosts, node, run_dir, settings, &[]))
+        .map(|node| launch_on(hosts, node, 1, run_dir, settings, &[]))
         .collect()
 }
 
-/// Starts the launcher of node `node` of `hosts`, with one rank of the job `settings` writing
-/// into `run_dir`, passing `train` the flags `extra` too.
+/// Starts the launcher of node `node` of `hosts`, with `per_node` ranks of the job `settings`
+/// writing into `run_dir`, passing `train` the flags `extra` too.
 fn launch_on(
     hosts: &TwoHosts,
     node: usize,
+    per_node: usize,
     run_dir: &std::path::Path,
     settings: &[&str],
     extra: &[&str],
 ) -> common::Started {
-    let cluster = hosts.ips.join(",");
+    let (cluster, per_node) = (hosts.ips.join(","), per_node.to_string());
     #[rustfmt::skip]
     let mut args = vec![
         "netns", "exec", hosts.names[node].as_str(), env!("CARGO_BIN_EXE_flotilla"),
-        "launch", "--nnodes", "2", "--nproc_per_node", "1", "--node_ip", hosts.ips[node],
+        "launch", "--nnodes", "2", "--nproc_per_node", &per_node, "--node_ip", hosts.ips[node],
         "--cluster_node_ips", &cluster, "--started_port", "6170", "--", "train", "--config", "config.toml",
         "--set", "fault_tolerance.timeout_s=30", "--run-dir", run_dir.to_str().unwrap(),
     ];
@@ -219,8 +220,8 @@ fn lose_the_second_node(disk: Disk) {
     // No shared filesystem: each node its own run directory, checkpoints included.
     let dir = tempfile::tempdir().unwrap();
     let run_dirs = [dir.path().join("node-0"), dir.path().join("node-1")];
-    let first = launch_on(&hosts, 0, &run_dirs[0], &RECOVERABLE, &[]);
-    let second = launch_on(&hosts, 1, &run_dirs[1], &RECOVERABLE, &[]);
+    let first = launch_on(&hosts, 0, 1, &run_dirs[0], &RECOVERABLE, &[]);
+    let second = launch_on(&hosts, 1, 1, &run_dirs[1], &RECOVERABLE, &[]);
     // Each node commits its own copy of the checkpoint.
     wait_for_commit(&run_dirs[1].join("checkpoints"), 500);
     wait_for_commit(&run_dirs[0].join("checkpoints"), 500);
@@ -242,7 +243,7 @@ fn lose_the_second_node(disk: Disk) {
     }
 
     // Into its own run directory again, which holds its part of this run.
-    let second = launch_on(&hosts, 1, &run_dirs[1], &RECOVERABLE, &["--overwrite"]);
+    let second = launch_on(&hosts, 1, 1, &run_dirs[1], &RECOVERABLE, &["--overwrite"]);
     let started: Vec<i32> = [&first, &second]
         .iter()
         .flat_map(|l| children_of(l.child.id()))
@@ -273,5 +274,79 @@ fn lose_the_second_node(disk: Disk) {
     let summary: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(run_dirs[0].join("summary.json")).unwrap()).unwrap();
     let uninterrupted = train_in_process(config(&RECOVERABLE[..1]));
+    assert_eq!(summary["param_checksum"], uninterrupted.summary.param_checksum.as_str());
+}
+
+/// A 2 × 2 pipeline over the two nodes: each node holds one whole replica (ranks 0–1 and 2–3).
+const PIPELINE_ACROSS: [&str; 9] = [
+    "strategy.pipeline=true",
+    "strategy.hybrid_configs.dp_degree=2",
+    "strategy.hybrid_configs.pp_degree=2",
+    "strategy.pipeline_configs.schedule_mode=\"1F1B\"",
+    "strategy.pipeline_configs.accumulate_steps=4",
+    "train.steps=1500",
+    "fault_tolerance.checkpoint_every=250",
+    "fault_tolerance.max_restarts=1",
+    "fault_tolerance.heartbeat_interval_ms=200",
+];
+
+#[test]
+fn a_pipeline_node_lost_with_its_disk_takes_its_stages_from_the_other_nodes_replica() {
+    let Some(hosts) = TwoHosts::create_or_say_why() else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let run_dirs = [dir.path().join("node-0"), dir.path().join("node-1")];
+    let first = launch_on(&hosts, 0, 2, &run_dirs[0], &PIPELINE_ACROSS, &[]);
+    let second = launch_on(&hosts, 1, 2, &run_dirs[1], &PIPELINE_ACROSS, &[]);
+    // Each node commits its own replica's stages.
+    wait_for_commit(&run_dirs[1].join("checkpoints"), 250);
+    wait_for_commit(&run_dirs[0].join("checkpoints"), 250);
+    let lost = children_of(second.child.id());
+    // SAFETY: the pids of the second node's launcher and of the processes it started.
+    unsafe {
+        libc::kill(second.child.id() as i32, libc::SIGKILL);
+        for &pid in &lost {
+            libc::kill(pid, libc::SIGKILL);
+        }
+    }
+    assert!(!second.finish(10).success);
+    std::fs::remove_dir_all(&run_dirs[1]).unwrap();
+
+    let second = launch_on(&hosts, 1, 2, &run_dirs[1], &PIPELINE_ACROSS, &[]);
+    let started: Vec<i32> = [&first, &second]
+        .iter()
+        .flat_map(|l| children_of(l.child.id()))
+        .collect();
+    let finished = [first.finish(180), second.finish(180)];
+    end_leftovers(started);
+    for (node, f) in finished.iter().enumerate() {
+        assert!(f.success, "node {node} failed:\n{}", f.stderr);
+    }
+    // Two ranks lost: one generation or two, as the coordinator declared them.
+    for rank in [0, 1] {
+        assert!(
+            finished[0]
+                .stderr
+                .contains(&format!("rejoined rank={rank} generation=")),
+            "{}",
+            finished[0].stderr
+        );
+    }
+    // Stage s of replica 1 (rank 2 + s) receives it from stage s of replica 0 (rank s).
+    for (rank, source) in [(2, 0), (3, 1)] {
+        let restored = finished[1]
+            .stderr
+            .lines()
+            .find(|line| line.contains("state restored") && line.contains(&format!("rank={rank} ")))
+            .unwrap_or_else(|| panic!("the new rank {rank} restored no state:\n{}", finished[1].stderr));
+        assert!(restored.contains(&format!("from=\"rank {source}\"")), "{restored}");
+    }
+    assert!(!committed_steps(&run_dirs[1].join("checkpoints")).is_empty());
+    let summary: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(run_dirs[0].join("summary.json")).unwrap()).unwrap();
+    let mut twin: Vec<&str> = PIPELINE_ACROSS[..6].to_vec();
+    twin.push("cluster.nproc_per_node=4");
+    let uninterrupted = train_in_process(config(&twin));
     assert_eq!(summary["param_checksum"], uninterrupted.summary.param_checksum.as_str());
 }

@@ -72,6 +72,8 @@ pub(crate) struct Restore<'a> {
     pub(crate) device: &'a Addr<DeviceActor>,
     /// What it keeps, when it rolls back in place (`None`: it does not).
     pub(crate) kept: Option<&'a mut Kept>,
+    /// The rank at each place of the ring that shares the state (a pipeline stage's replicas).
+    pub(crate) ring_ranks: Vec<usize>,
 }
 
 impl Restore<'_> {
@@ -82,7 +84,12 @@ impl Restore<'_> {
     /// One that does not roll back in place reads `disk`.
     pub(crate) async fn to(self, step: usize, disk: impl FnOnce() -> Result<Arc<Vec<u8>>>) -> Result<Vec<f32>> {
         let started = Instant::now();
-        let Restore { rank, device, kept } = self;
+        let Restore {
+            rank,
+            device,
+            kept,
+            ring_ranks,
+        } = self;
         let Some(kept) = kept else {
             if step == 0 {
                 return Ok(Vec::new());
@@ -110,7 +117,7 @@ impl Restore<'_> {
             let mine = local.as_ref().map(|(bytes, _)| bytes.clone());
             match device.send(ShareState { step, mine }).await?? {
                 Shared::Held => local.context("a rank without the state was told it held it")?,
-                Shared::Received { bytes, from } => (Arc::new(bytes), format!("rank {from}")),
+                Shared::Received { bytes, from } => (Arc::new(bytes), format!("rank {}", ring_ranks[from])),
             }
         } else {
             local.context("step 0's state is kept")?

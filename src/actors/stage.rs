@@ -411,14 +411,24 @@ impl StageRun {
         })
     }
 
+    /// The ranks of this stage in every replica, by replica.
+    fn replicas_of_stage(&self) -> Vec<usize> {
+        let hybrid = &self.job.strategy.hybrid_configs;
+        (0..hybrid.dp_degree)
+            .map(|r| r * hybrid.pp_degree + self.stage)
+            .collect()
+    }
+
     /// Brings the stage to the state after `step` steps (every replica of a stage continues
     /// from replica 0's state of it, the stage holding the loss from replica 0's losses): see
     /// [`Restore::to`].
     async fn restore(&mut self, step: usize) -> Result<Vec<f32>> {
+        let ring_ranks = self.replicas_of_stage();
         let restore = Restore {
             rank: self.rank,
             device: &self.device,
             kept: self.in_place.is_some().then_some(&mut self.kept),
+            ring_ranks,
         };
         let (recovery, world_size, file) = (&self.recovery, self.job.world_size(), stage_file(self.stage));
         restore
@@ -434,13 +444,7 @@ impl StageRun {
     async fn checkpoint(&mut self, step: usize, losses: &[f32]) -> Result<()> {
         let store = self.recovery.store.clone().context("a checkpoint without a store")?;
         let writes = match (&self.in_place, &self.roster) {
-            (Some(_), Some(roster)) => {
-                let (d, p) = (
-                    self.job.strategy.hybrid_configs.dp_degree,
-                    self.job.strategy.hybrid_configs.pp_degree,
-                );
-                roster.first_on_its_host(self.rank, (0..d).map(|r| r * p + self.stage))
-            }
+            (Some(_), Some(roster)) => roster.first_on_its_host(self.rank, self.replicas_of_stage()),
             _ => self.replica == 0,
         };
         let written = if self.in_place.is_some() {

@@ -248,6 +248,7 @@ impl TrainingRun {
             rank: self.rank,
             device: &self.device,
             kept: self.in_place.is_some().then_some(&mut self.kept),
+            ring_ranks: (0..self.job.world_size()).collect(),
         };
         let (recovery, world_size) = (&self.recovery, self.job.world_size());
         restore
