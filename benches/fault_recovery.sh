@@ -5,6 +5,8 @@
 # flotilla restarting the whole job (fault_tolerance.recovery = "restart"), and the peer,
 # PyTorch DDP under `torchrun --max-restarts 1` (benches/torch_ddp_restart.py).
 #
+# The pipeline rows run the same model as 2 replicas of 2 stages (4 ranks).
+#
 # The job: 3 trainers on loopback, an MLP of 64-4096-4096-4096-10 (34 M parameters, 135 MB; the
 # state with SGD momentum is 270 MB), a global batch of 48, 30 steps, a checkpoint every 5 steps;
 # the kill lands after the checkpoint of step 10. Heartbeats every 200 ms, 5 misses.
@@ -59,11 +61,18 @@ wait_for() {
     exit 1
 }
 
-flotilla_run() { # mode port signal [disk_lost]
-    local mode=$1 port=$2 signal=$3 lost=${4:-} dir="$work/$1-$2"
+flotilla_run() { # mode port signal [disk_lost] [pipeline]
+    local mode=$1 port=$2 signal=$3 lost=${4:-} layout=${5:-} dir="$work/$1-$2"
+    local nproc=3 shape=()
+    if [ -n "$layout" ]; then
+        # Two replicas of a two-stage pipeline (1F1B, 4 micro-batches): rank 1 is stage 1 of replica 0.
+        nproc=4
+        shape=(--set cluster.nproc_per_node=4 --set strategy.pipeline=true --set strategy.hybrid_configs.dp_degree=2
+            --set strategy.hybrid_configs.pp_degree=2 --set strategy.pipeline_configs.accumulate_steps=4)
+    fi
     mkdir -p "$dir"
-    "$flotilla" launch --nproc_per_node 3 --started_port "$port" -- train --config config.toml \
-        "${settings[@]}" --set fault_tolerance.recovery="$mode" \
+    "$flotilla" launch --nproc_per_node "$nproc" --started_port "$port" -- train --config config.toml \
+        "${settings[@]}" "${shape[@]}" --set fault_tolerance.recovery="$mode" \
         --set fault_tolerance.checkpoint_dir="$dir/checkpoints" --run-dir "$dir/run" >"$dir/log" 2>&1 &
     launcher=$!
     wait_for "$dir/checkpoints/step-00000010/manifest.json"
@@ -74,11 +83,11 @@ flotilla_run() { # mode port signal [disk_lost]
     [ -n "$lost" ] && rm -rf "$dir/checkpoints/step-00000010"
     wait "$launcher" || { echo "the $mode job failed:"; tail -30 "$dir/log"; exit 1; }
     launcher=
-    python3 - "$mode" "$killed" "$dir/log" "$signal" "$lost" <<'EOF'
+    python3 - "$mode" "$killed" "$dir/log" "$signal" "$lost" "$layout" <<'EOF'
 import re, sys
 from datetime import datetime, timezone
 mode, killed, log = sys.argv[1], float(sys.argv[2]), open(sys.argv[3]).read().splitlines()
-mode = f"{mode} SIG{sys.argv[4]}{' disk lost' if sys.argv[5] else ''}"
+mode = f"{mode} SIG{sys.argv[4]}{' disk lost' if sys.argv[5] else ''}{' pipeline' if sys.argv[6] else ''}"
 def t(line):
     stamp = re.search(r"(\d{4}-\d\d-\d\dT[\d:.]+)Z", line).group(1)
     return datetime.strptime(stamp[:26], "%Y-%m-%dT%H:%M:%S.%f").replace(tzinfo=timezone.utc).timestamp()
@@ -133,6 +142,8 @@ for run in $(seq 1 "$runs"); do
     flotilla_run in_place $((17250 + 10 * run)) STOP
     flotilla_run in_place $((17350 + 10 * run)) KILL disk_lost
     flotilla_run restart $((17300 + 10 * run)) KILL
+    flotilla_run in_place $((17500 + 10 * run)) KILL "" pipeline
+    flotilla_run restart $((17550 + 10 * run)) KILL "" pipeline
     if [ -x "$venv/bin/torchrun" ]; then
         torch_run $((17400 + 10 * run))
     fi
