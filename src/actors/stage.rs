@@ -3,6 +3,11 @@
 //! cuts it into micro-batches), evaluates through the pipeline at the end, and reports. A
 //! launched job's ranks send their [`StageOutcome`]s to rank 0 as bytes
 //! ([`StageOutcome::to_bytes`]), since rank 0 writes the outputs of every stage.
+//!
+//! In a job that recovers in place, a failure the coordinator explains with a rollback order
+//! (another rank was lost) does not end the stage: it joins the next generation over new stage
+//! and data-parallel rings, restores its stage's committed state — from memory, its node's disk,
+//! or a replica of its stage — and trains on from there.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};

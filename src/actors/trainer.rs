@@ -345,7 +345,7 @@ impl TrainingRun {
             Some(_) => self
                 .roster
                 .as_ref()
-                .is_some_and(|r| r.first_on_its_host(self.rank, 0..self.rank)),
+                .is_some_and(|r| r.first_on_its_host(self.rank, 0..self.job.world_size())),
             None => self.rank == 0,
         };
         let written = match (self.in_place.is_some(), writes) {
