@@ -210,71 +210,101 @@ enum Disk {
     Emptied,
 }
 
-/// Loses the second node — its launcher, its rank, and its disk unless `disk` is kept — after
-/// the first checkpoint, starts its launcher again, and checks where the new rank took its state
-/// from and that the job ends bitwise equal to an uninterrupted run.
+/// A job over two nodes without a shared filesystem: each node its own run directory,
+/// checkpoints included, and `per_node` ranks.
+struct Separate {
+    hosts: TwoHosts,
+    _dir: tempfile::TempDir,
+    run_dirs: [std::path::PathBuf; 2],
+    per_node: usize,
+    settings: &'static [&'static str],
+}
+
+impl Separate {
+    /// Starts both nodes, waits until each committed its own copy of the checkpoint of step
+    /// `first`, then loses the second node — its launcher (so nothing restarts), its ranks, and
+    /// its disk unless `disk` is kept — and starts its launcher again (into its own run
+    /// directory again, which may hold its part of this run). Returns both nodes' ends.
+    fn lose_the_second_node(&self, first: usize, disk: Disk) -> [common::Finished; 2] {
+        let (hosts, run_dirs, per_node, settings) = (&self.hosts, &self.run_dirs, self.per_node, self.settings);
+        let node_0 = launch_on(hosts, 0, per_node, &run_dirs[0], settings, &[]);
+        let node_1 = launch_on(hosts, 1, per_node, &run_dirs[1], settings, &[]);
+        wait_for_commit(&run_dirs[1].join("checkpoints"), first);
+        wait_for_commit(&run_dirs[0].join("checkpoints"), first);
+        let lost = children_of(node_1.child.id());
+        // SAFETY: the pids of the second node's launcher and of the processes it started.
+        unsafe {
+            libc::kill(node_1.child.id() as i32, libc::SIGKILL);
+            for &pid in &lost {
+                libc::kill(pid, libc::SIGKILL);
+            }
+        }
+        assert!(!node_1.finish(10).success);
+        if disk == Disk::Emptied {
+            std::fs::remove_dir_all(&run_dirs[1]).unwrap();
+        }
+        let node_1 = launch_on(hosts, 1, per_node, &run_dirs[1], settings, &["--overwrite"]);
+        let started: Vec<i32> = [&node_0, &node_1]
+            .iter()
+            .flat_map(|l| children_of(l.child.id()))
+            .collect();
+        let finished = [node_0.finish(180), node_1.finish(180)];
+        end_leftovers(started);
+        for (node, f) in finished.iter().enumerate() {
+            assert!(f.success, "node {node} failed:\n{}", f.stderr);
+        }
+        // The node holds checkpoints of its own again.
+        assert!(!committed_steps(&run_dirs[1].join("checkpoints")).is_empty());
+        finished
+    }
+
+    /// Where `rank` of the second node, started again, took its state from.
+    fn restored_from(finished: &[common::Finished; 2], rank: usize) -> String {
+        let stderr = &finished[1].stderr;
+        let restored = stderr
+            .lines()
+            .find(|line| line.contains("state restored") && line.contains(&format!("rank={rank} ")))
+            .unwrap_or_else(|| panic!("the new rank {rank} restored no state:\n{stderr}"));
+        let from = restored.split("from=").nth(1).unwrap_or_default();
+        from.split(" bytes=").next().unwrap_or_default().to_string()
+    }
+
+    /// The job's parameters equal those of the uninterrupted run of `twin`.
+    fn ends_as(&self, twin: &[&str]) {
+        let summary: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(self.run_dirs[0].join("summary.json")).unwrap()).unwrap();
+        let uninterrupted = train_in_process(config(twin));
+        assert_eq!(summary["param_checksum"], uninterrupted.summary.param_checksum.as_str());
+    }
+}
+
+/// Loses the second node of a data-parallel job (one rank per node) after the first checkpoint
+/// and starts it again; checks where its new rank took its state from, and that the job ends
+/// bitwise equal to an uninterrupted run.
 fn lose_the_second_node(disk: Disk) {
     let Some(hosts) = TwoHosts::create_or_say_why() else {
         return;
     };
-    // No shared filesystem: each node its own run directory, checkpoints included.
     let dir = tempfile::tempdir().unwrap();
-    let run_dirs = [dir.path().join("node-0"), dir.path().join("node-1")];
-    let first = launch_on(&hosts, 0, 1, &run_dirs[0], &RECOVERABLE, &[]);
-    let second = launch_on(&hosts, 1, 1, &run_dirs[1], &RECOVERABLE, &[]);
-    // Each node commits its own copy of the checkpoint.
-    wait_for_commit(&run_dirs[1].join("checkpoints"), 500);
-    wait_for_commit(&run_dirs[0].join("checkpoints"), 500);
-
-    // The whole second node goes: its launcher first (so nothing restarts), then its rank, then
-    // its disk.
-    let lost = children_of(second.child.id());
-    // SAFETY: the pids of the second node's launcher and of the processes it started.
-    unsafe {
-        libc::kill(second.child.id() as i32, libc::SIGKILL);
-        for &pid in &lost {
-            libc::kill(pid, libc::SIGKILL);
-        }
-    }
-    let gone = second.finish(10);
-    assert!(!gone.success);
-    if disk == Disk::Emptied {
-        std::fs::remove_dir_all(&run_dirs[1]).unwrap();
-    }
-
-    // Into its own run directory again, which holds its part of this run.
-    let second = launch_on(&hosts, 1, 1, &run_dirs[1], &RECOVERABLE, &["--overwrite"]);
-    let started: Vec<i32> = [&first, &second]
-        .iter()
-        .flat_map(|l| children_of(l.child.id()))
-        .collect();
-    let finished = [first.finish(180), second.finish(180)];
-    end_leftovers(started);
-    for (node, f) in finished.iter().enumerate() {
-        assert!(f.success, "node {node} failed:\n{}", f.stderr);
-    }
+    let job = Separate {
+        hosts,
+        run_dirs: [dir.path().join("node-0"), dir.path().join("node-1")],
+        _dir: dir,
+        per_node: 1,
+        settings: &RECOVERABLE,
+    };
+    let expected = match disk {
+        Disk::Emptied => "\"rank 0\"",
+        Disk::Kept => "\"disk\"",
+    };
+    let finished = job.lose_the_second_node(500, disk);
     assert!(
         finished[0].stderr.contains("rejoined rank=0 generation=1"),
         "{}",
         finished[0].stderr
     );
-    let restored = finished[1]
-        .stderr
-        .lines()
-        .find(|line| line.contains("state restored"))
-        .unwrap_or_else(|| panic!("the new rank 1 restored no state:\n{}", finished[1].stderr));
-    let source = match disk {
-        Disk::Emptied => "from=\"rank 0\"",
-        Disk::Kept => "from=\"disk\"",
-    };
-    assert!(restored.contains(source), "{restored}");
-    // The node holds checkpoints of its own again.
-    let later = committed_steps(&run_dirs[1].join("checkpoints"));
-    assert!(!later.is_empty(), "{:?}", run_dirs[1]);
-    let summary: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(run_dirs[0].join("summary.json")).unwrap()).unwrap();
-    let uninterrupted = train_in_process(config(&RECOVERABLE[..1]));
-    assert_eq!(summary["param_checksum"], uninterrupted.summary.param_checksum.as_str());
+    assert_eq!(Separate::restored_from(&finished, 1), expected);
+    job.ends_as(&RECOVERABLE[..1]);
 }
 
 /// A 2 × 2 pipeline over the two nodes: each node holds one whole replica (ranks 0–1 and 2–3).
@@ -296,33 +326,14 @@ fn a_pipeline_node_lost_with_its_disk_takes_its_stages_from_the_other_nodes_repl
         return;
     };
     let dir = tempfile::tempdir().unwrap();
-    let run_dirs = [dir.path().join("node-0"), dir.path().join("node-1")];
-    let first = launch_on(&hosts, 0, 2, &run_dirs[0], &PIPELINE_ACROSS, &[]);
-    let second = launch_on(&hosts, 1, 2, &run_dirs[1], &PIPELINE_ACROSS, &[]);
-    // Each node commits its own replica's stages.
-    wait_for_commit(&run_dirs[1].join("checkpoints"), 250);
-    wait_for_commit(&run_dirs[0].join("checkpoints"), 250);
-    let lost = children_of(second.child.id());
-    // SAFETY: the pids of the second node's launcher and of the processes it started.
-    unsafe {
-        libc::kill(second.child.id() as i32, libc::SIGKILL);
-        for &pid in &lost {
-            libc::kill(pid, libc::SIGKILL);
-        }
-    }
-    assert!(!second.finish(10).success);
-    std::fs::remove_dir_all(&run_dirs[1]).unwrap();
-
-    let second = launch_on(&hosts, 1, 2, &run_dirs[1], &PIPELINE_ACROSS, &[]);
-    let started: Vec<i32> = [&first, &second]
-        .iter()
-        .flat_map(|l| children_of(l.child.id()))
-        .collect();
-    let finished = [first.finish(180), second.finish(180)];
-    end_leftovers(started);
-    for (node, f) in finished.iter().enumerate() {
-        assert!(f.success, "node {node} failed:\n{}", f.stderr);
-    }
+    let job = Separate {
+        hosts,
+        run_dirs: [dir.path().join("node-0"), dir.path().join("node-1")],
+        _dir: dir,
+        per_node: 2,
+        settings: &PIPELINE_ACROSS,
+    };
+    let finished = job.lose_the_second_node(250, Disk::Emptied);
     // Two ranks lost: one generation or two, as the coordinator declared them.
     for rank in [0, 1] {
         assert!(
@@ -335,18 +346,9 @@ fn a_pipeline_node_lost_with_its_disk_takes_its_stages_from_the_other_nodes_repl
     }
     // Stage s of replica 1 (rank 2 + s) receives it from stage s of replica 0 (rank s).
     for (rank, source) in [(2, 0), (3, 1)] {
-        let restored = finished[1]
-            .stderr
-            .lines()
-            .find(|line| line.contains("state restored") && line.contains(&format!("rank={rank} ")))
-            .unwrap_or_else(|| panic!("the new rank {rank} restored no state:\n{}", finished[1].stderr));
-        assert!(restored.contains(&format!("from=\"rank {source}\"")), "{restored}");
+        assert_eq!(Separate::restored_from(&finished, rank), format!("\"rank {source}\""));
     }
-    assert!(!committed_steps(&run_dirs[1].join("checkpoints")).is_empty());
-    let summary: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(run_dirs[0].join("summary.json")).unwrap()).unwrap();
     let mut twin: Vec<&str> = PIPELINE_ACROSS[..6].to_vec();
     twin.push("cluster.nproc_per_node=4");
-    let uninterrupted = train_in_process(config(&twin));
-    assert_eq!(summary["param_checksum"], uninterrupted.summary.param_checksum.as_str());
+    job.ends_as(&twin);
 }
