@@ -221,6 +221,20 @@ struct Separate {
 }
 
 impl Separate {
+    /// Two hosts for a job of `per_node` ranks per node with `settings`, or `None` after saying
+    /// why they cannot be made here.
+    fn create_or_say_why(per_node: usize, settings: &'static [&'static str]) -> Option<Self> {
+        let hosts = TwoHosts::create_or_say_why()?;
+        let dir = tempfile::tempdir().unwrap();
+        Some(Self {
+            hosts,
+            run_dirs: [dir.path().join("node-0"), dir.path().join("node-1")],
+            _dir: dir,
+            per_node,
+            settings,
+        })
+    }
+
     /// Starts both nodes, waits until each committed its own copy of the checkpoint of step
     /// `first`, then loses the second node — its launcher (so nothing restarts), its ranks, and
     /// its disk unless `disk` is kept — and starts its launcher again (into its own run
@@ -282,16 +296,8 @@ impl Separate {
 /// and starts it again; checks where its new rank took its state from, and that the job ends
 /// bitwise equal to an uninterrupted run.
 fn lose_the_second_node(disk: Disk) {
-    let Some(hosts) = TwoHosts::create_or_say_why() else {
+    let Some(job) = Separate::create_or_say_why(1, &RECOVERABLE) else {
         return;
-    };
-    let dir = tempfile::tempdir().unwrap();
-    let job = Separate {
-        hosts,
-        run_dirs: [dir.path().join("node-0"), dir.path().join("node-1")],
-        _dir: dir,
-        per_node: 1,
-        settings: &RECOVERABLE,
     };
     let expected = match disk {
         Disk::Emptied => "\"rank 0\"",
@@ -322,16 +328,8 @@ const PIPELINE_ACROSS: [&str; 9] = [
 
 #[test]
 fn a_pipeline_node_lost_with_its_disk_takes_its_stages_from_the_other_nodes_replica() {
-    let Some(hosts) = TwoHosts::create_or_say_why() else {
+    let Some(job) = Separate::create_or_say_why(2, &PIPELINE_ACROSS) else {
         return;
-    };
-    let dir = tempfile::tempdir().unwrap();
-    let job = Separate {
-        hosts,
-        run_dirs: [dir.path().join("node-0"), dir.path().join("node-1")],
-        _dir: dir,
-        per_node: 2,
-        settings: &PIPELINE_ACROSS,
     };
     let finished = job.lose_the_second_node(250, Disk::Emptied);
     // Two ranks lost: one generation or two, as the coordinator declared them.
