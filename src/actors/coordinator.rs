@@ -70,9 +70,6 @@ pub struct Coordinator {
     rolled_back: String,
     /// Whether a lost rank is replaced in place (else the job stops).
     in_place: bool,
-    /// Whether each node keeps its own copy of the checkpoints (else they are in one directory
-    /// the coordinator shares with the roles).
-    node_local: bool,
     /// Where checkpoints are committed; `None` when the job takes none.
     checkpoints: Option<CheckpointStore>,
     /// The roster of the running generation (the nodes that hold checkpoint files).
@@ -105,7 +102,6 @@ impl Coordinator {
             stopped: None,
             rolled_back: String::new(),
             in_place: false,
-            node_local: false,
             checkpoints: None,
             roster: None,
             committed: None,
@@ -137,17 +133,12 @@ impl Coordinator {
     }
 
     /// Replaces a lost rank in place: the survivors roll back to the newest committed
-    /// checkpoint and go on with the lost rank's replacement, instead of stopping.
+    /// checkpoint and go on with the lost rank's replacement, instead of stopping. Each node of
+    /// such a job keeps its own copy of the checkpoints: the coordinator records which node
+    /// holds which file, and each node commits its copy, instead of committing them in its own
+    /// directory.
     pub fn recovering_in_place(mut self) -> Self {
         self.in_place = true;
-        self
-    }
-
-    /// Commits checkpoints whose files every node keeps a copy of (a data-parallel job's
-    /// replicated state): it records which node holds which file, and each node commits its
-    /// copy, instead of committing them in its own directory.
-    pub fn with_node_local_copies(mut self) -> Self {
-        self.node_local = true;
         self
     }
 
@@ -332,9 +323,9 @@ impl Coordinator {
         rx
     }
 
-    /// Commits the checkpoint of `step` whose files every rank listed in its part. With node-local
-    /// copies (no shared filesystem) the coordinator records which node holds which file, and
-    /// each writer commits its node's copy once told; otherwise the files are in the
+    /// Commits the checkpoint of `step` whose files every rank listed in its part. In place, each
+    /// node keeps its own copy (no shared filesystem): the coordinator records which node holds
+    /// which file, and each node commits its copy once told; otherwise the files are in the
     /// coordinator's directory, and it commits them there.
     fn commit(&mut self, step: usize, parts: &[Bytes]) -> Result<CommitRecord, String> {
         let mut files: Vec<HeldFile> = Vec::new();
@@ -367,7 +358,7 @@ impl Coordinator {
             files,
         };
         if let Some(store) = &self.checkpoints {
-            let committed = if self.node_local {
+            let committed = if self.in_place {
                 store.record(&record)
             } else {
                 let files = record.files.iter().map(|held| held.record.clone()).collect();
@@ -833,7 +824,6 @@ mod tests {
             .with_heartbeat_deadline(Duration::from_secs(30))
             .with_checkpoints(Some(store), None)
             .recovering_in_place()
-            .with_node_local_copies()
             .start();
         let (a, b, d) = futures::join!(join(&c, 0, 3), join(&c, 1, 3), join(&c, 2, 3));
         assert!(a.is_ok() && b.is_ok() && d.is_ok());

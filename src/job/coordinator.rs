@@ -42,7 +42,6 @@ pub fn run_coordinator(config: &JobConfig, options: &RunOptions) -> Result<()> {
         let coordinator = Coordinator::for_job(world, config, &recovery)
             .with_checkpoints(recovery.store.clone(), recorded.or(recovery.start_step()))
             .recovering_in_place()
-            .with_node_local_copies()
             .with_finish(done);
         host_coordinator(coordinator, &master, ft, config.cluster.max_frame_bytes(), &credentials).await?;
         tracing::info!(%master, world, "coordinator serving");

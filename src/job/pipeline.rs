@@ -13,10 +13,10 @@ use futures::future::BoxFuture;
 
 use super::control::connect_control;
 use super::heartbeat::watched;
-use super::process::{bind, bind_data_endpoint, coordinator_is_own_process, refused_if_mismatched, RankEndpoints};
+use super::process::{bind, bind_data_endpoint, refused_if_mismatched, RankEndpoints, RankRecovery};
 use super::{stage_rings, Recovery, RunOptions, RunOutcome, Summary, TrainingJob};
 use crate::actors::device::StageLinks;
-use crate::actors::rollback::{order_line, OrderLine};
+use crate::actors::rollback::OrderLine;
 use crate::actors::stage::{Rejoin, StageActor, StageGeneration, StageInPlace, StageOutcome, TrainStage};
 use crate::actors::{Coordinator, DeviceActor};
 use crate::collective::ParamChecksum;
@@ -93,20 +93,9 @@ pub(super) fn run_rank(job: &TrainingJob, rank: usize, options: &RunOptions) -> 
         data_endpoint,
         credentials,
     } = bind(&config, rank)?;
-    let own_coordinator = coordinator_is_own_process();
-    let recovery = if own_coordinator {
-        Recovery::plan_replaceable(&config, &options.run_dir, &options.resume)?
-    } else {
-        Recovery::plan(&config, &options.run_dir, &options.resume)?
-    };
-    let (order_line, orders) = if own_coordinator {
-        // A failed rank waits this long to hear whether a peer's death explains its failure.
-        let ft = &config.fault_tolerance;
-        let (line, orders) = order_line(ft.heartbeat_deadline() + 2 * ft.heartbeat_interval());
-        (Some(line), Some(orders))
-    } else {
-        (None, None)
-    };
+    let RankRecovery { recovery, orders } = RankRecovery::plan(&config, options)?;
+    let own_coordinator = orders.is_some();
+    let (order_line, orders) = orders.unzip();
     let breaker = order_line.as_ref().map(OrderLine::breaker).unwrap_or_default();
     System::new()
         .block_on(async move {

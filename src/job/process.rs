@@ -14,7 +14,7 @@ use super::control::connect_control;
 use super::heartbeat::watched;
 use super::{Recovery, Refusal, RunOptions, RunOutcome, TrainingJob};
 use crate::actors::device::RingLink;
-use crate::actors::rollback::order_line;
+use crate::actors::rollback::{order_line, OrderLine, Orders};
 use crate::actors::trainer::{InPlace, Train};
 use crate::actors::Coordinator;
 use crate::config::JobConfig;
@@ -85,14 +85,37 @@ pub(super) fn bind(config: &JobConfig, rank: usize) -> Result<RankEndpoints> {
     })
 }
 
+/// How a launched rank recovers: the checkpoints it starts from and writes, and — when the
+/// coordinator runs as a process of its own, so the job recovers in place — the line its
+/// rollback orders arrive on (the heartbeat side) and the orders (the training side).
+pub(super) struct RankRecovery {
+    pub(super) recovery: Recovery,
+    pub(super) orders: Option<(OrderLine, Orders)>,
+}
+
+impl RankRecovery {
+    /// The recovery of a rank of `config`'s job started as `options` say.
+    pub(super) fn plan(config: &JobConfig, options: &RunOptions) -> Result<Self> {
+        if !coordinator_is_own_process() {
+            let recovery = Recovery::plan(config, &options.run_dir, &options.resume)?;
+            return Ok(Self { recovery, orders: None });
+        }
+        let recovery = Recovery::plan_replaceable(config, &options.run_dir, &options.resume)?;
+        // A failed rank waits this long to hear whether a peer's death explains its failure:
+        // the coordinator's detection, then a heartbeat to carry the order.
+        let ft = &config.fault_tolerance;
+        let grace = ft.heartbeat_deadline() + 2 * ft.heartbeat_interval();
+        Ok(Self {
+            recovery,
+            orders: Some(order_line(grace)),
+        })
+    }
+}
+
 pub(super) fn run(job: &TrainingJob, rank: usize, options: &RunOptions) -> Result<Option<RunOutcome>> {
     let config = job.config.clone();
-    let own_coordinator = coordinator_is_own_process();
-    let recovery = if own_coordinator {
-        Recovery::plan_replaceable(&config, &options.run_dir, &options.resume)?
-    } else {
-        Recovery::plan(&config, &options.run_dir, &options.resume)?
-    };
+    let RankRecovery { recovery, orders } = RankRecovery::plan(&config, options)?;
+    let own_coordinator = orders.is_some();
     let world = config.world_size();
     let max_frame = config.cluster.max_frame_bytes();
     let RankEndpoints {
@@ -101,16 +124,7 @@ pub(super) fn run(job: &TrainingJob, rank: usize, options: &RunOptions) -> Resul
         data_endpoint,
         credentials,
     } = bind(&config, rank)?;
-    let ft = &config.fault_tolerance;
-    // A failed rank waits this long to hear whether a peer's death explains its failure: the
-    // coordinator's detection, then a heartbeat to carry the order.
-    let grace = ft.heartbeat_deadline() + 2 * ft.heartbeat_interval();
-    let (order_line, orders) = if own_coordinator {
-        let (line, orders) = order_line(grace);
-        (Some(line), Some(orders))
-    } else {
-        (None, None)
-    };
+    let (order_line, orders) = orders.unzip();
     let breaker = order_line.as_ref().map(|line| line.breaker()).unwrap_or_default();
     let link = ring_link(&config, rank, listener, &credentials, &breaker);
     let in_place = orders.map(|orders| {

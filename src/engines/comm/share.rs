@@ -39,9 +39,10 @@ impl Communicator {
             .all_gather(&format!("{what}: who holds it"), &announced)?
             .iter()
             .map(|a| {
-                let len = u64::from_le_bytes(a[..8].try_into().expect("8 bytes"));
-                let crc = u32::from_le_bytes(a[8..ANNOUNCEMENT].try_into().expect("4 bytes"));
-                (len, crc)
+                let (mut len, mut crc) = ([0u8; 8], [0u8; 4]);
+                len.copy_from_slice(&a[..8]);
+                crc.copy_from_slice(&a[8..ANNOUNCEMENT]);
+                (u64::from_le_bytes(len), u32::from_le_bytes(crc))
             })
             .collect();
         let holders: Vec<usize> = (0..n).filter(|&r| copies[r].0 > 0).collect();
@@ -64,11 +65,7 @@ impl Communicator {
         // The holder with the shortest chain to every rank that lacks the state sends it: with
         // one replacement, its ring predecessor if that holds it, so one hop carries it.
         let reach_from = |root: usize| lacking.iter().map(|&l| (l + n - root) % n).max().unwrap_or(0);
-        let root = holders
-            .iter()
-            .copied()
-            .min_by_key(|&h| reach_from(h))
-            .expect("a holder");
+        let root = holders.iter().copied().min_by_key(|&h| reach_from(h)).unwrap_or(first);
         let reach = reach_from(root);
         let op = format!("{what}: from rank {root}");
         if let (Some(bytes), 0) = (mine, self.position_after(root)) {
