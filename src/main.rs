@@ -18,7 +18,7 @@ use flotilla::job::ps::{ParameterServerJob, PsSummary};
 use flotilla::job::{
     resumed_config, run_dir, Refusal, Resume, RunOptions, RunOutcome, TrainingJob, REFUSAL_EXIT_CODE, RESUME_VAR,
 };
-use flotilla::launch::{supervise, ChildSpec, DeathWatch, LaunchArgs, LaunchPsArgs, OutputMode};
+use flotilla::launch::{recover_in_place, supervise, ChildSpec, DeathWatch, LaunchArgs, LaunchPsArgs, OutputMode};
 use flotilla::net::auth::Credentials;
 use flotilla::telemetry::metrics::METRICS_FILE;
 use flotilla::telemetry::monitor::ProgressView;
@@ -235,8 +235,11 @@ fn run(cli: Cli) -> Result<()> {
         Command::LaunchPs(args) => {
             let exe = std::env::current_exe().context("locating the flotilla binary")?;
             let train = launched_train(&args.command)?;
-            let children = args.plan(exe)?;
+            let mut children = args.plan(exe)?;
             let config = launched_config(train.as_ref(), &children)?;
+            if let Some(config) = config.as_ref().filter(|c| c.recovers_in_place()) {
+                recover_in_place(&mut children, Some(config.roles()));
+            }
             launch(children, train, config, args.max_restarts)
         }
         Command::Data(DataCommand::CriteoSynthetic {

@@ -412,7 +412,11 @@ fn a_pull_held_for_a_trainer_that_never_pushes_names_it_after_the_timeout() {
             values: vec![vec![], vec![]],
             dense,
         };
-        server.send(ShardCall(Request::Push(push))).await.unwrap().unwrap();
+        server
+            .send(ShardCall::first(Request::Push(push)))
+            .await
+            .unwrap()
+            .unwrap();
         let pull = PullRequest {
             trainer: 0,
             version: 1,
@@ -420,7 +424,11 @@ fn a_pull_held_for_a_trainer_that_never_pushes_names_it_after_the_timeout() {
             ids: vec![vec![], vec![]],
             dense: true,
         };
-        server.send(ShardCall(Request::Pull(pull))).await.unwrap().unwrap_err()
+        server
+            .send(ShardCall::first(Request::Pull(pull)))
+            .await
+            .unwrap()
+            .unwrap_err()
     });
     assert_eq!(
         err.to_string(),

@@ -10,12 +10,13 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use flotilla::actors::stage::StageOutcome;
+use flotilla::checkpoint::FileRecord;
 use flotilla::net::auth::{accept_on, connect_on, ClusterToken, Credentials};
 use flotilla::net::protocol::{Beat, DeadProcess, Roster};
 use flotilla::net::{ControlMessage, Frame};
 use flotilla::ps::wire::{
     decode_reply, decode_request, encode_reply, encode_request, PullRequest, PulledRows, PushRequest, Reply, Request,
-    UpdateKind,
+    ShardCall, UpdateKind,
 };
 use proptest::prelude::*;
 
@@ -94,6 +95,12 @@ fn requests() -> Vec<Request> {
         Request::Checkpoint {
             dir: "/tmp/checkpoints".into(),
             step: 60,
+            trainer: 1,
+            files: vec![FileRecord {
+                name: "ps-trainer-1.safetensors".into(),
+                bytes: 4096,
+                crc32c: 0xdead_beef,
+            }],
         },
         Request::Leave { trainer: 3 },
     ]
@@ -105,6 +112,11 @@ fn replies() -> Vec<Reply> {
             rows: vec![vec![1.0, 2.0], vec![], vec![3.5; 5]],
             dense: vec![0.125; 3],
         }),
+        Reply::Checkpointed(vec![FileRecord {
+            name: "ps-shard-0.safetensors".into(),
+            bytes: 1 << 20,
+            crc32c: 7,
+        }]),
         Reply::Done,
     ]
 }
@@ -128,7 +140,11 @@ fn stage_outcome() -> StageOutcome {
 /// Every valid encoding the decoders are tested from.
 fn valid_encodings() -> Vec<Bytes> {
     let mut all: Vec<Bytes> = control_frames().iter().map(|f| f.encode().expect("encodes")).collect();
-    all.extend(requests().iter().map(|r| encode_request(r).expect("encodes")));
+    all.extend(
+        requests()
+            .into_iter()
+            .map(|r| encode_request(&ShardCall::first(r)).expect("encodes")),
+    );
     all.extend(replies().into_iter().map(|r| encode_reply(&Ok(r)).expect("encodes")));
     all.push(encode_reply(&Err(anyhow::anyhow!("a shard's failure"))).expect("encodes"));
     all.push(stage_outcome().to_bytes().expect("encodes"));
@@ -225,10 +241,14 @@ fn valid_encodings_decode_to_what_was_encoded() {
         let decoded = Frame::<ControlMessage>::decode(frame.encode().expect("encodes")).expect("decodes");
         assert_eq!(decoded, frame);
     }
-    for request in requests() {
+    for (generation, request) in requests().into_iter().enumerate() {
+        let call = ShardCall {
+            generation: generation as u64,
+            request,
+        };
         assert_eq!(
-            decode_request(encode_request(&request).expect("encodes")).expect("decodes"),
-            request
+            decode_request(encode_request(&call).expect("encodes")).expect("decodes"),
+            call
         );
     }
     for reply in replies() {

@@ -191,6 +191,17 @@ pub struct PredictCtr(pub Vec<PulledRows>);
 #[rtype(result = "Result<Option<Vec<ShardUpdate>>>")]
 pub struct FlushCtr;
 
+/// A parameter-server trainer's own state at a checkpoint (geo's local optimizer state; `None`
+/// in the modes where a trainer holds none).
+#[derive(Message)]
+#[rtype(result = "Result<Option<Vec<u8>>>")]
+pub struct CtrOwnState;
+
+/// Takes back a parameter-server trainer's own state.
+#[derive(Message)]
+#[rtype(result = "Result<()>")]
+pub struct RestoreCtrOwnState(pub Arc<Vec<u8>>);
+
 /// Builds this rank's pipeline stage.
 #[derive(Message)]
 #[rtype(result = "Result<()>")]
@@ -505,6 +516,22 @@ impl Handler<FlushCtr> for DeviceActor {
 
     fn handle(&mut self, _: FlushCtr, _: &mut Self::Context) -> Self::Result {
         self.ctr()?.flush()
+    }
+}
+
+impl Handler<CtrOwnState> for DeviceActor {
+    type Result = Result<Option<Vec<u8>>>;
+
+    fn handle(&mut self, _: CtrOwnState, _: &mut Self::Context) -> Self::Result {
+        self.ctr()?.own_state()
+    }
+}
+
+impl Handler<RestoreCtrOwnState> for DeviceActor {
+    type Result = Result<()>;
+
+    fn handle(&mut self, msg: RestoreCtrOwnState, _: &mut Self::Context) -> Self::Result {
+        self.ctr()?.restore_own_state(&msg.0)
     }
 }
 

@@ -25,7 +25,8 @@ pub(crate) struct Kept {
 }
 
 impl Kept {
-    fn at(&self, step: usize) -> Option<Arc<Vec<u8>>> {
+    /// The state after `step` steps, if kept.
+    pub(crate) fn at(&self, step: usize) -> Option<Arc<Vec<u8>>> {
         [&self.committed, &self.pending]
             .into_iter()
             .flatten()
@@ -36,6 +37,11 @@ impl Kept {
     /// The state of `step`'s checkpoint, taken before its commit.
     pub(crate) fn taken(&mut self, step: usize, state: Arc<Vec<u8>>) {
         self.pending = Some((step, state));
+    }
+
+    /// The step of the checkpoint taken and not yet committed.
+    pub(crate) fn pending_step(&self) -> Option<usize> {
+        self.pending.as_ref().map(|(step, _)| *step)
     }
 
     /// The checkpoint taken last was committed.

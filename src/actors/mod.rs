@@ -6,7 +6,7 @@
 pub mod coordinator;
 pub mod device;
 mod divergence;
-mod kept;
+pub(crate) mod kept;
 pub mod ps_trainer;
 pub mod pserver;
 pub mod recovery;

@@ -2,6 +2,11 @@
 //! pull (each id once, grouped by shard), pulls from every shard in parallel, trains, and
 //! pushes the update back; at the end trainer 0 evaluates the AUC on the held-out set with the
 //! shards' final values and has the shards save their tables.
+//!
+//! In a job that recovers in place, a failure the coordinator explains with a rollback order (a
+//! role was lost) — or the order itself, which interrupts whatever the trainer waits for — does
+//! not end the trainer: it joins the next generation, restores its own state of the committed
+//! checkpoint (geo's; the shards hold the rest) and trains on from that step.
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -10,14 +15,19 @@ use std::time::{Duration, Instant};
 use actix::prelude::*;
 use anyhow::{Context as _, Result};
 
-use super::device::{DeviceActor, FlushCtr, PlanCtr, PredictCtr, PrepareCtr, TrainCtr};
+use super::device::{
+    CtrOwnState, DeviceActor, FlushCtr, PlanCtr, PredictCtr, PrepareCtr, RestoreCtrOwnState, TrainCtr,
+};
 use super::divergence::check_loss;
+use super::kept::{commit_on_this_node, Kept};
 use super::recovery::Recovery;
+use super::rollback::Orders;
 use super::LOSSES_RESERVED;
-use crate::checkpoint::CheckpointStore;
 use crate::config::{JobConfig, PsMode};
 use crate::data::ctr::{CtrLoader, CtrSource};
 use crate::metrics::auc;
+use crate::net::protocol::Roster;
+use crate::net::ControlBus;
 use crate::ps::client::PsClient;
 use crate::ps::snapshot::shard_file_name;
 use crate::ps::wire::{PullRequest, PulledRows, PushRequest, Reply, Request, TableStats, UpdateKind};
@@ -46,8 +56,20 @@ pub struct PsTrainer {
     pub monitor: Option<MonitorSettings>,
     /// Where to write this trainer's timeline, and how far the coordinator's clock is ahead.
     pub trace: Option<(TraceTarget, f64)>,
-    /// The checkpoint to start from and where trainer 0 has new ones taken.
+    /// The checkpoint to start from and where new ones are taken.
     pub(crate) recovery: Recovery,
+    /// How this trainer rolls back in place; `None` when a lost role stops the job.
+    pub in_place: Option<PsInPlace>,
+}
+
+/// What a parameter-server trainer needs to roll back inside its process.
+pub struct PsInPlace {
+    /// The line to the coordinator.
+    pub bus: ControlBus,
+    /// The coordinator's rollback orders.
+    pub orders: Orders,
+    /// The address announced at each rendezvous: its node's, which holds its checkpoint files.
+    pub endpoint: String,
 }
 
 /// Runs the training loop to its end.
@@ -95,8 +117,10 @@ impl Handler<TrainPs> for PsTrainer {
             monitor: self.monitor.clone(),
             trace: self.trace.clone(),
             recovery: self.recovery.clone(),
+            kept: Kept::default(),
+            roster: None,
         };
-        Box::pin(run.execute())
+        Box::pin(run.execute(self.in_place.take()))
     }
 }
 
@@ -111,132 +135,98 @@ struct PsRun {
     monitor: Option<MonitorSettings>,
     trace: Option<(TraceTarget, f64)>,
     recovery: Recovery,
+    /// A geo trainer's own state at the checkpoints, when it rolls back in place.
+    kept: Kept,
+    /// The roster of the generation training, when the job recovers in place.
+    roster: Option<Roster>,
+}
+
+/// What a trainer accumulates over its run, across rollbacks.
+struct Progress {
+    /// The step the run started after.
+    first: usize,
+    losses: Vec<f32>,
+    comm_time: Duration,
+    monitor: Option<Monitor>,
+    timeline: Option<Timeline>,
 }
 
 impl PsRun {
-    async fn execute(mut self) -> Result<PsOutcome> {
+    /// This trainer's index among the job's roles (servers first).
+    fn role(&self) -> usize {
+        self.job.cluster.server_num + self.rank
+    }
+
+    /// Roles of the job: servers and trainers.
+    fn roles(&self) -> usize {
+        self.job.cluster.server_num + self.job.world_size()
+    }
+
+    async fn execute(mut self, mut in_place: Option<PsInPlace>) -> Result<PsOutcome> {
         let rank = self.rank;
         let job = self.job.clone();
         let train = &job.train;
-        let world = job.world_size();
         let mut client = self.client.take().context("TrainPs was sent twice")?;
-        self.device
-            .send(PrepareCtr {
-                job: job.clone(),
-                rank: self.rank,
-            })
-            .await??;
         client.wait_for_servers().await?;
 
         let batches_per_epoch = (self.train_data.records_per_epoch()? as usize / train.batch_size).max(1);
         let steps = train.length().steps(batches_per_epoch)?;
-        let mut loader = CtrLoader::new(self.train_data.clone(), train.batch_size, rank, world)
-            .with_context(|| format!("trainer {rank}: training data"))?;
-        // The shards hold the state of a checkpoint; the trainers only move on to its step.
-        let first = self.recovery.first_step(steps)?;
-        loader.skip_batches(first)?;
-        let mut monitor = self
-            .monitor
-            .as_ref()
-            .map(|settings| Monitor::start(settings, steps, first, train.batch_size, train.log_every))
-            .transpose()?;
-        let mut timeline = self.trace.as_ref().map(|(t, _)| Timeline::new(t.origin.instant));
+        // The shards hold the state of a checkpoint; the trainers move on to its step, with
+        // their own state (geo's) of that checkpoint.
+        let mut first = match &mut in_place {
+            Some(in_place) => self.join(in_place, &mut client).await?,
+            None => self.recovery.first_step(steps)?,
+        };
+        self.recovery.check_first_step(first, steps)?;
+        self.prepare(first).await?;
+        let mut progress = Progress {
+            first,
+            losses: Vec::with_capacity(steps.min(LOSSES_RESERVED)),
+            comm_time: Duration::ZERO,
+            monitor: self
+                .monitor
+                .as_ref()
+                .map(|settings| Monitor::start(settings, steps, first, train.batch_size, train.log_every))
+                .transpose()?,
+            timeline: self.trace.as_ref().map(|(t, _)| Timeline::new(t.origin.instant)),
+        };
         let started = Instant::now();
-        let mut losses = Vec::with_capacity(steps.min(LOSSES_RESERVED));
-        let mut comm_time = Duration::ZERO;
-        // Async mode pulls step t+1's rows while step t computes, as Paddle's async
-        // communicator does: its trainers never wait, so slightly staler rows are within its
-        // contract. Sync mode cannot (step t+1's pull waits for step t's pushes), nor can geo
-        // (its plan depends on the local copies step t changes).
-        let prefetch = job.strategy.ps_mode() == PsMode::Async;
-        let mut prefetched = None;
-        for step in first..steps {
-            let step_started = Instant::now();
-            let pulling = step_started;
-            let pulled = match prefetched.take() {
-                Some(pulled) => pulled,
-                None => {
-                    let batch = loader.next_batch()?;
-                    let plan = self.device.send(PlanCtr { batch, training: true }).await??;
-                    pull(&mut client, rank, step as u64, plan, &format!("pull of step {step}")).await?
+        // Each pass is one generation; a new one starts only on a rollback order to a newer
+        // generation, so the passes are bounded by the roles the job loses.
+        loop {
+            let failure = match &mut in_place {
+                Some(PsInPlace { bus, orders, .. }) => {
+                    let training = self.train_steps(&mut client, first, steps, &mut progress, Some(bus));
+                    orders.interrupting(training).await
                 }
+                None => self.train_steps(&mut client, first, steps, &mut progress, None).await,
             };
-            let pulled_at = Instant::now();
-            let mut step_comm = pulled_at - pulling;
-            if let Some(t) = &mut timeline {
-                t.record_between(Lane::Communication, format!("pull {step}"), "pull", pulling, pulled_at);
-            }
-            let training = self.device.send(TrainCtr(pulled));
-            let outcome = if prefetch && step + 1 < steps {
-                let batch = loader.next_batch()?;
-                let plan = self.device.send(PlanCtr { batch, training: true }).await??;
-                let what = format!("pull of step {}", step + 1);
-                let next = pull(&mut client, rank, step as u64 + 1, plan, &what);
-                let (outcome, next) = futures::join!(training, next);
-                prefetched = Some(next?);
-                outcome??
-            } else {
-                training.await??
+            let Err(failure) = failure else {
+                break;
             };
-            if let Some(t) = &mut timeline {
-                t.record(format!("train {step}"), "compute", pulled_at);
-            }
-            if let Some(updates) = outcome.push {
-                let pushing = Instant::now();
-                push(
-                    &mut client,
-                    rank,
-                    step as u64,
-                    &job,
-                    updates,
-                    &format!("push of step {step}"),
-                )
-                .await?;
-                step_comm += pushing.elapsed();
-                if let Some(t) = &mut timeline {
-                    t.record_between(
-                        Lane::Communication,
-                        format!("push {step}"),
-                        "push",
-                        pushing,
-                        Instant::now(),
-                    );
-                }
-            }
-            comm_time += step_comm;
-            losses.push(outcome.loss);
-            if let Some(monitor) = &mut monitor {
-                let sample = StepSample {
-                    loss: outcome.loss,
-                    // Trainers exchange no losses: the loss is trainer 0's part of the batch.
-                    loss_spread: None,
-                    lr: train.lr,
-                    step_time: step_started.elapsed(),
-                    comm_time: step_comm,
-                    exposed_comm_time: step_comm,
-                    bubble_fraction: None,
-                    peak_rss_bytes: peak_rss_bytes(),
-                };
-                monitor.record(step + 1, sample)?;
-            }
-            check_loss(rank, step + 1, outcome.loss)?;
-            if let Some(store) = self.recovery.store.as_ref().filter(|_| rank == 0) {
-                if self.recovery.due(&job, step + 1, steps) {
-                    checkpoint(&mut client, store, step + 1, world).await?;
-                }
-            }
+            let Some(in_place) = in_place.as_mut() else {
+                return Err(failure);
+            };
+            in_place.orders.explain(failure).await?;
+            first = self.join(in_place, &mut client).await?;
+            progress.losses.truncate(first.saturating_sub(progress.first));
+            self.prepare(first).await?;
         }
         if let Some(updates) = self.device.send(FlushCtr).await?? {
             push(&mut client, rank, steps as u64, &job, updates, "final geo push").await?;
         }
         let elapsed = started.elapsed();
-        if let Some(monitor) = &monitor {
+        if let Some(monitor) = &progress.monitor {
             monitor.finish();
         }
-        if let (Some((trace, clock_offset_us)), Some(mut timeline)) = (&self.trace, timeline) {
+        if let (Some((trace, clock_offset_us)), Some(mut timeline)) = (&self.trace, progress.timeline.take()) {
             // Servers are tracks 0.., trainers after them, as they are numbered for heartbeats.
-            let track = job.cluster.server_num + rank;
-            trace.write(track, &format!("trainer {rank}"), *clock_offset_us, timeline.take())?;
+            trace.write(
+                self.role(),
+                &format!("trainer {rank}"),
+                *clock_offset_us,
+                timeline.take(),
+            )?;
         }
         let servers = client.server_num();
         let everyone = |request: Request| vec![request; servers];
@@ -263,16 +253,218 @@ impl PsRun {
         client
             .call_all(everyone(Request::Leave { trainer: rank }), "leave")
             .await?;
+        let trained = steps - progress.first;
         Ok(PsOutcome {
             rank,
             steps,
-            losses,
-            samples_per_sec: ((steps - first) * train.batch_size) as f64 / elapsed.as_secs_f64().max(1e-9),
-            comm_time_ratio: comm_time.as_secs_f64() / elapsed.as_secs_f64().max(1e-9),
+            losses: progress.losses,
+            samples_per_sec: (trained * train.batch_size) as f64 / elapsed.as_secs_f64().max(1e-9),
+            comm_time_ratio: progress.comm_time.as_secs_f64() / elapsed.as_secs_f64().max(1e-9),
             auc,
             test_samples,
             tables,
         })
+    }
+
+    /// Joins the forming generation: its requests carry it from now on. Returns the step it
+    /// resumes after.
+    async fn join(&mut self, in_place: &mut PsInPlace, client: &mut PsClient) -> Result<usize> {
+        let roster = in_place
+            .bus
+            .join(
+                self.role(),
+                self.roles(),
+                in_place.endpoint.clone(),
+                self.job.shared_settings(),
+            )
+            .await?;
+        self.recovery.check_joined(&roster)?;
+        in_place.orders.joined(roster.generation);
+        client.enter(roster.generation);
+        let first = roster.resume_step.unwrap_or(0);
+        if roster.generation > 0 {
+            tracing::info!(
+                trainer = self.rank,
+                generation = roster.generation,
+                resume_step = first,
+                "rejoined"
+            );
+        }
+        self.roster = Some(roster);
+        Ok(first)
+    }
+
+    /// A fresh worker on the device, with this trainer's own state after `step` steps (geo's;
+    /// the other modes hold none): kept in memory, else from its node's disk.
+    async fn prepare(&mut self, step: usize) -> Result<()> {
+        let (job, rank) = (self.job.clone(), self.rank);
+        self.device.send(PrepareCtr { job: job.clone(), rank }).await??;
+        if step == 0 || !matches!(job.strategy.ps_mode(), PsMode::Geo { .. }) {
+            return Ok(());
+        }
+        let bytes = match self.kept.at(step) {
+            Some(bytes) => bytes,
+            None => {
+                let bytes = self
+                    .recovery
+                    .read_committed(step, self.roles(), &trainer_file_name(rank))?;
+                self.kept.taken(step, bytes.clone());
+                self.kept.committed();
+                bytes
+            }
+        };
+        self.device.send(RestoreCtrOwnState(bytes)).await?
+    }
+
+    /// Trains steps `first..steps`, taking the checkpoints due.
+    async fn train_steps(
+        &mut self,
+        client: &mut PsClient,
+        first: usize,
+        steps: usize,
+        progress: &mut Progress,
+        mut bus: Option<&mut ControlBus>,
+    ) -> Result<()> {
+        let (rank, job) = (self.rank, self.job.clone());
+        let train = &job.train;
+        let mut loader = CtrLoader::new(self.train_data.clone(), train.batch_size, rank, job.world_size())
+            .with_context(|| format!("trainer {rank}: training data"))?;
+        loader.skip_batches(first)?;
+        // Async mode pulls step t+1's rows while step t computes, as Paddle's async
+        // communicator does: its trainers never wait, so slightly staler rows are within its
+        // contract. Sync mode cannot (step t+1's pull waits for step t's pushes), nor can geo
+        // (its plan depends on the local copies step t changes). Nor is a checkpoint's step
+        // pulled ahead: the trainers wait there until every one has pushed up to it.
+        let prefetch = job.strategy.ps_mode() == PsMode::Async;
+        let mut prefetched = None;
+        for step in first..steps {
+            let step_started = Instant::now();
+            let pulling = step_started;
+            let pulled = match prefetched.take() {
+                Some(pulled) => pulled,
+                None => {
+                    let batch = loader.next_batch()?;
+                    let plan = self.device.send(PlanCtr { batch, training: true }).await??;
+                    pull(client, rank, step as u64, plan, &format!("pull of step {step}")).await?
+                }
+            };
+            let pulled_at = Instant::now();
+            let mut step_comm = pulled_at - pulling;
+            if let Some(t) = &mut progress.timeline {
+                t.record_between(Lane::Communication, format!("pull {step}"), "pull", pulling, pulled_at);
+            }
+            let training = self.device.send(TrainCtr(pulled));
+            let checkpoint_due = self.recovery.due(&job, step + 1, steps);
+            let outcome = if prefetch && step + 1 < steps && !checkpoint_due {
+                let batch = loader.next_batch()?;
+                let plan = self.device.send(PlanCtr { batch, training: true }).await??;
+                let what = format!("pull of step {}", step + 1);
+                let next = pull(client, rank, step as u64 + 1, plan, &what);
+                let (outcome, next) = futures::join!(training, next);
+                prefetched = Some(next?);
+                outcome??
+            } else {
+                training.await??
+            };
+            if let Some(t) = &mut progress.timeline {
+                t.record(format!("train {step}"), "compute", pulled_at);
+            }
+            if let Some(updates) = outcome.push {
+                let pushing = Instant::now();
+                push(
+                    client,
+                    rank,
+                    step as u64,
+                    &job,
+                    updates,
+                    &format!("push of step {step}"),
+                )
+                .await?;
+                step_comm += pushing.elapsed();
+                if let Some(t) = &mut progress.timeline {
+                    t.record_between(
+                        Lane::Communication,
+                        format!("push {step}"),
+                        "push",
+                        pushing,
+                        Instant::now(),
+                    );
+                }
+            }
+            progress.comm_time += step_comm;
+            progress.losses.push(outcome.loss);
+            if let Some(monitor) = &mut progress.monitor {
+                let sample = StepSample {
+                    loss: outcome.loss,
+                    // Trainers exchange no losses: the loss is trainer 0's part of the batch.
+                    loss_spread: None,
+                    lr: train.lr,
+                    step_time: step_started.elapsed(),
+                    comm_time: step_comm,
+                    exposed_comm_time: step_comm,
+                    bubble_fraction: None,
+                    peak_rss_bytes: peak_rss_bytes(),
+                };
+                monitor.record(step + 1, sample)?;
+            }
+            check_loss(rank, step + 1, outcome.loss)?;
+            if checkpoint_due {
+                self.checkpoint(client, step + 1, bus.as_deref_mut()).await?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The checkpoint after `step` steps, the quiesce point of every mode: this trainer has
+    /// pushed its steps before `step` and asks every shard for the checkpoint; the shards take
+    /// it once every trainer has asked (no trainer pushes on before), and answer them all. A geo
+    /// trainer writes its own state beside theirs. In a job that recovers in place every role
+    /// then acknowledges its files to the coordinator, and the first role on each node commits
+    /// that node's copy; otherwise trainer 0 commits what the shards answered.
+    async fn checkpoint(&mut self, client: &mut PsClient, step: usize, bus: Option<&mut ControlBus>) -> Result<()> {
+        let store = self.recovery.store.clone().context("a checkpoint without a store")?;
+        let rank = self.rank;
+        let files = match self.device.send(CtrOwnState).await?? {
+            Some(bytes) => {
+                let bytes = Arc::new(bytes);
+                if bus.is_some() {
+                    self.kept.taken(step, bytes.clone());
+                }
+                let writer = store.clone();
+                let write = tokio::task::spawn_blocking(move || writer.write(step, &trainer_file_name(rank), &bytes));
+                vec![write.await.context("the checkpoint writer stopped")??]
+            }
+            None => Vec::new(),
+        };
+        let ask = Request::Checkpoint {
+            dir: store.root().display().to_string(),
+            step: step as u64,
+            trainer: rank,
+            files: files.clone(),
+        };
+        let answers = client
+            .call_all(vec![ask; client.server_num()], &format!("checkpoint of step {step}"))
+            .await?;
+        match bus {
+            Some(bus) => {
+                let record = bus.acknowledge(self.role(), step, files).await?;
+                self.kept.committed();
+                commit_on_this_node(&store, record, self.roster.as_ref(), self.role(), self.roles()).await
+            }
+            None if rank == 0 => {
+                let mut files = Vec::new();
+                for (shard, answer) in answers.into_iter().enumerate() {
+                    let Reply::Checkpointed(records) = answer else {
+                        anyhow::bail!("parameter server {shard} answered a checkpoint order with {answer:?}");
+                    };
+                    // Each answer is the shard's file, then every trainer's: those once.
+                    let take = if shard == 0 { records.len() } else { 1 };
+                    files.extend(records.into_iter().take(take));
+                }
+                store.commit(step, self.roles(), files)
+            }
+            None => Ok(()),
+        }
     }
 
     /// AUC of the shards' final values on the held-out set (once every trainer has ended).
@@ -383,19 +575,7 @@ async fn push(
     client.call_all(requests, what).await.map(drop)
 }
 
-/// Has every shard write its part of step `step`'s checkpoint (each once it has applied that
-/// step: every trainer pushed it), then commits the checkpoint: in sync mode the trainers hold
-/// nothing a restart needs besides the step.
-async fn checkpoint(client: &mut PsClient, store: &CheckpointStore, step: usize, trainers: usize) -> Result<()> {
-    let servers = client.server_num();
-    let dir = store.root().display().to_string();
-    let orders = vec![Request::Checkpoint { dir, step: step as u64 }; servers];
-    let mut files = Vec::with_capacity(servers);
-    for reply in client.call_all(orders, &format!("checkpoint of step {step}")).await? {
-        match reply {
-            Reply::Checkpointed(record) => files.push(record),
-            other => anyhow::bail!("a shard answered a checkpoint order with {other:?}"),
-        }
-    }
-    store.commit(step, trainers + servers, files)
+/// The file of trainer `rank`'s own state in a checkpoint (geo's local optimizer state).
+pub fn trainer_file_name(rank: usize) -> String {
+    format!("ps-trainer-{rank}.state")
 }

@@ -5,26 +5,67 @@
 //! A held pull is answered with an error after the job's timeout, naming the trainers the shard
 //! still waits for, so a trainer that died or stalled is named rather than waited on forever.
 //!
+//! In a job that recovers in place the shard serves one *generation* at a time: on a rollback
+//! order it refuses everything it holds with the reason, and takes no request until it has
+//! restored the committed checkpoint's state — from the copy it kept in memory, or from its
+//! node's disk. A request stamped with an older generation is refused (it was sent before the
+//! rollback and must not be applied after it); one stamped with a newer generation waits until
+//! the shard has restored that generation's state.
+//!
 //! Start it on its own arbiter (a dedicated thread): the optimizer runs inside its handlers.
 
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use actix::prelude::*;
-use anyhow::{anyhow, Result};
+use anyhow::{anyhow, Context as _, Result};
 use futures::channel::oneshot;
+use tokio::sync::mpsc;
 
+use super::kept::Kept;
 use crate::checkpoint::{CheckpointStore, FileRecord};
 use crate::ps::snapshot::shard_file_name;
-use crate::ps::wire::{PullRequest, PulledRows, Reply, Request};
+use crate::ps::wire::{PullRequest, PulledRows, Reply, Request, ShardCall};
 use crate::ps::Shard;
 use crate::telemetry::timeline::{Span, Timeline};
-
-use crate::ps::wire::ShardCall;
 
 /// Hands over the shard's timeline spans recorded so far (none unless tracing).
 #[derive(Message)]
 #[rtype(result = "Vec<Span>")]
 pub struct TakeShardSpans;
+
+/// The coordinator ordered a rollback to `generation`: everything held is refused with `reason`.
+#[derive(Message)]
+#[rtype(result = "()")]
+pub struct RollBack {
+    /// The generation the job rolls back to.
+    pub generation: u64,
+    /// Why (which role was lost).
+    pub reason: String,
+}
+
+/// Whether the shard kept the state after `0` steps in memory.
+#[derive(Message)]
+#[rtype(result = "bool")]
+pub struct KeepsState(pub u64);
+
+/// Brings the shard to the state after `step` steps and serves `generation` from then on:
+/// `bytes` (read from disk), or the copy it kept when `None`.
+#[derive(Message)]
+#[rtype(result = "Result<()>")]
+pub struct RestoreState {
+    /// The generation to serve.
+    pub generation: u64,
+    /// The checkpoint's step.
+    pub step: u64,
+    /// The checkpoint's shard file, unless the shard kept it.
+    pub bytes: Option<Arc<Vec<u8>>>,
+}
+
+/// The checkpoint of `0` was committed: the copy kept of it is the one to roll back to.
+#[derive(Message)]
+#[rtype(result = "()")]
+pub struct CheckpointCommitted(pub u64);
 
 /// The shard actor.
 pub struct PServer {
@@ -32,23 +73,40 @@ pub struct PServer {
     /// Spans of the requests it served, when tracing.
     timeline: Option<Timeline>,
     waiting: Vec<Waiting>,
-    /// Checkpoint orders held until the shard has applied their step.
-    checkpoints: Vec<HeldCheckpoint>,
+    /// The checkpoint the trainers are asking for, until every one of them has.
+    checkpoint: Option<PendingCheckpoint>,
     all_left: Option<oneshot::Sender<()>>,
     timeout: Duration,
+    /// The generation served.
+    generation: u64,
+    /// Whether the shard holds its generation's state (not between a rollback and the restore).
+    ready: bool,
+    /// Requests of a generation whose state the shard has not restored yet.
+    early: Vec<Early>,
+    /// In a job that recovers in place: the states to roll back to, and where the shard's
+    /// checkpoint files go to be acknowledged to the coordinator.
+    in_place: Option<(Kept, mpsc::UnboundedSender<(u64, FileRecord)>)>,
 }
 
-/// A checkpoint of step `step` into `dir`, held until the shard has applied that step.
-struct HeldCheckpoint {
+/// The checkpoint of step `step`: the trainers that asked for it, with their files, and where
+/// their answers go.
+struct PendingCheckpoint {
     dir: String,
     step: u64,
-    answer: oneshot::Sender<Result<FileRecord>>,
+    asked: Vec<(usize, Vec<FileRecord>, oneshot::Sender<Result<Reply>>)>,
 }
 
 /// A pull held until the shard can answer it.
 struct Waiting {
     pull: PullRequest,
     answer: oneshot::Sender<Result<PulledRows>>,
+    deadline: Instant,
+}
+
+/// A request held until the shard serves its generation.
+struct Early {
+    call: ShardCall,
+    answer: oneshot::Sender<Result<Reply>>,
     deadline: Instant,
 }
 
@@ -60,9 +118,13 @@ impl PServer {
             shard,
             timeline: None,
             waiting: Vec::new(),
-            checkpoints: Vec::new(),
+            checkpoint: None,
             all_left: Some(all_left),
             timeout,
+            generation: 0,
+            ready: true,
+            early: Vec::new(),
+            in_place: None,
         }
     }
 
@@ -72,18 +134,29 @@ impl PServer {
         self
     }
 
+    /// Rolls back in place: keeps the state after `step` steps (where it starts) and every
+    /// checkpoint's in memory, and hands each checkpoint file it writes to `acknowledge` (its
+    /// process tells the coordinator). It serves nothing until told which generation
+    /// ([`RestoreState`]).
+    pub fn recovering_in_place(
+        mut self,
+        step: u64,
+        acknowledge: mpsc::UnboundedSender<(u64, FileRecord)>,
+    ) -> Result<Self> {
+        let mut kept = Kept::default();
+        kept.taken(step as usize, Arc::new(self.shard.snapshot_bytes()?));
+        kept.committed();
+        self.in_place = Some((kept, acknowledge));
+        self.ready = false;
+        Ok(self)
+    }
+
     /// Answers the held pulls that the shard can answer now, and refuses those past their
     /// deadline with what they still wait for.
     fn answer_waiting(&mut self) {
         let index = self.shard.spec().index;
         let now = Instant::now();
-        for held in std::mem::take(&mut self.checkpoints) {
-            if self.shard.applied() >= held.step {
-                let _ = held.answer.send(self.checkpoint(&held.dir, held.step));
-            } else {
-                self.checkpoints.push(held);
-            }
-        }
+        self.take_checkpoint_if_ready();
         for held in std::mem::take(&mut self.waiting) {
             // A trainer that gave up no longer listens; nothing to do then.
             if self.shard.can_answer(&held.pull) {
@@ -99,33 +172,100 @@ impl PServer {
                 self.waiting.push(held);
             }
         }
+        for held in std::mem::take(&mut self.early) {
+            if now >= held.deadline {
+                let _ = held.answer.send(Err(anyhow!(
+                    "parameter server {index}: a request of generation {} waited {:.0?} for the shard, which serves generation {}{}",
+                    held.call.generation,
+                    self.timeout,
+                    self.generation,
+                    if self.ready { "" } else { " and has not restored its state" }
+                )));
+            } else {
+                self.early.push(held);
+            }
+        }
     }
-}
 
-impl PServer {
-    /// Writes the shard's file of step `step`'s checkpoint in `dir`.
-    fn checkpoint(&self, dir: &str, step: u64) -> Result<FileRecord> {
-        let spec = self.shard.spec();
-        anyhow::ensure!(
-            self.shard.applied() == step,
-            "parameter server {}: asked for the checkpoint of step {step} at step {}",
-            spec.index,
-            self.shard.applied()
-        );
-        let bytes = self.shard.snapshot_bytes()?;
-        // The shard's own store only writes files; the trainer that ordered it commits.
-        CheckpointStore::new(dir, 1).write(step as usize, &shard_file_name(spec.index), &bytes)
+    /// Takes the pending checkpoint once every trainer asked for it and the shard is at its
+    /// step, and answers them all.
+    fn take_checkpoint_if_ready(&mut self) {
+        let Some((dir, step, asked)) = self.checkpoint.as_ref().map(|p| (p.dir.clone(), p.step, p.asked.len())) else {
+            return;
+        };
+        let outcome = match self.shard.checkpoint_ready(step) {
+            Ok(false) => return,
+            Ok(true) if asked < self.shard.spec().trainers => return,
+            Ok(true) => self.write_checkpoint(&dir, step),
+            Err(e) => Err(e),
+        };
+        let Some(pending) = self.checkpoint.take() else {
+            return;
+        };
+        let outcome = outcome.map(|shard| {
+            let trainers = pending.asked.iter().flat_map(|(_, files, _)| files.iter().cloned());
+            std::iter::once(shard).chain(trainers).collect::<Vec<_>>()
+        });
+        for (_, _, answer) in pending.asked {
+            let _ = answer.send(
+                outcome
+                    .as_ref()
+                    .map(|files| Reply::Checkpointed(files.clone()))
+                    .map_err(|e| anyhow!("{e:#}")),
+            );
+        }
     }
-}
 
-impl Actor for PServer {
-    type Context = Context<Self>;
-}
+    /// Writes the shard's file of step `step`'s checkpoint in `dir`; in place, keeps the state
+    /// and hands the file to be acknowledged.
+    fn write_checkpoint(&mut self, dir: &str, step: u64) -> Result<FileRecord> {
+        let index = self.shard.spec().index;
+        let bytes = Arc::new(self.shard.snapshot_bytes()?);
+        // The shard's own store only writes files; the commit is the coordinator's (in place)
+        // or the ordering trainer's.
+        let record = CheckpointStore::new(dir, 1).write(step as usize, &shard_file_name(index), &bytes)?;
+        if let Some((kept, acknowledge)) = &mut self.in_place {
+            kept.taken(step as usize, bytes);
+            acknowledge
+                .send((step, record.clone()))
+                .map_err(|_| anyhow!("parameter server {index}: its process no longer acknowledges checkpoints"))?;
+        }
+        Ok(record)
+    }
 
-impl Handler<ShardCall> for PServer {
-    type Result = ResponseFuture<Result<Reply>>;
+    /// Trainer `trainer` asks for the checkpoint of `step` (once it pushed its steps before it).
+    fn ask_checkpoint(
+        &mut self,
+        dir: String,
+        step: u64,
+        trainer: usize,
+        files: Vec<FileRecord>,
+    ) -> oneshot::Receiver<Result<Reply>> {
+        let (answer, later) = oneshot::channel();
+        let index = self.shard.spec().index;
+        match &mut self.checkpoint {
+            Some(pending) if pending.step != step => {
+                let _ = answer.send(Err(anyhow!(
+                    "parameter server {index}: trainer {trainer} asked for the checkpoint of step {step} while others wait for step {}",
+                    pending.step
+                )));
+                return later;
+            }
+            Some(pending) => pending.asked.push((trainer, files, answer)),
+            None => {
+                self.checkpoint = Some(PendingCheckpoint {
+                    dir,
+                    step,
+                    asked: vec![(trainer, files, answer)],
+                })
+            }
+        }
+        self.take_checkpoint_if_ready();
+        later
+    }
 
-    fn handle(&mut self, ShardCall(request): ShardCall, ctx: &mut Context<Self>) -> Self::Result {
+    /// Serves `request` of the generation the shard serves.
+    fn serve(&mut self, request: Request, ctx: &mut Context<Self>) -> ResponseFuture<Result<Reply>> {
         let index = self.shard.spec().index;
         let started = Instant::now();
         let span = self.timeline.as_ref().and_then(|_| span_of(&request));
@@ -168,24 +308,161 @@ impl Handler<ShardCall> for PServer {
             }),
             Request::Save { path } => self.shard.save(path.as_ref()).map(|()| Reply::Done),
             Request::Stats => Ok(Reply::Stats(self.shard.stats())),
-            // Every trainer has pushed the step before: held until the shard applies it.
-            Request::Checkpoint { dir, step } if self.shard.applied() < step => {
-                let (answer, later) = oneshot::channel();
-                self.checkpoints.push(HeldCheckpoint { dir, step, answer });
+            Request::Checkpoint {
+                dir,
+                step,
+                trainer,
+                files,
+            } => {
+                let later = self.ask_checkpoint(dir, step, trainer, files);
                 return Box::pin(async move {
                     later
                         .await
                         .map_err(|_| anyhow!("parameter server {index} stopped before checkpointing"))?
-                        .map(Reply::Checkpointed)
                 });
             }
-            Request::Checkpoint { dir, step } => self.checkpoint(&dir, step).map(Reply::Checkpointed),
         };
         if let (Some(timeline), Some((name, category))) = (&mut self.timeline, span) {
             timeline.record(name, category, started);
         }
         let outcome = outcome.map_err(|e| e.context(format!("parameter server {index}")));
         Box::pin(async move { outcome })
+    }
+
+    /// Serves the held requests of the generation now served.
+    fn serve_early(&mut self, ctx: &mut Context<Self>) {
+        for held in std::mem::take(&mut self.early) {
+            if held.call.generation > self.generation {
+                self.early.push(held);
+                continue;
+            }
+            let answer = self.call(held.call, ctx);
+            actix::spawn(async move {
+                let _ = held.answer.send(answer.await);
+            });
+        }
+    }
+
+    /// Answers `call` by its generation: refused when older than the one served, held when newer
+    /// (or while the shard restores), served otherwise.
+    fn call(&mut self, call: ShardCall, ctx: &mut Context<Self>) -> ResponseFuture<Result<Reply>> {
+        let index = self.shard.spec().index;
+        if call.generation < self.generation {
+            let refusal = anyhow!(
+                "parameter server {index}: a request of generation {} after the job rolled back to generation {}",
+                call.generation,
+                self.generation
+            );
+            return Box::pin(async move { Err(refusal) });
+        }
+        if call.generation > self.generation || !self.ready {
+            let (answer, later) = oneshot::channel();
+            self.early.push(Early {
+                call,
+                answer,
+                deadline: Instant::now() + self.timeout,
+            });
+            ctx.run_later(self.timeout, |shard, _| shard.answer_waiting());
+            return Box::pin(async move {
+                later
+                    .await
+                    .map_err(|_| anyhow!("parameter server {index} stopped before answering"))?
+            });
+        }
+        self.serve(call.request, ctx)
+    }
+}
+
+impl Actor for PServer {
+    type Context = Context<Self>;
+}
+
+impl Handler<ShardCall> for PServer {
+    type Result = ResponseFuture<Result<Reply>>;
+
+    fn handle(&mut self, call: ShardCall, ctx: &mut Context<Self>) -> Self::Result {
+        self.call(call, ctx)
+    }
+}
+
+impl Handler<RollBack> for PServer {
+    type Result = ();
+
+    fn handle(&mut self, order: RollBack, _: &mut Context<Self>) {
+        if order.generation <= self.generation {
+            return;
+        }
+        tracing::warn!(
+            shard = self.shard.spec().index,
+            generation = order.generation,
+            "rolling back: {}",
+            order.reason
+        );
+        self.generation = order.generation;
+        self.ready = false;
+        let reason = &order.reason;
+        for held in std::mem::take(&mut self.waiting) {
+            let _ = held.answer.send(Err(anyhow!("{reason}")));
+        }
+        for (_, _, answer) in self.checkpoint.take().into_iter().flat_map(|p| p.asked) {
+            let _ = answer.send(Err(anyhow!("{reason}")));
+        }
+        for held in std::mem::take(&mut self.early) {
+            if held.call.generation < self.generation {
+                let _ = held.answer.send(Err(anyhow!("{reason}")));
+            } else {
+                self.early.push(held);
+            }
+        }
+    }
+}
+
+impl Handler<KeepsState> for PServer {
+    type Result = bool;
+
+    fn handle(&mut self, KeepsState(step): KeepsState, _: &mut Context<Self>) -> bool {
+        self.in_place
+            .as_ref()
+            .is_some_and(|(kept, _)| kept.at(step as usize).is_some())
+    }
+}
+
+impl Handler<RestoreState> for PServer {
+    type Result = Result<()>;
+
+    fn handle(&mut self, restore: RestoreState, ctx: &mut Context<Self>) -> Result<()> {
+        let index = self.shard.spec().index;
+        let (kept, _) = self
+            .in_place
+            .as_mut()
+            .with_context(|| format!("parameter server {index} does not roll back in place"))?;
+        let bytes = match restore.bytes {
+            Some(bytes) => {
+                kept.taken(restore.step as usize, bytes.clone());
+                kept.committed();
+                bytes
+            }
+            None => kept
+                .at(restore.step as usize)
+                .with_context(|| format!("parameter server {index} kept no state of step {}", restore.step))?,
+        };
+        self.shard.resume(&bytes, restore.step)?;
+        self.generation = restore.generation;
+        self.ready = true;
+        self.serve_early(ctx);
+        Ok(())
+    }
+}
+
+impl Handler<CheckpointCommitted> for PServer {
+    type Result = ();
+
+    fn handle(&mut self, CheckpointCommitted(step): CheckpointCommitted, _: &mut Context<Self>) {
+        if let Some((kept, _)) = &mut self.in_place {
+            if kept.pending_step() == Some(step as usize) {
+                kept.committed();
+            }
+        }
     }
 }
 

@@ -110,9 +110,7 @@ impl Recovery {
         };
         match &start {
             Some(checkpoint) => {
-                checkpoint
-                    .check_world_size(config.world_size() + config.cluster.server_num)
-                    .map_err(Refusal::wrap)?;
+                checkpoint.check_world_size(config.roles()).map_err(Refusal::wrap)?;
                 tracing::info!(step = checkpoint.step, dir = %checkpoint.dir.display(), "resuming from checkpoint");
             }
             // A launcher restarted the job after a failure: say what that means here.
@@ -145,9 +143,7 @@ impl Recovery {
         let store = CheckpointStore::new(ft.checkpoint_dir_of(run_dir), ft.keep_checkpoints);
         let found = store.latest()?;
         if let Some(checkpoint) = &found {
-            checkpoint
-                .check_world_size(config.world_size())
-                .map_err(Refusal::wrap)?;
+            checkpoint.check_world_size(config.roles()).map_err(Refusal::wrap)?;
         }
         Ok(Self {
             store: Some(store),

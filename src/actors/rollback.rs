@@ -7,7 +7,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use anyhow::Result;
+use std::future::Future;
+
+use anyhow::{anyhow, Result};
 use tokio::sync::{watch, Notify};
 
 use crate::engines::comm::RingBreaker;
@@ -105,6 +107,25 @@ impl Orders {
     /// The rank joined `generation`.
     pub fn joined(&self, generation: u64) {
         self.member_of.0.store(generation + 1, Ordering::Relaxed);
+    }
+
+    /// Runs `work` until it ends or an order to a generation this rank has not rolled back to
+    /// yet comes; then it is dropped where it waits, and fails with the order's reason (which
+    /// [`Orders::explain`] then finds at once).
+    pub async fn interrupting<T>(&mut self, work: impl Future<Output = Result<T>>) -> Result<T> {
+        let acted_on = self.acted_on;
+        tokio::pin!(work);
+        let heard = tokio::select! {
+            outcome = &mut work => return outcome,
+            heard = self.orders.wait_for(|o| o.as_ref().is_some_and(|o| o.generation > acted_on)) => {
+                heard.map(|order| order.clone())
+            }
+        };
+        match heard {
+            Ok(Some(order)) => Err(anyhow!("interrupted by the coordinator: {}", order.reason)),
+            // No more orders can come (the heartbeats ended): the work goes on alone.
+            _ => work.await,
+        }
     }
 
     /// The rollback order that explains `failure`: one to a generation this rank has not rolled

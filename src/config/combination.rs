@@ -1,16 +1,13 @@
 //! Rules across sections: which models, data sets and optimizers each strategy trains, so a
 //! mismatch is a config error naming the key rather than a failure deep inside a run.
 
-use super::{
-    DatasetKind, FieldError, HybridConfigs, JobConfig, ModelKind, OptimizerKind, PipelineConfigs, PsMode, RecoveryMode,
-};
+use super::{DatasetKind, FieldError, HybridConfigs, JobConfig, ModelKind, OptimizerKind, PipelineConfigs, PsMode};
 
 /// Checks that strategy, model, data set and optimizer fit together.
 pub(super) fn check(config: &JobConfig) -> Result<(), FieldError> {
     let train = &config.train;
     check_pipeline(config)?;
     check_checkpoints(config)?;
-    check_recovery(config)?;
     if config.cluster.is_parameter_server() {
         check_parameter_server(config)?;
     } else {
@@ -40,33 +37,26 @@ pub(super) fn check(config: &JobConfig) -> Result<(), FieldError> {
     }
 }
 
-/// The parameter servers train the CTR model with their own optimizers.
 /// A checkpoint holds optimizer state, not half-merged gradients, so it is taken where a merge
-/// has just completed.
+/// has just completed — and in geo mode where the trainers have just pushed their local steps.
 fn check_checkpoints(config: &JobConfig) -> Result<(), FieldError> {
     let (every, k) = (config.fault_tolerance.checkpoint_every, config.strategy.merge_steps());
-    if every > 0 && config.cluster.is_parameter_server() && config.strategy.ps_mode() != PsMode::Sync {
-        return Err(FieldError::new(
-            "fault_tolerance.checkpoint_every",
-            "parameter-server checkpoints need sync mode (strategy.a_sync = false): an async or geo trainer's own state is not saved yet",
-        ));
+    if let (true, true, PsMode::Geo { k_steps }) = (
+        every > 0,
+        config.cluster.is_parameter_server(),
+        config.strategy.ps_mode(),
+    ) {
+        if !every.is_multiple_of(k_steps) {
+            return Err(FieldError::new(
+                "fault_tolerance.checkpoint_every",
+                format!("{every} is not a multiple of strategy.a_sync_configs.k_steps = {k_steps}: a geo checkpoint must fall where the trainers push"),
+            ));
+        }
     }
     if every > 0 && !every.is_multiple_of(k) {
         return Err(FieldError::new(
             "fault_tolerance.checkpoint_every",
             format!("{every} is not a multiple of strategy.gradient_merge_configs.k_steps = {k}: a checkpoint must fall where a merge completes"),
-        ));
-    }
-    Ok(())
-}
-
-/// In-place recovery is built for collective data-parallel and pipeline jobs.
-fn check_recovery(config: &JobConfig) -> Result<(), FieldError> {
-    let in_place = config.fault_tolerance.recovery == Some(RecoveryMode::InPlace);
-    if in_place && config.cluster.is_parameter_server() {
-        return Err(FieldError::new(
-            "fault_tolerance.recovery",
-            "\"in_place\" is built for collective data-parallel and pipeline jobs; a parameter-server job recovers by \"restart\"",
         ));
     }
     Ok(())

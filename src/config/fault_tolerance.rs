@@ -41,8 +41,7 @@ pub struct FaultToleranceConfig {
     pub heartbeat_interval_ms: u64,
     /// Heartbeat intervals a role may stay silent before the coordinator declares it dead.
     pub heartbeat_misses: u32,
-    /// How a launched job recovers from a lost process; unset, in place where that is built
-    /// (collective data parallel), else by restarting every process.
+    /// How a launched job recovers from a lost process; unset, in place.
     pub recovery: Option<RecoveryMode>,
 }
 

@@ -188,12 +188,15 @@ impl JobConfig {
     }
 
     /// Whether a launched run of this job recovers from a lost process in place
-    /// (`fault_tolerance.recovery`; by default, unless it is a parameter-server job).
+    /// (`fault_tolerance.recovery`, by default).
     pub fn recovers_in_place(&self) -> bool {
-        match self.fault_tolerance.recovery {
-            Some(mode) => mode == RecoveryMode::InPlace,
-            None => !self.cluster.is_parameter_server(),
-        }
+        self.fault_tolerance.recovery.unwrap_or(RecoveryMode::InPlace) == RecoveryMode::InPlace
+    }
+
+    /// The processes of the job the coordinator counts: the parameter servers, then the
+    /// trainers (or ranks, or pipeline stages).
+    pub fn roles(&self) -> usize {
+        self.cluster.server_num + self.world_size()
     }
 
     /// Every setting that is not a table, by dotted key (`train.lr`).

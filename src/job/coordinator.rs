@@ -1,15 +1,17 @@
 //! The coordinator as a process of its own (`flotilla run --role coordinator`): losing any
-//! trainer, rank 0 included, then never loses the coordinator, which replaces the lost rank in
-//! place — the survivors roll back inside their processes and only the lost one is restarted.
+//! role — a trainer, rank 0 included, a pipeline stage or a parameter-server shard — then never
+//! loses the coordinator, which replaces the lost role in place: the survivors roll back inside
+//! their processes and only the lost one is restarted.
 
 use std::time::Duration;
 
 use actix::System;
-use anyhow::{ensure, Result};
+use anyhow::Result;
 use tokio::sync::oneshot;
 
 use super::control::host_coordinator;
 use super::process::master;
+use super::ps::role_names;
 use super::{Recovery, Resume, RunOptions};
 use crate::actors::Coordinator;
 use crate::config::JobConfig;
@@ -20,12 +22,6 @@ const LINGER: Duration = Duration::from_millis(200);
 
 /// Serves the coordinator of `config`'s job at `cluster.master` until every rank has finished.
 pub fn run_coordinator(config: &JobConfig, options: &RunOptions) -> Result<()> {
-    ensure!(
-        !config.cluster.is_parameter_server(),
-        "{}: a coordinator of its own (in-place recovery) is built for collective data-parallel and \
-         pipeline jobs; parameter-server jobs host theirs in server 0",
-        config.source_name
-    );
     let recovery = Recovery::plan(config, &options.run_dir, &options.resume)?;
     // Restarted: the newest checkpoint it committed before (whose files are on the ranks'
     // nodes, not necessarily here).
@@ -36,10 +32,14 @@ pub fn run_coordinator(config: &JobConfig, options: &RunOptions) -> Result<()> {
     let master = master(config)?;
     let ft = &config.fault_tolerance;
     let credentials = Credentials::of_cluster(&config.cluster, ft.timeout())?;
-    let world = config.world_size();
+    let world = config.roles();
     System::new().block_on(async move {
         let (done, finished) = oneshot::channel();
-        let coordinator = Coordinator::for_job(world, config, &recovery)
+        let mut coordinator = Coordinator::for_job(world, config, &recovery);
+        if config.cluster.is_parameter_server() {
+            coordinator = coordinator.with_names(role_names(config));
+        }
+        let coordinator = coordinator
             .with_checkpoints(recovery.store.clone(), recorded.or(recovery.start_step()))
             .recovering_in_place()
             .with_finish(done);

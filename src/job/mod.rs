@@ -13,6 +13,7 @@ mod process;
 pub mod ps;
 mod resumed;
 pub mod run_dir;
+mod shard_generations;
 mod simulated;
 mod stage_rings;
 

@@ -12,12 +12,17 @@ use anyhow::{anyhow, bail, Context as _, Result};
 use futures::channel::oneshot;
 use serde::Serialize;
 
+use tokio::sync::mpsc;
+
 use super::control::host_coordinator;
 use super::heartbeat::watched;
 use super::outputs::{write_config, write_summary};
+use super::process::{refused_if_mismatched, RankRecovery};
+use super::shard_generations::ShardGenerations;
 use super::{Recovery, RunOptions};
-use crate::actors::ps_trainer::{PsOutcome, PsTrainer, TrainPs};
+use crate::actors::ps_trainer::{PsInPlace, PsOutcome, PsTrainer, TrainPs};
 use crate::actors::pserver::{PServer, TakeShardSpans};
+use crate::actors::rollback::OrderLine;
 use crate::actors::{Coordinator, DeviceActor};
 use crate::config::{DatasetKind, JobConfig};
 use crate::data::ctr::{CriteoSynth, CtrSource, Split};
@@ -216,11 +221,8 @@ impl ParameterServerJob {
         let listener = TcpListener::bind(&endpoint)
             .with_context(|| format!("parameter server {index}: cannot listen on {endpoint}"))?;
         listener.set_nonblocking(true)?;
-        let shard = start_shard(
-            &config,
-            index,
-            &Recovery::plan(&config, &options.run_dir, &options.resume)?,
-        )?;
+        let RankRecovery { recovery, orders } = RankRecovery::plan(&config, options)?;
+        let shard = start_shard(&config, index, &recovery)?;
         let timeout = config.fault_tolerance.timeout();
         let credentials = Credentials::of_cluster(&config.cluster, timeout)?;
         tracing::info!(
@@ -228,67 +230,85 @@ impl ParameterServerJob {
             config.cluster.server_num
         );
         let heartbeats = self.heartbeat_line(index)?;
-        System::new().block_on(async move {
-            if let (0, Some((master, credentials))) = (index, &heartbeats) {
-                let names = role_names(&config);
-                let coordinator = Coordinator::new(names.len(), timeout).with_names(names);
-                host_coordinator(
-                    coordinator,
-                    master,
-                    &config.fault_tolerance,
-                    config.cluster.max_frame_bytes(),
-                    credentials,
-                )
-                .await
-                .with_context(|| format!("parameter server {index}"))?;
-            }
-            let listener = tokio::net::TcpListener::from_std(listener)?;
-            let (all_left, done) = oneshot::channel();
-            let trace = options.trace_target();
-            let origin = trace.as_ref().map(|t| t.origin.instant);
-            // Measured at start, while the coordinator surely serves.
-            let clock_offset_us = match (&trace, &heartbeats) {
-                // Server 0 hosts the coordinator: its clock is the coordinator's.
-                (Some(_), Some((master, credentials))) if index > 0 => {
-                    let max_frame = config.cluster.max_frame_bytes();
-                    let mut bus = ControlBus::connect(master, timeout, max_frame, credentials).await?;
-                    bus.clock_offset_us().await?
+        let (order_line, orders) = orders.unzip();
+        System::new()
+            .block_on(async move {
+                let max_frame = config.cluster.max_frame_bytes();
+                // Without a coordinator process of its own, server 0 hosts it.
+                if let (0, Some((master, credentials)), None) = (index, &heartbeats, &orders) {
+                    let names = role_names(&config);
+                    let coordinator = Coordinator::new(names.len(), timeout).with_names(names);
+                    host_coordinator(coordinator, master, &config.fault_tolerance, max_frame, credentials)
+                        .await
+                        .with_context(|| format!("parameter server {index}"))?;
                 }
-                _ => 0.0,
-            };
-            let actor = PServer::start_in_arbiter(&Arbiter::new().handle(), move |_| {
-                PServer::new(shard, all_left, timeout).traced_from(origin)
-            });
-            let open = Arc::new(AtomicUsize::new(0));
-            actix::spawn(serve_shard(
-                listener,
-                actor.clone().recipient(),
-                config.cluster.max_frame_bytes(),
-                open.clone(),
-                credentials,
-            ));
-            let serving = async {
-                done.await
-                    .map_err(|_| anyhow!("parameter server {index} stopped before every trainer left"))?;
-                // The last trainer's leave is answered after the shard learns of it: wait
-                // (boundedly) until the trainers have read their answers and hung up.
-                let deadline = tokio::time::Instant::now() + LEAVE_GRACE;
-                while open.load(Ordering::SeqCst) > 0 && tokio::time::Instant::now() < deadline {
-                    tokio::time::sleep(std::time::Duration::from_millis(10)).await;
-                }
-                tracing::info!("parameter server {index}: every trainer has left; shutting down");
-                if let Some(trace) = &trace {
-                    let spans = actor.send(TakeShardSpans).await?;
-                    trace.write(index, &format!("server {index}"), clock_offset_us, spans)?;
-                }
-                Ok(())
-            };
-            with_heartbeats(serving, index, heartbeats.as_ref(), &config).await
-        })
+                let listener = tokio::net::TcpListener::from_std(listener)?;
+                let (all_left, done) = oneshot::channel();
+                let trace = options.trace_target();
+                let origin = trace.as_ref().map(|t| t.origin.instant);
+                // Measured at start, while the coordinator surely serves.
+                let clock_offset_us = match (&trace, &heartbeats) {
+                    // Server 0 hosting the coordinator shares its clock.
+                    (Some(_), Some((master, credentials))) if index > 0 || orders.is_some() => {
+                        let mut bus = ControlBus::connect(master, timeout, max_frame, credentials).await?;
+                        bus.clock_offset_us().await?
+                    }
+                    _ => 0.0,
+                };
+                let (acknowledge, acks) = mpsc::unbounded_channel();
+                let server = PServer::new(shard, all_left, timeout).traced_from(origin);
+                let server = match &orders {
+                    Some(_) => server.recovering_in_place(recovery.start_step().unwrap_or(0) as u64, acknowledge)?,
+                    None => server,
+                };
+                let actor = PServer::start_in_arbiter(&Arbiter::new().handle(), move |_| server);
+                let open = Arc::new(AtomicUsize::new(0));
+                actix::spawn(serve_shard(
+                    listener,
+                    actor.clone().recipient(),
+                    max_frame,
+                    open.clone(),
+                    credentials.clone(),
+                ));
+                let serving = async {
+                    match (orders, &heartbeats) {
+                        (Some(orders), Some((master, credentials))) => {
+                            let bus = ControlBus::connect(master, timeout, max_frame, credentials).await?;
+                            let generations = ShardGenerations {
+                                index,
+                                job: self,
+                                actor: actor.clone(),
+                                bus,
+                                orders,
+                                endpoint: endpoint.clone(),
+                                recovery: &recovery,
+                            };
+                            generations.serve(acks, done).await?;
+                        }
+                        _ => done
+                            .await
+                            .map_err(|_| anyhow!("parameter server {index} stopped before every trainer left"))?,
+                    }
+                    // The last trainer's leave is answered after the shard learns of it: wait
+                    // (boundedly) until the trainers have read their answers and hung up.
+                    let deadline = tokio::time::Instant::now() + LEAVE_GRACE;
+                    while open.load(Ordering::SeqCst) > 0 && tokio::time::Instant::now() < deadline {
+                        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+                    }
+                    tracing::info!("parameter server {index}: every trainer has left; shutting down");
+                    if let Some(trace) = &trace {
+                        let spans = actor.send(TakeShardSpans).await?;
+                        trace.write(index, &format!("server {index}"), clock_offset_us, spans)?;
+                    }
+                    Ok(())
+                };
+                with_heartbeats(serving, index, heartbeats.as_ref(), &config, order_line.as_ref()).await
+            })
+            .map_err(refused_if_mismatched)
     }
 
     /// Where role `rank` (servers first, then trainers) heartbeats, when the job has a
-    /// coordinator (`cluster.master`, which `launch-ps` sets): server 0 hosts it.
+    /// coordinator (`cluster.master`, which `launch-ps` sets).
     fn heartbeat_line(&self, rank: usize) -> Result<Option<(String, Credentials)>> {
         let config = &self.config;
         let Some(master) = config.cluster.master.clone() else {
@@ -325,27 +345,42 @@ impl ParameterServerJob {
             .map(|endpoint| ShardLink::remote(endpoint.clone(), max_frame, credentials.clone()))
             .collect();
         let client = PsClient::new(links, config.fault_tolerance.retry, config.fault_tolerance.timeout());
-        let recovery = Recovery::plan(&config, &options.run_dir, &options.resume)?;
-        let heartbeats = self.heartbeat_line(config.cluster.server_num + rank)?;
-        let outcome = System::new().block_on(async move {
-            let trace = match (options.trace_target(), &heartbeats) {
-                (Some(target), Some((master, credentials))) => {
-                    let timeout = config.fault_tolerance.timeout();
-                    let mut bus = ControlBus::connect(master, timeout, max_frame, credentials).await?;
-                    Some((target, bus.clock_offset_us().await?))
-                }
-                (Some(target), None) => Some((target, 0.0)),
-                (None, _) => None,
-            };
-            let training = async {
-                self.trainer(rank, client, options, trace, recovery)
-                    .start()
-                    .send(TrainPs)
-                    .await
-                    .map_err(|e| anyhow!("trainer {rank}: actor stopped: {e}"))?
-            };
-            with_heartbeats(training, config.cluster.server_num + rank, heartbeats.as_ref(), &config).await
-        })?;
+        let RankRecovery { recovery, orders } = RankRecovery::plan(&config, options)?;
+        let role = config.cluster.server_num + rank;
+        let heartbeats = self.heartbeat_line(role)?;
+        let (order_line, orders) = orders.unzip();
+        let outcome = System::new()
+            .block_on(async move {
+                let timeout = config.fault_tolerance.timeout();
+                let trace = match (options.trace_target(), &heartbeats) {
+                    (Some(target), Some((master, credentials))) => {
+                        let mut bus = ControlBus::connect(master, timeout, max_frame, credentials).await?;
+                        Some((target, bus.clock_offset_us().await?))
+                    }
+                    (Some(target), None) => Some((target, 0.0)),
+                    (None, _) => None,
+                };
+                let in_place = match (orders, &heartbeats) {
+                    (Some(orders), Some((master, credentials))) => Some(PsInPlace {
+                        bus: ControlBus::connect(master, timeout, max_frame, credentials).await?,
+                        orders,
+                        endpoint: std::env::var("PADDLE_CURRENT_ENDPOINT")
+                            .unwrap_or_else(|_| "127.0.0.1:0".to_string()),
+                    }),
+                    _ => None,
+                };
+                let training = async {
+                    let mut trainer = self.trainer(rank, client, options, trace, recovery);
+                    trainer.in_place = in_place;
+                    trainer
+                        .start()
+                        .send(TrainPs)
+                        .await
+                        .map_err(|e| anyhow!("trainer {rank}: actor stopped: {e}"))?
+                };
+                with_heartbeats(training, role, heartbeats.as_ref(), &config, order_line.as_ref()).await
+            })
+            .map_err(refused_if_mismatched)?;
         if rank != 0 {
             return Ok(None);
         }
@@ -373,6 +408,7 @@ impl ParameterServerJob {
             monitor: (rank == 0).then(|| options.monitor()),
             trace,
             recovery,
+            in_place: None,
         }
     }
 
@@ -462,21 +498,22 @@ pub fn build_shard(job: &JobConfig, index: usize) -> Result<Shard> {
 }
 
 /// Runs `work` of role `role`, heartbeating on `line` (the coordinator and the credentials) when
-/// the job has one.
+/// the job has one; rollback orders go down `orders` when the role rolls back in place.
 async fn with_heartbeats<T>(
     work: impl std::future::Future<Output = Result<T>>,
     role: usize,
     line: Option<&(String, Credentials)>,
     config: &JobConfig,
+    orders: Option<&OrderLine>,
 ) -> Result<T> {
     match line {
-        Some((master, credentials)) => watched(work, role, master, config, credentials, None).await,
+        Some((master, credentials)) => watched(work, role, master, config, credentials, orders).await,
         None => work.await,
     }
 }
 
 /// What the coordinator calls the roles of a parameter-server job: servers first, then trainers.
-fn role_names(job: &JobConfig) -> Vec<String> {
+pub(super) fn role_names(job: &JobConfig) -> Vec<String> {
     let servers = (0..job.cluster.server_num).map(|i| format!("server {i}"));
     servers
         .chain((0..job.world_size()).map(|t| format!("trainer {t}")))

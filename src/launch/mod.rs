@@ -193,48 +193,55 @@ impl LaunchArgs {
     }
 
     /// Makes `children` (this node's trainers, as [`LaunchArgs::plan`] made them) a job that
-    /// recovers in place: the first node also starts the coordinator as a process of its own
-    /// (first, with the trainers' environment but no rank), and a failed process is restarted
-    /// alone: a trainer while the others roll back inside their processes, the coordinator
-    /// while the trainers train on and tell it who they are.
+    /// recovers in place ([`recover_in_place`]); the first node starts the coordinator.
     pub fn recover_in_place(&self, children: &mut Vec<ChildSpec>) {
-        let Some(first) = children.first().cloned() else {
-            return;
-        };
-        for child in children.iter_mut() {
-            child.env.push((COORDINATOR_PROCESS_VAR.to_string(), "1".to_string()));
-            child.restart_alone = true;
-        }
-        if self.cluster_node_ips.first() != Some(&self.node_ip) {
-            return;
-        }
-        let trainer_only = [
-            "TRAINING_ROLE",
-            "PADDLE_TRAINER_ID",
-            "PADDLE_GLOBAL_RANK",
-            "PADDLE_LOCAL_RANK",
-            "PADDLE_CURRENT_ENDPOINT",
-        ];
-        let mut args = first.args.clone();
-        if let Some(role) = args.iter().position(|a| a == "trainer") {
-            args[role] = "coordinator".to_string();
-        }
-        children.insert(
-            0,
-            ChildSpec {
-                rank: self.nnodes * self.nproc_per_node,
-                name: "coordinator".to_string(),
-                args,
-                env: first
-                    .env
-                    .into_iter()
-                    .filter(|(key, _)| !trainer_only.contains(&key.as_str()))
-                    .collect(),
-                restart_alone: true,
-                ..first
-            },
-        );
+        let first_node = self.cluster_node_ips.first() == Some(&self.node_ip);
+        recover_in_place(children, first_node.then_some(self.nnodes * self.nproc_per_node));
     }
+}
+
+/// Makes `children` a job that recovers in place: a failed process is restarted alone — a role
+/// while the others roll back inside their processes, the coordinator while the roles train on
+/// and tell it who they are. With `coordinator` (the rank the launcher calls it by), this
+/// launcher also starts the coordinator as a process of its own, first, with the roles'
+/// environment but no role.
+pub fn recover_in_place(children: &mut Vec<ChildSpec>, coordinator: Option<usize>) {
+    for child in children.iter_mut() {
+        child.env.push((COORDINATOR_PROCESS_VAR.to_string(), "1".to_string()));
+        child.restart_alone = true;
+    }
+    let (Some(first), Some(rank)) = (children.first().cloned(), coordinator) else {
+        return;
+    };
+    let role_only = [
+        "TRAINING_ROLE",
+        "PADDLE_TRAINER_ID",
+        "PADDLE_GLOBAL_RANK",
+        "PADDLE_LOCAL_RANK",
+        "PADDLE_CURRENT_ENDPOINT",
+        "PADDLE_PORT",
+    ];
+    let mut args = first.args.clone();
+    if let Some(role) = args.iter().position(|a| a == "--role") {
+        if let Some(name) = args.get_mut(role + 1) {
+            *name = "coordinator".to_string();
+        }
+    }
+    children.insert(
+        0,
+        ChildSpec {
+            rank,
+            name: "coordinator".to_string(),
+            args,
+            env: first
+                .env
+                .into_iter()
+                .filter(|(key, _)| !role_only.contains(&key.as_str()))
+                .collect(),
+            restart_alone: true,
+            ..first
+        },
+    );
 }
 
 /// The cluster token and the job id for the processes of one launcher: those in

@@ -31,12 +31,13 @@ pub struct LaunchPsArgs {
     /// trainers the ports after them.
     #[arg(long = "started_port", alias = "started-port", default_value_t = DEFAULT_STARTED_PORT)]
     pub started_port: u16,
-    /// Times all processes are restarted (from the last checkpoint) after one fails (default:
-    /// the job's `fault_tolerance.max_restarts`; 0 for a program of your own).
+    /// Times a failed process is restarted — alone, while the others roll back in place, or
+    /// all of them with `fault_tolerance.recovery = "restart"` — from the last checkpoint
+    /// (default: the job's `fault_tolerance.max_restarts`; 0 for a program of your own).
     #[arg(long = "max_restarts", alias = "max-restarts")]
     pub max_restarts: Option<usize>,
-    /// Where server 0 hosts the coordinator the roles heartbeat to (default: `--host`, the
-    /// port after the trainers').
+    /// Where the coordinator the roles heartbeat to listens (default: `--host`, the port after
+    /// the trainers'): a process of its own, or server 0 with `recovery = "restart"`.
     #[arg(long)]
     pub master: Option<String>,
     /// `train [--config FILE] [--set K=V]…` (run as each role), or a program of your own.
@@ -124,7 +125,12 @@ impl LaunchPsArgs {
                 env.extend(thread_env(processes).into_iter().map(|(k, v)| (k.into(), v)));
                 env.extend(token.iter().map(|(k, v)| (k.to_string(), v.clone())));
                 children.push(ChildSpec {
-                    rank: index,
+                    // As the coordinator numbers the roles: servers first, then trainers.
+                    rank: if role == "pserver" {
+                        index
+                    } else {
+                        servers.len() + index
+                    },
                     name: format!("{} {index}", if role == "pserver" { "server" } else { "trainer" }),
                     program: program.clone(),
                     args: args.clone(),

@@ -1,4 +1,4 @@
-//! A parameter-server shard's TCP endpoint: each connection's frames become [`ShardCall`]s and
+//! A parameter-server shard's TCP endpoint: each connection's frames become shard calls and
 //! the answers go back as frames. A malformed frame or one above the cap closes that
 //! connection with a log line; the shard keeps serving the others.
 
@@ -12,8 +12,7 @@ use tokio_util::codec::Framed;
 
 use super::auth::{self, Credentials};
 use super::frame::codec;
-use crate::ps::wire::ShardCall;
-use crate::ps::wire::{decode_request, encode_reply};
+use crate::ps::wire::{decode_request, encode_reply, ShardCall};
 
 /// Accepts trainer connections until the actor system stops; `open` counts the connections
 /// being served, so the shard can let the last answers go out before it exits. A connection
@@ -57,8 +56,8 @@ async fn handle_connection(
     let mut framed = Framed::new(stream, codec(max_frame_bytes));
     while let Some(body) = framed.next().await {
         let body = body.map_err(|e| format!("bad frame: {e}"))?;
-        let request = decode_request(body.freeze()).map_err(|e| e.to_string())?;
-        let answer = match shard.send(ShardCall(request)).await {
+        let call = decode_request(body.freeze()).map_err(|e| e.to_string())?;
+        let answer = match shard.send(call).await {
             Ok(answer) => answer,
             Err(e) => Err(anyhow::anyhow!("parameter server unavailable: {e}")),
         };

@@ -17,8 +17,7 @@ use tokio::net::TcpStream;
 use crate::net::auth::{self, Credentials};
 use tokio_util::codec::{Framed, LengthDelimitedCodec};
 
-use super::wire::ShardCall;
-use super::wire::{decode_reply, encode_request, Reply, Request};
+use super::wire::{decode_reply, encode_request, Reply, Request, ShardCall};
 use crate::net::frame::codec;
 
 /// `backoff` scaled by a random factor in [0.5, 1): trainers that failed together (a shard
@@ -108,12 +107,30 @@ pub struct PsClient {
     shards: Vec<ShardLink>,
     retry: usize,
     timeout: Duration,
+    /// The generation of the job this trainer is in, stamped on every request.
+    generation: u64,
 }
 
 impl PsClient {
     /// A client over `shards` (indexed by shard).
     pub fn new(shards: Vec<ShardLink>, retry: usize, timeout: Duration) -> Self {
-        Self { shards, retry, timeout }
+        Self {
+            shards,
+            retry,
+            timeout,
+            generation: 0,
+        }
+    }
+
+    /// The trainer joined `generation` after a rollback: its requests carry it from now on, over
+    /// fresh connections (a request cut off by the rollback may have left its answer unread).
+    pub fn enter(&mut self, generation: u64) {
+        self.generation = generation;
+        for link in &mut self.shards {
+            if let ShardLink::Remote(remote) = link {
+                remote.connection = None;
+            }
+        }
     }
 
     /// Shards in the job.
@@ -151,13 +168,13 @@ impl PsClient {
     /// Sends `requests[s]` to shard `s`, all shards at once, and returns the answers by shard;
     /// `what` names the operation in errors ("pull of step 17").
     pub async fn call_all(&mut self, requests: Vec<Request>, what: &str) -> Result<Vec<Reply>> {
-        let (retry, timeout) = (self.retry, self.timeout);
+        let (retry, timeout, generation) = (self.retry, self.timeout, self.generation);
         let calls = self
             .shards
             .iter_mut()
             .zip(requests)
             .enumerate()
-            .map(|(index, (link, request))| call(index, link, request, retry, timeout, what));
+            .map(|(index, (link, request))| call(index, link, ShardCall { generation, request }, retry, timeout, what));
         futures::future::try_join_all(calls).await
     }
 }
@@ -166,14 +183,14 @@ impl PsClient {
 async fn call(
     index: usize,
     link: &mut ShardLink,
-    request: Request,
+    request: ShardCall,
     retry: usize,
     timeout: Duration,
     what: &str,
 ) -> Result<Reply> {
     let remote = match link {
         ShardLink::Local(shard) => {
-            let answer = tokio::time::timeout(timeout + SHARD_ANSWER_GRACE, shard.send(ShardCall(request)))
+            let answer = tokio::time::timeout(timeout + SHARD_ANSWER_GRACE, shard.send(request))
                 .await
                 .map_err(|_| anyhow!("parameter server {index} did not answer the {what} within {timeout:.0?}"))?;
             return answer.map_err(|e| anyhow!("parameter server {index} is gone: {e}"))?;

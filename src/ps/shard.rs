@@ -208,14 +208,53 @@ impl Shard {
         shard_bytes(&self.snapshot_info(), &self.dense, &tables)
     }
 
-    /// Continues from a checkpoint taken after `step` sync steps: the tables and dense slice of
-    /// `bytes` (as [`Shard::snapshot_bytes`] made them), and the step count.
+    /// Continues from a checkpoint taken after `step` steps: the tables and dense slice of
+    /// `bytes` (as [`Shard::snapshot_bytes`] made them), and the bookkeeping of that point —
+    /// every trainer had pushed exactly its steps before `step` ([`Shard::checkpoint_ready`]).
     pub fn resume(&mut self, bytes: &[u8], step: u64) -> Result<()> {
         let info = self.snapshot_info();
         let mut tables: Vec<&mut SparseTable> = self.tables.iter_mut().collect();
         load_from_bytes(bytes, &info, &mut self.dense, &mut tables)?;
-        self.applied = step;
+        let trainers = self.spec.trainers;
+        let (applied, last_step) = match self.spec.mode {
+            PsMode::Sync => (step, None),
+            PsMode::Async => (step * trainers as u64, step.checked_sub(1)),
+            PsMode::Geo { k_steps } => (step / k_steps as u64 * trainers as u64, step.checked_sub(1)),
+        };
+        self.applied = applied;
+        self.last_step = vec![last_step; trainers];
+        self.pending = vec![None; trainers];
+        self.ended = vec![false; trainers];
+        self.left = vec![false; trainers];
         Ok(())
+    }
+
+    /// Whether the checkpoint after `step` steps can be taken now: every trainer has pushed its
+    /// steps before `step` and none after (the trainers wait for the checkpoint before they
+    /// push on), so the shard holds one consistent point in every mode. An error when a trainer
+    /// is already past it.
+    pub fn checkpoint_ready(&self, step: u64) -> Result<bool> {
+        let index = self.spec.index;
+        match self.spec.mode {
+            PsMode::Sync => {
+                ensure!(
+                    self.applied <= step,
+                    "parameter server {index}: asked for the checkpoint of step {step} at step {}",
+                    self.applied
+                );
+                Ok(self.applied == step)
+            }
+            PsMode::Async | PsMode::Geo { .. } => {
+                let before = step.checked_sub(1);
+                if let Some(t) = (0..self.spec.trainers).find(|&t| self.last_step[t] > before) {
+                    bail!(
+                        "parameter server {index}: trainer {t} pushed step {:?} before the checkpoint of step {step}",
+                        self.last_step[t]
+                    );
+                }
+                Ok(self.last_step.iter().all(|&last| last == before))
+            }
+        }
     }
 
     /// Replaces the dense slice and the tables with those saved in `path`.

@@ -89,13 +89,18 @@ pub enum Request {
     },
     /// Report the tables' sizes.
     Stats,
-    /// Write the shard's part of the checkpoint of sync step `step` into the checkpoint
-    /// directory `dir`, once the shard has applied exactly `step` steps.
+    /// Trainer `trainer` has pushed its steps before `step` and waits for the checkpoint after
+    /// them: once every trainer has asked, the shard writes its part into the checkpoint
+    /// directory `dir` and answers them all — the quiesce point of every mode.
     Checkpoint {
         /// The job's checkpoint directory, on the shard's machine.
         dir: String,
         /// The step the checkpoint is taken after.
         step: u64,
+        /// The asking trainer.
+        trainer: usize,
+        /// The trainer's own files of this checkpoint (geo's local optimizer state).
+        files: Vec<FileRecord>,
     },
 }
 
@@ -110,9 +115,30 @@ pub struct TableStats {
 
 /// A request from a trainer to a shard in its process (or from the shard's TCP endpoint, for a
 /// trainer elsewhere); every request gets an answer, a refusal carrying the reason.
-#[derive(actix::Message)]
+#[derive(actix::Message, Debug, Clone, PartialEq)]
 #[rtype(result = "Result<Reply>")]
-pub struct ShardCall(pub Request);
+pub struct ShardCall {
+    /// The generation of the job the trainer is in (0 until a rollback): a shard refuses the
+    /// requests of a generation it rolled back from, so nothing sent before a rollback is
+    /// applied after it.
+    pub generation: u64,
+    /// What the trainer asks.
+    pub request: Request,
+}
+
+impl ShardCall {
+    /// `request`, sent in the job's first generation.
+    pub fn first(request: Request) -> Self {
+        Self { generation: 0, request }
+    }
+}
+
+/// A request frame's header: the generation of the sending trainer, then the request.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+struct Stamped {
+    generation: u64,
+    header: Header,
+}
 
 /// A shard's answer.
 #[derive(Debug, Clone, PartialEq)]
@@ -121,8 +147,8 @@ pub enum Reply {
     Rows(PulledRows),
     /// Answer to [`Request::Stats`], per table.
     Stats(Vec<TableStats>),
-    /// Answer to [`Request::Checkpoint`]: the file the shard wrote.
-    Checkpointed(FileRecord),
+    /// Answer to [`Request::Checkpoint`]: the file the shard wrote, then every trainer's.
+    Checkpointed(Vec<FileRecord>),
     /// Any other request was carried out.
     Done,
 }
@@ -158,8 +184,10 @@ enum Header {
     Checkpoint {
         dir: String,
         step: u64,
+        trainer: u32,
+        files: Vec<FileRecord>,
     },
-    Checkpointed(FileRecord),
+    Checkpointed(Vec<FileRecord>),
     TableStats {
         rows: Vec<u64>,
         bytes: Vec<u64>,
@@ -174,9 +202,13 @@ enum Header {
     },
 }
 
-/// Encodes a request as a frame body.
-pub fn encode_request(request: &Request) -> Result<Bytes> {
-    let header = match request {
+/// Encodes a call as a frame body.
+pub fn encode_request(call: &ShardCall) -> Result<Bytes> {
+    let stamped = |header| Stamped {
+        generation: call.generation,
+        header,
+    };
+    let header = match &call.request {
         Request::Pull(pull) => {
             let len = pull.ids.iter().map(|ids| ids.len() * 8).sum();
             let header = Header::Pull {
@@ -186,7 +218,7 @@ pub fn encode_request(request: &Request) -> Result<Bytes> {
                 ids: counts(pull.ids.iter().map(Vec::len))?,
                 dense: pull.dense,
             };
-            return encode_with(&header, len, |out| put_ids(out, &pull.ids));
+            return encode_with(&stamped(header), len, |out| put_ids(out, &pull.ids));
         }
         Request::Push(push) => {
             let len = push.ids.iter().map(|ids| ids.len() * 8).sum::<usize>()
@@ -204,7 +236,7 @@ pub fn encode_request(request: &Request) -> Result<Bytes> {
                 values: counts(push.values.iter().map(Vec::len))?,
                 dense: count(push.dense.len())?,
             };
-            return encode_with(&header, len, |out| {
+            return encode_with(&stamped(header), len, |out| {
                 put_ids(out, &push.ids);
                 for values in &push.values {
                     put_floats(out, values);
@@ -220,19 +252,26 @@ pub fn encode_request(request: &Request) -> Result<Bytes> {
         },
         Request::Save { path } => Header::Save { path: path.clone() },
         Request::Stats => Header::Stats,
-        Request::Checkpoint { dir, step } => Header::Checkpoint {
+        Request::Checkpoint {
+            dir,
+            step,
+            trainer,
+            files,
+        } => Header::Checkpoint {
             dir: dir.clone(),
             step: *step,
+            trainer: *trainer as u32,
+            files: files.clone(),
         },
     };
-    encode_with(&header, 0, |_| {})
+    encode_with(&stamped(header), 0, |_| {})
 }
 
 /// Decodes a request frame body.
-pub fn decode_request(body: Bytes) -> Result<Request> {
-    let frame = Frame::<Header>::decode(body)?;
+pub fn decode_request(body: Bytes) -> Result<ShardCall> {
+    let frame = Frame::<Stamped>::decode(body)?;
     let mut payload = Payload::new(frame.payload);
-    let request = match frame.header {
+    let request = match frame.header.header {
         Header::Pull {
             trainer,
             version,
@@ -269,11 +308,24 @@ pub fn decode_request(body: Bytes) -> Result<Request> {
         },
         Header::Save { path } => Request::Save { path },
         Header::Stats => Request::Stats,
-        Header::Checkpoint { dir, step } => Request::Checkpoint { dir, step },
+        Header::Checkpoint {
+            dir,
+            step,
+            trainer,
+            files,
+        } => Request::Checkpoint {
+            dir,
+            step,
+            trainer: trainer as usize,
+            files,
+        },
         other => bail!("malformed request: a {} frame is an answer", header_name(&other)),
     };
     payload.finish()?;
-    Ok(request)
+    Ok(ShardCall {
+        generation: frame.header.generation,
+        request,
+    })
 }
 
 /// Encodes a shard's answer, or its refusal with the reason, as a frame body.
@@ -301,7 +353,7 @@ pub fn encode_reply(reply: &Result<Reply>) -> Result<Bytes> {
             rows: tables.iter().map(|t| t.rows).collect(),
             bytes: tables.iter().map(|t| t.bytes).collect(),
         },
-        Ok(Reply::Checkpointed(record)) => Header::Checkpointed(record.clone()),
+        Ok(Reply::Checkpointed(records)) => Header::Checkpointed(records.clone()),
         Ok(Reply::Done) => Header::Done,
         Err(e) => Header::Failed {
             reason: format!("{e:#}"),
@@ -333,7 +385,7 @@ pub fn decode_reply(body: Bytes) -> Result<Reply> {
                     .collect(),
             )
         }
-        Header::Checkpointed(record) => Reply::Checkpointed(record),
+        Header::Checkpointed(records) => Reply::Checkpointed(records),
         Header::Done => Reply::Done,
         Header::Failed { reason } => bail!("{reason}"),
         other => bail!("malformed answer: a {} frame is a request", header_name(&other)),
@@ -457,7 +509,8 @@ mod tests {
             Request::Save { path: "x".into() },
             Request::Stats,
         ] {
-            assert_eq!(decode_request(encode_request(&request)?)?, request);
+            let call = ShardCall { generation: 3, request };
+            assert_eq!(decode_request(encode_request(&call)?)?, call);
         }
         let rows = Reply::Rows(PulledRows {
             rows: vec![vec![1.0, 2.0], vec![]],
@@ -473,7 +526,7 @@ mod tests {
 
     #[test]
     fn payload_that_disagrees_with_the_header_is_an_error() -> Result<()> {
-        let body = encode_request(&push())?;
+        let body = encode_request(&ShardCall::first(push()))?;
         let short = body.slice(..body.len() - 4);
         let msg = decode_request(short).unwrap_err().to_string();
         assert!(
@@ -484,7 +537,7 @@ mod tests {
         long.put_u8(0);
         assert!(decode_request(long.freeze()).is_err());
         let answer = encode_reply(&Ok(Reply::Done))?;
-        assert!(decode_request(answer).unwrap_err().to_string().contains("is an answer"));
+        assert!(decode_request(answer).is_err(), "an answer is no request");
         Ok(())
     }
 }

@@ -105,6 +105,14 @@ struct GeoCopies {
     dense_state: Vec<f32>,
 }
 
+/// A geo trainer's checkpointed state: its local optimizer's, per table by id (ascending), and
+/// of the dense parameters.
+#[derive(serde::Serialize, serde::Deserialize)]
+struct GeoState {
+    rows: Vec<Vec<(u64, Vec<f32>)>>,
+    dense: Vec<f32>,
+}
+
 /// The trainer's model and the step logic around it.
 pub struct CtrWorker {
     model: WideDeep,
@@ -419,6 +427,59 @@ impl CtrWorker {
             }
         }
         Ok(Some(updates))
+    }
+
+    /// Geo: the trainer's own state at a checkpoint — its local optimizer's state of every row
+    /// and of the dense parameters (the copies themselves were just pushed and dropped: a geo
+    /// checkpoint falls on a push). `None` outside geo mode, where a trainer holds no state.
+    pub fn own_state(&self) -> Result<Option<Vec<u8>>> {
+        let Some(geo) = &self.geo else {
+            return Ok(None);
+        };
+        ensure!(
+            geo.steps_since_push == 0,
+            "a geo trainer's checkpoint falls between pushes ({} local steps not pushed)",
+            geo.steps_since_push
+        );
+        let rows = geo
+            .row_state
+            .iter()
+            .map(|table| {
+                let mut rows: Vec<(u64, Vec<f32>)> = table.iter().map(|(id, s)| (*id, s.clone())).collect();
+                rows.sort_unstable_by_key(|(id, _)| *id);
+                rows
+            })
+            .collect();
+        let state = GeoState {
+            rows,
+            dense: geo.dense_state.clone(),
+        };
+        Ok(Some(
+            postcard::to_stdvec(&state).context("encoding a geo trainer's state")?,
+        ))
+    }
+
+    /// Geo: takes back the state [`CtrWorker::own_state`] made.
+    pub fn restore_own_state(&mut self, bytes: &[u8]) -> Result<()> {
+        let geo = self
+            .geo
+            .as_mut()
+            .context("only a geo trainer keeps a state of its own")?;
+        let state: GeoState = postcard::from_bytes(bytes).context("a geo trainer's state file is malformed")?;
+        ensure!(
+            state.rows.len() == geo.row_state.len() && state.dense.len() == geo.dense_state.len(),
+            "a geo trainer's state holds {} tables and {} dense values; the job has {} and {}",
+            state.rows.len(),
+            state.dense.len(),
+            geo.row_state.len(),
+            geo.dense_state.len()
+        );
+        geo.row_state = state.rows.into_iter().map(|rows| rows.into_iter().collect()).collect();
+        geo.dense_state = state.dense;
+        geo.steps_since_push = 0;
+        geo.rows = vec![FxHashMap::default(); self.widths.len()];
+        geo.dense = None;
+        Ok(())
     }
 
     /// One update per shard holding its slice of `dense` and no rows yet.

@@ -1,0 +1,144 @@
+//! A launched parameter-server shard of a job that recovers in place: it joins each generation
+//! with the other roles, restores the state of the checkpoint the coordinator resumes from —
+//! from the copy it kept in memory, else from its node's disk — and serves that generation until
+//! every trainer has left or the coordinator orders a rollback. Between, it acknowledges each
+//! checkpoint file its actor writes and commits its node's copy once the coordinator has.
+
+use std::convert::Infallible;
+use std::time::Instant;
+
+use actix::Addr;
+use anyhow::{anyhow, Context as _, Result};
+use futures::channel::oneshot;
+use tokio::sync::mpsc;
+
+use super::ps::ParameterServerJob;
+use super::Recovery;
+use crate::actors::kept::commit_on_this_node;
+use crate::actors::pserver::{CheckpointCommitted, KeepsState, PServer, RestoreState, RollBack};
+use crate::actors::rollback::Orders;
+use crate::checkpoint::FileRecord;
+use crate::net::protocol::Roster;
+use crate::net::ControlBus;
+use crate::ps::snapshot::shard_file_name;
+
+/// What a shard between requests hears.
+enum Event {
+    /// Every trainer has left (`false`: the actor stopped first).
+    Left(bool),
+    /// The actor wrote a checkpoint file (`None`: it stopped).
+    Written(Option<(u64, FileRecord)>),
+    /// The coordinator ordered a rollback.
+    Interrupted(anyhow::Error),
+}
+
+/// Shard `index` of a job that recovers in place, between its generations.
+pub(super) struct ShardGenerations<'a> {
+    pub(super) index: usize,
+    pub(super) job: &'a ParameterServerJob,
+    pub(super) actor: Addr<PServer>,
+    pub(super) bus: ControlBus,
+    pub(super) orders: Orders,
+    /// The shard's address, announced at each rendezvous (its node holds its files).
+    pub(super) endpoint: String,
+    pub(super) recovery: &'a Recovery,
+}
+
+impl ShardGenerations<'_> {
+    /// Serves generation after generation until every trainer has left (`done`), acknowledging
+    /// the checkpoint files the actor hands over on `acks`.
+    pub(super) async fn serve(
+        mut self,
+        mut acks: mpsc::UnboundedReceiver<(u64, FileRecord)>,
+        mut done: oneshot::Receiver<()>,
+    ) -> Result<()> {
+        let index = self.index;
+        let mut roster = self.join().await?;
+        // Each pass ends with a rollback order to a newer generation, so the passes are bounded
+        // by the roles the job loses.
+        loop {
+            let event = tokio::select! {
+                left = &mut done => Event::Left(left.is_ok()),
+                ack = acks.recv() => Event::Written(ack),
+                interrupted = self.orders.interrupting(std::future::pending::<Result<Infallible>>()) => {
+                    Event::Interrupted(interrupted.map_or_else(|e| e, |never| match never {}))
+                }
+            };
+            let failure = match event {
+                Event::Left(true) => return Ok(()),
+                Event::Left(false) => {
+                    return Err(anyhow!("parameter server {index} stopped before every trainer left"))
+                }
+                Event::Written(None) => return Err(anyhow!("parameter server {index}: its actor stopped")),
+                Event::Written(Some((step, record))) => match self.acknowledge(step, record, &roster).await {
+                    Ok(()) => continue,
+                    Err(e) => e,
+                },
+                Event::Interrupted(e) => e,
+            };
+            let order = self.orders.explain(failure).await?;
+            self.actor
+                .send(RollBack {
+                    generation: order.generation,
+                    reason: order.reason,
+                })
+                .await?;
+            roster = self.join().await?;
+        }
+    }
+
+    /// Acknowledges the shard's file of step `step`'s checkpoint; once the coordinator committed
+    /// it, keeps its state as the one to roll back to and commits the node's copy.
+    async fn acknowledge(&mut self, step: u64, record: FileRecord, roster: &Roster) -> Result<()> {
+        let commit = self.bus.acknowledge(self.index, step as usize, vec![record]).await?;
+        self.actor.send(CheckpointCommitted(step)).await?;
+        let store = self.recovery.store.as_ref().context("a checkpoint without a store")?;
+        commit_on_this_node(store, commit, Some(roster), self.index, self.roles()).await
+    }
+
+    /// Roles of the job: servers, then trainers.
+    fn roles(&self) -> usize {
+        let config = &self.job.config;
+        config.cluster.server_num + config.world_size()
+    }
+
+    /// Joins the forming generation and restores the state it resumes from.
+    async fn join(&mut self) -> Result<Roster> {
+        let index = self.index;
+        let config = &self.job.config;
+        let roster = self
+            .bus
+            .join(index, self.roles(), self.endpoint.clone(), config.shared_settings())
+            .await?;
+        self.recovery.check_joined(&roster)?;
+        self.orders.joined(roster.generation);
+        let step = roster.resume_step.unwrap_or(0);
+        let started = Instant::now();
+        let (bytes, from) = match self.actor.send(KeepsState(step as u64)).await? {
+            true => (None, "memory"),
+            false => {
+                let file = self
+                    .recovery
+                    .read_committed(step, self.roles(), &shard_file_name(index))
+                    .with_context(|| format!("parameter server {index}: restoring the checkpoint of step {step}"))?;
+                (Some(file), "disk")
+            }
+        };
+        self.actor
+            .send(RestoreState {
+                generation: roster.generation,
+                step: step as u64,
+                bytes,
+            })
+            .await??;
+        tracing::info!(
+            shard = index,
+            generation = roster.generation,
+            step,
+            from,
+            seconds = started.elapsed().as_secs_f64(),
+            "serving"
+        );
+        Ok(roster)
+    }
+}
