@@ -8,11 +8,9 @@ mod common;
 use std::path::{Path, PathBuf};
 
 use common::{
-    children_of, config, end_leftovers, flotilla, free_port_range, pick, start_flotilla, train_in_process,
-    wait_for_commit, wait_for_training, PIPELINE_2X2,
+    children_of, config, end_leftovers, flotilla, free_port_range, pick, ps_matches_uninterrupted, start_flotilla,
+    train_in_process, wait_for_commit, wait_for_training, PIPELINE_2X2,
 };
-use flotilla::config::JobConfig;
-use flotilla::job::ps::{build_shard, ParameterServerJob};
 use flotilla::job::{Resume, RunOptions, TrainingJob};
 
 /// A launched job to hurt: how it is launched, its settings, how long it runs and how often it
@@ -119,7 +117,7 @@ fn survive(job: &Job, signal: i32, extra: &[&str]) -> String {
     // Same rings or shards, same summation order, resumed at a step boundary with every
     // optimizer state: bit-identical to an uninterrupted run.
     if job.launcher[0] == "launch-ps" {
-        matches_uninterrupted_parameter_servers(&reference, &summary, &run_dir);
+        ps_matches_uninterrupted(&reference, &summary, &run_dir);
     } else {
         let uninterrupted = train_in_process(config(&reference));
         assert_eq!(summary["param_checksum"], uninterrupted.summary.param_checksum.as_str());
@@ -130,48 +128,6 @@ fn survive(job: &Job, signal: i32, extra: &[&str]) -> String {
         );
     }
     finished.stderr
-}
-
-/// A table row: id, values, optimizer state.
-type Row = (u64, Vec<f32>, Vec<f32>);
-
-/// The shards' saved tables and dense slices, and the AUC and loss of the summary, equal those
-/// of the same job run uninterrupted in one process.
-fn matches_uninterrupted_parameter_servers(settings: &[&str], summary: &serde_json::Value, run_dir: &Path) {
-    let load = |path: &Path| {
-        JobConfig::from_file(
-            path,
-            &|_| None,
-            &settings.iter().map(|s| s.to_string()).collect::<Vec<_>>(),
-        )
-    };
-    let config = load(Path::new("examples/ctr_ps.toml")).unwrap();
-    let reference_dir = tempfile::tempdir().unwrap();
-    let uninterrupted = ParameterServerJob::builtin(config.clone())
-        .unwrap()
-        .run_simulated(&RunOptions::new(reference_dir.path()))
-        .unwrap();
-    assert_eq!(summary["auc"].as_f64().unwrap(), uninterrupted.auc);
-    assert_eq!(summary["final_loss"].as_f64().unwrap() as f32, uninterrupted.final_loss);
-    for index in 0..config.cluster.server_num {
-        let contents = |dir: &Path| {
-            let mut shard = build_shard(&config, index).unwrap();
-            shard.load(&dir.join(format!("ps-shard-{index}.safetensors"))).unwrap();
-            let mut tables: Vec<Vec<Row>> = shard
-                .tables()
-                .iter()
-                .map(|t| t.rows().map(|(id, v, s)| (id, v.to_vec(), s.to_vec())).collect())
-                .collect();
-            tables
-                .iter_mut()
-                .for_each(|rows| rows.sort_unstable_by_key(|row| row.0));
-            (shard.dense().values().to_vec(), shard.dense().state().to_vec(), tables)
-        };
-        assert!(
-            contents(run_dir) == contents(reference_dir.path()),
-            "shard {index} differs"
-        );
-    }
 }
 
 #[test]

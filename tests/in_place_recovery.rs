@@ -1,22 +1,29 @@
-//! In-place recovery of launched data-parallel and pipeline jobs: the coordinator runs as a process of its
-//! own; when a rank is lost (killed, or stopped and declared dead by its missed heartbeats) only
-//! that rank is restarted, the survivors roll back inside their own processes to the newest
-//! committed checkpoint, and the job ends bitwise equal to a run that was never interrupted. A
-//! lost coordinator is restarted alone while the trainers train on.
+//! In-place recovery of launched jobs of every strategy — data parallel, pipeline, parameter
+//! servers in sync, async and geo mode: the coordinator runs as a process of its own; when a
+//! role is lost (killed, or stopped and declared dead by its missed heartbeats) only that role
+//! is restarted, the survivors roll back inside their own processes to the newest committed
+//! checkpoint, and the job ends bitwise equal to a run that was never interrupted (async and geo:
+//! with every trainer's update of every step applied exactly once). A lost coordinator is
+//! restarted alone while the roles train on.
 
 mod common;
 
 use std::collections::HashMap;
+use std::path::Path;
 use std::time::{Duration, Instant};
 
 use common::{
-    children_of, config, end_leftovers, free_port_range, pick, start_flotilla, train_in_process, trainer_ranks,
-    wait_for_commit, PIPELINE_2X2,
+    children_of, config, end_leftovers, free_port_range, pick, ps_matches_uninterrupted, role_pids, start_flotilla,
+    train_in_process, trainer_ranks, wait_for_commit, PIPELINE_2X2,
 };
 
 /// A launched job that recovers in place, and the settings of its uninterrupted in-process twin.
 struct Job {
-    ranks: usize,
+    /// The launcher and its process counts.
+    launcher: &'static [&'static str],
+    config: &'static str,
+    /// The roles as the launcher names them (the coordinator aside).
+    roles: &'static [&'static str],
     settings: &'static [&'static str],
     steps: usize,
     /// Its checkpoint interval.
@@ -25,7 +32,9 @@ struct Job {
 
 /// Three data-parallel ranks, a few seconds of training.
 const DATA_PARALLEL: Job = Job {
-    ranks: 3,
+    launcher: &["launch", "--nproc_per_node", "3"],
+    config: "config.toml",
+    roles: &["rank 0", "rank 1", "rank 2"],
     settings: &["cluster.nproc_per_node=3", "train.batch_size=48"],
     steps: 4000,
     every: 500,
@@ -33,11 +42,30 @@ const DATA_PARALLEL: Job = Job {
 
 /// Two pipeline replicas of two stages (1F1B, 4 micro-batches).
 const PIPELINE: Job = Job {
-    ranks: 4,
+    launcher: &["launch", "--nproc_per_node", "4"],
+    config: "config.toml",
+    roles: &["rank 0", "rank 1", "rank 2", "rank 3"],
     settings: &PIPELINE_2X2,
     steps: 1500,
     every: 250,
 };
+
+/// Two parameter-server shards and two trainers, in `mode`'s settings.
+const fn parameter_servers(settings: &'static [&'static str], every: usize) -> Job {
+    Job {
+        launcher: &["launch-ps", "--server_num", "2", "--worker_num", "2"],
+        config: "examples/ctr_ps.toml",
+        roles: &["server 0", "server 1", "trainer 0", "trainer 1"],
+        settings,
+        steps: 240,
+        every,
+    }
+}
+
+const PS_SYNC: Job = parameter_servers(&[], 40);
+const PS_ASYNC: Job = parameter_servers(&["strategy.a_sync=true"], 40);
+/// Geo pushes every 8 local steps; its checkpoints fall on pushes.
+const PS_GEO: Job = parameter_servers(&["strategy.a_sync=true", "strategy.a_sync_configs.k_steps=8"], 40);
 
 impl Job {
     /// Its settings and length as `--set` values.
@@ -46,12 +74,21 @@ impl Job {
         sets.push(format!("train.steps={}", self.steps));
         sets
     }
+
+    fn is_parameter_server(&self) -> bool {
+        self.launcher[0] == "launch-ps"
+    }
+
+    /// A role picked at random.
+    fn any_role(&self) -> &'static str {
+        self.roles[pick(self.roles.len())]
+    }
 }
 
 /// Which process is hurt.
 #[derive(Clone, Copy, Debug)]
 enum Victim {
-    Rank(usize),
+    Role(&'static str),
     Coordinator,
 }
 
@@ -59,18 +96,20 @@ enum Victim {
 struct Hurt {
     stderr: String,
     summary: serde_json::Value,
-    /// The survivors' pids before the fault, and the launcher's children once the lost process
-    /// was replaced.
-    survivors: HashMap<usize, i32>,
+    run_dir: std::path::PathBuf,
+    /// The survivors' pids before the fault, by role, and the launcher's children once the lost
+    /// process was replaced.
+    survivors: HashMap<String, i32>,
     replaced: Vec<i32>,
+    _dir: tempfile::TempDir,
 }
 
-/// The coordinator among the launcher's children: the one without a rank.
+/// The coordinator among the launcher's children: the one without a role.
 fn coordinator_pid(launcher: u32) -> i32 {
-    let ranks = trainer_ranks(launcher);
+    let roles = role_pids(launcher);
     let others: Vec<i32> = children_of(launcher)
         .into_iter()
-        .filter(|pid| !ranks.values().any(|p| p == pid))
+        .filter(|pid| !roles.values().any(|p| p == pid))
         .collect();
     assert_eq!(
         others.len(),
@@ -80,12 +119,12 @@ fn coordinator_pid(launcher: u32) -> i32 {
     others[0]
 }
 
-/// Waits (at most 60 s) until the launcher has `ranks + 1` children again, none of them `gone`.
-fn wait_for_replacement(launcher: u32, ranks: usize, gone: i32) -> Vec<i32> {
+/// Waits (at most 60 s) until the launcher has `roles + 1` children again, none of them `gone`.
+fn wait_for_replacement(launcher: u32, roles: usize, gone: i32) -> Vec<i32> {
     let deadline = Instant::now() + Duration::from_secs(60);
     loop {
         let children = children_of(launcher);
-        if children.len() == ranks + 1 && !children.contains(&gone) {
+        if children.len() == roles + 1 && !children.contains(&gone) {
             return children;
         }
         assert!(Instant::now() < deadline, "no replacement of pid {gone}: {children:?}");
@@ -98,7 +137,7 @@ fn wait_for_replacement(launcher: u32, ranks: usize, gone: i32) -> Vec<i32> {
 fn launch_and_hurt(job: &Job, victim: Victim, signal: i32, extra: &[&str]) -> Hurt {
     let dir = tempfile::tempdir().unwrap();
     let (run_dir, checkpoints) = (dir.path().join("run"), dir.path().join("checkpoints"));
-    let port = free_port_range(job.ranks as u16 + 1).to_string();
+    let port = free_port_range(job.roles.len() as u16 + 1).to_string();
     let mut settings = job.sets();
     settings.extend(extra.iter().map(|s| s.to_string()));
     settings.extend([
@@ -107,11 +146,10 @@ fn launch_and_hurt(job: &Job, victim: Victim, signal: i32, extra: &[&str]) -> Hu
         "fault_tolerance.max_restarts=2".to_string(),
         "fault_tolerance.heartbeat_interval_ms=200".to_string(),
     ]);
+    let mut args = job.launcher.to_vec();
     #[rustfmt::skip]
-    let ranks = job.ranks.to_string();
-    #[rustfmt::skip]
-    let mut args = vec!["launch", "--nproc_per_node", &ranks, "--started_port", &port, "--", "train",
-        "--run-dir", run_dir.to_str().unwrap()];
+    args.extend(["--started_port", &port, "--", "train", "--config", job.config,
+        "--run-dir", run_dir.to_str().unwrap()]);
     for set in &settings {
         args.extend(["--set", set.as_str()]);
     }
@@ -120,18 +158,18 @@ fn launch_and_hurt(job: &Job, victim: Victim, signal: i32, extra: &[&str]) -> Hu
     let at = job.every * (1 + pick(3));
     eprintln!("signal {signal} to {victim:?} after the checkpoint of step {at}");
     wait_for_commit(&checkpoints, at);
-    let ranks = trainer_ranks(pid);
-    assert_eq!(ranks.len(), job.ranks, "the launcher's trainers: {ranks:?}");
+    let roles = role_pids(pid);
+    assert_eq!(roles.len(), job.roles.len(), "the launcher's roles: {roles:?}");
     let target = match victim {
-        Victim::Rank(rank) => ranks[&rank],
+        Victim::Role(role) => roles[role],
         Victim::Coordinator => coordinator_pid(pid),
     };
-    let survivors: HashMap<usize, i32> = ranks.into_iter().filter(|&(_, p)| p != target).collect();
+    let survivors: HashMap<String, i32> = roles.into_iter().filter(|&(_, p)| p != target).collect();
     // SAFETY: a pid of a process this test's launcher started and still supervises.
     unsafe {
         libc::kill(target, signal);
     }
-    let replaced = wait_for_replacement(pid, job.ranks, target);
+    let replaced = wait_for_replacement(pid, job.roles.len(), target);
     let started = children_of(pid);
     let finished = launcher.finish(180);
     end_leftovers(started);
@@ -140,17 +178,24 @@ fn launch_and_hurt(job: &Job, victim: Victim, signal: i32, extra: &[&str]) -> Hu
     Hurt {
         stderr: finished.stderr,
         summary,
+        run_dir,
         survivors,
         replaced,
+        _dir: dir,
     }
 }
 
-/// The run ends as the same job uninterrupted in one process: the same rings, summation order
-/// and optimizer state, resumed at a step boundary, give the same bits.
-fn equals_uninterrupted(job: &Job, summary: &serde_json::Value) {
+/// The run ends as the same job uninterrupted in one process: the same rings or shards,
+/// summation order and optimizer state, resumed at a step boundary, give the same bits.
+fn equals_uninterrupted(job: &Job, summary: &serde_json::Value, run_dir: &Path) {
     let sets = job.sets();
-    let uninterrupted = train_in_process(config(&sets.iter().map(String::as_str).collect::<Vec<_>>()));
+    let sets: Vec<&str> = sets.iter().map(String::as_str).collect();
     assert_eq!(summary["steps"], job.steps);
+    if job.is_parameter_server() {
+        ps_matches_uninterrupted(&sets, summary, run_dir);
+        return;
+    }
+    let uninterrupted = train_in_process(config(&sets));
     assert_eq!(summary["param_checksum"], uninterrupted.summary.param_checksum.as_str());
     assert_eq!(
         summary["final_loss"].as_f64().unwrap() as f32,
@@ -159,86 +204,137 @@ fn equals_uninterrupted(job: &Job, summary: &serde_json::Value) {
     );
 }
 
-/// Only the lost rank was restarted: every survivor kept its process and rolled back in it.
-fn survivors_rolled_back_in_place(hurt: &Hurt, lost: usize) {
+/// Only the lost role was restarted: every survivor kept its process and rolled back in it.
+fn survivors_rolled_back_in_place(hurt: &Hurt, lost: &str) {
     let stderr = &hurt.stderr;
     assert!(
-        stderr.contains(&format!("restarting rank {lost} alone (restart 1 of 2)")),
+        stderr.contains(&format!("restarting {lost} alone (restart 1 of 2)")),
         "{stderr}"
     );
     assert!(!stderr.contains("restarting all"), "{stderr}");
-    for (rank, pid) in &hurt.survivors {
+    for (role, pid) in &hurt.survivors {
         assert!(
             hurt.replaced.contains(pid),
-            "rank {rank} (pid {pid}) was restarted: {:?}",
+            "{role} (pid {pid}) was restarted: {:?}",
             hurt.replaced
         );
-        assert!(
-            stderr.contains(&format!("[rank {rank}]"))
-                && stderr.contains(&format!("rejoined rank={rank} generation=1")),
-            "rank {rank} did not roll back in place:\n{stderr}"
-        );
+        // A trainer or stage rejoins; a shard serves the new generation.
+        let rolled_back = stderr.lines().any(|line| {
+            line.starts_with(&format!("[{role}]"))
+                && line.contains("generation=1")
+                && (line.contains("rejoined") || line.contains("serving"))
+        });
+        assert!(rolled_back, "{role} did not roll back in place:\n{stderr}");
     }
     assert!(
-        stderr.contains(&format!("[rank {lost}]")) && stderr.contains("resuming from checkpoint step="),
+        stderr.contains(&format!("[{lost}]")) && stderr.contains("resuming from checkpoint step="),
         "the replacement did not load the checkpoint:\n{stderr}"
     );
 }
 
-#[test]
-fn a_killed_rank_is_replaced_alone_and_the_survivors_roll_back_in_their_processes() {
-    let lost = pick(DATA_PARALLEL.ranks);
-    let hurt = launch_and_hurt(&DATA_PARALLEL, Victim::Rank(lost), libc::SIGKILL, &[]);
+/// SIGKILL of a random role of `job`, which ends bitwise equal to the uninterrupted run.
+fn kill_a_role(job: &Job) -> Hurt {
+    let lost = job.any_role();
+    let hurt = launch_and_hurt(job, Victim::Role(lost), libc::SIGKILL, &[]);
     assert!(
-        hurt.stderr.contains(&format!("rank {lost} declared dead")),
+        hurt.stderr.contains(&format!("{lost} declared dead")),
         "{}",
         hurt.stderr
     );
     survivors_rolled_back_in_place(&hurt, lost);
-    equals_uninterrupted(&DATA_PARALLEL, &hurt.summary);
+    hurt
+}
+
+#[test]
+fn a_killed_rank_is_replaced_alone_and_the_survivors_roll_back_in_their_processes() {
+    let hurt = kill_a_role(&DATA_PARALLEL);
+    equals_uninterrupted(&DATA_PARALLEL, &hurt.summary, &hurt.run_dir);
 }
 
 #[test]
 fn a_killed_pipeline_stage_is_replaced_alone_and_the_other_stages_roll_back_in_their_processes() {
-    let lost = pick(PIPELINE.ranks);
-    let hurt = launch_and_hurt(&PIPELINE, Victim::Rank(lost), libc::SIGKILL, &[]);
-    assert!(
-        hurt.stderr.contains(&format!("rank {lost} declared dead")),
-        "{}",
-        hurt.stderr
-    );
-    survivors_rolled_back_in_place(&hurt, lost);
-    equals_uninterrupted(&PIPELINE, &hurt.summary);
+    let hurt = kill_a_role(&PIPELINE);
+    equals_uninterrupted(&PIPELINE, &hurt.summary, &hurt.run_dir);
+}
+
+#[test]
+fn a_killed_sync_shard_or_trainer_is_replaced_alone_and_the_others_roll_back_in_their_processes() {
+    let hurt = kill_a_role(&PS_SYNC);
+    equals_uninterrupted(&PS_SYNC, &hurt.summary, &hurt.run_dir);
+}
+
+#[test]
+fn a_killed_async_shard_or_trainer_is_replaced_alone_and_no_update_is_lost_or_applied_twice() {
+    applied_once(&PS_ASYNC, &kill_a_role(&PS_ASYNC), PS_ASYNC.steps);
+}
+
+#[test]
+fn a_killed_geo_shard_or_trainer_is_replaced_alone_and_no_update_is_lost_or_applied_twice() {
+    // Each trainer pushes its local steps every k_steps = 8 steps.
+    applied_once(&PS_GEO, &kill_a_role(&PS_GEO), PS_GEO.steps / 8);
+}
+
+/// Async and geo runs cannot be bitwise equal to an uninterrupted one (updates apply in arrival
+/// order); what they guarantee is that every shard ends having applied each trainer's push of
+/// each step exactly once — the rolled-back ones undone, then pushed again — and that the model
+/// learned as well as without the fault.
+fn applied_once(job: &Job, hurt: &Hurt, pushes_per_trainer: usize) {
+    assert_eq!(hurt.summary["steps"], job.steps);
+    let trainers = 2;
+    let applied = hurt.summary["updates_applied"].as_array().unwrap();
+    assert_eq!(applied.len(), 2, "{}", hurt.summary);
+    for (shard, count) in applied.iter().enumerate() {
+        assert_eq!(
+            count.as_u64().unwrap() as usize,
+            trainers * pushes_per_trainer,
+            "shard {shard}: {}",
+            hurt.summary
+        );
+    }
+    let auc = hurt.summary["auc"].as_f64().unwrap();
+    assert!(auc > 0.7, "{}", hurt.summary);
 }
 
 #[test]
 fn a_stopped_rank_is_declared_dead_the_survivors_leave_their_collective_and_it_is_replaced() {
-    stop_a_rank(&DATA_PARALLEL);
+    stop_a_role(&DATA_PARALLEL);
 }
 
 #[test]
 fn a_stopped_pipeline_stage_is_declared_dead_the_others_leave_their_receives_and_it_is_replaced() {
-    stop_a_rank(&PIPELINE);
+    stop_a_role(&PIPELINE);
 }
 
-/// SIGSTOP of a random rank of `job`. The link timeout is the default 30 minutes: a survivor
-/// that waited it out, rather than leave its all-reduce or stage receive when the coordinator
-/// declared the death, would outlast the test.
-fn stop_a_rank(job: &Job) {
-    let lost = pick(job.ranks);
-    let hurt = launch_and_hurt(job, Victim::Rank(lost), libc::SIGSTOP, &[]);
+#[test]
+fn a_stopped_shard_or_trainer_is_declared_dead_the_others_leave_their_pulls_and_it_is_replaced() {
+    stop_a_role(&PS_SYNC);
+}
+
+/// SIGSTOP of a random role of `job`. The link timeout is the default 30 minutes (60 s for the
+/// parameter servers, whose held pulls are refused after it): a survivor that waited it out,
+/// rather than leave its all-reduce, stage receive or pull when the coordinator declared the
+/// death, would be seen in the time the job takes.
+fn stop_a_role(job: &Job) {
+    let lost = job.any_role();
+    let started = Instant::now();
+    let hurt = launch_and_hurt(job, Victim::Role(lost), libc::SIGSTOP, &[]);
     let stderr = &hurt.stderr;
     assert!(
-        stderr.contains(&format!("rank {lost} declared dead: no heartbeat for")),
+        stderr.contains(&format!("{lost} declared dead: no heartbeat for")),
         "{stderr}"
     );
     assert!(
-        stderr.contains(&format!("rank {lost} (pid"))
+        stderr.contains(&format!("{lost} (pid"))
             && stderr.contains("was declared dead by the coordinator but still runs"),
-        "the launcher did not kill the stopped rank:\n{stderr}"
+        "the launcher did not kill the stopped role:\n{stderr}"
     );
     survivors_rolled_back_in_place(&hurt, lost);
-    equals_uninterrupted(job, &hurt.summary);
+    equals_uninterrupted(job, &hurt.summary, &hurt.run_dir);
+    assert!(
+        started.elapsed() < Duration::from_secs(50),
+        "a survivor waited for its own timeout: {:?}",
+        started.elapsed()
+    );
 }
 
 #[test]
@@ -251,6 +347,11 @@ fn a_pipelines_killed_coordinator_is_restarted_alone_and_costs_the_stages_nothin
     kill_the_coordinator(&PIPELINE);
 }
 
+#[test]
+fn a_parameter_server_jobs_killed_coordinator_is_restarted_alone_and_costs_the_roles_nothing() {
+    kill_the_coordinator(&PS_SYNC);
+}
+
 /// SIGKILL of `job`'s coordinator.
 fn kill_the_coordinator(job: &Job) {
     let hurt = launch_and_hurt(job, Victim::Coordinator, libc::SIGKILL, &[]);
@@ -260,23 +361,25 @@ fn kill_the_coordinator(job: &Job) {
             && stderr.contains("restarting coordinator alone (restart 1 of 2)"),
         "{stderr}"
     );
-    assert_eq!(hurt.survivors.len(), job.ranks);
-    for (rank, pid) in &hurt.survivors {
-        assert!(hurt.replaced.contains(pid), "rank {rank} was restarted");
+    assert_eq!(hurt.survivors.len(), job.roles.len());
+    for (index, role) in job.roles.iter().enumerate() {
+        let pid = hurt.survivors[*role];
+        assert!(hurt.replaced.contains(&pid), "{role} was restarted");
+        // The coordinator numbers the roles in the launcher's order (servers, then trainers).
         assert!(
-            stderr.contains(&format!("a rank trains on in its generation rank={rank}")),
-            "rank {rank} did not make itself known to the new coordinator:\n{stderr}"
+            stderr.contains(&format!("a rank trains on in its generation rank={index}")),
+            "{role} did not make itself known to the new coordinator:\n{stderr}"
         );
     }
     assert!(!stderr.contains("rolling back"), "{stderr}");
-    equals_uninterrupted(job, &hurt.summary);
+    equals_uninterrupted(job, &hurt.summary, &hurt.run_dir);
 }
 
 #[test]
 fn without_checkpoints_the_survivors_roll_back_to_step_0_from_memory() {
     let dir = tempfile::tempdir().unwrap();
     let run_dir = dir.path().join("run");
-    let port = free_port_range(DATA_PARALLEL.ranks as u16 + 1).to_string();
+    let port = free_port_range(DATA_PARALLEL.roles.len() as u16 + 1).to_string();
     #[rustfmt::skip]
     let mut args = vec!["launch", "--nproc_per_node", "3", "--started_port", &port, "--", "train",
         "--run-dir", run_dir.to_str().unwrap(), "--set", "fault_tolerance.max_restarts=1",
@@ -288,7 +391,7 @@ fn without_checkpoints_the_survivors_roll_back_to_step_0_from_memory() {
     let launcher = start_flotilla(&args, &[]);
     common::wait_for_training(&run_dir);
     let ranks = trainer_ranks(launcher.child.id());
-    let lost = pick(DATA_PARALLEL.ranks);
+    let lost = pick(DATA_PARALLEL.roles.len());
     // SAFETY: a pid of a process this test's launcher started and still supervises.
     unsafe {
         libc::kill(ranks[&lost], libc::SIGKILL);
@@ -304,14 +407,14 @@ fn without_checkpoints_the_survivors_roll_back_to_step_0_from_memory() {
         "{stderr}"
     );
     let summary = serde_json::from_str(&std::fs::read_to_string(run_dir.join("summary.json")).unwrap()).unwrap();
-    equals_uninterrupted(&DATA_PARALLEL, &summary);
+    equals_uninterrupted(&DATA_PARALLEL, &summary, &run_dir);
 }
 
 #[test]
 fn a_replacement_started_with_another_config_is_refused_naming_the_key_and_the_job_goes_on() {
     let dir = tempfile::tempdir().unwrap();
     let (run_dir, rogue_dir) = (dir.path().join("run"), dir.path().join("rogue"));
-    let port = free_port_range(DATA_PARALLEL.ranks as u16 + 1);
+    let port = free_port_range(DATA_PARALLEL.roles.len() as u16 + 1);
     let started_port = port.to_string();
     let credentials = [
         ("FLOTILLA_TOKEN", common::TEST_TOKEN.to_string()),
@@ -336,7 +439,7 @@ fn a_replacement_started_with_another_config_is_refused_naming_the_key_and_the_j
     let mut rogue_env = credentials.to_vec();
     rogue_env.extend([
         ("PADDLE_TRAINER_ID", "1".to_string()),
-        ("PADDLE_TRAINERS_NUM", DATA_PARALLEL.ranks.to_string()),
+        ("PADDLE_TRAINERS_NUM", DATA_PARALLEL.roles.len().to_string()),
         ("PADDLE_MASTER", format!("127.0.0.1:{port}")),
     ]);
     let rogue = start_flotilla(&rogue_args, &rogue_env).finish(60);
@@ -357,5 +460,5 @@ fn a_replacement_started_with_another_config_is_refused_naming_the_key_and_the_j
         "the refused process cost the job a rank:\n{stderr}"
     );
     let summary = serde_json::from_str(&std::fs::read_to_string(run_dir.join("summary.json")).unwrap()).unwrap();
-    equals_uninterrupted(&DATA_PARALLEL, &summary);
+    equals_uninterrupted(&DATA_PARALLEL, &summary, &run_dir);
 }

@@ -30,7 +30,7 @@ use crate::net::protocol::Roster;
 use crate::net::ControlBus;
 use crate::ps::client::PsClient;
 use crate::ps::snapshot::shard_file_name;
-use crate::ps::wire::{PullRequest, PulledRows, PushRequest, Reply, Request, TableStats, UpdateKind};
+use crate::ps::wire::{PullRequest, PulledRows, PushRequest, Reply, Request, ShardStats, UpdateKind};
 use crate::ps::worker::{PullPlan, ShardUpdate};
 use crate::telemetry::metrics::peak_rss_bytes;
 use crate::telemetry::monitor::{Monitor, MonitorSettings, StepSample};
@@ -94,8 +94,8 @@ pub struct PsOutcome {
     pub auc: Option<f64>,
     /// Held-out samples evaluated (trainer 0 only).
     pub test_samples: usize,
-    /// Rows and bytes of each table over all shards, at the end (trainer 0 only).
-    pub tables: Vec<TableStats>,
+    /// What each shard holds and applied, at the end (trainer 0 only).
+    pub shards: Vec<ShardStats>,
 }
 
 impl Actor for PsTrainer {
@@ -234,9 +234,9 @@ impl PsRun {
             .call_all(everyone(Request::EndTraining { trainer: rank }), "end of training")
             .await?;
 
-        let (auc, test_samples, tables) = if rank == 0 {
+        let (auc, test_samples, shards) = if rank == 0 {
             let (auc, test_samples) = self.evaluate(&mut client, steps as u64).await?;
-            let tables = table_stats(&mut client).await?;
+            let shards = shard_stats(&mut client).await?;
             if let Some(dir) = &self.save_dir {
                 std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
                 let saves = (0..client.server_num())
@@ -246,7 +246,7 @@ impl PsRun {
                     .collect();
                 client.call_all(saves, "save of the tables").await?;
             }
-            (auc, test_samples, tables)
+            (auc, test_samples, shards)
         } else {
             (None, 0, Vec::new())
         };
@@ -262,7 +262,7 @@ impl PsRun {
             comm_time_ratio: progress.comm_time.as_secs_f64() / elapsed.as_secs_f64().max(1e-9),
             auc,
             test_samples,
-            tables,
+            shards,
         })
     }
 
@@ -482,23 +482,19 @@ impl PsRun {
     }
 }
 
-/// Each table's rows and bytes, summed over the shards.
-async fn table_stats(client: &mut PsClient) -> Result<Vec<TableStats>> {
+/// Each shard's statistics.
+async fn shard_stats(client: &mut PsClient) -> Result<Vec<ShardStats>> {
     let replies = client
         .call_all(vec![Request::Stats; client.server_num()], "table statistics")
         .await?;
-    let mut total: Vec<TableStats> = Vec::new();
-    for reply in replies {
-        let Reply::Stats(tables) = reply else {
-            anyhow::bail!("a parameter server answered the statistics request with something else");
-        };
-        total.resize(tables.len().max(total.len()), TableStats::default());
-        for (sum, table) in total.iter_mut().zip(tables) {
-            sum.rows += table.rows;
-            sum.bytes += table.bytes;
-        }
-    }
-    Ok(total)
+    replies
+        .into_iter()
+        .enumerate()
+        .map(|(shard, reply)| match reply {
+            Reply::Stats(stats) => Ok(stats),
+            other => anyhow::bail!("parameter server {shard} answered the statistics request with {other:?}"),
+        })
+        .collect()
 }
 
 /// Pulls `plan` from every shard at once, for training.

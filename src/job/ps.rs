@@ -35,7 +35,7 @@ use crate::ps::dense::{dense_range, DenseSlice};
 use crate::ps::optimizer::ServerOptimizer;
 use crate::ps::snapshot::shard_file_name;
 use crate::ps::table::{RowInit, SparseTable};
-use crate::ps::wire::TableStats;
+use crate::ps::wire::{ShardStats, TableStats};
 use crate::ps::worker::table_layout;
 use crate::ps::{Shard, ShardSpec};
 use crate::telemetry::timeline::TraceTarget;
@@ -77,6 +77,9 @@ pub struct PsSummary {
     pub planted_auc: Option<f64>,
     /// Size of each sparse table at the end, over all shards.
     pub tables: Vec<TableFigures>,
+    /// Updates each shard applied: sync steps, or pushes (async and geo) — each trainer's push
+    /// of each step counted once, however often the job rolled back.
+    pub updates_applied: Vec<u64>,
 }
 
 /// How big one sparse table grew, and what a row costs.
@@ -282,6 +285,7 @@ impl ParameterServerJob {
                                 orders,
                                 endpoint: endpoint.clone(),
                                 recovery: &recovery,
+                                joined: false,
                             };
                             generations.serve(acks, done).await?;
                         }
@@ -435,21 +439,29 @@ impl ParameterServerJob {
                 .context("the held-out set has only one class (or no samples): AUC is undefined")?,
             test_samples: rank0.test_samples,
             planted_auc,
-            tables: table_figures(config, &rank0.tables),
+            tables: table_figures(config, &rank0.shards),
+            updates_applied: rank0.shards.iter().map(|s| s.updates_applied).collect(),
         })
     }
 }
 
-fn table_figures(job: &JobConfig, stats: &[TableStats]) -> Vec<TableFigures> {
+/// Each table's rows and bytes, summed over the shards.
+fn table_figures(job: &JobConfig, shards: &[ShardStats]) -> Vec<TableFigures> {
     let optimizer = ServerOptimizer::for_job(job);
     table_layout(job)
         .iter()
-        .zip(stats)
-        .map(|(spec, stats)| TableFigures {
-            name: spec.name.to_string(),
-            rows: stats.rows,
-            bytes_per_row: stats.bytes as f64 / stats.rows.max(1) as f64,
-            raw_bytes_per_row: 8 + 4 * (spec.width + optimizer.state_len(spec.width)),
+        .enumerate()
+        .map(|(table, spec)| {
+            let of = |figure: fn(&TableStats) -> u64| -> u64 {
+                shards.iter().filter_map(|s| s.tables.get(table)).map(figure).sum()
+            };
+            let rows = of(|t| t.rows);
+            TableFigures {
+                name: spec.name.to_string(),
+                rows,
+                bytes_per_row: of(|t| t.bytes) as f64 / rows.max(1) as f64,
+                raw_bytes_per_row: 8 + 4 * (spec.width + optimizer.state_len(spec.width)),
+            }
         })
         .collect()
 }

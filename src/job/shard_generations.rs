@@ -42,6 +42,9 @@ pub(super) struct ShardGenerations<'a> {
     /// The shard's address, announced at each rendezvous (its node holds its files).
     pub(super) endpoint: String,
     pub(super) recovery: &'a Recovery,
+    /// Whether the shard joined a generation before (a first join's state may have been read
+    /// from disk when the process started).
+    pub(super) joined: bool,
 }
 
 impl ShardGenerations<'_> {
@@ -114,7 +117,10 @@ impl ShardGenerations<'_> {
         self.orders.joined(roster.generation);
         let step = roster.resume_step.unwrap_or(0);
         let started = Instant::now();
+        let read_at_start = !self.joined && step > 0 && self.recovery.start_step() == Some(step);
+        self.joined = true;
         let (bytes, from) = match self.actor.send(KeepsState(step as u64)).await? {
+            true if read_at_start => (None, "disk"),
             true => (None, "memory"),
             false => {
                 let file = self

@@ -21,7 +21,7 @@ use rustc_hash::FxHashMap;
 use super::dense::DenseSlice;
 use super::snapshot::{load_from_bytes, load_shard, save_shard, shard_bytes, ShardSnapshotInfo};
 use super::table::SparseTable;
-use super::wire::{PullRequest, PulledRows, PushRequest, TableStats, UpdateKind};
+use super::wire::{PullRequest, PulledRows, PushRequest, ShardStats, TableStats, UpdateKind};
 use crate::config::PsMode;
 
 /// Where a shard sits in the job.
@@ -181,14 +181,19 @@ impl Shard {
     }
 
     /// Rows and allocated bytes of every table.
-    pub fn stats(&self) -> Vec<TableStats> {
-        self.tables
+    pub fn stats(&self) -> ShardStats {
+        let tables = self
+            .tables
             .iter()
             .map(|t| TableStats {
                 rows: t.len() as u64,
                 bytes: t.memory_bytes() as u64,
             })
-            .collect()
+            .collect();
+        ShardStats {
+            tables,
+            updates_applied: self.applied,
+        }
     }
 
     /// Writes the dense slice and every table to `path`.

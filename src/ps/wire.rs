@@ -104,6 +104,16 @@ pub enum Request {
     },
 }
 
+/// What one shard holds and has applied.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct ShardStats {
+    /// Each table's size.
+    pub tables: Vec<TableStats>,
+    /// Updates applied in the run's lineage: sync steps, or pushes (async and geo) — each
+    /// trainer's push of each step once, however often the job rolled back.
+    pub updates_applied: u64,
+}
+
 /// One table's size on one shard.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct TableStats {
@@ -145,8 +155,8 @@ struct Stamped {
 pub enum Reply {
     /// Answer to a pull.
     Rows(PulledRows),
-    /// Answer to [`Request::Stats`], per table.
-    Stats(Vec<TableStats>),
+    /// Answer to [`Request::Stats`].
+    Stats(ShardStats),
     /// Answer to [`Request::Checkpoint`]: the file the shard wrote, then every trainer's.
     Checkpointed(Vec<FileRecord>),
     /// Any other request was carried out.
@@ -191,6 +201,7 @@ enum Header {
     TableStats {
         rows: Vec<u64>,
         bytes: Vec<u64>,
+        applied: u64,
     },
     Rows {
         rows: Vec<u32>,
@@ -349,9 +360,10 @@ pub fn encode_reply(reply: &Result<Reply>) -> Result<Bytes> {
                 put_floats(out, &rows.dense);
             });
         }
-        Ok(Reply::Stats(tables)) => Header::TableStats {
-            rows: tables.iter().map(|t| t.rows).collect(),
-            bytes: tables.iter().map(|t| t.bytes).collect(),
+        Ok(Reply::Stats(stats)) => Header::TableStats {
+            rows: stats.tables.iter().map(|t| t.rows).collect(),
+            bytes: stats.tables.iter().map(|t| t.bytes).collect(),
+            applied: stats.updates_applied,
         },
         Ok(Reply::Checkpointed(records)) => Header::Checkpointed(records.clone()),
         Ok(Reply::Done) => Header::Done,
@@ -371,19 +383,21 @@ pub fn decode_reply(body: Bytes) -> Result<Reply> {
             rows: rows.iter().map(|&n| payload.floats(n)).collect::<Result<_>>()?,
             dense: payload.floats(dense)?,
         }),
-        Header::TableStats { rows, bytes } => {
+        Header::TableStats { rows, bytes, applied } => {
             ensure!(
                 rows.len() == bytes.len(),
                 "malformed answer: {} row counts for {} byte counts",
                 rows.len(),
                 bytes.len()
             );
-            Reply::Stats(
-                rows.into_iter()
+            Reply::Stats(ShardStats {
+                tables: rows
+                    .into_iter()
                     .zip(bytes)
                     .map(|(rows, bytes)| TableStats { rows, bytes })
                     .collect(),
-            )
+                updates_applied: applied,
+            })
         }
         Header::Checkpointed(records) => Reply::Checkpointed(records),
         Header::Done => Reply::Done,
@@ -517,7 +531,10 @@ mod tests {
             dense: vec![4.0],
         });
         assert_eq!(decode_reply(encode_reply(&Ok(rows.clone()))?)?, rows);
-        let stats = Reply::Stats(vec![TableStats { rows: 3, bytes: 300 }, TableStats::default()]);
+        let stats = Reply::Stats(ShardStats {
+            tables: vec![TableStats { rows: 3, bytes: 300 }, TableStats::default()],
+            updates_applied: 12,
+        });
         assert_eq!(decode_reply(encode_reply(&Ok(stats.clone()))?)?, stats);
         let failed = decode_reply(encode_reply(&Err(anyhow::anyhow!("unknown table 3")))?).unwrap_err();
         assert_eq!(failed.to_string(), "unknown table 3");

@@ -48,6 +48,48 @@ pub fn max_abs_diff(a: &[(String, Vec<f32>)], b: &[(String, Vec<f32>)]) -> f32 {
         .fold(0.0, f32::max)
 }
 
+/// A table row: id, values, optimizer state.
+type Row = (u64, Vec<f32>, Vec<f32>);
+
+/// The shards' saved tables and dense slices, and the AUC and loss of the summary, equal those
+/// of the same job run uninterrupted in one process.
+pub fn ps_matches_uninterrupted(settings: &[&str], summary: &serde_json::Value, run_dir: &Path) {
+    let load = |path: &Path| {
+        flotilla::config::JobConfig::from_file(
+            path,
+            &|_| None,
+            &settings.iter().map(|s| s.to_string()).collect::<Vec<_>>(),
+        )
+    };
+    let config = load(Path::new("examples/ctr_ps.toml")).unwrap();
+    let reference_dir = tempfile::tempdir().unwrap();
+    let uninterrupted = flotilla::job::ps::ParameterServerJob::builtin(config.clone())
+        .unwrap()
+        .run_simulated(&RunOptions::new(reference_dir.path()))
+        .unwrap();
+    assert_eq!(summary["auc"].as_f64().unwrap(), uninterrupted.auc);
+    assert_eq!(summary["final_loss"].as_f64().unwrap() as f32, uninterrupted.final_loss);
+    for index in 0..config.cluster.server_num {
+        let contents = |dir: &Path| {
+            let mut shard = flotilla::job::ps::build_shard(&config, index).unwrap();
+            shard.load(&dir.join(format!("ps-shard-{index}.safetensors"))).unwrap();
+            let mut tables: Vec<Vec<Row>> = shard
+                .tables()
+                .iter()
+                .map(|t| t.rows().map(|(id, v, s)| (id, v.to_vec(), s.to_vec())).collect())
+                .collect();
+            tables
+                .iter_mut()
+                .for_each(|rows| rows.sort_unstable_by_key(|row| row.0));
+            (shard.dense().values().to_vec(), shard.dense().state().to_vec(), tables)
+        };
+        assert!(
+            contents(run_dir) == contents(reference_dir.path()),
+            "shard {index} differs"
+        );
+    }
+}
+
 /// Reads a `params.safetensors` written by a run.
 pub fn read_params(path: &Path) -> Vec<(String, Vec<f32>)> {
     let tensors = candle_core::safetensors::load(path, &candle_core::Device::Cpu).expect("params.safetensors");
@@ -88,6 +130,32 @@ pub fn children_of(launcher: u32) -> Vec<i32> {
         pids.extend(children.split_whitespace().filter_map(|p| p.parse::<i32>().ok()));
     }
     pids
+}
+
+/// The pid of each of `launcher`'s roles, by the name the launcher gives it — `rank 1`,
+/// `server 0`, `trainer 1` — read from their environments.
+pub fn role_pids(launcher: u32) -> HashMap<String, i32> {
+    children_of(launcher)
+        .into_iter()
+        .filter_map(|pid| {
+            let environ = std::fs::read(format!("/proc/{pid}/environ")).ok()?;
+            let var = |name: &str| {
+                environ.split(|&b| b == 0).find_map(|var| {
+                    let value = var.strip_prefix(format!("{name}=").as_bytes())?;
+                    Some(String::from_utf8_lossy(value).into_owned())
+                })
+            };
+            let name = match (var("TRAINING_ROLE")?.as_str(), var("PADDLE_PSERVERS_IP_PORT_LIST")) {
+                ("PSERVER", Some(servers)) => {
+                    let me = format!("{}:{}", var("POD_IP")?, var("PADDLE_PORT")?);
+                    format!("server {}", servers.split(',').position(|s| s == me)?)
+                }
+                ("TRAINER", Some(_)) => format!("trainer {}", var("PADDLE_TRAINER_ID")?),
+                _ => format!("rank {}", var("PADDLE_TRAINER_ID")?),
+            };
+            Some((name, pid))
+        })
+        .collect()
 }
 
 /// The pid of each of `launcher`'s trainers, by rank (read from their environments).
