@@ -437,3 +437,107 @@ fn a_pull_held_for_a_trainer_that_never_pushes_names_it_after_the_timeout() {
     let waited = started.elapsed().as_secs_f64();
     assert!((0.9..5.0).contains(&waited), "answered after {waited:.1}s");
 }
+
+/// An empty push of `step` from `trainer` to shard 0 of `config`.
+fn empty_push(config: &JobConfig, trainer: usize, step: u64, kind: UpdateKind) -> PushRequest {
+    let dense = build_shard(config, 0).unwrap().dense().len();
+    PushRequest {
+        trainer,
+        step,
+        kind,
+        ids: vec![vec![], vec![]],
+        values: vec![vec![], vec![]],
+        dense: vec![0.0; dense],
+    }
+}
+
+#[test]
+fn a_shard_serves_one_generation_refusing_older_requests_and_holding_newer_ones_until_restored() {
+    use actix::prelude::*;
+    use flotilla::actors::pserver::{PServer, RestoreState, RollBack};
+    use flotilla::ps::wire::{PullRequest, Reply, Request, ShardCall};
+
+    let config = ctr_config(&["cluster.nproc_per_node=2"]);
+    let shard = build_shard(&config, 0).unwrap();
+    let push = empty_push(&config, 0, 0, UpdateKind::Gradients);
+    System::new().block_on(async move {
+        let (all_left, _) = futures::channel::oneshot::channel();
+        let (acknowledge, _acks) = tokio::sync::mpsc::unbounded_channel();
+        let server = PServer::new(shard, all_left, config.fault_tolerance.timeout())
+            .recovering_in_place(0, acknowledge)
+            .unwrap()
+            .start();
+        let call = |generation, request| ShardCall { generation, request };
+        // Not ready before its state is restored: the request waits.
+        let stats = server.send(call(0, Request::Stats));
+        let restore = |generation| RestoreState {
+            generation,
+            step: 0,
+            bytes: None,
+        };
+        server.send(restore(0)).await.unwrap().unwrap();
+        assert!(matches!(stats.await.unwrap().unwrap(), Reply::Stats(_)));
+
+        // Trainer 0 waits for step 1 while trainer 1 has not pushed step 0: the rollback
+        // refuses the held pull with its reason.
+        server.send(call(0, Request::Push(push))).await.unwrap().unwrap();
+        let pull = PullRequest {
+            trainer: 0,
+            version: 1,
+            after_training: false,
+            ids: vec![vec![], vec![]],
+            dense: true,
+        };
+        let held = server.send(call(0, Request::Pull(pull)));
+        let reason = "trainer 1 declared dead".to_string();
+        server.do_send(RollBack { generation: 1, reason });
+        assert_eq!(held.await.unwrap().unwrap_err().to_string(), "trainer 1 declared dead");
+        let stale = server.send(call(0, Request::Stats)).await.unwrap().unwrap_err();
+        assert_eq!(
+            stale.to_string(),
+            "parameter server 0: a request of generation 0 after the job rolled back to generation 1"
+        );
+        let early = server.send(call(1, Request::Stats));
+        server.send(restore(1)).await.unwrap().unwrap();
+        let Reply::Stats(stats) = early.await.unwrap().unwrap() else {
+            panic!("statistics expected");
+        };
+        assert_eq!(
+            stats.updates_applied, 0,
+            "rolled back to step 0: trainer 0's push is undone"
+        );
+    });
+}
+
+#[test]
+fn an_async_checkpoint_waits_for_every_trainers_pushes_before_it_and_resumes_their_bookkeeping() {
+    let config = ctr_config(&["cluster.nproc_per_node=2", "strategy.a_sync=true"]);
+    let mut shard = build_shard(&config, 0).unwrap();
+    let push = |trainer, step| empty_push(&config, trainer, step, UpdateKind::Gradients);
+    for step in 0..2 {
+        assert!(shard.push(push(0, step)).unwrap());
+    }
+    assert!(!shard.checkpoint_ready(2).unwrap(), "trainer 1 has not pushed yet");
+    for step in 0..2 {
+        assert!(shard.push(push(1, step)).unwrap());
+    }
+    assert!(shard.checkpoint_ready(2).unwrap());
+    let bytes = shard.snapshot_bytes().unwrap();
+    assert!(shard.push(push(0, 2)).unwrap());
+    let past = shard.checkpoint_ready(2).unwrap_err().to_string();
+    assert_eq!(
+        past,
+        "parameter server 0: trainer 0 pushed step Some(2) before the checkpoint of step 2"
+    );
+    shard.resume(&bytes, 2).unwrap();
+    assert_eq!(shard.stats().updates_applied, 4, "two steps of two trainers");
+    assert!(
+        !shard.push(push(0, 1)).unwrap(),
+        "a push of the checkpoint is not applied again"
+    );
+    assert!(
+        shard.push(push(0, 2)).unwrap(),
+        "the rolled-back push is applied once more"
+    );
+    assert_eq!(shard.stats().updates_applied, 5);
+}

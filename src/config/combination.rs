@@ -318,4 +318,23 @@ mod tests {
         assert_eq!(config.strategy.ps_mode(), PsMode::Geo { k_steps: 4 });
         assert_eq!(load_str(CTR).unwrap().strategy.ps_mode(), PsMode::Sync);
     }
+
+    #[test]
+    fn every_mode_checkpoints_and_geo_where_the_trainers_push() {
+        let checkpoints = |every: usize| format!("[fault_tolerance]\ncheckpoint_every = {every}\n");
+        let async_job = format!("{CTR}[strategy]\na_sync = true\n{}", checkpoints(10));
+        assert!(load_str(&async_job).is_ok());
+        let geo = |every| {
+            format!(
+                "{CTR}[strategy]\na_sync = true\na_sync_configs = {{ k_steps = 4 }}\n{}",
+                checkpoints(every)
+            )
+        };
+        assert!(load_str(&geo(8)).is_ok());
+        let msg = err_text(load_str(&geo(10)));
+        assert!(
+            msg.starts_with("config.toml: fault_tolerance.checkpoint_every: 10 is not a multiple of strategy.a_sync_configs.k_steps = 4"),
+            "{msg}"
+        );
+    }
 }
