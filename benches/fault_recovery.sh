@@ -7,6 +7,12 @@
 #
 # The pipeline rows run the same model as 2 replicas of 2 stages (4 ranks).
 #
+# The parameter-server rows run examples/ctr_ps.toml with 64-wide embeddings over 2 M ids (sync,
+# 2 shards x 2 trainers, 240 steps, a checkpoint every 40; about 100 MB of tables and optimizer
+# state by step 200) and lose trainer 1 or server 1 after the checkpoint of step 200; "resumed"
+# is when the last role holds the checkpoint's state again (in place: the shards serve
+# generation 1 and the trainers rejoined it; restarted: every process read it from disk).
+#
 # The job: 3 trainers on loopback, an MLP of 64-4096-4096-4096-10 (34 M parameters, 135 MB; the
 # state with SGD momentum is 270 MB), a global batch of 48, 30 steps, a checkpoint every 5 steps;
 # the kill lands after the checkpoint of step 10. Heartbeats every 200 ms, 5 misses.
@@ -135,6 +141,53 @@ print(f"torchrun SIGKILL           : resumed {max(restored) - killed:.3f} s ({le
 EOF
 }
 
+ps_run() { # mode port victim (TRAINER or PSERVER)
+    local mode=$1 port=$2 victim_role=$3 dir="$work/ps-$1-$2"
+    mkdir -p "$dir"
+    "$flotilla" launch-ps --server_num 2 --worker_num 2 --started_port "$port" -- train \
+        --config examples/ctr_ps.toml --set train.steps=240 --set fault_tolerance.checkpoint_every=40 \
+        --set train.embedding_dim=64 --set train.synthetic_vocab=2000000 \
+        --set fault_tolerance.max_restarts=1 --set fault_tolerance.heartbeat_interval_ms=200 \
+        --set fault_tolerance.recovery="$mode" --set fault_tolerance.checkpoint_dir="$dir/checkpoints" \
+        --run-dir "$dir/run" >"$dir/log" 2>&1 &
+    launcher=$!
+    wait_for "$dir/checkpoints/step-00000200/manifest.json"
+    local victim killed bytes
+    if [ "$victim_role" = TRAINER ]; then
+        victim=$(child_with "$launcher" PADDLE_TRAINER_ID 1)
+    else
+        victim=$(child_with "$launcher" PADDLE_PORT $((port + 1)))
+    fi
+    bytes=$(du -cb "$dir"/checkpoints/step-00000200/ps-* | tail -1 | cut -f1)
+    killed=$(now)
+    kill -9 "$victim"
+    wait "$launcher" || { echo "the $mode job failed:"; tail -30 "$dir/log"; exit 1; }
+    launcher=
+    python3 - "$mode" "$killed" "$dir/log" "$victim_role" "$bytes" <<'EOF'
+import re, sys
+from datetime import datetime, timezone
+mode, killed, log, role, size = sys.argv[1], float(sys.argv[2]), open(sys.argv[3]).read().splitlines(), sys.argv[4], int(sys.argv[5])
+lost = "trainer 1" if role == "TRAINER" else "server 1"
+def t(line):
+    stamp = re.search(r"(\d{4}-\d\d-\d\dT[\d:.]+)Z", line).group(1)
+    return datetime.strptime(stamp[:26], "%Y-%m-%dT%H:%M:%S.%f").replace(tzinfo=timezone.utc).timestamp()
+def after(pattern):
+    return [(t(l), l) for l in log if re.search(pattern, l) and t(l) > killed]
+if mode == "in_place":
+    declared = after(lost + r" declared dead")[0][0]
+    roster = after(r"rendezvous complete.*generation=1")[0][0]
+    serving = after(r"serving shard=.*generation=1")
+    holding = serving + after(r"rejoined trainer=")
+    restore = max(float(re.search(r"seconds=([\d.e-]+)", l).group(1)) for _, l in serving)
+    print(f"ps in_place, {lost:<9}: detect {declared - killed:.3f} s  rendezvous {roster - killed:.3f} s  "
+          f"slowest shard restore {restore:.3f} s  resumed {max(x for x, _ in holding) - killed:.3f} s  "
+          f"(shard state {size / 1e6:.1f} MB)")
+else:
+    holding = after(r"listening on|resuming from checkpoint")
+    print(f"ps restart, {lost:<10}: resumed {max(x for x, _ in holding) - killed:.3f} s  (shard state {size / 1e6:.1f} MB)")
+EOF
+}
+
 venv=${FLOTILLA_PEERS_VENV:-$HOME/.cache/flotilla-peers}
 for run in $(seq 1 "$runs"); do
     echo "run $run"
@@ -144,6 +197,10 @@ for run in $(seq 1 "$runs"); do
     flotilla_run restart $((17300 + 10 * run)) KILL
     flotilla_run in_place $((17500 + 10 * run)) KILL "" pipeline
     flotilla_run restart $((17550 + 10 * run)) KILL "" pipeline
+    ps_run in_place $((17600 + 10 * run)) TRAINER
+    ps_run in_place $((17650 + 10 * run)) PSERVER
+    ps_run restart $((17700 + 10 * run)) TRAINER
+    ps_run restart $((17750 + 10 * run)) PSERVER
     if [ -x "$venv/bin/torchrun" ]; then
         torch_run $((17400 + 10 * run))
     fi
