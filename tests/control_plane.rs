@@ -64,6 +64,7 @@ async fn bad_frames_close_only_their_connection() {
         rank: 0,
         world_size: 1,
         data_endpoint: "127.0.0.1:9".into(),
+        mirror: None,
         settings: Default::default(),
     })
     .encode()
@@ -85,6 +86,7 @@ async fn bad_frames_close_only_their_connection() {
     // A well-formed frame carrying a message the coordinator never accepts.
     let roster = Frame::control(ControlMessage::Roster(Roster {
         endpoints: vec![],
+        mirrors: vec![],
         generation: 0,
         resume_step: None,
     }))
@@ -96,7 +98,7 @@ async fn bad_frames_close_only_their_connection() {
         .await
         .expect("connect");
     let roster = bus
-        .join(0, 1, "127.0.0.1:9".to_string(), Default::default())
+        .join(0, 1, "127.0.0.1:9".to_string(), None, Default::default())
         .await
         .expect("served after the bad clients");
     assert_eq!(roster.endpoints, vec!["127.0.0.1:9".to_string()]);

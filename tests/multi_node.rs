@@ -350,3 +350,34 @@ fn a_pipeline_node_lost_with_its_disk_takes_its_stages_from_the_other_nodes_repl
     twin.push("cluster.nproc_per_node=4");
     job.ends_as(&twin);
 }
+
+/// A 1 × 2 pipeline over the two nodes: each node holds one stage, which no other node runs.
+const PIPELINE_SPLIT: [&str; 9] = [
+    "strategy.pipeline=true",
+    "strategy.hybrid_configs.dp_degree=1",
+    "strategy.hybrid_configs.pp_degree=2",
+    "strategy.pipeline_configs.schedule_mode=\"1F1B\"",
+    "strategy.pipeline_configs.accumulate_steps=4",
+    "train.steps=1500",
+    "fault_tolerance.checkpoint_every=250",
+    "fault_tolerance.max_restarts=1",
+    "fault_tolerance.heartbeat_interval_ms=200",
+];
+
+#[test]
+fn a_stage_only_its_lost_node_held_comes_back_from_the_buddy_copy_on_the_other_node() {
+    let Some(job) = Separate::create_or_say_why(1, &PIPELINE_SPLIT) else {
+        return;
+    };
+    let finished = job.lose_the_second_node(250, Disk::Emptied);
+    assert!(
+        finished[0].stderr.contains("rejoined rank=0 generation="),
+        "{}",
+        finished[0].stderr
+    );
+    // Stage 1 ran on the lost node only: its copy on the first node (rank 0's mirror) brings it back.
+    assert_eq!(Separate::restored_from(&finished, 1), "\"buddy rank 0\"");
+    let mut twin: Vec<&str> = PIPELINE_SPLIT[..6].to_vec();
+    twin.push("cluster.nproc_per_node=2");
+    job.ends_as(&twin);
+}

@@ -213,7 +213,7 @@ fn a_stage_peer_that_never_connects_is_named_by_the_rank_waiting_for_it() {
         let mut bus = ControlBus::connect(&master, Duration::from_secs(30), 1 << 20, &credentials)
             .await
             .expect("rank 0 hosts the coordinator");
-        let roster = bus.join(1, 2, silent.clone(), Default::default()).await;
+        let roster = bus.join(1, 2, silent.clone(), None, Default::default()).await;
         (bus, roster)
     });
     assert_eq!(roster.unwrap().endpoints[1], silent);

@@ -35,6 +35,7 @@ fn control_frames() -> Vec<Frame> {
             rank: 3,
             world_size: 4,
             data_endpoint: "127.0.0.1:6174".into(),
+            mirror: Some("127.0.0.1:41000".into()),
             settings: [("train.lr".to_string(), "0.05".to_string())].into(),
         }),
         Frame::control(ControlMessage::Mismatched {
@@ -66,6 +67,7 @@ fn control_frames() -> Vec<Frame> {
         })),
         Frame::control(ControlMessage::Roster(Roster {
             endpoints: vec!["127.0.0.1:6171".into(), "127.0.0.1:6172".into()],
+            mirrors: vec![None, Some("127.0.0.1:41001".into())],
             generation: 3,
             resume_step: Some(40),
         })),

@@ -50,8 +50,9 @@ pub struct Coordinator {
     timeout: Duration,
     /// The generation forming or running: 0 at the start, one more after every rollback.
     generation: u64,
-    /// Ranks that joined the forming generation: their endpoints, and where their roster goes.
-    joining: BTreeMap<usize, (String, Waiter<Roster>)>,
+    /// Ranks that joined the forming generation: their data endpoints and mirrors, and where
+    /// their roster goes.
+    joining: BTreeMap<usize, (String, Option<String>, Waiter<Roster>)>,
     /// The generation each rank of the job last joined.
     members: HashMap<usize, u64>,
     /// Ranks waiting at each barrier or gather.
@@ -187,7 +188,7 @@ impl Coordinator {
             let reason = format!("{} declared dead: {why}; the job is stopped", self.name(rank));
             tracing::error!("{reason}");
             self.fail_barriers(&reason);
-            for (_, (_, waiter)) in std::mem::take(&mut self.joining) {
+            for (_, (_, _, waiter)) in std::mem::take(&mut self.joining) {
                 let _ = waiter.send(Err(reason.clone()));
             }
             self.stopped = Some(reason);
@@ -213,7 +214,7 @@ impl Coordinator {
             }
             self.dead.push(DeadProcess { rank, pid });
         }
-        if let Some((_, waiter)) = self.joining.remove(&rank) {
+        if let Some((_, _, waiter)) = self.joining.remove(&rank) {
             let _ = waiter.send(Err(reason.clone()));
         }
         self.rolled_back = reason;
@@ -399,7 +400,7 @@ impl Coordinator {
                 coordinator.world_size
             );
             tracing::error!("{reason}");
-            for (_, (_, waiter)) in std::mem::take(&mut coordinator.joining) {
+            for (_, (_, _, waiter)) in std::mem::take(&mut coordinator.joining) {
                 let _ = waiter.send(Err(reason.clone()));
             }
         });
@@ -474,18 +475,19 @@ impl Handler<Join> for Coordinator {
         if self.members.get(&msg.rank) == Some(&self.generation) {
             self.declare_dead(msg.rank, "a new process joined in its place");
         }
-        if let Some((_, earlier)) = self.joining.remove(&msg.rank) {
+        if let Some((_, _, earlier)) = self.joining.remove(&msg.rank) {
             let _ = earlier.send(Err(format!("rank {} joined again from a new process", msg.rank)));
         }
         tracing::debug!(rank = msg.rank, endpoint = %msg.data_endpoint, generation = self.generation, "rank joined");
         if self.joining.is_empty() {
             self.expire_rendezvous(ctx);
         }
-        self.joining.insert(msg.rank, (msg.data_endpoint, tx));
+        self.joining.insert(msg.rank, (msg.data_endpoint, msg.mirror, tx));
         if self.joining.len() == self.world_size {
             let joined = std::mem::take(&mut self.joining);
             let roster = Roster {
-                endpoints: joined.values().map(|(endpoint, _)| endpoint.clone()).collect(),
+                endpoints: joined.values().map(|(endpoint, _, _)| endpoint.clone()).collect(),
+                mirrors: joined.values().map(|(_, mirror, _)| mirror.clone()).collect(),
                 generation: self.generation,
                 resume_step: self.committed,
             };
@@ -495,7 +497,7 @@ impl Handler<Join> for Coordinator {
                 resume_step = ?self.committed,
                 "rendezvous complete"
             );
-            for (rank, (_, waiter)) in joined {
+            for (rank, (_, _, waiter)) in joined {
                 self.members.insert(rank, self.generation);
                 let _ = waiter.send(Ok(roster.clone()));
             }
@@ -650,6 +652,7 @@ mod tests {
             rank,
             world_size,
             data_endpoint,
+            mirror: None,
             settings,
         })
         .await

@@ -8,6 +8,7 @@ use std::time::Instant;
 use actix::Addr;
 use anyhow::{Context as _, Result};
 
+use super::buddy::Buddy;
 use super::device::{DeviceActor, RestoreCheckpoint, ShareState, Snapshot};
 use crate::checkpoint::{CheckpointStore, CommitRecord};
 use crate::engines::comm::Shared;
@@ -80,12 +81,23 @@ pub(crate) struct Restore<'a> {
     pub(crate) kept: Option<&'a mut Kept>,
     /// The rank at each place of the ring that shares the state (a pipeline stage's replicas).
     pub(crate) ring_ranks: Vec<usize>,
+    /// Where the next node keeps a copy of the state, when no other node does.
+    pub(crate) buddy: Option<BuddyCopy<'a>>,
+}
+
+/// A rank's file kept on the next node ([`Buddy`]).
+pub(crate) struct BuddyCopy<'a> {
+    pub(crate) buddy: &'a Buddy,
+    pub(crate) roster: &'a Roster,
+    /// The file's name in the checkpoint.
+    pub(crate) name: String,
 }
 
 impl Restore<'_> {
     /// Brings the device's state to the one after `step` steps (a fresh one is step 0's) and
     /// returns the losses of those steps. A rank that rolls back in place takes it from memory,
-    /// else from `disk` (its node's copy), else from the peer nearest it that holds it — every
+    /// else from `disk` (its node's copy), else from its buddy node's copy, else from the peer
+    /// nearest it that holds it — every
     /// rank sharing the state takes part in that exchange, so all call this at the same step.
     /// One that does not roll back in place reads `disk`.
     pub(crate) async fn to(self, step: usize, disk: impl FnOnce() -> Result<Arc<Vec<u8>>>) -> Result<Vec<f32>> {
@@ -95,6 +107,7 @@ impl Restore<'_> {
             device,
             kept,
             ring_ranks,
+            buddy,
         } = self;
         let Some(kept) = kept else {
             if step == 0 {
@@ -114,7 +127,16 @@ impl Restore<'_> {
                 Ok(bytes) => Some((bytes, "disk".to_string())),
                 Err(e) => {
                     tracing::info!(rank, step, "not on this node's disk: {e:#}");
-                    None
+                    match buddy {
+                        Some(copy) => match copy.buddy.fetch(copy.roster, rank, step, &copy.name).await {
+                            Ok((bytes, from)) => Some((Arc::new(bytes), from)),
+                            Err(e) => {
+                                tracing::info!(rank, step, "no buddy copy: {e:#}");
+                                None
+                            }
+                        },
+                        None => None,
+                    }
                 }
             },
         };

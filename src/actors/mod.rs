@@ -3,6 +3,7 @@
 //! thread that owns the model replica and the communicator). Every message
 //! an actor accepts is defined in its file.
 
+pub mod buddy;
 pub mod coordinator;
 pub mod device;
 mod divergence;

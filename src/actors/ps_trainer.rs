@@ -275,6 +275,7 @@ impl PsRun {
                 self.role(),
                 self.roles(),
                 in_place.endpoint.clone(),
+                None,
                 self.job.shared_settings(),
             )
             .await?;

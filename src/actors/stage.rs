@@ -18,12 +18,13 @@ use bytes::Bytes;
 use futures::future::BoxFuture;
 use serde::{Deserialize, Serialize};
 
+use super::buddy::Buddy;
 use super::device::{
     DeviceActor, ModelFactory, PipelineEvaluate, PipelineStep, PreparePipeline, ReadParameters, RelinkStage,
     SaveCheckpoint, Snapshot, StageLinks, TakeSpans,
 };
 use super::divergence::check_loss;
-use super::kept::{commit_on_this_node, Kept, Restore};
+use super::kept::{commit_on_this_node, BuddyCopy, Kept, Restore};
 use super::recovery::Recovery;
 use super::rollback::Orders;
 use super::run_loop::RunLoop;
@@ -84,6 +85,8 @@ pub struct StageInPlace {
     pub orders: Orders,
     /// How it joins the next generation.
     pub rejoin: Rejoin,
+    /// Where it keeps a copy of its stage when no other node does (`None`: nowhere).
+    pub buddy: Option<Buddy>,
 }
 
 /// The checkpoint file of stage `stage`, written by its rank in replica 0 (replicas are equal).
@@ -429,15 +432,43 @@ impl StageRun {
     /// [`Restore::to`].
     async fn restore(&mut self, step: usize) -> Result<Vec<f32>> {
         let ring_ranks = self.replicas_of_stage();
+        let file = stage_file(self.stage);
+        // Only a stage no other node runs has a copy on the next node; another's replicas share it.
+        let buddy = match (&self.in_place, &self.roster) {
+            (Some(StageInPlace { buddy: Some(buddy), .. }), Some(roster))
+                if Buddy::only_here(roster, self.rank, ring_ranks.iter().copied()) =>
+            {
+                Some(BuddyCopy {
+                    buddy,
+                    roster,
+                    name: file.clone(),
+                })
+            }
+            _ => None,
+        };
         let restore = Restore {
             rank: self.rank,
             device: &self.device,
             kept: self.in_place.is_some().then_some(&mut self.kept),
             ring_ranks,
+            buddy,
         };
-        let (recovery, world_size, file) = (&self.recovery, self.job.world_size(), stage_file(self.stage));
+        let (recovery, world_size) = (&self.recovery, self.job.world_size());
         restore
             .to(step, || recovery.read_committed(step, world_size, &file))
+            .await
+    }
+
+    /// Stores the stage's checkpoint on the next node when every replica of it runs on this one.
+    async fn copy_to_buddy(&self, step: usize, state: &[u8]) -> Result<()> {
+        let (Some(StageInPlace { buddy: Some(buddy), .. }), Some(roster)) = (&self.in_place, &self.roster) else {
+            return Ok(());
+        };
+        if !Buddy::only_here(roster, self.rank, self.replicas_of_stage()) {
+            return Ok(());
+        }
+        buddy
+            .copy(roster, self.rank, step, &stage_file(self.stage), state)
             .await
     }
 
@@ -462,9 +493,12 @@ impl StageRun {
             );
             self.kept.taken(step, state.clone());
             if writes {
-                let (store, file) = (store.clone(), stage_file(self.stage));
-                let write = tokio::task::spawn_blocking(move || store.write(step, &file, &state));
-                vec![write.await.context("the checkpoint writer stopped")??]
+                let (writer, file) = (store.clone(), stage_file(self.stage));
+                let bytes = state.clone();
+                let write = tokio::task::spawn_blocking(move || writer.write(step, &file, &bytes));
+                let written = write.await.context("the checkpoint writer stopped")??;
+                self.copy_to_buddy(step, &state).await?;
+                vec![written]
             } else {
                 Vec::new()
             }

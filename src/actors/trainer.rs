@@ -159,7 +159,7 @@ impl TrainingRun {
         let mut bus = self.bus.take().context("Train was sent twice")?;
         let link = self.link.take().context("Train was sent twice")?;
         let mut roster = bus
-            .join(rank, world, self.data_endpoint.clone(), job.shared_settings())
+            .join(rank, world, self.data_endpoint.clone(), None, job.shared_settings())
             .await?;
         self.recovery.check_joined(&roster)?;
         if let Some(in_place) = &self.in_place {
@@ -223,7 +223,13 @@ impl TrainingRun {
         let in_place = self.in_place.as_ref().context("a rollback without in-place recovery")?;
         let (link, endpoint) = (in_place.relink)()?;
         let roster = bus
-            .join(self.rank, self.job.world_size(), endpoint, self.job.shared_settings())
+            .join(
+                self.rank,
+                self.job.world_size(),
+                endpoint,
+                None,
+                self.job.shared_settings(),
+            )
             .await?;
         in_place.orders.joined(roster.generation);
         self.device
@@ -249,6 +255,8 @@ impl TrainingRun {
             device: &self.device,
             kept: self.in_place.is_some().then_some(&mut self.kept),
             ring_ranks: (0..self.job.world_size()).collect(),
+            // Every node keeps a replica: no buddy copies.
+            buddy: None,
         };
         let (recovery, world_size) = (&self.recovery, self.job.world_size());
         restore

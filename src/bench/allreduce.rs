@@ -159,7 +159,7 @@ pub fn run_rank(args: &AllReduceArgs) -> Result<()> {
         };
         let coordinator = (rank == 0).then(|| Coordinator::new(world, timeout));
         let mut bus = connect_control(coordinator, rank, &master, &fault_tolerance, 1 << 20, &control).await?;
-        let roster = bus.join(rank, world, endpoint, Default::default()).await?;
+        let roster = bus.join(rank, world, endpoint, None, Default::default()).await?;
         Ok::<_, anyhow::Error>(roster)
     })?;
     let device = match args.backend {

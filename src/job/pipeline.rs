@@ -13,7 +13,9 @@ use futures::future::BoxFuture;
 
 use super::control::connect_control;
 use super::heartbeat::watched;
-use super::process::{bind, bind_data_endpoint, refused_if_mismatched, RankEndpoints, RankRecovery};
+use super::process::{
+    bind, bind_data_endpoint, host_of, refused_if_mismatched, RankEndpoints, RankRecovery, RoleMirror,
+};
 use super::{stage_rings, Recovery, RunOptions, RunOutcome, Summary, TrainingJob};
 use crate::actors::device::StageLinks;
 use crate::actors::rollback::OrderLine;
@@ -95,6 +97,11 @@ pub(super) fn run_rank(job: &TrainingJob, rank: usize, options: &RunOptions) -> 
     } = bind(&config, rank)?;
     let RankRecovery { recovery, orders } = RankRecovery::plan(&config, options)?;
     let own_coordinator = orders.is_some();
+    // A rank that rolls back in place keeps buddy copies of stages only its node holds.
+    let mirror = match own_coordinator {
+        true => RoleMirror::bind(&config, host_of(&data_endpoint), &recovery)?,
+        false => None,
+    };
     let (order_line, orders) = orders.unzip();
     let breaker = order_line.as_ref().map(OrderLine::breaker).unwrap_or_default();
     System::new()
@@ -102,11 +109,14 @@ pub(super) fn run_rank(job: &TrainingJob, rank: usize, options: &RunOptions) -> 
             let ft = &config.fault_tolerance;
             let coordinator = (rank == 0 && !own_coordinator).then(|| Coordinator::for_job(world, &config, &recovery));
             let mut bus = connect_control(coordinator, rank, &master, ft, max_frame, &credentials).await?;
+            let mirror_endpoint = mirror.as_ref().map(|m| m.endpoint.clone());
+            let buddy = mirror.map(RoleMirror::serve).transpose()?;
             let rings = StageRings {
                 config: config.clone(),
                 rank,
                 credentials: credentials.clone(),
                 breaker,
+                mirror: mirror_endpoint,
             };
             let generation = rings.join(&mut bus, listener, data_endpoint).await?;
             // The stage's own line for checkpoints and rollbacks; `bus` gathers the outcomes after.
@@ -114,6 +124,7 @@ pub(super) fn run_rank(job: &TrainingJob, rank: usize, options: &RunOptions) -> 
             let in_place = orders.map(|orders| StageInPlace {
                 orders,
                 rejoin: rings.rejoin(),
+                buddy,
             });
             let training = async {
                 let mut actor = stage_actor(job, rank, generation, stage_bus, recovery, options, trace);
@@ -153,6 +164,8 @@ struct StageRings {
     credentials: Credentials,
     /// Where the connected rings' sockets go, so a rollback order can break them.
     breaker: RingBreaker,
+    /// The rank's checkpoint mirror, announced with each join.
+    mirror: Option<String>,
 }
 
 impl StageRings {
@@ -166,7 +179,13 @@ impl StageRings {
     ) -> Result<StageGeneration> {
         let (config, rank) = (&self.config, self.rank);
         let roster = bus
-            .join(rank, config.world_size(), data_endpoint, config.shared_settings())
+            .join(
+                rank,
+                config.world_size(),
+                data_endpoint,
+                self.mirror.clone(),
+                config.shared_settings(),
+            )
             .await?;
         let (link, data_parallel) =
             stage_rings::connect(bus, config, rank, &roster.endpoints, listener, self.credentials.clone()).await?;

@@ -13,13 +13,16 @@ use anyhow::{anyhow, Context, Result};
 use super::control::connect_control;
 use super::heartbeat::watched;
 use super::{Recovery, Refusal, RunOptions, RunOutcome, TrainingJob};
+use crate::actors::buddy::Buddy;
 use crate::actors::device::RingLink;
 use crate::actors::rollback::{order_line, OrderLine, Orders};
 use crate::actors::trainer::{InPlace, Train};
 use crate::actors::Coordinator;
+use crate::checkpoint::CheckpointStore;
 use crate::config::JobConfig;
 use crate::engines::comm::RingBreaker;
 use crate::net::auth::Credentials;
+use crate::net::file_mirror::{serve_mirror, MirrorLine};
 use crate::net::protocol::Mismatch;
 
 /// Set (to any value) on the trainers of a job whose coordinator runs as a process of its own
@@ -83,6 +86,60 @@ pub(super) fn bind(config: &JobConfig, rank: usize) -> Result<RankEndpoints> {
         data_endpoint,
         credentials,
     })
+}
+
+/// A role's checkpoint mirror ([`crate::net::file_mirror`]), for a job that recovers in place
+/// and takes checkpoints: bound when the role starts, served for its life.
+pub(super) struct RoleMirror {
+    listener: TcpListener,
+    /// Where other roles reach it.
+    pub(super) endpoint: String,
+    store: CheckpointStore,
+    line: MirrorLine,
+}
+
+impl RoleMirror {
+    /// The mirror of a role on `host` of `config`'s job, which writes checkpoints to `recovery`'s
+    /// store; `None` when the job takes none.
+    pub(super) fn bind(config: &JobConfig, host: &str, recovery: &Recovery) -> Result<Option<Self>> {
+        let Some(store) = recovery.store.clone() else {
+            return Ok(None);
+        };
+        let listener =
+            TcpListener::bind((host, 0)).with_context(|| format!("cannot bind a checkpoint mirror on {host}"))?;
+        listener.set_nonblocking(true)?;
+        let endpoint = listener.local_addr()?.to_string();
+        let ft = &config.fault_tolerance;
+        let line = MirrorLine {
+            credentials: Credentials::of_cluster(&config.cluster, ft.timeout())?,
+            max_frame: config.cluster.max_frame_bytes(),
+            timeout: ft.timeout(),
+        };
+        Ok(Some(Self {
+            listener,
+            endpoint,
+            store,
+            line,
+        }))
+    }
+
+    /// Serves the mirror (inside an actix system); returns how the role reaches its buddy's.
+    pub(super) fn serve(self) -> Result<Buddy> {
+        let listener = tokio::net::TcpListener::from_std(self.listener)?;
+        let line = self.line.clone();
+        actix::spawn(serve_mirror(
+            listener,
+            self.store,
+            line.credentials.clone(),
+            line.max_frame,
+        ));
+        Ok(Buddy { line })
+    }
+}
+
+/// The host part of an `ip:port` endpoint.
+pub(super) fn host_of(endpoint: &str) -> &str {
+    endpoint.rsplit_once(':').map_or(endpoint, |(host, _)| host)
 }
 
 /// How a launched rank recovers: the checkpoints it starts from and writes, and — when the

@@ -111,7 +111,13 @@ impl ShardGenerations<'_> {
         let config = &self.job.config;
         let roster = self
             .bus
-            .join(index, self.roles(), self.endpoint.clone(), config.shared_settings())
+            .join(
+                index,
+                self.roles(),
+                self.endpoint.clone(),
+                None,
+                config.shared_settings(),
+            )
             .await?;
         self.recovery.check_joined(&roster)?;
         self.orders.joined(roster.generation);

@@ -98,6 +98,7 @@ impl ControlBus {
         rank: usize,
         world_size: usize,
         data_endpoint: String,
+        mirror: Option<String>,
         settings: Settings,
     ) -> Result<Roster> {
         match self {
@@ -107,6 +108,7 @@ impl ControlBus {
                     rank,
                     world_size,
                     data_endpoint,
+                    mirror,
                     settings,
                 })
                 .await
@@ -121,6 +123,7 @@ impl ControlBus {
                     rank,
                     world_size,
                     data_endpoint,
+                    mirror,
                     settings,
                 }))
                 .await?

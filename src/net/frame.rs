@@ -25,6 +25,8 @@ pub enum ControlMessage {
         world_size: usize,
         /// `ip:port` of its data-plane listener.
         data_endpoint: String,
+        /// `ip:port` of its checkpoint mirror, if it serves one.
+        mirror: Option<String>,
         /// The settings it was started with, by dotted key (no secret among them).
         settings: Settings,
     },
@@ -231,6 +233,7 @@ mod tests {
                 rank: 3,
                 world_size: 4,
                 data_endpoint: "127.0.0.1:9".into(),
+                mirror: Some("127.0.0.1:10".into()),
                 settings: [("train.lr".to_string(), "0.05".to_string())].into(),
             },
             payload: Bytes::from_static(&[1, 2, 3, 4]),

@@ -10,12 +10,15 @@
 //! - [`server`]: the coordinator's TCP endpoint, turning frames into actor
 //!   messages.
 //! - [`ps_server`]: a parameter-server shard's TCP endpoint, likewise.
+//! - [`file_mirror`]: a role's checkpoint mirror, where another node's role stores a copy of
+//!   a file only it holds, and fetches it back after losing its disk.
 //!
 //! Bulk tensors (all-reduce chunks) do not travel here: they go through the
 //! communicators of `engines::comm`, on their own sockets.
 
 pub mod auth;
 pub mod bus;
+pub mod file_mirror;
 pub mod frame;
 pub mod protocol;
 pub mod ps_server;

@@ -21,6 +21,8 @@ pub struct Join {
     pub world_size: usize,
     /// Its data-plane listener, `ip:port`.
     pub data_endpoint: String,
+    /// Its checkpoint mirror, `ip:port`, when it serves one ([`crate::net::file_mirror`]).
+    pub mirror: Option<String>,
     /// The settings it was started with ([`crate::config::JobConfig::shared_settings`]; empty
     /// when it has none to compare).
     pub settings: Settings,
@@ -57,6 +59,9 @@ impl std::error::Error for Mismatch {}
 pub struct Roster {
     /// `endpoints[r]` is rank `r`'s data endpoint.
     pub endpoints: Vec<String>,
+    /// `mirrors[r]` is rank `r`'s checkpoint mirror, if it serves one.
+    #[serde(default)]
+    pub mirrors: Vec<Option<String>>,
     /// The job's generation: 0 at the start, one more after every rollback.
     pub generation: u64,
     /// The step of the newest checkpoint the coordinator committed (or the run started from):

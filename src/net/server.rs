@@ -111,12 +111,14 @@ async fn serve_frames(
                 rank,
                 world_size,
                 data_endpoint,
+                mirror,
                 settings,
             } => {
                 let join = Join {
                     rank,
                     world_size,
                     data_endpoint,
+                    mirror,
                     settings,
                 };
                 match coordinator.join.send(join).await {
