@@ -15,6 +15,7 @@ use std::time::{Duration, Instant};
 use actix::prelude::*;
 use anyhow::{Context as _, Result};
 
+use super::buddy::Buddy;
 use super::device::{
     CtrOwnState, DeviceActor, FlushCtr, PlanCtr, PredictCtr, PrepareCtr, RestoreCtrOwnState, TrainCtr,
 };
@@ -70,6 +71,8 @@ pub struct PsInPlace {
     pub orders: Orders,
     /// The address announced at each rendezvous: its node's, which holds its checkpoint files.
     pub endpoint: String,
+    /// Its checkpoint mirror's address, and how it reaches the next node's.
+    pub mirror: Option<(String, Buddy)>,
 }
 
 /// Runs the training loop to its end.
@@ -141,6 +144,13 @@ struct PsRun {
     roster: Option<Roster>,
 }
 
+/// A trainer's lines in a job that recovers in place: to the coordinator, and to the next
+/// node's checkpoint mirror.
+struct InPlaceLine<'a> {
+    bus: &'a mut ControlBus,
+    buddy: Option<&'a Buddy>,
+}
+
 /// What a trainer accumulates over its run, across rollbacks.
 struct Progress {
     /// The step the run started after.
@@ -178,7 +188,7 @@ impl PsRun {
             None => self.recovery.first_step(steps)?,
         };
         self.recovery.check_first_step(first, steps)?;
-        self.prepare(first).await?;
+        self.prepare(first, buddy_of(in_place.as_ref())).await?;
         let mut progress = Progress {
             first,
             losses: Vec::with_capacity(steps.min(LOSSES_RESERVED)),
@@ -195,8 +205,14 @@ impl PsRun {
         // generation, so the passes are bounded by the roles the job loses.
         loop {
             let failure = match &mut in_place {
-                Some(PsInPlace { bus, orders, .. }) => {
-                    let training = self.train_steps(&mut client, first, steps, &mut progress, Some(bus));
+                Some(PsInPlace {
+                    bus, orders, mirror, ..
+                }) => {
+                    let line = InPlaceLine {
+                        bus,
+                        buddy: mirror.as_ref().map(|(_, buddy)| buddy),
+                    };
+                    let training = self.train_steps(&mut client, first, steps, &mut progress, Some(line));
                     orders.interrupting(training).await
                 }
                 None => self.train_steps(&mut client, first, steps, &mut progress, None).await,
@@ -210,7 +226,7 @@ impl PsRun {
             in_place.orders.explain(failure).await?;
             first = self.join(in_place, &mut client).await?;
             progress.losses.truncate(first.saturating_sub(progress.first));
-            self.prepare(first).await?;
+            self.prepare(first, buddy_of(Some(in_place))).await?;
         }
         if let Some(updates) = self.device.send(FlushCtr).await?? {
             push(&mut client, rank, steps as u64, &job, updates, "final geo push").await?;
@@ -275,7 +291,7 @@ impl PsRun {
                 self.role(),
                 self.roles(),
                 in_place.endpoint.clone(),
-                None,
+                in_place.mirror.as_ref().map(|(endpoint, _)| endpoint.clone()),
                 self.job.shared_settings(),
             )
             .await?;
@@ -296,8 +312,9 @@ impl PsRun {
     }
 
     /// A fresh worker on the device, with this trainer's own state after `step` steps (geo's;
-    /// the other modes hold none): kept in memory, else from its node's disk.
-    async fn prepare(&mut self, step: usize) -> Result<()> {
+    /// the other modes hold none): kept in memory, else from its node's disk, else from the copy
+    /// on the next node.
+    async fn prepare(&mut self, step: usize, buddy: Option<&Buddy>) -> Result<()> {
         let (job, rank) = (self.job.clone(), self.rank);
         self.device.send(PrepareCtr { job: job.clone(), rank }).await??;
         if step == 0 || !matches!(job.strategy.ps_mode(), PsMode::Geo { .. }) {
@@ -306,9 +323,22 @@ impl PsRun {
         let bytes = match self.kept.at(step) {
             Some(bytes) => bytes,
             None => {
-                let bytes = self
-                    .recovery
-                    .read_committed(step, self.roles(), &trainer_file_name(rank))?;
+                let name = trainer_file_name(rank);
+                let bytes = match (
+                    self.recovery.read_committed(step, self.roles(), &name),
+                    buddy,
+                    &self.roster,
+                ) {
+                    (Ok(bytes), _, _) => bytes,
+                    (Err(disk), Some(buddy), Some(roster)) => {
+                        let (bytes, from) = buddy.fetch(roster, self.role(), step, &name).await.with_context(|| {
+                            format!("trainer {rank}: its state of step {step} is neither on this node's disk ({disk:#}) nor on the next node")
+                        })?;
+                        tracing::info!(trainer = rank, step, from, "own state restored");
+                        Arc::new(bytes)
+                    }
+                    (Err(disk), _, _) => return Err(disk),
+                };
                 self.kept.taken(step, bytes.clone());
                 self.kept.committed();
                 bytes
@@ -324,7 +354,7 @@ impl PsRun {
         first: usize,
         steps: usize,
         progress: &mut Progress,
-        mut bus: Option<&mut ControlBus>,
+        mut in_place: Option<InPlaceLine<'_>>,
     ) -> Result<()> {
         let (rank, job) = (self.rank, self.job.clone());
         let train = &job.train;
@@ -410,7 +440,7 @@ impl PsRun {
             }
             check_loss(rank, step + 1, outcome.loss)?;
             if checkpoint_due {
-                self.checkpoint(client, step + 1, bus.as_deref_mut()).await?;
+                self.checkpoint(client, step + 1, in_place.as_mut()).await?;
             }
         }
         Ok(())
@@ -422,18 +452,29 @@ impl PsRun {
     /// trainer writes its own state beside theirs. In a job that recovers in place every role
     /// then acknowledges its files to the coordinator, and the first role on each node commits
     /// that node's copy; otherwise trainer 0 commits what the shards answered.
-    async fn checkpoint(&mut self, client: &mut PsClient, step: usize, bus: Option<&mut ControlBus>) -> Result<()> {
+    async fn checkpoint(
+        &mut self,
+        client: &mut PsClient,
+        step: usize,
+        in_place: Option<&mut InPlaceLine<'_>>,
+    ) -> Result<()> {
         let store = self.recovery.store.clone().context("a checkpoint without a store")?;
         let rank = self.rank;
         let files = match self.device.send(CtrOwnState).await?? {
             Some(bytes) => {
                 let bytes = Arc::new(bytes);
-                if bus.is_some() {
-                    self.kept.taken(step, bytes.clone());
-                }
                 let writer = store.clone();
-                let write = tokio::task::spawn_blocking(move || writer.write(step, &trainer_file_name(rank), &bytes));
-                vec![write.await.context("the checkpoint writer stopped")??]
+                let file = bytes.clone();
+                let write = tokio::task::spawn_blocking(move || writer.write(step, &trainer_file_name(rank), &file));
+                let written = write.await.context("the checkpoint writer stopped")??;
+                if let Some(line) = &in_place {
+                    self.kept.taken(step, bytes.clone());
+                    // No other node holds a trainer's own state.
+                    if let (Some(buddy), Some(roster)) = (line.buddy, &self.roster) {
+                        buddy.copy(roster, self.role(), step, &written.name, &bytes).await?;
+                    }
+                }
+                vec![written]
             }
             None => Vec::new(),
         };
@@ -446,9 +487,9 @@ impl PsRun {
         let answers = client
             .call_all(vec![ask; client.server_num()], &format!("checkpoint of step {step}"))
             .await?;
-        match bus {
-            Some(bus) => {
-                let record = bus.acknowledge(self.role(), step, files).await?;
+        match in_place {
+            Some(line) => {
+                let record = line.bus.acknowledge(self.role(), step, files).await?;
                 self.kept.committed();
                 commit_on_this_node(&store, record, self.roster.as_ref(), self.role(), self.roles()).await
             }
@@ -570,6 +611,11 @@ async fn push(
         })
         .collect();
     client.call_all(requests, what).await.map(drop)
+}
+
+/// The buddy of a trainer that rolls back in place, if it keeps copies on the next node.
+fn buddy_of(in_place: Option<&PsInPlace>) -> Option<&Buddy> {
+    in_place?.mirror.as_ref().map(|(_, buddy)| buddy)
 }
 
 /// The file of trainer `rank`'s own state in a checkpoint (geo's local optimizer state).

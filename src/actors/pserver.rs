@@ -67,6 +67,16 @@ pub struct RestoreState {
 #[rtype(result = "()")]
 pub struct CheckpointCommitted(pub u64);
 
+/// A checkpoint file the shard wrote, for its process to acknowledge (and copy to its buddy).
+pub struct WrittenCheckpoint {
+    /// The checkpoint's step.
+    pub step: u64,
+    /// The file's record.
+    pub record: FileRecord,
+    /// Its contents.
+    pub bytes: Arc<Vec<u8>>,
+}
+
 /// The shard actor.
 pub struct PServer {
     shard: Shard,
@@ -85,7 +95,7 @@ pub struct PServer {
     early: Vec<Early>,
     /// In a job that recovers in place: the states to roll back to, and where the shard's
     /// checkpoint files go to be acknowledged to the coordinator.
-    in_place: Option<(Kept, mpsc::UnboundedSender<(u64, FileRecord)>)>,
+    in_place: Option<(Kept, mpsc::UnboundedSender<WrittenCheckpoint>)>,
 }
 
 /// The checkpoint of step `step`: the trainers that asked for it, with their files, and where
@@ -141,7 +151,7 @@ impl PServer {
     pub fn recovering_in_place(
         mut self,
         step: u64,
-        acknowledge: mpsc::UnboundedSender<(u64, FileRecord)>,
+        acknowledge: mpsc::UnboundedSender<WrittenCheckpoint>,
     ) -> Result<Self> {
         let mut kept = Kept::default();
         kept.taken(step as usize, Arc::new(self.shard.snapshot_bytes()?));
@@ -225,9 +235,14 @@ impl PServer {
         // or the ordering trainer's.
         let record = CheckpointStore::new(dir, 1).write(step as usize, &shard_file_name(index), &bytes)?;
         if let Some((kept, acknowledge)) = &mut self.in_place {
-            kept.taken(step as usize, bytes);
+            kept.taken(step as usize, bytes.clone());
+            let written = WrittenCheckpoint {
+                step,
+                record: record.clone(),
+                bytes,
+            };
             acknowledge
-                .send((step, record.clone()))
+                .send(written)
                 .map_err(|_| anyhow!("parameter server {index}: its process no longer acknowledges checkpoints"))?;
         }
         Ok(record)

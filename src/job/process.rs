@@ -123,6 +123,12 @@ impl RoleMirror {
         }))
     }
 
+    /// As [`RoleMirror::serve`], with the mirror's address, which the role announces.
+    pub(super) fn serve_at(self) -> Result<(String, Buddy)> {
+        let endpoint = self.endpoint.clone();
+        Ok((endpoint, self.serve()?))
+    }
+
     /// Serves the mirror (inside an actix system); returns how the role reaches its buddy's.
     pub(super) fn serve(self) -> Result<Buddy> {
         let listener = tokio::net::TcpListener::from_std(self.listener)?;

@@ -17,7 +17,7 @@ use tokio::sync::mpsc;
 use super::control::host_coordinator;
 use super::heartbeat::watched;
 use super::outputs::{write_config, write_summary};
-use super::process::{refused_if_mismatched, RankRecovery};
+use super::process::{host_of, refused_if_mismatched, RankRecovery, RoleMirror};
 use super::shard_generations::ShardGenerations;
 use super::{Recovery, RunOptions};
 use crate::actors::ps_trainer::{PsInPlace, PsOutcome, PsTrainer, TrainPs};
@@ -226,6 +226,11 @@ impl ParameterServerJob {
         listener.set_nonblocking(true)?;
         let RankRecovery { recovery, orders } = RankRecovery::plan(&config, options)?;
         let shard = start_shard(&config, index, &recovery)?;
+        // A shard that rolls back in place keeps a copy of its state on the next node.
+        let mirror = match orders.is_some() {
+            true => RoleMirror::bind(&config, host_of(&endpoint), &recovery)?,
+            false => None,
+        };
         let timeout = config.fault_tolerance.timeout();
         let credentials = Credentials::of_cluster(&config.cluster, timeout)?;
         tracing::info!(
@@ -284,6 +289,7 @@ impl ParameterServerJob {
                                 bus,
                                 orders,
                                 endpoint: endpoint.clone(),
+                                mirror: mirror.map(RoleMirror::serve_at).transpose()?,
                                 recovery: &recovery,
                                 joined: false,
                             };
@@ -351,6 +357,13 @@ impl ParameterServerJob {
         let client = PsClient::new(links, config.fault_tolerance.retry, config.fault_tolerance.timeout());
         let RankRecovery { recovery, orders } = RankRecovery::plan(&config, options)?;
         let role = config.cluster.server_num + rank;
+        let endpoint = std::env::var("PADDLE_CURRENT_ENDPOINT").unwrap_or_else(|_| "127.0.0.1:0".to_string());
+        // A geo trainer that rolls back in place keeps a copy of its own state on the next node,
+        // and every trainer keeps the copies of the node before.
+        let mirror = match orders.is_some() {
+            true => RoleMirror::bind(&config, host_of(&endpoint), &recovery)?,
+            false => None,
+        };
         let heartbeats = self.heartbeat_line(role)?;
         let (order_line, orders) = orders.unzip();
         let outcome = System::new()
@@ -368,8 +381,8 @@ impl ParameterServerJob {
                     (Some(orders), Some((master, credentials))) => Some(PsInPlace {
                         bus: ControlBus::connect(master, timeout, max_frame, credentials).await?,
                         orders,
-                        endpoint: std::env::var("PADDLE_CURRENT_ENDPOINT")
-                            .unwrap_or_else(|_| "127.0.0.1:0".to_string()),
+                        endpoint,
+                        mirror: mirror.map(RoleMirror::serve_at).transpose()?,
                     }),
                     _ => None,
                 };

@@ -2,9 +2,12 @@
 //! with the other roles, restores the state of the checkpoint the coordinator resumes from —
 //! from the copy it kept in memory, else from its node's disk — and serves that generation until
 //! every trainer has left or the coordinator orders a rollback. Between, it acknowledges each
-//! checkpoint file its actor writes and commits its node's copy once the coordinator has.
+//! checkpoint file its actor writes — first storing a copy on the next node, as no other node
+//! holds a shard's state — and commits its node's copy once the coordinator has. A shard whose
+//! node came back with an empty disk takes its file back from that copy.
 
 use std::convert::Infallible;
+use std::sync::Arc;
 use std::time::Instant;
 
 use actix::Addr;
@@ -14,10 +17,10 @@ use tokio::sync::mpsc;
 
 use super::ps::ParameterServerJob;
 use super::Recovery;
+use crate::actors::buddy::Buddy;
 use crate::actors::kept::commit_on_this_node;
-use crate::actors::pserver::{CheckpointCommitted, KeepsState, PServer, RestoreState, RollBack};
+use crate::actors::pserver::{CheckpointCommitted, KeepsState, PServer, RestoreState, RollBack, WrittenCheckpoint};
 use crate::actors::rollback::Orders;
-use crate::checkpoint::FileRecord;
 use crate::net::protocol::Roster;
 use crate::net::ControlBus;
 use crate::ps::snapshot::shard_file_name;
@@ -27,7 +30,7 @@ enum Event {
     /// Every trainer has left (`false`: the actor stopped first).
     Left(bool),
     /// The actor wrote a checkpoint file (`None`: it stopped).
-    Written(Option<(u64, FileRecord)>),
+    Written(Option<WrittenCheckpoint>),
     /// The coordinator ordered a rollback.
     Interrupted(anyhow::Error),
 }
@@ -41,6 +44,8 @@ pub(super) struct ShardGenerations<'a> {
     pub(super) orders: Orders,
     /// The shard's address, announced at each rendezvous (its node holds its files).
     pub(super) endpoint: String,
+    /// Its checkpoint mirror's address, and how it reaches the next node's.
+    pub(super) mirror: Option<(String, Buddy)>,
     pub(super) recovery: &'a Recovery,
     /// Whether the shard joined a generation before (a first join's state may have been read
     /// from disk when the process started).
@@ -52,7 +57,7 @@ impl ShardGenerations<'_> {
     /// the checkpoint files the actor hands over on `acks`.
     pub(super) async fn serve(
         mut self,
-        mut acks: mpsc::UnboundedReceiver<(u64, FileRecord)>,
+        mut acks: mpsc::UnboundedReceiver<WrittenCheckpoint>,
         mut done: oneshot::Receiver<()>,
     ) -> Result<()> {
         let index = self.index;
@@ -73,7 +78,7 @@ impl ShardGenerations<'_> {
                     return Err(anyhow!("parameter server {index} stopped before every trainer left"))
                 }
                 Event::Written(None) => return Err(anyhow!("parameter server {index}: its actor stopped")),
-                Event::Written(Some((step, record))) => match self.acknowledge(step, record, &roster).await {
+                Event::Written(Some(written)) => match self.acknowledge(written, &roster).await {
                     Ok(()) => continue,
                     Err(e) => e,
                 },
@@ -90,9 +95,16 @@ impl ShardGenerations<'_> {
         }
     }
 
-    /// Acknowledges the shard's file of step `step`'s checkpoint; once the coordinator committed
-    /// it, keeps its state as the one to roll back to and commits the node's copy.
-    async fn acknowledge(&mut self, step: u64, record: FileRecord, roster: &Roster) -> Result<()> {
+    /// Acknowledges the shard's file of a checkpoint, once stored on the next node too; once the
+    /// coordinator committed it, keeps its state as the one to roll back to and commits the
+    /// node's copy.
+    async fn acknowledge(&mut self, written: WrittenCheckpoint, roster: &Roster) -> Result<()> {
+        let WrittenCheckpoint { step, record, bytes } = written;
+        if let Some((_, buddy)) = &self.mirror {
+            buddy
+                .copy(roster, self.index, step as usize, &record.name, &bytes)
+                .await?;
+        }
         let commit = self.bus.acknowledge(self.index, step as usize, vec![record]).await?;
         self.actor.send(CheckpointCommitted(step)).await?;
         let store = self.recovery.store.as_ref().context("a checkpoint without a store")?;
@@ -115,7 +127,7 @@ impl ShardGenerations<'_> {
                 index,
                 self.roles(),
                 self.endpoint.clone(),
-                None,
+                self.mirror.as_ref().map(|(endpoint, _)| endpoint.clone()),
                 config.shared_settings(),
             )
             .await?;
@@ -126,14 +138,11 @@ impl ShardGenerations<'_> {
         let read_at_start = !self.joined && step > 0 && self.recovery.start_step() == Some(step);
         self.joined = true;
         let (bytes, from) = match self.actor.send(KeepsState(step as u64)).await? {
-            true if read_at_start => (None, "disk"),
-            true => (None, "memory"),
+            true if read_at_start => (None, "disk".to_string()),
+            true => (None, "memory".to_string()),
             false => {
-                let file = self
-                    .recovery
-                    .read_committed(step, self.roles(), &shard_file_name(index))
-                    .with_context(|| format!("parameter server {index}: restoring the checkpoint of step {step}"))?;
-                (Some(file), "disk")
+                let (file, from) = self.read(&roster, step).await?;
+                (Some(file), from)
             }
         };
         self.actor
@@ -152,5 +161,24 @@ impl ShardGenerations<'_> {
             "serving"
         );
         Ok(roster)
+    }
+
+    /// The shard's file of step `step`'s checkpoint: from its node's disk, else from the copy
+    /// on the next node.
+    async fn read(&self, roster: &Roster, step: usize) -> Result<(Arc<Vec<u8>>, String)> {
+        let (index, name) = (self.index, shard_file_name(self.index));
+        let disk = match self.recovery.read_committed(step, self.roles(), &name) {
+            Ok(file) => return Ok((file, "disk".to_string())),
+            Err(e) => e,
+        };
+        let Some((_, buddy)) = &self.mirror else {
+            return Err(disk.context(format!(
+                "parameter server {index}: restoring the checkpoint of step {step}"
+            )));
+        };
+        let (bytes, from) = buddy.fetch(roster, index, step, &name).await.with_context(|| {
+            format!("parameter server {index}: the checkpoint of step {step} is neither on this node's disk ({disk:#}) nor on the next node")
+        })?;
+        Ok((Arc::new(bytes), from))
     }
 }
