@@ -238,7 +238,8 @@ fn run(cli: Cli) -> Result<()> {
             let mut children = args.plan(exe)?;
             let config = launched_config(train.as_ref(), &children)?;
             if let Some(config) = config.as_ref().filter(|c| c.recovers_in_place()) {
-                recover_in_place(&mut children, Some(config.roles()));
+                let coordinator = args.hosts_coordinator()?.then_some(config.roles());
+                recover_in_place(&mut children, coordinator);
             }
             launch(children, train, config, args.max_restarts)
         }

@@ -211,28 +211,76 @@ enum Disk {
 }
 
 /// A job over two nodes without a shared filesystem: each node its own run directory,
-/// checkpoints included, and `per_node` ranks.
+/// checkpoints included, and its part of the job.
 struct Separate {
     hosts: TwoHosts,
     _dir: tempfile::TempDir,
     run_dirs: [std::path::PathBuf; 2],
-    per_node: usize,
+    layout: Layout,
     settings: &'static [&'static str],
+}
+
+/// What each node of a [`Separate`] job runs.
+#[derive(Clone, Copy)]
+enum Layout {
+    /// `launch` with this many ranks per node.
+    Ranks(usize),
+    /// `launch-ps` of `examples/ctr_ps.toml` with one shard and one trainer per node; the first
+    /// node runs the coordinator.
+    ParameterServers,
+}
+
+/// Starts node `node`'s `launch-ps` of a job with a shard and a trainer on each node of `hosts`,
+/// the coordinator on the first, with the job `settings`, passing `train` the flags `extra`.
+fn launch_ps_on(
+    hosts: &TwoHosts,
+    node: usize,
+    run_dir: &std::path::Path,
+    settings: &[&str],
+    extra: &[&str],
+) -> common::Started {
+    let [a, b] = hosts.ips;
+    let (servers, workers, master) = (
+        format!("{a}:6170,{b}:6170"),
+        format!("{a}:6171,{b}:6171"),
+        format!("{a}:6172"),
+    );
+    #[rustfmt::skip]
+    let mut args = vec![
+        "netns", "exec", hosts.names[node].as_str(), env!("CARGO_BIN_EXE_flotilla"),
+        "launch-ps", "--host", hosts.ips[node], "--servers", &servers, "--workers", &workers,
+        "--master", &master, "--", "train", "--config", "examples/ctr_ps.toml",
+        "--set", "fault_tolerance.timeout_s=30", "--run-dir", run_dir.to_str().unwrap(),
+    ];
+    for set in settings {
+        args.extend(["--set", set]);
+    }
+    args.extend(extra);
+    start_program("ip", &args, &[("FLOTILLA_TOKEN", common::TEST_TOKEN.to_string())])
 }
 
 impl Separate {
     /// Two hosts for a job of `per_node` ranks per node with `settings`, or `None` after saying
     /// why they cannot be made here.
-    fn create_or_say_why(per_node: usize, settings: &'static [&'static str]) -> Option<Self> {
+    fn create_or_say_why(layout: Layout, settings: &'static [&'static str]) -> Option<Self> {
         let hosts = TwoHosts::create_or_say_why()?;
         let dir = tempfile::tempdir().unwrap();
         Some(Self {
             hosts,
             run_dirs: [dir.path().join("node-0"), dir.path().join("node-1")],
             _dir: dir,
-            per_node,
+            layout,
             settings,
         })
+    }
+
+    /// Starts node `node`'s launcher, passing `train` the flags `extra` too.
+    fn launch(&self, node: usize, extra: &[&str]) -> common::Started {
+        let (hosts, run_dir, settings) = (&self.hosts, &self.run_dirs[node], self.settings);
+        match self.layout {
+            Layout::Ranks(per_node) => launch_on(hosts, node, per_node, run_dir, settings, extra),
+            Layout::ParameterServers => launch_ps_on(hosts, node, run_dir, settings, extra),
+        }
     }
 
     /// Starts both nodes, waits until each committed its own copy of the checkpoint of step
@@ -240,9 +288,9 @@ impl Separate {
     /// its disk unless `disk` is kept — and starts its launcher again (into its own run
     /// directory again, which may hold its part of this run). Returns both nodes' ends.
     fn lose_the_second_node(&self, first: usize, disk: Disk) -> [common::Finished; 2] {
-        let (hosts, run_dirs, per_node, settings) = (&self.hosts, &self.run_dirs, self.per_node, self.settings);
-        let node_0 = launch_on(hosts, 0, per_node, &run_dirs[0], settings, &[]);
-        let node_1 = launch_on(hosts, 1, per_node, &run_dirs[1], settings, &[]);
+        let run_dirs = &self.run_dirs;
+        let node_0 = self.launch(0, &[]);
+        let node_1 = self.launch(1, &[]);
         wait_for_commit(&run_dirs[1].join("checkpoints"), first);
         wait_for_commit(&run_dirs[0].join("checkpoints"), first);
         let lost = children_of(node_1.child.id());
@@ -257,7 +305,7 @@ impl Separate {
         if disk == Disk::Emptied {
             std::fs::remove_dir_all(&run_dirs[1]).unwrap();
         }
-        let node_1 = launch_on(hosts, 1, per_node, &run_dirs[1], settings, &["--overwrite"]);
+        let node_1 = self.launch(1, &["--overwrite"]);
         let started: Vec<i32> = [&node_0, &node_1]
             .iter()
             .flat_map(|l| children_of(l.child.id()))
@@ -296,7 +344,7 @@ impl Separate {
 /// and starts it again; checks where its new rank took its state from, and that the job ends
 /// bitwise equal to an uninterrupted run.
 fn lose_the_second_node(disk: Disk) {
-    let Some(job) = Separate::create_or_say_why(1, &RECOVERABLE) else {
+    let Some(job) = Separate::create_or_say_why(Layout::Ranks(1), &RECOVERABLE) else {
         return;
     };
     let expected = match disk {
@@ -328,7 +376,7 @@ const PIPELINE_ACROSS: [&str; 9] = [
 
 #[test]
 fn a_pipeline_node_lost_with_its_disk_takes_its_stages_from_the_other_nodes_replica() {
-    let Some(job) = Separate::create_or_say_why(2, &PIPELINE_ACROSS) else {
+    let Some(job) = Separate::create_or_say_why(Layout::Ranks(2), &PIPELINE_ACROSS) else {
         return;
     };
     let finished = job.lose_the_second_node(250, Disk::Emptied);
@@ -366,7 +414,7 @@ const PIPELINE_SPLIT: [&str; 9] = [
 
 #[test]
 fn a_stage_only_its_lost_node_held_comes_back_from_the_buddy_copy_on_the_other_node() {
-    let Some(job) = Separate::create_or_say_why(1, &PIPELINE_SPLIT) else {
+    let Some(job) = Separate::create_or_say_why(Layout::Ranks(1), &PIPELINE_SPLIT) else {
         return;
     };
     let finished = job.lose_the_second_node(250, Disk::Emptied);
@@ -380,4 +428,38 @@ fn a_stage_only_its_lost_node_held_comes_back_from_the_buddy_copy_on_the_other_n
     let mut twin: Vec<&str> = PIPELINE_SPLIT[..6].to_vec();
     twin.push("cluster.nproc_per_node=2");
     job.ends_as(&twin);
+}
+
+/// A sync parameter-server job over the two nodes: a shard and a trainer on each, whose
+/// checkpoint files no other node holds.
+const PARAMETER_SERVERS: [&str; 4] = [
+    "train.steps=240",
+    "fault_tolerance.checkpoint_every=40",
+    "fault_tolerance.max_restarts=1",
+    "fault_tolerance.heartbeat_interval_ms=200",
+];
+
+#[test]
+fn a_shard_whose_node_was_lost_with_its_disk_comes_back_from_the_buddy_copy_on_the_other_node() {
+    let Some(job) = Separate::create_or_say_why(Layout::ParameterServers, &PARAMETER_SERVERS) else {
+        return;
+    };
+    let finished = job.lose_the_second_node(80, Disk::Emptied);
+    let back = finished[1]
+        .stderr
+        .lines()
+        .any(|line| line.contains("serving shard=1") && line.contains("from=\"buddy rank 0\""));
+    assert!(
+        back,
+        "server 1 did not take its file from the first node:\n{}",
+        finished[1].stderr
+    );
+    assert!(
+        finished[0].stderr.contains("rejoined trainer=0 generation="),
+        "{}",
+        finished[0].stderr
+    );
+    let summary: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(job.run_dirs[0].join("summary.json")).unwrap()).unwrap();
+    common::ps_matches_uninterrupted(&PARAMETER_SERVERS[..1], &summary, &job.run_dirs[0]);
 }

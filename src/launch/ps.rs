@@ -75,7 +75,15 @@ impl LaunchPsArgs {
         })
     }
 
-    /// The server processes, then the trainer processes, with their environment.
+    /// Whether this node (`--host`) runs the coordinator (`--master`'s host).
+    pub fn hosts_coordinator(&self) -> Result<bool> {
+        let master = self.addresses()?.master;
+        Ok(master.rsplit_once(':').is_some_and(|(host, _)| host == self.host))
+    }
+
+    /// This node's server processes, then its trainer processes, with their environment: those
+    /// of the servers and trainers listed whose address is `--host` (as Paddle's launcher
+    /// starts on each node the roles of its IP); every role is numbered in the whole lists.
     pub fn plan(&self, flotilla: PathBuf) -> Result<Vec<ChildSpec>> {
         let JobAddresses {
             master,
@@ -103,8 +111,11 @@ impl LaunchPsArgs {
             ("PADDLE_TRAINER_ENDPOINTS", workers.join(",")),
             ("PADDLE_TRAINERS_NUM", workers.len().to_string()),
         ];
-        let processes = servers.len() + workers.len();
-        let token = credentials_env(true)?;
+        let here = |endpoint: &String| endpoint.rsplit_once(':').is_some_and(|(ip, _)| ip == self.host);
+        // This node's processes share its cores; one launcher starts the whole job only when
+        // every role is on its node.
+        let processes = servers.iter().chain(&workers).filter(|e| here(e)).count();
+        let token = credentials_env(processes == servers.len() + workers.len())?;
         let mut children = Vec::with_capacity(processes);
         for (role, endpoints) in [("pserver", &servers), ("trainer", &workers)] {
             let (program, args) = role_command(role)?;
@@ -112,6 +123,9 @@ impl LaunchPsArgs {
                 let (ip, port) = endpoint
                     .rsplit_once(':')
                     .ok_or_else(|| anyhow::anyhow!("{endpoint:?} is not an ip:port address"))?;
+                if !here(endpoint) {
+                    continue;
+                }
                 let mut env: Vec<(String, String)> = common.iter().map(|(k, v)| (k.to_string(), v.clone())).collect();
                 env.push(("POD_IP".into(), ip.to_string()));
                 env.push(("PADDLE_PORT".into(), port.to_string()));
@@ -139,6 +153,12 @@ impl LaunchPsArgs {
                 });
             }
         }
+        ensure!(
+            !children.is_empty(),
+            "none of the servers {servers:?} and trainers {workers:?} is on this node (--host {}): run \
+             launch-ps on each node with its own --host",
+            self.host
+        );
         Ok(children)
     }
 
@@ -219,9 +239,17 @@ mod tests {
 
     #[test]
     fn explicit_endpoints_and_their_contradictions() -> Result<()> {
-        let children = plan("--servers 10.0.0.1:7000,10.0.0.2:7000 --workers 10.0.0.3:1,10.0.0.4:1 -- ./mine x")?;
-        assert_eq!(children[1].program, PathBuf::from("./mine"));
-        assert_eq!(env(&children[1], "POD_IP"), "10.0.0.2");
+        let lists = "--servers 10.0.0.1:7000,10.0.0.2:7000 --workers 10.0.0.1:1,10.0.0.2:1";
+        // Each node starts the roles of its own address, numbered in the whole lists.
+        let children = plan(&format!("--host 10.0.0.2 {lists} -- ./mine x"))?;
+        let names: Vec<&str> = children.iter().map(|c| c.name.as_str()).collect();
+        assert_eq!(names, ["server 1", "trainer 1"]);
+        assert_eq!(children[0].program, PathBuf::from("./mine"));
+        assert_eq!(env(&children[0], "POD_IP"), "10.0.0.2");
+        assert_eq!(env(&children[1], "PADDLE_TRAINER_ID"), "1");
+        assert_eq!(children[1].rank, 3, "servers first, then trainers");
+        let err = plan(&format!("{lists} -- ./mine x")).unwrap_err();
+        assert!(err.to_string().starts_with("none of the servers"), "{err}");
         let err = plan("--server_num 3 --servers 10.0.0.1:7000 --worker_num 1 -- train").unwrap_err();
         assert_eq!(err.to_string(), "--servers lists 1 endpoints but --server_num is 3");
         let err = plan("--worker_num 1 -- train").unwrap_err();
