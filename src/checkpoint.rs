@@ -65,8 +65,19 @@ pub struct HeldFile {
     /// The file as its writers wrote it.
     #[serde(flatten)]
     pub record: FileRecord,
-    /// The hosts holding it.
+    /// The hosts holding it. In a role's acknowledgement: the other hosts it stored a copy on
+    /// (its buddy node), its own being the coordinator's to know.
     pub nodes: Vec<String>,
+}
+
+impl HeldFile {
+    /// `record`, held where it was written only.
+    pub fn here(record: FileRecord) -> Self {
+        Self {
+            record,
+            nodes: Vec::new(),
+        }
+    }
 }
 
 /// The coordinator's [`CommitRecord`] in the checkpoint directory.

@@ -454,6 +454,20 @@ fn a_shard_whose_node_was_lost_with_its_disk_comes_back_from_the_buddy_copy_on_t
         "server 1 did not take its file from the first node:\n{}",
         finished[1].stderr
     );
+    // The coordinator's record names both holders of each shard's file: its node and its buddy.
+    let record: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(job.run_dirs[0].join("checkpoints/committed.json")).unwrap())
+            .unwrap();
+    let shard_1 = record["files"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|file| file["name"] == "ps-shard-1.safetensors")
+        .unwrap_or_else(|| panic!("{record}"));
+    assert_eq!(
+        shard_1["nodes"],
+        serde_json::json!([job.hosts.ips[1], job.hosts.ips[0]])
+    );
     assert!(
         finished[0].stderr.contains("rejoined trainer=0 generation="),
         "{}",

@@ -43,17 +43,25 @@ impl Buddy {
             .all(|other| roster.host_of(other) == roster.host_of(rank))
     }
 
-    /// Stores `rank`'s file `name` of step `step` on the next node; does nothing on one node.
-    pub async fn copy(&self, roster: &Roster, rank: usize, step: usize, name: &str, bytes: &[u8]) -> Result<()> {
+    /// Stores `rank`'s file `name` of step `step` on the next node, and says which host that is;
+    /// does nothing on one node.
+    pub async fn copy(
+        &self,
+        roster: &Roster,
+        rank: usize,
+        step: usize,
+        name: &str,
+        bytes: &[u8],
+    ) -> Result<Option<String>> {
         let Some((buddy, mirror)) = Self::after(roster, rank) else {
-            return Ok(());
+            return Ok(None);
         };
         self.line
             .store(mirror, step, name, bytes)
             .await
             .with_context(|| format!("rank {rank}: the buddy copy of {name} (step {step}) on rank {buddy}'s node"))?;
         tracing::debug!(rank, step, name, buddy, "buddy copy stored");
-        Ok(())
+        Ok(Some(roster.host_of(buddy).to_string()))
     }
 
     /// `rank`'s file `name` of step `step`, from the node after its own, and where it came from.

@@ -22,7 +22,7 @@ use bytes::Bytes;
 use tokio::sync::oneshot;
 
 use super::recovery::Recovery;
-use crate::checkpoint::{CheckpointStore, CommitRecord, FileRecord, HeldFile};
+use crate::checkpoint::{CheckpointStore, CommitRecord, HeldFile};
 use crate::config::JobConfig;
 use crate::net::protocol::{
     Acknowledge, Barrier, Beat, ConnectionLost, DeadProcess, Gather, Heartbeat, Join, JoinRefused, Leave, ListDead,
@@ -331,15 +331,23 @@ impl Coordinator {
     fn commit(&mut self, step: usize, parts: &[Bytes]) -> Result<CommitRecord, String> {
         let mut files: Vec<HeldFile> = Vec::new();
         for (rank, part) in parts.iter().enumerate() {
-            let records: Vec<FileRecord> = serde_json::from_slice(part)
+            let acknowledged: Vec<HeldFile> = serde_json::from_slice(part)
                 .map_err(|e| format!("rank {rank}'s acknowledgement of step {step}: {e}"))?;
             let node = self
                 .roster
                 .as_ref()
                 .map_or_else(String::new, |r| r.host_of(rank).to_string());
-            for record in records {
+            for HeldFile { record, nodes: copies } in acknowledged {
+                // Its writer's node, and those it stored copies on.
+                let nodes = std::iter::once(node.clone()).chain(copies);
                 match files.iter_mut().find(|held| held.record.name == record.name) {
-                    Some(held) if held.record == record => held.nodes.push(node.clone()),
+                    Some(held) if held.record == record => {
+                        for node in nodes {
+                            if !held.nodes.contains(&node) {
+                                held.nodes.push(node);
+                            }
+                        }
+                    }
                     Some(held) => {
                         return Err(format!(
                             "checkpoint of step {step}: two copies of {} differ ({} bytes, CRC-32C {:08x}; {} bytes, {:08x})",
@@ -348,7 +356,7 @@ impl Coordinator {
                     }
                     None => files.push(HeldFile {
                         record,
-                        nodes: vec![node.clone()],
+                        nodes: nodes.collect(),
                     }),
                 }
             }
@@ -834,17 +842,22 @@ mod tests {
             assert_eq!(beat(&c, rank, rank as u64).await, Ok(Beat::Alive));
         }
         // Every rank acknowledges step 10's checkpoint; ranks 0 and 2 wrote a copy each on their
-        // nodes: committed, recording both holders (the files are theirs to commit).
-        let written = FileRecord {
+        // nodes, rank 2 one more on a buddy node: committed, recording every holder (the files
+        // are theirs to commit).
+        let written = crate::checkpoint::FileRecord {
             name: "replica".into(),
             bytes: 5,
             crc32c: crc32c::crc32c(b"state"),
         };
         let ack = |rank| {
+            let held = HeldFile {
+                record: written.clone(),
+                nodes: if rank == 2 { vec!["node-9".into()] } else { Vec::new() },
+            };
             c.send(Acknowledge {
                 rank,
                 step: 10,
-                files: if rank == 1 { Vec::new() } else { vec![written.clone()] },
+                files: if rank == 1 { Vec::new() } else { vec![held] },
             })
         };
         let (x, y, z) = futures::join!(ack(0), ack(1), ack(2));
@@ -857,7 +870,7 @@ mod tests {
             record.files,
             vec![HeldFile {
                 record: written,
-                nodes: vec!["endpoint-0".into(), "endpoint-2".into()]
+                nodes: vec!["endpoint-0".into(), "endpoint-2".into(), "node-9".into()]
             }]
         );
 

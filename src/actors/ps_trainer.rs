@@ -24,6 +24,7 @@ use super::kept::{commit_on_this_node, Kept};
 use super::recovery::Recovery;
 use super::rollback::Orders;
 use super::LOSSES_RESERVED;
+use crate::checkpoint::HeldFile;
 use crate::config::{JobConfig, PsMode};
 use crate::data::ctr::{CtrLoader, CtrSource};
 use crate::metrics::auc;
@@ -467,14 +468,16 @@ impl PsRun {
                 let file = bytes.clone();
                 let write = tokio::task::spawn_blocking(move || writer.write(step, &trainer_file_name(rank), &file));
                 let written = write.await.context("the checkpoint writer stopped")??;
+                let mut held = HeldFile::here(written.clone());
                 if let Some(line) = &in_place {
                     self.kept.taken(step, bytes.clone());
                     // No other node holds a trainer's own state.
                     if let (Some(buddy), Some(roster)) = (line.buddy, &self.roster) {
-                        buddy.copy(roster, self.role(), step, &written.name, &bytes).await?;
+                        held.nodes
+                            .extend(buddy.copy(roster, self.role(), step, &written.name, &bytes).await?);
                     }
                 }
-                vec![written]
+                vec![held]
             }
             None => Vec::new(),
         };
@@ -482,7 +485,7 @@ impl PsRun {
             dir: store.root().display().to_string(),
             step: step as u64,
             trainer: rank,
-            files: files.clone(),
+            files: files.iter().map(|held| held.record.clone()).collect(),
         };
         let answers = client
             .call_all(vec![ask; client.server_num()], &format!("checkpoint of step {step}"))

@@ -28,6 +28,7 @@ use super::kept::{commit_on_this_node, BuddyCopy, Kept, Restore};
 use super::recovery::Recovery;
 use super::rollback::Orders;
 use super::run_loop::RunLoop;
+use crate::checkpoint::HeldFile;
 use crate::config::JobConfig;
 use crate::data::Dataset;
 use crate::engines::comm::Communicator;
@@ -459,13 +460,14 @@ impl StageRun {
             .await
     }
 
-    /// Stores the stage's checkpoint on the next node when every replica of it runs on this one.
-    async fn copy_to_buddy(&self, step: usize, state: &[u8]) -> Result<()> {
+    /// Stores the stage's checkpoint on the next node when every replica of it runs on this one;
+    /// says which host that is.
+    async fn copy_to_buddy(&self, step: usize, state: &[u8]) -> Result<Option<String>> {
         let (Some(StageInPlace { buddy: Some(buddy), .. }), Some(roster)) = (&self.in_place, &self.roster) else {
-            return Ok(());
+            return Ok(None);
         };
         if !Buddy::only_here(roster, self.rank, self.replicas_of_stage()) {
-            return Ok(());
+            return Ok(None);
         }
         buddy
             .copy(roster, self.rank, step, &stage_file(self.stage), state)
@@ -497,8 +499,9 @@ impl StageRun {
                 let bytes = state.clone();
                 let write = tokio::task::spawn_blocking(move || writer.write(step, &file, &bytes));
                 let written = write.await.context("the checkpoint writer stopped")??;
-                self.copy_to_buddy(step, &state).await?;
-                vec![written]
+                let mut held = HeldFile::here(written);
+                held.nodes.extend(self.copy_to_buddy(step, &state).await?);
+                vec![held]
             } else {
                 Vec::new()
             }
@@ -510,7 +513,7 @@ impl StageRun {
                 file: stage_file(self.stage),
                 losses: losses.to_vec(),
             };
-            vec![self.device.send(save).await??]
+            vec![HeldFile::here(self.device.send(save).await??)]
         } else {
             Vec::new()
         };

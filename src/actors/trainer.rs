@@ -24,6 +24,7 @@ use super::recovery::Recovery;
 use super::rollback::Orders;
 use super::run_loop::RunLoop;
 use super::LOSSES_RESERVED;
+use crate::checkpoint::HeldFile;
 use crate::collective::ParamChecksum;
 use crate::config::JobConfig;
 use crate::data::Dataset;
@@ -382,6 +383,8 @@ impl TrainingRun {
                 }
             }
         };
+        // Every node keeps a replica: no copies elsewhere.
+        let written = written.into_iter().map(HeldFile::here).collect();
         let record = bus.acknowledge(self.rank, step, written).await?;
         if self.in_place.is_some() {
             self.kept.committed();

@@ -21,6 +21,7 @@ use crate::actors::buddy::Buddy;
 use crate::actors::kept::commit_on_this_node;
 use crate::actors::pserver::{CheckpointCommitted, KeepsState, PServer, RestoreState, RollBack, WrittenCheckpoint};
 use crate::actors::rollback::Orders;
+use crate::checkpoint::HeldFile;
 use crate::net::protocol::Roster;
 use crate::net::ControlBus;
 use crate::ps::snapshot::shard_file_name;
@@ -100,12 +101,12 @@ impl ShardGenerations<'_> {
     /// node's copy.
     async fn acknowledge(&mut self, written: WrittenCheckpoint, roster: &Roster) -> Result<()> {
         let WrittenCheckpoint { step, record, bytes } = written;
+        let mut held = HeldFile::here(record);
         if let Some((_, buddy)) = &self.mirror {
-            buddy
-                .copy(roster, self.index, step as usize, &record.name, &bytes)
-                .await?;
+            let copy = buddy.copy(roster, self.index, step as usize, &held.record.name, &bytes);
+            held.nodes.extend(copy.await?);
         }
-        let commit = self.bus.acknowledge(self.index, step as usize, vec![record]).await?;
+        let commit = self.bus.acknowledge(self.index, step as usize, vec![held]).await?;
         self.actor.send(CheckpointCommitted(step)).await?;
         let store = self.recovery.store.as_ref().context("a checkpoint without a store")?;
         commit_on_this_node(store, commit, Some(roster), self.index, self.roles()).await

@@ -15,7 +15,7 @@ use super::protocol::{
     Acknowledge, Barrier, Beat, CoordinatorLine, DeadProcess, Gather, Heartbeat, Join, JoinRefused, Mismatch, Roster,
     Settings,
 };
-use crate::checkpoint::{CommitRecord, FileRecord};
+use crate::checkpoint::{CommitRecord, HeldFile};
 use crate::telemetry::clock::{self, ClockSample};
 
 /// Room for a gather answer's header beside its name and lengths.
@@ -245,7 +245,7 @@ impl ControlBus {
     /// Acknowledges the checkpoint of step `step` with the `files` this rank wrote for it, and
     /// waits until the coordinator has committed it (every rank acknowledged); answers its
     /// record of the checkpoint's files and the nodes holding them.
-    pub async fn acknowledge(&mut self, rank: usize, step: usize, files: Vec<FileRecord>) -> Result<CommitRecord> {
+    pub async fn acknowledge(&mut self, rank: usize, step: usize, files: Vec<HeldFile>) -> Result<CommitRecord> {
         match self {
             Self::InMemory(coordinator) => coordinator
                 .acknowledge

@@ -8,7 +8,7 @@ use actix::prelude::*;
 use bytes::Bytes;
 use serde::{Deserialize, Serialize};
 
-use crate::checkpoint::{CommitRecord, FileRecord};
+use crate::checkpoint::{CommitRecord, HeldFile};
 
 /// Rank `rank` joins the job, reachable for ring traffic at `data_endpoint`: at the start, and
 /// again after every rollback (a survivor, or the replacement of a lost rank).
@@ -119,8 +119,9 @@ pub struct Acknowledge {
     pub rank: usize,
     /// The checkpoint's step.
     pub step: usize,
-    /// What this rank wrote for it (nothing when another rank holds the same state).
-    pub files: Vec<FileRecord>,
+    /// What this rank wrote for it (nothing when another rank holds the same state), with the
+    /// other nodes it stored copies on.
+    pub files: Vec<HeldFile>,
 }
 
 /// Rank `rank` is alive, heard on the control line numbered `line`. Answered with the reason

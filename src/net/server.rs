@@ -19,7 +19,7 @@ use super::frame::{codec, encode_with, ControlMessage, Frame};
 use super::protocol::{
     Acknowledge, Barrier, Beat, ConnectionLost, CoordinatorLine, Gather, Heartbeat, Join, JoinRefused, Leave, ListDead,
 };
-use crate::checkpoint::FileRecord;
+use crate::checkpoint::HeldFile;
 
 /// Numbers the control connections of this process, so that a rank's heartbeat line is told
 /// apart from the line of the process it replaced.
@@ -156,7 +156,7 @@ async fn serve_frames(
                 (ControlMessage::Gathered { name, lengths }, payload)
             }),
             ControlMessage::Acknowledge { rank, step } => {
-                let files: Vec<FileRecord> = serde_json::from_slice(&frame.payload)
+                let files: Vec<HeldFile> = serde_json::from_slice(&frame.payload)
                     .map_err(|e| format!("rank {rank}'s acknowledgement of step {step}: {e}"))?;
                 answered(coordinator.acknowledge.send(Acknowledge { rank, step, files }).await).and_then(|record| {
                     let record = serde_json::to_vec(&record).map_err(|e| ControlMessage::Refused {
