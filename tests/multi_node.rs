@@ -217,7 +217,7 @@ struct Separate {
     _dir: tempfile::TempDir,
     run_dirs: [std::path::PathBuf; 2],
     layout: Layout,
-    settings: &'static [&'static str],
+    settings: Vec<String>,
 }
 
 /// What each node of a [`Separate`] job runs.
@@ -262,7 +262,7 @@ fn launch_ps_on(
 impl Separate {
     /// Two hosts for a job of `per_node` ranks per node with `settings`, or `None` after saying
     /// why they cannot be made here.
-    fn create_or_say_why(layout: Layout, settings: &'static [&'static str]) -> Option<Self> {
+    fn create_or_say_why(layout: Layout, settings: &[&str]) -> Option<Self> {
         let hosts = TwoHosts::create_or_say_why()?;
         let dir = tempfile::tempdir().unwrap();
         Some(Self {
@@ -270,16 +270,17 @@ impl Separate {
             run_dirs: [dir.path().join("node-0"), dir.path().join("node-1")],
             _dir: dir,
             layout,
-            settings,
+            settings: settings.iter().map(|s| s.to_string()).collect(),
         })
     }
 
     /// Starts node `node`'s launcher, passing `train` the flags `extra` too.
     fn launch(&self, node: usize, extra: &[&str]) -> common::Started {
-        let (hosts, run_dir, settings) = (&self.hosts, &self.run_dirs[node], self.settings);
+        let (hosts, run_dir) = (&self.hosts, &self.run_dirs[node]);
+        let settings: Vec<&str> = self.settings.iter().map(String::as_str).collect();
         match self.layout {
-            Layout::Ranks(per_node) => launch_on(hosts, node, per_node, run_dir, settings, extra),
-            Layout::ParameterServers => launch_ps_on(hosts, node, run_dir, settings, extra),
+            Layout::Ranks(per_node) => launch_on(hosts, node, per_node, run_dir, &settings, extra),
+            Layout::ParameterServers => launch_ps_on(hosts, node, run_dir, &settings, extra),
         }
     }
 
@@ -361,22 +362,31 @@ fn lose_the_second_node(disk: Disk) {
     job.ends_as(&RECOVERABLE[..1]);
 }
 
-/// A 2 × 2 pipeline over the two nodes: each node holds one whole replica (ranks 0–1 and 2–3).
-const PIPELINE_ACROSS: [&str; 9] = [
-    "strategy.pipeline=true",
-    "strategy.hybrid_configs.dp_degree=2",
-    "strategy.hybrid_configs.pp_degree=2",
-    "strategy.pipeline_configs.schedule_mode=\"1F1B\"",
-    "strategy.pipeline_configs.accumulate_steps=4",
-    "train.steps=1500",
-    "fault_tolerance.checkpoint_every=250",
-    "fault_tolerance.max_restarts=1",
-    "fault_tolerance.heartbeat_interval_ms=200",
-];
+/// A pipeline of two stages and `dp_degree` replicas over the two nodes (`dp_degree` ranks
+/// per node, in rank order), and its uninterrupted twin's settings (the first six).
+fn pipeline_over_two_nodes(dp_degree: usize) -> Vec<String> {
+    let replicas = format!("strategy.hybrid_configs.dp_degree={dp_degree}");
+    [
+        "strategy.pipeline=true",
+        &replicas,
+        "strategy.hybrid_configs.pp_degree=2",
+        "strategy.pipeline_configs.schedule_mode=\"1F1B\"",
+        "strategy.pipeline_configs.accumulate_steps=4",
+        "train.steps=1500",
+        "fault_tolerance.checkpoint_every=250",
+        "fault_tolerance.max_restarts=1",
+        "fault_tolerance.heartbeat_interval_ms=200",
+    ]
+    .map(str::to_string)
+    .to_vec()
+}
 
 #[test]
 fn a_pipeline_node_lost_with_its_disk_takes_its_stages_from_the_other_nodes_replica() {
-    let Some(job) = Separate::create_or_say_why(Layout::Ranks(2), &PIPELINE_ACROSS) else {
+    // Each node holds one whole replica (ranks 0–1 and 2–3).
+    let settings = pipeline_over_two_nodes(2);
+    let settings: Vec<&str> = settings.iter().map(String::as_str).collect();
+    let Some(job) = Separate::create_or_say_why(Layout::Ranks(2), &settings) else {
         return;
     };
     let finished = job.lose_the_second_node(250, Disk::Emptied);
@@ -394,27 +404,17 @@ fn a_pipeline_node_lost_with_its_disk_takes_its_stages_from_the_other_nodes_repl
     for (rank, source) in [(2, 0), (3, 1)] {
         assert_eq!(Separate::restored_from(&finished, rank), format!("\"rank {source}\""));
     }
-    let mut twin: Vec<&str> = PIPELINE_ACROSS[..6].to_vec();
+    let mut twin: Vec<&str> = settings[..6].to_vec();
     twin.push("cluster.nproc_per_node=4");
     job.ends_as(&twin);
 }
 
-/// A 1 × 2 pipeline over the two nodes: each node holds one stage, which no other node runs.
-const PIPELINE_SPLIT: [&str; 9] = [
-    "strategy.pipeline=true",
-    "strategy.hybrid_configs.dp_degree=1",
-    "strategy.hybrid_configs.pp_degree=2",
-    "strategy.pipeline_configs.schedule_mode=\"1F1B\"",
-    "strategy.pipeline_configs.accumulate_steps=4",
-    "train.steps=1500",
-    "fault_tolerance.checkpoint_every=250",
-    "fault_tolerance.max_restarts=1",
-    "fault_tolerance.heartbeat_interval_ms=200",
-];
-
 #[test]
 fn a_stage_only_its_lost_node_held_comes_back_from_the_buddy_copy_on_the_other_node() {
-    let Some(job) = Separate::create_or_say_why(Layout::Ranks(1), &PIPELINE_SPLIT) else {
+    // Each node holds one stage, which no other node runs.
+    let settings = pipeline_over_two_nodes(1);
+    let settings: Vec<&str> = settings.iter().map(String::as_str).collect();
+    let Some(job) = Separate::create_or_say_why(Layout::Ranks(1), &settings) else {
         return;
     };
     let finished = job.lose_the_second_node(250, Disk::Emptied);
@@ -425,7 +425,7 @@ fn a_stage_only_its_lost_node_held_comes_back_from_the_buddy_copy_on_the_other_n
     );
     // Stage 1 ran on the lost node only: its copy on the first node (rank 0's mirror) brings it back.
     assert_eq!(Separate::restored_from(&finished, 1), "\"buddy rank 0\"");
-    let mut twin: Vec<&str> = PIPELINE_SPLIT[..6].to_vec();
+    let mut twin: Vec<&str> = settings[..6].to_vec();
     twin.push("cluster.nproc_per_node=2");
     job.ends_as(&twin);
 }

@@ -13,7 +13,7 @@ use flotilla::job::ps::{build_shard, ParameterServerJob, PsSummary};
 use flotilla::job::RunOptions;
 use flotilla::models::{sigmoid_cross_entropy, ParamInit, SparseRows, WideDeep};
 use flotilla::ps::table::{init_row, RowInit};
-use flotilla::ps::wire::{PushRequest, UpdateKind};
+use flotilla::ps::wire::{PullRequest, PushRequest, UpdateKind};
 use flotilla::ps::worker::table_layout;
 
 /// A small CTR job: narrow model, small vocabularies (so rows are shared between trainers and
@@ -395,37 +395,22 @@ fn criteo_tsv_files_train_exactly_like_the_generator_they_were_written_from() {
 fn a_pull_held_for_a_trainer_that_never_pushes_names_it_after_the_timeout() {
     use actix::prelude::*;
     use flotilla::actors::pserver::PServer;
-    use flotilla::ps::wire::{PullRequest, Request, ShardCall};
+    use flotilla::ps::wire::{Request, ShardCall};
 
     let config = ctr_config(&["cluster.nproc_per_node=2", "fault_tolerance.timeout_s=1"]);
     let shard = build_shard(&config, 0).unwrap();
-    let dense = vec![0.0; shard.dense().len()];
+    let push = empty_push(&config, 0, 0, UpdateKind::Gradients);
     let started = std::time::Instant::now();
     let err = System::new().block_on(async move {
         let (all_left, _) = futures::channel::oneshot::channel();
         let server = PServer::new(shard, all_left, config.fault_tolerance.timeout()).start();
-        let push = PushRequest {
-            trainer: 0,
-            step: 0,
-            kind: UpdateKind::Gradients,
-            ids: vec![vec![], vec![]],
-            values: vec![vec![], vec![]],
-            dense,
-        };
         server
             .send(ShardCall::first(Request::Push(push)))
             .await
             .unwrap()
             .unwrap();
-        let pull = PullRequest {
-            trainer: 0,
-            version: 1,
-            after_training: false,
-            ids: vec![vec![], vec![]],
-            dense: true,
-        };
         server
-            .send(ShardCall::first(Request::Pull(pull)))
+            .send(ShardCall::first(Request::Pull(pull_of_step_1())))
             .await
             .unwrap()
             .unwrap_err()
@@ -436,6 +421,18 @@ fn a_pull_held_for_a_trainer_that_never_pushes_names_it_after_the_timeout() {
     );
     let waited = started.elapsed().as_secs_f64();
     assert!((0.9..5.0).contains(&waited), "answered after {waited:.1}s");
+}
+
+/// Trainer 0's pull of step 1 (nothing but the dense slice), held until every trainer pushed
+/// step 0.
+fn pull_of_step_1() -> PullRequest {
+    PullRequest {
+        trainer: 0,
+        version: 1,
+        after_training: false,
+        ids: vec![vec![], vec![]],
+        dense: true,
+    }
 }
 
 /// An empty push of `step` from `trainer` to shard 0 of `config`.
@@ -455,7 +452,7 @@ fn empty_push(config: &JobConfig, trainer: usize, step: u64, kind: UpdateKind) -
 fn a_shard_serves_one_generation_refusing_older_requests_and_holding_newer_ones_until_restored() {
     use actix::prelude::*;
     use flotilla::actors::pserver::{PServer, RestoreState, RollBack};
-    use flotilla::ps::wire::{PullRequest, Reply, Request, ShardCall};
+    use flotilla::ps::wire::{Reply, Request, ShardCall};
 
     let config = ctr_config(&["cluster.nproc_per_node=2"]);
     let shard = build_shard(&config, 0).unwrap();
@@ -481,14 +478,7 @@ fn a_shard_serves_one_generation_refusing_older_requests_and_holding_newer_ones_
         // Trainer 0 waits for step 1 while trainer 1 has not pushed step 0: the rollback
         // refuses the held pull with its reason.
         server.send(call(0, Request::Push(push))).await.unwrap().unwrap();
-        let pull = PullRequest {
-            trainer: 0,
-            version: 1,
-            after_training: false,
-            ids: vec![vec![], vec![]],
-            dense: true,
-        };
-        let held = server.send(call(0, Request::Pull(pull)));
+        let held = server.send(call(0, Request::Pull(pull_of_step_1())));
         let reason = "trainer 1 declared dead".to_string();
         server.do_send(RollBack { generation: 1, reason });
         assert_eq!(held.await.unwrap().unwrap_err().to_string(), "trainer 1 declared dead");

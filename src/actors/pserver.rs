@@ -292,13 +292,8 @@ impl PServer {
                     answer,
                     deadline: Instant::now() + self.timeout,
                 });
-                ctx.run_later(self.timeout, |shard, _| shard.answer_waiting());
-                return Box::pin(async move {
-                    later
-                        .await
-                        .map_err(|_| anyhow!("parameter server {index} stopped before answering"))?
-                        .map(Reply::Rows)
-                });
+                let rows = self.answer_later(later, ctx);
+                return Box::pin(async move { rows.await.map(Reply::Rows) });
             }
             Request::Pull(pull) => self.shard.pull(&pull).map(Reply::Rows),
             Request::Push(push) => self.shard.push(push).map(|applied| {
@@ -344,6 +339,22 @@ impl PServer {
         Box::pin(async move { outcome })
     }
 
+    /// The answer a held request gets on `later`: when the shard can give it, or a refusal once
+    /// it has waited the timeout (checked then).
+    fn answer_later<T: 'static>(
+        &self,
+        later: oneshot::Receiver<Result<T>>,
+        ctx: &mut Context<Self>,
+    ) -> ResponseFuture<Result<T>> {
+        let index = self.shard.spec().index;
+        ctx.run_later(self.timeout, |shard, _| shard.answer_waiting());
+        Box::pin(async move {
+            later
+                .await
+                .map_err(|_| anyhow!("parameter server {index} stopped before answering"))?
+        })
+    }
+
     /// Serves the held requests of the generation now served.
     fn serve_early(&mut self, ctx: &mut Context<Self>) {
         for held in std::mem::take(&mut self.early) {
@@ -377,12 +388,7 @@ impl PServer {
                 answer,
                 deadline: Instant::now() + self.timeout,
             });
-            ctx.run_later(self.timeout, |shard, _| shard.answer_waiting());
-            return Box::pin(async move {
-                later
-                    .await
-                    .map_err(|_| anyhow!("parameter server {index} stopped before answering"))?
-            });
+            return self.answer_later(later, ctx);
         }
         self.serve(call.request, ctx)
     }

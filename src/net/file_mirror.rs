@@ -15,6 +15,7 @@ use tokio_util::codec::{Framed, LengthDelimitedCodec};
 
 use super::auth::{self, Credentials};
 use super::frame::{codec, Frame};
+use super::listen::accept_authenticated;
 use crate::checkpoint::{CheckpointStore, FileRecord};
 
 /// The largest piece of a file in one frame.
@@ -44,23 +45,15 @@ enum MirrorMessage {
 
 /// Serves `store`'s checkpoint directory to the job's other roles until the actor system stops.
 pub async fn serve_mirror(listener: TcpListener, store: CheckpointStore, credentials: Credentials, max_frame: usize) {
-    loop {
-        match listener.accept().await {
-            Ok((mut stream, peer)) => {
-                let (store, credentials) = (store.clone(), credentials.clone());
-                actix::spawn(async move {
-                    if let Err(e) = auth::accept(&mut stream, &credentials).await {
-                        tracing::warn!(%peer, "dropped a checkpoint-mirror connection before any frame: {e:#}");
-                        return;
-                    }
-                    if let Err(e) = serve_connection(stream, store, max_frame).await {
-                        tracing::warn!(%peer, "closed a checkpoint-mirror connection: {e:#}");
-                    }
-                });
-            }
-            Err(e) => tracing::warn!("accepting a checkpoint-mirror connection failed: {e}"),
+    accept_authenticated(listener, credentials, "checkpoint-mirror", move |stream| {
+        let store = store.clone();
+        async move {
+            serve_connection(stream, store, max_frame)
+                .await
+                .map_err(|e| format!("{e:#}"))
         }
-    }
+    })
+    .await
 }
 
 async fn serve_connection(stream: TcpStream, store: CheckpointStore, max_frame: usize) -> Result<()> {
@@ -77,13 +70,9 @@ async fn serve_connection(stream: TcpStream, store: CheckpointStore, max_frame: 
                 total,
             } => {
                 check_name(&name)?;
-                ensure!(
-                    offset == incoming.len() as u64 && offset + frame.payload.len() as u64 <= total,
-                    "a piece of {name} at byte {offset} of {total}, after {} bytes",
-                    incoming.len()
-                );
-                incoming.extend_from_slice(&frame.payload);
-                if incoming.len() as u64 == total {
+                let whole = append_piece(&mut incoming, offset, total, &frame.payload)
+                    .with_context(|| format!("a copy of {name}"))?;
+                if whole {
                     let (bytes, store) = (std::mem::take(&mut incoming), store.clone());
                     let written = tokio::task::spawn_blocking(move || store.write(step, &name, &bytes)).await?;
                     let answer = match written {
@@ -144,6 +133,18 @@ async fn send_pieces(
             return Ok(());
         }
     }
+}
+
+/// Appends a piece at `offset` of a file of `total` bytes to the `received` part; answers
+/// whether the file is whole. Pieces come in order and never past the end.
+fn append_piece(received: &mut Vec<u8>, offset: u64, total: u64, piece: &[u8]) -> Result<bool> {
+    ensure!(
+        offset == received.len() as u64 && offset + piece.len() as u64 <= total,
+        "a piece at byte {offset} of {total}, after {} bytes",
+        received.len()
+    );
+    received.extend_from_slice(piece);
+    Ok(received.len() as u64 == total)
 }
 
 /// A plain file name: no directory, no parent, nothing hidden.
@@ -241,13 +242,9 @@ impl MirrorLine {
                     frame.header
                 );
             };
-            ensure!(
-                offset == bytes.len() as u64 && offset + frame.payload.len() as u64 <= total,
-                "the checkpoint mirror at {endpoint} sent a piece at byte {offset} of {total} after {} bytes",
-                bytes.len()
-            );
-            bytes.extend_from_slice(&frame.payload);
-            if bytes.len() as u64 == total {
+            let whole = append_piece(&mut bytes, offset, total, &frame.payload)
+                .with_context(|| format!("the checkpoint mirror at {endpoint}"))?;
+            if whole {
                 return Ok(bytes);
             }
         }

@@ -10,6 +10,7 @@
 //! - [`server`]: the coordinator's TCP endpoint, turning frames into actor
 //!   messages.
 //! - [`ps_server`]: a parameter-server shard's TCP endpoint, likewise.
+//! - [`listen`]: the accept loop the endpoints share (token handshake first).
 //! - [`file_mirror`]: a role's checkpoint mirror, where another node's role stores a copy of
 //!   a file only it holds, and fetches it back after losing its disk.
 //!
@@ -20,6 +21,7 @@ pub mod auth;
 pub mod bus;
 pub mod file_mirror;
 pub mod frame;
+pub mod listen;
 pub mod protocol;
 pub mod ps_server;
 pub mod server;

@@ -10,8 +10,9 @@ use futures::{SinkExt, StreamExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio_util::codec::Framed;
 
-use super::auth::{self, Credentials};
+use super::auth::Credentials;
 use super::frame::codec;
+use super::listen::accept_authenticated;
 use crate::ps::wire::{decode_request, encode_reply, ShardCall};
 
 /// Accepts trainer connections until the actor system stops; `open` counts the connections
@@ -24,27 +25,16 @@ pub async fn serve_shard(
     open: Arc<AtomicUsize>,
     credentials: Credentials,
 ) {
-    loop {
-        match listener.accept().await {
-            Ok((mut stream, peer)) => {
-                let shard = shard.clone();
-                let open = open.clone();
-                let credentials = credentials.clone();
-                actix::spawn(async move {
-                    if let Err(e) = auth::accept(&mut stream, &credentials).await {
-                        tracing::warn!(%peer, "dropped a parameter-server connection before any frame: {e:#}");
-                        return;
-                    }
-                    open.fetch_add(1, Ordering::SeqCst);
-                    if let Err(reason) = handle_connection(stream, shard, max_frame_bytes).await {
-                        tracing::warn!(%peer, "closed parameter-server connection: {reason}");
-                    }
-                    open.fetch_sub(1, Ordering::SeqCst);
-                });
-            }
-            Err(e) => tracing::warn!("accepting a parameter-server connection failed: {e}"),
+    accept_authenticated(listener, credentials, "parameter-server", move |stream| {
+        let (shard, open) = (shard.clone(), open.clone());
+        async move {
+            open.fetch_add(1, Ordering::SeqCst);
+            let served = handle_connection(stream, shard, max_frame_bytes).await;
+            open.fetch_sub(1, Ordering::SeqCst);
+            served
         }
-    }
+    })
+    .await
 }
 
 async fn handle_connection(

@@ -14,8 +14,9 @@ use futures::{SinkExt, StreamExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio_util::codec::{Framed, LengthDelimitedCodec};
 
-use super::auth::{self, Credentials};
+use super::auth::Credentials;
 use super::frame::{codec, encode_with, ControlMessage, Frame};
+use super::listen::accept_authenticated;
 use super::protocol::{
     Acknowledge, Barrier, Beat, ConnectionLost, CoordinatorLine, Gather, Heartbeat, Join, JoinRefused, Leave, ListDead,
 };
@@ -33,24 +34,10 @@ pub async fn serve(
     max_frame_bytes: usize,
     credentials: Credentials,
 ) {
-    loop {
-        match listener.accept().await {
-            Ok((mut stream, peer)) => {
-                let coordinator = coordinator.clone();
-                let credentials = credentials.clone();
-                actix::spawn(async move {
-                    if let Err(e) = auth::accept(&mut stream, &credentials).await {
-                        tracing::warn!(%peer, "dropped a control connection before any frame: {e:#}");
-                        return;
-                    }
-                    if let Err(reason) = handle_connection(stream, coordinator, max_frame_bytes).await {
-                        tracing::warn!(%peer, "closed control connection: {reason}");
-                    }
-                });
-            }
-            Err(e) => tracing::warn!("accepting a control connection failed: {e}"),
-        }
-    }
+    accept_authenticated(listener, credentials, "control", move |stream| {
+        handle_connection(stream, coordinator.clone(), max_frame_bytes)
+    })
+    .await
 }
 
 async fn handle_connection(
