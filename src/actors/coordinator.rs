@@ -77,6 +77,9 @@ pub struct Coordinator {
     roster: Option<Roster>,
     /// The newest checkpoint committed (or the one the run started from).
     committed: Option<usize>,
+    /// The record of the newest commit, answered again to a rank that acknowledges it once
+    /// more (its answer was lost with a coordinator that died committing it).
+    record: Option<CommitRecord>,
     /// Told once every rank has left.
     finished: Option<oneshot::Sender<()>>,
     /// The job's settings, which a joining rank's must equal (none to compare when empty).
@@ -106,6 +109,7 @@ impl Coordinator {
             checkpoints: None,
             roster: None,
             committed: None,
+            record: None,
             finished: None,
             settings: Settings::new(),
             names: Vec::new(),
@@ -155,6 +159,15 @@ impl Coordinator {
     /// config), naming every key that differs.
     pub fn with_settings(mut self, settings: Settings) -> Self {
         self.settings = settings;
+        self
+    }
+
+    /// Resumes from `record`, the newest commit a coordinator before it recorded (this one was
+    /// restarted): its step is where a rollback resumes, and a rank whose acknowledgement of it
+    /// was never answered gets the record.
+    pub fn with_record(mut self, record: CommitRecord) -> Self {
+        self.committed = Some(record.step);
+        self.record = Some(record);
         self
     }
 
@@ -376,6 +389,7 @@ impl Coordinator {
             committed.map_err(|e| format!("committing the checkpoint of step {step}: {e:#}"))?;
         }
         self.committed = Some(step);
+        self.record = Some(record.clone());
         Ok(record)
     }
 }
@@ -623,6 +637,16 @@ impl Handler<Acknowledge> for Coordinator {
     type Result = ResponseFuture<Result<CommitRecord, String>>;
 
     fn handle(&mut self, msg: Acknowledge, ctx: &mut Self::Context) -> Self::Result {
+        // Committed already: the rank's answer was lost (a coordinator that died committing).
+        if let Some(record) = self.record.as_ref().filter(|r| r.step == msg.step) {
+            let record = record.clone();
+            tracing::info!(
+                rank = msg.rank,
+                step = msg.step,
+                "acknowledged again: already committed"
+            );
+            return Box::pin(async move { Ok(record) });
+        }
         let part = match serde_json::to_vec(&msg.files) {
             Ok(json) => Bytes::from(json),
             Err(e) => return Box::pin(async move { Err(format!("rank {}'s file records: {e}", msg.rank)) }),
@@ -873,6 +897,17 @@ mod tests {
                 nodes: vec!["endpoint-0".into(), "endpoint-2".into(), "node-9".into()]
             }]
         );
+        // Its answer lost with a coordinator that died committing, rank 1 acknowledges again —
+        // to a coordinator restarted from the record: answered at once with it.
+        let restarted = Coordinator::new(3, Duration::from_secs(5))
+            .with_record(record.clone())
+            .start();
+        let again = Acknowledge {
+            rank: 1,
+            step: 10,
+            files: Vec::new(),
+        };
+        assert_eq!(restarted.send(again).await.unwrap(), Ok(record));
 
         // Rank 1's line breaks: rank 0, waiting at a barrier, is told at once; rank 2 at its beat.
         let waiting = c.send(Barrier {

@@ -27,7 +27,7 @@ pub fn run_coordinator(config: &JobConfig, options: &RunOptions) -> Result<()> {
     // nodes, not necessarily here).
     let recorded = match (&options.resume, &recovery.store) {
         (Resume::Fresh, _) | (_, None) => None,
-        (_, Some(store)) => store.recorded()?.map(|record| record.step),
+        (_, Some(store)) => store.recorded()?,
     };
     let master = master(config)?;
     let ft = &config.fault_tolerance;
@@ -39,10 +39,13 @@ pub fn run_coordinator(config: &JobConfig, options: &RunOptions) -> Result<()> {
         if config.cluster.is_parameter_server() {
             coordinator = coordinator.with_names(role_names(config));
         }
-        let coordinator = coordinator
-            .with_checkpoints(recovery.store.clone(), recorded.or(recovery.start_step()))
+        let mut coordinator = coordinator
+            .with_checkpoints(recovery.store.clone(), recovery.start_step())
             .recovering_in_place()
             .with_finish(done);
+        if let Some(record) = recorded {
+            coordinator = coordinator.with_record(record);
+        }
         host_coordinator(coordinator, &master, ft, config.cluster.max_frame_bytes(), &credentials).await?;
         tracing::info!(%master, world, "coordinator serving");
         // The sender lives in the coordinator, which lives as long as this system.

@@ -389,21 +389,24 @@ impl ParameterServerJob {
                 let training = async {
                     let mut trainer = self.trainer(rank, client, options, trace, recovery);
                     trainer.in_place = in_place;
-                    trainer
+                    let outcome = trainer
                         .start()
                         .send(TrainPs)
                         .await
-                        .map_err(|e| anyhow!("trainer {rank}: actor stopped: {e}"))?
+                        .map_err(|e| anyhow!("trainer {rank}: actor stopped: {e}"))??;
+                    // Trainer 0 writes the summary before it says goodbye: until then its loss
+                    // is a death the coordinator recovers from.
+                    if rank != 0 {
+                        return Ok(None);
+                    }
+                    let summary = self.summary(outcome, "multi-process")?;
+                    write_summary(&options.run_dir, &summary)?;
+                    Ok(Some(summary))
                 };
                 with_heartbeats(training, role, heartbeats.as_ref(), &config, order_line.as_ref()).await
             })
             .map_err(refused_if_mismatched)?;
-        if rank != 0 {
-            return Ok(None);
-        }
-        let summary = self.summary(outcome, "multi-process")?;
-        write_summary(&options.run_dir, &summary)?;
-        Ok(Some(summary))
+        Ok(outcome)
     }
 
     fn trainer(
