@@ -11,7 +11,8 @@
 
 use std::borrow::Cow;
 use std::collections::{HashMap, HashSet};
-use std::fs::{self, File};
+use std::fs;
+use std::io::Write;
 use std::path::Path;
 
 use anyhow::{bail, ensure, Context};
@@ -20,6 +21,7 @@ use safetensors::{Dtype, SafeTensors, View};
 
 use super::dense::DenseSlice;
 use super::table::SparseTable;
+use crate::checkpoint::write_atomically;
 
 /// The `format` metadata value that marks a file as a PS shard snapshot.
 const FORMAT: &str = "flotilla-ps-shard";
@@ -41,22 +43,24 @@ pub struct ShardSnapshotInfo {
     pub server_num: usize,
 }
 
-/// Writes the shard to `path` atomically: a temporary file in the same
-/// directory, synced, then renamed over `path`, so a crash leaves either the
-/// old snapshot or the new one, never half of one.
+/// Writes the shard to `path` atomically ([`write_atomically`]): a crash leaves either the old
+/// snapshot or the new one, never half of one.
 pub fn save_shard(
     path: &Path,
     info: &ShardSnapshotInfo,
     dense: &DenseSlice,
     tables: &[&SparseTable],
 ) -> anyhow::Result<()> {
-    let (tensors, metadata) =
-        shard_tensors(info, dense, tables).with_context(|| format!("saving {}", path.display()))?;
-    write_atomically(path, |temporary| {
-        safetensors::serialize_to_file(tensors, Some(metadata), temporary)
-            .with_context(|| format!("writing {}", temporary.display()))
-    })
-    .with_context(|| format!("saving PS shard {} to {}", info.shard, path.display()))
+    let saving = || format!("saving PS shard {} to {}", info.shard, path.display());
+    let bytes = shard_bytes(info, dense, tables).with_context(saving)?;
+    let name = path
+        .file_name()
+        .with_context(|| format!("{} names no file", path.display()))?;
+    let dir = match path.parent() {
+        Some(dir) if !dir.as_os_str().is_empty() => dir,
+        _ => Path::new("."),
+    };
+    write_atomically(dir, &name.to_string_lossy(), |file| Ok(file.write_all(&bytes)?)).with_context(saving)
 }
 
 /// The shard as the bytes of a snapshot file (what [`save_shard`] writes), for a checkpoint.
@@ -338,31 +342,6 @@ fn floats(bytes: &[u8]) -> Vec<f32> {
 
 fn u64_from_le(b: &[u8]) -> u64 {
     u64::from_le_bytes([b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7]])
-}
-
-/// Runs `write` on a temporary sibling of `path`, syncs it, renames it over
-/// `path` and syncs the directory; the temporary file is removed on failure.
-fn write_atomically(path: &Path, write: impl FnOnce(&Path) -> anyhow::Result<()>) -> anyhow::Result<()> {
-    let file_name = path.file_name().context("the path has no file name")?;
-    let dir = match path.parent() {
-        Some(dir) if !dir.as_os_str().is_empty() => dir,
-        _ => Path::new("."),
-    };
-    let temporary = dir.join(format!(".{}.tmp-{}", file_name.to_string_lossy(), std::process::id()));
-    let result = write(&temporary).and_then(|()| {
-        File::open(&temporary)
-            .and_then(|file| file.sync_all())
-            .with_context(|| format!("syncing {}", temporary.display()))?;
-        fs::rename(&temporary, path).with_context(|| format!("renaming {} into place", temporary.display()))?;
-        File::open(dir)
-            .and_then(|dir| dir.sync_all())
-            .with_context(|| format!("syncing directory {}", dir.display()))
-    });
-    if result.is_err() {
-        // Best effort: the error being returned matters more than this one.
-        let _ = fs::remove_file(&temporary);
-    }
-    result
 }
 
 #[cfg(test)]
