@@ -24,7 +24,8 @@ pub struct LaunchPsArgs {
     /// Explicit `ip:port` of every trainer, comma-separated (instead of `--worker_num`).
     #[arg(long, value_delimiter = ',')]
     pub workers: Vec<String>,
-    /// The address this node's processes use.
+    /// This node's address: the servers and trainers listed at it are started here (run
+    /// launch-ps on every node of a job with the same lists), the coordinator where `--master` is.
     #[arg(long, default_value = DEFAULT_NODE_IP)]
     pub host: String,
     /// First port: servers take `started_port + i` (Paddle's `PADDLE_PORT` default, 6170),
