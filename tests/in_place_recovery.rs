@@ -310,14 +310,17 @@ fn a_stopped_shard_or_trainer_is_declared_dead_the_others_leave_their_pulls_and_
     stop_a_role(&PS_SYNC);
 }
 
-/// SIGSTOP of a random role of `job`. The link timeout is the default 30 minutes (60 s for the
-/// parameter servers, whose held pulls are refused after it): a survivor that waited it out,
-/// rather than leave its all-reduce, stage receive or pull when the coordinator declared the
-/// death, would be seen in the time the job takes.
+/// SIGSTOP of a random role of `job`, with the deadline of every operation (`timeout_s`) at 30
+/// minutes: a survivor that waited it out, rather than leave its all-reduce, stage receive or
+/// pull when the coordinator declared the death, would outlast the test.
 fn stop_a_role(job: &Job) {
     let lost = job.any_role();
-    let started = Instant::now();
-    let hurt = launch_and_hurt(job, Victim::Role(lost), libc::SIGSTOP, &[]);
+    let hurt = launch_and_hurt(
+        job,
+        Victim::Role(lost),
+        libc::SIGSTOP,
+        &["fault_tolerance.timeout_s=1800"],
+    );
     let stderr = &hurt.stderr;
     assert!(
         stderr.contains(&format!("{lost} declared dead: no heartbeat for")),
@@ -330,11 +333,6 @@ fn stop_a_role(job: &Job) {
     );
     survivors_rolled_back_in_place(&hurt, lost);
     equals_uninterrupted(job, &hurt.summary, &hurt.run_dir);
-    assert!(
-        started.elapsed() < Duration::from_secs(50),
-        "a survivor waited for its own timeout: {:?}",
-        started.elapsed()
-    );
 }
 
 #[test]
