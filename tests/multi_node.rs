@@ -477,3 +477,32 @@ fn a_shard_whose_node_was_lost_with_its_disk_comes_back_from_the_buddy_copy_on_t
         serde_json::from_str(&std::fs::read_to_string(job.run_dirs[0].join("summary.json")).unwrap()).unwrap();
     common::ps_matches_uninterrupted(&PARAMETER_SERVERS[..1], &summary, &job.run_dirs[0]);
 }
+
+#[test]
+fn a_geo_trainer_whose_node_was_lost_with_its_disk_takes_its_own_state_back_from_the_other_node() {
+    // Geo pushes every 8 local steps; its checkpoints fall on pushes.
+    const GEO: [&str; 6] = [
+        "strategy.a_sync=true",
+        "strategy.a_sync_configs.k_steps=8",
+        "train.steps=240",
+        "fault_tolerance.checkpoint_every=40",
+        "fault_tolerance.max_restarts=1",
+        "fault_tolerance.heartbeat_interval_ms=200",
+    ];
+    let Some(job) = Separate::create_or_say_why(Layout::ParameterServers, &GEO) else {
+        return;
+    };
+    let finished = job.lose_the_second_node(80, Disk::Emptied);
+    let stderr = &finished[1].stderr;
+    let own_state_back = stderr
+        .lines()
+        .any(|line| line.contains("own state restored trainer=1") && line.contains("from=\"buddy rank 0\""));
+    assert!(
+        own_state_back,
+        "trainer 1 did not take its state from the first node:\n{stderr}"
+    );
+    // Not bitwise (geo applies deltas in arrival order): each trainer's 30 pushes applied once.
+    let summary: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(job.run_dirs[0].join("summary.json")).unwrap()).unwrap();
+    assert_eq!(summary["updates_applied"], serde_json::json!([60, 60]), "{summary}");
+}
