@@ -109,8 +109,7 @@ pub(super) fn run_rank(job: &TrainingJob, rank: usize, options: &RunOptions) -> 
             let ft = &config.fault_tolerance;
             let coordinator = (rank == 0 && !own_coordinator).then(|| Coordinator::for_job(world, &config, &recovery));
             let mut bus = connect_control(coordinator, rank, &master, ft, max_frame, &credentials).await?;
-            let mirror_endpoint = mirror.as_ref().map(|m| m.endpoint.clone());
-            let buddy = mirror.map(RoleMirror::serve).transpose()?;
+            let (mirror_endpoint, buddy) = mirror.map(RoleMirror::serve_at).transpose()?.unzip();
             let rings = StageRings {
                 config: config.clone(),
                 rank,

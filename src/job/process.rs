@@ -93,7 +93,7 @@ pub(super) fn bind(config: &JobConfig, rank: usize) -> Result<RankEndpoints> {
 pub(super) struct RoleMirror {
     listener: TcpListener,
     /// Where other roles reach it.
-    pub(super) endpoint: String,
+    endpoint: String,
     store: CheckpointStore,
     line: MirrorLine,
 }
@@ -123,14 +123,9 @@ impl RoleMirror {
         }))
     }
 
-    /// As [`RoleMirror::serve`], with the mirror's address, which the role announces.
+    /// Serves the mirror (inside an actix system); returns its address, which the role
+    /// announces, and how the role reaches its buddy's.
     pub(super) fn serve_at(self) -> Result<(String, Buddy)> {
-        let endpoint = self.endpoint.clone();
-        Ok((endpoint, self.serve()?))
-    }
-
-    /// Serves the mirror (inside an actix system); returns how the role reaches its buddy's.
-    pub(super) fn serve(self) -> Result<Buddy> {
         let listener = tokio::net::TcpListener::from_std(self.listener)?;
         let line = self.line.clone();
         actix::spawn(serve_mirror(
@@ -139,7 +134,7 @@ impl RoleMirror {
             line.credentials.clone(),
             line.max_frame,
         ));
-        Ok(Buddy { line })
+        Ok((self.endpoint, Buddy { line }))
     }
 }
 

@@ -7,14 +7,13 @@
 use std::time::Duration;
 
 use anyhow::{bail, ensure, Context as _, Result};
-use bytes::Bytes;
 use futures::{SinkExt, StreamExt};
 use serde::{Deserialize, Serialize};
 use tokio::net::{TcpListener, TcpStream};
 use tokio_util::codec::{Framed, LengthDelimitedCodec};
 
 use super::auth::{self, Credentials};
-use super::frame::{codec, Frame};
+use super::frame::{codec, encode_with, Frame};
 use super::listen::accept_authenticated;
 use crate::checkpoint::{CheckpointStore, FileRecord};
 
@@ -123,11 +122,11 @@ async fn send_pieces(
     // An empty file is one empty piece.
     loop {
         let end = (offset + piece).min(bytes.len());
-        let frame = Frame {
-            header: header(offset as u64, total),
-            payload: Bytes::copy_from_slice(&bytes[offset..end]),
-        };
-        framed.send(frame.encode()?).await?;
+        // Copied once, straight into the frame that is sent.
+        let frame = encode_with(&header(offset as u64, total), end - offset, |out| {
+            out.extend_from_slice(&bytes[offset..end])
+        })?;
+        framed.send(frame).await?;
         offset = end;
         if offset == bytes.len() {
             return Ok(());
