@@ -55,8 +55,11 @@ enum Exchange {
 }
 
 impl ControlBus {
-    /// Connects to the coordinator at `master`, retrying while it starts,
-    /// for at most `timeout`.
+    /// Connects to the coordinator at `master`, retrying while it starts, for at most
+    /// `timeout`. A connection reset during the handshake is tried again too: one made while
+    /// a killed coordinator's endpoint was closing lands in its dying backlog and is reset,
+    /// while its replacement is moments away. A peer that proves another token is refused at
+    /// once.
     pub async fn connect(
         master: &str,
         timeout: Duration,
@@ -64,22 +67,26 @@ impl ControlBus {
         credentials: &Credentials,
     ) -> Result<Self> {
         let deadline = Instant::now() + timeout;
-        let mut stream = loop {
-            match TcpStream::connect(master).await {
-                Ok(stream) => break stream,
-                Err(e) if Instant::now() < deadline => {
-                    tracing::debug!("coordinator at {master} not reachable yet: {e}");
-                    tokio::time::sleep(Duration::from_millis(50)).await;
-                }
-                Err(e) => bail!(
-                    "could not reach the coordinator at {master} within {:.1}s: {e}",
+        let stream = loop {
+            let failure = match TcpStream::connect(master).await {
+                Ok(mut stream) => match auth::connect(&mut stream, credentials).await {
+                    Ok(()) => break stream,
+                    Err(e) if e.root_cause().downcast_ref::<std::io::Error>().is_none() => {
+                        return Err(e).with_context(|| format!("handshake with the coordinator at {master}"))
+                    }
+                    Err(e) => anyhow!(e).context(format!("handshake with the coordinator at {master}")),
+                },
+                Err(e) => anyhow!(e).context(format!("connecting to the coordinator at {master}")),
+            };
+            if Instant::now() >= deadline {
+                return Err(failure.context(format!(
+                    "could not reach the coordinator at {master} within {:.1}s",
                     timeout.as_secs_f64()
-                ),
+                )));
             }
+            tracing::debug!("coordinator at {master} not reachable yet: {failure:#}");
+            tokio::time::sleep(Duration::from_millis(50)).await;
         };
-        auth::connect(&mut stream, credentials)
-            .await
-            .with_context(|| format!("handshake with the coordinator at {master}"))?;
         stream.set_nodelay(true)?;
         Ok(Self::Tcp {
             connection: Framed::new(stream, codec(max_frame_bytes)),
@@ -447,4 +454,60 @@ fn split_parts(rank: usize, mut payload: Bytes, lengths: &[u64]) -> Result<Vec<B
         payload.len()
     );
     Ok(lengths.iter().map(|&n| payload.split_to(n as usize)).collect())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::net::auth::ClusterToken;
+    use tokio::net::TcpListener;
+
+    fn credentials(text: &str) -> Credentials {
+        Credentials::new(ClusterToken::new(text).unwrap(), Duration::from_secs(2))
+    }
+
+    #[actix::test]
+    async fn a_connection_reset_during_the_handshake_is_tried_again() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let master = listener.local_addr().unwrap().to_string();
+        let server_side = credentials("a cluster token of enough length");
+        let serving = tokio::spawn(async move {
+            // The first connection is closed with its hello unread, as a dying endpoint does.
+            drop(listener.accept().await.unwrap());
+            let (mut stream, _) = listener.accept().await.unwrap();
+            auth::accept(&mut stream, &server_side).await.map(|()| stream)
+        });
+        let bus = ControlBus::connect(
+            &master,
+            Duration::from_secs(10),
+            1 << 20,
+            &credentials("a cluster token of enough length"),
+        )
+        .await;
+        assert!(bus.is_ok(), "{:#}", bus.err().unwrap());
+        assert!(serving.await.unwrap().is_ok());
+    }
+
+    #[actix::test]
+    async fn a_coordinator_with_another_token_is_refused_without_retrying() {
+        // Accepted once: a retry would wait for a handshake that never comes and end in a
+        // timeout, not in the mismatch.
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let master = listener.local_addr().unwrap().to_string();
+        let server_side = credentials("the coordinators token, long enough");
+        let serving = tokio::spawn(async move {
+            let (mut stream, _) = listener.accept().await.unwrap();
+            auth::accept(&mut stream, &server_side).await
+        });
+        let refused = ControlBus::connect(
+            &master,
+            Duration::from_secs(60),
+            1 << 20,
+            &credentials("another token, also long enough"),
+        )
+        .await;
+        let message = format!("{:#}", refused.err().unwrap());
+        assert!(message.contains("does not know the cluster token"), "{message}");
+        assert!(serving.await.unwrap().is_err());
+    }
 }
