@@ -16,7 +16,7 @@ use crate::collective::{ParamChecksum, Replica, StepReport};
 use crate::config::JobConfig;
 use crate::data::ctr::CtrBatch;
 use crate::data::Batch;
-use crate::engines::comm::memory::MemoryTransport;
+use crate::engines::comm::memory::{MemoryRings, MemoryTransport};
 use crate::engines::comm::{
     connect_ring, parse_endpoints, CommWorker, Communicator, RingBreaker, RingTransport, Shared,
 };
@@ -39,6 +39,15 @@ pub enum RingLink {
     Single,
     /// Threads of one process.
     Memory(MemoryTransport),
+    /// A rank of a simulated cluster that recovers in place: its end of each generation's ring.
+    Simulated {
+        /// This rank.
+        rank: usize,
+        /// The cluster's rings.
+        rings: Arc<MemoryRings>,
+        /// Where the ring in use is handed, so a rollback order can break it.
+        breaker: RingBreaker,
+    },
     /// Processes: this rank's listener, bound before the rendezvous so
     /// that its neighbour can connect as soon as the roster is out.
     Tcp {
@@ -63,16 +72,21 @@ impl RingLink {
         match self {
             Self::Single => 0,
             Self::Memory(transport) => transport.rank(),
-            Self::Tcp { rank, .. } => *rank,
+            Self::Simulated { rank, .. } | Self::Tcp { rank, .. } => *rank,
         }
     }
 
-    /// The communicator over this link; `roster[r]` is rank `r`'s data
-    /// endpoint, as the rendezvous handed it out.
-    pub(crate) fn into_communicator(self, roster: &[String]) -> Result<Communicator> {
+    /// The communicator over this link for generation `generation`; `roster[r]` is rank `r`'s
+    /// data endpoint, as the rendezvous handed it out.
+    pub(crate) fn into_communicator(self, roster: &[String], generation: u64) -> Result<Communicator> {
         Ok(match self {
             Self::Single => Communicator::single(),
             Self::Memory(transport) => Communicator::new(Box::new(transport)),
+            Self::Simulated { rank, rings, breaker } => {
+                let ring = Communicator::new(Box::new(rings.take(generation, rank)?));
+                breaker.arm(ring.link_break());
+                ring
+            }
             Self::Tcp {
                 rank,
                 listener,
@@ -89,7 +103,7 @@ impl RingLink {
                     shared_memory,
                     &credentials,
                 )?;
-                breaker.arm(ring.sockets());
+                breaker.arm(ring.link_break());
                 ring
             }
         })
@@ -109,6 +123,8 @@ pub struct Prepare {
     pub link: RingLink,
     /// Every rank's data endpoint, from the rendezvous.
     pub roster: Vec<String>,
+    /// The generation the rank joined.
+    pub generation: u64,
     /// Whether rank 0's initial parameters are broadcast (not when a checkpoint's state is
     /// restored next by every rank).
     pub broadcast: bool,
@@ -126,6 +142,8 @@ pub struct Relink {
     pub link: RingLink,
     /// Every rank's data endpoint, from the new roster.
     pub roster: Vec<String>,
+    /// The generation the rank joined.
+    pub generation: u64,
 }
 
 /// The replica's whole training state with the run's `losses`, as a checkpoint file's bytes.
@@ -341,7 +359,7 @@ impl Handler<Prepare> for DeviceActor {
         let device = device_for(msg.job.cluster.device, msg.link.rank())?;
         let init = ParamInit::new(msg.job.train.seed, device.clone());
         let model = (msg.model)(&init).context("building the model")?;
-        let comm = comm_worker(&msg.job, msg.link, &msg.roster, &device)?;
+        let comm = comm_worker(&msg.job, msg.link, &msg.roster, msg.generation, &device)?;
         let mut replica = Replica::new(model, &msg.job, comm, device)?;
         if msg.broadcast {
             replica.broadcast_parameters()?;
@@ -356,8 +374,14 @@ impl Handler<Prepare> for DeviceActor {
 
 /// The communication thread over `link`, with NCCL beside the ring on GPU jobs.
 #[cfg_attr(not(feature = "cuda"), allow(unused_variables, unused_mut))]
-fn comm_worker(job: &JobConfig, link: RingLink, roster: &[String], device: &candle_core::Device) -> Result<CommWorker> {
-    let mut comm = link.into_communicator(roster)?;
+fn comm_worker(
+    job: &JobConfig,
+    link: RingLink,
+    roster: &[String],
+    generation: u64,
+    device: &candle_core::Device,
+) -> Result<CommWorker> {
+    let mut comm = link.into_communicator(roster, generation)?;
     #[cfg(feature = "cuda")]
     comm.connect_nccl(device, job.fault_tolerance.timeout())?;
     CommWorker::spawn(comm)
@@ -369,7 +393,7 @@ impl Handler<Relink> for DeviceActor {
     fn handle(&mut self, msg: Relink, _: &mut Self::Context) -> Result<()> {
         let replica = self.replica()?;
         let device = replica.device().clone();
-        let comm = comm_worker(&msg.job, msg.link, &msg.roster, &device)?;
+        let comm = comm_worker(&msg.job, msg.link, &msg.roster, msg.generation, &device)?;
         replica.relink(comm);
         Ok(())
     }

@@ -7,6 +7,7 @@ pub mod buddy;
 pub mod coordinator;
 pub mod device;
 mod divergence;
+pub mod faults;
 pub(crate) mod kept;
 pub mod ps_trainer;
 pub mod pserver;

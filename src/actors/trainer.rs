@@ -19,6 +19,7 @@ use super::device::{
     Snapshot, TakeSpans, TrainStep,
 };
 use super::divergence::check_loss;
+use super::faults::RoleFaults;
 use super::kept::{commit_on_this_node, Kept, Restore};
 use super::recovery::Recovery;
 use super::rollback::Orders;
@@ -61,6 +62,9 @@ pub struct Trainer {
     pub(crate) recovery: Recovery,
     /// How this rank rolls back in place; `None` when a lost rank stops the job.
     pub in_place: Option<InPlace>,
+    /// The faults planned for this rank of a simulated cluster: its training runs under their
+    /// switch.
+    pub faults: Option<Arc<RoleFaults>>,
 }
 
 /// What a trainer needs to roll back inside its process.
@@ -126,10 +130,14 @@ impl Handler<Train> for Trainer {
             trace: self.trace.clone(),
             recovery: self.recovery.clone(),
             in_place: self.in_place.take(),
+            faults: self.faults.clone(),
             kept: Kept::default(),
             roster: None,
         };
-        Box::pin(run.execute())
+        match self.faults.clone() {
+            Some(faults) => Box::pin(async move { faults.switch().govern(run.execute()).await }),
+            None => Box::pin(run.execute()),
+        }
     }
 }
 
@@ -147,6 +155,7 @@ struct TrainingRun {
     trace: Option<TraceTarget>,
     recovery: Recovery,
     in_place: Option<InPlace>,
+    faults: Option<Arc<RoleFaults>>,
     kept: Kept,
     /// The roster of the generation training.
     roster: Option<Roster>,
@@ -176,6 +185,7 @@ impl TrainingRun {
                 model: self.model.clone(),
                 link,
                 roster: roster.endpoints.clone(),
+                generation: roster.generation,
                 // A later generation's ranks all restore one state: nothing to broadcast.
                 broadcast: roster.generation == 0,
                 trace_from: self.trace.as_ref().map(|t| t.origin.instant),
@@ -238,6 +248,7 @@ impl TrainingRun {
                 job: self.job.clone(),
                 link,
                 roster: roster.endpoints.clone(),
+                generation: roster.generation,
             })
             .await??;
         tracing::info!(
@@ -284,6 +295,9 @@ impl TrainingRun {
         let (mut step_time, mut comm_time, mut exposed) = (Duration::ZERO, Duration::ZERO, Duration::ZERO);
         let check_every = job.strategy.check_every;
         for step in first..steps {
+            if let Some(faults) = &self.faults {
+                faults.before_step(&format!("rank {rank}"), step).await;
+            }
             let report = self.device.send(TrainStep(run.loader.batch(step))).await??;
             step_time += report.step_time;
             comm_time += report.comm_time;

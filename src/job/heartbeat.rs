@@ -1,8 +1,9 @@
-//! A launched role's heartbeats: on a control connection of its own, the role tells the
-//! coordinator every `heartbeat_interval_ms` that it is alive. When the coordinator has declared
+//! A role's heartbeats: on a control connection of its own (or, in a simulated cluster, on its
+//! incarnation's line), the role tells the coordinator every `heartbeat_interval_ms` that it is
+//! alive. When the coordinator has declared
 //! another rank dead, or has itself been silent past the deadline, the role stops with that
 //! reason instead of waiting on a peer that will never answer; when its work is done it says
-//! goodbye, so its silence is not taken for a death.
+//! goodbye, so its silence is not taken for a death (a role that failed says none).
 
 use std::future::Future;
 use std::time::{Duration, Instant};
@@ -13,29 +14,55 @@ use tokio::sync::oneshot;
 use crate::actors::rollback::OrderLine;
 use crate::config::JobConfig;
 use crate::net::auth::Credentials;
-use crate::net::protocol::Beat;
+use crate::net::protocol::{Beat, CoordinatorLine};
 use crate::net::ControlBus;
 
-/// Runs `work` (rank `rank`'s part of the job) while heartbeating to the coordinator at
-/// `master`; ends with the first error of either. Rollback orders go down `orders` (a role that
-/// does not roll back in place stops on one).
+/// Where a role's heartbeats go.
+#[derive(Clone, Copy)]
+pub(super) enum CoordinatorAt<'a> {
+    /// At `master`, over TCP: each role beats on a connection of its own.
+    Tcp {
+        /// The coordinator's `ip:port`.
+        master: &'a str,
+        /// What the connection proves.
+        credentials: &'a Credentials,
+    },
+    /// In this process (a simulated cluster), on the line of the role's incarnation.
+    InMemory(&'a CoordinatorLine),
+}
+
+impl CoordinatorAt<'_> {
+    /// The coordinator, as errors name it.
+    fn name(&self) -> String {
+        match self {
+            Self::Tcp { master, .. } => format!("the coordinator at {master}"),
+            Self::InMemory(_) => "the coordinator".to_string(),
+        }
+    }
+}
+
+/// Runs `work` (rank `rank`'s part of the job) while heartbeating to the coordinator `at`;
+/// ends with the first error of either. Rollback orders go down `orders` (a role that does not
+/// roll back in place stops on one).
 pub(super) async fn watched<T>(
     work: impl Future<Output = Result<T>>,
     rank: usize,
-    master: &str,
+    at: CoordinatorAt<'_>,
     config: &JobConfig,
-    credentials: &Credentials,
     orders: Option<&OrderLine>,
 ) -> Result<T> {
     let (done, stop) = oneshot::channel();
-    let beats = beat(rank, master, config, credentials, orders, stop);
+    let beats = beat(rank, at, config, orders, stop);
     tokio::pin!(work, beats);
     tokio::select! {
         outcome = &mut work => {
-            let _ = done.send(());
-            // Says goodbye (bounded by the deadline) before the process may exit.
-            if let Err(e) = beats.await {
-                tracing::debug!(rank, "after the work was done: {e:#}");
+            // A role that finished says goodbye (bounded by the deadline) before its process
+            // may exit; one that failed does not: its silence is a death, recovered from.
+            if outcome.is_ok() {
+                let _ = done.send(());
+                if let Err(e) = beats.await {
+                    tracing::debug!(rank, "after the work was done: {e:#}");
+                }
             }
             outcome
         }
@@ -49,9 +76,8 @@ pub(super) async fn watched<T>(
 /// Heartbeats until `stop` fires (then leaves, and returns `Ok`) or the job cannot go on.
 async fn beat(
     rank: usize,
-    master: &str,
+    at: CoordinatorAt<'_>,
     config: &JobConfig,
-    credentials: &Credentials,
     orders: Option<&OrderLine>,
     mut stop: oneshot::Receiver<()>,
 ) -> Result<()> {
@@ -64,12 +90,13 @@ async fn beat(
         let left = deadline.saturating_sub(last_answer.elapsed());
         if left.is_zero() {
             return Err(anyhow!(
-                "rank {rank}: the coordinator at {master} has not answered a heartbeat for {:.1}s \
+                "rank {rank}: {} has not answered a heartbeat for {:.1}s \
                  (fault_tolerance.heartbeat_interval_ms × heartbeat_misses): presumed dead",
+                at.name(),
                 deadline.as_secs_f64()
             ));
         }
-        match connected(&mut line, master, left, max_frame, credentials).await {
+        match connected(&mut line, at, left, max_frame).await {
             Ok(bus) => match bus.heartbeat(rank, orders.and_then(OrderLine::member_of), left).await {
                 Ok(Ok(Beat::Alive)) => last_answer = Instant::now(),
                 Ok(Ok(Beat::RollBack { generation, reason })) => match orders {
@@ -87,12 +114,12 @@ async fn beat(
                 }
             },
             // A broken line is retried until the deadline has passed.
-            Err(e) => tracing::debug!(rank, "heartbeat line to {master}: {e:#}"),
+            Err(e) => tracing::debug!(rank, "heartbeat line to {}: {e:#}", at.name()),
         }
         tokio::select! {
             _ = &mut stop => {
                 let limit = deadline.min(Duration::from_secs(2));
-                return connected(&mut line, master, limit, max_frame, credentials).await?.leave(rank, limit).await;
+                return connected(&mut line, at, limit, max_frame).await?.leave(rank, limit).await;
             }
             () = tokio::time::sleep(interval) => {}
             // A failed rank asks whether a rollback explains its failure: beat now.
@@ -112,14 +139,16 @@ async fn asked(orders: Option<&OrderLine>) {
 /// The heartbeat line, connected (within `limit`) if it is not.
 async fn connected<'a>(
     line: &'a mut Option<ControlBus>,
-    master: &str,
+    at: CoordinatorAt<'_>,
     limit: Duration,
     max_frame: usize,
-    credentials: &Credentials,
 ) -> Result<&'a mut ControlBus> {
-    let bus = match line.take() {
-        Some(bus) => bus,
-        None => ControlBus::connect(master, limit, max_frame, credentials).await?,
+    let bus = match (line.take(), at) {
+        (Some(bus), _) => bus,
+        (None, CoordinatorAt::Tcp { master, credentials }) => {
+            ControlBus::connect(master, limit, max_frame, credentials).await?
+        }
+        (None, CoordinatorAt::InMemory(coordinator)) => ControlBus::InMemory(coordinator.clone()),
     };
     Ok(line.insert(bus))
 }

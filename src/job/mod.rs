@@ -24,6 +24,7 @@ pub use coordinator::run_coordinator;
 pub use outputs::{RunOutcome, Summary, CONFIG_FILE};
 pub use process::{coordinator_is_own_process, COORDINATOR_PROCESS_VAR};
 pub use resumed::{resumed_config, SAFE_TO_CHANGE};
+pub use simulated::{FaultPlan, FaultReport};
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -211,6 +212,7 @@ impl TrainingJob {
             trace: options.trace_target(),
             recovery,
             in_place: None,
+            faults: None,
         }
     }
 
@@ -233,12 +235,44 @@ impl TrainingJob {
 
     /// All ranks as actors of this process, ring links in memory.
     pub fn run_simulated(&self, options: &RunOptions) -> Result<RunOutcome> {
+        self.simulated_with(options, |job, options| {
+            if job.config.strategy.pipeline {
+                pipeline::run(job, options)
+            } else {
+                simulated::run(job, options)
+            }
+        })
+    }
+
+    /// All ranks as actors of this process, struck by `faults`, recovering in place as a
+    /// launched job does (see [`FaultPlan`]); also answers the replacements each rank needed.
+    /// Data parallelism only: a pipeline's stages are not struck yet.
+    pub fn run_simulated_with_faults(
+        &self,
+        options: &RunOptions,
+        faults: &FaultPlan,
+    ) -> Result<(RunOutcome, FaultReport)> {
+        anyhow::ensure!(
+            !self.config.strategy.pipeline,
+            "faults are injected into data-parallel simulated clusters only (strategy.pipeline is set)"
+        );
+        let mut report = None;
+        let outcome = self.simulated_with(options, |job, options| {
+            let (outcome, replaced) = simulated::run_with_faults(job, options, faults)?;
+            report = Some(replaced);
+            Ok(outcome)
+        })?;
+        Ok((outcome, report.context("the simulated run reported no faults")?))
+    }
+
+    /// Writes the config, runs `run`, and writes the trace and the outcome.
+    fn simulated_with(
+        &self,
+        options: &RunOptions,
+        run: impl FnOnce(&Self, &RunOptions) -> Result<RunOutcome>,
+    ) -> Result<RunOutcome> {
         outputs::write_config(&options.run_dir, &self.config)?;
-        let outcome = if self.config.strategy.pipeline {
-            pipeline::run(self, options)?
-        } else {
-            simulated::run(self, options)?
-        };
+        let outcome = run(self, options)?;
         options.merge_in_process_trace()?;
         outcome.write(&options.run_dir)?;
         Ok(outcome)

@@ -12,7 +12,7 @@ use bytes::Bytes;
 use futures::future::BoxFuture;
 
 use super::control::connect_control;
-use super::heartbeat::watched;
+use super::heartbeat::{watched, CoordinatorAt};
 use super::process::{
     bind, bind_data_endpoint, host_of, refused_if_mismatched, RankEndpoints, RankRecovery, RoleMirror,
 };
@@ -150,7 +150,17 @@ pub(super) fn run_rank(job: &TrainingJob, rank: usize, options: &RunOptions) -> 
                 outcome.write(&options.run_dir)?;
                 Ok(Some(outcome))
             };
-            watched(training, rank, &master, &config, &credentials, order_line.as_ref()).await
+            watched(
+                training,
+                rank,
+                CoordinatorAt::Tcp {
+                    master: &master,
+                    credentials: &credentials,
+                },
+                &config,
+                order_line.as_ref(),
+            )
+            .await
         })
         .map_err(refused_if_mismatched)
 }
@@ -188,10 +198,10 @@ impl StageRings {
             .await?;
         let (link, data_parallel) =
             stage_rings::connect(bus, config, rank, &roster.endpoints, listener, self.credentials.clone()).await?;
-        let mut sockets: Vec<_> = data_parallel.sockets().into_iter().collect();
+        let mut sockets: Vec<_> = data_parallel.link_break().into_iter().collect();
         if let StageLinks::Rings { forward, backward } = &link {
-            sockets.extend(forward.sockets());
-            sockets.extend(backward.sockets());
+            sockets.extend(forward.link_break());
+            sockets.extend(backward.link_break());
         }
         self.breaker.arm(sockets);
         Ok(StageGeneration {

@@ -11,7 +11,7 @@ use actix::prelude::*;
 use anyhow::{anyhow, Context, Result};
 
 use super::control::connect_control;
-use super::heartbeat::watched;
+use super::heartbeat::{watched, CoordinatorAt};
 use super::{Recovery, Refusal, RunOptions, RunOutcome, TrainingJob};
 use crate::actors::buddy::Buddy;
 use crate::actors::device::RingLink;
@@ -224,7 +224,17 @@ pub(super) fn run(job: &TrainingJob, rank: usize, options: &RunOptions) -> Resul
                 }
                 Ok(outcome)
             };
-            watched(training, rank, &master, &config, &credentials, order_line.as_ref()).await
+            watched(
+                training,
+                rank,
+                CoordinatorAt::Tcp {
+                    master: &master,
+                    credentials: &credentials,
+                },
+                &config,
+                order_line.as_ref(),
+            )
+            .await
         })
         .map_err(refused_if_mismatched)?;
     Ok(outcome)

@@ -15,7 +15,7 @@ use serde::Serialize;
 use tokio::sync::mpsc;
 
 use super::control::host_coordinator;
-use super::heartbeat::watched;
+use super::heartbeat::{watched, CoordinatorAt};
 use super::outputs::{write_config, write_summary};
 use super::process::{host_of, refused_if_mismatched, RankRecovery, RoleMirror};
 use super::shard_generations::ShardGenerations;
@@ -535,7 +535,9 @@ async fn with_heartbeats<T>(
     orders: Option<&OrderLine>,
 ) -> Result<T> {
     match line {
-        Some((master, credentials)) => watched(work, role, master, config, credentials, orders).await,
+        Some((master, credentials)) => {
+            watched(work, role, CoordinatorAt::Tcp { master, credentials }, config, orders).await
+        }
         None => work.await,
     }
 }

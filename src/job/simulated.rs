@@ -1,15 +1,78 @@
 //! The simulated cluster: every rank's trainer and device actor in this
 //! process, the coordinator reached by actor messages, ring links in memory.
+//!
+//! With a [`FaultPlan`] the cluster recovers in place the way a launched job does, through the
+//! same path: each rank heartbeats to the coordinator, a rank struck by a fault (killed, or
+//! stalled until the coordinator declares it dead) is replaced alone — as its launcher
+//! replaces a process — and the survivors hear the coordinator's rollback order, leave the
+//! collective they wait in, restore the committed checkpoint from memory and go on with the
+//! replacement over the next generation's ring. A link that delays its messages changes
+//! nothing; one that loses a message breaks, and the rank that was to receive it is replaced.
+
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
 
 use actix::prelude::*;
-use anyhow::{anyhow, Result};
+use anyhow::{anyhow, ensure, Result};
 
+use super::heartbeat::{watched, CoordinatorAt};
 use super::{Recovery, RunOptions, RunOutcome, TrainingJob};
 use crate::actors::device::RingLink;
-use crate::actors::trainer::Train;
+use crate::actors::faults::{RoleFault, RoleFaults, RoleSwitch};
+use crate::actors::rollback::order_line;
+use crate::actors::trainer::{InPlace, RankOutcome, Train};
 use crate::actors::Coordinator;
-use crate::engines::comm::memory;
+use crate::engines::comm::memory::{self, LinkFault, MemoryRings};
+use crate::net::protocol::CoordinatorLine;
 use crate::net::ControlBus;
+
+/// Faults to inject into a simulated cluster. Each strikes once: a role's first incarnation,
+/// a link of the first generation's ring.
+#[derive(Debug, Clone, Default)]
+pub struct FaultPlan {
+    /// `(rank, step, fault)`: the rank is struck just before it takes step `step` (from 0).
+    pub roles: Vec<(usize, usize, RoleFault)>,
+    /// `(rank, fault)`: a fault on the rank's link to its right neighbour.
+    pub links: Vec<(usize, LinkFault)>,
+}
+
+impl FaultPlan {
+    /// Whether the plan injects nothing.
+    pub fn is_empty(&self) -> bool {
+        self.roles.is_empty() && self.links.is_empty()
+    }
+
+    /// The faults planned for `rank`'s first incarnation, by step.
+    fn of_rank(&self, rank: usize) -> Vec<(usize, RoleFault)> {
+        self.roles
+            .iter()
+            .filter(|&&(r, _, _)| r == rank)
+            .map(|&(_, step, fault)| (step, fault))
+            .collect()
+    }
+
+    fn check(&self, world: usize) -> Result<()> {
+        let ranks = self
+            .roles
+            .iter()
+            .map(|&(r, _, _)| r)
+            .chain(self.links.iter().map(|&(r, _)| r));
+        for rank in ranks {
+            ensure!(
+                rank < world,
+                "a fault is planned for rank {rank} of a cluster of {world}"
+            );
+        }
+        Ok(())
+    }
+}
+
+/// What the faults cost: the replacements each rank needed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FaultReport {
+    /// By rank, how many times it was replaced.
+    pub replaced: Vec<usize>,
+}
 
 pub(super) fn run(job: &TrainingJob, options: &RunOptions) -> Result<RunOutcome> {
     let world = job.config.world_size();
@@ -40,9 +103,179 @@ pub(super) fn run(job: &TrainingJob, options: &RunOptions) -> Result<RunOutcome>
         // leaving it to wait for the others' timeouts.
         futures::future::try_join_all(runs).await
     })?;
+    from_rank0(outcomes, world)
+}
+
+fn from_rank0(outcomes: Vec<RankOutcome>, world: usize) -> Result<RunOutcome> {
     let rank0 = outcomes
         .into_iter()
         .next()
         .ok_or_else(|| anyhow!("a job needs at least one rank"))?;
     Ok(RunOutcome::from_rank0(rank0, world, "in-process"))
+}
+
+/// The incarnation of each rank that runs now: its id (its "pid") and its switch.
+type Running = Arc<Mutex<Vec<Option<(u32, RoleSwitch)>>>>;
+
+/// The cluster a fault plan strikes: what every incarnation of every rank shares.
+struct FaultyCluster<'a> {
+    job: &'a TrainingJob,
+    options: &'a RunOptions,
+    recovery: Recovery,
+    coordinator: CoordinatorLine,
+    rings: Arc<MemoryRings>,
+    plan: &'a FaultPlan,
+    running: Running,
+    next_id: AtomicU32,
+}
+
+pub(super) fn run_with_faults(
+    job: &TrainingJob,
+    options: &RunOptions,
+    plan: &FaultPlan,
+) -> Result<(RunOutcome, FaultReport)> {
+    let config = &job.config;
+    let world = config.world_size();
+    plan.check(world)?;
+    ensure!(
+        world > 1,
+        "faults need a cluster of at least 2 ranks (cluster.world_size = {world})"
+    );
+    ensure!(
+        config.recovers_in_place(),
+        "faults are recovered from in place: fault_tolerance.recovery must be \"in_place\""
+    );
+    let recovery = Recovery::plan(config, &options.run_dir, &options.resume)?;
+    let ft = &config.fault_tolerance;
+    let outcomes = System::new().block_on(async move {
+        let coordinator = Coordinator::for_job(world, config, &recovery)
+            .recovering_in_place()
+            .with_heartbeat_deadline(ft.heartbeat_deadline())
+            .start();
+        let cluster = FaultyCluster {
+            job,
+            options,
+            recovery,
+            coordinator: coordinator.into(),
+            rings: Arc::new(MemoryRings::new(world, ft.timeout(), plan.links.clone())),
+            plan,
+            running: Arc::new(Mutex::new(vec![None; world])),
+            next_id: AtomicU32::new(1),
+        };
+        let watch = actix::spawn(kill_the_declared_dead(
+            cluster.coordinator.clone(),
+            cluster.running.clone(),
+            ft.heartbeat_interval(),
+        ));
+        let ranks = futures::future::try_join_all((0..world).map(|rank| cluster.rank(rank))).await;
+        watch.abort();
+        ranks
+    })?;
+    let replaced = outcomes.iter().map(|(_, replaced)| *replaced).collect();
+    let outcome = from_rank0(outcomes.into_iter().map(|(outcome, _)| outcome).collect(), world)?;
+    Ok((outcome, FaultReport { replaced }))
+}
+
+/// Asks the coordinator every `interval` which incarnations it declared dead, and kills the
+/// ones still running (stalled, or hung) — what a launcher's death watch does.
+async fn kill_the_declared_dead(coordinator: CoordinatorLine, running: Running, interval: std::time::Duration) {
+    let mut line = ControlBus::InMemory(coordinator);
+    loop {
+        if let Ok(dead) = line.list_dead(interval).await {
+            let running = running.lock().unwrap_or_else(PoisonError::into_inner);
+            for process in dead {
+                if let Some(Some((id, switch))) = running.get(process.rank) {
+                    if *id == process.pid {
+                        switch.kill();
+                    }
+                }
+            }
+        }
+        tokio::time::sleep(interval).await;
+    }
+}
+
+impl FaultyCluster<'_> {
+    /// Runs rank `rank` to its end, replacing each incarnation that dies, at most
+    /// `fault_tolerance.max_restarts` times; answers its outcome and its replacements.
+    async fn rank(&self, rank: usize) -> Result<(RankOutcome, usize)> {
+        let max_restarts = self.job.config.fault_tolerance.max_restarts;
+        let mut replaced = 0;
+        loop {
+            let planned = if replaced == 0 {
+                self.plan.of_rank(rank)
+            } else {
+                Vec::new()
+            };
+            match self.incarnation(rank, planned).await {
+                Ok(outcome) => return Ok((outcome, replaced)),
+                Err(e) if replaced < max_restarts => {
+                    replaced += 1;
+                    tracing::warn!(
+                        "rank {rank} ended ({e:#}); replacing it alone (restart {replaced} of {max_restarts}): \
+                         the others roll back in place"
+                    );
+                }
+                Err(e) => {
+                    return Err(e.context(format!(
+                        "rank {rank}: gave up after {max_restarts} restart(s) (fault_tolerance.max_restarts)"
+                    )))
+                }
+            }
+        }
+    }
+
+    /// One incarnation of rank `rank`, struck by `planned`: the trainer and its heartbeats,
+    /// under one switch. When it ends in failure the coordinator hears that it is gone.
+    async fn incarnation(&self, rank: usize, planned: Vec<(usize, RoleFault)>) -> Result<RankOutcome> {
+        let config = &self.job.config;
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let switch = RoleSwitch::default();
+        self.running.lock().unwrap_or_else(PoisonError::into_inner)[rank] = Some((id, switch.clone()));
+        let line = self.coordinator.clone().for_incarnation(id);
+        let ft = &config.fault_tolerance;
+        let (orders_in, orders) = order_line(ft.heartbeat_deadline() + 2 * ft.heartbeat_interval());
+        let link = {
+            let (rings, breaker) = (self.rings.clone(), orders_in.breaker());
+            move || RingLink::Simulated {
+                rank,
+                rings: rings.clone(),
+                breaker: breaker.clone(),
+            }
+        };
+        let endpoint = format!("memory:{rank}");
+        let mut trainer = self.job.trainer(
+            rank,
+            ControlBus::InMemory(line.clone()),
+            link(),
+            endpoint.clone(),
+            self.options,
+            self.recovery.clone(),
+        );
+        trainer.in_place = Some(InPlace {
+            orders,
+            relink: Box::new(move || Ok((link(), endpoint.clone()))),
+        });
+        trainer.faults = Some(Arc::new(RoleFaults::new(switch.clone(), planned)));
+        let training = async {
+            trainer
+                .start()
+                .send(Train)
+                .await
+                .map_err(|e| anyhow!("rank {rank}: trainer actor stopped: {e}"))?
+        };
+        let ended = switch
+            .govern(watched(
+                training,
+                rank,
+                CoordinatorAt::InMemory(&line),
+                config,
+                Some(&orders_in),
+            ))
+            .await;
+        if ended.is_err() {
+            line.incarnation_gone(rank);
+        }
+        ended.map_err(|e| e.context(format!("rank {rank}")))
+    }
 }

@@ -12,8 +12,8 @@ use tokio_util::codec::{Framed, LengthDelimitedCodec};
 use super::auth::{self, Credentials};
 use super::frame::{codec, ControlMessage, Frame};
 use super::protocol::{
-    Acknowledge, Barrier, Beat, CoordinatorLine, DeadProcess, Gather, Heartbeat, Join, JoinRefused, Mismatch, Roster,
-    Settings,
+    Acknowledge, Barrier, Beat, CoordinatorLine, DeadProcess, Gather, Heartbeat, Join, JoinRefused, Leave, ListDead,
+    Mismatch, Roster, Settings,
 };
 use crate::checkpoint::{CommitRecord, HeldFile};
 use crate::telemetry::clock::{self, ClockSample};
@@ -292,9 +292,9 @@ impl ControlBus {
                 .heartbeat
                 .send(Heartbeat {
                     rank,
-                    pid: std::process::id(),
+                    pid: coordinator.process,
                     member_of,
-                    line: 0,
+                    line: u64::from(coordinator.process),
                 })
                 .await
                 .context("the coordinator stopped");
@@ -319,6 +319,13 @@ impl ControlBus {
 
     /// The processes the coordinator declared dead, newest last (a launcher's question).
     pub async fn list_dead(&mut self, limit: Duration) -> Result<Vec<DeadProcess>> {
+        if let Self::InMemory(coordinator) = self {
+            return coordinator
+                .list_dead
+                .send(ListDead)
+                .await
+                .context("the coordinator stopped");
+        }
         match self
             .request_within(Frame::control(ControlMessage::ListDead), limit)
             .await?
@@ -331,6 +338,13 @@ impl ControlBus {
 
     /// Tells the coordinator `rank` has finished, so its silence is not a death.
     pub async fn leave(&mut self, rank: usize, limit: Duration) -> Result<()> {
+        if let Self::InMemory(coordinator) = self {
+            return coordinator
+                .leave
+                .send(Leave { rank })
+                .await
+                .context("the coordinator stopped");
+        }
         match self
             .request_within(Frame::control(ControlMessage::Leave { rank }), limit)
             .await?

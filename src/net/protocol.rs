@@ -202,6 +202,27 @@ pub struct CoordinatorLine {
     pub(super) list_dead: Recipient<ListDead>,
     pub(super) leave: Recipient<Leave>,
     pub(super) connection_lost: Recipient<ConnectionLost>,
+    /// The process this line speaks for: this one, or an incarnation of a role of a simulated
+    /// cluster.
+    pub(super) process: u32,
+}
+
+impl CoordinatorLine {
+    /// The line of incarnation `id` of a role of a simulated cluster: its heartbeats name it as
+    /// their process and their line, as a launched role's name its pid and its connection.
+    pub fn for_incarnation(mut self, id: u32) -> Self {
+        self.process = id;
+        self
+    }
+
+    /// Tells the coordinator that this line's incarnation of `rank` is gone, as a launched
+    /// role's broken heartbeat connection does.
+    pub fn incarnation_gone(&self, rank: usize) {
+        self.connection_lost.do_send(ConnectionLost {
+            rank,
+            line: u64::from(self.process),
+        });
+    }
 }
 
 impl<A> From<Addr<A>> for CoordinatorLine
@@ -233,6 +254,7 @@ where
             list_dead: coordinator.clone().recipient(),
             leave: coordinator.clone().recipient(),
             connection_lost: coordinator.recipient(),
+            process: std::process::id(),
         }
     }
 }

@@ -1,25 +1,38 @@
 //! Leaving a collective at once: a rank blocked in a ring operation on a peer that will never
 //! answer (dead, or stopped) would wait out the link timeout. The coordinator's rollback order
-//! reaches the rank on another thread, which shuts the ring's sockets down through a
-//! [`RingBreaker`]; every blocked read and write on them then fails at once, and the rank goes
-//! on to roll back.
+//! reaches the rank on another thread, which breaks the ring's links through a
+//! [`RingBreaker`]: it shuts their sockets down (every blocked read and write on them then
+//! fails at once), or, on a ring in memory, tells the rank's inbox the link broke. The rank
+//! then goes on to roll back.
 
 use std::net::{Shutdown, TcpStream};
 use std::sync::{Arc, Mutex, PoisonError};
 
-/// Clones of one ring member's two sockets (to its right and from its left neighbour).
-#[derive(Clone)]
-pub struct LinkSockets(Arc<[TcpStream; 2]>);
+use super::memory::Inbox;
 
-impl LinkSockets {
+/// What breaks one ring member's link from another thread.
+#[derive(Clone)]
+pub enum LinkBreak {
+    /// Clones of its two sockets (to its right and from its left neighbour).
+    Sockets(Arc<[TcpStream; 2]>),
+    /// The inbox of its link in memory.
+    Inbox(Inbox),
+}
+
+impl LinkBreak {
     /// Clones of `to_right` and `from_left`.
     pub fn of(to_right: &TcpStream, from_left: &TcpStream) -> std::io::Result<Self> {
-        Ok(Self(Arc::new([to_right.try_clone()?, from_left.try_clone()?])))
+        Ok(Self::Sockets(Arc::new([to_right.try_clone()?, from_left.try_clone()?])))
     }
 
     fn shut(&self) {
-        for socket in self.0.iter() {
-            let _ = socket.shutdown(Shutdown::Both);
+        match self {
+            Self::Sockets(sockets) => {
+                for socket in sockets.iter() {
+                    let _ = socket.shutdown(Shutdown::Both);
+                }
+            }
+            Self::Inbox(inbox) => inbox.break_link("the coordinator ordered a rollback"),
         }
     }
 }
@@ -30,17 +43,17 @@ pub struct RingBreaker(Arc<Mutex<BreakerState>>);
 
 #[derive(Default)]
 struct BreakerState {
-    /// The sockets of the rings in use (none before they are connected, or on rings of memory).
-    sockets: Vec<LinkSockets>,
+    /// The links of the rings in use (none before they are connected).
+    links: Vec<LinkBreak>,
     /// The newest generation whose order broke the ring.
     broken_for: u64,
 }
 
 impl RingBreaker {
-    /// A ring just connected uses `sockets` (a pipeline stage's rings each arm theirs).
-    pub fn arm(&self, sockets: impl IntoIterator<Item = LinkSockets>) {
+    /// A ring just connected uses `links` (a pipeline stage's rings each arm theirs).
+    pub fn arm(&self, links: impl IntoIterator<Item = LinkBreak>) {
         let mut state = self.0.lock().unwrap_or_else(PoisonError::into_inner);
-        state.sockets.extend(sockets);
+        state.links.extend(links);
     }
 
     /// Breaks the ring in use for the rollback to `generation`, once per generation: returns
@@ -51,8 +64,8 @@ impl RingBreaker {
             return false;
         }
         state.broken_for = generation;
-        for sockets in std::mem::take(&mut state.sockets) {
-            sockets.shut();
+        for link in std::mem::take(&mut state.links) {
+            link.shut();
         }
         true
     }
@@ -73,7 +86,7 @@ mod tests {
         let from_left = to_right.try_clone().unwrap();
         from_left.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
         let breaker = RingBreaker::default();
-        breaker.arm(Some(LinkSockets::of(&to_right, &from_left).unwrap()));
+        breaker.arm(Some(LinkBreak::of(&to_right, &from_left).unwrap()));
         let started = Instant::now();
         let reader = std::thread::spawn(move || (&from_left).read(&mut [0u8; 8]));
         std::thread::sleep(Duration::from_millis(100));

@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 
-use super::{LinkSockets, RingPlace};
+use super::{LinkBreak, RingPlace};
 use crate::net::auth::{self, Credentials};
 
 const HELLO_MAGIC: &[u8; 8] = b"FLOTHELO";
@@ -27,7 +27,7 @@ pub(super) fn connect_ring_links(
     listener: &TcpListener,
     timeout: Duration,
     credentials: &Credentials,
-) -> Result<(TcpStream, TcpStream, LinkSockets)> {
+) -> Result<(TcpStream, TcpStream, LinkBreak)> {
     let world_size = place.world_size();
     anyhow::ensure!(
         world_size >= 2,
@@ -52,7 +52,7 @@ pub(super) fn connect_ring_links(
         stream.set_read_timeout(Some(timeout))?;
         stream.set_write_timeout(Some(timeout))?;
     }
-    let sockets = LinkSockets::of(&to_right, &from_left)?;
+    let sockets = LinkBreak::of(&to_right, &from_left)?;
     Ok((to_right, from_left, sockets))
 }
 

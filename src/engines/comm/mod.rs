@@ -29,7 +29,7 @@ mod tensors;
 pub mod transport;
 pub mod worker;
 
-pub use breaker::{LinkSockets, RingBreaker};
+pub use breaker::{LinkBreak, RingBreaker};
 pub use place::RingPlace;
 pub use ring::Communicator;
 pub use share::Shared;

@@ -119,9 +119,9 @@ impl Communicator {
         self.transport.world_size()
     }
 
-    /// The sockets under the ring, for breaking it from another thread (none in memory).
-    pub fn sockets(&self) -> Option<super::LinkSockets> {
-        self.transport.sockets()
+    /// What breaks the ring from another thread.
+    pub fn link_break(&self) -> Option<super::LinkBreak> {
+        self.transport.link_break()
     }
 
     /// Sums `data` over all ranks, in place.

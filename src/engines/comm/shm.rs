@@ -23,7 +23,7 @@ use anyhow::{bail, Context, Result};
 use super::links::{connect_ring_links, link_error};
 use super::send_queue::{MessageSink, SendQueue};
 use super::transport::{MessageHeader, RingTransport};
-use super::LinkSockets;
+use super::LinkBreak;
 use super::RingPlace;
 use crate::net::auth::Credentials;
 
@@ -192,7 +192,7 @@ pub struct ShmTransport {
     received: u64,
     timeout: Duration,
     /// Clones of the two sockets, for breaking the links from another thread.
-    sockets: LinkSockets,
+    sockets: LinkBreak,
 }
 
 /// Removes the link file once both sides have it mapped (or on failure).
@@ -293,7 +293,7 @@ impl RingTransport for ShmTransport {
         self.place.position()
     }
 
-    fn sockets(&self) -> Option<LinkSockets> {
+    fn link_break(&self) -> Option<LinkBreak> {
         Some(self.sockets.clone())
     }
 

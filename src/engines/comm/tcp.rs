@@ -14,7 +14,7 @@ use anyhow::Result;
 use super::links::{connect_ring_links, link_error};
 use super::send_queue::SendQueue;
 use super::transport::{MessageHeader, RingTransport};
-use super::LinkSockets;
+use super::LinkBreak;
 use super::RingPlace;
 use crate::net::auth::Credentials;
 
@@ -30,7 +30,7 @@ pub struct TcpTransport {
     received: u64,
     timeout: Duration,
     /// Clones of the two sockets, for breaking the links from another thread.
-    sockets: LinkSockets,
+    sockets: LinkBreak,
     /// Reused receive buffer; `f32` so pieces can be viewed as floats
     /// without copying.
     scratch: Vec<f32>,
@@ -101,7 +101,7 @@ impl RingTransport for TcpTransport {
         self.place.position()
     }
 
-    fn sockets(&self) -> Option<LinkSockets> {
+    fn link_break(&self) -> Option<LinkBreak> {
         Some(self.sockets.clone())
     }
 

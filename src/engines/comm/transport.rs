@@ -61,8 +61,8 @@ pub trait RingTransport: Send {
     /// Ranks in the ring.
     fn world_size(&self) -> usize;
 
-    /// The sockets under this link, for breaking it from another thread (none in memory).
-    fn sockets(&self) -> Option<super::LinkSockets> {
+    /// What breaks this link from another thread (none for a link that cannot hang).
+    fn link_break(&self) -> Option<super::LinkBreak> {
         None
     }
     /// Queues one message for the right neighbour and may return before it

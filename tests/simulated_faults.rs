@@ -1,0 +1,122 @@
+//! Faults injected into the simulated cluster — a rank killed or stalled before a step, a link
+//! that delays its messages or loses one — recovered from in place through the path a launched
+//! job takes (heartbeats, the coordinator's rollback orders, survivors restoring in their
+//! process, one replacement). The job must end bitwise equal to the run without faults: every
+//! rank rolls back to one committed state and replays the same batches in the same order.
+
+mod common;
+
+use std::time::Duration;
+
+use common::config;
+use flotilla::actors::faults::RoleFault;
+use flotilla::engines::comm::memory::LinkFault;
+use flotilla::job::{FaultPlan, FaultReport, RunOptions, TrainingJob};
+
+/// Three ranks of 21 samples each, 60 steps, checkpoints every 20; heartbeats every 20 ms, a rank silent for
+/// 200 ms is dead.
+fn job(extra: &[&str]) -> TrainingJob {
+    let mut settings = vec![
+        "cluster.world_size=3",
+        "train.batch_size=63",
+        "train.steps=60",
+        "fault_tolerance.checkpoint_every=20",
+        "fault_tolerance.heartbeat_interval_ms=20",
+        "fault_tolerance.heartbeat_misses=10",
+        "fault_tolerance.max_restarts=2",
+    ];
+    settings.extend_from_slice(extra);
+    TrainingJob::builtin(config(&settings)).expect("job")
+}
+
+/// The checksum of the final parameters, and the replacements, of `job` struck by `plan`.
+fn run(job: &TrainingJob, plan: &FaultPlan) -> (String, FaultReport) {
+    let dir = tempfile::tempdir().unwrap();
+    let (outcome, report) = job
+        .run_simulated_with_faults(&RunOptions::new(dir.path()), plan)
+        .expect("the job survives its faults");
+    (outcome.summary.param_checksum, report)
+}
+
+fn uninterrupted(job: &TrainingJob) -> String {
+    let dir = tempfile::tempdir().unwrap();
+    job.run_simulated(&RunOptions::new(dir.path()))
+        .unwrap()
+        .summary
+        .param_checksum
+}
+
+fn role(rank: usize, step: usize, fault: RoleFault) -> FaultPlan {
+    FaultPlan {
+        roles: vec![(rank, step, fault)],
+        ..FaultPlan::default()
+    }
+}
+
+#[test]
+fn a_killed_rank_is_replaced_alone_and_the_job_ends_as_without_faults() {
+    let job = job(&[]);
+    let expected = uninterrupted(&job);
+    for rank in [1, 0] {
+        let (checksum, report) = run(&job, &role(rank, 30, RoleFault::Kill));
+        let mut replaced = vec![0; 3];
+        replaced[rank] = 1;
+        assert_eq!(report.replaced, replaced, "rank {rank} killed");
+        assert_eq!(checksum, expected, "rank {rank} killed");
+    }
+}
+
+#[test]
+fn a_stalled_rank_is_declared_dead_killed_and_replaced_and_the_job_ends_as_without_faults() {
+    let job = job(&[]);
+    let (checksum, report) = run(&job, &role(2, 35, RoleFault::Stall));
+    assert_eq!(report.replaced, vec![0, 0, 1]);
+    assert_eq!(checksum, uninterrupted(&job));
+}
+
+#[test]
+fn without_checkpoints_a_killed_rank_costs_a_replay_from_step_0() {
+    let job = job(&["fault_tolerance.checkpoint_every=0"]);
+    let (checksum, report) = run(&job, &role(1, 40, RoleFault::Kill));
+    assert_eq!(report.replaced, vec![0, 1, 0]);
+    assert_eq!(checksum, uninterrupted(&job));
+}
+
+#[test]
+fn a_slow_link_costs_nothing_but_time() {
+    let job = job(&[]);
+    let plan = FaultPlan {
+        links: vec![(0, LinkFault::Delay(Duration::from_millis(1)))],
+        ..FaultPlan::default()
+    };
+    let (checksum, report) = run(&job, &plan);
+    assert_eq!(report.replaced, vec![0, 0, 0]);
+    assert_eq!(checksum, uninterrupted(&job));
+}
+
+#[test]
+fn a_lost_message_breaks_its_link_and_the_rank_that_waited_for_it_is_replaced() {
+    let job = job(&[]);
+    // Each step all-reduces over the ring: message 200 from rank 1 falls mid-run.
+    let plan = FaultPlan {
+        links: vec![(1, LinkFault::Drop { message: 200 })],
+        ..FaultPlan::default()
+    };
+    let (checksum, report) = run(&job, &plan);
+    assert_eq!(report.replaced, vec![0, 0, 1], "rank 2 receives rank 1's messages");
+    assert_eq!(checksum, uninterrupted(&job));
+}
+
+#[test]
+fn a_fault_plan_outside_the_cluster_or_without_in_place_recovery_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let options = RunOptions::new(dir.path());
+    let error = job(&[])
+        .run_simulated_with_faults(&options, &role(3, 10, RoleFault::Kill))
+        .unwrap_err();
+    assert!(format!("{error:#}").contains("rank 3 of a cluster of 3"), "{error:#}");
+    let error = job(&["fault_tolerance.recovery=restart"])
+        .run_simulated_with_faults(&options, &role(1, 10, RoleFault::Kill))
+        .unwrap_err();
+    assert!(format!("{error:#}").contains("fault_tolerance.recovery"), "{error:#}");
+}
