@@ -31,7 +31,12 @@ pub(super) enum CoordinatorAt<'a> {
     InMemory(&'a CoordinatorLine),
 }
 
-impl CoordinatorAt<'_> {
+impl<'a> CoordinatorAt<'a> {
+    /// At `master`, proving `credentials`.
+    pub(super) fn tcp(master: &'a str, credentials: &'a Credentials) -> Self {
+        Self::Tcp { master, credentials }
+    }
+
     /// The coordinator, as errors name it.
     fn name(&self) -> String {
         match self {

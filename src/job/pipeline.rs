@@ -153,10 +153,7 @@ pub(super) fn run_rank(job: &TrainingJob, rank: usize, options: &RunOptions) -> 
             watched(
                 training,
                 rank,
-                CoordinatorAt::Tcp {
-                    master: &master,
-                    credentials: &credentials,
-                },
+                CoordinatorAt::tcp(&master, &credentials),
                 &config,
                 order_line.as_ref(),
             )

@@ -227,10 +227,7 @@ pub(super) fn run(job: &TrainingJob, rank: usize, options: &RunOptions) -> Resul
             watched(
                 training,
                 rank,
-                CoordinatorAt::Tcp {
-                    master: &master,
-                    credentials: &credentials,
-                },
+                CoordinatorAt::tcp(&master, &credentials),
                 &config,
                 order_line.as_ref(),
             )

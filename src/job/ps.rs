@@ -536,7 +536,7 @@ async fn with_heartbeats<T>(
 ) -> Result<T> {
     match line {
         Some((master, credentials)) => {
-            watched(work, role, CoordinatorAt::Tcp { master, credentials }, config, orders).await
+            watched(work, role, CoordinatorAt::tcp(master, credentials), config, orders).await
         }
         None => work.await,
     }
