@@ -76,11 +76,13 @@ impl Drop for TwoHosts {
 }
 
 /// Starts one launcher per node of `hosts`, each with one rank of the job `settings` writing
-/// into `run_dir` (shared by the nodes, as a shared file system would be).
+/// into `run_dir` (shared by the nodes, as a shared file system would be). The second node's
+/// launcher may find the first's outputs there already: it is told to write beside them.
 fn launch_on_both(hosts: &TwoHosts, run_dir: &std::path::Path, settings: &[&str]) -> Vec<common::Started> {
-    (0..2)
-        .map(|node| launch_on(hosts, node, 1, run_dir, settings, &[]))
-        .collect()
+    vec![
+        launch_on(hosts, 0, 1, run_dir, settings, &[]),
+        launch_on(hosts, 1, 1, run_dir, settings, &["--overwrite"]),
+    ]
 }
 
 /// Starts the launcher of node `node` of `hosts`, with `per_node` ranks of the job `settings`
@@ -109,6 +111,19 @@ fn launch_on(
     start_program("ip", &args, &[("FLOTILLA_TOKEN", common::TEST_TOKEN.to_string())])
 }
 
+/// Fails naming the nodes that failed, with every node's output: one node's failure is often
+/// explained by what the other said.
+fn every_node_succeeded(finished: &[common::Finished]) {
+    if finished.iter().any(|f| !f.success) {
+        let report: Vec<String> = finished
+            .iter()
+            .enumerate()
+            .map(|(node, f)| format!("node {node} (success: {}):\n{}\n{}", f.success, f.stdout, f.stderr))
+            .collect();
+        panic!("a node failed:\n{}", report.join("\n"));
+    }
+}
+
 /// A long job that checkpoints every 500 steps and beats every 200 ms.
 const RECOVERABLE: [&str; 4] = [
     "train.steps=3000",
@@ -126,9 +141,7 @@ fn one_launcher_per_node_trains_like_the_in_process_cluster() {
     let run_dir = dir.path().join("run");
     let launchers = launch_on_both(&hosts, &run_dir, &[STEPS]);
     let finished: Vec<_> = launchers.into_iter().map(|l| l.finish(120)).collect();
-    for (node, f) in finished.iter().enumerate() {
-        assert!(f.success, "node {node} failed:\n{}\n{}", f.stdout, f.stderr);
-    }
+    every_node_succeeded(&finished);
     let summary: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(run_dir.join("summary.json")).unwrap()).unwrap();
     assert_eq!(summary["world_size"], 2);
@@ -161,9 +174,7 @@ fn a_rank_killed_on_the_second_node_is_replaced_there_and_rank_0_rolls_back_in_p
     let started: Vec<i32> = launchers.iter().flat_map(|l| children_of(l.child.id())).collect();
     let finished: Vec<_> = launchers.into_iter().map(|l| l.finish(180)).collect();
     end_leftovers(started);
-    for (node, f) in finished.iter().enumerate() {
-        assert!(f.success, "node {node} failed:\n{}", f.stderr);
-    }
+    every_node_succeeded(&finished);
     assert!(
         finished[1].stderr.contains("restarting rank 1 alone (restart 1 of 1)"),
         "{}",
@@ -313,9 +324,7 @@ impl Separate {
             .collect();
         let finished = [node_0.finish(180), node_1.finish(180)];
         end_leftovers(started);
-        for (node, f) in finished.iter().enumerate() {
-            assert!(f.success, "node {node} failed:\n{}", f.stderr);
-        }
+        every_node_succeeded(&finished);
         // The node holds checkpoints of its own again.
         assert!(!committed_steps(&run_dirs[1].join("checkpoints")).is_empty());
         finished
