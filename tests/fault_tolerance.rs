@@ -173,8 +173,10 @@ fn a_stalled_trainer_is_named_by_the_deadline_and_the_job_rolls_back() {
     // stopped between committing the checkpoint and answering rank 1's acknowledgement, it
     // leaves rank 1 waiting on the coordinator, not in an all-reduce, and rank 1 finds the
     // coordinator silent by its heartbeat or request deadline.
+    let coordinator_silent = ["has not answered a heartbeat", "did not answer within"];
     assert!(
-        stderr.contains("timed out after 2.0s waiting for rank") || stderr.contains("the coordinator at 127.0.0.1"),
+        stderr.contains("timed out after 2.0s waiting for rank")
+            || coordinator_silent.iter().any(|s| stderr.contains(s)),
         "{stderr}"
     );
 }
