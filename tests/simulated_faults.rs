@@ -1,5 +1,5 @@
-//! Faults injected into the simulated cluster — a rank killed or stalled before a step, a link
-//! that delays its messages or loses one — recovered from in place through the path a launched
+//! Faults injected into the simulated cluster — a rank or a pipeline stage killed or stalled
+//! before a step, a link that delays its messages or loses one — recovered from in place through the path a launched
 //! job takes (heartbeats, the coordinator's rollback orders, survivors restoring in their
 //! process, one replacement). The job must end bitwise equal to the run without faults: every
 //! rank rolls back to one committed state and replays the same batches in the same order.
@@ -8,25 +8,30 @@ mod common;
 
 use std::time::Duration;
 
-use common::config;
+use common::{config, PIPELINE_2X2};
 use flotilla::actors::faults::RoleFault;
 use flotilla::engines::comm::memory::LinkFault;
 use flotilla::job::{FaultPlan, FaultReport, RunOptions, TrainingJob};
 
-/// Three ranks of 21 samples each, 60 steps, checkpoints every 20; heartbeats every 20 ms, a rank silent for
-/// 200 ms is dead.
+/// 60 steps, checkpoints every 20; heartbeats every 20 ms, a rank silent for 1 s is dead (the
+/// cluster's actors share one thread, which a checkpoint's commit may hold for a moment).
+const RECOVERING: [&str; 5] = [
+    "train.steps=60",
+    "fault_tolerance.checkpoint_every=20",
+    "fault_tolerance.heartbeat_interval_ms=20",
+    "fault_tolerance.heartbeat_misses=50",
+    "fault_tolerance.max_restarts=2",
+];
+
+/// Three data-parallel ranks of 21 samples each, with `extra` settings.
 fn job(extra: &[&str]) -> TrainingJob {
-    let mut settings = vec![
-        "cluster.world_size=3",
-        "train.batch_size=63",
-        "train.steps=60",
-        "fault_tolerance.checkpoint_every=20",
-        "fault_tolerance.heartbeat_interval_ms=20",
-        "fault_tolerance.heartbeat_misses=10",
-        "fault_tolerance.max_restarts=2",
-    ];
-    settings.extend_from_slice(extra);
-    TrainingJob::builtin(config(&settings)).expect("job")
+    let ranks = ["cluster.world_size=3", "train.batch_size=63"];
+    TrainingJob::builtin(config(&[&RECOVERING[..], &ranks, extra].concat())).expect("job")
+}
+
+/// Two replicas of a two-stage pipeline.
+fn pipeline() -> TrainingJob {
+    TrainingJob::builtin(config(&[&RECOVERING[..], &PIPELINE_2X2].concat())).expect("job")
 }
 
 /// The checksum of the final parameters, and the replacements, of `job` struck by `plan`.
@@ -119,4 +124,36 @@ fn a_fault_plan_outside_the_cluster_or_without_in_place_recovery_is_refused() {
         .run_simulated_with_faults(&options, &role(1, 10, RoleFault::Kill))
         .unwrap_err();
     assert!(format!("{error:#}").contains("fault_tolerance.recovery"), "{error:#}");
+}
+
+#[test]
+fn a_killed_pipeline_stage_is_replaced_alone_and_the_pipeline_ends_as_without_faults() {
+    let job = pipeline();
+    let (checksum, report) = run(&job, &role(3, 30, RoleFault::Kill));
+    assert_eq!(report.replaced, vec![0, 0, 0, 1], "stage 1 of replica 1 killed");
+    assert_eq!(checksum, uninterrupted(&job));
+}
+
+#[test]
+fn a_stalled_pipeline_stage_is_declared_dead_killed_and_replaced() {
+    let job = pipeline();
+    let (checksum, report) = run(&job, &role(0, 25, RoleFault::Stall));
+    assert_eq!(report.replaced, vec![1, 0, 0, 0], "stage 0 of replica 0 stalled");
+    assert_eq!(checksum, uninterrupted(&job));
+}
+
+#[test]
+fn link_faults_in_a_pipeline_are_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let plan = FaultPlan {
+        links: vec![(0, LinkFault::Delay(Duration::from_millis(1)))],
+        ..FaultPlan::default()
+    };
+    let error = pipeline()
+        .run_simulated_with_faults(&RunOptions::new(dir.path()), &plan)
+        .unwrap_err();
+    assert!(
+        format!("{error:#}").contains("data-parallel job's ring only"),
+        "{error:#}"
+    );
 }

@@ -83,7 +83,7 @@ impl RingLink {
             Self::Single => Communicator::single(),
             Self::Memory(transport) => Communicator::new(Box::new(transport)),
             Self::Simulated { rank, rings, breaker } => {
-                let ring = Communicator::new(Box::new(rings.take(generation, rank)?));
+                let ring = Communicator::new(Box::new(rings.take(generation, RANKS_RING, roster.len(), rank)?));
                 breaker.arm(ring.link_break());
                 ring
             }
@@ -109,6 +109,9 @@ impl RingLink {
         })
     }
 }
+
+/// The name of a simulated data-parallel job's ring of every rank in [`MemoryRings`].
+pub const RANKS_RING: &str = "ranks";
 
 /// Builds the replica: the model, the ring, and rank 0's parameters
 /// broadcast to all.

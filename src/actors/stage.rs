@@ -24,6 +24,7 @@ use super::device::{
     SaveCheckpoint, Snapshot, StageLinks, TakeSpans,
 };
 use super::divergence::check_loss;
+use super::faults::RoleFaults;
 use super::kept::{commit_on_this_node, BuddyCopy, Kept, Restore};
 use super::recovery::Recovery;
 use super::rollback::Orders;
@@ -64,6 +65,9 @@ pub struct StageActor {
     pub(crate) recovery: Recovery,
     /// How this rank rolls back in place; `None` when a lost rank stops the job.
     pub in_place: Option<StageInPlace>,
+    /// The faults planned for this rank of a simulated cluster: its training runs under their
+    /// switch.
+    pub faults: Option<Arc<RoleFaults>>,
 }
 
 /// The links of one generation of a pipeline rank.
@@ -202,11 +206,19 @@ impl Handler<TrainStage> for StageActor {
             bus: self.bus.take(),
             recovery: self.recovery.clone(),
             in_place: self.in_place.take(),
+            faults: self.faults.clone(),
             kept: Kept::default(),
             roster: None,
         };
         let generation = self.generation.take();
-        Box::pin(async move { run.execute(generation.context("TrainStage was sent twice")?).await })
+        let faults = self.faults.clone();
+        Box::pin(async move {
+            let training = run.execute(generation.context("TrainStage was sent twice")?);
+            match faults {
+                Some(faults) => faults.switch().govern(training).await,
+                None => training.await,
+            }
+        })
     }
 }
 
@@ -224,6 +236,7 @@ struct StageRun {
     bus: Option<ControlBus>,
     recovery: Recovery,
     in_place: Option<StageInPlace>,
+    faults: Option<Arc<RoleFaults>>,
     kept: Kept,
     /// The roster of the generation training (a launched job's).
     roster: Option<Roster>,
@@ -352,6 +365,9 @@ impl StageRun {
         };
         let started = Instant::now();
         for step in first..steps {
+            if let Some(faults) = &self.faults {
+                faults.before_step(&format!("rank {rank}"), step).await;
+            }
             let report = self
                 .device
                 .send(PipelineStep(run.loader.batch(step)))

@@ -246,19 +246,19 @@ impl TrainingJob {
 
     /// All ranks as actors of this process, struck by `faults`, recovering in place as a
     /// launched job does (see [`FaultPlan`]); also answers the replacements each rank needed.
-    /// Data parallelism only: a pipeline's stages are not struck yet.
+    /// A pipeline's ranks are struck as roles; link faults strike a data-parallel job's ring.
     pub fn run_simulated_with_faults(
         &self,
         options: &RunOptions,
         faults: &FaultPlan,
     ) -> Result<(RunOutcome, FaultReport)> {
-        anyhow::ensure!(
-            !self.config.strategy.pipeline,
-            "faults are injected into data-parallel simulated clusters only (strategy.pipeline is set)"
-        );
         let mut report = None;
         let outcome = self.simulated_with(options, |job, options| {
-            let (outcome, replaced) = simulated::run_with_faults(job, options, faults)?;
+            let (outcome, replaced) = if job.config.strategy.pipeline {
+                pipeline::run_with_faults(job, options, faults)?
+            } else {
+                simulated::run_with_faults(job, options, faults)?
+            };
             report = Some(replaced);
             Ok(outcome)
         })?;

@@ -5,9 +5,10 @@
 //! writes the outputs from the outcomes replica 0's ranks gather to it over the control bus.
 
 use std::net::TcpListener;
+use std::sync::Arc;
 
 use actix::prelude::*;
-use anyhow::{anyhow, Context as _, Result};
+use anyhow::{anyhow, ensure, Context as _, Result};
 use bytes::Bytes;
 use futures::future::BoxFuture;
 
@@ -16,14 +17,16 @@ use super::heartbeat::{watched, CoordinatorAt};
 use super::process::{
     bind, bind_data_endpoint, host_of, refused_if_mismatched, RankEndpoints, RankRecovery, RoleMirror,
 };
-use super::{stage_rings, Recovery, RunOptions, RunOutcome, Summary, TrainingJob};
+use super::simulated::{run_struck, Incarnation};
+use super::{stage_rings, FaultPlan, FaultReport, Recovery, RunOptions, RunOutcome, Summary, TrainingJob};
 use crate::actors::device::StageLinks;
 use crate::actors::rollback::OrderLine;
 use crate::actors::stage::{Rejoin, StageActor, StageGeneration, StageInPlace, StageOutcome, TrainStage};
 use crate::actors::{Coordinator, DeviceActor};
 use crate::collective::ParamChecksum;
 use crate::config::JobConfig;
-use crate::engines::comm::{memory, Communicator, RingBreaker};
+use crate::engines::comm::memory::{self, MemoryRings};
+use crate::engines::comm::{Communicator, RingBreaker, RingTransport};
 use crate::net::auth::Credentials;
 use crate::net::ControlBus;
 use crate::pipeline::link::memory_links;
@@ -80,6 +83,106 @@ pub(super) fn run(job: &TrainingJob, options: &RunOptions) -> Result<RunOutcome>
         futures::future::try_join_all(runs).await
     })?;
     summarise(job, &outcomes[..p], "in-process")
+}
+
+/// All ranks in this process, struck by `plan`'s role faults and recovering in place: each
+/// incarnation joins each generation through the coordinator and takes its ends of that
+/// generation's rings in memory.
+pub(super) fn run_with_faults(
+    job: &TrainingJob,
+    options: &RunOptions,
+    plan: &FaultPlan,
+) -> Result<(RunOutcome, FaultReport)> {
+    ensure!(
+        plan.links.is_empty(),
+        "link faults are injected into a data-parallel job's ring only: a pipeline's ranks are struck as roles"
+    );
+    let config = &job.config;
+    let recovery = Recovery::plan(config, &options.run_dir, &options.resume)?;
+    let trace = options.trace_target();
+    let (outcomes, report) = run_struck(config, &recovery, plan, Vec::new(), |incarnation| {
+        let Incarnation {
+            rank,
+            line,
+            orders,
+            breaker,
+            rings,
+            faults,
+        } = incarnation;
+        let mut rejoin = rejoin_in_memory(config.clone(), rank, rings, breaker);
+        let (recovery, trace) = (recovery.clone(), trace.clone());
+        async move {
+            let mut bus = ControlBus::InMemory(line);
+            let generation = rejoin(&mut bus).await?;
+            let mut actor = stage_actor(job, rank, generation, bus, recovery, options, trace);
+            actor.in_place = Some(StageInPlace {
+                orders,
+                rejoin,
+                buddy: None,
+            });
+            actor.faults = Some(faults);
+            train(actor).await
+        }
+    })?;
+    let p = config.strategy.hybrid_configs.pp_degree;
+    Ok((summarise(job, &outcomes[..p], "in-process")?, report))
+}
+
+/// How rank `rank` of a simulated pipeline joins each generation: through the coordinator, then
+/// its ends of that generation's rings in memory — among its stage's replicas, and the forward
+/// and backward rings of its replica's stages — which a rollback order breaks.
+fn rejoin_in_memory(config: Arc<JobConfig>, rank: usize, rings: Arc<MemoryRings>, breaker: RingBreaker) -> Rejoin {
+    Box::new(move |bus: &mut ControlBus| -> BoxFuture<'_, Result<StageGeneration>> {
+        let (config, rings, breaker) = (config.clone(), rings.clone(), breaker.clone());
+        Box::pin(async move {
+            let endpoint = format!("memory:{rank}");
+            let roster = bus
+                .join(rank, config.world_size(), endpoint, None, config.shared_settings())
+                .await?;
+            let hybrid = &config.strategy.hybrid_configs;
+            let (d, p, generation) = (hybrid.dp_degree, hybrid.pp_degree, roster.generation);
+            let (replica, stage) = (rank / p, rank % p);
+            let data_parallel = match d {
+                1 => Communicator::single(),
+                _ => Communicator::new(Box::new(rings.take(
+                    generation,
+                    &format!("replicas of stage {stage}"),
+                    d,
+                    replica,
+                )?)),
+            };
+            let mut breaks: Vec<_> = data_parallel.link_break().into_iter().collect();
+            let link = match p {
+                // One stage: hand-offs between its own chunks loop back in memory.
+                1 => StageLinks::Made(Box::new(
+                    memory_links(1, config.fault_tolerance.timeout())
+                        .pop()
+                        .context("a one-stage pipeline has a link")?,
+                )),
+                _ => {
+                    let forward = rings.take(generation, &format!("forward stages of replica {replica}"), p, stage)?;
+                    let backward = rings.take(
+                        generation,
+                        &format!("backward stages of replica {replica}"),
+                        p,
+                        p - 1 - stage,
+                    )?;
+                    breaks.extend(forward.link_break());
+                    breaks.extend(backward.link_break());
+                    StageLinks::Rings {
+                        forward: Box::new(forward),
+                        backward: Box::new(backward),
+                    }
+                }
+            };
+            breaker.arm(breaks);
+            Ok(StageGeneration {
+                roster: Some(roster),
+                link,
+                data_parallel,
+            })
+        })
+    })
 }
 
 /// One rank of a launched job: rank 0 also hosts the coordinator (unless it runs as a process
@@ -247,6 +350,7 @@ fn stage_actor(
         monitor: (rank == p - 1).then(|| options.monitor()),
         trace,
         in_place: None,
+        faults: None,
     }
 }
 

@@ -9,6 +9,7 @@
 //! replacement over the next generation's ring. A link that delays its messages changes
 //! nothing; one that loses a message breaks, and the rank that was to receive it is replaced.
 
+use std::future::Future;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 
@@ -17,12 +18,14 @@ use anyhow::{anyhow, ensure, Result};
 
 use super::heartbeat::{watched, CoordinatorAt};
 use super::{Recovery, RunOptions, RunOutcome, TrainingJob};
-use crate::actors::device::RingLink;
+use crate::actors::device::{RingLink, RANKS_RING};
 use crate::actors::faults::{RoleFault, RoleFaults, RoleSwitch};
-use crate::actors::rollback::order_line;
+use crate::actors::rollback::{order_line, Orders};
 use crate::actors::trainer::{InPlace, RankOutcome, Train};
 use crate::actors::Coordinator;
+use crate::config::JobConfig;
 use crate::engines::comm::memory::{self, LinkFault, MemoryRings};
+use crate::engines::comm::RingBreaker;
 use crate::net::protocol::CoordinatorLine;
 use crate::net::ControlBus;
 
@@ -43,7 +46,7 @@ impl FaultPlan {
     }
 
     /// The faults planned for `rank`'s first incarnation, by step.
-    fn of_rank(&self, rank: usize) -> Vec<(usize, RoleFault)> {
+    pub(super) fn of_rank(&self, rank: usize) -> Vec<(usize, RoleFault)> {
         self.roles
             .iter()
             .filter(|&&(r, _, _)| r == rank)
@@ -51,7 +54,8 @@ impl FaultPlan {
             .collect()
     }
 
-    fn check(&self, world: usize) -> Result<()> {
+    /// Checks the plan against a cluster of `world` ranks.
+    pub(super) fn check(&self, world: usize) -> Result<()> {
         let ranks = self
             .roles
             .iter()
@@ -117,24 +121,39 @@ fn from_rank0(outcomes: Vec<RankOutcome>, world: usize) -> Result<RunOutcome> {
 /// The incarnation of each rank that runs now: its id (its "pid") and its switch.
 type Running = Arc<Mutex<Vec<Option<(u32, RoleSwitch)>>>>;
 
-/// The cluster a fault plan strikes: what every incarnation of every rank shares.
-struct FaultyCluster<'a> {
-    job: &'a TrainingJob,
-    options: &'a RunOptions,
-    recovery: Recovery,
-    coordinator: CoordinatorLine,
-    rings: Arc<MemoryRings>,
-    plan: &'a FaultPlan,
-    running: Running,
-    next_id: AtomicU32,
+/// One incarnation of a rank of a simulated cluster struck by faults: what its work is started
+/// with.
+pub(super) struct Incarnation {
+    /// The rank.
+    pub rank: usize,
+    /// Its line to the coordinator.
+    pub line: CoordinatorLine,
+    /// The coordinator's rollback orders, as its training hears them.
+    pub orders: Orders,
+    /// Where its rings are handed, so that a rollback order breaks them.
+    pub breaker: RingBreaker,
+    /// The cluster's rings in memory, one set per generation.
+    pub rings: Arc<MemoryRings>,
+    /// The faults planned for it: its work runs under their switch.
+    pub faults: Arc<RoleFaults>,
 }
 
-pub(super) fn run_with_faults(
-    job: &TrainingJob,
-    options: &RunOptions,
+/// Runs every rank of `config`'s job — each incarnation's work started by `start` — struck by
+/// `plan` (its link faults on the rings `link_faults` names), recovering in place: each rank
+/// heartbeats to the coordinator, and an incarnation that dies is replaced alone, at most
+/// `fault_tolerance.max_restarts` times, as a launcher replaces a process. Answers each rank's
+/// outcome and the replacements it needed.
+pub(super) fn run_struck<T, F, Fut>(
+    config: &JobConfig,
+    recovery: &Recovery,
     plan: &FaultPlan,
-) -> Result<(RunOutcome, FaultReport)> {
-    let config = &job.config;
+    link_faults: Vec<(String, usize, LinkFault)>,
+    start: F,
+) -> Result<(Vec<T>, FaultReport)>
+where
+    F: Fn(Incarnation) -> Fut,
+    Fut: Future<Output = Result<T>>,
+{
     let world = config.world_size();
     plan.check(world)?;
     ensure!(
@@ -145,19 +164,16 @@ pub(super) fn run_with_faults(
         config.recovers_in_place(),
         "faults are recovered from in place: fault_tolerance.recovery must be \"in_place\""
     );
-    let recovery = Recovery::plan(config, &options.run_dir, &options.resume)?;
     let ft = &config.fault_tolerance;
-    let outcomes = System::new().block_on(async move {
-        let coordinator = Coordinator::for_job(world, config, &recovery)
+    let ranks = System::new().block_on(async move {
+        let coordinator = Coordinator::for_job(world, config, recovery)
             .recovering_in_place()
             .with_heartbeat_deadline(ft.heartbeat_deadline())
             .start();
-        let cluster = FaultyCluster {
-            job,
-            options,
-            recovery,
+        let cluster = StruckCluster {
+            config,
             coordinator: coordinator.into(),
-            rings: Arc::new(MemoryRings::new(world, ft.timeout(), plan.links.clone())),
+            rings: Arc::new(MemoryRings::new(ft.timeout(), link_faults)),
             plan,
             running: Arc::new(Mutex::new(vec![None; world])),
             next_id: AtomicU32::new(1),
@@ -167,13 +183,66 @@ pub(super) fn run_with_faults(
             cluster.running.clone(),
             ft.heartbeat_interval(),
         ));
-        let ranks = futures::future::try_join_all((0..world).map(|rank| cluster.rank(rank))).await;
+        let ranks = futures::future::try_join_all((0..world).map(|rank| cluster.rank(rank, &start))).await;
         watch.abort();
         ranks
     })?;
-    let replaced = outcomes.iter().map(|(_, replaced)| *replaced).collect();
-    let outcome = from_rank0(outcomes.into_iter().map(|(outcome, _)| outcome).collect(), world)?;
-    Ok((outcome, FaultReport { replaced }))
+    let replaced = ranks.iter().map(|(_, replaced)| *replaced).collect();
+    Ok((
+        ranks.into_iter().map(|(outcome, _)| outcome).collect(),
+        FaultReport { replaced },
+    ))
+}
+
+/// A data-parallel job struck by `plan`.
+pub(super) fn run_with_faults(
+    job: &TrainingJob,
+    options: &RunOptions,
+    plan: &FaultPlan,
+) -> Result<(RunOutcome, FaultReport)> {
+    let recovery = Recovery::plan(&job.config, &options.run_dir, &options.resume)?;
+    let link_faults = plan
+        .links
+        .iter()
+        .map(|&(rank, fault)| (RANKS_RING.to_string(), rank, fault))
+        .collect();
+    let (outcomes, report) = run_struck(&job.config, &recovery, plan, link_faults, |incarnation| {
+        let Incarnation {
+            rank,
+            line,
+            orders,
+            breaker,
+            rings,
+            faults,
+        } = incarnation;
+        let endpoint = format!("memory:{rank}");
+        let link = move || RingLink::Simulated {
+            rank,
+            rings: rings.clone(),
+            breaker: breaker.clone(),
+        };
+        let mut trainer = job.trainer(
+            rank,
+            ControlBus::InMemory(line),
+            link(),
+            endpoint.clone(),
+            options,
+            recovery.clone(),
+        );
+        trainer.in_place = Some(InPlace {
+            orders,
+            relink: Box::new(move || Ok((link(), endpoint.clone()))),
+        });
+        trainer.faults = Some(faults);
+        async move {
+            trainer
+                .start()
+                .send(Train)
+                .await
+                .map_err(|e| anyhow!("rank {rank}: trainer actor stopped: {e}"))?
+        }
+    })?;
+    Ok((from_rank0(outcomes, job.config.world_size())?, report))
 }
 
 /// Asks the coordinator every `interval` which incarnations it declared dead, and kills the
@@ -195,11 +264,24 @@ async fn kill_the_declared_dead(coordinator: CoordinatorLine, running: Running, 
     }
 }
 
-impl FaultyCluster<'_> {
+/// What every incarnation of every rank of a struck cluster shares.
+struct StruckCluster<'a> {
+    config: &'a JobConfig,
+    coordinator: CoordinatorLine,
+    rings: Arc<MemoryRings>,
+    plan: &'a FaultPlan,
+    running: Running,
+    next_id: AtomicU32,
+}
+
+impl StruckCluster<'_> {
     /// Runs rank `rank` to its end, replacing each incarnation that dies, at most
     /// `fault_tolerance.max_restarts` times; answers its outcome and its replacements.
-    async fn rank(&self, rank: usize) -> Result<(RankOutcome, usize)> {
-        let max_restarts = self.job.config.fault_tolerance.max_restarts;
+    async fn rank<T, Fut>(&self, rank: usize, start: &impl Fn(Incarnation) -> Fut) -> Result<(T, usize)>
+    where
+        Fut: Future<Output = Result<T>>,
+    {
+        let max_restarts = self.config.fault_tolerance.max_restarts;
         let mut replaced = 0;
         loop {
             let planned = if replaced == 0 {
@@ -207,7 +289,7 @@ impl FaultyCluster<'_> {
             } else {
                 Vec::new()
             };
-            match self.incarnation(rank, planned).await {
+            match self.incarnation(rank, planned, start).await {
                 Ok(outcome) => return Ok((outcome, replaced)),
                 Err(e) if replaced < max_restarts => {
                     replaced += 1;
@@ -225,51 +307,37 @@ impl FaultyCluster<'_> {
         }
     }
 
-    /// One incarnation of rank `rank`, struck by `planned`: the trainer and its heartbeats,
-    /// under one switch. When it ends in failure the coordinator hears that it is gone.
-    async fn incarnation(&self, rank: usize, planned: Vec<(usize, RoleFault)>) -> Result<RankOutcome> {
-        let config = &self.job.config;
+    /// One incarnation of rank `rank`, struck by `planned`: its work and its heartbeats, under
+    /// one switch. When it ends in failure the coordinator hears that it is gone.
+    async fn incarnation<T, Fut>(
+        &self,
+        rank: usize,
+        planned: Vec<(usize, RoleFault)>,
+        start: &impl Fn(Incarnation) -> Fut,
+    ) -> Result<T>
+    where
+        Fut: Future<Output = Result<T>>,
+    {
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let switch = RoleSwitch::default();
         self.running.lock().unwrap_or_else(PoisonError::into_inner)[rank] = Some((id, switch.clone()));
         let line = self.coordinator.clone().for_incarnation(id);
-        let ft = &config.fault_tolerance;
+        let ft = &self.config.fault_tolerance;
         let (orders_in, orders) = order_line(ft.heartbeat_deadline() + 2 * ft.heartbeat_interval());
-        let link = {
-            let (rings, breaker) = (self.rings.clone(), orders_in.breaker());
-            move || RingLink::Simulated {
-                rank,
-                rings: rings.clone(),
-                breaker: breaker.clone(),
-            }
-        };
-        let endpoint = format!("memory:{rank}");
-        let mut trainer = self.job.trainer(
+        let work = start(Incarnation {
             rank,
-            ControlBus::InMemory(line.clone()),
-            link(),
-            endpoint.clone(),
-            self.options,
-            self.recovery.clone(),
-        );
-        trainer.in_place = Some(InPlace {
+            line: line.clone(),
             orders,
-            relink: Box::new(move || Ok((link(), endpoint.clone()))),
+            breaker: orders_in.breaker(),
+            rings: self.rings.clone(),
+            faults: Arc::new(RoleFaults::new(switch.clone(), planned)),
         });
-        trainer.faults = Some(Arc::new(RoleFaults::new(switch.clone(), planned)));
-        let training = async {
-            trainer
-                .start()
-                .send(Train)
-                .await
-                .map_err(|e| anyhow!("rank {rank}: trainer actor stopped: {e}"))?
-        };
         let ended = switch
             .govern(watched(
-                training,
+                work,
                 rank,
                 CoordinatorAt::InMemory(&line),
-                config,
+                self.config,
                 Some(&orders_in),
             ))
             .await;

@@ -54,6 +54,9 @@ pub struct MemoryTransport {
     /// keeps the link open after the left neighbour's end is dropped.
     breakable: Option<Inbox>,
     fault: Option<LinkFault>,
+    /// Why the link broke, once it has: like a shut-down socket, it fails every operation
+    /// after, so no collective queued behind the one that saw the break waits out the timeout.
+    broken: Option<String>,
     sent: u64,
     received: u64,
     timeout: Duration,
@@ -78,6 +81,7 @@ fn build_ring(world_size: usize, timeout: Duration, breakable: bool) -> Vec<Memo
             from_left: receivers[rank].take().expect("each receiver is taken once"),
             breakable: breakable.then(|| Inbox(senders[rank].clone())),
             fault: None,
+            broken: None,
             sent: 0,
             received: 0,
             timeout,
@@ -85,52 +89,60 @@ fn build_ring(world_size: usize, timeout: Duration, breakable: bool) -> Vec<Memo
         .collect()
 }
 
-/// The rings of a simulated cluster that recovers in place: one per generation, made when its
-/// first member asks for its end, every end breakable. The faults ride on generation 0's ring
-/// only, so that they strike once and the rolled-back job runs clean.
+/// The rings of a simulated cluster that recovers in place: each generation has its own,
+/// named by what they join (the ranks, a replica's stages, a stage's replicas), each made when
+/// its first member asks for its end, every end breakable. The faults ride on generation 0's
+/// rings only, so that they strike once and the rolled-back job runs clean.
 pub struct MemoryRings {
-    world_size: usize,
     timeout: Duration,
-    /// Faults by the rank whose link to its right neighbour carries them.
-    faults: Vec<(usize, LinkFault)>,
-    /// The ends not handed out yet, by generation.
-    rings: Mutex<BTreeMap<u64, Vec<Option<MemoryTransport>>>>,
+    /// Faults by ring and by the position whose link to its right neighbour carries them.
+    faults: Vec<(String, usize, LinkFault)>,
+    /// The ends not handed out yet, by generation and ring.
+    rings: Mutex<BTreeMap<(u64, String), Vec<Option<MemoryTransport>>>>,
 }
 
 impl MemoryRings {
-    /// Rings of `world_size` ranks, receives bounded by `timeout`, with `faults` on the first.
-    pub fn new(world_size: usize, timeout: Duration, faults: Vec<(usize, LinkFault)>) -> Self {
+    /// Rings whose receives wait at most `timeout`, with `faults` — `(ring, position, fault)` —
+    /// on the first generation's.
+    pub fn new(timeout: Duration, faults: Vec<(String, usize, LinkFault)>) -> Self {
         Self {
-            world_size,
             timeout,
             faults,
             rings: Mutex::new(BTreeMap::new()),
         }
     }
 
-    /// Rank `rank`'s end of generation `generation`'s ring. Older rings are dropped: their
-    /// members have all moved on or died.
-    pub fn take(&self, generation: u64, rank: usize) -> Result<MemoryTransport> {
+    /// The end at `position` of generation `generation`'s ring `ring` of `size` members. Older
+    /// generations' rings are dropped: their members have all moved on or died.
+    pub fn take(&self, generation: u64, ring: &str, size: usize, position: usize) -> Result<MemoryTransport> {
         let mut rings = self.rings.lock().unwrap_or_else(PoisonError::into_inner);
-        rings.retain(|&g, _| g >= generation);
-        let faults = if generation == 0 { self.faults.as_slice() } else { &[] };
-        let end = rings
-            .entry(generation)
-            .or_insert_with(|| {
-                build_ring(self.world_size, self.timeout, true)
-                    .into_iter()
-                    .map(|mut end| {
-                        end.fault = faults.iter().find(|(from, _)| *from == end.rank).map(|(_, f)| *f);
-                        Some(end)
+        rings.retain(|(g, _), _| *g >= generation);
+        let newer = rings.keys().any(|(g, _)| *g > generation);
+        let end = (!newer)
+            .then(|| {
+                rings
+                    .entry((generation, ring.to_string()))
+                    .or_insert_with(|| {
+                        build_ring(size, self.timeout, true)
+                            .into_iter()
+                            .map(|mut end| {
+                                end.fault = self
+                                    .faults
+                                    .iter()
+                                    .find(|(on, at, _)| generation == 0 && on == ring && *at == end.rank)
+                                    .map(|&(_, _, fault)| fault);
+                                Some(end)
+                            })
+                            .collect()
                     })
-                    .collect()
+                    .get_mut(position)
+                    .and_then(Option::take)
             })
-            .get_mut(rank)
-            .and_then(Option::take);
+            .flatten();
         end.ok_or_else(|| {
             anyhow!(
-                "no end of generation {generation}'s ring is left for rank {rank} (taken before, or the ring \
-                 was dropped for a newer generation's)"
+                "no end {position} of generation {generation}'s {ring} ring is left (taken before, or the \
+                 ring was dropped for a newer generation's)"
             )
         })
     }
@@ -151,6 +163,9 @@ impl RingTransport for MemoryTransport {
 
     /// Copies at once: an in-memory send never waits (unless its link is made slow).
     unsafe fn send_queued(&mut self, op: &str, bytes: &[u8]) -> Result<()> {
+        if let Some(reason) = &self.broken {
+            bail!("{op}: the link to rank {} is broken: {reason}", self.right());
+        }
         let header = MessageHeader {
             seq: self.sent,
             len: bytes.len() as u64,
@@ -181,9 +196,16 @@ impl RingTransport for MemoryTransport {
             seq: self.received,
             len: len as u64,
         };
+        if let Some(reason) = &self.broken {
+            bail!("{op}: the link from rank {} broke: {reason}", self.left());
+        }
         let (header, payload) = match self.from_left.recv_timeout(self.timeout) {
             Ok(Ok(message)) => message,
-            Ok(Err(reason)) => bail!("{op}: the link from rank {} broke: {reason}", self.left()),
+            Ok(Err(reason)) => {
+                let failure = anyhow!("{op}: the link from rank {} broke: {reason}", self.left());
+                self.broken = Some(reason);
+                return Err(failure);
+            }
             Err(RecvTimeoutError::Timeout) => bail!(
                 "{op}: timed out after {:.1}s waiting for rank {} (rank {} of {})",
                 self.timeout.as_secs_f64(),
@@ -207,6 +229,13 @@ mod tests {
     use super::*;
     use std::time::Instant;
 
+    const RING: &str = "test";
+
+    /// The end at `position` of generation `generation`'s ring of two.
+    fn take(rings: &MemoryRings, generation: u64, position: usize) -> MemoryTransport {
+        rings.take(generation, RING, 2, position).unwrap()
+    }
+
     fn send(end: &mut MemoryTransport, bytes: &[u8]) -> Result<()> {
         end.send("test", bytes)
     }
@@ -219,8 +248,11 @@ mod tests {
 
     #[test]
     fn a_lost_message_breaks_the_link_and_the_receiver_says_which() {
-        let rings = MemoryRings::new(2, Duration::from_secs(5), vec![(0, LinkFault::Drop { message: 1 })]);
-        let (mut zero, mut one) = (rings.take(0, 0).unwrap(), rings.take(0, 1).unwrap());
+        let rings = MemoryRings::new(
+            Duration::from_secs(5),
+            vec![(RING.into(), 0, LinkFault::Drop { message: 1 })],
+        );
+        let (mut zero, mut one) = (take(&rings, 0, 0), take(&rings, 0, 1));
         send(&mut zero, &[7]).unwrap();
         send(&mut zero, &[8]).unwrap();
         assert_eq!(recv(&mut one).unwrap(), vec![7]);
@@ -230,18 +262,19 @@ mod tests {
             "{error}"
         );
         // The next generation's ring carries no fault.
-        let (mut zero, mut one) = (rings.take(1, 0).unwrap(), rings.take(1, 1).unwrap());
+        let (mut zero, mut one) = (take(&rings, 1, 0), take(&rings, 1, 1));
         send(&mut zero, &[7]).unwrap();
         send(&mut zero, &[8]).unwrap();
         assert_eq!((recv(&mut one).unwrap(), recv(&mut one).unwrap()), (vec![7], vec![8]));
-        assert!(rings.take(1, 1).is_err(), "an end is handed out once");
+        assert!(rings.take(1, RING, 2, 1).is_err(), "an end is handed out once");
+        assert!(rings.take(0, RING, 2, 0).is_err(), "an older generation's ring is gone");
     }
 
     #[test]
     fn a_delayed_link_delivers_every_message_late_and_in_order() {
         let delay = Duration::from_millis(30);
-        let rings = MemoryRings::new(2, Duration::from_secs(5), vec![(1, LinkFault::Delay(delay))]);
-        let (mut zero, mut one) = (rings.take(0, 0).unwrap(), rings.take(0, 1).unwrap());
+        let rings = MemoryRings::new(Duration::from_secs(5), vec![(RING.into(), 1, LinkFault::Delay(delay))]);
+        let (mut zero, mut one) = (take(&rings, 0, 0), take(&rings, 0, 1));
         let started = Instant::now();
         send(&mut one, &[1]).unwrap();
         send(&mut one, &[2]).unwrap();
@@ -251,8 +284,8 @@ mod tests {
 
     #[test]
     fn a_receive_blocked_on_a_silent_neighbour_leaves_when_its_link_is_broken() {
-        let rings = MemoryRings::new(2, Duration::from_secs(60), Vec::new());
-        let (_silent, mut one) = (rings.take(0, 0).unwrap(), rings.take(0, 1).unwrap());
+        let rings = MemoryRings::new(Duration::from_secs(60), Vec::new());
+        let (_silent, mut one) = (take(&rings, 0, 0), take(&rings, 0, 1));
         let Some(LinkBreak::Inbox(inbox)) = one.link_break() else {
             panic!("a ring of the simulated cluster is breakable");
         };
@@ -263,6 +296,10 @@ mod tests {
         let error = recv(&mut one).unwrap_err().to_string();
         assert!(error.contains("rank 0 declared dead"), "{error}");
         breaking.join().unwrap();
+        // Broken for good, as a shut-down socket: the collective queued next fails at once.
+        let again = recv(&mut one).unwrap_err().to_string();
+        assert!(again.contains("rank 0 declared dead"), "{again}");
+        assert!(send(&mut one, &[1]).is_err());
         assert!(
             ring(2, Duration::from_secs(1))[0].link_break().is_none(),
             "a plain ring keeps no inbox"
