@@ -89,6 +89,9 @@ fn build_ring(world_size: usize, timeout: Duration, breakable: bool) -> Vec<Memo
         .collect()
 }
 
+/// A ring's ends by position, each handed out once.
+type RingEnds = Vec<Option<MemoryTransport>>;
+
 /// The rings of a simulated cluster that recovers in place: each generation has its own,
 /// named by what they join (the ranks, a replica's stages, a stage's replicas), each made when
 /// its first member asks for its end, every end breakable. The faults ride on generation 0's
@@ -98,7 +101,7 @@ pub struct MemoryRings {
     /// Faults by ring and by the position whose link to its right neighbour carries them.
     faults: Vec<(String, usize, LinkFault)>,
     /// The ends not handed out yet, by generation and ring.
-    rings: Mutex<BTreeMap<(u64, String), Vec<Option<MemoryTransport>>>>,
+    rings: Mutex<BTreeMap<(u64, String), RingEnds>>,
 }
 
 impl MemoryRings {
