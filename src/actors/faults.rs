@@ -4,7 +4,7 @@
 //! wherever it waits; a killed one is dropped there.
 
 use std::future::Future;
-use std::sync::{Mutex, PoisonError};
+use std::sync::{Arc, Mutex, PoisonError};
 
 use anyhow::{bail, Result};
 use tokio::sync::watch;
@@ -39,11 +39,6 @@ impl RoleSwitch {
     /// Kills the role: every future it governs ends at once with an error.
     pub fn kill(&self) {
         self.0.send_replace(RoleState::Killed);
-    }
-
-    /// Whether the role stands still.
-    pub fn is_stalled(&self) -> bool {
-        *self.0.borrow() == RoleState::Stalled
     }
 
     fn strike(&self, fault: RoleFault) {
@@ -93,9 +88,12 @@ impl RoleFaults {
         }
     }
 
-    /// The switch the role's futures run under.
-    pub fn switch(&self) -> &RoleSwitch {
-        &self.switch
+    /// Runs `work` under the switch of `faults`, or as it is when no faults are planned.
+    pub async fn govern<T>(faults: Option<Arc<Self>>, work: impl Future<Output = Result<T>>) -> Result<T> {
+        match faults {
+            Some(faults) => faults.switch.govern(work).await,
+            None => work.await,
+        }
     }
 
     /// The role named `role` is about to take step `step` (counted from 0): a fault planned
@@ -142,9 +140,9 @@ mod tests {
         });
         tokio::time::sleep(Duration::from_millis(30)).await;
         faults.before_step("rank 1", 2).await;
-        assert!(!switch.is_stalled());
+        assert_eq!(*switch.0.borrow(), RoleState::Running);
         faults.before_step("rank 1", 3).await;
-        assert!(switch.is_stalled());
+        assert_eq!(*switch.0.borrow(), RoleState::Stalled);
         tokio::time::sleep(Duration::from_millis(20)).await;
         let stood = ticks.load(std::sync::atomic::Ordering::Relaxed);
         tokio::time::sleep(Duration::from_millis(50)).await;

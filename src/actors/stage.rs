@@ -213,11 +213,8 @@ impl Handler<TrainStage> for StageActor {
         let generation = self.generation.take();
         let faults = self.faults.clone();
         Box::pin(async move {
-            let training = run.execute(generation.context("TrainStage was sent twice")?);
-            match faults {
-                Some(faults) => faults.switch().govern(training).await,
-                None => training.await,
-            }
+            let generation = generation.context("TrainStage was sent twice")?;
+            RoleFaults::govern(faults, run.execute(generation)).await
         })
     }
 }

@@ -12,7 +12,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use actix::prelude::*;
-use anyhow::{Context as _, Result};
+use anyhow::{anyhow, Context as _, Result};
 
 use super::device::{
     CheckReplicas, DeviceActor, Evaluate, ModelFactory, Prepare, ReadParameters, Relink, RingLink, SaveCheckpoint,
@@ -108,6 +108,17 @@ pub struct RankOutcome {
     pub losses: Vec<f32>,
 }
 
+impl Trainer {
+    /// Starts the trainer actor and trains to the end; an actor that stopped names the rank.
+    pub async fn train(self) -> Result<RankOutcome> {
+        let rank = self.rank;
+        self.start()
+            .send(Train)
+            .await
+            .map_err(|e| anyhow!("rank {rank}: trainer actor stopped: {e}"))?
+    }
+}
+
 impl Actor for Trainer {
     type Context = Context<Self>;
 }
@@ -134,10 +145,7 @@ impl Handler<Train> for Trainer {
             kept: Kept::default(),
             roster: None,
         };
-        match self.faults.clone() {
-            Some(faults) => Box::pin(async move { faults.switch().govern(run.execute()).await }),
-            None => Box::pin(run.execute()),
-        }
+        Box::pin(RoleFaults::govern(self.faults.clone(), run.execute()))
     }
 }
 

@@ -17,7 +17,7 @@ use super::heartbeat::{watched, CoordinatorAt};
 use super::process::{
     bind, bind_data_endpoint, host_of, refused_if_mismatched, RankEndpoints, RankRecovery, RoleMirror,
 };
-use super::simulated::{run_struck, Incarnation};
+use super::simulated::run_struck;
 use super::{stage_rings, FaultPlan, FaultReport, Recovery, RunOptions, RunOutcome, Summary, TrainingJob};
 use crate::actors::device::StageLinks;
 use crate::actors::rollback::OrderLine;
@@ -101,26 +101,19 @@ pub(super) fn run_with_faults(
     let recovery = Recovery::plan(config, &options.run_dir, &options.resume)?;
     let trace = options.trace_target();
     let (outcomes, report) = run_struck(config, &recovery, plan, Vec::new(), |incarnation| {
-        let Incarnation {
-            rank,
-            line,
-            orders,
-            breaker,
-            rings,
-            faults,
-        } = incarnation;
-        let mut rejoin = rejoin_in_memory(config.clone(), rank, rings, breaker);
+        let rank = incarnation.rank;
+        let mut rejoin = rejoin_in_memory(config.clone(), rank, incarnation.rings, incarnation.breaker);
         let (recovery, trace) = (recovery.clone(), trace.clone());
         async move {
-            let mut bus = ControlBus::InMemory(line);
+            let mut bus = ControlBus::InMemory(incarnation.line);
             let generation = rejoin(&mut bus).await?;
             let mut actor = stage_actor(job, rank, generation, bus, recovery, options, trace);
             actor.in_place = Some(StageInPlace {
-                orders,
+                orders: incarnation.orders,
                 rejoin,
                 buddy: None,
             });
-            actor.faults = Some(faults);
+            actor.faults = Some(incarnation.faults);
             train(actor).await
         }
     })?;

@@ -16,7 +16,7 @@ use super::{Recovery, Refusal, RunOptions, RunOutcome, TrainingJob};
 use crate::actors::buddy::Buddy;
 use crate::actors::device::RingLink;
 use crate::actors::rollback::{order_line, OrderLine, Orders};
-use crate::actors::trainer::{InPlace, Train};
+use crate::actors::trainer::InPlace;
 use crate::actors::Coordinator;
 use crate::checkpoint::CheckpointStore;
 use crate::config::JobConfig;
@@ -211,11 +211,7 @@ pub(super) fn run(job: &TrainingJob, rank: usize, options: &RunOptions) -> Resul
             let training = async {
                 let mut trainer = job.trainer(rank, bus, link, data_endpoint, options, recovery);
                 trainer.in_place = in_place;
-                let outcome = trainer
-                    .start()
-                    .send(Train)
-                    .await
-                    .map_err(|e| anyhow!("rank {rank}: trainer actor stopped: {e}"))??;
+                let outcome = trainer.train().await?;
                 // Rank 0 writes the outputs before it says goodbye: until then its loss is a
                 // death the coordinator recovers from.
                 let outcome = (rank == 0).then(|| RunOutcome::from_rank0(outcome, world, "multi-process"));

@@ -21,7 +21,7 @@ use super::{Recovery, RunOptions, RunOutcome, TrainingJob};
 use crate::actors::device::{RingLink, RANKS_RING};
 use crate::actors::faults::{RoleFault, RoleFaults, RoleSwitch};
 use crate::actors::rollback::{order_line, Orders};
-use crate::actors::trainer::{InPlace, RankOutcome, Train};
+use crate::actors::trainer::{InPlace, RankOutcome};
 use crate::actors::Coordinator;
 use crate::config::JobConfig;
 use crate::engines::comm::memory::{self, LinkFault, MemoryRings};
@@ -95,12 +95,7 @@ pub(super) fn run(job: &TrainingJob, options: &RunOptions) -> Result<RunOutcome>
             .map(|(rank, link)| {
                 let bus = ControlBus::InMemory(coordinator.clone().into());
                 let trainer = job.trainer(rank, bus, link, format!("memory:{rank}"), options, recovery.clone());
-                let run = trainer.start().send(Train);
-                async move {
-                    run.await
-                        .map_err(|e| anyhow!("rank {rank}: trainer actor stopped: {e}"))?
-                        .map_err(|e| e.context(format!("rank {rank}")))
-                }
+                async move { trainer.train().await.map_err(|e| e.context(format!("rank {rank}"))) }
             })
             .collect();
         // The first rank to fail ends the run with its error, rather than
@@ -207,40 +202,22 @@ pub(super) fn run_with_faults(
         .map(|&(rank, fault)| (RANKS_RING.to_string(), rank, fault))
         .collect();
     let (outcomes, report) = run_struck(&job.config, &recovery, plan, link_faults, |incarnation| {
-        let Incarnation {
-            rank,
-            line,
-            orders,
-            breaker,
-            rings,
-            faults,
-        } = incarnation;
+        let rank = incarnation.rank;
         let endpoint = format!("memory:{rank}");
+        let (rings, breaker) = (incarnation.rings, incarnation.breaker);
         let link = move || RingLink::Simulated {
             rank,
             rings: rings.clone(),
             breaker: breaker.clone(),
         };
-        let mut trainer = job.trainer(
-            rank,
-            ControlBus::InMemory(line),
-            link(),
-            endpoint.clone(),
-            options,
-            recovery.clone(),
-        );
+        let bus = ControlBus::InMemory(incarnation.line);
+        let mut trainer = job.trainer(rank, bus, link(), endpoint.clone(), options, recovery.clone());
         trainer.in_place = Some(InPlace {
-            orders,
+            orders: incarnation.orders,
             relink: Box::new(move || Ok((link(), endpoint.clone()))),
         });
-        trainer.faults = Some(faults);
-        async move {
-            trainer
-                .start()
-                .send(Train)
-                .await
-                .map_err(|e| anyhow!("rank {rank}: trainer actor stopped: {e}"))?
-        }
+        trainer.faults = Some(incarnation.faults);
+        trainer.train()
     })?;
     Ok((from_rank0(outcomes, job.config.world_size())?, report))
 }

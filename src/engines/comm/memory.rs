@@ -175,15 +175,16 @@ impl RingTransport for MemoryTransport {
         };
         self.sent += 1;
         let delivery = match self.fault {
-            Some(LinkFault::Delay(delay)) => {
-                thread::sleep(delay);
-                Ok((header, bytes.to_vec()))
-            }
             Some(LinkFault::Drop { message }) if message == header.seq => {
                 self.fault = None;
                 Err(format!("message #{message} from rank {} was lost", self.rank))
             }
-            _ => Ok((header, bytes.to_vec())),
+            fault => {
+                if let Some(LinkFault::Delay(delay)) = fault {
+                    thread::sleep(delay);
+                }
+                Ok((header, bytes.to_vec()))
+            }
         };
         if self.to_right.send(delivery).is_err() {
             bail!(
