@@ -116,9 +116,10 @@ impl Coordinator {
         }
     }
 
-    /// Calls rank `r` `names[r]` in its messages (a parameter-server job's "server 1").
-    pub fn with_names(mut self, names: Vec<String>) -> Self {
-        self.names = names;
+    /// Calls each role by `config`'s name for it in its messages (a parameter-server job's
+    /// "server 1").
+    pub fn with_names_of(mut self, config: &JobConfig) -> Self {
+        self.names = (0..config.roles()).map(|role| config.role_name(role)).collect();
         self
     }
 
@@ -147,10 +148,11 @@ impl Coordinator {
         self
     }
 
-    /// The coordinator of `config`'s job of `world_size` ranks: the job's deadline, the
-    /// checkpoints its run commits and starts from, and the settings every rank must share.
-    pub(crate) fn for_job(world_size: usize, config: &JobConfig, recovery: &Recovery) -> Self {
-        Self::new(world_size, config.fault_tolerance.timeout())
+    /// The coordinator of `config`'s job: its roles by name, the job's deadline, the
+    /// checkpoints its run commits and starts from, and the settings every role must share.
+    pub(crate) fn for_job(config: &JobConfig, recovery: &Recovery) -> Self {
+        Self::new(config.roles(), config.fault_tolerance.timeout())
+            .with_names_of(config)
             .with_checkpoints(recovery.store.clone(), recovery.start_step())
             .with_settings(config.shared_settings())
     }

@@ -199,6 +199,17 @@ impl JobConfig {
         self.cluster.server_num + self.world_size()
     }
 
+    /// What the coordinator calls role `role`: `server i` and `trainer t` in a
+    /// parameter-server job (servers first), `rank r` otherwise.
+    pub fn role_name(&self, role: usize) -> String {
+        let servers = self.cluster.server_num;
+        match (self.cluster.is_parameter_server(), role.checked_sub(servers)) {
+            (false, _) => format!("rank {role}"),
+            (true, None) => format!("server {role}"),
+            (true, Some(trainer)) => format!("trainer {trainer}"),
+        }
+    }
+
     /// Every setting that is not a table, by dotted key (`train.lr`).
     pub fn leaves(&self) -> Result<std::collections::BTreeMap<String, toml::Value>, toml::ser::Error> {
         fn walk(prefix: &str, value: toml::Value, out: &mut std::collections::BTreeMap<String, toml::Value>) {

@@ -11,7 +11,6 @@ use tokio::sync::oneshot;
 
 use super::control::host_coordinator;
 use super::process::master;
-use super::ps::role_names;
 use super::{Recovery, Resume, RunOptions};
 use crate::actors::Coordinator;
 use crate::config::JobConfig;
@@ -35,11 +34,7 @@ pub fn run_coordinator(config: &JobConfig, options: &RunOptions) -> Result<()> {
     let world = config.roles();
     System::new().block_on(async move {
         let (done, finished) = oneshot::channel();
-        let mut coordinator = Coordinator::for_job(world, config, &recovery);
-        if config.cluster.is_parameter_server() {
-            coordinator = coordinator.with_names(role_names(config));
-        }
-        let mut coordinator = coordinator
+        let mut coordinator = Coordinator::for_job(config, &recovery)
             .with_checkpoints(recovery.store.clone(), recovery.start_step())
             .recovering_in_place()
             .with_finish(done);

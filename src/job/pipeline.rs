@@ -44,7 +44,7 @@ pub(super) fn run(job: &TrainingJob, options: &RunOptions) -> Result<RunOutcome>
     let recovery = Recovery::plan(&config, &options.run_dir, &options.resume)?;
     let outcomes = System::new().block_on(async move {
         // For the checkpoint protocol's gathers.
-        let coordinator = Coordinator::for_job(d * p, &config, &recovery).start();
+        let coordinator = Coordinator::for_job(&config, &recovery).start();
         // links[rank]: stage links within each replica, rings across replicas of each stage.
         let mut stage_links: Vec<Option<StageLinks>> = Vec::with_capacity(d * p);
         for _ in 0..d {
@@ -183,7 +183,7 @@ fn rejoin_in_memory(config: Arc<JobConfig>, rank: usize, rings: Arc<MemoryRings>
 pub(super) fn run_rank(job: &TrainingJob, rank: usize, options: &RunOptions) -> Result<Option<RunOutcome>> {
     let config = job.config.clone();
     let trace = options.trace_target();
-    let (world, p) = (config.world_size(), config.strategy.hybrid_configs.pp_degree);
+    let p = config.strategy.hybrid_configs.pp_degree;
     let max_frame = config.cluster.max_frame_bytes();
     let RankEndpoints {
         master,
@@ -203,7 +203,7 @@ pub(super) fn run_rank(job: &TrainingJob, rank: usize, options: &RunOptions) -> 
     System::new()
         .block_on(async move {
             let ft = &config.fault_tolerance;
-            let coordinator = (rank == 0 && !own_coordinator).then(|| Coordinator::for_job(world, &config, &recovery));
+            let coordinator = (rank == 0 && !own_coordinator).then(|| Coordinator::for_job(&config, &recovery));
             let mut bus = connect_control(coordinator, rank, &master, ft, max_frame, &credentials).await?;
             let (mirror_endpoint, buddy) = mirror.map(RoleMirror::serve_at).transpose()?.unzip();
             let rings = StageRings {

@@ -195,7 +195,7 @@ pub(super) fn run(job: &TrainingJob, rank: usize, options: &RunOptions) -> Resul
             }),
         }
     });
-    let coordinator = (rank == 0 && !own_coordinator).then(|| Coordinator::for_job(world, &config, &recovery));
+    let coordinator = (rank == 0 && !own_coordinator).then(|| Coordinator::for_job(&config, &recovery));
 
     let outcome = System::new()
         .block_on(async move {

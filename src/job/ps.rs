@@ -182,7 +182,7 @@ impl ParameterServerJob {
             let runs = (0..world).map(|rank| {
                 let links = shards
                     .iter()
-                    .map(|shard| ShardLink::Local(shard.clone().recipient()))
+                    .map(|shard| ShardLink::local(shard.clone().recipient()))
                     .collect();
                 let client = PsClient::new(links, retry, timeout);
                 let trace = trace.clone().map(|t| (t, 0.0));
@@ -244,8 +244,7 @@ impl ParameterServerJob {
                 let max_frame = config.cluster.max_frame_bytes();
                 // Without a coordinator process of its own, server 0 hosts it.
                 if let (0, Some((master, credentials)), None) = (index, &heartbeats, &orders) {
-                    let names = role_names(&config);
-                    let coordinator = Coordinator::new(names.len(), timeout).with_names(names);
+                    let coordinator = Coordinator::new(config.roles(), timeout).with_names_of(&config);
                     host_coordinator(coordinator, master, &config.fault_tolerance, max_frame, credentials)
                         .await
                         .with_context(|| format!("parameter server {index}"))?;
@@ -540,14 +539,6 @@ async fn with_heartbeats<T>(
         }
         None => work.await,
     }
-}
-
-/// What the coordinator calls the roles of a parameter-server job: servers first, then trainers.
-pub(super) fn role_names(job: &JobConfig) -> Vec<String> {
-    let servers = (0..job.cluster.server_num).map(|i| format!("server {i}"));
-    servers
-        .chain((0..job.world_size()).map(|t| format!("trainer {t}")))
-        .collect()
 }
 
 /// Shard `index` of the job, brought to the checkpoint `recovery` starts from (if any).

@@ -83,7 +83,7 @@ pub(super) fn run(job: &TrainingJob, options: &RunOptions) -> Result<RunOutcome>
     let recovery = Recovery::plan(&job.config, &options.run_dir, &options.resume)?;
     let timeout = job.config.fault_tolerance.timeout();
     let outcomes = System::new().block_on(async move {
-        let coordinator = Coordinator::for_job(world, &job.config, &recovery).start();
+        let coordinator = Coordinator::for_job(&job.config, &recovery).start();
         let links: Vec<RingLink> = if world == 1 {
             vec![RingLink::Single]
         } else {
@@ -161,7 +161,7 @@ where
     );
     let ft = &config.fault_tolerance;
     let ranks = System::new().block_on(async move {
-        let coordinator = Coordinator::for_job(world, config, recovery)
+        let coordinator = Coordinator::for_job(config, recovery)
             .recovering_in_place()
             .with_heartbeat_deadline(ft.heartbeat_deadline())
             .start();

@@ -1,17 +1,21 @@
-//! The trainer's side of the parameter servers: one link per shard, in memory (an actor address
-//! in a simulated cluster) or a TCP connection, and requests sent to all shards in parallel.
+//! The trainer's side of the parameter servers: one link per shard, in memory (a shard actor
+//! of this process, in a simulated cluster) or a TCP connection, and requests sent to all shards
+//! in parallel.
 //!
-//! Network failures (refused, reset, closed) of a request are retried `retry` times with
-//! exponential backoff and jitter on a fresh connection; pushes are idempotent on the shard, so a retry
-//! after a lost answer is safe. A shard that answers nothing within the timeout, or stays
-//! unreachable, is an error naming it and its endpoint.
+//! Network failures (refused, reset, closed; in memory, a request or answer a simulated link
+//! lost) of a request are retried `retry` times with exponential backoff and jitter on a fresh
+//! connection; pushes are idempotent on the shard, so a retry after a lost answer is safe. A
+//! shard that answers nothing within the timeout, or stays unreachable, is an error naming it and
+//! its endpoint.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use actix::Recipient;
 use anyhow::{anyhow, bail, Context as _, Result};
 use bytes::Bytes;
-use futures::{SinkExt, StreamExt};
+use futures::future::BoxFuture;
+use futures::{FutureExt, SinkExt, StreamExt};
 use tokio::net::TcpStream;
 
 use crate::net::auth::{self, Credentials};
@@ -40,15 +44,48 @@ const STARTUP_POLL: Duration = Duration::from_millis(100);
 /// the trainer waits this much longer, so that answer rather than its own timeout is reported.
 const SHARD_ANSWER_GRACE: Duration = Duration::from_secs(2);
 
+/// A request, or its answer, that an in-memory link lost.
+pub struct Lost {
+    /// What happened, for the log and the error.
+    pub reason: String,
+    /// The request, to be sent again as over a fresh connection; `None` when the shard is gone
+    /// (its actor stopped), which no retry can reach.
+    pub call: Option<ShardCall>,
+}
+
+/// A shard actor of this process, as one trainer's link reaches it.
+pub trait InProcessShard: Send + Sync {
+    /// Hands `call` to the shard and answers its reply.
+    fn call(&self, call: ShardCall) -> BoxFuture<'static, std::result::Result<Result<Reply>, Lost>>;
+}
+
+impl InProcessShard for Recipient<ShardCall> {
+    fn call(&self, call: ShardCall) -> BoxFuture<'static, std::result::Result<Result<Reply>, Lost>> {
+        self.send(call)
+            .map(|answer| {
+                answer.map_err(|e| Lost {
+                    reason: format!("gone: {e}"),
+                    call: None,
+                })
+            })
+            .boxed()
+    }
+}
+
 /// How a trainer reaches one shard.
 pub enum ShardLink {
-    /// The shard actor of this process.
-    Local(Recipient<ShardCall>),
+    /// A shard actor of this process.
+    Local(Arc<dyn InProcessShard>),
     /// A shard process.
     Remote(Box<RemoteShard>),
 }
 
 impl ShardLink {
+    /// The link to the shard actor `shard` of this process.
+    pub fn local(shard: Recipient<ShardCall>) -> Self {
+        Self::Local(Arc::new(shard))
+    }
+
     /// The link to the shard process at `endpoint`.
     pub fn remote(endpoint: String, max_frame_bytes: usize, credentials: Credentials) -> Self {
         Self::Remote(Box::new(RemoteShard::new(endpoint, max_frame_bytes, credentials)))
@@ -179,7 +216,42 @@ impl PsClient {
     }
 }
 
-/// One request to shard `index`, with retries over TCP.
+/// The retries of one request: at most `retry`, each after twice the pause of the one before.
+struct Retries {
+    retry: usize,
+    attempt: usize,
+    backoff: Duration,
+}
+
+impl Retries {
+    fn new(retry: usize) -> Self {
+        Self {
+            retry,
+            attempt: 0,
+            backoff: FIRST_BACKOFF,
+        }
+    }
+
+    /// After a failed attempt (`failure`) of the `what` at `shard`: pauses and answers `true`
+    /// when a retry is left.
+    async fn another(&mut self, what: &str, shard: &str, failure: &dyn std::fmt::Display) -> bool {
+        if self.attempt >= self.retry {
+            return false;
+        }
+        self.attempt += 1;
+        let pause = jittered(self.backoff);
+        tracing::warn!(
+            "{what} at {shard} failed: {failure}; retry {} of {} in {pause:.0?}",
+            self.attempt,
+            self.retry
+        );
+        tokio::time::sleep(pause).await;
+        self.backoff *= 2;
+        true
+    }
+}
+
+/// One request to shard `index`, with retries.
 async fn call(
     index: usize,
     link: &mut ShardLink,
@@ -188,44 +260,39 @@ async fn call(
     timeout: Duration,
     what: &str,
 ) -> Result<Reply> {
+    let mut retries = Retries::new(retry);
+    let deadline = timeout + SHARD_ANSWER_GRACE;
     let remote = match link {
         ShardLink::Local(shard) => {
-            let answer = tokio::time::timeout(timeout + SHARD_ANSWER_GRACE, shard.send(request))
-                .await
-                .map_err(|_| anyhow!("parameter server {index} did not answer the {what} within {timeout:.0?}"))?;
-            return answer.map_err(|e| anyhow!("parameter server {index} is gone: {e}"))?;
+            let shard_name = format!("parameter server {index}");
+            let mut request = request;
+            loop {
+                let answer = tokio::time::timeout(deadline, shard.call(request))
+                    .await
+                    .map_err(|_| anyhow!("{shard_name} did not answer the {what} within {timeout:.0?}"))?;
+                match answer {
+                    Ok(reply) => return reply,
+                    Err(Lost { reason, call: Some(again) }) if retries.another(what, &shard_name, &reason).await => {
+                        request = again
+                    }
+                    Err(Lost { reason, .. }) => bail!("{shard_name}: the {what} failed: {reason}"),
+                }
+            }
         }
         ShardLink::Remote(remote) => remote,
     };
     let frame = encode_request(&request)?;
-    let mut backoff = FIRST_BACKOFF;
-    let mut attempt = 0;
+    let shard_name = format!("parameter server {index} ({})", remote.endpoint);
     loop {
-        match tokio::time::timeout(timeout + SHARD_ANSWER_GRACE, remote.exchange(frame.clone())).await {
-            Err(_) => bail!(
-                "parameter server {index} at {} did not answer the {what} within {timeout:.0?}",
-                remote.endpoint
-            ),
-            Ok(Ok(answer)) => {
-                return decode_reply(answer)
-                    .with_context(|| format!("{what} at parameter server {index} ({})", remote.endpoint))
-            }
-            Ok(Err(e)) if attempt < retry => {
-                let pause = jittered(backoff);
-                tracing::warn!(
-                    "{what} at parameter server {index} ({}) failed: {e}; retry {} of {retry} in {pause:.0?}",
-                    remote.endpoint,
-                    attempt + 1
-                );
+        match tokio::time::timeout(deadline, remote.exchange(frame.clone())).await {
+            Err(_) => bail!("{shard_name} did not answer the {what} within {timeout:.0?}"),
+            Ok(Ok(answer)) => return decode_reply(answer).with_context(|| format!("{what} at {shard_name}")),
+            Ok(Err(e)) => {
                 remote.connection = None;
-                tokio::time::sleep(pause).await;
-                backoff *= 2;
-                attempt += 1;
+                if !retries.another(what, &shard_name, &e).await {
+                    bail!("{shard_name} is unreachable: the {what} failed after {retry} retries: {e}");
+                }
             }
-            Ok(Err(e)) => bail!(
-                "parameter server {index} at {} is unreachable: the {what} failed after {retry} retries: {e}",
-                remote.endpoint
-            ),
         }
     }
 }
