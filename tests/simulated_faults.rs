@@ -91,7 +91,7 @@ fn without_checkpoints_a_killed_rank_costs_a_replay_from_step_0() {
 fn a_slow_link_costs_nothing_but_time() {
     let job = job(&[]);
     let plan = FaultPlan {
-        links: vec![(0, LinkFault::Delay(Duration::from_millis(1)))],
+        links: vec![(0, 1, LinkFault::Delay(Duration::from_millis(1)))],
         ..FaultPlan::default()
     };
     let (checksum, report) = run(&job, &plan);
@@ -104,7 +104,7 @@ fn a_lost_message_breaks_its_link_and_the_rank_that_waited_for_it_is_replaced() 
     let job = job(&[]);
     // Each step all-reduces over the ring: message 200 from rank 1 falls mid-run.
     let plan = FaultPlan {
-        links: vec![(1, LinkFault::Drop { message: 200 })],
+        links: vec![(1, 2, LinkFault::Drop { message: 200 })],
         ..FaultPlan::default()
     };
     let (checksum, report) = run(&job, &plan);
@@ -119,7 +119,16 @@ fn a_fault_plan_outside_the_cluster_or_without_in_place_recovery_is_refused() {
     let error = job(&[])
         .run_simulated_with_faults(&options, &role(3, 10, RoleFault::Kill))
         .unwrap_err();
-    assert!(format!("{error:#}").contains("rank 3 of a cluster of 3"), "{error:#}");
+    assert!(format!("{error:#}").contains("role 3 of a cluster of 3"), "{error:#}");
+    let across = FaultPlan {
+        links: vec![(0, 2, LinkFault::Drop { message: 1 })],
+        ..FaultPlan::default()
+    };
+    let error = job(&[]).run_simulated_with_faults(&options, &across).unwrap_err();
+    assert!(
+        format!("{error:#}").contains("no ring carries messages from rank 0 to rank 2"),
+        "{error:#}"
+    );
     let error = job(&["fault_tolerance.recovery=restart"])
         .run_simulated_with_faults(&options, &role(1, 10, RoleFault::Kill))
         .unwrap_err();
@@ -143,17 +152,36 @@ fn a_stalled_pipeline_stage_is_declared_dead_killed_and_replaced() {
 }
 
 #[test]
-fn link_faults_in_a_pipeline_are_refused() {
-    let dir = tempfile::tempdir().unwrap();
+fn a_pipelines_slow_links_cost_nothing_but_time() {
+    let job = pipeline();
+    let slow = LinkFault::Delay(Duration::from_millis(1));
+    // Rank 0's activations to rank 1, rank 3's gradients to rank 2, rank 1's to its replica.
     let plan = FaultPlan {
-        links: vec![(0, LinkFault::Delay(Duration::from_millis(1)))],
+        links: vec![(0, 1, slow), (3, 2, slow), (1, 3, slow)],
         ..FaultPlan::default()
     };
-    let error = pipeline()
-        .run_simulated_with_faults(&RunOptions::new(dir.path()), &plan)
-        .unwrap_err();
-    assert!(
-        format!("{error:#}").contains("data-parallel job's ring only"),
-        "{error:#}"
-    );
+    let (checksum, report) = run(&job, &plan);
+    assert_eq!(report.replaced, vec![0, 0, 0, 0]);
+    assert_eq!(checksum, uninterrupted(&job));
+}
+
+#[test]
+fn a_message_lost_between_stages_or_replicas_costs_the_rank_that_waited_for_it() {
+    let job = pipeline();
+    // A gradient of stage 1 to stage 0 of replica 1, and a message of stage 0's all-reduce.
+    for (from, to) in [(3, 2), (0, 2)] {
+        let plan = FaultPlan {
+            links: vec![(from, to, LinkFault::Drop { message: 100 })],
+            ..FaultPlan::default()
+        };
+        let (checksum, report) = run(&job, &plan);
+        let mut replaced = vec![0; 4];
+        replaced[to] = 1;
+        assert_eq!(report.replaced, replaced, "message lost from rank {from} to rank {to}");
+        assert_eq!(
+            checksum,
+            uninterrupted(&job),
+            "message lost from rank {from} to rank {to}"
+        );
+    }
 }

@@ -20,6 +20,7 @@ use super::device::{
     CtrOwnState, DeviceActor, FlushCtr, PlanCtr, PredictCtr, PrepareCtr, RestoreCtrOwnState, TrainCtr,
 };
 use super::divergence::check_loss;
+use super::faults::RoleFaults;
 use super::kept::{commit_on_this_node, Kept};
 use super::recovery::Recovery;
 use super::rollback::Orders;
@@ -62,6 +63,9 @@ pub struct PsTrainer {
     pub(crate) recovery: Recovery,
     /// How this trainer rolls back in place; `None` when a lost role stops the job.
     pub in_place: Option<PsInPlace>,
+    /// The faults planned for this trainer of a simulated cluster: its training runs under
+    /// their switch.
+    pub faults: Option<Arc<RoleFaults>>,
 }
 
 /// What a parameter-server trainer needs to roll back inside its process.
@@ -123,8 +127,12 @@ impl Handler<TrainPs> for PsTrainer {
             recovery: self.recovery.clone(),
             kept: Kept::default(),
             roster: None,
+            faults: self.faults.clone(),
         };
-        Box::pin(run.execute(self.in_place.take()))
+        Box::pin(RoleFaults::govern(
+            self.faults.clone(),
+            run.execute(self.in_place.take()),
+        ))
     }
 }
 
@@ -143,6 +151,7 @@ struct PsRun {
     kept: Kept,
     /// The roster of the generation training, when the job recovers in place.
     roster: Option<Roster>,
+    faults: Option<Arc<RoleFaults>>,
 }
 
 /// A trainer's lines in a job that recovers in place: to the coordinator, and to the next
@@ -370,6 +379,9 @@ impl PsRun {
         let prefetch = job.strategy.ps_mode() == PsMode::Async;
         let mut prefetched = None;
         for step in first..steps {
+            if let Some(faults) = &self.faults {
+                faults.before_step(&format!("trainer {rank}"), step).await;
+            }
             let step_started = Instant::now();
             let pulling = step_started;
             let pulled = match prefetched.take() {

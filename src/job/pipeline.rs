@@ -8,7 +8,7 @@ use std::net::TcpListener;
 use std::sync::Arc;
 
 use actix::prelude::*;
-use anyhow::{anyhow, ensure, Context as _, Result};
+use anyhow::{anyhow, Context as _, Result};
 use bytes::Bytes;
 use futures::future::BoxFuture;
 
@@ -85,22 +85,20 @@ pub(super) fn run(job: &TrainingJob, options: &RunOptions) -> Result<RunOutcome>
     summarise(job, &outcomes[..p], "in-process")
 }
 
-/// All ranks in this process, struck by `plan`'s role faults and recovering in place: each
-/// incarnation joins each generation through the coordinator and takes its ends of that
-/// generation's rings in memory.
+/// All ranks in this process, struck by `plan` and recovering in place: each incarnation joins
+/// each generation through the coordinator and takes its ends of that generation's rings in
+/// memory.
 pub(super) fn run_with_faults(
     job: &TrainingJob,
     options: &RunOptions,
     plan: &FaultPlan,
 ) -> Result<(RunOutcome, FaultReport)> {
-    ensure!(
-        plan.links.is_empty(),
-        "link faults are injected into a data-parallel job's ring only: a pipeline's ranks are struck as roles"
-    );
     let config = &job.config;
     let recovery = Recovery::plan(config, &options.run_dir, &options.resume)?;
     let trace = options.trace_target();
-    let (outcomes, report) = run_struck(config, &recovery, plan, Vec::new(), |incarnation| {
+    let hybrid = &config.strategy.hybrid_configs;
+    let link_faults = plan.on_rings(|from, to| ring_between(hybrid.dp_degree, hybrid.pp_degree, from, to))?;
+    let (outcomes, report) = run_struck(config, &recovery, plan, link_faults, |incarnation| {
         let rank = incarnation.rank;
         let mut rejoin = rejoin_in_memory(config.clone(), rank, incarnation.rings, incarnation.breaker);
         let (recovery, trace) = (recovery.clone(), trace.clone());
@@ -121,6 +119,34 @@ pub(super) fn run_with_faults(
     Ok((summarise(job, &outcomes[..p], "in-process")?, report))
 }
 
+/// The ring of a simulated pipeline of `d` replicas of `p` stages that carries rank `from`'s
+/// messages to rank `to`, and `from`'s position in it: the forward ring to the next stage, the
+/// backward ring to the stage before, the ring of the stage's replicas to the next replica.
+fn ring_between(d: usize, p: usize, from: usize, to: usize) -> Option<(String, usize)> {
+    let ((replica, stage), (to_replica, to_stage)) = ((from / p, from % p), (to / p, to % p));
+    if replica == to_replica && to_stage == stage + 1 {
+        Some((forward_ring(replica), stage))
+    } else if replica == to_replica && to_stage + 1 == stage {
+        Some((backward_ring(replica), p - 1 - stage))
+    } else if d > 1 && stage == to_stage && to_replica == (replica + 1) % d {
+        Some((replicas_ring(stage), replica))
+    } else {
+        None
+    }
+}
+
+fn forward_ring(replica: usize) -> String {
+    format!("forward stages of replica {replica}")
+}
+
+fn backward_ring(replica: usize) -> String {
+    format!("backward stages of replica {replica}")
+}
+
+fn replicas_ring(stage: usize) -> String {
+    format!("replicas of stage {stage}")
+}
+
 /// How rank `rank` of a simulated pipeline joins each generation: through the coordinator, then
 /// its ends of that generation's rings in memory — among its stage's replicas, and the forward
 /// and backward rings of its replica's stages — which a rollback order breaks.
@@ -137,12 +163,7 @@ fn rejoin_in_memory(config: Arc<JobConfig>, rank: usize, rings: Arc<MemoryRings>
             let (replica, stage) = (rank / p, rank % p);
             let data_parallel = match d {
                 1 => Communicator::single(),
-                _ => Communicator::new(Box::new(rings.take(
-                    generation,
-                    &format!("replicas of stage {stage}"),
-                    d,
-                    replica,
-                )?)),
+                _ => Communicator::new(Box::new(rings.take(generation, &replicas_ring(stage), d, replica)?)),
             };
             let mut breaks: Vec<_> = data_parallel.link_break().into_iter().collect();
             let link = match p {
@@ -153,13 +174,8 @@ fn rejoin_in_memory(config: Arc<JobConfig>, rank: usize, rings: Arc<MemoryRings>
                         .context("a one-stage pipeline has a link")?,
                 )),
                 _ => {
-                    let forward = rings.take(generation, &format!("forward stages of replica {replica}"), p, stage)?;
-                    let backward = rings.take(
-                        generation,
-                        &format!("backward stages of replica {replica}"),
-                        p,
-                        p - 1 - stage,
-                    )?;
+                    let forward = rings.take(generation, &forward_ring(replica), p, stage)?;
+                    let backward = rings.take(generation, &backward_ring(replica), p, p - 1 - stage)?;
                     breaks.extend(forward.link_break());
                     breaks.extend(backward.link_break());
                     StageLinks::Rings {

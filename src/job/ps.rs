@@ -428,6 +428,7 @@ impl ParameterServerJob {
             trace,
             recovery,
             in_place: None,
+            faults: None,
         }
     }
 

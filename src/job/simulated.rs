@@ -30,13 +30,17 @@ use crate::net::protocol::CoordinatorLine;
 use crate::net::ControlBus;
 
 /// Faults to inject into a simulated cluster. Each strikes once: a role's first incarnation,
-/// a link of the first generation's ring.
+/// a link of the first generation's rings.
+///
+/// Roles are numbered as the coordinator numbers them: ranks, or a parameter-server job's
+/// servers first, then its trainers.
 #[derive(Debug, Clone, Default)]
 pub struct FaultPlan {
-    /// `(rank, step, fault)`: the rank is struck just before it takes step `step` (from 0).
+    /// `(role, step, fault)`: the role is struck just before it takes step `step` (from 0); a
+    /// parameter server, before it serves the first push of that step.
     pub roles: Vec<(usize, usize, RoleFault)>,
-    /// `(rank, fault)`: a fault on the rank's link to its right neighbour.
-    pub links: Vec<(usize, LinkFault)>,
+    /// `(from, to, fault)`: a fault on the messages role `from` sends to role `to`.
+    pub links: Vec<(usize, usize, LinkFault)>,
 }
 
 impl FaultPlan {
@@ -54,20 +58,36 @@ impl FaultPlan {
             .collect()
     }
 
-    /// Checks the plan against a cluster of `world` ranks.
-    pub(super) fn check(&self, world: usize) -> Result<()> {
-        let ranks = self
+    /// Checks the plan against a cluster of `roles` roles.
+    pub(super) fn check(&self, roles: usize) -> Result<()> {
+        let struck = self
             .roles
             .iter()
-            .map(|&(r, _, _)| r)
-            .chain(self.links.iter().map(|&(r, _)| r));
-        for rank in ranks {
+            .map(|&(role, _, _)| role)
+            .chain(self.links.iter().flat_map(|&(from, to, _)| [from, to]));
+        for role in struck {
             ensure!(
-                rank < world,
-                "a fault is planned for rank {rank} of a cluster of {world}"
+                role < roles,
+                "a fault is planned for role {role} of a cluster of {roles}"
             );
         }
         Ok(())
+    }
+
+    /// The link faults as faults of ring positions: `carrier(from, to)` names the ring whose
+    /// position's link to its right neighbour carries `from`'s messages to `to`, if one does.
+    pub(super) fn on_rings(
+        &self,
+        carrier: impl Fn(usize, usize) -> Option<(String, usize)>,
+    ) -> Result<Vec<(String, usize, LinkFault)>> {
+        self.links
+            .iter()
+            .map(|&(from, to, fault)| {
+                let (ring, position) = carrier(from, to)
+                    .ok_or_else(|| anyhow!("no ring carries messages from rank {from} to rank {to}"))?;
+                Ok((ring, position, fault))
+            })
+            .collect()
     }
 }
 
@@ -149,12 +169,9 @@ where
     F: Fn(Incarnation) -> Fut,
     Fut: Future<Output = Result<T>>,
 {
-    let world = config.world_size();
-    plan.check(world)?;
-    ensure!(
-        world > 1,
-        "faults need a cluster of at least 2 ranks (cluster.world_size = {world})"
-    );
+    let roles = config.roles();
+    plan.check(roles)?;
+    ensure!(roles > 1, "faults need a cluster of at least 2 roles (it has {roles})");
     ensure!(
         config.recovers_in_place(),
         "faults are recovered from in place: fault_tolerance.recovery must be \"in_place\""
@@ -170,7 +187,7 @@ where
             coordinator: coordinator.into(),
             rings: Arc::new(MemoryRings::new(ft.timeout(), link_faults)),
             plan,
-            running: Arc::new(Mutex::new(vec![None; world])),
+            running: Arc::new(Mutex::new(vec![None; roles])),
             next_id: AtomicU32::new(1),
         };
         let watch = actix::spawn(kill_the_declared_dead(
@@ -178,7 +195,7 @@ where
             cluster.running.clone(),
             ft.heartbeat_interval(),
         ));
-        let ranks = futures::future::try_join_all((0..world).map(|rank| cluster.rank(rank, &start))).await;
+        let ranks = futures::future::try_join_all((0..roles).map(|rank| cluster.rank(rank, &start))).await;
         watch.abort();
         ranks
     })?;
@@ -196,11 +213,8 @@ pub(super) fn run_with_faults(
     plan: &FaultPlan,
 ) -> Result<(RunOutcome, FaultReport)> {
     let recovery = Recovery::plan(&job.config, &options.run_dir, &options.resume)?;
-    let link_faults = plan
-        .links
-        .iter()
-        .map(|&(rank, fault)| (RANKS_RING.to_string(), rank, fault))
-        .collect();
+    let world = job.config.world_size();
+    let link_faults = plan.on_rings(|from, to| (to == (from + 1) % world).then(|| (RANKS_RING.to_string(), from)))?;
     let (outcomes, report) = run_struck(&job.config, &recovery, plan, link_faults, |incarnation| {
         let rank = incarnation.rank;
         let endpoint = format!("memory:{rank}");

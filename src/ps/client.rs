@@ -272,9 +272,10 @@ async fn call(
                     .map_err(|_| anyhow!("{shard_name} did not answer the {what} within {timeout:.0?}"))?;
                 match answer {
                     Ok(reply) => return reply,
-                    Err(Lost { reason, call: Some(again) }) if retries.another(what, &shard_name, &reason).await => {
-                        request = again
-                    }
+                    Err(Lost {
+                        reason,
+                        call: Some(again),
+                    }) if retries.another(what, &shard_name, &reason).await => request = again,
                     Err(Lost { reason, .. }) => bail!("{shard_name}: the {what} failed: {reason}"),
                 }
             }
