@@ -8,9 +8,11 @@ mod common;
 
 use std::time::Duration;
 
-use common::{config, PIPELINE_2X2};
+use common::{config, ps_matches_uninterrupted, PIPELINE_2X2};
 use flotilla::actors::faults::RoleFault;
+use flotilla::config::JobConfig;
 use flotilla::engines::comm::memory::LinkFault;
+use flotilla::job::ps::{ParameterServerJob, PsSummary};
 use flotilla::job::{FaultPlan, FaultReport, RunOptions, TrainingJob};
 
 /// 60 steps, checkpoints every 20; heartbeats every 20 ms, a rank silent for 1 s is dead (the
@@ -184,4 +186,107 @@ fn a_message_lost_between_stages_or_replicas_costs_the_rank_that_waited_for_it()
             "message lost from rank {from} to rank {to}"
         );
     }
+}
+
+/// Two shards and two trainers of `examples/ctr_ps.toml` (roles 0 and 1 are the servers, 2 and 3
+/// the trainers), recovering as the other jobs here, with `extra` settings.
+fn ps_settings(extra: &[&'static str]) -> Vec<&'static str> {
+    [&RECOVERING[..], &["train.batch_size=256"], extra].concat()
+}
+
+fn ps_config(settings: &[&str]) -> JobConfig {
+    let settings: Vec<String> = settings.iter().map(|s| s.to_string()).collect();
+    JobConfig::from_file(std::path::Path::new("examples/ctr_ps.toml"), &|_| None, &settings).expect("config")
+}
+
+/// `settings`' parameter-server job struck by `plan`: its summary, its run directory and the
+/// replacements.
+fn run_ps(settings: &[&str], plan: &FaultPlan) -> (PsSummary, tempfile::TempDir, FaultReport) {
+    let dir = tempfile::tempdir().unwrap();
+    let job = ParameterServerJob::builtin(ps_config(settings)).expect("job");
+    let (summary, report) = job
+        .run_simulated_with_faults(&RunOptions::new(dir.path()), plan)
+        .expect("the job survives its faults");
+    (summary, dir, report)
+}
+
+/// Runs the sync job struck by `plan`, which must cost `replaced` replacements and end bitwise
+/// equal to the same job without faults: its shards' tables and dense slices, AUC and loss.
+fn ps_sync_survives(extra: &[&'static str], plan: &FaultPlan, replaced: [usize; 4]) {
+    let settings = ps_settings(extra);
+    let (summary, dir, report) = run_ps(&settings, plan);
+    assert_eq!(report.replaced, replaced, "{plan:?}");
+    assert_eq!(summary.steps, 60);
+    let summary = serde_json::to_value(&summary).unwrap();
+    ps_matches_uninterrupted(&settings, &summary, dir.path());
+}
+
+#[test]
+fn a_killed_sync_shard_or_trainer_is_replaced_alone_and_the_job_ends_as_without_faults() {
+    ps_sync_survives(&[], &role(0, 30, RoleFault::Kill), [1, 0, 0, 0]);
+    ps_sync_survives(&[], &role(3, 30, RoleFault::Kill), [0, 0, 0, 1]);
+}
+
+#[test]
+fn a_stalled_shard_is_declared_dead_killed_and_replaced_and_the_job_ends_as_without_faults() {
+    ps_sync_survives(&[], &role(1, 25, RoleFault::Stall), [0, 1, 0, 0]);
+}
+
+#[test]
+fn a_lost_push_answer_or_pull_is_retried_and_applied_once_a_slow_link_costs_only_time() {
+    // Each step a trainer pulls then pushes on each of its links: its request 11 is the push of
+    // step 5, request 24 the pull of step 12.
+    let plan = FaultPlan {
+        links: vec![
+            (0, 2, LinkFault::Drop { message: 11 }),
+            (3, 1, LinkFault::Drop { message: 24 }),
+            (2, 1, LinkFault::Delay(Duration::from_millis(1))),
+        ],
+        ..FaultPlan::default()
+    };
+    ps_sync_survives(&[], &plan, [0, 0, 0, 0]);
+    // Without retries, the trainer whose answer was lost fails, and is replaced.
+    let lost_answer = FaultPlan {
+        links: plan.links[..1].to_vec(),
+        ..FaultPlan::default()
+    };
+    ps_sync_survives(&["fault_tolerance.retry=0"], &lost_answer, [0, 0, 1, 0]);
+}
+
+/// Async and geo cannot be bitwise equal to a run without faults (pushes apply in arrival
+/// order): each shard must end having applied each trainer's push of each step once.
+fn applied_once(extra: &[&'static str], plan: &FaultPlan, replaced: [usize; 4], pushes_per_trainer: u64) {
+    let (summary, _dir, report) = run_ps(&ps_settings(extra), plan);
+    assert_eq!(report.replaced, replaced, "{plan:?}");
+    assert_eq!(summary.updates_applied, vec![2 * pushes_per_trainer; 2], "{summary:?}");
+    assert!(summary.auc > 0.6, "{summary:?}");
+}
+
+#[test]
+fn async_and_geo_lose_no_update_to_a_killed_shard_or_trainer_nor_apply_one_twice() {
+    applied_once(
+        &["strategy.a_sync=true"],
+        &role(1, 30, RoleFault::Kill),
+        [0, 1, 0, 0],
+        60,
+    );
+    let geo = ["strategy.a_sync=true", "strategy.a_sync_configs.k_steps=4"];
+    applied_once(&geo, &role(2, 30, RoleFault::Kill), [0, 0, 1, 0], 60 / 4);
+}
+
+#[test]
+fn a_link_fault_between_two_trainers_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let plan = FaultPlan {
+        links: vec![(2, 3, LinkFault::Drop { message: 1 })],
+        ..FaultPlan::default()
+    };
+    let job = ParameterServerJob::builtin(ps_config(&ps_settings(&[]))).expect("job");
+    let error = job
+        .run_simulated_with_faults(&RunOptions::new(dir.path()), &plan)
+        .unwrap_err();
+    assert!(
+        format!("{error:#}").contains("no link carries messages from trainer 0 to trainer 1"),
+        "{error:#}"
+    );
 }

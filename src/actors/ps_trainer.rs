@@ -13,7 +13,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use actix::prelude::*;
-use anyhow::{Context as _, Result};
+use anyhow::{anyhow, Context as _, Result};
 
 use super::buddy::Buddy;
 use super::device::{
@@ -104,6 +104,17 @@ pub struct PsOutcome {
     pub test_samples: usize,
     /// What each shard holds and applied, at the end (trainer 0 only).
     pub shards: Vec<ShardStats>,
+}
+
+impl PsTrainer {
+    /// Starts the trainer actor and trains to the end; an actor that stopped names the trainer.
+    pub async fn train(self) -> Result<PsOutcome> {
+        let rank = self.rank;
+        self.start()
+            .send(TrainPs)
+            .await
+            .map_err(|e| anyhow!("trainer {rank}: actor stopped: {e}"))?
+    }
 }
 
 impl Actor for PsTrainer {

@@ -11,6 +11,7 @@ mod outputs;
 mod pipeline;
 mod process;
 pub mod ps;
+mod ps_struck;
 mod resumed;
 pub mod run_dir;
 mod shard_generations;
@@ -246,7 +247,6 @@ impl TrainingJob {
 
     /// All ranks as actors of this process, struck by `faults`, recovering in place as a
     /// launched job does (see [`FaultPlan`]); also answers the replacements each rank needed.
-    /// A pipeline's ranks are struck as roles; link faults strike a data-parallel job's ring.
     pub fn run_simulated_with_faults(
         &self,
         options: &RunOptions,

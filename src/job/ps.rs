@@ -19,8 +19,8 @@ use super::heartbeat::{watched, CoordinatorAt};
 use super::outputs::{write_config, write_summary};
 use super::process::{host_of, refused_if_mismatched, RankRecovery, RoleMirror};
 use super::shard_generations::ShardGenerations;
-use super::{Recovery, RunOptions};
-use crate::actors::ps_trainer::{PsInPlace, PsOutcome, PsTrainer, TrainPs};
+use super::{FaultPlan, FaultReport, Recovery, RunOptions};
+use crate::actors::ps_trainer::{PsInPlace, PsOutcome, PsTrainer};
 use crate::actors::pserver::{PServer, TakeShardSpans};
 use crate::actors::rollback::OrderLine;
 use crate::actors::{Coordinator, DeviceActor};
@@ -187,14 +187,7 @@ impl ParameterServerJob {
                 let client = PsClient::new(links, retry, timeout);
                 let trace = trace.clone().map(|t| (t, 0.0));
                 let trainer = self.trainer(rank, client, options, trace, recovery.clone());
-                async move {
-                    trainer
-                        .start()
-                        .send(TrainPs)
-                        .await
-                        .map_err(|e| anyhow!("trainer {rank}: actor stopped: {e}"))?
-                        .map_err(|e| e.context(format!("trainer {rank}")))
-                }
+                async move { trainer.train().await.map_err(|e| e.context(format!("trainer {rank}"))) }
             });
             let outcomes = futures::future::try_join_all(runs).await?;
             if let Some(trace) = &trace {
@@ -213,6 +206,17 @@ impl ParameterServerJob {
         options.merge_in_process_trace()?;
         write_summary(&options.run_dir, &summary)?;
         Ok(summary)
+    }
+
+    /// Every shard and trainer as actors of this process, struck by `faults`, recovering in
+    /// place as a launched job does (see [`FaultPlan`]); also answers the replacements each
+    /// role needed.
+    pub fn run_simulated_with_faults(
+        &self,
+        options: &RunOptions,
+        faults: &FaultPlan,
+    ) -> Result<(PsSummary, FaultReport)> {
+        super::ps_struck::run_with_faults(self, options, faults)
     }
 
     /// Serves shard `index` at `cluster.pservers[index]` until every trainer has left.
@@ -388,11 +392,7 @@ impl ParameterServerJob {
                 let training = async {
                     let mut trainer = self.trainer(rank, client, options, trace, recovery);
                     trainer.in_place = in_place;
-                    let outcome = trainer
-                        .start()
-                        .send(TrainPs)
-                        .await
-                        .map_err(|e| anyhow!("trainer {rank}: actor stopped: {e}"))??;
+                    let outcome = trainer.train().await?;
                     // Trainer 0 writes the summary before it says goodbye: until then its loss
                     // is a death the coordinator recovers from.
                     if rank != 0 {
@@ -408,7 +408,7 @@ impl ParameterServerJob {
         Ok(outcome)
     }
 
-    fn trainer(
+    pub(super) fn trainer(
         &self,
         rank: usize,
         client: PsClient,
@@ -432,7 +432,7 @@ impl ParameterServerJob {
         }
     }
 
-    fn summary(&self, rank0: PsOutcome, cluster: &str) -> Result<PsSummary> {
+    pub(super) fn summary(&self, rank0: PsOutcome, cluster: &str) -> Result<PsSummary> {
         let config = &self.config;
         let planted_auc = match &self.test_data {
             CtrSource::Synthetic { synth, split, samples } => {
@@ -543,7 +543,7 @@ async fn with_heartbeats<T>(
 }
 
 /// Shard `index` of the job, brought to the checkpoint `recovery` starts from (if any).
-fn start_shard(job: &JobConfig, index: usize, recovery: &Recovery) -> Result<Shard> {
+pub(super) fn start_shard(job: &JobConfig, index: usize, recovery: &Recovery) -> Result<Shard> {
     let mut shard = build_shard(job, index)?;
     if let Some(checkpoint) = &recovery.start {
         shard

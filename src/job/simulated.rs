@@ -151,6 +151,8 @@ pub(super) struct Incarnation {
     pub rings: Arc<MemoryRings>,
     /// The faults planned for it: its work runs under their switch.
     pub faults: Arc<RoleFaults>,
+    /// Whether it is the role's first incarnation, whose links the plan's link faults strike.
+    pub first: bool,
 }
 
 /// Runs every rank of `config`'s job — each incarnation's work started by `start` — struck by
@@ -273,42 +275,35 @@ impl StruckCluster<'_> {
         Fut: Future<Output = Result<T>>,
     {
         let max_restarts = self.config.fault_tolerance.max_restarts;
+        let name = self.config.role_name(rank);
         let mut replaced = 0;
         loop {
-            let planned = if replaced == 0 {
-                self.plan.of_rank(rank)
-            } else {
-                Vec::new()
-            };
-            match self.incarnation(rank, planned, start).await {
+            match self.incarnation(rank, replaced == 0, start).await {
                 Ok(outcome) => return Ok((outcome, replaced)),
                 Err(e) if replaced < max_restarts => {
                     replaced += 1;
                     tracing::warn!(
-                        "rank {rank} ended ({e:#}); replacing it alone (restart {replaced} of {max_restarts}): \
+                        "{name} ended ({e:#}); replacing it alone (restart {replaced} of {max_restarts}): \
                          the others roll back in place"
                     );
                 }
                 Err(e) => {
                     return Err(e.context(format!(
-                        "rank {rank}: gave up after {max_restarts} restart(s) (fault_tolerance.max_restarts)"
+                        "{name}: gave up after {max_restarts} restart(s) (fault_tolerance.max_restarts)"
                     )))
                 }
             }
         }
     }
 
-    /// One incarnation of rank `rank`, struck by `planned`: its work and its heartbeats, under
-    /// one switch. When it ends in failure the coordinator hears that it is gone.
-    async fn incarnation<T, Fut>(
-        &self,
-        rank: usize,
-        planned: Vec<(usize, RoleFault)>,
-        start: &impl Fn(Incarnation) -> Fut,
-    ) -> Result<T>
+    /// One incarnation of rank `rank` — its `first`, which the plan strikes, or a replacement —:
+    /// its work and its heartbeats, under one switch. When it ends in failure the coordinator
+    /// hears that it is gone.
+    async fn incarnation<T, Fut>(&self, rank: usize, first: bool, start: &impl Fn(Incarnation) -> Fut) -> Result<T>
     where
         Fut: Future<Output = Result<T>>,
     {
+        let planned = if first { self.plan.of_rank(rank) } else { Vec::new() };
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let switch = RoleSwitch::default();
         self.running.lock().unwrap_or_else(PoisonError::into_inner)[rank] = Some((id, switch.clone()));
@@ -322,6 +317,7 @@ impl StruckCluster<'_> {
             breaker: orders_in.breaker(),
             rings: self.rings.clone(),
             faults: Arc::new(RoleFaults::new(switch.clone(), planned)),
+            first,
         });
         let ended = switch
             .govern(watched(
@@ -335,6 +331,6 @@ impl StruckCluster<'_> {
         if ended.is_err() {
             line.incarnation_gone(rank);
         }
-        ended.map_err(|e| e.context(format!("rank {rank}")))
+        ended.map_err(|e| e.context(self.config.role_name(rank)))
     }
 }

@@ -50,7 +50,7 @@ pub struct Lost {
     pub reason: String,
     /// The request, to be sent again as over a fresh connection; `None` when the shard is gone
     /// (its actor stopped), which no retry can reach.
-    pub call: Option<ShardCall>,
+    pub call: Option<Box<ShardCall>>,
 }
 
 /// A shard actor of this process, as one trainer's link reaches it.
@@ -275,7 +275,7 @@ async fn call(
                     Err(Lost {
                         reason,
                         call: Some(again),
-                    }) if retries.another(what, &shard_name, &reason).await => request = again,
+                    }) if retries.another(what, &shard_name, &reason).await => request = *again,
                     Err(Lost { reason, .. }) => bail!("{shard_name}: the {what} failed: {reason}"),
                 }
             }
@@ -283,7 +283,7 @@ async fn call(
         ShardLink::Remote(remote) => remote,
     };
     let frame = encode_request(&request)?;
-    let shard_name = format!("parameter server {index} ({})", remote.endpoint);
+    let shard_name = format!("parameter server {index} at {}", remote.endpoint);
     loop {
         match tokio::time::timeout(deadline, remote.exchange(frame.clone())).await {
             Err(_) => bail!("{shard_name} did not answer the {what} within {timeout:.0?}"),
