@@ -83,6 +83,7 @@ mod tests {
             mirrors: mirrors.iter().map(|m| m.map(str::to_string)).collect(),
             generation: 0,
             resume_step: None,
+            record: None,
         }
     }
 

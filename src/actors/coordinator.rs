@@ -514,6 +514,7 @@ impl Handler<Join> for Coordinator {
                 mirrors: joined.values().map(|(_, mirror, _)| mirror.clone()).collect(),
                 generation: self.generation,
                 resume_step: self.committed,
+                record: self.record.clone().filter(|record| Some(record.step) == self.committed),
             };
             tracing::info!(
                 world_size = self.world_size,

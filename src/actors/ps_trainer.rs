@@ -346,7 +346,8 @@ impl PsRun {
             None => {
                 let name = trainer_file_name(rank);
                 let bytes = match (
-                    self.recovery.read_committed(step, self.roles(), &name),
+                    self.recovery
+                        .read_committed(step, self.roles(), self.roster.as_ref(), &name),
                     buddy,
                     &self.roster,
                 ) {

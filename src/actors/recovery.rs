@@ -191,23 +191,42 @@ impl Recovery {
         Ok(())
     }
 
-    /// The committed checkpoint of step `step` (a rollback's, which the coordinator names).
-    pub(crate) fn committed(&self, step: usize, world_size: usize) -> Result<Checkpoint> {
+    /// The committed checkpoint of step `step` (a rollback's, which the coordinator names in
+    /// `roster`). A copy this node wrote but never committed — every role on it was lost between
+    /// the coordinator's commit and its own — is committed from the coordinator's record.
+    pub(crate) fn committed(&self, step: usize, world_size: usize, roster: Option<&Roster>) -> Result<Checkpoint> {
         let store = self
             .store
             .as_ref()
             .ok_or_else(|| anyhow!("resuming at step {step}, but this run takes no checkpoints"))?;
-        let checkpoint = store.verify(step)?;
+        let checkpoint = match (store.verify(step), roster.and_then(|r| r.record.as_ref())) {
+            (Ok(checkpoint), _) => checkpoint,
+            (Err(never), Some(record)) if record.step == step => {
+                tracing::info!(
+                    step,
+                    "committing this node's copy from the coordinator's record ({never:#})"
+                );
+                store.commit_held(record)?;
+                store.verify(step)?
+            }
+            (Err(e), _) => return Err(e),
+        };
         checkpoint.check_world_size(world_size)?;
         Ok(checkpoint)
     }
 
     /// File `name` of step `step`'s committed checkpoint, from the one the run started from or
-    /// this node's checkpoint directory.
-    pub(crate) fn read_committed(&self, step: usize, world_size: usize, name: &str) -> Result<Arc<Vec<u8>>> {
+    /// this node's checkpoint directory (see [`Self::committed`]).
+    pub(crate) fn read_committed(
+        &self,
+        step: usize,
+        world_size: usize,
+        roster: Option<&Roster>,
+        name: &str,
+    ) -> Result<Arc<Vec<u8>>> {
         let checkpoint = match &self.start {
             Some(start) if start.step == step => start.clone(),
-            _ => Arc::new(self.committed(step, world_size)?),
+            _ => Arc::new(self.committed(step, world_size, roster)?),
         };
         Ok(Arc::new(checkpoint.read(name)?))
     }
@@ -217,5 +236,39 @@ impl Recovery {
     pub(crate) fn due(&self, config: &JobConfig, done: usize, steps: usize) -> bool {
         let every = config.fault_tolerance.checkpoint_every;
         self.store.is_some() && every > 0 && done.is_multiple_of(every) && done < steps
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::checkpoint::{CommitRecord, HeldFile};
+
+    #[test]
+    fn a_copy_written_but_never_committed_on_its_node_is_committed_from_the_coordinators_record() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = CheckpointStore::new(dir.path(), 3);
+        let written = store.write(20, "rank-0.state", b"the state after step 20").unwrap();
+        let recovery = Recovery {
+            store: Some(store),
+            ..Recovery::default()
+        };
+        let error = recovery.read_committed(20, 1, None, "rank-0.state").unwrap_err();
+        assert!(format!("{error:#}").contains("never committed"), "{error:#}");
+        let roster = Roster {
+            endpoints: vec!["10.0.0.1:1".to_string()],
+            mirrors: vec![None],
+            generation: 1,
+            resume_step: Some(20),
+            record: Some(CommitRecord {
+                step: 20,
+                world_size: 1,
+                files: vec![HeldFile::here(written)],
+            }),
+        };
+        let bytes = recovery.read_committed(20, 1, Some(&roster), "rank-0.state").unwrap();
+        assert_eq!(bytes.as_slice(), b"the state after step 20");
+        // Committed for good: found again without the record.
+        assert_eq!(recovery.read_committed(20, 1, None, "rank-0.state").unwrap(), bytes);
     }
 }

@@ -467,9 +467,9 @@ impl StageRun {
             ring_ranks,
             buddy,
         };
-        let (recovery, world_size) = (&self.recovery, self.job.world_size());
+        let (recovery, world_size, roster) = (&self.recovery, self.job.world_size(), self.roster.as_ref());
         restore
-            .to(step, || recovery.read_committed(step, world_size, &file))
+            .to(step, || recovery.read_committed(step, world_size, roster, &file))
             .await
     }
 

@@ -278,9 +278,9 @@ impl TrainingRun {
             // Every node keeps a replica: no buddy copies.
             buddy: None,
         };
-        let (recovery, world_size) = (&self.recovery, self.job.world_size());
+        let (recovery, world_size, roster) = (&self.recovery, self.job.world_size(), self.roster.as_ref());
         restore
-            .to(step, || recovery.read_committed(step, world_size, REPLICA_FILE))
+            .to(step, || recovery.read_committed(step, world_size, roster, REPLICA_FILE))
             .await
     }
 

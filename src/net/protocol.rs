@@ -67,6 +67,11 @@ pub struct Roster {
     /// The step of the newest checkpoint the coordinator committed (or the run started from):
     /// every rank continues after it; `None` means from step 0.
     pub resume_step: Option<usize>,
+    /// The coordinator's record of that checkpoint, in a job whose nodes each keep their own
+    /// copy: a node that wrote its files but lost every role before committing its copy commits
+    /// it from this record.
+    #[serde(default)]
+    pub record: Option<CommitRecord>,
 }
 
 impl Roster {
