@@ -61,13 +61,52 @@ pub struct CommitRecord {
 
 /// A checkpoint file and the nodes that hold a copy of it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(from = "HeldFileFields", into = "HeldFileFields")]
 pub struct HeldFile {
     /// The file as its writers wrote it.
-    #[serde(flatten)]
     pub record: FileRecord,
     /// The hosts holding it. In a role's acknowledgement: the other hosts it stored a copy on
     /// (its buddy node), its own being the coordinator's to know.
     pub nodes: Vec<String>,
+}
+
+/// A [`HeldFile`] as it is written: its record's fields and its nodes side by side (in JSON one
+/// flat object), in a form every serde format takes — the coordinator's protocol (postcard)
+/// cannot encode a flattened field.
+#[derive(Serialize, Deserialize)]
+struct HeldFileFields {
+    name: String,
+    bytes: u64,
+    crc32c: u32,
+    nodes: Vec<String>,
+}
+
+impl From<HeldFileFields> for HeldFile {
+    fn from(
+        HeldFileFields {
+            name,
+            bytes,
+            crc32c,
+            nodes,
+        }: HeldFileFields,
+    ) -> Self {
+        Self {
+            record: FileRecord { name, bytes, crc32c },
+            nodes,
+        }
+    }
+}
+
+impl From<HeldFile> for HeldFileFields {
+    fn from(HeldFile { record, nodes }: HeldFile) -> Self {
+        let FileRecord { name, bytes, crc32c } = record;
+        Self {
+            name,
+            bytes,
+            crc32c,
+            nodes,
+        }
+    }
 }
 
 impl HeldFile {

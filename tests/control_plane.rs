@@ -89,6 +89,7 @@ async fn bad_frames_close_only_their_connection() {
         mirrors: vec![],
         generation: 0,
         resume_step: None,
+        record: None,
     }))
     .encode()
     .expect("encode");

@@ -9,7 +9,7 @@ use std::net::{SocketAddr, TcpListener};
 use std::time::Duration;
 
 use flotilla::engines::comm::tcp::TcpTransport;
-use flotilla::engines::comm::{connect_ring_transport, Communicator, RingPlace, RingTransport};
+use flotilla::engines::comm::{connect_ring_transport, Abandoned, Communicator, RingPlace, RingTransport};
 use flotilla::net::auth::{ClusterToken, Credentials};
 
 const TOKEN: &str = "the ring transports test's token";
@@ -75,7 +75,15 @@ fn connect(
     let credentials = Credentials::new(ClusterToken::new(TOKEN).expect("token"), timeout);
     // Every endpoint is on loopback, so shared memory is used exactly when asked for.
     let shared_memory = matches!(kind, Kind::Shm);
-    connect_ring_transport(place, endpoints, listener, timeout, shared_memory, &credentials)
+    connect_ring_transport(
+        place,
+        endpoints,
+        listener,
+        timeout,
+        shared_memory,
+        &credentials,
+        &Abandoned::never(),
+    )
 }
 
 fn rank_buffer(rank: usize, len: usize) -> Vec<f32> {
@@ -236,7 +244,9 @@ fn a_stranger_at_a_ring_endpoint_is_dropped_and_the_ring_still_forms() {
                 let (endpoints, credentials) = (&endpoints, &credentials);
                 s.spawn(move || {
                     let place = RingPlace::identity(rank, endpoints.len());
-                    let transport = TcpTransport::connect(place, endpoints, l, timeout, credentials).expect("connects");
+                    let transport =
+                        TcpTransport::connect(place, endpoints, l, timeout, credentials, &Abandoned::never())
+                            .expect("connects");
                     let mut values = vec![rank as f32 + 1.0; 3];
                     Communicator::new(Box::new(transport))
                         .all_reduce_sum("sum", &mut values)

@@ -70,6 +70,18 @@ fn control_frames() -> Vec<Frame> {
             mirrors: vec![None, Some("127.0.0.1:41001".into())],
             generation: 3,
             resume_step: Some(40),
+            record: Some(flotilla::checkpoint::CommitRecord {
+                step: 40,
+                world_size: 2,
+                files: vec![flotilla::checkpoint::HeldFile {
+                    record: flotilla::checkpoint::FileRecord {
+                        name: "rank-0.safetensors".into(),
+                        bytes: 1024,
+                        crc32c: 0x1234_5678,
+                    },
+                    nodes: vec!["10.0.0.1".into(), "10.0.0.2".into()],
+                }],
+            }),
         })),
         Frame::control(ControlMessage::Dead {
             processes: vec![DeadProcess { rank: 1, pid: 77 }],

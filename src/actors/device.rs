@@ -102,6 +102,7 @@ impl RingLink {
                     timeout,
                     shared_memory,
                     &credentials,
+                    &breaker.abandons(generation),
                 )?;
                 breaker.arm(ring.link_break());
                 ring

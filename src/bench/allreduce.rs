@@ -12,7 +12,7 @@ use serde::Serialize;
 
 use crate::actors::Coordinator;
 use crate::config::{DeviceKind, FaultToleranceConfig};
-use crate::engines::comm::{connect_ring, Communicator};
+use crate::engines::comm::{connect_ring, Abandoned, Communicator};
 use crate::engines::compute::device_for;
 use crate::job::connect_control;
 use crate::launch::{supervise, ChildSpec, OutputMode};
@@ -181,6 +181,7 @@ pub fn run_rank(args: &AllReduceArgs) -> Result<()> {
             timeout,
             args.transport == Transport::Shm,
             &credentials,
+            &Abandoned::never(),
         )?
     };
     #[cfg(feature = "cuda")]

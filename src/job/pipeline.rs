@@ -305,8 +305,17 @@ impl StageRings {
                 config.shared_settings(),
             )
             .await?;
-        let (link, data_parallel) =
-            stage_rings::connect(bus, config, rank, &roster.endpoints, listener, self.credentials.clone()).await?;
+        let abandoned = self.breaker.abandons(roster.generation);
+        let (link, data_parallel) = stage_rings::connect(
+            bus,
+            config,
+            rank,
+            &roster.endpoints,
+            listener,
+            self.credentials.clone(),
+            abandoned,
+        )
+        .await?;
         let mut sockets: Vec<_> = data_parallel.link_break().into_iter().collect();
         if let StageLinks::Rings { forward, backward } = &link {
             sockets.extend(forward.link_break());

@@ -10,7 +10,9 @@ use anyhow::{anyhow, Context, Result};
 
 use crate::actors::device::StageLinks;
 use crate::config::JobConfig;
-use crate::engines::comm::{connect_ring_transport, parse_endpoints, Communicator, RingPlace, RingTransport};
+use crate::engines::comm::{
+    connect_ring_transport, parse_endpoints, Abandoned, Communicator, RingPlace, RingTransport,
+};
 use crate::net::auth::Credentials;
 use crate::net::ControlBus;
 use crate::pipeline::link::memory_links;
@@ -18,7 +20,8 @@ use crate::pipeline::link::memory_links;
 /// Connects rank `rank`'s rings over `listener`, its data endpoint: (a) the data-parallel ring
 /// of its stage (ranks `r·p + stage`, when `dp_degree` > 1), then (b) the forward stage ring of
 /// its replica (ranks `replica·p + 0..p`, when `pp_degree` > 1), then (c) the backward one.
-/// `roster[r]` is rank `r`'s data endpoint.
+/// `roster[r]` is rank `r`'s data endpoint. A rollback order past the roster's generation
+/// (`abandoned`) stops the connecting.
 pub(super) async fn connect(
     bus: &mut ControlBus,
     config: &JobConfig,
@@ -26,6 +29,7 @@ pub(super) async fn connect(
     roster: &[String],
     listener: TcpListener,
     credentials: Credentials,
+    abandoned: Abandoned,
 ) -> Result<(StageLinks, Communicator)> {
     let (d, p) = (
         config.strategy.hybrid_configs.dp_degree,
@@ -39,6 +43,7 @@ pub(super) async fn connect(
         timeout: config.fault_tolerance.timeout(),
         shared_memory: config.cluster.shared_memory,
         credentials,
+        abandoned,
     };
     let data_parallel = if d > 1 {
         let replicas = (0..d).map(|r| r * p + stage).collect();
@@ -79,6 +84,7 @@ struct Rings {
     timeout: Duration,
     shared_memory: bool,
     credentials: Credentials,
+    abandoned: Abandoned,
 }
 
 impl Rings {
@@ -95,9 +101,18 @@ impl Rings {
             .with_context(context)?;
         let place = RingPlace::new(position, members.clone()).with_context(context)?;
         let listener = self.listener.try_clone().with_context(context)?;
-        let (timeout, shared_memory, credentials) = (self.timeout, self.shared_memory, self.credentials.clone());
+        let (timeout, shared_memory) = (self.timeout, self.shared_memory);
+        let (credentials, abandoned) = (self.credentials.clone(), self.abandoned.clone());
         let transport = tokio::task::spawn_blocking(move || {
-            connect_ring_transport(place, &endpoints, &listener, timeout, shared_memory, &credentials)
+            connect_ring_transport(
+                place,
+                &endpoints,
+                &listener,
+                timeout,
+                shared_memory,
+                &credentials,
+                &abandoned,
+            )
         })
         .await
         .map_err(|e| anyhow!("the connecting thread failed: {e}"))

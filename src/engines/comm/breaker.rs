@@ -37,6 +37,26 @@ impl LinkBreak {
     }
 }
 
+/// Whether the ring being connected for one generation was given up: the coordinator has
+/// ordered a rollback past that generation (a rank died while the ring connected), so the
+/// neighbour waited for may never come. Connecting checks it between its attempts.
+#[derive(Clone, Default)]
+pub struct Abandoned(Option<(RingBreaker, u64)>);
+
+impl Abandoned {
+    /// A ring no rollback order gives up (a job that does not recover in place).
+    pub fn never() -> Self {
+        Self(None)
+    }
+
+    /// Whether the ring was given up.
+    pub fn is_given_up(&self) -> bool {
+        self.0.as_ref().is_some_and(|(breaker, generation)| {
+            breaker.0.lock().unwrap_or_else(PoisonError::into_inner).broken_for > *generation
+        })
+    }
+}
+
 /// The ring of the running generation, as the thread that hears rollback orders sees it.
 #[derive(Clone, Default)]
 pub struct RingBreaker(Arc<Mutex<BreakerState>>);
@@ -54,6 +74,11 @@ impl RingBreaker {
     pub fn arm(&self, links: impl IntoIterator<Item = LinkBreak>) {
         let mut state = self.0.lock().unwrap_or_else(PoisonError::into_inner);
         state.links.extend(links);
+    }
+
+    /// What tells whether the ring of `generation` being connected was given up.
+    pub fn abandons(&self, generation: u64) -> Abandoned {
+        Abandoned(Some((self.clone(), generation)))
     }
 
     /// Breaks the ring in use for the rollback to `generation`, once per generation: returns

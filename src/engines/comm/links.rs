@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 
-use super::{LinkBreak, RingPlace};
+use super::{Abandoned, LinkBreak, RingPlace};
 use crate::net::auth::{self, Credentials};
 
 const HELLO_MAGIC: &[u8; 8] = b"FLOTHELO";
@@ -27,6 +27,7 @@ pub(super) fn connect_ring_links(
     listener: &TcpListener,
     timeout: Duration,
     credentials: &Credentials,
+    abandoned: &Abandoned,
 ) -> Result<(TcpStream, TcpStream, LinkBreak)> {
     let world_size = place.world_size();
     anyhow::ensure!(
@@ -40,8 +41,8 @@ pub(super) fn connect_ring_links(
     );
     let deadline = Instant::now() + timeout;
     let (to_right, from_left) = thread::scope(|s| {
-        let accepting = s.spawn(|| accept_left(listener, place, deadline, credentials));
-        let connected = connect_right(endpoints[place.right()], place, deadline, credentials);
+        let accepting = s.spawn(|| accept_left(listener, place, deadline, credentials, abandoned));
+        let connected = connect_right(endpoints[place.right()], place, deadline, credentials, abandoned);
         let accepted = accepting
             .join()
             .map_err(|_| anyhow::anyhow!("ring accept thread panicked"))?;
@@ -78,10 +79,14 @@ fn connect_right(
     place: &RingPlace,
     deadline: Instant,
     credentials: &Credentials,
+    abandoned: &Abandoned,
 ) -> Result<TcpStream> {
     let (rank, right) = (place.rank(), place.rank_at(place.right()));
     let mut last_error = None;
     while Instant::now() < deadline {
+        if abandoned.is_given_up() {
+            bail!("rank {rank}: stopped connecting to rank {right} at {addr}: {GIVEN_UP}");
+        }
         match TcpStream::connect_timeout(&addr, Duration::from_secs(1)) {
             Ok(mut stream) => match introduce(&mut stream, place, credentials) {
                 Ok(()) => return Ok(stream),
@@ -113,6 +118,9 @@ fn introduce(stream: &mut TcpStream, place: &RingPlace, credentials: &Credential
     stream.write_all(&hello).context("sending the ring hello")
 }
 
+/// Why a ring's connecting stopped before its deadline.
+const GIVEN_UP: &str = "the coordinator ordered a rollback while the ring connected";
+
 /// Handshakes running at once on one ring endpoint; a connection beyond them is closed at once.
 /// Honest peers are one left neighbour (and its retries), so only a flood of strangers meets
 /// the bound, and the neighbour then retries until the deadline.
@@ -131,6 +139,7 @@ fn accept_left(
     place: &RingPlace,
     deadline: Instant,
     credentials: &Credentials,
+    abandoned: &Abandoned,
 ) -> Result<TcpStream> {
     let (rank, left) = (place.rank(), place.left());
     listener.set_nonblocking(true)?;
@@ -173,6 +182,12 @@ fn accept_left(
                     .context("starting a ring handshake thread")?;
             }
             Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                if abandoned.is_given_up() {
+                    bail!(
+                        "rank {rank}: stopped waiting for rank {} on {local}: {GIVEN_UP}",
+                        place.rank_at(left)
+                    );
+                }
                 if Instant::now() >= deadline {
                     bail!(
                         "rank {rank}: rank {} never connected to {local} before the timeout",
@@ -218,11 +233,47 @@ mod tests {
         );
         let deadline = Instant::now() + Duration::from_secs(2);
         let place = RingPlace::identity(0, 2);
-        let err = connect_right(silent.local_addr()?, &place, deadline, &credentials).unwrap_err();
+        let err = connect_right(
+            silent.local_addr()?,
+            &place,
+            deadline,
+            &credentials,
+            &Abandoned::never(),
+        )
+        .unwrap_err();
         let text = format!("{err:#}");
         assert!(text.contains("could not connect to rank 1"), "{text}");
         assert!(text.contains("the peer sent nothing for 0.2s"), "{text}");
         assert!(!text.contains("os error"), "{text}");
+        Ok(())
+    }
+
+    #[test]
+    fn a_rollback_order_while_the_ring_connects_stops_the_connecting_at_once() -> Result<()> {
+        // Rank 1 never comes: without the order, both sides would wait out the 60-s timeout.
+        let (listener, absent) = (TcpListener::bind("127.0.0.1:0")?, TcpListener::bind("127.0.0.1:0")?);
+        let endpoints = [listener.local_addr()?, absent.local_addr()?];
+        drop(absent);
+        let credentials = Credentials::new(
+            ClusterToken::new("a token of sixteen characters")?,
+            Duration::from_secs(1),
+        );
+        let breaker = crate::engines::comm::RingBreaker::default();
+        let abandoned = breaker.abandons(1);
+        let started = Instant::now();
+        let ordering = thread::spawn(move || {
+            thread::sleep(Duration::from_millis(200));
+            breaker.break_for(2);
+        });
+        let place = RingPlace::identity(0, 2);
+        let timeout = Duration::from_secs(60);
+        let Err(err) = connect_ring_links(&place, &endpoints, &listener, timeout, &credentials, &abandoned) else {
+            panic!("connected to an absent rank");
+        };
+        ordering.join().expect("the ordering thread");
+        let text = format!("{err:#}");
+        assert!(text.contains(GIVEN_UP), "{text}");
+        assert!(started.elapsed() < Duration::from_secs(10), "{:?}", started.elapsed());
         Ok(())
     }
 }

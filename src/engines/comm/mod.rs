@@ -29,7 +29,7 @@ mod tensors;
 pub mod transport;
 pub mod worker;
 
-pub use breaker::{LinkBreak, RingBreaker};
+pub use breaker::{Abandoned, LinkBreak, RingBreaker};
 pub use place::RingPlace;
 pub use ring::Communicator;
 pub use share::Shared;
@@ -54,6 +54,7 @@ pub fn connect_ring(
     timeout: Duration,
     shared_memory: bool,
     credentials: &Credentials,
+    abandoned: &Abandoned,
 ) -> anyhow::Result<Communicator> {
     Ok(Communicator::new(connect_ring_transport(
         RingPlace::identity(rank, endpoints.len()),
@@ -62,6 +63,7 @@ pub fn connect_ring(
         timeout,
         shared_memory,
         credentials,
+        abandoned,
     )?))
 }
 
@@ -76,6 +78,7 @@ pub fn connect_ring_transport(
     timeout: Duration,
     shared_memory: bool,
     credentials: &Credentials,
+    abandoned: &Abandoned,
 ) -> anyhow::Result<Box<dyn RingTransport>> {
     Ok(if shared_memory && shm::usable_for(endpoints) {
         Box::new(shm::ShmTransport::connect(
@@ -84,6 +87,7 @@ pub fn connect_ring_transport(
             listener,
             timeout,
             credentials,
+            abandoned,
         )?)
     } else {
         Box::new(tcp::TcpTransport::connect(
@@ -92,6 +96,7 @@ pub fn connect_ring_transport(
             listener,
             timeout,
             credentials,
+            abandoned,
         )?)
     })
 }

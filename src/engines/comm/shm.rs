@@ -23,8 +23,8 @@ use anyhow::{bail, Context, Result};
 use super::links::{connect_ring_links, link_error};
 use super::send_queue::{MessageSink, SendQueue};
 use super::transport::{MessageHeader, RingTransport};
-use super::LinkBreak;
 use super::RingPlace;
+use super::{Abandoned, LinkBreak};
 use crate::net::auth::Credentials;
 
 /// Bytes per slot: one piece of the streamed all-reduce.
@@ -214,9 +214,10 @@ impl ShmTransport {
         listener: &TcpListener,
         timeout: Duration,
         credentials: &Credentials,
+        abandoned: &Abandoned,
     ) -> Result<Self> {
         let (mut to_right, mut from_left, sockets) =
-            connect_ring_links(&place, endpoints, listener, timeout, credentials)?;
+            connect_ring_links(&place, endpoints, listener, timeout, credentials, abandoned)?;
         let (rank, left) = (place.rank(), place.rank_at(place.left()));
         let unique = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)

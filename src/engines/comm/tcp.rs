@@ -14,8 +14,8 @@ use anyhow::Result;
 use super::links::{connect_ring_links, link_error};
 use super::send_queue::SendQueue;
 use super::transport::{MessageHeader, RingTransport};
-use super::LinkBreak;
 use super::RingPlace;
+use super::{Abandoned, LinkBreak};
 use crate::net::auth::Credentials;
 
 /// Pieces handed to `on_recv`: big enough to keep syscalls rare, small
@@ -46,8 +46,10 @@ impl TcpTransport {
         listener: &TcpListener,
         timeout: Duration,
         credentials: &Credentials,
+        abandoned: &Abandoned,
     ) -> Result<Self> {
-        let (to_right, from_left, sockets) = connect_ring_links(&place, endpoints, listener, timeout, credentials)?;
+        let (to_right, from_left, sockets) =
+            connect_ring_links(&place, endpoints, listener, timeout, credentials, abandoned)?;
         let to_right = SendQueue::new(to_right, format!("ring-send-rank{}", place.rank()))?;
         Ok(Self {
             place,
