@@ -398,9 +398,13 @@ fn launched_config(train: Option<&TrainArgs>, children: &[ChildSpec]) -> Result<
     load_train_config(args, &env).map(Some)
 }
 
-/// One role of a launched job; the environment (set by the launcher) says which rank or shard.
+/// One role of a launched job; the environment says which rank or shard: a launcher's (ours,
+/// Paddle's, torchrun's), or a cluster engine's that started every rank itself (`srun`,
+/// `mpirun`), read as torchrun's.
 fn run_role(role: Role, args: &TrainArgs) -> Result<()> {
-    let config = load_train_config(args, &process_env)?;
+    let engine = flotilla::config::placement::engine_env(&process_env)?;
+    let env = |key: &str| engine.get(key).cloned().or_else(|| process_env(key));
+    let config = load_train_config(args, &env)?;
     let options = run_options(args, &config)?;
     match (role, config.cluster.is_parameter_server()) {
         (Role::Coordinator, _) => flotilla::job::run_coordinator(&config, &options),
@@ -413,13 +417,9 @@ fn run_role(role: Role, args: &TrainArgs) -> Result<()> {
             config.source_name
         ),
         (Role::Trainer, parameter_server) => {
-            let id = std::env::var("PADDLE_TRAINER_ID").map_err(|_| {
-                anyhow::anyhow!("`run --role trainer` needs PADDLE_TRAINER_ID (and the rest of the launcher's environment); use `flotilla launch` or `launch-ps`, or `flotilla train` for an in-process job")
+            let rank = flotilla::config::placement::rank(&env)?.ok_or_else(|| {
+                anyhow::anyhow!("`run --role trainer` needs its rank: PADDLE_TRAINER_ID or RANK (and the rest of a launcher's environment), or an engine's (srun, mpirun); use `flotilla launch` or `launch-ps`, or `flotilla train` for an in-process job")
             })?;
-            let rank: usize = id
-                .trim()
-                .parse()
-                .with_context(|| format!("PADDLE_TRAINER_ID = {id:?} is not a rank"))?;
             if parameter_server {
                 let summary = ParameterServerJob::builtin(config)?.run_trainer(rank, &options)?;
                 print_ps_summary(summary.as_ref(), &options)?;
@@ -494,7 +494,8 @@ fn print_out(text: &str) {
 /// `flotilla train`: the whole job in this process, or the role a launcher's environment names.
 fn train(args: &TrainArgs) -> Result<()> {
     let config = load_train_config(args, &process_env)?;
-    let launched = std::env::var_os("PADDLE_TRAINER_ID").is_some() || std::env::var_os("TRAINING_ROLE").is_some();
+    let launched =
+        flotilla::config::placement::rank(&process_env)?.is_some() || std::env::var_os("TRAINING_ROLE").is_some();
     // A launched process shares the directory its launcher checked.
     if let (false, None, Some(dir)) = (launched, &args.resume, &args.run_dir) {
         run_dir::check_named(dir, args.overwrite)?;

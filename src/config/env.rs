@@ -1,6 +1,7 @@
-//! Environment-variable overrides, for compatibility with the Paddle launcher
+//! Environment-variable overrides, for compatibility with the launchers people use: Paddle's
 //! (`python -m paddle.distributed.launch`), which describes the job to each trainer through
-//! `PADDLE_*` variables.
+//! `PADDLE_*` variables, and torchrun's (`WORLD_SIZE`, `LOCAL_WORLD_SIZE`, `MASTER_ADDR`,
+//! `MASTER_PORT`). Where both families are set they must agree.
 //!
 //! Each variable is parsed into a TOML value and written into the config table before
 //! deserialization, so it goes through exactly the same type checks and validation as the file.
@@ -28,12 +29,22 @@ enum Parse {
     SizeMb,
 }
 
+/// Which launcher's contract a variable belongs to: two variables of different families that
+/// set one key must agree (within a family, the later one is an alias and wins).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Family {
+    Paddle,
+    Torchrun,
+    Flotilla,
+}
+
 /// One variable and the config key it overrides.
 #[derive(Debug, Clone, Copy)]
 struct EnvOverride {
     var: &'static str,
     key: &'static [&'static str],
     parse: Parse,
+    family: Family,
 }
 
 /// Every environment override, applied in this order.
@@ -41,55 +52,85 @@ const ENV_OVERRIDES: &[EnvOverride] = &[
     EnvOverride {
         var: "PADDLE_TRAINERS_NUM",
         key: &["cluster", "world_size"],
+        family: Family::Paddle,
         parse: Parse::Integer,
     },
     EnvOverride {
         var: "PADDLE_NNODES",
         key: &["cluster", "nnodes"],
+        family: Family::Paddle,
         parse: Parse::Integer,
     },
     EnvOverride {
         var: "PADDLE_LOCAL_SIZE",
         key: &["cluster", "nproc_per_node"],
+        family: Family::Paddle,
         parse: Parse::Integer,
     },
     EnvOverride {
         var: "PADDLE_TRAINER_ENDPOINTS",
         key: &["cluster", "endpoints"],
+        family: Family::Paddle,
         parse: Parse::List,
     },
     EnvOverride {
         var: "PADDLE_PSERVER_ENDPOINTS",
         key: &["cluster", "pservers"],
+        family: Family::Paddle,
         parse: Parse::List,
     },
     // After PADDLE_PSERVER_ENDPOINTS, so Paddle's primary name wins when both are set.
     EnvOverride {
         var: "PADDLE_PSERVERS_IP_PORT_LIST",
         key: &["cluster", "pservers"],
+        family: Family::Paddle,
         parse: Parse::List,
     },
     EnvOverride {
         var: "PADDLE_MASTER",
         key: &["cluster", "master"],
+        family: Family::Paddle,
         parse: Parse::Text,
     },
     EnvOverride {
         var: "FLOTILLA_TOKEN",
         key: &["cluster", "token"],
+        family: Family::Flotilla,
         parse: Parse::Text,
     },
     EnvOverride {
         var: "FLOTILLA_JOB_ID",
         key: &["cluster", "job_id"],
+        family: Family::Flotilla,
         parse: Parse::Text,
     },
     EnvOverride {
         var: "FLAGS_fuse_parameter_groups_size",
         key: &["strategy", "fuse_grad_size_in_MB"],
+        family: Family::Paddle,
         parse: Parse::SizeMb,
     },
+    EnvOverride {
+        var: "WORLD_SIZE",
+        key: &["cluster", "world_size"],
+        family: Family::Torchrun,
+        parse: Parse::Integer,
+    },
+    EnvOverride {
+        var: "LOCAL_WORLD_SIZE",
+        key: &["cluster", "nproc_per_node"],
+        family: Family::Torchrun,
+        parse: Parse::Integer,
+    },
 ];
+
+/// A config key one variable (or two, torchrun's master) sets.
+struct Setting {
+    key: &'static [&'static str],
+    family: Family,
+    var: String,
+    value: Value,
+}
 
 /// Writes every set variable of [`ENV_OVERRIDES`] into `table`, recording it in `provenance`.
 pub(super) fn apply(
@@ -98,38 +139,123 @@ pub(super) fn apply(
     provenance: &mut Provenance,
 ) -> Result<(), ConfigError> {
     let mut server_list = None;
-    for entry in ENV_OVERRIDES {
-        let Some(raw) = env(entry.var) else {
-            continue;
-        };
-        let text = raw.trim();
-        if text.is_empty() {
-            continue;
+    let master = torchrun_master(env)?;
+    let settings = ENV_OVERRIDES
+        .iter()
+        .filter_map(|entry| {
+            let text = env(entry.var)?.trim().to_string();
+            (!text.is_empty()).then_some((*entry, text))
+        })
+        .map(|(entry, text)| {
+            Ok(Setting {
+                key: entry.key,
+                family: entry.family,
+                var: entry.var.to_string(),
+                value: parse(entry.parse, &text).map_err(|message| invalid(entry.var, message))?,
+            })
+        })
+        .chain(master.map(Ok))
+        .collect::<Result<Vec<_>, ConfigError>>()?;
+    // What each key was set to, and by which variable, to check the other family against.
+    let mut set_by: Vec<Setting> = Vec::new();
+    for setting in settings {
+        let Setting { key, var, value, .. } = &setting;
+        let other = set_by.iter().find(|s| s.key == *key && s.family != setting.family);
+        if let Some(earlier) = other.filter(|earlier| earlier.value != *value) {
+            return Err(invalid(
+                var,
+                format!(
+                    "{value} contradicts {} = {} (both set {})",
+                    earlier.var,
+                    earlier.value,
+                    key.join(".")
+                ),
+            ));
         }
-        let error = |message: String| ConfigError::Invalid {
-            source_name: ENV_SOURCE.to_string(),
-            key: entry.var.to_string(),
-            message,
-        };
-        let value = parse(entry.parse, text).map_err(error)?;
-        if let (["cluster", "pservers"], Value::Array(list)) = (entry.key, &value) {
-            server_list = Some((entry.var, list.len()));
+        if let (["cluster", "pservers"], Value::Array(list)) = (*key, value) {
+            server_list = Some((var.clone(), list.len()));
         }
-        set_path(table, entry.key, value).map_err(error)?;
-        provenance.record(entry.key.join("."), format!("{ENV_SOURCE} ({})", entry.var));
+        set_path(table, key, value.clone()).map_err(|message| invalid(var, message))?;
+        provenance.record(key.join("."), format!("{ENV_SOURCE} ({var})"));
+        set_by.push(setting);
     }
     // The launcher's server list also says how many servers the job has, as its trainer count
     // says how many trainers.
+    nodes_from_torchrun_sizes(table, &set_by, provenance)?;
     if let Some((var, servers)) = server_list {
         let key = ["cluster", "server_num"];
-        set_path(table, &key, Value::Integer(servers as i64)).map_err(|message| ConfigError::Invalid {
-            source_name: ENV_SOURCE.to_string(),
-            key: var.to_string(),
-            message,
-        })?;
+        set_path(table, &key, Value::Integer(servers as i64)).map_err(|message| invalid(&var, message))?;
         provenance.record(key.join("."), format!("{ENV_SOURCE} ({var})"));
     }
     Ok(())
+}
+
+/// torchrun says how many ranks there are and how many run on each node, not how many nodes:
+/// that is their quotient (`cluster.nnodes`), unless a variable set it.
+fn nodes_from_torchrun_sizes(
+    table: &mut Table,
+    set_by: &[Setting],
+    provenance: &mut Provenance,
+) -> Result<(), ConfigError> {
+    let torchrun = |key: &[&str]| {
+        set_by
+            .iter()
+            .find(|s| s.key == key && s.family == Family::Torchrun)
+            .and_then(|s| s.value.as_integer())
+    };
+    let nodes_given = set_by.iter().any(|s| s.key == ["cluster", "nnodes"]);
+    let (Some(world), Some(local), false) = (
+        torchrun(&["cluster", "world_size"]),
+        torchrun(&["cluster", "nproc_per_node"]),
+        nodes_given,
+    ) else {
+        return Ok(());
+    };
+    if local <= 0 || world % local != 0 {
+        return Err(invalid(
+            "LOCAL_WORLD_SIZE",
+            format!("{local} does not divide WORLD_SIZE = {world}: every node runs as many ranks"),
+        ));
+    }
+    let key = ["cluster", "nnodes"];
+    set_path(table, &key, Value::Integer(world / local)).map_err(|message| invalid("WORLD_SIZE", message))?;
+    provenance.record(key.join("."), format!("{ENV_SOURCE} (WORLD_SIZE / LOCAL_WORLD_SIZE)"));
+    Ok(())
+}
+
+/// An error in variable `var`'s value.
+fn invalid(var: &str, message: String) -> ConfigError {
+    ConfigError::Invalid {
+        source_name: ENV_SOURCE.to_string(),
+        key: var.to_string(),
+        message,
+    }
+}
+
+/// torchrun's `MASTER_ADDR` and `MASTER_PORT` as the coordinator's `cluster.master`: both, or
+/// neither.
+fn torchrun_master(env: &dyn Fn(&str) -> Option<String>) -> Result<Option<Setting>, ConfigError> {
+    let read = |var: &str| env(var).map(|v| v.trim().to_string()).filter(|v| !v.is_empty());
+    let (addr, port) = match (read("MASTER_ADDR"), read("MASTER_PORT")) {
+        (None, None) => return Ok(None),
+        (Some(addr), Some(port)) => (addr, port),
+        (Some(_), None) => return Err(invalid("MASTER_ADDR", "is set without MASTER_PORT".to_string())),
+        (None, Some(_)) => return Err(invalid("MASTER_PORT", "is set without MASTER_ADDR".to_string())),
+    };
+    let port: u16 = port
+        .parse()
+        .map_err(|_| invalid("MASTER_PORT", format!("expected a port number, found {port:?}")))?;
+    // An IPv6 address is bracketed before its port.
+    let master = match addr.contains(':') && !addr.starts_with('[') {
+        true => format!("[{addr}]:{port}"),
+        false => format!("{addr}:{port}"),
+    };
+    Ok(Some(Setting {
+        key: &["cluster", "master"],
+        family: Family::Torchrun,
+        var: "MASTER_ADDR:MASTER_PORT".to_string(),
+        value: Value::String(master),
+    }))
 }
 
 /// Converts a variable's (trimmed, non-empty) text according to `kind`.
@@ -238,6 +364,54 @@ mod tests {
         );
         let config = load_with(ctr, &[("PADDLE_PSERVER_ENDPOINTS", "127.0.0.1:7000")], &[]).unwrap();
         assert_eq!(config.cluster.pservers, vec!["127.0.0.1:7000".to_string()]);
+    }
+
+    #[test]
+    fn torchruns_variables_set_the_layout_and_the_coordinator() {
+        let torchrun = [
+            ("WORLD_SIZE", "4"),
+            ("LOCAL_WORLD_SIZE", "2"),
+            ("MASTER_ADDR", "node0"),
+            ("MASTER_PORT", "29500"),
+        ];
+        let config = load_with("", &torchrun, &[]).unwrap();
+        assert_eq!((config.cluster.nnodes, config.cluster.nproc_per_node), (2, 2));
+        assert_eq!(config.cluster.master.as_deref(), Some("node0:29500"));
+        let config = load_with("", &[("MASTER_ADDR", "fd00::1"), ("MASTER_PORT", "1")], &[]).unwrap();
+        assert_eq!(config.cluster.master.as_deref(), Some("[fd00::1]:1"));
+        // The same job told by both families.
+        let both = [
+            &torchrun[..],
+            &[("PADDLE_TRAINERS_NUM", "4"), ("PADDLE_MASTER", "node0:29500")],
+        ]
+        .concat();
+        assert!(load_with("", &both, &[]).is_ok());
+    }
+
+    #[test]
+    fn torchrun_and_paddle_variables_that_disagree_are_named() {
+        let msg = err_text(load_with("", &[("PADDLE_TRAINERS_NUM", "2"), ("WORLD_SIZE", "4")], &[]));
+        assert_eq!(
+            msg,
+            "environment: WORLD_SIZE: 4 contradicts PADDLE_TRAINERS_NUM = 2 (both set cluster.world_size)"
+        );
+        let vars = [
+            ("PADDLE_MASTER", "10.0.0.1:6170"),
+            ("MASTER_ADDR", "10.0.0.2"),
+            ("MASTER_PORT", "6170"),
+        ];
+        let msg = err_text(load_with("", &vars, &[]));
+        assert!(
+            msg.contains("MASTER_ADDR:MASTER_PORT: \"10.0.0.2:6170\" contradicts PADDLE_MASTER"),
+            "{msg}"
+        );
+        let msg = err_text(load_with("", &[("MASTER_ADDR", "node0")], &[]));
+        assert_eq!(msg, "environment: MASTER_ADDR: is set without MASTER_PORT");
+        let msg = err_text(load_with("", &[("WORLD_SIZE", "5"), ("LOCAL_WORLD_SIZE", "2")], &[]));
+        assert!(
+            msg.contains("LOCAL_WORLD_SIZE: 2 does not divide WORLD_SIZE = 5"),
+            "{msg}"
+        );
     }
 
     #[test]

@@ -27,6 +27,7 @@ mod footprint;
 mod memory;
 mod overrides;
 mod pipeline;
+pub mod placement;
 mod strategy;
 mod train;
 

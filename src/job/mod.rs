@@ -218,19 +218,14 @@ impl TrainingJob {
     }
 
     /// Runs the job the way its environment asks: as one rank of a launched
-    /// cluster when `PADDLE_TRAINER_ID` is set (by `flotilla launch`), else
-    /// as a simulated cluster of `cluster.world_size` ranks in this process.
-    /// Returns rank 0's outcome (other ranks of a launched job get `None`).
+    /// cluster when `PADDLE_TRAINER_ID` or torchrun's `RANK` is set (by `flotilla launch`,
+    /// Paddle's launcher or torchrun), else as a simulated cluster of `cluster.world_size`
+    /// ranks in this process. Returns rank 0's outcome (other ranks of a launched job get
+    /// `None`).
     pub fn run(&self, options: &RunOptions) -> Result<Option<RunOutcome>> {
-        match std::env::var("PADDLE_TRAINER_ID") {
-            Ok(id) => {
-                let rank = id
-                    .trim()
-                    .parse()
-                    .with_context(|| format!("PADDLE_TRAINER_ID = {id:?} is not a rank"))?;
-                self.run_rank(rank, options)
-            }
-            Err(_) => self.run_simulated(options).map(Some),
+        match crate::config::placement::rank(&crate::config::process_env)? {
+            Some(rank) => self.run_rank(rank, options),
+            None => self.run_simulated(options).map(Some),
         }
     }
 

@@ -55,19 +55,37 @@ pub(super) fn master(config: &JobConfig) -> Result<String> {
     })
 }
 
-/// Binds `rank`'s data endpoint (the configured one, else an ephemeral port): the listener and
-/// its address.
+/// Binds `rank`'s data endpoint (the configured one, else an ephemeral port on the address this
+/// host reaches the coordinator from: started by an engine that lists no endpoints, a rank
+/// announces one its peers on other hosts can reach): the listener and its address.
 pub(super) fn bind_data_endpoint(config: &JobConfig, rank: usize) -> Result<(TcpListener, String)> {
-    let endpoint = config
-        .cluster
-        .endpoints
-        .get(rank)
-        .cloned()
-        .unwrap_or_else(|| "127.0.0.1:0".to_string());
+    let endpoint = match config.cluster.endpoints.get(rank) {
+        Some(endpoint) => endpoint.clone(),
+        None => format!("{}:0", address_towards(config.cluster.master.as_deref())),
+    };
     let listener = TcpListener::bind(&endpoint)
         .with_context(|| format!("rank {rank}: cannot bind its data endpoint {endpoint}"))?;
     let data_endpoint = listener.local_addr()?.to_string();
     Ok((listener, data_endpoint))
+}
+
+/// The address of this host's interface that routes to `master` (no packet is sent: a UDP
+/// socket's connect only picks the route); the loopback address without one.
+fn address_towards(master: Option<&str>) -> std::net::IpAddr {
+    let loopback = std::net::IpAddr::from([127, 0, 0, 1]);
+    let Some(master) = master else {
+        return loopback;
+    };
+    let routed = std::net::UdpSocket::bind("0.0.0.0:0")
+        .and_then(|socket| socket.connect(master).map(|()| socket))
+        .and_then(|socket| socket.local_addr());
+    match routed {
+        Ok(local) => local.ip(),
+        Err(e) => {
+            tracing::debug!("no route to the coordinator at {master} ({e}): the data endpoint stays on loopback");
+            loopback
+        }
+    }
 }
 
 /// Checks `rank` against the world and binds its data endpoint.

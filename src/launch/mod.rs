@@ -15,7 +15,7 @@ pub use supervisor::{supervise, OutputMode};
 
 use std::path::PathBuf;
 
-use anyhow::{bail, ensure, Result};
+use anyhow::{bail, ensure, Context as _, Result};
 
 use crate::job::COORDINATOR_PROCESS_VAR;
 use crate::net::auth::{generate_job_id, ClusterToken, JOB_ID_VAR, TOKEN_VAR};
@@ -161,6 +161,9 @@ impl LaunchArgs {
             None => bail!("launch needs a command after `--`: `train --config FILE` or a program"),
         };
         let token = credentials_env(self.nnodes == 1)?;
+        let (master_addr, master_port) = master
+            .rsplit_once(':')
+            .with_context(|| format!("the coordinator's address {master} has no port"))?;
         Ok((0..self.nproc_per_node)
             .map(|local_rank| {
                 let rank = node_rank * self.nproc_per_node + local_rank;
@@ -177,6 +180,13 @@ impl LaunchArgs {
                     ("PADDLE_MASTER", master.clone()),
                     ("POD_IP", self.node_ip.clone()),
                     ("FLAGS_selected_gpus", local_rank.to_string()),
+                    // torchrun's names for the same, for programs that read those.
+                    ("RANK", rank.to_string()),
+                    ("LOCAL_RANK", local_rank.to_string()),
+                    ("WORLD_SIZE", world.to_string()),
+                    ("LOCAL_WORLD_SIZE", self.nproc_per_node.to_string()),
+                    ("MASTER_ADDR", master_addr.trim_matches(['[', ']']).to_string()),
+                    ("MASTER_PORT", master_port.to_string()),
                 ];
                 env.extend(thread_env(self.nproc_per_node));
                 env.extend(token.iter().cloned());
@@ -220,6 +230,8 @@ pub fn recover_in_place(children: &mut Vec<ChildSpec>, coordinator: Option<usize
         "PADDLE_LOCAL_RANK",
         "PADDLE_CURRENT_ENDPOINT",
         "PADDLE_PORT",
+        "RANK",
+        "LOCAL_RANK",
     ];
     let mut args = first.args.clone();
     if let Some(role) = args.iter().position(|a| a == "--role") {
@@ -318,6 +330,17 @@ mod tests {
         assert_eq!(env("PADDLE_CURRENT_ENDPOINT"), "10.0.0.2:6172");
         assert_eq!(env("PADDLE_MASTER"), "10.0.0.1:6170");
         assert_eq!(env("FLAGS_selected_gpus"), "1");
+        // torchrun's names for the same.
+        let torchrun = [
+            "RANK",
+            "LOCAL_RANK",
+            "WORLD_SIZE",
+            "LOCAL_WORLD_SIZE",
+            "MASTER_ADDR",
+            "MASTER_PORT",
+        ]
+        .map(env);
+        assert_eq!(torchrun, ["3", "1", "4", "2", "10.0.0.1", "6170"]);
         Ok(())
     }
 

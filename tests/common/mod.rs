@@ -262,12 +262,27 @@ pub fn start_program(program: &str, args: &[&str], env: &[(&str, String)]) -> St
 /// Starts `program` as [`start_program`] does, in the working directory `cwd`.
 pub fn start_program_in(cwd: &Path, program: &str, args: &[&str], env: &[(&str, String)]) -> Started {
     use std::process::{Command, Stdio};
-    let mut child = Command::new(program)
-        .current_dir(cwd)
-        .args(args)
-        .env_remove("PADDLE_TRAINER_ID")
-        .env_remove("FLOTILLA_TOKEN")
-        .env_remove("FLOTILLA_JOB_ID")
+    let mut command = Command::new(program);
+    command.current_dir(cwd).args(args);
+    // A test names the launch contract it tests: none leaks in from where the tests run.
+    let contracts = [
+        "PADDLE_TRAINER_ID",
+        "FLOTILLA_TOKEN",
+        "FLOTILLA_JOB_ID",
+        "RANK",
+        "WORLD_SIZE",
+        "LOCAL_RANK",
+        "LOCAL_WORLD_SIZE",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "SLURM_PROCID",
+        "OMPI_COMM_WORLD_RANK",
+        "PMI_RANK",
+    ];
+    for var in contracts {
+        command.env_remove(var);
+    }
+    let mut child = command
         .envs(env.iter().map(|(k, v)| (*k, v.as_str())))
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
