@@ -1,10 +1,11 @@
 //! Ranks started without our launcher, by the contracts other launchers use: each process reads
-//! its rank, the job's size and the coordinator from torchrun's variables, and the job trains as
+//! its rank, the job's size and the coordinator from torchrun's variables, or from Open MPI's
+//! when `mpirun` (Debian's `openmpi-bin`, which CI installs) starts them, and the job trains as
 //! the in-process cluster does.
 
 mod common;
 
-use common::{config, free_port_range, start_flotilla, train_in_process};
+use common::{config, free_port_range, start_flotilla, start_program, train_in_process};
 
 const STEPS: &str = "train.steps=20";
 
@@ -69,4 +70,50 @@ fn paddles_and_torchruns_variables_that_disagree_are_refused_naming_both() {
         "{}",
         finished.stderr
     );
+}
+
+/// `mpirun`, or `None` where Open MPI is not installed (CI installs it: there its absence fails).
+fn mpirun() -> Option<&'static str> {
+    let found = std::process::Command::new("mpirun")
+        .arg("--version")
+        .output()
+        .is_ok_and(|out| out.status.success());
+    match (found, std::env::var_os("CI").is_some()) {
+        (true, _) => Some("mpirun"),
+        (false, true) => panic!("CI must install Open MPI (openmpi-bin): .ci/run does"),
+        (false, false) => {
+            eprintln!("skipped: mpirun (Open MPI) is not installed here");
+            None
+        }
+    }
+}
+
+#[test]
+fn ranks_started_by_mpirun_train_as_the_in_process_cluster() {
+    let Some(mpirun) = mpirun() else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let run_dir = dir.path().display().to_string();
+    #[rustfmt::skip]
+    let args = [
+        "--allow-run-as-root", "--oversubscribe", "-np", "4",
+        "-x", "FLOTILLA_TOKEN", "-x", "FLOTILLA_RUN_DIR",
+        env!("CARGO_BIN_EXE_flotilla"), "run", "--role", "trainer", "--config", "config.toml", "--set", STEPS,
+    ];
+    let env = [
+        ("FLOTILLA_TOKEN", common::TEST_TOKEN.to_string()),
+        ("FLOTILLA_RUN_DIR", run_dir),
+    ];
+    let finished = start_program(mpirun, &args, &env).finish(180);
+    assert!(
+        finished.success,
+        "mpirun failed:\n{}\n{}",
+        finished.stdout, finished.stderr
+    );
+    let summary: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.path().join("summary.json")).unwrap()).unwrap();
+    assert_eq!(summary["world_size"], 4);
+    let simulated = train_in_process(config(&[STEPS, "cluster.nproc_per_node=4"]));
+    assert_eq!(summary["param_checksum"], simulated.summary.param_checksum.as_str());
 }
