@@ -5,7 +5,7 @@
 
 mod common;
 
-use common::{config, free_port_range, start_flotilla, start_program, train_in_process};
+use common::{config, free_port_range, installed, start_flotilla, start_program, train_in_process};
 
 const STEPS: &str = "train.steps=20";
 
@@ -72,27 +72,11 @@ fn paddles_and_torchruns_variables_that_disagree_are_refused_naming_both() {
     );
 }
 
-/// `mpirun`, or `None` where Open MPI is not installed (CI installs it: there its absence fails).
-fn mpirun() -> Option<&'static str> {
-    let found = std::process::Command::new("mpirun")
-        .arg("--version")
-        .output()
-        .is_ok_and(|out| out.status.success());
-    match (found, std::env::var_os("CI").is_some()) {
-        (true, _) => Some("mpirun"),
-        (false, true) => panic!("CI must install Open MPI (openmpi-bin): .ci/run does"),
-        (false, false) => {
-            eprintln!("skipped: mpirun (Open MPI) is not installed here");
-            None
-        }
-    }
-}
-
 #[test]
 fn ranks_started_by_mpirun_train_as_the_in_process_cluster() {
-    let Some(mpirun) = mpirun() else {
+    if !installed("mpirun", "openmpi-bin") {
         return;
-    };
+    }
     let dir = tempfile::tempdir().unwrap();
     let run_dir = dir.path().display().to_string();
     #[rustfmt::skip]
@@ -105,7 +89,7 @@ fn ranks_started_by_mpirun_train_as_the_in_process_cluster() {
         ("FLOTILLA_TOKEN", common::TEST_TOKEN.to_string()),
         ("FLOTILLA_RUN_DIR", run_dir),
     ];
-    let finished = start_program(mpirun, &args, &env).finish(180);
+    let finished = start_program("mpirun", &args, &env).finish(180);
     assert!(
         finished.success,
         "mpirun failed:\n{}\n{}",

@@ -35,13 +35,18 @@ pub fn rank(env: &dyn Fn(&str) -> Option<String>) -> Result<Option<usize>> {
     }
 }
 
+/// Variables only a launcher of ours, Paddle's or torchrun's sets: their presence means one
+/// started this process, inside whatever engine started the launcher.
+const LAUNCHER_VARS: [&str; 4] = ["PADDLE_TRAINER_ID", "RANK", "TRAINING_ROLE", "PADDLE_TRAINERS_NUM"];
+
 /// torchrun's variables (`RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `LOCAL_WORLD_SIZE`, `MASTER_ADDR`,
 /// `MASTER_PORT`) as the cluster engine that started this process states them, when no
-/// launcher of ours, Paddle's or torchrun's did (their variables win: they run inside the
-/// engine's allocation). Empty when no engine's variables are set either.
+/// launcher of ours, Paddle's or torchrun's did (theirs win: a launcher runs inside the
+/// engine's allocation, its processes inheriting the engine's variables). Empty when no
+/// engine's variables are set either.
 pub fn engine_env(env: &dyn Fn(&str) -> Option<String>) -> Result<HashMap<String, String>> {
     let set = |var: &str| env(var).is_some_and(|v| !v.trim().is_empty());
-    if set("PADDLE_TRAINER_ID") || set("RANK") {
+    if LAUNCHER_VARS.iter().any(|var| set(var)) {
         return Ok(HashMap::new());
     }
     let engine = if set("OMPI_COMM_WORLD_RANK") {
@@ -356,7 +361,14 @@ mod tests {
 
     #[test]
     fn a_launchers_variables_win_over_the_engines() {
-        let vars = [("RANK", "0"), ("SLURM_PROCID", "3"), ("SLURM_NTASKS", "4")];
-        assert!(engine_env(&env_of(&vars)).unwrap().is_empty());
+        let slurm = [("SLURM_PROCID", "3"), ("SLURM_NTASKS", "4")];
+        for launcher in [
+            ("RANK", "0"),
+            ("TRAINING_ROLE", "PSERVER"),
+            ("PADDLE_TRAINERS_NUM", "2"),
+        ] {
+            let vars = [&slurm[..], &[launcher]].concat();
+            assert!(engine_env(&env_of(&vars)).unwrap().is_empty(), "{launcher:?}");
+        }
     }
 }

@@ -369,3 +369,21 @@ pub fn trace_spans(trace: &serde_json::Value, pid: u64, name: impl Fn(&str) -> b
     found.sort_by(|a, b| a.0.total_cmp(&b.0));
     found
 }
+
+/// Whether `program` (from Debian's `package`) is on the `PATH` here (or in `/usr/sbin`, where
+/// Debian puts daemons). CI installs it, so there its absence fails the test; elsewhere the test
+/// is skipped, saying why.
+pub fn installed(program: &str, package: &str) -> bool {
+    let path = std::env::var_os("PATH").unwrap_or_default();
+    let found = std::env::split_paths(&path)
+        .chain([std::path::PathBuf::from("/usr/sbin")])
+        .any(|dir| dir.join(program).is_file());
+    match (found, std::env::var_os("CI").is_some()) {
+        (true, _) => true,
+        (false, true) => panic!("CI must install {package} ({program}): .ci/run does"),
+        (false, false) => {
+            eprintln!("skipped: {program} ({package}) is not installed here");
+            false
+        }
+    }
+}
