@@ -223,6 +223,7 @@ fn run(cli: Cli) -> Result<()> {
         Command::Train(args) => train(&args),
         Command::Run { role, train: args } => run_role(role, &args),
         Command::Launch(args) => {
+            let args = args.with_ports_chosen()?;
             let exe = std::env::current_exe().context("locating the flotilla binary")?;
             let train = launched_train(&args.command)?;
             let mut children = args.plan(exe)?;
@@ -233,6 +234,7 @@ fn run(cli: Cli) -> Result<()> {
             launch(children, train, config, args.max_restarts)
         }
         Command::LaunchPs(args) => {
+            let args = args.with_ports_chosen()?;
             let exe = std::env::current_exe().context("locating the flotilla binary")?;
             let train = launched_train(&args.command)?;
             let mut children = args.plan(exe)?;

@@ -243,3 +243,34 @@ fn ctrl_c_reaches_every_rank_and_the_launch_stops() {
     );
     assert!(finished.stderr.contains("interrupted"), "{}", finished.stderr);
 }
+
+#[test]
+fn two_jobs_launched_on_one_host_without_ports_pick_their_own_and_both_finish() {
+    let dirs: Vec<_> = (0..4).map(|_| tempfile::tempdir().unwrap()).collect();
+    let run_dir = |i: usize| dirs[i].path().join("run").display().to_string();
+    #[rustfmt::skip]
+    let jobs = [
+        vec!["launch", "--nproc_per_node", "2", "--", "train", "--config", "config.toml", "--set", STEPS],
+        vec!["launch", "--nproc_per_node", "2", "--", "train", "--config", "config.toml", "--set", STEPS],
+        vec!["launch-ps", "--server_num", "1", "--worker_num", "1", "--", "train", "--config", "examples/ctr_ps.toml",
+             "--set", STEPS],
+        vec!["launch-ps", "--server_num", "1", "--worker_num", "1", "--", "train", "--config", "examples/ctr_ps.toml",
+             "--set", STEPS],
+    ];
+    let started: Vec<_> = jobs
+        .iter()
+        .enumerate()
+        .map(|(i, args)| {
+            let dir = run_dir(i);
+            let args: Vec<&str> = args.iter().copied().chain(["--run-dir", dir.as_str()]).collect();
+            start_flotilla(&args, &[])
+        })
+        .collect();
+    for (i, finished) in started.into_iter().map(|job| job.finish(180)).enumerate() {
+        assert!(finished.success, "job {i}:\n{}\n{}", finished.stdout, finished.stderr);
+        assert!(
+            dirs[i].path().join("run/summary.json").exists(),
+            "job {i} wrote no summary"
+        );
+    }
+}

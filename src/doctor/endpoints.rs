@@ -81,7 +81,7 @@ pub(super) fn job_endpoints(cluster: &ClusterConfig, node_ip: Option<IpAddr>) ->
             servers: cluster.pservers.clone(),
             workers: cluster.endpoints.clone(),
             host,
-            started_port: DEFAULT_STARTED_PORT,
+            started_port: Some(DEFAULT_STARTED_PORT),
             max_restarts: None,
             master: cluster.master.clone(),
             command: Vec::new(),
@@ -105,7 +105,7 @@ pub(super) fn job_endpoints(cluster: &ClusterConfig, node_ip: Option<IpAddr>) ->
             node_ip: host.clone(),
             cluster_node_ips: vec![host],
             master: cluster.master.clone(),
-            started_port: DEFAULT_STARTED_PORT,
+            started_port: Some(DEFAULT_STARTED_PORT),
             max_restarts: None,
             command: Vec::new(),
         };

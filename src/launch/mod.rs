@@ -4,8 +4,12 @@
 //! Port layout (as `paddle.distributed.launch` with `--started_port`): the
 //! coordinator listens on the first node's `started_port` unless `--master`
 //! says otherwise, and local rank `i` of every node on `started_port + 1 + i`.
+//! Without `--started_port`, a launcher that starts the whole job (one node)
+//! picks free ports, so two jobs on one host never collide; the nodes of a
+//! multi-node job agree on [`DEFAULT_STARTED_PORT`].
 
 mod death_watch;
+mod ports;
 mod ps;
 mod supervisor;
 
@@ -49,9 +53,9 @@ pub struct LaunchArgs {
     /// The coordinator's IP:PORT (default: the first node, --started_port).
     #[arg(long)]
     pub master: Option<String>,
-    /// First port of the job on each node.
-    #[arg(long = "started_port", alias = "started-port", default_value_t = DEFAULT_STARTED_PORT)]
-    pub started_port: u16,
+    /// First port of the job on each node (default: free ports on one node, 6170 on several).
+    #[arg(long = "started_port", alias = "started-port")]
+    pub started_port: Option<u16>,
     /// Times all processes are restarted (from the last checkpoint) after one fails (default:
     /// the job's `fault_tolerance.max_restarts`; 0 for a program of your own).
     #[arg(long = "max_restarts", alias = "max-restarts")]
@@ -93,6 +97,22 @@ pub struct JobAddresses {
 }
 
 impl LaunchArgs {
+    /// These arguments with `--started_port` chosen: free ports on this host for a job this
+    /// launcher starts whole (one node, no `--master`); else the default every node agrees on.
+    pub fn with_ports_chosen(mut self) -> Result<Self> {
+        if self.started_port.is_none() {
+            self.started_port = Some(match (self.nnodes, &self.master) {
+                (1, None) => ports::free_run(&self.node_ip, 1 + self.nproc_per_node)?,
+                _ => DEFAULT_STARTED_PORT,
+            });
+        }
+        Ok(self)
+    }
+
+    fn started_port(&self) -> u16 {
+        self.started_port.unwrap_or(DEFAULT_STARTED_PORT)
+    }
+
     /// The coordinator's and the trainers' addresses of the whole job, as every node's launcher
     /// computes them from the same flags.
     pub fn addresses(&self) -> Result<JobAddresses> {
@@ -108,22 +128,22 @@ impl LaunchArgs {
                 self.nnodes
             );
         }
-        let last_port = usize::from(self.started_port) + self.nproc_per_node;
+        let last_port = usize::from(self.started_port()) + self.nproc_per_node;
         ensure!(
             last_port <= usize::from(u16::MAX),
             "--started_port {} leaves no room for {} processes",
-            self.started_port,
+            self.started_port(),
             self.nproc_per_node
         );
         let master = self
             .master
             .clone()
-            .unwrap_or_else(|| format!("{}:{}", self.cluster_node_ips[0], self.started_port));
+            .unwrap_or_else(|| format!("{}:{}", self.cluster_node_ips[0], self.started_port()));
         let trainers = self
             .cluster_node_ips
             .iter()
             .flat_map(|ip| {
-                (0..self.nproc_per_node).map(move |i| format!("{ip}:{}", usize::from(self.started_port) + 1 + i))
+                (0..self.nproc_per_node).map(move |i| format!("{ip}:{}", usize::from(self.started_port()) + 1 + i))
             })
             .collect();
         Ok(JobAddresses {

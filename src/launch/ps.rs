@@ -28,10 +28,10 @@ pub struct LaunchPsArgs {
     /// launch-ps on every node of a job with the same lists), the coordinator where `--master` is.
     #[arg(long, default_value = DEFAULT_NODE_IP)]
     pub host: String,
-    /// First port: servers take `started_port + i` (Paddle's `PADDLE_PORT` default, 6170),
-    /// trainers the ports after them.
-    #[arg(long = "started_port", alias = "started-port", default_value_t = DEFAULT_STARTED_PORT)]
-    pub started_port: u16,
+    /// First port: servers take `started_port + i`, trainers the ports after them (default:
+    /// free ports when every role is this node's, else Paddle's `PADDLE_PORT` default, 6170).
+    #[arg(long = "started_port", alias = "started-port")]
+    pub started_port: Option<u16>,
     /// Times a failed process is restarted — alone, while the others roll back in place, or
     /// all of them with `fault_tolerance.recovery = "restart"` — from the last checkpoint
     /// (default: the job's `fault_tolerance.max_restarts`; 0 for a program of your own).
@@ -47,6 +47,24 @@ pub struct LaunchPsArgs {
 }
 
 impl LaunchPsArgs {
+    /// These arguments with `--started_port` chosen: free ports on `--host` when this launcher
+    /// starts every role (counts, not lists, and no `--master`); else the default.
+    pub fn with_ports_chosen(mut self) -> Result<Self> {
+        if self.started_port.is_none() {
+            let whole_job = self.servers.is_empty() && self.workers.is_empty() && self.master.is_none();
+            let roles = self.server_num.unwrap_or(0) + self.worker_num.unwrap_or(0);
+            self.started_port = Some(match whole_job {
+                true => super::ports::free_run(&self.host, roles + 1)?,
+                false => DEFAULT_STARTED_PORT,
+            });
+        }
+        Ok(self)
+    }
+
+    fn started_port(&self) -> u16 {
+        self.started_port.unwrap_or(DEFAULT_STARTED_PORT)
+    }
+
     /// The servers', the trainers' and the coordinator's addresses.
     pub fn addresses(&self) -> Result<JobAddresses> {
         let servers = self.endpoints("--servers", &self.servers, "--server_num", self.server_num, 0)?;
@@ -60,11 +78,11 @@ impl LaunchPsArgs {
         let master = match &self.master {
             Some(master) => master.clone(),
             None => {
-                let port = usize::from(self.started_port) + servers.len() + trainers.len();
+                let port = usize::from(self.started_port()) + servers.len() + trainers.len();
                 ensure!(
                     port <= usize::from(u16::MAX),
                     "--started_port {} leaves no port for the coordinator",
-                    self.started_port
+                    self.started_port()
                 );
                 format!("{}:{port}", self.host)
             }
@@ -181,14 +199,14 @@ impl LaunchPsArgs {
         }
         let count = count.ok_or_else(|| anyhow::anyhow!("give {count_flag} or {list_flag}"))?;
         ensure!(count >= 1, "{count_flag} must be at least 1");
-        let last = usize::from(self.started_port) + first + count - 1;
+        let last = usize::from(self.started_port()) + first + count - 1;
         ensure!(
             last <= usize::from(u16::MAX),
             "--started_port {} leaves no room for {count} processes",
-            self.started_port
+            self.started_port()
         );
         Ok((0..count)
-            .map(|i| format!("{}:{}", self.host, usize::from(self.started_port) + first + i))
+            .map(|i| format!("{}:{}", self.host, usize::from(self.started_port()) + first + i))
             .collect())
     }
 }
