@@ -229,7 +229,7 @@ fn run(cli: Cli) -> Result<()> {
             let mut children = args.plan(exe)?;
             let config = launched_config(train.as_ref(), &children)?;
             if config.as_ref().is_some_and(JobConfig::recovers_in_place) {
-                args.recover_in_place(&mut children);
+                args.recover_in_place(&mut children)?;
             }
             launch(children, train, config, args.max_restarts)
         }

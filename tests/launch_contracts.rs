@@ -101,3 +101,40 @@ fn ranks_started_by_mpirun_train_as_the_in_process_cluster() {
     let simulated = train_in_process(config(&[STEPS, "cluster.nproc_per_node=4"]));
     assert_eq!(summary["param_checksum"], simulated.summary.param_checksum.as_str());
 }
+
+/// torchrun's way to a multi-node job: each node's launcher knows only its index and the
+/// coordinator's address; the ranks announce their endpoints when they join. Two such
+/// launchers on one host are two nodes.
+#[test]
+fn launchers_given_a_node_rank_and_the_coordinator_train_as_the_in_process_cluster() {
+    let port = free_port_range(1).to_string();
+    let dirs: Vec<_> = (0..2).map(|_| tempfile::tempdir().unwrap()).collect();
+    let nodes: Vec<_> = (0..2)
+        .map(|node| {
+            let (node, run_dir) = (node.to_string(), dirs[node].path().join("run"));
+            #[rustfmt::skip]
+            let args = [
+                "launch", "--nnodes", "2", "--nproc-per-node", "1", "--node-rank", &node,
+                "--master-addr", "127.0.0.1", "--master-port", &port, "--",
+                "train", "--config", "config.toml", "--set", STEPS, "--run-dir", run_dir.to_str().unwrap(),
+            ];
+            let env = [
+                ("FLOTILLA_TOKEN", common::TEST_TOKEN.to_string()),
+                ("FLOTILLA_JOB_ID", "two nodes by index".to_string()),
+            ];
+            start_flotilla(&args, &env)
+        })
+        .collect();
+    for (node, finished) in nodes.into_iter().map(|node| node.finish(120)).enumerate() {
+        assert!(
+            finished.success,
+            "node {node}:\n{}\n{}",
+            finished.stdout, finished.stderr
+        );
+    }
+    let summary: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dirs[0].path().join("run/summary.json")).unwrap()).unwrap();
+    assert_eq!(summary["world_size"], 2);
+    let simulated = train_in_process(config(&[STEPS]));
+    assert_eq!(summary["param_checksum"], simulated.summary.param_checksum.as_str());
+}

@@ -42,10 +42,11 @@ pub struct LaunchArgs {
     /// This node's IP, one of --cluster_node_ips.
     #[arg(long = "node_ip", alias = "node-ip", default_value = DEFAULT_NODE_IP)]
     pub node_ip: String,
-    /// Every node's IP, comma-separated, node 0 first.
+    /// Every node's IP, comma-separated, node 0 first (Paddle 2.x: `--ips`).
     #[arg(
         long = "cluster_node_ips",
         alias = "cluster-node-ips",
+        alias = "ips",
         default_value = DEFAULT_NODE_IP,
         value_delimiter = ','
     )]
@@ -53,6 +54,23 @@ pub struct LaunchArgs {
     /// The coordinator's IP:PORT (default: the first node, --started_port).
     #[arg(long)]
     pub master: Option<String>,
+    /// This node's index among `--nnodes` (torchrun's `--node-rank`, Paddle 2.x's `--rank`):
+    /// nodes are then named by index, not address, and each rank announces its own endpoint
+    /// (on the address that routes to the coordinator) when it joins.
+    #[arg(long = "node_rank", alias = "node-rank", alias = "rank")]
+    pub node_rank: Option<usize>,
+    /// The coordinator's host, with `--master-port` (torchrun's `--master-addr`).
+    #[arg(long = "master_addr", alias = "master-addr")]
+    pub master_addr: Option<String>,
+    /// The coordinator's port, with `--master-addr` (torchrun's `--master-port`).
+    #[arg(long = "master_port", alias = "master-port")]
+    pub master_port: Option<u16>,
+    /// The coordinator's HOST:PORT (torchrun's `--rdzv-endpoint`).
+    #[arg(long = "rdzv_endpoint", alias = "rdzv-endpoint")]
+    pub rdzv_endpoint: Option<String>,
+    /// One node, the coordinator on a free port of this host (torchrun's `--standalone`).
+    #[arg(long)]
+    pub standalone: bool,
     /// First port of the job on each node (default: free ports on one node, 6170 on several).
     #[arg(long = "started_port", alias = "started-port")]
     pub started_port: Option<u16>,
@@ -100,13 +118,70 @@ impl LaunchArgs {
     /// These arguments with `--started_port` chosen: free ports on this host for a job this
     /// launcher starts whole (one node, no `--master`); else the default every node agrees on.
     pub fn with_ports_chosen(mut self) -> Result<Self> {
+        ensure!(
+            !self.standalone || self.nnodes == 1,
+            "--standalone runs one node, but --nnodes is {}",
+            self.nnodes
+        );
         if self.started_port.is_none() {
-            self.started_port = Some(match (self.nnodes, &self.master) {
+            self.started_port = Some(match (self.nnodes, self.named_master()?) {
                 (1, None) => ports::free_run(&self.node_ip, 1 + self.nproc_per_node)?,
                 _ => DEFAULT_STARTED_PORT,
             });
         }
         Ok(self)
+    }
+
+    /// The coordinator's address the flags name, in Paddle's words or torchrun's; flags that
+    /// name different ones are refused, naming both.
+    fn named_master(&self) -> Result<Option<String>> {
+        let torchrun = match (&self.master_addr, self.master_port) {
+            (Some(addr), Some(port)) => Some(match addr.contains(':') && !addr.starts_with('[') {
+                true => format!("[{addr}]:{port}"),
+                false => format!("{addr}:{port}"),
+            }),
+            (None, None) => None,
+            (Some(_), None) => bail!("--master-addr needs --master-port"),
+            (None, Some(_)) => bail!("--master-port needs --master-addr"),
+        };
+        let named = [
+            ("--master", self.master.clone()),
+            ("--master-addr:--master-port", torchrun),
+            ("--rdzv-endpoint", self.rdzv_endpoint.clone()),
+        ];
+        let mut named = named.into_iter().filter_map(|(flag, value)| Some((flag, value?)));
+        let Some((first_flag, first)) = named.next() else {
+            return Ok(None);
+        };
+        for (flag, value) in named {
+            ensure!(value == first, "{flag} {value} contradicts {first_flag} {first}");
+        }
+        Ok(Some(first))
+    }
+
+    /// This node's index: `--node-rank`, else the position of `--node_ip` in
+    /// `--cluster_node_ips`.
+    fn node_index(&self) -> Result<usize> {
+        let index = match self.node_rank {
+            Some(rank) => rank,
+            None => self
+                .cluster_node_ips
+                .iter()
+                .position(|ip| ip == &self.node_ip)
+                .with_context(|| {
+                    format!(
+                        "--node_ip {} is not one of --cluster_node_ips {}",
+                        self.node_ip,
+                        self.cluster_node_ips.join(",")
+                    )
+                })?,
+        };
+        ensure!(
+            index < self.nnodes,
+            "--node-rank {index} is outside --nnodes {}",
+            self.nnodes
+        );
+        Ok(index)
     }
 
     fn started_port(&self) -> u16 {
@@ -120,6 +195,22 @@ impl LaunchArgs {
             self.nnodes >= 1 && self.nproc_per_node >= 1,
             "--nnodes and --nproc_per_node must be at least 1"
         );
+        if self.node_rank.is_some() {
+            // Nodes named by index: the ranks announce their endpoints when they join.
+            let master = match self.named_master()? {
+                Some(master) => master,
+                None if self.nnodes == 1 => format!("{}:{}", self.node_ip, self.started_port()),
+                None => bail!(
+                    "--node-rank names nodes by index: the coordinator's address must be given \
+                     (--master-addr and --master-port, --rdzv-endpoint, or --master)"
+                ),
+            };
+            return Ok(JobAddresses {
+                master,
+                trainers: Vec::new(),
+                servers: Vec::new(),
+            });
+        }
         if self.cluster_node_ips.len() != self.nnodes {
             bail!(
                 "--cluster_node_ips lists {} node(s) ({}), but --nnodes is {}",
@@ -136,8 +227,7 @@ impl LaunchArgs {
             self.nproc_per_node
         );
         let master = self
-            .master
-            .clone()
+            .named_master()?
             .unwrap_or_else(|| format!("{}:{}", self.cluster_node_ips[0], self.started_port()));
         let trainers = self
             .cluster_node_ips
@@ -160,13 +250,7 @@ impl LaunchArgs {
             trainers: endpoints,
             ..
         } = self.addresses()?;
-        let Some(node_rank) = self.cluster_node_ips.iter().position(|ip| ip == &self.node_ip) else {
-            bail!(
-                "--node_ip {} is not one of --cluster_node_ips {}",
-                self.node_ip,
-                self.cluster_node_ips.join(",")
-            );
-        };
+        let node_rank = self.node_index()?;
         let world = self.nnodes * self.nproc_per_node;
         let (program, args) = match self.command.split_first() {
             Some((first, rest)) if first == "train" => (
@@ -195,8 +279,6 @@ impl LaunchArgs {
                     ("PADDLE_LOCAL_SIZE", self.nproc_per_node.to_string()),
                     ("PADDLE_NNODES", self.nnodes.to_string()),
                     ("PADDLE_TRAINERS_NUM", world.to_string()),
-                    ("PADDLE_TRAINER_ENDPOINTS", endpoints.join(",")),
-                    ("PADDLE_CURRENT_ENDPOINT", endpoints[rank].clone()),
                     ("PADDLE_MASTER", master.clone()),
                     ("POD_IP", self.node_ip.clone()),
                     ("FLAGS_selected_gpus", local_rank.to_string()),
@@ -208,6 +290,11 @@ impl LaunchArgs {
                     ("MASTER_ADDR", master_addr.trim_matches(['[', ']']).to_string()),
                     ("MASTER_PORT", master_port.to_string()),
                 ];
+                // Listed when nodes are named by address; announced at the rendezvous otherwise.
+                if let Some(endpoint) = endpoints.get(rank) {
+                    env.push(("PADDLE_TRAINER_ENDPOINTS", endpoints.join(",")));
+                    env.push(("PADDLE_CURRENT_ENDPOINT", endpoint.clone()));
+                }
                 env.extend(thread_env(self.nproc_per_node));
                 env.extend(token.iter().cloned());
                 ChildSpec {
@@ -224,9 +311,10 @@ impl LaunchArgs {
 
     /// Makes `children` (this node's trainers, as [`LaunchArgs::plan`] made them) a job that
     /// recovers in place ([`recover_in_place`]); the first node starts the coordinator.
-    pub fn recover_in_place(&self, children: &mut Vec<ChildSpec>) {
-        let first_node = self.cluster_node_ips.first() == Some(&self.node_ip);
+    pub fn recover_in_place(&self, children: &mut Vec<ChildSpec>) -> Result<()> {
+        let first_node = self.node_index()? == 0;
         recover_in_place(children, first_node.then_some(self.nnodes * self.nproc_per_node));
+        Ok(())
     }
 }
 
@@ -362,6 +450,47 @@ mod tests {
         .map(env);
         assert_eq!(torchrun, ["3", "1", "4", "2", "10.0.0.1", "6170"]);
         Ok(())
+    }
+
+    #[test]
+    fn nodes_named_by_index_get_the_coordinator_from_torchruns_or_paddles_flags() -> anyhow::Result<()> {
+        let torchrun =
+            "--nnodes 2 --nproc-per-node 2 --node-rank 1 --master-addr 10.0.0.1 --master-port 29500 -- train";
+        let plan = args(torchrun).plan("flotilla".into())?;
+        assert_eq!(plan.iter().map(|c| c.rank).collect::<Vec<_>>(), vec![2, 3]);
+        let env = |k: &str| plan[1].env.iter().find(|(n, _)| n == k).map(|(_, v)| v.clone());
+        assert_eq!(env("PADDLE_MASTER").as_deref(), Some("10.0.0.1:29500"));
+        assert_eq!(env("RANK").as_deref(), Some("3"));
+        assert_eq!(
+            env("PADDLE_TRAINER_ENDPOINTS"),
+            None,
+            "announced at the rendezvous instead"
+        );
+        let paddle = args("--nnodes 2 --rank 0 --master 10.0.0.1:29500 --rdzv-endpoint 10.0.0.1:29500 -- train");
+        assert_eq!(paddle.addresses()?.master, "10.0.0.1:29500");
+        Ok(())
+    }
+
+    #[test]
+    fn flags_that_name_different_coordinators_or_an_unknown_one_are_refused() {
+        let error = |line: &str| format!("{:#}", args(line).plan("f".into()).unwrap_err());
+        assert_eq!(
+            error("--nnodes 2 --node-rank 0 --master 10.0.0.1:1 --master-addr 10.0.0.2 --master-port 1 -- train"),
+            "--master-addr:--master-port 10.0.0.2:1 contradicts --master 10.0.0.1:1"
+        );
+        assert!(error("--nnodes 2 --node-rank 1 -- train").contains("the coordinator's address must be given"));
+        assert_eq!(
+            error("--nnodes 2 --node-rank 2 --rdzv-endpoint 10.0.0.1:1 -- train"),
+            "--node-rank 2 is outside --nnodes 2"
+        );
+        assert_eq!(
+            error("--nnodes 2 --node-rank 0 --master-addr 10.0.0.1 -- train"),
+            "--master-addr needs --master-port"
+        );
+        let standalone = args("--standalone --nnodes 2 -- train")
+            .with_ports_chosen()
+            .unwrap_err();
+        assert_eq!(standalone.to_string(), "--standalone runs one node, but --nnodes is 2");
     }
 
     #[test]
