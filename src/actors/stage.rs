@@ -191,11 +191,11 @@ impl Handler<TrainStage> for StageActor {
     type Result = ResponseFuture<Result<StageOutcome>>;
 
     fn handle(&mut self, _: TrainStage, _: &mut Self::Context) -> Self::Result {
-        let p = self.job.strategy.hybrid_configs.pp_degree;
+        let (replica, stage) = self.job.strategy.hybrid_configs.place_of(self.rank);
         let run = StageRun {
             rank: self.rank,
-            replica: self.rank / p,
-            stage: self.rank % p,
+            replica,
+            stage,
             job: self.job.clone(),
             model: self.model.clone(),
             train_data: self.train_data.clone(),
@@ -435,10 +435,7 @@ impl StageRun {
 
     /// The ranks of this stage in every replica, by replica.
     fn replicas_of_stage(&self) -> Vec<usize> {
-        let hybrid = &self.job.strategy.hybrid_configs;
-        (0..hybrid.dp_degree)
-            .map(|r| r * hybrid.pp_degree + self.stage)
-            .collect()
+        self.job.strategy.hybrid_configs.replicas_of(self.stage)
     }
 
     /// Brings the stage to the state after `step` steps (every replica of a stage continues

@@ -64,6 +64,38 @@ pub struct HybridConfigs {
     pub pp_degree: usize,
 }
 
+/// Where each rank sits in the `dp_degree` × `pp_degree` grid, defined once: ranks are numbered
+/// replica-major, replica `r`'s stages being ranks `r·p … r·p + p − 1`.
+impl HybridConfigs {
+    /// Rank `rank`'s `(replica, stage)`.
+    pub fn place_of(&self, rank: usize) -> (usize, usize) {
+        (rank / self.pp_degree, rank % self.pp_degree)
+    }
+
+    /// The rank of `stage` in `replica`.
+    pub fn rank_of(&self, replica: usize, stage: usize) -> usize {
+        replica * self.pp_degree + stage
+    }
+
+    /// The ranks holding `stage`, by replica: the stage's data-parallel ring.
+    pub fn replicas_of(&self, stage: usize) -> Vec<usize> {
+        (0..self.dp_degree)
+            .map(|replica| self.rank_of(replica, stage))
+            .collect()
+    }
+
+    /// The ranks of `replica`, by stage: its stage rings.
+    pub fn stages_of(&self, replica: usize) -> Vec<usize> {
+        (0..self.pp_degree).map(|stage| self.rank_of(replica, stage)).collect()
+    }
+
+    /// How errors and logs name rank `rank`: `rank 3 (stage 1 of replica 1)`.
+    pub fn name_of(&self, rank: usize) -> String {
+        let (replica, stage) = self.place_of(rank);
+        format!("rank {rank} (stage {stage} of replica {replica})")
+    }
+}
+
 impl Default for HybridConfigs {
     fn default() -> Self {
         Self {

@@ -24,7 +24,7 @@ use crate::actors::rollback::OrderLine;
 use crate::actors::stage::{Rejoin, StageActor, StageGeneration, StageInPlace, StageOutcome, TrainStage};
 use crate::actors::{Coordinator, DeviceActor};
 use crate::collective::ParamChecksum;
-use crate::config::JobConfig;
+use crate::config::{HybridConfigs, JobConfig};
 use crate::engines::comm::memory::{self, MemoryRings};
 use crate::engines::comm::{Communicator, RingBreaker, RingTransport};
 use crate::net::auth::Credentials;
@@ -67,7 +67,8 @@ pub(super) fn run(job: &TrainingJob, options: &RunOptions) -> Result<RunOutcome>
             })
             .collect();
         let runs = (0..d * p).map(|rank| {
-            let (link, data_parallel) = (stage_links[rank].take(), rings[rank % p][rank / p].take());
+            let (replica, stage) = config.strategy.hybrid_configs.place_of(rank);
+            let (link, data_parallel) = (stage_links[rank].take(), rings[stage][replica].take());
             let bus = ControlBus::InMemory(coordinator.clone().into());
             let recovery = recovery.clone();
             let trace = trace.clone();
@@ -97,7 +98,7 @@ pub(super) fn run_with_faults(
     let recovery = Recovery::plan(config, &options.run_dir, &options.resume)?;
     let trace = options.trace_target();
     let hybrid = &config.strategy.hybrid_configs;
-    let link_faults = plan.on_rings(|from, to| ring_between(hybrid.dp_degree, hybrid.pp_degree, from, to))?;
+    let link_faults = plan.on_rings(|from, to| ring_between(hybrid, from, to))?;
     let (outcomes, report) = run_struck(config, &recovery, plan, link_faults, |incarnation| {
         let rank = incarnation.rank;
         let mut rejoin = rejoin_in_memory(config.clone(), rank, incarnation.rings, incarnation.breaker);
@@ -119,11 +120,12 @@ pub(super) fn run_with_faults(
     Ok((summarise(job, &outcomes[..p], "in-process")?, report))
 }
 
-/// The ring of a simulated pipeline of `d` replicas of `p` stages that carries rank `from`'s
+/// The ring of a simulated pipeline laid out as `hybrid` says that carries rank `from`'s
 /// messages to rank `to`, and `from`'s position in it: the forward ring to the next stage, the
 /// backward ring to the stage before, the ring of the stage's replicas to the next replica.
-fn ring_between(d: usize, p: usize, from: usize, to: usize) -> Option<(String, usize)> {
-    let ((replica, stage), (to_replica, to_stage)) = ((from / p, from % p), (to / p, to % p));
+fn ring_between(hybrid: &HybridConfigs, from: usize, to: usize) -> Option<(String, usize)> {
+    let (d, p) = (hybrid.dp_degree, hybrid.pp_degree);
+    let ((replica, stage), (to_replica, to_stage)) = (hybrid.place_of(from), hybrid.place_of(to));
     if replica == to_replica && to_stage == stage + 1 {
         Some((forward_ring(replica), stage))
     } else if replica == to_replica && to_stage + 1 == stage {
@@ -160,7 +162,7 @@ fn rejoin_in_memory(config: Arc<JobConfig>, rank: usize, rings: Arc<MemoryRings>
                 .await?;
             let hybrid = &config.strategy.hybrid_configs;
             let (d, p, generation) = (hybrid.dp_degree, hybrid.pp_degree, roster.generation);
-            let (replica, stage) = (rank / p, rank % p);
+            let (replica, stage) = hybrid.place_of(rank);
             let data_parallel = match d {
                 1 => Communicator::single(),
                 _ => Communicator::new(Box::new(rings.take(generation, &replicas_ring(stage), d, replica)?)),
@@ -375,14 +377,13 @@ fn stage_actor(
 /// Trains `actor` to its end; an error names its rank, stage and replica.
 async fn train(actor: StageActor) -> Result<StageOutcome> {
     let rank = actor.rank;
-    let p = actor.job.strategy.hybrid_configs.pp_degree;
-    let (replica, stage) = (rank / p, rank % p);
+    let name = actor.job.strategy.hybrid_configs.name_of(rank);
     actor
         .start()
         .send(TrainStage)
         .await
         .map_err(|e| anyhow!("rank {rank}: stage actor stopped: {e}"))?
-        .map_err(|e| e.context(format!("rank {rank} (stage {stage} of replica {replica})")))
+        .map_err(|e| e.context(name))
 }
 
 /// The run's outcome from replica 0's stages (replicas hold equal parameters).

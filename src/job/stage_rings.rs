@@ -31,13 +31,11 @@ pub(super) async fn connect(
     credentials: Credentials,
     abandoned: Abandoned,
 ) -> Result<(StageLinks, Communicator)> {
-    let (d, p) = (
-        config.strategy.hybrid_configs.dp_degree,
-        config.strategy.hybrid_configs.pp_degree,
-    );
-    let (replica, stage) = (rank / p, rank % p);
+    let hybrid = &config.strategy.hybrid_configs;
+    let (d, p) = (hybrid.dp_degree, hybrid.pp_degree);
+    let (replica, stage) = hybrid.place_of(rank);
     let rings = Rings {
-        who: format!("rank {rank} (stage {stage} of replica {replica})"),
+        who: hybrid.name_of(rank),
         listener,
         endpoints: parse_endpoints(roster)?,
         timeout: config.fault_tolerance.timeout(),
@@ -46,7 +44,7 @@ pub(super) async fn connect(
         abandoned,
     };
     let data_parallel = if d > 1 {
-        let replicas = (0..d).map(|r| r * p + stage).collect();
+        let replicas = hybrid.replicas_of(stage);
         let name = format!("the data-parallel ring of stage {stage}");
         Communicator::new(rings.connect(&name, replicas, replica).await?)
     } else {
@@ -56,7 +54,7 @@ pub(super) async fn connect(
         if d > 1 {
             bus.barrier(rank, "data-parallel rings connected").await?;
         }
-        let stages: Vec<usize> = (0..p).map(|s| replica * p + s).collect();
+        let stages = hybrid.stages_of(replica);
         let name = format!("the forward stage ring of replica {replica}");
         let forward = rings.connect(&name, stages.clone(), stage).await?;
         bus.barrier(rank, "forward stage rings connected").await?;
