@@ -274,3 +274,28 @@ fn two_jobs_launched_on_one_host_without_ports_pick_their_own_and_both_finish() 
         );
     }
 }
+
+#[test]
+fn log_dir_keeps_each_ranks_output_as_paddles_workerlog_files() {
+    let dir = tempfile::tempdir().unwrap();
+    let (run_dir, logs) = (dir.path().join("run"), dir.path().join("logs"));
+    #[rustfmt::skip]
+    let args = [
+        "launch", "--nproc_per_node", "2", "--log_dir", logs.to_str().unwrap(), "--",
+        "train", "--config", "config.toml", "--set", STEPS, "--run-dir", run_dir.to_str().unwrap(),
+    ];
+    let finished = flotilla(&args, &[], 120);
+    assert!(finished.success, "{}\n{}", finished.stdout, finished.stderr);
+    let read = |name: &str| std::fs::read_to_string(logs.join(name)).unwrap_or_else(|e| panic!("{name}: {e}"));
+    assert!(
+        read("workerlog.0").contains("param_checksum"),
+        "rank 0 prints the summary"
+    );
+    // Rank 1 prints nothing at the default level: its log exists, empty.
+    assert!(logs.join("workerlog.1").is_file());
+    assert!(!read("coordinatorlog").is_empty());
+    assert!(
+        !read("workerlog.0").contains("[rank 0]"),
+        "the log holds the lines unprefixed"
+    );
+}

@@ -123,6 +123,7 @@ pub fn run(nproc: usize, args: &AllReduceArgs) -> Result<()> {
                 (TOKEN_VAR.to_string(), token.clone()),
             ],
             restart_alone: false,
+            log: None,
         })
         .collect();
     supervise(children, OutputMode::Rank0Plain, 0, None)

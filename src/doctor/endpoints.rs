@@ -83,6 +83,8 @@ pub(super) fn job_endpoints(cluster: &ClusterConfig, node_ip: Option<IpAddr>) ->
             host,
             started_port: Some(DEFAULT_STARTED_PORT),
             max_restarts: None,
+            log_dir: None,
+            job_id: None,
             master: cluster.master.clone(),
             command: Vec::new(),
         };
@@ -112,6 +114,8 @@ pub(super) fn job_endpoints(cluster: &ClusterConfig, node_ip: Option<IpAddr>) ->
             standalone: false,
             started_port: Some(DEFAULT_STARTED_PORT),
             max_restarts: None,
+            log_dir: None,
+            job_id: None,
             command: Vec::new(),
         };
         Some(

@@ -5,8 +5,10 @@
 //! it stops what it started too, and dies with the launcher.
 
 use std::collections::VecDeque;
+use std::fs::{File, OpenOptions};
 use std::io::{BufRead, BufReader, IsTerminal, Read, Write};
 use std::os::unix::process::{CommandExt, ExitStatusExt};
+use std::path::Path;
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -375,20 +377,28 @@ fn start(spec: &ChildSpec, mode: OutputMode, bar: &LauncherBar) -> Result<Runnin
         .with_context(|| format!("{}: cannot start {}", spec.name, spec.program.display()))?;
     tracing::info!(process = %spec.name, pid = child.id(), "started {}", spec.program.display());
     let stderr_tail = Arc::new(Mutex::new(VecDeque::with_capacity(TAIL_LINES)));
+    let log = spec.log.as_deref().map(open_log).transpose()?;
     let mut pumps = Vec::new();
     if let Some(out) = child.stdout.take() {
         let plain = mode == OutputMode::Rank0Plain && spec.rank == 0;
-        pumps.push(pump(out, spec.name.clone(), plain, None, false, bar.clone()));
+        let output = Output {
+            name: spec.name.clone(),
+            plain,
+            tail: None,
+            to_stderr: false,
+            log: log.clone(),
+        };
+        pumps.push(pump(out, output, bar.clone()));
     }
     if let Some(err) = child.stderr.take() {
-        pumps.push(pump(
-            err,
-            spec.name.clone(),
-            false,
-            Some(stderr_tail.clone()),
-            true,
-            bar.clone(),
-        ));
+        let output = Output {
+            name: spec.name.clone(),
+            plain: false,
+            tail: Some(stderr_tail.clone()),
+            to_stderr: true,
+            log,
+        };
+        pumps.push(pump(err, output, bar.clone()));
     }
     Ok(Running {
         name: spec.name.clone(),
@@ -424,16 +434,48 @@ fn die_with_launcher(command: &mut Command) {
 #[cfg(not(target_os = "linux"))]
 fn die_with_launcher(_command: &mut Command) {}
 
-fn pump(
-    stream: impl Read + Send + 'static,
+/// A child's log file (`--log_dir`), opened for appending, its directory made.
+fn open_log(path: &Path) -> Result<Arc<Mutex<File>>> {
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir).with_context(|| format!("creating the log directory {}", dir.display()))?;
+    }
+    let file = OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(path)
+        .with_context(|| format!("opening the log {}", path.display()))?;
+    Ok(Arc::new(Mutex::new(file)))
+}
+
+/// Where one of a child's output streams goes.
+struct Output {
+    /// The child's name, prefixed to its lines.
     name: String,
+    /// Lines as they are, unprefixed.
     plain: bool,
+    /// The last lines, kept to quote when the child fails.
     tail: Option<Arc<Mutex<VecDeque<String>>>>,
     to_stderr: bool,
-    bar: LauncherBar,
-) -> thread::JoinHandle<()> {
+    /// The child's log file, which gets the lines unprefixed.
+    log: Option<Arc<Mutex<File>>>,
+}
+
+fn pump(stream: impl Read + Send + 'static, output: Output, bar: LauncherBar) -> thread::JoinHandle<()> {
     thread::spawn(move || {
+        let Output {
+            name,
+            plain,
+            tail,
+            to_stderr,
+            log,
+        } = output;
         for line in BufReader::new(stream).lines().map_while(Result::ok) {
+            if let Some(log) = &log {
+                // A log that cannot be written loses its lines, never the child's output.
+                if let Ok(mut file) = log.lock() {
+                    let _ = writeln!(file, "{line}");
+                }
+            }
             if bar.update(&line) {
                 continue;
             }
