@@ -231,7 +231,7 @@ fn run(cli: Cli) -> Result<()> {
             if config.as_ref().is_some_and(JobConfig::recovers_in_place) {
                 args.recover_in_place(&mut children)?;
             }
-            launch(children, train, config, args.max_restarts)
+            launch(children, train, config, args.processes.max_restarts)
         }
         Command::LaunchPs(args) => {
             let args = args.with_ports_chosen()?;
@@ -243,7 +243,7 @@ fn run(cli: Cli) -> Result<()> {
                 let coordinator = args.hosts_coordinator()?.then_some(config.roles());
                 recover_in_place(&mut children, coordinator);
             }
-            launch(children, train, config, args.max_restarts)
+            launch(children, train, config, args.processes.max_restarts)
         }
         Command::Data(DataCommand::CriteoSynthetic {
             samples,

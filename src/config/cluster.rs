@@ -205,6 +205,14 @@ fn check_address_list(key: &str, addresses: &[String]) -> Result<(), FieldError>
 
 /// Accepts `host:port` with a non-empty host (IP or name) and a numeric port; the coordinator
 /// may be given by host name, unlike trainer endpoints.
+/// `host:port`, an IPv6 address bracketed before its port (`[fd00::1]:29500`).
+pub fn host_port(host: &str, port: u16) -> String {
+    match host.contains(':') && !host.starts_with('[') {
+        true => format!("[{host}]:{port}"),
+        false => format!("{host}:{port}"),
+    }
+}
+
 fn check_host_port(text: &str) -> Result<(), String> {
     if text.parse::<SocketAddr>().is_ok() {
         return Ok(());

@@ -245,11 +245,7 @@ fn torchrun_master(env: &dyn Fn(&str) -> Option<String>) -> Result<Option<Settin
     let port: u16 = port
         .parse()
         .map_err(|_| invalid("MASTER_PORT", format!("expected a port number, found {port:?}")))?;
-    // An IPv6 address is bracketed before its port.
-    let master = match addr.contains(':') && !addr.starts_with('[') {
-        true => format!("[{addr}]:{port}"),
-        false => format!("{addr}:{port}"),
-    };
+    let master = super::host_port(&addr, port);
     Ok(Some(Setting {
         key: &["cluster", "master"],
         family: Family::Torchrun,

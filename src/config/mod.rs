@@ -37,7 +37,7 @@ use serde::{Deserialize, Serialize};
 use toml::{Table, Value};
 
 pub(crate) use cluster::GPU_NOT_BUILT;
-pub use cluster::{ClusterConfig, DeviceKind};
+pub use cluster::{host_port, ClusterConfig, DeviceKind};
 pub use fault_tolerance::{FaultToleranceConfig, RecoveryMode};
 pub use memory::{BlockRef, GradientMergeConfigs, RecomputeConfigs};
 pub use pipeline::{HybridConfigs, PipelineConfigs, ScheduleMode};

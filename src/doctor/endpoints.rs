@@ -7,7 +7,7 @@ use std::net::IpAddr;
 use anyhow::{Context, Result};
 
 use crate::config::ClusterConfig;
-use crate::launch::{JobAddresses, LaunchArgs, LaunchPsArgs, DEFAULT_NODE_IP, DEFAULT_STARTED_PORT};
+use crate::launch::{JobAddresses, LaunchArgs, LaunchPsArgs, ProcessFlags, DEFAULT_NODE_IP, DEFAULT_STARTED_PORT};
 
 /// One address of the job and the config key it belongs to.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -82,9 +82,7 @@ pub(super) fn job_endpoints(cluster: &ClusterConfig, node_ip: Option<IpAddr>) ->
             workers: cluster.endpoints.clone(),
             host,
             started_port: Some(DEFAULT_STARTED_PORT),
-            max_restarts: None,
-            log_dir: None,
-            job_id: None,
+            processes: ProcessFlags::default(),
             master: cluster.master.clone(),
             command: Vec::new(),
         };
@@ -113,9 +111,7 @@ pub(super) fn job_endpoints(cluster: &ClusterConfig, node_ip: Option<IpAddr>) ->
             rdzv_endpoint: None,
             standalone: false,
             started_port: Some(DEFAULT_STARTED_PORT),
-            max_restarts: None,
-            log_dir: None,
-            job_id: None,
+            processes: ProcessFlags::default(),
             command: Vec::new(),
         };
         Some(
