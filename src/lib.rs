@@ -80,6 +80,7 @@ pub mod data;
 pub mod doctor;
 pub mod engines;
 pub mod job;
+pub mod k8s;
 pub mod launch;
 pub mod metrics;
 pub mod models;

@@ -18,7 +18,7 @@ use flotilla::job::ps::{ParameterServerJob, PsSummary};
 use flotilla::job::{
     resumed_config, run_dir, Refusal, Resume, RunOptions, RunOutcome, TrainingJob, REFUSAL_EXIT_CODE, RESUME_VAR,
 };
-use flotilla::launch::{recover_in_place, supervise, ChildSpec, DeathWatch, LaunchArgs, LaunchPsArgs, OutputMode};
+use flotilla::launch::{recover_in_place, RUN_DIR_VAR, supervise, ChildSpec, DeathWatch, LaunchArgs, LaunchPsArgs, OutputMode};
 use flotilla::net::auth::Credentials;
 use flotilla::telemetry::metrics::METRICS_FILE;
 use flotilla::telemetry::monitor::ProgressView;
@@ -27,8 +27,6 @@ use flotilla::telemetry::summary_table;
 /// The default job, compiled in so `flotilla train` works from any directory.
 const EMBEDDED_CONFIG: &str = include_str!("../config.toml");
 const DEFAULT_CONFIG: &str = "config.toml";
-/// The run directory when `--run-dir` is not given; a launcher sets it for its processes.
-const RUN_DIR_VAR: &str = "FLOTILLA_RUN_DIR";
 /// Where default run directories are made.
 const RUNS: &str = "runs";
 
@@ -74,6 +72,16 @@ enum Command {
         /// Where to write the PNG (default: RUN_DIR/report.png).
         #[arg(short, long)]
         out: Option<PathBuf>,
+    },
+    /// Print the Kubernetes manifests of a job (JSON, a `List` for `kubectl apply -f`): a
+    /// headless Service, its config as a ConfigMap, a checkpoint volume and its pods, as
+    /// Indexed Jobs or a training operator's PyTorchJob / PaddleJob. The cluster token comes
+    /// from the Secret NAME-token (key `token`), which you create.
+    K8s {
+        #[command(flatten)]
+        job: ConfigArgs,
+        #[command(flatten)]
+        options: flotilla::k8s::K8sOptions,
     },
     /// Check a job's config, endpoints, ports, peers, clock and GPU libraries before launching it.
     Doctor(DoctorArgs),
@@ -273,6 +281,11 @@ fn run(cli: Cli) -> Result<()> {
             let out = out.unwrap_or_else(|| dir.join("trace.json"));
             flotilla::telemetry::timeline::write_merged(&dir, &out)?;
             print_out(&format!("merged trace: {}\n", out.display()));
+            Ok(())
+        }
+        Command::K8s { job, options } => {
+            let manifests = flotilla::k8s::manifests(&load_config(&job)?, &options)?;
+            print_out(&format!("{}\n", serde_json::to_string_pretty(&manifests)?));
             Ok(())
         }
         Command::Doctor(args) => flotilla::doctor::run(&args.checks, load_config(&args.job)),

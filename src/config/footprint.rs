@@ -33,7 +33,7 @@ pub(super) fn check(config: &JobConfig, available: Option<u64>) -> Result<(), Fi
         return Ok(());
     };
     let needs = estimate(config);
-    let total: u128 = needs.iter().map(|n| n.bytes).fold(0, u128::saturating_add);
+    let total = total(&needs);
     if total <= u128::from(available) {
         return Ok(());
     }
@@ -55,6 +55,15 @@ pub(super) fn check(config: &JobConfig, available: Option<u64>) -> Result<(), Fi
 }
 
 /// The parts of the node's memory use of `config`.
+/// The estimated bytes the job takes on one node: the sum of [`estimate`]'s parts.
+pub(super) fn node_bytes(config: &JobConfig) -> u128 {
+    total(&estimate(config))
+}
+
+fn total(needs: &[Need]) -> u128 {
+    needs.iter().map(|n| n.bytes).fold(0, u128::saturating_add)
+}
+
 fn estimate(config: &JobConfig) -> Vec<Need> {
     let train = &config.train;
     let trainers = config.cluster.nproc_per_node as u128;

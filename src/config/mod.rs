@@ -248,6 +248,12 @@ impl JobConfig {
             .collect()
     }
 
+    /// The memory the job takes on one node, estimated from the config: a lower bound of what
+    /// it will use (no allocator or framework overhead).
+    pub fn estimated_node_bytes(&self) -> u128 {
+        footprint::node_bytes(self)
+    }
+
     /// Number of trainer processes in the job (`cluster.nnodes × cluster.nproc_per_node`).
     pub fn world_size(&self) -> usize {
         self.cluster.world_size()

@@ -28,6 +28,9 @@ use crate::net::auth::{generate_job_id, ClusterToken, JOB_ID_VAR, TOKEN_VAR};
 /// The address a launcher's processes use when no flag names one (`--node_ip`, `--host`).
 pub const DEFAULT_NODE_IP: &str = "127.0.0.1";
 
+/// The run directory when `--run-dir` is not given; a launcher sets it for its processes.
+pub const RUN_DIR_VAR: &str = "FLOTILLA_RUN_DIR";
+
 /// The first port of a launched job when `--started_port` is not given (Paddle's `PADDLE_PORT`).
 pub const DEFAULT_STARTED_PORT: u16 = 6170;
 
