@@ -18,7 +18,9 @@ use flotilla::job::ps::{ParameterServerJob, PsSummary};
 use flotilla::job::{
     resumed_config, run_dir, Refusal, Resume, RunOptions, RunOutcome, TrainingJob, REFUSAL_EXIT_CODE, RESUME_VAR,
 };
-use flotilla::launch::{recover_in_place, RUN_DIR_VAR, supervise, ChildSpec, DeathWatch, LaunchArgs, LaunchPsArgs, OutputMode};
+use flotilla::launch::{
+    recover_in_place, supervise, ChildSpec, DeathWatch, LaunchArgs, LaunchPsArgs, OutputMode, RUN_DIR_VAR,
+};
 use flotilla::net::auth::Credentials;
 use flotilla::telemetry::metrics::METRICS_FILE;
 use flotilla::telemetry::monitor::ProgressView;

@@ -1,5 +1,5 @@
-//! Two nodes, one launcher each: two network namespaces joined by a veth
-//! pair, made (and removed) by this test, so ranks on different "hosts"
+//! Two nodes, one launcher each: two network namespaces on one switch
+//! (`common::hosts`), made (and removed) by this test, so ranks on different "hosts"
 //! rendezvous and run their ring over TCP between the namespaces' own
 //! addresses; a rank lost on the second node is replaced by that node's
 //! launcher while rank 0 rolls back in place. Needs root and iproute2 (as CI
@@ -7,78 +7,15 @@
 
 mod common;
 
-use std::process::Command;
-
+use common::hosts::Hosts;
 use common::{children_of, config, end_leftovers, start_program, train_in_process, trainer_ranks, wait_for_commit};
 
 const STEPS: &str = "train.steps=20";
 
-/// Two namespaces with a veth pair; removed on drop.
-struct TwoHosts {
-    names: [String; 2],
-    ips: [&'static str; 2],
-}
-
-fn ip(args: &[&str]) -> Result<(), String> {
-    let out = Command::new("ip").args(args).output().map_err(|e| format!("ip: {e}"))?;
-    if out.status.success() {
-        Ok(())
-    } else {
-        Err(format!(
-            "ip {}: {}",
-            args.join(" "),
-            String::from_utf8_lossy(&out.stderr).trim()
-        ))
-    }
-}
-
-impl TwoHosts {
-    fn create() -> Result<Self, String> {
-        // Unique among the tests of this process, which run at once.
-        static MADE: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
-        let made = MADE.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        let id = format!("{}{made}", std::process::id());
-        let hosts = TwoHosts {
-            names: [format!("flt{id}a"), format!("flt{id}b")],
-            ips: ["10.231.7.1", "10.231.7.2"],
-        };
-        let (a, b) = (&hosts.names[0], &hosts.names[1]);
-        ip(&["netns", "add", a])?;
-        ip(&["netns", "add", b])?;
-        let (va, vb) = (format!("v{id}a"), format!("v{id}b"));
-        ip(&[
-            "link", "add", &va, "netns", a, "type", "veth", "peer", "name", &vb, "netns", b,
-        ])?;
-        for (ns, dev, addr) in [(a, &va, hosts.ips[0]), (b, &vb, hosts.ips[1])] {
-            ip(&["-n", ns, "addr", "add", &format!("{addr}/24"), "dev", dev])?;
-            ip(&["-n", ns, "link", "set", dev, "up"])?;
-            ip(&["-n", ns, "link", "set", "lo", "up"])?;
-        }
-        Ok(hosts)
-    }
-}
-
-impl TwoHosts {
-    /// Two hosts, or `None` after saying why they cannot be made here.
-    fn create_or_say_why() -> Option<Self> {
-        TwoHosts::create()
-            .inspect_err(|reason| eprintln!("skipped: cannot make two network namespaces here ({reason})"))
-            .ok()
-    }
-}
-
-impl Drop for TwoHosts {
-    fn drop(&mut self) {
-        for name in &self.names {
-            let _ = ip(&["netns", "del", name]);
-        }
-    }
-}
-
 /// Starts one launcher per node of `hosts`, each with one rank of the job `settings` writing
 /// into `run_dir` (shared by the nodes, as a shared file system would be). The second node's
 /// launcher may find the first's outputs there already: it is told to write beside them.
-fn launch_on_both(hosts: &TwoHosts, run_dir: &std::path::Path, settings: &[&str]) -> Vec<common::Started> {
+fn launch_on_both(hosts: &Hosts, run_dir: &std::path::Path, settings: &[&str]) -> Vec<common::Started> {
     vec![
         launch_on(hosts, 0, 1, run_dir, settings, &[]),
         launch_on(hosts, 1, 1, run_dir, settings, &["--overwrite"]),
@@ -88,7 +25,7 @@ fn launch_on_both(hosts: &TwoHosts, run_dir: &std::path::Path, settings: &[&str]
 /// Starts the launcher of node `node` of `hosts`, with `per_node` ranks of the job `settings`
 /// writing into `run_dir`, passing `train` the flags `extra` too.
 fn launch_on(
-    hosts: &TwoHosts,
+    hosts: &Hosts,
     node: usize,
     per_node: usize,
     run_dir: &std::path::Path,
@@ -99,7 +36,7 @@ fn launch_on(
     #[rustfmt::skip]
     let mut args = vec![
         "netns", "exec", hosts.names[node].as_str(), env!("CARGO_BIN_EXE_flotilla"),
-        "launch", "--nnodes", "2", "--nproc_per_node", &per_node, "--node_ip", hosts.ips[node],
+        "launch", "--nnodes", "2", "--nproc_per_node", &per_node, "--node_ip", &hosts.ips[node],
         "--cluster_node_ips", &cluster, "--started_port", "6170", "--", "train", "--config", "config.toml",
         "--set", "fault_tolerance.timeout_s=30", "--run-dir", run_dir.to_str().unwrap(),
     ];
@@ -134,7 +71,7 @@ const RECOVERABLE: [&str; 4] = [
 
 #[test]
 fn one_launcher_per_node_trains_like_the_in_process_cluster() {
-    let Some(hosts) = TwoHosts::create_or_say_why() else {
+    let Some(hosts) = Hosts::create_or_say_why(2) else {
         return;
     };
     let dir = tempfile::tempdir().unwrap();
@@ -158,7 +95,7 @@ fn one_launcher_per_node_trains_like_the_in_process_cluster() {
 
 #[test]
 fn a_rank_killed_on_the_second_node_is_replaced_there_and_rank_0_rolls_back_in_place() {
-    let Some(hosts) = TwoHosts::create_or_say_why() else {
+    let Some(hosts) = Hosts::create_or_say_why(2) else {
         return;
     };
     let dir = tempfile::tempdir().unwrap();
@@ -224,7 +161,7 @@ enum Disk {
 /// A job over two nodes without a shared filesystem: each node its own run directory,
 /// checkpoints included, and its part of the job.
 struct Separate {
-    hosts: TwoHosts,
+    hosts: Hosts,
     _dir: tempfile::TempDir,
     run_dirs: [std::path::PathBuf; 2],
     layout: Layout,
@@ -244,13 +181,13 @@ enum Layout {
 /// Starts node `node`'s `launch-ps` of a job with a shard and a trainer on each node of `hosts`,
 /// the coordinator on the first, with the job `settings`, passing `train` the flags `extra`.
 fn launch_ps_on(
-    hosts: &TwoHosts,
+    hosts: &Hosts,
     node: usize,
     run_dir: &std::path::Path,
     settings: &[&str],
     extra: &[&str],
 ) -> common::Started {
-    let [a, b] = hosts.ips;
+    let [a, b] = [&hosts.ips[0], &hosts.ips[1]];
     let (servers, workers, master) = (
         format!("{a}:6170,{b}:6170"),
         format!("{a}:6171,{b}:6171"),
@@ -259,7 +196,7 @@ fn launch_ps_on(
     #[rustfmt::skip]
     let mut args = vec![
         "netns", "exec", hosts.names[node].as_str(), env!("CARGO_BIN_EXE_flotilla"),
-        "launch-ps", "--host", hosts.ips[node], "--servers", &servers, "--workers", &workers,
+        "launch-ps", "--host", &hosts.ips[node], "--servers", &servers, "--workers", &workers,
         "--master", &master, "--", "train", "--config", "examples/ctr_ps.toml",
         "--set", "fault_tolerance.timeout_s=30", "--run-dir", run_dir.to_str().unwrap(),
     ];
@@ -274,7 +211,7 @@ impl Separate {
     /// Two hosts for a job of `per_node` ranks per node with `settings`, or `None` after saying
     /// why they cannot be made here.
     fn create_or_say_why(layout: Layout, settings: &[&str]) -> Option<Self> {
-        let hosts = TwoHosts::create_or_say_why()?;
+        let hosts = Hosts::create_or_say_why(2)?;
         let dir = tempfile::tempdir().unwrap();
         Some(Self {
             hosts,

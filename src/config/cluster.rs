@@ -187,15 +187,27 @@ impl ClusterConfig {
     }
 }
 
-/// Every entry of the list at `key` must be a distinct `ip:port`.
+/// `address` in one spelling (an IP address's canonical one), if it is a `host:port`.
+fn parse_host_port(address: &str) -> Option<String> {
+    if let Ok(addr) = address.parse::<SocketAddr>() {
+        return Some(addr.to_string());
+    }
+    let (host, port) = address.rsplit_once(':')?;
+    let name = |label: &str| {
+        !label.is_empty() && !label.starts_with('-') && label.chars().all(|c| c.is_ascii_alphanumeric() || c == '-')
+    };
+    (port.parse::<u16>().is_ok() && host.split('.').all(name)).then(|| address.to_ascii_lowercase())
+}
+
+/// Every entry of the list at `key` must be a distinct `host:port`: an IP address, or a name
+/// that DNS resolves (a Kubernetes pod's `POD.SERVICE`).
 fn check_address_list(key: &str, addresses: &[String]) -> Result<(), FieldError> {
-    let mut seen: HashMap<SocketAddr, usize> = HashMap::new();
+    let mut seen: HashMap<String, usize> = HashMap::new();
     for (i, address) in addresses.iter().enumerate() {
         let entry = format!("{key}[{i}]");
-        let addr: SocketAddr = address
-            .trim()
-            .parse()
-            .map_err(|_| FieldError::new(&entry, format!("{address:?} is not an ip:port address")))?;
+        let address = address.trim();
+        let addr = parse_host_port(address)
+            .ok_or_else(|| FieldError::new(&entry, format!("{address:?} is not a host:port address")))?;
         if let Some(first) = seen.insert(addr, i) {
             return Err(FieldError::new(entry, format!("{address:?} duplicates {key}[{first}]")));
         }
@@ -264,7 +276,7 @@ mod tests {
         let msg = err_text(load_str("[cluster]\nendpoints = [\"127.0.0.1:7001\", \"localhost\"]\n"));
         assert_eq!(
             msg,
-            "config.toml: cluster.endpoints[1]: \"localhost\" is not an ip:port address"
+            "config.toml: cluster.endpoints[1]: \"localhost\" is not a host:port address"
         );
     }
 

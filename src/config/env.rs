@@ -446,7 +446,7 @@ mod tests {
         assert_eq!(
             msg,
             "environment (PADDLE_TRAINER_ENDPOINTS): cluster.endpoints[1]: \
-             \"nope\" is not an ip:port address"
+             \"nope\" is not a host:port address"
         );
         let msg = err_text(load_with("", &[("PADDLE_NNODES", "-2")], &[]));
         assert!(

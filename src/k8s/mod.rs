@@ -77,7 +77,9 @@ impl K8sOptions {
     fn port(&self) -> Result<u16> {
         match (self.operator, self.port) {
             (Operator::Paddlejob, Some(port)) if port != PADDLE_OPERATOR_PORT => {
-                anyhow::bail!("--port {port}: a PaddleJob's pods are reached on its operator's port {PADDLE_OPERATOR_PORT}")
+                anyhow::bail!(
+                    "--port {port}: a PaddleJob's pods are reached on its operator's port {PADDLE_OPERATOR_PORT}"
+                )
             }
             (Operator::Paddlejob, _) => Ok(PADDLE_OPERATOR_PORT),
             (_, port) => Ok(port.unwrap_or(DEFAULT_STARTED_PORT)),
@@ -113,7 +115,9 @@ fn to_value(object: impl serde::Serialize) -> Result<Value> {
 /// Refuses a name that is not a DNS label, or that makes a pod's host name longer than one.
 fn check_name(name: &str, groups: &[PodGroup]) -> Result<()> {
     let valid = name.chars().next().is_some_and(|c| c.is_ascii_lowercase())
-        && name.chars().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-')
+        && name
+            .chars()
+            .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-')
         && !name.ends_with('-');
     ensure!(
         valid,

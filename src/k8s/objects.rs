@@ -154,7 +154,12 @@ pub(super) fn restarts(config: &JobConfig) -> i32 {
 
 /// The template of `group`'s pods: one `flotilla` container running its launcher, the config
 /// and checkpoint volumes, the token from the job's Secret, requests sized from the config.
-pub(super) fn pod_template(config: &JobConfig, options: &K8sOptions, group: &PodGroup, restart_policy: &str) -> PodTemplateSpec {
+pub(super) fn pod_template(
+    config: &JobConfig,
+    options: &K8sOptions,
+    group: &PodGroup,
+    restart_policy: &str,
+) -> PodTemplateSpec {
     let (container_name, port_name) = match options.operator {
         // The training operator finds its container and port by these names.
         Operator::Pytorchjob => ("pytorch", Some("pytorchjob-port")),

@@ -185,7 +185,11 @@ fn parameter_servers(config: &JobConfig, options: &K8sOptions, port: u16) -> Res
     };
     Ok(vec![
         group(server_role, servers, vec![("server", port)]),
-        group(trainer_role, trainers, vec![("trainer", port), ("coordinator", port + 1)]),
+        group(
+            trainer_role,
+            trainers,
+            vec![("trainer", port), ("coordinator", port + 1)],
+        ),
     ])
 }
 

@@ -144,7 +144,7 @@ impl LaunchPsArgs {
             for (index, endpoint) in endpoints.iter().enumerate() {
                 let (ip, port) = endpoint
                     .rsplit_once(':')
-                    .ok_or_else(|| anyhow::anyhow!("{endpoint:?} is not an ip:port address"))?;
+                    .ok_or_else(|| anyhow::anyhow!("{endpoint:?} is not a host:port address"))?;
                 if !here(endpoint) {
                     continue;
                 }

@@ -2,6 +2,8 @@
 
 #![allow(dead_code)]
 
+pub mod hosts;
+
 use std::collections::HashMap;
 use std::net::TcpListener;
 use std::path::Path;

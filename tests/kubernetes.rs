@@ -1,0 +1,393 @@
+//! `flotilla k8s`: every rendered manifest is valid against Kubernetes' official schemas
+//! (PyPI's `kubernetes-validate`, schemas bundled, offline; CI installs it), and the pods of an
+//! Indexed Job train: each pod's command runs with exactly the environment the kubelet would
+//! give it, in a network namespace of its own, the pods' names resolved through a hosts file
+//! the test writes, the ConfigMap and the checkpoint volume bind-mounted where the pod mounts
+//! them — and the job ends as the in-process run does.
+
+mod common;
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+use common::hosts::Hosts;
+use common::{children_of, config, end_leftovers, flotilla, installed, train_in_process, Finished};
+use serde_json::{json, Value};
+
+/// The manifests `flotilla k8s ARGS` prints, as a list of objects.
+fn render(args: &[&str]) -> Vec<Value> {
+    let args = [&["k8s", "--image", "flotilla:test", "--name", "job"], args].concat();
+    let out = flotilla(&args, &[], 60);
+    assert!(out.success, "flotilla k8s {args:?}:\n{}", out.stderr);
+    let list: Value = serde_json::from_str(&out.stdout).unwrap();
+    assert_eq!(list["kind"], "List");
+    list["items"].as_array().unwrap().clone()
+}
+
+/// The objects of `items` the core API's schemas describe: the core ones as they are, and each
+/// pod template of an operator's custom resource as a `PodTemplate`.
+fn core_objects(items: &[Value]) -> Vec<Value> {
+    let mut objects = Vec::new();
+    for item in items {
+        let templates: Vec<(String, &Value)> = match item["kind"].as_str().unwrap() {
+            "PyTorchJob" => {
+                assert_eq!(item["apiVersion"], "kubeflow.org/v1");
+                let specs = item["spec"]["pytorchReplicaSpecs"].as_object().unwrap();
+                specs
+                    .iter()
+                    .map(|(kind, spec)| (kind.to_lowercase(), &spec["template"]))
+                    .collect()
+            }
+            "PaddleJob" => {
+                assert_eq!(item["apiVersion"], "batch.paddlepaddle.org/v1");
+                assert_eq!(item["spec"]["intranet"], "Service");
+                ["ps", "worker"]
+                    .iter()
+                    .filter(|role| !item["spec"][**role].is_null())
+                    .map(|role| (role.to_string(), &item["spec"][*role]["template"]))
+                    .collect()
+            }
+            _ => {
+                objects.push(item.clone());
+                continue;
+            }
+        };
+        for (role, template) in templates {
+            objects.push(json!({
+                "apiVersion": "v1",
+                "kind": "PodTemplate",
+                "metadata": { "name": format!("job-{role}") },
+                "template": template,
+            }));
+        }
+    }
+    objects
+}
+
+/// Runs `kubernetes-validate --strict` on `objects` against the API version the manifests
+/// target.
+fn validate(objects: &[Value]) -> Finished {
+    let dir = tempfile::tempdir().unwrap();
+    let files: Vec<String> = objects
+        .iter()
+        .enumerate()
+        .map(|(i, object)| {
+            let path = dir.path().join(format!("{i}.json"));
+            std::fs::write(&path, object.to_string()).unwrap();
+            path.display().to_string()
+        })
+        .collect();
+    let mut args = vec!["--strict", "--kubernetes-version", "1.33.0"];
+    args.extend(files.iter().map(String::as_str));
+    common::start_program("kubernetes-validate", &args, &[]).finish(120)
+}
+
+#[test]
+fn every_rendered_manifest_is_valid_against_the_official_schemas() {
+    if !installed("kubernetes-validate", "PyPI's kubernetes-validate") {
+        return;
+    }
+    let collective = ["--set", "cluster.nnodes=4"];
+    let ps = ["--config", "examples/ctr_ps.toml"];
+    let pipeline = ["--config", "examples/gpt_pipeline.toml"];
+    let jobs: [(&[&str], &str, usize); 6] = [
+        (&collective, "indexed", 4),
+        (&collective, "pytorchjob", 3),
+        (&collective, "paddlejob", 3),
+        (&ps, "indexed", 5),
+        (&ps, "paddlejob", 3),
+        (&pipeline, "indexed", 4),
+    ];
+    for (job, operator, count) in jobs {
+        let items = render(&[job, &["--operator", operator]].concat());
+        assert_eq!(items.len(), count, "{job:?} {operator}: {items:?}");
+        let objects = core_objects(&items);
+        let validated = validate(&objects);
+        assert!(
+            validated.success,
+            "{job:?} --operator {operator}:\n{}\n{}",
+            validated.stdout, validated.stderr
+        );
+    }
+    // The validator itself refuses what the schema does not allow.
+    let mut wrong = render(&collective)[0].clone();
+    wrong["spec"] = json!({ "replicas": 2 });
+    assert!(!validate(&[wrong]).success);
+}
+
+#[test]
+fn what_cannot_be_rendered_is_refused_naming_why() {
+    for (args, expected) in [
+        (
+            &["k8s", "--image", "i", "--name", "Job_1"][..],
+            "--name \"Job_1\": a job's name is a DNS label",
+        ),
+        (
+            &[
+                "k8s",
+                "--image",
+                "i",
+                "--config",
+                "examples/ctr_ps.toml",
+                "--operator",
+                "pytorchjob",
+            ],
+            "--operator pytorchjob runs collective jobs; examples/ctr_ps.toml is a parameter-server job (cluster.server_num = 2)",
+        ),
+        (
+            &["k8s", "--image", "i", "--operator", "paddlejob", "--port", "6170"],
+            "--port 6170: a PaddleJob's pods are reached on its operator's port 36000",
+        ),
+    ] {
+        let out = flotilla(args, &[], 60);
+        assert!(!out.success && out.stderr.contains(expected), "{args:?}:\n{}", out.stderr);
+    }
+}
+
+/// The pods of the Indexed Jobs of `items`, run as a kubelet would on `hosts` (one pod per
+/// host, in order), with the Secret's token [`common::TEST_TOKEN`].
+struct Cluster {
+    _dir: tempfile::TempDir,
+    /// Host directories of the pods' volumes, by volume source (`configMap/NAME`, `claim/NAME`).
+    volumes: HashMap<String, PathBuf>,
+    /// `/etc/netns/NAME` of each host, holding its hosts file.
+    netns_dirs: Vec<PathBuf>,
+    /// Mount points this test made on this machine, to remove again.
+    made: Vec<PathBuf>,
+}
+
+/// One pod: its name, its subdomain, its container.
+struct Pod {
+    name: String,
+    index: usize,
+    subdomain: String,
+    spec: Value,
+}
+
+impl Cluster {
+    fn new(items: &[Value]) -> Self {
+        let dir = tempfile::tempdir().unwrap();
+        let mut volumes = HashMap::new();
+        for item in items {
+            let name = item["metadata"]["name"].as_str().unwrap();
+            match item["kind"].as_str().unwrap() {
+                "ConfigMap" => {
+                    let path = dir.path().join("configmaps").join(name);
+                    std::fs::create_dir_all(&path).unwrap();
+                    for (file, text) in item["data"].as_object().unwrap() {
+                        std::fs::write(path.join(file), text.as_str().unwrap()).unwrap();
+                    }
+                    volumes.insert(format!("configMap/{name}"), path);
+                }
+                "PersistentVolumeClaim" => {
+                    let path = dir.path().join("claims").join(name);
+                    std::fs::create_dir_all(&path).unwrap();
+                    volumes.insert(format!("claim/{name}"), path);
+                }
+                _ => {}
+            }
+        }
+        Cluster {
+            _dir: dir,
+            volumes,
+            netns_dirs: Vec::new(),
+            made: Vec::new(),
+        }
+    }
+
+    /// Every pod of the Indexed Jobs of `items`, job by job.
+    fn pods(items: &[Value]) -> Vec<Pod> {
+        items
+            .iter()
+            .filter(|item| item["kind"] == "Job")
+            .flat_map(|job| {
+                assert_eq!(job["spec"]["completionMode"], "Indexed");
+                let name = job["metadata"]["name"].as_str().unwrap().to_string();
+                let spec = job["spec"]["template"]["spec"].clone();
+                (0..job["spec"]["completions"].as_u64().unwrap() as usize).map(move |index| Pod {
+                    name: format!("{name}-{index}"),
+                    index,
+                    subdomain: spec["subdomain"].as_str().unwrap().to_string(),
+                    spec: spec.clone(),
+                })
+            })
+            .collect()
+    }
+
+    /// The host directory a pod's volume `volume` is.
+    fn volume_dir(&self, pod: &Pod, volume: &str) -> PathBuf {
+        let volumes = pod.spec["volumes"].as_array().unwrap();
+        let source = volumes.iter().find(|v| v["name"] == volume).unwrap();
+        let key = match (
+            source["configMap"]["name"].as_str(),
+            source["persistentVolumeClaim"]["claimName"].as_str(),
+        ) {
+            (Some(map), _) => format!("configMap/{map}"),
+            (_, Some(claim)) => format!("claim/{claim}"),
+            _ => panic!("a volume this test does not provide: {source}"),
+        };
+        self.volumes[&key].clone()
+    }
+
+    /// The host path of `path` inside the pods (under one of their mounts).
+    fn host_path(&self, pod: &Pod, path: &str) -> PathBuf {
+        let mounts = pod.spec["containers"][0]["volumeMounts"].as_array().unwrap();
+        for mount in mounts {
+            let inside = mount["mountPath"].as_str().unwrap();
+            if let Ok(rest) = Path::new(path).strip_prefix(inside) {
+                return self.volume_dir(pod, mount["name"].as_str().unwrap()).join(rest);
+            }
+        }
+        panic!("{path} is on no volume of pod {}", pod.name);
+    }
+
+    /// Starts every pod, pod `i` on host `i`, and waits for them all.
+    fn run(&mut self, pods: &[Pod], hosts: &Hosts) -> Vec<Finished> {
+        let names: String = pods
+            .iter()
+            .zip(&hosts.ips)
+            .map(|(pod, ip)| format!("{ip} {}.{} {}\n", pod.name, pod.subdomain, pod.name))
+            .collect();
+        let started: Vec<common::Started> = pods
+            .iter()
+            .zip(&hosts.names)
+            .map(|(pod, netns)| {
+                // `ip netns exec` puts /etc/netns/NAME/hosts in the place of /etc/hosts.
+                let netns_dir = PathBuf::from("/etc/netns").join(netns);
+                std::fs::create_dir_all(&netns_dir).unwrap();
+                std::fs::write(netns_dir.join("hosts"), format!("127.0.0.1 localhost\n{names}")).unwrap();
+                self.netns_dirs.push(netns_dir);
+                self.start(pod, netns)
+            })
+            .collect();
+        let pids: Vec<i32> = started.iter().flat_map(|pod| children_of(pod.child.id())).collect();
+        let finished = started.into_iter().map(|pod| pod.finish(240)).collect();
+        end_leftovers(pids);
+        finished
+    }
+
+    /// Starts `pod` in the network namespace `netns`: its volumes bind-mounted where it mounts
+    /// them (in the namespace's own mount table), its command with exactly its environment.
+    fn start(&mut self, pod: &Pod, netns: &str) -> common::Started {
+        let container = &pod.spec["containers"][0];
+        let mut mounts = String::new();
+        for mount in container["volumeMounts"].as_array().unwrap() {
+            let inside = PathBuf::from(mount["mountPath"].as_str().unwrap());
+            if !inside.exists() {
+                std::fs::create_dir_all(&inside).unwrap();
+                self.made.push(inside.clone());
+            }
+            let source = self.volume_dir(pod, mount["name"].as_str().unwrap());
+            mounts += &format!("mount --bind '{}' '{}' && ", source.display(), inside.display());
+        }
+        let env = environment(pod, container);
+        let mut args = vec![
+            "netns".to_string(),
+            "exec".into(),
+            netns.into(),
+            "sh".into(),
+            "-c".into(),
+            format!("{mounts}exec env -i \"$@\""),
+            pod.name.clone(),
+        ];
+        args.extend(env.iter().map(|(k, v)| format!("{k}={v}")));
+        // The image's `flotilla` is this build's.
+        assert_eq!(container["command"], json!(["flotilla"]));
+        args.push(env!("CARGO_BIN_EXE_flotilla").into());
+        for arg in container["args"].as_array().unwrap() {
+            args.push(expand(arg.as_str().unwrap(), &env));
+        }
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        common::start_program("ip", &args, &[])
+    }
+}
+
+/// The environment the kubelet gives `pod`'s `container`: its variables in order (each may
+/// use the ones before), the Job's index and the pod's host name.
+fn environment(pod: &Pod, container: &Value) -> Vec<(String, String)> {
+    let mut env = vec![
+        ("JOB_COMPLETION_INDEX".to_string(), pod.index.to_string()),
+        ("HOSTNAME".to_string(), pod.name.clone()),
+    ];
+    for var in container["env"].as_array().unwrap() {
+        let name = var["name"].as_str().unwrap().to_string();
+        let value = match (&var["value"], &var["valueFrom"]) {
+            (Value::String(value), _) => expand(value, &env),
+            (_, from)
+                if from["fieldRef"]["fieldPath"]
+                    == "metadata.annotations['batch.kubernetes.io/job-completion-index']" =>
+            {
+                pod.index.to_string()
+            }
+            (_, from) if from["secretKeyRef"]["name"] == "job-token" && from["secretKeyRef"]["key"] == "token" => {
+                common::TEST_TOKEN.to_string()
+            }
+            _ => panic!("a variable this test does not provide: {var}"),
+        };
+        env.push((name, value));
+    }
+    env
+}
+
+/// `text` with every `$(VAR)` of `env` replaced, as the kubelet does.
+fn expand(text: &str, env: &[(String, String)]) -> String {
+    env.iter().fold(text.to_string(), |text, (name, value)| {
+        text.replace(&format!("$({name})"), value)
+    })
+}
+
+impl Drop for Cluster {
+    fn drop(&mut self) {
+        for dir in self.netns_dirs.iter().chain(&self.made) {
+            let _ = std::fs::remove_dir_all(dir);
+        }
+    }
+}
+
+/// Renders `args`' job as Indexed Jobs, runs its pods on hosts of their own, and returns the
+/// run directory all pods wrote into.
+fn train_in_pods(args: &[&str]) -> Option<(Cluster, PathBuf)> {
+    // One emulated cluster at a time: their pods share this machine's mount points.
+    static ONE_CLUSTER: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let _turn = ONE_CLUSTER.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+    let items = render(args);
+    let pods = Cluster::pods(&items);
+    let hosts = Hosts::create_or_say_why(pods.len())?;
+    let mut cluster = Cluster::new(&items);
+    let finished = cluster.run(&pods, &hosts);
+    for (pod, end) in pods.iter().zip(&finished) {
+        assert!(end.success, "pod {} failed:\n{}\n{}", pod.name, end.stdout, end.stderr);
+    }
+    let run_dir = cluster.host_path(&pods[0], flotilla::k8s::RUN_DIR);
+    Some((cluster, run_dir))
+}
+
+fn summary(run_dir: &Path) -> Value {
+    serde_json::from_str(&std::fs::read_to_string(run_dir.join("summary.json")).unwrap()).unwrap()
+}
+
+#[test]
+fn the_pods_of_a_data_parallel_job_train_as_the_in_process_cluster() {
+    let steps = "train.steps=20";
+    #[rustfmt::skip]
+    let args = ["--set", "cluster.nnodes=2", "--set", "cluster.nproc_per_node=1", "--set", steps];
+    let Some((_cluster, run_dir)) = train_in_pods(&args) else {
+        return;
+    };
+    let summary = summary(&run_dir);
+    assert_eq!(summary["world_size"], 2);
+    // Two ranks, one per pod, in the ring order of the in-process job: bitwise equal.
+    let simulated = train_in_process(config(&[steps]));
+    assert_eq!(summary["param_checksum"], simulated.summary.param_checksum.as_str());
+}
+
+#[test]
+fn the_pods_of_a_parameter_server_job_train_as_the_in_process_job() {
+    let steps = "train.steps=40";
+    let args = ["--config", "examples/ctr_ps.toml", "--set", steps];
+    let Some((_cluster, run_dir)) = train_in_pods(&args) else {
+        return;
+    };
+    // A pod per shard and per trainer; sync mode is bitwise equal to the in-process job.
+    common::ps_matches_uninterrupted(&[steps], &summary(&run_dir), &run_dir);
+}
