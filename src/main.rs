@@ -232,29 +232,21 @@ fn run(cli: Cli) -> Result<()> {
     match cli.command {
         Command::Train(args) => train(&args),
         Command::Run { role, train: args } => run_role(role, &args),
-        Command::Launch(args) => {
-            let args = args.with_ports_chosen()?;
-            let exe = std::env::current_exe().context("locating the flotilla binary")?;
-            let train = launched_train(&args.command)?;
-            let mut children = args.plan(exe)?;
-            let config = launched_config(train.as_ref(), &children)?;
-            if config.as_ref().is_some_and(JobConfig::recovers_in_place) {
-                args.recover_in_place(&mut children)?;
+        Command::Launch(args) => match args.parameter_servers()? {
+            Some(ps) => launch_ps(ps),
+            None => {
+                let args = args.with_ports_chosen()?;
+                let exe = std::env::current_exe().context("locating the flotilla binary")?;
+                let train = launched_train(&args.command)?;
+                let mut children = args.plan(exe)?;
+                let config = launched_config(train.as_ref(), &children)?;
+                if config.as_ref().is_some_and(JobConfig::recovers_in_place) {
+                    args.recover_in_place(&mut children)?;
+                }
+                launch(children, train, config, args.processes.max_restarts)
             }
-            launch(children, train, config, args.processes.max_restarts)
-        }
-        Command::LaunchPs(args) => {
-            let args = args.with_ports_chosen()?;
-            let exe = std::env::current_exe().context("locating the flotilla binary")?;
-            let train = launched_train(&args.command)?;
-            let mut children = args.plan(exe)?;
-            let config = launched_config(train.as_ref(), &children)?;
-            if let Some(config) = config.as_ref().filter(|c| c.recovers_in_place()) {
-                let coordinator = args.hosts_coordinator()?.then_some(config.roles());
-                recover_in_place(&mut children, coordinator);
-            }
-            launch(children, train, config, args.processes.max_restarts)
-        }
+        },
+        Command::LaunchPs(args) => launch_ps(args),
         Command::Data(DataCommand::CriteoSynthetic {
             samples,
             out,
@@ -365,6 +357,20 @@ fn launch(
         _ => {}
     }
     supervise(children, OutputMode::Prefixed, restarts, death_watch)
+}
+
+/// `flotilla launch-ps`, or `flotilla launch --run_mode ps`: this node's servers and trainers.
+fn launch_ps(args: LaunchPsArgs) -> Result<()> {
+    let args = args.with_ports_chosen()?;
+    let exe = std::env::current_exe().context("locating the flotilla binary")?;
+    let train = launched_train(&args.command)?;
+    let mut children = args.plan(exe)?;
+    let config = launched_config(train.as_ref(), &children)?;
+    if let Some(config) = config.as_ref().filter(|c| c.recovers_in_place()) {
+        let coordinator = args.hosts_coordinator()?.then_some(config.roles());
+        recover_in_place(&mut children, coordinator);
+    }
+    launch(children, train, config, args.processes.max_restarts)
 }
 
 /// Watches the coordinator of `config`'s job for processes it declares dead.

@@ -138,3 +138,20 @@ fn launchers_given_a_node_rank_and_the_coordinator_train_as_the_in_process_clust
     let simulated = train_in_process(config(&[STEPS]));
     assert_eq!(summary["param_checksum"], simulated.summary.param_checksum.as_str());
 }
+
+#[test]
+fn paddles_run_mode_ps_launches_servers_and_trainers_as_launch_ps_does() {
+    let dir = tempfile::tempdir().unwrap();
+    let steps = "train.steps=40";
+    #[rustfmt::skip]
+    let args = [
+        "launch", "--run_mode", "ps", "--server_num", "2", "--trainer_num", "2", "--",
+        "train", "--config", "examples/ctr_ps.toml", "--set", steps, "--run-dir", dir.path().to_str().unwrap(),
+    ];
+    let finished = start_flotilla(&args, &[]).finish(240);
+    assert!(finished.success, "{}\n{}", finished.stdout, finished.stderr);
+    assert!(finished.stderr.contains("[server 1]"), "{}", finished.stderr);
+    let summary: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.path().join("summary.json")).unwrap()).unwrap();
+    common::ps_matches_uninterrupted(&[steps], &summary, dir.path());
+}

@@ -101,7 +101,13 @@ pub(super) fn job_endpoints(cluster: &ClusterConfig, node_ip: Option<IpAddr>) ->
     } else if cluster.nnodes == 1 {
         let launch = LaunchArgs {
             nnodes: 1,
-            nproc_per_node: cluster.nproc_per_node,
+            nproc_per_node: Some(cluster.nproc_per_node),
+            devices: Vec::new(),
+            run_mode: None,
+            server_num: None,
+            trainer_num: None,
+            servers: Vec::new(),
+            trainers: Vec::new(),
             node_ip: host.clone(),
             cluster_node_ips: vec![host],
             master: cluster.master.clone(),

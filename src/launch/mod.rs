@@ -40,9 +40,29 @@ pub struct LaunchArgs {
     /// Number of nodes in the job.
     #[arg(long, default_value_t = 1)]
     pub nnodes: usize,
-    /// Trainer processes on this node.
-    #[arg(long = "nproc_per_node", alias = "nproc-per-node", default_value_t = 1)]
-    pub nproc_per_node: usize,
+    /// Trainer processes on this node (default: one per `--devices` entry, else 1).
+    #[arg(long = "nproc_per_node", alias = "nproc-per-node")]
+    pub nproc_per_node: Option<usize>,
+    /// This node's devices, comma-separated (Paddle 2.x; alias `--gpus`): local rank `i` uses
+    /// the `i`-th (`FLAGS_selected_gpus`).
+    #[arg(long, alias = "gpus", value_delimiter = ',')]
+    pub devices: Vec<usize>,
+    /// `collective` (the default) or `ps`: a parameter-server job, as `launch-ps` starts it
+    /// (Paddle 2.x's `--run_mode`; implied by the parameter-server flags below).
+    #[arg(long = "run_mode", alias = "run-mode", value_enum)]
+    pub run_mode: Option<RunMode>,
+    /// Parameter-server processes to start (`--run_mode ps`).
+    #[arg(long = "server_num", alias = "server-num")]
+    pub server_num: Option<usize>,
+    /// Trainer processes of a parameter-server job (`--run_mode ps`).
+    #[arg(long = "trainer_num", alias = "trainer-num")]
+    pub trainer_num: Option<usize>,
+    /// Explicit `host:port` of every server, comma-separated (`--run_mode ps`).
+    #[arg(long, value_delimiter = ',')]
+    pub servers: Vec<String>,
+    /// Explicit `host:port` of every trainer, comma-separated (`--run_mode ps`).
+    #[arg(long, value_delimiter = ',')]
+    pub trainers: Vec<String>,
     /// This node's IP, one of --cluster_node_ips.
     #[arg(long = "node_ip", alias = "node-ip", default_value = DEFAULT_NODE_IP)]
     pub node_ip: String,
@@ -146,7 +166,63 @@ pub struct JobAddresses {
     pub servers: Vec<String>,
 }
 
+/// What kind of job `flotilla launch` starts (Paddle 2.x's `--run_mode`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum RunMode {
+    /// Trainers that all-reduce (or a pipeline).
+    Collective,
+    /// Parameter servers and their trainers.
+    Ps,
+}
+
 impl LaunchArgs {
+    /// This node's trainer processes: `--nproc_per_node`, else one per device of `--devices`.
+    fn nproc(&self) -> usize {
+        match (self.nproc_per_node, self.devices.len()) {
+            (Some(count), _) => count,
+            (None, 0) => 1,
+            (None, devices) => devices,
+        }
+    }
+
+    /// The parameter-server launch these arguments ask for (`--run_mode ps`, or its flags), in
+    /// `launch-ps`'s words; `None` for a collective job. Flags of the other mode are refused.
+    pub fn parameter_servers(&self) -> Result<Option<LaunchPsArgs>> {
+        let ps_flags = [
+            ("--server_num", self.server_num.is_some()),
+            ("--trainer_num", self.trainer_num.is_some()),
+            ("--servers", !self.servers.is_empty()),
+            ("--trainers", !self.trainers.is_empty()),
+        ];
+        let given = ps_flags.iter().find(|(_, given)| *given).map(|(flag, _)| *flag);
+        match (self.run_mode, given) {
+            (Some(RunMode::Collective), Some(flag)) => {
+                bail!("{flag} starts parameter servers, but --run_mode is collective")
+            }
+            (None, None) | (Some(RunMode::Collective), None) => return Ok(None),
+            _ => {}
+        }
+        let collective_flags = [
+            ("--nnodes", self.nnodes != 1),
+            ("--nproc_per_node", self.nproc_per_node.is_some()),
+            ("--devices", !self.devices.is_empty()),
+            ("--node-rank", self.node_rank.is_some()),
+        ];
+        if let Some((flag, _)) = collective_flags.iter().find(|(_, given)| *given) {
+            bail!("{flag} places collective ranks; a parameter-server job (--run_mode ps) is placed by --server_num/--trainer_num or --servers/--trainers");
+        }
+        Ok(Some(LaunchPsArgs {
+            server_num: self.server_num,
+            worker_num: self.trainer_num,
+            servers: self.servers.clone(),
+            workers: self.trainers.clone(),
+            host: self.node_ip.clone(),
+            started_port: self.started_port,
+            processes: self.processes.clone(),
+            master: self.named_master()?,
+            command: self.command.clone(),
+        }))
+    }
     /// These arguments with `--started_port` chosen: free ports on this host for a job this
     /// launcher starts whole (one node, no `--master`); else the default every node agrees on.
     pub fn with_ports_chosen(mut self) -> Result<Self> {
@@ -157,7 +233,7 @@ impl LaunchArgs {
         );
         if self.started_port.is_none() {
             self.started_port = Some(match (self.nnodes, self.named_master()?) {
-                (1, None) => ports::free_run(&self.node_ip, 1 + self.nproc_per_node)?,
+                (1, None) => ports::free_run(&self.node_ip, 1 + self.nproc())?,
                 _ => DEFAULT_STARTED_PORT,
             });
         }
@@ -221,8 +297,15 @@ impl LaunchArgs {
     /// computes them from the same flags.
     pub fn addresses(&self) -> Result<JobAddresses> {
         ensure!(
-            self.nnodes >= 1 && self.nproc_per_node >= 1,
+            self.nnodes >= 1 && self.nproc() >= 1,
             "--nnodes and --nproc_per_node must be at least 1"
+        );
+        ensure!(
+            self.devices.is_empty() || self.devices.len() == self.nproc(),
+            "--devices {} names {} device(s), but --nproc_per_node is {}",
+            self.devices.iter().map(usize::to_string).collect::<Vec<_>>().join(","),
+            self.devices.len(),
+            self.nproc()
         );
         if self.node_rank.is_some() {
             // Nodes named by index: the ranks announce their endpoints when they join.
@@ -248,12 +331,12 @@ impl LaunchArgs {
                 self.nnodes
             );
         }
-        let last_port = usize::from(self.started_port()) + self.nproc_per_node;
+        let last_port = usize::from(self.started_port()) + self.nproc();
         ensure!(
             last_port <= usize::from(u16::MAX),
             "--started_port {} leaves no room for {} processes",
             self.started_port(),
-            self.nproc_per_node
+            self.nproc()
         );
         let master = self
             .named_master()?
@@ -261,9 +344,7 @@ impl LaunchArgs {
         let trainers = self
             .cluster_node_ips
             .iter()
-            .flat_map(|ip| {
-                (0..self.nproc_per_node).map(move |i| format!("{ip}:{}", usize::from(self.started_port()) + 1 + i))
-            })
+            .flat_map(|ip| (0..self.nproc()).map(move |i| format!("{ip}:{}", usize::from(self.started_port()) + 1 + i)))
             .collect();
         Ok(JobAddresses {
             master,
@@ -280,7 +361,7 @@ impl LaunchArgs {
             ..
         } = self.addresses()?;
         let node_rank = self.node_index()?;
-        let world = self.nnodes * self.nproc_per_node;
+        let world = self.nnodes * self.nproc();
         let (program, args) = match self.command.split_first() {
             Some((first, rest)) if first == "train" => (
                 flotilla,
@@ -297,25 +378,28 @@ impl LaunchArgs {
         let (master_addr, master_port) = master
             .rsplit_once(':')
             .with_context(|| format!("the coordinator's address {master} has no port"))?;
-        Ok((0..self.nproc_per_node)
+        Ok((0..self.nproc())
             .map(|local_rank| {
-                let rank = node_rank * self.nproc_per_node + local_rank;
+                let rank = node_rank * self.nproc() + local_rank;
                 let mut env = vec![
                     ("TRAINING_ROLE", "TRAINER".to_string()),
                     ("PADDLE_TRAINER_ID", rank.to_string()),
                     ("PADDLE_GLOBAL_RANK", rank.to_string()),
                     ("PADDLE_LOCAL_RANK", local_rank.to_string()),
-                    ("PADDLE_LOCAL_SIZE", self.nproc_per_node.to_string()),
+                    ("PADDLE_LOCAL_SIZE", self.nproc().to_string()),
                     ("PADDLE_NNODES", self.nnodes.to_string()),
                     ("PADDLE_TRAINERS_NUM", world.to_string()),
                     ("PADDLE_MASTER", master.clone()),
                     ("POD_IP", self.node_ip.clone()),
-                    ("FLAGS_selected_gpus", local_rank.to_string()),
+                    (
+                        "FLAGS_selected_gpus",
+                        self.devices.get(local_rank).unwrap_or(&local_rank).to_string(),
+                    ),
                     // torchrun's names for the same, for programs that read those.
                     ("RANK", rank.to_string()),
                     ("LOCAL_RANK", local_rank.to_string()),
                     ("WORLD_SIZE", world.to_string()),
-                    ("LOCAL_WORLD_SIZE", self.nproc_per_node.to_string()),
+                    ("LOCAL_WORLD_SIZE", self.nproc().to_string()),
                     ("MASTER_ADDR", master_addr.trim_matches(['[', ']']).to_string()),
                     ("MASTER_PORT", master_port.to_string()),
                 ];
@@ -324,7 +408,7 @@ impl LaunchArgs {
                     env.push(("PADDLE_TRAINER_ENDPOINTS", endpoints.join(",")));
                     env.push(("PADDLE_CURRENT_ENDPOINT", endpoint.clone()));
                 }
-                env.extend(thread_env(self.nproc_per_node));
+                env.extend(thread_env(self.nproc()));
                 env.extend(token.iter().cloned());
                 ChildSpec {
                     rank,
@@ -343,7 +427,7 @@ impl LaunchArgs {
     /// recovers in place ([`recover_in_place`]); the first node starts the coordinator.
     pub fn recover_in_place(&self, children: &mut Vec<ChildSpec>) -> Result<()> {
         let first_node = self.node_index()? == 0;
-        recover_in_place(children, first_node.then_some(self.nnodes * self.nproc_per_node));
+        recover_in_place(children, first_node.then_some(self.nnodes * self.nproc()));
         Ok(())
     }
 }
@@ -539,6 +623,55 @@ mod tests {
         recover_in_place(&mut plan, Some(2));
         assert_eq!(plan[0].name, "coordinator");
         assert_eq!(plan[0].log, Some("logs/coordinatorlog".into()));
+        Ok(())
+    }
+
+    #[test]
+    fn paddles_devices_give_each_local_rank_its_device_and_count_the_ranks() -> anyhow::Result<()> {
+        let plan = args("--gpus 2,3 -- train").plan("flotilla".into())?;
+        let gpus: Vec<_> = plan
+            .iter()
+            .map(|c| {
+                c.env
+                    .iter()
+                    .find(|(k, _)| k == "FLAGS_selected_gpus")
+                    .map(|(_, v)| v.clone())
+            })
+            .collect();
+        assert_eq!(gpus, [Some("2".to_string()), Some("3".to_string())]);
+        let err = args("--devices 0,1 --nproc_per_node 3 -- train")
+            .plan("f".into())
+            .unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "--devices 0,1 names 2 device(s), but --nproc_per_node is 3"
+        );
+        Ok(())
+    }
+
+    #[test]
+    fn paddles_run_mode_ps_is_a_parameter_server_launch() -> anyhow::Result<()> {
+        let collective = args("--nproc_per_node 2 -- train");
+        assert!(collective.parameter_servers()?.is_none());
+        let ps = args("--run_mode ps --server_num 2 --trainer_num 3 --started_port 7000 -- train")
+            .parameter_servers()?
+            .expect("a parameter-server launch");
+        let plan = ps.plan("flotilla".into())?;
+        let names: Vec<_> = plan.iter().map(|c| c.name.as_str()).collect();
+        assert_eq!(names, ["server 0", "server 1", "trainer 0", "trainer 1", "trainer 2"]);
+        // The servers' and trainers' flags say so without --run_mode.
+        let listed = args("--servers 127.0.0.1:7000 --trainers 127.0.0.1:7001 -- train").parameter_servers()?;
+        assert_eq!(
+            listed.expect("a parameter-server launch").addresses()?.servers,
+            ["127.0.0.1:7000"]
+        );
+        let error = |line: &str| args(line).parameter_servers().unwrap_err().to_string();
+        assert_eq!(
+            error("--run_mode collective --server_num 2 -- train"),
+            "--server_num starts parameter servers, but --run_mode is collective"
+        );
+        assert!(error("--run_mode ps --nproc_per_node 2 --server_num 1 -- train")
+            .starts_with("--nproc_per_node places collective ranks"),);
         Ok(())
     }
 
