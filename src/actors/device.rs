@@ -16,7 +16,8 @@ use crate::collective::{ParamChecksum, Replica, StepReport};
 use crate::config::JobConfig;
 use crate::data::ctr::CtrBatch;
 use crate::data::Batch;
-use crate::engines::comm::memory::{MemoryRings, MemoryTransport};
+use crate::engines::comm::hierarchy::{self, LevelLinks, NodeLayout};
+use crate::engines::comm::memory::MemoryRings;
 use crate::engines::comm::{
     connect_ring, parse_endpoints, CommWorker, Communicator, RingBreaker, RingTransport, Shared,
 };
@@ -37,14 +38,16 @@ pub type ModelFactory = Arc<dyn Fn(&ParamInit) -> Result<Model> + Send + Sync>;
 pub enum RingLink {
     /// Alone: collectives are no-ops.
     Single,
-    /// Threads of one process.
-    Memory(MemoryTransport),
+    /// Threads of one process: the rank's communicator over rings in memory.
+    Memory(Communicator),
     /// A rank of a simulated cluster that recovers in place: its end of each generation's ring.
     Simulated {
         /// This rank.
         rank: usize,
         /// The cluster's rings.
         rings: Arc<MemoryRings>,
+        /// The nodes a hierarchical all-reduce runs over.
+        layout: Option<NodeLayout>,
         /// Where the ring in use is handed, so a rollback order can break it.
         breaker: RingBreaker,
     },
@@ -57,8 +60,13 @@ pub enum RingLink {
         listener: TcpListener,
         /// Deadline of connecting and of every collective.
         timeout: Duration,
-        /// Use shared memory when every rank is on this host.
+        /// Use shared memory when every rank is on this host (or, in a hierarchical
+        /// all-reduce, in the node ring).
         shared_memory: bool,
+        /// `strategy.use_hierarchical_allreduce`.
+        hierarchical: Option<bool>,
+        /// The job's nodes as its config gives them.
+        configured: NodeLayout,
         /// What the ring's connections prove.
         credentials: Credentials,
         /// Where the connected ring's sockets are handed, so a rollback order can break them.
@@ -71,7 +79,7 @@ impl RingLink {
     fn rank(&self) -> usize {
         match self {
             Self::Single => 0,
-            Self::Memory(transport) => transport.rank(),
+            Self::Memory(communicator) => communicator.rank(),
             Self::Simulated { rank, .. } | Self::Tcp { rank, .. } => *rank,
         }
     }
@@ -81,10 +89,25 @@ impl RingLink {
     pub(crate) fn into_communicator(self, roster: &[String], generation: u64) -> Result<Communicator> {
         Ok(match self {
             Self::Single => Communicator::single(),
-            Self::Memory(transport) => Communicator::new(Box::new(transport)),
-            Self::Simulated { rank, rings, breaker } => {
-                let ring = Communicator::new(Box::new(rings.take(generation, RANKS_RING, roster.len(), rank)?));
-                breaker.arm(ring.link_break());
+            Self::Memory(communicator) => communicator,
+            Self::Simulated {
+                rank,
+                rings,
+                layout,
+                breaker,
+            } => {
+                let world = roster.len();
+                let flat = Box::new(rings.take(generation, RANKS_RING, world, rank)?);
+                let ring = match layout {
+                    Some(layout) => {
+                        let (node, local) = (rank / layout.per_node, rank % layout.per_node);
+                        let node_ring = rings.take(generation, &format!("node {node}"), layout.per_node, local)?;
+                        let rail_ring = rings.take(generation, &format!("rail {local}"), layout.nodes, node)?;
+                        Communicator::new(flat).into_levels(Box::new(node_ring), Box::new(rail_ring))
+                    }
+                    None => Communicator::new(flat),
+                };
+                breaker.arm(ring.link_breaks());
                 ring
             }
             Self::Tcp {
@@ -92,19 +115,37 @@ impl RingLink {
                 listener,
                 timeout,
                 shared_memory,
+                hierarchical,
+                configured,
                 credentials,
                 breaker,
             } => {
-                let ring = connect_ring(
+                let endpoints = parse_endpoints(roster)?;
+                let abandoned = breaker.abandons(generation);
+                let flat = connect_ring(
                     rank,
-                    &parse_endpoints(roster)?,
+                    &endpoints,
                     &listener,
                     timeout,
                     shared_memory,
                     &credentials,
-                    &breaker.abandons(generation),
+                    &abandoned,
                 )?;
-                breaker.arm(ring.link_break());
+                let ring = match hierarchy::choose(hierarchical, Some(&endpoints), configured)? {
+                    Some(layout) => {
+                        let links = LevelLinks {
+                            endpoints: &endpoints,
+                            listener: &listener,
+                            timeout,
+                            shared_memory,
+                            credentials: &credentials,
+                            abandoned: &abandoned,
+                        };
+                        hierarchy::connect_levels(flat, layout, &links)?
+                    }
+                    None => flat,
+                };
+                breaker.arm(ring.link_breaks());
                 ring
             }
         })

@@ -8,6 +8,7 @@ pub(super) fn check(config: &JobConfig) -> Result<(), FieldError> {
     let train = &config.train;
     check_pipeline(config)?;
     check_checkpoints(config)?;
+    check_hierarchical_allreduce(config)?;
     if config.cluster.is_parameter_server() {
         check_parameter_server(config)?;
     } else {
@@ -34,6 +35,28 @@ pub(super) fn check(config: &JobConfig) -> Result<(), FieldError> {
             train.gpt.check()?;
             check_files(config)
         }
+    }
+}
+
+/// A hierarchical all-reduce asked for needs a data-parallel ring over several nodes of several
+/// ranks.
+fn check_hierarchical_allreduce(config: &JobConfig) -> Result<(), FieldError> {
+    if config.strategy.use_hierarchical_allreduce != Some(true) {
+        return Ok(());
+    }
+    let key = "strategy.use_hierarchical_allreduce";
+    let (nodes, per_node) = (config.cluster.nnodes, config.cluster.nproc_per_node);
+    if config.cluster.is_parameter_server() {
+        Err(FieldError::new(key, "parameter servers do not all-reduce: it applies to collective jobs"))
+    } else if config.strategy.pipeline {
+        Err(FieldError::new(key, "a pipeline's data-parallel rings are flat: it applies to data-parallel jobs"))
+    } else if nodes < 2 || per_node < 2 {
+        Err(FieldError::new(
+            key,
+            format!("needs several nodes of several ranks, but cluster.nnodes = {nodes} and cluster.nproc_per_node = {per_node}"),
+        ))
+    } else {
+        Ok(())
     }
 }
 

@@ -63,6 +63,14 @@ pub struct DistributedStrategy {
     pub gradient_merge: bool,
     /// How many batches merge, and whether their gradients are averaged or summed.
     pub gradient_merge_configs: GradientMergeConfigs,
+    /// Collective data parallelism: all-reduce in two levels — reduce-scatter inside each
+    /// node, all-reduce across nodes, all-gather inside — so that a node's ranks send
+    /// `nproc_per_node` times less over the network. Unset: whenever the ranks' hosts hold equal
+    /// runs of several ranks; `false`: always the flat ring; `true`: always (in one process or
+    /// on one host, over the config's `cluster.nnodes` × `nproc_per_node`). Its sums are
+    /// associated differently, so it differs from the flat ring in the last bits.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub use_hierarchical_allreduce: Option<bool>,
 }
 
 /// `[strategy.a_sync_configs]`, Paddle's name for the asynchronous parameter-server settings.
@@ -113,6 +121,7 @@ impl Default for DistributedStrategy {
             recompute_configs: RecomputeConfigs::default(),
             gradient_merge: false,
             gradient_merge_configs: GradientMergeConfigs::default(),
+            use_hierarchical_allreduce: None,
         }
     }
 }

@@ -167,7 +167,7 @@ fn rejoin_in_memory(config: Arc<JobConfig>, rank: usize, rings: Arc<MemoryRings>
                 1 => Communicator::single(),
                 _ => Communicator::new(Box::new(rings.take(generation, &replicas_ring(stage), d, replica)?)),
             };
-            let mut breaks: Vec<_> = data_parallel.link_break().into_iter().collect();
+            let mut breaks: Vec<_> = data_parallel.link_breaks();
             let link = match p {
                 // One stage: hand-offs between its own chunks loop back in memory.
                 1 => StageLinks::Made(Box::new(
@@ -318,7 +318,7 @@ impl StageRings {
             abandoned,
         )
         .await?;
-        let mut sockets: Vec<_> = data_parallel.link_break().into_iter().collect();
+        let mut sockets: Vec<_> = data_parallel.link_breaks();
         if let StageLinks::Rings { forward, backward } = &link {
             sockets.extend(forward.link_break());
             sockets.extend(backward.link_break());

@@ -20,6 +20,7 @@ use crate::actors::trainer::InPlace;
 use crate::actors::Coordinator;
 use crate::checkpoint::CheckpointStore;
 use crate::config::JobConfig;
+use crate::engines::comm::hierarchy::NodeLayout;
 use crate::engines::comm::RingBreaker;
 use crate::net::auth::Credentials;
 use crate::net::file_mirror::{serve_mirror, MirrorLine};
@@ -267,6 +268,8 @@ fn ring_link(
         listener,
         timeout: config.fault_tolerance.timeout(),
         shared_memory: config.cluster.shared_memory,
+        hierarchical: config.strategy.use_hierarchical_allreduce,
+        configured: NodeLayout::configured(config),
         credentials: credentials.clone(),
         breaker: breaker.clone(),
     }

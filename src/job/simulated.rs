@@ -24,7 +24,8 @@ use crate::actors::rollback::{order_line, Orders};
 use crate::actors::trainer::{InPlace, RankOutcome};
 use crate::actors::Coordinator;
 use crate::config::JobConfig;
-use crate::engines::comm::memory::{self, LinkFault, MemoryRings};
+use crate::engines::comm::hierarchy::{self, NodeLayout};
+use crate::engines::comm::memory::{LinkFault, MemoryRings};
 use crate::engines::comm::RingBreaker;
 use crate::net::protocol::CoordinatorLine;
 use crate::net::ControlBus;
@@ -98,16 +99,30 @@ pub struct FaultReport {
     pub replaced: Vec<usize>,
 }
 
+/// The nodes a simulated job's all-reduce is hierarchical over: only when asked for (its ranks
+/// share one process, so no hosts tell).
+fn in_process_layout(config: &JobConfig) -> Result<Option<NodeLayout>> {
+    hierarchy::choose(
+        config.strategy.use_hierarchical_allreduce,
+        None,
+        NodeLayout::configured(config),
+    )
+}
+
 pub(super) fn run(job: &TrainingJob, options: &RunOptions) -> Result<RunOutcome> {
     let world = job.config.world_size();
     let recovery = Recovery::plan(&job.config, &options.run_dir, &options.resume)?;
     let timeout = job.config.fault_tolerance.timeout();
+    let layout = in_process_layout(&job.config)?;
     let outcomes = System::new().block_on(async move {
         let coordinator = Coordinator::for_job(&job.config, &recovery).start();
         let links: Vec<RingLink> = if world == 1 {
             vec![RingLink::Single]
         } else {
-            memory::ring(world, timeout).into_iter().map(RingLink::Memory).collect()
+            hierarchy::memory_communicators(world, layout, timeout)
+                .into_iter()
+                .map(RingLink::Memory)
+                .collect()
         };
         let runs: Vec<_> = links
             .into_iter()
@@ -217,6 +232,7 @@ pub(super) fn run_with_faults(
     let recovery = Recovery::plan(&job.config, &options.run_dir, &options.resume)?;
     let world = job.config.world_size();
     let link_faults = plan.on_rings(|from, to| (to == (from + 1) % world).then(|| (RANKS_RING.to_string(), from)))?;
+    let layout = in_process_layout(&job.config)?;
     let (outcomes, report) = run_struck(&job.config, &recovery, plan, link_faults, |incarnation| {
         let rank = incarnation.rank;
         let endpoint = format!("memory:{rank}");
@@ -224,6 +240,7 @@ pub(super) fn run_with_faults(
         let link = move || RingLink::Simulated {
             rank,
             rings: rings.clone(),
+            layout,
             breaker: breaker.clone(),
         };
         let bus = ControlBus::InMemory(incarnation.line);

@@ -10,11 +10,15 @@
 //!   bit-identical results in every world.
 //! - **ring all-reduce**: reduce-scatter then all-gather, `2(n-1)` steps,
 //!   each moving `1/n` of the buffer ([`ring`]).
+//! - **hierarchical all-reduce**: with several ranks on each of several
+//!   nodes, reduce-scatter in the node, all-reduce across nodes, all-gather
+//!   in the node ([`hierarchy`]).
 //! - **worker**: a thread that owns a communicator and runs collectives
 //!   submitted by the compute thread, so communication overlaps backward
 //!   ([`worker`]).
 
 pub mod breaker;
+pub mod hierarchy;
 mod links;
 pub mod memory;
 #[cfg(feature = "cuda")]

@@ -26,6 +26,8 @@ use super::transport::RingTransport;
 /// tensors.
 pub struct Communicator {
     transport: Box<dyn RingTransport>,
+    /// The node and rail rings a hierarchical all-reduce runs over, beside the flat ring.
+    levels: Option<Box<Levels>>,
     #[cfg(feature = "cuda")]
     nccl: Option<super::nccl::NcclComm>,
 }
@@ -73,9 +75,27 @@ impl Communicator {
     pub fn new(transport: Box<dyn RingTransport>) -> Self {
         Self {
             transport,
+            levels: None,
             #[cfg(feature = "cuda")]
             nccl: None,
         }
+    }
+
+    /// This communicator with a hierarchical all-reduce: a reduce-scatter over `node` (the
+    /// ranks of this rank's node), an all-reduce of this rank's share over `rail` (the ranks of
+    /// its local index on every node), and an all-gather over `node` (see
+    /// [`super::hierarchy`]). The other collectives keep to the flat ring.
+    pub fn into_levels(mut self, node: Box<dyn RingTransport>, rail: Box<dyn RingTransport>) -> Self {
+        self.levels = Some(Box::new(Levels {
+            node: Self::new(node),
+            rail: Self::new(rail),
+        }));
+        self
+    }
+
+    /// Whether the all-reduce is hierarchical.
+    pub fn is_hierarchical(&self) -> bool {
+        self.levels.is_some()
     }
 
     /// Joins the ranks' NCCL communicator when they train on distinct GPUs (see
@@ -119,17 +139,43 @@ impl Communicator {
         self.transport.world_size()
     }
 
-    /// What breaks the ring from another thread.
-    pub fn link_break(&self) -> Option<super::LinkBreak> {
-        self.transport.link_break()
+    /// What breaks the ring (and a hierarchy's node and rail rings) from another thread.
+    pub fn link_breaks(&self) -> Vec<super::LinkBreak> {
+        let levels = self.levels.iter().flat_map(|l| l.node.link_breaks().into_iter().chain(l.rail.link_breaks()));
+        self.transport.link_break().into_iter().chain(levels).collect()
     }
 
     /// Sums `data` over all ranks, in place.
     pub fn all_reduce_sum(&mut self, op: &str, data: &mut [f32]) -> Result<()> {
-        if self.world_size() == 1 {
+        if let Some(levels) = self.levels.as_mut() {
+            return levels.all_reduce_sum(op, data);
+        }
+        let n = self.world_size();
+        self.ring_steps(op, data, 0..2 * n.saturating_sub(1))
+    }
+
+    /// The reduce-scatter half of the ring all-reduce: afterwards this rank holds the sum over
+    /// the ring of the returned segment of `data` (the rest is partly reduced).
+    fn reduce_scatter_sum(&mut self, op: &str, data: &mut [f32]) -> Result<Range<usize>> {
+        let (n, rank) = (self.world_size(), self.rank());
+        self.ring_steps(op, data, 0..n.saturating_sub(1))?;
+        Ok(segment(data.len(), n, (rank + 1) % n))
+    }
+
+    /// The all-gather half of the ring all-reduce: each rank's segment of
+    /// [`Communicator::reduce_scatter_sum`] reaches every rank.
+    fn all_gather_reduced(&mut self, op: &str, data: &mut [f32]) -> Result<()> {
+        let n = self.world_size();
+        self.ring_steps(op, data, n.saturating_sub(1)..2 * n.saturating_sub(1))
+    }
+
+    /// Steps `steps` of the ring all-reduce (`0..n-1` reduce, `n-1..2(n-1)` gather), then
+    /// waits until everything queued has been sent.
+    fn ring_steps(&mut self, op: &str, data: &mut [f32], steps: Range<usize>) -> Result<()> {
+        if self.world_size() == 1 || steps.is_empty() {
             return Ok(());
         }
-        let streamed = self.stream_all_reduce(op, data);
+        let streamed = self.stream_steps(op, data, steps);
         // Queued pieces point into `data`: they must be sent before the
         // buffer is handed back, whatever happened.
         let flushed = self.transport.flush(op);
@@ -138,10 +184,9 @@ impl Communicator {
 
     /// Ring all-reduce as a pipeline: every piece is forwarded to the right
     /// as soon as it has been received and reduced, instead of waiting for
-    /// the whole step, so the `2(n-1)` steps overlap.
-    fn stream_all_reduce(&mut self, op: &str, data: &mut [f32]) -> Result<()> {
+    /// the whole step, so the steps overlap.
+    fn stream_steps(&mut self, op: &str, data: &mut [f32], steps: Range<usize>) -> Result<()> {
         let (n, rank, len) = (self.world_size(), self.rank(), data.len());
-        let steps = 2 * (n - 1);
         // The segment received in step `t`, which is also the one sent in
         // step `t + 1`; step 0 sends the rank's own segment.
         let received_in = |t: usize| {
@@ -161,10 +206,13 @@ impl Communicator {
         let bytes_of = |piece: &Range<usize>| unsafe {
             std::slice::from_raw_parts(base.add(piece.start) as *const u8, piece.len() * 4)
         };
-        for piece in pieces(segment(len, n, rank)) {
+        // The first step sends what the step before it received (step 0: the rank's own
+        // segment).
+        let first_sent = steps.start.checked_sub(1).map_or(rank, received_in);
+        for piece in pieces(segment(len, n, first_sent)) {
             unsafe { self.transport.send_queued(op, bytes_of(&piece))? };
         }
-        for t in 0..steps {
+        for t in steps.clone() {
             let reduce = t < n - 1;
             for piece in pieces(segment(len, n, received_in(t))) {
                 let target = unsafe { std::slice::from_raw_parts_mut(base.add(piece.start), piece.len()) };
@@ -179,7 +227,7 @@ impl Communicator {
                 } else {
                     self.transport.recv_into(op, bytemuck::cast_slice_mut(target))?;
                 }
-                if t + 1 < steps {
+                if t + 1 < steps.end {
                     unsafe { self.transport.send_queued(op, bytes_of(&piece))? };
                 }
             }
@@ -274,6 +322,26 @@ impl Communicator {
     pub fn barrier(&mut self, op: &str) -> Result<()> {
         let mut token = [1.0f32];
         self.all_reduce_sum(op, &mut token)
+    }
+}
+
+/// The rings under a hierarchical all-reduce.
+struct Levels {
+    /// The ranks of this rank's node.
+    node: Communicator,
+    /// The ranks of this rank's local index, one per node.
+    rail: Communicator,
+}
+
+impl Levels {
+    /// Reduce-scatter in the node, all-reduce of this rank's share across the nodes, all-gather
+    /// in the node: each share is summed over its node in the node ring's order, then over the
+    /// nodes in the rail ring's, on one rank, and copied — so every rank ends with the same
+    /// bits, and only a `1/per_node` share of the buffer crosses between nodes.
+    fn all_reduce_sum(&mut self, op: &str, data: &mut [f32]) -> Result<()> {
+        let share = self.node.reduce_scatter_sum(op, data)?;
+        self.rail.all_reduce_sum(op, &mut data[share])?;
+        self.node.all_gather_reduced(op, data)
     }
 }
 

@@ -1,0 +1,251 @@
+//! The hierarchical all-reduce's layout and rings. With several ranks on each of several
+//! nodes, a flat ring sends `2(n-1)/n` of every buffer across the network from every rank;
+//! reduce-scatter inside the node (shared memory), all-reduce of each rank's `1/per_node` share
+//! across the nodes (one "rail" ring per local index, TCP), and all-gather inside the node send
+//! `per_node` times less between nodes. The sums are associated differently from the flat
+//! ring's, so the two differ in the last bits (each is deterministic and bit-identical on every
+//! rank).
+
+use std::net::{IpAddr, SocketAddr, TcpListener};
+use std::time::Duration;
+
+use anyhow::{bail, Context, Result};
+
+use super::{connect_ring_transport, memory, Abandoned, Communicator, RingPlace};
+use crate::config::JobConfig;
+use crate::net::auth::Credentials;
+
+/// Ranks on nodes: `nodes` nodes of `per_node` ranks, rank `node·per_node + local`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct NodeLayout {
+    /// Nodes.
+    pub nodes: usize,
+    /// Ranks on each node.
+    pub per_node: usize,
+}
+
+impl NodeLayout {
+    /// The nodes `config` gives its collective job (`cluster.nnodes` × `nproc_per_node`).
+    pub fn configured(config: &JobConfig) -> Self {
+        Self {
+            nodes: config.cluster.nnodes,
+            per_node: config.cluster.nproc_per_node,
+        }
+    }
+
+    /// The ranks of node `node`, in ring order.
+    fn node_ranks(&self, node: usize) -> Vec<usize> {
+        (0..self.per_node).map(|local| node * self.per_node + local).collect()
+    }
+
+    /// The ranks of local index `local`, one per node, in ring order.
+    fn rail_ranks(&self, local: usize) -> Vec<usize> {
+        (0..self.nodes).map(|node| node * self.per_node + local).collect()
+    }
+
+    /// Whether the layout has two levels to split (several nodes of several ranks).
+    fn is_layered(&self) -> bool {
+        self.nodes > 1 && self.per_node > 1
+    }
+
+    /// The layout of the hosts of `endpoints` (by rank): equal numbers of consecutive ranks on
+    /// each host; else why not.
+    pub fn of_hosts(endpoints: &[SocketAddr]) -> std::result::Result<Self, String> {
+        let mut hosts: Vec<(IpAddr, usize)> = Vec::new();
+        for endpoint in endpoints {
+            let ip = endpoint.ip();
+            let seen = hosts.iter().position(|(host, _)| *host == ip);
+            match seen {
+                Some(last) if last + 1 == hosts.len() => hosts[last].1 += 1,
+                Some(_) => return Err(format!("the ranks of host {ip} are not consecutive")),
+                None => hosts.push((ip, 1)),
+            }
+        }
+        let per_node = hosts.first().map_or(0, |(_, count)| *count);
+        if let Some((host, count)) = hosts.iter().find(|(_, count)| *count != per_node) {
+            return Err(format!(
+                "host {host} has {count} rank(s), host {} has {per_node}",
+                hosts[0].0
+            ));
+        }
+        Ok(Self {
+            nodes: hosts.len(),
+            per_node,
+        })
+    }
+}
+
+/// The layout a job's all-reduce runs hierarchically over, if any: `setting` is
+/// `strategy.use_hierarchical_allreduce` (unset: whenever the ranks' hosts make two levels;
+/// `false`: never; `true`: over the hosts, or where all ranks share one host over the config's
+/// `configured` nodes). `endpoints` are the ranks' data endpoints (none in one process).
+pub fn choose(setting: Option<bool>, endpoints: Option<&[SocketAddr]>, configured: NodeLayout) -> Result<Option<NodeLayout>> {
+    let hosts = endpoints.map(NodeLayout::of_hosts);
+    match (setting, hosts) {
+        (Some(false), _) => Ok(None),
+        (None, Some(Ok(layout))) => Ok(layout.is_layered().then_some(layout)),
+        (None, _) => Ok(None),
+        (Some(true), Some(Ok(layout))) if layout.nodes > 1 => {
+            if !layout.is_layered() {
+                bail!("strategy.use_hierarchical_allreduce = true, but each of the {} hosts has one rank", layout.nodes)
+            }
+            Ok(Some(layout))
+        }
+        (Some(true), Some(Err(why))) => bail!("strategy.use_hierarchical_allreduce = true, but {why}"),
+        (Some(true), _) if configured.is_layered() => Ok(Some(configured)),
+        (Some(true), _) => bail!(
+            "strategy.use_hierarchical_allreduce = true needs several nodes of several ranks, but the job has {} node(s) of {}",
+            configured.nodes,
+            configured.per_node
+        ),
+    }
+}
+
+/// Communicators for the `world` ranks of one process, over rings in memory: hierarchical over
+/// `layout` when given.
+pub fn memory_communicators(world: usize, layout: Option<NodeLayout>, timeout: Duration) -> Vec<Communicator> {
+    let flat = memory::ring(world, timeout);
+    let Some(layout) = layout else {
+        return flat.into_iter().map(|end| Communicator::new(Box::new(end))).collect();
+    };
+    // Each rank's end of its node's ring and of its rail's, by rank.
+    let mut nodes: Vec<Option<memory::MemoryTransport>> = (0..world).map(|_| None).collect();
+    let mut rails: Vec<Option<memory::MemoryTransport>> = (0..world).map(|_| None).collect();
+    for node in 0..layout.nodes {
+        for (rank, end) in layout.node_ranks(node).into_iter().zip(memory::ring(layout.per_node, timeout)) {
+            nodes[rank] = Some(end);
+        }
+    }
+    for local in 0..layout.per_node {
+        for (rank, end) in layout.rail_ranks(local).into_iter().zip(memory::ring(layout.nodes, timeout)) {
+            rails[rank] = Some(end);
+        }
+    }
+    flat.into_iter()
+        .zip(nodes.into_iter().zip(rails))
+        .filter_map(|(flat, (node, rail))| Some(Communicator::new(Box::new(flat)).into_levels(Box::new(node?), Box::new(rail?))))
+        .collect()
+}
+
+/// What connecting a rank's node and rail rings takes, beside its connected flat ring.
+pub struct LevelLinks<'a> {
+    /// Every rank's data endpoint, by rank.
+    pub endpoints: &'a [SocketAddr],
+    /// This rank's listener (the flat ring's).
+    pub listener: &'a TcpListener,
+    /// Deadline of connecting each ring.
+    pub timeout: Duration,
+    /// Whether the node ring may use shared memory.
+    pub shared_memory: bool,
+    /// What the rings' connections prove.
+    pub credentials: &'a Credentials,
+    /// Stops the connecting on a rollback order.
+    pub abandoned: &'a Abandoned,
+}
+
+/// `flat`, the connected flat ring of `rank`, with its node and rail rings over `layout`
+/// connected too. A listener takes a hello only from its ring-left neighbour, so the rings are
+/// connected one after another, every rank done with one (a barrier on the flat ring) before
+/// any starts the next.
+pub fn connect_levels(flat: Communicator, layout: NodeLayout, links: &LevelLinks) -> Result<Communicator> {
+    let mut flat = flat;
+    let rank = flat.rank();
+    let (node, local) = (rank / layout.per_node, rank % layout.per_node);
+    let ring = |ranks: Vec<usize>, position: usize, shared_memory: bool, name: &str| -> Result<_> {
+        let endpoints: Vec<SocketAddr> = ranks.iter().map(|&r| links.endpoints[r]).collect();
+        let place = RingPlace::new(position, ranks)?;
+        connect_ring_transport(
+            place,
+            &endpoints,
+            links.listener,
+            links.timeout,
+            shared_memory,
+            links.credentials,
+            links.abandoned,
+        )
+        .with_context(|| format!("rank {rank}: connecting {name}"))
+    };
+    flat.barrier("flat ring connected")?;
+    let node_ring = ring(layout.node_ranks(node), local, links.shared_memory, &format!("the ring of node {node}"))?;
+    flat.barrier("node rings connected")?;
+    let rail_ring = ring(layout.rail_ranks(local), node, false, &format!("the rail ring of local rank {local}"))?;
+    tracing::info!(
+        rank,
+        nodes = layout.nodes,
+        per_node = layout.per_node,
+        "hierarchical all-reduce: node and rail rings connected"
+    );
+    Ok(flat.into_levels(node_ring, rail_ring))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn endpoints(hosts: &[&str]) -> Vec<SocketAddr> {
+        hosts
+            .iter()
+            .enumerate()
+            .map(|(i, host)| format!("{host}:{}", 7000 + i).parse().unwrap())
+            .collect()
+    }
+
+    #[test]
+    fn the_layout_comes_from_the_hosts_and_the_setting() -> Result<()> {
+        let two_by_two = endpoints(&["10.0.0.1", "10.0.0.1", "10.0.0.2", "10.0.0.2"]);
+        let layout = NodeLayout { nodes: 2, per_node: 2 };
+        let configured = NodeLayout { nodes: 1, per_node: 4 };
+        assert_eq!(choose(None, Some(&two_by_two), configured)?, Some(layout));
+        assert_eq!(choose(Some(false), Some(&two_by_two), configured)?, None);
+        assert_eq!((layout.node_ranks(1), layout.rail_ranks(1)), (vec![2, 3], vec![1, 3]));
+        // One host, or one rank per host: flat unless asked, and then the config's nodes.
+        let one_host = endpoints(&["127.0.0.1"; 4]);
+        assert_eq!(choose(None, Some(&one_host), configured)?, None);
+        assert_eq!(choose(None, Some(&endpoints(&["10.0.0.1", "10.0.0.2"])), configured)?, None);
+        assert_eq!(choose(Some(true), Some(&one_host), layout)?, Some(layout));
+        assert_eq!(choose(Some(true), None, layout)?, Some(layout));
+        let uneven = endpoints(&["10.0.0.1", "10.0.0.1", "10.0.0.2"]);
+        assert_eq!(choose(None, Some(&uneven), configured)?, None);
+        let error = choose(Some(true), Some(&uneven), configured).unwrap_err().to_string();
+        assert_eq!(
+            error,
+            "strategy.use_hierarchical_allreduce = true, but host 10.0.0.2 has 1 rank(s), host 10.0.0.1 has 2"
+        );
+        let scattered = endpoints(&["10.0.0.1", "10.0.0.2", "10.0.0.1", "10.0.0.2"]);
+        assert!(choose(Some(true), Some(&scattered), configured)
+            .unwrap_err()
+            .to_string()
+            .contains("the ranks of host 10.0.0.1 are not consecutive"));
+        assert!(choose(Some(true), None, configured).is_err());
+        Ok(())
+    }
+
+    #[test]
+    fn the_hierarchical_all_reduce_sums_as_the_flat_one_and_agrees_on_every_rank() -> Result<()> {
+        let layout = NodeLayout { nodes: 3, per_node: 2 };
+        for len in [0, 1, 5, 1031, 200_003] {
+            let communicators = memory_communicators(6, Some(layout), Duration::from_secs(10));
+            let results: Vec<Vec<f32>> = std::thread::scope(|s| {
+                let handles: Vec<_> = communicators
+                    .into_iter()
+                    .map(|mut c| {
+                        s.spawn(move || {
+                            // Multiples of 1/8 below 1000: every sum is exact in any order.
+                            let mut data: Vec<f32> =
+                                (0..len).map(|i| ((c.rank() * 7919 + i * 31) % 1000) as f32 / 8.0).collect();
+                            c.all_reduce_sum("test", &mut data).map(|()| data)
+                        })
+                    })
+                    .collect();
+                handles.into_iter().map(|h| h.join().expect("rank thread")).collect::<Result<_>>()
+            })?;
+            let expected: Vec<f32> = (0..len)
+                .map(|i| (0..6).map(|r| ((r * 7919 + i * 31) % 1000) as f32 / 8.0).sum())
+                .collect();
+            for result in results {
+                assert_eq!(result, expected, "len {len}");
+            }
+        }
+        Ok(())
+    }
+}
