@@ -17,32 +17,40 @@ use common::{config, max_abs_diff, train_in_process};
 const TOLERANCE: f32 = 1e-5;
 
 fn compare(world: usize, extra: &[&str]) {
-    let run = |nproc: usize| {
-        let nproc = format!("cluster.nproc_per_node={nproc}");
-        let mut overrides = vec!["train.steps=20", "strategy.check_every=5", nproc.as_str()];
-        overrides.extend_from_slice(extra);
+    let nproc = format!("cluster.nproc_per_node={world}");
+    assert_equivalent(
+        &[&["cluster.nproc_per_node=1"], extra].concat(),
+        &[&[nproc.as_str()], extra].concat(),
+    );
+}
+
+/// 20 steps of the job `parallel` end within the tolerance of the same job in one process
+/// (`single`).
+fn assert_equivalent(single: &[&str], parallel: &[&str]) {
+    let run = |settings: &[&str]| {
+        let overrides = [&["train.steps=20", "strategy.check_every=5"], settings].concat();
         train_in_process(config(&overrides))
     };
-    let reference = run(1);
-    let parallel = run(world);
+    let (reference, parallel_run) = (run(single), run(parallel));
+    let world = parallel_run.summary.world_size;
     assert_eq!(reference.summary.steps, 20);
-    assert_eq!(parallel.summary.world_size, world);
-    let diff = max_abs_diff(&reference.parameters, &parallel.parameters);
+    assert_eq!(reference.summary.world_size, 1);
+    let diff = max_abs_diff(&reference.parameters, &parallel_run.parameters);
     assert!(
         diff <= TOLERANCE,
-        "world {world} {extra:?}: max |Δparam| = {diff:e} > {TOLERANCE:e}"
+        "world {world} {parallel:?}: max |Δparam| = {diff:e} > {TOLERANCE:e}"
     );
     let loss_diff = reference
         .losses
         .iter()
-        .zip(&parallel.losses)
+        .zip(&parallel_run.losses)
         .map(|(a, b)| (a - b).abs())
         .fold(0.0, f32::max);
     assert!(
         loss_diff <= 1e-4,
         "world {world}: global mean loss differs by {loss_diff:e}"
     );
-    eprintln!("world {world} {extra:?}: max |Δparam| = {diff:e}");
+    eprintln!("world {world} {parallel:?}: max |Δparam| = {diff:e}");
 }
 
 #[test]
@@ -91,4 +99,16 @@ fn default_job_reaches_the_expected_accuracy() {
         "final loss {}",
         outcome.summary.final_loss
     );
+}
+
+#[test]
+fn a_hierarchical_all_reduce_over_two_nodes_of_two_ranks_equals_one_process() {
+    // Its sums are associated by node, then across nodes: another order than the flat ring's,
+    // under the same tolerance.
+    #[rustfmt::skip]
+    let nodes = ["cluster.nnodes=2", "cluster.nproc_per_node=2", "strategy.use_hierarchical_allreduce=true"];
+    assert_equivalent(&["cluster.nproc_per_node=1"], &nodes);
+    // Small buckets: several all-reduces a step, of lengths the node's shares do not divide.
+    let small = [&nodes[..], &["strategy.fuse_grad_size_in_MB=0.0005"]].concat();
+    assert_equivalent(&["cluster.nproc_per_node=1"], &small);
 }

@@ -94,6 +94,41 @@ fn one_launcher_per_node_trains_like_the_in_process_cluster() {
 }
 
 #[test]
+fn two_ranks_per_node_all_reduce_hierarchically_as_the_in_process_cluster_told_to_does() {
+    let Some(hosts) = Hosts::create_or_say_why(2) else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let run_dir = dir.path().join("run");
+    let launchers = [
+        launch_on(&hosts, 0, 2, &run_dir, &[STEPS], &[]),
+        launch_on(&hosts, 1, 2, &run_dir, &[STEPS], &["--overwrite"]),
+    ];
+    let finished: Vec<_> = launchers.into_iter().map(|l| l.finish(120)).collect();
+    every_node_succeeded(&finished);
+    // Chosen from the hosts: shared memory in each node, TCP across.
+    for node in &finished {
+        assert!(
+            node.stderr
+                .contains("hierarchical all-reduce: node and rail rings connected"),
+            "{}",
+            node.stderr
+        );
+    }
+    let summary: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(run_dir.join("summary.json")).unwrap()).unwrap();
+    assert_eq!(summary["world_size"], 4);
+    // The same reduction order as one process told to all-reduce over 2 nodes of 2 ranks.
+    let hierarchical = [
+        "cluster.nnodes=2",
+        "cluster.nproc_per_node=2",
+        "strategy.use_hierarchical_allreduce=true",
+    ];
+    let simulated = train_in_process(config(&[&[STEPS][..], &hierarchical].concat()));
+    assert_eq!(summary["param_checksum"], simulated.summary.param_checksum.as_str());
+}
+
+#[test]
 fn a_rank_killed_on_the_second_node_is_replaced_there_and_rank_0_rolls_back_in_place() {
     let Some(hosts) = Hosts::create_or_say_why(2) else {
         return;

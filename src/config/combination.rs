@@ -47,9 +47,15 @@ fn check_hierarchical_allreduce(config: &JobConfig) -> Result<(), FieldError> {
     let key = "strategy.use_hierarchical_allreduce";
     let (nodes, per_node) = (config.cluster.nnodes, config.cluster.nproc_per_node);
     if config.cluster.is_parameter_server() {
-        Err(FieldError::new(key, "parameter servers do not all-reduce: it applies to collective jobs"))
+        Err(FieldError::new(
+            key,
+            "parameter servers do not all-reduce: it applies to collective jobs",
+        ))
     } else if config.strategy.pipeline {
-        Err(FieldError::new(key, "a pipeline's data-parallel rings are flat: it applies to data-parallel jobs"))
+        Err(FieldError::new(
+            key,
+            "a pipeline's data-parallel rings are flat: it applies to data-parallel jobs",
+        ))
     } else if nodes < 2 || per_node < 2 {
         Err(FieldError::new(
             key,
@@ -237,6 +243,20 @@ mod tests {
         assert!(config.cluster.is_parameter_server());
         assert_eq!(config.train.hidden_sizes(), vec![256, 128, 64]);
         assert_eq!(config.train.embedding_dim, 9);
+    }
+
+    #[test]
+    fn a_hierarchical_all_reduce_needs_several_nodes_of_several_ranks() {
+        let asked = "[strategy]\nuse_hierarchical_allreduce = true\n";
+        let msg = err_text(load_str(&format!("[cluster]\nnnodes = 1\nnproc_per_node = 4\n{asked}")));
+        assert_eq!(
+            msg,
+            "config.toml: strategy.use_hierarchical_allreduce: needs several nodes of several ranks, but cluster.nnodes = 1 and cluster.nproc_per_node = 4"
+        );
+        let msg = err_text(load_str(&format!("{CTR}{asked}")));
+        assert!(msg.contains("parameter servers do not all-reduce"), "{msg}");
+        let config = load_str(&format!("[cluster]\nnnodes = 2\nnproc_per_node = 2\n{asked}")).unwrap();
+        assert_eq!(config.strategy.use_hierarchical_allreduce, Some(true));
     }
 
     #[test]

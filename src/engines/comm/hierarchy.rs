@@ -79,7 +79,11 @@ impl NodeLayout {
 /// `strategy.use_hierarchical_allreduce` (unset: whenever the ranks' hosts make two levels;
 /// `false`: never; `true`: over the hosts, or where all ranks share one host over the config's
 /// `configured` nodes). `endpoints` are the ranks' data endpoints (none in one process).
-pub fn choose(setting: Option<bool>, endpoints: Option<&[SocketAddr]>, configured: NodeLayout) -> Result<Option<NodeLayout>> {
+pub fn choose(
+    setting: Option<bool>,
+    endpoints: Option<&[SocketAddr]>,
+    configured: NodeLayout,
+) -> Result<Option<NodeLayout>> {
     let hosts = endpoints.map(NodeLayout::of_hosts);
     match (setting, hosts) {
         (Some(false), _) => Ok(None),
@@ -112,18 +116,28 @@ pub fn memory_communicators(world: usize, layout: Option<NodeLayout>, timeout: D
     let mut nodes: Vec<Option<memory::MemoryTransport>> = (0..world).map(|_| None).collect();
     let mut rails: Vec<Option<memory::MemoryTransport>> = (0..world).map(|_| None).collect();
     for node in 0..layout.nodes {
-        for (rank, end) in layout.node_ranks(node).into_iter().zip(memory::ring(layout.per_node, timeout)) {
+        for (rank, end) in layout
+            .node_ranks(node)
+            .into_iter()
+            .zip(memory::ring(layout.per_node, timeout))
+        {
             nodes[rank] = Some(end);
         }
     }
     for local in 0..layout.per_node {
-        for (rank, end) in layout.rail_ranks(local).into_iter().zip(memory::ring(layout.nodes, timeout)) {
+        for (rank, end) in layout
+            .rail_ranks(local)
+            .into_iter()
+            .zip(memory::ring(layout.nodes, timeout))
+        {
             rails[rank] = Some(end);
         }
     }
     flat.into_iter()
         .zip(nodes.into_iter().zip(rails))
-        .filter_map(|(flat, (node, rail))| Some(Communicator::new(Box::new(flat)).into_levels(Box::new(node?), Box::new(rail?))))
+        .filter_map(|(flat, (node, rail))| {
+            Some(Communicator::new(Box::new(flat)).into_levels(Box::new(node?), Box::new(rail?)))
+        })
         .collect()
 }
 
@@ -166,9 +180,19 @@ pub fn connect_levels(flat: Communicator, layout: NodeLayout, links: &LevelLinks
         .with_context(|| format!("rank {rank}: connecting {name}"))
     };
     flat.barrier("flat ring connected")?;
-    let node_ring = ring(layout.node_ranks(node), local, links.shared_memory, &format!("the ring of node {node}"))?;
+    let node_ring = ring(
+        layout.node_ranks(node),
+        local,
+        links.shared_memory,
+        &format!("the ring of node {node}"),
+    )?;
     flat.barrier("node rings connected")?;
-    let rail_ring = ring(layout.rail_ranks(local), node, false, &format!("the rail ring of local rank {local}"))?;
+    let rail_ring = ring(
+        layout.rail_ranks(local),
+        node,
+        false,
+        &format!("the rail ring of local rank {local}"),
+    )?;
     tracing::info!(
         rank,
         nodes = layout.nodes,
@@ -201,7 +225,10 @@ mod tests {
         // One host, or one rank per host: flat unless asked, and then the config's nodes.
         let one_host = endpoints(&["127.0.0.1"; 4]);
         assert_eq!(choose(None, Some(&one_host), configured)?, None);
-        assert_eq!(choose(None, Some(&endpoints(&["10.0.0.1", "10.0.0.2"])), configured)?, None);
+        assert_eq!(
+            choose(None, Some(&endpoints(&["10.0.0.1", "10.0.0.2"])), configured)?,
+            None
+        );
         assert_eq!(choose(Some(true), Some(&one_host), layout)?, Some(layout));
         assert_eq!(choose(Some(true), None, layout)?, Some(layout));
         let uneven = endpoints(&["10.0.0.1", "10.0.0.1", "10.0.0.2"]);
@@ -231,13 +258,17 @@ mod tests {
                     .map(|mut c| {
                         s.spawn(move || {
                             // Multiples of 1/8 below 1000: every sum is exact in any order.
-                            let mut data: Vec<f32> =
-                                (0..len).map(|i| ((c.rank() * 7919 + i * 31) % 1000) as f32 / 8.0).collect();
+                            let mut data: Vec<f32> = (0..len)
+                                .map(|i| ((c.rank() * 7919 + i * 31) % 1000) as f32 / 8.0)
+                                .collect();
                             c.all_reduce_sum("test", &mut data).map(|()| data)
                         })
                     })
                     .collect();
-                handles.into_iter().map(|h| h.join().expect("rank thread")).collect::<Result<_>>()
+                handles
+                    .into_iter()
+                    .map(|h| h.join().expect("rank thread"))
+                    .collect::<Result<_>>()
             })?;
             let expected: Vec<f32> = (0..len)
                 .map(|i| (0..6).map(|r| ((r * 7919 + i * 31) % 1000) as f32 / 8.0).sum())

@@ -141,7 +141,10 @@ impl Communicator {
 
     /// What breaks the ring (and a hierarchy's node and rail rings) from another thread.
     pub fn link_breaks(&self) -> Vec<super::LinkBreak> {
-        let levels = self.levels.iter().flat_map(|l| l.node.link_breaks().into_iter().chain(l.rail.link_breaks()));
+        let levels = self
+            .levels
+            .iter()
+            .flat_map(|l| l.node.link_breaks().into_iter().chain(l.rail.link_breaks()));
         self.transport.link_break().into_iter().chain(levels).collect()
     }
 
