@@ -189,11 +189,13 @@ enum DataCommand {
 
 #[derive(Subcommand)]
 enum BenchCommand {
-    /// Ring all-reduce between processes on loopback.
+    /// Ring all-reduce between processes: on loopback, or this node's part of several nodes.
     Allreduce {
-        /// Processes.
+        /// Processes (on this node).
         #[arg(long, default_value_t = 2)]
         nproc: usize,
+        #[command(flatten)]
+        nodes: allreduce::NodeFlags,
         #[command(flatten)]
         args: AllReduceArgs,
     },
@@ -259,7 +261,7 @@ fn run(cli: Cli) -> Result<()> {
             print_out(&format!("wrote {samples} samples to {}\n", out.display()));
             Ok(())
         }
-        Command::Bench(BenchCommand::Allreduce { nproc, args }) => allreduce::run(nproc, &args),
+        Command::Bench(BenchCommand::Allreduce { nproc, nodes, args }) => allreduce::run(nproc, &nodes, &args),
         Command::Bench(BenchCommand::AllreduceRank(args)) => allreduce::run_rank(&args),
         Command::Bench(BenchCommand::Checkpoint(args)) => checkpoint_bench::run(&args),
         Command::Bench(BenchCommand::Ps(args)) => ps_bench::run(&args),

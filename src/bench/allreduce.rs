@@ -12,6 +12,7 @@ use serde::Serialize;
 
 use crate::actors::Coordinator;
 use crate::config::{DeviceKind, FaultToleranceConfig};
+use crate::engines::comm::hierarchy::{self, LevelLinks, NodeLayout};
 use crate::engines::comm::{connect_ring, Abandoned, Communicator};
 use crate::engines::compute::device_for;
 use crate::job::connect_control;
@@ -37,6 +38,39 @@ pub struct AllReduceArgs {
     /// rank r on visible GPU r; needs a `cuda` build).
     #[arg(long, value_enum, default_value_t = Backend::Ring)]
     pub backend: Backend,
+    /// The ring's all-reduce: one flat ring over every rank, or hierarchical (in each node,
+    /// then across the nodes of `--nnodes`).
+    #[arg(long, value_enum, default_value_t = Algorithm::Flat)]
+    pub algorithm: Algorithm,
+}
+
+/// Where this node's ranks sit in a benchmark over several nodes (one `bench allreduce` per
+/// node, as one launcher per node).
+#[derive(Debug, Clone, clap::Args)]
+pub struct NodeFlags {
+    /// Nodes in the benchmark.
+    #[arg(long, default_value_t = 1)]
+    pub nnodes: usize,
+    /// This node's index.
+    #[arg(long, default_value_t = 0)]
+    pub node_rank: usize,
+    /// Where rank 0 (on node 0) rendezvouses the ranks, `HOST:PORT` (default: a free loopback
+    /// port, one node only).
+    #[arg(long)]
+    pub master: Option<String>,
+    /// The address this node's ranks listen on.
+    #[arg(long, default_value = "127.0.0.1")]
+    pub node_ip: String,
+}
+
+/// The all-reduce algorithm over the ring transports.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Algorithm {
+    /// One ring over every rank.
+    Flat,
+    /// Reduce-scatter in the node, all-reduce across nodes, all-gather in the node.
+    Hierarchical,
 }
 
 /// The all-reduce a benchmark measures.
@@ -70,6 +104,10 @@ pub struct AllReduceFigures {
     pub transport: Transport,
     /// Ring or NCCL.
     pub backend: Backend,
+    /// Flat or hierarchical.
+    pub algorithm: Algorithm,
+    /// Nodes.
+    pub nnodes: usize,
     /// Buffer size in bytes.
     pub bytes: usize,
     /// Median over iterations of the slowest rank's time, seconds.
@@ -80,14 +118,24 @@ pub struct AllReduceFigures {
     pub busbw_gbps: f64,
 }
 
-/// Starts `nproc` ranks of this binary on loopback and relays rank 0's
-/// figures.
-pub fn run(nproc: usize, args: &AllReduceArgs) -> Result<()> {
+/// Starts this node's `nproc` ranks of this binary and relays rank 0's figures.
+pub fn run(nproc: usize, nodes: &NodeFlags, args: &AllReduceArgs) -> Result<()> {
+    let world = nproc * nodes.nnodes;
     anyhow::ensure!(
-        nproc >= 2 || args.backend == Backend::Nccl,
-        "--nproc must be at least 2 for a ring all-reduce benchmark"
+        world >= 2 || args.backend == Backend::Nccl,
+        "a ring all-reduce benchmark needs two ranks or more (--nproc × --nnodes)"
     );
-    let master = free_loopback_port()?;
+    anyhow::ensure!(
+        nodes.node_rank < nodes.nnodes,
+        "--node-rank {} is outside --nnodes {}",
+        nodes.node_rank,
+        nodes.nnodes
+    );
+    let master = match (&nodes.master, nodes.nnodes) {
+        (Some(master), _) => master.clone(),
+        (None, 1) => free_loopback_port()?,
+        (None, _) => anyhow::bail!("--nnodes {} needs --master HOST:PORT, on node 0", nodes.nnodes),
+    };
     let exe = std::env::current_exe().context("locating the flotilla binary")?;
     let mut rank_args = vec![
         "bench".to_string(),
@@ -104,12 +152,20 @@ pub fn run(nproc: usize, args: &AllReduceArgs) -> Result<()> {
     rank_args.push(format!("{:?}", args.transport).to_lowercase());
     rank_args.push("--backend".to_string());
     rank_args.push(format!("{:?}", args.backend).to_lowercase());
+    rank_args.push("--algorithm".to_string());
+    rank_args.push(format!("{:?}", args.algorithm).to_lowercase());
     let threads = std::thread::available_parallelism()
         .map_or(1, |n| n.get())
         .div_ceil(nproc)
         .max(1);
-    let token = ClusterToken::generate()?;
+    // The nodes share one token, as a launched job's do.
+    let token = match std::env::var(TOKEN_VAR) {
+        Ok(token) => token,
+        Err(_) if nodes.nnodes == 1 => ClusterToken::generate()?,
+        Err(_) => anyhow::bail!("{TOKEN_VAR} must be set, the same on every node"),
+    };
     let children = (0..nproc)
+        .map(|local| nodes.node_rank * nproc + local)
         .map(|rank| ChildSpec {
             rank,
             name: format!("rank {rank}"),
@@ -117,7 +173,9 @@ pub fn run(nproc: usize, args: &AllReduceArgs) -> Result<()> {
             args: rank_args.clone(),
             env: vec![
                 ("PADDLE_TRAINER_ID".to_string(), rank.to_string()),
-                ("PADDLE_TRAINERS_NUM".to_string(), nproc.to_string()),
+                ("PADDLE_TRAINERS_NUM".to_string(), world.to_string()),
+                ("PADDLE_NNODES".to_string(), nodes.nnodes.to_string()),
+                ("POD_IP".to_string(), nodes.node_ip.clone()),
                 ("PADDLE_MASTER".to_string(), master.clone()),
                 ("RAYON_NUM_THREADS".to_string(), threads.to_string()),
                 (TOKEN_VAR.to_string(), token.clone()),
@@ -150,7 +208,10 @@ pub fn run_rank(args: &AllReduceArgs) -> Result<()> {
     let master = std::env::var("PADDLE_MASTER").context("PADDLE_MASTER is not set")?;
     let timeout = Duration::from_secs(120);
     let credentials = Credentials::from_env(timeout)?;
-    let listener = TcpListener::bind("127.0.0.1:0").context("binding the ring listener")?;
+    let nodes = env_usize("PADDLE_NNODES")?;
+    let node_ip = std::env::var("POD_IP").context("POD_IP is not set")?;
+    let listener =
+        TcpListener::bind((node_ip.as_str(), 0)).with_context(|| format!("binding the ring listener on {node_ip}"))?;
     let endpoint = listener.local_addr()?.to_string();
     let control = credentials.clone();
     let roster = actix::System::new().block_on(async move {
@@ -175,15 +236,37 @@ pub fn run_rank(args: &AllReduceArgs) -> Result<()> {
     let mut comm = if world == 1 {
         Communicator::single()
     } else {
-        connect_ring(
+        let shared_memory = args.transport == Transport::Shm;
+        let abandoned = Abandoned::never();
+        let flat = connect_ring(
             rank,
             &endpoints,
             &listener,
             timeout,
-            args.transport == Transport::Shm,
+            shared_memory,
             &credentials,
-            &Abandoned::never(),
-        )?
+            &abandoned,
+        )?;
+        match args.algorithm {
+            Algorithm::Flat => flat,
+            Algorithm::Hierarchical => {
+                let configured = NodeLayout {
+                    nodes,
+                    per_node: world / nodes.max(1),
+                };
+                let layout = hierarchy::choose(Some(true), Some(&endpoints), configured)?
+                    .context("a hierarchical all-reduce needs several nodes of several ranks")?;
+                let links = LevelLinks {
+                    endpoints: &endpoints,
+                    listener: &listener,
+                    timeout,
+                    shared_memory,
+                    credentials: &credentials,
+                    abandoned: &abandoned,
+                };
+                hierarchy::connect_levels(flat, layout, &links)?
+            }
+        }
     };
     #[cfg(feature = "cuda")]
     if args.backend == Backend::Nccl {
@@ -191,8 +274,8 @@ pub fn run_rank(args: &AllReduceArgs) -> Result<()> {
     }
     if rank == 0 && !args.json {
         println!(
-            "{:>10} {:>6} {:>9} {:>7} {:>12} {:>12} {:>12}",
-            "size_MiB", "nproc", "transport", "backend", "median_ms", "algbw_GB/s", "busbw_GB/s"
+            "{:>10} {:>6} {:>6} {:>9} {:>7} {:>12} {:>12} {:>12} {:>12}",
+            "size_MiB", "nnodes", "nproc", "transport", "backend", "algorithm", "median_ms", "algbw_GB/s", "busbw_GB/s"
         );
     }
     for &size_mb in &args.size_mb {
@@ -227,6 +310,8 @@ pub fn run_rank(args: &AllReduceArgs) -> Result<()> {
             nproc: world,
             transport: args.transport,
             backend: args.backend,
+            algorithm: args.algorithm,
+            nnodes: nodes,
             bytes,
             median_s: median,
             algbw_gbps: algbw,
@@ -237,11 +322,13 @@ pub fn run_rank(args: &AllReduceArgs) -> Result<()> {
                 println!("{}", serde_json::to_string(&figures)?);
             } else {
                 println!(
-                    "{:>10} {:>6} {:>9} {:>7} {:>12.3} {:>12.3} {:>12.3}",
+                    "{:>10} {:>6} {:>6} {:>9} {:>7} {:>12} {:>12.3} {:>12.3} {:>12.3}",
                     size_mb,
+                    nodes,
                     world,
                     format!("{:?}", args.transport).to_lowercase(),
                     format!("{:?}", args.backend).to_lowercase(),
+                    format!("{:?}", args.algorithm).to_lowercase(),
                     median * 1e3,
                     figures.algbw_gbps,
                     figures.busbw_gbps
