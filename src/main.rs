@@ -237,7 +237,7 @@ fn run(cli: Cli) -> Result<()> {
         Command::Launch(args) => match args.parameter_servers()? {
             Some(ps) => launch_ps(ps),
             None => {
-                let args = args.with_ports_chosen()?;
+                let args = args.placed_by_engine(&process_env)?.with_ports_chosen()?;
                 let exe = std::env::current_exe().context("locating the flotilla binary")?;
                 let train = launched_train(&args.command)?;
                 let mut children = args.plan(exe)?;

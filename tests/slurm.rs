@@ -213,9 +213,11 @@ fn summary(run_dir: &Path) -> serde_json::Value {
 
 /// `srun -n 4`: one task per rank of a data-parallel job, each a `flotilla run` that reads its
 /// rank, the job's size and the coordinator (the step's first node, a port of the job's) from
-/// Slurm; then `srun -n 1` of our parameter-server launcher. Both end as the in-process runs.
+/// Slurm; the same job under `srun --ntasks-per-node=1 flotilla launch` (the launcher's node
+/// rank and coordinator from Slurm); then `srun -n 1` of our parameter-server launcher. Each
+/// ends as the in-process run.
 #[test]
-fn srun_runs_a_data_parallel_job_rank_by_rank_and_a_parameter_server_job_under_its_launcher() {
+fn srun_runs_a_data_parallel_job_rank_by_rank_and_under_launchers_and_a_parameter_server_job() {
     let Some(slurm) = Slurm::start() else {
         return;
     };
@@ -231,6 +233,18 @@ fn srun_runs_a_data_parallel_job_rank_by_rank_and_a_parameter_server_job_under_i
     assert_eq!(collective["world_size"], 4);
     let simulated = train_in_process(config(&[STEPS, "cluster.nproc_per_node=4"]));
     assert_eq!(collective["param_checksum"], simulated.summary.param_checksum.as_str());
+
+    // One launcher per node, its place and the coordinator from Slurm.
+    let run_dir: PathBuf = slurm.dir.path().join("launched");
+    #[rustfmt::skip]
+    let launcher = [
+        "-N", "1", "--ntasks-per-node", "1", "--overcommit",
+        flotilla, "launch", "--nproc_per_node", "4", "--", "train", "--config", "config.toml", "--set", STEPS,
+        "--run-dir", run_dir.to_str().unwrap(),
+    ];
+    slurm.srun(&launcher, &[]);
+    let launched = summary(&run_dir);
+    assert_eq!(launched["param_checksum"], simulated.summary.param_checksum.as_str());
 
     let run_dir = slurm.dir.path().join("parameter-server");
     let port = free_port_range(6).to_string();

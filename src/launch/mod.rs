@@ -185,6 +185,54 @@ impl LaunchArgs {
         }
     }
 
+    /// These arguments with this node's place taken from the cluster engine that started this
+    /// launcher, one per node (`srun --ntasks-per-node=1 flotilla launch …`, `mpirun --map-by
+    /// ppr:1:node flotilla launch …`), when no flag places it: the engine's task index is the
+    /// node rank, its task count the number of nodes, and its coordinator address (Slurm: the
+    /// step's first node, at a port the job id derives) the master.
+    pub fn placed_by_engine(mut self, env: &dyn Fn(&str) -> Option<String>) -> Result<Self> {
+        let placed = self.node_rank.is_some()
+            || self.named_master()?.is_some()
+            || self.cluster_node_ips != [DEFAULT_NODE_IP]
+            || self.standalone;
+        if placed {
+            return Ok(self);
+        }
+        let engine = crate::config::placement::engine_env(env)?;
+        let value = |var: &str| engine.get(var).cloned().or_else(|| env(var));
+        let (Some(task), Some(tasks)) = (engine.get("RANK"), engine.get("WORLD_SIZE")) else {
+            return Ok(self);
+        };
+        let number = |var: &str, text: &str| -> Result<usize> {
+            text.trim()
+                .parse()
+                .with_context(|| format!("the engine's {var} = {text:?} is not a number"))
+        };
+        let (node, nodes) = (number("RANK", task)?, number("WORLD_SIZE", tasks)?);
+        if let Some(per_node) = engine.get("LOCAL_WORLD_SIZE").filter(|n| n.trim() != "1") {
+            bail!(
+                "the cluster engine started {per_node} launchers on this node: start one per node                  (srun --ntasks-per-node=1, mpirun --map-by ppr:1:node), each starting --nproc_per_node ranks"
+            );
+        }
+        ensure!(
+            self.nnodes == 1 || self.nnodes == nodes,
+            "--nnodes {} contradicts the cluster engine's {nodes} tasks (one launcher per node)",
+            self.nnodes
+        );
+        let (Some(addr), Some(port)) = (value("MASTER_ADDR"), value("MASTER_PORT")) else {
+            bail!("the cluster engine names no coordinator: pass --master-addr and --master-port");
+        };
+        self.nnodes = nodes;
+        self.node_rank = Some(node);
+        self.master_addr = Some(addr);
+        self.master_port = Some(
+            port.trim()
+                .parse()
+                .with_context(|| format!("MASTER_PORT = {port:?} is not a port"))?,
+        );
+        Ok(self)
+    }
+
     /// The parameter-server launch these arguments ask for (`--run_mode ps`, or its flags), in
     /// `launch-ps`'s words; `None` for a collective job. Flags of the other mode are refused.
     pub fn parameter_servers(&self) -> Result<Option<LaunchPsArgs>> {
@@ -672,6 +720,49 @@ mod tests {
         );
         assert!(error("--run_mode ps --nproc_per_node 2 --server_num 1 -- train")
             .starts_with("--nproc_per_node places collective ranks"),);
+        Ok(())
+    }
+
+    #[test]
+    fn a_launcher_started_by_srun_on_each_node_takes_its_place_from_slurm() -> anyhow::Result<()> {
+        let slurm = |procid: &'static str, tasks: &'static str| {
+            move |var: &str| {
+                let value = match var {
+                    "SLURM_PROCID" => procid,
+                    "SLURM_NTASKS" => tasks,
+                    "SLURM_STEP_NODELIST" => "node[1-2]",
+                    "SLURM_JOB_ID" => "42",
+                    "SLURM_STEP_ID" => "0",
+                    _ => return None,
+                };
+                Some(value.to_string())
+            }
+        };
+        let launch = args("--nproc_per_node 2 -- train").placed_by_engine(&slurm("1", "2"))?;
+        assert_eq!((launch.nnodes, launch.node_rank), (2, Some(1)));
+        assert_eq!(launch.master_addr.as_deref(), Some("node1"));
+        let plan = launch.plan("flotilla".into())?;
+        assert_eq!(plan.iter().map(|c| c.rank).collect::<Vec<_>>(), [2, 3]);
+        // Flags that place the node win; two launchers on one node are refused.
+        let flagged =
+            args("--node-rank 0 --master-addr a --master-port 1 -- train").placed_by_engine(&slurm("1", "2"))?;
+        assert_eq!(flagged.node_rank, Some(0));
+        let error = args("-- train")
+            .placed_by_engine(&slurm("1", "4"))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            error.starts_with("the cluster engine started 2 launchers on this node"),
+            "{error}"
+        );
+        let error = args("--nnodes 3 -- train")
+            .placed_by_engine(&slurm("1", "2"))
+            .unwrap_err()
+            .to_string();
+        assert_eq!(
+            error,
+            "--nnodes 3 contradicts the cluster engine's 2 tasks (one launcher per node)"
+        );
         Ok(())
     }
 
