@@ -1,7 +1,7 @@
 //! Ranks started without our launcher, by the contracts other launchers use: each process reads
-//! its rank, the job's size and the coordinator from torchrun's variables, or from Open MPI's
-//! when `mpirun` (Debian's `openmpi-bin`, which CI installs) starts them, and the job trains as
-//! the in-process cluster does.
+//! its rank, the job's size and the coordinator from torchrun's variables, or from Open MPI's or
+//! MPICH's when their `mpirun` (Debian's `openmpi-bin` and `mpich`, which CI installs) starts
+//! them, and the job trains as the in-process cluster does.
 
 mod common;
 
@@ -73,26 +73,39 @@ fn paddles_and_torchruns_variables_that_disagree_are_refused_naming_both() {
 }
 
 #[test]
-fn ranks_started_by_mpirun_train_as_the_in_process_cluster() {
-    if !installed("mpirun", "openmpi-bin") {
+fn ranks_started_by_open_mpis_mpirun_train_as_the_in_process_cluster() {
+    #[rustfmt::skip]
+    let flags = ["--allow-run-as-root", "--oversubscribe", "-x", "FLOTILLA_TOKEN", "-x", "FLOTILLA_RUN_DIR"];
+    ranks_started_by("mpirun.openmpi", "openmpi-bin", &flags);
+}
+
+#[test]
+fn ranks_started_by_mpichs_mpirun_train_as_the_in_process_cluster() {
+    // Hydra passes the whole environment on.
+    ranks_started_by("mpirun.mpich", "mpich", &[]);
+}
+
+/// `mpirun -np 4` of `package` (with its `flags`) starts four ranks that read their places
+/// from its variables and train as the in-process cluster does.
+fn ranks_started_by(mpirun: &str, package: &str, flags: &[&str]) {
+    if !installed(mpirun, package) {
         return;
     }
     let dir = tempfile::tempdir().unwrap();
     let run_dir = dir.path().display().to_string();
     #[rustfmt::skip]
-    let args = [
-        "--allow-run-as-root", "--oversubscribe", "-np", "4",
-        "-x", "FLOTILLA_TOKEN", "-x", "FLOTILLA_RUN_DIR",
+    let rank = [
+        "-np", "4",
         env!("CARGO_BIN_EXE_flotilla"), "run", "--role", "trainer", "--config", "config.toml", "--set", STEPS,
     ];
     let env = [
         ("FLOTILLA_TOKEN", common::TEST_TOKEN.to_string()),
         ("FLOTILLA_RUN_DIR", run_dir),
     ];
-    let finished = start_program("mpirun", &args, &env).finish(180);
+    let finished = start_program(mpirun, &[flags, &rank].concat(), &env).finish(180);
     assert!(
         finished.success,
-        "mpirun failed:\n{}\n{}",
+        "{mpirun} failed:\n{}\n{}",
         finished.stdout, finished.stderr
     );
     let summary: serde_json::Value =

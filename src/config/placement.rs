@@ -70,6 +70,10 @@ struct MpiVars {
     local_size: &'static str,
     /// Variables naming the job, any of which derives the coordinator's port on one host.
     job: &'static [&'static str],
+    /// Whether the ranks' parent process names the job where no variable does: MPICH's Hydra
+    /// (PMI-1) keeps the job's name off the environment, and starts the ranks of one host
+    /// from one proxy process.
+    parent_names_job: bool,
 }
 
 const OPEN_MPI: MpiVars = MpiVars {
@@ -79,6 +83,7 @@ const OPEN_MPI: MpiVars = MpiVars {
     local_rank: "OMPI_COMM_WORLD_LOCAL_RANK",
     local_size: "OMPI_COMM_WORLD_LOCAL_SIZE",
     job: &["PMIX_NAMESPACE", "OMPI_MCA_ess_base_jobid", "OMPI_MCA_orte_ess_jobid"],
+    parent_names_job: false,
 };
 
 const MPICH: MpiVars = MpiVars {
@@ -88,6 +93,7 @@ const MPICH: MpiVars = MpiVars {
     local_rank: "MPI_LOCALRANKID",
     local_size: "MPI_LOCALNRANKS",
     job: &["PMI_KVSNAME", "PMIX_NAMESPACE"],
+    parent_names_job: true,
 };
 
 /// A number variable `var` the engine must have set.
@@ -123,6 +129,10 @@ fn mpi(env: &dyn Fn(&str) -> Option<String>, vars: MpiVars) -> Result<HashMap<St
             .job
             .iter()
             .find_map(|var| env(var))
+            .or_else(|| {
+                vars.parent_names_job
+                    .then(|| format!("proxy {}", std::os::unix::process::parent_id()))
+            })
             .filter(|_| local_size == Some(size));
         let Some(job) = job else {
             bail!(
