@@ -213,21 +213,32 @@ enum Layout {
     ParameterServers,
 }
 
-/// Starts node `node`'s `launch-ps` of a job with a shard and a trainer on each node of `hosts`,
-/// the coordinator on the first, with the job `settings`, passing `train` the flags `extra`.
+/// Where a parameter-server job's roles run on the two nodes.
+#[derive(Clone, Copy, PartialEq)]
+enum PsPlacement {
+    /// A shard and a trainer on each node.
+    Mixed,
+    /// Both shards on the first node, both trainers on the second.
+    Apart,
+}
+
+/// Starts node `node`'s `launch-ps` of a job with two shards and two trainers placed on the
+/// nodes of `hosts` as `placement` says, the coordinator on the first, with the job `settings`,
+/// passing `train` the flags `extra`.
 fn launch_ps_on(
     hosts: &Hosts,
     node: usize,
+    placement: PsPlacement,
     run_dir: &std::path::Path,
     settings: &[&str],
     extra: &[&str],
 ) -> common::Started {
     let [a, b] = [&hosts.ips[0], &hosts.ips[1]];
-    let (servers, workers, master) = (
-        format!("{a}:6170,{b}:6170"),
-        format!("{a}:6171,{b}:6171"),
-        format!("{a}:6172"),
-    );
+    let (servers, workers) = match placement {
+        PsPlacement::Mixed => (format!("{a}:6170,{b}:6170"), format!("{a}:6171,{b}:6171")),
+        PsPlacement::Apart => (format!("{a}:6170,{a}:6171"), format!("{b}:6170,{b}:6171")),
+    };
+    let master = format!("{a}:6172");
     #[rustfmt::skip]
     let mut args = vec![
         "netns", "exec", hosts.names[node].as_str(), env!("CARGO_BIN_EXE_flotilla"),
@@ -263,7 +274,7 @@ impl Separate {
         let settings: Vec<&str> = self.settings.iter().map(String::as_str).collect();
         match self.layout {
             Layout::Ranks(per_node) => launch_on(hosts, node, per_node, run_dir, &settings, extra),
-            Layout::ParameterServers => launch_ps_on(hosts, node, run_dir, &settings, extra),
+            Layout::ParameterServers => launch_ps_on(hosts, node, PsPlacement::Mixed, run_dir, &settings, extra),
         }
     }
 
@@ -409,6 +420,37 @@ fn a_stage_only_its_lost_node_held_comes_back_from_the_buddy_copy_on_the_other_n
     let mut twin: Vec<&str> = settings[..6].to_vec();
     twin.push("cluster.nproc_per_node=2");
     job.ends_as(&twin);
+}
+
+#[test]
+fn a_parameter_server_job_with_its_shards_on_one_node_and_its_trainers_on_the_other_trains_as_in_one_process() {
+    let Some(hosts) = Hosts::create_or_say_why(2) else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let run_dir = dir.path().join("run");
+    let steps = "train.steps=40";
+    let launchers = [
+        launch_ps_on(&hosts, 0, PsPlacement::Apart, &run_dir, &[steps], &[]),
+        launch_ps_on(&hosts, 1, PsPlacement::Apart, &run_dir, &[steps], &["--overwrite"]),
+    ];
+    let finished: Vec<_> = launchers.into_iter().map(|l| l.finish(180)).collect();
+    every_node_succeeded(&finished);
+    // The first node ran the shards (and the coordinator), the second the trainers.
+    let started = |node: usize, process: &str| finished[node].stderr.contains(&format!("process={process} pid="));
+    assert!(
+        started(0, "server 1") && !started(0, "trainer 0"),
+        "{}",
+        finished[0].stderr
+    );
+    assert!(
+        started(1, "trainer 1") && !started(1, "server 0"),
+        "{}",
+        finished[1].stderr
+    );
+    let summary: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(run_dir.join("summary.json")).unwrap()).unwrap();
+    common::ps_matches_uninterrupted(&[steps], &summary, &run_dir);
 }
 
 /// A sync parameter-server job over the two nodes: a shard and a trainer on each, whose
