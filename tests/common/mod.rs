@@ -3,6 +3,7 @@
 #![allow(dead_code)]
 
 pub mod hosts;
+pub mod slurm;
 
 use std::collections::HashMap;
 use std::net::TcpListener;
