@@ -1,7 +1,8 @@
 //! `flotilla k8s`: every rendered manifest is valid against Kubernetes' official schemas
-//! (PyPI's `kubernetes-validate`, schemas bundled, offline; CI installs it), and the pods of an
-//! Indexed Job train: each pod's command runs with exactly the environment the kubelet would
-//! give it, in a network namespace of its own, the pods' names resolved through a hosts file
+//! (PyPI's `kubernetes-validate`, schemas bundled, offline; CI installs it), and the pods of
+//! each form train — an Indexed Job's, and a PyTorchJob's and a PaddleJob's with the variables
+//! their operators add (as the operators' sources set them): each pod's command runs with
+//! exactly the environment the kubelet would give it, in a network namespace of its own, the pods' names resolved through a hosts file
 //! the test writes, the ConfigMap and the checkpoint volume bind-mounted where the pod mounts
 //! them — and the job ends as the in-process run does.
 
@@ -156,12 +157,16 @@ struct Cluster {
     made: Vec<PathBuf>,
 }
 
-/// One pod: its name, its subdomain, its container.
+/// One pod: its name, its index in its Job, the names it is found by, its spec, and what its
+/// controller adds to its container's environment.
 struct Pod {
     name: String,
     index: usize,
-    subdomain: String,
+    /// `POD.SUBDOMAIN` beside `POD` (an Indexed Job's pods under the headless Service).
+    subdomain: Option<String>,
     spec: Value,
+    /// Variables the operator appends to the container's own, in its order.
+    operator_env: Vec<(String, String)>,
 }
 
 impl Cluster {
@@ -195,23 +200,118 @@ impl Cluster {
         }
     }
 
-    /// Every pod of the Indexed Jobs of `items`, job by job.
+    /// Every pod of `items`: those the Job controller makes of each Indexed Job, or the
+    /// training operator of its PyTorchJob or PaddleJob, with the environment each operator
+    /// adds (as their sources set it: Kubeflow's `pytorch/envvar.go`, Paddle's
+    /// `paddlejob_helper.go`).
     fn pods(items: &[Value]) -> Vec<Pod> {
-        items
-            .iter()
-            .filter(|item| item["kind"] == "Job")
-            .flat_map(|job| {
-                assert_eq!(job["spec"]["completionMode"], "Indexed");
-                let name = job["metadata"]["name"].as_str().unwrap().to_string();
-                let spec = job["spec"]["template"]["spec"].clone();
-                (0..job["spec"]["completions"].as_u64().unwrap() as usize).map(move |index| Pod {
-                    name: format!("{name}-{index}"),
-                    index,
-                    subdomain: spec["subdomain"].as_str().unwrap().to_string(),
-                    spec: spec.clone(),
+        let config_map = |name: &str| -> Vec<(String, String)> {
+            let map = items
+                .iter()
+                .find(|i| i["kind"] == "ConfigMap" && i["metadata"]["name"] == name);
+            map.and_then(|m| m["data"].as_object())
+                .map(|data| {
+                    data.iter()
+                        .map(|(k, v)| (k.clone(), v.as_str().unwrap().to_string()))
+                        .collect()
                 })
-            })
-            .collect()
+                .unwrap_or_default()
+        };
+        let mut pods = Vec::new();
+        for item in items {
+            let job = item["metadata"]["name"].as_str().unwrap();
+            match item["kind"].as_str().unwrap() {
+                "Job" => {
+                    assert_eq!(item["spec"]["completionMode"], "Indexed");
+                    let spec = &item["spec"]["template"]["spec"];
+                    for index in 0..item["spec"]["completions"].as_u64().unwrap() as usize {
+                        pods.push(Pod {
+                            name: format!("{job}-{index}"),
+                            index,
+                            subdomain: Some(spec["subdomain"].as_str().unwrap().to_string()),
+                            spec: spec.clone(),
+                            operator_env: Vec::new(),
+                        });
+                    }
+                }
+                "PyTorchJob" => {
+                    let specs = &item["spec"]["pytorchReplicaSpecs"];
+                    let per_node: usize = item["spec"]["nprocPerNode"].as_str().unwrap().parse().unwrap();
+                    let replicas = |kind: &str| specs[kind]["replicas"].as_u64().unwrap_or(0) as usize;
+                    let nodes = replicas("Master") + replicas("Worker");
+                    let master = &specs["Master"]["template"]["spec"];
+                    let ports = master["containers"][0]["ports"].as_array().unwrap();
+                    let port = ports.iter().find(|p| p["name"] == "pytorchjob-port").unwrap()["containerPort"].clone();
+                    for (kind, first_rank) in [("Master", 0), ("Worker", 1)] {
+                        for index in 0..replicas(kind) {
+                            let rank = (first_rank + index).to_string();
+                            pods.push(Pod {
+                                name: format!("{job}-{}-{index}", kind.to_lowercase()),
+                                index,
+                                subdomain: None,
+                                spec: specs[kind]["template"]["spec"].clone(),
+                                operator_env: [
+                                    ("PYTHONUNBUFFERED", "1".to_string()),
+                                    ("MASTER_PORT", port.to_string()),
+                                    ("MASTER_ADDR", format!("{job}-master-0")),
+                                    ("WORLD_SIZE", (nodes * per_node).to_string()),
+                                    ("RANK", rank.clone()),
+                                    ("PET_NODE_RANK", rank),
+                                    ("PET_NPROC_PER_NODE", per_node.to_string()),
+                                    ("PET_NNODES", nodes.to_string()),
+                                ]
+                                .map(|(k, v)| (k.to_string(), v))
+                                .to_vec(),
+                            });
+                        }
+                    }
+                }
+                "PaddleJob" => {
+                    assert_eq!(item["spec"]["intranet"], "Service");
+                    let endpoints = |role: &str| -> Vec<String> {
+                        let count = item["spec"][role]["replicas"].as_u64().unwrap_or(0);
+                        (0..count).map(|i| format!("{job}-{role}-{i}:36000")).collect()
+                    };
+                    // The operator's ConfigMap of the job (named as the job), read through envFrom.
+                    let mut shared = vec![
+                        ("TRAINER_PORTS_NUM".to_string(), "20".to_string()),
+                        ("PADDLE_PORT".to_string(), "41234".to_string()),
+                        ("PADDLE_TRAINER_ENDPOINTS".to_string(), endpoints("worker").join(",")),
+                        ("PADDLE_TRAINERS_NUM".to_string(), endpoints("worker").len().to_string()),
+                    ];
+                    if !item["spec"]["ps"].is_null() {
+                        shared.push(("PADDLE_PSERVERS_IP_PORT_LIST".to_string(), endpoints("ps").join(",")));
+                    }
+                    for (role, training_role) in [("ps", "PSERVER"), ("worker", "TRAINER")] {
+                        let Some(count) = item["spec"][role]["replicas"].as_u64() else {
+                            continue;
+                        };
+                        for index in 0..count as usize {
+                            let name = format!("{job}-{role}-{index}");
+                            let mut operator_env: Vec<(String, String)> = [
+                                ("POD_IP", name.clone()),
+                                ("PADDLE_TRAINER_ID", index.to_string()),
+                                ("TRAINING_ROLE", training_role.to_string()),
+                                ("PADDLE_TRAINING_ROLE", training_role.to_string()),
+                            ]
+                            .map(|(k, v)| (k.to_string(), v))
+                            .to_vec();
+                            operator_env.extend(shared.iter().cloned());
+                            pods.push(Pod {
+                                name,
+                                index,
+                                subdomain: None,
+                                spec: item["spec"][role]["template"]["spec"].clone(),
+                                operator_env,
+                            });
+                        }
+                    }
+                }
+                "ConfigMap" => assert!(config_map(job).iter().any(|(file, _)| file == "job.toml")),
+                _ => {}
+            }
+        }
+        pods
     }
 
     /// The host directory a pod's volume `volume` is.
@@ -246,7 +346,10 @@ impl Cluster {
         let names: String = pods
             .iter()
             .zip(&hosts.ips)
-            .map(|(pod, ip)| format!("{ip} {}.{} {}\n", pod.name, pod.subdomain, pod.name))
+            .map(|(pod, ip)| match &pod.subdomain {
+                Some(subdomain) => format!("{ip} {}.{subdomain} {}\n", pod.name, pod.name),
+                None => format!("{ip} {}\n", pod.name),
+            })
             .collect();
         let started: Vec<common::Started> = pods
             .iter()
@@ -326,6 +429,7 @@ fn environment(pod: &Pod, container: &Value) -> Vec<(String, String)> {
         };
         env.push((name, value));
     }
+    env.extend(pod.operator_env.iter().cloned());
     env
 }
 
@@ -344,14 +448,15 @@ impl Drop for Cluster {
     }
 }
 
-/// Renders `args`' job as Indexed Jobs, runs its pods on hosts of their own, and returns the
-/// run directory all pods wrote into.
+/// Renders `args`' job, runs its pods on hosts of their own, and returns the run directory all
+/// pods wrote into.
 fn train_in_pods(args: &[&str]) -> Option<(Cluster, PathBuf)> {
     // One emulated cluster at a time: their pods share this machine's mount points.
     static ONE_CLUSTER: std::sync::Mutex<()> = std::sync::Mutex::new(());
     let _turn = ONE_CLUSTER.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
     let items = render(args);
     let pods = Cluster::pods(&items);
+    assert!(!pods.is_empty(), "{args:?} renders no pods");
     let hosts = Hosts::create_or_say_why(pods.len())?;
     let mut cluster = Cluster::new(&items);
     let finished = cluster.run(&pods, &hosts);
@@ -389,5 +494,48 @@ fn the_pods_of_a_parameter_server_job_train_as_the_in_process_job() {
         return;
     };
     // A pod per shard and per trainer; sync mode is bitwise equal to the in-process job.
+    common::ps_matches_uninterrupted(&[steps], &summary(&run_dir), &run_dir);
+}
+
+#[test]
+fn the_pods_of_a_pytorchjob_train_with_the_operators_environment() {
+    let steps = "train.steps=20";
+    #[rustfmt::skip]
+    let args = ["--operator", "pytorchjob", "--set", "cluster.nnodes=2", "--set", "cluster.nproc_per_node=1", "--set", steps];
+    let Some((_cluster, run_dir)) = train_in_pods(&args) else {
+        return;
+    };
+    let simulated = train_in_process(config(&[steps]));
+    assert_eq!(
+        summary(&run_dir)["param_checksum"],
+        simulated.summary.param_checksum.as_str()
+    );
+}
+
+#[test]
+fn the_pods_of_paddlejobs_train_with_the_operators_environment() {
+    let steps = "train.steps=20";
+    #[rustfmt::skip]
+    let args = ["--operator", "paddlejob", "--set", "cluster.nnodes=2", "--set", "cluster.nproc_per_node=1", "--set", steps];
+    let Some((_cluster, run_dir)) = train_in_pods(&args) else {
+        return;
+    };
+    let simulated = train_in_process(config(&[steps]));
+    assert_eq!(
+        summary(&run_dir)["param_checksum"],
+        simulated.summary.param_checksum.as_str()
+    );
+    let steps = "train.steps=40";
+    let args = [
+        "--operator",
+        "paddlejob",
+        "--config",
+        "examples/ctr_ps.toml",
+        "--set",
+        steps,
+    ];
+    let Some((_cluster, run_dir)) = train_in_pods(&args) else {
+        return;
+    };
     common::ps_matches_uninterrupted(&[steps], &summary(&run_dir), &run_dir);
 }

@@ -451,11 +451,15 @@ impl LaunchArgs {
                     ("MASTER_ADDR", master_addr.trim_matches(['[', ']']).to_string()),
                     ("MASTER_PORT", master_port.to_string()),
                 ];
-                // Listed when nodes are named by address; announced at the rendezvous otherwise.
-                if let Some(endpoint) = endpoints.get(rank) {
-                    env.push(("PADDLE_TRAINER_ENDPOINTS", endpoints.join(",")));
-                    env.push(("PADDLE_CURRENT_ENDPOINT", endpoint.clone()));
-                }
+                // Listed when nodes are named by address; announced at the rendezvous otherwise,
+                // when a list this launcher inherited (an operator's, one endpoint per pod) must
+                // not reach the ranks: blank is unset.
+                let (listed, current) = match endpoints.get(rank) {
+                    Some(endpoint) => (endpoints.join(","), endpoint.clone()),
+                    None => (String::new(), String::new()),
+                };
+                env.push(("PADDLE_TRAINER_ENDPOINTS", listed));
+                env.push(("PADDLE_CURRENT_ENDPOINT", current));
                 env.extend(thread_env(self.nproc()));
                 env.extend(token.iter().cloned());
                 ChildSpec {
@@ -627,11 +631,8 @@ mod tests {
         let env = |k: &str| plan[1].env.iter().find(|(n, _)| n == k).map(|(_, v)| v.clone());
         assert_eq!(env("PADDLE_MASTER").as_deref(), Some("10.0.0.1:29500"));
         assert_eq!(env("RANK").as_deref(), Some("3"));
-        assert_eq!(
-            env("PADDLE_TRAINER_ENDPOINTS"),
-            None,
-            "announced at the rendezvous instead"
-        );
+        // Announced at the rendezvous instead; blank, so an inherited list does not count.
+        assert_eq!(env("PADDLE_TRAINER_ENDPOINTS").as_deref(), Some(""));
         let paddle = args("--nnodes 2 --rank 0 --master 10.0.0.1:29500 --rdzv-endpoint 10.0.0.1:29500 -- train");
         assert_eq!(paddle.addresses()?.master, "10.0.0.1:29500");
         Ok(())
