@@ -51,6 +51,30 @@ fn failures(run: &Finished) -> Vec<&str> {
 }
 
 #[test]
+fn a_default_port_in_use_only_warns_as_a_whole_job_launcher_picks_free_ones() {
+    // The coordinator's default port for a one-node launch: held here (or by someone else).
+    let _held = TcpListener::bind("127.0.0.1:6170");
+    let dir = tempfile::tempdir().expect("temp dir");
+    let path = dir.path().join("job.toml");
+    std::fs::write(&path, "[cluster]\nnproc_per_node = 2\n").expect("write the config");
+    let job = JobFile { _dir: dir, path };
+    let run = doctor(&job, &[]);
+    let warning = check_lines(&run)
+        .into_iter()
+        .find(|line| line.starts_with("[WARN] port 127.0.0.1:6170 (cluster.master"));
+    let warning = warning.unwrap_or_else(|| panic!("{}", run.stdout));
+    assert!(
+        warning.ends_with("a launcher that starts the whole job picks free ports instead; only with --started_port 6170 would it collide"),
+        "{warning}"
+    );
+    assert!(
+        failures(&run).iter().all(|line| !line.contains("6170")),
+        "{}",
+        run.stdout
+    );
+}
+
+#[test]
 fn a_port_in_use_fails_naming_the_key_and_the_process() {
     let taken = TcpListener::bind("127.0.0.1:0").expect("bind");
     let taken = taken.local_addr().expect("addr");

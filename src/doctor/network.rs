@@ -84,10 +84,19 @@ pub(super) fn check_port(resolved: &Resolved) -> Line {
                 Some(owner) => format!(" (pid {}, {})", owner.pid, owner.command),
                 None => String::new(),
             };
-            Line::fail(format!(
-                "{what} is in use{owner}: stop that process or {}",
-                endpoint.other_port_hint()
-            ))
+            if endpoint.by_launcher {
+                // The launcher that starts a whole job picks free ports unless told a first one.
+                Line::warn(format!(
+                    "{what} is in use{owner}: a launcher that starts the whole job picks free ports instead; \
+                     only with --started_port {} would it collide",
+                    addr.port()
+                ))
+            } else {
+                Line::fail(format!(
+                    "{what} is in use{owner}: stop that process or {}",
+                    endpoint.other_port_hint()
+                ))
+            }
         }
         io::ErrorKind::AddrNotAvailable => Line::fail(format!(
             "{what} cannot be bound: {error}: {} is not an address of this machine — run this check on the node \
