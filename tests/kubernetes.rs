@@ -155,6 +155,9 @@ struct Cluster {
     netns_dirs: Vec<PathBuf>,
     /// Mount points this test made on this machine, to remove again.
     made: Vec<PathBuf>,
+    /// This cluster's turn: its pods share this machine's mount points, which removing
+    /// would take from another cluster's pods.
+    _turn: std::sync::MutexGuard<'static, ()>,
 }
 
 /// One pod: its name, its index in its Job, the names it is found by, its spec, and what its
@@ -171,6 +174,9 @@ struct Pod {
 
 impl Cluster {
     fn new(items: &[Value]) -> Self {
+        // One emulated cluster at a time.
+        static ONE_CLUSTER: std::sync::Mutex<()> = std::sync::Mutex::new(());
+        let turn = ONE_CLUSTER.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
         let dir = tempfile::tempdir().unwrap();
         let mut volumes = HashMap::new();
         for item in items {
@@ -197,6 +203,7 @@ impl Cluster {
             volumes,
             netns_dirs: Vec::new(),
             made: Vec::new(),
+            _turn: turn,
         }
     }
 
@@ -451,9 +458,6 @@ impl Drop for Cluster {
 /// Renders `args`' job, runs its pods on hosts of their own, and returns the run directory all
 /// pods wrote into.
 fn train_in_pods(args: &[&str]) -> Option<(Cluster, PathBuf)> {
-    // One emulated cluster at a time: their pods share this machine's mount points.
-    static ONE_CLUSTER: std::sync::Mutex<()> = std::sync::Mutex::new(());
-    let _turn = ONE_CLUSTER.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
     let items = render(args);
     let pods = Cluster::pods(&items);
     assert!(!pods.is_empty(), "{args:?} renders no pods");
@@ -471,64 +475,28 @@ fn summary(run_dir: &Path) -> Value {
     serde_json::from_str(&std::fs::read_to_string(run_dir.join("summary.json")).unwrap()).unwrap()
 }
 
-#[test]
-fn the_pods_of_a_data_parallel_job_train_as_the_in_process_cluster() {
+/// The pods of a 2-node data-parallel job rendered for `operator` end bit-identical to the
+/// in-process cluster: two ranks, one per pod, in the same ring order.
+fn data_parallel_pods_train_as_in_one_process(operator: &str) {
     let steps = "train.steps=20";
     #[rustfmt::skip]
-    let args = ["--set", "cluster.nnodes=2", "--set", "cluster.nproc_per_node=1", "--set", steps];
+    let args = ["--operator", operator, "--set", "cluster.nnodes=2", "--set", "cluster.nproc_per_node=1", "--set", steps];
     let Some((_cluster, run_dir)) = train_in_pods(&args) else {
         return;
     };
     let summary = summary(&run_dir);
     assert_eq!(summary["world_size"], 2);
-    // Two ranks, one per pod, in the ring order of the in-process job: bitwise equal.
     let simulated = train_in_process(config(&[steps]));
     assert_eq!(summary["param_checksum"], simulated.summary.param_checksum.as_str());
 }
 
-#[test]
-fn the_pods_of_a_parameter_server_job_train_as_the_in_process_job() {
-    let steps = "train.steps=40";
-    let args = ["--config", "examples/ctr_ps.toml", "--set", steps];
-    let Some((_cluster, run_dir)) = train_in_pods(&args) else {
-        return;
-    };
-    // A pod per shard and per trainer; sync mode is bitwise equal to the in-process job.
-    common::ps_matches_uninterrupted(&[steps], &summary(&run_dir), &run_dir);
-}
-
-#[test]
-fn the_pods_of_a_pytorchjob_train_with_the_operators_environment() {
-    let steps = "train.steps=20";
-    #[rustfmt::skip]
-    let args = ["--operator", "pytorchjob", "--set", "cluster.nnodes=2", "--set", "cluster.nproc_per_node=1", "--set", steps];
-    let Some((_cluster, run_dir)) = train_in_pods(&args) else {
-        return;
-    };
-    let simulated = train_in_process(config(&[steps]));
-    assert_eq!(
-        summary(&run_dir)["param_checksum"],
-        simulated.summary.param_checksum.as_str()
-    );
-}
-
-#[test]
-fn the_pods_of_paddlejobs_train_with_the_operators_environment() {
-    let steps = "train.steps=20";
-    #[rustfmt::skip]
-    let args = ["--operator", "paddlejob", "--set", "cluster.nnodes=2", "--set", "cluster.nproc_per_node=1", "--set", steps];
-    let Some((_cluster, run_dir)) = train_in_pods(&args) else {
-        return;
-    };
-    let simulated = train_in_process(config(&[steps]));
-    assert_eq!(
-        summary(&run_dir)["param_checksum"],
-        simulated.summary.param_checksum.as_str()
-    );
+/// The pods of a sync parameter-server job (a pod per shard and per trainer) rendered for
+/// `operator` end bit-identical to the in-process job.
+fn parameter_server_pods_train_as_in_one_process(operator: &str) {
     let steps = "train.steps=40";
     let args = [
         "--operator",
-        "paddlejob",
+        operator,
         "--config",
         "examples/ctr_ps.toml",
         "--set",
@@ -538,4 +506,21 @@ fn the_pods_of_paddlejobs_train_with_the_operators_environment() {
         return;
     };
     common::ps_matches_uninterrupted(&[steps], &summary(&run_dir), &run_dir);
+}
+
+#[test]
+fn the_pods_of_indexed_jobs_train_as_in_one_process() {
+    data_parallel_pods_train_as_in_one_process("indexed");
+    parameter_server_pods_train_as_in_one_process("indexed");
+}
+
+#[test]
+fn the_pods_of_a_pytorchjob_train_with_the_operators_environment() {
+    data_parallel_pods_train_as_in_one_process("pytorchjob");
+}
+
+#[test]
+fn the_pods_of_paddlejobs_train_with_the_operators_environment() {
+    data_parallel_pods_train_as_in_one_process("paddlejob");
+    parameter_server_pods_train_as_in_one_process("paddlejob");
 }

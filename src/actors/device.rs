@@ -16,11 +16,9 @@ use crate::collective::{ParamChecksum, Replica, StepReport};
 use crate::config::JobConfig;
 use crate::data::ctr::CtrBatch;
 use crate::data::Batch;
-use crate::engines::comm::hierarchy::{self, LevelLinks, NodeLayout};
+use crate::engines::comm::hierarchy::{self, NodeLayout, RingLinks};
 use crate::engines::comm::memory::MemoryRings;
-use crate::engines::comm::{
-    connect_ring, parse_endpoints, CommWorker, Communicator, RingBreaker, RingTransport, Shared,
-};
+use crate::engines::comm::{parse_endpoints, CommWorker, Communicator, RingBreaker, RingTransport, Shared};
 use crate::engines::compute::device_for;
 use crate::models::{Model, ParamInit};
 use crate::net::auth::Credentials;
@@ -122,29 +120,15 @@ impl RingLink {
             } => {
                 let endpoints = parse_endpoints(roster)?;
                 let abandoned = breaker.abandons(generation);
-                let flat = connect_ring(
-                    rank,
-                    &endpoints,
-                    &listener,
+                let links = RingLinks {
+                    endpoints: &endpoints,
+                    listener: &listener,
                     timeout,
                     shared_memory,
-                    &credentials,
-                    &abandoned,
-                )?;
-                let ring = match hierarchy::choose(hierarchical, Some(&endpoints), configured)? {
-                    Some(layout) => {
-                        let links = LevelLinks {
-                            endpoints: &endpoints,
-                            listener: &listener,
-                            timeout,
-                            shared_memory,
-                            credentials: &credentials,
-                            abandoned: &abandoned,
-                        };
-                        hierarchy::connect_levels(flat, layout, &links)?
-                    }
-                    None => flat,
+                    credentials: &credentials,
+                    abandoned: &abandoned,
                 };
+                let ring = hierarchy::connect_communicator(rank, &links, hierarchical, configured)?;
                 breaker.arm(ring.link_breaks());
                 ring
             }

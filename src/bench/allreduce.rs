@@ -12,8 +12,8 @@ use serde::Serialize;
 
 use crate::actors::Coordinator;
 use crate::config::{DeviceKind, FaultToleranceConfig};
-use crate::engines::comm::hierarchy::{self, LevelLinks, NodeLayout};
-use crate::engines::comm::{connect_ring, Abandoned, Communicator};
+use crate::engines::comm::hierarchy::{self, NodeLayout, RingLinks};
+use crate::engines::comm::{Abandoned, Communicator};
 use crate::engines::compute::device_for;
 use crate::job::connect_control;
 use crate::launch::{supervise, ChildSpec, OutputMode};
@@ -236,37 +236,21 @@ pub fn run_rank(args: &AllReduceArgs) -> Result<()> {
     let mut comm = if world == 1 {
         Communicator::single()
     } else {
-        let shared_memory = args.transport == Transport::Shm;
         let abandoned = Abandoned::never();
-        let flat = connect_ring(
-            rank,
-            &endpoints,
-            &listener,
+        let links = RingLinks {
+            endpoints: &endpoints,
+            listener: &listener,
             timeout,
-            shared_memory,
-            &credentials,
-            &abandoned,
-        )?;
-        match args.algorithm {
-            Algorithm::Flat => flat,
-            Algorithm::Hierarchical => {
-                let configured = NodeLayout {
-                    nodes,
-                    per_node: world / nodes.max(1),
-                };
-                let layout = hierarchy::choose(Some(true), Some(&endpoints), configured)?
-                    .context("a hierarchical all-reduce needs several nodes of several ranks")?;
-                let links = LevelLinks {
-                    endpoints: &endpoints,
-                    listener: &listener,
-                    timeout,
-                    shared_memory,
-                    credentials: &credentials,
-                    abandoned: &abandoned,
-                };
-                hierarchy::connect_levels(flat, layout, &links)?
-            }
-        }
+            shared_memory: args.transport == Transport::Shm,
+            credentials: &credentials,
+            abandoned: &abandoned,
+        };
+        let nodes = NodeLayout {
+            nodes,
+            per_node: world / nodes.max(1),
+        };
+        let hierarchical = args.algorithm == Algorithm::Hierarchical;
+        hierarchy::connect_communicator(rank, &links, Some(hierarchical), nodes)?
     };
     #[cfg(feature = "cuda")]
     if args.backend == Backend::Nccl {

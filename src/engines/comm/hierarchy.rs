@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
 
-use super::{connect_ring_transport, memory, Abandoned, Communicator, RingPlace};
+use super::{connect_ring, connect_ring_transport, memory, Abandoned, Communicator, RingPlace};
 use crate::config::JobConfig;
 use crate::net::auth::Credentials;
 
@@ -113,26 +113,12 @@ pub fn memory_communicators(world: usize, layout: Option<NodeLayout>, timeout: D
         return flat.into_iter().map(|end| Communicator::new(Box::new(end))).collect();
     };
     // Each rank's end of its node's ring and of its rail's, by rank.
-    let mut nodes: Vec<Option<memory::MemoryTransport>> = (0..world).map(|_| None).collect();
-    let mut rails: Vec<Option<memory::MemoryTransport>> = (0..world).map(|_| None).collect();
-    for node in 0..layout.nodes {
-        for (rank, end) in layout
-            .node_ranks(node)
-            .into_iter()
-            .zip(memory::ring(layout.per_node, timeout))
-        {
-            nodes[rank] = Some(end);
-        }
-    }
-    for local in 0..layout.per_node {
-        for (rank, end) in layout
-            .rail_ranks(local)
-            .into_iter()
-            .zip(memory::ring(layout.nodes, timeout))
-        {
-            rails[rank] = Some(end);
-        }
-    }
+    let nodes = ends_by_rank(world, (0..layout.nodes).map(|node| layout.node_ranks(node)), timeout);
+    let rails = ends_by_rank(
+        world,
+        (0..layout.per_node).map(|local| layout.rail_ranks(local)),
+        timeout,
+    );
     flat.into_iter()
         .zip(nodes.into_iter().zip(rails))
         .filter_map(|(flat, (node, rail))| {
@@ -141,15 +127,31 @@ pub fn memory_communicators(world: usize, layout: Option<NodeLayout>, timeout: D
         .collect()
 }
 
-/// What connecting a rank's node and rail rings takes, beside its connected flat ring.
-pub struct LevelLinks<'a> {
+/// A ring in memory over each group of ranks of `groups`, its ends by rank.
+fn ends_by_rank(
+    world: usize,
+    groups: impl Iterator<Item = Vec<usize>>,
+    timeout: Duration,
+) -> Vec<Option<memory::MemoryTransport>> {
+    let mut ends: Vec<Option<memory::MemoryTransport>> = (0..world).map(|_| None).collect();
+    for ranks in groups {
+        let ring = memory::ring(ranks.len(), timeout);
+        for (rank, end) in ranks.into_iter().zip(ring) {
+            ends[rank] = Some(end);
+        }
+    }
+    ends
+}
+
+/// What connecting a rank's rings takes.
+pub struct RingLinks<'a> {
     /// Every rank's data endpoint, by rank.
     pub endpoints: &'a [SocketAddr],
-    /// This rank's listener (the flat ring's).
+    /// This rank's listener (every ring's).
     pub listener: &'a TcpListener,
     /// Deadline of connecting each ring.
     pub timeout: Duration,
-    /// Whether the node ring may use shared memory.
+    /// Whether a ring of one host may use shared memory.
     pub shared_memory: bool,
     /// What the rings' connections prove.
     pub credentials: &'a Credentials,
@@ -157,11 +159,35 @@ pub struct LevelLinks<'a> {
     pub abandoned: &'a Abandoned,
 }
 
+/// Rank `rank`'s communicator over the processes at `links.endpoints`: the flat ring, and the
+/// node and rail rings of a hierarchical all-reduce where `setting`
+/// (`strategy.use_hierarchical_allreduce`) and the ranks' hosts choose one (see [`choose`]).
+pub fn connect_communicator(
+    rank: usize,
+    links: &RingLinks,
+    setting: Option<bool>,
+    configured: NodeLayout,
+) -> Result<Communicator> {
+    let flat = connect_ring(
+        rank,
+        links.endpoints,
+        links.listener,
+        links.timeout,
+        links.shared_memory,
+        links.credentials,
+        links.abandoned,
+    )?;
+    match choose(setting, Some(links.endpoints), configured)? {
+        Some(layout) => connect_levels(flat, layout, links),
+        None => Ok(flat),
+    }
+}
+
 /// `flat`, the connected flat ring of `rank`, with its node and rail rings over `layout`
 /// connected too. A listener takes a hello only from its ring-left neighbour, so the rings are
 /// connected one after another, every rank done with one (a barrier on the flat ring) before
 /// any starts the next.
-pub fn connect_levels(flat: Communicator, layout: NodeLayout, links: &LevelLinks) -> Result<Communicator> {
+fn connect_levels(flat: Communicator, layout: NodeLayout, links: &RingLinks) -> Result<Communicator> {
     let mut flat = flat;
     let rank = flat.rank();
     let (node, local) = (rank / layout.per_node, rank % layout.per_node);
