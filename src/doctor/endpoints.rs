@@ -7,7 +7,9 @@ use std::net::IpAddr;
 use anyhow::{Context, Result};
 
 use crate::config::ClusterConfig;
-use crate::launch::{JobAddresses, LaunchArgs, LaunchPsArgs, ProcessFlags, DEFAULT_NODE_IP, DEFAULT_STARTED_PORT};
+use crate::launch::{
+    JobAddresses, LaunchArgs, LaunchPsArgs, ProcessFlags, PsRoles, DEFAULT_NODE_IP, DEFAULT_STARTED_PORT,
+};
 
 /// One address of the job and the config key it belongs to.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -76,10 +78,12 @@ pub(super) fn job_endpoints(cluster: &ClusterConfig, node_ip: Option<IpAddr>) ->
     let host = node_ip.map_or_else(|| DEFAULT_NODE_IP.to_string(), |ip| ip.to_string());
     if cluster.is_parameter_server() {
         let launch = LaunchPsArgs {
-            server_num: Some(cluster.server_num),
-            worker_num: Some(cluster.world_size()),
-            servers: cluster.pservers.clone(),
-            workers: cluster.endpoints.clone(),
+            roles: PsRoles {
+                server_num: Some(cluster.server_num),
+                worker_num: Some(cluster.world_size()),
+                servers: cluster.pservers.clone(),
+                workers: cluster.endpoints.clone(),
+            },
             host,
             started_port: Some(DEFAULT_STARTED_PORT),
             processes: ProcessFlags::default(),
@@ -104,10 +108,7 @@ pub(super) fn job_endpoints(cluster: &ClusterConfig, node_ip: Option<IpAddr>) ->
             nproc_per_node: Some(cluster.nproc_per_node),
             devices: Vec::new(),
             run_mode: None,
-            server_num: None,
-            trainer_num: None,
-            servers: Vec::new(),
-            trainers: Vec::new(),
+            ps_roles: PsRoles::default(),
             node_ip: host.clone(),
             cluster_node_ips: vec![host],
             master: cluster.master.clone(),

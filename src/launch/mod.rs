@@ -14,7 +14,7 @@ mod ps;
 mod supervisor;
 
 pub use death_watch::DeathWatch;
-pub use ps::LaunchPsArgs;
+pub use ps::{LaunchPsArgs, PsRoles};
 pub use supervisor::{supervise, OutputMode};
 
 use std::path::PathBuf;
@@ -51,18 +51,9 @@ pub struct LaunchArgs {
     /// (Paddle 2.x's `--run_mode`; implied by the parameter-server flags below).
     #[arg(long = "run_mode", alias = "run-mode", value_enum)]
     pub run_mode: Option<RunMode>,
-    /// Parameter-server processes to start (`--run_mode ps`).
-    #[arg(long = "server_num", alias = "server-num")]
-    pub server_num: Option<usize>,
-    /// Trainer processes of a parameter-server job (`--run_mode ps`).
-    #[arg(long = "trainer_num", alias = "trainer-num")]
-    pub trainer_num: Option<usize>,
-    /// Explicit `host:port` of every server, comma-separated (`--run_mode ps`).
-    #[arg(long, value_delimiter = ',')]
-    pub servers: Vec<String>,
-    /// Explicit `host:port` of every trainer, comma-separated (`--run_mode ps`).
-    #[arg(long, value_delimiter = ',')]
-    pub trainers: Vec<String>,
+    /// The servers and trainers of a parameter-server job (`--run_mode ps`).
+    #[command(flatten)]
+    pub ps_roles: PsRoles,
     /// This node's IP, one of --cluster_node_ips.
     #[arg(long = "node_ip", alias = "node-ip", default_value = DEFAULT_NODE_IP)]
     pub node_ip: String,
@@ -236,14 +227,7 @@ impl LaunchArgs {
     /// The parameter-server launch these arguments ask for (`--run_mode ps`, or its flags), in
     /// `launch-ps`'s words; `None` for a collective job. Flags of the other mode are refused.
     pub fn parameter_servers(&self) -> Result<Option<LaunchPsArgs>> {
-        let ps_flags = [
-            ("--server_num", self.server_num.is_some()),
-            ("--trainer_num", self.trainer_num.is_some()),
-            ("--servers", !self.servers.is_empty()),
-            ("--trainers", !self.trainers.is_empty()),
-        ];
-        let given = ps_flags.iter().find(|(_, given)| *given).map(|(flag, _)| *flag);
-        match (self.run_mode, given) {
+        match (self.run_mode, self.ps_roles.first_given()) {
             (Some(RunMode::Collective), Some(flag)) => {
                 bail!("{flag} starts parameter servers, but --run_mode is collective")
             }
@@ -257,13 +241,10 @@ impl LaunchArgs {
             ("--node-rank", self.node_rank.is_some()),
         ];
         if let Some((flag, _)) = collective_flags.iter().find(|(_, given)| *given) {
-            bail!("{flag} places collective ranks; a parameter-server job (--run_mode ps) is placed by --server_num/--trainer_num or --servers/--trainers");
+            bail!("{flag} places collective ranks; a parameter-server job (--run_mode ps) is placed by --server_num/--worker_num or --servers/--workers");
         }
         Ok(Some(LaunchPsArgs {
-            server_num: self.server_num,
-            worker_num: self.trainer_num,
-            servers: self.servers.clone(),
-            workers: self.trainers.clone(),
+            roles: self.ps_roles.clone(),
             host: self.node_ip.clone(),
             started_port: self.started_port,
             processes: self.processes.clone(),

@@ -11,21 +11,51 @@ use super::{
     credentials_env, thread_env, ChildSpec, JobAddresses, ProcessFlags, DEFAULT_NODE_IP, DEFAULT_STARTED_PORT,
 };
 
+/// How many servers and trainers a parameter-server job has, or where each listens: the flags
+/// of `launch-ps` (Paddle 1.x's `--worker_num`, `--workers`) and of `launch --run_mode ps`
+/// (Paddle 2.x's `--trainer_num`, `--trainers`), one set under both names.
+#[derive(Debug, Clone, Default, clap::Args)]
+pub struct PsRoles {
+    /// Parameter-server processes to start.
+    #[arg(long = "server_num", alias = "server-num")]
+    pub server_num: Option<usize>,
+    /// Trainer processes to start (`--worker_num`, Paddle 2.x's `--trainer_num`).
+    #[arg(
+        long = "worker_num",
+        alias = "worker-num",
+        alias = "trainer_num",
+        alias = "trainer-num"
+    )]
+    pub worker_num: Option<usize>,
+    /// Explicit `host:port` of every server, comma-separated (instead of `--server_num`).
+    #[arg(long, value_delimiter = ',')]
+    pub servers: Vec<String>,
+    /// Explicit `host:port` of every trainer, comma-separated (instead of `--worker_num`;
+    /// Paddle 2.x's `--trainers`).
+    #[arg(long, alias = "trainers", value_delimiter = ',')]
+    pub workers: Vec<String>,
+}
+
+impl PsRoles {
+    /// The first of these flags given, if any.
+    pub(super) fn first_given(&self) -> Option<&'static str> {
+        [
+            ("--server_num", self.server_num.is_some()),
+            ("--worker_num", self.worker_num.is_some()),
+            ("--servers", !self.servers.is_empty()),
+            ("--workers", !self.workers.is_empty()),
+        ]
+        .into_iter()
+        .find_map(|(flag, given)| given.then_some(flag))
+    }
+}
+
 /// Command-line arguments of `flotilla launch-ps`.
 #[derive(Debug, Clone, clap::Args)]
 pub struct LaunchPsArgs {
-    /// Parameter-server processes to start (`--server_num`).
-    #[arg(long = "server_num", alias = "server-num")]
-    pub server_num: Option<usize>,
-    /// Trainer processes to start (`--worker_num`).
-    #[arg(long = "worker_num", alias = "worker-num")]
-    pub worker_num: Option<usize>,
-    /// Explicit `ip:port` of every server, comma-separated (instead of `--server_num`).
-    #[arg(long, value_delimiter = ',')]
-    pub servers: Vec<String>,
-    /// Explicit `ip:port` of every trainer, comma-separated (instead of `--worker_num`).
-    #[arg(long, value_delimiter = ',')]
-    pub workers: Vec<String>,
+    /// How many servers and trainers, or their endpoints.
+    #[command(flatten)]
+    pub roles: PsRoles,
     /// This node's address: the servers and trainers listed at it are started here (run
     /// launch-ps on every node of a job with the same lists), the coordinator where `--master` is.
     #[arg(long, default_value = DEFAULT_NODE_IP)]
@@ -51,8 +81,8 @@ impl LaunchPsArgs {
     /// starts every role (counts, not lists, and no `--master`); else the default.
     pub fn with_ports_chosen(mut self) -> Result<Self> {
         if self.started_port.is_none() {
-            let whole_job = self.servers.is_empty() && self.workers.is_empty() && self.master.is_none();
-            let roles = self.server_num.unwrap_or(0) + self.worker_num.unwrap_or(0);
+            let whole_job = self.roles.servers.is_empty() && self.roles.workers.is_empty() && self.master.is_none();
+            let roles = self.roles.server_num.unwrap_or(0) + self.roles.worker_num.unwrap_or(0);
             self.started_port = Some(match whole_job {
                 true => super::ports::free_run(&self.host, roles + 1)?,
                 false => DEFAULT_STARTED_PORT,
@@ -67,12 +97,13 @@ impl LaunchPsArgs {
 
     /// The servers', the trainers' and the coordinator's addresses.
     pub fn addresses(&self) -> Result<JobAddresses> {
-        let servers = self.endpoints("--servers", &self.servers, "--server_num", self.server_num, 0)?;
+        let roles = &self.roles;
+        let servers = self.endpoints("--servers", &roles.servers, "--server_num", roles.server_num, 0)?;
         let trainers = self.endpoints(
             "--workers",
-            &self.workers,
+            &roles.workers,
             "--worker_num",
-            self.worker_num,
+            roles.worker_num,
             servers.len(),
         )?;
         let master = match &self.master {
