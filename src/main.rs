@@ -87,9 +87,26 @@ enum Command {
     },
     /// Check a job's config, endpoints, ports, peers, clock and GPU libraries before launching it.
     Doctor(DoctorArgs),
+    /// Work with checkpoints.
+    #[command(subcommand)]
+    Checkpoint(CheckpointCommand),
     /// Work with the timelines of `train --trace DIR`.
     #[command(subcommand)]
     Trace(TraceCommand),
+}
+
+#[derive(Subcommand)]
+enum CheckpointCommand {
+    /// What a checkpoint holds: its step, the layout that wrote it, every file's tensors and
+    /// a shard's rows per table, each file checked against the manifest's size and checksum.
+    Inspect {
+        /// A step directory (`step-NNNNNNNN`), or a checkpoint directory: its newest intact
+        /// checkpoint.
+        dir: PathBuf,
+        /// One JSON object instead of text.
+        #[arg(long)]
+        json: bool,
+    },
 }
 
 #[derive(Subcommand)]
@@ -271,6 +288,15 @@ fn run(cli: Cli) -> Result<()> {
             let out = out.unwrap_or_else(|| run_dir.join("report.png"));
             flotilla::telemetry::report::render(&run_dir, &out)?;
             print_out(&format!("wrote {}\n", out.display()));
+            Ok(())
+        }
+        Command::Checkpoint(CheckpointCommand::Inspect { dir, json }) => {
+            let inspection = flotilla::checkpoint::inspect::inspect(&dir)?;
+            let text = match json {
+                true => serde_json::to_string_pretty(&inspection)? + "\n",
+                false => flotilla::checkpoint::inspect::render(&inspection),
+            };
+            print_out(&text);
             Ok(())
         }
         Command::Trace(TraceCommand::Merge { dir, out }) => {

@@ -250,3 +250,54 @@ fn a_run_resumes_with_its_own_config_and_refuses_another_learning_rate() {
     let config = std::fs::read_to_string(run_dir.join("config.toml")).unwrap();
     assert!(config.contains("lr = 0.1"), "{config}");
 }
+
+#[test]
+fn checkpoint_inspect_shows_what_a_runs_checkpoints_hold() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let (replicas, shards) = (dir.path().join("replicas"), dir.path().join("shards"));
+    #[rustfmt::skip]
+    let runs = [
+        // Checkpoints after steps 10 and 20 (none after the last step).
+        (&replicas, vec!["--set", "train.steps=30"]),
+        (&shards, vec!["--config", "examples/ctr_ps.toml", "--set", "train.steps=20"]),
+    ];
+    for (run_dir, settings) in &runs {
+        let mut args = vec!["train", "--set", "fault_tolerance.checkpoint_every=10", "--run-dir"];
+        args.push(run_dir.to_str().expect("utf-8"));
+        args.extend(settings);
+        let trained = flotilla(&args, &[], TIMEOUT_S);
+        assert!(trained.success, "{}", trained.stderr);
+    }
+    let inspect = |path: &Path| -> serde_json::Value {
+        let out = flotilla(
+            &["checkpoint", "inspect", "--json", path.to_str().expect("utf-8")],
+            &[],
+            30,
+        );
+        assert!(out.success, "{}", out.stderr);
+        serde_json::from_str(&out.stdout).expect("JSON")
+    };
+    let replica = inspect(&replicas.join("checkpoints"));
+    assert_eq!(replica["step"], 20);
+    assert_eq!(replica["layout"], "data parallel: 2 rank(s), one copy of the replica");
+    let file = &replica["files"][0];
+    assert_eq!(file["name"], "replica.safetensors");
+    assert_eq!(file["tensors"]["param.fc0.weight"], serde_json::json!([64, 128]));
+    assert_eq!(file["metadata"]["optimizer"], "sgd");
+    let shards = inspect(&shards.join("checkpoints/step-00000010"));
+    assert_eq!(shards["layout"], "parameter servers: 2 shard(s), 2 trainer(s)");
+    let rows = &shards["files"][0]["rows"];
+    assert!(rows["embedding"].as_u64().unwrap_or(0) > 0, "{shards}");
+    // A flipped byte: the checkpoint is skipped, naming the file, for the one before it.
+    let newest = replicas.join("checkpoints/step-00000020/replica.safetensors");
+    let mut bytes = std::fs::read(&newest).expect("read");
+    bytes[100] ^= 1;
+    std::fs::write(&newest, bytes).expect("write");
+    let older = inspect(&replicas.join("checkpoints"));
+    assert_eq!(older["step"], 10);
+    let skipped = older["skipped"][0][1].as_str().unwrap_or_default();
+    assert!(
+        skipped.contains("replica.safetensors does not match its checksum"),
+        "{older}"
+    );
+}

@@ -17,6 +17,8 @@ use anyhow::{bail, ensure, Context, Result};
 use candle_core::{DType, Device, Tensor};
 use serde::{Deserialize, Serialize};
 
+pub mod inspect;
+
 /// The file every committed checkpoint directory ends with.
 pub const MANIFEST: &str = "manifest.json";
 /// The manifest's `format` value.
@@ -288,7 +290,7 @@ impl CheckpointStore {
     }
 
     /// Steps that have a directory, oldest first.
-    fn steps(&self) -> Result<Vec<usize>> {
+    pub fn steps(&self) -> Result<Vec<usize>> {
         let entries = match fs::read_dir(&self.root) {
             Ok(entries) => entries,
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
@@ -367,6 +369,16 @@ impl CheckpointStore {
 }
 
 impl Checkpoint {
+    /// The processes of the job that took it.
+    pub fn world_size(&self) -> usize {
+        self.world_size
+    }
+
+    /// Its files, as its manifest lists them (each checked against it when it was found).
+    pub fn files(&self) -> &[FileRecord] {
+        &self.files
+    }
+
     /// Refuses a checkpoint taken by a job of another size: its files are cut for that size.
     pub fn check_world_size(&self, world_size: usize) -> Result<()> {
         ensure!(
