@@ -7,7 +7,7 @@ use std::sync::Arc;
 use anyhow::{anyhow, ensure, Result};
 
 use crate::checkpoint::{Checkpoint, CheckpointStore};
-use crate::config::JobConfig;
+use crate::config::{JobConfig, LrScaling};
 use crate::net::protocol::Roster;
 
 /// Set (to any value) by a launcher on the processes it restarts after a failure: each resumes
@@ -72,6 +72,31 @@ pub(crate) struct Recovery {
     found_fresh: Option<usize>,
 }
 
+/// Refuses to start `config`'s job from `checkpoint` when its files are cut for another layout;
+/// a data-parallel job's one replica file resumes on any number of ranks (resharding).
+fn check_layout(checkpoint: &Checkpoint, config: &JobConfig) -> Result<()> {
+    if config.is_data_parallel() && checkpoint.world_size() != config.roles() {
+        if config.train.lr_scaling != LrScaling::None {
+            return Err(Refusal::wrap(anyhow!(
+                "checkpoint {} was written by {} ranks: train.lr_scaling scales the learning rate by the world \
+                 size, so resuming on {} would change it; resume on {} ranks",
+                checkpoint.dir.display(),
+                checkpoint.world_size(),
+                config.roles(),
+                checkpoint.world_size()
+            )));
+        }
+        tracing::info!(
+            step = checkpoint.step,
+            written_by = checkpoint.world_size(),
+            ranks = config.roles(),
+            "resharding: the data-parallel checkpoint continues on another number of ranks"
+        );
+        return Ok(());
+    }
+    checkpoint.check_world_size(config.roles()).map_err(Refusal::wrap)
+}
+
 /// The refusal of a fresh start into `root`, which holds checkpoints up to step `step`.
 fn earlier_run(root: &Path, step: usize) -> anyhow::Error {
     Refusal::wrap(anyhow!(
@@ -110,7 +135,7 @@ impl Recovery {
         };
         match &start {
             Some(checkpoint) => {
-                checkpoint.check_world_size(config.roles()).map_err(Refusal::wrap)?;
+                check_layout(checkpoint, config)?;
                 tracing::info!(step = checkpoint.step, dir = %checkpoint.dir.display(), "resuming from checkpoint");
             }
             // A launcher restarted the job after a failure: say what that means here.
@@ -143,7 +168,7 @@ impl Recovery {
         let store = CheckpointStore::new(ft.checkpoint_dir_of(run_dir), ft.keep_checkpoints);
         let found = store.latest()?;
         if let Some(checkpoint) = &found {
-            checkpoint.check_world_size(config.roles()).map_err(Refusal::wrap)?;
+            check_layout(checkpoint, config)?;
         }
         Ok(Self {
             store: Some(store),

@@ -248,6 +248,12 @@ impl JobConfig {
             .collect()
     }
 
+    /// Whether the job is collective data parallelism alone (no pipeline, no parameter
+    /// servers): every rank holds the whole replica.
+    pub fn is_data_parallel(&self) -> bool {
+        !self.cluster.is_parameter_server() && !self.strategy.pipeline
+    }
+
     /// The memory the job takes on one node, estimated from the config: a lower bound of what
     /// it will use (no allocator or framework overhead).
     pub fn estimated_node_bytes(&self) -> u128 {

@@ -32,8 +32,19 @@ pub const SAFE_TO_CHANGE: &[&str] = &[
     "cluster.shared_memory",
 ];
 
+/// The keys of a data-parallel job's layout: its checkpoint holds one copy of the replica and
+/// each rank reads its share of the same global batches, so it resumes on any number of ranks
+/// that divides the global batch (the sums of a step are then associated differently).
+const DATA_PARALLEL_LAYOUT: &[&str] = &[
+    "cluster.nnodes",
+    "cluster.nproc_per_node",
+    "cluster.world_size",
+    "strategy.use_hierarchical_allreduce",
+];
+
 /// The config of the run in `run_dir`, read with the environment `env` and the command line's
-/// `overrides`, which may only change [`SAFE_TO_CHANGE`] keys.
+/// `overrides`, which may only change [`SAFE_TO_CHANGE`] keys — and a data-parallel job's
+/// [`DATA_PARALLEL_LAYOUT`].
 pub fn resumed_config(run_dir: &Path, env: &dyn Fn(&str) -> Option<String>, overrides: &[String]) -> Result<JobConfig> {
     let path = run_dir.join(CONFIG_FILE);
     ensure!(
@@ -46,10 +57,12 @@ pub fn resumed_config(run_dir: &Path, env: &dyn Fn(&str) -> Option<String>, over
     let resumed = JobConfig::from_file(&path, env, overrides)?;
     let (before, after) = (saved.leaves()?, resumed.leaves()?);
     let unset = Value::String("unset".to_string());
+    let reshards = resumed.is_data_parallel();
+    let may_change = |key: &str| SAFE_TO_CHANGE.contains(&key) || (reshards && DATA_PARALLEL_LAYOUT.contains(&key));
     let refused: Vec<String> = before
         .keys()
         .chain(after.keys())
-        .filter(|key| !SAFE_TO_CHANGE.contains(&key.as_str()) && before.get(*key) != after.get(*key))
+        .filter(|key| !may_change(key.as_str()) && before.get(*key) != after.get(*key))
         .collect::<std::collections::BTreeSet<_>>()
         .into_iter()
         .map(|key| {
@@ -64,6 +77,11 @@ pub fn resumed_config(run_dir: &Path, env: &dyn Fn(&str) -> Option<String>, over
             run_dir.display(),
             refused.join("; "),
             SAFE_TO_CHANGE.join(", ")
+                + if reshards {
+                    ", and its layout (cluster.nnodes, cluster.nproc_per_node)"
+                } else {
+                    ""
+                }
         );
     }
     Ok(resumed)
