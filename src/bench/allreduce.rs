@@ -12,8 +12,8 @@ use serde::Serialize;
 
 use crate::actors::Coordinator;
 use crate::config::{DeviceKind, FaultToleranceConfig};
-use crate::engines::comm::hierarchy::{self, NodeLayout, RingLinks};
-use crate::engines::comm::{Abandoned, Communicator};
+use crate::engines::comm::hierarchy::{self, NodeLayout};
+use crate::engines::comm::{Abandoned, Communicator, RingLinks};
 use crate::engines::compute::device_for;
 use crate::job::connect_control;
 use crate::launch::{supervise, ChildSpec, OutputMode};

@@ -10,9 +10,7 @@ use anyhow::{anyhow, Context, Result};
 
 use crate::actors::device::StageLinks;
 use crate::config::JobConfig;
-use crate::engines::comm::{
-    connect_ring_transport, parse_endpoints, Abandoned, Communicator, RingPlace, RingTransport,
-};
+use crate::engines::comm::{parse_endpoints, Abandoned, Communicator, RingLinks, RingPlace, RingTransport};
 use crate::net::auth::Credentials;
 use crate::net::ControlBus;
 use crate::pipeline::link::memory_links;
@@ -91,26 +89,21 @@ impl Rings {
     /// thread keeps answering meanwhile.
     async fn connect(&self, name: &str, members: Vec<usize>, position: usize) -> Result<Box<dyn RingTransport>> {
         let context = || format!("{}: connecting {name} (ranks {members:?})", self.who);
-        let endpoints = members
-            .iter()
-            .map(|&r| self.endpoints.get(r).copied())
-            .collect::<Option<Vec<_>>>()
-            .ok_or_else(|| anyhow!("the roster lists {} endpoints", self.endpoints.len()))
-            .with_context(context)?;
         let place = RingPlace::new(position, members.clone()).with_context(context)?;
         let listener = self.listener.try_clone().with_context(context)?;
+        let endpoints = self.endpoints.clone();
         let (timeout, shared_memory) = (self.timeout, self.shared_memory);
         let (credentials, abandoned) = (self.credentials.clone(), self.abandoned.clone());
         let transport = tokio::task::spawn_blocking(move || {
-            connect_ring_transport(
-                place,
-                &endpoints,
-                &listener,
+            let links = RingLinks {
+                endpoints: &endpoints,
+                listener: &listener,
                 timeout,
                 shared_memory,
-                &credentials,
-                &abandoned,
-            )
+                credentials: &credentials,
+                abandoned: &abandoned,
+            };
+            links.connect(place)
         })
         .await
         .map_err(|e| anyhow!("the connecting thread failed: {e}"))

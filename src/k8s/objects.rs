@@ -101,16 +101,18 @@ pub(super) fn checkpoint_volume(options: &K8sOptions) -> PersistentVolumeClaim {
 /// The Service that gives each pod of the job a DNS name (`POD.JOB`) from its first moment:
 /// the coordinator is reached through it before any pod is ready.
 pub(super) fn headless_service(options: &K8sOptions, groups: &[PodGroup]) -> Service {
-    let mut ports: Vec<ServicePort> = groups
+    // A Service takes each port once (the API server refuses a repeated one).
+    let mut seen = std::collections::BTreeSet::new();
+    let ports: Vec<ServicePort> = groups
         .iter()
         .flat_map(|group| &group.ports)
+        .filter(|(_, port)| seen.insert(*port))
         .map(|&(name, port)| ServicePort {
             name: Some(name.to_string()),
             port: i32::from(port),
             ..Default::default()
         })
         .collect();
-    ports.dedup_by(|a, b| a.name == b.name);
     Service {
         metadata: metadata(options, options.name.clone()),
         spec: Some(ServiceSpec {

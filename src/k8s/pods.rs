@@ -185,11 +185,8 @@ fn parameter_servers(config: &JobConfig, options: &K8sOptions, port: u16) -> Res
     };
     Ok(vec![
         group(server_role, servers, vec![("server", port)]),
-        group(
-            trainer_role,
-            trainers,
-            vec![("trainer", port), ("coordinator", port + 1)],
-        ),
+        // Trainers listen on nothing; trainer 0's pod runs the coordinator.
+        group(trainer_role, trainers, vec![("coordinator", port + 1)]),
     ])
 }
 

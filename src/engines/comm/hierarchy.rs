@@ -6,14 +6,13 @@
 //! ring's, so the two differ in the last bits (each is deterministic and bit-identical on every
 //! rank).
 
-use std::net::{IpAddr, SocketAddr, TcpListener};
+use std::net::{IpAddr, SocketAddr};
 use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
 
-use super::{connect_ring, connect_ring_transport, memory, Abandoned, Communicator, RingPlace};
+use super::{memory, Communicator, RingLinks, RingPlace};
 use crate::config::JobConfig;
-use crate::net::auth::Credentials;
 
 /// Ranks on nodes: `nodes` nodes of `per_node` ranks, rank `node·per_node + local`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -143,22 +142,6 @@ fn ends_by_rank(
     ends
 }
 
-/// What connecting a rank's rings takes.
-pub struct RingLinks<'a> {
-    /// Every rank's data endpoint, by rank.
-    pub endpoints: &'a [SocketAddr],
-    /// This rank's listener (every ring's).
-    pub listener: &'a TcpListener,
-    /// Deadline of connecting each ring.
-    pub timeout: Duration,
-    /// Whether a ring of one host may use shared memory.
-    pub shared_memory: bool,
-    /// What the rings' connections prove.
-    pub credentials: &'a Credentials,
-    /// Stops the connecting on a rollback order.
-    pub abandoned: &'a Abandoned,
-}
-
 /// Rank `rank`'s communicator over the processes at `links.endpoints`: the flat ring, and the
 /// node and rail rings of a hierarchical all-reduce where `setting`
 /// (`strategy.use_hierarchical_allreduce`) and the ranks' hosts choose one (see [`choose`]).
@@ -168,15 +151,7 @@ pub fn connect_communicator(
     setting: Option<bool>,
     configured: NodeLayout,
 ) -> Result<Communicator> {
-    let flat = connect_ring(
-        rank,
-        links.endpoints,
-        links.listener,
-        links.timeout,
-        links.shared_memory,
-        links.credentials,
-        links.abandoned,
-    )?;
+    let flat = Communicator::new(links.connect(RingPlace::identity(rank, links.endpoints.len()))?);
     match choose(setting, Some(links.endpoints), configured)? {
         Some(layout) => connect_levels(flat, layout, links),
         None => Ok(flat),
@@ -191,32 +166,17 @@ fn connect_levels(flat: Communicator, layout: NodeLayout, links: &RingLinks) -> 
     let mut flat = flat;
     let rank = flat.rank();
     let (node, local) = (rank / layout.per_node, rank % layout.per_node);
-    let ring = |ranks: Vec<usize>, position: usize, shared_memory: bool, name: &str| -> Result<_> {
-        let endpoints: Vec<SocketAddr> = ranks.iter().map(|&r| links.endpoints[r]).collect();
-        let place = RingPlace::new(position, ranks)?;
-        connect_ring_transport(
-            place,
-            &endpoints,
-            links.listener,
-            links.timeout,
-            shared_memory,
-            links.credentials,
-            links.abandoned,
-        )
-        .with_context(|| format!("rank {rank}: connecting {name}"))
+    let ring = |ranks: Vec<usize>, position: usize, name: &str| -> Result<_> {
+        links
+            .connect(RingPlace::new(position, ranks)?)
+            .with_context(|| format!("rank {rank}: connecting {name}"))
     };
     flat.barrier("flat ring connected")?;
-    let node_ring = ring(
-        layout.node_ranks(node),
-        local,
-        links.shared_memory,
-        &format!("the ring of node {node}"),
-    )?;
+    let node_ring = ring(layout.node_ranks(node), local, &format!("the ring of node {node}"))?;
     flat.barrier("node rings connected")?;
     let rail_ring = ring(
         layout.rail_ranks(local),
         node,
-        false,
         &format!("the rail ring of local rank {local}"),
     )?;
     tracing::info!(

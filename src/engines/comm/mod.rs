@@ -47,34 +47,49 @@ use anyhow::Context;
 
 use crate::net::auth::Credentials;
 
-/// The communicator of `rank` in a ring of processes at `endpoints`: over
-/// shared memory when `shared_memory` allows it and every rank is on one
-/// host that has `/dev/shm`, over TCP otherwise. Every connection starts
-/// with the cluster-token handshake.
-pub fn connect_ring(
-    rank: usize,
-    endpoints: &[SocketAddr],
-    listener: &TcpListener,
-    timeout: Duration,
-    shared_memory: bool,
-    credentials: &Credentials,
-    abandoned: &Abandoned,
-) -> anyhow::Result<Communicator> {
-    Ok(Communicator::new(connect_ring_transport(
-        RingPlace::identity(rank, endpoints.len()),
-        endpoints,
-        listener,
-        timeout,
-        shared_memory,
-        credentials,
-        abandoned,
-    )?))
+/// What connecting a rank's rings takes: every rank's data endpoint (by global rank), the
+/// rank's one listener, and how its connections are made.
+pub struct RingLinks<'a> {
+    /// Every rank's data endpoint, by rank.
+    pub endpoints: &'a [SocketAddr],
+    /// This rank's listener (every ring's).
+    pub listener: &'a TcpListener,
+    /// Deadline of connecting each ring.
+    pub timeout: Duration,
+    /// Whether a ring whose members share a host may use shared memory.
+    pub shared_memory: bool,
+    /// What the rings' connections prove.
+    pub credentials: &'a Credentials,
+    /// Stops the connecting on a rollback order.
+    pub abandoned: &'a Abandoned,
 }
 
-/// The transport under [`connect_ring`] for the member at `place`, whose
-/// endpoint is `endpoints[place.position()]`: for rings over some of the
-/// ranks and rings that carry other traffic than collectives (pipeline
-/// stages' activations).
+impl RingLinks<'_> {
+    /// The member at `place` joins its ring, its members' endpoints those of their global
+    /// ranks: over shared memory when `shared_memory` allows it and every member is on one
+    /// host that has `/dev/shm`, over TCP otherwise. Every connection starts with the
+    /// cluster-token handshake.
+    pub fn connect(&self, place: RingPlace) -> anyhow::Result<Box<dyn RingTransport>> {
+        let endpoints = place
+            .ranks()
+            .iter()
+            .map(|&rank| self.endpoints.get(rank).copied())
+            .collect::<Option<Vec<_>>>()
+            .ok_or_else(|| anyhow::anyhow!("{place}: the roster lists {} endpoints", self.endpoints.len()))?;
+        connect_ring_transport(
+            place,
+            &endpoints,
+            self.listener,
+            self.timeout,
+            self.shared_memory,
+            self.credentials,
+            self.abandoned,
+        )
+    }
+}
+
+/// The transport of the member at `place` of a ring whose members are at `endpoints`, by
+/// position (see [`RingLinks::connect`]).
 pub fn connect_ring_transport(
     place: RingPlace,
     endpoints: &[SocketAddr],

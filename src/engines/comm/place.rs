@@ -41,6 +41,11 @@ impl RingPlace {
         self.ranks.len()
     }
 
+    /// The global ranks of the ring, in ring order.
+    pub fn ranks(&self) -> &[usize] {
+        &self.ranks
+    }
+
     /// This member's global rank.
     pub fn rank(&self) -> usize {
         self.rank_at(self.position)
