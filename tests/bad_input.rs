@@ -212,7 +212,6 @@ fn launch_ps_worker_num_outranks_the_files_trainers_per_node() {
     ];
     let finished = flotilla(&args, &[], 240);
     assert!(finished.success, "launch-ps failed:\n{}", finished.stderr);
-    let summary: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(run_dir.join("summary.json")).unwrap()).unwrap();
+    let summary: serde_json::Value = common::read_summary(&run_dir);
     assert_eq!(summary["trainers"].as_u64(), Some(3));
 }

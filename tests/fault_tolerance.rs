@@ -108,8 +108,7 @@ fn survive(job: &Job, signal: i32, extra: &[&str]) -> String {
         finished.stderr
     );
 
-    let summary: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(run_dir.join("summary.json")).unwrap()).unwrap();
+    let summary: serde_json::Value = common::read_summary(&run_dir);
     assert_eq!(summary["steps"], job.steps);
     let mut reference: Vec<&str> = job.settings.to_vec();
     let steps = format!("train.steps={}", job.steps);

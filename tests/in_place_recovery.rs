@@ -174,7 +174,7 @@ fn launch_and_hurt(job: &Job, victim: Victim, signal: i32, extra: &[&str]) -> Hu
     let finished = launcher.finish(180);
     end_leftovers(started);
     assert!(finished.success, "the job did not survive:\n{}", finished.stderr);
-    let summary = serde_json::from_str(&std::fs::read_to_string(run_dir.join("summary.json")).unwrap()).unwrap();
+    let summary = common::read_summary(&run_dir);
     Hurt {
         stderr: finished.stderr,
         summary,
@@ -404,7 +404,7 @@ fn without_checkpoints_the_survivors_roll_back_to_step_0_from_memory() {
         stderr.contains("rejoined") && stderr.contains("resume_step=0"),
         "{stderr}"
     );
-    let summary = serde_json::from_str(&std::fs::read_to_string(run_dir.join("summary.json")).unwrap()).unwrap();
+    let summary = common::read_summary(&run_dir);
     equals_uninterrupted(&DATA_PARALLEL, &summary, &run_dir);
 }
 
@@ -457,6 +457,6 @@ fn a_replacement_started_with_another_config_is_refused_naming_the_key_and_the_j
         !stderr.contains("declared dead"),
         "the refused process cost the job a rank:\n{stderr}"
     );
-    let summary = serde_json::from_str(&std::fs::read_to_string(run_dir.join("summary.json")).unwrap()).unwrap();
+    let summary = common::read_summary(&run_dir);
     equals_uninterrupted(&DATA_PARALLEL, &summary, &run_dir);
 }

@@ -212,18 +212,6 @@ impl Cluster {
     /// adds (as their sources set it: Kubeflow's `pytorch/envvar.go`, Paddle's
     /// `paddlejob_helper.go`).
     fn pods(items: &[Value]) -> Vec<Pod> {
-        let config_map = |name: &str| -> Vec<(String, String)> {
-            let map = items
-                .iter()
-                .find(|i| i["kind"] == "ConfigMap" && i["metadata"]["name"] == name);
-            map.and_then(|m| m["data"].as_object())
-                .map(|data| {
-                    data.iter()
-                        .map(|(k, v)| (k.clone(), v.as_str().unwrap().to_string()))
-                        .collect()
-                })
-                .unwrap_or_default()
-        };
         let mut pods = Vec::new();
         for item in items {
             let job = item["metadata"]["name"].as_str().unwrap();
@@ -314,7 +302,6 @@ impl Cluster {
                         }
                     }
                 }
-                "ConfigMap" => assert!(config_map(job).iter().any(|(file, _)| file == "job.toml")),
                 _ => {}
             }
         }
@@ -471,10 +458,6 @@ fn train_in_pods(args: &[&str]) -> Option<(Cluster, PathBuf)> {
     Some((cluster, run_dir))
 }
 
-fn summary(run_dir: &Path) -> Value {
-    serde_json::from_str(&std::fs::read_to_string(run_dir.join("summary.json")).unwrap()).unwrap()
-}
-
 /// The pods of a 2-node data-parallel job rendered for `operator` end bit-identical to the
 /// in-process cluster: two ranks, one per pod, in the same ring order.
 fn data_parallel_pods_train_as_in_one_process(operator: &str) {
@@ -484,7 +467,7 @@ fn data_parallel_pods_train_as_in_one_process(operator: &str) {
     let Some((_cluster, run_dir)) = train_in_pods(&args) else {
         return;
     };
-    let summary = summary(&run_dir);
+    let summary = common::read_summary(&run_dir);
     assert_eq!(summary["world_size"], 2);
     let simulated = train_in_process(config(&[steps]));
     assert_eq!(summary["param_checksum"], simulated.summary.param_checksum.as_str());
@@ -505,7 +488,7 @@ fn parameter_server_pods_train_as_in_one_process(operator: &str) {
     let Some((_cluster, run_dir)) = train_in_pods(&args) else {
         return;
     };
-    common::ps_matches_uninterrupted(&[steps], &summary(&run_dir), &run_dir);
+    common::ps_matches_uninterrupted(&[steps], &common::read_summary(&run_dir), &run_dir);
 }
 
 #[test]

@@ -35,8 +35,7 @@ fn ranks_started_with_torchruns_variables_train_as_the_in_process_cluster() {
             finished.stdout, finished.stderr
         );
     }
-    let summary: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(dir.path().join("summary.json")).unwrap()).unwrap();
+    let summary: serde_json::Value = common::read_summary(dir.path());
     assert_eq!(summary["world_size"], 2);
     assert_eq!(summary["cluster"], "multi-process");
     let simulated = train_in_process(config(&[STEPS]));
@@ -108,8 +107,7 @@ fn ranks_started_by(mpirun: &str, package: &str, flags: &[&str]) {
         "{mpirun} failed:\n{}\n{}",
         finished.stdout, finished.stderr
     );
-    let summary: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(dir.path().join("summary.json")).unwrap()).unwrap();
+    let summary: serde_json::Value = common::read_summary(dir.path());
     assert_eq!(summary["world_size"], 4);
     let simulated = train_in_process(config(&[STEPS, "cluster.nproc_per_node=4"]));
     assert_eq!(summary["param_checksum"], simulated.summary.param_checksum.as_str());
@@ -145,8 +143,7 @@ fn launchers_given_a_node_rank_and_the_coordinator_train_as_the_in_process_clust
             finished.stdout, finished.stderr
         );
     }
-    let summary: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(dirs[0].path().join("run/summary.json")).unwrap()).unwrap();
+    let summary: serde_json::Value = common::read_summary(&dirs[0].path().join("run"));
     assert_eq!(summary["world_size"], 2);
     let simulated = train_in_process(config(&[STEPS]));
     assert_eq!(summary["param_checksum"], simulated.summary.param_checksum.as_str());
@@ -164,7 +161,6 @@ fn paddles_run_mode_ps_launches_servers_and_trainers_as_launch_ps_does() {
     let finished = start_flotilla(&args, &[]).finish(240);
     assert!(finished.success, "{}\n{}", finished.stdout, finished.stderr);
     assert!(finished.stderr.contains("[server 1]"), "{}", finished.stderr);
-    let summary: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(dir.path().join("summary.json")).unwrap()).unwrap();
+    let summary: serde_json::Value = common::read_summary(dir.path());
     common::ps_matches_uninterrupted(&[steps], &summary, dir.path());
 }

@@ -226,7 +226,6 @@ fn a_closed_output_does_not_stop_the_launcher_restarting_a_killed_rank() {
     signal(ranks[&1] as u32, libc::SIGKILL);
     let status = wait_or_kill(&mut launcher, 180);
     assert!(status.success(), "the launcher ended with {status}");
-    let summary: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(run_dir.join("summary.json")).unwrap()).unwrap();
+    let summary: serde_json::Value = common::read_summary(&run_dir);
     assert_eq!(summary["steps"], 3000);
 }

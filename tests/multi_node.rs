@@ -79,8 +79,7 @@ fn one_launcher_per_node_trains_like_the_in_process_cluster() {
     let launchers = launch_on_both(&hosts, &run_dir, &[STEPS]);
     let finished: Vec<_> = launchers.into_iter().map(|l| l.finish(120)).collect();
     every_node_succeeded(&finished);
-    let summary: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(run_dir.join("summary.json")).unwrap()).unwrap();
+    let summary: serde_json::Value = common::read_summary(&run_dir);
     assert_eq!(summary["world_size"], 2);
     assert_eq!(summary["cluster"], "multi-process");
     assert!(
@@ -115,8 +114,7 @@ fn two_ranks_per_node_all_reduce_hierarchically_as_the_in_process_cluster_told_t
             node.stderr
         );
     }
-    let summary: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(run_dir.join("summary.json")).unwrap()).unwrap();
+    let summary: serde_json::Value = common::read_summary(&run_dir);
     assert_eq!(summary["world_size"], 4);
     // The same reduction order as one process told to all-reduce over 2 nodes of 2 ranks.
     let hierarchical = [
@@ -157,8 +155,7 @@ fn a_rank_killed_on_the_second_node_is_replaced_there_and_rank_0_rolls_back_in_p
         "{}",
         finished[0].stderr
     );
-    let summary: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(run_dir.join("summary.json")).unwrap()).unwrap();
+    let summary: serde_json::Value = common::read_summary(&run_dir);
     let uninterrupted = train_in_process(config(&RECOVERABLE[..1]));
     assert_eq!(summary["param_checksum"], uninterrupted.summary.param_checksum.as_str());
 }
@@ -326,8 +323,7 @@ impl Separate {
 
     /// The job's parameters equal those of the uninterrupted run of `twin`.
     fn ends_as(&self, twin: &[&str]) {
-        let summary: serde_json::Value =
-            serde_json::from_str(&std::fs::read_to_string(self.run_dirs[0].join("summary.json")).unwrap()).unwrap();
+        let summary: serde_json::Value = common::read_summary(&self.run_dirs[0]);
         let uninterrupted = train_in_process(config(twin));
         assert_eq!(summary["param_checksum"], uninterrupted.summary.param_checksum.as_str());
     }
@@ -448,8 +444,7 @@ fn a_parameter_server_job_with_its_shards_on_one_node_and_its_trainers_on_the_ot
         "{}",
         finished[1].stderr
     );
-    let summary: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(run_dir.join("summary.json")).unwrap()).unwrap();
+    let summary: serde_json::Value = common::read_summary(&run_dir);
     common::ps_matches_uninterrupted(&[steps], &summary, &run_dir);
 }
 
@@ -496,8 +491,7 @@ fn a_shard_whose_node_was_lost_with_its_disk_comes_back_from_the_buddy_copy_on_t
         "{}",
         finished[0].stderr
     );
-    let summary: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(job.run_dirs[0].join("summary.json")).unwrap()).unwrap();
+    let summary: serde_json::Value = common::read_summary(&job.run_dirs[0]);
     common::ps_matches_uninterrupted(&PARAMETER_SERVERS[..1], &summary, &job.run_dirs[0]);
 }
 
@@ -525,7 +519,6 @@ fn a_geo_trainer_whose_node_was_lost_with_its_disk_takes_its_own_state_back_from
         "trainer 1 did not take its state from the first node:\n{stderr}"
     );
     // Not bitwise (geo applies deltas in arrival order): each trainer's 30 pushes applied once.
-    let summary: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(job.run_dirs[0].join("summary.json")).unwrap()).unwrap();
+    let summary: serde_json::Value = common::read_summary(&job.run_dirs[0]);
     assert_eq!(summary["updates_applied"], serde_json::json!([60, 60]), "{summary}");
 }

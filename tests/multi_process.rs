@@ -37,8 +37,7 @@ fn launched_job_matches_ground_truth(transport: &str) {
         "output is prefixed by rank:\n{}",
         finished.stdout
     );
-    let summary: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(run_dir.join("summary.json")).unwrap()).unwrap();
+    let summary: serde_json::Value = common::read_summary(&run_dir);
     assert_eq!(summary["world_size"], 2);
     assert_eq!(summary["cluster"], "multi-process");
 

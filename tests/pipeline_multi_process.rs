@@ -54,8 +54,7 @@ fn launched_pipeline_matches_ground_truth(transport: &str) {
         "{transport}: launch failed:\n{}\n{}",
         finished.stdout, finished.stderr
     );
-    let summary: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(run_dir.join("summary.json")).unwrap()).unwrap();
+    let summary: serde_json::Value = common::read_summary(&run_dir);
     assert_eq!(summary["strategy"], "pipeline");
     assert_eq!(summary["world_size"], 4);
     assert_eq!(summary["cluster"], "multi-process");
@@ -168,8 +167,7 @@ fn interleaved_deep_and_one_stage_pipelines_launch_bit_identical_to_in_process()
             "{overrides:?}: launch failed:\n{}\n{}",
             finished.stdout, finished.stderr
         );
-        let summary: serde_json::Value =
-            serde_json::from_str(&std::fs::read_to_string(run_dir.join("summary.json")).unwrap()).unwrap();
+        let summary: serde_json::Value = common::read_summary(&run_dir);
         let overrides: Vec<&str> = overrides.iter().map(String::as_str).collect();
         let in_process = train_in_process(config(&overrides));
         assert_eq!(
@@ -255,8 +253,7 @@ fn a_stage_larger_than_a_frame_hands_its_parameters_to_rank_0_in_pieces() {
         "launch failed:\n{}\n{}",
         finished.stdout, finished.stderr
     );
-    let summary: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(run_dir.join("summary.json")).unwrap()).unwrap();
+    let summary: serde_json::Value = common::read_summary(&run_dir);
     let in_process = train_in_process(config(&settings));
     assert_eq!(summary["param_checksum"], in_process.summary.param_checksum.as_str());
     let launched = read_params(&run_dir.join("params.safetensors"));

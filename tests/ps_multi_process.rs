@@ -38,8 +38,7 @@ fn launch_ps_trains_the_ctr_job_to_the_expected_auc_and_servers_exit() {
         "servers shut down cleanly:\n{}",
         finished.stderr
     );
-    let summary: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(run_dir.join("summary.json")).unwrap()).unwrap();
+    let summary: serde_json::Value = common::read_summary(&run_dir);
     assert_eq!(summary["mode"], "sync");
     assert_eq!(summary["cluster"], "multi-process");
     assert_eq!(

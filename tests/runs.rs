@@ -38,11 +38,6 @@ fn metric_steps(run_dir: &Path) -> Vec<u64> {
         .collect()
 }
 
-fn summary(run_dir: &Path) -> serde_json::Value {
-    serde_json::from_str(&std::fs::read_to_string(run_dir.join("summary.json")).expect("summary.json"))
-        .expect("summary.json is JSON")
-}
-
 #[test]
 fn two_runs_started_together_get_their_own_directories() {
     let cwd = tempfile::tempdir().unwrap();
@@ -59,7 +54,7 @@ fn two_runs_started_together_get_their_own_directories() {
     assert_eq!(dirs.len(), 2, "{dirs:?}");
     for dir in &dirs {
         assert_eq!(metric_steps(dir), (1..=30).collect::<Vec<_>>(), "{}", dir.display());
-        assert_eq!(summary(dir)["steps"], 30);
+        assert_eq!(common::read_summary(dir)["steps"], 30);
     }
 }
 
@@ -245,7 +240,7 @@ fn a_run_resumes_with_its_own_config_and_refuses_another_learning_rate() {
     // Extended by 10 steps, from the checkpoint of step 10, with the run's own learning rate.
     let longer = flotilla_in(cwd.path(), &["train", "--resume", dir, "--set", "train.steps=30"]);
     assert!(longer.success, "{}", longer.stderr);
-    assert_eq!(summary(&run_dir)["steps"], 30);
+    assert_eq!(common::read_summary(&run_dir)["steps"], 30);
     assert_eq!(metric_steps(&run_dir), (1..=30).collect::<Vec<_>>());
     let config = std::fs::read_to_string(run_dir.join("config.toml")).unwrap();
     assert!(config.contains("lr = 0.1"), "{config}");

@@ -7,16 +7,12 @@
 
 mod common;
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 use common::slurm::Slurm;
 use common::{config, free_port_range, ps_matches_uninterrupted, train_in_process};
 
 const STEPS: &str = "train.steps=20";
-
-fn summary(run_dir: &Path) -> serde_json::Value {
-    serde_json::from_str(&std::fs::read_to_string(run_dir.join("summary.json")).unwrap()).unwrap()
-}
 
 /// `srun -n 4`: one task per rank of a data-parallel job, each a `flotilla run` that reads its
 /// rank, the job's size and the coordinator (the step's first node, a port of the job's) from
@@ -36,7 +32,7 @@ fn srun_runs_a_data_parallel_job_rank_by_rank_and_under_launchers_and_a_paramete
         flotilla, "run", "--role", "trainer", "--config", "config.toml", "--set", STEPS,
     ];
     slurm.srun(&ranks, &[("FLOTILLA_RUN_DIR", run_dir.display().to_string())]);
-    let collective = summary(&run_dir);
+    let collective = common::read_summary(&run_dir);
     assert_eq!(collective["world_size"], 4);
     let simulated = train_in_process(config(&[STEPS, "cluster.nproc_per_node=4"]));
     assert_eq!(collective["param_checksum"], simulated.summary.param_checksum.as_str());
@@ -50,7 +46,7 @@ fn srun_runs_a_data_parallel_job_rank_by_rank_and_under_launchers_and_a_paramete
         "--run-dir", run_dir.to_str().unwrap(),
     ];
     slurm.srun(&launcher, &[]);
-    let launched = summary(&run_dir);
+    let launched = common::read_summary(&run_dir);
     assert_eq!(launched["param_checksum"], simulated.summary.param_checksum.as_str());
 
     let run_dir = slurm.dir.path().join("parameter-server");
@@ -63,5 +59,5 @@ fn srun_runs_a_data_parallel_job_rank_by_rank_and_under_launchers_and_a_paramete
         "train", "--config", "examples/ctr_ps.toml", "--set", ps_steps, "--run-dir", run_dir.to_str().unwrap(),
     ];
     slurm.srun(&launcher, &[]);
-    ps_matches_uninterrupted(&[ps_steps], &summary(&run_dir), &run_dir);
+    ps_matches_uninterrupted(&[ps_steps], &common::read_summary(&run_dir), &run_dir);
 }

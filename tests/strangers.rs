@@ -129,7 +129,7 @@ fn launch_among_strangers(
         arrivals >= PER_PORT * listening,
         "only {arrivals} strangers arrived at {listening} listening ports"
     );
-    serde_json::from_str(&std::fs::read_to_string(run_dir.join("summary.json")).unwrap()).unwrap()
+    common::read_summary(&run_dir)
 }
 
 #[test]

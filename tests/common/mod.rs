@@ -93,6 +93,13 @@ pub fn ps_matches_uninterrupted(settings: &[&str], summary: &serde_json::Value, 
     }
 }
 
+/// The `summary.json` a run wrote into `run_dir`.
+pub fn read_summary(run_dir: &Path) -> serde_json::Value {
+    let path = run_dir.join("summary.json");
+    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("reading {}: {e}", path.display()));
+    serde_json::from_str(&text).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+}
+
 /// Reads a `params.safetensors` written by a run.
 pub fn read_params(path: &Path) -> Vec<(String, Vec<f32>)> {
     let tensors = candle_core::safetensors::load(path, &candle_core::Device::Cpu).expect("params.safetensors");
