@@ -85,6 +85,7 @@ async fn bad_frames_close_only_their_connection() {
     closes_after(&addr, Some(TOKEN), &framed(&[200, 0, 0, 0, 1, 2])).await;
     // A well-formed frame carrying a message the coordinator never accepts.
     let roster = Frame::control(ControlMessage::Roster(Roster {
+        members: vec![],
         endpoints: vec![],
         mirrors: vec![],
         generation: 0,

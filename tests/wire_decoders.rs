@@ -66,6 +66,7 @@ fn control_frames() -> Vec<Frame> {
             reason: "rank 1 declared dead".into(),
         })),
         Frame::control(ControlMessage::Roster(Roster {
+            members: vec![0, 1],
             endpoints: vec!["127.0.0.1:6171".into(), "127.0.0.1:6172".into()],
             mirrors: vec![None, Some("127.0.0.1:41001".into())],
             generation: 3,

@@ -79,6 +79,7 @@ mod tests {
 
     fn roster(endpoints: &[&str], mirrors: &[Option<&str>]) -> Roster {
         Roster {
+            members: (0..endpoints.len()).collect(),
             endpoints: endpoints.iter().map(|e| e.to_string()).collect(),
             mirrors: mirrors.iter().map(|m| m.map(str::to_string)).collect(),
             generation: 0,

@@ -31,6 +31,49 @@ use crate::net::protocol::{
 
 type Waiter<T> = oneshot::Sender<Result<T, String>>;
 
+/// A rank that asked to join: its data endpoint and mirror, and where its roster goes.
+type Joined = (String, Option<String>, Waiter<Roster>);
+
+/// Elastic membership: the job may go on with fewer nodes than it was started for, down to
+/// `min_nodes`, and grows back when nodes come.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Elastic {
+    /// The fewest nodes the job trains on (`--nnodes MIN:MAX`'s MIN).
+    pub min_nodes: usize,
+    /// The job's nodes at most (MAX).
+    pub max_nodes: usize,
+    /// Ranks per node: rank `r` is on node `r / per_node`, and nodes come and go whole.
+    pub per_node: usize,
+    /// How long a forming generation waits for every expected rank before it forms without
+    /// the nodes still missing.
+    pub timeout: Duration,
+}
+
+impl Elastic {
+    /// The elastic membership of `config`'s job, if it has one (`cluster.min_nnodes`).
+    pub fn of(config: &JobConfig) -> Option<Self> {
+        config.cluster.min_nnodes.map(|min_nodes| Self {
+            min_nodes,
+            max_nodes: config.cluster.nnodes,
+            per_node: config.cluster.nproc_per_node,
+            timeout: config.fault_tolerance.elastic_timeout(),
+        })
+    }
+
+    /// The ranks of `joined` whose node joined whole.
+    fn whole_nodes(&self, joined: impl IntoIterator<Item = usize>) -> Vec<usize> {
+        let joined: BTreeSet<usize> = joined.into_iter().collect();
+        joined
+            .iter()
+            .copied()
+            .filter(|rank| {
+                let first = rank / self.per_node * self.per_node;
+                (first..first + self.per_node).all(|r| joined.contains(&r))
+            })
+            .collect()
+    }
+}
+
 /// The processes declared dead that are remembered for launchers to ask about.
 const DEAD_REMEMBERED: usize = 64;
 /// A rank waiting at a barrier or gather: its part (empty at a barrier), and where its answer goes.
@@ -50,9 +93,21 @@ pub struct Coordinator {
     timeout: Duration,
     /// The generation forming or running: 0 at the start, one more after every rollback.
     generation: u64,
-    /// Ranks that joined the forming generation: their data endpoints and mirrors, and where
-    /// their roster goes.
-    joining: BTreeMap<usize, (String, Option<String>, Waiter<Roster>)>,
+    /// Ranks that joined the forming generation.
+    joining: BTreeMap<usize, Joined>,
+    /// The ranks the forming generation waits for.
+    expected: BTreeSet<usize>,
+    /// The ranks training in the running generation, ascending: every rank, unless elastic
+    /// membership went on without some.
+    active: Vec<usize>,
+    /// With elastic membership, ranks that asked to join while a generation runs: admitted at
+    /// its next checkpoint. Each is answered within the timeout with the running roster, which
+    /// does not hold it, and asks again.
+    standby: BTreeMap<usize, (u64, Joined)>,
+    /// Numbers each wait in `standby`, so a timer answers only the one it was set for.
+    standby_serial: u64,
+    /// Elastic membership, if the job has it.
+    elastic: Option<Elastic>,
     /// The generation each rank of the job last joined.
     members: HashMap<usize, u64>,
     /// Ranks waiting at each barrier or gather.
@@ -97,6 +152,11 @@ impl Coordinator {
             timeout,
             generation: 0,
             joining: BTreeMap::new(),
+            expected: (0..world_size).collect(),
+            active: (0..world_size).collect(),
+            standby: BTreeMap::new(),
+            standby_serial: 0,
+            elastic: None,
             members: HashMap::new(),
             barriers: HashMap::new(),
             heartbeat_deadline: None,
@@ -155,6 +215,17 @@ impl Coordinator {
             .with_names_of(config)
             .with_checkpoints(recovery.store.clone(), recovery.start_step())
             .with_settings(config.shared_settings())
+            .with_elastic(Elastic::of(config))
+    }
+
+    /// Goes on with fewer nodes when some are lost for good, and admits nodes that come later,
+    /// as `elastic` says (the job recovers in place).
+    pub fn with_elastic(mut self, elastic: Option<Elastic>) -> Self {
+        self.elastic = elastic;
+        if elastic.is_some() {
+            self.in_place = true;
+        }
+        self
     }
 
     /// Refuses a rank whose settings differ from `settings` (a replacement started with another
@@ -198,18 +269,26 @@ impl Coordinator {
         if self.stopped.is_some() || self.left.contains(&rank) {
             return;
         }
+        // A rank that waits to be admitted (or was dropped) trains in no generation: it is
+        // forgotten, and nobody rolls back.
+        if self.elastic.is_some() && !self.active.contains(&rank) {
+            tracing::warn!("{} declared dead while outside the job: {why}", self.name(rank));
+            self.forget(rank);
+            if let Some((_, _, waiter)) = self.joining.remove(&rank) {
+                let _ = waiter.send(Err(format!("{} declared dead: {why}", self.name(rank))));
+            }
+            self.expected.remove(&rank);
+            self.try_form();
+            return;
+        }
         // Once a rank has left, training is over: there is nothing to roll back to.
         if !self.in_place || !self.left.is_empty() {
-            let reason = format!("{} declared dead: {why}; the job is stopped", self.name(rank));
-            tracing::error!("{reason}");
-            self.fail_barriers(&reason);
-            for (_, (_, _, waiter)) in std::mem::take(&mut self.joining) {
-                let _ = waiter.send(Err(reason.clone()));
-            }
-            self.stopped = Some(reason);
+            self.stop(format!("{} declared dead: {why}; the job is stopped", self.name(rank)));
             return;
         }
         self.generation += 1;
+        // The lost rank's replacement is awaited (with elastic membership, for a while).
+        self.expected = self.active.iter().copied().collect();
         let resume = match self.committed {
             Some(step) => format!("the checkpoint of step {step}"),
             None => "step 0".to_string(),
@@ -222,17 +301,165 @@ impl Coordinator {
         tracing::warn!("{reason}");
         self.fail_barriers(&reason);
         // Its replacement is a new member; the ranks already joining wait on for the new roster.
+        self.forget(rank);
+        if let Some((_, _, waiter)) = self.joining.remove(&rank) {
+            let _ = waiter.send(Err(reason.clone()));
+        }
+        self.rolled_back = reason;
+    }
+
+    /// Forgets `rank`'s process (remembered as dead, for launchers to ask about): its membership,
+    /// its heartbeats, its wait for admission.
+    fn forget(&mut self, rank: usize) {
         self.members.remove(&rank);
+        self.standby.remove(&rank);
         if let Some((_, _, pid)) = self.last_heard.remove(&rank) {
             if self.dead.len() == DEAD_REMEMBERED {
                 self.dead.remove(0);
             }
             self.dead.push(DeadProcess { rank, pid });
         }
-        if let Some((_, _, waiter)) = self.joining.remove(&rank) {
+    }
+
+    /// Stops the job for `reason`: every rank waiting here, and every later request, hears it.
+    fn stop(&mut self, reason: String) {
+        tracing::error!("{reason}");
+        self.fail_barriers(&reason);
+        let joining = std::mem::take(&mut self.joining).into_values();
+        let standby = std::mem::take(&mut self.standby)
+            .into_values()
+            .map(|(_, joined)| joined);
+        for (_, _, waiter) in joining.chain(standby) {
             let _ = waiter.send(Err(reason.clone()));
         }
-        self.rolled_back = reason;
+        self.stopped = Some(reason);
+    }
+
+    /// Whether a generation is forming: its roster is not out yet.
+    fn forming(&self) -> bool {
+        self.roster
+            .as_ref()
+            .is_none_or(|roster| roster.generation != self.generation)
+    }
+
+    /// Forms the generation once every expected rank has joined.
+    fn try_form(&mut self) {
+        if self.forming() && !self.joining.is_empty() && self.expected.iter().all(|r| self.joining.contains_key(r)) {
+            let joined = std::mem::take(&mut self.joining);
+            self.form(joined);
+        }
+    }
+
+    /// Hands every rank of `joined` the roster of the forming generation, which they make up.
+    fn form(&mut self, joined: BTreeMap<usize, Joined>) {
+        let roster = Roster {
+            members: joined.keys().copied().collect(),
+            endpoints: joined.values().map(|(endpoint, _, _)| endpoint.clone()).collect(),
+            mirrors: joined.values().map(|(_, mirror, _)| mirror.clone()).collect(),
+            generation: self.generation,
+            resume_step: self.committed,
+            record: self.record.clone().filter(|record| Some(record.step) == self.committed),
+        };
+        tracing::info!(
+            ranks = roster.world_size(),
+            of = self.world_size,
+            generation = self.generation,
+            resume_step = ?self.committed,
+            "rendezvous complete"
+        );
+        for (rank, (_, _, waiter)) in joined {
+            self.members.insert(rank, self.generation);
+            let _ = waiter.send(Ok(roster.clone()));
+        }
+        self.active = roster.members.clone();
+        self.expected = self.active.iter().copied().collect();
+        self.roster = Some(roster);
+    }
+
+    /// With elastic membership, `elastic.timeout` after a generation began forming: it forms
+    /// with the nodes that joined whole, or — fewer than the minimum — the job stops.
+    fn form_elastic(&mut self, generation: u64, ctx: &mut Context<Self>) {
+        let Some(elastic) = self.elastic else {
+            return;
+        };
+        if self.generation != generation || !self.forming() || self.joining.is_empty() {
+            return;
+        }
+        let whole = elastic.whole_nodes(self.joining.keys().copied());
+        let nodes = whole.len() / elastic.per_node;
+        let missing = self.missing(self.expected.iter().copied(), &self.joining);
+        if nodes < elastic.min_nodes {
+            self.stop(format!(
+                "elastic membership: {nodes} whole node(s) joined generation {generation} within \
+                 fault_tolerance.elastic_timeout_s = {:.1}s ({missing} never joined), fewer than the minimum of {} \
+                 (--nnodes {}:{}); the job stops",
+                elastic.timeout.as_secs_f64(),
+                elastic.min_nodes,
+                elastic.min_nodes,
+                elastic.max_nodes
+            ));
+            return;
+        }
+        tracing::warn!(
+            "elastic membership: generation {generation} goes on with {nodes} node(s) ({} ranks); {missing} did not join \
+             within fault_tolerance.elastic_timeout_s = {:.1}s",
+            whole.len(),
+            elastic.timeout.as_secs_f64()
+        );
+        let mut joined = std::mem::take(&mut self.joining);
+        // The ranks of a node that did not join whole wait to be admitted with it.
+        let partial: Vec<usize> = joined.keys().copied().filter(|r| !whole.contains(r)).collect();
+        let waiting: Vec<(usize, Joined)> = partial
+            .into_iter()
+            .filter_map(|r| joined.remove(&r).map(|j| (r, j)))
+            .collect();
+        self.form(joined);
+        for (rank, joined) in waiting {
+            self.hold(rank, joined, ctx);
+        }
+    }
+
+    /// Holds `rank`, which asked to join while a generation runs, until the next checkpoint
+    /// admits it, or — at the latest half the timeout later — answers it with the running
+    /// roster, which does not hold it, so it asks again.
+    fn hold(&mut self, rank: usize, joined: Joined, ctx: &mut Context<Self>) {
+        self.standby_serial += 1;
+        let serial = self.standby_serial;
+        tracing::info!(rank, "waiting to be admitted at the next checkpoint");
+        if let Some((_, (_, _, earlier))) = self.standby.insert(rank, (serial, joined)) {
+            let _ = earlier.send(Err(format!("rank {rank} joined again from a new process")));
+        }
+        ctx.run_later(self.timeout / 2, move |coordinator, _| {
+            if coordinator.standby.get(&rank).is_some_and(|(s, _)| *s == serial) {
+                if let (Some((_, (_, _, waiter))), Some(roster)) =
+                    (coordinator.standby.remove(&rank), coordinator.roster.clone())
+                {
+                    let _ = waiter.send(Ok(roster));
+                }
+            }
+        });
+    }
+
+    /// With elastic membership, once the checkpoint of `step` is committed: the ranks waiting
+    /// are admitted — a new generation forms of them and the running one, from that checkpoint.
+    fn admit_waiting(&mut self, step: usize, ctx: &mut Context<Self>) {
+        if self.elastic.is_none() || self.standby.is_empty() || self.stopped.is_some() {
+            return;
+        }
+        let admitted: Vec<String> = self.standby.keys().map(|&rank| self.name(rank)).collect();
+        self.generation += 1;
+        self.rolled_back = format!(
+            "admitting {} at the checkpoint of step {step}: generation {} resumes from it",
+            admitted.join(", "),
+            self.generation
+        );
+        tracing::info!("{}", self.rolled_back);
+        self.joining = std::mem::take(&mut self.standby)
+            .into_iter()
+            .map(|(rank, (_, joined))| (rank, joined))
+            .collect();
+        self.expected = self.active.iter().chain(self.joining.keys()).copied().collect();
+        self.start_forming(ctx);
     }
 
     /// Whether `rank` is a member of a generation older than the one forming or running.
@@ -264,8 +491,10 @@ impl Coordinator {
         }
     }
 
-    fn missing<T>(&self, present: &BTreeMap<usize, T>) -> String {
-        let missing: Vec<String> = (0..self.world_size)
+    /// The ranks of `expected` not `present`, as `rank 3` or `ranks 1, 2`.
+    fn missing<T>(&self, expected: impl IntoIterator<Item = usize>, present: &BTreeMap<usize, T>) -> String {
+        let missing: Vec<String> = expected
+            .into_iter()
             .filter(|r| !present.contains_key(r))
             .map(|r| r.to_string())
             .collect();
@@ -301,6 +530,13 @@ impl Coordinator {
             let _ = tx.send(Err(format!("rank {rank} is outside world size {}", self.world_size)));
             return rx;
         }
+        if !self.active.contains(&rank) {
+            let _ = tx.send(Err(format!(
+                "rank {rank} does not train in generation {}",
+                self.generation
+            )));
+            return rx;
+        }
         let waiting = self.barriers.entry(name.clone()).or_default();
         waiting.commits = commits;
         if waiting.arrivals.is_empty() {
@@ -312,7 +548,7 @@ impl Coordinator {
                 let reason = format!(
                     "barrier {name:?} timed out after {:.1}s: {} never arrived",
                     coordinator.timeout.as_secs_f64(),
-                    coordinator.missing(&waiting.arrivals)
+                    coordinator.missing(coordinator.active.clone(), &waiting.arrivals)
                 );
                 tracing::error!("{reason}");
                 for (_, (_, waiter)) in waiting.arrivals {
@@ -321,7 +557,7 @@ impl Coordinator {
             });
         }
         waiting.arrivals.insert(rank, (part, tx));
-        if waiting.arrivals.len() == self.world_size {
+        if waiting.arrivals.len() == self.active.len() {
             let arrived = self.barriers.remove(&name).unwrap_or_default();
             let parts: Vec<Bytes> = arrived.arrivals.values().map(|(part, _)| part.clone()).collect();
             // An acknowledgement is answered with the record of the commit.
@@ -334,6 +570,9 @@ impl Coordinator {
             };
             for (_, (_, waiter)) in arrived.arrivals {
                 let _ = waiter.send(answer.clone());
+            }
+            if let (Some(step), Ok(_)) = (arrived.commits, &answer) {
+                self.admit_waiting(step, ctx);
             }
         }
         rx
@@ -378,7 +617,7 @@ impl Coordinator {
         }
         let record = CommitRecord {
             step,
-            world_size: self.world_size,
+            world_size: self.active.len(),
             files,
         };
         if let Some(store) = &self.checkpoints {
@@ -386,7 +625,7 @@ impl Coordinator {
                 store.record(&record)
             } else {
                 let files = record.files.iter().map(|held| held.record.clone()).collect();
-                store.commit(step, self.world_size, files)
+                store.commit(step, record.world_size, files)
             };
             committed.map_err(|e| format!("committing the checkpoint of step {step}: {e:#}"))?;
         }
@@ -409,6 +648,18 @@ impl Actor for Coordinator {
 }
 
 impl Coordinator {
+    /// A generation began forming: with elastic membership it forms `elastic.timeout` later
+    /// without the nodes still missing; it fails `timeout` later unless it formed.
+    fn start_forming(&mut self, ctx: &mut Context<Self>) {
+        if let Some(elastic) = self.elastic {
+            let generation = self.generation;
+            ctx.run_later(elastic.timeout, move |coordinator, ctx| {
+                coordinator.form_elastic(generation, ctx)
+            });
+        }
+        self.expire_rendezvous(ctx);
+    }
+
     /// Fails the forming generation `timeout` after its first arrival unless every rank has
     /// joined by then. (Roles that only heartbeat, as a parameter-server job's, never join.)
     fn expire_rendezvous(&mut self, ctx: &mut Context<Self>) {
@@ -420,7 +671,7 @@ impl Coordinator {
             let reason = format!(
                 "rendezvous timed out after {:.1}s: {} never joined (world size {})",
                 coordinator.timeout.as_secs_f64(),
-                coordinator.missing(&coordinator.joining),
+                coordinator.missing(coordinator.expected.clone(), &coordinator.joining),
                 coordinator.world_size
             );
             tracing::error!("{reason}");
@@ -494,6 +745,14 @@ impl Handler<Join> for Coordinator {
             return Box::pin(async move { Err(refusal) });
         }
         let (tx, rx) = oneshot::channel();
+        let joined = (msg.data_endpoint, msg.mirror, tx);
+        // With elastic membership, a rank outside the running generation (a node that came late,
+        // or came back) waits for the next checkpoint to be admitted.
+        if self.elastic.is_some() && !self.forming() && !self.active.contains(&msg.rank) {
+            self.hold(msg.rank, joined, ctx);
+            let answer = reply(rx);
+            return Box::pin(async move { answer.await.map_err(JoinRefused::Failed) });
+        }
         // A member of the running generation joining again is a new process in its place: the
         // old one is gone, whether or not its line has broken yet.
         if self.members.get(&msg.rank) == Some(&self.generation) {
@@ -502,32 +761,16 @@ impl Handler<Join> for Coordinator {
         if let Some((_, _, earlier)) = self.joining.remove(&msg.rank) {
             let _ = earlier.send(Err(format!("rank {} joined again from a new process", msg.rank)));
         }
-        tracing::debug!(rank = msg.rank, endpoint = %msg.data_endpoint, generation = self.generation, "rank joined");
+        tracing::debug!(rank = msg.rank, endpoint = %joined.0, generation = self.generation, "rank joined");
         if self.joining.is_empty() {
-            self.expire_rendezvous(ctx);
+            self.start_forming(ctx);
         }
-        self.joining.insert(msg.rank, (msg.data_endpoint, msg.mirror, tx));
-        if self.joining.len() == self.world_size {
-            let joined = std::mem::take(&mut self.joining);
-            let roster = Roster {
-                endpoints: joined.values().map(|(endpoint, _, _)| endpoint.clone()).collect(),
-                mirrors: joined.values().map(|(_, mirror, _)| mirror.clone()).collect(),
-                generation: self.generation,
-                resume_step: self.committed,
-                record: self.record.clone().filter(|record| Some(record.step) == self.committed),
-            };
-            tracing::info!(
-                world_size = self.world_size,
-                generation = self.generation,
-                resume_step = ?self.committed,
-                "rendezvous complete"
-            );
-            for (rank, (_, _, waiter)) in joined {
-                self.members.insert(rank, self.generation);
-                let _ = waiter.send(Ok(roster.clone()));
-            }
-            self.roster = Some(roster);
+        self.joining.insert(msg.rank, joined);
+        if self.elastic.is_some() {
+            // A rank that comes while a generation forms is admitted with it.
+            self.expected.insert(msg.rank);
         }
+        self.try_form();
         let answer = reply(rx);
         Box::pin(async move { answer.await.map_err(JoinRefused::Failed) })
     }
@@ -596,7 +839,12 @@ impl Handler<Leave> for Coordinator {
 
     fn handle(&mut self, msg: Leave, _: &mut Self::Context) {
         self.left.insert(msg.rank);
-        if self.left.len() == self.world_size {
+        if self.active.iter().all(|rank| self.left.contains(rank)) {
+            for (rank, (_, (_, _, waiter))) in std::mem::take(&mut self.standby) {
+                let _ = waiter.send(Err(format!(
+                    "the job finished training before rank {rank} was admitted"
+                )));
+            }
             if let Some(done) = self.finished.take() {
                 let _ = done.send(());
             }
@@ -964,6 +1212,130 @@ mod tests {
             err,
             JoinRefused::Mismatch("rank 1 was started for world size 3, the job has 2".to_string())
         );
+    }
+
+    fn elastic(min_nodes: usize, max_nodes: usize, timeout_ms: u64) -> Option<Elastic> {
+        Some(Elastic {
+            min_nodes,
+            max_nodes,
+            per_node: 1,
+            timeout: Duration::from_millis(timeout_ms),
+        })
+    }
+
+    async fn acknowledge(c: &Addr<Coordinator>, rank: usize, step: usize) -> Result<CommitRecord, String> {
+        c.send(Acknowledge {
+            rank,
+            step,
+            files: Vec::new(),
+        })
+        .await
+        .expect("coordinator alive")
+    }
+
+    #[actix::test]
+    async fn elastic_a_node_not_replaced_in_time_is_dropped_and_a_late_one_is_admitted_at_the_next_checkpoint() {
+        let c = Coordinator::new(3, Duration::from_secs(30))
+            .with_heartbeat_deadline(Duration::from_secs(30))
+            .with_elastic(elastic(2, 3, 200))
+            .start();
+        let (a, b, d) = futures::join!(join(&c, 0, 3), join(&c, 1, 3), join(&c, 2, 3));
+        assert_eq!(a.unwrap().members, vec![0, 1, 2]);
+        assert!(b.is_ok() && d.is_ok());
+        for rank in 0..3 {
+            assert_eq!(beat(&c, rank, rank as u64).await, Ok(Beat::Alive));
+        }
+        // Rank 2's node is gone for good: once the elastic timeout passes, ranks 0 and 1 go on.
+        c.send(ConnectionLost { rank: 2, line: 2 }).await.unwrap();
+        let started = Instant::now();
+        let (a, b) = futures::join!(join(&c, 0, 3), join(&c, 1, 3));
+        let shrunk = a.expect("generation 1 formed without rank 2");
+        assert!(
+            started.elapsed() >= Duration::from_millis(200),
+            "it waited for a replacement first"
+        );
+        assert_eq!((shrunk.members.clone(), shrunk.generation), (vec![0, 1], 1));
+        assert_eq!((shrunk.place_of(1), shrunk.place_of(2)), (Some(1), None));
+        assert_eq!(b, Ok(shrunk));
+        // A barrier now waits for the two alone.
+        let (x, y) = futures::join!(
+            c.send(Barrier {
+                rank: 0,
+                name: "b".into()
+            }),
+            c.send(Barrier {
+                rank: 1,
+                name: "b".into()
+            })
+        );
+        assert_eq!((x.unwrap(), y.unwrap()), (Ok(()), Ok(())));
+        // A node comes back: it waits for the next checkpoint, which the two commit as theirs.
+        let late = c.send(Join {
+            rank: 2,
+            world_size: 3,
+            data_endpoint: "endpoint-2b".into(),
+            mirror: None,
+            settings: Settings::new(),
+        });
+        let (x, y) = futures::join!(acknowledge(&c, 0, 10), acknowledge(&c, 1, 10));
+        assert_eq!(x.expect("committed").world_size, 2);
+        assert!(y.is_ok());
+        // Then every rank rolls over to a generation of three, from that checkpoint.
+        match beat(&c, 0, 0).await {
+            Ok(Beat::RollBack { generation: 2, reason }) => {
+                assert!(
+                    reason.contains("admitting rank 2 at the checkpoint of step 10"),
+                    "{reason}"
+                )
+            }
+            other => panic!("rank 0 should roll over to admit rank 2: {other:?}"),
+        }
+        let (a, b, late) = futures::join!(join(&c, 0, 3), join(&c, 1, 3), late);
+        let grown = a.expect("generation 2 formed");
+        assert_eq!(
+            (grown.members.clone(), grown.generation, grown.resume_step),
+            (vec![0, 1, 2], 2, Some(10))
+        );
+        assert_eq!(grown.endpoints[2], "endpoint-2b");
+        assert_eq!(b, Ok(grown.clone()));
+        assert_eq!(late.unwrap(), Ok(grown));
+    }
+
+    #[actix::test]
+    async fn elastic_a_rank_waiting_to_be_admitted_hears_the_running_roster_and_asks_again() {
+        let c = Coordinator::new(2, Duration::from_millis(400))
+            .with_elastic(elastic(1, 2, 100))
+            .start();
+        // Rank 1 never comes: rank 0 trains alone once the elastic timeout passes.
+        let alone = join(&c, 0, 2).await.expect("formed with one node");
+        assert_eq!(alone.members, vec![0]);
+        // Rank 1 comes late, while no checkpoint is due: within half the timeout it hears the
+        // roster it is not in.
+        let waited = join(&c, 1, 2).await.expect("answered with the running roster");
+        assert_eq!((waited.place_of(1), waited.generation), (None, 0));
+    }
+
+    #[actix::test]
+    async fn elastic_fewer_nodes_than_the_minimum_stop_the_job_saying_so() {
+        let c = Coordinator::new(3, Duration::from_secs(30))
+            .with_heartbeat_deadline(Duration::from_secs(30))
+            .with_elastic(elastic(2, 3, 100))
+            .start();
+        let (a, b, d) = futures::join!(join(&c, 0, 3), join(&c, 1, 3), join(&c, 2, 3));
+        assert!(a.is_ok() && b.is_ok() && d.is_ok());
+        for rank in 0..3 {
+            assert_eq!(beat(&c, rank, rank as u64).await, Ok(Beat::Alive));
+        }
+        c.send(ConnectionLost { rank: 1, line: 1 }).await.unwrap();
+        c.send(ConnectionLost { rank: 2, line: 2 }).await.unwrap();
+        let err = join(&c, 0, 3).await.unwrap_err();
+        assert!(
+            err.contains("1 whole node(s) joined generation")
+                && err.contains("ranks 1, 2 never joined")
+                && err.contains("fewer than the minimum of 2 (--nnodes 2:3); the job stops"),
+            "{err}"
+        );
+        assert_eq!(beat(&c, 0, 0).await, Err(err), "every later request hears it");
     }
 
     #[actix::test]

@@ -22,6 +22,7 @@ use crate::engines::comm::{parse_endpoints, CommWorker, Communicator, RingBreake
 use crate::engines::compute::device_for;
 use crate::models::{Model, ParamInit};
 use crate::net::auth::Credentials;
+use crate::net::protocol::Roster;
 use crate::pipeline::link::{StageLink, TransportStageLink};
 use crate::pipeline::replica::{PipelineReplica, PipelineReport};
 use crate::ps::wire::PulledRows;
@@ -82,21 +83,26 @@ impl RingLink {
         }
     }
 
-    /// The communicator over this link for generation `generation`; `roster[r]` is rank `r`'s
-    /// data endpoint, as the rendezvous handed it out.
-    pub(crate) fn into_communicator(self, roster: &[String], generation: u64) -> Result<Communicator> {
+    /// The communicator over this link for the generation of `roster`, as the rendezvous handed
+    /// it out: this rank trains at its place in it.
+    pub(crate) fn into_communicator(self, roster: &Roster) -> Result<Communicator> {
+        let generation = roster.generation;
+        let member = self.rank();
+        let place = || {
+            roster
+                .place_of(member)
+                .ok_or_else(|| anyhow!("rank {member} is not in the roster of generation {generation}"))
+        };
         Ok(match self {
             Self::Single => Communicator::single(),
             Self::Memory(communicator) => communicator,
             Self::Simulated {
-                rank,
-                rings,
-                layout,
-                breaker,
+                rings, layout, breaker, ..
             } => {
-                let world = roster.len();
+                let (rank, world) = (place()?, roster.world_size());
                 let flat = Box::new(rings.take(generation, RANKS_RING, world, rank)?);
-                let ring = match layout {
+                // A generation of fewer ranks than the layout's (elastic membership) rings flat.
+                let ring = match layout.filter(|layout| layout.nodes * layout.per_node == world) {
                     Some(layout) => {
                         let (node, local) = (rank / layout.per_node, rank % layout.per_node);
                         let node_ring = rings.take(generation, &format!("node {node}"), layout.per_node, local)?;
@@ -109,7 +115,6 @@ impl RingLink {
                 ring
             }
             Self::Tcp {
-                rank,
                 listener,
                 timeout,
                 shared_memory,
@@ -117,8 +122,9 @@ impl RingLink {
                 configured,
                 credentials,
                 breaker,
+                ..
             } => {
-                let endpoints = parse_endpoints(roster)?;
+                let (rank, endpoints) = (place()?, parse_endpoints(&roster.endpoints)?);
                 let abandoned = breaker.abandons(generation);
                 let links = RingLinks {
                     endpoints: &endpoints,
@@ -150,10 +156,8 @@ pub struct Prepare {
     pub model: ModelFactory,
     /// The ring this rank joins.
     pub link: RingLink,
-    /// Every rank's data endpoint, from the rendezvous.
-    pub roster: Vec<String>,
-    /// The generation the rank joined.
-    pub generation: u64,
+    /// The generation the rank joined: who trains, where.
+    pub roster: Roster,
     /// Whether rank 0's initial parameters are broadcast (not when a checkpoint's state is
     /// restored next by every rank).
     pub broadcast: bool,
@@ -169,10 +173,8 @@ pub struct Relink {
     pub job: Arc<JobConfig>,
     /// The ring this rank joins.
     pub link: RingLink,
-    /// Every rank's data endpoint, from the new roster.
-    pub roster: Vec<String>,
-    /// The generation the rank joined.
-    pub generation: u64,
+    /// The generation the rank joined: who trains, where.
+    pub roster: Roster,
 }
 
 /// The replica's whole training state with the run's `losses`, as a checkpoint file's bytes.
@@ -388,7 +390,7 @@ impl Handler<Prepare> for DeviceActor {
         let device = device_for(msg.job.cluster.device, msg.link.rank())?;
         let init = ParamInit::new(msg.job.train.seed, device.clone());
         let model = (msg.model)(&init).context("building the model")?;
-        let comm = comm_worker(&msg.job, msg.link, &msg.roster, msg.generation, &device)?;
+        let comm = comm_worker(&msg.job, msg.link, &msg.roster, &device)?;
         let mut replica = Replica::new(model, &msg.job, comm, device)?;
         if msg.broadcast {
             replica.broadcast_parameters()?;
@@ -403,14 +405,8 @@ impl Handler<Prepare> for DeviceActor {
 
 /// The communication thread over `link`, with NCCL beside the ring on GPU jobs.
 #[cfg_attr(not(feature = "cuda"), allow(unused_variables, unused_mut))]
-fn comm_worker(
-    job: &JobConfig,
-    link: RingLink,
-    roster: &[String],
-    generation: u64,
-    device: &candle_core::Device,
-) -> Result<CommWorker> {
-    let mut comm = link.into_communicator(roster, generation)?;
+fn comm_worker(job: &JobConfig, link: RingLink, roster: &Roster, device: &candle_core::Device) -> Result<CommWorker> {
+    let mut comm = link.into_communicator(roster)?;
     #[cfg(feature = "cuda")]
     comm.connect_nccl(device, job.fault_tolerance.timeout())?;
     CommWorker::spawn(comm)
@@ -422,7 +418,7 @@ impl Handler<Relink> for DeviceActor {
     fn handle(&mut self, msg: Relink, _: &mut Self::Context) -> Result<()> {
         let replica = self.replica()?;
         let device = replica.device().clone();
-        let comm = comm_worker(&msg.job, msg.link, &msg.roster, msg.generation, &device)?;
+        let comm = comm_worker(&msg.job, msg.link, &msg.roster, &device)?;
         replica.relink(comm);
         Ok(())
     }

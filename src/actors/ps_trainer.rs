@@ -347,7 +347,7 @@ impl PsRun {
                 let name = trainer_file_name(rank);
                 let bytes = match (
                     self.recovery
-                        .read_committed(step, self.roles(), self.roster.as_ref(), &name),
+                        .read_committed(step, Some(self.roles()), self.roster.as_ref(), &name),
                     buddy,
                     &self.roster,
                 ) {

@@ -217,9 +217,15 @@ impl Recovery {
     }
 
     /// The committed checkpoint of step `step` (a rollback's, which the coordinator names in
-    /// `roster`). A copy this node wrote but never committed — every role on it was lost between
+    /// `roster`), written by `world_size` ranks when its files are cut per rank (`None`: they
+    /// hold the whole model, and restore on any number). A copy this node wrote but never committed — every role on it was lost between
     /// the coordinator's commit and its own — is committed from the coordinator's record.
-    pub(crate) fn committed(&self, step: usize, world_size: usize, roster: Option<&Roster>) -> Result<Checkpoint> {
+    pub(crate) fn committed(
+        &self,
+        step: usize,
+        world_size: Option<usize>,
+        roster: Option<&Roster>,
+    ) -> Result<Checkpoint> {
         let store = self
             .store
             .as_ref()
@@ -236,7 +242,9 @@ impl Recovery {
             }
             (Err(e), _) => return Err(e),
         };
-        checkpoint.check_world_size(world_size)?;
+        if let Some(world_size) = world_size {
+            checkpoint.check_world_size(world_size)?;
+        }
         Ok(checkpoint)
     }
 
@@ -245,7 +253,7 @@ impl Recovery {
     pub(crate) fn read_committed(
         &self,
         step: usize,
-        world_size: usize,
+        world_size: Option<usize>,
         roster: Option<&Roster>,
         name: &str,
     ) -> Result<Arc<Vec<u8>>> {
@@ -278,9 +286,10 @@ mod tests {
             store: Some(store),
             ..Recovery::default()
         };
-        let error = recovery.read_committed(20, 1, None, "rank-0.state").unwrap_err();
+        let error = recovery.read_committed(20, Some(1), None, "rank-0.state").unwrap_err();
         assert!(format!("{error:#}").contains("never committed"), "{error:#}");
         let roster = Roster {
+            members: vec![0],
             endpoints: vec!["10.0.0.1:1".to_string()],
             mirrors: vec![None],
             generation: 1,
@@ -291,9 +300,14 @@ mod tests {
                 files: vec![HeldFile::here(written)],
             }),
         };
-        let bytes = recovery.read_committed(20, 1, Some(&roster), "rank-0.state").unwrap();
+        let bytes = recovery
+            .read_committed(20, Some(1), Some(&roster), "rank-0.state")
+            .unwrap();
         assert_eq!(bytes.as_slice(), b"the state after step 20");
         // Committed for good: found again without the record.
-        assert_eq!(recovery.read_committed(20, 1, None, "rank-0.state").unwrap(), bytes);
+        assert_eq!(
+            recovery.read_committed(20, Some(1), None, "rank-0.state").unwrap(),
+            bytes
+        );
     }
 }

@@ -466,7 +466,7 @@ impl StageRun {
         };
         let (recovery, world_size, roster) = (&self.recovery, self.job.world_size(), self.roster.as_ref());
         restore
-            .to(step, || recovery.read_committed(step, world_size, roster, &file))
+            .to(step, || recovery.read_committed(step, Some(world_size), roster, &file))
             .await
     }
 

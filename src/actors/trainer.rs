@@ -86,8 +86,11 @@ pub struct Train;
 /// What a rank reports when training ends.
 #[derive(Debug, Clone)]
 pub struct RankOutcome {
-    /// The rank.
+    /// Its place in the last generation (its rank, unless elastic membership changed who
+    /// trains).
     pub rank: usize,
+    /// The ranks that trained the last generation.
+    pub world_size: usize,
     /// Optimizer steps taken.
     pub steps: usize,
     /// Global mean loss of the last step.
@@ -173,12 +176,9 @@ impl TrainingRun {
     async fn execute(mut self) -> Result<RankOutcome> {
         let rank = self.rank;
         let job = self.job.clone();
-        let world = job.world_size();
         let mut bus = self.bus.take().context("Train was sent twice")?;
         let link = self.link.take().context("Train was sent twice")?;
-        let mut roster = bus
-            .join(rank, world, self.data_endpoint.clone(), None, job.shared_settings())
-            .await?;
+        let mut roster = join_training(&mut bus, rank, &job, self.data_endpoint.clone()).await?;
         self.recovery.check_joined(&roster)?;
         if let Some(in_place) = &self.in_place {
             in_place.orders.joined(roster.generation);
@@ -192,8 +192,7 @@ impl TrainingRun {
                 job: job.clone(),
                 model: self.model.clone(),
                 link,
-                roster: roster.endpoints.clone(),
-                generation: roster.generation,
+                roster: roster.clone(),
                 // A later generation's ranks all restore one state: nothing to broadcast.
                 broadcast: roster.generation == 0,
                 trace_from: self.trace.as_ref().map(|t| t.origin.instant),
@@ -204,7 +203,7 @@ impl TrainingRun {
         let mut run = RunLoop::start(
             &job,
             self.train_data.clone(),
-            (rank, world),
+            place_in(&roster, rank)?,
             &self.recovery,
             first,
             self.monitor.as_ref(),
@@ -241,22 +240,13 @@ impl TrainingRun {
     async fn rejoin(&mut self, bus: &mut ControlBus) -> Result<Roster> {
         let in_place = self.in_place.as_ref().context("a rollback without in-place recovery")?;
         let (link, endpoint) = (in_place.relink)()?;
-        let roster = bus
-            .join(
-                self.rank,
-                self.job.world_size(),
-                endpoint,
-                None,
-                self.job.shared_settings(),
-            )
-            .await?;
+        let roster = join_training(bus, self.rank, &self.job, endpoint).await?;
         in_place.orders.joined(roster.generation);
         self.device
             .send(Relink {
                 job: self.job.clone(),
                 link,
-                roster: roster.endpoints.clone(),
-                generation: roster.generation,
+                roster: roster.clone(),
             })
             .await??;
         tracing::info!(
@@ -274,13 +264,14 @@ impl TrainingRun {
             rank: self.rank,
             device: &self.device,
             kept: self.in_place.is_some().then_some(&mut self.kept),
-            ring_ranks: (0..self.job.world_size()).collect(),
+            ring_ranks: self.roster.as_ref().map(Roster::members).unwrap_or_default(),
             // Every node keeps a replica: no buddy copies.
             buddy: None,
         };
-        let (recovery, world_size, roster) = (&self.recovery, self.job.world_size(), self.roster.as_ref());
+        let (recovery, roster) = (&self.recovery, self.roster.as_ref());
+        // The replica file holds the whole model: it restores on any number of ranks.
         restore
-            .to(step, || recovery.read_committed(step, world_size, roster, REPLICA_FILE))
+            .to(step, || recovery.read_committed(step, None, roster, REPLICA_FILE))
             .await
     }
 
@@ -293,10 +284,12 @@ impl TrainingRun {
     ) -> Result<RankOutcome> {
         let rank = self.rank;
         let job = self.job.clone();
-        let world = job.world_size();
+        let (place, world) = place_in(roster, rank)?;
         let steps = run.steps;
         let first = roster.resume_step.unwrap_or(0);
         self.roster = Some(roster.clone());
+        // This generation's part of every global batch (another one when membership changed).
+        run.loader = run.loader.for_rank(place, world)?;
         let mut losses = Vec::with_capacity(steps.min(LOSSES_RESERVED));
         losses.extend(self.restore(first).await?);
         let started = Instant::now();
@@ -340,7 +333,7 @@ impl TrainingRun {
 
         let param_checksum = self.device.send(CheckReplicas).await??;
         let test_rows = self.test_data.len();
-        let shard: Vec<usize> = (rank * test_rows / world..(rank + 1) * test_rows / world).collect();
+        let shard: Vec<usize> = (place * test_rows / world..(place + 1) * test_rows / world).collect();
         let (correct, total) = self.device.send(Evaluate(self.test_data.select(&shard))).await??;
         let parameters = self.device.send(ReadParameters).await??;
         bus.barrier(rank, "end of training").await?;
@@ -352,7 +345,8 @@ impl TrainingRun {
             }
         };
         Ok(RankOutcome {
-            rank,
+            rank: place,
+            world_size: world,
             steps,
             final_loss: losses.last().copied().unwrap_or(f32::NAN),
             test_accuracy: if total == 0 { 0.0 } else { correct as f64 / total as f64 },
@@ -372,12 +366,11 @@ impl TrainingRun {
     /// node lost with its disk loses no committed checkpoint.
     async fn checkpoint(&mut self, bus: &mut ControlBus, step: usize, losses: &[f32]) -> Result<()> {
         let store = self.recovery.store.clone().context("a checkpoint without a store")?;
+        let roster = self.roster.as_ref().context("a checkpoint before the rendezvous")?;
+        let (place, world) = place_in(roster, self.rank)?;
         let writes = match &self.in_place {
-            Some(_) => self
-                .roster
-                .as_ref()
-                .is_some_and(|r| r.first_on_its_host(self.rank, 0..self.job.world_size())),
-            None => self.rank == 0,
+            Some(_) => roster.first_on_its_host(place, 0..world),
+            None => place == 0,
         };
         let written = match (self.in_place.is_some(), writes) {
             (false, false) => Vec::new(),
@@ -410,8 +403,42 @@ impl TrainingRun {
         let record = bus.acknowledge(self.rank, step, written).await?;
         if self.in_place.is_some() {
             self.kept.committed();
-            commit_on_this_node(&store, record, self.roster.as_ref(), self.rank, self.job.world_size()).await?;
+            commit_on_this_node(&store, record, self.roster.as_ref(), place, world).await?;
         }
         Ok(())
     }
+}
+
+/// Joins the job's next generation as `rank` reachable at `data_endpoint`; with elastic
+/// membership, a rank the coordinator keeps waiting to be admitted (it answers with a roster
+/// that does not hold it) asks again until a checkpoint admits it or the job ends.
+async fn join_training(bus: &mut ControlBus, rank: usize, job: &JobConfig, data_endpoint: String) -> Result<Roster> {
+    loop {
+        let roster = bus
+            .join(
+                rank,
+                job.world_size(),
+                data_endpoint.clone(),
+                None,
+                job.shared_settings(),
+            )
+            .await?;
+        if roster.place_of(rank).is_some() {
+            return Ok(roster);
+        }
+        tracing::info!(
+            rank,
+            generation = roster.generation,
+            training = roster.world_size(),
+            "not admitted yet: waiting for the next checkpoint"
+        );
+    }
+}
+
+/// Where `rank` trains in `roster`'s generation, and how many ranks train it.
+fn place_in(roster: &Roster, rank: usize) -> Result<(usize, usize)> {
+    let place = roster
+        .place_of(rank)
+        .with_context(|| format!("rank {rank} is not in the roster of generation {}", roster.generation))?;
+    Ok((place, roster.world_size()))
 }

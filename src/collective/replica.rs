@@ -70,7 +70,9 @@ impl Replica {
             .collect();
         let cap_bytes = job.strategy.fuse_grad_size_bytes();
         let plan = BucketPlan::new(&backward_order, cap_bytes);
-        let lr_policy = LrPolicy::new(&job.train, comm.world_size());
+        // The job's world, not this generation's: with elastic membership the global batch, and
+        // so its learning rate, stays the same on fewer ranks.
+        let lr_policy = LrPolicy::new(&job.train, job.world_size());
         let vars: Vec<Var> = params.iter().map(|p| p.var.clone()).collect();
         let optimizer = Optimizer::new(&job.train, vars, lr_policy.at(0))?;
         let blocks = model.blocks().len();

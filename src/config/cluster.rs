@@ -33,6 +33,12 @@ const MAX_FRAME_MB: usize = 4095;
 pub struct ClusterConfig {
     /// Number of machines (`PADDLE_NNODES`).
     pub nnodes: usize,
+    /// Elastic membership: the fewest machines the job may go on with (`--nnodes MIN:MAX` sets
+    /// it, and `nnodes` to MAX; `FLOTILLA_MIN_NNODES`). A machine lost for good is dropped once
+    /// `fault_tolerance.elastic_timeout_s` passes without its replacement, and one that comes
+    /// later is admitted at the next checkpoint. Unset, every machine must train.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub min_nnodes: Option<usize>,
     /// Trainer processes per machine (`PADDLE_LOCAL_SIZE`).
     pub nproc_per_node: usize,
     /// Total trainers (`PADDLE_TRAINERS_NUM`); redundant with `nnodes × nproc_per_node` and only
@@ -77,6 +83,7 @@ impl Default for ClusterConfig {
     fn default() -> Self {
         Self {
             nnodes: 1,
+            min_nnodes: None,
             nproc_per_node: 2,
             world_size: None,
             device: DeviceKind::Cpu,
@@ -123,6 +130,19 @@ impl ClusterConfig {
         }
         if self.nproc_per_node == 0 {
             return Err(FieldError::new("cluster.nproc_per_node", "must be at least 1, got 0"));
+        }
+        match self.min_nnodes {
+            Some(0) => return Err(FieldError::new("cluster.min_nnodes", "must be at least 1, got 0")),
+            Some(min) if min > self.nnodes => {
+                return Err(FieldError::new(
+                    "cluster.min_nnodes",
+                    format!(
+                        "{min} is more than cluster.nnodes = {} (--nnodes MIN:MAX needs MIN <= MAX)",
+                        self.nnodes
+                    ),
+                ))
+            }
+            _ => {}
         }
         let Some(product) = self.nnodes.checked_mul(self.nproc_per_node) else {
             return Err(FieldError::new(

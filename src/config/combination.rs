@@ -1,7 +1,9 @@
 //! Rules across sections: which models, data sets and optimizers each strategy trains, so a
 //! mismatch is a config error naming the key rather than a failure deep inside a run.
 
-use super::{DatasetKind, FieldError, HybridConfigs, JobConfig, ModelKind, OptimizerKind, PipelineConfigs, PsMode};
+use super::{
+    DatasetKind, FieldError, HybridConfigs, JobConfig, ModelKind, OptimizerKind, PipelineConfigs, PsMode, RecoveryMode,
+};
 
 /// Checks that strategy, model, data set and optimizer fit together.
 pub(super) fn check(config: &JobConfig) -> Result<(), FieldError> {
@@ -9,6 +11,7 @@ pub(super) fn check(config: &JobConfig) -> Result<(), FieldError> {
     check_pipeline(config)?;
     check_checkpoints(config)?;
     check_hierarchical_allreduce(config)?;
+    check_elastic(config)?;
     if config.cluster.is_parameter_server() {
         check_parameter_server(config)?;
     } else {
@@ -64,6 +67,43 @@ fn check_hierarchical_allreduce(config: &JobConfig) -> Result<(), FieldError> {
     } else {
         Ok(())
     }
+}
+
+/// Elastic membership changes the number of data-parallel replicas: built for the collective
+/// data-parallel job, recovering in place, with a global batch every possible number of ranks
+/// divides (it is re-split, never changed, so the learning rate stays that of the global batch).
+fn check_elastic(config: &JobConfig) -> Result<(), FieldError> {
+    let Some(min) = config.cluster.min_nnodes else {
+        return Ok(());
+    };
+    let key = "cluster.min_nnodes";
+    if config.cluster.is_parameter_server() || config.strategy.pipeline {
+        return Err(FieldError::new(
+            key,
+            "elastic membership (--nnodes MIN:MAX) is built for the collective data-parallel strategy; \
+             parameter-server and pipeline jobs keep their layout",
+        ));
+    }
+    if config.fault_tolerance.recovery == Some(RecoveryMode::Restart) {
+        return Err(FieldError::new(
+            key,
+            "elastic membership goes on with the surviving processes: it needs fault_tolerance.recovery = \"in_place\"",
+        ));
+    }
+    let (batch, per_node) = (config.train.batch_size, config.cluster.nproc_per_node);
+    for nodes in min..=config.cluster.nnodes {
+        let ranks = nodes * per_node;
+        if !batch.is_multiple_of(ranks) {
+            return Err(FieldError::new(
+                key,
+                format!(
+                    "the job may train on {nodes} node(s) of {per_node} rank(s), but train.batch_size = {batch} does not \
+                     divide by {ranks}: the global batch is re-split over the ranks, never changed"
+                ),
+            ));
+        }
+    }
+    Ok(())
 }
 
 /// A checkpoint holds optimizer state, not half-merged gradients, so it is taken where a merge

@@ -62,6 +62,12 @@ const ENV_OVERRIDES: &[EnvOverride] = &[
         parse: Parse::Integer,
     },
     EnvOverride {
+        var: "FLOTILLA_MIN_NNODES",
+        key: &["cluster", "min_nnodes"],
+        family: Family::Flotilla,
+        parse: Parse::Integer,
+    },
+    EnvOverride {
         var: "PADDLE_LOCAL_SIZE",
         key: &["cluster", "nproc_per_node"],
         family: Family::Paddle,

@@ -43,6 +43,10 @@ pub struct FaultToleranceConfig {
     pub heartbeat_misses: u32,
     /// How a launched job recovers from a lost process; unset, in place.
     pub recovery: Option<RecoveryMode>,
+    /// With elastic membership (`cluster.min_nnodes`), seconds the coordinator waits for a lost
+    /// machine's replacement — or, at the start, for every machine — before it goes on without
+    /// it.
+    pub elastic_timeout_s: f64,
 }
 
 /// How a launched job recovers from a lost process.
@@ -68,6 +72,7 @@ impl Default for FaultToleranceConfig {
             heartbeat_interval_ms: 1000,
             heartbeat_misses: 5,
             recovery: None,
+            elastic_timeout_s: 60.0,
         }
     }
 }
@@ -94,6 +99,12 @@ impl FaultToleranceConfig {
             .unwrap_or(Duration::MAX)
     }
 
+    /// [`FaultToleranceConfig::elastic_timeout_s`] as a `Duration` (saturating; validation keeps
+    /// it at most 30 days).
+    pub fn elastic_timeout(&self) -> Duration {
+        Duration::try_from_secs_f64(self.elastic_timeout_s).unwrap_or(Duration::MAX)
+    }
+
     /// [`FaultToleranceConfig::heartbeat_interval_ms`] as a `Duration`.
     pub fn heartbeat_interval(&self) -> Duration {
         Duration::from_millis(self.heartbeat_interval_ms)
@@ -106,6 +117,13 @@ impl FaultToleranceConfig {
             return Err(FieldError::new(
                 "fault_tolerance.timeout_s",
                 format!("must be in (0, {max_s}] seconds (at most 30 days), got {t}"),
+            ));
+        }
+        let e = self.elastic_timeout_s;
+        if !(e > 0.0 && e <= max_s as f64) {
+            return Err(FieldError::new(
+                "fault_tolerance.elastic_timeout_s",
+                format!("must be in (0, {max_s}] seconds (at most 30 days), got {e}"),
             ));
         }
         if self.retry > MAX_RETRY {

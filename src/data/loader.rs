@@ -80,6 +80,11 @@ impl ShardedLoader {
         })
     }
 
+    /// The same stream read by `rank` of `world_size` (another cut of every global batch).
+    pub fn for_rank(&self, rank: usize, world_size: usize) -> Result<Self> {
+        Self::new(self.data.clone(), self.global_batch, rank, world_size, self.seed)
+    }
+
     /// Global batches in one epoch.
     pub fn batches_per_epoch(&self) -> usize {
         self.data.len() / self.global_batch

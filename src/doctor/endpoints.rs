@@ -8,7 +8,7 @@ use anyhow::{Context, Result};
 
 use crate::config::ClusterConfig;
 use crate::launch::{
-    JobAddresses, LaunchArgs, LaunchPsArgs, ProcessFlags, PsRoles, DEFAULT_NODE_IP, DEFAULT_STARTED_PORT,
+    JobAddresses, LaunchArgs, LaunchPsArgs, NodeRange, ProcessFlags, PsRoles, DEFAULT_NODE_IP, DEFAULT_STARTED_PORT,
 };
 
 /// One address of the job and the config key it belongs to.
@@ -104,7 +104,7 @@ pub(super) fn job_endpoints(cluster: &ClusterConfig, node_ip: Option<IpAddr>) ->
         None
     } else if cluster.nnodes == 1 {
         let launch = LaunchArgs {
-            nnodes: 1,
+            nnodes: NodeRange { min: 1, max: 1 },
             nproc_per_node: Some(cluster.nproc_per_node),
             devices: Vec::new(),
             run_mode: None,

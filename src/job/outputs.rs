@@ -65,11 +65,13 @@ pub struct RunOutcome {
 }
 
 impl RunOutcome {
-    pub(super) fn from_rank0(rank0: RankOutcome, world_size: usize, cluster: &str) -> Self {
+    /// The outcome of a data-parallel run, as the rank at place 0 of its last generation tells
+    /// it (`world_size`: the ranks that trained that generation).
+    pub(super) fn from_rank0(rank0: RankOutcome, cluster: &str) -> Self {
         Self {
             summary: Summary {
                 strategy: "collective".to_string(),
-                world_size,
+                world_size: rank0.world_size,
                 cluster: cluster.to_string(),
                 steps: rank0.steps,
                 samples_per_sec: rank0.samples_per_sec,

@@ -193,7 +193,6 @@ pub(super) fn run(job: &TrainingJob, rank: usize, options: &RunOptions) -> Resul
     let config = job.config.clone();
     let RankRecovery { recovery, orders } = RankRecovery::plan(&config, options)?;
     let own_coordinator = orders.is_some();
-    let world = config.world_size();
     let max_frame = config.cluster.max_frame_bytes();
     let RankEndpoints {
         master,
@@ -231,9 +230,9 @@ pub(super) fn run(job: &TrainingJob, rank: usize, options: &RunOptions) -> Resul
                 let mut trainer = job.trainer(rank, bus, link, data_endpoint, options, recovery);
                 trainer.in_place = in_place;
                 let outcome = trainer.train().await?;
-                // Rank 0 writes the outputs before it says goodbye: until then its loss is a
-                // death the coordinator recovers from.
-                let outcome = (rank == 0).then(|| RunOutcome::from_rank0(outcome, world, "multi-process"));
+                // The rank at place 0 writes the outputs before it says goodbye: until then its
+                // loss is a death the coordinator recovers from.
+                let outcome = (outcome.rank == 0).then(|| RunOutcome::from_rank0(outcome, "multi-process"));
                 if let Some(outcome) = &outcome {
                     outcome.write(&options.run_dir)?;
                 }

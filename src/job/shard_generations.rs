@@ -168,7 +168,10 @@ impl ShardGenerations<'_> {
     /// on the next node.
     async fn read(&self, roster: &Roster, step: usize) -> Result<(Arc<Vec<u8>>, String)> {
         let (index, name) = (self.index, shard_file_name(self.index));
-        let disk = match self.recovery.read_committed(step, self.roles(), Some(roster), &name) {
+        let disk = match self
+            .recovery
+            .read_committed(step, Some(self.roles()), Some(roster), &name)
+        {
             Ok(file) => return Ok((file, "disk".to_string())),
             Err(e) => e,
         };

@@ -137,15 +137,16 @@ pub(super) fn run(job: &TrainingJob, options: &RunOptions) -> Result<RunOutcome>
         // leaving it to wait for the others' timeouts.
         futures::future::try_join_all(runs).await
     })?;
-    from_rank0(outcomes, world)
+    from_rank0(outcomes)
 }
 
-fn from_rank0(outcomes: Vec<RankOutcome>, world: usize) -> Result<RunOutcome> {
+/// The run's outcome, as the rank at place 0 of the last generation tells it.
+fn from_rank0(outcomes: Vec<RankOutcome>) -> Result<RunOutcome> {
     let rank0 = outcomes
         .into_iter()
-        .next()
-        .ok_or_else(|| anyhow!("a job needs at least one rank"))?;
-    Ok(RunOutcome::from_rank0(rank0, world, "in-process"))
+        .find(|outcome| outcome.rank == 0)
+        .ok_or_else(|| anyhow!("no rank trained at place 0"))?;
+    Ok(RunOutcome::from_rank0(rank0, "in-process"))
 }
 
 /// The incarnation of each rank that runs now: its id (its "pid") and its switch.
@@ -252,7 +253,7 @@ pub(super) fn run_with_faults(
         trainer.faults = Some(incarnation.faults);
         trainer.train()
     })?;
-    Ok((from_rank0(outcomes, job.config.world_size())?, report))
+    Ok((from_rank0(outcomes)?, report))
 }
 
 /// Asks the coordinator every `interval` which incarnations it declared dead, and kills the

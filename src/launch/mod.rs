@@ -37,9 +37,10 @@ pub const DEFAULT_STARTED_PORT: u16 = 6170;
 /// The launcher's arguments, in Paddle's words.
 #[derive(Debug, Clone, clap::Args)]
 pub struct LaunchArgs {
-    /// Number of nodes in the job.
-    #[arg(long, default_value_t = 1)]
-    pub nnodes: usize,
+    /// Number of nodes in the job; `MIN:MAX` makes it elastic: it goes on with as few as MIN
+    /// when nodes are lost for good, and admits nodes that come later, up to MAX.
+    #[arg(long, default_value = "1")]
+    pub nnodes: NodeRange,
     /// Trainer processes on this node (default: one per `--devices` entry, else 1).
     #[arg(long = "nproc_per_node", alias = "nproc-per-node")]
     pub nproc_per_node: Option<usize>,
@@ -96,6 +97,66 @@ pub struct LaunchArgs {
     /// or a program of your own and its arguments.
     #[arg(last = true, required = true)]
     pub command: Vec<String>,
+}
+
+/// `--nnodes`: `N` nodes, or `MIN:MAX` (elastic, as torchrun's and Paddle's launchers say it).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct NodeRange {
+    /// The fewest nodes the job trains on.
+    pub min: usize,
+    /// The job's nodes, at most.
+    pub max: usize,
+}
+
+impl NodeRange {
+    /// MIN, when the job is elastic (MIN < MAX).
+    pub fn elastic_min(&self) -> Option<usize> {
+        (self.min < self.max).then_some(self.min)
+    }
+
+    fn check(&self) -> Result<()> {
+        ensure!(self.min >= 1, "--nnodes {self}: a job needs at least one node");
+        ensure!(
+            self.min <= self.max,
+            "--nnodes {}:{}: MIN is more than MAX",
+            self.min,
+            self.max
+        );
+        Ok(())
+    }
+}
+
+impl std::str::FromStr for NodeRange {
+    type Err = anyhow::Error;
+
+    fn from_str(text: &str) -> Result<Self> {
+        let number = |part: &str| -> Result<usize> {
+            part.trim()
+                .parse()
+                .with_context(|| format!("--nnodes {text}: {part:?} is not a number of nodes (N or MIN:MAX)"))
+        };
+        let range = match text.split_once(':') {
+            Some((min, max)) => Self {
+                min: number(min)?,
+                max: number(max)?,
+            },
+            None => {
+                let nodes = number(text)?;
+                Self { min: nodes, max: nodes }
+            }
+        };
+        range.check()?;
+        Ok(range)
+    }
+}
+
+impl std::fmt::Display for NodeRange {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.elastic_min() {
+            Some(min) => write!(f, "{min}:{}", self.max),
+            None => write!(f, "{}", self.max),
+        }
+    }
 }
 
 /// What both launchers are told of the processes they start, in Paddle's words.
@@ -206,14 +267,15 @@ impl LaunchArgs {
             );
         }
         ensure!(
-            self.nnodes == 1 || self.nnodes == nodes,
+            self.nnodes.max == 1 || self.nnodes.max == nodes,
             "--nnodes {} contradicts the cluster engine's {nodes} tasks (one launcher per node)",
-            self.nnodes
+            self.nnodes.max
         );
         let (Some(addr), Some(port)) = (value("MASTER_ADDR"), value("MASTER_PORT")) else {
             bail!("the cluster engine names no coordinator: pass --master-addr and --master-port");
         };
-        self.nnodes = nodes;
+        self.nnodes.max = nodes;
+        self.nnodes.check()?;
         self.node_rank = Some(node);
         self.master_addr = Some(addr);
         self.master_port = Some(
@@ -235,7 +297,7 @@ impl LaunchArgs {
             _ => {}
         }
         let collective_flags = [
-            ("--nnodes", self.nnodes != 1),
+            ("--nnodes", self.nnodes.max != 1),
             ("--nproc_per_node", self.nproc_per_node.is_some()),
             ("--devices", !self.devices.is_empty()),
             ("--node-rank", self.node_rank.is_some()),
@@ -256,12 +318,12 @@ impl LaunchArgs {
     /// launcher starts whole (one node, no `--master`); else the default every node agrees on.
     pub fn with_ports_chosen(mut self) -> Result<Self> {
         ensure!(
-            !self.standalone || self.nnodes == 1,
+            !self.standalone || self.nnodes.max == 1,
             "--standalone runs one node, but --nnodes is {}",
-            self.nnodes
+            self.nnodes.max
         );
         if self.started_port.is_none() {
-            self.started_port = Some(match (self.nnodes, self.named_master()?) {
+            self.started_port = Some(match (self.nnodes.max, self.named_master()?) {
                 (1, None) => ports::free_run(&self.node_ip, 1 + self.nproc())?,
                 _ => DEFAULT_STARTED_PORT,
             });
@@ -311,9 +373,9 @@ impl LaunchArgs {
                 })?,
         };
         ensure!(
-            index < self.nnodes,
+            index < self.nnodes.max,
             "--node-rank {index} is outside --nnodes {}",
-            self.nnodes
+            self.nnodes.max
         );
         Ok(index)
     }
@@ -326,7 +388,7 @@ impl LaunchArgs {
     /// computes them from the same flags.
     pub fn addresses(&self) -> Result<JobAddresses> {
         ensure!(
-            self.nnodes >= 1 && self.nproc() >= 1,
+            self.nnodes.max >= 1 && self.nproc() >= 1,
             "--nnodes and --nproc_per_node must be at least 1"
         );
         ensure!(
@@ -340,7 +402,7 @@ impl LaunchArgs {
             // Nodes named by index: the ranks announce their endpoints when they join.
             let master = match self.named_master()? {
                 Some(master) => master,
-                None if self.nnodes == 1 => format!("{}:{}", self.node_ip, self.started_port()),
+                None if self.nnodes.max == 1 => format!("{}:{}", self.node_ip, self.started_port()),
                 None => bail!(
                     "--node-rank names nodes by index: the coordinator's address must be given \
                      (--master-addr and --master-port, --rdzv-endpoint, or --master)"
@@ -352,12 +414,12 @@ impl LaunchArgs {
                 servers: Vec::new(),
             });
         }
-        if self.cluster_node_ips.len() != self.nnodes {
+        if self.cluster_node_ips.len() != self.nnodes.max {
             bail!(
                 "--cluster_node_ips lists {} node(s) ({}), but --nnodes is {}",
                 self.cluster_node_ips.len(),
                 self.cluster_node_ips.join(","),
-                self.nnodes
+                self.nnodes.max
             );
         }
         let last_port = usize::from(self.started_port()) + self.nproc();
@@ -390,7 +452,7 @@ impl LaunchArgs {
             ..
         } = self.addresses()?;
         let node_rank = self.node_index()?;
-        let world = self.nnodes * self.nproc();
+        let world = self.nnodes.max * self.nproc();
         let (program, args) = match self.command.split_first() {
             Some((first, rest)) if first == "train" => (
                 flotilla,
@@ -403,7 +465,7 @@ impl LaunchArgs {
             Some((first, rest)) => (PathBuf::from(first), rest.to_vec()),
             None => bail!("launch needs a command after `--`: `train --config FILE` or a program"),
         };
-        let token = credentials_env(self.nnodes == 1, self.processes.job_id.as_deref())?;
+        let token = credentials_env(self.nnodes.max == 1, self.processes.job_id.as_deref())?;
         let (master_addr, master_port) = master
             .rsplit_once(':')
             .with_context(|| format!("the coordinator's address {master} has no port"))?;
@@ -416,7 +478,12 @@ impl LaunchArgs {
                     ("PADDLE_GLOBAL_RANK", rank.to_string()),
                     ("PADDLE_LOCAL_RANK", local_rank.to_string()),
                     ("PADDLE_LOCAL_SIZE", self.nproc().to_string()),
-                    ("PADDLE_NNODES", self.nnodes.to_string()),
+                    ("PADDLE_NNODES", self.nnodes.max.to_string()),
+                    // Blank unless elastic: blank is unset.
+                    (
+                        "FLOTILLA_MIN_NNODES",
+                        self.nnodes.elastic_min().map(|min| min.to_string()).unwrap_or_default(),
+                    ),
                     ("PADDLE_TRAINERS_NUM", world.to_string()),
                     ("PADDLE_MASTER", master.clone()),
                     ("POD_IP", self.node_ip.clone()),
@@ -460,7 +527,7 @@ impl LaunchArgs {
     /// recovers in place ([`recover_in_place`]); the first node starts the coordinator.
     pub fn recover_in_place(&self, children: &mut Vec<ChildSpec>) -> Result<()> {
         let first_node = self.node_index()? == 0;
-        recover_in_place(children, first_node.then_some(self.nnodes * self.nproc()));
+        recover_in_place(children, first_node.then_some(self.nnodes.max * self.nproc()));
         Ok(())
     }
 }
@@ -721,7 +788,7 @@ mod tests {
             }
         };
         let launch = args("--nproc_per_node 2 -- train").placed_by_engine(&slurm("1", "2"))?;
-        assert_eq!((launch.nnodes, launch.node_rank), (2, Some(1)));
+        assert_eq!((launch.nnodes.max, launch.node_rank), (2, Some(1)));
         assert_eq!(launch.master_addr.as_deref(), Some("node1"));
         let plan = launch.plan("flotilla".into())?;
         assert_eq!(plan.iter().map(|c| c.rank).collect::<Vec<_>>(), [2, 3]);

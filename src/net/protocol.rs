@@ -57,7 +57,12 @@ impl std::error::Error for Mismatch {}
 /// where training goes on.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Roster {
-    /// `endpoints[r]` is rank `r`'s data endpoint.
+    /// The ranks the job was started with (its members) that train in this generation, in
+    /// ascending order: member `members[p]` trains at place `p` of the generation's ring. All of
+    /// them, except in a job with elastic membership, which may go on without some.
+    #[serde(default)]
+    pub members: Vec<usize>,
+    /// `endpoints[p]` is the data endpoint of the rank at place `p`.
     pub endpoints: Vec<String>,
     /// `mirrors[r]` is rank `r`'s checkpoint mirror, if it serves one.
     #[serde(default)]
@@ -75,6 +80,29 @@ pub struct Roster {
 }
 
 impl Roster {
+    /// The ranks training in this generation.
+    pub fn world_size(&self) -> usize {
+        self.endpoints.len()
+    }
+
+    /// Where member `member` trains in this generation; `None` when it waits outside it (a
+    /// node not yet admitted to a job with elastic membership).
+    pub fn place_of(&self, member: usize) -> Option<usize> {
+        if self.members.is_empty() {
+            return (member < self.endpoints.len()).then_some(member);
+        }
+        self.members.binary_search(&member).ok()
+    }
+
+    /// The member at each place (the places themselves when the roster names none).
+    pub fn members(&self) -> Vec<usize> {
+        if self.members.is_empty() {
+            (0..self.endpoints.len()).collect()
+        } else {
+            self.members.clone()
+        }
+    }
+
     /// The host rank `rank`'s data endpoint is on: the node it runs on.
     pub fn host_of(&self, rank: usize) -> &str {
         let endpoint = self.endpoints[rank].as_str();
