@@ -219,12 +219,9 @@ impl Coordinator {
     }
 
     /// Goes on with fewer nodes when some are lost for good, and admits nodes that come later,
-    /// as `elastic` says (the job recovers in place).
+    /// as `elastic` says — when the job recovers in place; otherwise a lost rank stops it.
     pub fn with_elastic(mut self, elastic: Option<Elastic>) -> Self {
         self.elastic = elastic;
-        if elastic.is_some() {
-            self.in_place = true;
-        }
         self
     }
 
@@ -250,6 +247,11 @@ impl Coordinator {
         self
     }
 
+    /// The job's elastic membership, in effect where lost ranks are recovered from in place.
+    fn elastic(&self) -> Option<Elastic> {
+        self.elastic.filter(|_| self.in_place)
+    }
+
     fn name(&self, rank: usize) -> String {
         self.names.get(rank).cloned().unwrap_or_else(|| format!("rank {rank}"))
     }
@@ -271,7 +273,7 @@ impl Coordinator {
         }
         // A rank that waits to be admitted (or was dropped) trains in no generation: it is
         // forgotten, and nobody rolls back.
-        if self.elastic.is_some() && !self.active.contains(&rank) {
+        if self.elastic().is_some() && !self.active.contains(&rank) {
             tracing::warn!("{} declared dead while outside the job: {why}", self.name(rank));
             self.forget(rank);
             if let Some((_, _, waiter)) = self.joining.remove(&rank) {
@@ -379,7 +381,7 @@ impl Coordinator {
     /// With elastic membership, `elastic.timeout` after a generation began forming: it forms
     /// with the nodes that joined whole, or — fewer than the minimum — the job stops.
     fn form_elastic(&mut self, generation: u64, ctx: &mut Context<Self>) {
-        let Some(elastic) = self.elastic else {
+        let Some(elastic) = self.elastic() else {
             return;
         };
         if self.generation != generation || !self.forming() || self.joining.is_empty() {
@@ -443,7 +445,7 @@ impl Coordinator {
     /// With elastic membership, once the checkpoint of `step` is committed: the ranks waiting
     /// are admitted — a new generation forms of them and the running one, from that checkpoint.
     fn admit_waiting(&mut self, step: usize, ctx: &mut Context<Self>) {
-        if self.elastic.is_none() || self.standby.is_empty() || self.stopped.is_some() {
+        if self.elastic().is_none() || self.standby.is_empty() || self.stopped.is_some() {
             return;
         }
         let admitted: Vec<String> = self.standby.keys().map(|&rank| self.name(rank)).collect();
@@ -651,7 +653,7 @@ impl Coordinator {
     /// A generation began forming: with elastic membership it forms `elastic.timeout` later
     /// without the nodes still missing; it fails `timeout` later unless it formed.
     fn start_forming(&mut self, ctx: &mut Context<Self>) {
-        if let Some(elastic) = self.elastic {
+        if let Some(elastic) = self.elastic() {
             let generation = self.generation;
             ctx.run_later(elastic.timeout, move |coordinator, ctx| {
                 coordinator.form_elastic(generation, ctx)
@@ -748,7 +750,7 @@ impl Handler<Join> for Coordinator {
         let joined = (msg.data_endpoint, msg.mirror, tx);
         // With elastic membership, a rank outside the running generation (a node that came late,
         // or came back) waits for the next checkpoint to be admitted.
-        if self.elastic.is_some() && !self.forming() && !self.active.contains(&msg.rank) {
+        if self.elastic().is_some() && !self.forming() && !self.active.contains(&msg.rank) {
             self.hold(msg.rank, joined, ctx);
             let answer = reply(rx);
             return Box::pin(async move { answer.await.map_err(JoinRefused::Failed) });
@@ -766,7 +768,7 @@ impl Handler<Join> for Coordinator {
             self.start_forming(ctx);
         }
         self.joining.insert(msg.rank, joined);
-        if self.elastic.is_some() {
+        if self.elastic().is_some() {
             // A rank that comes while a generation forms is admitted with it.
             self.expected.insert(msg.rank);
         }
@@ -1238,6 +1240,7 @@ mod tests {
         let c = Coordinator::new(3, Duration::from_secs(30))
             .with_heartbeat_deadline(Duration::from_secs(30))
             .with_elastic(elastic(2, 3, 200))
+            .recovering_in_place()
             .start();
         let (a, b, d) = futures::join!(join(&c, 0, 3), join(&c, 1, 3), join(&c, 2, 3));
         assert_eq!(a.unwrap().members, vec![0, 1, 2]);
@@ -1305,6 +1308,7 @@ mod tests {
     async fn elastic_a_rank_waiting_to_be_admitted_hears_the_running_roster_and_asks_again() {
         let c = Coordinator::new(2, Duration::from_millis(400))
             .with_elastic(elastic(1, 2, 100))
+            .recovering_in_place()
             .start();
         // Rank 1 never comes: rank 0 trains alone once the elastic timeout passes.
         let alone = join(&c, 0, 2).await.expect("formed with one node");
@@ -1320,6 +1324,7 @@ mod tests {
         let c = Coordinator::new(3, Duration::from_secs(30))
             .with_heartbeat_deadline(Duration::from_secs(30))
             .with_elastic(elastic(2, 3, 100))
+            .recovering_in_place()
             .start();
         let (a, b, d) = futures::join!(join(&c, 0, 3), join(&c, 1, 3), join(&c, 2, 3));
         assert!(a.is_ok() && b.is_ok() && d.is_ok());

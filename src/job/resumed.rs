@@ -25,6 +25,7 @@ pub const SAFE_TO_CHANGE: &[&str] = &[
     "fault_tolerance.max_restarts",
     "fault_tolerance.heartbeat_interval_ms",
     "fault_tolerance.heartbeat_misses",
+    "fault_tolerance.elastic_timeout_s",
     "cluster.master",
     "cluster.endpoints",
     "cluster.pservers",
@@ -37,6 +38,7 @@ pub const SAFE_TO_CHANGE: &[&str] = &[
 /// that divides the global batch (the sums of a step are then associated differently).
 const DATA_PARALLEL_LAYOUT: &[&str] = &[
     "cluster.nnodes",
+    "cluster.min_nnodes",
     "cluster.nproc_per_node",
     "cluster.world_size",
     "strategy.use_hierarchical_allreduce",
