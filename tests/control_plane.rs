@@ -84,14 +84,14 @@ async fn bad_frames_close_only_their_connection() {
     // A header length larger than the frame.
     closes_after(&addr, Some(TOKEN), &framed(&[200, 0, 0, 0, 1, 2])).await;
     // A well-formed frame carrying a message the coordinator never accepts.
-    let roster = Frame::control(ControlMessage::Roster(Roster {
+    let roster = Frame::control(ControlMessage::Roster(Box::new(Roster {
         members: vec![],
         endpoints: vec![],
         mirrors: vec![],
         generation: 0,
         resume_step: None,
         record: None,
-    }))
+    })))
     .encode()
     .expect("encode");
     closes_after(&addr, Some(TOKEN), &framed(&roster)).await;

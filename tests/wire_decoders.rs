@@ -65,7 +65,7 @@ fn control_frames() -> Vec<Frame> {
             generation: 3,
             reason: "rank 1 declared dead".into(),
         })),
-        Frame::control(ControlMessage::Roster(Roster {
+        Frame::control(ControlMessage::Roster(Box::new(Roster {
             members: vec![0, 1],
             endpoints: vec!["127.0.0.1:6171".into(), "127.0.0.1:6172".into()],
             mirrors: vec![None, Some("127.0.0.1:41001".into())],
@@ -83,7 +83,7 @@ fn control_frames() -> Vec<Frame> {
                     nodes: vec!["10.0.0.1".into(), "10.0.0.2".into()],
                 }],
             }),
-        })),
+        }))),
         Frame::control(ControlMessage::Dead {
             processes: vec![DeadProcess { rank: 1, pid: 77 }],
         }),

@@ -286,6 +286,41 @@ mod tests {
     }
 
     #[test]
+    fn elastic_membership_needs_min_at_most_max_a_data_parallel_job_and_a_batch_every_size_divides() {
+        let elastic = |cluster: &str, rest: &str| err_text(load_str(&format!("[cluster]\n{cluster}\n{rest}")));
+        assert_eq!(
+            elastic("nnodes = 2\nmin_nnodes = 3", ""),
+            "config.toml: cluster.min_nnodes: 3 is more than cluster.nnodes = 2 (--nnodes MIN:MAX needs MIN <= MAX)"
+        );
+        assert_eq!(
+            elastic(
+                "nnodes = 3\nmin_nnodes = 1\nnproc_per_node = 2",
+                "[train]\nbatch_size = 18\n"
+            ),
+            "config.toml: cluster.min_nnodes: the job may train on 2 node(s) of 2 rank(s), but train.batch_size = 18 \
+             does not divide by 4: the global batch is re-split over the ranks, never changed"
+        );
+        let msg = elastic(
+            "nnodes = 2\nmin_nnodes = 1",
+            "[fault_tolerance]\nrecovery = \"restart\"\n",
+        );
+        assert!(
+            msg.contains("it needs fault_tolerance.recovery = \"in_place\""),
+            "{msg}"
+        );
+        let msg = err_text(load_str(
+            &CTR.replace("server_num = 2\n", "server_num = 2\nmin_nnodes = 1\n"),
+        ));
+        assert!(
+            msg.contains("parameter-server and pipeline jobs keep their layout"),
+            "{msg}"
+        );
+        let config =
+            load_str("[cluster]\nnnodes = 3\nmin_nnodes = 2\nnproc_per_node = 1\n[train]\nbatch_size = 48\n").unwrap();
+        assert_eq!(config.cluster.min_nnodes, Some(2));
+    }
+
+    #[test]
     fn a_hierarchical_all_reduce_needs_several_nodes_of_several_ranks() {
         let asked = "[strategy]\nuse_hierarchical_allreduce = true\n";
         let msg = err_text(load_str(&format!("[cluster]\nnnodes = 1\nnproc_per_node = 4\n{asked}")));

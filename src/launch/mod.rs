@@ -634,6 +634,24 @@ mod tests {
     }
 
     #[test]
+    fn nnodes_min_max_is_elastic_and_tells_the_ranks_its_minimum() -> anyhow::Result<()> {
+        let launch = args("--nnodes 2:3 --node-rank 2 --master 10.0.0.1:1 -- train");
+        assert_eq!(launch.nnodes, NodeRange { min: 2, max: 3 });
+        let plan = launch.plan("flotilla".into())?;
+        let env = |k: &str| plan[0].env.iter().find(|(n, _)| n == k).map(|(_, v)| v.clone());
+        assert_eq!(env("PADDLE_NNODES").as_deref(), Some("3"));
+        assert_eq!(env("FLOTILLA_MIN_NNODES").as_deref(), Some("2"));
+        let fixed = args("--nnodes 2 --node-rank 1 --master 10.0.0.1:1 -- train").plan("flotilla".into())?;
+        let min = fixed[0].env.iter().find(|(n, _)| n == "FLOTILLA_MIN_NNODES");
+        assert_eq!(min.map(|(_, v)| v.as_str()), Some(""), "blank: not elastic");
+        let parse = |text: &str| text.parse::<NodeRange>().unwrap_err().to_string();
+        assert_eq!(parse("3:2"), "--nnodes 3:2: MIN is more than MAX");
+        assert_eq!(parse("0:2"), "--nnodes 0:2: a job needs at least one node");
+        assert!(parse("two").contains("\"two\" is not a number of nodes (N or MIN:MAX)"));
+        Ok(())
+    }
+
+    #[test]
     fn second_node_gets_global_ranks_and_paddle_env() -> anyhow::Result<()> {
         let plan = args("--nnodes 2 --nproc_per_node 2 --node_ip 10.0.0.2 --cluster_node_ips 10.0.0.1,10.0.0.2 -- train --config c.toml")
             .plan("flotilla".into())

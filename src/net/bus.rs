@@ -136,7 +136,7 @@ impl ControlBus {
                 .await?
                 .header
             {
-                ControlMessage::Roster(roster) => Ok(roster),
+                ControlMessage::Roster(roster) => Ok(*roster),
                 ControlMessage::Mismatched { reason } => Err(anyhow!(Mismatch(reason)).context(format!("rank {rank}"))),
                 other => Err(self.unexpected(rank, other)),
             },

@@ -37,7 +37,7 @@ pub enum ControlMessage {
         reason: String,
     },
     /// Rendezvous complete: every rank's data endpoint, the generation, the step to resume at.
-    Roster(Roster),
+    Roster(Box<Roster>),
     /// A request was refused or failed; the reason names what went wrong.
     Refused {
         /// Human-readable cause.

@@ -109,7 +109,7 @@ async fn serve_frames(
                     settings,
                 };
                 match coordinator.join.send(join).await {
-                    Ok(Ok(roster)) => Ok((ControlMessage::Roster(roster), Vec::new())),
+                    Ok(Ok(roster)) => Ok((ControlMessage::Roster(Box::new(roster)), Vec::new())),
                     Ok(Err(JoinRefused::Mismatch(reason))) => Err(ControlMessage::Mismatched { reason }),
                     Ok(Err(JoinRefused::Failed(reason))) => Err(ControlMessage::Refused { reason }),
                     Err(e) => Err(ControlMessage::Refused {
