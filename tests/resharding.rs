@@ -115,3 +115,25 @@ fn a_resharding_that_would_change_the_learning_rate_or_a_pipelines_layout_is_ref
         refused.stderr
     );
 }
+
+#[test]
+fn a_checkpoint_of_another_model_is_refused_naming_the_tensor_and_both_shapes() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let run_dir = dir.path().join("run");
+    train(&run_dir, 2, 20);
+    // The run's config now says another model than its checkpoint holds.
+    let config = run_dir.join("config.toml");
+    let text = std::fs::read_to_string(&config).expect("the run's config");
+    assert!(text.contains("hidden_sizes = [128]"), "{text}");
+    std::fs::write(&config, text.replace("hidden_sizes = [128]", "hidden_sizes = [96]")).expect("rewritten");
+    let refused = resume(&run_dir, 2, 30, &[]);
+    assert!(!refused.success);
+    assert!(
+        refused.stderr.contains(
+            "restoring the state after step 10 from disk: parameter fc0.bias: the checkpoint's shape is [128], the \
+             model's [96]"
+        ),
+        "{}",
+        refused.stderr
+    );
+}

@@ -166,7 +166,10 @@ async fn restored(
     from: String,
     started: Instant,
 ) -> Result<Vec<f32>> {
-    let losses = device.send(RestoreCheckpoint(bytes.clone())).await??;
+    let losses = device
+        .send(RestoreCheckpoint(bytes.clone()))
+        .await?
+        .with_context(|| format!("restoring the state after step {step} from {from}"))?;
     tracing::info!(
         rank,
         step,
