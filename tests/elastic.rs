@@ -71,6 +71,34 @@ fn logged_number(log: &str, marker: &str, key: &str) -> usize {
         .unwrap_or_else(|_| panic!("no number after {key} in {line:?}"))
 }
 
+/// When the first line of `log` that holds `marker` was logged, in seconds of its UTC day.
+fn logged_at(log: &str, marker: &str) -> f64 {
+    let line = log
+        .lines()
+        .find(|line| line.contains(marker))
+        .unwrap_or_else(|| panic!("no line with {marker:?}:\n{log}"));
+    let stamp = line
+        .split_whitespace()
+        .find(|word| word.ends_with('Z') && word.contains('T'))
+        .unwrap_or_else(|| panic!("no timestamp in {line:?}"));
+    seconds_of_day(stamp.split('T').nth(1).unwrap_or_default().trim_end_matches('Z'))
+}
+
+/// `HH:MM:SS.ffffff` in seconds.
+fn seconds_of_day(time: &str) -> f64 {
+    time.split(':')
+        .map(|part| part.parse::<f64>().unwrap_or_else(|_| panic!("not a time: {time:?}")))
+        .fold(0.0, |seconds, part| seconds * 60.0 + part)
+}
+
+/// Now, in seconds of the UTC day.
+fn now_of_day() -> f64 {
+    let since_epoch = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap();
+    (since_epoch.as_secs() % 86_400) as f64 + f64::from(since_epoch.subsec_micros()) / 1e6
+}
+
 /// A run directory holding `from`'s config and its committed checkpoint of `step` alone, for
 /// an in-process run to resume.
 fn resumable_copy(from: &Path, step: usize, to: PathBuf) -> PathBuf {
@@ -115,6 +143,7 @@ fn a_node_lost_for_good_is_dropped_and_its_machine_coming_back_is_admitted() {
 
     // The third node is lost for good: its launcher and its rank.
     let lost = children_of(node_2.child.id());
+    let lost_at = now_of_day();
     // SAFETY: the pids of the third node's launcher and of the process it started.
     unsafe {
         libc::kill(node_2.child.id() as i32, libc::SIGKILL);
@@ -126,6 +155,7 @@ fn a_node_lost_for_good_is_dropped_and_its_machine_coming_back_is_admitted() {
     // Its machine comes back, empty, after the two others went on without it.
     std::thread::sleep(Duration::from_millis(ELASTIC_TIMEOUT_S * 1000 + 500));
     let back = dir.path().join("node-2-back");
+    let came_back_at = now_of_day();
     let node_2 = launch_on(&hosts, 2, &back);
     let started: Vec<i32> = [&node_0, &node_1, &node_2]
         .iter()
@@ -150,6 +180,16 @@ fn a_node_lost_for_good_is_dropped_and_its_machine_coming_back_is_admitted() {
     assert!(finished[2].stderr.contains("state restored"), "{}", finished[2].stderr);
     let summary = common::read_summary(&run_dirs[0]);
     assert_eq!(summary["world_size"], 3);
+    // Figures (BENCHMARKS.md), from the logs' clocks: the namespaces share this host's.
+    let trains_on_two = logged_at(&finished[1].stderr, "state restored rank=1 step=") - lost_at;
+    let admitted = logged_at(&finished[2].stderr, "state restored rank=2 step=") - came_back_at;
+    let regrouped = logged_at(&finished[2].stderr, "state restored rank=2 step=")
+        - logged_at(log, "admitting rank 2 at the checkpoint");
+    eprintln!(
+        "elastic figures: node lost -> training on 2 nodes {trains_on_two:.3} s (elastic_timeout_s = \
+         {ELASTIC_TIMEOUT_S}); machine back -> training on 3 nodes {admitted:.3} s, of which the regroup at the \
+         checkpoint {regrouped:.3} s"
+    );
 
     // Two ranks from the checkpoint it shrank at, writing the one it grew at ...
     let two = resumable_copy(&run_dirs[0], shrunk_at, dir.path().join("two"));
