@@ -4,7 +4,7 @@
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use anyhow::{anyhow, ensure, Result};
+use anyhow::{anyhow, ensure, Context as _, Result};
 
 use crate::checkpoint::{Checkpoint, CheckpointStore};
 use crate::config::{JobConfig, LrScaling};
@@ -13,6 +13,23 @@ use crate::net::protocol::Roster;
 /// Set (to any value) by a launcher on the processes it restarts after a failure: each resumes
 /// from the newest intact checkpoint in its checkpoint directory, if there is one.
 pub const RESUME_VAR: &str = "FLOTILLA_RESUME";
+
+/// The file a data-parallel job's checkpoint holds: rank 0's replica (all replicas are equal).
+pub(crate) const REPLICA_FILE: &str = "replica.safetensors";
+
+/// The checkpoint file of pipeline stage `stage`, written by its rank in replica 0 (replicas
+/// are equal).
+pub(crate) fn stage_file(stage: usize) -> String {
+    format!("stage-{stage}.safetensors")
+}
+
+/// The stage files of `checkpoint`, in stage order: none when it is not a pipeline's.
+fn stage_files(checkpoint: &Checkpoint) -> Vec<String> {
+    (0..)
+        .map(stage_file)
+        .take_while(|name| checkpoint.files().iter().any(|file| file.name == *name))
+        .collect()
+}
 
 /// The exit status of a process that refused to start for a reason no restart can change (an
 /// invalid config, another run's checkpoints, a resume that does not match): `EX_CONFIG` of
@@ -73,9 +90,13 @@ pub(crate) struct Recovery {
 }
 
 /// Refuses to start `config`'s job from `checkpoint` when its files are cut for another layout;
-/// a data-parallel job's one replica file resumes on any number of ranks (resharding).
+/// a data-parallel job's one replica file resumes on any number of ranks, and a pipeline's
+/// stage files as another cut into stages (resharding).
 fn check_layout(checkpoint: &Checkpoint, config: &JobConfig) -> Result<()> {
-    if config.is_data_parallel() && checkpoint.world_size() != config.roles() {
+    let pipeline_recut =
+        config.strategy.pipeline && stage_files(checkpoint).len() != config.strategy.hybrid_configs.pp_degree;
+    let reshards = !config.cluster.is_parameter_server() && checkpoint.world_size() != config.roles();
+    if reshards || pipeline_recut {
         if config.train.lr_scaling != LrScaling::None {
             return Err(Refusal::wrap(anyhow!(
                 "checkpoint {} was written by {} ranks: train.lr_scaling scales the learning rate by the world \
@@ -90,7 +111,8 @@ fn check_layout(checkpoint: &Checkpoint, config: &JobConfig) -> Result<()> {
             step = checkpoint.step,
             written_by = checkpoint.world_size(),
             ranks = config.roles(),
-            "resharding: the data-parallel checkpoint continues on another number of ranks"
+            stages = stage_files(checkpoint).len(),
+            "resharding: the checkpoint continues on another layout"
         );
         return Ok(());
     }
@@ -264,12 +286,61 @@ impl Recovery {
         Ok(Arc::new(checkpoint.read(name)?))
     }
 
+    /// The state of stage `stage` of a pipeline of `stages` stages after step `step` (see
+    /// [`Self::read_committed`]). From the checkpoint the run started from when that was cut
+    /// otherwise (another number of stages, or a data-parallel replica): the whole model, merged,
+    /// of which the stage restores its own parameters.
+    pub(crate) fn read_stage(
+        &self,
+        step: usize,
+        world_size: usize,
+        roster: Option<&Roster>,
+        (stage, stages): (usize, usize),
+    ) -> Result<Arc<Vec<u8>>> {
+        match self.start.as_ref().filter(|start| start.step == step) {
+            Some(start) if stage_files(start).len() != stages => Ok(Arc::new(whole_model(start)?)),
+            _ => self.read_committed(step, Some(world_size), roster, &stage_file(stage)),
+        }
+    }
+
+    /// A data-parallel replica's state after step `step` (see [`Self::read_committed`]); from a
+    /// pipeline's checkpoint the run started from, merged from its stages.
+    pub(crate) fn read_replica(&self, step: usize, roster: Option<&Roster>) -> Result<Arc<Vec<u8>>> {
+        match self.start.as_ref().filter(|start| start.step == step) {
+            Some(start) if !stage_files(start).is_empty() => Ok(Arc::new(whole_model(start)?)),
+            _ => self.read_committed(step, None, roster, REPLICA_FILE),
+        }
+    }
+
     /// Whether a checkpoint is due after `done` steps of `steps` (none after the last: the run's
     /// outputs hold the final state).
     pub(crate) fn due(&self, config: &JobConfig, done: usize, steps: usize) -> bool {
         let every = config.fault_tolerance.checkpoint_every;
         self.store.is_some() && every > 0 && done.is_multiple_of(every) && done < steps
     }
+}
+
+/// The whole model's state from `checkpoint`: its stages' files merged, or its replica's.
+fn whole_model(checkpoint: &Checkpoint) -> Result<Vec<u8>> {
+    let started = std::time::Instant::now();
+    let mut names = stage_files(checkpoint);
+    if names.is_empty() {
+        names.push(REPLICA_FILE.to_string());
+    }
+    let files = names
+        .iter()
+        .map(|name| checkpoint.read(name))
+        .collect::<Result<Vec<_>>>()?;
+    let merged = crate::collective::training_state::merge_stages(&files)
+        .with_context(|| format!("re-cutting checkpoint {}", checkpoint.dir.display()))?;
+    tracing::info!(
+        step = checkpoint.step,
+        files = names.len(),
+        bytes = merged.len(),
+        seconds = started.elapsed().as_secs_f64(),
+        "merged the checkpoint's files into the whole model, to cut it anew"
+    );
+    Ok(merged)
 }
 
 #[cfg(test)]

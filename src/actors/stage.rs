@@ -26,7 +26,7 @@ use super::device::{
 use super::divergence::check_loss;
 use super::faults::RoleFaults;
 use super::kept::{commit_on_this_node, BuddyCopy, Kept, Restore};
-use super::recovery::Recovery;
+use super::recovery::{stage_file, Recovery};
 use super::rollback::Orders;
 use super::run_loop::RunLoop;
 use crate::checkpoint::HeldFile;
@@ -92,11 +92,6 @@ pub struct StageInPlace {
     pub rejoin: Rejoin,
     /// Where it keeps a copy of its stage when no other node does (`None`: nowhere).
     pub buddy: Option<Buddy>,
-}
-
-/// The checkpoint file of stage `stage`, written by its rank in replica 0 (replicas are equal).
-fn stage_file(stage: usize) -> String {
-    format!("stage-{stage}.safetensors")
 }
 
 /// Runs the pipeline training loop to its end.
@@ -465,8 +460,9 @@ impl StageRun {
             buddy,
         };
         let (recovery, world_size, roster) = (&self.recovery, self.job.world_size(), self.roster.as_ref());
+        let cut = (self.stage, self.job.strategy.hybrid_configs.pp_degree);
         restore
-            .to(step, || recovery.read_committed(step, Some(world_size), roster, &file))
+            .to(step, || recovery.read_stage(step, world_size, roster, cut))
             .await
     }
 

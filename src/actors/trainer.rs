@@ -21,7 +21,7 @@ use super::device::{
 use super::divergence::check_loss;
 use super::faults::RoleFaults;
 use super::kept::{commit_on_this_node, Kept, Restore};
-use super::recovery::Recovery;
+use super::recovery::{Recovery, REPLICA_FILE};
 use super::rollback::Orders;
 use super::run_loop::RunLoop;
 use super::LOSSES_RESERVED;
@@ -74,9 +74,6 @@ pub struct InPlace {
     /// Binds a data endpoint for the next generation's ring: the link, and its address.
     pub relink: Box<dyn Fn() -> Result<(RingLink, String)> + Send>,
 }
-
-/// The file a data-parallel job's checkpoint holds: rank 0's replica (all replicas are equal).
-const REPLICA_FILE: &str = "replica.safetensors";
 
 /// Runs the training loop to its end.
 #[derive(Message)]
@@ -270,9 +267,7 @@ impl TrainingRun {
         };
         let (recovery, roster) = (&self.recovery, self.roster.as_ref());
         // The replica file holds the whole model: it restores on any number of ranks.
-        restore
-            .to(step, || recovery.read_committed(step, None, roster, REPLICA_FILE))
-            .await
+        restore.to(step, || recovery.read_replica(step, roster)).await
     }
 
     /// Trains one generation, from its roster's resume step to the end of the run.

@@ -15,6 +15,10 @@ use crate::optim::{Optimizer, OptimizerState};
 
 const FORMAT: &str = "flotilla-training-state";
 
+/// Metadata of a state merged from a pipeline's stages ([`merge_stages`]): it holds the whole
+/// model, of which a stage of another cut restores its own parameters.
+const WHOLE_MODEL: &str = "whole_model";
+
 /// What a restored state says about the run so far.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Restored {
@@ -56,9 +60,48 @@ pub fn write(
     write_tensors(out, &tensors, metadata)
 }
 
+/// The training state of the whole model from `stages`, the files of a pipeline's stages in
+/// stage order (a checkpoint written with another cut): every parameter and optimizer slot
+/// under its model name, the losses of the stage that saw them. The stages must agree on the
+/// optimizer and the steps taken.
+pub fn merge_stages(stages: &[Vec<u8>]) -> Result<Vec<u8>> {
+    let mut tensors: Vec<(String, candle_core::Tensor)> = Vec::new();
+    let mut merged: Option<HashMap<String, String>> = None;
+    for (stage, bytes) in stages.iter().enumerate() {
+        let (part, metadata) = decode_tensors(bytes, &Device::Cpu).with_context(|| format!("stage {stage}'s file"))?;
+        let meta = |key: &str| metadata.get(key).cloned().unwrap_or_default();
+        ensure!(meta("format") == FORMAT, "stage {stage}'s file is not a training state");
+        match &mut merged {
+            None => merged = Some(metadata.clone()),
+            Some(first) => {
+                for key in ["optimizer", "optimizer_steps", "batches"] {
+                    let (was, is) = (first.get(key).cloned().unwrap_or_default(), meta(key));
+                    ensure!(
+                        was == is,
+                        "the stages disagree on {key}: stage 0 has {was}, stage {stage} {is}"
+                    );
+                }
+                // The losses are those of the stage that computed them, the last.
+                if meta("loss_bits").len() > first.get("loss_bits").map_or(0, String::len) {
+                    first.insert("loss_bits".to_string(), meta("loss_bits"));
+                }
+            }
+        }
+        let mut part: Vec<(String, candle_core::Tensor)> = part.into_iter().collect();
+        part.sort_by(|a, b| a.0.cmp(&b.0));
+        tensors.extend(part);
+    }
+    let mut metadata = merged.context("a pipeline checkpoint without stage files")?;
+    metadata.insert(WHOLE_MODEL.to_string(), "true".to_string());
+    let mut out = Vec::new();
+    write_tensors(&mut out, &tensors, metadata)?;
+    Ok(out)
+}
+
 /// Loads bytes written by [`write`] into `params` and `optimizer`. A file of another model (a
 /// parameter missing, extra or of another shape) or of another optimizer is refused by name
-/// before anything changes.
+/// before anything changes; of a whole model ([`merge_stages`]), the parameters of other stages
+/// are left.
 pub fn restore(bytes: &[u8], params: &[(&str, &Var)], optimizer: &mut Optimizer, device: &Device) -> Result<Restored> {
     let (mut tensors, metadata) = decode_tensors(bytes, device)?;
     let meta = |key: &str| {
@@ -76,6 +119,7 @@ pub fn restore(bytes: &[u8], params: &[(&str, &Var)], optimizer: &mut Optimizer,
     let steps: u64 = meta("optimizer_steps")?.parse().context("optimizer_steps")?;
     let batches: usize = meta("batches")?.parse().context("batches")?;
     let loss_bits: Vec<u32> = serde_json::from_str(meta("loss_bits")?).context("loss_bits")?;
+    let whole_model = metadata.contains_key(WHOLE_MODEL);
 
     let mut values = Vec::with_capacity(params.len());
     for (name, var) in params {
@@ -97,9 +141,15 @@ pub fn restore(bytes: &[u8], params: &[(&str, &Var)], optimizer: &mut Optimizer,
     };
     for (key, tensor) in tensors {
         let Some((name, slot)) = key.strip_prefix("optimizer.").and_then(|k| k.rsplit_once('.')) else {
+            if whole_model && key.starts_with("param.") {
+                continue;
+            }
             bail!("the checkpoint has {key}, which this model does not know");
         };
         let Some(&i) = index.get(name) else {
+            if whole_model {
+                continue;
+            }
             bail!("the checkpoint has optimizer state of {name}, which this model does not have");
         };
         state.tensors.push((i, slot.to_string(), tensor));

@@ -33,20 +33,26 @@ pub const SAFE_TO_CHANGE: &[&str] = &[
     "cluster.shared_memory",
 ];
 
-/// The keys of a data-parallel job's layout: its checkpoint holds one copy of the replica and
-/// each rank reads its share of the same global batches, so it resumes on any number of ranks
-/// that divides the global batch (the sums of a step are then associated differently).
-const DATA_PARALLEL_LAYOUT: &[&str] = &[
+/// The keys of a collective job's layout: its checkpoint holds one copy of the replica, or of
+/// each pipeline stage, every parameter under its model name, and each rank reads its share of
+/// the same global batches — so it resumes on any number of ranks that divides the global batch,
+/// cut into any number of stages (the sums of a step are then associated differently).
+const COLLECTIVE_LAYOUT: &[&str] = &[
     "cluster.nnodes",
     "cluster.min_nnodes",
     "cluster.nproc_per_node",
     "cluster.world_size",
     "strategy.use_hierarchical_allreduce",
+    "strategy.pipeline",
+    "strategy.hybrid_configs.pp_degree",
+    "strategy.hybrid_configs.dp_degree",
+    "strategy.pipeline_configs.stage_boundaries",
+    "strategy.pipeline_configs.virtual_pipeline_stages",
 ];
 
 /// The config of the run in `run_dir`, read with the environment `env` and the command line's
-/// `overrides`, which may only change [`SAFE_TO_CHANGE`] keys — and a data-parallel job's
-/// [`DATA_PARALLEL_LAYOUT`].
+/// `overrides`, which may only change [`SAFE_TO_CHANGE`] keys — and a collective job's
+/// [`COLLECTIVE_LAYOUT`].
 pub fn resumed_config(run_dir: &Path, env: &dyn Fn(&str) -> Option<String>, overrides: &[String]) -> Result<JobConfig> {
     let path = run_dir.join(CONFIG_FILE);
     ensure!(
@@ -59,8 +65,8 @@ pub fn resumed_config(run_dir: &Path, env: &dyn Fn(&str) -> Option<String>, over
     let resumed = JobConfig::from_file(&path, env, overrides)?;
     let (before, after) = (saved.leaves()?, resumed.leaves()?);
     let unset = Value::String("unset".to_string());
-    let reshards = resumed.is_data_parallel();
-    let may_change = |key: &str| SAFE_TO_CHANGE.contains(&key) || (reshards && DATA_PARALLEL_LAYOUT.contains(&key));
+    let reshards = !saved.cluster.is_parameter_server() && !resumed.cluster.is_parameter_server();
+    let may_change = |key: &str| SAFE_TO_CHANGE.contains(&key) || (reshards && COLLECTIVE_LAYOUT.contains(&key));
     let refused: Vec<String> = before
         .keys()
         .chain(after.keys())
@@ -80,7 +86,7 @@ pub fn resumed_config(run_dir: &Path, env: &dyn Fn(&str) -> Option<String>, over
             refused.join("; "),
             SAFE_TO_CHANGE.join(", ")
                 + if reshards {
-                    ", and its layout (cluster.nnodes, cluster.nproc_per_node)"
+                    ", and its layout (cluster.nnodes, cluster.nproc_per_node, the pipeline's degrees and stages)"
                 } else {
                     ""
                 }
