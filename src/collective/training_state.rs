@@ -65,10 +65,13 @@ pub fn write(
 /// under its model name, the losses of the stage that saw them. The stages must agree on the
 /// optimizer and the steps taken.
 pub fn merge_stages(stages: &[Vec<u8>]) -> Result<Vec<u8>> {
-    let mut tensors: Vec<(String, candle_core::Tensor)> = Vec::new();
+    // Views into the files, copied once into the merged one: no tensor is decoded.
+    let mut tensors = Vec::new();
     let mut merged: Option<HashMap<String, String>> = None;
     for (stage, bytes) in stages.iter().enumerate() {
-        let (part, metadata) = decode_tensors(bytes, &Device::Cpu).with_context(|| format!("stage {stage}'s file"))?;
+        let file = safetensors::SafeTensors::deserialize(bytes).with_context(|| format!("stage {stage}'s file"))?;
+        let (_, header) = safetensors::SafeTensors::read_metadata(bytes)?;
+        let metadata = header.metadata().clone().unwrap_or_default();
         let meta = |key: &str| metadata.get(key).cloned().unwrap_or_default();
         ensure!(meta("format") == FORMAT, "stage {stage}'s file is not a training state");
         match &mut merged {
@@ -87,15 +90,11 @@ pub fn merge_stages(stages: &[Vec<u8>]) -> Result<Vec<u8>> {
                 }
             }
         }
-        let mut part: Vec<(String, candle_core::Tensor)> = part.into_iter().collect();
-        part.sort_by(|a, b| a.0.cmp(&b.0));
-        tensors.extend(part);
+        tensors.extend(file.tensors());
     }
     let mut metadata = merged.context("a pipeline checkpoint without stage files")?;
     metadata.insert(WHOLE_MODEL.to_string(), "true".to_string());
-    let mut out = Vec::new();
-    write_tensors(&mut out, &tensors, metadata)?;
-    Ok(out)
+    Ok(safetensors::serialize(tensors, Some(metadata))?)
 }
 
 /// Loads bytes written by [`write`] into `params` and `optimizer`. A file of another model (a
