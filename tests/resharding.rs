@@ -187,3 +187,72 @@ fn a_pipeline_checkpoint_is_cut_anew_into_four_stages_and_into_one_as_the_uninte
         eprintln!("pp {from} → {to}: max |Δparam| = {diff:e}");
     }
 }
+
+/// A parameter-server job's rows and dense floats, gathered from its `servers` shard files in
+/// `run_dir`: every row by (table, id) with its values and optimizer state, and the dense
+/// parameters in order.
+fn ps_state(run_dir: &Path, servers: usize) -> (Vec<(usize, u64, Vec<f32>, Vec<f32>)>, Vec<f32>) {
+    let config = flotilla::config::JobConfig::from_file(
+        &run_dir.join("config.toml"),
+        &|_| None,
+        &[format!("cluster.server_num={servers}")],
+    )
+    .expect("the run's config");
+    let (mut rows, mut dense) = (Vec::new(), Vec::new());
+    for index in 0..servers {
+        let mut shard = flotilla::job::ps::build_shard(&config, index).expect("a shard");
+        shard
+            .load(&run_dir.join(format!("ps-shard-{index}.safetensors")))
+            .expect("its file");
+        for (table, rows_of) in shard.tables().iter().enumerate() {
+            rows.extend(rows_of.rows().map(|(id, v, s)| (table, id, v.to_vec(), s.to_vec())));
+        }
+        dense.extend_from_slice(shard.dense().values());
+    }
+    rows.sort_unstable_by_key(|row| (row.0, row.1));
+    (rows, dense)
+}
+
+/// Sync mode sums a row's pushes in trainer order whichever server holds it, so re-hashing
+/// changes no sum: bitwise.
+#[test]
+fn a_parameter_server_checkpoint_of_two_servers_continues_on_three_as_the_uninterrupted_run() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let ctr = |run_dir: &Path, steps: usize, extra: &[&str]| {
+        let steps = format!("train.steps={steps}");
+        #[rustfmt::skip]
+        let mut args = vec![
+            "train", "--config", "examples/ctr_ps.toml", "--run-dir", run_dir.to_str().expect("utf-8"),
+            "--set", "train.synthetic_samples=20000", "--set", "fault_tolerance.checkpoint_every=10", "--set", &steps,
+        ];
+        args.extend(extra);
+        let out = flotilla(&args, &[], 300);
+        assert!(out.success, "{}", out.stderr);
+    };
+    let uninterrupted = dir.path().join("uninterrupted");
+    ctr(&uninterrupted, 30, &[]);
+    let run_dir = dir.path().join("two-to-three");
+    ctr(&run_dir, 20, &[]);
+    #[rustfmt::skip]
+    let args = [
+        "train", "--resume", run_dir.to_str().expect("utf-8"), "--set", "cluster.server_num=3", "--set", "train.steps=30",
+    ];
+    let resumed = flotilla(&args, &[], 300);
+    assert!(resumed.success, "{}", resumed.stderr);
+    assert!(
+        resumed
+            .stderr
+            .contains("re-hashed the checkpoint's rows and dense slices onto this many servers"),
+        "{}",
+        resumed.stderr
+    );
+    let (expected, resumed) = (ps_state(&uninterrupted, 2), ps_state(&run_dir, 3));
+    assert!(!expected.0.is_empty());
+    assert_eq!(expected.0.len(), resumed.0.len(), "every row found once");
+    assert!(
+        expected == resumed,
+        "the rows, their optimizer state and the dense parameters differ"
+    );
+    let (a, b) = (common::read_summary(&uninterrupted), common::read_summary(&run_dir));
+    assert_eq!(a["final_loss"], b["final_loss"]);
+}

@@ -9,6 +9,7 @@ use anyhow::{anyhow, ensure, Context as _, Result};
 use crate::checkpoint::{Checkpoint, CheckpointStore};
 use crate::config::{JobConfig, LrScaling};
 use crate::net::protocol::Roster;
+use crate::ps::snapshot::shard_file_name;
 
 /// Set (to any value) by a launcher on the processes it restarts after a failure: each resumes
 /// from the newest intact checkpoint in its checkpoint directory, if there is one.
@@ -96,6 +97,9 @@ fn check_layout(checkpoint: &Checkpoint, config: &JobConfig) -> Result<()> {
     let pipeline_recut =
         config.strategy.pipeline && stage_files(checkpoint).len() != config.strategy.hybrid_configs.pp_degree;
     let reshards = !config.cluster.is_parameter_server() && checkpoint.world_size() != config.roles();
+    if config.cluster.is_parameter_server() && checkpoint.world_size() != config.roles() {
+        return check_rehash(checkpoint, config);
+    }
     if reshards || pipeline_recut {
         if config.train.lr_scaling != LrScaling::None {
             return Err(Refusal::wrap(anyhow!(
@@ -117,6 +121,33 @@ fn check_layout(checkpoint: &Checkpoint, config: &JobConfig) -> Result<()> {
         return Ok(());
     }
     checkpoint.check_world_size(config.roles()).map_err(Refusal::wrap)
+}
+
+/// A parameter-server checkpoint resumes on another number of servers (its rows re-hashed, its
+/// dense slices re-cut), with the same trainers.
+fn check_rehash(checkpoint: &Checkpoint, config: &JobConfig) -> Result<()> {
+    let shards = (0..)
+        .take_while(|&index| {
+            let name = shard_file_name(index);
+            checkpoint.files().iter().any(|file| file.name == name)
+        })
+        .count();
+    let trainers = checkpoint.world_size().saturating_sub(shards);
+    if trainers != config.world_size() {
+        return Err(Refusal::wrap(anyhow!(
+            "checkpoint {} was written by {shards} server(s) and {trainers} trainer(s): a parameter-server job \
+             resumes on another number of servers, with the same trainers ({} here)",
+            checkpoint.dir.display(),
+            config.world_size()
+        )));
+    }
+    tracing::info!(
+        step = checkpoint.step,
+        written_by = shards,
+        servers = config.cluster.server_num,
+        "resharding: the parameter servers' rows are re-hashed onto another number of servers"
+    );
+    Ok(())
 }
 
 /// The refusal of a fresh start into `root`, which holds checkpoints up to step `step`.

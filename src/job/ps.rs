@@ -546,9 +546,31 @@ async fn with_heartbeats<T>(
 pub(super) fn start_shard(job: &JobConfig, index: usize, recovery: &Recovery) -> Result<Shard> {
     let mut shard = build_shard(job, index)?;
     if let Some(checkpoint) = &recovery.start {
-        shard
-            .resume(&checkpoint.read(&shard_file_name(index))?, checkpoint.step as u64)
-            .with_context(|| format!("parameter server {index}: resuming from {}", checkpoint.dir.display()))?;
+        let resuming = || format!("parameter server {index}: resuming from {}", checkpoint.dir.display());
+        let written_by: Vec<String> = (0..)
+            .map(shard_file_name)
+            .take_while(|name| checkpoint.files().iter().any(|file| file.name == *name))
+            .collect();
+        let step = checkpoint.step as u64;
+        if written_by.len() == job.cluster.server_num {
+            shard
+                .resume(&checkpoint.read(&shard_file_name(index))?, step)
+                .with_context(resuming)?;
+        } else {
+            let started = std::time::Instant::now();
+            let files = written_by
+                .iter()
+                .map(|name| checkpoint.read(name))
+                .collect::<Result<Vec<_>>>()?;
+            shard.resume_rehashed(&files, step).with_context(resuming)?;
+            tracing::info!(
+                server = index,
+                written_by = files.len(),
+                servers = job.cluster.server_num,
+                seconds = started.elapsed().as_secs_f64(),
+                "re-hashed the checkpoint's rows and dense slices onto this many servers"
+            );
+        }
     }
     Ok(shard)
 }

@@ -66,7 +66,12 @@ pub fn resumed_config(run_dir: &Path, env: &dyn Fn(&str) -> Option<String>, over
     let (before, after) = (saved.leaves()?, resumed.leaves()?);
     let unset = Value::String("unset".to_string());
     let reshards = !saved.cluster.is_parameter_server() && !resumed.cluster.is_parameter_server();
-    let may_change = |key: &str| SAFE_TO_CHANGE.contains(&key) || (reshards && COLLECTIVE_LAYOUT.contains(&key));
+    let rehashes = saved.cluster.is_parameter_server() && resumed.cluster.is_parameter_server();
+    let may_change = |key: &str| {
+        SAFE_TO_CHANGE.contains(&key)
+            || (reshards && COLLECTIVE_LAYOUT.contains(&key))
+            || (rehashes && key == "cluster.server_num")
+    };
     let refused: Vec<String> = before
         .keys()
         .chain(after.keys())
@@ -87,6 +92,8 @@ pub fn resumed_config(run_dir: &Path, env: &dyn Fn(&str) -> Option<String>, over
             SAFE_TO_CHANGE.join(", ")
                 + if reshards {
                     ", and its layout (cluster.nnodes, cluster.nproc_per_node, the pipeline's degrees and stages)"
+                } else if rehashes {
+                    ", and its number of servers (cluster.server_num)"
                 } else {
                     ""
                 }

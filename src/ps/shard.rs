@@ -19,7 +19,7 @@ use anyhow::{bail, ensure, Result};
 use rustc_hash::FxHashMap;
 
 use super::dense::DenseSlice;
-use super::snapshot::{load_from_bytes, load_shard, save_shard, shard_bytes, ShardSnapshotInfo};
+use super::snapshot::{load_from_bytes, load_rehashed, load_shard, save_shard, shard_bytes, ShardSnapshotInfo};
 use super::table::SparseTable;
 use super::wire::{PullRequest, PulledRows, PushRequest, ShardStats, TableStats, UpdateKind};
 use crate::config::PsMode;
@@ -220,6 +220,23 @@ impl Shard {
         let info = self.snapshot_info();
         let mut tables: Vec<&mut SparseTable> = self.tables.iter_mut().collect();
         load_from_bytes(bytes, &info, &mut self.dense, &mut tables)?;
+        self.resumed_at(step);
+        Ok(())
+    }
+
+    /// Continues from a checkpoint of another number of shards taken after `step` steps: its
+    /// part of every shard's file `files`, re-hashed ([`load_rehashed`]).
+    pub fn resume_rehashed(&mut self, files: &[Vec<u8>], step: u64) -> Result<()> {
+        let info = self.snapshot_info();
+        let mut tables: Vec<&mut SparseTable> = self.tables.iter_mut().collect();
+        load_rehashed(files, &info, &mut self.dense, &mut tables)?;
+        self.resumed_at(step);
+        Ok(())
+    }
+
+    /// The bookkeeping of the point after `step` steps: every trainer had pushed exactly its
+    /// steps before it ([`Shard::checkpoint_ready`]).
+    fn resumed_at(&mut self, step: u64) {
         let trainers = self.spec.trainers;
         let (applied, last_step) = match self.spec.mode {
             PsMode::Sync => (step, None),
@@ -231,7 +248,6 @@ impl Shard {
         self.pending = vec![None; trainers];
         self.ended = vec![false; trainers];
         self.left = vec![false; trainers];
-        Ok(())
     }
 
     /// Whether the checkpoint after `step` steps can be taken now: every trainer has pushed its

@@ -20,6 +20,7 @@ use safetensors::tensor::TensorView;
 use safetensors::{Dtype, SafeTensors, View};
 
 use super::dense::DenseSlice;
+use super::placement::shard_of;
 use super::table::SparseTable;
 use crate::checkpoint::write_atomically;
 
@@ -205,6 +206,124 @@ pub fn load_from_bytes(
         );
     }
     Ok(())
+}
+
+/// Replaces `dense` and every table of `tables` — shard `info.shard` of `info.server_num` —
+/// with its part of `files`, the snapshots of every shard of a job with another number of
+/// servers (one resumed with another `server_num`): the rows each table hashes to this shard,
+/// with their optimizer state, and this shard's range of the dense parameters, each optimizer
+/// slot cut at the same floats.
+pub fn load_rehashed(
+    files: &[Vec<u8>],
+    info: &ShardSnapshotInfo,
+    dense: &mut DenseSlice,
+    tables: &mut [&mut SparseTable],
+) -> anyhow::Result<()> {
+    let parsed = files
+        .iter()
+        .enumerate()
+        .map(|(old, bytes)| ShardFile::parse(bytes).with_context(|| format!("shard {old}'s file")))
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    let (values, state) = rehashed_dense(&parsed, dense).context("the dense parameters")?;
+    let mut rows: Vec<Vec<RowCopy>> = Vec::with_capacity(tables.len());
+    for (index, table) in tables.iter().enumerate() {
+        let (name, width) = (table.name(), table.width());
+        let state_len = table.optimizer().state_len(width);
+        let mut kept = Vec::new();
+        for (old, file) in parsed.iter().enumerate() {
+            let context = || format!("table `{name}` in shard {old}'s file");
+            file.expect(&format!("sparse.{name}.width"), &width.to_string())
+                .with_context(context)?;
+            file.expect(&format!("sparse.{name}.optimizer"), table.optimizer().name())
+                .with_context(context)?;
+            let ids = file
+                .tensor(&format!("sparse.{name}.ids"), Dtype::U64, None)
+                .with_context(context)?;
+            let n = ids.shape().first().copied().unwrap_or(0);
+            let values = floats(
+                file.tensor(&format!("sparse.{name}.values"), Dtype::F32, Some(&[n, width]))?
+                    .data(),
+            );
+            let state = floats(
+                file.tensor(&format!("sparse.{name}.state"), Dtype::F32, Some(&[n, state_len]))?
+                    .data(),
+            );
+            for (i, id) in ids.data().chunks_exact(8).map(u64_from_le).enumerate() {
+                if shard_of(index, id, info.server_num) == info.shard {
+                    kept.push((
+                        id,
+                        values[i * width..][..width].to_vec(),
+                        state[i * state_len..][..state_len].to_vec(),
+                    ));
+                }
+            }
+        }
+        rows.push(kept);
+    }
+    dense.restore(values, state)?;
+    for (table, kept) in tables.iter_mut().zip(rows) {
+        table.clear();
+        for (id, values, state) in kept {
+            table.insert_row(id, &values, &state)?;
+        }
+    }
+    Ok(())
+}
+
+/// A row taken from an old shard's file: its id, values and optimizer state.
+type RowCopy = (u64, Vec<f32>, Vec<f32>);
+
+/// `dense`'s range of the dense parameters and its optimizer state, from the slices of `files`
+/// (which cover every float once): the state is slot-major per slice (`[slot 0 of every float,
+/// slot 1 …, then the optimizer's scalars]`), so each slot is gathered and cut on its own.
+fn rehashed_dense(files: &[ShardFile<'_>], dense: &DenseSlice) -> anyhow::Result<(Vec<f32>, Vec<f32>)> {
+    let optimizer = dense.optimizer();
+    let scalars = optimizer.state_len(0);
+    let slots = optimizer.state_len(1) - scalars;
+    let mut slices = Vec::with_capacity(files.len());
+    for (old, file) in files.iter().enumerate() {
+        file.expect("dense.optimizer", optimizer.name())?;
+        let offset: usize = file
+            .metadata
+            .get("dense.offset")
+            .and_then(|offset| offset.parse().ok())
+            .with_context(|| format!("shard {old}'s file has no dense.offset"))?;
+        let values = floats(file.tensor("dense.values", Dtype::F32, None)?.data());
+        let state = floats(
+            file.tensor("dense.state", Dtype::F32, Some(&[slots * values.len() + scalars]))?
+                .data(),
+        );
+        slices.push((offset, values, state));
+    }
+    slices.sort_by_key(|(offset, _, _)| *offset);
+    let total: usize = slices.iter().map(|(_, values, _)| values.len()).sum();
+    let (mut whole, mut whole_slots) = (Vec::with_capacity(total), vec![Vec::with_capacity(total); slots]);
+    for (offset, values, state) in &slices {
+        ensure!(
+            *offset == whole.len(),
+            "the slices leave floats {}..{offset} out",
+            whole.len()
+        );
+        whole.extend_from_slice(values);
+        for (slot, gathered) in whole_slots.iter_mut().enumerate() {
+            gathered.extend_from_slice(&state[slot * values.len()..][..values.len()]);
+        }
+    }
+    let (start, len) = (dense.offset(), dense.len());
+    ensure!(
+        start + len <= total,
+        "this shard's floats {start}..{} are past the {total} the files hold",
+        start + len
+    );
+    let range = start..start + len;
+    let mut state: Vec<f32> = whole_slots
+        .iter()
+        .flat_map(|slot| slot[range.clone()].iter().copied())
+        .collect();
+    // The scalars (a step count, Adam's powers of beta) are the same on every shard.
+    let first = &slices.first().context("no shard files")?.2;
+    state.extend_from_slice(&first[first.len() - scalars..]);
+    Ok((whole[range].to_vec(), state))
 }
 
 /// One table's tensors, checked, waiting to be copied in.
@@ -421,6 +540,61 @@ mod tests {
         assert_eq!(a.dense.state(), b.dense.state());
         assert_eq!(sorted_rows(&a.user), sorted_rows(&b.user));
         assert_eq!(sorted_rows(&a.item), sorted_rows(&b.item));
+    }
+
+    #[test]
+    fn rehashing_cuts_every_optimizer_slot_of_the_dense_floats_and_keeps_the_rows_hashed_here() -> anyhow::Result<()> {
+        // One server held everything: 8 dense floats under Adam, and the rows of two tables.
+        let mut whole = Shard {
+            dense: DenseSlice::new(0, vec![0.0; 8], ADAM),
+            ..Shard::fresh()
+        };
+        for step in 0..3 {
+            let g = step as f32 + 1.0;
+            whole
+                .dense
+                .apply_gradients(&[g, -g, 0.5, 2.0, -1.0, g * g, 0.25, 3.0])?;
+            let ids: Vec<u64> = (0..20).map(|id| id * 7 + step).collect();
+            whole.user.apply_gradients(&ids, &vec![g; ids.len() * 3])?;
+            whole.item.apply_gradients(&ids, &vec![-g; ids.len() * 2])?;
+        }
+        let one = ShardSnapshotInfo {
+            shard: 0,
+            server_num: 1,
+        };
+        let files = [shard_bytes(&one, &whole.dense, &[&whole.user, &whole.item])?];
+        // Shard 1 of 2 holds floats 4..8.
+        let info = ShardSnapshotInfo {
+            shard: 1,
+            server_num: 2,
+        };
+        let mut part = Shard {
+            dense: DenseSlice::new(4, vec![0.0; 4], ADAM),
+            ..Shard::fresh()
+        };
+        load_rehashed(&files, &info, &mut part.dense, &mut [&mut part.user, &mut part.item])?;
+        assert_eq!(part.dense.values(), &whole.dense.values()[4..]);
+        let state = whole.dense.state();
+        let (first_moment, second_moment, powers) = (&state[4..8], &state[12..16], &state[16..]);
+        let expected: Vec<f32> = first_moment
+            .iter()
+            .chain(second_moment)
+            .chain(powers)
+            .copied()
+            .collect();
+        assert_eq!(part.dense.state(), expected);
+        for (index, (kept, all)) in [(&part.user, &whole.user), (&part.item, &whole.item)]
+            .into_iter()
+            .enumerate()
+        {
+            let here: Rows = sorted_rows(all)
+                .into_iter()
+                .filter(|row| shard_of(index, row.0, 2) == 1)
+                .collect();
+            assert!(!here.is_empty() && here.len() < all.len());
+            assert_eq!(sorted_rows(kept), here);
+        }
+        Ok(())
     }
 
     /// The chained message of `result`'s error, or "" if it succeeded.
