@@ -188,10 +188,13 @@ fn a_pipeline_checkpoint_is_cut_anew_into_four_stages_and_into_one_as_the_uninte
     }
 }
 
+/// A row of a parameter-server table: the table, the id, the values and the optimizer state.
+type TableRow = (usize, u64, Vec<f32>, Vec<f32>);
+
 /// A parameter-server job's rows and dense floats, gathered from its `servers` shard files in
 /// `run_dir`: every row by (table, id) with its values and optimizer state, and the dense
 /// parameters in order.
-fn ps_state(run_dir: &Path, servers: usize) -> (Vec<(usize, u64, Vec<f32>, Vec<f32>)>, Vec<f32>) {
+fn ps_state(run_dir: &Path, servers: usize) -> (Vec<TableRow>, Vec<f32>) {
     let config = flotilla::config::JobConfig::from_file(
         &run_dir.join("config.toml"),
         &|_| None,
