@@ -21,8 +21,9 @@ impl Buddy {
     /// The rank and mirror on the node after `rank`'s (the lowest rank there that serves one);
     /// `None` when the job runs on one node.
     fn after(roster: &Roster, rank: usize) -> Option<(usize, &str)> {
+        let members = roster.members();
         let mut hosts: Vec<&str> = Vec::new();
-        for r in 0..roster.endpoints.len() {
+        for &r in &members {
             let host = roster.host_of(r);
             if !hosts.contains(&host) {
                 hosts.push(host);
@@ -30,9 +31,10 @@ impl Buddy {
         }
         let mine = hosts.iter().position(|&h| h == roster.host_of(rank))?;
         let next = hosts.get((mine + 1) % hosts.len()).filter(|&&h| h != hosts[mine])?;
-        (0..roster.endpoints.len())
+        members
+            .into_iter()
             .filter(|&r| roster.host_of(r) == *next)
-            .find_map(|r| Some((r, roster.mirrors.get(r)?.as_deref()?)))
+            .find_map(|r| Some((r, roster.mirror_of(r)?)))
     }
 
     /// Whether every rank in `holders` (those keeping the same state) runs on `rank`'s node: then

@@ -586,7 +586,8 @@ impl Coordinator {
     /// coordinator's directory, and it commits them there.
     fn commit(&mut self, step: usize, parts: &[Bytes]) -> Result<CommitRecord, String> {
         let mut files: Vec<HeldFile> = Vec::new();
-        for (rank, part) in parts.iter().enumerate() {
+        // The parts come by rank, of the ranks that train.
+        for (&rank, part) in self.active.iter().zip(parts) {
             let acknowledged: Vec<HeldFile> = serde_json::from_slice(part)
                 .map_err(|e| format!("rank {rank}'s acknowledgement of step {step}: {e}"))?;
             let node = self

@@ -61,9 +61,8 @@ pub(crate) async fn commit_on_this_node(
     record: CommitRecord,
     roster: Option<&Roster>,
     rank: usize,
-    world_size: usize,
 ) -> Result<()> {
-    if !roster.is_some_and(|r| r.first_on_its_host(rank, 0..world_size)) {
+    if !roster.is_some_and(|r| r.first_on_its_host(rank, r.members())) {
         return Ok(());
     }
     let store = store.clone();

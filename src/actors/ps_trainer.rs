@@ -518,7 +518,7 @@ impl PsRun {
             Some(line) => {
                 let record = line.bus.acknowledge(self.role(), step, files).await?;
                 self.kept.committed();
-                commit_on_this_node(&store, record, self.roster.as_ref(), self.role(), self.roles()).await
+                commit_on_this_node(&store, record, self.roster.as_ref(), self.role()).await
             }
             None if rank == 0 => {
                 let mut files = Vec::new();

@@ -530,7 +530,7 @@ impl StageRun {
         let record = bus.acknowledge(self.rank, step, written).await?;
         if self.in_place.is_some() {
             self.kept.committed();
-            commit_on_this_node(&store, record, self.roster.as_ref(), self.rank, self.job.world_size()).await?;
+            commit_on_this_node(&store, record, self.roster.as_ref(), self.rank).await?;
         }
         Ok(())
     }

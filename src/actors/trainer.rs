@@ -362,9 +362,9 @@ impl TrainingRun {
     async fn checkpoint(&mut self, bus: &mut ControlBus, step: usize, losses: &[f32]) -> Result<()> {
         let store = self.recovery.store.clone().context("a checkpoint without a store")?;
         let roster = self.roster.as_ref().context("a checkpoint before the rendezvous")?;
-        let (place, world) = place_in(roster, self.rank)?;
+        let (place, _) = place_in(roster, self.rank)?;
         let writes = match &self.in_place {
-            Some(_) => roster.first_on_its_host(place, 0..world),
+            Some(_) => roster.first_on_its_host(self.rank, roster.members()),
             None => place == 0,
         };
         let written = match (self.in_place.is_some(), writes) {
@@ -398,7 +398,7 @@ impl TrainingRun {
         let record = bus.acknowledge(self.rank, step, written).await?;
         if self.in_place.is_some() {
             self.kept.committed();
-            commit_on_this_node(&store, record, self.roster.as_ref(), place, world).await?;
+            commit_on_this_node(&store, record, self.roster.as_ref(), self.rank).await?;
         }
         Ok(())
     }

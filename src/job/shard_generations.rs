@@ -109,7 +109,7 @@ impl ShardGenerations<'_> {
         let commit = self.bus.acknowledge(self.index, step as usize, vec![held]).await?;
         self.actor.send(CheckpointCommitted(step)).await?;
         let store = self.recovery.store.as_ref().context("a checkpoint without a store")?;
-        commit_on_this_node(store, commit, Some(roster), self.index, self.roles()).await
+        commit_on_this_node(store, commit, Some(roster), self.index).await
     }
 
     /// Roles of the job: servers, then trainers.

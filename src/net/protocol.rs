@@ -103,14 +103,26 @@ impl Roster {
         }
     }
 
-    /// The host rank `rank`'s data endpoint is on: the node it runs on.
+    /// The data endpoint of member `member`, if it trains in this generation.
+    pub fn endpoint_of(&self, member: usize) -> Option<&str> {
+        self.place_of(member).map(|place| self.endpoints[place].as_str())
+    }
+
+    /// The checkpoint mirror of member `member`, if it trains in this generation and serves one.
+    pub fn mirror_of(&self, member: usize) -> Option<&str> {
+        self.place_of(member)
+            .and_then(|place| self.mirrors.get(place)?.as_deref())
+    }
+
+    /// The host member `rank`'s data endpoint is on: the node it runs on ("" when it does not
+    /// train in this generation).
     pub fn host_of(&self, rank: usize) -> &str {
-        let endpoint = self.endpoints[rank].as_str();
+        let endpoint = self.endpoint_of(rank).unwrap_or_default();
         endpoint.rsplit_once(':').map_or(endpoint, |(host, _)| host)
     }
 
-    /// Whether `rank` is the lowest of the ranks `among` on its node (`among`: the ranks that
-    /// hold the same state, or every rank).
+    /// Whether member `rank` is the lowest of the members `among` on its node (`among`: the
+    /// ranks that hold the same state, or every member).
     pub fn first_on_its_host(&self, rank: usize, among: impl IntoIterator<Item = usize>) -> bool {
         among
             .into_iter()
