@@ -40,19 +40,26 @@ fn settings() -> Vec<String> {
     .collect()
 }
 
-/// Starts node `node`'s launcher of the elastic job, writing into `run_dir`.
-fn launch_on(hosts: &Hosts, node: usize, run_dir: &Path) -> common::Started {
+/// An elastic job: `--nnodes` and `--nproc_per_node` of each launcher, and `--set`s.
+struct Job {
+    nnodes: &'static str,
+    per_node: usize,
+    settings: Vec<String>,
+}
+
+/// Starts node `node`'s launcher of `job`, writing into `run_dir`.
+fn launch_on(hosts: &Hosts, node: usize, run_dir: &Path, job: &Job) -> common::Started {
     let cluster = hosts.ips.join(",");
     #[rustfmt::skip]
     let mut args = vec![
         "netns".to_string(), "exec".into(), hosts.names[node].clone(), env!("CARGO_BIN_EXE_flotilla").into(),
-        "launch".into(), "--nnodes".into(), "2:3".into(), "--nproc_per_node".into(), "1".into(),
+        "launch".into(), "--nnodes".into(), job.nnodes.into(), "--nproc_per_node".into(), job.per_node.to_string(),
         "--node_ip".into(), hosts.ips[node].clone(), "--cluster_node_ips".into(), cluster,
         "--started_port".into(), "6170".into(), "--".into(), "train".into(), "--config".into(), "config.toml".into(),
         "--run-dir".into(), run_dir.to_str().unwrap().into(),
     ];
-    for set in settings() {
-        args.extend(["--set".to_string(), set]);
+    for set in &job.settings {
+        args.extend(["--set".to_string(), set.clone()]);
     }
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
     start_program("ip", &args, &[("FLOTILLA_TOKEN", common::TEST_TOKEN.to_string())])
@@ -113,8 +120,9 @@ fn resumable_copy(from: &Path, step: usize, to: PathBuf) -> PathBuf {
     to
 }
 
-/// Resumes the run in `run_dir` in one process on `ranks` ranks until step `steps`.
-fn resume_in_process(run_dir: &Path, ranks: usize, steps: usize) {
+/// Resumes the run in `run_dir` in one process on `ranks` ranks until step `steps`, with `extra`
+/// flags.
+fn resume_in_process(run_dir: &Path, ranks: usize, steps: usize, extra: &[&str]) {
     let (per_node, world, steps) = (
         format!("cluster.nproc_per_node={ranks}"),
         format!("cluster.world_size={ranks}"),
@@ -125,7 +133,7 @@ fn resume_in_process(run_dir: &Path, ranks: usize, steps: usize) {
         "train", "--resume", run_dir.to_str().unwrap(), "--set", "cluster.nnodes=1", "--set", "cluster.min_nnodes=1",
         "--set", &per_node, "--set", &world, "--set", "cluster.endpoints=[]", "--set", &steps,
     ];
-    let out = flotilla(&args, &[], 300);
+    let out = flotilla(&[&args[..], extra].concat(), &[], 300);
     assert!(out.success, "{}", out.stderr);
 }
 
@@ -135,8 +143,15 @@ fn a_node_lost_for_good_is_dropped_and_its_machine_coming_back_is_admitted() {
         return;
     };
     let dir = tempfile::tempdir().unwrap();
+    let job = Job {
+        nnodes: "2:3",
+        per_node: 1,
+        settings: settings(),
+    };
     let run_dirs: Vec<PathBuf> = (0..3).map(|node| dir.path().join(format!("node-{node}"))).collect();
-    let nodes: Vec<common::Started> = (0..3).map(|node| launch_on(&hosts, node, &run_dirs[node])).collect();
+    let nodes: Vec<common::Started> = (0..3)
+        .map(|node| launch_on(&hosts, node, &run_dirs[node], &job))
+        .collect();
     let mut nodes = nodes.into_iter();
     let (node_0, node_1, node_2) = (nodes.next().unwrap(), nodes.next().unwrap(), nodes.next().unwrap());
     wait_for_commit(&run_dirs[0].join("checkpoints"), 250);
@@ -156,7 +171,7 @@ fn a_node_lost_for_good_is_dropped_and_its_machine_coming_back_is_admitted() {
     std::thread::sleep(Duration::from_millis(ELASTIC_TIMEOUT_S * 1000 + 500));
     let back = dir.path().join("node-2-back");
     let came_back_at = now_of_day();
-    let node_2 = launch_on(&hosts, 2, &back);
+    let node_2 = launch_on(&hosts, 2, &back, &job);
     let started: Vec<i32> = [&node_0, &node_1, &node_2]
         .iter()
         .flat_map(|l| children_of(l.child.id()))
@@ -193,9 +208,60 @@ fn a_node_lost_for_good_is_dropped_and_its_machine_coming_back_is_admitted() {
 
     // Two ranks from the checkpoint it shrank at, writing the one it grew at ...
     let two = resumable_copy(&run_dirs[0], shrunk_at, dir.path().join("two"));
-    resume_in_process(&two, 2, grown_at + 1);
+    resume_in_process(&two, 2, grown_at + 1, &[]);
     // ... then three from there to the end: bitwise the elastic job's parameters.
-    resume_in_process(&two, 3, 3000);
+    resume_in_process(&two, 3, 3000, &[]);
     let reference = common::read_summary(&two);
+    assert_eq!(summary["param_checksum"], reference["param_checksum"]);
+}
+
+/// A 2 × 2 pipeline, a replica per node (`--nnodes 1:2`): the second node is lost for good, and
+/// the first goes on as the only replica, with every micro-batch of the global batch.
+#[test]
+fn a_pipelines_data_parallel_dimension_shrinks_when_a_node_is_lost_for_good() {
+    let Some(hosts) = Hosts::create_or_say_why(2) else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let mut settings = settings();
+    settings.extend(
+        [
+            "strategy.pipeline=true",
+            "strategy.hybrid_configs.pp_degree=2",
+            "strategy.hybrid_configs.dp_degree=2",
+            "strategy.pipeline_configs.accumulate_steps=2",
+        ]
+        .map(String::from),
+    );
+    let job = Job {
+        nnodes: "1:2",
+        per_node: 2,
+        settings,
+    };
+    let run_dirs: Vec<PathBuf> = (0..2).map(|node| dir.path().join(format!("node-{node}"))).collect();
+    let node_0 = launch_on(&hosts, 0, &run_dirs[0], &job);
+    let node_1 = launch_on(&hosts, 1, &run_dirs[1], &job);
+    wait_for_commit(&run_dirs[0].join("checkpoints"), 250);
+    let lost = children_of(node_1.child.id());
+    // SAFETY: the pids of the second node's launcher and of the processes it started.
+    unsafe {
+        libc::kill(node_1.child.id() as i32, libc::SIGKILL);
+        for &pid in &lost {
+            libc::kill(pid, libc::SIGKILL);
+        }
+    }
+    assert!(!node_1.finish(10).success);
+    let started = children_of(node_0.child.id());
+    let finished = node_0.finish(300);
+    end_leftovers(started);
+    assert!(finished.success, "{}", finished.stderr);
+    let log = &finished.stderr;
+    // Its two ranks are found dead one after the other: a generation each.
+    assert!(log.contains("goes on with 1 node(s) (2 ranks)"), "{log}");
+    let shrunk_at = logged_number(log, "rejoined rank=0 generation=", "resume_step=");
+    // One replica of two stages from the checkpoint it shrank at: bitwise the job's parameters.
+    let one = resumable_copy(&run_dirs[0], shrunk_at, dir.path().join("one"));
+    resume_in_process(&one, 2, 3000, &["--set", "strategy.hybrid_configs.dp_degree=1"]);
+    let (summary, reference) = (common::read_summary(&run_dirs[0]), common::read_summary(&one));
     assert_eq!(summary["param_checksum"], reference["param_checksum"]);
 }

@@ -267,7 +267,7 @@ impl Coordinator {
 
     /// Declares `rank` dead for `why`: the job stops, or (in place) rolls back to a new
     /// generation; every rank waiting here is told at once.
-    fn declare_dead(&mut self, rank: usize, why: &str) {
+    fn declare_dead(&mut self, rank: usize, why: &str, ctx: &mut Context<Self>) {
         if self.stopped.is_some() || self.left.contains(&rank) {
             return;
         }
@@ -308,6 +308,11 @@ impl Coordinator {
             let _ = waiter.send(Err(reason.clone()));
         }
         self.rolled_back = reason;
+        // Ranks that joined the generation this one replaces wait on for its roster: its
+        // deadlines run from now.
+        if !self.joining.is_empty() {
+            self.start_forming(ctx);
+        }
     }
 
     /// Forgets `rank`'s process (remembered as dead, for launchers to ask about): its membership,
@@ -470,7 +475,7 @@ impl Coordinator {
     }
 
     /// Declares dead every watched rank silent for longer than the deadline.
-    fn check_heartbeats(&mut self) {
+    fn check_heartbeats(&mut self, ctx: &mut Context<Self>) {
         let Some(deadline) = self.heartbeat_deadline else {
             return;
         };
@@ -482,14 +487,12 @@ impl Coordinator {
             .filter(|(_, silence)| *silence > deadline)
             .collect();
         for (rank, silence) in silent {
-            self.declare_dead(
-                rank,
-                &format!(
-                    "no heartbeat for {:.1}s (deadline {:.1}s)",
-                    silence.as_secs_f64(),
-                    deadline.as_secs_f64()
-                ),
+            let why = format!(
+                "no heartbeat for {:.1}s (deadline {:.1}s)",
+                silence.as_secs_f64(),
+                deadline.as_secs_f64()
             );
+            self.declare_dead(rank, &why, ctx);
         }
     }
 
@@ -645,7 +648,7 @@ impl Actor for Coordinator {
         if let Some(deadline) = self.heartbeat_deadline {
             // Checked ten times per deadline (a walk over the ranks), so a death is found
             // within a tenth of the deadline of being due.
-            ctx.run_interval(deadline / 10, |coordinator, _| coordinator.check_heartbeats());
+            ctx.run_interval(deadline / 10, |coordinator, ctx| coordinator.check_heartbeats(ctx));
         }
     }
 }
@@ -759,7 +762,7 @@ impl Handler<Join> for Coordinator {
         // A member of the running generation joining again is a new process in its place: the
         // old one is gone, whether or not its line has broken yet.
         if self.members.get(&msg.rank) == Some(&self.generation) {
-            self.declare_dead(msg.rank, "a new process joined in its place");
+            self.declare_dead(msg.rank, "a new process joined in its place", ctx);
         }
         if let Some((_, _, earlier)) = self.joining.remove(&msg.rank) {
             let _ = earlier.send(Err(format!("rank {} joined again from a new process", msg.rank)));
@@ -858,14 +861,14 @@ impl Handler<Leave> for Coordinator {
 impl Handler<ConnectionLost> for Coordinator {
     type Result = ();
 
-    fn handle(&mut self, msg: ConnectionLost, _: &mut Self::Context) {
+    fn handle(&mut self, msg: ConnectionLost, ctx: &mut Self::Context) {
         // The line of a process already replaced (or declared dead) says nothing new.
         if self
             .last_heard
             .get(&msg.rank)
             .is_some_and(|&(_, line, _)| line == msg.line)
         {
-            self.declare_dead(msg.rank, "its heartbeat connection broke (the process is gone)");
+            self.declare_dead(msg.rank, "its heartbeat connection broke (the process is gone)", ctx);
         }
     }
 }
@@ -1303,6 +1306,37 @@ mod tests {
         assert_eq!(grown.endpoints[2], "endpoint-2b");
         assert_eq!(b, Ok(grown.clone()));
         assert_eq!(late.unwrap(), Ok(grown));
+    }
+
+    #[actix::test]
+    async fn elastic_a_node_whose_ranks_are_found_dead_one_by_one_is_dropped_once() {
+        let per_node_2 = Elastic {
+            per_node: 2,
+            ..elastic(1, 2, 150).expect("elastic")
+        };
+        let c = Coordinator::new(4, Duration::from_secs(30))
+            .with_heartbeat_deadline(Duration::from_secs(30))
+            .with_elastic(Some(per_node_2))
+            .recovering_in_place()
+            .start();
+        let (a, b, d, e) = futures::join!(join(&c, 0, 4), join(&c, 1, 4), join(&c, 2, 4), join(&c, 3, 4));
+        assert!(a.is_ok() && b.is_ok() && d.is_ok() && e.is_ok());
+        for rank in 0..4 {
+            assert_eq!(beat(&c, rank, rank as u64).await, Ok(Beat::Alive));
+        }
+        // Rank 2 is found dead and rank 0 rejoins at once; then rank 3, and rank 1 rejoins: the
+        // generation that replaced the first still forms, with the first node alone.
+        c.send(ConnectionLost { rank: 2, line: 2 }).await.unwrap();
+        let first = join(&c, 0, 4);
+        let second = async {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            c.send(ConnectionLost { rank: 3, line: 3 }).await.unwrap();
+            join(&c, 1, 4).await
+        };
+        let (a, b) = futures::join!(first, second);
+        let roster = b.expect("formed without the second node");
+        assert_eq!((roster.members.clone(), roster.generation), (vec![0, 1], 2));
+        assert_eq!(a, Ok(roster));
     }
 
     #[actix::test]

@@ -30,7 +30,7 @@ use super::recovery::{stage_file, Recovery};
 use super::rollback::Orders;
 use super::run_loop::RunLoop;
 use crate::checkpoint::HeldFile;
-use crate::config::JobConfig;
+use crate::config::{HybridConfigs, JobConfig};
 use crate::data::Dataset;
 use crate::engines::comm::Communicator;
 use crate::net::frame::{encode_with, Frame};
@@ -251,8 +251,7 @@ struct StageFigures {
 impl StageRun {
     async fn execute(mut self, generation: StageGeneration) -> Result<StageOutcome> {
         let job = self.job.clone();
-        let (rank, stage, replica) = (self.rank, self.stage, self.replica);
-        let d = job.strategy.hybrid_configs.dp_degree;
+        let rank = self.rank;
         let clock_offset_us = match (&self.trace, self.bus.as_mut()) {
             (Some(_), Some(bus)) => bus.clock_offset_us().await?,
             _ => 0.0,
@@ -270,7 +269,7 @@ impl StageRun {
                 job: job.clone(),
                 model: self.model.clone(),
                 rank,
-                stage,
+                stage: self.stage,
                 link,
                 data_parallel,
                 trace_from: self.trace.as_ref().map(|t| t.origin.instant),
@@ -287,7 +286,7 @@ impl StageRun {
         let mut run = RunLoop::start(
             &job,
             self.train_data.clone(),
-            (replica, d),
+            self.replica_place(),
             &self.recovery,
             first,
             self.monitor.as_ref(),
@@ -348,7 +347,10 @@ impl StageRun {
     /// Trains from the state after step `first` to the end of the run and evaluates.
     async fn train_generation(&mut self, first: usize, run: &mut RunLoop) -> Result<StageOutcome> {
         let job = self.job.clone();
-        let (rank, stage, replica) = (self.rank, self.stage, self.replica);
+        let (rank, stage) = (self.rank, self.stage);
+        // This generation's part of every global batch (another one when membership changed).
+        let (replica, d) = self.replica_place();
+        run.loader = run.loader.for_rank(replica, d)?;
         let steps = run.steps;
         let mut losses = self.restore(first).await?;
         let mut figures = StageFigures {
@@ -397,7 +399,6 @@ impl StageRun {
         }
         figures.elapsed = started.elapsed();
         // The held-out set is cut like a global batch: whole micro-batches per replica.
-        let d = job.strategy.hybrid_configs.dp_degree;
         let m = job.strategy.pipeline_configs.accumulate_steps;
         let per_replica = self.test_data.len() / (d * m) * m;
         let rows: Vec<usize> = (replica * per_replica..(replica + 1) * per_replica).collect();
@@ -428,9 +429,30 @@ impl StageRun {
         })
     }
 
-    /// The ranks of this stage in every replica, by replica.
+    /// The ranks of this stage in every replica training this generation, by replica.
     fn replicas_of_stage(&self) -> Vec<usize> {
-        self.job.strategy.hybrid_configs.replicas_of(self.stage)
+        let hybrid = &self.job.strategy.hybrid_configs;
+        match &self.roster {
+            Some(roster) => training_replicas(hybrid, roster)
+                .into_iter()
+                .map(|replica| hybrid.rank_of(replica, self.stage))
+                .collect(),
+            None => hybrid.replicas_of(self.stage),
+        }
+    }
+
+    /// This rank's replica among those training this generation, and how many train: every
+    /// replica, unless elastic membership went on without some.
+    fn replica_place(&self) -> (usize, usize) {
+        let hybrid = &self.job.strategy.hybrid_configs;
+        match &self.roster {
+            Some(roster) => {
+                let training = training_replicas(hybrid, roster);
+                let place = training.iter().position(|&replica| replica == self.replica);
+                (place.unwrap_or(self.replica), training.len().max(1))
+            }
+            None => (self.replica, hybrid.dp_degree),
+        }
     }
 
     /// Brings the stage to the state after `step` steps (every replica of a stage continues
@@ -534,6 +556,19 @@ impl StageRun {
         }
         Ok(())
     }
+}
+
+/// The replicas every stage of which trains in `roster`'s generation (all of them, unless
+/// elastic membership went on without some), in order.
+pub(crate) fn training_replicas(hybrid: &HybridConfigs, roster: &Roster) -> Vec<usize> {
+    (0..hybrid.dp_degree)
+        .filter(|&replica| {
+            hybrid
+                .stages_of(replica)
+                .into_iter()
+                .all(|rank| roster.place_of(rank).is_some())
+        })
+        .collect()
 }
 
 #[cfg(test)]

@@ -70,18 +70,19 @@ fn check_hierarchical_allreduce(config: &JobConfig) -> Result<(), FieldError> {
 }
 
 /// Elastic membership changes the number of data-parallel replicas: built for the collective
-/// data-parallel job, recovering in place, with a global batch every possible number of ranks
-/// divides (it is re-split, never changed, so the learning rate stays that of the global batch).
+/// job (a pipeline's nodes must hold whole replicas), recovering in place, with a global batch
+/// every possible number of replicas divides (it is re-split, never changed, so the learning
+/// rate stays that of the global batch).
 fn check_elastic(config: &JobConfig) -> Result<(), FieldError> {
     let Some(min) = config.cluster.min_nnodes else {
         return Ok(());
     };
     let key = "cluster.min_nnodes";
-    if config.cluster.is_parameter_server() || config.strategy.pipeline {
+    if config.cluster.is_parameter_server() {
         return Err(FieldError::new(
             key,
-            "elastic membership (--nnodes MIN:MAX) is built for the collective data-parallel strategy; \
-             parameter-server and pipeline jobs keep their layout",
+            "elastic membership (--nnodes MIN:MAX) is built for collective jobs; a parameter-server job keeps \
+             its trainers (its servers resume on another number with --resume)",
         ));
     }
     if config.fault_tolerance.recovery == Some(RecoveryMode::Restart) {
@@ -90,15 +91,33 @@ fn check_elastic(config: &JobConfig) -> Result<(), FieldError> {
             "elastic membership goes on with the surviving processes: it needs fault_tolerance.recovery = \"in_place\"",
         ));
     }
+    let strategy = &config.strategy;
     let (batch, per_node) = (config.train.batch_size, config.cluster.nproc_per_node);
+    let (stages, micro_batches) = match strategy.pipeline {
+        true => (
+            strategy.hybrid_configs.pp_degree,
+            strategy.pipeline_configs.accumulate_steps,
+        ),
+        false => (1, 1),
+    };
+    if !per_node.is_multiple_of(stages) {
+        return Err(FieldError::new(
+            key,
+            format!(
+                "a node comes and goes whole, so it must hold whole pipeline replicas: cluster.nproc_per_node = \
+                 {per_node} is not a multiple of strategy.hybrid_configs.pp_degree = {stages}"
+            ),
+        ));
+    }
     for nodes in min..=config.cluster.nnodes {
-        let ranks = nodes * per_node;
-        if !batch.is_multiple_of(ranks) {
+        let replicas = nodes * per_node / stages;
+        if !batch.is_multiple_of(replicas) || !(batch / replicas).is_multiple_of(micro_batches) {
             return Err(FieldError::new(
                 key,
                 format!(
                     "the job may train on {nodes} node(s) of {per_node} rank(s), but train.batch_size = {batch} does not \
-                     divide by {ranks}: the global batch is re-split over the ranks, never changed"
+                     divide by {replicas} replica(s) × {micro_batches} micro-batch(es): the global batch is re-split \
+                     over the replicas, never changed"
                 ),
             ));
         }
@@ -298,7 +317,8 @@ mod tests {
                 "[train]\nbatch_size = 18\n"
             ),
             "config.toml: cluster.min_nnodes: the job may train on 2 node(s) of 2 rank(s), but train.batch_size = 18 \
-             does not divide by 4: the global batch is re-split over the ranks, never changed"
+             does not divide by 4 replica(s) × 1 micro-batch(es): the global batch is re-split over the replicas, \
+             never changed"
         );
         let msg = elastic(
             "nnodes = 2\nmin_nnodes = 1",
@@ -311,8 +331,11 @@ mod tests {
         let msg = err_text(load_str(
             &CTR.replace("server_num = 2\n", "server_num = 2\nmin_nnodes = 1\n"),
         ));
+        assert!(msg.contains("a parameter-server job keeps its trainers"), "{msg}");
+        let pipeline = "[train]\nbatch_size = 48\n[strategy]\npipeline = true\n[strategy.hybrid_configs]\npp_degree = 2\ndp_degree = 3\n";
+        let msg = elastic("nnodes = 2\nmin_nnodes = 1\nnproc_per_node = 3", pipeline);
         assert!(
-            msg.contains("parameter-server and pipeline jobs keep their layout"),
+            msg.contains("cluster.nproc_per_node = 3 is not a multiple of strategy.hybrid_configs.pp_degree = 2"),
             "{msg}"
         );
         let config =

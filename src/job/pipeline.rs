@@ -312,7 +312,7 @@ impl StageRings {
             bus,
             config,
             rank,
-            &roster.endpoints,
+            &roster,
             listener,
             self.credentials.clone(),
             abandoned,

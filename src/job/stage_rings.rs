@@ -9,47 +9,67 @@ use std::time::Duration;
 use anyhow::{anyhow, Context, Result};
 
 use crate::actors::device::StageLinks;
+use crate::actors::stage::training_replicas;
 use crate::config::JobConfig;
-use crate::engines::comm::{parse_endpoints, Abandoned, Communicator, RingLinks, RingPlace, RingTransport};
+use crate::engines::comm::{Abandoned, Communicator, RingLinks, RingPlace, RingTransport};
 use crate::net::auth::Credentials;
+use crate::net::protocol::Roster;
 use crate::net::ControlBus;
 use crate::pipeline::link::memory_links;
 
 /// Connects rank `rank`'s rings over `listener`, its data endpoint: (a) the data-parallel ring
-/// of its stage (ranks `r·p + stage`, when `dp_degree` > 1), then (b) the forward stage ring of
-/// its replica (ranks `replica·p + 0..p`, when `pp_degree` > 1), then (c) the backward one.
-/// `roster[r]` is rank `r`'s data endpoint. A rollback order past the roster's generation
-/// (`abandoned`) stops the connecting.
+/// of its stage (ranks `r·p + stage` of the replicas `r` training in `roster`'s generation, when
+/// more than one does), then (b) the forward stage ring of its replica (ranks `replica·p +
+/// 0..p`, when `pp_degree` > 1), then (c) the backward one. A rollback order past the roster's
+/// generation (`abandoned`) stops the connecting.
 pub(super) async fn connect(
     bus: &mut ControlBus,
     config: &JobConfig,
     rank: usize,
-    roster: &[String],
+    roster: &Roster,
     listener: TcpListener,
     credentials: Credentials,
     abandoned: Abandoned,
 ) -> Result<(StageLinks, Communicator)> {
     let hybrid = &config.strategy.hybrid_configs;
-    let (d, p) = (hybrid.dp_degree, hybrid.pp_degree);
+    let p = hybrid.pp_degree;
     let (replica, stage) = hybrid.place_of(rank);
+    let training = training_replicas(hybrid, roster);
+    // Every rank's endpoint by rank; one not training this generation is never connected to.
+    let unspecified = SocketAddr::from(([0, 0, 0, 0], 0));
+    let endpoints = (0..config.world_size())
+        .map(|member| match roster.endpoint_of(member) {
+            Some(endpoint) => endpoint
+                .parse::<SocketAddr>()
+                .with_context(|| format!("rank {member} announced a bad endpoint {endpoint:?}")),
+            None => Ok(unspecified),
+        })
+        .collect::<Result<Vec<_>>>()?;
     let rings = Rings {
         who: hybrid.name_of(rank),
         listener,
-        endpoints: parse_endpoints(roster)?,
+        endpoints,
         timeout: config.fault_tolerance.timeout(),
         shared_memory: config.cluster.shared_memory,
         credentials,
         abandoned,
     };
-    let data_parallel = if d > 1 {
-        let replicas = hybrid.replicas_of(stage);
+    let data_parallel = if training.len() > 1 {
+        let replicas: Vec<usize> = training.iter().map(|&r| hybrid.rank_of(r, stage)).collect();
+        let position = training.iter().position(|&r| r == replica).with_context(|| {
+            format!(
+                "{} does not train in generation {}",
+                hybrid.name_of(rank),
+                roster.generation
+            )
+        })?;
         let name = format!("the data-parallel ring of stage {stage}");
-        Communicator::new(rings.connect(&name, replicas, replica).await?)
+        Communicator::new(rings.connect(&name, replicas, position).await?)
     } else {
         Communicator::single()
     };
     let link = if p > 1 {
-        if d > 1 {
+        if training.len() > 1 {
             bus.barrier(rank, "data-parallel rings connected").await?;
         }
         let stages = hybrid.stages_of(replica);
