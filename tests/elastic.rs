@@ -16,7 +16,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use common::hosts::Hosts;
-use common::{children_of, end_leftovers, flotilla, start_program, wait_for_commit};
+use common::{children_of, end_leftovers, flotilla, lose_node, start_program, wait_for_commit};
 
 /// Elastic timeout of the job, seconds.
 const ELASTIC_TIMEOUT_S: u64 = 2;
@@ -157,16 +157,8 @@ fn a_node_lost_for_good_is_dropped_and_its_machine_coming_back_is_admitted() {
     wait_for_commit(&run_dirs[0].join("checkpoints"), 250);
 
     // The third node is lost for good: its launcher and its rank.
-    let lost = children_of(node_2.child.id());
     let lost_at = now_of_day();
-    // SAFETY: the pids of the third node's launcher and of the process it started.
-    unsafe {
-        libc::kill(node_2.child.id() as i32, libc::SIGKILL);
-        for &pid in &lost {
-            libc::kill(pid, libc::SIGKILL);
-        }
-    }
-    assert!(!node_2.finish(10).success);
+    lose_node(node_2);
     // Its machine comes back, empty, after the two others went on without it.
     std::thread::sleep(Duration::from_millis(ELASTIC_TIMEOUT_S * 1000 + 500));
     let back = dir.path().join("node-2-back");
@@ -242,15 +234,7 @@ fn a_pipelines_data_parallel_dimension_shrinks_when_a_node_is_lost_for_good() {
     let node_0 = launch_on(&hosts, 0, &run_dirs[0], &job);
     let node_1 = launch_on(&hosts, 1, &run_dirs[1], &job);
     wait_for_commit(&run_dirs[0].join("checkpoints"), 250);
-    let lost = children_of(node_1.child.id());
-    // SAFETY: the pids of the second node's launcher and of the processes it started.
-    unsafe {
-        libc::kill(node_1.child.id() as i32, libc::SIGKILL);
-        for &pid in &lost {
-            libc::kill(pid, libc::SIGKILL);
-        }
-    }
-    assert!(!node_1.finish(10).success);
+    lose_node(node_1);
     let started = children_of(node_0.child.id());
     let finished = node_0.finish(300);
     end_leftovers(started);

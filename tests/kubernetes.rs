@@ -507,3 +507,17 @@ fn the_pods_of_paddlejobs_train_with_the_operators_environment() {
     data_parallel_pods_train_as_in_one_process("paddlejob");
     parameter_server_pods_train_as_in_one_process("paddlejob");
 }
+
+#[test]
+fn an_elastic_jobs_pods_run_launchers_that_say_min_and_max() {
+    let items = render(&[
+        "--set",
+        "cluster.nnodes=3",
+        "--set",
+        "cluster.min_nnodes=2",
+        "--set",
+        "train.batch_size=48",
+    ]);
+    let args = serde_json::to_string(&items).unwrap();
+    assert!(args.contains(r#""--nnodes","2:3""#), "{args}");
+}

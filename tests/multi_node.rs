@@ -285,15 +285,7 @@ impl Separate {
         let node_1 = self.launch(1, &[]);
         wait_for_commit(&run_dirs[1].join("checkpoints"), first);
         wait_for_commit(&run_dirs[0].join("checkpoints"), first);
-        let lost = children_of(node_1.child.id());
-        // SAFETY: the pids of the second node's launcher and of the processes it started.
-        unsafe {
-            libc::kill(node_1.child.id() as i32, libc::SIGKILL);
-            for &pid in &lost {
-                libc::kill(pid, libc::SIGKILL);
-            }
-        }
-        assert!(!node_1.finish(10).success);
+        common::lose_node(node_1);
         if disk == Disk::Emptied {
             std::fs::remove_dir_all(&run_dirs[1]).unwrap();
         }

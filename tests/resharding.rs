@@ -24,15 +24,7 @@ const JOB: [&str; 6] = [
 
 /// Trains `ranks` ranks for `steps` steps into `run_dir`.
 fn train(run_dir: &Path, ranks: usize, steps: usize) {
-    let (ranks, steps) = (
-        format!("cluster.nproc_per_node={ranks}"),
-        format!("train.steps={steps}"),
-    );
-    let mut args = vec!["train", "--run-dir", run_dir.to_str().expect("utf-8")];
-    args.extend(JOB);
-    args.extend(["--set", &ranks, "--set", &steps]);
-    let out = flotilla(&args, &[], 120);
-    assert!(out.success, "{}", out.stderr);
+    train_with(run_dir, ranks, steps, &[]);
 }
 
 /// Resumes the run in `run_dir` on `ranks` ranks until step `steps`, with `extra` flags.

@@ -1220,13 +1220,32 @@ mod tests {
         );
     }
 
-    fn elastic(min_nodes: usize, max_nodes: usize, timeout_ms: u64) -> Option<Elastic> {
-        Some(Elastic {
+    fn elastic(min_nodes: usize, max_nodes: usize, timeout_ms: u64) -> Elastic {
+        Elastic {
             min_nodes,
             max_nodes,
             per_node: 1,
             timeout: Duration::from_millis(timeout_ms),
-        })
+        }
+    }
+
+    /// A coordinator of `world` ranks with `elastic` membership, recovering in place, whose every
+    /// rank joined generation 0 and was heard from.
+    async fn elastic_job(world: usize, elastic: Elastic) -> Addr<Coordinator> {
+        let c = Coordinator::new(world, Duration::from_secs(30))
+            .with_heartbeat_deadline(Duration::from_secs(30))
+            .with_elastic(Some(elastic))
+            .recovering_in_place()
+            .start();
+        let joined = futures::future::join_all((0..world).map(|rank| join(&c, rank, world))).await;
+        for (rank, roster) in joined.into_iter().enumerate() {
+            assert_eq!(
+                roster.expect("generation 0 formed").members,
+                (0..world).collect::<Vec<_>>()
+            );
+            assert_eq!(beat(&c, rank, rank as u64).await, Ok(Beat::Alive));
+        }
+        c
     }
 
     async fn acknowledge(c: &Addr<Coordinator>, rank: usize, step: usize) -> Result<CommitRecord, String> {
@@ -1241,17 +1260,7 @@ mod tests {
 
     #[actix::test]
     async fn elastic_a_node_not_replaced_in_time_is_dropped_and_a_late_one_is_admitted_at_the_next_checkpoint() {
-        let c = Coordinator::new(3, Duration::from_secs(30))
-            .with_heartbeat_deadline(Duration::from_secs(30))
-            .with_elastic(elastic(2, 3, 200))
-            .recovering_in_place()
-            .start();
-        let (a, b, d) = futures::join!(join(&c, 0, 3), join(&c, 1, 3), join(&c, 2, 3));
-        assert_eq!(a.unwrap().members, vec![0, 1, 2]);
-        assert!(b.is_ok() && d.is_ok());
-        for rank in 0..3 {
-            assert_eq!(beat(&c, rank, rank as u64).await, Ok(Beat::Alive));
-        }
+        let c = elastic_job(3, elastic(2, 3, 200)).await;
         // Rank 2's node is gone for good: once the elastic timeout passes, ranks 0 and 1 go on.
         c.send(ConnectionLost { rank: 2, line: 2 }).await.unwrap();
         let started = Instant::now();
@@ -1312,18 +1321,9 @@ mod tests {
     async fn elastic_a_node_whose_ranks_are_found_dead_one_by_one_is_dropped_once() {
         let per_node_2 = Elastic {
             per_node: 2,
-            ..elastic(1, 2, 150).expect("elastic")
+            ..elastic(1, 2, 150)
         };
-        let c = Coordinator::new(4, Duration::from_secs(30))
-            .with_heartbeat_deadline(Duration::from_secs(30))
-            .with_elastic(Some(per_node_2))
-            .recovering_in_place()
-            .start();
-        let (a, b, d, e) = futures::join!(join(&c, 0, 4), join(&c, 1, 4), join(&c, 2, 4), join(&c, 3, 4));
-        assert!(a.is_ok() && b.is_ok() && d.is_ok() && e.is_ok());
-        for rank in 0..4 {
-            assert_eq!(beat(&c, rank, rank as u64).await, Ok(Beat::Alive));
-        }
+        let c = elastic_job(4, per_node_2).await;
         // Rank 2 is found dead and rank 0 rejoins at once; then rank 3, and rank 1 rejoins: the
         // generation that replaced the first still forms, with the first node alone.
         c.send(ConnectionLost { rank: 2, line: 2 }).await.unwrap();
@@ -1342,7 +1342,7 @@ mod tests {
     #[actix::test]
     async fn elastic_a_rank_waiting_to_be_admitted_hears_the_running_roster_and_asks_again() {
         let c = Coordinator::new(2, Duration::from_millis(400))
-            .with_elastic(elastic(1, 2, 100))
+            .with_elastic(Some(elastic(1, 2, 100)))
             .recovering_in_place()
             .start();
         // Rank 1 never comes: rank 0 trains alone once the elastic timeout passes.
@@ -1356,16 +1356,7 @@ mod tests {
 
     #[actix::test]
     async fn elastic_fewer_nodes_than_the_minimum_stop_the_job_saying_so() {
-        let c = Coordinator::new(3, Duration::from_secs(30))
-            .with_heartbeat_deadline(Duration::from_secs(30))
-            .with_elastic(elastic(2, 3, 100))
-            .recovering_in_place()
-            .start();
-        let (a, b, d) = futures::join!(join(&c, 0, 3), join(&c, 1, 3), join(&c, 2, 3));
-        assert!(a.is_ok() && b.is_ok() && d.is_ok());
-        for rank in 0..3 {
-            assert_eq!(beat(&c, rank, rank as u64).await, Ok(Beat::Alive));
-        }
+        let c = elastic_job(3, elastic(2, 3, 100)).await;
         c.send(ConnectionLost { rank: 1, line: 1 }).await.unwrap();
         c.send(ConnectionLost { rank: 2, line: 2 }).await.unwrap();
         let err = join(&c, 0, 3).await.unwrap_err();

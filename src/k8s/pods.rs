@@ -57,6 +57,11 @@ pub(super) fn groups(config: &JobConfig, options: &K8sOptions) -> Result<Vec<Pod
     }
     let nodes = config.cluster.nnodes;
     let per_node = config.cluster.nproc_per_node;
+    // An elastic job's launchers say so as torchrun's do: MIN:MAX.
+    let nnodes = match config.cluster.min_nnodes {
+        Some(min) if min < nodes => format!("{min}:{nodes}"),
+        _ => nodes.to_string(),
+    };
     // Every form's pod runs one node's launcher; only its node rank and master differ.
     let node = |role, replicas, rank: &str, master_addr: String, master_port: String, env| PodGroup {
         role,
@@ -65,7 +70,7 @@ pub(super) fn groups(config: &JobConfig, options: &K8sOptions) -> Result<Vec<Pod
             [
                 "launch",
                 "--nnodes",
-                &nodes.to_string(),
+                &nnodes,
                 "--nproc_per_node",
                 &per_node.to_string(),
                 "--node-rank",

@@ -210,6 +210,20 @@ pub fn pick(choices: usize) -> usize {
     nanos as usize % choices
 }
 
+/// Loses the node `launcher` runs: kills the launcher and every process it started, by pid, so
+/// that nothing there restarts, and waits for its end.
+pub fn lose_node(launcher: Started) {
+    let started = children_of(launcher.child.id());
+    // SAFETY: the pids of the test's own launcher and of the processes it started.
+    unsafe {
+        libc::kill(launcher.child.id() as i32, libc::SIGKILL);
+        for &pid in &started {
+            libc::kill(pid, libc::SIGKILL);
+        }
+    }
+    assert!(!launcher.finish(10).success);
+}
+
 /// Kills what is left of `pids`, the processes a test's launcher started: reaped already unless
 /// the launcher failed to end them, in which case the test must not leave them behind.
 pub fn end_leftovers(pids: impl IntoIterator<Item = i32>) {
