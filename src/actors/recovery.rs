@@ -26,10 +26,7 @@ pub(crate) fn stage_file(stage: usize) -> String {
 
 /// The stage files of `checkpoint`, in stage order: none when it is not a pipeline's.
 fn stage_files(checkpoint: &Checkpoint) -> Vec<String> {
-    (0..)
-        .map(stage_file)
-        .take_while(|name| checkpoint.files().iter().any(|file| file.name == *name))
-        .collect()
+    checkpoint.numbered_files(stage_file)
 }
 
 /// The exit status of a process that refused to start for a reason no restart can change (an
@@ -126,12 +123,7 @@ fn check_layout(checkpoint: &Checkpoint, config: &JobConfig) -> Result<()> {
 /// A parameter-server checkpoint resumes on another number of servers (its rows re-hashed, its
 /// dense slices re-cut), with the same trainers.
 fn check_rehash(checkpoint: &Checkpoint, config: &JobConfig) -> Result<()> {
-    let shards = (0..)
-        .take_while(|&index| {
-            let name = shard_file_name(index);
-            checkpoint.files().iter().any(|file| file.name == name)
-        })
-        .count();
+    let shards = checkpoint.numbered_files(shard_file_name).len();
     let trainers = checkpoint.world_size().saturating_sub(shards);
     if trainers != config.world_size() {
         return Err(Refusal::wrap(anyhow!(
@@ -271,8 +263,9 @@ impl Recovery {
 
     /// The committed checkpoint of step `step` (a rollback's, which the coordinator names in
     /// `roster`), written by `world_size` ranks when its files are cut per rank (`None`: they
-    /// hold the whole model, and restore on any number). A copy this node wrote but never committed — every role on it was lost between
-    /// the coordinator's commit and its own — is committed from the coordinator's record.
+    /// hold the whole model, and restore on any number). A copy this node wrote but never
+    /// committed — every role on it was lost between the coordinator's commit and its own — is
+    /// committed from the coordinator's record.
     pub(crate) fn committed(
         &self,
         step: usize,

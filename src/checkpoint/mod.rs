@@ -379,6 +379,15 @@ impl Checkpoint {
         &self.files
     }
 
+    /// The files named `name(0)`, `name(1)`, … it holds, up to the first missing: a pipeline's
+    /// stage files, a parameter-server job's shard files.
+    pub fn numbered_files(&self, name: impl Fn(usize) -> String) -> Vec<String> {
+        (0..)
+            .map(name)
+            .take_while(|name| self.files.iter().any(|file| file.name == *name))
+            .collect()
+    }
+
     /// Refuses a checkpoint taken by a job of another size: its files are cut for that size.
     pub fn check_world_size(&self, world_size: usize) -> Result<()> {
         ensure!(

@@ -547,10 +547,7 @@ pub(super) fn start_shard(job: &JobConfig, index: usize, recovery: &Recovery) ->
     let mut shard = build_shard(job, index)?;
     if let Some(checkpoint) = &recovery.start {
         let resuming = || format!("parameter server {index}: resuming from {}", checkpoint.dir.display());
-        let written_by: Vec<String> = (0..)
-            .map(shard_file_name)
-            .take_while(|name| checkpoint.files().iter().any(|file| file.name == *name))
-            .collect();
+        let written_by = checkpoint.numbered_files(shard_file_name);
         let step = checkpoint.step as u64;
         if written_by.len() == job.cluster.server_num {
             shard
