@@ -8,9 +8,10 @@ use std::collections::HashMap;
 use std::io::Write;
 
 use anyhow::{bail, ensure, Context, Result};
+use candle_core::safetensors::Load;
 use candle_core::{Device, Var};
 
-use crate::checkpoint::{decode_tensors, write_tensors};
+use crate::checkpoint::write_tensors;
 use crate::optim::{Optimizer, OptimizerState};
 
 const FORMAT: &str = "flotilla-training-state";
@@ -102,7 +103,11 @@ pub fn merge_stages(stages: &[Vec<u8>]) -> Result<Vec<u8>> {
 /// before anything changes; of a whole model ([`merge_stages`]), the parameters of other stages
 /// are left.
 pub fn restore(bytes: &[u8], params: &[(&str, &Var)], optimizer: &mut Optimizer, device: &Device) -> Result<Restored> {
-    let (mut tensors, metadata) = decode_tensors(bytes, device)?;
+    // Views into the bytes: only the tensors this model holds are decoded (a whole model's file
+    // holds every stage's).
+    let file = safetensors::SafeTensors::deserialize(bytes).context("not a safetensors file")?;
+    let (_, header) = safetensors::SafeTensors::read_metadata(bytes)?;
+    let metadata = header.metadata().clone().unwrap_or_default();
     let meta = |key: &str| {
         metadata
             .get(key)
@@ -122,27 +127,32 @@ pub fn restore(bytes: &[u8], params: &[(&str, &Var)], optimizer: &mut Optimizer,
 
     let mut values = Vec::with_capacity(params.len());
     for (name, var) in params {
-        let value = tensors
-            .remove(&format!("param.{name}"))
+        let view = file
+            .tensor(&format!("param.{name}"))
+            .ok()
             .with_context(|| format!("the checkpoint has no parameter {name}"))?;
         ensure!(
-            value.dims() == var.dims(),
+            view.shape() == var.dims(),
             "parameter {name}: the checkpoint's shape is {:?}, the model's {:?}",
-            value.dims(),
+            view.shape(),
             var.dims()
         );
-        values.push(value);
+        values.push(view.load(device)?);
     }
     let index: HashMap<&str, usize> = params.iter().enumerate().map(|(i, (name, _))| (*name, i)).collect();
     let mut state = OptimizerState {
         steps,
-        tensors: Vec::with_capacity(tensors.len()),
+        tensors: Vec::new(),
     };
-    for (key, tensor) in tensors {
+    for key in file.names() {
+        if let Some(name) = key.strip_prefix("param.") {
+            ensure!(
+                whole_model || index.contains_key(name),
+                "the checkpoint has {key}, which this model does not know"
+            );
+            continue;
+        }
         let Some((name, slot)) = key.strip_prefix("optimizer.").and_then(|k| k.rsplit_once('.')) else {
-            if whole_model && key.starts_with("param.") {
-                continue;
-            }
             bail!("the checkpoint has {key}, which this model does not know");
         };
         let Some(&i) = index.get(name) else {
@@ -151,7 +161,9 @@ pub fn restore(bytes: &[u8], params: &[(&str, &Var)], optimizer: &mut Optimizer,
             }
             bail!("the checkpoint has optimizer state of {name}, which this model does not have");
         };
-        state.tensors.push((i, slot.to_string(), tensor));
+        state
+            .tensors
+            .push((i, slot.to_string(), file.tensor(key)?.load(device)?));
     }
     optimizer.load_state(state)?;
     for ((_, var), value) in params.iter().zip(values) {
