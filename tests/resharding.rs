@@ -251,3 +251,70 @@ fn a_parameter_server_checkpoint_of_two_servers_continues_on_three_as_the_uninte
     let (a, b) = (common::read_summary(&uninterrupted), common::read_summary(&run_dir));
     assert_eq!(a["final_loss"], b["final_loss"]);
 }
+
+/// The largest difference between two parameter-server states of the same rows, or `None` when
+/// their rows differ.
+fn ps_state_diff(a: &(Vec<TableRow>, Vec<f32>), b: &(Vec<TableRow>, Vec<f32>)) -> Option<f32> {
+    let same_rows = a.0.len() == b.0.len() && a.0.iter().zip(&b.0).all(|(x, y)| (x.0, x.1) == (y.0, y.1));
+    same_rows.then(|| {
+        let rows = a.0.iter().zip(&b.0).flat_map(|(x, y)| {
+            let values = x.2.iter().zip(&y.2);
+            values.chain(x.3.iter().zip(&y.3)).map(|(p, q)| (p - q).abs())
+        });
+        rows.chain(a.1.iter().zip(&b.1).map(|(p, q)| (p - q).abs()))
+            .fold(0.0, f32::max)
+    })
+}
+
+/// Another number of trainers splits the same global batches: the shards average their mean
+/// gradients in another order, so the state matches the uninterrupted run's within float
+/// rounding — max |Δ| ≤ 1e-5 over every row and the dense parameters after 10 more steps of SGD
+/// (a lost or doubled part of the batch moves them by ~1e-3), as `parameter_server.rs` bounds
+/// sync training. (Not Adagrad: its first step on a row moves it by ±lr whatever the gradient's
+/// size, so a gradient that rounds to either side of 0 moves it by 2 × lr.)
+#[test]
+fn a_parameter_server_checkpoint_of_two_trainers_continues_on_four_and_on_one_as_the_uninterrupted_run() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let ctr = |args: &[&str], trainers: usize, steps: usize| {
+        let (trainers, steps) = (
+            format!("cluster.nproc_per_node={trainers}"),
+            format!("train.steps={steps}"),
+        );
+        #[rustfmt::skip]
+        let settings = [
+            "--set", "train.synthetic_samples=20000", "--set", "fault_tolerance.checkpoint_every=10",
+            "--set", &trainers, "--set", &steps,
+        ];
+        let out = flotilla(&[args, &settings[..]].concat(), &[], 300);
+        assert!(out.success, "{}", out.stderr);
+        out
+    };
+    let fresh = |run_dir: &Path, steps: usize| {
+        let run_dir = run_dir.to_str().expect("utf-8");
+        #[rustfmt::skip]
+        let args = [
+            "train", "--config", "examples/ctr_ps.toml", "--run-dir", run_dir, "--set", "train.optimizer=sgd",
+            "--set", "train.lr=0.1",
+        ];
+        ctr(&args, 2, steps);
+    };
+    let uninterrupted = dir.path().join("uninterrupted");
+    fresh(&uninterrupted, 30);
+    let expected = ps_state(&uninterrupted, 2);
+    for trainers in [4, 1] {
+        let run_dir = dir.path().join(format!("two-to-{trainers}"));
+        fresh(&run_dir, 20);
+        let resumed = ctr(&["train", "--resume", run_dir.to_str().expect("utf-8")], trainers, 30);
+        assert!(
+            resumed
+                .stderr
+                .contains("the parameter-server job continues on another layout"),
+            "{}",
+            resumed.stderr
+        );
+        assert_eq!(common::read_summary(&run_dir)["trainers"], trainers);
+        let diff = ps_state_diff(&expected, &ps_state(&run_dir, 2)).expect("every row found once");
+        eprintln!("2 -> {trainers} trainers: max |Δ| = {diff:e}");
+        assert!(diff <= 1e-5, "2 -> {trainers} trainers: max |Δ| = {diff:e}");
+    }
+}

@@ -42,7 +42,11 @@ pub struct Elastic {
     pub min_nodes: usize,
     /// The job's nodes at most (MAX).
     pub max_nodes: usize,
-    /// Ranks per node: rank `r` is on node `r / per_node`, and nodes come and go whole.
+    /// Ranks before the elastic ones, which every generation waits for: a parameter-server
+    /// job's servers (a lost one is replaced, never dropped).
+    pub fixed: usize,
+    /// Elastic ranks per node: rank `r ≥ fixed` is on node `(r - fixed) / per_node`, and nodes
+    /// come and go whole.
     pub per_node: usize,
     /// How long a forming generation waits for every expected rank before it forms without
     /// the nodes still missing.
@@ -55,22 +59,29 @@ impl Elastic {
         config.cluster.min_nnodes.map(|min_nodes| Self {
             min_nodes,
             max_nodes: config.cluster.nnodes,
+            fixed: config.cluster.server_num,
             per_node: config.cluster.nproc_per_node,
             timeout: config.fault_tolerance.elastic_timeout(),
         })
     }
 
-    /// The ranks of `joined` whose node joined whole.
+    /// The elastic ranks of `joined` whose node joined whole.
     fn whole_nodes(&self, joined: impl IntoIterator<Item = usize>) -> Vec<usize> {
         let joined: BTreeSet<usize> = joined.into_iter().collect();
         joined
             .iter()
             .copied()
+            .filter(|&rank| rank >= self.fixed)
             .filter(|rank| {
-                let first = rank / self.per_node * self.per_node;
+                let first = (rank - self.fixed) / self.per_node * self.per_node + self.fixed;
                 (first..first + self.per_node).all(|r| joined.contains(&r))
             })
             .collect()
+    }
+
+    /// The fixed ranks missing from `joined`.
+    fn fixed_missing(&self, joined: &BTreeMap<usize, Joined>) -> Vec<usize> {
+        (0..self.fixed).filter(|rank| !joined.contains_key(rank)).collect()
     }
 }
 
@@ -392,6 +403,20 @@ impl Coordinator {
         if self.generation != generation || !self.forming() || self.joining.is_empty() {
             return;
         }
+        let fixed_missing = elastic.fixed_missing(&self.joining);
+        if !fixed_missing.is_empty() {
+            // A fixed rank is replaced, never dropped: the generation looks again a little later
+            // (until the rendezvous times out).
+            let missing: Vec<String> = fixed_missing.into_iter().map(|rank| self.name(rank)).collect();
+            tracing::warn!(
+                "elastic membership: generation {generation} waits on for {}, which is replaced, never dropped",
+                missing.join(", ")
+            );
+            ctx.run_later(elastic.timeout / 4, move |coordinator, ctx| {
+                coordinator.form_elastic(generation, ctx)
+            });
+            return;
+        }
         let whole = elastic.whole_nodes(self.joining.keys().copied());
         let nodes = whole.len() / elastic.per_node;
         let missing = self.missing(self.expected.iter().copied(), &self.joining);
@@ -415,7 +440,11 @@ impl Coordinator {
         );
         let mut joined = std::mem::take(&mut self.joining);
         // The ranks of a node that did not join whole wait to be admitted with it.
-        let partial: Vec<usize> = joined.keys().copied().filter(|r| !whole.contains(r)).collect();
+        let partial: Vec<usize> = joined
+            .keys()
+            .copied()
+            .filter(|&r| r >= elastic.fixed && !whole.contains(&r))
+            .collect();
         let waiting: Vec<(usize, Joined)> = partial
             .into_iter()
             .filter_map(|r| joined.remove(&r).map(|j| (r, j)))
@@ -1222,6 +1251,7 @@ mod tests {
 
     fn elastic(min_nodes: usize, max_nodes: usize, timeout_ms: u64) -> Elastic {
         Elastic {
+            fixed: 0,
             min_nodes,
             max_nodes,
             per_node: 1,

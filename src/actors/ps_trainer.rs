@@ -53,7 +53,7 @@ pub struct PsTrainer {
     pub client: Option<PsClient>,
     /// The device actor of this trainer.
     pub device: Addr<DeviceActor>,
-    /// Where trainer 0 has the shards save their tables (`ps-shard-<i>.safetensors`).
+    /// Where the trainer at place 0 has the shards save their tables (`ps-shard-<i>.safetensors`).
     pub save_dir: Option<PathBuf>,
     /// How to report every step: trainer 0's only.
     pub monitor: Option<MonitorSettings>,
@@ -90,6 +90,11 @@ pub struct TrainPs;
 pub struct PsOutcome {
     /// The trainer.
     pub rank: usize,
+    /// Where it trained in the last generation: the trainer at place 0 evaluates and saves.
+    pub place: usize,
+    /// Trainers of the last generation (fewer than the job's after elastic membership went on
+    /// without some).
+    pub trainers: usize,
     /// Steps taken.
     pub steps: usize,
     /// Loss of every step on this trainer's part of the batch.
@@ -98,11 +103,11 @@ pub struct PsOutcome {
     pub samples_per_sec: f64,
     /// Time in pulls and pushes (waiting for other trainers included) over training time.
     pub comm_time_ratio: f64,
-    /// Held-out AUC (trainer 0 only).
+    /// Held-out AUC (place 0 only).
     pub auc: Option<f64>,
-    /// Held-out samples evaluated (trainer 0 only).
+    /// Held-out samples evaluated (place 0 only).
     pub test_samples: usize,
-    /// What each shard holds and applied, at the end (trainer 0 only).
+    /// What each shard holds and applied, at the end (place 0 only).
     pub shards: Vec<ShardStats>,
 }
 
@@ -127,6 +132,8 @@ impl Handler<TrainPs> for PsTrainer {
     fn handle(&mut self, _: TrainPs, _: &mut Self::Context) -> Self::Result {
         let run = PsRun {
             rank: self.rank,
+            place: self.rank,
+            trainers: self.job.world_size(),
             job: self.job.clone(),
             train_data: self.train_data.clone(),
             test_data: self.test_data.clone(),
@@ -149,6 +156,11 @@ impl Handler<TrainPs> for PsTrainer {
 
 struct PsRun {
     rank: usize,
+    /// Where the trainer trains in the generation: its part of each batch, its number to the
+    /// shards. Its rank, unless elastic membership went on without some trainers.
+    place: usize,
+    /// Trainers in the generation.
+    trainers: usize,
     job: Arc<JobConfig>,
     train_data: CtrSource,
     test_data: CtrSource,
@@ -249,8 +261,9 @@ impl PsRun {
             progress.losses.truncate(first.saturating_sub(progress.first));
             self.prepare(first, buddy_of(Some(in_place))).await?;
         }
+        let place = self.place;
         if let Some(updates) = self.device.send(FlushCtr).await?? {
-            push(&mut client, rank, steps as u64, &job, updates, "final geo push").await?;
+            push(&mut client, place, steps as u64, &job, updates, "final geo push").await?;
         }
         let elapsed = started.elapsed();
         if let Some(monitor) = &progress.monitor {
@@ -268,10 +281,10 @@ impl PsRun {
         let servers = client.server_num();
         let everyone = |request: Request| vec![request; servers];
         client
-            .call_all(everyone(Request::EndTraining { trainer: rank }), "end of training")
+            .call_all(everyone(Request::EndTraining { trainer: place }), "end of training")
             .await?;
 
-        let (auc, test_samples, shards) = if rank == 0 {
+        let (auc, test_samples, shards) = if place == 0 {
             let (auc, test_samples) = self.evaluate(&mut client, steps as u64).await?;
             let shards = shard_stats(&mut client).await?;
             if let Some(dir) = &self.save_dir {
@@ -288,11 +301,13 @@ impl PsRun {
             (None, 0, Vec::new())
         };
         client
-            .call_all(everyone(Request::Leave { trainer: rank }), "leave")
+            .call_all(everyone(Request::Leave { trainer: place }), "leave")
             .await?;
         let trained = steps - progress.first;
         Ok(PsOutcome {
             rank,
+            place,
+            trainers: self.trainers,
             steps,
             losses: progress.losses,
             samples_per_sec: (trained * train.batch_size) as f64 / elapsed.as_secs_f64().max(1e-9),
@@ -303,12 +318,13 @@ impl PsRun {
         })
     }
 
-    /// Joins the forming generation: its requests carry it from now on. Returns the step it
+    /// Joins the forming generation — with elastic membership, once admitted — at its place
+    /// among the generation's trainers: its requests carry it from now on. Returns the step it
     /// resumes after.
     async fn join(&mut self, in_place: &mut PsInPlace, client: &mut PsClient) -> Result<usize> {
         let roster = in_place
             .bus
-            .join(
+            .join_admitted(
                 self.role(),
                 self.roles(),
                 in_place.endpoint.clone(),
@@ -319,12 +335,27 @@ impl PsRun {
         self.recovery.check_joined(&roster)?;
         in_place.orders.joined(roster.generation);
         client.enter(roster.generation);
+        let servers = self.job.cluster.server_num;
+        let trainers: Vec<usize> = roster.members().into_iter().filter(|&m| m >= servers).collect();
+        let place = trainers.iter().position(|&m| m == self.role()).with_context(|| {
+            format!(
+                "trainer {} is not in the roster of generation {}",
+                self.rank, roster.generation
+            )
+        })?;
+        if (place, trainers.len()) != (self.place, self.trainers) {
+            // The own state kept in memory is of another place.
+            self.kept = Kept::default();
+            (self.place, self.trainers) = (place, trainers.len());
+        }
         let first = roster.resume_step.unwrap_or(0);
         if roster.generation > 0 {
             tracing::info!(
                 trainer = self.rank,
                 generation = roster.generation,
                 resume_step = first,
+                place,
+                trainers = self.trainers,
                 "rejoined"
             );
         }
@@ -334,20 +365,35 @@ impl PsRun {
 
     /// A fresh worker on the device, with this trainer's own state after `step` steps (geo's;
     /// the other modes hold none): kept in memory, else from its node's disk, else from the copy
-    /// on the next node.
+    /// on the next node. A geo checkpoint written by another number of trainers holds states
+    /// of other parts of the batch: the trainers' local optimizer states then start afresh
+    /// (the shards hold the model).
     async fn prepare(&mut self, step: usize, buddy: Option<&Buddy>) -> Result<()> {
         let (job, rank) = (self.job.clone(), self.rank);
         self.device.send(PrepareCtr { job: job.clone(), rank }).await??;
         if step == 0 || !matches!(job.strategy.ps_mode(), PsMode::Geo { .. }) {
             return Ok(());
         }
+        let written_by = self
+            .recovery
+            .writers(step, self.roster.as_ref())?
+            .saturating_sub(job.cluster.server_num);
+        if written_by != self.trainers {
+            tracing::warn!(
+                trainer = rank,
+                step,
+                written_by,
+                trainers = self.trainers,
+                "geo: the checkpoint holds the local states of another number of trainers; this one's starts afresh"
+            );
+            return Ok(());
+        }
         let bytes = match self.kept.at(step) {
             Some(bytes) => bytes,
             None => {
-                let name = trainer_file_name(rank);
+                let name = trainer_file_name(self.place);
                 let bytes = match (
-                    self.recovery
-                        .read_committed(step, Some(self.roles()), self.roster.as_ref(), &name),
+                    self.recovery.read_committed(step, None, self.roster.as_ref(), &name),
                     buddy,
                     &self.roster,
                 ) {
@@ -378,9 +424,9 @@ impl PsRun {
         progress: &mut Progress,
         mut in_place: Option<InPlaceLine<'_>>,
     ) -> Result<()> {
-        let (rank, job) = (self.rank, self.job.clone());
+        let (rank, place, job) = (self.rank, self.place, self.job.clone());
         let train = &job.train;
-        let mut loader = CtrLoader::new(self.train_data.clone(), train.batch_size, rank, job.world_size())
+        let mut loader = CtrLoader::new(self.train_data.clone(), train.batch_size, place, self.trainers)
             .with_context(|| format!("trainer {rank}: training data"))?;
         loader.skip_batches(first)?;
         // Async mode pulls step t+1's rows while step t computes, as Paddle's async
@@ -401,7 +447,7 @@ impl PsRun {
                 None => {
                     let batch = loader.next_batch()?;
                     let plan = self.device.send(PlanCtr { batch, training: true }).await??;
-                    pull(client, rank, step as u64, plan, &format!("pull of step {step}")).await?
+                    pull(client, place, step as u64, plan, &format!("pull of step {step}")).await?
                 }
             };
             let pulled_at = Instant::now();
@@ -415,7 +461,7 @@ impl PsRun {
                 let batch = loader.next_batch()?;
                 let plan = self.device.send(PlanCtr { batch, training: true }).await??;
                 let what = format!("pull of step {}", step + 1);
-                let next = pull(client, rank, step as u64 + 1, plan, &what);
+                let next = pull(client, place, step as u64 + 1, plan, &what);
                 let (outcome, next) = futures::join!(training, next);
                 prefetched = Some(next?);
                 outcome??
@@ -429,7 +475,7 @@ impl PsRun {
                 let pushing = Instant::now();
                 push(
                     client,
-                    rank,
+                    place,
                     step as u64,
                     &job,
                     updates,
@@ -484,13 +530,13 @@ impl PsRun {
         in_place: Option<&mut InPlaceLine<'_>>,
     ) -> Result<()> {
         let store = self.recovery.store.clone().context("a checkpoint without a store")?;
-        let rank = self.rank;
+        let place = self.place;
         let files = match self.device.send(CtrOwnState).await?? {
             Some(bytes) => {
                 let bytes = Arc::new(bytes);
                 let writer = store.clone();
                 let file = bytes.clone();
-                let write = tokio::task::spawn_blocking(move || writer.write(step, &trainer_file_name(rank), &file));
+                let write = tokio::task::spawn_blocking(move || writer.write(step, &trainer_file_name(place), &file));
                 let written = write.await.context("the checkpoint writer stopped")??;
                 let mut held = HeldFile::here(written.clone());
                 if let Some(line) = &in_place {
@@ -508,7 +554,7 @@ impl PsRun {
         let ask = Request::Checkpoint {
             dir: store.root().display().to_string(),
             step: step as u64,
-            trainer: rank,
+            trainer: place,
             files: files.iter().map(|held| held.record.clone()).collect(),
         };
         let answers = client
@@ -520,7 +566,7 @@ impl PsRun {
                 self.kept.committed();
                 commit_on_this_node(&store, record, self.roster.as_ref(), self.role()).await
             }
-            None if rank == 0 => {
+            None if place == 0 => {
                 let mut files = Vec::new();
                 for (shard, answer) in answers.into_iter().enumerate() {
                     let Reply::Checkpointed(records) = answer else {
@@ -544,7 +590,7 @@ impl PsRun {
         while let Some(batch) = loader.next_eval_batch()? {
             labels.extend_from_slice(&batch.labels);
             let plan = self.device.send(PlanCtr { batch, training: false }).await??;
-            let pulled = pull_rows(client, self.rank, version, true, plan, "pull for evaluation").await?;
+            let pulled = pull_rows(client, self.place, version, true, plan, "pull for evaluation").await?;
             scores.extend(self.device.send(PredictCtr(pulled)).await??);
         }
         Ok((auc(&scores, &labels), scores.len()))
@@ -645,7 +691,8 @@ fn buddy_of(in_place: Option<&PsInPlace>) -> Option<&Buddy> {
     in_place?.mirror.as_ref().map(|(_, buddy)| buddy)
 }
 
-/// The file of trainer `rank`'s own state in a checkpoint (geo's local optimizer state).
-pub fn trainer_file_name(rank: usize) -> String {
-    format!("ps-trainer-{rank}.state")
+/// The file of the own state (geo's local optimizer state) of the trainer at place `place` in
+/// a checkpoint.
+pub fn trainer_file_name(place: usize) -> String {
+    format!("ps-trainer-{place}.state")
 }

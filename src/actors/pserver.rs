@@ -60,6 +60,8 @@ pub struct RestoreState {
     pub step: u64,
     /// The checkpoint's shard file, unless the shard kept it.
     pub bytes: Option<Arc<Vec<u8>>>,
+    /// The trainers of the generation.
+    pub trainers: usize,
 }
 
 /// The checkpoint of `0` was committed: the copy kept of it is the one to roll back to.
@@ -467,6 +469,7 @@ impl Handler<RestoreState> for PServer {
                 .at(restore.step as usize)
                 .with_context(|| format!("parameter server {index} kept no state of step {}", restore.step))?,
         };
+        self.shard.set_trainers(restore.trainers);
         self.shard.resume(&bytes, restore.step)?;
         self.generation = restore.generation;
         self.ready = true;

@@ -88,14 +88,26 @@ pub(crate) struct Recovery {
 }
 
 /// Refuses to start `config`'s job from `checkpoint` when its files are cut for another layout;
-/// a data-parallel job's one replica file resumes on any number of ranks, and a pipeline's
-/// stage files as another cut into stages (resharding).
+/// a data-parallel job's one replica file resumes on any number of ranks, a pipeline's stage
+/// files as another cut into stages, a parameter-server job's on other numbers of servers and
+/// trainers (resharding).
 fn check_layout(checkpoint: &Checkpoint, config: &JobConfig) -> Result<()> {
     let pipeline_recut =
         config.strategy.pipeline && stage_files(checkpoint).len() != config.strategy.hybrid_configs.pp_degree;
     let reshards = !config.cluster.is_parameter_server() && checkpoint.world_size() != config.roles();
     if config.cluster.is_parameter_server() && checkpoint.world_size() != config.roles() {
-        return check_rehash(checkpoint, config);
+        // Its rows are re-hashed onto the servers there are now (their dense slices re-cut),
+        // and the trainers there are now split the same global batches.
+        let servers = checkpoint.numbered_files(shard_file_name).len();
+        tracing::info!(
+            step = checkpoint.step,
+            servers_then = servers,
+            trainers_then = checkpoint.world_size().saturating_sub(servers),
+            servers = config.cluster.server_num,
+            trainers = config.world_size(),
+            "resharding: the parameter-server job continues on another layout"
+        );
+        return Ok(());
     }
     if reshards || pipeline_recut {
         if config.train.lr_scaling != LrScaling::None {
@@ -118,28 +130,6 @@ fn check_layout(checkpoint: &Checkpoint, config: &JobConfig) -> Result<()> {
         return Ok(());
     }
     checkpoint.check_world_size(config.roles()).map_err(Refusal::wrap)
-}
-
-/// A parameter-server checkpoint resumes on another number of servers (its rows re-hashed, its
-/// dense slices re-cut), with the same trainers.
-fn check_rehash(checkpoint: &Checkpoint, config: &JobConfig) -> Result<()> {
-    let shards = checkpoint.numbered_files(shard_file_name).len();
-    let trainers = checkpoint.world_size().saturating_sub(shards);
-    if trainers != config.world_size() {
-        return Err(Refusal::wrap(anyhow!(
-            "checkpoint {} was written by {shards} server(s) and {trainers} trainer(s): a parameter-server job \
-             resumes on another number of servers, with the same trainers ({} here)",
-            checkpoint.dir.display(),
-            config.world_size()
-        )));
-    }
-    tracing::info!(
-        step = checkpoint.step,
-        written_by = shards,
-        servers = config.cluster.server_num,
-        "resharding: the parameter servers' rows are re-hashed onto another number of servers"
-    );
-    Ok(())
 }
 
 /// The refusal of a fresh start into `root`, which holds checkpoints up to step `step`.
@@ -292,6 +282,18 @@ impl Recovery {
             checkpoint.check_world_size(world_size)?;
         }
         Ok(checkpoint)
+    }
+
+    /// How many roles wrote the committed checkpoint of `step`: as the coordinator's record in
+    /// `roster` says, else the checkpoint the run started from, else this node's copy.
+    pub(crate) fn writers(&self, step: usize, roster: Option<&Roster>) -> Result<usize> {
+        if let Some(record) = roster.and_then(|r| r.record.as_ref()).filter(|r| r.step == step) {
+            return Ok(record.world_size);
+        }
+        match &self.start {
+            Some(start) if start.step == step => Ok(start.world_size()),
+            _ => Ok(self.committed(step, None, roster)?.world_size()),
+        }
     }
 
     /// File `name` of step `step`'s committed checkpoint, from the one the run started from or

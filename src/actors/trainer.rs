@@ -404,30 +404,10 @@ impl TrainingRun {
     }
 }
 
-/// Joins the job's next generation as `rank` reachable at `data_endpoint`; with elastic
-/// membership, a rank the coordinator keeps waiting to be admitted (it answers with a roster
-/// that does not hold it) asks again until a checkpoint admits it or the job ends.
+/// Joins the job's next generation as `rank` reachable at `data_endpoint`.
 async fn join_training(bus: &mut ControlBus, rank: usize, job: &JobConfig, data_endpoint: String) -> Result<Roster> {
-    loop {
-        let roster = bus
-            .join(
-                rank,
-                job.world_size(),
-                data_endpoint.clone(),
-                None,
-                job.shared_settings(),
-            )
-            .await?;
-        if roster.place_of(rank).is_some() {
-            return Ok(roster);
-        }
-        tracing::info!(
-            rank,
-            generation = roster.generation,
-            training = roster.world_size(),
-            "not admitted yet: waiting for the next checkpoint"
-        );
-    }
+    bus.join_admitted(rank, job.world_size(), data_endpoint, None, job.shared_settings())
+        .await
 }
 
 /// Where `rank` trains in `roster`'s generation, and how many ranks train it.

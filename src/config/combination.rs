@@ -69,22 +69,15 @@ fn check_hierarchical_allreduce(config: &JobConfig) -> Result<(), FieldError> {
     }
 }
 
-/// Elastic membership changes the number of data-parallel replicas: built for the collective
-/// job (a pipeline's nodes must hold whole replicas), recovering in place, with a global batch
-/// every possible number of replicas divides (it is re-split, never changed, so the learning
-/// rate stays that of the global batch).
+/// Elastic membership changes the number of data-parallel replicas (a parameter-server job's
+/// trainers; its servers are replaced, never dropped): recovering in place (a pipeline's nodes
+/// must hold whole replicas), with a global batch every possible number of replicas divides (it
+/// is re-split, never changed, so the learning rate stays that of the global batch).
 fn check_elastic(config: &JobConfig) -> Result<(), FieldError> {
     let Some(min) = config.cluster.min_nnodes else {
         return Ok(());
     };
     let key = "cluster.min_nnodes";
-    if config.cluster.is_parameter_server() {
-        return Err(FieldError::new(
-            key,
-            "elastic membership (--nnodes MIN:MAX) is built for collective jobs; a parameter-server job keeps \
-             its trainers (its servers resume on another number with --resume)",
-        ));
-    }
     if config.fault_tolerance.recovery == Some(RecoveryMode::Restart) {
         return Err(FieldError::new(
             key,
@@ -328,10 +321,9 @@ mod tests {
             msg.contains("it needs fault_tolerance.recovery = \"in_place\""),
             "{msg}"
         );
-        let msg = err_text(load_str(
-            &CTR.replace("server_num = 2\n", "server_num = 2\nmin_nnodes = 1\n"),
-        ));
-        assert!(msg.contains("a parameter-server job keeps its trainers"), "{msg}");
+        // A parameter-server job's trainers are elastic too.
+        let ps = load_str(&CTR.replace("server_num = 2\n", "server_num = 2\nmin_nnodes = 1\n")).unwrap();
+        assert_eq!(ps.cluster.min_nnodes, Some(1));
         let pipeline = "[train]\nbatch_size = 48\n[strategy]\npipeline = true\n[strategy.hybrid_configs]\npp_degree = 2\ndp_degree = 3\n";
         let msg = elastic("nnodes = 2\nmin_nnodes = 1\nnproc_per_node = 3", pipeline);
         assert!(

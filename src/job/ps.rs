@@ -198,11 +198,11 @@ impl ParameterServerJob {
             }
             anyhow::Ok(outcomes)
         })?;
-        let rank0 = outcomes
+        let place0 = outcomes
             .into_iter()
-            .next()
+            .find(|outcome| outcome.place == 0)
             .context("a job needs at least one trainer")?;
-        let summary = self.summary(rank0, "in-process")?;
+        let summary = self.summary(place0, "in-process")?;
         options.merge_in_process_trace()?;
         write_summary(&options.run_dir, &summary)?;
         Ok(summary)
@@ -393,9 +393,9 @@ impl ParameterServerJob {
                     let mut trainer = self.trainer(rank, client, options, trace, recovery);
                     trainer.in_place = in_place;
                     let outcome = trainer.train().await?;
-                    // Trainer 0 writes the summary before it says goodbye: until then its loss
-                    // is a death the coordinator recovers from.
-                    if rank != 0 {
+                    // The trainer at place 0 writes the summary before it says goodbye: until
+                    // then its loss is a death the coordinator recovers from.
+                    if outcome.place != 0 {
                         return Ok(None);
                     }
                     let summary = self.summary(outcome, "multi-process")?;
@@ -423,7 +423,8 @@ impl ParameterServerJob {
             test_data: self.test_data.clone(),
             client: Some(client),
             device: SyncArbiter::start(1, DeviceActor::default),
-            save_dir: (rank == 0).then(|| options.run_dir.clone()),
+            // Whichever trainer ends at place 0 has the shards save their tables.
+            save_dir: Some(options.run_dir.clone()),
             monitor: (rank == 0).then(|| options.monitor()),
             trace,
             recovery,
@@ -432,7 +433,7 @@ impl ParameterServerJob {
         }
     }
 
-    pub(super) fn summary(&self, rank0: PsOutcome, cluster: &str) -> Result<PsSummary> {
+    pub(super) fn summary(&self, place0: PsOutcome, cluster: &str) -> Result<PsSummary> {
         let config = &self.config;
         let planted_auc = match &self.test_data {
             CtrSource::Synthetic { synth, split, samples } => {
@@ -444,19 +445,19 @@ impl ParameterServerJob {
             strategy: "parameter-server".to_string(),
             mode: config.strategy.ps_mode().name().to_string(),
             cluster: cluster.to_string(),
-            trainers: config.world_size(),
+            trainers: place0.trainers,
             servers: config.cluster.server_num,
-            steps: rank0.steps,
-            samples_per_sec: rank0.samples_per_sec,
-            comm_time_ratio: rank0.comm_time_ratio,
-            final_loss: rank0.losses.last().copied().unwrap_or(f32::NAN),
-            auc: rank0
+            steps: place0.steps,
+            samples_per_sec: place0.samples_per_sec,
+            comm_time_ratio: place0.comm_time_ratio,
+            final_loss: place0.losses.last().copied().unwrap_or(f32::NAN),
+            auc: place0
                 .auc
                 .context("the held-out set has only one class (or no samples): AUC is undefined")?,
-            test_samples: rank0.test_samples,
+            test_samples: place0.test_samples,
             planted_auc,
-            tables: table_figures(config, &rank0.shards),
-            updates_applied: rank0.shards.iter().map(|s| s.updates_applied).collect(),
+            tables: table_figures(config, &place0.shards),
+            updates_applied: place0.shards.iter().map(|s| s.updates_applied).collect(),
         })
     }
 }

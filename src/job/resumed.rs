@@ -50,9 +50,21 @@ const COLLECTIVE_LAYOUT: &[&str] = &[
     "strategy.pipeline_configs.virtual_pipeline_stages",
 ];
 
+/// The keys of a parameter-server job's layout: its checkpoint holds every row by (table, id)
+/// and the dense parameters in order — re-hashed onto any number of servers — and every trainer
+/// reads its share of the same global batches, so it resumes on any number of trainers that
+/// divides the global batch.
+const PS_LAYOUT: &[&str] = &[
+    "cluster.server_num",
+    "cluster.nnodes",
+    "cluster.min_nnodes",
+    "cluster.nproc_per_node",
+    "cluster.world_size",
+];
+
 /// The config of the run in `run_dir`, read with the environment `env` and the command line's
-/// `overrides`, which may only change [`SAFE_TO_CHANGE`] keys — and a collective job's
-/// [`COLLECTIVE_LAYOUT`].
+/// `overrides`, which may only change [`SAFE_TO_CHANGE`] keys — and the layout of the job
+/// ([`COLLECTIVE_LAYOUT`], [`PS_LAYOUT`]).
 pub fn resumed_config(run_dir: &Path, env: &dyn Fn(&str) -> Option<String>, overrides: &[String]) -> Result<JobConfig> {
     let path = run_dir.join(CONFIG_FILE);
     ensure!(
@@ -70,7 +82,7 @@ pub fn resumed_config(run_dir: &Path, env: &dyn Fn(&str) -> Option<String>, over
     let may_change = |key: &str| {
         SAFE_TO_CHANGE.contains(&key)
             || (reshards && COLLECTIVE_LAYOUT.contains(&key))
-            || (rehashes && key == "cluster.server_num")
+            || (rehashes && PS_LAYOUT.contains(&key))
     };
     let refused: Vec<String> = before
         .keys()
@@ -93,7 +105,7 @@ pub fn resumed_config(run_dir: &Path, env: &dyn Fn(&str) -> Option<String>, over
                 + if reshards {
                     ", and its layout (cluster.nnodes, cluster.nproc_per_node, the pipeline's degrees and stages)"
                 } else if rehashes {
-                    ", and its number of servers (cluster.server_num)"
+                    ", and its numbers of servers and trainers (cluster.server_num, cluster.nnodes, cluster.nproc_per_node)"
                 } else {
                     ""
                 }

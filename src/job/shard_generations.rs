@@ -151,6 +151,7 @@ impl ShardGenerations<'_> {
                 generation: roster.generation,
                 step: step as u64,
                 bytes,
+                trainers: roster.world_size() - config.cluster.server_num,
             })
             .await??;
         tracing::info!(
@@ -170,7 +171,8 @@ impl ShardGenerations<'_> {
         let (index, name) = (self.index, shard_file_name(self.index));
         let disk = match self
             .recovery
-            .read_committed(step, Some(self.roles()), Some(roster), &name)
+            // Its file is the shard's whatever trainers wrote the rest.
+            .read_committed(step, None, Some(roster), &name)
         {
             Ok(file) => return Ok((file, "disk".to_string())),
             Err(e) => e,

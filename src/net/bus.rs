@@ -143,6 +143,39 @@ impl ControlBus {
         }
     }
 
+    /// [`Self::join`]s the next generation in which `rank` trains: with elastic membership, a
+    /// rank the coordinator keeps waiting to be admitted (it answers with a roster that does not
+    /// hold it) asks again until a checkpoint admits it or the job ends.
+    pub async fn join_admitted(
+        &mut self,
+        rank: usize,
+        world_size: usize,
+        data_endpoint: String,
+        mirror: Option<String>,
+        settings: Settings,
+    ) -> Result<Roster> {
+        loop {
+            let roster = self
+                .join(
+                    rank,
+                    world_size,
+                    data_endpoint.clone(),
+                    mirror.clone(),
+                    settings.clone(),
+                )
+                .await?;
+            if roster.place_of(rank).is_some() {
+                return Ok(roster);
+            }
+            tracing::info!(
+                rank,
+                generation = roster.generation,
+                training = roster.world_size(),
+                "not admitted yet: waiting for the next checkpoint"
+            );
+        }
+    }
+
     /// Waits until every rank has reached barrier `name`.
     pub async fn barrier(&mut self, rank: usize, name: &str) -> Result<()> {
         match self {

@@ -213,6 +213,12 @@ impl Shard {
         shard_bytes(&self.snapshot_info(), &self.dense, &tables)
     }
 
+    /// Serves `trainers` trainers from the next [`Shard::resume`] on: a job with elastic
+    /// membership trains some generations on fewer.
+    pub fn set_trainers(&mut self, trainers: usize) {
+        self.spec.trainers = trainers;
+    }
+
     /// Continues from a checkpoint taken after `step` steps: the tables and dense slice of
     /// `bytes` (as [`Shard::snapshot_bytes`] made them), and the bookkeeping of that point —
     /// every trainer had pushed exactly its steps before `step` ([`Shard::checkpoint_ready`]).
