@@ -449,7 +449,7 @@ fn empty_push(config: &JobConfig, trainer: usize, step: u64, kind: UpdateKind) -
 }
 
 #[test]
-fn a_shard_serves_one_generation_refusing_older_requests_and_holding_newer_ones_until_restored() {
+fn a_shard_serves_one_generation_of_its_trainers_refusing_older_requests_and_holding_newer_ones_until_restored() {
     use actix::prelude::*;
     use flotilla::actors::pserver::{PServer, RestoreState, RollBack};
     use flotilla::ps::wire::{Reply, Request, ShardCall};
@@ -467,12 +467,13 @@ fn a_shard_serves_one_generation_refusing_older_requests_and_holding_newer_ones_
         let call = |generation, request| ShardCall { generation, request };
         // Not ready before its state is restored: the request waits.
         let stats = server.send(call(0, Request::Stats));
-        let restore = |generation| RestoreState {
+        let restore = |generation, trainers| RestoreState {
             generation,
             step: 0,
             bytes: None,
+            trainers,
         };
-        server.send(restore(0)).await.unwrap().unwrap();
+        server.send(restore(0, 2)).await.unwrap().unwrap();
         assert!(matches!(stats.await.unwrap().unwrap(), Reply::Stats(_)));
 
         // Trainer 0 waits for step 1 while trainer 1 has not pushed step 0: the rollback
@@ -488,13 +489,28 @@ fn a_shard_serves_one_generation_refusing_older_requests_and_holding_newer_ones_
             "parameter server 0: a request of generation 0 after the job rolled back to generation 1"
         );
         let early = server.send(call(1, Request::Stats));
-        server.send(restore(1)).await.unwrap().unwrap();
+        server.send(restore(1, 2)).await.unwrap().unwrap();
         let Reply::Stats(stats) = early.await.unwrap().unwrap() else {
             panic!("statistics expected");
         };
         assert_eq!(
             stats.updates_applied, 0,
             "rolled back to step 0: trainer 0's push is undone"
+        );
+
+        // Elastic membership went on without trainer 1: generation 2 has one trainer, whose
+        // push alone completes the step.
+        server.do_send(RollBack {
+            generation: 2,
+            reason: "node 1 dropped".to_string(),
+        });
+        server.send(restore(2, 1)).await.unwrap().unwrap();
+        let push = empty_push(&config, 0, 0, UpdateKind::Gradients);
+        server.send(call(2, Request::Push(push))).await.unwrap().unwrap();
+        let pulled = server.send(call(2, Request::Pull(pull_of_step_1()))).await.unwrap();
+        assert!(
+            matches!(pulled.unwrap(), Reply::Rows(_)),
+            "step 0 complete with one trainer"
         );
     });
 }
