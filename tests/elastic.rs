@@ -249,3 +249,89 @@ fn a_pipelines_data_parallel_dimension_shrinks_when_a_node_is_lost_for_good() {
     let (summary, reference) = (common::read_summary(&run_dirs[0]), common::read_summary(&one));
     assert_eq!(summary["param_checksum"], reference["param_checksum"]);
 }
+
+/// Starts node `node`'s `launch-ps` of a parameter-server job with both shards, the first
+/// trainer and the coordinator on the first node and the second trainer on the second (a node
+/// of one trainer each: `cluster.nproc_per_node = 1`, `--set cluster.min_nnodes=1`).
+fn launch_ps_on(hosts: &Hosts, node: usize, run_dir: &Path) -> common::Started {
+    let [a, b] = [&hosts.ips[0], &hosts.ips[1]];
+    let (servers, workers, master) = (
+        format!("{a}:6170,{a}:6171"),
+        format!("{a}:6172,{b}:6172"),
+        format!("{a}:6173"),
+    );
+    let elastic_timeout = format!("fault_tolerance.elastic_timeout_s={ELASTIC_TIMEOUT_S}");
+    #[rustfmt::skip]
+    let args = [
+        "netns", "exec", hosts.names[node].as_str(), env!("CARGO_BIN_EXE_flotilla"),
+        "launch-ps", "--host", &hosts.ips[node], "--servers", &servers, "--workers", &workers, "--master", &master,
+        "--", "train", "--config", "examples/ctr_ps.toml", "--run-dir", run_dir.to_str().unwrap(),
+        "--set", "cluster.nproc_per_node=1", "--set", "cluster.min_nnodes=1", "--set", &elastic_timeout,
+        "--set", "train.steps=4000", "--set", "cluster.nnodes=2", "--set", "train.hidden_sizes=[64, 32]", "--set", "train.synthetic_samples=40000",
+        "--set", "train.log_every=250", "--set", "fault_tolerance.checkpoint_every=100",
+        "--set", "fault_tolerance.keep_checkpoints=100", "--set", "fault_tolerance.heartbeat_interval_ms=200",
+        "--set", "fault_tolerance.timeout_s=30",
+    ];
+    start_program("ip", &args, &[("FLOTILLA_TOKEN", common::TEST_TOKEN.to_string())])
+}
+
+/// A parameter-server job's second trainer node is lost for good: the shards and the first
+/// trainer go on from the last checkpoint, the trainer alone reading each whole global batch;
+/// the machine comes back and its trainer is admitted at the next checkpoint. Ground truth,
+/// bitwise: in-process runs resumed from the job's checkpoints — one trainer from the one it
+/// shrank at, two from the one it grew at — end with the same rows, dense parameters and
+/// optimizer state on every shard.
+#[test]
+fn a_parameter_server_jobs_trainer_node_lost_for_good_is_dropped_and_admitted_again() {
+    let Some(hosts) = Hosts::create_or_say_why(2) else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let run_dirs: Vec<PathBuf> = (0..2).map(|node| dir.path().join(format!("node-{node}"))).collect();
+    let node_0 = launch_ps_on(&hosts, 0, &run_dirs[0]);
+    let node_1 = launch_ps_on(&hosts, 1, &run_dirs[1]);
+    wait_for_commit(&run_dirs[0].join("checkpoints"), 100);
+    lose_node(node_1);
+    std::thread::sleep(Duration::from_millis(ELASTIC_TIMEOUT_S * 1000 + 500));
+    let node_1 = launch_ps_on(&hosts, 1, &dir.path().join("node-1-back"));
+    let started: Vec<i32> = [&node_0, &node_1]
+        .iter()
+        .flat_map(|l| children_of(l.child.id()))
+        .collect();
+    let finished = [node_0.finish(300), node_1.finish(300)];
+    end_leftovers(started);
+    for (node, f) in finished.iter().enumerate() {
+        assert!(f.success, "node {node} failed:\n{}", f.stderr);
+    }
+    let log = &finished[0].stderr;
+    assert!(log.contains("generation 1 goes on with 1 node(s)"), "{log}");
+    let shrunk_at = logged_number(log, "rejoined trainer=0 generation=1", "resume_step=");
+    let grown_at = logged_number(log, "admitting trainer 1 at the checkpoint of step", "step ");
+    assert!(shrunk_at < grown_at, "shrank at {shrunk_at}, grew at {grown_at}");
+    assert_eq!(common::read_summary(&run_dirs[0])["trainers"], 2);
+
+    let reference = resumable_copy(&run_dirs[0], shrunk_at, dir.path().join("reference"));
+    let resume = |trainers: usize, steps: usize| {
+        let (per_node, world, steps) = (
+            format!("cluster.nproc_per_node={trainers}"),
+            format!("cluster.world_size={trainers}"),
+            format!("train.steps={steps}"),
+        );
+        #[rustfmt::skip]
+        let args = [
+            "train", "--resume", reference.to_str().unwrap(), "--set", &per_node, "--set", &world,
+            "--set", "cluster.nnodes=1", "--set", "cluster.pservers=[]", "--set", "cluster.endpoints=[]", "--set", &steps,
+        ];
+        let out = flotilla(&args, &[], 300);
+        assert!(out.success, "{}", out.stderr);
+    };
+    resume(1, grown_at + 1);
+    resume(2, 4000);
+    let config = flotilla::config::JobConfig::from_file(&run_dirs[0].join("config.toml"), &|_| None, &[]).unwrap();
+    for index in 0..2 {
+        assert!(
+            common::saved_shard(&config, &run_dirs[0], index) == common::saved_shard(&config, &reference, index),
+            "shard {index} differs from the in-process runs resumed from the job's checkpoints"
+        );
+    }
+}

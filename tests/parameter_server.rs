@@ -461,7 +461,7 @@ fn a_shard_serves_one_generation_of_its_trainers_refusing_older_requests_and_hol
         let (all_left, _) = futures::channel::oneshot::channel();
         let (acknowledge, _acks) = tokio::sync::mpsc::unbounded_channel();
         let server = PServer::new(shard, all_left, config.fault_tolerance.timeout())
-            .recovering_in_place(0, acknowledge)
+            .recovering_in_place(0, acknowledge, None)
             .unwrap()
             .start();
         let call = |generation, request| ShardCall { generation, request };

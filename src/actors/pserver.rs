@@ -14,6 +14,7 @@
 //!
 //! Start it on its own arbiter (a dedicated thread): the optimizer runs inside its handlers.
 
+use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -98,6 +99,9 @@ pub struct PServer {
     /// In a job that recovers in place: the states to roll back to, and where the shard's
     /// checkpoint files go to be acknowledged to the coordinator.
     in_place: Option<(Kept, mpsc::UnboundedSender<WrittenCheckpoint>)>,
+    /// In a job that recovers in place, its node's checkpoint directory: each node keeps its
+    /// own copy, so the shard writes there, not in the directory of the trainer that asked.
+    own_dir: Option<String>,
 }
 
 /// The checkpoint of step `step`: the trainers that asked for it, with their files, and where
@@ -137,6 +141,7 @@ impl PServer {
             ready: true,
             early: Vec::new(),
             in_place: None,
+            own_dir: None,
         }
     }
 
@@ -154,7 +159,9 @@ impl PServer {
         mut self,
         step: u64,
         acknowledge: mpsc::UnboundedSender<WrittenCheckpoint>,
+        own_dir: Option<&Path>,
     ) -> Result<Self> {
+        self.own_dir = own_dir.map(|dir| dir.display().to_string());
         let mut kept = Kept::default();
         kept.taken(step as usize, Arc::new(self.shard.snapshot_bytes()?));
         kept.committed();
@@ -208,7 +215,10 @@ impl PServer {
         let outcome = match self.shard.checkpoint_ready(step) {
             Ok(false) => return,
             Ok(true) if asked < self.shard.spec().trainers => return,
-            Ok(true) => self.write_checkpoint(&dir, step),
+            Ok(true) => {
+                let dir = self.own_dir.clone().unwrap_or(dir);
+                self.write_checkpoint(&dir, step)
+            }
             Err(e) => Err(e),
         };
         let Some(pending) = self.checkpoint.take() else {

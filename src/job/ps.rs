@@ -269,7 +269,11 @@ impl ParameterServerJob {
                 let (acknowledge, acks) = mpsc::unbounded_channel();
                 let server = PServer::new(shard, all_left, timeout).traced_from(origin);
                 let server = match &orders {
-                    Some(_) => server.recovering_in_place(recovery.start_step().unwrap_or(0) as u64, acknowledge)?,
+                    Some(_) => server.recovering_in_place(
+                        recovery.start_step().unwrap_or(0) as u64,
+                        acknowledge,
+                        recovery.store.as_ref().map(|store| store.root()),
+                    )?,
                     None => server,
                 };
                 let actor = PServer::start_in_arbiter(&Arbiter::new().handle(), move |_| server);

@@ -100,7 +100,11 @@ async fn serve(
         all_left,
         config.fault_tolerance.timeout(),
     )
-    .recovering_in_place(recovery.start_step().unwrap_or(0) as u64, acknowledge)?;
+    .recovering_in_place(
+        recovery.start_step().unwrap_or(0) as u64,
+        acknowledge,
+        recovery.store.as_ref().map(|store| store.root()),
+    )?;
     let thread = StoppedWhenDropped(Arbiter::new());
     let actor = PServer::start_in_arbiter(&thread.0.handle(), move |_| server);
     shards.run(index, actor.clone().recipient(), incarnation.faults);

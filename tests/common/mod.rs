@@ -52,7 +52,7 @@ pub fn max_abs_diff(a: &[(String, Vec<f32>)], b: &[(String, Vec<f32>)]) -> f32 {
 }
 
 /// A table row: id, values, optimizer state.
-type Row = (u64, Vec<f32>, Vec<f32>);
+pub type Row = (u64, Vec<f32>, Vec<f32>);
 
 /// The shards' saved tables and dense slices, and the AUC and loss of the summary, equal those
 /// of the same job run uninterrupted in one process.
@@ -73,24 +73,27 @@ pub fn ps_matches_uninterrupted(settings: &[&str], summary: &serde_json::Value, 
     assert_eq!(summary["auc"].as_f64().unwrap(), uninterrupted.auc);
     assert_eq!(summary["final_loss"].as_f64().unwrap() as f32, uninterrupted.final_loss);
     for index in 0..config.cluster.server_num {
-        let contents = |dir: &Path| {
-            let mut shard = flotilla::job::ps::build_shard(&config, index).unwrap();
-            shard.load(&dir.join(format!("ps-shard-{index}.safetensors"))).unwrap();
-            let mut tables: Vec<Vec<Row>> = shard
-                .tables()
-                .iter()
-                .map(|t| t.rows().map(|(id, v, s)| (id, v.to_vec(), s.to_vec())).collect())
-                .collect();
-            tables
-                .iter_mut()
-                .for_each(|rows| rows.sort_unstable_by_key(|row| row.0));
-            (shard.dense().values().to_vec(), shard.dense().state().to_vec(), tables)
-        };
         assert!(
-            contents(run_dir) == contents(reference_dir.path()),
+            saved_shard(&config, run_dir, index) == saved_shard(&config, reference_dir.path(), index),
             "shard {index} differs"
         );
     }
+}
+
+/// What shard `index` of `config`'s job saved in `dir`: its dense values and their optimizer
+/// state, and each table's rows by id with their state.
+pub fn saved_shard(config: &JobConfig, dir: &Path, index: usize) -> (Vec<f32>, Vec<f32>, Vec<Vec<Row>>) {
+    let mut shard = flotilla::job::ps::build_shard(config, index).unwrap();
+    shard.load(&dir.join(format!("ps-shard-{index}.safetensors"))).unwrap();
+    let mut tables: Vec<Vec<Row>> = shard
+        .tables()
+        .iter()
+        .map(|t| t.rows().map(|(id, v, s)| (id, v.to_vec(), s.to_vec())).collect())
+        .collect();
+    tables
+        .iter_mut()
+        .for_each(|rows| rows.sort_unstable_by_key(|row| row.0));
+    (shard.dense().values().to_vec(), shard.dense().state().to_vec(), tables)
 }
 
 /// The `summary.json` a run wrote into `run_dir`.
