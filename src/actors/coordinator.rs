@@ -26,7 +26,7 @@ use crate::checkpoint::{CheckpointStore, CommitRecord, HeldFile};
 use crate::config::JobConfig;
 use crate::net::protocol::{
     Acknowledge, Barrier, Beat, ConnectionLost, DeadProcess, Gather, Heartbeat, Join, JoinRefused, Leave, ListDead,
-    Roster, Settings,
+    Membership, Roster, Settings,
 };
 
 type Waiter<T> = oneshot::Sender<Result<T, String>>;
@@ -843,11 +843,14 @@ impl Handler<Heartbeat> for Coordinator {
 
 impl Coordinator {
     /// A rank that trains in generation `member_of` which this coordinator does not know as a
-    /// member (it was restarted) becomes one again; the job's generation is at least its.
+    /// member (it was restarted) becomes one again; the job's generation is at least its. With
+    /// elastic membership, the generation's members are the ranks that train: those its
+    /// barriers and commits count.
     fn reannounced(&mut self, beat: &Heartbeat) {
-        let Some(generation) = beat.member_of else {
+        let Some(Membership { generation, members }) = &beat.member_of else {
             return;
         };
+        let generation = *generation;
         let declared_dead = self.dead.contains(&DeadProcess {
             rank: beat.rank,
             pid: beat.pid,
@@ -857,6 +860,11 @@ impl Coordinator {
         }
         tracing::info!(rank = beat.rank, generation, "a rank trains on in its generation");
         self.members.insert(beat.rank, generation);
+        let restarted = self.roster.is_none();
+        if self.elastic().is_some() && restarted && !members.is_empty() && generation >= self.generation {
+            self.active = members.clone();
+            self.expected = self.active.iter().copied().collect();
+        }
         self.generation = self.generation.max(generation);
     }
 }
@@ -1382,6 +1390,32 @@ mod tests {
         // roster it is not in.
         let waited = join(&c, 1, 2).await.expect("answered with the running roster");
         assert_eq!((waited.place_of(1), waited.generation), (None, 0));
+    }
+
+    #[actix::test]
+    async fn elastic_a_restarted_coordinator_counts_the_members_its_ranks_announce() {
+        let restarted = Coordinator::new(3, Duration::from_secs(30))
+            .with_heartbeat_deadline(Duration::from_secs(30))
+            .with_elastic(Some(elastic(2, 3, 30_000)))
+            .recovering_in_place()
+            .start();
+        // Generation 1 went on without rank 2; its ranks heartbeat to the new coordinator.
+        for rank in [0, 1] {
+            let beat = Heartbeat {
+                rank,
+                pid: 100 + rank as u32,
+                member_of: Some(Membership {
+                    generation: 1,
+                    members: vec![0, 1],
+                }),
+                line: rank as u64,
+            };
+            assert_eq!(restarted.send(beat).await.unwrap(), Ok(Beat::Alive));
+        }
+        let record = futures::join!(acknowledge(&restarted, 0, 10), acknowledge(&restarted, 1, 10));
+        for answer in [record.0, record.1] {
+            assert_eq!(answer.expect("committed by the two members").world_size, 2);
+        }
     }
 
     #[actix::test]

@@ -333,7 +333,7 @@ impl PsRun {
             )
             .await?;
         self.recovery.check_joined(&roster)?;
-        in_place.orders.joined(roster.generation);
+        in_place.orders.joined(&roster);
         client.enter(roster.generation);
         let servers = self.job.cluster.server_num;
         let trainers: Vec<usize> = roster.members().into_iter().filter(|&m| m >= servers).collect();

@@ -3,8 +3,7 @@
 //! the collective at once, not after the link timeout), and hands the order to the training
 //! loop, which rolls back inside this process.
 
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use std::future::Future;
@@ -13,6 +12,7 @@ use anyhow::{anyhow, Result};
 use tokio::sync::{watch, Notify};
 
 use crate::engines::comm::RingBreaker;
+use crate::net::protocol::{Membership, Roster};
 
 /// How often a failed rank asks for a heartbeat while it waits to hear of a rollback.
 const ASK_EVERY: Duration = Duration::from_millis(20);
@@ -35,9 +35,10 @@ pub struct OrderLine {
     asked: Arc<Notify>,
 }
 
-/// The generation the rank last joined, one more (0: none yet), shared by both sides.
+/// The generation the rank last joined and who trains in it (none yet before its first
+/// roster), shared by both sides.
 #[derive(Clone, Default)]
-struct MemberOf(Arc<AtomicU64>);
+struct MemberOf(Arc<Mutex<Option<Membership>>>);
 
 /// The training side: where orders come out.
 pub struct Orders {
@@ -86,9 +87,9 @@ impl OrderLine {
         }
     }
 
-    /// The generation the rank last joined, for its heartbeats.
-    pub fn member_of(&self) -> Option<u64> {
-        self.member_of.0.load(Ordering::Relaxed).checked_sub(1)
+    /// The generation the rank last joined and its members, for its heartbeats.
+    pub fn member_of(&self) -> Option<Membership> {
+        self.member_of.0.lock().map_or(None, |joined| joined.clone())
     }
 
     /// Resolves when the training side asks for a heartbeat now (it failed, and waits to hear
@@ -104,9 +105,14 @@ impl OrderLine {
 }
 
 impl Orders {
-    /// The rank joined `generation`.
-    pub fn joined(&self, generation: u64) {
-        self.member_of.0.store(generation + 1, Ordering::Relaxed);
+    /// The rank joined `roster`'s generation.
+    pub fn joined(&self, roster: &Roster) {
+        if let Ok(mut joined) = self.member_of.0.lock() {
+            *joined = Some(Membership {
+                generation: roster.generation,
+                members: roster.members.clone(),
+            });
+        }
     }
 
     /// Runs `work` until it ends or an order to a generation this rank has not rolled back to

@@ -280,7 +280,7 @@ impl StageRun {
             None => self.recovery.start_step().unwrap_or(0),
         };
         if let (Some(in_place), Some(roster)) = (&self.in_place, &roster) {
-            in_place.orders.joined(roster.generation);
+            in_place.orders.joined(&roster);
         }
         self.roster = roster;
         let mut run = RunLoop::start(
@@ -321,7 +321,7 @@ impl StageRun {
             match (in_place.rejoin)(bus).await {
                 Ok(generation) => {
                     let roster = generation.roster.context("a rejoined generation has a roster")?;
-                    in_place.orders.joined(roster.generation);
+                    in_place.orders.joined(&roster);
                     self.device
                         .send(RelinkStage {
                             stage: self.stage,

@@ -178,7 +178,7 @@ impl TrainingRun {
         let mut roster = join_training(&mut bus, rank, &job, self.data_endpoint.clone()).await?;
         self.recovery.check_joined(&roster)?;
         if let Some(in_place) = &self.in_place {
-            in_place.orders.joined(roster.generation);
+            in_place.orders.joined(&roster);
         }
         let clock_offset_us = match &self.trace {
             Some(_) => bus.clock_offset_us().await?,
@@ -238,7 +238,7 @@ impl TrainingRun {
         let in_place = self.in_place.as_ref().context("a rollback without in-place recovery")?;
         let (link, endpoint) = (in_place.relink)()?;
         let roster = join_training(bus, self.rank, &self.job, endpoint).await?;
-        in_place.orders.joined(roster.generation);
+        in_place.orders.joined(&roster);
         self.device
             .send(Relink {
                 job: self.job.clone(),

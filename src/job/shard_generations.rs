@@ -133,7 +133,7 @@ impl ShardGenerations<'_> {
             )
             .await?;
         self.recovery.check_joined(&roster)?;
-        self.orders.joined(roster.generation);
+        self.orders.joined(&roster);
         let step = roster.resume_step.unwrap_or(0);
         let started = Instant::now();
         let read_at_start = !self.joined && step > 0 && self.recovery.start_step() == Some(step);

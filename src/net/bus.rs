@@ -13,7 +13,7 @@ use super::auth::{self, Credentials};
 use super::frame::{codec, ControlMessage, Frame};
 use super::protocol::{
     Acknowledge, Barrier, Beat, CoordinatorLine, DeadProcess, Gather, Heartbeat, Join, JoinRefused, Leave, ListDead,
-    Mismatch, Roster, Settings,
+    Membership, Mismatch, Roster, Settings,
 };
 use crate::checkpoint::{CommitRecord, HeldFile};
 use crate::telemetry::clock::{self, ClockSample};
@@ -317,7 +317,7 @@ impl ControlBus {
     pub async fn heartbeat(
         &mut self,
         rank: usize,
-        member_of: Option<u64>,
+        member_of: Option<Membership>,
         limit: Duration,
     ) -> Result<Result<Beat, String>> {
         if let Self::InMemory(coordinator) = self {

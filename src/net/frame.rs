@@ -10,7 +10,7 @@ use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 use tokio_util::codec::LengthDelimitedCodec;
 
-use super::protocol::{Beat, DeadProcess, Roster, Settings};
+use super::protocol::{Beat, DeadProcess, Membership, Roster, Settings};
 
 /// Messages of the control plane.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -92,8 +92,8 @@ pub enum ControlMessage {
         rank: usize,
         /// Its process id on its node.
         pid: u32,
-        /// The generation it last joined (none before its first roster).
-        member_of: Option<u64>,
+        /// The generation it last joined, and its members (none before its first roster).
+        member_of: Option<Membership>,
     },
     /// A launcher asks which processes the coordinator declared dead.
     ListDead,

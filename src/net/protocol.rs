@@ -169,6 +169,15 @@ pub struct Acknowledge {
     pub files: Vec<HeldFile>,
 }
 
+/// The generation a rank last joined, and who trains in it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Membership {
+    /// The generation.
+    pub generation: u64,
+    /// Its roster's members ([`Roster::members`]'s field: empty when every rank trains).
+    pub members: Vec<usize>,
+}
+
 /// Rank `rank` is alive, heard on the control line numbered `line`. Answered with the reason
 /// once the job is stopped.
 #[derive(Message, Debug)]
@@ -180,7 +189,7 @@ pub struct Heartbeat {
     pub pid: u32,
     /// The generation it last joined (none before its first roster): a coordinator that was
     /// restarted learns from it who trains, and in which generation.
-    pub member_of: Option<u64>,
+    pub member_of: Option<Membership>,
     /// Which connection carried it (so the loss of an old process's line is told from the
     /// loss of its replacement's).
     pub line: u64,
