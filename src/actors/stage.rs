@@ -280,7 +280,7 @@ impl StageRun {
             None => self.recovery.start_step().unwrap_or(0),
         };
         if let (Some(in_place), Some(roster)) = (&self.in_place, &roster) {
-            in_place.orders.joined(&roster);
+            in_place.orders.joined(roster);
         }
         self.roster = roster;
         let mut run = RunLoop::start(
