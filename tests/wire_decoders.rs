@@ -12,7 +12,7 @@ use bytes::Bytes;
 use flotilla::actors::stage::StageOutcome;
 use flotilla::checkpoint::FileRecord;
 use flotilla::net::auth::{accept_on, connect_on, ClusterToken, Credentials};
-use flotilla::net::protocol::{Beat, DeadProcess, Roster};
+use flotilla::net::protocol::{Beat, DeadProcess, Membership, Roster};
 use flotilla::net::{ControlMessage, Frame};
 use flotilla::ps::wire::{
     decode_reply, decode_request, encode_reply, encode_request, PullRequest, PulledRows, PushRequest, Reply, Request,
@@ -55,7 +55,10 @@ fn control_frames() -> Vec<Frame> {
         Frame::control(ControlMessage::Heartbeat {
             rank: 2,
             pid: 4321,
-            member_of: Some(3),
+            member_of: Some(Membership {
+                generation: 3,
+                members: vec![0, 2],
+            }),
         }),
         Frame {
             header: ControlMessage::Acknowledge { rank: 2, step: 40 },
