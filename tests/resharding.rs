@@ -318,3 +318,40 @@ fn a_parameter_server_checkpoint_of_two_trainers_continues_on_four_and_on_one_as
         assert!(diff <= 1e-5, "2 -> {trainers} trainers: max |Δ| = {diff:e}");
     }
 }
+
+/// A geo checkpoint resumed on another number of trainers: the shards hold the model, and the
+/// trainers' local optimizer states — each of its own part of the batch — start afresh, as the
+/// log says; the run trains on to its end on the new number.
+#[test]
+fn a_geo_checkpoint_continues_on_another_number_of_trainers_with_fresh_local_states() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let run_dir = dir.path().join("geo");
+    let run = run_dir.to_str().expect("utf-8");
+    #[rustfmt::skip]
+    let fresh = flotilla(&[
+        "train", "--config", "examples/ctr_ps.toml", "--run-dir", run, "--set", "train.synthetic_samples=20000",
+        "--set", "strategy.a_sync=true", "--set", "strategy.a_sync_configs.k_steps=5",
+        "--set", "fault_tolerance.checkpoint_every=10", "--set", "cluster.nproc_per_node=2", "--set", "train.steps=20",
+    ], &[], 300);
+    assert!(fresh.success, "{}", fresh.stderr);
+    #[rustfmt::skip]
+    let resumed = flotilla(
+        &["train", "--resume", run, "--set", "cluster.nproc_per_node=1", "--set", "train.steps=30"],
+        &[],
+        300,
+    );
+    assert!(resumed.success, "{}", resumed.stderr);
+    assert!(
+        resumed
+            .stderr
+            .contains("the checkpoint holds the local states of another number of trainers"),
+        "{}",
+        resumed.stderr
+    );
+    let summary = common::read_summary(&run_dir);
+    assert_eq!(
+        (summary["trainers"].as_u64(), summary["steps"].as_u64()),
+        (Some(1), Some(30))
+    );
+    assert!(summary["final_loss"].as_f64().is_some_and(f64::is_finite), "{summary}");
+}
