@@ -304,7 +304,10 @@ fn a_parameter_server_jobs_trainer_node_lost_for_good_is_dropped_and_admitted_ag
         assert!(f.success, "node {node} failed:\n{}", f.stderr);
     }
     let log = &finished[0].stderr;
-    assert!(log.contains("generation 1 goes on with 1 node(s)"), "{log}");
+    assert!(
+        log.contains("generation 1 goes on with 1 node(s) (1 ranks); trainer 1 did not join"),
+        "{log}"
+    );
     let shrunk_at = logged_number(log, "rejoined trainer=0 generation=1", "resume_step=");
     let grown_at = logged_number(log, "admitting trainer 1 at the checkpoint of step", "step ");
     assert!(shrunk_at < grown_at, "shrank at {shrunk_at}, grew at {grown_at}");

@@ -525,18 +525,30 @@ impl Coordinator {
         }
     }
 
-    /// The ranks of `expected` not `present`, as `rank 3` or `ranks 1, 2`.
+    /// The ranks of `expected` missing from `present`, by their names: `ranks 1, 2`, or
+    /// `server 0 and trainers 1, 3` in a parameter-server job.
     fn missing<T>(&self, expected: impl IntoIterator<Item = usize>, present: &BTreeMap<usize, T>) -> String {
-        let missing: Vec<String> = expected
+        // Consecutive names of one kind ("trainer 1", "trainer 3") as one group.
+        let mut groups: Vec<(String, Vec<String>)> = Vec::new();
+        for name in expected
             .into_iter()
             .filter(|r| !present.contains_key(r))
-            .map(|r| r.to_string())
+            .map(|r| self.name(r))
+        {
+            let (kind, number) = name.rsplit_once(' ').unwrap_or(("rank", name.as_str()));
+            match groups.last_mut() {
+                Some((last, numbers)) if last == kind => numbers.push(number.to_string()),
+                _ => groups.push((kind.to_string(), vec![number.to_string()])),
+            }
+        }
+        let groups: Vec<String> = groups
+            .into_iter()
+            .map(|(kind, numbers)| {
+                let plural = if numbers.len() == 1 { "" } else { "s" };
+                format!("{kind}{plural} {}", numbers.join(", "))
+            })
             .collect();
-        format!(
-            "rank{} {}",
-            if missing.len() == 1 { "" } else { "s" },
-            missing.join(", ")
-        )
+        groups.join(" and ")
     }
 
     /// `rank` arrives at barrier `name` with `part`: the answer comes once every rank has
