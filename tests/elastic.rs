@@ -314,22 +314,9 @@ fn a_parameter_server_jobs_trainer_node_lost_for_good_is_dropped_and_admitted_ag
     assert_eq!(common::read_summary(&run_dirs[0])["trainers"], 2);
 
     let reference = resumable_copy(&run_dirs[0], shrunk_at, dir.path().join("reference"));
-    let resume = |trainers: usize, steps: usize| {
-        let (per_node, world, steps) = (
-            format!("cluster.nproc_per_node={trainers}"),
-            format!("cluster.world_size={trainers}"),
-            format!("train.steps={steps}"),
-        );
-        #[rustfmt::skip]
-        let args = [
-            "train", "--resume", reference.to_str().unwrap(), "--set", &per_node, "--set", &world,
-            "--set", "cluster.nnodes=1", "--set", "cluster.pservers=[]", "--set", "cluster.endpoints=[]", "--set", &steps,
-        ];
-        let out = flotilla(&args, &[], 300);
-        assert!(out.success, "{}", out.stderr);
-    };
-    resume(1, grown_at + 1);
-    resume(2, 4000);
+    let in_process_servers = ["--set", "cluster.pservers=[]"];
+    resume_in_process(&reference, 1, grown_at + 1, &in_process_servers);
+    resume_in_process(&reference, 2, 4000, &in_process_servers);
     let config = flotilla::config::JobConfig::from_file(&run_dirs[0].join("config.toml"), &|_| None, &[]).unwrap();
     for index in 0..2 {
         assert!(
