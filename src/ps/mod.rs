@@ -15,8 +15,7 @@
 //! Layout: storage ([`table`], [`dense`], [`optimizer`], [`snapshot`]); the
 //! shard's rules per mode ([`shard`]); where a row lives ([`placement`]);
 //! what travels between trainer and shard ([`wire`]); the trainer's side
-//! ([`client`] for the links, [`worker`] for its step on the device thread, [`push_lane`] for
-//! async mode's pushes sent while it trains on).
+//! ([`client`] for the links, [`worker`] for its step on the device thread).
 //! The shard actor and its TCP endpoint are in `actors::pserver` and
 //! `net::ps_server`.
 
@@ -24,7 +23,6 @@ pub mod client;
 pub mod dense;
 pub mod optimizer;
 pub mod placement;
-pub mod push_lane;
 mod row_index;
 mod row_pages;
 pub mod shard;
