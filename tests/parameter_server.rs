@@ -547,3 +547,43 @@ fn an_async_checkpoint_waits_for_every_trainers_pushes_before_it_and_resumes_the
     );
     assert_eq!(shard.stats().updates_applied, 5);
 }
+
+/// When trainer 0 of a traced 20-step job `mode` (`--set`s) began pulling each step's rows and
+/// when it finished training each step, in µs on the trace's clock.
+fn pulls_and_trainings(mode: &[&str]) -> Vec<(f64, f64)> {
+    let dir = tempfile::tempdir().unwrap();
+    let (run_dir, trace_dir) = (dir.path().join("run"), dir.path().join("trace"));
+    #[rustfmt::skip]
+    let mut args = vec![
+        "train", "--config", "examples/ctr_ps.toml", "--run-dir", run_dir.to_str().unwrap(),
+        "--trace", trace_dir.to_str().unwrap(), "--set", "train.steps=20", "--set", "train.synthetic_samples=20000",
+    ];
+    for set in mode {
+        args.extend(["--set", set]);
+    }
+    let out = common::flotilla(&args, &[], 120);
+    assert!(out.success, "{}", out.stderr);
+    let text = std::fs::read_to_string(trace_dir.join("trace.json")).unwrap();
+    let trace: serde_json::Value = serde_json::from_str(&text).unwrap();
+    // Tracks: the two servers, then the trainers.
+    let span = |name: String| {
+        let found = common::trace_spans(&trace, 2, |n| n == name);
+        assert_eq!(found.len(), 1, "trainer 0's span {name:?}");
+        found[0]
+    };
+    (0..20)
+        .map(|step| (span(format!("pull {step}")).0, span(format!("train {step}")).1))
+        .collect()
+}
+
+/// Async mode pulls step t+1's rows while step t computes: each pull begins before the training
+/// of the step before has ended. Sync mode cannot (step t+1's rows wait for every trainer's
+/// push of step t), which shows the timeline can tell.
+#[test]
+fn async_pulls_the_next_steps_rows_while_a_step_computes_and_sync_cannot() {
+    let overlapped = |steps: &[(f64, f64)]| steps.windows(2).filter(|pair| pair[1].0 < pair[0].1).count();
+    let asynchronous = pulls_and_trainings(&["strategy.a_sync=true"]);
+    assert_eq!(overlapped(&asynchronous), 19, "{asynchronous:?}");
+    let sync = pulls_and_trainings(&[]);
+    assert_eq!(overlapped(&sync), 0, "{sync:?}");
+}

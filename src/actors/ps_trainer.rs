@@ -32,6 +32,7 @@ use crate::metrics::auc;
 use crate::net::protocol::Roster;
 use crate::net::ControlBus;
 use crate::ps::client::PsClient;
+use crate::ps::push_lane::PushLane;
 use crate::ps::snapshot::shard_file_name;
 use crate::ps::wire::{PullRequest, PulledRows, PushRequest, Reply, Request, ShardStats, UpdateKind};
 use crate::ps::worker::{PullPlan, ShardUpdate};
@@ -430,67 +431,74 @@ impl PsRun {
             .with_context(|| format!("trainer {rank}: training data"))?;
         loader.skip_batches(first)?;
         // Async mode pulls step t+1's rows while step t computes, as Paddle's async
-        // communicator does: its trainers never wait, so slightly staler rows are within its
-        // contract. Sync mode cannot (step t+1's pull waits for step t's pushes), nor can geo
-        // (its plan depends on the local copies step t changes). Nor is a checkpoint's step
-        // pulled ahead: the trainers wait there until every one has pushed up to it.
-        let prefetch = job.strategy.ps_mode() == PsMode::Async;
-        let mut prefetched = None;
+        // communicator does, and hands its pushes to a lane that sends them while it trains on:
+        // its trainers wait only for what the staleness bound and the send queue say. Sync mode
+        // cannot (step t+1's pull waits for step t's pushes), nor can geo (its plan depends on
+        // the local copies step t changes). Nor is a checkpoint's step pulled ahead: the
+        // trainers wait there until every one has pushed up to it.
+        let overlap = job.strategy.ps_mode() == PsMode::Async;
+        let mut lane =
+            overlap.then(|| PushLane::start(client.another_lane(), place, &job.strategy.a_sync_configs, first as u64));
+        let mut prefetched: Option<Pulled> = None;
         for step in first..steps {
             if let Some(faults) = &self.faults {
                 faults.before_step(&format!("trainer {rank}"), step).await;
             }
             let step_started = Instant::now();
-            let pulling = step_started;
+            // Communication counts as the time the step waits for it.
+            let mut step_comm = Duration::ZERO;
             let pulled = match prefetched.take() {
                 Some(pulled) => pulled,
                 None => {
                     let batch = loader.next_batch()?;
                     let plan = self.device.send(PlanCtr { batch, training: true }).await??;
-                    pull(client, place, step as u64, plan, &format!("pull of step {step}")).await?
+                    let pulling = Instant::now();
+                    let pulled = pull_when_ready(client, lane.as_mut(), place, step as u64, plan).await?;
+                    step_comm += pulling.elapsed();
+                    pulled
                 }
             };
-            let pulled_at = Instant::now();
-            let mut step_comm = pulled_at - pulling;
             if let Some(t) = &mut progress.timeline {
-                t.record_between(Lane::Communication, format!("pull {step}"), "pull", pulling, pulled_at);
+                let name = format!("pull {step}");
+                t.record_between(Lane::Communication, name, "pull", pulled.started, pulled.finished);
             }
-            let training = self.device.send(TrainCtr(pulled));
             let checkpoint_due = self.recovery.due(&job, step + 1, steps);
-            let outcome = if prefetch && step + 1 < steps && !checkpoint_due {
-                let batch = loader.next_batch()?;
-                let plan = self.device.send(PlanCtr { batch, training: true }).await??;
-                let what = format!("pull of step {}", step + 1);
-                let next = pull(client, place, step as u64 + 1, plan, &what);
-                let (outcome, next) = futures::join!(training, next);
-                prefetched = Some(next?);
-                outcome??
-            } else {
-                training.await??
+            // The next step's pull is planned before this one trains: the device takes
+            // messages in order.
+            let next_plan = match overlap && step + 1 < steps && !checkpoint_due {
+                true => {
+                    let batch = loader.next_batch()?;
+                    Some(self.device.send(PlanCtr { batch, training: true }).await??)
+                }
+                false => None,
+            };
+            let computing = Instant::now();
+            let training = self.device.send(TrainCtr(pulled.rows));
+            let (outcome, trained) = match next_plan {
+                Some(plan) => {
+                    let training = async { (training.await, Instant::now()) };
+                    let next = pull_when_ready(client, lane.as_mut(), place, step as u64 + 1, plan);
+                    let ((outcome, trained), next) = futures::join!(training, next);
+                    let next = next?;
+                    step_comm += next.finished.saturating_duration_since(trained);
+                    prefetched = Some(next);
+                    (outcome??, trained)
+                }
+                None => (training.await??, Instant::now()),
             };
             if let Some(t) = &mut progress.timeline {
-                t.record(format!("train {step}"), "compute", pulled_at);
+                t.record_between(Lane::Compute, format!("train {step}"), "compute", computing, trained);
             }
             if let Some(updates) = outcome.push {
                 let pushing = Instant::now();
-                push(
-                    client,
-                    place,
-                    step as u64,
-                    &job,
-                    updates,
-                    &format!("push of step {step}"),
-                )
-                .await?;
+                let what = format!("push of step {step}");
+                match lane.as_mut() {
+                    Some(lane) => lane.send(step as u64, updates).await?,
+                    None => push(client, place, step as u64, &job, updates, &what).await?,
+                }
                 step_comm += pushing.elapsed();
                 if let Some(t) = &mut progress.timeline {
-                    t.record_between(
-                        Lane::Communication,
-                        format!("push {step}"),
-                        "push",
-                        pushing,
-                        Instant::now(),
-                    );
+                    t.record_between(Lane::Communication, what, "push", pushing, Instant::now());
                 }
             }
             progress.comm_time += step_comm;
@@ -511,8 +519,14 @@ impl PsRun {
             }
             check_loss(rank, step + 1, outcome.loss)?;
             if checkpoint_due {
+                if let Some(lane) = lane.as_mut() {
+                    lane.flush().await?;
+                }
                 self.checkpoint(client, step + 1, in_place.as_mut()).await?;
             }
+        }
+        if let Some(lane) = lane.as_mut() {
+            lane.flush().await?;
         }
         Ok(())
     }
@@ -610,6 +624,34 @@ async fn shard_stats(client: &mut PsClient) -> Result<Vec<ShardStats>> {
             other => anyhow::bail!("parameter server {shard} answered the statistics request with {other:?}"),
         })
         .collect()
+}
+
+/// Rows pulled for a step, and when the pull ran.
+struct Pulled {
+    rows: Vec<PulledRows>,
+    started: Instant,
+    finished: Instant,
+}
+
+/// Pulls `plan` for step `step` from every shard at once, once the push `lane` (async mode)
+/// says the staleness bound allows it.
+async fn pull_when_ready(
+    client: &mut PsClient,
+    lane: Option<&mut PushLane>,
+    trainer: usize,
+    step: u64,
+    plan: PullPlan,
+) -> Result<Pulled> {
+    if let Some(lane) = lane {
+        lane.ready_to_pull(step).await?;
+    }
+    let started = Instant::now();
+    let rows = pull(client, trainer, step, plan, &format!("pull of step {step}")).await?;
+    Ok(Pulled {
+        rows,
+        started,
+        finished: Instant::now(),
+    })
 }
 
 /// Pulls `plan` from every shard at once, for training.

@@ -74,12 +74,34 @@ pub struct DistributedStrategy {
 }
 
 /// `[strategy.a_sync_configs]`, Paddle's name for the asynchronous parameter-server settings.
-#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct AsyncConfigs {
     /// Geo mode when `> 0` (with `a_sync = true`): trainers train on local copies and send the
     /// parameter deltas every `k_steps` steps, trading staleness for far fewer messages.
     pub k_steps: usize,
+    /// Async mode: pushes a trainer may have waiting to be sent while it trains on; one more
+    /// waits for room (Paddle's name and default).
+    pub send_queue_size: usize,
+    /// Async mode: up to this many waiting pushes go out as one, the gradients of each row
+    /// summed (for SGD the same as applying them one after the other; Paddle's name; 1 merges
+    /// nothing).
+    pub max_merge_var_num: usize,
+    /// Async mode: the pull of step t waits until the shards applied this trainer's pushes of
+    /// the steps before `t - max_staleness` (as Persia bounds staleness). At least 1: the pull
+    /// of step t runs while step t - 1 computes.
+    pub max_staleness: usize,
+}
+
+impl Default for AsyncConfigs {
+    fn default() -> Self {
+        Self {
+            k_steps: 0,
+            send_queue_size: 16,
+            max_merge_var_num: 1,
+            max_staleness: 16,
+        }
+    }
 }
 
 /// How parameter-server shards apply trainers' updates, from `a_sync` and `k_steps`.
@@ -168,6 +190,27 @@ impl DistributedStrategy {
                 ),
             ));
         }
+        let configs = &self.a_sync_configs;
+        for (key, value, why) in [
+            (
+                "send_queue_size",
+                configs.send_queue_size,
+                "a push must have room to wait",
+            ),
+            ("max_merge_var_num", configs.max_merge_var_num, "1 merges nothing"),
+            (
+                "max_staleness",
+                configs.max_staleness,
+                "the pull of step t runs while step t - 1 computes",
+            ),
+        ] {
+            if value == 0 {
+                return Err(FieldError::new(
+                    format!("strategy.a_sync_configs.{key}"),
+                    format!("must be at least 1 ({why})"),
+                ));
+            }
+        }
         let size = self.fuse_grad_size_in_mb;
         if !(size.is_finite() && size > 0.0) {
             return Err(FieldError::new(
@@ -182,6 +225,27 @@ impl DistributedStrategy {
 #[cfg(test)]
 mod tests {
     use crate::config::tests::{err_text, load_str, load_with};
+
+    #[test]
+    fn async_queue_merge_and_staleness_are_at_least_one() {
+        let msg = err_text(load_with("", &[], &["strategy.a_sync_configs.max_staleness=0"]));
+        assert_eq!(
+            msg,
+            "--set: strategy.a_sync_configs.max_staleness: must be at least 1 (the pull of step t runs while step t - 1 computes)"
+        );
+        let configs = load_str("[strategy.a_sync_configs]\nsend_queue_size = 4\n")
+            .unwrap()
+            .strategy
+            .a_sync_configs;
+        assert_eq!(
+            (
+                configs.send_queue_size,
+                configs.max_merge_var_num,
+                configs.max_staleness
+            ),
+            (4, 1, 16)
+        );
+    }
 
     #[test]
     fn unsupported_strategies_are_rejected_with_the_reason() {

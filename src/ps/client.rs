@@ -170,6 +170,29 @@ impl PsClient {
         }
     }
 
+    /// A client of its own over new links to the same shards, in the same generation: async
+    /// mode's pushes travel on it, so a pull never waits behind one.
+    pub fn another_lane(&self) -> Self {
+        let shards = self
+            .shards
+            .iter()
+            .map(|link| match link {
+                ShardLink::Local(shard) => ShardLink::Local(shard.clone()),
+                ShardLink::Remote(remote) => ShardLink::remote(
+                    remote.endpoint.clone(),
+                    remote.max_frame_bytes,
+                    remote.credentials.clone(),
+                ),
+            })
+            .collect();
+        Self {
+            shards,
+            retry: self.retry,
+            timeout: self.timeout,
+            generation: self.generation,
+        }
+    }
+
     /// Shards in the job.
     pub fn server_num(&self) -> usize {
         self.shards.len()

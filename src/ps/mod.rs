@@ -15,7 +15,8 @@
 //! Layout: storage ([`table`], [`dense`], [`optimizer`], [`snapshot`]); the
 //! shard's rules per mode ([`shard`]); where a row lives ([`placement`]);
 //! what travels between trainer and shard ([`wire`]); the trainer's side
-//! ([`client`] for the links, [`worker`] for its step on the device thread).
+//! ([`client`] for the links, [`worker`] for its step on the device thread, [`push_lane`] for
+//! async mode's pushes sent while it trains on).
 //! The shard actor and its TCP endpoint are in `actors::pserver` and
 //! `net::ps_server`.
 
@@ -23,6 +24,7 @@ pub mod client;
 pub mod dense;
 pub mod optimizer;
 pub mod placement;
+pub mod push_lane;
 mod row_index;
 mod row_pages;
 pub mod shard;

@@ -311,7 +311,8 @@ impl Shard {
         let mut ids = Vec::with_capacity(self.tables.len());
         let mut values = Vec::with_capacity(self.tables.len());
         for (t, table) in self.tables.iter().enumerate() {
-            let (table_ids, table_values) = sum_rows(&pushes, t, table.width());
+            let parts = pushes.iter().map(|push| (&push.ids[t][..], &push.values[t][..]));
+            let (table_ids, table_values) = sum_rows(parts, table.width());
             ids.push(table_ids);
             values.push(table_values);
         }
@@ -421,13 +422,17 @@ impl Shard {
     }
 }
 
-/// The rows of table `t` over all `pushes`, each id once (first-seen order), gradients summed.
-fn sum_rows(pushes: &[PushRequest], t: usize, width: usize) -> (Vec<u64>, Vec<f32>) {
+/// The rows of `parts` (ids with their `width`-float values), each id once (first-seen order),
+/// values summed.
+pub(crate) fn sum_rows<'a>(
+    parts: impl IntoIterator<Item = (&'a [u64], &'a [f32])>,
+    width: usize,
+) -> (Vec<u64>, Vec<f32>) {
     let mut position: FxHashMap<u64, usize> = FxHashMap::default();
     let mut ids = Vec::new();
     let mut sums: Vec<f32> = Vec::new();
-    for push in pushes {
-        for (id, row) in push.ids[t].iter().zip(push.values[t].chunks_exact(width)) {
+    for (part_ids, values) in parts {
+        for (id, row) in part_ids.iter().zip(values.chunks_exact(width)) {
             let at = *position.entry(*id).or_insert_with(|| {
                 ids.push(*id);
                 sums.resize(sums.len() + width, 0.0);
