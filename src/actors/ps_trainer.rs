@@ -498,7 +498,13 @@ impl PsRun {
                 }
                 step_comm += pushing.elapsed();
                 if let Some(t) = &mut progress.timeline {
-                    t.record_between(Lane::Communication, format!("push {step}"), "push", pushing, Instant::now());
+                    t.record_between(
+                        Lane::Communication,
+                        format!("push {step}"),
+                        "push",
+                        pushing,
+                        Instant::now(),
+                    );
                 }
             }
             progress.comm_time += step_comm;
