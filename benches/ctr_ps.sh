@@ -18,10 +18,11 @@ for layout in 1x1 2x2 2x4; do
             geo) extra=(--set strategy.a_sync=true --set strategy.a_sync_configs.k_steps=8) ;;
         esac
         dir=$(mktemp -d)
+        log=$(mktemp)
         "$BIN" launch-ps --server_num "$servers" --worker_num "$trainers" --started_port "$PORT" -- \
             train --config examples/ctr_ps.toml --set train.steps="$STEPS" "${extra[@]}" --run-dir "$dir" \
-            >/dev/null 2>"$dir/log" || { cat "$dir/log"; exit 1; }
+            >/dev/null 2>"$log" || { cat "$log"; exit 1; }
         python3 -c 'import json,sys; s=json.load(open(sys.argv[1])); print(json.dumps({k: s[k] for k in ("servers","trainers","mode","samples_per_sec","auc","planted_auc")}))' "$dir/summary.json"
-        rm -rf "$dir"
+        rm -rf "$dir" "$log"
     done
 done

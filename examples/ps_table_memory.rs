@@ -12,7 +12,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Instant;
 
 use flotilla::ps::optimizer::ServerOptimizer;
-use flotilla::ps::table::{RowInit, SparseTable};
+use flotilla::ps::table::{Lookup, RowInit, SparseTable};
 use flotilla::rng::SplitMix64;
 
 /// The system allocator, counting the bytes currently allocated.
@@ -113,7 +113,8 @@ fn main() -> anyhow::Result<()> {
 
         let started = Instant::now();
         for chunk in ids.chunks(BATCH) {
-            table.pull(chunk, &mut buffer[..chunk.len() * width])?;
+            // Rows are created by their first push.
+            table.apply_gradients(chunk, &buffer[..chunk.len() * width], &[])?;
             if table.len() >= WORST_FROM {
                 worst = worst.max(per_row(&table) / raw);
             }
@@ -127,12 +128,12 @@ fn main() -> anyhow::Result<()> {
 
         let started = Instant::now();
         for chunk in shuffled.chunks(BATCH) {
-            table.pull(chunk, &mut buffer[..chunk.len() * width])?;
+            table.pull(chunk, &mut buffer[..chunk.len() * width], Lookup::Training)?;
         }
         let pull_rate = ROWS as f64 / started.elapsed().as_secs_f64();
         let started = Instant::now();
         for chunk in shuffled.chunks(BATCH) {
-            table.apply_gradients(chunk, &buffer[..chunk.len() * width])?;
+            table.apply_gradients(chunk, &buffer[..chunk.len() * width], &[])?;
         }
         let push_rate = ROWS as f64 / started.elapsed().as_secs_f64();
 

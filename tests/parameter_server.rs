@@ -217,27 +217,12 @@ fn sync_mode_equals_single_process_training_of_the_global_batch() {
             let ids = shard.ids(&format!("sparse.{}.ids", spec.name));
             let values = shard.floats(&format!("sparse.{}.values", spec.name));
             for (id, row) in ids.iter().zip(values.chunks_exact(spec.width)) {
-                let expected = match table.get(id) {
-                    Some(trained) => {
-                        seen += 1;
-                        trained.clone()
-                    }
-                    None => {
-                        // Created by the final evaluation's pull, never trained.
-                        let mut row = vec![0.0; spec.width];
-                        init_row(
-                            &RowInit {
-                                seed: config.train.seed,
-                                bound: spec.init_bound,
-                            },
-                            spec.name,
-                            *id,
-                            &mut row,
-                        );
-                        row
-                    }
-                };
-                for (a, b) in row.iter().zip(&expected) {
+                // Only training creates rows: the final evaluation's pulls leave none behind.
+                let expected = table
+                    .get(id)
+                    .unwrap_or_else(|| panic!("{}: row {id} was stored but never trained", spec.name));
+                seen += 1;
+                for (a, b) in row.iter().zip(expected) {
                     worst = worst.max((a - b).abs());
                 }
             }
@@ -304,6 +289,7 @@ fn a_push_to_an_unknown_table_or_with_a_row_of_the_wrong_width_is_refused() {
         kind: UpdateKind::Gradients,
         ids,
         values,
+        counts: Vec::new(),
         dense: dense.clone(),
     };
     let err = shard
@@ -430,6 +416,7 @@ fn pull_of_step_1() -> PullRequest {
         trainer: 0,
         version: 1,
         after_training: false,
+        training: true,
         ids: vec![vec![], vec![]],
         dense: true,
     }
@@ -444,6 +431,7 @@ fn empty_push(config: &JobConfig, trainer: usize, step: u64, kind: UpdateKind) -
         kind,
         ids: vec![vec![], vec![]],
         values: vec![vec![], vec![]],
+        counts: Vec::new(),
         dense: vec![0.0; dense],
     }
 }

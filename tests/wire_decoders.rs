@@ -99,6 +99,7 @@ fn requests() -> Vec<Request> {
             trainer: 1,
             version: 7,
             after_training: false,
+            training: true,
             ids: vec![vec![1, 5, 9], vec![], vec![u64::MAX]],
             dense: true,
         }),
@@ -108,6 +109,7 @@ fn requests() -> Vec<Request> {
             kind: UpdateKind::Gradients,
             ids: vec![vec![4, 2], vec![8]],
             values: vec![vec![0.5; 8], vec![-1.0; 4]],
+            counts: vec![vec![2.0, 1.0, 1.0, 0.0], vec![]],
             dense: vec![0.25; 6],
         }),
         Request::Checkpoint {

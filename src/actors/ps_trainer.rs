@@ -688,6 +688,7 @@ async fn pull_rows(
                 trainer,
                 version,
                 after_training,
+                training: plan.training,
                 ids,
                 dense: plan.dense,
             })
@@ -727,6 +728,7 @@ async fn push(
                 kind,
                 ids: update.ids,
                 values: update.values,
+                counts: update.counts,
                 dense: update.dense,
             })
         })

@@ -129,6 +129,7 @@ pub fn run_shard(args: &PsBenchShardArgs) -> Result<()> {
         server_num: args.shards,
         trainers: 1,
         mode: PsMode::Async,
+        pass_steps: 0,
     };
     let table = SparseTable::new("bench", args.width, RowInit { seed: 1, bound: 0.1 }, optimizer);
     let shard = Shard::new(spec, DenseSlice::new(0, Vec::new(), optimizer), vec![table]);
@@ -228,12 +229,32 @@ async fn measure(
                         trainer: 0,
                         version: 0,
                         after_training: false,
+                        training: true,
                         ids: vec![ids.clone()],
                         dense: false,
                     })
                 })
                 .collect::<Vec<_>>()
         };
+        let pushes = |step: u64| {
+            by_shard
+                .iter()
+                .map(|ids| {
+                    Request::Push(PushRequest {
+                        trainer: 0,
+                        step,
+                        kind: UpdateKind::Gradients,
+                        ids: vec![ids.clone()],
+                        values: vec![vec![1e-3; ids.len() * width]],
+                        counts: Vec::new(),
+                        dense: Vec::new(),
+                    })
+                })
+                .collect::<Vec<_>>()
+        };
+        // A push creates the rows, which the pulls then read.
+        step += 1;
+        client.call_all(pushes(step), "warm-up push").await?;
         client.call_all(pulls(), "warm-up pull").await?;
         let mut times = Vec::with_capacity(args.iters);
         for _ in 0..args.iters {
@@ -246,19 +267,7 @@ async fn measure(
         let mut times = Vec::with_capacity(args.iters);
         for _ in 0..args.iters {
             step += 1;
-            let requests = by_shard
-                .iter()
-                .map(|ids| {
-                    Request::Push(PushRequest {
-                        trainer: 0,
-                        step,
-                        kind: UpdateKind::Gradients,
-                        ids: vec![ids.clone()],
-                        values: vec![vec![1e-3; ids.len() * width]],
-                        dense: Vec::new(),
-                    })
-                })
-                .collect();
+            let requests = pushes(step);
             let started = Instant::now();
             client.call_all(requests, "push").await?;
             times.push(started.elapsed());

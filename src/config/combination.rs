@@ -1,6 +1,7 @@
 //! Rules across sections: which models, data sets and optimizers each strategy trains, so a
 //! mismatch is a config error naming the key rather than a failure deep inside a run.
 
+use super::sparse_tables::check_sparse_tables;
 use super::{
     DatasetKind, FieldError, HybridConfigs, JobConfig, ModelKind, OptimizerKind, PipelineConfigs, PsMode, RecoveryMode,
 };
@@ -190,12 +191,24 @@ fn check_parameter_server(config: &JobConfig) -> Result<(), FieldError> {
             ),
         ));
     }
-    Ok(())
+    check_sparse_tables(&config.strategy.sparse_table_configs, train.model.sparse_tables())
 }
 
 /// Collective data parallelism trains dense models with replica-side optimizers.
 fn check_collective(config: &JobConfig) -> Result<(), FieldError> {
     let train = &config.train;
+    if let Some(table) = config.strategy.sparse_table_configs.keys().next() {
+        return Err(FieldError::new(
+            format!("strategy.sparse_table_configs.{table}"),
+            "sparse tables live on parameter servers: set cluster.server_num",
+        ));
+    }
+    if config.strategy.sparse_pass_steps > 0 {
+        return Err(FieldError::new(
+            "strategy.sparse_pass_steps",
+            "passes shrink the parameter servers' sparse tables: set cluster.server_num",
+        ));
+    }
     if train.model == ModelKind::WideDeep {
         return Err(FieldError::new(
             "train.model",

@@ -28,6 +28,7 @@ mod memory;
 mod overrides;
 mod pipeline;
 pub mod placement;
+mod sparse_tables;
 mod strategy;
 mod train;
 
@@ -41,6 +42,7 @@ pub use cluster::{host_port, ClusterConfig, DeviceKind};
 pub use fault_tolerance::{FaultToleranceConfig, RecoveryMode};
 pub use memory::{BlockRef, GradientMergeConfigs, RecomputeConfigs};
 pub use pipeline::{HybridConfigs, PipelineConfigs, ScheduleMode};
+pub use sparse_tables::SparseTableConfig;
 pub use strategy::{AsyncConfigs, DistributedStrategy, PsMode};
 pub use train::{DatasetKind, GptShape, LrScaling, ModelKind, OptimizerKind, TrainConfig, TrainLength};
 

@@ -2,10 +2,13 @@
 //! the parameter server's update mode, plus the list of Paddle strategies that are recognised
 //! but not built yet.
 
+use std::collections::BTreeMap;
+
 use serde::{Deserialize, Serialize};
 
 use super::memory::{GradientMergeConfigs, RecomputeConfigs};
 use super::pipeline::{HybridConfigs, PipelineConfigs};
+use super::sparse_tables::SparseTableConfig;
 use super::{FieldError, UnsupportedKey};
 
 /// Keys of `[strategy]` that belong to strategies of a later release, with the strategy named in
@@ -46,6 +49,14 @@ pub struct DistributedStrategy {
     pub a_sync: bool,
     /// Parameter server only: settings of the asynchronous modes.
     pub a_sync_configs: AsyncConfigs,
+    /// Parameter server only: the row policy of sparse tables, by table name
+    /// (`[strategy.sparse_table_configs.<table>]`).
+    #[serde(skip_serializing_if = "BTreeMap::is_empty")]
+    pub sparse_table_configs: BTreeMap<String, SparseTableConfig>,
+    /// Parameter server only: steps per pass (Paddle's "day"). At the end of each pass the
+    /// shards shrink the tables that have a policy: counts decay, rows scored below
+    /// `delete_threshold` or unseen for `delete_after_unseen_days` passes go. 0: no passes.
+    pub sparse_pass_steps: usize,
     /// Pipeline parallelism: the model's blocks cut into `hybrid_configs.pp_degree` stages,
     /// micro-batches streamed through them.
     pub pipeline: bool,
@@ -136,6 +147,8 @@ impl Default for DistributedStrategy {
             check_every: 10,
             a_sync: false,
             a_sync_configs: AsyncConfigs::default(),
+            sparse_table_configs: BTreeMap::new(),
+            sparse_pass_steps: 0,
             pipeline: false,
             pipeline_configs: PipelineConfigs::default(),
             hybrid_configs: HybridConfigs::default(),

@@ -25,6 +25,14 @@ pub enum ModelKind {
 }
 
 impl ModelKind {
+    /// The sparse tables the model's parameter-server form keys by feature id, in table order.
+    pub fn sparse_tables(self) -> &'static [&'static str] {
+        match self {
+            Self::WideDeep => &["embedding", "wide"],
+            Self::Mlp | Self::Gpt => &[],
+        }
+    }
+
     /// Hidden layers when `train.hidden_sizes` is not given: PaddleRec's wide&deep sizes for
     /// wide&deep.
     fn default_hidden_sizes(self) -> Vec<usize> {

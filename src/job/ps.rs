@@ -33,6 +33,7 @@ use crate::net::ControlBus;
 use crate::ps::client::{PsClient, ShardLink};
 use crate::ps::dense::{dense_range, DenseSlice};
 use crate::ps::optimizer::ServerOptimizer;
+use crate::ps::policy::RowPolicy;
 use crate::ps::snapshot::shard_file_name;
 use crate::ps::table::{RowInit, SparseTable};
 use crate::ps::wire::{ShardStats, TableStats};
@@ -93,6 +94,21 @@ pub struct TableFigures {
     pub bytes_per_row: f64,
     /// The ideal: id, values and optimizer state, `8 + 4 × (width + state)`.
     pub raw_bytes_per_row: usize,
+    /// Under a row policy: rows stored by its entry rule, evicted for its memory cap and
+    /// deleted at pass ends, over all shards.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub policy: Option<PolicyFigures>,
+}
+
+/// What a table's row policy did over the run, summed over the shards.
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct PolicyFigures {
+    /// Rows stored.
+    pub admitted: u64,
+    /// Rows evicted, lowest score first, to stay under the memory cap.
+    pub evicted: u64,
+    /// Rows deleted at the end of a pass.
+    pub deleted: u64,
 }
 
 /// A parameter-server job: the config and its data.
@@ -477,11 +493,17 @@ fn table_figures(job: &JobConfig, shards: &[ShardStats]) -> Vec<TableFigures> {
                 shards.iter().filter_map(|s| s.tables.get(table)).map(figure).sum()
             };
             let rows = of(|t| t.rows);
+            let policed = job.strategy.sparse_table_configs.contains_key(spec.name);
             TableFigures {
                 name: spec.name.to_string(),
                 rows,
                 bytes_per_row: of(|t| t.bytes) as f64 / rows.max(1) as f64,
                 raw_bytes_per_row: 8 + 4 * (spec.width + optimizer.state_len(spec.width)),
+                policy: policed.then(|| PolicyFigures {
+                    admitted: of(|t| t.admitted),
+                    evicted: of(|t| t.evicted),
+                    deleted: of(|t| t.deleted),
+                }),
             }
         })
         .collect()
@@ -510,7 +532,11 @@ pub fn build_shard(job: &JobConfig, index: usize) -> Result<Shard> {
                 seed: job.train.seed,
                 bound: table.init_bound,
             };
-            SparseTable::new(table.name, table.width, init, optimizer)
+            let empty = SparseTable::new(table.name, table.width, init, optimizer);
+            match job.strategy.sparse_table_configs.get(table.name) {
+                Some(policy) => empty.with_policy(RowPolicy::new(policy.clone(), table.name, job.train.seed)),
+                None => empty,
+            }
         })
         .collect();
     let spec = ShardSpec {
@@ -518,6 +544,7 @@ pub fn build_shard(job: &JobConfig, index: usize) -> Result<Shard> {
         server_num: servers,
         trainers: job.world_size(),
         mode: job.strategy.ps_mode(),
+        pass_steps: job.strategy.sparse_pass_steps,
     };
     let mut shard = Shard::new(spec, slice, tables);
     if let Some(dir) = &job.train.init_tables_from {

@@ -24,6 +24,7 @@ pub mod client;
 pub mod dense;
 pub mod optimizer;
 pub mod placement;
+pub mod policy;
 pub mod push_lane;
 mod row_index;
 mod row_pages;

@@ -150,6 +150,7 @@ async fn send_pushes(
                     kind: UpdateKind::Gradients,
                     ids: update.ids,
                     values: update.values,
+                    counts: update.counts,
                     dense: update.dense,
                 })
             })
@@ -186,7 +187,19 @@ fn merge_pushes(mut pushes: Vec<Pending>) -> Pending {
                     sum_rows(parts.iter().map(|p| (&p.ids[table][..], &p.values[table][..])), width)
                 })
                 .unzip();
-            ShardUpdate { ids, values, dense }
+            // Tables with a policy: the same ids in the same order, shows and clicks summed.
+            let counts = (0..parts[0].counts.len())
+                .map(|table| {
+                    let counted = parts.iter().filter(|p| !p.counts[table].is_empty());
+                    sum_rows(counted.map(|p| (&p.ids[table][..], &p.counts[table][..])), 2).1
+                })
+                .collect();
+            ShardUpdate {
+                ids,
+                values,
+                counts,
+                dense,
+            }
         })
         .collect();
     Pending { step, updates }
@@ -200,6 +213,7 @@ mod tests {
         ShardUpdate {
             ids: vec![ids.to_vec()],
             values: vec![values.to_vec()],
+            counts: vec![Vec::new()],
             dense: dense.to_vec(),
         }
     }

@@ -51,6 +51,16 @@ impl RowIndex {
         }
     }
 
+    /// The slot of `id`, if it has one.
+    pub(crate) fn get(&self, id: u64) -> Option<u32> {
+        self.map.get(&RowKey::new(id)).copied()
+    }
+
+    /// Forgets `id`; returns the slot it had.
+    pub(crate) fn remove(&mut self, id: u64) -> Option<u32> {
+        self.map.remove(&RowKey::new(id))
+    }
+
     /// Every `(id, slot)`, in no particular order.
     pub(crate) fn iter(&self) -> impl Iterator<Item = (u64, u32)> + '_ {
         self.map.iter().map(|(key, &slot)| (key.id(), slot))
@@ -65,9 +75,25 @@ impl RowIndex {
             1..=7 => capacity + 1,
             _ => capacity / 7 * 8,
         };
-        let entries = (buckets * size_of::<(RowKey, u32)>()).next_multiple_of(GROUP_WIDTH);
-        entries + buckets + GROUP_WIDTH
+        bucket_bytes(buckets)
     }
+
+    /// Bytes of a map allocated for `entries` entries (as hashbrown sizes it).
+    pub(crate) fn bytes_for(entries: usize) -> usize {
+        let buckets = match entries {
+            0 => return 0,
+            1..=3 => 4,
+            4..=7 => 8,
+            _ => (entries * 8).div_ceil(7).next_power_of_two(),
+        };
+        bucket_bytes(buckets)
+    }
+}
+
+/// Bytes of `buckets` entries with their control bytes.
+fn bucket_bytes(buckets: usize) -> usize {
+    let entries = (buckets * size_of::<(RowKey, u32)>()).next_multiple_of(GROUP_WIDTH);
+    entries + buckets + GROUP_WIDTH
 }
 
 #[cfg(test)]
@@ -108,6 +134,9 @@ mod tests {
         }
         // 1000 ids need 1000·8/7 → 2048 buckets of 12 + 1 bytes.
         assert_eq!(index.memory_bytes(), 2048 * 13 + GROUP_WIDTH);
+        assert_eq!(RowIndex::bytes_for(1000), index.memory_bytes());
+        assert_eq!(index.remove(7), Some(7));
+        assert_eq!((index.get(7), index.get(8)), (None, Some(8)));
         Ok(())
     }
 }

@@ -20,7 +20,7 @@ use rustc_hash::FxHashMap;
 
 use super::dense::DenseSlice;
 use super::snapshot::{load_from_bytes, load_rehashed, load_shard, save_shard, shard_bytes, ShardSnapshotInfo};
-use super::table::SparseTable;
+use super::table::{Lookup, SparseTable};
 use super::wire::{PullRequest, PulledRows, PushRequest, ShardStats, TableStats, UpdateKind};
 use crate::config::PsMode;
 
@@ -35,6 +35,8 @@ pub struct ShardSpec {
     pub trainers: usize,
     /// Update mode.
     pub mode: PsMode,
+    /// Steps per pass (tables with a policy shrink at each pass's end); 0: no passes.
+    pub pass_steps: usize,
 }
 
 /// A shard's parameters and the bookkeeping of its mode.
@@ -44,6 +46,8 @@ pub struct Shard {
     tables: Vec<SparseTable>,
     /// Sync: steps applied so far; async and geo: pushes applied so far.
     applied: u64,
+    /// Passes ended.
+    passes: u64,
     /// Sync: the pushes of step `applied`, by trainer.
     pending: Vec<Option<PushRequest>>,
     /// Async and geo: the last step applied per trainer, to drop retried pushes.
@@ -60,6 +64,7 @@ impl Shard {
             dense,
             tables,
             applied: 0,
+            passes: 0,
             pending: vec![None; spec.trainers],
             last_step: vec![None; spec.trainers],
             ended: vec![false; spec.trainers],
@@ -104,17 +109,21 @@ impl Shard {
         }
     }
 
-    /// Reads the requested rows (creating rows seen for the first time) and the dense slice.
-    pub fn pull(&mut self, pull: &PullRequest) -> Result<PulledRows> {
+    /// Reads the requested rows and the dense slice; creates nothing.
+    pub fn pull(&self, pull: &PullRequest) -> Result<PulledRows> {
         self.check_trainer(pull.trainer)?;
         self.check_table_count(pull.ids.len(), "pull")?;
+        let lookup = match pull.training {
+            true => Lookup::Training,
+            false => Lookup::Serving,
+        };
         let rows = self
             .tables
-            .iter_mut()
+            .iter()
             .zip(&pull.ids)
             .map(|(table, ids)| {
                 let mut out = vec![0.0; ids.len() * table.width()];
-                table.pull(ids, &mut out)?;
+                table.pull(ids, &mut out, lookup)?;
                 Ok(out)
             })
             .collect::<Result<_>>()?;
@@ -159,8 +168,9 @@ impl Shard {
                     UpdateKind::Gradients => 1.0,
                     UpdateKind::Deltas => 1.0 / self.spec.trainers as f32,
                 };
-                self.apply(push.kind, scale, &push.ids, push.values, push.dense)?;
+                self.apply(push.kind, scale, &push.ids, push.values, &push.counts, push.dense)?;
                 self.applied += 1;
+                self.end_passes();
                 Ok(true)
             }
         }
@@ -185,9 +195,15 @@ impl Shard {
         let tables = self
             .tables
             .iter()
-            .map(|t| TableStats {
-                rows: t.len() as u64,
-                bytes: t.memory_bytes() as u64,
+            .map(|t| {
+                let tally = t.tally();
+                TableStats {
+                    rows: t.len() as u64,
+                    bytes: t.memory_bytes() as u64,
+                    admitted: tally.admitted,
+                    evicted: tally.evicted,
+                    deleted: tally.deleted,
+                }
             })
             .collect();
         ShardStats {
@@ -250,6 +266,7 @@ impl Shard {
             PsMode::Geo { k_steps } => (step / k_steps as u64 * trainers as u64, step.checked_sub(1)),
         };
         self.applied = applied;
+        self.passes = step.checked_div(self.spec.pass_steps as u64).unwrap_or(0);
         self.last_step = vec![last_step; trainers];
         self.pending = vec![None; trainers];
         self.ended = vec![false; trainers];
@@ -310,15 +327,57 @@ impl Shard {
         }
         let mut ids = Vec::with_capacity(self.tables.len());
         let mut values = Vec::with_capacity(self.tables.len());
+        let mut counts = Vec::with_capacity(self.tables.len());
         for (t, table) in self.tables.iter().enumerate() {
             let parts = pushes.iter().map(|push| (&push.ids[t][..], &push.values[t][..]));
             let (table_ids, table_values) = sum_rows(parts, table.width());
+            // The same ids in the same first-seen order: each row's shows and clicks summed.
+            let counted = pushes.iter().filter_map(|push| {
+                let counts = push.counts.get(t).filter(|counts| !counts.is_empty())?;
+                Some((&push.ids[t][..], &counts[..]))
+            });
+            let (_, table_counts) = sum_rows(counted, 2);
             ids.push(table_ids);
             values.push(table_values);
+            counts.push(table_counts);
         }
-        self.apply(UpdateKind::Gradients, scale, &ids, values, dense)?;
+        self.apply(UpdateKind::Gradients, scale, &ids, values, &counts, dense)?;
         self.applied += 1;
+        self.end_passes();
         Ok(())
+    }
+
+    /// Ends the passes every trainer has trained through — in sync mode the steps applied, in
+    /// async and geo the steps of each trainer's last push — shrinking the tables at each.
+    fn end_passes(&mut self) {
+        let pass = self.spec.pass_steps as u64;
+        if pass == 0 {
+            return;
+        }
+        let trained = match self.spec.mode {
+            PsMode::Sync => self.applied,
+            PsMode::Async | PsMode::Geo { .. } => self
+                .last_step
+                .iter()
+                .map(|last| last.map_or(0, |step| step + 1))
+                .min()
+                .unwrap_or(0),
+        };
+        while (self.passes + 1) * pass <= trained {
+            self.passes += 1;
+            for table in &mut self.tables {
+                let deleted = table.end_pass();
+                if table.policy().is_some() {
+                    tracing::debug!(
+                        "parameter server {}: pass {} ended, table `{}` deleted {deleted} rows, holds {}",
+                        self.spec.index,
+                        self.passes,
+                        table.name(),
+                        table.len()
+                    );
+                }
+            }
+        }
     }
 
     /// Applies `scale ×` the update: gradients through the optimizer, deltas added.
@@ -328,6 +387,7 @@ impl Shard {
         scale: f32,
         ids: &[Vec<u64>],
         mut values: Vec<Vec<f32>>,
+        counts: &[Vec<f32>],
         mut dense: Vec<f32>,
     ) -> Result<()> {
         if scale != 1.0 {
@@ -335,10 +395,11 @@ impl Shard {
                 *v *= scale;
             }
         }
-        for ((table, ids), values) in self.tables.iter_mut().zip(ids).zip(&values) {
+        for (t, ((table, ids), values)) in self.tables.iter_mut().zip(ids).zip(&values).enumerate() {
+            let counts = counts.get(t).map_or(&[][..], Vec::as_slice);
             match kind {
-                UpdateKind::Gradients => table.apply_gradients(ids, values)?,
-                UpdateKind::Deltas => table.add_deltas(ids, values)?,
+                UpdateKind::Gradients => table.apply_gradients(ids, values, counts)?,
+                UpdateKind::Deltas => table.add_deltas(ids, values, counts)?,
             }
         }
         match kind {
@@ -371,6 +432,13 @@ impl Shard {
                 ids.len() * table.width()
             );
         }
+        ensure!(
+            push.counts.is_empty() || push.counts.len() == push.ids.len(),
+            "push from trainer {} has ids for {} tables and counts for {}",
+            push.trainer,
+            push.ids.len(),
+            push.counts.len()
+        );
         ensure!(
             push.dense.len() == self.dense.len(),
             "push from trainer {}: {} dense values, shard {} holds {}",

@@ -4,7 +4,11 @@
 //! Tensors: `dense.values` F32 `[len]`, `dense.state` F32 `[state_len]`, and
 //! per table `sparse.<table>.ids` U64 `[n]`, `sparse.<table>.values` F32
 //! `[n, width]`, `sparse.<table>.state` F32 `[n, state_len]` (`[n, 0]` for a
-//! stateless optimizer), rows in the same order in all three. Metadata:
+//! stateless optimizer), rows in the same order in all three; a table with a row policy adds
+//! `sparse.<table>.counts` F32 `[n, 3]` (shows, clicks, passes unseen, same order),
+//! `sparse.<table>.candidate_ids` U64 `[m]` and `sparse.<table>.candidate_shows` F32 `[m]`
+//! (rows its entry rule has not stored yet) and the metadata `sparse.<table>.admitted`,
+//! `.evicted` and `.deleted`. Metadata:
 //! `format = "flotilla-ps-shard"`, `shard`, `server_num`, `dense.offset`,
 //! `dense.optimizer`, and per table `sparse.<table>.width` and
 //! `sparse.<table>.optimizer`.
@@ -21,7 +25,8 @@ use safetensors::{Dtype, SafeTensors, View};
 
 use super::dense::DenseSlice;
 use super::placement::shard_of;
-use super::table::SparseTable;
+use super::policy::COUNTS;
+use super::table::{RowTally, SparseTable};
 use crate::checkpoint::write_atomically;
 
 /// The `format` metadata value that marks a file as a PS shard snapshot.
@@ -116,6 +121,29 @@ fn shard_tensors<'a>(
             format!("sparse.{name}.state"),
             ShardTensor::new(Part::State(table), vec![rows, state_len]),
         ));
+        if table.policy().is_some() {
+            let tally = table.tally();
+            for (key, value) in [
+                ("admitted", tally.admitted),
+                ("evicted", tally.evicted),
+                ("deleted", tally.deleted),
+            ] {
+                metadata.insert(format!("sparse.{name}.{key}"), value.to_string());
+            }
+            let candidates = table.candidates().count();
+            tensors.push((
+                format!("sparse.{name}.counts"),
+                ShardTensor::new(Part::Counts(table), vec![rows, COUNTS]),
+            ));
+            tensors.push((
+                format!("sparse.{name}.candidate_ids"),
+                ShardTensor::new(Part::CandidateIds(table), vec![candidates]),
+            ));
+            tensors.push((
+                format!("sparse.{name}.candidate_shows"),
+                ShardTensor::new(Part::CandidateShows(table), vec![candidates]),
+            ));
+        }
     }
     Ok((tensors, metadata))
 }
@@ -179,6 +207,7 @@ pub fn load_from_bytes(
             state: file
                 .tensor(&format!("sparse.{name}.state"), Dtype::F32, Some(&[*rows, state_len]))?
                 .data(),
+            policy: PolicyLoad::read(&file, name, *rows)?,
         });
     }
     for table in file.table_names() {
@@ -196,7 +225,12 @@ pub fn load_from_bytes(
         let state = floats(load.state);
         for (i, id) in load.ids.chunks_exact(8).map(u64_from_le).enumerate() {
             table.insert_row(id, &values[i * width..][..width], &state[i * state_len..][..state_len])?;
+            if let Some(counts) = load.policy.row_counts(i) {
+                table.restore_counts(id, counts)?;
+            }
         }
+        load.policy.restore_candidates(table, |_| true);
+        table.restore_tally(load.policy.tally);
         let rows = load.ids.len() / 8;
         ensure!(
             table.len() == rows,
@@ -225,11 +259,11 @@ pub fn load_rehashed(
         .map(|(old, bytes)| ShardFile::parse(bytes).with_context(|| format!("shard {old}'s file")))
         .collect::<anyhow::Result<Vec<_>>>()?;
     let (values, state) = rehashed_dense(&parsed, dense).context("the dense parameters")?;
-    let mut rows: Vec<Vec<RowCopy>> = Vec::with_capacity(tables.len());
+    let mut rows: Vec<(Vec<RowCopy>, Vec<PolicyLoad>)> = Vec::with_capacity(tables.len());
     for (index, table) in tables.iter().enumerate() {
         let (name, width) = (table.name(), table.width());
         let state_len = table.optimizer().state_len(width);
-        let mut kept = Vec::new();
+        let (mut kept, mut policies) = (Vec::new(), Vec::new());
         for (old, file) in parsed.iter().enumerate() {
             let context = || format!("table `{name}` in shard {old}'s file");
             file.expect(&format!("sparse.{name}.width"), &width.to_string())
@@ -248,30 +282,45 @@ pub fn load_rehashed(
                 file.tensor(&format!("sparse.{name}.state"), Dtype::F32, Some(&[n, state_len]))?
                     .data(),
             );
+            let policy = PolicyLoad::read(file, name, n).with_context(context)?;
             for (i, id) in ids.data().chunks_exact(8).map(u64_from_le).enumerate() {
                 if shard_of(index, id, info.server_num) == info.shard {
-                    kept.push((
+                    kept.push(RowCopy {
                         id,
-                        values[i * width..][..width].to_vec(),
-                        state[i * state_len..][..state_len].to_vec(),
-                    ));
+                        values: values[i * width..][..width].to_vec(),
+                        state: state[i * state_len..][..state_len].to_vec(),
+                        counts: policy.row_counts(i).map(<[f32]>::to_vec),
+                    });
                 }
             }
+            policies.push(policy);
         }
-        rows.push(kept);
+        rows.push((kept, policies));
     }
     dense.restore(values, state)?;
-    for (table, kept) in tables.iter_mut().zip(rows) {
+    for (index, (table, (kept, policies))) in tables.iter_mut().zip(rows).enumerate() {
         table.clear();
-        for (id, values, state) in kept {
-            table.insert_row(id, &values, &state)?;
+        for row in kept {
+            table.insert_row(row.id, &row.values, &row.state)?;
+            if let Some(counts) = &row.counts {
+                table.restore_counts(row.id, counts)?;
+            }
+        }
+        // The tally was the old shards'; this layout's counts from here.
+        for policy in &policies {
+            policy.restore_candidates(table, |id| shard_of(index, id, info.server_num) == info.shard);
         }
     }
     Ok(())
 }
 
-/// A row taken from an old shard's file: its id, values and optimizer state.
-type RowCopy = (u64, Vec<f32>, Vec<f32>);
+/// A row taken from an old shard's file: its id, values, optimizer state and policy counts.
+struct RowCopy {
+    id: u64,
+    values: Vec<f32>,
+    state: Vec<f32>,
+    counts: Option<Vec<f32>>,
+}
 
 /// `dense`'s range of the dense parameters and its optimizer state, from the slices of `files`
 /// (which cover every float once): the state is slot-major per slice (`[slot 0 of every float,
@@ -332,6 +381,67 @@ struct TableLoad<'a> {
     ids: &'a [u8],
     values: &'a [u8],
     state: &'a [u8],
+    policy: PolicyLoad,
+}
+
+/// What a policed table's snapshot holds besides its rows: their counts, the shows of rows not
+/// stored yet, and the tally. A file written without a policy has none of it: counting starts
+/// afresh.
+#[derive(Default)]
+struct PolicyLoad {
+    counts: Vec<f32>,
+    candidates: Vec<(u64, f32)>,
+    tally: RowTally,
+}
+
+impl PolicyLoad {
+    /// The policy part of table `name` (of `rows` rows) in `file`.
+    fn read(file: &ShardFile<'_>, name: &str, rows: usize) -> anyhow::Result<Self> {
+        let counts_name = format!("sparse.{name}.counts");
+        if !file.has(&counts_name) {
+            return Ok(Self::default());
+        }
+        let counts = floats(file.tensor(&counts_name, Dtype::F32, Some(&[rows, COUNTS]))?.data());
+        let ids = file.tensor(&format!("sparse.{name}.candidate_ids"), Dtype::U64, None)?;
+        let shows = file.tensor(&format!("sparse.{name}.candidate_shows"), Dtype::F32, Some(ids.shape()))?;
+        let candidates = ids
+            .data()
+            .chunks_exact(8)
+            .map(u64_from_le)
+            .zip(floats(shows.data()))
+            .collect();
+        let figure = |key: &str| -> anyhow::Result<u64> {
+            let key = format!("sparse.{name}.{key}");
+            match file.metadata.get(&key) {
+                Some(value) => value
+                    .parse()
+                    .with_context(|| format!("the file's {key} is {value:?}, not a count")),
+                None => Ok(0),
+            }
+        };
+        let tally = RowTally {
+            admitted: figure("admitted")?,
+            evicted: figure("evicted")?,
+            deleted: figure("deleted")?,
+        };
+        Ok(Self {
+            counts,
+            candidates,
+            tally,
+        })
+    }
+
+    /// The counts of row `i` of the file, if it holds counts.
+    fn row_counts(&self, i: usize) -> Option<&[f32]> {
+        self.counts.get(i * COUNTS..(i + 1) * COUNTS)
+    }
+
+    /// Gives `table` the candidates `keep` accepts.
+    fn restore_candidates(&self, table: &mut SparseTable, keep: impl Fn(u64) -> bool) {
+        for &(id, shows) in self.candidates.iter().filter(|(id, _)| keep(*id)) {
+            table.restore_candidate(id, shows);
+        }
+    }
 }
 
 /// A parsed snapshot whose every accessor explains a mismatch.
@@ -403,6 +513,9 @@ enum Part<'a> {
     Ids(&'a SparseTable),
     Values(&'a SparseTable),
     State(&'a SparseTable),
+    Counts(&'a SparseTable),
+    CandidateIds(&'a SparseTable),
+    CandidateShows(&'a SparseTable),
 }
 
 struct ShardTensor<'a> {
@@ -419,7 +532,7 @@ impl<'a> ShardTensor<'a> {
 impl View for ShardTensor<'_> {
     fn dtype(&self) -> Dtype {
         match self.part {
-            Part::Ids(_) => Dtype::U64,
+            Part::Ids(_) | Part::CandidateIds(_) => Dtype::U64,
             _ => Dtype::F32,
         }
     }
@@ -443,6 +556,16 @@ impl View for ShardTensor<'_> {
                 .rows()
                 .flat_map(|(_, _, state)| state)
                 .for_each(|f| bytes.extend_from_slice(&f.to_le_bytes())),
+            Part::Counts(table) => table
+                .row_counts()
+                .flatten()
+                .for_each(|f| bytes.extend_from_slice(&f.to_le_bytes())),
+            Part::CandidateIds(table) => table
+                .candidates()
+                .for_each(|(id, _)| bytes.extend_from_slice(&id.to_le_bytes())),
+            Part::CandidateShows(table) => table
+                .candidates()
+                .for_each(|(_, shows)| bytes.extend_from_slice(&shows.to_le_bytes())),
         }
         Cow::Owned(bytes)
     }
@@ -504,8 +627,8 @@ mod tests {
             for step in 0..3 {
                 let g = step as f32 + 1.0;
                 shard.dense.apply_gradients(&[0.1 * g, -0.2, 0.3, g])?;
-                shard.user.apply_gradients(&[1, 2 + step, 1 << 40], &[g; 9])?;
-                shard.item.apply_gradients(&[7, 8], &[-g; 4])?;
+                shard.user.apply_gradients(&[1, 2 + step, 1 << 40], &[g; 9], &[])?;
+                shard.item.apply_gradients(&[7, 8], &[-g; 4], &[])?;
             }
             Ok(shard)
         }
@@ -514,8 +637,8 @@ mod tests {
         /// Adam moments and step counts came back too.
         fn step(&mut self) -> anyhow::Result<()> {
             self.dense.apply_gradients(&[1.0, 2.0, 3.0, 4.0])?;
-            self.user.apply_gradients(&[1, 3, 1 << 40], &[0.5; 9])?;
-            self.item.apply_gradients(&[7], &[1.0; 2])
+            self.user.apply_gradients(&[1, 3, 1 << 40], &[0.5; 9], &[])?;
+            self.item.apply_gradients(&[7], &[1.0; 2], &[])
         }
 
         fn save(&self, path: &Path) -> anyhow::Result<()> {
@@ -555,8 +678,8 @@ mod tests {
                 .dense
                 .apply_gradients(&[g, -g, 0.5, 2.0, -1.0, g * g, 0.25, 3.0])?;
             let ids: Vec<u64> = (0..20).map(|id| id * 7 + step).collect();
-            whole.user.apply_gradients(&ids, &vec![g; ids.len() * 3])?;
-            whole.item.apply_gradients(&ids, &vec![-g; ids.len() * 2])?;
+            whole.user.apply_gradients(&ids, &vec![g; ids.len() * 3], &[])?;
+            whole.item.apply_gradients(&ids, &vec![-g; ids.len() * 2], &[])?;
         }
         let one = ShardSnapshotInfo {
             shard: 0,
@@ -610,7 +733,7 @@ mod tests {
         original.save(&path)?;
 
         let mut loaded = Shard::fresh();
-        loaded.user.pull(&[99], &mut [0.0; 3])?; // created after the snapshot: must go
+        loaded.user.apply_gradients(&[99], &[0.0; 3], &[])?; // created after the snapshot: must go
         loaded.load(&path, &INFO)?;
         assert_eq!(loaded.user.len(), 5);
         assert_same(&original, &loaded);

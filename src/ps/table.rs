@@ -6,7 +6,10 @@ use std::mem::size_of;
 
 use anyhow::{ensure, Context};
 
+use rustc_hash::FxHashMap;
+
 use super::optimizer::ServerOptimizer;
+use super::policy::{RowPolicy, COUNTS};
 use super::row_index::RowIndex;
 use super::row_pages::RowPages;
 use crate::rng::SplitMix64;
@@ -33,14 +36,36 @@ pub fn init_row(init: &RowInit, table: &str, id: u64, out: &mut [f32]) {
     }
 }
 
+/// What a lookup is for, which decides what a row the table does not hold reads as.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Lookup {
+    /// A training step's: its initial value, as the push that follows will create it — or
+    /// zeros where an entry rule must admit it first.
+    Training,
+    /// An evaluation's or a serving lookup's: zeros (an unknown feature adds nothing).
+    Serving,
+}
+
+/// Rows a policed table stored, evicted for its memory cap and deleted at pass ends, since it
+/// was created (checkpoints carry them).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct RowTally {
+    /// Rows stored.
+    pub admitted: u64,
+    /// Rows evicted, lowest score first, to stay under the memory cap.
+    pub evicted: u64,
+    /// Rows deleted at the end of a pass (score below the threshold, or unseen too long).
+    pub deleted: u64,
+}
+
 /// The rows of one sparse table held by one shard, each its value followed
-/// by its optimizer state.
+/// by its optimizer state (and, under a [`RowPolicy`], its show and click counts).
 ///
 /// Memory per row is the value, the state, and about 15–30 bytes of index
 /// (12-byte entries and a control byte, in a hash map between 7/16 and 7/8
 /// full); rows live in fixed pages, so there is no doubling of the row
-/// storage and no allocation per row. `examples/ps_table_memory.rs` measures
-/// it.
+/// storage and no allocation per row; a deleted row's slot is reused.
+/// `examples/ps_table_memory.rs` measures it.
 pub struct SparseTable {
     name: String,
     width: usize,
@@ -49,6 +74,14 @@ pub struct SparseTable {
     index: RowIndex,
     rows: RowPages,
     len: usize,
+    policy: Option<RowPolicy>,
+    /// The memory cap, as rows: at it, the lowest-scored rows make room.
+    row_budget: Option<usize>,
+    /// Slots of deleted rows, taken before new ones.
+    free: Vec<u32>,
+    /// Under an entry rule: the shows of rows not stored yet.
+    candidates: FxHashMap<u64, f32>,
+    tally: RowTally,
 }
 
 impl SparseTable {
@@ -71,7 +104,21 @@ impl SparseTable {
             index: RowIndex::default(),
             rows: RowPages::new(width + optimizer.state_len(width)),
             len: 0,
+            policy: None,
+            row_budget: None,
+            free: Vec::new(),
+            candidates: FxHashMap::default(),
+            tally: RowTally::default(),
         }
+    }
+
+    /// The empty table under `policy`: its rows count shows and clicks.
+    pub fn with_policy(mut self, policy: RowPolicy) -> Self {
+        let stride = self.width + self.optimizer.state_len(self.width) + COUNTS;
+        self.rows = RowPages::new(stride);
+        self.row_budget = policy.row_budget(stride);
+        self.policy = Some(policy);
+        self
     }
 
     /// The table's name: trainers address tables by it and rows are
@@ -90,23 +137,37 @@ impl SparseTable {
         self.optimizer
     }
 
+    /// The row policy, if the table has one.
+    pub fn policy(&self) -> Option<&RowPolicy> {
+        self.policy.as_ref()
+    }
+
     /// Rows this shard holds.
     pub fn len(&self) -> usize {
         self.len
     }
 
-    /// Whether no row has been touched yet.
+    /// Whether no row is held.
     pub fn is_empty(&self) -> bool {
         self.len == 0
     }
 
+    /// Rows stored, evicted and deleted so far.
+    pub fn tally(&self) -> RowTally {
+        self.tally
+    }
+
     /// Copies the rows of `ids` into `out` (`ids.len() × width`, row after
-    /// row), creating and initialising rows never seen before.
-    pub fn pull(&mut self, ids: &[u64], out: &mut [f32]) -> anyhow::Result<()> {
+    /// row); a row not held reads as `lookup` says. Creates nothing.
+    pub fn pull(&self, ids: &[u64], out: &mut [f32], lookup: Lookup) -> anyhow::Result<()> {
         self.check_rows("pull", "output", ids.len(), out.len())?;
+        let initial = lookup == Lookup::Training && !self.policy.as_ref().is_some_and(RowPolicy::has_entry_rule);
         for (&id, out) in ids.iter().zip(out.chunks_exact_mut(self.width)) {
-            let slot = self.slot(id)?;
-            out.copy_from_slice(&self.rows.row(slot)[..self.width]);
+            match self.index.get(id) {
+                Some(slot) => out.copy_from_slice(&self.rows.row(slot)[..self.width]),
+                None if initial => init_row(&self.init, &self.name, id, out),
+                None => out.fill(0.0),
+            }
         }
         Ok(())
     }
@@ -114,36 +175,81 @@ impl SparseTable {
     /// Applies the optimizer to each row of `ids` with its gradient from
     /// `grads` (`ids.len() × width`); a repeated id is updated once per
     /// occurrence, in order. Rows not listed are left alone (lazy updates).
-    pub fn apply_gradients(&mut self, ids: &[u64], grads: &[f32]) -> anyhow::Result<()> {
+    /// `counts` holds each id's shows and clicks (or nothing: one show each);
+    /// a row not held is created if the policy admits it, else its gradient
+    /// is dropped.
+    pub fn apply_gradients(&mut self, ids: &[u64], grads: &[f32], counts: &[f32]) -> anyhow::Result<()> {
         self.check_rows("push", "gradient", ids.len(), grads.len())?;
-        for (&id, grad) in ids.iter().zip(grads.chunks_exact(self.width)) {
-            let slot = self.slot(id)?;
-            let (value, state) = self.rows.row_mut(slot).split_at_mut(self.width);
-            self.optimizer.apply(value, state, grad);
-        }
-        Ok(())
-    }
-
-    /// Geo mode: adds each trainer-computed delta to its row's value, with no
-    /// optimizer and no change of state.
-    pub fn add_deltas(&mut self, ids: &[u64], deltas: &[f32]) -> anyhow::Result<()> {
-        self.check_rows("delta push", "delta", ids.len(), deltas.len())?;
-        for (&id, delta) in ids.iter().zip(deltas.chunks_exact(self.width)) {
-            let slot = self.slot(id)?;
-            for (value, &d) in self.rows.row_mut(slot).iter_mut().zip(delta) {
-                *value += d;
+        self.check_counts(ids.len(), counts.len())?;
+        for (i, (&id, grad)) in ids.iter().zip(grads.chunks_exact(self.width)).enumerate() {
+            if let Some(slot) = self.trained_slot(id, counts.get(2 * i..2 * i + 2))? {
+                let state_len = self.optimizer.state_len(self.width);
+                let (value, state) = self.rows.row_mut(slot).split_at_mut(self.width);
+                self.optimizer.apply(value, &mut state[..state_len], grad);
             }
         }
         Ok(())
     }
 
+    /// Geo mode: adds each trainer-computed delta to its row's value, with no
+    /// optimizer and no change of state; rows are admitted as by
+    /// [`SparseTable::apply_gradients`].
+    pub fn add_deltas(&mut self, ids: &[u64], deltas: &[f32], counts: &[f32]) -> anyhow::Result<()> {
+        self.check_rows("delta push", "delta", ids.len(), deltas.len())?;
+        self.check_counts(ids.len(), counts.len())?;
+        for (i, (&id, delta)) in ids.iter().zip(deltas.chunks_exact(self.width)).enumerate() {
+            if let Some(slot) = self.trained_slot(id, counts.get(2 * i..2 * i + 2))? {
+                for (value, &d) in self.rows.row_mut(slot).iter_mut().zip(delta) {
+                    *value += d;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The end of a pass: under a policy, counts decay and the rows scored below the threshold
+    /// or unseen too long are deleted (and the candidates below one show forgotten). Returns
+    /// the rows deleted.
+    pub fn end_pass(&mut self) -> usize {
+        let Some(policy) = self.policy.take() else {
+            return 0;
+        };
+        let counted = self.width + self.optimizer.state_len(self.width);
+        let mut doomed = Vec::new();
+        for (id, slot) in self.index.iter() {
+            if !policy.survives_pass(&mut self.rows.row_mut(slot)[counted..]) {
+                doomed.push(id);
+            }
+        }
+        self.candidates.retain(|_, shows| policy.candidate_survives_pass(shows));
+        self.policy = Some(policy);
+        for &id in &doomed {
+            self.remove(id);
+        }
+        self.tally.deleted += doomed.len() as u64;
+        doomed.len()
+    }
+
     /// Every row as `(id, value, state)`, in no particular order: for
     /// snapshots and tests.
     pub fn rows(&self) -> impl Iterator<Item = (u64, &[f32], &[f32])> + '_ {
+        let state_len = self.optimizer.state_len(self.width);
         self.index.iter().map(move |(id, slot)| {
             let (value, state) = self.rows.row(slot).split_at(self.width);
-            (id, value, state)
+            (id, value, &state[..state_len])
         })
+    }
+
+    /// Every row's counts (shows, clicks, passes unseen; empty without a
+    /// policy), in the order of [`SparseTable::rows`].
+    pub fn row_counts(&self) -> impl Iterator<Item = &[f32]> + '_ {
+        let counted = self.width + self.optimizer.state_len(self.width);
+        self.index.iter().map(move |(_, slot)| &self.rows.row(slot)[counted..])
+    }
+
+    /// Under an entry rule, the shows of each row not stored yet, in no particular order.
+    pub fn candidates(&self) -> impl Iterator<Item = (u64, f32)> + '_ {
+        self.candidates.iter().map(|(&id, &shows)| (id, shows))
     }
 
     /// Sets row `id` to `value` and `state` (creating it if needed), as a
@@ -159,11 +265,46 @@ impl SparseTable {
             value.len(),
             state.len()
         );
-        let slot = self.slot(id)?;
+        let slot = match self.index.get(id) {
+            Some(slot) => slot,
+            None => self.create(id)?,
+        };
         let (row_value, row_state) = self.rows.row_mut(slot).split_at_mut(self.width);
         row_value.copy_from_slice(value);
-        row_state.copy_from_slice(state);
+        row_state[..state_len].copy_from_slice(state);
         Ok(())
+    }
+
+    /// Restores what a snapshot holds besides the rows: row `id`'s counts (ignored without a
+    /// policy), the candidates' shows and the tally.
+    pub fn restore_counts(&mut self, id: u64, counts: &[f32]) -> anyhow::Result<()> {
+        let counted = self.width + self.optimizer.state_len(self.width);
+        let slot = self
+            .index
+            .get(id)
+            .with_context(|| format!("table `{}`: counts of row {id}, which it does not hold", self.name))?;
+        let row = &mut self.rows.row_mut(slot)[counted..];
+        ensure!(
+            row.is_empty() || row.len() == counts.len(),
+            "table `{}`: row {id} has {} counts, got {}",
+            self.name,
+            row.len(),
+            counts.len()
+        );
+        row.copy_from_slice(&counts[..row.len()]);
+        Ok(())
+    }
+
+    /// Restores the shows of a row not stored yet (ignored without an entry rule).
+    pub fn restore_candidate(&mut self, id: u64, shows: f32) {
+        if self.policy.as_ref().is_some_and(RowPolicy::has_entry_rule) {
+            self.candidates.insert(id, shows);
+        }
+    }
+
+    /// Restores the tally a snapshot recorded.
+    pub fn restore_tally(&mut self, tally: RowTally) {
+        self.tally = tally;
     }
 
     /// Drops every row, as loading a snapshot does before inserting the
@@ -172,41 +313,113 @@ impl SparseTable {
         self.index = RowIndex::default();
         self.rows = RowPages::new(self.rows.stride());
         self.len = 0;
+        self.free.clear();
+        self.candidates.clear();
+        self.tally = RowTally::default();
     }
 
-    /// Bytes allocated for rows and index, counting capacity not yet used:
-    /// what the shard's memory budget is measured against.
+    /// Bytes allocated for rows, index and candidates, counting capacity not
+    /// yet used: what the shard's memory budget is measured against.
     pub fn memory_bytes(&self) -> usize {
-        self.rows.memory_bytes() + self.index.memory_bytes()
+        self.rows.memory_bytes()
+            + self.index.memory_bytes()
+            + self.candidates.capacity() * (size_of::<(u64, f32)>() + 1)
+            + self.free.capacity() * size_of::<u32>()
     }
 
     /// Bytes a row needs at the least — its id, value and state — the ideal
     /// `memory_bytes() / len()` is compared with.
     pub fn raw_bytes_per_row(&self) -> usize {
-        size_of::<u64>() + size_of::<f32>() * (self.width + self.optimizer.state_len(self.width))
+        size_of::<u64>() + size_of::<f32>() * self.rows.stride()
     }
 
-    /// The slot of row `id`, created and initialised if it is new.
-    fn slot(&mut self, id: u64) -> anyhow::Result<u32> {
-        let Self {
-            name,
-            width,
-            init,
-            optimizer,
-            index,
-            rows,
-            len,
-        } = self;
-        index
-            .get_or_insert_with(id, || {
-                let slot = rows.push()?;
-                let (value, state) = rows.row_mut(slot).split_at_mut(*width);
-                init_row(init, name, id, value);
-                optimizer.init_state(state);
-                *len += 1;
-                Ok(slot)
-            })
-            .with_context(|| format!("table `{name}`: cannot add row {id}"))
+    /// The slot a training occurrence of `id` updates (its shows and clicks in `counts`, one
+    /// show when absent), counted; the row is created if new and admitted; `None` if the entry
+    /// rule keeps it out.
+    fn trained_slot(&mut self, id: u64, counts: Option<&[f32]>) -> anyhow::Result<Option<u32>> {
+        let (shows, clicks) = counts.map_or((1.0, 0.0), |c| (c[0], c[1]));
+        let counted = self.width + self.optimizer.state_len(self.width);
+        if let Some(slot) = self.index.get(id) {
+            if self.policy.is_some() {
+                RowPolicy::count(&mut self.rows.row_mut(slot)[counted..], shows, clicks);
+            }
+            return Ok(Some(slot));
+        }
+        let Some(policy) = &self.policy else {
+            return self.create(id).map(Some);
+        };
+        let before = self.candidates.get(&id).copied().unwrap_or(0.0);
+        if !policy.admits(id, before, shows) {
+            self.candidates.insert(id, before + shows);
+            return Ok(None);
+        }
+        self.candidates.remove(&id);
+        let slot = self.create(id)?;
+        RowPolicy::count(&mut self.rows.row_mut(slot)[counted..], before + shows, clicks);
+        self.tally.admitted += 1;
+        Ok(Some(slot))
+    }
+
+    /// A new row for `id`, initialised, its counts zero; at the memory cap the lowest-scored
+    /// rows make room first.
+    fn create(&mut self, id: u64) -> anyhow::Result<u32> {
+        if self.row_budget.is_some_and(|budget| self.len >= budget) {
+            self.evict_lowest();
+        }
+        let slot = match self.free.pop() {
+            Some(slot) => slot,
+            None => self
+                .rows
+                .push()
+                .with_context(|| format!("table `{}`: cannot add row {id}", self.name))?,
+        };
+        let row = self.rows.row_mut(slot);
+        row.fill(0.0);
+        let (value, state) = row.split_at_mut(self.width);
+        init_row(&self.init, &self.name, id, value);
+        let state_len = self.optimizer.state_len(self.width);
+        self.optimizer.init_state(&mut state[..state_len]);
+        self.index.get_or_insert_with(id, || Ok(slot))?;
+        self.len += 1;
+        Ok(slot)
+    }
+
+    /// Evicts the lowest-scored sixteenth of the budget (ties: the lowest ids), so eviction's
+    /// scan of the table is paid once per that many new rows.
+    fn evict_lowest(&mut self) {
+        let (Some(policy), Some(budget)) = (&self.policy, self.row_budget) else {
+            return;
+        };
+        let counted = self.width + self.optimizer.state_len(self.width);
+        let mut scored: Vec<(f32, u64)> = self
+            .index
+            .iter()
+            .map(|(id, slot)| (policy.score(&self.rows.row(slot)[counted..]), id))
+            .collect();
+        let evict = (budget / 16).clamp(1, scored.len());
+        scored.select_nth_unstable_by(evict - 1, |a, b| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)));
+        for &(_, id) in &scored[..evict] {
+            self.remove(id);
+        }
+        self.tally.evicted += evict as u64;
+    }
+
+    /// Deletes row `id`; its slot is taken by the next new row.
+    fn remove(&mut self, id: u64) {
+        if let Some(slot) = self.index.remove(id) {
+            self.free.push(slot);
+            self.len -= 1;
+        }
+    }
+
+    /// Checks that `counts` holds a show and a click per id, or nothing.
+    fn check_counts(&self, ids: usize, counts: usize) -> anyhow::Result<()> {
+        ensure!(
+            counts == 0 || Some(counts) == ids.checked_mul(2),
+            "table `{}`: a push of {ids} ids carries {counts} counts, not a show and a click per id",
+            self.name
+        );
+        Ok(())
     }
 
     /// Checks that `floats` holds exactly one row per id.
@@ -254,15 +467,15 @@ mod tests {
     }
 
     #[test]
-    fn rows_start_from_their_id_whatever_the_order() -> anyhow::Result<()> {
+    fn rows_start_from_their_id_whatever_the_order_and_lookups_create_none() -> anyhow::Result<()> {
         let ids = [7u64, 1 << 50, 3, 99];
         let mut forward = SparseTable::new("emb", 4, INIT, SGD);
-        let mut backward = SparseTable::new("emb", 4, INIT, ADAM);
+        let backward = SparseTable::new("emb", 4, INIT, ADAM);
         let mut a = vec![0.0; 16];
         let mut b = vec![0.0; 16];
-        forward.pull(&ids, &mut a)?;
+        forward.pull(&ids, &mut a, Lookup::Training)?;
         let reversed: Vec<u64> = ids.iter().rev().copied().collect();
-        backward.pull(&reversed, &mut b)?;
+        backward.pull(&reversed, &mut b, Lookup::Training)?;
         for (i, &id) in ids.iter().enumerate() {
             let want = expected_row("emb", id, 4);
             assert_eq!(a[i * 4..(i + 1) * 4], want[..]);
@@ -271,6 +484,13 @@ mod tests {
         }
         assert_ne!(expected_row("emb", 7, 4), expected_row("emb", 3, 4));
         assert_ne!(expected_row("emb", 7, 4), expected_row("other", 7, 4));
+        assert_eq!((forward.len(), backward.len()), (0, 0));
+        // Served, a row not held reads as zeros; pushed, it starts from the value read above.
+        forward.pull(&ids, &mut a, Lookup::Serving)?;
+        assert!(a.iter().all(|&v| v == 0.0));
+        forward.apply_gradients(&ids, &[0.0; 16], &[])?;
+        forward.pull(&ids, &mut a, Lookup::Serving)?;
+        assert_eq!(a[..4], expected_row("emb", 7, 4)[..]);
         assert_eq!(forward.len(), 4);
         Ok(())
     }
@@ -279,8 +499,8 @@ mod tests {
     fn repeated_ids_update_in_order_and_others_stay_lazy() -> anyhow::Result<()> {
         let mut table = SparseTable::new("emb", 2, INIT, ADAM);
         let mut out = vec![0.0; 4];
-        table.pull(&[1, 2], &mut out)?;
-        table.apply_gradients(&[1, 1], &[0.5, -1.0, 0.25, 2.0])?;
+        table.pull(&[1, 2], &mut out, Lookup::Training)?;
+        table.apply_gradients(&[1, 1], &[0.5, -1.0, 0.25, 2.0], &[])?;
 
         // Reference: the same row updated twice by hand.
         let mut value = expected_row("emb", 1, 2);
@@ -304,10 +524,10 @@ mod tests {
     #[test]
     fn pushes_and_deltas_create_missing_rows() -> anyhow::Result<()> {
         let mut table = SparseTable::new("emb", 3, INIT, SGD);
-        table.apply_gradients(&[10], &[1.0, 2.0, 3.0])?;
-        table.add_deltas(&[11], &[1.0, 1.0, 1.0])?;
+        table.apply_gradients(&[10], &[1.0, 2.0, 3.0], &[])?;
+        table.add_deltas(&[11], &[1.0, 1.0, 1.0], &[])?;
         let mut out = vec![0.0; 6];
-        table.pull(&[10, 11], &mut out)?;
+        table.pull(&[10, 11], &mut out, Lookup::Training)?;
         let (start10, start11) = (expected_row("emb", 10, 3), expected_row("emb", 11, 3));
         for i in 0..3 {
             assert!((out[i] - (start10[i] - 0.1 * (i + 1) as f32)).abs() < 1e-6);
@@ -320,20 +540,23 @@ mod tests {
     #[test]
     fn wrong_sizes_name_the_table_and_both_sizes() {
         let mut table = SparseTable::new("user_emb", 9, INIT, ADAM);
-        let pull = table.pull(&[1, 2, 3], &mut [0.0; 26]).err().map(|e| e.to_string());
+        let pull = table
+            .pull(&[1, 2, 3], &mut [0.0; 26], Lookup::Training)
+            .err()
+            .map(|e| e.to_string());
         let pull = pull.unwrap_or_default();
         assert!(
             pull.contains("user_emb") && pull.contains("27") && pull.contains("26"),
             "{pull}"
         );
 
-        let push = table.apply_gradients(&[1], &[0.0; 8]).err().map(|e| e.to_string());
+        let push = table.apply_gradients(&[1], &[0.0; 8], &[]).err().map(|e| e.to_string());
         let push = push.unwrap_or_default();
         assert!(
             push.contains("user_emb") && push.contains('9') && push.contains('8'),
             "{push}"
         );
-        assert!(table.add_deltas(&[1], &[0.0; 10]).is_err());
+        assert!(table.add_deltas(&[1], &[0.0; 10], &[]).is_err());
 
         let insert = table.insert_row(5, &[0.0; 8], &[0.0; 20]).err().map(|e| e.to_string());
         let insert = insert.unwrap_or_default();
@@ -367,8 +590,7 @@ mod tests {
             let mut table = SparseTable::new("emb", 9, INIT, optimizer);
             let mut rng = SplitMix64::new(5);
             let ids: Vec<u64> = (0..200_000).map(|_| rng.next_u64()).collect();
-            let mut out = vec![0.0; ids.len() * 9];
-            table.pull(&ids, &mut out)?;
+            table.apply_gradients(&ids, &vec![0.0; ids.len() * 9], &[])?;
             let ratio = table.memory_bytes() as f64 / table.len() as f64 / table.raw_bytes_per_row() as f64;
             assert!(ratio < 1.5, "{}: {ratio:.3}× the ideal", optimizer.name());
             assert!(ratio >= 1.0);

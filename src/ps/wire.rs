@@ -24,6 +24,9 @@ pub struct PullRequest {
     pub version: u64,
     /// Wait until every trainer has ended training (for the final evaluation).
     pub after_training: bool,
+    /// For a training step (rows not held read as their initial values, unless an entry rule
+    /// keeps them out) or for evaluation (they read as zeros). Nothing is created either way.
+    pub training: bool,
     /// Ids to pull, per table (table index = position).
     pub ids: Vec<Vec<u64>>,
     /// Whether to send this shard's dense slice.
@@ -61,6 +64,9 @@ pub struct PushRequest {
     pub ids: Vec<Vec<u64>>,
     /// Per table, `ids × width` values.
     pub values: Vec<Vec<f32>>,
+    /// Per table, each id's shows and clicks in the pushed samples (`2 × ids`), for tables
+    /// with a row policy; empty for the others.
+    pub counts: Vec<Vec<f32>>,
     /// Values for the whole dense slice of the shard.
     pub dense: Vec<f32>,
 }
@@ -114,13 +120,19 @@ pub struct ShardStats {
     pub updates_applied: u64,
 }
 
-/// One table's size on one shard.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+/// One table's size on one shard, and what its row policy did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
 pub struct TableStats {
     /// Rows held.
     pub rows: u64,
     /// Bytes allocated for them and their index.
     pub bytes: u64,
+    /// Rows stored under the policy's entry rule.
+    pub admitted: u64,
+    /// Rows evicted to stay under the memory cap.
+    pub evicted: u64,
+    /// Rows deleted at the end of a pass.
+    pub deleted: u64,
 }
 
 /// A request from a trainer to a shard in its process (or from the shard's TCP endpoint, for a
@@ -170,6 +182,7 @@ enum Header {
         trainer: u32,
         version: u64,
         after_training: bool,
+        training: bool,
         ids: Vec<u32>,
         dense: bool,
     },
@@ -179,6 +192,7 @@ enum Header {
         kind: UpdateKind,
         ids: Vec<u32>,
         values: Vec<u32>,
+        counts: Vec<u32>,
         dense: u32,
     },
     EndTraining {
@@ -199,8 +213,7 @@ enum Header {
     },
     Checkpointed(Vec<FileRecord>),
     TableStats {
-        rows: Vec<u64>,
-        bytes: Vec<u64>,
+        tables: Vec<TableStats>,
         applied: u64,
     },
     Rows {
@@ -226,6 +239,7 @@ pub fn encode_request(call: &ShardCall) -> Result<Bytes> {
                 trainer: pull.trainer as u32,
                 version: pull.version,
                 after_training: pull.after_training,
+                training: pull.training,
                 ids: counts(pull.ids.iter().map(Vec::len))?,
                 dense: pull.dense,
             };
@@ -236,6 +250,7 @@ pub fn encode_request(call: &ShardCall) -> Result<Bytes> {
                 + push
                     .values
                     .iter()
+                    .chain(&push.counts)
                     .chain(std::iter::once(&push.dense))
                     .map(|v| v.len() * 4)
                     .sum::<usize>();
@@ -245,11 +260,12 @@ pub fn encode_request(call: &ShardCall) -> Result<Bytes> {
                 kind: push.kind,
                 ids: counts(push.ids.iter().map(Vec::len))?,
                 values: counts(push.values.iter().map(Vec::len))?,
+                counts: counts(push.counts.iter().map(Vec::len))?,
                 dense: count(push.dense.len())?,
             };
             return encode_with(&stamped(header), len, |out| {
                 put_ids(out, &push.ids);
-                for values in &push.values {
+                for values in push.values.iter().chain(&push.counts) {
                     put_floats(out, values);
                 }
                 put_floats(out, &push.dense);
@@ -287,12 +303,14 @@ pub fn decode_request(body: Bytes) -> Result<ShardCall> {
             trainer,
             version,
             after_training,
+            training,
             ids,
             dense,
         } => Request::Pull(PullRequest {
             trainer: trainer as usize,
             version,
             after_training,
+            training,
             ids: ids.iter().map(|&n| payload.ids(n)).collect::<Result<_>>()?,
             dense,
         }),
@@ -302,6 +320,7 @@ pub fn decode_request(body: Bytes) -> Result<ShardCall> {
             kind,
             ids,
             values,
+            counts,
             dense,
         } => Request::Push(PushRequest {
             trainer: trainer as usize,
@@ -309,6 +328,7 @@ pub fn decode_request(body: Bytes) -> Result<ShardCall> {
             kind,
             ids: ids.iter().map(|&n| payload.ids(n)).collect::<Result<_>>()?,
             values: values.iter().map(|&n| payload.floats(n)).collect::<Result<_>>()?,
+            counts: counts.iter().map(|&n| payload.floats(n)).collect::<Result<_>>()?,
             dense: payload.floats(dense)?,
         }),
         Header::EndTraining { trainer } => Request::EndTraining {
@@ -361,8 +381,7 @@ pub fn encode_reply(reply: &Result<Reply>) -> Result<Bytes> {
             });
         }
         Ok(Reply::Stats(stats)) => Header::TableStats {
-            rows: stats.tables.iter().map(|t| t.rows).collect(),
-            bytes: stats.tables.iter().map(|t| t.bytes).collect(),
+            tables: stats.tables.clone(),
             applied: stats.updates_applied,
         },
         Ok(Reply::Checkpointed(records)) => Header::Checkpointed(records.clone()),
@@ -383,22 +402,10 @@ pub fn decode_reply(body: Bytes) -> Result<Reply> {
             rows: rows.iter().map(|&n| payload.floats(n)).collect::<Result<_>>()?,
             dense: payload.floats(dense)?,
         }),
-        Header::TableStats { rows, bytes, applied } => {
-            ensure!(
-                rows.len() == bytes.len(),
-                "malformed answer: {} row counts for {} byte counts",
-                rows.len(),
-                bytes.len()
-            );
-            Reply::Stats(ShardStats {
-                tables: rows
-                    .into_iter()
-                    .zip(bytes)
-                    .map(|(rows, bytes)| TableStats { rows, bytes })
-                    .collect(),
-                updates_applied: applied,
-            })
-        }
+        Header::TableStats { tables, applied } => Reply::Stats(ShardStats {
+            tables,
+            updates_applied: applied,
+        }),
         Header::Checkpointed(records) => Reply::Checkpointed(records),
         Header::Done => Reply::Done,
         Header::Failed { reason } => bail!("{reason}"),
@@ -503,6 +510,7 @@ mod tests {
             kind: UpdateKind::Gradients,
             ids: vec![vec![1, u64::MAX], vec![]],
             values: vec![vec![0.5, -1.0, 2.0, 3.0], vec![]],
+            counts: vec![vec![3.0, 1.0, 1.0, 0.0], vec![]],
             dense: vec![1.0, 2.0, 3.0],
         })
     }
@@ -513,6 +521,7 @@ mod tests {
             trainer: 1,
             version: 9,
             after_training: true,
+            training: false,
             ids: vec![vec![5, 6, 7], vec![8]],
             dense: true,
         });
@@ -532,7 +541,16 @@ mod tests {
         });
         assert_eq!(decode_reply(encode_reply(&Ok(rows.clone()))?)?, rows);
         let stats = Reply::Stats(ShardStats {
-            tables: vec![TableStats { rows: 3, bytes: 300 }, TableStats::default()],
+            tables: vec![
+                TableStats {
+                    rows: 3,
+                    bytes: 300,
+                    admitted: 4,
+                    evicted: 1,
+                    deleted: 0,
+                },
+                TableStats::default(),
+            ],
             updates_applied: 12,
         });
         assert_eq!(decode_reply(encode_reply(&Ok(stats.clone()))?)?, stats);

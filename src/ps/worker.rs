@@ -33,14 +33,15 @@ pub struct TableSpec {
 /// per-id weights (starting near 0, as a linear model's should).
 pub fn table_layout(job: &JobConfig) -> Vec<TableSpec> {
     let width = job.train.embedding_dim;
+    let names = job.train.model.sparse_tables();
     vec![
         TableSpec {
-            name: "embedding",
+            name: names[0],
             width,
             init_bound: 1.0 / (width as f32).sqrt(),
         },
         TableSpec {
-            name: "wide",
+            name: names[1],
             width: 1,
             init_bound: 0.01,
         },
@@ -54,6 +55,8 @@ pub struct PullPlan {
     pub ids: Vec<Vec<Vec<u64>>>,
     /// Whether the dense slices are needed.
     pub dense: bool,
+    /// For a training step (rows not held read as their initial values) or for evaluation.
+    pub training: bool,
 }
 
 /// One shard's part of an update.
@@ -63,6 +66,8 @@ pub struct ShardUpdate {
     pub ids: Vec<Vec<u64>>,
     /// Per table, `ids × width` gradients or deltas.
     pub values: Vec<Vec<f32>>,
+    /// Per table with a row policy, each id's shows and clicks (`2 × ids`); empty for others.
+    pub counts: Vec<Vec<f32>>,
     /// The shard's dense slice of gradients or deltas.
     pub dense: Vec<f32>,
 }
@@ -101,6 +106,8 @@ struct GeoCopies {
     dense: Option<(Vec<f32>, Vec<f32>)>,
     /// Per table, id → the local optimizer's state of that row.
     row_state: Vec<FxHashMap<u64, Vec<f32>>>,
+    /// Per table with a row policy, id → its shows and clicks since the last push.
+    counts: Vec<FxHashMap<u64, [f32; 2]>>,
     /// The local optimizer's state of the dense parameters.
     dense_state: Vec<f32>,
 }
@@ -119,6 +126,8 @@ pub struct CtrWorker {
     dense_vars: Vec<Var>,
     dense_len: usize,
     widths: Vec<usize>,
+    /// Per table, whether its shards count shows and clicks (it has a row policy).
+    counted: Vec<bool>,
     server_num: usize,
     device: Device,
     /// Geo mode: the optimizer of the local copies.
@@ -147,6 +156,7 @@ impl CtrWorker {
                     rows: vec![FxHashMap::default(); tables],
                     dense: None,
                     row_state: vec![FxHashMap::default(); tables],
+                    counts: vec![FxHashMap::default(); tables],
                     dense_state,
                 })
             }
@@ -157,6 +167,10 @@ impl CtrWorker {
             dense_vars,
             dense_len,
             widths: table_layout(job).into_iter().map(|t| t.width).collect(),
+            counted: table_layout(job)
+                .into_iter()
+                .map(|t| job.strategy.sparse_table_configs.contains_key(t.name))
+                .collect(),
             server_num: job.cluster.server_num,
             device,
             local_optimizer,
@@ -211,7 +225,7 @@ impl CtrWorker {
             index,
             slots,
         });
-        Ok(PullPlan { ids, dense })
+        Ok(PullPlan { ids, dense, training })
     }
 
     /// Runs forward and backward of the planned batch on the pulled rows (`pulled[shard]`)
@@ -365,11 +379,15 @@ impl CtrWorker {
     /// Sync and async: the step's gradients, each row to the shard it lives on.
     fn split_gradients(&self, planned: &PlannedBatch, row_grads: &[Vec<f32>], dense_grad: &[f32]) -> Vec<ShardUpdate> {
         let mut updates = self.empty_updates(dense_grad);
+        let counts = self.counted.contains(&true).then(|| shows_and_clicks(planned));
         for (table, &width) in self.widths.iter().enumerate() {
             for (u, &id) in planned.unique.iter().enumerate() {
                 let shard = shard_of(table, id, self.server_num);
                 updates[shard].ids[table].push(id);
                 updates[shard].values[table].extend_from_slice(&row_grads[table][u * width..(u + 1) * width]);
+                if let Some(counts) = counts.as_ref().filter(|_| self.counted[table]) {
+                    updates[shard].counts[table].extend_from_slice(&counts[u]);
+                }
             }
         }
         updates
@@ -385,8 +403,14 @@ impl CtrWorker {
     ) -> Result<Option<Vec<ShardUpdate>>> {
         let optimizer = self.local_optimizer;
         let geo = self.geo.as_mut().context("geo step outside geo mode")?;
+        let counts = self.counted.contains(&true).then(|| shows_and_clicks(planned));
         for (table, &width) in self.widths.iter().enumerate() {
             for (u, id) in planned.unique.iter().enumerate() {
+                if let Some(counts) = counts.as_ref().filter(|_| self.counted[table]) {
+                    let sum = geo.counts[table].entry(*id).or_default();
+                    sum[0] += counts[u][0];
+                    sum[1] += counts[u][1];
+                }
                 let copy = geo.rows[table].get_mut(id).context("a local row vanished")?;
                 let state = geo.row_state[table].entry(*id).or_insert_with(|| {
                     let mut state = vec![0.0; optimizer.state_len(width)];
@@ -415,6 +439,7 @@ impl CtrWorker {
         let (local, base) = geo.dense.take().context("geo dense copy missing")?;
         let dense_delta: Vec<f32> = local.iter().zip(&base).map(|(l, b)| l - b).collect();
         let rows = std::mem::replace(&mut geo.rows, vec![FxHashMap::default(); self.widths.len()]);
+        let counts = std::mem::replace(&mut geo.counts, vec![FxHashMap::default(); self.widths.len()]);
         let mut updates = self.empty_updates(&dense_delta);
         for (table, (copies, &width)) in rows.into_iter().zip(&self.widths).enumerate() {
             let mut copies: Vec<(u64, Vec<f32>)> = copies.into_iter().collect();
@@ -424,6 +449,9 @@ impl CtrWorker {
                 updates[shard].ids[table].push(id);
                 let (local, base) = copy.split_at(width);
                 updates[shard].values[table].extend(local.iter().zip(base).map(|(l, b)| l - b));
+                if self.counted[table] {
+                    updates[shard].counts[table].extend(counts[table].get(&id).copied().unwrap_or_default());
+                }
             }
         }
         Ok(Some(updates))
@@ -488,8 +516,23 @@ impl CtrWorker {
             .map(|shard| ShardUpdate {
                 ids: vec![Vec::new(); self.widths.len()],
                 values: vec![Vec::new(); self.widths.len()],
+                counts: vec![Vec::new(); self.widths.len()],
                 dense: dense[dense_range(self.dense_len, shard, self.server_num)].to_vec(),
             })
             .collect()
     }
+}
+
+/// Each distinct id's shows (its occurrences in the batch) and clicks (those in clicked
+/// samples), in the order of `planned.unique`.
+fn shows_and_clicks(planned: &PlannedBatch) -> Vec<[f32; 2]> {
+    let mut counts = vec![[0.0f32; 2]; planned.unique.len()];
+    for (sample, positions) in planned.index.chunks_exact(SPARSE_SLOTS).enumerate() {
+        let click = planned.batch.labels[sample];
+        for &u in positions {
+            counts[u as usize][0] += 1.0;
+            counts[u as usize][1] += click;
+        }
+    }
+    counts
 }

@@ -1,0 +1,121 @@
+//! `[strategy.sparse_table_configs.<table>]`: how a parameter-server shard admits, counts and
+//! evicts the rows of one sparse table, in the vocabulary of Paddle's CTR accessor. A table
+//! without a section keeps every row it is pushed, for ever.
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+
+use super::FieldError;
+
+/// One table's row policy. Every row of such a table counts its shows (training occurrences)
+/// and clicks (occurrences in clicked samples); its score is
+/// `nonclk_coeff × (shows − clicks) + click_coeff × clicks`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct SparseTableConfig {
+    /// Entry: a row is stored from its `count_filter`-th training occurrence on (its gradients
+    /// before are dropped); until then it reads as zeros. 0 or 1: from its first.
+    pub count_filter: u32,
+    /// Entry: each training occurrence of a row not stored yet stores it with this probability
+    /// (drawn from the job's seed, the table, the id and the occurrence, so runs repeat).
+    pub probability: f64,
+    /// Weight of a show without a click in the score.
+    pub nonclk_coeff: f32,
+    /// Weight of a click in the score.
+    pub click_coeff: f32,
+    /// At the end of each pass, every row's shows and clicks are multiplied by this.
+    pub show_click_decay_rate: f32,
+    /// At the end of each pass, rows whose (decayed) score is below this are deleted.
+    pub delete_threshold: f32,
+    /// At the end of each pass, rows not trained for more than this many passes are deleted.
+    pub delete_after_unseen_days: u32,
+    /// The most this table's rows (values, optimizer state, counts and index) may take on one
+    /// shard, in MiB; rows beyond it evict the lowest-scored. 0: no cap.
+    pub max_memory_mb: f64,
+}
+
+/// Paddle's defaults (`CtrCommonAccessor`), except the entry rules, which admit every row.
+impl Default for SparseTableConfig {
+    fn default() -> Self {
+        Self {
+            count_filter: 0,
+            probability: 1.0,
+            nonclk_coeff: 0.1,
+            click_coeff: 1.0,
+            show_click_decay_rate: 0.98,
+            delete_threshold: 0.8,
+            delete_after_unseen_days: 30,
+            max_memory_mb: 0.0,
+        }
+    }
+}
+
+impl SparseTableConfig {
+    /// Whether a row must earn its place before it is stored.
+    pub fn has_entry_rule(&self) -> bool {
+        self.count_filter > 1 || self.probability < 1.0
+    }
+
+    /// Checks the values of table `table`'s section.
+    fn check(&self, table: &str) -> Result<(), FieldError> {
+        let key = |name: &str| format!("strategy.sparse_table_configs.{table}.{name}");
+        if !(self.probability > 0.0 && self.probability <= 1.0) {
+            return Err(FieldError::new(
+                key("probability"),
+                format!("{} is not in (0, 1]: the chance a new row is stored", self.probability),
+            ));
+        }
+        if self.count_filter > 1 && self.probability < 1.0 {
+            return Err(FieldError::new(
+                key("probability"),
+                format!(
+                    "{} with count_filter = {}: a table admits rows by one entry rule",
+                    self.probability, self.count_filter
+                ),
+            ));
+        }
+        if !(self.show_click_decay_rate > 0.0 && self.show_click_decay_rate <= 1.0) {
+            return Err(FieldError::new(
+                key("show_click_decay_rate"),
+                format!("{} is not in (0, 1]", self.show_click_decay_rate),
+            ));
+        }
+        for (name, value) in [
+            ("nonclk_coeff", self.nonclk_coeff),
+            ("click_coeff", self.click_coeff),
+            ("delete_threshold", self.delete_threshold),
+        ] {
+            if !(value.is_finite() && value >= 0.0) {
+                return Err(FieldError::new(key(name), format!("{value} is not a number ≥ 0")));
+            }
+        }
+        if !(self.max_memory_mb.is_finite() && self.max_memory_mb >= 0.0) {
+            return Err(FieldError::new(
+                key("max_memory_mb"),
+                format!("{} is not a size in MiB ≥ 0", self.max_memory_mb),
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// Checks every section: each names a table of the model (`tables`) and holds valid values.
+pub(super) fn check_sparse_tables(
+    configs: &BTreeMap<String, SparseTableConfig>,
+    tables: &[&str],
+) -> Result<(), FieldError> {
+    for (table, config) in configs {
+        if !tables.contains(&table.as_str()) {
+            return Err(FieldError::new(
+                format!("strategy.sparse_table_configs.{table}"),
+                format!(
+                    "the model has no sparse table `{table}`; its tables are {}",
+                    tables.join(", ")
+                ),
+            ));
+        }
+        config.check(table)?;
+    }
+    Ok(())
+}
