@@ -3,53 +3,19 @@
 
 mod common;
 
+use common::{ctr_config, run};
+
 use std::collections::HashMap;
 use std::path::Path;
 
 use candle_core::{Device, Tensor, Var};
 use flotilla::config::JobConfig;
 use flotilla::data::ctr::CtrLoader;
-use flotilla::job::ps::{build_shard, ParameterServerJob, PsSummary};
-use flotilla::job::RunOptions;
+use flotilla::job::ps::{build_shard, ParameterServerJob};
 use flotilla::models::{sigmoid_cross_entropy, ParamInit, SparseRows, WideDeep};
 use flotilla::ps::table::{init_row, RowInit};
 use flotilla::ps::wire::{PullRequest, PushRequest, UpdateKind};
 use flotilla::ps::worker::table_layout;
-
-/// A small CTR job: narrow model, small vocabularies (so rows are shared between trainers and
-/// steps), 2 shards × 3 trainers.
-fn ctr_config(overrides: &[&str]) -> JobConfig {
-    let base = r#"
-        [cluster]
-        server_num = 2
-        nproc_per_node = 3
-        [train]
-        model = "wide_deep"
-        embedding_dim = 4
-        hidden_sizes = [16, 8]
-        dataset = "criteo_synthetic"
-        synthetic_samples = 21000
-        synthetic_vocab = 300
-        test_fraction = 0.05
-        batch_size = 96
-        steps = 20
-        optimizer = "sgd"
-        momentum = 0.0
-        lr = 0.1
-        [fault_tolerance]
-        timeout_s = 30
-    "#;
-    let overrides: Vec<String> = overrides.iter().map(|s| s.to_string()).collect();
-    JobConfig::from_toml_str(base, "ctr.toml", &|_| None, &overrides).expect("valid test config")
-}
-
-fn run(config: JobConfig, run_dir: &Path) -> PsSummary {
-    let options = RunOptions::new(run_dir);
-    ParameterServerJob::builtin(config)
-        .expect("job")
-        .run_simulated(&options)
-        .expect("training succeeds")
-}
 
 /// The tensors of one shard snapshot, as f32 values or u64 ids.
 struct ShardFile {

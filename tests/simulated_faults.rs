@@ -227,6 +227,19 @@ fn a_killed_sync_shard_or_trainer_is_replaced_alone_and_the_job_ends_as_without_
     ps_sync_survives(&[], &role(3, 30, RoleFault::Kill), [0, 0, 0, 1]);
 }
 
+/// Row policies checkpoint their state: counts, the shows of rows not admitted yet, the tally.
+/// Passes of 15 steps end at 15 and 30; the trainer killed before step 30 rolls the job back to
+/// step 20, between them.
+#[test]
+fn a_job_with_table_policies_resumes_their_counts_and_ends_as_without_faults() {
+    let policies = [
+        "strategy.sparse_pass_steps=15",
+        "strategy.sparse_table_configs.embedding.count_filter=2",
+        "strategy.sparse_table_configs.wide.delete_after_unseen_days=0",
+    ];
+    ps_sync_survives(&policies, &role(3, 30, RoleFault::Kill), [0, 0, 0, 1]);
+}
+
 #[test]
 fn a_stalled_shard_is_declared_dead_killed_and_replaced_and_the_job_ends_as_without_faults() {
     ps_sync_survives(&[], &role(1, 25, RoleFault::Stall), [0, 1, 0, 0]);

@@ -119,3 +119,60 @@ pub(super) fn check_sparse_tables(
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use crate::config::tests::{err_text, load_str};
+
+    const CTR: &str = "[cluster]\nserver_num = 2\n[train]\nmodel = \"wide_deep\"\ndataset = \"criteo_synthetic\"\n";
+
+    fn with_table(section: &str) -> String {
+        format!("{CTR}[strategy.sparse_table_configs.{section}\n")
+    }
+
+    #[test]
+    fn a_policy_loads_with_paddles_defaults_where_unset() {
+        let config = load_str(&with_table("embedding]\ncount_filter = 3")).unwrap();
+        let policy = &config.strategy.sparse_table_configs["embedding"];
+        assert_eq!((policy.count_filter, policy.delete_after_unseen_days), (3, 30));
+        assert!(policy.has_entry_rule());
+    }
+
+    #[test]
+    fn bad_policies_name_the_table_and_the_key() {
+        let cases = [
+            (
+                with_table("user_id]\ncount_filter = 3"),
+                "strategy.sparse_table_configs.user_id: the model has no sparse table `user_id`; its tables are embedding, wide",
+            ),
+            (
+                with_table("wide]\ncount_filter = \"3\""),
+                "strategy.sparse_table_configs.wide.count_filter: invalid type: string \"3\"",
+            ),
+            (
+                with_table("wide]\nmax_rows = 3"),
+                "strategy.sparse_table_configs.wide: unknown field `max_rows`",
+            ),
+            (
+                with_table("wide]\nprobability = 0.0"),
+                "strategy.sparse_table_configs.wide.probability: 0 is not in (0, 1]",
+            ),
+            (
+                with_table("wide]\nprobability = 0.5\ncount_filter = 2"),
+                "strategy.sparse_table_configs.wide.probability: 0.5 with count_filter = 2",
+            ),
+            (
+                with_table("wide]\nmax_memory_mb = -1.0"),
+                "strategy.sparse_table_configs.wide.max_memory_mb: -1 is not a size",
+            ),
+            (
+                "[strategy.sparse_table_configs.embedding]\ncount_filter = 3\n".to_owned(),
+                "strategy.sparse_table_configs.embedding: sparse tables live on parameter servers",
+            ),
+        ];
+        for (text, want) in cases {
+            let got = err_text(load_str(&text));
+            assert!(got.contains(want), "{text}\n→ {got}");
+        }
+    }
+}

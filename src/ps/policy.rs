@@ -9,7 +9,8 @@ use super::row_pages::PAGE_ROWS;
 use crate::config::SparseTableConfig;
 use crate::rng::SplitMix64;
 
-/// Floats of counts after a policed row's optimizer state: shows, clicks, passes unseen.
+/// Floats of counts after a policed row's optimizer state: shows, clicks, and passes unseen —
+/// whole passes ended without a show of the row, −1 once it is shown in the current pass.
 pub const COUNTS: usize = 3;
 const SHOWS: usize = 0;
 const CLICKS: usize = 1;
@@ -55,11 +56,12 @@ impl RowPolicy {
         true
     }
 
-    /// Adds a training occurrence's `shows` and `clicks` to a row's `counts`; it is seen again.
+    /// Adds a training occurrence's `shows` and `clicks` to a row's `counts`; it is seen in
+    /// this pass.
     pub fn count(counts: &mut [f32], shows: f32, clicks: f32) {
         counts[SHOWS] += shows;
         counts[CLICKS] += clicks;
-        counts[UNSEEN] = 0.0;
+        counts[UNSEEN] = -1.0;
     }
 
     /// Paddle's show-click score: `nonclk_coeff × (shows − clicks) + click_coeff × clicks`.
@@ -68,8 +70,8 @@ impl RowPolicy {
         self.config.nonclk_coeff * (shows - clicks) + self.config.click_coeff * clicks
     }
 
-    /// The end of a pass for a row: its counts decay and it has been unseen one pass more.
-    /// Returns whether it stays.
+    /// The end of a pass for a row: its counts decay, and it has been unseen one whole pass more
+    /// (none if it was shown in this one). Returns whether it stays.
     pub fn survives_pass(&self, counts: &mut [f32]) -> bool {
         let decay = self.config.show_click_decay_rate;
         counts[SHOWS] *= decay;
@@ -79,11 +81,13 @@ impl RowPolicy {
             && counts[UNSEEN] <= self.config.delete_after_unseen_days as f32
     }
 
-    /// The end of a pass for the shows of a row not stored yet: they decay; below one whole
-    /// show it is forgotten. Returns whether it is remembered.
-    pub fn candidate_survives_pass(&self, shows: &mut f32) -> bool {
-        *shows *= self.config.show_click_decay_rate;
-        *shows >= 1.0
+    /// The end of a pass for the shows and clicks of a row not stored yet: they decay; below
+    /// one whole show it is forgotten. Returns whether it is remembered.
+    pub fn candidate_survives_pass(&self, counts: &mut [f32; 2]) -> bool {
+        counts
+            .iter_mut()
+            .for_each(|count| *count *= self.config.show_click_decay_rate);
+        counts[SHOWS] >= 1.0
     }
 
     /// The most rows of `stride` floats a shard of the table may hold under the memory cap, or
@@ -148,21 +152,37 @@ mod tests {
 
     #[test]
     fn scores_decay_and_rows_go_below_the_threshold_or_unseen_too_long() {
-        let p = policy(|c| {
+        let decaying = policy(|c| {
             c.delete_threshold = 0.5;
-            c.delete_after_unseen_days = 2;
             c.show_click_decay_rate = 0.5;
         });
         let mut clicked = [0.0; COUNTS];
         RowPolicy::count(&mut clicked, 4.0, 2.0);
-        assert!((p.score(&clicked) - (0.1 * 2.0 + 2.0)).abs() < 1e-6);
-        assert!(p.survives_pass(&mut clicked));
-        assert_eq!(clicked, [2.0, 1.0, 1.0]);
-        assert!(p.survives_pass(&mut clicked));
-        assert!(!p.survives_pass(&mut clicked), "unseen for 3 passes: {clicked:?}");
+        assert!((decaying.score(&clicked) - (0.1 * 2.0 + 2.0)).abs() < 1e-6);
+        assert!(decaying.survives_pass(&mut clicked));
+        assert_eq!(clicked, [2.0, 1.0, 0.0], "shown in the pass that ended");
+        assert!(decaying.survives_pass(&mut clicked), "score 0.55");
+        assert!(!decaying.survives_pass(&mut clicked), "score 0.275 < 0.5");
         let mut shown = [0.0; COUNTS];
         RowPolicy::count(&mut shown, 8.0, 0.0);
-        assert!(!p.survives_pass(&mut shown), "0.1 × 4 < 0.5");
+        assert!(!decaying.survives_pass(&mut shown), "0.1 × 4 < 0.5");
+
+        let forgetting = policy(|c| {
+            c.delete_threshold = 0.0;
+            c.delete_after_unseen_days = 2;
+        });
+        let mut row = [0.0; COUNTS];
+        RowPolicy::count(&mut row, 1.0, 0.0);
+        assert!(forgetting.survives_pass(&mut row));
+        assert!(forgetting.survives_pass(&mut row));
+        RowPolicy::count(&mut row, 1.0, 0.0);
+        for _ in 0..3 {
+            assert!(forgetting.survives_pass(&mut row), "{row:?}");
+        }
+        assert!(
+            !forgetting.survives_pass(&mut row),
+            "unseen for 3 whole passes: {row:?}"
+        );
     }
 
     #[test]

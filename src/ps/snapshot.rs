@@ -6,7 +6,7 @@
 //! `[n, width]`, `sparse.<table>.state` F32 `[n, state_len]` (`[n, 0]` for a
 //! stateless optimizer), rows in the same order in all three; a table with a row policy adds
 //! `sparse.<table>.counts` F32 `[n, 3]` (shows, clicks, passes unseen, same order),
-//! `sparse.<table>.candidate_ids` U64 `[m]` and `sparse.<table>.candidate_shows` F32 `[m]`
+//! `sparse.<table>.candidate_ids` U64 `[m]` and `sparse.<table>.candidate_counts` F32 `[m, 2]`
 //! (rows its entry rule has not stored yet) and the metadata `sparse.<table>.admitted`,
 //! `.evicted` and `.deleted`. Metadata:
 //! `format = "flotilla-ps-shard"`, `shard`, `server_num`, `dense.offset`,
@@ -140,8 +140,8 @@ fn shard_tensors<'a>(
                 ShardTensor::new(Part::CandidateIds(table), vec![candidates]),
             ));
             tensors.push((
-                format!("sparse.{name}.candidate_shows"),
-                ShardTensor::new(Part::CandidateShows(table), vec![candidates]),
+                format!("sparse.{name}.candidate_counts"),
+                ShardTensor::new(Part::CandidateCounts(table), vec![candidates, 2]),
             ));
         }
     }
@@ -384,13 +384,13 @@ struct TableLoad<'a> {
     policy: PolicyLoad,
 }
 
-/// What a policed table's snapshot holds besides its rows: their counts, the shows of rows not
-/// stored yet, and the tally. A file written without a policy has none of it: counting starts
+/// What a policed table's snapshot holds besides its rows: their counts, the shows and clicks of
+/// rows not stored yet, and the tally. A file written without a policy has none of it: counting starts
 /// afresh.
 #[derive(Default)]
 struct PolicyLoad {
     counts: Vec<f32>,
-    candidates: Vec<(u64, f32)>,
+    candidates: Vec<(u64, [f32; 2])>,
     tally: RowTally,
 }
 
@@ -403,12 +403,13 @@ impl PolicyLoad {
         }
         let counts = floats(file.tensor(&counts_name, Dtype::F32, Some(&[rows, COUNTS]))?.data());
         let ids = file.tensor(&format!("sparse.{name}.candidate_ids"), Dtype::U64, None)?;
-        let shows = file.tensor(&format!("sparse.{name}.candidate_shows"), Dtype::F32, Some(ids.shape()))?;
+        let m = ids.shape().first().copied().unwrap_or(0);
+        let shown = file.tensor(&format!("sparse.{name}.candidate_counts"), Dtype::F32, Some(&[m, 2]))?;
         let candidates = ids
             .data()
             .chunks_exact(8)
             .map(u64_from_le)
-            .zip(floats(shows.data()))
+            .zip(floats(shown.data()).chunks_exact(2).map(|c| [c[0], c[1]]))
             .collect();
         let figure = |key: &str| -> anyhow::Result<u64> {
             let key = format!("sparse.{name}.{key}");
@@ -438,8 +439,8 @@ impl PolicyLoad {
 
     /// Gives `table` the candidates `keep` accepts.
     fn restore_candidates(&self, table: &mut SparseTable, keep: impl Fn(u64) -> bool) {
-        for &(id, shows) in self.candidates.iter().filter(|(id, _)| keep(*id)) {
-            table.restore_candidate(id, shows);
+        for &(id, counts) in self.candidates.iter().filter(|(id, _)| keep(*id)) {
+            table.restore_candidate(id, counts);
         }
     }
 }
@@ -515,7 +516,7 @@ enum Part<'a> {
     State(&'a SparseTable),
     Counts(&'a SparseTable),
     CandidateIds(&'a SparseTable),
-    CandidateShows(&'a SparseTable),
+    CandidateCounts(&'a SparseTable),
 }
 
 struct ShardTensor<'a> {
@@ -563,9 +564,10 @@ impl View for ShardTensor<'_> {
             Part::CandidateIds(table) => table
                 .candidates()
                 .for_each(|(id, _)| bytes.extend_from_slice(&id.to_le_bytes())),
-            Part::CandidateShows(table) => table
+            Part::CandidateCounts(table) => table
                 .candidates()
-                .for_each(|(_, shows)| bytes.extend_from_slice(&shows.to_le_bytes())),
+                .flat_map(|(_, counts)| counts)
+                .for_each(|f| bytes.extend_from_slice(&f.to_le_bytes())),
         }
         Cow::Owned(bytes)
     }

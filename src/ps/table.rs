@@ -79,8 +79,8 @@ pub struct SparseTable {
     row_budget: Option<usize>,
     /// Slots of deleted rows, taken before new ones.
     free: Vec<u32>,
-    /// Under an entry rule: the shows of rows not stored yet.
-    candidates: FxHashMap<u64, f32>,
+    /// Under an entry rule: the shows and clicks of rows not stored yet.
+    candidates: FxHashMap<u64, [f32; 2]>,
     tally: RowTally,
 }
 
@@ -221,7 +221,8 @@ impl SparseTable {
                 doomed.push(id);
             }
         }
-        self.candidates.retain(|_, shows| policy.candidate_survives_pass(shows));
+        self.candidates
+            .retain(|_, counts| policy.candidate_survives_pass(counts));
         self.policy = Some(policy);
         for &id in &doomed {
             self.remove(id);
@@ -247,9 +248,10 @@ impl SparseTable {
         self.index.iter().map(move |(_, slot)| &self.rows.row(slot)[counted..])
     }
 
-    /// Under an entry rule, the shows of each row not stored yet, in no particular order.
-    pub fn candidates(&self) -> impl Iterator<Item = (u64, f32)> + '_ {
-        self.candidates.iter().map(|(&id, &shows)| (id, shows))
+    /// Under an entry rule, the shows and clicks of each row not stored yet, in no particular
+    /// order.
+    pub fn candidates(&self) -> impl Iterator<Item = (u64, [f32; 2])> + '_ {
+        self.candidates.iter().map(|(&id, &counts)| (id, counts))
     }
 
     /// Sets row `id` to `value` and `state` (creating it if needed), as a
@@ -295,10 +297,10 @@ impl SparseTable {
         Ok(())
     }
 
-    /// Restores the shows of a row not stored yet (ignored without an entry rule).
-    pub fn restore_candidate(&mut self, id: u64, shows: f32) {
+    /// Restores the shows and clicks of a row not stored yet (ignored without an entry rule).
+    pub fn restore_candidate(&mut self, id: u64, counts: [f32; 2]) {
         if self.policy.as_ref().is_some_and(RowPolicy::has_entry_rule) {
-            self.candidates.insert(id, shows);
+            self.candidates.insert(id, counts);
         }
     }
 
@@ -323,7 +325,7 @@ impl SparseTable {
     pub fn memory_bytes(&self) -> usize {
         self.rows.memory_bytes()
             + self.index.memory_bytes()
-            + self.candidates.capacity() * (size_of::<(u64, f32)>() + 1)
+            + self.candidates.capacity() * (size_of::<(u64, [f32; 2])>() + 1)
             + self.free.capacity() * size_of::<u32>()
     }
 
@@ -348,14 +350,18 @@ impl SparseTable {
         let Some(policy) = &self.policy else {
             return self.create(id).map(Some);
         };
-        let before = self.candidates.get(&id).copied().unwrap_or(0.0);
+        let [before, clicked] = self.candidates.get(&id).copied().unwrap_or_default();
         if !policy.admits(id, before, shows) {
-            self.candidates.insert(id, before + shows);
+            self.candidates.insert(id, [before + shows, clicked + clicks]);
             return Ok(None);
         }
         self.candidates.remove(&id);
         let slot = self.create(id)?;
-        RowPolicy::count(&mut self.rows.row_mut(slot)[counted..], before + shows, clicks);
+        RowPolicy::count(
+            &mut self.rows.row_mut(slot)[counted..],
+            before + shows,
+            clicked + clicks,
+        );
         self.tally.admitted += 1;
         Ok(Some(slot))
     }
@@ -595,6 +601,48 @@ mod tests {
             assert!(ratio < 1.5, "{}: {ratio:.3}× the ideal", optimizer.name());
             assert!(ratio >= 1.0);
         }
+        Ok(())
+    }
+
+    fn policed(edit: impl FnOnce(&mut crate::config::SparseTableConfig)) -> SparseTable {
+        let mut config = crate::config::SparseTableConfig::default();
+        edit(&mut config);
+        SparseTable::new("emb", 2, INIT, SGD).with_policy(RowPolicy::new(config, "emb", 42))
+    }
+
+    #[test]
+    fn rows_kept_out_by_the_entry_rule_read_as_zeros_and_drop_their_gradients() -> anyhow::Result<()> {
+        let mut table = policed(|c| c.count_filter = 3);
+        let mut out = vec![1.0; 2];
+        table.apply_gradients(&[5], &[1.0, 1.0], &[2.0, 1.0])?;
+        table.pull(&[5], &mut out, Lookup::Training)?;
+        assert_eq!((out.as_slice(), table.len()), (&[0.0, 0.0][..], 0));
+        assert_eq!(table.candidates().collect::<Vec<_>>(), [(5, [2.0, 1.0])]);
+        // The third show admits it: initial value, then this push's gradient.
+        table.apply_gradients(&[5], &[1.0, 1.0], &[1.0, 0.0])?;
+        table.pull(&[5], &mut out, Lookup::Training)?;
+        let start = expected_row("emb", 5, 2);
+        assert_eq!(out, [start[0] - 0.1, start[1] - 0.1]);
+        assert_eq!(table.row_counts().collect::<Vec<_>>(), [&[3.0, 1.0, -1.0][..]]);
+        assert_eq!((table.candidates().count(), table.tally().admitted), (0, 1));
+        Ok(())
+    }
+
+    #[test]
+    fn at_the_cap_the_lowest_scored_rows_make_room() -> anyhow::Result<()> {
+        let mut table = policed(|c| c.max_memory_mb = 0.5);
+        let budget = table.row_budget.unwrap();
+        // Row i is shown i + 1 times; one more row than the budget evicts the lowest sixteenth.
+        for id in 0..=budget as u64 {
+            table.apply_gradients(&[id], &[0.0, 0.0], &[id as f32 + 1.0, 0.0])?;
+        }
+        let evicted = budget / 16;
+        assert_eq!(table.len(), budget + 1 - evicted);
+        assert_eq!(table.tally().evicted, evicted as u64);
+        let mut held: Vec<u64> = table.rows().map(|(id, _, _)| id).collect();
+        held.sort_unstable();
+        assert_eq!(held, (evicted as u64..=budget as u64).collect::<Vec<_>>());
+        assert!(table.memory_bytes() <= 1 << 19, "{}", table.memory_bytes());
         Ok(())
     }
 }

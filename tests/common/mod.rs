@@ -11,6 +11,7 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use flotilla::config::JobConfig;
+use flotilla::job::ps::{ParameterServerJob, PsSummary};
 use flotilla::job::{RunOptions, RunOutcome, TrainingJob};
 
 /// A job from the built-in config text plus `overrides`, no environment.
@@ -413,4 +414,40 @@ pub fn installed(program: &str, package: &str) -> bool {
             false
         }
     }
+}
+
+/// A small CTR job: narrow model, small vocabularies (so rows are shared between trainers and
+/// steps), 2 shards × 3 trainers.
+pub fn ctr_config(overrides: &[&str]) -> JobConfig {
+    let base = r#"
+        [cluster]
+        server_num = 2
+        nproc_per_node = 3
+        [train]
+        model = "wide_deep"
+        embedding_dim = 4
+        hidden_sizes = [16, 8]
+        dataset = "criteo_synthetic"
+        synthetic_samples = 21000
+        synthetic_vocab = 300
+        test_fraction = 0.05
+        batch_size = 96
+        steps = 20
+        optimizer = "sgd"
+        momentum = 0.0
+        lr = 0.1
+        [fault_tolerance]
+        timeout_s = 30
+    "#;
+    let overrides: Vec<String> = overrides.iter().map(|s| s.to_string()).collect();
+    JobConfig::from_toml_str(base, "ctr.toml", &|_| None, &overrides).expect("valid test config")
+}
+
+/// `config`'s parameter-server job run in a simulated cluster, its summary.
+pub fn run(config: JobConfig, run_dir: &Path) -> PsSummary {
+    let options = RunOptions::new(run_dir);
+    ParameterServerJob::builtin(config)
+        .expect("job")
+        .run_simulated(&options)
+        .expect("training succeeds")
 }
