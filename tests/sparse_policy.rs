@@ -12,6 +12,7 @@ use flotilla::config::JobConfig;
 use flotilla::data::ctr::CtrLoader;
 use flotilla::job::ps::{build_shard, ParameterServerJob};
 use flotilla::ps::policy::RowPolicy;
+use flotilla::telemetry::metrics::{read_metrics, METRICS_FILE};
 
 /// How often each id occurs in the job's global batches of steps `steps`.
 fn occurrences(config: &JobConfig, steps: std::ops::Range<usize>) -> BTreeMap<u64, u32> {
@@ -82,6 +83,17 @@ fn a_count_filter_of_3_stores_exactly_the_rows_shown_3_times_and_counts_their_sh
     );
     assert!(summary.tables[1].policy.is_none());
     assert!(summary.auc > 0.5, "{summary:?}");
+    // The step metrics report the policed table at the last step, read right after the
+    // reporting trainer's push: before or after the shards applied the step.
+    let steps = read_metrics(&dir.path().join(METRICS_FILE)).unwrap();
+    let last = steps
+        .last()
+        .and_then(|m| m.sparse_tables.clone())
+        .expect("table figures at the last step");
+    let before = occurrences(&config, 0..19).values().filter(|&&n| n >= 3).count() as u64;
+    assert_eq!((last.len(), last[0].table.as_str()), (1, "embedding"));
+    assert!([before, often.len() as u64].contains(&last[0].rows), "{last:?}");
+    assert_eq!(last[0].admitted, last[0].rows);
 }
 
 #[test]

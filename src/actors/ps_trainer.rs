@@ -34,9 +34,9 @@ use crate::net::ControlBus;
 use crate::ps::client::PsClient;
 use crate::ps::push_lane::PushLane;
 use crate::ps::snapshot::shard_file_name;
-use crate::ps::wire::{PullRequest, PulledRows, PushRequest, Reply, Request, ShardStats, UpdateKind};
-use crate::ps::worker::{PullPlan, ShardUpdate};
-use crate::telemetry::metrics::peak_rss_bytes;
+use crate::ps::wire::{PullRequest, PulledRows, PushRequest, Reply, Request, ShardStats, TableStats, UpdateKind};
+use crate::ps::worker::{table_layout, PullPlan, ShardUpdate};
+use crate::telemetry::metrics::{peak_rss_bytes, SparseTableMetrics};
 use crate::telemetry::monitor::{Monitor, MonitorSettings, StepSample};
 use crate::telemetry::timeline::{Lane, Timeline, TraceTarget};
 
@@ -440,6 +440,8 @@ impl PsRun {
         let mut lane =
             overlap.then(|| PushLane::start(client.another_lane(), place, &job.strategy.a_sync_configs, first as u64));
         let mut prefetched: Option<Pulled> = None;
+        // Tables with a row policy report their rows at progress-log steps.
+        let policed = !job.strategy.sparse_table_configs.is_empty();
         for step in first..steps {
             if let Some(faults) = &self.faults {
                 faults.before_step(&format!("trainer {rank}"), step).await;
@@ -510,6 +512,10 @@ impl PsRun {
             progress.comm_time += step_comm;
             progress.losses.push(outcome.loss);
             if let Some(monitor) = &mut progress.monitor {
+                let sparse_tables = match policed && monitor.is_log_step(step + 1) {
+                    true => Some(sparse_table_metrics(&job, &shard_stats(client).await?)),
+                    false => None,
+                };
                 let sample = StepSample {
                     loss: outcome.loss,
                     // Trainers exchange no losses: the loss is trainer 0's part of the batch.
@@ -520,6 +526,7 @@ impl PsRun {
                     exposed_comm_time: step_comm,
                     bubble_fraction: None,
                     peak_rss_bytes: peak_rss_bytes(),
+                    sparse_tables,
                 };
                 monitor.record(step + 1, sample)?;
             }
@@ -615,6 +622,27 @@ impl PsRun {
         }
         Ok((auc(&scores, &labels), scores.len()))
     }
+}
+
+/// The policed tables' rows and policy tallies, summed over the shards' `stats`.
+fn sparse_table_metrics(job: &JobConfig, stats: &[ShardStats]) -> Vec<SparseTableMetrics> {
+    table_layout(job)
+        .iter()
+        .enumerate()
+        .filter(|(_, spec)| job.strategy.sparse_table_configs.contains_key(spec.name))
+        .map(|(table, spec)| {
+            let sum = |figure: fn(&TableStats) -> u64| -> u64 {
+                stats.iter().filter_map(|s| s.tables.get(table)).map(figure).sum()
+            };
+            SparseTableMetrics {
+                table: spec.name.to_owned(),
+                rows: sum(|t| t.rows),
+                admitted: sum(|t| t.admitted),
+                evicted: sum(|t| t.evicted),
+                deleted: sum(|t| t.deleted),
+            }
+        })
+        .collect()
 }
 
 /// Each shard's statistics.

@@ -388,6 +388,7 @@ impl StageRun {
                             report.pipeline_wait.as_secs_f64() / report.pipeline_time.as_secs_f64().max(1e-9),
                         ),
                         peak_rss_bytes: report.peak_rss_bytes,
+                        sparse_tables: None,
                     };
                     monitor.record(step + 1, sample)?;
                 }

@@ -309,6 +309,7 @@ impl TrainingRun {
                     exposed_comm_time: report.exposed_comm_time,
                     bubble_fraction: None,
                     peak_rss_bytes: report.peak_rss_bytes,
+                    sparse_tables: None,
                 };
                 monitor.record(step + 1, sample)?;
             }

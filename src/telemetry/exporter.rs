@@ -10,6 +10,7 @@ use std::time::Duration;
 use anyhow::{Context as _, Result};
 use prometheus_client::encoding::text::encode;
 use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -34,7 +35,14 @@ struct Gauges {
     peak_rss: Gauge,
     gpu_memory: FloatGauge,
     gpu_utilization: FloatGauge,
+    sparse_rows: TableGauges,
+    sparse_admitted: TableGauges,
+    sparse_evicted: TableGauges,
+    sparse_deleted: TableGauges,
 }
+
+/// One gauge per sparse table, labelled `table`.
+type TableGauges = Family<Vec<(String, String)>, Gauge>;
 
 impl Gauges {
     fn registry(&self) -> Registry {
@@ -83,6 +91,26 @@ impl Gauges {
             "gpu_utilization_percent",
             "GPU jobs: share of time a kernel ran on the reporting process's GPUs",
             g.gpu_utilization,
+        );
+        registry.register(
+            "sparse_table_rows",
+            "Parameter-server jobs with row policies: rows a table holds over all shards",
+            g.sparse_rows,
+        );
+        registry.register(
+            "sparse_table_admitted_rows",
+            "Rows a table's entry rule stored so far",
+            g.sparse_admitted,
+        );
+        registry.register(
+            "sparse_table_evicted_rows",
+            "Rows a table evicted for its memory cap so far",
+            g.sparse_evicted,
+        );
+        registry.register(
+            "sparse_table_deleted_rows",
+            "Rows a table deleted at pass ends so far",
+            g.sparse_deleted,
         );
         registry
     }
@@ -143,6 +171,19 @@ impl Exporter {
         g.peak_rss.set(i64::try_from(m.peak_rss_bytes).unwrap_or(i64::MAX));
         g.gpu_memory.set(m.gpu_memory_bytes.map_or(f64::NAN, |b| b as f64));
         g.gpu_utilization.set(m.gpu_utilization.unwrap_or(f64::NAN));
+        for table in m.sparse_tables.iter().flatten() {
+            let label = vec![("table".to_owned(), table.table.clone())];
+            for (family, value) in [
+                (&g.sparse_rows, table.rows),
+                (&g.sparse_admitted, table.admitted),
+                (&g.sparse_evicted, table.evicted),
+                (&g.sparse_deleted, table.deleted),
+            ] {
+                family
+                    .get_or_create(&label)
+                    .set(i64::try_from(value).unwrap_or(i64::MAX));
+            }
+        }
     }
 }
 
@@ -191,6 +232,7 @@ async fn answer(mut stream: TcpStream, registry: &Registry) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::telemetry::metrics::SparseTableMetrics;
 
     async fn get(port: u16, path: &str) -> Result<String> {
         let mut stream = TcpStream::connect(("127.0.0.1", port)).await?;
@@ -220,6 +262,13 @@ mod tests {
             lr: 0.05,
             loss: 1.5,
             loss_spread: Some(0.5),
+            sparse_tables: Some(vec![SparseTableMetrics {
+                table: "embedding".into(),
+                rows: 40,
+                admitted: 50,
+                evicted: 6,
+                deleted: 4,
+            }]),
         });
         let response = get(port, "/metrics").await?;
         assert!(response.starts_with("HTTP/1.1 200"), "{response}");
@@ -229,6 +278,8 @@ mod tests {
             "flotilla_loss_spread 0.5",
             "flotilla_comm_time_ratio 0.25",
             "flotilla_peak_rss_bytes 1048576",
+            "flotilla_sparse_table_rows{table=\"embedding\"} 40",
+            "flotilla_sparse_table_evicted_rows{table=\"embedding\"} 6",
             "# EOF",
         ] {
             assert!(response.lines().any(|l| l == line), "no {line:?} in {response}");

@@ -49,6 +49,25 @@ pub struct StepMetrics {
     /// Largest minus smallest of the ranks' local losses: ranks that stop agreeing show here.
     /// Parameter-server jobs, whose trainers exchange no losses, leave it out.
     pub loss_spread: Option<f32>,
+    /// Parameter-server jobs with row policies, at progress-log steps: each policed table's
+    /// rows over all shards and what its policy did so far.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sparse_tables: Option<Vec<SparseTableMetrics>>,
+}
+
+/// One sparse table's rows over all shards, and what its row policy did so far.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SparseTableMetrics {
+    /// The table.
+    pub table: String,
+    /// Rows held.
+    pub rows: u64,
+    /// Rows stored by the entry rule.
+    pub admitted: u64,
+    /// Rows evicted for the memory cap.
+    pub evicted: u64,
+    /// Rows deleted at pass ends.
+    pub deleted: u64,
 }
 
 /// JSON has no NaN or infinity: serde_json writes them as null (a diverged loss, a step too short
@@ -161,6 +180,7 @@ mod tests {
             lr: 0.1,
             loss: 2.0 / step as f32,
             loss_spread: Some(0.01),
+            sparse_tables: None,
         }
     }
 

@@ -13,7 +13,7 @@ use serde::{Deserialize, Serialize};
 
 use super::exporter::Exporter;
 use super::gpu;
-use super::metrics::{MetricsLog, StepMetrics};
+use super::metrics::{MetricsLog, SparseTableMetrics, StepMetrics};
 
 /// Set by `flotilla launch` on a terminal: the reporting rank writes progress lines for the
 /// launcher to draw, as its stderr is a pipe.
@@ -95,7 +95,7 @@ pub struct MonitorSettings {
 }
 
 /// What the reporting rank measured in a step.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct StepSample {
     /// Mean loss over the global batch.
     pub loss: f32,
@@ -113,6 +113,8 @@ pub struct StepSample {
     pub bubble_fraction: Option<f64>,
     /// Largest peak resident set of the processes that reported.
     pub peak_rss_bytes: u64,
+    /// Parameter-server jobs with row policies: the policed tables' figures, when asked for.
+    pub sparse_tables: Option<Vec<SparseTableMetrics>>,
 }
 
 /// The reporting rank's per-step outputs.
@@ -160,6 +162,11 @@ impl Monitor {
         })
     }
 
+    /// Whether step `step` (1-based) is one the progress log reports.
+    pub fn is_log_step(&self, step: usize) -> bool {
+        step.is_multiple_of(self.log_every) || step == self.steps
+    }
+
     /// Reports step `step` (1-based: steps done) and returns its metrics.
     pub fn record(&mut self, step: usize, sample: StepSample) -> Result<StepMetrics> {
         let step_s = sample.step_time.as_secs_f64().max(1e-9);
@@ -178,13 +185,14 @@ impl Monitor {
             lr: sample.lr,
             loss: sample.loss,
             loss_spread: sample.loss_spread,
+            sparse_tables: sample.sparse_tables,
         };
         self.metrics.append(&metrics)?;
         if let Some(exporter) = &self.exporter {
             exporter.publish(&metrics);
         }
         let rate = ((step - self.first) * self.global_batch) as f64 / metrics.elapsed_s.max(1e-9);
-        let due = step.is_multiple_of(self.log_every) || step == self.steps;
+        let due = self.is_log_step(step);
         match self.view {
             ProgressView::Terminal => {
                 self.bar.set_position(step as u64);
@@ -254,6 +262,7 @@ mod tests {
                     exposed_comm_time: Duration::from_millis(5),
                     bubble_fraction: None,
                     peak_rss_bytes: 3 << 20,
+                    sparse_tables: None,
                 },
             )?;
         }

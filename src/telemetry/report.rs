@@ -393,6 +393,7 @@ mod tests {
                     lr: 0.1,
                     loss: (2.3 * (-t / 30.0).exp() + 0.1) as f32,
                     loss_spread: Some((0.2 * (-t / 60.0).exp()) as f32),
+                    sparse_tables: None,
                 }
             })
             .collect()
@@ -458,6 +459,7 @@ mod tests {
             .map(|m| StepMetrics {
                 loss: 0.0,
                 loss_spread: Some(0.0),
+                sparse_tables: None,
                 samples_per_sec: 0.0,
                 comm_time_ratio: 0.0,
                 ..m
