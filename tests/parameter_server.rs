@@ -308,39 +308,41 @@ fn shards_start_from_the_tables_a_run_saved() {
 }
 
 #[test]
-fn criteo_tsv_files_train_exactly_like_the_generator_they_were_written_from() {
+fn criteo_tsv_files_plain_or_gzipped_train_exactly_like_the_generator_they_were_written_from() {
     use flotilla::data::ctr::{write_synthetic, CriteoSynth, Split};
     let synthetic = ctr_config(&[]);
     let train = &synthetic.train;
     let test_samples = (train.synthetic_samples as f64 * train.test_fraction).round() as u64;
     let synth = CriteoSynth::new(train.seed, train.synthetic_vocab);
     let files = tempfile::tempdir().unwrap();
-    let (train_file, test_file) = (files.path().join("train.tsv"), files.path().join("test.tsv"));
-    write_synthetic(
-        &train_file,
-        &synth,
-        Split::Train,
-        train.synthetic_samples as u64 - test_samples,
-    )
-    .unwrap();
-    write_synthetic(&test_file, &synth, Split::Test, test_samples).unwrap();
-
-    let from_files = ctr_config(&[
-        "train.dataset=criteo",
-        &format!("train.train_files=[{:?}]", train_file.display().to_string()),
-        &format!("train.test_files=[{:?}]", test_file.display().to_string()),
-    ]);
-    let (a, b) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
-    let generated = run(synthetic, a.path());
-    let read = run(from_files, b.path());
-    assert_eq!(read.test_samples, generated.test_samples);
-    assert_eq!((read.auc, read.final_loss), (generated.auc, generated.final_loss));
+    let generated_dir = tempfile::tempdir().unwrap();
+    let generated = run(synthetic.clone(), generated_dir.path());
     let dense = |dir: &Path| ShardFile::read(&dir.join("ps-shard-0.safetensors")).floats("dense.values");
-    assert_eq!(
-        dense(a.path()),
-        dense(b.path()),
-        "the same records give the same parameters"
-    );
+    for suffix in ["", ".gz"] {
+        let train_file = files.path().join(format!("train.tsv{suffix}"));
+        let test_file = files.path().join(format!("test.tsv{suffix}"));
+        let train_samples = train.synthetic_samples as u64 - test_samples;
+        write_synthetic(&train_file, &synth, Split::Train, train_samples).unwrap();
+        write_synthetic(&test_file, &synth, Split::Test, test_samples).unwrap();
+        let from_files = ctr_config(&[
+            "train.dataset=criteo",
+            &format!("train.train_files=[{:?}]", train_file.display().to_string()),
+            &format!("train.test_files=[{:?}]", test_file.display().to_string()),
+        ]);
+        let dir = tempfile::tempdir().unwrap();
+        let read = run(from_files, dir.path());
+        assert_eq!(read.test_samples, generated.test_samples, "{suffix}");
+        assert_eq!(
+            (read.auc, read.final_loss),
+            (generated.auc, generated.final_loss),
+            "{suffix}"
+        );
+        assert_eq!(
+            dense(generated_dir.path()),
+            dense(dir.path()),
+            "{suffix}: the same records give the same parameters"
+        );
+    }
 }
 
 #[test]

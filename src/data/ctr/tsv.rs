@@ -8,13 +8,17 @@
 //! 40 tab-separated columns: the label 0 or 1, 13 decimal integers (possibly
 //! negative or empty), 26 categorical values as 8 lower-case hex digits
 //! (possibly empty). Lines end with `\n`; `\r\n` is accepted and empty lines
-//! are skipped.
+//! are skipped. A file whose name ends in `.gz` is gzip-compressed (read and
+//! written as such; concatenated members read as one stream).
 
 use std::fs::File;
 use std::io::{BufRead, BufReader, BufWriter, Read, Write};
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result};
+use flate2::read::MultiGzDecoder;
+use flate2::write::GzEncoder;
+use flate2::Compression;
 
 use super::{CriteoSynth, CtrRecord, Split, DENSE_FEATURES, SPARSE_SLOTS};
 
@@ -22,7 +26,7 @@ use super::{CriteoSynth, CtrRecord, Split, DENSE_FEATURES, SPARSE_SLOTS};
 const COLUMNS: usize = 1 + DENSE_FEATURES + SPARSE_SLOTS;
 
 /// Writes `record` as one TSV line, ending in `\n`.
-pub fn write_record(out: &mut impl Write, record: &CtrRecord) -> std::io::Result<()> {
+pub fn write_record(out: &mut (impl Write + ?Sized), record: &CtrRecord) -> std::io::Result<()> {
     out.write_all(if record.label { b"1" } else { b"0" })?;
     for x in &record.dense {
         match x {
@@ -103,16 +107,25 @@ pub fn parse_line(line: &str) -> Result<CtrRecord, String> {
 
 /// Streams records from a list of TSV files in order, one reused line buffer
 /// at a time, so files far larger than memory can be read.
-#[derive(Debug)]
 pub struct TsvReader {
     files: Vec<PathBuf>,
     /// Index in `files` of the file being read.
     current: usize,
-    reader: Option<BufReader<File>>,
+    reader: Option<BufReader<Box<dyn Read + Send>>>,
     /// 1-based number of the line in `line`, within the current file.
     line_number: u64,
     /// Raw bytes, so skipped lines are never checked for UTF-8.
     line: Vec<u8>,
+}
+
+/// Where the reader is; the stream itself has nothing to show.
+impl std::fmt::Debug for TsvReader {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TsvReader")
+            .field("files", &self.files)
+            .field("at", &self.location())
+            .finish_non_exhaustive()
+    }
 }
 
 impl TsvReader {
@@ -196,9 +209,19 @@ impl TsvReader {
     }
 }
 
-fn open_buffered(path: &Path) -> Result<BufReader<File>> {
+/// `path`'s lines, decompressed when the name ends in `.gz`.
+fn open_buffered(path: &Path) -> Result<BufReader<Box<dyn Read + Send>>> {
     let file = File::open(path).with_context(|| format!("cannot open CTR data file {}", path.display()))?;
-    Ok(BufReader::with_capacity(1 << 16, file))
+    let stream: Box<dyn Read + Send> = match is_gzip(path) {
+        true => Box::new(MultiGzDecoder::new(file)),
+        false => Box::new(file),
+    };
+    Ok(BufReader::with_capacity(1 << 16, stream))
+}
+
+/// Whether `path` names a gzip-compressed file.
+fn is_gzip(path: &Path) -> bool {
+    path.extension().is_some_and(|extension| extension == "gz")
 }
 
 /// Records in `path` (its non-empty lines), counted by scanning bytes
@@ -229,14 +252,23 @@ pub(super) fn count_records(path: &Path) -> Result<u64> {
 
 /// Writes the first `samples` samples of `split` to `path` in the Criteo
 /// layout, so synthetic data can exercise the file path of the loader.
+/// gzip-compressed when the name ends in `.gz`.
 pub fn write_synthetic(path: &Path, synth: &CriteoSynth, split: Split, samples: u64) -> Result<()> {
     let file = File::create(path).with_context(|| format!("cannot create {}", path.display()))?;
-    let mut out = BufWriter::with_capacity(1 << 16, file);
-    for index in 0..samples {
-        write_record(&mut out, &synth.record(split, index))
-            .with_context(|| format!("cannot write {}", path.display()))?;
-    }
-    out.flush().with_context(|| format!("cannot write {}", path.display()))
+    let file = BufWriter::with_capacity(1 << 16, file);
+    let records =
+        |out: &mut dyn Write| (0..samples).try_for_each(|index| write_record(out, &synth.record(split, index)));
+    let written = match is_gzip(path) {
+        true => {
+            let mut out = GzEncoder::new(file, Compression::default());
+            records(&mut out).and_then(|()| out.finish()?.flush())
+        }
+        false => {
+            let mut out = file;
+            records(&mut out).and_then(|()| out.flush())
+        }
+    };
+    written.with_context(|| format!("cannot write {}", path.display()))
 }
 
 #[cfg(test)]
@@ -268,6 +300,40 @@ mod tests {
         }
         assert_eq!(reader.next_record()?, None);
         assert_eq!(count_records(&dir.path().join("train.tsv"))?, 500);
+        Ok(())
+    }
+
+    #[test]
+    fn gzip_files_read_as_their_text_and_a_truncated_one_is_named() -> Result<()> {
+        let synth = CriteoSynth::new(3, 5000);
+        let dir = tempfile::tempdir()?;
+        let (plain, packed) = (dir.path().join("train.tsv"), dir.path().join("train.tsv.gz"));
+        write_synthetic(&plain, &synth, Split::Train, 300)?;
+        write_synthetic(&packed, &synth, Split::Train, 300)?;
+        let bytes = std::fs::read(&packed)?;
+        assert_eq!(&bytes[..2], [0x1f, 0x8b], "a gzip stream");
+        assert!(bytes.len() < std::fs::metadata(&plain)?.len() as usize / 2);
+        let (mut a, mut b) = (TsvReader::open(vec![plain])?, TsvReader::open(vec![packed.clone()])?);
+        while let Some(record) = a.next_record()? {
+            assert_eq!(b.next_record()?, Some(record));
+        }
+        assert_eq!((b.next_record()?, count_records(&packed)?), (None, 300));
+
+        let cut = dir.path().join("cut.tsv.gz");
+        std::fs::write(&cut, &bytes[..bytes.len() / 2])?;
+        let mut reader = TsvReader::open(vec![cut.clone()])?;
+        let error = loop {
+            match reader.next_record() {
+                Ok(Some(_)) => continue,
+                Ok(None) => panic!("a truncated file read to its end"),
+                Err(e) => break format!("{e:#}"),
+            }
+        };
+        assert!(
+            error.starts_with(&format!("{}:", cut.display())) && error.contains("cannot read"),
+            "{error}"
+        );
+        assert!(count_records(&cut).is_err());
         Ok(())
     }
 
