@@ -15,6 +15,7 @@ use flotilla::bench::ps::{self as ps_bench, PsBenchArgs, PsBenchShardArgs};
 use flotilla::config::{process_env, JobConfig};
 use flotilla::data::ctr::{write_synthetic, CriteoSynth, Split};
 use flotilla::job::ps::{ParameterServerJob, PsSummary};
+use flotilla::job::ps_serving;
 use flotilla::job::{
     resumed_config, run_dir, Refusal, Resume, RunOptions, RunOutcome, TrainingJob, REFUSAL_EXIT_CODE, RESUME_VAR,
 };
@@ -90,9 +91,42 @@ enum Command {
     /// Work with checkpoints.
     #[command(subcommand)]
     Checkpoint(CheckpointCommand),
+    /// Work with the models of parameter-server runs.
+    #[command(subcommand)]
+    Ps(PsCommand),
+    /// Score Criteo-layout click logs with an exported CTR model (`flotilla ps export`): writes
+    /// `label<TAB>click probability` per record and prints the count and AUC as JSON.
+    Predict {
+        /// The export (a base, or a delta whose base is where it was made from).
+        #[arg(long)]
+        model: PathBuf,
+        /// Criteo TSV files, plain or `.gz`, read in this order.
+        #[arg(long, required = true, num_args = 1..)]
+        data: Vec<PathBuf>,
+        /// Where to write the scores.
+        #[arg(long)]
+        out: PathBuf,
+    },
     /// Work with the timelines of `train --trace DIR`.
     #[command(subcommand)]
     Trace(TraceCommand),
+}
+
+#[derive(Subcommand)]
+enum PsCommand {
+    /// Write the model a parameter-server run ended with — dense parameters as safetensors,
+    /// each sparse table as a rows file, a manifest with checksums — for serving; with
+    /// `--since`, only the rows changed since that earlier export (a delta).
+    Export {
+        /// The run's directory (holding config.toml and ps-shard-<i>.safetensors).
+        run_dir: PathBuf,
+        /// The export's directory.
+        #[arg(long)]
+        out: PathBuf,
+        /// An earlier export of the same model: write a delta against it.
+        #[arg(long)]
+        since: Option<PathBuf>,
+    },
 }
 
 #[derive(Subcommand)]
@@ -288,6 +322,18 @@ fn run(cli: Cli) -> Result<()> {
             let out = out.unwrap_or_else(|| run_dir.join("report.png"));
             flotilla::telemetry::report::render(&run_dir, &out)?;
             print_out(&format!("wrote {}\n", out.display()));
+            Ok(())
+        }
+        Command::Ps(PsCommand::Export { run_dir, out, since }) => {
+            let manifest = ps_serving::export(&run_dir, &out, since.as_deref())
+                .with_context(|| format!("exporting {} to {}", run_dir.display(), out.display()))?;
+            print_out(&(serde_json::to_string(&manifest.tables)? + "\n"));
+            Ok(())
+        }
+        Command::Predict { model, data, out } => {
+            let prediction = ps_serving::predict(&model, &data, &out)
+                .with_context(|| format!("scoring with the model in {}", model.display()))?;
+            print_out(&(serde_json::to_string(&prediction)? + "\n"));
             Ok(())
         }
         Command::Checkpoint(CheckpointCommand::Inspect { dir, json }) => {

@@ -11,6 +11,7 @@ mod outputs;
 mod pipeline;
 mod process;
 pub mod ps;
+pub mod ps_serving;
 mod ps_struck;
 mod resumed;
 pub mod run_dir;

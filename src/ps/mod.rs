@@ -22,6 +22,7 @@
 
 pub mod client;
 pub mod dense;
+pub mod export_format;
 pub mod optimizer;
 pub mod placement;
 pub mod policy;

@@ -1,0 +1,143 @@
+//! A trained CTR model out of a parameter-server run and back: `flotilla ps export` (a base, and
+//! a delta of the rows changed since it) and `flotilla predict`, run as the command a user runs,
+//! against the runs' own files and evaluations.
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::process::Command;
+
+use common::{ctr_config, run, saved_shard};
+use flotilla::config::JobConfig;
+use flotilla::data::ctr::{write_synthetic, CriteoSynth, Split};
+
+/// Runs `flotilla args…`: its JSON answer on success, its stderr on failure.
+fn flotilla(args: &[&str]) -> Result<serde_json::Value, String> {
+    let output = Command::new(env!("CARGO_BIN_EXE_flotilla"))
+        .args(args)
+        .output()
+        .expect("flotilla runs");
+    match output.status.success() {
+        true => Ok(serde_json::from_slice(&output.stdout).expect("a JSON answer")),
+        false => Err(String::from_utf8_lossy(&output.stderr).into_owned()),
+    }
+}
+
+/// Every row of table `table` that the run in `dir` saved, by id.
+fn table_rows(config: &JobConfig, dir: &Path, table: usize) -> BTreeMap<u64, Vec<f32>> {
+    (0..config.cluster.server_num)
+        .flat_map(|index| saved_shard(config, dir, index).2.swap_remove(table))
+        .map(|(id, value, _)| (id, value))
+        .collect()
+}
+
+#[test]
+fn an_export_scores_the_jobs_auc_and_a_delta_holds_exactly_the_rows_changed_since_its_base() {
+    let files = tempfile::tempdir().unwrap();
+    let path = |name: &str| files.path().join(name).display().to_string();
+    let synth = CriteoSynth::new(42, 300);
+    write_synthetic(Path::new(&path("train.tsv")), &synth, Split::Train, 20_000).unwrap();
+    write_synthetic(Path::new(&path("test.tsv.gz")), &synth, Split::Test, 1_000).unwrap();
+    let job = |steps: &str| {
+        ctr_config(&[
+            "train.dataset=criteo",
+            &format!("train.train_files=[{:?}]", path("train.tsv")),
+            &format!("train.test_files=[{:?}]", path("test.tsv.gz")),
+            steps,
+        ])
+    };
+    // The same job stopped after 10 steps and after 20: the first 10 steps agree.
+    let (early, late) = (job("train.steps=10"), job("train.steps=20"));
+    let (early_dir, late_dir) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let early_summary = run(early.clone(), early_dir.path());
+    let late_summary = run(late.clone(), late_dir.path());
+
+    let base = path("base");
+    let tables = flotilla(&["ps", "export", &early_dir.path().display().to_string(), "--out", &base]).unwrap();
+    assert_eq!(tables[0]["rows"], table_rows(&early, early_dir.path(), 0).len());
+    let scored = flotilla(&[
+        "predict",
+        "--model",
+        &base,
+        "--data",
+        &path("test.tsv.gz"),
+        "--out",
+        &path("a.tsv"),
+    ])
+    .unwrap();
+    assert_eq!(scored["samples"], 1_000);
+    assert_eq!(
+        scored["auc"].as_f64(),
+        Some(early_summary.auc),
+        "the job's own evaluation"
+    );
+    let lines = std::fs::read_to_string(path("a.tsv")).unwrap();
+    assert_eq!(lines.lines().count(), 1_000);
+
+    let delta = path("delta");
+    let late_run = late_dir.path().display().to_string();
+    let tables = flotilla(&["ps", "export", &late_run, "--out", &delta, "--since", &base]).unwrap();
+    for table in 0..2 {
+        let (before, after) = (
+            table_rows(&early, early_dir.path(), table),
+            table_rows(&late, late_dir.path(), table),
+        );
+        let changed = after.iter().filter(|(id, row)| before.get(id) != Some(row)).count();
+        let gone = before.keys().filter(|id| !after.contains_key(id)).count();
+        assert!(
+            changed > 0 && changed < after.len(),
+            "table {table}: the test needs rows on both sides"
+        );
+        assert_eq!(
+            (tables[table]["rows"].as_u64(), tables[table]["deleted"].as_u64()),
+            (Some(changed as u64), Some(gone as u64))
+        );
+    }
+    let scored = flotilla(&[
+        "predict",
+        "--model",
+        &delta,
+        "--data",
+        &path("test.tsv.gz"),
+        "--out",
+        &path("b.tsv"),
+    ])
+    .unwrap();
+    assert_eq!(
+        scored["auc"].as_f64(),
+        Some(late_summary.auc),
+        "base then delta is the late model"
+    );
+
+    // Damage is named: a changed byte, an export that is not one, a second export into one.
+    let rows = files.path().join("base/sparse/embedding.rows");
+    let mut bytes = std::fs::read(&rows).unwrap();
+    let last = bytes.len() - 1;
+    bytes[last] ^= 1;
+    std::fs::write(&rows, bytes).unwrap();
+    let error = flotilla(&[
+        "predict",
+        "--model",
+        &base,
+        "--data",
+        &path("test.tsv.gz"),
+        "--out",
+        &path("c.tsv"),
+    ])
+    .unwrap_err();
+    assert!(error.contains(&format!("{} is corrupt", rows.display())), "{error}");
+    let error = flotilla(&[
+        "predict",
+        "--model",
+        &path("nowhere"),
+        "--data",
+        &path("test.tsv.gz"),
+        "--out",
+        &path("c.tsv"),
+    ])
+    .unwrap_err();
+    assert!(error.contains("manifest.json"), "{error}");
+    let error = flotilla(&["ps", "export", &late_run, "--out", &base]).unwrap_err();
+    assert!(error.contains("already holds an export"), "{error}");
+}
