@@ -53,19 +53,21 @@ fn an_export_scores_the_jobs_auc_and_a_delta_holds_exactly_the_rows_changed_sinc
     let early_summary = run(early.clone(), early_dir.path());
     let late_summary = run(late.clone(), late_dir.path());
 
+    let predict = |model: &str, out: &str| {
+        flotilla(&[
+            "predict",
+            "--model",
+            model,
+            "--data",
+            &path("test.tsv.gz"),
+            "--out",
+            out,
+        ])
+    };
     let base = path("base");
     let tables = flotilla(&["ps", "export", &early_dir.path().display().to_string(), "--out", &base]).unwrap();
     assert_eq!(tables[0]["rows"], table_rows(&early, early_dir.path(), 0).len());
-    let scored = flotilla(&[
-        "predict",
-        "--model",
-        &base,
-        "--data",
-        &path("test.tsv.gz"),
-        "--out",
-        &path("a.tsv"),
-    ])
-    .unwrap();
+    let scored = predict(&base, &path("a.tsv")).unwrap();
     assert_eq!(scored["samples"], 1_000);
     assert_eq!(
         scored["auc"].as_f64(),
@@ -94,16 +96,7 @@ fn an_export_scores_the_jobs_auc_and_a_delta_holds_exactly_the_rows_changed_sinc
             (Some(changed as u64), Some(gone as u64))
         );
     }
-    let scored = flotilla(&[
-        "predict",
-        "--model",
-        &delta,
-        "--data",
-        &path("test.tsv.gz"),
-        "--out",
-        &path("b.tsv"),
-    ])
-    .unwrap();
+    let scored = predict(&delta, &path("b.tsv")).unwrap();
     assert_eq!(
         scored["auc"].as_f64(),
         Some(late_summary.auc),
@@ -116,27 +109,9 @@ fn an_export_scores_the_jobs_auc_and_a_delta_holds_exactly_the_rows_changed_sinc
     let last = bytes.len() - 1;
     bytes[last] ^= 1;
     std::fs::write(&rows, bytes).unwrap();
-    let error = flotilla(&[
-        "predict",
-        "--model",
-        &base,
-        "--data",
-        &path("test.tsv.gz"),
-        "--out",
-        &path("c.tsv"),
-    ])
-    .unwrap_err();
+    let error = predict(&base, &path("c.tsv")).unwrap_err();
     assert!(error.contains(&format!("{} is corrupt", rows.display())), "{error}");
-    let error = flotilla(&[
-        "predict",
-        "--model",
-        &path("nowhere"),
-        "--data",
-        &path("test.tsv.gz"),
-        "--out",
-        &path("c.tsv"),
-    ])
-    .unwrap_err();
+    let error = predict(&path("nowhere"), &path("c.tsv")).unwrap_err();
     assert!(error.contains("manifest.json"), "{error}");
     let error = flotilla(&["ps", "export", &late_run, "--out", &base]).unwrap_err();
     assert!(error.contains("already holds an export"), "{error}");

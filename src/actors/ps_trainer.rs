@@ -34,7 +34,7 @@ use crate::net::ControlBus;
 use crate::ps::client::PsClient;
 use crate::ps::push_lane::PushLane;
 use crate::ps::snapshot::shard_file_name;
-use crate::ps::wire::{PullRequest, PulledRows, PushRequest, Reply, Request, ShardStats, TableStats, UpdateKind};
+use crate::ps::wire::{PullRequest, PulledRows, Reply, Request, ShardStats, TableStats, UpdateKind};
 use crate::ps::worker::{table_layout, PullPlan, ShardUpdate};
 use crate::telemetry::metrics::{peak_rss_bytes, SparseTableMetrics};
 use crate::telemetry::monitor::{Monitor, MonitorSettings, StepSample};
@@ -749,17 +749,7 @@ async fn push(
     };
     let requests = updates
         .into_iter()
-        .map(|update| {
-            Request::Push(PushRequest {
-                trainer,
-                step,
-                kind,
-                ids: update.ids,
-                values: update.values,
-                counts: update.counts,
-                dense: update.dense,
-            })
-        })
+        .map(|update| update.into_push(trainer, step, kind))
         .collect();
     client.call_all(requests, what).await.map(drop)
 }

@@ -10,7 +10,7 @@ use tokio::sync::{mpsc, watch};
 
 use super::client::PsClient;
 use super::shard::sum_rows;
-use super::wire::{PushRequest, Request, UpdateKind};
+use super::wire::UpdateKind;
 use super::worker::ShardUpdate;
 use crate::config::AsyncConfigs;
 
@@ -143,17 +143,7 @@ async fn send_pushes(
         };
         let requests = updates
             .into_iter()
-            .map(|update| {
-                Request::Push(PushRequest {
-                    trainer,
-                    step,
-                    kind: UpdateKind::Gradients,
-                    ids: update.ids,
-                    values: update.values,
-                    counts: update.counts,
-                    dense: update.dense,
-                })
-            })
+            .map(|update| update.into_push(trainer, step, UpdateKind::Gradients))
             .collect();
         client.call_all(requests, &what).await?;
         applied.send_replace(Some(step));

@@ -12,7 +12,7 @@ use rustc_hash::FxHashMap;
 use super::dense::dense_range;
 use super::optimizer::ServerOptimizer;
 use super::placement::shard_of;
-use super::wire::PulledRows;
+use super::wire::{PulledRows, PushRequest, Request, UpdateKind};
 use crate::config::{JobConfig, PsMode};
 use crate::data::ctr::CtrBatch;
 use crate::models::{click_probability, sigmoid_cross_entropy, ParamInit, SparseRows, WideDeep, SPARSE_SLOTS};
@@ -70,6 +70,21 @@ pub struct ShardUpdate {
     pub counts: Vec<Vec<f32>>,
     /// The shard's dense slice of gradients or deltas.
     pub dense: Vec<f32>,
+}
+
+impl ShardUpdate {
+    /// The request that pushes this update: trainer `trainer`'s of step `step`.
+    pub fn into_push(self, trainer: usize, step: u64, kind: UpdateKind) -> Request {
+        Request::Push(PushRequest {
+            trainer,
+            step,
+            kind,
+            ids: self.ids,
+            values: self.values,
+            counts: self.counts,
+            dense: self.dense,
+        })
+    }
 }
 
 /// What a training step produced.
