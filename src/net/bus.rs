@@ -43,6 +43,10 @@ pub enum ControlBus {
         timeout: Duration,
         /// What a new connection proves, when the line breaks.
         credentials: Credentials,
+        /// Answers the coordinator still owes: requests whose wait was given up (a rollback
+        /// order cancels a rank's wait for a commit). They are read and dropped before the next
+        /// request, whose answer would otherwise be one of them.
+        owed: usize,
     },
 }
 
@@ -93,6 +97,7 @@ impl ControlBus {
             master: master.to_string(),
             timeout,
             credentials: credentials.clone(),
+            owed: 0,
         })
     }
 
@@ -437,19 +442,25 @@ impl ControlBus {
             connection,
             master,
             credentials,
+            owed,
             ..
         } = self
         else {
             bail!("in-memory bus has no frames");
         };
         let encoded = message.encode()?;
+        let late = drop_late_answers(connection, owed, limit).await;
         let cap = connection.codec().max_frame_length();
         ensure!(
             encoded.len() <= cap,
             "a message of {} bytes to the coordinator at {master} exceeds cluster.max_frame_mb ({cap} bytes)",
             encoded.len()
         );
-        match exchange(connection, encoded.clone(), limit, master).await {
+        let first = match late {
+            Ok(()) => exchange(connection, owed, encoded.clone(), limit, master).await,
+            Err(e) => Err(e),
+        };
+        match first {
             Ok(answer) => Ok(answer),
             Err(Exchange::Failed(e)) => Err(e),
             Err(Exchange::Broken(e)) => {
@@ -457,10 +468,10 @@ impl ControlBus {
                 let credentials = credentials.clone();
                 let master = master.clone();
                 *self = Self::connect(&master, limit.min(RECONNECT_MAX), cap, &credentials).await?;
-                let Self::Tcp { connection, .. } = self else {
+                let Self::Tcp { connection, owed, .. } = self else {
                     bail!("in-memory bus has no frames");
                 };
-                exchange(connection, encoded, limit, &master)
+                exchange(connection, owed, encoded, limit, &master)
                     .await
                     .map_err(|(Exchange::Broken(e) | Exchange::Failed(e))| e)
             }
@@ -468,9 +479,37 @@ impl ControlBus {
     }
 }
 
-/// Sends `encoded` on `connection` and reads the answer, waiting at most `limit` for it.
+/// Reads and drops the `owed` answers of requests whose wait was given up, waiting at most
+/// `limit` for them; a line that does not deliver them is out of step, so it counts as broken
+/// (and is connected again).
+async fn drop_late_answers(
+    connection: &mut Framed<TcpStream, LengthDelimitedCodec>,
+    owed: &mut usize,
+    limit: Duration,
+) -> Result<(), Exchange> {
+    while *owed > 0 {
+        match tokio::time::timeout(limit, connection.next()).await {
+            Ok(Some(Ok(_))) => {
+                *owed -= 1;
+                tracing::debug!("dropped the coordinator's answer to a request no longer waited for");
+            }
+            _ => {
+                *owed = 0;
+                return Err(Exchange::Broken(anyhow!(
+                    "the answer to a request given up did not arrive within {:.1}s",
+                    limit.as_secs_f64()
+                )));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Sends `encoded` on `connection` and reads the answer, waiting at most `limit` for it; until
+/// it is read, `owed` counts it.
 async fn exchange(
     connection: &mut Framed<TcpStream, LengthDelimitedCodec>,
+    owed: &mut usize,
     encoded: Bytes,
     limit: Duration,
     master: &str,
@@ -479,6 +518,7 @@ async fn exchange(
         .send(encoded)
         .await
         .map_err(|e| Exchange::Broken(anyhow!(e).context(format!("sending to the coordinator at {master}"))))?;
+    *owed += 1;
     let answer = tokio::time::timeout(limit, connection.next())
         .await
         .map_err(|_| {
@@ -489,6 +529,7 @@ async fn exchange(
         })?
         .ok_or_else(|| Exchange::Broken(anyhow!("the coordinator at {master} closed the connection")))?
         .map_err(|e| Exchange::Broken(anyhow!(e).context(format!("reading from the coordinator at {master}"))))?;
+    *owed -= 1;
     Frame::decode(answer.freeze()).map_err(Exchange::Failed)
 }
 
@@ -556,5 +597,41 @@ mod tests {
         let message = format!("{:#}", refused.err().unwrap());
         assert!(message.contains("does not know the cluster token"), "{message}");
         assert!(serving.await.unwrap().is_err());
+    }
+
+    #[actix::test]
+    async fn the_late_answer_to_a_request_given_up_is_dropped_not_taken_for_the_next() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let master = listener.local_addr().unwrap().to_string();
+        let server_side = credentials("a cluster token of enough length");
+        let serving = tokio::spawn(async move {
+            let (mut stream, _) = listener.accept().await?;
+            auth::accept(&mut stream, &server_side).await?;
+            let mut framed = Framed::new(stream, codec(1 << 20));
+            framed.next().await.context("the first request")??;
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            let late = ControlMessage::Refused {
+                reason: "the late answer".into(),
+            };
+            framed.send(Frame::control(late).encode()?).await?;
+            framed.next().await.context("the second request")??;
+            framed
+                .send(Frame::control(ControlMessage::Dead { processes: Vec::new() }).encode()?)
+                .await?;
+            anyhow::Ok(())
+        });
+        let mut bus = ControlBus::connect(
+            &master,
+            Duration::from_secs(10),
+            1 << 20,
+            &credentials("a cluster token of enough length"),
+        )
+        .await
+        .unwrap();
+        let given_up = tokio::time::timeout(Duration::from_millis(50), bus.list_dead(Duration::from_secs(10))).await;
+        assert!(given_up.is_err(), "the first answer comes after 200 ms");
+        let answer = bus.list_dead(Duration::from_secs(10)).await;
+        assert!(matches!(answer.as_deref(), Ok([])), "{answer:?}");
+        serving.await.unwrap().unwrap();
     }
 }
