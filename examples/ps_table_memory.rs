@@ -2,7 +2,8 @@
 //! the figures the PS shard's memory target (within 1.5× of the raw
 //! id + value + state bytes at a million rows) is held against.
 //!
-//!     cargo run --release --example ps_table_memory
+//!     cargo run --release --example ps_table_memory              # a million rows
+//!     ROWS=20000000 cargo run --release --example ps_table_memory # or as many as ROWS says
 //!
 //! Memory is counted by a global allocator that tallies live bytes, and
 //! compared with the table's own `memory_bytes()`.
@@ -55,7 +56,10 @@ unsafe impl GlobalAlloc for Counting {
 #[global_allocator]
 static GLOBAL: Counting = Counting;
 
-const ROWS: usize = 1_000_000;
+/// Rows each table grows to: `ROWS`, a million by default.
+fn rows() -> usize {
+    std::env::var("ROWS").ok().and_then(|n| n.parse().ok()).unwrap_or(1_000_000)
+}
 const BATCH: usize = 4096;
 /// Sizes below this are dominated by the last page, not the steady state.
 const WORST_FROM: usize = 100_000;
@@ -84,8 +88,9 @@ fn main() -> anyhow::Result<()> {
         (1, "adagrad", adagrad),
         (1, "adam", adam),
     ];
+    let rows = rows();
     let mut rng = SplitMix64::new(7);
-    let ids: Vec<u64> = (0..ROWS).map(|_| rng.next_u64()).collect();
+    let ids: Vec<u64> = (0..rows).map(|_| rng.next_u64()).collect();
     let mut shuffled = ids.clone();
     rng.shuffle(&mut shuffled);
     let mut buffer = vec![0.5f32; BATCH * 9];
@@ -96,9 +101,9 @@ fn main() -> anyhow::Result<()> {
         "optimizer",
         "raw B/row",
         "B/row@200k",
-        "B/row@1M",
-        "ratio@1M",
-        "estim@1M",
+        "B/row@end",
+        "ratio@end",
+        "estim@end",
         "worst≥100k",
         "create/s",
         "pull/s",
@@ -122,29 +127,29 @@ fn main() -> anyhow::Result<()> {
                 at_200k = per_row(&table);
             }
         }
-        let create_rate = ROWS as f64 / started.elapsed().as_secs_f64();
-        let at_1m = per_row(&table);
+        let create_rate = rows as f64 / started.elapsed().as_secs_f64();
+        let at_end = per_row(&table);
         let estimate = table.memory_bytes() as f64 / table.len() as f64;
 
         let started = Instant::now();
         for chunk in shuffled.chunks(BATCH) {
             table.pull(chunk, &mut buffer[..chunk.len() * width], Lookup::Training)?;
         }
-        let pull_rate = ROWS as f64 / started.elapsed().as_secs_f64();
+        let pull_rate = rows as f64 / started.elapsed().as_secs_f64();
         let started = Instant::now();
         for chunk in shuffled.chunks(BATCH) {
             table.apply_gradients(chunk, &buffer[..chunk.len() * width], &[])?;
         }
-        let push_rate = ROWS as f64 / started.elapsed().as_secs_f64();
+        let push_rate = rows as f64 / started.elapsed().as_secs_f64();
 
         println!(
-            "{width:>5} {label:>13} {raw:>9.0} {at_200k:>11.1} {at_1m:>11.1} {:>9.3} {estimate:>9.1} {worst:>13.3} {:>10.2}M {:>10.2}M {:>10.2}M",
-            at_1m / raw,
+            "{width:>5} {label:>13} {raw:>9.0} {at_200k:>11.1} {at_end:>11.1} {:>9.3} {estimate:>9.1} {worst:>13.3} {:>10.2}M {:>10.2}M {:>10.2}M",
+            at_end / raw,
             create_rate / 1e6,
             pull_rate / 1e6,
             push_rate / 1e6
         );
     }
-    println!("(B/row counted by the allocator; estim = memory_bytes()/len; worst = max ratio at any batch boundary from 100k rows to 1M)");
+    println!("(B/row counted by the allocator at {rows} rows; estim = memory_bytes()/len; worst = max ratio at any batch boundary from 100k rows on)");
     Ok(())
 }
