@@ -58,7 +58,10 @@ static GLOBAL: Counting = Counting;
 
 /// Rows each table grows to: `ROWS`, a million by default.
 fn rows() -> usize {
-    std::env::var("ROWS").ok().and_then(|n| n.parse().ok()).unwrap_or(1_000_000)
+    std::env::var("ROWS")
+        .ok()
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(1_000_000)
 }
 const BATCH: usize = 4096;
 /// Sizes below this are dominated by the last page, not the steady state.
