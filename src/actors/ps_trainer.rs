@@ -631,15 +631,13 @@ fn sparse_table_metrics(job: &JobConfig, stats: &[ShardStats]) -> Vec<SparseTabl
         .enumerate()
         .filter(|(_, spec)| job.strategy.sparse_table_configs.contains_key(spec.name))
         .map(|(table, spec)| {
-            let sum = |figure: fn(&TableStats) -> u64| -> u64 {
-                stats.iter().filter_map(|s| s.tables.get(table)).map(figure).sum()
-            };
+            let total = TableStats::total(stats, table);
             SparseTableMetrics {
                 table: spec.name.to_owned(),
-                rows: sum(|t| t.rows),
-                admitted: sum(|t| t.admitted),
-                evicted: sum(|t| t.evicted),
-                deleted: sum(|t| t.deleted),
+                rows: total.rows,
+                admitted: total.admitted,
+                evicted: total.evicted,
+                deleted: total.deleted,
             }
         })
         .collect()

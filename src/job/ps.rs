@@ -489,20 +489,17 @@ fn table_figures(job: &JobConfig, shards: &[ShardStats]) -> Vec<TableFigures> {
         .iter()
         .enumerate()
         .map(|(table, spec)| {
-            let of = |figure: fn(&TableStats) -> u64| -> u64 {
-                shards.iter().filter_map(|s| s.tables.get(table)).map(figure).sum()
-            };
-            let rows = of(|t| t.rows);
+            let total = TableStats::total(shards, table);
             let policed = job.strategy.sparse_table_configs.contains_key(spec.name);
             TableFigures {
                 name: spec.name.to_string(),
-                rows,
-                bytes_per_row: of(|t| t.bytes) as f64 / rows.max(1) as f64,
+                rows: total.rows,
+                bytes_per_row: total.bytes as f64 / total.rows.max(1) as f64,
                 raw_bytes_per_row: 8 + 4 * (spec.width + optimizer.state_len(spec.width)),
-                policy: policed.then(|| PolicyFigures {
-                    admitted: of(|t| t.admitted),
-                    evicted: of(|t| t.evicted),
-                    deleted: of(|t| t.deleted),
+                policy: policed.then_some(PolicyFigures {
+                    admitted: total.admitted,
+                    evicted: total.evicted,
+                    deleted: total.deleted,
                 }),
             }
         })

@@ -10,7 +10,7 @@ use std::io::{BufWriter, Write};
 use std::path::{Path, PathBuf};
 
 use anyhow::{bail, ensure, Context, Result};
-use candle_core::{DType, Device, Tensor};
+use candle_core::{Device, Tensor};
 use serde::Serialize;
 
 use super::outputs::CONFIG_FILE;
@@ -75,9 +75,10 @@ impl ServingModel {
     /// The model an export in `dir` holds: a base, or a delta applied to its base.
     pub fn from_export(dir: &Path) -> Result<Self> {
         let export = ExportDir::open(dir)?;
-        let config_text = String::from_utf8(export.read(CONFIG)?).context("the configuration is not UTF-8")?;
+        // A delta's model is its base's: the base's configuration describes it.
         let mut model = match (export.manifest.kind, &export.manifest.base) {
             (ExportKind::Base, _) => {
+                let config_text = String::from_utf8(export.read(CONFIG)?).context("the configuration is not UTF-8")?;
                 let config = JobConfig::from_toml_str(&config_text, CONFIG, &|_| None, &[])?;
                 let tables = table_layout(&config).len();
                 Self {
@@ -126,6 +127,7 @@ impl ServingModel {
     /// evaluation: rows not held read as zeros.
     pub fn pull(&self, plan: &PullPlan) -> Vec<PulledRows> {
         let servers = self.config.cluster.server_num;
+        let layout = table_layout(&self.config);
         plan.ids
             .iter()
             .enumerate()
@@ -133,7 +135,7 @@ impl ServingModel {
                 let rows = tables
                     .iter()
                     .zip(&self.tables)
-                    .zip(table_layout(&self.config))
+                    .zip(&layout)
                     .map(|((ids, rows), spec)| {
                         let mut out = Vec::with_capacity(ids.len() * spec.width);
                         for id in ids {
@@ -275,10 +277,7 @@ fn dense_bytes(model: &ServingModel) -> Result<Vec<u8>> {
                 model.dense.len()
             )
         })?;
-        tensors.insert(
-            name,
-            Tensor::from_slice(values, shape, &Device::Cpu)?.to_dtype(DType::F32)?,
-        );
+        tensors.insert(name, Tensor::from_slice(values, shape, &Device::Cpu)?);
         offset += len;
     }
     ensure!(

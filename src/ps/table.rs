@@ -114,7 +114,7 @@ impl SparseTable {
 
     /// The empty table under `policy`: its rows count shows and clicks.
     pub fn with_policy(mut self, policy: RowPolicy) -> Self {
-        let stride = self.width + self.optimizer.state_len(self.width) + COUNTS;
+        let stride = self.counts_offset() + COUNTS;
         self.rows = RowPages::new(stride);
         self.row_budget = policy.row_budget(stride);
         self.policy = Some(policy);
@@ -214,7 +214,7 @@ impl SparseTable {
         let Some(policy) = self.policy.take() else {
             return 0;
         };
-        let counted = self.width + self.optimizer.state_len(self.width);
+        let counted = self.counts_offset();
         let mut doomed = Vec::new();
         for (id, slot) in self.index.iter() {
             if !policy.survives_pass(&mut self.rows.row_mut(slot)[counted..]) {
@@ -244,7 +244,7 @@ impl SparseTable {
     /// Every row's counts (shows, clicks, passes unseen; empty without a
     /// policy), in the order of [`SparseTable::rows`].
     pub fn row_counts(&self) -> impl Iterator<Item = &[f32]> + '_ {
-        let counted = self.width + self.optimizer.state_len(self.width);
+        let counted = self.counts_offset();
         self.index.iter().map(move |(_, slot)| &self.rows.row(slot)[counted..])
     }
 
@@ -280,7 +280,7 @@ impl SparseTable {
     /// Restores what a snapshot holds besides the rows: row `id`'s counts (ignored without a
     /// policy), the candidates' shows and the tally.
     pub fn restore_counts(&mut self, id: u64, counts: &[f32]) -> anyhow::Result<()> {
-        let counted = self.width + self.optimizer.state_len(self.width);
+        let counted = self.counts_offset();
         let slot = self
             .index
             .get(id)
@@ -340,7 +340,7 @@ impl SparseTable {
     /// rule keeps it out.
     fn trained_slot(&mut self, id: u64, counts: Option<&[f32]>) -> anyhow::Result<Option<u32>> {
         let (shows, clicks) = counts.map_or((1.0, 0.0), |c| (c[0], c[1]));
-        let counted = self.width + self.optimizer.state_len(self.width);
+        let counted = self.counts_offset();
         if let Some(slot) = self.index.get(id) {
             if self.policy.is_some() {
                 RowPolicy::count(&mut self.rows.row_mut(slot)[counted..], shows, clicks);
@@ -396,7 +396,7 @@ impl SparseTable {
         let (Some(policy), Some(budget)) = (&self.policy, self.row_budget) else {
             return;
         };
-        let counted = self.width + self.optimizer.state_len(self.width);
+        let counted = self.counts_offset();
         let mut scored: Vec<(f32, u64)> = self
             .index
             .iter()
@@ -416,6 +416,11 @@ impl SparseTable {
             self.free.push(slot);
             self.len -= 1;
         }
+    }
+
+    /// Where a row's counts start: after its value and optimizer state.
+    fn counts_offset(&self) -> usize {
+        self.width + self.optimizer.state_len(self.width)
     }
 
     /// Checks that `counts` holds a show and a click per id, or nothing.

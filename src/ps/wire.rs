@@ -135,6 +135,22 @@ pub struct TableStats {
     pub deleted: u64,
 }
 
+impl TableStats {
+    /// Table `table`'s figures summed over the shards' `stats`.
+    pub fn total(stats: &[ShardStats], table: usize) -> Self {
+        stats
+            .iter()
+            .filter_map(|shard| shard.tables.get(table))
+            .fold(Self::default(), |sum, t| Self {
+                rows: sum.rows + t.rows,
+                bytes: sum.bytes + t.bytes,
+                admitted: sum.admitted + t.admitted,
+                evicted: sum.evicted + t.evicted,
+                deleted: sum.deleted + t.deleted,
+            })
+    }
+}
+
 /// A request from a trainer to a shard in its process (or from the shard's TCP endpoint, for a
 /// trainer elsewhere); every request gets an answer, a refusal carrying the reason.
 #[derive(actix::Message, Debug, Clone, PartialEq)]
