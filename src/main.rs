@@ -308,7 +308,7 @@ fn run(cli: Cli) -> Result<()> {
             vocab,
         }) => {
             let split = if test { Split::Test } else { Split::Train };
-            write_synthetic(&out, &CriteoSynth::new(seed, vocab), split, samples)?;
+            write_synthetic(&out, &CriteoSynth::new(seed, vocab), split, 0..samples)?;
             print_out(&format!("wrote {samples} samples to {}\n", out.display()));
             Ok(())
         }

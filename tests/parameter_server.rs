@@ -10,7 +10,7 @@ use std::path::Path;
 
 use candle_core::{Device, Tensor, Var};
 use flotilla::config::JobConfig;
-use flotilla::data::ctr::CtrLoader;
+use flotilla::data::ctr::{CtrLoader, DataLayout};
 use flotilla::job::ps::{build_shard, ParameterServerJob};
 use flotilla::models::{sigmoid_cross_entropy, ParamInit, SparseRows, WideDeep};
 use flotilla::ps::table::{init_row, RowInit};
@@ -65,7 +65,8 @@ fn reference(config: &JobConfig) -> (Vec<f32>, Vec<HashMap<u64, Vec<f32>>>) {
     let params: Vec<Var> = model.parameters().into_iter().map(|(_, v)| v).collect();
     let specs = table_layout(config);
     let mut tables: Vec<HashMap<u64, Vec<f32>>> = vec![HashMap::new(); specs.len()];
-    let mut loader = CtrLoader::new(job.train_data.clone(), train.batch_size, 0, 1).unwrap();
+    let layout = DataLayout::of(train, config.world_size());
+    let mut loader = CtrLoader::new(job.train_data.clone(), layout, train.batch_size, 0, 1).unwrap();
     let lr = train.lr as f32;
     for _ in 0..train.steps.unwrap() {
         let batch = loader.next_batch().unwrap();
@@ -307,26 +308,38 @@ fn shards_start_from_the_tables_a_run_saved() {
     assert!(err.contains("server"), "{err}");
 }
 
+/// Three trainers read three files — each its own, plain or gzipped, in shuffled windows — and
+/// train bit-identically to the generator the files were written from, cut into the same parts.
 #[test]
 fn criteo_tsv_files_plain_or_gzipped_train_exactly_like_the_generator_they_were_written_from() {
     use flotilla::data::ctr::{write_synthetic, CriteoSynth, Split};
-    let synthetic = ctr_config(&[]);
+    let synthetic = ctr_config(&["train.shuffle_buffer=40"]);
     let train = &synthetic.train;
     let test_samples = (train.synthetic_samples as f64 * train.test_fraction).round() as u64;
+    let train_samples = train.synthetic_samples as u64 - test_samples;
+    let parts = train.data_parts(synthetic.world_size()) as u64;
+    assert_eq!(parts, 3, "one part per trainer by default");
     let synth = CriteoSynth::new(train.seed, train.synthetic_vocab);
     let files = tempfile::tempdir().unwrap();
     let generated_dir = tempfile::tempdir().unwrap();
     let generated = run(synthetic.clone(), generated_dir.path());
     let dense = |dir: &Path| ShardFile::read(&dir.join("ps-shard-0.safetensors")).floats("dense.values");
+    let quoted = |paths: &[String]| paths.iter().map(|p| format!("{p:?}")).collect::<Vec<_>>().join(", ");
     for suffix in ["", ".gz"] {
-        let train_file = files.path().join(format!("train.tsv{suffix}"));
+        let bound = |part: u64| train_samples * part / parts;
+        let train_files: Vec<String> = (0..parts)
+            .map(|part| {
+                let path = files.path().join(format!("train-{part}.tsv{suffix}"));
+                write_synthetic(&path, &synth, Split::Train, bound(part)..bound(part + 1)).unwrap();
+                path.display().to_string()
+            })
+            .collect();
         let test_file = files.path().join(format!("test.tsv{suffix}"));
-        let train_samples = train.synthetic_samples as u64 - test_samples;
-        write_synthetic(&train_file, &synth, Split::Train, train_samples).unwrap();
-        write_synthetic(&test_file, &synth, Split::Test, test_samples).unwrap();
+        write_synthetic(&test_file, &synth, Split::Test, 0..test_samples).unwrap();
         let from_files = ctr_config(&[
+            "train.shuffle_buffer=40",
             "train.dataset=criteo",
-            &format!("train.train_files=[{:?}]", train_file.display().to_string()),
+            &format!("train.train_files=[{}]", quoted(&train_files)),
             &format!("train.test_files=[{:?}]", test_file.display().to_string()),
         ]);
         let dir = tempfile::tempdir().unwrap();

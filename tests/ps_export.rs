@@ -37,8 +37,8 @@ fn an_export_scores_the_jobs_auc_and_a_delta_holds_exactly_the_rows_changed_sinc
     let files = tempfile::tempdir().unwrap();
     let path = |name: &str| files.path().join(name).display().to_string();
     let synth = CriteoSynth::new(42, 300);
-    write_synthetic(Path::new(&path("train.tsv")), &synth, Split::Train, 20_000).unwrap();
-    write_synthetic(Path::new(&path("test.tsv.gz")), &synth, Split::Test, 1_000).unwrap();
+    write_synthetic(Path::new(&path("train.tsv")), &synth, Split::Train, 0..20_000).unwrap();
+    write_synthetic(Path::new(&path("test.tsv.gz")), &synth, Split::Test, 0..1_000).unwrap();
     let job = |steps: &str| {
         ctr_config(&[
             "train.dataset=criteo",

@@ -9,7 +9,7 @@ use std::path::Path;
 
 use common::{ctr_config, run};
 use flotilla::config::JobConfig;
-use flotilla::data::ctr::CtrLoader;
+use flotilla::data::ctr::{CtrLoader, DataLayout};
 use flotilla::job::ps::{build_shard, ParameterServerJob};
 use flotilla::ps::policy::RowPolicy;
 use flotilla::telemetry::metrics::{read_metrics, METRICS_FILE};
@@ -17,7 +17,8 @@ use flotilla::telemetry::metrics::{read_metrics, METRICS_FILE};
 /// How often each id occurs in the job's global batches of steps `steps`.
 fn occurrences(config: &JobConfig, steps: std::ops::Range<usize>) -> BTreeMap<u64, u32> {
     let job = ParameterServerJob::builtin(config.clone()).unwrap();
-    let mut loader = CtrLoader::new(job.train_data.clone(), config.train.batch_size, 0, 1).unwrap();
+    let layout = DataLayout::of(&config.train, config.world_size());
+    let mut loader = CtrLoader::new(job.train_data.clone(), layout, config.train.batch_size, 0, 1).unwrap();
     let mut counts = BTreeMap::new();
     for step in 0..steps.end {
         let batch = loader.next_batch().unwrap();

@@ -26,8 +26,9 @@ use super::recovery::Recovery;
 use super::rollback::Orders;
 use super::LOSSES_RESERVED;
 use crate::checkpoint::HeldFile;
+use crate::config::TrainLength;
 use crate::config::{JobConfig, PsMode};
-use crate::data::ctr::{CtrLoader, CtrSource};
+use crate::data::ctr::{CtrLoader, CtrSource, DataLayout};
 use crate::metrics::auc;
 use crate::net::protocol::Roster;
 use crate::net::ControlBus;
@@ -213,8 +214,11 @@ impl PsRun {
         let mut client = self.client.take().context("TrainPs was sent twice")?;
         client.wait_for_servers().await?;
 
-        let batches_per_epoch = (self.train_data.records_per_epoch()? as usize / train.batch_size).max(1);
-        let steps = train.length().steps(batches_per_epoch)?;
+        // Only a run measured in epochs counts the records (a byte scan of the files).
+        let steps = match train.length() {
+            TrainLength::Steps(steps) => steps,
+            length => length.steps((self.train_data.records_per_epoch()? as usize / train.batch_size).max(1))?,
+        };
         // The shards hold the state of a checkpoint; the trainers move on to its step, with
         // their own state (geo's) of that checkpoint.
         let mut first = match &mut in_place {
@@ -427,7 +431,8 @@ impl PsRun {
     ) -> Result<()> {
         let (rank, place, job) = (self.rank, self.place, self.job.clone());
         let train = &job.train;
-        let mut loader = CtrLoader::new(self.train_data.clone(), train.batch_size, place, self.trainers)
+        let layout = DataLayout::of(train, job.world_size());
+        let mut loader = CtrLoader::new(self.train_data.clone(), layout, train.batch_size, place, self.trainers)
             .with_context(|| format!("trainer {rank}: training data"))?;
         loader.skip_batches(first)?;
         // Async mode pulls step t+1's rows while step t computes, as Paddle's async
@@ -611,8 +616,14 @@ impl PsRun {
 
     /// AUC of the shards' final values on the held-out set (once every trainer has ended).
     async fn evaluate(&self, client: &mut PsClient, version: u64) -> Result<(Option<f64>, usize)> {
-        let mut loader = CtrLoader::new(self.test_data.clone(), self.job.train.batch_size, 0, 1)
-            .context("trainer 0: held-out data")?;
+        let mut loader = CtrLoader::new(
+            self.test_data.clone(),
+            DataLayout::WHOLE,
+            self.job.train.batch_size,
+            0,
+            1,
+        )
+        .context("trainer 0: held-out data")?;
         let (mut scores, mut labels) = (Vec::new(), Vec::new());
         while let Some(batch) = loader.next_eval_batch()? {
             labels.extend_from_slice(&batch.labels);

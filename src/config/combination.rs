@@ -13,6 +13,7 @@ pub(super) fn check(config: &JobConfig) -> Result<(), FieldError> {
     check_checkpoints(config)?;
     check_hierarchical_allreduce(config)?;
     check_elastic(config)?;
+    check_data_layout(config)?;
     if config.cluster.is_parameter_server() {
         check_parameter_server(config)?;
     } else {
@@ -261,6 +262,45 @@ fn check_pipeline(config: &JobConfig) -> Result<(), FieldError> {
     strategy
         .pipeline_configs
         .check(&strategy.hybrid_configs, config.world_size(), config.train.batch_size)
+}
+
+/// Click logs are cut into parts that divide among the trainers and divide the batch; other
+/// data sets are not read in parts.
+fn check_data_layout(config: &JobConfig) -> Result<(), FieldError> {
+    let train = &config.train;
+    if !train.dataset.is_click_log() {
+        let only = |key: &str| {
+            FieldError::new(
+                key,
+                format!(
+                    "only click logs (\"criteo\", \"criteo_synthetic\") are read in parts and windows; {} is not",
+                    dataset_name(train.dataset)
+                ),
+            )
+        };
+        return match (train.data_parts, train.shuffle_buffer) {
+            (Some(_), _) => Err(only("train.data_parts")),
+            (None, 0) => Ok(()),
+            (None, _) => Err(only("train.shuffle_buffer")),
+        };
+    }
+    let (parts, trainers) = (train.data_parts(config.world_size()), config.world_size());
+    if parts == 0 || !parts.is_multiple_of(trainers) {
+        return Err(FieldError::new(
+            "train.data_parts",
+            format!("{parts} parts cannot be shared evenly by the {trainers} trainers: give a multiple of {trainers}"),
+        ));
+    }
+    if !train.batch_size.is_multiple_of(parts) {
+        return Err(FieldError::new(
+            "train.data_parts",
+            format!(
+                "the global batch of {} records does not divide into {parts} equal shares, one per part",
+                train.batch_size
+            ),
+        ));
+    }
+    Ok(())
 }
 
 /// Data set `criteo` needs its files.

@@ -320,6 +320,7 @@ fn load(
     config.source_name = source_name.to_string();
     config.cluster.resolve_defaults();
     config.train.resolve_defaults();
+    config.train.resolve_data_parts(config.world_size());
     config.check().map_err(|e| provenance.error(e.key, e.message))?;
     Ok(config)
 }

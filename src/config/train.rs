@@ -202,6 +202,14 @@ pub struct TrainConfig {
     /// Paddle's `fleet.init_server(dirname)`. The shard count must be the same.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub init_tables_from: Option<String>,
+    /// Click-log data sets: the parts the training data is cut into — runs of files, or byte
+    /// ranges of fewer files — each read by one trainer; a global batch takes an equal share
+    /// of each, so the parts must divide among the trainers and the batch among the parts.
+    /// Defaults to the number of trainers, and is kept when a run resumes on another number.
+    pub data_parts: Option<usize>,
+    /// Click-log data sets: records of a part shuffled together, in consecutive windows, by a
+    /// generator seeded with `seed`, the part, the pass and the window; 0 reads in file order.
+    pub shuffle_buffer: usize,
     /// Fraction of the data held out for evaluation, strictly between 0 and 1.
     pub test_fraction: f64,
     /// Run length in optimizer steps; exclusive with `epochs`.
@@ -259,6 +267,8 @@ impl TrainConfig {
             train_files: Vec::new(),
             test_files: Vec::new(),
             init_tables_from: None,
+            data_parts: None,
+            shuffle_buffer: 0,
             test_fraction: 0.2,
             steps: None,
             epochs: None,
@@ -282,6 +292,19 @@ impl TrainConfig {
         }
         if self.hidden_sizes.is_none() {
             self.hidden_sizes = Some(self.model.default_hidden_sizes());
+        }
+    }
+
+    /// Parts of the click-log data (`data_parts`; the number of trainers if not given).
+    pub fn data_parts(&self, trainers: usize) -> usize {
+        self.data_parts.unwrap_or(trainers)
+    }
+
+    /// Keeps the number of parts of click logs in the resolved config, so a run resumed on
+    /// another number of trainers reads the data cut as before.
+    pub(crate) fn resolve_data_parts(&mut self, trainers: usize) {
+        if self.dataset.is_click_log() && self.data_parts.is_none() {
+            self.data_parts = Some(trainers);
         }
     }
 

@@ -16,7 +16,7 @@ use serde::Serialize;
 use super::outputs::CONFIG_FILE;
 use super::ps::build_shard;
 use crate::config::JobConfig;
-use crate::data::ctr::{CtrLoader, CtrSource};
+use crate::data::ctr::{CtrLoader, CtrSource, DataLayout};
 use crate::metrics::auc;
 use crate::models::{ParamInit, WideDeep};
 use crate::ps::dense::dense_range;
@@ -305,7 +305,13 @@ pub struct Prediction {
 pub fn predict(model_dir: &Path, data: &[PathBuf], out: &Path) -> Result<Prediction> {
     let model = ServingModel::from_export(model_dir)?;
     let mut worker = CtrWorker::new(&model.config, Device::Cpu)?;
-    let mut loader = CtrLoader::new(CtrSource::Files(data.to_vec()), model.config.train.batch_size, 0, 1)?;
+    let mut loader = CtrLoader::new(
+        CtrSource::Files(data.to_vec()),
+        DataLayout::WHOLE,
+        model.config.train.batch_size,
+        0,
+        1,
+    )?;
     let file = fs::File::create(out).with_context(|| format!("cannot create {}", out.display()))?;
     let mut lines = BufWriter::new(file);
     let (mut scores, mut labels) = (Vec::new(), Vec::new());

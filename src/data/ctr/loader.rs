@@ -1,18 +1,29 @@
 //! Each trainer's part of every global batch of CTR records.
 //!
-//! The data is read in order, one pass per epoch, cut into global batches of
-//! `global_batch` records (an incomplete tail is dropped in training), and
-//! rank `r` of `world` takes records `[r·B/world, (r+1)·B/world)` of each.
-//! So the ranks' batches at each step concatenate to exactly the batch one
-//! process would read — the same contract as [`crate::data::ShardedLoader`].
+//! The data is cut into `parts` parts — index ranges of generated data; runs of files, or
+//! byte ranges of them (see `parts`) — and every global batch of `B` records is the
+//! concatenation of the next `B / parts` records of each part, in part order. Rank `r` of
+//! `world` reads only parts `[r·P/W, (r+1)·P/W)`: no rank reads another's data, and the ranks'
+//! batches at a step still concatenate to exactly the batch one process reading every part
+//! takes, whatever the number of ranks — the ground truth of sync training, and what lets a
+//! run resume on another number of trainers.
+//!
+//! A part is read pass after pass (epochs): at the end of a pass the records short of a whole
+//! `B / parts` are dropped and the part starts over. With a shuffle buffer of `K` records, a
+//! part's records are taken in windows of `K`, each permuted by a generator seeded with the
+//! seed, the part, the pass and the window — the same order on any layout and after a resume.
 
+use std::collections::VecDeque;
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use anyhow::{bail, ensure, Result};
+use anyhow::{anyhow, ensure, Result};
 
+use super::parts::cut_into_parts;
 use super::tsv::count_records;
-use super::{CriteoSynth, CtrBatch, Split, TsvReader};
+use super::{CriteoSynth, CtrBatch, CtrRecord, Split, TsvReader};
+use crate::config::TrainConfig;
+use crate::rng::SplitMix64;
 
 /// Where CTR records come from.
 #[derive(Debug, Clone)]
@@ -44,151 +55,280 @@ impl CtrSource {
     }
 }
 
-/// How records are reached: by index, or by reading on.
+/// How the data is cut and ordered: the same for every rank of a job, and kept by a resumed run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DataLayout {
+    /// Parts the data is cut into, each read by one rank (`train.data_parts`).
+    pub parts: usize,
+    /// Records per shuffled window of a part; 0 reads in file order (`train.shuffle_buffer`).
+    pub shuffle_buffer: usize,
+    /// Seed of the shuffle (`train.seed`).
+    pub seed: u64,
+}
+
+impl DataLayout {
+    /// The training data's layout in a job of `trainers` trainers configured by `train`.
+    pub fn of(train: &TrainConfig, trainers: usize) -> Self {
+        Self {
+            parts: train.data_parts(trainers),
+            shuffle_buffer: train.shuffle_buffer,
+            seed: train.seed,
+        }
+    }
+
+    /// The data as one part in file order: what an evaluation or a scoring pass reads.
+    pub const WHOLE: DataLayout = DataLayout {
+        parts: 1,
+        shuffle_buffer: 0,
+        seed: 0,
+    };
+}
+
+/// One part's records in order.
 #[derive(Debug)]
-enum Cursor {
-    Synthetic { synth: Arc<CriteoSynth>, split: Split },
+enum PartStream {
+    Synthetic {
+        synth: Arc<CriteoSynth>,
+        split: Split,
+        records: std::ops::Range<u64>,
+        next: u64,
+    },
     Files(TsvReader),
 }
 
-/// One rank's reader of global CTR batches, for training (wrapping epochs)
-/// or evaluation (one pass). Training and evaluation share the position in
-/// the data, so use one loader for each.
-#[derive(Debug)]
-pub struct CtrLoader {
-    cursor: Cursor,
-    /// Records in one pass over the data.
-    records: u64,
-    global_batch: usize,
-    rank: usize,
-    world: usize,
-    /// Records of the current pass already consumed, by all ranks together.
-    position: u64,
-    epoch: usize,
+impl PartStream {
+    /// The next record of the pass; `None` at its end.
+    fn next(&mut self) -> Result<Option<CtrRecord>> {
+        match self {
+            PartStream::Synthetic {
+                synth,
+                split,
+                records,
+                next,
+            } => Ok((*next < records.end).then(|| {
+                *next += 1;
+                synth.record(*split, *next - 1)
+            })),
+            PartStream::Files(reader) => reader.next_record(),
+        }
+    }
+
+    /// Back to the part's first record.
+    fn rewind(&mut self) -> Result<()> {
+        match self {
+            PartStream::Synthetic { records, next, .. } => {
+                *next = records.start;
+                Ok(())
+            }
+            PartStream::Files(reader) => reader.rewind(),
+        }
+    }
 }
 
-impl CtrLoader {
-    /// The loader of `rank` among `world` trainers reading global batches of
-    /// `global_batch` records, which must divide evenly among them. For
-    /// files, every file is scanned once now to count its records.
-    pub fn new(source: CtrSource, global_batch: usize, rank: usize, world: usize) -> Result<Self> {
-        crate::data::check_rank_batch(global_batch, rank, world)?;
-        let records = source.records_per_epoch()?;
-        let cursor = match source {
-            CtrSource::Synthetic { synth, split, .. } => Cursor::Synthetic { synth, split },
-            CtrSource::Files(files) => Cursor::Files(TsvReader::open(files)?),
-        };
-        Ok(Self {
-            cursor,
-            records,
-            global_batch,
-            rank,
-            world,
-            position: 0,
-            epoch: 0,
+/// One part as a rank reads it: its stream, shuffled in windows, pass after pass.
+#[derive(Debug)]
+struct Part {
+    index: usize,
+    stream: PartStream,
+    /// Passes started before the current one.
+    pass: u64,
+    layout: DataLayout,
+    /// Windows of the current pass taken so far.
+    windows: u64,
+    window: VecDeque<CtrRecord>,
+    /// Records taken from the stream, over every pass.
+    taken: u64,
+}
+
+impl Part {
+    /// The next record of the pass, shuffled; `None` at its end.
+    fn next(&mut self) -> Result<Option<CtrRecord>> {
+        let size = self.layout.shuffle_buffer;
+        if size == 0 {
+            return self.take_from_stream();
+        }
+        if self.window.is_empty() {
+            while self.window.len() < size {
+                match self.take_from_stream()? {
+                    Some(record) => self.window.push_back(record),
+                    None => break,
+                }
+            }
+            let stream = format!("ctr part {} pass {}", self.index, self.pass);
+            SplitMix64::for_stream(self.layout.seed, &stream, self.windows).shuffle(self.window.make_contiguous());
+            self.windows += 1;
+        }
+        Ok(self.window.pop_front())
+    }
+
+    fn take_from_stream(&mut self) -> Result<Option<CtrRecord>> {
+        let record = self.stream.next()?;
+        self.taken += u64::from(record.is_some());
+        Ok(record)
+    }
+
+    /// The next `count` records of the pass, or `None` when the pass ends before them.
+    fn next_run(&mut self, count: usize) -> Result<Option<Vec<CtrRecord>>> {
+        let mut run = Vec::with_capacity(count);
+        while run.len() < count {
+            match self.next()? {
+                Some(record) => run.push(record),
+                None => return Ok(None),
+            }
+        }
+        Ok(Some(run))
+    }
+
+    /// The next `count` records, starting the next pass when this one has fewer left.
+    fn next_whole_run(&mut self, count: usize) -> Result<Vec<CtrRecord>> {
+        if let Some(run) = self.next_run(count)? {
+            return Ok(run);
+        }
+        self.restart()?;
+        self.next_run(count)?.ok_or_else(|| {
+            anyhow!(
+                "data part {} holds fewer than {count} records, its share of a global batch: use fewer \
+                 train.data_parts, a smaller train.batch_size or more data",
+                self.index
+            )
         })
     }
 
-    /// This rank's slice of the next global training batch. After the last
-    /// full global batch of a pass it starts the next epoch from the first
-    /// record; the incomplete tail of a pass is never read.
-    pub fn next_batch(&mut self) -> Result<CtrBatch> {
-        let global = self.global_batch as u64;
+    /// The first record of the next pass comes next.
+    fn restart(&mut self) -> Result<()> {
+        self.stream.rewind()?;
+        self.window.clear();
+        self.windows = 0;
+        self.pass += 1;
+        Ok(())
+    }
+}
+
+/// One rank's reader of global CTR batches, for training (wrapping epochs) or evaluation (one
+/// pass). Training and evaluation share the position in the data, so use one loader for each.
+#[derive(Debug)]
+pub struct CtrLoader {
+    /// The parts this rank reads, in part order.
+    parts: Vec<Part>,
+    /// Records each part gives to a global batch.
+    part_batch: usize,
+    /// Records of this rank's slice of a global batch.
+    local_batch: usize,
+    /// The part an evaluation pass is reading, as an index into `parts`.
+    evaluating: usize,
+}
+
+impl CtrLoader {
+    /// The loader of `rank` among `world` ranks reading global batches of `global_batch`
+    /// records from `source` cut as `layout` says: the parts must divide evenly among the
+    /// ranks, and the batch among the parts. Only this rank's parts are opened.
+    pub fn new(source: CtrSource, layout: DataLayout, global_batch: usize, rank: usize, world: usize) -> Result<Self> {
+        crate::data::check_rank_batch(global_batch, rank, world)?;
+        let parts = layout.parts;
         ensure!(
-            self.records >= global,
-            "the data holds {} records, fewer than one global batch of {global}",
-            self.records
+            parts > 0 && parts.is_multiple_of(world),
+            "train.data_parts = {parts}: the data's parts cannot be shared evenly by {world} trainers"
         );
-        if self.position + global > self.records {
-            self.restart()?;
-            self.epoch += 1;
+        ensure!(
+            global_batch.is_multiple_of(parts),
+            "train.batch_size = {global_batch} does not divide into train.data_parts = {parts} equal shares"
+        );
+        let mine = rank * parts / world..(rank + 1) * parts / world;
+        let streams: Vec<PartStream> = match source {
+            CtrSource::Synthetic { synth, split, samples } => {
+                ensure!(samples > 0, "the data holds no records");
+                let bound = |part: usize| (u128::from(samples) * part as u128 / parts as u128) as u64;
+                mine.clone()
+                    .map(|part| PartStream::Synthetic {
+                        synth: synth.clone(),
+                        split,
+                        records: bound(part)..bound(part + 1),
+                        next: bound(part),
+                    })
+                    .collect()
+            }
+            CtrSource::Files(files) => cut_into_parts(&files, parts)?
+                .into_iter()
+                .skip(mine.start)
+                .take(mine.len())
+                .map(|segments| TsvReader::open_segments(segments).map(PartStream::Files))
+                .collect::<Result<_>>()?,
+        };
+        Ok(Self {
+            parts: mine
+                .zip(streams)
+                .map(|(index, stream)| Part {
+                    index,
+                    stream,
+                    pass: 0,
+                    layout,
+                    windows: 0,
+                    window: VecDeque::new(),
+                    taken: 0,
+                })
+                .collect(),
+            part_batch: global_batch / parts,
+            local_batch: global_batch / world,
+            evaluating: 0,
+        })
+    }
+
+    /// This rank's slice of the next global training batch: the next share of each of its
+    /// parts. A part whose pass has less than a share left starts its next pass.
+    pub fn next_batch(&mut self) -> Result<CtrBatch> {
+        let mut batch = CtrBatch::with_capacity(self.local_batch);
+        for part in &mut self.parts {
+            for record in part.next_whole_run(self.part_batch)? {
+                batch.push(&record);
+            }
         }
-        self.read_global(global)
+        Ok(batch)
     }
 
     /// Moves on to where `batches` calls of [`next_batch`](Self::next_batch) from the start
-    /// would leave it (a resumed run): by arithmetic for generated data, by reading on for files.
+    /// would leave it (a resumed run), reading only this rank's parts and building no batch.
     pub fn skip_batches(&mut self, batches: usize) -> Result<()> {
-        let global = self.global_batch as u64;
-        match self.cursor {
-            Cursor::Synthetic { .. } if batches > 0 => {
-                let per_epoch = (self.records / global).max(1) as usize;
-                self.epoch = (batches - 1) / per_epoch;
-                self.position = ((batches - 1) % per_epoch + 1) as u64 * global;
-            }
-            Cursor::Synthetic { .. } => {}
-            Cursor::Files(_) => {
-                for _ in 0..batches {
-                    self.next_batch()?;
-                }
+        for _ in 0..batches {
+            for part in &mut self.parts {
+                part.next_whole_run(self.part_batch)?;
             }
         }
         Ok(())
     }
 
-    /// The epoch (0-based) of the last batch [`next_batch`](Self::next_batch)
-    /// returned, for logging and learning-rate schedules.
+    /// The epoch (0-based) of the last batch [`next_batch`](Self::next_batch) returned: the
+    /// pass of this rank's first part, for logging.
     pub fn epoch(&self) -> usize {
-        self.epoch
+        self.parts.first().map_or(0, |part| part.pass as usize)
     }
 
-    /// This rank's slice of the next global evaluation batch, the final
-    /// partial one included (whose slice may be short or empty on high
-    /// ranks); `None` once the pass is over, after which the next call starts
-    /// a new pass from the first record.
+    /// Records this loader took from its parts, over every pass: the share of the data it read.
+    pub fn records_read(&self) -> u64 {
+        self.parts.iter().map(|part| part.taken).sum()
+    }
+
+    /// The next batch of an evaluation pass over this rank's parts, one after the other, up to
+    /// a rank's slice of a global batch, the last one short; `None` once every record was
+    /// given, after which the next call starts a new pass.
     pub fn next_eval_batch(&mut self) -> Result<Option<CtrBatch>> {
-        if self.position >= self.records {
-            self.restart()?;
-            return Ok(None);
-        }
-        let count = (self.global_batch as u64).min(self.records - self.position);
-        self.read_global(count).map(Some)
-    }
-
-    /// Back to the first record of the data.
-    fn restart(&mut self) -> Result<()> {
-        self.position = 0;
-        match &mut self.cursor {
-            Cursor::Synthetic { .. } => Ok(()),
-            Cursor::Files(reader) => reader.rewind(),
-        }
-    }
-
-    /// Consumes a global batch of `count` records, keeping this rank's slice.
-    fn read_global(&mut self, count: u64) -> Result<CtrBatch> {
-        let local = (self.global_batch / self.world) as u64;
-        let lo = (self.rank as u64 * local).min(count);
-        let hi = (lo + local).min(count);
-        let mut batch = CtrBatch::with_capacity((hi - lo) as usize);
-        match &mut self.cursor {
-            Cursor::Synthetic { synth, split } => {
-                for i in lo..hi {
-                    batch.push(&synth.record(*split, self.position + i));
-                }
-            }
-            Cursor::Files(reader) => {
-                let ended = |at: u64| {
-                    anyhow::anyhow!(
-                        "the CTR files ended at record {at} of {}: did they change while read?",
-                        self.records
-                    )
-                };
-                for i in 0..count {
-                    if !(lo..hi).contains(&i) {
-                        if !reader.skip_record()? {
-                            bail!(ended(self.position + i));
-                        }
-                        continue;
-                    }
-                    match reader.next_record()? {
-                        Some(record) => batch.push(&record),
-                        None => bail!(ended(self.position + i)),
-                    }
-                }
+        let mut batch = CtrBatch::with_capacity(self.local_batch);
+        while batch.len < self.local_batch {
+            let Some(part) = self.parts.get_mut(self.evaluating) else {
+                break;
+            };
+            match part.next()? {
+                Some(record) => batch.push(&record),
+                None => self.evaluating += 1,
             }
         }
-        self.position += count;
-        Ok(batch)
+        if batch.len > 0 {
+            return Ok(Some(batch));
+        }
+        for part in &mut self.parts {
+            part.restart()?;
+        }
+        self.evaluating = 0;
+        Ok(None)
     }
 }
 
@@ -197,18 +337,36 @@ mod tests {
     use super::*;
     use crate::data::ctr::write_synthetic;
 
-    /// The synthetic source and a file holding the same records.
-    fn sources(samples: u64, dir: &std::path::Path) -> Result<[CtrSource; 2]> {
+    const fn layout(parts: usize, shuffle_buffer: usize) -> DataLayout {
+        DataLayout {
+            parts,
+            shuffle_buffer,
+            seed: 5,
+        }
+    }
+
+    /// The synthetic source of `samples` records and `parts` files holding the same records,
+    /// each file one part of them.
+    fn sources(samples: u64, parts: usize, dir: &std::path::Path) -> Result<[CtrSource; 2]> {
         let synth = Arc::new(CriteoSynth::new(9, 2000));
-        let path = dir.join("part.tsv");
-        write_synthetic(&path, &synth, Split::Train, samples)?;
+        let bound = |part: usize| samples * part as u64 / parts as u64;
+        let mut files = Vec::new();
+        for part in 0..parts {
+            let path = dir.join(format!("part-{part}.tsv"));
+            let mut out = std::io::BufWriter::new(std::fs::File::create(&path)?);
+            for index in bound(part)..bound(part + 1) {
+                crate::data::ctr::write_record(&mut out, &synth.record(Split::Train, index))?;
+            }
+            std::io::Write::flush(&mut out)?;
+            files.push(path);
+        }
         Ok([
             CtrSource::Synthetic {
                 synth,
                 split: Split::Train,
                 samples,
             },
-            CtrSource::Files(vec![path]),
+            CtrSource::Files(files),
         ])
     }
 
@@ -223,27 +381,54 @@ mod tests {
         all
     }
 
+    fn batches(loader: &mut CtrLoader, count: usize) -> Result<Vec<CtrBatch>> {
+        (0..count).map(|_| loader.next_batch()).collect()
+    }
+
     #[test]
-    fn rank_slices_concatenate_to_the_single_process_batch() -> Result<()> {
+    fn ranks_read_their_parts_and_their_slices_concatenate_to_the_single_process_batch() -> Result<()> {
         let dir = tempfile::tempdir()?;
-        // 50 records, batches of 12: 4 per epoch, the tail of 2 dropped.
-        for source in sources(50, dir.path())? {
-            let mut whole = CtrLoader::new(source.clone(), 12, 0, 1)?;
-            let mut ranks: Vec<CtrLoader> = (0..3)
-                .map(|r| CtrLoader::new(source.clone(), 12, r, 3))
-                .collect::<Result<_>>()?;
-            let mut first = None;
-            for step in 0..10 {
-                let expected = whole.next_batch()?;
-                assert_eq!(expected.len, 12);
-                let joined = concat(ranks.iter_mut().map(|l| l.next_batch()).collect::<Result<Vec<_>>>()?);
-                assert_eq!(joined, expected, "step {step}");
-                assert_eq!(whole.epoch(), step / 4);
-                assert!(ranks.iter().all(|l| l.epoch() == step / 4));
-                if step == 0 {
-                    first = Some(expected);
-                } else if step % 4 == 0 {
-                    assert_eq!(Some(&expected), first.as_ref(), "epoch starts over at step {step}");
+        // 50 records in 2 parts of 25, batches of 12 (6 per part): 4 per pass, 1 record dropped.
+        let [synthetic, files] = sources(50, 2, dir.path())?;
+        for shuffle in [0, 7] {
+            let mut expected = None;
+            for source in [&synthetic, &files] {
+                let mut whole = CtrLoader::new(source.clone(), layout(2, shuffle), 12, 0, 1)?;
+                let mut ranks: Vec<CtrLoader> = (0..2)
+                    .map(|r| CtrLoader::new(source.clone(), layout(2, shuffle), 12, r, 2))
+                    .collect::<Result<_>>()?;
+                let mut seen = Vec::new();
+                for step in 0..10 {
+                    let batch = whole.next_batch()?;
+                    assert_eq!(batch.len, 12);
+                    let joined = concat(ranks.iter_mut().map(|l| l.next_batch()).collect::<Result<Vec<_>>>()?);
+                    assert_eq!(joined, batch, "step {step}, shuffle {shuffle}");
+                    assert!(ranks.iter().all(|l| l.epoch() == step / 4));
+                    seen.push(batch);
+                }
+                // Each rank read its own part alone: 25 records a pass (24 of them used), two
+                // passes and 12 records of the third.
+                let read: Vec<u64> = ranks.iter().map(CtrLoader::records_read).collect();
+                let third = if shuffle == 0 { 12 } else { 14 }; // whole windows of 7
+                assert_eq!(read, vec![25 * 2 + third; 2], "shuffle {shuffle}");
+                match &expected {
+                    None => expected = Some(seen),
+                    Some(expected) => assert_eq!(&seen, expected, "files read as the generator, shuffle {shuffle}"),
+                }
+            }
+            let passes = expected.unwrap_or_default();
+            let ids = |range: std::ops::Range<usize>| -> Vec<u64> {
+                let mut ids: Vec<u64> = passes[range].iter().flat_map(|b| b.ids.clone()).collect();
+                ids.sort_unstable();
+                ids
+            };
+            match shuffle {
+                0 => assert_eq!(passes[4], passes[0], "a pass starts over"),
+                _ => {
+                    assert_ne!(passes[4], passes[0], "each pass is shuffled anew");
+                    // Windows of 7 records shuffle within the pass: the same records, minus
+                    // the one each pass drops.
+                    assert_ne!(ids(0..4), ids(4..8));
                 }
             }
         }
@@ -253,13 +438,11 @@ mod tests {
     #[test]
     fn a_loader_that_skips_batches_reads_on_as_one_that_read_them() -> Result<()> {
         let dir = tempfile::tempdir()?;
-        for source in sources(50, dir.path())? {
+        for source in sources(50, 2, dir.path())? {
             for skipped in [0, 3, 4, 5, 9] {
-                let mut read = CtrLoader::new(source.clone(), 12, 1, 2)?;
-                for _ in 0..skipped {
-                    read.next_batch()?;
-                }
-                let mut skipping = CtrLoader::new(source.clone(), 12, 1, 2)?;
+                let mut read = CtrLoader::new(source.clone(), layout(2, 5), 12, 1, 2)?;
+                batches(&mut read, skipped)?;
+                let mut skipping = CtrLoader::new(source.clone(), layout(2, 5), 12, 1, 2)?;
                 skipping.skip_batches(skipped)?;
                 for _ in 0..6 {
                     assert_eq!(skipping.next_batch()?, read.next_batch()?, "after {skipped} skipped");
@@ -271,10 +454,43 @@ mod tests {
     }
 
     #[test]
-    fn eval_pass_reads_every_record_once_including_the_tail() -> Result<()> {
+    fn one_file_cut_into_byte_ranges_gives_every_line_to_exactly_one_part() -> Result<()> {
         let dir = tempfile::tempdir()?;
-        for source in sources(50, dir.path())? {
-            let mut whole = CtrLoader::new(source.clone(), 12, 0, 1)?;
+        let synth = CriteoSynth::new(9, 2000);
+        let path = dir.path().join("day.tsv");
+        write_synthetic(&path, &synth, Split::Train, 0..101)?;
+        let mut one = CtrLoader::new(CtrSource::Files(vec![path.clone()]), DataLayout::WHOLE, 8, 0, 1)?;
+        let mut all = Vec::new();
+        while let Some(batch) = one.next_eval_batch()? {
+            all.push(batch);
+        }
+        let all = concat(all);
+        assert_eq!(all.len, 101);
+        for parts in [2, 3, 4, 8] {
+            let mut pieces = Vec::new();
+            let mut read = 0;
+            for rank in 0..parts {
+                let mut loader =
+                    CtrLoader::new(CtrSource::Files(vec![path.clone()]), layout(parts, 0), 24, rank, parts)?;
+                while let Some(batch) = loader.next_eval_batch()? {
+                    pieces.push(batch);
+                }
+                assert!(
+                    loader.records_read() < 101 * 2 / parts as u64,
+                    "{parts} parts: rank {rank} read too much"
+                );
+                read += loader.records_read();
+            }
+            assert_eq!((concat(pieces), read), (all.clone(), 101), "{parts} parts");
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn an_evaluation_pass_reads_each_of_the_ranks_records_once() -> Result<()> {
+        let dir = tempfile::tempdir()?;
+        for source in sources(50, 2, dir.path())? {
+            let mut whole = CtrLoader::new(source.clone(), DataLayout::WHOLE, 12, 0, 1)?;
             let mut everything = Vec::new();
             while let Some(b) = whole.next_eval_batch()? {
                 everything.push(b);
@@ -282,23 +498,16 @@ mod tests {
             let sizes: Vec<usize> = everything.iter().map(|b| b.len).collect();
             assert_eq!(sizes, vec![12, 12, 12, 12, 2]);
             let all = concat(everything);
-            let mut one_by_one = CtrLoader::new(source.clone(), 1, 0, 1)?;
-            let singles = concat((0..50).map(|_| one_by_one.next_batch()).collect::<Result<Vec<_>>>()?);
-            assert_eq!(all, singles);
-            // Ranks split the partial batch as one process would, and the next
-            // pass starts over.
-            let mut ranks: Vec<CtrLoader> = (0..3)
-                .map(|r| CtrLoader::new(source.clone(), 12, r, 3))
+            let mut ranks: Vec<CtrLoader> = (0..2)
+                .map(|r| CtrLoader::new(source.clone(), layout(2, 0), 12, r, 2))
                 .collect::<Result<_>>()?;
             for pass in 0..2 {
                 let mut parts = Vec::new();
-                loop {
-                    let slices: Vec<Option<CtrBatch>> =
-                        ranks.iter_mut().map(|l| l.next_eval_batch()).collect::<Result<_>>()?;
-                    if slices.iter().all(Option::is_none) {
-                        break;
+                for rank in &mut ranks {
+                    while let Some(b) = rank.next_eval_batch()? {
+                        assert!(b.len <= 6);
+                        parts.push(b);
                     }
-                    parts.extend(slices.into_iter().flatten());
                 }
                 assert_eq!(concat(parts), all, "pass {pass}");
             }
@@ -309,15 +518,27 @@ mod tests {
     #[test]
     fn bad_shapes_and_empty_data_are_errors() -> Result<()> {
         let dir = tempfile::tempdir()?;
-        let [synthetic, _] = sources(5, dir.path())?;
-        assert!(CtrLoader::new(synthetic.clone(), 7, 0, 2).is_err());
-        assert!(CtrLoader::new(synthetic.clone(), 6, 2, 2).is_err());
-        assert!(CtrLoader::new(synthetic.clone(), 0, 0, 1).is_err());
-        assert!(CtrLoader::new(CtrSource::Files(Vec::new()), 4, 0, 1).is_err());
-        assert!(CtrLoader::new(synthetic, 6, 0, 1)?.next_batch().is_err());
+        let [synthetic, _] = sources(5, 1, dir.path())?;
+        assert!(CtrLoader::new(synthetic.clone(), DataLayout::WHOLE, 7, 0, 2).is_err());
+        assert!(CtrLoader::new(synthetic.clone(), DataLayout::WHOLE, 6, 2, 2).is_err());
+        assert!(CtrLoader::new(synthetic.clone(), DataLayout::WHOLE, 0, 0, 1).is_err());
+        let uneven = CtrLoader::new(synthetic.clone(), layout(3, 0), 6, 0, 2)
+            .err()
+            .map(|e| e.to_string());
+        assert_eq!(
+            uneven.as_deref(),
+            Some("train.data_parts = 3: the data's parts cannot be shared evenly by 2 trainers")
+        );
+        assert!(CtrLoader::new(synthetic.clone(), layout(4, 0), 6, 0, 2).is_err());
+        assert!(CtrLoader::new(CtrSource::Files(Vec::new()), DataLayout::WHOLE, 4, 0, 1).is_err());
+        let small = CtrLoader::new(synthetic, layout(2, 0), 6, 0, 1)?.next_batch().err();
+        assert!(
+            small.is_some_and(|e| e.to_string().starts_with("data part 0 holds fewer than 3 records")),
+            "a part smaller than its share of a batch"
+        );
         let empty = dir.path().join("empty.tsv");
         std::fs::write(&empty, "\n\n")?;
-        let mut loader = CtrLoader::new(CtrSource::Files(vec![empty]), 4, 0, 1)?;
+        let mut loader = CtrLoader::new(CtrSource::Files(vec![empty]), DataLayout::WHOLE, 4, 0, 1)?;
         assert!(loader.next_batch().is_err());
         assert_eq!(loader.next_eval_batch()?, None);
         Ok(())

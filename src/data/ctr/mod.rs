@@ -10,14 +10,16 @@
 //! - `synthetic`: [`CriteoSynth`], a deterministic Criteo-shaped generator
 //!   with a planted click model.
 //! - `tsv`: the public Criteo TSV layout, written and streamed back.
-//! - `loader`: [`CtrLoader`], each trainer's slice of every global batch.
+//! - `parts`: the cut of a file set into the parts trainers read on their own.
+//! - `loader`: [`CtrLoader`], each trainer's slice of every global batch, from its parts.
 
 mod loader;
+mod parts;
 mod synthetic;
 mod tsv;
 mod zipf;
 
-pub use loader::{CtrLoader, CtrSource};
+pub use loader::{CtrLoader, CtrSource, DataLayout};
 pub use synthetic::{CriteoSynth, Split};
 pub use tsv::{parse_line, write_record, write_synthetic, TsvReader};
 

@@ -12,7 +12,7 @@
 //! written as such; concatenated members read as one stream).
 
 use std::fs::File;
-use std::io::{BufRead, BufReader, BufWriter, Read, Write};
+use std::io::{BufRead, BufReader, BufWriter, Read, Seek, SeekFrom, Write};
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result};
@@ -20,6 +20,7 @@ use flate2::read::MultiGzDecoder;
 use flate2::write::GzEncoder;
 use flate2::Compression;
 
+use super::parts::Segment;
 use super::{CriteoSynth, CtrRecord, Split, DENSE_FEATURES, SPARSE_SLOTS};
 
 /// Columns per line: label, integers, categoricals.
@@ -105,48 +106,60 @@ pub fn parse_line(line: &str) -> Result<CtrRecord, String> {
     Ok(CtrRecord { label, dense, sparse })
 }
 
-/// Streams records from a list of TSV files in order, one reused line buffer
-/// at a time, so files far larger than memory can be read.
+/// Streams records from a list of TSV files — or of byte ranges of them ([`Segment`]s) — in
+/// order, one reused line buffer at a time, so files far larger than memory can be read.
 pub struct TsvReader {
-    files: Vec<PathBuf>,
-    /// Index in `files` of the file being read.
+    segments: Vec<Segment>,
+    /// Index in `segments` of the segment being read.
     current: usize,
     reader: Option<BufReader<Box<dyn Read + Send>>>,
-    /// 1-based number of the line in `line`, within the current file.
+    /// Offset in the current (uncompressed) file of the next byte to read.
+    offset: u64,
+    /// 1-based number of the line in `line`, counted from the segment's start.
     line_number: u64,
     /// Raw bytes, so skipped lines are never checked for UTF-8.
     line: Vec<u8>,
+    /// Lines taken from the files, records or blank, since the reader was opened.
+    lines_read: u64,
 }
 
 /// Where the reader is; the stream itself has nothing to show.
 impl std::fmt::Debug for TsvReader {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("TsvReader")
-            .field("files", &self.files)
+            .field("segments", &self.segments)
             .field("at", &self.location())
             .finish_non_exhaustive()
     }
 }
 
 impl TsvReader {
-    /// A reader positioned at the start of the first file; every file must
-    /// exist now, so a typo fails at start-up rather than mid-epoch.
+    /// A reader of whole `files`, positioned at the start of the first; every file must exist
+    /// now, so a typo fails at start-up rather than mid-epoch.
     pub fn open(files: Vec<PathBuf>) -> Result<Self> {
-        for path in &files {
-            File::open(path).with_context(|| format!("cannot open CTR data file {}", path.display()))?;
+        Self::open_segments(files.iter().map(|path| Segment::whole(path)).collect())
+    }
+
+    /// A reader of the lines that begin in each of `segments`, in order.
+    pub(super) fn open_segments(segments: Vec<Segment>) -> Result<Self> {
+        for segment in &segments {
+            File::open(&segment.path)
+                .with_context(|| format!("cannot open CTR data file {}", segment.path.display()))?;
         }
         let mut reader = Self {
-            files,
+            segments,
             current: 0,
             reader: None,
+            offset: 0,
             line_number: 0,
             line: Vec::new(),
+            lines_read: 0,
         };
         reader.rewind()?;
         Ok(reader)
     }
 
-    /// The next record, or `None` after the last line of the last file.
+    /// The next record, or `None` after the last line of the last segment.
     /// Errors carry `path:line:`.
     pub fn next_record(&mut self) -> Result<Option<CtrRecord>> {
         if !self.next_line()? {
@@ -158,20 +171,49 @@ impl TsvReader {
         Ok(Some(record))
     }
 
-    /// Passes over the next record without parsing it, for records another
-    /// rank reads; false after the last line of the last file.
+    /// Passes over the next record without parsing it; false after the last line of the last
+    /// segment.
     pub fn skip_record(&mut self) -> Result<bool> {
         self.next_line()
     }
 
-    /// Goes back to the start of the first file, for the next epoch.
+    /// Goes back to the start of the first segment, for the next epoch.
     pub fn rewind(&mut self) -> Result<()> {
-        self.current = 0;
+        self.open_segment(0)
+    }
+
+    /// Lines read from the files since the reader was opened, over every pass.
+    pub fn lines_read(&self) -> u64 {
+        self.lines_read
+    }
+
+    /// Positions the reader at the first line of segment `index` (or at the end).
+    fn open_segment(&mut self, index: usize) -> Result<()> {
+        self.current = index;
         self.line_number = 0;
-        self.reader = match self.files.first() {
-            Some(path) => Some(open_buffered(path)?),
-            None => None,
+        self.offset = 0;
+        self.reader = None;
+        let Some(segment) = self.segments.get(index) else {
+            return Ok(());
         };
+        let path = &segment.path;
+        let mut file = File::open(path).with_context(|| format!("cannot open CTR data file {}", path.display()))?;
+        // The line under way at `start` belongs to the part before: seek to the byte before
+        // it and pass over the rest of that line (only uncompressed files are cut by bytes).
+        let at = segment.start.saturating_sub(1);
+        if segment.start > 0 {
+            file.seek(SeekFrom::Start(at))
+                .with_context(|| format!("cannot seek to byte {at} of {}", path.display()))?;
+        }
+        let mut reader = buffered(path, file);
+        if segment.start > 0 {
+            let mut passed = Vec::new();
+            let read = reader
+                .read_until(b'\n', &mut passed)
+                .with_context(|| format!("cannot read {} at byte {at}", path.display()))?;
+            self.offset = at + read as u64;
+        }
+        self.reader = Some(reader);
         Ok(())
     }
 
@@ -181,46 +223,59 @@ impl TsvReader {
             let Some(reader) = self.reader.as_mut() else {
                 return Ok(false);
             };
+            let past_end = self.segments[self.current].end.is_some_and(|end| self.offset >= end);
             self.line.clear();
-            let read = reader.read_until(b'\n', &mut self.line);
-            self.line_number += 1;
-            if read.with_context(|| format!("{}: cannot read", self.location()))? == 0 {
-                self.current += 1;
-                self.line_number = 0;
-                self.reader = match self.files.get(self.current) {
-                    Some(path) => Some(open_buffered(path)?),
-                    None => None,
-                };
+            let read = match past_end {
+                true => 0,
+                false => reader
+                    .read_until(b'\n', &mut self.line)
+                    .with_context(|| format!("{}: cannot read", self.location()))?,
+            };
+            if read == 0 {
+                self.open_segment(self.current + 1)?;
                 continue;
             }
+            self.offset += read as u64;
+            self.line_number += 1;
+            self.lines_read += 1;
             if self.line.iter().any(|&b| b != b'\n' && b != b'\r') {
                 return Ok(true);
             }
         }
     }
 
-    /// `path:line` of the line last read.
+    /// `path:line` of the line last read; for a segment that starts inside its file, the
+    /// byte it starts at, since lines are counted from there.
     fn location(&self) -> String {
-        let path = self
-            .files
-            .get(self.current)
-            .map_or_else(String::new, |p| p.display().to_string());
-        format!("{path}:{}", self.line_number)
+        match self.segments.get(self.current) {
+            Some(Segment { path, start: 0, .. }) => format!("{}:{}", path.display(), self.line_number),
+            Some(Segment { path, start, .. }) => format!(
+                "{} (the part from byte {start}), line {}",
+                path.display(),
+                self.line_number
+            ),
+            None => "the end of the data".to_string(),
+        }
     }
 }
 
 /// `path`'s lines, decompressed when the name ends in `.gz`.
 fn open_buffered(path: &Path) -> Result<BufReader<Box<dyn Read + Send>>> {
     let file = File::open(path).with_context(|| format!("cannot open CTR data file {}", path.display()))?;
+    Ok(buffered(path, file))
+}
+
+/// `file`'s lines, decompressed when `path` ends in `.gz`.
+fn buffered(path: &Path, file: File) -> BufReader<Box<dyn Read + Send>> {
     let stream: Box<dyn Read + Send> = match is_gzip(path) {
         true => Box::new(MultiGzDecoder::new(file)),
         false => Box::new(file),
     };
-    Ok(BufReader::with_capacity(1 << 16, stream))
+    BufReader::with_capacity(1 << 16, stream)
 }
 
 /// Whether `path` names a gzip-compressed file.
-fn is_gzip(path: &Path) -> bool {
+pub(super) fn is_gzip(path: &Path) -> bool {
     path.extension().is_some_and(|extension| extension == "gz")
 }
 
@@ -250,14 +305,13 @@ pub(super) fn count_records(path: &Path) -> Result<u64> {
     }
 }
 
-/// Writes the first `samples` samples of `split` to `path` in the Criteo
-/// layout, so synthetic data can exercise the file path of the loader.
-/// gzip-compressed when the name ends in `.gz`.
-pub fn write_synthetic(path: &Path, synth: &CriteoSynth, split: Split, samples: u64) -> Result<()> {
+/// Writes the samples `records` of `split` to `path` in the Criteo layout, so synthetic data
+/// can exercise the file path of the loader; gzip-compressed when the name ends in `.gz`.
+pub fn write_synthetic(path: &Path, synth: &CriteoSynth, split: Split, records: std::ops::Range<u64>) -> Result<()> {
     let file = File::create(path).with_context(|| format!("cannot create {}", path.display()))?;
     let file = BufWriter::with_capacity(1 << 16, file);
     let records =
-        |out: &mut dyn Write| (0..samples).try_for_each(|index| write_record(out, &synth.record(split, index)));
+        |out: &mut dyn Write| records.clone().try_for_each(|index| write_record(out, &synth.record(split, index)));
     let written = match is_gzip(path) {
         true => {
             let mut out = GzEncoder::new(file, Compression::default());
@@ -287,7 +341,7 @@ mod tests {
         let synth = CriteoSynth::new(3, 5000);
         let dir = tempfile::tempdir()?;
         let path = dir.path().join("train.tsv");
-        write_synthetic(&path, &synth, Split::Train, 500)?;
+        write_synthetic(&path, &synth, Split::Train, 0..500)?;
         let mut reader = TsvReader::open(vec![path])?;
         for index in 0..500 {
             let expected = synth.record(Split::Train, index);
@@ -308,8 +362,8 @@ mod tests {
         let synth = CriteoSynth::new(3, 5000);
         let dir = tempfile::tempdir()?;
         let (plain, packed) = (dir.path().join("train.tsv"), dir.path().join("train.tsv.gz"));
-        write_synthetic(&plain, &synth, Split::Train, 300)?;
-        write_synthetic(&packed, &synth, Split::Train, 300)?;
+        write_synthetic(&plain, &synth, Split::Train, 0..300)?;
+        write_synthetic(&packed, &synth, Split::Train, 0..300)?;
         let bytes = std::fs::read(&packed)?;
         assert_eq!(&bytes[..2], [0x1f, 0x8b], "a gzip stream");
         assert!(bytes.len() < std::fs::metadata(&plain)?.len() as usize / 2);
