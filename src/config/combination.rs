@@ -351,6 +351,41 @@ mod tests {
     }
 
     #[test]
+    fn click_logs_are_cut_into_parts_that_divide_among_the_trainers_and_divide_the_batch() {
+        let with = |train: &str| {
+            load_str(&format!(
+                "[cluster]\nserver_num = 2\nnproc_per_node = 2\n[train]\nmodel = \"wide_deep\"\n\
+                 dataset = \"criteo_synthetic\"\nbatch_size = 96\n{train}"
+            ))
+        };
+        let ctr = with("").unwrap();
+        assert_eq!(ctr.train.data_parts, Some(2), "kept in the resolved config");
+        let resumed = crate::config::JobConfig::from_toml_str(
+            &ctr.to_toml_string().unwrap(),
+            "run",
+            &|_| None,
+            &["cluster.nproc_per_node=1".into()],
+        );
+        assert_eq!(
+            resumed.unwrap().train.data_parts,
+            Some(2),
+            "a run resumed on one trainer keeps the cut"
+        );
+        let err = |train: &str| err_text(with(train));
+        assert_eq!(
+            err("data_parts = 3"),
+            "config.toml: train.data_parts: 3 parts cannot be shared evenly by the 2 trainers: give a multiple of 2"
+        );
+        assert!(err("data_parts = 64").contains("train.data_parts: the global batch of 96 records does not divide"));
+        assert!(err("data_parts = 0").contains("train.data_parts: 0 parts"));
+        assert!(err("shuffle_buffer = -1").contains("train.shuffle_buffer"));
+        let digits = err_text(load_str("[train]\ndata_parts = 2\n"));
+        assert!(digits.contains("train.data_parts: only click logs"), "{digits}");
+        let digits = err_text(load_str("[train]\nshuffle_buffer = 8\n"));
+        assert!(digits.contains("train.shuffle_buffer: only click logs"), "{digits}");
+    }
+
+    #[test]
     fn elastic_membership_needs_min_at_most_max_a_data_parallel_job_and_a_batch_every_size_divides() {
         let elastic = |cluster: &str, rest: &str| err_text(load_str(&format!("[cluster]\n{cluster}\n{rest}")));
         assert_eq!(

@@ -310,8 +310,11 @@ pub(super) fn count_records(path: &Path) -> Result<u64> {
 pub fn write_synthetic(path: &Path, synth: &CriteoSynth, split: Split, records: std::ops::Range<u64>) -> Result<()> {
     let file = File::create(path).with_context(|| format!("cannot create {}", path.display()))?;
     let file = BufWriter::with_capacity(1 << 16, file);
-    let records =
-        |out: &mut dyn Write| records.clone().try_for_each(|index| write_record(out, &synth.record(split, index)));
+    let records = |out: &mut dyn Write| {
+        records
+            .clone()
+            .try_for_each(|index| write_record(out, &synth.record(split, index)))
+    };
     let written = match is_gzip(path) {
         true => {
             let mut out = GzEncoder::new(file, Compression::default());
