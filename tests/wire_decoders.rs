@@ -123,11 +123,20 @@ fn requests() -> Vec<Request> {
             }],
         },
         Request::Leave { trainer: 3 },
+        Request::Evaluated {
+            trainer: 2,
+            scores: vec![0.25, 0.75, 0.5],
+            labels: vec![0.0, 1.0, 1.0],
+        },
     ]
 }
 
 fn replies() -> Vec<Reply> {
     vec![
+        Reply::Evaluation {
+            auc: Some(0.75),
+            samples: 1000,
+        },
         Reply::Rows(PulledRows {
             rows: vec![vec![1.0, 2.0], vec![], vec![3.5; 5]],
             dense: vec![0.125; 3],

@@ -1,7 +1,8 @@
 //! The trainer of the parameter-server strategy: per batch it has its device actor plan the
 //! pull (each id once, grouped by shard), pulls from every shard in parallel, trains, and
-//! pushes the update back; at the end trainer 0 evaluates the AUC on the held-out set with the
-//! shards' final values and has the shards save their tables.
+//! pushes the update back; at the end every trainer scores its share of the held-out set with
+//! the shards' final values (shard 0 joins the shares into one AUC), and trainer 0 has the
+//! shards save their tables.
 //!
 //! In a job that recovers in place, a failure the coordinator explains with a rollback order (a
 //! role was lost) — or the order itself, which interrupts whatever the trainer waits for — does
@@ -29,7 +30,6 @@ use crate::checkpoint::HeldFile;
 use crate::config::TrainLength;
 use crate::config::{JobConfig, PsMode};
 use crate::data::ctr::{CtrLoader, CtrSource, DataLayout};
-use crate::metrics::auc;
 use crate::net::protocol::Roster;
 use crate::net::ControlBus;
 use crate::ps::client::PsClient;
@@ -49,7 +49,7 @@ pub struct PsTrainer {
     pub job: Arc<JobConfig>,
     /// Training data (each trainer reads its part of every global batch).
     pub train_data: CtrSource,
-    /// Held-out data, evaluated by trainer 0.
+    /// Held-out data, each trainer scoring its share.
     pub test_data: CtrSource,
     /// Links to the shards; taken when training starts.
     pub client: Option<PsClient>,
@@ -92,7 +92,7 @@ pub struct TrainPs;
 pub struct PsOutcome {
     /// The trainer.
     pub rank: usize,
-    /// Where it trained in the last generation: the trainer at place 0 evaluates and saves.
+    /// Where it trained in the last generation: the trainer at place 0 reports and saves.
     pub place: usize,
     /// Trainers of the last generation (fewer than the job's after elastic membership went on
     /// without some).
@@ -105,9 +105,9 @@ pub struct PsOutcome {
     pub samples_per_sec: f64,
     /// Time in pulls and pushes (waiting for other trainers included) over training time.
     pub comm_time_ratio: f64,
-    /// Held-out AUC (place 0 only).
+    /// Held-out AUC over every trainer's share.
     pub auc: Option<f64>,
-    /// Held-out samples evaluated (place 0 only).
+    /// Held-out samples scored by all trainers together.
     pub test_samples: usize,
     /// What each shard holds and applied, at the end (place 0 only).
     pub shards: Vec<ShardStats>,
@@ -289,8 +289,9 @@ impl PsRun {
             .call_all(everyone(Request::EndTraining { trainer: place }), "end of training")
             .await?;
 
-        let (auc, test_samples, shards) = if place == 0 {
-            let (auc, test_samples) = self.evaluate(&mut client, steps as u64).await?;
+        // Every trainer scores its share of the held-out data; shard 0 answers the AUC over all.
+        let (auc, test_samples) = self.evaluate(&mut client, steps as u64).await?;
+        let shards = if place == 0 {
             let shards = shard_stats(&mut client).await?;
             if let Some(dir) = &self.save_dir {
                 std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
@@ -301,9 +302,9 @@ impl PsRun {
                     .collect();
                 client.call_all(saves, "save of the tables").await?;
             }
-            (auc, test_samples, shards)
+            shards
         } else {
-            (None, 0, Vec::new())
+            Vec::new()
         };
         client
             .call_all(everyone(Request::Leave { trainer: place }), "leave")
@@ -614,24 +615,30 @@ impl PsRun {
         }
     }
 
-    /// AUC of the shards' final values on the held-out set (once every trainer has ended).
+    /// AUC of the shards' final values on the held-out set (once every trainer has ended):
+    /// this trainer scores its share and sends it to shard 0, which answers once every trainer
+    /// has, with the AUC over them all and the samples scored.
     async fn evaluate(&self, client: &mut PsClient, version: u64) -> Result<(Option<f64>, usize)> {
-        let mut loader = CtrLoader::new(
-            self.test_data.clone(),
-            DataLayout::WHOLE,
-            self.job.train.batch_size,
-            0,
-            1,
-        )
-        .context("trainer 0: held-out data")?;
+        let (rank, place) = (self.rank, self.place);
+        let mut loader = CtrLoader::evaluation(self.test_data.clone(), self.job.train.batch_size, place, self.trainers)
+            .with_context(|| format!("trainer {rank}: held-out data"))?;
         let (mut scores, mut labels) = (Vec::new(), Vec::new());
         while let Some(batch) = loader.next_eval_batch()? {
             labels.extend_from_slice(&batch.labels);
             let plan = self.device.send(PlanCtr { batch, training: false }).await??;
-            let pulled = pull_rows(client, self.place, version, true, plan, "pull for evaluation").await?;
+            let pulled = pull_rows(client, place, version, true, plan, "pull for evaluation").await?;
             scores.extend(self.device.send(PredictCtr(pulled)).await??);
         }
-        Ok((auc(&scores, &labels), scores.len()))
+        let share = Request::Evaluated {
+            trainer: place,
+            scores,
+            labels,
+        };
+        // One request: shard 0 alone gathers the shares.
+        match client.call_all(vec![share], "evaluation").await?.pop() {
+            Some(Reply::Evaluation { auc, samples }) => Ok((auc, samples as usize)),
+            other => anyhow::bail!("parameter server 0 answered trainer {rank}'s evaluation share with {other:?}"),
+        }
     }
 }
 

@@ -14,6 +14,7 @@
 //!
 //! Start it on its own arbiter (a dedicated thread): the optimizer runs inside its handlers.
 
+use std::collections::BTreeMap;
 use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -25,6 +26,7 @@ use tokio::sync::mpsc;
 
 use super::kept::Kept;
 use crate::checkpoint::{CheckpointStore, FileRecord};
+use crate::metrics::auc;
 use crate::ps::snapshot::shard_file_name;
 use crate::ps::wire::{PullRequest, PulledRows, Reply, Request, ShardCall};
 use crate::ps::Shard;
@@ -88,6 +90,9 @@ pub struct PServer {
     waiting: Vec<Waiting>,
     /// The checkpoint the trainers are asking for, until every one of them has.
     checkpoint: Option<PendingCheckpoint>,
+    /// Shard 0: the trainers' scores of their shares of the held-out data, by trainer, until
+    /// every one has sent its share.
+    evaluation: BTreeMap<usize, EvaluatedShare>,
     all_left: Option<oneshot::Sender<()>>,
     timeout: Duration,
     /// The generation served.
@@ -102,6 +107,13 @@ pub struct PServer {
     /// In a job that recovers in place, its node's checkpoint directory: each node keeps its
     /// own copy, so the shard writes there, not in the directory of the trainer that asked.
     own_dir: Option<String>,
+}
+
+/// One trainer's scores and labels of its share of the held-out data, and where its answer goes.
+struct EvaluatedShare {
+    scores: Vec<f32>,
+    labels: Vec<f32>,
+    answer: oneshot::Sender<Result<Reply>>,
 }
 
 /// The checkpoint of step `step`: the trainers that asked for it, with their files, and where
@@ -135,6 +147,7 @@ impl PServer {
             timeline: None,
             waiting: Vec::new(),
             checkpoint: None,
+            evaluation: BTreeMap::new(),
             all_left: Some(all_left),
             timeout,
             generation: 0,
@@ -291,6 +304,44 @@ impl PServer {
         later
     }
 
+    /// Trainer `trainer` sends its share of the held-out scores; once every trainer has (a
+    /// retried share replaces the first), all are answered with the AUC over the whole set,
+    /// the shares joined in trainer order.
+    fn gather_evaluation(
+        &mut self,
+        trainer: usize,
+        scores: Vec<f32>,
+        labels: Vec<f32>,
+    ) -> oneshot::Receiver<Result<Reply>> {
+        let (answer, later) = oneshot::channel();
+        let spec = self.shard.spec();
+        if trainer >= spec.trainers || scores.len() != labels.len() {
+            let _ = answer.send(Err(anyhow!(
+                "parameter server {}: an evaluation share of trainer {trainer} ({} scores, {} labels) in a job of {} trainers",
+                spec.index,
+                scores.len(),
+                labels.len(),
+                spec.trainers
+            )));
+            return later;
+        }
+        self.evaluation
+            .insert(trainer, EvaluatedShare { scores, labels, answer });
+        if self.evaluation.len() == spec.trainers {
+            let shares = std::mem::take(&mut self.evaluation);
+            let scores: Vec<f32> = shares.values().flat_map(|share| share.scores.iter().copied()).collect();
+            let labels: Vec<f32> = shares.values().flat_map(|share| share.labels.iter().copied()).collect();
+            let reply = Reply::Evaluation {
+                auc: auc(&scores, &labels),
+                samples: scores.len() as u64,
+            };
+            for share in shares.into_values() {
+                let _ = share.answer.send(Ok(reply.clone()));
+            }
+        }
+        later
+    }
+
     /// Serves `request` of the generation the shard serves.
     fn serve(&mut self, request: Request, ctx: &mut Context<Self>) -> ResponseFuture<Result<Reply>> {
         let index = self.shard.spec().index;
@@ -341,6 +392,18 @@ impl PServer {
                     later
                         .await
                         .map_err(|_| anyhow!("parameter server {index} stopped before checkpointing"))?
+                });
+            }
+            Request::Evaluated {
+                trainer,
+                scores,
+                labels,
+            } => {
+                let later = self.gather_evaluation(trainer, scores, labels);
+                return Box::pin(async move {
+                    later
+                        .await
+                        .map_err(|_| anyhow!("parameter server {index} stopped before the evaluation's end"))?
                 });
             }
         };
@@ -439,6 +502,9 @@ impl Handler<RollBack> for PServer {
         }
         for (_, _, answer) in self.checkpoint.take().into_iter().flat_map(|p| p.asked) {
             let _ = answer.send(Err(anyhow!("{reason}")));
+        }
+        for share in std::mem::take(&mut self.evaluation).into_values() {
+            let _ = share.answer.send(Err(anyhow!("{reason}")));
         }
         for held in std::mem::take(&mut self.early) {
             if held.call.generation < self.generation {

@@ -108,6 +108,17 @@ pub enum Request {
         /// The trainer's own files of this checkpoint (geo's local optimizer state).
         files: Vec<FileRecord>,
     },
+    /// Trainer `trainer`'s scores of its share of the held-out data, sent to shard 0 once it
+    /// ended training; once every trainer has sent its share, shard 0 answers them all with the
+    /// AUC over the whole held-out set.
+    Evaluated {
+        /// The sending trainer.
+        trainer: usize,
+        /// Its predicted click probabilities.
+        scores: Vec<f32>,
+        /// The samples' labels, 0.0 or 1.0.
+        labels: Vec<f32>,
+    },
 }
 
 /// What one shard holds and has applied.
@@ -187,6 +198,13 @@ pub enum Reply {
     Stats(ShardStats),
     /// Answer to [`Request::Checkpoint`]: the file the shard wrote, then every trainer's.
     Checkpointed(Vec<FileRecord>),
+    /// Answer to [`Request::Evaluated`]: the held-out set's AUC over every trainer's share.
+    Evaluation {
+        /// `None` when it is undefined (one class only, or no samples).
+        auc: Option<f64>,
+        /// Samples scored by all trainers together.
+        samples: u64,
+    },
     /// Any other request was carried out.
     Done,
 }
@@ -227,7 +245,15 @@ enum Header {
         trainer: u32,
         files: Vec<FileRecord>,
     },
+    Evaluated {
+        trainer: u32,
+        samples: u32,
+    },
     Checkpointed(Vec<FileRecord>),
+    Evaluation {
+        auc: Option<f64>,
+        samples: u64,
+    },
     TableStats {
         tables: Vec<TableStats>,
         applied: u64,
@@ -306,6 +332,26 @@ pub fn encode_request(call: &ShardCall) -> Result<Bytes> {
             trainer: *trainer as u32,
             files: files.clone(),
         },
+        Request::Evaluated {
+            trainer,
+            scores,
+            labels,
+        } => {
+            anyhow::ensure!(
+                scores.len() == labels.len(),
+                "{} scores for {} labels",
+                scores.len(),
+                labels.len()
+            );
+            let header = Header::Evaluated {
+                trainer: *trainer as u32,
+                samples: count(scores.len())?,
+            };
+            return encode_with(&stamped(header), scores.len() * 8, |out| {
+                put_floats(out, scores);
+                put_floats(out, labels);
+            });
+        }
     };
     encode_with(&stamped(header), 0, |_| {})
 }
@@ -366,6 +412,11 @@ pub fn decode_request(body: Bytes) -> Result<ShardCall> {
             trainer: trainer as usize,
             files,
         },
+        Header::Evaluated { trainer, samples } => Request::Evaluated {
+            trainer: trainer as usize,
+            scores: payload.floats(samples)?,
+            labels: payload.floats(samples)?,
+        },
         other => bail!("malformed request: a {} frame is an answer", header_name(&other)),
     };
     payload.finish()?;
@@ -401,6 +452,10 @@ pub fn encode_reply(reply: &Result<Reply>) -> Result<Bytes> {
             applied: stats.updates_applied,
         },
         Ok(Reply::Checkpointed(records)) => Header::Checkpointed(records.clone()),
+        Ok(Reply::Evaluation { auc, samples }) => Header::Evaluation {
+            auc: *auc,
+            samples: *samples,
+        },
         Ok(Reply::Done) => Header::Done,
         Err(e) => Header::Failed {
             reason: format!("{e:#}"),
@@ -423,6 +478,7 @@ pub fn decode_reply(body: Bytes) -> Result<Reply> {
             updates_applied: applied,
         }),
         Header::Checkpointed(records) => Reply::Checkpointed(records),
+        Header::Evaluation { auc, samples } => Reply::Evaluation { auc, samples },
         Header::Done => Reply::Done,
         Header::Failed { reason } => bail!("{reason}"),
         other => bail!("malformed answer: a {} frame is a request", header_name(&other)),
@@ -441,6 +497,8 @@ fn header_name(header: &Header) -> &'static str {
         Header::Stats => "stats",
         Header::Checkpoint { .. } => "checkpoint",
         Header::Checkpointed(_) => "checkpointed",
+        Header::Evaluated { .. } => "evaluated",
+        Header::Evaluation { .. } => "evaluation",
         Header::TableStats { .. } => "table-stats",
         Header::Rows { .. } => "rows",
         Header::Done => "done",
@@ -547,6 +605,11 @@ mod tests {
             Request::Leave { trainer: 3 },
             Request::Save { path: "x".into() },
             Request::Stats,
+            Request::Evaluated {
+                trainer: 1,
+                scores: vec![0.5, 0.25],
+                labels: vec![1.0, 0.0],
+            },
         ] {
             let call = ShardCall { generation: 3, request };
             assert_eq!(decode_request(encode_request(&call)?)?, call);
@@ -570,6 +633,8 @@ mod tests {
             updates_applied: 12,
         });
         assert_eq!(decode_reply(encode_reply(&Ok(stats.clone()))?)?, stats);
+        let evaluation = Reply::Evaluation { auc: None, samples: 7 };
+        assert_eq!(decode_reply(encode_reply(&Ok(evaluation.clone()))?)?, evaluation);
         let failed = decode_reply(encode_reply(&Err(anyhow::anyhow!("unknown table 3")))?).unwrap_err();
         assert_eq!(failed.to_string(), "unknown table 3");
         Ok(())

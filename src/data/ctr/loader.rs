@@ -14,12 +14,13 @@
 //! seed, the part, the pass and the window — the same order on any layout and after a resume.
 
 use std::collections::VecDeque;
+use std::ops::Range;
 use std::path::PathBuf;
 use std::sync::Arc;
 
 use anyhow::{anyhow, ensure, Result};
 
-use super::parts::cut_into_parts;
+use super::parts::{cut_into_parts, Segment};
 use super::tsv::count_records;
 use super::{CriteoSynth, CtrBatch, CtrRecord, Split, TsvReader};
 use crate::config::TrainConfig;
@@ -90,7 +91,7 @@ enum PartStream {
     Synthetic {
         synth: Arc<CriteoSynth>,
         split: Split,
-        records: std::ops::Range<u64>,
+        records: Range<u64>,
         next: u64,
     },
     Files(TsvReader),
@@ -234,29 +235,50 @@ impl CtrLoader {
             "train.batch_size = {global_batch} does not divide into train.data_parts = {parts} equal shares"
         );
         let mine = rank * parts / world..(rank + 1) * parts / world;
-        let streams: Vec<PartStream> = match source {
-            CtrSource::Synthetic { synth, split, samples } => {
-                ensure!(samples > 0, "the data holds no records");
-                let bound = |part: usize| (u128::from(samples) * part as u128 / parts as u128) as u64;
-                mine.clone()
-                    .map(|part| PartStream::Synthetic {
-                        synth: synth.clone(),
-                        split,
-                        records: bound(part)..bound(part + 1),
-                        next: bound(part),
-                    })
-                    .collect()
-            }
-            CtrSource::Files(files) => cut_into_parts(&files, parts)?
-                .into_iter()
-                .skip(mine.start)
-                .take(mine.len())
-                .map(|segments| TsvReader::open_segments(segments).map(PartStream::Files))
-                .collect::<Result<_>>()?,
+        let streams = match source {
+            CtrSource::Synthetic { synth, split, samples } => synthetic_parts(&synth, split, samples, parts, mine)?,
+            CtrSource::Files(files) => file_parts(cut_into_parts(&files, parts)?, mine)?,
         };
-        Ok(Self {
-            parts: mine
-                .zip(streams)
+        Ok(Self::reading(
+            streams,
+            layout,
+            global_batch / parts,
+            global_batch / world,
+        ))
+    }
+
+    /// The loader of `rank`'s share of an evaluation pass over `source` among `world` ranks,
+    /// in batches of at most `global_batch / world`: the data cut into `world` parts, or, for
+    /// gzip-compressed files fewer than the ranks, into its files, the ranks past the last
+    /// file evaluating nothing. Every record is in exactly one rank's share.
+    pub fn evaluation(source: CtrSource, global_batch: usize, rank: usize, world: usize) -> Result<Self> {
+        crate::data::check_rank_batch(global_batch, rank, world)?;
+        let streams = match source {
+            CtrSource::Synthetic { synth, split, samples } => {
+                synthetic_parts(&synth, split, samples, world, rank..rank + 1)?
+            }
+            CtrSource::Files(files) => match cut_into_parts(&files, world) {
+                Ok(parts) => file_parts(parts, rank..rank + 1)?,
+                Err(_) if files.len() < world => {
+                    let whole: Vec<Vec<Segment>> = files.iter().map(|path| vec![Segment::whole(path)]).collect();
+                    file_parts(whole, rank..(rank + 1).min(files.len()))?
+                }
+                Err(e) => return Err(e),
+            },
+        };
+        Ok(Self::reading(
+            streams,
+            DataLayout::WHOLE,
+            global_batch / world,
+            global_batch / world,
+        ))
+    }
+
+    /// A loader of `streams`, each the part numbered alongside.
+    fn reading(streams: Vec<(usize, PartStream)>, layout: DataLayout, part_batch: usize, local_batch: usize) -> Self {
+        Self {
+            parts: streams
+                .into_iter()
                 .map(|(index, stream)| Part {
                     index,
                     stream,
@@ -267,10 +289,10 @@ impl CtrLoader {
                     taken: 0,
                 })
                 .collect(),
-            part_batch: global_batch / parts,
-            local_batch: global_batch / world,
+            part_batch,
+            local_batch,
             evaluating: 0,
-        })
+        }
     }
 
     /// This rank's slice of the next global training batch: the next share of each of its
@@ -330,6 +352,39 @@ impl CtrLoader {
         self.evaluating = 0;
         Ok(None)
     }
+}
+
+/// Parts `mine` of `samples` generated records cut into `parts` index ranges.
+fn synthetic_parts(
+    synth: &Arc<CriteoSynth>,
+    split: Split,
+    samples: u64,
+    parts: usize,
+    mine: Range<usize>,
+) -> Result<Vec<(usize, PartStream)>> {
+    ensure!(samples > 0, "the data holds no records");
+    let bound = |part: usize| (u128::from(samples) * part as u128 / parts as u128) as u64;
+    Ok(mine
+        .map(|part| {
+            let stream = PartStream::Synthetic {
+                synth: synth.clone(),
+                split,
+                records: bound(part)..bound(part + 1),
+                next: bound(part),
+            };
+            (part, stream)
+        })
+        .collect())
+}
+
+/// Parts `mine` of files cut into `parts`, opened.
+fn file_parts(parts: Vec<Vec<Segment>>, mine: Range<usize>) -> Result<Vec<(usize, PartStream)>> {
+    parts
+        .into_iter()
+        .enumerate()
+        .filter(|(part, _)| mine.contains(part))
+        .map(|(part, segments)| Ok((part, PartStream::Files(TsvReader::open_segments(segments)?))))
+        .collect()
 }
 
 #[cfg(test)]
@@ -487,10 +542,18 @@ mod tests {
     }
 
     #[test]
-    fn an_evaluation_pass_reads_each_of_the_ranks_records_once() -> Result<()> {
+    fn the_ranks_evaluation_shares_hold_every_record_once() -> Result<()> {
         let dir = tempfile::tempdir()?;
-        for source in sources(50, 2, dir.path())? {
-            let mut whole = CtrLoader::new(source.clone(), DataLayout::WHOLE, 12, 0, 1)?;
+        let [synthetic, files] = sources(50, 2, dir.path())?;
+        let packed: Vec<PathBuf> = (0..2)
+            .map(|part| {
+                let path = dir.path().join(format!("part-{part}.tsv.gz"));
+                let synth = CriteoSynth::new(9, 2000);
+                write_synthetic(&path, &synth, Split::Train, part * 25..(part + 1) * 25).map(|()| path)
+            })
+            .collect::<Result<_>>()?;
+        for source in [synthetic, files, CtrSource::Files(packed)] {
+            let mut whole = CtrLoader::evaluation(source.clone(), 12, 0, 1)?;
             let mut everything = Vec::new();
             while let Some(b) = whole.next_eval_batch()? {
                 everything.push(b);
@@ -498,18 +561,21 @@ mod tests {
             let sizes: Vec<usize> = everything.iter().map(|b| b.len).collect();
             assert_eq!(sizes, vec![12, 12, 12, 12, 2]);
             let all = concat(everything);
-            let mut ranks: Vec<CtrLoader> = (0..2)
-                .map(|r| CtrLoader::new(source.clone(), layout(2, 0), 12, r, 2))
-                .collect::<Result<_>>()?;
-            for pass in 0..2 {
-                let mut parts = Vec::new();
-                for rank in &mut ranks {
-                    while let Some(b) = rank.next_eval_batch()? {
-                        assert!(b.len <= 6);
-                        parts.push(b);
+            // Three ranks: two gzipped files go to the first two, whole.
+            for world in [2, 3] {
+                let mut ranks: Vec<CtrLoader> = (0..world)
+                    .map(|r| CtrLoader::evaluation(source.clone(), 12, r, world))
+                    .collect::<Result<_>>()?;
+                for pass in 0..2 {
+                    let mut shares = Vec::new();
+                    for rank in &mut ranks {
+                        while let Some(b) = rank.next_eval_batch()? {
+                            assert!(b.len <= 12 / world);
+                            shares.push(b);
+                        }
                     }
+                    assert_eq!(concat(shares), all, "{world} ranks, pass {pass}");
                 }
-                assert_eq!(concat(parts), all, "pass {pass}");
             }
         }
         Ok(())
