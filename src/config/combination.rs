@@ -284,12 +284,19 @@ fn check_data_layout(config: &JobConfig) -> Result<(), FieldError> {
             (None, _) => Err(only("train.shuffle_buffer")),
         };
     }
-    let (parts, trainers) = (train.data_parts(config.world_size()), config.world_size());
-    if parts == 0 || !parts.is_multiple_of(trainers) {
-        return Err(FieldError::new(
-            "train.data_parts",
-            format!("{parts} parts cannot be shared evenly by the {trainers} trainers: give a multiple of {trainers}"),
-        ));
+    let parts = train.data_parts(config.world_size());
+    // With elastic membership the parts are shared by every number of trainers the job may have.
+    let cluster = &config.cluster;
+    let nodes = cluster.min_nnodes.unwrap_or(cluster.nnodes)..=cluster.nnodes;
+    for trainers in nodes.rev().map(|n| n * cluster.nproc_per_node) {
+        if parts == 0 || !parts.is_multiple_of(trainers) {
+            return Err(FieldError::new(
+                "train.data_parts",
+                format!(
+                    "{parts} parts cannot be shared evenly by the {trainers} trainers: give a multiple of {trainers}"
+                ),
+            ));
+        }
     }
     if !train.batch_size.is_multiple_of(parts) {
         return Err(FieldError::new(
