@@ -264,7 +264,7 @@ fn check_pipeline(config: &JobConfig) -> Result<(), FieldError> {
         .check(&strategy.hybrid_configs, config.world_size(), config.train.batch_size)
 }
 
-/// Click logs are cut into parts that divide among the trainers and divide the batch; other
+/// Click logs are cut into at least one part, and the batch into equal shares of them; other
 /// data sets are not read in parts.
 fn check_data_layout(config: &JobConfig) -> Result<(), FieldError> {
     let train = &config.train;
@@ -285,18 +285,11 @@ fn check_data_layout(config: &JobConfig) -> Result<(), FieldError> {
         };
     }
     let parts = train.data_parts(config.world_size());
-    // With elastic membership the parts are shared by every number of trainers the job may have.
-    let cluster = &config.cluster;
-    let nodes = cluster.min_nnodes.unwrap_or(cluster.nnodes)..=cluster.nnodes;
-    for trainers in nodes.rev().map(|n| n * cluster.nproc_per_node) {
-        if parts == 0 || !parts.is_multiple_of(trainers) {
-            return Err(FieldError::new(
-                "train.data_parts",
-                format!(
-                    "{parts} parts cannot be shared evenly by the {trainers} trainers: give a multiple of {trainers}"
-                ),
-            ));
-        }
+    if parts == 0 {
+        return Err(FieldError::new(
+            "train.data_parts",
+            "0 parts: the data needs at least 1",
+        ));
     }
     if !train.batch_size.is_multiple_of(parts) {
         return Err(FieldError::new(
@@ -358,7 +351,7 @@ mod tests {
     }
 
     #[test]
-    fn click_logs_are_cut_into_parts_that_divide_among_the_trainers_and_divide_the_batch() {
+    fn click_logs_are_cut_into_parts_that_divide_the_batch() {
         let with = |train: &str| {
             load_str(&format!(
                 "[cluster]\nserver_num = 2\nnproc_per_node = 2\n[train]\nmodel = \"wide_deep\"\n\
@@ -379,12 +372,13 @@ mod tests {
             "a run resumed on one trainer keeps the cut"
         );
         let err = |train: &str| err_text(with(train));
-        assert_eq!(
-            err("data_parts = 3"),
-            "config.toml: train.data_parts: 3 parts cannot be shared evenly by the 2 trainers: give a multiple of 2"
-        );
         assert!(err("data_parts = 64").contains("train.data_parts: the global batch of 96 records does not divide"));
         assert!(err("data_parts = 0").contains("train.data_parts: 0 parts"));
+        assert_eq!(
+            with("data_parts = 3").unwrap().train.data_parts,
+            Some(3),
+            "trainers may share parts"
+        );
         assert!(err("shuffle_buffer = -1").contains("train.shuffle_buffer"));
         let digits = err_text(load_str("[train]\ndata_parts = 2\n"));
         assert!(digits.contains("train.data_parts: only click logs"), "{digits}");

@@ -114,6 +114,18 @@ impl PartStream {
         }
     }
 
+    /// Passes over the next record of the pass without building it; false at its end.
+    fn skip(&mut self) -> Result<bool> {
+        match self {
+            PartStream::Synthetic { records, next, .. } => {
+                let more = *next < records.end;
+                *next += u64::from(more);
+                Ok(more)
+            }
+            PartStream::Files(reader) => reader.skip_record(),
+        }
+    }
+
     /// Back to the part's first record.
     fn rewind(&mut self) -> Result<()> {
         match self {
@@ -130,6 +142,8 @@ impl PartStream {
 #[derive(Debug)]
 struct Part {
     index: usize,
+    /// The records of each of the part's shares of a global batch that this rank keeps.
+    keep: Range<usize>,
     stream: PartStream,
     /// Passes started before the current one.
     pass: u64,
@@ -168,31 +182,48 @@ impl Part {
         Ok(record)
     }
 
-    /// The next `count` records of the pass, or `None` when the pass ends before them.
-    fn next_run(&mut self, count: usize) -> Result<Option<Vec<CtrRecord>>> {
-        let mut run = Vec::with_capacity(count);
-        while run.len() < count {
-            match self.next()? {
-                Some(record) => run.push(record),
-                None => return Ok(None),
-            }
-        }
-        Ok(Some(run))
-    }
-
     /// The next `count` records, starting the next pass when this one has fewer left.
     fn next_whole_run(&mut self, count: usize) -> Result<Vec<CtrRecord>> {
-        if let Some(run) = self.next_run(count)? {
-            return Ok(run);
+        self.whole_run(count, Part::next)
+    }
+
+    /// Passes over the records [`Part::next_whole_run`] would give; unshuffled, without
+    /// parsing them.
+    fn skip_whole_run(&mut self, count: usize) -> Result<()> {
+        let skip_one = |part: &mut Part| match part.layout.shuffle_buffer {
+            0 => {
+                let skipped = part.stream.skip()?;
+                part.taken += u64::from(skipped);
+                Ok(skipped.then_some(()))
+            }
+            _ => part.next().map(|record| record.map(drop)),
+        };
+        self.whole_run(count, skip_one).map(drop)
+    }
+
+    /// `count` results of `take` (`None` at the end of a pass), from the next pass when this
+    /// one has fewer left: what it took of this one is dropped.
+    fn whole_run<T>(&mut self, count: usize, mut take: impl FnMut(&mut Self) -> Result<Option<T>>) -> Result<Vec<T>> {
+        for fresh_pass in [false, true] {
+            let mut run = Vec::with_capacity(count);
+            while run.len() < count {
+                match take(self)? {
+                    Some(taken) => run.push(taken),
+                    None => break,
+                }
+            }
+            if run.len() == count {
+                return Ok(run);
+            }
+            if !fresh_pass {
+                self.restart()?;
+            }
         }
-        self.restart()?;
-        self.next_run(count)?.ok_or_else(|| {
-            anyhow!(
-                "data part {} holds fewer than {count} records, its share of a global batch: use fewer \
-                 train.data_parts, a smaller train.batch_size or more data",
-                self.index
-            )
-        })
+        Err(anyhow!(
+            "data part {} holds fewer than {count} records, its share of a global batch: use fewer \
+             train.data_parts, a smaller train.batch_size or more data",
+            self.index
+        ))
     }
 
     /// The first record of the next pass comes next.
@@ -221,30 +252,27 @@ pub struct CtrLoader {
 
 impl CtrLoader {
     /// The loader of `rank` among `world` ranks reading global batches of `global_batch`
-    /// records from `source` cut as `layout` says: the parts must divide evenly among the
-    /// ranks, and the batch among the parts. Only this rank's parts are opened.
+    /// records from `source` cut as `layout` says: the batch must divide among the ranks and
+    /// among the parts. Rank `r` keeps records `[r·B/W, (r+1)·B/W)` of each global batch and
+    /// opens only the parts those lie in: its own parts when the ranks divide the parts; with
+    /// more ranks than parts (a run resumed on more trainers), ranks share a part, each reading
+    /// all of it and keeping its slice of every share.
     pub fn new(source: CtrSource, layout: DataLayout, global_batch: usize, rank: usize, world: usize) -> Result<Self> {
         crate::data::check_rank_batch(global_batch, rank, world)?;
         let parts = layout.parts;
         ensure!(
-            parts > 0 && parts.is_multiple_of(world),
-            "train.data_parts = {parts}: the data's parts cannot be shared evenly by {world} trainers"
-        );
-        ensure!(
-            global_batch.is_multiple_of(parts),
+            parts > 0 && global_batch.is_multiple_of(parts),
             "train.batch_size = {global_batch} does not divide into train.data_parts = {parts} equal shares"
         );
-        let mine = rank * parts / world..(rank + 1) * parts / world;
+        let (share, slice) = (global_batch / parts, global_batch / world);
+        let (first, last) = (rank * slice, (rank + 1) * slice);
+        let mine = first / share..last.div_ceil(share);
         let streams = match source {
             CtrSource::Synthetic { synth, split, samples } => synthetic_parts(&synth, split, samples, parts, mine)?,
             CtrSource::Files(files) => file_parts(cut_into_parts(&files, parts)?, mine)?,
         };
-        Ok(Self::reading(
-            streams,
-            layout,
-            global_batch / parts,
-            global_batch / world,
-        ))
+        let keep = |part: usize| first.max(part * share) - part * share..last.min((part + 1) * share) - part * share;
+        Ok(Self::reading(streams, layout, share, slice, keep))
     }
 
     /// The loader of `rank`'s share of an evaluation pass over `source` among `world` ranks,
@@ -266,21 +294,25 @@ impl CtrLoader {
                 Err(e) => return Err(e),
             },
         };
-        Ok(Self::reading(
-            streams,
-            DataLayout::WHOLE,
-            global_batch / world,
-            global_batch / world,
-        ))
+        let slice = global_batch / world;
+        Ok(Self::reading(streams, DataLayout::WHOLE, slice, slice, |_| 0..slice))
     }
 
-    /// A loader of `streams`, each the part numbered alongside.
-    fn reading(streams: Vec<(usize, PartStream)>, layout: DataLayout, part_batch: usize, local_batch: usize) -> Self {
+    /// A loader of `streams`, each the part numbered alongside, keeping `keep(part)` of each
+    /// share of `part_batch` records.
+    fn reading(
+        streams: Vec<(usize, PartStream)>,
+        layout: DataLayout,
+        part_batch: usize,
+        local_batch: usize,
+        keep: impl Fn(usize) -> Range<usize>,
+    ) -> Self {
         Self {
             parts: streams
                 .into_iter()
                 .map(|(index, stream)| Part {
                     index,
+                    keep: keep(index),
                     stream,
                     pass: 0,
                     layout,
@@ -300,19 +332,21 @@ impl CtrLoader {
     pub fn next_batch(&mut self) -> Result<CtrBatch> {
         let mut batch = CtrBatch::with_capacity(self.local_batch);
         for part in &mut self.parts {
-            for record in part.next_whole_run(self.part_batch)? {
-                batch.push(&record);
+            let share = part.next_whole_run(self.part_batch)?;
+            for record in &share[part.keep.clone()] {
+                batch.push(record);
             }
         }
         Ok(batch)
     }
 
     /// Moves on to where `batches` calls of [`next_batch`](Self::next_batch) from the start
-    /// would leave it (a resumed run), reading only this rank's parts and building no batch.
+    /// would leave it (a resumed run), reading only this rank's parts and building no batch:
+    /// unshuffled parts pass over lines without parsing them.
     pub fn skip_batches(&mut self, batches: usize) -> Result<()> {
         for _ in 0..batches {
             for part in &mut self.parts {
-                part.next_whole_run(self.part_batch)?;
+                part.skip_whole_run(self.part_batch)?;
             }
         }
         Ok(())
@@ -491,17 +525,39 @@ mod tests {
     }
 
     #[test]
+    fn ranks_that_do_not_divide_the_parts_share_them_and_keep_the_same_batches() -> Result<()> {
+        let dir = tempfile::tempdir()?;
+        for source in sources(60, 2, dir.path())? {
+            // 2 parts, batches of 12: one rank, then 3 (sharing part 1) and 4 (two per part).
+            let mut whole = CtrLoader::new(source.clone(), layout(2, 4), 12, 0, 1)?;
+            let expected = batches(&mut whole, 7)?;
+            for world in [3, 4] {
+                let mut ranks: Vec<CtrLoader> = (0..world)
+                    .map(|r| CtrLoader::new(source.clone(), layout(2, 4), 12, r, world))
+                    .collect::<Result<_>>()?;
+                for (step, batch) in expected.iter().enumerate() {
+                    let joined = concat(ranks.iter_mut().map(|l| l.next_batch()).collect::<Result<Vec<_>>>()?);
+                    assert_eq!(&joined, batch, "{world} ranks, step {step}");
+                }
+            }
+        }
+        Ok(())
+    }
+
+    #[test]
     fn a_loader_that_skips_batches_reads_on_as_one_that_read_them() -> Result<()> {
         let dir = tempfile::tempdir()?;
         for source in sources(50, 2, dir.path())? {
-            for skipped in [0, 3, 4, 5, 9] {
-                let mut read = CtrLoader::new(source.clone(), layout(2, 5), 12, 1, 2)?;
+            for (skipped, shuffle) in [0, 3, 4, 5, 9].into_iter().flat_map(|n| [(n, 0), (n, 5)]) {
+                let mut read = CtrLoader::new(source.clone(), layout(2, shuffle), 12, 1, 2)?;
                 batches(&mut read, skipped)?;
-                let mut skipping = CtrLoader::new(source.clone(), layout(2, 5), 12, 1, 2)?;
+                let mut skipping = CtrLoader::new(source.clone(), layout(2, shuffle), 12, 1, 2)?;
                 skipping.skip_batches(skipped)?;
+                assert_eq!(skipping.records_read(), read.records_read());
                 for _ in 0..6 {
-                    assert_eq!(skipping.next_batch()?, read.next_batch()?, "after {skipped} skipped");
-                    assert_eq!(skipping.epoch(), read.epoch());
+                    let what = format!("after {skipped} skipped, shuffle {shuffle}");
+                    assert_eq!(skipping.next_batch()?, read.next_batch()?, "{what}");
+                    assert_eq!(skipping.epoch(), read.epoch(), "{what}");
                 }
             }
         }
@@ -588,14 +644,13 @@ mod tests {
         assert!(CtrLoader::new(synthetic.clone(), DataLayout::WHOLE, 7, 0, 2).is_err());
         assert!(CtrLoader::new(synthetic.clone(), DataLayout::WHOLE, 6, 2, 2).is_err());
         assert!(CtrLoader::new(synthetic.clone(), DataLayout::WHOLE, 0, 0, 1).is_err());
-        let uneven = CtrLoader::new(synthetic.clone(), layout(3, 0), 6, 0, 2)
+        let uneven = CtrLoader::new(synthetic.clone(), layout(4, 0), 6, 0, 2)
             .err()
             .map(|e| e.to_string());
         assert_eq!(
             uneven.as_deref(),
-            Some("train.data_parts = 3: the data's parts cannot be shared evenly by 2 trainers")
+            Some("train.batch_size = 6 does not divide into train.data_parts = 4 equal shares")
         );
-        assert!(CtrLoader::new(synthetic.clone(), layout(4, 0), 6, 0, 2).is_err());
         assert!(CtrLoader::new(CtrSource::Files(Vec::new()), DataLayout::WHOLE, 4, 0, 1).is_err());
         let small = CtrLoader::new(synthetic, layout(2, 0), 6, 0, 1)?.next_batch().err();
         assert!(
