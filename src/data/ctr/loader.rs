@@ -3,10 +3,11 @@
 //! The data is cut into `parts` parts — index ranges of generated data; runs of files, or
 //! byte ranges of them (see `parts`) — and every global batch of `B` records is the
 //! concatenation of the next `B / parts` records of each part, in part order. Rank `r` of
-//! `world` reads only parts `[r·P/W, (r+1)·P/W)`: no rank reads another's data, and the ranks'
-//! batches at a step still concatenate to exactly the batch one process reading every part
-//! takes, whatever the number of ranks — the ground truth of sync training, and what lets a
-//! run resume on another number of trainers.
+//! `world` keeps records `[r·B/W, (r+1)·B/W)` of it and opens only the parts they lie in — its
+//! own parts, read by no other rank, when the ranks divide the parts. The ranks' batches at a
+//! step concatenate to exactly the batch one process reading every part takes, whatever the
+//! number of ranks — the ground truth of sync training, and what lets a run resume on another
+//! number of trainers.
 //!
 //! A part is read pass after pass (epochs): at the end of a pass the records short of a whole
 //! `B / parts` are dropped and the part starts over. With a shuffle buffer of `K` records, a
@@ -21,7 +22,7 @@ use std::sync::Arc;
 use anyhow::{anyhow, ensure, Result};
 
 use super::parts::{cut_into_parts, Segment};
-use super::tsv::count_records;
+use super::tsv::{count_records, is_gzip};
 use super::{CriteoSynth, CtrBatch, CtrRecord, Split, TsvReader};
 use crate::config::TrainConfig;
 use crate::rng::SplitMix64;
@@ -59,7 +60,7 @@ impl CtrSource {
 /// How the data is cut and ordered: the same for every rank of a job, and kept by a resumed run.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct DataLayout {
-    /// Parts the data is cut into, each read by one rank (`train.data_parts`).
+    /// Parts the data is cut into (`train.data_parts`).
     pub parts: usize,
     /// Records per shuffled window of a part; 0 reads in file order (`train.shuffle_buffer`).
     pub shuffle_buffer: usize,
@@ -285,14 +286,12 @@ impl CtrLoader {
             CtrSource::Synthetic { synth, split, samples } => {
                 synthetic_parts(&synth, split, samples, world, rank..rank + 1)?
             }
-            CtrSource::Files(files) => match cut_into_parts(&files, world) {
-                Ok(parts) => file_parts(parts, rank..rank + 1)?,
-                Err(_) if files.len() < world => {
-                    let whole: Vec<Vec<Segment>> = files.iter().map(|path| vec![Segment::whole(path)]).collect();
-                    file_parts(whole, rank..(rank + 1).min(files.len()))?
-                }
-                Err(e) => return Err(e),
-            },
+            // Gzip files cannot be cut by bytes.
+            CtrSource::Files(files) if files.len() < world && files.iter().any(|path| is_gzip(path)) => {
+                let whole: Vec<Vec<Segment>> = files.iter().map(|path| vec![Segment::whole(path)]).collect();
+                file_parts(whole, rank..(rank + 1).min(files.len()))?
+            }
+            CtrSource::Files(files) => file_parts(cut_into_parts(&files, world)?, rank..rank + 1)?,
         };
         let slice = global_batch / world;
         Ok(Self::reading(streams, DataLayout::WHOLE, slice, slice, |_| 0..slice))

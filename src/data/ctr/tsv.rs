@@ -119,8 +119,6 @@ pub struct TsvReader {
     line_number: u64,
     /// Raw bytes, so skipped lines are never checked for UTF-8.
     line: Vec<u8>,
-    /// Lines taken from the files, records or blank, since the reader was opened.
-    lines_read: u64,
 }
 
 /// Where the reader is; the stream itself has nothing to show.
@@ -153,7 +151,6 @@ impl TsvReader {
             offset: 0,
             line_number: 0,
             line: Vec::new(),
-            lines_read: 0,
         };
         reader.rewind()?;
         Ok(reader)
@@ -180,11 +177,6 @@ impl TsvReader {
     /// Goes back to the start of the first segment, for the next epoch.
     pub fn rewind(&mut self) -> Result<()> {
         self.open_segment(0)
-    }
-
-    /// Lines read from the files since the reader was opened, over every pass.
-    pub fn lines_read(&self) -> u64 {
-        self.lines_read
     }
 
     /// Positions the reader at the first line of segment `index` (or at the end).
@@ -237,7 +229,6 @@ impl TsvReader {
             }
             self.offset += read as u64;
             self.line_number += 1;
-            self.lines_read += 1;
             if self.line.iter().any(|&b| b != b'\n' && b != b'\r') {
                 return Ok(true);
             }
