@@ -325,13 +325,13 @@ fn run(cli: Cli) -> Result<()> {
             Ok(())
         }
         Command::Ps(PsCommand::Export { run_dir, out, since }) => {
-            let manifest = ps_serving::export(&run_dir, &out, since.as_deref())
+            let manifest = ps_serving::export(&run_dir, &out, since.as_deref(), None)
                 .with_context(|| format!("exporting {} to {}", run_dir.display(), out.display()))?;
             print_out(&(serde_json::to_string(&manifest.tables)? + "\n"));
             Ok(())
         }
         Command::Predict { model, data, out } => {
-            let prediction = ps_serving::predict(&model, &data, &out)
+            let prediction = ps_serving::predict(&model, &data, &out, None)
                 .with_context(|| format!("scoring with the model in {}", model.display()))?;
             print_out(&(serde_json::to_string(&prediction)? + "\n"));
             Ok(())

@@ -7,15 +7,20 @@ use common::{ctr_config, run};
 
 use std::collections::HashMap;
 use std::path::Path;
+use std::sync::Arc;
 
 use candle_core::{Device, Tensor, Var};
 use flotilla::config::JobConfig;
+use flotilla::config::OptimizerKind;
 use flotilla::data::ctr::{CtrLoader, DataLayout};
 use flotilla::job::ps::{build_shard, ParameterServerJob};
-use flotilla::models::{sigmoid_cross_entropy, ParamInit, SparseRows, WideDeep};
+use flotilla::job::RunOptions;
+use flotilla::models::{
+    sigmoid_cross_entropy, Activation, Block, Linear, Lookup, ParamInit, SparseModel, SparseModelDef, SparseTableSpec,
+    SPARSE_SLOTS,
+};
 use flotilla::ps::table::{init_row, RowInit};
 use flotilla::ps::wire::{PullRequest, PushRequest, UpdateKind};
-use flotilla::ps::worker::table_layout;
 
 /// The tensors of one shard snapshot, as f32 values or u64 ids.
 struct ShardFile {
@@ -51,87 +56,86 @@ impl ShardFile {
     }
 }
 
-/// Plain single-process SGD on the global batches, written independently of the shards:
-/// whole tables in hash maps, candle's autograd on the batch's rows, updates by hand.
-fn reference(config: &JobConfig) -> (Vec<f32>, Vec<HashMap<u64, Vec<f32>>>) {
+/// Plain single-process SGD on the global batches, written independently of the shards and of
+/// the trainers' planning: whole tables in hash maps, each table's ids gathered from its own
+/// slots, candle's autograd through the model's logits, updates by hand at each table's step size.
+fn reference(config: &JobConfig, def: &SparseModelDef) -> (Vec<f32>, Vec<HashMap<u64, Vec<f32>>>) {
     let train = &config.train;
-    let job = ParameterServerJob::builtin(config.clone()).unwrap();
-    let model = WideDeep::new(
-        train.embedding_dim,
-        &train.hidden_sizes(),
-        &ParamInit::new(train.seed, Device::Cpu),
-    )
-    .unwrap();
+    let job = ParameterServerJob::new(config.clone(), def.clone()).unwrap();
+    let model = def.build(&ParamInit::new(train.seed, Device::Cpu)).unwrap();
     let params: Vec<Var> = model.parameters().into_iter().map(|(_, v)| v).collect();
-    let specs = table_layout(config);
+    let specs = def.tables();
+    assert!(
+        specs
+            .iter()
+            .all(|t| t.optimizer.is_none_or(|o| o == OptimizerKind::Sgd))
+            && train.momentum == 0.0,
+        "the reference trains with plain SGD"
+    );
     let mut tables: Vec<HashMap<u64, Vec<f32>>> = vec![HashMap::new(); specs.len()];
     let layout = DataLayout::of(train, config.world_size());
     let mut loader = CtrLoader::new(job.train_data.clone(), layout, train.batch_size, 0, 1).unwrap();
     let lr = train.lr as f32;
     for _ in 0..train.steps.unwrap() {
         let batch = loader.next_batch().unwrap();
-        let mut unique: Vec<u64> = Vec::new();
-        let mut position = HashMap::new();
-        let index: Vec<u32> = batch
-            .ids
-            .iter()
-            .map(|id| {
-                *position.entry(*id).or_insert_with(|| {
-                    unique.push(*id);
-                    unique.len() as u32 - 1
-                })
-            })
-            .collect();
-        let rows: Vec<Var> = specs
-            .iter()
-            .zip(&mut tables)
-            .map(|(spec, table)| {
-                let mut values = Vec::new();
-                for id in &unique {
-                    let row = table.entry(*id).or_insert_with(|| {
-                        let mut row = vec![0.0; spec.width];
-                        init_row(
-                            &RowInit {
-                                seed: train.seed,
-                                bound: spec.init_bound,
-                            },
-                            spec.name,
-                            *id,
-                            &mut row,
-                        );
-                        row
-                    });
-                    values.extend_from_slice(row);
+        let mut looked_up = Vec::new();
+        for (spec, table) in specs.iter().zip(&mut tables) {
+            let mut unique: Vec<u64> = Vec::new();
+            let mut position = HashMap::new();
+            let mut index: Vec<u32> = Vec::new();
+            for sample in batch.ids.chunks_exact(SPARSE_SLOTS) {
+                for &slot in &spec.slots {
+                    let id = sample[slot];
+                    index.push(*position.entry(id).or_insert_with(|| {
+                        unique.push(id);
+                        unique.len() as u32 - 1
+                    }));
                 }
-                Var::from_tensor(&Tensor::from_vec(values, (unique.len(), spec.width), &Device::Cpu).unwrap()).unwrap()
+            }
+            let mut values = Vec::new();
+            for id in &unique {
+                let row = table.entry(*id).or_insert_with(|| {
+                    let mut row = vec![0.0; spec.width];
+                    let init = RowInit {
+                        seed: train.seed,
+                        bound: spec.init_bound,
+                    };
+                    init_row(&init, &spec.name, *id, &mut row);
+                    row
+                });
+                values.extend_from_slice(row);
+            }
+            let rows =
+                Var::from_tensor(&Tensor::from_vec(values, (unique.len(), spec.width), &Device::Cpu).unwrap()).unwrap();
+            let index = Tensor::from_vec(index, batch.len * spec.slots.len(), &Device::Cpu).unwrap();
+            looked_up.push((unique, rows, index));
+        }
+        let lookups: Vec<Lookup> = specs
+            .iter()
+            .zip(&looked_up)
+            .map(|(spec, (_, rows, index))| Lookup {
+                rows: rows.as_tensor(),
+                index,
+                slots: spec.slots.len(),
             })
             .collect();
         let dense = Tensor::from_slice(&batch.dense, (batch.len, 13), &Device::Cpu).unwrap();
-        let index = Tensor::from_vec(index, batch.ids.len(), &Device::Cpu).unwrap();
-        let logits = model
-            .logits(
-                &dense,
-                &SparseRows {
-                    deep: rows[0].as_tensor(),
-                    wide: rows[1].as_tensor(),
-                    index: &index,
-                },
-            )
-            .unwrap();
+        let logits = model.logits(&dense, &lookups).unwrap();
         let labels = Tensor::from_slice(&batch.labels, batch.len, &Device::Cpu).unwrap();
         let grads = sigmoid_cross_entropy(&logits, &labels).unwrap().backward().unwrap();
         for p in &params {
             let g = grads.get(p.as_tensor()).unwrap();
             p.set(&(p.as_tensor() - (g * f64::from(lr)).unwrap()).unwrap()).unwrap();
         }
-        for ((spec, table), var) in specs.iter().zip(&mut tables).zip(&rows) {
+        for ((spec, table), (unique, rows, _)) in specs.iter().zip(&mut tables).zip(&looked_up) {
             let g = grads
-                .get(var.as_tensor())
+                .get(rows.as_tensor())
                 .unwrap()
                 .flatten_all()
                 .unwrap()
                 .to_vec1::<f32>()
                 .unwrap();
+            let lr = spec.lr.map_or(lr, |lr| lr as f32);
             for (u, id) in unique.iter().enumerate() {
                 let row = table.get_mut(id).unwrap();
                 for (v, g) in row.iter_mut().zip(&g[u * spec.width..(u + 1) * spec.width]) {
@@ -154,16 +158,17 @@ fn reference(config: &JobConfig) -> (Vec<f32>, Vec<HashMap<u64, Vec<f32>>>) {
 /// shard) moves values by about lr × gradient ≈ 1e-3 or more.
 const SYNC_TOLERANCE: f32 = 1e-5;
 
-#[test]
-fn sync_mode_equals_single_process_training_of_the_global_batch() {
-    let config = ctr_config(&[]);
+/// Trains `model` under `config` (3 trainers, 2 shards, sync) and checks the shards' final dense
+/// values and every row against [`reference`], and that only trained rows were stored.
+fn sync_training_equals_the_reference(config: JobConfig, model: SparseModelDef) {
     let dir = tempfile::tempdir().unwrap();
-    let summary = run(config.clone(), dir.path());
+    let job = ParameterServerJob::new(config.clone(), model.clone()).unwrap();
+    let summary = job.run_simulated(&RunOptions::new(dir.path())).unwrap();
     assert_eq!(
         (summary.mode.as_str(), summary.trainers, summary.servers),
         ("sync", 3, 2)
     );
-    let (dense, tables) = reference(&config);
+    let (dense, tables) = reference(&config, &model);
 
     let shards: Vec<ShardFile> = (0..2)
         .map(|i| ShardFile::read(&dir.path().join(format!("ps-shard-{i}.safetensors"))))
@@ -177,7 +182,7 @@ fn sync_mode_equals_single_process_training_of_the_global_batch() {
         .fold(0.0, f32::max);
     assert!(dense_diff <= SYNC_TOLERANCE, "dense: max |Δ| = {dense_diff:e}");
 
-    for (spec, table) in table_layout(&config).iter().zip(&tables) {
+    for (spec, table) in model.tables().iter().zip(&tables) {
         let mut seen = 0;
         let mut worst = 0.0f32;
         for shard in &shards {
@@ -202,6 +207,89 @@ fn sync_mode_equals_single_process_training_of_the_global_batch() {
         );
         assert!(worst <= SYNC_TOLERANCE, "{}: max |Δrow| = {worst:e}", spec.name);
     }
+}
+
+#[test]
+fn sync_mode_equals_single_process_training_of_the_global_batch() {
+    let config = ctr_config(&[]);
+    let model = SparseModelDef::builtin(&config.train).unwrap();
+    sync_training_equals_the_reference(config, model);
+}
+
+#[test]
+fn deepfm_trains_under_sync_as_it_trains_in_one_process() {
+    let config = ctr_config(&["train.model=deepfm"]);
+    let model = SparseModelDef::builtin(&config.train).unwrap();
+    assert_eq!(model.table_names(), ["embedding", "first_order"]);
+    sync_training_equals_the_reference(config, model);
+}
+
+/// A library user's model: three tables read by disjoint slots (users, items, context), the
+/// context's rows at a step size of their own, and a dense part of two blocks.
+struct ThreeTables {
+    hidden: Linear,
+    out: Linear,
+}
+
+/// `(table, width, slots)` of [`ThreeTables`].
+const THREE_TABLES: [(&str, usize, std::ops::Range<usize>); 3] =
+    [("user", 4, 0..8), ("item", 6, 8..20), ("context", 2, 20..26)];
+
+impl ThreeTables {
+    fn new(init: &ParamInit) -> candle_core::Result<Self> {
+        let inputs: usize = THREE_TABLES.iter().map(|(_, w, slots)| w * slots.len()).sum::<usize>() + 13;
+        Ok(Self {
+            hidden: Linear::new("hidden", inputs, 8, Activation::Relu, init)?,
+            out: Linear::new("out", 8, 1, Activation::Identity, init)?,
+        })
+    }
+}
+
+impl SparseModel for ThreeTables {
+    fn tables(&self) -> Vec<SparseTableSpec> {
+        THREE_TABLES
+            .iter()
+            .map(|(name, width, slots)| SparseTableSpec {
+                lr: (*name == "context").then_some(0.03),
+                ..SparseTableSpec::new(name, *width, 0.3, slots.clone())
+            })
+            .collect()
+    }
+
+    fn blocks(&self) -> Vec<&dyn Block> {
+        vec![&self.hidden, &self.out]
+    }
+
+    fn logits(&self, dense: &Tensor, lookups: &[Lookup<'_>]) -> candle_core::Result<Tensor> {
+        let batch = dense.dim(0)?;
+        let mut inputs = lookups
+            .iter()
+            .map(|l| l.embedded(batch)?.flatten_from(1))
+            .collect::<candle_core::Result<Vec<_>>>()?;
+        inputs.push(dense.clone());
+        self.out
+            .forward(&self.hidden.forward(&Tensor::cat(&inputs, 1)?)?)?
+            .squeeze(1)
+    }
+}
+
+#[test]
+fn a_users_three_table_model_trains_under_sync_as_it_trains_in_one_process() {
+    let model = SparseModelDef::new(Arc::new(|init: &ParamInit| {
+        Ok(Box::new(ThreeTables::new(init)?) as Box<dyn SparseModel>)
+    }))
+    .unwrap();
+    assert_eq!(model.table_names(), ["user", "item", "context"]);
+    // The policy sections name the user's tables; the built-in model's are unknown to this job.
+    let config = ctr_config(&["strategy.sparse_table_configs.item.delete_after_unseen_days=5"]);
+    sync_training_equals_the_reference(config.clone(), model.clone());
+    let wrong = ctr_config(&["strategy.sparse_table_configs.wide.count_filter=2"]);
+    let err = ParameterServerJob::new(wrong, model).err().expect("no table `wide`");
+    assert!(
+        err.to_string()
+            .ends_with("strategy.sparse_table_configs.wide: the model has no sparse table `wide`; its tables are user, item, context"),
+        "{err}"
+    );
 }
 
 #[test]
@@ -248,7 +336,7 @@ fn async_and_geo_reach_the_auc_of_sync() {
 #[test]
 fn a_push_to_an_unknown_table_or_with_a_row_of_the_wrong_width_is_refused() {
     let config = ctr_config(&[]);
-    let mut shard = build_shard(&config, 0).unwrap();
+    let mut shard = common::fresh_shard(&config, 0);
     let dense = vec![0.0; shard.dense().len()];
     let push = |ids: Vec<Vec<u64>>, values: Vec<Vec<f32>>| PushRequest {
         trainer: 1,
@@ -284,7 +372,7 @@ fn shards_start_from_the_tables_a_run_saved() {
     let from = format!("train.init_tables_from={:?}", dir.path().display().to_string());
     let config = ctr_config(&[&from]);
     for index in 0..2 {
-        let shard = build_shard(&config, index).unwrap();
+        let shard = common::fresh_shard(&config, index);
         let file = ShardFile::read(&dir.path().join(format!("ps-shard-{index}.safetensors")));
         assert_eq!(shard.dense().values(), file.floats("dense.values").as_slice());
         for table in shard.tables() {
@@ -300,7 +388,7 @@ fn shards_start_from_the_tables_a_run_saved() {
     let three = ctr_config(&[&from, "cluster.server_num=3"]);
     let err = format!(
         "{:#}",
-        build_shard(&three, 0)
+        build_shard(&three, &SparseModelDef::builtin(&three.train).unwrap(), 0)
             .err()
             .expect("a snapshot of 2 shards does not fit 3")
     );
@@ -365,7 +453,7 @@ fn a_pull_held_for_a_trainer_that_never_pushes_names_it_after_the_timeout() {
     use flotilla::ps::wire::{Request, ShardCall};
 
     let config = ctr_config(&["cluster.nproc_per_node=2", "fault_tolerance.timeout_s=1"]);
-    let shard = build_shard(&config, 0).unwrap();
+    let shard = common::fresh_shard(&config, 0);
     let push = empty_push(&config, 0, 0, UpdateKind::Gradients);
     let started = std::time::Instant::now();
     let err = System::new().block_on(async move {
@@ -405,7 +493,7 @@ fn pull_of_step_1() -> PullRequest {
 
 /// An empty push of `step` from `trainer` to shard 0 of `config`.
 fn empty_push(config: &JobConfig, trainer: usize, step: u64, kind: UpdateKind) -> PushRequest {
-    let dense = build_shard(config, 0).unwrap().dense().len();
+    let dense = common::fresh_shard(config, 0).dense().len();
     PushRequest {
         trainer,
         step,
@@ -424,7 +512,7 @@ fn a_shard_serves_one_generation_of_its_trainers_refusing_older_requests_and_hol
     use flotilla::ps::wire::{Reply, Request, ShardCall};
 
     let config = ctr_config(&["cluster.nproc_per_node=2"]);
-    let shard = build_shard(&config, 0).unwrap();
+    let shard = common::fresh_shard(&config, 0);
     let push = empty_push(&config, 0, 0, UpdateKind::Gradients);
     System::new().block_on(async move {
         let (all_left, _) = futures::channel::oneshot::channel();
@@ -487,7 +575,7 @@ fn a_shard_serves_one_generation_of_its_trainers_refusing_older_requests_and_hol
 #[test]
 fn an_async_checkpoint_waits_for_every_trainers_pushes_before_it_and_resumes_their_bookkeeping() {
     let config = ctr_config(&["cluster.nproc_per_node=2", "strategy.a_sync=true"]);
-    let mut shard = build_shard(&config, 0).unwrap();
+    let mut shard = common::fresh_shard(&config, 0);
     let push = |trainer, step| empty_push(&config, trainer, step, UpdateKind::Gradients);
     for step in 0..2 {
         assert!(shard.push(push(0, step)).unwrap());

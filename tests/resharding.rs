@@ -195,7 +195,7 @@ fn ps_state(run_dir: &Path, servers: usize) -> (Vec<TableRow>, Vec<f32>) {
     .expect("the run's config");
     let (mut rows, mut dense) = (Vec::new(), Vec::new());
     for index in 0..servers {
-        let mut shard = flotilla::job::ps::build_shard(&config, index).expect("a shard");
+        let mut shard = common::fresh_shard(&config, index);
         shard
             .load(&run_dir.join(format!("ps-shard-{index}.safetensors")))
             .expect("its file");

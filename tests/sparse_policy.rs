@@ -10,7 +10,7 @@ use std::path::Path;
 use common::{ctr_config, run};
 use flotilla::config::JobConfig;
 use flotilla::data::ctr::{CtrLoader, DataLayout};
-use flotilla::job::ps::{build_shard, ParameterServerJob};
+use flotilla::job::ps::ParameterServerJob;
 use flotilla::ps::policy::RowPolicy;
 use flotilla::telemetry::metrics::{read_metrics, METRICS_FILE};
 
@@ -35,7 +35,7 @@ fn occurrences(config: &JobConfig, steps: std::ops::Range<usize>) -> BTreeMap<u6
 fn saved_rows(config: &JobConfig, dir: &Path, table: usize) -> BTreeMap<u64, (f32, f32)> {
     let mut rows = BTreeMap::new();
     for index in 0..config.cluster.server_num {
-        let mut shard = build_shard(config, index).unwrap();
+        let mut shard = common::fresh_shard(config, index);
         shard.load(&dir.join(format!("ps-shard-{index}.safetensors"))).unwrap();
         let table = &shard.tables()[table];
         for ((id, _, _), counts) in table.rows().zip(table.row_counts()) {
@@ -161,7 +161,7 @@ fn a_memory_cap_below_the_working_set_holds_and_costs_little_auc() {
     let capped_dir = tempfile::tempdir().unwrap();
     let capped = run(capped_config.clone(), capped_dir.path());
     for index in 0..2 {
-        let mut shard = build_shard(&capped_config, index).unwrap();
+        let mut shard = common::fresh_shard(&capped_config, index);
         shard
             .load(&capped_dir.path().join(format!("ps-shard-{index}.safetensors")))
             .unwrap();

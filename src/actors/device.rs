@@ -20,7 +20,7 @@ use crate::engines::comm::hierarchy::{self, NodeLayout};
 use crate::engines::comm::memory::MemoryRings;
 use crate::engines::comm::{parse_endpoints, CommWorker, Communicator, RingBreaker, RingLinks, RingTransport, Shared};
 use crate::engines::compute::device_for;
-use crate::models::{Model, ParamInit};
+use crate::models::{Model, ParamInit, SparseModelDef};
 use crate::net::auth::Credentials;
 use crate::net::protocol::Roster;
 use crate::pipeline::link::{StageLink, TransportStageLink};
@@ -211,6 +211,8 @@ pub struct ReadParameters;
 pub struct PrepareCtr {
     /// The job.
     pub job: Arc<JobConfig>,
+    /// Its sparse model.
+    pub model: SparseModelDef,
     /// The trainer's rank.
     pub rank: usize,
 }
@@ -531,7 +533,7 @@ impl Handler<PrepareCtr> for DeviceActor {
 
     fn handle(&mut self, msg: PrepareCtr, _: &mut Self::Context) -> Result<()> {
         let device = device_for(msg.job.cluster.device, msg.rank)?;
-        self.ctr = Some(CtrWorker::new(&msg.job, device)?);
+        self.ctr = Some(CtrWorker::new(&msg.job, &msg.model, device)?);
         Ok(())
     }
 }

@@ -30,13 +30,14 @@ use crate::checkpoint::HeldFile;
 use crate::config::TrainLength;
 use crate::config::{JobConfig, PsMode};
 use crate::data::ctr::{CtrLoader, CtrSource, DataLayout};
+use crate::models::SparseModelDef;
 use crate::net::protocol::Roster;
 use crate::net::ControlBus;
 use crate::ps::client::PsClient;
 use crate::ps::push_lane::PushLane;
 use crate::ps::snapshot::shard_file_name;
 use crate::ps::wire::{PullRequest, PulledRows, Reply, Request, ShardStats, TableStats, UpdateKind};
-use crate::ps::worker::{table_layout, PullPlan, ShardUpdate};
+use crate::ps::worker::{PullPlan, ShardUpdate};
 use crate::telemetry::metrics::{peak_rss_bytes, SparseTableMetrics};
 use crate::telemetry::monitor::{Monitor, MonitorSettings, StepSample};
 use crate::telemetry::timeline::{Lane, Timeline, TraceTarget};
@@ -47,6 +48,8 @@ pub struct PsTrainer {
     pub rank: usize,
     /// The job.
     pub job: Arc<JobConfig>,
+    /// Its sparse model.
+    pub model: SparseModelDef,
     /// Training data (each trainer reads its part of every global batch).
     pub train_data: CtrSource,
     /// Held-out data, each trainer scoring its share.
@@ -137,6 +140,7 @@ impl Handler<TrainPs> for PsTrainer {
             place: self.rank,
             trainers: self.job.world_size(),
             job: self.job.clone(),
+            model: self.model.clone(),
             train_data: self.train_data.clone(),
             test_data: self.test_data.clone(),
             client: self.client.take(),
@@ -164,6 +168,7 @@ struct PsRun {
     /// Trainers in the generation.
     trainers: usize,
     job: Arc<JobConfig>,
+    model: SparseModelDef,
     train_data: CtrSource,
     test_data: CtrSource,
     client: Option<PsClient>,
@@ -376,7 +381,13 @@ impl PsRun {
     /// (the shards hold the model).
     async fn prepare(&mut self, step: usize, buddy: Option<&Buddy>) -> Result<()> {
         let (job, rank) = (self.job.clone(), self.rank);
-        self.device.send(PrepareCtr { job: job.clone(), rank }).await??;
+        self.device
+            .send(PrepareCtr {
+                job: job.clone(),
+                model: self.model.clone(),
+                rank,
+            })
+            .await??;
         if step == 0 || !matches!(job.strategy.ps_mode(), PsMode::Geo { .. }) {
             return Ok(());
         }
@@ -519,7 +530,7 @@ impl PsRun {
             progress.losses.push(outcome.loss);
             if let Some(monitor) = &mut progress.monitor {
                 let sparse_tables = match policed && monitor.is_log_step(step + 1) {
-                    true => Some(sparse_table_metrics(&job, &shard_stats(client).await?)),
+                    true => Some(sparse_table_metrics(&job, &self.model, &shard_stats(client).await?)),
                     false => None,
                 };
                 let sample = StepSample {
@@ -643,15 +654,16 @@ impl PsRun {
 }
 
 /// The policed tables' rows and policy tallies, summed over the shards' `stats`.
-fn sparse_table_metrics(job: &JobConfig, stats: &[ShardStats]) -> Vec<SparseTableMetrics> {
-    table_layout(job)
+fn sparse_table_metrics(job: &JobConfig, model: &SparseModelDef, stats: &[ShardStats]) -> Vec<SparseTableMetrics> {
+    model
+        .tables()
         .iter()
         .enumerate()
-        .filter(|(_, spec)| job.strategy.sparse_table_configs.contains_key(spec.name))
+        .filter(|(_, spec)| job.strategy.sparse_table_configs.contains_key(&spec.name))
         .map(|(table, spec)| {
             let total = TableStats::total(stats, table);
             SparseTableMetrics {
-                table: spec.name.to_owned(),
+                table: spec.name.clone(),
                 rows: total.rows,
                 admitted: total.admitted,
                 evicted: total.evicted,

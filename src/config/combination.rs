@@ -21,19 +21,24 @@ pub(super) fn check(config: &JobConfig) -> Result<(), FieldError> {
     }
     let dataset = dataset_name(train.dataset);
     match (train.model, train.dataset) {
-        (ModelKind::WideDeep, d) if !d.is_click_log() => Err(FieldError::new(
+        (m, d) if m.is_sparse() && !d.is_click_log() => Err(FieldError::new(
             "train.dataset",
-            format!("{dataset} is not click logs: the wide_deep model reads \"criteo_synthetic\" or \"criteo\""),
+            format!(
+                "{dataset} is not click logs: the {} model reads \"criteo_synthetic\" or \"criteo\"",
+                m.name()
+            ),
         )),
         (ModelKind::Mlp, d) if d.is_click_log() => Err(FieldError::new(
             "train.dataset",
-            format!("{dataset} is click logs, which the mlp model cannot read: use model = \"wide_deep\""),
+            format!(
+                "{dataset} is click logs, which the mlp model cannot read: use model = \"wide_deep\" or \"deepfm\""
+            ),
         )),
         (ModelKind::Gpt, d) if d != DatasetKind::Text => Err(FieldError::new(
             "train.dataset",
             format!("{dataset} is not text: the gpt model reads dataset = \"text\""),
         )),
-        (ModelKind::Mlp | ModelKind::WideDeep, DatasetKind::Text) => {
+        (ModelKind::Mlp | ModelKind::WideDeep | ModelKind::DeepFm, DatasetKind::Text) => {
             Err(FieldError::new("train.dataset", "\"text\" is read by model = \"gpt\""))
         }
         _ => {
@@ -148,12 +153,12 @@ fn check_checkpoints(config: &JobConfig) -> Result<(), FieldError> {
 fn check_parameter_server(config: &JobConfig) -> Result<(), FieldError> {
     let train = &config.train;
     let servers = config.cluster.server_num;
-    if train.model != ModelKind::WideDeep {
+    if !train.model.is_sparse() {
         return Err(FieldError::new(
             "train.model",
             format!(
-                "the parameter-server strategy (cluster.server_num = {servers}) trains \"wide_deep\"; \
-                 dense models train with the collective strategy (cluster.server_num = 0)"
+                "the parameter-server strategy (cluster.server_num = {servers}) trains \"wide_deep\" or \
+                 \"deepfm\"; dense models train with the collective strategy (cluster.server_num = 0)"
             ),
         ));
     }
@@ -192,7 +197,7 @@ fn check_parameter_server(config: &JobConfig) -> Result<(), FieldError> {
             ),
         ));
     }
-    check_sparse_tables(&config.strategy.sparse_table_configs, train.model.sparse_tables())
+    check_sparse_tables(&config.strategy.sparse_table_configs)
 }
 
 /// Collective data parallelism trains dense models with replica-side optimizers.
@@ -210,11 +215,14 @@ fn check_collective(config: &JobConfig) -> Result<(), FieldError> {
             "passes shrink the parameter servers' sparse tables: set cluster.server_num",
         ));
     }
-    if train.model == ModelKind::WideDeep {
+    if train.model.is_sparse() {
         return Err(FieldError::new(
             "train.model",
-            "\"wide_deep\" trains on parameter servers: set cluster.server_num (or start the job \
-             with `flotilla launch-ps`)",
+            format!(
+                "\"{}\" trains on parameter servers: set cluster.server_num (or start the job with \
+                 `flotilla launch-ps`)",
+                train.model.name()
+            ),
         ));
     }
     if train.init_tables_from.is_some() {

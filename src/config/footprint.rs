@@ -84,8 +84,11 @@ fn estimate(config: &JobConfig) -> Vec<Need> {
             let activations = mul(&[local_batch, widths.iter().sum(), F32, 2]);
             ("train.hidden_sizes", dense_parameters(&widths), activations)
         }
-        ModelKind::WideDeep => {
-            let inputs = SPARSE_SLOTS * train.embedding_dim.saturating_add(1) + DENSE_FEATURES;
+        ModelKind::WideDeep | ModelKind::DeepFm => {
+            let inputs = match train.model {
+                ModelKind::DeepFm => (SPARSE_SLOTS + DENSE_FEATURES).saturating_mul(train.embedding_dim),
+                _ => SPARSE_SLOTS * train.embedding_dim + DENSE_FEATURES,
+            };
             let widths = widths(inputs, &train.hidden_sizes(), 1);
             let activations = mul(&[local_batch, widths.iter().sum(), F32, 2]);
             ("train.hidden_sizes", dense_parameters(&widths), activations)
@@ -123,7 +126,7 @@ fn estimate(config: &JobConfig) -> Vec<Need> {
     // Every id of every slot may get a row (embedding, wide weight, optimizer state) on the
     // servers; only generated click logs bound the ids.
     let table_rows = match train.dataset {
-        DatasetKind::CriteoSynthetic if train.model == ModelKind::WideDeep => {
+        DatasetKind::CriteoSynthetic if train.model.is_sparse() => {
             (train.synthetic_vocab.min(train.synthetic_samples) as u128) * SPARSE_SLOTS as u128
         }
         _ => 0,

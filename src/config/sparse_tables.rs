@@ -6,7 +6,7 @@ use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 
-use super::FieldError;
+use super::{FieldError, JobConfig};
 
 /// One table's row policy. Every row of such a table counts its shows (training occurrences)
 /// and clicks (occurrences in clicked samples); its score is
@@ -100,24 +100,30 @@ impl SparseTableConfig {
     }
 }
 
-/// Checks every section: each names a table of the model (`tables`) and holds valid values.
-pub(super) fn check_sparse_tables(
-    configs: &BTreeMap<String, SparseTableConfig>,
-    tables: &[&str],
-) -> Result<(), FieldError> {
-    for (table, config) in configs {
-        if !tables.contains(&table.as_str()) {
-            return Err(FieldError::new(
-                format!("strategy.sparse_table_configs.{table}"),
-                format!(
-                    "the model has no sparse table `{table}`; its tables are {}",
-                    tables.join(", ")
-                ),
-            ));
+/// Checks the values of every section. Which tables exist is the model's to say: see
+/// [`JobConfig::check_sparse_table_names`].
+pub(super) fn check_sparse_tables(configs: &BTreeMap<String, SparseTableConfig>) -> Result<(), FieldError> {
+    configs.iter().try_for_each(|(table, config)| config.check(table))
+}
+
+impl JobConfig {
+    /// Checks that every `[strategy.sparse_table_configs.<table>]` names one of the model's
+    /// `tables`.
+    pub fn check_sparse_table_names(&self, tables: &[&str]) -> anyhow::Result<()> {
+        match self
+            .strategy
+            .sparse_table_configs
+            .keys()
+            .find(|table| !tables.contains(&table.as_str()))
+        {
+            Some(table) => anyhow::bail!(
+                "{}: strategy.sparse_table_configs.{table}: the model has no sparse table `{table}`; its tables are {}",
+                self.source_name,
+                tables.join(", ")
+            ),
+            None => Ok(()),
         }
-        config.check(table)?;
     }
-    Ok(())
 }
 
 #[cfg(test)]
@@ -139,12 +145,19 @@ mod tests {
     }
 
     #[test]
+    fn a_policy_for_a_table_the_model_lacks_is_named() {
+        let config = load_str(&with_table("user_id]\ncount_filter = 3")).unwrap();
+        let err = config.check_sparse_table_names(&["embedding", "wide"]).unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "config.toml: strategy.sparse_table_configs.user_id: the model has no sparse table `user_id`; its tables are embedding, wide"
+        );
+        assert!(config.check_sparse_table_names(&["user_id"]).is_ok());
+    }
+
+    #[test]
     fn bad_policies_name_the_table_and_the_key() {
         let cases = [
-            (
-                with_table("user_id]\ncount_filter = 3"),
-                "strategy.sparse_table_configs.user_id: the model has no sparse table `user_id`; its tables are embedding, wide",
-            ),
             (
                 with_table("wide]\ncount_filter = \"3\""),
                 "strategy.sparse_table_configs.wide.count_filter: invalid type: string \"3\"",

@@ -19,26 +19,40 @@ pub enum ModelKind {
     /// feeding the `train.hidden_sizes` deep layers, plus a width-1 table and a linear layer on
     /// the dense features for the wide part.
     WideDeep,
+    /// DeepFM over the same click logs (parameter-server strategy): factor vectors of width
+    /// `train.embedding_dim` for the 26 sparse slots (an `embedding` table) and the 13 dense
+    /// features, their pairwise interactions (the FM term), a width-1 `first_order` table, and
+    /// the `train.hidden_sizes` deep layers on the factors.
+    #[serde(rename = "deepfm")]
+    DeepFm,
     /// A decoder-only transformer (GPT shaped, `[train.gpt]`) trained as a character-level
     /// language model on `dataset = "text"` (collective or pipeline strategy).
     Gpt,
 }
 
 impl ModelKind {
-    /// The sparse tables the model's parameter-server form keys by feature id, in table order.
-    pub fn sparse_tables(self) -> &'static [&'static str] {
+    /// Whether the model trains on parameter servers, its tables keyed by click logs' ids.
+    pub fn is_sparse(self) -> bool {
+        matches!(self, Self::WideDeep | Self::DeepFm)
+    }
+
+    /// The name `train.model` gives it.
+    pub fn name(self) -> &'static str {
         match self {
-            Self::WideDeep => &["embedding", "wide"],
-            Self::Mlp | Self::Gpt => &[],
+            Self::Mlp => "mlp",
+            Self::WideDeep => "wide_deep",
+            Self::DeepFm => "deepfm",
+            Self::Gpt => "gpt",
         }
     }
 
-    /// Hidden layers when `train.hidden_sizes` is not given: PaddleRec's wide&deep sizes for
-    /// wide&deep.
+    /// Hidden layers when `train.hidden_sizes` is not given: PaddleRec's sizes for wide&deep.
     fn default_hidden_sizes(self) -> Vec<usize> {
         match self {
             Self::Mlp => vec![128],
             Self::WideDeep => vec![256, 128, 64],
+            // The DeepFM paper's Criteo setting.
+            Self::DeepFm => vec![400, 400, 400],
             Self::Gpt => Vec::new(),
         }
     }

@@ -185,7 +185,12 @@ impl TrainingJob {
                 };
                 Box::new(move |init: &ParamInit| gpt(&shape, init))
             }
-            ModelKind::WideDeep => anyhow::bail!("wide_deep trains on parameter servers: see `ParameterServerJob`"),
+            ModelKind::WideDeep | ModelKind::DeepFm => {
+                anyhow::bail!(
+                    "{} trains on parameter servers: see `ParameterServerJob`",
+                    train.model.name()
+                )
+            }
         };
         Ok(Self::new(config, model, train_data, test_data))
     }

@@ -26,7 +26,7 @@ use crate::actors::rollback::OrderLine;
 use crate::actors::{Coordinator, DeviceActor};
 use crate::config::{DatasetKind, JobConfig};
 use crate::data::ctr::{CriteoSynth, CtrSource, Split};
-use crate::models::{ParamInit, WideDeep};
+use crate::models::{ParamInit, SparseModelDef};
 use crate::net::auth::Credentials;
 use crate::net::ps_server::serve_shard;
 use crate::net::ControlBus;
@@ -37,7 +37,6 @@ use crate::ps::policy::RowPolicy;
 use crate::ps::snapshot::shard_file_name;
 use crate::ps::table::{RowInit, SparseTable};
 use crate::ps::wire::{ShardStats, TableStats};
-use crate::ps::worker::table_layout;
 use crate::ps::{Shard, ShardSpec};
 use crate::telemetry::timeline::TraceTarget;
 
@@ -111,11 +110,13 @@ pub struct PolicyFigures {
     pub deleted: u64,
 }
 
-/// A parameter-server job: the config and its data.
+/// A parameter-server job: the config, its model and its data.
 #[derive(Clone)]
 pub struct ParameterServerJob {
     /// The validated config (`cluster.server_num > 0`).
     pub config: Arc<JobConfig>,
+    /// The sparse model: the built-in one `train.model` names, or a program's own.
+    pub model: SparseModelDef,
     /// Training click logs.
     pub train_data: CtrSource,
     /// Held-out click logs.
@@ -123,8 +124,16 @@ pub struct ParameterServerJob {
 }
 
 impl ParameterServerJob {
-    /// The job `config.train` describes.
+    /// The job `config.train` describes, with the built-in model `train.model` names.
     pub fn builtin(config: JobConfig) -> Result<Self> {
+        let model = SparseModelDef::builtin(&config.train)?;
+        Self::new(config, model)
+    }
+
+    /// The job `config` describes, training `model` (whatever `train.model` names: its tables,
+    /// dense part and shape are the model's).
+    pub fn new(config: JobConfig, model: SparseModelDef) -> Result<Self> {
+        config.check_sparse_table_names(&model.table_names())?;
         let train = &config.train;
         let (train_data, test_data) = match train.dataset {
             DatasetKind::CriteoSynthetic => {
@@ -150,6 +159,7 @@ impl ParameterServerJob {
         };
         Ok(Self {
             config: Arc::new(config),
+            model,
             train_data,
             test_data,
         })
@@ -187,7 +197,7 @@ impl ParameterServerJob {
         let outcomes = System::new().block_on(async move {
             let shards = (0..servers)
                 .map(|index| {
-                    let shard = start_shard(&config, index, &recovery)?;
+                    let shard = start_shard(self, index, &recovery)?;
                     let (all_left, _) = oneshot::channel();
                     let origin = trace.as_ref().map(|t| t.origin.instant);
                     Ok(PServer::start_in_arbiter(&Arbiter::new().handle(), move |_| {
@@ -245,7 +255,7 @@ impl ParameterServerJob {
             .with_context(|| format!("parameter server {index}: cannot listen on {endpoint}"))?;
         listener.set_nonblocking(true)?;
         let RankRecovery { recovery, orders } = RankRecovery::plan(&config, options)?;
-        let shard = start_shard(&config, index, &recovery)?;
+        let shard = start_shard(self, index, &recovery)?;
         // A shard that rolls back in place keeps a copy of its state on the next node.
         let mirror = match orders.is_some() {
             true => RoleMirror::bind(&config, host_of(&endpoint), &recovery)?,
@@ -439,6 +449,7 @@ impl ParameterServerJob {
         PsTrainer {
             rank,
             job: self.config.clone(),
+            model: self.model.clone(),
             train_data: self.train_data.clone(),
             test_data: self.test_data.clone(),
             client: Some(client),
@@ -476,23 +487,24 @@ impl ParameterServerJob {
                 .context("the held-out set has only one class (or no samples): AUC is undefined")?,
             test_samples: place0.test_samples,
             planted_auc,
-            tables: table_figures(config, &place0.shards),
+            tables: table_figures(config, &self.model, &place0.shards),
             updates_applied: place0.shards.iter().map(|s| s.updates_applied).collect(),
         })
     }
 }
 
 /// Each table's rows and bytes, summed over the shards.
-fn table_figures(job: &JobConfig, shards: &[ShardStats]) -> Vec<TableFigures> {
-    let optimizer = ServerOptimizer::for_job(job);
-    table_layout(job)
+fn table_figures(job: &JobConfig, model: &SparseModelDef, shards: &[ShardStats]) -> Vec<TableFigures> {
+    model
+        .tables()
         .iter()
         .enumerate()
         .map(|(table, spec)| {
             let total = TableStats::total(shards, table);
-            let policed = job.strategy.sparse_table_configs.contains_key(spec.name);
+            let policed = job.strategy.sparse_table_configs.contains_key(&spec.name);
+            let optimizer = ServerOptimizer::for_table(job, spec);
             TableFigures {
-                name: spec.name.to_string(),
+                name: spec.name.clone(),
                 rows: total.rows,
                 bytes_per_row: total.bytes as f64 / total.rows.max(1) as f64,
                 raw_bytes_per_row: 8 + 4 * (spec.width + optimizer.state_len(spec.width)),
@@ -506,32 +518,30 @@ fn table_figures(job: &JobConfig, shards: &[ShardStats]) -> Vec<TableFigures> {
         .collect()
 }
 
-/// Shard `index` of the job: its slice of the model's dense parameters (from the seed, as every
-/// trainer would build them) and empty tables, or what `train.init_tables_from` holds.
-pub fn build_shard(job: &JobConfig, index: usize) -> Result<Shard> {
+/// Shard `index` of the job training `model`: its slice of the model's dense parameters (from
+/// the seed, as every trainer would build them) and empty tables, or what
+/// `train.init_tables_from` holds.
+pub fn build_shard(job: &JobConfig, model: &SparseModelDef, index: usize) -> Result<Shard> {
     let servers = job.cluster.server_num;
     let optimizer = ServerOptimizer::for_job(job);
-    let model = WideDeep::new(
-        job.train.embedding_dim,
-        &job.train.hidden_sizes(),
-        &ParamInit::new(job.train.seed, candle_core::Device::Cpu),
-    )?;
+    let built = model.build(&ParamInit::new(job.train.seed, candle_core::Device::Cpu))?;
     let mut dense = Vec::new();
-    for (_, var) in model.parameters() {
+    for (_, var) in built.parameters() {
         dense.extend(var.flatten_all()?.to_vec1::<f32>()?);
     }
     let range = dense_range(dense.len(), index, servers);
     let slice = DenseSlice::new(range.start, dense[range].to_vec(), optimizer);
-    let tables = table_layout(job)
-        .into_iter()
+    let tables = model
+        .tables()
+        .iter()
         .map(|table| {
             let init = RowInit {
                 seed: job.train.seed,
                 bound: table.init_bound,
             };
-            let empty = SparseTable::new(table.name, table.width, init, optimizer);
-            match job.strategy.sparse_table_configs.get(table.name) {
-                Some(policy) => empty.with_policy(RowPolicy::new(policy.clone(), table.name, job.train.seed)),
+            let empty = SparseTable::new(&table.name, table.width, init, ServerOptimizer::for_table(job, table));
+            match job.strategy.sparse_table_configs.get(&table.name) {
+                Some(policy) => empty.with_policy(RowPolicy::new(policy.clone(), &table.name, job.train.seed)),
                 None => empty,
             }
         })
@@ -572,8 +582,9 @@ async fn with_heartbeats<T>(
 }
 
 /// Shard `index` of the job, brought to the checkpoint `recovery` starts from (if any).
-pub(super) fn start_shard(job: &JobConfig, index: usize, recovery: &Recovery) -> Result<Shard> {
-    let mut shard = build_shard(job, index)?;
+pub(super) fn start_shard(job: &ParameterServerJob, index: usize, recovery: &Recovery) -> Result<Shard> {
+    let mut shard = build_shard(&job.config, &job.model, index)?;
+    let job = &*job.config;
     if let Some(checkpoint) = &recovery.start {
         let resuming = || format!("parameter server {index}: resuming from {}", checkpoint.dir.display());
         let written_by = checkpoint.numbered_files(shard_file_name);

@@ -18,7 +18,7 @@ use super::ps::build_shard;
 use crate::config::JobConfig;
 use crate::data::ctr::{CtrLoader, CtrSource, DataLayout};
 use crate::metrics::auc;
-use crate::models::{ParamInit, WideDeep};
+use crate::models::{ParamInit, SparseModelDef};
 use crate::ps::dense::dense_range;
 use crate::ps::export_format::{
     deleted_file, rows_bytes, rows_file, ExportDir, ExportKind, ExportManifest, ExportedTable, CONFIG, DENSE,
@@ -26,12 +26,14 @@ use crate::ps::export_format::{
 };
 use crate::ps::snapshot::shard_file_name;
 use crate::ps::wire::PulledRows;
-use crate::ps::worker::{table_layout, CtrWorker, PullPlan};
+use crate::ps::worker::{CtrWorker, PullPlan};
 
 /// A CTR model held whole in one process: what an export holds.
 pub struct ServingModel {
-    /// The job's configuration (the model's shape and tables).
+    /// The job's configuration.
     pub config: JobConfig,
+    /// The model: its tables and dense part.
+    pub model: SparseModelDef,
     /// Every dense parameter, in the model's order.
     pub dense: Vec<f32>,
     /// Each table's rows by id.
@@ -40,8 +42,9 @@ pub struct ServingModel {
 
 impl ServingModel {
     /// The model a parameter-server run in `run_dir` ended with: its `config.toml` and every
-    /// shard's saved tables.
-    pub fn from_run(run_dir: &Path) -> Result<Self> {
+    /// shard's saved tables. `model` is the run's own model; `None`: the built-in one the
+    /// configuration names.
+    pub fn from_run(run_dir: &Path, model: Option<&SparseModelDef>) -> Result<Self> {
         let config_path = run_dir.join(CONFIG_FILE);
         let mut config = JobConfig::from_file(&config_path, &|_| None, &[])
             .with_context(|| format!("{} is not a run directory's configuration", config_path.display()))?;
@@ -52,14 +55,9 @@ impl ServingModel {
             "{} is not a parameter-server run",
             run_dir.display()
         );
-        let tables = table_layout(&config).len();
-        let mut model = Self {
-            dense: Vec::new(),
-            tables: vec![BTreeMap::new(); tables],
-            config,
-        };
+        let mut model = Self::empty(config, model)?;
         for index in 0..model.config.cluster.server_num {
-            let mut shard = build_shard(&model.config, index)?;
+            let mut shard = build_shard(&model.config, &model.model, index)?;
             let path = run_dir.join(shard_file_name(index));
             shard
                 .load(&path)
@@ -72,28 +70,38 @@ impl ServingModel {
         Ok(model)
     }
 
-    /// The model an export in `dir` holds: a base, or a delta applied to its base.
-    pub fn from_export(dir: &Path) -> Result<Self> {
+    /// No rows and no dense values yet of `model` (`None`: the built-in one `config` names).
+    fn empty(config: JobConfig, model: Option<&SparseModelDef>) -> Result<Self> {
+        let model = match model {
+            Some(model) => model.clone(),
+            None => SparseModelDef::builtin(&config.train)?,
+        };
+        Ok(Self {
+            dense: Vec::new(),
+            tables: vec![BTreeMap::new(); model.tables().len()],
+            config,
+            model,
+        })
+    }
+
+    /// The model an export in `dir` holds: a base, or a delta applied to its base. `model` is
+    /// the exported model; `None`: the built-in one the export's configuration names.
+    pub fn from_export(dir: &Path, model: Option<&SparseModelDef>) -> Result<Self> {
         let export = ExportDir::open(dir)?;
         // A delta's model is its base's: the base's configuration describes it.
         let mut model = match (export.manifest.kind, &export.manifest.base) {
             (ExportKind::Base, _) => {
                 let config_text = String::from_utf8(export.read(CONFIG)?).context("the configuration is not UTF-8")?;
                 let config = JobConfig::from_toml_str(&config_text, CONFIG, &|_| None, &[])?;
-                let tables = table_layout(&config).len();
-                Self {
-                    dense: Vec::new(),
-                    tables: vec![BTreeMap::new(); tables],
-                    config,
-                }
+                Self::empty(config, model)?
             }
             (ExportKind::Delta, Some(base)) => {
-                Self::from_export(base).with_context(|| format!("the base of the delta {}", dir.display()))?
+                Self::from_export(base, model).with_context(|| format!("the base of the delta {}", dir.display()))?
             }
             (ExportKind::Delta, None) => bail!("{}: a delta that names no base", dir.display()),
         };
-        model.dense = read_dense(&export, &model.config)?;
-        let layout = table_layout(&model.config);
+        model.dense = read_dense(&export, &model)?;
+        let layout = model.model.tables().to_vec();
         ensure!(
             export.manifest.tables.len() == layout.len(),
             "{}: {} tables, the model has {}",
@@ -111,11 +119,11 @@ impl ServingModel {
                 spec.name,
                 spec.width
             );
-            let (width, written) = export.rows(&rows_file(spec.name))?;
-            ensure!(width == spec.width, "{}: rows of width {width}", rows_file(spec.name));
+            let (width, written) = export.rows(&rows_file(&spec.name))?;
+            ensure!(width == spec.width, "{}: rows of width {width}", rows_file(&spec.name));
             rows.extend(written);
             if export.manifest.kind == ExportKind::Delta {
-                for (id, _) in export.rows(&deleted_file(spec.name))?.1 {
+                for (id, _) in export.rows(&deleted_file(&spec.name))?.1 {
                     rows.remove(&id);
                 }
             }
@@ -127,7 +135,7 @@ impl ServingModel {
     /// evaluation: rows not held read as zeros.
     pub fn pull(&self, plan: &PullPlan) -> Vec<PulledRows> {
         let servers = self.config.cluster.server_num;
-        let layout = table_layout(&self.config);
+        let layout = self.model.tables();
         plan.ids
             .iter()
             .enumerate()
@@ -135,7 +143,7 @@ impl ServingModel {
                 let rows = tables
                     .iter()
                     .zip(&self.tables)
-                    .zip(&layout)
+                    .zip(layout)
                     .map(|((ids, rows), spec)| {
                         let mut out = Vec::with_capacity(ids.len() * spec.width);
                         for id in ids {
@@ -158,11 +166,11 @@ impl ServingModel {
 }
 
 /// The dense parameters of `export`, in the model's order, checked against its names and shapes.
-fn read_dense(export: &ExportDir, config: &JobConfig) -> Result<Vec<f32>> {
+fn read_dense(export: &ExportDir, model: &ServingModel) -> Result<Vec<f32>> {
     let bytes = export.read(DENSE)?;
     let file = safetensors::SafeTensors::deserialize(&bytes).context("dense.safetensors is not safetensors")?;
     let mut dense = Vec::new();
-    for (name, shape) in dense_layout(config)? {
+    for (name, shape) in dense_layout(model)? {
         let view = file
             .tensor(&name)
             .with_context(|| format!("dense.safetensors has no {name}"))?;
@@ -182,14 +190,11 @@ fn read_dense(export: &ExportDir, config: &JobConfig) -> Result<Vec<f32>> {
 }
 
 /// The model's dense parameters: names and shapes, in the order shards slice them.
-fn dense_layout(config: &JobConfig) -> Result<Vec<(String, Vec<usize>)>> {
-    let train = &config.train;
-    let model = WideDeep::new(
-        train.embedding_dim,
-        &train.hidden_sizes(),
-        &ParamInit::new(train.seed, Device::Cpu),
-    )?;
-    Ok(model
+fn dense_layout(model: &ServingModel) -> Result<Vec<(String, Vec<usize>)>> {
+    let built = model
+        .model
+        .build(&ParamInit::new(model.config.train.seed, Device::Cpu))?;
+    Ok(built
         .parameters()
         .into_iter()
         .map(|(name, var)| (name, var.dims().to_vec()))
@@ -198,15 +203,21 @@ fn dense_layout(config: &JobConfig) -> Result<Vec<(String, Vec<usize>)>> {
 
 /// Writes the model of the run in `run_dir` to `out` (which must not hold an export yet): every
 /// row, or with `since` (an earlier export of the same model) the rows new or changed since it
-/// and the ids it holds that are gone.
-pub fn export(run_dir: &Path, out: &Path, since: Option<&Path>) -> Result<ExportManifest> {
+/// and the ids it holds that are gone. `model` is the run's own model; `None`: the built-in one
+/// its configuration names.
+pub fn export(
+    run_dir: &Path,
+    out: &Path,
+    since: Option<&Path>,
+    model: Option<&SparseModelDef>,
+) -> Result<ExportManifest> {
     ensure!(
         !out.join(MANIFEST).exists(),
         "{} already holds an export; choose another --out",
         out.display()
     );
-    let model = ServingModel::from_run(run_dir)?;
-    let base = since.map(ServingModel::from_export).transpose()?;
+    let base = since.map(|dir| ServingModel::from_export(dir, model)).transpose()?;
+    let model = ServingModel::from_run(run_dir, model)?;
     fs::create_dir_all(out.join("sparse")).with_context(|| format!("cannot create {}", out.display()))?;
     let mut files = BTreeMap::new();
     let mut write = |name: String, bytes: Vec<u8>| -> Result<()> {
@@ -219,7 +230,7 @@ pub fn export(run_dir: &Path, out: &Path, since: Option<&Path>) -> Result<Export
     write(CONFIG.to_owned(), config_text)?;
     write(DENSE.to_owned(), dense_bytes(&model)?)?;
     let mut tables = Vec::new();
-    for (t, spec) in table_layout(&model.config).iter().enumerate() {
+    for (t, spec) in model.model.tables().iter().enumerate() {
         let rows = &model.tables[t];
         let (changed, deleted): (Vec<(u64, &[f32])>, Vec<u64>) = match &base {
             None => (rows.iter().map(|(id, v)| (*id, v.as_slice())).collect(), Vec::new()),
@@ -234,15 +245,15 @@ pub fn export(run_dir: &Path, out: &Path, since: Option<&Path>) -> Result<Export
                 (changed, deleted)
             }
         };
-        write(rows_file(spec.name), rows_bytes(spec.width, changed.iter().copied())?)?;
+        write(rows_file(&spec.name), rows_bytes(spec.width, changed.iter().copied())?)?;
         if base.is_some() {
             write(
-                deleted_file(spec.name),
+                deleted_file(&spec.name),
                 rows_bytes(0, deleted.iter().map(|&id| (id, &[][..])))?,
             )?;
         }
         tables.push(ExportedTable {
-            name: spec.name.to_owned(),
+            name: spec.name.clone(),
             width: spec.width,
             rows: changed.len() as u64,
             deleted: deleted.len() as u64,
@@ -269,7 +280,7 @@ pub fn export(run_dir: &Path, out: &Path, since: Option<&Path>) -> Result<Export
 fn dense_bytes(model: &ServingModel) -> Result<Vec<u8>> {
     let mut tensors = HashMap::new();
     let mut offset = 0;
-    for (name, shape) in dense_layout(&model.config)? {
+    for (name, shape) in dense_layout(model)? {
         let len: usize = shape.iter().product();
         let values = model.dense.get(offset..offset + len).with_context(|| {
             format!(
@@ -301,10 +312,11 @@ pub struct Prediction {
 }
 
 /// Scores the records of `data` (Criteo TSV, plain or `.gz`) with the export in `model_dir`,
-/// writing `label \t click probability` per record to `out`.
-pub fn predict(model_dir: &Path, data: &[PathBuf], out: &Path) -> Result<Prediction> {
-    let model = ServingModel::from_export(model_dir)?;
-    let mut worker = CtrWorker::new(&model.config, Device::Cpu)?;
+/// writing `label \t click probability` per record to `out`. `model` is the exported model;
+/// `None`: the built-in one the export's configuration names.
+pub fn predict(model_dir: &Path, data: &[PathBuf], out: &Path, model: Option<&SparseModelDef>) -> Result<Prediction> {
+    let model = ServingModel::from_export(model_dir, model)?;
+    let mut worker = CtrWorker::new(&model.config, &model.model, Device::Cpu)?;
     let mut loader = CtrLoader::new(
         CtrSource::Files(data.to_vec()),
         DataLayout::WHOLE,

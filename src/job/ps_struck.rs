@@ -96,7 +96,7 @@ async fn serve(
     let (acknowledge, acks) = mpsc::unbounded_channel();
     let (all_left, done) = oneshot::channel();
     let server = PServer::new(
-        start_shard(config, index, recovery)?,
+        start_shard(job, index, recovery)?,
         all_left,
         config.fault_tolerance.timeout(),
     )

@@ -2,7 +2,7 @@
 //! their last dimension, against one target per row (classification, `(N, C)` logits) or per
 //! position (a language model, `(B, T, V)` logits and `(B, T)` next tokens).
 
-use candle_core::{Tensor, D};
+use candle_core::{DType, Tensor, D};
 
 /// Logits flattened to `(positions, classes)` and targets to `(positions)`, checking that the
 /// targets have the logits' leading shape.
@@ -31,6 +31,18 @@ pub fn correct_predictions(logits: &Tensor, targets: &Tensor) -> candle_core::Re
     Ok(hits.to_dtype(candle_core::DType::U32)?.sum_all()?.to_scalar::<u32>()? as usize)
 }
 
+/// Mean sigmoid cross-entropy of `logits` against 0/1 `labels`, in the numerically stable form
+/// `max(x, 0) − x·y + ln(1 + e^(−|x|))`.
+pub fn sigmoid_cross_entropy(logits: &Tensor, labels: &Tensor) -> candle_core::Result<Tensor> {
+    let softplus = (logits.abs()?.neg()?.exp()? + 1.0)?.log()?;
+    ((logits.relu()? - (logits * labels)?)? + softplus)?.mean(D::Minus1)
+}
+
+/// Click probabilities `sigmoid(logits)`.
+pub fn click_probability(logits: &Tensor) -> candle_core::Result<Tensor> {
+    candle_nn::ops::sigmoid(&logits.to_dtype(DType::F32)?)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -50,6 +62,30 @@ mod tests {
         // Row 3's tie goes to the first class (argmax), not the target 2.
         assert_eq!(correct_predictions(&logits, &targets)?, 2);
         assert!(cross_entropy(&logits.reshape((2, 2, 3))?, &targets).is_err());
+        Ok(())
+    }
+
+    #[test]
+    fn cross_entropy_matches_the_definition() -> candle_core::Result<()> {
+        let logits = Tensor::new(&[-30.0f32, -1.0, 0.0, 2.5, 40.0], &Device::Cpu)?;
+        let labels = Tensor::new(&[0.0f32, 1.0, 0.0, 1.0, 0.0], &Device::Cpu)?;
+        let got = sigmoid_cross_entropy(&logits, &labels)?.to_scalar::<f32>()?;
+        let expected: f64 = [(-30.0f64, 0.0f64), (-1.0, 1.0), (0.0, 0.0), (2.5, 1.0), (40.0, 0.0)]
+            .iter()
+            .map(|&(x, y)| {
+                // ln σ(z), written per sign so neither branch overflows.
+                let log_sigmoid = |z: f64| {
+                    if z < 0.0 {
+                        z - z.exp().ln_1p()
+                    } else {
+                        -(-z).exp().ln_1p()
+                    }
+                };
+                -(y * log_sigmoid(x) + (1.0 - y) * log_sigmoid(-x))
+            })
+            .sum::<f64>()
+            / 5.0;
+        assert!((f64::from(got) - expected).abs() < 1e-4, "{got} vs {expected}");
         Ok(())
     }
 }

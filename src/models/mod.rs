@@ -6,19 +6,25 @@
 //! a bucket of gradients can be all-reduced while earlier blocks are still
 //! in backward), and the pipeline engine will cut the same list into stages.
 
+mod deepfm;
 mod gpt;
 mod init;
 mod linear;
 mod loss;
 mod mlp;
+mod sparse;
 mod wide_deep;
 
+pub use deepfm::DeepFm;
 pub use gpt::{gpt, GptConfig};
 pub use init::ParamInit;
 pub use linear::{Activation, Linear};
-pub use loss::{correct_predictions, cross_entropy};
+pub use loss::{click_probability, correct_predictions, cross_entropy, sigmoid_cross_entropy};
 pub use mlp::mlp;
-pub use wide_deep::{click_probability, sigmoid_cross_entropy, SparseRows, WideDeep, DENSE_FEATURES, SPARSE_SLOTS};
+pub use sparse::{
+    builtin_sparse_model, check_tables, Lookup, SparseModel, SparseModelBuilder, SparseModelDef, SparseTableSpec,
+};
+pub use wide_deep::{WideDeep, DENSE_FEATURES, SPARSE_SLOTS};
 
 use anyhow::{ensure, Result};
 use candle_core::{Tensor, Var};

@@ -8,6 +8,7 @@
 //! Paddle's and TensorFlow's lazy sparse Adam do).
 
 use crate::config::{JobConfig, LrScaling, OptimizerKind};
+use crate::models::SparseTableSpec;
 
 /// A per-row optimizer with its state stored next to the row.
 ///
@@ -52,18 +53,33 @@ pub enum ServerOptimizer {
 }
 
 impl ServerOptimizer {
-    /// The shards' optimizer from `train.optimizer`, `train.lr` (scaled by `train.lr_scaling` with
-    /// the trainer count) and `train.momentum`.
+    /// The shards' optimizer of the dense parameters: `train.optimizer` at `train.lr` (scaled by
+    /// `train.lr_scaling` with the trainer count), with `train.momentum`.
     pub fn for_job(job: &JobConfig) -> Self {
+        Self::of(job, job.train.optimizer, job.train.lr)
+    }
+
+    /// The optimizer of sparse table `table`'s rows: the one the model declares for it, else
+    /// the job's.
+    pub fn for_table(job: &JobConfig, table: &SparseTableSpec) -> Self {
+        Self::of(
+            job,
+            table.optimizer.unwrap_or(job.train.optimizer),
+            table.lr.unwrap_or(job.train.lr),
+        )
+    }
+
+    /// `kind` at `lr` scaled by `train.lr_scaling` with the trainer count.
+    fn of(job: &JobConfig, kind: OptimizerKind, lr: f64) -> Self {
         let train = &job.train;
         let trainers = job.world_size() as f64;
-        let lr = (train.lr
+        let lr = (lr
             * match train.lr_scaling {
                 LrScaling::None => 1.0,
                 LrScaling::Linear => trainers,
                 LrScaling::Sqrt => trainers.sqrt(),
             }) as f32;
-        match train.optimizer {
+        match kind {
             OptimizerKind::Adagrad => Self::Adagrad {
                 lr,
                 epsilon: 1e-10,

@@ -1,7 +1,7 @@
 //! The trainer's compute for the parameter-server strategy, run on its device thread: it plans
-//! which rows a batch needs from which shard (each id once), runs forward and backward of the
-//! wide&deep model on the pulled rows, and says what to push back. In geo mode it also keeps
-//! the local copies the trainer trains on between pushes.
+//! which rows a batch needs from which shard (each id of a table once), runs forward and backward
+//! of the job's sparse model on the pulled rows, and says what to push back. In geo mode it also
+//! keeps the local copies the trainer trains on between pushes.
 
 use std::collections::VecDeque;
 
@@ -15,38 +15,9 @@ use super::placement::shard_of;
 use super::wire::{PulledRows, PushRequest, Request, UpdateKind};
 use crate::config::{JobConfig, PsMode};
 use crate::data::ctr::CtrBatch;
-use crate::models::{click_probability, sigmoid_cross_entropy, ParamInit, SparseRows, WideDeep, SPARSE_SLOTS};
-
-/// One sparse table of the job.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct TableSpec {
-    /// Name (in snapshots and errors).
-    pub name: &'static str,
-    /// Floats per row.
-    pub width: usize,
-    /// New rows start uniform in `[-init_bound, init_bound)`.
-    pub init_bound: f32,
-}
-
-/// The sparse tables of the wide&deep job, in table-index order: the deep part's shared
-/// embedding (rows of norm about 1/√3, like a Kaiming-uniform layer) and the wide part's
-/// per-id weights (starting near 0, as a linear model's should).
-pub fn table_layout(job: &JobConfig) -> Vec<TableSpec> {
-    let width = job.train.embedding_dim;
-    let names = job.train.model.sparse_tables();
-    vec![
-        TableSpec {
-            name: names[0],
-            width,
-            init_bound: 1.0 / (width as f32).sqrt(),
-        },
-        TableSpec {
-            name: names[1],
-            width: 1,
-            init_bound: 0.01,
-        },
-    ]
-}
+use crate::models::{
+    click_probability, sigmoid_cross_entropy, Lookup, ParamInit, SparseModel, SparseModelDef, SPARSE_SLOTS,
+};
 
 /// What a step needs from each shard.
 #[derive(Debug, Clone, PartialEq)]
@@ -99,13 +70,62 @@ pub struct StepOutcome {
 /// The batch between planning its pull and running it.
 struct PlannedBatch {
     batch: CtrBatch,
-    /// The batch's distinct ids in first-seen order.
-    unique: Vec<u64>,
-    /// Per sample and slot, the position of its id in `unique`.
-    index: Vec<u32>,
-    /// `slots[table][u]`: which shard and which position of that shard's id list `unique[u]`
-    /// is pulled from; `None` when it is already held locally (geo).
+    /// Per slot group (tables read by the same slots share one), its ids deduplicated.
+    groups: Vec<DistinctIds>,
+    /// `slots[table][u]`: which shard and which position of that shard's id list the table's
+    /// `u`-th distinct id is pulled from; `None` when it is already held locally (geo).
     slots: Vec<Vec<Option<(usize, usize)>>>,
+}
+
+/// The ids a group of slots holds in a batch, each once.
+struct DistinctIds {
+    /// The distinct ids in first-seen order (sample-major, then the group's slot order).
+    unique: Vec<u64>,
+    /// Per sample and slot of the group, the position of its id in `unique`.
+    index: Vec<u32>,
+    /// Slots in the group.
+    slot_count: usize,
+}
+
+impl DistinctIds {
+    /// The distinct ids of `slots` in `batch`.
+    fn of(batch: &CtrBatch, slots: &[usize]) -> Self {
+        let mut position: FxHashMap<u64, u32> = FxHashMap::default();
+        let mut unique = Vec::new();
+        let mut index = Vec::with_capacity(batch.len * slots.len());
+        let all_slots = slots.len() == SPARSE_SLOTS && slots.iter().enumerate().all(|(i, &s)| i == s);
+        let mut record = |id: u64| {
+            index.push(*position.entry(id).or_insert_with(|| {
+                unique.push(id);
+                (unique.len() - 1) as u32
+            }))
+        };
+        if all_slots {
+            batch.ids.iter().for_each(|&id| record(id));
+        } else {
+            for sample in batch.ids.chunks_exact(SPARSE_SLOTS) {
+                slots.iter().for_each(|&slot| record(sample[slot]));
+            }
+        }
+        Self {
+            unique,
+            index,
+            slot_count: slots.len(),
+        }
+    }
+
+    /// Each distinct id's shows (its occurrences in the batch) and clicks (those in clicked
+    /// samples), in the order of `unique`.
+    fn shows_and_clicks(&self, labels: &[f32]) -> Vec<[f32; 2]> {
+        let mut counts = vec![[0.0f32; 2]; self.unique.len()];
+        for (positions, &click) in self.index.chunks_exact(self.slot_count).zip(labels) {
+            for &u in positions {
+                counts[u as usize][0] += 1.0;
+                counts[u as usize][1] += click;
+            }
+        }
+        counts
+    }
 }
 
 /// Local copies of geo mode: what the trainer trains on between pushes, and the values they
@@ -137,58 +157,78 @@ struct GeoState {
 
 /// The trainer's model and the step logic around it.
 pub struct CtrWorker {
-    model: WideDeep,
+    model: Box<dyn SparseModel>,
     dense_vars: Vec<Var>,
     dense_len: usize,
     widths: Vec<usize>,
+    /// The distinct slot lists of the tables: tables read by the same slots share one
+    /// deduplication of a batch's ids.
+    slot_groups: Vec<Vec<usize>>,
+    /// Per table, its slot group.
+    group_of: Vec<usize>,
     /// Per table, whether its shards count shows and clicks (it has a row policy).
     counted: Vec<bool>,
     server_num: usize,
     device: Device,
-    /// Geo mode: the optimizer of the local copies.
-    local_optimizer: ServerOptimizer,
+    /// Geo mode: the optimizers of the local copies, per table.
+    row_optimizers: Vec<ServerOptimizer>,
+    /// Geo mode: the optimizer of the local dense copy.
+    dense_optimizer: ServerOptimizer,
     geo: Option<GeoCopies>,
     /// Batches planned and not yet run, oldest first (async mode plans one step ahead).
     planned: VecDeque<PlannedBatch>,
 }
 
 impl CtrWorker {
-    /// The worker of `job` on `device`.
-    pub fn new(job: &JobConfig, device: Device) -> Result<Self> {
-        let init = ParamInit::new(job.train.seed, device.clone());
-        let model = WideDeep::new(job.train.embedding_dim, &job.train.hidden_sizes(), &init)?;
+    /// The worker of `job`, training `model`, on `device`.
+    pub fn new(job: &JobConfig, model: &SparseModelDef, device: Device) -> Result<Self> {
+        let tables = model.tables();
+        let model = model.build(&ParamInit::new(job.train.seed, device.clone()))?;
         let dense_vars: Vec<Var> = model.parameters().into_iter().map(|(_, v)| v).collect();
         let dense_len = dense_vars.iter().map(|v| v.elem_count()).sum();
-        let local_optimizer = ServerOptimizer::for_job(job);
-        let tables = table_layout(job).len();
+        let dense_optimizer = ServerOptimizer::for_job(job);
         let geo = match job.strategy.ps_mode() {
             PsMode::Geo { k_steps } => {
-                let mut dense_state = vec![0.0; local_optimizer.state_len(dense_len)];
-                local_optimizer.init_state(&mut dense_state);
+                let mut dense_state = vec![0.0; dense_optimizer.state_len(dense_len)];
+                dense_optimizer.init_state(&mut dense_state);
                 Some(GeoCopies {
                     k_steps,
                     steps_since_push: 0,
-                    rows: vec![FxHashMap::default(); tables],
+                    rows: vec![FxHashMap::default(); tables.len()],
                     dense: None,
-                    row_state: vec![FxHashMap::default(); tables],
-                    counts: vec![FxHashMap::default(); tables],
+                    row_state: vec![FxHashMap::default(); tables.len()],
+                    counts: vec![FxHashMap::default(); tables.len()],
                     dense_state,
                 })
             }
             PsMode::Sync | PsMode::Async => None,
         };
+        let mut slot_groups: Vec<Vec<usize>> = Vec::new();
+        let group_of = tables
+            .iter()
+            .map(|table| match slot_groups.iter().position(|g| *g == table.slots) {
+                Some(group) => group,
+                None => {
+                    slot_groups.push(table.slots.clone());
+                    slot_groups.len() - 1
+                }
+            })
+            .collect();
         Ok(Self {
             model,
             dense_vars,
             dense_len,
-            widths: table_layout(job).into_iter().map(|t| t.width).collect(),
-            counted: table_layout(job)
-                .into_iter()
-                .map(|t| job.strategy.sparse_table_configs.contains_key(t.name))
+            widths: tables.iter().map(|t| t.width).collect(),
+            slot_groups,
+            group_of,
+            counted: tables
+                .iter()
+                .map(|t| job.strategy.sparse_table_configs.contains_key(&t.name))
                 .collect(),
             server_num: job.cluster.server_num,
             device,
-            local_optimizer,
+            row_optimizers: tables.iter().map(|t| ServerOptimizer::for_table(job, t)).collect(),
+            dense_optimizer,
             geo,
             planned: VecDeque::new(),
         })
@@ -204,23 +244,17 @@ impl CtrWorker {
             batch.ids.len(),
             batch.len * SPARSE_SLOTS
         );
-        let mut position: FxHashMap<u64, u32> = FxHashMap::default();
-        let mut unique = Vec::new();
-        let index: Vec<u32> = batch
-            .ids
+        let groups: Vec<DistinctIds> = self
+            .slot_groups
             .iter()
-            .map(|&id| {
-                *position.entry(id).or_insert_with(|| {
-                    unique.push(id);
-                    (unique.len() - 1) as u32
-                })
-            })
+            .map(|slots| DistinctIds::of(&batch, slots))
             .collect();
         let geo = self.geo.as_ref().filter(|_| training);
         let mut ids = vec![vec![Vec::new(); self.widths.len()]; self.server_num];
         let slots = (0..self.widths.len())
             .map(|table| {
-                unique
+                groups[self.group_of[table]]
+                    .unique
                     .iter()
                     .map(|&id| {
                         if geo.is_some_and(|g| g.rows[table].contains_key(&id)) {
@@ -234,13 +268,26 @@ impl CtrWorker {
             })
             .collect();
         let dense = !training || geo.is_none_or(|g| g.dense.is_none());
-        self.planned.push_back(PlannedBatch {
-            batch,
-            unique,
-            index,
-            slots,
-        });
+        self.planned.push_back(PlannedBatch { batch, groups, slots });
         Ok(PullPlan { ids, dense, training })
+    }
+
+    /// The distinct ids of `table` in `planned`.
+    fn unique<'p>(&self, planned: &'p PlannedBatch, table: usize) -> &'p [u64] {
+        &planned.groups[self.group_of[table]].unique
+    }
+
+    /// Per table with a row policy, its distinct ids' shows and clicks; `None` for the others.
+    fn shows_and_clicks(&self, planned: &PlannedBatch) -> Vec<Option<Vec<[f32; 2]>>> {
+        let by_group: Vec<Option<Vec<[f32; 2]>>> = (0..planned.groups.len())
+            .map(|g| {
+                let used = (0..self.widths.len()).any(|t| self.counted[t] && self.group_of[t] == g);
+                used.then(|| planned.groups[g].shows_and_clicks(&planned.batch.labels))
+            })
+            .collect();
+        (0..self.widths.len())
+            .map(|t| by_group[self.group_of[t]].clone().filter(|_| self.counted[t]))
+            .collect()
     }
 
     /// Runs forward and backward of the planned batch on the pulled rows (`pulled[shard]`)
@@ -288,30 +335,34 @@ impl CtrWorker {
         self.set_dense(&dense)?;
         let row_vars = rows
             .iter()
-            .zip(&self.widths)
-            .map(|(values, &w)| Var::from_tensor(&Tensor::from_slice(values, (planned.unique.len(), w), &self.device)?))
+            .enumerate()
+            .map(|(table, values)| {
+                let shape = (self.unique(&planned, table).len(), self.widths[table]);
+                Var::from_tensor(&Tensor::from_slice(values, shape, &self.device)?)
+            })
             .collect::<candle_core::Result<Vec<_>>>()?;
-        let (dense_in, index) = self.inputs(&planned)?;
-        let logits = self.model.logits(
-            &dense_in,
-            &SparseRows {
-                deep: row_vars[0].as_tensor(),
-                wide: row_vars[1].as_tensor(),
-                index: &index,
-            },
-        )?;
-        Ok((planned, row_vars, logits))
-    }
-
-    fn inputs(&self, planned: &PlannedBatch) -> Result<(Tensor, Tensor)> {
         let batch = &planned.batch;
-        let dense = Tensor::from_slice(
+        let dense_in = Tensor::from_slice(
             &batch.dense,
             (batch.len, batch.dense.len() / batch.len.max(1)),
             &self.device,
         )?;
-        let index = Tensor::from_slice(&planned.index, planned.index.len(), &self.device)?;
-        Ok((dense, index))
+        let indexes = planned
+            .groups
+            .iter()
+            .map(|g| Tensor::from_slice(&g.index, g.index.len(), &self.device))
+            .collect::<candle_core::Result<Vec<_>>>()?;
+        let lookups: Vec<Lookup> = row_vars
+            .iter()
+            .zip(&self.group_of)
+            .map(|(rows, &group)| Lookup {
+                rows: rows.as_tensor(),
+                index: &indexes[group],
+                slots: planned.groups[group].slot_count,
+            })
+            .collect();
+        let logits = self.model.logits(&dense_in, &lookups)?;
+        Ok((planned, row_vars, logits))
     }
 
     /// Per table, the rows of the batch's unique ids (`unique × width`), from the pulled
@@ -326,7 +377,8 @@ impl CtrWorker {
         );
         let mut tables = Vec::with_capacity(self.widths.len());
         for (table, &width) in self.widths.iter().enumerate() {
-            let mut rows = vec![0.0f32; planned.unique.len() * width];
+            let unique = self.unique(planned, table);
+            let mut rows = vec![0.0f32; unique.len() * width];
             for (u, slot) in planned.slots[table].iter().enumerate() {
                 let out = &mut rows[u * width..(u + 1) * width];
                 match slot {
@@ -342,9 +394,7 @@ impl CtrWorker {
                     }
                     None => {
                         let geo = self.geo.as_ref().context("a row is local outside geo mode")?;
-                        let copy = geo.rows[table]
-                            .get(&planned.unique[u])
-                            .context("a local row vanished")?;
+                        let copy = geo.rows[table].get(&unique[u]).context("a local row vanished")?;
                         out.copy_from_slice(&copy[..width]);
                     }
                 }
@@ -353,7 +403,7 @@ impl CtrWorker {
                 for (u, slot) in planned.slots[table].iter().enumerate() {
                     if slot.is_some() {
                         let row = &rows[u * width..(u + 1) * width];
-                        geo.rows[table].insert(planned.unique[u], [row, row].concat());
+                        geo.rows[table].insert(unique[u], [row, row].concat());
                     }
                 }
             }
@@ -394,13 +444,13 @@ impl CtrWorker {
     /// Sync and async: the step's gradients, each row to the shard it lives on.
     fn split_gradients(&self, planned: &PlannedBatch, row_grads: &[Vec<f32>], dense_grad: &[f32]) -> Vec<ShardUpdate> {
         let mut updates = self.empty_updates(dense_grad);
-        let counts = self.counted.contains(&true).then(|| shows_and_clicks(planned));
+        let counts = self.shows_and_clicks(planned);
         for (table, &width) in self.widths.iter().enumerate() {
-            for (u, &id) in planned.unique.iter().enumerate() {
+            for (u, &id) in self.unique(planned, table).iter().enumerate() {
                 let shard = shard_of(table, id, self.server_num);
                 updates[shard].ids[table].push(id);
                 updates[shard].values[table].extend_from_slice(&row_grads[table][u * width..(u + 1) * width]);
-                if let Some(counts) = counts.as_ref().filter(|_| self.counted[table]) {
+                if let Some(counts) = &counts[table] {
                     updates[shard].counts[table].extend_from_slice(&counts[u]);
                 }
             }
@@ -416,12 +466,13 @@ impl CtrWorker {
         row_grads: &[Vec<f32>],
         dense_grad: &[f32],
     ) -> Result<Option<Vec<ShardUpdate>>> {
-        let optimizer = self.local_optimizer;
+        let counts = self.shows_and_clicks(planned);
+        let uniques: Vec<&[u64]> = (0..self.widths.len()).map(|t| self.unique(planned, t)).collect();
         let geo = self.geo.as_mut().context("geo step outside geo mode")?;
-        let counts = self.counted.contains(&true).then(|| shows_and_clicks(planned));
         for (table, &width) in self.widths.iter().enumerate() {
-            for (u, id) in planned.unique.iter().enumerate() {
-                if let Some(counts) = counts.as_ref().filter(|_| self.counted[table]) {
+            let optimizer = self.row_optimizers[table];
+            for (u, id) in uniques[table].iter().enumerate() {
+                if let Some(counts) = &counts[table] {
                     let sum = geo.counts[table].entry(*id).or_default();
                     sum[0] += counts[u][0];
                     sum[1] += counts[u][1];
@@ -436,7 +487,7 @@ impl CtrWorker {
             }
         }
         let (local, _) = geo.dense.as_mut().context("geo dense copy missing")?;
-        optimizer.apply(local, &mut geo.dense_state, dense_grad);
+        self.dense_optimizer.apply(local, &mut geo.dense_state, dense_grad);
         geo.steps_since_push += 1;
         if geo.steps_since_push < geo.k_steps {
             return Ok(None);
@@ -536,18 +587,4 @@ impl CtrWorker {
             })
             .collect()
     }
-}
-
-/// Each distinct id's shows (its occurrences in the batch) and clicks (those in clicked
-/// samples), in the order of `planned.unique`.
-fn shows_and_clicks(planned: &PlannedBatch) -> Vec<[f32; 2]> {
-    let mut counts = vec![[0.0f32; 2]; planned.unique.len()];
-    for (sample, positions) in planned.index.chunks_exact(SPARSE_SLOTS).enumerate() {
-        let click = planned.batch.labels[sample];
-        for &u in positions {
-            counts[u as usize][0] += 1.0;
-            counts[u as usize][1] += click;
-        }
-    }
-    counts
 }

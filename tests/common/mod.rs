@@ -81,10 +81,16 @@ pub fn ps_matches_uninterrupted(settings: &[&str], summary: &serde_json::Value, 
     }
 }
 
+/// Shard `index` of `config`'s job with its built-in model, fresh.
+pub fn fresh_shard(config: &JobConfig, index: usize) -> flotilla::ps::Shard {
+    let model = flotilla::models::SparseModelDef::builtin(&config.train).unwrap();
+    flotilla::job::ps::build_shard(config, &model, index).unwrap()
+}
+
 /// What shard `index` of `config`'s job saved in `dir`: its dense values and their optimizer
 /// state, and each table's rows by id with their state.
 pub fn saved_shard(config: &JobConfig, dir: &Path, index: usize) -> (Vec<f32>, Vec<f32>, Vec<Vec<Row>>) {
-    let mut shard = flotilla::job::ps::build_shard(config, index).unwrap();
+    let mut shard = fresh_shard(config, index);
     shard.load(&dir.join(format!("ps-shard-{index}.safetensors"))).unwrap();
     let mut tables: Vec<Vec<Row>> = shard
         .tables()

@@ -1,0 +1,198 @@
+//! Models of the parameter-server strategy: sparse tables that live on the servers, looked up by
+//! the ids of a click log's slots, and a dense part of [`Block`]s that every trainer computes.
+//!
+//! A model declares its tables ([`SparseTableSpec`]) and computes logits from a batch's dense
+//! features and, per table, the rows its ids looked up ([`Lookup`]). The runtime does the rest
+//! — which ids a batch needs from which shard, each id pulled once, gradients of the rows and
+//! of the dense parameters pushed back — for any model, built-in (wide&deep, DeepFM) or a
+//! library user's own, passed to the job as a [`SparseModelBuilder`].
+
+use std::sync::Arc;
+
+use anyhow::{ensure, Result};
+use candle_core::{Tensor, Var};
+
+use super::{Block, DeepFm, ParamInit, WideDeep, SPARSE_SLOTS};
+use crate::config::{ModelKind, OptimizerKind, TrainConfig};
+
+/// One sparse table of a model.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SparseTableSpec {
+    /// Name: in `[strategy.sparse_table_configs.<name>]`, snapshots, exports and errors.
+    pub name: String,
+    /// Floats per row.
+    pub width: usize,
+    /// New rows start uniform in `[-init_bound, init_bound)`, drawn from the job's seed, the
+    /// table's name and the id.
+    pub init_bound: f32,
+    /// The click log's sparse slots (`0..26`) whose ids look rows up in this table, in the
+    /// order the model reads them.
+    pub slots: Vec<usize>,
+    /// The optimizer of this table's rows; `None`: the job's (`train.optimizer`).
+    pub optimizer: Option<OptimizerKind>,
+    /// The step size of this table's rows (scaled like `train.lr` by `train.lr_scaling`);
+    /// `None`: `train.lr`.
+    pub lr: Option<f64>,
+}
+
+impl SparseTableSpec {
+    /// A table `name` of rows of `width` read by `slots`, optimised as the job says.
+    pub fn new(name: &str, width: usize, init_bound: f32, slots: impl IntoIterator<Item = usize>) -> Self {
+        Self {
+            name: name.to_string(),
+            width,
+            init_bound,
+            slots: slots.into_iter().collect(),
+            optimizer: None,
+            lr: None,
+        }
+    }
+}
+
+/// One table's rows for a batch.
+pub struct Lookup<'a> {
+    /// `(distinct ids, width)`: the rows of the distinct ids the table's slots hold in the batch.
+    pub rows: &'a Tensor,
+    /// `(batch × slots,)` u32: per sample and slot of the table (sample-major), the position of
+    /// its id's row in `rows`.
+    pub index: &'a Tensor,
+    /// The table's slot count.
+    pub slots: usize,
+}
+
+impl Lookup<'_> {
+    /// The rows each sample looked up, `(batch, slots, width)`.
+    pub fn embedded(&self, batch: usize) -> candle_core::Result<Tensor> {
+        let width = self.rows.dim(1)?;
+        self.rows
+            .index_select(self.index, 0)?
+            .reshape((batch, self.slots, width))
+    }
+}
+
+/// A model trained under the parameter-server strategy.
+pub trait SparseModel: Send {
+    /// The sparse tables, in table order.
+    fn tables(&self) -> Vec<SparseTableSpec>;
+
+    /// The dense part: the blocks whose parameters the servers hold and the trainers compute.
+    fn blocks(&self) -> Vec<&dyn Block>;
+
+    /// Click logits, shape `(batch,)`, for `dense` features `(batch, 13)` and, per table in
+    /// table order, the rows the batch looked up.
+    fn logits(&self, dense: &Tensor, lookups: &[Lookup<'_>]) -> candle_core::Result<Tensor>;
+
+    /// The dense parameters as `"{block}.{param}"`, sorted by name: the order in which they are
+    /// flattened and split over the servers.
+    fn parameters(&self) -> Vec<(String, Var)> {
+        let mut params: Vec<(String, Var)> = self
+            .blocks()
+            .into_iter()
+            .flat_map(|block| {
+                let name = block.name().to_string();
+                block
+                    .parameters()
+                    .into_iter()
+                    .map(move |(param, var)| (format!("{name}.{param}"), var))
+            })
+            .collect();
+        params.sort_by(|a, b| a.0.cmp(&b.0));
+        params
+    }
+}
+
+/// Builds a job's model with its dense parameters drawn from an initialiser: every trainer and
+/// every server builds the same one from the job's seed.
+pub type SparseModelBuilder = Arc<dyn Fn(&ParamInit) -> Result<Box<dyn SparseModel>> + Send + Sync>;
+
+/// The built-in model `train.model` names, shaped by `train.embedding_dim` and
+/// `train.hidden_sizes`.
+pub fn builtin_sparse_model(train: &TrainConfig) -> Result<SparseModelBuilder> {
+    let (kind, width, hidden) = (train.model, train.embedding_dim, train.hidden_sizes());
+    Ok(match kind {
+        ModelKind::WideDeep => Arc::new(move |init| Ok(Box::new(WideDeep::new(width, &hidden, init)?))),
+        ModelKind::DeepFm => Arc::new(move |init| Ok(Box::new(DeepFm::new(width, &hidden, init)?))),
+        ModelKind::Mlp | ModelKind::Gpt => {
+            anyhow::bail!("train.model = {kind:?} is a dense model: it has no sparse tables")
+        }
+    })
+}
+
+/// Checks a model's tables: names distinct and non-empty, widths and slot lists non-empty,
+/// slots among the click log's.
+pub fn check_tables(tables: &[SparseTableSpec]) -> Result<()> {
+    ensure!(!tables.is_empty(), "a sparse model needs at least one sparse table");
+    for (i, table) in tables.iter().enumerate() {
+        ensure!(!table.name.is_empty(), "sparse table {i} has no name");
+        ensure!(
+            tables[..i].iter().all(|t| t.name != table.name),
+            "two sparse tables are named {:?}",
+            table.name
+        );
+        ensure!(table.width > 0, "sparse table {}: width 0", table.name);
+        ensure!(!table.slots.is_empty(), "sparse table {}: no slots read it", table.name);
+        if let Some(slot) = table.slots.iter().find(|&&s| s >= SPARSE_SLOTS) {
+            anyhow::bail!(
+                "sparse table {}: slot {slot} is not one of the click log's {SPARSE_SLOTS}",
+                table.name
+            );
+        }
+        ensure!(
+            table.lr.is_none_or(|lr| lr.is_finite() && lr > 0.0),
+            "sparse table {}: lr {:?} is not a positive number",
+            table.name,
+            table.lr
+        );
+        ensure!(
+            table.optimizer != Some(OptimizerKind::Adamw),
+            "sparse table {}: \"adamw\" is not a parameter-server optimizer",
+            table.name
+        );
+    }
+    Ok(())
+}
+
+/// A job's sparse model: how every role builds it, and the tables it declares.
+#[derive(Clone)]
+pub struct SparseModelDef {
+    build: SparseModelBuilder,
+    tables: Arc<[SparseTableSpec]>,
+}
+
+impl SparseModelDef {
+    /// The model `build` makes, its tables checked.
+    pub fn new(build: SparseModelBuilder) -> Result<Self> {
+        let probe = build(&ParamInit::new(0, candle_core::Device::Cpu))?;
+        let tables = probe.tables();
+        check_tables(&tables)?;
+        Ok(Self {
+            build,
+            tables: tables.into(),
+        })
+    }
+
+    /// The built-in model `train.model` names.
+    pub fn builtin(train: &TrainConfig) -> Result<Self> {
+        Self::new(builtin_sparse_model(train)?)
+    }
+
+    /// The model with its dense parameters drawn from `init`.
+    pub fn build(&self, init: &ParamInit) -> Result<Box<dyn SparseModel>> {
+        let model = (self.build)(init)?;
+        ensure!(
+            model.tables() == *self.tables,
+            "the sparse model builder made a model with other tables than it declared first"
+        );
+        Ok(model)
+    }
+
+    /// The tables, in table order.
+    pub fn tables(&self) -> &[SparseTableSpec] {
+        &self.tables
+    }
+
+    /// The tables' names, in table order.
+    pub fn table_names(&self) -> Vec<&str> {
+        self.tables.iter().map(|t| t.name.as_str()).collect()
+    }
+}
