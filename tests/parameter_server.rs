@@ -281,13 +281,25 @@ fn a_users_three_table_model_trains_under_sync_as_it_trains_in_one_process() {
     .unwrap();
     assert_eq!(model.table_names(), ["user", "item", "context"]);
     // The policy sections name the user's tables; the built-in model's are unknown to this job.
-    let config = ctr_config(&["strategy.sparse_table_configs.item.delete_after_unseen_days=5"]);
+    let config = ctr_config(&[
+        "train.model=custom",
+        "strategy.sparse_table_configs.item.delete_after_unseen_days=5",
+    ]);
     sync_training_equals_the_reference(config.clone(), model.clone());
-    let wrong = ctr_config(&["strategy.sparse_table_configs.wide.count_filter=2"]);
+    let wrong = ctr_config(&[
+        "train.model=custom",
+        "strategy.sparse_table_configs.wide.count_filter=2",
+    ]);
     let err = ParameterServerJob::new(wrong, model).err().expect("no table `wide`");
     assert!(
         err.to_string()
             .ends_with("strategy.sparse_table_configs.wide: the model has no sparse table `wide`; its tables are user, item, context"),
+        "{err}"
+    );
+    let err = ParameterServerJob::builtin(config).err().expect("no built-in model");
+    assert!(
+        err.to_string()
+            .starts_with("train.model = \"custom\" is the model of the program"),
         "{err}"
     );
 }

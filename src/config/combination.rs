@@ -38,7 +38,7 @@ pub(super) fn check(config: &JobConfig) -> Result<(), FieldError> {
             "train.dataset",
             format!("{dataset} is not text: the gpt model reads dataset = \"text\""),
         )),
-        (ModelKind::Mlp | ModelKind::WideDeep | ModelKind::DeepFm, DatasetKind::Text) => {
+        (ModelKind::Mlp | ModelKind::WideDeep | ModelKind::DeepFm | ModelKind::Custom, DatasetKind::Text) => {
             Err(FieldError::new("train.dataset", "\"text\" is read by model = \"gpt\""))
         }
         _ => {

@@ -93,6 +93,8 @@ fn estimate(config: &JobConfig) -> Vec<Need> {
             let activations = mul(&[local_batch, widths.iter().sum(), F32, 2]);
             ("train.hidden_sizes", dense_parameters(&widths), activations)
         }
+        // The program's own model: its size is unknown until it is built.
+        ModelKind::Custom => ("train.model", 0, 0),
         ModelKind::Gpt => {
             let g = &train.gpt;
             let (c, t, layers, heads) = (

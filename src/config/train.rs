@@ -25,6 +25,9 @@ pub enum ModelKind {
     /// the `train.hidden_sizes` deep layers on the factors.
     #[serde(rename = "deepfm")]
     DeepFm,
+    /// A parameter-server model of the program that runs the job: its tables and dense part
+    /// come from the `SparseModelDef` it passes to `ParameterServerJob::new`.
+    Custom,
     /// A decoder-only transformer (GPT shaped, `[train.gpt]`) trained as a character-level
     /// language model on `dataset = "text"` (collective or pipeline strategy).
     Gpt,
@@ -33,7 +36,7 @@ pub enum ModelKind {
 impl ModelKind {
     /// Whether the model trains on parameter servers, its tables keyed by click logs' ids.
     pub fn is_sparse(self) -> bool {
-        matches!(self, Self::WideDeep | Self::DeepFm)
+        matches!(self, Self::WideDeep | Self::DeepFm | Self::Custom)
     }
 
     /// The name `train.model` gives it.
@@ -42,6 +45,7 @@ impl ModelKind {
             Self::Mlp => "mlp",
             Self::WideDeep => "wide_deep",
             Self::DeepFm => "deepfm",
+            Self::Custom => "custom",
             Self::Gpt => "gpt",
         }
     }
@@ -53,7 +57,7 @@ impl ModelKind {
             Self::WideDeep => vec![256, 128, 64],
             // The DeepFM paper's Criteo setting.
             Self::DeepFm => vec![400, 400, 400],
-            Self::Gpt => Vec::new(),
+            Self::Gpt | Self::Custom => Vec::new(),
         }
     }
 }

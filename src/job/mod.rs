@@ -185,7 +185,7 @@ impl TrainingJob {
                 };
                 Box::new(move |init: &ParamInit| gpt(&shape, init))
             }
-            ModelKind::WideDeep | ModelKind::DeepFm => {
+            ModelKind::WideDeep | ModelKind::DeepFm | ModelKind::Custom => {
                 anyhow::bail!(
                     "{} trains on parameter servers: see `ParameterServerJob`",
                     train.model.name()

@@ -130,8 +130,8 @@ impl ParameterServerJob {
         Self::new(config, model)
     }
 
-    /// The job `config` describes, training `model` (whatever `train.model` names: its tables,
-    /// dense part and shape are the model's).
+    /// The job `config` describes, training `model`: a program's own (`train.model = "custom"`)
+    /// or a built-in one.
     pub fn new(config: JobConfig, model: SparseModelDef) -> Result<Self> {
         config.check_sparse_table_names(&model.table_names())?;
         let train = &config.train;

@@ -112,8 +112,15 @@ pub fn builtin_sparse_model(train: &TrainConfig) -> Result<SparseModelBuilder> {
     Ok(match kind {
         ModelKind::WideDeep => Arc::new(move |init| Ok(Box::new(WideDeep::new(width, &hidden, init)?))),
         ModelKind::DeepFm => Arc::new(move |init| Ok(Box::new(DeepFm::new(width, &hidden, init)?))),
+        ModelKind::Custom => anyhow::bail!(
+            "train.model = \"custom\" is the model of the program that runs the job (a SparseModelDef \
+             passed to ParameterServerJob::new); the built-in ones are \"wide_deep\" and \"deepfm\""
+        ),
         ModelKind::Mlp | ModelKind::Gpt => {
-            anyhow::bail!("train.model = {kind:?} is a dense model: it has no sparse tables")
+            anyhow::bail!(
+                "train.model = {:?} is a dense model: it has no sparse tables",
+                kind.name()
+            )
         }
     })
 }
@@ -194,5 +201,57 @@ impl SparseModelDef {
     /// The tables' names, in table order.
     pub fn table_names(&self) -> Vec<&str> {
         self.tables.iter().map(|t| t.name.as_str()).collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bad_tables_are_named() {
+        let good = || SparseTableSpec::new("user", 4, 0.1, 0..3);
+        let cases = [
+            (vec![], "a sparse model needs at least one sparse table".to_string()),
+            (vec![good(), good()], "two sparse tables are named \"user\"".to_string()),
+            (
+                vec![SparseTableSpec::new("user", 4, 0.1, [2, 26])],
+                "sparse table user: slot 26 is not one of the click log's 26".to_string(),
+            ),
+            (
+                vec![SparseTableSpec::new("user", 4, 0.1, [])],
+                "sparse table user: no slots read it".to_string(),
+            ),
+            (
+                vec![SparseTableSpec::new("user", 0, 0.1, [1])],
+                "sparse table user: width 0".to_string(),
+            ),
+            (
+                vec![SparseTableSpec {
+                    lr: Some(-1.0),
+                    ..good()
+                }],
+                "sparse table user: lr Some(-1.0) is not a positive number".to_string(),
+            ),
+        ];
+        for (tables, expected) in cases {
+            assert_eq!(check_tables(&tables).unwrap_err().to_string(), expected);
+        }
+        assert!(check_tables(&[good()]).is_ok());
+    }
+
+    #[test]
+    fn the_builtin_models_are_the_ones_train_model_names() {
+        let mut train = TrainConfig {
+            model: ModelKind::DeepFm,
+            embedding_dim: 3,
+            ..TrainConfig::default()
+        };
+        let def = SparseModelDef::builtin(&train).unwrap();
+        assert_eq!(def.table_names(), ["embedding", "first_order"]);
+        assert_eq!(def.tables()[0].width, 3);
+        train.model = ModelKind::Custom;
+        let err = SparseModelDef::builtin(&train).err().unwrap().to_string();
+        assert!(err.contains("ParameterServerJob::new"), "{err}");
     }
 }
