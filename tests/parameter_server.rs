@@ -290,12 +290,35 @@ fn a_users_three_table_model_trains_under_sync_as_it_trains_in_one_process() {
         "train.model=custom",
         "strategy.sparse_table_configs.wide.count_filter=2",
     ]);
-    let err = ParameterServerJob::new(wrong, model).err().expect("no table `wide`");
+    let err = ParameterServerJob::new(wrong, model.clone())
+        .err()
+        .expect("no table `wide`");
     assert!(
         err.to_string()
             .ends_with("strategy.sparse_table_configs.wide: the model has no sparse table `wide`; its tables are user, item, context"),
         "{err}"
     );
+    // The asynchronous modes run it too: every table trained, the held-out clicks ranked.
+    for mode in [
+        vec!["strategy.a_sync=true"],
+        vec!["strategy.a_sync=true", "strategy.a_sync_configs.k_steps=4"],
+    ] {
+        let sets: Vec<&str> = ["train.model=custom", "train.steps=60"]
+            .into_iter()
+            .chain(mode)
+            .collect();
+        let dir = tempfile::tempdir().unwrap();
+        let job = ParameterServerJob::new(ctr_config(&sets), model.clone()).unwrap();
+        let summary = job.run_simulated(&RunOptions::new(dir.path())).unwrap();
+        let rows: Vec<(&str, bool)> = summary.tables.iter().map(|t| (t.name.as_str(), t.rows > 0)).collect();
+        assert_eq!(
+            rows,
+            [("user", true), ("item", true), ("context", true)],
+            "{}",
+            summary.mode
+        );
+        assert!(summary.auc > 0.55, "{}: AUC {}", summary.mode, summary.auc);
+    }
     let err = ParameterServerJob::builtin(config).err().expect("no built-in model");
     assert!(
         err.to_string()
