@@ -14,15 +14,16 @@
 //! part's records are taken in windows of `K`, each permuted by a generator seeded with the
 //! seed, the part, the pass and the window — the same order on any layout and after a resume.
 
-use std::collections::VecDeque;
+use std::collections::{BTreeMap, VecDeque};
 use std::ops::Range;
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use anyhow::{anyhow, ensure, Result};
+use anyhow::{anyhow, ensure, Context, Result};
+use serde::{Deserialize, Serialize};
 
 use super::parts::{cut_into_parts, Segment};
-use super::tsv::{count_records, is_gzip};
+use super::tsv::{count_records, is_gzip, ReadPosition};
 use super::{CriteoSynth, CtrBatch, CtrRecord, Split, TsvReader};
 use crate::config::TrainConfig;
 use crate::rng::SplitMix64;
@@ -127,6 +128,30 @@ impl PartStream {
         }
     }
 
+    /// Where the stream is.
+    fn position(&self) -> StreamPosition {
+        match self {
+            PartStream::Synthetic { next, .. } => StreamPosition::Synthetic(*next),
+            PartStream::Files(reader) => StreamPosition::Files(reader.position()),
+        }
+    }
+
+    /// Goes to `at`, a [`position`](Self::position) of a stream of the same part.
+    fn seek(&mut self, at: StreamPosition) -> Result<()> {
+        match (self, at) {
+            (PartStream::Synthetic { records, next, .. }, StreamPosition::Synthetic(at)) => {
+                ensure!(
+                    records.start <= at && at <= records.end,
+                    "a data position at generated record {at}, outside the part's {records:?}"
+                );
+                *next = at;
+                Ok(())
+            }
+            (PartStream::Files(reader), StreamPosition::Files(at)) => reader.seek(at),
+            (_, at) => Err(anyhow!("a data position {at:?} of another kind of data")),
+        }
+    }
+
     /// Back to the part's first record.
     fn rewind(&mut self) -> Result<()> {
         match self {
@@ -136,6 +161,42 @@ impl PartStream {
             }
             PartStream::Files(reader) => reader.rewind(),
         }
+    }
+}
+
+/// Where a part's stream is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+enum StreamPosition {
+    /// The index of the next generated record.
+    Synthetic(u64),
+    /// The next byte of the files.
+    Files(ReadPosition),
+}
+
+/// Where a part's reading is: its stream at the start of the current shuffle window (or at the
+/// next record, unshuffled) and how many of the window's records were given.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+struct PartPosition {
+    pass: u64,
+    windows: u64,
+    stream: StreamPosition,
+    /// Records of the current window already given; 0 when no window is under way.
+    given: usize,
+    taken: u64,
+}
+
+/// Where a loader is in each of its parts, by part number: what a checkpoint saves so a
+/// resumed run starts there without reading the records before. Any rank reading a part
+/// reads all of it, so a position of a part is the same whichever rank took it.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct DataPosition {
+    parts: BTreeMap<usize, PartPosition>,
+}
+
+impl DataPosition {
+    /// Joins the positions of other ranks' parts into these.
+    pub fn merge(&mut self, other: DataPosition) {
+        self.parts.extend(other.parts);
     }
 }
 
@@ -152,6 +213,8 @@ struct Part {
     /// Windows of the current pass taken so far.
     windows: u64,
     window: VecDeque<CtrRecord>,
+    /// The stream's position where the current window starts, and the window's size when full.
+    window_start: Option<(StreamPosition, usize)>,
     /// Records taken from the stream, over every pass.
     taken: u64,
 }
@@ -164,6 +227,7 @@ impl Part {
             return self.take_from_stream();
         }
         if self.window.is_empty() {
+            let start = self.stream.position();
             while self.window.len() < size {
                 match self.take_from_stream()? {
                     Some(record) => self.window.push_back(record),
@@ -173,8 +237,43 @@ impl Part {
             let stream = format!("ctr part {} pass {}", self.index, self.pass);
             SplitMix64::for_stream(self.layout.seed, &stream, self.windows).shuffle(self.window.make_contiguous());
             self.windows += 1;
+            self.window_start = Some((start, self.window.len()));
         }
         Ok(self.window.pop_front())
+    }
+
+    /// Where the part's reading is.
+    fn position(&self) -> PartPosition {
+        let (stream, given, windows) = match self.window_start {
+            Some((start, full)) if !self.window.is_empty() => (start, full - self.window.len(), self.windows - 1),
+            _ => (self.stream.position(), 0, self.windows),
+        };
+        PartPosition {
+            pass: self.pass,
+            windows,
+            stream,
+            given,
+            taken: self.taken,
+        }
+    }
+
+    /// Goes to `at`, a [`position`](Self::position) of the same part: the stream seeks there
+    /// and a window under way is read again (at most a shuffle buffer) and given on from where
+    /// it was.
+    fn seek(&mut self, at: PartPosition) -> Result<()> {
+        self.stream.seek(at.stream)?;
+        self.pass = at.pass;
+        self.windows = at.windows;
+        self.window.clear();
+        self.window_start = None;
+        if at.given > 0 {
+            for _ in 0..at.given {
+                self.next()?
+                    .with_context(|| format!("data part {}: its saved window ends early", self.index))?;
+            }
+        }
+        self.taken = at.taken;
+        Ok(())
     }
 
     fn take_from_stream(&mut self) -> Result<Option<CtrRecord>> {
@@ -231,6 +330,7 @@ impl Part {
     fn restart(&mut self) -> Result<()> {
         self.stream.rewind()?;
         self.window.clear();
+        self.window_start = None;
         self.windows = 0;
         self.pass += 1;
         Ok(())
@@ -317,6 +417,7 @@ impl CtrLoader {
                     layout,
                     windows: 0,
                     window: VecDeque::new(),
+                    window_start: None,
                     taken: 0,
                 })
                 .collect(),
@@ -347,6 +448,27 @@ impl CtrLoader {
             for part in &mut self.parts {
                 part.skip_whole_run(self.part_batch)?;
             }
+        }
+        Ok(())
+    }
+
+    /// Where this loader is in each of its parts.
+    pub fn position(&self) -> DataPosition {
+        DataPosition {
+            parts: self.parts.iter().map(|part| (part.index, part.position())).collect(),
+        }
+    }
+
+    /// Goes to `at` — positions of at least this loader's parts, of a loader of the same data
+    /// cut into the same parts — as if it had read every batch up to there.
+    pub fn resume_at(&mut self, at: &DataPosition) -> Result<()> {
+        for part in &mut self.parts {
+            let position = at
+                .parts
+                .get(&part.index)
+                .with_context(|| format!("the saved data position holds no position of data part {}", part.index))?;
+            part.seek(*position)
+                .with_context(|| format!("data part {}: resuming at its saved position", part.index))?;
         }
         Ok(())
     }
@@ -560,6 +682,54 @@ mod tests {
                 }
             }
         }
+        Ok(())
+    }
+
+    #[test]
+    fn a_loader_resumed_at_saved_positions_reads_on_as_if_it_had_read_on_any_layout() -> Result<()> {
+        let dir = tempfile::tempdir()?;
+        let synth = CriteoSynth::new(9, 2000);
+        let mut cases = sources(50, 2, dir.path())?.to_vec();
+        let gzipped: Vec<PathBuf> = [0..25, 25..50]
+            .into_iter()
+            .enumerate()
+            .map(|(i, records)| {
+                let path = dir.path().join(format!("part-{i}.tsv.gz"));
+                write_synthetic(&path, &synth, Split::Train, records).map(|()| path)
+            })
+            .collect::<Result<_>>()?;
+        cases.push(CtrSource::Files(gzipped));
+        // One file, cut into byte ranges.
+        let one = dir.path().join("one.tsv");
+        write_synthetic(&one, &synth, Split::Train, 0..50)?;
+        cases.push(CtrSource::Files(vec![one]));
+        for source in cases {
+            for (read, shuffle) in [0, 3, 4, 5, 9].into_iter().flat_map(|n| [(n, 0), (n, 5)]) {
+                // Two ranks read `read` batches; their checkpoint holds both positions.
+                let mut saved = DataPosition::default();
+                for rank in 0..2 {
+                    let mut loader = CtrLoader::new(source.clone(), layout(2, shuffle), 12, rank, 2)?;
+                    batches(&mut loader, read)?;
+                    saved.merge(loader.position());
+                }
+                for world in [1, 2, 4] {
+                    for rank in 0..world {
+                        let what = format!("{source:?}: after {read}, shuffle {shuffle}, rank {rank} of {world}");
+                        let mut resumed = CtrLoader::new(source.clone(), layout(2, shuffle), 12, rank, world)?;
+                        resumed.resume_at(&saved)?;
+                        let mut reading = CtrLoader::new(source.clone(), layout(2, shuffle), 12, rank, world)?;
+                        batches(&mut reading, read)?;
+                        assert_eq!(resumed.position(), reading.position(), "{what}");
+                        for _ in 0..6 {
+                            assert_eq!(resumed.next_batch()?, reading.next_batch()?, "{what}");
+                        }
+                    }
+                }
+            }
+        }
+        let mut other_layout = CtrLoader::new(sources(50, 2, dir.path())?[0].clone(), layout(2, 0), 12, 0, 1)?;
+        let err = other_layout.resume_at(&DataPosition::default()).unwrap_err();
+        assert_eq!(err.to_string(), "the saved data position holds no position of data part 0");
         Ok(())
     }
 

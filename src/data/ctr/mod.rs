@@ -19,7 +19,7 @@ mod synthetic;
 mod tsv;
 mod zipf;
 
-pub use loader::{CtrLoader, CtrSource, DataLayout};
+pub use loader::{CtrLoader, CtrSource, DataLayout, DataPosition};
 pub use synthetic::{CriteoSynth, Split};
 pub use tsv::{parse_line, write_record, write_synthetic, TsvReader};
 

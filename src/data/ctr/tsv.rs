@@ -121,6 +121,18 @@ pub struct TsvReader {
     line: Vec<u8>,
 }
 
+/// Where a [`TsvReader`] is: the next byte it reads. Saved in checkpoints, so a resumed run
+/// seeks there instead of reading its way back.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct ReadPosition {
+    /// Index of the segment being read.
+    pub segment: usize,
+    /// Offset in the segment's (uncompressed) file of the next byte to read.
+    pub offset: u64,
+    /// Lines of the segment read so far (for the `path:line` of errors).
+    pub lines: u64,
+}
+
 /// Where the reader is; the stream itself has nothing to show.
 impl std::fmt::Debug for TsvReader {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -177,6 +189,62 @@ impl TsvReader {
     /// Goes back to the start of the first segment, for the next epoch.
     pub fn rewind(&mut self) -> Result<()> {
         self.open_segment(0)
+    }
+
+    /// Where the reader is.
+    pub fn position(&self) -> ReadPosition {
+        ReadPosition {
+            segment: self.current,
+            offset: self.offset,
+            lines: self.line_number,
+        }
+    }
+
+    /// Goes to `at`, a [`position`](Self::position) of a reader of the same segments: a seek
+    /// in an uncompressed file; a gzip-compressed one is decompressed up to it, unparsed.
+    pub fn seek(&mut self, at: ReadPosition) -> Result<()> {
+        let Some(segment) = self.segments.get(at.segment) else {
+            anyhow::ensure!(
+                at.segment == self.segments.len() && at.offset == 0,
+                "a data position in segment {} of {}: not a position of these files",
+                at.segment,
+                self.segments.len()
+            );
+            return self.open_segment(at.segment);
+        };
+        let path = segment.path.clone();
+        let mut file = File::open(&path).with_context(|| format!("cannot open CTR data file {}", path.display()))?;
+        let reader = match is_gzip(&path) {
+            false => {
+                let size = file.metadata().map(|m| m.len()).unwrap_or(0);
+                anyhow::ensure!(
+                    at.offset <= size,
+                    "{}: a data position at byte {} of a file of {size} bytes: the file changed since the checkpoint",
+                    path.display(),
+                    at.offset
+                );
+                file.seek(SeekFrom::Start(at.offset))
+                    .with_context(|| format!("cannot seek to byte {} of {}", at.offset, path.display()))?;
+                buffered(&path, file)
+            }
+            true => {
+                let mut reader = buffered(&path, file);
+                let passed = std::io::copy(&mut (&mut reader).take(at.offset), &mut std::io::sink())
+                    .with_context(|| format!("{}: cannot read up to byte {}", path.display(), at.offset))?;
+                anyhow::ensure!(
+                    passed == at.offset,
+                    "{}: a data position at byte {} of {passed} bytes: the file changed since the checkpoint",
+                    path.display(),
+                    at.offset
+                );
+                reader
+            }
+        };
+        self.current = at.segment;
+        self.offset = at.offset;
+        self.line_number = at.lines;
+        self.reader = Some(reader);
+        Ok(())
     }
 
     /// Positions the reader at the first line of segment `index` (or at the end).
