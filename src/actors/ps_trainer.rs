@@ -29,7 +29,7 @@ use super::LOSSES_RESERVED;
 use crate::checkpoint::HeldFile;
 use crate::config::TrainLength;
 use crate::config::{JobConfig, PsMode};
-use crate::data::ctr::{CtrLoader, CtrSource, DataLayout};
+use crate::data::ctr::{CtrLoader, CtrSource, DataLayout, DataPosition};
 use crate::models::SparseModelDef;
 use crate::net::protocol::Roster;
 use crate::net::ControlBus;
@@ -150,6 +150,7 @@ impl Handler<TrainPs> for PsTrainer {
             trace: self.trace.clone(),
             recovery: self.recovery.clone(),
             kept: Kept::default(),
+            resume_data: None,
             roster: None,
             faults: self.faults.clone(),
         };
@@ -177,8 +178,11 @@ struct PsRun {
     monitor: Option<MonitorSettings>,
     trace: Option<(TraceTarget, f64)>,
     recovery: Recovery,
-    /// A geo trainer's own state at the checkpoints, when it rolls back in place.
+    /// This trainer's own state at the checkpoints, when it rolls back in place.
     kept: Kept,
+    /// Where the training data resumes, from the checkpoint the trainer starts at; `None`: read
+    /// (without parsing where it can) up to the first step.
+    resume_data: Option<DataPosition>,
     /// The roster of the generation training, when the job recovers in place.
     roster: Option<Roster>,
     faults: Option<Arc<RoleFaults>>,
@@ -374,13 +378,15 @@ impl PsRun {
         Ok(first)
     }
 
-    /// A fresh worker on the device, with this trainer's own state after `step` steps (geo's;
-    /// the other modes hold none): kept in memory, else from its node's disk, else from the copy
-    /// on the next node. A geo checkpoint written by another number of trainers holds states
-    /// of other parts of the batch: the trainers' local optimizer states then start afresh
-    /// (the shards hold the model).
+    /// A fresh worker on the device, with this trainer's own state after `step` steps — where
+    /// its data resumes, and geo's local optimizer state: kept in memory, else from its node's
+    /// disk, else from the copy on the next node. A checkpoint written by another number of
+    /// trainers holds their parts of the batch: the data resumes at the positions every trainer
+    /// saved (the parts are the same), and the geo trainers' local optimizer states start
+    /// afresh (the shards hold the model).
     async fn prepare(&mut self, step: usize, buddy: Option<&Buddy>) -> Result<()> {
         let (job, rank) = (self.job.clone(), self.rank);
+        self.resume_data = None;
         self.device
             .send(PrepareCtr {
                 job: job.clone(),
@@ -388,48 +394,102 @@ impl PsRun {
                 rank,
             })
             .await??;
-        if step == 0 || !matches!(job.strategy.ps_mode(), PsMode::Geo { .. }) {
+        if step == 0 {
             return Ok(());
         }
+        let geo = matches!(job.strategy.ps_mode(), PsMode::Geo { .. });
+        // The run may start from a checkpoint of another number of servers (resharding).
+        let servers_then = match &self.recovery.start {
+            Some(start) if start.step == step => start.numbered_files(shard_file_name).len(),
+            _ => job.cluster.server_num,
+        };
         let written_by = self
             .recovery
             .writers(step, self.roster.as_ref())?
-            .saturating_sub(job.cluster.server_num);
+            .saturating_sub(servers_then);
         if written_by != self.trainers {
-            tracing::warn!(
-                trainer = rank,
-                step,
-                written_by,
-                trainers = self.trainers,
-                "geo: the checkpoint holds the local states of another number of trainers; this one's starts afresh"
-            );
+            if geo {
+                tracing::warn!(
+                    trainer = rank,
+                    step,
+                    written_by,
+                    trainers = self.trainers,
+                    "geo: the checkpoint holds the local states of another number of trainers; this one's starts afresh"
+                );
+            }
+            self.resume_data = self.data_positions(step, written_by);
             return Ok(());
         }
-        let bytes = match self.kept.at(step) {
-            Some(bytes) => bytes,
-            None => {
-                let name = trainer_file_name(self.place);
-                let bytes = match (
-                    self.recovery.read_committed(step, None, self.roster.as_ref(), &name),
-                    buddy,
-                    &self.roster,
-                ) {
-                    (Ok(bytes), _, _) => bytes,
-                    (Err(disk), Some(buddy), Some(roster)) => {
-                        let (bytes, from) = buddy.fetch(roster, self.role(), step, &name).await.with_context(|| {
-                            format!("trainer {rank}: its state of step {step} is neither on this node's disk ({disk:#}) nor on the next node")
-                        })?;
-                        tracing::info!(trainer = rank, step, from, "own state restored");
-                        Arc::new(bytes)
-                    }
-                    (Err(disk), _, _) => return Err(disk),
-                };
-                self.kept.taken(step, bytes.clone());
-                self.kept.committed();
-                bytes
+        let state = match self.own_state(step, buddy).await {
+            Ok(bytes) => TrainerState::decode(&bytes)?,
+            // A checkpoint of a version that saved no trainer state outside geo mode.
+            Err(missing) if !geo => {
+                tracing::warn!(
+                    trainer = rank,
+                    step,
+                    "no data position in the checkpoint ({missing:#}): reading up to it"
+                );
+                return Ok(());
             }
+            Err(missing) => return Err(missing),
         };
-        self.device.send(RestoreCtrOwnState(bytes)).await?
+        self.resume_data = Some(state.data);
+        match state.geo {
+            Some(geo_state) => self.device.send(RestoreCtrOwnState(Arc::new(geo_state))).await?,
+            None => Ok(()),
+        }
+    }
+
+    /// This trainer's own file of the checkpoint after `step` steps.
+    async fn own_state(&mut self, step: usize, buddy: Option<&Buddy>) -> Result<Arc<Vec<u8>>> {
+        if let Some(bytes) = self.kept.at(step) {
+            return Ok(bytes);
+        }
+        let rank = self.rank;
+        let name = trainer_file_name(self.place);
+        let bytes = match (
+            self.recovery.read_committed(step, None, self.roster.as_ref(), &name),
+            buddy,
+            &self.roster,
+        ) {
+            (Ok(bytes), _, _) => bytes,
+            (Err(disk), Some(buddy), Some(roster)) => {
+                let (bytes, from) = buddy.fetch(roster, self.role(), step, &name).await.with_context(|| {
+                    format!("trainer {rank}: its state of step {step} is neither on this node's disk ({disk:#}) nor on the next node")
+                })?;
+                tracing::info!(trainer = rank, step, from, "own state restored");
+                Arc::new(bytes)
+            }
+            (Err(disk), _, _) => return Err(disk),
+        };
+        self.kept.taken(step, bytes.clone());
+        self.kept.committed();
+        Ok(bytes)
+    }
+
+    /// The data positions the `written_by` trainers of the checkpoint after `step` steps saved,
+    /// joined; `None` (read up to the step instead) where one cannot be read.
+    fn data_positions(&self, step: usize, written_by: usize) -> Option<DataPosition> {
+        let mut joined = DataPosition::default();
+        for place in 0..written_by {
+            let read = self
+                .recovery
+                .read_committed(step, None, self.roster.as_ref(), &trainer_file_name(place))
+                .and_then(|bytes| TrainerState::decode(&bytes));
+            match read {
+                Ok(state) => joined.merge(state.data),
+                Err(error) => {
+                    tracing::warn!(
+                        trainer = self.rank,
+                        step,
+                        place,
+                        "no data position of the trainer at place {place} ({error:#}): reading up to the step"
+                    );
+                    return None;
+                }
+            }
+        }
+        Some(joined)
     }
 
     /// Trains steps `first..steps`, taking the checkpoints due.
@@ -446,7 +506,12 @@ impl PsRun {
         let layout = DataLayout::of(train, job.world_size());
         let mut loader = CtrLoader::new(self.train_data.clone(), layout, train.batch_size, place, self.trainers)
             .with_context(|| format!("trainer {rank}: training data"))?;
-        loader.skip_batches(first)?;
+        match self.resume_data.take() {
+            Some(at) => loader
+                .resume_at(&at)
+                .with_context(|| format!("trainer {rank}: resuming the training data at step {first}"))?,
+            None => loader.skip_batches(first)?,
+        }
         // Async mode pulls step t+1's rows while step t computes, as Paddle's async
         // communicator does, and hands its pushes to a lane that sends them while it trains on:
         // its trainers wait only for what the staleness bound and the send queue say. Sync mode
@@ -552,7 +617,8 @@ impl PsRun {
                 if let Some(lane) = lane.as_mut() {
                     lane.flush().await?;
                 }
-                self.checkpoint(client, step + 1, in_place.as_mut()).await?;
+                self.checkpoint(client, step + 1, loader.position(), in_place.as_mut())
+                    .await?;
             }
         }
         if let Some(lane) = lane.as_mut() {
@@ -563,38 +629,39 @@ impl PsRun {
 
     /// The checkpoint after `step` steps, the quiesce point of every mode: this trainer has
     /// pushed its steps before `step` and asks every shard for the checkpoint; the shards take
-    /// it once every trainer has asked (no trainer pushes on before), and answer them all. A geo
-    /// trainer writes its own state beside theirs. In a job that recovers in place every role
+    /// it once every trainer has asked (no trainer pushes on before), and answer them all. Every
+    /// trainer writes its own state beside theirs (its data position; geo's optimizer state).
+    /// In a job that recovers in place every role
     /// then acknowledges its files to the coordinator, and the first role on each node commits
     /// that node's copy; otherwise trainer 0 commits what the shards answered.
     async fn checkpoint(
         &mut self,
         client: &mut PsClient,
         step: usize,
+        data: DataPosition,
         in_place: Option<&mut InPlaceLine<'_>>,
     ) -> Result<()> {
         let store = self.recovery.store.clone().context("a checkpoint without a store")?;
         let place = self.place;
-        let files = match self.device.send(CtrOwnState).await?? {
-            Some(bytes) => {
-                let bytes = Arc::new(bytes);
-                let writer = store.clone();
-                let file = bytes.clone();
-                let write = tokio::task::spawn_blocking(move || writer.write(step, &trainer_file_name(place), &file));
-                let written = write.await.context("the checkpoint writer stopped")??;
-                let mut held = HeldFile::here(written.clone());
-                if let Some(line) = &in_place {
-                    self.kept.taken(step, bytes.clone());
-                    // No other node holds a trainer's own state.
-                    if let (Some(buddy), Some(roster)) = (line.buddy, &self.roster) {
-                        held.nodes
-                            .extend(buddy.copy(roster, self.role(), step, &written.name, &bytes).await?);
-                    }
-                }
-                vec![held]
-            }
-            None => Vec::new(),
+        let own = TrainerState {
+            data,
+            geo: self.device.send(CtrOwnState).await??,
         };
+        let bytes = Arc::new(own.encode()?);
+        let writer = store.clone();
+        let file = bytes.clone();
+        let write = tokio::task::spawn_blocking(move || writer.write(step, &trainer_file_name(place), &file));
+        let written = write.await.context("the checkpoint writer stopped")??;
+        let mut held = HeldFile::here(written.clone());
+        if let Some(line) = &in_place {
+            self.kept.taken(step, bytes.clone());
+            // No other node holds a trainer's own state.
+            if let (Some(buddy), Some(roster)) = (line.buddy, &self.roster) {
+                held.nodes
+                    .extend(buddy.copy(roster, self.role(), step, &written.name, &bytes).await?);
+            }
+        }
+        let files = vec![held];
         let ask = Request::Checkpoint {
             dir: store.root().display().to_string(),
             step: step as u64,
@@ -787,8 +854,25 @@ fn buddy_of(in_place: Option<&PsInPlace>) -> Option<&Buddy> {
     in_place?.mirror.as_ref().map(|(_, buddy)| buddy)
 }
 
-/// The file of the own state (geo's local optimizer state) of the trainer at place `place` in
-/// a checkpoint.
+/// The file of the own state of the trainer at place `place` in a checkpoint.
 pub fn trainer_file_name(place: usize) -> String {
     format!("ps-trainer-{place}.state")
+}
+
+/// What a trainer saves of its own at a checkpoint: where its data is, and in geo mode its
+/// local optimizer's state.
+#[derive(serde::Serialize, serde::Deserialize)]
+struct TrainerState {
+    data: DataPosition,
+    geo: Option<Vec<u8>>,
+}
+
+impl TrainerState {
+    fn encode(&self) -> Result<Vec<u8>> {
+        postcard::to_stdvec(self).context("encoding a trainer's state")
+    }
+
+    fn decode(bytes: &[u8]) -> Result<Self> {
+        postcard::from_bytes(bytes).context("a trainer's state file is malformed")
+    }
 }

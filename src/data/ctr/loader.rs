@@ -729,7 +729,10 @@ mod tests {
         }
         let mut other_layout = CtrLoader::new(sources(50, 2, dir.path())?[0].clone(), layout(2, 0), 12, 0, 1)?;
         let err = other_layout.resume_at(&DataPosition::default()).unwrap_err();
-        assert_eq!(err.to_string(), "the saved data position holds no position of data part 0");
+        assert_eq!(
+            err.to_string(),
+            "the saved data position holds no position of data part 0"
+        );
         Ok(())
     }
 
