@@ -7,7 +7,6 @@ use common::{ctr_config, run};
 
 use std::collections::HashMap;
 use std::path::Path;
-use std::sync::Arc;
 
 use candle_core::{Device, Tensor, Var};
 use flotilla::config::JobConfig;
@@ -15,10 +14,7 @@ use flotilla::config::OptimizerKind;
 use flotilla::data::ctr::{CtrLoader, DataLayout};
 use flotilla::job::ps::{build_shard, ParameterServerJob};
 use flotilla::job::{Resume, RunOptions};
-use flotilla::models::{
-    sigmoid_cross_entropy, Activation, Block, Linear, Lookup, ParamInit, SparseModel, SparseModelDef, SparseTableSpec,
-    SPARSE_SLOTS,
-};
+use flotilla::models::{sigmoid_cross_entropy, Lookup, ParamInit, SparseModelDef, SPARSE_SLOTS};
 use flotilla::ps::table::{init_row, RowInit};
 use flotilla::ps::wire::{PullRequest, PushRequest, UpdateKind};
 
@@ -224,61 +220,9 @@ fn deepfm_trains_under_sync_as_it_trains_in_one_process() {
     sync_training_equals_the_reference(config, model);
 }
 
-/// A library user's model: three tables read by disjoint slots (users, items, context), the
-/// context's rows at a step size of their own, and a dense part of two blocks.
-struct ThreeTables {
-    hidden: Linear,
-    out: Linear,
-}
-
-/// `(table, width, slots)` of [`ThreeTables`].
-const THREE_TABLES: [(&str, usize, std::ops::Range<usize>); 3] =
-    [("user", 4, 0..8), ("item", 6, 8..20), ("context", 2, 20..26)];
-
-impl ThreeTables {
-    fn new(init: &ParamInit) -> candle_core::Result<Self> {
-        let inputs: usize = THREE_TABLES.iter().map(|(_, w, slots)| w * slots.len()).sum::<usize>() + 13;
-        Ok(Self {
-            hidden: Linear::new("hidden", inputs, 8, Activation::Relu, init)?,
-            out: Linear::new("out", 8, 1, Activation::Identity, init)?,
-        })
-    }
-}
-
-impl SparseModel for ThreeTables {
-    fn tables(&self) -> Vec<SparseTableSpec> {
-        THREE_TABLES
-            .iter()
-            .map(|(name, width, slots)| SparseTableSpec {
-                lr: (*name == "context").then_some(0.03),
-                ..SparseTableSpec::new(name, *width, 0.3, slots.clone())
-            })
-            .collect()
-    }
-
-    fn blocks(&self) -> Vec<&dyn Block> {
-        vec![&self.hidden, &self.out]
-    }
-
-    fn logits(&self, dense: &Tensor, lookups: &[Lookup<'_>]) -> candle_core::Result<Tensor> {
-        let batch = dense.dim(0)?;
-        let mut inputs = lookups
-            .iter()
-            .map(|l| l.embedded(batch)?.flatten_from(1))
-            .collect::<candle_core::Result<Vec<_>>>()?;
-        inputs.push(dense.clone());
-        self.out
-            .forward(&self.hidden.forward(&Tensor::cat(&inputs, 1)?)?)?
-            .squeeze(1)
-    }
-}
-
 #[test]
 fn a_users_three_table_model_trains_under_sync_as_it_trains_in_one_process() {
-    let model = SparseModelDef::new(Arc::new(|init: &ParamInit| {
-        Ok(Box::new(ThreeTables::new(init)?) as Box<dyn SparseModel>)
-    }))
-    .unwrap();
+    let model = common::three_table_model();
     assert_eq!(model.table_names(), ["user", "item", "context"]);
     // The policy sections name the user's tables; the built-in model's are unknown to this job.
     let config = ctr_config(&[

@@ -11,6 +11,8 @@ use std::process::Command;
 use common::{ctr_config, run, saved_shard};
 use flotilla::config::JobConfig;
 use flotilla::data::ctr::{write_synthetic, CriteoSynth, Split};
+use flotilla::job::ps::ParameterServerJob;
+use flotilla::job::{ps_serving, RunOptions};
 
 /// Runs `flotilla args…`: its JSON answer on success, its stderr on failure.
 fn flotilla(args: &[&str]) -> Result<serde_json::Value, String> {
@@ -115,4 +117,57 @@ fn an_export_scores_the_jobs_auc_and_a_delta_holds_exactly_the_rows_changed_sinc
     assert!(error.contains("manifest.json"), "{error}");
     let error = flotilla(&["ps", "export", &late_run, "--out", &base]).unwrap_err();
     assert!(error.contains("already holds an export"), "{error}");
+}
+
+/// DeepFM exported by the binary, and a program's own model exported and scored through the
+/// library with its `SparseModelDef`, both reproduce their job's AUC; the binary, which does not
+/// know a program's model, says so.
+#[test]
+fn deepfm_and_a_programs_own_model_export_and_score_as_their_jobs_evaluated() {
+    let files = tempfile::tempdir().unwrap();
+    let path = |name: &str| files.path().join(name).display().to_string();
+    let synth = CriteoSynth::new(42, 300);
+    write_synthetic(Path::new(&path("train.tsv")), &synth, Split::Train, 0..20_000).unwrap();
+    write_synthetic(Path::new(&path("test.tsv")), &synth, Split::Test, 0..1_000).unwrap();
+    let job = |model: &str| {
+        ctr_config(&[
+            model,
+            "train.dataset=criteo",
+            &format!("train.train_files=[{:?}]", path("train.tsv")),
+            &format!("train.test_files=[{:?}]", path("test.tsv")),
+        ])
+    };
+    let predict =
+        |model: &str, out: &str| flotilla(&["predict", "--model", model, "--data", &path("test.tsv"), "--out", out]);
+
+    let deepfm_dir = tempfile::tempdir().unwrap();
+    let deepfm = run(job("train.model=deepfm"), deepfm_dir.path());
+    let run_dir = deepfm_dir.path().display().to_string();
+    let tables = flotilla(&["ps", "export", &run_dir, "--out", &path("deepfm")]).unwrap();
+    assert_eq!(
+        (tables[0]["name"].as_str(), tables[1]["name"].as_str()),
+        (Some("embedding"), Some("first_order"))
+    );
+    let scored = predict(&path("deepfm"), &path("deepfm.tsv")).unwrap();
+    assert_eq!(scored["auc"].as_f64(), Some(deepfm.auc));
+
+    let model = common::three_table_model();
+    let own_dir = tempfile::tempdir().unwrap();
+    let own = ParameterServerJob::new(job("train.model=custom"), model.clone())
+        .unwrap()
+        .run_simulated(&RunOptions::new(own_dir.path()))
+        .unwrap();
+    let export = files.path().join("own");
+    let manifest = ps_serving::export(own_dir.path(), &export, None, Some(&model)).unwrap();
+    let names: Vec<&str> = manifest.tables.iter().map(|t| t.name.as_str()).collect();
+    assert_eq!(names, ["user", "item", "context"]);
+    let test = [files.path().join("test.tsv")];
+    let scored = ps_serving::predict(&export, &test, &files.path().join("own.tsv"), Some(&model)).unwrap();
+    assert_eq!(scored.auc, Some(own.auc));
+    let run_dir = own_dir.path().display().to_string();
+    let refused = flotilla(&["ps", "export", &run_dir, "--out", &path("again")]).unwrap_err();
+    assert!(
+        refused.contains("train.model = \"custom\" is the model of the program"),
+        "{refused}"
+    );
 }

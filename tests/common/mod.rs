@@ -10,9 +10,11 @@ use std::net::TcpListener;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
+use candle_core::Tensor;
 use flotilla::config::JobConfig;
 use flotilla::job::ps::{ParameterServerJob, PsSummary};
 use flotilla::job::{RunOptions, RunOutcome, TrainingJob};
+use flotilla::models::{Activation, Block, Linear, Lookup, ParamInit, SparseModel, SparseModelDef, SparseTableSpec};
 
 /// A job from the built-in config text plus `overrides`, no environment.
 pub fn config(overrides: &[&str]) -> JobConfig {
@@ -456,4 +458,61 @@ pub fn run(config: JobConfig, run_dir: &Path) -> PsSummary {
         .expect("job")
         .run_simulated(&options)
         .expect("training succeeds")
+}
+
+/// A library user's model: three tables read by disjoint slots (users, items, context), the
+/// context's rows at a step size of their own, and a dense part of two blocks.
+pub struct ThreeTables {
+    hidden: Linear,
+    out: Linear,
+}
+
+/// `(table, width, slots)` of [`ThreeTables`].
+pub const THREE_TABLES: [(&str, usize, std::ops::Range<usize>); 3] =
+    [("user", 4, 0..8), ("item", 6, 8..20), ("context", 2, 20..26)];
+
+impl ThreeTables {
+    fn new(init: &ParamInit) -> candle_core::Result<Self> {
+        let inputs: usize = THREE_TABLES.iter().map(|(_, w, slots)| w * slots.len()).sum::<usize>() + 13;
+        Ok(Self {
+            hidden: Linear::new("hidden", inputs, 8, Activation::Relu, init)?,
+            out: Linear::new("out", 8, 1, Activation::Identity, init)?,
+        })
+    }
+}
+
+impl SparseModel for ThreeTables {
+    fn tables(&self) -> Vec<SparseTableSpec> {
+        THREE_TABLES
+            .iter()
+            .map(|(name, width, slots)| SparseTableSpec {
+                lr: (*name == "context").then_some(0.03),
+                ..SparseTableSpec::new(name, *width, 0.3, slots.clone())
+            })
+            .collect()
+    }
+
+    fn blocks(&self) -> Vec<&dyn Block> {
+        vec![&self.hidden, &self.out]
+    }
+
+    fn logits(&self, dense: &Tensor, lookups: &[Lookup<'_>]) -> candle_core::Result<Tensor> {
+        let batch = dense.dim(0)?;
+        let mut inputs = lookups
+            .iter()
+            .map(|l| l.embedded(batch)?.flatten_from(1))
+            .collect::<candle_core::Result<Vec<_>>>()?;
+        inputs.push(dense.clone());
+        self.out
+            .forward(&self.hidden.forward(&Tensor::cat(&inputs, 1)?)?)?
+            .squeeze(1)
+    }
+}
+
+/// [`ThreeTables`] as a job's model.
+pub fn three_table_model() -> SparseModelDef {
+    SparseModelDef::new(std::sync::Arc::new(|init: &ParamInit| {
+        Ok(Box::new(ThreeTables::new(init)?) as Box<dyn SparseModel>)
+    }))
+    .unwrap()
 }
