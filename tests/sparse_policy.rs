@@ -194,3 +194,18 @@ fn a_memory_cap_below_the_working_set_holds_and_costs_little_auc() {
         capped.auc
     );
 }
+
+#[test]
+fn a_memory_cap_too_small_for_one_page_of_rows_is_named() {
+    let config = ctr_config(&["strategy.sparse_table_configs.embedding.max_memory_mb=0.01"]);
+    let model = flotilla::models::SparseModelDef::builtin(&config.train).unwrap();
+    let err = flotilla::job::ps::build_shard(&config, &model, 0)
+        .err()
+        .expect("too small a cap");
+    assert!(
+        err.to_string().starts_with(
+            "strategy.sparse_table_configs.embedding.max_memory_mb = 0.01: too little for one page of 16384 rows"
+        ),
+        "{err}"
+    );
+}

@@ -30,8 +30,9 @@ pub struct SparseTableConfig {
     pub delete_threshold: f32,
     /// At the end of each pass, rows not trained for more than this many passes are deleted.
     pub delete_after_unseen_days: u32,
-    /// The most this table's rows (values, optimizer state, counts and index) may take on one
-    /// shard, in MiB; rows beyond it evict the lowest-scored. 0: no cap.
+    /// The most this table's rows (values, optimizer state, counts and index) and, under an
+    /// entry rule, its candidates (a quarter) may take on one shard, in MiB; rows and candidates
+    /// beyond it evict the lowest-scored. 0: no cap.
     pub max_memory_mb: f64,
 }
 

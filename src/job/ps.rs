@@ -8,7 +8,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use actix::prelude::*;
-use anyhow::{anyhow, bail, Context as _, Result};
+use anyhow::{anyhow, bail, ensure, Context as _, Result};
 use futures::channel::oneshot;
 use serde::Serialize;
 
@@ -37,7 +37,7 @@ use crate::ps::policy::RowPolicy;
 use crate::ps::snapshot::shard_file_name;
 use crate::ps::table::{RowInit, SparseTable};
 use crate::ps::wire::{ShardStats, TableStats};
-use crate::ps::{Shard, ShardSpec};
+use crate::ps::{Shard, ShardSpec, PAGE_ROWS};
 use crate::telemetry::timeline::TraceTarget;
 
 /// How long a shard waits, once every trainer has left, for their connections to close.
@@ -541,11 +541,23 @@ pub fn build_shard(job: &JobConfig, model: &SparseModelDef, index: usize) -> Res
             };
             let empty = SparseTable::new(&table.name, table.width, init, ServerOptimizer::for_table(job, table));
             match job.strategy.sparse_table_configs.get(&table.name) {
-                Some(policy) => empty.with_policy(RowPolicy::new(policy.clone(), &table.name, job.train.seed)),
-                None => empty,
+                Some(policy) => {
+                    let policed = empty.with_policy(RowPolicy::new(policy.clone(), &table.name, job.train.seed));
+                    ensure!(
+                        policed.row_budget() != Some(0),
+                        "strategy.sparse_table_configs.{}.max_memory_mb = {}: too little for one page of {} rows \
+                         of {} bytes on a shard",
+                        table.name,
+                        policy.max_memory_mb,
+                        PAGE_ROWS,
+                        policed.raw_bytes_per_row() - 8
+                    );
+                    Ok(policed)
+                }
+                None => Ok(empty),
             }
         })
-        .collect();
+        .collect::<Result<Vec<_>>>()?;
     let spec = ShardSpec {
         index,
         server_num: servers,

@@ -35,4 +35,5 @@ pub mod table;
 pub mod wire;
 pub mod worker;
 
+pub use row_pages::PAGE_ROWS;
 pub use shard::{Shard, ShardSpec};

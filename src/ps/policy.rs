@@ -90,30 +90,76 @@ impl RowPolicy {
         counts[SHOWS] >= 1.0
     }
 
+    /// The memory cap in bytes, and the part of it rows get: all of it, or under an entry rule
+    /// [`ROWS_SHARE`] (the rest holds the candidates' counts).
+    fn cap_for_rows(&self) -> Option<usize> {
+        if self.config.max_memory_mb <= 0.0 {
+            return None;
+        }
+        let cap = self.config.max_memory_mb * 1024.0 * 1024.0;
+        Some(match self.has_entry_rule() {
+            true => (cap * ROWS_SHARE) as usize,
+            false => cap as usize,
+        })
+    }
+
     /// The most rows of `stride` floats a shard of the table may hold under the memory cap, or
     /// `None` without a cap. Counted at the worst: whole pages of rows, and an index grown to
     /// the capacity of twice the rows (evicted rows leave tombstones until the index is rebuilt
     /// in place, which it is while at most half full).
     pub fn row_budget(&self, stride: usize) -> Option<usize> {
-        if self.config.max_memory_mb <= 0.0 {
-            return None;
-        }
-        let cap = (self.config.max_memory_mb * 1024.0 * 1024.0) as usize;
+        let cap = self.cap_for_rows()?;
         let bytes = |rows: usize| {
             rows.div_ceil(PAGE_ROWS) * PAGE_ROWS * stride * size_of::<f32>() + RowIndex::bytes_for(2 * rows)
         };
-        // The largest budget whose worst case fits: bytes() grows with rows.
-        let (mut fits, mut over) = (0usize, cap / (stride * size_of::<f32>()) + 1);
-        while over - fits > 1 {
-            let mid = fits + (over - fits) / 2;
-            if bytes(mid) <= cap {
-                fits = mid;
-            } else {
-                over = mid;
-            }
-        }
-        Some(fits)
+        Some(largest_fitting(cap, cap / (stride * size_of::<f32>()) + 1, bytes))
     }
+
+    /// The most candidates (rows not admitted yet, their shows and clicks) a shard of the table
+    /// may remember under the memory cap — the cap's part rows do not get, as a map reserved
+    /// once to hold them — or `None` without a cap or an entry rule.
+    pub fn candidate_budget(&self) -> Option<usize> {
+        let cap = self.config.max_memory_mb * 1024.0 * 1024.0;
+        if cap <= 0.0 || !self.has_entry_rule() {
+            return None;
+        }
+        let cap = (cap * (1.0 - ROWS_SHARE)) as usize;
+        Some(largest_fitting(cap, cap / CANDIDATE_BYTES + 1, |n| {
+            candidate_buckets(n) * CANDIDATE_BYTES
+        }))
+    }
+}
+
+/// Under a memory cap and an entry rule, the share of the cap that rows get; candidates get the
+/// rest.
+const ROWS_SHARE: f64 = 0.75;
+
+/// Bytes of one bucket of the candidates' map: the id, two counts and a control byte.
+const CANDIDATE_BYTES: usize = size_of::<(u64, [f32; 2])>() + 1;
+
+/// Buckets of a hash map reserved for `n` entries (hashbrown's rule: at most 7/8 full, a power
+/// of two, at least 4).
+pub(crate) fn candidate_buckets(n: usize) -> usize {
+    match n {
+        0 => 0,
+        1..=3 => 4,
+        4..=7 => 8,
+        _ => (n * 8 / 7).next_power_of_two(),
+    }
+}
+
+/// The largest `n < over` with `bytes(n) <= cap`, for `bytes` growing with `n`.
+fn largest_fitting(cap: usize, mut over: usize, bytes: impl Fn(usize) -> usize) -> usize {
+    let mut fits = 0usize;
+    while over - fits > 1 {
+        let mid = fits + (over - fits) / 2;
+        if bytes(mid) <= cap {
+            fits = mid;
+        } else {
+            over = mid;
+        }
+    }
+    fits
 }
 
 #[cfg(test)]

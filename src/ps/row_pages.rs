@@ -10,7 +10,7 @@ use anyhow::bail;
 
 /// Rows per page: small enough that the last, partly used page wastes under
 /// 2% at a million rows, large enough that the page list stays short.
-pub(crate) const PAGE_ROWS: usize = 1 << 14;
+pub const PAGE_ROWS: usize = 1 << 14;
 
 /// Rows of `stride` floats addressed by slot; slots count up from 0 and are
 /// never freed.

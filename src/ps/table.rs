@@ -9,7 +9,7 @@ use anyhow::{ensure, Context};
 use rustc_hash::FxHashMap;
 
 use super::optimizer::ServerOptimizer;
-use super::policy::{RowPolicy, COUNTS};
+use super::policy::{candidate_buckets, RowPolicy, COUNTS};
 use super::row_index::RowIndex;
 use super::row_pages::RowPages;
 use crate::rng::SplitMix64;
@@ -81,6 +81,9 @@ pub struct SparseTable {
     free: Vec<u32>,
     /// Under an entry rule: the shows and clicks of rows not stored yet.
     candidates: FxHashMap<u64, [f32; 2]>,
+    /// The memory cap's share for candidates, as entries: at it, the lowest-scored are
+    /// forgotten.
+    candidate_budget: Option<usize>,
     tally: RowTally,
 }
 
@@ -108,6 +111,7 @@ impl SparseTable {
             row_budget: None,
             free: Vec::new(),
             candidates: FxHashMap::default(),
+            candidate_budget: None,
             tally: RowTally::default(),
         }
     }
@@ -117,8 +121,16 @@ impl SparseTable {
         let stride = self.counts_offset() + COUNTS;
         self.rows = RowPages::new(stride);
         self.row_budget = policy.row_budget(stride);
+        self.candidate_budget = policy.candidate_budget();
+        // Reserved once: the map never grows past its share of the cap.
+        self.candidates = FxHashMap::with_capacity_and_hasher(self.candidate_budget.unwrap_or(0), Default::default());
         self.policy = Some(policy);
         self
+    }
+
+    /// The most rows the memory cap lets a shard hold; `None` without a cap.
+    pub fn row_budget(&self) -> Option<usize> {
+        self.row_budget
     }
 
     /// The table's name: trainers address tables by it and rows are
@@ -300,7 +312,7 @@ impl SparseTable {
     /// Restores the shows and clicks of a row not stored yet (ignored without an entry rule).
     pub fn restore_candidate(&mut self, id: u64, counts: [f32; 2]) {
         if self.policy.as_ref().is_some_and(RowPolicy::has_entry_rule) {
-            self.candidates.insert(id, counts);
+            self.remember_candidate(id, counts);
         }
     }
 
@@ -325,7 +337,7 @@ impl SparseTable {
     pub fn memory_bytes(&self) -> usize {
         self.rows.memory_bytes()
             + self.index.memory_bytes()
-            + self.candidates.capacity() * (size_of::<(u64, [f32; 2])>() + 1)
+            + candidate_buckets(self.candidates.capacity()) * (size_of::<(u64, [f32; 2])>() + 1)
             + self.free.capacity() * size_of::<u32>()
     }
 
@@ -352,7 +364,7 @@ impl SparseTable {
         };
         let [before, clicked] = self.candidates.get(&id).copied().unwrap_or_default();
         if !policy.admits(id, before, shows) {
-            self.candidates.insert(id, [before + shows, clicked + clicks]);
+            self.remember_candidate(id, [before + shows, clicked + clicks]);
             return Ok(None);
         }
         self.candidates.remove(&id);
@@ -402,12 +414,39 @@ impl SparseTable {
             .iter()
             .map(|(id, slot)| (policy.score(&self.rows.row(slot)[counted..]), id))
             .collect();
+        if scored.is_empty() {
+            return;
+        }
         let evict = (budget / 16).clamp(1, scored.len());
         scored.select_nth_unstable_by(evict - 1, |a, b| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)));
         for &(_, id) in &scored[..evict] {
             self.remove(id);
         }
         self.tally.evicted += evict as u64;
+    }
+
+    /// Sets the shows and clicks of `id`, not stored yet; at the candidates' budget the
+    /// lowest-scored sixteenth of them is forgotten first (ties: the lowest ids).
+    fn remember_candidate(&mut self, id: u64, counts: [f32; 2]) {
+        if let (Some(policy), Some(budget)) = (&self.policy, self.candidate_budget) {
+            if self.candidates.len() >= budget && !self.candidates.contains_key(&id) {
+                let mut scored: Vec<(f32, u64)> = self
+                    .candidates
+                    .iter()
+                    .map(|(&id, counts)| (policy.score(counts), id))
+                    .collect();
+                let forget = (budget / 16).clamp(1, scored.len());
+                scored.select_nth_unstable_by(forget - 1, |a, b| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)));
+                for &(_, id) in &scored[..forget] {
+                    self.candidates.remove(&id);
+                }
+                // Rebuilt, as removals leave tombstones that would make the map grow.
+                let mut rebuilt = FxHashMap::with_capacity_and_hasher(budget, Default::default());
+                rebuilt.extend(self.candidates.drain());
+                self.candidates = rebuilt;
+            }
+        }
+        self.candidates.insert(id, counts);
     }
 
     /// Deletes row `id`; its slot is taken by the next new row.
@@ -648,6 +687,37 @@ mod tests {
         held.sort_unstable();
         assert_eq!(held, (evicted as u64..=budget as u64).collect::<Vec<_>>());
         assert!(table.memory_bytes() <= 1 << 19, "{}", table.memory_bytes());
+        Ok(())
+    }
+
+    #[test]
+    fn at_the_cap_the_lowest_scored_candidates_are_forgotten_and_the_map_stays_in_its_share() -> anyhow::Result<()> {
+        let mut table = policed(|c| {
+            c.count_filter = 3;
+            c.max_memory_mb = 1.0;
+        });
+        let budget = table.candidate_budget.unwrap();
+        assert!(budget > 100, "{budget}");
+        let reserved = table.memory_bytes();
+        // Ten ids shown twice, then many more than the budget shown once.
+        for id in 0..10u64 {
+            table.apply_gradients(&[id], &[0.0, 0.0], &[2.0, 0.0])?;
+        }
+        for id in 10..10 * budget as u64 {
+            table.apply_gradients(&[id], &[0.0, 0.0], &[1.0, 0.0])?;
+            assert!(table.candidates.len() <= budget);
+        }
+        assert_eq!(table.memory_bytes(), reserved, "the candidates' map never grew");
+        assert!(reserved <= (1 << 20) / 4, "{reserved}");
+        let twice: Vec<u64> = table
+            .candidates()
+            .filter(|(_, c)| c[0] == 2.0)
+            .map(|(id, _)| id)
+            .collect();
+        assert_eq!(twice.len(), 10, "the better-scored candidates are kept");
+        // Their third show admits them.
+        table.apply_gradients(&[3], &[0.0, 0.0], &[1.0, 0.0])?;
+        assert_eq!((table.len(), table.tally().admitted), (1, 1));
         Ok(())
     }
 }
