@@ -40,6 +40,15 @@ pub trait Block: Send {
     /// The block's parameters with their names inside the block, in a fixed
     /// order.
     fn parameters(&self) -> Vec<(String, Var)>;
+
+    /// The block's parameters with their model-wide names, `"{block}.{param}"`, in the order of
+    /// [`parameters`](Self::parameters).
+    fn named_parameters(&self) -> Vec<(String, Var)> {
+        self.parameters()
+            .into_iter()
+            .map(|(param, var)| (format!("{}.{param}", self.name()), var))
+            .collect()
+    }
 }
 
 /// A parameter with its model-wide name.
@@ -87,11 +96,9 @@ impl Model {
             .iter()
             .enumerate()
             .flat_map(|(block, b)| {
-                b.parameters().into_iter().map(move |(name, var)| NamedParam {
-                    name: format!("{}.{name}", b.name()),
-                    block,
-                    var,
-                })
+                b.named_parameters()
+                    .into_iter()
+                    .map(move |(name, var)| NamedParam { name, block, var })
             })
             .collect()
     }

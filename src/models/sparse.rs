@@ -85,17 +85,7 @@ pub trait SparseModel: Send {
     /// The dense parameters as `"{block}.{param}"`, sorted by name: the order in which they are
     /// flattened and split over the servers.
     fn parameters(&self) -> Vec<(String, Var)> {
-        let mut params: Vec<(String, Var)> = self
-            .blocks()
-            .into_iter()
-            .flat_map(|block| {
-                let name = block.name().to_string();
-                block
-                    .parameters()
-                    .into_iter()
-                    .map(move |(param, var)| (format!("{name}.{param}"), var))
-            })
-            .collect();
+        let mut params: Vec<(String, Var)> = self.blocks().into_iter().flat_map(|b| b.named_parameters()).collect();
         params.sort_by(|a, b| a.0.cmp(&b.0));
         params
     }

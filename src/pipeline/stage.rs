@@ -139,13 +139,7 @@ impl Stage {
         self.chunks
             .iter()
             .flat_map(|chunk| &chunk.blocks)
-            .flat_map(|block| {
-                let name = block.name().to_string();
-                block
-                    .parameters()
-                    .into_iter()
-                    .map(move |(param, var)| (format!("{name}.{param}"), var))
-            })
+            .flat_map(|block| block.named_parameters())
             .collect()
     }
 
