@@ -93,18 +93,13 @@ impl DistinctIds {
         let mut position: FxHashMap<u64, u32> = FxHashMap::default();
         let mut unique = Vec::new();
         let mut index = Vec::with_capacity(batch.len * slots.len());
-        let all_slots = slots.len() == SPARSE_SLOTS && slots.iter().enumerate().all(|(i, &s)| i == s);
-        let mut record = |id: u64| {
-            index.push(*position.entry(id).or_insert_with(|| {
-                unique.push(id);
-                (unique.len() - 1) as u32
-            }))
-        };
-        if all_slots {
-            batch.ids.iter().for_each(|&id| record(id));
-        } else {
-            for sample in batch.ids.chunks_exact(SPARSE_SLOTS) {
-                slots.iter().for_each(|&slot| record(sample[slot]));
+        for sample in batch.ids.chunks_exact(SPARSE_SLOTS) {
+            for &slot in slots {
+                let id = sample[slot];
+                index.push(*position.entry(id).or_insert_with(|| {
+                    unique.push(id);
+                    (unique.len() - 1) as u32
+                }));
             }
         }
         Self {
