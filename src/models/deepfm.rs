@@ -12,7 +12,7 @@ use anyhow::{ensure, Result};
 use candle_core::{Tensor, Var};
 
 use super::sparse::{Lookup, SparseModel, SparseTableSpec};
-use super::wide_deep::{run_tower, tower};
+use super::tower::{run_tower, tower};
 use super::{Activation, Block, Linear, ParamInit, DENSE_FEATURES, SPARSE_SLOTS};
 
 /// DeepFM. Tables: `embedding` (width `embedding_dim`, read by every slot) and `first_order`

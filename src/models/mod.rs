@@ -13,6 +13,7 @@ mod linear;
 mod loss;
 mod mlp;
 mod sparse;
+mod tower;
 mod wide_deep;
 
 pub use deepfm::DeepFm;
