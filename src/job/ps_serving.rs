@@ -101,7 +101,8 @@ impl ServingModel {
             (ExportKind::Delta, None) => bail!("{}: a delta that names no base", dir.display()),
         };
         model.dense = read_dense(&export, &model)?;
-        let layout = model.model.tables().to_vec();
+        let def = model.model.clone();
+        let layout = def.tables();
         ensure!(
             export.manifest.tables.len() == layout.len(),
             "{}: {} tables, the model has {}",
@@ -109,7 +110,7 @@ impl ServingModel {
             export.manifest.tables.len(),
             layout.len()
         );
-        for ((rows, spec), table) in model.tables.iter_mut().zip(&layout).zip(&export.manifest.tables) {
+        for ((rows, spec), table) in model.tables.iter_mut().zip(layout).zip(&export.manifest.tables) {
             ensure!(
                 table.name == spec.name && table.width == spec.width,
                 "{}: table {} of width {}, the model's is {} of width {}",

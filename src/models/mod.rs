@@ -22,9 +22,7 @@ pub use init::ParamInit;
 pub use linear::{Activation, Linear};
 pub use loss::{click_probability, correct_predictions, cross_entropy, sigmoid_cross_entropy};
 pub use mlp::mlp;
-pub use sparse::{
-    builtin_sparse_model, check_tables, Lookup, SparseModel, SparseModelBuilder, SparseModelDef, SparseTableSpec,
-};
+pub use sparse::{Lookup, SparseModel, SparseModelBuilder, SparseModelDef, SparseTableSpec};
 pub use wide_deep::{WideDeep, DENSE_FEATURES, SPARSE_SLOTS};
 
 use anyhow::{ensure, Result};

@@ -97,7 +97,7 @@ pub type SparseModelBuilder = Arc<dyn Fn(&ParamInit) -> Result<Box<dyn SparseMod
 
 /// The built-in model `train.model` names, shaped by `train.embedding_dim` and
 /// `train.hidden_sizes`.
-pub fn builtin_sparse_model(train: &TrainConfig) -> Result<SparseModelBuilder> {
+fn builtin_sparse_model(train: &TrainConfig) -> Result<SparseModelBuilder> {
     let (kind, width, hidden) = (train.model, train.embedding_dim, train.hidden_sizes());
     Ok(match kind {
         ModelKind::WideDeep => Arc::new(move |init| Ok(Box::new(WideDeep::new(width, &hidden, init)?))),
@@ -117,7 +117,7 @@ pub fn builtin_sparse_model(train: &TrainConfig) -> Result<SparseModelBuilder> {
 
 /// Checks a model's tables: names distinct and non-empty, widths and slot lists non-empty,
 /// slots among the click log's.
-pub fn check_tables(tables: &[SparseTableSpec]) -> Result<()> {
+fn check_tables(tables: &[SparseTableSpec]) -> Result<()> {
     ensure!(!tables.is_empty(), "a sparse model needs at least one sparse table");
     for (i, table) in tables.iter().enumerate() {
         ensure!(!table.name.is_empty(), "sparse table {i} has no name");

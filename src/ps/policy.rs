@@ -90,16 +90,16 @@ impl RowPolicy {
         counts[SHOWS] >= 1.0
     }
 
-    /// The memory cap in bytes, and the part of it rows get: all of it, or under an entry rule
-    /// [`ROWS_SHARE`] (the rest holds the candidates' counts).
-    fn cap_for_rows(&self) -> Option<usize> {
-        if self.config.max_memory_mb <= 0.0 {
+    /// The memory cap in bytes, split between rows and, under an entry rule, candidates
+    /// ([`ROWS_SHARE`] for rows); `None` without a cap.
+    fn cap_shares(&self) -> Option<(usize, Option<usize>)> {
+        let cap = self.config.max_memory_mb * 1024.0 * 1024.0;
+        if cap <= 0.0 {
             return None;
         }
-        let cap = self.config.max_memory_mb * 1024.0 * 1024.0;
         Some(match self.has_entry_rule() {
-            true => (cap * ROWS_SHARE) as usize,
-            false => cap as usize,
+            true => ((cap * ROWS_SHARE) as usize, Some((cap * (1.0 - ROWS_SHARE)) as usize)),
+            false => (cap as usize, None),
         })
     }
 
@@ -108,7 +108,7 @@ impl RowPolicy {
     /// the capacity of twice the rows (evicted rows leave tombstones until the index is rebuilt
     /// in place, which it is while at most half full).
     pub fn row_budget(&self, stride: usize) -> Option<usize> {
-        let cap = self.cap_for_rows()?;
+        let (cap, _) = self.cap_shares()?;
         let bytes = |rows: usize| {
             rows.div_ceil(PAGE_ROWS) * PAGE_ROWS * stride * size_of::<f32>() + RowIndex::bytes_for(2 * rows)
         };
@@ -119,14 +119,8 @@ impl RowPolicy {
     /// may remember under the memory cap — the cap's part rows do not get, as a map reserved
     /// once to hold them — or `None` without a cap or an entry rule.
     pub fn candidate_budget(&self) -> Option<usize> {
-        let cap = self.config.max_memory_mb * 1024.0 * 1024.0;
-        if cap <= 0.0 || !self.has_entry_rule() {
-            return None;
-        }
-        let cap = (cap * (1.0 - ROWS_SHARE)) as usize;
-        Some(largest_fitting(cap, cap / CANDIDATE_BYTES + 1, |n| {
-            candidate_buckets(n) * CANDIDATE_BYTES
-        }))
+        let cap = self.cap_shares()?.1?;
+        Some(largest_fitting(cap, cap / CANDIDATE_BYTES + 1, candidate_map_bytes))
     }
 }
 
@@ -137,15 +131,16 @@ const ROWS_SHARE: f64 = 0.75;
 /// Bytes of one bucket of the candidates' map: the id, two counts and a control byte.
 const CANDIDATE_BYTES: usize = size_of::<(u64, [f32; 2])>() + 1;
 
-/// Buckets of a hash map reserved for `n` entries (hashbrown's rule: at most 7/8 full, a power
-/// of two, at least 4).
-pub(crate) fn candidate_buckets(n: usize) -> usize {
-    match n {
+/// Bytes of the candidates' map reserved for `n` entries: its buckets by hashbrown's rule (at
+/// most 7/8 full, a power of two, at least 4).
+pub(crate) fn candidate_map_bytes(n: usize) -> usize {
+    let buckets = match n {
         0 => 0,
         1..=3 => 4,
         4..=7 => 8,
         _ => (n * 8 / 7).next_power_of_two(),
-    }
+    };
+    buckets * CANDIDATE_BYTES
 }
 
 /// The largest `n < over` with `bytes(n) <= cap`, for `bytes` growing with `n`.

@@ -9,7 +9,7 @@ use anyhow::{ensure, Context};
 use rustc_hash::FxHashMap;
 
 use super::optimizer::ServerOptimizer;
-use super::policy::{candidate_buckets, RowPolicy, COUNTS};
+use super::policy::{candidate_map_bytes, RowPolicy, COUNTS};
 use super::row_index::RowIndex;
 use super::row_pages::RowPages;
 use crate::rng::SplitMix64;
@@ -337,7 +337,7 @@ impl SparseTable {
     pub fn memory_bytes(&self) -> usize {
         self.rows.memory_bytes()
             + self.index.memory_bytes()
-            + candidate_buckets(self.candidates.capacity()) * (size_of::<(u64, [f32; 2])>() + 1)
+            + candidate_map_bytes(self.candidates.capacity())
             + self.free.capacity() * size_of::<u32>()
     }
 
@@ -409,20 +409,16 @@ impl SparseTable {
             return;
         };
         let counted = self.counts_offset();
-        let mut scored: Vec<(f32, u64)> = self
+        let scored = self
             .index
             .iter()
             .map(|(id, slot)| (policy.score(&self.rows.row(slot)[counted..]), id))
             .collect();
-        if scored.is_empty() {
-            return;
-        }
-        let evict = (budget / 16).clamp(1, scored.len());
-        scored.select_nth_unstable_by(evict - 1, |a, b| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)));
-        for &(_, id) in &scored[..evict] {
+        let evicted = lowest_sixteenth(scored, budget);
+        for &id in &evicted {
             self.remove(id);
         }
-        self.tally.evicted += evict as u64;
+        self.tally.evicted += evicted.len() as u64;
     }
 
     /// Sets the shows and clicks of `id`, not stored yet; at the candidates' budget the
@@ -430,14 +426,12 @@ impl SparseTable {
     fn remember_candidate(&mut self, id: u64, counts: [f32; 2]) {
         if let (Some(policy), Some(budget)) = (&self.policy, self.candidate_budget) {
             if self.candidates.len() >= budget && !self.candidates.contains_key(&id) {
-                let mut scored: Vec<(f32, u64)> = self
+                let scored = self
                     .candidates
                     .iter()
                     .map(|(&id, counts)| (policy.score(counts), id))
                     .collect();
-                let forget = (budget / 16).clamp(1, scored.len());
-                scored.select_nth_unstable_by(forget - 1, |a, b| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)));
-                for &(_, id) in &scored[..forget] {
+                for id in lowest_sixteenth(scored, budget) {
                     self.candidates.remove(&id);
                 }
                 // Rebuilt, as removals leave tombstones that would make the map grow.
@@ -495,6 +489,18 @@ impl fmt::Debug for SparseTable {
             .field("len", &self.len)
             .finish_non_exhaustive()
     }
+}
+
+/// The ids of the lowest-scored sixteenth of a `budget` (at least one, at most all) among
+/// `(score, id)` pairs, ties broken by the lowest ids: what makes room at a memory cap, the same
+/// on every replay.
+fn lowest_sixteenth(mut scored: Vec<(f32, u64)>, budget: usize) -> Vec<u64> {
+    if scored.is_empty() {
+        return Vec::new();
+    }
+    let count = (budget / 16).clamp(1, scored.len());
+    scored.select_nth_unstable_by(count - 1, |a, b| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)));
+    scored[..count].iter().map(|&(_, id)| id).collect()
 }
 
 #[cfg(test)]

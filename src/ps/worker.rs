@@ -272,17 +272,23 @@ impl CtrWorker {
         &planned.groups[self.group_of[table]].unique
     }
 
-    /// Per table with a row policy, its distinct ids' shows and clicks; `None` for the others.
+    /// Per slot group read by a table with a row policy, its distinct ids' shows and clicks;
+    /// `None` for the other groups. A table's are `table_counts` of them.
     fn shows_and_clicks(&self, planned: &PlannedBatch) -> Vec<Option<Vec<[f32; 2]>>> {
-        let by_group: Vec<Option<Vec<[f32; 2]>>> = (0..planned.groups.len())
+        (0..planned.groups.len())
             .map(|g| {
                 let used = (0..self.widths.len()).any(|t| self.counted[t] && self.group_of[t] == g);
                 used.then(|| planned.groups[g].shows_and_clicks(&planned.batch.labels))
             })
-            .collect();
-        (0..self.widths.len())
-            .map(|t| by_group[self.group_of[t]].clone().filter(|_| self.counted[t]))
             .collect()
+    }
+
+    /// Table `table`'s shows and clicks among `by_group` ([`Self::shows_and_clicks`]); `None`
+    /// without a row policy.
+    fn table_counts<'c>(&self, by_group: &'c [Option<Vec<[f32; 2]>>], table: usize) -> Option<&'c [[f32; 2]]> {
+        by_group[self.group_of[table]]
+            .as_deref()
+            .filter(|_| self.counted[table])
     }
 
     /// Runs forward and backward of the planned batch on the pulled rows (`pulled[shard]`)
@@ -445,7 +451,7 @@ impl CtrWorker {
                 let shard = shard_of(table, id, self.server_num);
                 updates[shard].ids[table].push(id);
                 updates[shard].values[table].extend_from_slice(&row_grads[table][u * width..(u + 1) * width]);
-                if let Some(counts) = &counts[table] {
+                if let Some(counts) = self.table_counts(&counts, table) {
                     updates[shard].counts[table].extend_from_slice(&counts[u]);
                 }
             }
@@ -461,13 +467,16 @@ impl CtrWorker {
         row_grads: &[Vec<f32>],
         dense_grad: &[f32],
     ) -> Result<Option<Vec<ShardUpdate>>> {
-        let counts = self.shows_and_clicks(planned);
+        let by_group = self.shows_and_clicks(planned);
+        let counts: Vec<Option<&[[f32; 2]]>> = (0..self.widths.len())
+            .map(|t| self.table_counts(&by_group, t))
+            .collect();
         let uniques: Vec<&[u64]> = (0..self.widths.len()).map(|t| self.unique(planned, t)).collect();
         let geo = self.geo.as_mut().context("geo step outside geo mode")?;
         for (table, &width) in self.widths.iter().enumerate() {
             let optimizer = self.row_optimizers[table];
             for (u, id) in uniques[table].iter().enumerate() {
-                if let Some(counts) = &counts[table] {
+                if let Some(counts) = counts[table] {
                     let sum = geo.counts[table].entry(*id).or_default();
                     sum[0] += counts[u][0];
                     sum[1] += counts[u][1];

@@ -266,11 +266,9 @@ impl Part {
         self.windows = at.windows;
         self.window.clear();
         self.window_start = None;
-        if at.given > 0 {
-            for _ in 0..at.given {
-                self.next()?
-                    .with_context(|| format!("data part {}: its saved window ends early", self.index))?;
-            }
+        for _ in 0..at.given {
+            self.next()?
+                .with_context(|| format!("data part {}: its saved window ends early", self.index))?;
         }
         self.taken = at.taken;
         Ok(())
