@@ -16,7 +16,7 @@ use flotilla::job::ps::{build_shard, ParameterServerJob};
 use flotilla::job::{Resume, RunOptions};
 use flotilla::models::{sigmoid_cross_entropy, Lookup, ParamInit, SparseModelDef, SPARSE_SLOTS};
 use flotilla::ps::table::{init_row, RowInit};
-use flotilla::ps::wire::{PullRequest, PushRequest, UpdateKind};
+use flotilla::ps::wire::{Part, PullRequest, PushRequest, UpdateKind};
 
 /// The tensors of one shard snapshot, as f32 values or u64 ids.
 struct ShardFile {
@@ -320,6 +320,7 @@ fn a_push_to_an_unknown_table_or_with_a_row_of_the_wrong_width_is_refused() {
     let push = |ids: Vec<Vec<u64>>, values: Vec<Vec<f32>>| PushRequest {
         trainer: 1,
         step: 0,
+        part: Part::WHOLE,
         kind: UpdateKind::Gradients,
         ids,
         values,
@@ -476,6 +477,7 @@ fn empty_push(config: &JobConfig, trainer: usize, step: u64, kind: UpdateKind) -
     PushRequest {
         trainer,
         step,
+        part: Part::WHOLE,
         kind,
         ids: vec![vec![], vec![]],
         values: vec![vec![], vec![]],
@@ -692,5 +694,99 @@ fn a_resumed_run_reads_its_files_from_the_saved_position_not_from_their_start() 
         let dense =
             |dir: &Path| ShardFile::read(&dir.join(format!("ps-shard-{shard}.safetensors"))).floats("dense.values");
         assert_eq!(dense(resumed_dir.path()), dense(uninterrupted.path()), "shard {shard}");
+    }
+}
+
+#[test]
+fn an_update_in_parts_out_of_order_and_retried_applies_exactly_as_the_whole_update() {
+    use flotilla::ps::parts::{split, Joined};
+    use flotilla::ps::wire::{Reply, Request};
+    for mode in [
+        &["cluster.nproc_per_node=2"][..],
+        &["cluster.nproc_per_node=2", "strategy.a_sync=true"],
+    ] {
+        let config = ctr_config(mode);
+        let (mut whole, mut in_parts) = (common::fresh_shard(&config, 0), common::fresh_shard(&config, 0));
+        let widths: Vec<usize> = whole.tables().iter().map(|t| t.width()).collect();
+        let dense = whole.dense().len();
+        let mut rng = flotilla::rng::SplitMix64::new(7);
+        for step in 0..3 {
+            for trainer in 0..2 {
+                // Trainers share some ids, so the step's sums mix their parts.
+                let ids: Vec<Vec<u64>> = widths
+                    .iter()
+                    .map(|_| (0..40).map(|i| i * 3 + trainer as u64 + step).collect())
+                    .collect();
+                let mut floats = |n: usize| (0..n).map(|_| rng.next_f32() - 0.5).collect::<Vec<f32>>();
+                let push = PushRequest {
+                    trainer,
+                    step,
+                    part: Part::WHOLE,
+                    kind: UpdateKind::Gradients,
+                    values: ids.iter().zip(&widths).map(|(ids, w)| floats(ids.len() * w)).collect(),
+                    ids,
+                    counts: Vec::new(),
+                    dense: floats(dense),
+                };
+                whole.push(push.clone()).unwrap();
+                let mut parts = split(Request::Push(push), 7);
+                assert!(parts.len() > 10, "{} parts", parts.len());
+                parts.reverse();
+                let again = parts[3].clone();
+                parts.push(again);
+                let mut applied = 0;
+                for part in parts {
+                    let Request::Push(part) = part else { panic!("a push") };
+                    applied += usize::from(in_parts.push(part).unwrap());
+                }
+                let expected = if mode.len() == 1 { trainer } else { 12 };
+                assert_eq!(
+                    applied, expected,
+                    "{mode:?}: sync applies at the last trainer's last part; async each new part"
+                );
+            }
+        }
+        assert_eq!(
+            whole.stats().updates_applied,
+            in_parts.stats().updates_applied,
+            "{mode:?}"
+        );
+        let saved = |shard: &flotilla::ps::Shard, dir: &Path| {
+            shard.save(&dir.join("ps-shard-0.safetensors")).unwrap();
+            common::saved_shard(&config, dir, 0)
+        };
+        let (a, b) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+        assert_eq!(
+            saved(&whole, a.path()),
+            saved(&in_parts, b.path()),
+            "{mode:?}: bitwise, with optimizer state"
+        );
+        // A pull in parts joins to the whole pull's rows.
+        let pull = PullRequest {
+            trainer: 0,
+            version: 3,
+            after_training: false,
+            training: true,
+            ids: vec![(0..50).collect(), (20..90).collect()],
+            dense: true,
+        };
+        let parts = split(Request::Pull(pull.clone()), 9);
+        let mut joined = Joined::new(&parts);
+        for part in &parts {
+            let Request::Pull(part) = part else { panic!("a pull") };
+            let mut rows = in_parts.pull(part).unwrap();
+            if let Some(mut so_far) = joined.rows_so_far() {
+                for (all, part) in so_far.rows.iter_mut().zip(rows.rows) {
+                    all.extend(part);
+                }
+                so_far.dense.extend(rows.dense);
+                rows = so_far;
+            }
+            joined.add(Ok(Reply::Rows(rows)));
+        }
+        let Reply::Rows(rows) = joined.finish().unwrap() else {
+            panic!("rows")
+        };
+        assert_eq!(rows, whole.pull(&pull).unwrap());
     }
 }

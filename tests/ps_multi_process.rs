@@ -203,3 +203,21 @@ fn a_server_that_drops_every_request_fails_the_call_after_the_retries() {
     );
     assert_eq!(acceptor.join().unwrap(), 4, "one attempt and three retries");
 }
+
+#[test]
+fn pulls_and_pushes_in_pipelined_parts_reach_shard_processes_whole() {
+    // 40 000 ids make three parts; the benchmark checks the parted pull against a whole one.
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_flotilla"))
+        .args([
+            "bench", "ps", "--ids", "40000", "--widths", "8", "--shards", "1,2", "--iters", "1", "--json",
+        ])
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(stdout.lines().filter(|l| l.contains("\"op\"")).count(), 4, "{stdout}");
+}

@@ -15,17 +15,44 @@ use flotilla::net::auth::{accept_on, connect_on, ClusterToken, Credentials};
 use flotilla::net::protocol::{Beat, DeadProcess, Membership, Roster};
 use flotilla::net::{ControlMessage, Frame};
 use flotilla::ps::wire::{
-    decode_reply, decode_request, encode_reply, encode_request, PullRequest, PulledRows, PushRequest, Reply, Request,
+    read_reply, read_request, write_reply, write_request, Part, PullRequest, PulledRows, PushRequest, Reply, Request,
     ShardCall, UpdateKind,
 };
 use proptest::prelude::*;
 
+/// The frame cap the parameter-server readers are given.
+const CAP: usize = 1 << 20;
+
+fn block_on<T>(future: impl std::future::Future<Output = T>) -> T {
+    futures::executor::block_on(future)
+}
+
+fn encode_request(call: &ShardCall) -> std::io::Result<Bytes> {
+    let mut wire = Vec::new();
+    block_on(write_request(&mut wire, call, CAP))?;
+    Ok(wire.into())
+}
+
+fn encode_reply(reply: &anyhow::Result<Reply>) -> std::io::Result<Bytes> {
+    let mut wire = Vec::new();
+    block_on(write_reply(&mut wire, reply, CAP))?;
+    Ok(wire.into())
+}
+
+fn decode_request(wire: &[u8]) -> std::io::Result<Option<ShardCall>> {
+    block_on(read_request(&mut &wire[..], CAP))
+}
+
+fn decode_reply(wire: &[u8]) -> std::io::Result<anyhow::Result<Reply>> {
+    block_on(read_reply(&mut &wire[..], CAP, None))
+}
+
 /// Runs every decoder on `body`; only a panic fails.
 fn decode_with_every_decoder(body: &[u8]) {
+    let _ = decode_request(body);
+    let _ = decode_reply(body);
     let body = Bytes::copy_from_slice(body);
     let _ = Frame::<ControlMessage>::decode(body.clone());
-    let _ = decode_request(body.clone());
-    let _ = decode_reply(body.clone());
     let _ = StageOutcome::from_bytes(body);
 }
 
@@ -106,6 +133,7 @@ fn requests() -> Vec<Request> {
         Request::Push(PushRequest {
             trainer: 0,
             step: 12,
+            part: Part { index: 2, of: 5 },
             kind: UpdateKind::Gradients,
             ids: vec![vec![4, 2], vec![8]],
             values: vec![vec![0.5; 8], vec![-1.0; 4]],
@@ -276,17 +304,20 @@ fn valid_encodings_decode_to_what_was_encoded() {
             request,
         };
         assert_eq!(
-            decode_request(encode_request(&call).expect("encodes")).expect("decodes"),
-            call
+            decode_request(&encode_request(&call).expect("encodes")).expect("decodes"),
+            Some(call)
         );
     }
     for reply in replies() {
         assert_eq!(
-            decode_reply(encode_reply(&Ok(reply.clone())).expect("encodes")).expect("decodes"),
+            decode_reply(&encode_reply(&Ok(reply.clone())).expect("encodes"))
+                .expect("decodes")
+                .expect("no refusal"),
             reply
         );
     }
-    let failure = decode_reply(encode_reply(&Err(anyhow::anyhow!("a shard's failure"))).expect("encodes"));
+    let failure =
+        decode_reply(&encode_reply(&Err(anyhow::anyhow!("a shard's failure"))).expect("encodes")).expect("decodes");
     assert!(format!("{:#}", failure.expect_err("a failure")).contains("a shard's failure"));
     let encoded = stage_outcome().to_bytes().expect("encodes");
     let decoded = StageOutcome::from_bytes(encoded.clone()).expect("decodes");

@@ -19,7 +19,7 @@ use crate::ps::dense::DenseSlice;
 use crate::ps::optimizer::ServerOptimizer;
 use crate::ps::placement::shard_of;
 use crate::ps::table::{RowInit, SparseTable};
-use crate::ps::wire::{PullRequest, PushRequest, Request, UpdateKind};
+use crate::ps::wire::{Part, PullRequest, PushRequest, Request, UpdateKind};
 use crate::ps::{Shard, ShardSpec};
 use crate::rng::SplitMix64;
 
@@ -243,6 +243,7 @@ async fn measure(
                     Request::Push(PushRequest {
                         trainer: 0,
                         step,
+                        part: Part::WHOLE,
                         kind: UpdateKind::Gradients,
                         ids: vec![ids.clone()],
                         values: vec![vec![1e-3; ids.len() * width]],
@@ -273,11 +274,25 @@ async fn measure(
             times.push(started.elapsed());
         }
         figures.push(figures_of("push", shards, width, count, &mut times));
+        check_parts_join_to_the_whole(&mut client, pulls()).await?;
     }
     client
         .call_all(vec![Request::Leave { trainer: 0 }; shards], "leave")
         .await?;
     Ok(figures)
+}
+
+/// The rows pulled in pipelined parts (as timed) equal those of one whole pull: the check
+/// that the figures measure a correct exchange.
+async fn check_parts_join_to_the_whole(client: &mut PsClient, pulls: Vec<Request>) -> Result<()> {
+    let mut whole = client.another_lane().with_part_ids(usize::MAX);
+    let in_parts = client.call_all(pulls.clone(), "pull").await?;
+    let at_once = whole.call_all(pulls, "whole pull").await?;
+    anyhow::ensure!(
+        in_parts == at_once,
+        "the rows pulled in parts differ from those of one whole pull"
+    );
+    Ok(())
 }
 
 fn figures_of(op: &'static str, shards: usize, width: usize, ids: usize, times: &mut [Duration]) -> PsFigures {

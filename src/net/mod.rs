@@ -21,6 +21,7 @@ pub mod auth;
 pub mod bus;
 pub mod file_mirror;
 pub mod frame;
+pub mod frame_stream;
 pub mod listen;
 pub mod protocol;
 pub mod ps_server;

@@ -6,14 +6,12 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use actix::Recipient;
-use futures::{SinkExt, StreamExt};
+use tokio::io::{BufReader, BufWriter};
 use tokio::net::{TcpListener, TcpStream};
-use tokio_util::codec::Framed;
 
 use super::auth::Credentials;
-use super::frame::codec;
 use super::listen::accept_authenticated;
-use crate::ps::wire::{decode_request, encode_reply, ShardCall};
+use crate::ps::wire::{read_request, write_reply, ShardCall};
 
 /// Accepts trainer connections until the actor system stops; `open` counts the connections
 /// being served, so the shard can let the last answers go out before it exits. A connection
@@ -37,25 +35,45 @@ pub async fn serve_shard(
     .await
 }
 
+/// Requests of one connection read ahead while earlier ones are served: a large update or
+/// pull arrives as several parts, and the shard works on one while the line carries the next.
+const READ_AHEAD: usize = 16;
+
+/// Reads requests and hands them to the shard in order while a second half writes the answers
+/// back in the same order, so reading, the shard's work and writing overlap.
 async fn handle_connection(
     stream: TcpStream,
     shard: Recipient<ShardCall>,
     max_frame_bytes: usize,
 ) -> Result<(), String> {
     stream.set_nodelay(true).map_err(|e| e.to_string())?;
-    let mut framed = Framed::new(stream, codec(max_frame_bytes));
-    while let Some(body) = framed.next().await {
-        let body = body.map_err(|e| format!("bad frame: {e}"))?;
-        let call = decode_request(body.freeze()).map_err(|e| e.to_string())?;
-        let answer = match shard.send(call).await {
-            Ok(answer) => answer,
-            Err(e) => Err(anyhow::anyhow!("parameter server unavailable: {e}")),
-        };
-        let encoded = encode_reply(&answer).map_err(|e| e.to_string())?;
-        framed
-            .send(encoded)
+    let (input, output) = stream.into_split();
+    let (mut input, mut output) = (BufReader::new(input), BufWriter::new(output));
+    let (answers, mut pending) = tokio::sync::mpsc::channel(READ_AHEAD);
+    let read = async move {
+        while let Some(call) = read_request(&mut input, max_frame_bytes)
             .await
-            .map_err(|e| format!("sending the answer: {e}"))?;
-    }
-    Ok(())
+            .map_err(|e| format!("bad frame: {e}"))?
+        {
+            // The actor's mailbox takes the call now, so calls reach the shard in order.
+            if answers.send(shard.send(call)).await.is_err() {
+                break; // the writing half failed and reported why
+            }
+        }
+        Ok::<_, String>(())
+    };
+    let write = async move {
+        while let Some(answer) = pending.recv().await {
+            let answer = match answer.await {
+                Ok(answer) => answer,
+                Err(e) => Err(anyhow::anyhow!("parameter server unavailable: {e}")),
+            };
+            write_reply(&mut output, &answer, max_frame_bytes)
+                .await
+                .map_err(|e| format!("sending the answer: {e}"))?;
+        }
+        Ok::<_, String>(())
+    };
+    let (read, write) = futures::join!(read, write);
+    read.and(write)
 }

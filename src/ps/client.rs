@@ -13,16 +13,15 @@ use std::time::Duration;
 
 use actix::Recipient;
 use anyhow::{anyhow, bail, Context as _, Result};
-use bytes::Bytes;
 use futures::future::BoxFuture;
-use futures::{FutureExt, SinkExt, StreamExt};
+use futures::FutureExt;
+use tokio::io::{BufReader, BufWriter};
+use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::TcpStream;
 
+use super::parts::{self, Joined, PART_IDS};
+use super::wire::{read_reply, write_request, Reply, Request, ShardCall};
 use crate::net::auth::{self, Credentials};
-use tokio_util::codec::{Framed, LengthDelimitedCodec};
-
-use super::wire::{decode_reply, encode_request, Reply, Request, ShardCall};
-use crate::net::frame::codec;
 
 /// `backoff` scaled by a random factor in [0.5, 1): trainers that failed together (a shard
 /// restarting) do not all come back at the same instant.
@@ -95,9 +94,15 @@ impl ShardLink {
 /// A TCP connection to a shard, re-established when it breaks.
 pub struct RemoteShard {
     endpoint: String,
-    connection: Option<Framed<TcpStream, LengthDelimitedCodec>>,
+    connection: Option<Connection>,
     max_frame_bytes: usize,
     credentials: Credentials,
+}
+
+/// The two halves of a connection, so requests go out while answers come in.
+struct Connection {
+    input: BufReader<OwnedReadHalf>,
+    output: BufWriter<OwnedWriteHalf>,
 }
 
 impl RemoteShard {
@@ -111,31 +116,46 @@ impl RemoteShard {
         }
     }
 
-    async fn connect(&mut self) -> std::io::Result<&mut Framed<TcpStream, LengthDelimitedCodec>> {
+    async fn connect(&mut self) -> std::io::Result<&mut Connection> {
         if self.connection.is_none() {
             let mut stream = TcpStream::connect(&self.endpoint).await?;
             auth::connect(&mut stream, &self.credentials)
                 .await
                 .map_err(|e| std::io::Error::new(std::io::ErrorKind::PermissionDenied, format!("{e:#}")))?;
             stream.set_nodelay(true)?;
-            self.connection = Some(Framed::new(stream, codec(self.max_frame_bytes)));
+            let (input, output) = stream.into_split();
+            self.connection = Some(Connection {
+                input: BufReader::new(input),
+                output: BufWriter::new(output),
+            });
         }
         self.connection
             .as_mut()
             .ok_or_else(|| std::io::Error::other("no connection"))
     }
 
-    /// One attempt: send the frame, read the answer. Errors are network-level.
-    async fn exchange(&mut self, frame: Bytes) -> std::io::Result<Bytes> {
-        let connection = self.connect().await?;
-        connection.send(frame).await?;
-        match connection.next().await {
-            Some(answer) => Ok(answer?.freeze()),
-            None => Err(std::io::Error::new(
-                std::io::ErrorKind::ConnectionReset,
-                "the shard closed the connection",
-            )),
-        }
+    /// One attempt: sends the parts of a request back to back while reading their answers, in
+    /// order. The outer error is the line's (or a malformed answer's); an inner one is a part's
+    /// refusal by the shard.
+    async fn exchange(&mut self, parts: &[ShardCall]) -> std::io::Result<Result<Reply>> {
+        let max_frame_bytes = self.max_frame_bytes;
+        let Connection { input, output } = self.connect().await?;
+        let send = async {
+            for part in parts {
+                write_request(output, part, max_frame_bytes).await?;
+            }
+            Ok::<_, std::io::Error>(())
+        };
+        let receive = async {
+            let mut joined = Joined::new(parts.iter().map(|part| &part.request));
+            for _ in parts {
+                let so_far = joined.rows_so_far();
+                joined.add(read_reply(input, max_frame_bytes, so_far).await?);
+            }
+            Ok(joined.finish())
+        };
+        let ((), answer) = futures::future::try_join(send, receive).await?;
+        Ok(answer)
     }
 }
 
@@ -146,6 +166,8 @@ pub struct PsClient {
     timeout: Duration,
     /// The generation of the job this trainer is in, stamped on every request.
     generation: u64,
+    /// Requests to a shard process with more ids travel as pipelined parts.
+    part_ids: usize,
 }
 
 impl PsClient {
@@ -156,7 +178,15 @@ impl PsClient {
             retry,
             timeout,
             generation: 0,
+            part_ids: PART_IDS,
         }
+    }
+
+    /// Cuts requests to shard processes into parts of at most about `ids` ids (default
+    /// [`PART_IDS`]).
+    pub fn with_part_ids(mut self, ids: usize) -> Self {
+        self.part_ids = ids;
+        self
     }
 
     /// The trainer joined `generation` after a rollback: its requests carry it from now on, over
@@ -190,6 +220,7 @@ impl PsClient {
             retry: self.retry,
             timeout: self.timeout,
             generation: self.generation,
+            part_ids: self.part_ids,
         }
     }
 
@@ -228,13 +259,16 @@ impl PsClient {
     /// Sends `requests[s]` to shard `s`, all shards at once, and returns the answers by shard;
     /// `what` names the operation in errors ("pull of step 17").
     pub async fn call_all(&mut self, requests: Vec<Request>, what: &str) -> Result<Vec<Reply>> {
-        let (retry, timeout, generation) = (self.retry, self.timeout, self.generation);
+        let (retry, timeout, generation, part_ids) = (self.retry, self.timeout, self.generation, self.part_ids);
         let calls = self
             .shards
             .iter_mut()
             .zip(requests)
             .enumerate()
-            .map(|(index, (link, request))| call(index, link, ShardCall { generation, request }, retry, timeout, what));
+            .map(|(index, (link, request))| {
+                let call_of = ShardCall { generation, request };
+                call(index, link, call_of, retry, timeout, part_ids, what)
+            });
         futures::future::try_join_all(calls).await
     }
 }
@@ -281,6 +315,7 @@ async fn call(
     request: ShardCall,
     retry: usize,
     timeout: Duration,
+    part_ids: usize,
     what: &str,
 ) -> Result<Reply> {
     let mut retries = Retries::new(retry);
@@ -305,12 +340,20 @@ async fn call(
         }
         ShardLink::Remote(remote) => remote,
     };
-    let frame = encode_request(&request)?;
+    let generation = request.generation;
+    let parts: Vec<ShardCall> = parts::split(request.request, part_ids)
+        .into_iter()
+        .map(|request| ShardCall { generation, request })
+        .collect();
     let shard_name = format!("parameter server {index} at {}", remote.endpoint);
     loop {
-        match tokio::time::timeout(deadline, remote.exchange(frame.clone())).await {
+        match tokio::time::timeout(deadline, remote.exchange(&parts)).await {
             Err(_) => bail!("{shard_name} did not answer the {what} within {timeout:.0?}"),
-            Ok(Ok(answer)) => return decode_reply(answer).with_context(|| format!("{what} at {shard_name}")),
+            Ok(Ok(answer)) => return answer.with_context(|| format!("{what} at {shard_name}")),
+            Ok(Err(e)) if e.kind() == std::io::ErrorKind::InvalidData => {
+                remote.connection = None;
+                return Err(anyhow!(e).context(format!("{what} at {shard_name}: the answer")));
+            }
             Ok(Err(e)) => {
                 remote.connection = None;
                 if !retries.another(what, &shard_name, &e).await {

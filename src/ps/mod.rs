@@ -24,6 +24,7 @@ pub mod client;
 pub mod dense;
 pub mod export_format;
 pub mod optimizer;
+pub mod parts;
 pub mod placement;
 pub mod policy;
 pub mod push_lane;

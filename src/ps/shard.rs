@@ -21,7 +21,7 @@ use rustc_hash::FxHashMap;
 use super::dense::DenseSlice;
 use super::snapshot::{load_from_bytes, load_rehashed, load_shard, save_shard, shard_bytes, ShardSnapshotInfo};
 use super::table::{Lookup, SparseTable};
-use super::wire::{PullRequest, PulledRows, PushRequest, ShardStats, TableStats, UpdateKind};
+use super::wire::{Part, PullRequest, PulledRows, PushRequest, ShardStats, TableStats, UpdateKind};
 use crate::config::PsMode;
 
 /// Where a shard sits in the job.
@@ -48,9 +48,11 @@ pub struct Shard {
     applied: u64,
     /// Passes ended.
     passes: u64,
-    /// Sync: the pushes of step `applied`, by trainer.
-    pending: Vec<Option<PushRequest>>,
-    /// Async and geo: the last step applied per trainer, to drop retried pushes.
+    /// Sync: the pushes (parts) of step `applied` that arrived, by trainer.
+    pending: Vec<Vec<PushRequest>>,
+    /// The parts of each trainer's update in progress that arrived, to drop retried ones.
+    arriving: Vec<Option<Arrivals>>,
+    /// Async and geo: the last step applied whole per trainer, to drop retried pushes.
     last_step: Vec<Option<u64>>,
     ended: Vec<bool>,
     left: Vec<bool>,
@@ -65,7 +67,8 @@ impl Shard {
             tables,
             applied: 0,
             passes: 0,
-            pending: vec![None; spec.trainers],
+            pending: vec![Vec::new(); spec.trainers],
+            arriving: vec![None; spec.trainers],
             last_step: vec![None; spec.trainers],
             ended: vec![false; spec.trainers],
             left: vec![false; spec.trainers],
@@ -102,7 +105,7 @@ impl Shard {
             let step = self.applied;
             format!(
                 "step {step} still waits for the pushes of trainers {:?}",
-                missing(&|t| self.pending[t].is_some())
+                missing(&|t| self.has_whole_update(t, step))
             )
         } else {
             format!("trainers {:?} have not ended training", missing(&|t| self.ended[t]))
@@ -142,8 +145,8 @@ impl Shard {
         let trainer = push.trainer;
         match self.spec.mode {
             PsMode::Sync => {
-                if push.step < self.applied || self.pending[trainer].is_some() {
-                    return Ok(false); // a retry of a push already taken
+                if push.step < self.applied {
+                    return Ok(false); // a retry of a push already applied
                 }
                 ensure!(
                     push.step == self.applied,
@@ -152,25 +155,34 @@ impl Shard {
                     self.spec.index,
                     self.applied
                 );
-                self.pending[trainer] = Some(push);
-                if self.pending.iter().all(Option::is_some) {
+                if !Arrivals::record(&mut self.arriving[trainer], push.step, push.part, trainer)? {
+                    return Ok(false); // a retry of a part already taken
+                }
+                self.pending[trainer].push(push);
+                let step = self.applied;
+                if (0..self.spec.trainers).all(|t| self.has_whole_update(t, step)) {
                     self.apply_step()?;
                     return Ok(true);
                 }
                 Ok(false)
             }
             PsMode::Async | PsMode::Geo { .. } => {
-                if self.last_step[trainer].is_some_and(|last| push.step <= last) {
-                    return Ok(false);
+                if self.last_step[trainer].is_some_and(|last| push.step <= last)
+                    || !Arrivals::record(&mut self.arriving[trainer], push.step, push.part, trainer)?
+                {
+                    return Ok(false); // a retry
                 }
-                self.last_step[trainer] = Some(push.step);
                 let scale = match push.kind {
                     UpdateKind::Gradients => 1.0,
                     UpdateKind::Deltas => 1.0 / self.spec.trainers as f32,
                 };
                 self.apply(push.kind, scale, &push.ids, push.values, &push.counts, push.dense)?;
-                self.applied += 1;
-                self.end_passes();
+                if self.has_whole_update(trainer, push.step) {
+                    self.arriving[trainer] = None;
+                    self.last_step[trainer] = Some(push.step);
+                    self.applied += 1;
+                    self.end_passes();
+                }
                 Ok(true)
             }
         }
@@ -268,7 +280,8 @@ impl Shard {
         self.applied = applied;
         self.passes = step.checked_div(self.spec.pass_steps as u64).unwrap_or(0);
         self.last_step = vec![last_step; trainers];
-        self.pending = vec![None; trainers];
+        self.pending = vec![Vec::new(); trainers];
+        self.arriving = vec![None; trainers];
         self.ended = vec![false; trainers];
         self.left = vec![false; trainers];
     }
@@ -317,8 +330,14 @@ impl Shard {
 
     /// Sync mode: sums the step's pushes in trainer order, averages and applies them.
     fn apply_step(&mut self) -> Result<()> {
-        let pushes: Vec<PushRequest> = self.pending.iter_mut().filter_map(Option::take).collect();
-        let scale = 1.0 / pushes.len() as f32;
+        // In trainer order, each trainer's parts in order: the sums are those of whole pushes.
+        let mut pushes = Vec::new();
+        for parts in &mut self.pending {
+            parts.sort_by_key(|push| push.part.index);
+            pushes.append(parts);
+        }
+        self.arriving.fill(None);
+        let scale = 1.0 / self.spec.trainers as f32;
         let mut dense = vec![0.0f32; self.dense.len()];
         for push in &pushes {
             for (sum, g) in dense.iter_mut().zip(&push.dense) {
@@ -402,10 +421,20 @@ impl Shard {
                 UpdateKind::Deltas => table.add_deltas(ids, values, counts)?,
             }
         }
+        if dense.is_empty() && !self.dense.is_empty() {
+            return Ok(()); // a later part of an update: the dense values came with part 0
+        }
         match kind {
             UpdateKind::Gradients => self.dense.apply_gradients(&dense),
             UpdateKind::Deltas => self.dense.add_deltas(&dense),
         }
+    }
+
+    /// Whether every part of `trainer`'s update for `step` has arrived.
+    fn has_whole_update(&self, trainer: usize, step: u64) -> bool {
+        self.arriving[trainer]
+            .as_ref()
+            .is_some_and(|arrivals| arrivals.step == step && arrivals.whole())
     }
 
     /// Everything about a push that can be wrong, checked before it is stored, so a bad push
@@ -440,12 +469,22 @@ impl Shard {
             push.counts.len()
         );
         ensure!(
-            push.dense.len() == self.dense.len(),
-            "push from trainer {}: {} dense values, shard {} holds {}",
+            push.part.index < push.part.of && push.part.of <= Part::MOST,
+            "push from trainer {}: part {} of {}",
             push.trainer,
+            push.part.index,
+            push.part.of
+        );
+        // The dense values travel with the first part.
+        let dense = if push.part.index == 0 { self.dense.len() } else { 0 };
+        ensure!(
+            push.dense.len() == dense,
+            "push from trainer {} (part {} of {}): {} dense values, shard {} expects {dense}",
+            push.trainer,
+            push.part.index,
+            push.part.of,
             push.dense.len(),
             self.spec.index,
-            self.dense.len()
         );
         let expected = match self.spec.mode {
             PsMode::Geo { .. } => UpdateKind::Deltas,
@@ -512,4 +551,40 @@ pub(crate) fn sum_rows<'a>(
         }
     }
     (ids, sums)
+}
+
+/// The parts of one trainer's update for one step that have arrived.
+#[derive(Debug, Clone)]
+struct Arrivals {
+    step: u64,
+    seen: Vec<bool>,
+}
+
+impl Arrivals {
+    /// Records `part` of `trainer`'s update for `step` in `slot`; `false` when it had arrived
+    /// before (a retry). A part of another step while one is incomplete is an error.
+    fn record(slot: &mut Option<Arrivals>, step: u64, part: Part, trainer: usize) -> Result<bool> {
+        let arrivals = slot.get_or_insert_with(|| Arrivals {
+            step,
+            seen: vec![false; part.of as usize],
+        });
+        ensure!(
+            arrivals.step == step,
+            "trainer {trainer} pushed part {} of step {step} while its update of step {} misses parts",
+            part.index,
+            arrivals.step
+        );
+        ensure!(
+            arrivals.seen.len() == part.of as usize,
+            "trainer {trainer} pushed step {step} in {} parts and in {}",
+            arrivals.seen.len(),
+            part.of
+        );
+        let seen = &mut arrivals.seen[part.index as usize];
+        Ok(!std::mem::replace(seen, true))
+    }
+
+    fn whole(&self) -> bool {
+        self.seen.iter().all(|&seen| seen)
+    }
 }

@@ -1,18 +1,20 @@
 //! The parameter servers' protocol: what trainers ask of a shard and what it answers.
 //!
 //! In a simulated cluster these values travel as actor messages; between processes each is one
-//! [`Frame`]: a small postcard header carrying the counts, then the ids (u64 LE) and the values
-//! (f32 LE) as raw bytes, so a pull of a hundred thousand rows never goes through a serializer.
-//! Decoding checks the payload against the counts, so a torn or malicious frame is an error,
+//! frame ([`crate::net::frame_stream`]): a small postcard header carrying the counts, then the
+//! ids (u64 LE) and the values (f32 LE) as raw bytes, written from and read into their vectors,
+//! so a pull of a hundred thousand rows never goes through a serializer or a frame buffer.
+//! Reading checks the payload against the counts, so a torn or malicious frame is an error,
 //! never misread floats.
 
-use anyhow::{bail, ensure, Result};
-use bytes::{Bytes, BytesMut};
+use std::io;
+
+use anyhow::Result;
 use serde::{Deserialize, Serialize};
+use tokio::io::{AsyncRead, AsyncWrite};
 
 use crate::checkpoint::FileRecord;
-use crate::net::frame::encode_with;
-use crate::net::Frame;
+use crate::net::frame_stream::{malformed, read_frame, write_frame, PayloadReader};
 
 /// Rows of the sparse tables and the dense slice a trainer needs from one shard.
 #[derive(Debug, Clone, PartialEq)]
@@ -51,13 +53,33 @@ pub enum UpdateKind {
     Deltas,
 }
 
-/// One trainer's update for one shard.
+/// Which piece of a trainer's update for one step a push carries: a large update travels as
+/// several pushes of disjoint rows, pipelined on the connection; the shard applies the step's
+/// update once it holds every piece (sync) or each piece as it comes (async, geo).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Part {
+    /// Position among the pieces, from 0.
+    pub index: u32,
+    /// Pieces of the update, at least 1.
+    pub of: u32,
+}
+
+impl Part {
+    /// The whole update in one push.
+    pub const WHOLE: Self = Self { index: 0, of: 1 };
+    /// The most parts an update may travel in (a shard keeps a flag per part).
+    pub const MOST: u32 = 1 << 12;
+}
+
+/// One trainer's update (or a [`Part`] of it) for one shard.
 #[derive(Debug, Clone, PartialEq)]
 pub struct PushRequest {
     /// The pushing trainer.
     pub trainer: usize,
-    /// The trainer's step; with `trainer` it makes a retried push idempotent.
+    /// The trainer's step; with `trainer` and `part` it makes a retried push idempotent.
     pub step: u64,
+    /// Which piece of the trainer's update for this step this is.
+    pub part: Part,
     /// Gradients or deltas.
     pub kind: UpdateKind,
     /// Ids per table.
@@ -223,6 +245,7 @@ enum Header {
     Push {
         trainer: u32,
         step: u64,
+        part: Part,
         kind: UpdateKind,
         ids: Vec<u32>,
         values: Vec<u32>,
@@ -268,99 +291,107 @@ enum Header {
     },
 }
 
-/// Encodes a call as a frame body.
-pub fn encode_request(call: &ShardCall) -> Result<Bytes> {
+/// Writes `call` as one frame, its ids and values straight from their vectors.
+pub async fn write_request<W: AsyncWrite + Unpin>(
+    out: &mut W,
+    call: &ShardCall,
+    max_frame_bytes: usize,
+) -> io::Result<()> {
     let stamped = |header| Stamped {
         generation: call.generation,
         header,
     };
-    let header = match &call.request {
-        Request::Pull(pull) => {
-            let len = pull.ids.iter().map(|ids| ids.len() * 8).sum();
-            let header = Header::Pull {
+    let (header, sections) = match &call.request {
+        Request::Pull(pull) => (
+            Header::Pull {
                 trainer: pull.trainer as u32,
                 version: pull.version,
                 after_training: pull.after_training,
                 training: pull.training,
                 ids: counts(pull.ids.iter().map(Vec::len))?,
                 dense: pull.dense,
-            };
-            return encode_with(&stamped(header), len, |out| put_ids(out, &pull.ids));
-        }
-        Request::Push(push) => {
-            let len = push.ids.iter().map(|ids| ids.len() * 8).sum::<usize>()
-                + push
-                    .values
-                    .iter()
-                    .chain(&push.counts)
-                    .chain(std::iter::once(&push.dense))
-                    .map(|v| v.len() * 4)
-                    .sum::<usize>();
-            let header = Header::Push {
+            },
+            pull.ids.iter().map(|ids| bytes_of(ids)).collect(),
+        ),
+        Request::Push(push) => (
+            Header::Push {
                 trainer: push.trainer as u32,
                 step: push.step,
+                part: push.part,
                 kind: push.kind,
                 ids: counts(push.ids.iter().map(Vec::len))?,
                 values: counts(push.values.iter().map(Vec::len))?,
                 counts: counts(push.counts.iter().map(Vec::len))?,
                 dense: count(push.dense.len())?,
-            };
-            return encode_with(&stamped(header), len, |out| {
-                put_ids(out, &push.ids);
-                for values in push.values.iter().chain(&push.counts) {
-                    put_floats(out, values);
-                }
-                put_floats(out, &push.dense);
-            });
-        }
-        Request::EndTraining { trainer } => Header::EndTraining {
-            trainer: *trainer as u32,
-        },
-        Request::Leave { trainer } => Header::Leave {
-            trainer: *trainer as u32,
-        },
-        Request::Save { path } => Header::Save { path: path.clone() },
-        Request::Stats => Header::Stats,
+            },
+            push.ids
+                .iter()
+                .map(|ids| bytes_of(ids))
+                .chain(push.values.iter().chain(&push.counts).map(|v| bytes_of(v)))
+                .chain(std::iter::once(bytes_of(&push.dense)))
+                .collect(),
+        ),
+        Request::EndTraining { trainer } => (
+            Header::EndTraining {
+                trainer: *trainer as u32,
+            },
+            Vec::new(),
+        ),
+        Request::Leave { trainer } => (
+            Header::Leave {
+                trainer: *trainer as u32,
+            },
+            Vec::new(),
+        ),
+        Request::Save { path } => (Header::Save { path: path.clone() }, Vec::new()),
+        Request::Stats => (Header::Stats, Vec::new()),
         Request::Checkpoint {
             dir,
             step,
             trainer,
             files,
-        } => Header::Checkpoint {
-            dir: dir.clone(),
-            step: *step,
-            trainer: *trainer as u32,
-            files: files.clone(),
-        },
+        } => (
+            Header::Checkpoint {
+                dir: dir.clone(),
+                step: *step,
+                trainer: *trainer as u32,
+                files: files.clone(),
+            },
+            Vec::new(),
+        ),
         Request::Evaluated {
             trainer,
             scores,
             labels,
         } => {
-            anyhow::ensure!(
-                scores.len() == labels.len(),
-                "{} scores for {} labels",
-                scores.len(),
-                labels.len()
-            );
-            let header = Header::Evaluated {
-                trainer: *trainer as u32,
-                samples: count(scores.len())?,
-            };
-            return encode_with(&stamped(header), scores.len() * 8, |out| {
-                put_floats(out, scores);
-                put_floats(out, labels);
-            });
+            if scores.len() != labels.len() {
+                return Err(io::Error::new(
+                    io::ErrorKind::InvalidInput,
+                    format!("{} scores for {} labels", scores.len(), labels.len()),
+                ));
+            }
+            (
+                Header::Evaluated {
+                    trainer: *trainer as u32,
+                    samples: count(scores.len())?,
+                },
+                vec![bytes_of(scores), bytes_of(labels)],
+            )
         }
     };
-    encode_with(&stamped(header), 0, |_| {})
+    write_frame(out, &stamped(header), &sections, max_frame_bytes).await
 }
 
-/// Decodes a request frame body.
-pub fn decode_request(body: Bytes) -> Result<ShardCall> {
-    let frame = Frame::<Stamped>::decode(body)?;
-    let mut payload = Payload::new(frame.payload);
-    let request = match frame.header.header {
+/// Reads the next request, its ids and values straight into their vectors; `None` when the
+/// trainer closed the connection between requests.
+pub async fn read_request<R: AsyncRead + Unpin>(
+    input: &mut R,
+    max_frame_bytes: usize,
+) -> io::Result<Option<ShardCall>> {
+    let Some((stamped, mut payload)) = read_frame::<_, Stamped>(input, max_frame_bytes).await? else {
+        return Ok(None);
+    };
+    let request = match stamped.header {
         Header::Pull {
             trainer,
             version,
@@ -373,12 +404,13 @@ pub fn decode_request(body: Bytes) -> Result<ShardCall> {
             version,
             after_training,
             training,
-            ids: ids.iter().map(|&n| payload.ids(n)).collect::<Result<_>>()?,
+            ids: sections(&mut payload, &ids).await?,
             dense,
         }),
         Header::Push {
             trainer,
             step,
+            part,
             kind,
             ids,
             values,
@@ -387,11 +419,12 @@ pub fn decode_request(body: Bytes) -> Result<ShardCall> {
         } => Request::Push(PushRequest {
             trainer: trainer as usize,
             step,
+            part,
             kind,
-            ids: ids.iter().map(|&n| payload.ids(n)).collect::<Result<_>>()?,
-            values: values.iter().map(|&n| payload.floats(n)).collect::<Result<_>>()?,
-            counts: counts.iter().map(|&n| payload.floats(n)).collect::<Result<_>>()?,
-            dense: payload.floats(dense)?,
+            ids: sections(&mut payload, &ids).await?,
+            values: sections(&mut payload, &values).await?,
+            counts: sections(&mut payload, &counts).await?,
+            dense: payload.values(dense as usize).await?,
         }),
         Header::EndTraining { trainer } => Request::EndTraining {
             trainer: trainer as usize,
@@ -414,38 +447,43 @@ pub fn decode_request(body: Bytes) -> Result<ShardCall> {
         },
         Header::Evaluated { trainer, samples } => Request::Evaluated {
             trainer: trainer as usize,
-            scores: payload.floats(samples)?,
-            labels: payload.floats(samples)?,
+            scores: payload.values(samples as usize).await?,
+            labels: payload.values(samples as usize).await?,
         },
-        other => bail!("malformed request: a {} frame is an answer", header_name(&other)),
+        other => {
+            return Err(malformed(format!(
+                "a {} frame is an answer, not a request",
+                header_name(&other)
+            )))
+        }
     };
     payload.finish()?;
-    Ok(ShardCall {
-        generation: frame.header.generation,
+    Ok(Some(ShardCall {
+        generation: stamped.generation,
         request,
-    })
+    }))
 }
 
-/// Encodes a shard's answer, or its refusal with the reason, as a frame body.
-pub fn encode_reply(reply: &Result<Reply>) -> Result<Bytes> {
+/// Writes a shard's answer, or its refusal with the reason, as one frame; pulled rows go
+/// straight from their vectors.
+pub async fn write_reply<W: AsyncWrite + Unpin>(
+    out: &mut W,
+    reply: &Result<Reply>,
+    max_frame_bytes: usize,
+) -> io::Result<()> {
     let header = match reply {
         Ok(Reply::Rows(rows)) => {
-            let len = rows
-                .rows
-                .iter()
-                .chain(std::iter::once(&rows.dense))
-                .map(|v| v.len() * 4)
-                .sum();
             let header = Header::Rows {
                 rows: counts(rows.rows.iter().map(Vec::len))?,
                 dense: count(rows.dense.len())?,
             };
-            return encode_with(&header, len, |out| {
-                for values in &rows.rows {
-                    put_floats(out, values);
-                }
-                put_floats(out, &rows.dense);
-            });
+            let sections: Vec<&[u8]> = rows
+                .rows
+                .iter()
+                .chain(std::iter::once(&rows.dense))
+                .map(|v| bytes_of(v))
+                .collect();
+            return write_frame(out, &header, &sections, max_frame_bytes).await;
         }
         Ok(Reply::Stats(stats)) => Header::TableStats {
             tables: stats.tables.clone(),
@@ -461,30 +499,71 @@ pub fn encode_reply(reply: &Result<Reply>) -> Result<Bytes> {
             reason: format!("{e:#}"),
         },
     };
-    encode_with(&header, 0, |_| {})
+    write_frame(out, &header, &[], max_frame_bytes).await
 }
 
-/// Decodes a shard's answer; a refusal becomes an error carrying the shard's reason.
-pub fn decode_reply(body: Bytes) -> Result<Reply> {
-    let frame = Frame::<Header>::decode(body)?;
-    let mut payload = Payload::new(frame.payload);
-    let reply = match frame.header {
-        Header::Rows { rows, dense } => Reply::Rows(PulledRows {
-            rows: rows.iter().map(|&n| payload.floats(n)).collect::<Result<_>>()?,
-            dense: payload.floats(dense)?,
-        }),
-        Header::TableStats { tables, applied } => Reply::Stats(ShardStats {
+/// Reads a shard's answer, pulled rows straight into their vectors: appended to `joined`, the
+/// rows of the earlier parts of the same pull, if any. The outer error is the line's or the
+/// frame's; the inner one is the shard's refusal, carrying its reason.
+pub async fn read_reply<R: AsyncRead + Unpin>(
+    input: &mut R,
+    max_frame_bytes: usize,
+    joined: Option<PulledRows>,
+) -> io::Result<Result<Reply>> {
+    let Some((header, mut payload)) = read_frame::<_, Header>(input, max_frame_bytes).await? else {
+        return Err(io::Error::new(
+            io::ErrorKind::ConnectionReset,
+            "the shard closed the connection",
+        ));
+    };
+    let reply = match header {
+        Header::Rows { rows, dense } => {
+            let mut joined = joined.unwrap_or_else(|| PulledRows {
+                rows: vec![Vec::new(); rows.len()],
+                dense: Vec::new(),
+            });
+            if joined.rows.len() != rows.len() {
+                return Err(malformed(format!(
+                    "rows of {} tables answer a part of a pull of {}",
+                    rows.len(),
+                    joined.rows.len()
+                )));
+            }
+            for (values, &n) in joined.rows.iter_mut().zip(&rows) {
+                payload.values_into(n as usize, values).await?;
+            }
+            payload.values_into(dense as usize, &mut joined.dense).await?;
+            Ok(Reply::Rows(joined))
+        }
+        Header::TableStats { tables, applied } => Ok(Reply::Stats(ShardStats {
             tables,
             updates_applied: applied,
-        }),
-        Header::Checkpointed(records) => Reply::Checkpointed(records),
-        Header::Evaluation { auc, samples } => Reply::Evaluation { auc, samples },
-        Header::Done => Reply::Done,
-        Header::Failed { reason } => bail!("{reason}"),
-        other => bail!("malformed answer: a {} frame is a request", header_name(&other)),
+        })),
+        Header::Checkpointed(records) => Ok(Reply::Checkpointed(records)),
+        Header::Evaluation { auc, samples } => Ok(Reply::Evaluation { auc, samples }),
+        Header::Done => Ok(Reply::Done),
+        Header::Failed { reason } => Err(anyhow::anyhow!("{reason}")),
+        other => {
+            return Err(malformed(format!(
+                "a {} frame is a request, not an answer",
+                header_name(&other)
+            )))
+        }
     };
     payload.finish()?;
     Ok(reply)
+}
+
+/// One vector per announced count, in order.
+async fn sections<R: AsyncRead + Unpin, T: bytemuck::Pod>(
+    payload: &mut PayloadReader<'_, R>,
+    counts: &[u32],
+) -> io::Result<Vec<Vec<T>>> {
+    let mut out = Vec::with_capacity(counts.len());
+    for &n in counts {
+        out.push(payload.values(n as usize).await?);
+    }
+    Ok(out)
 }
 
 fn header_name(header: &Header) -> &'static str {
@@ -506,11 +585,16 @@ fn header_name(header: &Header) -> &'static str {
     }
 }
 
-fn count(n: usize) -> Result<u32> {
-    u32::try_from(n).map_err(|_| anyhow::anyhow!("{n} values do not fit in one frame"))
+fn count(n: usize) -> io::Result<u32> {
+    u32::try_from(n).map_err(|_| {
+        io::Error::new(
+            io::ErrorKind::InvalidInput,
+            format!("{n} values do not fit in one frame"),
+        )
+    })
 }
 
-fn counts(lens: impl Iterator<Item = usize>) -> Result<Vec<u32>> {
+fn counts(lens: impl Iterator<Item = usize>) -> io::Result<Vec<u32>> {
     lens.map(count).collect()
 }
 
@@ -518,69 +602,41 @@ fn counts(lens: impl Iterator<Item = usize>) -> Result<Vec<u32>> {
 #[cfg(not(target_endian = "little"))]
 compile_error!("the parameter-server wire format copies little-endian memory as is");
 
-fn put_ids(out: &mut BytesMut, tables: &[Vec<u64>]) {
-    for ids in tables {
-        out.extend_from_slice(bytemuck::cast_slice(ids));
-    }
-}
-
-fn put_floats(out: &mut BytesMut, values: &[f32]) {
-    out.extend_from_slice(bytemuck::cast_slice(values));
-}
-
-/// The raw part of a frame, consumed in order against the header's counts.
-struct Payload {
-    bytes: Bytes,
-    offset: usize,
-}
-
-impl Payload {
-    fn new(bytes: Bytes) -> Self {
-        Self { bytes, offset: 0 }
-    }
-
-    fn take(&mut self, len: usize) -> Result<&[u8]> {
-        let end = self.offset.checked_add(len).filter(|&end| end <= self.bytes.len());
-        let Some(end) = end else {
-            bail!(
-                "malformed frame: the header announces {len} more payload bytes, {} are left",
-                self.bytes.len() - self.offset
-            );
-        };
-        let slice = &self.bytes[self.offset..end];
-        self.offset = end;
-        Ok(slice)
-    }
-
-    // Received bytes need not be aligned for u64/f32: `pod_collect_to_vec` copies into an
-    // aligned vector either way.
-    fn ids(&mut self, n: u32) -> Result<Vec<u64>> {
-        Ok(bytemuck::pod_collect_to_vec(self.take(n as usize * 8)?))
-    }
-
-    fn floats(&mut self, n: u32) -> Result<Vec<f32>> {
-        Ok(bytemuck::pod_collect_to_vec(self.take(n as usize * 4)?))
-    }
-
-    fn finish(self) -> Result<()> {
-        ensure!(
-            self.offset == self.bytes.len(),
-            "malformed frame: {} payload bytes beyond what the header announces",
-            self.bytes.len() - self.offset
-        );
-        Ok(())
-    }
+fn bytes_of<T: bytemuck::Pod>(values: &[T]) -> &[u8] {
+    bytemuck::cast_slice(values)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use bytes::BufMut;
+
+    const CAP: usize = 1 << 20;
+
+    fn block_on<T>(future: impl std::future::Future<Output = T>) -> T {
+        futures::executor::block_on(future)
+    }
+
+    fn request_bytes(call: &ShardCall) -> io::Result<Vec<u8>> {
+        let mut wire = Vec::new();
+        block_on(write_request(&mut wire, call, CAP))?;
+        Ok(wire)
+    }
+
+    fn request_from(mut wire: &[u8]) -> io::Result<Option<ShardCall>> {
+        block_on(read_request(&mut wire, CAP))
+    }
+
+    fn reply_round_trip(reply: &Result<Reply>) -> io::Result<Result<Reply>> {
+        let mut wire = Vec::new();
+        block_on(write_reply(&mut wire, reply, CAP))?;
+        block_on(read_reply(&mut &wire[..], CAP, None))
+    }
 
     fn push() -> Request {
         Request::Push(PushRequest {
             trainer: 2,
             step: 17,
+            part: Part { index: 1, of: 3 },
             kind: UpdateKind::Gradients,
             ids: vec![vec![1, u64::MAX], vec![]],
             values: vec![vec![0.5, -1.0, 2.0, 3.0], vec![]],
@@ -590,7 +646,7 @@ mod tests {
     }
 
     #[test]
-    fn requests_and_replies_round_trip() -> Result<()> {
+    fn requests_and_replies_round_trip() -> anyhow::Result<()> {
         let pull = Request::Pull(PullRequest {
             trainer: 1,
             version: 9,
@@ -612,13 +668,13 @@ mod tests {
             },
         ] {
             let call = ShardCall { generation: 3, request };
-            assert_eq!(decode_request(encode_request(&call)?)?, call);
+            assert_eq!(request_from(&request_bytes(&call)?)?, Some(call));
         }
         let rows = Reply::Rows(PulledRows {
             rows: vec![vec![1.0, 2.0], vec![]],
             dense: vec![4.0],
         });
-        assert_eq!(decode_reply(encode_reply(&Ok(rows.clone()))?)?, rows);
+        assert_eq!(reply_round_trip(&Ok(rows.clone()))??, rows);
         let stats = Reply::Stats(ShardStats {
             tables: vec![
                 TableStats {
@@ -632,28 +688,32 @@ mod tests {
             ],
             updates_applied: 12,
         });
-        assert_eq!(decode_reply(encode_reply(&Ok(stats.clone()))?)?, stats);
+        assert_eq!(reply_round_trip(&Ok(stats.clone()))??, stats);
         let evaluation = Reply::Evaluation { auc: None, samples: 7 };
-        assert_eq!(decode_reply(encode_reply(&Ok(evaluation.clone()))?)?, evaluation);
-        let failed = decode_reply(encode_reply(&Err(anyhow::anyhow!("unknown table 3")))?).unwrap_err();
+        assert_eq!(reply_round_trip(&Ok(evaluation.clone()))??, evaluation);
+        let failed = reply_round_trip(&Err(anyhow::anyhow!("unknown table 3")))?.unwrap_err();
         assert_eq!(failed.to_string(), "unknown table 3");
         Ok(())
     }
 
     #[test]
-    fn payload_that_disagrees_with_the_header_is_an_error() -> Result<()> {
-        let body = encode_request(&ShardCall::first(push()))?;
-        let short = body.slice(..body.len() - 4);
-        let msg = decode_request(short).unwrap_err().to_string();
+    fn payload_that_disagrees_with_the_header_is_an_error() -> io::Result<()> {
+        let wire = request_bytes(&ShardCall::first(push()))?;
+        // The frame's length cut by 4 along with its last 4 bytes.
+        let mut short = wire[..wire.len() - 4].to_vec();
+        short[..4].copy_from_slice(&(wire.len() as u32 - 8).to_be_bytes());
+        let msg = request_from(&short).unwrap_err().to_string();
         assert!(
             msg.starts_with("malformed frame: the header announces 12 more payload bytes"),
             "{msg}"
         );
-        let mut long = BytesMut::from(&body[..]);
-        long.put_u8(0);
-        assert!(decode_request(long.freeze()).is_err());
-        let answer = encode_reply(&Ok(Reply::Done))?;
-        assert!(decode_request(answer).is_err(), "an answer is no request");
+        let mut long = wire.clone();
+        long.push(0);
+        long[..4].copy_from_slice(&(wire.len() as u32 - 3).to_be_bytes());
+        assert_eq!(request_from(&long).unwrap_err().kind(), io::ErrorKind::InvalidData);
+        let mut answer = Vec::new();
+        block_on(write_reply(&mut answer, &Ok(Reply::Done), CAP))?;
+        assert!(request_from(&answer).is_err(), "an answer is no request");
         Ok(())
     }
 }

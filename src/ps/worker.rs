@@ -12,7 +12,7 @@ use rustc_hash::FxHashMap;
 use super::dense::dense_range;
 use super::optimizer::ServerOptimizer;
 use super::placement::shard_of;
-use super::wire::{PulledRows, PushRequest, Request, UpdateKind};
+use super::wire::{Part, PulledRows, PushRequest, Request, UpdateKind};
 use crate::config::{JobConfig, PsMode};
 use crate::data::ctr::CtrBatch;
 use crate::models::{
@@ -49,6 +49,7 @@ impl ShardUpdate {
         Request::Push(PushRequest {
             trainer,
             step,
+            part: Part::WHOLE,
             kind,
             ids: self.ids,
             values: self.values,
