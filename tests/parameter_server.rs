@@ -458,6 +458,38 @@ fn a_pull_held_for_a_trainer_that_never_pushes_names_it_after_the_timeout() {
     assert!((0.9..5.0).contains(&waited), "answered after {waited:.1}s");
 }
 
+#[test]
+fn an_evaluation_waiting_for_a_trainers_scores_names_it_after_the_timeout() {
+    use actix::prelude::*;
+    use flotilla::actors::pserver::PServer;
+    use flotilla::ps::wire::{Request, ShardCall};
+
+    let config = ctr_config(&["cluster.nproc_per_node=3", "fault_tolerance.timeout_s=1"]);
+    let shard = common::fresh_shard(&config, 0);
+    let started = std::time::Instant::now();
+    let errors = System::new().block_on(async move {
+        let (all_left, _) = futures::channel::oneshot::channel();
+        let server = PServer::new(shard, all_left, config.fault_tolerance.timeout()).start();
+        let share = |trainer| {
+            server.send(ShardCall::first(Request::Evaluated {
+                trainer,
+                scores: vec![0.5],
+                labels: vec![1.0],
+            }))
+        };
+        let (first, second) = futures::join!(share(0), share(2));
+        [first.unwrap().unwrap_err(), second.unwrap().unwrap_err()]
+    });
+    for err in errors {
+        assert_eq!(
+            err.to_string(),
+            "parameter server 0: the evaluation waited 1s for the scores of trainers [1]"
+        );
+    }
+    let waited = started.elapsed().as_secs_f64();
+    assert!((0.9..5.0).contains(&waited), "answered after {waited:.1}s");
+}
+
 /// Trainer 0's pull of step 1 (nothing but the dense slice), held until every trainer pushed
 /// step 0.
 fn pull_of_step_1() -> PullRequest {

@@ -2,8 +2,9 @@
 //! that sync mode must hold back (the step is not complete yet) wait here, not on the trainer's
 //! connection, and are answered as soon as the shard applies the step.
 //!
-//! A held pull is answered with an error after the job's timeout, naming the trainers the shard
-//! still waits for, so a trainer that died or stalled is named rather than waited on forever.
+//! A held pull, or a trainer's scores waiting for the others' to evaluate, is answered with an
+//! error after the job's timeout, naming the trainers the shard still waits for, so a trainer
+//! that died or stalled is named rather than waited on forever.
 //!
 //! In a job that recovers in place the shard serves one *generation* at a time: on a rollback
 //! order it refuses everything it holds with the reason, and takes no request until it has
@@ -114,6 +115,8 @@ struct EvaluatedShare {
     scores: Vec<f32>,
     labels: Vec<f32>,
     answer: oneshot::Sender<Result<Reply>>,
+    /// When the share stops waiting for the others'.
+    deadline: Instant,
 }
 
 /// The checkpoint of step `step`: the trainers that asked for it, with their files, and where
@@ -184,7 +187,8 @@ impl PServer {
     }
 
     /// Answers the held pulls that the shard can answer now, and refuses those past their
-    /// deadline with what they still wait for.
+    /// deadline with what they still wait for (as it refuses an evaluation that waited too long
+    /// for some trainers' scores).
     fn answer_waiting(&mut self) {
         let index = self.shard.spec().index;
         let now = Instant::now();
@@ -202,6 +206,17 @@ impl PServer {
                 )));
             } else {
                 self.waiting.push(held);
+            }
+        }
+        if self.evaluation.values().any(|share| now >= share.deadline) {
+            let missing: Vec<usize> = (0..self.shard.spec().trainers)
+                .filter(|t| !self.evaluation.contains_key(t))
+                .collect();
+            for share in std::mem::take(&mut self.evaluation).into_values() {
+                let _ = share.answer.send(Err(anyhow!(
+                    "parameter server {index}: the evaluation waited {:.0?} for the scores of trainers {missing:?}",
+                    self.timeout
+                )));
             }
         }
         for held in std::mem::take(&mut self.early) {
@@ -325,8 +340,16 @@ impl PServer {
             )));
             return later;
         }
-        self.evaluation
-            .insert(trainer, EvaluatedShare { scores, labels, answer });
+        let deadline = Instant::now() + self.timeout;
+        self.evaluation.insert(
+            trainer,
+            EvaluatedShare {
+                scores,
+                labels,
+                answer,
+                deadline,
+            },
+        );
         if self.evaluation.len() == spec.trainers {
             let shares = std::mem::take(&mut self.evaluation);
             let scores: Vec<f32> = shares.values().flat_map(|share| share.scores.iter().copied()).collect();
@@ -400,11 +423,7 @@ impl PServer {
                 labels,
             } => {
                 let later = self.gather_evaluation(trainer, scores, labels);
-                return Box::pin(async move {
-                    later
-                        .await
-                        .map_err(|_| anyhow!("parameter server {index} stopped before the evaluation's end"))?
-                });
+                return self.answer_later(later, ctx);
             }
         };
         if let (Some(timeline), Some((name, category))) = (&mut self.timeline, span) {
