@@ -6,6 +6,7 @@
 //! a bucket of gradients can be all-reduced while earlier blocks are still
 //! in backward), and the pipeline engine will cut the same list into stages.
 
+mod affine;
 mod deepfm;
 mod gpt;
 mod init;

@@ -1,0 +1,299 @@
+//! The CPU kernel of [`super::Linear`]: `y = act(x W + b)` as one GEMM whose output starts as the
+//! bias, with the ReLU applied in place; its backward masks the upstream gradient once and
+//! takes `dX = g Wᵀ` and `dW = xᵀ g` each as one GEMM and `db` as one pass over `g`. Composed
+//! from candle's ops the same layer costs a bias broadcast, a ReLU pass and, backward, a
+//! four-pass ReLU gradient and a generic reduction for the bias.
+//!
+//! The GEMMs are the `gemm` crate's (the kernel candle's matmul uses), run with candle's thread
+//! count; the crate picks its AVX-512, AVX2/FMA or portable kernel at run time.
+
+use candle_core::{CpuStorage, CustomOp3, Layout, Shape, Storage, Tensor};
+use gemm::Parallelism;
+
+use super::Activation;
+
+/// `act(x W + b)` for `x` (…, in), `W` (in, out), `b` (out), on the CPU in f32.
+pub(super) fn affine(
+    x: &Tensor,
+    weight: &Tensor,
+    bias: &Tensor,
+    activation: Activation,
+) -> candle_core::Result<Tensor> {
+    x.contiguous()?.apply_op3(weight, bias, Affine { activation })
+}
+
+struct Affine {
+    activation: Activation,
+}
+
+/// The f32 values of a contiguous tensor's storage.
+fn values<'a>(storage: &'a CpuStorage, layout: &Layout, what: &str) -> candle_core::Result<&'a [f32]> {
+    match (storage, layout.contiguous_offsets()) {
+        (CpuStorage::F32(v), Some((start, end))) => Ok(&v[start..end]),
+        _ => candle_core::bail!("linear: expects a contiguous f32 {what}"),
+    }
+}
+
+/// A tensor's values, read under its storage lock, to `f`.
+fn with_values<T>(tensor: &Tensor, what: &str, f: impl FnOnce(&[f32]) -> T) -> candle_core::Result<T> {
+    let (storage, layout) = tensor.storage_and_layout();
+    match &*storage {
+        Storage::Cpu(cpu) => Ok(f(values(cpu, layout, what)?)),
+        _ => candle_core::bail!("linear: the fused kernel runs on the CPU"),
+    }
+}
+
+/// The shape (inputs, outputs) of the weight, checked against the input and the bias.
+fn dims(x: &Layout, weight: &Layout, bias: &Layout) -> candle_core::Result<(usize, usize, usize)> {
+    let (inputs, outputs) = weight.shape().dims2()?;
+    let x_inputs = x.dims().last().copied().unwrap_or(0);
+    if x_inputs != inputs || bias.shape().elem_count() != outputs {
+        candle_core::bail!(
+            "linear: input {:?}, weight {:?} and bias {:?} do not fit",
+            x.dims(),
+            weight.dims(),
+            bias.dims()
+        );
+    }
+    Ok((x.shape().elem_count() / inputs.max(1), inputs, outputs))
+}
+
+fn parallelism() -> Parallelism {
+    match candle_core::utils::get_num_threads() {
+        threads if threads > 1 => Parallelism::Rayon(threads),
+        _ => Parallelism::None,
+    }
+}
+
+/// A row-major matrix: its values and the strides of a step down a row and along a column.
+struct Matrix<T> {
+    values: T,
+    row_stride: isize,
+    col_stride: isize,
+}
+
+/// `a` (m×k) by `b` (k×n) into row-major `out` (m×n), added to what `out` holds when `accumulate`.
+fn matmul(
+    (m, k, n): (usize, usize, usize),
+    a: Matrix<&[f32]>,
+    b: Matrix<&[f32]>,
+    out: &mut [f32],
+    accumulate: bool,
+) -> candle_core::Result<()> {
+    if out.len() != m * n || a.values.len() != m * k || b.values.len() != k * n {
+        candle_core::bail!("linear: a {m}×{k} by {k}×{n} product over buffers that do not fit");
+    }
+    // SAFETY: the three buffers hold exactly the m×k, k×n and m×n values the strides address
+    // (checked above); `out` is borrowed mutably and so overlaps neither input.
+    unsafe {
+        gemm::gemm(
+            m,
+            n,
+            k,
+            out.as_mut_ptr(),
+            1,
+            n as isize,
+            accumulate,
+            a.values.as_ptr(),
+            a.col_stride,
+            a.row_stride,
+            b.values.as_ptr(),
+            b.col_stride,
+            b.row_stride,
+            1.0,
+            1.0,
+            false,
+            false,
+            false,
+            parallelism(),
+        );
+    }
+    Ok(())
+}
+
+/// A row-major (rows × cols) matrix as it lies.
+fn plain(values: &[f32], cols: usize) -> Matrix<&[f32]> {
+    Matrix {
+        values,
+        row_stride: cols as isize,
+        col_stride: 1,
+    }
+}
+
+/// The transpose of a row-major (rows × cols) matrix, read in place.
+fn transposed(values: &[f32], cols: usize) -> Matrix<&[f32]> {
+    Matrix {
+        values,
+        row_stride: 1,
+        col_stride: cols as isize,
+    }
+}
+
+impl CustomOp3 for Affine {
+    fn name(&self) -> &'static str {
+        "linear"
+    }
+
+    fn cpu_fwd(
+        &self,
+        x: &CpuStorage,
+        x_layout: &Layout,
+        weight: &CpuStorage,
+        weight_layout: &Layout,
+        bias: &CpuStorage,
+        bias_layout: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let (rows, inputs, outputs) = dims(x_layout, weight_layout, bias_layout)?;
+        let (x, weight) = (values(x, x_layout, "input")?, values(weight, weight_layout, "weight")?);
+        let bias = values(bias, bias_layout, "bias")?;
+        let mut y: Vec<f32> = Vec::with_capacity(rows * outputs);
+        for _ in 0..rows {
+            y.extend_from_slice(bias);
+        }
+        matmul(
+            (rows, inputs, outputs),
+            plain(x, inputs),
+            plain(weight, outputs),
+            &mut y,
+            true,
+        )?;
+        if self.activation == Activation::Relu {
+            for v in &mut y {
+                *v = v.max(0.0);
+            }
+        }
+        let mut dims = x_layout.dims().to_vec();
+        if let Some(last) = dims.last_mut() {
+            *last = outputs;
+        }
+        Ok((CpuStorage::F32(y), Shape::from(dims)))
+    }
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        weight: &Tensor,
+        bias: &Tensor,
+        y: &Tensor,
+        grad: &Tensor,
+    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let (rows, inputs, outputs) = dims(x.layout(), weight.layout(), bias.layout())?;
+        // The upstream gradient where the ReLU let the value through (y > 0), else as it is.
+        let mut g = with_values(&grad.contiguous()?, "gradient", <[f32]>::to_vec)?;
+        if self.activation == Activation::Relu {
+            with_values(y, "output", |y| {
+                for (g, &y) in g.iter_mut().zip(y) {
+                    if y <= 0.0 {
+                        *g = 0.0;
+                    }
+                }
+            })?;
+        }
+        let mut bias_grad = vec![0f32; outputs];
+        for row in g.chunks_exact(outputs) {
+            for (sum, &v) in bias_grad.iter_mut().zip(row) {
+                *sum += v;
+            }
+        }
+        let mut weight_grad = vec![0f32; inputs * outputs];
+        with_values(x, "input", |x| {
+            matmul(
+                (inputs, rows, outputs),
+                transposed(x, inputs),
+                plain(&g, outputs),
+                &mut weight_grad,
+                false,
+            )
+        })??;
+        let input_grad = match x.track_op() {
+            true => {
+                let mut input_grad = vec![0f32; rows * inputs];
+                with_values(weight, "weight", |w| {
+                    matmul(
+                        (rows, outputs, inputs),
+                        plain(&g, outputs),
+                        transposed(w, outputs),
+                        &mut input_grad,
+                        false,
+                    )
+                })??;
+                Some(Tensor::from_vec(input_grad, x.shape(), x.device())?)
+            }
+            false => None,
+        };
+        Ok((
+            input_grad,
+            Some(Tensor::from_vec(weight_grad, weight.shape(), weight.device())?),
+            Some(Tensor::from_vec(bias_grad, bias.shape(), bias.device())?),
+        ))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::{Device, Var};
+
+    /// `act(x W + b)` composed from candle's own ops, for the gradients of its autograd.
+    fn composed(x: &Tensor, w: &Tensor, b: &Tensor, activation: Activation) -> candle_core::Result<Tensor> {
+        let y = x.broadcast_matmul(w)?.broadcast_add(b)?;
+        match activation {
+            Activation::Identity => Ok(y),
+            Activation::Relu => y.relu(),
+        }
+    }
+
+    fn close(what: &str, fused: &Tensor, reference: &Tensor) -> candle_core::Result<()> {
+        assert_eq!(fused.dims(), reference.dims(), "{what}");
+        let (a, b) = (
+            fused.flatten_all()?.to_vec1::<f32>()?,
+            reference.flatten_all()?.to_vec1::<f32>()?,
+        );
+        for (i, (a, b)) in a.iter().zip(&b).enumerate() {
+            // Sums of up to 33 products of values below 1 in another order: a few ulps.
+            assert!((a - b).abs() <= 1e-5 * (1.0 + b.abs()), "{what}[{i}]: {a} vs {b}");
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn forward_and_backward_equal_candles_autograd_on_odd_shapes() -> candle_core::Result<()> {
+        let device = Device::Cpu;
+        for (x_dims, outputs) in [(vec![1, 3], 5), (vec![7, 13], 1), (vec![33, 17], 9), (vec![2, 5, 6], 4)] {
+            for activation in [Activation::Identity, Activation::Relu] {
+                let inputs = *x_dims.last().unwrap_or(&1);
+                let x = Var::from_tensor(&Tensor::randn(0f32, 1.0, x_dims.as_slice(), &device)?)?;
+                let w = Var::from_tensor(&Tensor::randn(0f32, 1.0, (inputs, outputs), &device)?)?;
+                let b = Var::from_tensor(&Tensor::randn(0f32, 1.0, outputs, &device)?)?;
+                let upstream = Tensor::randn(0f32, 1.0, composed(&x, &w, &b, activation)?.shape(), &device)?;
+                let run = |f: &dyn Fn() -> candle_core::Result<Tensor>| -> candle_core::Result<_> {
+                    let y = f()?;
+                    let grads = (&y * &upstream)?.sum_all()?.backward()?;
+                    let grad = |v: &Var| grads.get(v.as_tensor()).cloned().expect("a gradient");
+                    Ok((y, grad(&x), grad(&w), grad(&b)))
+                };
+                let fused = run(&|| affine(&x, &w, &b, activation))?;
+                let reference = run(&|| composed(&x, &w, &b, activation))?;
+                let case = format!("{x_dims:?} → {outputs}, {activation:?}");
+                close(&format!("{case}: y"), &fused.0, &reference.0)?;
+                close(&format!("{case}: dX"), &fused.1, &reference.1)?;
+                close(&format!("{case}: dW"), &fused.2, &reference.2)?;
+                close(&format!("{case}: db"), &fused.3, &reference.3)?;
+            }
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn an_input_that_needs_no_gradient_gets_none() -> candle_core::Result<()> {
+        let device = Device::Cpu;
+        let x = Tensor::ones((4, 3), candle_core::DType::F32, &device)?;
+        let w = Var::ones((3, 2), candle_core::DType::F32, &device)?;
+        let b = Var::zeros(2, candle_core::DType::F32, &device)?;
+        let grads = affine(&x, &w, &b, Activation::Relu)?.sum_all()?.backward()?;
+        assert!(grads.get(&x).is_none());
+        assert_eq!(grads.get(&w).expect("dW").to_vec2::<f32>()?, vec![vec![4.0; 2]; 3]);
+        assert_eq!(grads.get(&b).expect("db").to_vec1::<f32>()?, vec![4.0; 2]);
+        Ok(())
+    }
+}
