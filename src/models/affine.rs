@@ -7,19 +7,27 @@
 //! The GEMMs are the `gemm` crate's (the kernel candle's matmul uses), run with candle's thread
 //! count; the crate picks its AVX-512, AVX2/FMA or portable kernel at run time.
 
-use candle_core::{CpuStorage, CustomOp3, Layout, Shape, Storage, Tensor};
+use candle_core::{CpuStorage, CustomOp3, DType, Layout, Shape, Storage, Tensor};
 use gemm::Parallelism;
 
 use super::Activation;
 
-/// `act(x W + b)` for `x` (…, in), `W` (in, out), `b` (out), on the CPU in f32.
+/// `act(x W + b)` for `x` (…, in), `W` (in, out), `b` (out): the fused kernel on the CPU in f32,
+/// candle's composed ops elsewhere (a GPU).
 pub(super) fn affine(
     x: &Tensor,
     weight: &Tensor,
     bias: &Tensor,
     activation: Activation,
 ) -> candle_core::Result<Tensor> {
-    x.contiguous()?.apply_op3(weight, bias, Affine { activation })
+    if x.device().is_cpu() && x.dtype() == DType::F32 {
+        return x.contiguous()?.apply_op3(weight, bias, Affine { activation });
+    }
+    let y = x.broadcast_matmul(weight)?.broadcast_add(bias)?;
+    match activation {
+        Activation::Identity => Ok(y),
+        Activation::Relu => y.relu(),
+    }
 }
 
 struct Affine {

@@ -1,6 +1,6 @@
 //! A fully connected block with an optional activation.
 
-use candle_core::{DType, Tensor, Var};
+use candle_core::{Tensor, Var};
 
 use super::affine::affine;
 use super::{Block, ParamInit};
@@ -50,16 +50,7 @@ impl Block for Linear {
     }
 
     fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
-        if x.device().is_cpu() && x.dtype() == DType::F32 {
-            return affine(x, self.weight.as_tensor(), self.bias.as_tensor(), self.activation);
-        }
-        let y = x
-            .matmul(self.weight.as_tensor())?
-            .broadcast_add(self.bias.as_tensor())?;
-        match self.activation {
-            Activation::Identity => Ok(y),
-            Activation::Relu => y.relu(),
-        }
+        affine(x, self.weight.as_tensor(), self.bias.as_tensor(), self.activation)
     }
 
     fn parameters(&self) -> Vec<(String, Var)> {

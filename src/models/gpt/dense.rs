@@ -2,7 +2,8 @@
 
 use candle_core::{DType, Tensor, Var};
 
-use crate::models::ParamInit;
+use crate::models::affine::affine;
+use crate::models::{Activation, ParamInit};
 
 /// Standard deviation of GPT-2's initial weights.
 pub(super) const INIT_STD: f32 = 0.02;
@@ -41,7 +42,7 @@ impl Dense {
 
     /// `x` of shape (rows, inputs) → (rows, outputs).
     pub(super) fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
-        x.matmul(self.weight.as_tensor())?.broadcast_add(self.bias.as_tensor())
+        affine(x, self.weight.as_tensor(), self.bias.as_tensor(), Activation::Identity)
     }
 
     /// `"{prefix}.weight"`, `"{prefix}.bias"`.
