@@ -185,56 +185,72 @@ impl CustomOp3 for Affine {
         y: &Tensor,
         grad: &Tensor,
     ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        let (rows, inputs, outputs) = dims(x.layout(), weight.layout(), bias.layout())?;
-        // The upstream gradient where the ReLU let the value through (y > 0), else as it is.
-        let mut g = with_values(&grad.contiguous()?, "gradient", <[f32]>::to_vec)?;
-        if self.activation == Activation::Relu {
-            with_values(y, "output", |y| {
-                for (g, &y) in g.iter_mut().zip(y) {
-                    if y <= 0.0 {
-                        *g = 0.0;
-                    }
-                }
-            })?;
-        }
-        let mut bias_grad = vec![0f32; outputs];
-        for row in g.chunks_exact(outputs) {
-            for (sum, &v) in bias_grad.iter_mut().zip(row) {
-                *sum += v;
+        let dims = dims(x.layout(), weight.layout(), bias.layout())?;
+        with_values(&grad.contiguous()?, "gradient", |grad| match self.activation {
+            Activation::Identity => gradients(dims, x, weight, bias, grad),
+            Activation::Relu => {
+                // The upstream gradient where the ReLU let the value through (y > 0).
+                let masked: Vec<f32> = with_values(y, "output", |y| {
+                    grad.iter()
+                        .zip(y)
+                        .map(|(&g, &y)| if y > 0.0 { g } else { 0.0 })
+                        .collect()
+                })?;
+                gradients(dims, x, weight, bias, &masked)
             }
-        }
-        let mut weight_grad = vec![0f32; inputs * outputs];
-        with_values(x, "input", |x| {
-            matmul(
-                (inputs, rows, outputs),
-                transposed(x, inputs),
-                plain(&g, outputs),
-                &mut weight_grad,
-                false,
-            )
-        })??;
-        let input_grad = match x.track_op() {
-            true => {
-                let mut input_grad = vec![0f32; rows * inputs];
-                with_values(weight, "weight", |w| {
-                    matmul(
-                        (rows, outputs, inputs),
-                        plain(&g, outputs),
-                        transposed(w, outputs),
-                        &mut input_grad,
-                        false,
-                    )
-                })??;
-                Some(Tensor::from_vec(input_grad, x.shape(), x.device())?)
-            }
-            false => None,
-        };
-        Ok((
-            input_grad,
-            Some(Tensor::from_vec(weight_grad, weight.shape(), weight.device())?),
-            Some(Tensor::from_vec(bias_grad, bias.shape(), bias.device())?),
-        ))
+        })?
     }
+}
+
+/// The gradients of the input, the weight and the bias.
+type Gradients = (Option<Tensor>, Option<Tensor>, Option<Tensor>);
+
+/// The gradients of the input (when it needs one), the weight and the bias, from `g`, the
+/// gradient of the affine map's output (rows × outputs).
+fn gradients(
+    (rows, inputs, outputs): (usize, usize, usize),
+    x: &Tensor,
+    weight: &Tensor,
+    bias: &Tensor,
+    g: &[f32],
+) -> candle_core::Result<Gradients> {
+    let mut bias_grad = vec![0f32; outputs];
+    for row in g.chunks_exact(outputs) {
+        for (sum, &v) in bias_grad.iter_mut().zip(row) {
+            *sum += v;
+        }
+    }
+    let mut weight_grad = vec![0f32; inputs * outputs];
+    with_values(x, "input", |x| {
+        matmul(
+            (inputs, rows, outputs),
+            transposed(x, inputs),
+            plain(g, outputs),
+            &mut weight_grad,
+            false,
+        )
+    })??;
+    let input_grad = match x.track_op() {
+        true => {
+            let mut input_grad = vec![0f32; rows * inputs];
+            with_values(weight, "weight", |w| {
+                matmul(
+                    (rows, outputs, inputs),
+                    plain(g, outputs),
+                    transposed(w, outputs),
+                    &mut input_grad,
+                    false,
+                )
+            })??;
+            Some(Tensor::from_vec(input_grad, x.shape(), x.device())?)
+        }
+        false => None,
+    };
+    Ok((
+        input_grad,
+        Some(Tensor::from_vec(weight_grad, weight.shape(), weight.device())?),
+        Some(Tensor::from_vec(bias_grad, bias.shape(), bias.device())?),
+    ))
 }
 
 #[cfg(test)]

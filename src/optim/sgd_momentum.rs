@@ -3,7 +3,7 @@
 //! `p ← p − lr·v`, with `v` starting at zero.
 
 use candle_core::backprop::GradStore;
-use candle_core::{Tensor, Var};
+use candle_core::{CpuStorage, InplaceOp2, InplaceOp3, Layout, Tensor, Var};
 use candle_nn::Optimizer;
 
 use super::{check_state_entry, OptimizerState};
@@ -46,18 +46,31 @@ impl Optimizer for SgdMomentum {
         } = self.config;
         for (var, velocity) in &mut self.params {
             let Some(grad) = grads.get(var) else { continue };
-            let mut g = grad.clone();
-            if weight_decay != 0.0 {
-                g = (g + (var.as_tensor() * weight_decay)?)?;
+            let p = var.as_tensor();
+            if !p.device().is_cpu() {
+                composed_step(var, velocity, grad, self.config)?;
+                continue;
             }
-            if momentum != 0.0 {
-                g = match velocity.take() {
-                    Some(v) => ((v * momentum)? + g)?,
-                    None => g,
-                };
-                *velocity = Some(g.clone());
+            // On the CPU each update is one pass over the parameter, in place.
+            let grad = &grad.contiguous()?;
+            let decay = weight_decay as f32;
+            if momentum == 0.0 {
+                p.inplace_op2(grad, &Descend { lr: lr as f32, decay })?;
+                continue;
             }
-            var.set(&(var.as_tensor() - (g * lr)?)?)?;
+            let v = match velocity {
+                Some(v) => v,
+                None => velocity.insert(grad.zeros_like()?),
+            };
+            let momentum = momentum as f32;
+            v.inplace_op3(grad, p, &Accumulate { momentum, decay })?;
+            p.inplace_op2(
+                v,
+                &Descend {
+                    lr: lr as f32,
+                    decay: 0.0,
+                },
+            )?;
         }
         Ok(())
     }
@@ -68,6 +81,108 @@ impl Optimizer for SgdMomentum {
 
     fn set_learning_rate(&mut self, lr: f64) {
         self.config.lr = lr;
+    }
+}
+
+/// The step of one parameter from candle's ops (on a GPU): the same arithmetic as the CPU's
+/// passes below, in the same order.
+fn composed_step(
+    var: &Var,
+    velocity: &mut Option<Tensor>,
+    grad: &Tensor,
+    config: SgdMomentumConfig,
+) -> candle_core::Result<()> {
+    let mut g = grad.clone();
+    if config.weight_decay != 0.0 {
+        g = (g + (var.as_tensor() * config.weight_decay)?)?;
+    }
+    if config.momentum != 0.0 {
+        g = match velocity.take() {
+            Some(v) => ((v * config.momentum)? + g)?,
+            None => g,
+        };
+        *velocity = Some(g.clone());
+    }
+    var.set(&(var.as_tensor() - (g * config.lr)?)?)
+}
+
+/// The values of a contiguous f32 CPU tensor.
+fn cpu_values<'a>(storage: &'a CpuStorage, layout: &Layout, op: &str) -> candle_core::Result<&'a [f32]> {
+    match (storage, layout.contiguous_offsets()) {
+        (CpuStorage::F32(v), Some((start, end))) => Ok(&v[start..end]),
+        _ => candle_core::bail!("{op}: expects a contiguous f32 tensor"),
+    }
+}
+
+/// Mutable values of a contiguous f32 CPU tensor, of the length `len` of its partner.
+fn cpu_values_mut<'a>(
+    storage: &'a mut CpuStorage,
+    layout: &Layout,
+    len: usize,
+    op: &str,
+) -> candle_core::Result<&'a mut [f32]> {
+    match (storage, layout.contiguous_offsets()) {
+        (CpuStorage::F32(v), Some((start, end))) if end - start == len => Ok(&mut v[start..end]),
+        _ => candle_core::bail!("{op}: expects a contiguous f32 tensor of {len} values"),
+    }
+}
+
+/// `p ← p − lr·(g + λ·p)` (the decay term only when λ ≠ 0, as the composed step).
+struct Descend {
+    lr: f32,
+    decay: f32,
+}
+
+impl InplaceOp2 for Descend {
+    fn name(&self) -> &'static str {
+        "sgd-descend"
+    }
+
+    fn cpu_fwd(&self, p: &mut CpuStorage, p_l: &Layout, g: &CpuStorage, g_l: &Layout) -> candle_core::Result<()> {
+        let g = cpu_values(g, g_l, self.name())?;
+        let p = cpu_values_mut(p, p_l, g.len(), self.name())?;
+        let Self { lr, decay } = *self;
+        if decay == 0.0 {
+            for (p, &g) in p.iter_mut().zip(g) {
+                *p -= g * lr;
+            }
+        } else {
+            for (p, &g) in p.iter_mut().zip(g) {
+                *p -= (g + *p * decay) * lr;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// `v ← μ·v + (g + λ·p)`.
+struct Accumulate {
+    momentum: f32,
+    decay: f32,
+}
+
+impl InplaceOp3 for Accumulate {
+    fn name(&self) -> &'static str {
+        "sgd-momentum"
+    }
+
+    fn cpu_fwd(
+        &self,
+        v: &mut CpuStorage,
+        v_l: &Layout,
+        g: &CpuStorage,
+        g_l: &Layout,
+        p: &CpuStorage,
+        p_l: &Layout,
+    ) -> candle_core::Result<()> {
+        let (g, p) = (cpu_values(g, g_l, self.name())?, cpu_values(p, p_l, self.name())?);
+        let v = cpu_values_mut(v, v_l, g.len(), self.name())?;
+        let Self { momentum, decay } = *self;
+        for ((v, &g), &p) in v.iter_mut().zip(g).zip(p) {
+            let g = if decay == 0.0 { g } else { g + p * decay };
+            *v = *v * momentum + g;
+        }
+        Ok(())
     }
 }
 
@@ -106,6 +221,37 @@ impl SgdMomentum {
 mod tests {
     use super::*;
     use candle_core::Device;
+
+    #[test]
+    fn the_in_place_cpu_steps_equal_the_composed_ones_bitwise() -> anyhow::Result<()> {
+        for (momentum, weight_decay) in [(0.0, 0.0), (0.0, 0.01), (0.9, 0.0), (0.9, 0.01)] {
+            let config = SgdMomentumConfig {
+                lr: 0.05,
+                momentum,
+                weight_decay,
+            };
+            let start = Tensor::randn(0f32, 1.0, (7, 5), &Device::Cpu)?;
+            let (fused, composed) = (Var::from_tensor(&start.copy()?)?, Var::from_tensor(&start.copy()?)?);
+            let mut opt = SgdMomentum::new(vec![fused.clone()], config)?;
+            let mut velocity = None;
+            for _ in 0..3 {
+                let grad = Tensor::randn(0f32, 1.0, (7, 5), &Device::Cpu)?;
+                // d/dp Σ p·g = g, exactly.
+                let grads = (fused.as_tensor() * &grad)?.sum_all()?.backward()?;
+                opt.step(&grads)?;
+                composed_step(&composed, &mut velocity, &grad, config)?;
+            }
+            let bits = |v: &Var| -> anyhow::Result<Vec<u32>> {
+                Ok(v.flatten_all()?.to_vec1::<f32>()?.iter().map(|x| x.to_bits()).collect())
+            };
+            assert_eq!(
+                bits(&fused)?,
+                bits(&composed)?,
+                "momentum {momentum}, decay {weight_decay}"
+            );
+        }
+        Ok(())
+    }
 
     #[test]
     fn matches_hand_computed_momentum_steps() -> anyhow::Result<()> {
