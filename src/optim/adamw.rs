@@ -1,12 +1,14 @@
 //! AdamW with exportable state. candle-nn's `AdamW` keeps its moments and step counter private,
 //! but checkpoints must save and restore them; this is the same algorithm with the same
 //! arithmetic in the same order (so results are bit-identical to candle-nn 0.11.1's), plus
-//! [`AdamW::state`] and [`AdamW::load_state`].
+//! [`AdamW::state`] and [`AdamW::load_state`]. On the CPU the update runs as three in-place
+//! passes ([`super::in_place`]) instead of a dozen tensor ops with their temporaries.
 
 use candle_core::backprop::GradStore;
-use candle_core::{Result, Var};
+use candle_core::{DType, Result, Var};
 use candle_nn::{Optimizer, ParamsAdamW};
 
+use super::in_place::{AdamWStep, FirstMoment, SecondMoment};
 use super::{check_state_entry, OptimizerState};
 
 /// The state slots of one parameter: first and second moment.
@@ -62,6 +64,33 @@ impl Optimizer for AdamW {
             let theta = &param.var;
             let Some((m, v)) = &param.moments else { continue };
             let Some(g) = grads.get(theta) else { continue };
+            if theta.device().is_cpu() && theta.dtype() == DType::F32 {
+                // One pass per moment and one over the parameter, in place.
+                let g = &g.contiguous()?;
+                m.inplace_op2(
+                    g,
+                    &FirstMoment {
+                        beta: beta1 as f32,
+                        rest: (1.0 - beta1) as f32,
+                    },
+                )?;
+                v.inplace_op2(
+                    g,
+                    &SecondMoment {
+                        beta: beta2 as f32,
+                        rest: (1.0 - beta2) as f32,
+                    },
+                )?;
+                let step = AdamWStep {
+                    lr: lr as f32,
+                    decay: (1.0 - lr_lambda) as f32,
+                    scale_m: scale_m as f32,
+                    scale_v: scale_v as f32,
+                    eps: self.config.eps as f32,
+                };
+                theta.inplace_op3(m.as_tensor(), v.as_tensor(), &step)?;
+                continue;
+            }
             let next_m = ((m.as_tensor() * beta1)? + (g * (1.0 - beta1))?)?;
             let next_v = ((v.as_tensor() * beta2)? + (g.sqr()? * (1.0 - beta2))?)?;
             let m_hat = (&next_m * scale_m)?;

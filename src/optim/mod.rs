@@ -2,6 +2,7 @@
 
 mod adamw;
 mod gradient_merge;
+mod in_place;
 mod lr_policy;
 mod sgd_momentum;
 

@@ -3,9 +3,10 @@
 //! `p ← p − lr·v`, with `v` starting at zero.
 
 use candle_core::backprop::GradStore;
-use candle_core::{CpuStorage, InplaceOp2, InplaceOp3, Layout, Tensor, Var};
+use candle_core::{Tensor, Var};
 use candle_nn::Optimizer;
 
+use super::in_place::{Accumulate, Descend};
 use super::{check_state_entry, OptimizerState};
 
 /// The state slot of one parameter: its velocity.
@@ -104,86 +105,6 @@ fn composed_step(
         *velocity = Some(g.clone());
     }
     var.set(&(var.as_tensor() - (g * config.lr)?)?)
-}
-
-/// The values of a contiguous f32 CPU tensor.
-fn cpu_values<'a>(storage: &'a CpuStorage, layout: &Layout, op: &str) -> candle_core::Result<&'a [f32]> {
-    match (storage, layout.contiguous_offsets()) {
-        (CpuStorage::F32(v), Some((start, end))) => Ok(&v[start..end]),
-        _ => candle_core::bail!("{op}: expects a contiguous f32 tensor"),
-    }
-}
-
-/// Mutable values of a contiguous f32 CPU tensor, of the length `len` of its partner.
-fn cpu_values_mut<'a>(
-    storage: &'a mut CpuStorage,
-    layout: &Layout,
-    len: usize,
-    op: &str,
-) -> candle_core::Result<&'a mut [f32]> {
-    match (storage, layout.contiguous_offsets()) {
-        (CpuStorage::F32(v), Some((start, end))) if end - start == len => Ok(&mut v[start..end]),
-        _ => candle_core::bail!("{op}: expects a contiguous f32 tensor of {len} values"),
-    }
-}
-
-/// `p ← p − lr·(g + λ·p)` (the decay term only when λ ≠ 0, as the composed step).
-struct Descend {
-    lr: f32,
-    decay: f32,
-}
-
-impl InplaceOp2 for Descend {
-    fn name(&self) -> &'static str {
-        "sgd-descend"
-    }
-
-    fn cpu_fwd(&self, p: &mut CpuStorage, p_l: &Layout, g: &CpuStorage, g_l: &Layout) -> candle_core::Result<()> {
-        let g = cpu_values(g, g_l, self.name())?;
-        let p = cpu_values_mut(p, p_l, g.len(), self.name())?;
-        let Self { lr, decay } = *self;
-        if decay == 0.0 {
-            for (p, &g) in p.iter_mut().zip(g) {
-                *p -= g * lr;
-            }
-        } else {
-            for (p, &g) in p.iter_mut().zip(g) {
-                *p -= (g + *p * decay) * lr;
-            }
-        }
-        Ok(())
-    }
-}
-
-/// `v ← μ·v + (g + λ·p)`.
-struct Accumulate {
-    momentum: f32,
-    decay: f32,
-}
-
-impl InplaceOp3 for Accumulate {
-    fn name(&self) -> &'static str {
-        "sgd-momentum"
-    }
-
-    fn cpu_fwd(
-        &self,
-        v: &mut CpuStorage,
-        v_l: &Layout,
-        g: &CpuStorage,
-        g_l: &Layout,
-        p: &CpuStorage,
-        p_l: &Layout,
-    ) -> candle_core::Result<()> {
-        let (g, p) = (cpu_values(g, g_l, self.name())?, cpu_values(p, p_l, self.name())?);
-        let v = cpu_values_mut(v, v_l, g.len(), self.name())?;
-        let Self { momentum, decay } = *self;
-        for ((v, &g), &p) in v.iter_mut().zip(g).zip(p) {
-            let g = if decay == 0.0 { g } else { g + p * decay };
-            *v = *v * momentum + g;
-        }
-        Ok(())
-    }
 }
 
 impl SgdMomentum {
