@@ -27,16 +27,14 @@ impl LayerNorm {
     }
 
     pub(super) fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
-        let normalized = if x.device().is_cpu() {
-            super::fused::normalize(x, EPS as f32)?
-        } else {
-            let centred = x.broadcast_sub(&x.mean_keepdim(D::Minus1)?)?;
-            let variance = centred.sqr()?.mean_keepdim(D::Minus1)?;
-            centred.broadcast_mul(&(variance + EPS)?.sqrt()?.recip()?)?
-        };
-        normalized
-            .broadcast_mul(self.gain.as_tensor())?
-            .broadcast_add(self.bias.as_tensor())
+        let (gain, bias) = (self.gain.as_tensor(), self.bias.as_tensor());
+        if x.device().is_cpu() {
+            return super::fused::scale_shift(&super::fused::normalize(x, EPS as f32)?, gain, bias);
+        }
+        let centred = x.broadcast_sub(&x.mean_keepdim(D::Minus1)?)?;
+        let variance = centred.sqr()?.mean_keepdim(D::Minus1)?;
+        let normalized = centred.broadcast_mul(&(variance + EPS)?.sqrt()?.recip()?)?;
+        normalized.broadcast_mul(gain)?.broadcast_add(bias)
     }
 
     /// `"{prefix}.gain"`, `"{prefix}.bias"`.
