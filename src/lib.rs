@@ -76,6 +76,7 @@ pub mod bench;
 pub mod checkpoint;
 pub mod collective;
 pub mod config;
+pub mod cpu_values;
 pub mod data;
 pub mod doctor;
 pub mod engines;

@@ -15,6 +15,7 @@ use candle_core::{CpuStorage, CustomOp1, Layout, Shape, Tensor, Var};
 use serde::Serialize;
 
 use crate::config::JobConfig;
+use crate::cpu_values::cpu_values;
 use crate::data::Dataset;
 use crate::job::{RunOptions, TrainingJob};
 use crate::models::{mlp, Block, Model, ParamInit};
@@ -177,12 +178,8 @@ impl CustomOp1 for Delay {
 
     fn cpu_fwd(&self, storage: &CpuStorage, layout: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
         std::thread::sleep(self.0);
-        match (storage, layout.contiguous_offsets()) {
-            (CpuStorage::F32(values), Some((start, end))) => {
-                Ok((CpuStorage::F32(values[start..end].to_vec()), layout.shape().clone()))
-            }
-            _ => candle_core::bail!("delay: expects contiguous f32 input"),
-        }
+        let values = cpu_values(storage, layout, "delay")?;
+        Ok((CpuStorage::F32(values.to_vec()), layout.shape().clone()))
     }
 
     fn bwd(&self, _arg: &Tensor, _res: &Tensor, grad_res: &Tensor) -> candle_core::Result<Option<Tensor>> {

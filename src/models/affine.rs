@@ -10,6 +10,8 @@
 use candle_core::{CpuStorage, CustomOp3, DType, Layout, Shape, Storage, Tensor};
 use gemm::Parallelism;
 
+use crate::cpu_values::cpu_values;
+
 use super::Activation;
 
 /// `act(x W + b)` for `x` (…, in), `W` (in, out), `b` (out): the fused kernel on the CPU in f32,
@@ -34,19 +36,11 @@ struct Affine {
     activation: Activation,
 }
 
-/// The f32 values of a contiguous tensor's storage.
-fn values<'a>(storage: &'a CpuStorage, layout: &Layout, what: &str) -> candle_core::Result<&'a [f32]> {
-    match (storage, layout.contiguous_offsets()) {
-        (CpuStorage::F32(v), Some((start, end))) => Ok(&v[start..end]),
-        _ => candle_core::bail!("linear: expects a contiguous f32 {what}"),
-    }
-}
-
 /// A tensor's values, read under its storage lock, to `f`.
 fn with_values<T>(tensor: &Tensor, what: &str, f: impl FnOnce(&[f32]) -> T) -> candle_core::Result<T> {
     let (storage, layout) = tensor.storage_and_layout();
     match &*storage {
-        Storage::Cpu(cpu) => Ok(f(values(cpu, layout, what)?)),
+        Storage::Cpu(cpu) => Ok(f(cpu_values(cpu, layout, what)?)),
         _ => candle_core::bail!("linear: the fused kernel runs on the CPU"),
     }
 }
@@ -152,8 +146,11 @@ impl CustomOp3 for Affine {
         bias_layout: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
         let (rows, inputs, outputs) = dims(x_layout, weight_layout, bias_layout)?;
-        let (x, weight) = (values(x, x_layout, "input")?, values(weight, weight_layout, "weight")?);
-        let bias = values(bias, bias_layout, "bias")?;
+        let (x, weight) = (
+            cpu_values(x, x_layout, "linear input")?,
+            cpu_values(weight, weight_layout, "linear weight")?,
+        );
+        let bias = cpu_values(bias, bias_layout, "linear bias")?;
         let mut y: Vec<f32> = Vec::with_capacity(rows * outputs);
         for _ in 0..rows {
             y.extend_from_slice(bias);
@@ -186,11 +183,11 @@ impl CustomOp3 for Affine {
         grad: &Tensor,
     ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
         let dims = dims(x.layout(), weight.layout(), bias.layout())?;
-        with_values(&grad.contiguous()?, "gradient", |grad| match self.activation {
+        with_values(&grad.contiguous()?, "linear gradient", |grad| match self.activation {
             Activation::Identity => gradients(dims, x, weight, bias, grad),
             Activation::Relu => {
                 // The upstream gradient where the ReLU let the value through (y > 0).
-                let masked: Vec<f32> = with_values(y, "output", |y| {
+                let masked: Vec<f32> = with_values(y, "linear output", |y| {
                     grad.iter()
                         .zip(y)
                         .map(|(&g, &y)| if y > 0.0 { g } else { 0.0 })
@@ -221,7 +218,7 @@ fn gradients(
         }
     }
     let mut weight_grad = vec![0f32; inputs * outputs];
-    with_values(x, "input", |x| {
+    with_values(x, "linear input", |x| {
         matmul(
             (inputs, rows, outputs),
             transposed(x, inputs),
@@ -233,7 +230,7 @@ fn gradients(
     let input_grad = match x.track_op() {
         true => {
             let mut input_grad = vec![0f32; rows * inputs];
-            with_values(weight, "weight", |w| {
+            with_values(weight, "linear weight", |w| {
                 matmul(
                     (rows, outputs, inputs),
                     plain(g, outputs),

@@ -8,7 +8,7 @@ use candle_core::backprop::GradStore;
 use candle_core::{DType, Result, Var};
 use candle_nn::{Optimizer, ParamsAdamW};
 
-use super::in_place::{AdamWStep, FirstMoment, SecondMoment};
+use super::in_place::{AdamWStep, Moment};
 use super::{check_state_entry, OptimizerState};
 
 /// The state slots of one parameter: first and second moment.
@@ -67,20 +67,11 @@ impl Optimizer for AdamW {
             if theta.device().is_cpu() && theta.dtype() == DType::F32 {
                 // One pass per moment and one over the parameter, in place.
                 let g = &g.contiguous()?;
-                m.inplace_op2(
-                    g,
-                    &FirstMoment {
-                        beta: beta1 as f32,
-                        rest: (1.0 - beta1) as f32,
-                    },
-                )?;
-                v.inplace_op2(
-                    g,
-                    &SecondMoment {
-                        beta: beta2 as f32,
-                        rest: (1.0 - beta2) as f32,
-                    },
-                )?;
+                for (moment, beta, squared) in [(m, beta1, false), (v, beta2, true)] {
+                    let rest = (1.0 - beta) as f32;
+                    let beta = beta as f32;
+                    moment.inplace_op2(g, &Moment { beta, rest, squared })?;
+                }
                 let step = AdamWStep {
                     lr: lr as f32,
                     decay: (1.0 - lr_lambda) as f32,

@@ -4,26 +4,7 @@
 
 use candle_core::{CpuStorage, InplaceOp2, InplaceOp3, Layout};
 
-/// The values of a contiguous f32 CPU tensor.
-fn cpu_values<'a>(storage: &'a CpuStorage, layout: &Layout, op: &str) -> candle_core::Result<&'a [f32]> {
-    match (storage, layout.contiguous_offsets()) {
-        (CpuStorage::F32(v), Some((start, end))) => Ok(&v[start..end]),
-        _ => candle_core::bail!("{op}: expects a contiguous f32 tensor"),
-    }
-}
-
-/// Mutable values of a contiguous f32 CPU tensor, of the length `len` of its partner.
-fn cpu_values_mut<'a>(
-    storage: &'a mut CpuStorage,
-    layout: &Layout,
-    len: usize,
-    op: &str,
-) -> candle_core::Result<&'a mut [f32]> {
-    match (storage, layout.contiguous_offsets()) {
-        (CpuStorage::F32(v), Some((start, end))) if end - start == len => Ok(&mut v[start..end]),
-        _ => candle_core::bail!("{op}: expects a contiguous f32 tensor of {len} values"),
-    }
-}
+use crate::cpu_values::{cpu_values, cpu_values_mut};
 
 /// `p ← p − lr·(g + λ·p)` (the decay term only when λ ≠ 0, as the composed step).
 pub(super) struct Descend {
@@ -84,47 +65,32 @@ impl InplaceOp3 for Accumulate {
     }
 }
 
-/// Adam's first moment: `m ← β₁·m + (1 − β₁)·g`.
-pub(super) struct FirstMoment {
+/// One of Adam's moments: `m ← β·m + (1 − β)·g` (the first), or of `g²` (the second).
+pub(super) struct Moment {
     pub(super) beta: f32,
-    /// `1 − β₁`, computed in f64 as the composed step does.
+    /// `1 − β`, computed in f64 as the composed step does.
     pub(super) rest: f32,
+    /// Of the squared gradient: the second moment.
+    pub(super) squared: bool,
 }
 
-impl InplaceOp2 for FirstMoment {
+impl InplaceOp2 for Moment {
     fn name(&self) -> &'static str {
-        "adamw-first-moment"
+        "adamw-moment"
     }
 
     fn cpu_fwd(&self, m: &mut CpuStorage, m_l: &Layout, g: &CpuStorage, g_l: &Layout) -> candle_core::Result<()> {
         let g = cpu_values(g, g_l, self.name())?;
         let m = cpu_values_mut(m, m_l, g.len(), self.name())?;
         let (beta, rest) = (self.beta, self.rest);
-        for (m, &g) in m.iter_mut().zip(g) {
-            *m = *m * beta + g * rest;
-        }
-        Ok(())
-    }
-}
-
-/// Adam's second moment: `v ← β₂·v + (1 − β₂)·g²`.
-pub(super) struct SecondMoment {
-    pub(super) beta: f32,
-    /// `1 − β₂`, computed in f64 as the composed step does.
-    pub(super) rest: f32,
-}
-
-impl InplaceOp2 for SecondMoment {
-    fn name(&self) -> &'static str {
-        "adamw-second-moment"
-    }
-
-    fn cpu_fwd(&self, v: &mut CpuStorage, v_l: &Layout, g: &CpuStorage, g_l: &Layout) -> candle_core::Result<()> {
-        let g = cpu_values(g, g_l, self.name())?;
-        let v = cpu_values_mut(v, v_l, g.len(), self.name())?;
-        let (beta, rest) = (self.beta, self.rest);
-        for (v, &g) in v.iter_mut().zip(g) {
-            *v = *v * beta + (g * g) * rest;
+        if self.squared {
+            for (m, &g) in m.iter_mut().zip(g) {
+                *m = *m * beta + (g * g) * rest;
+            }
+        } else {
+            for (m, &g) in m.iter_mut().zip(g) {
+                *m = *m * beta + g * rest;
+            }
         }
         Ok(())
     }

@@ -6,13 +6,7 @@
 
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, CustomOp3, Layout, Shape, Tensor};
 
-/// The f32 values of a contiguous tensor's storage.
-fn values<'a>(storage: &'a CpuStorage, layout: &Layout, op: &str) -> candle_core::Result<&'a [f32]> {
-    match (storage, layout.contiguous_offsets()) {
-        (CpuStorage::F32(v), Some((start, end))) => Ok(&v[start..end]),
-        _ => candle_core::bail!("{op}: expects a contiguous f32 tensor"),
-    }
-}
+use crate::cpu_values::cpu_values;
 
 /// The length of the last dimension.
 fn row_len(layout: &Layout) -> candle_core::Result<usize> {
@@ -31,7 +25,7 @@ fn map_rows(
     row: usize,
     f: impl Fn(usize, &[f32], &mut [f32]),
 ) -> candle_core::Result<(CpuStorage, Shape)> {
-    let x = values(storage, layout, op)?;
+    let x = cpu_values(storage, layout, op)?;
     let mut y = vec![0f32; x.len()];
     for (r, (input, output)) in x.chunks_exact(row).zip(y.chunks_exact_mut(row)).enumerate() {
         f(r, input, output);
@@ -48,7 +42,7 @@ fn map_rows2(
     row: usize,
     f: impl Fn(&[f32], &[f32], &mut [f32]),
 ) -> candle_core::Result<(CpuStorage, Shape)> {
-    let b = values(b, b_layout, op)?;
+    let b = cpu_values(b, b_layout, op)?;
     if b.len() != a_layout.shape().elem_count() {
         candle_core::bail!("{op}: the gradient has {} values for {:?}", b.len(), a_layout.dims());
     }
@@ -312,8 +306,8 @@ impl CustomOp3 for ScaleShift {
     ) -> candle_core::Result<(CpuStorage, Shape)> {
         let n = row_len(x_layout)?;
         let (gain, bias) = (
-            values(gain, gain_layout, self.name())?,
-            values(bias, bias_layout, self.name())?,
+            cpu_values(gain, gain_layout, self.name())?,
+            cpu_values(bias, bias_layout, self.name())?,
         );
         if gain.len() != n || bias.len() != n {
             candle_core::bail!(
@@ -345,8 +339,8 @@ impl CustomOp3 for ScaleShift {
             candle_core::bail!("scale-shift: the fused kernel runs on the CPU");
         };
         let (xs, gs) = (
-            values(x_cpu, x_layout, self.name())?,
-            values(g_cpu, g_layout, self.name())?,
+            cpu_values(x_cpu, x_layout, self.name())?,
+            cpu_values(g_cpu, g_layout, self.name())?,
         );
         let gain_values = gain.flatten_all()?.to_vec1::<f32>()?;
         let (mut gain_grad, mut bias_grad) = (vec![0f32; n], vec![0f32; n]);
