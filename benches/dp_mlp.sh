@@ -13,7 +13,7 @@ for n in "${@:-1 2 4}"; do
     dir=$(mktemp -d)
     RAYON_NUM_THREADS=1 CANDLE_NUM_THREADS=1 timeout 600 "$bin" launch --nproc_per_node "$world" --started_port "$port" -- \
       train --config benches/dp_mlp.toml --set "train.batch_size=$((256 * world))" ${FUSE_MB:+--set strategy.fuse_grad_size_in_MB=$FUSE_MB} --run-dir "$dir" >/dev/null 2>&1
-    python3 -c 'import json,sys; s=json.load(open(sys.argv[1])); print(json.dumps({k: s[k] for k in ("world_size","steps","samples_per_sec","comm_time_ratio","exposed_comm_ratio")}))' "$dir/summary.json"
+    python3 -c 'import json,sys; s=json.load(open(sys.argv[1])); print(json.dumps({k: s[k] for k in ("world_size","steps","samples_per_sec","comm_time_ratio","exposed_comm_ratio","matrix_kernel")}))' "$dir/summary.json"
     rm -rf "$dir"
   done
 done

@@ -44,6 +44,8 @@ pub struct Summary {
     pub exposed_comm_ratio: f64,
     /// SHA-256 of every parameter's bytes in name order.
     pub param_checksum: String,
+    /// The CPU matrix kernel of rank 0's process ([`crate::models::cpu_matrix_kernel`]).
+    pub matrix_kernel: String,
     /// Pipeline jobs: per stage, the most bytes of activations held for backward at once.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub peak_activation_bytes: Option<Vec<usize>>,
@@ -80,6 +82,7 @@ impl RunOutcome {
                 comm_time_ratio: rank0.comm_time_ratio,
                 exposed_comm_ratio: rank0.exposed_comm_ratio,
                 param_checksum: rank0.param_checksum.to_string(),
+                matrix_kernel: crate::models::cpu_matrix_kernel().to_string(),
                 peak_activation_bytes: None,
                 bubble_fraction: None,
             },

@@ -14,6 +14,27 @@ use crate::cpu_values::cpu_values;
 
 use super::Activation;
 
+/// The f32 matrix kernel gemm runs on this CPU, chosen as gemm chooses it: `avx512f`,
+/// `avx2+fma`, `neon` or its `portable` one — recorded with every throughput figure.
+pub fn cpu_matrix_kernel() -> &'static str {
+    #[cfg(any(target_arch = "x86", target_arch = "x86_64"))]
+    {
+        if std::arch::is_x86_feature_detected!("avx512f") {
+            return "avx512f";
+        }
+        if std::arch::is_x86_feature_detected!("fma") {
+            return "avx2+fma";
+        }
+    }
+    #[cfg(target_arch = "aarch64")]
+    {
+        if std::arch::is_aarch64_feature_detected!("neon") {
+            return "neon";
+        }
+    }
+    "portable"
+}
+
 /// `act(x W + b)` for `x` (…, in), `W` (in, out), `b` (out): the fused kernel on the CPU in f32,
 /// candle's composed ops elsewhere (a GPU).
 pub(super) fn affine(

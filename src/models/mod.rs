@@ -17,6 +17,7 @@ mod sparse;
 mod tower;
 mod wide_deep;
 
+pub use affine::cpu_matrix_kernel;
 pub use deepfm::DeepFm;
 pub use gpt::{gpt, GptConfig};
 pub use init::ParamInit;
