@@ -40,7 +40,11 @@ fn ranks_started_with_torchruns_variables_train_as_the_in_process_cluster() {
     assert_eq!(summary["cluster"], "multi-process");
     let simulated = train_in_process(config(&[STEPS]));
     assert_eq!(summary["param_checksum"], simulated.summary.param_checksum.as_str());
-    assert_eq!(summary["matrix_kernel"], flotilla::models::cpu_matrix_kernel(), "the kernel recorded");
+    assert_eq!(
+        summary["matrix_kernel"],
+        flotilla::models::cpu_matrix_kernel(),
+        "the kernel recorded"
+    );
 }
 
 #[test]
