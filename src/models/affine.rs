@@ -7,10 +7,10 @@
 //! The GEMMs are the `gemm` crate's (the kernel candle's matmul uses), run with candle's thread
 //! count; the crate picks its AVX-512, AVX2/FMA or portable kernel at run time.
 
-use candle_core::{CpuStorage, CustomOp3, DType, Layout, Shape, Storage, Tensor};
+use candle_core::{CpuStorage, CustomOp3, DType, Layout, Shape, Tensor};
 use gemm::Parallelism;
 
-use crate::cpu_values::cpu_values;
+use crate::cpu_values::{cpu_values, with_cpu_values};
 
 use super::Activation;
 
@@ -55,15 +55,6 @@ pub(super) fn affine(
 
 struct Affine {
     activation: Activation,
-}
-
-/// A tensor's values, read under its storage lock, to `f`.
-fn with_values<T>(tensor: &Tensor, what: &str, f: impl FnOnce(&[f32]) -> T) -> candle_core::Result<T> {
-    let (storage, layout) = tensor.storage_and_layout();
-    match &*storage {
-        Storage::Cpu(cpu) => Ok(f(cpu_values(cpu, layout, what)?)),
-        _ => candle_core::bail!("linear: the fused kernel runs on the CPU"),
-    }
 }
 
 /// The shape (inputs, outputs) of the weight, checked against the input and the bias.
@@ -204,11 +195,11 @@ impl CustomOp3 for Affine {
         grad: &Tensor,
     ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
         let dims = dims(x.layout(), weight.layout(), bias.layout())?;
-        with_values(&grad.contiguous()?, "linear gradient", |grad| match self.activation {
+        with_cpu_values(&grad.contiguous()?, "linear gradient", |grad| match self.activation {
             Activation::Identity => gradients(dims, x, weight, bias, grad),
             Activation::Relu => {
                 // The upstream gradient where the ReLU let the value through (y > 0).
-                let masked: Vec<f32> = with_values(y, "linear output", |y| {
+                let masked: Vec<f32> = with_cpu_values(y, "linear output", |y| {
                     grad.iter()
                         .zip(y)
                         .map(|(&g, &y)| if y > 0.0 { g } else { 0.0 })
@@ -239,7 +230,7 @@ fn gradients(
         }
     }
     let mut weight_grad = vec![0f32; inputs * outputs];
-    with_values(x, "linear input", |x| {
+    with_cpu_values(x, "linear input", |x| {
         matmul(
             (inputs, rows, outputs),
             transposed(x, inputs),
@@ -251,7 +242,7 @@ fn gradients(
     let input_grad = match x.track_op() {
         true => {
             let mut input_grad = vec![0f32; rows * inputs];
-            with_values(weight, "linear weight", |w| {
+            with_cpu_values(weight, "linear weight", |w| {
                 matmul(
                     (rows, outputs, inputs),
                     plain(g, outputs),

@@ -6,7 +6,7 @@
 
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, CustomOp3, Layout, Shape, Tensor};
 
-use crate::cpu_values::cpu_values;
+use crate::cpu_values::{cpu_values, with_cpu_values};
 
 /// The length of the last dimension.
 fn row_len(layout: &Layout) -> candle_core::Result<usize> {
@@ -331,31 +331,26 @@ impl CustomOp3 for ScaleShift {
         _y: &Tensor,
         grad: &Tensor,
     ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        let grad = grad.contiguous()?;
         let n = row_len(x.layout())?;
-        let (x_storage, x_layout) = x.storage_and_layout();
-        let (g_storage, g_layout) = grad.storage_and_layout();
-        let (candle_core::Storage::Cpu(x_cpu), candle_core::Storage::Cpu(g_cpu)) = (&*x_storage, &*g_storage) else {
-            candle_core::bail!("scale-shift: the fused kernel runs on the CPU");
-        };
-        let (xs, gs) = (
-            cpu_values(x_cpu, x_layout, self.name())?,
-            cpu_values(g_cpu, g_layout, self.name())?,
-        );
-        let gain_values = gain.flatten_all()?.to_vec1::<f32>()?;
         let (mut gain_grad, mut bias_grad) = (vec![0f32; n], vec![0f32; n]);
-        let mut input_grad = x.track_op().then(|| vec![0f32; xs.len()]);
-        for (r, (x, g)) in xs.chunks_exact(n).zip(gs.chunks_exact(n)).enumerate() {
-            for (((dg, db), &x), &g) in gain_grad.iter_mut().zip(&mut bias_grad).zip(x).zip(g) {
-                *dg += g * x;
-                *db += g;
-            }
-            if let Some(dx) = &mut input_grad {
-                for ((dx, &g), &w) in dx[r * n..(r + 1) * n].iter_mut().zip(g).zip(&gain_values) {
-                    *dx = g * w;
-                }
-            }
-        }
+        let mut input_grad = x.track_op().then(|| vec![0f32; x.elem_count()]);
+        with_cpu_values(&grad.contiguous()?, self.name(), |gs| {
+            with_cpu_values(x, self.name(), |xs| {
+                with_cpu_values(gain, self.name(), |gain| {
+                    for (r, (x, g)) in xs.chunks_exact(n).zip(gs.chunks_exact(n)).enumerate() {
+                        for (((dg, db), &x), &g) in gain_grad.iter_mut().zip(&mut bias_grad).zip(x).zip(g) {
+                            *dg += g * x;
+                            *db += g;
+                        }
+                        if let Some(dx) = &mut input_grad {
+                            for ((dx, &g), &w) in dx[r * n..(r + 1) * n].iter_mut().zip(g).zip(gain) {
+                                *dx = g * w;
+                            }
+                        }
+                    }
+                })
+            })
+        })???;
         let input_grad = input_grad
             .map(|dx| Tensor::from_vec(dx, x.shape(), x.device()))
             .transpose()?;
