@@ -138,12 +138,16 @@ fn the_trace_shows_each_stage_on_its_own_track_in_schedule_order() {
     // (rank, name) → (start, end) of its spans, in time order.
     let spans = |pid: u64, name: &str| common::trace_spans(&trace, pid, |n| n == name);
     for pid in 0..4 {
-        for span in ["F0", "F3", "B0", "B3", "all-reduce wait 0", "optimizer 1"] {
-            assert_eq!(
-                spans(pid, span).len(),
-                if span.contains(' ') { 1 } else { 2 },
-                "{pid} {span}"
-            );
+        // Two steps: each runs every micro-batch and waits for its one gradient bucket.
+        for (span, count) in [
+            ("F0", 2),
+            ("F3", 2),
+            ("B0", 2),
+            ("B3", 2),
+            ("wait for bucket 0", 2),
+            ("optimizer 1", 1),
+        ] {
+            assert_eq!(spans(pid, span).len(), count, "{pid} {span}");
         }
     }
     // A micro-batch's forward on stage 1 starts after stage 0 sent it, and its backward on

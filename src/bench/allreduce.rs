@@ -13,7 +13,7 @@ use serde::Serialize;
 use crate::actors::Coordinator;
 use crate::config::{DeviceKind, FaultToleranceConfig};
 use crate::engines::comm::hierarchy::{self, NodeLayout};
-use crate::engines::comm::{Abandoned, Communicator, RingLinks};
+use crate::engines::comm::{Abandoned, Communicator, RingLinks, Wire};
 use crate::engines::compute::device_for;
 use crate::job::connect_control;
 use crate::launch::{supervise, ChildSpec, OutputMode};
@@ -334,7 +334,7 @@ fn buffer_of(len: usize, device: &Device) -> Result<TimedAllReduce> {
     Ok(if device.is_cuda() {
         let tensor = Tensor::from_vec(data, len, device)?;
         Box::new(move |comm| {
-            comm.all_reduce_mean_tensor("benchmark all-reduce", tensor.clone())
+            comm.all_reduce_mean_tensor("benchmark all-reduce", tensor.clone(), Wire::F32)
                 .map(drop)
         })
     } else {

@@ -4,7 +4,7 @@
 use anyhow::{Context, Result};
 use candle_core::{Device, Shape, Tensor};
 
-use crate::engines::comm::Communicator;
+use crate::engines::comm::{Communicator, Wire};
 use crate::optim::MergeBuffer;
 
 /// A bucket's values.
@@ -62,15 +62,15 @@ impl BucketValues {
         }
     }
 
-    /// The mean of the bucket over all ranks of `comm`: by NCCL when the ranks have it, else
-    /// by the ring (a device bucket through host memory).
-    pub(super) fn all_reduce_mean(self, comm: &mut Communicator, op: &str) -> Result<Self> {
+    /// The mean of the bucket over all ranks of `comm`, carried as `wire` says: by NCCL when
+    /// the ranks have it, else by the ring (a device bucket through host memory).
+    pub(super) fn all_reduce_mean(self, comm: &mut Communicator, op: &str, wire: Wire) -> Result<Self> {
         Ok(match self {
             Self::Host(mut values) => {
-                comm.all_reduce_mean(op, &mut values)?;
+                comm.all_reduce_mean(op, &mut values, wire)?;
                 Self::Host(values)
             }
-            Self::Device(tensor) => Self::Device(comm.all_reduce_mean_tensor(op, tensor)?),
+            Self::Device(tensor) => Self::Device(comm.all_reduce_mean_tensor(op, tensor, wire)?),
         })
     }
 
@@ -122,11 +122,12 @@ mod tests {
                         let mine: Vec<f32> = (0..7).map(|i| (comm.rank() * 10 + i) as f32).collect();
                         let tensor = Tensor::from_vec(mine.clone(), 7, &Device::Cpu)?;
                         let BucketValues::Device(device) =
-                            BucketValues::Device(tensor).all_reduce_mean(&mut comm, "test")?
+                            BucketValues::Device(tensor).all_reduce_mean(&mut comm, "test", Wire::F32)?
                         else {
                             anyhow::bail!("a device bucket came back from the host")
                         };
-                        let BucketValues::Host(host) = BucketValues::Host(mine).all_reduce_mean(&mut comm, "test")?
+                        let BucketValues::Host(host) =
+                            BucketValues::Host(mine).all_reduce_mean(&mut comm, "test", Wire::F32)?
                         else {
                             anyhow::bail!("a host bucket came back from the device")
                         };

@@ -6,10 +6,12 @@
 mod bucket;
 mod checksum;
 mod gradient_bucket;
+mod gradient_sync;
 pub mod rank_figures;
 mod replica;
 pub mod training_state;
 
 pub use bucket::{Bucket, BucketPlan};
 pub use checksum::ParamChecksum;
+pub use gradient_sync::{Averaged, GradientSync, StepGradients};
 pub use replica::{Replica, StepReport};

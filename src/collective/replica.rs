@@ -5,20 +5,18 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
-use candle_core::backprop::GradStore;
 use candle_core::{Device, Tensor, Var};
 
-use super::gradient_bucket::{BucketFill, BucketValues};
 use super::rank_figures::RankFigures;
-use super::{training_state, BucketPlan, ParamChecksum};
+use super::{training_state, GradientSync, ParamChecksum};
 use crate::config::JobConfig;
 use crate::data::Batch;
-use crate::engines::comm::{CommWorker, Pending, Shared};
+use crate::engines::comm::{CommWorker, Shared};
 use crate::engines::compute::segments::{self, Segments};
 use crate::models::{correct_predictions, cross_entropy, Model, NamedParam};
-use crate::optim::{GradientMerge, LrPolicy, Optimizer};
+use crate::optim::{LrPolicy, Optimizer};
 use crate::telemetry::metrics::peak_rss_bytes;
-use crate::telemetry::timeline::{record, Lane, Span, Timeline};
+use crate::telemetry::timeline::{record, Span, Timeline};
 
 /// What one training step measured.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -44,14 +42,13 @@ pub struct StepReport {
 pub struct Replica {
     model: Model,
     params: Vec<NamedParam>,
-    plan: BucketPlan,
+    gradients: GradientSync,
     optimizer: Optimizer,
     lr_policy: LrPolicy,
     comm: CommWorker,
     device: Device,
     /// How forward and backward cut the model (per block, or recomputed segments).
     segments: Segments,
-    merge: GradientMerge<BucketValues>,
     /// Batches trained.
     step: usize,
     /// Spans of the steps, when tracing.
@@ -63,17 +60,17 @@ impl Replica {
     /// `comm`.
     pub fn new(model: Model, job: &JobConfig, comm: CommWorker, device: Device) -> Result<Self> {
         let params = model.parameters();
-        let backward_order: Vec<(usize, usize)> = (0..model.blocks().len())
+        // Backward finishes the blocks from the last, each block's parameters in their order.
+        let backward_order: Vec<usize> = (0..model.blocks().len())
             .rev()
             .flat_map(|block| params.iter().enumerate().filter(move |(_, p)| p.block == block))
-            .map(|(i, p)| (i, p.var.elem_count()))
+            .map(|(i, _)| i)
             .collect();
-        let cap_bytes = job.strategy.fuse_grad_size_bytes();
-        let plan = BucketPlan::new(&backward_order, cap_bytes);
+        let vars: Vec<Var> = params.iter().map(|p| p.var.clone()).collect();
+        let gradients = GradientSync::new(job, vars.clone(), &backward_order, comm.world_size(), &device)?;
         // The job's world, not this generation's: with elastic membership the global batch, and
         // so its learning rate, stays the same on fewer ranks.
         let lr_policy = LrPolicy::new(&job.train, job.world_size());
-        let vars: Vec<Var> = params.iter().map(|p| p.var.clone()).collect();
         let optimizer = Optimizer::new(&job.train, vars, lr_policy.at(0))?;
         let blocks = model.blocks().len();
         let segments = if job.strategy.recompute {
@@ -82,23 +79,21 @@ impl Replica {
         } else {
             Segments::per_block(blocks)
         };
-        let merge = GradientMerge::new(&job.strategy, plan.buckets.len());
         tracing::debug!(
             rank = comm.rank(),
-            buckets = plan.buckets.len(),
+            buckets = gradients.buckets(),
             params = model.parameter_count(),
             "replica ready"
         );
         Ok(Self {
             model,
             params,
-            plan,
+            gradients,
             optimizer,
             lr_policy,
             comm,
             device,
             segments,
-            merge,
             step: 0,
             timeline: None,
         })
@@ -157,7 +152,7 @@ impl Replica {
     /// one and the batches merged so far are dropped; the state comes from a snapshot next.
     pub fn relink(&mut self, comm: CommWorker) {
         self.comm = comm;
-        self.merge.clear();
+        self.gradients.clear();
     }
 
     /// Gives the state after step `step` — `mine`, where this rank holds it — to the ranks
@@ -193,7 +188,7 @@ impl Replica {
         let started = Instant::now();
         let step = self.step;
         let comm_before = self.comm.busy_time();
-        let lr = self.lr_policy.at(self.merge.optimizer_step(step));
+        let lr = self.lr_policy.at(self.gradients.optimizer_step(step));
         self.optimizer.set_learning_rate(lr);
         let (x, y) = batch.tensors(&self.device)?;
         record(&mut self.timeline, || format!("data {step}"), "data", started);
@@ -208,37 +203,23 @@ impl Replica {
         // Backward segment by segment from the last; every completed bucket is handed to the
         // communication thread at once (with gradient merge, only on the merge's last batch).
         let backwarding = Instant::now();
-        let (params, plan, merge, comm) = (&self.params, &self.plan, &mut self.merge, &self.comm);
-        let mut pending: Vec<Pending<ReducedBucket>> = Vec::with_capacity(plan.buckets.len());
-        let mut bucket_index = 0;
-        let mut filling = BucketFill::new(&self.device);
+        let params = &self.params;
+        let mut gradients = self.gradients.begin(step, &self.comm);
         segments::backward(blocks, &self.segments, forward, &upstream, &mut |range, grads| {
             // A failed all-reduce dooms the step: stop computing it, with that collective's error
             // (a rollback may follow).
-            if comm.failed() {
-                for reduced in pending.drain(..) {
-                    reduced.wait()?;
-                }
-                bail!("step {step}: a collective failed, so the step stops before the rest of backward");
-            }
+            gradients.stop_if_failed()?;
             for block in range.rev() {
                 for (param_index, param) in params.iter().enumerate().filter(|(_, p)| p.block == block) {
                     let grad = grads
                         .get(param.var.as_tensor())
                         .with_context(|| format!("no gradient for {}", param.name))?;
-                    let bucket = &plan.buckets[bucket_index];
-                    filling.push(grad, bucket.len)?;
-                    if bucket.params.last() == Some(&param_index) {
-                        if let Some(merged) = merge.add(step, bucket_index, filling.take()?)? {
-                            pending.push(submit_bucket(comm, step, bucket_index, merged));
-                        }
-                        bucket_index += 1;
-                    }
+                    gradients.add(param_index, grad)?;
                 }
             }
             Ok(())
         })?;
-        self.settle_for_trace()?;
+        settle_for_trace(&self.timeline, &self.device)?;
         record(
             &mut self.timeline,
             || format!("backward {step}"),
@@ -247,32 +228,11 @@ impl Replica {
         );
 
         let mut exposed_comm_time = Duration::ZERO;
-        if !pending.is_empty() {
-            let mut averaged = GradStore::default();
-            for (index, (bucket, reduced)) in self.plan.buckets.iter().zip(pending).enumerate() {
-                let waiting = Instant::now();
-                let ReducedBucket { values, started, ended } = reduced.wait()?;
-                exposed_comm_time += waiting.elapsed();
-                record(
-                    &mut self.timeline,
-                    || format!("wait for bucket {index}"),
-                    "wait",
-                    waiting,
-                );
-                if let Some(timeline) = &mut self.timeline {
-                    let name = format!("all-reduce bucket {index} ({} KiB)", values.len() * 4 / 1024);
-                    timeline.record_between(Lane::Communication, name, "allreduce", started, ended);
-                }
-                let mut offset = 0;
-                for &param_index in &bucket.params {
-                    let var = &self.params[param_index].var;
-                    averaged.insert(var.as_tensor(), values.gradient(offset, var.shape(), &self.device)?);
-                    offset += var.elem_count();
-                }
-            }
+        if let Some(averaged) = gradients.finish(&mut self.timeline)? {
+            exposed_comm_time = averaged.exposed;
             let stepping = Instant::now();
-            self.optimizer.step(&averaged)?;
-            self.settle_for_trace()?;
+            self.optimizer.step(&averaged.grads)?;
+            settle_for_trace(&self.timeline, &self.device)?;
             record(
                 &mut self.timeline,
                 || format!("optimizer {step}"),
@@ -306,10 +266,7 @@ impl Replica {
     /// them at the end of each compute span, so that the span is the GPU's time (untraced steps
     /// never wait).
     fn settle_for_trace(&self) -> Result<()> {
-        if self.timeline.is_some() && self.device.is_cuda() {
-            self.device.synchronize()?;
-        }
-        Ok(())
+        settle_for_trace(&self.timeline, &self.device)
     }
 
     /// Counts correct predictions on this rank's `batch` and sums the counts
@@ -361,25 +318,12 @@ impl Replica {
     }
 }
 
-/// A bucket's averaged gradients and when the communication thread worked on them.
-struct ReducedBucket {
-    values: BucketValues,
-    started: Instant,
-    ended: Instant,
-}
-
-/// Hands bucket `index`'s gradients of `step` to the communication thread, which all-reduces
-/// them and divides by the world size.
-fn submit_bucket(comm: &CommWorker, step: usize, index: usize, values: BucketValues) -> Pending<ReducedBucket> {
-    comm.submit(move |c| {
-        let started = Instant::now();
-        let values = values.all_reduce_mean(c, &format!("all-reduce of gradient bucket {index} at step {step}"))?;
-        Ok(ReducedBucket {
-            values,
-            started,
-            ended: Instant::now(),
-        })
-    })
+/// See [`Replica::settle_for_trace`]; apart, for where the replica is partly borrowed.
+fn settle_for_trace(timeline: &Option<Timeline>, device: &Device) -> Result<()> {
+    if timeline.is_some() && device.is_cuda() {
+        device.synchronize()?;
+    }
+    Ok(())
 }
 
 fn hex_prefix(bytes: &[u8]) -> String {

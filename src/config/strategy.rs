@@ -39,6 +39,12 @@ pub struct DistributedStrategy {
     /// (Paddle's name; also `FLAGS_fuse_parameter_groups_size`).
     #[serde(rename = "fuse_grad_size_in_MB")]
     pub fuse_grad_size_in_mb: f64,
+    /// Collective and pipeline data parallelism on CPU rings: gradient buckets travel as
+    /// bfloat16, half the bytes, and are summed in f32 on arrival; each averaged gradient is
+    /// then within 2⁻⁸ of the sum of the replicas' magnitudes of the exact mean. Paddle's key
+    /// (which casts to fp16; bfloat16 keeps f32's range, so no loss scaling is needed). NCCL
+    /// jobs carry f32 and refuse it.
+    pub fp16_allreduce: bool,
     /// Steps between cross-replica parameter checksum comparisons, which catch replicas that
     /// silently diverged; 0 disables the check.
     pub check_every: usize,
@@ -144,6 +150,7 @@ impl Default for DistributedStrategy {
     fn default() -> Self {
         Self {
             fuse_grad_size_in_mb: 32.0,
+            fp16_allreduce: false,
             check_every: 10,
             a_sync: false,
             a_sync_configs: AsyncConfigs::default(),

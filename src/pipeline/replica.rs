@@ -6,7 +6,6 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, Result};
-use candle_core::backprop::GradStore;
 use candle_core::{Device, Tensor, Var};
 
 use super::link::StageLink;
@@ -14,12 +13,12 @@ use super::partition::{balanced, explicit};
 use super::schedule::ScheduleKind;
 use super::stage::{Chunk, Stage};
 use crate::collective::rank_figures::{JobFigures, RankFigures};
-use crate::collective::training_state;
+use crate::collective::{training_state, GradientSync};
 use crate::config::{JobConfig, ScheduleMode};
 use crate::data::Batch;
-use crate::engines::comm::{CommWorker, Communicator, Pending, Shared};
+use crate::engines::comm::{CommWorker, Communicator, Shared};
 use crate::models::{correct_predictions, cross_entropy, Block, Model};
-use crate::optim::{GradientMerge, LrPolicy, Optimizer};
+use crate::optim::{LrPolicy, Optimizer};
 use crate::telemetry::metrics::peak_rss_bytes;
 use crate::telemetry::timeline::{record, Span, Timeline};
 
@@ -62,13 +61,14 @@ pub struct PipelineReplica {
     link: Box<dyn StageLink>,
     /// The ring among the stage's replicas, on its own thread.
     data_parallel: CommWorker,
-    /// All-reduce each block's gradients as soon as they are final (else once, after the
-    /// schedule).
+    /// All-reduce each bucket of gradients as soon as they are final (else all of them after
+    /// the schedule).
     overlap_allreduce: bool,
+    /// Averages the stage's gradients over its replicas.
+    gradients: GradientSync,
     device: Device,
     micro_batches: usize,
     holds_loss: bool,
-    merge: GradientMerge,
     /// Batches trained.
     step: usize,
     /// Spans of the schedule, all-reduces and optimizer steps, when tracing.
@@ -142,13 +142,10 @@ impl PipelineReplica {
             .collect();
         let stage = Stage::new(stage, p, chunks, kind, configs.accumulate_steps)?;
         let params = stage.parameters();
-        let params_len = params.len();
+        let vars: Vec<Var> = params.iter().map(|(_, v)| v.clone()).collect();
+        let gradients = GradientSync::new(job, vars.clone(), &stage.gradient_order(), dp, &device)?;
         let lr_policy = LrPolicy::new(&job.train, dp);
-        let optimizer = Optimizer::new(
-            &job.train,
-            params.iter().map(|(_, v)| v.clone()).collect(),
-            lr_policy.at(0),
-        )?;
+        let optimizer = Optimizer::new(&job.train, vars, lr_policy.at(0))?;
         Ok(Self {
             holds_loss: (virtual_stages - 1) % p == stage.index(),
             stage,
@@ -158,9 +155,9 @@ impl PipelineReplica {
             link,
             data_parallel: CommWorker::spawn(data_parallel)?,
             overlap_allreduce,
+            gradients,
             device,
             micro_batches: configs.accumulate_steps,
-            merge: GradientMerge::new(&job.strategy, params_len),
             step: 0,
             timeline: None,
         })
@@ -191,7 +188,7 @@ impl PipelineReplica {
     pub fn relink(&mut self, link: Box<dyn StageLink>, data_parallel: Communicator) -> Result<()> {
         self.link = link;
         self.data_parallel = CommWorker::spawn(data_parallel)?;
-        self.merge.clear();
+        self.gradients.clear();
         Ok(())
     }
 
@@ -211,17 +208,17 @@ impl PipelineReplica {
     pub fn train_step(&mut self, batch: &Batch) -> Result<PipelineReport> {
         let started = Instant::now();
         let at = self.step;
-        let lr = self.lr_policy.at(self.merge.optimizer_step(at));
+        let lr = self.lr_policy.at(self.gradients.optimizer_step(at));
         self.optimizer.set_learning_rate(lr);
         let (inputs, labels) = self.micro_batches(batch)?;
         let loss = |i: usize, out: &Tensor| cross_entropy(out, &labels[i]);
         let comm_before = self.data_parallel.busy_time();
 
-        // Overlapping, each block's gradients go to the communication thread as soon as its
-        // last backward is done; otherwise the whole stage's go after the schedule.
+        // Overlapping, each bucket of gradients goes to the communication thread as soon as its
+        // last backward is done; otherwise the whole stage's go after the schedule, in the same
+        // order.
         let overlap = self.overlap_allreduce;
-        let (merge, comm) = (&mut self.merge, &self.data_parallel);
-        let mut reducing: Vec<(usize, Pending<Vec<f32>>)> = Vec::new();
+        let mut gradients = self.gradients.begin(at, &self.data_parallel);
         let step = self.stage.step(
             self.link.as_mut(),
             &inputs,
@@ -229,61 +226,37 @@ impl PipelineReplica {
             &mut self.timeline,
             &mut |first, grads| {
                 if overlap {
-                    if let Some(merged) = merge.add(at, first, flatten(grads)?)? {
-                        reducing.push((first, submit_gradients(comm, at, first, merged)));
+                    gradients.stop_if_failed()?;
+                    for (index, grad) in (first..).zip(grads) {
+                        gradients.add(index, grad)?;
                     }
                 }
                 Ok(())
             },
         )?;
         if !overlap {
-            if let Some(merged) = self.merge.add(at, 0, flatten(&step.gradients)?)? {
-                reducing.push((0, submit_gradients(comm, at, 0, merged)));
+            for index in self.stage.gradient_order() {
+                gradients.add(index, &step.gradients[index])?;
             }
         }
-        // The loss's gather queues behind the gradients' all-reduce on the communication thread,
-        // so waiting for it is waiting for them too: what backward did not hide starts here.
-        let waiting = Instant::now();
+        let averaged = gradients.finish(&mut self.timeline)?;
+        let exposed = averaged.as_ref().map_or(Duration::ZERO, |a| a.exposed);
+        if let Some(averaged) = averaged {
+            let stepping = Instant::now();
+            self.optimizer.step(&averaged.grads)?;
+            record(&mut self.timeline, || format!("optimizer {at}"), "optimizer", stepping);
+        }
+        // Only the ranks holding the loss report; the other stages' rings carry no extra message.
         let mine = RankFigures {
             loss: step.loss.unwrap_or(0.0),
             peak_rss_bytes: peak_rss_bytes(),
         };
-        // Only the ranks holding the loss report; the other stages' rings carry no extra message.
         let figures = if self.holds_loss {
-            comm.run(move |c| mine.gather(c, &format!("gather of the losses of step {at}")))?
+            self.data_parallel
+                .run(move |c| mine.gather(c, &format!("gather of the losses of step {at}")))?
         } else {
             JobFigures::of(&[mine])
         };
-
-        let optimizer_steps = !reducing.is_empty();
-        let mut grads = GradStore::default();
-        for (first, pending) in reducing {
-            let values = pending.wait()?;
-            let mut offset = 0;
-            for (_, var) in &self.params[first..] {
-                if offset == values.len() {
-                    break;
-                }
-                let n = var.elem_count();
-                grads.insert(
-                    var.as_tensor(),
-                    Tensor::from_slice(&values[offset..offset + n], var.shape(), &self.device)?,
-                );
-                offset += n;
-            }
-        }
-        let exposed = waiting.elapsed();
-        record(
-            &mut self.timeline,
-            || format!("all-reduce wait {at}"),
-            "allreduce",
-            waiting,
-        );
-        if optimizer_steps {
-            let stepping = Instant::now();
-            self.optimizer.step(&grads)?;
-            record(&mut self.timeline, || format!("optimizer {at}"), "optimizer", stepping);
-        }
         self.step += 1;
         Ok(PipelineReport {
             loss: self.holds_loss.then_some(figures.mean_loss),
@@ -364,29 +337,4 @@ impl PipelineReplica {
             .collect::<candle_core::Result<_>>()?;
         Ok((inputs, labels))
     }
-}
-
-/// The gradients, one flat buffer.
-fn flatten(grads: &[Tensor]) -> Result<Vec<f32>> {
-    let mut flat = Vec::with_capacity(grads.iter().map(Tensor::elem_count).sum());
-    for g in grads {
-        flat.extend(g.flatten_all()?.to_vec1::<f32>()?);
-    }
-    Ok(flat)
-}
-
-/// Hands the gradients of parameters `first…` of step `step` to the communication thread,
-/// which averages them over the replicas.
-fn submit_gradients(comm: &CommWorker, step: usize, first: usize, mut values: Vec<f32>) -> Pending<Vec<f32>> {
-    let replicas = comm.world_size() as f32;
-    comm.submit(move |c| {
-        if replicas > 1.0 {
-            c.all_reduce_sum(
-                &format!("all-reduce of the gradients of stage parameters {first}… at step {step}"),
-                &mut values,
-            )?;
-            values.iter_mut().for_each(|v| *v /= replicas);
-        }
-        Ok(values)
-    })
 }

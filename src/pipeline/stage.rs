@@ -143,6 +143,42 @@ impl Stage {
             .collect()
     }
 
+    /// Where each chunk's parameters start in [`Stage::parameters`] order.
+    fn chunk_firsts(&self) -> Vec<usize> {
+        self.chunks
+            .iter()
+            .scan(0, |next, chunk| {
+                let first = *next;
+                *next += chunk.params.len();
+                Some(first)
+            })
+            .collect()
+    }
+
+    /// The order in which [`Stage::step`] finishes the parameters' gradients (indices in
+    /// [`Stage::parameters`] order): a chunk's once its last backward ran, the chunk's segments
+    /// from the last, each segment's parameters in their order.
+    pub fn gradient_order(&self) -> Vec<usize> {
+        let chunk_first = self.chunk_firsts();
+        let mut backwards_left = vec![self.micro_batches; self.chunks.len()];
+        let mut order = Vec::new();
+        for op in &self.schedule {
+            let Op::Backward { chunk, .. } = *op else { continue };
+            backwards_left[chunk] -= 1;
+            if backwards_left[chunk] == 0 {
+                let Chunk {
+                    segments, block_first, ..
+                } = &self.chunks[chunk];
+                for range in segments.ranges().iter().rev() {
+                    order.extend(
+                        chunk_first[chunk] + block_first[range.start]..chunk_first[chunk] + block_first[range.end],
+                    );
+                }
+            }
+        }
+        order
+    }
+
     /// Forward passes only of `micro_batches` micro-batches, one after the other
     /// (evaluation): returns the outputs of the last virtual stage on the stage that holds it,
     /// nothing elsewhere. `inputs` is read by the stage holding virtual stage 0.
@@ -196,16 +232,7 @@ impl Stage {
     ) -> Result<StageStep> {
         let (p, s, m, v) = (self.stages, self.index, self.micro_batches, self.chunks.len());
         let last = v * p - 1;
-        // Where each chunk's parameters start in the stage's order.
-        let chunk_first: Vec<usize> = self
-            .chunks
-            .iter()
-            .scan(0, |next, chunk| {
-                let first = *next;
-                *next += chunk.params.len();
-                Some(first)
-            })
-            .collect();
+        let chunk_first = self.chunk_firsts();
         let mut backwards_left = vec![m; v];
         let mut sums: Vec<Vec<Option<Tensor>>> = self.chunks.iter().map(|c| vec![None; c.params.len()]).collect();
         let mut stash: HashMap<(usize, usize), Stashed> = HashMap::new();

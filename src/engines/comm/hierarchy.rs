@@ -191,6 +191,7 @@ fn connect_levels(flat: Communicator, layout: NodeLayout, links: &RingLinks) -> 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::engines::comm::Wire;
 
     fn endpoints(hosts: &[&str]) -> Vec<SocketAddr> {
         hosts
@@ -236,7 +237,10 @@ mod tests {
     #[test]
     fn the_hierarchical_all_reduce_sums_as_the_flat_one_and_agrees_on_every_rank() -> Result<()> {
         let layout = NodeLayout { nodes: 3, per_node: 2 };
-        for len in [0, 1, 5, 1031, 200_003] {
+        for (len, wire) in [0, 1, 5, 1031, 200_003]
+            .into_iter()
+            .flat_map(|len| [(len, Wire::F32), (len, Wire::Bf16)])
+        {
             let communicators = memory_communicators(6, Some(layout), Duration::from_secs(10));
             let results: Vec<Vec<f32>> = std::thread::scope(|s| {
                 let handles: Vec<_> = communicators
@@ -247,7 +251,7 @@ mod tests {
                             let mut data: Vec<f32> = (0..len)
                                 .map(|i| ((c.rank() * 7919 + i * 31) % 1000) as f32 / 8.0)
                                 .collect();
-                            c.all_reduce_sum("test", &mut data).map(|()| data)
+                            c.all_reduce_sum_as("test", &mut data, wire).map(|()| data)
                         })
                     })
                     .collect();
@@ -259,8 +263,21 @@ mod tests {
             let expected: Vec<f32> = (0..len)
                 .map(|i| (0..6).map(|r| ((r * 7919 + i * 31) % 1000) as f32 / 8.0).sum())
                 .collect();
-            for result in results {
-                assert_eq!(result, expected, "len {len}");
+            if wire == Wire::F32 {
+                for result in results {
+                    assert_eq!(result, expected, "len {len}");
+                }
+                continue;
+            }
+            // bfloat16 on the wire: the same bits everywhere, within the bound of `wire` (the
+            // values are positive, so the sum of magnitudes is the sum).
+            for (i, &exact) in expected.iter().enumerate() {
+                let bound = 6.0 * crate::engines::comm::wire::BF16_ROUNDING * exact;
+                assert!((results[0][i] - exact).abs() <= bound, "len {len} i {i}");
+            }
+            for result in &results {
+                let same = result.iter().zip(&results[0]).all(|(a, b)| a.to_bits() == b.to_bits());
+                assert!(same, "len {len}: the ranks disagree");
             }
         }
         Ok(())

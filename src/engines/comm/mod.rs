@@ -31,6 +31,7 @@ pub mod shm;
 pub mod tcp;
 mod tensors;
 pub mod transport;
+pub mod wire;
 pub mod worker;
 
 pub use breaker::{Abandoned, LinkBreak, RingBreaker};
@@ -38,6 +39,7 @@ pub use place::RingPlace;
 pub use ring::Communicator;
 pub use share::Shared;
 pub use transport::RingTransport;
+pub use wire::Wire;
 pub use worker::{CommWorker, Pending};
 
 use std::net::{SocketAddr, TcpListener};

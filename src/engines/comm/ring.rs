@@ -21,6 +21,7 @@ use anyhow::{ensure, Result};
 
 use super::memory;
 use super::transport::RingTransport;
+use super::wire::{self, Wire};
 
 /// Collectives for one rank: the ring's, on host buffers, and on GPU jobs NCCL's, on device
 /// tensors.
@@ -28,12 +29,15 @@ pub struct Communicator {
     transport: Box<dyn RingTransport>,
     /// The node and rail rings a hierarchical all-reduce runs over, beside the flat ring.
     levels: Option<Box<Levels>>,
+    /// The bfloat16 copy of the buffer a [`Wire::Bf16`] all-reduce sends from and receives into,
+    /// kept between calls.
+    staging: Vec<u16>,
     #[cfg(feature = "cuda")]
     nccl: Option<super::nccl::NcclComm>,
 }
 
-/// Views received bytes as floats, copying only if they are misaligned.
-fn as_f32(bytes: &[u8]) -> Cow<'_, [f32]> {
+/// Views received bytes as values, copying only if they are misaligned.
+fn as_values<T: bytemuck::Pod>(bytes: &[u8]) -> Cow<'_, [T]> {
     match bytemuck::try_cast_slice(bytes) {
         Ok(floats) => Cow::Borrowed(floats),
         Err(_) => Cow::Owned(bytemuck::pod_collect_to_vec(bytes)),
@@ -76,6 +80,7 @@ impl Communicator {
         Self {
             transport,
             levels: None,
+            staging: Vec::new(),
             #[cfg(feature = "cuda")]
             nccl: None,
         }
@@ -150,46 +155,62 @@ impl Communicator {
 
     /// Sums `data` over all ranks, in place.
     pub fn all_reduce_sum(&mut self, op: &str, data: &mut [f32]) -> Result<()> {
+        self.all_reduce_sum_as(op, data, Wire::F32)
+    }
+
+    /// Sums `data` over all ranks, in place, its values travelling as `wire` says.
+    pub fn all_reduce_sum_as(&mut self, op: &str, data: &mut [f32], wire: Wire) -> Result<()> {
         if let Some(levels) = self.levels.as_mut() {
-            return levels.all_reduce_sum(op, data);
+            return levels.all_reduce_sum(op, data, wire);
         }
         let n = self.world_size();
-        self.ring_steps(op, data, 0..2 * n.saturating_sub(1))
+        self.ring_steps(op, data, 0..2 * n.saturating_sub(1), wire)
     }
 
     /// The reduce-scatter half of the ring all-reduce: afterwards this rank holds the sum over
     /// the ring of the returned segment of `data` (the rest is partly reduced).
-    fn reduce_scatter_sum(&mut self, op: &str, data: &mut [f32]) -> Result<Range<usize>> {
+    fn reduce_scatter_sum(&mut self, op: &str, data: &mut [f32], wire: Wire) -> Result<Range<usize>> {
         let (n, rank) = (self.world_size(), self.rank());
-        self.ring_steps(op, data, 0..n.saturating_sub(1))?;
+        self.ring_steps(op, data, 0..n.saturating_sub(1), wire)?;
         Ok(segment(data.len(), n, (rank + 1) % n))
     }
 
     /// The all-gather half of the ring all-reduce: each rank's segment of
     /// [`Communicator::reduce_scatter_sum`] reaches every rank.
-    fn all_gather_reduced(&mut self, op: &str, data: &mut [f32]) -> Result<()> {
+    fn all_gather_reduced(&mut self, op: &str, data: &mut [f32], wire: Wire) -> Result<()> {
         let n = self.world_size();
-        self.ring_steps(op, data, n.saturating_sub(1)..2 * n.saturating_sub(1))
+        self.ring_steps(op, data, n.saturating_sub(1)..2 * n.saturating_sub(1), wire)
     }
 
     /// Steps `steps` of the ring all-reduce (`0..n-1` reduce, `n-1..2(n-1)` gather), then
     /// waits until everything queued has been sent.
-    fn ring_steps(&mut self, op: &str, data: &mut [f32], steps: Range<usize>) -> Result<()> {
+    fn ring_steps(&mut self, op: &str, data: &mut [f32], steps: Range<usize>, wire: Wire) -> Result<()> {
         if self.world_size() == 1 || steps.is_empty() {
             return Ok(());
         }
-        let streamed = self.stream_steps(op, data, steps);
-        // Queued pieces point into `data`: they must be sent before the
-        // buffer is handed back, whatever happened.
+        let mut staging = std::mem::take(&mut self.staging);
+        if wire == Wire::Bf16 && staging.len() < data.len() {
+            staging.resize(data.len(), 0);
+        }
+        let buffers = RingBuffers {
+            data: data.as_mut_ptr(),
+            staging: staging.as_mut_ptr(),
+            wire,
+            finished_in: self.world_size() - 1,
+        };
+        let streamed = self.stream_steps(op, &buffers, data.len(), steps);
+        // Queued pieces point into `data` and `staging`: they must be sent before the buffers
+        // are handed back, whatever happened.
         let flushed = self.transport.flush(op);
+        self.staging = staging;
         streamed.and(flushed)
     }
 
     /// Ring all-reduce as a pipeline: every piece is forwarded to the right
     /// as soon as it has been received and reduced, instead of waiting for
     /// the whole step, so the steps overlap.
-    fn stream_steps(&mut self, op: &str, data: &mut [f32], steps: Range<usize>) -> Result<()> {
-        let (n, rank, len) = (self.world_size(), self.rank(), data.len());
+    fn stream_steps(&mut self, op: &str, buffers: &RingBuffers, len: usize, steps: Range<usize>) -> Result<()> {
+        let (n, rank) = (self.world_size(), self.rank());
         // The segment received in step `t`, which is also the one sent in
         // step `t + 1`; step 0 sends the rank's own segment.
         let received_in = |t: usize| {
@@ -199,39 +220,33 @@ impl Communicator {
                 (rank + 2 * n - 1 - t) % n
             }
         };
-        let base = data.as_mut_ptr();
-        // SAFETY (every raw slice below): pieces are disjoint ranges inside
-        // `data`, which stays borrowed until the caller's flush. A piece is
-        // queued for sending only after its last write (its reduction or
-        // copy), and it is written again only in a later step, with data that
-        // the right neighbour can only produce after it has read the whole
-        // queued piece, i.e. after the send thread is done with it.
-        let bytes_of = |piece: &Range<usize>| unsafe {
-            std::slice::from_raw_parts(base.add(piece.start) as *const u8, piece.len() * 4)
-        };
+        // SAFETY (every use of `buffers` below): pieces are disjoint ranges inside the buffers,
+        // which stay borrowed until the caller's flush. A piece is queued for sending only after
+        // its last write (its reduction or copy), and it is written again only in a later step,
+        // with data that the right neighbour can only produce after it has read the whole queued
+        // piece, i.e. after the send thread is done with it.
+        //
         // The first step sends what the step before it received (step 0: the rank's own
         // segment).
         let first_sent = steps.start.checked_sub(1).map_or(rank, received_in);
         for piece in pieces(segment(len, n, first_sent)) {
-            unsafe { self.transport.send_queued(op, bytes_of(&piece))? };
+            unsafe { self.transport.send_queued(op, buffers.outgoing(&piece, steps.start))? };
         }
+        let width = buffers.wire.width();
         for t in steps.clone() {
             let reduce = t < n - 1;
             for piece in pieces(segment(len, n, received_in(t))) {
-                let target = unsafe { std::slice::from_raw_parts_mut(base.add(piece.start), piece.len()) };
                 if reduce {
-                    self.transport.recv(op, piece.len() * 4, &mut |offset, bytes| {
-                        let target = &mut target[offset / 4..];
-                        target
-                            .iter_mut()
-                            .zip(as_f32(bytes).iter())
-                            .for_each(|(acc, x)| *acc += x);
-                    })?;
+                    self.transport
+                        .recv(op, piece.len() * width, &mut |offset, bytes| unsafe {
+                            buffers.reduce(&piece, offset / width, bytes)
+                        })?;
                 } else {
-                    self.transport.recv_into(op, bytemuck::cast_slice_mut(target))?;
+                    self.transport.recv_into(op, unsafe { buffers.incoming(&piece) })?;
+                    unsafe { buffers.received(&piece) };
                 }
                 if t + 1 < steps.end {
-                    unsafe { self.transport.send_queued(op, bytes_of(&piece))? };
+                    unsafe { self.transport.send_queued(op, buffers.outgoing(&piece, t + 1))? };
                 }
             }
         }
@@ -341,10 +356,77 @@ impl Levels {
     /// in the node: each share is summed over its node in the node ring's order, then over the
     /// nodes in the rail ring's, on one rank, and copied — so every rank ends with the same
     /// bits, and only a `1/per_node` share of the buffer crosses between nodes.
-    fn all_reduce_sum(&mut self, op: &str, data: &mut [f32]) -> Result<()> {
-        let share = self.node.reduce_scatter_sum(op, data)?;
-        self.rail.all_reduce_sum(op, &mut data[share])?;
-        self.node.all_gather_reduced(op, data)
+    fn all_reduce_sum(&mut self, op: &str, data: &mut [f32], wire: Wire) -> Result<()> {
+        let share = self.node.reduce_scatter_sum(op, data, wire)?;
+        self.rail.all_reduce_sum_as(op, &mut data[share], wire)?;
+        self.node.all_gather_reduced(op, data, wire)
+    }
+}
+
+/// Raw views of the buffer an all-reduce streams and of its bfloat16 staging copy: pieces of
+/// both are queued for sending while other pieces are written, which borrows cannot express
+/// (see the safety argument in [`Communicator::stream_steps`]).
+struct RingBuffers {
+    data: *mut f32,
+    /// As long as `data` for [`Wire::Bf16`]; unused for [`Wire::F32`].
+    staging: *mut u16,
+    wire: Wire,
+    /// The step that sends the finished sums first (`n - 1`).
+    finished_in: usize,
+}
+
+impl RingBuffers {
+    unsafe fn values<'a>(&self, piece: &Range<usize>) -> &'a mut [f32] {
+        std::slice::from_raw_parts_mut(self.data.add(piece.start), piece.len())
+    }
+
+    unsafe fn rounded<'a>(&self, piece: &Range<usize>) -> &'a mut [u16] {
+        std::slice::from_raw_parts_mut(self.staging.add(piece.start), piece.len())
+    }
+
+    /// The bytes of `piece` to send in step `step`. On a bfloat16 wire a partial sum is rounded
+    /// first; a finished sum too, and the sender keeps the rounded value as every other rank
+    /// will; a finished sum received from the left goes on as it came.
+    unsafe fn outgoing<'a>(&self, piece: &Range<usize>, step: usize) -> &'a [u8] {
+        match self.wire {
+            Wire::F32 => bytemuck::cast_slice(self.values(piece)),
+            Wire::Bf16 => {
+                if step <= self.finished_in {
+                    wire::round_into(self.values(piece), self.rounded(piece));
+                    if step == self.finished_in {
+                        wire::widen_into(self.rounded(piece), self.values(piece));
+                    }
+                }
+                bytemuck::cast_slice(self.rounded(piece))
+            }
+        }
+    }
+
+    /// Adds received `bytes`, the values from `offset` on of `piece`, into `piece`.
+    unsafe fn reduce(&self, piece: &Range<usize>, offset: usize, bytes: &[u8]) {
+        let target = &mut self.values(piece)[offset..];
+        match self.wire {
+            Wire::F32 => target
+                .iter_mut()
+                .zip(as_values::<f32>(bytes).iter())
+                .for_each(|(acc, x)| *acc += x),
+            Wire::Bf16 => wire::add_widened(target, &as_values::<u16>(bytes)),
+        }
+    }
+
+    /// Where the finished sums of `piece` are received.
+    unsafe fn incoming<'a>(&self, piece: &Range<usize>) -> &'a mut [u8] {
+        match self.wire {
+            Wire::F32 => bytemuck::cast_slice_mut(self.values(piece)),
+            Wire::Bf16 => bytemuck::cast_slice_mut(self.rounded(piece)),
+        }
+    }
+
+    /// Takes in the finished sums of `piece` received into [`RingBuffers::incoming`].
+    unsafe fn received(&self, piece: &Range<usize>) {
+        if self.wire == Wire::Bf16 {
+            wire::widen_into(self.rounded(piece), self.values(piece));
+        }
     }
 }
 
@@ -384,6 +466,51 @@ mod tests {
                 for (rank, r) in results.into_iter().enumerate() {
                     // Values are multiples of 1/8 below 1000: every sum is exact.
                     assert_eq!(r?, expected, "n={n} len={len} rank={rank}");
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Values of both signs spread over six orders of magnitude, as gradients are.
+    fn gradient_like(rank: usize, len: usize) -> Vec<f32> {
+        (0..len)
+            .map(|i| {
+                let k = (rank * 7919 + i * 104_729) % 10_007;
+                let sign = if k % 3 == 0 { -1.0 } else { 1.0 };
+                sign * (k as f32 / 10_007.0 + 0.01) * 10f32.powi((k % 7) as i32 - 4)
+            })
+            .collect()
+    }
+
+    /// A bfloat16 wire: every rank ends with the same bits, each sum within the module's bound
+    /// `n · 2⁻⁸ · Σ|xᵢ|` of the exact sum (computed in f64) — and the bound is not loose by
+    /// orders of magnitude, so rounding really happened.
+    #[test]
+    fn a_bf16_all_reduce_agrees_everywhere_and_stays_within_its_bound() -> anyhow::Result<()> {
+        for n in 1..=5usize {
+            for len in [0, 1, n + 1, 1031, 300_007] {
+                let results = run_ring(n, |c| {
+                    let mut data = gradient_like(c.rank(), len);
+                    c.all_reduce_sum_as("test", &mut data, Wire::Bf16).map(|()| data)
+                });
+                let results = results.into_iter().collect::<Result<Vec<_>>>()?;
+                let inputs: Vec<Vec<f32>> = (0..n).map(|r| gradient_like(r, len)).collect();
+                let mut worst = 0f64;
+                for i in 0..len {
+                    let exact: f64 = inputs.iter().map(|b| f64::from(b[i])).sum();
+                    let magnitude: f64 = inputs.iter().map(|b| f64::from(b[i]).abs()).sum();
+                    let bound = n as f64 * f64::from(wire::BF16_ROUNDING) * magnitude + 1e-6 * magnitude;
+                    let error = (f64::from(results[0][i]) - exact).abs();
+                    assert!(error <= bound, "n={n} len={len} i={i}: {} vs {exact}", results[0][i]);
+                    worst = worst.max(error / magnitude);
+                }
+                if n > 1 && len > 1000 {
+                    assert!(worst > 1e-4, "n={n} len={len}: no rounding seen ({worst:e})");
+                }
+                for (rank, r) in results.iter().enumerate() {
+                    let same = r.iter().zip(&results[0]).all(|(a, b)| a.to_bits() == b.to_bits());
+                    assert!(same, "n={n} len={len}: rank {rank} differs from rank 0");
                 }
             }
         }

@@ -1,0 +1,255 @@
+//! The one way a replica's gradients are averaged over its data-parallel peers, for collective
+//! and pipeline replicas alike: gradients are handed over in the order backward finishes them,
+//! gathered into fusion buckets of about `fuse_grad_size_in_MB`, and each bucket is all-reduced
+//! on the communication thread as soon as it is full, while backward goes on — by NCCL on GPUs
+//! (the bucket stays on the device), by the ring elsewhere, in f32 or, with
+//! `strategy.fp16_allreduce`, in bfloat16 on the wire. With gradient merge the buckets of k
+//! batches are summed first and all-reduced once.
+
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, ensure, Context, Result};
+use candle_core::backprop::GradStore;
+use candle_core::{Device, Tensor, Var};
+
+use super::gradient_bucket::{BucketFill, BucketValues};
+use super::BucketPlan;
+use crate::config::JobConfig;
+use crate::engines::comm::{CommWorker, Pending, Wire};
+use crate::optim::GradientMerge;
+use crate::telemetry::timeline::{record, Lane, Timeline};
+
+/// A replica's gradient averaging: its buckets, merge and wire format.
+pub struct GradientSync {
+    vars: Vec<Var>,
+    plan: BucketPlan,
+    /// The bucket and the place in it of the n-th gradient handed over.
+    slots: Vec<(usize, usize)>,
+    merge: GradientMerge<BucketValues>,
+    wire: Wire,
+    device: Device,
+    /// One replica that merges nothing: the gradients go to the optimizer as backward made them.
+    direct: bool,
+}
+
+/// The averaged gradients of a step, ready for the optimizer.
+pub struct Averaged {
+    /// The gradient of every parameter.
+    pub grads: GradStore,
+    /// Time spent waiting for all-reduces after backward: what backward did not hide.
+    pub exposed: Duration,
+}
+
+impl GradientSync {
+    /// The averaging of `vars`' gradients over `world` replicas, as `job` configures it; backward
+    /// hands the gradients over in `arrival` order (indices into `vars`, each once), the order the
+    /// buckets are cut in.
+    pub fn new(job: &JobConfig, vars: Vec<Var>, arrival: &[usize], world: usize, device: &Device) -> Result<Self> {
+        let mut seen = vec![false; vars.len()];
+        for &index in arrival {
+            ensure!(
+                index < vars.len() && !std::mem::replace(&mut seen[index], true),
+                "the gradient order names parameter {index} twice or beyond the {} parameters",
+                vars.len()
+            );
+        }
+        ensure!(
+            arrival.len() == vars.len(),
+            "the gradient order names {} of the {} parameters",
+            arrival.len(),
+            vars.len()
+        );
+        let sized: Vec<(usize, usize)> = arrival.iter().map(|&i| (i, vars[i].elem_count())).collect();
+        let plan = BucketPlan::new(&sized, job.strategy.fuse_grad_size_bytes());
+        let wire = if job.strategy.fp16_allreduce {
+            Wire::Bf16
+        } else {
+            Wire::F32
+        };
+        let slots = plan
+            .buckets
+            .iter()
+            .enumerate()
+            .flat_map(|(b, bucket)| (0..bucket.params.len()).map(move |position| (b, position)))
+            .collect();
+        Ok(Self {
+            vars,
+            slots,
+            merge: GradientMerge::new(&job.strategy, plan.buckets.len()),
+            plan,
+            wire,
+            device: device.clone(),
+            direct: world == 1 && job.strategy.merge_steps() == 1,
+        })
+    }
+
+    /// Number of fusion buckets.
+    pub fn buckets(&self) -> usize {
+        self.plan.buckets.len()
+    }
+
+    /// The optimizer step that batch `batch` belongs to (the learning rate follows it).
+    pub fn optimizer_step(&self, batch: usize) -> usize {
+        self.merge.optimizer_step(batch)
+    }
+
+    /// Drops the batches merged so far (a rollback abandons them).
+    pub fn clear(&mut self) {
+        self.merge.clear();
+    }
+
+    /// Starts handing over the gradients of batch `step`, whose all-reduces go to `comm`.
+    pub fn begin<'a>(&'a mut self, step: usize, comm: &'a CommWorker) -> StepGradients<'a> {
+        StepGradients {
+            filling: BucketFill::new(&self.device),
+            sync: self,
+            comm,
+            step,
+            next: 0,
+            reducing: Vec::new(),
+            direct: GradStore::default(),
+        }
+    }
+}
+
+/// One batch's gradients on their way to being averaged.
+pub struct StepGradients<'a> {
+    sync: &'a mut GradientSync,
+    comm: &'a CommWorker,
+    step: usize,
+    filling: BucketFill,
+    /// Gradients handed over so far: the position in the arrival order of the next one.
+    next: usize,
+    reducing: Vec<Pending<ReducedBucket>>,
+    /// The gradients of a direct (one-replica) sync.
+    direct: GradStore,
+}
+
+impl StepGradients<'_> {
+    /// Hands over the final gradient of parameter `index`; a bucket it completes goes to the
+    /// communication thread at once.
+    pub fn add(&mut self, index: usize, grad: &Tensor) -> Result<()> {
+        let sync = &mut *self.sync;
+        let &(bucket_index, position) = sync.slots.get(self.next).with_context(|| {
+            format!(
+                "step {}: parameter {index}'s gradient came after all the others",
+                self.step
+            )
+        })?;
+        let bucket = &sync.plan.buckets[bucket_index];
+        if bucket.params[position] != index {
+            bail!(
+                "step {}: the gradient of parameter {index} came where parameter {}'s was expected \
+                 (backward finished them in another order than the buckets were cut in)",
+                self.step,
+                bucket.params[position]
+            );
+        }
+        self.next += 1;
+        if sync.direct {
+            self.direct.insert(sync.vars[index].as_tensor(), grad.clone());
+            return Ok(());
+        }
+        self.filling.push(grad, bucket.len)?;
+        if position + 1 == bucket.params.len() {
+            if let Some(merged) = sync.merge.add(self.step, bucket_index, self.filling.take()?)? {
+                let (step, wire) = (self.step, sync.wire);
+                self.reducing
+                    .push(submit_bucket(self.comm, step, bucket_index, merged, wire));
+            }
+        }
+        Ok(())
+    }
+
+    /// Once a collective of the communication thread failed the step is lost: an error, that
+    /// collective's, so backward stops early.
+    pub fn stop_if_failed(&mut self) -> Result<()> {
+        if !self.comm.failed() {
+            return Ok(());
+        }
+        for reduced in self.reducing.drain(..) {
+            reduced.wait()?;
+        }
+        bail!(
+            "step {}: a collective failed, so the step stops before the rest of backward",
+            self.step
+        )
+    }
+
+    /// Waits for the step's all-reduces and returns the averaged gradients, or nothing on a
+    /// batch that only merges. Every parameter's gradient must have been handed over.
+    pub fn finish(self, timeline: &mut Option<Timeline>) -> Result<Option<Averaged>> {
+        let sync = self.sync;
+        let arrived = self.next;
+        let expected = sync.vars.len();
+        if arrived < expected {
+            // Wait for what is in flight, so no collective is left behind, then report.
+            for reduced in self.reducing {
+                reduced.wait()?;
+            }
+            bail!(
+                "step {}: backward handed over {arrived} of the {expected} parameters' gradients",
+                self.step
+            );
+        }
+        if sync.direct {
+            return Ok(Some(Averaged {
+                grads: self.direct,
+                exposed: Duration::ZERO,
+            }));
+        }
+        if self.reducing.is_empty() {
+            return Ok(None);
+        }
+        let mut grads = GradStore::default();
+        let mut exposed = Duration::ZERO;
+        for (index, (bucket, reduced)) in sync.plan.buckets.iter().zip(self.reducing).enumerate() {
+            let waiting = Instant::now();
+            let ReducedBucket { values, started, ended } = reduced.wait()?;
+            exposed += waiting.elapsed();
+            record(timeline, || format!("wait for bucket {index}"), "wait", waiting);
+            if let Some(timeline) = timeline {
+                let name = format!(
+                    "all-reduce bucket {index} ({} KiB)",
+                    values.len() * sync.wire.width() / 1024
+                );
+                timeline.record_between(Lane::Communication, name, "allreduce", started, ended);
+            }
+            let mut offset = 0;
+            for &param in &bucket.params {
+                let var = &sync.vars[param];
+                grads.insert(var.as_tensor(), values.gradient(offset, var.shape(), &sync.device)?);
+                offset += var.elem_count();
+            }
+        }
+        Ok(Some(Averaged { grads, exposed }))
+    }
+}
+
+/// A bucket's averaged gradients and when the communication thread worked on them.
+struct ReducedBucket {
+    values: BucketValues,
+    started: Instant,
+    ended: Instant,
+}
+
+/// Hands bucket `index`'s gradients of `step` to the communication thread, which all-reduces
+/// them (carried as `wire` says) and divides by the world size.
+fn submit_bucket(
+    comm: &CommWorker,
+    step: usize,
+    index: usize,
+    values: BucketValues,
+    wire: Wire,
+) -> Pending<ReducedBucket> {
+    comm.submit(move |c| {
+        let started = Instant::now();
+        let op = format!("all-reduce of gradient bucket {index} at step {step}");
+        let values = values.all_reduce_mean(c, &op, wire)?;
+        Ok(ReducedBucket {
+            values,
+            started,
+            ended: Instant::now(),
+        })
+    })
+}
