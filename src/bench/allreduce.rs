@@ -42,6 +42,10 @@ pub struct AllReduceArgs {
     /// then across the nodes of `--nnodes`).
     #[arg(long, value_enum, default_value_t = Algorithm::Flat)]
     pub algorithm: Algorithm,
+    /// The values on the ring's links: f32, or bfloat16 summed in f32 (as
+    /// `strategy.fp16_allreduce`); the figures count the f32 buffer's bytes either way.
+    #[arg(long, value_enum, default_value_t = Wire::F32)]
+    pub wire: Wire,
 }
 
 /// Where this node's ranks sit in a benchmark over several nodes (one `bench allreduce` per
@@ -106,6 +110,8 @@ pub struct AllReduceFigures {
     pub backend: Backend,
     /// Flat or hierarchical.
     pub algorithm: Algorithm,
+    /// The values on the links.
+    pub wire: Wire,
     /// Nodes.
     pub nnodes: usize,
     /// Buffer size in bytes.
@@ -154,6 +160,8 @@ pub fn run(nproc: usize, nodes: &NodeFlags, args: &AllReduceArgs) -> Result<()> 
     rank_args.push(format!("{:?}", args.backend).to_lowercase());
     rank_args.push("--algorithm".to_string());
     rank_args.push(format!("{:?}", args.algorithm).to_lowercase());
+    rank_args.push("--wire".to_string());
+    rank_args.push(format!("{:?}", args.wire).to_lowercase());
     let threads = std::thread::available_parallelism()
         .map_or(1, |n| n.get())
         .div_ceil(nproc)
@@ -258,13 +266,22 @@ pub fn run_rank(args: &AllReduceArgs) -> Result<()> {
     }
     if rank == 0 && !args.json {
         println!(
-            "{:>10} {:>6} {:>6} {:>9} {:>7} {:>12} {:>12} {:>12} {:>12}",
-            "size_MiB", "nnodes", "nproc", "transport", "backend", "algorithm", "median_ms", "algbw_GB/s", "busbw_GB/s"
+            "{:>10} {:>6} {:>6} {:>9} {:>7} {:>12} {:>5} {:>12} {:>12} {:>12}",
+            "size_MiB",
+            "nnodes",
+            "nproc",
+            "transport",
+            "backend",
+            "algorithm",
+            "wire",
+            "median_ms",
+            "algbw_GB/s",
+            "busbw_GB/s"
         );
     }
     for &size_mb in &args.size_mb {
         let len = ((size_mb * (1 << 20) as f64) as usize) / 4;
-        let mut all_reduce = buffer_of(len, &device)?;
+        let mut all_reduce = buffer_of(len, &device, args.wire)?;
         let mut times = Vec::with_capacity(args.iters);
         for iter in 0..args.iters + 2 {
             comm.barrier("benchmark barrier")?;
@@ -295,6 +312,7 @@ pub fn run_rank(args: &AllReduceArgs) -> Result<()> {
             transport: args.transport,
             backend: args.backend,
             algorithm: args.algorithm,
+            wire: args.wire,
             nnodes: nodes,
             bytes,
             median_s: median,
@@ -306,13 +324,14 @@ pub fn run_rank(args: &AllReduceArgs) -> Result<()> {
                 println!("{}", serde_json::to_string(&figures)?);
             } else {
                 println!(
-                    "{:>10} {:>6} {:>6} {:>9} {:>7} {:>12} {:>12.3} {:>12.3} {:>12.3}",
+                    "{:>10} {:>6} {:>6} {:>9} {:>7} {:>12} {:>5} {:>12.3} {:>12.3} {:>12.3}",
                     size_mb,
                     nodes,
                     world,
                     format!("{:?}", args.transport).to_lowercase(),
                     format!("{:?}", args.backend).to_lowercase(),
                     format!("{:?}", args.algorithm).to_lowercase(),
+                    format!("{:?}", args.wire).to_lowercase(),
                     median * 1e3,
                     figures.algbw_gbps,
                     figures.busbw_gbps
@@ -328,17 +347,18 @@ pub fn run_rank(args: &AllReduceArgs) -> Result<()> {
 type TimedAllReduce = Box<dyn FnMut(&mut Communicator) -> Result<()>>;
 
 /// A buffer of `len` floats on `device` and the all-reduce the benchmark times: the ring's, in
-/// place on the host, or NCCL's (every figure includes waiting for the GPU).
-fn buffer_of(len: usize, device: &Device) -> Result<TimedAllReduce> {
+/// place on the host, its values travelling as `wire` says, or NCCL's (every figure includes
+/// waiting for the GPU).
+fn buffer_of(len: usize, device: &Device, wire: Wire) -> Result<TimedAllReduce> {
     let data: Vec<f32> = (0..len).map(|i| (i % 97) as f32).collect();
     Ok(if device.is_cuda() {
         let tensor = Tensor::from_vec(data, len, device)?;
         Box::new(move |comm| {
-            comm.all_reduce_mean_tensor("benchmark all-reduce", tensor.clone(), Wire::F32)
+            comm.all_reduce_mean_tensor("benchmark all-reduce", tensor.clone(), wire)
                 .map(drop)
         })
     } else {
         let mut data = data;
-        Box::new(move |comm| comm.all_reduce_sum("benchmark all-reduce", &mut data))
+        Box::new(move |comm| comm.all_reduce_sum_as("benchmark all-reduce", &mut data, wire))
     })
 }

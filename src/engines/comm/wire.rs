@@ -14,7 +14,8 @@
 //! `2⁻⁸ · Σᵢ|xᵢ|`: below 0.4 % of the sum of magnitudes whatever the world size.
 
 /// How an all-reduce's values travel.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
 pub enum Wire {
     /// As they are: the sums are exactly those of f32 additions in the ring's order.
     #[default]
