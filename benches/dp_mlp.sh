@@ -17,7 +17,7 @@ for n in "${@:-1 2 4}"; do
       train --config benches/dp_mlp.toml --set "train.batch_size=$((256 * world))" ${FUSE_MB:+--set strategy.fuse_grad_size_in_MB=$FUSE_MB} \
       ${FP16_ALLREDUCE:+--set strategy.fp16_allreduce=true} --run-dir "$dir" >/dev/null 2>&1
     python3 -c 'import json,sys; s=json.load(open(sys.argv[1])); f={k: s[k] for k in ("world_size","steps","samples_per_sec","comm_time_ratio","exposed_comm_ratio","matrix_kernel")}; f["wire"]=sys.argv[2]; print(json.dumps(f))' \
-      "$dir/summary.json" "${FP16_ALLREDUCE:+bf16}${FP16_ALLREDUCE:-f32}"
+      "$dir/summary.json" "$([ -n "${FP16_ALLREDUCE:-}" ] && echo bf16 || echo f32)"
     rm -rf "$dir"
   done
 done
