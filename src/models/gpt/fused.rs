@@ -16,39 +16,61 @@ fn row_len(layout: &Layout) -> candle_core::Result<usize> {
     }
 }
 
-/// A new tensor of `layout`'s shape whose rows of `row` values are `f(index, input row, output
-/// row)` of the input's.
-fn map_rows(
-    storage: &CpuStorage,
-    layout: &Layout,
-    op: &str,
-    row: usize,
-    f: impl Fn(usize, &[f32], &mut [f32]),
-) -> candle_core::Result<(CpuStorage, Shape)> {
-    let x = cpu_values(storage, layout, op)?;
-    let mut y = vec![0f32; x.len()];
-    pulp::Arch::new().dispatch(|| {
-        for (r, (input, output)) in x.chunks_exact(row).zip(y.chunks_exact_mut(row)).enumerate() {
-            f(r, input, output);
-        }
-    });
-    Ok((CpuStorage::F32(y), layout.shape().clone()))
+/// A kernel computed row by row. Implementations mark `row` `#[inline(always)]`, so that it is
+/// compiled into [`EveryRow`]'s loop for the CPU's vector unit.
+trait RowKernel {
+    /// Output row `out` from row `r` of the input, `x`, and for a backward kernel the row of
+    /// the upstream gradient, `g` (empty otherwise).
+    fn row(&self, r: usize, x: &[f32], g: &[f32], out: &mut [f32]);
 }
 
-/// [`map_rows`] of two inputs of one shape (a backward's input and gradient): `f(a row, b row,
-/// output row)`.
-fn map_rows2(
-    (a, a_layout): (&CpuStorage, &Layout),
-    (b, b_layout): (&CpuStorage, &Layout),
+/// `kernel` over every row of `row` values, as pulp dispatches it (AVX-512, AVX2/FMA or plain).
+struct EveryRow<'a, K> {
+    kernel: &'a K,
+    row: usize,
+    x: &'a [f32],
+    g: Option<&'a [f32]>,
+    out: &'a mut [f32],
+}
+
+impl<K: RowKernel> pulp::WithSimd for EveryRow<'_, K> {
+    type Output = ();
+
+    #[inline(always)]
+    fn with_simd<S: pulp::Simd>(self, _simd: S) {
+        let n = self.row;
+        for (r, (x, out)) in self.x.chunks_exact(n).zip(self.out.chunks_exact_mut(n)).enumerate() {
+            let g = self.g.map_or(&[][..], |g| &g[r * n..(r + 1) * n]);
+            self.kernel.row(r, x, g, out);
+        }
+    }
+}
+
+/// A new tensor of `layout`'s shape whose rows of `row` values are `kernel`'s of the input's
+/// rows (and of `g`'s, for a backward kernel: a gradient of the same shape).
+fn map_rows(
+    (storage, layout): (&CpuStorage, &Layout),
+    g: Option<(&CpuStorage, &Layout)>,
     op: &str,
     row: usize,
-    f: impl Fn(&[f32], &[f32], &mut [f32]),
+    kernel: &impl RowKernel,
 ) -> candle_core::Result<(CpuStorage, Shape)> {
-    let b = cpu_values(b, b_layout, op)?;
-    if b.len() != a_layout.shape().elem_count() {
-        candle_core::bail!("{op}: the gradient has {} values for {:?}", b.len(), a_layout.dims());
+    let x = cpu_values(storage, layout, op)?;
+    let g = g.map(|(g, g_layout)| cpu_values(g, g_layout, op)).transpose()?;
+    if let Some(g) = &g {
+        if g.len() != x.len() {
+            candle_core::bail!("{op}: the gradient has {} values for {:?}", g.len(), layout.dims());
+        }
     }
-    map_rows(a, a_layout, op, row, |r, a, out| f(a, &b[r * row..(r + 1) * row], out))
+    let mut out = vec![0f32; x.len()];
+    pulp::Arch::new().dispatch(EveryRow {
+        kernel,
+        row,
+        x: &x,
+        g: g.as_deref(),
+        out: &mut out,
+    });
+    Ok((CpuStorage::F32(out), layout.shape().clone()))
 }
 
 /// Lanes of the partial sums of a reduction: a multiple of every vector width in use.
@@ -115,23 +137,28 @@ pub(super) fn causal_softmax(scores: &Tensor) -> candle_core::Result<Tensor> {
 
 struct CausalSoftmax;
 
+impl RowKernel for CausalSoftmax {
+    #[inline(always)]
+    fn row(&self, r: usize, x: &[f32], _: &[f32], out: &mut [f32]) {
+        // Rows are `(…, query, key)`: query `r mod T` sees keys `0..=query`.
+        let visible = r % x.len() + 1;
+        let (x, out) = (&x[..visible], &mut out[..visible]);
+        let max = lane_max(x);
+        for (o, &v) in out.iter_mut().zip(x) {
+            *o = exp(v - max);
+        }
+        let inv_sum = 1.0 / lane_sum(visible, |i| out[i]);
+        out.iter_mut().for_each(|o| *o *= inv_sum);
+    }
+}
+
 impl CustomOp1 for CausalSoftmax {
     fn name(&self) -> &'static str {
         "causal-softmax"
     }
 
     fn cpu_fwd(&self, storage: &CpuStorage, layout: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
-        let t = row_len(layout)?;
-        map_rows(storage, layout, self.name(), t, |r, row, out| {
-            let visible = r % t + 1;
-            let (row, out) = (&row[..visible], &mut out[..visible]);
-            let max = lane_max(row);
-            for (o, &v) in out.iter_mut().zip(row) {
-                *o = exp(v - max);
-            }
-            let inv_sum = 1.0 / lane_sum(visible, |i| out[i]);
-            out.iter_mut().for_each(|o| *o *= inv_sum);
-        })
+        map_rows((storage, layout), None, self.name(), row_len(layout)?, self)
     }
 
     fn bwd(&self, _scores: &Tensor, probs: &Tensor, grad: &Tensor) -> candle_core::Result<Option<Tensor>> {
@@ -155,18 +182,17 @@ impl CustomOp2 for SoftmaxBackward {
         grad_layout: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
         let n = row_len(probs_layout)?;
-        map_rows2(
-            (probs, probs_layout),
-            (grad, grad_layout),
-            self.name(),
-            n,
-            |y, g, dx| {
-                let dot = lane_sum(y.len(), |i| y[i] * g[i]);
-                for ((d, &y), &g) in dx.iter_mut().zip(y).zip(g) {
-                    *d = y * (g - dot);
-                }
-            },
-        )
+        map_rows((probs, probs_layout), Some((grad, grad_layout)), self.name(), n, self)
+    }
+}
+
+impl RowKernel for SoftmaxBackward {
+    #[inline(always)]
+    fn row(&self, _: usize, y: &[f32], g: &[f32], dx: &mut [f32]) {
+        let dot = lane_sum(y.len(), |i| y[i] * g[i]);
+        for ((d, &y), &g) in dx.iter_mut().zip(y).zip(g) {
+            *d = y * (g - dot);
+        }
     }
 }
 
@@ -180,11 +206,22 @@ struct Normalize {
 }
 
 /// A row's mean and `1 / sqrt(var + eps)`.
+#[inline(always)]
 fn moments(row: &[f32], eps: f32) -> (f32, f32) {
     let n = row.len() as f32;
     let mean = lane_sum(row.len(), |i| row[i]) / n;
     let var = lane_sum(row.len(), |i| (row[i] - mean) * (row[i] - mean)) / n;
     (mean, 1.0 / (var + eps).sqrt())
+}
+
+impl RowKernel for Normalize {
+    #[inline(always)]
+    fn row(&self, _: usize, x: &[f32], _: &[f32], out: &mut [f32]) {
+        let (mean, inv_std) = moments(x, self.eps);
+        for (o, &v) in out.iter_mut().zip(x) {
+            *o = (v - mean) * inv_std;
+        }
+    }
 }
 
 impl CustomOp1 for Normalize {
@@ -193,12 +230,7 @@ impl CustomOp1 for Normalize {
     }
 
     fn cpu_fwd(&self, storage: &CpuStorage, layout: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
-        map_rows(storage, layout, self.name(), row_len(layout)?, |_, row, out| {
-            let (mean, inv_std) = moments(row, self.eps);
-            for (o, &v) in out.iter_mut().zip(row) {
-                *o = (v - mean) * inv_std;
-            }
-        })
+        map_rows((storage, layout), None, self.name(), row_len(layout)?, self)
     }
 
     fn bwd(&self, x: &Tensor, _normalized: &Tensor, grad: &Tensor) -> candle_core::Result<Option<Tensor>> {
@@ -228,20 +260,20 @@ impl CustomOp2 for NormalizeBackward {
         grad_layout: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
         let n = row_len(input_layout)?;
-        map_rows2(
-            (input, input_layout),
-            (grad, grad_layout),
-            self.name(),
-            n,
-            |x, g, dx| {
-                let (mean, inv_std) = moments(x, self.eps);
-                let g_mean = lane_sum(n, |i| g[i]) / n as f32;
-                let gx_mean = lane_sum(n, |i| g[i] * (x[i] - mean) * inv_std) / n as f32;
-                for ((d, &x), &g) in dx.iter_mut().zip(x).zip(g) {
-                    *d = (g - g_mean - (x - mean) * inv_std * gx_mean) * inv_std;
-                }
-            },
-        )
+        map_rows((input, input_layout), Some((grad, grad_layout)), self.name(), n, self)
+    }
+}
+
+impl RowKernel for NormalizeBackward {
+    #[inline(always)]
+    fn row(&self, _: usize, x: &[f32], g: &[f32], dx: &mut [f32]) {
+        let n = x.len();
+        let (mean, inv_std) = moments(x, self.eps);
+        let g_mean = lane_sum(n, |i| g[i]) / n as f32;
+        let gx_mean = lane_sum(n, |i| g[i] * (x[i] - mean) * inv_std) / n as f32;
+        for ((d, &x), &g) in dx.iter_mut().zip(x).zip(g) {
+            *d = (g - g_mean - (x - mean) * inv_std * gx_mean) * inv_std;
+        }
     }
 }
 
@@ -287,17 +319,22 @@ fn erf(x: f32) -> f32 {
     p / q
 }
 
+impl RowKernel for Gelu {
+    #[inline(always)]
+    fn row(&self, _: usize, x: &[f32], _: &[f32], y: &mut [f32]) {
+        for (y, &x) in y.iter_mut().zip(x) {
+            *y = x * normal_cdf(x);
+        }
+    }
+}
+
 impl CustomOp1 for Gelu {
     fn name(&self) -> &'static str {
         "gelu"
     }
 
     fn cpu_fwd(&self, storage: &CpuStorage, layout: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
-        map_rows(storage, layout, self.name(), row_len(layout)?, |_, x, y| {
-            for (y, &x) in y.iter_mut().zip(x) {
-                *y = x * normal_cdf(x);
-            }
-        })
+        map_rows((storage, layout), None, self.name(), row_len(layout)?, self)
     }
 
     fn bwd(&self, x: &Tensor, _y: &Tensor, grad: &Tensor) -> candle_core::Result<Option<Tensor>> {
@@ -320,20 +357,19 @@ impl CustomOp2 for GeluBackward {
         grad: &CpuStorage,
         grad_layout: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let n = row_len(input_layout)?;
+        map_rows((input, input_layout), Some((grad, grad_layout)), self.name(), n, self)
+    }
+}
+
+impl RowKernel for GeluBackward {
+    #[inline(always)]
+    fn row(&self, _: usize, x: &[f32], g: &[f32], dx: &mut [f32]) {
         // 1 / sqrt(2π)
         const INV_SQRT_TAU: f32 = 0.398_942_3;
-        let n = row_len(input_layout)?;
-        map_rows2(
-            (input, input_layout),
-            (grad, grad_layout),
-            self.name(),
-            n,
-            |x, g, dx| {
-                for ((d, &x), &g) in dx.iter_mut().zip(x).zip(g) {
-                    *d = g * (normal_cdf(x) + x * INV_SQRT_TAU * exp(-0.5 * x * x));
-                }
-            },
-        )
+        for ((d, &x), &g) in dx.iter_mut().zip(x).zip(g) {
+            *d = g * (normal_cdf(x) + x * INV_SQRT_TAU * exp(-0.5 * x * x));
+        }
     }
 }
 
@@ -345,6 +381,21 @@ pub(super) fn scale_shift(x: &Tensor, gain: &Tensor, bias: &Tensor) -> candle_co
 }
 
 struct ScaleShift;
+
+/// [`ScaleShift`]'s forward over rows, with the gain and bias it applies.
+struct ScaleShiftRows<'a> {
+    gain: &'a [f32],
+    bias: &'a [f32],
+}
+
+impl RowKernel for ScaleShiftRows<'_> {
+    #[inline(always)]
+    fn row(&self, _: usize, x: &[f32], _: &[f32], y: &mut [f32]) {
+        for (((y, &x), &g), &b) in y.iter_mut().zip(x).zip(self.gain).zip(self.bias) {
+            *y = x * g + b;
+        }
+    }
+}
 
 impl CustomOp3 for ScaleShift {
     fn name(&self) -> &'static str {
@@ -372,11 +423,11 @@ impl CustomOp3 for ScaleShift {
                 bias.len()
             );
         }
-        map_rows(x, x_layout, self.name(), n, |_, x, y| {
-            for (((y, &x), &g), &b) in y.iter_mut().zip(x).zip(gain).zip(bias) {
-                *y = x * g + b;
-            }
-        })
+        let rows = ScaleShiftRows {
+            gain: &gain,
+            bias: &bias,
+        };
+        map_rows((x, x_layout), None, self.name(), n, &rows)
     }
 
     fn bwd(
