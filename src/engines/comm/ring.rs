@@ -477,7 +477,7 @@ mod tests {
         (0..len)
             .map(|i| {
                 let k = (rank * 7919 + i * 104_729) % 10_007;
-                let sign = if k % 3 == 0 { -1.0 } else { 1.0 };
+                let sign = if k.is_multiple_of(3) { -1.0 } else { 1.0 };
                 sign * (k as f32 / 10_007.0 + 0.01) * 10f32.powi((k % 7) as i32 - 4)
             })
             .collect()

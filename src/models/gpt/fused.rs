@@ -66,8 +66,8 @@ fn map_rows(
     pulp::Arch::new().dispatch(EveryRow {
         kernel,
         row,
-        x: &x,
-        g: g.as_deref(),
+        x,
+        g,
         out: &mut out,
     });
     Ok((CpuStorage::F32(out), layout.shape().clone()))
@@ -423,10 +423,7 @@ impl CustomOp3 for ScaleShift {
                 bias.len()
             );
         }
-        let rows = ScaleShiftRows {
-            gain: &gain,
-            bias: &bias,
-        };
+        let rows = ScaleShiftRows { gain, bias };
         map_rows((x, x_layout), None, self.name(), n, &rows)
     }
 
