@@ -406,12 +406,8 @@ impl Handler<Prepare> for DeviceActor {
 }
 
 /// The communication thread over `link`, with NCCL beside the ring on GPU jobs.
-#[cfg_attr(not(feature = "cuda"), allow(unused_variables, unused_mut))]
 fn comm_worker(job: &JobConfig, link: RingLink, roster: &Roster, device: &candle_core::Device) -> Result<CommWorker> {
-    let mut comm = link.into_communicator(roster)?;
-    #[cfg(feature = "cuda")]
-    comm.connect_nccl(device, job.fault_tolerance.timeout())?;
-    CommWorker::spawn(comm)
+    CommWorker::spawn_on(link.into_communicator(roster)?, device, job.fault_tolerance.timeout())
 }
 
 impl Handler<Relink> for DeviceActor {

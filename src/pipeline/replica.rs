@@ -59,8 +59,10 @@ pub struct PipelineReplica {
     optimizer: Optimizer,
     lr_policy: LrPolicy,
     link: Box<dyn StageLink>,
-    /// The ring among the stage's replicas, on its own thread.
+    /// The ring among the stage's replicas, on its own thread (with NCCL beside it on GPUs).
     data_parallel: CommWorker,
+    /// Longest an NCCL collective among the replicas may take.
+    collective_timeout: Duration,
     /// All-reduce each bucket of gradients as soon as they are final (else all of them after
     /// the schedule).
     overlap_allreduce: bool,
@@ -153,7 +155,8 @@ impl PipelineReplica {
             optimizer,
             lr_policy,
             link,
-            data_parallel: CommWorker::spawn(data_parallel)?,
+            data_parallel: CommWorker::spawn_on(data_parallel, &device, job.fault_tolerance.timeout())?,
+            collective_timeout: job.fault_tolerance.timeout(),
             overlap_allreduce,
             gradients,
             device,
@@ -187,7 +190,7 @@ impl PipelineReplica {
     /// snapshot next.
     pub fn relink(&mut self, link: Box<dyn StageLink>, data_parallel: Communicator) -> Result<()> {
         self.link = link;
-        self.data_parallel = CommWorker::spawn(data_parallel)?;
+        self.data_parallel = CommWorker::spawn_on(data_parallel, &self.device, self.collective_timeout)?;
         self.gradients.clear();
         Ok(())
     }
