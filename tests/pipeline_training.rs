@@ -47,6 +47,44 @@ fn pipelines_and_hybrid_pipelines_train_like_one_process() {
     }
 }
 
+/// A stage's replicas average through the one gradient path of collective replicas: buckets cut
+/// in the order the schedule finishes the gradients, each all-reduced while the schedule goes
+/// on. With two replicas every element is one addition of two values, which commutes, so how the
+/// buckets are cut and when they go cannot change a bit: many small buckets, one bucket, and
+/// all of them after the schedule (`pp_allreduce_in_optimize`) end with the same parameters —
+/// for 1F1B and for the interleaved schedule, whose chunks finish out of parameter order. With
+/// bfloat16 on the wire they stay within the wire's bound (`engines/comm/wire.rs`) of f32.
+#[test]
+fn a_stages_replicas_average_alike_whatever_the_buckets_and_the_wire() {
+    for schedule in ["schedule_mode=\"1F1B\"", "virtual_pipeline_stages=2"] {
+        let schedule = format!("strategy.pipeline_configs.{schedule}");
+        let run = |extra: &[&str]| {
+            let mut overrides = vec![
+                STEPS,
+                MODEL,
+                "strategy.pipeline=true",
+                "strategy.pipeline_configs.accumulate_steps=4",
+                "cluster.nproc_per_node=4",
+                "strategy.hybrid_configs.dp_degree=2",
+                "strategy.hybrid_configs.pp_degree=2",
+                schedule.as_str(),
+            ];
+            overrides.extend_from_slice(extra);
+            train_in_process(config(&overrides)).parameters
+        };
+        let one_bucket = run(&[]);
+        for extra in [
+            &["strategy.fuse_grad_size_in_MB=0.0005"][..],
+            &["strategy.pipeline_configs.pp_allreduce_in_optimize=true"][..],
+        ] {
+            let diff = max_abs_diff(&one_bucket, &run(extra));
+            assert_eq!(diff, 0.0, "{schedule} {extra:?}: max |Δparam| = {diff:e}");
+        }
+        let diff = max_abs_diff(&one_bucket, &run(&["strategy.fp16_allreduce=true"]));
+        assert!(diff > 0.0 && diff < 0.04, "{schedule} bf16: max |Δparam| = {diff:e}");
+    }
+}
+
 #[test]
 fn more_stages_than_blocks_is_an_error_naming_both() {
     let err = run_error(config(&[
