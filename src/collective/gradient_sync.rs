@@ -28,8 +28,8 @@ pub struct GradientSync {
     merge: GradientMerge<BucketValues>,
     wire: Wire,
     device: Device,
-    /// One replica that merges nothing: the gradients go to the optimizer as backward made them.
-    direct: bool,
+    /// Whether every batch steps the optimizer (no gradient merge).
+    merges_nothing: bool,
 }
 
 /// The averaged gradients of a step, ready for the optimizer.
@@ -41,10 +41,10 @@ pub struct Averaged {
 }
 
 impl GradientSync {
-    /// The averaging of `vars`' gradients over `world` replicas, as `job` configures it; backward
+    /// The averaging of `vars`' gradients over the replicas, as `job` configures it; backward
     /// hands the gradients over in `arrival` order (indices into `vars`, each once), the order the
     /// buckets are cut in.
-    pub fn new(job: &JobConfig, vars: Vec<Var>, arrival: &[usize], world: usize, device: &Device) -> Result<Self> {
+    pub fn new(job: &JobConfig, vars: Vec<Var>, arrival: &[usize], device: &Device) -> Result<Self> {
         let mut seen = vec![false; vars.len()];
         for &index in arrival {
             ensure!(
@@ -79,7 +79,7 @@ impl GradientSync {
             plan,
             wire,
             device: device.clone(),
-            direct: world == 1 && job.strategy.merge_steps() == 1,
+            merges_nothing: job.strategy.merge_steps() == 1,
         })
     }
 
@@ -98,16 +98,19 @@ impl GradientSync {
         self.merge.clear();
     }
 
-    /// Starts handing over the gradients of batch `step`, whose all-reduces go to `comm`.
+    /// Starts handing over the gradients of batch `step`, whose all-reduces go to `comm`. A
+    /// replica alone (elastic membership may shrink a job to one) that merges nothing hands its
+    /// gradients to the optimizer as backward made them.
     pub fn begin<'a>(&'a mut self, step: usize, comm: &'a CommWorker) -> StepGradients<'a> {
         StepGradients {
+            direct: self.merges_nothing && comm.world_size() == 1,
             filling: BucketFill::new(&self.device),
             sync: self,
             comm,
             step,
             next: 0,
             reducing: Vec::new(),
-            direct: GradStore::default(),
+            kept: GradStore::default(),
         }
     }
 }
@@ -121,8 +124,10 @@ pub struct StepGradients<'a> {
     /// Gradients handed over so far: the position in the arrival order of the next one.
     next: usize,
     reducing: Vec<Pending<ReducedBucket>>,
-    /// The gradients of a direct (one-replica) sync.
-    direct: GradStore,
+    /// The gradients go straight to the optimizer (a replica alone that merges nothing).
+    direct: bool,
+    /// The gradients kept when `direct`.
+    kept: GradStore,
 }
 
 impl StepGradients<'_> {
@@ -146,8 +151,8 @@ impl StepGradients<'_> {
             );
         }
         self.next += 1;
-        if sync.direct {
-            self.direct.insert(sync.vars[index].as_tensor(), grad.clone());
+        if self.direct {
+            self.kept.insert(sync.vars[index].as_tensor(), grad.clone());
             return Ok(());
         }
         self.filling.push(grad, bucket.len)?;
@@ -192,9 +197,9 @@ impl StepGradients<'_> {
                 self.step
             );
         }
-        if sync.direct {
+        if self.direct {
             return Ok(Some(Averaged {
-                grads: self.direct,
+                grads: self.kept,
                 exposed: Duration::ZERO,
             }));
         }

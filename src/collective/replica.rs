@@ -47,8 +47,12 @@ pub struct Replica {
     lr_policy: LrPolicy,
     comm: CommWorker,
     device: Device,
-    /// How forward and backward cut the model (per block, or recomputed segments).
+    /// How forward and backward cut the model: per block (each block's gradients go to their
+    /// buckets as soon as they are done), or recomputed segments.
     segments: Segments,
+    /// The model as one segment, where nothing keeps it cut (no recomputation): what a replica
+    /// alone uses, with no all-reduce to overlap and so no passes between segments to pay.
+    whole: Option<Segments>,
     /// Batches trained.
     step: usize,
     /// Spans of the steps, when tracing.
@@ -67,17 +71,18 @@ impl Replica {
             .map(|(i, _)| i)
             .collect();
         let vars: Vec<Var> = params.iter().map(|p| p.var.clone()).collect();
-        let gradients = GradientSync::new(job, vars.clone(), &backward_order, comm.world_size(), &device)?;
+        let gradients = GradientSync::new(job, vars.clone(), &backward_order, &device)?;
         // The job's world, not this generation's: with elastic membership the global batch, and
         // so its learning rate, stays the same on fewer ranks.
         let lr_policy = LrPolicy::new(&job.train, job.world_size());
         let optimizer = Optimizer::new(&job.train, vars, lr_policy.at(0))?;
         let blocks = model.blocks().len();
-        let segments = if job.strategy.recompute {
+        let (segments, whole) = if job.strategy.recompute {
             let names: Vec<&str> = model.blocks().iter().map(|b| b.name()).collect();
-            Segments::recomputed(blocks, &job.strategy.recompute_configs.resolve(&names)?)
+            let recomputed = Segments::recomputed(blocks, &job.strategy.recompute_configs.resolve(&names)?);
+            (recomputed, None)
         } else {
-            Segments::per_block(blocks)
+            (Segments::per_block(blocks), Some(Segments::whole(blocks)))
         };
         tracing::debug!(
             rank = comm.rank(),
@@ -94,6 +99,7 @@ impl Replica {
             comm,
             device,
             segments,
+            whole,
             step: 0,
             timeline: None,
         })
@@ -195,7 +201,11 @@ impl Replica {
 
         let forwarding = Instant::now();
         let blocks = self.model.blocks();
-        let forward = segments::forward(blocks, &self.segments, x)?;
+        let cut = match &self.whole {
+            Some(whole) if self.comm.world_size() == 1 => whole,
+            _ => &self.segments,
+        };
+        let forward = segments::forward(blocks, cut, x)?;
         let (local_loss, upstream) = segments::loss_gradient(forward.output(), |out| cross_entropy(out, &y))?;
         self.settle_for_trace()?;
         record(&mut self.timeline, || format!("forward {step}"), "forward", forwarding);
@@ -205,7 +215,7 @@ impl Replica {
         let backwarding = Instant::now();
         let params = &self.params;
         let mut gradients = self.gradients.begin(step, &self.comm);
-        segments::backward(blocks, &self.segments, forward, &upstream, &mut |range, grads| {
+        segments::backward(blocks, cut, forward, &upstream, &mut |range, grads| {
             // A failed all-reduce dooms the step: stop computing it, with that collective's error
             // (a rollback may follow).
             gradients.stop_if_failed()?;

@@ -145,7 +145,7 @@ impl PipelineReplica {
         let stage = Stage::new(stage, p, chunks, kind, configs.accumulate_steps)?;
         let params = stage.parameters();
         let vars: Vec<Var> = params.iter().map(|(_, v)| v.clone()).collect();
-        let gradients = GradientSync::new(job, vars.clone(), &stage.gradient_order(), dp, &device)?;
+        let gradients = GradientSync::new(job, vars.clone(), &stage.gradient_order(), &device)?;
         let lr_policy = LrPolicy::new(&job.train, dp);
         let optimizer = Optimizer::new(&job.train, vars, lr_policy.at(0))?;
         Ok(Self {
