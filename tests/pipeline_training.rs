@@ -85,6 +85,53 @@ fn a_stages_replicas_average_alike_whatever_the_buckets_and_the_wire() {
     }
 }
 
+/// Evaluation scores every held-out row under every layout, in pieces of `eval_batch_size`
+/// rows: the digits' 359 held-out rows split over 2 replicas (179 and 180 rows), each in pieces
+/// of 50 rows (the last 29 or 30) of 4 micro-batches, where whole micro-batches per replica
+/// scored 352 before; pieces of 3 rows through an interleaved pipeline; 7-row pieces on 3 ranks.
+/// The pipelines' parameters agree with one process's to f32 rounding, so their predictions —
+/// and the accuracy — are the single process's (the 3-rank run trains another global batch).
+#[test]
+fn every_held_out_row_is_scored_in_pieces_under_every_layout() {
+    let reference = train_in_process(config(&[STEPS, MODEL, "cluster.nproc_per_node=1"]));
+    let rows = reference.summary.test_samples;
+    assert!(rows > 300, "{rows} held-out rows");
+    let layouts: [&[&str]; 3] = [
+        &[
+            "cluster.nproc_per_node=3",
+            "train.batch_size=66",
+            "train.eval_batch_size=7",
+        ],
+        &[
+            "cluster.nproc_per_node=4",
+            "strategy.pipeline=true",
+            "strategy.pipeline_configs.accumulate_steps=4",
+            "strategy.hybrid_configs.dp_degree=2",
+            "strategy.hybrid_configs.pp_degree=2",
+            "train.eval_batch_size=50",
+        ],
+        &[
+            "cluster.nproc_per_node=2",
+            "strategy.pipeline=true",
+            "strategy.pipeline_configs.virtual_pipeline_stages=2",
+            "strategy.pipeline_configs.accumulate_steps=2",
+            "strategy.hybrid_configs.pp_degree=2",
+            "train.eval_batch_size=3",
+        ],
+    ];
+    for layout in layouts {
+        let outcome = train_in_process(config(&[&[STEPS, MODEL][..], layout].concat()));
+        assert_eq!(outcome.summary.test_samples, rows, "{layout:?}");
+        if !layout.contains(&"train.batch_size=66") {
+            let (accuracy, want) = (outcome.summary.test_accuracy, reference.summary.test_accuracy);
+            assert!(
+                (accuracy - want).abs() <= 1.0 / rows as f64,
+                "{layout:?}: {accuracy} vs {want}"
+            );
+        }
+    }
+}
+
 #[test]
 fn more_stages_than_blocks_is_an_error_naming_both() {
     let err = run_error(config(&[

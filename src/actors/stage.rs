@@ -399,10 +399,9 @@ impl StageRun {
             }
         }
         figures.elapsed = started.elapsed();
-        // The held-out set is cut like a global batch: whole micro-batches per replica.
-        let m = job.strategy.pipeline_configs.accumulate_steps;
-        let per_replica = self.test_data.len() / (d * m) * m;
-        let rows: Vec<usize> = (replica * per_replica..(replica + 1) * per_replica).collect();
+        // Every held-out row is scored: each replica takes its share, in pieces of any size.
+        let n = self.test_data.len();
+        let rows: Vec<usize> = (replica * n / d..(replica + 1) * n / d).collect();
         let evaluated = self
             .device
             .send(PipelineEvaluate(self.test_data.select(&rows)))

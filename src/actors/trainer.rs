@@ -94,6 +94,8 @@ pub struct RankOutcome {
     pub final_loss: f32,
     /// Accuracy on the held-out split (all ranks' shards).
     pub test_accuracy: f64,
+    /// Held-out predictions scored, over all ranks.
+    pub test_samples: usize,
     /// Global samples per second over the training loop.
     pub samples_per_sec: f64,
     /// Communication time over step time.
@@ -346,6 +348,7 @@ impl TrainingRun {
             steps,
             final_loss: losses.last().copied().unwrap_or(f32::NAN),
             test_accuracy: if total == 0 { 0.0 } else { correct as f64 / total as f64 },
+            test_samples: total,
             samples_per_sec: ((steps - first) * job.train.batch_size) as f64 / elapsed.as_secs_f64().max(1e-9),
             comm_time_ratio: ratio(comm_time),
             exposed_comm_ratio: ratio(exposed),

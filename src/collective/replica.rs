@@ -53,6 +53,8 @@ pub struct Replica {
     /// The model as one segment, where nothing keeps it cut (no recomputation): what a replica
     /// alone uses, with no all-reduce to overlap and so no passes between segments to pay.
     whole: Option<Segments>,
+    /// Rows per forward pass of evaluation.
+    eval_batch_size: usize,
     /// Batches trained.
     step: usize,
     /// Spans of the steps, when tracing.
@@ -100,6 +102,7 @@ impl Replica {
             device,
             segments,
             whole,
+            eval_batch_size: job.train.eval_batch_size,
             step: 0,
             timeline: None,
         })
@@ -279,15 +282,14 @@ impl Replica {
         settle_for_trace(&self.timeline, &self.device)
     }
 
-    /// Counts correct predictions on this rank's `batch` and sums the counts
-    /// over all ranks: `(correct, total)`.
+    /// Counts correct predictions on this rank's `batch`, `eval_batch_size` rows at a time, and
+    /// sums the counts over all ranks: `(correct, total)`.
     pub fn evaluate(&mut self, batch: &Batch) -> Result<(usize, usize)> {
-        let correct = if batch.rows() == 0 {
-            0
-        } else {
-            let (x, y) = batch.tensors(&self.device)?;
-            correct_predictions(&self.model.forward(&x)?, &y)?
-        };
+        let mut correct = 0;
+        for piece in batch.pieces(self.eval_batch_size) {
+            let (x, y) = piece.tensors(&self.device)?;
+            correct += correct_predictions(&self.model.forward(&x)?, &y)?;
+        }
         // Counts below 2^24 are exact in f32.
         let mut counts = [correct as f32, batch.labels.len() as f32];
         let counts = self.comm.run(move |c| {

@@ -239,6 +239,9 @@ pub struct TrainConfig {
     /// GLOBAL batch size, split evenly across the world, so it must be divisible by the world
     /// size; keeping it global makes results comparable across world sizes.
     pub batch_size: usize,
+    /// Rows per forward pass of the final evaluation on each rank: the held-out set is scored
+    /// piece by piece, so evaluation's memory does not grow with the set.
+    pub eval_batch_size: usize,
     /// Base learning rate (before `lr_scaling`).
     pub lr: f64,
     /// Learning-rate scaling with the world size.
@@ -291,6 +294,7 @@ impl TrainConfig {
             steps: None,
             epochs: None,
             batch_size: 64,
+            eval_batch_size: 256,
             lr: 0.05,
             lr_scaling: LrScaling::None,
             warmup_steps: 0,
@@ -384,6 +388,7 @@ impl TrainConfig {
             (None, None) => {}
         }
         at_least("train.batch_size", self.batch_size, 1)?;
+        at_least("train.eval_batch_size", self.eval_batch_size, 1)?;
         if !self.batch_size.is_multiple_of(world_size) {
             return Err(FieldError::new(
                 "train.batch_size",
@@ -508,6 +513,7 @@ mod tests {
             ("weight_decay = -1e-4", "train.weight_decay"),
             ("batch_size = 0", "train.batch_size"),
             ("log_every = 0", "train.log_every"),
+            ("eval_batch_size = 0", "train.eval_batch_size"),
             ("synthetic_classes = 1", "train.synthetic_classes"),
             ("hidden_sizes = [32, 0]", "train.hidden_sizes[1]"),
         ] {

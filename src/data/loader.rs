@@ -31,6 +31,25 @@ impl Batch {
         self.inputs.len() / self.dim.max(1)
     }
 
+    /// Rows `range` of the batch, as a batch of their own.
+    pub fn piece(&self, range: std::ops::Range<usize>) -> Batch {
+        let labels_per_row = if self.labels.len() == self.rows() { 1 } else { self.dim };
+        let indices: Vec<usize> = range.clone().collect();
+        Batch {
+            inputs: self.inputs.select(&indices, self.dim),
+            labels: self.labels[range.start * labels_per_row..range.end * labels_per_row].to_vec(),
+            dim: self.dim,
+        }
+    }
+
+    /// The batch cut into consecutive pieces of `rows` rows (the last may be shorter).
+    pub fn pieces(&self, rows: usize) -> impl Iterator<Item = Batch> + '_ {
+        let total = self.rows();
+        (0..total)
+            .step_by(rows.max(1))
+            .map(move |start| self.piece(start..(start + rows.max(1)).min(total)))
+    }
+
     /// Inputs `(rows, dim)` (f32 features or u32 tokens) and targets, `(rows)` or `(rows, dim)`,
     /// on `device`.
     pub fn tensors(&self, device: &Device) -> candle_core::Result<(Tensor, Tensor)> {

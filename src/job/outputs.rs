@@ -38,6 +38,9 @@ pub struct Summary {
     pub final_loss: f32,
     /// Accuracy on the held-out split.
     pub test_accuracy: f64,
+    /// Held-out predictions scored (rows, or positions of a sequence model): every one of the
+    /// split, under every strategy.
+    pub test_samples: usize,
     /// Time in collectives over step time (rank 0).
     pub comm_time_ratio: f64,
     /// Communication not hidden behind backward, over step time (rank 0).
@@ -79,6 +82,7 @@ impl RunOutcome {
                 samples_per_sec: rank0.samples_per_sec,
                 final_loss: rank0.final_loss,
                 test_accuracy: rank0.test_accuracy,
+                test_samples: rank0.test_samples,
                 comm_time_ratio: rank0.comm_time_ratio,
                 exposed_comm_ratio: rank0.exposed_comm_ratio,
                 param_checksum: rank0.param_checksum.to_string(),

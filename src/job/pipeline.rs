@@ -405,6 +405,7 @@ fn summarise(job: &TrainingJob, replica0: &[StageOutcome], cluster: &str) -> Res
             samples_per_sec: last.samples_per_sec,
             final_loss: holder.losses.last().copied().unwrap_or(f32::NAN),
             test_accuracy: if total == 0 { 0.0 } else { correct as f64 / total as f64 },
+            test_samples: total,
             comm_time_ratio: holder.allreduce_ratio,
             exposed_comm_ratio: holder.exposed_allreduce_ratio,
             param_checksum: ParamChecksum::of_values(&parameters).to_string(),

@@ -70,6 +70,8 @@ pub struct PipelineReplica {
     gradients: GradientSync,
     device: Device,
     micro_batches: usize,
+    /// Rows per pass of evaluation through the pipeline.
+    eval_batch_size: usize,
     holds_loss: bool,
     /// Batches trained.
     step: usize,
@@ -161,6 +163,7 @@ impl PipelineReplica {
             gradients,
             device,
             micro_batches: configs.accumulate_steps,
+            eval_batch_size: job.train.eval_batch_size,
             step: 0,
             timeline: None,
         })
@@ -276,19 +279,30 @@ impl PipelineReplica {
         })
     }
 
-    /// Correct predictions and samples of `batch` (this replica's part of the held-out set),
-    /// summed over replicas, on the ranks holding the last virtual stage.
+    /// Correct predictions and samples of `batch` (this replica's part of the held-out set, any
+    /// number of rows), summed over replicas, on the ranks holding the last virtual stage. The
+    /// rows go through the pipeline `eval_batch_size` at a time, each piece cut into up to
+    /// `accumulate_steps` micro-batches of near-equal size.
     pub fn evaluate(&mut self, batch: &Batch) -> Result<Option<(usize, usize)>> {
-        let (inputs, labels) = self.micro_batches(batch)?;
-        let outputs = self
-            .stage
-            .forward_only(self.link.as_mut(), self.micro_batches, &inputs)?;
+        let mut correct = 0usize;
+        for piece in batch.pieces(self.eval_batch_size) {
+            let rows = piece.rows();
+            let parts = self.micro_batches.min(rows);
+            let tensors = (0..parts)
+                .map(|i| {
+                    piece
+                        .piece(i * rows / parts..(i + 1) * rows / parts)
+                        .tensors(&self.device)
+                })
+                .collect::<candle_core::Result<Vec<_>>>()?;
+            let inputs: Vec<Tensor> = tensors.iter().map(|(x, _)| x.clone()).collect();
+            let outputs = self.stage.forward_only(self.link.as_mut(), parts, &inputs)?;
+            for (out, (_, y)) in outputs.iter().zip(&tensors) {
+                correct += correct_predictions(out, y)?;
+            }
+        }
         if !self.holds_loss {
             return Ok(None);
-        }
-        let mut correct = 0usize;
-        for (out, y) in outputs.iter().zip(&labels) {
-            correct += correct_predictions(out, y)?;
         }
         // Counts below 2^24 are exact in f32.
         let mut counts = [correct as f32, batch.labels.len() as f32];
