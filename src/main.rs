@@ -26,6 +26,7 @@ use flotilla::net::auth::Credentials;
 use flotilla::telemetry::metrics::METRICS_FILE;
 use flotilla::telemetry::monitor::ProgressView;
 use flotilla::telemetry::summary_table;
+use flotilla::telemetry::{LogFormat, LOG_FORMAT_VAR};
 
 /// The default job, compiled in so `flotilla train` works from any directory.
 const EMBEDDED_CONFIG: &str = include_str!("../config.toml");
@@ -42,6 +43,10 @@ const RUNS: &str = "runs";
 struct Cli {
     #[command(subcommand)]
     command: Command,
+    /// How log lines are written: text, or one JSON object a line. Processes this one starts
+    /// write theirs alike.
+    #[arg(long, global = true, value_enum, env = LOG_FORMAT_VAR, default_value_t = LogFormat::Text)]
+    log_format: LogFormat,
 }
 
 #[derive(Subcommand)]
@@ -266,8 +271,12 @@ enum BenchCommand {
 
 fn main() -> ExitCode {
     keep_freed_buffers();
+    let cli = Cli::parse();
+    // Logging reads it, and the processes a launcher starts inherit it. No other thread exists
+    // yet.
+    std::env::set_var(LOG_FORMAT_VAR, format!("{:?}", cli.log_format).to_lowercase());
     flotilla::telemetry::init_logging();
-    match run(Cli::parse()) {
+    match run(cli) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             // A closed stderr must not turn the error into a panic.

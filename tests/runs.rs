@@ -296,3 +296,25 @@ fn checkpoint_inspect_shows_what_a_runs_checkpoints_hold() {
         "{older}"
     );
 }
+
+/// `--log-format json`: every line a run logs is one JSON object with a level and a message
+/// (what log collectors read); the default is text.
+#[test]
+fn logs_can_be_json_lines() {
+    let cwd = tempfile::tempdir().unwrap();
+    let finished = flotilla_in(cwd.path(), &["--log-format", "json", "train", "--set", "train.steps=3"]);
+    assert!(finished.success, "{}", finished.stderr);
+    let lines: Vec<&str> = finished.stderr.lines().filter(|l| !l.trim().is_empty()).collect();
+    assert!(!lines.is_empty(), "nothing logged");
+    for line in lines {
+        let event: serde_json::Value =
+            serde_json::from_str(line).unwrap_or_else(|e| panic!("not a JSON line ({e}): {line}"));
+        assert!(
+            event["level"].is_string() && event["fields"]["message"].is_string(),
+            "{line}"
+        );
+    }
+    let text = flotilla_in(cwd.path(), &["train", "--set", "train.steps=3"]);
+    assert!(text.success, "{}", text.stderr);
+    assert!(text.stderr.lines().any(|l| l.contains(" INFO ")), "{}", text.stderr);
+}
