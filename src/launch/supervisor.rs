@@ -482,7 +482,7 @@ fn pump(stream: impl Read + Send + 'static, output: Output, bar: LauncherBar) ->
             let text = if plain {
                 format!("{line}\n")
             } else {
-                format!("[{name}] {line}\n")
+                labelled(&name, &line)
             };
             bar.write(&text, to_stderr);
             if let Some(tail) = &tail {
@@ -495,6 +495,21 @@ fn pump(stream: impl Read + Send + 'static, output: Output, bar: LauncherBar) ->
             }
         }
     })
+}
+
+/// `line` labelled with the process it came from: a JSON object (a `--log-format json` log line)
+/// gains a `"process"` field, so that it stays one JSON object a line; any other line gets a
+/// `[name]` prefix.
+fn labelled(name: &str, line: &str) -> String {
+    if line.starts_with('{') {
+        if let Ok(serde_json::Value::Object(mut fields)) = serde_json::from_str(line) {
+            fields.insert("process".to_string(), name.into());
+            if let Ok(json) = serde_json::to_string(&fields) {
+                return format!("{json}\n");
+            }
+        }
+    }
+    format!("[{name}] {line}\n")
 }
 
 /// Sends `signal` to every child's process group: the child and whatever it started.
@@ -565,4 +580,19 @@ fn failure(failed: &Running, status: ExitStatus, interrupted: bool, others: &str
         "{} {cause} ({status}); {consequence}{others}. {last_words}",
         failed.name
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn json_lines_stay_json_and_name_their_process() {
+        let line = labelled("rank 1", r#"{"level":"INFO","fields":{"message":"step 3"}}"#);
+        let event: serde_json::Value = serde_json::from_str(&line).expect("one JSON object");
+        assert_eq!(event["process"], "rank 1");
+        assert_eq!(event["fields"]["message"], "step 3");
+        assert_eq!(labelled("rank 1", "step 3"), "[rank 1] step 3\n");
+        assert_eq!(labelled("rank 1", "{not json"), "[rank 1] {not json\n");
+    }
 }
