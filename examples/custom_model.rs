@@ -80,7 +80,7 @@ fn main() -> Result<()> {
         &[],
     )?;
     let (train, test) = Dataset::digits()?.split(0.2, config.train.seed)?;
-    let job = TrainingJob::new(config, model, train, test);
+    let job = TrainingJob::new(config, model, train, test)?;
     let options = RunOptions {
         progress: ProgressView::from_environment(),
         ..RunOptions::new("runs/custom_model")
@@ -88,7 +88,8 @@ fn main() -> Result<()> {
     if let Some(outcome) = job.run(&options)? {
         println!(
             "test accuracy {:.4} after {} steps",
-            outcome.summary.test_accuracy, outcome.summary.steps
+            outcome.summary.test_accuracy.unwrap_or_default(),
+            outcome.summary.steps
         );
     }
     Ok(())

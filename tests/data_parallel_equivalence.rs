@@ -90,8 +90,8 @@ fn three_ranks_odd_bucket_sizes_equal_one_process() {
 fn default_job_reaches_the_expected_accuracy() {
     let outcome = train_in_process(config(&[]));
     assert!(
-        outcome.summary.test_accuracy >= 0.95,
-        "test accuracy {}",
+        outcome.summary.test_accuracy >= Some(0.95),
+        "test accuracy {:?}",
         outcome.summary.test_accuracy
     );
     assert!(

@@ -23,7 +23,7 @@ fn data() -> (Tensor, Tensor, usize, usize) {
     let set = Dataset::synthetic(BATCH, 10, 4, 7).unwrap();
     let all: Vec<usize> = (0..BATCH).collect();
     let (x, y) = set.select(&all).tensors(&Device::Cpu).unwrap();
-    (x, y, set.dim, set.classes)
+    (x, y, set.dim, set.outputs)
 }
 
 /// Gradients of the mean cross-entropy over the whole batch, one process.

@@ -4,6 +4,7 @@
 mod common;
 
 use common::{config, max_abs_diff, run_error, train_in_process};
+use flotilla::job::RunOutcome;
 
 const STEPS: &str = "train.steps=20";
 const MODEL: &str = "train.hidden_sizes=[64, 32, 32]";
@@ -123,7 +124,7 @@ fn every_held_out_row_is_scored_in_pieces_under_every_layout() {
         let outcome = train_in_process(config(&[&[STEPS, MODEL][..], layout].concat()));
         assert_eq!(outcome.summary.test_samples, rows, "{layout:?}");
         if !layout.contains(&"train.batch_size=66") {
-            let (accuracy, want) = (outcome.summary.test_accuracy, reference.summary.test_accuracy);
+            let (accuracy, want) = (accuracy_of(&outcome), accuracy_of(&reference));
             assert!(
                 (accuracy - want).abs() <= 1.0 / rows as f64,
                 "{layout:?}: {accuracy} vs {want}"
@@ -173,9 +174,8 @@ fn a_character_gpt_trains_in_a_hybrid_pipeline_like_one_process() {
     let outcome = train_in_process(config(&hybrid));
     let diff = max_abs_diff(&reference.parameters, &outcome.parameters);
     assert!(diff <= TOLERANCE, "max |Δparam| = {diff:e}");
-    // Next-character accuracy over every position of the held-out windows (the pipeline
-    // evaluates whole micro-batches per replica, so it may leave out a few windows).
-    let (accuracy, want) = (outcome.summary.test_accuracy, reference.summary.test_accuracy);
+    // Next-character accuracy over every position of the held-out windows.
+    let (accuracy, want) = (accuracy_of(&outcome), accuracy_of(&reference));
     assert!(
         (accuracy - want).abs() < 0.02 && accuracy > 0.05,
         "{accuracy} vs {want}"
@@ -261,4 +261,12 @@ fn the_gpt_example_trains_and_its_loss_falls() {
     let (first, last) = (outcome.losses[0], *outcome.losses.last().unwrap());
     // From ln 78 ≈ 4.36 (uniform over the characters) down within a few AdamW steps.
     assert!(first > 4.0 && last < first - 0.3, "loss {first} → {last}");
+}
+
+/// The held-out accuracy of a classification run.
+fn accuracy_of(outcome: &RunOutcome) -> f64 {
+    outcome
+        .summary
+        .test_accuracy
+        .expect("a classification run reports its accuracy")
 }

@@ -183,7 +183,10 @@ fn stage_outcome() -> StageOutcome {
         rank: 1,
         steps: 20,
         losses: vec![2.5, 1.25],
-        evaluated: Some((90, 100)),
+        evaluated: Some(flotilla::models::Score {
+            total: 90.0,
+            count: 100,
+        }),
         samples_per_sec: 1000.0,
         allreduce_ratio: 0.1,
         exposed_allreduce_ratio: 0.05,

@@ -20,7 +20,7 @@ use crate::engines::comm::hierarchy::{self, NodeLayout};
 use crate::engines::comm::memory::MemoryRings;
 use crate::engines::comm::{parse_endpoints, CommWorker, Communicator, RingBreaker, RingLinks, RingTransport, Shared};
 use crate::engines::compute::device_for;
-use crate::models::{Model, ParamInit, SparseModelDef};
+use crate::models::{Model, ParamInit, Score, SparseModelDef};
 use crate::net::auth::Credentials;
 use crate::net::protocol::Roster;
 use crate::pipeline::link::{StageLink, TransportStageLink};
@@ -192,7 +192,7 @@ pub struct TrainStep(pub Batch);
 
 /// Counts correct predictions on this rank's batch, summed over ranks.
 #[derive(Message)]
-#[rtype(result = "Result<(usize, usize)>")]
+#[rtype(result = "Result<Score>")]
 pub struct Evaluate(pub Batch);
 
 /// Compares the replicas' parameter checksums.
@@ -320,7 +320,7 @@ pub struct PipelineStep(pub Batch);
 
 /// Evaluates this replica's part of the held-out set through the pipeline.
 #[derive(Message)]
-#[rtype(result = "Result<Option<(usize, usize)>>")]
+#[rtype(result = "Result<Option<Score>>")]
 pub struct PipelineEvaluate(pub Batch);
 
 /// Writes this rank's training state as file `file` of step `step`'s checkpoint in `store`.
@@ -454,7 +454,7 @@ impl Handler<TrainStep> for DeviceActor {
 }
 
 impl Handler<Evaluate> for DeviceActor {
-    type Result = Result<(usize, usize)>;
+    type Result = Result<Score>;
 
     fn handle(&mut self, msg: Evaluate, _: &mut Self::Context) -> Self::Result {
         self.replica()?.evaluate(&msg.0)
@@ -624,7 +624,7 @@ impl Handler<PipelineStep> for DeviceActor {
 }
 
 impl Handler<PipelineEvaluate> for DeviceActor {
-    type Result = Result<Option<(usize, usize)>>;
+    type Result = Result<Option<Score>>;
 
     fn handle(&mut self, msg: PipelineEvaluate, _: &mut Self::Context) -> Self::Result {
         self.pipeline()?.evaluate(&msg.0)

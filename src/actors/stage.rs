@@ -33,6 +33,7 @@ use crate::checkpoint::HeldFile;
 use crate::config::{HybridConfigs, JobConfig};
 use crate::data::Dataset;
 use crate::engines::comm::Communicator;
+use crate::models::Score;
 use crate::net::frame::{encode_with, Frame};
 use crate::net::protocol::Roster;
 use crate::net::ControlBus;
@@ -108,8 +109,8 @@ pub struct StageOutcome {
     pub steps: usize,
     /// Global mean loss of every step (ranks holding the last virtual stage).
     pub losses: Vec<f32>,
-    /// Held-out (correct, total) summed over replicas (ranks holding the last virtual stage).
-    pub evaluated: Option<(usize, usize)>,
+    /// The held-out score summed over replicas (ranks holding the last virtual stage).
+    pub evaluated: Option<Score>,
     /// Global samples per second.
     pub samples_per_sec: f64,
     /// Data-parallel all-reduce time over step time.
@@ -581,7 +582,7 @@ mod tests {
             rank: 1,
             steps: 3,
             losses: vec![2.5, f32::NAN, 0.25],
-            evaluated: Some((7, 9)),
+            evaluated: Some(Score { total: 7.0, count: 9 }),
             samples_per_sec: 12.5,
             allreduce_ratio: 0.125,
             exposed_allreduce_ratio: 0.0625,
@@ -593,7 +594,10 @@ mod tests {
         let bytes = outcome.to_bytes().unwrap();
         let back = StageOutcome::from_bytes(bytes.clone()).unwrap();
         assert_eq!(back.parameters, outcome.parameters);
-        assert_eq!((back.rank, back.steps, back.evaluated), (1, 3, Some((7, 9))));
+        assert_eq!(
+            (back.rank, back.steps, back.evaluated),
+            (1, 3, Some(Score { total: 7.0, count: 9 }))
+        );
         assert_eq!(format!("{:?}", back.losses), format!("{:?}", outcome.losses));
         assert_eq!(back.peak_activation_bytes, 4096);
 

@@ -29,6 +29,7 @@ use crate::checkpoint::HeldFile;
 use crate::collective::ParamChecksum;
 use crate::config::JobConfig;
 use crate::data::Dataset;
+use crate::models::Score;
 use crate::net::protocol::Roster;
 use crate::net::ControlBus;
 use crate::telemetry::monitor::{MonitorSettings, StepSample};
@@ -92,10 +93,8 @@ pub struct RankOutcome {
     pub steps: usize,
     /// Global mean loss of the last step.
     pub final_loss: f32,
-    /// Accuracy on the held-out split (all ranks' shards).
-    pub test_accuracy: f64,
-    /// Held-out predictions scored, over all ranks.
-    pub test_samples: usize,
+    /// The held-out split's score, over all ranks' shards.
+    pub test_score: Score,
     /// Global samples per second over the training loop.
     pub samples_per_sec: f64,
     /// Communication time over step time.
@@ -332,7 +331,7 @@ impl TrainingRun {
         let param_checksum = self.device.send(CheckReplicas).await??;
         let test_rows = self.test_data.len();
         let shard: Vec<usize> = (place * test_rows / world..(place + 1) * test_rows / world).collect();
-        let (correct, total) = self.device.send(Evaluate(self.test_data.select(&shard))).await??;
+        let test_score = self.device.send(Evaluate(self.test_data.select(&shard))).await??;
         let parameters = self.device.send(ReadParameters).await??;
         bus.barrier(rank, "end of training").await?;
         let ratio = |d: Duration| {
@@ -347,8 +346,7 @@ impl TrainingRun {
             world_size: world,
             steps,
             final_loss: losses.last().copied().unwrap_or(f32::NAN),
-            test_accuracy: if total == 0 { 0.0 } else { correct as f64 / total as f64 },
-            test_samples: total,
+            test_score,
             samples_per_sec: ((steps - first) * job.train.batch_size) as f64 / elapsed.as_secs_f64().max(1e-9),
             comm_time_ratio: ratio(comm_time),
             exposed_comm_ratio: ratio(exposed),

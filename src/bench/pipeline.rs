@@ -107,7 +107,7 @@ pub fn run(args: &PipelineBenchArgs) -> Result<()> {
     let dir = std::env::temp_dir().join(format!("flotilla-bench-pipeline-{}", std::process::id()));
     let options = RunOptions::new(dir.clone());
     let (train, test) = data.split(0.5, 1)?;
-    let job = TrainingJob::new(config, model, train, test);
+    let job = TrainingJob::new(config, model, train, test)?;
     job.run_simulated(&options)?; // warm-up: first-touch allocations and thread start-up
     let traced = RunOptions {
         trace: args.trace.clone(),

@@ -14,4 +14,5 @@ pub mod training_state;
 pub use bucket::{Bucket, BucketPlan};
 pub use checksum::ParamChecksum;
 pub use gradient_sync::{Averaged, GradientSync, StepGradients};
+pub(crate) use replica::sum_over_ranks;
 pub use replica::{Replica, StepReport};

@@ -9,11 +9,11 @@ use candle_core::{Device, Tensor, Var};
 
 use super::rank_figures::RankFigures;
 use super::{training_state, GradientSync, ParamChecksum};
-use crate::config::JobConfig;
+use crate::config::{JobConfig, LossKind};
 use crate::data::Batch;
 use crate::engines::comm::{CommWorker, Shared};
 use crate::engines::compute::segments::{self, Segments};
-use crate::models::{correct_predictions, cross_entropy, Model, NamedParam};
+use crate::models::{training_loss, Model, NamedParam, Score};
 use crate::optim::{LrPolicy, Optimizer};
 use crate::telemetry::metrics::peak_rss_bytes;
 use crate::telemetry::timeline::{record, Span, Timeline};
@@ -53,6 +53,8 @@ pub struct Replica {
     /// The model as one segment, where nothing keeps it cut (no recomputation): what a replica
     /// alone uses, with no all-reduce to overlap and so no passes between segments to pay.
     whole: Option<Segments>,
+    /// The loss trained, which also says how evaluation scores.
+    loss: LossKind,
     /// Rows per forward pass of evaluation.
     eval_batch_size: usize,
     /// Batches trained.
@@ -102,6 +104,7 @@ impl Replica {
             device,
             segments,
             whole,
+            loss: job.train.resolved_loss()?,
             eval_batch_size: job.train.eval_batch_size,
             step: 0,
             timeline: None,
@@ -209,7 +212,8 @@ impl Replica {
             _ => &self.segments,
         };
         let forward = segments::forward(blocks, cut, x)?;
-        let (local_loss, upstream) = segments::loss_gradient(forward.output(), |out| cross_entropy(out, &y))?;
+        let (local_loss, upstream) =
+            segments::loss_gradient(forward.output(), |out| training_loss(self.loss, out, &y))?;
         self.settle_for_trace()?;
         record(&mut self.timeline, || format!("forward {step}"), "forward", forwarding);
 
@@ -282,21 +286,15 @@ impl Replica {
         settle_for_trace(&self.timeline, &self.device)
     }
 
-    /// Counts correct predictions on this rank's `batch`, `eval_batch_size` rows at a time, and
-    /// sums the counts over all ranks: `(correct, total)`.
-    pub fn evaluate(&mut self, batch: &Batch) -> Result<(usize, usize)> {
-        let mut correct = 0;
+    /// Scores this rank's `batch`, `eval_batch_size` rows at a time, and sums the scores of all
+    /// ranks.
+    pub fn evaluate(&mut self, batch: &Batch) -> Result<Score> {
+        let mut score = Score::default();
         for piece in batch.pieces(self.eval_batch_size) {
             let (x, y) = piece.tensors(&self.device)?;
-            correct += correct_predictions(&self.model.forward(&x)?, &y)?;
+            score += Score::of(self.loss, &self.model.forward(&x)?, &y)?;
         }
-        // Counts below 2^24 are exact in f32.
-        let mut counts = [correct as f32, batch.labels.len() as f32];
-        let counts = self.comm.run(move |c| {
-            c.all_reduce_sum("all-reduce of evaluation counts", &mut counts)?;
-            Ok(counts)
-        })?;
-        Ok((counts[0] as usize, counts[1] as usize))
+        sum_over_ranks(&self.comm, score)
     }
 
     /// The checksum of this replica's parameters.
@@ -340,4 +338,18 @@ fn settle_for_trace(timeline: &Option<Timeline>, device: &Device) -> Result<()> 
 
 fn hex_prefix(bytes: &[u8]) -> String {
     bytes.iter().take(8).map(|b| format!("{b:02x}")).collect()
+}
+
+/// `score` summed over the ranks of `comm`'s ring. Counts below 2^24 are exact in f32, and a
+/// sum of squared errors keeps f32's relative precision.
+pub(crate) fn sum_over_ranks(comm: &CommWorker, score: Score) -> Result<Score> {
+    let mut sums = [score.total as f32, score.count as f32];
+    let sums = comm.run(move |c| {
+        c.all_reduce_sum("all-reduce of evaluation scores", &mut sums)?;
+        Ok(sums)
+    })?;
+    Ok(Score {
+        total: f64::from(sums[0]),
+        count: sums[1] as usize,
+    })
 }

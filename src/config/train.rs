@@ -117,6 +117,34 @@ pub enum OptimizerKind {
     Adam,
 }
 
+/// The training loss.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum LossKind {
+    /// Cross-entropy of the logits against class ids (classification, language models).
+    CrossEntropy,
+    /// Mean squared error against values (regression).
+    Mse,
+    /// Mean absolute error against values (regression less swayed by outliers).
+    Mae,
+}
+
+impl LossKind {
+    /// Whether the loss regresses values rather than classifies.
+    pub fn is_regression(self) -> bool {
+        matches!(self, Self::Mse | Self::Mae)
+    }
+
+    /// The name `train.loss` gives it.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::CrossEntropy => "cross_entropy",
+            Self::Mse => "mse",
+            Self::Mae => "mae",
+        }
+    }
+}
+
 /// `[train.gpt]`: the shape of the GPT model (its vocabulary is the text's characters).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
@@ -248,6 +276,11 @@ pub struct TrainConfig {
     pub lr_scaling: LrScaling,
     /// Steps of linear learning-rate warm-up from 0; 0 disables warm-up.
     pub warmup_steps: usize,
+    /// The training loss: `cross_entropy` for classes, `mse` or `mae` for values. Defaults to
+    /// what the data set's targets are (cross-entropy for classes, mean squared error for
+    /// values).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub loss: Option<LossKind>,
     /// Optimizer algorithm.
     pub optimizer: OptimizerKind,
     /// SGD momentum, in `[0, 1)`.
@@ -298,6 +331,7 @@ impl TrainConfig {
             lr: 0.05,
             lr_scaling: LrScaling::None,
             warmup_steps: 0,
+            loss: None,
             optimizer: OptimizerKind::Sgd,
             momentum: 0.9,
             weight_decay: 0.0,
@@ -315,6 +349,12 @@ impl TrainConfig {
         if self.hidden_sizes.is_none() {
             self.hidden_sizes = Some(self.model.default_hidden_sizes());
         }
+    }
+
+    /// The training loss, once a job has resolved it from its data ([`LossKind`]).
+    pub fn resolved_loss(&self) -> anyhow::Result<LossKind> {
+        self.loss
+            .ok_or_else(|| anyhow::anyhow!("train.loss is not resolved: a job sets it from its data set"))
     }
 
     /// Parts of the click-log data (`data_parts`; the number of trainers if not given).

@@ -11,7 +11,7 @@ use anyhow::{ensure, Result};
 use candle_core::{Device, Tensor};
 use std::sync::Arc;
 
-use super::{Dataset, Inputs};
+use super::{Dataset, Inputs, Targets};
 use crate::rng::SplitMix64;
 
 /// A batch of rows, inputs row-major.
@@ -19,8 +19,8 @@ use crate::rng::SplitMix64;
 pub struct Batch {
     /// `rows() * dim` inputs.
     pub inputs: Inputs,
-    /// One label per row, or one per input (next tokens).
-    pub labels: Vec<u32>,
+    /// One class per row, one per input (next tokens), or values per row.
+    pub targets: Targets,
     /// Inputs per row.
     pub dim: usize,
 }
@@ -33,11 +33,11 @@ impl Batch {
 
     /// Rows `range` of the batch, as a batch of their own.
     pub fn piece(&self, range: std::ops::Range<usize>) -> Batch {
-        let labels_per_row = if self.labels.len() == self.rows() { 1 } else { self.dim };
+        let per_row = self.targets.len() / self.rows().max(1);
         let indices: Vec<usize> = range.clone().collect();
         Batch {
             inputs: self.inputs.select(&indices, self.dim),
-            labels: self.labels[range.start * labels_per_row..range.end * labels_per_row].to_vec(),
+            targets: self.targets.range(range, per_row),
             dim: self.dim,
         }
     }
@@ -50,20 +50,15 @@ impl Batch {
             .map(move |start| self.piece(start..(start + rows.max(1)).min(total)))
     }
 
-    /// Inputs `(rows, dim)` (f32 features or u32 tokens) and targets, `(rows)` or `(rows, dim)`,
-    /// on `device`.
+    /// Inputs `(rows, dim)` (f32 features or u32 tokens) and targets ([`Targets::tensor`]) on
+    /// `device`.
     pub fn tensors(&self, device: &Device) -> candle_core::Result<(Tensor, Tensor)> {
         let rows = self.rows();
         let x = match &self.inputs {
             Inputs::Features(v) => Tensor::from_slice(v, (rows, self.dim), device)?,
             Inputs::Tokens(v) => Tensor::from_slice(v, (rows, self.dim), device)?,
         };
-        let y = if self.labels.len() == rows {
-            Tensor::from_slice(&self.labels, rows, device)?
-        } else {
-            Tensor::from_slice(&self.labels, (rows, self.dim), device)?
-        };
-        Ok((x, y))
+        Ok((x, self.targets.tensor(rows, device)?))
     }
 }
 
@@ -147,9 +142,12 @@ mod tests {
             let mut joined = Vec::new();
             for rank in 0..4 {
                 let mut l = ShardedLoader::new(data.clone(), 20, rank, 4, 9)?;
-                joined.extend(l.batch(step).labels);
+                let Targets::Classes(classes) = l.batch(step).targets else {
+                    anyhow::bail!("synthetic data has classes")
+                };
+                joined.extend(classes);
             }
-            assert_eq!(joined, whole.batch(step).labels);
+            assert_eq!(Targets::Classes(joined), whole.batch(step).targets);
         }
         let (first, next_epoch) = (whole.batch(0), whole.batch(5));
         assert_ne!(first, next_epoch, "epochs are reshuffled");

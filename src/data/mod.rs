@@ -9,9 +9,11 @@ pub mod ctr;
 mod digits;
 mod loader;
 mod synthetic;
+mod targets;
 pub mod text;
 
 pub use loader::{Batch, ShardedLoader};
+pub use targets::Targets;
 
 use anyhow::{ensure, Result};
 
@@ -56,19 +58,20 @@ impl Inputs {
     }
 }
 
-/// `len()` rows of `dim` inputs each, with a label in `0..classes` per row
-/// (classification) or per input (the next token after each of a window's
-/// tokens).
+/// `len()` rows of `dim` inputs each, with a class in `0..outputs` per row (classification) or
+/// per input (the next token after each of a window's tokens), or `outputs` values per row
+/// (regression).
 #[derive(Debug, Clone, PartialEq)]
 pub struct Dataset {
     /// Row-major inputs, `len() * dim` values.
     pub inputs: Inputs,
-    /// One class per row, or `dim` next tokens per row.
-    pub labels: Vec<u32>,
+    /// One class per row, `dim` next tokens per row, or `outputs` values per row.
+    pub targets: Targets,
     /// Inputs per row.
     pub dim: usize,
-    /// Number of classes (labels are below it): the vocabulary for tokens.
-    pub classes: usize,
+    /// The width of a model's output: the number of classes (the vocabulary for tokens), or of
+    /// values regressed per row.
+    pub outputs: usize,
 }
 
 impl Dataset {
@@ -86,9 +89,30 @@ impl Dataset {
         }
         Ok(Self {
             inputs: Inputs::Features(features),
-            labels,
+            targets: Targets::Classes(labels),
             dim,
-            classes,
+            outputs: classes,
+        })
+    }
+
+    /// A regression dataset: `dim` features and `outputs` values per row.
+    pub fn regression(features: Vec<f32>, values: Vec<f32>, dim: usize, outputs: usize) -> Result<Self> {
+        ensure!(
+            dim > 0 && outputs > 0,
+            "a dataset needs at least one feature and one target per row"
+        );
+        let rows = features.len() / dim;
+        ensure!(
+            features.len() == rows * dim && values.len() == rows * outputs,
+            "dataset has {} feature values and {} targets, not rows of {dim} and {outputs}",
+            features.len(),
+            values.len()
+        );
+        Ok(Self {
+            inputs: Inputs::Features(features),
+            targets: Targets::Values(values),
+            dim,
+            outputs,
         })
     }
 
@@ -112,9 +136,9 @@ impl Dataset {
         }
         Ok(Self {
             inputs: Inputs::Tokens(inputs),
-            labels,
+            targets: Targets::Classes(labels),
             dim: block_size,
-            classes: vocab,
+            outputs: vocab,
         })
     }
 
@@ -140,14 +164,10 @@ impl Dataset {
 
     /// The rows at `indices`, in that order.
     pub fn select(&self, indices: &[usize]) -> Batch {
-        let labels_per_row = self.labels.len() / self.len().max(1);
-        let mut labels = Vec::with_capacity(indices.len() * labels_per_row);
-        for &i in indices {
-            labels.extend_from_slice(&self.labels[i * labels_per_row..(i + 1) * labels_per_row]);
-        }
+        let per_row = self.targets.len() / self.len().max(1);
         Batch {
             inputs: self.inputs.select(indices, self.dim),
-            labels,
+            targets: self.targets.select(indices, per_row),
             dim: self.dim,
         }
     }
@@ -168,9 +188,9 @@ impl Dataset {
             let b = self.select(idx);
             Dataset {
                 inputs: b.inputs,
-                labels: b.labels,
+                targets: b.targets,
                 dim: self.dim,
-                classes: self.classes,
+                outputs: self.outputs,
             }
         };
         Ok((to_set(train), to_set(test)))
@@ -200,7 +220,7 @@ mod tests {
         let d = Dataset::digits()?;
         assert_eq!(d.len(), 1797);
         assert_eq!(d.dim, 64);
-        assert_eq!(d.classes, 10);
+        assert_eq!(d.outputs, 10);
         let Inputs::Features(pixels) = &d.inputs else {
             anyhow::bail!("digits are dense features")
         };
@@ -227,7 +247,7 @@ mod tests {
         assert_eq!((d.len(), d.dim), (3, 4));
         let b = d.select(&[2, 0]);
         assert_eq!(b.inputs, Inputs::Tokens(vec![4, 5, 6, 7, 0, 1, 2, 3]));
-        assert_eq!(b.labels, vec![5, 6, 7, 8, 1, 2, 3, 4]);
+        assert_eq!(b.targets, Targets::Classes(vec![5, 6, 7, 8, 1, 2, 3, 4]));
         assert!(Dataset::token_windows(&tokens, 10, 1, 10).is_err());
         assert!(Dataset::token_windows(&tokens, 4, 1, 9).is_err());
         Ok(())

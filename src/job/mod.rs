@@ -35,7 +35,7 @@ use anyhow::{Context, Result};
 
 use crate::actors::device::{ModelFactory, RingLink};
 use crate::actors::{DeviceActor, Trainer};
-use crate::config::{DatasetKind, JobConfig, ModelKind};
+use crate::config::{DatasetKind, JobConfig, LossKind, ModelKind};
 use crate::data::text::TextCorpus;
 use crate::data::Dataset;
 use crate::models::{gpt, mlp, GptConfig, Model, ParamInit};
@@ -57,6 +57,15 @@ fn text_windows(train: &crate::config::TrainConfig) -> Result<(Dataset, Dataset)
             .with_context(|| format!("train.gpt.block_size = {block}"))
     };
     Ok((windows(&train_tokens)?, windows(&test_tokens)?))
+}
+
+/// What a data set's targets are, in words.
+fn kind_of(data: &Dataset) -> &'static str {
+    if data.targets.is_regression() {
+        "value"
+    } else {
+        "class"
+    }
 }
 
 /// Where and how a run reports.
@@ -130,19 +139,41 @@ pub struct TrainingJob {
 }
 
 impl TrainingJob {
-    /// A job over a user's model and data.
+    /// A job over a user's model and data. `train.loss`, when not given, is the data's:
+    /// cross-entropy for classes, mean squared error for values; a loss of the other kind, or
+    /// splits of two kinds, are refused.
     pub fn new(
-        config: JobConfig,
+        mut config: JobConfig,
         model: impl Fn(&ParamInit) -> Result<Model> + Send + Sync + 'static,
         train_data: Dataset,
         test_data: Dataset,
-    ) -> Self {
-        Self {
+    ) -> Result<Self> {
+        let regression = train_data.targets.is_regression();
+        anyhow::ensure!(
+            test_data.targets.is_regression() == regression && test_data.dim == train_data.dim,
+            "the held-out split is not shaped as the training split ({} and {} inputs per row, {} and {} targets)",
+            train_data.dim,
+            test_data.dim,
+            kind_of(&train_data),
+            kind_of(&test_data)
+        );
+        let loss = *config.train.loss.get_or_insert(if regression {
+            LossKind::Mse
+        } else {
+            LossKind::CrossEntropy
+        });
+        anyhow::ensure!(
+            loss.is_regression() == regression,
+            "train.loss = \"{}\" does not fit a data set of {} targets",
+            loss.name(),
+            kind_of(&train_data)
+        );
+        Ok(Self {
             config: Arc::new(config),
             model: Arc::new(model),
             train_data: Arc::new(train_data),
             test_data: Arc::new(test_data),
-        }
+        })
     }
 
     /// The job `config.train` describes with the built-in models and data.
@@ -165,7 +196,7 @@ impl TrainingJob {
                 anyhow::bail!("click logs train on parameter servers: see `ParameterServerJob`")
             }
         };
-        let (inputs, classes) = (train_data.dim, train_data.classes);
+        let (inputs, classes) = (train_data.dim, train_data.outputs);
         let model: ModelBuilder = match train.model {
             ModelKind::Mlp => {
                 let hidden = train.hidden_sizes();
@@ -192,7 +223,7 @@ impl TrainingJob {
                 )
             }
         };
-        Ok(Self::new(config, model, train_data, test_data))
+        Self::new(config, model, train_data, test_data)
     }
 
     /// The trainer actor of `rank`, with its own device actor; rank 0 reports.

@@ -14,7 +14,8 @@ use serde::Serialize;
 
 use crate::actors::trainer::RankOutcome;
 use crate::checkpoint::{write_atomically, write_tensors};
-use crate::config::JobConfig;
+use crate::config::{JobConfig, LossKind};
+use crate::models::Score;
 
 /// The resolved config of a run, in its run directory.
 pub const CONFIG_FILE: &str = "config.toml";
@@ -36,10 +37,14 @@ pub struct Summary {
     pub samples_per_sec: f64,
     /// Global mean loss of the last step.
     pub final_loss: f32,
-    /// Accuracy on the held-out split.
-    pub test_accuracy: f64,
-    /// Held-out predictions scored (rows, or positions of a sequence model): every one of the
-    /// split, under every strategy.
+    /// Classification: accuracy on the held-out split.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub test_accuracy: Option<f64>,
+    /// Regression: mean squared error on the held-out split.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub test_mse: Option<f64>,
+    /// Held-out predictions scored (rows, positions of a sequence model, or regressed values):
+    /// every one of the split, under every strategy.
     pub test_samples: usize,
     /// Time in collectives over step time (rank 0).
     pub comm_time_ratio: f64,
@@ -58,6 +63,18 @@ pub struct Summary {
     pub bubble_fraction: Option<f64>,
 }
 
+impl Summary {
+    /// The held-out figure of a job trained with `loss`: (accuracy, mean squared error), one of
+    /// them present.
+    pub(crate) fn held_out(loss: LossKind, score: Score) -> (Option<f64>, Option<f64>) {
+        if loss.is_regression() {
+            (None, Some(score.mean()))
+        } else {
+            (Some(score.mean()), None)
+        }
+    }
+}
+
 /// Rank 0's view of a finished run.
 #[derive(Debug, Clone)]
 pub struct RunOutcome {
@@ -72,7 +89,8 @@ pub struct RunOutcome {
 impl RunOutcome {
     /// The outcome of a data-parallel run, as the rank at place 0 of its last generation tells
     /// it (`world_size`: the ranks that trained that generation).
-    pub(super) fn from_rank0(rank0: RankOutcome, cluster: &str) -> Self {
+    pub(super) fn from_rank0(rank0: RankOutcome, loss: LossKind, cluster: &str) -> Self {
+        let (test_accuracy, test_mse) = Summary::held_out(loss, rank0.test_score);
         Self {
             summary: Summary {
                 strategy: "collective".to_string(),
@@ -81,8 +99,9 @@ impl RunOutcome {
                 steps: rank0.steps,
                 samples_per_sec: rank0.samples_per_sec,
                 final_loss: rank0.final_loss,
-                test_accuracy: rank0.test_accuracy,
-                test_samples: rank0.test_samples,
+                test_accuracy,
+                test_mse,
+                test_samples: rank0.test_score.count,
                 comm_time_ratio: rank0.comm_time_ratio,
                 exposed_comm_ratio: rank0.exposed_comm_ratio,
                 param_checksum: rank0.param_checksum.to_string(),

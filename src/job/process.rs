@@ -232,7 +232,8 @@ pub(super) fn run(job: &TrainingJob, rank: usize, options: &RunOptions) -> Resul
                 let outcome = trainer.train().await?;
                 // The rank at place 0 writes the outputs before it says goodbye: until then its
                 // loss is a death the coordinator recovers from.
-                let outcome = (outcome.rank == 0).then(|| RunOutcome::from_rank0(outcome, "multi-process"));
+                let loss = job.config.train.resolved_loss()?;
+                let outcome = (outcome.rank == 0).then(|| RunOutcome::from_rank0(outcome, loss, "multi-process"));
                 if let Some(outcome) = &outcome {
                     outcome.write(&options.run_dir)?;
                 }

@@ -137,16 +137,20 @@ pub(super) fn run(job: &TrainingJob, options: &RunOptions) -> Result<RunOutcome>
         // leaving it to wait for the others' timeouts.
         futures::future::try_join_all(runs).await
     })?;
-    from_rank0(outcomes)
+    from_rank0(job, outcomes)
 }
 
 /// The run's outcome, as the rank at place 0 of the last generation tells it.
-fn from_rank0(outcomes: Vec<RankOutcome>) -> Result<RunOutcome> {
+fn from_rank0(job: &TrainingJob, outcomes: Vec<RankOutcome>) -> Result<RunOutcome> {
     let rank0 = outcomes
         .into_iter()
         .find(|outcome| outcome.rank == 0)
         .ok_or_else(|| anyhow!("no rank trained at place 0"))?;
-    Ok(RunOutcome::from_rank0(rank0, "in-process"))
+    Ok(RunOutcome::from_rank0(
+        rank0,
+        job.config.train.resolved_loss()?,
+        "in-process",
+    ))
 }
 
 /// The incarnation of each rank that runs now: its id (its "pid") and its switch.
@@ -253,7 +257,7 @@ pub(super) fn run_with_faults(
         trainer.faults = Some(incarnation.faults);
         trainer.train()
     })?;
-    Ok((from_rank0(outcomes)?, report))
+    Ok((from_rank0(job, outcomes)?, report))
 }
 
 /// Asks the coordinator every `interval` which incarnations it declared dead, and kills the

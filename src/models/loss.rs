@@ -1,8 +1,78 @@
-//! The training loss and the evaluation count of every model: cross-entropy of logits over
+//! The training losses and the held-out scores of every model: cross-entropy of logits over
 //! their last dimension, against one target per row (classification, `(N, C)` logits) or per
-//! position (a language model, `(B, T, V)` logits and `(B, T)` next tokens).
+//! position (a language model, `(B, T, V)` logits and `(B, T)` next tokens); squared or absolute
+//! error against values (regression, `(N, K)` predictions and targets).
 
 use candle_core::{DType, Tensor, D};
+
+use crate::config::LossKind;
+
+/// The mean `kind` loss of `outputs` against `targets`.
+pub fn training_loss(kind: LossKind, outputs: &Tensor, targets: &Tensor) -> candle_core::Result<Tensor> {
+    match kind {
+        LossKind::CrossEntropy => cross_entropy(outputs, targets),
+        LossKind::Mse => outputs.sub(&same_shape(outputs, targets)?)?.sqr()?.mean_all(),
+        LossKind::Mae => outputs.sub(&same_shape(outputs, targets)?)?.abs()?.mean_all(),
+    }
+}
+
+/// `targets` as values of `outputs`' shape, or an error saying what did not fit.
+fn same_shape(outputs: &Tensor, targets: &Tensor) -> candle_core::Result<Tensor> {
+    if targets.dtype() != DType::F32 || outputs.dims() != targets.dims() {
+        candle_core::bail!(
+            "a regression needs f32 targets of the predictions' shape {:?}, got {:?} {:?}",
+            outputs.dims(),
+            targets.dtype(),
+            targets.dims()
+        );
+    }
+    Ok(targets.clone())
+}
+
+impl std::ops::AddAssign for Score {
+    fn add_assign(&mut self, other: Self) {
+        self.total += other.total;
+        self.count += other.count;
+    }
+}
+
+/// The held-out figure of some predictions, as a sum over them that ranks add together:
+/// correct predictions (classification) or squared errors (regression).
+#[derive(Debug, Clone, Copy, Default, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct Score {
+    /// Correct predictions, or the sum of squared errors.
+    pub total: f64,
+    /// Predictions scored: rows, positions of a sequence, or regressed values.
+    pub count: usize,
+}
+
+impl Score {
+    /// The score of `outputs` against `targets` under a job trained with `kind`.
+    pub fn of(kind: LossKind, outputs: &Tensor, targets: &Tensor) -> candle_core::Result<Self> {
+        if kind.is_regression() {
+            let errors = outputs.sub(&same_shape(outputs, targets)?)?;
+            let total = errors.sqr()?.to_dtype(DType::F64)?.sum_all()?.to_scalar::<f64>()?;
+            Ok(Self {
+                total,
+                count: targets.elem_count(),
+            })
+        } else {
+            Ok(Self {
+                total: correct_predictions(outputs, targets)? as f64,
+                count: targets.elem_count(),
+            })
+        }
+    }
+
+    /// Accuracy or mean squared error (0 of nothing).
+    pub fn mean(self) -> f64 {
+        if self.count == 0 {
+            0.0
+        } else {
+            self.total / self.count as f64
+        }
+    }
+}
 
 /// Logits flattened to `(positions, classes)` and targets to `(positions)`, checking that the
 /// targets have the logits' leading shape.
@@ -47,6 +117,26 @@ pub fn click_probability(logits: &Tensor) -> candle_core::Result<Tensor> {
 mod tests {
     use super::*;
     use candle_core::Device;
+
+    #[test]
+    fn regression_losses_and_scores_follow_their_definitions() -> candle_core::Result<()> {
+        let dev = Device::Cpu;
+        let predicted = Tensor::new(&[[1f32, 2.0], [3.0, -1.0]], &dev)?;
+        let targets = Tensor::new(&[[0f32, 2.0], [5.0, 0.0]], &dev)?;
+        let mse = training_loss(LossKind::Mse, &predicted, &targets)?.to_scalar::<f32>()?;
+        assert_eq!(mse, (1.0 + 0.0 + 4.0 + 1.0) / 4.0);
+        let mae = training_loss(LossKind::Mae, &predicted, &targets)?.to_scalar::<f32>()?;
+        assert_eq!(mae, (1.0 + 0.0 + 2.0 + 1.0) / 4.0);
+        let score = Score::of(LossKind::Mae, &predicted, &targets)?;
+        assert_eq!((score.total, score.count, score.mean()), (6.0, 4, 1.5));
+        let err = training_loss(LossKind::Mse, &predicted, &targets.narrow(1, 0, 1)?).unwrap_err();
+        assert!(err.to_string().contains("[2, 2]"), "{err}");
+        let classes = Tensor::new(&[0u32, 1], &dev)?;
+        assert!(training_loss(LossKind::Mse, &predicted, &classes).is_err());
+        let hits = Score::of(LossKind::CrossEntropy, &predicted, &classes)?;
+        assert_eq!((hits.total, hits.count), (1.0, 2));
+        Ok(())
+    }
 
     #[test]
     fn rows_and_positions_share_one_loss() -> candle_core::Result<()> {

@@ -22,7 +22,7 @@ pub use deepfm::DeepFm;
 pub use gpt::{gpt, GptConfig};
 pub use init::ParamInit;
 pub use linear::{Activation, Linear};
-pub use loss::{click_probability, correct_predictions, cross_entropy, sigmoid_cross_entropy};
+pub use loss::{click_probability, correct_predictions, cross_entropy, sigmoid_cross_entropy, training_loss, Score};
 pub use mlp::mlp;
 pub use sparse::{Lookup, SparseModel, SparseModelBuilder, SparseModelDef, SparseTableSpec};
 pub use wide_deep::{WideDeep, DENSE_FEATURES, SPARSE_SLOTS};

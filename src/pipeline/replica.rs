@@ -13,11 +13,11 @@ use super::partition::{balanced, explicit};
 use super::schedule::ScheduleKind;
 use super::stage::{Chunk, Stage};
 use crate::collective::rank_figures::{JobFigures, RankFigures};
-use crate::collective::{training_state, GradientSync};
-use crate::config::{JobConfig, ScheduleMode};
+use crate::collective::{sum_over_ranks, training_state, GradientSync};
+use crate::config::{JobConfig, LossKind, ScheduleMode};
 use crate::data::Batch;
 use crate::engines::comm::{CommWorker, Communicator, Shared};
-use crate::models::{correct_predictions, cross_entropy, Block, Model};
+use crate::models::{training_loss, Block, Model, Score};
 use crate::optim::{LrPolicy, Optimizer};
 use crate::telemetry::metrics::peak_rss_bytes;
 use crate::telemetry::timeline::{record, Span, Timeline};
@@ -72,6 +72,8 @@ pub struct PipelineReplica {
     micro_batches: usize,
     /// Rows per pass of evaluation through the pipeline.
     eval_batch_size: usize,
+    /// The loss trained, which also says how evaluation scores.
+    loss: LossKind,
     holds_loss: bool,
     /// Batches trained.
     step: usize,
@@ -164,6 +166,7 @@ impl PipelineReplica {
             device,
             micro_batches: configs.accumulate_steps,
             eval_batch_size: job.train.eval_batch_size,
+            loss: job.train.resolved_loss()?,
             step: 0,
             timeline: None,
         })
@@ -217,7 +220,8 @@ impl PipelineReplica {
         let lr = self.lr_policy.at(self.gradients.optimizer_step(at));
         self.optimizer.set_learning_rate(lr);
         let (inputs, labels) = self.micro_batches(batch)?;
-        let loss = |i: usize, out: &Tensor| cross_entropy(out, &labels[i]);
+        let kind = self.loss;
+        let loss = |i: usize, out: &Tensor| training_loss(kind, out, &labels[i]);
         let comm_before = self.data_parallel.busy_time();
 
         // Overlapping, each bucket of gradients goes to the communication thread as soon as its
@@ -279,12 +283,12 @@ impl PipelineReplica {
         })
     }
 
-    /// Correct predictions and samples of `batch` (this replica's part of the held-out set, any
-    /// number of rows), summed over replicas, on the ranks holding the last virtual stage. The
+    /// The score of `batch` (this replica's part of the held-out set, any number of rows),
+    /// summed over replicas, on the ranks holding the last virtual stage. The
     /// rows go through the pipeline `eval_batch_size` at a time, each piece cut into up to
     /// `accumulate_steps` micro-batches of near-equal size.
-    pub fn evaluate(&mut self, batch: &Batch) -> Result<Option<(usize, usize)>> {
-        let mut correct = 0usize;
+    pub fn evaluate(&mut self, batch: &Batch) -> Result<Option<Score>> {
+        let mut score = Score::default();
         for piece in batch.pieces(self.eval_batch_size) {
             let rows = piece.rows();
             let parts = self.micro_batches.min(rows);
@@ -298,19 +302,13 @@ impl PipelineReplica {
             let inputs: Vec<Tensor> = tensors.iter().map(|(x, _)| x.clone()).collect();
             let outputs = self.stage.forward_only(self.link.as_mut(), parts, &inputs)?;
             for (out, (_, y)) in outputs.iter().zip(&tensors) {
-                correct += correct_predictions(out, y)?;
+                score += Score::of(self.loss, out, y)?;
             }
         }
         if !self.holds_loss {
             return Ok(None);
         }
-        // Counts below 2^24 are exact in f32.
-        let mut counts = [correct as f32, batch.labels.len() as f32];
-        let counts = self.data_parallel.run(move |c| {
-            c.all_reduce_sum("all-reduce of evaluation counts", &mut counts)?;
-            Ok(counts)
-        })?;
-        Ok(Some((counts[0] as usize, counts[1] as usize)))
+        sum_over_ranks(&self.data_parallel, score).map(Some)
     }
 
     /// The device the stage computes on.
