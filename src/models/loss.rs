@@ -131,7 +131,7 @@ mod tests {
         assert_eq!((score.total, score.count, score.mean()), (6.0, 4, 1.5));
         let err = training_loss(LossKind::Mse, &predicted, &targets.narrow(1, 0, 1)?).unwrap_err();
         assert!(err.to_string().contains("[2, 2]"), "{err}");
-        let classes = Tensor::new(&[0u32, 1], &dev)?;
+        let classes = Tensor::new(&[1u32, 1], &dev)?;
         assert!(training_loss(LossKind::Mse, &predicted, &classes).is_err());
         let hits = Score::of(LossKind::CrossEntropy, &predicted, &classes)?;
         assert_eq!((hits.total, hits.count), (1.0, 2));
