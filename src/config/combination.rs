@@ -311,9 +311,18 @@ fn check_data_layout(config: &JobConfig) -> Result<(), FieldError> {
     Ok(())
 }
 
-/// Data set `criteo` needs its files.
+/// Data sets `criteo` and `csv` need their files.
 fn check_files(config: &JobConfig) -> Result<(), FieldError> {
     let train = &config.train;
+    if train.dataset == DatasetKind::Csv {
+        if train.train_files.is_empty() {
+            return Err(FieldError::new(
+                "train.train_files",
+                "dataset \"csv\" needs at least one CSV file here",
+            ));
+        }
+        return Ok(());
+    }
     if train.dataset != DatasetKind::Criteo {
         return Ok(());
     }
@@ -339,6 +348,7 @@ fn dataset_name(dataset: DatasetKind) -> &'static str {
         DatasetKind::CriteoSynthetic => "\"criteo_synthetic\"",
         DatasetKind::Criteo => "\"criteo\"",
         DatasetKind::Text => "\"text\"",
+        DatasetKind::Csv => "\"csv\"",
     }
 }
 

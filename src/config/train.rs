@@ -80,6 +80,11 @@ pub enum DatasetKind {
     /// of `train.gpt.block_size` characters every half window, the last `train.test_fraction`
     /// of the text held out.
     Text,
+    /// CSV files of the user's own, with a header row: `train.train_files`, and
+    /// `train.test_files` held out (else `train.test_fraction` of the training rows); the
+    /// model reads the `train.feature_columns` and predicts the `train.label_column` — a class
+    /// id, or a value to regress with `train.loss = "mse"` or `"mae"`.
+    Csv,
 }
 
 impl DatasetKind {
@@ -239,10 +244,18 @@ pub struct TrainConfig {
     pub synthetic_classes: usize,
     /// Largest vocabulary of one sparse slot of generated click logs.
     pub synthetic_vocab: usize,
-    /// Criteo TSV files to train on, read in order and streamed (dataset `criteo`).
+    /// Files to train on, read in order: Criteo TSV files (dataset `criteo`, streamed) or CSV
+    /// tables (dataset `csv`).
     pub train_files: Vec<String>,
-    /// Criteo TSV files held out for evaluation (dataset `criteo`).
+    /// Files held out for evaluation: Criteo TSV files (dataset `criteo`) or CSV tables
+    /// (dataset `csv`, where none holds out `test_fraction` of the training rows).
     pub test_files: Vec<String>,
+    /// Dataset `csv`: the column the model predicts.
+    pub label_column: String,
+    /// Dataset `csv`: the columns the model reads, in this order; every column but the label
+    /// when not given.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub feature_columns: Option<Vec<String>>,
     /// Parameter server only: a directory of `ps-shard-<i>.safetensors` files (what a run
     /// leaves in its run directory) that the shards start from instead of fresh parameters, as
     /// Paddle's `fleet.init_server(dirname)`. The shard count must be the same.
@@ -320,6 +333,8 @@ impl TrainConfig {
             synthetic_vocab: 100_000,
             train_files: Vec::new(),
             test_files: Vec::new(),
+            label_column: "label".to_string(),
+            feature_columns: None,
             init_tables_from: None,
             data_parts: None,
             shuffle_buffer: 0,

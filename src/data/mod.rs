@@ -9,6 +9,7 @@ pub mod ctr;
 mod digits;
 mod loader;
 mod synthetic;
+pub mod table;
 mod targets;
 pub mod text;
 

@@ -36,6 +36,7 @@ use anyhow::{Context, Result};
 use crate::actors::device::{ModelFactory, RingLink};
 use crate::actors::{DeviceActor, Trainer};
 use crate::config::{DatasetKind, JobConfig, LossKind, ModelKind};
+use crate::data::table::{csv_splits, Columns};
 use crate::data::text::TextCorpus;
 use crate::data::Dataset;
 use crate::models::{gpt, mlp, GptConfig, Model, ParamInit};
@@ -192,6 +193,20 @@ impl TrainingJob {
             .split(train.test_fraction, train.seed)
             .context("train.test_fraction")?,
             DatasetKind::Text => text_windows(train)?,
+            DatasetKind::Csv => {
+                let columns = Columns {
+                    label: &train.label_column,
+                    features: train.feature_columns.as_deref(),
+                    regression: train.loss.is_some_and(LossKind::is_regression),
+                };
+                csv_splits(
+                    &train.train_files,
+                    &train.test_files,
+                    columns,
+                    train.test_fraction,
+                    train.seed,
+                )?
+            }
             DatasetKind::CriteoSynthetic | DatasetKind::Criteo => {
                 anyhow::bail!("click logs train on parameter servers: see `ParameterServerJob`")
             }

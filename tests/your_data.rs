@@ -1,0 +1,139 @@
+//! The user's own data from the command line: CSV tables trained under `flotilla launch`,
+//! checked against one process training the same global batches.
+
+mod common;
+
+use std::fmt::Write as _;
+use std::path::Path;
+
+use common::{flotilla, free_port_range, max_abs_diff, read_params, read_summary};
+use flotilla::config::JobConfig;
+use flotilla::job::{RunOptions, TrainingJob};
+
+/// `rows` rows of three features and a planted linear target with a little deterministic noise:
+/// `y = 2·a − b + 0.5·c + 1`.
+fn regression_csv(rows: usize, offset: usize) -> String {
+    let mut text = String::from("a,b,c,y\n");
+    for i in offset..offset + rows {
+        let a = ((i * 37) % 101) as f32 / 50.0 - 1.0;
+        let b = ((i * 53) % 97) as f32 / 48.0 - 1.0;
+        let c = ((i * 71) % 89) as f32 / 44.0 - 1.0;
+        let noise = ((i * 13) % 7) as f32 / 100.0 - 0.03;
+        writeln!(text, "{a},{b},{c},{}", 2.0 * a - b + 0.5 * c + 1.0 + noise).unwrap();
+    }
+    text
+}
+
+/// A job config training an MLP regression on the CSV files in `dir`, on `ranks` ranks.
+fn config_text(dir: &Path, ranks: usize) -> String {
+    let file = |name: &str| dir.join(name).to_string_lossy().into_owned();
+    format!(
+        "[cluster]\nnproc_per_node = {ranks}\n\n[train]\nmodel = \"mlp\"\nhidden_sizes = [16]\n\
+         dataset = \"csv\"\ntrain_files = [{:?}]\ntest_files = [{:?}]\nlabel_column = \"y\"\n\
+         loss = \"mse\"\nsteps = 120\nbatch_size = 32\nlr = 0.05\nseed = 7\n",
+        file("train.csv"),
+        file("test.csv")
+    )
+}
+
+fn write_tables(dir: &Path) {
+    std::fs::write(dir.join("train.csv"), regression_csv(256, 0)).unwrap();
+    std::fs::write(dir.join("test.csv"), regression_csv(64, 1000)).unwrap();
+}
+
+#[test]
+fn a_csv_regression_launched_on_two_processes_equals_one_process() {
+    let dir = tempfile::tempdir().unwrap();
+    write_tables(dir.path());
+    let config_path = dir.path().join("regression.toml");
+    std::fs::write(&config_path, config_text(dir.path(), 2)).unwrap();
+    let run_dir = dir.path().join("run");
+    let port = free_port_range(3).to_string();
+    #[rustfmt::skip]
+    let args = [
+        "launch", "--nproc_per_node", "2", "--started_port", &port, "--",
+        "train", "--config", config_path.to_str().unwrap(), "--run-dir", run_dir.to_str().unwrap(),
+    ];
+    let finished = flotilla(&args, &[], 120);
+    assert!(
+        finished.success,
+        "launch failed:\n{}\n{}",
+        finished.stdout, finished.stderr
+    );
+    let summary = read_summary(&run_dir);
+    assert_eq!(summary["world_size"], 2);
+    assert!(
+        summary.get("test_accuracy").is_none(),
+        "a regression has no accuracy: {summary}"
+    );
+    assert_eq!(summary["test_samples"], 64);
+
+    // One process on the same global batches: within 1e-5 per parameter, the tolerance of
+    // data_parallel_equivalence.rs (two ranks sum their halves of each gradient in another
+    // order than one process sums the whole).
+    let text = config_text(dir.path(), 1);
+    let reference = TrainingJob::builtin(JobConfig::from_toml_str(&text, "regression.toml", &|_| None, &[]).unwrap())
+        .unwrap()
+        .run_simulated(&RunOptions::new(dir.path().join("reference")))
+        .unwrap();
+    let diff = max_abs_diff(&reference.parameters, &read_params(&run_dir.join("params.safetensors")));
+    assert!(diff <= 1e-5, "max |Δparam| = {diff:e}");
+    let (mse, want) = (
+        summary["test_mse"].as_f64().unwrap(),
+        reference.summary.test_mse.unwrap(),
+    );
+    assert!((mse - want).abs() <= 1e-4 * want, "test mse {mse} against {want}");
+    // It learned: the planted target's variance is about 1.9, its noise's 4e-4.
+    assert!(mse < 0.05, "test mse {mse}");
+}
+
+#[test]
+fn bad_tables_are_refused_with_the_file_line_and_column() {
+    let dir = tempfile::tempdir().unwrap();
+    write_tables(dir.path());
+    let mut broken = regression_csv(20, 0);
+    broken.push_str("0.1,0.2,x7,1.0\n");
+    std::fs::write(dir.path().join("train.csv"), broken).unwrap();
+    let config_path = dir.path().join("regression.toml");
+    std::fs::write(&config_path, config_text(dir.path(), 1)).unwrap();
+    let run_dir = dir.path().join("run");
+    let finished = flotilla(
+        &[
+            "train",
+            "--config",
+            config_path.to_str().unwrap(),
+            "--run-dir",
+            run_dir.to_str().unwrap(),
+        ],
+        &[],
+        60,
+    );
+    assert!(!finished.success);
+    assert!(
+        finished.stderr.contains("train.csv")
+            && finished
+                .stderr
+                .contains("line 22, column \"c\": \"x7\" is not a number"),
+        "{}",
+        finished.stderr
+    );
+    assert!(!run_dir.join("summary.json").exists() && !run_dir.join("params.safetensors").exists());
+
+    std::fs::write(dir.path().join("train.csv"), "a,b,c\n1,2,3\n").unwrap();
+    let args = [
+        "train",
+        "--config",
+        config_path.to_str().unwrap(),
+        "--run-dir",
+        run_dir.to_str().unwrap(),
+    ];
+    let finished = flotilla(&args, &[], 60);
+    assert!(!finished.success);
+    assert!(
+        finished
+            .stderr
+            .contains("no column \"y\" (train.label_column); its columns are a, b, c"),
+        "{}",
+        finished.stderr
+    );
+}
