@@ -289,9 +289,9 @@ pub struct TrainConfig {
     pub lr_scaling: LrScaling,
     /// Steps of linear learning-rate warm-up from 0; 0 disables warm-up.
     pub warmup_steps: usize,
-    /// The training loss: `cross_entropy` for classes, `mse` or `mae` for values. Defaults to
-    /// what the data set's targets are (cross-entropy for classes, mean squared error for
-    /// values).
+    /// The training loss of a dense model: `cross_entropy` for classes (the default), `mse` or
+    /// `mae` for values (a CSV table's label is then read as a value to regress). A program's
+    /// own `TrainingJob` of values defaults to `mse`.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub loss: Option<LossKind>,
     /// Optimizer algorithm.
@@ -356,13 +356,18 @@ impl TrainConfig {
     }
 
     /// Applies defaults that depend on other keys: 20 epochs when no run length is given, the
-    /// model's hidden layers when none are.
+    /// model's hidden layers when none are, cross-entropy when no loss is (dense data sets).
     pub(crate) fn resolve_defaults(&mut self) {
         if self.steps.is_none() && self.epochs.is_none() {
             self.epochs = Some(DEFAULT_EPOCHS);
         }
         if self.hidden_sizes.is_none() {
             self.hidden_sizes = Some(self.model.default_hidden_sizes());
+        }
+        // The built-in dense data sets hold classes (a CSV table's label too, unless a
+        // regression loss is asked for); click logs train with their models' own loss.
+        if self.loss.is_none() && !self.dataset.is_click_log() {
+            self.loss = Some(LossKind::CrossEntropy);
         }
     }
 

@@ -24,7 +24,20 @@ pub struct Columns<'a> {
 struct Rows {
     features: Vec<f32>,
     labels: Vec<f32>,
+    /// The feature columns' names, in the order read.
+    names: Vec<String>,
     dim: usize,
+}
+
+/// The splits of a table, and the columns a model of it reads.
+#[derive(Debug)]
+pub struct TableSplits {
+    /// Rows to train on.
+    pub train: Dataset,
+    /// Rows held out.
+    pub test: Dataset,
+    /// The feature columns, in the order of a row's inputs.
+    pub feature_columns: Vec<String>,
 }
 
 /// The rows of `files`, read in order.
@@ -72,6 +85,7 @@ fn read_csv(path: &Path, columns: Columns, rows: &mut Rows) -> Result<()> {
     );
     if rows.dim == 0 {
         rows.dim = features.len();
+        rows.names = features.iter().map(|&i| header[i].clone()).collect();
     }
     ensure!(
         rows.dim == features.len(),
@@ -115,8 +129,8 @@ pub fn csv_splits(
     columns: Columns,
     test_fraction: f64,
     seed: u64,
-) -> Result<(Dataset, Dataset)> {
-    let train = read_files(train_files, columns, "train.train_files")?;
+) -> Result<TableSplits> {
+    let mut train = read_files(train_files, columns, "train.train_files")?;
     let test = if test_files.is_empty() {
         None
     } else {
@@ -148,11 +162,17 @@ pub fn csv_splits(
             Dataset::new(rows.features, classes, rows.dim, outputs)
         }
     };
+    let feature_columns = std::mem::take(&mut train.names);
     let train = dataset(train)?;
-    match test {
-        Some(test) => Ok((train, dataset(test)?)),
-        None => train.split(test_fraction, seed).context("train.test_fraction"),
-    }
+    let (train, test) = match test {
+        Some(test) => (train, dataset(test)?),
+        None => train.split(test_fraction, seed).context("train.test_fraction")?,
+    };
+    Ok(TableSplits {
+        train,
+        test,
+        feature_columns,
+    })
 }
 
 #[cfg(test)]
@@ -182,14 +202,20 @@ mod tests {
             features: Some(&order),
             ..REGRESS
         };
-        let (train, test) = csv_splits(std::slice::from_ref(&a), &[b], columns, 0.5, 1)?;
+        let TableSplits {
+            train,
+            test,
+            feature_columns,
+        } = csv_splits(std::slice::from_ref(&a), &[b], columns, 0.5, 1)?;
+        assert_eq!(feature_columns, order);
         assert_eq!(train.inputs, Inputs::Features(vec![2.0, 1.0, 4.0, 3.0]));
         assert_eq!(train.targets, Targets::Values(vec![10.0, 30.0]));
         assert_eq!(test.inputs, Inputs::Features(vec![6.0, 5.0]));
         assert!(test.targets.is_regression());
         // Every column but the label, in file order.
-        let (all, _) = csv_splits(&[a.clone(), a], &[], REGRESS, 0.5, 1)?;
-        assert_eq!((all.len(), all.dim), (2, 2));
+        let all = csv_splits(&[a.clone(), a], &[], REGRESS, 0.5, 1)?;
+        assert_eq!((all.train.len(), all.train.dim), (2, 2));
+        assert_eq!(all.feature_columns, ["x1", "x0"]);
         Ok(())
     }
 
@@ -203,9 +229,9 @@ mod tests {
             features: None,
             regression: false,
         };
-        let (train, test) = csv_splits(&[a], &[b], columns, 0.5, 1)?;
-        assert_eq!((train.outputs, test.outputs), (4, 4));
-        assert_eq!(test.targets, Targets::Classes(vec![3]));
+        let splits = csv_splits(&[a], &[b], columns, 0.5, 1)?;
+        assert_eq!((splits.train.outputs, splits.test.outputs), (4, 4));
+        assert_eq!(splits.test.targets, Targets::Classes(vec![3]));
         Ok(())
     }
 

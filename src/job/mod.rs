@@ -39,13 +39,12 @@ use crate::config::{DatasetKind, JobConfig, LossKind, ModelKind};
 use crate::data::table::{csv_splits, Columns};
 use crate::data::text::TextCorpus;
 use crate::data::Dataset;
-use crate::models::{gpt, mlp, GptConfig, Model, ParamInit};
+use crate::models::export::ModelInfo;
+use crate::models::{GptConfig, Model, ModelSpec, ParamInit};
 use crate::net::ControlBus;
 use crate::telemetry::clock::TraceOrigin;
 use crate::telemetry::monitor::{MonitorSettings, ProgressView};
 use crate::telemetry::timeline::{self, TraceTarget};
-
-type ModelBuilder = Box<dyn Fn(&ParamInit) -> Result<Model> + Send + Sync>;
 
 /// (train, test) windows of the shipped text: the test part is the end of the text, so no
 /// test window overlaps a training one; windows start every half window.
@@ -137,6 +136,9 @@ pub struct TrainingJob {
     pub train_data: Arc<Dataset>,
     /// Held-out split.
     pub test_data: Arc<Dataset>,
+    /// What the model file says besides the parameters: the built-in model's architecture
+    /// (so the file alone rebuilds it), the loss, the feature columns of a CSV data set.
+    pub export: ModelInfo,
 }
 
 impl TrainingJob {
@@ -169,17 +171,23 @@ impl TrainingJob {
             loss.name(),
             kind_of(&train_data)
         );
+        let export = ModelInfo {
+            loss: Some(loss.name().to_string()),
+            ..ModelInfo::default()
+        };
         Ok(Self {
             config: Arc::new(config),
             model: Arc::new(model),
             train_data: Arc::new(train_data),
             test_data: Arc::new(test_data),
+            export,
         })
     }
 
     /// The job `config.train` describes with the built-in models and data.
     pub fn builtin(config: JobConfig) -> Result<Self> {
         let train = &config.train;
+        let mut feature_columns = None;
         let (train_data, test_data) = match train.dataset {
             DatasetKind::Digits => Dataset::digits()?
                 .split(train.test_fraction, train.seed)
@@ -199,38 +207,37 @@ impl TrainingJob {
                     features: train.feature_columns.as_deref(),
                     regression: train.loss.is_some_and(LossKind::is_regression),
                 };
-                csv_splits(
+                let splits = csv_splits(
                     &train.train_files,
                     &train.test_files,
                     columns,
                     train.test_fraction,
                     train.seed,
-                )?
+                )?;
+                feature_columns = Some(splits.feature_columns);
+                (splits.train, splits.test)
             }
             DatasetKind::CriteoSynthetic | DatasetKind::Criteo => {
                 anyhow::bail!("click logs train on parameter servers: see `ParameterServerJob`")
             }
         };
-        let (inputs, classes) = (train_data.dim, train_data.outputs);
-        let model: ModelBuilder = match train.model {
-            ModelKind::Mlp => {
-                let hidden = train.hidden_sizes();
-                Box::new(move |init: &ParamInit| mlp(inputs, &hidden, classes, init))
-            }
-            ModelKind::Gpt => {
-                let shape = GptConfig {
-                    vocab: classes,
-                    block_size: train.gpt.block_size,
-                    n_layer: train.gpt.n_layer,
-                    n_head: train.gpt.n_head,
-                    n_embd: train.gpt.n_embd,
-                    // The head's own weight: a tied one needs the embedding and the head in
-                    // one backward pass, which neither per-block data parallelism nor stages
-                    // at both ends of a pipeline give.
-                    tie_head: false,
-                };
-                Box::new(move |init: &ParamInit| gpt(&shape, init))
-            }
+        let spec = match train.model {
+            ModelKind::Mlp => ModelSpec::Mlp {
+                inputs: train_data.dim,
+                hidden: train.hidden_sizes(),
+                outputs: train_data.outputs,
+            },
+            ModelKind::Gpt => ModelSpec::Gpt(GptConfig {
+                vocab: train_data.outputs,
+                block_size: train.gpt.block_size,
+                n_layer: train.gpt.n_layer,
+                n_head: train.gpt.n_head,
+                n_embd: train.gpt.n_embd,
+                // The head's own weight: a tied one needs the embedding and the head in one
+                // backward pass, which neither per-block data parallelism nor stages at both
+                // ends of a pipeline give.
+                tie_head: false,
+            }),
             ModelKind::WideDeep | ModelKind::DeepFm | ModelKind::Custom => {
                 anyhow::bail!(
                     "{} trains on parameter servers: see `ParameterServerJob`",
@@ -238,7 +245,20 @@ impl TrainingJob {
                 )
             }
         };
-        Self::new(config, model, train_data, test_data)
+        let builder = spec.clone();
+        let mut job = Self::new(
+            config,
+            move |init: &ParamInit| builder.build(init),
+            train_data,
+            test_data,
+        )?;
+        job.export.spec = Some(spec);
+        if let Some(columns) = feature_columns {
+            job.export
+                .extra
+                .insert("feature_columns".to_string(), serde_json::to_string(&columns)?);
+        }
+        Ok(job)
     }
 
     /// The trainer actor of `rank`, with its own device actor; rank 0 reports.
@@ -321,7 +341,7 @@ impl TrainingJob {
         outputs::write_config(&options.run_dir, &self.config)?;
         let outcome = run(self, options)?;
         options.merge_in_process_trace()?;
-        outcome.write(&options.run_dir)?;
+        outcome.write(&options.run_dir, self)?;
         Ok(outcome)
     }
 

@@ -4,18 +4,19 @@
 //! name and renamed, and the summary goes last: a run that could not write its parameters (a
 //! full disk) leaves no summary claiming it finished.
 
-use std::collections::HashMap;
 use std::io::{BufWriter, Write};
 use std::path::Path;
 
 use anyhow::{Context, Result};
-use candle_core::{Device, Tensor};
+use candle_core::Device;
 use serde::Serialize;
 
+use super::TrainingJob;
 use crate::actors::trainer::RankOutcome;
-use crate::checkpoint::{write_atomically, write_tensors};
+use crate::checkpoint::write_atomically;
 use crate::config::{JobConfig, LossKind};
-use crate::models::Score;
+use crate::models::export::write_model;
+use crate::models::{ParamInit, Score};
 
 /// The resolved config of a run, in its run directory.
 pub const CONFIG_FILE: &str = "config.toml";
@@ -114,14 +115,13 @@ impl RunOutcome {
         }
     }
 
-    /// Writes `params.safetensors`, then `summary.json`, into `run_dir`.
-    pub fn write(&self, run_dir: &Path) -> Result<()> {
-        let tensors = self
-            .parameters
-            .iter()
-            .map(|(name, values)| Ok((name.clone(), Tensor::from_slice(values, values.len(), &Device::Cpu)?)))
-            .collect::<Result<Vec<_>>>()?;
-        write_output(run_dir, PARAMS_FILE, |out| write_tensors(out, &tensors, HashMap::new()))?;
+    /// Writes `params.safetensors` (the model file of `job`'s model, [`crate::models::export`]),
+    /// then `summary.json`, into `run_dir`.
+    pub fn write(&self, run_dir: &Path, job: &TrainingJob) -> Result<()> {
+        // A model of the job's shape on the host, holding the trained values.
+        let model = (job.model)(&ParamInit::new(job.config.train.seed, Device::Cpu))?;
+        model.assign(&self.parameters)?;
+        write_output(run_dir, PARAMS_FILE, |out| write_model(out, &model, &job.export))?;
         write_summary(run_dir, &self.summary)
     }
 }

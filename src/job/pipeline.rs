@@ -261,7 +261,7 @@ pub(super) fn run_rank(job: &TrainingJob, rank: usize, options: &RunOptions) -> 
                 let outcome = summarise(job, &replica0, "multi-process")?;
                 // Written before rank 0 leaves the job: until then its loss is a death the
                 // coordinator recovers from.
-                outcome.write(&options.run_dir)?;
+                outcome.write(&options.run_dir, job)?;
                 Ok(Some(outcome))
             };
             watched(

@@ -235,7 +235,7 @@ pub(super) fn run(job: &TrainingJob, rank: usize, options: &RunOptions) -> Resul
                 let loss = job.config.train.resolved_loss()?;
                 let outcome = (outcome.rank == 0).then(|| RunOutcome::from_rank0(outcome, loss, "multi-process"));
                 if let Some(outcome) = &outcome {
-                    outcome.write(&options.run_dir)?;
+                    outcome.write(&options.run_dir, job)?;
                 }
                 Ok(outcome)
             };

@@ -25,7 +25,7 @@ use self::{embed::Embedding, head::Head, layer::TransformerLayer};
 use super::{Block, Model, ParamInit};
 
 /// The shape of a GPT model.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct GptConfig {
     /// Token ids are below it; the width of the logits.
     pub vocab: usize,

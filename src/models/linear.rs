@@ -53,6 +53,10 @@ impl Block for Linear {
         affine(x, self.weight.as_tensor(), self.bias.as_tensor(), self.activation)
     }
 
+    fn transposed_parameters(&self) -> &'static [&'static str] {
+        &["weight"]
+    }
+
     fn parameters(&self) -> Vec<(String, Var)> {
         vec![
             ("bias".to_string(), self.bias.clone()),

@@ -8,12 +8,14 @@
 
 mod affine;
 mod deepfm;
+pub mod export;
 mod gpt;
 mod init;
 mod linear;
 mod loss;
 mod mlp;
 mod sparse;
+mod spec;
 mod tower;
 mod wide_deep;
 
@@ -25,6 +27,7 @@ pub use linear::{Activation, Linear};
 pub use loss::{click_probability, correct_predictions, cross_entropy, sigmoid_cross_entropy, training_loss, Score};
 pub use mlp::mlp;
 pub use sparse::{Lookup, SparseModel, SparseModelBuilder, SparseModelDef, SparseTableSpec};
+pub use spec::ModelSpec;
 pub use wide_deep::{WideDeep, DENSE_FEATURES, SPARSE_SLOTS};
 
 use anyhow::{ensure, Result};
@@ -41,6 +44,13 @@ pub trait Block: Send {
     /// The block's parameters with their names inside the block, in a fixed
     /// order.
     fn parameters(&self) -> Vec<(String, Var)>;
+
+    /// The parameters (names inside the block) held as the transpose of PyTorch's layout: the
+    /// affine weights stored (in, out), which the model file writes (out, in) as `nn.Linear`
+    /// holds them.
+    fn transposed_parameters(&self) -> &'static [&'static str] {
+        &[]
+    }
 
     /// The block's parameters with their model-wide names, `"{block}.{param}"`, in the order of
     /// [`parameters`](Self::parameters).
@@ -61,6 +71,8 @@ pub struct NamedParam {
     pub block: usize,
     /// The trainable variable.
     pub var: Var,
+    /// Held as the transpose of PyTorch's layout ([`Block::transposed_parameters`]).
+    pub transposed: bool,
 }
 
 /// A model: blocks applied in order.
@@ -97,11 +109,46 @@ impl Model {
             .iter()
             .enumerate()
             .flat_map(|(block, b)| {
-                b.named_parameters()
-                    .into_iter()
-                    .map(move |(name, var)| NamedParam { name, block, var })
+                let transposed = b.transposed_parameters();
+                b.parameters().into_iter().map(move |(param, var)| NamedParam {
+                    name: format!("{}.{param}", b.name()),
+                    block,
+                    var,
+                    transposed: transposed.contains(&param.as_str()),
+                })
             })
             .collect()
+    }
+
+    /// Sets every parameter from `values`, flat and by name (as ranks report them); a name
+    /// missing or of another size is refused before anything changes.
+    pub fn assign(&self, values: &[(String, Vec<f32>)]) -> Result<()> {
+        let params = self.parameters();
+        let mut tensors = Vec::with_capacity(params.len());
+        for p in &params {
+            let (_, flat) = values
+                .iter()
+                .find(|(name, _)| *name == p.name)
+                .ok_or_else(|| anyhow::anyhow!("no values for parameter {}", p.name))?;
+            ensure!(
+                flat.len() == p.var.elem_count(),
+                "parameter {}: {} values for a shape of {:?}",
+                p.name,
+                flat.len(),
+                p.var.dims()
+            );
+            tensors.push(Tensor::from_slice(flat, p.var.dims(), p.var.device())?);
+        }
+        ensure!(
+            values.len() == params.len(),
+            "{} parameters given for a model of {}",
+            values.len(),
+            params.len()
+        );
+        for (p, tensor) in params.iter().zip(tensors) {
+            p.var.set(&tensor)?;
+        }
+        Ok(())
     }
 
     /// Total number of scalar parameters.

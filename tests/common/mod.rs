@@ -112,12 +112,16 @@ pub fn read_summary(run_dir: &Path) -> serde_json::Value {
     serde_json::from_str(&text).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
 }
 
-/// Reads a `params.safetensors` written by a run.
+/// Reads a `params.safetensors` written by a run of a built-in model: its parameters by name,
+/// flat in the model's own layout (as a run's outcome holds them).
 pub fn read_params(path: &Path) -> Vec<(String, Vec<f32>)> {
-    let tensors = candle_core::safetensors::load(path, &candle_core::Device::Cpu).expect("params.safetensors");
-    tensors
+    let bytes = std::fs::read(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    let file = flotilla::models::export::ModelFile::parse(&bytes).expect("a model file");
+    let model = file.model(&candle_core::Device::Cpu).expect("a built-in model");
+    model
+        .parameters()
         .into_iter()
-        .map(|(name, t)| (name, t.to_vec1::<f32>().expect("flat f32")))
+        .map(|p| (p.name, p.var.flatten_all().unwrap().to_vec1::<f32>().unwrap()))
         .collect()
 }
 

@@ -59,6 +59,10 @@ impl Block for Head {
         logits.reshape((b, t, vocab))
     }
 
+    fn transposed_parameters(&self) -> &'static [&'static str] {
+        &["weight"]
+    }
+
     fn parameters(&self) -> Vec<(String, Var)> {
         let mut params = self.ln.parameters("ln");
         if let Projection::Own(weight) = &self.projection {

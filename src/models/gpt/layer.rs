@@ -64,6 +64,17 @@ impl Block for TransformerLayer {
         x + self.proj.forward(&hidden)?.reshape((b, t, c))?
     }
 
+    fn transposed_parameters(&self) -> &'static [&'static str] {
+        &[
+            "attn.q.weight",
+            "attn.k.weight",
+            "attn.v.weight",
+            "attn.proj.weight",
+            "mlp.fc.weight",
+            "mlp.proj.weight",
+        ]
+    }
+
     fn parameters(&self) -> Vec<(String, Var)> {
         let mut params = self.ln1.parameters("ln1");
         params.extend(self.attn.parameters("attn"));
