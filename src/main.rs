@@ -16,6 +16,7 @@ use flotilla::config::{process_env, JobConfig};
 use flotilla::data::ctr::{write_synthetic, CriteoSynth, Split};
 use flotilla::job::ps::{ParameterServerJob, PsSummary};
 use flotilla::job::ps_serving;
+use flotilla::job::serving::Weights;
 use flotilla::job::{
     resumed_config, run_dir, Refusal, Resume, RunOptions, RunOutcome, TrainingJob, REFUSAL_EXIT_CODE, RESUME_VAR,
 };
@@ -99,13 +100,18 @@ enum Command {
     /// Work with the models of parameter-server runs.
     #[command(subcommand)]
     Ps(PsCommand),
-    /// Score Criteo-layout click logs with an exported CTR model (`flotilla ps export`): writes
-    /// `label<TAB>click probability` per record and prints the count and AUC as JSON.
+    /// Predict with a trained model. A model file (a run's `params.safetensors`) predicts the
+    /// rows of CSV tables: writes a CSV of each row's class and logits (`class,logit_0,…`) or
+    /// values (`prediction`), and prints the counts as JSON. An exported CTR model (`flotilla ps
+    /// export`, a directory) scores Criteo-layout click logs: writes `label<TAB>click
+    /// probability` per record and prints the count and AUC as JSON.
     Predict {
-        /// The export (a base, or a delta whose base is where it was made from).
+        /// A model file, or a CTR export (a base, or a delta whose base is where it was made
+        /// from).
         #[arg(long)]
         model: PathBuf,
-        /// Criteo TSV files, plain or `.gz`, read in this order.
+        /// CSV tables with a header row (a model file), or Criteo TSV files, plain or `.gz` (a
+        /// CTR export), read in this order.
         #[arg(long, required = true, num_args = 1..)]
         data: Vec<PathBuf>,
         /// Where to write the scores.
@@ -115,6 +121,19 @@ enum Command {
     /// Work with the timelines of `train --trace DIR`.
     #[command(subcommand)]
     Trace(TraceCommand),
+    /// Score a job's held-out split with trained parameters, as the job's final evaluation
+    /// does, and print the figures as JSON.
+    Eval {
+        /// The job (its run directory's config.toml describes the model and data it trained).
+        #[command(flatten)]
+        job: ConfigArgs,
+        /// A model file (a run's `params.safetensors`).
+        #[arg(long, required_unless_present = "checkpoint", conflicts_with = "checkpoint")]
+        params: Option<PathBuf>,
+        /// A checkpoint directory: its newest complete checkpoint.
+        #[arg(long)]
+        checkpoint: Option<PathBuf>,
+    },
 }
 
 #[derive(Subcommand)]
@@ -342,10 +361,31 @@ fn run(cli: Cli) -> Result<()> {
             print_out(&(serde_json::to_string(&manifest.tables)? + "\n"));
             Ok(())
         }
+        Command::Predict { model, data, out } if model.is_file() => {
+            let data: Vec<String> = data.iter().map(|p| p.to_string_lossy().into_owned()).collect();
+            let predictions = flotilla::job::serving::predict(&model, &data, &out)
+                .with_context(|| format!("predicting with {}", model.display()))?;
+            print_out(&(serde_json::to_string(&predictions)? + "\n"));
+            Ok(())
+        }
         Command::Predict { model, data, out } => {
             let prediction = ps_serving::predict(&model, &data, &out, None)
                 .with_context(|| format!("scoring with the model in {}", model.display()))?;
             print_out(&(serde_json::to_string(&prediction)? + "\n"));
+            Ok(())
+        }
+        Command::Eval {
+            job,
+            params,
+            checkpoint,
+        } => {
+            let weights = match (params, checkpoint) {
+                (Some(file), _) => Weights::ModelFile(file),
+                (None, Some(dir)) => Weights::Checkpoint(dir),
+                (None, None) => anyhow::bail!("give --params FILE or --checkpoint DIR"),
+            };
+            let evaluation = flotilla::job::serving::evaluate(load_config(&job)?, &weights)?;
+            print_out(&(serde_json::to_string(&evaluation)? + "\n"));
             Ok(())
         }
         Command::Checkpoint(CheckpointCommand::Inspect { dir, json }) => {

@@ -347,7 +347,7 @@ impl Recovery {
 }
 
 /// The whole model's state from `checkpoint`: its stages' files merged, or its replica's.
-fn whole_model(checkpoint: &Checkpoint) -> Result<Vec<u8>> {
+pub(crate) fn whole_model(checkpoint: &Checkpoint) -> Result<Vec<u8>> {
     let started = std::time::Instant::now();
     let mut names = stage_files(checkpoint);
     if names.is_empty() {

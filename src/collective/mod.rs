@@ -5,6 +5,7 @@
 
 mod bucket;
 mod checksum;
+mod evaluation;
 mod gradient_bucket;
 mod gradient_sync;
 pub mod rank_figures;
@@ -13,6 +14,7 @@ pub mod training_state;
 
 pub use bucket::{Bucket, BucketPlan};
 pub use checksum::ParamChecksum;
+pub use evaluation::score_batch;
+pub(crate) use evaluation::sum_over_ranks;
 pub use gradient_sync::{Averaged, GradientSync, StepGradients};
-pub(crate) use replica::sum_over_ranks;
 pub use replica::{Replica, StepReport};

@@ -7,6 +7,7 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context, Result};
 use candle_core::{Device, Tensor, Var};
 
+use super::evaluation::{score_batch, sum_over_ranks};
 use super::rank_figures::RankFigures;
 use super::{training_state, GradientSync, ParamChecksum};
 use crate::config::{JobConfig, LossKind};
@@ -289,11 +290,7 @@ impl Replica {
     /// Scores this rank's `batch`, `eval_batch_size` rows at a time, and sums the scores of all
     /// ranks.
     pub fn evaluate(&mut self, batch: &Batch) -> Result<Score> {
-        let mut score = Score::default();
-        for piece in batch.pieces(self.eval_batch_size) {
-            let (x, y) = piece.tensors(&self.device)?;
-            score += Score::of(self.loss, &self.model.forward(&x)?, &y)?;
-        }
+        let score = score_batch(&self.model, batch, self.loss, self.eval_batch_size, &self.device)?;
         sum_over_ranks(&self.comm, score)
     }
 
@@ -338,18 +335,4 @@ fn settle_for_trace(timeline: &Option<Timeline>, device: &Device) -> Result<()> 
 
 fn hex_prefix(bytes: &[u8]) -> String {
     bytes.iter().take(8).map(|b| format!("{b:02x}")).collect()
-}
-
-/// `score` summed over the ranks of `comm`'s ring. Counts below 2^24 are exact in f32, and a
-/// sum of squared errors keeps f32's relative precision.
-pub(crate) fn sum_over_ranks(comm: &CommWorker, score: Score) -> Result<Score> {
-    let mut sums = [score.total as f32, score.count as f32];
-    let sums = comm.run(move |c| {
-        c.all_reduce_sum("all-reduce of evaluation scores", &mut sums)?;
-        Ok(sums)
-    })?;
-    Ok(Score {
-        total: f64::from(sums[0]),
-        count: sums[1] as usize,
-    })
 }

@@ -98,6 +98,20 @@ pub fn merge_stages(stages: &[Vec<u8>]) -> Result<Vec<u8>> {
     Ok(safetensors::serialize(tensors, Some(metadata))?)
 }
 
+/// The parameters of a training state ([`write`], or a whole model [`merge_stages`] made), by
+/// name and flat in the model's own layout.
+pub fn parameters(bytes: &[u8]) -> Result<Vec<(String, Vec<f32>)>> {
+    let file = safetensors::SafeTensors::deserialize(bytes).context("not a safetensors file")?;
+    let mut params = Vec::new();
+    for (key, view) in file.tensors() {
+        if let Some(name) = key.strip_prefix("param.") {
+            let tensor = view.load(&Device::Cpu)?;
+            params.push((name.to_string(), tensor.flatten_all()?.to_vec1::<f32>()?));
+        }
+    }
+    Ok(params)
+}
+
 /// Loads bytes written by [`write`] into `params` and `optimizer`. A file of another model (a
 /// parameter missing, extra or of another shape) or of another optimizer is refused by name
 /// before anything changes; of a whole model ([`merge_stages`]), the parameters of other stages

@@ -11,8 +11,9 @@ use super::Dataset;
 /// Which columns of a table the model reads and predicts.
 #[derive(Debug, Clone, Copy)]
 pub struct Columns<'a> {
-    /// The column to predict (`train.label_column`).
-    pub label: &'a str,
+    /// The column to predict (`train.label_column`); none when only features are read (to
+    /// predict them).
+    pub label: Option<&'a str>,
     /// The inputs, in this order (`train.feature_columns`); every other column when `None`.
     pub features: Option<&'a [String]>,
     /// Whether the label is a value to regress rather than a class id.
@@ -47,8 +48,20 @@ fn read_files(files: &[String], columns: Columns, key: &str) -> Result<Rows> {
     for file in files {
         read_csv(Path::new(file), columns, &mut rows).with_context(|| format!("{key}: {file}"))?;
     }
-    ensure!(!rows.labels.is_empty(), "{key}: the files hold no rows");
+    ensure!(!rows.features.is_empty(), "{key}: the files hold no rows");
     Ok(rows)
+}
+
+/// The feature columns `features` (every column when `None`) of CSV `files`, read in order:
+/// row-major values, and the number per row.
+pub fn read_features(files: &[String], features: Option<&[String]>) -> Result<(Vec<f32>, usize)> {
+    let columns = Columns {
+        label: None,
+        features,
+        regression: true,
+    };
+    let rows = read_files(files, columns, "the data")?;
+    Ok((rows.features, rows.dim))
 }
 
 /// Appends the rows of the CSV file at `path` to `rows`.
@@ -70,19 +83,15 @@ fn read_csv(path: &Path, columns: Columns, rows: &mut Rows) -> Result<()> {
             .position(|h| h == name)
             .with_context(|| format!("no column {name:?} ({what}); its columns are {}", header.join(", ")))
     };
-    let label = find(columns.label, "train.label_column")?;
+    let label = columns.label.map(|name| find(name, "train.label_column")).transpose()?;
     let features: Vec<usize> = match columns.features {
         Some(names) => names
             .iter()
             .map(|name| find(name, "train.feature_columns"))
             .collect::<Result<_>>()?,
-        None => (0..header.len()).filter(|&i| i != label).collect(),
+        None => (0..header.len()).filter(|&i| Some(i) != label).collect(),
     };
-    ensure!(
-        !features.is_empty(),
-        "no feature columns besides the label {:?}",
-        columns.label
-    );
+    ensure!(!features.is_empty(), "no feature columns besides the label");
     if rows.dim == 0 {
         rows.dim = features.len();
         rows.names = features.iter().map(|&i| header[i].clone()).collect();
@@ -106,6 +115,7 @@ fn read_csv(path: &Path, columns: Columns, rows: &mut Rows) -> Result<()> {
         for &column in &features {
             rows.features.push(cell(column)?);
         }
+        let Some(label) = label else { continue };
         let value = cell(label)?;
         let class_id = value >= 0.0 && value.fract() == 0.0 && value < (1 << 24) as f32;
         if !columns.regression && !class_id {
@@ -187,7 +197,7 @@ mod tests {
     }
 
     const REGRESS: Columns = Columns {
-        label: "y",
+        label: Some("y"),
         features: None,
         regression: true,
     };
@@ -225,7 +235,7 @@ mod tests {
         let a = write(dir.path(), "a.csv", "x,label\n0.5,0\n1.5,1\n");
         let b = write(dir.path(), "b.csv", "x,label\n2.5,3\n");
         let columns = Columns {
-            label: "label",
+            label: Some("label"),
             features: None,
             regression: false,
         };

@@ -15,6 +15,7 @@ pub mod ps_serving;
 mod ps_struck;
 mod resumed;
 pub mod run_dir;
+pub mod serving;
 mod shard_generations;
 mod simulated;
 mod stage_rings;
@@ -203,7 +204,7 @@ impl TrainingJob {
             DatasetKind::Text => text_windows(train)?,
             DatasetKind::Csv => {
                 let columns = Columns {
-                    label: &train.label_column,
+                    label: Some(&train.label_column),
                     features: train.feature_columns.as_deref(),
                     regression: train.loss.is_some_and(LossKind::is_regression),
                 };

@@ -1,0 +1,34 @@
+//! Scoring held-out rows: piece by piece on one replica, then summed over the ranks.
+
+use anyhow::Result;
+use candle_core::Device;
+
+use crate::config::LossKind;
+use crate::data::Batch;
+use crate::engines::comm::CommWorker;
+use crate::models::{Model, Score};
+
+/// The score of `batch` under `model` (trained with `loss`), `rows` rows per forward pass, so
+/// that evaluation's memory does not grow with the batch.
+pub fn score_batch(model: &Model, batch: &Batch, loss: LossKind, rows: usize, device: &Device) -> Result<Score> {
+    let mut score = Score::default();
+    for piece in batch.pieces(rows) {
+        let (x, y) = piece.tensors(device)?;
+        score += Score::of(loss, &model.forward(&x)?, &y)?;
+    }
+    Ok(score)
+}
+
+/// `score` summed over the ranks of `comm`'s ring. Counts below 2^24 are exact in f32, and a
+/// sum of squared errors keeps f32's relative precision.
+pub(crate) fn sum_over_ranks(comm: &CommWorker, score: Score) -> Result<Score> {
+    let mut sums = [score.total as f32, score.count as f32];
+    let sums = comm.run(move |c| {
+        c.all_reduce_sum("all-reduce of evaluation scores", &mut sums)?;
+        Ok(sums)
+    })?;
+    Ok(Score {
+        total: f64::from(sums[0]),
+        count: sums[1] as usize,
+    })
+}

@@ -1,0 +1,178 @@
+//! A trained dense model put to use: `flotilla eval` scores a job's held-out split with a
+//! model file or the newest checkpoint of a run, as the job's own final evaluation does;
+//! `flotilla predict` writes a model file's outputs for the rows of CSV tables.
+
+use std::path::{Path, PathBuf};
+
+use anyhow::{ensure, Context, Result};
+use candle_core::{Device, Tensor};
+use serde::Serialize;
+
+use super::outputs::Summary;
+use super::TrainingJob;
+use crate::actors::recovery::whole_model;
+use crate::checkpoint::{write_atomically, CheckpointStore};
+use crate::collective::{score_batch, training_state};
+use crate::config::JobConfig;
+use crate::data::table::read_features;
+use crate::models::export::ModelFile;
+use crate::models::{Model, ParamInit};
+
+/// Rows per forward pass of `predict`.
+const PREDICT_ROWS: usize = 256;
+
+/// Where a model's trained parameters are read from.
+#[derive(Debug, Clone)]
+pub enum Weights {
+    /// A model file (`params.safetensors`).
+    ModelFile(PathBuf),
+    /// The newest complete checkpoint in a checkpoint directory.
+    Checkpoint(PathBuf),
+}
+
+/// What `flotilla eval` prints.
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct Evaluation {
+    /// Classification: accuracy on the held-out split.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub test_accuracy: Option<f64>,
+    /// Regression: mean squared error on the held-out split.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub test_mse: Option<f64>,
+    /// Held-out predictions scored.
+    pub test_samples: usize,
+    /// The checkpoint's step, when the parameters came from one.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub step: Option<usize>,
+}
+
+/// Scores the held-out split of `config`'s data set with the model `config` describes,
+/// holding the parameters of `weights`, `train.eval_batch_size` rows at a time.
+pub fn evaluate(config: JobConfig, weights: &Weights) -> Result<Evaluation> {
+    let job = TrainingJob::builtin(config)?;
+    let device = Device::Cpu;
+    let model = (job.model)(&ParamInit::new(job.config.train.seed, device.clone()))?;
+    let step = load(&model, weights)?;
+    let loss = job.config.train.resolved_loss()?;
+    let rows: Vec<usize> = (0..job.test_data.len()).collect();
+    let held_out = job.test_data.select(&rows);
+    let score = score_batch(&model, &held_out, loss, job.config.train.eval_batch_size, &device)?;
+    let (test_accuracy, test_mse) = Summary::held_out(loss, score);
+    Ok(Evaluation {
+        test_accuracy,
+        test_mse,
+        test_samples: score.count,
+        step,
+    })
+}
+
+/// Sets `model`'s parameters from `weights`; answers the checkpoint's step when from one.
+fn load(model: &Model, weights: &Weights) -> Result<Option<usize>> {
+    match weights {
+        Weights::ModelFile(path) => {
+            let bytes = std::fs::read(path).with_context(|| format!("reading {}", path.display()))?;
+            ModelFile::parse(&bytes)
+                .and_then(|file| file.load_into(model))
+                .with_context(|| path.display().to_string())?;
+            Ok(None)
+        }
+        Weights::Checkpoint(dir) => {
+            let checkpoint = CheckpointStore::new(dir, 1)
+                .latest()?
+                .with_context(|| format!("{} holds no complete checkpoint", dir.display()))?;
+            let state = whole_model(&checkpoint)?;
+            model
+                .assign(&training_state::parameters(&state)?)
+                .with_context(|| format!("checkpoint {}", checkpoint.dir.display()))?;
+            Ok(Some(checkpoint.step))
+        }
+    }
+}
+
+/// What `flotilla predict` prints of a dense model's predictions.
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct Predictions {
+    /// Rows predicted.
+    pub rows: usize,
+    /// Outputs per row: classes' logits, or values.
+    pub outputs: usize,
+}
+
+/// Writes the predictions of the model in `model_file` for every row of the CSV `data` to
+/// `out`, a CSV table: per row the predicted class and every class's logit
+/// (`class,logit_0,…`), or the predicted values (`prediction`, or `prediction_0,…`). The model
+/// reads the feature columns it was trained on (the file's `feature_columns`; every column of
+/// the tables for a model of other data). `out` appears whole or not at all.
+pub fn predict(model_file: &Path, data: &[String], out: &Path) -> Result<Predictions> {
+    let bytes = std::fs::read(model_file).with_context(|| format!("reading {}", model_file.display()))?;
+    let file = ModelFile::parse(&bytes).with_context(|| model_file.display().to_string())?;
+    let model = file
+        .model(&Device::Cpu)
+        .with_context(|| model_file.display().to_string())?;
+    let columns: Option<Vec<String>> = file
+        .info
+        .extra
+        .get("feature_columns")
+        .map(|json| serde_json::from_str(json).context("the model file's feature_columns"))
+        .transpose()?;
+    let regression = matches!(file.info.loss.as_deref(), Some("mse" | "mae"));
+    let (features, dim) = read_features(data, columns.as_deref())?;
+    let rows = features.len() / dim;
+    let mut outputs = Vec::with_capacity(rows);
+    for start in (0..rows).step_by(PREDICT_ROWS) {
+        let end = (start + PREDICT_ROWS).min(rows);
+        let x = Tensor::from_slice(&features[start * dim..end * dim], (end - start, dim), &Device::Cpu)?;
+        let y = model
+            .forward(&x)
+            .with_context(|| format!("the model reads rows of another width than the data's {dim} columns"))?;
+        outputs.extend(y.to_vec2::<f32>()?);
+    }
+    let width = outputs.first().map_or(0, Vec::len);
+    ensure!(width > 0, "the data holds no rows");
+    let dir = out
+        .parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
+    let name = out
+        .file_name()
+        .with_context(|| format!("{} names no file", out.display()))?
+        .to_string_lossy();
+    write_atomically(dir, &name, |handle| {
+        let mut table = csv::Writer::from_writer(std::io::BufWriter::new(handle));
+        table.write_record(header(regression, width))?;
+        for row in &outputs {
+            let mut record: Vec<String> = Vec::with_capacity(width + 1);
+            if !regression {
+                record.push(argmax(row).to_string());
+            }
+            record.extend(row.iter().map(f32::to_string));
+            table.write_record(&record)?;
+        }
+        table.flush()?;
+        Ok(())
+    })
+    .with_context(|| format!("writing {}", out.display()))?;
+    Ok(Predictions { rows, outputs: width })
+}
+
+/// The columns of a predictions table.
+fn header(regression: bool, width: usize) -> Vec<String> {
+    match (regression, width) {
+        (true, 1) => vec!["prediction".to_string()],
+        (true, _) => (0..width).map(|i| format!("prediction_{i}")).collect(),
+        (false, _) => std::iter::once("class".to_string())
+            .chain((0..width).map(|i| format!("logit_{i}")))
+            .collect(),
+    }
+}
+
+/// The index of the largest value (the first of ties, as evaluation counts).
+fn argmax(row: &[f32]) -> usize {
+    row.iter()
+        .enumerate()
+        .fold(
+            (0, f32::NEG_INFINITY),
+            |best, (i, &v)| if v > best.1 { (i, v) } else { best },
+        )
+        .0
+}
