@@ -45,14 +45,14 @@ fn a_checkpoint_of_four_ranks_continues_on_two_and_on_three_as_the_uninterrupted
     train(&uninterrupted, 4, 30);
     let expected = read_params(&uninterrupted.join("params.safetensors"));
     for ranks in [2, 3] {
-        // Stopped after step 20, its newest checkpoint that of step 10.
+        // Finished at step 20, with the checkpoint of its last step, then trained on to 30.
         let run_dir = dir.path().join(format!("to-{ranks}"));
         train(&run_dir, 4, 20);
         let resumed = resume(&run_dir, ranks, 30, &[]);
         assert!(resumed.success, "{}", resumed.stderr);
         assert!(
             resumed.stderr.contains(&format!(
-                "resharding: the checkpoint continues on another layout step=10 written_by=4 ranks={ranks}"
+                "resharding: the checkpoint continues on another layout step=20 written_by=4 ranks={ranks}"
             )),
             "{}",
             resumed.stderr
@@ -104,7 +104,7 @@ fn a_checkpoint_of_another_model_is_refused_naming_the_tensor_and_both_shapes() 
     assert!(!refused.success);
     assert!(
         refused.stderr.contains(
-            "restoring the state after step 10 from disk: parameter fc0.bias: the checkpoint's shape is [128], the \
+            "restoring the state after step 20 from disk: parameter fc0.bias: the checkpoint's shape is [128], the \
              model's [96]"
         ),
         "{}",
@@ -149,7 +149,7 @@ fn a_pipeline_checkpoint_is_cut_anew_into_four_stages_and_into_one_as_the_uninte
         let uninterrupted = dir.path().join(format!("uninterrupted-{from}"));
         train_with(&uninterrupted, from, 30, &pipeline(from));
         let expected = read_params(&uninterrupted.join("params.safetensors"));
-        // Stopped after step 20, its newest checkpoint that of step 10, cut into `from` stages.
+        // Finished at step 20 with the checkpoint of its last step, cut into `from` stages.
         let run_dir = dir.path().join(format!("{from}-to-{to}"));
         train_with(&run_dir, from, 20, &pipeline(from));
         let layout: Vec<String> = match to {

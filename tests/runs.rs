@@ -252,7 +252,7 @@ fn checkpoint_inspect_shows_what_a_runs_checkpoints_hold() {
     let (replicas, shards) = (dir.path().join("replicas"), dir.path().join("shards"));
     #[rustfmt::skip]
     let runs = [
-        // Checkpoints after steps 10 and 20 (none after the last step).
+        // Checkpoints after steps 10, 20 and the last, 30.
         (&replicas, vec!["--set", "train.steps=30"]),
         (&shards, vec!["--config", "examples/ctr_ps.toml", "--set", "train.steps=20"]),
     ];
@@ -273,7 +273,7 @@ fn checkpoint_inspect_shows_what_a_runs_checkpoints_hold() {
         serde_json::from_str(&out.stdout).expect("JSON")
     };
     let replica = inspect(&replicas.join("checkpoints"));
-    assert_eq!(replica["step"], 20);
+    assert_eq!(replica["step"], 30);
     assert_eq!(replica["layout"], "data parallel: 2 rank(s), one copy of the replica");
     let file = &replica["files"][0];
     assert_eq!(file["name"], "replica.safetensors");
@@ -284,12 +284,12 @@ fn checkpoint_inspect_shows_what_a_runs_checkpoints_hold() {
     let rows = &shards["files"][0]["rows"];
     assert!(rows["embedding"].as_u64().unwrap_or(0) > 0, "{shards}");
     // A flipped byte: the checkpoint is skipped, naming the file, for the one before it.
-    let newest = replicas.join("checkpoints/step-00000020/replica.safetensors");
+    let newest = replicas.join("checkpoints/step-00000030/replica.safetensors");
     let mut bytes = std::fs::read(&newest).expect("read");
     bytes[100] ^= 1;
     std::fs::write(&newest, bytes).expect("write");
     let older = inspect(&replicas.join("checkpoints"));
-    assert_eq!(older["step"], 10);
+    assert_eq!(older["step"], 20);
     let skipped = older["skipped"][0][1].as_str().unwrap_or_default();
     assert!(
         skipped.contains("replica.safetensors does not match its checksum"),

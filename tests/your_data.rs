@@ -137,3 +137,174 @@ fn bad_tables_are_refused_with_the_file_line_and_column() {
         finished.stderr
     );
 }
+
+/// Trains `config_path` for its steps as one process into `run_dir`, with a checkpoint every
+/// 50 steps (and so at the last).
+fn train(config_path: &Path, run_dir: &Path, extra: &[&str]) -> serde_json::Value {
+    let mut args = vec![
+        "train",
+        "--config",
+        config_path.to_str().unwrap(),
+        "--run-dir",
+        run_dir.to_str().unwrap(),
+        "--set",
+        "fault_tolerance.checkpoint_every=50",
+    ];
+    for setting in extra {
+        args.extend(["--set", setting]);
+    }
+    let finished = flotilla(&args, &[], 120);
+    assert!(finished.success, "training failed:\n{}", finished.stderr);
+    read_summary(run_dir)
+}
+
+/// `flotilla eval`'s JSON for `config_path` with `weights` (`--params FILE` or `--checkpoint DIR`).
+fn eval(config_path: &Path, weights: [&str; 2]) -> serde_json::Value {
+    let args = [
+        "eval",
+        "--config",
+        config_path.to_str().unwrap(),
+        weights[0],
+        weights[1],
+    ];
+    let finished = flotilla(&args, &[], 60);
+    assert!(finished.success, "eval failed:\n{}", finished.stderr);
+    serde_json::from_str(&finished.stdout).unwrap()
+}
+
+#[test]
+fn eval_of_the_model_file_and_of_the_last_checkpoint_equals_the_runs_own_evaluation() {
+    let dir = tempfile::tempdir().unwrap();
+    write_tables(dir.path());
+    let config_path = dir.path().join("regression.toml");
+    std::fs::write(&config_path, config_text(dir.path(), 2)).unwrap();
+    for (name, extra) in [
+        ("regression", &[][..]),
+        (
+            "pipeline",
+            &["strategy.pipeline=true", "strategy.hybrid_configs.pp_degree=2"][..],
+        ),
+    ] {
+        let run_dir = dir.path().join(name);
+        let summary = train(&config_path, &run_dir, extra);
+        let params = run_dir.join("params.safetensors");
+        let checkpoints = run_dir.join("checkpoints");
+        let want = summary["test_mse"].as_f64().unwrap();
+        for weights in [
+            ["--params", params.to_str().unwrap()],
+            ["--checkpoint", checkpoints.to_str().unwrap()],
+        ] {
+            let got = eval(&config_path, weights);
+            assert_eq!(got["test_samples"], summary["test_samples"], "{name} {weights:?}");
+            // The run sums each rank's squared errors in f32 across ranks; eval sums them all
+            // in f64.
+            let mse = got["test_mse"].as_f64().unwrap();
+            assert!(
+                (mse - want).abs() <= 1e-6 * want,
+                "{name} {weights:?}: {mse} against {want}"
+            );
+        }
+        assert_eq!(
+            eval(&config_path, ["--checkpoint", checkpoints.to_str().unwrap()])["step"],
+            120
+        );
+    }
+
+    // Classification: the digits job's accuracy, exactly.
+    let run_dir = dir.path().join("digits");
+    let digits = Path::new(env!("CARGO_MANIFEST_DIR")).join("config.toml");
+    let summary = train(&digits, &run_dir, &["train.steps=30"]);
+    let params = run_dir.join("params.safetensors");
+    let got = eval(&digits, ["--params", params.to_str().unwrap()]);
+    assert_eq!(got["test_accuracy"], summary["test_accuracy"]);
+    assert_eq!(got["test_samples"], 359);
+
+    // Another model's file is refused by the tensor that does not fit.
+    let args = [
+        "eval",
+        "--config",
+        config_path.to_str().unwrap(),
+        "--params",
+        params.to_str().unwrap(),
+    ];
+    let finished = flotilla(&args, &[], 60);
+    assert!(!finished.success);
+    assert!(
+        finished.stderr.contains("params.safetensors") && finished.stderr.contains("tensor fc0.bias"),
+        "{}",
+        finished.stderr
+    );
+}
+
+/// Whether this machine's `python3` imports `modules`: CI's must (`.ci/run` installs them);
+/// elsewhere the test says it was skipped.
+fn python_imports(modules: &[&str]) -> bool {
+    let probe = format!("import {}", modules.join(", "));
+    let found = std::process::Command::new("python3")
+        .args(["-c", &probe])
+        .stderr(std::process::Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success());
+    match (found, std::env::var_os("CI").is_some()) {
+        (true, _) => true,
+        (false, true) => panic!("CI must give python3 the modules {modules:?}: .ci/run does"),
+        (false, false) => {
+            eprintln!("skipped: python3 cannot import {modules:?} here");
+            false
+        }
+    }
+}
+
+#[test]
+fn pytorch_loads_the_model_file_by_name_and_predicts_as_flotilla_does() {
+    if !python_imports(&["torch", "safetensors"]) {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    write_tables(dir.path());
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/python/load_into_torch.py");
+    let regression = dir.path().join("regression.toml");
+    // The features in an order of their own, not the file's.
+    let text = config_text(dir.path(), 2) + "feature_columns = [\"c\", \"a\", \"b\"]\n";
+    std::fs::write(&regression, text).unwrap();
+    let digits = Path::new(env!("CARGO_MANIFEST_DIR")).join("config.toml");
+    let digit_rows = dir.path().join("digits.csv");
+    let mut table = (0..64).map(|i| format!("p{i}")).collect::<Vec<_>>().join(",") + "\n";
+    for row in 0..40 {
+        let pixels: Vec<String> = (0..64)
+            .map(|i| (((row * 31 + i * 7) % 17) as f32 / 16.0).to_string())
+            .collect();
+        table += &(pixels.join(",") + "\n");
+    }
+    std::fs::write(&digit_rows, table).unwrap();
+
+    for (name, config_path, data) in [
+        ("regression", regression.as_path(), dir.path().join("test.csv")),
+        ("digits", digits.as_path(), digit_rows),
+    ] {
+        let run_dir = dir.path().join(name);
+        train(config_path, &run_dir, &["train.steps=30"]);
+        let params = run_dir.join("params.safetensors");
+        let predictions = dir.path().join(format!("{name}-predictions.csv"));
+        #[rustfmt::skip]
+        let args = [
+            "predict", "--model", params.to_str().unwrap(), "--data", data.to_str().unwrap(),
+            "--out", predictions.to_str().unwrap(),
+        ];
+        let finished = flotilla(&args, &[], 60);
+        assert!(finished.success, "predict failed:\n{}", finished.stderr);
+        #[rustfmt::skip]
+        let args = [
+            script.to_str().unwrap(), "--params", params.to_str().unwrap(), "--data", data.to_str().unwrap(),
+            "--predictions", predictions.to_str().unwrap(),
+        ];
+        let checked = common::start_program("python3", &args, &[]).finish(120);
+        assert!(
+            checked.success,
+            "{name}: PyTorch disagrees:\n{}\n{}",
+            checked.stdout, checked.stderr
+        );
+        let figures: serde_json::Value = serde_json::from_str(&checked.stdout).unwrap();
+        assert!(figures["max_abs_diff"].as_f64().unwrap() <= 1e-5, "{name}: {figures}");
+    }
+}

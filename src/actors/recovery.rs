@@ -338,11 +338,12 @@ impl Recovery {
         }
     }
 
-    /// Whether a checkpoint is due after `done` steps of `steps` (none after the last: the run's
-    /// outputs hold the final state).
+    /// Whether a checkpoint is due after `done` steps of `steps`: every `checkpoint_every`
+    /// steps, and after the last (so a finished run's training state, optimizer included,
+    /// can be evaluated or trained on).
     pub(crate) fn due(&self, config: &JobConfig, done: usize, steps: usize) -> bool {
         let every = config.fault_tolerance.checkpoint_every;
-        self.store.is_some() && every > 0 && done.is_multiple_of(every) && done < steps
+        self.store.is_some() && every > 0 && (done.is_multiple_of(every) || done == steps)
     }
 }
 
