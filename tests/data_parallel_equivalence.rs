@@ -141,3 +141,25 @@ fn four_ranks_with_bf16_gradients_stay_within_the_wire_bound_of_one_process() {
         assert!((a - b).abs() <= 0.01 * a.abs(), "step {step}: loss {b} vs {a}");
     }
 }
+
+/// Clipping acts on the averaged gradients, so every rank clips the same global norm: the
+/// tolerance above holds. A norm limit of 0.05 binds at every step here (the first steps'
+/// norms are above 1), and a cosine schedule after warm-up ends the run at `lr_min`.
+#[test]
+fn clipped_gradients_and_a_cosine_schedule_on_four_ranks_equal_one_process() {
+    let settings = [
+        "train.grad_clip_norm=0.05",
+        "train.lr_schedule=\"cosine\"",
+        "train.warmup_steps=4",
+        "train.lr_min=0.001",
+    ];
+    compare(4, &settings);
+    let unclipped = train_in_process(config(&[
+        "train.steps=20",
+        "train.lr_schedule=\"cosine\"",
+        "train.lr_min=0.001",
+    ]));
+    let clipped = train_in_process(config(&[&["train.steps=20"], &settings[..]].concat()));
+    let moved = max_abs_diff(&unclipped.parameters, &clipped.parameters);
+    assert!(moved > 1e-3, "clipping changed the parameters by only {moved:e}");
+}

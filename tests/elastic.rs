@@ -198,9 +198,9 @@ fn a_node_lost_for_good_is_dropped_and_its_machine_coming_back_is_admitted() {
          checkpoint {regrouped:.3} s"
     );
 
-    // Two ranks from the checkpoint it shrank at, writing the one it grew at ...
+    // Two ranks from the checkpoint it shrank at to the one it grew at (their last step) ...
     let two = resumable_copy(&run_dirs[0], shrunk_at, dir.path().join("two"));
-    resume_in_process(&two, 2, grown_at + 1, &[]);
+    resume_in_process(&two, 2, grown_at, &[]);
     // ... then three from there to the end: bitwise the elastic job's parameters.
     resume_in_process(&two, 3, 3000, &[]);
     let reference = common::read_summary(&two);
@@ -315,7 +315,7 @@ fn a_parameter_server_jobs_trainer_node_lost_for_good_is_dropped_and_admitted_ag
 
     let reference = resumable_copy(&run_dirs[0], shrunk_at, dir.path().join("reference"));
     let in_process_servers = ["--set", "cluster.pservers=[]"];
-    resume_in_process(&reference, 1, grown_at + 1, &in_process_servers);
+    resume_in_process(&reference, 1, grown_at, &in_process_servers);
     resume_in_process(&reference, 2, 4000, &in_process_servers);
     let config = flotilla::config::JobConfig::from_file(&run_dirs[0].join("config.toml"), &|_| None, &[]).unwrap();
     for index in 0..2 {

@@ -180,8 +180,9 @@ fn prometheus_scrapes_the_running_job() {
             let _ = stream.read_to_string(&mut response);
             let steps = response
                 .lines()
-                .find_map(|l| l.strip_prefix("flotilla_steps_total "))
-                .and_then(|v| v.parse::<u64>().ok());
+                .find_map(|l| l.strip_prefix("flotilla_steps_total{"))
+                .and_then(|l| l.rsplit_once("} "))
+                .and_then(|(_, v)| v.parse::<u64>().ok());
             if steps.is_some_and(|s| s > 0) {
                 break response;
             }
@@ -191,17 +192,24 @@ fn prometheus_scrapes_the_running_job() {
     let _ = job.child.kill();
     let _ = job.child.wait();
     assert!(scraped.starts_with("HTTP/1.1 200"), "{scraped}");
+    // Every sample says whose it is; a figure the job lacks (a pipeline's bubble) has none.
+    let run_name = run_dir.file_name().unwrap().to_str().unwrap();
+    let ours = format!("{{job=\"{run_name}\",rank=\"0\",role=\"trainer\"}} ");
     for gauge in [
-        "flotilla_loss ",
-        "flotilla_loss_spread ",
-        "flotilla_samples_per_second ",
-        "flotilla_comm_time_ratio ",
+        "flotilla_loss",
+        "flotilla_loss_spread",
+        "flotilla_samples_per_second",
+        "flotilla_comm_time_ratio",
     ] {
         assert!(
-            scraped.lines().any(|l| l.starts_with(gauge)),
-            "no {gauge} in\n{scraped}"
+            scraped.lines().any(|l| l.starts_with(&format!("{gauge}{ours}"))),
+            "no {gauge}{ours} in\n{scraped}"
         );
     }
+    assert!(
+        !scraped.contains("NaN") && !scraped.contains("flotilla_bubble_fraction{"),
+        "{scraped}"
+    );
 }
 
 #[test]

@@ -161,6 +161,8 @@ pub struct Prepare {
     /// Whether rank 0's initial parameters are broadcast (not when a checkpoint's state is
     /// restored next by every rank).
     pub broadcast: bool,
+    /// Batches of the whole run (the learning-rate schedule's length).
+    pub steps: usize,
     /// Record a timeline measured from this instant.
     pub trace_from: Option<Instant>,
 }
@@ -269,6 +271,8 @@ pub struct PreparePipeline {
     pub link: StageLinks,
     /// The ring among this stage's data-parallel replicas.
     pub data_parallel: Communicator,
+    /// Batches of the whole run (the learning-rate schedule's length).
+    pub steps: usize,
     /// Record a timeline measured from this instant.
     pub trace_from: Option<Instant>,
 }
@@ -393,7 +397,7 @@ impl Handler<Prepare> for DeviceActor {
         let init = ParamInit::new(msg.job.train.seed, device.clone());
         let model = (msg.model)(&init).context("building the model")?;
         let comm = comm_worker(&msg.job, msg.link, &msg.roster, &device)?;
-        let mut replica = Replica::new(model, &msg.job, comm, device)?;
+        let mut replica = Replica::new(model, &msg.job, comm, device, msg.steps)?;
         if msg.broadcast {
             replica.broadcast_parameters()?;
         }
@@ -590,7 +594,8 @@ impl Handler<PreparePipeline> for DeviceActor {
         let init = ParamInit::new(msg.job.train.seed, device.clone());
         let model = (msg.model)(&init).context("building the model")?;
         let link = msg.link.on(msg.stage, &device)?;
-        let mut pipeline = PipelineReplica::new(&msg.job, model, msg.stage, link, msg.data_parallel, device)?;
+        let mut pipeline =
+            PipelineReplica::new(&msg.job, model, msg.stage, link, msg.data_parallel, device, msg.steps)?;
         if let Some(origin) = msg.trace_from {
             pipeline.trace_from(origin);
         }

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use anyhow::{anyhow, ensure, Context as _, Result};
 
 use crate::checkpoint::{Checkpoint, CheckpointStore};
-use crate::config::{JobConfig, LrScaling};
+use crate::config::{JobConfig, LrScaling, PsMode};
 use crate::net::protocol::Roster;
 use crate::ps::snapshot::shard_file_name;
 
@@ -340,10 +340,16 @@ impl Recovery {
 
     /// Whether a checkpoint is due after `done` steps of `steps`: every `checkpoint_every`
     /// steps, and after the last (so a finished run's training state, optimizer included,
-    /// can be evaluated or trained on).
+    /// can be evaluated or trained on) where a checkpoint may fall: where a gradient merge has
+    /// completed, and in geo mode where the trainers have pushed.
     pub(crate) fn due(&self, config: &JobConfig, done: usize, steps: usize) -> bool {
         let every = config.fault_tolerance.checkpoint_every;
-        self.store.is_some() && every > 0 && (done.is_multiple_of(every) || done == steps)
+        let mut granularity = config.strategy.merge_steps();
+        if let (true, PsMode::Geo { k_steps }) = (config.cluster.is_parameter_server(), config.strategy.ps_mode()) {
+            granularity = granularity.max(k_steps);
+        }
+        let last = done == steps && done.is_multiple_of(granularity.max(1));
+        self.store.is_some() && every > 0 && (done.is_multiple_of(every) || last)
     }
 }
 

@@ -10,6 +10,13 @@ use crate::config::JobConfig;
 use crate::data::{Dataset, ShardedLoader};
 use crate::telemetry::monitor::{Monitor, MonitorSettings};
 
+/// The batches of a whole run of `job` over `data`: its `train.steps`, or its epochs of whole
+/// global batches.
+pub(crate) fn run_steps(job: &JobConfig, data: &Dataset) -> Result<usize> {
+    let per_epoch = data.len() / job.train.batch_size.max(1);
+    job.train.length().steps(per_epoch)
+}
+
 /// A rank's run, from the step it starts after to its end.
 pub(crate) struct RunLoop {
     /// This rank's part of every global batch.
@@ -35,9 +42,9 @@ impl RunLoop {
         clock_offset_us: f64,
     ) -> Result<Self> {
         let train = &job.train;
-        let loader = ShardedLoader::new(data, train.batch_size, replica, replicas, train.seed)
+        let loader = ShardedLoader::new(data.clone(), train.batch_size, replica, replicas, train.seed)
             .with_context(|| format!("train.batch_size = {}", train.batch_size))?;
-        let steps = train.length().steps(loader.batches_per_epoch())?;
+        let steps = run_steps(job, &data)?;
         crate::optim::check_run_length(&job.strategy, steps)?;
         recovery.check_first_step(first, steps)?;
         let monitor = monitor

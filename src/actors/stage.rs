@@ -28,7 +28,7 @@ use super::faults::RoleFaults;
 use super::kept::{commit_on_this_node, BuddyCopy, Kept, Restore};
 use super::recovery::{stage_file, Recovery};
 use super::rollback::Orders;
-use super::run_loop::RunLoop;
+use super::run_loop::{run_steps, RunLoop};
 use crate::checkpoint::HeldFile;
 use crate::config::{HybridConfigs, JobConfig};
 use crate::data::Dataset;
@@ -273,6 +273,7 @@ impl StageRun {
                 stage: self.stage,
                 link,
                 data_parallel,
+                steps: run_steps(&job, &self.train_data)?,
                 trace_from: self.trace.as_ref().map(|t| t.origin.instant),
             })
             .await??;

@@ -23,7 +23,7 @@ use super::faults::RoleFaults;
 use super::kept::{commit_on_this_node, Kept, Restore};
 use super::recovery::{Recovery, REPLICA_FILE};
 use super::rollback::Orders;
-use super::run_loop::RunLoop;
+use super::run_loop::{run_steps, RunLoop};
 use super::LOSSES_RESERVED;
 use crate::checkpoint::HeldFile;
 use crate::collective::ParamChecksum;
@@ -193,6 +193,7 @@ impl TrainingRun {
                 roster: roster.clone(),
                 // A later generation's ranks all restore one state: nothing to broadcast.
                 broadcast: roster.generation == 0,
+                steps: run_steps(&job, &self.train_data)?,
                 trace_from: self.trace.as_ref().map(|t| t.origin.instant),
             })
             .await??;

@@ -15,7 +15,7 @@ use crate::data::Batch;
 use crate::engines::comm::{CommWorker, Shared};
 use crate::engines::compute::segments::{self, Segments};
 use crate::models::{training_loss, Model, NamedParam, Score};
-use crate::optim::{LrPolicy, Optimizer};
+use crate::optim::{clip_by_global_norm, LrPolicy, Optimizer};
 use crate::telemetry::metrics::peak_rss_bytes;
 use crate::telemetry::timeline::{record, Span, Timeline};
 
@@ -56,6 +56,8 @@ pub struct Replica {
     whole: Option<Segments>,
     /// The loss trained, which also says how evaluation scores.
     loss: LossKind,
+    /// Clip the averaged gradients to this global norm (0: never).
+    grad_clip_norm: f64,
     /// Rows per forward pass of evaluation.
     eval_batch_size: usize,
     /// Batches trained.
@@ -66,8 +68,8 @@ pub struct Replica {
 
 impl Replica {
     /// A replica of `model` for `job`, talking to the other ranks through
-    /// `comm`.
-    pub fn new(model: Model, job: &JobConfig, comm: CommWorker, device: Device) -> Result<Self> {
+    /// `comm`, in a run of `steps` batches.
+    pub fn new(model: Model, job: &JobConfig, comm: CommWorker, device: Device, steps: usize) -> Result<Self> {
         let params = model.parameters();
         // Backward finishes the blocks from the last, each block's parameters in their order.
         let backward_order: Vec<usize> = (0..model.blocks().len())
@@ -79,7 +81,7 @@ impl Replica {
         let gradients = GradientSync::new(job, vars.clone(), &backward_order, &device)?;
         // The job's world, not this generation's: with elastic membership the global batch, and
         // so its learning rate, stays the same on fewer ranks.
-        let lr_policy = LrPolicy::new(&job.train, job.world_size());
+        let lr_policy = LrPolicy::new(&job.train, job.world_size(), gradients.optimizer_step(steps));
         let optimizer = Optimizer::new(&job.train, vars, lr_policy.at(0))?;
         let blocks = model.blocks().len();
         let (segments, whole) = if job.strategy.recompute {
@@ -106,6 +108,7 @@ impl Replica {
             segments,
             whole,
             loss: job.train.resolved_loss()?,
+            grad_clip_norm: job.train.grad_clip_norm,
             eval_batch_size: job.train.eval_batch_size,
             step: 0,
             timeline: None,
@@ -246,9 +249,13 @@ impl Replica {
         );
 
         let mut exposed_comm_time = Duration::ZERO;
-        if let Some(averaged) = gradients.finish(&mut self.timeline)? {
+        if let Some(mut averaged) = gradients.finish(&mut self.timeline)? {
             exposed_comm_time = averaged.exposed;
             let stepping = Instant::now();
+            if self.grad_clip_norm > 0.0 {
+                let vars: Vec<Var> = self.params.iter().map(|p| p.var.clone()).collect();
+                clip_by_global_norm(&mut averaged.grads, &vars, self.grad_clip_norm)?;
+            }
             self.optimizer.step(&averaged.grads)?;
             settle_for_trace(&self.timeline, &self.device)?;
             record(

@@ -3,7 +3,8 @@
 
 use super::sparse_tables::check_sparse_tables;
 use super::{
-    DatasetKind, FieldError, HybridConfigs, JobConfig, ModelKind, OptimizerKind, PipelineConfigs, PsMode, RecoveryMode,
+    DatasetKind, FieldError, HybridConfigs, JobConfig, LrSchedule, ModelKind, OptimizerKind, PipelineConfigs, PsMode,
+    RecoveryMode,
 };
 
 /// Checks that strategy, model, data set and optimizer fit together.
@@ -177,6 +178,18 @@ fn check_parameter_server(config: &JobConfig) -> Result<(), FieldError> {
             ),
         ));
     }
+    if train.lr_schedule != LrSchedule::Constant {
+        return Err(FieldError::new(
+            "train.lr_schedule",
+            "the parameter servers apply a constant learning rate: leave it \"constant\"",
+        ));
+    }
+    if train.grad_clip_norm > 0.0 {
+        return Err(FieldError::new(
+            "train.grad_clip_norm",
+            "the parameter servers apply each push as it comes: gradient clipping is for the collective strategy",
+        ));
+    }
     for (set, key) in [
         (config.strategy.recompute, "strategy.recompute"),
         (config.strategy.gradient_merge, "strategy.gradient_merge"),
@@ -260,6 +273,13 @@ fn check_pipeline(config: &JobConfig) -> Result<(), FieldError> {
             ));
         }
         return Ok(());
+    }
+    if config.train.grad_clip_norm > 0.0 {
+        return Err(FieldError::new(
+            "train.grad_clip_norm",
+            "not supported with strategy.pipeline yet: the global norm spans every stage's gradients, and stages \
+             share no collective",
+        ));
     }
     if config.cluster.is_parameter_server() {
         return Err(FieldError::new(

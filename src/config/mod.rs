@@ -44,7 +44,9 @@ pub use memory::{BlockRef, GradientMergeConfigs, RecomputeConfigs};
 pub use pipeline::{HybridConfigs, PipelineConfigs, ScheduleMode};
 pub use sparse_tables::SparseTableConfig;
 pub use strategy::{AsyncConfigs, DistributedStrategy, PsMode};
-pub use train::{DatasetKind, GptShape, LossKind, LrScaling, ModelKind, OptimizerKind, TrainConfig, TrainLength};
+pub use train::{
+    DatasetKind, GptShape, LossKind, LrScaling, LrSchedule, ModelKind, OptimizerKind, TrainConfig, TrainLength,
+};
 
 /// Source name to pass to [`JobConfig::from_toml_str`] when the text is not a file on disk (and
 /// the source name of [`JobConfig::default`]), so errors still say where a value came from.

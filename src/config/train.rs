@@ -107,6 +107,23 @@ pub enum LrScaling {
     Sqrt,
 }
 
+/// How the learning rate decays after warm-up, over the run's optimizer steps (PyTorch's
+/// `LinearLR`, `CosineAnnealingLR`, `StepLR`; Paddle's `PolynomialDecay`, `CosineAnnealingDecay`,
+/// `StepDecay`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum LrSchedule {
+    /// The peak rate to the end.
+    #[default]
+    Constant,
+    /// Straight down from the peak to `train.lr_min` at the last step.
+    Linear,
+    /// Half a cosine from the peak to `train.lr_min` at the last step.
+    Cosine,
+    /// The rate times `train.lr_gamma` every `train.lr_step_size` steps.
+    Step,
+}
+
 /// Optimizer algorithm.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -289,6 +306,17 @@ pub struct TrainConfig {
     pub lr_scaling: LrScaling,
     /// Steps of linear learning-rate warm-up from 0; 0 disables warm-up.
     pub warmup_steps: usize,
+    /// How the rate decays after warm-up.
+    pub lr_schedule: LrSchedule,
+    /// The rate `linear` and `cosine` schedules end at (not scaled with the world size).
+    pub lr_min: f64,
+    /// `step` schedule: optimizer steps between decays.
+    pub lr_step_size: usize,
+    /// `step` schedule: the factor of each decay, in (0, 1].
+    pub lr_gamma: f64,
+    /// Clip the averaged gradients to this global L2 norm before each optimizer step (PyTorch's
+    /// `clip_grad_norm_`, Paddle's `ClipGradByGlobalNorm`); 0 leaves them.
+    pub grad_clip_norm: f64,
     /// The training loss of a dense model: `cross_entropy` for classes (the default), `mse` or
     /// `mae` for values (a CSV table's label is then read as a value to regress). A program's
     /// own `TrainingJob` of values defaults to `mse`.
@@ -346,6 +374,11 @@ impl TrainConfig {
             lr: 0.05,
             lr_scaling: LrScaling::None,
             warmup_steps: 0,
+            lr_schedule: LrSchedule::Constant,
+            lr_min: 0.0,
+            lr_step_size: 1000,
+            lr_gamma: 0.1,
+            grad_clip_norm: 0.0,
             loss: None,
             optimizer: OptimizerKind::Sgd,
             momentum: 0.9,
@@ -459,6 +492,28 @@ impl TrainConfig {
             ));
         }
         positive_finite("train.lr", self.lr)?;
+        let lr_min = self.lr_min;
+        if !(lr_min.is_finite() && (0.0..=self.lr).contains(&lr_min)) {
+            return Err(FieldError::new(
+                "train.lr_min",
+                format!("must be from 0 to train.lr = {}, got {lr_min}", self.lr),
+            ));
+        }
+        at_least("train.lr_step_size", self.lr_step_size, 1)?;
+        let gamma = self.lr_gamma;
+        if !(gamma > 0.0 && gamma <= 1.0) {
+            return Err(FieldError::new(
+                "train.lr_gamma",
+                format!("must be in (0, 1], got {gamma}"),
+            ));
+        }
+        let clip = self.grad_clip_norm;
+        if !(clip.is_finite() && clip >= 0.0) {
+            return Err(FieldError::new(
+                "train.grad_clip_norm",
+                format!("must be a finite number >= 0 (0 = off), got {clip}"),
+            ));
+        }
         let m = self.momentum;
         if !((0.0..1.0).contains(&m)) {
             return Err(FieldError::new("train.momentum", format!("must be in [0, 1), got {m}")));

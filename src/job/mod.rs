@@ -44,6 +44,7 @@ use crate::models::export::ModelInfo;
 use crate::models::{GptConfig, Model, ModelSpec, ParamInit};
 use crate::net::ControlBus;
 use crate::telemetry::clock::TraceOrigin;
+use crate::telemetry::exporter::MetricLabels;
 use crate::telemetry::monitor::{MonitorSettings, ProgressView};
 use crate::telemetry::timeline::{self, TraceTarget};
 
@@ -99,12 +100,17 @@ impl RunOptions {
         }
     }
 
-    /// How the reporting rank reports.
-    pub(crate) fn monitor(&self) -> MonitorSettings {
+    /// How the reporting rank of `config`, `rank` in role `role`, reports.
+    pub(crate) fn monitor(&self, config: &JobConfig, rank: usize, role: &'static str) -> MonitorSettings {
+        let job = config.cluster.job_id.clone().unwrap_or_else(|| {
+            let name = self.run_dir.file_name().unwrap_or_default();
+            name.to_string_lossy().into_owned()
+        });
         MonitorSettings {
             view: self.progress,
             run_dir: self.run_dir.clone(),
             metrics_address: self.metrics_address,
+            labels: MetricLabels { job, rank, role },
         }
     }
 
@@ -282,7 +288,7 @@ impl TrainingJob {
             link: Some(link),
             data_endpoint,
             device: actix::SyncArbiter::start(1, DeviceActor::default),
-            monitor: (rank == 0).then(|| options.monitor()),
+            monitor: (rank == 0).then(|| options.monitor(&self.config, rank, "trainer")),
             trace: options.trace_target(),
             recovery,
             in_place: None,

@@ -367,7 +367,7 @@ fn stage_actor(
         bus: Some(bus),
         recovery,
         device: SyncArbiter::start(1, DeviceActor::default),
-        monitor: (rank == p - 1).then(|| options.monitor()),
+        monitor: (rank == p - 1).then(|| options.monitor(&job.config, rank, "stage")),
         trace,
         in_place: None,
         faults: None,

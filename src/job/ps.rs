@@ -456,7 +456,7 @@ impl ParameterServerJob {
             device: SyncArbiter::start(1, DeviceActor::default),
             // Whichever trainer ends at place 0 has the shards save their tables.
             save_dir: Some(options.run_dir.clone()),
-            monitor: (rank == 0).then(|| options.monitor()),
+            monitor: (rank == 0).then(|| options.monitor(&self.config, rank, "ps_trainer")),
             trace,
             recovery,
             in_place: None,

@@ -1,12 +1,14 @@
 //! Optimizers and the learning-rate policy.
 
 mod adamw;
+mod clip;
 mod gradient_merge;
 mod in_place;
 mod lr_policy;
 mod sgd_momentum;
 
 pub use adamw::AdamW;
+pub use clip::clip_by_global_norm;
 pub use gradient_merge::{check_run_length, GradientMerge, MergeBuffer};
 pub use lr_policy::LrPolicy;
 pub use sgd_momentum::{SgdMomentum, SgdMomentumConfig};

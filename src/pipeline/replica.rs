@@ -93,7 +93,9 @@ pub fn schedule_kind(job: &JobConfig) -> ScheduleKind {
 
 impl PipelineReplica {
     /// Stage `stage` of `model` (every rank builds the whole model from the seed and keeps its
-    /// chunks), linked to its neighbours by `link` and to its replicas by `data_parallel`.
+    /// chunks), linked to its neighbours by `link` and to its replicas by `data_parallel`, in a
+    /// run of `steps` batches.
+    #[allow(clippy::too_many_arguments)]
     pub fn new(
         job: &JobConfig,
         model: Model,
@@ -101,6 +103,7 @@ impl PipelineReplica {
         link: Box<dyn StageLink>,
         data_parallel: Communicator,
         device: Device,
+        steps: usize,
     ) -> Result<Self> {
         let kind = schedule_kind(job);
         let configs = &job.strategy.pipeline_configs;
@@ -150,7 +153,7 @@ impl PipelineReplica {
         let params = stage.parameters();
         let vars: Vec<Var> = params.iter().map(|(_, v)| v.clone()).collect();
         let gradients = GradientSync::new(job, vars.clone(), &stage.gradient_order(), &device)?;
-        let lr_policy = LrPolicy::new(&job.train, dp);
+        let lr_policy = LrPolicy::new(&job.train, dp, gradients.optimizer_step(steps));
         let optimizer = Optimizer::new(&job.train, vars, lr_policy.at(0))?;
         Ok(Self {
             holds_loss: (virtual_stages - 1) % p == stage.index(),

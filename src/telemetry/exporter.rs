@@ -1,6 +1,8 @@
 //! The Prometheus endpoint of a run (`--metrics-port`): `GET /metrics` answers the reporting
-//! rank's latest step figures in the OpenMetrics text format (prometheus-client encodes them).
-//! It serves only while training runs: the task ends when the exporter is dropped.
+//! rank's latest step figures in the OpenMetrics text format (prometheus-client encodes them),
+//! every sample labelled with the job, the rank and its role. A figure the job does not have
+//! (a pipeline's bubble in a data-parallel job, GPU memory on CPUs) has no sample rather than
+//! a NaN. It serves only while training runs: the task ends when the exporter is dropped.
 
 use std::net::{Ipv4Addr, SocketAddr, TcpListener as StdListener};
 use std::sync::atomic::AtomicU64;
@@ -20,21 +22,24 @@ use super::metrics::StepMetrics;
 
 type FloatGauge = Gauge<f64, AtomicU64>;
 
+/// A figure some jobs have: a family that holds a sample only once a value came.
+type OptionalGauge = Family<Vec<(String, String)>, FloatGauge>;
+
 /// The gauges a scrape reads.
 #[derive(Default, Clone)]
 struct Gauges {
     steps: Counter,
     loss: FloatGauge,
-    loss_spread: FloatGauge,
+    loss_spread: OptionalGauge,
     samples_per_sec: FloatGauge,
     step_time: FloatGauge,
     comm_time_ratio: FloatGauge,
     exposed_comm_ratio: FloatGauge,
-    bubble_fraction: FloatGauge,
+    bubble_fraction: OptionalGauge,
     learning_rate: FloatGauge,
     peak_rss: Gauge,
-    gpu_memory: FloatGauge,
-    gpu_utilization: FloatGauge,
+    gpu_memory: OptionalGauge,
+    gpu_utilization: OptionalGauge,
     sparse_rows: TableGauges,
     sparse_admitted: TableGauges,
     sparse_evicted: TableGauges,
@@ -45,8 +50,14 @@ struct Gauges {
 type TableGauges = Family<Vec<(String, String)>, Gauge>;
 
 impl Gauges {
-    fn registry(&self) -> Registry {
-        let mut registry = Registry::with_prefix("flotilla");
+    fn registry(&self, labels: &MetricLabels) -> Registry {
+        let labels = [
+            ("job", labels.job.clone()),
+            ("rank", labels.rank.to_string()),
+            ("role", labels.role.to_string()),
+        ];
+        let mut registry =
+            Registry::with_prefix_and_labels("flotilla", labels.into_iter().map(|(k, v)| (k.into(), v.into())));
         let g = self.clone();
         registry.register("steps", "Training steps done", g.steps);
         registry.register("loss", "Mean loss over the global batch of the last step", g.loss);
@@ -127,6 +138,17 @@ pub fn parse_listen_address(text: &str) -> Result<SocketAddr, String> {
         .map_err(|_| format!("{text:?} is neither a port nor an address:port (e.g. 9400 or 0.0.0.0:9400)"))
 }
 
+/// Who the figures are of: the labels of every sample.
+#[derive(Debug, Clone, PartialEq)]
+pub struct MetricLabels {
+    /// The job (`cluster.job_id`, else the run directory's name).
+    pub job: String,
+    /// The reporting rank.
+    pub rank: usize,
+    /// Its role: `trainer`, `stage` or `ps_trainer`.
+    pub role: &'static str,
+}
+
 /// Serves `/metrics` on a port while it lives.
 pub struct Exporter {
     gauges: Gauges,
@@ -135,13 +157,13 @@ pub struct Exporter {
 
 impl Exporter {
     /// Listens at `address` ([`parse_listen_address`]). Must be called inside a tokio runtime.
-    pub fn serve(address: SocketAddr) -> Result<Self> {
+    pub fn serve(address: SocketAddr, labels: &MetricLabels) -> Result<Self> {
         let listener = StdListener::bind(address)
             .and_then(|l| l.set_nonblocking(true).map(|()| l))
             .and_then(tokio::net::TcpListener::from_std)
             .with_context(|| format!("--metrics-port {address}: cannot listen"))?;
         let gauges = Gauges::default();
-        let registry = Arc::new(gauges.registry());
+        let registry = Arc::new(gauges.registry(labels));
         let server = tokio::spawn(async move {
             while let Ok((stream, _)) = listener.accept().await {
                 let registry = registry.clone();
@@ -161,16 +183,16 @@ impl Exporter {
         let g = &self.gauges;
         g.steps.inc_by((m.step as u64).saturating_sub(g.steps.get()));
         g.loss.set(f64::from(m.loss));
-        g.loss_spread.set(m.loss_spread.map_or(f64::NAN, f64::from));
+        set_optional(&g.loss_spread, m.loss_spread.map(f64::from));
         g.samples_per_sec.set(m.samples_per_sec);
         g.step_time.set(m.step_time_s);
         g.comm_time_ratio.set(m.comm_time_ratio);
         g.exposed_comm_ratio.set(m.exposed_comm_ratio);
-        g.bubble_fraction.set(m.bubble_fraction.unwrap_or(f64::NAN));
+        set_optional(&g.bubble_fraction, m.bubble_fraction);
         g.learning_rate.set(m.lr);
         g.peak_rss.set(i64::try_from(m.peak_rss_bytes).unwrap_or(i64::MAX));
-        g.gpu_memory.set(m.gpu_memory_bytes.map_or(f64::NAN, |b| b as f64));
-        g.gpu_utilization.set(m.gpu_utilization.unwrap_or(f64::NAN));
+        set_optional(&g.gpu_memory, m.gpu_memory_bytes.map(|b| b as f64));
+        set_optional(&g.gpu_utilization, m.gpu_utilization);
         for table in m.sparse_tables.iter().flatten() {
             let label = vec![("table".to_owned(), table.table.clone())];
             for (family, value) in [
@@ -184,6 +206,13 @@ impl Exporter {
                     .set(i64::try_from(value).unwrap_or(i64::MAX));
             }
         }
+    }
+}
+
+/// Sets `gauge`'s one sample to `value`, when there is one (and a number).
+fn set_optional(gauge: &OptionalGauge, value: Option<f64>) {
+    if let Some(value) = value.filter(|v| v.is_finite()) {
+        gauge.get_or_create(&Vec::new()).set(value);
     }
 }
 
@@ -247,7 +276,13 @@ mod tests {
     #[tokio::test]
     async fn a_scrape_reads_the_latest_step() -> Result<()> {
         let port = StdListener::bind("127.0.0.1:0")?.local_addr()?.port();
-        let exporter = Exporter::serve(parse_listen_address(&port.to_string()).map_err(anyhow::Error::msg)?)?;
+        let labels = MetricLabels {
+            job: "job-7".into(),
+            rank: 0,
+            role: "trainer",
+        };
+        let address = parse_listen_address(&port.to_string()).map_err(anyhow::Error::msg)?;
+        let exporter = Exporter::serve(address, &labels)?;
         exporter.publish(&StepMetrics {
             step: 7,
             elapsed_s: 1.0,
@@ -272,17 +307,23 @@ mod tests {
         });
         let response = get(port, "/metrics").await?;
         assert!(response.starts_with("HTTP/1.1 200"), "{response}");
+        let ours = "job=\"job-7\",rank=\"0\",role=\"trainer\"";
         for line in [
-            "flotilla_steps_total 7",
-            "flotilla_loss 1.5",
-            "flotilla_loss_spread 0.5",
-            "flotilla_comm_time_ratio 0.25",
-            "flotilla_peak_rss_bytes 1048576",
-            "flotilla_sparse_table_rows{table=\"embedding\"} 40",
-            "flotilla_sparse_table_evicted_rows{table=\"embedding\"} 6",
-            "# EOF",
+            format!("flotilla_steps_total{{{ours}}} 7"),
+            format!("flotilla_loss{{{ours}}} 1.5"),
+            format!("flotilla_loss_spread{{{ours}}} 0.5"),
+            format!("flotilla_comm_time_ratio{{{ours}}} 0.25"),
+            format!("flotilla_peak_rss_bytes{{{ours}}} 1048576"),
+            format!("flotilla_sparse_table_rows{{{ours},table=\"embedding\"}} 40"),
+            format!("flotilla_sparse_table_evicted_rows{{{ours},table=\"embedding\"}} 6"),
+            "# EOF".to_string(),
         ] {
             assert!(response.lines().any(|l| l == line), "no {line:?} in {response}");
+        }
+        // Figures this job does not have: no sample, and never a NaN.
+        assert!(!response.contains("NaN"), "{response}");
+        for absent in ["flotilla_bubble_fraction{", "flotilla_gpu_memory_bytes{"] {
+            assert!(!response.contains(absent), "{absent} in {response}");
         }
         assert!(get(port, "/").await?.starts_with("HTTP/1.1 404"));
         drop(exporter);
@@ -299,7 +340,12 @@ mod tests {
         let taken = StdListener::bind("127.0.0.1:0")?;
         let address = taken.local_addr()?;
         let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
-        let error = runtime.block_on(async { Exporter::serve(address).err() });
+        let labels = MetricLabels {
+            job: "j".into(),
+            rank: 0,
+            role: "trainer",
+        };
+        let error = runtime.block_on(async { Exporter::serve(address, &labels).err() });
         let error = format!("{:#}", error.context("a second listener on a used port")?);
         assert!(error.contains(&format!("--metrics-port {address}")), "{error}");
         Ok(())

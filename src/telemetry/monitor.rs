@@ -11,7 +11,7 @@ use anyhow::Result;
 use indicatif::{ProgressBar, ProgressStyle};
 use serde::{Deserialize, Serialize};
 
-use super::exporter::Exporter;
+use super::exporter::{Exporter, MetricLabels};
 use super::gpu;
 use super::metrics::{MetricsLog, SparseTableMetrics, StepMetrics};
 
@@ -92,6 +92,8 @@ pub struct MonitorSettings {
     pub run_dir: PathBuf,
     /// Serve the figures for Prometheus at this address.
     pub metrics_address: Option<SocketAddr>,
+    /// Who the figures are of.
+    pub labels: MetricLabels,
 }
 
 /// What the reporting rank measured in a step.
@@ -142,7 +144,16 @@ impl Monitor {
         log_every: usize,
     ) -> Result<Self> {
         let metrics = MetricsLog::open(&settings.run_dir, first)?;
-        let exporter = settings.metrics_address.map(Exporter::serve).transpose()?;
+        // The endpoint is for watching: a port it cannot have is said, and training goes on.
+        let exporter = settings
+            .metrics_address
+            .and_then(|address| match Exporter::serve(address, &settings.labels) {
+                Ok(exporter) => Some(exporter),
+                Err(e) => {
+                    tracing::warn!("{e:#}: training goes on without the Prometheus endpoint");
+                    None
+                }
+            });
         let bar = if settings.view == ProgressView::Terminal {
             progress_bar(steps)
         } else {
@@ -241,6 +252,30 @@ mod tests {
     use super::*;
     use crate::telemetry::metrics::{read_metrics, METRICS_FILE};
 
+    fn labels() -> MetricLabels {
+        MetricLabels {
+            job: "test".into(),
+            rank: 0,
+            role: "trainer",
+        }
+    }
+
+    #[test]
+    fn a_busy_metrics_port_is_a_warning_not_a_failed_run() -> Result<()> {
+        let dir = tempfile::tempdir()?;
+        let taken = std::net::TcpListener::bind("127.0.0.1:0")?;
+        let settings = MonitorSettings {
+            view: ProgressView::Log,
+            run_dir: dir.path().to_path_buf(),
+            metrics_address: Some(taken.local_addr()?),
+            labels: labels(),
+        };
+        let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+        let monitor = runtime.block_on(async { Monitor::start(&settings, 3, 0, 64, 1) })?;
+        assert!(monitor.exporter.is_none());
+        Ok(())
+    }
+
     #[test]
     fn every_step_becomes_a_line_of_metrics() -> Result<()> {
         let dir = tempfile::tempdir()?;
@@ -248,6 +283,7 @@ mod tests {
             view: ProgressView::Log,
             run_dir: dir.path().to_path_buf(),
             metrics_address: None,
+            labels: labels(),
         };
         let mut monitor = Monitor::start(&settings, 3, 0, 64, 1)?;
         for step in 1..=3 {
