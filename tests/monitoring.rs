@@ -338,3 +338,37 @@ fn a_launched_pipelines_outputs_and_metrics_share_the_launchers_run_directory() 
         "{metrics}"
     );
 }
+
+/// `comm_time_ratio` and `exposed_comm_ratio` have one definition: the exposed share is the
+/// part of communication time compute waited through, so it never exceeds it — in any line,
+/// under any strategy.
+#[test]
+fn the_exposed_share_never_exceeds_the_communication_share() {
+    let dir = tempfile::tempdir().unwrap();
+    #[rustfmt::skip]
+    let jobs: [(&str, &[&str]); 3] = [
+        ("collective", &["--set", "train.steps=150"]),
+        ("pipeline", &[
+            "--set", "train.steps=60", "--set", "strategy.pipeline=true", "--set", "cluster.nproc_per_node=4",
+            "--set", "strategy.hybrid_configs.dp_degree=2", "--set", "strategy.hybrid_configs.pp_degree=2",
+            "--set", "strategy.pipeline_configs.accumulate_steps=4",
+        ]),
+        ("parameter_server", &["--config", "examples/ctr_ps.toml", "--set", "train.steps=60"]),
+    ];
+    for (name, settings) in jobs {
+        let run_dir = dir.path().join(name);
+        let args = [&["train", "--run-dir", run_dir.to_str().unwrap()], settings].concat();
+        let finished = flotilla(&args, &[], 120);
+        assert!(finished.success, "{name}: {}", finished.stderr);
+        let text = std::fs::read_to_string(run_dir.join("metrics.jsonl")).unwrap();
+        let mut lines = 0;
+        for line in text.lines() {
+            let m: Value = serde_json::from_str(line).unwrap();
+            let (total, exposed) = (m["comm_time_ratio"].as_f64(), m["exposed_comm_ratio"].as_f64());
+            let (total, exposed) = (total.unwrap(), exposed.unwrap());
+            assert!((0.0..=total).contains(&exposed), "{name}: {line}");
+            lines += 1;
+        }
+        assert!(lines >= 60, "{name}: {lines} lines");
+    }
+}

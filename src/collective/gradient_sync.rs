@@ -36,7 +36,9 @@ pub struct GradientSync {
 pub struct Averaged {
     /// The gradient of every parameter.
     pub grads: GradStore,
-    /// Time spent waiting for all-reduces after backward: what backward did not hide.
+    /// Time compute waited after backward while an all-reduce ran: what backward did not hide.
+    /// Counted only while a collective ran (not the hand-over between the threads), so it is
+    /// part of the communication time and never exceeds it.
     pub exposed: Duration,
 }
 
@@ -207,11 +209,12 @@ impl StepGradients<'_> {
             return Ok(None);
         }
         let mut grads = GradStore::default();
-        let mut exposed = Duration::ZERO;
+        let (mut waits, mut collectives) = (Vec::new(), Vec::new());
         for (index, (bucket, reduced)) in sync.plan.buckets.iter().zip(self.reducing).enumerate() {
             let waiting = Instant::now();
             let ReducedBucket { values, started, ended } = reduced.wait()?;
-            exposed += waiting.elapsed();
+            waits.push((waiting, Instant::now()));
+            collectives.push((started, ended));
             record(timeline, || format!("wait for bucket {index}"), "wait", waiting);
             if let Some(timeline) = timeline {
                 let name = format!(
@@ -227,8 +230,24 @@ impl StepGradients<'_> {
                 offset += var.elem_count();
             }
         }
-        Ok(Some(Averaged { grads, exposed }))
+        Ok(Some(Averaged {
+            grads,
+            exposed: overlap(&waits, &collectives),
+        }))
     }
+}
+
+/// The time `waits` and `collectives` (each a set of disjoint intervals: one compute thread
+/// waits, one communication thread runs) have in common.
+fn overlap(waits: &[(Instant, Instant)], collectives: &[(Instant, Instant)]) -> Duration {
+    waits
+        .iter()
+        .flat_map(|&(w0, w1)| {
+            collectives
+                .iter()
+                .map(move |&(c0, c1)| w1.min(c1).saturating_duration_since(w0.max(c0)))
+        })
+        .sum()
 }
 
 /// A bucket's averaged gradients and when the communication thread worked on them.
@@ -257,4 +276,22 @@ fn submit_bucket(
             ended: Instant::now(),
         })
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn exposure_counts_only_waiting_while_a_collective_runs() {
+        let t = Instant::now();
+        let at = |ms: u64| t + Duration::from_millis(ms);
+        // Collectives 0–10 and 12–20 ms; compute waits 5–11 (the last ms is the hand-over
+        // after the first ended) and 15–25 (5 ms after the second ended).
+        let collectives = [(at(0), at(10)), (at(12), at(20))];
+        let waits = [(at(5), at(11)), (at(15), at(25))];
+        assert_eq!(overlap(&waits, &collectives), Duration::from_millis(10));
+        assert_eq!(overlap(&[], &collectives), Duration::ZERO);
+        assert_eq!(overlap(&[(at(30), at(40))], &collectives), Duration::ZERO);
+    }
 }
