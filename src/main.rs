@@ -6,7 +6,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use anyhow::{bail, Context, Result};
-use clap::{Parser, Subcommand, ValueEnum};
+use clap::{CommandFactory, Parser, Subcommand, ValueEnum};
 
 use flotilla::bench::allreduce::{self, AllReduceArgs};
 use flotilla::bench::checkpoint::{self as checkpoint_bench, CheckpointBenchArgs};
@@ -121,6 +121,22 @@ enum Command {
     /// Work with the timelines of `train --trace DIR`.
     #[command(subcommand)]
     Trace(TraceCommand),
+    /// Print a job's resolved config as TOML (its file, the environment and `--set` applied),
+    /// or with `--defaults` every key at its default.
+    Config {
+        #[command(flatten)]
+        job: ConfigArgs,
+        /// Every key at its default value, whatever the files and the environment say.
+        #[arg(long)]
+        defaults: bool,
+    },
+    /// Print the shell completion script of `flotilla` for SHELL (e.g. `flotilla completions
+    /// bash > /etc/bash_completion.d/flotilla`).
+    Completions {
+        /// The shell.
+        #[arg(value_enum)]
+        shell: clap_complete::Shell,
+    },
     /// Score a job's held-out split with trained parameters, as the job's final evaluation
     /// does, and print the figures as JSON.
     Eval {
@@ -372,6 +388,20 @@ fn run(cli: Cli) -> Result<()> {
             let prediction = ps_serving::predict(&model, &data, &out, None)
                 .with_context(|| format!("scoring with the model in {}", model.display()))?;
             print_out(&(serde_json::to_string(&prediction)? + "\n"));
+            Ok(())
+        }
+        Command::Config { job, defaults } => {
+            let config = match defaults {
+                true => JobConfig::default(),
+                false => load_config(&job)?,
+            };
+            print_out(&config.to_toml_string()?);
+            Ok(())
+        }
+        Command::Completions { shell } => {
+            let mut script = Vec::new();
+            clap_complete::generate(shell, &mut Cli::command(), "flotilla", &mut script);
+            print_out(&String::from_utf8_lossy(&script));
             Ok(())
         }
         Command::Eval {

@@ -318,3 +318,43 @@ fn logs_can_be_json_lines() {
     assert!(text.success, "{}", text.stderr);
     assert!(text.stderr.lines().any(|l| l.contains(" INFO ")), "{}", text.stderr);
 }
+
+/// `flotilla config --defaults` prints every key at its default, a file that loads back to
+/// the built-in defaults; `flotilla config` prints a job's resolved keys; completions come
+/// for the common shells.
+#[test]
+fn config_prints_the_defaults_and_the_resolved_job_and_completions_are_generated() {
+    let defaults = flotilla(&["config", "--defaults"], &[], 30);
+    assert!(defaults.success, "{}", defaults.stderr);
+    let loaded = flotilla::config::JobConfig::from_toml_str(&defaults.stdout, "defaults.toml", &|_| None, &[])
+        .expect("the defaults load");
+    let expected = flotilla::config::JobConfig {
+        source_name: "defaults.toml".to_string(),
+        ..Default::default()
+    };
+    assert_eq!(loaded, expected);
+    for key in [
+        "[cluster]",
+        "[strategy]",
+        "[train]",
+        "[fault_tolerance]",
+        "eval_batch_size = 256",
+        "lr_schedule",
+    ] {
+        assert!(defaults.stdout.contains(key), "no {key} in\n{}", defaults.stdout);
+    }
+    let resolved = flotilla(&["config", "--set", "train.steps=7"], &[], 30);
+    assert!(
+        resolved.success && resolved.stdout.contains("steps = 7"),
+        "{}",
+        resolved.stdout
+    );
+    for shell in ["bash", "zsh", "fish"] {
+        let script = flotilla(&["completions", shell], &[], 30);
+        assert!(
+            script.success && script.stdout.contains("eval"),
+            "{shell}: {}",
+            script.stdout
+        );
+    }
+}
