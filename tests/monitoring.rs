@@ -372,3 +372,44 @@ fn the_exposed_share_never_exceeds_the_communication_share() {
         assert!(lines >= 60, "{name}: {lines} lines");
     }
 }
+
+/// A run's TensorBoard event files are read by TensorBoard itself (Python's `tensorboard`
+/// package, as `tensorboard --logdir` reads them): a scalar per step for the loss, the same
+/// values as `metrics.jsonl`.
+#[test]
+fn tensorboard_reads_the_runs_scalars() {
+    if !common::python_imports(&["tensorboard"]) {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let run_dir = dir.path().join("run");
+    let finished = flotilla(
+        &[
+            "train",
+            "--run-dir",
+            run_dir.to_str().unwrap(),
+            "--set",
+            "train.steps=30",
+        ],
+        &[],
+        60,
+    );
+    assert!(finished.success, "{}", finished.stderr);
+    let script = "import json, sys\n\
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator\n\
+        events = EventAccumulator(sys.argv[1]); events.Reload()\n\
+        print(json.dumps([[s.step, s.value] for s in events.Scalars('loss')]))\n";
+    let logdir = run_dir.join("tensorboard");
+    let read = common::start_program("python3", &["-c", script, logdir.to_str().unwrap()], &[]).finish(60);
+    assert!(read.success, "{}", read.stderr);
+    let scalars: Vec<(u64, f32)> = serde_json::from_str(read.stdout.trim()).unwrap();
+    let metrics = std::fs::read_to_string(run_dir.join("metrics.jsonl")).unwrap();
+    let expected: Vec<(u64, f32)> = metrics
+        .lines()
+        .map(|line| {
+            let m: Value = serde_json::from_str(line).unwrap();
+            (m["step"].as_u64().unwrap(), m["loss"].as_f64().unwrap() as f32)
+        })
+        .collect();
+    assert_eq!(scalars, expected);
+}

@@ -236,28 +236,9 @@ fn eval_of_the_model_file_and_of_the_last_checkpoint_equals_the_runs_own_evaluat
     );
 }
 
-/// Whether this machine's `python3` imports `modules`: CI's must (`.ci/run` installs them);
-/// elsewhere the test says it was skipped.
-fn python_imports(modules: &[&str]) -> bool {
-    let probe = format!("import {}", modules.join(", "));
-    let found = std::process::Command::new("python3")
-        .args(["-c", &probe])
-        .stderr(std::process::Stdio::null())
-        .status()
-        .is_ok_and(|s| s.success());
-    match (found, std::env::var_os("CI").is_some()) {
-        (true, _) => true,
-        (false, true) => panic!("CI must give python3 the modules {modules:?}: .ci/run does"),
-        (false, false) => {
-            eprintln!("skipped: python3 cannot import {modules:?} here");
-            false
-        }
-    }
-}
-
 #[test]
 fn pytorch_loads_the_model_file_by_name_and_predicts_as_flotilla_does() {
-    if !python_imports(&["torch", "safetensors"]) {
+    if !common::python_imports(&["torch", "safetensors"]) {
         return;
     }
     let dir = tempfile::tempdir().unwrap();

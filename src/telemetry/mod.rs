@@ -10,6 +10,7 @@ pub mod metrics;
 pub mod monitor;
 pub mod report;
 pub mod summary_table;
+pub mod tensorboard;
 pub mod timeline;
 
 use std::io::IsTerminal;

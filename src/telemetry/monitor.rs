@@ -14,6 +14,7 @@ use serde::{Deserialize, Serialize};
 use super::exporter::{Exporter, MetricLabels};
 use super::gpu;
 use super::metrics::{MetricsLog, SparseTableMetrics, StepMetrics};
+use super::tensorboard::EventWriter;
 
 /// Set by `flotilla launch` on a terminal: the reporting rank writes progress lines for the
 /// launcher to draw, as its stderr is a pipe.
@@ -129,6 +130,8 @@ pub struct Monitor {
     view: ProgressView,
     bar: ProgressBar,
     metrics: MetricsLog,
+    /// The same figures as TensorBoard events.
+    events: EventWriter,
     exporter: Option<Exporter>,
 }
 
@@ -144,6 +147,7 @@ impl Monitor {
         log_every: usize,
     ) -> Result<Self> {
         let metrics = MetricsLog::open(&settings.run_dir, first)?;
+        let events = EventWriter::create(&settings.run_dir)?;
         // The endpoint is for watching: a port it cannot have is said, and training goes on.
         let exporter = settings
             .metrics_address
@@ -169,6 +173,7 @@ impl Monitor {
             view: settings.view,
             bar,
             metrics,
+            events,
             exporter,
         })
     }
@@ -199,6 +204,7 @@ impl Monitor {
             sparse_tables: sample.sparse_tables,
         };
         self.metrics.append(&metrics)?;
+        self.events.append(&metrics)?;
         if let Some(exporter) = &self.exporter {
             exporter.publish(&metrics);
         }

@@ -520,3 +520,22 @@ pub fn three_table_model() -> SparseModelDef {
     }))
     .unwrap()
 }
+
+/// Whether this machine's `python3` imports `modules`: CI's must (`.ci/run` installs them);
+/// elsewhere the test says it was skipped.
+pub fn python_imports(modules: &[&str]) -> bool {
+    let probe = format!("import {}", modules.join(", "));
+    let found = std::process::Command::new("python3")
+        .args(["-c", &probe])
+        .stderr(std::process::Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success());
+    match (found, std::env::var_os("CI").is_some()) {
+        (true, _) => true,
+        (false, true) => panic!("CI must give python3 the modules {modules:?}: .ci/run does"),
+        (false, false) => {
+            eprintln!("skipped: python3 cannot import {modules:?} here");
+            false
+        }
+    }
+}
