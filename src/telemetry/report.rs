@@ -1,6 +1,11 @@
 //! `flotilla report`: a run's `metrics.jsonl` drawn against step as one PNG, in three panels —
 //! loss with the spread of the ranks' losses, throughput, and the share of step time spent
 //! communicating (and, for pipeline jobs, waiting in the bubble).
+//!
+//! Long runs stay readable: beyond [`MAX_POINTS`] steps each panel draws one point per bin of
+//! steps — the smoothed curve through the bins' means over a light band of each bin's range —
+//! the smoothing window grows with the run, a loss spanning more than a decade is drawn on a
+//! log scale, and a panel's range leaves out the rarest spikes (the top 0.5 % of values).
 
 use std::collections::BTreeMap;
 use std::ops::Range;
@@ -20,8 +25,15 @@ use super::metrics::{read_metrics, StepMetrics, METRICS_FILE};
 /// Width and height of the report, in pixels.
 pub const IMAGE_SIZE: (u32, u32) = (1200, 1000);
 
-/// Steps the throughput's moving average spans.
+/// Steps a moving average spans at least; longer runs smooth over a 1/200 of their steps.
 const MOVING_AVERAGE_STEPS: usize = 20;
+
+/// Most points a curve draws: about one per pixel column of a chart.
+const MAX_POINTS: usize = 800;
+
+/// The share of the highest values a panel's range may leave out, so one spike does not flatten
+/// the rest.
+const SPIKE_SHARE: f64 = 0.005;
 
 /// The share of step time communication should stay under, in percent.
 const COMM_TARGET_PERCENT: f64 = 20.0;
@@ -178,6 +190,63 @@ fn padded_range(values: impl IntoIterator<Item = f64>) -> Range<f64> {
     low - pad..high + pad
 }
 
+/// The moving-average window for a run of `steps` steps.
+fn smoothing_window(steps: usize) -> usize {
+    MOVING_AVERAGE_STEPS.max(steps / 200)
+}
+
+/// A bin of consecutive points: its last step, and the mean, least and most of its values.
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct Bin {
+    step: u64,
+    mean: f64,
+    low: f64,
+    high: f64,
+}
+
+/// `points` in at most [`MAX_POINTS`] bins of consecutive points (one point each when there are
+/// fewer).
+fn bins(points: &[(u64, f64)]) -> Vec<Bin> {
+    let size = points.len().div_ceil(MAX_POINTS).max(1);
+    points
+        .chunks(size)
+        .map(|chunk| {
+            let values = chunk.iter().map(|&(_, v)| v);
+            Bin {
+                step: chunk[chunk.len() - 1].0,
+                mean: values.clone().sum::<f64>() / chunk.len() as f64,
+                low: values.clone().fold(f64::INFINITY, f64::min),
+                high: values.fold(f64::NEG_INFINITY, f64::max),
+            }
+        })
+        .collect()
+}
+
+/// The bins' means as a curve.
+fn means(bins: &[Bin]) -> Vec<(u64, f64)> {
+    bins.iter().map(|b| (b.step, b.mean)).collect()
+}
+
+/// The value below which all but the top [`SPIKE_SHARE`] of `values` lie.
+fn spike_ceiling(values: &[f64]) -> f64 {
+    let mut sorted: Vec<f64> = values.iter().copied().filter(|v| v.is_finite()).collect();
+    sorted.sort_by(f64::total_cmp);
+    let keep = ((sorted.len() as f64) * (1.0 - SPIKE_SHARE)).ceil() as usize;
+    sorted.get(keep.saturating_sub(1)).copied().unwrap_or(0.0)
+}
+
+/// Draws `bins`' ranges as a light band (nothing when each bin holds one point).
+fn draw_range_band(chart: &mut Chart, bins: &[Bin], color: RGBColor) -> Result<bool> {
+    if bins.iter().all(|b| b.low == b.high) {
+        return Ok(false);
+    }
+    let upper = bins.iter().map(|b| (b.step, b.high));
+    let lower = bins.iter().rev().map(|b| (b.step, b.low));
+    let band: Vec<(u64, f64)> = upper.chain(lower).collect();
+    chart.draw_series(std::iter::once(Polygon::new(band, color.mix(0.2).filled())))?;
+    Ok(true)
+}
+
 /// Each point's mean over itself and the `window - 1` points before it (fewer at the start).
 fn moving_average(points: &[(u64, f64)], window: usize) -> Vec<(u64, f64)> {
     let mut sum = 0.0;
@@ -194,18 +263,29 @@ fn moving_average(points: &[(u64, f64)], window: usize) -> Vec<(u64, f64)> {
         .collect()
 }
 
-/// A panel's chart: its caption, the step axis below and `y` on the left, a grid.
+/// A panel's chart: its caption, the step axis below and `y` on the left, a grid. On a `log`
+/// panel `y` is in powers of ten, labelled with the values.
 fn panel<'a, 'b>(
     area: &'a Area<'b>,
     caption: &str,
     steps: Range<u64>,
     y: Range<f64>,
-    y_desc: &str,
+    (y_desc, log): (&str, bool),
 ) -> Result<Chart<'a, 'b>> {
     // Ticks come in 1, 2 and 5 times a power of ten, about ten to the range: one decimal more
     // than the range's order of magnitude shows them all apart.
     let decimals = (1.0 - (y.end - y.start).log10().floor()).clamp(0.0, 9.0) as usize;
-    let y_label = |v: &f64| format!("{v:.decimals$}");
+    let y_label = |v: &f64| match log {
+        true => {
+            let value = 10f64.powf(*v);
+            if value >= 0.01 {
+                format!("{value:.3}")
+            } else {
+                format!("{value:.2e}")
+            }
+        }
+        false => format!("{v:.decimals$}"),
+    };
     let mut chart = ChartBuilder::on(area)
         .caption(caption, (FONT, 19))
         .margin(8)
@@ -272,30 +352,60 @@ fn draw_loss(area: &Area, column: &Area, steps: &[StepMetrics], steps_range: Ran
             (m.step as u64, f64::from(m.loss), half_spread)
         })
         .collect();
-    let skipped = steps.len() - finite.len();
-    let caption = if skipped == 0 {
-        String::from("Loss, mean over the global batch; band: ± half the spread of the ranks' losses")
-    } else {
-        let plural = if skipped == 1 { "" } else { "es" };
-        format!("Loss; band: ± half the ranks' spread — {skipped} non-finite loss{plural} not drawn")
-    };
-    let y = padded_range(finite.iter().flat_map(|&(_, loss, half)| [loss - half, loss + half]));
-    let mut chart = panel(area, &caption, steps_range, y, "loss")?;
-    let mut entries = Vec::new();
-    if finite.iter().any(|&(_, _, half)| half > 0.0) {
-        let upper: Vec<(u64, f64)> = finite.iter().map(|&(s, loss, half)| (s, loss + half)).collect();
-        let lower: Vec<(u64, f64)> = finite.iter().map(|&(s, loss, half)| (s, loss - half)).collect();
-        let band: Vec<(u64, f64)> = upper.iter().chain(lower.iter().rev()).copied().collect();
-        let fill = LOSS.mix(0.18).filled();
-        chart.draw_series(std::iter::once(Polygon::new(band, fill)))?;
-        let edge = LOSS.mix(0.45).stroke_width(1);
-        chart.draw_series(line(upper, edge))?;
-        chart.draw_series(line(lower, edge))?;
-        entries.push((Sample::Band(fill), "± spread / 2 (ranks)".to_owned()));
+    let raw: Vec<(u64, f64)> = finite.iter().map(|&(s, loss, _)| (s, loss)).collect();
+    let values: Vec<f64> = raw.iter().map(|&(_, v)| v).collect();
+    let ceiling = spike_ceiling(&values);
+    let floor = values.iter().copied().fold(f64::INFINITY, f64::min);
+    // A loss falling over decades is read on a log scale; a flat line at 0 otherwise.
+    let log = floor > 0.0 && ceiling / floor > 10.0;
+    let scale = |v: f64| if log { v.max(floor).log10() } else { v };
+    let long = raw.len() > MAX_POINTS;
+    let window = smoothing_window(raw.len());
+    let mut caption = String::from("Loss, mean over the global batch");
+    if log {
+        caption += ", log scale";
     }
-    let style = LOSS.stroke_width(2);
-    chart.draw_series(line(finite.iter().map(|&(s, loss, _)| (s, loss)).collect(), style))?;
-    entries.insert(0, (Sample::Line(style), "loss".to_owned()));
+    caption += match long {
+        true => "; band: range per bin of steps",
+        false => "; band: ± half the ranks' spread",
+    };
+    let skipped = steps.len() - finite.len();
+    if skipped > 0 {
+        caption += &format!(" — {skipped} non-finite not drawn");
+    }
+    let drawn = finite.iter().filter(|&&(_, loss, _)| loss <= ceiling);
+    let y = match long {
+        true => padded_range(drawn.map(|&(_, loss, _)| scale(loss))),
+        false => padded_range(drawn.flat_map(|&(_, loss, half)| [scale(loss - half), scale(loss + half)])),
+    };
+    let mut chart = panel(area, &caption, steps_range, y, ("loss", log))?;
+    let scaled = |points: Vec<(u64, f64)>| points.into_iter().map(|(s, v)| (s, scale(v))).collect::<Vec<_>>();
+    let mut entries = Vec::new();
+    if long {
+        let binned: Vec<Bin> = bins(&scaled(raw.clone()));
+        if draw_range_band(&mut chart, &binned, LOSS)? {
+            entries.push((Sample::Band(LOSS.mix(0.2).filled()), "range per bin".to_owned()));
+        }
+        let style = LOSS.stroke_width(2);
+        let smoothed = means(&bins(&scaled(moving_average(&raw, window))));
+        chart.draw_series(line(smoothed, style))?;
+        entries.insert(0, (Sample::Line(style), format!("mean of last {window} steps")));
+    } else {
+        if finite.iter().any(|&(_, _, half)| half > 0.0) {
+            let upper: Vec<(u64, f64)> = finite.iter().map(|&(s, loss, half)| (s, scale(loss + half))).collect();
+            let lower: Vec<(u64, f64)> = finite.iter().map(|&(s, loss, half)| (s, scale(loss - half))).collect();
+            let band: Vec<(u64, f64)> = upper.iter().chain(lower.iter().rev()).copied().collect();
+            let fill = LOSS.mix(0.18).filled();
+            chart.draw_series(std::iter::once(Polygon::new(band, fill)))?;
+            let edge = LOSS.mix(0.45).stroke_width(1);
+            chart.draw_series(line(upper, edge))?;
+            chart.draw_series(line(lower, edge))?;
+            entries.push((Sample::Band(fill), "± spread / 2 (ranks)".to_owned()));
+        }
+        let style = LOSS.stroke_width(2);
+        chart.draw_series(line(scaled(raw), style))?;
+        entries.insert(0, (Sample::Line(style), "loss".to_owned()));
+    }
     legend(column, &chart, &entries)
 }
 
@@ -305,18 +415,24 @@ fn draw_throughput(area: &Area, column: &Area, steps: &[StepMetrics], steps_rang
         .filter(|m| m.samples_per_sec.is_finite())
         .map(|m| (m.step as u64, m.samples_per_sec))
         .collect();
-    let average = moving_average(&raw, MOVING_AVERAGE_STEPS);
+    let window = smoothing_window(raw.len());
+    let average = means(&bins(&moving_average(&raw, window)));
     // From zero, so a dip reads as the share of throughput it costs.
-    let top = padded_range(raw.iter().map(|&(_, v)| v).chain([0.0])).end;
-    let mut chart = panel(area, "Throughput", steps_range, 0.0..top, "samples / s")?;
-    let thin = THROUGHPUT.mix(0.4).stroke_width(1);
-    chart.draw_series(line(raw, thin))?;
+    let values: Vec<f64> = raw.iter().map(|&(_, v)| v).collect();
+    let top = padded_range([0.0, spike_ceiling(&values)]).end;
+    let mut chart = panel(area, "Throughput", steps_range, 0.0..top, ("samples / s", false))?;
+    let binned = bins(&raw);
+    let mut entries = Vec::new();
+    if draw_range_band(&mut chart, &binned, THROUGHPUT)? {
+        entries.push((Sample::Band(THROUGHPUT.mix(0.2).filled()), "range per bin".to_owned()));
+    } else {
+        let thin = THROUGHPUT.mix(0.4).stroke_width(1);
+        chart.draw_series(line(means(&binned), thin))?;
+        entries.push((Sample::Line(thin), "per step".to_owned()));
+    }
     let bold = THROUGHPUT.stroke_width(3);
     chart.draw_series(line(average, bold))?;
-    let entries = [
-        (Sample::Line(thin), "per step".to_owned()),
-        (Sample::Line(bold), format!("mean of last {MOVING_AVERAGE_STEPS} steps")),
-    ];
+    entries.push((Sample::Line(bold), format!("mean of last {window} steps")));
     legend(column, &chart, &entries)
 }
 
@@ -326,15 +442,16 @@ fn draw_comm(area: &Area, column: &Area, steps: &[StepMetrics], steps_range: Ran
         .iter()
         .filter_map(|m| Some((m.step as u64, percent(m.comm_time_ratio)?)))
         .collect();
+    let window = smoothing_window(comm.len());
     // Per-step shares swing with scheduling noise: their moving averages carry the story.
     let exposed = moving_average(
         &steps
             .iter()
             .filter_map(|m| Some((m.step as u64, percent(m.exposed_comm_ratio)?)))
             .collect::<Vec<_>>(),
-        MOVING_AVERAGE_STEPS,
+        window,
     );
-    let comm_average = moving_average(&comm, MOVING_AVERAGE_STEPS);
+    let comm_average = moving_average(&comm, window);
     let bubble: Vec<(u64, f64)> = steps
         .iter()
         .filter_map(|m| Some((m.step as u64, percent(m.bubble_fraction?)?)))
@@ -345,24 +462,26 @@ fn draw_comm(area: &Area, column: &Area, steps: &[StepMetrics], steps_range: Ran
         "Communication and pipeline bubble, share of step time"
     };
     // Always up to past the target, so the target line shows.
-    let values = comm.iter().chain(&bubble).map(|&(_, v)| v);
-    let top = padded_range(values.chain([0.0, COMM_TARGET_PERCENT * 1.2])).end;
+    let values: Vec<f64> = comm.iter().chain(&bubble).map(|&(_, v)| v).collect();
+    let top = padded_range([0.0, COMM_TARGET_PERCENT * 1.2, spike_ceiling(&values)]).end;
     let target = [steps_range.start, steps_range.end].map(|s| (s, COMM_TARGET_PERCENT));
-    let mut chart = panel(area, caption, steps_range, 0.0..top, "% of step time")?;
+    let mut chart = panel(area, caption, steps_range, 0.0..top, ("% of step time", false))?;
     let dashed = TARGET.stroke_width(2);
     chart.draw_series(DashedLineSeries::new(target, 10, 6, dashed))?;
     let mut entries = vec![(Sample::Dashed(dashed), format!("target < {COMM_TARGET_PERCENT} %"))];
-    let thin = COMM.mix(0.3).stroke_width(1);
-    chart.draw_series(line(comm, thin))?;
+    let binned = bins(&comm);
+    if !draw_range_band(&mut chart, &binned, COMM)? {
+        chart.draw_series(line(means(&binned), COMM.mix(0.3).stroke_width(1)))?;
+    }
     let style = COMM.stroke_width(2);
-    chart.draw_series(line(comm_average, style))?;
+    chart.draw_series(line(means(&bins(&comm_average)), style))?;
     entries.push((Sample::Line(style), "in collectives".to_owned()));
     let style = EXPOSED.stroke_width(2);
-    chart.draw_series(line(exposed, style))?;
+    chart.draw_series(line(means(&bins(&exposed)), style))?;
     entries.push((Sample::Line(style), "compute blocked".to_owned()));
     if !bubble.is_empty() {
         let style = BUBBLE.stroke_width(2);
-        chart.draw_series(line(bubble, style))?;
+        chart.draw_series(line(means(&bins(&moving_average(&bubble, window))), style))?;
         entries.push((Sample::Line(style), "pipeline bubble".to_owned()));
     }
     legend(column, &chart, &entries)
@@ -432,6 +551,51 @@ mod tests {
         let out = dir.path().join("report.png");
         render(dir.path(), &out)?;
         png_size(&out)
+    }
+
+    /// A 100 000-step run: the loss falls over three decades with rare spikes a hundred times
+    /// the loss, throughput and communication jitter from step to step.
+    fn long_run() -> Vec<StepMetrics> {
+        let mut steps = synthetic(100_000, false);
+        for m in &mut steps {
+            let t = m.step as f64;
+            let noise = ((t * 12.9898).sin() * 43_758.545).fract().abs();
+            m.loss = (2.3 * (-t / 8000.0).exp() + 0.002 + 0.001 * noise) as f32;
+            if m.step % 9973 == 0 {
+                m.loss *= 100.0;
+            }
+            m.samples_per_sec = 5000.0 + 2000.0 * noise;
+            m.comm_time_ratio = 0.1 + 0.2 * noise;
+            m.exposed_comm_ratio = 0.05 * noise;
+        }
+        steps
+    }
+
+    #[test]
+    fn a_run_of_100_000_steps_renders() -> Result<()> {
+        assert_eq!(render_into_tempdir(&long_run(), None)?, IMAGE_SIZE);
+        Ok(())
+    }
+
+    #[test]
+    fn long_curves_are_binned_and_spikes_left_out_of_the_range() {
+        let points: Vec<(u64, f64)> = (1..=10_000).map(|s| (s, (s % 10) as f64)).collect();
+        let binned = bins(&points);
+        assert!(binned.len() <= MAX_POINTS && binned.len() >= MAX_POINTS / 2);
+        assert_eq!(binned.last().map(|b| b.step), Some(10_000));
+        // Every bin but the shorter last one spans all ten values.
+        let whole = &binned[..binned.len() - 1];
+        assert!(whole
+            .iter()
+            .all(|b| b.low == 0.0 && b.high == 9.0 && (b.mean - 4.5).abs() < 1.0));
+        let short: Vec<(u64, f64)> = (1..=5).map(|s| (s, s as f64)).collect();
+        assert_eq!(means(&bins(&short)), short);
+        let mut values = vec![1.0; 1000];
+        values[7] = 1e6;
+        assert_eq!(spike_ceiling(&values), 1.0);
+        assert_eq!(spike_ceiling(&[]), 0.0);
+        assert_eq!(smoothing_window(100), MOVING_AVERAGE_STEPS);
+        assert_eq!(smoothing_window(100_000), 500);
     }
 
     #[test]
