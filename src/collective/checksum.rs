@@ -39,6 +39,6 @@ impl ParamChecksum {
 
 impl fmt::Display for ParamChecksum {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        self.0.iter().try_for_each(|b| write!(f, "{b:02x}"))
+        f.write_str(&hex::encode(self.0))
     }
 }

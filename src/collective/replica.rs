@@ -341,5 +341,5 @@ fn settle_for_trace(timeline: &Option<Timeline>, device: &Device) -> Result<()> 
 }
 
 fn hex_prefix(bytes: &[u8]) -> String {
-    bytes.iter().take(8).map(|b| format!("{b:02x}")).collect()
+    hex::encode(&bytes[..bytes.len().min(8)])
 }

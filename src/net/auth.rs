@@ -145,7 +145,7 @@ pub fn generate_job_id() -> Result<String> {
 fn random_hex<const N: usize>(what: &str) -> Result<String> {
     let mut bytes = [0u8; N];
     getrandom::fill(&mut bytes).map_err(|e| anyhow::anyhow!("no randomness for {what}: {e}"))?;
-    Ok(bytes.iter().map(|b| format!("{b:02x}")).collect())
+    Ok(hex::encode(bytes))
 }
 
 fn nonce() -> Result<[u8; NONCE]> {

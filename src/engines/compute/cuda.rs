@@ -61,7 +61,7 @@ pub fn explain(error: &DriverError) -> String {
 
 /// A device UUID as NVML spells it: `GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx`.
 fn nvml_uuid(bytes: &[std::ffi::c_char; 16]) -> String {
-    let hex: String = bytes.iter().map(|b| format!("{:02x}", *b as u8)).collect();
+    let hex = hex::encode(bytes.iter().map(|&b| b as u8).collect::<Vec<u8>>());
     format!(
         "GPU-{}-{}-{}-{}-{}",
         &hex[0..8],
