@@ -186,7 +186,11 @@ fn a_full_disk_leaves_no_summary_and_no_partial_files() {
         .map(|entry| entry.unwrap().file_name().to_string_lossy().into_owned())
         .collect();
     left.sort();
-    assert_eq!(left, ["config.toml", "metrics.jsonl"], "no summary, no partial file");
+    assert_eq!(
+        left,
+        ["config.toml", "metrics.jsonl", "tensorboard"],
+        "no summary, no partial file"
+    );
 }
 
 #[test]

@@ -45,18 +45,21 @@ impl Inputs {
 
     /// Rows `indices` of `width` values each, in that order.
     fn select(&self, indices: &[usize], width: usize) -> Self {
-        fn rows<T: Copy>(values: &[T], indices: &[usize], width: usize) -> Vec<T> {
-            let mut out = Vec::with_capacity(indices.len() * width);
-            for &i in indices {
-                out.extend_from_slice(&values[i * width..(i + 1) * width]);
-            }
-            out
-        }
         match self {
-            Self::Features(v) => Self::Features(rows(v, indices, width)),
-            Self::Tokens(v) => Self::Tokens(rows(v, indices, width)),
+            Self::Features(v) => Self::Features(select_rows(v, indices, width)),
+            Self::Tokens(v) => Self::Tokens(select_rows(v, indices, width)),
         }
     }
+}
+
+/// Rows `indices` of row-major `values`, `width` each, in that order: what inputs and targets
+/// both select.
+fn select_rows<T: Copy>(values: &[T], indices: &[usize], width: usize) -> Vec<T> {
+    let mut out = Vec::with_capacity(indices.len() * width);
+    for &i in indices {
+        out.extend_from_slice(&values[i * width..(i + 1) * width]);
+    }
+    out
 }
 
 /// `len()` rows of `dim` inputs each, with a class in `0..outputs` per row (classification) or

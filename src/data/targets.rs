@@ -3,6 +3,8 @@
 
 use candle_core::{Device, Tensor};
 
+use super::select_rows;
+
 /// The targets of a set of rows, row-major: the same number for every row.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Targets {
@@ -33,16 +35,9 @@ impl Targets {
 
     /// The targets of rows `indices` (of `per_row` targets each), in that order.
     pub(super) fn select(&self, indices: &[usize], per_row: usize) -> Self {
-        fn rows<T: Copy>(values: &[T], indices: &[usize], per_row: usize) -> Vec<T> {
-            let mut out = Vec::with_capacity(indices.len() * per_row);
-            for &i in indices {
-                out.extend_from_slice(&values[i * per_row..(i + 1) * per_row]);
-            }
-            out
-        }
         match self {
-            Self::Classes(v) => Self::Classes(rows(v, indices, per_row)),
-            Self::Values(v) => Self::Values(rows(v, indices, per_row)),
+            Self::Classes(v) => Self::Classes(select_rows(v, indices, per_row)),
+            Self::Values(v) => Self::Values(select_rows(v, indices, per_row)),
         }
     }
 

@@ -79,8 +79,24 @@ pub fn render(run_dir: &Path, out: &Path) -> Result<()> {
     let steps_range = step_range(&steps);
     draw_loss(&charts[0], &legends[0], &steps, steps_range.clone())?;
     draw_throughput(&charts[1], &legends[1], &steps, steps_range.clone())?;
-    draw_comm(&charts[2], &legends[2], &steps, steps_range)?;
+    draw_comm(
+        &charts[2],
+        &legends[2],
+        &steps,
+        steps_range,
+        on_parameter_servers(run_dir),
+    )?;
     root.present().with_context(|| format!("writing {}", out.display()))
+}
+
+/// Whether the run trained on parameter servers, whose communication is pulls and pushes: its
+/// resolved `config.toml` has servers (a running job has no summary yet).
+fn on_parameter_servers(run_dir: &Path) -> bool {
+    let config = std::fs::read_to_string(run_dir.join("config.toml")).unwrap_or_default();
+    let servers = toml::from_str::<toml::Table>(&config)
+        .ok()
+        .and_then(|t| t.get("cluster")?.get("server_num")?.as_integer());
+    servers.is_some_and(|n| n > 0)
 }
 
 /// Every step's metrics in step order; where a resumed run wrote a step twice, its later line.
@@ -436,7 +452,13 @@ fn draw_throughput(area: &Area, column: &Area, steps: &[StepMetrics], steps_rang
     legend(column, &chart, &entries)
 }
 
-fn draw_comm(area: &Area, column: &Area, steps: &[StepMetrics], steps_range: Range<u64>) -> Result<()> {
+fn draw_comm(
+    area: &Area,
+    column: &Area,
+    steps: &[StepMetrics],
+    steps_range: Range<u64>,
+    parameter_servers: bool,
+) -> Result<()> {
     let percent = |ratio: f64| ratio.is_finite().then_some(100.0 * ratio);
     let comm: Vec<(u64, f64)> = steps
         .iter()
@@ -456,10 +478,18 @@ fn draw_comm(area: &Area, column: &Area, steps: &[StepMetrics], steps_range: Ran
         .iter()
         .filter_map(|m| Some((m.step as u64, percent(m.bubble_fraction?)?)))
         .collect();
-    let caption = if bubble.is_empty() {
-        "Communication, share of step time"
-    } else {
-        "Communication and pipeline bubble, share of step time"
+    let (caption, busy, blocked) = match (parameter_servers, bubble.is_empty()) {
+        (true, _) => (
+            "Pulls and pushes, share of step time",
+            "pulling and pushing",
+            "compute waiting on pulls",
+        ),
+        (false, true) => ("Communication, share of step time", "in collectives", "compute blocked"),
+        (false, false) => (
+            "Communication and pipeline bubble, share of step time",
+            "in collectives",
+            "compute blocked",
+        ),
     };
     // Always up to past the target, so the target line shows.
     let values: Vec<f64> = comm.iter().chain(&bubble).map(|&(_, v)| v).collect();
@@ -475,10 +505,10 @@ fn draw_comm(area: &Area, column: &Area, steps: &[StepMetrics], steps_range: Ran
     }
     let style = COMM.stroke_width(2);
     chart.draw_series(line(means(&bins(&comm_average)), style))?;
-    entries.push((Sample::Line(style), "in collectives".to_owned()));
+    entries.push((Sample::Line(style), busy.to_owned()));
     let style = EXPOSED.stroke_width(2);
     chart.draw_series(line(means(&bins(&exposed)), style))?;
-    entries.push((Sample::Line(style), "compute blocked".to_owned()));
+    entries.push((Sample::Line(style), blocked.to_owned()));
     if !bubble.is_empty() {
         let style = BUBBLE.stroke_width(2);
         chart.draw_series(line(means(&bins(&moving_average(&bubble, window))), style))?;
@@ -569,6 +599,19 @@ mod tests {
             m.exposed_comm_ratio = 0.05 * noise;
         }
         steps
+    }
+
+    #[test]
+    fn a_parameter_server_run_is_told_by_its_config() -> Result<()> {
+        let dir = tempfile::tempdir()?;
+        assert!(!on_parameter_servers(dir.path()));
+        std::fs::write(dir.path().join("config.toml"), "[cluster]\nserver_num = 2\n")?;
+        assert!(on_parameter_servers(dir.path()));
+        write_metrics(dir.path(), &synthetic(30, false))?;
+        render(dir.path(), &dir.path().join("report.png"))?;
+        std::fs::write(dir.path().join("config.toml"), "[cluster]\nserver_num = 0\n")?;
+        assert!(!on_parameter_servers(dir.path()));
+        Ok(())
     }
 
     #[test]

@@ -418,14 +418,7 @@ pub fn installed(program: &str, package: &str) -> bool {
     let found = std::env::split_paths(&path)
         .chain([std::path::PathBuf::from("/usr/sbin")])
         .any(|dir| dir.join(program).is_file());
-    match (found, std::env::var_os("CI").is_some()) {
-        (true, _) => true,
-        (false, true) => panic!("CI must install {package} ({program}): .ci/run does"),
-        (false, false) => {
-            eprintln!("skipped: {program} ({package}) is not installed here");
-            false
-        }
-    }
+    required(found, &format!("{program} ({package})"))
 }
 
 /// A small CTR job: narrow model, small vocabularies (so rows are shared between trainers and
@@ -530,11 +523,17 @@ pub fn python_imports(modules: &[&str]) -> bool {
         .stderr(std::process::Stdio::null())
         .status()
         .is_ok_and(|s| s.success());
+    required(found, &format!("python3 with the modules {modules:?}"))
+}
+
+/// Whether a part a test needs (`what`) was `found`: CI must have it (`.ci/run` installs it),
+/// elsewhere the test says it was skipped.
+fn required(found: bool, what: &str) -> bool {
     match (found, std::env::var_os("CI").is_some()) {
         (true, _) => true,
-        (false, true) => panic!("CI must give python3 the modules {modules:?}: .ci/run does"),
+        (false, true) => panic!("CI must provide {what}: .ci/run installs it"),
         (false, false) => {
-            eprintln!("skipped: python3 cannot import {modules:?} here");
+            eprintln!("skipped: {what} is not here");
             false
         }
     }
