@@ -219,6 +219,24 @@ fn eval_of_the_model_file_and_of_the_last_checkpoint_equals_the_runs_own_evaluat
     assert_eq!(got["test_accuracy"], summary["test_accuracy"]);
     assert_eq!(got["test_samples"], 359);
 
+    // Rows of another width than the model reads are refused before anything is written.
+    let predictions = dir.path().join("refused.csv");
+    let test_rows = dir.path().join("test.csv");
+    #[rustfmt::skip]
+    let args = [
+        "predict", "--model", params.to_str().unwrap(), "--data", test_rows.to_str().unwrap(),
+        "--out", predictions.to_str().unwrap(),
+    ];
+    let finished = flotilla(&args, &[], 60);
+    assert!(!finished.success && !predictions.exists());
+    assert!(
+        finished
+            .stderr
+            .contains("the model reads 64 features a row, the data has 4 columns"),
+        "{}",
+        finished.stderr
+    );
+
     // Another model's file is refused by the tensor that does not fit.
     let args = [
         "eval",

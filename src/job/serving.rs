@@ -16,7 +16,7 @@ use crate::collective::{score_batch, training_state};
 use crate::config::JobConfig;
 use crate::data::table::read_features;
 use crate::models::export::ModelFile;
-use crate::models::{Model, ParamInit};
+use crate::models::{Model, ModelSpec, ParamInit};
 
 /// Rows per forward pass of `predict`.
 const PREDICT_ROWS: usize = 256;
@@ -106,6 +106,11 @@ pub struct Predictions {
 pub fn predict(model_file: &Path, data: &[String], out: &Path) -> Result<Predictions> {
     let bytes = std::fs::read(model_file).with_context(|| format!("reading {}", model_file.display()))?;
     let file = ModelFile::parse(&bytes).with_context(|| model_file.display().to_string())?;
+    ensure!(
+        !matches!(file.info.spec, Some(ModelSpec::Gpt(_))),
+        "{} holds a GPT, a language model of token ids: predict reads tables of features",
+        model_file.display()
+    );
     let model = file
         .model(&Device::Cpu)
         .with_context(|| model_file.display().to_string())?;
@@ -117,6 +122,12 @@ pub fn predict(model_file: &Path, data: &[String], out: &Path) -> Result<Predict
         .transpose()?;
     let regression = matches!(file.info.loss.as_deref(), Some("mse" | "mae"));
     let (features, dim) = read_features(data, columns.as_deref())?;
+    if let Some(ModelSpec::Mlp { inputs, .. }) = &file.info.spec {
+        ensure!(
+            *inputs == dim,
+            "the model reads {inputs} features a row, the data has {dim} columns (give the columns it was trained on)"
+        );
+    }
     let rows = features.len() / dim;
     let mut outputs = Vec::with_capacity(rows);
     for start in (0..rows).step_by(PREDICT_ROWS) {
@@ -124,7 +135,7 @@ pub fn predict(model_file: &Path, data: &[String], out: &Path) -> Result<Predict
         let x = Tensor::from_slice(&features[start * dim..end * dim], (end - start, dim), &Device::Cpu)?;
         let y = model
             .forward(&x)
-            .with_context(|| format!("the model reads rows of another width than the data's {dim} columns"))?;
+            .with_context(|| format!("running the model on rows {start}..{end}"))?;
         outputs.extend(y.to_vec2::<f32>()?);
     }
     let width = outputs.first().map_or(0, Vec::len);

@@ -68,6 +68,9 @@ pub struct PipelineReplica {
     overlap_allreduce: bool,
     /// Averages the stage's gradients over its replicas.
     gradients: GradientSync,
+    /// The order the schedule finishes the stage's gradients in ([`Stage::gradient_order`]),
+    /// worked out once: the order they are handed over in when not overlapping.
+    gradient_order: Vec<usize>,
     device: Device,
     micro_batches: usize,
     /// Rows per pass of evaluation through the pipeline.
@@ -152,7 +155,8 @@ impl PipelineReplica {
         let stage = Stage::new(stage, p, chunks, kind, configs.accumulate_steps)?;
         let params = stage.parameters();
         let vars: Vec<Var> = params.iter().map(|(_, v)| v.clone()).collect();
-        let gradients = GradientSync::new(job, vars.clone(), &stage.gradient_order(), &device)?;
+        let gradient_order = stage.gradient_order();
+        let gradients = GradientSync::new(job, vars.clone(), &gradient_order, &device)?;
         let lr_policy = LrPolicy::new(&job.train, dp, gradients.optimizer_step(steps));
         let optimizer = Optimizer::new(&job.train, vars, lr_policy.at(0))?;
         Ok(Self {
@@ -166,6 +170,7 @@ impl PipelineReplica {
             collective_timeout: job.fault_tolerance.timeout(),
             overlap_allreduce,
             gradients,
+            gradient_order,
             device,
             micro_batches: configs.accumulate_steps,
             eval_batch_size: job.train.eval_batch_size,
@@ -248,7 +253,7 @@ impl PipelineReplica {
             },
         )?;
         if !overlap {
-            for index in self.stage.gradient_order() {
+            for &index in &self.gradient_order {
                 gradients.add(index, &step.gradients[index])?;
             }
         }
