@@ -97,17 +97,14 @@ fn bad_tables_are_refused_with_the_file_line_and_column() {
     let config_path = dir.path().join("regression.toml");
     std::fs::write(&config_path, config_text(dir.path(), 1)).unwrap();
     let run_dir = dir.path().join("run");
-    let finished = flotilla(
-        &[
-            "train",
-            "--config",
-            config_path.to_str().unwrap(),
-            "--run-dir",
-            run_dir.to_str().unwrap(),
-        ],
-        &[],
-        60,
-    );
+    let args = [
+        "train",
+        "--config",
+        config_path.to_str().unwrap(),
+        "--run-dir",
+        run_dir.to_str().unwrap(),
+    ];
+    let finished = flotilla(&args, &[], 60);
     assert!(!finished.success);
     assert!(
         finished.stderr.contains("train.csv")
@@ -120,13 +117,6 @@ fn bad_tables_are_refused_with_the_file_line_and_column() {
     assert!(!run_dir.join("summary.json").exists() && !run_dir.join("params.safetensors").exists());
 
     std::fs::write(dir.path().join("train.csv"), "a,b,c\n1,2,3\n").unwrap();
-    let args = [
-        "train",
-        "--config",
-        config_path.to_str().unwrap(),
-        "--run-dir",
-        run_dir.to_str().unwrap(),
-    ];
     let finished = flotilla(&args, &[], 60);
     assert!(!finished.success);
     assert!(

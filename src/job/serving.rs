@@ -16,7 +16,7 @@ use crate::collective::{score_batch, training_state};
 use crate::config::JobConfig;
 use crate::data::table::read_features;
 use crate::models::export::ModelFile;
-use crate::models::{Model, ModelSpec, ParamInit};
+use crate::models::{Model, ModelSpec, ParamInit, Score};
 
 /// Rows per forward pass of `predict`.
 const PREDICT_ROWS: usize = 256;
@@ -54,9 +54,13 @@ pub fn evaluate(config: JobConfig, weights: &Weights) -> Result<Evaluation> {
     let model = (job.model)(&ParamInit::new(job.config.train.seed, device.clone()))?;
     let step = load(&model, weights)?;
     let loss = job.config.train.resolved_loss()?;
+    // Each piece is copied out of the held-out set as it is scored, never the whole set at once.
     let rows: Vec<usize> = (0..job.test_data.len()).collect();
-    let held_out = job.test_data.select(&rows);
-    let score = score_batch(&model, &held_out, loss, job.config.train.eval_batch_size, &device)?;
+    let piece_rows = job.config.train.eval_batch_size.max(1);
+    let mut score = Score::default();
+    for piece in rows.chunks(piece_rows) {
+        score += score_batch(&model, &job.test_data.select(piece), loss, piece_rows, &device)?;
+    }
     let (test_accuracy, test_mse) = Summary::held_out(loss, score);
     Ok(Evaluation {
         test_accuracy,
