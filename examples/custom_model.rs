@@ -4,21 +4,20 @@
 //!
 //! In one process (a simulated cluster of 2 ranks):
 //!
-//!     cargo run --release --example custom_model
+//!     cargo run --release --example custom_model -- --run-dir runs/custom_model
 //!
 //! As 2 real processes over TCP, started by flotilla's launcher:
 //!
 //!     cargo build --release --example custom_model
-//!     cargo run --release -- launch --nproc_per_node 2 -- target/release/examples/custom_model
+//!     cargo run --release -- launch --nproc_per_node 2 -- target/release/examples/custom_model --set train.epochs=5
 
 use anyhow::Result;
 use candle_core::{Tensor, Var};
 
-use flotilla::config::{process_env, JobConfig};
+use flotilla::cli::{standard_command_line, DefaultConfig};
 use flotilla::data::Dataset;
-use flotilla::job::{RunOptions, TrainingJob};
+use flotilla::job::TrainingJob;
 use flotilla::models::{Activation, Block, Linear, Model, ParamInit};
-use flotilla::telemetry::monitor::ProgressView;
 
 /// A block flotilla has never heard of: `x + relu(x W + b)`, a residual layer.
 struct Residual {
@@ -56,12 +55,9 @@ fn model(init: &ParamInit) -> Result<Model> {
     ])
 }
 
-fn main() -> Result<()> {
-    flotilla::telemetry::init_logging();
-    // The strategy in code, in the same TOML words as a config file; the
-    // launcher's environment (PADDLE_*) still overrides it.
-    let config = JobConfig::from_toml_str(
-        r#"
+/// The strategy in code, in the same TOML words as a config file; `--config` replaces it, and
+/// `--set` and the launcher's environment (PADDLE_*) override it.
+const CONFIG: &str = r#"
         [cluster]
         nproc_per_node = 2
 
@@ -74,17 +70,17 @@ fn main() -> Result<()> {
         batch_size = 64
         optimizer = "adamw"
         lr = 0.002
-        "#,
-        "custom_model.rs",
-        &process_env,
-        &[],
-    )?;
+        "#;
+
+fn main() -> Result<()> {
+    // `flotilla train`'s command line: --config, --set, --run-dir, --trace, --resume, …
+    let (config, options) = standard_command_line(&DefaultConfig {
+        local_file: None,
+        toml: CONFIG,
+        name: "custom_model.rs",
+    })?;
     let (train, test) = Dataset::digits()?.split(0.2, config.train.seed)?;
     let job = TrainingJob::new(config, model, train, test)?;
-    let options = RunOptions {
-        progress: ProgressView::from_environment(),
-        ..RunOptions::new("runs/custom_model")
-    };
     if let Some(outcome) = job.run(&options)? {
         println!(
             "test accuracy {:.4} after {} steps",

@@ -74,6 +74,7 @@
 pub mod actors;
 pub mod bench;
 pub mod checkpoint;
+pub mod cli;
 pub mod collective;
 pub mod config;
 pub mod cpu_values;

@@ -12,28 +12,27 @@ use flotilla::bench::allreduce::{self, AllReduceArgs};
 use flotilla::bench::checkpoint::{self as checkpoint_bench, CheckpointBenchArgs};
 use flotilla::bench::pipeline::{self as pipeline_bench, PipelineBenchArgs};
 use flotilla::bench::ps::{self as ps_bench, PsBenchArgs, PsBenchShardArgs};
+use flotilla::cli::{ConfigArgs, DefaultConfig, TrainArgs};
 use flotilla::config::{process_env, JobConfig};
 use flotilla::data::ctr::{write_synthetic, CriteoSynth, Split};
 use flotilla::job::ps::{ParameterServerJob, PsSummary};
 use flotilla::job::ps_serving;
 use flotilla::job::serving::Weights;
-use flotilla::job::{
-    resumed_config, run_dir, Refusal, Resume, RunOptions, RunOutcome, TrainingJob, REFUSAL_EXIT_CODE, RESUME_VAR,
-};
+use flotilla::job::{run_dir, Refusal, RunOptions, RunOutcome, TrainingJob, REFUSAL_EXIT_CODE};
 use flotilla::launch::{
     recover_in_place, supervise, ChildSpec, DeathWatch, LaunchArgs, LaunchPsArgs, OutputMode, RUN_DIR_VAR,
 };
 use flotilla::net::auth::Credentials;
 use flotilla::telemetry::metrics::METRICS_FILE;
-use flotilla::telemetry::monitor::ProgressView;
 use flotilla::telemetry::summary_table;
 use flotilla::telemetry::{LogFormat, LOG_FORMAT_VAR};
 
 /// The default job, compiled in so `flotilla train` works from any directory.
-const EMBEDDED_CONFIG: &str = include_str!("../config.toml");
-const DEFAULT_CONFIG: &str = "config.toml";
-/// Where default run directories are made.
-const RUNS: &str = "runs";
+const BUILT_IN: DefaultConfig = DefaultConfig {
+    local_file: Some("config.toml"),
+    toml: include_str!("../config.toml"),
+    name: "<built-in config.toml>",
+};
 
 #[derive(Parser)]
 #[command(
@@ -204,48 +203,6 @@ enum Role {
     Pserver,
     /// The coordinator of a collective data-parallel job, as a process of its own.
     Coordinator,
-}
-
-#[derive(clap::Args)]
-struct TrainArgs {
-    #[command(flatten)]
-    job: ConfigArgs,
-    /// The run's directory: its config.toml, metrics.jsonl, params.safetensors, summary.json
-    /// and, by default, its checkpoints (default: $FLOTILLA_RUN_DIR, which a launcher sets for
-    /// all its processes, else a new runs/<UTC date>-<time>-<pid>). One that already holds
-    /// files is refused unless --overwrite.
-    #[arg(long)]
-    run_dir: Option<PathBuf>,
-    /// Write into a --run-dir that already holds another run's files.
-    #[arg(long, requires = "run_dir")]
-    overwrite: bool,
-    /// Write every rank's timeline (data, forward, backward, all-reduce buckets, waits,
-    /// pipeline sends and receives, pulls and pushes) into this directory as `rank-N.json`
-    /// chrome traces; an in-process job also merges them into `trace.json`, a launched one
-    /// with `flotilla trace merge DIR`. Open them in Perfetto or chrome://tracing.
-    #[arg(long, value_name = "DIR")]
-    trace: Option<PathBuf>,
-    /// Serve the reporting rank's per-step figures for Prometheus at
-    /// `http://ADDRESS:PORT/metrics`: a bare PORT listens on 127.0.0.1 only (the endpoint has
-    /// no authentication); `0.0.0.0:PORT` lets another machine scrape it.
-    #[arg(long = "metrics-port", value_name = "[ADDRESS:]PORT", value_parser = flotilla::telemetry::exporter::parse_listen_address)]
-    metrics_address: Option<std::net::SocketAddr>,
-    /// Continue the stopped run in this run directory, with the config.toml it wrote (`--set`
-    /// may change only how long and how it runs), from the newest intact checkpoint of its
-    /// `fault_tolerance.checkpoint_dir`; its outputs go on being written there.
-    #[arg(long, value_name = "RUN_DIR", conflicts_with_all = ["run_dir", "config"])]
-    resume: Option<PathBuf>,
-}
-
-/// Where a job's config comes from.
-#[derive(clap::Args)]
-struct ConfigArgs {
-    /// The job's TOML file (default: ./config.toml, else the built-in one).
-    #[arg(long)]
-    config: Option<PathBuf>,
-    /// Override a key: `section.key=value` (repeatable).
-    #[arg(long = "set", value_name = "KEY=VALUE")]
-    overrides: Vec<String>,
 }
 
 #[derive(clap::Args)]
@@ -443,30 +400,7 @@ fn run(cli: Cli) -> Result<()> {
 }
 
 fn load_config(args: &ConfigArgs) -> Result<JobConfig> {
-    load_config_with_env(args, &process_env)
-}
-
-/// The config of a process that trains: one that does not load is a refusal, as no restart
-/// changes it.
-fn load_config_with_env(args: &ConfigArgs, env: &dyn Fn(&str) -> Option<String>) -> Result<JobConfig> {
-    let config = match &args.config {
-        Some(path) => JobConfig::from_file(path, env, &args.overrides)?,
-        None if std::path::Path::new(DEFAULT_CONFIG).exists() => {
-            JobConfig::from_file(DEFAULT_CONFIG.as_ref(), env, &args.overrides)?
-        }
-        None => JobConfig::from_toml_str(EMBEDDED_CONFIG, "<built-in config.toml>", env, &args.overrides)?,
-    };
-    Ok(config)
-}
-
-/// A `train` or `run` process's config: the resumed run's own, else as [`load_config_with_env`].
-/// An error is a refusal: no restart can change it.
-fn load_train_config(args: &TrainArgs, env: &dyn Fn(&str) -> Option<String>) -> Result<JobConfig> {
-    match &args.resume {
-        Some(dir) => resumed_config(dir, env, &args.job.overrides),
-        None => load_config_with_env(&args.job, env),
-    }
-    .map_err(Refusal::wrap)
+    args.load(&process_env, &BUILT_IN)
 }
 
 /// `train [ARGS]` after a launcher's `--`, parsed as the processes will parse it.
@@ -505,7 +439,9 @@ fn launch(
         }) => run_dir::check_named(dir, *overwrite)?,
         // flotilla's own trainer only: a program of the user's own keeps its outputs itself.
         Some(_) if std::env::var_os(RUN_DIR_VAR).is_none() => {
-            let run_dir = run_dir::create_unique(RUNS.as_ref())?.display().to_string();
+            let run_dir = run_dir::create_unique(flotilla::cli::RUNS.as_ref())?
+                .display()
+                .to_string();
             for child in &mut children {
                 child.env.push((RUN_DIR_VAR.to_string(), run_dir.clone()));
             }
@@ -574,17 +510,16 @@ fn launched_config(train: Option<&TrainArgs>, children: &[ChildSpec]) -> Result<
             .map(|(_, v)| v.clone())
             .or_else(|| process_env(key))
     };
-    load_train_config(args, &env).map(Some)
+    args.load_config(&env, &BUILT_IN).map(Some)
 }
 
 /// One role of a launched job; the environment says which rank or shard: a launcher's (ours,
 /// Paddle's, torchrun's), or a cluster engine's that started every rank itself (`srun`,
 /// `mpirun`), read as torchrun's.
 fn run_role(role: Role, args: &TrainArgs) -> Result<()> {
-    let engine = flotilla::config::placement::engine_env(&process_env)?;
-    let env = |key: &str| engine.get(key).cloned().or_else(|| process_env(key));
-    let config = load_train_config(args, &env)?;
-    let options = run_options(args, &config)?;
+    let env = flotilla::config::placement::launched_env()?;
+    let config = args.load_config(&env, &BUILT_IN)?;
+    let options = args.options(&config)?;
     match (role, config.cluster.is_parameter_server()) {
         (Role::Coordinator, _) => flotilla::job::run_coordinator(&config, &options),
         (Role::Pserver, true) => {
@@ -610,29 +545,6 @@ fn run_role(role: Role, args: &TrainArgs) -> Result<()> {
             Ok(())
         }
     }
-}
-
-/// Where a process of the job `config` writes and starts: a resumed run in its own directory
-/// from its checkpoints; else in `--run-dir`, the launcher's directory or a new one.
-fn run_options(args: &TrainArgs, config: &JobConfig) -> Result<RunOptions> {
-    let run_dir = match (&args.resume, &args.run_dir, std::env::var_os(RUN_DIR_VAR)) {
-        (Some(dir), _, _) | (None, Some(dir), _) => dir.clone(),
-        (None, None, Some(dir)) => PathBuf::from(dir),
-        (None, None, None) => run_dir::create_unique(RUNS.as_ref())?,
-    };
-    let resume = match &args.resume {
-        Some(_) => Resume::From(config.fault_tolerance.checkpoint_dir_of(&run_dir)),
-        // A launcher restarting the job after a failure.
-        None if std::env::var_os(RESUME_VAR).is_some() => Resume::IfAny,
-        None => Resume::Fresh,
-    };
-    Ok(RunOptions {
-        run_dir,
-        progress: ProgressView::from_environment(),
-        metrics_address: args.metrics_address,
-        trace: args.trace.clone(),
-        resume,
-    })
 }
 
 fn print_ps_summary(summary: Option<&PsSummary>, options: &RunOptions) -> Result<()> {
@@ -673,22 +585,8 @@ fn print_out(text: &str) {
 
 /// `flotilla train`: the whole job in this process, or the role a launcher's environment names.
 fn train(args: &TrainArgs) -> Result<()> {
-    let config = load_train_config(args, &process_env)?;
-    let launched =
-        flotilla::config::placement::rank(&process_env)?.is_some() || std::env::var_os("TRAINING_ROLE").is_some();
-    // A launched process shares the directory its launcher checked.
-    if let (false, None, Some(dir)) = (launched, &args.resume, &args.run_dir) {
-        run_dir::check_named(dir, args.overwrite)?;
-    }
-    let options = run_options(args, &config)?;
-    if !launched {
-        // Every role of the job shares this process's cores (a launcher sets this itself).
-        let roles = config.world_size() + config.cluster.server_num;
-        for (var, threads) in flotilla::launch::thread_env(roles) {
-            // Before any thread exists and before the first tensor op sizes candle's pool.
-            std::env::set_var(var, threads);
-        }
-    }
+    let config = args.load_config(&process_env, &BUILT_IN)?;
+    let options = args.prepare(&config)?;
     if config.cluster.is_parameter_server() {
         let summary = ParameterServerJob::builtin(config)?.run(&options)?;
         print_ps_summary(summary.as_ref(), &options)?;

@@ -6,6 +6,7 @@
 //! `strategy.fp16_allreduce`, in bfloat16 on the wire. With gradient merge the buckets of k
 //! batches are summed first and all-reduced once.
 
+use std::ops::Range;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, ensure, Context, Result};
@@ -16,6 +17,7 @@ use super::gradient_bucket::{BucketFill, BucketValues};
 use super::BucketPlan;
 use crate::config::JobConfig;
 use crate::engines::comm::{CommWorker, Pending, Wire};
+use crate::models::NamedParam;
 use crate::optim::GradientMerge;
 use crate::telemetry::timeline::{record, Lane, Timeline};
 
@@ -181,6 +183,22 @@ impl StepGradients<'_> {
             "step {}: a collective failed, so the step stops before the rest of backward",
             self.step
         )
+    }
+
+    /// Hands over, from `grads`, the gradients of the `params` (the replica's, in model order)
+    /// of the blocks in `blocks`: the last block first, as backward finishes them. Stops first
+    /// if an all-reduce failed: that collective's error dooms the step (a rollback may follow).
+    pub fn add_blocks(&mut self, params: &[NamedParam], blocks: Range<usize>, grads: &GradStore) -> Result<()> {
+        self.stop_if_failed()?;
+        for block in blocks.rev() {
+            for (index, param) in params.iter().enumerate().filter(|(_, p)| p.block == block) {
+                let grad = grads
+                    .get(param.var.as_tensor())
+                    .with_context(|| format!("no gradient for {}", param.name))?;
+                self.add(index, grad)?;
+            }
+        }
+        Ok(())
     }
 
     /// Waits for the step's all-reduces and returns the averaged gradients, or nothing on a

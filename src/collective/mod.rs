@@ -17,4 +17,4 @@ pub use checksum::ParamChecksum;
 pub use evaluation::score_batch;
 pub(crate) use evaluation::sum_over_ranks;
 pub use gradient_sync::{Averaged, GradientSync, StepGradients};
-pub use replica::{Replica, StepReport};
+pub use replica::{backward_order, broadcast_parameters, Replica, StepReport};

@@ -4,7 +4,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use anyhow::{bail, Context, Result};
+use anyhow::{bail, Result};
 use candle_core::{Device, Tensor, Var};
 
 use super::evaluation::{score_batch, sum_over_ranks};
@@ -71,14 +71,8 @@ impl Replica {
     /// `comm`, in a run of `steps` batches.
     pub fn new(model: Model, job: &JobConfig, comm: CommWorker, device: Device, steps: usize) -> Result<Self> {
         let params = model.parameters();
-        // Backward finishes the blocks from the last, each block's parameters in their order.
-        let backward_order: Vec<usize> = (0..model.blocks().len())
-            .rev()
-            .flat_map(|block| params.iter().enumerate().filter(move |(_, p)| p.block == block))
-            .map(|(i, _)| i)
-            .collect();
         let vars: Vec<Var> = params.iter().map(|p| p.var.clone()).collect();
-        let gradients = GradientSync::new(job, vars.clone(), &backward_order, &device)?;
+        let gradients = GradientSync::new(job, vars.clone(), &backward_order(&model, &params), &device)?;
         // The job's world, not this generation's: with elastic membership the global batch, and
         // so its learning rate, stays the same on fewer ranks.
         let lr_policy = LrPolicy::new(&job.train, job.world_size(), gradients.optimizer_step(steps));
@@ -180,22 +174,7 @@ impl Replica {
 
     /// Makes every rank start from rank 0's parameters.
     pub fn broadcast_parameters(&mut self) -> Result<()> {
-        let flat = self
-            .params
-            .iter()
-            .map(|p| p.var.flatten_all())
-            .collect::<candle_core::Result<Vec<_>>>()?;
-        let flat = Tensor::cat(&flat, 0)?;
-        let flat = self
-            .comm
-            .run(move |c| c.broadcast_tensor("broadcast of the initial parameters", flat, 0))?;
-        let mut offset = 0;
-        for p in &self.params {
-            let n = p.var.elem_count();
-            p.var.set(&flat.narrow(0, offset, n)?.reshape(p.var.shape())?)?;
-            offset += n;
-        }
-        Ok(())
+        broadcast_parameters(&self.comm, &self.params)
     }
 
     /// One synchronous data-parallel step on this rank's `batch`; with gradient merge, the
@@ -227,18 +206,7 @@ impl Replica {
         let params = &self.params;
         let mut gradients = self.gradients.begin(step, &self.comm);
         segments::backward(blocks, cut, forward, &upstream, &mut |range, grads| {
-            // A failed all-reduce dooms the step: stop computing it, with that collective's error
-            // (a rollback may follow).
-            gradients.stop_if_failed()?;
-            for block in range.rev() {
-                for (param_index, param) in params.iter().enumerate().filter(|(_, p)| p.block == block) {
-                    let grad = grads
-                        .get(param.var.as_tensor())
-                        .with_context(|| format!("no gradient for {}", param.name))?;
-                    gradients.add(param_index, grad)?;
-                }
-            }
-            Ok(())
+            gradients.add_blocks(params, range, grads)
         })?;
         settle_for_trace(&self.timeline, &self.device)?;
         record(
@@ -330,6 +298,33 @@ impl Replica {
         }
         Ok(mine)
     }
+}
+
+/// The order backward finishes `model`'s `params` in (indices into `params`): the blocks from
+/// the last, each block's parameters in their order.
+pub fn backward_order(model: &Model, params: &[NamedParam]) -> Vec<usize> {
+    (0..model.blocks().len())
+        .rev()
+        .flat_map(|block| params.iter().enumerate().filter(move |(_, p)| p.block == block))
+        .map(|(i, _)| i)
+        .collect()
+}
+
+/// Sets `params` on every rank of `comm`'s ring to rank 0's values.
+pub fn broadcast_parameters(comm: &CommWorker, params: &[NamedParam]) -> Result<()> {
+    let flat = params
+        .iter()
+        .map(|p| p.var.flatten_all())
+        .collect::<candle_core::Result<Vec<_>>>()?;
+    let flat = Tensor::cat(&flat, 0)?;
+    let flat = comm.run(move |c| c.broadcast_tensor("broadcast of the initial parameters", flat, 0))?;
+    let mut offset = 0;
+    for p in params {
+        let n = p.var.elem_count();
+        p.var.set(&flat.narrow(0, offset, n)?.reshape(p.var.shape())?)?;
+        offset += n;
+    }
+    Ok(())
 }
 
 /// See [`Replica::settle_for_trace`]; apart, for where the replica is partly borrowed.

@@ -39,6 +39,13 @@ pub fn rank(env: &dyn Fn(&str) -> Option<String>) -> Result<Option<usize>> {
 /// started this process, inside whatever engine started the launcher.
 const LAUNCHER_VARS: [&str; 4] = ["PADDLE_TRAINER_ID", "RANK", "TRAINING_ROLE", "PADDLE_TRAINERS_NUM"];
 
+/// This process's environment as its launcher or cluster engine states it: an engine's variables
+/// as [`engine_env`] translates them, then the process's own.
+pub fn launched_env() -> Result<impl Fn(&str) -> Option<String>> {
+    let engine = engine_env(&super::process_env)?;
+    Ok(move |key: &str| engine.get(key).cloned().or_else(|| super::process_env(key)))
+}
+
 /// torchrun's variables (`RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `LOCAL_WORLD_SIZE`, `MASTER_ADDR`,
 /// `MASTER_PORT`) as the cluster engine that started this process states them, when no
 /// launcher of ours, Paddle's or torchrun's did (theirs win: a launcher runs inside the

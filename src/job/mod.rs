@@ -6,10 +6,12 @@
 
 mod control;
 mod coordinator;
+mod distributed_model;
 mod heartbeat;
 mod outputs;
 mod pipeline;
 mod process;
+mod process_group;
 pub mod ps;
 pub mod ps_serving;
 mod ps_struck;
@@ -24,8 +26,10 @@ pub(crate) use crate::actors::recovery::Recovery;
 pub use crate::actors::recovery::{Refusal, Resume, REFUSAL_EXIT_CODE, RESUME_VAR};
 pub use control::connect_control;
 pub use coordinator::run_coordinator;
-pub use outputs::{RunOutcome, Summary, CONFIG_FILE};
+pub use distributed_model::{DistributedModel, Output};
+pub use outputs::{write_params, RunOutcome, Summary, CONFIG_FILE};
 pub use process::{coordinator_is_own_process, COORDINATOR_PROCESS_VAR};
+pub use process_group::ProcessGroup;
 pub use resumed::{resumed_config, SAFE_TO_CHANGE};
 pub use simulated::{FaultPlan, FaultReport};
 

@@ -5,7 +5,7 @@
 //! full disk) leaves no summary claiming it finished.
 
 use std::io::{BufWriter, Write};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result};
 use candle_core::Device;
@@ -15,8 +15,8 @@ use super::TrainingJob;
 use crate::actors::trainer::RankOutcome;
 use crate::checkpoint::write_atomically;
 use crate::config::{JobConfig, LossKind};
-use crate::models::export::write_model;
-use crate::models::{ParamInit, Score};
+use crate::models::export::{write_model, ModelInfo};
+use crate::models::{Model, ParamInit, Score};
 
 /// The resolved config of a run, in its run directory.
 pub const CONFIG_FILE: &str = "config.toml";
@@ -121,9 +121,17 @@ impl RunOutcome {
         // A model of the job's shape on the host, holding the trained values.
         let model = (job.model)(&ParamInit::new(job.config.train.seed, Device::Cpu))?;
         model.assign(&self.parameters)?;
-        write_output(run_dir, PARAMS_FILE, |out| write_model(out, &model, &job.export))?;
+        write_params(run_dir, &model, &job.export)?;
         write_summary(run_dir, &self.summary)
     }
+}
+
+/// Writes `model` as `run_dir/params.safetensors`, the model file ([`crate::models::export`])
+/// that `flotilla eval` and `predict` read and PyTorch loads by name; atomically, creating
+/// `run_dir` if needed. Returns the file's path.
+pub fn write_params(run_dir: &Path, model: &Model, info: &ModelInfo) -> Result<PathBuf> {
+    write_output(run_dir, PARAMS_FILE, |out| write_model(out, model, info))?;
+    Ok(run_dir.join(PARAMS_FILE))
 }
 
 /// Writes the resolved `config.toml` into `run_dir` (created if needed).

@@ -253,7 +253,7 @@ pub(super) fn run(job: &TrainingJob, rank: usize, options: &RunOptions) -> Resul
 }
 
 /// Rank `rank`'s ring link over `listener` (none when it trains alone).
-fn ring_link(
+pub(crate) fn ring_link(
     config: &JobConfig,
     rank: usize,
     listener: TcpListener,

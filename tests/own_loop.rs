@@ -1,0 +1,104 @@
+//! A training loop of the program's own (`examples/own_loop.rs`: its loss, its optimizer, its
+//! data) with flotilla's process group and gradient averaging, under `flotilla launch`.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use common::{flotilla, free_port_range, max_abs_diff, read_params, read_summary, start_flotilla, trainer_ranks};
+
+/// The example's binary, which `cargo test` builds beside the tests.
+fn own_loop() -> PathBuf {
+    let deps = std::env::current_exe().unwrap();
+    let profile = deps.parent().and_then(Path::parent).unwrap();
+    let program = profile.join("examples").join("own_loop");
+    assert!(program.exists(), "{} is not built", program.display());
+    program
+}
+
+fn summary_mse(run_dir: &Path) -> f64 {
+    read_summary(run_dir)["test_mse"].as_f64().unwrap()
+}
+
+#[test]
+fn the_own_loop_on_two_processes_equals_one_process() {
+    let dir = tempfile::tempdir().unwrap();
+    let program = own_loop();
+    let steps = "train.steps=200";
+    let (alone, launched) = (dir.path().join("alone"), dir.path().join("launched"));
+    let finished = common::start_program(
+        program.to_str().unwrap(),
+        &["--run-dir", alone.to_str().unwrap(), "--set", steps],
+        &[],
+    )
+    .finish(60);
+    assert!(finished.success, "{}", finished.stderr);
+
+    let port = free_port_range(3).to_string();
+    #[rustfmt::skip]
+    let args = [
+        "launch", "--nproc_per_node", "2", "--started_port", &port, "--",
+        program.to_str().unwrap(), "--run-dir", launched.to_str().unwrap(), "--set", steps,
+    ];
+    let finished = flotilla(&args, &[], 120);
+    assert!(
+        finished.success,
+        "launch failed:\n{}\n{}",
+        finished.stdout, finished.stderr
+    );
+    assert_eq!(read_summary(&launched)["world_size"], 2);
+    assert!(
+        finished.stderr.contains("[rank 1]") && finished.stderr.contains("joined the process group rank=1"),
+        "{}",
+        finished.stderr
+    );
+
+    // Each rank's loss is the mean over its half of the global batch, and the averaged gradient
+    // is the mean of the halves': the gradient of the whole batch's mean, summed in another
+    // order, so within 1e-5 per parameter (the tolerance of data_parallel_equivalence.rs).
+    let params = |run_dir: &Path| read_params(&run_dir.join("params.safetensors"));
+    let diff = max_abs_diff(&params(&alone), &params(&launched));
+    assert!(diff <= 1e-5, "max |Δparam| = {diff:e}");
+    let (mse, want) = (summary_mse(&launched), summary_mse(&alone));
+    assert!((mse - want).abs() <= 1e-4 * want, "test mse {mse} against {want}");
+    // It learned: the planted target's variance is about 0.7.
+    assert!(mse < 0.05, "test mse {mse}");
+}
+
+#[test]
+fn a_rank_that_dies_stops_the_others_with_its_name_not_a_hang() {
+    let dir = tempfile::tempdir().unwrap();
+    let program = own_loop();
+    let run_dir = dir.path().join("run");
+    let port = free_port_range(3).to_string();
+    // Long enough to be killed in the middle; the heartbeat deadline is 2 s.
+    #[rustfmt::skip]
+    let args = [
+        "launch", "--nproc_per_node", "2", "--started_port", &port, "--",
+        program.to_str().unwrap(), "--run-dir", run_dir.to_str().unwrap(), "--set", "train.steps=2000000",
+        "--set", "fault_tolerance.heartbeat_interval_ms=200", "--set", "fault_tolerance.heartbeat_misses=10",
+    ];
+    let launcher = start_flotilla(&args, &[]);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let ranks = loop {
+        let ranks = trainer_ranks(launcher.child.id());
+        if ranks.len() == 2 || Instant::now() > deadline {
+            break ranks;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let rank1 = *ranks.get(&1).expect("rank 1 started");
+    // In the middle of training.
+    std::thread::sleep(Duration::from_secs(1));
+    // SAFETY: a signal to a process this test started.
+    unsafe { libc::kill(rank1, libc::SIGKILL) };
+    let finished = launcher.finish(60);
+    assert!(!finished.success, "{}", finished.stderr);
+    assert!(
+        finished.stderr.contains("rank 1"),
+        "the error names the dead rank:\n{}",
+        finished.stderr
+    );
+    assert!(!run_dir.join("params.safetensors").exists());
+}
