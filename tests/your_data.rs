@@ -6,47 +6,82 @@ mod common;
 use std::fmt::Write as _;
 use std::path::Path;
 
+use common::parquet::{write_parquet, Column};
 use common::{flotilla, free_port_range, max_abs_diff, read_params, read_summary};
 use flotilla::config::JobConfig;
 use flotilla::job::{RunOptions, TrainingJob};
 
-/// `rows` rows of three features and a planted linear target with a little deterministic noise:
-/// `y = 2·a − b + 0.5·c + 1`.
+/// `rows` rows (a, b, c, y) of three features and a planted linear target with a little
+/// deterministic noise: `y = 2·a − b + 0.5·c + 1`.
+fn regression_rows(rows: usize, offset: usize) -> Vec<[f32; 4]> {
+    (offset..offset + rows)
+        .map(|i| {
+            let a = ((i * 37) % 101) as f32 / 50.0 - 1.0;
+            let b = ((i * 53) % 97) as f32 / 48.0 - 1.0;
+            let c = ((i * 71) % 89) as f32 / 44.0 - 1.0;
+            let noise = ((i * 13) % 7) as f32 / 100.0 - 0.03;
+            [a, b, c, 2.0 * a - b + 0.5 * c + 1.0 + noise]
+        })
+        .collect()
+}
+
 fn regression_csv(rows: usize, offset: usize) -> String {
     let mut text = String::from("a,b,c,y\n");
-    for i in offset..offset + rows {
-        let a = ((i * 37) % 101) as f32 / 50.0 - 1.0;
-        let b = ((i * 53) % 97) as f32 / 48.0 - 1.0;
-        let c = ((i * 71) % 89) as f32 / 44.0 - 1.0;
-        let noise = ((i * 13) % 7) as f32 / 100.0 - 0.03;
-        writeln!(text, "{a},{b},{c},{}", 2.0 * a - b + 0.5 * c + 1.0 + noise).unwrap();
+    for [a, b, c, y] in regression_rows(rows, offset) {
+        writeln!(text, "{a},{b},{c},{y}").unwrap();
     }
     text
 }
 
-/// A job config training an MLP regression on the CSV files in `dir`, on `ranks` ranks.
-fn config_text(dir: &Path, ranks: usize) -> String {
-    let file = |name: &str| dir.join(name).to_string_lossy().into_owned();
+/// The same rows as a Parquet file at `path`, the label first (columns are found by name), in
+/// row groups of 100.
+fn write_regression_parquet(path: &Path, rows: usize, offset: usize) {
+    let rows = regression_rows(rows, offset);
+    let doubles = |i: usize| Column::Doubles(rows.iter().map(|r| f64::from(r[i])).collect());
+    let columns = [
+        ("y", doubles(3)),
+        ("a", doubles(0)),
+        ("b", doubles(1)),
+        ("c", doubles(2)),
+    ];
+    write_parquet(path, &columns, 100);
+}
+
+/// A job config training an MLP regression on the `format` ("csv" or "parquet") files in
+/// `dir`, on `ranks` ranks.
+fn config_text(dir: &Path, format: &str, ranks: usize) -> String {
+    let file = |name: &str| dir.join(format!("{name}.{format}")).to_string_lossy().into_owned();
     format!(
         "[cluster]\nnproc_per_node = {ranks}\n\n[train]\nmodel = \"mlp\"\nhidden_sizes = [16]\n\
-         dataset = \"csv\"\ntrain_files = [{:?}]\ntest_files = [{:?}]\nlabel_column = \"y\"\n\
+         dataset = \"{format}\"\ntrain_files = [{:?}]\ntest_files = [{:?}]\nlabel_column = \"y\"\n\
          loss = \"mse\"\nsteps = 120\nbatch_size = 32\nlr = 0.05\nseed = 7\n",
-        file("train.csv"),
-        file("test.csv")
+        file("train"),
+        file("test")
     )
 }
 
 fn write_tables(dir: &Path) {
     std::fs::write(dir.join("train.csv"), regression_csv(256, 0)).unwrap();
     std::fs::write(dir.join("test.csv"), regression_csv(64, 1000)).unwrap();
+    write_regression_parquet(&dir.join("train.parquet"), 256, 0);
+    write_regression_parquet(&dir.join("test.parquet"), 64, 1000);
 }
 
 #[test]
 fn a_csv_regression_launched_on_two_processes_equals_one_process() {
+    launched_regression_equals_one_process("csv");
+}
+
+#[test]
+fn a_parquet_regression_launched_on_two_processes_equals_one_process() {
+    launched_regression_equals_one_process("parquet");
+}
+
+fn launched_regression_equals_one_process(format: &str) {
     let dir = tempfile::tempdir().unwrap();
     write_tables(dir.path());
     let config_path = dir.path().join("regression.toml");
-    std::fs::write(&config_path, config_text(dir.path(), 2)).unwrap();
+    std::fs::write(&config_path, config_text(dir.path(), format, 2)).unwrap();
     let run_dir = dir.path().join("run");
     let port = free_port_range(3).to_string();
     #[rustfmt::skip]
@@ -71,7 +106,7 @@ fn a_csv_regression_launched_on_two_processes_equals_one_process() {
     // One process on the same global batches: within 1e-5 per parameter, the tolerance of
     // data_parallel_equivalence.rs (two ranks sum their halves of each gradient in another
     // order than one process sums the whole).
-    let text = config_text(dir.path(), 1);
+    let text = config_text(dir.path(), format, 1);
     let reference = TrainingJob::builtin(JobConfig::from_toml_str(&text, "regression.toml", &|_| None, &[]).unwrap())
         .unwrap()
         .run_simulated(&RunOptions::new(dir.path().join("reference")))
@@ -95,7 +130,7 @@ fn bad_tables_are_refused_with_the_file_line_and_column() {
     broken.push_str("0.1,0.2,x7,1.0\n");
     std::fs::write(dir.path().join("train.csv"), broken).unwrap();
     let config_path = dir.path().join("regression.toml");
-    std::fs::write(&config_path, config_text(dir.path(), 1)).unwrap();
+    std::fs::write(&config_path, config_text(dir.path(), "csv", 1)).unwrap();
     let run_dir = dir.path().join("run");
     let args = [
         "train",
@@ -126,6 +161,46 @@ fn bad_tables_are_refused_with_the_file_line_and_column() {
         "{}",
         finished.stderr
     );
+}
+
+#[test]
+fn a_parquet_file_of_another_schema_is_refused_naming_the_column() {
+    let dir = tempfile::tempdir().unwrap();
+    write_tables(dir.path());
+    let train = dir.path().join("train.parquet");
+    let texts = Column::Texts((0..10).map(|i| format!("x{i}")).collect());
+    let longs = || Column::Longs((0..10).collect());
+    write_parquet(
+        &train,
+        &[("a", longs()), ("b", longs()), ("c", texts), ("y", longs())],
+        4,
+    );
+    let config_path = dir.path().join("regression.toml");
+    std::fs::write(&config_path, config_text(dir.path(), "parquet", 1)).unwrap();
+    let run_dir = dir.path().join("run");
+    let args = [
+        "train",
+        "--config",
+        config_path.to_str().unwrap(),
+        "--run-dir",
+        run_dir.to_str().unwrap(),
+    ];
+    let refused = |needle: &str| {
+        let finished = flotilla(&args, &[], 60);
+        assert!(!finished.success);
+        assert!(
+            finished.stderr.contains("train.parquet") && finished.stderr.contains(needle),
+            "{needle}: {}",
+            finished.stderr
+        );
+        assert!(!run_dir.join("summary.json").exists() && !run_dir.join("params.safetensors").exists());
+    };
+    // Integers are numbers; text is not.
+    refused("column \"c\" is not numbers: its schema is `REQUIRED BYTE_ARRAY c (UTF8);`");
+    write_parquet(&train, &[("a", longs()), ("b", longs()), ("c", longs())], 4);
+    refused("no column \"y\" (train.label_column); its columns are a, b, c");
+    std::fs::write(&train, regression_csv(10, 0)).unwrap();
+    refused("not a readable Parquet file");
 }
 
 /// Trains `config_path` for its steps as one process into `run_dir`, with a checkpoint every
@@ -167,7 +242,7 @@ fn eval_of_the_model_file_and_of_the_last_checkpoint_equals_the_runs_own_evaluat
     let dir = tempfile::tempdir().unwrap();
     write_tables(dir.path());
     let config_path = dir.path().join("regression.toml");
-    std::fs::write(&config_path, config_text(dir.path(), 2)).unwrap();
+    std::fs::write(&config_path, config_text(dir.path(), "csv", 2)).unwrap();
     for (name, extra) in [
         ("regression", &[][..]),
         (
@@ -254,7 +329,7 @@ fn pytorch_loads_the_model_file_by_name_and_predicts_as_flotilla_does() {
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/python/load_into_torch.py");
     let regression = dir.path().join("regression.toml");
     // The features in an order of their own, not the file's.
-    let text = config_text(dir.path(), 2) + "feature_columns = [\"c\", \"a\", \"b\"]\n";
+    let text = config_text(dir.path(), "csv", 2) + "feature_columns = [\"c\", \"a\", \"b\"]\n";
     std::fs::write(&regression, text).unwrap();
     let digits = Path::new(env!("CARGO_MANIFEST_DIR")).join("config.toml");
     let digit_rows = dir.path().join("digits.csv");

@@ -331,14 +331,14 @@ fn check_data_layout(config: &JobConfig) -> Result<(), FieldError> {
     Ok(())
 }
 
-/// Data sets `criteo` and `csv` need their files.
+/// Data sets `criteo`, `csv` and `parquet` need their files.
 fn check_files(config: &JobConfig) -> Result<(), FieldError> {
     let train = &config.train;
-    if train.dataset == DatasetKind::Csv {
+    if train.dataset.is_table() {
         if train.train_files.is_empty() {
             return Err(FieldError::new(
                 "train.train_files",
-                "dataset \"csv\" needs at least one CSV file here",
+                format!("dataset {} needs at least one file here", dataset_name(train.dataset)),
             ));
         }
         return Ok(());
@@ -369,6 +369,7 @@ fn dataset_name(dataset: DatasetKind) -> &'static str {
         DatasetKind::Criteo => "\"criteo\"",
         DatasetKind::Text => "\"text\"",
         DatasetKind::Csv => "\"csv\"",
+        DatasetKind::Parquet => "\"parquet\"",
     }
 }
 

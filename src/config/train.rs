@@ -85,9 +85,17 @@ pub enum DatasetKind {
     /// model reads the `train.feature_columns` and predicts the `train.label_column` — a class
     /// id, or a value to regress with `train.loss = "mse"` or `"mae"`.
     Csv,
+    /// Parquet files of the user's own, read as `csv` reads its tables: top-level columns of
+    /// integers or floating-point numbers.
+    Parquet,
 }
 
 impl DatasetKind {
+    /// Whether the set is tables of the user's own (`csv`, `parquet`).
+    pub fn is_table(self) -> bool {
+        matches!(self, Self::Csv | Self::Parquet)
+    }
+
     /// Whether the set is click logs (for the CTR model) rather than dense classification data.
     pub fn is_click_log(self) -> bool {
         matches!(self, Self::CriteoSynthetic | Self::Criteo)

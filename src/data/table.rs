@@ -1,6 +1,7 @@
-//! Tables of the user's own: CSV files with a header row, read into a [`Dataset`] of the
-//! feature columns and one label column the config names. Every file of a split must have the
-//! columns; a cell that is not a number is an error naming the file, the line and the column.
+//! Tables of the user's own: CSV files with a header row, or Parquet files, read into a
+//! [`Dataset`] of the feature columns and one label column the config names. Every file of a
+//! split must have the columns; a cell that is not a number is an error naming the file, the
+//! line (or row) and the column, a Parquet column of another type its schema.
 
 use std::path::Path;
 
@@ -41,27 +42,127 @@ pub struct TableSplits {
     pub feature_columns: Vec<String>,
 }
 
-/// The rows of `files`, read in order.
-fn read_files(files: &[String], columns: Columns, key: &str) -> Result<Rows> {
+/// The file format of a table.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TableFormat {
+    /// Comma-separated values with a header row.
+    Csv,
+    /// Apache Parquet: columns of integers or floating-point numbers.
+    Parquet,
+}
+
+impl TableFormat {
+    /// The format a file's name says: `.parquet` or `.pq` is Parquet, anything else CSV.
+    pub fn of_path(path: &Path) -> Self {
+        match path.extension().and_then(|e| e.to_str()) {
+            Some("parquet" | "pq") => Self::Parquet,
+            _ => Self::Csv,
+        }
+    }
+}
+
+/// The rows of `files` in `format` (each in the format its name says when `None`), read in
+/// order.
+fn read_files(files: &[String], format: Option<TableFormat>, columns: Columns, key: &str) -> Result<Rows> {
     ensure!(!files.is_empty(), "{key}: no files given");
     let mut rows = Rows::default();
     for file in files {
-        read_csv(Path::new(file), columns, &mut rows).with_context(|| format!("{key}: {file}"))?;
+        let path = Path::new(file);
+        match format.unwrap_or_else(|| TableFormat::of_path(path)) {
+            TableFormat::Csv => read_csv(path, columns, &mut rows),
+            TableFormat::Parquet => read_parquet(path, columns, &mut rows),
+        }
+        .with_context(|| format!("{key}: {file}"))?;
     }
     ensure!(!rows.features.is_empty(), "{key}: the files hold no rows");
     Ok(rows)
 }
 
-/// The feature columns `features` (every column when `None`) of CSV `files`, read in order:
-/// row-major values, and the number per row.
+/// The feature columns `features` (every column when `None`) of `files`, each read in the
+/// format its name says ([`TableFormat::of_path`]), in order: row-major values, and the number
+/// per row.
 pub fn read_features(files: &[String], features: Option<&[String]>) -> Result<(Vec<f32>, usize)> {
     let columns = Columns {
         label: None,
         features,
         regression: true,
     };
-    let rows = read_files(files, columns, "the data")?;
+    let rows = read_files(files, None, columns, "the data")?;
     Ok((rows.features, rows.dim))
+}
+
+/// Where the columns a model reads are in a table's `header`, by index.
+struct Layout {
+    label: Option<usize>,
+    features: Vec<usize>,
+}
+
+impl Layout {
+    /// The layout of `columns` in `header`; the first file read sets the feature columns of
+    /// `rows`, and every later one must have as many.
+    fn of(header: &[String], columns: Columns, rows: &mut Rows) -> Result<Self> {
+        let find = |name: &str, what: &str| {
+            header
+                .iter()
+                .position(|h| h == name)
+                .with_context(|| format!("no column {name:?} ({what}); its columns are {}", header.join(", ")))
+        };
+        let label = columns.label.map(|name| find(name, "train.label_column")).transpose()?;
+        let features: Vec<usize> = match columns.features {
+            Some(names) => names
+                .iter()
+                .map(|name| find(name, "train.feature_columns"))
+                .collect::<Result<_>>()?,
+            None => (0..header.len()).filter(|&i| Some(i) != label).collect(),
+        };
+        ensure!(!features.is_empty(), "no feature columns besides the label");
+        if rows.dim == 0 {
+            rows.dim = features.len();
+            rows.names = features.iter().map(|&i| header[i].clone()).collect();
+        }
+        ensure!(
+            rows.dim == features.len(),
+            "{} feature columns, where the files before had {}",
+            features.len(),
+            rows.dim
+        );
+        Ok(Self { label, features })
+    }
+
+    /// The columns read, the features' then the label's.
+    fn read(&self) -> impl Iterator<Item = usize> + '_ {
+        self.features.iter().copied().chain(self.label)
+    }
+
+    /// Appends one row to `rows`, its cells read by `cell` (by column index); `at` names the
+    /// row in errors.
+    fn push(
+        &self,
+        rows: &mut Rows,
+        regression: bool,
+        header: &[String],
+        at: &dyn Fn() -> String,
+        mut cell: impl FnMut(usize) -> Result<f32>,
+    ) -> Result<()> {
+        for &column in &self.features {
+            rows.features.push(cell(column)?);
+        }
+        let Some(label) = self.label else {
+            return Ok(());
+        };
+        let value = cell(label)?;
+        let class_id = value >= 0.0 && value.fract() == 0.0 && value < (1 << 24) as f32;
+        if !regression && !class_id {
+            bail!(
+                "{}, column {:?}: {value} is not a class id (a whole number from 0); \
+                 to regress values set train.loss = \"mse\"",
+                at(),
+                header[label]
+            );
+        }
+        rows.labels.push(value);
+        Ok(())
+    }
 }
 
 /// Appends the rows of the CSV file at `path` to `rows`.
@@ -77,74 +178,125 @@ fn read_csv(path: &Path, columns: Columns, rows: &mut Rows) -> Result<()> {
         .iter()
         .map(str::to_string)
         .collect();
-    let find = |name: &str, what: &str| {
-        header
-            .iter()
-            .position(|h| h == name)
-            .with_context(|| format!("no column {name:?} ({what}); its columns are {}", header.join(", ")))
-    };
-    let label = columns.label.map(|name| find(name, "train.label_column")).transpose()?;
-    let features: Vec<usize> = match columns.features {
-        Some(names) => names
-            .iter()
-            .map(|name| find(name, "train.feature_columns"))
-            .collect::<Result<_>>()?,
-        None => (0..header.len()).filter(|&i| Some(i) != label).collect(),
-    };
-    ensure!(!features.is_empty(), "no feature columns besides the label");
-    if rows.dim == 0 {
-        rows.dim = features.len();
-        rows.names = features.iter().map(|&i| header[i].clone()).collect();
-    }
-    ensure!(
-        rows.dim == features.len(),
-        "{} feature columns, where the files before had {}",
-        features.len(),
-        rows.dim
-    );
+    let layout = Layout::of(&header, columns, rows)?;
     for record in reader.records() {
         let record = record.context("malformed CSV")?;
         let line = record.position().map_or(0, csv::Position::line);
-        let cell = |column: usize| -> Result<f32> {
+        let at = || format!("line {line}");
+        layout.push(rows, columns.regression, &header, &at, |column| {
             let text = record.get(column).unwrap_or("");
             text.parse::<f32>()
                 .ok()
                 .filter(|v| v.is_finite())
                 .with_context(|| format!("line {line}, column {:?}: {text:?} is not a number", header[column]))
-        };
-        for &column in &features {
-            rows.features.push(cell(column)?);
-        }
-        let Some(label) = label else { continue };
-        let value = cell(label)?;
-        let class_id = value >= 0.0 && value.fract() == 0.0 && value < (1 << 24) as f32;
-        if !columns.regression && !class_id {
-            bail!(
-                "line {line}, column {:?}: {value} is not a class id (a whole number from 0); \
-                 to regress values set train.loss = \"mse\"",
-                header[label]
-            );
-        }
-        rows.labels.push(value);
+        })?;
     }
     Ok(())
 }
 
-/// The training and held-out splits of CSV tables: `test_files` held out, or when there are
+/// Appends the rows of the Parquet file at `path` to `rows`: its top-level columns of
+/// integers or floating-point numbers, row group by row group.
+fn read_parquet(path: &Path, columns: Columns, rows: &mut Rows) -> Result<()> {
+    use parquet::file::reader::{FileReader, SerializedFileReader};
+    use parquet::record::Field;
+
+    let file = std::fs::File::open(path).context("cannot open it")?;
+    let reader = SerializedFileReader::new(file).context("not a readable Parquet file")?;
+    let schema = reader.metadata().file_metadata().schema();
+    let fields = schema.get_fields();
+    let header: Vec<String> = fields.iter().map(|f| f.name().to_string()).collect();
+    let layout = Layout::of(&header, columns, rows)?;
+    for column in layout.read() {
+        let field = &fields[column];
+        let numeric = field.is_primitive()
+            && matches!(
+                field.get_physical_type(),
+                parquet::basic::Type::INT32
+                    | parquet::basic::Type::INT64
+                    | parquet::basic::Type::FLOAT
+                    | parquet::basic::Type::DOUBLE
+            )
+            && field
+                .get_basic_info()
+                .logical_type_ref()
+                .is_none_or(|logical| matches!(logical, parquet::basic::LogicalType::Integer { .. }));
+        ensure!(
+            numeric,
+            "column {:?} is not numbers: its schema is `{}`",
+            header[column],
+            schema_line(field)
+        );
+    }
+    // Only the columns read are decoded; a row holds them in the file's order.
+    let mut read: Vec<usize> = layout.read().collect();
+    read.sort_unstable();
+    read.dedup();
+    let projection = parquet::schema::types::Type::group_type_builder(schema.name())
+        .with_fields(read.iter().map(|&column| fields[column].clone()).collect())
+        .build()
+        .context("projecting the columns read")?;
+    let rows_read = reader.get_row_iter(Some(projection)).context("cannot read its rows")?;
+    for (index, row) in rows_read.enumerate() {
+        let row = row.with_context(|| format!("row {}: cannot be decoded", index + 1))?;
+        let cells = row.into_columns();
+        let at = || format!("row {}", index + 1);
+        layout.push(rows, columns.regression, &header, &at, |column| {
+            let place = read.binary_search(&column).unwrap_or_default();
+            let value = match &cells[place].1 {
+                Field::Int(v) => *v as f32,
+                Field::Long(v) => *v as f32,
+                Field::Float(v) => *v,
+                Field::Double(v) => *v as f32,
+                Field::Byte(v) => f32::from(*v),
+                Field::Short(v) => f32::from(*v),
+                Field::UByte(v) => f32::from(*v),
+                Field::UShort(v) => f32::from(*v),
+                Field::UInt(v) => *v as f32,
+                Field::ULong(v) => *v as f32,
+                other => bail!(
+                    "row {}, column {:?}: {other} is not a number",
+                    index + 1,
+                    header[column]
+                ),
+            };
+            ensure!(
+                value.is_finite(),
+                "row {}, column {:?}: {value} is not a finite number",
+                index + 1,
+                header[column]
+            );
+            Ok(value)
+        })?;
+    }
+    Ok(())
+}
+
+/// A schema field as Parquet's message syntax prints it, on one line.
+fn schema_line(field: &parquet::schema::types::Type) -> String {
+    let mut text = Vec::new();
+    parquet::schema::printer::print_schema(&mut text, field);
+    String::from_utf8_lossy(&text)
+        .split_whitespace()
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+/// The training and held-out splits of tables in `format`: `test_files` held out, or when there are
 /// none a `test_fraction` of the training rows (shuffled with `seed`). Class ids count the
 /// classes: one more than the largest of either split.
-pub fn csv_splits(
+pub fn table_splits(
+    format: TableFormat,
     train_files: &[String],
     test_files: &[String],
     columns: Columns,
     test_fraction: f64,
     seed: u64,
 ) -> Result<TableSplits> {
-    let mut train = read_files(train_files, columns, "train.train_files")?;
+    let mut train = read_files(train_files, Some(format), columns, "train.train_files")?;
     let test = if test_files.is_empty() {
         None
     } else {
-        Some(read_files(test_files, columns, "train.test_files")?)
+        Some(read_files(test_files, Some(format), columns, "train.test_files")?)
     };
     if let Some(test) = &test {
         ensure!(
@@ -216,14 +368,14 @@ mod tests {
             train,
             test,
             feature_columns,
-        } = csv_splits(std::slice::from_ref(&a), &[b], columns, 0.5, 1)?;
+        } = table_splits(TableFormat::Csv, std::slice::from_ref(&a), &[b], columns, 0.5, 1)?;
         assert_eq!(feature_columns, order);
         assert_eq!(train.inputs, Inputs::Features(vec![2.0, 1.0, 4.0, 3.0]));
         assert_eq!(train.targets, Targets::Values(vec![10.0, 30.0]));
         assert_eq!(test.inputs, Inputs::Features(vec![6.0, 5.0]));
         assert!(test.targets.is_regression());
         // Every column but the label, in file order.
-        let all = csv_splits(&[a.clone(), a], &[], REGRESS, 0.5, 1)?;
+        let all = table_splits(TableFormat::Csv, &[a.clone(), a], &[], REGRESS, 0.5, 1)?;
         assert_eq!((all.train.len(), all.train.dim), (2, 2));
         assert_eq!(all.feature_columns, ["x1", "x0"]);
         Ok(())
@@ -239,7 +391,7 @@ mod tests {
             features: None,
             regression: false,
         };
-        let splits = csv_splits(&[a], &[b], columns, 0.5, 1)?;
+        let splits = table_splits(TableFormat::Csv, &[a], &[b], columns, 0.5, 1)?;
         assert_eq!((splits.train.outputs, splits.test.outputs), (4, 4));
         assert_eq!(splits.test.targets, Targets::Classes(vec![3]));
         Ok(())
@@ -251,7 +403,7 @@ mod tests {
         let err = |file: &str, columns: Columns| {
             format!(
                 "{:#}",
-                csv_splits(&[file.to_string()], &[], columns, 0.5, 1).unwrap_err()
+                table_splits(TableFormat::Csv, &[file.to_string()], &[], columns, 0.5, 1).unwrap_err()
             )
         };
         let missing = write(dir.path(), "missing.csv", "x,z\n1,2\n");

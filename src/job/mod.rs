@@ -41,7 +41,7 @@ use anyhow::{Context, Result};
 use crate::actors::device::{ModelFactory, RingLink};
 use crate::actors::{DeviceActor, Trainer};
 use crate::config::{DatasetKind, JobConfig, LossKind, ModelKind};
-use crate::data::table::{csv_splits, Columns};
+use crate::data::table::{table_splits, Columns, TableFormat};
 use crate::data::text::TextCorpus;
 use crate::data::Dataset;
 use crate::models::export::ModelInfo;
@@ -212,13 +212,18 @@ impl TrainingJob {
             .split(train.test_fraction, train.seed)
             .context("train.test_fraction")?,
             DatasetKind::Text => text_windows(train)?,
-            DatasetKind::Csv => {
+            DatasetKind::Csv | DatasetKind::Parquet => {
+                let format = match train.dataset {
+                    DatasetKind::Parquet => TableFormat::Parquet,
+                    _ => TableFormat::Csv,
+                };
                 let columns = Columns {
                     label: Some(&train.label_column),
                     features: train.feature_columns.as_deref(),
                     regression: train.loss.is_some_and(LossKind::is_regression),
                 };
-                let splits = csv_splits(
+                let splits = table_splits(
+                    format,
                     &train.train_files,
                     &train.test_files,
                     columns,

@@ -153,7 +153,11 @@ impl ParameterServerJob {
                 let files = |names: &[String]| CtrSource::Files(names.iter().map(PathBuf::from).collect());
                 (files(&train.train_files), files(&train.test_files))
             }
-            DatasetKind::Digits | DatasetKind::Synthetic | DatasetKind::Text | DatasetKind::Csv => {
+            DatasetKind::Digits
+            | DatasetKind::Synthetic
+            | DatasetKind::Text
+            | DatasetKind::Csv
+            | DatasetKind::Parquet => {
                 bail!("the parameter-server job trains on click logs (criteo_synthetic or criteo)")
             }
         };

@@ -1,6 +1,6 @@
 //! A trained dense model put to use: `flotilla eval` scores a job's held-out split with a
 //! model file or the newest checkpoint of a run, as the job's own final evaluation does;
-//! `flotilla predict` writes a model file's outputs for the rows of CSV tables.
+//! `flotilla predict` writes a model file's outputs for the rows of CSV or Parquet tables.
 
 use std::path::{Path, PathBuf};
 

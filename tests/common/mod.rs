@@ -3,6 +3,7 @@
 #![allow(dead_code)]
 
 pub mod hosts;
+pub mod parquet;
 pub mod slurm;
 
 use std::collections::HashMap;
