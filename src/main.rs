@@ -100,8 +100,8 @@ enum Command {
     #[command(subcommand)]
     Ps(PsCommand),
     /// Predict with a trained model. A model file (a run's `params.safetensors`) predicts the
-    /// rows of CSV or Parquet tables: writes a CSV of each row's class and logits (`class,logit_0,…`) or
-    /// values (`prediction`), and prints the counts as JSON. An exported CTR model (`flotilla ps
+    /// rows of CSV or Parquet tables: writes a CSV of each row's class and logits
+    /// (`class,logit_0,…`) or values (`prediction`), and prints the counts as JSON. An exported CTR model (`flotilla ps
     /// export`, a directory) scores Criteo-layout click logs: writes `label<TAB>click
     /// probability` per record and prints the count and AUC as JSON.
     Predict {
@@ -109,8 +109,8 @@ enum Command {
         /// from).
         #[arg(long)]
         model: PathBuf,
-        /// CSV tables with a header row or Parquet files (`.parquet`, `.pq`) for a model file, or Criteo TSV files, plain or `.gz` (a
-        /// CTR export), read in this order.
+        /// CSV tables with a header row, or Parquet files (`.parquet`, `.pq`), for a model
+        /// file; Criteo TSV files, plain or `.gz`, for a CTR export; read in this order.
         #[arg(long, required = true, num_args = 1..)]
         data: Vec<PathBuf>,
         /// Where to write the scores.
