@@ -7,7 +7,7 @@ use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::time::{Duration, Instant};
 
-use common::{flotilla, free_port_range, start_flotilla, trace_spans, trace_tracks, wait_or_kill};
+use common::{flotilla, free_port_range, read_summary, start_flotilla, trace_spans, trace_tracks, wait_or_kill};
 use serde_json::Value;
 
 const STEPS: usize = 40;
@@ -341,15 +341,17 @@ fn a_launched_pipelines_outputs_and_metrics_share_the_launchers_run_directory() 
 
 /// `comm_time_ratio` and `exposed_comm_ratio` have one definition: the exposed share is the
 /// part of communication time compute waited through, so it never exceeds it — in any line,
-/// under any strategy.
+/// under any strategy. With `train.eval_every`, the lines of every 25th step and of the last
+/// hold the held-out figures, the last ones the summary's.
 #[test]
 fn the_exposed_share_never_exceeds_the_communication_share() {
     let dir = tempfile::tempdir().unwrap();
     #[rustfmt::skip]
     let jobs: [(&str, &[&str]); 3] = [
-        ("collective", &["--set", "train.steps=150"]),
+        ("collective", &["--set", "train.steps=150", "--set", "train.eval_every=25"]),
         ("pipeline", &[
-            "--set", "train.steps=60", "--set", "strategy.pipeline=true", "--set", "cluster.nproc_per_node=4",
+            "--set", "train.steps=60", "--set", "train.eval_every=25",
+            "--set", "strategy.pipeline=true", "--set", "cluster.nproc_per_node=4",
             "--set", "strategy.hybrid_configs.dp_degree=2", "--set", "strategy.hybrid_configs.pp_degree=2",
             "--set", "strategy.pipeline_configs.accumulate_steps=4",
         ]),
@@ -362,14 +364,39 @@ fn the_exposed_share_never_exceeds_the_communication_share() {
         assert!(finished.success, "{name}: {}", finished.stderr);
         let text = std::fs::read_to_string(run_dir.join("metrics.jsonl")).unwrap();
         let mut lines = 0;
+        let mut evaluated = Vec::new();
         for line in text.lines() {
             let m: Value = serde_json::from_str(line).unwrap();
             let (total, exposed) = (m["comm_time_ratio"].as_f64(), m["exposed_comm_ratio"].as_f64());
             let (total, exposed) = (total.unwrap(), exposed.unwrap());
             assert!((0.0..=total).contains(&exposed), "{name}: {line}");
             lines += 1;
+            if let Some(eval) = m.get("eval") {
+                evaluated.push((m["step"].as_u64().unwrap(), eval.clone()));
+            }
         }
         assert!(lines >= 60, "{name}: {lines} lines");
+        if name == "parameter_server" {
+            assert!(evaluated.is_empty());
+            continue;
+        }
+        let steps: Vec<u64> = evaluated.iter().map(|(step, _)| *step).collect();
+        let want: Vec<u64> = if name == "collective" {
+            vec![25, 50, 75, 100, 125, 150]
+        } else {
+            vec![25, 50, 60]
+        };
+        assert_eq!(steps, want, "{name}");
+        let summary = read_summary(&run_dir);
+        let last = &evaluated.last().unwrap().1;
+        assert_eq!(last["accuracy"], summary["test_accuracy"], "{name}");
+        assert_eq!(last["loss"], summary["test_loss"], "{name}");
+        assert_eq!(last["samples"], summary["test_samples"], "{name}");
+        let first = evaluated[0].1["loss"].as_f64().unwrap();
+        assert!(
+            last["loss"].as_f64().unwrap() < first,
+            "{name}: the held-out loss falls"
+        );
     }
 }
 
@@ -390,6 +417,8 @@ fn tensorboard_reads_the_runs_scalars() {
             run_dir.to_str().unwrap(),
             "--set",
             "train.steps=30",
+            "--set",
+            "train.eval_every=10",
         ],
         &[],
         60,
@@ -398,18 +427,24 @@ fn tensorboard_reads_the_runs_scalars() {
     let script = "import json, sys\n\
         from tensorboard.backend.event_processing.event_accumulator import EventAccumulator\n\
         events = EventAccumulator(sys.argv[1]); events.Reload()\n\
-        print(json.dumps([[s.step, s.value] for s in events.Scalars('loss')]))\n";
+        print(json.dumps([[[s.step, s.value] for s in events.Scalars(tag)] for tag in ('loss', 'eval/accuracy')]))\n";
     let logdir = run_dir.join("tensorboard");
     let read = common::start_program("python3", &["-c", script, logdir.to_str().unwrap()], &[]).finish(60);
     assert!(read.success, "{}", read.stderr);
-    let scalars: Vec<(u64, f32)> = serde_json::from_str(read.stdout.trim()).unwrap();
+    let [losses, accuracies]: [Vec<(u64, f32)>; 2] = serde_json::from_str(read.stdout.trim()).unwrap();
     let metrics = std::fs::read_to_string(run_dir.join("metrics.jsonl")).unwrap();
-    let expected: Vec<(u64, f32)> = metrics
+    let lines: Vec<Value> = metrics
         .lines()
-        .map(|line| {
-            let m: Value = serde_json::from_str(line).unwrap();
-            (m["step"].as_u64().unwrap(), m["loss"].as_f64().unwrap() as f32)
-        })
+        .map(|line| serde_json::from_str(line).unwrap())
         .collect();
-    assert_eq!(scalars, expected);
+    let scalars = |value: &dyn Fn(&Value) -> Option<f64>| -> Vec<(u64, f32)> {
+        lines
+            .iter()
+            .filter_map(|m| Some((m["step"].as_u64().unwrap(), value(m)? as f32)))
+            .collect()
+    };
+    assert_eq!(losses, scalars(&|m| m["loss"].as_f64()));
+    let held_out = scalars(&|m| m.get("eval")?["accuracy"].as_f64());
+    assert_eq!(held_out.iter().map(|(step, _)| *step).collect::<Vec<_>>(), [10, 20, 30]);
+    assert_eq!(accuracies, held_out);
 }

@@ -185,6 +185,7 @@ fn stage_outcome() -> StageOutcome {
         losses: vec![2.5, 1.25],
         evaluated: Some(flotilla::models::Score {
             total: 90.0,
+            loss_total: 31.5,
             count: 100,
         }),
         samples_per_sec: 1000.0,

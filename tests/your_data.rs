@@ -372,3 +372,46 @@ fn pytorch_loads_the_model_file_by_name_and_predicts_as_flotilla_does() {
         assert!(figures["max_abs_diff"].as_f64().unwrap() <= 1e-5, "{name}: {figures}");
     }
 }
+
+/// Evaluation scores the held-out set `eval_batch_size` rows at a time, so its memory does not
+/// grow with the set: `flotilla eval` of a wide MLP on 40 000 held-out rows peaks within 64 MB of
+/// the same on 2 000, where one forward pass of the whole set would hold 311 MB more of the
+/// hidden layer's activations alone.
+#[test]
+fn evaluation_memory_stays_bounded_as_the_held_out_set_grows() {
+    let dir = tempfile::tempdir().unwrap();
+    write_tables(dir.path());
+    let held_out = |name: &str, rows: usize| {
+        let path = dir.path().join(format!("{name}.csv"));
+        std::fs::write(&path, regression_csv(rows, 5000)).unwrap();
+        let config = config_text(dir.path(), "csv", 1)
+            .replace("hidden_sizes = [16]", "hidden_sizes = [2048]")
+            .replace("steps = 120", "steps = 4")
+            .replace(&*dir.path().join("test.csv").to_string_lossy(), &path.to_string_lossy());
+        let config_path = dir.path().join(format!("{name}.toml"));
+        std::fs::write(&config_path, config).unwrap();
+        config_path
+    };
+    let (small, large) = (held_out("small", 2_000), held_out("large", 40_000));
+    let run_dir = dir.path().join("run");
+    let summary = train(&small, &run_dir, &[]);
+    assert_eq!(summary["test_samples"], 2_000);
+    let params = run_dir.join("params.safetensors");
+    let peak = |config: &Path| {
+        let args = [
+            "eval",
+            "--config",
+            config.to_str().unwrap(),
+            "--params",
+            params.to_str().unwrap(),
+        ];
+        let (succeeded, stderr, peak) = common::flotilla_peak_rss(&args, 120);
+        assert!(succeeded, "{stderr}");
+        peak
+    };
+    let (small_peak, large_peak) = (peak(&small), peak(&large));
+    assert!(
+        large_peak < small_peak + (64 << 20),
+        "peak resident set {small_peak} B on 2 000 rows, {large_peak} B on 40 000"
+    );
+}

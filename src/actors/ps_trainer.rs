@@ -609,6 +609,7 @@ impl PsRun {
                     bubble_fraction: None,
                     peak_rss_bytes: peak_rss_bytes(),
                     sparse_tables,
+                    eval: None,
                 };
                 monitor.record(step + 1, sample)?;
             }

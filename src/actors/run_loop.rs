@@ -17,6 +17,13 @@ pub(crate) fn run_steps(job: &JobConfig, data: &Dataset) -> Result<usize> {
     job.train.length().steps(per_epoch)
 }
 
+/// Whether the held-out split is scored after `done` of the run's `steps` steps, besides the
+/// final evaluation: every `train.eval_every` steps, and at the end when any are.
+pub(crate) fn eval_due(job: &JobConfig, done: usize, steps: usize) -> bool {
+    let every = job.train.eval_every;
+    every > 0 && (done.is_multiple_of(every) || done == steps)
+}
+
 /// A rank's run, from the step it starts after to its end.
 pub(crate) struct RunLoop {
     /// This rank's part of every global batch.

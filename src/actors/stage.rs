@@ -28,7 +28,7 @@ use super::faults::RoleFaults;
 use super::kept::{commit_on_this_node, BuddyCopy, Kept, Restore};
 use super::recovery::{stage_file, Recovery};
 use super::rollback::Orders;
-use super::run_loop::{run_steps, RunLoop};
+use super::run_loop::{eval_due, run_steps, RunLoop};
 use crate::checkpoint::HeldFile;
 use crate::config::{HybridConfigs, JobConfig};
 use crate::data::Dataset;
@@ -359,6 +359,17 @@ impl StageRun {
             first,
             ..StageFigures::default()
         };
+        let loss_kind = job.train.resolved_loss()?;
+        // Every held-out row is scored: each replica takes its share, in pieces of any size.
+        let test_data = self.test_data.clone();
+        let test_share = || {
+            let n = test_data.len();
+            let rows: Vec<usize> = (replica * n / d..(replica + 1) * n / d).collect();
+            test_data.select(&rows)
+        };
+        // The newest held-out score (on the stage holding the model's output), and the steps it
+        // came after.
+        let mut scored: Option<(usize, Option<Score>)> = None;
         let started = Instant::now();
         for step in first..steps {
             if let Some(faults) = &self.faults {
@@ -376,6 +387,12 @@ impl StageRun {
             figures.peak_bytes = figures.peak_bytes.max(report.peak_activation_bytes);
             figures.pipeline_wait += report.pipeline_wait;
             figures.pipeline_time += report.pipeline_time;
+            let mut eval = None;
+            if eval_due(&job, step + 1, steps) {
+                let score = self.device.send(PipelineEvaluate(test_share())).await??;
+                scored = Some((step + 1, score));
+                eval = score.map(|score| score.held_out(loss_kind));
+            }
             if let Some(loss) = report.loss {
                 losses.push(loss);
                 if let Some(monitor) = &mut run.monitor {
@@ -391,6 +408,7 @@ impl StageRun {
                         ),
                         peak_rss_bytes: report.peak_rss_bytes,
                         sparse_tables: None,
+                        eval,
                     };
                     monitor.record(step + 1, sample)?;
                 }
@@ -401,13 +419,10 @@ impl StageRun {
             }
         }
         figures.elapsed = started.elapsed();
-        // Every held-out row is scored: each replica takes its share, in pieces of any size.
-        let n = self.test_data.len();
-        let rows: Vec<usize> = (replica * n / d..(replica + 1) * n / d).collect();
-        let evaluated = self
-            .device
-            .send(PipelineEvaluate(self.test_data.select(&rows)))
-            .await??;
+        let evaluated = match scored {
+            Some((done, score)) if done == steps => score,
+            _ => self.device.send(PipelineEvaluate(test_share())).await??,
+        };
         let parameters = self.device.send(ReadParameters).await??;
         if let Some(trace) = &self.trace {
             let spans = self.device.send(TakeSpans).await??;
@@ -583,7 +598,11 @@ mod tests {
             rank: 1,
             steps: 3,
             losses: vec![2.5, f32::NAN, 0.25],
-            evaluated: Some(Score { total: 7.0, count: 9 }),
+            evaluated: Some(Score {
+                total: 7.0,
+                loss_total: 4.5,
+                count: 9,
+            }),
             samples_per_sec: 12.5,
             allreduce_ratio: 0.125,
             exposed_allreduce_ratio: 0.0625,
@@ -597,7 +616,15 @@ mod tests {
         assert_eq!(back.parameters, outcome.parameters);
         assert_eq!(
             (back.rank, back.steps, back.evaluated),
-            (1, 3, Some(Score { total: 7.0, count: 9 }))
+            (
+                1,
+                3,
+                Some(Score {
+                    total: 7.0,
+                    loss_total: 4.5,
+                    count: 9
+                })
+            )
         );
         assert_eq!(format!("{:?}", back.losses), format!("{:?}", outcome.losses));
         assert_eq!(back.peak_activation_bytes, 4096);

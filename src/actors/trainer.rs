@@ -23,7 +23,7 @@ use super::faults::RoleFaults;
 use super::kept::{commit_on_this_node, Kept, Restore};
 use super::recovery::{Recovery, REPLICA_FILE};
 use super::rollback::Orders;
-use super::run_loop::{run_steps, RunLoop};
+use super::run_loop::{eval_due, run_steps, RunLoop};
 use super::LOSSES_RESERVED;
 use crate::checkpoint::HeldFile;
 use crate::collective::ParamChecksum;
@@ -292,6 +292,15 @@ impl TrainingRun {
         let started = Instant::now();
         let (mut step_time, mut comm_time, mut exposed) = (Duration::ZERO, Duration::ZERO, Duration::ZERO);
         let check_every = job.strategy.check_every;
+        let loss_kind = job.train.resolved_loss()?;
+        let test_data = self.test_data.clone();
+        let test_shard = || {
+            let rows = test_data.len();
+            let shard: Vec<usize> = (place * rows / world..(place + 1) * rows / world).collect();
+            test_data.select(&shard)
+        };
+        // The newest held-out score, and the steps it came after.
+        let mut scored: Option<(usize, Score)> = None;
         for step in first..steps {
             if let Some(faults) = &self.faults {
                 faults.before_step(&format!("rank {rank}"), step).await;
@@ -301,6 +310,12 @@ impl TrainingRun {
             comm_time += report.comm_time;
             exposed += report.exposed_comm_time;
             losses.push(report.loss);
+            let mut eval = None;
+            if eval_due(&job, step + 1, steps) {
+                let score = self.device.send(Evaluate(test_shard())).await??;
+                scored = Some((step + 1, score));
+                eval = Some(score.held_out(loss_kind));
+            }
             if let Some(monitor) = &mut run.monitor {
                 let sample = StepSample {
                     loss: report.loss,
@@ -312,6 +327,7 @@ impl TrainingRun {
                     bubble_fraction: None,
                     peak_rss_bytes: report.peak_rss_bytes,
                     sparse_tables: None,
+                    eval,
                 };
                 monitor.record(step + 1, sample)?;
             }
@@ -330,9 +346,10 @@ impl TrainingRun {
         }
 
         let param_checksum = self.device.send(CheckReplicas).await??;
-        let test_rows = self.test_data.len();
-        let shard: Vec<usize> = (place * test_rows / world..(place + 1) * test_rows / world).collect();
-        let test_score = self.device.send(Evaluate(self.test_data.select(&shard))).await??;
+        let test_score = match scored {
+            Some((done, score)) if done == steps => score,
+            _ => self.device.send(Evaluate(test_shard())).await??,
+        };
         let parameters = self.device.send(ReadParameters).await??;
         bus.barrier(rank, "end of training").await?;
         let ratio = |d: Duration| {

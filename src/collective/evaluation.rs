@@ -22,13 +22,14 @@ pub fn score_batch(model: &Model, batch: &Batch, loss: LossKind, rows: usize, de
 /// `score` summed over the ranks of `comm`'s ring. Counts below 2^24 are exact in f32, and a
 /// sum of squared errors keeps f32's relative precision.
 pub(crate) fn sum_over_ranks(comm: &CommWorker, score: Score) -> Result<Score> {
-    let mut sums = [score.total as f32, score.count as f32];
+    let mut sums = [score.total as f32, score.loss_total as f32, score.count as f32];
     let sums = comm.run(move |c| {
         c.all_reduce_sum("all-reduce of evaluation scores", &mut sums)?;
         Ok(sums)
     })?;
     Ok(Score {
         total: f64::from(sums[0]),
-        count: sums[1] as usize,
+        loss_total: f64::from(sums[1]),
+        count: sums[2] as usize,
     })
 }

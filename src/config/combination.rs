@@ -190,6 +190,12 @@ fn check_parameter_server(config: &JobConfig) -> Result<(), FieldError> {
             "the parameter servers apply each push as it comes: gradient clipping is for the collective strategy",
         ));
     }
+    if train.eval_every > 0 {
+        return Err(FieldError::new(
+            "train.eval_every",
+            "a parameter-server job scores its held-out logs at the end (AUC); periodic evaluation is for the collective and pipeline strategies",
+        ));
+    }
     for (set, key) in [
         (config.strategy.recompute, "strategy.recompute"),
         (config.strategy.gradient_merge, "strategy.gradient_merge"),

@@ -308,6 +308,9 @@ pub struct TrainConfig {
     /// Rows per forward pass of the final evaluation on each rank: the held-out set is scored
     /// piece by piece, so evaluation's memory does not grow with the set.
     pub eval_batch_size: usize,
+    /// Score the held-out split every this many steps too (0: only at the end), into the
+    /// step's metrics line (`eval`), TensorBoard and the progress log.
+    pub eval_every: usize,
     /// Base learning rate (before `lr_scaling`).
     pub lr: f64,
     /// Learning-rate scaling with the world size.
@@ -379,6 +382,7 @@ impl TrainConfig {
             epochs: None,
             batch_size: 64,
             eval_batch_size: 256,
+            eval_every: 0,
             lr: 0.05,
             lr_scaling: LrScaling::None,
             warmup_steps: 0,

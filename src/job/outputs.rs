@@ -16,7 +16,7 @@ use crate::actors::trainer::RankOutcome;
 use crate::checkpoint::write_atomically;
 use crate::config::{JobConfig, LossKind};
 use crate::models::export::{write_model, ModelInfo};
-use crate::models::{Model, ParamInit, Score};
+use crate::models::{Model, ParamInit};
 
 /// The resolved config of a run, in its run directory.
 pub const CONFIG_FILE: &str = "config.toml";
@@ -44,6 +44,8 @@ pub struct Summary {
     /// Regression: mean squared error on the held-out split.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub test_mse: Option<f64>,
+    /// The mean training loss on the held-out split.
+    pub test_loss: f64,
     /// Held-out predictions scored (rows, positions of a sequence model, or regressed values):
     /// every one of the split, under every strategy.
     pub test_samples: usize,
@@ -64,18 +66,6 @@ pub struct Summary {
     pub bubble_fraction: Option<f64>,
 }
 
-impl Summary {
-    /// The held-out figure of a job trained with `loss`: (accuracy, mean squared error), one of
-    /// them present.
-    pub(crate) fn held_out(loss: LossKind, score: Score) -> (Option<f64>, Option<f64>) {
-        if loss.is_regression() {
-            (None, Some(score.mean()))
-        } else {
-            (Some(score.mean()), None)
-        }
-    }
-}
-
 /// Rank 0's view of a finished run.
 #[derive(Debug, Clone)]
 pub struct RunOutcome {
@@ -91,7 +81,7 @@ impl RunOutcome {
     /// The outcome of a data-parallel run, as the rank at place 0 of its last generation tells
     /// it (`world_size`: the ranks that trained that generation).
     pub(super) fn from_rank0(rank0: RankOutcome, loss: LossKind, cluster: &str) -> Self {
-        let (test_accuracy, test_mse) = Summary::held_out(loss, rank0.test_score);
+        let held_out = rank0.test_score.held_out(loss);
         Self {
             summary: Summary {
                 strategy: "collective".to_string(),
@@ -100,9 +90,10 @@ impl RunOutcome {
                 steps: rank0.steps,
                 samples_per_sec: rank0.samples_per_sec,
                 final_loss: rank0.final_loss,
-                test_accuracy,
-                test_mse,
-                test_samples: rank0.test_score.count,
+                test_accuracy: held_out.accuracy,
+                test_mse: held_out.mse,
+                test_loss: held_out.loss,
+                test_samples: held_out.samples,
                 comm_time_ratio: rank0.comm_time_ratio,
                 exposed_comm_ratio: rank0.exposed_comm_ratio,
                 param_checksum: rank0.param_checksum.to_string(),

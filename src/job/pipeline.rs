@@ -394,8 +394,10 @@ fn summarise(job: &TrainingJob, replica0: &[StageOutcome], cluster: &str) -> Res
         .iter()
         .find(|o| o.evaluated.is_some())
         .context("no stage held the last virtual stage")?;
-    let (test_accuracy, test_mse) =
-        Summary::held_out(config.train.resolved_loss()?, holder.evaluated.unwrap_or_default());
+    let held_out = holder
+        .evaluated
+        .unwrap_or_default()
+        .held_out(config.train.resolved_loss()?);
     let parameters: Vec<(String, Vec<f32>)> = replica0.iter().flat_map(|o| o.parameters.clone()).collect();
     Ok(RunOutcome {
         summary: Summary {
@@ -405,9 +407,10 @@ fn summarise(job: &TrainingJob, replica0: &[StageOutcome], cluster: &str) -> Res
             steps: last.steps,
             samples_per_sec: last.samples_per_sec,
             final_loss: holder.losses.last().copied().unwrap_or(f32::NAN),
-            test_accuracy,
-            test_mse,
-            test_samples: holder.evaluated.unwrap_or_default().count,
+            test_accuracy: held_out.accuracy,
+            test_mse: held_out.mse,
+            test_loss: held_out.loss,
+            test_samples: held_out.samples,
             comm_time_ratio: holder.allreduce_ratio,
             exposed_comm_ratio: holder.exposed_allreduce_ratio,
             param_checksum: ParamChecksum::of_values(&parameters).to_string(),

@@ -8,7 +8,6 @@ use anyhow::{ensure, Context, Result};
 use candle_core::{Device, Tensor};
 use serde::Serialize;
 
-use super::outputs::Summary;
 use super::TrainingJob;
 use crate::actors::recovery::whole_model;
 use crate::checkpoint::{write_atomically, CheckpointStore};
@@ -39,6 +38,8 @@ pub struct Evaluation {
     /// Regression: mean squared error on the held-out split.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub test_mse: Option<f64>,
+    /// The mean training loss on the held-out split.
+    pub test_loss: f64,
     /// Held-out predictions scored.
     pub test_samples: usize,
     /// The checkpoint's step, when the parameters came from one.
@@ -61,11 +62,12 @@ pub fn evaluate(config: JobConfig, weights: &Weights) -> Result<Evaluation> {
     for piece in rows.chunks(piece_rows) {
         score += score_batch(&model, &job.test_data.select(piece), loss, piece_rows, &device)?;
     }
-    let (test_accuracy, test_mse) = Summary::held_out(loss, score);
+    let held_out = score.held_out(loss);
     Ok(Evaluation {
-        test_accuracy,
-        test_mse,
-        test_samples: score.count,
+        test_accuracy: held_out.accuracy,
+        test_mse: held_out.mse,
+        test_loss: held_out.loss,
+        test_samples: held_out.samples,
         step,
     })
 }

@@ -32,16 +32,19 @@ fn same_shape(outputs: &Tensor, targets: &Tensor) -> candle_core::Result<Tensor>
 impl std::ops::AddAssign for Score {
     fn add_assign(&mut self, other: Self) {
         self.total += other.total;
+        self.loss_total += other.loss_total;
         self.count += other.count;
     }
 }
 
-/// The held-out figure of some predictions, as a sum over them that ranks add together:
-/// correct predictions (classification) or squared errors (regression).
+/// The held-out figures of some predictions, as sums over them that ranks add together:
+/// correct predictions (classification) or squared errors (regression), and the loss trained.
 #[derive(Debug, Clone, Copy, Default, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct Score {
     /// Correct predictions, or the sum of squared errors.
     pub total: f64,
+    /// The training loss summed over the predictions (its mean times their number).
+    pub loss_total: f64,
     /// Predictions scored: rows, positions of a sequence, or regressed values.
     pub count: usize,
 }
@@ -49,29 +52,69 @@ pub struct Score {
 impl Score {
     /// The score of `outputs` against `targets` under a job trained with `kind`.
     pub fn of(kind: LossKind, outputs: &Tensor, targets: &Tensor) -> candle_core::Result<Self> {
-        if kind.is_regression() {
+        let count = targets.elem_count();
+        let total = if kind.is_regression() {
             let errors = outputs.sub(&same_shape(outputs, targets)?)?;
-            let total = errors.sqr()?.to_dtype(DType::F64)?.sum_all()?.to_scalar::<f64>()?;
-            Ok(Self {
-                total,
-                count: targets.elem_count(),
-            })
+            errors.sqr()?.to_dtype(DType::F64)?.sum_all()?.to_scalar::<f64>()?
         } else {
-            Ok(Self {
-                total: correct_predictions(outputs, targets)? as f64,
-                count: targets.elem_count(),
-            })
-        }
+            correct_predictions(outputs, targets)? as f64
+        };
+        let mean_loss = training_loss(kind, outputs, targets)?.to_scalar::<f32>()?;
+        Ok(Self {
+            total,
+            loss_total: f64::from(mean_loss) * count as f64,
+            count,
+        })
     }
 
     /// Accuracy or mean squared error (0 of nothing).
     pub fn mean(self) -> f64 {
+        self.per_prediction(self.total)
+    }
+
+    /// The mean training loss (0 of nothing).
+    pub fn mean_loss(self) -> f64 {
+        self.per_prediction(self.loss_total)
+    }
+
+    /// The figures of these predictions under a job trained with `kind`.
+    pub fn held_out(self, kind: LossKind) -> HeldOut {
+        let loss = self.mean_loss();
+        let classes = !kind.is_regression();
+        HeldOut {
+            loss,
+            accuracy: classes.then(|| self.mean()),
+            perplexity: classes.then(|| loss.exp()),
+            mse: (!classes).then(|| self.mean()),
+            samples: self.count,
+        }
+    }
+
+    fn per_prediction(self, sum: f64) -> f64 {
         if self.count == 0 {
             0.0
         } else {
-            self.total / self.count as f64
+            sum / self.count as f64
         }
     }
+}
+
+/// The figures of a held-out split, at the end of a run or every `train.eval_every` steps.
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct HeldOut {
+    /// The mean training loss.
+    pub loss: f64,
+    /// Classification: the share predicted right.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub accuracy: Option<f64>,
+    /// Classification: e to the mean cross-entropy (a language model's perplexity).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub perplexity: Option<f64>,
+    /// Regression: the mean squared error.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mse: Option<f64>,
+    /// Predictions scored.
+    pub samples: usize,
 }
 
 /// Logits flattened to `(positions, classes)` and targets to `(positions)`, checking that the

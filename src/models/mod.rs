@@ -24,7 +24,9 @@ pub use deepfm::DeepFm;
 pub use gpt::{gpt, GptConfig};
 pub use init::ParamInit;
 pub use linear::{Activation, Linear};
-pub use loss::{click_probability, correct_predictions, cross_entropy, sigmoid_cross_entropy, training_loss, Score};
+pub use loss::{
+    click_probability, correct_predictions, cross_entropy, sigmoid_cross_entropy, training_loss, HeldOut, Score,
+};
 pub use mlp::mlp;
 pub use sparse::{Lookup, SparseModel, SparseModelBuilder, SparseModelDef, SparseTableSpec};
 pub use spec::ModelSpec;

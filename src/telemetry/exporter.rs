@@ -40,6 +40,9 @@ struct Gauges {
     peak_rss: Gauge,
     gpu_memory: OptionalGauge,
     gpu_utilization: OptionalGauge,
+    eval_loss: OptionalGauge,
+    eval_accuracy: OptionalGauge,
+    eval_mse: OptionalGauge,
     sparse_rows: TableGauges,
     sparse_admitted: TableGauges,
     sparse_evicted: TableGauges,
@@ -102,6 +105,21 @@ impl Gauges {
             "gpu_utilization_percent",
             "GPU jobs: share of time a kernel ran on the reporting process's GPUs",
             g.gpu_utilization,
+        );
+        registry.register(
+            "eval_loss",
+            "Mean loss on the held-out split, where it was last scored (train.eval_every)",
+            g.eval_loss,
+        );
+        registry.register(
+            "eval_accuracy",
+            "Classification: accuracy on the held-out split, where it was last scored",
+            g.eval_accuracy,
+        );
+        registry.register(
+            "eval_mse",
+            "Regression: mean squared error on the held-out split, where it was last scored",
+            g.eval_mse,
         );
         registry.register(
             "sparse_table_rows",
@@ -193,6 +211,11 @@ impl Exporter {
         g.peak_rss.set(i64::try_from(m.peak_rss_bytes).unwrap_or(i64::MAX));
         set_optional(&g.gpu_memory, m.gpu_memory_bytes.map(|b| b as f64));
         set_optional(&g.gpu_utilization, m.gpu_utilization);
+        if let Some(eval) = &m.eval {
+            set_optional(&g.eval_loss, Some(eval.loss));
+            set_optional(&g.eval_accuracy, eval.accuracy);
+            set_optional(&g.eval_mse, eval.mse);
+        }
         for table in m.sparse_tables.iter().flatten() {
             let label = vec![("table".to_owned(), table.table.clone())];
             for (family, value) in [
@@ -261,6 +284,7 @@ async fn answer(mut stream: TcpStream, registry: &Registry) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::models::HeldOut;
     use crate::telemetry::metrics::SparseTableMetrics;
 
     async fn get(port: u16, path: &str) -> Result<String> {
@@ -304,6 +328,13 @@ mod tests {
                 evicted: 6,
                 deleted: 4,
             }]),
+            eval: Some(HeldOut {
+                loss: 0.75,
+                accuracy: Some(0.875),
+                perplexity: Some(0.75f64.exp()),
+                mse: None,
+                samples: 64,
+            }),
         });
         let response = get(port, "/metrics").await?;
         assert!(response.starts_with("HTTP/1.1 200"), "{response}");
@@ -312,6 +343,8 @@ mod tests {
             format!("flotilla_steps_total{{{ours}}} 7"),
             format!("flotilla_loss{{{ours}}} 1.5"),
             format!("flotilla_loss_spread{{{ours}}} 0.5"),
+            format!("flotilla_eval_loss{{{ours}}} 0.75"),
+            format!("flotilla_eval_accuracy{{{ours}}} 0.875"),
             format!("flotilla_comm_time_ratio{{{ours}}} 0.25"),
             format!("flotilla_peak_rss_bytes{{{ours}}} 1048576"),
             format!("flotilla_sparse_table_rows{{{ours},table=\"embedding\"}} 40"),
@@ -322,7 +355,11 @@ mod tests {
         }
         // Figures this job does not have: no sample, and never a NaN.
         assert!(!response.contains("NaN"), "{response}");
-        for absent in ["flotilla_bubble_fraction{", "flotilla_gpu_memory_bytes{"] {
+        for absent in [
+            "flotilla_bubble_fraction{",
+            "flotilla_gpu_memory_bytes{",
+            "flotilla_eval_mse{",
+        ] {
             assert!(!response.contains(absent), "{absent} in {response}");
         }
         assert!(get(port, "/").await?.starts_with("HTTP/1.1 404"));

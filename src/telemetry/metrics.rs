@@ -8,6 +8,8 @@ use std::path::{Path, PathBuf};
 use anyhow::{Context as _, Result};
 use serde::{Deserialize, Deserializer, Serialize};
 
+use crate::models::HeldOut;
+
 /// The file's name inside a run directory.
 pub const METRICS_FILE: &str = "metrics.jsonl";
 
@@ -53,6 +55,9 @@ pub struct StepMetrics {
     /// rows over all shards and what its policy did so far.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub sparse_tables: Option<Vec<SparseTableMetrics>>,
+    /// At the steps that scored the held-out split (`train.eval_every`): its figures.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub eval: Option<HeldOut>,
 }
 
 /// One sparse table's rows over all shards, and what its row policy did so far.
@@ -181,6 +186,7 @@ mod tests {
             loss: 2.0 / step as f32,
             loss_spread: Some(0.01),
             sparse_tables: None,
+            eval: None,
         }
     }
 

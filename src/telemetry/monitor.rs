@@ -15,6 +15,7 @@ use super::exporter::{Exporter, MetricLabels};
 use super::gpu;
 use super::metrics::{MetricsLog, SparseTableMetrics, StepMetrics};
 use super::tensorboard::EventWriter;
+use crate::models::HeldOut;
 
 /// Set by `flotilla launch` on a terminal: the reporting rank writes progress lines for the
 /// launcher to draw, as its stderr is a pipe.
@@ -118,6 +119,8 @@ pub struct StepSample {
     pub peak_rss_bytes: u64,
     /// Parameter-server jobs with row policies: the policed tables' figures, when asked for.
     pub sparse_tables: Option<Vec<SparseTableMetrics>>,
+    /// The held-out split's figures, at the steps that scored it.
+    pub eval: Option<HeldOut>,
 }
 
 /// The reporting rank's per-step outputs.
@@ -202,7 +205,11 @@ impl Monitor {
             loss: sample.loss,
             loss_spread: sample.loss_spread,
             sparse_tables: sample.sparse_tables,
+            eval: sample.eval,
         };
+        if let Some(eval) = &metrics.eval {
+            tracing::info!("step {step}/{}: held-out {}", self.steps, held_out_line(eval));
+        }
         self.metrics.append(&metrics)?;
         self.events.append(&metrics)?;
         if let Some(exporter) = &self.exporter {
@@ -251,6 +258,21 @@ impl Monitor {
     pub fn finish(&self) {
         self.bar.finish_and_clear();
     }
+}
+
+/// `eval` as the progress log says it: `loss 0.3120, accuracy 0.9433, perplexity 1.37`.
+fn held_out_line(eval: &HeldOut) -> String {
+    let mut line = format!("loss {:.4}", eval.loss);
+    for (name, value) in [
+        ("accuracy", eval.accuracy),
+        ("perplexity", eval.perplexity),
+        ("mse", eval.mse),
+    ] {
+        if let Some(value) = value {
+            line += &format!(", {name} {value:.4}");
+        }
+    }
+    line + &format!(" over {} predictions", eval.samples)
 }
 
 #[cfg(test)]
@@ -305,6 +327,7 @@ mod tests {
                     bubble_fraction: None,
                     peak_rss_bytes: 3 << 20,
                     sparse_tables: None,
+                    eval: None,
                 },
             )?;
         }

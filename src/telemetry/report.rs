@@ -543,6 +543,7 @@ mod tests {
                     loss: (2.3 * (-t / 30.0).exp() + 0.1) as f32,
                     loss_spread: Some((0.2 * (-t / 60.0).exp()) as f32),
                     sparse_tables: None,
+                    eval: None,
                 }
             })
             .collect()
@@ -667,6 +668,7 @@ mod tests {
                 loss: 0.0,
                 loss_spread: Some(0.0),
                 sparse_tables: None,
+                eval: None,
                 samples_per_sec: 0.0,
                 comm_time_ratio: 0.0,
                 ..m

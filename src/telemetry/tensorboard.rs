@@ -75,6 +75,12 @@ impl EventWriter {
         scalar("peak_rss_bytes", Some(m.peak_rss_bytes as f64));
         scalar("gpu_memory_bytes", m.gpu_memory_bytes.map(|b| b as f64));
         scalar("gpu_utilization_percent", m.gpu_utilization);
+        if let Some(eval) = &m.eval {
+            scalar("eval/loss", Some(eval.loss));
+            scalar("eval/accuracy", eval.accuracy);
+            scalar("eval/perplexity", eval.perplexity);
+            scalar("eval/mse", eval.mse);
+        }
         let mut event = Vec::new();
         wall_time_and_step(&mut event, m.step as u64);
         field_bytes(&mut event, 5, &summary);
@@ -260,6 +266,7 @@ mod tests {
                 loss: 2.0 / step as f32,
                 loss_spread: Some(0.5),
                 sparse_tables: None,
+                eval: None,
             })?;
         }
         let file = std::fs::read_dir(dir.path().join(TENSORBOARD_DIR))?

@@ -539,3 +539,30 @@ fn required(found: bool, what: &str) -> bool {
         }
     }
 }
+
+/// Runs the flotilla binary with `args` to its end (at most `timeout_s`, then it is killed by
+/// pid): whether it succeeded, its stderr, and the peak resident set of its process in bytes
+/// (the kernel's count, from `wait4`).
+pub fn flotilla_peak_rss(args: &[&str], timeout_s: u64) -> (bool, String, u64) {
+    let mut started = start_flotilla(args, &[]);
+    let pid = started.child.id() as libc::pid_t;
+    let deadline = Instant::now() + Duration::from_secs(timeout_s);
+    let (status, usage) = loop {
+        let mut status = 0;
+        // SAFETY: zeroed rusage is a valid value; wait4 on our own child, without blocking.
+        let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
+        let waited = unsafe { libc::wait4(pid, &mut status, libc::WNOHANG, &mut usage) };
+        if waited == pid {
+            break (status, usage);
+        }
+        if Instant::now() > deadline {
+            let _ = started.child.kill();
+            panic!("flotilla {args:?} did not finish within {timeout_s}s; killed pid {pid}");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let stderr = started.stderr.join().unwrap_or_default();
+    let succeeded = libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0;
+    // ru_maxrss is in kilobytes on Linux.
+    (succeeded, stderr, usage.ru_maxrss as u64 * 1024)
+}
