@@ -13,6 +13,7 @@ use flotilla::bench::checkpoint::{self as checkpoint_bench, CheckpointBenchArgs}
 use flotilla::bench::pipeline::{self as pipeline_bench, PipelineBenchArgs};
 use flotilla::bench::ps::{self as ps_bench, PsBenchArgs, PsBenchShardArgs};
 use flotilla::cli::{ConfigArgs, DefaultConfig, TrainArgs};
+use flotilla::collective::preemption::{is_preemption, PREEMPTED_EXIT_CODE};
 use flotilla::config::{process_env, JobConfig};
 use flotilla::data::ctr::{write_synthetic, CriteoSynth, Split};
 use flotilla::job::ps::{ParameterServerJob, PsSummary};
@@ -275,6 +276,8 @@ fn main() -> ExitCode {
             let _ = writeln!(std::io::stderr(), "error: {e:#}");
             if e.chain().any(|cause| cause.is::<Refusal>()) {
                 ExitCode::from(REFUSAL_EXIT_CODE)
+            } else if is_preemption(&e) {
+                ExitCode::from(PREEMPTED_EXIT_CODE)
             } else {
                 ExitCode::FAILURE
             }

@@ -268,6 +268,61 @@ fn a_restarted_job_without_checkpoints_says_it_starts_again_at_step_0() {
     );
 }
 
+/// Preemption: a SIGTERM to the launcher reaches every process; the ranks all stop after the
+/// same step, commit its checkpoint and exit; `train --resume` then ends as a run never stopped.
+#[test]
+fn a_sigterm_stops_every_rank_at_a_checkpoint_and_the_resumed_run_equals_an_uninterrupted_one() {
+    let dir = tempfile::tempdir().unwrap();
+    let run_dir = dir.path().join("run");
+    let port = free_port_range(3).to_string();
+    #[rustfmt::skip]
+    let args = ["launch", "--nproc_per_node", "2", "--started_port", &port, "--", "train",
+        "--run-dir", run_dir.to_str().unwrap(), "--set", "train.steps=3000",
+        "--set", "fault_tolerance.checkpoint_every=1000"];
+    let launcher = start_flotilla(&args, &[]);
+    wait_for_training(&run_dir);
+    let children = children_of(launcher.child.id());
+    // SAFETY: the launcher this test started.
+    unsafe {
+        libc::kill(launcher.child.id() as i32, libc::SIGTERM);
+    }
+    let finished = launcher.finish(60);
+    end_leftovers(children);
+    let stderr = &finished.stderr;
+    assert!(!finished.success, "{stderr}");
+    assert!(stderr.contains("forwarding SIGTERM"), "{stderr}");
+    let stopped = "error: stopped on SIGTERM after step ";
+    let steps: Vec<&str> = stderr
+        .lines()
+        .filter_map(|line| line.split_once(stopped))
+        .map(|(_, rest)| rest.split(',').next().unwrap())
+        .collect();
+    assert_eq!(steps.len(), 2, "both ranks stop: {stderr}");
+    assert_eq!(steps[0], steps[1], "after the same step: {stderr}");
+    let step: usize = steps[0].parse().unwrap();
+    assert!((1..3000).contains(&step), "{stderr}");
+    assert!(
+        run_dir
+            .join(format!("checkpoints/step-{step:08}/manifest.json"))
+            .exists(),
+        "the step's checkpoint is committed"
+    );
+    assert!(!run_dir.join("summary.json").exists());
+
+    let resumed = flotilla(&["train", "--resume", run_dir.to_str().unwrap()], &[], 120);
+    assert!(resumed.success, "{}", resumed.stderr);
+    assert!(
+        resumed
+            .stderr
+            .contains(&format!("resuming from checkpoint step={step}")),
+        "{}",
+        resumed.stderr
+    );
+    let summary = common::read_summary(&run_dir);
+    let uninterrupted = train_in_process(config(&["train.steps=3000"]));
+    assert_eq!(summary["param_checksum"], uninterrupted.summary.param_checksum.as_str());
+}
+
 /// An in-process 2-rank run of 20 steps with checkpoints every 5 in `checkpoints`.
 fn run_with_checkpoints(checkpoints: &Path, run_dir: PathBuf, resume: Resume) -> anyhow::Result<String> {
     let dir = format!("fault_tolerance.checkpoint_dir={}", checkpoints.display());

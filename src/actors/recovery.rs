@@ -344,13 +344,24 @@ impl Recovery {
     /// completed, and in geo mode where the trainers have pushed.
     pub(crate) fn due(&self, config: &JobConfig, done: usize, steps: usize) -> bool {
         let every = config.fault_tolerance.checkpoint_every;
-        let mut granularity = config.strategy.merge_steps();
-        if let (true, PsMode::Geo { k_steps }) = (config.cluster.is_parameter_server(), config.strategy.ps_mode()) {
-            granularity = granularity.max(k_steps);
-        }
-        let last = done == steps && done.is_multiple_of(granularity.max(1));
+        let last = done == steps && may_fall_after(config, done);
         self.store.is_some() && every > 0 && (done.is_multiple_of(every) || last)
     }
+
+    /// Whether the run takes checkpoints at all.
+    pub(crate) fn takes_checkpoints(&self) -> bool {
+        self.store.is_some()
+    }
+}
+
+/// Whether a checkpoint may fall after `done` steps of `config`'s job: where a gradient merge has
+/// completed, and in geo mode where the trainers have pushed.
+pub(crate) fn may_fall_after(config: &JobConfig, done: usize) -> bool {
+    let mut granularity = config.strategy.merge_steps();
+    if let (true, PsMode::Geo { k_steps }) = (config.cluster.is_parameter_server(), config.strategy.ps_mode()) {
+        granularity = granularity.max(k_steps);
+    }
+    done.is_multiple_of(granularity.max(1))
 }
 
 /// The whole model's state from `checkpoint`: its stages' files merged, or its replica's.

@@ -21,11 +21,12 @@ use super::device::{
 use super::divergence::check_loss;
 use super::faults::RoleFaults;
 use super::kept::{commit_on_this_node, Kept, Restore};
-use super::recovery::{Recovery, REPLICA_FILE};
+use super::recovery::{may_fall_after, Recovery, REPLICA_FILE};
 use super::rollback::Orders;
 use super::run_loop::{eval_due, run_steps, RunLoop};
 use super::LOSSES_RESERVED;
 use crate::checkpoint::HeldFile;
+use crate::collective::preemption::{is_preemption, Preempted, PreemptionWatch};
 use crate::collective::ParamChecksum;
 use crate::config::JobConfig;
 use crate::data::Dataset;
@@ -230,6 +231,8 @@ impl TrainingRun {
                     run.finish();
                     return Ok(outcome);
                 }
+                // Every rank stopped after the same step: nothing to recover.
+                Err(e) if is_preemption(&e) => return Err(e),
                 Err(e) => failure = Some(e),
             }
         }
@@ -301,6 +304,9 @@ impl TrainingRun {
         };
         // The newest held-out score, and the steps it came after.
         let mut scored: Option<(usize, Score)> = None;
+        // SIGTERM asks the run to stop at a checkpoint rather than ending the process.
+        let _watch = PreemptionWatch::install()?;
+        let mut stopping = false;
         for step in first..steps {
             if let Some(faults) = &self.faults {
                 faults.before_step(&format!("rank {rank}"), step).await;
@@ -335,8 +341,20 @@ impl TrainingRun {
             if check_every > 0 && (step + 1) % check_every == 0 {
                 self.device.send(CheckReplicas).await??;
             }
-            if self.recovery.due(&job, step + 1, steps) {
+            // Every rank learns in the same step that one was asked to stop.
+            stopping |= report.stop_asked;
+            let preempted = stopping && may_fall_after(&job, step + 1);
+            let checkpointed =
+                self.recovery.due(&job, step + 1, steps) || (preempted && self.recovery.takes_checkpoints());
+            if checkpointed {
                 self.checkpoint(bus, step + 1, &losses).await?;
+            }
+            if preempted {
+                return Err(Preempted {
+                    step: step + 1,
+                    checkpointed,
+                }
+                .into());
             }
         }
         let elapsed = started.elapsed();

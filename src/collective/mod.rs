@@ -8,6 +8,7 @@ mod checksum;
 mod evaluation;
 mod gradient_bucket;
 mod gradient_sync;
+pub mod preemption;
 pub mod rank_figures;
 mod replica;
 pub mod training_state;

@@ -1,6 +1,7 @@
 //! What every rank measured in a step, gathered over a ring: the global mean loss is the mean
 //! of the ranks' losses, and how far apart they are (the spread) shows replicas that stopped
-//! agreeing before the parameter checksums do.
+//! agreeing before the parameter checksums do. A rank asked to stop (preemption) says so here,
+//! so that every rank stops after the same step.
 
 use anyhow::{ensure, Result};
 
@@ -13,6 +14,8 @@ pub struct RankFigures {
     pub loss: f32,
     /// The rank's process's peak resident set, in bytes.
     pub peak_rss_bytes: u64,
+    /// Whether the rank was asked to stop.
+    pub stop: bool,
 }
 
 /// The figures of a step over all ranks of a ring.
@@ -24,16 +27,19 @@ pub struct JobFigures {
     pub loss_spread: f32,
     /// The largest peak resident set of the ranks' processes.
     pub peak_rss_bytes: u64,
+    /// Whether any rank was asked to stop.
+    pub stop: bool,
 }
 
-const WIDTH: usize = 4 + 8;
+const WIDTH: usize = 4 + 8 + 1;
 
 impl RankFigures {
-    /// Gathers every rank's figures over `comm` (one all-gather of 12 bytes per rank).
+    /// Gathers every rank's figures over `comm` (one all-gather of 13 bytes per rank).
     pub fn gather(self, comm: &mut Communicator, op: &str) -> Result<JobFigures> {
         let mut mine = [0u8; WIDTH];
         mine[..4].copy_from_slice(&self.loss.to_le_bytes());
-        mine[4..].copy_from_slice(&self.peak_rss_bytes.to_le_bytes());
+        mine[4..12].copy_from_slice(&self.peak_rss_bytes.to_le_bytes());
+        mine[12] = u8::from(self.stop);
         let all = comm.all_gather(op, &mine)?;
         let ranks = all
             .iter()
@@ -43,10 +49,10 @@ impl RankFigures {
                     "{op}: a rank sent {} bytes, not {WIDTH}",
                     bytes.len()
                 );
-                let (loss, rss) = bytes.split_at(4);
                 Ok(RankFigures {
-                    loss: f32::from_le_bytes(loss.try_into()?),
-                    peak_rss_bytes: u64::from_le_bytes(rss.try_into()?),
+                    loss: f32::from_le_bytes(bytes[..4].try_into()?),
+                    peak_rss_bytes: u64::from_le_bytes(bytes[4..12].try_into()?),
+                    stop: bytes[12] != 0,
                 })
             })
             .collect::<Result<Vec<_>>>()?;
@@ -65,6 +71,7 @@ impl JobFigures {
             mean_loss: sum / ranks.len().max(1) as f32,
             loss_spread: if ranks.is_empty() { 0.0 } else { high - low },
             peak_rss_bytes: ranks.iter().map(|r| r.peak_rss_bytes).max().unwrap_or(0),
+            stop: ranks.iter().any(|r| r.stop),
         }
     }
 }
@@ -87,6 +94,7 @@ mod tests {
                     let mine = RankFigures {
                         loss: [1.0, 4.0, 2.5][rank],
                         peak_rss_bytes: [10, 30, 20][rank] << 20,
+                        stop: rank == 1,
                     };
                     mine.gather(&mut comm, "test gather")
                 })
@@ -99,7 +107,8 @@ mod tests {
                 JobFigures {
                     mean_loss: 7.5 / 3.0,
                     loss_spread: 3.0,
-                    peak_rss_bytes: 30 << 20
+                    peak_rss_bytes: 30 << 20,
+                    stop: true,
                 }
             );
         }
@@ -111,6 +120,7 @@ mod tests {
         let mine = RankFigures {
             loss: 0.5,
             peak_rss_bytes: 7,
+            stop: false,
         };
         let figures = mine.gather(&mut Communicator::single(), "single")?;
         assert_eq!(

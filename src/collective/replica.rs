@@ -8,6 +8,7 @@ use anyhow::{bail, Result};
 use candle_core::{Device, Tensor, Var};
 
 use super::evaluation::{score_batch, sum_over_ranks};
+use super::preemption;
 use super::rank_figures::RankFigures;
 use super::{training_state, GradientSync, ParamChecksum};
 use crate::config::{JobConfig, LossKind};
@@ -37,6 +38,8 @@ pub struct StepReport {
     pub loss_spread: f32,
     /// The largest peak resident set of the ranks' processes.
     pub peak_rss_bytes: u64,
+    /// Whether any rank was asked to stop (preemption).
+    pub stop_asked: bool,
 }
 
 /// A model replica that trains in lockstep with the other ranks.
@@ -238,6 +241,7 @@ impl Replica {
         let mine = RankFigures {
             loss: local_loss,
             peak_rss_bytes: peak_rss_bytes(),
+            stop: preemption::asked(),
         };
         let figures = self
             .comm
@@ -252,6 +256,7 @@ impl Replica {
             exposed_comm_time,
             loss_spread: figures.loss_spread,
             peak_rss_bytes: figures.peak_rss_bytes,
+            stop_asked: figures.stop,
         })
     }
 

@@ -13,6 +13,7 @@ use super::control::host_coordinator;
 use super::process::master;
 use super::{Recovery, Resume, RunOptions};
 use crate::actors::Coordinator;
+use crate::collective::preemption::PreemptionWatch;
 use crate::config::JobConfig;
 use crate::net::auth::Credentials;
 
@@ -32,6 +33,9 @@ pub fn run_coordinator(config: &JobConfig, options: &RunOptions) -> Result<()> {
     let ft = &config.fault_tolerance;
     let credentials = Credentials::of_cluster(&config.cluster, ft.timeout())?;
     let world = config.roles();
+    // A SIGTERM to the whole job (preemption) leaves the coordinator serving until the ranks,
+    // stopping at a checkpoint it commits, have left.
+    let _watch = PreemptionWatch::install()?;
     System::new().block_on(async move {
         let (done, finished) = oneshot::channel();
         let mut coordinator = Coordinator::for_job(config, &recovery)

@@ -12,6 +12,7 @@ use anyhow::{anyhow, Result};
 use tokio::sync::oneshot;
 
 use crate::actors::rollback::OrderLine;
+use crate::collective::preemption::is_preemption;
 use crate::config::JobConfig;
 use crate::net::auth::Credentials;
 use crate::net::protocol::{Beat, CoordinatorLine};
@@ -61,9 +62,10 @@ pub(super) async fn watched<T>(
     tokio::pin!(work, beats);
     tokio::select! {
         outcome = &mut work => {
-            // A role that finished says goodbye (bounded by the deadline) before its process
-            // may exit; one that failed does not: its silence is a death, recovered from.
-            if outcome.is_ok() {
+            // A role that finished (or stopped for preemption, with the others) says goodbye
+            // (bounded by the deadline) before its process may exit; one that failed does not:
+            // its silence is a death, recovered from.
+            if outcome.as_ref().map_or_else(is_preemption, |_| true) {
                 let _ = done.send(());
                 if let Err(e) = beats.await {
                     tracing::debug!(rank, "after the work was done: {e:#}");

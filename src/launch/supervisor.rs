@@ -10,7 +10,7 @@ use std::io::{BufRead, BufReader, IsTerminal, Read, Write};
 use std::os::unix::process::{CommandExt, ExitStatusExt};
 use std::path::Path;
 use std::process::{Child, Command, ExitStatus, Stdio};
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicI32, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread;
 use std::time::{Duration, Instant};
@@ -19,6 +19,7 @@ use anyhow::{anyhow, Context, Result};
 use indicatif::ProgressBar;
 
 use super::{ChildSpec, DeathWatch};
+use crate::collective::preemption::PREEMPTED_EXIT_CODE;
 use crate::job::{REFUSAL_EXIT_CODE, RESUME_VAR};
 use crate::telemetry::monitor::{progress_bar, ProgressLine, PROGRESS_FOR_LAUNCHER, PROGRESS_VAR};
 
@@ -92,35 +93,53 @@ pub enum OutputMode {
 const TAIL_LINES: usize = 20;
 /// How long, after a first failure, the other processes' exits are awaited to find the cause.
 const CAUSE_GRACE: Duration = Duration::from_millis(100);
-/// How long children get to stop after SIGTERM (or a forwarded Ctrl-C) before SIGKILL.
+/// How long children get to stop after a forwarded Ctrl-C (or SIGTERM when the launcher stops
+/// them itself) before SIGKILL.
 const STOP_GRACE: Duration = Duration::from_secs(5);
+/// How long children get after a SIGTERM the launcher got and forwards (preemption: a trainer
+/// stops at a checkpoint): within the 30 s Kubernetes and Slurm wait before their SIGKILL.
+const PREEMPTION_GRACE: Duration = Duration::from_secs(25);
 /// How long the output of stopped processes is still read: a process that left its process
 /// group may hold their pipes open for ever.
 const OUTPUT_GRACE: Duration = Duration::from_secs(1);
 
-/// The SIGINTs and SIGTERMs the launcher received: the first asks the processes to stop, a
+/// The SIGINTs and SIGTERMs the launcher received: the first is forwarded to the processes, a
 /// second kills them.
 #[derive(Clone)]
-struct Interrupts(Arc<AtomicUsize>);
+struct Interrupts {
+    count: Arc<AtomicUsize>,
+    /// The first signal received (0 before any).
+    first: Arc<AtomicI32>,
+}
 
 impl Interrupts {
     fn install() -> Result<Self> {
-        let count = Arc::new(AtomicUsize::new(0));
+        let (count, first) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicI32::new(0)));
         for signal in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
-            let count = count.clone();
-            // SAFETY: the handler only increments an atomic, which is async-signal-safe.
+            let (count, first) = (count.clone(), first.clone());
+            // SAFETY: the handler only updates atomics, which is async-signal-safe.
             unsafe {
                 signal_hook::low_level::register(signal, move || {
+                    let _ = first.compare_exchange(0, signal, Ordering::SeqCst, Ordering::SeqCst);
                     count.fetch_add(1, Ordering::SeqCst);
                 })
             }
             .context("installing the signal handler")?;
         }
-        Ok(Self(count))
+        Ok(Self { count, first })
     }
 
     fn count(&self) -> usize {
-        self.0.load(Ordering::SeqCst)
+        self.count.load(Ordering::SeqCst)
+    }
+
+    /// The signal to forward, and how long the processes then get: a SIGTERM (preemption) as
+    /// itself, with time for a checkpoint; a Ctrl-C as itself.
+    fn forwarded(&self) -> (libc::c_int, Duration) {
+        match self.first.load(Ordering::SeqCst) {
+            libc::SIGTERM => (libc::SIGTERM, PREEMPTION_GRACE),
+            _ => (libc::SIGINT, STOP_GRACE),
+        }
     }
 }
 
@@ -234,12 +253,18 @@ fn run_once(
     let mut interrupted_at = None;
     loop {
         let signals = interrupts.count();
+        let (forwarded, grace) = interrupts.forwarded();
         if signals > 0 && interrupted_at.is_none() {
             tracing::warn!(
-                "interrupted: forwarding to {} process(es); a second signal kills them",
+                "interrupted: forwarding {} to {} process(es); a second signal kills them",
+                if forwarded == libc::SIGTERM {
+                    "SIGTERM"
+                } else {
+                    "SIGINT"
+                },
                 running.len()
             );
-            signal_groups(&running, libc::SIGINT);
+            signal_groups(&running, forwarded);
             // A stopped (SIGSTOP) process acts on the signal only once continued.
             signal_groups(&running, libc::SIGCONT);
             interrupted_at = Some(Instant::now());
@@ -248,7 +273,7 @@ fn run_once(
             let why = if signals > 1 {
                 Some("a second signal".to_string())
             } else {
-                (at.elapsed() >= STOP_GRACE).then(|| format!("they did not stop within {STOP_GRACE:?}"))
+                (at.elapsed() >= grace).then(|| format!("they did not stop within {grace:?}"))
             };
             if let Some(why) = why {
                 tracing::warn!("killing the processes still running: {why}");
@@ -262,8 +287,12 @@ fn run_once(
             kill_declared_dead(&mut running, children, watch);
         }
         let mut statuses = poll(&mut running)?;
+        // A trainer that stopped at a checkpoint on the forwarded SIGTERM did as asked.
+        let preempted = interrupted_at.is_some() && forwarded == libc::SIGTERM;
+        let stopped_as_asked = |s: &ExitStatus| preempted && s.code() == Some(i32::from(PREEMPTED_EXIT_CODE));
+        let failed_exit = |s: &ExitStatus| !(s.success() || stopped_as_asked(s));
         let failed_here = |(status, spec): (&Option<ExitStatus>, &ChildSpec)| {
-            status.is_some_and(|s| !s.success()) && !spec.restart_alone
+            status.is_some_and(|s| failed_exit(&s)) && !spec.restart_alone
         };
         if statuses.iter().zip(children).any(failed_here) {
             // The peers of a killed process fail within moments of it, and may be reaped first:
@@ -277,7 +306,7 @@ fn run_once(
         let failed = statuses
             .iter()
             .enumerate()
-            .filter_map(|(index, status)| status.filter(|s| !s.success()).map(|s| (index, s)))
+            .filter_map(|(index, status)| status.filter(failed_exit).map(|s| (index, s)))
             .min_by_key(|(_, status)| (!refused(status), status.signal().is_none()));
         if let Some((index, status)) = failed {
             let mut failed = running.remove(index);

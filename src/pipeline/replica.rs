@@ -265,9 +265,11 @@ impl PipelineReplica {
             record(&mut self.timeline, || format!("optimizer {at}"), "optimizer", stepping);
         }
         // Only the ranks holding the loss report; the other stages' rings carry no extra message.
+        // Preemption stops data-parallel jobs only: a pipeline's stages share no gather.
         let mine = RankFigures {
             loss: step.loss.unwrap_or(0.0),
             peak_rss_bytes: peak_rss_bytes(),
+            stop: false,
         };
         let figures = if self.holds_loss {
             self.data_parallel
