@@ -126,9 +126,14 @@ enum Command {
     Config {
         #[command(flatten)]
         job: ConfigArgs,
-        /// Every key at its default value, whatever the files and the environment say.
+        /// Every key at its default value, whatever the files and the environment say, each under
+        /// its documentation and the PaddlePaddle name it matches.
         #[arg(long)]
         defaults: bool,
+        /// The reference of every key (type, default, Paddle name, what it does) as Markdown:
+        /// the text of docs/config.md.
+        #[arg(long, conflicts_with = "defaults")]
+        reference: bool,
     },
     /// Print the shell completion script of `flotilla` for SHELL (e.g. `flotilla completions
     /// bash > /etc/bash_completion.d/flotilla`).
@@ -350,12 +355,17 @@ fn run(cli: Cli) -> Result<()> {
             print_out(&(serde_json::to_string(&prediction)? + "\n"));
             Ok(())
         }
-        Command::Config { job, defaults } => {
-            let config = match defaults {
-                true => JobConfig::default(),
-                false => load_config(&job)?,
+        Command::Config {
+            job,
+            defaults,
+            reference,
+        } => {
+            let text = match (defaults, reference) {
+                (_, true) => flotilla::config::reference::markdown(),
+                (true, false) => flotilla::config::reference::commented_defaults(),
+                (false, false) => load_config(&job)?.to_toml_string()?,
             };
-            print_out(&config.to_toml_string()?);
+            print_out(&text);
             Ok(())
         }
         Command::Completions { shell } => {

@@ -323,9 +323,9 @@ fn logs_can_be_json_lines() {
     assert!(text.stderr.lines().any(|l| l.contains(" INFO ")), "{}", text.stderr);
 }
 
-/// `flotilla config --defaults` prints every key at its default, a file that loads back to
-/// the built-in defaults; `flotilla config` prints a job's resolved keys; completions come
-/// for the common shells.
+/// `flotilla config --defaults` prints every key at its default under its documentation, a file
+/// that loads back to the built-in defaults; `--reference` prints docs/config.md as it is checked
+/// in; `flotilla config` prints a job's resolved keys; completions come for the common shells.
 #[test]
 fn config_prints_the_defaults_and_the_resolved_job_and_completions_are_generated() {
     let defaults = flotilla(&["config", "--defaults"], &[], 30);
@@ -344,9 +344,18 @@ fn config_prints_the_defaults_and_the_resolved_job_and_completions_are_generated
         "[fault_tolerance]",
         "eval_batch_size = 256",
         "lr_schedule",
+        "# Paddle: fuse_grad_size_in_MB, FLAGS_fuse_parameter_groups_size\nfuse_grad_size_in_MB = 32.0",
+        "# master = (string, unset)",
     ] {
         assert!(defaults.stdout.contains(key), "no {key} in\n{}", defaults.stdout);
     }
+    let reference = flotilla(&["config", "--reference"], &[], 30);
+    assert!(reference.success, "{}", reference.stderr);
+    let checked_in = std::fs::read_to_string("docs/config.md").unwrap();
+    assert!(
+        reference.stdout == checked_in,
+        "docs/config.md is not current: `cargo run --release -- config --reference > docs/config.md`"
+    );
     let resolved = flotilla(&["config", "--set", "train.steps=7"], &[], 30);
     assert!(
         resolved.success && resolved.stdout.contains("steps = 7"),

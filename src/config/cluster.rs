@@ -9,7 +9,7 @@ use serde::{Deserialize, Serialize};
 use super::FieldError;
 
 /// Compute device the trainers run on.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(rename_all = "lowercase")]
 pub enum DeviceKind {
     /// Host CPU.
@@ -28,7 +28,7 @@ pub(crate) const GPU_NOT_BUILT: &str = "\"gpu\": built without CUDA support; reb
 const MAX_FRAME_MB: usize = 4095;
 
 /// `[cluster]` section: the process layout of the job.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(default, deny_unknown_fields)]
 pub struct ClusterConfig {
     /// Number of machines (`PADDLE_NNODES`).

@@ -17,7 +17,7 @@ const MAX_WAIT: Duration = Duration::from_secs(30 * 24 * 3600);
 const MAX_RETRY: usize = 20;
 
 /// `[fault_tolerance]` section.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(default, deny_unknown_fields)]
 pub struct FaultToleranceConfig {
     /// Deadline in seconds of every collective and of rendezvous; a peer that does not answer
@@ -50,7 +50,7 @@ pub struct FaultToleranceConfig {
 }
 
 /// How a launched job recovers from a lost process.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum RecoveryMode {
     /// Only the lost process is restarted; the others roll back to the last committed

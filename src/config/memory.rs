@@ -6,7 +6,7 @@ use serde::{Deserialize, Serialize};
 use super::FieldError;
 
 /// A block of the model, by name or by index in the model's block list.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(untagged)]
 pub enum BlockRef {
     /// The block's index.
@@ -16,7 +16,7 @@ pub enum BlockRef {
 }
 
 /// `[strategy.recompute_configs]`.
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(default, deny_unknown_fields)]
 pub struct RecomputeConfigs {
     /// The blocks whose outputs are kept from forward to backward; everything between two of
@@ -48,7 +48,7 @@ impl RecomputeConfigs {
 }
 
 /// `[strategy.gradient_merge_configs]`.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(default, deny_unknown_fields)]
 pub struct GradientMergeConfigs {
     /// Batches whose gradients are accumulated before one optimizer step.

@@ -28,6 +28,7 @@ mod memory;
 mod overrides;
 mod pipeline;
 pub mod placement;
+pub mod reference;
 mod sparse_tables;
 mod strategy;
 mod train;
@@ -131,7 +132,7 @@ pub fn process_env(name: &str) -> Option<String> {
 /// [`JobConfig::default`]), so a value of this type has been validated. Serializes back to TOML
 /// with [`JobConfig::to_toml_string`] so a launcher can hand the exact resolved config to its
 /// child processes.
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, schemars::JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct JobConfig {
     /// Topology: nodes, processes per node, endpoints.

@@ -6,7 +6,7 @@ use serde::{Deserialize, Serialize};
 use super::FieldError;
 
 /// Order of forwards and backwards over the micro-batches (`pipeline_configs.schedule_mode`).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
 pub enum ScheduleMode {
     /// GPipe: all forwards, then all backwards.
     FThenB,
@@ -18,7 +18,7 @@ pub enum ScheduleMode {
 }
 
 /// `[strategy.pipeline_configs]`.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(default, deny_unknown_fields)]
 pub struct PipelineConfigs {
     /// The schedule.
@@ -55,7 +55,7 @@ impl Default for PipelineConfigs {
 
 /// `[strategy.hybrid_configs]`: how the world is split into pipeline stages and data-parallel
 /// replicas of the pipeline.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(default, deny_unknown_fields)]
 pub struct HybridConfigs {
     /// Replicas of the whole pipeline (`d`); each stage all-reduces within its replicas.

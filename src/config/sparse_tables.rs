@@ -11,7 +11,7 @@ use super::{FieldError, JobConfig};
 /// One table's row policy. Every row of such a table counts its shows (training occurrences)
 /// and clicks (occurrences in clicked samples); its score is
 /// `nonclk_coeff × (shows − clicks) + click_coeff × clicks`.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(default, deny_unknown_fields)]
 pub struct SparseTableConfig {
     /// Entry: a row is stored from its `count_filter`-th training occurrence on (its gradients

@@ -31,7 +31,7 @@ const fn unsupported(key: &'static str, reason: &'static str) -> UnsupportedKey 
 }
 
 /// `[strategy]` section: how gradients are synchronised between data-parallel replicas.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(default, deny_unknown_fields)]
 pub struct DistributedStrategy {
     /// Size of one gradient fusion bucket in MiB: gradients are all-reduced in buckets of about
@@ -91,7 +91,7 @@ pub struct DistributedStrategy {
 }
 
 /// `[strategy.a_sync_configs]`, Paddle's name for the asynchronous parameter-server settings.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(default, deny_unknown_fields)]
 pub struct AsyncConfigs {
     /// Geo mode when `> 0` (with `a_sync = true`): trainers train on local copies and send the

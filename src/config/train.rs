@@ -8,7 +8,7 @@ use super::FieldError;
 const DEFAULT_EPOCHS: usize = 20;
 
 /// Model architecture.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum ModelKind {
     /// Multi-layer perceptron with `train.hidden_sizes` hidden layers (collective strategy).
@@ -63,7 +63,7 @@ impl ModelKind {
 }
 
 /// Training data set.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum DatasetKind {
     /// The bundled 8×8 handwritten digits set.
@@ -103,7 +103,7 @@ impl DatasetKind {
 }
 
 /// How the learning rate is scaled with the world size (the global batch grows with it).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(rename_all = "lowercase")]
 pub enum LrScaling {
     /// Use `train.lr` as given.
@@ -118,7 +118,7 @@ pub enum LrScaling {
 /// How the learning rate decays after warm-up, over the run's optimizer steps (PyTorch's
 /// `LinearLR`, `CosineAnnealingLR`, `StepLR`; Paddle's `PolynomialDecay`, `CosineAnnealingDecay`,
 /// `StepDecay`).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum LrSchedule {
     /// The peak rate to the end.
@@ -133,7 +133,7 @@ pub enum LrSchedule {
 }
 
 /// Optimizer algorithm.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(rename_all = "lowercase")]
 pub enum OptimizerKind {
     /// SGD with `train.momentum`.
@@ -148,7 +148,7 @@ pub enum OptimizerKind {
 }
 
 /// The training loss.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum LossKind {
     /// Cross-entropy of the logits against class ids (classification, language models).
@@ -176,7 +176,7 @@ impl LossKind {
 }
 
 /// `[train.gpt]`: the shape of the GPT model (its vocabulary is the text's characters).
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(default, deny_unknown_fields)]
 pub struct GptShape {
     /// Transformer layers (blocks `h0` … of the model, what pipelines cut).
@@ -246,7 +246,7 @@ impl TrainLength {
 }
 
 /// `[train]` section.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(default = "TrainConfig::unresolved", deny_unknown_fields)]
 pub struct TrainConfig {
     /// Model architecture.
@@ -269,16 +269,16 @@ pub struct TrainConfig {
     pub synthetic_classes: usize,
     /// Largest vocabulary of one sparse slot of generated click logs.
     pub synthetic_vocab: usize,
-    /// Files to train on, read in order: Criteo TSV files (dataset `criteo`, streamed) or CSV
-    /// tables (dataset `csv`).
+    /// Files to train on, read in order: Criteo TSV files (dataset `criteo`, streamed), CSV
+    /// tables (dataset `csv`) or Parquet files (dataset `parquet`).
     pub train_files: Vec<String>,
-    /// Files held out for evaluation: Criteo TSV files (dataset `criteo`) or CSV tables
-    /// (dataset `csv`, where none holds out `test_fraction` of the training rows).
+    /// Files held out for evaluation: Criteo TSV files (dataset `criteo`), or tables (datasets
+    /// `csv` and `parquet`, where none holds out `test_fraction` of the training rows).
     pub test_files: Vec<String>,
-    /// Dataset `csv`: the column the model predicts.
+    /// Datasets `csv` and `parquet`: the column the model predicts.
     pub label_column: String,
-    /// Dataset `csv`: the columns the model reads, in this order; every column but the label
-    /// when not given.
+    /// Datasets `csv` and `parquet`: the columns the model reads, in this order; every column but
+    /// the label when not given.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub feature_columns: Option<Vec<String>>,
     /// Parameter server only: a directory of `ps-shard-<i>.safetensors` files (what a run
@@ -305,7 +305,7 @@ pub struct TrainConfig {
     /// GLOBAL batch size, split evenly across the world, so it must be divisible by the world
     /// size; keeping it global makes results comparable across world sizes.
     pub batch_size: usize,
-    /// Rows per forward pass of the final evaluation on each rank: the held-out set is scored
+    /// Rows per forward pass of an evaluation on each rank: the held-out set is scored
     /// piece by piece, so evaluation's memory does not grow with the set.
     pub eval_batch_size: usize,
     /// Score the held-out split every this many steps too (0: only at the end), into the
