@@ -7,17 +7,12 @@
 //! makes placement even for structured ids too, and mixing in the table spreads the rows of one
 //! id in several tables over the shards.
 
+use crate::rng::mix64;
+
 /// The shard of row `id` of table `table` among `server_num` shards (`server_num > 0`).
 pub fn shard_of(table: usize, id: u64, server_num: usize) -> usize {
     let salted = id ^ (table as u64 + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15);
     (mix64(salted) % server_num.max(1) as u64) as usize
-}
-
-/// The SplitMix64 finaliser: a bijection of u64 with full avalanche.
-fn mix64(mut z: u64) -> u64 {
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    z ^ (z >> 31)
 }
 
 #[cfg(test)]

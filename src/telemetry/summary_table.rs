@@ -5,23 +5,28 @@ use anyhow::Result;
 use serde::Serialize;
 use serde_json::Value;
 
+/// The widest the table is drawn: a long figure (a parameter-server job's per-shard lists)
+/// wraps within its cell instead of widening every row.
+const WIDTH: u16 = 100;
+
 /// `summary` as a two-column table of its fields, in their order.
 pub fn render(title: &str, summary: &impl Serialize) -> Result<String> {
     let Value::Object(fields) = serde_json::to_value(summary)? else {
         anyhow::bail!("a summary is a set of named figures");
     };
-    let rows: Vec<(String, String)> = fields.iter().map(|(k, v)| (k.clone(), cell(v))).collect();
-    let key_width = rows.iter().map(|(k, _)| k.len()).max().unwrap_or(0).max(6);
-    let value_width = rows.iter().map(|(_, v)| v.chars().count()).max().unwrap_or(0).max(5);
-    let rule = format!("+-{}-+-{}-+\n", "-".repeat(key_width), "-".repeat(value_width));
-    let mut table = format!("{title}\n{rule}");
-    table.push_str(&format!("| {:key_width$} | {:value_width$} |\n", "figure", "value"));
-    table.push_str(&rule);
-    for (key, value) in rows {
-        table.push_str(&format!("| {key:key_width$} | {value:>value_width$} |\n"));
+    let mut table = comfy_table::Table::new();
+    table
+        .load_style(comfy_table::presets::ASCII_FULL_CONDENSED)
+        .set_content_arrangement(comfy_table::ContentArrangement::Dynamic)
+        .set_width(WIDTH)
+        .set_header(["figure", "value"]);
+    for (key, value) in &fields {
+        table.add_row([key.clone(), cell(value)]);
     }
-    table.push_str(&rule);
-    Ok(table)
+    if let Some(values) = table.column_mut(1) {
+        values.set_cell_alignment(comfy_table::CellAlignment::Right);
+    }
+    Ok(format!("{title}\n{table}\n"))
 }
 
 /// A figure as shown: floats to four significant digits, lists and objects as compact JSON.

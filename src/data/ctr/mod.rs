@@ -23,6 +23,8 @@ pub use loader::{CtrLoader, CtrSource, DataLayout, DataPosition};
 pub use synthetic::{CriteoSynth, Split};
 pub use tsv::{parse_line, write_record, write_synthetic, TsvReader};
 
+use crate::rng::mix64;
+
 /// Integer columns per record (Criteo's I1..I13).
 pub const DENSE_FEATURES: usize = 13;
 /// Categorical slots per record (Criteo's C1..C26).
@@ -83,13 +85,6 @@ fn feature_key(slot: usize, value: Option<u32>) -> u64 {
         Some(v) => slot_key | (1 << 32) | u64::from(v),
         None => slot_key,
     }
-}
-
-/// SplitMix64's output finaliser: a cheap bijective 64-bit hash.
-fn mix64(mut z: u64) -> u64 {
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    z ^ (z >> 31)
 }
 
 /// Records turned into model inputs, row-major, ready to become tensors
