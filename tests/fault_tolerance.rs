@@ -234,17 +234,27 @@ fn a_second_run_refused_by_the_first_runs_checkpoints_stops_instead_of_resuming_
     assert!(!run_dir.join("summary.json").exists());
 }
 
+/// Launches the default job on 2 ranks for 3000 steps into `run_dir`, with `settings`, and waits
+/// until it trains.
+fn launch_training(run_dir: &Path, settings: &[&str]) -> common::Started {
+    let port = free_port_range(3).to_string();
+    #[rustfmt::skip]
+    let mut args = vec!["launch", "--nproc_per_node", "2", "--started_port", &port, "--", "train",
+        "--run-dir", run_dir.to_str().unwrap(), "--set", "train.steps=3000"];
+    for setting in settings {
+        args.extend(["--set", setting]);
+    }
+    let launcher = start_flotilla(&args, &[]);
+    wait_for_training(run_dir);
+    launcher
+}
+
 #[test]
 fn a_restarted_job_without_checkpoints_says_it_starts_again_at_step_0() {
     let dir = tempfile::tempdir().unwrap();
     let run_dir = dir.path().join("run");
-    let port = free_port_range(3).to_string();
-    #[rustfmt::skip]
-    let args = ["launch", "--nproc_per_node", "2", "--started_port", &port, "--", "train",
-        "--run-dir", run_dir.to_str().unwrap(), "--set", "train.steps=3000",
-        "--set", "fault_tolerance.max_restarts=1", "--set", "fault_tolerance.recovery=restart"];
-    let launcher = start_flotilla(&args, &[]);
-    wait_for_training(&run_dir);
+    let settings = ["fault_tolerance.max_restarts=1", "fault_tolerance.recovery=restart"];
+    let launcher = launch_training(&run_dir, &settings);
     let children = children_of(launcher.child.id());
     assert_eq!(children.len(), 2, "the launcher's processes: {children:?}");
     // SAFETY: a pid of a process this test's launcher started and still supervises.
@@ -274,13 +284,7 @@ fn a_restarted_job_without_checkpoints_says_it_starts_again_at_step_0() {
 fn a_sigterm_stops_every_rank_at_a_checkpoint_and_the_resumed_run_equals_an_uninterrupted_one() {
     let dir = tempfile::tempdir().unwrap();
     let run_dir = dir.path().join("run");
-    let port = free_port_range(3).to_string();
-    #[rustfmt::skip]
-    let args = ["launch", "--nproc_per_node", "2", "--started_port", &port, "--", "train",
-        "--run-dir", run_dir.to_str().unwrap(), "--set", "train.steps=3000",
-        "--set", "fault_tolerance.checkpoint_every=1000"];
-    let launcher = start_flotilla(&args, &[]);
-    wait_for_training(&run_dir);
+    let launcher = launch_training(&run_dir, &["fault_tolerance.checkpoint_every=1000"]);
     let children = children_of(launcher.child.id());
     // SAFETY: the launcher this test started.
     unsafe {

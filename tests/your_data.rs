@@ -122,16 +122,9 @@ fn launched_regression_equals_one_process(format: &str) {
     assert!(mse < 0.05, "test mse {mse}");
 }
 
-#[test]
-fn bad_tables_are_refused_with_the_file_line_and_column() {
-    let dir = tempfile::tempdir().unwrap();
-    write_tables(dir.path());
-    let mut broken = regression_csv(20, 0);
-    broken.push_str("0.1,0.2,x7,1.0\n");
-    std::fs::write(dir.path().join("train.csv"), broken).unwrap();
-    let config_path = dir.path().join("regression.toml");
-    std::fs::write(&config_path, config_text(dir.path(), "csv", 1)).unwrap();
-    let run_dir = dir.path().join("run");
+/// Trains `config_path` into `run_dir`, which must fail with an error that names `file` and says
+/// `needle`, and write nothing.
+fn refused(config_path: &Path, run_dir: &Path, file: &str, needle: &str) {
     let args = [
         "train",
         "--config",
@@ -142,25 +135,32 @@ fn bad_tables_are_refused_with_the_file_line_and_column() {
     let finished = flotilla(&args, &[], 60);
     assert!(!finished.success);
     assert!(
-        finished.stderr.contains("train.csv")
-            && finished
-                .stderr
-                .contains("line 22, column \"c\": \"x7\" is not a number"),
-        "{}",
+        finished.stderr.contains(file) && finished.stderr.contains(needle),
+        "{needle}: {}",
         finished.stderr
     );
     assert!(!run_dir.join("summary.json").exists() && !run_dir.join("params.safetensors").exists());
+}
 
-    std::fs::write(dir.path().join("train.csv"), "a,b,c\n1,2,3\n").unwrap();
-    let finished = flotilla(&args, &[], 60);
-    assert!(!finished.success);
-    assert!(
-        finished
-            .stderr
-            .contains("no column \"y\" (train.label_column); its columns are a, b, c"),
-        "{}",
-        finished.stderr
+#[test]
+fn bad_tables_are_refused_with_the_file_line_and_column() {
+    let dir = tempfile::tempdir().unwrap();
+    write_tables(dir.path());
+    let mut broken = regression_csv(20, 0);
+    broken.push_str("0.1,0.2,x7,1.0\n");
+    std::fs::write(dir.path().join("train.csv"), broken).unwrap();
+    let config_path = dir.path().join("regression.toml");
+    std::fs::write(&config_path, config_text(dir.path(), "csv", 1)).unwrap();
+    let run_dir = dir.path().join("run");
+    refused(
+        &config_path,
+        &run_dir,
+        "train.csv",
+        "line 22, column \"c\": \"x7\" is not a number",
     );
+    std::fs::write(dir.path().join("train.csv"), "a,b,c\n1,2,3\n").unwrap();
+    let missing = "no column \"y\" (train.label_column); its columns are a, b, c";
+    refused(&config_path, &run_dir, "train.csv", missing);
 }
 
 #[test]
@@ -178,29 +178,15 @@ fn a_parquet_file_of_another_schema_is_refused_naming_the_column() {
     let config_path = dir.path().join("regression.toml");
     std::fs::write(&config_path, config_text(dir.path(), "parquet", 1)).unwrap();
     let run_dir = dir.path().join("run");
-    let args = [
-        "train",
-        "--config",
-        config_path.to_str().unwrap(),
-        "--run-dir",
-        run_dir.to_str().unwrap(),
-    ];
-    let refused = |needle: &str| {
-        let finished = flotilla(&args, &[], 60);
-        assert!(!finished.success);
-        assert!(
-            finished.stderr.contains("train.parquet") && finished.stderr.contains(needle),
-            "{needle}: {}",
-            finished.stderr
-        );
-        assert!(!run_dir.join("summary.json").exists() && !run_dir.join("params.safetensors").exists());
-    };
+    let file = "train.parquet";
     // Integers are numbers; text is not.
-    refused("column \"c\" is not numbers: its schema is `REQUIRED BYTE_ARRAY c (UTF8);`");
+    let text = "column \"c\" is not numbers: its schema is `REQUIRED BYTE_ARRAY c (UTF8);`";
+    refused(&config_path, &run_dir, file, text);
     write_parquet(&train, &[("a", longs()), ("b", longs()), ("c", longs())], 4);
-    refused("no column \"y\" (train.label_column); its columns are a, b, c");
+    let missing = "no column \"y\" (train.label_column); its columns are a, b, c";
+    refused(&config_path, &run_dir, file, missing);
     std::fs::write(&train, regression_csv(10, 0)).unwrap();
-    refused("not a readable Parquet file");
+    refused(&config_path, &run_dir, file, "not a readable Parquet file");
 }
 
 /// Trains `config_path` for its steps as one process into `run_dir`, with a checkpoint every
