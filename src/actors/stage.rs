@@ -362,11 +362,7 @@ impl StageRun {
         let loss_kind = job.train.resolved_loss()?;
         // Every held-out row is scored: each replica takes its share, in pieces of any size.
         let test_data = self.test_data.clone();
-        let test_share = || {
-            let n = test_data.len();
-            let rows: Vec<usize> = (replica * n / d..(replica + 1) * n / d).collect();
-            test_data.select(&rows)
-        };
+        let test_share = || test_data.share(replica, d);
         // The newest held-out score (on the stage holding the model's output), and the steps it
         // came after.
         let mut scored: Option<(usize, Option<Score>)> = None;

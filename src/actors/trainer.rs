@@ -297,11 +297,7 @@ impl TrainingRun {
         let check_every = job.strategy.check_every;
         let loss_kind = job.train.resolved_loss()?;
         let test_data = self.test_data.clone();
-        let test_shard = || {
-            let rows = test_data.len();
-            let shard: Vec<usize> = (place * rows / world..(place + 1) * rows / world).collect();
-            test_data.select(&shard)
-        };
+        let test_shard = || test_data.share(place, world);
         // The newest held-out score, and the steps it came after.
         let mut scored: Option<(usize, Score)> = None;
         // SIGTERM asks the run to stop at a checkpoint rather than ending the process.
