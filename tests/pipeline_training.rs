@@ -253,6 +253,11 @@ fn the_gpt_example_trains_and_its_loss_falls() {
         &overrides,
     )
     .unwrap();
+    // The model file carries the characters the tokens stand for, in token order.
+    let job = flotilla::job::TrainingJob::builtin(config.clone()).unwrap();
+    let vocab: String = serde_json::from_str(&job.export.extra["vocab"]).unwrap();
+    assert_eq!(vocab.chars().count(), 78);
+    assert!(vocab.starts_with("\n !"), "{vocab:?}");
     let outcome = train_in_process(config);
     assert_eq!(
         (outcome.summary.strategy.as_str(), outcome.summary.world_size),

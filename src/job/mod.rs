@@ -53,8 +53,9 @@ use crate::telemetry::monitor::{MonitorSettings, ProgressView};
 use crate::telemetry::timeline::{self, TraceTarget};
 
 /// (train, test) windows of the shipped text: the test part is the end of the text, so no
-/// test window overlaps a training one; windows start every half window.
-fn text_windows(train: &crate::config::TrainConfig) -> Result<(Dataset, Dataset)> {
+/// test window overlaps a training one; windows start every half window. Also the vocabulary:
+/// token `i` is its `i`-th character.
+fn text_windows(train: &crate::config::TrainConfig) -> Result<(Dataset, Dataset, String)> {
     let corpus = TextCorpus::around_the_world()?;
     let (train_tokens, test_tokens) = corpus.split(train.test_fraction).context("train.test_fraction")?;
     let block = train.gpt.block_size;
@@ -62,7 +63,11 @@ fn text_windows(train: &crate::config::TrainConfig) -> Result<(Dataset, Dataset)
         Dataset::token_windows(tokens, block, block.div_ceil(2), corpus.vocab.len())
             .with_context(|| format!("train.gpt.block_size = {block}"))
     };
-    Ok((windows(&train_tokens)?, windows(&test_tokens)?))
+    Ok((
+        windows(&train_tokens)?,
+        windows(&test_tokens)?,
+        corpus.vocab.iter().collect(),
+    ))
 }
 
 /// What a data set's targets are, in words.
@@ -198,7 +203,9 @@ impl TrainingJob {
     /// The job `config.train` describes with the built-in models and data.
     pub fn builtin(config: JobConfig) -> Result<Self> {
         let train = &config.train;
-        let mut feature_columns = None;
+        // What a user of the model file needs besides the weights: the columns a table model
+        // reads, the characters a language model's tokens stand for.
+        let mut extra = std::collections::HashMap::new();
         let (train_data, test_data) = match train.dataset {
             DatasetKind::Digits => Dataset::digits()?
                 .split(train.test_fraction, train.seed)
@@ -211,7 +218,11 @@ impl TrainingJob {
             )?
             .split(train.test_fraction, train.seed)
             .context("train.test_fraction")?,
-            DatasetKind::Text => text_windows(train)?,
+            DatasetKind::Text => {
+                let (train_windows, test_windows, vocab) = text_windows(train)?;
+                extra.insert("vocab".to_string(), serde_json::to_string(&vocab)?);
+                (train_windows, test_windows)
+            }
             DatasetKind::Csv | DatasetKind::Parquet => {
                 let format = match train.dataset {
                     DatasetKind::Parquet => TableFormat::Parquet,
@@ -230,7 +241,10 @@ impl TrainingJob {
                     train.test_fraction,
                     train.seed,
                 )?;
-                feature_columns = Some(splits.feature_columns);
+                extra.insert(
+                    "feature_columns".to_string(),
+                    serde_json::to_string(&splits.feature_columns)?,
+                );
                 (splits.train, splits.test)
             }
             DatasetKind::CriteoSynthetic | DatasetKind::Criteo => {
@@ -269,11 +283,7 @@ impl TrainingJob {
             test_data,
         )?;
         job.export.spec = Some(spec);
-        if let Some(columns) = feature_columns {
-            job.export
-                .extra
-                .insert("feature_columns".to_string(), serde_json::to_string(&columns)?);
-        }
+        job.export.extra = extra;
         Ok(job)
     }
 

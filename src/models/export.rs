@@ -9,7 +9,7 @@
 //! | `format_version` | `1` |
 //! | `model` | the architecture as JSON ([`ModelSpec`]), for the built-in models |
 //! | `loss` | the loss it was trained with (`cross_entropy`, `mse`, `mae`) |
-//! | extra keys | what the job adds (`feature_columns` of a CSV data set, as JSON) |
+//! | extra keys | what the job adds, as JSON: `feature_columns` of a table data set, `vocab` of a language model (its characters in token order, one string) |
 //!
 //! Loading checks every tensor against the model before it changes anything: a file of
 //! another model is refused with the tensor that does not fit.
