@@ -12,6 +12,12 @@
 //! [`config::JobConfig`], and hand them to [`job::TrainingJob::run`]: it
 //! trains in this process as a simulated cluster, or as one rank when the
 //! program is started by `flotilla launch` (see `examples/custom_model.rs`).
+//! [`cli::standard_command_line`] gives such a program `flotilla train`'s flags in one call.
+//!
+//! A program that keeps the loop, the loss and the optimizer for itself — `init_process_group`
+//! and `DDP(model)` in PyTorch — joins its launcher's job with [`job::ProcessGroup::init`] and
+//! wraps its model in a [`job::DistributedModel`], whose `backward` returns the gradients
+//! averaged over the ranks (`examples/own_loop.rs`).
 //!
 //! ```
 //! use flotilla::config::{process_env, JobConfig};
@@ -55,6 +61,7 @@
 //!   launched role, and the files a run writes.
 //! - [`launch`]: `flotilla launch` and `launch-ps`, starting and supervising
 //!   a node's processes.
+//! - [`cli`]: the command line of a training program.
 //! - [`doctor`]: `flotilla doctor`, the checks before a launch — config,
 //!   endpoints, ports, peers, clock, GPU libraries.
 //! - [`metrics`]: quality measures of model outputs (ROC AUC).
