@@ -21,6 +21,7 @@ use candle_core::backprop::GradStore;
 use candle_core::{Device, Tensor, Var};
 
 use flotilla::cli::{standard_command_line, DefaultConfig};
+use flotilla::collective::preemption::PREEMPTED_EXIT_CODE;
 use flotilla::job::{write_params, DistributedModel, ProcessGroup};
 use flotilla::models::export::ModelInfo;
 use flotilla::models::{ModelSpec, ParamInit};
@@ -74,6 +75,20 @@ fn main() -> Result<()> {
                 .all_reduce_mean("the mean loss", vec![loss.to_scalar::<f32>()?])?;
             tracing::info!(step, loss = mean[0], "training");
         }
+        // Preemption (a SIGTERM to any rank): every rank learns it at the same step, rank 0
+        // keeps the model so far, and all stop as the cluster asked.
+        if step % PREEMPTION_CHECK == PREEMPTION_CHECK - 1 && model.group().stop_asked()? {
+            if rank == 0 {
+                let path = write_params(&options.run_dir, model.model(), &model_info(&spec))?;
+                eprintln!(
+                    "stopped on SIGTERM after step {}; the model so far is in {}",
+                    step + 1,
+                    path.display()
+                );
+            }
+            model.finish()?;
+            std::process::exit(i32::from(PREEMPTED_EXIT_CODE));
+        }
     }
 
     // Each rank scores its share of the held-out rows; the mean of the shares is the whole's.
@@ -84,18 +99,25 @@ fn main() -> Result<()> {
         .group()
         .all_reduce_mean("the test error", vec![squared.to_scalar::<f32>()?])?[0];
     if rank == 0 {
-        let info = ModelInfo {
-            spec: Some(spec),
-            loss: Some("huber".to_string()),
-            ..ModelInfo::default()
-        };
-        let path = write_params(&options.run_dir, model.model(), &info)?;
+        let path = write_params(&options.run_dir, model.model(), &model_info(&spec))?;
         let summary = serde_json::json!({ "world_size": world, "steps": steps, "test_mse": test_mse });
         std::fs::write(options.run_dir.join("summary.json"), format!("{summary:#}\n"))?;
         println!("test mse {test_mse:.5}; the model is in {}", path.display());
     }
     model.finish()?;
     Ok(())
+}
+
+/// Steps between the ranks' agreements on whether to stop (each is one small all-reduce).
+const PREEMPTION_CHECK: usize = 20;
+
+/// What the model file says of the model besides its weights.
+fn model_info(spec: &ModelSpec) -> ModelInfo {
+    ModelInfo {
+        spec: Some(spec.clone()),
+        loss: Some("huber".to_string()),
+        ..ModelInfo::default()
+    }
 }
 
 /// Rows `range` of the global batch `batch`: features uniform in [-1, 1) and a target planted

@@ -66,13 +66,12 @@ fn the_own_loop_on_two_processes_equals_one_process() {
     assert!(mse < 0.05, "test mse {mse}");
 }
 
-#[test]
-fn a_rank_that_dies_stops_the_others_with_its_name_not_a_hang() {
-    let dir = tempfile::tempdir().unwrap();
+/// Launches the example on two ranks into `run_dir` for far more steps than a test waits, and
+/// returns once both train: the launcher and the ranks' pids.
+fn launch_long_run(run_dir: &Path) -> (common::Started, std::collections::HashMap<usize, i32>) {
     let program = own_loop();
-    let run_dir = dir.path().join("run");
     let port = free_port_range(3).to_string();
-    // Long enough to be killed in the middle; the heartbeat deadline is 2 s.
+    // Heartbeats every 200 ms, a peer dead after 2 s of silence.
     #[rustfmt::skip]
     let args = [
         "launch", "--nproc_per_node", "2", "--started_port", &port, "--",
@@ -88,11 +87,19 @@ fn a_rank_that_dies_stops_the_others_with_its_name_not_a_hang() {
         }
         std::thread::sleep(Duration::from_millis(20));
     };
-    let rank1 = *ranks.get(&1).expect("rank 1 started");
+    assert_eq!(ranks.len(), 2, "the ranks started: {ranks:?}");
     // In the middle of training.
     std::thread::sleep(Duration::from_secs(1));
+    (launcher, ranks)
+}
+
+#[test]
+fn a_rank_that_dies_stops_the_others_with_its_name_not_a_hang() {
+    let dir = tempfile::tempdir().unwrap();
+    let run_dir = dir.path().join("run");
+    let (launcher, ranks) = launch_long_run(&run_dir);
     // SAFETY: a signal to a process this test started.
-    unsafe { libc::kill(rank1, libc::SIGKILL) };
+    unsafe { libc::kill(ranks[&1], libc::SIGKILL) };
     let finished = launcher.finish(60);
     assert!(!finished.success, "{}", finished.stderr);
     assert!(
@@ -101,4 +108,23 @@ fn a_rank_that_dies_stops_the_others_with_its_name_not_a_hang() {
         finished.stderr
     );
     assert!(!run_dir.join("params.safetensors").exists());
+}
+
+#[test]
+fn a_sigterm_stops_both_ranks_after_the_same_step_with_the_model_so_far() {
+    let dir = tempfile::tempdir().unwrap();
+    let run_dir = dir.path().join("run");
+    let (launcher, _) = launch_long_run(&run_dir);
+    // SAFETY: the launcher this test started; it forwards the signal to both ranks.
+    unsafe { libc::kill(launcher.child.id() as i32, libc::SIGTERM) };
+    let finished = launcher.finish(60);
+    assert!(!finished.success, "{}", finished.stderr);
+    assert!(finished.stderr.contains("forwarding SIGTERM"), "{}", finished.stderr);
+    assert!(
+        finished.stderr.contains("stopped on SIGTERM after step ") && finished.stderr.contains("error: interrupted"),
+        "{}",
+        finished.stderr
+    );
+    assert!(run_dir.join("params.safetensors").exists());
+    assert!(!run_dir.join("summary.json").exists(), "the run did not end");
 }

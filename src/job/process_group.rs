@@ -16,6 +16,9 @@ use super::control::connect_control;
 use super::heartbeat::{watched, CoordinatorAt};
 use super::process::{bind, coordinator_is_own_process, ring_link, RankEndpoints};
 use crate::actors::Coordinator;
+#[cfg(doc)]
+use crate::collective::preemption::PREEMPTED_EXIT_CODE;
+use crate::collective::preemption::{self, PreemptionWatch};
 use crate::config::{placement, process_env, JobConfig};
 use crate::engines::comm::{CommWorker, Communicator, RingBreaker, Wire};
 use crate::net::protocol::Roster;
@@ -27,6 +30,8 @@ pub struct ProcessGroup {
     config: Arc<JobConfig>,
     /// The line to the coordinator; `None` for a rank alone.
     control: Option<ControlLine>,
+    /// A first SIGTERM asks the loop to stop ([`ProcessGroup::stop_asked`]).
+    _preemption: PreemptionWatch,
 }
 
 /// The thread that keeps this rank in touch with the coordinator.
@@ -56,6 +61,7 @@ impl ProcessGroup {
                 config.source_name
             ),
         };
+        let preemption = PreemptionWatch::install()?;
         if world == 1 {
             let comm = CommWorker::spawn(Communicator::single())?;
             return Ok(Self {
@@ -63,6 +69,7 @@ impl ProcessGroup {
                 comm,
                 config,
                 control: None,
+                _preemption: preemption,
             });
         }
         let RankEndpoints {
@@ -120,6 +127,7 @@ impl ProcessGroup {
                 failure,
                 thread,
             }),
+            _preemption: preemption,
         })
     }
 
@@ -153,6 +161,15 @@ impl ProcessGroup {
             Ok(values)
         });
         self.explained(outcome)
+    }
+
+    /// Whether any rank got a SIGTERM (preemption) — the same answer on every rank, so all stop
+    /// after the same step: a collective, which every rank calls at the same point of its loop
+    /// (after each step, say). A first SIGTERM no longer ends the process while the group lives;
+    /// a second does. Stop with [`PREEMPTED_EXIT_CODE`] after saving what is needed.
+    pub fn stop_asked(&self) -> Result<bool> {
+        let mine = if preemption::asked() { 1.0 } else { 0.0 };
+        Ok(self.all_reduce_mean("the agreement on stopping", vec![mine])?[0] > 0.0)
     }
 
     /// `outcome`, with why the group failed when a collective failed for it.
