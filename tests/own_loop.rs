@@ -128,3 +128,32 @@ fn a_sigterm_stops_both_ranks_after_the_same_step_with_the_model_so_far() {
     assert!(run_dir.join("params.safetensors").exists());
     assert!(!run_dir.join("summary.json").exists(), "the run did not end");
 }
+
+#[test]
+fn a_group_of_two_started_without_a_launcher_says_how_to_start_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let program = own_loop();
+    let finished = common::start_program(
+        program.to_str().unwrap(),
+        &[
+            "--set",
+            "cluster.nproc_per_node=2",
+            "--run-dir",
+            "/nonexistent/never-written",
+        ],
+        &[],
+    )
+    .finish(30);
+    assert!(!finished.success);
+    assert!(
+        finished
+            .stderr
+            .contains("a process group of 2 ranks needs this process's rank (PADDLE_TRAINER_ID or RANK)")
+            && finished
+                .stderr
+                .contains("flotilla launch --nproc_per_node 2 -- PROGRAM"),
+        "{}",
+        finished.stderr
+    );
+    assert!(!dir.path().join("run").join("params.safetensors").exists());
+}
