@@ -401,3 +401,60 @@ fn evaluation_memory_stays_bounded_as_the_held_out_set_grows() {
         "peak resident set {small_peak} B on 2 000 rows, {large_peak} B on 40 000"
     );
 }
+
+/// Named arrays — safetensors and NumPy's `.npz` — holding the rows of the CSV tables train the
+/// very same model: a feature array of shape (n, 3) and a label array (n).
+#[test]
+fn named_arrays_train_the_model_the_same_rows_as_a_table_train() {
+    use candle_core::{Device, Tensor};
+    let dir = tempfile::tempdir().unwrap();
+    write_tables(dir.path());
+    let arrays = |rows: usize, offset: usize| {
+        let rows = regression_rows(rows, offset);
+        let x: Vec<f32> = rows.iter().flat_map(|r| r[..3].to_vec()).collect();
+        let y: Vec<f32> = rows.iter().map(|r| r[3]).collect();
+        let n = rows.len();
+        (
+            Tensor::from_vec(x, (n, 3), &Device::Cpu).unwrap(),
+            Tensor::from_vec(y, n, &Device::Cpu).unwrap(),
+        )
+    };
+    for (split, rows, offset) in [("train", 256, 0), ("test", 64, 1000)] {
+        let (x, y) = arrays(rows, offset);
+        let named = std::collections::HashMap::from([("x".to_string(), x.clone()), ("y".to_string(), y.clone())]);
+        candle_core::safetensors::save(&named, dir.path().join(format!("{split}.safetensors"))).unwrap();
+        Tensor::write_npz(&[("x", &x), ("y", &y)], dir.path().join(format!("{split}.npz"))).unwrap();
+    }
+    let run = |format: &str, extension: &str| {
+        let text = config_text(dir.path(), format, 1).replace(".arrays", extension)
+            + if format == "arrays" {
+                "feature_columns = [\"x\"]\n"
+            } else {
+                ""
+            };
+        let config = JobConfig::from_toml_str(&text, "arrays.toml", &|_| None, &[]).unwrap();
+        let outcome = TrainingJob::builtin(config)
+            .unwrap()
+            .run_simulated(&RunOptions::new(dir.path().join(format!("run{extension}"))))
+            .unwrap();
+        assert_eq!(outcome.summary.test_samples, 64);
+        outcome.parameters
+    };
+    let table = run("csv", ".csv");
+    for extension in [".safetensors", ".npz"] {
+        assert_eq!(max_abs_diff(&table, &run("arrays", extension)), 0.0, "{extension}");
+    }
+    // A missing label array is named with the arrays there are.
+    let text = config_text(dir.path(), "arrays", 1)
+        .replace(".arrays", ".npz")
+        .replace("\"y\"", "\"z\"");
+    let config = JobConfig::from_toml_str(&text, "arrays.toml", &|_| None, &[]).unwrap();
+    let error = match TrainingJob::builtin(config) {
+        Ok(_) => panic!("a missing label array trained"),
+        Err(e) => format!("{e:#}"),
+    };
+    assert!(
+        error.contains("no array \"z\" (train.label_column); its arrays are x, y"),
+        "{error}"
+    );
+}

@@ -376,6 +376,7 @@ fn dataset_name(dataset: DatasetKind) -> &'static str {
         DatasetKind::Text => "\"text\"",
         DatasetKind::Csv => "\"csv\"",
         DatasetKind::Parquet => "\"parquet\"",
+        DatasetKind::Arrays => "\"arrays\"",
     }
 }
 

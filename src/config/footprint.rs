@@ -118,7 +118,12 @@ fn estimate(config: &JobConfig) -> Vec<Need> {
     let data_rows = match train.dataset {
         DatasetKind::Synthetic => train.synthetic_features.saturating_add(1),
         DatasetKind::CriteoSynthetic => SPARSE_SLOTS * 2 + DENSE_FEATURES + 1,
-        DatasetKind::Digits | DatasetKind::Criteo | DatasetKind::Text | DatasetKind::Csv | DatasetKind::Parquet => 0,
+        DatasetKind::Digits
+        | DatasetKind::Criteo
+        | DatasetKind::Text
+        | DatasetKind::Csv
+        | DatasetKind::Parquet
+        | DatasetKind::Arrays => 0,
     };
     let generated = mul(&[train.synthetic_samples as u128, data_rows as u128, F32]);
     let losses = match train.length() {

@@ -88,12 +88,17 @@ pub enum DatasetKind {
     /// Parquet files of the user's own, read as `csv` reads its tables: top-level columns of
     /// integers or floating-point numbers.
     Parquet,
+    /// Named arrays of the user's own — safetensors files, or NumPy's `.npz` — as tables whose
+    /// columns are arrays: `train.label_column` names the label array (one value a row), the
+    /// `train.feature_columns` the feature arrays (`(n)` or `(n, k)`; every other array, in
+    /// name order, when not given).
+    Arrays,
 }
 
 impl DatasetKind {
     /// Whether the set is tables of the user's own (`csv`, `parquet`).
     pub fn is_table(self) -> bool {
-        matches!(self, Self::Csv | Self::Parquet)
+        matches!(self, Self::Csv | Self::Parquet | Self::Arrays)
     }
 
     /// Whether the set is click logs (for the CTR model) rather than dense classification data.

@@ -49,13 +49,18 @@ pub enum TableFormat {
     Csv,
     /// Apache Parquet: columns of integers or floating-point numbers.
     Parquet,
+    /// Named arrays — safetensors, or NumPy's `.npz` — each of one value per row (`(n)`) or
+    /// of `k` (`(n, k)`, `k` feature columns).
+    Arrays,
 }
 
 impl TableFormat {
-    /// The format a file's name says: `.parquet` or `.pq` is Parquet, anything else CSV.
+    /// The format a file's name says: `.parquet` or `.pq` is Parquet, `.safetensors` or `.npz`
+    /// named arrays, anything else CSV.
     pub fn of_path(path: &Path) -> Self {
         match path.extension().and_then(|e| e.to_str()) {
             Some("parquet" | "pq") => Self::Parquet,
+            Some("safetensors" | "npz") => Self::Arrays,
             _ => Self::Csv,
         }
     }
@@ -71,6 +76,7 @@ fn read_files(files: &[String], format: Option<TableFormat>, columns: Columns, k
         match format.unwrap_or_else(|| TableFormat::of_path(path)) {
             TableFormat::Csv => read_csv(path, columns, &mut rows),
             TableFormat::Parquet => read_parquet(path, columns, &mut rows),
+            TableFormat::Arrays => read_arrays(path, columns, &mut rows),
         }
         .with_context(|| format!("{key}: {file}"))?;
     }
@@ -150,19 +156,23 @@ impl Layout {
         let Some(label) = self.label else {
             return Ok(());
         };
-        let value = cell(label)?;
-        let class_id = value >= 0.0 && value.fract() == 0.0 && value < (1 << 24) as f32;
-        if !regression && !class_id {
-            bail!(
-                "{}, column {:?}: {value} is not a class id (a whole number from 0); \
-                 to regress values set train.loss = \"mse\"",
-                at(),
-                header[label]
-            );
-        }
-        rows.labels.push(value);
-        Ok(())
+        push_label(rows, cell(label)?, regression, &|| {
+            format!("{}, column {:?}", at(), header[label])
+        })
     }
+}
+
+/// Appends `value`, the label of a row `at` names, to `rows`: a class id unless `regression`.
+fn push_label(rows: &mut Rows, value: f32, regression: bool, at: &dyn Fn() -> String) -> Result<()> {
+    let class_id = value >= 0.0 && value.fract() == 0.0 && value < (1 << 24) as f32;
+    if !regression && !class_id {
+        bail!(
+            "{}: {value} is not a class id (a whole number from 0); to regress values set train.loss = \"mse\"",
+            at()
+        );
+    }
+    rows.labels.push(value);
+    Ok(())
 }
 
 /// Appends the rows of the CSV file at `path` to `rows`.
@@ -267,6 +277,99 @@ fn read_parquet(path: &Path, columns: Columns, rows: &mut Rows) -> Result<()> {
             );
             Ok(value)
         })?;
+    }
+    Ok(())
+}
+
+/// Appends the rows of the named arrays at `path` (safetensors, or `.npz`) to `rows`: the
+/// label array (one value per row) and the feature arrays (`(n)` or `(n, k)`), by name.
+fn read_arrays(path: &Path, columns: Columns, rows: &mut Rows) -> Result<()> {
+    let device = candle_core::Device::Cpu;
+    let mut arrays: Vec<(String, candle_core::Tensor)> = match path.extension().and_then(|e| e.to_str()) {
+        Some("npz") => candle_core::Tensor::read_npz(path).context("not a readable .npz file")?,
+        _ => candle_core::safetensors::load(path, &device)
+            .context("not a readable safetensors file")?
+            .into_iter()
+            .collect(),
+    };
+    // In name order: the order of a feature list nobody gave.
+    arrays.sort_by(|a, b| a.0.cmp(&b.0));
+    let names: Vec<String> = arrays.iter().map(|(name, _)| name.clone()).collect();
+    let find = |name: &str, what: &str| {
+        arrays
+            .iter()
+            .find(|(n, _)| n == name)
+            .map(|(_, array)| array)
+            .with_context(|| format!("no array {name:?} ({what}); its arrays are {}", names.join(", ")))
+    };
+    let label = columns.label.map(|name| find(name, "train.label_column")).transpose()?;
+    let feature_names: Vec<String> = match columns.features {
+        Some(wanted) => wanted.to_vec(),
+        None => names
+            .iter()
+            .filter(|n| Some(n.as_str()) != columns.label)
+            .cloned()
+            .collect(),
+    };
+    ensure!(!feature_names.is_empty(), "no feature arrays besides the label");
+    // Every array as (n, k) f32 values.
+    let table = |name: &str, array: &candle_core::Tensor| -> Result<(usize, Vec<Vec<f32>>)> {
+        let values = match array.dims() {
+            [_] => array.unsqueeze(1)?,
+            [_, _] => array.clone(),
+            dims => bail!("array {name:?} has shape {dims:?}: one value per row (n) or k of them (n, k)"),
+        };
+        let values = values.to_dtype(candle_core::DType::F32)?.to_vec2::<f32>()?;
+        if let Some((row, _)) = values
+            .iter()
+            .enumerate()
+            .find(|(_, r)| r.iter().any(|v| !v.is_finite()))
+        {
+            bail!("array {name:?}, row {}: a value that is not a finite number", row + 1);
+        }
+        Ok((values.len(), values))
+    };
+    let features = feature_names
+        .iter()
+        .map(|name| table(name, find(name, "train.feature_columns")?))
+        .collect::<Result<Vec<_>>>()?;
+    let n = features[0].0;
+    for (name, (len, _)) in feature_names.iter().zip(&features) {
+        ensure!(*len == n, "array {name:?} has {len} rows, {:?} {n}", feature_names[0]);
+    }
+    let dim: usize = features
+        .iter()
+        .map(|(_, values)| values.first().map_or(0, Vec::len))
+        .sum();
+    if rows.dim == 0 {
+        rows.dim = dim;
+        rows.names = feature_names.clone();
+    }
+    ensure!(
+        rows.dim == dim,
+        "{dim} feature columns, where the files before had {}",
+        rows.dim
+    );
+    let labels = match (label, columns.label) {
+        (Some(array), Some(name)) => {
+            let (len, values) = table(name, array)?;
+            ensure!(len == n, "the label array {name:?} has {len} rows, the features {n}");
+            ensure!(
+                values.iter().all(|v| v.len() == 1),
+                "the label array {name:?} holds more than one value a row"
+            );
+            Some((name, values))
+        }
+        _ => None,
+    };
+    for row in 0..n {
+        for (_, values) in &features {
+            rows.features.extend_from_slice(&values[row]);
+        }
+        if let Some((name, values)) = &labels {
+            let at = || format!("array {name:?}, row {}", row + 1);
+            push_label(rows, values[row][0], columns.regression, &at)?;
+        }
     }
     Ok(())
 }

@@ -223,9 +223,10 @@ impl TrainingJob {
                 extra.insert("vocab".to_string(), serde_json::to_string(&vocab)?);
                 (train_windows, test_windows)
             }
-            DatasetKind::Csv | DatasetKind::Parquet => {
+            DatasetKind::Csv | DatasetKind::Parquet | DatasetKind::Arrays => {
                 let format = match train.dataset {
                     DatasetKind::Parquet => TableFormat::Parquet,
+                    DatasetKind::Arrays => TableFormat::Arrays,
                     _ => TableFormat::Csv,
                 };
                 let columns = Columns {

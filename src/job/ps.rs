@@ -157,7 +157,8 @@ impl ParameterServerJob {
             | DatasetKind::Synthetic
             | DatasetKind::Text
             | DatasetKind::Csv
-            | DatasetKind::Parquet => {
+            | DatasetKind::Parquet
+            | DatasetKind::Arrays => {
                 bail!("the parameter-server job trains on click logs (criteo_synthetic or criteo)")
             }
         };
