@@ -61,7 +61,6 @@ impl ProcessGroup {
                 config.source_name
             ),
         };
-        let preemption = PreemptionWatch::install()?;
         if world == 1 {
             let comm = CommWorker::spawn(Communicator::single())?;
             return Ok(Self {
@@ -69,7 +68,7 @@ impl ProcessGroup {
                 comm,
                 config,
                 control: None,
-                _preemption: preemption,
+                _preemption: PreemptionWatch::install()?,
             });
         }
         let RankEndpoints {
@@ -117,6 +116,8 @@ impl ProcessGroup {
             }
         };
         let comm = CommWorker::spawn(link.into_communicator(&roster)?)?;
+        // From here a SIGTERM waits for the loop's `stop_asked`; before, it ends the process.
+        let preemption = PreemptionWatch::install()?;
         tracing::info!(rank, world, "joined the process group");
         Ok(Self {
             rank,
