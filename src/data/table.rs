@@ -104,34 +104,33 @@ struct Layout {
 }
 
 impl Layout {
-    /// The layout of `columns` in `header`; the first file read sets the feature columns of
-    /// `rows`, and every later one must have as many.
+    /// The layout of `columns` in `header`, one value a column; the first file read sets the
+    /// feature columns of `rows`, and every later one must have as many.
     fn of(header: &[String], columns: Columns, rows: &mut Rows) -> Result<Self> {
-        let find = |name: &str, what: &str| {
-            header
+        let layout = Self::find(header, columns, "column")?;
+        let names = layout.features.iter().map(|&i| header[i].clone()).collect();
+        rows.take_features(names, layout.features.len())?;
+        Ok(layout)
+    }
+
+    /// Where `columns` are among `names`, a file's `what`s (columns, or arrays): the features
+    /// are every other one when none are given.
+    fn find(names: &[String], columns: Columns, what: &str) -> Result<Self> {
+        let find = |name: &str, key: &str| {
+            names
                 .iter()
-                .position(|h| h == name)
-                .with_context(|| format!("no column {name:?} ({what}); its columns are {}", header.join(", ")))
+                .position(|n| n == name)
+                .with_context(|| format!("no {what} {name:?} ({key}); its {what}s are {}", names.join(", ")))
         };
         let label = columns.label.map(|name| find(name, "train.label_column")).transpose()?;
         let features: Vec<usize> = match columns.features {
-            Some(names) => names
+            Some(wanted) => wanted
                 .iter()
                 .map(|name| find(name, "train.feature_columns"))
                 .collect::<Result<_>>()?,
-            None => (0..header.len()).filter(|&i| Some(i) != label).collect(),
+            None => (0..names.len()).filter(|&i| Some(i) != label).collect(),
         };
-        ensure!(!features.is_empty(), "no feature columns besides the label");
-        if rows.dim == 0 {
-            rows.dim = features.len();
-            rows.names = features.iter().map(|&i| header[i].clone()).collect();
-        }
-        ensure!(
-            rows.dim == features.len(),
-            "{} feature columns, where the files before had {}",
-            features.len(),
-            rows.dim
-        );
+        ensure!(!features.is_empty(), "no feature {what}s besides the label");
         Ok(Self { label, features })
     }
 
@@ -159,6 +158,23 @@ impl Layout {
         push_label(rows, cell(label)?, regression, &|| {
             format!("{}, column {:?}", at(), header[label])
         })
+    }
+}
+
+impl Rows {
+    /// Takes `names` (`dim` values a row) as the features of the rows read: the first file read
+    /// sets them, and every later one must have as many.
+    fn take_features(&mut self, names: Vec<String>, dim: usize) -> Result<()> {
+        if self.dim == 0 {
+            self.dim = dim;
+            self.names = names;
+        }
+        ensure!(
+            self.dim == dim,
+            "{dim} feature columns, where the files before had {}",
+            self.dim
+        );
+        Ok(())
     }
 }
 
@@ -295,23 +311,7 @@ fn read_arrays(path: &Path, columns: Columns, rows: &mut Rows) -> Result<()> {
     // In name order: the order of a feature list nobody gave.
     arrays.sort_by(|a, b| a.0.cmp(&b.0));
     let names: Vec<String> = arrays.iter().map(|(name, _)| name.clone()).collect();
-    let find = |name: &str, what: &str| {
-        arrays
-            .iter()
-            .find(|(n, _)| n == name)
-            .map(|(_, array)| array)
-            .with_context(|| format!("no array {name:?} ({what}); its arrays are {}", names.join(", ")))
-    };
-    let label = columns.label.map(|name| find(name, "train.label_column")).transpose()?;
-    let feature_names: Vec<String> = match columns.features {
-        Some(wanted) => wanted.to_vec(),
-        None => names
-            .iter()
-            .filter(|n| Some(n.as_str()) != columns.label)
-            .cloned()
-            .collect(),
-    };
-    ensure!(!feature_names.is_empty(), "no feature arrays besides the label");
+    let layout = Layout::find(&names, columns, "array")?;
     // Every array as (n, k) f32 values.
     let table = |name: &str, array: &candle_core::Tensor| -> Result<(usize, Vec<Vec<f32>>)> {
         let values = match array.dims() {
@@ -329,9 +329,11 @@ fn read_arrays(path: &Path, columns: Columns, rows: &mut Rows) -> Result<()> {
         }
         Ok((values.len(), values))
     };
-    let features = feature_names
+    let feature_names: Vec<String> = layout.features.iter().map(|&i| names[i].clone()).collect();
+    let features = layout
+        .features
         .iter()
-        .map(|name| table(name, find(name, "train.feature_columns")?))
+        .map(|&i| table(&names[i], &arrays[i].1))
         .collect::<Result<Vec<_>>>()?;
     let n = features[0].0;
     for (name, (len, _)) in feature_names.iter().zip(&features) {
@@ -341,17 +343,10 @@ fn read_arrays(path: &Path, columns: Columns, rows: &mut Rows) -> Result<()> {
         .iter()
         .map(|(_, values)| values.first().map_or(0, Vec::len))
         .sum();
-    if rows.dim == 0 {
-        rows.dim = dim;
-        rows.names = feature_names.clone();
-    }
-    ensure!(
-        rows.dim == dim,
-        "{dim} feature columns, where the files before had {}",
-        rows.dim
-    );
-    let labels = match (label, columns.label) {
-        (Some(array), Some(name)) => {
+    rows.take_features(feature_names, dim)?;
+    let labels = match layout.label {
+        Some(i) => {
+            let (name, array) = &arrays[i];
             let (len, values) = table(name, array)?;
             ensure!(len == n, "the label array {name:?} has {len} rows, the features {n}");
             ensure!(
@@ -360,7 +355,7 @@ fn read_arrays(path: &Path, columns: Columns, rows: &mut Rows) -> Result<()> {
             );
             Some((name, values))
         }
-        _ => None,
+        None => None,
     };
     for row in 0..n {
         for (_, values) in &features {
