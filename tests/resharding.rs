@@ -104,8 +104,8 @@ fn a_checkpoint_of_another_model_is_refused_naming_the_tensor_and_both_shapes() 
     assert!(!refused.success);
     assert!(
         refused.stderr.contains(
-            "restoring the state after step 20 from disk: parameter fc0.bias: the checkpoint's shape is [128], the \
-             model's [96]"
+            "restoring the state after step 20 from disk: parameter fc0.bias: the file's is F32 [128], the model's \
+             F32 [96]"
         ),
         "{}",
         refused.stderr

@@ -281,7 +281,10 @@ fn checkpoint_inspect_shows_what_a_runs_checkpoints_hold() {
     assert_eq!(replica["layout"], "data parallel: 2 rank(s), one copy of the replica");
     let file = &replica["files"][0];
     assert_eq!(file["name"], "replica.safetensors");
-    assert_eq!(file["tensors"]["param.fc0.weight"], serde_json::json!([64, 128]));
+    // The model file's names and layout: nn.Linear's (out, in).
+    assert_eq!(file["tensors"]["fc0.weight"], serde_json::json!([128, 64]));
+    assert_eq!(file["tensors"]["optimizer.fc0.weight.momentum"], serde_json::json!([128, 64]));
+    assert_eq!(file["metadata"]["format"], "flotilla-model");
     assert_eq!(file["metadata"]["optimizer"], "sgd");
     let shards = inspect(&shards.join("checkpoints/step-00000010"));
     assert_eq!(shards["layout"], "parameter servers: 2 shard(s), 2 trainer(s)");

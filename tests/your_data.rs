@@ -343,19 +343,25 @@ fn pytorch_loads_the_model_file_by_name_and_predicts_as_flotilla_does() {
         ];
         let finished = flotilla(&args, &[], 60);
         assert!(finished.success, "predict failed:\n{}", finished.stderr);
-        #[rustfmt::skip]
-        let args = [
-            script.to_str().unwrap(), "--params", params.to_str().unwrap(), "--data", data.to_str().unwrap(),
-            "--predictions", predictions.to_str().unwrap(),
-        ];
-        let checked = common::start_program("python3", &args, &[]).finish(120);
-        assert!(
-            checked.success,
-            "{name}: PyTorch disagrees:\n{}\n{}",
-            checked.stdout, checked.stderr
-        );
-        let figures: serde_json::Value = serde_json::from_str(&checked.stdout).unwrap();
-        assert!(figures["max_abs_diff"].as_f64().unwrap() <= 1e-5, "{name}: {figures}");
+        // The checkpoint after the last step holds the same parameters, in the same layout.
+        let checkpoint = run_dir.join("checkpoints/step-00000030/replica.safetensors");
+        for file in [&params, &checkpoint] {
+            #[rustfmt::skip]
+            let args = [
+                script.to_str().unwrap(), "--params", file.to_str().unwrap(), "--data", data.to_str().unwrap(),
+                "--predictions", predictions.to_str().unwrap(),
+            ];
+            let checked = common::start_program("python3", &args, &[]).finish(120);
+            assert!(
+                checked.success,
+                "{name}, {}: PyTorch disagrees:\n{}\n{}",
+                file.display(),
+                checked.stdout,
+                checked.stderr
+            );
+            let figures: serde_json::Value = serde_json::from_str(&checked.stdout).unwrap();
+            assert!(figures["max_abs_diff"].as_f64().unwrap() <= 1e-5, "{name}: {figures}");
+        }
     }
 }
 

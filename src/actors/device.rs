@@ -20,6 +20,7 @@ use crate::engines::comm::hierarchy::{self, NodeLayout};
 use crate::engines::comm::memory::MemoryRings;
 use crate::engines::comm::{parse_endpoints, CommWorker, Communicator, RingBreaker, RingLinks, RingTransport, Shared};
 use crate::engines::compute::device_for;
+use crate::models::export::ModelInfo;
 use crate::models::{Model, ParamInit, Score, SparseModelDef};
 use crate::net::auth::Credentials;
 use crate::net::protocol::Roster;
@@ -154,6 +155,8 @@ pub struct Prepare {
     pub job: Arc<JobConfig>,
     /// The model's constructor.
     pub model: ModelFactory,
+    /// What the model's checkpoint files say besides its parameters.
+    pub export: ModelInfo,
     /// The ring this rank joins.
     pub link: RingLink,
     /// The generation the rank joined: who trains, where.
@@ -263,6 +266,8 @@ pub struct PreparePipeline {
     pub job: Arc<JobConfig>,
     /// The model's constructor (the stage keeps its own chunks).
     pub model: ModelFactory,
+    /// What the model's checkpoint files say besides its parameters.
+    pub export: ModelInfo,
     /// This rank, in the whole job.
     pub rank: usize,
     /// This rank's stage.
@@ -363,6 +368,8 @@ pub struct DeviceActor {
     replica: Option<Replica>,
     ctr: Option<CtrWorker>,
     pipeline: Option<PipelineReplica>,
+    /// What the model's checkpoint files say besides its parameters.
+    export: ModelInfo,
 }
 
 impl DeviceActor {
@@ -405,6 +412,7 @@ impl Handler<Prepare> for DeviceActor {
             replica.trace_from(origin);
         }
         self.replica = Some(replica);
+        self.export = msg.export;
         Ok(())
     }
 }
@@ -432,8 +440,12 @@ impl Handler<Snapshot> for DeviceActor {
     fn handle(&mut self, msg: Snapshot, _: &mut Self::Context) -> Self::Result {
         let mut bytes = Vec::new();
         match &self.pipeline {
-            Some(pipeline) => pipeline.save_state(&mut bytes, &msg.losses)?,
-            None => self.replica()?.save_state(&mut bytes, &msg.losses)?,
+            Some(pipeline) => pipeline.save_state(&mut bytes, &self.export, &msg.losses)?,
+            None => self
+                .replica
+                .as_ref()
+                .context("the device actor was used before Prepare")?
+                .save_state(&mut bytes, &self.export, &msg.losses)?,
         }
         Ok(bytes)
     }
@@ -492,15 +504,18 @@ impl Handler<SaveCheckpoint> for DeviceActor {
     type Result = Result<FileRecord>;
 
     fn handle(&mut self, msg: SaveCheckpoint, _: &mut Self::Context) -> Self::Result {
-        let losses = &msg.losses;
+        let (losses, export) = (&msg.losses, &self.export);
         match &self.pipeline {
             Some(pipeline) => msg
                 .store
-                .write_with(msg.step, &msg.file, |out| pipeline.save_state(out, losses)),
+                .write_with(msg.step, &msg.file, |out| pipeline.save_state(out, export, losses)),
             None => {
-                let replica = self.replica()?;
+                let replica = self
+                    .replica
+                    .as_ref()
+                    .context("the device actor was used before Prepare")?;
                 msg.store
-                    .write_with(msg.step, &msg.file, |out| replica.save_state(out, losses))
+                    .write_with(msg.step, &msg.file, |out| replica.save_state(out, export, losses))
             }
         }
     }
@@ -600,6 +615,7 @@ impl Handler<PreparePipeline> for DeviceActor {
             pipeline.trace_from(origin);
         }
         self.pipeline = Some(pipeline);
+        self.export = msg.export;
         Ok(())
     }
 }

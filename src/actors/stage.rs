@@ -33,6 +33,7 @@ use crate::checkpoint::HeldFile;
 use crate::config::{HybridConfigs, JobConfig};
 use crate::data::Dataset;
 use crate::engines::comm::Communicator;
+use crate::models::export::ModelInfo;
 use crate::models::Score;
 use crate::net::frame::{encode_with, Frame};
 use crate::net::protocol::Roster;
@@ -48,6 +49,8 @@ pub struct StageActor {
     pub job: Arc<JobConfig>,
     /// The model's constructor.
     pub model: ModelFactory,
+    /// What the model's files say besides its parameters.
+    pub export: ModelInfo,
     /// Training split (each replica reads its part of every global batch).
     pub train_data: Arc<Dataset>,
     /// Held-out split (each replica evaluates a contiguous part).
@@ -194,6 +197,7 @@ impl Handler<TrainStage> for StageActor {
             stage,
             job: self.job.clone(),
             model: self.model.clone(),
+            export: self.export.clone(),
             train_data: self.train_data.clone(),
             test_data: self.test_data.clone(),
             device: self.device.clone(),
@@ -221,6 +225,7 @@ struct StageRun {
     stage: usize,
     job: Arc<JobConfig>,
     model: ModelFactory,
+    export: ModelInfo,
     train_data: Arc<Dataset>,
     test_data: Arc<Dataset>,
     device: Addr<DeviceActor>,
@@ -269,6 +274,7 @@ impl StageRun {
             .send(PreparePipeline {
                 job: job.clone(),
                 model: self.model.clone(),
+                export: self.export.clone(),
                 rank,
                 stage: self.stage,
                 link,

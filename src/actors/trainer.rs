@@ -30,6 +30,7 @@ use crate::collective::preemption::{is_preemption, Preempted, PreemptionWatch};
 use crate::collective::ParamChecksum;
 use crate::config::JobConfig;
 use crate::data::Dataset;
+use crate::models::export::ModelInfo;
 use crate::models::Score;
 use crate::net::protocol::Roster;
 use crate::net::ControlBus;
@@ -44,6 +45,8 @@ pub struct Trainer {
     pub job: Arc<JobConfig>,
     /// The model's constructor.
     pub model: ModelFactory,
+    /// What the model's files say besides its parameters.
+    pub export: ModelInfo,
     /// Training split (each rank reads its shard of every global batch).
     pub train_data: Arc<Dataset>,
     /// Held-out split (each rank evaluates a contiguous part).
@@ -133,6 +136,7 @@ impl Handler<Train> for Trainer {
             rank: self.rank,
             job: self.job.clone(),
             model: self.model.clone(),
+            export: self.export.clone(),
             train_data: self.train_data.clone(),
             test_data: self.test_data.clone(),
             bus: self.bus.take(),
@@ -155,6 +159,7 @@ struct TrainingRun {
     rank: usize,
     job: Arc<JobConfig>,
     model: ModelFactory,
+    export: ModelInfo,
     train_data: Arc<Dataset>,
     test_data: Arc<Dataset>,
     bus: Option<ControlBus>,
@@ -190,6 +195,7 @@ impl TrainingRun {
             .send(Prepare {
                 job: job.clone(),
                 model: self.model.clone(),
+                export: self.export.clone(),
                 link,
                 roster: roster.clone(),
                 // A later generation's ranks all restore one state: nothing to broadcast.

@@ -15,6 +15,7 @@ use crate::config::{JobConfig, LossKind};
 use crate::data::Batch;
 use crate::engines::comm::{CommWorker, Shared};
 use crate::engines::compute::segments::{self, Segments};
+use crate::models::export::ModelInfo;
 use crate::models::{training_loss, Model, NamedParam, Score};
 use crate::optim::{clip_by_global_norm, LrPolicy, Optimizer};
 use crate::telemetry::metrics::peak_rss_bytes;
@@ -142,23 +143,18 @@ impl Replica {
         &self.params
     }
 
-    /// Parameters, optimizer state, batches trained and the run's `losses`, to `out` as one
-    /// checkpoint file.
-    pub fn save_state(&self, out: &mut dyn std::io::Write, losses: &[f32]) -> Result<()> {
-        training_state::write(out, &self.named_vars(), &self.optimizer, self.step, losses)
+    /// Parameters (a model file's, `export` describing the model), optimizer state, batches
+    /// trained and the run's `losses`, to `out` as one checkpoint file.
+    pub fn save_state(&self, out: &mut dyn std::io::Write, export: &ModelInfo, losses: &[f32]) -> Result<()> {
+        training_state::write(out, &self.params, export, &self.optimizer, self.step, losses)
     }
 
     /// Continues from a state saved by [`Replica::save_state`], as if never stopped; returns the
     /// losses it held.
     pub fn restore_state(&mut self, bytes: &[u8]) -> Result<Vec<f32>> {
-        let params: Vec<(&str, &Var)> = self.params.iter().map(|p| (p.name.as_str(), &p.var)).collect();
-        let restored = training_state::restore(bytes, &params, &mut self.optimizer, &self.device)?;
+        let restored = training_state::restore(bytes, &self.params, &mut self.optimizer)?;
         self.step = restored.batches;
         Ok(restored.losses)
-    }
-
-    fn named_vars(&self) -> Vec<(&str, &Var)> {
-        self.params.iter().map(|p| (p.name.as_str(), &p.var)).collect()
     }
 
     /// Goes on over the ring `comm` (a rollback rebuilt it): the collectives in flight on the old

@@ -1,20 +1,22 @@
-//! The training state of a replica (or of a pipeline stage) as one safetensors file: every
-//! parameter as `param.<name>`, every optimizer slot as `optimizer.<name>.<slot>`, and in the
-//! metadata the optimizer's kind, its update counter, the batches trained and the losses seen so
-//! far (so a resumed run reports the whole run). Restoring it makes the following steps those
-//! of the run that saved it, bit for bit.
+//! The training state of a replica (or of a pipeline stage) as one safetensors file, which is a
+//! model file ([`crate::models::export`]) of its parameters — each under its model name, in
+//! PyTorch's layout, the model's description in the metadata — with the optimizer's slots as
+//! `optimizer.<name>.<slot>` (in their parameter's layout) and, in the metadata, the optimizer's
+//! kind, its update counter, the batches trained and the losses seen so far (so a resumed run
+//! reports the whole run). Restoring it makes the following steps those of the run that saved
+//! it, bit for bit.
 
 use std::collections::HashMap;
 use std::io::Write;
 
-use anyhow::{bail, ensure, Context, Result};
-use candle_core::safetensors::Load;
-use candle_core::{Device, Var};
-
 use crate::checkpoint::write_tensors;
+use crate::models::export::{from_torch_layout, in_torch_layout, ModelInfo, OPTIMIZER_PREFIX};
+use crate::models::NamedParam;
 use crate::optim::{Optimizer, OptimizerState};
+use anyhow::{bail, ensure, Context, Result};
 
-const FORMAT: &str = "flotilla-training-state";
+/// The metadata key that marks a model file as a training state.
+const OPTIMIZER: &str = "optimizer";
 
 /// Metadata of a state merged from a pipeline's stages ([`merge_stages`]): it holds the whole
 /// model, of which a stage of another cut restores its own parameters.
@@ -29,36 +31,51 @@ pub struct Restored {
     pub losses: Vec<f32>,
 }
 
-/// Writes `params` (by name), `optimizer`'s state, `batches` (batches trained so far) and
-/// `losses` to `out` as a safetensors file.
+/// Writes `params` (by name, `info` describing their model), `optimizer`'s state, `batches`
+/// (batches trained so far) and `losses` to `out` as a safetensors file.
 pub fn write(
     out: &mut dyn Write,
-    params: &[(&str, &Var)],
+    params: &[NamedParam],
+    info: &ModelInfo,
     optimizer: &Optimizer,
     batches: usize,
     losses: &[f32],
 ) -> Result<()> {
     let state = optimizer.state()?;
     let mut tensors = Vec::with_capacity(params.len() + state.tensors.len());
-    for (name, var) in params {
-        tensors.push((format!("param.{name}"), var.as_tensor().clone()));
+    for p in params {
+        tensors.push((p.name.clone(), in_torch_layout(p, p.var.as_tensor())?));
     }
     for (index, slot, tensor) in state.tensors {
-        let (name, _) = params
+        let p = params
             .get(index)
             .context("optimizer state of a parameter the replica lacks")?;
-        tensors.push((format!("optimizer.{name}.{slot}"), tensor));
+        tensors.push((
+            format!("{OPTIMIZER_PREFIX}{}.{slot}", p.name),
+            in_torch_layout(p, &tensor)?,
+        ));
     }
     // Bit patterns, so that a NaN loss survives too.
     let loss_bits: Vec<u32> = losses.iter().map(|l| l.to_bits()).collect();
-    let metadata = HashMap::from([
-        ("format".to_string(), FORMAT.to_string()),
-        ("optimizer".to_string(), optimizer.name().to_string()),
+    let mut metadata = info.metadata()?;
+    metadata.extend([
+        (OPTIMIZER.to_string(), optimizer.name().to_string()),
         ("optimizer_steps".to_string(), state.steps.to_string()),
         ("batches".to_string(), batches.to_string()),
         ("loss_bits".to_string(), serde_json::to_string(&loss_bits)?),
     ]);
     write_tensors(out, &tensors, metadata)
+}
+
+/// The metadata of a training state, which must be one.
+fn training_metadata(bytes: &[u8]) -> Result<HashMap<String, String>> {
+    let (_, header) = safetensors::SafeTensors::read_metadata(bytes).context("not a safetensors file")?;
+    let metadata = header.metadata().clone().unwrap_or_default();
+    ensure!(
+        metadata.contains_key(OPTIMIZER),
+        "not a training state file (its metadata names no optimizer)"
+    );
+    Ok(metadata)
 }
 
 /// The training state of the whole model from `stages`, the files of a pipeline's stages in
@@ -71,14 +88,12 @@ pub fn merge_stages(stages: &[Vec<u8>]) -> Result<Vec<u8>> {
     let mut merged: Option<HashMap<String, String>> = None;
     for (stage, bytes) in stages.iter().enumerate() {
         let file = safetensors::SafeTensors::deserialize(bytes).with_context(|| format!("stage {stage}'s file"))?;
-        let (_, header) = safetensors::SafeTensors::read_metadata(bytes)?;
-        let metadata = header.metadata().clone().unwrap_or_default();
+        let metadata = training_metadata(bytes).with_context(|| format!("stage {stage}'s file"))?;
         let meta = |key: &str| metadata.get(key).cloned().unwrap_or_default();
-        ensure!(meta("format") == FORMAT, "stage {stage}'s file is not a training state");
         match &mut merged {
             None => merged = Some(metadata.clone()),
             Some(first) => {
-                for key in ["optimizer", "optimizer_steps", "batches"] {
+                for key in [OPTIMIZER, "optimizer_steps", "batches"] {
                     let (was, is) = (first.get(key).cloned().unwrap_or_default(), meta(key));
                     ensure!(
                         was == is,
@@ -98,37 +113,21 @@ pub fn merge_stages(stages: &[Vec<u8>]) -> Result<Vec<u8>> {
     Ok(safetensors::serialize(tensors, Some(metadata))?)
 }
 
-/// The parameters of a training state ([`write`], or a whole model [`merge_stages`] made), by
-/// name and flat in the model's own layout.
-pub fn parameters(bytes: &[u8]) -> Result<Vec<(String, Vec<f32>)>> {
-    let file = safetensors::SafeTensors::deserialize(bytes).context("not a safetensors file")?;
-    let mut params = Vec::new();
-    for (key, view) in file.tensors() {
-        if let Some(name) = key.strip_prefix("param.") {
-            let tensor = view.load(&Device::Cpu)?;
-            params.push((name.to_string(), tensor.flatten_all()?.to_vec1::<f32>()?));
-        }
-    }
-    Ok(params)
-}
-
 /// Loads bytes written by [`write`] into `params` and `optimizer`. A file of another model (a
 /// parameter missing, extra or of another shape) or of another optimizer is refused by name
 /// before anything changes; of a whole model ([`merge_stages`]), the parameters of other stages
 /// are left.
-pub fn restore(bytes: &[u8], params: &[(&str, &Var)], optimizer: &mut Optimizer, device: &Device) -> Result<Restored> {
+pub fn restore(bytes: &[u8], params: &[NamedParam], optimizer: &mut Optimizer) -> Result<Restored> {
     // Views into the bytes: only the tensors this model holds are decoded (a whole model's file
     // holds every stage's).
     let file = safetensors::SafeTensors::deserialize(bytes).context("not a safetensors file")?;
-    let (_, header) = safetensors::SafeTensors::read_metadata(bytes)?;
-    let metadata = header.metadata().clone().unwrap_or_default();
+    let metadata = training_metadata(bytes)?;
     let meta = |key: &str| {
         metadata
             .get(key)
             .with_context(|| format!("the training state has no {key:?} entry"))
     };
-    ensure!(meta("format")? == FORMAT, "not a training state file");
-    let kind = meta("optimizer")?;
+    let kind = meta(OPTIMIZER)?;
     ensure!(
         kind == optimizer.name(),
         "the checkpoint holds {kind} state, this job trains with {}",
@@ -140,33 +139,27 @@ pub fn restore(bytes: &[u8], params: &[(&str, &Var)], optimizer: &mut Optimizer,
     let whole_model = metadata.contains_key(WHOLE_MODEL);
 
     let mut values = Vec::with_capacity(params.len());
-    for (name, var) in params {
+    for p in params {
         let view = file
-            .tensor(&format!("param.{name}"))
+            .tensor(&p.name)
             .ok()
-            .with_context(|| format!("the checkpoint has no parameter {name}"))?;
-        ensure!(
-            view.shape() == var.dims(),
-            "parameter {name}: the checkpoint's shape is {:?}, the model's {:?}",
-            view.shape(),
-            var.dims()
-        );
-        values.push(view.load(device)?);
+            .with_context(|| format!("the checkpoint has no parameter {}", p.name))?;
+        values.push(from_torch_layout(p, &view, &format!("parameter {}", p.name))?);
     }
-    let index: HashMap<&str, usize> = params.iter().enumerate().map(|(i, (name, _))| (*name, i)).collect();
+    let index: HashMap<&str, usize> = params.iter().enumerate().map(|(i, p)| (p.name.as_str(), i)).collect();
     let mut state = OptimizerState {
         steps,
         tensors: Vec::new(),
     };
     for key in file.names() {
-        if let Some(name) = key.strip_prefix("param.") {
+        let Some(slot_key) = key.strip_prefix(OPTIMIZER_PREFIX) else {
             ensure!(
-                whole_model || index.contains_key(name),
+                whole_model || index.contains_key(key),
                 "the checkpoint has {key}, which this model does not know"
             );
             continue;
-        }
-        let Some((name, slot)) = key.strip_prefix("optimizer.").and_then(|k| k.rsplit_once('.')) else {
+        };
+        let Some((name, slot)) = slot_key.rsplit_once('.') else {
             bail!("the checkpoint has {key}, which this model does not know");
         };
         let Some(&i) = index.get(name) else {
@@ -175,16 +168,101 @@ pub fn restore(bytes: &[u8], params: &[(&str, &Var)], optimizer: &mut Optimizer,
             }
             bail!("the checkpoint has optimizer state of {name}, which this model does not have");
         };
-        state
-            .tensors
-            .push((i, slot.to_string(), file.tensor(key)?.load(device)?));
+        let value = from_torch_layout(&params[i], &file.tensor(key)?, &format!("optimizer slot {key}"))?;
+        state.tensors.push((i, slot.to_string(), value));
     }
     optimizer.load_state(state)?;
-    for ((_, var), value) in params.iter().zip(values) {
-        var.set(&value)?;
+    for (p, value) in params.iter().zip(values) {
+        p.var.set(&value)?;
     }
     Ok(Restored {
         batches,
         losses: loss_bits.into_iter().map(f32::from_bits).collect(),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::{OptimizerKind, TrainConfig};
+    use crate::models::export::ModelFile;
+    use crate::models::{mlp, Model, ParamInit};
+    use candle_core::backprop::GradStore;
+    use candle_core::{Device, Tensor};
+
+    /// A model, its AdamW optimizer after one step (so every slot is set), and its state file.
+    fn trained(seed: u64) -> Result<(Model, Optimizer, Vec<u8>)> {
+        let model = mlp(3, &[4], 2, &ParamInit::new(seed, Device::Cpu))?;
+        let train = TrainConfig {
+            optimizer: OptimizerKind::Adamw,
+            ..TrainConfig::default()
+        };
+        let params = model.parameters();
+        let mut optimizer = Optimizer::new(&train, params.iter().map(|p| p.var.clone()).collect(), 0.1)?;
+        step(&model, &mut optimizer)?;
+        let info = ModelInfo {
+            loss: Some("mse".to_string()),
+            ..ModelInfo::default()
+        };
+        let mut bytes = Vec::new();
+        write(&mut bytes, &params, &info, &optimizer, 1, &[0.5])?;
+        Ok((model, optimizer, bytes))
+    }
+
+    fn step(model: &Model, optimizer: &mut Optimizer) -> Result<GradStore> {
+        let x = Tensor::new(&[[0.5f32, -1.0, 2.0], [1.0, 0.25, -0.5]], &Device::Cpu)?;
+        let grads = model.forward(&x)?.sqr()?.sum_all()?.backward()?;
+        optimizer.step(&grads)?;
+        Ok(grads)
+    }
+
+    fn values(model: &Model) -> Result<Vec<Vec<f32>>> {
+        let params = model.parameters();
+        Ok(params
+            .iter()
+            .map(|p| p.var.flatten_all()?.to_vec1::<f32>())
+            .collect::<candle_core::Result<_>>()?)
+    }
+
+    #[test]
+    fn the_state_is_a_model_file_in_pytorch_layout_with_the_optimizer_beside() -> Result<()> {
+        let (model, _, bytes) = trained(3)?;
+        let file = safetensors::SafeTensors::deserialize(&bytes)?;
+        // nn.Linear's (out, in), for the parameter and for its slots alike.
+        assert_eq!(file.tensor("fc0.weight")?.shape(), [4, 3]);
+        assert_eq!(file.tensor("optimizer.fc0.weight.m")?.shape(), [4, 3]);
+        assert_eq!(file.tensor("optimizer.fc1.bias.v")?.shape(), [2]);
+        // As a model file it loads into the model by name, the slots set aside.
+        let fresh = mlp(3, &[4], 2, &ParamInit::new(9, Device::Cpu))?;
+        ModelFile::parse(&bytes)?.load_into(&fresh)?;
+        assert_eq!(values(&fresh)?, values(&model)?);
+        Ok(())
+    }
+
+    #[test]
+    fn a_restored_state_steps_on_bit_for_bit() -> Result<()> {
+        let (model, mut optimizer, bytes) = trained(3)?;
+        let (other, mut other_optimizer, _) = trained(4)?;
+        let restored = restore(&bytes, &other.parameters(), &mut other_optimizer)?;
+        assert_eq!(
+            restored,
+            Restored {
+                batches: 1,
+                losses: vec![0.5]
+            }
+        );
+        step(&model, &mut optimizer)?;
+        step(&other, &mut other_optimizer)?;
+        assert_eq!(values(&other)?, values(&model)?);
+        // A model of another shape is refused by the parameter, and keeps its values.
+        let wider = mlp(3, &[5], 2, &ParamInit::new(4, Device::Cpu))?;
+        let before = values(&wider)?;
+        let err = restore(&bytes, &wider.parameters(), &mut other_optimizer).unwrap_err();
+        assert!(
+            format!("{err:#}").contains("parameter fc0.bias: the file's is F32 [4], the model's F32 [5]"),
+            "{err:#}"
+        );
+        assert_eq!(values(&wider)?, before);
+        Ok(())
+    }
 }

@@ -302,6 +302,7 @@ impl TrainingJob {
             rank,
             job: self.config.clone(),
             model: self.model.clone(),
+            export: self.export.clone(),
             train_data: self.train_data.clone(),
             test_data: self.test_data.clone(),
             bus: Some(bus),

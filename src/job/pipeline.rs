@@ -361,6 +361,7 @@ fn stage_actor(
         rank,
         job: job.config.clone(),
         model: job.model.clone(),
+        export: job.export.clone(),
         train_data: job.train_data.clone(),
         test_data: job.test_data.clone(),
         generation: Some(generation),

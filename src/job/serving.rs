@@ -11,7 +11,7 @@ use serde::Serialize;
 use super::TrainingJob;
 use crate::actors::recovery::whole_model;
 use crate::checkpoint::{write_atomically, CheckpointStore};
-use crate::collective::{score_batch, training_state};
+use crate::collective::score_batch;
 use crate::config::JobConfig;
 use crate::data::table::read_features;
 use crate::models::export::ModelFile;
@@ -87,8 +87,8 @@ fn load(model: &Model, weights: &Weights) -> Result<Option<usize>> {
                 .latest()?
                 .with_context(|| format!("{} holds no complete checkpoint", dir.display()))?;
             let state = whole_model(&checkpoint)?;
-            model
-                .assign(&training_state::parameters(&state)?)
+            ModelFile::parse(&state)
+                .and_then(|file| file.load_into(model))
                 .with_context(|| format!("checkpoint {}", checkpoint.dir.display()))?;
             Ok(Some(checkpoint.step))
         }

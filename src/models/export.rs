@@ -11,6 +11,12 @@
 //! | `loss` | the loss it was trained with (`cross_entropy`, `mse`, `mae`) |
 //! | extra keys | what the job adds, as JSON: `feature_columns` of a table data set, `vocab` of a language model (its characters in token order, one string) |
 //!
+//! A checkpoint's file is a model file too (of its stage's parameters, in a pipeline), with
+//! the training state besides: each optimizer slot as `optimizer.<parameter>.<slot>` in its
+//! parameter's layout, and the optimizer's kind, its update counter, the batches trained and
+//! the losses so far in the metadata ([`crate::collective::training_state`]). PyTorch loads its
+//! parameters by name once the `optimizer.` entries are set aside.
+//!
 //! Loading checks every tensor against the model before it changes anything: a file of
 //! another model is refused with the tensor that does not fit.
 
@@ -22,12 +28,14 @@ use candle_core::safetensors::Load;
 use candle_core::{Device, Tensor};
 use safetensors::SafeTensors;
 
-use super::{Model, ModelSpec, ParamInit};
+use super::{Model, ModelSpec, NamedParam, ParamInit};
 use crate::checkpoint::write_tensors;
 
 /// The `format` of a model file.
 pub const FORMAT: &str = "flotilla-model";
 const FORMAT_VERSION: &str = "1";
+/// The names of a checkpoint's optimizer slots start with this; a model's parameters never do.
+pub const OPTIMIZER_PREFIX: &str = "optimizer.";
 
 /// What a model file says besides its tensors.
 #[derive(Debug, Clone, Default, PartialEq)]
@@ -42,7 +50,7 @@ pub struct ModelInfo {
 
 impl ModelInfo {
     /// The safetensors metadata.
-    fn metadata(&self) -> Result<HashMap<String, String>> {
+    pub(crate) fn metadata(&self) -> Result<HashMap<String, String>> {
         let mut metadata = self.extra.clone();
         metadata.insert("format".to_string(), FORMAT.to_string());
         metadata.insert("format_version".to_string(), FORMAT_VERSION.to_string());
@@ -86,18 +94,48 @@ impl ModelInfo {
 pub fn write_model(out: &mut dyn Write, model: &Model, info: &ModelInfo) -> Result<()> {
     let tensors = model
         .parameters()
-        .into_iter()
-        .map(|p| {
-            let tensor = p.var.as_tensor().to_device(&Device::Cpu)?;
-            let tensor = if p.transposed {
-                tensor.t()?.contiguous()?
-            } else {
-                tensor
-            };
-            Ok((p.name, tensor))
-        })
+        .iter()
+        .map(|p| Ok((p.name.clone(), in_torch_layout(p, p.var.as_tensor())?)))
         .collect::<Result<Vec<_>>>()?;
     write_tensors(out, &tensors, info.metadata()?)
+}
+
+/// `tensor`, a value of `p`'s shape (the parameter, an optimizer slot), as PyTorch lays it out:
+/// a view, copied only as it is written.
+pub(crate) fn in_torch_layout(p: &NamedParam, tensor: &Tensor) -> Result<Tensor> {
+    Ok(if p.transposed { tensor.t()? } else { tensor.clone() })
+}
+
+/// The shape of `p` in PyTorch's layout.
+fn torch_dims(p: &NamedParam) -> Vec<usize> {
+    let dims = p.var.dims();
+    if p.transposed {
+        dims.iter().rev().copied().collect()
+    } else {
+        dims.to_vec()
+    }
+}
+
+/// The value of `p`'s shape that `view` holds in PyTorch's layout, on `p`'s device in its own;
+/// a view of another shape or type is refused, named `what`.
+pub(crate) fn from_torch_layout(
+    p: &NamedParam,
+    view: &safetensors::tensor::TensorView<'_>,
+    what: &str,
+) -> Result<Tensor> {
+    let expected = torch_dims(p);
+    ensure!(
+        view.shape() == expected.as_slice() && view.dtype() == safetensors::Dtype::F32,
+        "{what}: the file's is {:?} {:?}, the model's F32 {expected:?}",
+        view.dtype(),
+        view.shape()
+    );
+    let tensor: Tensor = view.load(p.var.device())?;
+    Ok(if p.transposed {
+        tensor.t()?.contiguous()?
+    } else {
+        tensor
+    })
 }
 
 /// What a model file holds: its info and a view of its tensors.
@@ -137,31 +175,14 @@ impl<'a> ModelFile<'a> {
                 .tensor(&p.name)
                 .ok()
                 .with_context(|| format!("the file has no tensor {}: it holds another model", p.name))?;
-            let dims = p.var.dims();
-            let expected: Vec<usize> = if p.transposed {
-                dims.iter().rev().copied().collect()
-            } else {
-                dims.to_vec()
-            };
-            ensure!(
-                view.shape() == expected.as_slice() && view.dtype() == safetensors::Dtype::F32,
-                "tensor {}: the file's is {:?} {:?}, the model's F32 {expected:?}",
-                p.name,
-                view.dtype(),
-                view.shape()
-            );
-            let tensor: Tensor = view.load(p.var.device())?;
-            values.push(if p.transposed {
-                tensor.t()?.contiguous()?
-            } else {
-                tensor
-            });
+            values.push(from_torch_layout(p, &view, &format!("tensor {}", p.name))?);
         }
+        // A checkpoint's optimizer slots are no parameters.
         if let Some(extra) = self
             .tensors
             .names()
             .into_iter()
-            .find(|n| !params.iter().any(|p| p.name == **n))
+            .find(|n| !n.starts_with(OPTIMIZER_PREFIX) && !params.iter().any(|p| p.name == **n))
         {
             bail!("the file has a tensor {extra} the model lacks: it holds another model");
         }

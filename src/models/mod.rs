@@ -55,11 +55,17 @@ pub trait Block: Send {
     }
 
     /// The block's parameters with their model-wide names, `"{block}.{param}"`, in the order of
-    /// [`parameters`](Self::parameters).
-    fn named_parameters(&self) -> Vec<(String, Var)> {
+    /// [`parameters`](Self::parameters); `index` is the block's place in its model (or stage).
+    fn named_parameters(&self, index: usize) -> Vec<NamedParam> {
+        let transposed = self.transposed_parameters();
         self.parameters()
             .into_iter()
-            .map(|(param, var)| (format!("{}.{param}", self.name()), var))
+            .map(|(param, var)| NamedParam {
+                name: format!("{}.{param}", self.name()),
+                block: index,
+                transposed: transposed.contains(&param.as_str()),
+                var,
+            })
             .collect()
     }
 }
@@ -69,7 +75,7 @@ pub trait Block: Send {
 pub struct NamedParam {
     /// `"{block}.{param}"`.
     pub name: String,
-    /// Index of the block that owns it.
+    /// Index of the block that owns it, in its model (or pipeline stage).
     pub block: usize,
     /// The trainable variable.
     pub var: Var,
@@ -110,15 +116,7 @@ impl Model {
         self.blocks
             .iter()
             .enumerate()
-            .flat_map(|(block, b)| {
-                let transposed = b.transposed_parameters();
-                b.parameters().into_iter().map(move |(param, var)| NamedParam {
-                    name: format!("{}.{param}", b.name()),
-                    block,
-                    var,
-                    transposed: transposed.contains(&param.as_str()),
-                })
-            })
+            .flat_map(|(index, block)| block.named_parameters(index))
             .collect()
     }
 

@@ -85,7 +85,10 @@ pub trait SparseModel: Send {
     /// The dense parameters as `"{block}.{param}"`, sorted by name: the order in which they are
     /// flattened and split over the servers.
     fn parameters(&self) -> Vec<(String, Var)> {
-        let mut params: Vec<(String, Var)> = self.blocks().into_iter().flat_map(|b| b.named_parameters()).collect();
+        let mut params: Vec<(String, Var)> = (self.blocks().into_iter().enumerate())
+            .flat_map(|(index, block)| block.named_parameters(index))
+            .map(|p| (p.name, p.var))
+            .collect();
         params.sort_by(|a, b| a.0.cmp(&b.0));
         params
     }

@@ -17,7 +17,8 @@ use crate::collective::{sum_over_ranks, training_state, GradientSync};
 use crate::config::{JobConfig, LossKind, ScheduleMode};
 use crate::data::Batch;
 use crate::engines::comm::{CommWorker, Communicator, Shared};
-use crate::models::{training_loss, Block, Model, Score};
+use crate::models::export::ModelInfo;
+use crate::models::{training_loss, Block, Model, NamedParam, Score};
 use crate::optim::{LrPolicy, Optimizer};
 use crate::telemetry::metrics::peak_rss_bytes;
 use crate::telemetry::timeline::{record, Span, Timeline};
@@ -55,7 +56,7 @@ pub struct PipelineReport {
 /// A rank's stage, optimizer and links.
 pub struct PipelineReplica {
     stage: Stage,
-    params: Vec<(String, Var)>,
+    params: Vec<NamedParam>,
     optimizer: Optimizer,
     lr_policy: LrPolicy,
     link: Box<dyn StageLink>,
@@ -154,7 +155,7 @@ impl PipelineReplica {
             .collect();
         let stage = Stage::new(stage, p, chunks, kind, configs.accumulate_steps)?;
         let params = stage.parameters();
-        let vars: Vec<Var> = params.iter().map(|(_, v)| v.clone()).collect();
+        let vars: Vec<Var> = params.iter().map(|p| p.var.clone()).collect();
         let gradient_order = stage.gradient_order();
         let gradients = GradientSync::new(job, vars.clone(), &gradient_order, &device)?;
         let lr_policy = LrPolicy::new(&job.train, dp, gradients.optimizer_step(steps));
@@ -182,21 +183,16 @@ impl PipelineReplica {
 
     /// The stage's parameters, optimizer state, batches trained and the `losses` it saw, to `out` as one
     /// checkpoint file.
-    pub fn save_state(&self, out: &mut dyn std::io::Write, losses: &[f32]) -> Result<()> {
-        training_state::write(out, &self.named_vars(), &self.optimizer, self.step, losses)
+    pub fn save_state(&self, out: &mut dyn std::io::Write, export: &ModelInfo, losses: &[f32]) -> Result<()> {
+        training_state::write(out, &self.params, export, &self.optimizer, self.step, losses)
     }
 
     /// Continues from a state saved by [`PipelineReplica::save_state`] (by this stage of any
     /// replica), as if never stopped; returns the losses it held.
     pub fn restore_state(&mut self, bytes: &[u8]) -> Result<Vec<f32>> {
-        let params: Vec<(&str, &Var)> = self.params.iter().map(|(name, var)| (name.as_str(), var)).collect();
-        let restored = training_state::restore(bytes, &params, &mut self.optimizer, &self.device)?;
+        let restored = training_state::restore(bytes, &self.params, &mut self.optimizer)?;
         self.step = restored.batches;
         Ok(restored.losses)
-    }
-
-    fn named_vars(&self) -> Vec<(&str, &Var)> {
-        self.params.iter().map(|(name, var)| (name.as_str(), var)).collect()
     }
 
     /// Goes on over new links to the neighbour stages and a new ring among the stage's replicas
@@ -340,7 +336,7 @@ impl PipelineReplica {
     pub fn parameters(&self) -> Result<Vec<(String, Vec<f32>)>> {
         self.params
             .iter()
-            .map(|(name, var)| Ok((name.clone(), var.flatten_all()?.to_vec1::<f32>()?)))
+            .map(|p| Ok((p.name.clone(), p.var.flatten_all()?.to_vec1::<f32>()?)))
             .collect()
     }
 

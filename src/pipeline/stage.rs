@@ -13,7 +13,7 @@ use candle_core::{Tensor, Var};
 use super::link::StageLink;
 use super::schedule::{stage_ops, Op, ScheduleKind};
 use crate::engines::compute::segments::{self, Forward, Segments};
-use crate::models::Block;
+use crate::models::{Block, NamedParam};
 use crate::telemetry::timeline::{record, Timeline};
 
 /// A contiguous run of a model's blocks on one stage, and how its backward is cut.
@@ -134,12 +134,13 @@ impl Stage {
     }
 
     /// The stage's parameters, chunk by chunk, each block's in its own order, named
-    /// `"{block}.{param}"`.
-    pub fn parameters(&self) -> Vec<(String, Var)> {
+    /// `"{block}.{param}"` (their blocks numbered within the stage).
+    pub fn parameters(&self) -> Vec<NamedParam> {
         self.chunks
             .iter()
             .flat_map(|chunk| &chunk.blocks)
-            .flat_map(|block| block.named_parameters())
+            .enumerate()
+            .flat_map(|(index, block)| block.named_parameters(index))
             .collect()
     }
 

@@ -1,5 +1,6 @@
-"""Loads a flotilla model file into the equivalent PyTorch module by name and checks that its
-outputs equal those `flotilla predict` wrote for the same rows.
+"""Loads a flotilla model file — `params.safetensors`, or a checkpoint's `replica.safetensors`,
+whose optimizer slots are set aside — into the equivalent PyTorch module by name and checks that
+its outputs equal those `flotilla predict` wrote for the same rows.
 
     python load_into_torch.py --params run/params.safetensors --data rows.csv \
         --predictions predictions.csv
@@ -55,9 +56,15 @@ def main():
     spec = json.loads(metadata["model"])
     assert spec["kind"] == "mlp", spec
     model = Mlp(spec["inputs"], spec["hidden"], spec["outputs"])
+    state = load_file(args.params)
+    if "optimizer" in metadata:
+        # A checkpoint: the training state's slots are no parameters of the module.
+        slots = [name for name in state if name.startswith("optimizer.")]
+        assert slots, "a checkpoint without optimizer slots"
+        state = {name: value for name, value in state.items() if name not in slots}
     # strict: every tensor of the module is in the file under its name, in its shape, and
     # nothing else is.
-    model.load_state_dict(load_file(args.params), strict=True)
+    model.load_state_dict(state, strict=True)
 
     header, rows = read_table(args.data)
     columns = json.loads(metadata.get("feature_columns", "null")) or header
