@@ -101,7 +101,7 @@ fn pipelined(kind: ScheduleKind, stages: usize, m: usize) -> HashMap<String, Vec
                     .parameters()
                     .into_iter()
                     .zip(step.gradients)
-                    .map(|((name, _), g)| (name, g.flatten_all().unwrap().to_vec1::<f32>().unwrap()))
+                    .map(|(p, g)| (p.name, g.flatten_all().unwrap().to_vec1::<f32>().unwrap()))
                     .collect::<Vec<_>>()
             })
         })

@@ -283,7 +283,10 @@ fn checkpoint_inspect_shows_what_a_runs_checkpoints_hold() {
     assert_eq!(file["name"], "replica.safetensors");
     // The model file's names and layout: nn.Linear's (out, in).
     assert_eq!(file["tensors"]["fc0.weight"], serde_json::json!([128, 64]));
-    assert_eq!(file["tensors"]["optimizer.fc0.weight.momentum"], serde_json::json!([128, 64]));
+    assert_eq!(
+        file["tensors"]["optimizer.fc0.weight.momentum"],
+        serde_json::json!([128, 64])
+    );
     assert_eq!(file["metadata"]["format"], "flotilla-model");
     assert_eq!(file["metadata"]["optimizer"], "sgd");
     let shards = inspect(&shards.join("checkpoints/step-00000010"));
