@@ -408,8 +408,9 @@ fn evaluation_memory_stays_bounded_as_the_held_out_set_grows() {
     );
 }
 
-/// Named arrays — safetensors and NumPy's `.npz` — holding the rows of the CSV tables train the
-/// very same model: a feature array of shape (n, 3) and a label array (n).
+/// Named arrays — safetensors, NumPy's `.npz` and a directory of `.npy` files — holding the rows
+/// of the CSV tables train the very same model: a feature array of shape (n, 3) and a label
+/// array (n).
 #[test]
 fn named_arrays_train_the_model_the_same_rows_as_a_table_train() {
     use candle_core::{Device, Tensor};
@@ -430,6 +431,10 @@ fn named_arrays_train_the_model_the_same_rows_as_a_table_train() {
         let named = std::collections::HashMap::from([("x".to_string(), x.clone()), ("y".to_string(), y.clone())]);
         candle_core::safetensors::save(&named, dir.path().join(format!("{split}.safetensors"))).unwrap();
         Tensor::write_npz(&[("x", &x), ("y", &y)], dir.path().join(format!("{split}.npz"))).unwrap();
+        let npy = dir.path().join(format!("{split}_npy"));
+        std::fs::create_dir(&npy).unwrap();
+        x.write_npy(npy.join("x.npy")).unwrap();
+        y.write_npy(npy.join("y.npy")).unwrap();
     }
     let run = |format: &str, extension: &str| {
         let text = config_text(dir.path(), format, 1).replace(".arrays", extension)
@@ -447,9 +452,17 @@ fn named_arrays_train_the_model_the_same_rows_as_a_table_train() {
         outcome.parameters
     };
     let table = run("csv", ".csv");
-    for extension in [".safetensors", ".npz"] {
+    for extension in [".safetensors", ".npz", "_npy"] {
         assert_eq!(max_abs_diff(&table, &run("arrays", extension)), 0.0, "{extension}");
     }
+    // A lone .npy file is one array: the error says how to pair it.
+    let text = config_text(dir.path(), "arrays", 1).replace("train.arrays", "train_npy/x.npy");
+    let config = JobConfig::from_toml_str(&text, "arrays.toml", &|_| None, &[]).unwrap();
+    let error = match TrainingJob::builtin(config) {
+        Ok(_) => panic!("a lone .npy file trained"),
+        Err(e) => format!("{e:#}"),
+    };
+    assert!(error.contains("x.npy: a .npy file holds one array"), "{error}");
     // A missing label array is named with the arrays there are.
     let text = config_text(dir.path(), "arrays", 1)
         .replace(".arrays", ".npz")

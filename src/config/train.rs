@@ -88,8 +88,8 @@ pub enum DatasetKind {
     /// Parquet files of the user's own, read as `csv` reads its tables: top-level columns of
     /// integers or floating-point numbers.
     Parquet,
-    /// Named arrays of the user's own — safetensors files, or NumPy's `.npz` — as tables whose
-    /// columns are arrays: `train.label_column` names the label array (one value a row), the
+    /// Named arrays of the user's own — safetensors files, NumPy's `.npz`, or directories of
+    /// `.npy` files (each array named by its file's stem) — as tables whose columns are arrays: `train.label_column` names the label array (one value a row), the
     /// `train.feature_columns` the feature arrays (`(n)` or `(n, k)`; every other array, in
     /// name order, when not given).
     Arrays,

@@ -55,12 +55,13 @@ pub enum TableFormat {
 }
 
 impl TableFormat {
-    /// The format a file's name says: `.parquet` or `.pq` is Parquet, `.safetensors` or `.npz`
-    /// named arrays, anything else CSV.
+    /// The format a path says: `.parquet` or `.pq` is Parquet, `.safetensors`, `.npz` or a
+    /// directory (of `.npy` files) named arrays, anything else CSV.
     pub fn of_path(path: &Path) -> Self {
         match path.extension().and_then(|e| e.to_str()) {
             Some("parquet" | "pq") => Self::Parquet,
-            Some("safetensors" | "npz") => Self::Arrays,
+            Some("safetensors" | "npz" | "npy") => Self::Arrays,
+            _ if path.is_dir() => Self::Arrays,
             _ => Self::Csv,
         }
     }
@@ -297,12 +298,38 @@ fn read_parquet(path: &Path, columns: Columns, rows: &mut Rows) -> Result<()> {
     Ok(())
 }
 
-/// Appends the rows of the named arrays at `path` (safetensors, or `.npz`) to `rows`: the
-/// label array (one value per row) and the feature arrays (`(n)` or `(n, k)`), by name.
+/// The arrays of the `.npy` files in `dir` (`numpy.save`), each named by its file's stem.
+fn read_npy_directory(dir: &Path) -> Result<Vec<(String, candle_core::Tensor)>> {
+    let mut arrays = Vec::new();
+    for entry in std::fs::read_dir(dir).context("reading the directory")? {
+        let path = entry.context("reading the directory")?.path();
+        if path.extension().and_then(|e| e.to_str()) != Some("npy") {
+            continue;
+        }
+        let name = path
+            .file_stem()
+            .and_then(|s| s.to_str())
+            .with_context(|| format!("{}: a file name that is not UTF-8", path.display()))?;
+        let array = candle_core::Tensor::read_npy(&path)
+            .with_context(|| format!("{}: not a readable .npy file", path.display()))?;
+        arrays.push((name.to_string(), array));
+    }
+    ensure!(!arrays.is_empty(), "the directory holds no .npy files");
+    Ok(arrays)
+}
+
+/// Appends the rows of the named arrays at `path` (safetensors, `.npz`, or a directory of
+/// `.npy` files, each array named by its file's stem) to `rows`: the label array (one value per
+/// row) and the feature arrays (`(n)` or `(n, k)`), by name.
 fn read_arrays(path: &Path, columns: Columns, rows: &mut Rows) -> Result<()> {
     let device = candle_core::Device::Cpu;
     let mut arrays: Vec<(String, candle_core::Tensor)> = match path.extension().and_then(|e| e.to_str()) {
+        _ if path.is_dir() => read_npy_directory(path)?,
         Some("npz") => candle_core::Tensor::read_npz(path).context("not a readable .npz file")?,
+        Some("npy") => bail!(
+            "a .npy file holds one array: put the label's and the features' .npy files in one \
+             directory and name the directory"
+        ),
         _ => candle_core::safetensors::load(path, &device)
             .context("not a readable safetensors file")?
             .into_iter()
@@ -444,6 +471,25 @@ mod tests {
         let path = dir.join(name);
         std::fs::write(&path, text).unwrap();
         path.to_string_lossy().into_owned()
+    }
+
+    #[test]
+    fn a_path_says_its_format_and_a_directory_is_one_of_npy_arrays() {
+        let dir = tempfile::tempdir().unwrap();
+        let x = candle_core::Tensor::new(&[[1f32, 2.0], [3.0, 4.0]], &candle_core::Device::Cpu).unwrap();
+        x.write_npy(dir.path().join("x.npy")).unwrap();
+        std::fs::write(dir.path().join("notes.txt"), "not an array").unwrap();
+        assert_eq!(TableFormat::of_path(dir.path()), TableFormat::Arrays);
+        assert_eq!(TableFormat::of_path(Path::new("a.pq")), TableFormat::Parquet);
+        assert_eq!(TableFormat::of_path(Path::new("a.tsv")), TableFormat::Csv);
+        let (values, dim) = read_features(&[dir.path().to_string_lossy().into_owned()], None).unwrap();
+        assert_eq!((values, dim), (vec![1.0, 2.0, 3.0, 4.0], 2));
+        let empty = tempfile::tempdir().unwrap();
+        let err = read_features(&[empty.path().to_string_lossy().into_owned()], None).unwrap_err();
+        assert!(
+            format!("{err:#}").contains("the directory holds no .npy files"),
+            "{err:#}"
+        );
     }
 
     const REGRESS: Columns = Columns {
