@@ -21,7 +21,7 @@ use flotilla::job::ps_serving;
 use flotilla::job::serving::Weights;
 use flotilla::job::{run_dir, Refusal, RunOptions, RunOutcome, TrainingJob, REFUSAL_EXIT_CODE};
 use flotilla::launch::{
-    recover_in_place, supervise, ChildSpec, DeathWatch, LaunchArgs, LaunchPsArgs, OutputMode, RUN_DIR_VAR,
+    recover_in_place, supervise, ChildSpec, DeathWatch, LaunchArgs, LaunchPsArgs, OutputMode, ProcessFlags, RUN_DIR_VAR,
 };
 use flotilla::net::auth::Credentials;
 use flotilla::telemetry::metrics::METRICS_FILE;
@@ -305,7 +305,7 @@ fn run(cli: Cli) -> Result<()> {
                 if config.as_ref().is_some_and(JobConfig::recovers_in_place) {
                     args.recover_in_place(&mut children)?;
                 }
-                launch(children, train, config, args.processes.max_restarts)
+                launch(children, train, config, &args.processes)
             }
         },
         Command::LaunchPs(args) => launch_ps(args),
@@ -432,11 +432,12 @@ fn launch(
     mut children: Vec<ChildSpec>,
     train: Option<TrainArgs>,
     config: Option<JobConfig>,
-    restarts_flag: Option<usize>,
+    flags: &ProcessFlags,
 ) -> Result<()> {
     // `--max_restarts`, else the job's `fault_tolerance.max_restarts`; none for a program of
     // the user's own.
-    let restarts = restarts_flag
+    let restarts = flags
+        .max_restarts
         .or(config.as_ref().map(|c| c.fault_tolerance.max_restarts))
         .unwrap_or(0);
     let death_watch = match &config {
@@ -461,7 +462,8 @@ fn launch(
         }
         _ => {}
     }
-    supervise(children, OutputMode::Prefixed, restarts, death_watch)
+    let grace = std::time::Duration::from_secs(flags.stop_grace_s);
+    supervise(children, OutputMode::Prefixed, restarts, death_watch, grace)
 }
 
 /// `flotilla launch-ps`, or `flotilla launch --run_mode ps`: this node's servers and trainers.
@@ -475,7 +477,7 @@ fn launch_ps(args: LaunchPsArgs) -> Result<()> {
         let coordinator = args.hosts_coordinator()?.then_some(config.roles());
         recover_in_place(&mut children, coordinator);
     }
-    launch(children, train, config, args.processes.max_restarts)
+    launch(children, train, config, &args.processes)
 }
 
 /// Watches the coordinator of `config`'s job for processes it declares dead.

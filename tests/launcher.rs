@@ -91,16 +91,15 @@ fn signal(pid: u32, signal: i32) {
     }
 }
 
-/// Two ranks that ignore SIGINT and SIGTERM, one of them stopped (SIGSTOP): the launcher gets
-/// `signals` and must end them by force. Returns its stderr.
-fn interrupt_with_a_stopped_rank(test: &str, signals: &[i32]) -> String {
+/// Two ranks that ignore SIGINT and SIGTERM, one of them stopped (SIGSTOP): the launcher (with
+/// `flags`) gets `signals` and must end them by force. Returns its stderr.
+fn interrupt_with_a_stopped_rank(test: &str, flags: &[&str], signals: &[i32]) -> String {
     let mark = Marked::new(test);
     let port = free_port_range(3).to_string();
-    #[rustfmt::skip]
-    let launcher = start_flotilla(
-        &["launch", "--nproc_per_node", "2", "--started_port", &port, "--", "bash", "-c", "trap '' INT TERM; sleep 60"],
-        &[mark.env()],
-    );
+    let mut args = vec!["launch", "--nproc_per_node", "2", "--started_port", &port];
+    args.extend(flags);
+    args.extend(["--", "bash", "-c", "trap '' INT TERM; sleep 60"]);
+    let launcher = start_flotilla(&args, &[mark.env()]);
     let pid = launcher.child.id();
     let ranks = wait_for_children(pid, 2);
     signal(ranks[0] as u32, libc::SIGSTOP);
@@ -116,14 +115,23 @@ fn interrupt_with_a_stopped_rank(test: &str, signals: &[i32]) -> String {
 
 #[test]
 fn ctrl_c_ends_ranks_that_ignore_it_after_the_grace_period() {
-    let stderr = interrupt_with_a_stopped_rank("grace", &[libc::SIGINT]);
+    let stderr = interrupt_with_a_stopped_rank("grace", &[], &[libc::SIGINT]);
     assert!(stderr.contains("did not stop within 5s"), "{stderr}");
+}
+
+#[test]
+fn a_forwarded_sigterm_gives_the_ranks_the_stop_grace_asked() {
+    let stderr = interrupt_with_a_stopped_rank("stop-grace", &["--stop_grace_s", "1"], &[libc::SIGTERM]);
+    assert!(
+        stderr.contains("forwarding SIGTERM") && stderr.contains("did not stop within 1s"),
+        "{stderr}"
+    );
 }
 
 #[test]
 fn a_second_signal_kills_the_ranks_at_once() {
     // Two different signals: a second SIGINT sent at once may merge with the first.
-    let stderr = interrupt_with_a_stopped_rank("second", &[libc::SIGINT, libc::SIGTERM]);
+    let stderr = interrupt_with_a_stopped_rank("second", &[], &[libc::SIGINT, libc::SIGTERM]);
     assert!(stderr.contains("a second signal"), "{stderr}");
 }
 

@@ -16,7 +16,7 @@ use crate::engines::comm::hierarchy::{self, NodeLayout};
 use crate::engines::comm::{Abandoned, Communicator, RingLinks, Wire};
 use crate::engines::compute::device_for;
 use crate::job::connect_control;
-use crate::launch::{supervise, ChildSpec, OutputMode};
+use crate::launch::{supervise, ChildSpec, OutputMode, PREEMPTION_GRACE_S};
 use crate::net::auth::{ClusterToken, Credentials, TOKEN_VAR};
 
 /// Arguments shared by the parent and its ranks.
@@ -192,7 +192,8 @@ pub fn run(nproc: usize, nodes: &NodeFlags, args: &AllReduceArgs) -> Result<()> 
             log: None,
         })
         .collect();
-    supervise(children, OutputMode::Rank0Plain, 0, None)
+    let grace = std::time::Duration::from_secs(PREEMPTION_GRACE_S);
+    supervise(children, OutputMode::Rank0Plain, 0, None, grace)
 }
 
 fn free_loopback_port() -> Result<String> {

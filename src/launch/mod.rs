@@ -15,7 +15,7 @@ mod supervisor;
 
 pub use death_watch::DeathWatch;
 pub use ps::{LaunchPsArgs, PsRoles};
-pub use supervisor::{supervise, OutputMode};
+pub use supervisor::{supervise, OutputMode, PREEMPTION_GRACE_S};
 
 use std::path::PathBuf;
 
@@ -167,6 +167,11 @@ pub struct ProcessFlags {
     /// (default: the job's `fault_tolerance.max_restarts`; 0 for a program of your own).
     #[arg(long = "max_restarts", alias = "max-restarts", alias = "max_restart")]
     pub max_restarts: Option<usize>,
+    /// Seconds the processes get, after a SIGTERM the launcher forwards (preemption), to commit
+    /// a checkpoint and exit before they are killed: keep it below the engine's own wait before
+    /// SIGKILL (Kubernetes' `terminationGracePeriodSeconds`, 30 by default; Slurm's `KillWait`).
+    #[arg(long = "stop_grace_s", alias = "stop-grace-s", default_value_t = supervisor::PREEMPTION_GRACE_S)]
+    pub stop_grace_s: u64,
     /// Where each process's output is also kept, as Paddle's launcher keeps it:
     /// `workerlog.<i>` per trainer (by local rank), `serverlog.<i>` per server, and the
     /// coordinator's `coordinatorlog`.

@@ -96,9 +96,9 @@ const CAUSE_GRACE: Duration = Duration::from_millis(100);
 /// How long children get to stop after a forwarded Ctrl-C (or SIGTERM when the launcher stops
 /// them itself) before SIGKILL.
 const STOP_GRACE: Duration = Duration::from_secs(5);
-/// How long children get after a SIGTERM the launcher got and forwards (preemption: a trainer
-/// stops at a checkpoint): within the 30 s Kubernetes and Slurm wait before their SIGKILL.
-const PREEMPTION_GRACE: Duration = Duration::from_secs(25);
+/// The seconds processes get by default after a SIGTERM the launcher forwards (preemption):
+/// within the 30 s Kubernetes and Slurm wait before their SIGKILL.
+pub const PREEMPTION_GRACE_S: u64 = 25;
 /// How long the output of stopped processes is still read: a process that left its process
 /// group may hold their pipes open for ever.
 const OUTPUT_GRACE: Duration = Duration::from_secs(1);
@@ -110,10 +110,13 @@ struct Interrupts {
     count: Arc<AtomicUsize>,
     /// The first signal received (0 before any).
     first: Arc<AtomicI32>,
+    /// How long children get after a SIGTERM the launcher got and forwards (preemption: a
+    /// trainer stops at a checkpoint).
+    preemption_grace: Duration,
 }
 
 impl Interrupts {
-    fn install() -> Result<Self> {
+    fn install(preemption_grace: Duration) -> Result<Self> {
         let (count, first) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicI32::new(0)));
         for signal in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
             let (count, first) = (count.clone(), first.clone());
@@ -126,7 +129,11 @@ impl Interrupts {
             }
             .context("installing the signal handler")?;
         }
-        Ok(Self { count, first })
+        Ok(Self {
+            count,
+            first,
+            preemption_grace,
+        })
     }
 
     fn count(&self) -> usize {
@@ -137,7 +144,7 @@ impl Interrupts {
     /// itself, with time for a checkpoint; a Ctrl-C as itself.
     fn forwarded(&self) -> (libc::c_int, Duration) {
         match self.first.load(Ordering::SeqCst) {
-            libc::SIGTERM => (libc::SIGTERM, PREEMPTION_GRACE),
+            libc::SIGTERM => (libc::SIGTERM, self.preemption_grace),
             _ => (libc::SIGINT, STOP_GRACE),
         }
     }
@@ -171,14 +178,16 @@ enum Ended {
 /// the main thread.
 ///
 /// With a `death_watch`, a process the coordinator declared dead that still runs (stopped, or
-/// hung) is killed, and so replaced.
+/// hung) is killed, and so replaced. After a SIGTERM the launcher forwards, the processes get
+/// `preemption_grace` before they are killed.
 pub fn supervise(
     children: Vec<ChildSpec>,
     mode: OutputMode,
     max_restarts: usize,
     death_watch: Option<DeathWatch>,
+    preemption_grace: Duration,
 ) -> Result<()> {
-    let interrupts = Interrupts::install()?;
+    let interrupts = Interrupts::install(preemption_grace)?;
     let bar = LauncherBar::for_terminal();
     let ended = restart_until_done(children, mode, max_restarts, &interrupts, &bar, death_watch.as_ref());
     bar.finish();
