@@ -234,12 +234,13 @@ fn a_second_run_refused_by_the_first_runs_checkpoints_stops_instead_of_resuming_
     assert!(!run_dir.join("summary.json").exists());
 }
 
-/// Launches the default job on 2 ranks for 3000 steps into `run_dir`, with `settings`, and waits
-/// until it trains.
-fn launch_training(run_dir: &Path, settings: &[&str]) -> common::Started {
-    let port = free_port_range(3).to_string();
+/// Launches the default job on `ranks` ranks for 3000 steps into `run_dir`, with `settings`, and
+/// waits until it trains.
+fn launch_training(run_dir: &Path, ranks: usize, settings: &[&str]) -> common::Started {
+    let port = free_port_range(ranks as u16 + 1).to_string();
+    let ranks = ranks.to_string();
     #[rustfmt::skip]
-    let mut args = vec!["launch", "--nproc_per_node", "2", "--started_port", &port, "--", "train",
+    let mut args = vec!["launch", "--nproc_per_node", &ranks, "--started_port", &port, "--", "train",
         "--run-dir", run_dir.to_str().unwrap(), "--set", "train.steps=3000"];
     for setting in settings {
         args.extend(["--set", setting]);
@@ -254,7 +255,7 @@ fn a_restarted_job_without_checkpoints_says_it_starts_again_at_step_0() {
     let dir = tempfile::tempdir().unwrap();
     let run_dir = dir.path().join("run");
     let settings = ["fault_tolerance.max_restarts=1", "fault_tolerance.recovery=restart"];
-    let launcher = launch_training(&run_dir, &settings);
+    let launcher = launch_training(&run_dir, 2, &settings);
     let children = children_of(launcher.child.id());
     assert_eq!(children.len(), 2, "the launcher's processes: {children:?}");
     // SAFETY: a pid of a process this test's launcher started and still supervises.
@@ -278,31 +279,66 @@ fn a_restarted_job_without_checkpoints_says_it_starts_again_at_step_0() {
     );
 }
 
+/// Where a preemption test sends its SIGTERM.
+enum SigtermTo {
+    /// The launcher, which forwards it to every process.
+    Launcher,
+    /// One rank, picked at random: the others learn it from the job.
+    OneRank,
+}
+
 /// Preemption: a SIGTERM to the launcher reaches every process; the ranks all stop after the
 /// same step, commit its checkpoint and exit; `train --resume` then ends as a run never stopped.
 #[test]
 fn a_sigterm_stops_every_rank_at_a_checkpoint_and_the_resumed_run_equals_an_uninterrupted_one() {
+    preempted_run_resumes_as_an_uninterrupted_one(2, &[], SigtermTo::Launcher);
+}
+
+/// A pipeline of two stages, replicated twice: a SIGTERM to any one rank reaches the others on
+/// the step's own messages (forward to the stage holding the loss, over the replicas in the
+/// gather of the losses, backward to every stage the step after), so all stop after one step.
+#[test]
+fn a_sigterm_to_one_pipeline_rank_stops_every_stage_at_a_checkpoint_and_the_resumed_run_equals_an_uninterrupted_one() {
+    preempted_run_resumes_as_an_uninterrupted_one(4, &common::PIPELINE_2X2, SigtermTo::OneRank);
+}
+
+fn preempted_run_resumes_as_an_uninterrupted_one(ranks: usize, job: &[&str], to: SigtermTo) {
     let dir = tempfile::tempdir().unwrap();
     let run_dir = dir.path().join("run");
-    let launcher = launch_training(&run_dir, &["fault_tolerance.checkpoint_every=1000"]);
+    let mut settings = vec!["fault_tolerance.checkpoint_every=1000"];
+    settings.extend(job);
+    let launcher = launch_training(&run_dir, ranks, &settings);
     let children = children_of(launcher.child.id());
-    // SAFETY: the launcher this test started.
+    let target = match to {
+        SigtermTo::Launcher => launcher.child.id() as i32,
+        SigtermTo::OneRank => {
+            let roles = common::role_pids(launcher.child.id());
+            roles[&format!("rank {}", pick(ranks))]
+        }
+    };
+    // SAFETY: the launcher this test started, or a process it supervises.
     unsafe {
-        libc::kill(launcher.child.id() as i32, libc::SIGTERM);
+        libc::kill(target, libc::SIGTERM);
     }
     let finished = launcher.finish(60);
     end_leftovers(children);
     let stderr = &finished.stderr;
     assert!(!finished.success, "{stderr}");
-    assert!(stderr.contains("forwarding SIGTERM"), "{stderr}");
-    let stopped = "error: stopped on SIGTERM after step ";
+    if let SigtermTo::Launcher = to {
+        assert!(stderr.contains("forwarding SIGTERM"), "{stderr}");
+    }
+    assert!(
+        stderr.contains("error: the processes stopped on SIGTERM (preemption), all after the same step"),
+        "{stderr}"
+    );
+    let stopped = "stopped on SIGTERM after step ";
     let steps: Vec<&str> = stderr
         .lines()
         .filter_map(|line| line.split_once(stopped))
         .map(|(_, rest)| rest.split(',').next().unwrap())
         .collect();
-    assert_eq!(steps.len(), 2, "both ranks stop: {stderr}");
-    assert_eq!(steps[0], steps[1], "after the same step: {stderr}");
+    assert_eq!(steps.len(), ranks, "every rank stops: {stderr}");
+    assert!(steps.iter().all(|s| *s == steps[0]), "after the same step: {stderr}");
     let step: usize = steps[0].parse().unwrap();
     assert!((1..3000).contains(&step), "{stderr}");
     assert!(
@@ -323,7 +359,9 @@ fn a_sigterm_stops_every_rank_at_a_checkpoint_and_the_resumed_run_equals_an_unin
         resumed.stderr
     );
     let summary = common::read_summary(&run_dir);
-    let uninterrupted = train_in_process(config(&["train.steps=3000"]));
+    let mut reference = vec!["train.steps=3000"];
+    reference.extend(job);
+    let uninterrupted = train_in_process(config(&reference));
     assert_eq!(summary["param_checksum"], uninterrupted.summary.param_checksum.as_str());
 }
 

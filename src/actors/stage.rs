@@ -26,10 +26,11 @@ use super::device::{
 use super::divergence::check_loss;
 use super::faults::RoleFaults;
 use super::kept::{commit_on_this_node, BuddyCopy, Kept, Restore};
-use super::recovery::{stage_file, Recovery};
+use super::recovery::{may_fall_after, stage_file, Recovery};
 use super::rollback::Orders;
 use super::run_loop::{eval_due, run_steps, RunLoop};
 use crate::checkpoint::HeldFile;
+use crate::collective::preemption::{is_preemption, Preempted, PreemptionWatch};
 use crate::config::{HybridConfigs, JobConfig};
 use crate::data::Dataset;
 use crate::engines::comm::Communicator;
@@ -308,6 +309,8 @@ impl StageRun {
                     run.finish();
                     return Ok(outcome);
                 }
+                // Every rank stopped after the same step: nothing to recover.
+                Err(e) if is_preemption(&e) => return Err(e),
                 Err(e) => e,
             };
             first = self.roll_back(failure).await?;
@@ -373,6 +376,9 @@ impl StageRun {
         // came after.
         let mut scored: Option<(usize, Option<Score>)> = None;
         let started = Instant::now();
+        // SIGTERM asks the run to stop at a checkpoint rather than ending the process.
+        let _watch = PreemptionWatch::install()?;
+        let mut stopping = false;
         for step in first..steps {
             if let Some(faults) = &self.faults {
                 faults.before_step(&format!("rank {rank}"), step).await;
@@ -416,8 +422,20 @@ impl StageRun {
                 }
                 check_loss(rank, step + 1, loss)?;
             }
-            if self.recovery.due(&job, step + 1, steps) {
+            // Every rank learns in the same step that one was asked to stop.
+            stopping |= report.stop_asked;
+            let preempted = stopping && may_fall_after(&job, step + 1);
+            let checkpointed =
+                self.recovery.due(&job, step + 1, steps) || (preempted && self.recovery.takes_checkpoints());
+            if checkpointed {
                 self.checkpoint(step + 1, &losses).await?;
+            }
+            if preempted {
+                return Err(Preempted {
+                    step: step + 1,
+                    checkpointed,
+                }
+                .into());
             }
         }
         figures.elapsed = started.elapsed();

@@ -1,10 +1,11 @@
 //! Preemption: a cluster taking a job's machines back (Slurm's preemption, a Kubernetes eviction,
 //! a spot instance reclaimed) sends SIGTERM and waits a grace period before SIGKILL. While a
-//! data-parallel run trains, the first SIGTERM asks it to stop at the next step where a
-//! checkpoint may fall: every rank learns of it in that step's gather of the losses (so all stop
-//! after the same step, whichever got the signal), writes the checkpoint and exits with
-//! [`PREEMPTED_EXIT_CODE`]; `--resume` continues the run from it. A second SIGTERM ends the
-//! process at once.
+//! data-parallel or pipeline run trains, the first SIGTERM asks it to stop at the next step
+//! where a checkpoint may fall: every rank learns of it in the same step — a data-parallel rank
+//! in that step's gather of the losses, a pipeline stage on the step's messages
+//! (`pipeline::link`'s signals) — so all stop after the same step, whichever got the signal,
+//! write the checkpoint and exit with [`PREEMPTED_EXIT_CODE`]; `--resume` continues the run from
+//! it. A second SIGTERM ends the process at once.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, LazyLock, Mutex, PoisonError};
@@ -100,7 +101,25 @@ impl std::fmt::Display for Preempted {
 
 impl std::error::Error for Preempted {}
 
-/// Whether `error` is a stop for preemption.
+/// A launcher's processes that stopped for preemption, each after the same step.
+#[derive(Debug)]
+pub struct ProcessesPreempted;
+
+impl std::fmt::Display for ProcessesPreempted {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "the processes stopped on SIGTERM (preemption), all after the same step: \
+             continue with `flotilla train --resume RUN_DIR`"
+        )
+    }
+}
+
+impl std::error::Error for ProcessesPreempted {}
+
+/// Whether `error` is a stop for preemption: a rank's, or a launcher's whose processes stopped.
 pub fn is_preemption(error: &anyhow::Error) -> bool {
-    error.chain().any(|cause| cause.is::<Preempted>())
+    error
+        .chain()
+        .any(|cause| cause.is::<Preempted>() || cause.is::<ProcessesPreempted>())
 }

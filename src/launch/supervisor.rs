@@ -19,7 +19,7 @@ use anyhow::{anyhow, Context, Result};
 use indicatif::ProgressBar;
 
 use super::{ChildSpec, DeathWatch};
-use crate::collective::preemption::PREEMPTED_EXIT_CODE;
+use crate::collective::preemption::{ProcessesPreempted, PREEMPTED_EXIT_CODE};
 use crate::job::{REFUSAL_EXIT_CODE, RESUME_VAR};
 use crate::telemetry::monitor::{progress_bar, ProgressLine, PROGRESS_FOR_LAUNCHER, PROGRESS_VAR};
 
@@ -296,10 +296,9 @@ fn run_once(
             kill_declared_dead(&mut running, children, watch);
         }
         let mut statuses = poll(&mut running)?;
-        // A trainer that stopped at a checkpoint on the forwarded SIGTERM did as asked.
-        let preempted = interrupted_at.is_some() && forwarded == libc::SIGTERM;
-        let stopped_as_asked = |s: &ExitStatus| preempted && s.code() == Some(i32::from(PREEMPTED_EXIT_CODE));
-        let failed_exit = |s: &ExitStatus| !(s.success() || stopped_as_asked(s));
+        // A process that stopped for preemption (a SIGTERM the launcher forwarded, or one the
+        // engine sent it directly) did as asked: the others stop after the same step.
+        let failed_exit = |s: &ExitStatus| !(s.success() || stopped_for_preemption(s));
         let failed_here = |(status, spec): (&Option<ExitStatus>, &ChildSpec)| {
             status.is_some_and(|s| failed_exit(&s)) && !spec.restart_alone
         };
@@ -354,6 +353,9 @@ fn run_once(
         if statuses.iter().all(Option::is_some) {
             // Whatever the processes left running in their groups ends with the job.
             kill_all(&mut running);
+            if statuses.iter().flatten().any(stopped_for_preemption) {
+                return Err(Ended::Stopped(ProcessesPreempted.into()));
+            }
             if interrupted_at.is_some() {
                 return Err(Ended::Stopped(anyhow!("interrupted")));
             }
@@ -377,6 +379,11 @@ fn kill_declared_dead(running: &mut [Running], children: &[ChildSpec], watch: &D
             signal_groups(std::slice::from_ref(r), libc::SIGKILL);
         }
     }
+}
+
+/// Whether a process exited having stopped for preemption.
+fn stopped_for_preemption(status: &ExitStatus) -> bool {
+    status.code() == Some(i32::from(PREEMPTED_EXIT_CODE))
 }
 
 /// Whether a process exited refusing to start, for a reason no restart changes.

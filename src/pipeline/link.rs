@@ -3,6 +3,12 @@
 //! chunk feeds the first stage's next chunk. Stages of one process use channels
 //! ([`MemoryStageLink`]); stages in separate processes use two ring transports
 //! ([`TransportStageLink`]).
+//!
+//! Every message carries one bit besides its tensor, a *signal* per direction ([`Signals`]): a
+//! stage sets what its messages say ([`StageLink::signal`]), and a message passes on what the
+//! sender heard from upstream in the same direction, so by the end of a step's schedule a
+//! stage has heard every stage before it (forward) or after it (backward) in the chain of
+//! chunks. Preemption rides on it: stages agree to stop without a message of their own.
 
 use std::sync::mpsc::{channel, Receiver, RecvTimeoutError, Sender};
 use std::time::Duration;
@@ -12,8 +18,55 @@ use candle_core::{DType, Device, Tensor};
 
 use crate::engines::comm::RingTransport;
 
+/// The signals a stage's messages carry and those it heard, per direction.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Signals {
+    /// Set on forward messages.
+    pub forward: bool,
+    /// Set on backward messages.
+    pub backward: bool,
+}
+
+impl Signals {
+    /// Either direction's.
+    fn or(self, other: Signals) -> Signals {
+        Signals {
+            forward: self.forward || other.forward,
+            backward: self.backward || other.backward,
+        }
+    }
+}
+
+/// What a link keeps of the signals: its own and what it heard since they were set.
+#[derive(Debug, Default)]
+struct SignalState {
+    own: Signals,
+    heard: Signals,
+}
+
+impl SignalState {
+    /// Sending `own`, having heard nothing yet.
+    fn sending(own: Signals) -> Self {
+        Self {
+            own,
+            heard: Signals::default(),
+        }
+    }
+
+    /// What the next message sent says: this stage's signal, and what it heard from upstream.
+    fn outgoing(&self) -> Signals {
+        self.own.or(self.heard)
+    }
+}
+
 /// A stage's connections to its neighbours. `what` names the transfer in errors.
 pub trait StageLink: Send {
+    /// Every message sent from now on carries `signals` (and what this stage hears from
+    /// upstream in the same direction); forgets what was heard before.
+    fn signal(&mut self, signals: Signals);
+    /// The signals the messages received since [`signal`](Self::signal) carried; forgets them
+    /// and this stage's own, so that messages outside a step (evaluation's) carry none.
+    fn heard(&mut self) -> Signals;
     /// Sends an activation to the next stage.
     fn send_forward(&mut self, what: &str, activation: Tensor) -> Result<()>;
     /// Receives an activation from the previous stage.
@@ -29,10 +82,11 @@ pub struct MemoryStageLink {
     stage: usize,
     stages: usize,
     timeout: Duration,
-    to_next: Sender<Tensor>,
-    from_previous: Receiver<Tensor>,
-    to_previous: Sender<Tensor>,
-    from_next: Receiver<Tensor>,
+    to_next: Sender<(Tensor, bool)>,
+    from_previous: Receiver<(Tensor, bool)>,
+    to_previous: Sender<(Tensor, bool)>,
+    from_next: Receiver<(Tensor, bool)>,
+    signals: SignalState,
 }
 
 /// The links of `stages` stages in one process, indexed by stage; a receive waits at most
@@ -53,12 +107,13 @@ pub fn memory_links(stages: usize, timeout: Duration) -> Vec<MemoryStageLink> {
             from_previous,
             to_previous: backward_tx[(stage + stages - 1) % stages].clone(),
             from_next,
+            signals: SignalState::default(),
         })
         .collect()
 }
 
 impl MemoryStageLink {
-    fn receive(&self, from: &Receiver<Tensor>, peer: usize, what: &str) -> Result<Tensor> {
+    fn receive(&self, from: &Receiver<(Tensor, bool)>, peer: usize, what: &str) -> Result<(Tensor, bool)> {
         from.recv_timeout(self.timeout).map_err(|e| match e {
             RecvTimeoutError::Timeout => anyhow!(
                 "stage {}: {what}: nothing from stage {peer} within {:.0?}",
@@ -79,31 +134,46 @@ impl MemoryStageLink {
 }
 
 impl StageLink for MemoryStageLink {
+    fn signal(&mut self, signals: Signals) {
+        self.signals = SignalState::sending(signals);
+    }
+
+    fn heard(&mut self) -> Signals {
+        std::mem::take(&mut self.signals).heard
+    }
+
     fn send_forward(&mut self, what: &str, activation: Tensor) -> Result<()> {
         self.to_next
-            .send(activation)
+            .send((activation, self.signals.outgoing().forward))
             .map_err(|_| anyhow!("stage {}: {what}: stage {} is gone", self.stage, self.next()))
     }
 
     fn recv_forward(&mut self, what: &str) -> Result<Tensor> {
-        self.receive(&self.from_previous, self.previous(), what)
+        let (activation, signal) = self.receive(&self.from_previous, self.previous(), what)?;
+        self.signals.heard.forward |= signal;
+        Ok(activation)
     }
 
     fn send_backward(&mut self, what: &str, gradient: Tensor) -> Result<()> {
         self.to_previous
-            .send(gradient)
+            .send((gradient, self.signals.outgoing().backward))
             .map_err(|_| anyhow!("stage {}: {what}: stage {} is gone", self.stage, self.previous()))
     }
 
     fn recv_backward(&mut self, what: &str) -> Result<Tensor> {
-        self.receive(&self.from_next, self.next(), what)
+        let (gradient, signal) = self.receive(&self.from_next, self.next(), what)?;
+        self.signals.heard.backward |= signal;
+        Ok(gradient)
     }
 }
 
 /// Most dimensions a tensor between stages may have: the header has room for this many.
 const MAX_DIMS: usize = 8;
-/// Bytes of a tensor's header: its dtype, its rank, then [`MAX_DIMS`] dimensions, each a u64 LE.
-const HEADER_BYTES: usize = 8 * (2 + MAX_DIMS);
+/// Bytes of a tensor's header: its dtype, its rank, the signal (0 or 1), then [`MAX_DIMS`]
+/// dimensions, each a u64 LE.
+const HEADER_BYTES: usize = 8 * (3 + MAX_DIMS);
+/// The header's word of the first dimension.
+const FIRST_DIM: usize = 3;
 /// The header's dtype word for f32, the only dtype that travels between stages (the
 /// receiver builds the tensor from raw f32 bytes).
 const F32_TAG: u64 = u64::from_le_bytes(*b"f32\0\0\0\0\0");
@@ -119,6 +189,7 @@ pub struct TransportStageLink {
     backward: StageRing,
     /// Where received tensors are built: the stage's compute device.
     device: Device,
+    signals: SignalState,
 }
 
 /// One direction of a stage's traffic: the ring it sends on to one neighbour stage and
@@ -183,6 +254,7 @@ impl TransportStageLink {
                 in_flight: None,
             },
             device,
+            signals: SignalState::default(),
         })
     }
 }
@@ -202,7 +274,7 @@ impl StageRing {
         flushed
     }
 
-    fn send(&mut self, stage: usize, what: &str, tensor: &Tensor) -> Result<()> {
+    fn send(&mut self, stage: usize, what: &str, tensor: &Tensor, signal: bool) -> Result<()> {
         self.settle(stage)?;
         let context = || format!("stage {stage}: {what}: sending to stage {}", self.to);
         let dims = tensor.dims();
@@ -227,6 +299,7 @@ impl StageRing {
         let mut header = Vec::with_capacity(HEADER_BYTES);
         header.extend_from_slice(&F32_TAG.to_le_bytes());
         header.extend_from_slice(&(dims.len() as u64).to_le_bytes());
+        header.extend_from_slice(&u64::from(signal).to_le_bytes());
         for i in 0..MAX_DIMS {
             header.extend_from_slice(&(dims.get(i).copied().unwrap_or(0) as u64).to_le_bytes());
         }
@@ -245,7 +318,8 @@ impl StageRing {
         .with_context(context)
     }
 
-    fn recv(&mut self, stage: usize, what: &str, device: &Device) -> Result<Tensor> {
+    /// The next tensor and the signal it carried.
+    fn recv(&mut self, stage: usize, what: &str, device: &Device) -> Result<(Tensor, bool)> {
         let context = || format!("stage {stage}: {what}: receiving from stage {}", self.from);
         let mut header = [0u8; HEADER_BYTES];
         self.transport.recv_into(self.op, &mut header).with_context(context)?;
@@ -268,7 +342,12 @@ impl StageRing {
                 context()
             );
         }
-        let dims: Vec<usize> = (0..rank).map(|i| word(2 + i) as usize).collect();
+        let signal = match word(2) {
+            0 => false,
+            1 => true,
+            other => bail!("{}: the header's signal word is {other}, not 0 or 1", context()),
+        };
+        let dims: Vec<usize> = (0..rank).map(|i| word(FIRST_DIM + i) as usize).collect();
         let len = dims
             .iter()
             .try_fold(4usize, |n, &d| n.checked_mul(d))
@@ -287,25 +366,39 @@ impl StageRing {
         if values.is_empty() {
             values = vec![0.0; len / 4];
         }
-        Tensor::from_vec(values, dims, device).with_context(context)
+        Ok((Tensor::from_vec(values, dims, device).with_context(context)?, signal))
     }
 }
 
 impl StageLink for TransportStageLink {
+    fn signal(&mut self, signals: Signals) {
+        self.signals = SignalState::sending(signals);
+    }
+
+    fn heard(&mut self) -> Signals {
+        std::mem::take(&mut self.signals).heard
+    }
+
     fn send_forward(&mut self, what: &str, activation: Tensor) -> Result<()> {
-        self.forward.send(self.stage, what, &activation)
+        let signal = self.signals.outgoing().forward;
+        self.forward.send(self.stage, what, &activation, signal)
     }
 
     fn recv_forward(&mut self, what: &str) -> Result<Tensor> {
-        self.forward.recv(self.stage, what, &self.device)
+        let (activation, signal) = self.forward.recv(self.stage, what, &self.device)?;
+        self.signals.heard.forward |= signal;
+        Ok(activation)
     }
 
     fn send_backward(&mut self, what: &str, gradient: Tensor) -> Result<()> {
-        self.backward.send(self.stage, what, &gradient)
+        let signal = self.signals.outgoing().backward;
+        self.backward.send(self.stage, what, &gradient, signal)
     }
 
     fn recv_backward(&mut self, what: &str) -> Result<Tensor> {
-        self.backward.recv(self.stage, what, &self.device)
+        let (gradient, signal) = self.backward.recv(self.stage, what, &self.device)?;
+        self.signals.heard.backward |= signal;
+        Ok(gradient)
     }
 }
 
@@ -388,6 +481,56 @@ mod tests {
         for h in handles {
             h.join().unwrap();
         }
+    }
+
+    /// One micro-batch down the chain of three stages and back: stage 1 signals forward, stage 2
+    /// backward; each message passes on what its sender heard upstream.
+    fn chain_of_signals(mut links: Vec<Box<dyn StageLink>>) -> Vec<Signals> {
+        let own = [
+            Signals::default(),
+            Signals {
+                forward: true,
+                backward: false,
+            },
+            Signals {
+                forward: false,
+                backward: true,
+            },
+        ];
+        for (link, own) in links.iter_mut().zip(own) {
+            link.signal(own);
+        }
+        let x = tensor(0, false);
+        for s in 0..2 {
+            links[s].send_forward("activation", x.clone()).unwrap();
+            links[s + 1].recv_forward("activation").unwrap();
+        }
+        for s in (1..3).rev() {
+            links[s].send_backward("gradient", x.clone()).unwrap();
+            links[s - 1].recv_backward("gradient").unwrap();
+        }
+        let heard = links.iter_mut().map(|link| link.heard()).collect();
+        // Evaluation's messages after the step carry nothing.
+        links[1].send_forward("evaluation", x.clone()).unwrap();
+        links[2].recv_forward("evaluation").unwrap();
+        assert_eq!(links[2].heard(), Signals::default());
+        heard
+    }
+
+    #[test]
+    fn signals_pass_down_the_chain_in_their_direction() {
+        let heard = |forward, backward| Signals { forward, backward };
+        let expected = vec![heard(false, true), heard(false, true), heard(true, false)];
+        let memory: Vec<Box<dyn StageLink>> = memory_links(3, TIMEOUT)
+            .into_iter()
+            .map(|l| Box::new(l) as Box<dyn StageLink>)
+            .collect();
+        assert_eq!(chain_of_signals(memory), expected);
+        let transport = links(3)
+            .into_iter()
+            .map(|l| Box::new(l) as Box<dyn StageLink>)
+            .collect();
+        assert_eq!(chain_of_signals(transport), expected);
     }
 
     #[test]

@@ -8,12 +8,12 @@ use std::time::{Duration, Instant};
 use anyhow::{Context as _, Result};
 use candle_core::{Device, Tensor, Var};
 
-use super::link::StageLink;
+use super::link::{Signals, StageLink};
 use super::partition::{balanced, explicit};
 use super::schedule::ScheduleKind;
 use super::stage::{Chunk, Stage};
 use crate::collective::rank_figures::{JobFigures, RankFigures};
-use crate::collective::{sum_over_ranks, training_state, GradientSync};
+use crate::collective::{preemption, sum_over_ranks, training_state, GradientSync};
 use crate::config::{JobConfig, LossKind, ScheduleMode};
 use crate::data::Batch;
 use crate::engines::comm::{CommWorker, Communicator, Shared};
@@ -51,6 +51,8 @@ pub struct PipelineReport {
     /// The largest peak resident set of the processes of the replicas of the last virtual stage
     /// (on the ranks holding it; elsewhere this rank's own).
     pub peak_rss_bytes: u64,
+    /// Whether the job was asked to stop (preemption): the same step on every rank.
+    pub stop_asked: bool,
 }
 
 /// A rank's stage, optimizer and links.
@@ -79,6 +81,9 @@ pub struct PipelineReplica {
     /// The loss trained, which also says how evaluation scores.
     loss: LossKind,
     holds_loss: bool,
+    /// On the ranks holding the loss: whether some rank of the job was asked to stop during the
+    /// last step, which this step's backward messages tell the other stages.
+    stop_decided: bool,
     /// Batches trained.
     step: usize,
     /// Spans of the schedule, all-reduces and optimizer steps, when tracing.
@@ -162,6 +167,7 @@ impl PipelineReplica {
         let optimizer = Optimizer::new(&job.train, vars, lr_policy.at(0))?;
         Ok(Self {
             holds_loss: (virtual_stages - 1) % p == stage.index(),
+            stop_decided: false,
             stage,
             params,
             optimizer,
@@ -202,6 +208,7 @@ impl PipelineReplica {
         self.link = link;
         self.data_parallel = CommWorker::spawn_on(data_parallel, &self.device, self.collective_timeout)?;
         self.gradients.clear();
+        self.stop_decided = false;
         Ok(())
     }
 
@@ -233,6 +240,16 @@ impl PipelineReplica {
         // order.
         let overlap = self.overlap_allreduce;
         let mut gradients = self.gradients.begin(at, &self.data_parallel);
+        // Preemption in two steps, on the step's own messages: a rank asked to stop says so
+        // forward, so the ranks holding the loss hear every stage of their replica and agree
+        // over the replicas in the gather of the losses; the next step's backward messages tell
+        // every stage, and all stop after that step.
+        let asked_here = preemption::asked();
+        let deciding = std::mem::take(&mut self.stop_decided);
+        self.link.signal(Signals {
+            forward: asked_here,
+            backward: deciding,
+        });
         let step = self.stage.step(
             self.link.as_mut(),
             &inputs,
@@ -260,12 +277,12 @@ impl PipelineReplica {
             self.optimizer.step(&averaged.grads)?;
             record(&mut self.timeline, || format!("optimizer {at}"), "optimizer", stepping);
         }
+        let heard = self.link.heard();
         // Only the ranks holding the loss report; the other stages' rings carry no extra message.
-        // Preemption stops data-parallel jobs only: a pipeline's stages share no gather.
         let mine = RankFigures {
             loss: step.loss.unwrap_or(0.0),
             peak_rss_bytes: peak_rss_bytes(),
-            stop: false,
+            stop: asked_here || heard.forward,
         };
         let figures = if self.holds_loss {
             self.data_parallel
@@ -273,6 +290,9 @@ impl PipelineReplica {
         } else {
             JobFigures::of(&[mine])
         };
+        if self.holds_loss {
+            self.stop_decided = figures.stop;
+        }
         self.step += 1;
         Ok(PipelineReport {
             loss: self.holds_loss.then_some(figures.mean_loss),
@@ -286,6 +306,7 @@ impl PipelineReplica {
             peak_activation_bytes: step.peak_activation_bytes,
             pipeline_wait: step.waiting,
             pipeline_time: step.elapsed,
+            stop_asked: deciding || heard.backward,
         })
     }
 
