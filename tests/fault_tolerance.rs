@@ -234,15 +234,16 @@ fn a_second_run_refused_by_the_first_runs_checkpoints_stops_instead_of_resuming_
     assert!(!run_dir.join("summary.json").exists());
 }
 
-/// Launches the default job on `ranks` ranks for 3000 steps into `run_dir`, with `settings`, and
-/// waits until it trains.
-fn launch_training(run_dir: &Path, ranks: usize, settings: &[&str]) -> common::Started {
-    let port = free_port_range(ranks as u16 + 1).to_string();
-    let ranks = ranks.to_string();
+/// Launches `job` for its steps into `run_dir`, with `settings`, and waits until it trains.
+fn launch_training(job: &Job, run_dir: &Path, settings: &[&str]) -> common::Started {
+    // Its processes and the coordinator's.
+    let port = free_port_range(job.processes as u16 + 1).to_string();
+    let steps = format!("train.steps={}", job.steps);
+    let mut args = job.launcher.to_vec();
     #[rustfmt::skip]
-    let mut args = vec!["launch", "--nproc_per_node", &ranks, "--started_port", &port, "--", "train",
-        "--run-dir", run_dir.to_str().unwrap(), "--set", "train.steps=3000"];
-    for setting in settings {
+    args.extend(["--started_port", &port, "--", "train", "--config", job.config,
+        "--run-dir", run_dir.to_str().unwrap(), "--set", &steps]);
+    for setting in job.settings.iter().chain(settings) {
         args.extend(["--set", setting]);
     }
     let launcher = start_flotilla(&args, &[]);
@@ -255,7 +256,7 @@ fn a_restarted_job_without_checkpoints_says_it_starts_again_at_step_0() {
     let dir = tempfile::tempdir().unwrap();
     let run_dir = dir.path().join("run");
     let settings = ["fault_tolerance.max_restarts=1", "fault_tolerance.recovery=restart"];
-    let launcher = launch_training(&run_dir, 2, &settings);
+    let launcher = launch_training(&DATA_PARALLEL, &run_dir, &settings);
     let children = children_of(launcher.child.id());
     assert_eq!(children.len(), 2, "the launcher's processes: {children:?}");
     // SAFETY: a pid of a process this test's launcher started and still supervises.
@@ -283,15 +284,15 @@ fn a_restarted_job_without_checkpoints_says_it_starts_again_at_step_0() {
 enum SigtermTo {
     /// The launcher, which forwards it to every process.
     Launcher,
-    /// One rank, picked at random: the others learn it from the job.
-    OneRank,
+    /// One of the job's processes, picked at random: the others learn it from the job.
+    OneProcess,
 }
 
 /// Preemption: a SIGTERM to the launcher reaches every process; the ranks all stop after the
 /// same step, commit its checkpoint and exit; `train --resume` then ends as a run never stopped.
 #[test]
 fn a_sigterm_stops_every_rank_at_a_checkpoint_and_the_resumed_run_equals_an_uninterrupted_one() {
-    preempted_run_resumes_as_an_uninterrupted_one(2, &[], SigtermTo::Launcher);
+    preempted_run_resumes_as_an_uninterrupted_one(&DATA_PARALLEL, SigtermTo::Launcher);
 }
 
 /// A pipeline of two stages, replicated twice: a SIGTERM to any one rank reaches the others on
@@ -299,21 +300,31 @@ fn a_sigterm_stops_every_rank_at_a_checkpoint_and_the_resumed_run_equals_an_unin
 /// gather of the losses, backward to every stage the step after), so all stop after one step.
 #[test]
 fn a_sigterm_to_one_pipeline_rank_stops_every_stage_at_a_checkpoint_and_the_resumed_run_equals_an_uninterrupted_one() {
-    preempted_run_resumes_as_an_uninterrupted_one(4, &common::PIPELINE_2X2, SigtermTo::OneRank);
+    preempted_run_resumes_as_an_uninterrupted_one(&PIPELINE, SigtermTo::OneProcess);
 }
 
-fn preempted_run_resumes_as_an_uninterrupted_one(ranks: usize, job: &[&str], to: SigtermTo) {
+/// Sync parameter servers: a SIGTERM to any trainer or shard reaches every trainer in the
+/// shards' answers to the next step's pulls; the trainers checkpoint there and leave, and the
+/// shards, which outlive their first SIGTERM, go when all have left.
+#[test]
+fn a_sigterm_to_one_parameter_server_process_stops_every_trainer_at_a_checkpoint_and_the_resumed_run_equals_an_uninterrupted_one(
+) {
+    preempted_run_resumes_as_an_uninterrupted_one(&PARAMETER_SERVER, SigtermTo::OneProcess);
+}
+
+fn preempted_run_resumes_as_an_uninterrupted_one(job: &Job, to: SigtermTo) {
     let dir = tempfile::tempdir().unwrap();
     let run_dir = dir.path().join("run");
-    let mut settings = vec!["fault_tolerance.checkpoint_every=1000"];
-    settings.extend(job);
-    let launcher = launch_training(&run_dir, ranks, &settings);
+    let launcher = launch_training(job, &run_dir, &["fault_tolerance.checkpoint_every=1000"]);
     let children = children_of(launcher.child.id());
     let target = match to {
         SigtermTo::Launcher => launcher.child.id() as i32,
-        SigtermTo::OneRank => {
-            let roles = common::role_pids(launcher.child.id());
-            roles[&format!("rank {}", pick(ranks))]
+        SigtermTo::OneProcess => {
+            let mut roles: Vec<(String, i32)> = common::role_pids(launcher.child.id()).into_iter().collect();
+            roles.sort();
+            let (role, pid) = roles.swap_remove(pick(roles.len()));
+            eprintln!("SIGTERM to {role}");
+            pid
         }
     };
     // SAFETY: the launcher this test started, or a process it supervises.
@@ -337,10 +348,11 @@ fn preempted_run_resumes_as_an_uninterrupted_one(ranks: usize, job: &[&str], to:
         .filter_map(|line| line.split_once(stopped))
         .map(|(_, rest)| rest.split(',').next().unwrap())
         .collect();
+    let ranks = job.processes - usize::from(job.launcher[0] == "launch-ps") * 2;
     assert_eq!(steps.len(), ranks, "every rank stops: {stderr}");
     assert!(steps.iter().all(|s| *s == steps[0]), "after the same step: {stderr}");
     let step: usize = steps[0].parse().unwrap();
-    assert!((1..3000).contains(&step), "{stderr}");
+    assert!((1..job.steps).contains(&step), "{stderr}");
     assert!(
         run_dir
             .join(format!("checkpoints/step-{step:08}/manifest.json"))
@@ -349,7 +361,23 @@ fn preempted_run_resumes_as_an_uninterrupted_one(ranks: usize, job: &[&str], to:
     );
     assert!(!run_dir.join("summary.json").exists());
 
-    let resumed = flotilla(&["train", "--resume", run_dir.to_str().unwrap()], &[], 120);
+    let resumed = match job.launcher[0] {
+        // The shards and trainers go on where they stopped, as processes again.
+        "launch-ps" => {
+            let port = free_port_range(job.processes as u16 + 1).to_string();
+            let mut args = job.launcher.to_vec();
+            args.extend([
+                "--started_port",
+                &port,
+                "--",
+                "train",
+                "--resume",
+                run_dir.to_str().unwrap(),
+            ]);
+            flotilla(&args, &[], 180)
+        }
+        _ => flotilla(&["train", "--resume", run_dir.to_str().unwrap()], &[], 120),
+    };
     assert!(resumed.success, "{}", resumed.stderr);
     assert!(
         resumed
@@ -359,10 +387,15 @@ fn preempted_run_resumes_as_an_uninterrupted_one(ranks: usize, job: &[&str], to:
         resumed.stderr
     );
     let summary = common::read_summary(&run_dir);
-    let mut reference = vec!["train.steps=3000"];
-    reference.extend(job);
-    let uninterrupted = train_in_process(config(&reference));
-    assert_eq!(summary["param_checksum"], uninterrupted.summary.param_checksum.as_str());
+    let steps = format!("train.steps={}", job.steps);
+    let mut reference = vec![steps.as_str()];
+    reference.extend(job.settings);
+    if job.launcher[0] == "launch-ps" {
+        ps_matches_uninterrupted(&reference, &summary, &run_dir);
+    } else {
+        let uninterrupted = train_in_process(config(&reference));
+        assert_eq!(summary["param_checksum"], uninterrupted.summary.param_checksum.as_str());
+    }
 }
 
 /// An in-process 2-rank run of 20 steps with checkpoints every 5 in `checkpoints`.

@@ -326,6 +326,7 @@ fn a_push_to_an_unknown_table_or_with_a_row_of_the_wrong_width_is_refused() {
         values,
         counts: Vec::new(),
         dense: dense.clone(),
+        stop: false,
     };
     let err = shard
         .push(push(vec![vec![], vec![], vec![7]], vec![vec![], vec![], vec![1.0]]))
@@ -515,6 +516,7 @@ fn empty_push(config: &JobConfig, trainer: usize, step: u64, kind: UpdateKind) -
         values: vec![vec![], vec![]],
         counts: Vec::new(),
         dense: vec![0.0; dense],
+        stop: false,
     }
 }
 
@@ -759,6 +761,7 @@ fn an_update_in_parts_out_of_order_and_retried_applies_exactly_as_the_whole_upda
                     ids,
                     counts: Vec::new(),
                     dense: floats(dense),
+                    stop: false,
                 };
                 whole.push(push.clone()).unwrap();
                 let mut parts = split(Request::Push(push), 7);
@@ -821,4 +824,40 @@ fn an_update_in_parts_out_of_order_and_retried_applies_exactly_as_the_whole_upda
         };
         assert_eq!(rows, whole.pull(&pull).unwrap());
     }
+}
+
+/// Sync mode: a trainer asked to stop says so in its push of step 0; every pull of step 1 —
+/// both trainers' — answers that one was, and the pulls of step 2 that none was since.
+#[test]
+fn a_stop_pushed_in_a_step_is_answered_to_every_pull_of_the_next() {
+    let config = ctr_config(&["cluster.nproc_per_node=2"]);
+    let mut shard = common::fresh_shard(&config, 0);
+    let pull = |trainer: usize, version: u64| PullRequest {
+        trainer,
+        version,
+        ..pull_of_step_1()
+    };
+    for (step, stops) in [(0, [false, true]), (1, [false, false])] {
+        for (trainer, stop) in stops.into_iter().enumerate() {
+            let push = PushRequest {
+                stop,
+                ..empty_push(&config, trainer, step, UpdateKind::Gradients)
+            };
+            shard.push(push).unwrap();
+        }
+        let asked = stops.contains(&true);
+        for trainer in 0..2 {
+            let next = pull(trainer, step + 1);
+            assert!(shard.can_answer(&next));
+            assert_eq!(shard.pull(&next).unwrap().stop, asked, "step {step}, trainer {trainer}");
+        }
+    }
+    // The shard's own process asked to stop counts as a trainer would.
+    shard.ask_to_stop();
+    for trainer in 0..2 {
+        shard
+            .push(empty_push(&config, trainer, 2, UpdateKind::Gradients))
+            .unwrap();
+    }
+    assert!(shard.pull(&pull(0, 3)).unwrap().stop);
 }

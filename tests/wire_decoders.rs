@@ -139,6 +139,7 @@ fn requests() -> Vec<Request> {
             values: vec![vec![0.5; 8], vec![-1.0; 4]],
             counts: vec![vec![2.0, 1.0, 1.0, 0.0], vec![]],
             dense: vec![0.25; 6],
+            stop: true,
         }),
         Request::Checkpoint {
             dir: "/tmp/checkpoints".into(),
@@ -168,6 +169,7 @@ fn replies() -> Vec<Reply> {
         Reply::Rows(PulledRows {
             rows: vec![vec![1.0, 2.0], vec![], vec![3.5; 5]],
             dense: vec![0.125; 3],
+            stop: true,
         }),
         Reply::Checkpointed(vec![FileRecord {
             name: "ps-shard-0.safetensors".into(),

@@ -23,10 +23,11 @@ use super::device::{
 use super::divergence::check_loss;
 use super::faults::RoleFaults;
 use super::kept::{commit_on_this_node, Kept};
-use super::recovery::Recovery;
+use super::recovery::{may_fall_after, Recovery};
 use super::rollback::Orders;
 use super::LOSSES_RESERVED;
 use crate::checkpoint::HeldFile;
+use crate::collective::preemption::{self, is_preemption, Preempted, PreemptionWatch};
 use crate::config::TrainLength;
 use crate::config::{JobConfig, PsMode};
 use crate::data::ctr::{CtrLoader, CtrSource, DataLayout, DataPosition};
@@ -267,6 +268,14 @@ impl PsRun {
             let Err(failure) = failure else {
                 break;
             };
+            if is_preemption(&failure) {
+                // Every trainer stopped after the same step: the shards may go once all left.
+                let leave = vec![Request::Leave { trainer: self.place }; client.server_num()];
+                if let Err(e) = client.call_all(leave, "leave").await {
+                    tracing::warn!(trainer = rank, "leaving the shards after stopping: {e:#}");
+                }
+                return Err(failure);
+            }
             let Some(in_place) = in_place.as_mut() else {
                 return Err(failure);
             };
@@ -524,6 +533,11 @@ impl PsRun {
         let mut prefetched: Option<Pulled> = None;
         // Tables with a row policy report their rows at progress-log steps.
         let policed = !job.strategy.sparse_table_configs.is_empty();
+        // Sync mode: SIGTERM asks the trainers to stop at a checkpoint, all after the same step
+        // (the shards tell them, [`PulledRows::stop`]); the other modes share no step and end.
+        let sync = job.strategy.ps_mode() == PsMode::Sync;
+        let _watch = sync.then(PreemptionWatch::install).transpose()?;
+        let mut stopping = false;
         for step in first..steps {
             if let Some(faults) = &self.faults {
                 faults.before_step(&format!("trainer {rank}"), step).await;
@@ -546,7 +560,10 @@ impl PsRun {
                 let name = format!("pull {step}");
                 t.record_between(Lane::Communication, name, "pull", pulled.started, pulled.finished);
             }
-            let checkpoint_due = self.recovery.due(&job, step + 1, steps);
+            stopping |= pulled.rows.iter().any(|rows| rows.stop);
+            let preempted = stopping && may_fall_after(&job, step + 1);
+            let checkpoint_due =
+                self.recovery.due(&job, step + 1, steps) || (preempted && self.recovery.takes_checkpoints());
             // The next step's pull is planned before this one trains: the device takes
             // messages in order.
             let next_plan = match overlap && step + 1 < steps && !checkpoint_due {
@@ -620,6 +637,13 @@ impl PsRun {
                 }
                 self.checkpoint(client, step + 1, loader.position(), in_place.as_mut())
                     .await?;
+            }
+            if preempted {
+                return Err(Preempted {
+                    step: step + 1,
+                    checkpointed: checkpoint_due,
+                }
+                .into());
             }
         }
         if let Some(lane) = lane.as_mut() {
@@ -843,9 +867,11 @@ async fn push(
         PsMode::Geo { .. } => UpdateKind::Deltas,
         _ => UpdateKind::Gradients,
     };
+    // Sync mode: the shards tell every trainer, at the next step, that one was asked to stop.
+    let stop = preemption::asked();
     let requests = updates
         .into_iter()
-        .map(|update| update.into_push(trainer, step, kind))
+        .map(|update| update.into_push(trainer, step, kind, stop))
         .collect();
     client.call_all(requests, what).await.map(drop)
 }

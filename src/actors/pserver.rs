@@ -27,6 +27,7 @@ use tokio::sync::mpsc;
 
 use super::kept::Kept;
 use crate::checkpoint::{CheckpointStore, FileRecord};
+use crate::collective::preemption;
 use crate::metrics::auc;
 use crate::ps::snapshot::shard_file_name;
 use crate::ps::wire::{PullRequest, PulledRows, Reply, Request, ShardCall};
@@ -382,12 +383,17 @@ impl PServer {
                 return Box::pin(async move { rows.await.map(Reply::Rows) });
             }
             Request::Pull(pull) => self.shard.pull(&pull).map(Reply::Rows),
-            Request::Push(push) => self.shard.push(push).map(|applied| {
-                if applied {
-                    self.answer_waiting();
+            Request::Push(push) => {
+                if preemption::asked() {
+                    self.shard.ask_to_stop();
                 }
-                Reply::Done
-            }),
+                self.shard.push(push).map(|applied| {
+                    if applied {
+                        self.answer_waiting();
+                    }
+                    Reply::Done
+                })
+            }
             Request::EndTraining { trainer } => self.shard.end_training(trainer).map(|all| {
                 if all {
                     self.answer_waiting();

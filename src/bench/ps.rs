@@ -249,6 +249,7 @@ async fn measure(
                         values: vec![vec![1e-3; ids.len() * width]],
                         counts: Vec::new(),
                         dense: Vec::new(),
+                        stop: false,
                     })
                 })
                 .collect::<Vec<_>>()

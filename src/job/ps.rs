@@ -24,7 +24,8 @@ use crate::actors::ps_trainer::{PsInPlace, PsOutcome, PsTrainer};
 use crate::actors::pserver::{PServer, TakeShardSpans};
 use crate::actors::rollback::OrderLine;
 use crate::actors::{Coordinator, DeviceActor};
-use crate::config::{DatasetKind, JobConfig};
+use crate::collective::preemption::PreemptionWatch;
+use crate::config::{DatasetKind, JobConfig, PsMode};
 use crate::data::ctr::{CriteoSynth, CtrSource, Split};
 use crate::models::{ParamInit, SparseModelDef};
 use crate::net::auth::Credentials;
@@ -274,6 +275,11 @@ impl ParameterServerJob {
         );
         let heartbeats = self.heartbeat_line(index)?;
         let (order_line, orders) = orders.unzip();
+        // Sync mode: a first SIGTERM does not end the shard, which tells the trainers at their
+        // next step and serves on until they checkpointed and left; the other modes end at once.
+        let _watch = (config.strategy.ps_mode() == PsMode::Sync)
+            .then(PreemptionWatch::install)
+            .transpose()?;
         System::new()
             .block_on(async move {
                 let max_frame = config.cluster.max_frame_bytes();

@@ -160,7 +160,11 @@ impl ServingModel {
                     true => self.dense[dense_range(self.dense.len(), shard, servers)].to_vec(),
                     false => Vec::new(),
                 };
-                PulledRows { rows, dense }
+                PulledRows {
+                    rows,
+                    dense,
+                    stop: false,
+                }
             })
             .collect()
     }

@@ -47,6 +47,7 @@ pub fn split(request: Request, part_ids: usize) -> Vec<Request> {
                     values: cut(&push.values),
                     counts: cut(&push.counts),
                     dense: if k == 0 { push.dense.clone() } else { Vec::new() },
+                    stop: push.stop,
                 })
             })
             .collect(),
@@ -175,6 +176,7 @@ mod tests {
             values: vec![(0..20).map(|v| v as f32).collect(), vec![1.0, 2.0, 3.0]],
             counts: vec![(0..20).map(|v| v as f32).collect(), Vec::new()],
             dense: vec![7.0, 8.0],
+            stop: true,
         }
     }
 
@@ -224,7 +226,7 @@ mod tests {
             // As the wire's reader does: the part's rows appended to those so far.
             let mut rows = joined.rows_so_far().unwrap_or_else(|| PulledRows {
                 rows: vec![Vec::new()],
-                dense: Vec::new(),
+                ..PulledRows::default()
             });
             rows.rows[0].extend(part.ids[0].iter().flat_map(|&id| [id as f32, -(id as f32)]));
             if part.dense {

@@ -143,7 +143,7 @@ async fn send_pushes(
         };
         let requests = updates
             .into_iter()
-            .map(|update| update.into_push(trainer, step, UpdateKind::Gradients))
+            .map(|update| update.into_push(trainer, step, UpdateKind::Gradients, false))
             .collect();
         client.call_all(requests, &what).await?;
         applied.send_replace(Some(step));

@@ -56,6 +56,12 @@ pub struct Shard {
     last_step: Vec<Option<u64>>,
     ended: Vec<bool>,
     left: Vec<bool>,
+    /// Sync: whether this shard's process was asked to stop (preemption) while step `applied`
+    /// gathered its pushes.
+    stop_asked_here: bool,
+    /// Sync: whether a trainer (or this shard) was asked to stop in the last step applied: what
+    /// every pull of the next step answers, so that all trainers stop after that step.
+    stop_heard: bool,
 }
 
 impl Shard {
@@ -72,7 +78,15 @@ impl Shard {
             last_step: vec![None; spec.trainers],
             ended: vec![false; spec.trainers],
             left: vec![false; spec.trainers],
+            stop_asked_here: false,
+            stop_heard: false,
         }
+    }
+
+    /// This shard's process was asked to stop (preemption): the step gathering its pushes
+    /// tells the trainers so.
+    pub fn ask_to_stop(&mut self) {
+        self.stop_asked_here = true;
     }
 
     /// Where the shard sits.
@@ -135,7 +149,11 @@ impl Shard {
         } else {
             Vec::new()
         };
-        Ok(PulledRows { rows, dense })
+        Ok(PulledRows {
+            rows,
+            dense,
+            stop: self.stop_heard,
+        })
     }
 
     /// Takes a trainer's update; applies it now or, in sync mode, when the step is complete.
@@ -284,6 +302,7 @@ impl Shard {
         self.arriving = vec![None; trainers];
         self.ended = vec![false; trainers];
         self.left = vec![false; trainers];
+        self.stop_heard = false;
     }
 
     /// Whether the checkpoint after `step` steps can be taken now: every trainer has pushed its
@@ -337,6 +356,7 @@ impl Shard {
             pushes.append(parts);
         }
         self.arriving.fill(None);
+        self.stop_heard = std::mem::take(&mut self.stop_asked_here) || pushes.iter().any(|push| push.stop);
         let scale = 1.0 / self.spec.trainers as f32;
         let mut dense = vec![0.0f32; self.dense.len()];
         for push in &pushes {

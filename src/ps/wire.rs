@@ -42,6 +42,10 @@ pub struct PulledRows {
     pub rows: Vec<Vec<f32>>,
     /// The dense slice, empty unless requested.
     pub dense: Vec<f32>,
+    /// Sync mode: whether a trainer, or the shard, was asked to stop (preemption) in the step
+    /// the rows were last updated by: every trainer hears it in the same step, and all stop
+    /// after it.
+    pub stop: bool,
 }
 
 /// What a push carries.
@@ -91,6 +95,9 @@ pub struct PushRequest {
     pub counts: Vec<Vec<f32>>,
     /// Values for the whole dense slice of the shard.
     pub dense: Vec<f32>,
+    /// Sync mode: whether the trainer was asked to stop (preemption); the shard tells every
+    /// trainer, in its answers to the next step's pulls, that one was.
+    pub stop: bool,
 }
 
 /// A request to a shard.
@@ -251,6 +258,7 @@ enum Header {
         values: Vec<u32>,
         counts: Vec<u32>,
         dense: u32,
+        stop: bool,
     },
     EndTraining {
         trainer: u32,
@@ -284,6 +292,7 @@ enum Header {
     Rows {
         rows: Vec<u32>,
         dense: u32,
+        stop: bool,
     },
     Done,
     Failed {
@@ -323,6 +332,7 @@ pub async fn write_request<W: AsyncWrite + Unpin>(
                 values: counts(push.values.iter().map(Vec::len))?,
                 counts: counts(push.counts.iter().map(Vec::len))?,
                 dense: count(push.dense.len())?,
+                stop: push.stop,
             },
             push.ids
                 .iter()
@@ -416,6 +426,7 @@ pub async fn read_request<R: AsyncRead + Unpin>(
             values,
             counts,
             dense,
+            stop,
         } => Request::Push(PushRequest {
             trainer: trainer as usize,
             step,
@@ -425,6 +436,7 @@ pub async fn read_request<R: AsyncRead + Unpin>(
             values: sections(&mut payload, &values).await?,
             counts: sections(&mut payload, &counts).await?,
             dense: payload.values(dense as usize).await?,
+            stop,
         }),
         Header::EndTraining { trainer } => Request::EndTraining {
             trainer: trainer as usize,
@@ -476,6 +488,7 @@ pub async fn write_reply<W: AsyncWrite + Unpin>(
             let header = Header::Rows {
                 rows: counts(rows.rows.iter().map(Vec::len))?,
                 dense: count(rows.dense.len())?,
+                stop: rows.stop,
             };
             let sections: Vec<&[u8]> = rows
                 .rows
@@ -517,11 +530,12 @@ pub async fn read_reply<R: AsyncRead + Unpin>(
         ));
     };
     let reply = match header {
-        Header::Rows { rows, dense } => {
+        Header::Rows { rows, dense, stop } => {
             let mut joined = joined.unwrap_or_else(|| PulledRows {
                 rows: vec![Vec::new(); rows.len()],
-                dense: Vec::new(),
+                ..PulledRows::default()
             });
+            joined.stop |= stop;
             if joined.rows.len() != rows.len() {
                 return Err(malformed(format!(
                     "rows of {} tables answer a part of a pull of {}",
@@ -642,6 +656,7 @@ mod tests {
             values: vec![vec![0.5, -1.0, 2.0, 3.0], vec![]],
             counts: vec![vec![3.0, 1.0, 1.0, 0.0], vec![]],
             dense: vec![1.0, 2.0, 3.0],
+            stop: true,
         })
     }
 
@@ -673,6 +688,7 @@ mod tests {
         let rows = Reply::Rows(PulledRows {
             rows: vec![vec![1.0, 2.0], vec![]],
             dense: vec![4.0],
+            stop: true,
         });
         assert_eq!(reply_round_trip(&Ok(rows.clone()))??, rows);
         let stats = Reply::Stats(ShardStats {

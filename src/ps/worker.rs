@@ -44,8 +44,9 @@ pub struct ShardUpdate {
 }
 
 impl ShardUpdate {
-    /// The request that pushes this update: trainer `trainer`'s of step `step`.
-    pub fn into_push(self, trainer: usize, step: u64, kind: UpdateKind) -> Request {
+    /// The request that pushes this update: trainer `trainer`'s of step `step`, saying whether
+    /// it was asked to `stop`.
+    pub fn into_push(self, trainer: usize, step: u64, kind: UpdateKind, stop: bool) -> Request {
         Request::Push(PushRequest {
             trainer,
             step,
@@ -55,6 +56,7 @@ impl ShardUpdate {
             values: self.values,
             counts: self.counts,
             dense: self.dense,
+            stop,
         })
     }
 }
