@@ -1,12 +1,12 @@
-//! Preemption: a cluster taking a job's machines back (Slurm's preemption, a Kubernetes eviction,
-//! a spot instance reclaimed) sends SIGTERM and waits a grace period before SIGKILL. While a
-//! data-parallel, pipeline or sync parameter-server run trains, the first SIGTERM asks it to stop at the next step
-//! where a checkpoint may fall: every rank learns of it in the same step — a data-parallel rank
-//! in that step's gather of the losses, a pipeline stage on the step's messages
+//! Preemption: a cluster taking a job's machines back (Slurm's preemption, a Kubernetes eviction, a
+//! spot instance reclaimed) sends SIGTERM and waits a grace period before SIGKILL. While a
+//! data-parallel, pipeline or sync parameter-server run trains, the first SIGTERM asks it to stop
+//! at the next step where a checkpoint may fall: every rank learns of it in the same step — a
+//! data-parallel rank in that step's gather of the losses, a pipeline stage on the step's messages
 //! (`pipeline::link`'s signals), a sync parameter-server trainer in the shards' answers to its
-//! pulls (`ps::wire::PulledRows::stop`) — so all stop after the same step, whichever got the signal,
-//! write the checkpoint and exit with [`PREEMPTED_EXIT_CODE`]; `--resume` continues the run from
-//! it. A second SIGTERM ends the process at once.
+//! pulls (`ps::wire::PulledRows::stop`) — so all stop after the same step, whichever got the
+//! signal, write the checkpoint and exit with [`PREEMPTED_EXIT_CODE`]; `--resume` continues the run
+//! from it. A second SIGTERM ends the process at once.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, LazyLock, Mutex, PoisonError};
