@@ -241,10 +241,16 @@ fn eval_of_the_model_file_and_of_the_last_checkpoint_equals_the_runs_own_evaluat
         let params = run_dir.join("params.safetensors");
         let checkpoints = run_dir.join("checkpoints");
         let want = summary["test_mse"].as_f64().unwrap();
-        for weights in [
+        // A replica's checkpoint file is a model file too.
+        let replica = checkpoints.join("step-00000120/replica.safetensors");
+        let mut all_weights = vec![
             ["--params", params.to_str().unwrap()],
             ["--checkpoint", checkpoints.to_str().unwrap()],
-        ] {
+        ];
+        if name == "regression" {
+            all_weights.push(["--params", replica.to_str().unwrap()]);
+        }
+        for weights in all_weights {
             let got = eval(&config_path, weights);
             assert_eq!(got["test_samples"], summary["test_samples"], "{name} {weights:?}");
             // The run sums each rank's squared errors in f32 across ranks; eval sums them all
