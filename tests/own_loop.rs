@@ -121,7 +121,10 @@ fn a_sigterm_stops_both_ranks_after_the_same_step_with_the_model_so_far() {
     assert!(!finished.success, "{}", finished.stderr);
     assert!(finished.stderr.contains("forwarding SIGTERM"), "{}", finished.stderr);
     assert!(
-        finished.stderr.contains("stopped on SIGTERM after step ") && finished.stderr.contains("error: interrupted"),
+        finished.stderr.contains("stopped on SIGTERM after step ")
+            && finished
+                .stderr
+                .contains("error: the processes stopped on SIGTERM (preemption)"),
         "{}",
         finished.stderr
     );
