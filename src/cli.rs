@@ -63,7 +63,7 @@ pub struct TrainArgs {
     pub job: ConfigArgs,
     /// The run's directory: its config.toml, metrics.jsonl, params.safetensors, summary.json
     /// and, by default, its checkpoints (default: $FLOTILLA_RUN_DIR, which a launcher sets for
-    /// all its processes, else a new runs/<UTC date>-<time>-<pid>). One that already holds
+    /// all its processes, else a new `runs/<UTC date>-<time>-<pid>`). One that already holds
     /// files is refused unless --overwrite.
     #[arg(long)]
     pub run_dir: Option<PathBuf>,

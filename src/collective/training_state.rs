@@ -113,7 +113,7 @@ pub fn merge_stages(stages: &[Vec<u8>]) -> Result<Vec<u8>> {
     Ok(safetensors::serialize(tensors, Some(metadata))?)
 }
 
-/// Loads bytes written by [`write`] into `params` and `optimizer`. A file of another model (a
+/// Loads bytes written by [`write()`] into `params` and `optimizer`. A file of another model (a
 /// parameter missing, extra or of another shape) or of another optimizer is refused by name
 /// before anything changes; of a whole model ([`merge_stages`]), the parameters of other stages
 /// are left.

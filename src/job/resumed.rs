@@ -64,7 +64,7 @@ const PS_LAYOUT: &[&str] = &[
 
 /// The config of the run in `run_dir`, read with the environment `env` and the command line's
 /// `overrides`, which may only change [`SAFE_TO_CHANGE`] keys — and the layout of the job
-/// ([`COLLECTIVE_LAYOUT`], [`PS_LAYOUT`]).
+/// (`COLLECTIVE_LAYOUT`, `PS_LAYOUT`).
 pub fn resumed_config(run_dir: &Path, env: &dyn Fn(&str) -> Option<String>, overrides: &[String]) -> Result<JobConfig> {
     let path = run_dir.join(CONFIG_FILE);
     ensure!(

@@ -49,7 +49,7 @@ pub struct ShardSnapshotInfo {
     pub server_num: usize,
 }
 
-/// Writes the shard to `path` atomically ([`write_atomically`]): a crash leaves either the old
+/// Writes the shard to `path` atomically (`write_atomically`): a crash leaves either the old
 /// snapshot or the new one, never half of one.
 pub fn save_shard(
     path: &Path,

@@ -2,7 +2,7 @@
 //! loss with the spread of the ranks' losses, throughput, and the share of step time spent
 //! communicating (and, for pipeline jobs, waiting in the bubble).
 //!
-//! Long runs stay readable: beyond [`MAX_POINTS`] steps each panel draws one point per bin of
+//! Long runs stay readable: beyond `MAX_POINTS` steps each panel draws one point per bin of
 //! steps — the smoothed curve through the bins' means over a light band of each bin's range —
 //! the smoothing window grows with the run, a loss spanning more than a decade is drawn on a
 //! log scale, and a panel's range leaves out the rarest spikes (the top 0.5 % of values).

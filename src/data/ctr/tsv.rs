@@ -106,7 +106,7 @@ pub fn parse_line(line: &str) -> Result<CtrRecord, String> {
     Ok(CtrRecord { label, dense, sparse })
 }
 
-/// Streams records from a list of TSV files — or of byte ranges of them ([`Segment`]s) — in
+/// Streams records from a list of TSV files — or of byte ranges of them (`Segment`s) — in
 /// order, one reused line buffer at a time, so files far larger than memory can be read.
 pub struct TsvReader {
     segments: Vec<Segment>,

@@ -3,7 +3,7 @@
 //! Over loopback TCP every byte is copied twice by the kernel, and with
 //! several ranks on few cores those copies are what limits an all-reduce.
 //! Here each link is a file in `/dev/shm` mapped by both neighbours: the
-//! sender copies a chunk into one of [`SLOTS`] slots and rings a doorbell
+//! sender copies a chunk into one of `SLOTS` slots and rings a doorbell
 //! (a 32-byte record) over the TCP connection; the receiver reduces straight
 //! out of the slot and returns a one-byte credit. Only doorbells and
 //! credits cross the kernel, and every wait is a blocking socket read, so

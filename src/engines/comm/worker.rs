@@ -65,7 +65,7 @@ impl CommWorker {
 
     /// Starts the thread over `comm` for a replica computing on `device`: on GPU jobs whose
     /// ranks each have a GPU of their own, NCCL joins the ring first (see
-    /// [`super::nccl::connect`]), each of its collectives bounded by `timeout`, so gradient
+    /// `nccl::connect`), each of its collectives bounded by `timeout`, so gradient
     /// buckets stay on the GPUs. Every rank of the ring calls it at the same point.
     #[cfg_attr(not(feature = "cuda"), allow(unused_mut, unused_variables))]
     pub fn spawn_on(mut comm: Communicator, device: &candle_core::Device, timeout: Duration) -> Result<Self> {
