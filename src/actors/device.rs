@@ -379,6 +379,16 @@ impl DeviceActor {
             .ok_or_else(|| anyhow!("the device actor was used before Prepare"))
     }
 
+    /// This rank's training state — its stage's, or its replica's — with the run's `losses`, to
+    /// `out` as one checkpoint file.
+    fn save_state(&self, out: &mut dyn std::io::Write, losses: &[f32]) -> Result<()> {
+        match (&self.pipeline, &self.replica) {
+            (Some(pipeline), _) => pipeline.save_state(out, &self.export, losses),
+            (None, Some(replica)) => replica.save_state(out, &self.export, losses),
+            (None, None) => Err(anyhow!("the device actor was used before Prepare")),
+        }
+    }
+
     fn pipeline(&mut self) -> Result<&mut PipelineReplica> {
         self.pipeline
             .as_mut()
@@ -439,14 +449,7 @@ impl Handler<Snapshot> for DeviceActor {
 
     fn handle(&mut self, msg: Snapshot, _: &mut Self::Context) -> Self::Result {
         let mut bytes = Vec::new();
-        match &self.pipeline {
-            Some(pipeline) => pipeline.save_state(&mut bytes, &self.export, &msg.losses)?,
-            None => self
-                .replica
-                .as_ref()
-                .context("the device actor was used before Prepare")?
-                .save_state(&mut bytes, &self.export, &msg.losses)?,
-        }
+        self.save_state(&mut bytes, &msg.losses)?;
         Ok(bytes)
     }
 }
@@ -504,20 +507,8 @@ impl Handler<SaveCheckpoint> for DeviceActor {
     type Result = Result<FileRecord>;
 
     fn handle(&mut self, msg: SaveCheckpoint, _: &mut Self::Context) -> Self::Result {
-        let (losses, export) = (&msg.losses, &self.export);
-        match &self.pipeline {
-            Some(pipeline) => msg
-                .store
-                .write_with(msg.step, &msg.file, |out| pipeline.save_state(out, export, losses)),
-            None => {
-                let replica = self
-                    .replica
-                    .as_ref()
-                    .context("the device actor was used before Prepare")?;
-                msg.store
-                    .write_with(msg.step, &msg.file, |out| replica.save_state(out, export, losses))
-            }
-        }
+        msg.store
+            .write_with(msg.step, &msg.file, |out| self.save_state(out, &msg.losses))
     }
 }
 

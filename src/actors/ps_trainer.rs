@@ -23,11 +23,11 @@ use super::device::{
 use super::divergence::check_loss;
 use super::faults::RoleFaults;
 use super::kept::{commit_on_this_node, Kept};
-use super::recovery::{may_fall_after, Recovery};
+use super::recovery::{Recovery, StopAtCheckpoint};
 use super::rollback::Orders;
 use super::LOSSES_RESERVED;
 use crate::checkpoint::HeldFile;
-use crate::collective::preemption::{self, is_preemption, Preempted, PreemptionWatch};
+use crate::collective::preemption::{self, is_preemption};
 use crate::config::TrainLength;
 use crate::config::{JobConfig, PsMode};
 use crate::data::ctr::{CtrLoader, CtrSource, DataLayout, DataPosition};
@@ -535,9 +535,7 @@ impl PsRun {
         let policed = !job.strategy.sparse_table_configs.is_empty();
         // Sync mode: SIGTERM asks the trainers to stop at a checkpoint, all after the same step
         // (the shards tell them, [`PulledRows::stop`]); the other modes share no step and end.
-        let sync = job.strategy.ps_mode() == PsMode::Sync;
-        let _watch = sync.then(PreemptionWatch::install).transpose()?;
-        let mut stopping = false;
+        let mut stop = StopAtCheckpoint::new(job.strategy.ps_mode() == PsMode::Sync)?;
         for step in first..steps {
             if let Some(faults) = &self.faults {
                 faults.before_step(&format!("trainer {rank}"), step).await;
@@ -560,10 +558,9 @@ impl PsRun {
                 let name = format!("pull {step}");
                 t.record_between(Lane::Communication, name, "pull", pulled.started, pulled.finished);
             }
-            stopping |= pulled.rows.iter().any(|rows| rows.stop);
-            let preempted = stopping && may_fall_after(&job, step + 1);
-            let checkpoint_due =
-                self.recovery.due(&job, step + 1, steps) || (preempted && self.recovery.takes_checkpoints());
+            let asked = pulled.rows.iter().any(|rows| rows.stop);
+            let next = stop.after(asked, &job, &self.recovery, step + 1, steps);
+            let checkpoint_due = next.checkpoint;
             // The next step's pull is planned before this one trains: the device takes
             // messages in order.
             let next_plan = match overlap && step + 1 < steps && !checkpoint_due {
@@ -638,12 +635,8 @@ impl PsRun {
                 self.checkpoint(client, step + 1, loader.position(), in_place.as_mut())
                     .await?;
             }
-            if preempted {
-                return Err(Preempted {
-                    step: step + 1,
-                    checkpointed: checkpoint_due,
-                }
-                .into());
+            if let Some(preempted) = next.stop {
+                return Err(preempted.into());
             }
         }
         if let Some(lane) = lane.as_mut() {

@@ -7,6 +7,7 @@ use std::sync::Arc;
 use anyhow::{anyhow, ensure, Context as _, Result};
 
 use crate::checkpoint::{Checkpoint, CheckpointStore};
+use crate::collective::preemption::{Preempted, PreemptionWatch};
 use crate::config::{JobConfig, LrScaling, PsMode};
 use crate::net::protocol::Roster;
 use crate::ps::snapshot::shard_file_name;
@@ -351,6 +352,55 @@ impl Recovery {
     /// Whether the run takes checkpoints at all.
     pub(crate) fn takes_checkpoints(&self) -> bool {
         self.store.is_some()
+    }
+}
+
+/// What follows a step: its checkpoint, and whether the run stops there.
+pub(crate) struct AfterStep {
+    /// Take the checkpoint of the step.
+    pub(crate) checkpoint: bool,
+    /// The run stops after the step (preemption), with its checkpoint when it takes them.
+    pub(crate) stop: Option<Preempted>,
+}
+
+/// A run's answer to being asked to stop (preemption): while alive, a first SIGTERM does not end
+/// the process; once every rank has heard it (the same step on all), the run stops at the next
+/// step where a checkpoint may fall, taking that checkpoint.
+pub(crate) struct StopAtCheckpoint {
+    _watch: Option<PreemptionWatch>,
+    stopping: bool,
+}
+
+impl StopAtCheckpoint {
+    /// Watching for SIGTERM when `watched`; else SIGTERM ends the process (a run whose ranks
+    /// share no step).
+    pub(crate) fn new(watched: bool) -> Result<Self> {
+        Ok(Self {
+            _watch: watched.then(PreemptionWatch::install).transpose()?,
+            stopping: false,
+        })
+    }
+
+    /// After `done` of `steps` steps, of which `asked` says whether the job has heard that a rank
+    /// was asked to stop.
+    pub(crate) fn after(
+        &mut self,
+        asked: bool,
+        config: &JobConfig,
+        recovery: &Recovery,
+        done: usize,
+        steps: usize,
+    ) -> AfterStep {
+        self.stopping |= asked;
+        let stop = self.stopping && may_fall_after(config, done);
+        let checkpoint = recovery.due(config, done, steps) || (stop && recovery.takes_checkpoints());
+        AfterStep {
+            checkpoint,
+            stop: stop.then_some(Preempted {
+                step: done,
+                checkpointed: checkpoint,
+            }),
+        }
     }
 }
 

@@ -26,11 +26,11 @@ use super::device::{
 use super::divergence::check_loss;
 use super::faults::RoleFaults;
 use super::kept::{commit_on_this_node, BuddyCopy, Kept, Restore};
-use super::recovery::{may_fall_after, stage_file, Recovery};
+use super::recovery::{stage_file, Recovery, StopAtCheckpoint};
 use super::rollback::Orders;
 use super::run_loop::{eval_due, run_steps, RunLoop};
 use crate::checkpoint::HeldFile;
-use crate::collective::preemption::{is_preemption, Preempted, PreemptionWatch};
+use crate::collective::preemption::is_preemption;
 use crate::config::{HybridConfigs, JobConfig};
 use crate::data::Dataset;
 use crate::engines::comm::Communicator;
@@ -377,8 +377,7 @@ impl StageRun {
         let mut scored: Option<(usize, Option<Score>)> = None;
         let started = Instant::now();
         // SIGTERM asks the run to stop at a checkpoint rather than ending the process.
-        let _watch = PreemptionWatch::install()?;
-        let mut stopping = false;
+        let mut stop = StopAtCheckpoint::new(true)?;
         for step in first..steps {
             if let Some(faults) = &self.faults {
                 faults.before_step(&format!("rank {rank}"), step).await;
@@ -423,19 +422,12 @@ impl StageRun {
                 check_loss(rank, step + 1, loss)?;
             }
             // Every rank learns in the same step that one was asked to stop.
-            stopping |= report.stop_asked;
-            let preempted = stopping && may_fall_after(&job, step + 1);
-            let checkpointed =
-                self.recovery.due(&job, step + 1, steps) || (preempted && self.recovery.takes_checkpoints());
-            if checkpointed {
+            let next = stop.after(report.stop_asked, &job, &self.recovery, step + 1, steps);
+            if next.checkpoint {
                 self.checkpoint(step + 1, &losses).await?;
             }
-            if preempted {
-                return Err(Preempted {
-                    step: step + 1,
-                    checkpointed,
-                }
-                .into());
+            if let Some(preempted) = next.stop {
+                return Err(preempted.into());
             }
         }
         figures.elapsed = started.elapsed();

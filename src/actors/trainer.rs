@@ -21,12 +21,12 @@ use super::device::{
 use super::divergence::check_loss;
 use super::faults::RoleFaults;
 use super::kept::{commit_on_this_node, Kept, Restore};
-use super::recovery::{may_fall_after, Recovery, REPLICA_FILE};
+use super::recovery::{Recovery, StopAtCheckpoint, REPLICA_FILE};
 use super::rollback::Orders;
 use super::run_loop::{eval_due, run_steps, RunLoop};
 use super::LOSSES_RESERVED;
 use crate::checkpoint::HeldFile;
-use crate::collective::preemption::{is_preemption, Preempted, PreemptionWatch};
+use crate::collective::preemption::is_preemption;
 use crate::collective::ParamChecksum;
 use crate::config::JobConfig;
 use crate::data::Dataset;
@@ -307,8 +307,7 @@ impl TrainingRun {
         // The newest held-out score, and the steps it came after.
         let mut scored: Option<(usize, Score)> = None;
         // SIGTERM asks the run to stop at a checkpoint rather than ending the process.
-        let _watch = PreemptionWatch::install()?;
-        let mut stopping = false;
+        let mut stop = StopAtCheckpoint::new(true)?;
         for step in first..steps {
             if let Some(faults) = &self.faults {
                 faults.before_step(&format!("rank {rank}"), step).await;
@@ -344,19 +343,12 @@ impl TrainingRun {
                 self.device.send(CheckReplicas).await??;
             }
             // Every rank learns in the same step that one was asked to stop.
-            stopping |= report.stop_asked;
-            let preempted = stopping && may_fall_after(&job, step + 1);
-            let checkpointed =
-                self.recovery.due(&job, step + 1, steps) || (preempted && self.recovery.takes_checkpoints());
-            if checkpointed {
+            let next = stop.after(report.stop_asked, &job, &self.recovery, step + 1, steps);
+            if next.checkpoint {
                 self.checkpoint(bus, step + 1, &losses).await?;
             }
-            if preempted {
-                return Err(Preempted {
-                    step: step + 1,
-                    checkpointed,
-                }
-                .into());
+            if let Some(preempted) = next.stop {
+                return Err(preempted.into());
             }
         }
         let elapsed = started.elapsed();
