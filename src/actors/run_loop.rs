@@ -1,18 +1,16 @@
 //! The parts of a rank's training run that outlive a rollback: the batches it reads, how many
 //! steps the run has, and the monitor that reports them. Shared by trainers and stages.
 
-use std::sync::Arc;
-
 use anyhow::{Context as _, Result};
 
 use super::recovery::Recovery;
 use crate::config::JobConfig;
-use crate::data::{Dataset, ShardedLoader};
+use crate::data::{RankBatches, TrainingRows};
 use crate::telemetry::monitor::{Monitor, MonitorSettings};
 
 /// The batches of a whole run of `job` over `data`: its `train.steps`, or its epochs of whole
 /// global batches.
-pub(crate) fn run_steps(job: &JobConfig, data: &Dataset) -> Result<usize> {
+pub(crate) fn run_steps(job: &JobConfig, data: &TrainingRows) -> Result<usize> {
     let per_epoch = data.len() / job.train.batch_size.max(1);
     job.train.length().steps(per_epoch)
 }
@@ -27,7 +25,7 @@ pub(crate) fn eval_due(job: &JobConfig, done: usize, steps: usize) -> bool {
 /// A rank's run, from the step it starts after to its end.
 pub(crate) struct RunLoop {
     /// This rank's part of every global batch.
-    pub(crate) loader: ShardedLoader,
+    pub(crate) loader: RankBatches,
     /// Steps of the whole run.
     pub(crate) steps: usize,
     /// The reporting rank's monitor.
@@ -41,7 +39,7 @@ impl RunLoop {
     /// after step `first` (refused past the run's end), reported by `monitor` where given.
     pub(crate) fn start(
         job: &JobConfig,
-        data: Arc<Dataset>,
+        data: &TrainingRows,
         (replica, replicas): (usize, usize),
         recovery: &Recovery,
         first: usize,
@@ -49,9 +47,9 @@ impl RunLoop {
         clock_offset_us: f64,
     ) -> Result<Self> {
         let train = &job.train;
-        let loader = ShardedLoader::new(data.clone(), train.batch_size, replica, replicas, train.seed)
+        let loader = RankBatches::new(data, train.batch_size, replica, replicas, train.seed)
             .with_context(|| format!("train.batch_size = {}", train.batch_size))?;
-        let steps = run_steps(job, &data)?;
+        let steps = run_steps(job, data)?;
         crate::optim::check_run_length(&job.strategy, steps)?;
         recovery.check_first_step(first, steps)?;
         let monitor = monitor

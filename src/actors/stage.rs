@@ -32,7 +32,7 @@ use super::run_loop::{eval_due, run_steps, RunLoop};
 use crate::checkpoint::HeldFile;
 use crate::collective::preemption::is_preemption;
 use crate::config::{HybridConfigs, JobConfig};
-use crate::data::Dataset;
+use crate::data::{Dataset, TrainingRows};
 use crate::engines::comm::Communicator;
 use crate::models::export::ModelInfo;
 use crate::models::Score;
@@ -53,7 +53,7 @@ pub struct StageActor {
     /// What the model's files say besides its parameters.
     pub export: ModelInfo,
     /// Training split (each replica reads its part of every global batch).
-    pub train_data: Arc<Dataset>,
+    pub train_data: TrainingRows,
     /// Held-out split (each replica evaluates a contiguous part).
     pub test_data: Arc<Dataset>,
     /// The first generation's links and roster; taken at start.
@@ -227,7 +227,7 @@ struct StageRun {
     job: Arc<JobConfig>,
     model: ModelFactory,
     export: ModelInfo,
-    train_data: Arc<Dataset>,
+    train_data: TrainingRows,
     test_data: Arc<Dataset>,
     device: Addr<DeviceActor>,
     monitor: Option<MonitorSettings>,
@@ -294,7 +294,7 @@ impl StageRun {
         self.roster = roster;
         let mut run = RunLoop::start(
             &job,
-            self.train_data.clone(),
+            &self.train_data,
             self.replica_place(),
             &self.recovery,
             first,
@@ -384,7 +384,7 @@ impl StageRun {
             }
             let report = self
                 .device
-                .send(PipelineStep(run.loader.batch(step)))
+                .send(PipelineStep(run.loader.batch(step)?))
                 .await?
                 .with_context(|| format!("step {step}"))?;
             figures.step_time += report.step_time;

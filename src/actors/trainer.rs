@@ -29,7 +29,7 @@ use crate::checkpoint::HeldFile;
 use crate::collective::preemption::is_preemption;
 use crate::collective::ParamChecksum;
 use crate::config::JobConfig;
-use crate::data::Dataset;
+use crate::data::{Dataset, TrainingRows};
 use crate::models::export::ModelInfo;
 use crate::models::Score;
 use crate::net::protocol::Roster;
@@ -48,7 +48,7 @@ pub struct Trainer {
     /// What the model's files say besides its parameters.
     pub export: ModelInfo,
     /// Training split (each rank reads its shard of every global batch).
-    pub train_data: Arc<Dataset>,
+    pub train_data: TrainingRows,
     /// Held-out split (each rank evaluates a contiguous part).
     pub test_data: Arc<Dataset>,
     /// The line to the coordinator; taken when training starts.
@@ -160,7 +160,7 @@ struct TrainingRun {
     job: Arc<JobConfig>,
     model: ModelFactory,
     export: ModelInfo,
-    train_data: Arc<Dataset>,
+    train_data: TrainingRows,
     test_data: Arc<Dataset>,
     bus: Option<ControlBus>,
     link: Option<RingLink>,
@@ -208,7 +208,7 @@ impl TrainingRun {
         let first = roster.resume_step.unwrap_or(0);
         let mut run = RunLoop::start(
             &job,
-            self.train_data.clone(),
+            &self.train_data,
             place_in(&roster, rank)?,
             &self.recovery,
             first,
@@ -312,7 +312,7 @@ impl TrainingRun {
             if let Some(faults) = &self.faults {
                 faults.before_step(&format!("rank {rank}"), step).await;
             }
-            let report = self.device.send(TrainStep(run.loader.batch(step))).await??;
+            let report = self.device.send(TrainStep(run.loader.batch(step)?)).await??;
             step_time += report.step_time;
             comm_time += report.comm_time;
             exposed += report.exposed_comm_time;

@@ -298,16 +298,19 @@ fn check_pipeline(config: &JobConfig) -> Result<(), FieldError> {
         .check(&strategy.hybrid_configs, config.world_size(), config.train.batch_size)
 }
 
-/// Click logs are cut into at least one part, and the batch into equal shares of them; other
-/// data sets are not read in parts.
+/// Click logs are cut into at least one part, and the batch into equal shares of them; CSV and
+/// Parquet tables may be (then they are streamed, and hold out files); other data sets are not
+/// read in parts.
 fn check_data_layout(config: &JobConfig) -> Result<(), FieldError> {
     let train = &config.train;
-    if !train.dataset.is_click_log() {
+    let streamed_table = matches!(train.dataset, DatasetKind::Csv | DatasetKind::Parquet) && train.data_parts.is_some();
+    if !train.dataset.is_click_log() && !streamed_table {
         let only = |key: &str| {
             FieldError::new(
                 key,
                 format!(
-                    "only click logs (\"criteo\", \"criteo_synthetic\") are read in parts and windows; {} is not",
+                    "only click logs (\"criteo\", \"criteo_synthetic\") and tables streamed in parts (\"csv\", \"parquet\" \
+                     with train.data_parts) are read in parts and windows; {} is not",
                     dataset_name(train.dataset)
                 ),
             )
@@ -317,6 +320,12 @@ fn check_data_layout(config: &JobConfig) -> Result<(), FieldError> {
             (None, 0) => Ok(()),
             (None, _) => Err(only("train.shuffle_buffer")),
         };
+    }
+    if streamed_table && train.test_files.is_empty() {
+        return Err(FieldError::new(
+            "train.test_files",
+            "a table streamed in parts (train.data_parts) holds out files, not a fraction of its rows",
+        ));
     }
     let parts = train.data_parts(config.world_size());
     if parts == 0 {

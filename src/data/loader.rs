@@ -1,18 +1,128 @@
 //! Each rank's view of the training data.
 //!
-//! Step `s` belongs to epoch `s / batches_per_epoch`; every epoch has its own
+//! Rows held in memory ([`ShardedLoader`]): step `s` belongs to epoch `s / batches_per_epoch`; every epoch has its own
 //! seeded permutation (the same on every rank), cut into global batches of
 //! `global_batch` rows (the incomplete tail is dropped), and rank `r` reads
 //! rows `r*local..(r+1)*local` of each global batch. So the union of all
 //! ranks' batches at step `s` is exactly the batch a single process training
-//! on the global batch would read — the ground truth tests compare against.
+//! on the global batch would read — the ground truth tests compare against. Rows streamed from
+//! files ([`StreamedTable`]) are read in parts (`data::parts`), which keeps the same promise.
 
 use anyhow::{ensure, Result};
 use candle_core::{Device, Tensor};
 use std::sync::Arc;
 
+use super::parts::PartLoader;
+use super::table::{StreamedTable, TableStream};
 use super::{Dataset, Inputs, Targets};
 use crate::rng::SplitMix64;
+
+/// The rows a run trains on: held in memory and shuffled whole every epoch, or streamed from
+/// files in parts (`train.data_parts`).
+#[derive(Debug, Clone)]
+pub enum TrainingRows {
+    /// Every row, in memory.
+    InMemory(Arc<Dataset>),
+    /// A table each rank streams its parts of.
+    Streamed(Arc<StreamedTable>),
+}
+
+impl From<Dataset> for TrainingRows {
+    fn from(data: Dataset) -> Self {
+        Self::InMemory(Arc::new(data))
+    }
+}
+
+impl TrainingRows {
+    /// Rows in one pass over the data.
+    pub fn len(&self) -> usize {
+        match self {
+            Self::InMemory(data) => data.len(),
+            Self::Streamed(table) => usize::try_from(table.rows).unwrap_or(usize::MAX),
+        }
+    }
+
+    /// True when there are no rows.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Inputs per row.
+    pub fn dim(&self) -> usize {
+        match self {
+            Self::InMemory(data) => data.dim,
+            Self::Streamed(table) => table.dim,
+        }
+    }
+
+    /// Whether the targets are values to regress rather than classes.
+    pub fn is_regression(&self) -> bool {
+        match self {
+            Self::InMemory(data) => data.targets.is_regression(),
+            Self::Streamed(table) => table.is_regression(),
+        }
+    }
+}
+
+/// One rank's batches of a run: its part of every global batch, by step.
+#[derive(Debug)]
+pub(crate) enum RankBatches {
+    InMemory(ShardedLoader),
+    Streamed {
+        table: Arc<StreamedTable>,
+        loader: PartLoader<TableStream>,
+        global_batch: usize,
+        /// The step whose batch the loader reads next.
+        next: usize,
+    },
+}
+
+impl RankBatches {
+    /// The batches `rank` of `world` reads of `rows`, in global batches of `global_batch`
+    /// (shuffled with `seed` when in memory).
+    pub(crate) fn new(rows: &TrainingRows, global_batch: usize, rank: usize, world: usize, seed: u64) -> Result<Self> {
+        Ok(match rows {
+            TrainingRows::InMemory(data) => {
+                Self::InMemory(ShardedLoader::new(data.clone(), global_batch, rank, world, seed)?)
+            }
+            TrainingRows::Streamed(table) => Self::Streamed {
+                table: table.clone(),
+                loader: table.loader(global_batch, rank, world)?,
+                global_batch,
+                next: 0,
+            },
+        })
+    }
+
+    /// The same batches read by `rank` of `world` (another cut of every global batch).
+    pub(crate) fn for_rank(&self, rank: usize, world: usize) -> Result<Self> {
+        match self {
+            Self::InMemory(loader) => Ok(Self::InMemory(loader.for_rank(rank, world)?)),
+            Self::Streamed {
+                table, global_batch, ..
+            } => Self::new(&TrainingRows::Streamed(table.clone()), *global_batch, rank, world, 0),
+        }
+    }
+
+    /// This rank's batch at global step `step`. A stream reads on from where it is: a step
+    /// before it (a rollback) reads its parts again from the start, passing over the rows
+    /// before without building them.
+    pub(crate) fn batch(&mut self, step: usize) -> Result<Batch> {
+        match self {
+            Self::InMemory(loader) => Ok(loader.batch(step)),
+            Self::Streamed { table, loader, next, .. } => {
+                if step < *next {
+                    loader.rewind()?;
+                    *next = 0;
+                }
+                loader.skip_batches(step - *next)?;
+                let rows = loader.next_batch()?;
+                *next = step + 1;
+                Ok(Batch::of_rows(&rows, table.dim, table.is_regression()))
+            }
+        }
+    }
+}
 
 /// A batch of rows, inputs row-major.
 #[derive(Debug, Clone, PartialEq)]
@@ -26,6 +136,26 @@ pub struct Batch {
 }
 
 impl Batch {
+    /// A batch of `rows`, each `dim` features and then its label: a value to regress, or a
+    /// class id.
+    fn of_rows(rows: &[Vec<f32>], dim: usize, regression: bool) -> Self {
+        let mut inputs = Vec::with_capacity(rows.len() * dim);
+        let mut labels = Vec::with_capacity(rows.len());
+        for row in rows {
+            inputs.extend_from_slice(&row[..dim]);
+            labels.extend(row.get(dim));
+        }
+        let targets = match regression {
+            true => Targets::Values(labels),
+            false => Targets::Classes(labels.into_iter().map(|label| label as u32).collect()),
+        };
+        Self {
+            inputs: Inputs::Features(inputs),
+            targets,
+            dim,
+        }
+    }
+
     /// Number of rows.
     pub fn rows(&self) -> usize {
         self.inputs.len() / self.dim.max(1)

@@ -8,12 +8,14 @@
 pub mod ctr;
 mod digits;
 mod loader;
+pub(crate) mod parts;
 mod synthetic;
 pub mod table;
 mod targets;
 pub mod text;
 
-pub use loader::{Batch, ShardedLoader};
+pub(crate) use loader::RankBatches;
+pub use loader::{Batch, ShardedLoader, TrainingRows};
 pub use targets::Targets;
 
 use anyhow::{ensure, Result};

@@ -41,9 +41,10 @@ use anyhow::{Context, Result};
 use crate::actors::device::{ModelFactory, RingLink};
 use crate::actors::{DeviceActor, Trainer};
 use crate::config::{DatasetKind, JobConfig, LossKind, ModelKind};
-use crate::data::table::{table_splits, Columns, TableFormat};
+use crate::data::ctr::DataLayout;
+use crate::data::table::{streamed_splits, table_splits, Columns, TableFormat};
 use crate::data::text::TextCorpus;
-use crate::data::Dataset;
+use crate::data::{Dataset, TrainingRows};
 use crate::models::export::ModelInfo;
 use crate::models::{GptConfig, Model, ModelSpec, ParamInit};
 use crate::net::ControlBus;
@@ -70,9 +71,14 @@ fn text_windows(train: &crate::config::TrainConfig) -> Result<(Dataset, Dataset,
     ))
 }
 
+/// Splits of rows held in memory.
+fn in_memory((train, test): (Dataset, Dataset)) -> (TrainingRows, Dataset) {
+    (train.into(), test)
+}
+
 /// What a data set's targets are, in words.
-fn kind_of(data: &Dataset) -> &'static str {
-    if data.targets.is_regression() {
+fn kind_of(regression: bool) -> &'static str {
+    if regression {
         "value"
     } else {
         "class"
@@ -149,7 +155,7 @@ pub struct TrainingJob {
     /// Builds the model on each rank's device thread.
     pub model: ModelFactory,
     /// Training split.
-    pub train_data: Arc<Dataset>,
+    pub train_data: TrainingRows,
     /// Held-out split.
     pub test_data: Arc<Dataset>,
     /// What the model file says besides the parameters: the built-in model's architecture
@@ -164,17 +170,18 @@ impl TrainingJob {
     pub fn new(
         mut config: JobConfig,
         model: impl Fn(&ParamInit) -> Result<Model> + Send + Sync + 'static,
-        train_data: Dataset,
+        train_data: impl Into<TrainingRows>,
         test_data: Dataset,
     ) -> Result<Self> {
-        let regression = train_data.targets.is_regression();
+        let train_data = train_data.into();
+        let regression = train_data.is_regression();
         anyhow::ensure!(
-            test_data.targets.is_regression() == regression && test_data.dim == train_data.dim,
+            test_data.targets.is_regression() == regression && test_data.dim == train_data.dim(),
             "the held-out split is not shaped as the training split ({} and {} inputs per row, {} and {} targets)",
-            train_data.dim,
+            train_data.dim(),
             test_data.dim,
-            kind_of(&train_data),
-            kind_of(&test_data)
+            kind_of(regression),
+            kind_of(test_data.targets.is_regression())
         );
         let loss = *config.train.loss.get_or_insert(if regression {
             LossKind::Mse
@@ -185,7 +192,7 @@ impl TrainingJob {
             loss.is_regression() == regression,
             "train.loss = \"{}\" does not fit a data set of {} targets",
             loss.name(),
-            kind_of(&train_data)
+            kind_of(regression)
         );
         let export = ModelInfo {
             loss: Some(loss.name().to_string()),
@@ -194,7 +201,7 @@ impl TrainingJob {
         Ok(Self {
             config: Arc::new(config),
             model: Arc::new(model),
-            train_data: Arc::new(train_data),
+            train_data,
             test_data: Arc::new(test_data),
             export,
         })
@@ -207,21 +214,25 @@ impl TrainingJob {
         // reads, the characters a language model's tokens stand for.
         let mut extra = std::collections::HashMap::new();
         let (train_data, test_data) = match train.dataset {
-            DatasetKind::Digits => Dataset::digits()?
+            DatasetKind::Digits => in_memory(
+                Dataset::digits()?
+                    .split(train.test_fraction, train.seed)
+                    .context("train.test_fraction")?,
+            ),
+            DatasetKind::Synthetic => in_memory(
+                Dataset::synthetic(
+                    train.synthetic_samples,
+                    train.synthetic_features,
+                    train.synthetic_classes,
+                    train.seed,
+                )?
                 .split(train.test_fraction, train.seed)
                 .context("train.test_fraction")?,
-            DatasetKind::Synthetic => Dataset::synthetic(
-                train.synthetic_samples,
-                train.synthetic_features,
-                train.synthetic_classes,
-                train.seed,
-            )?
-            .split(train.test_fraction, train.seed)
-            .context("train.test_fraction")?,
+            ),
             DatasetKind::Text => {
                 let (train_windows, test_windows, vocab) = text_windows(train)?;
                 extra.insert("vocab".to_string(), serde_json::to_string(&vocab)?);
-                (train_windows, test_windows)
+                (train_windows.into(), test_windows)
             }
             DatasetKind::Csv | DatasetKind::Parquet | DatasetKind::Arrays => {
                 let format = match train.dataset {
@@ -234,19 +245,29 @@ impl TrainingJob {
                     features: train.feature_columns.as_deref(),
                     regression: train.loss.is_some_and(LossKind::is_regression),
                 };
-                let splits = table_splits(
-                    format,
-                    &train.train_files,
-                    &train.test_files,
-                    columns,
-                    train.test_fraction,
-                    train.seed,
-                )?;
-                extra.insert(
-                    "feature_columns".to_string(),
-                    serde_json::to_string(&splits.feature_columns)?,
-                );
-                (splits.train, splits.test)
+                let (train_rows, test, feature_columns) = match train.data_parts {
+                    // Cut into parts: streamed from the files, each rank reading its own.
+                    Some(parts) => {
+                        let layout = DataLayout::of(train, parts);
+                        let (streamed, test) =
+                            streamed_splits(format, &train.train_files, &train.test_files, columns, layout)?;
+                        let feature_columns = streamed.feature_columns.clone();
+                        (TrainingRows::Streamed(Arc::new(streamed)), test, feature_columns)
+                    }
+                    None => {
+                        let splits = table_splits(
+                            format,
+                            &train.train_files,
+                            &train.test_files,
+                            columns,
+                            train.test_fraction,
+                            train.seed,
+                        )?;
+                        (splits.train.into(), splits.test, splits.feature_columns)
+                    }
+                };
+                extra.insert("feature_columns".to_string(), serde_json::to_string(&feature_columns)?);
+                (train_rows, test)
             }
             DatasetKind::CriteoSynthetic | DatasetKind::Criteo => {
                 anyhow::bail!("click logs train on parameter servers: see `ParameterServerJob`")
@@ -254,12 +275,13 @@ impl TrainingJob {
         };
         let spec = match train.model {
             ModelKind::Mlp => ModelSpec::Mlp {
-                inputs: train_data.dim,
+                inputs: train_data.dim(),
                 hidden: train.hidden_sizes(),
-                outputs: train_data.outputs,
+                // The held-out split's: its classes count those of both.
+                outputs: test_data.outputs,
             },
             ModelKind::Gpt => ModelSpec::Gpt(GptConfig {
-                vocab: train_data.outputs,
+                vocab: test_data.outputs,
                 block_size: train.gpt.block_size,
                 n_layer: train.gpt.n_layer,
                 n_head: train.gpt.n_head,

@@ -1,32 +1,16 @@
-//! Each trainer's part of every global batch of CTR records.
-//!
-//! The data is cut into `parts` parts — index ranges of generated data; runs of files, or
-//! byte ranges of them (see `parts`) — and every global batch of `B` records is the
-//! concatenation of the next `B / parts` records of each part, in part order. Rank `r` of
-//! `world` keeps records `[r·B/W, (r+1)·B/W)` of it and opens only the parts they lie in — its
-//! own parts, read by no other rank, when the ranks divide the parts. The ranks' batches at a
-//! step concatenate to exactly the batch one process reading every part takes, whatever the
-//! number of ranks — the ground truth of sync training, and what lets a run resume on another
-//! number of trainers.
-//!
-//! A part is read pass after pass (epochs): at the end of a pass the records short of a whole
-//! `B / parts` are dropped and the part starts over. With a shuffle buffer of `K` records, a
-//! part's records are taken in windows of `K`, each permuted by a generator seeded with the
-//! seed, the part, the pass and the window — the same order on any layout and after a resume.
+//! Each trainer's part of every global batch of CTR records: the records of generated data or
+//! of Criteo TSV files, read in parts (see `data::parts`).
 
-use std::collections::{BTreeMap, VecDeque};
 use std::ops::Range;
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use anyhow::{anyhow, ensure, Context, Result};
-use serde::{Deserialize, Serialize};
+use anyhow::{anyhow, ensure, Result};
 
-use super::parts::{cut_into_parts, Segment};
-use super::tsv::{count_records, is_gzip, ReadPosition};
 use super::{CriteoSynth, CtrBatch, CtrRecord, Split, TsvReader};
-use crate::config::TrainConfig;
-use crate::rng::SplitMix64;
+use crate::data::parts::cut::{cut_into_parts, Segment};
+use crate::data::parts::text::{count_records, is_gzip};
+use crate::data::parts::{DataLayout, DataPosition, PartLoader, PartStream, Placement, StreamPosition};
 
 /// Where CTR records come from.
 #[derive(Debug, Clone)]
@@ -58,38 +42,9 @@ impl CtrSource {
     }
 }
 
-/// How the data is cut and ordered: the same for every rank of a job, and kept by a resumed run.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct DataLayout {
-    /// Parts the data is cut into (`train.data_parts`).
-    pub parts: usize,
-    /// Records per shuffled window of a part; 0 reads in file order (`train.shuffle_buffer`).
-    pub shuffle_buffer: usize,
-    /// Seed of the shuffle (`train.seed`).
-    pub seed: u64,
-}
-
-impl DataLayout {
-    /// The training data's layout in a job of `trainers` trainers configured by `train`.
-    pub fn of(train: &TrainConfig, trainers: usize) -> Self {
-        Self {
-            parts: train.data_parts(trainers),
-            shuffle_buffer: train.shuffle_buffer,
-            seed: train.seed,
-        }
-    }
-
-    /// The data as one part in file order: what an evaluation or a scoring pass reads.
-    pub const WHOLE: DataLayout = DataLayout {
-        parts: 1,
-        shuffle_buffer: 0,
-        seed: 0,
-    };
-}
-
-/// One part's records in order.
+/// One part's CTR records in order.
 #[derive(Debug)]
-enum PartStream {
+pub(crate) enum CtrStream {
     Synthetic {
         synth: Arc<CriteoSynth>,
         split: Split,
@@ -99,11 +54,12 @@ enum PartStream {
     Files(TsvReader),
 }
 
-impl PartStream {
-    /// The next record of the pass; `None` at its end.
+impl PartStream for CtrStream {
+    type Record = CtrRecord;
+
     fn next(&mut self) -> Result<Option<CtrRecord>> {
         match self {
-            PartStream::Synthetic {
+            CtrStream::Synthetic {
                 synth,
                 split,
                 records,
@@ -112,34 +68,31 @@ impl PartStream {
                 *next += 1;
                 synth.record(*split, *next - 1)
             })),
-            PartStream::Files(reader) => reader.next_record(),
+            CtrStream::Files(reader) => reader.next_record(),
         }
     }
 
-    /// Passes over the next record of the pass without building it; false at its end.
     fn skip(&mut self) -> Result<bool> {
         match self {
-            PartStream::Synthetic { records, next, .. } => {
+            CtrStream::Synthetic { records, next, .. } => {
                 let more = *next < records.end;
                 *next += u64::from(more);
                 Ok(more)
             }
-            PartStream::Files(reader) => reader.skip_record(),
+            CtrStream::Files(reader) => reader.skip_record(),
         }
     }
 
-    /// Where the stream is.
     fn position(&self) -> StreamPosition {
         match self {
-            PartStream::Synthetic { next, .. } => StreamPosition::Synthetic(*next),
-            PartStream::Files(reader) => StreamPosition::Files(reader.position()),
+            CtrStream::Synthetic { next, .. } => StreamPosition::Synthetic(*next),
+            CtrStream::Files(reader) => StreamPosition::Files(reader.position()),
         }
     }
 
-    /// Goes to `at`, a [`position`](Self::position) of a stream of the same part.
     fn seek(&mut self, at: StreamPosition) -> Result<()> {
         match (self, at) {
-            (PartStream::Synthetic { records, next, .. }, StreamPosition::Synthetic(at)) => {
+            (CtrStream::Synthetic { records, next, .. }, StreamPosition::Synthetic(at)) => {
                 ensure!(
                     records.start <= at && at <= records.end,
                     "a data position at generated record {at}, outside the part's {records:?}"
@@ -147,207 +100,26 @@ impl PartStream {
                 *next = at;
                 Ok(())
             }
-            (PartStream::Files(reader), StreamPosition::Files(at)) => reader.seek(at),
+            (CtrStream::Files(reader), StreamPosition::Files(at)) => reader.seek(at),
             (_, at) => Err(anyhow!("a data position {at:?} of another kind of data")),
         }
     }
 
-    /// Back to the part's first record.
     fn rewind(&mut self) -> Result<()> {
         match self {
-            PartStream::Synthetic { records, next, .. } => {
+            CtrStream::Synthetic { records, next, .. } => {
                 *next = records.start;
                 Ok(())
             }
-            PartStream::Files(reader) => reader.rewind(),
+            CtrStream::Files(reader) => reader.rewind(),
         }
-    }
-}
-
-/// Where a part's stream is.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-enum StreamPosition {
-    /// The index of the next generated record.
-    Synthetic(u64),
-    /// The next byte of the files.
-    Files(ReadPosition),
-}
-
-/// Where a part's reading is: its stream at the start of the current shuffle window (or at the
-/// next record, unshuffled) and how many of the window's records were given.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-struct PartPosition {
-    pass: u64,
-    windows: u64,
-    stream: StreamPosition,
-    /// Records of the current window already given; 0 when no window is under way.
-    given: usize,
-    taken: u64,
-}
-
-/// Where a loader is in each of its parts, by part number: what a checkpoint saves so a
-/// resumed run starts there without reading the records before. Any rank reading a part
-/// reads all of it, so a position of a part is the same whichever rank took it.
-#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
-pub struct DataPosition {
-    parts: BTreeMap<usize, PartPosition>,
-}
-
-impl DataPosition {
-    /// Joins the positions of other ranks' parts into these.
-    pub fn merge(&mut self, other: DataPosition) {
-        self.parts.extend(other.parts);
-    }
-}
-
-/// One part as a rank reads it: its stream, shuffled in windows, pass after pass.
-#[derive(Debug)]
-struct Part {
-    index: usize,
-    /// The records of each of the part's shares of a global batch that this rank keeps.
-    keep: Range<usize>,
-    stream: PartStream,
-    /// Passes started before the current one.
-    pass: u64,
-    layout: DataLayout,
-    /// Windows of the current pass taken so far.
-    windows: u64,
-    window: VecDeque<CtrRecord>,
-    /// The stream's position where the current window starts, and the window's size when full.
-    window_start: Option<(StreamPosition, usize)>,
-    /// Records taken from the stream, over every pass.
-    taken: u64,
-}
-
-impl Part {
-    /// The next record of the pass, shuffled; `None` at its end.
-    fn next(&mut self) -> Result<Option<CtrRecord>> {
-        let size = self.layout.shuffle_buffer;
-        if size == 0 {
-            return self.take_from_stream();
-        }
-        if self.window.is_empty() {
-            let start = self.stream.position();
-            while self.window.len() < size {
-                match self.take_from_stream()? {
-                    Some(record) => self.window.push_back(record),
-                    None => break,
-                }
-            }
-            let stream = format!("ctr part {} pass {}", self.index, self.pass);
-            SplitMix64::for_stream(self.layout.seed, &stream, self.windows).shuffle(self.window.make_contiguous());
-            self.windows += 1;
-            self.window_start = Some((start, self.window.len()));
-        }
-        Ok(self.window.pop_front())
-    }
-
-    /// Where the part's reading is.
-    fn position(&self) -> PartPosition {
-        let (stream, given, windows) = match self.window_start {
-            Some((start, full)) if !self.window.is_empty() => (start, full - self.window.len(), self.windows - 1),
-            _ => (self.stream.position(), 0, self.windows),
-        };
-        PartPosition {
-            pass: self.pass,
-            windows,
-            stream,
-            given,
-            taken: self.taken,
-        }
-    }
-
-    /// Goes to `at`, a [`position`](Self::position) of the same part: the stream seeks there
-    /// and a window under way is read again (at most a shuffle buffer) and given on from where
-    /// it was.
-    fn seek(&mut self, at: PartPosition) -> Result<()> {
-        self.stream.seek(at.stream)?;
-        self.pass = at.pass;
-        self.windows = at.windows;
-        self.window.clear();
-        self.window_start = None;
-        for _ in 0..at.given {
-            self.next()?
-                .with_context(|| format!("data part {}: its saved window ends early", self.index))?;
-        }
-        self.taken = at.taken;
-        Ok(())
-    }
-
-    fn take_from_stream(&mut self) -> Result<Option<CtrRecord>> {
-        let record = self.stream.next()?;
-        self.taken += u64::from(record.is_some());
-        Ok(record)
-    }
-
-    /// The next `count` records, starting the next pass when this one has fewer left.
-    fn next_whole_run(&mut self, count: usize) -> Result<Vec<CtrRecord>> {
-        self.whole_run(count, Part::next)
-    }
-
-    /// Passes over the records [`Part::next_whole_run`] would give; unshuffled, without
-    /// parsing them.
-    fn skip_whole_run(&mut self, count: usize) -> Result<()> {
-        let skip_one = |part: &mut Part| match part.layout.shuffle_buffer {
-            0 => {
-                let skipped = part.stream.skip()?;
-                part.taken += u64::from(skipped);
-                Ok(skipped.then_some(()))
-            }
-            _ => part.next().map(|record| record.map(drop)),
-        };
-        self.whole_run(count, skip_one).map(drop)
-    }
-
-    /// `count` results of `take` (`None` at the end of a pass), from the next pass when this
-    /// one has fewer left: what it took of this one is dropped.
-    fn whole_run<T>(&mut self, count: usize, mut take: impl FnMut(&mut Self) -> Result<Option<T>>) -> Result<Vec<T>> {
-        for fresh_pass in [false, true] {
-            let mut run = Vec::with_capacity(count);
-            while run.len() < count {
-                match take(self)? {
-                    Some(taken) => run.push(taken),
-                    None => break,
-                }
-            }
-            if run.len() == count {
-                return Ok(run);
-            }
-            if !fresh_pass {
-                self.restart()?;
-            }
-        }
-        Err(anyhow!(
-            "data part {} holds fewer than {count} records, its share of a global batch: use fewer \
-             train.data_parts, a smaller train.batch_size or more data",
-            self.index
-        ))
-    }
-
-    /// The first record of the next pass comes next.
-    fn restart(&mut self) -> Result<()> {
-        self.stream.rewind()?;
-        self.window.clear();
-        self.window_start = None;
-        self.windows = 0;
-        self.pass += 1;
-        Ok(())
     }
 }
 
 /// One rank's reader of global CTR batches, for training (wrapping epochs) or evaluation (one
 /// pass). Training and evaluation share the position in the data, so use one loader for each.
 #[derive(Debug)]
-pub struct CtrLoader {
-    /// The parts this rank reads, in part order.
-    parts: Vec<Part>,
-    /// Records each part gives to a global batch.
-    part_batch: usize,
-    /// Records of this rank's slice of a global batch.
-    local_batch: usize,
-    /// The part an evaluation pass is reading, as an index into `parts`.
-    evaluating: usize,
-}
+pub struct CtrLoader(PartLoader<CtrStream>);
 
 impl CtrLoader {
     /// The loader of `rank` among `world` ranks reading global batches of `global_batch`
@@ -357,21 +129,15 @@ impl CtrLoader {
     /// more ranks than parts (a run resumed on more trainers), ranks share a part, each reading
     /// all of it and keeping its slice of every share.
     pub fn new(source: CtrSource, layout: DataLayout, global_batch: usize, rank: usize, world: usize) -> Result<Self> {
-        crate::data::check_rank_batch(global_batch, rank, world)?;
-        let parts = layout.parts;
-        ensure!(
-            parts > 0 && global_batch.is_multiple_of(parts),
-            "train.batch_size = {global_batch} does not divide into train.data_parts = {parts} equal shares"
-        );
-        let (share, slice) = (global_batch / parts, global_batch / world);
-        let (first, last) = (rank * slice, (rank + 1) * slice);
-        let mine = first / share..last.div_ceil(share);
+        let placement = Placement::training(layout.parts, global_batch, rank, world)?;
+        let mine = placement.parts.clone();
         let streams = match source {
-            CtrSource::Synthetic { synth, split, samples } => synthetic_parts(&synth, split, samples, parts, mine)?,
-            CtrSource::Files(files) => file_parts(cut_into_parts(&files, parts)?, mine)?,
+            CtrSource::Synthetic { synth, split, samples } => {
+                synthetic_parts(&synth, split, samples, layout.parts, mine)?
+            }
+            CtrSource::Files(files) => file_parts(cut_into_parts(&files, layout.parts)?, mine)?,
         };
-        let keep = |part: usize| first.max(part * share) - part * share..last.min((part + 1) * share) - part * share;
-        Ok(Self::reading(streams, layout, share, slice, keep))
+        Ok(Self(PartLoader::new(streams, layout, &placement)))
     }
 
     /// The loader of `rank`'s share of an evaluation pass over `source` among `world` ranks,
@@ -379,132 +145,83 @@ impl CtrLoader {
     /// gzip-compressed files fewer than the ranks, into its files, the ranks past the last
     /// file evaluating nothing. Every record is in exactly one rank's share.
     pub fn evaluation(source: CtrSource, global_batch: usize, rank: usize, world: usize) -> Result<Self> {
-        crate::data::check_rank_batch(global_batch, rank, world)?;
-        let streams = match source {
+        let (streams, placement) = match source {
             CtrSource::Synthetic { synth, split, samples } => {
-                synthetic_parts(&synth, split, samples, world, rank..rank + 1)?
+                let placement = Placement::evaluation(global_batch, rank, world, world)?;
+                (
+                    synthetic_parts(&synth, split, samples, world, placement.parts.clone())?,
+                    placement,
+                )
             }
             // Gzip files cannot be cut by bytes.
             CtrSource::Files(files) if files.len() < world && files.iter().any(|path| is_gzip(path)) => {
+                let placement = Placement::evaluation(global_batch, rank, world, files.len())?;
                 let whole: Vec<Vec<Segment>> = files.iter().map(|path| vec![Segment::whole(path)]).collect();
-                file_parts(whole, rank..(rank + 1).min(files.len()))?
+                (file_parts(whole, placement.parts.clone())?, placement)
             }
-            CtrSource::Files(files) => file_parts(cut_into_parts(&files, world)?, rank..rank + 1)?,
+            CtrSource::Files(files) => {
+                let placement = Placement::evaluation(global_batch, rank, world, world)?;
+                (
+                    file_parts(cut_into_parts(&files, world)?, placement.parts.clone())?,
+                    placement,
+                )
+            }
         };
-        let slice = global_batch / world;
-        Ok(Self::reading(streams, DataLayout::WHOLE, slice, slice, |_| 0..slice))
-    }
-
-    /// A loader of `streams`, each the part numbered alongside, keeping `keep(part)` of each
-    /// share of `part_batch` records.
-    fn reading(
-        streams: Vec<(usize, PartStream)>,
-        layout: DataLayout,
-        part_batch: usize,
-        local_batch: usize,
-        keep: impl Fn(usize) -> Range<usize>,
-    ) -> Self {
-        Self {
-            parts: streams
-                .into_iter()
-                .map(|(index, stream)| Part {
-                    index,
-                    keep: keep(index),
-                    stream,
-                    pass: 0,
-                    layout,
-                    windows: 0,
-                    window: VecDeque::new(),
-                    window_start: None,
-                    taken: 0,
-                })
-                .collect(),
-            part_batch,
-            local_batch,
-            evaluating: 0,
-        }
+        Ok(Self(PartLoader::new(streams, DataLayout::WHOLE, &placement)))
     }
 
     /// This rank's slice of the next global training batch: the next share of each of its
     /// parts. A part whose pass has less than a share left starts its next pass.
     pub fn next_batch(&mut self) -> Result<CtrBatch> {
-        let mut batch = CtrBatch::with_capacity(self.local_batch);
-        for part in &mut self.parts {
-            let share = part.next_whole_run(self.part_batch)?;
-            for record in &share[part.keep.clone()] {
-                batch.push(record);
-            }
-        }
-        Ok(batch)
+        let records = self.0.next_batch()?;
+        Ok(batch_of(&records, self.0.local_batch()))
     }
 
     /// Moves on to where `batches` calls of [`next_batch`](Self::next_batch) from the start
     /// would leave it (a resumed run), reading only this rank's parts and building no batch:
     /// unshuffled parts pass over lines without parsing them.
     pub fn skip_batches(&mut self, batches: usize) -> Result<()> {
-        for _ in 0..batches {
-            for part in &mut self.parts {
-                part.skip_whole_run(self.part_batch)?;
-            }
-        }
-        Ok(())
+        self.0.skip_batches(batches)
     }
 
     /// Where this loader is in each of its parts.
     pub fn position(&self) -> DataPosition {
-        DataPosition {
-            parts: self.parts.iter().map(|part| (part.index, part.position())).collect(),
-        }
+        self.0.position()
     }
 
     /// Goes to `at` — positions of at least this loader's parts, of a loader of the same data
     /// cut into the same parts — as if it had read every batch up to there.
     pub fn resume_at(&mut self, at: &DataPosition) -> Result<()> {
-        for part in &mut self.parts {
-            let position = at
-                .parts
-                .get(&part.index)
-                .with_context(|| format!("the saved data position holds no position of data part {}", part.index))?;
-            part.seek(*position)
-                .with_context(|| format!("data part {}: resuming at its saved position", part.index))?;
-        }
-        Ok(())
+        self.0.resume_at(at)
     }
 
     /// The epoch (0-based) of the last batch [`next_batch`](Self::next_batch) returned: the
     /// pass of this rank's first part, for logging.
     pub fn epoch(&self) -> usize {
-        self.parts.first().map_or(0, |part| part.pass as usize)
+        self.0.epoch()
     }
 
     /// Records this loader took from its parts, over every pass: the share of the data it read.
     pub fn records_read(&self) -> u64 {
-        self.parts.iter().map(|part| part.taken).sum()
+        self.0.records_read()
     }
 
     /// The next batch of an evaluation pass over this rank's parts, one after the other, up to
     /// a rank's slice of a global batch, the last one short; `None` once every record was
     /// given, after which the next call starts a new pass.
     pub fn next_eval_batch(&mut self) -> Result<Option<CtrBatch>> {
-        let mut batch = CtrBatch::with_capacity(self.local_batch);
-        while batch.len < self.local_batch {
-            let Some(part) = self.parts.get_mut(self.evaluating) else {
-                break;
-            };
-            match part.next()? {
-                Some(record) => batch.push(&record),
-                None => self.evaluating += 1,
-            }
-        }
-        if batch.len > 0 {
-            return Ok(Some(batch));
-        }
-        for part in &mut self.parts {
-            part.restart()?;
-        }
-        self.evaluating = 0;
-        Ok(None)
+        let local_batch = self.0.local_batch();
+        Ok(self.0.next_eval_batch()?.map(|records| batch_of(&records, local_batch)))
     }
+}
+
+/// The model inputs of `records`, room made for `capacity`.
+fn batch_of(records: &[CtrRecord], capacity: usize) -> CtrBatch {
+    let mut batch = CtrBatch::with_capacity(capacity);
+    for record in records {
+        batch.push(record);
+    }
+    batch
 }
 
 /// Parts `mine` of `samples` generated records cut into `parts` index ranges.
@@ -514,12 +231,12 @@ fn synthetic_parts(
     samples: u64,
     parts: usize,
     mine: Range<usize>,
-) -> Result<Vec<(usize, PartStream)>> {
+) -> Result<Vec<(usize, CtrStream)>> {
     ensure!(samples > 0, "the data holds no records");
     let bound = |part: usize| (u128::from(samples) * part as u128 / parts as u128) as u64;
     Ok(mine
         .map(|part| {
-            let stream = PartStream::Synthetic {
+            let stream = CtrStream::Synthetic {
                 synth: synth.clone(),
                 split,
                 records: bound(part)..bound(part + 1),
@@ -531,12 +248,12 @@ fn synthetic_parts(
 }
 
 /// Parts `mine` of files cut into `parts`, opened.
-fn file_parts(parts: Vec<Vec<Segment>>, mine: Range<usize>) -> Result<Vec<(usize, PartStream)>> {
+fn file_parts(parts: Vec<Vec<Segment>>, mine: Range<usize>) -> Result<Vec<(usize, CtrStream)>> {
     parts
         .into_iter()
         .enumerate()
         .filter(|(part, _)| mine.contains(part))
-        .map(|(part, segments)| Ok((part, PartStream::Files(TsvReader::open_segments(segments)?))))
+        .map(|(part, segments)| Ok((part, CtrStream::Files(TsvReader::open_segments(segments)?))))
         .collect()
 }
 

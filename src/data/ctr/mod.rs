@@ -10,16 +10,16 @@
 //! - `synthetic`: [`CriteoSynth`], a deterministic Criteo-shaped generator
 //!   with a planted click model.
 //! - `tsv`: the public Criteo TSV layout, written and streamed back.
-//! - `parts`: the cut of a file set into the parts trainers read on their own.
-//! - `loader`: [`CtrLoader`], each trainer's slice of every global batch, from its parts.
+//! - `loader`: [`CtrLoader`], each trainer's slice of every global batch, from its parts
+//!   (`data::parts`).
 
 mod loader;
-mod parts;
 mod synthetic;
 mod tsv;
 mod zipf;
 
-pub use loader::{CtrLoader, CtrSource, DataLayout, DataPosition};
+pub use crate::data::parts::{DataLayout, DataPosition};
+pub use loader::{CtrLoader, CtrSource};
 pub use synthetic::{CriteoSynth, Split};
 pub use tsv::{parse_line, write_record, write_synthetic, TsvReader};
 

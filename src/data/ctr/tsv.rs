@@ -16,11 +16,13 @@ use std::io::{BufRead, BufReader, BufWriter, Read, Seek, SeekFrom, Write};
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result};
-use flate2::read::MultiGzDecoder;
 use flate2::write::GzEncoder;
 use flate2::Compression;
 
-use super::parts::Segment;
+use crate::data::parts::cut::Segment;
+use crate::data::parts::text::{buffered, is_gzip};
+use crate::data::parts::ReadPosition;
+
 use super::{CriteoSynth, CtrRecord, Split, DENSE_FEATURES, SPARSE_SLOTS};
 
 /// Columns per line: label, integers, categoricals.
@@ -121,18 +123,6 @@ pub struct TsvReader {
     line: Vec<u8>,
 }
 
-/// Where a [`TsvReader`] is: the next byte it reads. Saved in checkpoints, so a resumed run
-/// seeks there instead of reading its way back.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-pub struct ReadPosition {
-    /// Index of the segment being read.
-    pub segment: usize,
-    /// Offset in the segment's (uncompressed) file of the next byte to read.
-    pub offset: u64,
-    /// Lines of the segment read so far (for the `path:line` of errors).
-    pub lines: u64,
-}
-
 /// Where the reader is; the stream itself has nothing to show.
 impl std::fmt::Debug for TsvReader {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -151,7 +141,7 @@ impl TsvReader {
     }
 
     /// A reader of the lines that begin in each of `segments`, in order.
-    pub(super) fn open_segments(segments: Vec<Segment>) -> Result<Self> {
+    pub(crate) fn open_segments(segments: Vec<Segment>) -> Result<Self> {
         for segment in &segments {
             File::open(&segment.path)
                 .with_context(|| format!("cannot open CTR data file {}", segment.path.display()))?;
@@ -318,52 +308,6 @@ impl TsvReader {
     }
 }
 
-/// `path`'s lines, decompressed when the name ends in `.gz`.
-fn open_buffered(path: &Path) -> Result<BufReader<Box<dyn Read + Send>>> {
-    let file = File::open(path).with_context(|| format!("cannot open CTR data file {}", path.display()))?;
-    Ok(buffered(path, file))
-}
-
-/// `file`'s lines, decompressed when `path` ends in `.gz`.
-fn buffered(path: &Path, file: File) -> BufReader<Box<dyn Read + Send>> {
-    let stream: Box<dyn Read + Send> = match is_gzip(path) {
-        true => Box::new(MultiGzDecoder::new(file)),
-        false => Box::new(file),
-    };
-    BufReader::with_capacity(1 << 16, stream)
-}
-
-/// Whether `path` names a gzip-compressed file.
-pub(super) fn is_gzip(path: &Path) -> bool {
-    path.extension().is_some_and(|extension| extension == "gz")
-}
-
-/// Records in `path` (its non-empty lines), counted by scanning bytes
-/// without parsing, so sizing an epoch costs one fast pass over the file.
-pub(super) fn count_records(path: &Path) -> Result<u64> {
-    let mut file = open_buffered(path)?;
-    let mut buffer = vec![0u8; 1 << 16];
-    let (mut records, mut line_has_content) = (0u64, false);
-    loop {
-        let read = file
-            .read(&mut buffer)
-            .with_context(|| format!("cannot read {}", path.display()))?;
-        if read == 0 {
-            return Ok(records + u64::from(line_has_content));
-        }
-        for &byte in &buffer[..read] {
-            match byte {
-                b'\n' => {
-                    records += u64::from(line_has_content);
-                    line_has_content = false;
-                }
-                b'\r' => {}
-                _ => line_has_content = true,
-            }
-        }
-    }
-}
-
 /// Writes the samples `records` of `split` to `path` in the Criteo layout, so synthetic data
 /// can exercise the file path of the loader; gzip-compressed when the name ends in `.gz`.
 pub fn write_synthetic(path: &Path, synth: &CriteoSynth, split: Split, records: std::ops::Range<u64>) -> Result<()> {
@@ -390,6 +334,7 @@ pub fn write_synthetic(path: &Path, synth: &CriteoSynth, split: Split, records: 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::data::parts::text::count_records;
 
     fn line_with(column: usize, value: &str) -> String {
         let mut fields = vec![String::new(); COLUMNS];

@@ -3,11 +3,15 @@
 //! split must have the columns; a cell that is not a number is an error naming the file, the
 //! line (or row) and the column, a Parquet column of another type its schema.
 
+mod stream;
+
 use std::path::Path;
 
 use anyhow::{bail, ensure, Context, Result};
 
 use super::Dataset;
+pub use stream::StreamedTable;
+pub(crate) use stream::TableStream;
 
 /// Which columns of a table the model reads and predicts.
 #[derive(Debug, Clone, Copy)]
@@ -109,9 +113,13 @@ impl Layout {
     /// feature columns of `rows`, and every later one must have as many.
     fn of(header: &[String], columns: Columns, rows: &mut Rows) -> Result<Self> {
         let layout = Self::find(header, columns, "column")?;
-        let names = layout.features.iter().map(|&i| header[i].clone()).collect();
-        rows.take_features(names, layout.features.len())?;
+        rows.take_features(layout.feature_names(header), layout.features.len())?;
         Ok(layout)
+    }
+
+    /// The names of the feature columns, in `header`.
+    fn feature_names(&self, header: &[String]) -> Vec<String> {
+        self.features.iter().map(|&i| header[i].clone()).collect()
     }
 
     /// Where `columns` are among `names`, a file's `what`s (columns, or arrays): the features
@@ -140,29 +148,46 @@ impl Layout {
         self.features.iter().copied().chain(self.label)
     }
 
-    /// Appends one row to `rows`, its cells read by `cell` (by column index); `at` names the
-    /// row in errors.
-    fn push(
+    /// One row's values, its cells read by `cell` (by column index): the features', then the
+    /// label's; `at` names the row in errors.
+    fn values(
         &self,
-        rows: &mut Rows,
         regression: bool,
         header: &[String],
         at: &dyn Fn() -> String,
         mut cell: impl FnMut(usize) -> Result<f32>,
-    ) -> Result<()> {
+    ) -> Result<Vec<f32>> {
+        let mut values = Vec::with_capacity(self.features.len() + 1);
         for &column in &self.features {
-            rows.features.push(cell(column)?);
+            values.push(cell(column)?);
         }
-        let Some(label) = self.label else {
-            return Ok(());
-        };
-        push_label(rows, cell(label)?, regression, &|| {
-            format!("{}, column {:?}", at(), header[label])
-        })
+        if let Some(label) = self.label {
+            let at = || format!("{}, column {:?}", at(), header[label]);
+            values.push(label_value(cell(label)?, regression, &at)?);
+        }
+        Ok(values)
     }
 }
 
 impl Rows {
+    /// The rows as a data set of `outputs` classes, or of values when `columns` regress.
+    fn into_dataset(self, columns: Columns, outputs: usize) -> Result<Dataset> {
+        if columns.regression {
+            Dataset::regression(self.features, self.labels, self.dim, 1)
+        } else {
+            let classes = self.labels.iter().map(|&l| l as u32).collect();
+            Dataset::new(self.features, classes, self.dim, outputs)
+        }
+    }
+
+    /// Appends a row of [`Layout::values`]: `dim` features, then the label when there is one.
+    fn push(&mut self, mut values: Vec<f32>) {
+        if values.len() > self.dim {
+            self.labels.extend(values.pop());
+        }
+        self.features.extend_from_slice(&values);
+    }
+
     /// Takes `names` (`dim` values a row) as the features of the rows read: the first file read
     /// sets them, and every later one must have as many.
     fn take_features(&mut self, names: Vec<String>, dim: usize) -> Result<()> {
@@ -179,8 +204,8 @@ impl Rows {
     }
 }
 
-/// Appends `value`, the label of a row `at` names, to `rows`: a class id unless `regression`.
-fn push_label(rows: &mut Rows, value: f32, regression: bool, at: &dyn Fn() -> String) -> Result<()> {
+/// `value`, the label of a row `at` names, checked: a class id unless `regression`.
+fn label_value(value: f32, regression: bool, at: &dyn Fn() -> String) -> Result<f32> {
     let class_id = value >= 0.0 && value.fract() == 0.0 && value < (1 << 24) as f32;
     if !regression && !class_id {
         bail!(
@@ -188,87 +213,137 @@ fn push_label(rows: &mut Rows, value: f32, regression: bool, at: &dyn Fn() -> St
             at()
         );
     }
-    rows.labels.push(value);
-    Ok(())
+    Ok(value)
 }
 
-/// Appends the rows of the CSV file at `path` to `rows`.
-fn read_csv(path: &Path, columns: Columns, rows: &mut Rows) -> Result<()> {
-    let mut reader = csv::ReaderBuilder::new()
-        .has_headers(true)
+/// Reads CSV with a header row, cells trimmed, as the in-memory and the streamed reader both do.
+fn csv_reader<R: std::io::Read>(input: R, has_headers: bool) -> csv::Reader<R> {
+    csv::ReaderBuilder::new()
+        .has_headers(has_headers)
         .trim(csv::Trim::All)
-        .from_path(path)
-        .context("cannot open it")?;
-    let header: Vec<String> = reader
+        .from_reader(input)
+}
+
+/// A CSV file's header row.
+fn csv_header(reader: &mut csv::Reader<impl std::io::Read>) -> Result<Vec<String>> {
+    Ok(reader
         .headers()
         .context("cannot read its header row")?
         .iter()
         .map(str::to_string)
-        .collect();
+        .collect())
+}
+
+/// The values of the CSV `record` at `line` laid out by `layout` in a file of `header`.
+fn csv_values(
+    layout: &Layout,
+    record: &csv::ByteRecord,
+    line: &dyn Fn() -> String,
+    header: &[String],
+    regression: bool,
+) -> Result<Vec<f32>> {
+    layout.values(regression, header, line, |column| {
+        let text = String::from_utf8_lossy(record.get(column).unwrap_or_default());
+        text.parse::<f32>()
+            .ok()
+            .filter(|v| v.is_finite())
+            .with_context(|| format!("{}, column {:?}: {text:?} is not a number", line(), header[column]))
+    })
+}
+
+/// Appends the rows of the CSV file at `path` to `rows`.
+fn read_csv(path: &Path, columns: Columns, rows: &mut Rows) -> Result<()> {
+    let mut reader = csv_reader(std::fs::File::open(path).context("cannot open it")?, true);
+    let header = csv_header(&mut reader)?;
     let layout = Layout::of(&header, columns, rows)?;
-    for record in reader.records() {
+    for record in reader.byte_records() {
         let record = record.context("malformed CSV")?;
         let line = record.position().map_or(0, csv::Position::line);
-        let at = || format!("line {line}");
-        layout.push(rows, columns.regression, &header, &at, |column| {
-            let text = record.get(column).unwrap_or("");
-            text.parse::<f32>()
-                .ok()
-                .filter(|v| v.is_finite())
-                .with_context(|| format!("line {line}, column {:?}: {text:?} is not a number", header[column]))
-        })?;
+        rows.push(csv_values(&layout, &record, &|| format!("line {line}"), &header, columns.regression)?);
     }
     Ok(())
 }
 
-/// Appends the rows of the Parquet file at `path` to `rows`: its top-level columns of
-/// integers or floating-point numbers, row group by row group.
-fn read_parquet(path: &Path, columns: Columns, rows: &mut Rows) -> Result<()> {
-    use parquet::file::reader::{FileReader, SerializedFileReader};
-    use parquet::record::Field;
+/// A Parquet file opened for the columns a model reads.
+struct ParquetColumns {
+    reader: parquet::file::reader::SerializedFileReader<std::fs::File>,
+    header: Vec<String>,
+    layout: Layout,
+    /// The columns decoded, in the file's order: a decoded row holds them so.
+    read: Vec<usize>,
+    /// The schema of the columns decoded.
+    projection: parquet::schema::types::Type,
+}
 
-    let file = std::fs::File::open(path).context("cannot open it")?;
-    let reader = SerializedFileReader::new(file).context("not a readable Parquet file")?;
-    let schema = reader.metadata().file_metadata().schema();
-    let fields = schema.get_fields();
-    let header: Vec<String> = fields.iter().map(|f| f.name().to_string()).collect();
-    let layout = Layout::of(&header, columns, rows)?;
-    for column in layout.read() {
-        let field = &fields[column];
-        let numeric = field.is_primitive()
-            && matches!(
-                field.get_physical_type(),
-                parquet::basic::Type::INT32
-                    | parquet::basic::Type::INT64
-                    | parquet::basic::Type::FLOAT
-                    | parquet::basic::Type::DOUBLE
-            )
-            && field
-                .get_basic_info()
-                .logical_type_ref()
-                .is_none_or(|logical| matches!(logical, parquet::basic::LogicalType::Integer { .. }));
-        ensure!(
-            numeric,
-            "column {:?} is not numbers: its schema is `{}`",
-            header[column],
-            schema_line(field)
-        );
+impl ParquetColumns {
+    /// The Parquet file at `path`, its `columns` found and checked to be of integers or
+    /// floating-point numbers.
+    fn open(path: &Path, columns: Columns) -> Result<Self> {
+        use parquet::file::reader::{FileReader, SerializedFileReader};
+
+        let file = std::fs::File::open(path).context("cannot open it")?;
+        let reader = SerializedFileReader::new(file).context("not a readable Parquet file")?;
+        let schema = reader.metadata().file_metadata().schema();
+        let fields = schema.get_fields();
+        let header: Vec<String> = fields.iter().map(|f| f.name().to_string()).collect();
+        let layout = Layout::find(&header, columns, "column")?;
+        for column in layout.read() {
+            let field = &fields[column];
+            let numeric = field.is_primitive()
+                && matches!(
+                    field.get_physical_type(),
+                    parquet::basic::Type::INT32
+                        | parquet::basic::Type::INT64
+                        | parquet::basic::Type::FLOAT
+                        | parquet::basic::Type::DOUBLE
+                )
+                && field
+                    .get_basic_info()
+                    .logical_type_ref()
+                    .is_none_or(|logical| matches!(logical, parquet::basic::LogicalType::Integer { .. }));
+            ensure!(
+                numeric,
+                "column {:?} is not numbers: its schema is `{}`",
+                header[column],
+                schema_line(field)
+            );
+        }
+        let mut read: Vec<usize> = layout.read().collect();
+        read.sort_unstable();
+        read.dedup();
+        let projection = parquet::schema::types::Type::group_type_builder(schema.name())
+            .with_fields(read.iter().map(|&column| fields[column].clone()).collect())
+            .build()
+            .context("projecting the columns read")?;
+        Ok(Self {
+            reader,
+            header,
+            layout,
+            read,
+            projection,
+        })
     }
-    // Only the columns read are decoded; a row holds them in the file's order.
-    let mut read: Vec<usize> = layout.read().collect();
-    read.sort_unstable();
-    read.dedup();
-    let projection = parquet::schema::types::Type::group_type_builder(schema.name())
-        .with_fields(read.iter().map(|&column| fields[column].clone()).collect())
-        .build()
-        .context("projecting the columns read")?;
-    let rows_read = reader.get_row_iter(Some(projection)).context("cannot read its rows")?;
-    for (index, row) in rows_read.enumerate() {
-        let row = row.with_context(|| format!("row {}: cannot be decoded", index + 1))?;
-        let cells = row.into_columns();
-        let at = || format!("row {}", index + 1);
-        layout.push(rows, columns.regression, &header, &at, |column| {
-            let place = read.binary_search(&column).unwrap_or_default();
+
+    /// Rows in the file.
+    fn rows(&self) -> u64 {
+        use parquet::file::reader::FileReader;
+        self.reader.metadata().file_metadata().num_rows().max(0) as u64
+    }
+
+    /// The values of `row`, decoded with the projection and numbered `number` from 1 in errors.
+    fn values(
+        &self,
+        row: parquet::errors::Result<parquet::record::Row>,
+        number: u64,
+        regression: bool,
+    ) -> Result<Vec<f32>> {
+        use parquet::record::Field;
+
+        let cells = row.with_context(|| format!("row {number}: cannot be decoded"))?.into_columns();
+        let header = &self.header;
+        let at = || format!("row {number}");
+        self.layout.values(regression, header, &at, |column| {
+            let place = self.read.binary_search(&column).unwrap_or_default();
             let value = match &cells[place].1 {
                 Field::Int(v) => *v as f32,
                 Field::Long(v) => *v as f32,
@@ -280,20 +355,31 @@ fn read_parquet(path: &Path, columns: Columns, rows: &mut Rows) -> Result<()> {
                 Field::UShort(v) => f32::from(*v),
                 Field::UInt(v) => *v as f32,
                 Field::ULong(v) => *v as f32,
-                other => bail!(
-                    "row {}, column {:?}: {other} is not a number",
-                    index + 1,
-                    header[column]
-                ),
+                other => bail!("row {number}, column {:?}: {other} is not a number", header[column]),
             };
             ensure!(
                 value.is_finite(),
-                "row {}, column {:?}: {value} is not a finite number",
-                index + 1,
+                "row {number}, column {:?}: {value} is not a finite number",
                 header[column]
             );
             Ok(value)
-        })?;
+        })
+    }
+}
+
+/// Appends the rows of the Parquet file at `path` to `rows`: its top-level columns of
+/// integers or floating-point numbers.
+fn read_parquet(path: &Path, columns: Columns, rows: &mut Rows) -> Result<()> {
+    use parquet::file::reader::FileReader;
+
+    let table = ParquetColumns::open(path, columns)?;
+    rows.take_features(table.layout.feature_names(&table.header), table.layout.features.len())?;
+    let read = table
+        .reader
+        .get_row_iter(Some(table.projection.clone()))
+        .context("cannot read its rows")?;
+    for (index, row) in read.enumerate() {
+        rows.push(table.values(row, index as u64 + 1, columns.regression)?);
     }
     Ok(())
 }
@@ -390,7 +476,7 @@ fn read_arrays(path: &Path, columns: Columns, rows: &mut Rows) -> Result<()> {
         }
         if let Some((name, values)) = &labels {
             let at = || format!("array {name:?}, row {}", row + 1);
-            push_label(rows, values[row][0], columns.regression, &at)?;
+            rows.labels.push(label_value(values[row][0], columns.regression, &at)?);
         }
     }
     Ok(())
@@ -404,6 +490,45 @@ fn schema_line(field: &parquet::schema::types::Type) -> String {
         .split_whitespace()
         .collect::<Vec<_>>()
         .join(" ")
+}
+
+/// A training table in `format` streamed in parts cut as `layout` says, and its held-out
+/// `test_files` read whole. Class ids count the classes: one more than the largest of either
+/// split, which a pass over the training files finds.
+pub fn streamed_splits(
+    format: TableFormat,
+    train_files: &[String],
+    test_files: &[String],
+    columns: Columns,
+    layout: crate::data::parts::DataLayout,
+) -> Result<(StreamedTable, Dataset)> {
+    let train = StreamedTable::open(format, train_files, columns, layout)?;
+    ensure!(
+        !test_files.is_empty(),
+        "train.test_files: a table streamed in parts (train.data_parts) holds out files, not a fraction of its rows"
+    );
+    let test = read_files(test_files, Some(format), columns, "train.test_files")?;
+    ensure!(
+        test.dim == train.dim,
+        "train.test_files have {} feature columns, train.train_files {}",
+        test.dim,
+        train.dim
+    );
+    let largest = match columns.regression {
+        true => 0.0,
+        false => test.labels.iter().fold(train.largest_label()?, |a, &b| a.max(b)),
+    };
+    let test = test.into_dataset(columns, outputs(columns, largest))?;
+    Ok((train, test))
+}
+
+/// The width of a model's output over a table of `columns` whose largest label is `largest`:
+/// one value regressed, or a class for every id up to the largest.
+fn outputs(columns: Columns, largest: f32) -> usize {
+    match columns.regression {
+        true => 1,
+        false => largest as usize + 1,
+    }
 }
 
 /// The training and held-out splits of tables in `format`: `test_files` held out, or when there are
@@ -431,28 +556,16 @@ pub fn table_splits(
             train.dim
         );
     }
-    let outputs = if columns.regression {
-        1
-    } else {
-        let largest = train
-            .labels
-            .iter()
-            .chain(test.iter().flat_map(|t| &t.labels))
-            .fold(0f32, |a, &b| a.max(b));
-        largest as usize + 1
-    };
-    let dataset = |rows: Rows| {
-        if columns.regression {
-            Dataset::regression(rows.features, rows.labels, rows.dim, 1)
-        } else {
-            let classes = rows.labels.iter().map(|&l| l as u32).collect();
-            Dataset::new(rows.features, classes, rows.dim, outputs)
-        }
-    };
+    let largest = train
+        .labels
+        .iter()
+        .chain(test.iter().flat_map(|t| &t.labels))
+        .fold(0f32, |a, &b| a.max(b));
+    let outputs = outputs(columns, largest);
     let feature_columns = std::mem::take(&mut train.names);
-    let train = dataset(train)?;
+    let train = train.into_dataset(columns, outputs)?;
     let (train, test) = match test {
-        Some(test) => (train, dataset(test)?),
+        Some(test) => (train, test.into_dataset(columns, outputs)?),
         None => train.split(test_fraction, seed).context("train.test_fraction")?,
     };
     Ok(TableSplits {

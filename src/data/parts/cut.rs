@@ -2,30 +2,33 @@
 //!
 //! With at least as many files as parts, a part is a run of whole files, the first
 //! `files % parts` parts one file longer (Paddle's `get_file_shard`); with fewer files, the
-//! uncompressed files are cut into byte ranges of their concatenation, a line belonging to the
-//! part where its first byte lies (so a reader seeks to its start and passes over the line
-//! begun before it). Only file sizes are looked at: cutting reads no data.
+//! files are cut into ranges of their concatenation, measured in the unit the format can start
+//! a reader at: bytes of uncompressed text — a line belonging to the part where its first byte
+//! lies, so a reader seeks to its start and passes over the line begun before it — or rows of
+//! Parquet. Only file sizes (or row counts in a file's footer) are looked at: cutting reads no
+//! data.
 
 use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
 
-use super::tsv::is_gzip;
+use super::text::is_gzip;
 
-/// The bytes of one file that belong to a part: the lines that begin in `start..end`.
+/// The part of one file that belongs to a part: the lines that begin in bytes `start..end`, or
+/// rows `start..end`.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub(super) struct Segment {
+pub(crate) struct Segment {
     /// The file.
-    pub(super) path: PathBuf,
-    /// Offset of the first byte of the range.
-    pub(super) start: u64,
-    /// Offset just past the range; `None` to the end of the file.
-    pub(super) end: Option<u64>,
+    pub(crate) path: PathBuf,
+    /// The first byte (or row) of the range.
+    pub(crate) start: u64,
+    /// Just past the range; `None` to the end of the file.
+    pub(crate) end: Option<u64>,
 }
 
 impl Segment {
     /// The whole of `path`.
-    pub(super) fn whole(path: &Path) -> Self {
+    pub(crate) fn whole(path: &Path) -> Self {
         Self {
             path: path.to_path_buf(),
             start: 0,
@@ -34,26 +37,11 @@ impl Segment {
     }
 }
 
-/// `files` cut into `parts` parts, each a list of segments read in order.
-pub(super) fn cut_into_parts(files: &[PathBuf], parts: usize) -> Result<Vec<Vec<Segment>>> {
-    anyhow::ensure!(parts > 0, "data cannot be cut into 0 parts");
-    anyhow::ensure!(!files.is_empty(), "no CTR data files were given");
-    if files.len() >= parts {
-        let (per_part, longer) = (files.len() / parts, files.len() % parts);
-        let mut next = 0;
-        return Ok((0..parts)
-            .map(|part| {
-                let take = per_part + usize::from(part < longer);
-                let run = files[next..next + take]
-                    .iter()
-                    .map(|path| Segment::whole(path))
-                    .collect();
-                next += take;
-                run
-            })
-            .collect());
-    }
-    if let Some(packed) = files.iter().find(|path| is_gzip(path)) {
+/// Text `files` cut into `parts` parts, each a list of segments read in order: fewer files
+/// than parts are cut by bytes, which compressed files cannot be.
+pub(crate) fn cut_into_parts(files: &[PathBuf], parts: usize) -> Result<Vec<Vec<Segment>>> {
+    let by_bytes = files.len() < parts;
+    if let Some(packed) = files.iter().find(|path| by_bytes && is_gzip(path)) {
         bail!(
             "train.data_parts = {parts} parts of {} file(s): fewer files than parts can only be cut into byte \
              ranges, and {} is gzip-compressed; give at least {parts} files or uncompressed ones",
@@ -61,14 +49,44 @@ pub(super) fn cut_into_parts(files: &[PathBuf], parts: usize) -> Result<Vec<Vec<
             packed.display()
         );
     }
-    let sizes: Vec<u64> = files
-        .iter()
-        .map(|path| {
-            std::fs::metadata(path)
-                .map(|meta| meta.len())
-                .with_context(|| format!("cannot open CTR data file {}", path.display()))
+    cut_by_measure(files, parts, |path| {
+        std::fs::metadata(path)
+            .map(|meta| meta.len())
+            .with_context(|| format!("cannot open data file {}", path.display()))
+    })
+}
+
+/// At least as many `files` as `parts` dealt in runs of whole files, the first
+/// `files % parts` runs one file longer.
+fn whole_files(files: &[PathBuf], parts: usize) -> Vec<Vec<Segment>> {
+    let (per_part, longer) = (files.len() / parts, files.len() % parts);
+    let mut next = 0;
+    (0..parts)
+        .map(|part| {
+            let take = per_part + usize::from(part < longer);
+            let run = files[next..next + take]
+                .iter()
+                .map(|path| Segment::whole(path))
+                .collect();
+            next += take;
+            run
         })
-        .collect::<Result<_>>()?;
+        .collect()
+}
+
+/// `files` cut into `parts` parts: runs of whole files when there are at least as many, else
+/// ranges of the files' concatenation in the unit `measure` counts a file's length in.
+pub(crate) fn cut_by_measure(
+    files: &[PathBuf],
+    parts: usize,
+    measure: impl Fn(&Path) -> Result<u64>,
+) -> Result<Vec<Vec<Segment>>> {
+    anyhow::ensure!(parts > 0, "data cannot be cut into 0 parts");
+    anyhow::ensure!(!files.is_empty(), "no data files were given");
+    if files.len() >= parts {
+        return Ok(whole_files(files, parts));
+    }
+    let sizes: Vec<u64> = files.iter().map(|path| measure(path)).collect::<Result<_>>()?;
     let total: u64 = sizes.iter().sum();
     let boundary = |part: usize| (u128::from(total) * part as u128 / parts as u128) as u64;
     Ok((0..parts)
