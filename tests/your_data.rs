@@ -69,19 +69,36 @@ fn write_tables(dir: &Path) {
 
 #[test]
 fn a_csv_regression_launched_on_two_processes_equals_one_process() {
-    launched_regression_equals_one_process("csv");
+    launched_regression_equals_one_process("csv", "");
 }
 
 #[test]
 fn a_parquet_regression_launched_on_two_processes_equals_one_process() {
-    launched_regression_equals_one_process("parquet");
+    launched_regression_equals_one_process("parquet", "");
 }
 
-fn launched_regression_equals_one_process(format: &str) {
+/// Streamed in two parts of one file each rank reads alone — the CSV cut by bytes (the header
+/// in the first part only), the Parquet by rows (the second part starting inside a row group of
+/// 100) — and shuffled in windows.
+const STREAMED: &str = "data_parts = 2\nshuffle_buffer = 48\n";
+
+#[test]
+fn a_csv_streamed_in_parts_launched_on_two_processes_equals_one_process() {
+    launched_regression_equals_one_process("csv", STREAMED);
+}
+
+#[test]
+fn a_parquet_streamed_in_parts_launched_on_two_processes_equals_one_process() {
+    launched_regression_equals_one_process("parquet", STREAMED);
+}
+
+/// `format` trained under `flotilla launch` on two processes, with the `[train]` keys `extra`,
+/// against one process on the same global batches.
+fn launched_regression_equals_one_process(format: &str, extra: &str) {
     let dir = tempfile::tempdir().unwrap();
     write_tables(dir.path());
     let config_path = dir.path().join("regression.toml");
-    std::fs::write(&config_path, config_text(dir.path(), format, 2)).unwrap();
+    std::fs::write(&config_path, config_text(dir.path(), format, 2) + extra).unwrap();
     let run_dir = dir.path().join("run");
     let port = free_port_range(3).to_string();
     #[rustfmt::skip]
@@ -106,7 +123,7 @@ fn launched_regression_equals_one_process(format: &str) {
     // One process on the same global batches: within 1e-5 per parameter, the tolerance of
     // data_parallel_equivalence.rs (two ranks sum their halves of each gradient in another
     // order than one process sums the whole).
-    let text = config_text(dir.path(), format, 1);
+    let text = config_text(dir.path(), format, 1) + extra;
     let reference = TrainingJob::builtin(JobConfig::from_toml_str(&text, "regression.toml", &|_| None, &[]).unwrap())
         .unwrap()
         .run_simulated(&RunOptions::new(dir.path().join("reference")))

@@ -504,3 +504,163 @@ impl ParquetPart {
         Ok(())
     }
 }
+
+// The integration tests' writer of Parquet files.
+#[cfg(test)]
+#[path = "../../../tests/common/parquet.rs"]
+#[allow(unreachable_pub)]
+mod parquet_files;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::data::{Batch, RankBatches, TrainingRows};
+
+    use super::parquet_files;
+
+    const ROWS: usize = 101;
+
+    /// Every column but the label: the CSV's text column is named where it is read.
+    const REGRESS: Columns = Columns {
+        label: Some("y"),
+        features: None,
+        regression: true,
+    };
+
+    /// Row `i`: features `i` and `-i`, label `i / 2` — each row its own.
+    fn row(i: usize) -> Vec<f32> {
+        vec![i as f32, -(i as f32), i as f32 / 2.0]
+    }
+
+    /// The same `ROWS` rows as one CSV file (a header, a blank line and a text column the model
+    /// does not read) and one Parquet file of row groups of 10, in `dir`.
+    fn tables(dir: &Path) -> [(TableFormat, String); 2] {
+        let mut text = String::from("a,note,b,y\n");
+        for i in 0..ROWS {
+            let [a, b, y] = row(i)[..] else { unreachable!() };
+            text += &format!("{a},\"see, {i}\",{b},{y}\n");
+            if i == 40 {
+                text += "\n";
+            }
+        }
+        let csv = dir.join("t.csv");
+        std::fs::write(&csv, text).unwrap();
+        let parquet = dir.join("t.parquet");
+        let column = |k: usize| parquet_files::Column::Doubles((0..ROWS).map(|i| f64::from(row(i)[k])).collect());
+        parquet_files::write_parquet(&parquet, &[("y", column(2)), ("a", column(0)), ("b", column(1))], 10);
+        let name = |path: PathBuf| path.to_string_lossy().into_owned();
+        [(TableFormat::Csv, name(csv)), (TableFormat::Parquet, name(parquet))]
+    }
+
+    fn layout(parts: usize, shuffle_buffer: usize) -> DataLayout {
+        DataLayout {
+            parts,
+            shuffle_buffer,
+            seed: 3,
+        }
+    }
+
+    /// Features `a` and `b`, label `y`.
+    fn columns(features: &[String]) -> Columns<'_> {
+        Columns {
+            features: Some(features),
+            ..REGRESS
+        }
+    }
+
+    fn a_b() -> Vec<String> {
+        vec!["a".to_string(), "b".to_string()]
+    }
+
+    #[test]
+    fn every_row_is_in_exactly_one_part_in_file_order() -> Result<()> {
+        let dir = tempfile::tempdir()?;
+        let a_b = a_b();
+        for (format, file) in tables(dir.path()) {
+            for parts in [1, 2, 3, 4] {
+                let table =
+                    StreamedTable::open(format, std::slice::from_ref(&file), columns(&a_b), layout(parts, 0))?;
+                assert_eq!((table.rows, table.dim), (ROWS as u64, 2), "{format:?}");
+                let mut loader = table.loader(12, 0, 1)?;
+                let mut rows = Vec::new();
+                while let Some(batch) = loader.next_eval_batch()? {
+                    rows.extend(batch);
+                }
+                assert_eq!(rows, (0..ROWS).map(row).collect::<Vec<_>>(), "{format:?}, {parts} parts");
+            }
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn ranks_read_their_own_parts_and_their_batches_concatenate_to_one_process_s() -> Result<()> {
+        let dir = tempfile::tempdir()?;
+        for (format, file) in tables(dir.path()) {
+            let table = Arc::new(StreamedTable::open(format, &[file], columns(&a_b()), layout(2, 7))?);
+            let rows = TrainingRows::Streamed(table);
+            let mut whole = RankBatches::new(&rows, 12, 0, 1, 0)?;
+            let expected: Vec<Batch> = (0..20).map(|step| whole.batch(step)).collect::<Result<_>>()?;
+            for world in [2, 4] {
+                let mut ranks: Vec<RankBatches> = (0..world)
+                    .map(|rank| RankBatches::new(&rows, 12, rank, world, 0))
+                    .collect::<Result<_>>()?;
+                for (step, batch) in expected.iter().enumerate() {
+                    let mut joined = Vec::new();
+                    for rank in &mut ranks {
+                        joined.extend(rank.batch(step)?.pieces(1));
+                    }
+                    assert_eq!(joined, batch.pieces(1).collect::<Vec<_>>(), "{format:?}, {world} ranks, step {step}");
+                }
+                if world == 2 {
+                    let read: Vec<u64> = ranks
+                        .iter()
+                        .map(|rank| match rank {
+                            RankBatches::Streamed { loader, .. } => loader.records_read(),
+                            RankBatches::InMemory(_) => 0,
+                        })
+                        .collect();
+                    // 20 steps of 6 rows from a part of about 50, in windows of 7: each rank read
+                    // its own part two and a half times, never the other (which would double it).
+                    assert!(read.iter().all(|&r| (100..=150).contains(&r)), "{format:?}: {read:?}");
+                }
+            }
+            // A rollback reads the step's batch again; a jump ahead skips to it.
+            let mut rank = RankBatches::new(&rows, 12, 1, 2, 0)?;
+            let mut fresh = RankBatches::new(&rows, 12, 1, 2, 0)?;
+            let later = rank.batch(13)?;
+            assert_eq!(rank.batch(4)?, fresh.batch(4)?);
+            assert_eq!(rank.batch(13)?, later);
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn a_bad_cell_in_a_later_part_is_named_and_a_missing_column_fails_the_open() -> Result<()> {
+        let dir = tempfile::tempdir()?;
+        let mut text = String::from("x,y\n");
+        for i in 0..40 {
+            text += &format!("{i},{}\n", if i == 30 { "oops".to_string() } else { i.to_string() });
+        }
+        let file = dir.path().join("bad.csv").to_string_lossy().into_owned();
+        std::fs::write(&file, text)?;
+        let table = StreamedTable::open(TableFormat::Csv, std::slice::from_ref(&file), REGRESS, layout(2, 0))?;
+        let mut second = table.loader(4, 1, 2)?;
+        let err = (0..10).try_for_each(|_| second.next_batch().map(drop)).unwrap_err();
+        let text = format!("{err:#}");
+        assert!(
+            text.contains("bad.csv (the part from byte") && text.contains("column \"y\": \"oops\" is not a number"),
+            "{text}"
+        );
+        let nope = ["nope".to_string()];
+        let wrong = Columns {
+            features: Some(&nope),
+            ..REGRESS
+        };
+        let text = format!("{:#}", StreamedTable::open(TableFormat::Csv, &[file], wrong, layout(2, 0)).unwrap_err());
+        assert!(
+            text.contains("bad.csv") && text.contains("no column \"nope\" (train.feature_columns)"),
+            "{text}"
+        );
+        Ok(())
+    }
+}
