@@ -500,3 +500,61 @@ fn named_arrays_train_the_model_the_same_rows_as_a_table_train() {
         "{error}"
     );
 }
+
+#[test]
+fn training_memory_stays_bounded_as_a_streamed_table_grows() {
+    let dir = tempfile::tempdir().unwrap();
+    write_tables(dir.path());
+    // 1.2 million rows (about 48 MB of CSV) against 2 000: as rows in memory they would take
+    // over 19 MB more, streamed they take a shuffle window.
+    // Written 10 000 rows at a time: a child's peak resident set counts its parent's at the
+    // fork, so this process keeps little.
+    let table = |name: &str, rows: usize| {
+        let path = dir.path().join(format!("{name}.csv"));
+        let mut out = std::io::BufWriter::new(std::fs::File::create(&path).unwrap());
+        for start in (0..rows).step_by(10_000) {
+            let text = regression_csv(10_000.min(rows - start), start);
+            let body = if start == 0 {
+                &text[..]
+            } else {
+                &text["a,b,c,y\n".len()..]
+            };
+            std::io::Write::write_all(&mut out, body.as_bytes()).unwrap();
+        }
+        std::io::Write::flush(&mut out).unwrap();
+        path.to_string_lossy().into_owned()
+    };
+    let (small, large) = (table("small", 2_000), table("large", 1_200_000));
+    let peak = |file: &str, extra: &str| {
+        let config = config_text(dir.path(), "csv", 1)
+            .replace("steps = 120", "steps = 4")
+            .replace(&*dir.path().join("train.csv").to_string_lossy(), file)
+            + extra;
+        let config_path = dir.path().join("memory.toml");
+        std::fs::write(&config_path, config).unwrap();
+        let run_dir = dir.path().join("run");
+        let args = [
+            "train",
+            "--config",
+            config_path.to_str().unwrap(),
+            "--run-dir",
+            run_dir.to_str().unwrap(),
+            "--overwrite",
+        ];
+        let (succeeded, stderr, peak) = common::flotilla_peak_rss(&args, 120);
+        assert!(succeeded, "{stderr}");
+        peak
+    };
+    let streamed = "data_parts = 1\nshuffle_buffer = 256\n";
+    let (small_peak, large_peak) = (peak(&small, streamed), peak(&large, streamed));
+    assert!(
+        large_peak < small_peak + (6 << 20),
+        "streamed: peak resident set {small_peak} B on 2 000 rows, {large_peak} B on 1 200 000"
+    );
+    // The measure sees rows held in memory: the same table read whole grows it.
+    let whole = peak(&large, "");
+    assert!(
+        whole > small_peak + (16 << 20),
+        "read whole: peak resident set {whole} B on 1 200 000 rows against {small_peak} B streamed on 2 000"
+    );
+}

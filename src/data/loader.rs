@@ -110,7 +110,9 @@ impl RankBatches {
     pub(crate) fn batch(&mut self, step: usize) -> Result<Batch> {
         match self {
             Self::InMemory(loader) => Ok(loader.batch(step)),
-            Self::Streamed { table, loader, next, .. } => {
+            Self::Streamed {
+                table, loader, next, ..
+            } => {
                 if step < *next {
                     loader.rewind()?;
                     *next = 0;

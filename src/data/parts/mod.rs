@@ -311,7 +311,10 @@ impl Placement {
 
     /// The records of part `part`'s share that the rank keeps.
     fn keep(&self, part: usize) -> Range<usize> {
-        let (start, last) = (self.first.max(part * self.share), (self.first + self.slice).min((part + 1) * self.share));
+        let (start, last) = (
+            self.first.max(part * self.share),
+            (self.first + self.slice).min((part + 1) * self.share),
+        );
         start.saturating_sub(part * self.share)..last.saturating_sub(part * self.share)
     }
 }

@@ -52,4 +52,3 @@ pub(crate) fn count_records(path: &Path) -> Result<u64> {
         }
     }
 }
-

@@ -259,7 +259,13 @@ fn read_csv(path: &Path, columns: Columns, rows: &mut Rows) -> Result<()> {
     for record in reader.byte_records() {
         let record = record.context("malformed CSV")?;
         let line = record.position().map_or(0, csv::Position::line);
-        rows.push(csv_values(&layout, &record, &|| format!("line {line}"), &header, columns.regression)?);
+        rows.push(csv_values(
+            &layout,
+            &record,
+            &|| format!("line {line}"),
+            &header,
+            columns.regression,
+        )?);
     }
     Ok(())
 }
@@ -339,7 +345,9 @@ impl ParquetColumns {
     ) -> Result<Vec<f32>> {
         use parquet::record::Field;
 
-        let cells = row.with_context(|| format!("row {number}: cannot be decoded"))?.into_columns();
+        let cells = row
+            .with_context(|| format!("row {number}: cannot be decoded"))?
+            .into_columns();
         let header = &self.header;
         let at = || format!("row {number}");
         self.layout.values(regression, header, &at, |column| {

@@ -74,7 +74,8 @@ impl StreamedTable {
                     (layout.feature_names(&header), count_records(path)?.saturating_sub(1))
                 }
                 TableFormat::Parquet => {
-                    let table = ParquetColumns::open(path, columns).with_context(|| format!("train.train_files: {file}"))?;
+                    let table =
+                        ParquetColumns::open(path, columns).with_context(|| format!("train.train_files: {file}"))?;
                     (table.layout.feature_names(&table.header), table.rows())
                 }
                 TableFormat::Arrays => {
@@ -94,6 +95,12 @@ impl StreamedTable {
         }
         let feature_columns = dims.unwrap_or_default();
         ensure!(rows > 0, "train.train_files: the files hold no rows");
+        tracing::info!(
+            rows,
+            files = files.len(),
+            parts = layout.parts,
+            "streaming the training table in parts; each rank reads only its own"
+        );
         Ok(Self {
             format,
             files: files.iter().map(PathBuf::from).collect(),
@@ -578,15 +585,18 @@ mod tests {
         let a_b = a_b();
         for (format, file) in tables(dir.path()) {
             for parts in [1, 2, 3, 4] {
-                let table =
-                    StreamedTable::open(format, std::slice::from_ref(&file), columns(&a_b), layout(parts, 0))?;
+                let table = StreamedTable::open(format, std::slice::from_ref(&file), columns(&a_b), layout(parts, 0))?;
                 assert_eq!((table.rows, table.dim), (ROWS as u64, 2), "{format:?}");
                 let mut loader = table.loader(12, 0, 1)?;
                 let mut rows = Vec::new();
                 while let Some(batch) = loader.next_eval_batch()? {
                     rows.extend(batch);
                 }
-                assert_eq!(rows, (0..ROWS).map(row).collect::<Vec<_>>(), "{format:?}, {parts} parts");
+                assert_eq!(
+                    rows,
+                    (0..ROWS).map(row).collect::<Vec<_>>(),
+                    "{format:?}, {parts} parts"
+                );
             }
         }
         Ok(())
@@ -609,7 +619,11 @@ mod tests {
                     for rank in &mut ranks {
                         joined.extend(rank.batch(step)?.pieces(1));
                     }
-                    assert_eq!(joined, batch.pieces(1).collect::<Vec<_>>(), "{format:?}, {world} ranks, step {step}");
+                    assert_eq!(
+                        joined,
+                        batch.pieces(1).collect::<Vec<_>>(),
+                        "{format:?}, {world} ranks, step {step}"
+                    );
                 }
                 if world == 2 {
                     let read: Vec<u64> = ranks
@@ -656,7 +670,10 @@ mod tests {
             features: Some(&nope),
             ..REGRESS
         };
-        let text = format!("{:#}", StreamedTable::open(TableFormat::Csv, &[file], wrong, layout(2, 0)).unwrap_err());
+        let text = format!(
+            "{:#}",
+            StreamedTable::open(TableFormat::Csv, &[file], wrong, layout(2, 0)).unwrap_err()
+        );
         assert!(
             text.contains("bad.csv") && text.contains("no column \"nope\" (train.feature_columns)"),
             "{text}"
