@@ -388,6 +388,13 @@ fn pytorch_loads_the_model_file_by_name_and_predicts_as_flotilla_does() {
     }
 }
 
+/// The peak resident set of `flotilla args`, which must succeed.
+fn peak_rss(args: &[&str]) -> u64 {
+    let (succeeded, stderr, peak) = common::flotilla_peak_rss(args, 120);
+    assert!(succeeded, "{stderr}");
+    peak
+}
+
 /// Evaluation scores the held-out set `eval_batch_size` rows at a time, so its memory does not
 /// grow with the set: `flotilla eval` of a wide MLP on 40 000 held-out rows peaks within 64 MB of
 /// the same on 2 000, where one forward pass of the whole set would hold 311 MB more of the
@@ -413,16 +420,13 @@ fn evaluation_memory_stays_bounded_as_the_held_out_set_grows() {
     assert_eq!(summary["test_samples"], 2_000);
     let params = run_dir.join("params.safetensors");
     let peak = |config: &Path| {
-        let args = [
+        peak_rss(&[
             "eval",
             "--config",
             config.to_str().unwrap(),
             "--params",
             params.to_str().unwrap(),
-        ];
-        let (succeeded, stderr, peak) = common::flotilla_peak_rss(&args, 120);
-        assert!(succeeded, "{stderr}");
-        peak
+        ])
     };
     let (small_peak, large_peak) = (peak(&small), peak(&large));
     assert!(
@@ -533,17 +537,14 @@ fn training_memory_stays_bounded_as_a_streamed_table_grows() {
         let config_path = dir.path().join("memory.toml");
         std::fs::write(&config_path, config).unwrap();
         let run_dir = dir.path().join("run");
-        let args = [
+        peak_rss(&[
             "train",
             "--config",
             config_path.to_str().unwrap(),
             "--run-dir",
             run_dir.to_str().unwrap(),
             "--overwrite",
-        ];
-        let (succeeded, stderr, peak) = common::flotilla_peak_rss(&args, 120);
-        assert!(succeeded, "{stderr}");
-        peak
+        ])
     };
     let streamed = "data_parts = 1\nshuffle_buffer = 256\n";
     let (small_peak, large_peak) = (peak(&small, streamed), peak(&large, streamed));

@@ -442,6 +442,34 @@ mod tests {
     }
 
     #[test]
+    fn tables_given_parts_are_streamed_and_hold_out_files() {
+        let table = |dataset: &str, rest: &str| {
+            load_str(&format!(
+                "[train]\ndataset = \"{dataset}\"\ntrain_files = [\"t\"]\nbatch_size = 64\n{rest}"
+            ))
+        };
+        let streamed = table("csv", "data_parts = 4\nshuffle_buffer = 100\ntest_files = [\"h\"]\n").unwrap();
+        assert_eq!(
+            (streamed.train.data_parts, streamed.train.shuffle_buffer),
+            (Some(4), 100)
+        );
+        assert_eq!(
+            table("parquet", "").unwrap().train.data_parts,
+            None,
+            "read whole by default"
+        );
+        let no_held_out = err_text(table("csv", "data_parts = 4\n"));
+        assert!(
+            no_held_out.contains("train.test_files: a table streamed in parts"),
+            "{no_held_out}"
+        );
+        let uneven = err_text(table("parquet", "data_parts = 3\ntest_files = [\"h\"]\n"));
+        assert!(uneven.contains("train.data_parts: the global batch of 64"), "{uneven}");
+        let arrays = err_text(table("arrays", "data_parts = 2\ntest_files = [\"h\"]\n"));
+        assert!(arrays.contains("train.data_parts: only click logs"), "{arrays}");
+    }
+
+    #[test]
     fn elastic_membership_needs_min_at_most_max_a_data_parallel_job_and_a_batch_every_size_divides() {
         let elastic = |cluster: &str, rest: &str| err_text(load_str(&format!("[cluster]\n{cluster}\n{rest}")));
         assert_eq!(
