@@ -185,11 +185,13 @@ fn launch_and_hurt(job: &Job, victim: Victim, signal: i32, extra: &[&str]) -> Hu
     }
 }
 
-/// The run ends as the same job uninterrupted in one process: the same rings or shards,
-/// summation order and optimizer state, resumed at a step boundary, give the same bits.
-fn equals_uninterrupted(job: &Job, summary: &serde_json::Value, run_dir: &Path) {
+/// The run ends as the same job — with the settings `extra` — uninterrupted in one process: the
+/// same rings or shards, summation order and optimizer state, resumed at a step boundary, give
+/// the same bits.
+fn equals_uninterrupted(job: &Job, extra: &[&str], summary: &serde_json::Value, run_dir: &Path) {
     let sets = job.sets();
-    let sets: Vec<&str> = sets.iter().map(String::as_str).collect();
+    let mut sets: Vec<&str> = sets.iter().map(String::as_str).collect();
+    sets.extend(extra);
     assert_eq!(summary["steps"], job.steps);
     if job.is_parameter_server() {
         ps_matches_uninterrupted(&sets, summary, run_dir);
@@ -248,19 +250,58 @@ fn kill_a_role(job: &Job) -> Hurt {
 #[test]
 fn a_killed_rank_is_replaced_alone_and_the_survivors_roll_back_in_their_processes() {
     let hurt = kill_a_role(&DATA_PARALLEL);
-    equals_uninterrupted(&DATA_PARALLEL, &hurt.summary, &hurt.run_dir);
+    equals_uninterrupted(&DATA_PARALLEL, &[], &hurt.summary, &hurt.run_dir);
+}
+
+/// The rows of a planted regression, `y = 2a − b + c/2`, as CSV with a header.
+fn regression_csv(rows: std::ops::Range<usize>) -> String {
+    let mut text = String::from("a,b,c,y\n");
+    for i in rows {
+        let [a, b, c] = [(i * 37) % 101, (i * 53) % 97, (i * 71) % 89].map(|v| v as f32 / 50.0 - 1.0);
+        text += &format!("{a},{b},{c},{}\n", 2.0 * a - b + 0.5 * c);
+    }
+    text
+}
+
+#[test]
+fn a_killed_rank_streaming_its_parts_of_a_table_is_replaced_alone_and_ends_as_uninterrupted() {
+    let data = tempfile::tempdir().unwrap();
+    let file = |name: &str, rows| {
+        let path = data.path().join(name);
+        std::fs::write(&path, regression_csv(rows)).unwrap();
+        path.display().to_string()
+    };
+    // One file cut by bytes into a part per rank, read in shuffled windows: the survivors seek
+    // back to their marks, the replacement reads its part up to the checkpoint.
+    let (train, test) = (file("train.csv", 0..3000), file("test.csv", 5000..5300));
+    let extra = [
+        "train.dataset=\"csv\"".to_string(),
+        format!("train.train_files=[{train:?}]"),
+        format!("train.test_files=[{test:?}]"),
+        "train.label_column=\"y\"".to_string(),
+        "train.loss=\"mse\"".to_string(),
+        "train.data_parts=3".to_string(),
+        "train.shuffle_buffer=64".to_string(),
+    ];
+    let extra: Vec<&str> = extra.iter().map(String::as_str).collect();
+    let lost = DATA_PARALLEL.any_role();
+    let hurt = launch_and_hurt(&DATA_PARALLEL, Victim::Role(lost), libc::SIGKILL, &extra);
+    assert_eq!(hurt.summary["test_samples"], 300, "the table's held-out rows");
+    assert!(hurt.summary["test_mse"].is_number(), "{}", hurt.summary);
+    survivors_rolled_back_in_place(&hurt, lost);
+    equals_uninterrupted(&DATA_PARALLEL, &extra, &hurt.summary, &hurt.run_dir);
 }
 
 #[test]
 fn a_killed_pipeline_stage_is_replaced_alone_and_the_other_stages_roll_back_in_their_processes() {
     let hurt = kill_a_role(&PIPELINE);
-    equals_uninterrupted(&PIPELINE, &hurt.summary, &hurt.run_dir);
+    equals_uninterrupted(&PIPELINE, &[], &hurt.summary, &hurt.run_dir);
 }
 
 #[test]
 fn a_killed_sync_shard_or_trainer_is_replaced_alone_and_the_others_roll_back_in_their_processes() {
     let hurt = kill_a_role(&PS_SYNC);
-    equals_uninterrupted(&PS_SYNC, &hurt.summary, &hurt.run_dir);
+    equals_uninterrupted(&PS_SYNC, &[], &hurt.summary, &hurt.run_dir);
 }
 
 #[test]
@@ -332,7 +373,7 @@ fn stop_a_role(job: &Job) {
         "the launcher did not kill the stopped role:\n{stderr}"
     );
     survivors_rolled_back_in_place(&hurt, lost);
-    equals_uninterrupted(job, &hurt.summary, &hurt.run_dir);
+    equals_uninterrupted(job, &[], &hurt.summary, &hurt.run_dir);
 }
 
 #[test]
@@ -370,7 +411,7 @@ fn kill_the_coordinator(job: &Job) {
         );
     }
     assert!(!stderr.contains("rolling back"), "{stderr}");
-    equals_uninterrupted(job, &hurt.summary, &hurt.run_dir);
+    equals_uninterrupted(job, &[], &hurt.summary, &hurt.run_dir);
 }
 
 #[test]
@@ -405,7 +446,7 @@ fn without_checkpoints_the_survivors_roll_back_to_step_0_from_memory() {
         "{stderr}"
     );
     let summary = common::read_summary(&run_dir);
-    equals_uninterrupted(&DATA_PARALLEL, &summary, &run_dir);
+    equals_uninterrupted(&DATA_PARALLEL, &[], &summary, &run_dir);
 }
 
 #[test]
@@ -458,5 +499,5 @@ fn a_replacement_started_with_another_config_is_refused_naming_the_key_and_the_j
         "the refused process cost the job a rank:\n{stderr}"
     );
     let summary = common::read_summary(&run_dir);
-    equals_uninterrupted(&DATA_PARALLEL, &summary, &run_dir);
+    equals_uninterrupted(&DATA_PARALLEL, &[], &summary, &run_dir);
 }

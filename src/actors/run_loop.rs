@@ -47,7 +47,8 @@ impl RunLoop {
         clock_offset_us: f64,
     ) -> Result<Self> {
         let train = &job.train;
-        let loader = RankBatches::new(data, train.batch_size, replica, replicas, train.seed)
+        let mark_every = job.fault_tolerance.checkpoint_every;
+        let loader = RankBatches::new(data, train.batch_size, (replica, replicas), train.seed, mark_every)
             .with_context(|| format!("train.batch_size = {}", train.batch_size))?;
         let steps = run_steps(job, data)?;
         crate::optim::check_run_length(&job.strategy, steps)?;

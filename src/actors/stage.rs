@@ -361,7 +361,7 @@ impl StageRun {
         let (rank, stage) = (self.rank, self.stage);
         // This generation's part of every global batch (another one when membership changed).
         let (replica, d) = self.replica_place();
-        run.loader = run.loader.for_rank(replica, d)?;
+        run.loader.place(replica, d)?;
         let steps = run.steps;
         let mut losses = self.restore(first).await?;
         let mut figures = StageFigures {

@@ -295,7 +295,7 @@ impl TrainingRun {
         let first = roster.resume_step.unwrap_or(0);
         self.roster = Some(roster.clone());
         // This generation's part of every global batch (another one when membership changed).
-        run.loader = run.loader.for_rank(place, world)?;
+        run.loader.place(place, world)?;
         let mut losses = Vec::with_capacity(steps.min(LOSSES_RESERVED));
         losses.extend(self.restore(first).await?);
         let started = Instant::now();

@@ -10,9 +10,10 @@
 
 use anyhow::{ensure, Result};
 use candle_core::{Device, Tensor};
+use std::collections::VecDeque;
 use std::sync::Arc;
 
-use super::parts::PartLoader;
+use super::parts::{DataPosition, PartLoader};
 use super::table::{StreamedTable, TableStream};
 use super::{Dataset, Inputs, Targets};
 use crate::rng::SplitMix64;
@@ -72,15 +73,31 @@ pub(crate) enum RankBatches {
         table: Arc<StreamedTable>,
         loader: PartLoader<TableStream>,
         global_batch: usize,
+        /// The rank reading, and of how many.
+        place: (usize, usize),
         /// The step whose batch the loader reads next.
         next: usize,
+        /// Where the loader was at the last few steps that are multiples of `mark_every` (the
+        /// checkpoint interval): a rollback to one seeks there instead of reading from the start.
+        marks: VecDeque<(usize, DataPosition)>,
+        mark_every: usize,
     },
 }
 
+/// Positions kept for rollbacks: a rollback goes to one of the last few checkpoints.
+const MARKS_KEPT: usize = 4;
+
 impl RankBatches {
     /// The batches `rank` of `world` reads of `rows`, in global batches of `global_batch`
-    /// (shuffled with `seed` when in memory).
-    pub(crate) fn new(rows: &TrainingRows, global_batch: usize, rank: usize, world: usize, seed: u64) -> Result<Self> {
+    /// (shuffled with `seed` when in memory); a stream marks where it is every `mark_every`
+    /// steps (0: never), for rollbacks.
+    pub(crate) fn new(
+        rows: &TrainingRows,
+        global_batch: usize,
+        (rank, world): (usize, usize),
+        seed: u64,
+        mark_every: usize,
+    ) -> Result<Self> {
         Ok(match rows {
             TrainingRows::InMemory(data) => {
                 Self::InMemory(ShardedLoader::new(data.clone(), global_batch, rank, world, seed)?)
@@ -89,35 +106,69 @@ impl RankBatches {
                 table: table.clone(),
                 loader: table.loader(global_batch, rank, world)?,
                 global_batch,
+                place: (rank, world),
                 next: 0,
+                marks: VecDeque::new(),
+                mark_every,
             },
         })
     }
 
-    /// The same batches read by `rank` of `world` (another cut of every global batch).
-    pub(crate) fn for_rank(&self, rank: usize, world: usize) -> Result<Self> {
+    /// Reads the same batches as `rank` of `world` from now on (another cut of every global
+    /// batch, when membership changed). A stream read by the same rank keeps its place and
+    /// its marks.
+    pub(crate) fn place(&mut self, rank: usize, world: usize) -> Result<()> {
         match self {
-            Self::InMemory(loader) => Ok(Self::InMemory(loader.for_rank(rank, world)?)),
+            Self::InMemory(loader) => *loader = loader.for_rank(rank, world)?,
+            Self::Streamed { place, .. } if *place == (rank, world) => {}
             Self::Streamed {
-                table, global_batch, ..
-            } => Self::new(&TrainingRows::Streamed(table.clone()), *global_batch, rank, world, 0),
+                table,
+                global_batch,
+                mark_every,
+                ..
+            } => {
+                let table = TrainingRows::Streamed(table.clone());
+                *self = Self::new(&table, *global_batch, (rank, world), 0, *mark_every)?;
+            }
         }
+        Ok(())
     }
 
     /// This rank's batch at global step `step`. A stream reads on from where it is: a step
-    /// before it (a rollback) reads its parts again from the start, passing over the rows
-    /// before without building them.
+    /// before it (a rollback) seeks to the newest mark at or before the step, or reads its
+    /// parts again from the start, passing over the rows before without building them.
     pub(crate) fn batch(&mut self, step: usize) -> Result<Batch> {
         match self {
             Self::InMemory(loader) => Ok(loader.batch(step)),
             Self::Streamed {
-                table, loader, next, ..
+                table,
+                loader,
+                next,
+                marks,
+                mark_every,
+                ..
             } => {
                 if step < *next {
-                    loader.rewind()?;
-                    *next = 0;
+                    marks.retain(|(marked, _)| *marked <= step);
+                    match marks.back() {
+                        Some((marked, position)) => {
+                            loader.resume_at(position)?;
+                            *next = *marked;
+                        }
+                        None => {
+                            loader.rewind()?;
+                            *next = 0;
+                        }
+                    }
                 }
                 loader.skip_batches(step - *next)?;
+                let at_mark = *mark_every > 0 && step.is_multiple_of(*mark_every);
+                if at_mark && marks.back().is_none_or(|(marked, _)| *marked < step) {
+                    if marks.len() == MARKS_KEPT {
+                        marks.pop_front();
+                    }
+                    marks.push_back((step, loader.position()));
+                }
                 let rows = loader.next_batch()?;
                 *next = step + 1;
                 Ok(Batch::of_rows(&rows, table.dim, table.is_regression()))

@@ -608,11 +608,11 @@ mod tests {
         for (format, file) in tables(dir.path()) {
             let table = Arc::new(StreamedTable::open(format, &[file], columns(&a_b()), layout(2, 7))?);
             let rows = TrainingRows::Streamed(table);
-            let mut whole = RankBatches::new(&rows, 12, 0, 1, 0)?;
+            let mut whole = RankBatches::new(&rows, 12, (0, 1), 0, 0)?;
             let expected: Vec<Batch> = (0..20).map(|step| whole.batch(step)).collect::<Result<_>>()?;
             for world in [2, 4] {
                 let mut ranks: Vec<RankBatches> = (0..world)
-                    .map(|rank| RankBatches::new(&rows, 12, rank, world, 0))
+                    .map(|rank| RankBatches::new(&rows, 12, (rank, world), 0, 0))
                     .collect::<Result<_>>()?;
                 for (step, batch) in expected.iter().enumerate() {
                     let mut joined = Vec::new();
@@ -638,12 +638,24 @@ mod tests {
                     assert!(read.iter().all(|&r| (100..=150).contains(&r)), "{format:?}: {read:?}");
                 }
             }
-            // A rollback reads the step's batch again; a jump ahead skips to it.
-            let mut rank = RankBatches::new(&rows, 12, 1, 2, 0)?;
-            let mut fresh = RankBatches::new(&rows, 12, 1, 2, 0)?;
-            let later = rank.batch(13)?;
-            assert_eq!(rank.batch(4)?, fresh.batch(4)?);
-            assert_eq!(rank.batch(13)?, later);
+            // A rollback reads the step's batch again — from a mark where there is one, else
+            // from the start; a jump ahead skips to it.
+            for mark_every in [0, 4] {
+                let mut rank = RankBatches::new(&rows, 12, (1, 2), 0, mark_every)?;
+                let read: Vec<Batch> = (0..14).map(|step| rank.batch(step)).collect::<Result<_>>()?;
+                let marked: Vec<usize> = match &rank {
+                    RankBatches::Streamed { marks, .. } => marks.iter().map(|(step, _)| *step).collect(),
+                    RankBatches::InMemory(_) => Vec::new(),
+                };
+                assert_eq!(marked, if mark_every == 0 { vec![] } else { vec![0, 4, 8, 12] });
+                for back in [9, 8, 2] {
+                    let mut fresh = RankBatches::new(&rows, 12, (1, 2), 0, 0)?;
+                    let what = format!("back to {back}, marks every {mark_every}");
+                    assert_eq!(rank.batch(back)?, fresh.batch(back)?, "{what}");
+                    assert_eq!(rank.batch(back + 1)?, fresh.batch(back + 1)?, "{what}");
+                }
+                assert_eq!(rank.batch(13)?, read[13]);
+            }
         }
         Ok(())
     }
