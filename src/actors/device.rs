@@ -15,7 +15,7 @@ use crate::checkpoint::{CheckpointStore, FileRecord};
 use crate::collective::{ParamChecksum, Replica, StepReport};
 use crate::config::JobConfig;
 use crate::data::ctr::CtrBatch;
-use crate::data::Batch;
+use crate::data::{Batch, Pieces};
 use crate::engines::comm::hierarchy::{self, NodeLayout};
 use crate::engines::comm::memory::MemoryRings;
 use crate::engines::comm::{parse_endpoints, CommWorker, Communicator, RingBreaker, RingLinks, RingTransport, Shared};
@@ -198,7 +198,7 @@ pub struct TrainStep(pub Batch);
 /// Counts correct predictions on this rank's batch, summed over ranks.
 #[derive(Message)]
 #[rtype(result = "Result<Score>")]
-pub struct Evaluate(pub Batch);
+pub struct Evaluate(pub Pieces);
 
 /// Compares the replicas' parameter checksums.
 #[derive(Message)]
@@ -330,7 +330,7 @@ pub struct PipelineStep(pub Batch);
 /// Evaluates this replica's part of the held-out set through the pipeline.
 #[derive(Message)]
 #[rtype(result = "Result<Option<Score>>")]
-pub struct PipelineEvaluate(pub Batch);
+pub struct PipelineEvaluate(pub Pieces);
 
 /// Writes this rank's training state as file `file` of step `step`'s checkpoint in `store`.
 #[derive(Message)]
@@ -476,7 +476,7 @@ impl Handler<Evaluate> for DeviceActor {
     type Result = Result<Score>;
 
     fn handle(&mut self, msg: Evaluate, _: &mut Self::Context) -> Self::Result {
-        self.replica()?.evaluate(&msg.0)
+        self.replica()?.evaluate(msg.0)
     }
 }
 
@@ -639,6 +639,6 @@ impl Handler<PipelineEvaluate> for DeviceActor {
     type Result = Result<Option<Score>>;
 
     fn handle(&mut self, msg: PipelineEvaluate, _: &mut Self::Context) -> Self::Result {
-        self.pipeline()?.evaluate(&msg.0)
+        self.pipeline()?.evaluate(msg.0)
     }
 }

@@ -5,12 +5,12 @@ use anyhow::{Context as _, Result};
 
 use super::recovery::Recovery;
 use crate::config::JobConfig;
-use crate::data::{RankBatches, TrainingRows};
+use crate::data::{RankBatches, RowSource};
 use crate::telemetry::monitor::{Monitor, MonitorSettings};
 
 /// The batches of a whole run of `job` over `data`: its `train.steps`, or its epochs of whole
 /// global batches.
-pub(crate) fn run_steps(job: &JobConfig, data: &TrainingRows) -> Result<usize> {
+pub(crate) fn run_steps(job: &JobConfig, data: &RowSource) -> Result<usize> {
     let per_epoch = data.len() / job.train.batch_size.max(1);
     job.train.length().steps(per_epoch)
 }
@@ -39,7 +39,7 @@ impl RunLoop {
     /// after step `first` (refused past the run's end), reported by `monitor` where given.
     pub(crate) fn start(
         job: &JobConfig,
-        data: &TrainingRows,
+        data: &RowSource,
         (replica, replicas): (usize, usize),
         recovery: &Recovery,
         first: usize,

@@ -32,7 +32,7 @@ use super::run_loop::{eval_due, run_steps, RunLoop};
 use crate::checkpoint::HeldFile;
 use crate::collective::preemption::is_preemption;
 use crate::config::{HybridConfigs, JobConfig};
-use crate::data::{Dataset, TrainingRows};
+use crate::data::RowSource;
 use crate::engines::comm::Communicator;
 use crate::models::export::ModelInfo;
 use crate::models::Score;
@@ -53,9 +53,9 @@ pub struct StageActor {
     /// What the model's files say besides its parameters.
     pub export: ModelInfo,
     /// Training split (each replica reads its part of every global batch).
-    pub train_data: TrainingRows,
+    pub train_data: RowSource,
     /// Held-out split (each replica evaluates a contiguous part).
-    pub test_data: Arc<Dataset>,
+    pub test_data: RowSource,
     /// The first generation's links and roster; taken at start.
     pub generation: Option<StageGeneration>,
     /// The device actor of this rank.
@@ -227,8 +227,8 @@ struct StageRun {
     job: Arc<JobConfig>,
     model: ModelFactory,
     export: ModelInfo,
-    train_data: TrainingRows,
-    test_data: Arc<Dataset>,
+    train_data: RowSource,
+    test_data: RowSource,
     device: Addr<DeviceActor>,
     monitor: Option<MonitorSettings>,
     trace: Option<TraceTarget>,
@@ -371,7 +371,8 @@ impl StageRun {
         let loss_kind = job.train.resolved_loss()?;
         // Every held-out row is scored: each replica takes its share, in pieces of any size.
         let test_data = self.test_data.clone();
-        let test_share = || test_data.share(replica, d);
+        let piece_rows = job.train.eval_batch_size;
+        let test_share = || test_data.share(replica, d, piece_rows);
         // The newest held-out score (on the stage holding the model's output), and the steps it
         // came after.
         let mut scored: Option<(usize, Option<Score>)> = None;
@@ -396,7 +397,7 @@ impl StageRun {
             figures.pipeline_time += report.pipeline_time;
             let mut eval = None;
             if eval_due(&job, step + 1, steps) {
-                let score = self.device.send(PipelineEvaluate(test_share())).await??;
+                let score = self.device.send(PipelineEvaluate(test_share()?)).await??;
                 scored = Some((step + 1, score));
                 eval = score.map(|score| score.held_out(loss_kind));
             }
@@ -433,7 +434,7 @@ impl StageRun {
         figures.elapsed = started.elapsed();
         let evaluated = match scored {
             Some((done, score)) if done == steps => score,
-            _ => self.device.send(PipelineEvaluate(test_share())).await??,
+            _ => self.device.send(PipelineEvaluate(test_share()?)).await??,
         };
         let parameters = self.device.send(ReadParameters).await??;
         if let Some(trace) = &self.trace {

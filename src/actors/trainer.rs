@@ -29,7 +29,7 @@ use crate::checkpoint::HeldFile;
 use crate::collective::preemption::is_preemption;
 use crate::collective::ParamChecksum;
 use crate::config::JobConfig;
-use crate::data::{Dataset, TrainingRows};
+use crate::data::RowSource;
 use crate::models::export::ModelInfo;
 use crate::models::Score;
 use crate::net::protocol::Roster;
@@ -48,9 +48,9 @@ pub struct Trainer {
     /// What the model's files say besides its parameters.
     pub export: ModelInfo,
     /// Training split (each rank reads its shard of every global batch).
-    pub train_data: TrainingRows,
+    pub train_data: RowSource,
     /// Held-out split (each rank evaluates a contiguous part).
-    pub test_data: Arc<Dataset>,
+    pub test_data: RowSource,
     /// The line to the coordinator; taken when training starts.
     pub bus: Option<ControlBus>,
     /// The ring link; handed to the device actor at start.
@@ -160,8 +160,8 @@ struct TrainingRun {
     job: Arc<JobConfig>,
     model: ModelFactory,
     export: ModelInfo,
-    train_data: TrainingRows,
-    test_data: Arc<Dataset>,
+    train_data: RowSource,
+    test_data: RowSource,
     bus: Option<ControlBus>,
     link: Option<RingLink>,
     data_endpoint: String,
@@ -303,7 +303,8 @@ impl TrainingRun {
         let check_every = job.strategy.check_every;
         let loss_kind = job.train.resolved_loss()?;
         let test_data = self.test_data.clone();
-        let test_shard = || test_data.share(place, world);
+        let piece_rows = job.train.eval_batch_size;
+        let test_shard = || test_data.share(place, world, piece_rows);
         // The newest held-out score, and the steps it came after.
         let mut scored: Option<(usize, Score)> = None;
         // SIGTERM asks the run to stop at a checkpoint rather than ending the process.
@@ -319,7 +320,7 @@ impl TrainingRun {
             losses.push(report.loss);
             let mut eval = None;
             if eval_due(&job, step + 1, steps) {
-                let score = self.device.send(Evaluate(test_shard())).await??;
+                let score = self.device.send(Evaluate(test_shard()?)).await??;
                 scored = Some((step + 1, score));
                 eval = Some(score.held_out(loss_kind));
             }
@@ -360,7 +361,7 @@ impl TrainingRun {
         let param_checksum = self.device.send(CheckReplicas).await??;
         let test_score = match scored {
             Some((done, score)) if done == steps => score,
-            _ => self.device.send(Evaluate(test_shard())).await??,
+            _ => self.device.send(Evaluate(test_shard()?)).await??,
         };
         let parameters = self.device.send(ReadParameters).await??;
         bus.barrier(rank, "end of training").await?;

@@ -8,12 +8,17 @@ use crate::data::Batch;
 use crate::engines::comm::CommWorker;
 use crate::models::{Model, Score};
 
-/// The score of `batch` under `model` (trained with `loss`), `rows` rows per forward pass, so
-/// that evaluation's memory does not grow with the batch.
-pub fn score_batch(model: &Model, batch: &Batch, loss: LossKind, rows: usize, device: &Device) -> Result<Score> {
+/// The score of `pieces` of held-out rows under `model` (trained with `loss`), one forward pass
+/// a piece, so that evaluation's memory does not grow with the rows.
+pub fn score_pieces(
+    model: &Model,
+    pieces: impl Iterator<Item = anyhow::Result<Batch>>,
+    loss: LossKind,
+    device: &Device,
+) -> anyhow::Result<Score> {
     let mut score = Score::default();
-    for piece in batch.pieces(rows) {
-        let (x, y) = piece.tensors(device)?;
+    for piece in pieces {
+        let (x, y) = piece?.tensors(device)?;
         score += Score::of(loss, &model.forward(&x)?, &y)?;
     }
     Ok(score)

@@ -15,7 +15,7 @@ pub mod training_state;
 
 pub use bucket::{Bucket, BucketPlan};
 pub use checksum::ParamChecksum;
-pub use evaluation::score_batch;
+pub use evaluation::score_pieces;
 pub(crate) use evaluation::sum_over_ranks;
 pub use gradient_sync::{Averaged, GradientSync, StepGradients};
 pub use replica::{backward_order, broadcast_parameters, Replica, StepReport};

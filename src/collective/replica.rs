@@ -7,12 +7,12 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Result};
 use candle_core::{Device, Tensor, Var};
 
-use super::evaluation::{score_batch, sum_over_ranks};
+use super::evaluation::{score_pieces, sum_over_ranks};
 use super::preemption;
 use super::rank_figures::RankFigures;
 use super::{training_state, GradientSync, ParamChecksum};
 use crate::config::{JobConfig, LossKind};
-use crate::data::Batch;
+use crate::data::{Batch, Pieces};
 use crate::engines::comm::{CommWorker, Shared};
 use crate::engines::compute::segments::{self, Segments};
 use crate::models::export::ModelInfo;
@@ -62,8 +62,6 @@ pub struct Replica {
     loss: LossKind,
     /// Clip the averaged gradients to this global norm (0: never).
     grad_clip_norm: f64,
-    /// Rows per forward pass of evaluation.
-    eval_batch_size: usize,
     /// Batches trained.
     step: usize,
     /// Spans of the steps, when tracing.
@@ -107,7 +105,6 @@ impl Replica {
             whole,
             loss: job.train.resolved_loss()?,
             grad_clip_norm: job.train.grad_clip_norm,
-            eval_batch_size: job.train.eval_batch_size,
             step: 0,
             timeline: None,
         })
@@ -263,10 +260,10 @@ impl Replica {
         settle_for_trace(&self.timeline, &self.device)
     }
 
-    /// Scores this rank's `batch`, `eval_batch_size` rows at a time, and sums the scores of all
-    /// ranks.
-    pub fn evaluate(&mut self, batch: &Batch) -> Result<Score> {
-        let score = score_batch(&self.model, batch, self.loss, self.eval_batch_size, &self.device)?;
+    /// Scores this rank's share of the held-out rows, a piece at a time, and sums the scores
+    /// of all ranks.
+    pub fn evaluate(&mut self, share: Pieces) -> Result<Score> {
+        let score = score_pieces(&self.model, share, self.loss, &self.device)?;
         sum_over_ranks(&self.comm, score)
     }
 

@@ -18,23 +18,29 @@ use super::table::{StreamedTable, TableStream};
 use super::{Dataset, Inputs, Targets};
 use crate::rng::SplitMix64;
 
-/// The rows a run trains on: held in memory and shuffled whole every epoch, or streamed from
-/// files in parts (`train.data_parts`).
+/// Where a run's rows come from: held in memory (training shuffles them whole every epoch), or
+/// streamed from files in parts (`train.data_parts`).
 #[derive(Debug, Clone)]
-pub enum TrainingRows {
+pub enum RowSource {
     /// Every row, in memory.
     InMemory(Arc<Dataset>),
     /// A table each rank streams its parts of.
     Streamed(Arc<StreamedTable>),
 }
 
-impl From<Dataset> for TrainingRows {
+impl From<StreamedTable> for RowSource {
+    fn from(table: StreamedTable) -> Self {
+        Self::Streamed(Arc::new(table))
+    }
+}
+
+impl From<Dataset> for RowSource {
     fn from(data: Dataset) -> Self {
         Self::InMemory(Arc::new(data))
     }
 }
 
-impl TrainingRows {
+impl RowSource {
     /// Rows in one pass over the data.
     pub fn len(&self) -> usize {
         match self {
@@ -61,6 +67,64 @@ impl TrainingRows {
         match self {
             Self::InMemory(data) => data.targets.is_regression(),
             Self::Streamed(table) => table.is_regression(),
+        }
+    }
+
+    /// Part `part` of `parts` near-equal parts of the rows, in pieces of at most `piece_rows`
+    /// rows: together the parts hold every row once (how ranks share the held-out rows). A
+    /// stream reads only its part of the files, a piece at a time.
+    pub fn share(&self, part: usize, parts: usize, piece_rows: usize) -> Result<Pieces> {
+        let piece_rows = piece_rows.max(1);
+        Ok(Pieces(match self {
+            Self::InMemory(data) => {
+                let (n, parts) = (data.len(), parts.max(1));
+                PiecesOf::InMemory {
+                    data: data.clone(),
+                    rows: part * n / parts..(part + 1) * n / parts,
+                    piece_rows,
+                }
+            }
+            Self::Streamed(table) => PiecesOf::Streamed {
+                table: table.clone(),
+                loader: table.evaluation(piece_rows, part, parts)?,
+            },
+        }))
+    }
+}
+
+/// A share of rows, a piece at a time ([`RowSource::share`]).
+#[derive(Debug)]
+pub struct Pieces(PiecesOf);
+
+#[derive(Debug)]
+enum PiecesOf {
+    InMemory {
+        data: Arc<Dataset>,
+        /// The rows not given yet.
+        rows: std::ops::Range<usize>,
+        piece_rows: usize,
+    },
+    Streamed {
+        table: Arc<StreamedTable>,
+        loader: PartLoader<TableStream>,
+    },
+}
+
+impl Iterator for Pieces {
+    type Item = Result<Batch>;
+
+    fn next(&mut self) -> Option<Result<Batch>> {
+        match &mut self.0 {
+            PiecesOf::InMemory { data, rows, piece_rows } => {
+                let end = rows.end.min(rows.start + *piece_rows);
+                let piece: Vec<usize> = (rows.start..end).collect();
+                rows.start = end;
+                (!piece.is_empty()).then(|| Ok(data.select(&piece)))
+            }
+            PiecesOf::Streamed { table, loader } => loader
+                .next_eval_batch()
+                .map(|rows| rows.map(|rows| Batch::of_rows(&rows, table.dim, table.is_regression())))
+                .transpose(),
         }
     }
 }
@@ -92,17 +156,17 @@ impl RankBatches {
     /// (shuffled with `seed` when in memory); a stream marks where it is every `mark_every`
     /// steps (0: never), for rollbacks.
     pub(crate) fn new(
-        rows: &TrainingRows,
+        rows: &RowSource,
         global_batch: usize,
         (rank, world): (usize, usize),
         seed: u64,
         mark_every: usize,
     ) -> Result<Self> {
         Ok(match rows {
-            TrainingRows::InMemory(data) => {
+            RowSource::InMemory(data) => {
                 Self::InMemory(ShardedLoader::new(data.clone(), global_batch, rank, world, seed)?)
             }
-            TrainingRows::Streamed(table) => Self::Streamed {
+            RowSource::Streamed(table) => Self::Streamed {
                 table: table.clone(),
                 loader: table.loader(global_batch, rank, world)?,
                 global_batch,
@@ -127,7 +191,7 @@ impl RankBatches {
                 mark_every,
                 ..
             } => {
-                let table = TrainingRows::Streamed(table.clone());
+                let table = RowSource::Streamed(table.clone());
                 *self = Self::new(&table, *global_batch, (rank, world), 0, *mark_every)?;
             }
         }
@@ -191,7 +255,7 @@ pub struct Batch {
 impl Batch {
     /// A batch of `rows`, each `dim` features and then its label: a value to regress, or a
     /// class id.
-    fn of_rows(rows: &[Vec<f32>], dim: usize, regression: bool) -> Self {
+    pub(crate) fn of_rows(rows: &[Vec<f32>], dim: usize, regression: bool) -> Self {
         let mut inputs = Vec::with_capacity(rows.len() * dim);
         let mut labels = Vec::with_capacity(rows.len());
         for row in rows {

@@ -15,7 +15,7 @@ mod targets;
 pub mod text;
 
 pub(crate) use loader::RankBatches;
-pub use loader::{Batch, ShardedLoader, TrainingRows};
+pub use loader::{Batch, Pieces, RowSource, ShardedLoader};
 pub use targets::Targets;
 
 use anyhow::{ensure, Result};

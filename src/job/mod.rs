@@ -44,7 +44,7 @@ use crate::config::{DatasetKind, JobConfig, LossKind, ModelKind};
 use crate::data::ctr::DataLayout;
 use crate::data::table::{streamed_splits, table_splits, Columns, TableFormat};
 use crate::data::text::TextCorpus;
-use crate::data::{Dataset, TrainingRows};
+use crate::data::{Dataset, RowSource};
 use crate::models::export::ModelInfo;
 use crate::models::{GptConfig, Model, ModelSpec, ParamInit};
 use crate::net::ControlBus;
@@ -72,8 +72,10 @@ fn text_windows(train: &crate::config::TrainConfig) -> Result<(Dataset, Dataset,
 }
 
 /// Splits of rows held in memory.
-fn in_memory((train, test): (Dataset, Dataset)) -> (TrainingRows, Dataset) {
-    (train.into(), test)
+fn in_memory((train, test): (Dataset, Dataset)) -> (RowSource, RowSource, usize) {
+    // The held-out split's classes count those of both.
+    let outputs = test.outputs;
+    (train.into(), test.into(), outputs)
 }
 
 /// What a data set's targets are, in words.
@@ -155,9 +157,9 @@ pub struct TrainingJob {
     /// Builds the model on each rank's device thread.
     pub model: ModelFactory,
     /// Training split.
-    pub train_data: TrainingRows,
+    pub train_data: RowSource,
     /// Held-out split.
-    pub test_data: Arc<Dataset>,
+    pub test_data: RowSource,
     /// What the model file says besides the parameters: the built-in model's architecture
     /// (so the file alone rebuilds it), the loss, the feature columns of a CSV data set.
     pub export: ModelInfo,
@@ -170,18 +172,18 @@ impl TrainingJob {
     pub fn new(
         mut config: JobConfig,
         model: impl Fn(&ParamInit) -> Result<Model> + Send + Sync + 'static,
-        train_data: impl Into<TrainingRows>,
-        test_data: Dataset,
+        train_data: impl Into<RowSource>,
+        test_data: impl Into<RowSource>,
     ) -> Result<Self> {
-        let train_data = train_data.into();
+        let (train_data, test_data) = (train_data.into(), test_data.into());
         let regression = train_data.is_regression();
         anyhow::ensure!(
-            test_data.targets.is_regression() == regression && test_data.dim == train_data.dim(),
+            test_data.is_regression() == regression && test_data.dim() == train_data.dim(),
             "the held-out split is not shaped as the training split ({} and {} inputs per row, {} and {} targets)",
             train_data.dim(),
-            test_data.dim,
+            test_data.dim(),
             kind_of(regression),
-            kind_of(test_data.targets.is_regression())
+            kind_of(test_data.is_regression())
         );
         let loss = *config.train.loss.get_or_insert(if regression {
             LossKind::Mse
@@ -202,7 +204,7 @@ impl TrainingJob {
             config: Arc::new(config),
             model: Arc::new(model),
             train_data,
-            test_data: Arc::new(test_data),
+            test_data,
             export,
         })
     }
@@ -213,7 +215,8 @@ impl TrainingJob {
         // What a user of the model file needs besides the weights: the columns a table model
         // reads, the characters a language model's tokens stand for.
         let mut extra = std::collections::HashMap::new();
-        let (train_data, test_data) = match train.dataset {
+        // The rows, and the width of the model's output (classes, or values regressed).
+        let (train_data, test_data, outputs) = match train.dataset {
             DatasetKind::Digits => in_memory(
                 Dataset::digits()?
                     .split(train.test_fraction, train.seed)
@@ -232,7 +235,7 @@ impl TrainingJob {
             DatasetKind::Text => {
                 let (train_windows, test_windows, vocab) = text_windows(train)?;
                 extra.insert("vocab".to_string(), serde_json::to_string(&vocab)?);
-                (train_windows.into(), test_windows)
+                in_memory((train_windows, test_windows))
             }
             DatasetKind::Csv | DatasetKind::Parquet | DatasetKind::Arrays => {
                 let format = match train.dataset {
@@ -245,14 +248,14 @@ impl TrainingJob {
                     features: train.feature_columns.as_deref(),
                     regression: train.loss.is_some_and(LossKind::is_regression),
                 };
-                let (train_rows, test, feature_columns) = match train.data_parts {
+                let (splits, feature_columns) = match train.data_parts {
                     // Cut into parts: streamed from the files, each rank reading its own.
                     Some(parts) => {
                         let layout = DataLayout::of(train, parts);
-                        let (streamed, test) =
+                        let (streamed, test, outputs) =
                             streamed_splits(format, &train.train_files, &train.test_files, columns, layout)?;
                         let feature_columns = streamed.feature_columns.clone();
-                        (TrainingRows::Streamed(Arc::new(streamed)), test, feature_columns)
+                        ((streamed.into(), test.into(), outputs), feature_columns)
                     }
                     None => {
                         let splits = table_splits(
@@ -263,11 +266,11 @@ impl TrainingJob {
                             train.test_fraction,
                             train.seed,
                         )?;
-                        (splits.train.into(), splits.test, splits.feature_columns)
+                        (in_memory((splits.train, splits.test)), splits.feature_columns)
                     }
                 };
                 extra.insert("feature_columns".to_string(), serde_json::to_string(&feature_columns)?);
-                (train_rows, test)
+                splits
             }
             DatasetKind::CriteoSynthetic | DatasetKind::Criteo => {
                 anyhow::bail!("click logs train on parameter servers: see `ParameterServerJob`")
@@ -277,11 +280,10 @@ impl TrainingJob {
             ModelKind::Mlp => ModelSpec::Mlp {
                 inputs: train_data.dim(),
                 hidden: train.hidden_sizes(),
-                // The held-out split's: its classes count those of both.
-                outputs: test_data.outputs,
+                outputs,
             },
             ModelKind::Gpt => ModelSpec::Gpt(GptConfig {
-                vocab: test_data.outputs,
+                vocab: outputs,
                 block_size: train.gpt.block_size,
                 n_layer: train.gpt.n_layer,
                 n_head: train.gpt.n_head,

@@ -11,11 +11,11 @@ use serde::Serialize;
 use super::TrainingJob;
 use crate::actors::recovery::whole_model;
 use crate::checkpoint::{write_atomically, CheckpointStore};
-use crate::collective::score_batch;
+use crate::collective::score_pieces;
 use crate::config::JobConfig;
 use crate::data::table::read_features;
 use crate::models::export::ModelFile;
-use crate::models::{Model, ModelSpec, ParamInit, Score};
+use crate::models::{Model, ModelSpec, ParamInit};
 
 /// Rows per forward pass of `predict`.
 const PREDICT_ROWS: usize = 256;
@@ -55,13 +55,9 @@ pub fn evaluate(config: JobConfig, weights: &Weights) -> Result<Evaluation> {
     let model = (job.model)(&ParamInit::new(job.config.train.seed, device.clone()))?;
     let step = load(&model, weights)?;
     let loss = job.config.train.resolved_loss()?;
-    // Each piece is copied out of the held-out set as it is scored, never the whole set at once.
-    let rows: Vec<usize> = (0..job.test_data.len()).collect();
-    let piece_rows = job.config.train.eval_batch_size.max(1);
-    let mut score = Score::default();
-    for piece in rows.chunks(piece_rows) {
-        score += score_batch(&model, &job.test_data.select(piece), loss, piece_rows, &device)?;
-    }
+    // A piece of the held-out set at a time, never the whole set at once.
+    let pieces = job.test_data.share(0, 1, job.config.train.eval_batch_size)?;
+    let score = score_pieces(&model, pieces, loss, &device)?;
     let held_out = score.held_out(loss);
     Ok(Evaluation {
         test_accuracy: held_out.accuracy,

@@ -15,7 +15,7 @@ use super::stage::{Chunk, Stage};
 use crate::collective::rank_figures::{JobFigures, RankFigures};
 use crate::collective::{preemption, sum_over_ranks, training_state, GradientSync};
 use crate::config::{JobConfig, LossKind, ScheduleMode};
-use crate::data::Batch;
+use crate::data::{Batch, Pieces};
 use crate::engines::comm::{CommWorker, Communicator, Shared};
 use crate::models::export::ModelInfo;
 use crate::models::{training_loss, Block, Model, NamedParam, Score};
@@ -76,8 +76,6 @@ pub struct PipelineReplica {
     gradient_order: Vec<usize>,
     device: Device,
     micro_batches: usize,
-    /// Rows per pass of evaluation through the pipeline.
-    eval_batch_size: usize,
     /// The loss trained, which also says how evaluation scores.
     loss: LossKind,
     holds_loss: bool,
@@ -180,7 +178,6 @@ impl PipelineReplica {
             gradient_order,
             device,
             micro_batches: configs.accumulate_steps,
-            eval_batch_size: job.train.eval_batch_size,
             loss: job.train.resolved_loss()?,
             step: 0,
             timeline: None,
@@ -310,13 +307,14 @@ impl PipelineReplica {
         })
     }
 
-    /// The score of `batch` (this replica's part of the held-out set, any number of rows),
-    /// summed over replicas, on the ranks holding the last virtual stage. The
-    /// rows go through the pipeline `eval_batch_size` at a time, each piece cut into up to
-    /// `accumulate_steps` micro-batches of near-equal size.
-    pub fn evaluate(&mut self, batch: &Batch) -> Result<Option<Score>> {
+    /// The score of `share` (this replica's part of the held-out set), summed over replicas,
+    /// on the ranks holding the last virtual stage. The rows go through the pipeline a piece at
+    /// a time, each piece cut into up to `accumulate_steps` micro-batches of near-equal size;
+    /// every stage of a replica reads the same share.
+    pub fn evaluate(&mut self, share: Pieces) -> Result<Option<Score>> {
         let mut score = Score::default();
-        for piece in batch.pieces(self.eval_batch_size) {
+        for piece in share {
+            let piece = piece?;
             let rows = piece.rows();
             let parts = self.micro_batches.min(rows);
             let tensors = (0..parts)

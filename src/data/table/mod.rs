@@ -501,21 +501,22 @@ fn schema_line(field: &parquet::schema::types::Type) -> String {
 }
 
 /// A training table in `format` streamed in parts cut as `layout` says, and its held-out
-/// `test_files` read whole. Class ids count the classes: one more than the largest of either
-/// split, which a pass over the training files finds.
+/// `test_files` streamed too (each rank scoring its part), with the width of a model's output.
+/// Class ids count the classes: one more than the largest of either split, which a pass over
+/// the labels finds.
 pub fn streamed_splits(
     format: TableFormat,
     train_files: &[String],
     test_files: &[String],
     columns: Columns,
     layout: crate::data::parts::DataLayout,
-) -> Result<(StreamedTable, Dataset)> {
-    let train = StreamedTable::open(format, train_files, columns, layout)?;
+) -> Result<(StreamedTable, StreamedTable, usize)> {
+    let train = StreamedTable::open(format, train_files, columns, layout, "train.train_files")?;
     ensure!(
         !test_files.is_empty(),
         "train.test_files: a table streamed in parts (train.data_parts) holds out files, not a fraction of its rows"
     );
-    let test = read_files(test_files, Some(format), columns, "train.test_files")?;
+    let test = StreamedTable::open(format, test_files, columns, layout, "train.test_files")?;
     ensure!(
         test.dim == train.dim,
         "train.test_files have {} feature columns, train.train_files {}",
@@ -524,10 +525,9 @@ pub fn streamed_splits(
     );
     let largest = match columns.regression {
         true => 0.0,
-        false => test.labels.iter().fold(train.largest_label()?, |a, &b| a.max(b)),
+        false => train.largest_label()?.max(test.largest_label()?),
     };
-    let test = test.into_dataset(columns, outputs(columns, largest))?;
-    Ok((train, test))
+    Ok((train, test, outputs(columns, largest)))
 }
 
 /// The width of a model's output over a table of `columns` whose largest label is `largest`:

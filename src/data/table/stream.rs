@@ -53,8 +53,15 @@ impl StreamedTable {
     /// The `files` of a table in `format`, to be read in parts cut and shuffled as `layout`
     /// says: every file's header (or schema) is checked for `columns` and its rows counted
     /// now, so a bad file fails the start rather than an epoch.
-    pub fn open(format: TableFormat, files: &[String], columns: Columns, layout: DataLayout) -> Result<Self> {
-        ensure!(!files.is_empty(), "train.train_files: no files given");
+    /// `key` names the files in errors.
+    pub fn open(
+        format: TableFormat,
+        files: &[String],
+        columns: Columns,
+        layout: DataLayout,
+        key: &str,
+    ) -> Result<Self> {
+        ensure!(!files.is_empty(), "{key}: no files given");
         let label = columns
             .label
             .context("a streamed table trains on a label column")?
@@ -67,15 +74,14 @@ impl StreamedTable {
                 TableFormat::Csv => {
                     ensure!(
                         !is_gzip(path),
-                        "train.train_files: {file}: a streamed CSV file is cut by bytes, so it must not be compressed"
+                        "{key}: {file}: a streamed CSV file is cut by bytes, so it must not be compressed"
                     );
-                    let (header, layout) = read_csv_layout(path, columns)?;
+                    let (header, layout) = read_csv_layout(path, columns).with_context(|| key.to_string())?;
                     // The header is one of the file's lines.
                     (layout.feature_names(&header), count_records(path)?.saturating_sub(1))
                 }
                 TableFormat::Parquet => {
-                    let table =
-                        ParquetColumns::open(path, columns).with_context(|| format!("train.train_files: {file}"))?;
+                    let table = ParquetColumns::open(path, columns).with_context(|| format!("{key}: {file}"))?;
                     (table.layout.feature_names(&table.header), table.rows())
                 }
                 TableFormat::Arrays => {
@@ -86,7 +92,7 @@ impl StreamedTable {
                 None => dims = Some(names),
                 Some(first) => ensure!(
                     first.len() == names.len(),
-                    "train.train_files: {file} has {} feature columns, where the files before had {}",
+                    "{key}: {file} has {} feature columns, where the files before had {}",
                     names.len(),
                     first.len()
                 ),
@@ -94,12 +100,11 @@ impl StreamedTable {
             rows += count;
         }
         let feature_columns = dims.unwrap_or_default();
-        ensure!(rows > 0, "train.train_files: the files hold no rows");
+        ensure!(rows > 0, "{key}: the files hold no rows");
         tracing::info!(
             rows,
             files = files.len(),
-            parts = layout.parts,
-            "streaming the training table in parts; each rank reads only its own"
+            "{key} streamed in parts: each rank reads only its own"
         );
         Ok(Self {
             format,
@@ -135,21 +140,31 @@ impl StreamedTable {
     /// it opens only the parts its slices lie in.
     pub(crate) fn loader(&self, global_batch: usize, rank: usize, world: usize) -> Result<PartLoader<TableStream>> {
         let placement = Placement::training(self.layout.parts, global_batch, rank, world)?;
-        let streams = self
-            .segments(self.layout.parts)?
+        let streams = self.open_parts(self.layout.parts, &placement)?;
+        Ok(PartLoader::new(streams, self.layout, &placement))
+    }
+
+    /// The streams of the parts `placement` reads of the files cut into `parts`.
+    fn open_parts(&self, parts: usize, placement: &Placement) -> Result<Vec<(usize, TableStream)>> {
+        self.segments(parts)?
             .into_iter()
             .enumerate()
             .filter(|(part, _)| placement.parts.contains(part))
             .map(|(part, segments)| Ok((part, self.stream(segments)?)))
-            .collect::<Result<_>>()?;
-        Ok(PartLoader::new(streams, self.layout, &placement))
+            .collect()
+    }
+
+    /// The loader of `rank`'s share of a pass over the files among `world` ranks, in batches
+    /// of at most `batch_rows`: the files cut into `world` parts, part `rank` its own.
+    pub(crate) fn evaluation(&self, batch_rows: usize, rank: usize, world: usize) -> Result<PartLoader<TableStream>> {
+        let placement = Placement::evaluation(batch_rows * world, rank, world, world)?;
+        let streams = self.open_parts(world, &placement)?;
+        Ok(PartLoader::new(streams, DataLayout::WHOLE, &placement))
     }
 
     /// The largest label of one pass over the files, read as one part a batch at a time.
     pub fn largest_label(&self) -> Result<f32> {
-        let whole = Placement::evaluation(4096, 0, 1, 1)?;
-        let stream = self.stream(self.segments(1)?.remove(0))?;
-        let mut loader = PartLoader::new(vec![(0, stream)], DataLayout::WHOLE, &whole);
+        let mut loader = self.evaluation(4096, 0, 1)?;
         let mut largest = 0f32;
         while let Some(rows) = loader.next_eval_batch()? {
             largest = rows.iter().filter_map(|row| row.last()).fold(largest, |a, &b| a.max(b));
@@ -167,7 +182,7 @@ impl StreamedTable {
 
 /// The header and the layout of `columns` of the CSV file at `path`.
 fn read_csv_layout(path: &Path, columns: Columns) -> Result<(Vec<String>, Layout)> {
-    let at = || format!("train.train_files: {}", path.display());
+    let at = || path.display().to_string();
     let file = File::open(path).context("cannot open it").with_context(at)?;
     let header = csv_header(&mut csv_reader(file, true)).with_context(at)?;
     let layout = Layout::find(&header, columns, "column").with_context(at)?;
@@ -521,7 +536,7 @@ mod parquet_files;
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::data::{Batch, RankBatches, TrainingRows};
+    use crate::data::{Batch, RankBatches, RowSource};
 
     use super::parquet_files;
 
@@ -585,7 +600,13 @@ mod tests {
         let a_b = a_b();
         for (format, file) in tables(dir.path()) {
             for parts in [1, 2, 3, 4] {
-                let table = StreamedTable::open(format, std::slice::from_ref(&file), columns(&a_b), layout(parts, 0))?;
+                let table = StreamedTable::open(
+                    format,
+                    std::slice::from_ref(&file),
+                    columns(&a_b),
+                    layout(parts, 0),
+                    "t",
+                )?;
                 assert_eq!((table.rows, table.dim), (ROWS as u64, 2), "{format:?}");
                 let mut loader = table.loader(12, 0, 1)?;
                 let mut rows = Vec::new();
@@ -606,8 +627,14 @@ mod tests {
     fn ranks_read_their_own_parts_and_their_batches_concatenate_to_one_process_s() -> Result<()> {
         let dir = tempfile::tempdir()?;
         for (format, file) in tables(dir.path()) {
-            let table = Arc::new(StreamedTable::open(format, &[file], columns(&a_b()), layout(2, 7))?);
-            let rows = TrainingRows::Streamed(table);
+            let table = Arc::new(StreamedTable::open(
+                format,
+                &[file],
+                columns(&a_b()),
+                layout(2, 7),
+                "t",
+            )?);
+            let rows = RowSource::Streamed(table);
             let mut whole = RankBatches::new(&rows, 12, (0, 1), 0, 0)?;
             let expected: Vec<Batch> = (0..20).map(|step| whole.batch(step)).collect::<Result<_>>()?;
             for world in [2, 4] {
@@ -661,6 +688,28 @@ mod tests {
     }
 
     #[test]
+    fn the_ranks_held_out_shares_hold_every_row_once_in_pieces() -> Result<()> {
+        let dir = tempfile::tempdir()?;
+        for (format, file) in tables(dir.path()) {
+            let table = StreamedTable::open(format, &[file], columns(&a_b()), layout(3, 0), "t")?;
+            let rows = RowSource::from(table);
+            let all = Batch::of_rows(&(0..ROWS).map(row).collect::<Vec<_>>(), 2, true);
+            for world in [1, 2, 3] {
+                let mut pieces = Vec::new();
+                for rank in 0..world {
+                    for piece in rows.share(rank, world, 8)? {
+                        let piece = piece?;
+                        assert!(piece.rows() <= 8);
+                        pieces.extend(piece.pieces(1));
+                    }
+                }
+                assert_eq!(pieces, all.pieces(1).collect::<Vec<_>>(), "{format:?}, {world} ranks");
+            }
+        }
+        Ok(())
+    }
+
+    #[test]
     fn a_bad_cell_in_a_later_part_is_named_and_a_missing_column_fails_the_open() -> Result<()> {
         let dir = tempfile::tempdir()?;
         let mut text = String::from("x,y\n");
@@ -669,7 +718,13 @@ mod tests {
         }
         let file = dir.path().join("bad.csv").to_string_lossy().into_owned();
         std::fs::write(&file, text)?;
-        let table = StreamedTable::open(TableFormat::Csv, std::slice::from_ref(&file), REGRESS, layout(2, 0))?;
+        let table = StreamedTable::open(
+            TableFormat::Csv,
+            std::slice::from_ref(&file),
+            REGRESS,
+            layout(2, 0),
+            "t",
+        )?;
         let mut second = table.loader(4, 1, 2)?;
         let err = (0..10).try_for_each(|_| second.next_batch().map(drop)).unwrap_err();
         let text = format!("{err:#}");
@@ -684,7 +739,7 @@ mod tests {
         };
         let text = format!(
             "{:#}",
-            StreamedTable::open(TableFormat::Csv, &[file], wrong, layout(2, 0)).unwrap_err()
+            StreamedTable::open(TableFormat::Csv, &[file], wrong, layout(2, 0), "t").unwrap_err()
         );
         assert!(
             text.contains("bad.csv") && text.contains("no column \"nope\" (train.feature_columns)"),
