@@ -92,6 +92,27 @@ fn a_parquet_streamed_in_parts_launched_on_two_processes_equals_one_process() {
     launched_regression_equals_one_process("parquet", STREAMED);
 }
 
+#[test]
+fn a_streamed_table_trains_a_pipeline_of_two_replicas_as_one_process_and_scores_every_held_out_row() {
+    let dir = tempfile::tempdir().unwrap();
+    write_tables(dir.path());
+    let run = |name: &str, sets: &[&str]| {
+        let text = config_text(dir.path(), "csv", 1) + STREAMED;
+        let sets: Vec<String> = sets.iter().map(|s| s.to_string()).collect();
+        let config = JobConfig::from_toml_str(&text, "regression.toml", &|_| None, &sets).unwrap();
+        TrainingJob::builtin(config)
+            .unwrap()
+            .run_simulated(&RunOptions::new(dir.path().join(name)))
+            .unwrap()
+    };
+    // Both stages of a replica read its part of every batch; the last scores its held-out share.
+    let (pipeline, one) = (run("pipeline", &common::PIPELINE_2X2), run("one", &[]));
+    assert_eq!((pipeline.summary.test_samples, one.summary.test_samples), (64, 64));
+    // Within 1e-5 per parameter: the replicas sum their gradients in another order.
+    let diff = max_abs_diff(&one.parameters, &pipeline.parameters);
+    assert!(diff <= 1e-5, "max |Δparam| = {diff:e}");
+}
+
 /// `format` trained under `flotilla launch` on two processes, with the `[train]` keys `extra`,
 /// against one process on the same global batches.
 fn launched_regression_equals_one_process(format: &str, extra: &str) {
