@@ -13,7 +13,7 @@ use crate::actors::recovery::whole_model;
 use crate::checkpoint::{write_atomically, CheckpointStore};
 use crate::collective::score_pieces;
 use crate::config::JobConfig;
-use crate::data::table::read_features;
+use crate::data::table::feature_pieces;
 use crate::models::export::ModelFile;
 use crate::models::{Model, ModelSpec, ParamInit};
 
@@ -123,25 +123,10 @@ pub fn predict(model_file: &Path, data: &[String], out: &Path) -> Result<Predict
         .map(|json| serde_json::from_str(json).context("the model file's feature_columns"))
         .transpose()?;
     let regression = matches!(file.info.loss.as_deref(), Some("mse" | "mae"));
-    let (features, dim) = read_features(data, columns.as_deref())?;
-    if let Some(ModelSpec::Mlp { inputs, .. }) = &file.info.spec {
-        ensure!(
-            *inputs == dim,
-            "the model reads {inputs} features a row, the data has {dim} columns (give the columns it was trained on)"
-        );
-    }
-    let rows = features.len() / dim;
-    let mut outputs = Vec::with_capacity(rows);
-    for start in (0..rows).step_by(PREDICT_ROWS) {
-        let end = (start + PREDICT_ROWS).min(rows);
-        let x = Tensor::from_slice(&features[start * dim..end * dim], (end - start, dim), &Device::Cpu)?;
-        let y = model
-            .forward(&x)
-            .with_context(|| format!("running the model on rows {start}..{end}"))?;
-        outputs.extend(y.to_vec2::<f32>()?);
-    }
-    let width = outputs.first().map_or(0, Vec::len);
-    ensure!(width > 0, "the data holds no rows");
+    let inputs = match &file.info.spec {
+        Some(ModelSpec::Mlp { inputs, .. }) => Some(*inputs),
+        _ => None,
+    };
     let dir = out
         .parent()
         .filter(|p| !p.as_os_str().is_empty())
@@ -150,17 +135,43 @@ pub fn predict(model_file: &Path, data: &[String], out: &Path) -> Result<Predict
         .file_name()
         .with_context(|| format!("{} names no file", out.display()))?
         .to_string_lossy();
+    // Each file is read a piece at a time and its predictions written as they come, so the
+    // tables may be larger than memory.
+    let (mut rows, mut width) = (0, 0);
     write_atomically(dir, &name, |handle| {
         let mut table = csv::Writer::from_writer(std::io::BufWriter::new(handle));
-        table.write_record(header(regression, width))?;
-        for row in &outputs {
-            let mut record: Vec<String> = Vec::with_capacity(width + 1);
-            if !regression {
-                record.push(argmax(row).to_string());
+        for file in data {
+            let (dim, pieces) = feature_pieces(file, columns.as_deref(), PREDICT_ROWS)?;
+            if let Some(inputs) = inputs {
+                ensure!(
+                    inputs == dim,
+                    "{file}: the model reads {inputs} features a row, the data has {dim} columns (give the columns \
+                     it was trained on)"
+                );
             }
-            record.extend(row.iter().map(f32::to_string));
-            table.write_record(&record)?;
+            for piece in pieces {
+                let piece = piece?;
+                let (first, count) = (rows, piece.len() / dim);
+                let x = Tensor::from_vec(piece, (count, dim), &Device::Cpu)?;
+                let y = model
+                    .forward(&x)
+                    .with_context(|| format!("running the model on rows {first}..{}", first + count))?;
+                for row in y.to_vec2::<f32>()? {
+                    if rows == 0 {
+                        width = row.len();
+                        table.write_record(header(regression, width))?;
+                    }
+                    let mut record: Vec<String> = Vec::with_capacity(width + 1);
+                    if !regression {
+                        record.push(argmax(&row).to_string());
+                    }
+                    record.extend(row.iter().map(f32::to_string));
+                    table.write_record(&record)?;
+                    rows += 1;
+                }
+            }
         }
+        ensure!(rows > 0, "the data holds no rows");
         table.flush()?;
         Ok(())
     })

@@ -89,17 +89,36 @@ fn read_files(files: &[String], format: Option<TableFormat>, columns: Columns, k
     Ok(rows)
 }
 
-/// The feature columns `features` (every column when `None`) of `files`, each read in the
-/// format its name says ([`TableFormat::of_path`]), in order: row-major values, and the number
-/// per row.
-pub fn read_features(files: &[String], features: Option<&[String]>) -> Result<(Vec<f32>, usize)> {
+/// Rows of features, row-major, a piece of rows at a time.
+pub type FeaturePieces = Box<dyn Iterator<Item = Result<Vec<f32>>>>;
+
+/// The feature columns `features` (every column when `None`) of the table `file`, in the
+/// format its name says ([`TableFormat::of_path`]): the values per row, and the rows'
+/// values row-major `piece_rows` rows at a time — streamed from CSV and Parquet files, of
+/// named arrays read whole.
+pub fn feature_pieces(file: &str, features: Option<&[String]>, piece_rows: usize) -> Result<(usize, FeaturePieces)> {
     let columns = Columns {
         label: None,
         features,
         regression: true,
     };
-    let rows = read_files(files, None, columns, "the data")?;
-    Ok((rows.features, rows.dim))
+    let piece_rows = piece_rows.max(1);
+    match TableFormat::of_path(Path::new(file)) {
+        TableFormat::Arrays => {
+            let rows = read_files(&[file.to_string()], None, columns, "the data")?;
+            let pieces: Vec<Vec<f32>> = rows
+                .features
+                .chunks(piece_rows * rows.dim)
+                .map(<[f32]>::to_vec)
+                .collect();
+            Ok((rows.dim, Box::new(pieces.into_iter().map(Ok))))
+        }
+        format => {
+            let layout = crate::data::parts::DataLayout::WHOLE;
+            let table = StreamedTable::open(format, &[file.to_string()], columns, layout, "the data")?;
+            Ok((table.dim, Box::new(table.feature_pieces(piece_rows)?)))
+        }
+    }
 }
 
 /// Where the columns a model reads are in a table's `header`, by index.
@@ -603,10 +622,11 @@ mod tests {
         assert_eq!(TableFormat::of_path(dir.path()), TableFormat::Arrays);
         assert_eq!(TableFormat::of_path(Path::new("a.pq")), TableFormat::Parquet);
         assert_eq!(TableFormat::of_path(Path::new("a.tsv")), TableFormat::Csv);
-        let (values, dim) = read_features(&[dir.path().to_string_lossy().into_owned()], None).unwrap();
-        assert_eq!((values, dim), (vec![1.0, 2.0, 3.0, 4.0], 2));
+        let (dim, pieces) = feature_pieces(&dir.path().to_string_lossy(), None, 1).unwrap();
+        let pieces: Vec<Vec<f32>> = pieces.collect::<Result<_>>().unwrap();
+        assert_eq!((pieces, dim), (vec![vec![1.0, 2.0], vec![3.0, 4.0]], 2));
         let empty = tempfile::tempdir().unwrap();
-        let err = read_features(&[empty.path().to_string_lossy().into_owned()], None).unwrap_err();
+        let err = feature_pieces(&empty.path().to_string_lossy(), None, 1).err().unwrap();
         assert!(
             format!("{err:#}").contains("the directory holds no .npy files"),
             "{err:#}"

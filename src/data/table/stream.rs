@@ -19,7 +19,7 @@ use crate::data::parts::{DataLayout, PartLoader, PartStream, Placement, ReadPosi
 /// The columns a streamed table's rows are read from, owned by every part's stream.
 #[derive(Debug)]
 struct ColumnNames {
-    label: String,
+    label: Option<String>,
     features: Option<Vec<String>>,
     regression: bool,
 }
@@ -27,7 +27,7 @@ struct ColumnNames {
 impl ColumnNames {
     fn columns(&self) -> Columns<'_> {
         Columns {
-            label: Some(&self.label),
+            label: self.label.as_deref(),
             features: self.features.as_deref(),
             regression: self.regression,
         }
@@ -62,10 +62,7 @@ impl StreamedTable {
         key: &str,
     ) -> Result<Self> {
         ensure!(!files.is_empty(), "{key}: no files given");
-        let label = columns
-            .label
-            .context("a streamed table trains on a label column")?
-            .to_string();
+        let label = columns.label.map(str::to_string);
         let mut dims = None;
         let mut rows = 0;
         for file in files {
@@ -160,6 +157,17 @@ impl StreamedTable {
         let placement = Placement::evaluation(batch_rows * world, rank, world, world)?;
         let streams = self.open_parts(world, &placement)?;
         Ok(PartLoader::new(streams, DataLayout::WHOLE, &placement))
+    }
+
+    /// The feature rows of one pass over the files, `piece_rows` at a time (without a label
+    /// column, what `predict` reads).
+    pub fn feature_pieces(&self, piece_rows: usize) -> Result<impl Iterator<Item = Result<Vec<f32>>>> {
+        let mut loader = self.evaluation(piece_rows, 0, 1)?;
+        let dim = self.dim;
+        Ok(std::iter::from_fn(move || {
+            let piece = loader.next_eval_batch().transpose()?;
+            Some(piece.map(|rows| rows.iter().flat_map(|row| &row[..dim]).copied().collect()))
+        }))
     }
 
     /// The largest label of one pass over the files, read as one part a batch at a time.
