@@ -527,7 +527,7 @@ fn named_arrays_train_the_model_the_same_rows_as_a_table_train() {
 }
 
 #[test]
-fn training_memory_stays_bounded_as_a_streamed_table_grows() {
+fn training_and_prediction_memory_stay_bounded_as_a_streamed_table_grows() {
     let dir = tempfile::tempdir().unwrap();
     write_tables(dir.path());
     // 1.2 million rows (about 48 MB of CSV) against 2 000: as rows in memory they would take
@@ -579,4 +579,19 @@ fn training_memory_stays_bounded_as_a_streamed_table_grows() {
         whole > small_peak + (16 << 20),
         "read whole: peak resident set {whole} B on 1 200 000 rows against {small_peak} B streamed on 2 000"
     );
+    // `predict` streams the tables it reads, and writes as it goes.
+    let params = dir.path().join("run/params.safetensors");
+    let out = dir.path().join("predictions.csv");
+    let predict = |file: &str| {
+        #[rustfmt::skip]
+        let args = ["predict", "--model", params.to_str().unwrap(), "--data", file, "--out", out.to_str().unwrap()];
+        peak_rss(&args)
+    };
+    let (small_peak, large_peak) = (predict(&small), predict(&large));
+    assert!(
+        large_peak < small_peak + (6 << 20),
+        "predict: peak resident set {small_peak} B on 2 000 rows, {large_peak} B on 1 200 000"
+    );
+    let lines = std::io::BufRead::lines(std::io::BufReader::new(std::fs::File::open(&out).unwrap())).count();
+    assert_eq!(lines, 1_200_001, "a header and a prediction a row");
 }
