@@ -484,25 +484,42 @@ fn named_arrays_train_the_model_the_same_rows_as_a_table_train() {
         x.write_npy(npy.join("x.npy")).unwrap();
         y.write_npy(npy.join("y.npy")).unwrap();
     }
-    let run = |format: &str, extension: &str| {
+    let job = |format: &str, extension: &str, extra: &str| {
         let text = config_text(dir.path(), format, 1).replace(".arrays", extension)
             + if format == "arrays" {
                 "feature_columns = [\"x\"]\n"
             } else {
                 ""
-            };
-        let config = JobConfig::from_toml_str(&text, "arrays.toml", &|_| None, &[]).unwrap();
-        let outcome = TrainingJob::builtin(config)
+            }
+            + extra;
+        TrainingJob::builtin(JobConfig::from_toml_str(&text, "arrays.toml", &|_| None, &[]).unwrap())
+    };
+    let run = |format: &str, extension: &str, extra: &str| {
+        let run_dir = dir.path().join(format!("run{extension}-{}", extra.len()));
+        let outcome = job(format, extension, extra)
             .unwrap()
-            .run_simulated(&RunOptions::new(dir.path().join(format!("run{extension}"))))
+            .run_simulated(&RunOptions::new(run_dir))
             .unwrap();
         assert_eq!(outcome.summary.test_samples, 64);
         outcome.parameters
     };
-    let table = run("csv", ".csv");
+    let table = run("csv", ".csv", "");
     for extension in [".safetensors", ".npz", "_npy"] {
-        assert_eq!(max_abs_diff(&table, &run("arrays", extension)), 0.0, "{extension}");
+        assert_eq!(max_abs_diff(&table, &run("arrays", extension, "")), 0.0, "{extension}");
     }
+    // Streamed as one part in file order, shuffled in the same windows: the same batches from
+    // every format, read a block of rows at a time (arrays at their byte offsets).
+    let streamed = "data_parts = 1\nshuffle_buffer = 48\n";
+    let table = run("csv", ".csv", streamed);
+    for (format, extension) in [("parquet", ".parquet"), ("arrays", ".safetensors"), ("arrays", "_npy")] {
+        let what = format!("streamed {format} {extension}");
+        assert_eq!(max_abs_diff(&table, &run(format, extension, streamed)), 0.0, "{what}");
+    }
+    let error = job("arrays", ".npz", streamed)
+        .err()
+        .map(|e| format!("{e:#}"))
+        .unwrap_or_default();
+    assert!(error.contains("a .npz archive is read whole"), "{error}");
     // A lone .npy file is one array: the error says how to pair it.
     let text = config_text(dir.path(), "arrays", 1).replace("train.arrays", "train_npy/x.npy");
     let config = JobConfig::from_toml_str(&text, "arrays.toml", &|_| None, &[]).unwrap();

@@ -303,14 +303,14 @@ fn check_pipeline(config: &JobConfig) -> Result<(), FieldError> {
 /// read in parts.
 fn check_data_layout(config: &JobConfig) -> Result<(), FieldError> {
     let train = &config.train;
-    let streamed_table = matches!(train.dataset, DatasetKind::Csv | DatasetKind::Parquet) && train.data_parts.is_some();
+    let streamed_table = train.dataset.is_table() && train.data_parts.is_some();
     if !train.dataset.is_click_log() && !streamed_table {
         let only = |key: &str| {
             FieldError::new(
                 key,
                 format!(
-                    "only click logs (\"criteo\", \"criteo_synthetic\") and tables streamed in parts (\"csv\", \"parquet\" \
-                     with train.data_parts) are read in parts and windows; {} is not",
+                    "only click logs (\"criteo\", \"criteo_synthetic\") and tables streamed in parts (\"csv\", \"parquet\", \
+                     \"arrays\" with train.data_parts) are read in parts and windows; {} is not",
                     dataset_name(train.dataset)
                 ),
             )
@@ -465,8 +465,10 @@ mod tests {
         );
         let uneven = err_text(table("parquet", "data_parts = 3\ntest_files = [\"h\"]\n"));
         assert!(uneven.contains("train.data_parts: the global batch of 64"), "{uneven}");
-        let arrays = err_text(table("arrays", "data_parts = 2\ntest_files = [\"h\"]\n"));
-        assert!(arrays.contains("train.data_parts: only click logs"), "{arrays}");
+        let arrays = table("arrays", "data_parts = 2\ntest_files = [\"h\"]\n").unwrap();
+        assert_eq!(arrays.train.data_parts, Some(2), "arrays stream too");
+        let digits = err_text(load_str("[train]\ndataset = \"digits\"\nshuffle_buffer = 8\n"));
+        assert!(digits.contains("train.shuffle_buffer: only click logs"), "{digits}");
     }
 
     #[test]

@@ -291,13 +291,14 @@ pub struct TrainConfig {
     /// Paddle's `fleet.init_server(dirname)`. The shard count must be the same.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub init_tables_from: Option<String>,
-    /// Click logs, and CSV or Parquet tables to stream: the parts the training data is cut
-    /// into — runs of files, or byte (Parquet: row) ranges of fewer files — each read by one
-    /// trainer (or data-parallel pipeline replica); a global batch takes an equal share of
-    /// each, so the batch must divide among the parts. Click logs default to the number of
-    /// trainers, kept when a run resumes on another number. A table is read into memory
-    /// unless this is given; with it, each rank streams only its parts from the files, a
-    /// shuffle window at a time (files larger than memory), and `test_files` are held out.
+    /// Click logs, and tables to stream (CSV, Parquet, safetensors or `.npy` arrays): the parts
+    /// the training data is cut into — runs of files, or byte (Parquet and arrays: row) ranges
+    /// of fewer files — each read by one trainer (or data-parallel pipeline replica); a global
+    /// batch takes an equal share of each, so the batch must divide among the parts. Click logs
+    /// default to the number of trainers, kept when a run resumes on another number. A table
+    /// is read into memory unless this is given; with it, each rank streams only its parts from
+    /// the files, a shuffle window at a time (files larger than memory), and `test_files` are
+    /// held out and streamed too.
     pub data_parts: Option<usize>,
     /// Data read in parts (`data_parts`): records of a part shuffled together, in consecutive
     /// windows, by a generator seeded with `seed`, the part, the pass and the window; 0 reads

@@ -3,6 +3,7 @@
 //! split must have the columns; a cell that is not a number is an error naming the file, the
 //! line (or row) and the column, a Parquet column of another type its schema.
 
+mod array_file;
 mod stream;
 
 use std::path::Path;
@@ -94,8 +95,8 @@ pub type FeaturePieces = Box<dyn Iterator<Item = Result<Vec<f32>>>>;
 
 /// The feature columns `features` (every column when `None`) of the table `file`, in the
 /// format its name says ([`TableFormat::of_path`]): the values per row, and the rows'
-/// values row-major `piece_rows` rows at a time — streamed from CSV and Parquet files, of
-/// named arrays read whole.
+/// values row-major `piece_rows` rows at a time — streamed, but for `.npz` archives (and a
+/// lone `.npy` file, refused with how to pair it), which are read whole.
 pub fn feature_pieces(file: &str, features: Option<&[String]>, piece_rows: usize) -> Result<(usize, FeaturePieces)> {
     let columns = Columns {
         label: None,
@@ -103,8 +104,10 @@ pub fn feature_pieces(file: &str, features: Option<&[String]>, piece_rows: usize
         regression: true,
     };
     let piece_rows = piece_rows.max(1);
-    match TableFormat::of_path(Path::new(file)) {
-        TableFormat::Arrays => {
+    let path = Path::new(file);
+    let archive = matches!(path.extension().and_then(|e| e.to_str()), Some("npz" | "npy"));
+    match TableFormat::of_path(path) {
+        TableFormat::Arrays if archive => {
             let rows = read_files(&[file.to_string()], None, columns, "the data")?;
             let pieces: Vec<Vec<f32>> = rows
                 .features
@@ -122,6 +125,7 @@ pub fn feature_pieces(file: &str, features: Option<&[String]>, piece_rows: usize
 }
 
 /// Where the columns a model reads are in a table's `header`, by index.
+#[derive(Debug)]
 struct Layout {
     label: Option<usize>,
     features: Vec<usize>,
@@ -290,7 +294,7 @@ fn read_csv(path: &Path, columns: Columns, rows: &mut Rows) -> Result<()> {
 }
 
 /// A Parquet file opened for the columns a model reads.
-struct ParquetColumns {
+pub(crate) struct ParquetColumns {
     reader: parquet::file::reader::SerializedFileReader<std::fs::File>,
     header: Vec<String>,
     layout: Layout,

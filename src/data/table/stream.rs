@@ -11,6 +11,7 @@ use std::sync::Arc;
 
 use anyhow::{anyhow, bail, ensure, Context, Result};
 
+use super::array_file::ArrayTable;
 use super::{csv_header, csv_reader, csv_values, Columns, Layout, ParquetColumns, TableFormat};
 use crate::data::parts::cut::{cut_by_measure, cut_into_parts, Segment};
 use crate::data::parts::text::{count_records, is_gzip};
@@ -67,7 +68,8 @@ impl StreamedTable {
         let mut rows = 0;
         for file in files {
             let path = Path::new(file);
-            let (names, count) = match format {
+            // The feature columns' (or arrays') names and the values a row holds of them.
+            let ((names, dim), count) = match format {
                 TableFormat::Csv => {
                     ensure!(
                         !is_gzip(path),
@@ -75,33 +77,34 @@ impl StreamedTable {
                     );
                     let (header, layout) = read_csv_layout(path, columns).with_context(|| key.to_string())?;
                     // The header is one of the file's lines.
-                    (layout.feature_names(&header), count_records(path)?.saturating_sub(1))
+                    let names = layout.feature_names(&header);
+                    ((names, layout.features.len()), count_records(path)?.saturating_sub(1))
                 }
                 TableFormat::Parquet => {
                     let table = ParquetColumns::open(path, columns).with_context(|| format!("{key}: {file}"))?;
-                    (table.layout.feature_names(&table.header), table.rows())
+                    let names = table.layout.feature_names(&table.header);
+                    ((names, table.layout.features.len()), table.rows())
                 }
                 TableFormat::Arrays => {
-                    bail!("train.data_parts: named arrays are read whole; only CSV and Parquet tables are streamed in parts")
+                    let table = ArrayTable::open(path, columns).with_context(|| format!("{key}: {file}"))?;
+                    (table.features(), table.rows())
                 }
             };
             match &dims {
-                None => dims = Some(names),
-                Some(first) => ensure!(
-                    first.len() == names.len(),
-                    "{key}: {file} has {} feature columns, where the files before had {}",
-                    names.len(),
-                    first.len()
+                None => dims = Some((names, dim)),
+                Some((_, first)) => ensure!(
+                    *first == dim,
+                    "{key}: {file} has {dim} feature values a row, where the files before had {first}"
                 ),
             }
             rows += count;
         }
-        let feature_columns = dims.unwrap_or_default();
+        let (feature_columns, dim) = dims.unwrap_or_default();
         ensure!(rows > 0, "{key}: the files hold no rows");
         tracing::info!(
             rows,
             files = files.len(),
-            "{key} streamed in parts: each rank reads only its own"
+            "{key}: streamed from the files, a piece at a time"
         );
         Ok(Self {
             format,
@@ -112,7 +115,7 @@ impl StreamedTable {
                 regression: columns.regression,
             }),
             layout,
-            dim: feature_columns.len(),
+            dim,
             rows,
             feature_columns,
         })
@@ -129,7 +132,10 @@ impl StreamedTable {
             TableFormat::Parquet => cut_by_measure(&self.files, parts, |path| {
                 Ok(ParquetColumns::open(path, self.columns.columns())?.rows())
             }),
-            _ => cut_into_parts(&self.files, parts),
+            TableFormat::Arrays => cut_by_measure(&self.files, parts, |path| {
+                Ok(ArrayTable::open(path, self.columns.columns())?.rows())
+            }),
+            TableFormat::Csv => cut_into_parts(&self.files, parts),
         }
     }
 
@@ -182,8 +188,9 @@ impl StreamedTable {
 
     fn stream(&self, segments: Vec<Segment>) -> Result<TableStream> {
         Ok(match self.format {
-            TableFormat::Parquet => TableStream::Parquet(ParquetPart::open(segments, self.columns.clone())?),
-            _ => TableStream::Csv(CsvPart::open(segments, &self.columns)?),
+            TableFormat::Parquet => TableStream::Parquet(RowPart::open(segments, self.columns.clone())?),
+            TableFormat::Arrays => TableStream::Arrays(RowPart::open(segments, self.columns.clone())?),
+            TableFormat::Csv => TableStream::Csv(CsvPart::open(segments, &self.columns)?),
         })
     }
 }
@@ -201,7 +208,8 @@ fn read_csv_layout(path: &Path, columns: Columns) -> Result<(Vec<String>, Layout
 #[derive(Debug)]
 pub(crate) enum TableStream {
     Csv(CsvPart),
-    Parquet(ParquetPart),
+    Parquet(RowPart<ParquetColumns>),
+    Arrays(RowPart<ArrayTable>),
 }
 
 impl PartStream for TableStream {
@@ -211,6 +219,7 @@ impl PartStream for TableStream {
         match self {
             Self::Csv(part) => part.next(),
             Self::Parquet(part) => part.next(),
+            Self::Arrays(part) => part.next(),
         }
     }
 
@@ -218,6 +227,7 @@ impl PartStream for TableStream {
         match self {
             Self::Csv(part) => part.advance(),
             Self::Parquet(part) => part.skip(),
+            Self::Arrays(part) => part.skip(),
         }
     }
 
@@ -225,6 +235,7 @@ impl PartStream for TableStream {
         StreamPosition::Files(match self {
             Self::Csv(part) => part.position(),
             Self::Parquet(part) => part.position(),
+            Self::Arrays(part) => part.position(),
         })
     }
 
@@ -235,6 +246,7 @@ impl PartStream for TableStream {
         match self {
             Self::Csv(part) => part.open_segment(at.segment, Some(at)),
             Self::Parquet(part) => part.seek(at),
+            Self::Arrays(part) => part.seek(at),
         }
     }
 
@@ -242,6 +254,7 @@ impl PartStream for TableStream {
         match self {
             Self::Csv(part) => part.open_segment(0, None),
             Self::Parquet(part) => part.open_segment(0),
+            Self::Arrays(part) => part.open_segment(0),
         }
     }
 }
@@ -395,30 +408,78 @@ impl CsvPart {
     }
 }
 
-/// The rows of Parquet files in each of a part's segments, a row group decoded at a time.
-pub(crate) struct ParquetPart {
+/// A file whose rows are read by index, a block of rows decoded at a time: Parquet (a row
+/// group) or named arrays (a run of rows).
+pub(crate) trait RowFile: Sized + Send {
+    /// The file at `path`, its `columns` found and checked.
+    fn open(path: &Path, columns: Columns) -> Result<Self>;
+
+    /// Rows in the file.
+    fn rows(&self) -> u64;
+
+    /// The first row and the values (features, then the label) of a block of rows holding
+    /// `row`, labels checked as `regression` says.
+    fn block_of(&self, row: u64, regression: bool) -> Result<(u64, Vec<Vec<f32>>)>;
+}
+
+impl RowFile for ParquetColumns {
+    fn open(path: &Path, columns: Columns) -> Result<Self> {
+        ParquetColumns::open(path, columns)
+    }
+
+    fn rows(&self) -> u64 {
+        ParquetColumns::rows(self)
+    }
+
+    /// The row group holding `row`.
+    fn block_of(&self, row: u64, regression: bool) -> Result<(u64, Vec<Vec<f32>>)> {
+        use parquet::file::reader::FileReader;
+
+        let metadata = self.reader.metadata();
+        let mut first = 0u64;
+        for index in 0..metadata.num_row_groups() {
+            let rows = metadata.row_group(index).num_rows().max(0) as u64;
+            if row < first + rows {
+                let unreadable = || format!("cannot read row group {index}");
+                let group = self.reader.get_row_group(index).with_context(unreadable)?;
+                let values = group
+                    .get_row_iter(Some(self.projection.clone()))
+                    .with_context(unreadable)?
+                    .enumerate()
+                    .map(|(i, decoded)| self.values(decoded, first + i as u64 + 1, regression))
+                    .collect::<Result<_>>()?;
+                return Ok((first, values));
+            }
+            first += rows;
+        }
+        bail!("no row {} in a file of {first} rows", row + 1)
+    }
+}
+
+/// The rows of [`RowFile`]s in each of a part's segments, a block decoded at a time.
+pub(crate) struct RowPart<F> {
     segments: Vec<Segment>,
     columns: Arc<ColumnNames>,
     current: usize,
     /// The current segment's file.
-    file: Option<ParquetColumns>,
+    file: Option<F>,
     /// The next row of the file.
     row: u64,
-    /// The first row of the row group decoded last, and its rows' values.
-    group: Option<(u64, Vec<Vec<f32>>)>,
+    /// The first row of the block decoded last, and its rows' values.
+    block: Option<(u64, Vec<Vec<f32>>)>,
 }
 
 /// Where the part is; the file itself has nothing to show.
-impl std::fmt::Debug for ParquetPart {
+impl<F: RowFile> std::fmt::Debug for RowPart<F> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("ParquetPart")
+        f.debug_struct("RowPart")
             .field("segments", &self.segments)
             .field("at", &self.position())
             .finish_non_exhaustive()
     }
 }
 
-impl ParquetPart {
+impl<F: RowFile> RowPart<F> {
     fn open(segments: Vec<Segment>, columns: Arc<ColumnNames>) -> Result<Self> {
         let mut part = Self {
             segments,
@@ -426,7 +487,7 @@ impl ParquetPart {
             current: 0,
             file: None,
             row: 0,
-            group: None,
+            block: None,
         };
         part.open_segment(0)?;
         Ok(part)
@@ -435,20 +496,20 @@ impl ParquetPart {
     /// Reads from the first row of segment `index`, or, past the last, nothing.
     fn open_segment(&mut self, index: usize) -> Result<()> {
         self.current = index;
-        self.group = None;
+        self.block = None;
         self.file = None;
         let Some(segment) = self.segments.get(index) else {
             return Ok(());
         };
-        let file = ParquetColumns::open(&segment.path, self.columns.columns())
-            .with_context(|| segment.path.display().to_string())?;
+        let file =
+            F::open(&segment.path, self.columns.columns()).with_context(|| segment.path.display().to_string())?;
         self.row = segment.start;
         self.file = Some(file);
         Ok(())
     }
 
     /// The row after the segment's last.
-    fn end(&self, file: &ParquetColumns) -> u64 {
+    fn end(&self, file: &F) -> u64 {
         let rows = file.rows();
         self.segments[self.current].end.map_or(rows, |end| end.min(rows))
     }
@@ -473,41 +534,19 @@ impl ParquetPart {
         }
         let row = self.row - 1;
         let held = self
-            .group
+            .block
             .as_ref()
             .is_some_and(|(first, rows)| (*first..*first + rows.len() as u64).contains(&row));
         if !held {
-            self.group = Some(self.decode_group_of(row)?);
+            let file = self.file.as_ref().context("an open file")?;
+            let path = &self.segments[self.current].path;
+            let block = file
+                .block_of(row, self.columns.regression)
+                .with_context(|| path.display().to_string())?;
+            self.block = Some(block);
         }
-        let (first, rows) = self.group.as_ref().context("a decoded row group")?;
+        let (first, rows) = self.block.as_ref().context("a decoded block of rows")?;
         Ok(Some(rows[(row - first) as usize].clone()))
-    }
-
-    /// The first row and the values of the row group holding `row` of the current file.
-    fn decode_group_of(&self, row: u64) -> Result<(u64, Vec<Vec<f32>>)> {
-        use parquet::file::reader::FileReader;
-
-        let file = self.file.as_ref().context("an open Parquet file")?;
-        let path = &self.segments[self.current].path;
-        let metadata = file.reader.metadata();
-        let mut first = 0u64;
-        for index in 0..metadata.num_row_groups() {
-            let rows = metadata.row_group(index).num_rows().max(0) as u64;
-            if row < first + rows {
-                let unreadable = || format!("{}: cannot read row group {index}", path.display());
-                let group = file.reader.get_row_group(index).with_context(unreadable)?;
-                let values = group
-                    .get_row_iter(Some(file.projection.clone()))
-                    .with_context(unreadable)?
-                    .enumerate()
-                    .map(|(i, decoded)| file.values(decoded, first + i as u64 + 1, self.columns.regression))
-                    .collect::<Result<_>>()
-                    .with_context(|| path.display().to_string())?;
-                return Ok((first, values));
-            }
-            first += rows;
-        }
-        bail!("{}: no row {} in a file of {first} rows", path.display(), row + 1)
     }
 
     fn position(&self) -> ReadPosition {
@@ -563,8 +602,10 @@ mod tests {
     }
 
     /// The same `ROWS` rows as one CSV file (a header, a blank line and a text column the model
-    /// does not read) and one Parquet file of row groups of 10, in `dir`.
-    fn tables(dir: &Path) -> [(TableFormat, String); 2] {
+    /// does not read), one Parquet file of row groups of 10, one safetensors file (`a` as f64,
+    /// `b` as i32, `y` as f32) and a directory of `.npy` files (`a` as f16: its values are
+    /// whole numbers it holds exactly), in `dir`.
+    fn tables(dir: &Path) -> [(TableFormat, String); 4] {
         let mut text = String::from("a,note,b,y\n");
         for i in 0..ROWS {
             let [a, b, y] = row(i)[..] else { unreachable!() };
@@ -578,8 +619,32 @@ mod tests {
         let parquet = dir.join("t.parquet");
         let column = |k: usize| parquet_files::Column::Doubles((0..ROWS).map(|i| f64::from(row(i)[k])).collect());
         parquet_files::write_parquet(&parquet, &[("y", column(2)), ("a", column(0)), ("b", column(1))], 10);
+        use candle_core::{DType, Device, Tensor};
+        let values = |k: usize| (0..ROWS).map(|i| row(i)[k]).collect::<Vec<f32>>();
+        let array = |k: usize, dtype: DType| {
+            Tensor::from_vec(values(k), ROWS, &Device::Cpu)
+                .and_then(|t| t.to_dtype(dtype))
+                .unwrap()
+        };
+        let safetensors = dir.join("t.safetensors");
+        let named = std::collections::HashMap::from([
+            ("a".to_string(), array(0, DType::F64)),
+            ("b".to_string(), array(1, DType::I64)),
+            ("y".to_string(), array(2, DType::F32)),
+        ]);
+        candle_core::safetensors::save(&named, &safetensors).unwrap();
+        let npy = dir.join("t_npy");
+        std::fs::create_dir(&npy).unwrap();
+        array(0, DType::F16).write_npy(npy.join("a.npy")).unwrap();
+        array(1, DType::F32).write_npy(npy.join("b.npy")).unwrap();
+        array(2, DType::F32).write_npy(npy.join("y.npy")).unwrap();
         let name = |path: PathBuf| path.to_string_lossy().into_owned();
-        [(TableFormat::Csv, name(csv)), (TableFormat::Parquet, name(parquet))]
+        [
+            (TableFormat::Csv, name(csv)),
+            (TableFormat::Parquet, name(parquet)),
+            (TableFormat::Arrays, name(safetensors)),
+            (TableFormat::Arrays, name(npy)),
+        ]
     }
 
     fn layout(parts: usize, shuffle_buffer: usize) -> DataLayout {
