@@ -1,8 +1,8 @@
-//! Tables streamed in parts (`train.data_parts`): each rank opens only its parts of the CSV or
-//! Parquet files and holds a shuffle window of rows at a time, so the files may be far larger
-//! than memory. CSV files are cut into byte ranges — a row belongs to the part its line begins
-//! in, so a quoted cell may not span lines there — and Parquet files into row ranges, a row
-//! group decoded at a time.
+//! Tables streamed in parts (`train.data_parts`): each rank opens only its parts of the CSV,
+//! Parquet or array files and holds a shuffle window of rows at a time, so the files may be far
+//! larger than memory. CSV files are cut into byte ranges — a row belongs to the part its line
+//! begins in, so a quoted cell may not span lines there — and Parquet and array files into row
+//! ranges, read a block of rows at a time (a Parquet row group, a run of array rows).
 
 use std::fs::File;
 use std::io::{BufRead, BufReader, Seek, SeekFrom};
