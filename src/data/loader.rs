@@ -289,14 +289,6 @@ impl Batch {
         }
     }
 
-    /// The batch cut into consecutive pieces of `rows` rows (the last may be shorter).
-    pub fn pieces(&self, rows: usize) -> impl Iterator<Item = Batch> + '_ {
-        let total = self.rows();
-        (0..total)
-            .step_by(rows.max(1))
-            .map(move |start| self.piece(start..(start + rows.max(1)).min(total)))
-    }
-
     /// Inputs `(rows, dim)` (f32 features or u32 tokens) and targets ([`Targets::tensor`]) on
     /// `device`.
     pub fn tensors(&self, device: &Device) -> candle_core::Result<(Tensor, Tensor)> {

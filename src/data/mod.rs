@@ -178,14 +178,6 @@ impl Dataset {
         }
     }
 
-    /// Part `part` of `parts` contiguous, near-equal parts of the rows: together the parts hold
-    /// every row once (how ranks share the held-out rows).
-    pub fn share(&self, part: usize, parts: usize) -> Batch {
-        let (n, parts) = (self.len(), parts.max(1));
-        let rows: Vec<usize> = (part * n / parts..(part + 1) * n / parts).collect();
-        self.select(&rows)
-    }
-
     /// A deterministic shuffled split into (train, test), `test_fraction` of
     /// the rows going to test.
     pub fn split(&self, test_fraction: f64, seed: u64) -> Result<(Dataset, Dataset)> {

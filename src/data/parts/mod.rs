@@ -301,11 +301,12 @@ impl Placement {
     pub(crate) fn evaluation(global_batch: usize, rank: usize, world: usize, parts: usize) -> Result<Self> {
         crate::data::check_rank_batch(global_batch, rank, world)?;
         let slice = global_batch / world;
+        // Its part's share is its slice, kept whole.
         Ok(Self {
             parts: rank.min(parts)..(rank + 1).min(parts),
             share: slice,
             slice,
-            first: 0,
+            first: rank * slice,
         })
     }
 

@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 use anyhow::{bail, ensure, Context, Result};
 
 use super::stream::RowFile;
-use super::{label_value, Columns, Layout};
+use super::{label_value, npy_files, Columns, Layout};
 
 /// Rows decoded at a time.
 const BLOCK_ROWS: u64 = 4096;
@@ -224,16 +224,7 @@ fn safetensors_arrays(path: &Path) -> Result<Vec<ArrayData>> {
 /// The arrays of the `.npy` files in `dir`, each named by its file's stem, from their headers.
 fn npy_arrays(dir: &Path) -> Result<Vec<ArrayData>> {
     let mut arrays = Vec::new();
-    for entry in std::fs::read_dir(dir).context("reading the directory")? {
-        let path = entry.context("reading the directory")?.path();
-        if path.extension().and_then(|e| e.to_str()) != Some("npy") {
-            continue;
-        }
-        let name = path
-            .file_stem()
-            .and_then(|s| s.to_str())
-            .with_context(|| format!("{}: a file name that is not UTF-8", path.display()))?
-            .to_string();
+    for (name, path) in npy_files(dir)? {
         let mut file = File::open(&path).with_context(|| format!("cannot open {}", path.display()))?;
         let header = npyz::NpyHeader::from_reader(&mut file)
             .with_context(|| format!("{}: not a readable .npy file", path.display()))?;
@@ -254,7 +245,6 @@ fn npy_arrays(dir: &Path) -> Result<Vec<ArrayData>> {
             &described,
         )?);
     }
-    ensure!(!arrays.is_empty(), "the directory holds no .npy files");
     Ok(arrays)
 }
 

@@ -415,9 +415,9 @@ fn read_parquet(path: &Path, columns: Columns, rows: &mut Rows) -> Result<()> {
     Ok(())
 }
 
-/// The arrays of the `.npy` files in `dir` (`numpy.save`), each named by its file's stem.
-fn read_npy_directory(dir: &Path) -> Result<Vec<(String, candle_core::Tensor)>> {
-    let mut arrays = Vec::new();
+/// The `.npy` files in `dir` (`numpy.save`), each with the array name its file's stem gives.
+fn npy_files(dir: &Path) -> Result<Vec<(String, std::path::PathBuf)>> {
+    let mut files = Vec::new();
     for entry in std::fs::read_dir(dir).context("reading the directory")? {
         let path = entry.context("reading the directory")?.path();
         if path.extension().and_then(|e| e.to_str()) != Some("npy") {
@@ -426,13 +426,24 @@ fn read_npy_directory(dir: &Path) -> Result<Vec<(String, candle_core::Tensor)>> 
         let name = path
             .file_stem()
             .and_then(|s| s.to_str())
-            .with_context(|| format!("{}: a file name that is not UTF-8", path.display()))?;
-        let array = candle_core::Tensor::read_npy(&path)
-            .with_context(|| format!("{}: not a readable .npy file", path.display()))?;
-        arrays.push((name.to_string(), array));
+            .with_context(|| format!("{}: a file name that is not UTF-8", path.display()))?
+            .to_string();
+        files.push((name, path));
     }
-    ensure!(!arrays.is_empty(), "the directory holds no .npy files");
-    Ok(arrays)
+    ensure!(!files.is_empty(), "the directory holds no .npy files");
+    Ok(files)
+}
+
+/// The arrays of the `.npy` files in `dir`, each named by its file's stem.
+fn read_npy_directory(dir: &Path) -> Result<Vec<(String, candle_core::Tensor)>> {
+    npy_files(dir)?
+        .into_iter()
+        .map(|(name, path)| {
+            let array = candle_core::Tensor::read_npy(&path)
+                .with_context(|| format!("{}: not a readable .npy file", path.display()))?;
+            Ok((name, array))
+        })
+        .collect()
 }
 
 /// Appends the rows of the named arrays at `path` (safetensors, `.npz`, or a directory of
@@ -618,23 +629,24 @@ mod tests {
     }
 
     #[test]
-    fn a_path_says_its_format_and_a_directory_is_one_of_npy_arrays() {
-        let dir = tempfile::tempdir().unwrap();
-        let x = candle_core::Tensor::new(&[[1f32, 2.0], [3.0, 4.0]], &candle_core::Device::Cpu).unwrap();
-        x.write_npy(dir.path().join("x.npy")).unwrap();
-        std::fs::write(dir.path().join("notes.txt"), "not an array").unwrap();
+    fn a_path_says_its_format_and_a_directory_is_one_of_npy_arrays() -> Result<()> {
+        let dir = tempfile::tempdir()?;
+        let x = candle_core::Tensor::new(&[[1f32, 2.0], [3.0, 4.0]], &candle_core::Device::Cpu)?;
+        x.write_npy(dir.path().join("x.npy"))?;
+        std::fs::write(dir.path().join("notes.txt"), "not an array")?;
         assert_eq!(TableFormat::of_path(dir.path()), TableFormat::Arrays);
         assert_eq!(TableFormat::of_path(Path::new("a.pq")), TableFormat::Parquet);
         assert_eq!(TableFormat::of_path(Path::new("a.tsv")), TableFormat::Csv);
-        let (dim, pieces) = feature_pieces(&dir.path().to_string_lossy(), None, 1).unwrap();
-        let pieces: Vec<Vec<f32>> = pieces.collect::<Result<_>>().unwrap();
+        let (dim, pieces) = feature_pieces(&dir.path().to_string_lossy(), None, 1)?;
+        let pieces: Vec<Vec<f32>> = pieces.collect::<Result<_>>()?;
         assert_eq!((pieces, dim), (vec![vec![1.0, 2.0], vec![3.0, 4.0]], 2));
-        let empty = tempfile::tempdir().unwrap();
-        let err = feature_pieces(&empty.path().to_string_lossy(), None, 1).err().unwrap();
-        assert!(
-            format!("{err:#}").contains("the directory holds no .npy files"),
-            "{err:#}"
-        );
+        let empty = tempfile::tempdir()?;
+        let err = match feature_pieces(&empty.path().to_string_lossy(), None, 1) {
+            Ok(_) => anyhow::bail!("an empty directory read as arrays"),
+            Err(err) => format!("{err:#}"),
+        };
+        assert!(err.contains("the directory holds no .npy files"), "{err}");
+        Ok(())
     }
 
     const REGRESS: Columns = Columns {

@@ -42,6 +42,8 @@ pub struct StreamedTable {
     files: Vec<PathBuf>,
     columns: Arc<ColumnNames>,
     layout: DataLayout,
+    /// Rows in each file, counted at the open: Parquet and array files are cut by them.
+    file_rows: Vec<u64>,
     /// Inputs per row.
     pub dim: usize,
     /// Rows in one pass over the files.
@@ -65,7 +67,7 @@ impl StreamedTable {
         ensure!(!files.is_empty(), "{key}: no files given");
         let label = columns.label.map(str::to_string);
         let mut dims = None;
-        let mut rows = 0;
+        let mut file_rows = Vec::with_capacity(files.len());
         for file in files {
             let path = Path::new(file);
             // The feature columns' (or arrays') names and the values a row holds of them.
@@ -97,8 +99,9 @@ impl StreamedTable {
                     "{key}: {file} has {dim} feature values a row, where the files before had {first}"
                 ),
             }
-            rows += count;
+            file_rows.push(count);
         }
+        let rows = file_rows.iter().sum();
         let (feature_columns, dim) = dims.unwrap_or_default();
         ensure!(rows > 0, "{key}: the files hold no rows");
         tracing::info!(
@@ -115,6 +118,7 @@ impl StreamedTable {
                 regression: columns.regression,
             }),
             layout,
+            file_rows,
             dim,
             rows,
             feature_columns,
@@ -129,13 +133,12 @@ impl StreamedTable {
     /// The files cut into `parts` parts.
     fn segments(&self, parts: usize) -> Result<Vec<Vec<Segment>>> {
         match self.format {
-            TableFormat::Parquet => cut_by_measure(&self.files, parts, |path| {
-                Ok(ParquetColumns::open(path, self.columns.columns())?.rows())
-            }),
-            TableFormat::Arrays => cut_by_measure(&self.files, parts, |path| {
-                Ok(ArrayTable::open(path, self.columns.columns())?.rows())
-            }),
             TableFormat::Csv => cut_into_parts(&self.files, parts),
+            TableFormat::Parquet | TableFormat::Arrays => cut_by_measure(&self.files, parts, |path| {
+                let file = self.files.iter().position(|f| f == path);
+                file.map(|i| self.file_rows[i])
+                    .with_context(|| format!("{} is not a file of the table", path.display()))
+            }),
         }
     }
 
@@ -583,7 +586,7 @@ mod parquet_files;
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::data::{Batch, RankBatches, RowSource};
+    use crate::data::{Batch, Inputs, RankBatches, RowSource, Targets};
 
     use super::parquet_files;
 
@@ -605,7 +608,7 @@ mod tests {
     /// does not read), one Parquet file of row groups of 10, one safetensors file (`a` as f64,
     /// `b` as i32, `y` as f32) and a directory of `.npy` files (`a` as f16: its values are
     /// whole numbers it holds exactly), in `dir`.
-    fn tables(dir: &Path) -> [(TableFormat, String); 4] {
+    fn tables(dir: &Path) -> Result<[(TableFormat, String); 4]> {
         let mut text = String::from("a,note,b,y\n");
         for i in 0..ROWS {
             let [a, b, y] = row(i)[..] else { unreachable!() };
@@ -615,36 +618,45 @@ mod tests {
             }
         }
         let csv = dir.join("t.csv");
-        std::fs::write(&csv, text).unwrap();
+        std::fs::write(&csv, text)?;
         let parquet = dir.join("t.parquet");
         let column = |k: usize| parquet_files::Column::Doubles((0..ROWS).map(|i| f64::from(row(i)[k])).collect());
         parquet_files::write_parquet(&parquet, &[("y", column(2)), ("a", column(0)), ("b", column(1))], 10);
         use candle_core::{DType, Device, Tensor};
         let values = |k: usize| (0..ROWS).map(|i| row(i)[k]).collect::<Vec<f32>>();
-        let array = |k: usize, dtype: DType| {
-            Tensor::from_vec(values(k), ROWS, &Device::Cpu)
-                .and_then(|t| t.to_dtype(dtype))
-                .unwrap()
-        };
+        let array = |k: usize, dtype: DType| Tensor::from_vec(values(k), ROWS, &Device::Cpu)?.to_dtype(dtype);
         let safetensors = dir.join("t.safetensors");
         let named = std::collections::HashMap::from([
-            ("a".to_string(), array(0, DType::F64)),
-            ("b".to_string(), array(1, DType::I64)),
-            ("y".to_string(), array(2, DType::F32)),
+            ("a".to_string(), array(0, DType::F64)?),
+            ("b".to_string(), array(1, DType::I64)?),
+            ("y".to_string(), array(2, DType::F32)?),
         ]);
-        candle_core::safetensors::save(&named, &safetensors).unwrap();
+        candle_core::safetensors::save(&named, &safetensors)?;
         let npy = dir.join("t_npy");
-        std::fs::create_dir(&npy).unwrap();
-        array(0, DType::F16).write_npy(npy.join("a.npy")).unwrap();
-        array(1, DType::F32).write_npy(npy.join("b.npy")).unwrap();
-        array(2, DType::F32).write_npy(npy.join("y.npy")).unwrap();
+        std::fs::create_dir(&npy)?;
+        array(0, DType::F16)?.write_npy(npy.join("a.npy"))?;
+        array(1, DType::F32)?.write_npy(npy.join("b.npy"))?;
+        array(2, DType::F32)?.write_npy(npy.join("y.npy"))?;
         let name = |path: PathBuf| path.to_string_lossy().into_owned();
-        [
+        Ok([
             (TableFormat::Csv, name(csv)),
             (TableFormat::Parquet, name(parquet)),
             (TableFormat::Arrays, name(safetensors)),
             (TableFormat::Arrays, name(npy)),
-        ]
+        ])
+    }
+
+    /// The rows of `batches`, one after the other: their features and their values.
+    fn joined<'a>(batches: impl IntoIterator<Item = &'a Batch>) -> (Vec<f32>, Vec<f32>) {
+        let (mut features, mut values) = (Vec::new(), Vec::new());
+        for batch in batches {
+            let (Inputs::Features(x), Targets::Values(y)) = (&batch.inputs, &batch.targets) else {
+                panic!("the test tables regress values from features: {batch:?}");
+            };
+            features.extend(x);
+            values.extend(y);
+        }
+        (features, values)
     }
 
     fn layout(parts: usize, shuffle_buffer: usize) -> DataLayout {
@@ -671,7 +683,7 @@ mod tests {
     fn every_row_is_in_exactly_one_part_in_file_order() -> Result<()> {
         let dir = tempfile::tempdir()?;
         let a_b = a_b();
-        for (format, file) in tables(dir.path()) {
+        for (format, file) in tables(dir.path())? {
             for parts in [1, 2, 3, 4] {
                 let table = StreamedTable::open(
                     format,
@@ -699,7 +711,7 @@ mod tests {
     #[test]
     fn ranks_read_their_own_parts_and_their_batches_concatenate_to_one_process_s() -> Result<()> {
         let dir = tempfile::tempdir()?;
-        for (format, file) in tables(dir.path()) {
+        for (format, file) in tables(dir.path())? {
             let table = Arc::new(StreamedTable::open(
                 format,
                 &[file],
@@ -715,15 +727,9 @@ mod tests {
                     .map(|rank| RankBatches::new(&rows, 12, (rank, world), 0, 0))
                     .collect::<Result<_>>()?;
                 for (step, batch) in expected.iter().enumerate() {
-                    let mut joined = Vec::new();
-                    for rank in &mut ranks {
-                        joined.extend(rank.batch(step)?.pieces(1));
-                    }
-                    assert_eq!(
-                        joined,
-                        batch.pieces(1).collect::<Vec<_>>(),
-                        "{format:?}, {world} ranks, step {step}"
-                    );
+                    let slices: Vec<Batch> = ranks.iter_mut().map(|rank| rank.batch(step)).collect::<Result<_>>()?;
+                    let what = format!("{format:?}, {world} ranks, step {step}");
+                    assert_eq!(joined(&slices), joined([batch]), "{what}");
                 }
                 if world == 2 {
                     let read: Vec<u64> = ranks
@@ -763,7 +769,7 @@ mod tests {
     #[test]
     fn the_ranks_held_out_shares_hold_every_row_once_in_pieces() -> Result<()> {
         let dir = tempfile::tempdir()?;
-        for (format, file) in tables(dir.path()) {
+        for (format, file) in tables(dir.path())? {
             let table = StreamedTable::open(format, &[file], columns(&a_b()), layout(3, 0), "t")?;
             let rows = RowSource::from(table);
             let all = Batch::of_rows(&(0..ROWS).map(row).collect::<Vec<_>>(), 2, true);
@@ -773,10 +779,10 @@ mod tests {
                     for piece in rows.share(rank, world, 8)? {
                         let piece = piece?;
                         assert!(piece.rows() <= 8);
-                        pieces.extend(piece.pieces(1));
+                        pieces.push(piece);
                     }
                 }
-                assert_eq!(pieces, all.pieces(1).collect::<Vec<_>>(), "{format:?}, {world} ranks");
+                assert_eq!(joined(&pieces), joined([&all]), "{format:?}, {world} ranks");
             }
         }
         Ok(())
