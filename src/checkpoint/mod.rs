@@ -271,7 +271,8 @@ impl CheckpointStore {
     }
 
     /// Deletes every step directory older than the newest `keep` committed ones up to `newest`,
-    /// torn ones included.
+    /// torn ones included. Ranks sharing the directory (one file system over several nodes)
+    /// prune it at the same time, so a directory another rank deleted first is not an error.
     fn prune(&self, newest: usize) -> Result<()> {
         let steps = self.steps()?;
         let committed: Vec<usize> = steps
@@ -284,7 +285,12 @@ impl CheckpointStore {
         };
         for step in steps.into_iter().filter(|&s| s < oldest_kept) {
             let dir = self.step_dir(step);
-            fs::remove_dir_all(&dir).with_context(|| format!("deleting old checkpoint {}", dir.display()))?;
+            match fs::remove_dir_all(&dir) {
+                Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+                    return Err(e).with_context(|| format!("deleting old checkpoint {}", dir.display()));
+                }
+                _ => {}
+            }
         }
         Ok(())
     }
