@@ -47,6 +47,49 @@ fn ranks_started_with_torchruns_variables_train_as_the_in_process_cluster() {
     );
 }
 
+/// An engine (Slurm, Kubernetes) ending a job sends each of its processes one SIGTERM. Ranks
+/// still in their rendezvous end with it; the coordinator, which outlives a first SIGTERM so
+/// that the checkpoint the ranks stop at can be committed, then awaits no replacement for them
+/// and ends too, instead of waiting for the engine's SIGKILL.
+#[test]
+fn a_coordinator_process_ends_with_the_ranks_a_sigterm_ended_in_their_rendezvous() {
+    let dir = tempfile::tempdir().unwrap();
+    let port = free_port_range(1).to_string();
+    let env = |rank: Option<usize>| {
+        let mut env = vec![
+            ("WORLD_SIZE", "2".to_string()),
+            ("MASTER_ADDR", "127.0.0.1".to_string()),
+            ("MASTER_PORT", port.clone()),
+            ("FLOTILLA_RUN_DIR", dir.path().display().to_string()),
+            ("FLOTILLA_COORDINATOR_PROCESS", "1".to_string()),
+        ];
+        env.extend(rank.map(|rank| ("RANK", rank.to_string())));
+        env
+    };
+    // Far longer than the test waits for the coordinator: only the SIGTERM can end it in time.
+    let timeout = "fault_tolerance.timeout_s=300";
+    let args = |role| ["run", "--role", role, "--config", "config.toml", "--set", timeout];
+    let coordinator = start_flotilla(&args("coordinator"), &env(None));
+    // Rank 0 of two waits in the rendezvous for rank 1, which never comes. Whether the SIGTERM
+    // finds it joined or not yet connected, the coordinator must not wait for it.
+    let rank = start_flotilla(&args("trainer"), &env(Some(0)));
+    std::thread::sleep(std::time::Duration::from_secs(1));
+    for pid in [coordinator.child.id(), rank.child.id()] {
+        // SAFETY: a process this test started.
+        unsafe {
+            libc::kill(pid as i32, libc::SIGTERM);
+        }
+    }
+    let rank = rank.finish(30);
+    assert!(!rank.success, "rank 0 ends with the signal");
+    let coordinator = coordinator.finish(30);
+    assert!(
+        coordinator.stderr.contains("no rank of the job runs on"),
+        "{}",
+        coordinator.stderr
+    );
+}
+
 #[test]
 fn paddles_and_torchruns_variables_that_disagree_are_refused_naming_both() {
     let args = ["run", "--role", "trainer", "--config", "config.toml", "--set", STEPS];

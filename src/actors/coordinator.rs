@@ -12,7 +12,9 @@
 //! told (at their next heartbeat, and at once if they wait here) to leave what they are blocked
 //! in and join again; the replacement of the lost rank joins too; once all have, every rank
 //! gets the new roster and the step of the newest checkpoint this coordinator committed, and
-//! training goes on from there.
+//! training goes on from there — unless the whole job was asked to stop (a preemption's
+//! SIGTERM): then nobody replaces the lost rank, the job stops, and the coordinator is over once
+//! no rank of the job lives on.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::time::{Duration, Instant};
@@ -30,6 +32,12 @@ use crate::net::protocol::{
 };
 
 type Waiter<T> = oneshot::Sender<Result<T, String>>;
+
+/// The whole job was asked to stop (its processes got a preemption's SIGTERM): a rank lost from
+/// now on is not replaced, and the coordinator is over once no rank lives on.
+#[derive(Message, Debug)]
+#[rtype(result = "()")]
+pub struct JobAskedToStop;
 
 /// A rank that asked to join: its data endpoint and mirror, and where its roster goes.
 type Joined = (String, Option<String>, Waiter<Roster>);
@@ -137,6 +145,8 @@ pub struct Coordinator {
     rolled_back: String,
     /// Whether a lost rank is replaced in place (else the job stops).
     in_place: bool,
+    /// Whether the whole job was asked to stop ([`JobAskedToStop`]).
+    asked_to_stop: bool,
     /// Where checkpoints are committed; `None` when the job takes none.
     checkpoints: Option<CheckpointStore>,
     /// The roster of the running generation (the nodes that hold checkpoint files).
@@ -177,6 +187,7 @@ impl Coordinator {
             stopped: None,
             rolled_back: String::new(),
             in_place: false,
+            asked_to_stop: false,
             checkpoints: None,
             roster: None,
             committed: None,
@@ -279,7 +290,23 @@ impl Coordinator {
     /// Declares `rank` dead for `why`: the job stops, or (in place) rolls back to a new
     /// generation; every rank waiting here is told at once.
     fn declare_dead(&mut self, rank: usize, why: &str, ctx: &mut Context<Self>) {
-        if self.stopped.is_some() || self.left.contains(&rank) {
+        if self.left.contains(&rank) {
+            return;
+        }
+        // Once the job was asked to stop, no replacement comes: the job stops, and is over once
+        // no rank lives on.
+        if self.asked_to_stop {
+            self.forget(rank);
+            if self.stopped.is_none() {
+                self.stop(format!(
+                    "{} declared dead after the job was asked to stop: {why}; the job is stopped",
+                    self.name(rank)
+                ));
+            }
+            self.finish_if_over();
+            return;
+        }
+        if self.stopped.is_some() {
             return;
         }
         // A rank that waits to be admitted (or was dropped) trains in no generation: it is
@@ -889,21 +916,64 @@ impl Handler<ListDead> for Coordinator {
     }
 }
 
+impl Coordinator {
+    /// Whether `rank` lives on as far as this coordinator knows: it heartbeats, waits to join
+    /// or trains in a generation. A rank never heard from, once the job was asked to stop, ended
+    /// with the signal before it reached here.
+    fn lives_on(&self, rank: usize) -> bool {
+        !self.left.contains(&rank)
+            && (self.last_heard.contains_key(&rank)
+                || self.joining.contains_key(&rank)
+                || self.members.contains_key(&rank))
+    }
+
+    /// Tells whoever waits for this coordinator's end once the job is over: every rank left,
+    /// or, once the job was asked to stop, none lives on.
+    fn finish_if_over(&mut self) {
+        let over = if self.asked_to_stop {
+            !self.active.iter().any(|&rank| self.lives_on(rank))
+        } else {
+            self.active.iter().all(|rank| self.left.contains(rank))
+        };
+        if !over {
+            return;
+        }
+        for (rank, (_, (_, _, waiter))) in std::mem::take(&mut self.standby) {
+            let _ = waiter.send(Err(format!(
+                "the job finished training before rank {rank} was admitted"
+            )));
+        }
+        if let Some(done) = self.finished.take() {
+            let _ = done.send(());
+        }
+    }
+}
+
 impl Handler<Leave> for Coordinator {
     type Result = ();
 
     fn handle(&mut self, msg: Leave, _: &mut Self::Context) {
         self.left.insert(msg.rank);
-        if self.active.iter().all(|rank| self.left.contains(rank)) {
-            for (rank, (_, (_, _, waiter))) in std::mem::take(&mut self.standby) {
-                let _ = waiter.send(Err(format!(
-                    "the job finished training before rank {rank} was admitted"
-                )));
-            }
-            if let Some(done) = self.finished.take() {
-                let _ = done.send(());
-            }
+        self.finish_if_over();
+    }
+}
+
+impl Handler<JobAskedToStop> for Coordinator {
+    type Result = ();
+
+    fn handle(&mut self, _: JobAskedToStop, _: &mut Self::Context) {
+        tracing::info!("the job was asked to stop: a rank lost from now on is not replaced");
+        self.asked_to_stop = true;
+        // A rank awaited for a generation that has not formed yet (never heard from, or lost
+        // just before) ended with the signal: the ranks waiting for it would wait in vain.
+        let awaited = self.expected.iter().copied().find(|&rank| !self.lives_on(rank));
+        if let Some(rank) = awaited.filter(|_| self.forming()) {
+            self.stop(format!(
+                "the job was asked to stop while {} was awaited; the job is stopped",
+                self.name(rank)
+            ));
         }
+        self.finish_if_over();
     }
 }
 
@@ -1092,6 +1162,83 @@ mod tests {
             .unwrap()
             .unwrap_err();
         assert_eq!(refused, err, "every later heartbeat hears why the job stopped");
+    }
+
+    #[actix::test]
+    async fn once_the_job_was_asked_to_stop_a_lost_rank_is_not_awaited_and_the_coordinator_ends() {
+        let (done, mut finished) = oneshot::channel();
+        let c = Coordinator::new(2, Duration::from_secs(30))
+            .with_heartbeat_deadline(Duration::from_secs(30))
+            .recovering_in_place()
+            .with_finish(done)
+            .start();
+        let beat = |rank: usize| Heartbeat {
+            rank,
+            pid: rank as u32,
+            member_of: None,
+            line: rank as u64,
+        };
+        for rank in [0, 1] {
+            c.send(beat(rank)).await.unwrap().unwrap();
+        }
+        c.send(JobAskedToStop).await.unwrap();
+        c.send(ConnectionLost { rank: 0, line: 0 }).await.unwrap();
+        assert!(finished.try_recv().is_err(), "rank 1 still runs");
+        let err = c.send(beat(1)).await.unwrap().unwrap_err();
+        assert!(
+            err.contains("rank 0 declared dead after the job was asked to stop"),
+            "{err}"
+        );
+        c.send(ConnectionLost { rank: 1, line: 1 }).await.unwrap();
+        assert!(finished.try_recv().is_ok(), "no rank runs on");
+    }
+
+    #[actix::test]
+    async fn a_rank_awaited_when_the_job_is_asked_to_stop_is_not_waited_for() {
+        let (done, mut finished) = oneshot::channel();
+        let c = Coordinator::new(2, Duration::from_secs(30))
+            .with_heartbeat_deadline(Duration::from_secs(30))
+            .recovering_in_place()
+            .with_finish(done)
+            .start();
+        let beat = Heartbeat {
+            rank: 0,
+            pid: 0,
+            member_of: None,
+            line: 0,
+        };
+        c.send(beat).await.unwrap().unwrap();
+        // Rank 1 ended with the signal before it reached the coordinator.
+        let (joined, ()) = futures::join!(join(&c, 0, 2), async {
+            c.send(JobAskedToStop).await.unwrap();
+        });
+        let err = joined.expect_err("nobody completes the rendezvous");
+        assert!(
+            err.contains("the job was asked to stop while rank 1 was awaited"),
+            "{err}"
+        );
+        assert!(finished.try_recv().is_err(), "rank 0 still runs");
+        c.send(ConnectionLost { rank: 0, line: 0 }).await.unwrap();
+        assert!(finished.try_recv().is_ok(), "no rank runs on");
+    }
+
+    #[actix::test]
+    async fn a_rank_lost_while_the_job_runs_is_awaited() {
+        let (done, mut finished) = oneshot::channel();
+        let c = Coordinator::new(1, Duration::from_secs(30))
+            .with_heartbeat_deadline(Duration::from_secs(30))
+            .recovering_in_place()
+            .with_finish(done)
+            .start();
+        let beat = Heartbeat {
+            rank: 0,
+            pid: 0,
+            member_of: None,
+            line: 0,
+        };
+        c.send(beat).await.unwrap().unwrap();
+        c.send(ConnectionLost { rank: 0, line: 0 }).await.unwrap();
+        assert!(finished.try_recv().is_err(), "its replacement is awaited");
     }
 
     #[actix::test]

@@ -21,6 +21,6 @@ pub mod trainer;
 /// (a huge `train.epochs`), and the record grows as steps are taken.
 const LOSSES_RESERVED: usize = 1 << 20;
 
-pub use coordinator::Coordinator;
+pub use coordinator::{Coordinator, JobAskedToStop};
 pub use device::DeviceActor;
 pub use trainer::Trainer;

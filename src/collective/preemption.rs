@@ -74,6 +74,13 @@ pub fn asked() -> bool {
     ASKED.load(Ordering::SeqCst)
 }
 
+/// Resolves once this process got a SIGTERM while watched (looked at every tenth of a second).
+pub async fn until_asked() {
+    while !asked() {
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+}
+
 /// A run that stopped for preemption, after `step` steps.
 #[derive(Debug)]
 pub struct Preempted {

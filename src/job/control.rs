@@ -2,6 +2,7 @@
 //! master endpoint by rank 0 (or runs as a process of its own), and every rank (rank 0 too)
 //! connects to it over TCP, so all ranks take the same path.
 
+use actix::Addr;
 use anyhow::{Context, Result};
 
 use crate::actors::Coordinator;
@@ -31,23 +32,23 @@ pub async fn connect_control(
 }
 
 /// Serves `coordinator`, watching heartbeats, at `master` (cluster.master) until the actor
-/// system stops. Must run inside an actix system.
+/// system stops, and returns its address. Must run inside an actix system.
 pub(super) async fn host_coordinator(
     coordinator: Coordinator,
     master: &str,
     fault_tolerance: &FaultToleranceConfig,
     max_frame_bytes: usize,
     credentials: &Credentials,
-) -> Result<()> {
+) -> Result<Addr<Coordinator>> {
     let control = tokio::net::TcpListener::bind(master)
         .await
         .with_context(|| format!("cannot bind the coordinator endpoint {master} (cluster.master)"))?;
     let coordinator = actix::Actor::start(coordinator.with_heartbeat_deadline(fault_tolerance.heartbeat_deadline()));
     actix::spawn(server::serve(
         control,
-        coordinator.into(),
+        coordinator.clone().into(),
         max_frame_bytes,
         credentials.clone(),
     ));
-    Ok(())
+    Ok(coordinator)
 }

@@ -12,8 +12,8 @@ use tokio::sync::oneshot;
 use super::control::host_coordinator;
 use super::process::master;
 use super::{Recovery, Resume, RunOptions};
-use crate::actors::Coordinator;
-use crate::collective::preemption::PreemptionWatch;
+use crate::actors::{Coordinator, JobAskedToStop};
+use crate::collective::preemption::{self, PreemptionWatch};
 use crate::config::JobConfig;
 use crate::net::auth::Credentials;
 
@@ -34,7 +34,8 @@ pub fn run_coordinator(config: &JobConfig, options: &RunOptions) -> Result<()> {
     let credentials = Credentials::of_cluster(&config.cluster, ft.timeout())?;
     let world = config.roles();
     // A SIGTERM to the whole job (preemption) leaves the coordinator serving until the ranks,
-    // stopping at a checkpoint it commits, have left.
+    // stopping at a checkpoint it commits, have left — or ended with the signal (ranks still in
+    // their rendezvous), which nobody replaces then.
     let _watch = PreemptionWatch::install()?;
     System::new().block_on(async move {
         let (done, finished) = oneshot::channel();
@@ -45,11 +46,19 @@ pub fn run_coordinator(config: &JobConfig, options: &RunOptions) -> Result<()> {
         if let Some(record) = recorded {
             coordinator = coordinator.with_record(record);
         }
-        host_coordinator(coordinator, &master, ft, config.cluster.max_frame_bytes(), &credentials).await?;
+        let coordinator =
+            host_coordinator(coordinator, &master, ft, config.cluster.max_frame_bytes(), &credentials).await?;
         tracing::info!(%master, world, "coordinator serving");
         // The sender lives in the coordinator, which lives as long as this system.
-        let _ = finished.await;
-        tracing::info!("every rank has finished");
+        let mut finished = std::pin::pin!(finished);
+        tokio::select! {
+            _ = &mut finished => {}
+            () = preemption::until_asked() => {
+                coordinator.do_send(JobAskedToStop);
+                let _ = finished.await;
+            }
+        }
+        tracing::info!("no rank of the job runs on");
         tokio::time::sleep(LINGER).await;
         Ok(())
     })
