@@ -272,7 +272,8 @@ fn a_killed_rank_streaming_its_parts_of_a_table_is_replaced_alone_and_ends_as_un
         path.display().to_string()
     };
     // One file cut by bytes into a part per rank, read in shuffled windows: the survivors seek
-    // back to their marks, the replacement reads its part up to the checkpoint.
+    // back to their marks, the replacement to the position of its part that the checkpoint
+    // saved with the state.
     let (train, test) = (file("train.csv", 0..3000), file("test.csv", 5000..5300));
     let extra = [
         "train.dataset=\"csv\"".to_string(),
@@ -288,6 +289,27 @@ fn a_killed_rank_streaming_its_parts_of_a_table_is_replaced_alone_and_ends_as_un
     let hurt = launch_and_hurt(&DATA_PARALLEL, Victim::Role(lost), libc::SIGKILL, &extra);
     assert_eq!(hurt.summary["test_samples"], 300, "the table's held-out rows");
     assert!(hurt.summary["test_mse"].is_number(), "{}", hurt.summary);
+    assert!(
+        !hurt.stderr.contains("reading the data up to the step"),
+        "{}",
+        hurt.stderr
+    );
+    let newest = std::fs::read_dir(hurt.run_dir.with_file_name("checkpoints"))
+        .unwrap()
+        .flatten()
+        .map(|entry| entry.path())
+        .filter(|path| path.join("replica.safetensors").exists())
+        .max()
+        .expect("a committed checkpoint");
+    let state = std::fs::read(newest.join("replica.safetensors")).unwrap();
+    let (_, header) = safetensors::SafeTensors::read_metadata(&state).unwrap();
+    let saved = &header.metadata().as_ref().unwrap()["data_position"];
+    let saved: serde_json::Value = serde_json::from_str(saved).unwrap();
+    assert_eq!(
+        saved["parts"].as_object().map(|parts| parts.len()),
+        Some(3),
+        "every rank's part: {saved}"
+    );
     survivors_rolled_back_in_place(&hurt, lost);
     equals_uninterrupted(&DATA_PARALLEL, &extra, &hurt.summary, &hurt.run_dir);
 }

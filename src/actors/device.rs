@@ -12,10 +12,11 @@ use actix::prelude::*;
 use anyhow::{anyhow, Context as _, Result};
 
 use crate::checkpoint::{CheckpointStore, FileRecord};
+use crate::collective::training_state::RunRecord;
 use crate::collective::{ParamChecksum, Replica, StepReport};
 use crate::config::JobConfig;
 use crate::data::ctr::CtrBatch;
-use crate::data::{Batch, Pieces};
+use crate::data::{Batch, DataPosition, Pieces};
 use crate::engines::comm::hierarchy::{self, NodeLayout};
 use crate::engines::comm::memory::MemoryRings;
 use crate::engines::comm::{parse_endpoints, CommWorker, Communicator, RingBreaker, RingLinks, RingTransport, Shared};
@@ -182,13 +183,19 @@ pub struct Relink {
     pub roster: Roster,
 }
 
-/// The replica's whole training state with the run's `losses`, as a checkpoint file's bytes.
+/// The replica's whole training state with the run's record, as a checkpoint file's bytes.
 #[derive(Message)]
 #[rtype(result = "Result<Vec<u8>>")]
 pub struct Snapshot {
-    /// Every step's loss so far.
-    pub losses: Vec<f32>,
+    /// Every step's loss so far, and where the streamed data is.
+    pub run: RunRecord,
 }
+
+/// Every replica's position in the streamed data joined (over the ring of the replicas, or of
+/// the stage's replicas): each replica reads only its parts.
+#[derive(Message)]
+#[rtype(result = "Result<DataPosition>")]
+pub struct JoinDataPositions(pub DataPosition);
 
 /// One training step on this rank's batch.
 #[derive(Message)]
@@ -342,13 +349,14 @@ pub struct SaveCheckpoint {
     pub step: usize,
     /// The file's name in the step's directory.
     pub file: String,
-    /// The losses this rank has seen, kept with the state.
-    pub losses: Vec<f32>,
+    /// The losses this rank has seen and where the streamed data is, kept with the state.
+    pub run: RunRecord,
 }
 
-/// Continues from a training state written by [`SaveCheckpoint`]; answers the losses it held.
+/// Continues from a training state written by [`SaveCheckpoint`]; answers the run record it
+/// held.
 #[derive(Message)]
-#[rtype(result = "Result<Vec<f32>>")]
+#[rtype(result = "Result<RunRecord>")]
 pub struct RestoreCheckpoint(pub Arc<Vec<u8>>);
 
 /// Gives the state after step `step` to the ranks that lack it: `Some` where this rank holds
@@ -379,12 +387,12 @@ impl DeviceActor {
             .ok_or_else(|| anyhow!("the device actor was used before Prepare"))
     }
 
-    /// This rank's training state — its stage's, or its replica's — with the run's `losses`, to
+    /// This rank's training state — its stage's, or its replica's — with the run's record, to
     /// `out` as one checkpoint file.
-    fn save_state(&self, out: &mut dyn std::io::Write, losses: &[f32]) -> Result<()> {
+    fn save_state(&self, out: &mut dyn std::io::Write, run: &RunRecord) -> Result<()> {
         match (&self.pipeline, &self.replica) {
-            (Some(pipeline), _) => pipeline.save_state(out, &self.export, losses),
-            (None, Some(replica)) => replica.save_state(out, &self.export, losses),
+            (Some(pipeline), _) => pipeline.save_state(out, &self.export, run),
+            (None, Some(replica)) => replica.save_state(out, &self.export, run),
             (None, None) => Err(anyhow!("the device actor was used before Prepare")),
         }
     }
@@ -449,8 +457,19 @@ impl Handler<Snapshot> for DeviceActor {
 
     fn handle(&mut self, msg: Snapshot, _: &mut Self::Context) -> Self::Result {
         let mut bytes = Vec::new();
-        self.save_state(&mut bytes, &msg.losses)?;
+        self.save_state(&mut bytes, &msg.run)?;
         Ok(bytes)
+    }
+}
+
+impl Handler<JoinDataPositions> for DeviceActor {
+    type Result = Result<DataPosition>;
+
+    fn handle(&mut self, msg: JoinDataPositions, _: &mut Self::Context) -> Self::Result {
+        match &mut self.pipeline {
+            Some(pipeline) => pipeline.join_data_positions(&msg.0),
+            None => self.replica()?.join_data_positions(&msg.0),
+        }
     }
 }
 
@@ -508,12 +527,12 @@ impl Handler<SaveCheckpoint> for DeviceActor {
 
     fn handle(&mut self, msg: SaveCheckpoint, _: &mut Self::Context) -> Self::Result {
         msg.store
-            .write_with(msg.step, &msg.file, |out| self.save_state(out, &msg.losses))
+            .write_with(msg.step, &msg.file, |out| self.save_state(out, &msg.run))
     }
 }
 
 impl Handler<RestoreCheckpoint> for DeviceActor {
-    type Result = Result<Vec<f32>>;
+    type Result = Result<RunRecord>;
 
     fn handle(&mut self, msg: RestoreCheckpoint, _: &mut Self::Context) -> Self::Result {
         match &mut self.pipeline {

@@ -11,6 +11,7 @@ use anyhow::{Context as _, Result};
 use super::buddy::Buddy;
 use super::device::{DeviceActor, RestoreCheckpoint, ShareState, Snapshot};
 use crate::checkpoint::{CheckpointStore, CommitRecord};
+use crate::collective::training_state::RunRecord;
 use crate::engines::comm::Shared;
 use crate::net::protocol::Roster;
 
@@ -94,12 +95,12 @@ pub(crate) struct BuddyCopy<'a> {
 
 impl Restore<'_> {
     /// Brings the device's state to the one after `step` steps (a fresh one is step 0's) and
-    /// returns the losses of those steps. A rank that rolls back in place takes it from memory,
+    /// returns the run record saved with it (the losses of those steps, where the data was). A rank that rolls back in place takes it from memory,
     /// else from `disk` (its node's copy), else from its buddy node's copy, else from the peer
     /// nearest it that holds it — every
     /// rank sharing the state takes part in that exchange, so all call this at the same step.
     /// One that does not roll back in place reads `disk`.
-    pub(crate) async fn to(self, step: usize, disk: impl FnOnce() -> Result<Arc<Vec<u8>>>) -> Result<Vec<f32>> {
+    pub(crate) async fn to(self, step: usize, disk: impl FnOnce() -> Result<Arc<Vec<u8>>>) -> Result<RunRecord> {
         let started = Instant::now();
         let Restore {
             rank,
@@ -110,15 +111,19 @@ impl Restore<'_> {
         } = self;
         let Some(kept) = kept else {
             if step == 0 {
-                return Ok(Vec::new());
+                return Ok(RunRecord::default());
             }
             return restored(rank, device, step, disk()?, "disk".to_string(), started).await;
         };
         if step == 0 && kept.at(0).is_none() {
             // A fresh state is step 0's: kept to roll back to until a checkpoint is committed.
-            let initial = device.send(Snapshot { losses: Vec::new() }).await??;
+            let initial = device
+                .send(Snapshot {
+                    run: RunRecord::default(),
+                })
+                .await??;
             kept.committed = Some((0, Arc::new(initial)));
-            return Ok(Vec::new());
+            return Ok(RunRecord::default());
         }
         let local = match kept.at(step) {
             Some(bytes) => Some((bytes, "memory".to_string())),
@@ -164,8 +169,8 @@ async fn restored(
     bytes: Arc<Vec<u8>>,
     from: String,
     started: Instant,
-) -> Result<Vec<f32>> {
-    let losses = device
+) -> Result<RunRecord> {
+    let run = device
         .send(RestoreCheckpoint(bytes.clone()))
         .await?
         .with_context(|| format!("restoring the state after step {step} from {from}"))?;
@@ -177,5 +182,5 @@ async fn restored(
         seconds = started.elapsed().as_secs_f64(),
         "state restored"
     );
-    Ok(losses)
+    Ok(run)
 }

@@ -1,11 +1,13 @@
 //! The parts of a rank's training run that outlive a rollback: the batches it reads, how many
 //! steps the run has, and the monitor that reports them. Shared by trainers and stages.
 
+use actix::Addr;
 use anyhow::{Context as _, Result};
 
+use super::device::{DeviceActor, JoinDataPositions};
 use super::recovery::Recovery;
 use crate::config::JobConfig;
-use crate::data::{RankBatches, RowSource};
+use crate::data::{DataPosition, RankBatches, RowSource};
 use crate::telemetry::monitor::{Monitor, MonitorSettings};
 
 /// The batches of a whole run of `job` over `data`: its `train.steps`, or its epochs of whole
@@ -62,6 +64,27 @@ impl RunLoop {
             monitor,
             clock_offset_us,
         })
+    }
+
+    /// Where every replica is in the streamed data before the batch of step `step`, joined
+    /// over the replicas by `device` (every rank of the ring asks at the same step); `None` for
+    /// rows in memory, which a step locates.
+    pub(crate) async fn data_position(&self, device: &Addr<DeviceActor>, step: usize) -> Result<Option<DataPosition>> {
+        let Some(mine) = self.loader.position(step)? else {
+            return Ok(None);
+        };
+        Ok(Some(device.send(JoinDataPositions(mine)).await??))
+    }
+
+    /// Takes up the streamed data at `at`, saved with the state of step `step`, instead of
+    /// reading the rows before it; where `at` does not fit (the data cut otherwise), reads its
+    /// way there.
+    pub(crate) fn resume_data(&mut self, rank: usize, step: usize, at: Option<&DataPosition>) {
+        if let Some(at) = at {
+            if let Err(refused) = self.loader.resume_at(step, at) {
+                tracing::warn!(rank, step, "reading the data up to the step: {refused:#}");
+            }
+        }
     }
 
     /// The run ended: the monitor says so.

@@ -31,6 +31,7 @@ use super::rollback::Orders;
 use super::run_loop::{eval_due, run_steps, RunLoop};
 use crate::checkpoint::HeldFile;
 use crate::collective::preemption::is_preemption;
+use crate::collective::training_state::RunRecord;
 use crate::config::{HybridConfigs, JobConfig};
 use crate::data::RowSource;
 use crate::engines::comm::Communicator;
@@ -363,7 +364,9 @@ impl StageRun {
         let (replica, d) = self.replica_place();
         run.loader.place(replica, d)?;
         let steps = run.steps;
-        let mut losses = self.restore(first).await?;
+        let restored = self.restore(first).await?;
+        run.resume_data(rank, first, restored.data.as_ref());
+        let mut losses = restored.losses;
         let mut figures = StageFigures {
             first,
             ..StageFigures::default()
@@ -425,7 +428,12 @@ impl StageRun {
             // Every rank learns in the same step that one was asked to stop.
             let next = stop.after(report.stop_asked, &job, &self.recovery, step + 1, steps);
             if next.checkpoint {
-                self.checkpoint(step + 1, &losses).await?;
+                let data = run.data_position(&self.device, step + 1).await?;
+                let record = RunRecord {
+                    losses: losses.clone(),
+                    data,
+                };
+                self.checkpoint(step + 1, record).await?;
             }
             if let Some(preempted) = next.stop {
                 return Err(preempted.into());
@@ -488,7 +496,7 @@ impl StageRun {
     /// Brings the stage to the state after `step` steps (every replica of a stage continues
     /// from replica 0's state of it, the stage holding the loss from replica 0's losses): see
     /// [`Restore::to`].
-    async fn restore(&mut self, step: usize) -> Result<Vec<f32>> {
+    async fn restore(&mut self, step: usize) -> Result<RunRecord> {
         let ring_ranks = self.replicas_of_stage();
         let file = stage_file(self.stage);
         // Only a stage no other node runs has a copy on the next node; another's replicas share it.
@@ -537,20 +545,14 @@ impl StageRun {
     /// that rolls back in place keeps its state in memory too, and each node keeps its own copy:
     /// the first replica of each stage on a node writes the stage there, and the node's first
     /// rank commits the node's files once the coordinator has.
-    async fn checkpoint(&mut self, step: usize, losses: &[f32]) -> Result<()> {
+    async fn checkpoint(&mut self, step: usize, run: RunRecord) -> Result<()> {
         let store = self.recovery.store.clone().context("a checkpoint without a store")?;
         let writes = match (&self.in_place, &self.roster) {
             (Some(_), Some(roster)) => roster.first_on_its_host(self.rank, self.replicas_of_stage()),
             _ => self.replica == 0,
         };
         let written = if self.in_place.is_some() {
-            let state = Arc::new(
-                self.device
-                    .send(Snapshot {
-                        losses: losses.to_vec(),
-                    })
-                    .await??,
-            );
+            let state = Arc::new(self.device.send(Snapshot { run }).await??);
             self.kept.taken(step, state.clone());
             if writes {
                 let (writer, file) = (store.clone(), stage_file(self.stage));
@@ -569,7 +571,7 @@ impl StageRun {
                 store: store.clone(),
                 step,
                 file: stage_file(self.stage),
-                losses: losses.to_vec(),
+                run,
             };
             vec![HeldFile::here(self.device.send(save).await??)]
         } else {

@@ -27,6 +27,7 @@ use super::run_loop::{eval_due, run_steps, RunLoop};
 use super::LOSSES_RESERVED;
 use crate::checkpoint::HeldFile;
 use crate::collective::preemption::is_preemption;
+use crate::collective::training_state::RunRecord;
 use crate::collective::ParamChecksum;
 use crate::config::JobConfig;
 use crate::data::RowSource;
@@ -267,7 +268,7 @@ impl TrainingRun {
     }
 
     /// Brings the replica to the state after `step` steps: see [`Restore::to`].
-    async fn restore(&mut self, step: usize) -> Result<Vec<f32>> {
+    async fn restore(&mut self, step: usize) -> Result<RunRecord> {
         let restore = Restore {
             rank: self.rank,
             device: &self.device,
@@ -296,8 +297,10 @@ impl TrainingRun {
         self.roster = Some(roster.clone());
         // This generation's part of every global batch (another one when membership changed).
         run.loader.place(place, world)?;
+        let restored = self.restore(first).await?;
+        run.resume_data(rank, first, restored.data.as_ref());
         let mut losses = Vec::with_capacity(steps.min(LOSSES_RESERVED));
-        losses.extend(self.restore(first).await?);
+        losses.extend(restored.losses);
         let started = Instant::now();
         let (mut step_time, mut comm_time, mut exposed) = (Duration::ZERO, Duration::ZERO, Duration::ZERO);
         let check_every = job.strategy.check_every;
@@ -346,7 +349,12 @@ impl TrainingRun {
             // Every rank learns in the same step that one was asked to stop.
             let next = stop.after(report.stop_asked, &job, &self.recovery, step + 1, steps);
             if next.checkpoint {
-                self.checkpoint(bus, step + 1, &losses).await?;
+                let data = run.data_position(&self.device, step + 1).await?;
+                let record = RunRecord {
+                    losses: losses.clone(),
+                    data,
+                };
+                self.checkpoint(bus, step + 1, record).await?;
             }
             if let Some(preempted) = next.stop {
                 return Err(preempted.into());
@@ -392,7 +400,7 @@ impl TrainingRun {
     /// the state in memory, and the first rank on each node writes it to that node's disk and
     /// commits it there once the coordinator has: a node needs no shared filesystem, and a
     /// node lost with its disk loses no committed checkpoint.
-    async fn checkpoint(&mut self, bus: &mut ControlBus, step: usize, losses: &[f32]) -> Result<()> {
+    async fn checkpoint(&mut self, bus: &mut ControlBus, step: usize, run: RunRecord) -> Result<()> {
         let store = self.recovery.store.clone().context("a checkpoint without a store")?;
         let roster = self.roster.as_ref().context("a checkpoint before the rendezvous")?;
         let (place, _) = place_in(roster, self.rank)?;
@@ -408,14 +416,13 @@ impl TrainingRun {
                     store: store.clone(),
                     step,
                     file: REPLICA_FILE.to_string(),
-                    losses: losses.to_vec(),
+                    run,
                 };
                 vec![self.device.send(save).await??]
             }
             // The copy kept for a rollback is the one written.
             (true, _) => {
-                let losses = losses.to_vec();
-                let state = Arc::new(self.device.send(Snapshot { losses }).await??);
+                let state = Arc::new(self.device.send(Snapshot { run }).await??);
                 self.kept.taken(step, state.clone());
                 if writes {
                     let store = store.clone();

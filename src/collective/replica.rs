@@ -10,9 +10,10 @@ use candle_core::{Device, Tensor, Var};
 use super::evaluation::{score_pieces, sum_over_ranks};
 use super::preemption;
 use super::rank_figures::RankFigures;
-use super::{training_state, GradientSync, ParamChecksum};
+use super::training_state::{self, RunRecord};
+use super::{GradientSync, ParamChecksum};
 use crate::config::{JobConfig, LossKind};
-use crate::data::{Batch, Pieces};
+use crate::data::{Batch, DataPosition, Pieces};
 use crate::engines::comm::{CommWorker, Shared};
 use crate::engines::compute::segments::{self, Segments};
 use crate::models::export::ModelInfo;
@@ -141,17 +142,24 @@ impl Replica {
     }
 
     /// Parameters (a model file's, `export` describing the model), optimizer state, batches
-    /// trained and the run's `losses`, to `out` as one checkpoint file.
-    pub fn save_state(&self, out: &mut dyn std::io::Write, export: &ModelInfo, losses: &[f32]) -> Result<()> {
-        training_state::write(out, &self.params, export, &self.optimizer, self.step, losses)
+    /// trained and `run`, to `out` as one checkpoint file.
+    pub fn save_state(&self, out: &mut dyn std::io::Write, export: &ModelInfo, run: &RunRecord) -> Result<()> {
+        training_state::write(out, &self.params, export, &self.optimizer, self.step, run)
     }
 
     /// Continues from a state saved by [`Replica::save_state`], as if never stopped; returns the
-    /// losses it held.
-    pub fn restore_state(&mut self, bytes: &[u8]) -> Result<Vec<f32>> {
+    /// run record it held.
+    pub fn restore_state(&mut self, bytes: &[u8]) -> Result<RunRecord> {
         let restored = training_state::restore(bytes, &self.params, &mut self.optimizer)?;
         self.step = restored.batches;
-        Ok(restored.losses)
+        Ok(restored.run)
+    }
+
+    /// Every replica's `mine` joined: where each part of the streamed data is, whichever
+    /// replica reads it.
+    pub fn join_data_positions(&mut self, mine: &DataPosition) -> Result<DataPosition> {
+        let mine = serde_json::to_vec(mine)?;
+        self.comm.run(move |c| training_state::join_data_positions(c, &mine))
     }
 
     /// Goes on over the ring `comm` (a rollback rebuilt it): the collectives in flight on the old

@@ -2,14 +2,17 @@
 //! model file ([`crate::models::export`]) of its parameters — each under its model name, in
 //! PyTorch's layout, the model's description in the metadata — with the optimizer's slots as
 //! `optimizer.<name>.<slot>` (in their parameter's layout) and, in the metadata, the optimizer's
-//! kind, its update counter, the batches trained and the losses seen so far (so a resumed run
-//! reports the whole run). Restoring it makes the following steps those of the run that saved
-//! it, bit for bit.
+//! kind, its update counter, the batches trained, the losses seen so far (so a resumed run
+//! reports the whole run) and, for data streamed from files, where every rank's parts of it were
+//! (so a resumed run seeks there instead of reading its way back). Restoring it makes the
+//! following steps those of the run that saved it, bit for bit.
 
 use std::collections::HashMap;
 use std::io::Write;
 
 use crate::checkpoint::write_tensors;
+use crate::data::DataPosition;
+use crate::engines::comm::Communicator;
 use crate::models::export::{from_torch_layout, in_torch_layout, ModelInfo, OPTIMIZER_PREFIX};
 use crate::models::NamedParam;
 use crate::optim::{Optimizer, OptimizerState};
@@ -22,24 +25,48 @@ const OPTIMIZER: &str = "optimizer";
 /// model, of which a stage of another cut restores its own parameters.
 const WHOLE_MODEL: &str = "whole_model";
 
+/// The metadata key of the streamed data's position.
+const DATA_POSITION: &str = "data_position";
+
+/// What a run carries besides its model and optimizer.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct RunRecord {
+    /// The loss of every step, as the saving rank saw them (empty where it sees none).
+    pub losses: Vec<f32>,
+    /// Where every part of the data streamed from files is (`None` for rows in memory).
+    pub data: Option<DataPosition>,
+}
+
 /// What a restored state says about the run so far.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Restored {
     /// Batches trained.
     pub batches: usize,
-    /// The loss of every step, as the saving rank saw them (empty where it sees none).
-    pub losses: Vec<f32>,
+    /// The losses and the data position saved with it.
+    pub run: RunRecord,
+}
+
+/// Every rank's `mine` joined over `comm`: where each part of the streamed data is, whichever
+/// rank reads it.
+pub fn join_data_positions(comm: &mut Communicator, mine: &[u8]) -> Result<DataPosition> {
+    let mut joined = DataPosition::default();
+    for (rank, bytes) in comm.all_gather_sized("the data positions", mine)?.iter().enumerate() {
+        let position: DataPosition =
+            serde_json::from_slice(bytes).with_context(|| format!("rank {rank}'s data position"))?;
+        joined.merge(position);
+    }
+    Ok(joined)
 }
 
 /// Writes `params` (by name, `info` describing their model), `optimizer`'s state, `batches`
-/// (batches trained so far) and `losses` to `out` as a safetensors file.
+/// (batches trained so far) and `run` to `out` as a safetensors file.
 pub fn write(
     out: &mut dyn Write,
     params: &[NamedParam],
     info: &ModelInfo,
     optimizer: &Optimizer,
     batches: usize,
-    losses: &[f32],
+    run: &RunRecord,
 ) -> Result<()> {
     let state = optimizer.state()?;
     let mut tensors = Vec::with_capacity(params.len() + state.tensors.len());
@@ -56,7 +83,7 @@ pub fn write(
         ));
     }
     // Bit patterns, so that a NaN loss survives too.
-    let loss_bits: Vec<u32> = losses.iter().map(|l| l.to_bits()).collect();
+    let loss_bits: Vec<u32> = run.losses.iter().map(|l| l.to_bits()).collect();
     let mut metadata = info.metadata()?;
     metadata.extend([
         (OPTIMIZER.to_string(), optimizer.name().to_string()),
@@ -64,6 +91,9 @@ pub fn write(
         ("batches".to_string(), batches.to_string()),
         ("loss_bits".to_string(), serde_json::to_string(&loss_bits)?),
     ]);
+    if let Some(data) = &run.data {
+        metadata.insert(DATA_POSITION.to_string(), serde_json::to_string(data)?);
+    }
     write_tensors(out, &tensors, metadata)
 }
 
@@ -136,6 +166,10 @@ pub fn restore(bytes: &[u8], params: &[NamedParam], optimizer: &mut Optimizer) -
     let steps: u64 = meta("optimizer_steps")?.parse().context("optimizer_steps")?;
     let batches: usize = meta("batches")?.parse().context("batches")?;
     let loss_bits: Vec<u32> = serde_json::from_str(meta("loss_bits")?).context("loss_bits")?;
+    let data = metadata
+        .get(DATA_POSITION)
+        .map(|text| serde_json::from_str(text).context(DATA_POSITION))
+        .transpose()?;
     let whole_model = metadata.contains_key(WHOLE_MODEL);
 
     let mut values = Vec::with_capacity(params.len());
@@ -177,7 +211,10 @@ pub fn restore(bytes: &[u8], params: &[NamedParam], optimizer: &mut Optimizer) -
     }
     Ok(Restored {
         batches,
-        losses: loss_bits.into_iter().map(f32::from_bits).collect(),
+        run: RunRecord {
+            losses: loss_bits.into_iter().map(f32::from_bits).collect(),
+            data,
+        },
     })
 }
 
@@ -205,7 +242,11 @@ mod tests {
             ..ModelInfo::default()
         };
         let mut bytes = Vec::new();
-        write(&mut bytes, &params, &info, &optimizer, 1, &[0.5])?;
+        let run = RunRecord {
+            losses: vec![0.5],
+            data: None,
+        };
+        write(&mut bytes, &params, &info, &optimizer, 1, &run)?;
         Ok((model, optimizer, bytes))
     }
 
@@ -248,7 +289,10 @@ mod tests {
             restored,
             Restored {
                 batches: 1,
-                losses: vec![0.5]
+                run: RunRecord {
+                    losses: vec![0.5],
+                    data: None
+                }
             }
         );
         step(&model, &mut optimizer)?;

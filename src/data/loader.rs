@@ -198,6 +198,47 @@ impl RankBatches {
         Ok(())
     }
 
+    /// Where a stream is before the batch of step `step`, when that is the batch it reads next:
+    /// what a checkpoint after `step` steps saves. `None` for rows in memory (a step says
+    /// where they are).
+    pub(crate) fn position(&self, step: usize) -> Result<Option<DataPosition>> {
+        match self {
+            Self::InMemory(_) => Ok(None),
+            Self::Streamed { loader, next, .. } => {
+                ensure!(
+                    *next == step,
+                    "the data position before step {step} was asked of a stream at step {next}"
+                );
+                Ok(Some(loader.position()))
+            }
+        }
+    }
+
+    /// Goes to `at`, the position saved before the batch of step `step` (by any ranks, as long
+    /// as they hold this rank's parts), instead of reading the rows before it. Refused (and
+    /// back at the start, to read its way there) where `at` is of another layout or lacks a
+    /// part of this rank's.
+    pub(crate) fn resume_at(&mut self, step: usize, at: &DataPosition) -> Result<()> {
+        if let Self::Streamed {
+            loader, next, marks, ..
+        } = self
+        {
+            if let Err(refused) = loader.resume_at(at) {
+                loader.rewind()?;
+                *next = 0;
+                marks.clear();
+                return Err(refused);
+            }
+            *next = step;
+            marks.retain(|(marked, _)| *marked < step);
+            marks.push_back((step, loader.position()));
+            if marks.len() > MARKS_KEPT {
+                marks.pop_front();
+            }
+        }
+        Ok(())
+    }
+
     /// This rank's batch at global step `step`. A stream reads on from where it is: a step
     /// before it (a rollback) seeks to the newest mark at or before the step, or reads its
     /// parts again from the start, passing over the rows before without building them.

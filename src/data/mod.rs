@@ -16,6 +16,7 @@ pub mod text;
 
 pub(crate) use loader::RankBatches;
 pub use loader::{Batch, Pieces, RowSource, ShardedLoader};
+pub use parts::DataPosition;
 pub use targets::Targets;
 
 use anyhow::{ensure, Result};

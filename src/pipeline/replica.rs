@@ -13,9 +13,10 @@ use super::partition::{balanced, explicit};
 use super::schedule::ScheduleKind;
 use super::stage::{Chunk, Stage};
 use crate::collective::rank_figures::{JobFigures, RankFigures};
-use crate::collective::{preemption, sum_over_ranks, training_state, GradientSync};
+use crate::collective::training_state::{self, RunRecord};
+use crate::collective::{preemption, sum_over_ranks, GradientSync};
 use crate::config::{JobConfig, LossKind, ScheduleMode};
-use crate::data::{Batch, Pieces};
+use crate::data::{Batch, DataPosition, Pieces};
 use crate::engines::comm::{CommWorker, Communicator, Shared};
 use crate::models::export::ModelInfo;
 use crate::models::{training_loss, Block, Model, NamedParam, Score};
@@ -186,16 +187,16 @@ impl PipelineReplica {
 
     /// The stage's parameters, optimizer state, batches trained and the `losses` it saw, to `out` as one
     /// checkpoint file.
-    pub fn save_state(&self, out: &mut dyn std::io::Write, export: &ModelInfo, losses: &[f32]) -> Result<()> {
-        training_state::write(out, &self.params, export, &self.optimizer, self.step, losses)
+    pub fn save_state(&self, out: &mut dyn std::io::Write, export: &ModelInfo, run: &RunRecord) -> Result<()> {
+        training_state::write(out, &self.params, export, &self.optimizer, self.step, run)
     }
 
     /// Continues from a state saved by [`PipelineReplica::save_state`] (by this stage of any
-    /// replica), as if never stopped; returns the losses it held.
-    pub fn restore_state(&mut self, bytes: &[u8]) -> Result<Vec<f32>> {
+    /// replica), as if never stopped; returns the run record it held.
+    pub fn restore_state(&mut self, bytes: &[u8]) -> Result<RunRecord> {
         let restored = training_state::restore(bytes, &self.params, &mut self.optimizer)?;
         self.step = restored.batches;
-        Ok(restored.losses)
+        Ok(restored.run)
     }
 
     /// Goes on over new links to the neighbour stages and a new ring among the stage's replicas
@@ -207,6 +208,14 @@ impl PipelineReplica {
         self.gradients.clear();
         self.stop_decided = false;
         Ok(())
+    }
+
+    /// Every replica's `mine` joined: where each part of the streamed data is, whichever
+    /// replica reads it.
+    pub fn join_data_positions(&mut self, mine: &DataPosition) -> Result<DataPosition> {
+        let mine = serde_json::to_vec(mine)?;
+        self.data_parallel
+            .run(move |c| training_state::join_data_positions(c, &mine))
     }
 
     /// Gives the stage's state after step `step` — `mine`, where this rank holds it — to the

@@ -73,7 +73,7 @@ pub(crate) enum StreamPosition {
 }
 
 /// How the data is cut and ordered: the same for every rank of a job, and kept by a resumed run.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct DataLayout {
     /// Parts the data is cut into (`train.data_parts`).
     pub parts: usize,
@@ -119,12 +119,17 @@ struct PartPosition {
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct DataPosition {
     parts: BTreeMap<usize, PartPosition>,
+    /// How the data the positions are in is cut and ordered (absent in positions saved before
+    /// it was recorded): positions of another cut point elsewhere.
+    #[serde(default)]
+    layout: Option<DataLayout>,
 }
 
 impl DataPosition {
     /// Joins the positions of other ranks' parts into these.
     pub fn merge(&mut self, other: DataPosition) {
         self.parts.extend(other.parts);
+        self.layout = self.layout.or(other.layout);
     }
 }
 
@@ -403,12 +408,20 @@ impl<S: PartStream> PartLoader<S> {
     pub(crate) fn position(&self) -> DataPosition {
         DataPosition {
             parts: self.parts.iter().map(|part| (part.index, part.position())).collect(),
+            layout: self.parts.first().map(|part| part.layout),
         }
     }
 
     /// Goes to `at` — positions of at least this loader's parts, of a loader of the same data
     /// cut into the same parts — as if it had read every batch up to there.
     pub(crate) fn resume_at(&mut self, at: &DataPosition) -> Result<()> {
+        if let (Some(saved), Some(part)) = (at.layout, self.parts.first()) {
+            ensure!(
+                saved == part.layout,
+                "the saved data position is of the data cut and shuffled as {saved:?}, this run reads it as {:?}",
+                part.layout
+            );
+        }
         for part in &mut self.parts {
             let position = at
                 .parts

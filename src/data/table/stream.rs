@@ -586,7 +586,7 @@ mod parquet_files;
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::data::{Batch, Inputs, RankBatches, RowSource, Targets};
+    use crate::data::{Batch, DataPosition, Inputs, RankBatches, RowSource, Targets};
 
     use super::parquet_files;
 
@@ -762,6 +762,66 @@ mod tests {
                 }
                 assert_eq!(rank.batch(13)?, read[13]);
             }
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn ranks_resume_at_the_joined_positions_of_a_checkpoint_without_reading_the_rows_before() -> Result<()> {
+        let dir = tempfile::tempdir()?;
+        for (format, file) in tables(dir.path())? {
+            let open = |parts| {
+                StreamedTable::open(
+                    format,
+                    std::slice::from_ref(&file),
+                    columns(&a_b()),
+                    layout(parts, 7),
+                    "t",
+                )
+            };
+            let rows = RowSource::from(open(2)?);
+            let mut whole = RankBatches::new(&rows, 12, (0, 1), 0, 0)?;
+            let expected: Vec<Batch> = (0..20).map(|step| whole.batch(step)).collect::<Result<_>>()?;
+            // Two ranks checkpoint after 11 steps, each knowing only its own part.
+            let mut saved = DataPosition::default();
+            for rank in 0..2 {
+                let mut batches = RankBatches::new(&rows, 12, (rank, 2), 0, 0)?;
+                for step in 0..11 {
+                    batches.batch(step)?;
+                }
+                saved.merge(batches.position(11)?.context("a stream has a position")?);
+            }
+            // Three ranks take up from there: each reads only its rows from step 11 on.
+            let what = format!("{format:?}");
+            let mut ranks: Vec<RankBatches> = (0..3)
+                .map(|rank| RankBatches::new(&rows, 12, (rank, 3), 0, 0))
+                .collect::<Result<_>>()?;
+            let records_read = |rank: &RankBatches| match rank {
+                RankBatches::Streamed { loader, .. } => loader.records_read(),
+                RankBatches::InMemory(_) => 0,
+            };
+            for rank in &mut ranks {
+                rank.resume_at(11, &saved)?;
+            }
+            let before: Vec<u64> = ranks.iter().map(records_read).collect();
+            for (step, batch) in expected.iter().enumerate().skip(11) {
+                let slices: Vec<Batch> = ranks.iter_mut().map(|rank| rank.batch(step)).collect::<Result<_>>()?;
+                assert_eq!(joined(&slices), joined([batch]), "{what}, step {step}");
+            }
+            // Ranks 0 and 2 read one part each, rank 1 both (its rows straddle them): nine
+            // batches of six rows from each part read, and at most a shuffle window more —
+            // none of the 66 rows of a part before step 11.
+            for ((rank, before), parts) in ranks.iter().zip(before).zip([1, 2, 1]) {
+                let read = records_read(rank) - before;
+                assert!(read <= parts * (9 * 6 + 7), "{what}: {read}");
+            }
+            // The position of another cut of the data is refused, and the rank reads its way.
+            let other = RowSource::from(open(3)?);
+            let mut elsewhere = RankBatches::new(&other, 12, (0, 1), 0, 0)?;
+            let err = elsewhere.resume_at(11, &saved).unwrap_err();
+            assert!(format!("{err:#}").contains("cut and shuffled as"), "{err:#}");
+            let mut fresh = RankBatches::new(&other, 12, (0, 1), 0, 0)?;
+            assert_eq!(elsewhere.batch(11)?, fresh.batch(11)?, "{what}");
         }
         Ok(())
     }

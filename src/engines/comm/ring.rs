@@ -293,6 +293,24 @@ impl Communicator {
         Ok(all.chunks(width.max(1)).take(n).map(<[u8]>::to_vec).collect())
     }
 
+    /// Gathers every rank's `mine`, of any length: the lengths first, then every part padded to
+    /// the longest. Element `r` of the result is rank `r`'s.
+    pub fn all_gather_sized(&mut self, op: &str, mine: &[u8]) -> Result<Vec<Vec<u8>>> {
+        let lengths = self.all_gather(&format!("{op} (lengths)"), &(mine.len() as u64).to_le_bytes())?;
+        let lengths = lengths
+            .iter()
+            .map(|bytes| Ok(usize::try_from(u64::from_le_bytes(bytes.as_slice().try_into()?))?))
+            .collect::<Result<Vec<usize>>>()?;
+        let width = lengths.iter().copied().max().unwrap_or(0);
+        let mut padded = mine.to_vec();
+        padded.resize(width, 0);
+        let mut all = self.all_gather(op, &padded)?;
+        for (part, length) in all.iter_mut().zip(lengths) {
+            part.truncate(length);
+        }
+        Ok(all)
+    }
+
     /// Copies `root`'s `data` to every rank, along the ring.
     pub fn broadcast(&mut self, op: &str, data: &mut [u8], root: usize) -> Result<()> {
         let n = self.world_size();
