@@ -1164,27 +1164,28 @@ mod tests {
         assert_eq!(refused, err, "every later heartbeat hears why the job stopped");
     }
 
-    #[actix::test]
-    async fn once_the_job_was_asked_to_stop_a_lost_rank_is_not_awaited_and_the_coordinator_ends() {
-        let (done, mut finished) = oneshot::channel();
-        let c = Coordinator::new(2, Duration::from_secs(30))
+    /// The coordinator of a process of its own for `world` ranks, which replaces lost ranks in
+    /// place, and what tells that it is over.
+    fn coordinator_of_its_own(world: usize) -> (Addr<Coordinator>, oneshot::Receiver<()>) {
+        let (done, finished) = oneshot::channel();
+        let c = Coordinator::new(world, Duration::from_secs(30))
             .with_heartbeat_deadline(Duration::from_secs(30))
             .recovering_in_place()
             .with_finish(done)
             .start();
-        let beat = |rank: usize| Heartbeat {
-            rank,
-            pid: rank as u32,
-            member_of: None,
-            line: rank as u64,
-        };
+        (c, finished)
+    }
+
+    #[actix::test]
+    async fn once_the_job_was_asked_to_stop_a_lost_rank_is_not_awaited_and_the_coordinator_ends() {
+        let (c, mut finished) = coordinator_of_its_own(2);
         for rank in [0, 1] {
-            c.send(beat(rank)).await.unwrap().unwrap();
+            beat(&c, rank, rank as u64).await.unwrap();
         }
         c.send(JobAskedToStop).await.unwrap();
         c.send(ConnectionLost { rank: 0, line: 0 }).await.unwrap();
         assert!(finished.try_recv().is_err(), "rank 1 still runs");
-        let err = c.send(beat(1)).await.unwrap().unwrap_err();
+        let err = beat(&c, 1, 1).await.unwrap_err();
         assert!(
             err.contains("rank 0 declared dead after the job was asked to stop"),
             "{err}"
@@ -1195,19 +1196,8 @@ mod tests {
 
     #[actix::test]
     async fn a_rank_awaited_when_the_job_is_asked_to_stop_is_not_waited_for() {
-        let (done, mut finished) = oneshot::channel();
-        let c = Coordinator::new(2, Duration::from_secs(30))
-            .with_heartbeat_deadline(Duration::from_secs(30))
-            .recovering_in_place()
-            .with_finish(done)
-            .start();
-        let beat = Heartbeat {
-            rank: 0,
-            pid: 0,
-            member_of: None,
-            line: 0,
-        };
-        c.send(beat).await.unwrap().unwrap();
+        let (c, mut finished) = coordinator_of_its_own(2);
+        beat(&c, 0, 0).await.unwrap();
         // Rank 1 ended with the signal before it reached the coordinator.
         let (joined, ()) = futures::join!(join(&c, 0, 2), async {
             c.send(JobAskedToStop).await.unwrap();
@@ -1224,19 +1214,8 @@ mod tests {
 
     #[actix::test]
     async fn a_rank_lost_while_the_job_runs_is_awaited() {
-        let (done, mut finished) = oneshot::channel();
-        let c = Coordinator::new(1, Duration::from_secs(30))
-            .with_heartbeat_deadline(Duration::from_secs(30))
-            .recovering_in_place()
-            .with_finish(done)
-            .start();
-        let beat = Heartbeat {
-            rank: 0,
-            pid: 0,
-            member_of: None,
-            line: 0,
-        };
-        c.send(beat).await.unwrap().unwrap();
+        let (c, mut finished) = coordinator_of_its_own(1);
+        beat(&c, 0, 0).await.unwrap();
         c.send(ConnectionLost { rank: 0, line: 0 }).await.unwrap();
         assert!(finished.try_recv().is_err(), "its replacement is awaited");
     }
