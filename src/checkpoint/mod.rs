@@ -428,10 +428,21 @@ impl Checkpoint {
 /// disk) removes the temporary file, so it leaves nothing behind.
 pub(crate) fn write_atomically(dir: &Path, name: &str, contents: impl FnOnce(&mut File) -> Result<()>) -> Result<()> {
     // A name of its own: processes of two nodes that share the directory may write the same
-    // file (each node's copy of one replicated state) at once.
+    // file (each node's copy of one replicated state) at once, and may have the same pid
+    // (containers number their processes from 1), so a random tag tells them apart.
     static WRITES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    static PROCESS_TAG: std::sync::LazyLock<u64> = std::sync::LazyLock::new(|| {
+        let clock = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |since| since.as_nanos() as u64);
+        getrandom::u64().unwrap_or(clock)
+    });
     let write = WRITES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    let temporary = dir.join(format!(".{name}.{}-{write}.tmp", std::process::id()));
+    let temporary = dir.join(format!(
+        ".{name}.{}-{:016x}-{write}.tmp",
+        std::process::id(),
+        *PROCESS_TAG
+    ));
     let path = dir.join(name);
     let mut file = File::create(&temporary).with_context(|| format!("creating {}", temporary.display()))?;
     let written = contents(&mut file)
