@@ -5,12 +5,17 @@
 //! catches torn and flipped bytes, which is its job; it is not a defence against tampering). Every file is written to a temporary name, synced and
 //! renamed, so a crash never leaves half a file under a real name; a checkpoint without a
 //! manifest (a role died before the commit), whose files do not match it (truncated, a
-//! flipped byte), or whose safetensors files are malformed is skipped, with a warning naming
-//! the file, for the one before it.
+//! flipped byte), whose safetensors files are malformed or hold a value that is not finite (a
+//! NaN trains on silently: a ReLU hides it from the loss), or whose manifest names anything
+//! but a plain file of its own directory is skipped, with a warning naming the file, for the
+//! one before it. A manifest is data like any other: a name in it is checked
+//! ([`check_file_name`]) before it is joined to the directory, only regular files are opened,
+//! and no more bytes are read than it records.
 
 use std::collections::{HashMap, HashSet};
-use std::fs::{self, File};
+use std::fs::{self, File, OpenOptions};
 use std::io::{Read, Write};
+use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 
 use anyhow::{bail, ensure, Context, Result};
@@ -28,6 +33,26 @@ const STEP_PREFIX: &str = "step-";
 const SAFETENSORS: &str = ".safetensors";
 /// The safetensors format's largest header.
 const MAX_SAFETENSORS_HEADER: u64 = 100_000_000;
+/// The piece a checkpoint file is read in.
+const PIECE: usize = 8 << 20;
+
+/// Refuses `name` unless it can name a checkpoint file: a plain name inside its step directory
+/// (no separator, no `..`, not absolute, not hidden like the temporary files), of ASCII letters,
+/// digits, `-`, `_` and `.`, and not the manifest's. Every name that comes from a manifest, a
+/// coordinator's record or a peer passes here before it is joined to a directory.
+pub fn check_file_name(name: &str) -> Result<()> {
+    let plain = !name.is_empty()
+        && !name.starts_with('.')
+        && name
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
+        && name != MANIFEST;
+    ensure!(
+        plain,
+        "{name:?} is not a plain checkpoint file name inside a step directory"
+    );
+    Ok(())
+}
 
 /// One file of a checkpoint as its writer saw it: what the manifest records and the reader
 /// checks. Small enough to travel to the committing rank in a gather.
@@ -175,16 +200,13 @@ impl CheckpointStore {
         name: &str,
         contents: impl FnOnce(&mut dyn Write) -> Result<()>,
     ) -> Result<FileRecord> {
-        ensure!(
-            !name.is_empty() && !name.starts_with('.') && !name.contains(['/', '\\']) && name != MANIFEST,
-            "{name:?} cannot name a checkpoint file"
-        );
+        check_file_name(name)?;
         let dir = self.step_dir(step);
         fs::create_dir_all(&dir).with_context(|| format!("creating checkpoint directory {}", dir.display()))?;
         let mut record = None;
         write_atomically(&dir, name, |file| {
             let mut out = ChecksummingWriter {
-                inner: std::io::BufWriter::with_capacity(8 << 20, file),
+                inner: std::io::BufWriter::with_capacity(PIECE, file),
                 crc: 0,
                 bytes: 0,
             };
@@ -207,6 +229,7 @@ impl CheckpointStore {
         let dir = self.step_dir(step);
         let mut names = HashSet::new();
         for file in &files {
+            check_file_name(&file.name).with_context(|| format!("committing {}", dir.display()))?;
             ensure!(
                 names.insert(&file.name),
                 "checkpoint of step {step}: two roles wrote {}",
@@ -239,6 +262,10 @@ impl CheckpointStore {
     /// every file on a shared filesystem).
     pub fn commit_held(&self, record: &CommitRecord) -> Result<()> {
         let dir = self.step_dir(record.step);
+        for held in &record.files {
+            check_file_name(&held.record.name)
+                .with_context(|| format!("the coordinator's record of {}", dir.display()))?;
+        }
         let here = record
             .files
             .iter()
@@ -347,23 +374,12 @@ impl CheckpointStore {
             "{} is not the manifest of step {step}",
             manifest_path.display()
         );
+        // Every name first: a manifest naming a path outside its directory opens nothing.
         for file in &manifest.files {
-            let path = dir.join(&file.name);
-            let (bytes, crc) = checksum_file(&path).with_context(|| format!("reading {}", path.display()))?;
-            ensure!(
-                bytes == file.bytes,
-                "{} has {bytes} bytes, the manifest says {} (truncated?)",
-                path.display(),
-                file.bytes
-            );
-            ensure!(
-                crc == file.crc32c,
-                "{} does not match its checksum (corrupted)",
-                path.display()
-            );
-            if file.name.ends_with(SAFETENSORS) {
-                check_safetensors_header(&path, bytes).with_context(|| format!("{} is malformed", path.display()))?;
-            }
+            check_file_name(&file.name).with_context(|| format!("{} is refused", manifest_path.display()))?;
+        }
+        for file in &manifest.files {
+            check_file(&dir, step, file)?;
         }
         Ok(Checkpoint {
             step,
@@ -413,7 +429,11 @@ impl Checkpoint {
             .find(|f| f.name == name)
             .with_context(|| format!("checkpoint {} has no file {name}", self.dir.display()))?;
         let path = self.dir.join(name);
-        let bytes = fs::read(&path).with_context(|| format!("reading {}", path.display()))?;
+        // Opened first: the length to allocate is then the file's, not just the manifest's word.
+        let mut file = open_recorded(&self.dir, record)?;
+        let mut bytes = Vec::with_capacity(usize::try_from(record.bytes)?);
+        file.read_to_end(&mut bytes)
+            .with_context(|| format!("reading {}", path.display()))?;
         ensure!(
             bytes.len() as u64 == record.bytes,
             "{} changed since it was checked",
@@ -460,30 +480,112 @@ pub(crate) fn write_atomically(dir: &Path, name: &str, contents: impl FnOnce(&mu
         .with_context(|| format!("syncing directory {}", dir.display()))
 }
 
-/// The length and CRC-32C of the file at `path`, read in pieces.
-fn checksum_file(path: &Path) -> std::io::Result<(u64, u32)> {
-    let mut file = File::open(path)?;
-    let mut piece = vec![0u8; 8 << 20];
-    let (mut bytes, mut crc) = (0u64, 0u32);
-    loop {
-        match file.read(&mut piece) {
-            Ok(0) => return Ok((bytes, crc)),
-            Ok(n) => {
-                crc = crc32c::crc32c_append(crc, &piece[..n]);
-                bytes += n as u64;
-            }
-            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-            Err(e) => return Err(e),
+/// Opens file `record` of the step directory `dir` to read no more than the length recorded:
+/// a plain name ([`check_file_name`]) of a regular file of that length. A device (`/dev/zero`
+/// never ends), a FIFO (whose open would wait for a writer) or a symbolic link (which may lead
+/// out of the directory) is refused.
+fn open_recorded(dir: &Path, record: &FileRecord) -> Result<std::io::Take<File>> {
+    check_file_name(&record.name)?;
+    let path = dir.join(&record.name);
+    let file = match OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
+        .open(&path)
+    {
+        Ok(file) => file,
+        Err(e) if e.raw_os_error() == Some(libc::ELOOP) => {
+            bail!("{} is a symbolic link, not a checkpoint file", path.display())
         }
-    }
+        Err(e) => return Err(e).with_context(|| format!("opening {}", path.display())),
+    };
+    let on_disk = file.metadata().with_context(|| format!("reading {}", path.display()))?;
+    ensure!(on_disk.is_file(), "{} is not a regular file", path.display());
+    ensure!(
+        on_disk.len() == record.bytes,
+        "{} has {} bytes, the manifest says {} (truncated?)",
+        path.display(),
+        on_disk.len(),
+        record.bytes
+    );
+    Ok(file.take(record.bytes))
 }
 
-/// Checks that the safetensors file at `path`, `len` bytes long, has a header that parses and
-/// places its tensors exactly in the rest of the file. A checksum only proves the file is what
-/// its writer wrote; a faulty writer's file would otherwise fail only when a role restores it,
-/// too late to fall back to an earlier checkpoint.
-fn check_safetensors_header(path: &Path, len: u64) -> Result<()> {
-    let mut file = File::open(path)?;
+/// Checks file `record` of step `step`'s directory `dir` against the manifest in one read: its
+/// length and CRC-32C and, for a safetensors file, that its header places its tensors exactly
+/// in the rest of the file and that every f32 value is finite. A checksum only proves the file
+/// is what its writer wrote: a faulty writer's file, or one whose parameters went NaN, would
+/// otherwise fail only when a role restores it (or never), too late to fall back to an earlier
+/// checkpoint.
+fn check_file(dir: &Path, step: usize, record: &FileRecord) -> Result<()> {
+    let path = dir.join(&record.name);
+    let mut file = ChecksummingReader {
+        inner: open_recorded(dir, record)?,
+        crc: 0,
+        bytes: 0,
+    };
+    let contents = match record.name.ends_with(SAFETENSORS) {
+        true => check_tensors(&mut file, record.bytes, step, &path),
+        false => Ok(()),
+    };
+    // The rest of the file, so that the checksum covers it whatever its contents turned out.
+    std::io::copy(
+        &mut std::io::BufReader::with_capacity(PIECE, &mut file),
+        &mut std::io::sink(),
+    )
+    .with_context(|| format!("reading {}", path.display()))?;
+    ensure!(
+        file.bytes == record.bytes,
+        "{} has {} bytes, the manifest says {} (truncated?)",
+        path.display(),
+        file.bytes,
+        record.bytes
+    );
+    ensure!(
+        file.crc == record.crc32c,
+        "{} does not match its checksum (corrupted)",
+        path.display()
+    );
+    contents
+}
+
+/// Reads the safetensors file `path` of step `step`, `len` bytes long, from its start through
+/// its last tensor: its header must place the tensors exactly in the rest of the file, and every
+/// value of an f32 tensor (parameters, optimizer state, a shard's rows: every float a
+/// checkpoint holds) must be finite.
+fn check_tensors(file: &mut impl Read, len: u64, step: usize, path: &Path) -> Result<()> {
+    let metadata = read_safetensors_header(file, len).with_context(|| format!("{} is malformed", path.display()))?;
+    let mut piece = vec![0u8; PIECE];
+    for name in metadata.offset_keys() {
+        let info = metadata.info(&name).context("a tensor the header lists")?;
+        let (start, end) = info.data_offsets;
+        let mut left = end - start;
+        while left > 0 {
+            // Whole values: a tensor's length is a multiple of its value's.
+            let n = left.min(piece.len());
+            file.read_exact(&mut piece[..n])
+                .with_context(|| format!("reading {}", path.display()))?;
+            if info.dtype == safetensors::Dtype::F32 {
+                let values = piece[..n]
+                    .chunks_exact(4)
+                    .map(|v| f32::from_le_bytes([v[0], v[1], v[2], v[3]]));
+                if let Some((at, value)) = values.enumerate().find(|(_, v)| !v.is_finite()) {
+                    let element = (end - start - left) / 4 + at;
+                    bail!(
+                        "step {step}: tensor {name} of {} holds {value} (element {element}): a checkpoint whose \
+                         values are not finite is refused",
+                        path.display()
+                    );
+                }
+            }
+            left -= n;
+        }
+    }
+    Ok(())
+}
+
+/// The header of a safetensors file `len` bytes long, read from its start; it must place its
+/// tensors exactly in the rest of the file.
+fn read_safetensors_header(file: &mut impl Read, len: u64) -> Result<safetensors::tensor::Metadata> {
     let mut prefix = [0u8; 8];
     file.read_exact(&mut prefix)
         .context("shorter than a safetensors header")?;
@@ -502,7 +604,23 @@ fn check_safetensors_header(path: &Path, len: u64) -> Result<()> {
         "its safetensors header places {} bytes of tensors, the file holds {data}",
         metadata.data_len()
     );
-    Ok(())
+    Ok(metadata)
+}
+
+/// A reader that checksums and counts what passes through it.
+struct ChecksummingReader<R> {
+    inner: R,
+    crc: u32,
+    bytes: u64,
+}
+
+impl<R: Read> Read for ChecksummingReader<R> {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        let read = self.inner.read(buf)?;
+        self.crc = crc32c::crc32c_append(self.crc, &buf[..read]);
+        self.bytes += read as u64;
+        Ok(read)
+    }
 }
 
 /// A writer that checksums and counts what passes through it.
@@ -638,6 +756,123 @@ mod tests {
         assert!(err.contains(&format!("{} is malformed", bad.display())), "{err}");
         assert!(err.contains("header claims"), "{err}");
         assert_eq!(store.latest()?.expect("step 10 is intact").step, 10);
+        Ok(())
+    }
+
+    #[test]
+    fn only_plain_names_inside_the_step_directory_name_checkpoint_files() {
+        for name in [
+            "replica.safetensors",
+            "stage-1.safetensors",
+            "ps-trainer-0.safetensors",
+            "a..b",
+        ] {
+            assert!(check_file_name(name).is_ok(), "{name}");
+        }
+        for name in [
+            "",
+            ".",
+            "..",
+            "/dev/zero",
+            "/etc/passwd",
+            "../../../etc/passwd",
+            "sub/file",
+            "sub\\file",
+            ".a.bin.tmp",
+            "name with spaces",
+            MANIFEST,
+        ] {
+            let error = check_file_name(name).unwrap_err().to_string();
+            assert!(
+                error.contains(&format!("{name:?} is not a plain checkpoint file name")),
+                "{error}"
+            );
+        }
+    }
+
+    /// Rewrites step `step`'s manifest with its first file named `name`.
+    fn rename_in_manifest(store: &CheckpointStore, step: usize, name: &str) -> Result<PathBuf> {
+        let path = store.step_dir(step).join(MANIFEST);
+        let mut manifest: Manifest = serde_json::from_slice(&fs::read(&path)?)?;
+        manifest.files[0].name = name.to_string();
+        fs::write(&path, serde_json::to_vec(&manifest)?)?;
+        Ok(store.step_dir(step))
+    }
+
+    #[test]
+    fn a_manifest_naming_a_path_is_refused_naming_the_entry_and_falls_back() -> Result<()> {
+        let root = tempfile::tempdir()?;
+        let mut store = store_with_steps(root.path(), &[5, 10])?;
+        store.keep = 10;
+        for name in ["/dev/zero", "/etc/passwd", "../../../../../../../../etc/passwd"] {
+            let dir = rename_in_manifest(&store, 10, name)?;
+            let error = format!("{:#}", store.verify(10).unwrap_err());
+            assert!(error.contains(&dir.display().to_string()), "{error}");
+            assert!(
+                error.contains(&format!("{name:?} is not a plain checkpoint file name")),
+                "{error}"
+            );
+            assert_eq!(store.latest()?.expect("step 5 is intact").step, 5);
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn only_regular_files_of_the_recorded_length_are_read() -> Result<()> {
+        let root = tempfile::tempdir()?;
+        let mut store = store_with_steps(root.path(), &[5, 10])?;
+        store.keep = 10;
+        let file = store.step_dir(10).join("a.bin");
+        // A symbolic link out of the directory, whatever its target holds.
+        fs::remove_file(&file)?;
+        std::os::unix::fs::symlink(store.step_dir(5).join("a.bin"), &file)?;
+        let error = format!("{:#}", store.verify(10).unwrap_err());
+        assert!(error.contains("is a symbolic link"), "{error}");
+        // A FIFO: opening it for reading would wait for a writer forever.
+        fs::remove_file(&file)?;
+        assert!(std::process::Command::new("mkfifo").arg(&file).status()?.success());
+        let error = format!("{:#}", store.verify(10).unwrap_err());
+        assert!(error.contains("is not a regular file"), "{error}");
+        // A file grown past its record after it was checked is not read to its end.
+        fs::remove_file(&file)?;
+        fs::write(&file, vec![10u8; 1000])?;
+        let checkpoint = store.verify(10)?;
+        fs::write(&file, vec![10u8; 5000])?;
+        let error = format!("{:#}", checkpoint.read("a.bin").unwrap_err());
+        assert!(error.contains("5000 bytes, the manifest says 1000"), "{error}");
+        assert_eq!(store.latest()?.expect("step 5 is intact").step, 5);
+        Ok(())
+    }
+
+    #[test]
+    fn a_checkpoint_holding_a_value_that_is_not_finite_is_refused_naming_the_tensor() -> Result<()> {
+        let root = tempfile::tempdir()?;
+        let store = CheckpointStore::new(root.path(), 3);
+        for (step, poison) in [(5, 0.5), (10, f32::NAN), (15, f32::INFINITY)] {
+            let w = Tensor::new(&[1.0f32, poison, 3.0], &Device::Cpu)?;
+            let state = Tensor::new(&[0.5f32; 3], &Device::Cpu)?;
+            let (tensors, poisoned) = match step {
+                15 => (
+                    vec![("w".to_string(), state), ("optimizer.w.m".to_string(), w)],
+                    "optimizer.w.m",
+                ),
+                _ => (vec![("w".to_string(), w), ("optimizer.w.m".to_string(), state)], "w"),
+            };
+            let record = store.write_with(step, "replica.safetensors", |out| {
+                write_tensors(out, &tensors, HashMap::new())
+            })?;
+            store.commit(step, 1, vec![record])?;
+            if step > 5 {
+                let error = format!("{:#}", store.verify(step).unwrap_err());
+                let value = if poison.is_nan() { "NaN" } else { "inf" };
+                assert!(
+                    error.contains(&format!("step {step}: tensor {poisoned} of"))
+                        && error.contains(&format!("holds {value} (element 1)")),
+                    "{error}"
+                );
+            }
+        }
+        assert_eq!(store.latest()?.expect("step 5 is finite").step, 5);
         Ok(())
     }
 

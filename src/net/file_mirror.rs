@@ -15,7 +15,7 @@ use tokio_util::codec::{Framed, LengthDelimitedCodec};
 use super::auth::{self, Credentials};
 use super::frame::{codec, encode_with, Frame};
 use super::listen::accept_authenticated;
-use crate::checkpoint::{CheckpointStore, FileRecord};
+use crate::checkpoint::{check_file_name, CheckpointStore, FileRecord};
 
 /// The largest piece of a file in one frame.
 const PIECE: usize = 16 << 20;
@@ -68,7 +68,7 @@ async fn serve_connection(stream: TcpStream, store: CheckpointStore, max_frame: 
                 offset,
                 total,
             } => {
-                check_name(&name)?;
+                check_file_name(&name)?;
                 let whole = append_piece(&mut incoming, offset, total, &frame.payload)
                     .with_context(|| format!("a copy of {name}"))?;
                 if whole {
@@ -84,7 +84,7 @@ async fn serve_connection(stream: TcpStream, store: CheckpointStore, max_frame: 
                 }
             }
             MirrorMessage::Fetch { step, name } => {
-                check_name(&name)?;
+                check_file_name(&name)?;
                 let store = store.clone();
                 let read = tokio::task::spawn_blocking(move || store.verify(step)?.read(&name)).await?;
                 match read {
@@ -144,17 +144,6 @@ fn append_piece(received: &mut Vec<u8>, offset: u64, total: u64, piece: &[u8]) -
     );
     received.extend_from_slice(piece);
     Ok(received.len() as u64 == total)
-}
-
-/// A plain file name: no directory, no parent, nothing hidden.
-fn check_name(name: &str) -> Result<()> {
-    let plain = !name.is_empty()
-        && !name.starts_with('.')
-        && name
-            .chars()
-            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'));
-    ensure!(plain, "{name:?} is not a checkpoint file's name");
-    Ok(())
 }
 
 /// How a role reaches other roles' mirrors: what a connection proves, the frame cap, and how
