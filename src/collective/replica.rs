@@ -11,7 +11,7 @@ use super::evaluation::{score_pieces, sum_over_ranks};
 use super::preemption;
 use super::rank_figures::RankFigures;
 use super::training_state::{self, RunRecord};
-use super::{GradientSync, ParamChecksum};
+use super::{checksum, GradientSync, ParamChecksum};
 use crate::config::{JobConfig, LossKind};
 use crate::data::{Batch, DataPosition, Pieces};
 use crate::engines::comm::{CommWorker, Shared};
@@ -281,13 +281,19 @@ impl Replica {
     }
 
     /// Compares every replica's checksum; a difference stops training with
-    /// an error naming the ranks that disagree with rank 0.
+    /// an error naming the ranks that disagree with rank 0, and a parameter
+    /// value that is not finite with one naming this rank and the parameter.
     pub fn check_replicas_agree(&mut self) -> Result<ParamChecksum> {
-        let mine = self.checksum()?;
+        // One copy of the parameters serves both checks.
+        let values = checksum::values_of(&self.params)?;
+        let mine = ParamChecksum::of_values(&values);
         let step = self.step;
         let all = self
             .comm
             .run(move |c| c.all_gather(&format!("all-gather of parameter checksums at step {step}"), &mine.0))?;
+        // After the gather, which every rank joins: one rank stopping before it would leave
+        // the others waiting there.
+        checksum::check_finite(self.rank(), step, &values)?;
         let reference = &all[0];
         let diverged: Vec<String> = all
             .iter()
