@@ -491,6 +491,75 @@ fn an_evaluation_waiting_for_a_trainers_scores_names_it_after_the_timeout() {
     assert!((0.9..5.0).contains(&waited), "answered after {waited:.1}s");
 }
 
+#[test]
+fn a_shard_writes_its_tables_and_checkpoints_only_in_the_directories_it_was_started_with() {
+    use actix::prelude::*;
+    use flotilla::actors::pserver::PServer;
+    use flotilla::ps::wire::{Reply, Request, ShardCall};
+
+    let config = ctr_config(&["cluster.nproc_per_node=1"]);
+    let shard = common::fresh_shard(&config, 1);
+    let dir = tempfile::tempdir().unwrap();
+    let (run_dir, checkpoints) = (dir.path().join("run"), dir.path().join("checkpoints"));
+    let (save, checkpointed) = System::new().block_on({
+        let (run_dir, checkpoints) = (run_dir.clone(), checkpoints.clone());
+        async move {
+            let (all_left, _) = futures::channel::oneshot::channel();
+            let server = PServer::new(shard, all_left, config.fault_tolerance.timeout())
+                .writing_in(&run_dir, Some(&checkpoints))
+                .start();
+            // A request names no path: what the shard writes, and where, is its own to know.
+            let save = server.send(ShardCall::first(Request::Save)).await.unwrap().unwrap();
+            let checkpoint = Request::Checkpoint {
+                step: 0,
+                trainer: 0,
+                files: Vec::new(),
+            };
+            let checkpointed = server.send(ShardCall::first(checkpoint)).await.unwrap().unwrap();
+            (save, checkpointed)
+        }
+    });
+    assert_eq!(save, Reply::Done);
+    assert!(run_dir.join("ps-shard-1.safetensors").is_file());
+    let Reply::Checkpointed(files) = checkpointed else {
+        panic!("a checkpoint answered with {checkpointed:?}");
+    };
+    assert_eq!(files.len(), 1);
+    assert_eq!(files[0].name, "ps-shard-1.safetensors");
+    assert!(checkpoints.join("step-00000000/ps-shard-1.safetensors").is_file());
+}
+
+#[test]
+fn a_shard_started_without_a_checkpoint_directory_refuses_a_checkpoint() {
+    use actix::prelude::*;
+    use flotilla::actors::pserver::PServer;
+    use flotilla::ps::wire::{Request, ShardCall};
+
+    let config = ctr_config(&["cluster.nproc_per_node=1"]);
+    let shard = common::fresh_shard(&config, 0);
+    let dir = tempfile::tempdir().unwrap();
+    let refused = System::new().block_on({
+        let run_dir = dir.path().to_path_buf();
+        async move {
+            let (all_left, _) = futures::channel::oneshot::channel();
+            let server = PServer::new(shard, all_left, config.fault_tolerance.timeout())
+                .writing_in(&run_dir, None)
+                .start();
+            let checkpoint = Request::Checkpoint {
+                step: 0,
+                trainer: 0,
+                files: Vec::new(),
+            };
+            server.send(ShardCall::first(checkpoint)).await.unwrap().unwrap_err()
+        }
+    });
+    assert_eq!(
+        refused.to_string(),
+        "parameter server 0 was asked for the checkpoint of step 0, but the job takes none"
+    );
+    assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0, "nothing written");
+}
+
 /// Trainer 0's pull of step 1 (nothing but the dense slice), held until every trainer pushed
 /// step 0.
 fn pull_of_step_1() -> PullRequest {
@@ -533,7 +602,7 @@ fn a_shard_serves_one_generation_of_its_trainers_refusing_older_requests_and_hol
         let (all_left, _) = futures::channel::oneshot::channel();
         let (acknowledge, _acks) = tokio::sync::mpsc::unbounded_channel();
         let server = PServer::new(shard, all_left, config.fault_tolerance.timeout())
-            .recovering_in_place(0, acknowledge, None)
+            .recovering_in_place(0, acknowledge)
             .unwrap()
             .start();
         let call = |generation, request| ShardCall { generation, request };

@@ -142,7 +142,6 @@ fn requests() -> Vec<Request> {
             stop: true,
         }),
         Request::Checkpoint {
-            dir: "/tmp/checkpoints".into(),
             step: 60,
             trainer: 1,
             files: vec![FileRecord {
@@ -152,6 +151,7 @@ fn requests() -> Vec<Request> {
             }],
         },
         Request::Leave { trainer: 3 },
+        Request::Save,
         Request::Evaluated {
             trainer: 2,
             scores: vec![0.25, 0.75, 0.5],

@@ -9,7 +9,6 @@
 //! not end the trainer: it joins the next generation, restores its own state of the committed
 //! checkpoint (geo's; the shards hold the rest) and trains on from that step.
 
-use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -59,8 +58,9 @@ pub struct PsTrainer {
     pub client: Option<PsClient>,
     /// The device actor of this trainer.
     pub device: Addr<DeviceActor>,
-    /// Where the trainer at place 0 has the shards save their tables (`ps-shard-<i>.safetensors`).
-    pub save_dir: Option<PathBuf>,
+    /// Whether the trainer at place 0 has the shards save their tables at the end, each as
+    /// `ps-shard-<i>.safetensors` in its own run directory.
+    pub save_tables: bool,
     /// How to report every step: trainer 0's only.
     pub monitor: Option<MonitorSettings>,
     /// Where to write this trainer's timeline, and how far the coordinator's clock is ahead.
@@ -146,7 +146,7 @@ impl Handler<TrainPs> for PsTrainer {
             test_data: self.test_data.clone(),
             client: self.client.take(),
             device: self.device.clone(),
-            save_dir: self.save_dir.clone(),
+            save_tables: self.save_tables,
             monitor: self.monitor.clone(),
             trace: self.trace.clone(),
             recovery: self.recovery.clone(),
@@ -175,7 +175,7 @@ struct PsRun {
     test_data: CtrSource,
     client: Option<PsClient>,
     device: Addr<DeviceActor>,
-    save_dir: Option<PathBuf>,
+    save_tables: bool,
     monitor: Option<MonitorSettings>,
     trace: Option<(TraceTarget, f64)>,
     recovery: Recovery,
@@ -311,14 +311,8 @@ impl PsRun {
         let (auc, test_samples) = self.evaluate(&mut client, steps as u64).await?;
         let shards = if place == 0 {
             let shards = shard_stats(&mut client).await?;
-            if let Some(dir) = &self.save_dir {
-                std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
-                let saves = (0..client.server_num())
-                    .map(|shard| Request::Save {
-                        path: dir.join(shard_file_name(shard)).display().to_string(),
-                    })
-                    .collect();
-                client.call_all(saves, "save of the tables").await?;
+            if self.save_tables {
+                client.call_all(everyone(Request::Save), "save of the tables").await?;
             }
             shards
         } else {
@@ -681,7 +675,6 @@ impl PsRun {
         }
         let files = vec![held];
         let ask = Request::Checkpoint {
-            dir: store.root().display().to_string(),
             step: step as u64,
             trainer: place,
             files: files.iter().map(|held| held.record.clone()).collect(),

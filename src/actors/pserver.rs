@@ -13,10 +13,14 @@
 //! rollback and must not be applied after it); one stamped with a newer generation waits until
 //! the shard has restored that generation's state.
 //!
+//! A shard writes only in the directories it was started with ([`PServer::writing_in`]): a
+//! request names a step or nothing, never a path, so a peer holding the cluster token cannot
+//! have it write anywhere else.
+//!
 //! Start it on its own arbiter (a dedicated thread): the optimizer runs inside its handlers.
 
 use std::collections::BTreeMap;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -106,9 +110,11 @@ pub struct PServer {
     /// In a job that recovers in place: the states to roll back to, and where the shard's
     /// checkpoint files go to be acknowledged to the coordinator.
     in_place: Option<(Kept, mpsc::UnboundedSender<WrittenCheckpoint>)>,
-    /// In a job that recovers in place, its node's checkpoint directory: each node keeps its
-    /// own copy, so the shard writes there, not in the directory of the trainer that asked.
-    own_dir: Option<String>,
+    /// Where [`Request::Save`] writes the shard's tables: the run directory.
+    run_dir: Option<PathBuf>,
+    /// The job's checkpoint directory on the shard's node, where [`Request::Checkpoint`] writes
+    /// the shard's file; `None` when the job takes no checkpoints.
+    checkpoint_dir: Option<PathBuf>,
 }
 
 /// One trainer's scores and labels of its share of the held-out data, and where its answer goes.
@@ -123,7 +129,6 @@ struct EvaluatedShare {
 /// The checkpoint of step `step`: the trainers that asked for it, with their files, and where
 /// their answers go.
 struct PendingCheckpoint {
-    dir: String,
     step: u64,
     asked: Vec<(usize, Vec<FileRecord>, oneshot::Sender<Result<Reply>>)>,
 }
@@ -158,8 +163,18 @@ impl PServer {
             ready: true,
             early: Vec::new(),
             in_place: None,
-            own_dir: None,
+            run_dir: None,
+            checkpoint_dir: None,
         }
+    }
+
+    /// Writes its tables in `run_dir` when told to save them, and its checkpoint files in
+    /// `checkpoint_dir` (`None`: the job takes no checkpoints) — on its own node, which in a
+    /// job that recovers in place keeps its own copy.
+    pub fn writing_in(mut self, run_dir: &Path, checkpoint_dir: Option<&Path>) -> Self {
+        self.run_dir = Some(run_dir.to_path_buf());
+        self.checkpoint_dir = checkpoint_dir.map(Path::to_path_buf);
+        self
     }
 
     /// Records a timeline of the requests it serves, measured from `origin`.
@@ -176,9 +191,7 @@ impl PServer {
         mut self,
         step: u64,
         acknowledge: mpsc::UnboundedSender<WrittenCheckpoint>,
-        own_dir: Option<&Path>,
     ) -> Result<Self> {
-        self.own_dir = own_dir.map(|dir| dir.display().to_string());
         let mut kept = Kept::default();
         kept.taken(step as usize, Arc::new(self.shard.snapshot_bytes()?));
         kept.committed();
@@ -238,16 +251,13 @@ impl PServer {
     /// Takes the pending checkpoint once every trainer asked for it and the shard is at its
     /// step, and answers them all.
     fn take_checkpoint_if_ready(&mut self) {
-        let Some((dir, step, asked)) = self.checkpoint.as_ref().map(|p| (p.dir.clone(), p.step, p.asked.len())) else {
+        let Some((step, asked)) = self.checkpoint.as_ref().map(|p| (p.step, p.asked.len())) else {
             return;
         };
         let outcome = match self.shard.checkpoint_ready(step) {
             Ok(false) => return,
             Ok(true) if asked < self.shard.spec().trainers => return,
-            Ok(true) => {
-                let dir = self.own_dir.clone().unwrap_or(dir);
-                self.write_checkpoint(&dir, step)
-            }
+            Ok(true) => self.write_checkpoint(step),
             Err(e) => Err(e),
         };
         let Some(pending) = self.checkpoint.take() else {
@@ -267,10 +277,13 @@ impl PServer {
         }
     }
 
-    /// Writes the shard's file of step `step`'s checkpoint in `dir`; in place, keeps the state
-    /// and hands the file to be acknowledged.
-    fn write_checkpoint(&mut self, dir: &str, step: u64) -> Result<FileRecord> {
+    /// Writes the shard's file of step `step`'s checkpoint in its checkpoint directory; in
+    /// place, keeps the state and hands the file to be acknowledged.
+    fn write_checkpoint(&mut self, step: u64) -> Result<FileRecord> {
         let index = self.shard.spec().index;
+        let dir = self.checkpoint_dir.as_ref().with_context(|| {
+            format!("parameter server {index} was asked for the checkpoint of step {step}, but the job takes none")
+        })?;
         let bytes = Arc::new(self.shard.snapshot_bytes()?);
         // The shard's own store only writes files; the commit is the coordinator's (in place)
         // or the ordering trainer's.
@@ -289,10 +302,20 @@ impl PServer {
         Ok(record)
     }
 
+    /// Saves the shard's tables and dense slice as `ps-shard-<index>.safetensors` in its run
+    /// directory.
+    fn save_tables(&self) -> Result<()> {
+        let index = self.shard.spec().index;
+        let dir = self.run_dir.as_ref().with_context(|| {
+            format!("parameter server {index} was told to save its tables, but has no run directory")
+        })?;
+        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+        self.shard.save(&dir.join(shard_file_name(index)))
+    }
+
     /// Trainer `trainer` asks for the checkpoint of `step` (once it pushed its steps before it).
     fn ask_checkpoint(
         &mut self,
-        dir: String,
         step: u64,
         trainer: usize,
         files: Vec<FileRecord>,
@@ -310,7 +333,6 @@ impl PServer {
             Some(pending) => pending.asked.push((trainer, files, answer)),
             None => {
                 self.checkpoint = Some(PendingCheckpoint {
-                    dir,
                     step,
                     asked: vec![(trainer, files, answer)],
                 })
@@ -408,15 +430,10 @@ impl PServer {
                 }
                 Reply::Done
             }),
-            Request::Save { path } => self.shard.save(path.as_ref()).map(|()| Reply::Done),
+            Request::Save => self.save_tables().map(|()| Reply::Done),
             Request::Stats => Ok(Reply::Stats(self.shard.stats())),
-            Request::Checkpoint {
-                dir,
-                step,
-                trainer,
-                files,
-            } => {
-                let later = self.ask_checkpoint(dir, step, trainer, files);
+            Request::Checkpoint { step, trainer, files } => {
+                let later = self.ask_checkpoint(step, trainer, files);
                 return Box::pin(async move {
                     later
                         .await

@@ -206,9 +206,10 @@ impl ParameterServerJob {
                     let shard = start_shard(self, index, &recovery)?;
                     let (all_left, _) = oneshot::channel();
                     let origin = trace.as_ref().map(|t| t.origin.instant);
-                    Ok(PServer::start_in_arbiter(&Arbiter::new().handle(), move |_| {
-                        PServer::new(shard, all_left, timeout).traced_from(origin)
-                    }))
+                    let server = PServer::new(shard, all_left, timeout)
+                        .traced_from(origin)
+                        .writing_in(&options.run_dir, recovery.store.as_ref().map(|store| store.root()));
+                    Ok(PServer::start_in_arbiter(&Arbiter::new().handle(), move |_| server))
                 })
                 .collect::<Result<Vec<_>>>()?;
             let runs = (0..world).map(|rank| {
@@ -304,13 +305,11 @@ impl ParameterServerJob {
                     _ => 0.0,
                 };
                 let (acknowledge, acks) = mpsc::unbounded_channel();
-                let server = PServer::new(shard, all_left, timeout).traced_from(origin);
+                let server = PServer::new(shard, all_left, timeout)
+                    .traced_from(origin)
+                    .writing_in(&options.run_dir, recovery.store.as_ref().map(|store| store.root()));
                 let server = match &orders {
-                    Some(_) => server.recovering_in_place(
-                        recovery.start_step().unwrap_or(0) as u64,
-                        acknowledge,
-                        recovery.store.as_ref().map(|store| store.root()),
-                    )?,
+                    Some(_) => server.recovering_in_place(recovery.start_step().unwrap_or(0) as u64, acknowledge)?,
                     None => server,
                 };
                 let actor = PServer::start_in_arbiter(&Arbiter::new().handle(), move |_| server);
@@ -466,7 +465,7 @@ impl ParameterServerJob {
             client: Some(client),
             device: SyncArbiter::start(1, DeviceActor::default),
             // Whichever trainer ends at place 0 has the shards save their tables.
-            save_dir: Some(options.run_dir.clone()),
+            save_tables: true,
             monitor: (rank == 0).then(|| options.monitor(&self.config, rank, "ps_trainer")),
             trace,
             recovery,

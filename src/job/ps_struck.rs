@@ -10,6 +10,7 @@
 //! fresh connection; the shard's idempotent pushes make that safe, so a lost message costs no
 //! rollback.
 
+use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 
@@ -50,7 +51,9 @@ pub(super) fn run_with_faults(
         let (shards, recovery) = (shards.clone(), &recovery);
         async move {
             match incarnation.rank.checked_sub(servers) {
-                None => serve(job, incarnation, &shards, recovery).await.map(|()| None),
+                None => serve(job, incarnation, &shards, &options.run_dir, recovery)
+                    .await
+                    .map(|()| None),
                 Some(trainer) => train(job, trainer, incarnation, shards, plan, options, recovery)
                     .await
                     .map(Some),
@@ -90,6 +93,7 @@ async fn serve(
     job: &ParameterServerJob,
     incarnation: Incarnation,
     shards: &RunningShards,
+    run_dir: &Path,
     recovery: &Recovery,
 ) -> Result<()> {
     let (config, index) = (&job.config, incarnation.rank);
@@ -100,11 +104,8 @@ async fn serve(
         all_left,
         config.fault_tolerance.timeout(),
     )
-    .recovering_in_place(
-        recovery.start_step().unwrap_or(0) as u64,
-        acknowledge,
-        recovery.store.as_ref().map(|store| store.root()),
-    )?;
+    .writing_in(run_dir, recovery.store.as_ref().map(|store| store.root()))
+    .recovering_in_place(recovery.start_step().unwrap_or(0) as u64, acknowledge)?;
     let thread = StoppedWhenDropped(Arbiter::new());
     let actor = PServer::start_in_arbiter(&thread.0.handle(), move |_| server);
     shards.run(index, actor.clone().recipient(), incarnation.faults);

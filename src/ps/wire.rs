@@ -117,19 +117,15 @@ pub enum Request {
         /// Which trainer.
         trainer: usize,
     },
-    /// Write the shard's tables and dense slice to `path` (safetensors).
-    Save {
-        /// File to write, on the shard's machine.
-        path: String,
-    },
+    /// Write the shard's tables and dense slice as `ps-shard-<index>.safetensors` in the run
+    /// directory the shard was started with: a request never names a path the shard writes.
+    Save,
     /// Report the tables' sizes.
     Stats,
     /// Trainer `trainer` has pushed its steps before `step` and waits for the checkpoint after
     /// them: once every trainer has asked, the shard writes its part into the checkpoint
-    /// directory `dir` and answers them all — the quiesce point of every mode.
+    /// directory it was started with and answers them all — the quiesce point of every mode.
     Checkpoint {
-        /// The job's checkpoint directory, on the shard's machine.
-        dir: String,
         /// The step the checkpoint is taken after.
         step: u64,
         /// The asking trainer.
@@ -266,12 +262,9 @@ enum Header {
     Leave {
         trainer: u32,
     },
-    Save {
-        path: String,
-    },
+    Save,
     Stats,
     Checkpoint {
-        dir: String,
         step: u64,
         trainer: u32,
         files: Vec<FileRecord>,
@@ -353,16 +346,10 @@ pub async fn write_request<W: AsyncWrite + Unpin>(
             },
             Vec::new(),
         ),
-        Request::Save { path } => (Header::Save { path: path.clone() }, Vec::new()),
+        Request::Save => (Header::Save, Vec::new()),
         Request::Stats => (Header::Stats, Vec::new()),
-        Request::Checkpoint {
-            dir,
-            step,
-            trainer,
-            files,
-        } => (
+        Request::Checkpoint { step, trainer, files } => (
             Header::Checkpoint {
-                dir: dir.clone(),
                 step: *step,
                 trainer: *trainer as u32,
                 files: files.clone(),
@@ -444,15 +431,9 @@ pub async fn read_request<R: AsyncRead + Unpin>(
         Header::Leave { trainer } => Request::Leave {
             trainer: trainer as usize,
         },
-        Header::Save { path } => Request::Save { path },
+        Header::Save => Request::Save,
         Header::Stats => Request::Stats,
-        Header::Checkpoint {
-            dir,
-            step,
-            trainer,
-            files,
-        } => Request::Checkpoint {
-            dir,
+        Header::Checkpoint { step, trainer, files } => Request::Checkpoint {
             step,
             trainer: trainer as usize,
             files,
@@ -586,7 +567,7 @@ fn header_name(header: &Header) -> &'static str {
         Header::Push { .. } => "push",
         Header::EndTraining { .. } => "end-of-training",
         Header::Leave { .. } => "leave",
-        Header::Save { .. } => "save",
+        Header::Save => "save",
         Header::Stats => "stats",
         Header::Checkpoint { .. } => "checkpoint",
         Header::Checkpointed(_) => "checkpointed",
@@ -674,7 +655,7 @@ mod tests {
             pull,
             push(),
             Request::Leave { trainer: 3 },
-            Request::Save { path: "x".into() },
+            Request::Save,
             Request::Stats,
             Request::Evaluated {
                 trainer: 1,
