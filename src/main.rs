@@ -490,6 +490,7 @@ fn death_watch(config: &JobConfig) -> Result<DeathWatch> {
         .context("cluster.master: the launcher's processes have no coordinator address")?;
     let credentials = Credentials::of_cluster(&config.cluster, ft.timeout())?;
     DeathWatch::start(
+        ft.coordinator_hang_limit(),
         master,
         credentials,
         ft.heartbeat_interval(),

@@ -24,9 +24,13 @@ fn credentials(token: &str) -> Credentials {
 }
 
 async fn start_coordinator(world_size: usize) -> String {
+    serve_coordinator(Coordinator::new(world_size, Duration::from_secs(5))).await
+}
+
+async fn serve_coordinator(coordinator: Coordinator) -> String {
     let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
     let addr = listener.local_addr().expect("addr").to_string();
-    let coordinator = Coordinator::new(world_size, Duration::from_secs(5)).start();
+    let coordinator = coordinator.start();
     actix::spawn(server::serve(listener, coordinator.into(), CAP, credentials(TOKEN)));
     addr
 }
@@ -181,11 +185,41 @@ async fn a_connection_speaks_for_one_rank_only() {
     let mut bus = ControlBus::connect(&addr, Duration::from_secs(5), CAP, &credentials(TOKEN))
         .await
         .expect("connect");
-    assert!(bus.leave(0, limit).await.is_ok());
+    assert!(bus.leave(1, limit).await.is_ok());
     assert!(
-        bus.leave(1, limit).await.is_err(),
+        bus.leave(0, limit).await.is_err(),
         "a leave for another rank was accepted"
     );
+}
+
+#[actix::test]
+async fn a_leave_counts_only_on_the_connection_that_carries_the_ranks_heartbeats() {
+    let deadline = Duration::from_millis(300);
+    let addr = serve_coordinator(Coordinator::new(2, Duration::from_secs(5)).with_heartbeat_deadline(deadline)).await;
+    let connect = || ControlBus::connect(&addr, Duration::from_secs(5), CAP, &credentials(TOKEN));
+    let limit = Duration::from_secs(5);
+    let mut heartbeats = connect().await.expect("connect");
+    assert_eq!(
+        heartbeats.heartbeat(0, None, limit).await.expect("answered"),
+        Ok(Beat::Alive)
+    );
+    // A second process with the job's token (a stale one, or the same command started twice)
+    // says rank 0 has finished, while rank 0's own line stays open and falls silent.
+    let mut stranger = connect().await.expect("connect");
+    let refused = stranger.leave(0, limit).await;
+    assert!(
+        refused
+            .as_ref()
+            .is_err_and(|e| format!("{e:#}").contains("only on the connection")),
+        "a leave from another connection was accepted: {refused:?}"
+    );
+    tokio::time::sleep(deadline * 3).await;
+    let mut observer = connect().await.expect("connect");
+    match observer.heartbeat(1, None, limit).await {
+        Ok(Err(reason)) => assert!(reason.contains("rank 0 declared dead: no heartbeat"), "{reason}"),
+        other => panic!("rank 0's silence went unnoticed: {other:?}"),
+    }
+    drop(heartbeats);
 }
 
 #[actix::test]

@@ -135,6 +135,9 @@ pub struct Coordinator {
     heartbeat_deadline: Option<Duration>,
     /// When each rank that heartbeats was last heard from, on which line, and its process id.
     last_heard: HashMap<usize, (Instant, u64, u32)>,
+    /// When the heartbeats were last checked (a check far later than due means this process
+    /// itself was stalled).
+    last_check: Instant,
     /// The processes declared dead, newest last (at most [`DEAD_REMEMBERED`]).
     dead: Vec<DeadProcess>,
     /// Ranks that finished and stopped heartbeating.
@@ -182,6 +185,7 @@ impl Coordinator {
             barriers: HashMap::new(),
             heartbeat_deadline: None,
             last_heard: HashMap::new(),
+            last_check: Instant::now(),
             dead: Vec::new(),
             left: HashSet::new(),
             stopped: None,
@@ -530,11 +534,28 @@ impl Coordinator {
         self.members.get(&rank).is_some_and(|&joined| joined < self.generation)
     }
 
-    /// Declares dead every watched rank silent for longer than the deadline.
+    /// Declares dead every watched rank silent for longer than the deadline. A check that comes
+    /// late by half a deadline or more measures this process's own silence (it was stopped,
+    /// swapped out or starved of CPU), not the ranks': their heartbeats wait unread on its
+    /// lines, so every rank's deadline runs again from now instead.
     fn check_heartbeats(&mut self, ctx: &mut Context<Self>) {
         let Some(deadline) = self.heartbeat_deadline else {
             return;
         };
+        let now = Instant::now();
+        let stalled = now.saturating_duration_since(std::mem::replace(&mut self.last_check, now));
+        if stalled > deadline / 2 {
+            tracing::warn!(
+                stalled_s = stalled.as_secs_f64(),
+                "the coordinator itself did not run for {:.1}s: every rank's heartbeat deadline \
+                 runs again from now rather than the ranks being taken for dead",
+                stalled.as_secs_f64()
+            );
+            for (heard, _, _) in self.last_heard.values_mut() {
+                *heard = now;
+            }
+            return;
+        }
         let silent: Vec<(usize, Duration)> = self
             .last_heard
             .iter()
@@ -716,6 +737,7 @@ impl Actor for Coordinator {
         if let Some(deadline) = self.heartbeat_deadline {
             // Checked ten times per deadline (a walk over the ranks), so a death is found
             // within a tenth of the deadline of being due.
+            self.last_check = Instant::now();
             ctx.run_interval(deadline / 10, |coordinator, ctx| coordinator.check_heartbeats(ctx));
         }
     }
@@ -950,11 +972,26 @@ impl Coordinator {
 }
 
 impl Handler<Leave> for Coordinator {
-    type Result = ();
+    type Result = Result<(), String>;
 
-    fn handle(&mut self, msg: Leave, _: &mut Self::Context) {
+    fn handle(&mut self, msg: Leave, _: &mut Self::Context) -> Self::Result {
+        // Only the line that carries a rank's heartbeats may end them: a leave on another one
+        // (a stale process of the job, or the same command started twice) would switch off the
+        // failure detection of a rank that still trains.
+        if let Some(&(_, line, pid)) = self.last_heard.get(&msg.rank) {
+            if line != msg.line {
+                let reason = format!(
+                    "{} may leave only on the connection that carries its heartbeats (those of pid {pid}): \
+                     a leave from another connection is refused",
+                    self.name(msg.rank)
+                );
+                tracing::warn!("{reason}");
+                return Err(reason);
+            }
+        }
         self.left.insert(msg.rank);
         self.finish_if_over();
+        Ok(())
     }
 }
 
@@ -1115,6 +1152,28 @@ mod tests {
     }
 
     #[actix::test]
+    async fn a_coordinator_that_did_not_run_for_longer_than_the_deadline_gives_the_ranks_a_new_one() {
+        let c = Coordinator::new(2, Duration::from_secs(30))
+            .with_heartbeat_deadline(Duration::from_millis(200))
+            .start();
+        for rank in 0..2 {
+            assert_eq!(beat(&c, rank, 0).await, Ok(Beat::Alive));
+        }
+        // The test's thread is the coordinator's: blocking it stops the coordinator as a SIGSTOP
+        // (or a starved CPU) would, while the ranks' heartbeats would wait unread.
+        std::thread::sleep(Duration::from_millis(700));
+        // Its overdue heartbeat checks run first.
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        for rank in 0..2 {
+            assert_eq!(
+                beat(&c, rank, 0).await,
+                Ok(Beat::Alive),
+                "rank {rank} was taken for dead for the coordinator's own silence"
+            );
+        }
+    }
+
+    #[actix::test]
     async fn a_silent_rank_is_declared_dead_and_everyone_is_told() {
         let c = Coordinator::new(2, Duration::from_secs(30))
             .with_heartbeat_deadline(Duration::from_millis(200))
@@ -1234,7 +1293,12 @@ mod tests {
         .await
         .unwrap()
         .unwrap();
-        c.send(Leave { rank: 1 }).await.unwrap();
+        let spoofed = c.send(Leave { rank: 1, line: 9 }).await.unwrap();
+        assert!(
+            spoofed.is_err_and(|e| e.contains("only on the connection that carries its heartbeats")),
+            "a leave from another line must not end rank 1's failure detection"
+        );
+        c.send(Leave { rank: 1, line: 1 }).await.unwrap().unwrap();
         c.send(ConnectionLost { rank: 1, line: 1 }).await.unwrap();
         c.send(Heartbeat {
             rank: 0,

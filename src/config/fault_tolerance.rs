@@ -16,6 +16,9 @@ const MAX_WAIT: Duration = Duration::from_secs(30 * 24 * 3600);
 /// waits for hours.
 const MAX_RETRY: usize = 20;
 
+/// The shortest silence a launcher takes for a hung coordinator.
+const COORDINATOR_HANG_MIN: Duration = Duration::from_secs(20);
+
 /// `[fault_tolerance]` section.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(default, deny_unknown_fields)]
@@ -97,6 +100,17 @@ impl FaultToleranceConfig {
         self.heartbeat_interval()
             .checked_mul(self.heartbeat_misses)
             .unwrap_or(Duration::MAX)
+    }
+
+    /// How long a launcher lets the coordinator process it started go without answering before
+    /// it takes it for hung and replaces it: four heartbeat deadlines and at least 20 s (a loaded
+    /// machine's slow answers are no hang; a coordinator stalled for seconds wakes and goes on),
+    /// but no longer than the ranks wait for it ([`Self::timeout`]).
+    pub fn coordinator_hang_limit(&self) -> Duration {
+        self.heartbeat_deadline()
+            .saturating_mul(4)
+            .max(COORDINATOR_HANG_MIN)
+            .min(self.timeout().max(self.heartbeat_deadline()))
     }
 
     /// [`FaultToleranceConfig::elastic_timeout_s`] as a `Duration` (saturating; validation keeps

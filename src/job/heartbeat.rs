@@ -1,9 +1,17 @@
 //! A role's heartbeats: on a control connection of its own (or, in a simulated cluster, on its
 //! incarnation's line), the role tells the coordinator every `heartbeat_interval_ms` that it is
-//! alive. When the coordinator has declared
-//! another rank dead, or has itself been silent past the deadline, the role stops with that
-//! reason instead of waiting on a peer that will never answer; when its work is done it says
-//! goodbye, so its silence is not taken for a death (a role that failed says none).
+//! alive. When the coordinator has declared another rank dead the role stops (or rolls back)
+//! with that reason instead of waiting on a peer that will never answer; when its work is done
+//! it says goodbye, so its silence is not taken for a death (a role that failed says none).
+//!
+//! A silent coordinator is not at once a dead one. A role that recovers in place talks to a
+//! coordinator process of its own, which a stall (a paused VM, swap, a starved CPU) can silence
+//! for seconds and whose launcher replaces it when it stays silent: such a role keeps its
+//! heartbeat waiting on the same line — dropping it would read as its own death to the
+//! coordinator once it wakes — trains on, warns once the heartbeat deadline has passed, and
+//! gives the coordinator up only after `fault_tolerance.timeout_s`. A role whose coordinator
+//! lives in rank 0's process (a job restarted whole) takes its silence past the heartbeat
+//! deadline for rank 0's death, as before.
 
 use std::future::Future;
 use std::time::{Duration, Instant};
@@ -90,38 +98,51 @@ async fn beat(
 ) -> Result<()> {
     let ft = &config.fault_tolerance;
     let (interval, deadline) = (ft.heartbeat_interval(), ft.heartbeat_deadline());
+    let patience = CoordinatorPatience::of(config, orders.is_some());
     let max_frame = config.cluster.max_frame_bytes();
     let mut line: Option<ControlBus> = None;
     let mut last_answer = Instant::now();
+    let mut warned = false;
     loop {
-        let left = deadline.saturating_sub(last_answer.elapsed());
+        let left = patience.limit.saturating_sub(last_answer.elapsed());
         if left.is_zero() {
             return Err(anyhow!(
-                "rank {rank}: {} has not answered a heartbeat for {:.1}s \
-                 (fault_tolerance.heartbeat_interval_ms × heartbeat_misses): presumed dead",
+                "rank {rank}: {} has not answered a heartbeat for {:.1}s ({}): presumed dead",
                 at.name(),
-                deadline.as_secs_f64()
+                patience.limit.as_secs_f64(),
+                patience.key
             ));
         }
-        match connected(&mut line, at, left, max_frame).await {
-            Ok(bus) => match bus.heartbeat(rank, orders.and_then(OrderLine::member_of), left).await {
-                Ok(Ok(Beat::Alive)) => last_answer = Instant::now(),
-                Ok(Ok(Beat::RollBack { generation, reason })) => match orders {
-                    Some(orders) => {
-                        last_answer = Instant::now();
-                        orders.order(generation, reason);
-                    }
-                    None => return Err(anyhow!("rank {rank}: {reason}")),
-                },
-                // The coordinator stopped the job: say why, at once.
-                Ok(Err(reason)) => return Err(anyhow!("rank {rank}: {reason}")),
-                Err(e) => {
-                    tracing::debug!(rank, "heartbeat not answered: {e:#}");
-                    line = None;
+        let heartbeat = async {
+            let bus = connected(&mut line, at, left, max_frame).await?;
+            bus.heartbeat(rank, orders.and_then(OrderLine::member_of), left).await
+        };
+        let answered = warn_when_late(heartbeat, rank, at, last_answer + deadline, &mut warned).await;
+        if warned && answered.is_ok() {
+            warned = false;
+            tracing::info!(
+                rank,
+                silent_s = last_answer.elapsed().as_secs_f64(),
+                "{} answers again",
+                at.name()
+            );
+        }
+        match answered {
+            Ok(Ok(Beat::Alive)) => last_answer = Instant::now(),
+            Ok(Ok(Beat::RollBack { generation, reason })) => match orders {
+                Some(orders) => {
+                    last_answer = Instant::now();
+                    orders.order(generation, reason);
                 }
+                None => return Err(anyhow!("rank {rank}: {reason}")),
             },
-            // A broken line is retried until the deadline has passed.
-            Err(e) => tracing::debug!(rank, "heartbeat line to {}: {e:#}", at.name()),
+            // The coordinator stopped the job: say why, at once.
+            Ok(Err(reason)) => return Err(anyhow!("rank {rank}: {reason}")),
+            // A broken line is connected again until the coordinator is presumed dead.
+            Err(e) => {
+                tracing::debug!(rank, "heartbeat to {} not answered: {e:#}", at.name());
+                line = None;
+            }
         }
         tokio::select! {
             _ = &mut stop => {
@@ -131,6 +152,58 @@ async fn beat(
             () = tokio::time::sleep(interval) => {}
             // A failed rank asks whether a rollback explains its failure: beat now.
             () = asked(orders) => {}
+        }
+    }
+}
+
+/// How long a role waits for a silent coordinator before it presumes it dead, and the setting
+/// that says so.
+struct CoordinatorPatience {
+    limit: Duration,
+    key: &'static str,
+}
+
+impl CoordinatorPatience {
+    /// `fault_tolerance.timeout_s` (at least the heartbeat deadline) for a role that recovers in
+    /// place, whose coordinator is a process of its own that its launcher replaces when it hangs;
+    /// the heartbeat deadline for one whose coordinator lives in rank 0's process.
+    fn of(config: &JobConfig, in_place: bool) -> Self {
+        let ft = &config.fault_tolerance;
+        if in_place {
+            Self {
+                limit: ft.timeout().max(ft.heartbeat_deadline()),
+                key: "fault_tolerance.timeout_s",
+            }
+        } else {
+            Self {
+                limit: ft.heartbeat_deadline(),
+                key: "fault_tolerance.heartbeat_interval_ms × heartbeat_misses",
+            }
+        }
+    }
+}
+
+/// Awaits `heartbeat`'s answer; past `due` (the heartbeat deadline since the coordinator last
+/// answered) warns, once per silence, that the role trains on without it.
+async fn warn_when_late<T>(
+    heartbeat: impl Future<Output = T>,
+    rank: usize,
+    at: CoordinatorAt<'_>,
+    due: Instant,
+    warned: &mut bool,
+) -> T {
+    tokio::pin!(heartbeat);
+    tokio::select! {
+        answer = &mut heartbeat => answer,
+        () = tokio::time::sleep_until(due.into()), if !*warned => {
+            *warned = true;
+            tracing::warn!(
+                rank,
+                "{} has not answered a heartbeat within the heartbeat deadline \
+                 (fault_tolerance.heartbeat_interval_ms × heartbeat_misses): training on and waiting for it",
+                at.name()
+            );
+            heartbeat.await
         }
     }
 }

@@ -215,6 +215,16 @@ pub struct ChildSpec {
 #[derive(Debug, Clone, PartialEq)]
 pub struct JobAddresses {
     /// The coordinator's `host:port` (`PADDLE_MASTER`).
+impl ChildSpec {
+    /// Whether it is the job's coordinator (started by [`recover_in_place`]).
+    pub fn is_coordinator(&self) -> bool {
+        self.name == COORDINATOR_NAME
+    }
+}
+
+/// What a launcher calls the coordinator process it starts.
+const COORDINATOR_NAME: &str = "coordinator";
+
     pub master: String,
     /// Every trainer's `ip:port`, by rank (`PADDLE_TRAINER_ENDPOINTS`).
     pub trainers: Vec<String>,
@@ -570,7 +580,7 @@ pub fn recover_in_place(children: &mut Vec<ChildSpec>, coordinator: Option<usize
         0,
         ChildSpec {
             rank,
-            name: "coordinator".to_string(),
+            name: COORDINATOR_NAME.to_string(),
             args,
             env: first
                 .env

@@ -153,8 +153,11 @@ impl Interrupts {
 struct Running {
     name: String,
     child: Child,
-    /// Killed because the coordinator declared it dead (once is enough).
+    /// Killed because the coordinator declared it dead, or (the coordinator) because it stopped
+    /// answering (once is enough).
     killed_as_dead: bool,
+    /// When it was started: a coordinator's silence counts from here at the earliest.
+    started: Instant,
     stderr_tail: Arc<Mutex<VecDeque<String>>>,
     pumps: Vec<thread::JoinHandle<()>>,
 }
@@ -366,16 +369,28 @@ fn run_once(
 }
 
 /// Kills the processes that may be restarted alone and that the coordinator declared dead while
-/// they still run (stopped, or hung): their exit is then handled as any death.
+/// they still run (stopped, or hung), and the coordinator when it has not answered for longer
+/// than the watch allows: their exit is then handled as any death.
 fn kill_declared_dead(running: &mut [Running], children: &[ChildSpec], watch: &DeathWatch) {
     for (r, spec) in running.iter_mut().zip(children) {
-        if spec.restart_alone && !r.killed_as_dead && watch.declared_dead(spec.rank, r.child.id()) {
+        if !spec.restart_alone || r.killed_as_dead {
+            continue;
+        }
+        let why = if spec.is_coordinator() {
+            watch.hung_for(r.started).map(|silent| {
+                format!(
+                    "has not answered for {:.1}s (hung, or stopped): killing it so it is replaced",
+                    silent.as_secs_f64()
+                )
+            })
+        } else {
+            watch.declared_dead(spec.rank, r.child.id()).then(|| {
+                "was declared dead by the coordinator but still runs: killing it so it is replaced".to_string()
+            })
+        };
+        if let Some(why) = why {
             r.killed_as_dead = true;
-            tracing::warn!(
-                "{} (pid {}) was declared dead by the coordinator but still runs: killing it so it is replaced",
-                r.name,
-                r.child.id()
-            );
+            tracing::warn!("{} (pid {}) {why}", r.name, r.child.id());
             signal_groups(std::slice::from_ref(r), libc::SIGKILL);
         }
     }
@@ -449,6 +464,7 @@ fn start(spec: &ChildSpec, mode: OutputMode, bar: &LauncherBar) -> Result<Runnin
         name: spec.name.clone(),
         child,
         killed_as_dead: false,
+        started: Instant::now(),
         stderr_tail,
         pumps,
     })

@@ -379,9 +379,13 @@ impl ControlBus {
         if let Self::InMemory(coordinator) = self {
             return coordinator
                 .leave
-                .send(Leave { rank })
+                .send(Leave {
+                    rank,
+                    line: u64::from(coordinator.process),
+                })
                 .await
-                .context("the coordinator stopped");
+                .context("the coordinator stopped")?
+                .map_err(|reason| anyhow!("rank {rank}: {reason}"));
         }
         match self
             .request_within(Frame::control(ControlMessage::Leave { rank }), limit)

@@ -225,12 +225,15 @@ pub struct DeadProcess {
     pub pid: u32,
 }
 
-/// Rank `rank` has finished: its silence from now on is not a death.
+/// Rank `rank` has finished: its silence from now on is not a death. Refused (with the reason)
+/// unless it comes on the line that carries the rank's heartbeats.
 #[derive(Message, Debug)]
-#[rtype(result = "()")]
+#[rtype(result = "Result<(), String>")]
 pub struct Leave {
     /// The leaving rank.
     pub rank: usize,
+    /// Which connection carried it.
+    pub line: u64,
 }
 
 /// Rank `rank`'s heartbeat line `line` broke before it left: its process is gone (unless a

@@ -163,13 +163,11 @@ async fn serve_frames(
                 answered(coordinator.heartbeat.send(beat).await).map(|beat| (ControlMessage::Alive(beat), Vec::new()))
             }
             ControlMessage::Leave { rank } => {
-                *heartbeats_of = None;
-                coordinator
-                    .leave
-                    .send(Leave { rank })
-                    .await
-                    .map_err(|e| format!("coordinator unavailable: {e}"))?;
-                Ok((ControlMessage::Alive(Beat::Alive), Vec::new()))
+                let left = answered(coordinator.leave.send(Leave { rank, line }).await);
+                if left.is_ok() {
+                    *heartbeats_of = None;
+                }
+                left.map(|()| (ControlMessage::Alive(Beat::Alive), Vec::new()))
             }
             ControlMessage::ListDead => {
                 let processes = coordinator
