@@ -196,7 +196,8 @@ async fn a_connection_speaks_for_one_rank_only() {
 async fn a_leave_counts_only_on_the_connection_that_carries_the_ranks_heartbeats() {
     let deadline = Duration::from_millis(300);
     let addr = serve_coordinator(Coordinator::new(2, Duration::from_secs(5)).with_heartbeat_deadline(deadline)).await;
-    let connect = || ControlBus::connect(&addr, Duration::from_secs(5), CAP, &credentials(TOKEN));
+    let proof = credentials(TOKEN);
+    let connect = || ControlBus::connect(&addr, Duration::from_secs(5), CAP, &proof);
     let limit = Duration::from_secs(5);
     let mut heartbeats = connect().await.expect("connect");
     assert_eq!(
