@@ -8,8 +8,10 @@ use anyhow::Result;
 use clap::Parser;
 
 use crate::config::{placement, process_env, JobConfig};
-use crate::job::{resumed_config, run_dir, Refusal, Resume, RunOptions, RESUME_VAR};
+use crate::job::run_dir::{self, Claim, LeftOutputs};
+use crate::job::{resumed_config, Refusal, Resume, RunOptions, RESUME_VAR};
 use crate::launch::{thread_env, RUN_DIR_VAR};
+use crate::net::auth::generate_job_id;
 use crate::telemetry::monitor::ProgressView;
 use crate::telemetry::{init_logging, LogFormat, LOG_FORMAT_VAR};
 
@@ -63,12 +65,14 @@ pub struct TrainArgs {
     pub job: ConfigArgs,
     /// The run's directory: its config.toml, metrics.jsonl, params.safetensors, summary.json
     /// and, by default, its checkpoints (default: $FLOTILLA_RUN_DIR, which a launcher sets for
-    /// all its processes, else a new `runs/<UTC date>-<time>-<pid>`). One that already holds
-    /// files is refused unless --overwrite.
+    /// all its processes, else a new `runs/<UTC date>-<time>-<pid>`). Claimed for the job
+    /// (`cluster.job_id`) as it starts: one another job runs in is refused, and one that holds
+    /// another job's files unless --overwrite.
     #[arg(long)]
     pub run_dir: Option<PathBuf>,
-    /// Write into a --run-dir that already holds another run's files.
-    #[arg(long, requires = "run_dir")]
+    /// Write into a run directory (--run-dir, $FLOTILLA_RUN_DIR) that already holds another
+    /// run's files; never into one another run is writing.
+    #[arg(long)]
     pub overwrite: bool,
     /// Write every rank's timeline (data, forward, backward, all-reduce buckets, waits,
     /// pipeline sends and receives, pulls and pushes) into this directory as `rank-N.json`
@@ -99,15 +103,35 @@ impl TrainArgs {
         .map_err(Refusal::wrap)
     }
 
-    /// Where a process of the job `config` writes and starts: a resumed run in its own
-    /// directory from its checkpoints; else in `--run-dir`, the launcher's directory or a new
-    /// one.
+    /// Where a launched process of the job `config` writes and starts, its run directory
+    /// claimed for the job `cluster.job_id` until the process ends (as [`TrainArgs::claim`]).
     pub fn options(&self, config: &JobConfig) -> Result<RunOptions> {
-        let run_dir = match (&self.resume, &self.run_dir, std::env::var_os(RUN_DIR_VAR)) {
+        self.options_of_job(config, config.cluster.job_id.as_deref())
+    }
+
+    /// The run directory of these flags, claimed for the job `job` (its `cluster.job_id`; none
+    /// for a launched job without one): a resumed run's own directory; else `--run-dir`, the
+    /// launcher's directory or a new one. Another job's outputs there are refused unless
+    /// `--overwrite` or `--resume`.
+    pub fn claim(&self, job: Option<&str>) -> Result<(PathBuf, Claim)> {
+        let dir = match (&self.resume, &self.run_dir, std::env::var_os(RUN_DIR_VAR)) {
             (Some(dir), _, _) | (None, Some(dir), _) => dir.clone(),
             (None, None, Some(dir)) => PathBuf::from(dir),
             (None, None, None) => run_dir::create_unique(RUNS.as_ref())?,
         };
+        let left = match self.overwrite || self.resume.is_some() {
+            true => LeftOutputs::WriteOver,
+            false => LeftOutputs::Refuse,
+        };
+        let claim = run_dir::claim(&dir, job, left)?;
+        Ok((dir, claim))
+    }
+
+    /// Where a process of the job `job` writes and starts: a resumed run in its own directory
+    /// from its checkpoints; else in the directory [`TrainArgs::claim`] claims.
+    fn options_of_job(&self, config: &JobConfig, job: Option<&str>) -> Result<RunOptions> {
+        let (run_dir, claim) = self.claim(job)?;
+        claim.hold_until_exit();
         let resume = match &self.resume {
             Some(_) => Resume::From(config.fault_tolerance.checkpoint_dir_of(&run_dir)),
             // A launcher restarting the job after a failure.
@@ -123,16 +147,18 @@ impl TrainArgs {
         })
     }
 
-    /// Gets this process ready to train the job `config`: a process no launcher started checks
-    /// the run directory it was given (a launched one shares the directory its launcher
-    /// checked) and sizes the compute threads of the roles it will host. Call it before any
-    /// other thread exists.
+    /// Gets this process ready to train the job `config`: claims its run directory (a process
+    /// no launcher started is a job of its own, with an id of its own unless `cluster.job_id`
+    /// names one; a launched one joins the job its launcher claimed the directory for) and
+    /// sizes the compute threads of the roles it will host. Call it before any other thread
+    /// exists.
     pub fn prepare(&self, config: &JobConfig) -> Result<RunOptions> {
         let launched = placement::rank(&process_env)?.is_some() || std::env::var_os("TRAINING_ROLE").is_some();
-        if let (false, None, Some(dir)) = (launched, &self.resume, &self.run_dir) {
-            run_dir::check_named(dir, self.overwrite)?;
-        }
-        let options = self.options(config)?;
+        let job = match (&config.cluster.job_id, launched) {
+            (None, false) => Some(generate_job_id()?),
+            (id, _) => id.clone(),
+        };
+        let options = self.options_of_job(config, job.as_deref())?;
         if !launched {
             // Every role of the job shares this process's cores (a launcher sets this itself).
             let roles = config.world_size() + config.cluster.server_num;

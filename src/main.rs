@@ -19,7 +19,7 @@ use flotilla::data::ctr::{write_synthetic, CriteoSynth, Split};
 use flotilla::job::ps::{ParameterServerJob, PsSummary};
 use flotilla::job::ps_serving;
 use flotilla::job::serving::Weights;
-use flotilla::job::{run_dir, Refusal, RunOptions, RunOutcome, TrainingJob, REFUSAL_EXIT_CODE};
+use flotilla::job::{Refusal, RunOptions, RunOutcome, TrainingJob, REFUSAL_EXIT_CODE};
 use flotilla::launch::{
     recover_in_place, supervise, ChildSpec, DeathWatch, LaunchArgs, LaunchPsArgs, OutputMode, ProcessFlags, RUN_DIR_VAR,
 };
@@ -425,9 +425,9 @@ struct LaunchedTrain {
 
 /// Runs a launcher's processes. Unless told otherwise, they all write into one default run
 /// directory, chosen here once: the ranks that write a job's outputs (rank 0's summary, the
-/// reporting rank's metrics) and every restart of the job then agree on it. A run directory
-/// the command names is checked here, once, as `train` checks it: the processes (and their
-/// restarts) then share it.
+/// reporting rank's metrics) and every restart of the job then agree on it. The run directory
+/// is claimed here for the job, as `train` claims it, and held until the launcher ends: the
+/// processes (and their restarts), of the same job, join the claim.
 fn launch(
     mut children: Vec<ChildSpec>,
     train: Option<TrainArgs>,
@@ -444,24 +444,20 @@ fn launch(
         Some(config) if children.iter().any(|c| c.restart_alone) => Some(death_watch(config)?),
         _ => None,
     };
-    match &train {
-        Some(args) if args.resume.is_some() => {}
-        Some(TrainArgs {
-            run_dir: Some(dir),
-            overwrite,
-            ..
-        }) => run_dir::check_named(dir, *overwrite)?,
-        // flotilla's own trainer only: a program of the user's own keeps its outputs itself.
-        Some(_) if std::env::var_os(RUN_DIR_VAR).is_none() => {
-            let run_dir = run_dir::create_unique(flotilla::cli::RUNS.as_ref())?
-                .display()
-                .to_string();
-            for child in &mut children {
-                child.env.push((RUN_DIR_VAR.to_string(), run_dir.clone()));
+    // flotilla's own trainer only: a program of the user's own keeps its outputs itself.
+    // Held until the launcher ends, past every restart of its processes.
+    let _claim = match (&train, &config) {
+        (Some(args), Some(config)) => {
+            let (run_dir, claim) = args.claim(config.cluster.job_id.as_deref())?;
+            if args.resume.is_none() && args.run_dir.is_none() {
+                for child in &mut children {
+                    child.env.push((RUN_DIR_VAR.to_string(), run_dir.display().to_string()));
+                }
             }
+            Some(claim)
         }
-        _ => {}
-    }
+        _ => None,
+    };
     let grace = std::time::Duration::from_secs(flags.stop_grace_s);
     supervise(children, OutputMode::Prefixed, restarts, death_watch, grace)
 }

@@ -1,7 +1,8 @@
 //! Faults injected into real jobs: a launched trainer, pipeline stage or parameter-server shard
 //! killed (SIGKILL), or a trainer stalled (SIGSTOP), in the middle of a run is found, every process is restarted from the last committed checkpoint,
 //! and the job's final parameters equal those of a run that was never interrupted; damaged
-//! checkpoints are skipped for the one before.
+//! checkpoints — and ones whose manifest names a path, or whose parameters are not finite
+//! under a valid checksum — are skipped for the one before.
 
 mod common;
 
@@ -444,4 +445,101 @@ fn a_damaged_checkpoint_is_skipped_for_the_one_before() {
     let empty = dir.path().join("empty");
     let err = run_with_checkpoints(&empty, dir.path().join("none"), Resume::From(empty.clone())).unwrap_err();
     assert!(err.to_string().contains("no intact checkpoint"), "{err}");
+}
+
+/// The default job trained by the binary for 20 steps into `run_dir`, checkpointing every 5 in
+/// `run_dir/checkpoints` (the newest 3 kept: steps 10, 15 and 20).
+fn train_with_checkpoints(run_dir: &Path) {
+    let run_dir = run_dir.to_str().unwrap();
+    #[rustfmt::skip]
+    let trained = flotilla(
+        &["train", "--run-dir", run_dir, "--set", "train.steps=20", "--set", "fault_tolerance.checkpoint_every=5"],
+        &[],
+        120,
+    );
+    assert!(trained.success, "{}", trained.stderr);
+}
+
+/// Rewrites the manifest of `step_dir` with `edit`.
+fn edit_manifest(step_dir: &Path, edit: impl FnOnce(&mut serde_json::Value)) {
+    let path = step_dir.join("manifest.json");
+    let mut manifest: serde_json::Value = serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+    edit(&mut manifest);
+    std::fs::write(&path, serde_json::to_vec_pretty(&manifest).unwrap()).unwrap();
+}
+
+/// `checkpoint inspect` of `checkpoints` (which must end within 30 s, whatever the manifests
+/// name) and a resume of `run_dir` to step 25: both skip the newest checkpoint, step 20, for
+/// the one of step 15, saying why with `why`.
+fn inspect_and_resume_skip_step_20(run_dir: &Path, why: &str) {
+    let checkpoints = run_dir.join("checkpoints");
+    let inspected = flotilla(&["checkpoint", "inspect", checkpoints.to_str().unwrap()], &[], 30);
+    assert!(inspected.success, "{}", inspected.stderr);
+    assert!(inspected.stdout.contains("step 15,"), "{}", inspected.stdout);
+    assert!(
+        inspected.stdout.contains("skipped newer step 20") && inspected.stdout.contains(why),
+        "{}",
+        inspected.stdout
+    );
+    #[rustfmt::skip]
+    let resumed = flotilla(&["train", "--resume", run_dir.to_str().unwrap(), "--set", "train.steps=25"], &[], 120);
+    assert!(resumed.success, "{}", resumed.stderr);
+    assert!(
+        resumed.stderr.contains("resuming from checkpoint step=15"),
+        "{}",
+        resumed.stderr
+    );
+    assert!(resumed.stderr.contains(why), "{}", resumed.stderr);
+}
+
+#[test]
+fn a_manifest_naming_a_path_outside_its_step_directory_is_skipped_naming_the_entry() {
+    // A device that never ends, a file outside the job, and the same reached by `..`.
+    for name in ["/dev/zero", "/etc/passwd", "../../../../../../../../../../etc/passwd"] {
+        let dir = tempfile::tempdir().unwrap();
+        let run_dir = dir.path().join("run");
+        train_with_checkpoints(&run_dir);
+        let newest = run_dir.join("checkpoints/step-00000020");
+        edit_manifest(&newest, |manifest| manifest["files"][0]["name"] = name.into());
+        let inspected = flotilla(&["checkpoint", "inspect", newest.to_str().unwrap()], &[], 30);
+        assert!(!inspected.success, "{}", inspected.stdout);
+        let why = format!("{name:?} is not a plain checkpoint file name");
+        assert!(
+            inspected.stderr.contains(&newest.display().to_string()) && inspected.stderr.contains(&why),
+            "{}",
+            inspected.stderr
+        );
+        inspect_and_resume_skip_step_20(&run_dir, &why);
+    }
+}
+
+#[test]
+fn a_checkpoint_with_a_nan_parameter_under_a_valid_checksum_is_refused_naming_the_tensor_and_step() {
+    let dir = tempfile::tempdir().unwrap();
+    let run_dir = dir.path().join("run");
+    train_with_checkpoints(&run_dir);
+    let newest = run_dir.join("checkpoints/step-00000020");
+    let file = newest.join("replica.safetensors");
+    // One value of the first layer's weights made NaN where the safetensors header places it.
+    let mut bytes = std::fs::read(&file).unwrap();
+    let header_len = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let header: serde_json::Value = serde_json::from_slice(&bytes[8..8 + header_len]).unwrap();
+    let start = header["fc0.weight"]["data_offsets"][0].as_u64().unwrap() as usize + 8 + header_len;
+    bytes[start + 4..start + 8].copy_from_slice(&f32::NAN.to_le_bytes());
+    std::fs::write(&file, &bytes).unwrap();
+    // Its checksum recomputed as the writer computes it: the file is what the manifest says.
+    edit_manifest(&newest, |manifest| {
+        let record = &mut manifest["files"][0];
+        assert_eq!(record["name"], "replica.safetensors");
+        record["crc32c"] = crc32c::crc32c(&bytes).into();
+    });
+    let inspected = flotilla(&["checkpoint", "inspect", newest.to_str().unwrap()], &[], 30);
+    assert!(!inspected.success, "{}", inspected.stdout);
+    assert!(
+        inspected.stderr.contains("step 20: tensor fc0.weight of")
+            && inspected.stderr.contains("holds NaN (element 1)"),
+        "{}",
+        inspected.stderr
+    );
+    inspect_and_resume_skip_step_20(&run_dir, "step 20: tensor fc0.weight of");
 }

@@ -2,15 +2,19 @@
 //! `config.toml` it wrote into its directory as it started. `--set` may change how long and how
 //! it runs (its length, checkpoints, logging, deadlines, endpoints), not what it trains: another
 //! model, optimizer, learning rate, batch or strategy would make the resumed run a different
-//! one under the old one's name.
+//! one under the old one's name. A finished run resumes only to train longer: resumed as it was,
+//! it would train nothing and write its outputs over again.
 
+use std::io::ErrorKind;
 use std::path::Path;
 
-use anyhow::{bail, ensure, Result};
+use anyhow::{bail, ensure, Context, Result};
+use serde::Deserialize;
 use toml::Value;
 
+use super::outputs::SUMMARY_FILE;
 use super::CONFIG_FILE;
-use crate::config::JobConfig;
+use crate::config::{JobConfig, TrainLength};
 
 /// The keys a resumed run may change; every other one is refused.
 pub const SAFE_TO_CHANGE: &[&str] = &[
@@ -64,7 +68,7 @@ const PS_LAYOUT: &[&str] = &[
 
 /// The config of the run in `run_dir`, read with the environment `env` and the command line's
 /// `overrides`, which may only change [`SAFE_TO_CHANGE`] keys — and the layout of the job
-/// (`COLLECTIVE_LAYOUT`, `PS_LAYOUT`).
+/// (`COLLECTIVE_LAYOUT`, `PS_LAYOUT`) — and must make a finished run longer.
 pub fn resumed_config(run_dir: &Path, env: &dyn Fn(&str) -> Option<String>, overrides: &[String]) -> Result<JobConfig> {
     let path = run_dir.join(CONFIG_FILE);
     ensure!(
@@ -111,7 +115,43 @@ pub fn resumed_config(run_dir: &Path, env: &dyn Fn(&str) -> Option<String>, over
                 }
         );
     }
+    if let Some(finished) = finished_run(run_dir)? {
+        let longer = match (saved.train.length(), resumed.train.length()) {
+            (_, TrainLength::Steps(steps)) => steps > finished.steps,
+            (TrainLength::Epochs(before), TrainLength::Epochs(after)) => after > before,
+            // How many steps the epochs make depends on the data: the checkpoint it resumes
+            // from is refused where it is past their end.
+            (TrainLength::Steps(_), TrainLength::Epochs(_)) => true,
+        };
+        ensure!(
+            longer,
+            "--resume {}: that run finished at step {steps} ({SUMMARY_FILE} is there), so it has nothing \
+             left to train; nothing was changed. Raise train.steps with --set train.steps=N (N > {steps}) \
+             to train it on",
+            run_dir.display(),
+            steps = finished.steps
+        );
+    }
     Ok(resumed)
+}
+
+/// What a finished run's `summary.json` says of its length.
+#[derive(Deserialize)]
+struct Finished {
+    /// The optimizer steps it trained.
+    steps: usize,
+}
+
+/// The run in `run_dir`, where it finished: its summary is written last.
+fn finished_run(run_dir: &Path) -> Result<Option<Finished>> {
+    let path = run_dir.join(SUMMARY_FILE);
+    let text = match std::fs::read_to_string(&path) {
+        Ok(text) => text,
+        Err(e) if e.kind() == ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(e).with_context(|| format!("reading {}", path.display())),
+    };
+    let finished = serde_json::from_str(&text).with_context(|| format!("{}: not a run's summary", path.display()))?;
+    Ok(Some(finished))
 }
 
 #[cfg(test)]
@@ -144,6 +184,32 @@ mod tests {
             refused.contains("train.hidden_sizes was [128], --set makes it [8]"),
             "{refused}"
         );
+        Ok(())
+    }
+
+    #[test]
+    fn a_finished_run_resumes_only_to_train_longer() -> Result<()> {
+        for (length, finished_at, same, longer) in [
+            ("steps = 20", 20, "train.steps=20", "train.steps=21"),
+            ("epochs = 2", 16, "train.epochs=2", "train.epochs=3"),
+        ] {
+            let dir = run_dir_with(&format!("[train]\n{length}\n"))?;
+            resumed_config(dir.path(), &|_| None, &[])?;
+            std::fs::write(
+                dir.path().join(SUMMARY_FILE),
+                format!("{{\"steps\": {finished_at}, \"cluster\": \"multi-process\"}}"),
+            )?;
+            for set in [vec![], vec![same.to_string()]] {
+                let refused = resumed_config(dir.path(), &|_| None, &set).unwrap_err().to_string();
+                assert!(
+                    refused.contains(&format!("finished at step {finished_at}"))
+                        && refused.contains("--set train.steps"),
+                    "{refused}"
+                );
+            }
+            resumed_config(dir.path(), &|_| None, &[longer.to_string()])?;
+            resumed_config(dir.path(), &|_| None, &[format!("train.steps={}", finished_at + 1)])?;
+        }
         Ok(())
     }
 

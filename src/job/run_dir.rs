@@ -1,16 +1,32 @@
-//! Choosing a run's directory. Two runs must never share one: they would interleave their
-//! metrics and overwrite each other's outputs. A default directory is made new (`create_dir`
-//! fails on one that exists, so two processes starting together cannot both get it); a named
-//! one is refused when it already holds something, unless the user asks to overwrite it.
+//! Choosing a run's directory and claiming it for one job. Two runs must never share one: they
+//! would interleave their metrics and overwrite each other's outputs. A default directory is
+//! made new (`create_dir` fails on one that exists, so two processes starting together cannot
+//! both get it). Any directory, however it was chosen (`--run-dir`, `FLOTILLA_RUN_DIR`, a
+//! default), is claimed for the job before anything is written there: a lock file decides the
+//! claims one at a time and records the job's id (`cluster.job_id`); every process of the job
+//! holds a second lock file shared while it runs. A process of the same job joins (a launcher's
+//! ranks and its restarts of them, the nodes of one job); another job is refused while the job
+//! runs, and afterwards while the directory holds its outputs, unless it means to write over them
+//! (`--overwrite`, `--resume`).
 
-use std::io::ErrorKind;
+use std::fs::{File, OpenOptions, TryLockError};
+use std::io::{ErrorKind, Read, Seek, Write};
 use std::path::{Path, PathBuf};
 use std::time::{SystemTime, UNIX_EPOCH};
 
-use anyhow::{bail, Context, Result};
+use anyhow::{anyhow, bail, Context, Result};
+use serde::{Deserialize, Serialize};
+
+use super::Refusal;
 
 /// Names tried for a default run directory before giving up.
 const ATTEMPTS: usize = 1000;
+
+/// Records the job a run directory is claimed for; locked exclusively while a process claims.
+pub const CLAIM_FILE: &str = ".flotilla-claim";
+
+/// Locked shared by every process of the claiming job while it runs.
+const RUNNING_FILE: &str = ".flotilla-running";
 
 /// Creates and returns a new directory `parent/<UTC date>-<time>-<pid>` (with `-N` appended
 /// when that one is taken).
@@ -34,22 +50,180 @@ pub fn create_unique(parent: &Path) -> Result<PathBuf> {
     )
 }
 
-/// Refuses `dir`, named by the user, when it exists and is not empty, unless `overwrite`.
-pub fn check_named(dir: &Path, overwrite: bool) -> Result<()> {
-    let mut entries = match std::fs::read_dir(dir) {
-        Ok(entries) => entries,
-        Err(e) if e.kind() == ErrorKind::NotFound => return Ok(()),
-        Err(e) => return Err(e).with_context(|| format!("reading run directory {}", dir.display())),
-    };
-    if entries.next().is_some() && !overwrite {
-        bail!(
-            "run directory {} already exists and is not empty: another run's outputs are there. Choose \
-             another --run-dir, continue that run with --resume {}, or pass --overwrite to write over it",
-            dir.display(),
-            dir.display()
-        );
+/// What a new job does with a run directory that holds the outputs of another job, which no
+/// longer runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LeftOutputs {
+    /// Refuses the directory.
+    Refuse,
+    /// Writes over them or on from them (`--overwrite`, `--resume`).
+    WriteOver,
+}
+
+/// A process's hold on a run directory for its job: while a process of the job holds one, no
+/// other job can claim the directory. Dropped, or at the process's end, it lets go.
+#[derive(Debug)]
+pub struct Claim {
+    _running: File,
+}
+
+impl Claim {
+    /// Keeps the claim until this process ends: the lock lives as long as its open file, which
+    /// the process's end closes.
+    pub fn hold_until_exit(self) {
+        std::mem::forget(self);
     }
-    Ok(())
+}
+
+/// The job a run directory is claimed for, as [`CLAIM_FILE`] records it.
+#[derive(Debug, Serialize, Deserialize)]
+struct Holder {
+    /// Its `cluster.job_id`; none for a launched job without one.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    job_id: Option<String>,
+    /// The process that claimed the directory for it.
+    pid: u32,
+}
+
+impl Holder {
+    /// Whether a process of the job `job` belongs to the job holding the directory: the same
+    /// id, or — while it runs — neither has one (the ranks an engine started for a job without
+    /// an id join the first of them).
+    fn admits(&self, job: Option<&str>, running: bool) -> bool {
+        match (self.job_id.as_deref(), job) {
+            (Some(held), Some(job)) => held == job,
+            (None, None) => running,
+            _ => false,
+        }
+    }
+
+    /// `job X (pid P)`, as refusals name the holder.
+    fn describe(&self) -> String {
+        match &self.job_id {
+            Some(id) => format!("job {id} (pid {})", self.pid),
+            None => format!("a job without an id (pid {})", self.pid),
+        }
+    }
+}
+
+/// Claims `dir` (made if missing) for the job `job` — its `cluster.job_id`; none for a launched
+/// process of a job without one. Refused (a [`Refusal`]) when another job runs there, or when
+/// another job's outputs are there and `left` says to refuse them.
+pub fn claim(dir: &Path, job: Option<&str>, left: LeftOutputs) -> Result<Claim> {
+    std::fs::create_dir_all(dir).with_context(|| format!("creating run directory {}", dir.display()))?;
+    let mut record = open_lock_file(&dir.join(CLAIM_FILE))?;
+    // Claims are decided one at a time, so two jobs starting together cannot both find the
+    // directory free; the lock goes when `record` is closed, once this claim is decided.
+    record
+        .lock()
+        .with_context(|| format!("locking {}", dir.join(CLAIM_FILE).display()))?;
+    let running = open_lock_file(&dir.join(RUNNING_FILE))?;
+    // Only a claimant, holding the claim lock, ever locks this file exclusively: it is free
+    // exactly when no process of the holding job runs.
+    let runs = match running.try_lock() {
+        Ok(()) => false,
+        Err(TryLockError::WouldBlock) => true,
+        Err(TryLockError::Error(e)) => {
+            return Err(e).with_context(|| format!("locking {}", dir.join(RUNNING_FILE).display()));
+        }
+    };
+    let holder = read_holder(&mut record, dir)?;
+    let joins = holder.as_ref().is_some_and(|h| h.admits(job, runs));
+    if runs {
+        if !joins {
+            let holder = holder.map_or_else(|| "another job".to_string(), |h| h.describe());
+            return Err(Refusal::wrap(anyhow!(
+                "run directory {} is in use: {holder} is running there, and another run would mix its outputs \
+                 with that one's. Choose another --run-dir, or wait for that run to end",
+                dir.display()
+            )));
+        }
+    } else {
+        if !joins && left == LeftOutputs::Refuse && holds_outputs(dir)? {
+            let of = holder.map_or_else(|| "another run".to_string(), |h| h.describe());
+            return Err(Refusal::wrap(anyhow!(
+                "run directory {} already exists and is not empty: the outputs of {of} are there. Choose \
+                 another --run-dir, continue that run with --resume {}, or pass --overwrite to write over it",
+                dir.display(),
+                dir.display()
+            )));
+        }
+        let holder = Holder {
+            job_id: job.map(str::to_string),
+            pid: std::process::id(),
+        };
+        write_holder(&mut record, &holder, dir)?;
+        // The job's other processes must join: its exclusive lock becomes a shared one. No
+        // claimant comes between the two, as each holds the claim lock first.
+        running
+            .unlock()
+            .with_context(|| format!("unlocking {}", dir.join(RUNNING_FILE).display()))?;
+    }
+    // Never waits: the file is locked exclusively only by a claimant, and this one holds the
+    // claim lock.
+    running.try_lock_shared().map_err(|e| {
+        anyhow!(
+            "{}: cannot share the lock of the running job: {e}",
+            dir.join(RUNNING_FILE).display()
+        )
+    })?;
+    Ok(Claim { _running: running })
+}
+
+/// `path`, opened for reading and writing (a lock needs both on network file systems) and made
+/// if missing.
+fn open_lock_file(path: &Path) -> Result<File> {
+    OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .open(path)
+        .with_context(|| format!("opening {}", path.display()))
+}
+
+/// The holder `record` (the claim file of `dir`) names; none in a new directory, or where the
+/// record cannot be read (a claimant stopped while writing it): the directory's outputs then
+/// decide.
+fn read_holder(record: &mut File, dir: &Path) -> Result<Option<Holder>> {
+    let mut text = String::new();
+    record
+        .read_to_string(&mut text)
+        .with_context(|| format!("reading {}", dir.join(CLAIM_FILE).display()))?;
+    if text.trim().is_empty() {
+        return Ok(None);
+    }
+    match toml::from_str(&text) {
+        Ok(holder) => Ok(Some(holder)),
+        Err(e) => {
+            tracing::warn!("{}: not a claim record, ignored: {e}", dir.join(CLAIM_FILE).display());
+            Ok(None)
+        }
+    }
+}
+
+/// Replaces what `record` (the claim file of `dir`) says with `holder`.
+fn write_holder(record: &mut File, holder: &Holder, dir: &Path) -> Result<()> {
+    let text = toml::to_string(holder).context("a claim record as TOML")?;
+    record
+        .set_len(0)
+        .and_then(|()| record.rewind())
+        .and_then(|()| record.write_all(text.as_bytes()))
+        .with_context(|| format!("writing {}", dir.join(CLAIM_FILE).display()))
+}
+
+/// Whether `dir` holds anything besides its claim's own files.
+fn holds_outputs(dir: &Path) -> Result<bool> {
+    let entries = std::fs::read_dir(dir).with_context(|| format!("reading run directory {}", dir.display()))?;
+    for entry in entries {
+        let name = entry
+            .with_context(|| format!("reading run directory {}", dir.display()))?
+            .file_name();
+        if name != CLAIM_FILE && name != RUNNING_FILE {
+            return Ok(true);
+        }
+    }
+    Ok(false)
 }
 
 /// `YYYYMMDD-HHMMSS` of `time` in UTC.
@@ -112,19 +286,79 @@ mod tests {
         Ok(())
     }
 
+    /// A claim of `dir` for `job`, or the refusal's text.
+    fn try_claim(dir: &Path, job: Option<&str>, left: LeftOutputs) -> std::result::Result<Claim, String> {
+        claim(dir, job, left).map_err(|e| {
+            assert!(e.is::<Refusal>(), "not a refusal: {e:#}");
+            e.to_string()
+        })
+    }
+
     #[test]
-    fn a_named_directory_holding_something_needs_overwrite() -> Result<()> {
+    fn a_running_job_shares_its_directory_with_its_own_processes_only() -> Result<()> {
         let parent = tempfile::tempdir()?;
         let dir = parent.path().join("run");
-        check_named(&dir, false)?;
-        std::fs::create_dir(&dir)?;
-        check_named(&dir, false)?;
+        let launcher = try_claim(&dir, Some("a"), LeftOutputs::Refuse).map_err(|e| anyhow!(e))?;
+        let rank = try_claim(&dir, Some("a"), LeftOutputs::Refuse).map_err(|e| anyhow!(e))?;
+        for left in [LeftOutputs::Refuse, LeftOutputs::WriteOver] {
+            let refused = try_claim(&dir, Some("b"), left).unwrap_err();
+            assert!(
+                refused.contains(&dir.display().to_string())
+                    && refused.contains(&format!("job a (pid {})", std::process::id())),
+                "{refused}"
+            );
+        }
+        drop(launcher);
+        // Still running while one of its processes is.
+        try_claim(&dir, Some("b"), LeftOutputs::WriteOver).unwrap_err();
+        drop(rank);
+        try_claim(&dir, Some("b"), LeftOutputs::WriteOver).map_err(|e| anyhow!(e))?;
+        Ok(())
+    }
+
+    #[test]
+    fn another_job_meets_a_finished_runs_outputs_only_to_write_over_them() -> Result<()> {
+        let parent = tempfile::tempdir()?;
+        let dir = parent.path().join("run");
+        drop(try_claim(&dir, Some("a"), LeftOutputs::Refuse).map_err(|e| anyhow!(e))?);
+        // Claimed, nothing written yet: nothing to lose.
+        drop(try_claim(&dir, Some("b"), LeftOutputs::Refuse).map_err(|e| anyhow!(e))?);
         std::fs::write(dir.join("summary.json"), "{}")?;
-        let refused = check_named(&dir, false).unwrap_err().to_string();
+        let refused = try_claim(&dir, Some("c"), LeftOutputs::Refuse).unwrap_err();
         assert!(
-            refused.contains(&dir.display().to_string()) && refused.contains("--overwrite"),
+            refused.contains("the outputs of job b") && refused.contains("--overwrite") && refused.contains("--resume"),
             "{refused}"
         );
-        check_named(&dir, true)
+        // The same job again: its launcher restarted.
+        drop(try_claim(&dir, Some("b"), LeftOutputs::Refuse).map_err(|e| anyhow!(e))?);
+        drop(try_claim(&dir, Some("c"), LeftOutputs::WriteOver).map_err(|e| anyhow!(e))?);
+        try_claim(&dir, Some("b"), LeftOutputs::Refuse).unwrap_err();
+        Ok(())
+    }
+
+    #[test]
+    fn processes_without_a_job_id_join_only_a_running_job_without_one() -> Result<()> {
+        let parent = tempfile::tempdir()?;
+        let dir = parent.path().join("run");
+        let first = try_claim(&dir, None, LeftOutputs::Refuse).map_err(|e| anyhow!(e))?;
+        std::fs::write(dir.join("metrics.jsonl"), "")?;
+        let second = try_claim(&dir, None, LeftOutputs::Refuse).map_err(|e| anyhow!(e))?;
+        try_claim(&dir, Some("a"), LeftOutputs::WriteOver).unwrap_err();
+        drop((first, second));
+        let refused = try_claim(&dir, None, LeftOutputs::Refuse).unwrap_err();
+        assert!(refused.contains("a job without an id"), "{refused}");
+        Ok(())
+    }
+
+    #[test]
+    fn a_directory_holding_files_of_no_claim_needs_overwrite() -> Result<()> {
+        let parent = tempfile::tempdir()?;
+        let dir = parent.path().join("run");
+        std::fs::create_dir(&dir)?;
+        std::fs::write(dir.join("notes.txt"), "mine")?;
+        let refused = try_claim(&dir, Some("a"), LeftOutputs::Refuse).unwrap_err();
+        assert!(refused.contains("the outputs of another run"), "{refused}");
+        try_claim(&dir, Some("a"), LeftOutputs::WriteOver).map_err(|e| anyhow!(e))?;
+        Ok(())
     }
 }
