@@ -68,7 +68,8 @@ pub struct ClusterConfig {
     /// Which job this process belongs to: every handshake proves it beside the token, so two
     /// jobs that share a token and a host never talk to each other. Also `FLOTILLA_JOB_ID`;
     /// `flotilla launch` (one node) and `launch-ps` generate one when neither is set; the nodes of
-    /// a multi-node job share one. Not written to the run directory (a resumed run is a new job).
+    /// a multi-node job share one. Not written to the run directory's config (a resumed run is a
+    /// new job); its claim records it, to tell the job's own processes from another job's.
     #[serde(skip_serializing)]
     pub job_id: Option<String>,
     /// Parameter-server shards; `> 0` selects the parameter-server strategy (the trainers are

@@ -20,7 +20,8 @@ use crate::models::{Model, ParamInit};
 
 /// The resolved config of a run, in its run directory.
 pub const CONFIG_FILE: &str = "config.toml";
-const SUMMARY_FILE: &str = "summary.json";
+/// The figures of a finished run, in its run directory: written last.
+pub(super) const SUMMARY_FILE: &str = "summary.json";
 const PARAMS_FILE: &str = "params.safetensors";
 
 /// The figures of a run, as written to `summary.json`.
