@@ -4,7 +4,9 @@
 //! is restarted, the survivors roll back inside their own processes to the newest committed
 //! checkpoint, and the job ends bitwise equal to a run that was never interrupted (async and geo:
 //! with every trainer's update of every step applied exactly once). A lost coordinator is
-//! restarted alone while the roles train on.
+//! restarted alone while the roles train on; one stopped for seconds (SIGSTOP, then SIGCONT)
+//! wakes to the same job, nobody taken for dead; one that stays stopped is replaced by its
+//! launcher.
 
 mod common;
 
@@ -92,6 +94,16 @@ enum Victim {
     Coordinator,
 }
 
+/// How it is hurt.
+#[derive(Clone, Copy, Debug)]
+enum Fault {
+    /// A signal that ends or stops it for good: the launcher replaces it.
+    Signal(i32),
+    /// SIGSTOP, then SIGCONT this much later (a paused VM, swap, a frozen cgroup): it wakes in
+    /// its own process.
+    Stall(Duration),
+}
+
 /// What a hurt launch left to check.
 struct Hurt {
     stderr: String,
@@ -132,9 +144,9 @@ fn wait_for_replacement(launcher: u32, roles: usize, gone: i32) -> Vec<i32> {
     }
 }
 
-/// Launches `job` with `extra` settings, sends `signal` to `victim` after the checkpoint of
-/// a step picked at random, and waits for the job to end (at most 180 s).
-fn launch_and_hurt(job: &Job, victim: Victim, signal: i32, extra: &[&str]) -> Hurt {
+/// Launches `job` with `extra` settings, hurts `victim` by `fault` after the checkpoint of a
+/// step picked at random, and waits for the job to end (at most 180 s).
+fn launch_and_hurt(job: &Job, victim: Victim, fault: Fault, extra: &[&str]) -> Hurt {
     let dir = tempfile::tempdir().unwrap();
     let (run_dir, checkpoints) = (dir.path().join("run"), dir.path().join("checkpoints"));
     let port = free_port_range(job.roles.len() as u16 + 1).to_string();
@@ -156,7 +168,7 @@ fn launch_and_hurt(job: &Job, victim: Victim, signal: i32, extra: &[&str]) -> Hu
     let launcher = start_flotilla(&args, &[]);
     let pid = launcher.child.id();
     let at = job.every * (1 + pick(3));
-    eprintln!("signal {signal} to {victim:?} after the checkpoint of step {at}");
+    eprintln!("{fault:?} of {victim:?} after the checkpoint of step {at}");
     wait_for_commit(&checkpoints, at);
     let roles = role_pids(pid);
     assert_eq!(roles.len(), job.roles.len(), "the launcher's roles: {roles:?}");
@@ -165,11 +177,22 @@ fn launch_and_hurt(job: &Job, victim: Victim, signal: i32, extra: &[&str]) -> Hu
         Victim::Coordinator => coordinator_pid(pid),
     };
     let survivors: HashMap<String, i32> = roles.into_iter().filter(|&(_, p)| p != target).collect();
-    // SAFETY: a pid of a process this test's launcher started and still supervises.
-    unsafe {
-        libc::kill(target, signal);
-    }
-    let replaced = wait_for_replacement(pid, job.roles.len(), target);
+    let signal = |signal| {
+        // SAFETY: a pid of a process this test's launcher started and still supervises.
+        unsafe { libc::kill(target, signal) };
+    };
+    let replaced = match fault {
+        Fault::Signal(number) => {
+            signal(number);
+            wait_for_replacement(pid, job.roles.len(), target)
+        }
+        Fault::Stall(pause) => {
+            signal(libc::SIGSTOP);
+            std::thread::sleep(pause);
+            signal(libc::SIGCONT);
+            children_of(pid)
+        }
+    };
     let started = children_of(pid);
     let finished = launcher.finish(180);
     end_leftovers(started);
@@ -237,7 +260,7 @@ fn survivors_rolled_back_in_place(hurt: &Hurt, lost: &str) {
 /// SIGKILL of a random role of `job`, which ends bitwise equal to the uninterrupted run.
 fn kill_a_role(job: &Job) -> Hurt {
     let lost = job.any_role();
-    let hurt = launch_and_hurt(job, Victim::Role(lost), libc::SIGKILL, &[]);
+    let hurt = launch_and_hurt(job, Victim::Role(lost), Fault::Signal(libc::SIGKILL), &[]);
     assert!(
         hurt.stderr.contains(&format!("{lost} declared dead")),
         "{}",
@@ -286,7 +309,7 @@ fn a_killed_rank_streaming_its_parts_of_a_table_is_replaced_alone_and_ends_as_un
     ];
     let extra: Vec<&str> = extra.iter().map(String::as_str).collect();
     let lost = DATA_PARALLEL.any_role();
-    let hurt = launch_and_hurt(&DATA_PARALLEL, Victim::Role(lost), libc::SIGKILL, &extra);
+    let hurt = launch_and_hurt(&DATA_PARALLEL, Victim::Role(lost), Fault::Signal(libc::SIGKILL), &extra);
     assert_eq!(hurt.summary["test_samples"], 300, "the table's held-out rows");
     assert!(hurt.summary["test_mse"].is_number(), "{}", hurt.summary);
     assert!(
@@ -381,7 +404,7 @@ fn stop_a_role(job: &Job) {
     let hurt = launch_and_hurt(
         job,
         Victim::Role(lost),
-        libc::SIGSTOP,
+        Fault::Signal(libc::SIGSTOP),
         &["fault_tolerance.timeout_s=1800"],
     );
     let stderr = &hurt.stderr;
@@ -415,13 +438,74 @@ fn a_parameter_server_jobs_killed_coordinator_is_restarted_alone_and_costs_the_r
 
 /// SIGKILL of `job`'s coordinator.
 fn kill_the_coordinator(job: &Job) {
-    let hurt = launch_and_hurt(job, Victim::Coordinator, libc::SIGKILL, &[]);
+    let hurt = launch_and_hurt(job, Victim::Coordinator, Fault::Signal(libc::SIGKILL), &[]);
     let stderr = &hurt.stderr;
     assert!(
         stderr.contains("coordinator failed (signal: 9 (SIGKILL))")
             && stderr.contains("restarting coordinator alone (restart 1 of 2)"),
         "{stderr}"
     );
+    roles_made_themselves_known(job, &hurt);
+    equals_uninterrupted(job, &[], &hurt.summary, &hurt.run_dir);
+}
+
+#[test]
+fn a_coordinator_stopped_for_10_s_wakes_and_the_trainers_train_on() {
+    stall_the_coordinator(&DATA_PARALLEL);
+}
+
+#[test]
+fn a_pipelines_coordinator_stopped_for_10_s_wakes_and_the_stages_train_on() {
+    stall_the_coordinator(&PIPELINE);
+}
+
+#[test]
+fn a_parameter_server_jobs_coordinator_stopped_for_10_s_wakes_and_the_roles_train_on() {
+    stall_the_coordinator(&PS_SYNC);
+}
+
+/// SIGSTOP of `job`'s coordinator for 10 s, ten heartbeat deadlines and less than the
+/// launcher's 20 s patience: no role is taken for dead, none presumes the coordinator dead, and
+/// nothing is restarted or rolled back.
+fn stall_the_coordinator(job: &Job) {
+    let hurt = launch_and_hurt(job, Victim::Coordinator, Fault::Stall(Duration::from_secs(10)), &[]);
+    let stderr = &hurt.stderr;
+    assert!(
+        stderr.contains("the coordinator itself did not run for"),
+        "the coordinator did not notice its own stall:\n{stderr}"
+    );
+    assert!(
+        stderr.contains("training on and waiting for it"),
+        "no role noticed the silent coordinator:\n{stderr}"
+    );
+    for unwanted in ["declared dead", "presumed dead", "restarting", "rolling back"] {
+        assert!(!stderr.contains(unwanted), "{unwanted:?}:\n{stderr}");
+    }
+    for (role, pid) in &hurt.survivors {
+        assert!(hurt.replaced.contains(pid), "{role} (pid {pid}) was restarted");
+    }
+    equals_uninterrupted(job, &[], &hurt.summary, &hurt.run_dir);
+}
+
+#[test]
+fn a_coordinator_that_stays_stopped_is_replaced_by_its_launcher() {
+    let hurt = launch_and_hurt(&DATA_PARALLEL, Victim::Coordinator, Fault::Signal(libc::SIGSTOP), &[]);
+    let stderr = &hurt.stderr;
+    assert!(
+        stderr.contains("coordinator (pid") && stderr.contains("has not answered for"),
+        "the launcher did not take the stopped coordinator for hung:\n{stderr}"
+    );
+    assert!(
+        stderr.contains("restarting coordinator alone (restart 1 of 2)"),
+        "{stderr}"
+    );
+    roles_made_themselves_known(&DATA_PARALLEL, &hurt);
+    equals_uninterrupted(&DATA_PARALLEL, &[], &hurt.summary, &hurt.run_dir);
+}
+
+/// Every role of `job` kept its process and told the replaced coordinator who it is.
+fn roles_made_themselves_known(job: &Job, hurt: &Hurt) {
+    let stderr = &hurt.stderr;
     assert_eq!(hurt.survivors.len(), job.roles.len());
     for (index, role) in job.roles.iter().enumerate() {
         let pid = hurt.survivors[*role];
@@ -433,7 +517,6 @@ fn kill_the_coordinator(job: &Job) {
         );
     }
     assert!(!stderr.contains("rolling back"), "{stderr}");
-    equals_uninterrupted(job, &[], &hurt.summary, &hurt.run_dir);
 }
 
 #[test]
