@@ -268,6 +268,38 @@ fn the_gpt_example_trains_and_its_loss_falls() {
     assert!(first > 4.0 && last < first - 0.3, "loss {first} → {last}");
 }
 
+/// Evaluation holds no more than a training step does unless told to: `examples/gpt_pipeline.toml`
+/// as a process peaks within 3× of the same run scoring one window at a time, where scoring 256
+/// windows a forward pass (the old default) peaked at 15× (1.26 GB against 83 MB).
+#[test]
+fn gpt_evaluation_peaks_near_training_by_default() {
+    let dir = tempfile::tempdir().unwrap();
+    let peak = |name: &str, extra: &[&str]| {
+        let run_dir = dir.path().join(name);
+        let mut args = vec![
+            "train",
+            "--config",
+            "examples/gpt_pipeline.toml",
+            "--run-dir",
+            run_dir.to_str().unwrap(),
+            "--set",
+            "train.steps=20",
+        ];
+        for setting in extra {
+            args.extend(["--set", setting]);
+        }
+        let (succeeded, stderr, peak) = common::flotilla_peak_rss(&args, 300);
+        assert!(succeeded, "{stderr}");
+        peak
+    };
+    let training = peak("one-window", &["train.eval_batch_size=1"]);
+    let by_default = peak("default", &[]);
+    assert!(
+        by_default < 3 * training,
+        "peak resident set {by_default} B by default against {training} B scoring one window at a time"
+    );
+}
+
 /// The held-out accuracy of a classification run.
 fn accuracy_of(outcome: &RunOutcome) -> f64 {
     outcome

@@ -348,7 +348,7 @@ fn config_prints_the_defaults_and_the_resolved_job_and_completions_are_generated
         "[strategy]",
         "[train]",
         "[fault_tolerance]",
-        "eval_batch_size = 256",
+        "# eval_batch_size = (integer, unset)",
         "lr_schedule",
         "# Paddle: fuse_grad_size_in_MB, FLAGS_fuse_parameter_groups_size\nfuse_grad_size_in_MB = 32.0",
         "# master = (string, unset)",

@@ -374,7 +374,7 @@ impl StageRun {
         let loss_kind = job.train.resolved_loss()?;
         // Every held-out row is scored: each replica takes its share, in pieces of any size.
         let test_data = self.test_data.clone();
-        let piece_rows = job.train.eval_batch_size;
+        let piece_rows = job.eval_batch_rows();
         let test_share = || test_data.share(replica, d, piece_rows);
         // The newest held-out score (on the stage holding the model's output), and the steps it
         // came after.

@@ -306,7 +306,7 @@ impl TrainingRun {
         let check_every = job.strategy.check_every;
         let loss_kind = job.train.resolved_loss()?;
         let test_data = self.test_data.clone();
-        let piece_rows = job.train.eval_batch_size;
+        let piece_rows = job.eval_batch_rows();
         let test_shard = || test_data.share(place, world, piece_rows);
         // The newest held-out score, and the steps it came after.
         let mut scored: Option<(usize, Score)> = None;

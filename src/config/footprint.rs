@@ -3,9 +3,10 @@
 //! the bytes instead of an allocation that aborts the process.
 //!
 //! The estimate counts what grows with the keys: parameters with their gradients and optimizer
-//! state, activations of one batch, generated data, the per-step loss record, and parameter-server
-//! tables. It is a lower bound of the real use (no allocator or framework overhead), so a job
-//! it refuses could never have run.
+//! state, activations of one batch or of one evaluation pass (whichever is larger: training's
+//! are freed before the held-out set is scored), generated data, the per-step loss record, and
+//! parameter-server tables. It is a lower bound of the real use (no allocator or framework
+//! overhead), so a job it refuses could never have run.
 
 use super::{DatasetKind, FieldError, JobConfig, ModelKind, OptimizerKind, TrainLength};
 use crate::models::{DENSE_FEATURES, SPARSE_SLOTS};
@@ -67,22 +68,22 @@ fn total(needs: &[Need]) -> u128 {
 fn estimate(config: &JobConfig) -> Vec<Need> {
     let train = &config.train;
     let trainers = config.cluster.nproc_per_node as u128;
-    let local_batch = train.local_batch_size(config.world_size()) as u128;
     // Gradients and optimizer state are as large as the parameters, per state slot.
     let state_copies: u128 = match train.optimizer {
         OptimizerKind::Sgd if train.momentum == 0.0 => 2,
         OptimizerKind::Sgd | OptimizerKind::Adagrad => 3,
         OptimizerKind::Adamw | OptimizerKind::Adam => 4,
     };
-    let (model_key, params, activations) = match train.model {
+    // Activations of one row's forward pass, which training holds with their gradients.
+    let (model_key, params, row_activations) = match train.model {
         ModelKind::Mlp => {
             let (inputs, classes) = match train.dataset {
                 DatasetKind::Synthetic => (train.synthetic_features, train.synthetic_classes),
                 _ => DIGITS_SHAPE,
             };
             let widths = widths(inputs, &train.hidden_sizes(), classes);
-            let activations = mul(&[local_batch, widths.iter().sum(), F32, 2]);
-            ("train.hidden_sizes", dense_parameters(&widths), activations)
+            let row = mul(&[widths.iter().sum(), F32]);
+            ("train.hidden_sizes", dense_parameters(&widths), row)
         }
         ModelKind::WideDeep | ModelKind::DeepFm => {
             let inputs = match train.model {
@@ -90,8 +91,8 @@ fn estimate(config: &JobConfig) -> Vec<Need> {
                 _ => SPARSE_SLOTS * train.embedding_dim + DENSE_FEATURES,
             };
             let widths = widths(inputs, &train.hidden_sizes(), 1);
-            let activations = mul(&[local_batch, widths.iter().sum(), F32, 2]);
-            ("train.hidden_sizes", dense_parameters(&widths), activations)
+            let row = mul(&[widths.iter().sum(), F32]);
+            ("train.hidden_sizes", dense_parameters(&widths), row)
         }
         // The program's own model: its size is unknown until it is built.
         ModelKind::Custom => ("train.model", 0, 0),
@@ -108,11 +109,10 @@ fn estimate(config: &JobConfig) -> Vec<Need> {
                 .saturating_add(mul(&[2 * TEXT_VOCAB + t, c]))
                 .saturating_add(2 * c);
             // Per token and layer: the residual stream and MLP (about 16 C) and the attention
-            // scores (heads × T), each with its gradient; then the logits.
+            // scores (heads × T); then the logits.
             let per_token =
                 mul(&[layers, mul(&[16, c]).saturating_add(mul(&[2, heads, t]))]).saturating_add(TEXT_VOCAB);
-            let activations = mul(&[local_batch, t, per_token, F32, 2]);
-            ("train.gpt", params, activations)
+            ("train.gpt", params, mul(&[t, per_token, F32]))
         }
     };
     let data_rows = match train.dataset {
@@ -145,11 +145,7 @@ fn estimate(config: &JobConfig) -> Vec<Need> {
             what: "parameters, gradients and optimizer state",
             bytes: mul(&[params, state_copies, F32, trainers]),
         },
-        Need {
-            key: "train.batch_size",
-            what: "activations of a batch",
-            bytes: mul(&[activations, trainers]),
-        },
+        activations(config, row_activations),
         Need {
             key: "train.synthetic_samples",
             what: "generated data",
@@ -166,6 +162,34 @@ fn estimate(config: &JobConfig) -> Vec<Need> {
             bytes: mul(&[table_rows, row_bytes]),
         },
     ]
+}
+
+/// The activations a node's ranks hold at once, of `row` bytes a row's forward pass: a training
+/// step's with their gradients, or an evaluation pass's (a forward that keeps its graph), which
+/// comes after training's are freed — whichever is larger, named by its key.
+fn activations(config: &JobConfig, row: u128) -> Need {
+    let trainers = config.cluster.nproc_per_node as u128;
+    // A pipeline's stage holds its own blocks' share of a replica's rows.
+    let stages = match config.strategy.pipeline {
+        true => config.strategy.hybrid_configs.pp_degree.max(1) as u128,
+        false => 1,
+    };
+    let local_batch = config.train.local_batch_size(config.world_size()) as u128;
+    let training = mul(&[local_batch, row, 2, trainers]);
+    let evaluation = mul(&[config.eval_batch_rows() as u128, row, trainers]) / stages;
+    if evaluation > training {
+        Need {
+            key: "train.eval_batch_size",
+            what: "activations of an evaluation pass",
+            bytes: evaluation,
+        }
+    } else {
+        Need {
+            key: "train.batch_size",
+            what: "activations of a batch",
+            bytes: training,
+        }
+    }
 }
 
 /// Layer widths from the input to the output.
@@ -283,6 +307,28 @@ mod tests {
             64 * GIB,
         );
         assert!(msg.starts_with("train.gpt: "), "{msg}");
+    }
+
+    #[test]
+    fn evaluation_counts_when_its_pass_holds_more_than_a_step() {
+        let gpt = |eval_rows: Option<usize>| {
+            job(|c| {
+                c.train.model = ModelKind::Gpt;
+                c.train.dataset = DatasetKind::Text;
+                c.train.eval_batch_size = eval_rows;
+            })
+        };
+        // By default a pass scores a step's rows, without gradients: training is the larger.
+        let (by_default, step) = (gpt(None), gpt(Some(1)));
+        assert_eq!(node_bytes(&by_default), node_bytes(&step));
+        let msg = refusal(&gpt(Some(10_000_000)), 64 * GIB);
+        assert!(
+            msg.starts_with("train.eval_batch_size: ")
+                && msg.contains("activations of an evaluation pass: ")
+                && msg.contains("(train.eval_batch_size)"),
+            "{msg}"
+        );
+        assert!(node_bytes(&gpt(Some(256))) > node_bytes(&by_default));
     }
 
     #[test]

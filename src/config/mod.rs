@@ -271,6 +271,21 @@ impl JobConfig {
     }
 
     /// Serializes the resolved config back to TOML, e.g. to pass it to child processes, which
+    /// Held-out rows a rank (or a pipeline replica) scores in one pass: `train.eval_batch_size`,
+    /// else a data-parallel replica's share of the training batch, so that evaluation holds no
+    /// more activations than a training step (scoring hundreds of GPT windows at once held 15×).
+    pub fn eval_batch_rows(&self) -> usize {
+        let replicas = match self.strategy.pipeline {
+            true => self.strategy.hybrid_configs.dp_degree,
+            false => self.world_size(),
+        };
+        let rows = self
+            .train
+            .eval_batch_size
+            .unwrap_or_else(|| self.train.local_batch_size(replicas));
+        rows.max(1)
+    }
+
     /// load it with [`JobConfig::from_toml_str`]. The result loads to an equal `JobConfig`
     /// (given the same source name and no further overrides).
     pub fn to_toml_string(&self) -> Result<String, ConfigError> {

@@ -316,8 +316,11 @@ pub struct TrainConfig {
     /// size; keeping it global makes results comparable across world sizes.
     pub batch_size: usize,
     /// Rows per forward pass of an evaluation on each rank: the held-out set is scored
-    /// piece by piece, so evaluation's memory does not grow with the set.
-    pub eval_batch_size: usize,
+    /// piece by piece, so evaluation's memory does not grow with the set. Unset: a data-parallel
+    /// replica's share of the training batch (which a pipeline cuts into the same micro-batches
+    /// as a step's), so that evaluation holds no more activations than a training step.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub eval_batch_size: Option<usize>,
     /// Score the held-out split every this many steps too (0: only at the end), into the
     /// step's metrics line (`eval`), TensorBoard and the progress log.
     pub eval_every: usize,
@@ -391,7 +394,7 @@ impl TrainConfig {
             steps: None,
             epochs: None,
             batch_size: 64,
-            eval_batch_size: 256,
+            eval_batch_size: None,
             eval_every: 0,
             lr: 0.05,
             lr_scaling: LrScaling::None,
@@ -503,7 +506,9 @@ impl TrainConfig {
             (None, None) => {}
         }
         at_least("train.batch_size", self.batch_size, 1)?;
-        at_least("train.eval_batch_size", self.eval_batch_size, 1)?;
+        if let Some(rows) = self.eval_batch_size {
+            at_least("train.eval_batch_size", rows, 1)?;
+        }
         if !self.batch_size.is_multiple_of(world_size) {
             return Err(FieldError::new(
                 "train.batch_size",

@@ -48,7 +48,7 @@ pub struct Evaluation {
 }
 
 /// Scores the held-out split of `config`'s data set with the model `config` describes,
-/// holding the parameters of `weights`, `train.eval_batch_size` rows at a time.
+/// holding the parameters of `weights`, [`JobConfig::eval_batch_rows`] rows at a time.
 pub fn evaluate(config: JobConfig, weights: &Weights) -> Result<Evaluation> {
     let job = TrainingJob::builtin(config)?;
     let device = Device::Cpu;
@@ -56,7 +56,7 @@ pub fn evaluate(config: JobConfig, weights: &Weights) -> Result<Evaluation> {
     let step = load(&model, weights)?;
     let loss = job.config.train.resolved_loss()?;
     // A piece of the held-out set at a time, never the whole set at once.
-    let pieces = job.test_data.share(0, 1, job.config.train.eval_batch_size)?;
+    let pieces = job.test_data.share(0, 1, job.config.eval_batch_rows())?;
     let score = score_pieces(&model, pieces, loss, &device)?;
     let held_out = score.held_out(loss);
     Ok(Evaluation {
