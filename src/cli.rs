@@ -184,8 +184,9 @@ struct ProgramCommandLine {
 /// The standard command line for a program of one's own, from one call at the top of `main`
 /// (before any other thread exists): parses `flotilla train`'s flags, starts logging, and
 /// gives the job's config — `--config`'s file or `default`, with the launcher's environment
-/// and `--set` applied, or a resumed run's own — and where the run writes and starts. Prints
-/// the usage and exits on `--help` or a flag it does not know, as any command line does.
+/// and `--set` applied, or a resumed run's own — and where the run writes and starts, that run
+/// directory claimed for the job until the process ends ([`TrainArgs::prepare`]). Prints the
+/// usage and exits on `--help` or a flag it does not know, as any command line does.
 pub fn standard_command_line(default: &DefaultConfig) -> Result<(JobConfig, RunOptions)> {
     let command_line = ProgramCommandLine::parse();
     std::env::set_var(LOG_FORMAT_VAR, format!("{:?}", command_line.log_format).to_lowercase());

@@ -6,6 +6,7 @@ mod common;
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
+use std::time::SystemTime;
 
 use common::{flotilla, start_flotilla_in, Finished};
 
@@ -24,6 +25,30 @@ fn run_dirs(cwd: &Path) -> Vec<PathBuf> {
         .collect();
     dirs.sort();
     dirs
+}
+
+/// The exit code of a refusal (`EX_CONFIG`).
+const REFUSED: Option<i32> = Some(flotilla::job::REFUSAL_EXIT_CODE as i32);
+
+/// Every file and directory under `dir`, with its modification time and contents, by path.
+fn snapshot(dir: &Path) -> Vec<(PathBuf, SystemTime, Vec<u8>)> {
+    let mut entries = Vec::new();
+    let mut dirs = vec![dir.to_path_buf()];
+    while let Some(dir) = dirs.pop() {
+        for entry in std::fs::read_dir(&dir).expect("readable") {
+            let path = entry.expect("entry").path();
+            let modified = std::fs::metadata(&path).and_then(|m| m.modified()).expect("mtime");
+            let contents = if path.is_dir() {
+                dirs.push(path.clone());
+                Vec::new()
+            } else {
+                std::fs::read(&path).expect("readable")
+            };
+            entries.push((path, modified, contents));
+        }
+    }
+    entries.sort();
+    entries
 }
 
 /// The steps of `run_dir/metrics.jsonl`, in file order.
@@ -76,7 +101,11 @@ fn a_named_run_directory_is_not_written_over_unless_asked() {
     let first = run(&[]);
     assert!(first.success, "{}", first.stderr);
     let second = run(&[]);
-    assert!(!second.success, "a second run into the same directory was accepted");
+    assert_eq!(
+        second.code, REFUSED,
+        "a second run into the same directory: {}",
+        second.stderr
+    );
     assert!(
         second.stderr.contains(&run_dir.display().to_string()) && second.stderr.contains("--overwrite"),
         "{}",
@@ -85,6 +114,71 @@ fn a_named_run_directory_is_not_written_over_unless_asked() {
     let overwritten = run(&["--overwrite"]);
     assert!(overwritten.success, "{}", overwritten.stderr);
     assert_eq!(metric_steps(&run_dir), (1..=5).collect::<Vec<_>>());
+}
+
+/// Two runs started at once into one directory: one trains, the other is refused as it starts,
+/// and every output is the one run's (they are told apart by their lengths).
+#[test]
+fn of_two_runs_started_together_into_one_directory_one_runs_and_one_is_refused() {
+    let cwd = tempfile::tempdir().unwrap();
+    let run_dir = cwd.path().join("shared");
+    let dir = run_dir.to_str().unwrap();
+    let lengths = [30, 31];
+    let runs = lengths.map(|steps| {
+        let steps = format!("train.steps={steps}");
+        start_flotilla_in(cwd.path(), &["train", "--set", &steps, "--run-dir", dir], &[])
+    });
+    let [first, second] = runs.map(|run| run.finish(TIMEOUT_S));
+    let (steps, refused) = match (first.success, second.success) {
+        (true, false) => (lengths[0], second),
+        (false, true) => (lengths[1], first),
+        (both, _) => panic!(
+            "both runs {}:\n{}\n{}",
+            if both { "ran" } else { "failed" },
+            first.stderr,
+            second.stderr
+        ),
+    };
+    assert_eq!(refused.code, REFUSED, "{}", refused.stderr);
+    assert!(refused.stderr.contains(dir), "{}", refused.stderr);
+    assert_eq!(common::read_summary(&run_dir)["steps"], steps);
+    assert_eq!(metric_steps(&run_dir), (1..=steps).collect::<Vec<_>>());
+    let config = std::fs::read_to_string(run_dir.join("config.toml")).unwrap();
+    assert!(config.contains(&format!("steps = {steps}\n")), "{config}");
+}
+
+/// `FLOTILLA_RUN_DIR`, which Kubernetes manifests and Slurm scripts set to one path for every
+/// job, names a finished run's directory to the next job too: it is refused as a `--run-dir`
+/// would be, by a launcher as by `train`, unless `--overwrite`. A launched job's processes share
+/// the directory their launcher claimed.
+#[test]
+fn a_new_job_in_flotilla_run_dir_is_refused_a_finished_runs_directory() {
+    let cwd = tempfile::tempdir().unwrap();
+    let run_dir = cwd.path().join("fixed");
+    let env = [("FLOTILLA_RUN_DIR", run_dir.display().to_string())];
+    #[rustfmt::skip]
+    let launch = ["launch", "--nproc_per_node", "2", "--", "train", "--set", "train.steps=20"];
+    let first = start_flotilla_in(cwd.path(), &launch, &env).finish(TIMEOUT_S);
+    assert!(first.success, "{}", first.stderr);
+    assert_eq!(common::read_summary(&run_dir)["cluster"], "multi-process");
+    let before = snapshot(&run_dir);
+    for again in [&launch[..], &["train", "--set", "train.steps=5"]] {
+        let refused = start_flotilla_in(cwd.path(), again, &env).finish(TIMEOUT_S);
+        assert_eq!(refused.code, REFUSED, "{again:?} was not refused:\n{}", refused.stderr);
+        assert!(
+            refused.stderr.contains(&run_dir.display().to_string()) && refused.stderr.contains("--overwrite"),
+            "{}",
+            refused.stderr
+        );
+        assert!(
+            snapshot(&run_dir) == before,
+            "{again:?} changed the finished run's files"
+        );
+    }
+    let overwritten =
+        start_flotilla_in(cwd.path(), &["train", "--overwrite", "--set", "train.steps=5"], &env).finish(TIMEOUT_S);
+    assert!(overwritten.success, "{}", overwritten.stderr);
+    assert_eq!(common::read_summary(&run_dir)["steps"], 5);
 }
 
 #[test]
@@ -188,7 +282,13 @@ fn a_full_disk_leaves_no_summary_and_no_partial_files() {
     left.sort();
     assert_eq!(
         left,
-        ["config.toml", "metrics.jsonl", "tensorboard"],
+        [
+            ".flotilla-claim",
+            ".flotilla-running",
+            "config.toml",
+            "metrics.jsonl",
+            "tensorboard"
+        ],
         "no summary, no partial file"
     );
 }
@@ -248,6 +348,33 @@ fn a_run_resumes_with_its_own_config_and_refuses_another_learning_rate() {
     assert_eq!(metric_steps(&run_dir), (1..=30).collect::<Vec<_>>());
     let config = std::fs::read_to_string(run_dir.join("config.toml")).unwrap();
     assert!(config.contains("lr = 0.1"), "{config}");
+}
+
+/// A finished run resumed without more steps to train is refused, saying so, and nothing in its
+/// directory changes (its summary is not written over with a run of no steps).
+#[test]
+fn a_finished_run_resumed_without_more_steps_changes_nothing() {
+    let cwd = tempfile::tempdir().unwrap();
+    let run_dir = cwd.path().join("run");
+    let dir = run_dir.to_str().unwrap();
+    #[rustfmt::skip]
+    let first = flotilla_in(cwd.path(), &["train", "--set", "train.steps=20", "--set", "fault_tolerance.checkpoint_every=10",
+        "--run-dir", dir]);
+    assert!(first.success, "{}", first.stderr);
+    let before = snapshot(&run_dir);
+    for extra in [&[][..], &["--set", "train.steps=20"]] {
+        let resumed = flotilla_in(cwd.path(), &[&["train", "--resume", dir][..], extra].concat());
+        assert_eq!(resumed.code, REFUSED, "{extra:?}: {}", resumed.stderr);
+        assert!(
+            resumed.stderr.contains("finished at step 20") && resumed.stderr.contains("--set train.steps"),
+            "{}",
+            resumed.stderr
+        );
+        assert!(
+            snapshot(&run_dir) == before,
+            "{extra:?}: the finished run's files changed"
+        );
+    }
 }
 
 #[test]

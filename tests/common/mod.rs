@@ -256,6 +256,8 @@ pub fn end_leftovers(pids: impl IntoIterator<Item = i32>) {
 /// What a finished flotilla process printed.
 pub struct Finished {
     pub success: bool,
+    /// Its exit status; `None` when a signal ended it.
+    pub code: Option<i32>,
     pub stdout: String,
     pub stderr: String,
 }
@@ -341,6 +343,7 @@ impl Started {
         let status = wait_or_kill(&mut self.child, timeout_s);
         Finished {
             success: status.success(),
+            code: status.code(),
             stdout: self.stdout.join().unwrap_or_default(),
             stderr: self.stderr.join().unwrap_or_default(),
         }
