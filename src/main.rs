@@ -297,9 +297,13 @@ fn run(cli: Cli) -> Result<()> {
         Command::Launch(args) => match args.parameter_servers()? {
             Some(ps) => launch_ps(ps),
             None => {
-                let args = args.placed_by_engine(&process_env)?.with_ports_chosen()?;
-                let exe = std::env::current_exe().context("locating the flotilla binary")?;
                 let train = launched_train(&args.command)?;
+                let written = train.as_ref().map(|t| t.load_config(&process_env, &BUILT_IN)).transpose()?;
+                let args = args
+                    .placed_by_engine(&process_env)?
+                    .with_nproc_of(written.as_ref())
+                    .with_ports_chosen()?;
+                let exe = std::env::current_exe().context("locating the flotilla binary")?;
                 let mut children = args.plan(exe)?;
                 let config = launched_config(train.as_ref(), &children)?;
                 if config.as_ref().is_some_and(JobConfig::recovers_in_place) {
@@ -486,11 +490,11 @@ fn death_watch(config: &JobConfig) -> Result<DeathWatch> {
         .context("cluster.master: the launcher's processes have no coordinator address")?;
     let credentials = Credentials::of_cluster(&config.cluster, ft.timeout())?;
     DeathWatch::start(
-        ft.coordinator_hang_limit(),
         master,
         credentials,
         ft.heartbeat_interval(),
         ft.heartbeat_deadline(),
+        ft.coordinator_hang_limit(),
         config.cluster.max_frame_bytes(),
     )
 }

@@ -53,6 +53,25 @@ fn launched_job_matches_ground_truth(transport: &str) {
 }
 
 #[test]
+fn a_launch_without_nproc_per_node_starts_the_configs_ranks_and_says_so() {
+    let dir = tempfile::tempdir().unwrap();
+    let run_dir = dir.path().join("run");
+    #[rustfmt::skip]
+    let args = ["launch", "--", "train", "--config", "config.toml", "--set", STEPS, "--run-dir", run_dir.to_str().unwrap()];
+    let finished = flotilla(&args, &[], 120);
+    assert!(finished.success, "launch failed:\n{}", finished.stderr);
+    assert!(
+        finished
+            .stderr
+            .contains("--nproc_per_node not given: 2 process(es) on this node"),
+        "{}",
+        finished.stderr
+    );
+    let summary: serde_json::Value = common::read_summary(&run_dir);
+    assert_eq!(summary["world_size"], 2, "config.toml's cluster.nproc_per_node");
+}
+
+#[test]
 fn a_bad_config_is_refused_by_the_launcher_before_anything_starts() {
     let port = free_port_range(3).to_string();
     #[rustfmt::skip]

@@ -370,8 +370,18 @@ fn trainers_from_world_size(table: &mut Table, provenance: &mut Provenance) {
     if nnodes <= 0 || world_size % nnodes != 0 {
         return;
     }
-    cluster.insert("nproc_per_node".to_string(), Value::Integer(world_size / nnodes));
+    let nproc = world_size / nnodes;
     let source = provenance.source_of("cluster.world_size").to_string();
+    if let Some(replaced) = cluster.get("nproc_per_node").and_then(Value::as_integer) {
+        if replaced != nproc {
+            tracing::warn!(
+                "cluster.world_size = {world_size} ({source}) sets cluster.nproc_per_node to {nproc} over {replaced} \
+                 ({}): a world size given by a source of higher precedence says how many trainers there are",
+                provenance.source_of("cluster.nproc_per_node")
+            );
+        }
+    }
+    cluster.insert("nproc_per_node".to_string(), Value::Integer(nproc));
     provenance.record("cluster.nproc_per_node".to_string(), source);
 }
 

@@ -21,7 +21,7 @@ use std::path::PathBuf;
 
 use anyhow::{bail, ensure, Context as _, Result};
 
-use crate::config::host_port;
+use crate::config::{host_port, JobConfig};
 use crate::job::COORDINATOR_PROCESS_VAR;
 use crate::net::auth::{generate_job_id, ClusterToken, JOB_ID_VAR, TOKEN_VAR};
 
@@ -211,10 +211,6 @@ pub struct ChildSpec {
     pub log: Option<PathBuf>,
 }
 
-/// Where the processes of a launched job listen.
-#[derive(Debug, Clone, PartialEq)]
-pub struct JobAddresses {
-    /// The coordinator's `host:port` (`PADDLE_MASTER`).
 impl ChildSpec {
     /// Whether it is the job's coordinator (started by [`recover_in_place`]).
     pub fn is_coordinator(&self) -> bool {
@@ -225,6 +221,10 @@ impl ChildSpec {
 /// What a launcher calls the coordinator process it starts.
 const COORDINATOR_NAME: &str = "coordinator";
 
+/// Where the processes of a launched job listen.
+#[derive(Debug, Clone, PartialEq)]
+pub struct JobAddresses {
+    /// The coordinator's `host:port` (`PADDLE_MASTER`).
     pub master: String,
     /// Every trainer's `ip:port`, by rank (`PADDLE_TRAINER_ENDPOINTS`).
     pub trainers: Vec<String>,
@@ -329,6 +329,21 @@ impl LaunchArgs {
             command: self.command.clone(),
         }))
     }
+    /// These arguments with this node's process count taken from the job's `config` (its
+    /// `cluster.nproc_per_node`) when neither `--nproc_per_node` nor `--devices` gives one: a
+    /// launcher of flotilla's trainer starts as many ranks as the job says, not one.
+    pub fn with_nproc_of(mut self, config: Option<&JobConfig>) -> Self {
+        if let (None, true, Some(config)) = (self.nproc_per_node, self.devices.is_empty(), config) {
+            let nproc = config.cluster.nproc_per_node;
+            tracing::info!(
+                nproc,
+                "--nproc_per_node not given: {nproc} process(es) on this node, the job's cluster.nproc_per_node"
+            );
+            self.nproc_per_node = Some(nproc);
+        }
+        self
+    }
+
     /// These arguments with `--started_port` chosen: free ports on this host for a job this
     /// launcher starts whole (one node, no `--master`); else the default every node agrees on.
     pub fn with_ports_chosen(mut self) -> Result<Self> {
