@@ -87,6 +87,14 @@ fn kind_of(regression: bool) -> &'static str {
     }
 }
 
+/// A [`Refusal`] saying `why` unless `holds`.
+fn refuse_unless(holds: bool, why: impl FnOnce() -> String) -> Result<()> {
+    match holds {
+        true => Ok(()),
+        false => Err(Refusal::wrap(anyhow::anyhow!(why()))),
+    }
+}
+
 /// Where and how a run reports.
 #[derive(Debug, Clone)]
 pub struct RunOptions {
@@ -167,35 +175,51 @@ pub struct TrainingJob {
 
 impl TrainingJob {
     /// A job over a user's model and data. `train.loss`, when not given, is the data's:
-    /// cross-entropy for classes, mean squared error for values; a loss of the other kind, or
-    /// splits of two kinds, are refused.
+    /// cross-entropy for classes, mean squared error for values; a loss of the other kind,
+    /// splits of two kinds, or a global batch larger than the rows in memory are refused (a
+    /// [`Refusal`]: no restart changes them).
     pub fn new(
         mut config: JobConfig,
         model: impl Fn(&ParamInit) -> Result<Model> + Send + Sync + 'static,
         train_data: impl Into<RowSource>,
         test_data: impl Into<RowSource>,
     ) -> Result<Self> {
-        let (train_data, test_data) = (train_data.into(), test_data.into());
+        let (train_data, test_data): (RowSource, RowSource) = (train_data.into(), test_data.into());
         let regression = train_data.is_regression();
-        anyhow::ensure!(
+        refuse_unless(
             test_data.is_regression() == regression && test_data.dim() == train_data.dim(),
-            "the held-out split is not shaped as the training split ({} and {} inputs per row, {} and {} targets)",
-            train_data.dim(),
-            test_data.dim(),
-            kind_of(regression),
-            kind_of(test_data.is_regression())
-        );
+            || {
+                format!(
+                    "the held-out split is not shaped as the training split ({} and {} inputs per row, {} and {} targets)",
+                    train_data.dim(),
+                    test_data.dim(),
+                    kind_of(regression),
+                    kind_of(test_data.is_regression())
+                )
+            },
+        )?;
         let loss = *config.train.loss.get_or_insert(if regression {
             LossKind::Mse
         } else {
             LossKind::CrossEntropy
         });
-        anyhow::ensure!(
-            loss.is_regression() == regression,
-            "train.loss = \"{}\" does not fit a data set of {} targets",
-            loss.name(),
-            kind_of(regression)
-        );
+        refuse_unless(loss.is_regression() == regression, || {
+            format!(
+                "train.loss = \"{}\" does not fit a data set of {} targets",
+                loss.name(),
+                kind_of(regression)
+            )
+        })?;
+        // Streamed parts are checked as they are cut; rows in memory can be counted now.
+        let batch = config.train.batch_size;
+        if let RowSource::InMemory(rows) = &train_data {
+            refuse_unless(batch <= rows.len(), || {
+                format!(
+                    "train.batch_size = {batch}: the global batch is larger than the training split ({} rows)",
+                    rows.len()
+                )
+            })?;
+        }
         let export = ModelInfo {
             loss: Some(loss.name().to_string()),
             ..ModelInfo::default()
@@ -209,8 +233,13 @@ impl TrainingJob {
         })
     }
 
-    /// The job `config.train` describes with the built-in models and data.
+    /// The job `config.train` describes with the built-in models and data; what keeps it from
+    /// being built (its data, its model's shape) is refused: no restart changes it.
     pub fn builtin(config: JobConfig) -> Result<Self> {
+        Self::of_builtin_parts(config).map_err(Refusal::wrap)
+    }
+
+    fn of_builtin_parts(config: JobConfig) -> Result<Self> {
         let train = &config.train;
         // What a user of the model file needs besides the weights: the columns a table model
         // reads, the characters a language model's tokens stand for.

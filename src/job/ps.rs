@@ -19,7 +19,7 @@ use super::heartbeat::{watched, CoordinatorAt};
 use super::outputs::{write_config, write_summary};
 use super::process::{host_of, refused_if_mismatched, RankRecovery, RoleMirror};
 use super::shard_generations::ShardGenerations;
-use super::{FaultPlan, FaultReport, Recovery, RunOptions};
+use super::{FaultPlan, FaultReport, Recovery, Refusal, RunOptions};
 use crate::actors::ps_trainer::{PsInPlace, PsOutcome, PsTrainer};
 use crate::actors::pserver::{PServer, TakeShardSpans};
 use crate::actors::rollback::OrderLine;
@@ -125,16 +125,19 @@ pub struct ParameterServerJob {
 }
 
 impl ParameterServerJob {
-    /// The job `config.train` describes, with the built-in model `train.model` names.
+    /// The job `config.train` describes, with the built-in model `train.model` names; what keeps
+    /// it from being built (its data, its model) is refused: no restart changes it.
     pub fn builtin(config: JobConfig) -> Result<Self> {
-        let model = SparseModelDef::builtin(&config.train)?;
-        Self::new(config, model)
+        let model = SparseModelDef::builtin(&config.train).map_err(Refusal::wrap)?;
+        Self::new(config, model).map_err(Refusal::wrap)
     }
 
     /// The job `config` describes, training `model`: a program's own (`train.model = "custom"`)
-    /// or a built-in one.
+    /// or a built-in one. Settings of sparse tables the model does not have are refused.
     pub fn new(config: JobConfig, model: SparseModelDef) -> Result<Self> {
-        config.check_sparse_table_names(&model.table_names())?;
+        config
+            .check_sparse_table_names(&model.table_names())
+            .map_err(Refusal::wrap)?;
         let train = &config.train;
         let (train_data, test_data) = match train.dataset {
             DatasetKind::CriteoSynthetic => {
