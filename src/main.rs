@@ -118,6 +118,11 @@ enum Command {
         #[arg(long)]
         out: PathBuf,
     },
+    /// Continue a prompt with a trained character-level GPT and write the text to stdout: the
+    /// prompt, then --tokens characters, each the most likely one (greedy, --temperature 0,
+    /// the default) or drawn at --temperature among the --top-k most likely, --seed making a
+    /// draw reproducible.
+    Generate(flotilla::job::generation::GenerateArgs),
     /// Work with the timelines of `train --trace DIR`.
     #[command(subcommand)]
     Trace(TraceCommand),
@@ -151,7 +156,8 @@ enum Command {
         /// A model file (a run's `params.safetensors`).
         #[arg(long, required_unless_present = "checkpoint", conflicts_with = "checkpoint")]
         params: Option<PathBuf>,
-        /// A checkpoint directory: its newest complete checkpoint.
+        /// A checkpoint of any layout: a step directory, or a checkpoint directory (its newest
+        /// complete checkpoint).
         #[arg(long)]
         checkpoint: Option<PathBuf>,
     },
@@ -359,6 +365,7 @@ fn run(cli: Cli) -> Result<()> {
             print_out(&(serde_json::to_string(&prediction)? + "\n"));
             Ok(())
         }
+        Command::Generate(args) => flotilla::job::generation::generate(&args, &mut std::io::stdout().lock()),
         Command::Config {
             job,
             defaults,

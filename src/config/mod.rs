@@ -265,12 +265,6 @@ impl JobConfig {
         footprint::node_bytes(self)
     }
 
-    /// Number of trainer processes in the job (`cluster.nnodes × cluster.nproc_per_node`).
-    pub fn world_size(&self) -> usize {
-        self.cluster.world_size()
-    }
-
-    /// Serializes the resolved config back to TOML, e.g. to pass it to child processes, which
     /// Held-out rows a rank (or a pipeline replica) scores in one pass: `train.eval_batch_size`,
     /// else a data-parallel replica's share of the training batch, so that evaluation holds no
     /// more activations than a training step (scoring hundreds of GPT windows at once held 15×).
@@ -286,6 +280,12 @@ impl JobConfig {
         rows.max(1)
     }
 
+    /// Number of trainer processes in the job (`cluster.nnodes × cluster.nproc_per_node`).
+    pub fn world_size(&self) -> usize {
+        self.cluster.world_size()
+    }
+
+    /// Serializes the resolved config back to TOML, e.g. to pass it to child processes, which
     /// load it with [`JobConfig::from_toml_str`]. The result loads to an equal `JobConfig`
     /// (given the same source name and no further overrides).
     pub fn to_toml_string(&self) -> Result<String, ConfigError> {

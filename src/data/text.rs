@@ -44,16 +44,49 @@ impl TextCorpus {
         Ok(Self { tokens, ..corpus })
     }
 
-    /// The ids of `s`; a character outside the vocabulary is an error naming
-    /// it, since silently dropping it would shift every later position.
+    /// The vocabulary `vocab` (token `i` is its `i`-th character), without a text: what a
+    /// language model's file records. Its characters must be distinct and sorted, as a
+    /// corpus's are.
+    pub fn of_vocab(vocab: &str) -> Result<Self> {
+        let vocab: Vec<char> = vocab.chars().collect();
+        ensure!(!vocab.is_empty(), "an empty vocabulary");
+        if let Some(pair) = vocab.windows(2).find(|pair| pair[0] >= pair[1]) {
+            bail!(
+                "the vocabulary's characters are not distinct and sorted: {:?} before {:?}",
+                pair[0],
+                pair[1]
+            );
+        }
+        Ok(Self {
+            vocab,
+            tokens: Vec::new(),
+        })
+    }
+
+    /// The ids of `s`; characters outside the vocabulary are an error naming
+    /// every one of them, since silently dropping one would shift every later position.
     pub fn encode(&self, s: &str) -> Result<Vec<u32>> {
-        s.chars()
-            .enumerate()
-            .map(|(at, ch)| match self.vocab.binary_search(&ch) {
-                Ok(id) => Ok(id as u32),
-                Err(_) => bail!("character {ch:?} (at {at}) is not in the corpus vocabulary"),
-            })
-            .collect()
+        let mut unknown: Vec<(usize, char)> = Vec::new();
+        let mut ids = Vec::with_capacity(s.len());
+        for (at, ch) in s.chars().enumerate() {
+            match self.vocab.binary_search(&ch) {
+                Ok(id) => ids.push(id as u32),
+                Err(_) if unknown.iter().any(|&(_, seen)| seen == ch) => {}
+                Err(_) => unknown.push((at, ch)),
+            }
+        }
+        if !unknown.is_empty() {
+            let named: Vec<String> = unknown
+                .iter()
+                .map(|(at, ch)| format!("{ch:?} (first at {at})"))
+                .collect();
+            bail!(
+                "characters not in the vocabulary of {} characters: {}",
+                self.vocab.len(),
+                named.join(", ")
+            );
+        }
+        Ok(ids)
     }
 
     /// The text of `ids`; an id outside the vocabulary (a model's output can
@@ -108,7 +141,27 @@ mod tests {
         assert_eq!(corpus.tokens, [0, 1, 2, 0]);
         let err = corpus.encode("abz").err().context("z is not in the vocabulary")?;
         assert!(format!("{err}").contains("'z'"), "{err}");
+        let err = corpus
+            .encode("zbéza")
+            .err()
+            .context("z and é are not in the vocabulary")?;
+        assert_eq!(
+            err.to_string(),
+            "characters not in the vocabulary of 3 characters: 'z' (first at 0), 'é' (first at 2)"
+        );
         assert_eq!(corpus.decode(&[2, 9]), "c\u{FFFD}");
+        Ok(())
+    }
+
+    #[test]
+    fn a_vocabulary_alone_encodes_as_its_corpus_does() -> anyhow::Result<()> {
+        let corpus = TextCorpus::from_text("the cat")?;
+        let vocab: String = corpus.vocab.iter().collect();
+        let alone = TextCorpus::of_vocab(&vocab)?;
+        assert_eq!(alone.encode("a cat")?, corpus.encode("a cat")?);
+        let err = TextCorpus::of_vocab("ba").err().context("unsorted")?;
+        assert!(err.to_string().contains("'b' before 'a'"), "{err}");
+        assert!(TextCorpus::of_vocab("").is_err());
         Ok(())
     }
 

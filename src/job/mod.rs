@@ -7,6 +7,7 @@
 mod control;
 mod coordinator;
 mod distributed_model;
+pub mod generation;
 mod heartbeat;
 mod outputs;
 mod pipeline;

@@ -1,6 +1,7 @@
 //! A trained dense model put to use: `flotilla eval` scores a job's held-out split with a
-//! model file or the newest checkpoint of a run, as the job's own final evaluation does;
-//! `flotilla predict` writes a model file's outputs for the rows of CSV or Parquet tables.
+//! model file or a checkpoint of a run, as the job's own final evaluation does; `flotilla
+//! predict` writes a model file's outputs for the rows of CSV or Parquet tables (`flotilla
+//! generate`, [`super::generation`], continues text with a GPT's).
 
 use std::path::{Path, PathBuf};
 
@@ -10,12 +11,12 @@ use serde::Serialize;
 
 use super::TrainingJob;
 use crate::actors::recovery::whole_model;
-use crate::checkpoint::{write_atomically, CheckpointStore};
+use crate::checkpoint::{write_atomically, Checkpoint, CheckpointStore, MANIFEST};
 use crate::collective::score_pieces;
 use crate::config::JobConfig;
 use crate::data::table::feature_pieces;
 use crate::models::export::ModelFile;
-use crate::models::{Model, ModelSpec, ParamInit};
+use crate::models::{argmax, Model, ModelSpec, ParamInit};
 
 /// Rows per forward pass of `predict`.
 const PREDICT_ROWS: usize = 256;
@@ -25,8 +26,67 @@ const PREDICT_ROWS: usize = 256;
 pub enum Weights {
     /// A model file (`params.safetensors`).
     ModelFile(PathBuf),
-    /// The newest complete checkpoint in a checkpoint directory.
+    /// A checkpoint of any layout: a step directory, or a checkpoint directory's newest complete
+    /// checkpoint.
     Checkpoint(PathBuf),
+}
+
+impl Weights {
+    /// The weights at `path`: a file is a model file, a directory a checkpoint.
+    pub fn at(path: &Path) -> Self {
+        match path.is_dir() {
+            true => Self::Checkpoint(path.to_path_buf()),
+            false => Self::ModelFile(path.to_path_buf()),
+        }
+    }
+
+    /// The model file's bytes (a checkpoint's stages merged into one whole model), what they
+    /// are called in errors, and the checkpoint's step when from one.
+    pub(crate) fn read(&self) -> Result<(Vec<u8>, String, Option<usize>)> {
+        match self {
+            Self::ModelFile(path) => {
+                let bytes = std::fs::read(path).with_context(|| format!("reading {}", path.display()))?;
+                Ok((bytes, path.display().to_string(), None))
+            }
+            Self::Checkpoint(dir) => {
+                let checkpoint = checkpoint_in(dir)?;
+                let state = whole_model(&checkpoint)?;
+                Ok((
+                    state,
+                    format!("checkpoint {}", checkpoint.dir.display()),
+                    Some(checkpoint.step),
+                ))
+            }
+        }
+    }
+}
+
+/// The checkpoint `dir` names: a step directory (one holding a manifest) itself, else the
+/// newest complete checkpoint of the checkpoint directory `dir`.
+fn checkpoint_in(dir: &Path) -> Result<Checkpoint> {
+    if !dir.join(MANIFEST).exists() {
+        return CheckpointStore::new(dir, 1)
+            .latest()?
+            .with_context(|| format!("{} holds no complete checkpoint", dir.display()));
+    }
+    let name = dir.file_name().unwrap_or_default().to_string_lossy();
+    let step: usize = name
+        .rsplit('-')
+        .next()
+        .and_then(|digits| digits.parse().ok())
+        .with_context(|| format!("{}: a step directory's name ends in its step", dir.display()))?;
+    let parent = dir
+        .parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
+    let checkpoint = CheckpointStore::new(parent, 1).verify(step)?;
+    ensure!(
+        checkpoint.dir.file_name() == dir.file_name(),
+        "{} is not a step directory of its checkpoint directory (step {step}'s is {})",
+        dir.display(),
+        checkpoint.dir.display()
+    );
+    Ok(checkpoint)
 }
 
 /// What `flotilla eval` prints.
@@ -70,25 +130,11 @@ pub fn evaluate(config: JobConfig, weights: &Weights) -> Result<Evaluation> {
 
 /// Sets `model`'s parameters from `weights`; answers the checkpoint's step when from one.
 fn load(model: &Model, weights: &Weights) -> Result<Option<usize>> {
-    match weights {
-        Weights::ModelFile(path) => {
-            let bytes = std::fs::read(path).with_context(|| format!("reading {}", path.display()))?;
-            ModelFile::parse(&bytes)
-                .and_then(|file| file.load_into(model))
-                .with_context(|| path.display().to_string())?;
-            Ok(None)
-        }
-        Weights::Checkpoint(dir) => {
-            let checkpoint = CheckpointStore::new(dir, 1)
-                .latest()?
-                .with_context(|| format!("{} holds no complete checkpoint", dir.display()))?;
-            let state = whole_model(&checkpoint)?;
-            ModelFile::parse(&state)
-                .and_then(|file| file.load_into(model))
-                .with_context(|| format!("checkpoint {}", checkpoint.dir.display()))?;
-            Ok(Some(checkpoint.step))
-        }
-    }
+    let (bytes, name, step) = weights.read()?;
+    ModelFile::parse(&bytes)
+        .and_then(|file| file.load_into(model))
+        .with_context(|| name)?;
+    Ok(step)
 }
 
 /// What `flotilla predict` prints of a dense model's predictions.
@@ -110,7 +156,9 @@ pub fn predict(model_file: &Path, data: &[String], out: &Path) -> Result<Predict
     let file = ModelFile::parse(&bytes).with_context(|| model_file.display().to_string())?;
     ensure!(
         !matches!(file.info.spec, Some(ModelSpec::Gpt(_))),
-        "{} holds a GPT, a language model of token ids: predict reads tables of features",
+        "{} holds a GPT, a language model of characters: predict reads tables of features; continue \
+         text with it: flotilla generate --model {} --prompt TEXT --tokens N",
+        model_file.display(),
         model_file.display()
     );
     let model = file
@@ -188,15 +236,4 @@ fn header(regression: bool, width: usize) -> Vec<String> {
             .chain((0..width).map(|i| format!("logit_{i}")))
             .collect(),
     }
-}
-
-/// The index of the largest value (the first of ties, as evaluation counts).
-fn argmax(row: &[f32]) -> usize {
-    row.iter()
-        .enumerate()
-        .fold(
-            (0, f32::NEG_INFINITY),
-            |best, (i, &v)| if v > best.1 { (i, v) } else { best },
-        )
-        .0
 }

@@ -15,12 +15,14 @@ mod attention;
 mod dense;
 mod embed;
 mod fused;
+mod generate;
 mod head;
 mod layer;
 mod norm;
 
 use anyhow::{ensure, Context, Result};
 
+pub use self::generate::{continue_text, Sampler};
 use self::{embed::Embedding, head::Head, layer::TransformerLayer};
 use super::{Block, Model, ParamInit};
 

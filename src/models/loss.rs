@@ -144,6 +144,18 @@ pub fn correct_predictions(logits: &Tensor, targets: &Tensor) -> candle_core::Re
     Ok(hits.to_dtype(candle_core::DType::U32)?.sum_all()?.to_scalar::<u32>()? as usize)
 }
 
+/// The index of the largest of `row`'s values, the first of ties (as evaluation counts a
+/// prediction): a row's predicted class, or a language model's most likely next token.
+pub fn argmax(row: &[f32]) -> usize {
+    row.iter()
+        .enumerate()
+        .fold(
+            (0, f32::NEG_INFINITY),
+            |best, (i, &v)| if v > best.1 { (i, v) } else { best },
+        )
+        .0
+}
+
 /// Mean sigmoid cross-entropy of `logits` against 0/1 `labels`, in the numerically stable form
 /// `max(x, 0) − x·y + ln(1 + e^(−|x|))`.
 pub fn sigmoid_cross_entropy(logits: &Tensor, labels: &Tensor) -> candle_core::Result<Tensor> {

@@ -21,11 +21,11 @@ mod wide_deep;
 
 pub use affine::cpu_matrix_kernel;
 pub use deepfm::DeepFm;
-pub use gpt::{gpt, GptConfig};
+pub use gpt::{continue_text, gpt, GptConfig, Sampler};
 pub use init::ParamInit;
 pub use linear::{Activation, Linear};
 pub use loss::{
-    click_probability, correct_predictions, cross_entropy, sigmoid_cross_entropy, training_loss, HeldOut, Score,
+    argmax, click_probability, correct_predictions, cross_entropy, sigmoid_cross_entropy, training_loss, HeldOut, Score,
 };
 pub use mlp::mlp;
 pub use sparse::{Lookup, SparseModel, SparseModelBuilder, SparseModelDef, SparseTableSpec};
