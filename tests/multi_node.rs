@@ -484,6 +484,9 @@ fn a_shard_whose_node_was_lost_with_its_disk_comes_back_from_the_buddy_copy_on_t
         finished[0].stderr
     );
     let summary: serde_json::Value = common::read_summary(&job.run_dirs[0]);
+    // Each shard saves its tables in its own node's run directory: shard 1's is the second's.
+    let saved = "ps-shard-1.safetensors";
+    std::fs::copy(job.run_dirs[1].join(saved), job.run_dirs[0].join(saved)).unwrap();
     common::ps_matches_uninterrupted(&PARAMETER_SERVERS[..1], &summary, &job.run_dirs[0]);
 }
 
