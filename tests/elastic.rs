@@ -7,8 +7,8 @@
 //!
 //! Ground truth, bitwise: the same sample stream trained by in-process runs resumed from the
 //! job's own checkpoints — two ranks from the one the job shrank at, until the checkpoint it grew
-//! at, then three ranks from there to the end. Needs root and iproute2 (as CI has); skipped,
-//! saying why, elsewhere.
+//! at, then three ranks from there to the end. Needs root and iproute2 (as CI has: there,
+//! without them, the tests fail); skipped, saying why, elsewhere.
 
 mod common;
 

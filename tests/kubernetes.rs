@@ -4,7 +4,8 @@
 //! their operators add (as the operators' sources set them): each pod's command runs with
 //! exactly the environment the kubelet would give it, in a network namespace of its own, the pods' names resolved through a hosts file
 //! the test writes, the ConfigMap and the checkpoint volume bind-mounted where the pod mounts
-//! them — and the job ends as the in-process run does.
+//! them — and the job ends as the in-process run does. The pods need root and iproute2 for their
+//! namespaces (as CI has: there, without them, the tests fail); skipped, saying why, elsewhere.
 
 mod common;
 

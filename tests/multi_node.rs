@@ -3,7 +3,7 @@
 //! rendezvous and run their ring over TCP between the namespaces' own
 //! addresses; a rank lost on the second node is replaced by that node's
 //! launcher while rank 0 rolls back in place. Needs root and iproute2 (as CI
-//! has); skipped, saying why, elsewhere.
+//! has: there, without them, the tests fail); skipped, saying why, elsewhere.
 
 mod common;
 

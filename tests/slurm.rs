@@ -2,8 +2,8 @@
 //! this machine (one node, its own ports, key and state directory; ended by pid afterwards), and
 //! `srun` starts the job: one task per rank, each `flotilla run` reading its place from Slurm's
 //! variables; and one task running our parameter-server launcher. Needs root and Debian's
-//! `slurmctld`, `slurmd`, `slurm-client` and `munge` (CI installs them); skipped, saying why,
-//! elsewhere.
+//! `slurmctld`, `slurmd`, `slurm-client` and `munge` (CI installs them and runs as root: there,
+//! without them, the test fails); skipped, saying why, elsewhere.
 
 mod common;
 

@@ -30,11 +30,10 @@ pub fn ip(args: &[&str]) -> Result<(), String> {
 }
 
 impl Hosts {
-    /// `count` hosts, or `None` after saying why they cannot be made here.
+    /// `count` hosts, or `None` after saying why they cannot be made here; under CI, where
+    /// they can, failing to make them fails the test ([`super::required`]).
     pub fn create_or_say_why(count: usize) -> Option<Self> {
-        Self::create(count)
-            .inspect_err(|reason| eprintln!("skipped: cannot make network namespaces here ({reason})"))
-            .ok()
+        super::required("network namespaces (root and iproute2)", Self::create(count))
     }
 
     fn create(count: usize) -> Result<Self, String> {

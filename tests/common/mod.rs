@@ -422,7 +422,12 @@ pub fn installed(program: &str, package: &str) -> bool {
     let found = std::env::split_paths(&path)
         .chain([std::path::PathBuf::from("/usr/sbin")])
         .any(|dir| dir.join(program).is_file());
-    required(found, &format!("{program} ({package})"))
+    let found = if found {
+        Ok(())
+    } else {
+        Err("not on the PATH".to_string())
+    };
+    required(&format!("{program} ({package})"), found).is_some()
 }
 
 /// A small CTR job: narrow model, small vocabularies (so rows are shared between trainers and
@@ -527,20 +532,28 @@ pub fn python_imports(modules: &[&str]) -> bool {
         .stderr(std::process::Stdio::null())
         .status()
         .is_ok_and(|s| s.success());
-    required(found, &format!("python3 with the modules {modules:?}"))
+    let found = if found { Ok(()) } else { Err(format!("`{probe}` fails")) };
+    required(&format!("python3 with the modules {modules:?}"), found).is_some()
 }
 
-/// Whether a part a test needs (`what`) was `found`: CI must have it (`.ci/run` installs it),
-/// elsewhere the test says it was skipped.
-fn required(found: bool, what: &str) -> bool {
-    match (found, std::env::var_os("CI").is_some()) {
-        (true, _) => true,
-        (false, true) => panic!("CI must provide {what}: .ci/run installs it"),
-        (false, false) => {
-            eprintln!("skipped: {what} is not here");
-            false
+/// A part of this machine a test needs (`what`: a program, root, network namespaces), or why it
+/// is missing. CI provides every such part (`.ci/run` installs them and runs as root), so under
+/// `CI` a missing one fails the test, naming it, rather than letting it pass without running;
+/// elsewhere the test is skipped, saying why (`None`).
+pub fn required<T>(what: &str, found: Result<T, String>) -> Option<T> {
+    match found {
+        Ok(part) => Some(part),
+        Err(why) if in_ci() => panic!("CI must provide {what} (.ci/run sets it up), but: {why}"),
+        Err(why) => {
+            eprintln!("skipped: this test needs {what}: {why}");
+            None
         }
     }
+}
+
+/// Whether this is CI: `CI` set to anything but empty, `0` or `false` (`.ci/run` sets `true`).
+fn in_ci() -> bool {
+    std::env::var("CI").is_ok_and(|ci| !matches!(ci.as_str(), "" | "0" | "false"))
 }
 
 /// Runs the flotilla binary with `args` to its end (at most `timeout_s`, then it is killed by

@@ -6,7 +6,7 @@ use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use super::{free_port_range, installed, start_program, Finished, Started, TEST_TOKEN};
+use super::{free_port_range, installed, required, start_program, Finished, Started, TEST_TOKEN};
 
 /// A one-node Slurm cluster of daemons this test started.
 pub struct Slurm {
@@ -29,10 +29,11 @@ impl Slurm {
             return None;
         }
         // SAFETY: geteuid has no preconditions.
-        if unsafe { libc::geteuid() } != 0 {
-            eprintln!("skipped: slurmd runs jobs as root here, and this test is not root");
-            return None;
-        }
+        let root = match unsafe { libc::geteuid() } {
+            0 => Ok(()),
+            euid => Err(format!("this test runs as user {euid}")),
+        };
+        required("root (slurmd runs jobs as root here)", root)?;
         let dir = tempfile::tempdir().unwrap();
         let d = dir.path();
         for sub in ["state", "spool"] {
