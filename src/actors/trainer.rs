@@ -112,6 +112,9 @@ pub struct RankOutcome {
     pub parameters: Vec<(String, Vec<f32>)>,
     /// Global mean loss of every step.
     pub losses: Vec<f32>,
+    /// The most bytes of activations this rank held for backward at once in one step of this
+    /// generation ([`crate::collective::StepReport::peak_activation_bytes`]).
+    pub peak_activation_bytes: usize,
 }
 
 impl Trainer {
@@ -303,6 +306,7 @@ impl TrainingRun {
         losses.extend(restored.losses);
         let started = Instant::now();
         let (mut step_time, mut comm_time, mut exposed) = (Duration::ZERO, Duration::ZERO, Duration::ZERO);
+        let mut peak_activation_bytes = 0;
         let check_every = job.strategy.check_every;
         let loss_kind = job.train.resolved_loss()?;
         let test_data = self.test_data.clone();
@@ -320,6 +324,7 @@ impl TrainingRun {
             step_time += report.step_time;
             comm_time += report.comm_time;
             exposed += report.exposed_comm_time;
+            peak_activation_bytes = peak_activation_bytes.max(report.peak_activation_bytes);
             losses.push(report.loss);
             let mut eval = None;
             if eval_due(&job, step + 1, steps) {
@@ -392,6 +397,7 @@ impl TrainingRun {
             param_checksum,
             parameters,
             losses,
+            peak_activation_bytes,
         })
     }
 

@@ -40,6 +40,9 @@ pub struct StepReport {
     pub loss_spread: f32,
     /// The largest peak resident set of the ranks' processes.
     pub peak_rss_bytes: u64,
+    /// The most bytes of activations this rank held for backward at once: what forward kept,
+    /// plus the block outputs recomputation made again (a pipeline stage's measure).
+    pub peak_activation_bytes: usize,
     /// Whether any rank was asked to stop (preemption).
     pub stop_asked: bool,
 }
@@ -199,6 +202,7 @@ impl Replica {
             _ => &self.segments,
         };
         let forward = segments::forward(blocks, cut, x)?;
+        let held_bytes = forward.held_bytes();
         let (local_loss, upstream) =
             segments::loss_gradient(forward.output(), |out| training_loss(self.loss, out, &y))?;
         self.settle_for_trace()?;
@@ -209,7 +213,7 @@ impl Replica {
         let backwarding = Instant::now();
         let params = &self.params;
         let mut gradients = self.gradients.begin(step, &self.comm);
-        segments::backward(blocks, cut, forward, &upstream, &mut |range, grads| {
+        let backward = segments::backward(blocks, cut, forward, &upstream, &mut |range, grads| {
             gradients.add_blocks(params, range, grads)
         })?;
         settle_for_trace(&self.timeline, &self.device)?;
@@ -257,6 +261,7 @@ impl Replica {
             exposed_comm_time,
             loss_spread: figures.loss_spread,
             peak_rss_bytes: figures.peak_rss_bytes,
+            peak_activation_bytes: held_bytes + backward.recomputed_bytes,
             stop_asked: figures.stop,
         })
     }

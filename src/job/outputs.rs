@@ -58,7 +58,8 @@ pub struct Summary {
     pub param_checksum: String,
     /// The CPU matrix kernel of rank 0's process ([`crate::models::cpu_matrix_kernel`]).
     pub matrix_kernel: String,
-    /// Pipeline jobs: per stage, the most bytes of activations held for backward at once.
+    /// Per stage, the most bytes of activations held for backward at once: a pipeline job's
+    /// stages (replica 0's), or a data-parallel job's one stage, the whole model (rank 0's).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub peak_activation_bytes: Option<Vec<usize>>,
     /// Pipeline jobs: time stages waited for their neighbours over the time of the schedules,
@@ -99,7 +100,7 @@ impl RunOutcome {
                 exposed_comm_ratio: rank0.exposed_comm_ratio,
                 param_checksum: rank0.param_checksum.to_string(),
                 matrix_kernel: crate::models::cpu_matrix_kernel().to_string(),
-                peak_activation_bytes: None,
+                peak_activation_bytes: Some(vec![rank0.peak_activation_bytes]),
                 bubble_fraction: None,
             },
             parameters: rank0.parameters,
