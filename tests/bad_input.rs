@@ -3,12 +3,13 @@
 
 mod common;
 
-use common::{flotilla, free_port_range};
+use common::{flotilla, free_port_range, Finished};
 
 /// The parameter-server example, as a job of a few steps.
 const PS_JOB: &str = include_str!("../examples/ctr_ps.toml");
 
-fn train_with(toml: &str, extra: &[&str]) -> String {
+/// `flotilla train` of a config file holding `toml`, with `extra` arguments, to its end.
+fn train_on(toml: &str, extra: &[&str]) -> Finished {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("job.toml");
     std::fs::write(&path, toml).unwrap();
@@ -21,8 +22,25 @@ fn train_with(toml: &str, extra: &[&str]) -> String {
         run_dir.to_str().unwrap(),
     ];
     args.extend_from_slice(extra);
-    let finished = flotilla(&args, &[], 60);
+    flotilla(&args, &[], 60)
+}
+
+fn train_with(toml: &str, extra: &[&str]) -> String {
+    let finished = train_on(toml, extra);
     assert!(!finished.success, "should fail:\n{}", finished.stdout);
+    finished.stderr
+}
+
+/// The stderr of a process that must have refused to start: exit status 78, no panic.
+fn refusal(finished: Finished) -> String {
+    assert_eq!(
+        finished.code,
+        Some(78),
+        "should be refused:\n{}\n{}",
+        finished.stdout,
+        finished.stderr
+    );
+    assert!(!finished.stderr.contains("panicked"), "{}", finished.stderr);
     finished.stderr
 }
 
@@ -214,4 +232,36 @@ fn launch_ps_worker_num_outranks_the_files_trainers_per_node() {
     assert!(finished.success, "launch-ps failed:\n{}", finished.stderr);
     let summary: serde_json::Value = common::read_summary(&run_dir);
     assert_eq!(summary["trainers"].as_u64(), Some(3));
+}
+
+/// More roles on a node than the host has threads or open files for are refused by key and
+/// limit before any starts, in a collective and a parameter-server job. Ten million of either
+/// is past any host: the kernel gives out at most 4194304 pids.
+#[test]
+fn roles_past_the_host_s_limits_are_refused_by_key_and_limit() {
+    for key in ["cluster.nproc_per_node", "cluster.server_num"] {
+        let err = refusal(train_on("", &["--set", &format!("{key}=10000000")]));
+        assert!(
+            err.contains(&format!("--set: {key}: the roles of one node need at least"))
+                && err.contains("threads")
+                && err.contains("this host allows ("),
+            "{err}"
+        );
+    }
+}
+
+/// A config file is read up to 1 MiB: a larger one, or one without end, is refused naming it.
+#[test]
+fn a_config_file_past_a_mebibyte_or_endless_is_refused_naming_it() {
+    let comment = format!("#{}\n", " ".repeat(1 << 20));
+    let err = refusal(train_on(&comment, &["--set", "train.steps=1"]));
+    assert!(
+        err.contains("job.toml: cannot read config file: more than 1 MiB"),
+        "{err}"
+    );
+    let err = refusal(flotilla(&["train", "--config", "/dev/zero"], &[], 60));
+    assert!(
+        err.contains("/dev/zero: cannot read config file: more than 1 MiB"),
+        "{err}"
+    );
 }

@@ -12,8 +12,9 @@
 //!    "not supported yet" error instead of a generic "unknown field";
 //! 5. the table is deserialized into [`JobConfig`] with `deny_unknown_fields` everywhere, through
 //!    `serde_path_to_error` so that errors carry the dotted key path;
-//! 6. the typed config is validated (ranges, cross-field contradictions, and whether the model
-//!    and data fit in this host's memory).
+//! 6. the typed config is validated (ranges, cross-field contradictions, whether the model and
+//!    data fit in this host's memory, and whether the roles fit its limits on threads, open
+//!    files and memory maps).
 //!
 //! Every error is a [`ConfigError`] naming where the offending value came from (the file, the
 //! environment variable, or `--set`) and the dotted key, e.g.
@@ -24,6 +25,7 @@ mod combination;
 mod env;
 mod fault_tolerance;
 mod footprint;
+mod host_limits;
 mod memory;
 mod overrides;
 mod pipeline;
@@ -58,6 +60,10 @@ const SET_SOURCE: &str = "--set";
 
 /// Key shown for errors about the document root, which has no dotted name of its own.
 const ROOT_KEY: &str = "(top level)";
+
+/// The largest config file read: a job's settings take a few KiB, and a path to something
+/// endless (`/dev/zero`, a pipe that never closes) must not be read into memory without bound.
+const MAX_CONFIG_BYTES: u64 = 1 << 20;
 
 /// Why a job configuration could not be loaded.
 ///
@@ -173,7 +179,7 @@ impl JobConfig {
         env: &dyn Fn(&str) -> Option<String>,
         overrides: &[String],
     ) -> Result<JobConfig, ConfigError> {
-        let text = std::fs::read_to_string(path).map_err(|error| ConfigError::Io {
+        let text = read_config_file(path).map_err(|error| ConfigError::Io {
             path: path.to_path_buf(),
             error,
         })?;
@@ -313,12 +319,33 @@ impl JobConfig {
     /// Validation of every section; the first failure wins.
     fn check(&self) -> Result<(), FieldError> {
         self.cluster.check()?;
+        host_limits::check(self, &host_limits::HostLimits::of_this_host())?;
         self.strategy.check()?;
         self.train.check(self.world_size())?;
         self.fault_tolerance.check()?;
         combination::check(self)?;
         footprint::check(self, footprint::available_memory())
     }
+}
+
+/// The text of the config file at `path`, at most [`MAX_CONFIG_BYTES`] of it: one past that is
+/// an error rather than a read without end.
+fn read_config_file(path: &Path) -> std::io::Result<String> {
+    use std::io::Read as _;
+    let mut text = String::new();
+    std::fs::File::open(path)?
+        .take(MAX_CONFIG_BYTES + 1)
+        .read_to_string(&mut text)?;
+    if text.len() as u64 > MAX_CONFIG_BYTES {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::FileTooLarge,
+            format!(
+                "more than {} MiB; a config file is at most that",
+                MAX_CONFIG_BYTES >> 20
+            ),
+        ));
+    }
+    Ok(text)
 }
 
 /// The whole pipeline after the file has been parsed: env, `--set`, unsupported keys,
@@ -726,6 +753,29 @@ pub(crate) mod tests {
         let err = JobConfig::from_file(&missing, &no_env, &[]).unwrap_err();
         assert!(matches!(err, ConfigError::Io { .. }), "{err:?}");
         assert!(err.to_string().contains("missing.toml"), "{err}");
+    }
+
+    #[test]
+    fn a_config_file_is_read_up_to_its_limit() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("job.toml");
+        let comment = "#".repeat(MAX_CONFIG_BYTES as usize - 1);
+        std::fs::write(&path, format!("{comment}\n")).unwrap();
+        JobConfig::from_file(&path, &no_env, &[]).unwrap();
+        std::fs::write(&path, format!("{comment}#\n")).unwrap();
+        let msg = err_text(JobConfig::from_file(&path, &no_env, &[]));
+        assert_eq!(
+            msg,
+            format!(
+                "{}: cannot read config file: more than 1 MiB; a config file is at most that",
+                path.display()
+            )
+        );
+        let msg = err_text(JobConfig::from_file(Path::new("/dev/zero"), &no_env, &[]));
+        assert!(
+            msg.starts_with("/dev/zero: cannot read config file: more than 1 MiB"),
+            "{msg}"
+        );
     }
 
     #[test]
