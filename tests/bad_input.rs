@@ -265,3 +265,24 @@ fn a_config_file_past_a_mebibyte_or_endless_is_refused_naming_it() {
         "{err}"
     );
 }
+
+/// Paddle's `--devices` names GPUs: a build without CUDA refuses it, naming the flag, instead
+/// of training on the CPU.
+#[test]
+#[cfg(not(feature = "cuda"))]
+fn launch_devices_in_a_build_without_cuda_is_refused_naming_the_flag() {
+    let dir = tempfile::tempdir().unwrap();
+    let run_dir = dir.path().join("run");
+    #[rustfmt::skip]
+    let args = [
+        "launch", "--devices", "0,1", "--", "train", "--set", "train.steps=2",
+        "--run-dir", run_dir.to_str().unwrap(),
+    ];
+    let err = refusal(flotilla(&args, &[], 60));
+    assert!(
+        err.contains(
+            "--devices 0,1 sets cluster.device = \"gpu\": built without CUDA support; rebuild with --features cuda"
+        ),
+        "{err}"
+    );
+}

@@ -45,7 +45,7 @@ pub struct ClusterConfig {
     /// accepted when equal, so a launcher and a file that disagree are caught before training.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub world_size: Option<usize>,
-    /// Compute device.
+    /// Compute device (`FLOTILLA_DEVICE`; `flotilla launch --devices` sets `"gpu"`).
     pub device: DeviceKind,
     /// `host:port` of the coordinator (rendezvous) process (`PADDLE_MASTER`); `None` lets the
     /// launcher choose.
@@ -321,14 +321,24 @@ mod tests {
 
     #[test]
     fn gpu_device_needs_a_cuda_build() {
-        let loaded = load_str("[cluster]\ndevice = \"gpu\"\n");
-        if cfg!(feature = "cuda") {
-            assert_eq!(loaded.unwrap().cluster.device, DeviceKind::Gpu);
-        } else {
-            assert_eq!(
-                err_text(loaded),
-                "config.toml: cluster.device: \"gpu\": built without CUDA support; rebuild with --features cuda"
-            );
+        // From the file, and from the variable a launcher given `--devices` sets.
+        for (loaded, source) in [
+            (load_str("[cluster]\ndevice = \"gpu\"\n"), "config.toml"),
+            (
+                load_with("[cluster]\ndevice = \"cpu\"\n", &[("FLOTILLA_DEVICE", "gpu")], &[]),
+                "environment (FLOTILLA_DEVICE)",
+            ),
+        ] {
+            if cfg!(feature = "cuda") {
+                assert_eq!(loaded.unwrap().cluster.device, DeviceKind::Gpu);
+            } else {
+                assert_eq!(
+                    err_text(loaded),
+                    format!(
+                        "{source}: cluster.device: \"gpu\": built without CUDA support; rebuild with --features cuda"
+                    )
+                );
+            }
         }
         let msg = err_text(load_str("[cluster]\ndevice = \"tpu\"\n"));
         assert!(

@@ -111,6 +111,12 @@ const ENV_OVERRIDES: &[EnvOverride] = &[
         parse: Parse::Text,
     },
     EnvOverride {
+        var: "FLOTILLA_DEVICE",
+        key: &["cluster", "device"],
+        family: Family::Flotilla,
+        parse: Parse::Text,
+    },
+    EnvOverride {
         var: "FLAGS_fuse_parameter_groups_size",
         key: &["strategy", "fuse_grad_size_in_MB"],
         family: Family::Paddle,

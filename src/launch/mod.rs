@@ -21,8 +21,8 @@ use std::path::PathBuf;
 
 use anyhow::{bail, ensure, Context as _, Result};
 
-use crate::config::{host_port, JobConfig};
-use crate::job::COORDINATOR_PROCESS_VAR;
+use crate::config::{host_port, JobConfig, GPU_NOT_BUILT};
+use crate::job::{Refusal, COORDINATOR_PROCESS_VAR};
 use crate::net::auth::{generate_job_id, ClusterToken, JOB_ID_VAR, TOKEN_VAR};
 
 /// The address a launcher's processes use when no flag names one (`--node_ip`, `--host`).
@@ -30,6 +30,9 @@ pub const DEFAULT_NODE_IP: &str = "127.0.0.1";
 
 /// The run directory when `--run-dir` is not given; a launcher sets it for its processes.
 pub const RUN_DIR_VAR: &str = "FLOTILLA_RUN_DIR";
+
+/// The variable that sets a launched rank's `cluster.device` (`--devices` sets it to `gpu`).
+pub const DEVICE_VAR: &str = "FLOTILLA_DEVICE";
 
 /// The first port of a launched job when `--started_port` is not given (Paddle's `PADDLE_PORT`).
 pub const DEFAULT_STARTED_PORT: u16 = 6170;
@@ -42,10 +45,11 @@ pub struct LaunchArgs {
     #[arg(long, default_value = "1")]
     pub nnodes: NodeRange,
     /// Trainer processes on this node (default: one per `--devices` entry, else 1).
-    #[arg(long = "nproc_per_node", alias = "nproc-per-node")]
+    #[arg(long = "nproc_per_node", alias = "nproc-per-node", allow_negative_numbers = true)]
     pub nproc_per_node: Option<usize>,
-    /// This node's devices, comma-separated (Paddle 2.x; alias `--gpus`): local rank `i` uses
-    /// the `i`-th (`FLAGS_selected_gpus`).
+    /// This node's GPUs, comma-separated (Paddle 2.x; alias `--gpus`): the ranks train on GPUs
+    /// (`cluster.device = "gpu"`, which needs a build with the `cuda` feature), local rank `i`
+    /// on the `i`-th (`FLAGS_selected_gpus`).
     #[arg(long, alias = "gpus", value_delimiter = ',')]
     pub devices: Vec<usize>,
     /// `collective` (the default) or `ps`: a parameter-server job, as `launch-ps` starts it
@@ -64,7 +68,8 @@ pub struct LaunchArgs {
         alias = "cluster-node-ips",
         alias = "ips",
         default_value = DEFAULT_NODE_IP,
-        value_delimiter = ','
+        value_delimiter = ',',
+        value_parser = clap::builder::NonEmptyStringValueParser::new()
     )]
     pub cluster_node_ips: Vec<String>,
     /// The coordinator's IP:PORT (default: the first node, --started_port).
@@ -73,13 +78,18 @@ pub struct LaunchArgs {
     /// This node's index among `--nnodes` (torchrun's `--node-rank`, Paddle 2.x's `--rank`):
     /// nodes are then named by index, not address, and each rank announces its own endpoint
     /// (on the address that routes to the coordinator) when it joins.
-    #[arg(long = "node_rank", alias = "node-rank", alias = "rank")]
+    #[arg(
+        long = "node_rank",
+        alias = "node-rank",
+        alias = "rank",
+        allow_negative_numbers = true
+    )]
     pub node_rank: Option<usize>,
     /// The coordinator's host, with `--master-port` (torchrun's `--master-addr`).
     #[arg(long = "master_addr", alias = "master-addr")]
     pub master_addr: Option<String>,
     /// The coordinator's port, with `--master-addr` (torchrun's `--master-port`).
-    #[arg(long = "master_port", alias = "master-port")]
+    #[arg(long = "master_port", alias = "master-port", allow_negative_numbers = true, value_parser = port_parser())]
     pub master_port: Option<u16>,
     /// The coordinator's HOST:PORT (torchrun's `--rdzv-endpoint`).
     #[arg(long = "rdzv_endpoint", alias = "rdzv-endpoint")]
@@ -88,7 +98,7 @@ pub struct LaunchArgs {
     #[arg(long)]
     pub standalone: bool,
     /// First port of the job on each node (default: free ports on one node, 6170 on several).
-    #[arg(long = "started_port", alias = "started-port")]
+    #[arg(long = "started_port", alias = "started-port", allow_negative_numbers = true, value_parser = port_parser())]
     pub started_port: Option<u16>,
     /// Restarts, logs and the job id of the processes it starts.
     #[command(flatten)]
@@ -165,12 +175,22 @@ pub struct ProcessFlags {
     /// Times a failed process is restarted — alone, while the others roll back in place, or
     /// all of them with `fault_tolerance.recovery = "restart"` — from the last checkpoint
     /// (default: the job's `fault_tolerance.max_restarts`; 0 for a program of your own).
-    #[arg(long = "max_restarts", alias = "max-restarts", alias = "max_restart")]
+    #[arg(
+        long = "max_restarts",
+        alias = "max-restarts",
+        alias = "max_restart",
+        allow_negative_numbers = true
+    )]
     pub max_restarts: Option<usize>,
     /// Seconds the processes get, after a SIGTERM the launcher forwards (preemption), to commit
     /// a checkpoint and exit before they are killed: keep it below the engine's own wait before
     /// SIGKILL (Kubernetes' `terminationGracePeriodSeconds`, 30 by default; Slurm's `KillWait`).
-    #[arg(long = "stop_grace_s", alias = "stop-grace-s", default_value_t = supervisor::PREEMPTION_GRACE_S)]
+    #[arg(
+        long = "stop_grace_s",
+        alias = "stop-grace-s",
+        default_value_t = supervisor::PREEMPTION_GRACE_S,
+        allow_negative_numbers = true
+    )]
     pub stop_grace_s: u64,
     /// Where each process's output is also kept, as Paddle's launcher keeps it:
     /// `workerlog.<i>` per trainer (by local rank), `serverlog.<i>` per server, and the
@@ -216,6 +236,12 @@ impl ChildSpec {
     pub fn is_coordinator(&self) -> bool {
         self.name == COORDINATOR_NAME
     }
+}
+
+/// A port flag's parser: 1–65535. Port 0 ("any free port") cannot be a flag's value: every
+/// process of the job must find the others at the ports the flags name.
+pub(crate) fn port_parser() -> clap::builder::RangedI64ValueParser<u16> {
+    clap::value_parser!(u16).range(1..)
 }
 
 /// What a launcher calls the coordinator process it starts.
@@ -483,6 +509,7 @@ impl LaunchArgs {
         } = self.addresses()?;
         let node_rank = self.node_index()?;
         let world = self.nnodes.max * self.nproc();
+        let device = self.device()?;
         let (program, args) = match self.command.split_first() {
             Some((first, rest)) if first == "train" => (
                 flotilla,
@@ -538,6 +565,7 @@ impl LaunchArgs {
                 };
                 env.push(("PADDLE_TRAINER_ENDPOINTS", listed));
                 env.push(("PADDLE_CURRENT_ENDPOINT", current));
+                env.extend(device.map(|device| (DEVICE_VAR, device.to_string())));
                 env.extend(thread_env(self.nproc()));
                 env.extend(token.iter().cloned());
                 ChildSpec {
@@ -551,6 +579,23 @@ impl LaunchArgs {
                 }
             })
             .collect())
+    }
+
+    /// The `cluster.device` the ranks get (through [`DEVICE_VAR`]): `gpu` when `--devices`
+    /// names GPUs, as Paddle's launcher means them, else none, leaving the job's own. A build
+    /// without CUDA refuses `--devices` rather than train on the CPU while naming GPUs.
+    fn device(&self) -> Result<Option<&'static str>> {
+        if self.devices.is_empty() {
+            return Ok(None);
+        }
+        if !cfg!(feature = "cuda") {
+            let devices: Vec<String> = self.devices.iter().map(usize::to_string).collect();
+            return Err(Refusal::wrap(anyhow::anyhow!(
+                "--devices {} sets cluster.device = {GPU_NOT_BUILT}",
+                devices.join(",")
+            )));
+        }
+        Ok(Some("gpu"))
     }
 
     /// Makes `children` (this node's trainers, as [`LaunchArgs::plan`] made them) a job that
@@ -664,6 +709,28 @@ mod tests {
     }
 
     #[test]
+    fn port_0_negative_counts_and_empty_node_ips_are_refused_naming_the_flag() {
+        let refusal = |line: &str| {
+            let parsed = Cli::try_parse_from(std::iter::once("launch").chain(line.split_whitespace()));
+            parsed.err().expect("refused").to_string()
+        };
+        let port = refusal("--started_port 0 -- train");
+        assert!(
+            port.contains("--started_port") && port.contains("not in 1..=65535"),
+            "{port}"
+        );
+        let count = refusal("--nproc_per_node -1 -- train");
+        assert!(count.contains("'-1'") && count.contains("--nproc_per_node"), "{count}");
+        let restarts = refusal("--max_restarts -3 -- train");
+        assert!(
+            restarts.contains("'-3'") && restarts.contains("--max_restarts"),
+            "{restarts}"
+        );
+        let ips = refusal("--nnodes 3 --cluster_node_ips 127.0.0.1,,127.0.0.2 -- train");
+        assert!(ips.contains("--cluster_node_ips"), "{ips}");
+    }
+
+    #[test]
     fn nnodes_min_max_is_elastic_and_tells_the_ranks_its_minimum() -> anyhow::Result<()> {
         let launch = args("--nnodes 2:3 --node-rank 2 --master 10.0.0.1:1 -- train");
         assert_eq!(launch.nnodes, NodeRange { min: 2, max: 3 });
@@ -772,18 +839,7 @@ mod tests {
     }
 
     #[test]
-    fn paddles_devices_give_each_local_rank_its_device_and_count_the_ranks() -> anyhow::Result<()> {
-        let plan = args("--gpus 2,3 -- train").plan("flotilla".into())?;
-        let gpus: Vec<_> = plan
-            .iter()
-            .map(|c| {
-                c.env
-                    .iter()
-                    .find(|(k, _)| k == "FLAGS_selected_gpus")
-                    .map(|(_, v)| v.clone())
-            })
-            .collect();
-        assert_eq!(gpus, [Some("2".to_string()), Some("3".to_string())]);
+    fn paddles_devices_are_gpus_one_a_local_rank_and_count_the_ranks() -> anyhow::Result<()> {
         let err = args("--devices 0,1 --nproc_per_node 3 -- train")
             .plan("f".into())
             .unwrap_err();
@@ -791,6 +847,24 @@ mod tests {
             err.to_string(),
             "--devices 0,1 names 2 device(s), but --nproc_per_node is 3"
         );
+        let planned = args("--gpus 2,3 -- train").plan("flotilla".into());
+        if !cfg!(feature = "cuda") {
+            let err = planned.unwrap_err();
+            assert!(err.is::<Refusal>(), "{err:?}");
+            assert_eq!(
+                err.to_string(),
+                "--devices 2,3 sets cluster.device = \"gpu\": built without CUDA support; rebuild with --features cuda"
+            );
+            return Ok(());
+        }
+        let env = |child: &ChildSpec, var: &str| {
+            let value = child.env.iter().find(|(k, _)| k == var).map(|(_, v)| v.clone());
+            value.unwrap_or_default()
+        };
+        let plan = planned?;
+        let gpus: Vec<_> = plan.iter().map(|c| env(c, "FLAGS_selected_gpus")).collect();
+        assert_eq!(gpus, ["2", "3"]);
+        assert!(plan.iter().all(|c| env(c, DEVICE_VAR) == "gpu"));
         Ok(())
     }
 

@@ -17,14 +17,15 @@ use super::{
 #[derive(Debug, Clone, Default, clap::Args)]
 pub struct PsRoles {
     /// Parameter-server processes to start.
-    #[arg(long = "server_num", alias = "server-num")]
+    #[arg(long = "server_num", alias = "server-num", allow_negative_numbers = true)]
     pub server_num: Option<usize>,
     /// Trainer processes to start (`--worker_num`, Paddle 2.x's `--trainer_num`).
     #[arg(
         long = "worker_num",
         alias = "worker-num",
         alias = "trainer_num",
-        alias = "trainer-num"
+        alias = "trainer-num",
+        allow_negative_numbers = true
     )]
     pub worker_num: Option<usize>,
     /// Explicit `host:port` of every server, comma-separated (instead of `--server_num`).
@@ -62,7 +63,7 @@ pub struct LaunchPsArgs {
     pub host: String,
     /// First port: servers take `started_port + i`, trainers the ports after them (default:
     /// free ports when every role is this node's, else Paddle's `PADDLE_PORT` default, 6170).
-    #[arg(long = "started_port", alias = "started-port")]
+    #[arg(long = "started_port", alias = "started-port", allow_negative_numbers = true, value_parser = super::port_parser())]
     pub started_port: Option<u16>,
     /// Restarts, logs and the job id of the processes it starts.
     #[command(flatten)]
