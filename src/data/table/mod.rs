@@ -1,14 +1,16 @@
 //! Tables of the user's own: CSV files with a header row, or Parquet files, read into a
 //! [`Dataset`] of the feature columns and one label column the config names. Every file of a
 //! split must have the columns; a cell that is not a number is an error naming the file, the
-//! line (or row) and the column, a Parquet column of another type its schema.
+//! line (the file's own: the header is line 1, whether lines end in `\n` or `\r\n`) or row, and
+//! the column, a Parquet column of another type its schema.
 
 mod array_file;
 mod stream;
 
+use std::io::{BufReader, Read as _, Seek as _, SeekFrom};
 use std::path::Path;
 
-use anyhow::{bail, ensure, Context, Result};
+use anyhow::{anyhow, bail, ensure, Context, Result};
 
 use super::Dataset;
 pub use stream::StreamedTable;
@@ -257,6 +259,40 @@ fn csv_header(reader: &mut csv::Reader<impl std::io::Read>) -> Result<Vec<String
         .collect())
 }
 
+/// The line a CSV record begins on, counted as the csv reader counts from byte `base` of the
+/// file at `path` (from the file's start, the header is line 1), where the reader marked it at
+/// `mark`. The reader marks a record where it began looking for it: before the `\n` of the
+/// line before's `\r\n`, and before blank lines, which it passes over. The line breaks from
+/// there to the record's first cell are counted here, from the file, which is read again only
+/// for a message; one that cannot be leaves the mark's line.
+fn record_line(path: &Path, base: u64, mark: &csv::Position) -> u64 {
+    let breaks = || -> std::io::Result<u64> {
+        let mut file = std::fs::File::open(path)?;
+        file.seek(SeekFrom::Start(base + mark.byte()))?;
+        let mut breaks = 0;
+        for byte in BufReader::new(file).bytes() {
+            match byte? {
+                b'\n' => breaks += 1,
+                b'\r' => {}
+                _ => break,
+            }
+        }
+        Ok(breaks)
+    };
+    mark.line() + breaks().unwrap_or(0)
+}
+
+/// A record the csv reader could not read, at `at` (the record's line, [`record_line`]'s): a
+/// ragged one in words of the table, any other with the reader's own error.
+fn malformed(error: csv::Error, at: &str) -> anyhow::Error {
+    match error.kind() {
+        csv::ErrorKind::UnequalLengths { expected_len, len, .. } => {
+            anyhow!("{at}: malformed CSV: {len} cells where the rows before have {expected_len}")
+        }
+        _ => anyhow::Error::new(error).context(format!("{at}: malformed CSV")),
+    }
+}
+
 /// The values of the CSV `record` at `line` laid out by `layout` in a file of `header`.
 fn csv_values(
     layout: &Layout,
@@ -279,16 +315,14 @@ fn read_csv(path: &Path, columns: Columns, rows: &mut Rows) -> Result<()> {
     let mut reader = csv_reader(std::fs::File::open(path).context("cannot open it")?, true);
     let header = csv_header(&mut reader)?;
     let layout = Layout::of(&header, columns, rows)?;
+    let line = |mark: Option<&csv::Position>| format!("line {}", mark.map_or(0, |m| record_line(path, 0, m)));
     for record in reader.byte_records() {
-        let record = record.context("malformed CSV")?;
-        let line = record.position().map_or(0, csv::Position::line);
-        rows.push(csv_values(
-            &layout,
-            &record,
-            &|| format!("line {line}"),
-            &header,
-            columns.regression,
-        )?);
+        let record = record.map_err(|e| {
+            let at = line(e.position());
+            malformed(e, &at)
+        })?;
+        let at = || line(record.position());
+        rows.push(csv_values(&layout, &record, &at, &header, columns.regression)?);
     }
     Ok(())
 }
@@ -733,6 +767,45 @@ mod tests {
             ..REGRESS
         };
         assert!(err(&cell, wrong).contains("no column \"nope\" (train.feature_columns)"));
+        Ok(())
+    }
+
+    /// One line numbering, the file's (the header is line 1), whether its lines end in `\r\n`
+    /// or blank lines come before the row: for a cell, a class id and a ragged row alike.
+    #[test]
+    fn errors_name_the_file_s_line_through_crlf_and_blank_lines() -> Result<()> {
+        let dir = tempfile::tempdir()?;
+        let classes = Columns {
+            regression: false,
+            ..REGRESS
+        };
+        for (text, columns, expected) in [
+            (
+                "x,y\r\n1,abc\r\n",
+                REGRESS,
+                "line 2, column \"y\": \"abc\" is not a number",
+            ),
+            (
+                "x,y\n1,2\n\n\n3,abc\n",
+                REGRESS,
+                "line 5, column \"y\": \"abc\" is not a number",
+            ),
+            (
+                "x,y\r\n1,0\r\n\r\n2,1.5\r\n",
+                classes,
+                "line 4, column \"y\": 1.5 is not a class id",
+            ),
+            (
+                "x,y\r\n1,2\r\n3\r\n",
+                REGRESS,
+                "line 3: malformed CSV: 1 cells where the rows before have 2",
+            ),
+        ] {
+            let file = write(dir.path(), "lines.csv", text);
+            let err = table_splits(TableFormat::Csv, &[file], &[], columns, 0.5, 1).unwrap_err();
+            let message = format!("{err:#}");
+            assert!(message.contains(expected), "{text:?}: {message}");
+        }
         Ok(())
     }
 }

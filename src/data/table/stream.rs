@@ -12,7 +12,7 @@ use std::sync::Arc;
 use anyhow::{anyhow, bail, ensure, Context, Result};
 
 use super::array_file::ArrayTable;
-use super::{csv_header, csv_reader, csv_values, Columns, Layout, ParquetColumns, TableFormat};
+use super::{csv_header, csv_reader, csv_values, malformed, record_line, Columns, Layout, ParquetColumns, TableFormat};
 use crate::data::parts::cut::{cut_by_measure, cut_into_parts, Segment};
 use crate::data::parts::text::{count_records, is_gzip};
 use crate::data::parts::{DataLayout, PartLoader, PartStream, Placement, ReadPosition, StreamPosition};
@@ -359,8 +359,11 @@ impl CsvPart {
                 return Ok(false);
             };
             let read = reader.read_byte_record(&mut self.record);
-            let line = reader.position().line();
-            let read = read.with_context(|| format!("{}: malformed CSV", self.location(line)))?;
+            let after = reader.position().clone();
+            let read = read.map_err(|e| {
+                let at = self.location(e.position().unwrap_or(&after));
+                malformed(e, &at)
+            })?;
             let start = self.base.0 + self.record.position().map_or(0, csv::Position::byte);
             if !read || self.segments[self.current].end.is_some_and(|end| start >= end) {
                 self.open_segment(self.current + 1, None)?;
@@ -377,8 +380,8 @@ impl CsvPart {
             return Ok(None);
         }
         let (header, layout) = &self.headers[self.current];
-        let line = self.record.position().map_or(0, csv::Position::line);
-        let at = || self.location(line);
+        let mark = self.record.position().cloned().unwrap_or_else(csv::Position::new);
+        let at = || self.location(&mark);
         csv_values(layout, &self.record, &at, header, self.regression).map(Some)
     }
 
@@ -397,16 +400,16 @@ impl CsvPart {
         }
     }
 
-    /// `path:line` of the reader's `line`; for a segment that starts inside its file, the byte
-    /// it starts at, since lines are counted from there.
-    fn location(&self, line: u64) -> String {
-        let line = self.base.1 + line;
-        match self.segments.get(self.current) {
-            Some(Segment { path, start: 0, .. }) => format!("{}:{line}", path.display()),
-            Some(Segment { path, start, .. }) => {
-                format!("{} (the part from byte {start}), line {line}", path.display())
-            }
-            None => "the end of the data".to_string(),
+    /// `path:line` of the record the reader marked at `mark`; for a segment that starts inside
+    /// its file, the byte it starts at, since lines are counted from there.
+    fn location(&self, mark: &csv::Position) -> String {
+        let Some(Segment { path, start, .. }) = self.segments.get(self.current) else {
+            return "the end of the data".to_string();
+        };
+        let line = self.base.1 + record_line(path, self.base.0, mark);
+        match start {
+            0 => format!("{}:{line}", path.display()),
+            start => format!("{} (the part from byte {start}), line {line}", path.display()),
         }
     }
 }
@@ -844,6 +847,52 @@ mod tests {
                 }
                 assert_eq!(joined(&pieces), joined([&all]), "{format:?}, {world} ranks");
             }
+        }
+        Ok(())
+    }
+
+    /// A streamed file's errors name the file's line (the header is line 1) whether its lines
+    /// end in `\r\n` or blank lines come before the row, as the in-memory reader's do.
+    #[test]
+    fn a_streamed_file_s_errors_name_its_lines() -> Result<()> {
+        let dir = tempfile::tempdir()?;
+        let file = dir.path().join("bad.csv").to_string_lossy().into_owned();
+        let classes = Columns {
+            regression: false,
+            ..REGRESS
+        };
+        for (text, columns, expected) in [
+            (
+                "x,y\r\n1,abc\r\n",
+                REGRESS,
+                "bad.csv:2, column \"y\": \"abc\" is not a number",
+            ),
+            (
+                "x,y\n1,2\n\n\n3,abc\n",
+                REGRESS,
+                "bad.csv:5, column \"y\": \"abc\" is not a number",
+            ),
+            (
+                "x,y\r\n1,0\r\n2,1.5\r\n",
+                classes,
+                "bad.csv:3, column \"y\": 1.5 is not a class id",
+            ),
+            (
+                "x,y\r\n1,2\r\n3\r\n",
+                REGRESS,
+                "bad.csv:3: malformed CSV: 1 cells where the rows before have 2",
+            ),
+        ] {
+            std::fs::write(&file, text)?;
+            let files = std::slice::from_ref(&file);
+            let err = StreamedTable::open(TableFormat::Csv, files, columns, layout(1, 0), "t")
+                .and_then(|table| {
+                    let mut loader = table.loader(1, 0, 1)?;
+                    (0..4).try_for_each(|_| loader.next_batch().map(drop))
+                })
+                .unwrap_err();
+            let message = format!("{err:#}");
+            assert!(message.contains(expected), "{text:?}: {message}");
         }
         Ok(())
     }
