@@ -286,3 +286,56 @@ fn launch_devices_in_a_build_without_cuda_is_refused_naming_the_flag() {
         "{err}"
     );
 }
+
+/// A world size on the command line outranks the file's `nproc_per_node` (as a launcher's
+/// `PADDLE_TRAINERS_NUM` does) and says so, naming both values and their sources.
+#[test]
+fn a_world_size_set_over_the_files_nproc_per_node_says_which_wins() {
+    let finished = flotilla(&["config", "--set", "cluster.world_size=4"], &[], 60);
+    assert!(finished.success, "{}", finished.stderr);
+    assert!(finished.stdout.contains("nproc_per_node = 4"), "{}", finished.stdout);
+    assert!(
+        finished
+            .stderr
+            .contains("cluster.world_size = 4 (--set) sets cluster.nproc_per_node to 4 over 2 (config.toml)"),
+        "{}",
+        finished.stderr
+    );
+}
+
+/// What the data or the model refuse once the config is valid — a batch larger than the data
+/// set, a cell that is not a number, a loss of the other kind, settings of a sparse table the
+/// model lacks — is a refusal (78), which a launcher does not restart.
+#[test]
+fn inputs_found_wrong_after_validation_are_refusals_not_failures() {
+    let dir = tempfile::tempdir().unwrap();
+    let csv = dir.path().join("bad.csv");
+    std::fs::write(&csv, "a,b,label\n1,2,0\n1,x,1\n").unwrap();
+    let csv_files = format!("train.train_files=[{:?}]", csv.to_str().unwrap());
+    let cases: [(&str, Vec<&str>, &str); 4] = [
+        (
+            "",
+            vec!["--set", "train.batch_size=100000"],
+            "train.batch_size = 100000",
+        ),
+        (
+            "",
+            vec!["--set", "train.dataset=\"csv\"", "--set", &csv_files],
+            "\"x\" is not a number",
+        ),
+        (
+            "",
+            vec!["--set", "train.loss=\"mse\""],
+            "does not fit a data set of class targets",
+        ),
+        (
+            PS_JOB,
+            vec!["--set", "strategy.sparse_table_configs.nosuch.count_filter=2"],
+            "the model has no sparse table `nosuch`",
+        ),
+    ];
+    for (toml, extra, says) in cases {
+        let err = train_with(toml, &extra);
+        assert!(err.contains(says), "{extra:?}: {err}");
+    }
+}
