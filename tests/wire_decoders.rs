@@ -1,5 +1,5 @@
-//! Every decoder of bytes from the network, as property tests on the stable toolchain (the fuzz
-//! targets in `fuzz/` need nightly and run by hand): control frames, parameter-server requests
+//! Every decoder of bytes from the network, as property tests on the stable toolchain, in every
+//! test run (`PROPTEST_CASES` raises the count for a longer search): control frames, parameter-server requests
 //! and replies, pipeline stage outcomes and both sides of the handshake. Arbitrary bytes, and
 //! valid encodings cut short, with a byte changed or with a length overwritten by a huge one,
 //! give an error or a value — never a panic, and never an allocation sized by a claimed length
@@ -273,8 +273,18 @@ impl Write for Scripted<'_> {
     }
 }
 
+/// The cases of each property: `PROPTEST_CASES`, else 2,000.
+fn cases() -> u32 {
+    std::env::var("PROPTEST_CASES")
+        .ok()
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(2000)
+}
+
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 2000, ..ProptestConfig::default() })]
+    // 2,000 cases a run; `PROPTEST_CASES` asks for more (an explicit count overrides proptest's
+    // own reading of it).
+    #![proptest_config(ProptestConfig { cases: cases(), ..ProptestConfig::default() })]
 
     #[test]
     fn arbitrary_bytes_are_refused_or_decoded_without_a_panic(body in proptest::collection::vec(any::<u8>(), 0..600)) {
