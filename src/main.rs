@@ -83,9 +83,13 @@ enum Command {
         out: Option<PathBuf>,
     },
     /// Print the Kubernetes manifests of a job (JSON, a `List` for `kubectl apply -f`): a
-    /// headless Service, its config as a ConfigMap, a checkpoint volume and its pods, as
+    /// headless Service, its config as a ConfigMap, checkpoint volumes and its pods, as
     /// Indexed Jobs or a training operator's PyTorchJob / PaddleJob. The cluster token comes
-    /// from the Secret NAME-token (key `token`), which you create.
+    /// from the Secret NAME-token (key `token`), which you create. Failed pods are retried up
+    /// to the job's `fault_tolerance.max_restarts` (default 0: a lost pod fails the job): the
+    /// Indexed Job's and the PyTorchJob's backoffLimit; a PaddleJob's pods restart in place
+    /// (restartPolicy OnFailure) when it is above 0. The pods meet Pod Security's `restricted`
+    /// profile (uid 10001, read-only root file system). A GPU job prints in any build.
     K8s {
         #[command(flatten)]
         job: ConfigArgs,
@@ -415,7 +419,8 @@ fn run(cli: Cli) -> Result<()> {
             Ok(())
         }
         Command::K8s { job, options } => {
-            let manifests = flotilla::k8s::manifests(&load_config(&job)?, &options)?;
+            let config = flotilla::k8s::job_config(&job, &process_env, &BUILT_IN)?;
+            let manifests = flotilla::k8s::manifests(&config, &options)?;
             print_out(&format!("{}\n", serde_json::to_string_pretty(&manifests)?));
             Ok(())
         }

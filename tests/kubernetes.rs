@@ -1,19 +1,19 @@
 //! `flotilla k8s`: every rendered manifest is valid against Kubernetes' official schemas
-//! (PyPI's `kubernetes-validate`, schemas bundled, offline; CI installs it), and the pods of
-//! each form train — an Indexed Job's, and a PyTorchJob's and a PaddleJob's with the variables
-//! their operators add (as the operators' sources set them): each pod's command runs with
-//! exactly the environment the kubelet would give it, in a network namespace of its own, the pods' names resolved through a hosts file
-//! the test writes, the ConfigMap and the checkpoint volume bind-mounted where the pod mounts
-//! them — and the job ends as the in-process run does. The pods need root and iproute2 for their
-//! namespaces (as CI has: there, without them, the tests fail); skipped, saying why, elsewhere.
+//! (PyPI's `kubernetes-validate`, schemas bundled, offline; CI installs it), every pod meets
+//! Pod Security's `restricted` profile as the image's user, flags the API server would reject
+//! are refused naming them, and the pods of each form train — an Indexed Job's, and a
+//! PyTorchJob's and a PaddleJob's with the variables their operators add (as the operators'
+//! sources set them), run by the emulated kubelet of `kubernetes/kubelet.rs` — to the end the
+//! in-process run reaches. The pods need root and iproute2 for their namespaces (as CI has:
+//! there, without them, the tests fail); skipped, saying why, elsewhere.
 
 mod common;
-
-use std::collections::HashMap;
-use std::path::{Path, PathBuf};
+#[path = "kubernetes/kubelet.rs"]
+mod kubelet;
 
 use common::hosts::Hosts;
-use common::{children_of, config, end_leftovers, flotilla, installed, train_in_process, Finished};
+use common::{config, flotilla, installed, train_in_process, Finished};
+use kubelet::Cluster;
 use serde_json::{json, Value};
 
 /// The manifests `flotilla k8s ARGS` prints, as a list of objects.
@@ -84,6 +84,36 @@ fn validate(objects: &[Value]) -> Finished {
     common::start_program("kubernetes-validate", &args, &[]).finish(120)
 }
 
+/// Every pod template of `items`: the Jobs', and those of an operator's custom resource.
+fn pod_templates(items: &[Value]) -> Vec<Value> {
+    core_objects(items)
+        .into_iter()
+        .filter_map(|object| match object["kind"].as_str().unwrap() {
+            "Job" => Some(object["spec"]["template"].clone()),
+            "PodTemplate" => Some(object["template"].clone()),
+            _ => None,
+        })
+        .collect()
+}
+
+/// The flags that place the pods, and the pod spec they make.
+const PLACED: [&str; 14] = [
+    "--image-pull-secret",
+    "registry",
+    "--image-pull-secret",
+    "mirror",
+    "--node-selector",
+    "pool=gpu",
+    "--node-selector",
+    "example.com/zone=a",
+    "--toleration",
+    "nvidia.com/gpu=present:NoSchedule",
+    "--toleration",
+    "spot:NoExecute",
+    "--priority-class",
+    "training",
+];
+
 #[test]
 fn every_rendered_manifest_is_valid_against_the_official_schemas() {
     if !installed("kubernetes-validate", "PyPI's kubernetes-validate") {
@@ -93,23 +123,26 @@ fn every_rendered_manifest_is_valid_against_the_official_schemas() {
     let ps = ["--config", "examples/ctr_ps.toml"];
     let pipeline = ["--config", "examples/gpt_pipeline.toml"];
     let jobs: [(&[&str], &str, usize); 6] = [
-        (&collective, "indexed", 4),
-        (&collective, "pytorchjob", 3),
-        (&collective, "paddlejob", 3),
-        (&ps, "indexed", 5),
-        (&ps, "paddlejob", 3),
-        (&pipeline, "indexed", 4),
+        (&collective, "indexed", 3),
+        (&collective, "pytorchjob", 2),
+        (&collective, "paddlejob", 2),
+        (&ps, "indexed", 4),
+        (&ps, "paddlejob", 2),
+        (&pipeline, "indexed", 3),
     ];
+    // Per-pod volumes (no claim of their own), and a shared one with the pods placed.
+    let shared = [&["--volume", "shared"][..], &PLACED].concat();
     for (job, operator, count) in jobs {
-        let items = render(&[job, &["--operator", operator]].concat());
-        assert_eq!(items.len(), count, "{job:?} {operator}: {items:?}");
-        let objects = core_objects(&items);
-        let validated = validate(&objects);
-        assert!(
-            validated.success,
-            "{job:?} --operator {operator}:\n{}\n{}",
-            validated.stdout, validated.stderr
-        );
+        for (flags, claims) in [(&[][..], 0), (&shared[..], 1)] {
+            let items = render(&[job, &["--operator", operator], flags].concat());
+            assert_eq!(items.len(), count + claims, "{job:?} {operator} {flags:?}: {items:?}");
+            let validated = validate(&core_objects(&items));
+            assert!(
+                validated.success,
+                "{job:?} --operator {operator} {flags:?}:\n{}\n{}",
+                validated.stdout, validated.stderr
+            );
+        }
     }
     // The validator itself refuses what the schema does not allow.
     let mut wrong = render(&collective)[0].clone();
@@ -140,312 +173,304 @@ fn what_cannot_be_rendered_is_refused_naming_why() {
             &["k8s", "--image", "i", "--operator", "paddlejob", "--port", "6170"],
             "--port 6170: a PaddleJob's pods are reached on its operator's port 36000",
         ),
+        (&["k8s", "--image", "i", "--storage", "10XB"], "--storage \"10XB\": not a Kubernetes quantity"),
+        (&["k8s", "--image", "i", "--storage", "0Gi"], "--storage \"0Gi\": a size is more than zero"),
+        (&["k8s", "--image", ""], "--image \"\": not an image reference"),
+        (&["k8s", "--image", "i", "--namespace", "Bad_NS"], "--namespace \"Bad_NS\": not a DNS label"),
+        (&["k8s", "--image", "i", "--name", "job-"], "--name \"job-\": a job's name is a DNS label"),
+        (
+            &["k8s", "--image", "i", "--storage-class", "fast_ssd"],
+            "--storage-class \"fast_ssd\": not a DNS subdomain",
+        ),
+        (
+            &["k8s", "--image", "i", "--image-pull-secret", "Registry"],
+            "--image-pull-secret \"Registry\": not a DNS subdomain",
+        ),
+        (&["k8s", "--image", "i", "--priority-class", "High"], "--priority-class \"High\": not a DNS subdomain"),
+        (&["k8s", "--image", "i", "--toleration", "gpu"], "--toleration \"gpu\": not KEY[=VALUE]:EFFECT"),
+        (
+            &["k8s", "--image", "i", "--toleration", "gpu=a:Never"],
+            "--toleration \"gpu=a:Never\": the effect \"Never\" is none of NoSchedule, PreferNoSchedule, NoExecute",
+        ),
+        (
+            &["k8s", "--image", "i", "--toleration", "a b:NoSchedule"],
+            "--toleration \"a b:NoSchedule\": \"a b\" is not a label key",
+        ),
+        (&["k8s", "--image", "i", "--node-selector", "pool"], "--node-selector \"pool\": not KEY=VALUE"),
+        (
+            &["k8s", "--image", "i", "--node-selector", "pool=a b"],
+            "--node-selector \"pool=a b\": \"a b\" is not a label value",
+        ),
     ] {
         let out = flotilla(args, &[], 60);
-        assert!(!out.success && out.stderr.contains(expected), "{args:?}:\n{}", out.stderr);
+        assert!(out.stderr.contains(expected), "{args:?}:\n{}", out.stderr);
+        assert_eq!(out.code, Some(78), "{args:?}: refused as a config is, not as a failure");
     }
 }
 
-/// The pods of the Indexed Jobs of `items`, run as a kubelet would on `hosts` (one pod per
-/// host, in order), with the Secret's token [`common::TEST_TOKEN`].
-struct Cluster {
-    _dir: tempfile::TempDir,
-    /// Host directories of the pods' volumes, by volume source (`configMap/NAME`, `claim/NAME`).
-    volumes: HashMap<String, PathBuf>,
-    /// `/etc/netns/NAME` of each host, holding its hosts file.
-    netns_dirs: Vec<PathBuf>,
-    /// Mount points this test made on this machine, to remove again.
-    made: Vec<PathBuf>,
-    /// This cluster's turn: its pods share this machine's mount points, which removing
-    /// would take from another cluster's pods.
-    _turn: std::sync::MutexGuard<'static, ()>,
-}
-
-/// One pod: its name, its index in its Job, the names it is found by, its spec, and what its
-/// controller adds to its container's environment.
-struct Pod {
-    name: String,
-    index: usize,
-    /// `POD.SUBDOMAIN` beside `POD` (an Indexed Job's pods under the headless Service).
-    subdomain: Option<String>,
-    spec: Value,
-    /// Variables the operator appends to the container's own, in its order.
-    operator_env: Vec<(String, String)>,
-}
-
-impl Cluster {
-    fn new(items: &[Value]) -> Self {
-        // One emulated cluster at a time.
-        static ONE_CLUSTER: std::sync::Mutex<()> = std::sync::Mutex::new(());
-        let turn = ONE_CLUSTER.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-        let dir = tempfile::tempdir().unwrap();
-        let mut volumes = HashMap::new();
-        for item in items {
-            let name = item["metadata"]["name"].as_str().unwrap();
-            match item["kind"].as_str().unwrap() {
-                "ConfigMap" => {
-                    let path = dir.path().join("configmaps").join(name);
-                    std::fs::create_dir_all(&path).unwrap();
-                    for (file, text) in item["data"].as_object().unwrap() {
-                        std::fs::write(path.join(file), text.as_str().unwrap()).unwrap();
-                    }
-                    volumes.insert(format!("configMap/{name}"), path);
-                }
-                "PersistentVolumeClaim" => {
-                    let path = dir.path().join("claims").join(name);
-                    std::fs::create_dir_all(&path).unwrap();
-                    volumes.insert(format!("claim/{name}"), path);
-                }
-                _ => {}
-            }
-        }
-        Cluster {
-            _dir: dir,
-            volumes,
-            netns_dirs: Vec::new(),
-            made: Vec::new(),
-            _turn: turn,
-        }
-    }
-
-    /// Every pod of `items`: those the Job controller makes of each Indexed Job, or the
-    /// training operator of its PyTorchJob or PaddleJob, with the environment each operator
-    /// adds (as their sources set it: Kubeflow's `pytorch/envvar.go`, Paddle's
-    /// `paddlejob_helper.go`).
-    fn pods(items: &[Value]) -> Vec<Pod> {
-        let mut pods = Vec::new();
-        for item in items {
-            let job = item["metadata"]["name"].as_str().unwrap();
-            match item["kind"].as_str().unwrap() {
-                "Job" => {
-                    assert_eq!(item["spec"]["completionMode"], "Indexed");
-                    let spec = &item["spec"]["template"]["spec"];
-                    for index in 0..item["spec"]["completions"].as_u64().unwrap() as usize {
-                        pods.push(Pod {
-                            name: format!("{job}-{index}"),
-                            index,
-                            subdomain: Some(spec["subdomain"].as_str().unwrap().to_string()),
-                            spec: spec.clone(),
-                            operator_env: Vec::new(),
-                        });
-                    }
-                }
-                "PyTorchJob" => {
-                    let specs = &item["spec"]["pytorchReplicaSpecs"];
-                    let per_node: usize = item["spec"]["nprocPerNode"].as_str().unwrap().parse().unwrap();
-                    let replicas = |kind: &str| specs[kind]["replicas"].as_u64().unwrap_or(0) as usize;
-                    let nodes = replicas("Master") + replicas("Worker");
-                    let master = &specs["Master"]["template"]["spec"];
-                    let ports = master["containers"][0]["ports"].as_array().unwrap();
-                    let port = ports.iter().find(|p| p["name"] == "pytorchjob-port").unwrap()["containerPort"].clone();
-                    for (kind, first_rank) in [("Master", 0), ("Worker", 1)] {
-                        for index in 0..replicas(kind) {
-                            let rank = (first_rank + index).to_string();
-                            pods.push(Pod {
-                                name: format!("{job}-{}-{index}", kind.to_lowercase()),
-                                index,
-                                subdomain: None,
-                                spec: specs[kind]["template"]["spec"].clone(),
-                                operator_env: [
-                                    ("PYTHONUNBUFFERED", "1".to_string()),
-                                    ("MASTER_PORT", port.to_string()),
-                                    ("MASTER_ADDR", format!("{job}-master-0")),
-                                    ("WORLD_SIZE", (nodes * per_node).to_string()),
-                                    ("RANK", rank.clone()),
-                                    ("PET_NODE_RANK", rank),
-                                    ("PET_NPROC_PER_NODE", per_node.to_string()),
-                                    ("PET_NNODES", nodes.to_string()),
-                                ]
-                                .map(|(k, v)| (k.to_string(), v))
-                                .to_vec(),
-                            });
-                        }
-                    }
-                }
-                "PaddleJob" => {
-                    assert_eq!(item["spec"]["intranet"], "Service");
-                    let endpoints = |role: &str| -> Vec<String> {
-                        let count = item["spec"][role]["replicas"].as_u64().unwrap_or(0);
-                        (0..count).map(|i| format!("{job}-{role}-{i}:36000")).collect()
-                    };
-                    // The operator's ConfigMap of the job (named as the job), read through envFrom.
-                    let mut shared = vec![
-                        ("TRAINER_PORTS_NUM".to_string(), "20".to_string()),
-                        ("PADDLE_PORT".to_string(), "41234".to_string()),
-                        ("PADDLE_TRAINER_ENDPOINTS".to_string(), endpoints("worker").join(",")),
-                        ("PADDLE_TRAINERS_NUM".to_string(), endpoints("worker").len().to_string()),
-                    ];
-                    if !item["spec"]["ps"].is_null() {
-                        shared.push(("PADDLE_PSERVERS_IP_PORT_LIST".to_string(), endpoints("ps").join(",")));
-                    }
-                    for (role, training_role) in [("ps", "PSERVER"), ("worker", "TRAINER")] {
-                        let Some(count) = item["spec"][role]["replicas"].as_u64() else {
-                            continue;
-                        };
-                        for index in 0..count as usize {
-                            let name = format!("{job}-{role}-{index}");
-                            let mut operator_env: Vec<(String, String)> = [
-                                ("POD_IP", name.clone()),
-                                ("PADDLE_TRAINER_ID", index.to_string()),
-                                ("TRAINING_ROLE", training_role.to_string()),
-                                ("PADDLE_TRAINING_ROLE", training_role.to_string()),
-                            ]
-                            .map(|(k, v)| (k.to_string(), v))
-                            .to_vec();
-                            operator_env.extend(shared.iter().cloned());
-                            pods.push(Pod {
-                                name,
-                                index,
-                                subdomain: None,
-                                spec: item["spec"][role]["template"]["spec"].clone(),
-                                operator_env,
-                            });
-                        }
-                    }
-                }
-                _ => {}
-            }
-        }
-        pods
-    }
-
-    /// The host directory a pod's volume `volume` is.
-    fn volume_dir(&self, pod: &Pod, volume: &str) -> PathBuf {
-        let volumes = pod.spec["volumes"].as_array().unwrap();
-        let source = volumes.iter().find(|v| v["name"] == volume).unwrap();
-        let key = match (
-            source["configMap"]["name"].as_str(),
-            source["persistentVolumeClaim"]["claimName"].as_str(),
-        ) {
-            (Some(map), _) => format!("configMap/{map}"),
-            (_, Some(claim)) => format!("claim/{claim}"),
-            _ => panic!("a volume this test does not provide: {source}"),
-        };
-        self.volumes[&key].clone()
-    }
-
-    /// The host path of `path` inside the pods (under one of their mounts).
-    fn host_path(&self, pod: &Pod, path: &str) -> PathBuf {
-        let mounts = pod.spec["containers"][0]["volumeMounts"].as_array().unwrap();
-        for mount in mounts {
-            let inside = mount["mountPath"].as_str().unwrap();
-            if let Ok(rest) = Path::new(path).strip_prefix(inside) {
-                return self.volume_dir(pod, mount["name"].as_str().unwrap()).join(rest);
-            }
-        }
-        panic!("{path} is on no volume of pod {}", pod.name);
-    }
-
-    /// Starts every pod, pod `i` on host `i`, and waits for them all.
-    fn run(&mut self, pods: &[Pod], hosts: &Hosts) -> Vec<Finished> {
-        let names: String = pods
+#[test]
+fn checkpoint_volumes_are_each_pods_own_unless_the_recovery_needs_a_shared_one() {
+    let checkpoints = |template: &Value| {
+        let volumes = template["spec"]["volumes"].as_array().unwrap();
+        volumes.iter().find(|v| v["name"] == "checkpoints").unwrap().clone()
+    };
+    let claims = |items: &[Value]| -> Vec<Value> {
+        items
             .iter()
-            .zip(&hosts.ips)
-            .map(|(pod, ip)| match &pod.subdomain {
-                Some(subdomain) => format!("{ip} {}.{subdomain} {}\n", pod.name, pod.name),
-                None => format!("{ip} {}\n", pod.name),
-            })
-            .collect();
-        let started: Vec<common::Started> = pods
-            .iter()
-            .zip(&hosts.names)
-            .map(|(pod, netns)| {
-                // `ip netns exec` puts /etc/netns/NAME/hosts in the place of /etc/hosts.
-                let netns_dir = PathBuf::from("/etc/netns").join(netns);
-                std::fs::create_dir_all(&netns_dir).unwrap();
-                std::fs::write(netns_dir.join("hosts"), format!("127.0.0.1 localhost\n{names}")).unwrap();
-                self.netns_dirs.push(netns_dir);
-                self.start(pod, netns)
-            })
-            .collect();
-        let pids: Vec<i32> = started.iter().flat_map(|pod| children_of(pod.child.id())).collect();
-        let finished = started.into_iter().map(|pod| pod.finish(240)).collect();
-        end_leftovers(pids);
-        finished
-    }
-
-    /// Starts `pod` in the network namespace `netns`: its volumes bind-mounted where it mounts
-    /// them (in the namespace's own mount table), its command with exactly its environment.
-    fn start(&mut self, pod: &Pod, netns: &str) -> common::Started {
-        let container = &pod.spec["containers"][0];
-        let mut mounts = String::new();
-        for mount in container["volumeMounts"].as_array().unwrap() {
-            let inside = PathBuf::from(mount["mountPath"].as_str().unwrap());
-            if !inside.exists() {
-                std::fs::create_dir_all(&inside).unwrap();
-                self.made.push(inside.clone());
-            }
-            let source = self.volume_dir(pod, mount["name"].as_str().unwrap());
-            mounts += &format!("mount --bind '{}' '{}' && ", source.display(), inside.display());
+            .filter(|i| i["kind"] == "PersistentVolumeClaim")
+            .cloned()
+            .collect()
+    };
+    // In place (the default), every form's pods keep a ReadWriteOnce volume of their own.
+    for operator in ["indexed", "pytorchjob", "paddlejob"] {
+        let items = render(&["--operator", operator, "--set", "cluster.nnodes=2", "--storage", "20Gi"]);
+        assert_eq!(claims(&items), Vec::<Value>::new(), "{operator}: no shared claim");
+        for template in pod_templates(&items) {
+            let claim = &checkpoints(&template)["ephemeral"]["volumeClaimTemplate"]["spec"];
+            assert_eq!(claim["accessModes"], json!(["ReadWriteOnce"]), "{operator}: {template}");
+            assert_eq!(claim["resources"]["requests"]["storage"], "20Gi");
         }
-        let env = environment(pod, container);
-        let mut args = vec![
-            "netns".to_string(),
-            "exec".into(),
-            netns.into(),
-            "sh".into(),
-            "-c".into(),
-            format!("{mounts}exec env -i \"$@\""),
-            pod.name.clone(),
-        ];
-        args.extend(env.iter().map(|(k, v)| format!("{k}={v}")));
-        // The image's `flotilla` is this build's.
-        assert_eq!(container["command"], json!(["flotilla"]));
-        args.push(env!("CARGO_BIN_EXE_flotilla").into());
-        for arg in container["args"].as_array().unwrap() {
-            args.push(expand(arg.as_str().unwrap(), &env));
-        }
-        let args: Vec<&str> = args.iter().map(String::as_str).collect();
-        common::start_program("ip", &args, &[])
     }
+    // Restarting every process reads one shared checkpoint directory: ReadWriteMany, as asked.
+    let restart = ["--set", "fault_tolerance.recovery=restart"];
+    for flags in [
+        &restart[..],
+        &["--volume", "shared"],
+        &[&restart[..], &["--volume", "shared"]].concat(),
+    ] {
+        let items = render(flags);
+        let claim = &claims(&items)[0];
+        assert_eq!(claim["spec"]["accessModes"], json!(["ReadWriteMany"]), "{flags:?}");
+        for template in pod_templates(&items) {
+            assert_eq!(
+                checkpoints(&template)["persistentVolumeClaim"]["claimName"],
+                "job-checkpoints"
+            );
+        }
+    }
+    let out = flotilla(
+        &[&["k8s", "--image", "i", "--volume", "per-pod"], &restart[..]].concat(),
+        &[],
+        60,
+    );
+    assert!(
+        out.stderr
+            .contains("--volume per-pod: config.toml recovers by restarting every process")
+            && out.stderr.contains("use --volume shared"),
+        "{}",
+        out.stderr
+    );
+    assert_eq!(out.code, Some(78));
 }
 
-/// The environment the kubelet gives `pod`'s `container`: its variables in order (each may
-/// use the ones before), the Job's index and the pod's host name.
-fn environment(pod: &Pod, container: &Value) -> Vec<(String, String)> {
-    let mut env = vec![
-        ("JOB_COMPLETION_INDEX".to_string(), pod.index.to_string()),
-        ("HOSTNAME".to_string(), pod.name.clone()),
+/// What in the pod `template` Pod Security's `restricted` profile forbids, by its rules
+/// (kubernetes.io/docs/concepts/security/pod-security-standards): one line per breach. A
+/// container's setting overrides its pod's.
+fn restricted_breaches(template: &Value) -> Vec<String> {
+    const VOLUME_TYPES: [&str; 8] = [
+        "configMap",
+        "csi",
+        "downwardAPI",
+        "emptyDir",
+        "ephemeral",
+        "persistentVolumeClaim",
+        "projected",
+        "secret",
     ];
-    for var in container["env"].as_array().unwrap() {
-        let name = var["name"].as_str().unwrap().to_string();
-        let value = match (&var["value"], &var["valueFrom"]) {
-            (Value::String(value), _) => expand(value, &env),
-            (_, from)
-                if from["fieldRef"]["fieldPath"]
-                    == "metadata.annotations['batch.kubernetes.io/job-completion-index']" =>
-            {
-                pod.index.to_string()
-            }
-            (_, from) if from["secretKeyRef"]["name"] == "job-token" && from["secretKeyRef"]["key"] == "token" => {
-                common::TEST_TOKEN.to_string()
-            }
-            _ => panic!("a variable this test does not provide: {var}"),
-        };
-        env.push((name, value));
+    let (spec, pod) = (&template["spec"], &template["spec"]["securityContext"]);
+    let mut breaches = Vec::new();
+    let mut rule = |holds: bool, what: String| breaches.extend((!holds).then_some(what));
+    for host in ["hostNetwork", "hostPID", "hostIPC"] {
+        rule(spec[host] != true, format!("{host} is set"));
     }
-    env.extend(pod.operator_env.iter().cloned());
-    env
+    for volume in spec["volumes"].as_array().into_iter().flatten() {
+        let kind = volume.as_object().unwrap().keys().find(|key| *key != "name").unwrap();
+        rule(VOLUME_TYPES.contains(&kind.as_str()), format!("a {kind} volume"));
+    }
+    rule(pod["runAsUser"] != 0, "the pod runs as root".into());
+    let containers = ["initContainers", "containers", "ephemeralContainers"].map(|key| spec[key].as_array());
+    for container in containers.into_iter().flatten().flatten() {
+        let (name, own) = (&container["name"], &container["securityContext"]);
+        let setting = |key: &str| if own[key].is_null() { &pod[key] } else { &own[key] };
+        rule(
+            setting("runAsNonRoot") == true,
+            format!("{name}: runAsNonRoot is not true"),
+        );
+        rule(own["runAsUser"] != 0, format!("{name}: runs as root"));
+        rule(own["privileged"] != true, format!("{name}: privileged"));
+        rule(
+            own["allowPrivilegeEscalation"] == false,
+            format!("{name}: may escalate privileges"),
+        );
+        let capabilities = |list: &str| own["capabilities"][list].as_array().cloned().unwrap_or_default();
+        rule(
+            capabilities("drop").contains(&json!("ALL")),
+            format!("{name}: does not drop ALL"),
+        );
+        let added = capabilities("add");
+        rule(
+            added.iter().all(|c| c == "NET_BIND_SERVICE"),
+            format!("{name}: adds {added:?}"),
+        );
+        let seccomp = &setting("seccompProfile")["type"];
+        rule(
+            seccomp == "RuntimeDefault" || seccomp == "Localhost",
+            format!("{name}: seccomp {seccomp}"),
+        );
+    }
+    breaches
 }
 
-/// `text` with every `$(VAR)` of `env` replaced, as the kubelet does.
-fn expand(text: &str, env: &[(String, String)]) -> String {
-    env.iter().fold(text.to_string(), |text, (name, value)| {
-        text.replace(&format!("$({name})"), value)
-    })
-}
-
-impl Drop for Cluster {
-    fn drop(&mut self) {
-        for dir in self.netns_dirs.iter().chain(&self.made) {
-            let _ = std::fs::remove_dir_all(dir);
+#[test]
+fn every_pod_meets_the_restricted_pod_security_profile() {
+    let collective = ["--set", "cluster.nnodes=2"];
+    let ps = ["--config", "examples/ctr_ps.toml"];
+    let jobs: [(&[&str], &str); 5] = [
+        (&collective, "indexed"),
+        (&collective, "pytorchjob"),
+        (&collective, "paddlejob"),
+        (&ps, "indexed"),
+        (&ps, "paddlejob"),
+    ];
+    for (job, operator) in jobs {
+        for volume in ["per-pod", "shared"] {
+            let items = render(&[job, &["--operator", operator, "--volume", volume]].concat());
+            for template in pod_templates(&items) {
+                assert_eq!(
+                    restricted_breaches(&template),
+                    Vec::<String>::new(),
+                    "{operator} {volume}: {template}"
+                );
+                let container = &template["spec"]["containers"][0];
+                assert_eq!(container["securityContext"]["readOnlyRootFilesystem"], true);
+                // The one path it writes outside its volumes is scratch space of its own.
+                let scratch = container["volumeMounts"]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .find(|m| m["mountPath"] == "/tmp");
+                let volumes = template["spec"]["volumes"].as_array().unwrap();
+                let scratch = volumes.iter().find(|v| v["name"] == scratch.unwrap()["name"]).unwrap();
+                assert!(scratch["emptyDir"].is_object(), "{scratch}");
+            }
         }
     }
+    // The check sees what the profile forbids.
+    let mut root = pod_templates(&render(&[]))[0].clone();
+    root["spec"]["hostNetwork"] = json!(true);
+    root["spec"]["containers"][0]["securityContext"] =
+        json!({ "runAsNonRoot": false, "capabilities": { "add": ["SYS_ADMIN"] } });
+    root["spec"]["volumes"][0] = json!({ "name": "host", "hostPath": { "path": "/" } });
+    assert_eq!(restricted_breaches(&root).len(), 6, "{:?}", restricted_breaches(&root));
 }
 
-/// Renders `args`' job, runs its pods on hosts of their own, and returns the run directory all
-/// pods wrote into.
-fn train_in_pods(args: &[&str]) -> Option<(Cluster, PathBuf)> {
+/// `backoffLimit` and restart policies of `operator`'s manifests for `max_restarts`, as
+/// `[limit, policy]` per pod template.
+fn retries(operator: &str, max_restarts: usize) -> Vec<Value> {
+    let restarts = format!("fault_tolerance.max_restarts={max_restarts}");
+    let items = render(&["--operator", operator, "--set", "cluster.nnodes=2", "--set", &restarts]);
+    let job = items.last().unwrap();
+    let limit = match job["kind"].as_str().unwrap() {
+        "Job" => job["spec"]["backoffLimit"].clone(),
+        "PyTorchJob" => job["spec"]["runPolicy"]["backoffLimit"].clone(),
+        _ => Value::Null,
+    };
+    let templates = pod_templates(&items);
+    templates
+        .iter()
+        .map(|t| json!([limit, t["spec"]["restartPolicy"]]))
+        .collect()
+}
+
+#[test]
+fn pods_are_placed_by_the_flags_and_retried_as_the_config_says() {
+    for operator in ["indexed", "pytorchjob", "paddlejob"] {
+        let items = render(&[&["--operator", operator, "--set", "cluster.nnodes=2"], &PLACED[..]].concat());
+        for template in pod_templates(&items) {
+            let spec = &template["spec"];
+            assert_eq!(
+                spec["imagePullSecrets"],
+                json!([{ "name": "registry" }, { "name": "mirror" }])
+            );
+            assert_eq!(spec["nodeSelector"], json!({ "example.com/zone": "a", "pool": "gpu" }));
+            let tolerations = json!([
+                { "key": "nvidia.com/gpu", "operator": "Equal", "value": "present", "effect": "NoSchedule" },
+                { "key": "spot", "operator": "Exists", "effect": "NoExecute" },
+            ]);
+            assert_eq!(spec["tolerations"], tolerations, "{operator}");
+            assert_eq!(spec["priorityClassName"], "training");
+        }
+    }
+    // A lost pod is retried up to fault_tolerance.max_restarts: by the Job, which makes it
+    // again, or by its operator; a PaddleJob's operator has no limit, so its pods restart in
+    // place only when the job may restart at all.
+    for restarts in [0, 3] {
+        let in_place = if restarts == 0 { "Never" } else { "OnFailure" };
+        assert_eq!(retries("indexed", restarts), [json!([restarts, "Never"])]);
+        assert_eq!(retries("pytorchjob", restarts), vec![json!([restarts, in_place]); 2]);
+        assert_eq!(retries("paddlejob", restarts), [json!([null, in_place])]);
+    }
+    let help = flotilla(&["k8s", "--help"], &[], 60).stdout;
+    assert!(
+        help.contains("fault_tolerance.max_restarts") && help.contains("backoffLimit"),
+        "{help}"
+    );
+}
+
+#[test]
+fn a_gpu_jobs_manifests_print_in_any_build() {
+    let items = render(&["--set", "cluster.device=gpu", "--set", "cluster.nnodes=2"]);
+    for template in pod_templates(&items) {
+        assert_eq!(
+            template["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"],
+            "2"
+        );
+    }
+    let job = items[0]["data"]["job.toml"].as_str().unwrap();
+    assert!(job.contains("device = \"gpu\""), "{job}");
+    if installed("kubernetes-validate", "PyPI's kubernetes-validate") {
+        assert!(validate(&core_objects(&items)).success);
+    }
+}
+
+#[test]
+fn the_image_runs_as_the_user_the_pods_run_as() {
+    let dockerfile = std::fs::read_to_string("Dockerfile").unwrap();
+    let instruction = |name: &str| -> Vec<&str> {
+        let prefix = format!("{name} ");
+        dockerfile
+            .lines()
+            .filter_map(|line| line.strip_prefix(prefix.as_str()))
+            .collect()
+    };
+    let user = *instruction("USER").last().unwrap();
+    let (uid, gid) = user.split_once(':').unwrap();
+    let pod = &pod_templates(&render(&[]))[0]["spec"]["securityContext"];
+    assert_eq!(
+        [uid, gid, gid],
+        [&pod["runAsUser"], &pod["runAsGroup"], &pod["fsGroup"]].map(|id| id.to_string())
+    );
+    assert!(
+        dockerfile.contains(&format!("--uid {uid}")),
+        "the image has no user {uid}"
+    );
+    assert_eq!(instruction("ENTRYPOINT"), [r#"["flotilla"]"#]);
+    assert!(instruction("RUN")
+        .iter()
+        .any(|run| run.contains("cargo build --release --locked")));
+    let ignored = std::fs::read_to_string(".dockerignore").unwrap();
+    for dir in ["target/", "runs/"] {
+        assert!(
+            ignored.lines().any(|line| line == dir),
+            "{dir} is sent to the image build"
+        );
+    }
+}
+
+/// Renders `args`' job, runs its pods on hosts of their own, and returns the run's outputs: the
+/// files of every pod's run directory (each pod's own, on per-pod volumes), the first pod's
+/// where two wrote one.
+fn train_in_pods(args: &[&str]) -> Option<tempfile::TempDir> {
     let items = render(args);
     let pods = Cluster::pods(&items);
     assert!(!pods.is_empty(), "{args:?} renders no pods");
@@ -455,8 +480,17 @@ fn train_in_pods(args: &[&str]) -> Option<(Cluster, PathBuf)> {
     for (pod, end) in pods.iter().zip(&finished) {
         assert!(end.success, "pod {} failed:\n{}\n{}", pod.name, end.stdout, end.stderr);
     }
-    let run_dir = cluster.host_path(&pods[0], flotilla::k8s::RUN_DIR);
-    Some((cluster, run_dir))
+    let outputs = tempfile::tempdir().unwrap();
+    for pod in &pods {
+        for entry in std::fs::read_dir(cluster.host_path(pod, flotilla::k8s::RUN_DIR)).unwrap() {
+            let entry = entry.unwrap();
+            let (path, copy) = (entry.path(), outputs.path().join(entry.file_name()));
+            if path.is_file() && !copy.exists() {
+                std::fs::copy(&path, &copy).unwrap();
+            }
+        }
+    }
+    Some(outputs)
 }
 
 /// The pods of a 2-node data-parallel job rendered for `operator` end bit-identical to the
@@ -465,10 +499,10 @@ fn data_parallel_pods_train_as_in_one_process(operator: &str) {
     let steps = "train.steps=20";
     #[rustfmt::skip]
     let args = ["--operator", operator, "--set", "cluster.nnodes=2", "--set", "cluster.nproc_per_node=1", "--set", steps];
-    let Some((_cluster, run_dir)) = train_in_pods(&args) else {
+    let Some(outputs) = train_in_pods(&args) else {
         return;
     };
-    let summary = common::read_summary(&run_dir);
+    let summary = common::read_summary(outputs.path());
     assert_eq!(summary["world_size"], 2);
     let simulated = train_in_process(config(&[steps]));
     assert_eq!(summary["param_checksum"], simulated.summary.param_checksum.as_str());
@@ -486,10 +520,10 @@ fn parameter_server_pods_train_as_in_one_process(operator: &str) {
         "--set",
         steps,
     ];
-    let Some((_cluster, run_dir)) = train_in_pods(&args) else {
+    let Some(outputs) = train_in_pods(&args) else {
         return;
     };
-    common::ps_matches_uninterrupted(&[steps], &common::read_summary(&run_dir), &run_dir);
+    common::ps_matches_uninterrupted(&[steps], &common::read_summary(outputs.path()), outputs.path());
 }
 
 #[test]

@@ -8,13 +8,20 @@ use k8s_openapi::api::core::v1::PodTemplateSpec;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use serde::Serialize;
 
-use super::objects::{metadata, pod_template, restarts};
+use super::objects::{metadata, restarts};
 use super::pods::PodGroup;
-use super::K8sOptions;
+use super::template::pod_template;
+use super::{Plan, VolumeMode};
 use crate::config::JobConfig;
 
-/// Pods the operator starts again in place when they fail, up to the job's restarts.
-const RESTART_POLICY: &str = "OnFailure";
+/// How the operator treats a pod that failed: started again in place while the job may
+/// restart (`fault_tolerance.max_restarts` > 0), else left failed, failing the job.
+fn restart_policy(config: &JobConfig) -> &'static str {
+    match config.fault_tolerance.max_restarts {
+        0 => "Never",
+        _ => "OnFailure",
+    }
+}
 
 #[derive(Debug, Serialize)]
 #[serde(rename_all = "camelCase")]
@@ -51,9 +58,13 @@ struct ReplicaSpec {
 }
 
 /// A PyTorchJob of the collective job: a `Master` pod (node 0, the coordinator's) and `Worker`
-/// pods, each running its node's launcher with the operator's node rank and master address.
-pub(super) fn pytorch_job(config: &JobConfig, options: &K8sOptions, groups: &[PodGroup]) -> PyTorchJob {
-    let specs = groups
+/// pods, each running its node's launcher with the operator's node rank and master address;
+/// the operator fails the job once its pods restarted `fault_tolerance.max_restarts` times.
+pub(super) fn pytorch_job(plan: &Plan) -> PyTorchJob {
+    let (config, options) = (plan.config, plan.options);
+    let restart_policy = restart_policy(config);
+    let specs = plan
+        .groups
         .iter()
         .map(|group| {
             let replica_type = if group.role == "master" { "Master" } else { "Worker" };
@@ -61,8 +72,8 @@ pub(super) fn pytorch_job(config: &JobConfig, options: &K8sOptions, groups: &[Po
                 replica_type,
                 ReplicaSpec {
                     replicas: replicas(group),
-                    restart_policy: RESTART_POLICY,
-                    template: pod_template(config, options, group, RESTART_POLICY),
+                    restart_policy,
+                    template: pod_template(plan, group, restart_policy),
                 },
             )
         })
@@ -109,14 +120,16 @@ struct ResourceSpec {
 }
 
 /// A PaddleJob: `ps` pods for the servers of a parameter-server job and `worker` pods for its
-/// trainers or a collective job's nodes.
-pub(super) fn paddle_job(config: &JobConfig, options: &K8sOptions, groups: &[PodGroup]) -> anyhow::Result<PaddleJob> {
+/// trainers or a collective job's nodes. Its operator has no limit of restarts: a job that may
+/// restart has its failed pods started again in place by the kubelet, with its back-off.
+pub(super) fn paddle_job(plan: &Plan) -> anyhow::Result<PaddleJob> {
     let spec = |group: &PodGroup| ResourceSpec {
         replicas: replicas(group),
-        template: pod_template(config, options, group, RESTART_POLICY),
+        template: pod_template(plan, group, restart_policy(plan.config)),
     };
-    let ps = groups.iter().find(|group| group.role == "ps").map(spec);
-    let worker = groups
+    let ps = plan.groups.iter().find(|group| group.role == "ps").map(spec);
+    let worker = plan
+        .groups
         .iter()
         .find(|group| group.role == "worker")
         .map(spec)
@@ -124,9 +137,13 @@ pub(super) fn paddle_job(config: &JobConfig, options: &K8sOptions, groups: &[Pod
     Ok(PaddleJob {
         api_version: "batch.paddlepaddle.org/v1",
         kind: "PaddleJob",
-        metadata: metadata(options, options.name.clone()),
+        metadata: metadata(plan.options, plan.options.name.clone()),
         spec: PaddleJobSpec {
-            clean_pod_policy: "OnCompletion",
+            // Per-pod volumes go with their pods: rank 0's holds the run's outputs.
+            clean_pod_policy: match plan.volume {
+                VolumeMode::PerPod => "Never",
+                VolumeMode::Shared => "OnCompletion",
+            },
             intranet: "Service",
             ps,
             worker,
