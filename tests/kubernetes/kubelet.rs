@@ -84,92 +84,9 @@ impl Cluster {
         for item in items {
             let job = item["metadata"]["name"].as_str().unwrap();
             match item["kind"].as_str().unwrap() {
-                "Job" => {
-                    assert_eq!(item["spec"]["completionMode"], "Indexed");
-                    let spec = &item["spec"]["template"]["spec"];
-                    for index in 0..item["spec"]["completions"].as_u64().unwrap() as usize {
-                        pods.push(Pod {
-                            name: format!("{job}-{index}"),
-                            index,
-                            subdomain: Some(spec["subdomain"].as_str().unwrap().to_string()),
-                            spec: spec.clone(),
-                            operator_env: Vec::new(),
-                        });
-                    }
-                }
-                "PyTorchJob" => {
-                    let specs = &item["spec"]["pytorchReplicaSpecs"];
-                    let per_node: usize = item["spec"]["nprocPerNode"].as_str().unwrap().parse().unwrap();
-                    let replicas = |kind: &str| specs[kind]["replicas"].as_u64().unwrap_or(0) as usize;
-                    let nodes = replicas("Master") + replicas("Worker");
-                    let master = &specs["Master"]["template"]["spec"];
-                    let ports = master["containers"][0]["ports"].as_array().unwrap();
-                    let port = ports.iter().find(|p| p["name"] == "pytorchjob-port").unwrap()["containerPort"].clone();
-                    for (kind, first_rank) in [("Master", 0), ("Worker", 1)] {
-                        for index in 0..replicas(kind) {
-                            let rank = (first_rank + index).to_string();
-                            pods.push(Pod {
-                                name: format!("{job}-{}-{index}", kind.to_lowercase()),
-                                index,
-                                subdomain: None,
-                                spec: specs[kind]["template"]["spec"].clone(),
-                                operator_env: [
-                                    ("PYTHONUNBUFFERED", "1".to_string()),
-                                    ("MASTER_PORT", port.to_string()),
-                                    ("MASTER_ADDR", format!("{job}-master-0")),
-                                    ("WORLD_SIZE", (nodes * per_node).to_string()),
-                                    ("RANK", rank.clone()),
-                                    ("PET_NODE_RANK", rank),
-                                    ("PET_NPROC_PER_NODE", per_node.to_string()),
-                                    ("PET_NNODES", nodes.to_string()),
-                                ]
-                                .map(|(k, v)| (k.to_string(), v))
-                                .to_vec(),
-                            });
-                        }
-                    }
-                }
-                "PaddleJob" => {
-                    assert_eq!(item["spec"]["intranet"], "Service");
-                    let endpoints = |role: &str| -> Vec<String> {
-                        let count = item["spec"][role]["replicas"].as_u64().unwrap_or(0);
-                        (0..count).map(|i| format!("{job}-{role}-{i}:36000")).collect()
-                    };
-                    // The operator's ConfigMap of the job (named as the job), read through envFrom.
-                    let mut shared = vec![
-                        ("TRAINER_PORTS_NUM".to_string(), "20".to_string()),
-                        ("PADDLE_PORT".to_string(), "41234".to_string()),
-                        ("PADDLE_TRAINER_ENDPOINTS".to_string(), endpoints("worker").join(",")),
-                        ("PADDLE_TRAINERS_NUM".to_string(), endpoints("worker").len().to_string()),
-                    ];
-                    if !item["spec"]["ps"].is_null() {
-                        shared.push(("PADDLE_PSERVERS_IP_PORT_LIST".to_string(), endpoints("ps").join(",")));
-                    }
-                    for (role, training_role) in [("ps", "PSERVER"), ("worker", "TRAINER")] {
-                        let Some(count) = item["spec"][role]["replicas"].as_u64() else {
-                            continue;
-                        };
-                        for index in 0..count as usize {
-                            let name = format!("{job}-{role}-{index}");
-                            let mut operator_env: Vec<(String, String)> = [
-                                ("POD_IP", name.clone()),
-                                ("PADDLE_TRAINER_ID", index.to_string()),
-                                ("TRAINING_ROLE", training_role.to_string()),
-                                ("PADDLE_TRAINING_ROLE", training_role.to_string()),
-                            ]
-                            .map(|(k, v)| (k.to_string(), v))
-                            .to_vec();
-                            operator_env.extend(shared.iter().cloned());
-                            pods.push(Pod {
-                                name,
-                                index,
-                                subdomain: None,
-                                spec: item["spec"][role]["template"]["spec"].clone(),
-                                operator_env,
-                            });
-                        }
-                    }
-                }
+                "Job" => indexed_job_pods(job, item, &mut pods),
+                "PyTorchJob" => pytorch_job_pods(job, item, &mut pods),
+                "PaddleJob" => paddle_job_pods(job, item, &mut pods),
                 _ => {}
             }
         }
@@ -271,6 +188,98 @@ impl Cluster {
         }
         let args: Vec<&str> = args.iter().map(String::as_str).collect();
         common::start_program("ip", &args, &[])
+    }
+}
+
+/// The pods the Job controller makes of the Indexed Job `item`.
+fn indexed_job_pods(job: &str, item: &Value, pods: &mut Vec<Pod>) {
+    assert_eq!(item["spec"]["completionMode"], "Indexed");
+    let spec = &item["spec"]["template"]["spec"];
+    for index in 0..item["spec"]["completions"].as_u64().unwrap() as usize {
+        pods.push(Pod {
+            name: format!("{job}-{index}"),
+            index,
+            subdomain: Some(spec["subdomain"].as_str().unwrap().to_string()),
+            spec: spec.clone(),
+            operator_env: Vec::new(),
+        });
+    }
+}
+
+/// The pods Kubeflow's training operator makes of the PyTorchJob `item`.
+fn pytorch_job_pods(job: &str, item: &Value, pods: &mut Vec<Pod>) {
+    let specs = &item["spec"]["pytorchReplicaSpecs"];
+    let per_node: usize = item["spec"]["nprocPerNode"].as_str().unwrap().parse().unwrap();
+    let replicas = |kind: &str| specs[kind]["replicas"].as_u64().unwrap_or(0) as usize;
+    let nodes = replicas("Master") + replicas("Worker");
+    let master = &specs["Master"]["template"]["spec"];
+    let ports = master["containers"][0]["ports"].as_array().unwrap();
+    let port = ports.iter().find(|p| p["name"] == "pytorchjob-port").unwrap()["containerPort"].clone();
+    for (kind, first_rank) in [("Master", 0), ("Worker", 1)] {
+        for index in 0..replicas(kind) {
+            let rank = (first_rank + index).to_string();
+            pods.push(Pod {
+                name: format!("{job}-{}-{index}", kind.to_lowercase()),
+                index,
+                subdomain: None,
+                spec: specs[kind]["template"]["spec"].clone(),
+                operator_env: [
+                    ("PYTHONUNBUFFERED", "1".to_string()),
+                    ("MASTER_PORT", port.to_string()),
+                    ("MASTER_ADDR", format!("{job}-master-0")),
+                    ("WORLD_SIZE", (nodes * per_node).to_string()),
+                    ("RANK", rank.clone()),
+                    ("PET_NODE_RANK", rank),
+                    ("PET_NPROC_PER_NODE", per_node.to_string()),
+                    ("PET_NNODES", nodes.to_string()),
+                ]
+                .map(|(k, v)| (k.to_string(), v))
+                .to_vec(),
+            });
+        }
+    }
+}
+
+/// The pods Paddle's operator makes of the PaddleJob `item`.
+fn paddle_job_pods(job: &str, item: &Value, pods: &mut Vec<Pod>) {
+    assert_eq!(item["spec"]["intranet"], "Service");
+    let endpoints = |role: &str| -> Vec<String> {
+        let count = item["spec"][role]["replicas"].as_u64().unwrap_or(0);
+        (0..count).map(|i| format!("{job}-{role}-{i}:36000")).collect()
+    };
+    // The operator's ConfigMap of the job (named as the job), read through envFrom.
+    let mut shared = vec![
+        ("TRAINER_PORTS_NUM".to_string(), "20".to_string()),
+        ("PADDLE_PORT".to_string(), "41234".to_string()),
+        ("PADDLE_TRAINER_ENDPOINTS".to_string(), endpoints("worker").join(",")),
+        ("PADDLE_TRAINERS_NUM".to_string(), endpoints("worker").len().to_string()),
+    ];
+    if !item["spec"]["ps"].is_null() {
+        shared.push(("PADDLE_PSERVERS_IP_PORT_LIST".to_string(), endpoints("ps").join(",")));
+    }
+    for (role, training_role) in [("ps", "PSERVER"), ("worker", "TRAINER")] {
+        let Some(count) = item["spec"][role]["replicas"].as_u64() else {
+            continue;
+        };
+        for index in 0..count as usize {
+            let name = format!("{job}-{role}-{index}");
+            let mut operator_env: Vec<(String, String)> = [
+                ("POD_IP", name.clone()),
+                ("PADDLE_TRAINER_ID", index.to_string()),
+                ("TRAINING_ROLE", training_role.to_string()),
+                ("PADDLE_TRAINING_ROLE", training_role.to_string()),
+            ]
+            .map(|(k, v)| (k.to_string(), v))
+            .to_vec();
+            operator_env.extend(shared.iter().cloned());
+            pods.push(Pod {
+                name,
+                index,
+                subdomain: None,
+                spec: item["spec"][role]["template"]["spec"].clone(),
+                operator_env,
+            });
+        }
     }
 }
 
