@@ -281,3 +281,24 @@ fn the_gpu_check_asks_the_driver_it_finds() {
         lines[0]
     );
 }
+
+#[test]
+fn data_files_that_are_not_there_fail_naming_the_key_and_the_file() {
+    let job = loopback_job(free_port_range(3));
+    let run = doctor(
+        &job,
+        &[
+            "--set",
+            "train.dataset=\"csv\"",
+            "--set",
+            "train.train_files=[\"data/digits/digits.csv\", \"nosuch.csv\"]",
+        ],
+    );
+    assert!(!run.success, "{}", run.stdout);
+    assert_eq!(
+        failures(&run),
+        ["[FAIL] data: no such file or directory: train.train_files: nosuch.csv"],
+        "{}",
+        run.stdout
+    );
+}

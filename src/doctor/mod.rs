@@ -1,9 +1,11 @@
-//! `flotilla doctor`: checks before a launch, one line each — the config loads, every address
+//! `flotilla doctor`: checks before a launch, one line each — the config loads, its data files
+//! are there, every address
 //! the job will use resolves, this machine's ports are free, the other machines answer, the
 //! clock is synchronized and the device's libraries load — so that a job fails here, with the
 //! fix, rather than minutes into a launch on several machines.
 
 mod clock;
+mod data_files;
 mod endpoints;
 mod gpu;
 mod network;
@@ -60,6 +62,7 @@ pub fn run(options: &DoctorOptions, config: Result<JobConfig>) -> Result<()> {
         config.source_name,
         describe(&config)
     )));
+    report.extend(data_files::check_data_files(&config));
     check_endpoints(&mut report, &config, options);
     report.push(clock::check_clock());
     report.extend(gpu::check_device(config.cluster.device));
