@@ -416,6 +416,7 @@ fn checkpoint_inspect_shows_what_a_runs_checkpoints_hold() {
     );
     assert_eq!(file["metadata"]["format"], "flotilla-model");
     assert_eq!(file["metadata"]["optimizer"], "sgd");
+    assert_eq!(file["metadata"]["optimizer_steps"], "30", "SGD counts its updates too");
     let shards = inspect(&shards.join("checkpoints/step-00000010"));
     assert_eq!(shards["layout"], "parameter servers: 2 shard(s), 2 trainer(s)");
     let rows = &shards["files"][0]["rows"];

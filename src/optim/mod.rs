@@ -30,7 +30,7 @@ pub enum Optimizer {
 /// Everything an optimizer carries between steps besides the parameters.
 #[derive(Debug, Clone)]
 pub struct OptimizerState {
-    /// Updates applied so far (AdamW's bias-correction counter; 0 for SGD).
+    /// Updates applied so far (AdamW's bias-correction counter; SGD's only record of them).
     pub steps: u64,
     /// State tensors by parameter index (the order of the vars given to `new`) and slot name,
     /// e.g. (3, "momentum") for SGD, (3, "m") and (3, "v") for AdamW.
@@ -206,7 +206,7 @@ mod tests {
             match kind {
                 // The last var has had no gradient, so no velocity yet.
                 OptimizerKind::Sgd => {
-                    assert_eq!(state.steps, 0);
+                    assert_eq!(state.steps, 3, "a checkpoint says how many updates SGD applied");
                     let slots: Vec<_> = state.tensors.iter().map(|(i, s, _)| (*i, s.as_str())).collect();
                     assert_eq!(slots, [(0, "momentum"), (1, "momentum")]);
                 }

@@ -27,6 +27,8 @@ pub struct SgdMomentumConfig {
 pub struct SgdMomentum {
     params: Vec<(Var, Option<Tensor>)>,
     config: SgdMomentumConfig,
+    /// Updates applied: SGD's arithmetic needs no count, but a checkpoint says how far it got.
+    steps: u64,
 }
 
 impl Optimizer for SgdMomentum {
@@ -36,6 +38,7 @@ impl Optimizer for SgdMomentum {
         Ok(Self {
             params: vars.into_iter().map(|v| (v, None)).collect(),
             config,
+            steps: 0,
         })
     }
 
@@ -45,6 +48,7 @@ impl Optimizer for SgdMomentum {
             momentum,
             weight_decay,
         } = self.config;
+        self.steps += 1;
         for (var, velocity) in &mut self.params {
             let Some(grad) = grads.get(var) else { continue };
             let p = var.as_tensor();
@@ -108,8 +112,8 @@ fn composed_step(
 }
 
 impl SgdMomentum {
-    /// Copies of the velocities; a parameter that has none yet exports nothing, and the step
-    /// count is 0 (SGD keeps none).
+    /// Copies of the velocities (a parameter that has none yet exports nothing) and the count
+    /// of updates applied.
     pub fn state(&self) -> candle_core::Result<OptimizerState> {
         let mut tensors = Vec::new();
         for (index, (_, velocity)) in self.params.iter().enumerate() {
@@ -117,11 +121,14 @@ impl SgdMomentum {
                 tensors.push((index, "momentum".to_string(), velocity.copy()?.detach()));
             }
         }
-        Ok(OptimizerState { steps: 0, tensors })
+        Ok(OptimizerState {
+            steps: self.steps,
+            tensors,
+        })
     }
 
     /// Replaces the whole state with `state` (a parameter it lacks has no velocity yet); checks
-    /// every entry before changing anything. The step count is ignored.
+    /// every entry before changing anything.
     pub fn load_state(&mut self, state: OptimizerState) -> candle_core::Result<()> {
         for (index, slot, tensor) in &state.tensors {
             let param = self.params.get(*index).map(|(var, _)| var);
@@ -134,6 +141,7 @@ impl SgdMomentum {
             let (var, velocity) = &mut self.params[index];
             *velocity = Some(tensor.to_device(var.device())?.copy()?.detach());
         }
+        self.steps = state.steps;
         Ok(())
     }
 }
