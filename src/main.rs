@@ -114,8 +114,9 @@ enum Command {
         /// from).
         #[arg(long)]
         model: PathBuf,
-        /// CSV tables with a header row, or Parquet files (`.parquet`, `.pq`), for a model
-        /// file; Criteo TSV files, plain or `.gz`, for a CTR export; read in this order.
+        /// CSV tables with a header row, Parquet files (`.parquet`, `.pq`), or named arrays
+        /// (`.safetensors`, `.npz`, directories of `.npy`) for a model file; Criteo TSV files,
+        /// plain or `.gz`, for a CTR export; read in this order.
         #[arg(long, required = true, num_args = 1..)]
         data: Vec<PathBuf>,
         /// Where to write the scores.
@@ -213,11 +214,11 @@ enum TraceCommand {
 
 #[derive(Clone, Copy, ValueEnum)]
 enum Role {
-    /// A data-parallel trainer.
+    /// A trainer: a data-parallel rank, a pipeline stage, or a parameter-server job's trainer.
     Trainer,
     /// A parameter-server shard.
     Pserver,
-    /// The coordinator of a collective data-parallel job, as a process of its own.
+    /// The coordinator of a job of any strategy, as a process of its own.
     Coordinator,
 }
 
@@ -308,7 +309,10 @@ fn run(cli: Cli) -> Result<()> {
             Some(ps) => launch_ps(ps),
             None => {
                 let train = launched_train(&args.command)?;
-                let written = train.as_ref().map(|t| t.load_config(&process_env, &BUILT_IN)).transpose()?;
+                let written = train
+                    .as_ref()
+                    .map(|t| t.load_config(&process_env, &BUILT_IN))
+                    .transpose()?;
                 let args = args
                     .placed_by_engine(&process_env)?
                     .with_nproc_of(written.as_ref())
@@ -355,6 +359,9 @@ fn run(cli: Cli) -> Result<()> {
                 .with_context(|| format!("exporting {} to {}", run_dir.display(), out.display()))?;
             print_out(&(serde_json::to_string(&manifest.tables)? + "\n"));
             Ok(())
+        }
+        Command::Predict { model, .. } if !model.exists() => {
+            bail!("--model {}: no such file or directory", model.display())
         }
         Command::Predict { model, data, out } if model.is_file() => {
             let data: Vec<String> = data.iter().map(|p| p.to_string_lossy().into_owned()).collect();

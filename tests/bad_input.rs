@@ -339,3 +339,30 @@ fn inputs_found_wrong_after_validation_are_refusals_not_failures() {
         assert!(err.contains(says), "{extra:?}: {err}");
     }
 }
+
+/// A model file that is not there is named as missing, not as a directory without a manifest.
+#[test]
+fn predict_with_a_missing_model_file_says_no_such_file() {
+    let finished = flotilla(
+        &[
+            "predict",
+            "--model",
+            "nosuch.safetensors",
+            "--data",
+            "data/digits/digits.csv",
+            "--out",
+            "out.csv",
+        ],
+        &[],
+        60,
+    );
+    assert!(!finished.success);
+    assert!(
+        finished
+            .stderr
+            .contains("--model nosuch.safetensors: no such file or directory"),
+        "{}",
+        finished.stderr
+    );
+    assert!(!finished.stderr.contains("manifest.json"), "{}", finished.stderr);
+}
