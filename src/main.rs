@@ -309,13 +309,9 @@ fn run(cli: Cli) -> Result<()> {
             Some(ps) => launch_ps(ps),
             None => {
                 let train = launched_train(&args.command)?;
-                let written = train
-                    .as_ref()
-                    .map(|t| t.load_config(&process_env, &BUILT_IN))
-                    .transpose()?;
                 let args = args
                     .placed_by_engine(&process_env)?
-                    .with_nproc_of(written.as_ref())
+                    .with_nproc_of(|| train.as_ref().map(|t| t.load_config(&process_env, &BUILT_IN)))
                     .with_ports_chosen()?;
                 let exe = std::env::current_exe().context("locating the flotilla binary")?;
                 let mut children = args.plan(exe)?;

@@ -355,17 +355,28 @@ impl LaunchArgs {
             command: self.command.clone(),
         }))
     }
-    /// These arguments with this node's process count taken from the job's `config` (its
-    /// `cluster.nproc_per_node`) when neither `--nproc_per_node` nor `--devices` gives one: a
-    /// launcher of flotilla's trainer starts as many ranks as the job says, not one.
-    pub fn with_nproc_of(mut self, config: Option<&JobConfig>) -> Self {
-        if let (None, true, Some(config)) = (self.nproc_per_node, self.devices.is_empty(), config) {
-            let nproc = config.cluster.nproc_per_node;
-            tracing::info!(
-                nproc,
-                "--nproc_per_node not given: {nproc} process(es) on this node, the job's cluster.nproc_per_node"
-            );
-            self.nproc_per_node = Some(nproc);
+    /// These arguments with this node's process count taken from the job's config (its
+    /// `cluster.nproc_per_node`, loaded by `config` only then) when neither `--nproc_per_node`
+    /// nor `--devices` gives one: a launcher of flotilla's trainer starts as many ranks as the job
+    /// says, not one.
+    pub fn with_nproc_of(mut self, config: impl FnOnce() -> Option<Result<JobConfig>>) -> Self {
+        if self.nproc_per_node.is_some() || !self.devices.is_empty() {
+            return self;
+        }
+        match config() {
+            Some(Ok(config)) => {
+                let nproc = config.cluster.nproc_per_node;
+                tracing::info!(
+                    nproc,
+                    "--nproc_per_node not given: {nproc} process(es) on this node, the job's cluster.nproc_per_node"
+                );
+                self.nproc_per_node = Some(nproc);
+            }
+            Some(Err(e)) => tracing::warn!(
+                "--nproc_per_node not given, and the job's config does not load before its processes are \
+                 placed ({e:#}): starting one process on this node"
+            ),
+            None => {}
         }
         self
     }
