@@ -159,7 +159,9 @@ impl Cluster {
     /// its working directory.
     fn start(&mut self, pod: &Pod, netns: &str) -> common::Started {
         let container = &pod.spec["containers"][0];
-        let mut mounts = String::new();
+        // Mounts under /tmp (the pod's scratch volume) go last: they cover whatever this
+        // machine holds there.
+        let (mut mounts, mut scratch) = (String::new(), String::new());
         for mount in container["volumeMounts"].as_array().unwrap() {
             let inside = PathBuf::from(mount["mountPath"].as_str().unwrap());
             if !inside.exists() {
@@ -167,7 +169,29 @@ impl Cluster {
                 self.made.push(inside.clone());
             }
             let source = self.volume_dir(pod, mount["name"].as_str().unwrap());
-            mounts += &format!("mount --bind '{}' '{}' && ", source.display(), inside.display());
+            let bind = format!("mount --bind '{}' '{}' && ", source.display(), inside.display());
+            match inside.starts_with("/tmp") {
+                true => scratch += &bind,
+                false => mounts += &bind,
+            }
+        }
+        // A build checked out under /tmp would vanish under the scratch volume with the binary
+        // and every volume's directory: its target directory is bound to a stash outside /tmp
+        // first and bound back over the scratch volume last.
+        let target = Path::new(env!("CARGO_TARGET_TMPDIR")).parent().unwrap();
+        if !scratch.is_empty() && target.starts_with("/tmp") {
+            let stash = PathBuf::from(format!("/run/flotilla-kubelet-{}", std::process::id()));
+            if !stash.exists() {
+                std::fs::create_dir_all(&stash).unwrap();
+                self.made.push(stash.clone());
+            }
+            let (target, stash) = (target.display(), stash.display());
+            mounts = format!(
+                "mount --bind '{target}' '{stash}' && {mounts}{scratch}mkdir -p '{target}' && \
+                 mount --bind '{stash}' '{target}' && "
+            );
+        } else {
+            mounts += &scratch;
         }
         let env = environment(pod, container);
         let mut args = vec![
