@@ -114,7 +114,7 @@ fn an_export_scores_the_jobs_auc_and_a_delta_holds_exactly_the_rows_changed_sinc
     let error = predict(&base, &path("c.tsv")).unwrap_err();
     assert!(error.contains(&format!("{} is corrupt", rows.display())), "{error}");
     let error = predict(&path("nowhere"), &path("c.tsv")).unwrap_err();
-    assert!(error.contains("manifest.json"), "{error}");
+    assert!(error.contains("nowhere: no such file or directory"), "{error}");
     let error = flotilla(&["ps", "export", &late_run, "--out", &base]).unwrap_err();
     assert!(error.contains("already holds an export"), "{error}");
 }

@@ -7,7 +7,8 @@
 //! holds a second lock file shared while it runs. A process of the same job joins (a launcher's
 //! ranks and its restarts of them, the nodes of one job); another job is refused while the job
 //! runs, and afterwards while the directory holds its outputs, unless it means to write over them
-//! (`--overwrite`, `--resume`).
+//! (`--overwrite`, `--resume`). Processes without a job id (ranks an engine started) cannot be
+//! told apart: they join a directory claimed without one.
 
 use std::fs::{File, OpenOptions, TryLockError};
 use std::io::{ErrorKind, Read, Seek, Write};
@@ -87,12 +88,14 @@ struct Holder {
 
 impl Holder {
     /// Whether a process of the job `job` belongs to the job holding the directory: the same
-    /// id, or — while it runs — neither has one (the ranks an engine started for a job without
-    /// an id join the first of them).
-    fn admits(&self, job: Option<&str>, running: bool) -> bool {
+    /// id, or neither has one. Processes without an id cannot be told apart: the ranks an engine
+    /// started for a job without one join the first of them, and so do the ones it starts again
+    /// after all of them ended (torchrun's `--max-restarts`, Slurm's requeue). `train` and
+    /// flotilla's launchers always give their jobs an id.
+    fn admits(&self, job: Option<&str>) -> bool {
         match (self.job_id.as_deref(), job) {
             (Some(held), Some(job)) => held == job,
-            (None, None) => running,
+            (None, None) => true,
             _ => false,
         }
     }
@@ -128,7 +131,7 @@ pub fn claim(dir: &Path, job: Option<&str>, left: LeftOutputs) -> Result<Claim> 
         }
     };
     let holder = read_holder(&mut record, dir)?;
-    let joins = holder.as_ref().is_some_and(|h| h.admits(job, runs));
+    let joins = holder.as_ref().is_some_and(|h| h.admits(job));
     if runs {
         if !joins {
             let holder = holder.map_or_else(|| "another job".to_string(), |h| h.describe());
@@ -337,7 +340,7 @@ mod tests {
     }
 
     #[test]
-    fn processes_without_a_job_id_join_only_a_running_job_without_one() -> Result<()> {
+    fn processes_without_a_job_id_join_a_job_without_one_running_or_started_again() -> Result<()> {
         let parent = tempfile::tempdir()?;
         let dir = parent.path().join("run");
         let first = try_claim(&dir, None, LeftOutputs::Refuse).map_err(|e| anyhow!(e))?;
@@ -345,7 +348,9 @@ mod tests {
         let second = try_claim(&dir, None, LeftOutputs::Refuse).map_err(|e| anyhow!(e))?;
         try_claim(&dir, Some("a"), LeftOutputs::WriteOver).unwrap_err();
         drop((first, second));
-        let refused = try_claim(&dir, None, LeftOutputs::Refuse).unwrap_err();
+        // Every rank ended; the engine starts them again.
+        drop(try_claim(&dir, None, LeftOutputs::Refuse).map_err(|e| anyhow!(e))?);
+        let refused = try_claim(&dir, Some("a"), LeftOutputs::Refuse).unwrap_err();
         assert!(refused.contains("a job without an id"), "{refused}");
         Ok(())
     }
