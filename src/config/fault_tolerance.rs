@@ -102,15 +102,22 @@ impl FaultToleranceConfig {
             .unwrap_or(Duration::MAX)
     }
 
+    /// How long a rank that recovers in place waits for a silent coordinator (a process of its
+    /// own, which its launcher replaces when it hangs) before it presumes it dead: `timeout_s`,
+    /// at least the heartbeat deadline.
+    pub fn coordinator_patience(&self) -> Duration {
+        self.timeout().max(self.heartbeat_deadline())
+    }
+
     /// How long a launcher lets the coordinator process it started go without answering before
     /// it takes it for hung and replaces it: four heartbeat deadlines and at least 20 s (a loaded
     /// machine's slow answers are no hang; a coordinator stalled for seconds wakes and goes on),
-    /// but no longer than the ranks wait for it ([`Self::timeout`]).
+    /// but no longer than the ranks wait for it ([`Self::coordinator_patience`]).
     pub fn coordinator_hang_limit(&self) -> Duration {
         self.heartbeat_deadline()
             .saturating_mul(4)
             .max(COORDINATOR_HANG_MIN)
-            .min(self.timeout().max(self.heartbeat_deadline()))
+            .min(self.coordinator_patience())
     }
 
     /// [`FaultToleranceConfig::elastic_timeout_s`] as a `Duration` (saturating; validation keeps

@@ -171,7 +171,7 @@ impl CoordinatorPatience {
         let ft = &config.fault_tolerance;
         if in_place {
             Self {
-                limit: ft.timeout().max(ft.heartbeat_deadline()),
+                limit: ft.coordinator_patience(),
                 key: "fault_tolerance.timeout_s",
             }
         } else {
