@@ -9,6 +9,7 @@ use clap::Parser;
 
 use crate::config::{placement, process_env, JobConfig};
 use crate::job::run_dir::{self, Claim, LeftOutputs};
+use crate::job::torchrun::agent_may_restart;
 use crate::job::{resumed_config, Refusal, Resume, RunOptions, RESUME_VAR};
 use crate::launch::{thread_env, RUN_DIR_VAR};
 use crate::net::auth::generate_job_id;
@@ -134,8 +135,8 @@ impl TrainArgs {
         claim.hold_until_exit();
         let resume = match &self.resume {
             Some(_) => Resume::From(config.fault_tolerance.checkpoint_dir_of(&run_dir)),
-            // A launcher restarting the job after a failure.
-            None if std::env::var_os(RESUME_VAR).is_some() => Resume::IfAny,
+            // A launcher restarting the job after a failure, or torchrun's agent, which may.
+            None if std::env::var_os(RESUME_VAR).is_some() || agent_may_restart(&process_env) => Resume::IfAny,
             None => Resume::Fresh,
         };
         Ok(RunOptions {

@@ -570,6 +570,8 @@ fn run_role(role: Role, args: &TrainArgs) -> Result<()> {
                 let summary = ParameterServerJob::builtin(config)?.run_trainer(rank, &options)?;
                 print_ps_summary(summary.as_ref(), &options)?;
             } else {
+                let mut config = config;
+                flotilla::job::torchrun::meet_coordinator(&mut config, rank, &env)?;
                 let outcome = TrainingJob::builtin(config)?.run_rank(rank, &options)?;
                 print_collective_summary(outcome.as_ref(), &options)?;
             }

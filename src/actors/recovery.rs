@@ -174,7 +174,11 @@ impl Recovery {
                 check_layout(checkpoint, config)?;
                 tracing::info!(step = checkpoint.step, dir = %checkpoint.dir.display(), "resuming from checkpoint");
             }
-            // A launcher restarted the job after a failure: say what that means here.
+            // A launcher restarted the job after a failure, or may (torchrun's agent): say what
+            // that means here. No checkpoint directory yet is the first start.
+            None if *resume == Resume::IfAny && ft.checkpoint_every > 0 && !root.exists() => {
+                tracing::info!("no checkpoint in {} yet: training starts at step 0", root.display());
+            }
             None if *resume == Resume::IfAny => {
                 let why = if ft.checkpoint_every > 0 {
                     format!("none committed in {}", root.display())

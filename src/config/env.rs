@@ -1,7 +1,7 @@
 //! Environment-variable overrides, for compatibility with the launchers people use: Paddle's
 //! (`python -m paddle.distributed.launch`), which describes the job to each trainer through
 //! `PADDLE_*` variables, and torchrun's (`WORLD_SIZE`, `LOCAL_WORLD_SIZE`, `MASTER_ADDR`,
-//! `MASTER_PORT`). Where both families are set they must agree.
+//! `MASTER_PORT`, `TORCHELASTIC_RUN_ID`). Where both families are set they must agree.
 //!
 //! Each variable is parsed into a TOML value and written into the config table before
 //! deserialization, so it goes through exactly the same type checks and validation as the file.
@@ -152,6 +152,7 @@ pub(super) fn apply(
 ) -> Result<(), ConfigError> {
     let mut server_list = None;
     let master = torchrun_master(env)?;
+    let run_id = torchrun_run_id(env);
     let settings = ENV_OVERRIDES
         .iter()
         .filter_map(|entry| {
@@ -167,6 +168,7 @@ pub(super) fn apply(
             })
         })
         .chain(master.map(Ok))
+        .chain(run_id.map(Ok))
         .collect::<Result<Vec<_>, ConfigError>>()?;
     // What each key was set to, and by which variable, to check the other family against.
     let mut set_by: Vec<Setting> = Vec::new();
@@ -264,6 +266,23 @@ fn torchrun_master(env: &dyn Fn(&str) -> Option<String>) -> Result<Option<Settin
         var: "MASTER_ADDR:MASTER_PORT".to_string(),
         value: Value::String(master),
     }))
+}
+
+/// torchrun's run id (`--rdzv-id`, a fresh one under `--standalone`) as the job's id: the same
+/// on every node and across the agent's restarts, as a job id must be. `FLOTILLA_JOB_ID` wins
+/// when set; the static rendezvous's default id, `none`, names no job.
+fn torchrun_run_id(env: &dyn Fn(&str) -> Option<String>) -> Option<Setting> {
+    let set = |var: &str| env(var).map(|v| v.trim().to_string()).filter(|v| !v.is_empty());
+    if set("FLOTILLA_JOB_ID").is_some() {
+        return None;
+    }
+    let id = set("TORCHELASTIC_RUN_ID").filter(|id| id != "none")?;
+    Some(Setting {
+        key: &["cluster", "job_id"],
+        family: Family::Torchrun,
+        var: "TORCHELASTIC_RUN_ID".to_string(),
+        value: Value::String(id),
+    })
 }
 
 /// Converts a variable's (trimmed, non-empty) text according to `kind`.
@@ -394,6 +413,20 @@ mod tests {
         ]
         .concat();
         assert!(load_with("", &both, &[]).is_ok());
+    }
+
+    #[test]
+    fn torchruns_run_id_is_the_job_id_unless_flotillas_names_one() {
+        let agent = [("TORCHELASTIC_RUN_ID", "nightly-7")];
+        let config = load_with("", &agent, &[]).unwrap();
+        assert_eq!(config.cluster.job_id.as_deref(), Some("nightly-7"));
+        let both = [agent[0], ("FLOTILLA_JOB_ID", "mine")];
+        assert_eq!(
+            load_with("", &both, &[]).unwrap().cluster.job_id.as_deref(),
+            Some("mine")
+        );
+        let static_default = [("TORCHELASTIC_RUN_ID", "none")];
+        assert_eq!(load_with("", &static_default, &[]).unwrap().cluster.job_id, None);
     }
 
     #[test]

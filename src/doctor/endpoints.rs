@@ -116,6 +116,7 @@ pub(super) fn job_endpoints(cluster: &ClusterConfig, node_ip: Option<IpAddr>) ->
             master_addr: None,
             master_port: None,
             rdzv_endpoint: None,
+            rdzv_backend: None,
             standalone: false,
             started_port: Some(DEFAULT_STARTED_PORT),
             processes: ProcessFlags::default(),

@@ -22,6 +22,7 @@ pub mod serving;
 mod shard_generations;
 mod simulated;
 mod stage_rings;
+pub mod torchrun;
 
 pub(crate) use crate::actors::recovery::Recovery;
 pub use crate::actors::recovery::{Refusal, Resume, REFUSAL_EXIT_CODE, RESUME_VAR};

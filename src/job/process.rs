@@ -72,7 +72,7 @@ pub(super) fn bind_data_endpoint(config: &JobConfig, rank: usize) -> Result<(Tcp
 
 /// The address of this host's interface that routes to `master` (no packet is sent: a UDP
 /// socket's connect only picks the route); the loopback address without one.
-fn address_towards(master: Option<&str>) -> std::net::IpAddr {
+pub(super) fn address_towards(master: Option<&str>) -> std::net::IpAddr {
     let loopback = std::net::IpAddr::from([127, 0, 0, 1]);
     let Some(master) = master else {
         return loopback;

@@ -268,12 +268,33 @@ pub async fn connect<S: AsyncRead + AsyncWrite + Unpin>(stream: &mut S, credenti
         .map_err(|_| anyhow::anyhow!("the handshake took longer than {timeout:.1?}"))?
 }
 
-/// The accepting side of the handshake on an async stream, all of it within the deadline.
+/// A connection closed before it sent a byte: a port probe (a readiness check, or a rank
+/// checking that the coordinator it read of is up), not a stranger.
+#[derive(Debug)]
+pub struct ClosedUnheard;
+
+impl std::fmt::Display for ClosedUnheard {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("closed before sending anything")
+    }
+}
+
+impl std::error::Error for ClosedUnheard {}
+
+/// The accepting side of the handshake on an async stream, all of it within the deadline; a
+/// connection closed before its first byte is a [`ClosedUnheard`].
 pub async fn accept<S: AsyncRead + AsyncWrite + Unpin>(stream: &mut S, credentials: &Credentials) -> Result<()> {
     let (token, timeout) = (&credentials.token, credentials.timeout);
     let exchange = async {
         let mut hello = [0u8; HELLO];
-        stream.read_exact(&mut hello).await.context("reading the handshake")?;
+        let first = stream.read(&mut hello).await.context("reading the handshake")?;
+        if first == 0 {
+            return Err(ClosedUnheard.into());
+        }
+        stream
+            .read_exact(&mut hello[first..])
+            .await
+            .context("reading the handshake")?;
         let (server, reply) = answer(token, &hello)?;
         stream.write_all(&reply).await.context("answering the handshake")?;
         let mut proof = [0u8; MAC];
@@ -375,6 +396,28 @@ mod tests {
             Ok(())
         });
         assert!(server.is_err());
+    }
+
+    #[test]
+    fn a_connection_closed_before_its_first_byte_is_a_probe_and_one_cut_short_is_not() {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let accepted = |client: fn(&mut TcpStream)| {
+            runtime.block_on(async {
+                let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+                let addr = listener.local_addr().unwrap();
+                let connecting = std::thread::spawn(move || client(&mut TcpStream::connect(addr).unwrap()));
+                let (mut stream, _) = listener.accept().await.unwrap();
+                connecting.join().unwrap();
+                accept(&mut stream, &credentials("a token of at least sixteen bytes")).await
+            })
+        };
+        let probe = accepted(|_| {}).unwrap_err();
+        assert!(probe.is::<ClosedUnheard>(), "{probe:#}");
+        let cut = accepted(|s| s.write_all(b"FLOTAUTH").unwrap()).unwrap_err();
+        assert!(!cut.is::<ClosedUnheard>(), "{cut:#}");
     }
 
     #[test]

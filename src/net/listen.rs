@@ -31,6 +31,10 @@ where
                 let (credentials, serve, refusals) = (credentials.clone(), serve.clone(), refusals.clone());
                 actix::spawn(async move {
                     if let Err(e) = auth::accept(&mut stream, &credentials).await {
+                        if e.is::<auth::ClosedUnheard>() {
+                            tracing::debug!(%peer, "a {what} connection closed before sending anything (a port probe)");
+                            return;
+                        }
                         let (logged, unlogged) = refusals.borrow_mut().note(Instant::now());
                         if let Some(count) = unlogged {
                             tracing::warn!(

@@ -11,6 +11,7 @@
 //!   messages.
 //! - [`ps_server`]: a parameter-server shard's TCP endpoint, likewise.
 //! - [`listen`]: the accept loop the endpoints share (token handshake first).
+//! - [`tcp_store`]: a client of PyTorch's TCPStore, where ranks under torchrun meet.
 //! - [`file_mirror`]: a role's checkpoint mirror, where another node's role stores a copy of
 //!   a file only it holds, and fetches it back after losing its disk.
 //!
@@ -26,6 +27,7 @@ pub mod listen;
 pub mod protocol;
 pub mod ps_server;
 pub mod server;
+pub mod tcp_store;
 
 pub use bus::ControlBus;
 pub use frame::{ControlMessage, Frame};
