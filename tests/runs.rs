@@ -283,6 +283,7 @@ fn a_full_disk_leaves_no_summary_and_no_partial_files() {
     assert_eq!(
         left,
         [
+            ".config.sealed.toml",
             ".flotilla-claim",
             ".flotilla-running",
             "config.toml",

@@ -20,6 +20,9 @@ use crate::models::{Model, ParamInit};
 
 /// The resolved config of a run, in its run directory.
 pub const CONFIG_FILE: &str = "config.toml";
+/// The same config, kept apart from the one people read and may edit: what the run trains, as
+/// it started, for `--resume` to hold a resumed run to.
+pub(super) const SEALED_CONFIG_FILE: &str = ".config.sealed.toml";
 /// The figures of a finished run, in its run directory: written last.
 pub(super) const SUMMARY_FILE: &str = "summary.json";
 const PARAMS_FILE: &str = "params.safetensors";
@@ -130,6 +133,7 @@ pub fn write_params(run_dir: &Path, model: &Model, info: &ModelInfo) -> Result<P
 /// Writes the resolved `config.toml` into `run_dir` (created if needed).
 pub(crate) fn write_config(run_dir: &Path, config: &JobConfig) -> Result<()> {
     let text = config.to_toml_string()?;
+    write_output(run_dir, SEALED_CONFIG_FILE, |out| Ok(out.write_all(text.as_bytes())?))?;
     write_output(run_dir, CONFIG_FILE, |out| Ok(out.write_all(text.as_bytes())?))
 }
 

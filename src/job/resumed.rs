@@ -12,7 +12,7 @@ use anyhow::{bail, ensure, Context, Result};
 use serde::Deserialize;
 use toml::Value;
 
-use super::outputs::SUMMARY_FILE;
+use super::outputs::{SEALED_CONFIG_FILE, SUMMARY_FILE};
 use super::CONFIG_FILE;
 use crate::config::{JobConfig, TrainLength};
 
@@ -77,7 +77,11 @@ pub fn resumed_config(run_dir: &Path, env: &dyn Fn(&str) -> Option<String>, over
          (train's --run-dir), where every run writes its config as it starts",
         run_dir.display()
     );
-    let saved = JobConfig::from_file(&path, env, &[])?;
+    // What the run trained as it started: its sealed copy (a run written before it had one: its
+    // config.toml), so that an edit of config.toml is held to the same rule as --set.
+    let sealed = run_dir.join(SEALED_CONFIG_FILE);
+    let saved = JobConfig::from_file(if sealed.is_file() { &sealed } else { &path }, env, &[])?;
+    let edited = JobConfig::from_file(&path, env, &[])?.leaves()?;
     let resumed = JobConfig::from_file(&path, env, overrides)?;
     let (before, after) = (saved.leaves()?, resumed.leaves()?);
     let unset = Value::String("unset".to_string());
@@ -96,7 +100,10 @@ pub fn resumed_config(run_dir: &Path, env: &dyn Fn(&str) -> Option<String>, over
         .into_iter()
         .map(|key| {
             let (was, now) = (before.get(key).unwrap_or(&unset), after.get(key).unwrap_or(&unset));
-            format!("{key} was {was}, --set makes it {now}")
+            match edited.get(key) == after.get(key) && before.get(key) != edited.get(key) {
+                true => format!("{key} was {was}, and {CONFIG_FILE} was edited to make it {now}"),
+                false => format!("{key} was {was}, --set makes it {now}"),
+            }
         })
         .collect();
     if !refused.is_empty() {
@@ -184,6 +191,31 @@ mod tests {
             refused.contains("train.hidden_sizes was [128], --set makes it [8]"),
             "{refused}"
         );
+        Ok(())
+    }
+
+    #[test]
+    fn an_edit_of_the_runs_config_is_held_to_the_rule_of_set() -> Result<()> {
+        let dir = tempfile::tempdir()?;
+        let config = JobConfig::from_toml_str("[train]\nlr = 0.5\nsteps = 20\n", "test", &|_| None, &[])?;
+        super::super::outputs::write_config(dir.path(), &config)?;
+        let path = dir.path().join(CONFIG_FILE);
+        let text = std::fs::read_to_string(&path)?;
+        std::fs::write(
+            &path,
+            text.replace("lr = 0.5", "lr = 0.1").replace("steps = 20", "steps = 30"),
+        )?;
+        let refused = resumed_config(dir.path(), &|_| None, &[]).unwrap_err().to_string();
+        assert!(
+            refused.contains("train.lr was 0.5, and config.toml was edited to make it 0.1"),
+            "{refused}"
+        );
+        assert!(
+            !refused.contains("train.steps was"),
+            "a longer run may be asked for there: {refused}"
+        );
+        std::fs::write(&path, text.replace("steps = 20", "steps = 30"))?;
+        assert_eq!(resumed_config(dir.path(), &|_| None, &[])?.train.steps, Some(30));
         Ok(())
     }
 
