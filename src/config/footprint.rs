@@ -18,17 +18,18 @@ const DIGITS_SHAPE: (usize, usize) = (64, 10);
 /// Characters of the shipped text's vocabulary, rounded up: the GPT's vocabulary.
 const TEXT_VOCAB: u128 = 128;
 
-/// One part of the estimate: the key that sizes it, what it is, its bytes on the node.
+/// One part of the estimate: the keys that size it (the first names it), what it is, its bytes
+/// on the node.
 #[derive(Debug)]
 struct Need {
-    key: &'static str,
+    keys: Vec<&'static str>,
     what: &'static str,
     bytes: u128,
 }
 
 /// Refuses `config` when its estimated memory on one node exceeds `available` bytes (the host's
-/// available memory; `None` where it cannot be read skips the check). The error names the key of
-/// the largest part and lists every part.
+/// available memory; `None` where it cannot be read skips the check). The error is about the keys
+/// of the largest part (named by the one the user set) and lists every part.
 pub(super) fn check(config: &JobConfig, available: Option<u64>) -> Result<(), FieldError> {
     let Some(available) = available else {
         return Ok(());
@@ -38,13 +39,13 @@ pub(super) fn check(config: &JobConfig, available: Option<u64>) -> Result<(), Fi
     if total <= u128::from(available) {
         return Ok(());
     }
-    let largest = needs.iter().max_by_key(|n| n.bytes).map_or("train", |n| n.key);
+    let largest = needs.iter().max_by_key(|n| n.bytes).map_or(&[][..], |n| &n.keys[..]);
     let parts: Vec<String> = needs
         .iter()
         .filter(|n| n.bytes > 0)
-        .map(|n| format!("{}: {} ({})", n.what, bytes_text(n.bytes), n.key))
+        .map(|n| format!("{}: {} ({})", n.what, bytes_text(n.bytes), n.keys[0]))
         .collect();
-    Err(FieldError::new(
+    Err(FieldError::among(
         largest,
         format!(
             "the job needs at least {} of memory on this node ({}), more than the {} available",
@@ -75,7 +76,7 @@ fn estimate(config: &JobConfig) -> Vec<Need> {
         OptimizerKind::Adamw | OptimizerKind::Adam => 4,
     };
     // Activations of one row's forward pass, which training holds with their gradients.
-    let (model_key, params, row_activations) = match train.model {
+    let (model_keys, params, row_activations): (Vec<&'static str>, _, _) = match train.model {
         ModelKind::Mlp => {
             let (inputs, classes) = match train.dataset {
                 DatasetKind::Synthetic => (train.synthetic_features, train.synthetic_classes),
@@ -83,7 +84,12 @@ fn estimate(config: &JobConfig) -> Vec<Need> {
             };
             let widths = widths(inputs, &train.hidden_sizes(), classes);
             let row = mul(&[widths.iter().sum(), F32]);
-            ("train.hidden_sizes", dense_parameters(&widths), row)
+            let keys = vec![
+                "train.hidden_sizes",
+                "train.synthetic_features",
+                "train.synthetic_classes",
+            ];
+            (keys, dense_parameters(&widths), row)
         }
         ModelKind::WideDeep | ModelKind::DeepFm => {
             let inputs = match train.model {
@@ -92,10 +98,11 @@ fn estimate(config: &JobConfig) -> Vec<Need> {
             };
             let widths = widths(inputs, &train.hidden_sizes(), 1);
             let row = mul(&[widths.iter().sum(), F32]);
-            ("train.hidden_sizes", dense_parameters(&widths), row)
+            let keys = vec!["train.hidden_sizes", "train.embedding_dim"];
+            (keys, dense_parameters(&widths), row)
         }
         // The program's own model: its size is unknown until it is built.
-        ModelKind::Custom => ("train.model", 0, 0),
+        ModelKind::Custom => (vec!["train.model"], 0, 0),
         ModelKind::Gpt => {
             let g = &train.gpt;
             let (c, t, layers, heads) = (
@@ -112,7 +119,7 @@ fn estimate(config: &JobConfig) -> Vec<Need> {
             // scores (heads × T); then the logits.
             let per_token =
                 mul(&[layers, mul(&[16, c]).saturating_add(mul(&[2, heads, t]))]).saturating_add(TEXT_VOCAB);
-            ("train.gpt", params, mul(&[t, per_token, F32]))
+            (vec!["train.gpt"], params, mul(&[t, per_token, F32]))
         }
     };
     let data_rows = match train.dataset {
@@ -139,25 +146,30 @@ fn estimate(config: &JobConfig) -> Vec<Need> {
         _ => 0,
     };
     let row_bytes = mul(&[train.embedding_dim as u128 + 1, state_copies - 1, F32]);
+    let activations = activations(config, row_activations, &model_keys);
     vec![
         Need {
-            key: model_key,
+            keys: model_keys,
             what: "parameters, gradients and optimizer state",
             bytes: mul(&[params, state_copies, F32, trainers]),
         },
-        activations(config, row_activations),
+        activations,
         Need {
-            key: "train.synthetic_samples",
+            keys: vec!["train.synthetic_samples", "train.synthetic_features"],
             what: "generated data",
             bytes: mul(&[generated, trainers]),
         },
         Need {
-            key: "train.steps",
+            keys: vec!["train.steps"],
             what: "the loss of every step",
             bytes: mul(&[losses, trainers]),
         },
         Need {
-            key: "train.synthetic_vocab",
+            keys: vec![
+                "train.synthetic_vocab",
+                "train.synthetic_samples",
+                "train.embedding_dim",
+            ],
             what: "parameter-server table rows",
             bytes: mul(&[table_rows, row_bytes]),
         },
@@ -166,8 +178,9 @@ fn estimate(config: &JobConfig) -> Vec<Need> {
 
 /// The activations a node's ranks hold at once, of `row` bytes a row's forward pass: a training
 /// step's with their gradients, or an evaluation pass's (a forward that keeps its graph), which
-/// comes after training's are freed — whichever is larger, named by its key.
-fn activations(config: &JobConfig, row: u128) -> Need {
+/// comes after training's are freed — whichever is larger, named by its batch's key; the model's
+/// `model_keys` size a row.
+fn activations(config: &JobConfig, row: u128, model_keys: &[&'static str]) -> Need {
     let trainers = config.cluster.nproc_per_node as u128;
     // A pipeline's stage holds its own blocks' share of a replica's rows.
     let stages = match config.strategy.pipeline {
@@ -179,13 +192,13 @@ fn activations(config: &JobConfig, row: u128) -> Need {
     let evaluation = mul(&[config.eval_batch_rows() as u128, row, trainers]) / stages;
     if evaluation > training {
         Need {
-            key: "train.eval_batch_size",
+            keys: [&["train.eval_batch_size"][..], model_keys].concat(),
             what: "activations of an evaluation pass",
             bytes: evaluation,
         }
     } else {
         Need {
-            key: "train.batch_size",
+            keys: [&["train.batch_size"][..], model_keys].concat(),
             what: "activations of a batch",
             bytes: training,
         }

@@ -99,6 +99,9 @@ pub enum ConfigError {
 pub(crate) struct FieldError {
     key: String,
     message: String,
+    /// Other keys whose values the error is as much about (a memory estimate sized by several):
+    /// the one the user set last is named.
+    also: Vec<String>,
 }
 
 impl FieldError {
@@ -107,6 +110,18 @@ impl FieldError {
         Self {
             key: key.into(),
             message: message.into(),
+            also: Vec::new(),
+        }
+    }
+
+    /// Error about the value `keys` make together: named, where the config was loaded, by the
+    /// key among them the user set last (a `--set` value over the file's), else the first.
+    pub(crate) fn among(keys: &[&str], message: impl Into<String>) -> Self {
+        let (first, rest) = keys.split_first().map_or(("train", &[][..]), |(f, r)| (*f, r));
+        Self {
+            key: first.to_string(),
+            message: message.into(),
+            also: rest.iter().map(|key| key.to_string()).collect(),
         }
     }
 }
@@ -366,7 +381,10 @@ fn load(
     config.cluster.resolve_defaults();
     config.train.resolve_defaults();
     config.train.resolve_data_parts(config.world_size());
-    config.check().map_err(|e| provenance.error(e.key, e.message))?;
+    config.check().map_err(|e| {
+        let key = provenance.named_key(&e);
+        provenance.error(key, e.message)
+    })?;
     Ok(config)
 }
 
@@ -567,6 +585,24 @@ impl Provenance {
         self.writes.iter().rposition(|(written, _)| is_within(key, written))
     }
 
+    /// The key `error` names: of its keys, the one written last (by the environment or
+    /// `--set`; the more precise key written when it was written below one), else its first.
+    fn named_key(&self, error: &FieldError) -> String {
+        let candidates = std::iter::once(&error.key).chain(&error.also);
+        let latest = candidates
+            .filter_map(|key| {
+                let touching = self
+                    .writes
+                    .iter()
+                    .rposition(|(written, _)| is_within(key, written) || is_within(written, key))?;
+                let written = &self.writes[touching].0;
+                let named = if is_within(written, key) { written } else { key };
+                Some((touching, named))
+            })
+            .max_by_key(|(touching, _)| *touching);
+        latest.map_or_else(|| error.key.clone(), |(_, named)| named.clone())
+    }
+
     /// A [`ConfigError`] about `key`, attributed to whoever supplied it.
     fn error(&self, key: impl Into<String>, message: impl Into<String>) -> ConfigError {
         let key = key.into();
@@ -616,6 +652,33 @@ pub(crate) mod tests {
             Ok(config) => panic!("expected an error, got {config:?}"),
             Err(err) => err.to_string(),
         }
+    }
+
+    #[test]
+    fn a_memory_refusal_names_the_key_the_user_set_among_those_that_size_it() {
+        // Layers and the window size every activation: the file's batch is not to blame.
+        let gpt = "[train]\nmodel = \"gpt\"\ndataset = \"text\"\nbatch_size = 32\n";
+        for set in ["train.gpt.n_layer=100000000", "train.gpt.block_size=100000000"] {
+            let err = JobConfig::from_toml_str(gpt, "job.toml", &no_env, &[set.to_string()]).unwrap_err();
+            let key = set.split('=').next().unwrap_or_default();
+            assert!(
+                err.to_string()
+                    .starts_with(&format!("--set: {key}: the job needs at least")),
+                "{err}"
+            );
+        }
+        let err = JobConfig::from_toml_str(
+            "[train]\nhidden_sizes = [4000000000]\n",
+            "job.toml",
+            &no_env,
+            &["train.batch_size=2".to_string()],
+        )
+        .unwrap_err();
+        assert!(
+            err.to_string()
+                .starts_with("job.toml: train.hidden_sizes: the job needs at least"),
+            "a --set key that does not size the largest part is not named: {err}"
+        );
     }
 
     #[test]
