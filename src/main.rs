@@ -290,6 +290,7 @@ fn main() -> ExitCode {
         Err(e) => {
             // A closed stderr must not turn the error into a panic.
             let _ = writeln!(std::io::stderr(), "error: {e:#}");
+            flotilla::job::run_dir::discard_unused();
             if e.chain().any(|cause| cause.is::<Refusal>()) {
                 ExitCode::from(REFUSAL_EXIT_CODE)
             } else if is_preemption(&e) {

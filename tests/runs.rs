@@ -83,6 +83,21 @@ fn two_runs_started_together_get_their_own_directories() {
     }
 }
 
+/// A run refused once its data is read (after its default directory was made) leaves no empty
+/// run behind.
+#[test]
+fn a_run_refused_before_its_first_output_leaves_no_directory() {
+    let cwd = tempfile::tempdir().unwrap();
+    let refused = flotilla_in(cwd.path(), &["train", "--set", "train.batch_size=100000"]);
+    assert_eq!(refused.code, REFUSED, "{}", refused.stderr);
+    assert!(
+        refused.stderr.contains("larger than the training split"),
+        "{}",
+        refused.stderr
+    );
+    assert_eq!(run_dirs(cwd.path()), Vec::<PathBuf>::new());
+}
+
 #[test]
 fn a_named_run_directory_is_not_written_over_unless_asked() {
     let cwd = tempfile::tempdir().unwrap();

@@ -29,6 +29,27 @@ pub const CLAIM_FILE: &str = ".flotilla-claim";
 /// Locked shared by every process of the claiming job while it runs.
 const RUNNING_FILE: &str = ".flotilla-running";
 
+/// The default run directory this process made, which [`discard_unused`] removes again when the
+/// process ends without writing anything there.
+static MADE_HERE: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+
+/// Removes the run directory this process made ([`create_unique`]) when it holds nothing but its
+/// claim (the run was refused, or failed, before its first output): a failed start leaves no
+/// empty run behind. Call it as the process ends.
+pub fn discard_unused() {
+    let Some(dir) = MADE_HERE.get() else {
+        return;
+    };
+    if matches!(holds_outputs(dir), Ok(false)) {
+        for name in [CLAIM_FILE, RUNNING_FILE] {
+            let _ = std::fs::remove_file(dir.join(name));
+        }
+        if let Err(e) = std::fs::remove_dir(dir) {
+            tracing::debug!("{}: not removed: {e}", dir.display());
+        }
+    }
+}
+
 /// Creates and returns a new directory `parent/<UTC date>-<time>-<pid>` (with `-N` appended
 /// when that one is taken).
 pub fn create_unique(parent: &Path) -> Result<PathBuf> {
@@ -40,7 +61,10 @@ pub fn create_unique(parent: &Path) -> Result<PathBuf> {
             n => parent.join(format!("{stem}-{n}")),
         };
         match std::fs::create_dir(&dir) {
-            Ok(()) => return Ok(dir),
+            Ok(()) => {
+                let _ = MADE_HERE.set(dir.clone());
+                return Ok(dir);
+            }
             Err(e) if e.kind() == ErrorKind::AlreadyExists => continue,
             Err(e) => return Err(e).with_context(|| format!("creating run directory {}", dir.display())),
         }
