@@ -98,6 +98,33 @@ fn a_run_refused_before_its_first_output_leaves_no_directory() {
     assert_eq!(run_dirs(cwd.path()), Vec::<PathBuf>::new());
 }
 
+/// The copy of its config a run keeps names the files it read by where they are, so `eval` (or
+/// `--resume`) finds them from any working directory.
+#[test]
+fn a_runs_config_names_its_files_so_eval_finds_them_from_anywhere() {
+    let cwd = tempfile::tempdir().unwrap();
+    let mut table = "a,b,label\n".to_string();
+    for row in 0..64 {
+        table += &format!("{},{},{}\n", row % 7, row % 5, row % 2);
+    }
+    std::fs::write(cwd.path().join("rows.csv"), table).unwrap();
+    #[rustfmt::skip]
+    let trained = flotilla_in(cwd.path(), &[
+        "train", "--set", "train.dataset=\"csv\"", "--set", "train.train_files=[\"rows.csv\"]",
+        "--set", "train.steps=5", "--set", "train.batch_size=16", "--run-dir", "run",
+    ]);
+    assert!(trained.success, "{}", trained.stderr);
+    let run = cwd.path().join("run");
+    let elsewhere = tempfile::tempdir().unwrap();
+    let (config, params) = (run.join("config.toml"), run.join("params.safetensors"));
+    #[rustfmt::skip]
+    let evaluated = flotilla_in(elsewhere.path(), &[
+        "eval", "--config", config.to_str().unwrap(), "--params", params.to_str().unwrap(),
+    ]);
+    assert!(evaluated.success, "{}", evaluated.stderr);
+    assert!(evaluated.stdout.contains("accuracy"), "{}", evaluated.stdout);
+}
+
 #[test]
 fn a_named_run_directory_is_not_written_over_unless_asked() {
     let cwd = tempfile::tempdir().unwrap();

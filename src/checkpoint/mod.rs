@@ -465,9 +465,10 @@ pub(crate) fn write_atomically(dir: &Path, name: &str, contents: impl FnOnce(&mu
     ));
     let path = dir.join(name);
     let mut file = File::create(&temporary).with_context(|| format!("creating {}", temporary.display()))?;
+    // Named by the file being written: the temporary one is gone when the error is read.
     let written = contents(&mut file)
         .and_then(|()| Ok(file.sync_all()?))
-        .with_context(|| format!("writing {}", temporary.display()));
+        .with_context(|| format!("writing {}", path.display()));
     if let Err(e) = written {
         drop(file);
         // Best effort: the write's own error is the one to report.

@@ -214,6 +214,28 @@ impl JobConfig {
         load(table, source_name, env, overrides)
     }
 
+    /// This config with its relative file paths (the data files, the tables to start from, the
+    /// checkpoint directory) made absolute against `cwd`, where they were meant: the copy a run
+    /// keeps in its directory then means the same files wherever `eval`, `predict` or `--resume`
+    /// are run from.
+    pub fn with_paths_from(&self, cwd: &Path) -> JobConfig {
+        let absolute = |path: &str| match Path::new(path).is_absolute() {
+            true => path.to_string(),
+            false => cwd.join(path).display().to_string(),
+        };
+        let mut config = self.clone();
+        let train = &mut config.train;
+        for files in [&mut train.train_files, &mut train.test_files] {
+            for file in files.iter_mut() {
+                *file = absolute(file);
+            }
+        }
+        train.init_tables_from = train.init_tables_from.as_deref().map(absolute);
+        let checkpoints = &mut config.fault_tolerance.checkpoint_dir;
+        *checkpoints = checkpoints.as_ref().map(|dir| cwd.join(dir));
+        config
+    }
+
     /// Whether a launched run of this job recovers from a lost process in place
     /// (`fault_tolerance.recovery`, by default).
     pub fn recovers_in_place(&self) -> bool {

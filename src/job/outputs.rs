@@ -132,7 +132,8 @@ pub fn write_params(run_dir: &Path, model: &Model, info: &ModelInfo) -> Result<P
 
 /// Writes the resolved `config.toml` into `run_dir` (created if needed).
 pub(crate) fn write_config(run_dir: &Path, config: &JobConfig) -> Result<()> {
-    let text = config.to_toml_string()?;
+    let cwd = std::env::current_dir().context("reading the working directory")?;
+    let text = config.with_paths_from(&cwd).to_toml_string()?;
     write_output(run_dir, SEALED_CONFIG_FILE, |out| Ok(out.write_all(text.as_bytes())?))?;
     write_output(run_dir, CONFIG_FILE, |out| Ok(out.write_all(text.as_bytes())?))
 }

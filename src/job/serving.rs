@@ -185,10 +185,11 @@ pub fn predict(model_file: &Path, data: &[String], out: &Path) -> Result<Predict
         .to_string_lossy();
     // Each file is read a piece at a time and its predictions written as they come, so the
     // tables may be larger than memory.
-    let (mut rows, mut width) = (0, 0);
-    write_atomically(dir, &name, |handle| {
-        let mut table = csv::Writer::from_writer(std::io::BufWriter::new(handle));
-        for file in data {
+    // Every file opened and its width checked first: a missing or mismatched one is refused
+    // before the predictions file is begun.
+    let sources = data
+        .iter()
+        .map(|file| {
             let (dim, pieces) = feature_pieces(file, columns.as_deref(), PREDICT_ROWS)?;
             if let Some(inputs) = inputs {
                 ensure!(
@@ -197,6 +198,13 @@ pub fn predict(model_file: &Path, data: &[String], out: &Path) -> Result<Predict
                      it was trained on)"
                 );
             }
+            Ok((dim, pieces))
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let (mut rows, mut width) = (0, 0);
+    write_atomically(dir, &name, |handle| {
+        let mut table = csv::Writer::from_writer(std::io::BufWriter::new(handle));
+        for (dim, pieces) in sources {
             for piece in pieces {
                 let piece = piece?;
                 let (first, count) = (rows, piece.len() / dim);
@@ -222,8 +230,7 @@ pub fn predict(model_file: &Path, data: &[String], out: &Path) -> Result<Predict
         ensure!(rows > 0, "the data holds no rows");
         table.flush()?;
         Ok(())
-    })
-    .with_context(|| format!("writing {}", out.display()))?;
+    })?;
     Ok(Predictions { rows, outputs: width })
 }
 
