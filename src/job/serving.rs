@@ -14,7 +14,7 @@ use crate::actors::recovery::whole_model;
 use crate::checkpoint::{write_atomically, Checkpoint, CheckpointStore, MANIFEST};
 use crate::collective::score_pieces;
 use crate::config::JobConfig;
-use crate::data::table::feature_pieces;
+use crate::data::table::{feature_pieces, FeaturePieces};
 use crate::models::export::ModelFile;
 use crate::models::{argmax, Model, ModelSpec, ParamInit};
 
@@ -185,22 +185,7 @@ pub fn predict(model_file: &Path, data: &[String], out: &Path) -> Result<Predict
         .to_string_lossy();
     // Each file is read a piece at a time and its predictions written as they come, so the
     // tables may be larger than memory.
-    // Every file opened and its width checked first: a missing or mismatched one is refused
-    // before the predictions file is begun.
-    let sources = data
-        .iter()
-        .map(|file| {
-            let (dim, pieces) = feature_pieces(file, columns.as_deref(), PREDICT_ROWS)?;
-            if let Some(inputs) = inputs {
-                ensure!(
-                    inputs == dim,
-                    "{file}: the model reads {inputs} features a row, the data has {dim} columns (give the columns \
-                     it was trained on)"
-                );
-            }
-            Ok((dim, pieces))
-        })
-        .collect::<Result<Vec<_>>>()?;
+    let sources = open_tables(data, columns.as_deref(), inputs)?;
     let (mut rows, mut width) = (0, 0);
     write_atomically(dir, &name, |handle| {
         let mut table = csv::Writer::from_writer(std::io::BufWriter::new(handle));
@@ -232,6 +217,29 @@ pub fn predict(model_file: &Path, data: &[String], out: &Path) -> Result<Predict
         Ok(())
     })?;
     Ok(Predictions { rows, outputs: width })
+}
+
+/// Every table of `data` opened (its `columns`, or all) and its width checked against the
+/// model's `inputs` first, so that a missing or mismatched file is refused before the
+/// predictions file is begun: each table's width and pieces.
+fn open_tables(
+    data: &[String],
+    columns: Option<&[String]>,
+    inputs: Option<usize>,
+) -> Result<Vec<(usize, FeaturePieces)>> {
+    data.iter()
+        .map(|file| {
+            let (dim, pieces) = feature_pieces(file, columns, PREDICT_ROWS)?;
+            if let Some(inputs) = inputs {
+                ensure!(
+                    inputs == dim,
+                    "{file}: the model reads {inputs} features a row, the data has {dim} columns (give the columns \
+                     it was trained on)"
+                );
+            }
+            Ok((dim, pieces))
+        })
+        .collect()
 }
 
 /// The columns of a predictions table.
