@@ -66,6 +66,34 @@ fn the_own_loop_on_two_processes_equals_one_process() {
     assert!(mse < 0.05, "test mse {mse}");
 }
 
+/// The same loop started by PyTorch's real torchrun (the ranks meet through its agent's store)
+/// ends as the loop in one process.
+#[test]
+fn the_own_loop_under_torchrun_equals_one_process() {
+    if !common::installed("torchrun", "PyTorch, in the venv .ci/run makes") {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let program = own_loop();
+    let steps = "train.steps=200";
+    let (alone, launched) = (dir.path().join("alone"), dir.path().join("torchrun"));
+    let run = |program: &str, args: &[&str], run_dir: &Path| {
+        let mut args = args.to_vec();
+        args.extend(["--run-dir", run_dir.to_str().unwrap(), "--set", steps]);
+        let env = [("FLOTILLA_TOKEN", common::TEST_TOKEN.to_string())];
+        let finished = common::start_program(program, &args, &env).finish(120);
+        assert!(finished.success, "{program}:\n{}\n{}", finished.stdout, finished.stderr);
+    };
+    run(program.to_str().unwrap(), &[], &alone);
+    #[rustfmt::skip]
+    run("torchrun", &["--standalone", "--nproc-per-node", "2", "--no-python", program.to_str().unwrap()], &launched);
+    assert_eq!(read_summary(&launched)["world_size"], 2);
+    // As under our launcher: within 1e-5 per parameter.
+    let params = |run_dir: &Path| read_params(&run_dir.join("params.safetensors"));
+    let diff = max_abs_diff(&params(&alone), &params(&launched));
+    assert!(diff <= 1e-5, "max |Δparam| = {diff:e}");
+}
+
 /// Launches the example on two ranks into `run_dir` for far more steps than a test waits, and
 /// returns once both train: the launcher and the ranks' pids.
 fn launch_long_run(run_dir: &Path) -> (common::Started, std::collections::HashMap<usize, i32>) {

@@ -15,6 +15,7 @@ use tokio::sync::oneshot;
 use super::control::connect_control;
 use super::heartbeat::{watched, CoordinatorAt};
 use super::process::{bind, coordinator_is_own_process, ring_link, RankEndpoints};
+use super::torchrun;
 use crate::actors::Coordinator;
 #[cfg(doc)]
 use crate::collective::preemption::PREEMPTED_EXIT_CODE;
@@ -50,7 +51,7 @@ impl ProcessGroup {
     /// Load `config` with the launcher's environment (as [`crate::cli::standard_command_line`]
     /// does), which gives the world size and the master.
     pub fn init(config: &JobConfig) -> Result<Self> {
-        let config = Arc::new(config.clone());
+        let mut config = config.clone();
         let world = config.world_size();
         let rank = match placement::rank(&process_env)? {
             Some(rank) => rank,
@@ -66,11 +67,14 @@ impl ProcessGroup {
             return Ok(Self {
                 rank,
                 comm,
-                config,
+                config: Arc::new(config),
                 control: None,
                 _preemption: PreemptionWatch::install()?,
             });
         }
+        // Under torchrun's agent the ranks meet their coordinator through its store.
+        torchrun::meet_coordinator(&mut config, rank, &process_env)?;
+        let config = Arc::new(config);
         let RankEndpoints {
             master,
             listener,
