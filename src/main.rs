@@ -568,6 +568,7 @@ fn run_role(role: Role, args: &TrainArgs) -> Result<()> {
                 anyhow::anyhow!("`run --role trainer` needs its rank: PADDLE_TRAINER_ID or RANK (and the rest of a launcher's environment), or an engine's (srun, mpirun); use `flotilla launch` or `launch-ps`, or `flotilla train` for an in-process job")
             })?;
             if parameter_server {
+                flotilla::job::torchrun::refuse_parameter_servers(&config, &env).map_err(Refusal::wrap)?;
                 let summary = ParameterServerJob::builtin(config)?.run_trainer(rank, &options)?;
                 print_ps_summary(summary.as_ref(), &options)?;
             } else {

@@ -21,14 +21,26 @@ fn token() -> Vec<(&'static str, String)> {
 }
 
 /// `torchrun ARGS --no-python flotilla run --role trainer --config config.toml --run-dir RUN
-/// --set …` with `env`.
+/// --set …` with `env` (after `prefix`, a program that runs torchrun on a host).
 fn torchrun(prefix: &[&str], torchrun_args: &[&str], run_dir: &Path, sets: &[&str], env: &[(&str, String)]) -> Started {
+    torchrun_job(prefix, torchrun_args, "config.toml", run_dir, sets, env)
+}
+
+/// [`torchrun`] of the job in the config file `config`.
+fn torchrun_job(
+    prefix: &[&str],
+    torchrun_args: &[&str],
+    config: &str,
+    run_dir: &Path,
+    sets: &[&str],
+    env: &[(&str, String)],
+) -> Started {
     let mut args: Vec<&str> = prefix.to_vec();
     args.push("torchrun");
     args.extend(torchrun_args);
     #[rustfmt::skip]
     args.extend(["--no-python", env!("CARGO_BIN_EXE_flotilla"), "run", "--role", "trainer",
-        "--config", "config.toml", "--run-dir", run_dir.to_str().unwrap()]);
+        "--config", config, "--run-dir", run_dir.to_str().unwrap()]);
     for set in sets {
         args.extend(["--set", set]);
     }
@@ -111,6 +123,32 @@ fn ranks_torchrun_restarts_after_a_worker_is_killed_resume_and_end_as_the_uninte
         finished.stderr
     );
     ends_as_in_process(&run_dir, 2, &sets);
+}
+
+/// A parameter-server job's servers are no workers torchrun starts: its trainers refuse, saying
+/// how to start the job, and torchrun does not restart a refusal's ranks into the same refusal.
+#[test]
+fn a_parameter_server_job_under_torchrun_is_refused_saying_how_to_start_it() {
+    if !installed("torchrun", "PyTorch, in the venv .ci/run makes") {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let args = ["--standalone", "--nproc-per-node", "2"];
+    let started = torchrun_job(
+        &[],
+        &args,
+        "examples/ctr_ps.toml",
+        &dir.path().join("run"),
+        &[],
+        &token(),
+    );
+    let finished = started.finish(120);
+    assert!(!finished.success);
+    assert!(
+        finished.stderr.contains("cannot be started by torchrun") && finished.stderr.contains("flotilla launch-ps"),
+        "{}",
+        finished.stderr
+    );
 }
 
 /// The workers torchrun's agent `agent` starts in place of `before` (at most 60 s).

@@ -46,6 +46,20 @@ pub fn agent_may_restart(env: &dyn Fn(&str) -> Option<String>) -> bool {
             > 0
 }
 
+/// Refuses a parameter-server job under torchrun's agent: it starts only workers of one kind,
+/// while the job's coordinator lives in its first server, which nothing would start.
+pub fn refuse_parameter_servers(config: &JobConfig, env: &dyn Fn(&str) -> Option<String>) -> Result<()> {
+    if agent_store(env).is_some() && config.cluster.is_parameter_server() {
+        anyhow::bail!(
+            "{}: a parameter-server job (cluster.server_num = {}) cannot be started by torchrun, which \
+             starts trainers only: start it with `flotilla launch-ps` (or `flotilla launch --server_num N`)",
+            config.source_name,
+            config.cluster.server_num
+        );
+    }
+    Ok(())
+}
+
 /// Where rank `rank` of `config`'s job meets its coordinator when torchrun's agent holds
 /// `cluster.master` (the master torchrun names) with its store: `cluster.master` becomes the
 /// coordinator's address, published in the store by rank 0. Any other job is left as it is.
