@@ -1,7 +1,8 @@
-//! The roles, one actor each: the [`coordinator`] (rendezvous, barriers),
-//! the [`trainer`] (the training loop) and its [`device`] (a `SyncArbiter`
-//! thread that owns the model replica and the communicator). Every message
-//! an actor accepts is defined in its file.
+//! The roles, one actor each: the [`coordinator`] (rendezvous, barriers, liveness, commits),
+//! the data-parallel [`trainer`], the pipeline [`stage`], the parameter-server trainer
+//! ([`ps_trainer`]) and shard ([`pserver`]), and the [`device`] actor of each rank (a
+//! `SyncArbiter` thread that owns the model replica and the communicator). Every message an
+//! actor accepts is defined in its file.
 
 pub mod buddy;
 pub mod coordinator;
