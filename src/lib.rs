@@ -73,6 +73,7 @@
 //! - [`checkpoint`]: coordinated checkpoints — atomic files, a checksummed manifest committed
 //!   last, the newest intact one found again.
 //! - [`bench`](mod@bench): benchmarks that print figures.
+//! - [`refusal`]: errors no restart can change, and the exit status that tells a launcher so.
 //! - [`rng`], [`telemetry`]: the seeded generator every rank shares; logging, per-step
 //!   metrics, progress, the report, timelines and their merge.
 
@@ -97,5 +98,6 @@ pub mod net;
 pub mod optim;
 pub mod pipeline;
 pub mod ps;
+pub mod refusal;
 pub mod rng;
 pub mod telemetry;

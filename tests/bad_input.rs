@@ -340,6 +340,43 @@ fn inputs_found_wrong_after_validation_are_refusals_not_failures() {
     }
 }
 
+/// A pipeline cut the model's blocks cannot take — more stages than blocks, boundaries past the
+/// last block — is found only once the model is built, and is a refusal (78) naming the key.
+#[test]
+fn a_stage_cut_the_model_cannot_take_is_a_refusal_naming_the_key() {
+    // An MLP of one hidden layer: 2 blocks.
+    let two_blocks = "[train]\nhidden_sizes = [8]\nsteps = 2\nbatch_size = 12\n[strategy]\npipeline = true\n";
+    let cases: [(&[&str], &str); 2] = [
+        (
+            &[
+                "--set",
+                "cluster.nproc_per_node=2",
+                "--set",
+                "strategy.hybrid_configs.pp_degree=2",
+                "--set",
+                "strategy.pipeline_configs.stage_boundaries=[7]",
+            ],
+            "strategy.pipeline_configs.stage_boundaries = [7]",
+        ),
+        (
+            &[
+                "--set",
+                "cluster.nproc_per_node=3",
+                "--set",
+                "strategy.hybrid_configs.pp_degree=3",
+            ],
+            "strategy.hybrid_configs.pp_degree × strategy.pipeline_configs.virtual_pipeline_stages = 3 × 1",
+        ),
+    ];
+    for (extra, key) in cases {
+        let err = refusal(train_on(two_blocks, extra));
+        assert!(
+            err.contains(key) && err.contains("cutting the model into stages"),
+            "{extra:?}: {err}"
+        );
+    }
+}
+
 /// A model file that is not there is named as missing, not as a directory without a manifest.
 #[test]
 fn predict_with_a_missing_model_file_says_no_such_file() {

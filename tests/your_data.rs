@@ -201,6 +201,41 @@ fn bad_tables_are_refused_with_the_file_line_and_column() {
     refused(&config_path, &run_dir, "train.csv", missing);
 }
 
+/// A header naming a column twice, and a label among the features, are the user's input found
+/// only when the files are read: refused (78, which a launcher does not restart), naming the
+/// file and the column.
+#[test]
+fn a_column_named_twice_and_a_label_among_the_features_are_refusals() {
+    let dir = tempfile::tempdir().unwrap();
+    write_tables(dir.path());
+    let config_path = dir.path().join("regression.toml");
+    let config = config_text(dir.path(), "csv", 1);
+    let run_dir = dir.path().join("run");
+    let args = [
+        "train",
+        "--config",
+        config_path.to_str().unwrap(),
+        "--run-dir",
+        run_dir.to_str().unwrap(),
+    ];
+    let refusal = |says: &str| {
+        let finished = flotilla(&args, &[], 60);
+        assert_eq!(finished.code, Some(78), "{says}: {}", finished.stderr);
+        assert!(
+            finished.stderr.contains("train.csv") && finished.stderr.contains(says),
+            "{says}: {}",
+            finished.stderr
+        );
+    };
+    std::fs::write(&config_path, &config).unwrap();
+    let twice = regression_csv(256, 0).replacen("a,b,c,y", "a,b,a,y", 1);
+    std::fs::write(dir.path().join("train.csv"), twice).unwrap();
+    refusal("columns 1 and 3 (counted from 1) are both named \"a\"");
+    write_tables(dir.path());
+    std::fs::write(&config_path, format!("{config}feature_columns = [\"a\", \"y\"]\n")).unwrap();
+    refusal("train.label_column \"y\" is also in train.feature_columns");
+}
+
 #[test]
 fn a_parquet_file_of_another_schema_is_refused_naming_the_column() {
     let dir = tempfile::tempdir().unwrap();

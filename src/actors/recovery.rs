@@ -11,6 +11,7 @@ use crate::collective::preemption::{Preempted, PreemptionWatch};
 use crate::config::{JobConfig, LrScaling, PsMode};
 use crate::net::protocol::Roster;
 use crate::ps::snapshot::shard_file_name;
+use crate::refusal::Refusal;
 
 /// Set (to any value) by a launcher on the processes it restarts after a failure: each resumes
 /// from the newest intact checkpoint in its checkpoint directory, if there is one.
@@ -28,35 +29,6 @@ pub(crate) fn stage_file(stage: usize) -> String {
 /// The stage files of `checkpoint`, in stage order: none when it is not a pipeline's.
 fn stage_files(checkpoint: &Checkpoint) -> Vec<String> {
     checkpoint.numbered_files(stage_file)
-}
-
-/// The exit status of a process that refused to start for a reason no restart can change (an
-/// invalid config, another run's checkpoints, a resume that does not match): `EX_CONFIG` of
-/// sysexits.h. A launcher stops the job rather than restart it.
-pub const REFUSAL_EXIT_CODE: u8 = 78;
-
-/// An error that makes the process exit with [`REFUSAL_EXIT_CODE`]; it reads as the error it
-/// wraps.
-#[derive(Debug)]
-pub struct Refusal(pub anyhow::Error);
-
-impl Refusal {
-    /// `error`, marked as a refusal: `.map_err(Refusal::wrap)`.
-    pub fn wrap(error: anyhow::Error) -> anyhow::Error {
-        Self(error).into()
-    }
-}
-
-impl std::fmt::Display for Refusal {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        self.0.fmt(f)
-    }
-}
-
-impl std::error::Error for Refusal {
-    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
-        self.0.source()
-    }
 }
 
 /// Where training starts.

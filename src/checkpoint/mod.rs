@@ -4,7 +4,8 @@
 //! by the CPU's own instruction at many GB/s, so checksumming costs the disk nothing, and it
 //! catches torn and flipped bytes, which is its job; it is not a defence against tampering). Every file is written to a temporary name, synced and
 //! renamed, so a crash never leaves half a file under a real name; a checkpoint without a
-//! manifest (a role died before the commit), whose files do not match it (truncated, a
+//! manifest (a role died before the commit), whose manifest lists no file (every writer lists
+//! the file it wrote, so none is no checkpoint), whose files do not match it (truncated, a
 //! flipped byte), whose safetensors files are malformed or hold a value that is not finite (a
 //! NaN trains on silently: a ReLU hides it from the loss), or whose manifest names anything
 //! but a plain file of its own directory is skipped, with a warning naming the file, for the
@@ -224,9 +225,15 @@ impl CheckpointStore {
 
     /// Commits step `step`'s checkpoint once every role has written its `files`: the manifest
     /// goes last, so the checkpoint exists only when all its files do. Then checkpoints older
-    /// than the newest `keep` are deleted.
+    /// than the newest `keep` are deleted. No files is refused: such a manifest is no checkpoint
+    /// ([`Self::verify`] skips it).
     pub fn commit(&self, step: usize, world_size: usize, files: Vec<FileRecord>) -> Result<()> {
         let dir = self.step_dir(step);
+        ensure!(
+            !files.is_empty(),
+            "committing {}: it holds no checkpoint file, and a manifest listing none is no checkpoint",
+            dir.display()
+        );
         let mut names = HashSet::new();
         for file in &files {
             check_file_name(&file.name).with_context(|| format!("committing {}", dir.display()))?;
@@ -259,7 +266,8 @@ impl CheckpointStore {
 
     /// Commits this node's copy of the checkpoint the coordinator recorded as `record`: the
     /// manifest lists the record's files this directory holds in full (a node's own copies, or
-    /// every file on a shared filesystem).
+    /// every file on a shared filesystem). A node that holds none of them (its disk came back
+    /// empty) commits nothing: it is refused, and the state comes from another node.
     pub fn commit_held(&self, record: &CommitRecord) -> Result<()> {
         let dir = self.step_dir(record.step);
         for held in &record.files {
@@ -344,8 +352,9 @@ impl CheckpointStore {
         Ok(steps)
     }
 
-    /// The newest checkpoint whose manifest is present and whose every file matches it; the
-    /// ones skipped on the way are logged with the reason. `None` when there is none.
+    /// The newest checkpoint whose manifest is present and lists files, every one of which
+    /// matches it; the ones skipped on the way are logged with the reason. `None` when there is
+    /// none.
     pub fn latest(&self) -> Result<Option<Checkpoint>> {
         for step in self.steps()?.into_iter().rev() {
             match self.verify(step) {
@@ -356,7 +365,7 @@ impl CheckpointStore {
         Ok(None)
     }
 
-    /// Step `step`'s checkpoint, if its manifest is there and every file matches it.
+    /// Step `step`'s checkpoint, if its manifest is there, lists files, and every file matches it.
     pub fn verify(&self, step: usize) -> Result<Checkpoint> {
         let dir = self.step_dir(step);
         let manifest_path = dir.join(MANIFEST);
@@ -372,6 +381,12 @@ impl CheckpointStore {
         ensure!(
             manifest.format == FORMAT && manifest.step == step,
             "{} is not the manifest of step {step}",
+            manifest_path.display()
+        );
+        // Every commit lists the file its committer wrote: an empty list was not written by one.
+        ensure!(
+            !manifest.files.is_empty(),
+            "{} lists no files: it is no checkpoint",
             manifest_path.display()
         );
         // Every name first: a manifest naming a path outside its directory opens nothing.
@@ -735,6 +750,50 @@ mod tests {
 
         fs::write(store.step_dir(5).join("b.bin"), b"second rolf")?;
         assert!(store.latest()?.is_none(), "nothing intact is left");
+        Ok(())
+    }
+
+    #[test]
+    fn a_manifest_listing_no_files_is_skipped_for_the_one_before() -> Result<()> {
+        let root = tempfile::tempdir()?;
+        let store = store_with_steps(root.path(), &[5, 10])?;
+        let empty = Manifest {
+            format: FORMAT.to_string(),
+            step: 10,
+            world_size: 2,
+            files: Vec::new(),
+        };
+        let manifest = store.step_dir(10).join(MANIFEST);
+        fs::write(&manifest, serde_json::to_vec(&empty)?)?;
+        let err = format!("{:#}", store.verify(10).unwrap_err());
+        assert!(err.contains(&format!("{} lists no files", manifest.display())), "{err}");
+        assert_eq!(store.latest()?.expect("step 5 is intact").step, 5);
+        Ok(())
+    }
+
+    #[test]
+    fn a_commit_of_no_files_writes_no_manifest() -> Result<()> {
+        let root = tempfile::tempdir()?;
+        let store = CheckpointStore::new(root.path(), 2);
+        let err = format!("{:#}", store.commit(10, 2, Vec::new()).unwrap_err());
+        assert!(err.contains("holds no checkpoint file"), "{err}");
+        // A node whose disk holds none of the files the coordinator recorded: nothing to commit.
+        let elsewhere = HeldFile {
+            record: FileRecord {
+                name: "stage-1.bin".into(),
+                bytes: 64,
+                crc32c: 1,
+            },
+            nodes: vec!["10.0.0.2".into()],
+        };
+        let record = CommitRecord {
+            step: 10,
+            world_size: 2,
+            files: vec![elsewhere],
+        };
+        assert!(store.commit_held(&record).is_err());
+        assert!(!store.step_dir(10).join(MANIFEST).exists());
+        assert!(store.latest()?.is_none());
         Ok(())
     }
 

@@ -25,7 +25,8 @@ mod stage_rings;
 pub mod torchrun;
 
 pub(crate) use crate::actors::recovery::Recovery;
-pub use crate::actors::recovery::{Refusal, Resume, REFUSAL_EXIT_CODE, RESUME_VAR};
+pub use crate::actors::recovery::{Resume, RESUME_VAR};
+pub use crate::refusal::{Refusal, REFUSAL_EXIT_CODE};
 pub use control::connect_control;
 pub use coordinator::run_coordinator;
 pub use distributed_model::{DistributedModel, Output};

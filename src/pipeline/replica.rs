@@ -21,6 +21,7 @@ use crate::engines::comm::{CommWorker, Communicator, Shared};
 use crate::models::export::ModelInfo;
 use crate::models::{training_loss, Block, Model, NamedParam, Score};
 use crate::optim::{LrPolicy, Optimizer};
+use crate::refusal::Refusal;
 use crate::telemetry::metrics::peak_rss_bytes;
 use crate::telemetry::timeline::{record, Span, Timeline};
 
@@ -122,12 +123,25 @@ impl PipelineReplica {
             .iter()
             .map(|b| b.parameters().iter().map(|(_, v)| v.elem_count()).sum())
             .collect();
+        // The config was valid without the model; a cut the model's blocks cannot take is still
+        // the user's input, which no restart changes.
         let cuts = if configs.stage_boundaries.is_empty() {
-            balanced(&weights, virtual_stages)
+            balanced(&weights, virtual_stages).with_context(|| {
+                format!(
+                    "strategy.hybrid_configs.pp_degree × strategy.pipeline_configs.virtual_pipeline_stages = \
+                     {p} × {}: cutting the model into stages",
+                    kind.virtual_stages()
+                )
+            })
         } else {
-            explicit(&configs.stage_boundaries, weights.len(), virtual_stages)
+            explicit(&configs.stage_boundaries, weights.len(), virtual_stages).with_context(|| {
+                format!(
+                    "strategy.pipeline_configs.stage_boundaries = {:?}: cutting the model into stages",
+                    configs.stage_boundaries
+                )
+            })
         }
-        .context("strategy.pipeline_configs: cutting the model into stages")?;
+        .map_err(Refusal::wrap)?;
         let dp = job.strategy.hybrid_configs.dp_degree;
         let overlap_allreduce = dp > 1 && !configs.pp_allreduce_in_optimize;
         let checkpoints = if job.strategy.recompute {

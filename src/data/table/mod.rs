@@ -1,8 +1,8 @@
 //! Tables of the user's own: CSV files with a header row, or Parquet files, read into a
 //! [`Dataset`] of the feature columns and one label column the config names. Every file of a
-//! split must have the columns; a cell that is not a number is an error naming the file, the
-//! line (the file's own: the header is line 1, whether lines end in `\n` or `\r\n`) or row, and
-//! the column, a Parquet column of another type its schema.
+//! split must have the columns, each named once; a cell that is not a number is an error naming
+//! the file, the line (the file's own: the header is line 1, whether lines end in `\n` or
+//! `\r\n`) or row, and the column, a Parquet column of another type its schema.
 
 mod array_file;
 mod stream;
@@ -148,8 +148,26 @@ impl Layout {
     }
 
     /// Where `columns` are among `names`, a file's `what`s (columns, or arrays): the features
-    /// are every other one when none are given.
+    /// are every other one when none are given. A name given twice in the file is refused (which
+    /// of the two is meant?), and so is a label among the features (the model would read the
+    /// answer it is to predict).
     fn find(names: &[String], columns: Columns, what: &str) -> Result<Self> {
+        if let (Some(label), Some(features)) = (columns.label, columns.features) {
+            ensure!(
+                !features.iter().any(|name| name == label),
+                "train.label_column {label:?} is also in train.feature_columns: a model must not read the {what} it predicts"
+            );
+        }
+        let mut seen = std::collections::HashMap::with_capacity(names.len());
+        for (second, name) in names.iter().enumerate() {
+            if let Some(first) = seen.insert(name.as_str(), second) {
+                bail!(
+                    "{what}s {} and {} (counted from 1) are both named {name:?}: a {what} must be named once",
+                    first + 1,
+                    second + 1
+                );
+            }
+        }
         let find = |name: &str, key: &str| {
             names
                 .iter()
@@ -767,6 +785,42 @@ mod tests {
             ..REGRESS
         };
         assert!(err(&cell, wrong).contains("no column \"nope\" (train.feature_columns)"));
+        Ok(())
+    }
+
+    #[test]
+    fn a_column_named_twice_or_a_label_among_the_features_is_refused() -> Result<()> {
+        let dir = tempfile::tempdir()?;
+        let twice = write(dir.path(), "twice.csv", "x,y,z,x\n1,2,3,4\n");
+        let text = format!(
+            "{:#}",
+            table_splits(TableFormat::Csv, std::slice::from_ref(&twice), &[], REGRESS, 0.5, 1).unwrap_err()
+        );
+        assert!(
+            text.contains("twice.csv") && text.contains("columns 1 and 4 (counted from 1) are both named \"x\""),
+            "{text}"
+        );
+        // Streamed, it is refused at the open.
+        let layout = crate::data::parts::DataLayout::WHOLE;
+        let text = format!(
+            "{:#}",
+            StreamedTable::open(TableFormat::Csv, &[twice], REGRESS, layout, "train.train_files").unwrap_err()
+        );
+        assert!(text.contains("columns 1 and 4"), "{text}");
+        let plain = write(dir.path(), "plain.csv", "x,y\n1,2\n3,4\n");
+        let with_label = ["x".to_string(), "y".to_string()];
+        let columns = Columns {
+            features: Some(&with_label),
+            ..REGRESS
+        };
+        let text = format!(
+            "{:#}",
+            table_splits(TableFormat::Csv, &[plain], &[], columns, 0.5, 1).unwrap_err()
+        );
+        assert!(
+            text.contains("plain.csv") && text.contains("train.label_column \"y\" is also in train.feature_columns"),
+            "{text}"
+        );
         Ok(())
     }
 
