@@ -4,6 +4,7 @@
 use serde::{Deserialize, Serialize};
 
 use super::FieldError;
+use crate::refusal::Refusal;
 
 /// A block of the model, by name or by index in the model's block list.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
@@ -26,7 +27,8 @@ pub struct RecomputeConfigs {
 
 impl RecomputeConfigs {
     /// The checkpoints as indices into `block_names` (the model's blocks, in order); a name or
-    /// index that is not a block is an error naming it.
+    /// index that is not a block is a [`Refusal`] naming it: the config's, which no restart
+    /// changes, found only once the model is built.
     pub fn resolve(&self, block_names: &[&str]) -> anyhow::Result<Vec<usize>> {
         self.checkpoints
             .iter()
@@ -43,7 +45,8 @@ impl RecomputeConfigs {
                     )
                 }),
             })
-            .collect()
+            .collect::<anyhow::Result<_>>()
+            .map_err(Refusal::wrap)
     }
 }
 

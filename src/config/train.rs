@@ -3,6 +3,7 @@
 use serde::{Deserialize, Serialize};
 
 use super::FieldError;
+use crate::refusal::Refusal;
 
 /// Epochs run when neither `train.steps` nor `train.epochs` is given.
 const DEFAULT_EPOCHS: usize = 20;
@@ -237,14 +238,15 @@ pub enum TrainLength {
 }
 
 impl TrainLength {
-    /// The run's optimizer steps, with `batches_per_epoch` batches in a pass over the data.
+    /// The run's optimizer steps, with `batches_per_epoch` batches in a pass over the data; more
+    /// than can be counted is a [`Refusal`] (found only once the data is read).
     pub fn steps(self, batches_per_epoch: usize) -> anyhow::Result<usize> {
         match self {
             Self::Steps(steps) => Ok(steps),
             Self::Epochs(epochs) => epochs.checked_mul(batches_per_epoch).ok_or_else(|| {
-                anyhow::anyhow!(
+                Refusal::wrap(anyhow::anyhow!(
                     "train.epochs = {epochs}: with {batches_per_epoch} batches an epoch that is more steps than can be counted"
-                )
+                ))
             }),
         }
     }
@@ -469,6 +471,28 @@ impl TrainConfig {
         self.batch_size / world_size.max(1)
     }
 
+    /// The table columns the model reads: each named once, the label not among them.
+    fn check_columns(&self) -> Result<(), FieldError> {
+        let Some(features) = &self.feature_columns else {
+            return Ok(());
+        };
+        for (i, name) in features.iter().enumerate() {
+            if let Some(first) = features[..i].iter().position(|earlier| earlier == name) {
+                return Err(FieldError::new(
+                    format!("train.feature_columns[{i}]"),
+                    format!("{name:?} is named twice (also at [{first}]): a feature is read once"),
+                ));
+            }
+            if *name == self.label_column {
+                return Err(FieldError::new(
+                    format!("train.feature_columns[{i}]"),
+                    format!("{name:?} is train.label_column: a model must not read the column it predicts"),
+                ));
+            }
+        }
+        Ok(())
+    }
+
     /// Range checks of the section; `world_size` is needed for the batch split.
     pub(crate) fn check(&self, world_size: usize) -> Result<(), FieldError> {
         for (i, &width) in self.hidden_sizes().iter().enumerate() {
@@ -479,6 +503,7 @@ impl TrainConfig {
                 ));
             }
         }
+        self.check_columns()?;
         at_least("train.synthetic_samples", self.synthetic_samples, 1)?;
         at_least("train.synthetic_features", self.synthetic_features, 1)?;
         at_least("train.synthetic_classes", self.synthetic_classes, 2)?;
@@ -589,6 +614,24 @@ fn positive_finite(key: &str, value: f64) -> Result<(), FieldError> {
 mod tests {
     use super::*;
     use crate::config::tests::{err_text, load_str};
+
+    #[test]
+    fn a_feature_named_twice_or_the_label_among_the_features_is_refused() {
+        let twice = err_text(load_str("[train]\nfeature_columns = [\"a\", \"b\", \"a\"]\n"));
+        assert_eq!(
+            twice,
+            "config.toml: train.feature_columns[2]: \"a\" is named twice (also at [0]): a feature is read once"
+        );
+        let label = err_text(load_str(
+            "[train]\nlabel_column = \"y\"\nfeature_columns = [\"a\", \"y\"]\n",
+        ));
+        assert!(
+            label.ends_with(
+                "train.feature_columns[1]: \"y\" is train.label_column: a model must not read the column it predicts"
+            ),
+            "{label}"
+        );
+    }
 
     #[test]
     fn batch_size_must_split_evenly() {

@@ -558,27 +558,29 @@ fn in_ci() -> bool {
 
 /// Runs the flotilla binary with `args` to its end (at most `timeout_s`, then it is killed by
 /// pid): whether it succeeded, its stderr, and the peak resident set of its process in bytes
-/// (the kernel's count, from `wait4`).
+/// (the kernel's count, from `wait4` in a small parent).
 pub fn flotilla_peak_rss(args: &[&str], timeout_s: u64) -> (bool, String, u64) {
-    let mut started = start_flotilla(args, &[]);
-    let pid = started.child.id() as libc::pid_t;
-    let deadline = Instant::now() + Duration::from_secs(timeout_s);
-    let (status, usage) = loop {
-        let mut status = 0;
-        // SAFETY: zeroed rusage is a valid value; wait4 on our own child, without blocking.
-        let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
-        let waited = unsafe { libc::wait4(pid, &mut status, libc::WNOHANG, &mut usage) };
-        if waited == pid {
-            break (status, usage);
-        }
-        if Instant::now() > deadline {
-            let _ = started.child.kill();
-            panic!("flotilla {args:?} did not finish within {timeout_s}s; killed pid {pid}");
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    };
-    let stderr = started.stderr.join().unwrap_or_default();
-    let succeeded = libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0;
-    // ru_maxrss is in kilobytes on Linux.
-    (succeeded, stderr, usage.ru_maxrss as u64 * 1024)
+    // The kernel's count keeps, across `exec`, the peak of the process the child was spawned
+    // from, whose memory was the child's until then: spawned from this test process (large,
+    // and holding other tests' data), the count would be this process's. A small parent —
+    // Python, which forks, execs the binary and reports the child's count — bounds that by its
+    // own few megabytes.
+    const MEASURE: &str = "import ctypes, os, sys\n\
+        pid = os.fork()\n\
+        if pid == 0:\n    ctypes.CDLL(None).prctl(1, 9)\n    os.execv(sys.argv[1], sys.argv[1:])\n\
+        _, status, usage = os.wait4(pid, 0)\n\
+        print(f'peak_rss_kib {usage.ru_maxrss}', file=sys.stderr)\n\
+        sys.exit(os.waitstatus_to_exitcode(status))\n";
+    let measured = [&["-c", MEASURE, env!("CARGO_BIN_EXE_flotilla")][..], args].concat();
+    let finished = start_program("python3", &measured, &[]).finish(timeout_s);
+    let (stderr, report) = finished
+        .stderr
+        .trim_end()
+        .rsplit_once('\n')
+        .unwrap_or(("", finished.stderr.trim_end()));
+    let kib: u64 = report
+        .strip_prefix("peak_rss_kib ")
+        .and_then(|kib| kib.parse().ok())
+        .unwrap_or_else(|| panic!("no peak from the measuring parent:\n{}", finished.stderr));
+    (finished.success, stderr.to_string(), kib * 1024)
 }
