@@ -1,10 +1,13 @@
 //! flotilla: a distributed deep-learning training runtime.
 //!
 //! One [`config::DistributedStrategy`] decides how a job spreads over
-//! machines and the runtime does the communication. This release runs the
-//! collective data-parallel strategy on CPU: every rank holds a replica of
-//! the model, and gradients are averaged by a ring all-reduce of fused
-//! buckets, overlapped with backward.
+//! machines and the runtime does the communication: collective data
+//! parallelism (every rank holds a replica of the model; gradients are
+//! averaged by a ring all-reduce of fused buckets, overlapped with
+//! backward), pipeline parallelism (stages of the model's blocks, combined
+//! with data parallelism across replicas) and parameter servers (sharded
+//! dense parameters and sparse embedding tables), on CPU and, with the
+//! `cuda` feature, on NVIDIA GPUs.
 //!
 //! # Using it as a library
 //!
