@@ -211,33 +211,20 @@ fn a_column_named_twice_and_a_label_among_the_features_are_refusals() {
     let config_path = dir.path().join("regression.toml");
     let config = config_text(dir.path(), "csv", 1);
     let run_dir = dir.path().join("run");
-    let args = [
-        "train",
-        "--config",
-        config_path.to_str().unwrap(),
-        "--run-dir",
-        run_dir.to_str().unwrap(),
-    ];
-    let refusal = |file: &str, says: &str| {
-        let finished = flotilla(&args, &[], 60);
-        assert_eq!(finished.code, Some(78), "{says}: {}", finished.stderr);
-        assert!(
-            finished.stderr.contains(file) && finished.stderr.contains(says),
-            "{says}: {}",
-            finished.stderr
-        );
-    };
     std::fs::write(&config_path, &config).unwrap();
     let twice = regression_csv(256, 0).replacen("a,b,c,y", "a,b,a,y", 1);
     std::fs::write(dir.path().join("train.csv"), twice).unwrap();
-    refusal("train.csv", "columns 1 and 3 (counted from 1) are both named \"a\"");
+    refused(
+        &config_path,
+        &run_dir,
+        "train.csv",
+        "columns 1 and 3 (counted from 1) are both named \"a\"",
+    );
     write_tables(dir.path());
     // The label among the features is the config's own contradiction: refused as it loads.
     std::fs::write(&config_path, format!("{config}feature_columns = [\"a\", \"y\"]\n")).unwrap();
-    refusal(
-        "regression.toml",
-        "train.feature_columns[1]: \"y\" is train.label_column",
-    );
+    let label_among_features = "train.feature_columns[1]: \"y\" is train.label_column";
+    refused(&config_path, &run_dir, "regression.toml", label_among_features);
 }
 
 #[test]
