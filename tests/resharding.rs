@@ -95,11 +95,14 @@ fn a_checkpoint_of_another_model_is_refused_naming_the_tensor_and_both_shapes() 
     let dir = tempfile::tempdir().expect("temp dir");
     let run_dir = dir.path().join("run");
     train(&run_dir, 2, 20);
-    // The run's config now says another model than its checkpoint holds.
-    let config = run_dir.join("config.toml");
-    let text = std::fs::read_to_string(&config).expect("the run's config");
-    assert!(text.contains("hidden_sizes = [128]"), "{text}");
-    std::fs::write(&config, text.replace("hidden_sizes = [128]", "hidden_sizes = [96]")).expect("rewritten");
+    // The run's config, and the sealed copy `--resume` holds an edit to, now say another model
+    // than its checkpoint holds: the checkpoint's own check is what is left to catch it.
+    for name in ["config.toml", ".config.sealed.toml"] {
+        let config = run_dir.join(name);
+        let text = std::fs::read_to_string(&config).expect("the run's config");
+        assert!(text.contains("hidden_sizes = [128]"), "{text}");
+        std::fs::write(&config, text.replace("hidden_sizes = [128]", "hidden_sizes = [96]")).expect("rewritten");
+    }
     let refused = resume(&run_dir, 2, 30, &[]);
     assert!(!refused.success);
     assert!(
