@@ -8,7 +8,7 @@
 //! parameter-server tables. It is a lower bound of the real use (no allocator or framework
 //! overhead), so a job it refuses could never have run.
 
-use super::{DatasetKind, FieldError, JobConfig, ModelKind, OptimizerKind, TrainLength};
+use super::{DatasetKind, FieldError, JobConfig, ModelKind, OptimizerKind, TrainConfig, TrainLength};
 use crate::models::{DENSE_FEATURES, SPARSE_SLOTS};
 
 /// Bytes of one f32.
@@ -76,52 +76,7 @@ fn estimate(config: &JobConfig) -> Vec<Need> {
         OptimizerKind::Adamw | OptimizerKind::Adam => 4,
     };
     // Activations of one row's forward pass, which training holds with their gradients.
-    let (model_keys, params, row_activations): (Vec<&'static str>, _, _) = match train.model {
-        ModelKind::Mlp => {
-            let (inputs, classes) = match train.dataset {
-                DatasetKind::Synthetic => (train.synthetic_features, train.synthetic_classes),
-                _ => DIGITS_SHAPE,
-            };
-            let widths = widths(inputs, &train.hidden_sizes(), classes);
-            let row = mul(&[widths.iter().sum(), F32]);
-            let keys = vec![
-                "train.hidden_sizes",
-                "train.synthetic_features",
-                "train.synthetic_classes",
-            ];
-            (keys, dense_parameters(&widths), row)
-        }
-        ModelKind::WideDeep | ModelKind::DeepFm => {
-            let inputs = match train.model {
-                ModelKind::DeepFm => (SPARSE_SLOTS + DENSE_FEATURES).saturating_mul(train.embedding_dim),
-                _ => SPARSE_SLOTS * train.embedding_dim + DENSE_FEATURES,
-            };
-            let widths = widths(inputs, &train.hidden_sizes(), 1);
-            let row = mul(&[widths.iter().sum(), F32]);
-            let keys = vec!["train.hidden_sizes", "train.embedding_dim"];
-            (keys, dense_parameters(&widths), row)
-        }
-        // The program's own model: its size is unknown until it is built.
-        ModelKind::Custom => (vec!["train.model"], 0, 0),
-        ModelKind::Gpt => {
-            let g = &train.gpt;
-            let (c, t, layers, heads) = (
-                g.n_embd as u128,
-                g.block_size as u128,
-                g.n_layer as u128,
-                g.n_head as u128,
-            );
-            let per_layer = mul(&[12, c, c]).saturating_add(13 * c);
-            let params = mul(&[layers, per_layer])
-                .saturating_add(mul(&[2 * TEXT_VOCAB + t, c]))
-                .saturating_add(2 * c);
-            // Per token and layer: the residual stream and MLP (about 16 C) and the attention
-            // scores (heads × T); then the logits.
-            let per_token =
-                mul(&[layers, mul(&[16, c]).saturating_add(mul(&[2, heads, t]))]).saturating_add(TEXT_VOCAB);
-            (vec!["train.gpt"], params, mul(&[t, per_token, F32]))
-        }
-    };
+    let (model_keys, params, row_activations) = model_size(train);
     let data_rows = match train.dataset {
         DatasetKind::Synthetic => train.synthetic_features.saturating_add(1),
         DatasetKind::CriteoSynthetic => SPARSE_SLOTS * 2 + DENSE_FEATURES + 1,
@@ -174,6 +129,57 @@ fn estimate(config: &JobConfig) -> Vec<Need> {
             bytes: mul(&[table_rows, row_bytes]),
         },
     ]
+}
+
+/// The model's part of the estimate: the keys that size it, its parameters, and the bytes of
+/// activations one row's forward pass holds.
+fn model_size(train: &TrainConfig) -> (Vec<&'static str>, u128, u128) {
+    match train.model {
+        ModelKind::Mlp => {
+            let (inputs, classes) = match train.dataset {
+                DatasetKind::Synthetic => (train.synthetic_features, train.synthetic_classes),
+                _ => DIGITS_SHAPE,
+            };
+            let widths = widths(inputs, &train.hidden_sizes(), classes);
+            let row = mul(&[widths.iter().sum(), F32]);
+            let keys = vec![
+                "train.hidden_sizes",
+                "train.synthetic_features",
+                "train.synthetic_classes",
+            ];
+            (keys, dense_parameters(&widths), row)
+        }
+        ModelKind::WideDeep | ModelKind::DeepFm => {
+            let inputs = match train.model {
+                ModelKind::DeepFm => (SPARSE_SLOTS + DENSE_FEATURES).saturating_mul(train.embedding_dim),
+                _ => SPARSE_SLOTS * train.embedding_dim + DENSE_FEATURES,
+            };
+            let widths = widths(inputs, &train.hidden_sizes(), 1);
+            let row = mul(&[widths.iter().sum(), F32]);
+            let keys = vec!["train.hidden_sizes", "train.embedding_dim"];
+            (keys, dense_parameters(&widths), row)
+        }
+        // The program's own model: its size is unknown until it is built.
+        ModelKind::Custom => (vec!["train.model"], 0, 0),
+        ModelKind::Gpt => {
+            let g = &train.gpt;
+            let (c, t, layers, heads) = (
+                g.n_embd as u128,
+                g.block_size as u128,
+                g.n_layer as u128,
+                g.n_head as u128,
+            );
+            let per_layer = mul(&[12, c, c]).saturating_add(13 * c);
+            let params = mul(&[layers, per_layer])
+                .saturating_add(mul(&[2 * TEXT_VOCAB + t, c]))
+                .saturating_add(2 * c);
+            // Per token and layer: the residual stream and MLP (about 16 C) and the attention
+            // scores (heads × T); then the logits.
+            let per_token =
+                mul(&[layers, mul(&[16, c]).saturating_add(mul(&[2, heads, t]))]).saturating_add(TEXT_VOCAB);
+            (vec!["train.gpt"], params, mul(&[t, per_token, F32]))
+        }
+    }
 }
 
 /// The activations a node's ranks hold at once, of `row` bytes a row's forward pass: a training
