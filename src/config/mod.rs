@@ -30,6 +30,7 @@ mod memory;
 mod overrides;
 mod pipeline;
 pub mod placement;
+mod provenance;
 pub mod reference;
 mod sparse_tables;
 mod strategy;
@@ -39,6 +40,8 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 use toml::{Table, Value};
+
+use provenance::Provenance;
 
 pub(crate) use cluster::GPU_NOT_BUILT;
 pub use cluster::{host_port, ClusterConfig, DeviceKind};
@@ -560,89 +563,6 @@ fn set_path(table: &mut Table, path: &[&str], value: Value) -> Result<(), String
     }
     current.insert(last.to_string(), value);
     Ok(())
-}
-
-/// Records which keys environment variables and `--set` wrote, so errors about those keys name
-/// the variable or `--set` instead of the file.
-#[derive(Debug)]
-struct Provenance {
-    /// The config file (or `<built-in default>`): the source of every key not written later.
-    file: String,
-    /// `(dotted key, source name)` in the order written; later writes win.
-    writes: Vec<(String, String)>,
-}
-
-impl Provenance {
-    fn new(file: &str) -> Self {
-        Self {
-            file: file.to_string(),
-            writes: Vec::new(),
-        }
-    }
-
-    /// Notes that `source` wrote the dotted `key` (and everything below it).
-    fn record(&mut self, key: String, source: String) {
-        self.writes.push((key, source));
-    }
-
-    /// Who supplied the value at `key`: the latest write at or above `key`; failing that, the
-    /// latest write below it (the override created or changed part of that value); otherwise
-    /// the file.
-    fn source_of(&self, key: &str) -> &str {
-        let latest = |matches: &dyn Fn(&str) -> bool| {
-            self.writes
-                .iter()
-                .rev()
-                .find(|(written, _)| matches(written))
-                .map(|(_, source)| source.as_str())
-        };
-        latest(&|written| is_within(key, written))
-            .or_else(|| latest(&|written| is_within(written, key)))
-            .unwrap_or(&self.file)
-    }
-
-    /// How late the value at `key` was written: `None` for the file, else the index of the
-    /// latest override at or above it, so a larger value outranks a smaller one.
-    fn precedence(&self, key: &str) -> Option<usize> {
-        self.writes.iter().rposition(|(written, _)| is_within(key, written))
-    }
-
-    /// The key `error` names: of its keys, the one written last (by the environment or
-    /// `--set`; the more precise key written when it was written below one), else its first.
-    fn named_key(&self, error: &FieldError) -> String {
-        let candidates = std::iter::once(&error.key).chain(&error.also);
-        let latest = candidates
-            .filter_map(|key| {
-                let touching = self
-                    .writes
-                    .iter()
-                    .rposition(|(written, _)| is_within(key, written) || is_within(written, key))?;
-                let written = &self.writes[touching].0;
-                let named = if is_within(written, key) { written } else { key };
-                Some((touching, named))
-            })
-            .max_by_key(|(touching, _)| *touching);
-        latest.map_or_else(|| error.key.clone(), |(_, named)| named.clone())
-    }
-
-    /// A [`ConfigError`] about `key`, attributed to whoever supplied it.
-    fn error(&self, key: impl Into<String>, message: impl Into<String>) -> ConfigError {
-        let key = key.into();
-        ConfigError::Invalid {
-            source_name: self.source_of(&key).to_string(),
-            key,
-            message: message.into(),
-        }
-    }
-}
-
-/// Whether dotted `key` is `ancestor` itself or lies below it (`a.b` and `a.b[0]` are within
-/// `a.b`; `a.bc` is not).
-fn is_within(key: &str, ancestor: &str) -> bool {
-    match key.strip_prefix(ancestor) {
-        Some(rest) => rest.is_empty() || rest.starts_with('.') || rest.starts_with('['),
-        None => false,
-    }
 }
 
 #[cfg(test)]
