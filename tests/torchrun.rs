@@ -212,6 +212,70 @@ fn ranks_torchrun_starts_on_two_nodes_by_a_c10d_rendezvous_train_as_the_in_proce
     ends_as_in_process(&rank0, 2, &[STEPS]);
 }
 
+/// Two nodes under `--max-restarts 1`, their checkpoints in one directory both see: a worker
+/// killed on either node makes both agents start their workers again (the healthy node's
+/// without counting a restart), and every rank resumes from the newest checkpoint, ending as the
+/// uninterrupted run.
+#[test]
+fn ranks_torchrun_restarts_on_two_nodes_resume_from_the_shared_checkpoints() {
+    if !installed("torchrun", "PyTorch, in the venv .ci/run makes") {
+        return;
+    }
+    let Some(hosts) = Hosts::create_or_say_why(2) else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let checkpoints = format!("fault_tolerance.checkpoint_dir={:?}", dir.path().join("checkpoints"));
+    let sets = [
+        "train.steps=4000",
+        "train.batch_size=48",
+        "fault_tolerance.checkpoint_every=500",
+        "fault_tolerance.heartbeat_interval_ms=200",
+        checkpoints.as_str(),
+    ];
+    let endpoint = format!("{}:29400", hosts.ips[0]);
+    let nodes: Vec<Started> = (0..2)
+        .map(|node| {
+            let is_host = format!("is_host={}", node == 0);
+            #[rustfmt::skip]
+            let args = [
+                "--nnodes", "2", "--nproc-per-node", "1", "--max-restarts", "1", "--rdzv-backend", "c10d",
+                "--rdzv-endpoint", &endpoint, "--rdzv-id", "two-nodes-restarted", "--rdzv-conf", &is_host,
+                "--local-addr", &hosts.ips[node],
+            ];
+            let prefix = ["ip", "netns", "exec", hosts.names[node].as_str()];
+            torchrun(&prefix, &args, &dir.path().join(format!("node{node}")), &sets, &token())
+        })
+        .collect();
+    common::wait_for_commit(&dir.path().join("checkpoints"), 500 * (1 + common::pick(3)));
+    let victim_node = common::pick(2);
+    let workers: Vec<i32> = nodes.iter().flat_map(|node| workers_of(node.child.id())).collect();
+    let victim = children_of(nodes[victim_node].child.id());
+    assert_eq!(victim.len(), 1, "node {victim_node}'s one worker: {victim:?}");
+    // SAFETY: kill(2) on a pid this test's torchrun started; no memory is shared.
+    assert_eq!(unsafe { libc::kill(victim[0], libc::SIGKILL) }, 0);
+    let restarted: Vec<i32> = nodes
+        .iter()
+        .flat_map(|node| wait_for_new_workers(node.child.id(), &workers))
+        .collect();
+    let finished: Vec<_> = nodes.into_iter().map(|node| node.finish(240)).collect();
+    end_leftovers(workers.into_iter().chain(restarted));
+    for (node, finished) in finished.iter().enumerate() {
+        succeeded(finished, &format!("node {node}"));
+    }
+    let resumed = finished
+        .iter()
+        .filter(|f| f.stderr.contains("resuming from checkpoint"))
+        .count();
+    assert_eq!(resumed, 2, "both nodes' workers resumed");
+    let rank0 = (0..2)
+        .map(|node| dir.path().join(format!("node{node}")))
+        .find(|run_dir| run_dir.join("summary.json").exists())
+        .expect("a summary on one node");
+    let uninterrupted: Vec<&str> = sets[..4].to_vec();
+    ends_as_in_process(&rank0, 2, &uninterrupted);
+}
+
 /// The workers torchrun's agent `agent` started, once it has (at most 60 s; none if it ended
 /// first), so that the test ends them should the agent be killed.
 fn workers_of(agent: u32) -> Vec<i32> {
