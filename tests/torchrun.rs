@@ -7,13 +7,22 @@
 
 mod common;
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use common::hosts::Hosts;
 use common::{children_of, config, end_leftovers, installed, start_program, train_in_process, Started};
 
 const STEPS: &str = "train.steps=20";
+
+/// A run long enough to lose a worker in, checkpointed every 500 steps, whose ranks notice a
+/// dead peer within a second.
+const RESTARTED: [&str; 4] = [
+    "train.steps=4000",
+    "train.batch_size=48",
+    "fault_tolerance.checkpoint_every=500",
+    "fault_tolerance.heartbeat_interval_ms=200",
+];
 
 /// The environment of a rank torchrun starts: the cluster token every rank needs.
 fn token() -> Vec<(&'static str, String)> {
@@ -98,21 +107,14 @@ fn ranks_torchrun_restarts_after_a_worker_is_killed_resume_and_end_as_the_uninte
     }
     let dir = tempfile::tempdir().unwrap();
     let run_dir = dir.path().join("run");
-    let sets = [
-        "train.steps=4000",
-        "train.batch_size=48",
-        "fault_tolerance.checkpoint_every=500",
-        "fault_tolerance.heartbeat_interval_ms=200",
-    ];
+    let sets = RESTARTED;
     let args = ["--standalone", "--nproc-per-node", "2", "--max-restarts", "1"];
     let started = torchrun(&[], &args, &run_dir, &sets, &token());
     let agent = started.child.id();
     common::wait_for_commit(&run_dir.join("checkpoints"), 500 * (1 + common::pick(3)));
     let workers = children_of(agent);
     assert_eq!(workers.len(), 2, "torchrun's two workers: {workers:?}");
-    let victim = workers[common::pick(2)];
-    // SAFETY: kill(2) on a pid this test's torchrun started; no memory is shared.
-    assert_eq!(unsafe { libc::kill(victim, libc::SIGKILL) }, 0);
+    kill(workers[common::pick(2)]);
     let restarted = wait_for_new_workers(agent, &workers);
     let finished = started.finish(180);
     end_leftovers(workers.into_iter().chain(restarted));
@@ -176,40 +178,14 @@ fn ranks_torchrun_starts_on_two_nodes_by_a_c10d_rendezvous_train_as_the_in_proce
         return;
     };
     let dir = tempfile::tempdir().unwrap();
-    let endpoint = format!("{}:29400", hosts.ips[0]);
-    let nodes: Vec<Started> = (0..2)
-        .map(|node| {
-            // The agent that serves the rendezvous store is told so: inside a namespace the
-            // host's name does not resolve to the namespace's address.
-            let is_host = format!("is_host={}", node == 0);
-            #[rustfmt::skip]
-            let args = [
-                "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
-                "--rdzv-endpoint", &endpoint, "--rdzv-id", "two-nodes", "--rdzv-conf", &is_host,
-                "--local-addr", &hosts.ips[node],
-            ];
-            let prefix = ["ip", "netns", "exec", hosts.names[node].as_str()];
-            torchrun(
-                &prefix,
-                &args,
-                &dir.path().join(format!("node{node}")),
-                &[STEPS],
-                &token(),
-            )
-        })
-        .collect();
+    let nodes = start_two_nodes(&hosts, dir.path(), "two-nodes", &[], &[STEPS]);
     let workers: Vec<i32> = nodes.iter().flat_map(|node| workers_of(node.child.id())).collect();
     let finished: Vec<_> = nodes.into_iter().map(|node| node.finish(180)).collect();
     end_leftovers(workers);
     for (node, finished) in finished.iter().enumerate() {
         succeeded(finished, &format!("node {node}"));
     }
-    // Rank 0, which writes the outputs, is on the node the rendezvous gave it.
-    let rank0 = (0..2)
-        .map(|node| dir.path().join(format!("node{node}")))
-        .find(|run_dir| run_dir.join("summary.json").exists())
-        .expect("a summary on one node");
-    ends_as_in_process(&rank0, 2, &[STEPS]);
+    ends_as_in_process(&rank0_run_dir(dir.path()), 2, &[STEPS]);
 }
 
 /// Two nodes under `--max-restarts 1`, their checkpoints in one directory both see: a worker
@@ -226,34 +202,15 @@ fn ranks_torchrun_restarts_on_two_nodes_resume_from_the_shared_checkpoints() {
     };
     let dir = tempfile::tempdir().unwrap();
     let checkpoints = format!("fault_tolerance.checkpoint_dir={:?}", dir.path().join("checkpoints"));
-    let sets = [
-        "train.steps=4000",
-        "train.batch_size=48",
-        "fault_tolerance.checkpoint_every=500",
-        "fault_tolerance.heartbeat_interval_ms=200",
-        checkpoints.as_str(),
-    ];
-    let endpoint = format!("{}:29400", hosts.ips[0]);
-    let nodes: Vec<Started> = (0..2)
-        .map(|node| {
-            let is_host = format!("is_host={}", node == 0);
-            #[rustfmt::skip]
-            let args = [
-                "--nnodes", "2", "--nproc-per-node", "1", "--max-restarts", "1", "--rdzv-backend", "c10d",
-                "--rdzv-endpoint", &endpoint, "--rdzv-id", "two-nodes-restarted", "--rdzv-conf", &is_host,
-                "--local-addr", &hosts.ips[node],
-            ];
-            let prefix = ["ip", "netns", "exec", hosts.names[node].as_str()];
-            torchrun(&prefix, &args, &dir.path().join(format!("node{node}")), &sets, &token())
-        })
-        .collect();
+    let sets = [&RESTARTED[..], &[checkpoints.as_str()]].concat();
+    let restarts = ["--max-restarts", "1"];
+    let nodes = start_two_nodes(&hosts, dir.path(), "two-nodes-restarted", &restarts, &sets);
     common::wait_for_commit(&dir.path().join("checkpoints"), 500 * (1 + common::pick(3)));
     let victim_node = common::pick(2);
     let workers: Vec<i32> = nodes.iter().flat_map(|node| workers_of(node.child.id())).collect();
     let victim = children_of(nodes[victim_node].child.id());
     assert_eq!(victim.len(), 1, "node {victim_node}'s one worker: {victim:?}");
-    // SAFETY: kill(2) on a pid this test's torchrun started; no memory is shared.
-    assert_eq!(unsafe { libc::kill(victim[0], libc::SIGKILL) }, 0);
+    kill(victim[0]);
     let restarted: Vec<i32> = nodes
         .iter()
         .flat_map(|node| wait_for_new_workers(node.child.id(), &workers))
@@ -268,12 +225,47 @@ fn ranks_torchrun_restarts_on_two_nodes_resume_from_the_shared_checkpoints() {
         .filter(|f| f.stderr.contains("resuming from checkpoint"))
         .count();
     assert_eq!(resumed, 2, "both nodes' workers resumed");
-    let rank0 = (0..2)
-        .map(|node| dir.path().join(format!("node{node}")))
+    ends_as_in_process(&rank0_run_dir(dir.path()), 2, &RESTARTED);
+}
+
+/// One torchrun on each of `hosts`' two nodes (after `extra` flags), meeting at a c10d
+/// rendezvous `id` on the first, each training the job `sets` into `dir/node<i>`.
+fn start_two_nodes(hosts: &Hosts, dir: &Path, id: &str, extra: &[&str], sets: &[&str]) -> Vec<Started> {
+    let endpoint = format!("{}:29400", hosts.ips[0]);
+    (0..2)
+        .map(|node| {
+            // The agent that serves the rendezvous store is told so: inside a namespace the
+            // host's name does not resolve to the namespace's address.
+            let is_host = format!("is_host={}", node == 0);
+            #[rustfmt::skip]
+            let args = [
+                "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", &endpoint,
+                "--rdzv-id", id, "--rdzv-conf", &is_host, "--local-addr", &hosts.ips[node],
+            ];
+            let prefix = ["ip", "netns", "exec", hosts.names[node].as_str()];
+            torchrun(
+                &prefix,
+                &[extra, &args].concat(),
+                &dir.join(format!("node{node}")),
+                sets,
+                &token(),
+            )
+        })
+        .collect()
+}
+
+/// The run directory of the node the rendezvous gave rank 0, which writes the outputs.
+fn rank0_run_dir(dir: &Path) -> PathBuf {
+    (0..2)
+        .map(|node| dir.join(format!("node{node}")))
         .find(|run_dir| run_dir.join("summary.json").exists())
-        .expect("a summary on one node");
-    let uninterrupted: Vec<&str> = sets[..4].to_vec();
-    ends_as_in_process(&rank0, 2, &uninterrupted);
+        .expect("a summary on one node")
+}
+
+/// SIGKILLs `pid`, a worker this test's torchrun started.
+fn kill(pid: i32) {
+    // SAFETY: kill(2) on a pid; no memory is shared.
+    assert_eq!(unsafe { libc::kill(pid, libc::SIGKILL) }, 0);
 }
 
 /// The workers torchrun's agent `agent` started, once it has (at most 60 s; none if it ended
