@@ -15,7 +15,7 @@ use flotilla::bench::ps::{self as ps_bench, PsBenchArgs, PsBenchShardArgs};
 use flotilla::cli::{ConfigArgs, DefaultConfig, TrainArgs};
 use flotilla::collective::preemption::{is_preemption, PREEMPTED_EXIT_CODE};
 use flotilla::config::{process_env, JobConfig};
-use flotilla::data::ctr::{write_synthetic, CriteoSynth, Split};
+use flotilla::data::ctr::{write_click_log, write_synthetic, CriteoSynth, Split};
 use flotilla::job::ps::{ParameterServerJob, PsSummary};
 use flotilla::job::ps_serving;
 use flotilla::job::serving::Weights;
@@ -250,6 +250,23 @@ enum DataCommand {
         #[arg(long, default_value_t = 100_000)]
         vocab: usize,
     },
+    /// Generate click logs in the columns and format of a job's `[train.click_log]` (or
+    /// Criteo's): the generator's records with its planted click model, seeded by `train.seed`,
+    /// vocabularies bounded by `train.synthetic_vocab`.
+    ClickLog {
+        /// The job whose click-log columns to write.
+        #[command(flatten)]
+        job: ConfigArgs,
+        /// Samples to write.
+        #[arg(long)]
+        samples: u64,
+        /// Output file (`.parquet`, `.csv`, else TSV; `.gz` compresses text).
+        #[arg(long)]
+        out: PathBuf,
+        /// Write the held-out split instead of the training split.
+        #[arg(long)]
+        test: bool,
+    },
 }
 
 #[derive(Subcommand)]
@@ -333,6 +350,26 @@ fn run(cli: Cli) -> Result<()> {
         }) => {
             let split = if test { Split::Test } else { Split::Train };
             write_synthetic(&out, &CriteoSynth::new(seed, vocab), split, 0..samples)?;
+            print_out(&format!("wrote {samples} samples to {}\n", out.display()));
+            Ok(())
+        }
+        Command::Data(DataCommand::ClickLog {
+            job,
+            samples,
+            out,
+            test,
+        }) => {
+            let config = job.load(&process_env, &BUILT_IN)?;
+            let train = &config.train;
+            let schema = train.click_log_schema().with_context(|| {
+                format!(
+                    "the job reads no click logs (train.dataset = {:?}): give it [train.click_log] and dataset = \"click_log\"",
+                    train.dataset
+                )
+            })?;
+            let split = if test { Split::Test } else { Split::Train };
+            let synth = CriteoSynth::new(train.seed, train.synthetic_vocab);
+            write_click_log(&out, &schema, &synth, split, 0..samples)?;
             print_out(&format!("wrote {samples} samples to {}\n", out.display()));
             Ok(())
         }

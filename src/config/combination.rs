@@ -25,7 +25,7 @@ pub(super) fn check(config: &JobConfig) -> Result<(), FieldError> {
         (m, d) if m.is_sparse() && !d.is_click_log() => Err(FieldError::new(
             "train.dataset",
             format!(
-                "{dataset} is not click logs: the {} model reads \"criteo_synthetic\" or \"criteo\"",
+                "{dataset} is not click logs: the {} model reads \"criteo_synthetic\", \"criteo\" or \"click_log\"",
                 m.name()
             ),
         )),
@@ -44,6 +44,7 @@ pub(super) fn check(config: &JobConfig) -> Result<(), FieldError> {
         }
         _ => {
             train.gpt.check()?;
+            check_click_log(train)?;
             check_files(config)
         }
     }
@@ -346,7 +347,23 @@ fn check_data_layout(config: &JobConfig) -> Result<(), FieldError> {
     Ok(())
 }
 
-/// Data sets `criteo`, `csv` and `parquet` need their files.
+/// Dataset `click_log` needs its columns, which no other dataset reads.
+fn check_click_log(train: &super::TrainConfig) -> Result<(), FieldError> {
+    match (&train.click_log, train.dataset) {
+        (Some(schema), DatasetKind::ClickLog) => schema.check(),
+        (None, DatasetKind::ClickLog) => Err(FieldError::new(
+            "train.click_log",
+            "dataset \"click_log\" needs the logs' columns: [train.click_log] with a label, dense columns and [[train.click_log.slots]]",
+        )),
+        (Some(_), other) => Err(FieldError::new(
+            "train.click_log",
+            format!("describes the columns of dataset \"click_log\", not of {}", dataset_name(other)),
+        )),
+        (None, _) => Ok(()),
+    }
+}
+
+/// Data sets `criteo`, `click_log`, `csv` and `parquet` need their files.
 fn check_files(config: &JobConfig) -> Result<(), FieldError> {
     let train = &config.train;
     if train.dataset.is_table() {
@@ -358,7 +375,7 @@ fn check_files(config: &JobConfig) -> Result<(), FieldError> {
         }
         return Ok(());
     }
-    if train.dataset != DatasetKind::Criteo {
+    if !matches!(train.dataset, DatasetKind::Criteo | DatasetKind::ClickLog) {
         return Ok(());
     }
     for (key, files) in [
@@ -368,7 +385,7 @@ fn check_files(config: &JobConfig) -> Result<(), FieldError> {
         if files.is_empty() {
             return Err(FieldError::new(
                 key,
-                "dataset \"criteo\" needs at least one TSV file here",
+                format!("dataset {} needs at least one file here", dataset_name(train.dataset)),
             ));
         }
     }
@@ -382,6 +399,7 @@ fn dataset_name(dataset: DatasetKind) -> &'static str {
         DatasetKind::Synthetic => "\"synthetic\"",
         DatasetKind::CriteoSynthetic => "\"criteo_synthetic\"",
         DatasetKind::Criteo => "\"criteo\"",
+        DatasetKind::ClickLog => "\"click_log\"",
         DatasetKind::Text => "\"text\"",
         DatasetKind::Csv => "\"csv\"",
         DatasetKind::Parquet => "\"parquet\"",
@@ -584,7 +602,7 @@ mod tests {
         let msg = err_text(load_str(&CTR.replace("criteo_synthetic", "criteo")));
         assert_eq!(
             msg,
-            "config.toml: train.train_files: dataset \"criteo\" needs at least one TSV file here"
+            "config.toml: train.train_files: dataset \"criteo\" needs at least one file here"
         );
     }
 

@@ -9,7 +9,7 @@
 //! overhead), so a job it refuses could never have run.
 
 use super::{DatasetKind, FieldError, JobConfig, ModelKind, OptimizerKind, TrainConfig, TrainLength};
-use crate::models::{DENSE_FEATURES, SPARSE_SLOTS};
+use crate::data::ctr::CtrShape;
 
 /// Bytes of one f32.
 const F32: u128 = 4;
@@ -79,9 +79,10 @@ fn estimate(config: &JobConfig) -> Vec<Need> {
     let (model_keys, params, row_activations) = model_size(train);
     let data_rows = match train.dataset {
         DatasetKind::Synthetic => train.synthetic_features.saturating_add(1),
-        DatasetKind::CriteoSynthetic => SPARSE_SLOTS * 2 + DENSE_FEATURES + 1,
+        DatasetKind::CriteoSynthetic => CtrShape::CRITEO.slots * 2 + CtrShape::CRITEO.dense + 1,
         DatasetKind::Digits
         | DatasetKind::Criteo
+        | DatasetKind::ClickLog
         | DatasetKind::Text
         | DatasetKind::Csv
         | DatasetKind::Parquet
@@ -96,7 +97,7 @@ fn estimate(config: &JobConfig) -> Vec<Need> {
     // servers; only generated click logs bound the ids.
     let table_rows = match train.dataset {
         DatasetKind::CriteoSynthetic if train.model.is_sparse() => {
-            (train.synthetic_vocab.min(train.synthetic_samples) as u128) * SPARSE_SLOTS as u128
+            (train.synthetic_vocab.min(train.synthetic_samples) as u128) * CtrShape::CRITEO.slots as u128
         }
         _ => 0,
     };
@@ -150,9 +151,10 @@ fn model_size(train: &TrainConfig) -> (Vec<&'static str>, u128, u128) {
             (keys, dense_parameters(&widths), row)
         }
         ModelKind::WideDeep | ModelKind::DeepFm => {
+            let shape = CtrShape::of_train(train);
             let inputs = match train.model {
-                ModelKind::DeepFm => (SPARSE_SLOTS + DENSE_FEATURES).saturating_mul(train.embedding_dim),
-                _ => SPARSE_SLOTS * train.embedding_dim + DENSE_FEATURES,
+                ModelKind::DeepFm => (shape.slots + shape.dense).saturating_mul(train.embedding_dim),
+                _ => (shape.slots.saturating_mul(train.embedding_dim)).saturating_add(shape.dense),
             };
             let widths = widths(inputs, &train.hidden_sizes(), 1);
             let row = mul(&[widths.iter().sum(), F32]);

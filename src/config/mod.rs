@@ -20,6 +20,7 @@
 //! environment variable, or `--set`) and the dotted key, e.g.
 //! `config.toml: strategy.fuse_grad_size_in_MB: invalid type: string "x", expected f64`.
 
+mod click_log;
 mod cluster;
 mod combination;
 mod env;
@@ -43,6 +44,10 @@ use toml::{Table, Value};
 
 use provenance::Provenance;
 
+pub use click_log::{
+    ClickLogFormat, ClickLogSchema, ColumnRef, DenseTransform, SlotIds, SlotSpec, CRITEO_DENSE, CRITEO_SLOTS,
+    SLOT_CODES,
+};
 pub(crate) use cluster::GPU_NOT_BUILT;
 pub use cluster::{host_port, ClusterConfig, DeviceKind};
 pub use fault_tolerance::{FaultToleranceConfig, RecoveryMode};

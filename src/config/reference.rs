@@ -113,6 +113,9 @@ pub struct Entry {
     pub doc: String,
     /// PaddlePaddle's name for the same setting.
     pub paddle: Option<&'static str>,
+    /// Whether the key is in a table that is absent by default (`[train.click_log]`): shown
+    /// commented out, as an example.
+    pub in_optional_table: bool,
 }
 
 /// Every key of the configuration, in the structs' order.
@@ -124,7 +127,7 @@ pub fn entries() -> Vec<Entry> {
         defaults,
     };
     let mut out = Vec::new();
-    walk.table(&schema, "", &mut out);
+    walk.table(&schema, "", false, &mut out);
     out
 }
 
@@ -156,8 +159,8 @@ impl Walk {
         }
     }
 
-    /// The keys of the struct `node`, under `prefix`.
-    fn table(&self, node: &Value, prefix: &str, out: &mut Vec<Entry>) {
+    /// The keys of the struct `node`, under `prefix`; `optional`: in a table absent by default.
+    fn table(&self, node: &Value, prefix: &str, optional: bool, out: &mut Vec<Entry>) {
         let Some(properties) = self.resolve(node).get("properties").and_then(Value::as_object) else {
             return;
         };
@@ -169,13 +172,21 @@ impl Walk {
             };
             let value = self.present(property);
             if value.get("properties").is_some() {
-                self.table(value, &key, out);
+                let absent = optional || !std::ptr::eq(value, self.resolve(property));
+                self.table(value, &key, absent, out);
                 continue;
+            }
+            // An array of tables (`[[train.click_log.slots]]`): its items' keys under `key[]`.
+            if let Some(items) = value.get("items").map(|v| self.resolve(v)) {
+                if items.get("properties").is_some() {
+                    self.table(items, &format!("{key}[]"), true, out);
+                    continue;
+                }
             }
             // A table of tables by a name of the user's (`sparse_table_configs`).
             if let Some(named) = value.get("additionalProperties").map(|v| self.resolve(v)) {
                 if named.get("properties").is_some() {
-                    self.table(named, &format!("{key}.{NAMED}"), out);
+                    self.table(named, &format!("{key}.{NAMED}"), true, out);
                     continue;
                 }
             }
@@ -193,6 +204,7 @@ impl Walk {
                     .map(toml::Value::to_string)
                     .or_else(|| property.get("default").filter(|v| !v.is_null()).map(json_default)),
                 paddle: PADDLE_NAMES.iter().find(|(k, _)| *k == key).map(|(_, paddle)| *paddle),
+                in_optional_table: optional,
                 key,
             });
         }
@@ -301,10 +313,14 @@ pub fn commented_defaults() -> String {
     }
     let mut text = String::new();
     for (table, keys) in tables {
-        // A table named by the user is shown, commented out, with its keys' defaults.
-        let example = table.contains(NAMED);
+        // A table named by the user, or absent by default, is shown commented out with its
+        // keys' defaults.
+        let example = keys.iter().any(|entry| entry.in_optional_table);
         let comment = if example { "# " } else { "" };
-        let _ = write!(text, "\n{comment}[{table}]\n");
+        let _ = match table.strip_suffix("[]") {
+            Some(array) => write!(text, "\n{comment}[[{array}]]\n"),
+            None => write!(text, "\n{comment}[{table}]\n"),
+        };
         for entry in keys {
             write_key(&mut text, &entry, comment);
         }

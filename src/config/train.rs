@@ -2,7 +2,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use super::FieldError;
+use super::{ClickLogSchema, FieldError};
 use crate::refusal::Refusal;
 
 /// Epochs run when neither `train.steps` nor `train.epochs` is given.
@@ -77,6 +77,9 @@ pub enum DatasetKind {
     CriteoSynthetic,
     /// Criteo display-advertising TSV files: `train.train_files` and `train.test_files`.
     Criteo,
+    /// Click logs of the user's own, in the columns `[train.click_log]` describes (TSV, CSV or
+    /// Parquet): `train.train_files` and `train.test_files`.
+    ClickLog,
     /// The shipped text, Jules Verne's *Around the World in 80 Days*, as characters: windows
     /// of `train.gpt.block_size` characters every half window, the last `train.test_fraction`
     /// of the text held out.
@@ -104,7 +107,7 @@ impl DatasetKind {
 
     /// Whether the set is click logs (for the CTR model) rather than dense classification data.
     pub fn is_click_log(self) -> bool {
-        matches!(self, Self::CriteoSynthetic | Self::Criteo)
+        matches!(self, Self::CriteoSynthetic | Self::Criteo | Self::ClickLog)
     }
 }
 
@@ -266,6 +269,9 @@ pub struct TrainConfig {
     pub embedding_dim: usize,
     /// Shape of the GPT model.
     pub gpt: GptShape,
+    /// Dataset `click_log`: the columns of the logs.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub click_log: Option<ClickLogSchema>,
     /// Training data set.
     pub dataset: DatasetKind,
     /// Number of generated samples (synthetic data set only).
@@ -380,6 +386,7 @@ impl TrainConfig {
             hidden_sizes: None,
             embedding_dim: 9,
             gpt: GptShape::default(),
+            click_log: None,
             dataset: DatasetKind::Digits,
             synthetic_samples: 16384,
             synthetic_features: 64,
@@ -447,6 +454,16 @@ impl TrainConfig {
     pub(crate) fn resolve_data_parts(&mut self, trainers: usize) {
         if self.dataset.is_click_log() && self.data_parts.is_none() {
             self.data_parts = Some(trainers);
+        }
+    }
+
+    /// The columns of the click logs the job reads: Criteo's for `criteo` and the Criteo-shaped
+    /// `criteo_synthetic`, `[train.click_log]` for `click_log`; `None` for other data.
+    pub fn click_log_schema(&self) -> Option<ClickLogSchema> {
+        match self.dataset {
+            DatasetKind::Criteo | DatasetKind::CriteoSynthetic => Some(ClickLogSchema::criteo()),
+            DatasetKind::ClickLog => self.click_log.clone(),
+            _ => None,
         }
     }
 

@@ -304,7 +304,7 @@ impl TrainingJob {
                 extra.insert("feature_columns".to_string(), serde_json::to_string(&feature_columns)?);
                 splits
             }
-            DatasetKind::CriteoSynthetic | DatasetKind::Criteo => {
+            DatasetKind::CriteoSynthetic | DatasetKind::Criteo | DatasetKind::ClickLog => {
                 anyhow::bail!("click logs train on parameter servers: see `ParameterServerJob`")
             }
         };

@@ -26,7 +26,7 @@ use crate::actors::rollback::OrderLine;
 use crate::actors::{Coordinator, DeviceActor};
 use crate::collective::preemption::PreemptionWatch;
 use crate::config::{DatasetKind, JobConfig, PsMode};
-use crate::data::ctr::{CriteoSynth, CtrSource, Split};
+use crate::data::ctr::{ClickLogParser, CriteoSynth, CtrSource, Split};
 use crate::models::{ParamInit, SparseModelDef};
 use crate::net::auth::Credentials;
 use crate::net::ps_server::serve_shard;
@@ -153,8 +153,13 @@ impl ParameterServerJob {
                     source(Split::Test, test.max(1)),
                 )
             }
-            DatasetKind::Criteo => {
-                let files = |names: &[String]| CtrSource::Files(names.iter().map(PathBuf::from).collect());
+            DatasetKind::Criteo | DatasetKind::ClickLog => {
+                let schema = train.click_log_schema().context("train.click_log")?;
+                let parser = Arc::new(ClickLogParser::new(schema));
+                let files = |names: &[String]| CtrSource::Files {
+                    files: names.iter().map(PathBuf::from).collect(),
+                    parser: parser.clone(),
+                };
                 (files(&train.train_files), files(&train.test_files))
             }
             DatasetKind::Digits
@@ -163,9 +168,10 @@ impl ParameterServerJob {
             | DatasetKind::Csv
             | DatasetKind::Parquet
             | DatasetKind::Arrays => {
-                bail!("the parameter-server job trains on click logs (criteo_synthetic or criteo)")
+                bail!("the parameter-server job trains on click logs (criteo_synthetic, criteo or click_log)")
             }
         };
+        model.check_slots(train_data.shape()).map_err(Refusal::wrap)?;
         Ok(Self {
             config: Arc::new(config),
             model,
@@ -483,7 +489,7 @@ impl ParameterServerJob {
             CtrSource::Synthetic { synth, split, samples } => {
                 synth.planted_auc(*split, (*samples).min(CEILING_SAMPLES))
             }
-            CtrSource::Files(_) => None,
+            CtrSource::Files { .. } => None,
         };
         Ok(PsSummary {
             strategy: "parameter-server".to_string(),

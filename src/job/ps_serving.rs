@@ -8,6 +8,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::fs;
 use std::io::{BufWriter, Write};
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use anyhow::{bail, ensure, Context, Result};
 use candle_core::{Device, Tensor};
@@ -16,7 +17,7 @@ use serde::Serialize;
 use super::outputs::CONFIG_FILE;
 use super::ps::build_shard;
 use crate::config::JobConfig;
-use crate::data::ctr::{CtrLoader, CtrSource, DataLayout};
+use crate::data::ctr::{ClickLogParser, CtrLoader, CtrSource, DataLayout};
 use crate::metrics::auc;
 use crate::models::{ParamInit, SparseModelDef};
 use crate::ps::dense::dense_range;
@@ -316,14 +317,20 @@ pub struct Prediction {
     pub auc: Option<f64>,
 }
 
-/// Scores the records of `data` (Criteo TSV, plain or `.gz`) with the export in `model_dir`,
-/// writing `label \t click probability` per record to `out`. `model` is the exported model;
-/// `None`: the built-in one the export's configuration names.
+/// Scores the records of `data` with the export in `model_dir`, writing `label \t click
+/// probability` per record to `out`: click logs in the columns the job trained on (its
+/// configuration, in the export, says them: Criteo TSV, or `[train.click_log]`'s). `model` is
+/// the exported model; `None`: the built-in one the export's configuration names.
 pub fn predict(model_dir: &Path, data: &[PathBuf], out: &Path, model: Option<&SparseModelDef>) -> Result<Prediction> {
     let model = ServingModel::from_export(model_dir, model)?;
     let mut worker = CtrWorker::new(&model.config, &model.model, Device::Cpu)?;
+    let schema = (model.config.train.click_log_schema())
+        .context("the export's job read no click logs: its configuration names no columns")?;
     let mut loader = CtrLoader::new(
-        CtrSource::Files(data.to_vec()),
+        CtrSource::Files {
+            files: data.to_vec(),
+            parser: Arc::new(ClickLogParser::new(schema)),
+        },
         DataLayout::WHOLE,
         model.config.train.batch_size,
         0,

@@ -1,7 +1,7 @@
-//! DeepFM (Guo et al. 2017; PaddleRec's second flagship CTR model) over Criteo's 26 sparse slots
-//! and 13 dense features.
+//! DeepFM (Guo et al. 2017; PaddleRec's second flagship CTR model) over a click log's sparse
+//! slots and dense features (Criteo's 26 and 13, or a schema's).
 //!
-//! Every one of the 39 fields has a factor vector of width `embedding_dim`: a sparse slot's is
+//! Every field (slot or dense feature) has a factor vector of width `embedding_dim`: a sparse slot's is
 //! its id's row of the `embedding` table, a dense feature's is its value times a learned vector
 //! (the `dense_factors` block). Then
 //! `logit = first order + FM + deep`, where the first order is `Σ first_order rows + w·dense + b`,
@@ -13,34 +13,39 @@ use candle_core::{Tensor, Var};
 
 use super::sparse::{Lookup, SparseModel, SparseTableSpec};
 use super::tower::{run_tower, tower};
-use super::{Activation, Block, Linear, ParamInit, DENSE_FEATURES, SPARSE_SLOTS};
+use super::{Activation, Block, Linear, ParamInit};
+use crate::data::ctr::CtrShape;
 
 /// DeepFM. Tables: `embedding` (width `embedding_dim`, read by every slot) and `first_order`
-/// (width 1, read by every slot).
+/// (width 1, read by every slot). A log without dense columns has no dense blocks.
 pub struct DeepFm {
-    dense_factors: DenseFactors,
-    first_order_dense: Linear,
+    /// The dense features' factors and first-order weights; `None` without dense features.
+    dense: Option<(DenseFactors, Linear)>,
     deep: Vec<Linear>,
     embedding_dim: usize,
+    shape: CtrShape,
 }
 
 impl DeepFm {
-    /// A model with factors of width `embedding_dim` and deep layers `hidden`, its dense
-    /// parameters drawn from `init`.
-    pub fn new(embedding_dim: usize, hidden: &[usize], init: &ParamInit) -> Result<Self> {
+    /// A model of `shape`d records with factors of width `embedding_dim` and deep layers
+    /// `hidden`, its dense parameters drawn from `init`.
+    pub fn new(shape: CtrShape, embedding_dim: usize, hidden: &[usize], init: &ParamInit) -> Result<Self> {
         ensure!(embedding_dim > 0, "the embedding width must be at least 1");
-        let fields = SPARSE_SLOTS + DENSE_FEATURES;
+        ensure!(shape.slots > 0, "a CTR model needs at least one sparse slot");
+        let fields = shape.slots + shape.dense;
+        let dense = (shape.dense > 0)
+            .then(|| -> Result<_> {
+                let bound = 1.0 / (embedding_dim as f32).sqrt();
+                let weight = init.uniform("dense_factors.weight", &[shape.dense, embedding_dim], bound)?;
+                let first_order = Linear::new("first_order_dense", shape.dense, 1, Activation::Identity, init)?;
+                Ok((DenseFactors { weight }, first_order))
+            })
+            .transpose()?;
         Ok(Self {
-            dense_factors: DenseFactors {
-                weight: init.uniform(
-                    "dense_factors.weight",
-                    &[DENSE_FEATURES, embedding_dim],
-                    1.0 / (embedding_dim as f32).sqrt(),
-                )?,
-            },
-            first_order_dense: Linear::new("first_order_dense", DENSE_FEATURES, 1, Activation::Identity, init)?,
+            dense,
             deep: tower("deep", fields * embedding_dim, hidden, init)?,
             embedding_dim,
+            shape,
         })
     }
 }
@@ -49,13 +54,16 @@ impl SparseModel for DeepFm {
     fn tables(&self) -> Vec<SparseTableSpec> {
         let width = self.embedding_dim;
         vec![
-            SparseTableSpec::new("embedding", width, 1.0 / (width as f32).sqrt(), 0..SPARSE_SLOTS),
-            SparseTableSpec::new("first_order", 1, 0.01, 0..SPARSE_SLOTS),
+            SparseTableSpec::new("embedding", width, 1.0 / (width as f32).sqrt(), 0..self.shape.slots),
+            SparseTableSpec::new("first_order", 1, 0.01, 0..self.shape.slots),
         ]
     }
 
     fn blocks(&self) -> Vec<&dyn Block> {
-        let mut blocks: Vec<&dyn Block> = vec![&self.dense_factors, &self.first_order_dense];
+        let mut blocks: Vec<&dyn Block> = Vec::new();
+        if let Some((factors, first_order)) = &self.dense {
+            blocks.extend([factors as &dyn Block, first_order]);
+        }
         blocks.extend(self.deep.iter().map(|layer| layer as &dyn Block));
         blocks
     }
@@ -65,15 +73,20 @@ impl SparseModel for DeepFm {
             candle_core::bail!("DeepFM reads 2 tables, given {}", lookups.len());
         };
         let batch = dense.dim(0)?;
-        let first = (first_order
+        let sparse_first = first_order
             .embedded(batch)?
-            .reshape((batch, SPARSE_SLOTS))?
-            .sum_keepdim(1)?
-            + self.first_order_dense.forward(dense)?)?;
-        // (batch, 39, width): the sparse fields' factors, then the dense ones'.
-        let factors = Tensor::cat(&[&embedding.embedded(batch)?, &self.dense_factors.forward(dense)?], 1)?;
+            .reshape((batch, self.shape.slots))?
+            .sum_keepdim(1)?;
+        // (batch, fields, width): the sparse fields' factors, then the dense ones'.
+        let (first, factors) = match &self.dense {
+            Some((dense_factors, first_order_dense)) => (
+                (sparse_first + first_order_dense.forward(dense)?)?,
+                Tensor::cat(&[&embedding.embedded(batch)?, &dense_factors.forward(dense)?], 1)?,
+            ),
+            None => (sparse_first, embedding.embedded(batch)?),
+        };
         let fm = pairwise_interactions(&factors)?;
-        let fields = SPARSE_SLOTS + DENSE_FEATURES;
+        let fields = self.shape.slots + self.shape.dense;
         let deep = run_tower(&self.deep, factors.reshape((batch, fields * self.embedding_dim))?)?;
         ((first + fm)? + deep)?.squeeze(1)
     }
@@ -87,7 +100,7 @@ fn pairwise_interactions(factors: &Tensor) -> candle_core::Result<Tensor> {
     (square_of_sum - sum_of_squares)?.sum_keepdim(1)? * 0.5
 }
 
-/// The dense features' factor vectors: `(batch, 13)` values to `(batch, 13, width)` factors,
+/// The dense features' factor vectors: `(batch, dense)` values to `(batch, dense, width)` factors,
 /// each feature's value times its learned vector.
 struct DenseFactors {
     weight: Var,
@@ -117,8 +130,8 @@ mod tests {
     fn the_fm_term_sums_every_pairwise_inner_product() -> Result<()> {
         let init = ParamInit::new(3, Device::Cpu);
         let width = 3;
-        let model = DeepFm::new(width, &[4], &init)?;
-        let factors = init.uniform("probe", &[2, SPARSE_SLOTS + DENSE_FEATURES, width], 1.0)?;
+        let model = DeepFm::new(CtrShape::CRITEO, width, &[4], &init)?;
+        let factors = init.uniform("probe", &[2, 39, width], 1.0)?;
         let fast = pairwise_interactions(factors.as_tensor())?;
         let values: Vec<Vec<Vec<f32>>> = factors.as_tensor().to_vec3()?;
         for (sample, got) in values.iter().zip(fast.flatten_all()?.to_vec1::<f32>()?) {
@@ -134,11 +147,14 @@ mod tests {
             }
             assert!((f64::from(got) - pairs).abs() < 1e-4, "{got} vs {pairs}");
         }
-        assert_eq!(logits_of_ones(&model, 3)?.dims(), &[3]);
+        assert_eq!(logits_of_ones(&model, 3, 13)?.dims(), &[3]);
         let names: Vec<String> = model.parameters().into_iter().map(|(n, _)| n).collect();
         assert!(names.contains(&"dense_factors.weight".to_string()), "{names:?}");
-        let zeros = Tensor::zeros((1, DENSE_FEATURES), DType::F32, &Device::Cpu)?;
-        assert_eq!(model.dense_factors.forward(&zeros)?.dims(), &[1, DENSE_FEATURES, width]);
+        let zeros = Tensor::zeros((1, 13), DType::F32, &Device::Cpu)?;
+        let (dense_factors, _) = model.dense.as_ref().expect("dense blocks");
+        assert_eq!(dense_factors.forward(&zeros)?.dims(), &[1, 13, width]);
+        let sparse_only = DeepFm::new(CtrShape { dense: 0, slots: 3 }, width, &[4], &init)?;
+        assert_eq!(logits_of_ones(&sparse_only, 2, 0)?.dims(), &[2]);
         Ok(())
     }
 }

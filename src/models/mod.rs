@@ -30,7 +30,7 @@ pub use loss::{
 pub use mlp::mlp;
 pub use sparse::{Lookup, SparseModel, SparseModelBuilder, SparseModelDef, SparseTableSpec};
 pub use spec::ModelSpec;
-pub use wide_deep::{WideDeep, DENSE_FEATURES, SPARSE_SLOTS};
+pub use wide_deep::WideDeep;
 
 use anyhow::{ensure, Result};
 use candle_core::{Tensor, Var};

@@ -12,8 +12,9 @@ use std::sync::Arc;
 use anyhow::{ensure, Result};
 use candle_core::{Tensor, Var};
 
-use super::{Block, DeepFm, ParamInit, WideDeep, SPARSE_SLOTS};
+use super::{Block, DeepFm, ParamInit, WideDeep};
 use crate::config::{ModelKind, OptimizerKind, TrainConfig};
+use crate::data::ctr::CtrShape;
 
 /// One sparse table of a model.
 #[derive(Debug, Clone, PartialEq)]
@@ -25,8 +26,8 @@ pub struct SparseTableSpec {
     /// New rows start uniform in `[-init_bound, init_bound)`, drawn from the job's seed, the
     /// table's name and the id.
     pub init_bound: f32,
-    /// The click log's sparse slots (`0..26`) whose ids look rows up in this table, in the
-    /// order the model reads them.
+    /// The click log's sparse slots (`0..26` of Criteo's, or of a schema's) whose ids look rows
+    /// up in this table, in the order the model reads them.
     pub slots: Vec<usize>,
     /// The optimizer of this table's rows; `None`: the job's (`train.optimizer`).
     pub optimizer: Option<OptimizerKind>,
@@ -53,20 +54,28 @@ impl SparseTableSpec {
 pub struct Lookup<'a> {
     /// `(distinct ids, width)`: the rows of the distinct ids the table's slots hold in the batch.
     pub rows: &'a Tensor,
-    /// `(batch × slots,)` u32: per sample and slot of the table (sample-major), the position of
-    /// its id's row in `rows`.
+    /// u32: per sample and slot of the table (sample-major), the positions of its ids' rows in
+    /// `rows` — one per (sample, slot), `batch × slots`, unless `segments` says otherwise.
     pub index: &'a Tensor,
+    /// With multi-valued slots, u32 per entry of `index`: the (sample, slot) it belongs to,
+    /// `sample × slots + slot`, ascending; `None` when each (sample, slot) has one entry.
+    pub segments: Option<&'a Tensor>,
     /// The table's slot count.
     pub slots: usize,
 }
 
 impl Lookup<'_> {
-    /// The rows each sample looked up, `(batch, slots, width)`.
+    /// The rows each sample looked up, `(batch, slots, width)`: a multi-valued slot's rows summed
+    /// (sum pooling, as Paddle's and TorchRec's default).
     pub fn embedded(&self, batch: usize) -> candle_core::Result<Tensor> {
         let width = self.rows.dim(1)?;
-        self.rows
-            .index_select(self.index, 0)?
-            .reshape((batch, self.slots, width))
+        let rows = self.rows.index_select(self.index, 0)?;
+        let pooled = match self.segments {
+            None => rows,
+            Some(segments) => Tensor::zeros((batch * self.slots, width), rows.dtype(), rows.device())?
+                .index_add(segments, &rows, 0)?,
+        };
+        pooled.reshape((batch, self.slots, width))
     }
 }
 
@@ -78,7 +87,7 @@ pub trait SparseModel: Send {
     /// The dense part: the blocks whose parameters the servers hold and the trainers compute.
     fn blocks(&self) -> Vec<&dyn Block>;
 
-    /// Click logits, shape `(batch,)`, for `dense` features `(batch, 13)` and, per table in
+    /// Click logits, shape `(batch,)`, for `dense` features `(batch, dense)` and, per table in
     /// table order, the rows the batch looked up.
     fn logits(&self, dense: &Tensor, lookups: &[Lookup<'_>]) -> candle_core::Result<Tensor>;
 
@@ -98,13 +107,14 @@ pub trait SparseModel: Send {
 /// every server builds the same one from the job's seed.
 pub type SparseModelBuilder = Arc<dyn Fn(&ParamInit) -> Result<Box<dyn SparseModel>> + Send + Sync>;
 
-/// The built-in model `train.model` names, shaped by `train.embedding_dim` and
-/// `train.hidden_sizes`.
+/// The built-in model `train.model` names, shaped by the click log's columns,
+/// `train.embedding_dim` and `train.hidden_sizes`.
 fn builtin_sparse_model(train: &TrainConfig) -> Result<SparseModelBuilder> {
     let (kind, width, hidden) = (train.model, train.embedding_dim, train.hidden_sizes());
+    let shape = CtrShape::of_train(train);
     Ok(match kind {
-        ModelKind::WideDeep => Arc::new(move |init| Ok(Box::new(WideDeep::new(width, &hidden, init)?))),
-        ModelKind::DeepFm => Arc::new(move |init| Ok(Box::new(DeepFm::new(width, &hidden, init)?))),
+        ModelKind::WideDeep => Arc::new(move |init| Ok(Box::new(WideDeep::new(shape, width, &hidden, init)?))),
+        ModelKind::DeepFm => Arc::new(move |init| Ok(Box::new(DeepFm::new(shape, width, &hidden, init)?))),
         ModelKind::Custom => anyhow::bail!(
             "train.model = \"custom\" is the model of the program that runs the job (a SparseModelDef \
              passed to ParameterServerJob::new); the built-in ones are \"wide_deep\" and \"deepfm\""
@@ -118,8 +128,7 @@ fn builtin_sparse_model(train: &TrainConfig) -> Result<SparseModelBuilder> {
     })
 }
 
-/// Checks a model's tables: names distinct and non-empty, widths and slot lists non-empty,
-/// slots among the click log's.
+/// Checks a model's tables: names distinct and non-empty, widths and slot lists non-empty.
 fn check_tables(tables: &[SparseTableSpec]) -> Result<()> {
     ensure!(!tables.is_empty(), "a sparse model needs at least one sparse table");
     for (i, table) in tables.iter().enumerate() {
@@ -131,12 +140,6 @@ fn check_tables(tables: &[SparseTableSpec]) -> Result<()> {
         );
         ensure!(table.width > 0, "sparse table {}: width 0", table.name);
         ensure!(!table.slots.is_empty(), "sparse table {}: no slots read it", table.name);
-        if let Some(slot) = table.slots.iter().find(|&&s| s >= SPARSE_SLOTS) {
-            anyhow::bail!(
-                "sparse table {}: slot {slot} is not one of the click log's {SPARSE_SLOTS}",
-                table.name
-            );
-        }
         ensure!(
             table.lr.is_none_or(|lr| lr.is_finite() && lr > 0.0),
             "sparse table {}: lr {:?} is not a positive number",
@@ -186,6 +189,21 @@ impl SparseModelDef {
         Ok(model)
     }
 
+    /// Checks that every table's slots are among the `shape`d log's.
+    pub fn check_slots(&self, shape: CtrShape) -> Result<()> {
+        for table in self.tables.iter() {
+            if let Some(slot) = table.slots.iter().find(|&&s| s >= shape.slots) {
+                anyhow::bail!(
+                    "sparse table {}: slot {slot} is not one of the click log's {} (slots 0..{})",
+                    table.name,
+                    shape.slots,
+                    shape.slots
+                );
+            }
+        }
+        Ok(())
+    }
+
     /// The tables, in table order.
     pub fn tables(&self) -> &[SparseTableSpec] {
         &self.tables
@@ -208,10 +226,6 @@ mod tests {
             (vec![], "a sparse model needs at least one sparse table".to_string()),
             (vec![good(), good()], "two sparse tables are named \"user\"".to_string()),
             (
-                vec![SparseTableSpec::new("user", 4, 0.1, [2, 26])],
-                "sparse table user: slot 26 is not one of the click log's 26".to_string(),
-            ),
-            (
                 vec![SparseTableSpec::new("user", 4, 0.1, [])],
                 "sparse table user: no slots read it".to_string(),
             ),
@@ -231,6 +245,19 @@ mod tests {
             assert_eq!(check_tables(&tables).unwrap_err().to_string(), expected);
         }
         assert!(check_tables(&[good()]).is_ok());
+        let def = SparseModelDef::new(Arc::new(|init| {
+            Ok(Box::new(WideDeep::new(CtrShape::CRITEO, 2, &[], init)?))
+        }))
+        .expect("a model");
+        assert!(def.check_slots(CtrShape::CRITEO).is_ok());
+        let err = def
+            .check_slots(CtrShape { dense: 1, slots: 20 })
+            .unwrap_err()
+            .to_string();
+        assert_eq!(
+            err,
+            "sparse table embedding: slot 20 is not one of the click log's 20 (slots 0..20)"
+        );
     }
 
     #[test]

@@ -15,9 +15,7 @@ use super::placement::shard_of;
 use super::wire::{Part, PulledRows, PushRequest, Request, UpdateKind};
 use crate::config::{JobConfig, PsMode};
 use crate::data::ctr::CtrBatch;
-use crate::models::{
-    click_probability, sigmoid_cross_entropy, Lookup, ParamInit, SparseModel, SparseModelDef, SPARSE_SLOTS,
-};
+use crate::models::{click_probability, sigmoid_cross_entropy, Lookup, ParamInit, SparseModel, SparseModelDef};
 
 /// What a step needs from each shard.
 #[derive(Debug, Clone, PartialEq)]
@@ -84,8 +82,11 @@ struct PlannedBatch {
 struct DistinctIds {
     /// The distinct ids in first-seen order (sample-major, then the group's slot order).
     unique: Vec<u64>,
-    /// Per sample and slot of the group, the position of its id in `unique`.
+    /// Per sample and slot of the group, the positions of its ids in `unique`.
     index: Vec<u32>,
+    /// With multi-valued slots, per entry of `index` its (sample, group slot):
+    /// `sample × slot_count + slot`; empty when each has one entry.
+    segments: Vec<u32>,
     /// Slots in the group.
     slot_count: usize,
 }
@@ -96,19 +97,34 @@ impl DistinctIds {
         let mut position: FxHashMap<u64, u32> = FxHashMap::default();
         let mut unique = Vec::new();
         let mut index = Vec::with_capacity(batch.len * slots.len());
-        for sample in batch.ids.chunks_exact(SPARSE_SLOTS) {
-            for &slot in slots {
-                let id = sample[slot];
-                index.push(*position.entry(id).or_insert_with(|| {
-                    unique.push(id);
-                    (unique.len() - 1) as u32
-                }));
+        let mut segments = Vec::new();
+        let multi_valued = !batch.slot_ends.is_empty();
+        for sample in 0..batch.len {
+            for (k, &slot) in slots.iter().enumerate() {
+                for &id in batch.slot_ids(sample, slot) {
+                    index.push(*position.entry(id).or_insert_with(|| {
+                        unique.push(id);
+                        (unique.len() - 1) as u32
+                    }));
+                    if multi_valued {
+                        segments.push((sample * slots.len() + k) as u32);
+                    }
+                }
             }
         }
         Self {
             unique,
             index,
+            segments,
             slot_count: slots.len(),
+        }
+    }
+
+    /// The sample each entry of `index` belongs to.
+    fn sample_of(&self, entry: usize) -> usize {
+        match self.segments.is_empty() {
+            true => entry / self.slot_count,
+            false => self.segments[entry] as usize / self.slot_count,
         }
     }
 
@@ -116,11 +132,9 @@ impl DistinctIds {
     /// samples), in the order of `unique`.
     fn shows_and_clicks(&self, labels: &[f32]) -> Vec<[f32; 2]> {
         let mut counts = vec![[0.0f32; 2]; self.unique.len()];
-        for (positions, &click) in self.index.chunks_exact(self.slot_count).zip(labels) {
-            for &u in positions {
-                counts[u as usize][0] += 1.0;
-                counts[u as usize][1] += click;
-            }
+        for (entry, &u) in self.index.iter().enumerate() {
+            counts[u as usize][0] += 1.0;
+            counts[u as usize][1] += labels[self.sample_of(entry)];
         }
         counts
     }
@@ -235,12 +249,25 @@ impl CtrWorker {
     /// Deduplicates the batch's ids and says what to pull from which shard. With `training`
     /// false (evaluation) geo's local copies are bypassed: the shards' values are evaluated.
     pub fn plan(&mut self, batch: CtrBatch, training: bool) -> Result<PullPlan> {
+        let expected = batch.len * batch.slots;
         ensure!(
-            batch.ids.len() == batch.len * SPARSE_SLOTS,
-            "a batch of {} samples has {} ids, expected {}",
+            match batch.slot_ends.is_empty() {
+                true => batch.ids.len() == expected,
+                false =>
+                    batch.slot_ends.len() == expected
+                        && batch.slot_ends.last().map_or(0, |&e| e as usize) == batch.ids.len(),
+            },
+            "a batch of {} samples of {} slots has {} ids and {} slot ends",
             batch.len,
+            batch.slots,
             batch.ids.len(),
-            batch.len * SPARSE_SLOTS
+            batch.slot_ends.len()
+        );
+        ensure!(
+            self.slot_groups.iter().flatten().all(|&slot| slot < batch.slots),
+            "the model reads slots up to {}, the batch has {}",
+            self.slot_groups.iter().flatten().max().copied().unwrap_or_default(),
+            batch.slots
         );
         let groups: Vec<DistinctIds> = self
             .slot_groups
@@ -356,12 +383,19 @@ impl CtrWorker {
             .iter()
             .map(|g| Tensor::from_slice(&g.index, g.index.len(), &self.device))
             .collect::<candle_core::Result<Vec<_>>>()?;
+        let segments = (planned.groups.iter())
+            .map(|g| match g.segments.is_empty() {
+                true => Ok(None),
+                false => Tensor::from_slice(&g.segments, g.segments.len(), &self.device).map(Some),
+            })
+            .collect::<candle_core::Result<Vec<_>>>()?;
         let lookups: Vec<Lookup> = row_vars
             .iter()
             .zip(&self.group_of)
             .map(|(rows, &group)| Lookup {
                 rows: rows.as_tensor(),
                 index: &indexes[group],
+                segments: segments[group].as_ref(),
                 slots: planned.groups[group].slot_count,
             })
             .collect();

@@ -1,5 +1,6 @@
 //! Each trainer's part of every global batch of CTR records: the records of generated data or
-//! of Criteo TSV files, read in parts (see `data::parts`).
+//! of click-log files (text or Parquet, in a schema's columns), read in parts (see
+//! `data::parts`).
 
 use std::ops::Range;
 use std::path::PathBuf;
@@ -7,8 +8,10 @@ use std::sync::Arc;
 
 use anyhow::{anyhow, ensure, Result};
 
-use super::{CriteoSynth, CtrBatch, CtrRecord, Split, TsvReader};
-use crate::data::parts::cut::{cut_into_parts, Segment};
+use super::parquet::{parquet_rows, ParquetClickLogReader};
+use super::{ClickLogParser, ClickLogReader, CriteoSynth, CtrBatch, CtrExample, CtrShape, Split};
+use crate::config::{ClickLogFormat, ClickLogSchema};
+use crate::data::parts::cut::{cut_by_measure, cut_into_parts, Segment};
 use crate::data::parts::text::{count_records, is_gzip};
 use crate::data::parts::{DataLayout, DataPosition, PartLoader, PartStream, Placement, StreamPosition};
 
@@ -24,8 +27,13 @@ pub enum CtrSource {
         /// Records per epoch.
         samples: u64,
     },
-    /// Criteo TSV files, read in this order.
-    Files(Vec<PathBuf>),
+    /// Click-log files in the parser's columns, read in this order.
+    Files {
+        /// The files.
+        files: Vec<PathBuf>,
+        /// Their columns.
+        parser: Arc<ClickLogParser>,
+    },
 }
 
 impl CtrSource {
@@ -34,11 +42,62 @@ impl CtrSource {
     pub fn records_per_epoch(&self) -> Result<u64> {
         match self {
             CtrSource::Synthetic { samples, .. } => Ok(*samples),
-            CtrSource::Files(files) => {
-                ensure!(!files.is_empty(), "no CTR data files were given");
-                files.iter().map(|path| count_records(path)).sum()
+            CtrSource::Files { files, parser } => {
+                ensure!(!files.is_empty(), "no click-log files were given");
+                if is_parquet(files, parser)? {
+                    return files.iter().map(|path| parquet_rows(path)).sum();
+                }
+                let header = u64::from(parser.schema().header);
+                files
+                    .iter()
+                    .map(|path| Ok(count_records(path)?.saturating_sub(header)))
+                    .sum()
             }
         }
+    }
+
+    /// Criteo TSV files (plain or gzip), read in this order.
+    pub fn criteo_files(files: Vec<PathBuf>) -> Self {
+        CtrSource::Files {
+            files,
+            parser: Arc::new(ClickLogParser::new(ClickLogSchema::criteo())),
+        }
+    }
+
+    /// What a model reads of each record.
+    pub fn shape(&self) -> CtrShape {
+        match self {
+            CtrSource::Synthetic { .. } => CtrShape::CRITEO,
+            CtrSource::Files { parser, .. } => parser.shape(),
+        }
+    }
+}
+
+/// Whether `files` are Parquet (by the schema's format, else by their names); a mix of Parquet
+/// and text is refused.
+fn is_parquet(files: &[PathBuf], parser: &ClickLogParser) -> Result<bool> {
+    if let Some(format) = parser.schema().format {
+        return Ok(format == ClickLogFormat::Parquet);
+    }
+    let parquet = |path: &PathBuf| ClickLogFormat::of_path(path) == ClickLogFormat::Parquet;
+    match (files.iter().all(parquet), files.iter().any(parquet)) {
+        (all, any) if all == any => Ok(all),
+        _ => anyhow::bail!(
+            "the click logs mix Parquet and text files ({}): give one format, or train.click_log.format",
+            files
+                .iter()
+                .map(|p| p.display().to_string())
+                .collect::<Vec<_>>()
+                .join(", ")
+        ),
+    }
+}
+
+/// `files` cut into `parts`: text by byte ranges (or runs of files), Parquet by row ranges.
+fn cut_files(files: &[PathBuf], parser: &ClickLogParser, parts: usize) -> Result<Vec<Vec<Segment>>> {
+    match is_parquet(files, parser)? {
+        true => cut_by_measure(files, parts, parquet_rows),
+        false => cut_into_parts(files, parts),
     }
 }
 
@@ -51,13 +110,14 @@ pub(crate) enum CtrStream {
         records: Range<u64>,
         next: u64,
     },
-    Files(TsvReader),
+    Text(ClickLogReader),
+    Parquet(ParquetClickLogReader),
 }
 
 impl PartStream for CtrStream {
-    type Record = CtrRecord;
+    type Record = CtrExample;
 
-    fn next(&mut self) -> Result<Option<CtrRecord>> {
+    fn next(&mut self) -> Result<Option<CtrExample>> {
         match self {
             CtrStream::Synthetic {
                 synth,
@@ -66,9 +126,10 @@ impl PartStream for CtrStream {
                 next,
             } => Ok((*next < records.end).then(|| {
                 *next += 1;
-                synth.record(*split, *next - 1)
+                synth.record(*split, *next - 1).example()
             })),
-            CtrStream::Files(reader) => reader.next_record(),
+            CtrStream::Text(reader) => reader.next_record(),
+            CtrStream::Parquet(reader) => reader.next_record(),
         }
     }
 
@@ -79,14 +140,16 @@ impl PartStream for CtrStream {
                 *next += u64::from(more);
                 Ok(more)
             }
-            CtrStream::Files(reader) => reader.skip_record(),
+            CtrStream::Text(reader) => reader.skip_record(),
+            CtrStream::Parquet(reader) => reader.skip_record(),
         }
     }
 
     fn position(&self) -> StreamPosition {
         match self {
             CtrStream::Synthetic { next, .. } => StreamPosition::Synthetic(*next),
-            CtrStream::Files(reader) => StreamPosition::Files(reader.position()),
+            CtrStream::Text(reader) => StreamPosition::Files(reader.position()),
+            CtrStream::Parquet(reader) => StreamPosition::Files(reader.position()),
         }
     }
 
@@ -100,7 +163,8 @@ impl PartStream for CtrStream {
                 *next = at;
                 Ok(())
             }
-            (CtrStream::Files(reader), StreamPosition::Files(at)) => reader.seek(at),
+            (CtrStream::Text(reader), StreamPosition::Files(at)) => reader.seek(at),
+            (CtrStream::Parquet(reader), StreamPosition::Files(at)) => reader.seek(at),
             (_, at) => Err(anyhow!("a data position {at:?} of another kind of data")),
         }
     }
@@ -111,7 +175,8 @@ impl PartStream for CtrStream {
                 *next = records.start;
                 Ok(())
             }
-            CtrStream::Files(reader) => reader.rewind(),
+            CtrStream::Text(reader) => reader.rewind(),
+            CtrStream::Parquet(reader) => reader.rewind(),
         }
     }
 }
@@ -119,7 +184,10 @@ impl PartStream for CtrStream {
 /// One rank's reader of global CTR batches, for training (wrapping epochs) or evaluation (one
 /// pass). Training and evaluation share the position in the data, so use one loader for each.
 #[derive(Debug)]
-pub struct CtrLoader(PartLoader<CtrStream>);
+pub struct CtrLoader {
+    parts: PartLoader<CtrStream>,
+    shape: CtrShape,
+}
 
 impl CtrLoader {
     /// The loader of `rank` among `world` ranks reading global batches of `global_batch`
@@ -131,13 +199,19 @@ impl CtrLoader {
     pub fn new(source: CtrSource, layout: DataLayout, global_batch: usize, rank: usize, world: usize) -> Result<Self> {
         let placement = Placement::training(layout.parts, global_batch, rank, world)?;
         let mine = placement.parts.clone();
+        let shape = source.shape();
         let streams = match source {
             CtrSource::Synthetic { synth, split, samples } => {
                 synthetic_parts(&synth, split, samples, layout.parts, mine)?
             }
-            CtrSource::Files(files) => file_parts(cut_into_parts(&files, layout.parts)?, mine)?,
+            CtrSource::Files { files, parser } => {
+                file_parts(cut_files(&files, &parser, layout.parts)?, &files, &parser, mine)?
+            }
         };
-        Ok(Self(PartLoader::new(streams, layout, &placement)))
+        Ok(Self {
+            parts: PartLoader::new(streams, layout, &placement),
+            shape,
+        })
     }
 
     /// The loader of `rank`'s share of an evaluation pass over `source` among `world` ranks,
@@ -145,6 +219,7 @@ impl CtrLoader {
     /// gzip-compressed files fewer than the ranks, into its files, the ranks past the last
     /// file evaluating nothing. Every record is in exactly one rank's share.
     pub fn evaluation(source: CtrSource, global_batch: usize, rank: usize, world: usize) -> Result<Self> {
+        let shape = source.shape();
         let (streams, placement) = match source {
             CtrSource::Synthetic { synth, split, samples } => {
                 let placement = Placement::evaluation(global_batch, rank, world, world)?;
@@ -154,70 +229,75 @@ impl CtrLoader {
                 )
             }
             // Gzip files cannot be cut by bytes.
-            CtrSource::Files(files) if files.len() < world && files.iter().any(|path| is_gzip(path)) => {
+            CtrSource::Files { files, parser } if files.len() < world && files.iter().any(|path| is_gzip(path)) => {
                 let placement = Placement::evaluation(global_batch, rank, world, files.len())?;
                 let whole: Vec<Vec<Segment>> = files.iter().map(|path| vec![Segment::whole(path)]).collect();
-                (file_parts(whole, placement.parts.clone())?, placement)
+                (file_parts(whole, &files, &parser, placement.parts.clone())?, placement)
             }
-            CtrSource::Files(files) => {
+            CtrSource::Files { files, parser } => {
                 let placement = Placement::evaluation(global_batch, rank, world, world)?;
-                (
-                    file_parts(cut_into_parts(&files, world)?, placement.parts.clone())?,
-                    placement,
-                )
+                let cut = cut_files(&files, &parser, world)?;
+                (file_parts(cut, &files, &parser, placement.parts.clone())?, placement)
             }
         };
-        Ok(Self(PartLoader::new(streams, DataLayout::WHOLE, &placement)))
+        Ok(Self {
+            parts: PartLoader::new(streams, DataLayout::WHOLE, &placement),
+            shape,
+        })
     }
 
     /// This rank's slice of the next global training batch: the next share of each of its
     /// parts. A part whose pass has less than a share left starts its next pass.
     pub fn next_batch(&mut self) -> Result<CtrBatch> {
-        let records = self.0.next_batch()?;
-        Ok(batch_of(&records, self.0.local_batch()))
+        let records = self.parts.next_batch()?;
+        Ok(batch_of(self.shape, &records, self.parts.local_batch()))
     }
 
     /// Moves on to where `batches` calls of [`next_batch`](Self::next_batch) from the start
     /// would leave it (a resumed run), reading only this rank's parts and building no batch:
     /// unshuffled parts pass over lines without parsing them.
     pub fn skip_batches(&mut self, batches: usize) -> Result<()> {
-        self.0.skip_batches(batches)
+        self.parts.skip_batches(batches)
     }
 
     /// Where this loader is in each of its parts.
     pub fn position(&self) -> DataPosition {
-        self.0.position()
+        self.parts.position()
     }
 
     /// Goes to `at` — positions of at least this loader's parts, of a loader of the same data
     /// cut into the same parts — as if it had read every batch up to there.
     pub fn resume_at(&mut self, at: &DataPosition) -> Result<()> {
-        self.0.resume_at(at)
+        self.parts.resume_at(at)
     }
 
     /// The epoch (0-based) of the last batch [`next_batch`](Self::next_batch) returned: the
     /// pass of this rank's first part, for logging.
     pub fn epoch(&self) -> usize {
-        self.0.epoch()
+        self.parts.epoch()
     }
 
     /// Records this loader took from its parts, over every pass: the share of the data it read.
     pub fn records_read(&self) -> u64 {
-        self.0.records_read()
+        self.parts.records_read()
     }
 
     /// The next batch of an evaluation pass over this rank's parts, one after the other, up to
     /// a rank's slice of a global batch, the last one short; `None` once every record was
     /// given, after which the next call starts a new pass.
     pub fn next_eval_batch(&mut self) -> Result<Option<CtrBatch>> {
-        let local_batch = self.0.local_batch();
-        Ok(self.0.next_eval_batch()?.map(|records| batch_of(&records, local_batch)))
+        let local_batch = self.parts.local_batch();
+        let shape = self.shape;
+        Ok(self
+            .parts
+            .next_eval_batch()?
+            .map(|records| batch_of(shape, &records, local_batch)))
     }
 }
 
 /// The model inputs of `records`, room made for `capacity`.
-fn batch_of(records: &[CtrRecord], capacity: usize) -> CtrBatch {
-    let mut batch = CtrBatch::with_capacity(capacity);
+fn batch_of(shape: CtrShape, records: &[CtrExample], capacity: usize) -> CtrBatch {
+    let mut batch = CtrBatch::with_capacity(shape, capacity);
     for record in records {
         batch.push(record);
     }
@@ -247,13 +327,25 @@ fn synthetic_parts(
         .collect())
 }
 
-/// Parts `mine` of files cut into `parts`, opened.
-fn file_parts(parts: Vec<Vec<Segment>>, mine: Range<usize>) -> Result<Vec<(usize, CtrStream)>> {
+/// Parts `mine` of `files` cut into `parts`, opened.
+fn file_parts(
+    parts: Vec<Vec<Segment>>,
+    files: &[PathBuf],
+    parser: &Arc<ClickLogParser>,
+    mine: Range<usize>,
+) -> Result<Vec<(usize, CtrStream)>> {
+    let parquet = is_parquet(files, parser)?;
     parts
         .into_iter()
         .enumerate()
         .filter(|(part, _)| mine.contains(part))
-        .map(|(part, segments)| Ok((part, CtrStream::Files(TsvReader::open_segments(segments)?))))
+        .map(|(part, segments)| {
+            let stream = match parquet {
+                true => CtrStream::Parquet(ParquetClickLogReader::open_segments(segments, parser.clone())?),
+                false => CtrStream::Text(ClickLogReader::open_segments(segments, parser.clone())?),
+            };
+            Ok((part, stream))
+        })
         .collect()
 }
 
@@ -291,12 +383,15 @@ mod tests {
                 split: Split::Train,
                 samples,
             },
-            CtrSource::Files(files),
+            CtrSource::criteo_files(files),
         ])
     }
 
     fn concat(parts: impl IntoIterator<Item = CtrBatch>) -> CtrBatch {
-        let mut all = CtrBatch::default();
+        let mut all = CtrBatch {
+            slots: crate::data::ctr::SPARSE_SLOTS,
+            ..CtrBatch::default()
+        };
         for p in parts {
             all.len += p.len;
             all.dense.extend(p.dense);
@@ -413,11 +508,11 @@ mod tests {
                 write_synthetic(&path, &synth, Split::Train, records).map(|()| path)
             })
             .collect::<Result<_>>()?;
-        cases.push(CtrSource::Files(gzipped));
+        cases.push(CtrSource::criteo_files(gzipped));
         // One file, cut into byte ranges.
         let one = dir.path().join("one.tsv");
         write_synthetic(&one, &synth, Split::Train, 0..50)?;
-        cases.push(CtrSource::Files(vec![one]));
+        cases.push(CtrSource::criteo_files(vec![one]));
         for source in cases {
             for (read, shuffle) in [0, 3, 4, 5, 9].into_iter().flat_map(|n| [(n, 0), (n, 5)]) {
                 // Two ranks read `read` batches; their checkpoint holds both positions.
@@ -457,7 +552,7 @@ mod tests {
         let synth = CriteoSynth::new(9, 2000);
         let path = dir.path().join("day.tsv");
         write_synthetic(&path, &synth, Split::Train, 0..101)?;
-        let mut one = CtrLoader::new(CtrSource::Files(vec![path.clone()]), DataLayout::WHOLE, 8, 0, 1)?;
+        let mut one = CtrLoader::new(CtrSource::criteo_files(vec![path.clone()]), DataLayout::WHOLE, 8, 0, 1)?;
         let mut all = Vec::new();
         while let Some(batch) = one.next_eval_batch()? {
             all.push(batch);
@@ -468,8 +563,13 @@ mod tests {
             let mut pieces = Vec::new();
             let mut read = 0;
             for rank in 0..parts {
-                let mut loader =
-                    CtrLoader::new(CtrSource::Files(vec![path.clone()]), layout(parts, 0), 24, rank, parts)?;
+                let mut loader = CtrLoader::new(
+                    CtrSource::criteo_files(vec![path.clone()]),
+                    layout(parts, 0),
+                    24,
+                    rank,
+                    parts,
+                )?;
                 while let Some(batch) = loader.next_eval_batch()? {
                     pieces.push(batch);
                 }
@@ -495,7 +595,7 @@ mod tests {
                 write_synthetic(&path, &synth, Split::Train, part * 25..(part + 1) * 25).map(|()| path)
             })
             .collect::<Result<_>>()?;
-        for source in [synthetic, files, CtrSource::Files(packed)] {
+        for source in [synthetic, files, CtrSource::criteo_files(packed)] {
             let mut whole = CtrLoader::evaluation(source.clone(), 12, 0, 1)?;
             let mut everything = Vec::new();
             while let Some(b) = whole.next_eval_batch()? {
@@ -538,7 +638,7 @@ mod tests {
             uneven.as_deref(),
             Some("train.batch_size = 6 does not divide into train.data_parts = 4 equal shares")
         );
-        assert!(CtrLoader::new(CtrSource::Files(Vec::new()), DataLayout::WHOLE, 4, 0, 1).is_err());
+        assert!(CtrLoader::new(CtrSource::criteo_files(Vec::new()), DataLayout::WHOLE, 4, 0, 1).is_err());
         let small = CtrLoader::new(synthetic, layout(2, 0), 6, 0, 1)?.next_batch().err();
         assert!(
             small.is_some_and(|e| e.to_string().starts_with("data part 0 holds fewer than 3 records")),
@@ -546,7 +646,7 @@ mod tests {
         );
         let empty = dir.path().join("empty.tsv");
         std::fs::write(&empty, "\n\n")?;
-        let mut loader = CtrLoader::new(CtrSource::Files(vec![empty]), DataLayout::WHOLE, 4, 0, 1)?;
+        let mut loader = CtrLoader::new(CtrSource::criteo_files(vec![empty]), DataLayout::WHOLE, 4, 0, 1)?;
         assert!(loader.next_batch().is_err());
         assert_eq!(loader.next_eval_batch()?, None);
         Ok(())

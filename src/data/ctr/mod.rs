@@ -1,34 +1,72 @@
-//! Click-through-rate (CTR) data shaped like the Criteo display-advertising
-//! set: a click label, 13 integer columns and 26 hashed categorical slots.
+//! Click-through-rate (CTR) data: click logs whose records are a click label, dense values and
+//! sparse slots — Criteo's display-advertising layout (13 integer columns, 26 hashed categorical
+//! slots), or a log of the user's own in the columns `[train.click_log]` describes.
 //!
-//! The parameter-server strategy trains a wide&deep model on it: the 26 slots
-//! become feature ids looked up in one shared embedding table (rows live on
-//! the PS shards), the 13 integers become dense inputs.
+//! The parameter-server strategy trains a wide&deep or DeepFM model on it: each slot's values
+//! become feature ids looked up in tables whose rows live on the PS shards, the dense values
+//! become dense inputs.
 //!
-//! - [`CtrRecord`], [`CtrBatch`], [`feature_id`]: one raw row, a batch of
-//!   model inputs, and the id contract shared with the PS.
-//! - `synthetic`: [`CriteoSynth`], a deterministic Criteo-shaped generator
-//!   with a planted click model.
-//! - `tsv`: the public Criteo TSV layout, written and streamed back.
+//! - [`CtrShape`], [`CtrExample`], [`CtrBatch`], [`feature_id`]: what a model reads, one
+//!   record's and a batch's model inputs, and the id contract shared with the PS.
+//! - `schema`: [`ClickLogParser`], a log's columns compiled for reading.
+//! - `lines`, `text`, `parquet`: the files, streamed (TSV and CSV by byte ranges, Parquet by file).
+//! - `synthetic`: [`CriteoSynth`], a deterministic Criteo-shaped generator with a planted click
+//!   model; `tsv` writes it in Criteo's layout, `generate` in any schema's.
 //! - `loader`: [`CtrLoader`], each trainer's slice of every global batch, from its parts
 //!   (`data::parts`).
 
+mod generate;
+mod lines;
 mod loader;
+mod parquet;
+mod schema;
 mod synthetic;
+mod text;
 mod tsv;
 mod zipf;
 
+pub use crate::config::{CRITEO_DENSE as DENSE_FEATURES, CRITEO_SLOTS as SPARSE_SLOTS};
 pub use crate::data::parts::{DataLayout, DataPosition};
+pub use generate::write_click_log;
 pub use loader::{CtrLoader, CtrSource};
+pub use schema::{text_hash, ClickLogParser};
 pub use synthetic::{CriteoSynth, Split};
-pub use tsv::{parse_line, write_record, write_synthetic, TsvReader};
+pub use text::ClickLogReader;
+pub use tsv::{write_record, write_synthetic};
 
 use crate::rng::mix64;
 
-/// Integer columns per record (Criteo's I1..I13).
-pub const DENSE_FEATURES: usize = 13;
-/// Categorical slots per record (Criteo's C1..C26).
-pub const SPARSE_SLOTS: usize = 26;
+/// What a CTR model reads of each record.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct CtrShape {
+    /// Dense inputs.
+    pub dense: usize,
+    /// Sparse slots.
+    pub slots: usize,
+}
+
+impl CtrShape {
+    /// Criteo's: 13 dense, 26 slots.
+    pub const CRITEO: CtrShape = CtrShape {
+        dense: DENSE_FEATURES,
+        slots: SPARSE_SLOTS,
+    };
+
+    /// The inputs of a log in `schema`'s columns.
+    pub fn of(schema: &crate::config::ClickLogSchema) -> Self {
+        Self {
+            dense: schema.dense.len(),
+            slots: schema.slots.len(),
+        }
+    }
+
+    /// The inputs of the click logs `train` reads (Criteo's where it names none).
+    pub fn of_train(train: &crate::config::TrainConfig) -> Self {
+        train
+            .click_log_schema()
+            .map_or(Self::CRITEO, |schema| Self::of(&schema))
+    }
+}
 
 /// One raw Criteo row, kept as read so that it can be written back unchanged
 /// and turned into model inputs in exactly one place.
@@ -55,6 +93,16 @@ impl CtrRecord {
     pub fn feature_ids(&self) -> [u64; SPARSE_SLOTS] {
         std::array::from_fn(|slot| feature_id(slot, self.sparse[slot]))
     }
+
+    /// The model inputs of the record: what reading its TSV line with Criteo's schema gives.
+    pub fn example(&self) -> CtrExample {
+        CtrExample {
+            label: if self.label { 1.0 } else { 0.0 },
+            dense: self.dense_features().to_vec(),
+            ids: self.feature_ids().to_vec(),
+            slot_ends: Vec::new(),
+        }
+    }
 }
 
 /// The id under which `(slot, value)` is stored in the one embedding table all
@@ -70,9 +118,10 @@ impl CtrRecord {
 ///           z ^ (z >> 31)                           (wrapping u64 arithmetic)
 /// ```
 ///
-/// `mix64` is SplitMix64's finaliser, a bijection on `u64`, and distinct
-/// `(slot, value)` pairs give distinct keys, so ids never collide, within a
-/// slot or across slots, and a missing value has its own id in every slot.
+/// `value` is the slot's 32-bit code of the value read: Criteo's hex hash, an integer id, or a
+/// hash of the text (`[train.click_log]`'s `ids`). `mix64` is SplitMix64's finaliser, a
+/// bijection on `u64`, and distinct `(slot, value)` pairs give distinct keys, so ids never
+/// collide, within a slot or across slots, and a missing value has its own id in every slot.
 /// The mixing spreads ids evenly over PS shards placed by `id % shards`.
 pub fn feature_id(slot: usize, value: Option<u32>) -> u64 {
     mix64(feature_key(slot, value))
@@ -87,37 +136,73 @@ fn feature_key(slot: usize, value: Option<u32>) -> u64 {
     }
 }
 
+/// One record's model inputs.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct CtrExample {
+    /// 1.0 for a click, 0.0 otherwise.
+    pub label: f32,
+    /// The dense inputs, in the schema's order.
+    pub dense: Vec<f32>,
+    /// The slots' feature ids, slot by slot: one per slot, or, with multi-valued slots, each
+    /// slot's values (at least one: an empty slot holds its missing id).
+    pub ids: Vec<u64>,
+    /// With multi-valued slots, where each slot's ids end in `ids`; empty otherwise.
+    pub slot_ends: Vec<u32>,
+}
+
 /// Records turned into model inputs, row-major, ready to become tensors
 /// without further reshaping.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct CtrBatch {
     /// Number of records.
     pub len: usize,
-    /// `len × DENSE_FEATURES` values from [`CtrRecord::dense_features`].
+    /// Slots per record.
+    pub slots: usize,
+    /// `len × dense` values.
     pub dense: Vec<f32>,
-    /// `len × SPARSE_SLOTS` ids from [`CtrRecord::feature_ids`].
+    /// The records' ids, record by record: `len × slots` of them, or, with multi-valued slots,
+    /// each slot's values.
     pub ids: Vec<u64>,
+    /// With multi-valued slots, `len × slots` ends: where each (record, slot)'s ids end in
+    /// `ids`; empty when every slot holds exactly one id.
+    pub slot_ends: Vec<u32>,
     /// One 0.0/1.0 label per record, the form a logistic loss takes.
     pub labels: Vec<f32>,
 }
 
 impl CtrBatch {
-    /// An empty batch with room for `n` records, so filling it allocates once.
-    pub fn with_capacity(n: usize) -> Self {
+    /// An empty batch of `shape`d records with room for `n`, so filling it allocates once.
+    pub fn with_capacity(shape: CtrShape, n: usize) -> Self {
         Self {
             len: 0,
-            dense: Vec::with_capacity(n * DENSE_FEATURES),
-            ids: Vec::with_capacity(n * SPARSE_SLOTS),
+            slots: shape.slots,
+            dense: Vec::with_capacity(n * shape.dense),
+            ids: Vec::with_capacity(n * shape.slots),
+            slot_ends: Vec::new(),
             labels: Vec::with_capacity(n),
         }
     }
 
     /// Appends one record's model inputs.
-    pub fn push(&mut self, record: &CtrRecord) {
-        self.dense.extend_from_slice(&record.dense_features());
-        self.ids.extend_from_slice(&record.feature_ids());
-        self.labels.push(if record.label { 1.0 } else { 0.0 });
+    pub fn push(&mut self, example: &CtrExample) {
+        let start = self.ids.len() as u32;
+        self.slot_ends.extend(example.slot_ends.iter().map(|end| start + end));
+        self.dense.extend_from_slice(&example.dense);
+        self.ids.extend_from_slice(&example.ids);
+        self.labels.push(example.label);
         self.len += 1;
+    }
+
+    /// The ids of `record`'s `slot`.
+    pub fn slot_ids(&self, record: usize, slot: usize) -> &[u64] {
+        let at = record * self.slots + slot;
+        match self.slot_ends.is_empty() {
+            true => &self.ids[at..at + 1],
+            false => {
+                let start = if at == 0 { 0 } else { self.slot_ends[at - 1] as usize };
+                &self.ids[start..self.slot_ends[at] as usize]
+            }
+        }
     }
 }
 
@@ -165,15 +250,34 @@ mod tests {
     #[test]
     fn batch_push_lays_records_out_row_major() {
         let r = record();
-        let mut b = CtrBatch::with_capacity(2);
-        b.push(&r);
-        b.push(&CtrRecord {
-            label: false,
-            ..r.clone()
-        });
+        let mut b = CtrBatch::with_capacity(CtrShape::CRITEO, 2);
+        b.push(&r.example());
+        b.push(
+            &CtrRecord {
+                label: false,
+                ..r.clone()
+            }
+            .example(),
+        );
         assert_eq!(b.len, 2);
         assert_eq!(b.labels, vec![1.0, 0.0]);
         assert_eq!(b.dense[DENSE_FEATURES..], r.dense_features());
         assert_eq!(b.ids[SPARSE_SLOTS..], r.feature_ids());
+        assert_eq!(b.slot_ids(1, 3), [r.feature_ids()[3]]);
+    }
+
+    #[test]
+    fn multi_valued_records_keep_their_slots_apart_in_a_batch() {
+        let example = |ids: Vec<u64>, ends: Vec<u32>| CtrExample {
+            ids,
+            slot_ends: ends,
+            ..CtrExample::default()
+        };
+        let mut b = CtrBatch::with_capacity(CtrShape { dense: 0, slots: 2 }, 2);
+        b.push(&example(vec![1, 2, 3], vec![2, 3]));
+        b.push(&example(vec![4, 5, 6], vec![1, 3]));
+        assert_eq!(b.slot_ends, [2, 3, 4, 6]);
+        assert_eq!((b.slot_ids(0, 0), b.slot_ids(0, 1)), (&[1, 2][..], &[3][..]));
+        assert_eq!((b.slot_ids(1, 0), b.slot_ids(1, 1)), (&[4][..], &[5, 6][..]));
     }
 }
