@@ -115,8 +115,9 @@ enum Command {
         #[arg(long)]
         model: PathBuf,
         /// CSV tables with a header row, Parquet files (`.parquet`, `.pq`), or named arrays
-        /// (`.safetensors`, `.npz`, directories of `.npy`) for a model file; Criteo TSV files,
-        /// plain or `.gz`, for a CTR export; read in this order.
+        /// (`.safetensors`, `.npz`, directories of `.npy`) for a model file; click logs in the
+        /// columns the job trained on (Criteo TSV, or its `[train.click_log]`: TSV, CSV or
+        /// Parquet; text plain or `.gz`) for a CTR export; read in this order.
         #[arg(long, required = true, num_args = 1..)]
         data: Vec<PathBuf>,
         /// Where to write the scores.

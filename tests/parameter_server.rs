@@ -11,10 +11,11 @@ use std::path::Path;
 use candle_core::{Device, Tensor, Var};
 use flotilla::config::JobConfig;
 use flotilla::config::OptimizerKind;
+use flotilla::data::ctr::SPARSE_SLOTS;
 use flotilla::data::ctr::{CtrLoader, DataLayout};
 use flotilla::job::ps::{build_shard, ParameterServerJob};
 use flotilla::job::{Resume, RunOptions};
-use flotilla::models::{sigmoid_cross_entropy, Lookup, ParamInit, SparseModelDef, SPARSE_SLOTS};
+use flotilla::models::{sigmoid_cross_entropy, Lookup, ParamInit, SparseModelDef};
 use flotilla::ps::table::{init_row, RowInit};
 use flotilla::ps::wire::{Part, PullRequest, PushRequest, UpdateKind};
 
@@ -112,6 +113,7 @@ fn reference(config: &JobConfig, def: &SparseModelDef) -> (Vec<f32>, Vec<HashMap
             .map(|(spec, (_, rows, index))| Lookup {
                 rows: rows.as_tensor(),
                 index,
+                segments: None,
                 slots: spec.slots.len(),
             })
             .collect();

@@ -260,6 +260,71 @@ mod tests {
         );
     }
 
+    /// Sum pooling of multi-valued slots: the pooled rows are the sums of each (sample, slot)'s
+    /// rows, and the gradient a row gets matches a central finite difference of the loss.
+    #[test]
+    fn multi_valued_slots_pool_by_sum_and_their_gradient_matches_finite_differences() -> Result<()> {
+        use candle_core::{DType, Device};
+        let device = Device::Cpu;
+        let init = ParamInit::new(11, device.clone());
+        let rows = init.uniform("rows", &[5, 3], 1.0)?;
+        let weights = init.uniform("weights", &[2, 2, 3], 1.0)?;
+        // Sample 0: slot 0 holds rows 0 and 1, slot 1 row 2; sample 1: slot 0 row 3, slot 1
+        // rows 1, 4 and 1 again (a value repeated in a cell counts twice).
+        let index = Tensor::new(&[0u32, 1, 2, 3, 1, 4, 1], &device)?;
+        let segments = Tensor::new(&[0u32, 0, 1, 2, 3, 3, 3], &device)?;
+        let loss_of = |rows: &Tensor| -> candle_core::Result<Tensor> {
+            let lookup = Lookup {
+                rows,
+                index: &index,
+                segments: Some(&segments),
+                slots: 2,
+            };
+            (lookup.embedded(2)?.tanh()? * weights.as_tensor())?.sum_all()
+        };
+        let pooled = Lookup {
+            rows: rows.as_tensor(),
+            index: &index,
+            segments: Some(&segments),
+            slots: 2,
+        }
+        .embedded(2)?;
+        let r: Vec<Vec<f32>> = rows.as_tensor().to_vec2()?;
+        let p: Vec<Vec<Vec<f32>>> = pooled.to_vec3()?;
+        for k in 0..3 {
+            assert_eq!(p[0][0][k], r[0][k] + r[1][k]);
+            assert_eq!(p[1][1][k], r[1][k] + r[4][k] + r[1][k]);
+        }
+        let grad = loss_of(rows.as_tensor())?.backward()?;
+        let grad: Vec<Vec<f32>> = grad.get(rows.as_tensor()).expect("a gradient").to_vec2()?;
+        let h = 1e-2f32;
+        for (row, col) in [(0, 0), (1, 2), (2, 1), (4, 0), (1, 0)] {
+            let nudged = |delta: f32| -> candle_core::Result<f64> {
+                let mut values = r.clone();
+                values[row][col] += delta;
+                let flat: Vec<f64> = values.concat().into_iter().map(f64::from).collect();
+                let rows = Tensor::from_vec(flat, (5, 3), &device)?;
+                let weights = weights.as_tensor().to_dtype(DType::F64)?;
+                let lookup = Lookup {
+                    rows: &rows,
+                    index: &index,
+                    segments: Some(&segments),
+                    slots: 2,
+                };
+                (lookup.embedded(2)?.tanh()? * weights)?.sum_all()?.to_scalar::<f64>()
+            };
+            let numeric = (nudged(h)? - nudged(-h)?) / (2.0 * f64::from(h));
+            let analytic = f64::from(grad[row][col]);
+            assert!(
+                (numeric - analytic).abs() < 1e-4 * (1.0 + analytic.abs()),
+                "row {row} col {col}: finite difference {numeric}, gradient {analytic}"
+            );
+        }
+        let untouched: f32 = grad[3].iter().map(|g| g.abs()).sum::<f32>();
+        assert!(untouched > 0.0, "row 3 is read by sample 1's slot 0");
+        Ok(())
+    }
+
     #[test]
     fn the_builtin_models_are_the_ones_train_model_names() {
         let mut train = TrainConfig {

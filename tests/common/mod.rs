@@ -433,6 +433,11 @@ pub fn installed(program: &str, package: &str) -> bool {
 /// A small CTR job: narrow model, small vocabularies (so rows are shared between trainers and
 /// steps), 2 shards × 3 trainers.
 pub fn ctr_config(overrides: &[&str]) -> JobConfig {
+    ctr_config_with("", overrides)
+}
+
+/// [`ctr_config`] with `tables` (TOML tables, e.g. `[train.click_log]`) added.
+pub fn ctr_config_with(tables: &str, overrides: &[&str]) -> JobConfig {
     let base = r#"
         [cluster]
         server_num = 2
@@ -454,7 +459,8 @@ pub fn ctr_config(overrides: &[&str]) -> JobConfig {
         timeout_s = 30
     "#;
     let overrides: Vec<String> = overrides.iter().map(|s| s.to_string()).collect();
-    JobConfig::from_toml_str(base, "ctr.toml", &|_| None, &overrides).expect("valid test config")
+    JobConfig::from_toml_str(&format!("{base}\n{tables}"), "ctr.toml", &|_| None, &overrides)
+        .expect("valid test config")
 }
 
 /// `config`'s parameter-server job run in a simulated cluster, its summary.

@@ -342,7 +342,7 @@ mod tests {
         assert_eq!(whole[7].ids.len(), 3, "tags \"a\" and \"b,7\"");
         assert_eq!(whole[7].slot_ends, [1, 3]);
         // Cut into byte ranges, the parts read every record once and the header never.
-        let parts = crate::data::parts::cut::cut_into_parts(&[path.clone()], 3)?;
+        let parts = crate::data::parts::cut::cut_into_parts(std::slice::from_ref(&path), 3)?;
         let mut pieces = Vec::new();
         for segments in parts {
             pieces.extend(read_all(&mut ClickLogReader::open_segments(segments, parser.clone())?)?);
