@@ -155,6 +155,7 @@ impl ParquetClickLogReader {
     pub(crate) fn rewind(&mut self) -> Result<()> {
         self.current = 0;
         self.row = self.segments.first().map_or(0, |s| s.start);
+        self.group = None;
         Ok(())
     }
 
@@ -177,6 +178,7 @@ impl ParquetClickLogReader {
         );
         self.current = at.segment;
         self.row = at.offset;
+        self.group = None;
         Ok(())
     }
 
@@ -228,4 +230,159 @@ fn scalar_text(field: &Field) -> Option<String> {
         Field::Bytes(bytes) => String::from_utf8_lossy(bytes.data()).into_owned(),
         other => other.to_string(),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::{ClickLogSchema, ColumnRef, SlotIds, SlotSpec};
+    use crate::data::ctr::{feature_id, text_hash};
+    use parquet::data_type::{ByteArray, ByteArrayType, DoubleType, Int32Type, Int64Type};
+    use parquet::file::properties::WriterProperties;
+    use parquet::file::writer::SerializedFileWriter;
+    use parquet::schema::parser::parse_message_type;
+
+    /// Rows `i` of 0..n: click `i % 2`, tags `[]`, `["t{i}"]` or `["a", "b"]` by `i % 3`, price
+    /// `i` (null every 5th), user `i % 4`; in row groups of 4.
+    fn write_log(path: &Path, n: usize) {
+        let schema = "message log { required int32 click; optional group tags (LIST) { repeated group list { \
+                      optional binary element (UTF8); } } optional double price; optional int64 user; }";
+        let schema = Arc::new(parse_message_type(schema).expect("a schema"));
+        let mut writer = SerializedFileWriter::new(
+            File::create(path).unwrap(),
+            schema,
+            Arc::new(WriterProperties::builder().build()),
+        )
+        .expect("a writer");
+        for start in (0..n).step_by(4) {
+            let rows: Vec<usize> = (start..(start + 4).min(n)).collect();
+            let mut group = writer.next_row_group().unwrap();
+            let mut column = group.next_column().unwrap().unwrap();
+            let clicks: Vec<i32> = rows.iter().map(|&i| (i % 2) as i32).collect();
+            column.typed::<Int32Type>().write_batch(&clicks, None, None).unwrap();
+            column.close().unwrap();
+            let (mut values, mut defs, mut reps) = (Vec::new(), Vec::new(), Vec::new());
+            for &i in &rows {
+                let tags: Vec<String> = match i % 3 {
+                    0 => vec![],
+                    1 => vec![format!("t{i}")],
+                    _ => vec!["a".into(), "b".into()],
+                };
+                if tags.is_empty() {
+                    defs.push(1);
+                    reps.push(0);
+                }
+                for (k, tag) in tags.iter().enumerate() {
+                    values.push(ByteArray::from(tag.as_str()));
+                    defs.push(3);
+                    reps.push(i16::from(k > 0));
+                }
+            }
+            let mut column = group.next_column().unwrap().unwrap();
+            column
+                .typed::<ByteArrayType>()
+                .write_batch(&values, Some(&defs), Some(&reps))
+                .unwrap();
+            column.close().unwrap();
+            let prices: Vec<f64> = rows.iter().filter(|&&i| i % 5 != 0).map(|&i| i as f64).collect();
+            let defs: Vec<i16> = rows.iter().map(|&i| i16::from(i % 5 != 0)).collect();
+            let mut column = group.next_column().unwrap().unwrap();
+            column
+                .typed::<DoubleType>()
+                .write_batch(&prices, Some(&defs), None)
+                .unwrap();
+            column.close().unwrap();
+            let users: Vec<i64> = rows.iter().map(|&i| (i % 4) as i64).collect();
+            let defs = vec![1i16; rows.len()];
+            let mut column = group.next_column().unwrap().unwrap();
+            column
+                .typed::<Int64Type>()
+                .write_batch(&users, Some(&defs), None)
+                .unwrap();
+            column.close().unwrap();
+            group.close().unwrap();
+        }
+        writer.close().unwrap();
+    }
+
+    fn parser(tags_separator: Option<&str>) -> Arc<ClickLogParser> {
+        let mut tags = SlotSpec::new(ColumnRef::Name("tags".into()), SlotIds::Hash);
+        tags.separator = tags_separator.map(String::from);
+        let mut user = SlotSpec::new(ColumnRef::Position(3), SlotIds::Integer);
+        user.id_range = Some(4);
+        Arc::new(ClickLogParser::new(ClickLogSchema {
+            label: ColumnRef::Name("click".into()),
+            dense: vec![ColumnRef::Name("price".into())],
+            dense_transform: crate::config::DenseTransform::None,
+            slots: vec![tags, user],
+            ..ClickLogSchema::default()
+        }))
+    }
+
+    fn read_all(reader: &mut ParquetClickLogReader) -> Result<Vec<CtrExample>> {
+        std::iter::from_fn(|| reader.next_record().transpose()).collect()
+    }
+
+    #[test]
+    fn lists_are_multi_valued_slots_numbers_read_as_their_text_and_row_ranges_split_the_file() -> Result<()> {
+        let dir = tempfile::tempdir()?;
+        let path = dir.path().join("log.parquet");
+        write_log(&path, 10);
+        assert_eq!(parquet_rows(&path)?, 10);
+        let mut reader = ParquetClickLogReader::open_segments(vec![Segment::whole(&path)], parser(Some("|")))?;
+        let all = read_all(&mut reader)?;
+        assert_eq!(all.len(), 10);
+        let hash = |v: &str| feature_id(0, Some((text_hash(v) % (1 << 32)) as u32));
+        assert_eq!(
+            (all[0].label, all[0].dense.clone()),
+            (0.0, vec![0.0]),
+            "a null price is 0"
+        );
+        assert_eq!(
+            all[0].ids,
+            [feature_id(0, None), feature_id(1, Some(0))],
+            "an empty list is missing"
+        );
+        assert_eq!(all[4].ids, [hash("t4"), feature_id(1, Some(0))]);
+        assert_eq!(
+            (all[5].ids.clone(), all[5].slot_ends.clone()),
+            (vec![hash("a"), hash("b"), feature_id(1, Some(1))], vec![2, 3])
+        );
+        assert_eq!((all[7].label, all[7].dense.clone()), (1.0, vec![7.0]));
+
+        // Cut by rows (across row groups), the parts read every row once, in order.
+        let parts = crate::data::parts::cut::cut_by_measure(std::slice::from_ref(&path), 3, parquet_rows)?;
+        let mut pieces = Vec::new();
+        for segments in parts {
+            pieces.extend(read_all(&mut ParquetClickLogReader::open_segments(
+                segments,
+                parser(Some("|")),
+            )?)?);
+        }
+        assert_eq!(pieces, all);
+        // A position saved mid-file is where a new reader goes on from.
+        reader.rewind()?;
+        for _ in 0..6 {
+            reader.skip_record()?;
+        }
+        let at = reader.position();
+        let mut resumed = ParquetClickLogReader::open_segments(vec![Segment::whole(&path)], parser(Some("|")))?;
+        resumed.seek(at)?;
+        assert_eq!(read_all(&mut resumed)?, all[6..]);
+
+        // A list of several values in a slot without a separator is named with its row; one
+        // of none or one value is that value.
+        let mut single = ParquetClickLogReader::open_segments(vec![Segment::whole(&path)], parser(None))?;
+        assert_eq!(single.next_record()?.map(|e| e.ids), Some(all[0].ids.clone()));
+        assert_eq!(single.next_record()?.map(|e| e.ids), Some(all[1].ids.clone()));
+        let err = single.next_record().unwrap_err().to_string();
+        assert_eq!(
+            err,
+            format!(
+                "{}: row 3: column 1 \"tags\" (slot 0): a list of 2 values in a single-valued slot (give the slot a separator to read lists)",
+                path.display()
+            )
+        );
+        Ok(())
+    }
 }

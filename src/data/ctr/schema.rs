@@ -209,12 +209,16 @@ impl ClickLogParser {
             (Cell::Text(text), Some(separator)) => text.split(separator.as_str()).try_for_each(&mut push)?,
             (Cell::Text(text), None) => push(text)?,
             (Cell::List(values), Some(_)) => values.iter().try_for_each(|v| push(v))?,
-            (Cell::List(values), None) => {
-                return Err(format!(
-                    "a list of {} values in a single-valued slot (give the slot a separator to read lists)",
-                    values.len()
-                ))
-            }
+            (Cell::List(values), None) => match values.as_slice() {
+                [] => {}
+                [value] => push(value)?,
+                _ => {
+                    return Err(format!(
+                        "a list of {} values in a single-valued slot (give the slot a separator to read lists)",
+                        values.len()
+                    ))
+                }
+            },
         }
         if ids.len() == before {
             ids.push(feature_id(slot, None));
