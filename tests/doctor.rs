@@ -302,3 +302,25 @@ fn data_files_that_are_not_there_fail_naming_the_key_and_the_file() {
         run.stdout
     );
 }
+
+#[test]
+fn a_click_log_without_a_column_its_schema_names_fails_naming_the_file_and_the_column() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let log = dir.path().join("log.csv");
+    std::fs::write(&log, "click,member\n1,a\n0,b\n").expect("the log");
+    let path = dir.path().join("job.toml");
+    let text = format!(
+        "[cluster]\nserver_num = 1\nnproc_per_node = 1\n[train]\nmodel = \"wide_deep\"\ndataset = \"click_log\"\n\
+         train_files = [{log:?}]\ntest_files = [{log:?}]\n[train.click_log]\nheader = true\nlabel = \"click\"\n\
+         [[train.click_log.slots]]\ncolumn = \"user\"\n",
+        log = log.display().to_string()
+    );
+    std::fs::write(&path, text).expect("write the config");
+    let run = doctor(&JobFile { _dir: dir, path }, &[]);
+    assert!(!run.success, "{}", run.stdout);
+    let expected = format!(
+        "[FAIL] data: {}: the slot 0 column \"user\" is not among the file's columns [\"click\", \"member\"]",
+        log.display()
+    );
+    assert!(failures(&run).contains(&expected.as_str()), "{}", run.stdout);
+}

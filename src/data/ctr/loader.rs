@@ -56,6 +56,16 @@ impl CtrSource {
         }
     }
 
+    /// Opens every file and finds its columns (a header read, a Parquet schema), reading no
+    /// record: what a missing column or file would stop a run with, found before it starts.
+    pub fn check_columns(&self) -> Result<()> {
+        if let CtrSource::Files { files, parser } = self {
+            let whole: Vec<Segment> = files.iter().map(|path| Segment::whole(path)).collect();
+            file_parts(vec![whole], files, parser, 0..1)?;
+        }
+        Ok(())
+    }
+
     /// Criteo TSV files (plain or gzip), read in this order.
     pub fn criteo_files(files: Vec<PathBuf>) -> Self {
         CtrSource::Files {
