@@ -9,11 +9,12 @@ use actix::Addr;
 use anyhow::{Context as _, Result};
 
 use super::buddy::Buddy;
-use super::device::{DeviceActor, RestoreCheckpoint, ShareState, Snapshot};
-use crate::checkpoint::{CheckpointStore, CommitRecord};
+use super::device::{DeviceActor, RestoreCheckpoint, SaveCheckpoint, ShareState, Snapshot};
+use crate::checkpoint::{CheckpointStore, CommitRecord, HeldFile};
 use crate::collective::training_state::RunRecord;
 use crate::engines::comm::Shared;
 use crate::net::protocol::Roster;
+use crate::net::ControlBus;
 
 /// A rank's whole state after some step, as checkpoint bytes.
 type State = (usize, Arc<Vec<u8>>);
@@ -52,6 +53,71 @@ impl Kept {
             self.committed = Some(pending);
         }
     }
+}
+
+/// How a rank writes its part of the checkpoint of one step.
+pub(crate) struct RankCheckpoint<'a> {
+    /// The step the checkpoint is of.
+    pub(crate) step: usize,
+    /// The file of the rank's state in the checkpoint.
+    pub(crate) file: String,
+    /// Whether this rank writes the file (one rank of those holding the same state, or of each
+    /// node's).
+    pub(crate) writes: bool,
+    /// Its device actor, which holds the state.
+    pub(crate) device: &'a Addr<DeviceActor>,
+    /// Where checkpoints go.
+    pub(crate) store: &'a CheckpointStore,
+    /// The states kept for a rollback, when the rank rolls back in place.
+    pub(crate) kept: Option<&'a mut Kept>,
+}
+
+impl RankCheckpoint<'_> {
+    /// Writes the state with `run`: streamed to the file tensor by tensor (no copy in memory);
+    /// or, by a rank that rolls back in place, taken into memory first and kept, the kept copy
+    /// written. Returns the file written (if this rank writes) and the state kept (if kept).
+    pub(crate) async fn write(self, run: RunRecord) -> Result<(Option<HeldFile>, Option<Arc<Vec<u8>>>)> {
+        let Some(kept) = self.kept else {
+            if !self.writes {
+                return Ok((None, None));
+            }
+            let save = SaveCheckpoint {
+                store: self.store.clone(),
+                step: self.step,
+                file: self.file,
+                run,
+            };
+            return Ok((Some(HeldFile::here(self.device.send(save).await??)), None));
+        };
+        let state = Arc::new(self.device.send(Snapshot { run }).await??);
+        kept.taken(self.step, state.clone());
+        if !self.writes {
+            return Ok((None, Some(state)));
+        }
+        let (store, step, file, bytes) = (self.store.clone(), self.step, self.file, state.clone());
+        let write = tokio::task::spawn_blocking(move || store.write(step, &file, &bytes));
+        let written = write.await.context("the checkpoint writer stopped")??;
+        Ok((Some(HeldFile::here(written)), Some(state)))
+    }
+}
+
+/// Acknowledges `rank`'s part of `step`'s checkpoint (the `written` files) and waits for the
+/// coordinator's commit; a rank that rolls back in place (`kept`) then holds the committed state
+/// and, as its node's first rank, commits the node's copy in `store`.
+pub(crate) async fn acknowledge_checkpoint(
+    bus: &mut ControlBus,
+    (rank, step): (usize, usize),
+    written: Vec<HeldFile>,
+    kept: Option<&mut Kept>,
+    store: &CheckpointStore,
+    roster: Option<&Roster>,
+) -> Result<()> {
+    let record = bus.acknowledge(rank, step, written).await?;
+    if let Some(kept) = kept {
+        kept.committed();
+        commit_on_this_node(store, record, roster, rank).await?;
+    }
+    Ok(())
 }
 
 /// Once the coordinator committed a checkpoint (its `record`), the first rank on each node

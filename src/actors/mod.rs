@@ -12,6 +12,8 @@ pub mod faults;
 pub(crate) mod kept;
 pub mod ps_trainer;
 pub mod pserver;
+pub mod rank_parts;
+mod rank_steps;
 pub mod recovery;
 pub mod rollback;
 mod run_loop;

@@ -21,7 +21,7 @@ use super::device::{
 };
 use super::divergence::check_loss;
 use super::faults::RoleFaults;
-use super::kept::{commit_on_this_node, Kept};
+use super::kept::{acknowledge_checkpoint, Kept};
 use super::recovery::{Recovery, StopAtCheckpoint};
 use super::rollback::Orders;
 use super::LOSSES_RESERVED;
@@ -684,9 +684,8 @@ impl PsRun {
             .await?;
         match in_place {
             Some(line) => {
-                let record = line.bus.acknowledge(self.role(), step, files).await?;
-                self.kept.committed();
-                commit_on_this_node(&store, record, self.roster.as_ref(), self.role()).await
+                let (role, roster) = (self.role(), self.roster.as_ref());
+                acknowledge_checkpoint(line.bus, (role, step), files, Some(&mut self.kept), &store, roster).await
             }
             None if place == 0 => {
                 let mut files = Vec::new();

@@ -9,9 +9,6 @@
 //! and data-parallel rings, restores its stage's committed state — from memory, its node's disk,
 //! or a replica of its stage — and trains on from there.
 
-use std::sync::Arc;
-use std::time::{Duration, Instant};
-
 use actix::prelude::*;
 use anyhow::{ensure, Context as _, Result};
 use bytes::Bytes;
@@ -19,61 +16,35 @@ use futures::future::BoxFuture;
 use serde::{Deserialize, Serialize};
 
 use super::buddy::Buddy;
-use super::device::{
-    DeviceActor, ModelFactory, PipelineEvaluate, PipelineStep, PreparePipeline, ReadParameters, RelinkStage,
-    SaveCheckpoint, Snapshot, StageLinks, TakeSpans,
-};
-use super::divergence::check_loss;
+use super::device::{PipelineEvaluate, PipelineStep, PreparePipeline, ReadParameters, RelinkStage, StageLinks};
 use super::faults::RoleFaults;
-use super::kept::{commit_on_this_node, BuddyCopy, Kept, Restore};
-use super::recovery::{stage_file, Recovery, StopAtCheckpoint};
+use super::kept::{acknowledge_checkpoint, BuddyCopy, Kept, RankCheckpoint, Restore};
+use super::rank_parts::RankParts;
+use super::rank_steps::{train_generation, Place, RankStep, StrategySteps};
+use super::recovery::stage_file;
 use super::rollback::Orders;
-use super::run_loop::{eval_due, run_steps, RunLoop};
+use super::run_loop::{run_steps, RunLoop};
 use crate::checkpoint::HeldFile;
 use crate::collective::preemption::is_preemption;
 use crate::collective::training_state::RunRecord;
-use crate::config::{HybridConfigs, JobConfig};
-use crate::data::RowSource;
+use crate::config::HybridConfigs;
+use crate::data::{Batch, Pieces};
 use crate::engines::comm::Communicator;
-use crate::models::export::ModelInfo;
 use crate::models::Score;
 use crate::net::frame::{encode_with, Frame};
 use crate::net::protocol::Roster;
 use crate::net::ControlBus;
-use crate::telemetry::monitor::{MonitorSettings, StepSample};
-use crate::telemetry::timeline::TraceTarget;
 
-/// What a pipeline rank needs.
+/// A pipeline rank (`replica × pp_degree + stage`): its parts, and its first links.
 pub struct StageActor {
-    /// Global rank: `replica × pp_degree + stage`.
-    pub rank: usize,
-    /// The job.
-    pub job: Arc<JobConfig>,
-    /// The model's constructor.
-    pub model: ModelFactory,
-    /// What the model's files say besides its parameters.
-    pub export: ModelInfo,
-    /// Training split (each replica reads its part of every global batch).
-    pub train_data: RowSource,
-    /// Held-out split (each replica evaluates a contiguous part).
-    pub test_data: RowSource,
+    /// What the rank trains with.
+    pub parts: RankParts,
     /// The first generation's links and roster; taken at start.
     pub generation: Option<StageGeneration>,
-    /// The device actor of this rank.
-    pub device: Addr<DeviceActor>,
-    /// How to report every step: the reporting rank's only.
-    pub monitor: Option<MonitorSettings>,
-    /// Where to write this rank's timeline, when tracing.
-    pub trace: Option<TraceTarget>,
     /// The line to the coordinator, for checkpoints; taken at start.
     pub bus: Option<ControlBus>,
-    /// The checkpoint to start from and where to write new ones.
-    pub(crate) recovery: Recovery,
     /// How this rank rolls back in place; `None` when a lost rank stops the job.
     pub in_place: Option<StageInPlace>,
-    /// The faults planned for this rank of a simulated cluster: its training runs under their
-    /// switch.
-    pub faults: Option<Arc<RoleFaults>>,
 }
 
 /// The links of one generation of a pipeline rank.
@@ -192,28 +163,18 @@ impl Handler<TrainStage> for StageActor {
     type Result = ResponseFuture<Result<StageOutcome>>;
 
     fn handle(&mut self, _: TrainStage, _: &mut Self::Context) -> Self::Result {
-        let (replica, stage) = self.job.strategy.hybrid_configs.place_of(self.rank);
+        let (replica, stage) = self.parts.job.strategy.hybrid_configs.place_of(self.parts.rank);
         let run = StageRun {
-            rank: self.rank,
+            parts: self.parts.clone(),
             replica,
             stage,
-            job: self.job.clone(),
-            model: self.model.clone(),
-            export: self.export.clone(),
-            train_data: self.train_data.clone(),
-            test_data: self.test_data.clone(),
-            device: self.device.clone(),
-            monitor: self.monitor.clone(),
-            trace: self.trace.clone(),
             bus: self.bus.take(),
-            recovery: self.recovery.clone(),
             in_place: self.in_place.take(),
-            faults: self.faults.clone(),
             kept: Kept::default(),
             roster: None,
         };
         let generation = self.generation.take();
-        let faults = self.faults.clone();
+        let faults = self.parts.faults.clone();
         Box::pin(async move {
             let generation = generation.context("TrainStage was sent twice")?;
             RoleFaults::govern(faults, run.execute(generation)).await
@@ -222,45 +183,21 @@ impl Handler<TrainStage> for StageActor {
 }
 
 struct StageRun {
-    rank: usize,
+    parts: RankParts,
     replica: usize,
     stage: usize,
-    job: Arc<JobConfig>,
-    model: ModelFactory,
-    export: ModelInfo,
-    train_data: RowSource,
-    test_data: RowSource,
-    device: Addr<DeviceActor>,
-    monitor: Option<MonitorSettings>,
-    trace: Option<TraceTarget>,
     bus: Option<ControlBus>,
-    recovery: Recovery,
     in_place: Option<StageInPlace>,
-    faults: Option<Arc<RoleFaults>>,
     kept: Kept,
     /// The roster of the generation training (a launched job's).
     roster: Option<Roster>,
 }
 
-/// What one generation's steps measured.
-#[derive(Default)]
-struct StageFigures {
-    first: usize,
-    elapsed: Duration,
-    step_time: Duration,
-    allreduce: Duration,
-    exposed: Duration,
-    peak: usize,
-    peak_bytes: usize,
-    pipeline_wait: Duration,
-    pipeline_time: Duration,
-}
-
 impl StageRun {
     async fn execute(mut self, generation: StageGeneration) -> Result<StageOutcome> {
-        let job = self.job.clone();
-        let rank = self.rank;
-        let clock_offset_us = match (&self.trace, self.bus.as_mut()) {
+        let job = self.parts.job.clone();
+        let rank = self.parts.rank;
+        let clock_offset_us = match (&self.parts.trace, self.bus.as_mut()) {
             (Some(_), Some(bus)) => bus.clock_offset_us().await?,
             _ => 0.0,
         };
@@ -270,24 +207,25 @@ impl StageRun {
             data_parallel,
         } = generation;
         if let Some(roster) = &roster {
-            self.recovery.check_joined(roster)?;
+            self.parts.recovery.check_joined(roster)?;
         }
-        self.device
+        self.parts
+            .device
             .send(PreparePipeline {
                 job: job.clone(),
-                model: self.model.clone(),
-                export: self.export.clone(),
+                model: self.parts.model.clone(),
+                export: self.parts.export.clone(),
                 rank,
                 stage: self.stage,
                 link,
                 data_parallel,
-                steps: run_steps(&job, &self.train_data)?,
-                trace_from: self.trace.as_ref().map(|t| t.origin.instant),
+                steps: run_steps(&job, &self.parts.train_data)?,
+                trace_from: self.parts.trace.as_ref().map(|t| t.origin.instant),
             })
             .await??;
         let mut first = match &roster {
             Some(roster) => roster.resume_step.unwrap_or(0),
-            None => self.recovery.start_step().unwrap_or(0),
+            None => self.parts.recovery.start_step().unwrap_or(0),
         };
         if let (Some(in_place), Some(roster)) = (&self.in_place, &roster) {
             in_place.orders.joined(roster);
@@ -295,11 +233,11 @@ impl StageRun {
         self.roster = roster;
         let mut run = RunLoop::start(
             &job,
-            &self.train_data,
+            &self.parts.train_data,
             self.replica_place(),
-            &self.recovery,
+            &self.parts.recovery,
             first,
-            self.monitor.as_ref(),
+            self.parts.monitor.as_ref(),
             clock_offset_us,
         )?;
         // Each pass is one generation; a new one starts only on a rollback order to a newer
@@ -334,7 +272,8 @@ impl StageRun {
                 Ok(generation) => {
                     let roster = generation.roster.context("a rejoined generation has a roster")?;
                     in_place.orders.joined(&roster);
-                    self.device
+                    self.parts
+                        .device
                         .send(RelinkStage {
                             stage: self.stage,
                             link: generation.link,
@@ -342,7 +281,7 @@ impl StageRun {
                         })
                         .await??;
                     tracing::info!(
-                        rank = self.rank,
+                        rank = self.parts.rank,
                         generation = roster.generation,
                         resume_step = roster.resume_step.unwrap_or(0),
                         "rejoined"
@@ -358,118 +297,38 @@ impl StageRun {
 
     /// Trains from the state after step `first` to the end of the run and evaluates.
     async fn train_generation(&mut self, first: usize, run: &mut RunLoop) -> Result<StageOutcome> {
-        let job = self.job.clone();
-        let (rank, stage) = (self.rank, self.stage);
+        let job = self.parts.job.clone();
+        let (rank, stage) = (self.parts.rank, self.stage);
         // This generation's part of every global batch (another one when membership changed).
         let (replica, d) = self.replica_place();
         run.loader.place(replica, d)?;
-        let steps = run.steps;
         let restored = self.restore(first).await?;
-        run.resume_data(rank, first, restored.data.as_ref());
-        let mut losses = restored.losses;
-        let mut figures = StageFigures {
-            first,
-            ..StageFigures::default()
+        let place = Place {
+            replica,
+            replicas: d,
+            role: format!("stage {stage} (replica {replica})"),
         };
-        let loss_kind = job.train.resolved_loss()?;
-        // Every held-out row is scored: each replica takes its share, in pieces of any size.
-        let test_data = self.test_data.clone();
-        let piece_rows = job.eval_batch_rows();
-        let test_share = || test_data.share(replica, d, piece_rows);
-        // The newest held-out score (on the stage holding the model's output), and the steps it
-        // came after.
-        let mut scored: Option<(usize, Option<Score>)> = None;
-        let started = Instant::now();
-        // SIGTERM asks the run to stop at a checkpoint rather than ending the process.
-        let mut stop = StopAtCheckpoint::new(true)?;
-        for step in first..steps {
-            if let Some(faults) = &self.faults {
-                faults.before_step(&format!("rank {rank}"), step).await;
-            }
-            let report = self
-                .device
-                .send(PipelineStep(run.loader.batch(step)?))
-                .await?
-                .with_context(|| format!("step {step}"))?;
-            figures.step_time += report.step_time;
-            figures.allreduce += report.allreduce_time;
-            figures.exposed += report.exposed_allreduce_time;
-            figures.peak = figures.peak.max(report.peak_activations);
-            figures.peak_bytes = figures.peak_bytes.max(report.peak_activation_bytes);
-            figures.pipeline_wait += report.pipeline_wait;
-            figures.pipeline_time += report.pipeline_time;
-            let mut eval = None;
-            if eval_due(&job, step + 1, steps) {
-                let score = self.device.send(PipelineEvaluate(test_share()?)).await??;
-                scored = Some((step + 1, score));
-                eval = score.map(|score| score.held_out(loss_kind));
-            }
-            if let Some(loss) = report.loss {
-                losses.push(loss);
-                if let Some(monitor) = &mut run.monitor {
-                    let sample = StepSample {
-                        loss,
-                        loss_spread: report.loss_spread,
-                        lr: report.lr,
-                        step_time: report.step_time,
-                        comm_time: report.allreduce_time,
-                        exposed_comm_time: report.exposed_allreduce_time,
-                        bubble_fraction: Some(
-                            report.pipeline_wait.as_secs_f64() / report.pipeline_time.as_secs_f64().max(1e-9),
-                        ),
-                        peak_rss_bytes: report.peak_rss_bytes,
-                        sparse_tables: None,
-                        eval,
-                    };
-                    monitor.record(step + 1, sample)?;
-                }
-                check_loss(rank, step + 1, loss)?;
-            }
-            // Every rank learns in the same step that one was asked to stop.
-            let next = stop.after(report.stop_asked, &job, &self.recovery, step + 1, steps);
-            if next.checkpoint {
-                let data = run.data_position(&self.device, step + 1).await?;
-                let record = RunRecord {
-                    losses: losses.clone(),
-                    data,
-                };
-                self.checkpoint(step + 1, record).await?;
-            }
-            if let Some(preempted) = next.stop {
-                return Err(preempted.into());
-            }
-        }
-        figures.elapsed = started.elapsed();
-        let evaluated = match scored {
-            Some((done, score)) if done == steps => score,
-            _ => self.device.send(PipelineEvaluate(test_share()?)).await??,
-        };
-        let parameters = self.device.send(ReadParameters).await??;
-        if let Some(trace) = &self.trace {
-            let spans = self.device.send(TakeSpans).await??;
-            let role = format!("stage {stage} (replica {replica})");
-            trace.write(rank, &role, run.clock_offset_us, spans)?;
-        }
-        let ratio = |d: Duration| d.as_secs_f64() / figures.step_time.as_secs_f64().max(1e-9);
+        let parts = self.parts.clone();
+        let generation = train_generation(self, &parts, place, run, first, restored).await?;
+        let parameters = self.parts.device.send(ReadParameters).await??;
         Ok(StageOutcome {
             rank,
-            steps,
-            losses,
-            evaluated,
-            samples_per_sec: ((steps - figures.first) * job.train.batch_size) as f64
-                / figures.elapsed.as_secs_f64().max(1e-9),
-            allreduce_ratio: ratio(figures.allreduce),
-            exposed_allreduce_ratio: ratio(figures.exposed),
-            peak_activations: figures.peak,
-            peak_activation_bytes: figures.peak_bytes,
-            bubble_fraction: figures.pipeline_wait.as_secs_f64() / figures.pipeline_time.as_secs_f64().max(1e-9),
+            steps: run.steps,
+            evaluated: generation.score,
+            samples_per_sec: generation.samples_per_sec(&job, run.steps),
+            allreduce_ratio: generation.comm_time_ratio(),
+            exposed_allreduce_ratio: generation.exposed_comm_ratio(),
+            peak_activations: generation.peak_activations,
+            peak_activation_bytes: generation.peak_activation_bytes,
+            bubble_fraction: generation.bubble_fraction(),
             parameters,
+            losses: generation.losses,
         })
     }
 
     /// The ranks of this stage in every replica training this generation, by replica.
     fn replicas_of_stage(&self) -> Vec<usize> {
-        let hybrid = &self.job.strategy.hybrid_configs;
+        let hybrid = &self.parts.job.strategy.hybrid_configs;
         match &self.roster {
             Some(roster) => training_replicas(hybrid, roster)
                 .into_iter()
@@ -482,7 +341,7 @@ impl StageRun {
     /// This rank's replica among those training this generation, and how many train: every
     /// replica, unless elastic membership went on without some.
     fn replica_place(&self) -> (usize, usize) {
-        let hybrid = &self.job.strategy.hybrid_configs;
+        let hybrid = &self.parts.job.strategy.hybrid_configs;
         match &self.roster {
             Some(roster) => {
                 let training = training_replicas(hybrid, roster);
@@ -502,7 +361,7 @@ impl StageRun {
         // Only a stage no other node runs has a copy on the next node; another's replicas share it.
         let buddy = match (&self.in_place, &self.roster) {
             (Some(StageInPlace { buddy: Some(buddy), .. }), Some(roster))
-                if Buddy::only_here(roster, self.rank, ring_ranks.iter().copied()) =>
+                if Buddy::only_here(roster, self.parts.rank, ring_ranks.iter().copied()) =>
             {
                 Some(BuddyCopy {
                     buddy,
@@ -513,14 +372,14 @@ impl StageRun {
             _ => None,
         };
         let restore = Restore {
-            rank: self.rank,
-            device: &self.device,
+            rank: self.parts.rank,
+            device: &self.parts.device,
             kept: self.in_place.is_some().then_some(&mut self.kept),
             ring_ranks,
             buddy,
         };
-        let (recovery, world_size, roster) = (&self.recovery, self.job.world_size(), self.roster.as_ref());
-        let cut = (self.stage, self.job.strategy.hybrid_configs.pp_degree);
+        let (recovery, world_size, roster) = (&self.parts.recovery, self.parts.job.world_size(), self.roster.as_ref());
+        let cut = (self.stage, self.parts.job.strategy.hybrid_configs.pp_degree);
         restore
             .to(step, || recovery.read_stage(step, world_size, roster, cut))
             .await
@@ -532,11 +391,11 @@ impl StageRun {
         let (Some(StageInPlace { buddy: Some(buddy), .. }), Some(roster)) = (&self.in_place, &self.roster) else {
             return Ok(None);
         };
-        if !Buddy::only_here(roster, self.rank, self.replicas_of_stage()) {
+        if !Buddy::only_here(roster, self.parts.rank, self.replicas_of_stage()) {
             return Ok(None);
         }
         buddy
-            .copy(roster, self.rank, step, &stage_file(self.stage), state)
+            .copy(roster, self.parts.rank, step, &stage_file(self.stage), state)
             .await
     }
 
@@ -545,48 +404,63 @@ impl StageRun {
     /// that rolls back in place keeps its state in memory too, and each node keeps its own copy:
     /// the first replica of each stage on a node writes the stage there, and the node's first
     /// rank commits the node's files once the coordinator has.
-    async fn checkpoint(&mut self, step: usize, run: RunRecord) -> Result<()> {
-        let store = self.recovery.store.clone().context("a checkpoint without a store")?;
-        let writes = match (&self.in_place, &self.roster) {
-            (Some(_), Some(roster)) => roster.first_on_its_host(self.rank, self.replicas_of_stage()),
+    async fn write_checkpoint(&mut self, step: usize, run: RunRecord) -> Result<()> {
+        let store = self
+            .parts
+            .recovery
+            .store
+            .clone()
+            .context("a checkpoint without a store")?;
+        let in_place = self.in_place.is_some();
+        let writes = match (in_place, &self.roster) {
+            (true, Some(roster)) => roster.first_on_its_host(self.parts.rank, self.replicas_of_stage()),
             _ => self.replica == 0,
         };
-        let written = if self.in_place.is_some() {
-            let state = Arc::new(self.device.send(Snapshot { run }).await??);
-            self.kept.taken(step, state.clone());
-            if writes {
-                let (writer, file) = (store.clone(), stage_file(self.stage));
-                let bytes = state.clone();
-                let write = tokio::task::spawn_blocking(move || writer.write(step, &file, &bytes));
-                let written = write.await.context("the checkpoint writer stopped")??;
-                let mut held = HeldFile::here(written);
-                held.nodes.extend(self.copy_to_buddy(step, &state).await?);
-                vec![held]
-            } else {
-                Vec::new()
-            }
-        } else if writes {
-            // Streamed to the file tensor by tensor: no copy of the state in memory.
-            let save = SaveCheckpoint {
-                store: store.clone(),
-                step,
-                file: stage_file(self.stage),
-                run,
-            };
-            vec![HeldFile::here(self.device.send(save).await??)]
-        } else {
-            Vec::new()
+        let checkpoint = RankCheckpoint {
+            step,
+            file: stage_file(self.stage),
+            writes,
+            device: &self.parts.device,
+            store: &store,
+            kept: in_place.then_some(&mut self.kept),
         };
+        let (written, state) = checkpoint.write(run).await?;
+        let mut written: Vec<HeldFile> = written.into_iter().collect();
+        if let (Some(held), Some(state)) = (written.first_mut(), state) {
+            held.nodes.extend(self.copy_to_buddy(step, &state).await?);
+        }
         let bus = self
             .bus
             .as_mut()
             .context("a checkpointing stage needs a line to the coordinator")?;
-        let record = bus.acknowledge(self.rank, step, written).await?;
-        if self.in_place.is_some() {
-            self.kept.committed();
-            commit_on_this_node(&store, record, self.roster.as_ref(), self.rank).await?;
-        }
+        let kept = in_place.then_some(&mut self.kept);
+        acknowledge_checkpoint(
+            bus,
+            (self.parts.rank, step),
+            written,
+            kept,
+            &store,
+            self.roster.as_ref(),
+        )
+        .await
+    }
+}
+
+impl StrategySteps for StageRun {
+    async fn step(&mut self, batch: Batch) -> Result<RankStep> {
+        Ok(self.parts.device.send(PipelineStep(batch)).await??.into())
+    }
+
+    async fn evaluate(&mut self, share: Pieces) -> Result<Option<Score>> {
+        self.parts.device.send(PipelineEvaluate(share)).await?
+    }
+
+    async fn after_step(&mut self, _done: usize) -> Result<()> {
         Ok(())
+    }
+
+    async fn checkpoint(&mut self, step: usize, record: RunRecord) -> Result<()> {
+        self.write_checkpoint(step, record).await
     }
 }
 

@@ -8,69 +8,38 @@
 //! ring, restores the committed checkpoint's state — from the snapshot it kept in memory, or
 //! from disk — and trains on from there.
 
-use std::sync::Arc;
-use std::time::{Duration, Instant};
-
 use actix::prelude::*;
 use anyhow::{anyhow, Context as _, Result};
 
-use super::device::{
-    CheckReplicas, DeviceActor, Evaluate, ModelFactory, Prepare, ReadParameters, Relink, RingLink, SaveCheckpoint,
-    Snapshot, TakeSpans, TrainStep,
-};
-use super::divergence::check_loss;
+use super::device::{CheckReplicas, Evaluate, Prepare, ReadParameters, Relink, RingLink, TrainStep};
 use super::faults::RoleFaults;
-use super::kept::{commit_on_this_node, Kept, Restore};
-use super::recovery::{Recovery, StopAtCheckpoint, REPLICA_FILE};
+use super::kept::{acknowledge_checkpoint, Kept, RankCheckpoint, Restore};
+use super::rank_parts::RankParts;
+use super::rank_steps::{train_generation, Place, RankStep, StrategySteps};
+use super::recovery::REPLICA_FILE;
 use super::rollback::Orders;
-use super::run_loop::{eval_due, run_steps, RunLoop};
-use super::LOSSES_RESERVED;
-use crate::checkpoint::HeldFile;
+use super::run_loop::{run_steps, RunLoop};
 use crate::collective::preemption::is_preemption;
 use crate::collective::training_state::RunRecord;
 use crate::collective::ParamChecksum;
 use crate::config::JobConfig;
-use crate::data::RowSource;
-use crate::models::export::ModelInfo;
+use crate::data::{Batch, Pieces};
 use crate::models::Score;
 use crate::net::protocol::Roster;
 use crate::net::ControlBus;
-use crate::telemetry::monitor::{MonitorSettings, StepSample};
-use crate::telemetry::timeline::TraceTarget;
 
-/// What a rank needs to train.
+/// A data-parallel rank: its parts, and its first links.
 pub struct Trainer {
-    /// This rank.
-    pub rank: usize,
-    /// The job.
-    pub job: Arc<JobConfig>,
-    /// The model's constructor.
-    pub model: ModelFactory,
-    /// What the model's files say besides its parameters.
-    pub export: ModelInfo,
-    /// Training split (each rank reads its shard of every global batch).
-    pub train_data: RowSource,
-    /// Held-out split (each rank evaluates a contiguous part).
-    pub test_data: RowSource,
+    /// What the rank trains with.
+    pub parts: RankParts,
     /// The line to the coordinator; taken when training starts.
     pub bus: Option<ControlBus>,
     /// The ring link; handed to the device actor at start.
     pub link: Option<RingLink>,
     /// This rank's data endpoint, announced at rendezvous.
     pub data_endpoint: String,
-    /// The device actor of this rank.
-    pub device: Addr<DeviceActor>,
-    /// How to report every step: the reporting rank's only.
-    pub monitor: Option<MonitorSettings>,
-    /// Where to write this rank's timeline, when tracing.
-    pub trace: Option<TraceTarget>,
-    /// The checkpoint to start from and where to write new ones.
-    pub(crate) recovery: Recovery,
     /// How this rank rolls back in place; `None` when a lost rank stops the job.
     pub in_place: Option<InPlace>,
-    /// The faults planned for this rank of a simulated cluster: its training runs under their
-    /// switch.
-    pub faults: Option<Arc<RoleFaults>>,
 }
 
 /// What a trainer needs to roll back inside its process.
@@ -120,7 +89,7 @@ pub struct RankOutcome {
 impl Trainer {
     /// Starts the trainer actor and trains to the end; an actor that stopped names the rank.
     pub async fn train(self) -> Result<RankOutcome> {
-        let rank = self.rank;
+        let rank = self.parts.rank;
         self.start()
             .send(Train)
             .await
@@ -137,44 +106,24 @@ impl Handler<Train> for Trainer {
 
     fn handle(&mut self, _: Train, _: &mut Self::Context) -> Self::Result {
         let run = TrainingRun {
-            rank: self.rank,
-            job: self.job.clone(),
-            model: self.model.clone(),
-            export: self.export.clone(),
-            train_data: self.train_data.clone(),
-            test_data: self.test_data.clone(),
+            parts: self.parts.clone(),
             bus: self.bus.take(),
             link: self.link.take(),
             data_endpoint: self.data_endpoint.clone(),
-            device: self.device.clone(),
-            monitor: self.monitor.clone(),
-            trace: self.trace.clone(),
-            recovery: self.recovery.clone(),
             in_place: self.in_place.take(),
-            faults: self.faults.clone(),
             kept: Kept::default(),
             roster: None,
         };
-        Box::pin(RoleFaults::govern(self.faults.clone(), run.execute()))
+        Box::pin(RoleFaults::govern(self.parts.faults.clone(), run.execute()))
     }
 }
 
 struct TrainingRun {
-    rank: usize,
-    job: Arc<JobConfig>,
-    model: ModelFactory,
-    export: ModelInfo,
-    train_data: RowSource,
-    test_data: RowSource,
+    parts: RankParts,
     bus: Option<ControlBus>,
     link: Option<RingLink>,
     data_endpoint: String,
-    device: Addr<DeviceActor>,
-    monitor: Option<MonitorSettings>,
-    trace: Option<TraceTarget>,
-    recovery: Recovery,
     in_place: Option<InPlace>,
-    faults: Option<Arc<RoleFaults>>,
     kept: Kept,
     /// The roster of the generation training.
     roster: Option<Roster>,
@@ -182,41 +131,42 @@ struct TrainingRun {
 
 impl TrainingRun {
     async fn execute(mut self) -> Result<RankOutcome> {
-        let rank = self.rank;
-        let job = self.job.clone();
-        let mut bus = self.bus.take().context("Train was sent twice")?;
+        let rank = self.parts.rank;
+        let job = self.parts.job.clone();
         let link = self.link.take().context("Train was sent twice")?;
-        let mut roster = join_training(&mut bus, rank, &job, self.data_endpoint.clone()).await?;
-        self.recovery.check_joined(&roster)?;
+        let endpoint = self.data_endpoint.clone();
+        let mut roster = join_training(self.bus_mut()?, rank, &job, endpoint).await?;
+        self.parts.recovery.check_joined(&roster)?;
         if let Some(in_place) = &self.in_place {
             in_place.orders.joined(&roster);
         }
-        let clock_offset_us = match &self.trace {
-            Some(_) => bus.clock_offset_us().await?,
+        let clock_offset_us = match &self.parts.trace {
+            Some(_) => self.bus_mut()?.clock_offset_us().await?,
             None => 0.0,
         };
-        self.device
+        self.parts
+            .device
             .send(Prepare {
                 job: job.clone(),
-                model: self.model.clone(),
-                export: self.export.clone(),
+                model: self.parts.model.clone(),
+                export: self.parts.export.clone(),
                 link,
                 roster: roster.clone(),
                 // A later generation's ranks all restore one state: nothing to broadcast.
                 broadcast: roster.generation == 0,
-                steps: run_steps(&job, &self.train_data)?,
-                trace_from: self.trace.as_ref().map(|t| t.origin.instant),
+                steps: run_steps(&job, &self.parts.train_data)?,
+                trace_from: self.parts.trace.as_ref().map(|t| t.origin.instant),
             })
             .await??;
 
         let first = roster.resume_step.unwrap_or(0);
         let mut run = RunLoop::start(
             &job,
-            &self.train_data,
+            &self.parts.train_data,
             place_in(&roster, rank)?,
-            &self.recovery,
+            &self.parts.recovery,
             first,
-            self.monitor.as_ref(),
+            self.parts.monitor.as_ref(),
             clock_offset_us,
         )?;
         let mut failure = None;
@@ -228,7 +178,7 @@ impl TrainingRun {
                     return Err(error);
                 };
                 in_place.orders.explain(error).await?;
-                match self.rejoin(&mut bus).await {
+                match self.rejoin().await {
                     Ok(next) => roster = next,
                     Err(e) => {
                         failure = Some(e);
@@ -236,7 +186,7 @@ impl TrainingRun {
                     }
                 }
             }
-            match self.train_generation(&mut bus, &roster, &mut run).await {
+            match self.train_generation(&roster, &mut run).await {
                 Ok(outcome) => {
                     run.finish();
                     return Ok(outcome);
@@ -249,20 +199,23 @@ impl TrainingRun {
     }
 
     /// Joins the next generation over a new ring after a rollback order.
-    async fn rejoin(&mut self, bus: &mut ControlBus) -> Result<Roster> {
+    async fn rejoin(&mut self) -> Result<Roster> {
         let in_place = self.in_place.as_ref().context("a rollback without in-place recovery")?;
         let (link, endpoint) = (in_place.relink)()?;
-        let roster = join_training(bus, self.rank, &self.job, endpoint).await?;
+        let (rank, job) = (self.parts.rank, self.parts.job.clone());
+        let roster = join_training(self.bus_mut()?, rank, &job, endpoint).await?;
+        let in_place = self.in_place.as_ref().context("a rollback without in-place recovery")?;
         in_place.orders.joined(&roster);
-        self.device
+        self.parts
+            .device
             .send(Relink {
-                job: self.job.clone(),
+                job: self.parts.job.clone(),
                 link,
                 roster: roster.clone(),
             })
             .await??;
         tracing::info!(
-            rank = self.rank,
+            rank = self.parts.rank,
             generation = roster.generation,
             resume_step = roster.resume_step.unwrap_or(0),
             "rejoined"
@@ -273,132 +226,60 @@ impl TrainingRun {
     /// Brings the replica to the state after `step` steps: see [`Restore::to`].
     async fn restore(&mut self, step: usize) -> Result<RunRecord> {
         let restore = Restore {
-            rank: self.rank,
-            device: &self.device,
+            rank: self.parts.rank,
+            device: &self.parts.device,
             kept: self.in_place.is_some().then_some(&mut self.kept),
             ring_ranks: self.roster.as_ref().map(Roster::members).unwrap_or_default(),
             // Every node keeps a replica: no buddy copies.
             buddy: None,
         };
-        let (recovery, roster) = (&self.recovery, self.roster.as_ref());
+        let (recovery, roster) = (&self.parts.recovery, self.roster.as_ref());
         // The replica file holds the whole model: it restores on any number of ranks.
         restore.to(step, || recovery.read_replica(step, roster)).await
     }
 
     /// Trains one generation, from its roster's resume step to the end of the run.
-    async fn train_generation(
-        &mut self,
-        bus: &mut ControlBus,
-        roster: &Roster,
-        run: &mut RunLoop,
-    ) -> Result<RankOutcome> {
-        let rank = self.rank;
-        let job = self.job.clone();
+    async fn train_generation(&mut self, roster: &Roster, run: &mut RunLoop) -> Result<RankOutcome> {
+        let rank = self.parts.rank;
+        let job = self.parts.job.clone();
         let (place, world) = place_in(roster, rank)?;
-        let steps = run.steps;
         let first = roster.resume_step.unwrap_or(0);
         self.roster = Some(roster.clone());
         // This generation's part of every global batch (another one when membership changed).
         run.loader.place(place, world)?;
         let restored = self.restore(first).await?;
-        run.resume_data(rank, first, restored.data.as_ref());
-        let mut losses = Vec::with_capacity(steps.min(LOSSES_RESERVED));
-        losses.extend(restored.losses);
-        let started = Instant::now();
-        let (mut step_time, mut comm_time, mut exposed) = (Duration::ZERO, Duration::ZERO, Duration::ZERO);
-        let mut peak_activation_bytes = 0;
-        let check_every = job.strategy.check_every;
-        let loss_kind = job.train.resolved_loss()?;
-        let test_data = self.test_data.clone();
-        let piece_rows = job.eval_batch_rows();
-        let test_shard = || test_data.share(place, world, piece_rows);
-        // The newest held-out score, and the steps it came after.
-        let mut scored: Option<(usize, Score)> = None;
-        // SIGTERM asks the run to stop at a checkpoint rather than ending the process.
-        let mut stop = StopAtCheckpoint::new(true)?;
-        for step in first..steps {
-            if let Some(faults) = &self.faults {
-                faults.before_step(&format!("rank {rank}"), step).await;
-            }
-            let report = self.device.send(TrainStep(run.loader.batch(step)?)).await??;
-            step_time += report.step_time;
-            comm_time += report.comm_time;
-            exposed += report.exposed_comm_time;
-            peak_activation_bytes = peak_activation_bytes.max(report.peak_activation_bytes);
-            losses.push(report.loss);
-            let mut eval = None;
-            if eval_due(&job, step + 1, steps) {
-                let score = self.device.send(Evaluate(test_shard()?)).await??;
-                scored = Some((step + 1, score));
-                eval = Some(score.held_out(loss_kind));
-            }
-            if let Some(monitor) = &mut run.monitor {
-                let sample = StepSample {
-                    loss: report.loss,
-                    loss_spread: Some(report.loss_spread),
-                    lr: report.lr,
-                    step_time: report.step_time,
-                    comm_time: report.comm_time,
-                    exposed_comm_time: report.exposed_comm_time,
-                    bubble_fraction: None,
-                    peak_rss_bytes: report.peak_rss_bytes,
-                    sparse_tables: None,
-                    eval,
-                };
-                monitor.record(step + 1, sample)?;
-            }
-            check_loss(rank, step + 1, report.loss)?;
-            if check_every > 0 && (step + 1) % check_every == 0 {
-                self.device.send(CheckReplicas).await??;
-            }
-            // Every rank learns in the same step that one was asked to stop.
-            let next = stop.after(report.stop_asked, &job, &self.recovery, step + 1, steps);
-            if next.checkpoint {
-                let data = run.data_position(&self.device, step + 1).await?;
-                let record = RunRecord {
-                    losses: losses.clone(),
-                    data,
-                };
-                self.checkpoint(bus, step + 1, record).await?;
-            }
-            if let Some(preempted) = next.stop {
-                return Err(preempted.into());
-            }
-        }
-        let elapsed = started.elapsed();
-        if let Some(trace) = &self.trace {
-            let spans = self.device.send(TakeSpans).await??;
-            trace.write(rank, "trainer", run.clock_offset_us, spans)?;
-        }
-
-        let param_checksum = self.device.send(CheckReplicas).await??;
-        let test_score = match scored {
-            Some((done, score)) if done == steps => score,
-            _ => self.device.send(Evaluate(test_shard()?)).await??,
+        let at = Place {
+            replica: place,
+            replicas: world,
+            role: "trainer".to_string(),
         };
-        let parameters = self.device.send(ReadParameters).await??;
-        bus.barrier(rank, "end of training").await?;
-        let ratio = |d: Duration| {
-            if step_time.is_zero() {
-                0.0
-            } else {
-                d.as_secs_f64() / step_time.as_secs_f64()
-            }
-        };
+        let parts = self.parts.clone();
+        let generation = train_generation(self, &parts, at, run, first, restored).await?;
+        let param_checksum = self.parts.device.send(CheckReplicas).await??;
+        let test_score = generation
+            .score
+            .context("a data-parallel replica scores the held-out split")?;
+        let parameters = self.parts.device.send(ReadParameters).await??;
+        self.bus_mut()?.barrier(rank, "end of training").await?;
         Ok(RankOutcome {
             rank: place,
             world_size: world,
-            steps,
-            final_loss: losses.last().copied().unwrap_or(f32::NAN),
+            steps: run.steps,
+            final_loss: generation.losses.last().copied().unwrap_or(f32::NAN),
             test_score,
-            samples_per_sec: ((steps - first) * job.train.batch_size) as f64 / elapsed.as_secs_f64().max(1e-9),
-            comm_time_ratio: ratio(comm_time),
-            exposed_comm_ratio: ratio(exposed),
+            samples_per_sec: generation.samples_per_sec(&job, run.steps),
+            comm_time_ratio: generation.comm_time_ratio(),
+            exposed_comm_ratio: generation.exposed_comm_ratio(),
             param_checksum,
             parameters,
-            losses,
-            peak_activation_bytes,
+            peak_activation_bytes: generation.peak_activation_bytes,
+            losses: generation.losses,
         })
+    }
+
+    /// The line to the coordinator.
+    fn bus_mut(&mut self) -> Result<&mut ControlBus> {
+        self.bus.as_mut().context("a trainer without a line to the coordinator")
     }
 
     /// The checkpoint after `step` steps: rank 0 writes the replica (all are equal), every rank
@@ -406,47 +287,58 @@ impl TrainingRun {
     /// the state in memory, and the first rank on each node writes it to that node's disk and
     /// commits it there once the coordinator has: a node needs no shared filesystem, and a
     /// node lost with its disk loses no committed checkpoint.
-    async fn checkpoint(&mut self, bus: &mut ControlBus, step: usize, run: RunRecord) -> Result<()> {
-        let store = self.recovery.store.clone().context("a checkpoint without a store")?;
-        let roster = self.roster.as_ref().context("a checkpoint before the rendezvous")?;
-        let (place, _) = place_in(roster, self.rank)?;
-        let writes = match &self.in_place {
-            Some(_) => roster.first_on_its_host(self.rank, roster.members()),
-            None => place == 0,
-        };
-        let written = match (self.in_place.is_some(), writes) {
-            (false, false) => Vec::new(),
-            // Streamed to the file tensor by tensor: no copy of the state in memory.
-            (false, true) => {
-                let save = SaveCheckpoint {
-                    store: store.clone(),
-                    step,
-                    file: REPLICA_FILE.to_string(),
-                    run,
-                };
-                vec![self.device.send(save).await??]
-            }
-            // The copy kept for a rollback is the one written.
-            (true, _) => {
-                let state = Arc::new(self.device.send(Snapshot { run }).await??);
-                self.kept.taken(step, state.clone());
-                if writes {
-                    let store = store.clone();
-                    let write = tokio::task::spawn_blocking(move || store.write(step, REPLICA_FILE, &state));
-                    vec![write.await.context("the checkpoint writer stopped")??]
-                } else {
-                    Vec::new()
-                }
-            }
+    async fn write_checkpoint(&mut self, step: usize, run: RunRecord) -> Result<()> {
+        let store = self
+            .parts
+            .recovery
+            .store
+            .clone()
+            .context("a checkpoint without a store")?;
+        let roster = self.roster.clone().context("a checkpoint before the rendezvous")?;
+        let (place, _) = place_in(&roster, self.parts.rank)?;
+        let in_place = self.in_place.is_some();
+        let checkpoint = RankCheckpoint {
+            step,
+            file: REPLICA_FILE.to_string(),
+            writes: match in_place {
+                true => roster.first_on_its_host(self.parts.rank, roster.members()),
+                false => place == 0,
+            },
+            device: &self.parts.device,
+            store: &store,
+            kept: in_place.then_some(&mut self.kept),
         };
         // Every node keeps a replica: no copies elsewhere.
-        let written = written.into_iter().map(HeldFile::here).collect();
-        let record = bus.acknowledge(self.rank, step, written).await?;
-        if self.in_place.is_some() {
-            self.kept.committed();
-            commit_on_this_node(&store, record, self.roster.as_ref(), self.rank).await?;
+        let written = checkpoint.write(run).await?.0.into_iter().collect();
+        let bus = self
+            .bus
+            .as_mut()
+            .context("a trainer without a line to the coordinator")?;
+        let kept = in_place.then_some(&mut self.kept);
+        acknowledge_checkpoint(bus, (self.parts.rank, step), written, kept, &store, Some(&roster)).await
+    }
+}
+
+impl StrategySteps for TrainingRun {
+    async fn step(&mut self, batch: Batch) -> Result<RankStep> {
+        Ok(self.parts.device.send(TrainStep(batch)).await??.into())
+    }
+
+    async fn evaluate(&mut self, share: Pieces) -> Result<Option<Score>> {
+        Ok(Some(self.parts.device.send(Evaluate(share)).await??))
+    }
+
+    /// Every `strategy.check_every` steps the replicas compare their parameters' checksums.
+    async fn after_step(&mut self, done: usize) -> Result<()> {
+        let every = self.parts.job.strategy.check_every;
+        if every > 0 && done.is_multiple_of(every) {
+            self.parts.device.send(CheckReplicas).await??;
         }
         Ok(())
+    }
+
+    async fn checkpoint(&mut self, step: usize, record: RunRecord) -> Result<()> {
+        self.write_checkpoint(step, record).await
     }
 }
 

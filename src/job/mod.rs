@@ -42,6 +42,7 @@ use std::sync::Arc;
 use anyhow::{Context, Result};
 
 use crate::actors::device::{ModelFactory, RingLink};
+use crate::actors::rank_parts::RankParts;
 use crate::actors::{DeviceActor, Trainer};
 use crate::config::{DatasetKind, JobConfig, LossKind, ModelKind};
 use crate::data::ctr::DataLayout;
@@ -344,6 +345,30 @@ impl TrainingJob {
         Ok(job)
     }
 
+    /// What rank `rank` trains with: the job's model and data, a device actor of its own,
+    /// `monitor` and `trace` where it reports, `recovery`.
+    pub(crate) fn rank_parts(
+        &self,
+        rank: usize,
+        recovery: Recovery,
+        monitor: Option<MonitorSettings>,
+        trace: Option<TraceTarget>,
+    ) -> RankParts {
+        RankParts {
+            rank,
+            job: self.config.clone(),
+            model: self.model.clone(),
+            export: self.export.clone(),
+            train_data: self.train_data.clone(),
+            test_data: self.test_data.clone(),
+            device: actix::SyncArbiter::start(1, DeviceActor::default),
+            monitor,
+            trace,
+            recovery,
+            faults: None,
+        }
+    }
+
     /// The trainer actor of `rank`, with its own device actor; rank 0 reports.
     fn trainer(
         &self,
@@ -354,22 +379,13 @@ impl TrainingJob {
         options: &RunOptions,
         recovery: Recovery,
     ) -> Trainer {
+        let monitor = (rank == 0).then(|| options.monitor(&self.config, rank, "trainer"));
         Trainer {
-            rank,
-            job: self.config.clone(),
-            model: self.model.clone(),
-            export: self.export.clone(),
-            train_data: self.train_data.clone(),
-            test_data: self.test_data.clone(),
+            parts: self.rank_parts(rank, recovery, monitor, options.trace_target()),
             bus: Some(bus),
             link: Some(link),
             data_endpoint,
-            device: actix::SyncArbiter::start(1, DeviceActor::default),
-            monitor: (rank == 0).then(|| options.monitor(&self.config, rank, "trainer")),
-            trace: options.trace_target(),
-            recovery,
             in_place: None,
-            faults: None,
         }
     }
 

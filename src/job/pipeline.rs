@@ -22,7 +22,7 @@ use super::{stage_rings, FaultPlan, FaultReport, Recovery, RunOptions, RunOutcom
 use crate::actors::device::StageLinks;
 use crate::actors::rollback::OrderLine;
 use crate::actors::stage::{Rejoin, StageActor, StageGeneration, StageInPlace, StageOutcome, TrainStage};
-use crate::actors::{Coordinator, DeviceActor};
+use crate::actors::Coordinator;
 use crate::collective::ParamChecksum;
 use crate::config::{HybridConfigs, JobConfig};
 use crate::engines::comm::memory::{self, MemoryRings};
@@ -112,7 +112,7 @@ pub(super) fn run_with_faults(
                 rejoin,
                 buddy: None,
             });
-            actor.faults = Some(incarnation.faults);
+            actor.parts.faults = Some(incarnation.faults);
             train(actor).await
         }
     })?;
@@ -357,28 +357,19 @@ fn stage_actor(
     trace: Option<TraceTarget>,
 ) -> StageActor {
     let p = job.config.strategy.hybrid_configs.pp_degree;
+    let monitor = (rank == p - 1).then(|| options.monitor(&job.config, rank, "stage"));
     StageActor {
-        rank,
-        job: job.config.clone(),
-        model: job.model.clone(),
-        export: job.export.clone(),
-        train_data: job.train_data.clone(),
-        test_data: job.test_data.clone(),
+        parts: job.rank_parts(rank, recovery, monitor, trace),
         generation: Some(generation),
         bus: Some(bus),
-        recovery,
-        device: SyncArbiter::start(1, DeviceActor::default),
-        monitor: (rank == p - 1).then(|| options.monitor(&job.config, rank, "stage")),
-        trace,
         in_place: None,
-        faults: None,
     }
 }
 
 /// Trains `actor` to its end; an error names its rank, stage and replica.
 async fn train(actor: StageActor) -> Result<StageOutcome> {
-    let rank = actor.rank;
-    let name = actor.job.strategy.hybrid_configs.name_of(rank);
+    let rank = actor.parts.rank;
+    let name = actor.parts.job.strategy.hybrid_configs.name_of(rank);
     actor
         .start()
         .send(TrainStage)

@@ -254,7 +254,7 @@ pub(super) fn run_with_faults(
             orders: incarnation.orders,
             relink: Box::new(move || Ok((link(), endpoint.clone()))),
         });
-        trainer.faults = Some(incarnation.faults);
+        trainer.parts.faults = Some(incarnation.faults);
         trainer.train()
     })?;
     Ok((from_rank0(job, outcomes)?, report))
