@@ -2,7 +2,7 @@
 //! one role of a launched job.
 
 use std::io::Write;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 use anyhow::{bail, Context, Result};
@@ -324,65 +324,10 @@ fn run(cli: Cli) -> Result<()> {
     match cli.command {
         Command::Train(args) => train(&args),
         Command::Run { role, train: args } => run_role(role, &args),
-        Command::Launch(args) => match args.parameter_servers()? {
-            Some(ps) => launch_ps(ps),
-            None => {
-                let train = launched_train(&args.command)?;
-                let args = args
-                    .placed_by_engine(&process_env)?
-                    .with_nproc_of(|| train.as_ref().map(|t| t.load_config(&process_env, &BUILT_IN)))
-                    .with_ports_chosen()?;
-                let exe = std::env::current_exe().context("locating the flotilla binary")?;
-                let mut children = args.plan(exe)?;
-                let config = launched_config(train.as_ref(), &children)?;
-                if config.as_ref().is_some_and(JobConfig::recovers_in_place) {
-                    args.recover_in_place(&mut children)?;
-                }
-                launch(children, train, config, &args.processes)
-            }
-        },
+        Command::Launch(args) => launch_command(args),
         Command::LaunchPs(args) => launch_ps(args),
-        Command::Data(DataCommand::CriteoSynthetic {
-            samples,
-            out,
-            test,
-            seed,
-            vocab,
-        }) => {
-            let split = if test { Split::Test } else { Split::Train };
-            write_synthetic(&out, &CriteoSynth::new(seed, vocab), split, 0..samples)?;
-            print_out(&format!("wrote {samples} samples to {}\n", out.display()));
-            Ok(())
-        }
-        Command::Data(DataCommand::ClickLog {
-            job,
-            samples,
-            out,
-            test,
-        }) => {
-            let config = job.load(&process_env, &BUILT_IN)?;
-            let train = &config.train;
-            let schema = train.click_log_schema().with_context(|| {
-                format!(
-                    "the job reads no click logs (train.dataset = {:?}): give it [train.click_log] and dataset = \"click_log\"",
-                    train.dataset
-                )
-            })?;
-            let split = if test { Split::Test } else { Split::Train };
-            let synth = CriteoSynth::new(train.seed, train.synthetic_vocab);
-            write_click_log(&out, &schema, &synth, split, 0..samples)?;
-            print_out(&format!("wrote {samples} samples to {}\n", out.display()));
-            Ok(())
-        }
-        Command::Bench(BenchCommand::Allreduce { nproc, nodes, args }) => allreduce::run(nproc, &nodes, &args),
-        Command::Bench(BenchCommand::AllreduceRank(args)) => allreduce::run_rank(&args),
-        Command::Bench(BenchCommand::Checkpoint(args)) => checkpoint_bench::run(&args),
-        Command::Bench(BenchCommand::Ps(args)) => ps_bench::run(&args),
-        Command::Bench(BenchCommand::Pipeline(args)) => pipeline_bench::run(&args),
-        Command::Bench(BenchCommand::PsShard(args)) => {
-            one_allocator_arena();
-            ps_bench::run_shard(&args)
-        }
+        Command::Data(data) => data_command(data),
+        Command::Bench(bench) => bench_command(bench),
         Command::Report { run_dir, out } => {
             let out = out.unwrap_or_else(|| run_dir.join("report.png"));
             flotilla::telemetry::report::render(&run_dir, &out)?;
@@ -395,36 +340,13 @@ fn run(cli: Cli) -> Result<()> {
             print_out(&(serde_json::to_string(&manifest.tables)? + "\n"));
             Ok(())
         }
-        Command::Predict { model, .. } if !model.exists() => {
-            bail!("--model {}: no such file or directory", model.display())
-        }
-        Command::Predict { model, data, out } if model.is_file() => {
-            let data: Vec<String> = data.iter().map(|p| p.to_string_lossy().into_owned()).collect();
-            let predictions = flotilla::job::serving::predict(&model, &data, &out)
-                .with_context(|| format!("predicting with {}", model.display()))?;
-            print_out(&(serde_json::to_string(&predictions)? + "\n"));
-            Ok(())
-        }
-        Command::Predict { model, data, out } => {
-            let prediction = ps_serving::predict(&model, &data, &out, None)
-                .with_context(|| format!("scoring with the model in {}", model.display()))?;
-            print_out(&(serde_json::to_string(&prediction)? + "\n"));
-            Ok(())
-        }
+        Command::Predict { model, data, out } => predict_command(&model, &data, &out),
         Command::Generate(args) => flotilla::job::generation::generate(&args, &mut std::io::stdout().lock()),
         Command::Config {
             job,
             defaults,
             reference,
-        } => {
-            let text = match (defaults, reference) {
-                (_, true) => flotilla::config::reference::markdown(),
-                (true, false) => flotilla::config::reference::commented_defaults(),
-                (false, false) => load_config(&job)?.to_toml_string()?,
-            };
-            print_out(&text);
-            Ok(())
-        }
+        } => config_command(&job, defaults, reference),
         Command::Completions { shell } => {
             let mut script = Vec::new();
             clap_complete::generate(shell, &mut Cli::command(), "flotilla", &mut script);
@@ -435,16 +357,7 @@ fn run(cli: Cli) -> Result<()> {
             job,
             params,
             checkpoint,
-        } => {
-            let weights = match (params, checkpoint) {
-                (Some(file), _) => Weights::ModelFile(file),
-                (None, Some(dir)) => Weights::Checkpoint(dir),
-                (None, None) => anyhow::bail!("give --params FILE or --checkpoint DIR"),
-            };
-            let evaluation = flotilla::job::serving::evaluate(load_config(&job)?, &weights)?;
-            print_out(&(serde_json::to_string(&evaluation)? + "\n"));
-            Ok(())
-        }
+        } => eval_command(&job, params, checkpoint),
         Command::Checkpoint(CheckpointCommand::Inspect { dir, json }) => {
             let inspection = flotilla::checkpoint::inspect::inspect(&dir)?;
             let text = match json {
@@ -468,6 +381,120 @@ fn run(cli: Cli) -> Result<()> {
         }
         Command::Doctor(args) => flotilla::doctor::run(&args.checks, load_config(&args.job)),
     }
+}
+
+/// `flotilla launch`: this node's ranks (or a parameter-server job's roles), supervised.
+fn launch_command(args: LaunchArgs) -> Result<()> {
+    if let Some(ps) = args.parameter_servers()? {
+        return launch_ps(ps);
+    }
+    let train = launched_train(&args.command)?;
+    let args = args
+        .placed_by_engine(&process_env)?
+        .with_nproc_of(|| train.as_ref().map(|t| t.load_config(&process_env, &BUILT_IN)))
+        .with_ports_chosen()?;
+    let exe = std::env::current_exe().context("locating the flotilla binary")?;
+    let mut children = args.plan(exe)?;
+    let config = launched_config(train.as_ref(), &children)?;
+    if config.as_ref().is_some_and(JobConfig::recovers_in_place) {
+        args.recover_in_place(&mut children)?;
+    }
+    launch(children, train, config, &args.processes)
+}
+
+/// `flotilla data …`: generated click logs written to a file.
+fn data_command(command: DataCommand) -> Result<()> {
+    match command {
+        DataCommand::CriteoSynthetic {
+            samples,
+            out,
+            test,
+            seed,
+            vocab,
+        } => {
+            let split = if test { Split::Test } else { Split::Train };
+            write_synthetic(&out, &CriteoSynth::new(seed, vocab), split, 0..samples)?;
+            print_out(&format!("wrote {samples} samples to {}\n", out.display()));
+            Ok(())
+        }
+        DataCommand::ClickLog {
+            job,
+            samples,
+            out,
+            test,
+        } => {
+            let config = job.load(&process_env, &BUILT_IN)?;
+            let train = &config.train;
+            let schema = train.click_log_schema().with_context(|| {
+                format!(
+                    "the job reads no click logs (train.dataset = {:?}): give it [train.click_log] and dataset = \"click_log\"",
+                    train.dataset
+                )
+            })?;
+            let split = if test { Split::Test } else { Split::Train };
+            let synth = CriteoSynth::new(train.seed, train.synthetic_vocab);
+            write_click_log(&out, &schema, &synth, split, 0..samples)?;
+            print_out(&format!("wrote {samples} samples to {}\n", out.display()));
+            Ok(())
+        }
+    }
+}
+
+/// `flotilla bench …`: the benchmarks that print figures.
+fn bench_command(command: BenchCommand) -> Result<()> {
+    match command {
+        BenchCommand::Allreduce { nproc, nodes, args } => allreduce::run(nproc, &nodes, &args),
+        BenchCommand::AllreduceRank(args) => allreduce::run_rank(&args),
+        BenchCommand::Checkpoint(args) => checkpoint_bench::run(&args),
+        BenchCommand::Ps(args) => ps_bench::run(&args),
+        BenchCommand::Pipeline(args) => pipeline_bench::run(&args),
+        BenchCommand::PsShard(args) => {
+            one_allocator_arena();
+            ps_bench::run_shard(&args)
+        }
+    }
+}
+
+/// `flotilla predict`: a model file's predictions of tables, or a CTR export's click
+/// probabilities of click logs.
+fn predict_command(model: &Path, data: &[PathBuf], out: &Path) -> Result<()> {
+    if !model.exists() {
+        bail!("--model {}: no such file or directory", model.display())
+    }
+    if model.is_file() {
+        let data: Vec<String> = data.iter().map(|p| p.to_string_lossy().into_owned()).collect();
+        let predictions = flotilla::job::serving::predict(model, &data, out)
+            .with_context(|| format!("predicting with {}", model.display()))?;
+        print_out(&(serde_json::to_string(&predictions)? + "\n"));
+        return Ok(());
+    }
+    let prediction = ps_serving::predict(model, data, out, None)
+        .with_context(|| format!("scoring with the model in {}", model.display()))?;
+    print_out(&(serde_json::to_string(&prediction)? + "\n"));
+    Ok(())
+}
+
+/// `flotilla config`: the job's resolved config, the commented defaults, or the reference.
+fn config_command(job: &ConfigArgs, defaults: bool, reference: bool) -> Result<()> {
+    let text = match (defaults, reference) {
+        (_, true) => flotilla::config::reference::markdown(),
+        (true, false) => flotilla::config::reference::commented_defaults(),
+        (false, false) => load_config(job)?.to_toml_string()?,
+    };
+    print_out(&text);
+    Ok(())
+}
+
+/// `flotilla eval`: the held-out score of a model file's or a checkpoint's parameters.
+fn eval_command(job: &ConfigArgs, params: Option<PathBuf>, checkpoint: Option<PathBuf>) -> Result<()> {
+    let weights = match (params, checkpoint) {
+        (Some(file), _) => Weights::ModelFile(file),
+        (None, Some(dir)) => Weights::Checkpoint(dir),
+        (None, None) => anyhow::bail!("give --params FILE or --checkpoint DIR"),
+    };
+    let evaluation = flotilla::job::serving::evaluate(load_config(job)?, &weights)?;
+    print_out(&(serde_json::to_string(&evaluation)? + "\n"));
+    Ok(())
 }
 
 fn load_config(args: &ConfigArgs) -> Result<JobConfig> {
