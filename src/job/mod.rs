@@ -9,6 +9,7 @@ mod coordinator;
 mod distributed_model;
 pub mod generation;
 mod heartbeat;
+mod launched_rank;
 mod outputs;
 mod pipeline;
 mod process;

@@ -12,15 +12,11 @@ use anyhow::{anyhow, Context as _, Result};
 use bytes::Bytes;
 use futures::future::BoxFuture;
 
-use super::control::connect_control;
-use super::heartbeat::{watched, CoordinatorAt};
-use super::process::{
-    bind, bind_data_endpoint, host_of, refused_if_mismatched, RankEndpoints, RankRecovery, RoleMirror,
-};
+use super::launched_rank::{LaunchedRank, RankStart};
+use super::process::{bind_data_endpoint, host_of, refused_if_mismatched, RoleMirror};
 use super::simulated::run_struck;
 use super::{stage_rings, FaultPlan, FaultReport, Recovery, RunOptions, RunOutcome, Summary, TrainingJob};
 use crate::actors::device::StageLinks;
-use crate::actors::rollback::OrderLine;
 use crate::actors::stage::{Rejoin, StageActor, StageGeneration, StageInPlace, StageOutcome, TrainStage};
 use crate::actors::Coordinator;
 use crate::collective::ParamChecksum;
@@ -199,41 +195,35 @@ fn rejoin_in_memory(config: Arc<JobConfig>, rank: usize, rings: Arc<MemoryRings>
 /// One rank of a launched job: rank 0 also hosts the coordinator (unless it runs as a process
 /// of its own: then a lost rank is replaced in place), and writes the outputs.
 pub(super) fn run_rank(job: &TrainingJob, rank: usize, options: &RunOptions) -> Result<Option<RunOutcome>> {
-    let config = job.config.clone();
     let trace = options.trace_target();
-    let p = config.strategy.hybrid_configs.pp_degree;
-    let max_frame = config.cluster.max_frame_bytes();
-    let RankEndpoints {
-        master,
+    let p = job.config.strategy.hybrid_configs.pp_degree;
+    let (launched, start) = LaunchedRank::prepare(job.config.clone(), rank, options)?;
+    let RankStart {
         listener,
         data_endpoint,
-        credentials,
-    } = bind(&config, rank)?;
-    let RankRecovery { recovery, orders } = RankRecovery::plan(&config, options)?;
-    let own_coordinator = orders.is_some();
+        recovery,
+        orders,
+        breaker,
+    } = start;
     // A rank that rolls back in place keeps buddy copies of stages only its node holds.
-    let mirror = match own_coordinator {
-        true => RoleMirror::bind(&config, host_of(&data_endpoint), &recovery)?,
+    let mirror = match launched.recovers_in_place() {
+        true => RoleMirror::bind(&launched.config, host_of(&data_endpoint), &recovery)?,
         false => None,
     };
-    let (order_line, orders) = orders.unzip();
-    let breaker = order_line.as_ref().map(OrderLine::breaker).unwrap_or_default();
     System::new()
         .block_on(async move {
-            let ft = &config.fault_tolerance;
-            let coordinator = (rank == 0 && !own_coordinator).then(|| Coordinator::for_job(&config, &recovery));
-            let mut bus = connect_control(coordinator, rank, &master, ft, max_frame, &credentials).await?;
+            let mut bus = launched.connect(&recovery).await?;
             let (mirror_endpoint, buddy) = mirror.map(RoleMirror::serve_at).transpose()?.unzip();
             let rings = StageRings {
-                config: config.clone(),
+                config: launched.config.clone(),
                 rank,
-                credentials: credentials.clone(),
+                credentials: launched.credentials.clone(),
                 breaker,
                 mirror: mirror_endpoint,
             };
             let generation = rings.join(&mut bus, listener, data_endpoint).await?;
             // The stage's own line for checkpoints and rollbacks; `bus` gathers the outcomes after.
-            let stage_bus = ControlBus::connect(&master, ft.timeout(), max_frame, &credentials).await?;
+            let stage_bus = launched.another_line().await?;
             let in_place = orders.map(|orders| StageInPlace {
                 orders,
                 rejoin: rings.rejoin(),
@@ -264,14 +254,7 @@ pub(super) fn run_rank(job: &TrainingJob, rank: usize, options: &RunOptions) -> 
                 outcome.write(&options.run_dir, job)?;
                 Ok(Some(outcome))
             };
-            watched(
-                training,
-                rank,
-                CoordinatorAt::tcp(&master, &credentials),
-                &config,
-                order_line.as_ref(),
-            )
-            .await
+            launched.watched(training).await
         })
         .map_err(refused_if_mismatched)
 }

@@ -10,14 +10,12 @@ use std::net::TcpListener;
 use actix::prelude::*;
 use anyhow::{anyhow, Context, Result};
 
-use super::control::connect_control;
-use super::heartbeat::{watched, CoordinatorAt};
+use super::launched_rank::{LaunchedRank, RankStart};
 use super::{Recovery, Refusal, RunOptions, RunOutcome, TrainingJob};
 use crate::actors::buddy::Buddy;
 use crate::actors::device::RingLink;
 use crate::actors::rollback::{order_line, OrderLine, Orders};
 use crate::actors::trainer::InPlace;
-use crate::actors::Coordinator;
 use crate::checkpoint::CheckpointStore;
 use crate::config::JobConfig;
 use crate::engines::comm::hierarchy::NodeLayout;
@@ -190,42 +188,27 @@ impl RankRecovery {
 }
 
 pub(super) fn run(job: &TrainingJob, rank: usize, options: &RunOptions) -> Result<Option<RunOutcome>> {
-    let config = job.config.clone();
-    let RankRecovery { recovery, orders } = RankRecovery::plan(&config, options)?;
-    let own_coordinator = orders.is_some();
-    let max_frame = config.cluster.max_frame_bytes();
-    let RankEndpoints {
-        master,
+    let (launched, start) = LaunchedRank::prepare(job.config.clone(), rank, options)?;
+    let RankStart {
         listener,
         data_endpoint,
-        credentials,
-    } = bind(&config, rank)?;
-    let (order_line, orders) = orders.unzip();
-    let breaker = order_line.as_ref().map(|line| line.breaker()).unwrap_or_default();
+        recovery,
+        orders,
+        breaker,
+    } = start;
+    let config = launched.config.clone();
+    let credentials = launched.credentials.clone();
     let link = ring_link(&config, rank, listener, &credentials, &breaker);
-    let in_place = orders.map(|orders| {
-        let (config, credentials) = (config.clone(), credentials.clone());
-        InPlace {
-            orders,
-            relink: Box::new(move || {
-                let (listener, endpoint) = bind_data_endpoint(&config, rank)?;
-                Ok((ring_link(&config, rank, listener, &credentials, &breaker), endpoint))
-            }),
-        }
+    let in_place = orders.map(|orders| InPlace {
+        orders,
+        relink: Box::new(move || {
+            let (listener, endpoint) = bind_data_endpoint(&config, rank)?;
+            Ok((ring_link(&config, rank, listener, &credentials, &breaker), endpoint))
+        }),
     });
-    let coordinator = (rank == 0 && !own_coordinator).then(|| Coordinator::for_job(&config, &recovery));
-
-    let outcome = System::new()
+    System::new()
         .block_on(async move {
-            let bus = connect_control(
-                coordinator,
-                rank,
-                &master,
-                &config.fault_tolerance,
-                max_frame,
-                &credentials,
-            )
-            .await?;
+            let bus = launched.connect(&recovery).await?;
             let training = async {
                 let mut trainer = job.trainer(rank, bus, link, data_endpoint, options, recovery);
                 trainer.in_place = in_place;
@@ -239,17 +222,9 @@ pub(super) fn run(job: &TrainingJob, rank: usize, options: &RunOptions) -> Resul
                 }
                 Ok(outcome)
             };
-            watched(
-                training,
-                rank,
-                CoordinatorAt::tcp(&master, &credentials),
-                &config,
-                order_line.as_ref(),
-            )
-            .await
+            launched.watched(training).await
         })
-        .map_err(refused_if_mismatched)?;
-    Ok(outcome)
+        .map_err(refused_if_mismatched)
 }
 
 /// Rank `rank`'s ring link over `listener` (none when it trains alone).
