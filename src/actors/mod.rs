@@ -10,6 +10,7 @@ pub mod device;
 mod divergence;
 pub mod faults;
 pub(crate) mod kept;
+mod ps_requests;
 pub mod ps_trainer;
 pub mod pserver;
 pub mod rank_parts;
