@@ -282,11 +282,13 @@ pub struct TrainConfig {
     pub synthetic_classes: usize,
     /// Largest vocabulary of one sparse slot of generated click logs.
     pub synthetic_vocab: usize,
-    /// Files to train on, read in order: Criteo TSV files (dataset `criteo`, streamed), CSV
-    /// tables (dataset `csv`) or Parquet files (dataset `parquet`).
+    /// Files to train on, read in order: Criteo TSV files (dataset `criteo`) or click logs in
+    /// `[train.click_log]`'s columns (dataset `click_log`), both streamed; CSV tables (dataset
+    /// `csv`), Parquet files (dataset `parquet`) or named arrays (dataset `arrays`).
     pub train_files: Vec<String>,
-    /// Files held out for evaluation: Criteo TSV files (dataset `criteo`), or tables (datasets
-    /// `csv` and `parquet`, where none holds out `test_fraction` of the training rows).
+    /// Files held out for evaluation: click logs (datasets `criteo` and `click_log`), or tables
+    /// (datasets `csv`, `parquet` and `arrays`, where none holds out `test_fraction` of the
+    /// training rows).
     pub test_files: Vec<String>,
     /// Datasets `csv` and `parquet`: the column the model predicts.
     pub label_column: String,
