@@ -272,12 +272,16 @@ fn bad_logs_and_schemas_are_named() {
             ],
         )
     };
-    let dir = tempfile::tempdir().unwrap();
-    let error = ParameterServerJob::builtin(job(&train))
-        .and_then(|j| j.run_simulated(&RunOptions::new(dir.path())))
-        .map(|_| ())
-        .unwrap_err();
-    let error = format!("{error:#}");
+    // How the job over `train` fails, with every context.
+    let failure = |train: &str| {
+        let dir = tempfile::tempdir().unwrap();
+        let error = ParameterServerJob::builtin(job(train))
+            .and_then(|j| j.run_simulated(&RunOptions::new(dir.path())))
+            .map(|_| ())
+            .unwrap_err();
+        format!("{error:#}")
+    };
+    let error = failure(&train);
     assert!(
         error.contains(&format!(
             "{train}:59: column 0 \"click\" (label): \"yes\" is not a click label"
@@ -286,12 +290,7 @@ fn bad_logs_and_schemas_are_named() {
     );
 
     let renamed = write("renamed.csv", &rows.replacen("user", "member", 1));
-    let dir = tempfile::tempdir().unwrap();
-    let error = ParameterServerJob::builtin(job(&renamed))
-        .and_then(|j| j.run_simulated(&RunOptions::new(dir.path())))
-        .map(|_| ())
-        .unwrap_err();
-    let error = format!("{error:#}");
+    let error = failure(&renamed);
     assert!(
         error.contains(&format!(
             "{renamed}: the slot 0 column \"user\" is not among the file's columns"

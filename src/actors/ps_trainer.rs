@@ -653,7 +653,7 @@ impl PsRun {
         data: DataPosition,
         in_place: Option<&mut InPlaceLine<'_>>,
     ) -> Result<()> {
-        let store = self.recovery.store.clone().context("a checkpoint without a store")?;
+        let store = self.recovery.checkpoint_store()?;
         let place = self.place;
         let own = TrainerState {
             data,

@@ -116,6 +116,11 @@ fn earlier_run(root: &Path, step: usize) -> anyhow::Error {
 }
 
 impl Recovery {
+    /// Where a checkpoint due now is written: only a run that takes checkpoints has one due.
+    pub(crate) fn checkpoint_store(&self) -> Result<CheckpointStore> {
+        self.store.clone().context("a checkpoint without a store")
+    }
+
     /// The recovery of `config` started as `resume` says; checkpoints go to
     /// `fault_tolerance.checkpoint_dir`, by default inside `run_dir`.
     pub(crate) fn plan(config: &JobConfig, run_dir: &Path, resume: &Resume) -> Result<Self> {

@@ -405,12 +405,7 @@ impl StageRun {
     /// the first replica of each stage on a node writes the stage there, and the node's first
     /// rank commits the node's files once the coordinator has.
     async fn write_checkpoint(&mut self, step: usize, run: RunRecord) -> Result<()> {
-        let store = self
-            .parts
-            .recovery
-            .store
-            .clone()
-            .context("a checkpoint without a store")?;
+        let store = self.parts.recovery.checkpoint_store()?;
         let in_place = self.in_place.is_some();
         let writes = match (in_place, &self.roster) {
             (true, Some(roster)) => roster.first_on_its_host(self.parts.rank, self.replicas_of_stage()),

@@ -288,12 +288,7 @@ impl TrainingRun {
     /// commits it there once the coordinator has: a node needs no shared filesystem, and a
     /// node lost with its disk loses no committed checkpoint.
     async fn write_checkpoint(&mut self, step: usize, run: RunRecord) -> Result<()> {
-        let store = self
-            .parts
-            .recovery
-            .store
-            .clone()
-            .context("a checkpoint without a store")?;
+        let store = self.parts.recovery.checkpoint_store()?;
         let roster = self.roster.clone().context("a checkpoint before the rendezvous")?;
         let (place, _) = place_in(&roster, self.parts.rank)?;
         let in_place = self.in_place.is_some();
