@@ -60,6 +60,38 @@ impl std::fmt::Display for ColumnRef {
     }
 }
 
+/// What a click log's column is to the model.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ColumnRole {
+    /// The click.
+    Label,
+    /// Dense input `i`.
+    Dense(usize),
+    /// Sparse slot `i`.
+    Slot(usize),
+}
+
+impl ColumnRole {
+    /// The key that names the column in `[train.click_log]`.
+    pub fn key(self) -> String {
+        match self {
+            Self::Label => "train.click_log.label".to_string(),
+            Self::Dense(i) => format!("train.click_log.dense[{i}]"),
+            Self::Slot(i) => format!("train.click_log.slots[{i}].column"),
+        }
+    }
+}
+
+impl std::fmt::Display for ColumnRole {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Label => write!(f, "label"),
+            Self::Dense(i) => write!(f, "dense {i}"),
+            Self::Slot(i) => write!(f, "slot {i}"),
+        }
+    }
+}
+
 /// How a dense column's values become model inputs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(rename_all = "lowercase")]
@@ -228,15 +260,11 @@ impl ClickLogSchema {
         self.slots.iter().any(|s| s.separator.is_some())
     }
 
-    /// Every column the schema reads, with the key that names it: the label, the dense
-    /// columns, the slots.
-    pub fn columns(&self) -> Vec<(String, &ColumnRef)> {
-        let mut columns = vec![("train.click_log.label".to_string(), &self.label)];
-        columns.extend((self.dense.iter().enumerate()).map(|(i, c)| (format!("train.click_log.dense[{i}]"), c)));
-        columns.extend(
-            (self.slots.iter().enumerate()).map(|(i, s)| (format!("train.click_log.slots[{i}].column"), &s.column)),
-        );
-        columns
+    /// Every column the schema reads, with its role: the label, the dense columns, the slots.
+    pub fn columns(&self) -> impl Iterator<Item = (ColumnRole, &ColumnRef)> {
+        std::iter::once((ColumnRole::Label, &self.label))
+            .chain((self.dense.iter().enumerate()).map(|(i, c)| (ColumnRole::Dense(i), c)))
+            .chain((self.slots.iter().enumerate()).map(|(i, s)| (ColumnRole::Slot(i), &s.column)))
     }
 
     pub(crate) fn check(&self) -> Result<(), FieldError> {
@@ -249,18 +277,19 @@ impl ClickLogSchema {
         for (i, slot) in self.slots.iter().enumerate() {
             slot.check(&format!("train.click_log.slots[{i}]"))?;
         }
-        let columns = self.columns();
-        for (i, (key, column)) in columns.iter().enumerate() {
+        let columns: Vec<(ColumnRole, &ColumnRef)> = self.columns().collect();
+        for (i, (role, column)) in columns.iter().enumerate() {
+            let key = role.key();
             if let Some((first, _)) = columns[..i].iter().find(|(_, c)| c == column) {
                 return Err(FieldError::new(
-                    key.clone(),
-                    format!("{column} is read already by {first}: each column has one role"),
+                    key,
+                    format!("{column} is read already by {}: each column has one role", first.key()),
                 ));
             }
             let text = matches!(self.format, Some(ClickLogFormat::Tsv | ClickLogFormat::Csv));
             if text && !self.header && matches!(column, ColumnRef::Name(_)) {
                 return Err(FieldError::new(
-                    key.clone(),
+                    key,
                     format!("{column} is a name, but train.click_log.header = false: files without a header are read by position"),
                 ));
             }

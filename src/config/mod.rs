@@ -47,8 +47,8 @@ use document::{display_path, load, parse_document, read_config_file};
 use provenance::Provenance;
 
 pub use click_log::{
-    ClickLogFormat, ClickLogSchema, ColumnRef, DenseTransform, SlotIds, SlotSpec, CRITEO_DENSE, CRITEO_SLOTS,
-    SLOT_CODES,
+    ClickLogFormat, ClickLogSchema, ColumnRef, ColumnRole, DenseTransform, SlotIds, SlotSpec, CRITEO_DENSE,
+    CRITEO_SLOTS, SLOT_CODES,
 };
 pub(crate) use cluster::GPU_NOT_BUILT;
 pub use cluster::{host_port, ClusterConfig, DeviceKind};

@@ -20,21 +20,14 @@ use parquet::file::writer::SerializedFileWriter;
 use parquet::schema::parser::parse_message_type;
 
 use super::{CriteoSynth, CtrRecord, Split, DENSE_FEATURES, SPARSE_SLOTS};
-use crate::config::{ClickLogFormat, ClickLogSchema, ColumnRef, SlotIds, SlotSpec};
+use crate::config::{ClickLogFormat, ClickLogSchema, ColumnRef, ColumnRole, SlotIds, SlotSpec};
 use crate::data::parts::text::is_gzip;
 
 /// Records per Parquet row group, and per batch of text lines built before writing.
 const CHUNK: u64 = 1 << 16;
 
-/// What a file's column holds.
-#[derive(Debug, Clone, Copy, PartialEq)]
-enum Content {
-    Label,
-    Dense(usize),
-    Slot(usize),
-    /// A column the schema does not read (a gap between positions).
-    Unused,
-}
+/// What a file's column holds: a role, or nothing the schema reads (a gap between positions).
+type Content = Option<ColumnRole>;
 
 /// Writes records `records` of `split` of `synth` to `path` in `schema`'s columns and format
 /// (the schema's, else the name's; text gzip-compressed when the name ends in `.gz`).
@@ -62,12 +55,10 @@ pub fn write_click_log(
 /// The file's columns: their names and what each holds. Positions sit where they say; named
 /// columns fill the free places in order; a gap is an unused column.
 fn layout(schema: &ClickLogSchema) -> (Vec<String>, Vec<Content>) {
-    let read = std::iter::once((Content::Label, &schema.label))
-        .chain((schema.dense.iter().enumerate()).map(|(i, c)| (Content::Dense(i), c)))
-        .chain((schema.slots.iter().enumerate()).map(|(i, s)| (Content::Slot(i), &s.column)));
     let mut contents: Vec<Option<(Content, String)>> = Vec::new();
     let mut named = Vec::new();
-    for (content, column) in read {
+    for (role, column) in schema.columns() {
+        let content = Some(role);
         match column {
             ColumnRef::Position(p) => {
                 if contents.len() <= *p {
@@ -86,7 +77,7 @@ fn layout(schema: &ClickLogSchema) -> (Vec<String>, Vec<Content>) {
     contents
         .into_iter()
         .enumerate()
-        .map(|(p, c)| c.unwrap_or((Content::Unused, format!("unused_{p}"))))
+        .map(|(p, c)| c.unwrap_or((None, format!("unused_{p}"))))
         .map(|(content, name)| (name, content))
         .unzip()
 }
@@ -99,9 +90,9 @@ fn cell(
     later: &dyn Fn(u64) -> CtrRecord,
 ) -> Option<String> {
     match content {
-        Content::Label => Some(u8::from(record.label).to_string()),
-        Content::Dense(j) => record.dense[j % DENSE_FEATURES].map(|v| v.to_string()),
-        Content::Slot(s) => {
+        Some(ColumnRole::Label) => Some(u8::from(record.label).to_string()),
+        Some(ColumnRole::Dense(j)) => record.dense[j % DENSE_FEATURES].map(|v| v.to_string()),
+        Some(ColumnRole::Slot(s)) => {
             let spec = &schema.slots[s];
             let first = record.sparse[s % SPARSE_SLOTS]?;
             let mut values = vec![slot_text(spec, first)];
@@ -116,7 +107,7 @@ fn cell(
             }
             values.pop()
         }
-        Content::Unused => None,
+        None => None,
     }
 }
 
@@ -212,7 +203,14 @@ mod tests {
         };
         let (names, contents) = layout(&schema);
         assert_eq!(names, ["price", "user", "column_2"]);
-        assert_eq!(contents, [Content::Dense(0), Content::Slot(0), Content::Label]);
+        assert_eq!(
+            contents,
+            [
+                Some(ColumnRole::Dense(0)),
+                Some(ColumnRole::Slot(0)),
+                Some(ColumnRole::Label)
+            ]
+        );
     }
 
     #[test]

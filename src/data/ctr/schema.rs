@@ -6,26 +6,8 @@
 use std::borrow::Cow;
 
 use super::{feature_id, CtrExample, CtrShape};
-use crate::config::{ClickLogSchema, ColumnRef, DenseTransform, SlotIds, SlotSpec};
+use crate::config::{ClickLogSchema, ColumnRef, ColumnRole as Role, DenseTransform, SlotIds, SlotSpec};
 use crate::rng::mix64;
-
-/// What a column is to the model.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Role {
-    Label,
-    Dense(usize),
-    Slot(usize),
-}
-
-impl std::fmt::Display for Role {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            Role::Label => write!(f, "label"),
-            Role::Dense(i) => write!(f, "dense {i}"),
-            Role::Slot(i) => write!(f, "slot {i}"),
-        }
-    }
-}
 
 /// The roles of one file's columns: by position, and the fewest columns a record must have.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -76,19 +58,12 @@ impl ClickLogParser {
         CtrShape::of(&self.schema)
     }
 
-    /// Each read column's role and reference, label first, then dense, then slots.
-    fn references(&self) -> impl Iterator<Item = (Role, &ColumnRef)> {
-        std::iter::once((Role::Label, &self.schema.label))
-            .chain((self.schema.dense.iter().enumerate()).map(|(i, c)| (Role::Dense(i), c)))
-            .chain((self.schema.slots.iter().enumerate()).map(|(i, s)| (Role::Slot(i), &s.column)))
-    }
-
     /// The roles of a file whose columns are named `header` (`None`: a file read by position).
     /// A name missing from the header, or any name without one, is an error naming it.
     pub(crate) fn roles(&self, header: Option<&[String]>) -> Result<ColumnRoles, String> {
         let mut by_position: Vec<Option<Role>> = vec![None; header.map_or(0, <[String]>::len)];
         let mut slot_position = Vec::with_capacity(self.schema.slots.len());
-        for (role, column) in self.references() {
+        for (role, column) in self.schema.columns() {
             let position = match (column, header) {
                 (ColumnRef::Position(p), _) => *p,
                 (ColumnRef::Name(name), Some(names)) => names
