@@ -4,7 +4,7 @@
 use std::time::Duration;
 
 use candle_core::Device;
-use flotilla::collective::Replica;
+use flotilla::collective::{RankReplica, Replica};
 use flotilla::config::JobConfig;
 use flotilla::engines::comm::{memory, CommWorker, Communicator};
 use flotilla::models::{mlp, ParamInit};
@@ -56,7 +56,7 @@ fn a_diverged_replica_is_named() {
     let errors = with_replicas(|r| {
         r.broadcast_parameters().expect("broadcast");
         if r.rank() == 1 {
-            let p = &r.parameters()[0].var;
+            let p = r.held().params[0].var.clone();
             p.set(&(p.as_tensor() + 1e-3).expect("perturb")).expect("set");
         }
         r.check_replicas_agree()

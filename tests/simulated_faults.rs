@@ -1,7 +1,7 @@
 //! Faults injected into the simulated cluster — a rank or a pipeline stage killed or stalled
 //! before a step, a link that delays its messages or loses one — recovered from in place through the path a launched
-//! job takes (heartbeats, the coordinator's rollback orders, survivors restoring in their
-//! process, one replacement). The job must end bitwise equal to the run without faults: every
+//! job takes (heartbeats, the coordinator's rollback orders as messages to the rank actors,
+//! survivors restoring in their process, one replacement). The job must end bitwise equal to the run without faults: every
 //! rank rolls back to one committed state and replays the same batches in the same order.
 
 mod common;
@@ -60,6 +60,10 @@ fn role(rank: usize, step: usize, fault: RoleFault) -> FaultPlan {
     }
 }
 
+/// The coordinator's rollback order is a message to each surviving rank's actor: in the
+/// simulated cluster a rank's heartbeats carry no order (one would stop the rank and cost a
+/// replacement), so one replacement, of the killed rank, shows the survivors rolled back on
+/// the message alone.
 #[test]
 fn a_killed_rank_is_replaced_alone_and_the_job_ends_as_without_faults() {
     let job = job(&[]);

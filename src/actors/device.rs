@@ -1,8 +1,9 @@
-//! The device actor: a `SyncArbiter` thread that owns the compute device,
-//! the model replica and the communicator (collective strategy), or the
-//! CTR worker (parameter-server strategy). Every tensor operation and every
-//! collective of a rank runs here (or on the communicator thread it owns),
-//! never on the async arbiters.
+//! The device actor: a `SyncArbiter` thread that owns the compute device and the rank's
+//! replica — the whole model of a data-parallel rank, a pipeline rank's stage — with the
+//! communicators it trains over. Every tensor operation and every collective of the rank runs
+//! here (or on the communicator thread it owns), never on the async arbiters. One replica
+//! trait serves every strategy; only preparing and relinking know which it is. (A
+//! parameter-server trainer's device thread is [`super::ctr_device::CtrDevice`].)
 
 use std::net::TcpListener;
 use std::sync::Arc;
@@ -13,22 +14,19 @@ use anyhow::{anyhow, Context as _, Result};
 
 use crate::checkpoint::{CheckpointStore, FileRecord};
 use crate::collective::training_state::RunRecord;
-use crate::collective::{ParamChecksum, Replica, StepReport};
+use crate::collective::{ParamChecksum, RankReplica, Replica, StepReport};
 use crate::config::JobConfig;
-use crate::data::ctr::CtrBatch;
 use crate::data::{Batch, DataPosition, Pieces};
 use crate::engines::comm::hierarchy::{self, NodeLayout};
 use crate::engines::comm::memory::MemoryRings;
 use crate::engines::comm::{parse_endpoints, CommWorker, Communicator, RingBreaker, RingLinks, RingTransport, Shared};
 use crate::engines::compute::device_for;
 use crate::models::export::ModelInfo;
-use crate::models::{Model, ParamInit, Score, SparseModelDef};
+use crate::models::{Model, ParamInit, Score};
 use crate::net::auth::Credentials;
 use crate::net::protocol::Roster;
 use crate::pipeline::link::{StageLink, TransportStageLink};
-use crate::pipeline::replica::{PipelineReplica, PipelineReport};
-use crate::ps::wire::PulledRows;
-use crate::ps::worker::{CtrWorker, PullPlan, ShardUpdate, StepOutcome};
+use crate::pipeline::replica::PipelineReplica;
 use crate::telemetry::timeline::Span;
 
 /// Builds a rank's model; called on the device thread with the job's seeded
@@ -147,8 +145,8 @@ impl RingLink {
 /// The name of a simulated data-parallel job's ring of every rank in [`MemoryRings`].
 pub const RANKS_RING: &str = "ranks";
 
-/// Builds the replica: the model, the ring, and rank 0's parameters
-/// broadcast to all.
+/// Builds the rank's replica: the model (from the job's seed, the same on every rank), the
+/// part of it this rank holds, and its links.
 #[derive(Message)]
 #[rtype(result = "Result<()>")]
 pub struct Prepare {
@@ -158,135 +156,61 @@ pub struct Prepare {
     pub model: ModelFactory,
     /// What the model's checkpoint files say besides its parameters.
     pub export: ModelInfo,
-    /// The ring this rank joins.
-    pub link: RingLink,
-    /// The generation the rank joined: who trains, where.
-    pub roster: Roster,
-    /// Whether rank 0's initial parameters are broadcast (not when a checkpoint's state is
-    /// restored next by every rank).
-    pub broadcast: bool,
+    /// What this rank holds, and how it reaches the ranks it trains with.
+    pub part: ReplicaPart,
     /// Batches of the whole run (the learning-rate schedule's length).
     pub steps: usize,
     /// Record a timeline measured from this instant.
     pub trace_from: Option<Instant>,
 }
 
-/// Goes on over a new ring after a rollback: the model stays, the communicator is rebuilt.
-#[derive(Message)]
-#[rtype(result = "Result<()>")]
-pub struct Relink {
-    /// The job.
-    pub job: Arc<JobConfig>,
-    /// The ring this rank joins.
-    pub link: RingLink,
-    /// The generation the rank joined: who trains, where.
-    pub roster: Roster,
+/// What a rank's replica is, by strategy.
+pub enum ReplicaPart {
+    /// A data-parallel rank: the whole model, its ring among every rank.
+    Whole {
+        /// The ring this rank joins.
+        link: RingLink,
+        /// The generation the rank joined: who trains, where.
+        roster: Roster,
+        /// Whether rank 0's initial parameters are broadcast (not when a checkpoint's state
+        /// is restored next by every rank).
+        broadcast: bool,
+    },
+    /// A pipeline rank: one stage of a replica of the pipeline.
+    Stage {
+        /// This rank, in the whole job.
+        rank: usize,
+        /// The stage's links.
+        links: StageRelink,
+    },
 }
 
-/// The replica's whole training state with the run's record, as a checkpoint file's bytes.
-#[derive(Message)]
-#[rtype(result = "Result<Vec<u8>>")]
-pub struct Snapshot {
-    /// Every step's loss so far, and where the streamed data is.
-    pub run: RunRecord,
-}
-
-/// Every replica's position in the streamed data joined (over the ring of the replicas, or of
-/// the stage's replicas): each replica reads only its parts.
-#[derive(Message)]
-#[rtype(result = "Result<DataPosition>")]
-pub struct JoinDataPositions(pub DataPosition);
-
-/// One training step on this rank's batch.
-#[derive(Message)]
-#[rtype(result = "Result<StepReport>")]
-pub struct TrainStep(pub Batch);
-
-/// Counts correct predictions on this rank's batch, summed over ranks.
-#[derive(Message)]
-#[rtype(result = "Result<Score>")]
-pub struct Evaluate(pub Pieces);
-
-/// Compares the replicas' parameter checksums.
-#[derive(Message)]
-#[rtype(result = "Result<ParamChecksum>")]
-pub struct CheckReplicas;
-
-/// Copies out the parameters, by name.
-#[derive(Message)]
-#[rtype(result = "Result<Vec<(String, Vec<f32>)>>")]
-pub struct ReadParameters;
-
-/// Builds the CTR worker of a parameter-server trainer.
-#[derive(Message)]
-#[rtype(result = "Result<()>")]
-pub struct PrepareCtr {
-    /// The job.
-    pub job: Arc<JobConfig>,
-    /// Its sparse model.
-    pub model: SparseModelDef,
-    /// The trainer's rank.
-    pub rank: usize,
-}
-
-/// Plans the pull of a CTR batch (training, or evaluation when `training` is false).
-#[derive(Message)]
-#[rtype(result = "Result<PullPlan>")]
-pub struct PlanCtr {
-    /// This trainer's part of the batch.
-    pub batch: CtrBatch,
-    /// Whether the batch is trained on.
-    pub training: bool,
-}
-
-/// Trains on the planned CTR batch with the rows pulled from each shard.
-#[derive(Message)]
-#[rtype(result = "Result<StepOutcome>")]
-pub struct TrainCtr(pub Vec<PulledRows>);
-
-/// Click probabilities of the planned CTR batch.
-#[derive(Message)]
-#[rtype(result = "Result<Vec<f32>>")]
-pub struct PredictCtr(pub Vec<PulledRows>);
-
-/// Geo mode: the deltas not pushed yet.
-#[derive(Message)]
-#[rtype(result = "Result<Option<Vec<ShardUpdate>>>")]
-pub struct FlushCtr;
-
-/// A parameter-server trainer's own state at a checkpoint (geo's local optimizer state; `None`
-/// in the modes where a trainer holds none).
-#[derive(Message)]
-#[rtype(result = "Result<Option<Vec<u8>>>")]
-pub struct CtrOwnState;
-
-/// Takes back a parameter-server trainer's own state.
-#[derive(Message)]
-#[rtype(result = "Result<()>")]
-pub struct RestoreCtrOwnState(pub Arc<Vec<u8>>);
-
-/// Builds this rank's pipeline stage.
-#[derive(Message)]
-#[rtype(result = "Result<()>")]
-pub struct PreparePipeline {
-    /// The job.
-    pub job: Arc<JobConfig>,
-    /// The model's constructor (the stage keeps its own chunks).
-    pub model: ModelFactory,
-    /// What the model's checkpoint files say besides its parameters.
-    pub export: ModelInfo,
-    /// This rank, in the whole job.
-    pub rank: usize,
+/// A pipeline rank's links: to its neighbour stages and among its stage's replicas.
+pub struct StageRelink {
     /// This rank's stage.
     pub stage: usize,
     /// Links to the neighbouring stages.
     pub link: StageLinks,
     /// The ring among this stage's data-parallel replicas.
     pub data_parallel: Communicator,
-    /// Batches of the whole run (the learning-rate schedule's length).
-    pub steps: usize,
-    /// Record a timeline measured from this instant.
-    pub trace_from: Option<Instant>,
+}
+
+/// Goes on over new links after a rollback: the replica stays, its links are rebuilt (the
+/// state comes from a snapshot next).
+#[derive(Message)]
+#[rtype(result = "Result<()>")]
+pub enum Relink {
+    /// A data-parallel rank's new ring.
+    Ring {
+        /// The job.
+        job: Arc<JobConfig>,
+        /// The ring this rank joins.
+        link: RingLink,
+        /// The generation the rank joined: who trains, where.
+        roster: Roster,
+    },
+    /// A pipeline rank's new links.
+    Stage(StageRelink),
 }
 
 /// How a pipeline stage reaches its neighbour stages.
@@ -316,28 +240,40 @@ impl StageLinks {
     }
 }
 
-/// A pipeline rank goes on over new links after a rollback: the stage stays, its links to the
-/// neighbour stages and its replicas' ring are rebuilt.
+/// The replica's whole training state with the run's record, as a checkpoint file's bytes.
 #[derive(Message)]
-#[rtype(result = "Result<()>")]
-pub struct RelinkStage {
-    /// This rank's stage.
-    pub stage: usize,
-    /// Links to the neighbouring stages.
-    pub link: StageLinks,
-    /// The ring among this stage's data-parallel replicas.
-    pub data_parallel: Communicator,
+#[rtype(result = "Result<Vec<u8>>")]
+pub struct Snapshot {
+    /// Every step's loss so far, and where the streamed data is.
+    pub run: RunRecord,
 }
 
-/// One pipeline step on this replica's part of the batch.
+/// Every replica's position in the streamed data joined (over the ring of the replicas, or of
+/// the stage's replicas): each replica reads only its parts.
 #[derive(Message)]
-#[rtype(result = "Result<PipelineReport>")]
-pub struct PipelineStep(pub Batch);
+#[rtype(result = "Result<DataPosition>")]
+pub struct JoinDataPositions(pub DataPosition);
 
-/// Evaluates this replica's part of the held-out set through the pipeline.
+/// One training step on this rank's part of the global batch.
+#[derive(Message)]
+#[rtype(result = "Result<StepReport>")]
+pub struct TrainStep(pub Batch);
+
+/// The score of this replica's share of the held-out split, summed over the replicas; `None`
+/// where the rank holds no output (a pipeline stage before the last).
 #[derive(Message)]
 #[rtype(result = "Result<Option<Score>>")]
-pub struct PipelineEvaluate(pub Pieces);
+pub struct Evaluate(pub Pieces);
+
+/// Compares the replicas' parameter checksums.
+#[derive(Message)]
+#[rtype(result = "Result<ParamChecksum>")]
+pub struct CheckReplicas;
+
+/// Copies out the parameters, by name.
+#[derive(Message)]
+#[rtype(result = "Result<Vec<(String, Vec<f32>)>>")]
+pub struct ReadParameters;
 
 /// Writes this rank's training state as file `file` of step `step`'s checkpoint in `store`.
 #[derive(Message)]
@@ -370,43 +306,37 @@ pub struct ShareState {
     pub mine: Option<Arc<Vec<u8>>>,
 }
 
-/// The device thread's state: empty until [`Prepare`], [`PrepareCtr`] or [`PreparePipeline`].
-#[derive(Default)]
+/// What the device thread holds: nothing until [`Prepare`], then the rank's replica.
+enum DeviceState {
+    Unprepared,
+    Whole(Replica),
+    Stage(PipelineReplica),
+}
+
+/// The device thread's state.
 pub struct DeviceActor {
-    replica: Option<Replica>,
-    ctr: Option<CtrWorker>,
-    pipeline: Option<PipelineReplica>,
+    state: DeviceState,
     /// What the model's checkpoint files say besides its parameters.
     export: ModelInfo,
 }
 
-impl DeviceActor {
-    fn replica(&mut self) -> Result<&mut Replica> {
-        self.replica
-            .as_mut()
-            .ok_or_else(|| anyhow!("the device actor was used before Prepare"))
-    }
-
-    /// This rank's training state — its stage's, or its replica's — with the run's record, to
-    /// `out` as one checkpoint file.
-    fn save_state(&self, out: &mut dyn std::io::Write, run: &RunRecord) -> Result<()> {
-        match (&self.pipeline, &self.replica) {
-            (Some(pipeline), _) => pipeline.save_state(out, &self.export, run),
-            (None, Some(replica)) => replica.save_state(out, &self.export, run),
-            (None, None) => Err(anyhow!("the device actor was used before Prepare")),
+impl Default for DeviceActor {
+    fn default() -> Self {
+        Self {
+            state: DeviceState::Unprepared,
+            export: ModelInfo::default(),
         }
     }
+}
 
-    fn pipeline(&mut self) -> Result<&mut PipelineReplica> {
-        self.pipeline
-            .as_mut()
-            .ok_or_else(|| anyhow!("the device actor was used before PreparePipeline"))
-    }
-
-    fn ctr(&mut self) -> Result<&mut CtrWorker> {
-        self.ctr
-            .as_mut()
-            .ok_or_else(|| anyhow!("the device actor was used before PrepareCtr"))
+impl DeviceState {
+    /// The rank's replica, whatever its strategy.
+    fn replica(&mut self) -> Result<&mut dyn RankReplica> {
+        match self {
+            DeviceState::Whole(replica) => Ok(replica),
+            DeviceState::Stage(stage) => Ok(stage),
+            DeviceState::Unprepared => Err(anyhow!("the device actor was used before Prepare")),
+        }
     }
 }
 
@@ -418,18 +348,43 @@ impl Handler<Prepare> for DeviceActor {
     type Result = Result<()>;
 
     fn handle(&mut self, msg: Prepare, _: &mut Self::Context) -> Result<()> {
-        let device = device_for(msg.job.cluster.device, msg.link.rank())?;
+        let rank = match &msg.part {
+            ReplicaPart::Whole { link, .. } => link.rank(),
+            ReplicaPart::Stage { rank, .. } => *rank,
+        };
+        let device = device_for(msg.job.cluster.device, rank)?;
         let init = ParamInit::new(msg.job.train.seed, device.clone());
         let model = (msg.model)(&init).context("building the model")?;
-        let comm = comm_worker(&msg.job, msg.link, &msg.roster, &device)?;
-        let mut replica = Replica::new(model, &msg.job, comm, device, msg.steps)?;
-        if msg.broadcast {
-            replica.broadcast_parameters()?;
-        }
+        self.state = match msg.part {
+            ReplicaPart::Whole {
+                link,
+                roster,
+                broadcast,
+            } => {
+                let comm = comm_worker(&msg.job, link, &roster, &device)?;
+                let mut replica = Replica::new(model, &msg.job, comm, device, msg.steps)?;
+                if broadcast {
+                    replica.broadcast_parameters()?;
+                }
+                DeviceState::Whole(replica)
+            }
+            ReplicaPart::Stage { links, .. } => {
+                let link = links.link.on(links.stage, &device)?;
+                let stage = links.stage;
+                DeviceState::Stage(PipelineReplica::new(
+                    &msg.job,
+                    model,
+                    stage,
+                    link,
+                    links.data_parallel,
+                    device,
+                    msg.steps,
+                )?)
+            }
+        };
         if let Some(origin) = msg.trace_from {
-            replica.trace_from(origin);
+            self.state.replica()?.trace_from(origin);
         }
-        self.replica = Some(replica);
         self.export = msg.export;
         Ok(())
     }
@@ -444,11 +399,50 @@ impl Handler<Relink> for DeviceActor {
     type Result = Result<()>;
 
     fn handle(&mut self, msg: Relink, _: &mut Self::Context) -> Result<()> {
-        let replica = self.replica()?;
-        let device = replica.device().clone();
-        let comm = comm_worker(&msg.job, msg.link, &msg.roster, &device)?;
-        replica.relink(comm);
-        Ok(())
+        match (&mut self.state, msg) {
+            (DeviceState::Whole(replica), Relink::Ring { job, link, roster }) => {
+                let comm = comm_worker(&job, link, &roster, &replica.device().clone())?;
+                replica.relink(comm);
+                Ok(())
+            }
+            (DeviceState::Stage(stage), Relink::Stage(links)) => {
+                let link = links.link.on(links.stage, &stage.device().clone())?;
+                stage.relink(link, links.data_parallel)
+            }
+            _ => Err(anyhow!("a relink of another strategy than the rank's replica")),
+        }
+    }
+}
+
+impl Handler<TrainStep> for DeviceActor {
+    type Result = Result<StepReport>;
+
+    fn handle(&mut self, msg: TrainStep, _: &mut Self::Context) -> Self::Result {
+        self.state.replica()?.train_step(&msg.0)
+    }
+}
+
+impl Handler<Evaluate> for DeviceActor {
+    type Result = Result<Option<Score>>;
+
+    fn handle(&mut self, msg: Evaluate, _: &mut Self::Context) -> Self::Result {
+        self.state.replica()?.evaluate(msg.0)
+    }
+}
+
+impl Handler<CheckReplicas> for DeviceActor {
+    type Result = Result<ParamChecksum>;
+
+    fn handle(&mut self, _: CheckReplicas, _: &mut Self::Context) -> Self::Result {
+        self.state.replica()?.check_replicas_agree()
+    }
+}
+
+impl Handler<ReadParameters> for DeviceActor {
+    type Result = Result<Vec<(String, Vec<f32>)>>;
+
+    fn handle(&mut self, _: ReadParameters, _: &mut Self::Context) -> Self::Result {
+        self.state.replica()?.parameters()
     }
 }
 
@@ -457,68 +451,8 @@ impl Handler<Snapshot> for DeviceActor {
 
     fn handle(&mut self, msg: Snapshot, _: &mut Self::Context) -> Self::Result {
         let mut bytes = Vec::new();
-        self.save_state(&mut bytes, &msg.run)?;
+        self.state.replica()?.save_state(&mut bytes, &self.export, &msg.run)?;
         Ok(bytes)
-    }
-}
-
-impl Handler<JoinDataPositions> for DeviceActor {
-    type Result = Result<DataPosition>;
-
-    fn handle(&mut self, msg: JoinDataPositions, _: &mut Self::Context) -> Self::Result {
-        match &mut self.pipeline {
-            Some(pipeline) => pipeline.join_data_positions(&msg.0),
-            None => self.replica()?.join_data_positions(&msg.0),
-        }
-    }
-}
-
-impl Handler<RelinkStage> for DeviceActor {
-    type Result = Result<()>;
-
-    fn handle(&mut self, msg: RelinkStage, _: &mut Self::Context) -> Result<()> {
-        let pipeline = self.pipeline()?;
-        let link = msg.link.on(msg.stage, &pipeline.device().clone())?;
-        pipeline.relink(link, msg.data_parallel)
-    }
-}
-
-impl Handler<TrainStep> for DeviceActor {
-    type Result = Result<StepReport>;
-
-    fn handle(&mut self, msg: TrainStep, _: &mut Self::Context) -> Self::Result {
-        self.replica()?.train_step(&msg.0)
-    }
-}
-
-impl Handler<Evaluate> for DeviceActor {
-    type Result = Result<Score>;
-
-    fn handle(&mut self, msg: Evaluate, _: &mut Self::Context) -> Self::Result {
-        self.replica()?.evaluate(msg.0)
-    }
-}
-
-impl Handler<CheckReplicas> for DeviceActor {
-    type Result = Result<ParamChecksum>;
-
-    fn handle(&mut self, _: CheckReplicas, _: &mut Self::Context) -> Self::Result {
-        self.replica()?.check_replicas_agree()
-    }
-}
-
-impl Handler<ReadParameters> for DeviceActor {
-    type Result = Result<Vec<(String, Vec<f32>)>>;
-
-    fn handle(&mut self, _: ReadParameters, _: &mut Self::Context) -> Self::Result {
-        if let Some(pipeline) = &self.pipeline {
-            return pipeline.parameters();
-        }
-        self.replica()?
-            .parameters()
-            .iter()
-            .map(|p| Ok((p.name.clone(), p.var.flatten_all()?.to_vec1::<f32>()?)))
-            .collect()
     }
 }
 
@@ -526,8 +460,10 @@ impl Handler<SaveCheckpoint> for DeviceActor {
     type Result = Result<FileRecord>;
 
     fn handle(&mut self, msg: SaveCheckpoint, _: &mut Self::Context) -> Self::Result {
-        msg.store
-            .write_with(msg.step, &msg.file, |out| self.save_state(out, &msg.run))
+        let replica = self.state.replica()?;
+        msg.store.write_with(msg.step, &msg.file, |out| {
+            replica.save_state(out, &self.export, &msg.run)
+        })
     }
 }
 
@@ -535,10 +471,7 @@ impl Handler<RestoreCheckpoint> for DeviceActor {
     type Result = Result<RunRecord>;
 
     fn handle(&mut self, msg: RestoreCheckpoint, _: &mut Self::Context) -> Self::Result {
-        match &mut self.pipeline {
-            Some(pipeline) => pipeline.restore_state(&msg.0),
-            None => self.replica()?.restore_state(&msg.0),
-        }
+        self.state.replica()?.restore_state(&msg.0)
     }
 }
 
@@ -546,91 +479,19 @@ impl Handler<ShareState> for DeviceActor {
     type Result = Result<Shared>;
 
     fn handle(&mut self, msg: ShareState, _: &mut Self::Context) -> Self::Result {
-        match &mut self.pipeline {
-            Some(pipeline) => pipeline.share_state(msg.step, msg.mine),
-            None => self.replica()?.share_state(msg.step, msg.mine),
-        }
+        self.state.replica()?.share_state(msg.step, msg.mine)
     }
 }
 
-impl Handler<PrepareCtr> for DeviceActor {
-    type Result = Result<()>;
+impl Handler<JoinDataPositions> for DeviceActor {
+    type Result = Result<DataPosition>;
 
-    fn handle(&mut self, msg: PrepareCtr, _: &mut Self::Context) -> Result<()> {
-        let device = device_for(msg.job.cluster.device, msg.rank)?;
-        self.ctr = Some(CtrWorker::new(&msg.job, &msg.model, device)?);
-        Ok(())
+    fn handle(&mut self, msg: JoinDataPositions, _: &mut Self::Context) -> Self::Result {
+        self.state.replica()?.join_data_positions(&msg.0)
     }
 }
 
-impl Handler<PlanCtr> for DeviceActor {
-    type Result = Result<PullPlan>;
-
-    fn handle(&mut self, msg: PlanCtr, _: &mut Self::Context) -> Self::Result {
-        self.ctr()?.plan(msg.batch, msg.training)
-    }
-}
-
-impl Handler<TrainCtr> for DeviceActor {
-    type Result = Result<StepOutcome>;
-
-    fn handle(&mut self, msg: TrainCtr, _: &mut Self::Context) -> Self::Result {
-        self.ctr()?.train_step(msg.0)
-    }
-}
-
-impl Handler<PredictCtr> for DeviceActor {
-    type Result = Result<Vec<f32>>;
-
-    fn handle(&mut self, msg: PredictCtr, _: &mut Self::Context) -> Self::Result {
-        self.ctr()?.predict(msg.0)
-    }
-}
-
-impl Handler<FlushCtr> for DeviceActor {
-    type Result = Result<Option<Vec<ShardUpdate>>>;
-
-    fn handle(&mut self, _: FlushCtr, _: &mut Self::Context) -> Self::Result {
-        self.ctr()?.flush()
-    }
-}
-
-impl Handler<CtrOwnState> for DeviceActor {
-    type Result = Result<Option<Vec<u8>>>;
-
-    fn handle(&mut self, _: CtrOwnState, _: &mut Self::Context) -> Self::Result {
-        self.ctr()?.own_state()
-    }
-}
-
-impl Handler<RestoreCtrOwnState> for DeviceActor {
-    type Result = Result<()>;
-
-    fn handle(&mut self, msg: RestoreCtrOwnState, _: &mut Self::Context) -> Self::Result {
-        self.ctr()?.restore_own_state(&msg.0)
-    }
-}
-
-impl Handler<PreparePipeline> for DeviceActor {
-    type Result = Result<()>;
-
-    fn handle(&mut self, msg: PreparePipeline, _: &mut Self::Context) -> Result<()> {
-        let device = device_for(msg.job.cluster.device, msg.rank)?;
-        let init = ParamInit::new(msg.job.train.seed, device.clone());
-        let model = (msg.model)(&init).context("building the model")?;
-        let link = msg.link.on(msg.stage, &device)?;
-        let mut pipeline =
-            PipelineReplica::new(&msg.job, model, msg.stage, link, msg.data_parallel, device, msg.steps)?;
-        if let Some(origin) = msg.trace_from {
-            pipeline.trace_from(origin);
-        }
-        self.pipeline = Some(pipeline);
-        self.export = msg.export;
-        Ok(())
-    }
-}
-
-/// Hands over the timeline spans recorded so far (collective or pipeline ranks).
+/// Hands over the timeline spans recorded so far.
 #[derive(Message)]
 #[rtype(result = "Result<Vec<Span>>")]
 pub struct TakeSpans;
@@ -639,25 +500,6 @@ impl Handler<TakeSpans> for DeviceActor {
     type Result = Result<Vec<Span>>;
 
     fn handle(&mut self, _: TakeSpans, _: &mut Self::Context) -> Self::Result {
-        match &mut self.pipeline {
-            Some(pipeline) => Ok(pipeline.take_spans()),
-            None => Ok(self.replica()?.take_spans()),
-        }
-    }
-}
-
-impl Handler<PipelineStep> for DeviceActor {
-    type Result = Result<PipelineReport>;
-
-    fn handle(&mut self, msg: PipelineStep, _: &mut Self::Context) -> Self::Result {
-        self.pipeline()?.train_step(&msg.0)
-    }
-}
-
-impl Handler<PipelineEvaluate> for DeviceActor {
-    type Result = Result<Option<Score>>;
-
-    fn handle(&mut self, msg: PipelineEvaluate, _: &mut Self::Context) -> Self::Result {
-        self.pipeline()?.evaluate(msg.0)
+        Ok(self.state.replica()?.take_spans())
     }
 }

@@ -1,11 +1,13 @@
 //! The roles, one actor each: the [`coordinator`] (rendezvous, barriers, liveness, commits),
 //! the data-parallel [`trainer`], the pipeline [`stage`], the parameter-server trainer
-//! ([`ps_trainer`]) and shard ([`pserver`]), and the [`device`] actor of each rank (a
-//! `SyncArbiter` thread that owns the model replica and the communicator). Every message an
+//! ([`ps_trainer`]) and shard ([`pserver`]), and the device thread of each rank (a
+//! `SyncArbiter` actor: [`device`] owns a data-parallel or pipeline rank's replica and its
+//! communicators, [`ctr_device`] a parameter-server trainer's CTR worker). Every message an
 //! actor accepts is defined in its file.
 
 pub mod buddy;
 pub mod coordinator;
+pub mod ctr_device;
 pub mod device;
 mod divergence;
 pub mod faults;

@@ -16,15 +16,15 @@ use actix::prelude::*;
 use anyhow::{anyhow, Context as _, Result};
 
 use super::buddy::Buddy;
-use super::device::{
-    CtrOwnState, DeviceActor, FlushCtr, PlanCtr, PredictCtr, PrepareCtr, RestoreCtrOwnState, TrainCtr,
+use super::ctr_device::{
+    CtrDevice, CtrOwnState, FlushCtr, PlanCtr, PredictCtr, PrepareCtr, RestoreCtrOwnState, TrainCtr,
 };
 use super::divergence::check_loss;
 use super::faults::RoleFaults;
 use super::kept::{acknowledge_checkpoint, Kept};
 use super::ps_requests::{pull_rows, pull_when_ready, push, shard_stats, sparse_table_metrics, Pulled};
 use super::recovery::{Recovery, StopAtCheckpoint};
-use super::rollback::Orders;
+use super::rollback::{OrderInbox, Orders, RollbackOrder};
 use super::LOSSES_RESERVED;
 use crate::checkpoint::HeldFile;
 use crate::collective::preemption::is_preemption;
@@ -57,7 +57,7 @@ pub struct PsTrainer {
     /// Links to the shards; taken when training starts.
     pub client: Option<PsClient>,
     /// The device actor of this trainer.
-    pub device: Addr<DeviceActor>,
+    pub device: Addr<CtrDevice>,
     /// Whether the trainer at place 0 has the shards save their tables at the end, each as
     /// `ps-shard-<i>.safetensors` in its own run directory.
     pub save_tables: bool,
@@ -72,6 +72,9 @@ pub struct PsTrainer {
     /// The faults planned for this trainer of a simulated cluster: its training runs under
     /// their switch.
     pub faults: Option<Arc<RoleFaults>>,
+    /// Where the coordinator's rollback orders to this actor go: set when it starts, in a job
+    /// that rolls back in place.
+    pub inbox: Option<OrderInbox>,
 }
 
 /// What a parameter-server trainer needs to roll back inside its process.
@@ -130,6 +133,23 @@ impl PsTrainer {
 
 impl Actor for PsTrainer {
     type Context = Context<Self>;
+
+    fn started(&mut self, ctx: &mut Context<Self>) {
+        if let Some(in_place) = &self.in_place {
+            let role = self.job.cluster.server_num + self.rank;
+            self.inbox = Some(in_place.orders.reach(role, Some(&in_place.bus), ctx));
+        }
+    }
+}
+
+impl Handler<RollbackOrder> for PsTrainer {
+    type Result = ();
+
+    fn handle(&mut self, order: RollbackOrder, _: &mut Self::Context) {
+        if let Some(inbox) = &self.inbox {
+            inbox.take(order);
+        }
+    }
 }
 
 impl Handler<TrainPs> for PsTrainer {
@@ -174,7 +194,7 @@ struct PsRun {
     train_data: CtrSource,
     test_data: CtrSource,
     client: Option<PsClient>,
-    device: Addr<DeviceActor>,
+    device: Addr<CtrDevice>,
     save_tables: bool,
     monitor: Option<MonitorSettings>,
     trace: Option<(TraceTarget, f64)>,

@@ -19,76 +19,12 @@ use crate::collective::StepReport;
 use crate::config::JobConfig;
 use crate::data::{Batch, Pieces};
 use crate::models::Score;
-use crate::pipeline::replica::PipelineReport;
 use crate::telemetry::monitor::StepSample;
-
-/// One training step as a rank reports it, whatever its strategy.
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct RankStep {
-    /// Mean loss over the global batch; `None` on a pipeline stage that does not hold it.
-    pub loss: Option<f32>,
-    /// Largest minus smallest of the replicas' losses, where the loss is held.
-    pub loss_spread: Option<f32>,
-    /// Learning rate of the step.
-    pub lr: f64,
-    /// Wall time of the step.
-    pub step_time: Duration,
-    /// Time the step's collectives took.
-    pub comm_time: Duration,
-    /// The part of it compute did not hide.
-    pub exposed_comm_time: Duration,
-    /// A pipeline stage's wait for its neighbours, and its schedule's time.
-    pub pipeline: Option<(Duration, Duration)>,
-    /// Most micro-batch activations held at once (a pipeline's schedule; 0 elsewhere).
-    pub peak_activations: usize,
-    /// Most bytes of activations held for backward at once.
-    pub peak_activation_bytes: usize,
-    /// Peak resident set of the processes reported on.
-    pub peak_rss_bytes: u64,
-    /// Whether the job was asked to stop: the same step on every rank.
-    pub stop_asked: bool,
-}
-
-impl From<StepReport> for RankStep {
-    fn from(report: StepReport) -> Self {
-        Self {
-            loss: Some(report.loss),
-            loss_spread: Some(report.loss_spread),
-            lr: report.lr,
-            step_time: report.step_time,
-            comm_time: report.comm_time,
-            exposed_comm_time: report.exposed_comm_time,
-            pipeline: None,
-            peak_activations: 0,
-            peak_activation_bytes: report.peak_activation_bytes,
-            peak_rss_bytes: report.peak_rss_bytes,
-            stop_asked: report.stop_asked,
-        }
-    }
-}
-
-impl From<PipelineReport> for RankStep {
-    fn from(report: PipelineReport) -> Self {
-        Self {
-            loss: report.loss,
-            loss_spread: report.loss_spread,
-            lr: report.lr,
-            step_time: report.step_time,
-            comm_time: report.allreduce_time,
-            exposed_comm_time: report.exposed_allreduce_time,
-            pipeline: Some((report.pipeline_wait, report.pipeline_time)),
-            peak_activations: report.peak_activations,
-            peak_activation_bytes: report.peak_activation_bytes,
-            peak_rss_bytes: report.peak_rss_bytes,
-            stop_asked: report.stop_asked,
-        }
-    }
-}
 
 /// What a strategy's rank does differently in its steps.
 pub(crate) trait StrategySteps {
     /// One training step on this rank's part of the global batch.
-    async fn step(&mut self, batch: Batch) -> Result<RankStep>;
+    async fn step(&mut self, batch: Batch) -> Result<StepReport>;
 
     /// The score of this rank's share of the held-out split; `None` where the rank holds no
     /// output (a pipeline stage before the last).
@@ -162,7 +98,7 @@ impl Generation {
         }
     }
 
-    fn add(&mut self, step: &RankStep) {
+    fn add(&mut self, step: &StepReport) {
         self.step_time += step.step_time;
         self.comm_time += step.comm_time;
         self.exposed_comm_time += step.exposed_comm_time;

@@ -1,38 +1,58 @@
-//! How a rank of a job that recovers in place hears the coordinator's rollback orders: the
-//! thread that heartbeats gets them, breaks the ring the rank may be blocked in (so it leaves
-//! the collective at once, not after the link timeout), and hands the order to the training
-//! loop, which rolls back inside this process.
+//! How a rank of a job that recovers in place hears the coordinator's rollback orders: each is a
+//! [`RollbackOrder`] message to the rank's actor — sent by a coordinator in the same process, or
+//! handed on by the heartbeat that heard it from one in another. The actor's [`OrderInbox`]
+//! breaks the ring the rank may be blocked in (so it leaves the collective at once, not after
+//! the link timeout) and tells the training loop ([`Orders`]), which rolls back inside this
+//! process.
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use std::future::Future;
 
+use actix::prelude::*;
 use anyhow::{anyhow, Result};
 use tokio::sync::{watch, Notify};
 
 use crate::engines::comm::RingBreaker;
+pub use crate::net::protocol::RollbackOrder;
 use crate::net::protocol::{Membership, Roster};
+use crate::net::ControlBus;
 
 /// How often a failed rank asks for a heartbeat while it waits to hear of a rollback.
 const ASK_EVERY: Duration = Duration::from_millis(20);
 
-/// The coordinator lost a rank: every survivor joins generation `generation`.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct RollbackOrder {
-    /// The generation to join.
-    pub generation: u64,
-    /// Which rank was lost, and why.
-    pub reason: String,
-}
-
-/// The heartbeat side: where orders go in.
+/// The heartbeat side: where the orders it hears go (to the rank's actor).
 #[derive(Clone)]
 pub struct OrderLine {
     ring: RingBreaker,
-    orders: watch::Sender<Option<RollbackOrder>>,
+    actor: ActorSlot,
+    inbox: OrderInbox,
     member_of: MemberOf,
     asked: Arc<Notify>,
+}
+
+/// The rank's actor, once it started and if it takes orders (a shard's generation loop is no
+/// actor: its inbox takes them directly).
+#[derive(Clone, Default)]
+struct ActorSlot(Arc<Mutex<Option<Recipient<RollbackOrder>>>>);
+
+/// The actor's side: what taking an order does.
+#[derive(Clone)]
+pub struct OrderInbox {
+    ring: RingBreaker,
+    orders: Arc<watch::Sender<Option<RollbackOrder>>>,
+}
+
+impl OrderInbox {
+    /// The coordinator ordered the rollback in `order`: breaks the ring in use (once per
+    /// generation) and tells the training loop.
+    pub fn take(&self, order: RollbackOrder) {
+        if self.ring.break_for(order.generation) {
+            tracing::warn!(generation = order.generation, "rollback ordered: {}", order.reason);
+            self.orders.send_replace(Some(order));
+        }
+    }
 }
 
 /// The generation the rank last joined and who trains in it (none yet before its first
@@ -51,6 +71,8 @@ pub struct Orders {
     member_of: MemberOf,
     /// Tells the heartbeat side to beat now: a failed rank wants its answer at once.
     asked: Arc<Notify>,
+    inbox: OrderInbox,
+    actor: ActorSlot,
 }
 
 /// A line for orders and its receiving end; `grace` bounds how long a failed rank waits to hear
@@ -59,9 +81,15 @@ pub fn order_line(grace: Duration) -> (OrderLine, Orders) {
     let (tx, rx) = watch::channel(None);
     let member_of = MemberOf::default();
     let asked = Arc::new(Notify::new());
+    let (ring, actor) = (RingBreaker::default(), ActorSlot::default());
+    let inbox = OrderInbox {
+        ring: ring.clone(),
+        orders: Arc::new(tx),
+    };
     let line = OrderLine {
-        ring: RingBreaker::default(),
-        orders: tx,
+        ring,
+        actor: actor.clone(),
+        inbox: inbox.clone(),
         member_of: member_of.clone(),
         asked: asked.clone(),
     };
@@ -73,17 +101,20 @@ pub fn order_line(grace: Duration) -> (OrderLine, Orders) {
             acted_on: 0,
             member_of,
             asked,
+            inbox,
+            actor,
         },
     )
 }
 
 impl OrderLine {
-    /// The coordinator ordered the rollback to `generation`: breaks the ring in use (once per
-    /// generation) and tells the training loop.
-    pub fn order(&self, generation: u64, reason: String) {
-        if self.ring.break_for(generation) {
-            tracing::warn!(generation, "rollback ordered: {reason}");
-            self.orders.send_replace(Some(RollbackOrder { generation, reason }));
+    /// A heartbeat heard the coordinator order `order`: it goes to the rank's actor, or straight
+    /// to the inbox of a role that has none (yet).
+    pub fn order(&self, order: RollbackOrder) {
+        let actor = self.actor.0.lock().map_or(None, |slot| slot.clone());
+        match actor {
+            Some(actor) => actor.do_send(order),
+            None => self.inbox.take(order),
         }
     }
 
@@ -105,6 +136,23 @@ impl OrderLine {
 }
 
 impl Orders {
+    /// The rank's actor, started in `ctx`, takes the orders from now on: those its heartbeat
+    /// hears and, where the coordinator lives in this process (`bus`), the coordinator's own.
+    /// Answers what the actor does with each.
+    pub fn reach<A>(&self, rank: usize, bus: Option<&ControlBus>, ctx: &mut Context<A>) -> OrderInbox
+    where
+        A: Actor<Context = Context<A>> + Handler<RollbackOrder>,
+    {
+        let actor = ctx.address().recipient::<RollbackOrder>();
+        if let Some(ControlBus::InMemory(coordinator)) = bus {
+            coordinator.reach(rank, actor.clone());
+        }
+        if let Ok(mut slot) = self.actor.0.lock() {
+            *slot = Some(actor);
+        }
+        self.inbox.clone()
+    }
+
     /// The rank joined `roster`'s generation.
     pub fn joined(&self, roster: &Roster) {
         if let Ok(mut joined) = self.member_of.0.lock() {
@@ -167,11 +215,15 @@ mod tests {
 
     #[tokio::test]
     async fn a_failure_without_an_order_stands_and_one_with_an_order_rolls_back_once() {
-        let (line, mut orders) = order_line(Duration::from_millis(100));
+        let (_, mut orders) = order_line(Duration::from_millis(100));
         let err = orders.explain(anyhow::anyhow!("a real bug")).await.unwrap_err();
         assert_eq!(err.to_string(), "a real bug");
-        line.order(1, "rank 2 declared dead".into());
-        line.order(1, "the same order, heard again".into());
+        let order = |reason: &str| RollbackOrder {
+            generation: 1,
+            reason: reason.into(),
+        };
+        orders.inbox.take(order("rank 2 declared dead"));
+        orders.inbox.take(order("the same order, heard again"));
         let order = orders.explain(anyhow::anyhow!("ring broke")).await.unwrap();
         assert_eq!(order.generation, 1);
         assert_eq!(order.reason, "rank 2 declared dead");

@@ -16,17 +16,18 @@ use futures::future::BoxFuture;
 use serde::{Deserialize, Serialize};
 
 use super::buddy::Buddy;
-use super::device::{PipelineEvaluate, PipelineStep, PreparePipeline, ReadParameters, RelinkStage, StageLinks};
+use super::device::{Evaluate, Prepare, ReadParameters, Relink, ReplicaPart, StageLinks, StageRelink, TrainStep};
 use super::faults::RoleFaults;
 use super::kept::{acknowledge_checkpoint, BuddyCopy, Kept, RankCheckpoint, Restore};
 use super::rank_parts::RankParts;
-use super::rank_steps::{train_generation, Place, RankStep, StrategySteps};
+use super::rank_steps::{train_generation, Place, StrategySteps};
 use super::recovery::stage_file;
-use super::rollback::Orders;
+use super::rollback::{OrderInbox, Orders, RollbackOrder};
 use super::run_loop::{run_steps, RunLoop};
 use crate::checkpoint::HeldFile;
 use crate::collective::preemption::is_preemption;
 use crate::collective::training_state::RunRecord;
+use crate::collective::StepReport;
 use crate::config::HybridConfigs;
 use crate::data::{Batch, Pieces};
 use crate::engines::comm::Communicator;
@@ -45,6 +46,9 @@ pub struct StageActor {
     pub bus: Option<ControlBus>,
     /// How this rank rolls back in place; `None` when a lost rank stops the job.
     pub in_place: Option<StageInPlace>,
+    /// Where the coordinator's rollback orders to this actor go: set when it starts, in a job
+    /// that rolls back in place.
+    pub inbox: Option<OrderInbox>,
 }
 
 /// The links of one generation of a pipeline rank.
@@ -157,6 +161,22 @@ impl StageOutcome {
 
 impl Actor for StageActor {
     type Context = Context<Self>;
+
+    fn started(&mut self, ctx: &mut Context<Self>) {
+        if let Some(in_place) = &self.in_place {
+            self.inbox = Some(in_place.orders.reach(self.parts.rank, self.bus.as_ref(), ctx));
+        }
+    }
+}
+
+impl Handler<RollbackOrder> for StageActor {
+    type Result = ();
+
+    fn handle(&mut self, order: RollbackOrder, _: &mut Self::Context) {
+        if let Some(inbox) = &self.inbox {
+            inbox.take(order);
+        }
+    }
 }
 
 impl Handler<TrainStage> for StageActor {
@@ -211,14 +231,18 @@ impl StageRun {
         }
         self.parts
             .device
-            .send(PreparePipeline {
+            .send(Prepare {
                 job: job.clone(),
                 model: self.parts.model.clone(),
                 export: self.parts.export.clone(),
-                rank,
-                stage: self.stage,
-                link,
-                data_parallel,
+                part: ReplicaPart::Stage {
+                    rank,
+                    links: StageRelink {
+                        stage: self.stage,
+                        link,
+                        data_parallel,
+                    },
+                },
                 steps: run_steps(&job, &self.parts.train_data)?,
                 trace_from: self.parts.trace.as_ref().map(|t| t.origin.instant),
             })
@@ -274,11 +298,11 @@ impl StageRun {
                     in_place.orders.joined(&roster);
                     self.parts
                         .device
-                        .send(RelinkStage {
+                        .send(Relink::Stage(StageRelink {
                             stage: self.stage,
                             link: generation.link,
                             data_parallel: generation.data_parallel,
-                        })
+                        }))
                         .await??;
                     tracing::info!(
                         rank = self.parts.rank,
@@ -442,12 +466,12 @@ impl StageRun {
 }
 
 impl StrategySteps for StageRun {
-    async fn step(&mut self, batch: Batch) -> Result<RankStep> {
-        Ok(self.parts.device.send(PipelineStep(batch)).await??.into())
+    async fn step(&mut self, batch: Batch) -> Result<StepReport> {
+        self.parts.device.send(TrainStep(batch)).await?
     }
 
     async fn evaluate(&mut self, share: Pieces) -> Result<Option<Score>> {
-        self.parts.device.send(PipelineEvaluate(share)).await?
+        self.parts.device.send(Evaluate(share)).await?
     }
 
     async fn after_step(&mut self, _done: usize) -> Result<()> {

@@ -11,17 +11,18 @@
 use actix::prelude::*;
 use anyhow::{anyhow, Context as _, Result};
 
-use super::device::{CheckReplicas, Evaluate, Prepare, ReadParameters, Relink, RingLink, TrainStep};
+use super::device::{CheckReplicas, Evaluate, Prepare, ReadParameters, Relink, ReplicaPart, RingLink, TrainStep};
 use super::faults::RoleFaults;
 use super::kept::{acknowledge_checkpoint, Kept, RankCheckpoint, Restore};
 use super::rank_parts::RankParts;
-use super::rank_steps::{train_generation, Place, RankStep, StrategySteps};
+use super::rank_steps::{train_generation, Place, StrategySteps};
 use super::recovery::REPLICA_FILE;
-use super::rollback::Orders;
+use super::rollback::{OrderInbox, Orders, RollbackOrder};
 use super::run_loop::{run_steps, RunLoop};
 use crate::collective::preemption::is_preemption;
 use crate::collective::training_state::RunRecord;
 use crate::collective::ParamChecksum;
+use crate::collective::StepReport;
 use crate::config::JobConfig;
 use crate::data::{Batch, Pieces};
 use crate::models::Score;
@@ -40,6 +41,9 @@ pub struct Trainer {
     pub data_endpoint: String,
     /// How this rank rolls back in place; `None` when a lost rank stops the job.
     pub in_place: Option<InPlace>,
+    /// Where the coordinator's rollback orders to this actor go: set when it starts, in a job
+    /// that rolls back in place.
+    pub inbox: Option<OrderInbox>,
 }
 
 /// What a trainer needs to roll back inside its process.
@@ -99,6 +103,22 @@ impl Trainer {
 
 impl Actor for Trainer {
     type Context = Context<Self>;
+
+    fn started(&mut self, ctx: &mut Context<Self>) {
+        if let Some(in_place) = &self.in_place {
+            self.inbox = Some(in_place.orders.reach(self.parts.rank, self.bus.as_ref(), ctx));
+        }
+    }
+}
+
+impl Handler<RollbackOrder> for Trainer {
+    type Result = ();
+
+    fn handle(&mut self, order: RollbackOrder, _: &mut Self::Context) {
+        if let Some(inbox) = &self.inbox {
+            inbox.take(order);
+        }
+    }
 }
 
 impl Handler<Train> for Trainer {
@@ -150,10 +170,12 @@ impl TrainingRun {
                 job: job.clone(),
                 model: self.parts.model.clone(),
                 export: self.parts.export.clone(),
-                link,
-                roster: roster.clone(),
-                // A later generation's ranks all restore one state: nothing to broadcast.
-                broadcast: roster.generation == 0,
+                part: ReplicaPart::Whole {
+                    link,
+                    roster: roster.clone(),
+                    // A later generation's ranks all restore one state: nothing to broadcast.
+                    broadcast: roster.generation == 0,
+                },
                 steps: run_steps(&job, &self.parts.train_data)?,
                 trace_from: self.parts.trace.as_ref().map(|t| t.origin.instant),
             })
@@ -208,7 +230,7 @@ impl TrainingRun {
         in_place.orders.joined(&roster);
         self.parts
             .device
-            .send(Relink {
+            .send(Relink::Ring {
                 job: self.parts.job.clone(),
                 link,
                 roster: roster.clone(),
@@ -315,12 +337,12 @@ impl TrainingRun {
 }
 
 impl StrategySteps for TrainingRun {
-    async fn step(&mut self, batch: Batch) -> Result<RankStep> {
-        Ok(self.parts.device.send(TrainStep(batch)).await??.into())
+    async fn step(&mut self, batch: Batch) -> Result<StepReport> {
+        self.parts.device.send(TrainStep(batch)).await?
     }
 
     async fn evaluate(&mut self, share: Pieces) -> Result<Option<Score>> {
-        Ok(Some(self.parts.device.send(Evaluate(share)).await??))
+        self.parts.device.send(Evaluate(share)).await?
     }
 
     /// Every `strategy.check_every` steps the replicas compare their parameters' checksums.

@@ -10,6 +10,7 @@ mod gradient_bucket;
 mod gradient_sync;
 pub mod preemption;
 pub mod rank_figures;
+mod rank_replica;
 mod replica;
 pub mod training_state;
 
@@ -18,4 +19,5 @@ pub use checksum::ParamChecksum;
 pub use evaluation::score_pieces;
 pub(crate) use evaluation::sum_over_ranks;
 pub use gradient_sync::{Averaged, GradientSync, StepGradients};
-pub use replica::{backward_order, broadcast_parameters, Replica, StepReport};
+pub use rank_replica::{Held, RankReplica, StepReport};
+pub use replica::{backward_order, broadcast_parameters, Replica};

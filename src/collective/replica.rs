@@ -1,51 +1,24 @@
 //! One rank's replica: the model, its optimizer and the communicator, and
 //! the data-parallel training step over them. Runs on the device thread.
 
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use anyhow::{bail, Result};
+use anyhow::Result;
 use candle_core::{Device, Tensor, Var};
 
 use super::evaluation::{score_pieces, sum_over_ranks};
 use super::preemption;
 use super::rank_figures::RankFigures;
-use super::training_state::{self, RunRecord};
-use super::{checksum, GradientSync, ParamChecksum};
+use super::rank_replica::{Held, RankReplica, StepReport};
+use super::{GradientSync, ParamChecksum};
 use crate::config::{JobConfig, LossKind};
-use crate::data::{Batch, DataPosition, Pieces};
-use crate::engines::comm::{CommWorker, Shared};
+use crate::data::{Batch, Pieces};
+use crate::engines::comm::CommWorker;
 use crate::engines::compute::segments::{self, Segments};
-use crate::models::export::ModelInfo;
 use crate::models::{training_loss, Model, NamedParam, Score};
 use crate::optim::{clip_by_global_norm, LrPolicy, Optimizer};
 use crate::telemetry::metrics::peak_rss_bytes;
-use crate::telemetry::timeline::{record, Span, Timeline};
-
-/// What one training step measured.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct StepReport {
-    /// Mean loss over the global batch (all ranks).
-    pub loss: f32,
-    /// Learning rate the step used.
-    pub lr: f64,
-    /// Wall time of the whole step on this rank.
-    pub step_time: Duration,
-    /// Time the communication thread spent in this step's collectives.
-    pub comm_time: Duration,
-    /// Time the compute thread waited for communication after backward: the
-    /// part of communication that backward did not hide.
-    pub exposed_comm_time: Duration,
-    /// Largest minus smallest of the ranks' losses.
-    pub loss_spread: f32,
-    /// The largest peak resident set of the ranks' processes.
-    pub peak_rss_bytes: u64,
-    /// The most bytes of activations this rank held for backward at once: what forward kept,
-    /// plus the block outputs recomputation made again (a pipeline stage's measure).
-    pub peak_activation_bytes: usize,
-    /// Whether any rank was asked to stop (preemption).
-    pub stop_asked: bool,
-}
+use crate::telemetry::timeline::{record, Timeline};
 
 /// A model replica that trains in lockstep with the other ranks.
 pub struct Replica {
@@ -114,16 +87,6 @@ impl Replica {
         })
     }
 
-    /// Starts recording a timeline, measured from `origin`.
-    pub fn trace_from(&mut self, origin: Instant) {
-        self.timeline = Some(Timeline::new(origin));
-    }
-
-    /// The spans recorded so far (none unless tracing).
-    pub fn take_spans(&mut self) -> Vec<Span> {
-        self.timeline.as_mut().map(Timeline::take).unwrap_or_default()
-    }
-
     /// This rank.
     pub fn rank(&self) -> usize {
         self.comm.rank()
@@ -134,37 +97,6 @@ impl Replica {
         self.comm.world_size()
     }
 
-    /// The device the replica computes on.
-    pub fn device(&self) -> &Device {
-        &self.device
-    }
-
-    /// The parameters, in model order.
-    pub fn parameters(&self) -> &[NamedParam] {
-        &self.params
-    }
-
-    /// Parameters (a model file's, `export` describing the model), optimizer state, batches
-    /// trained and `run`, to `out` as one checkpoint file.
-    pub fn save_state(&self, out: &mut dyn std::io::Write, export: &ModelInfo, run: &RunRecord) -> Result<()> {
-        training_state::write(out, &self.params, export, &self.optimizer, self.step, run)
-    }
-
-    /// Continues from a state saved by [`Replica::save_state`], as if never stopped; returns the
-    /// run record it held.
-    pub fn restore_state(&mut self, bytes: &[u8]) -> Result<RunRecord> {
-        let restored = training_state::restore(bytes, &self.params, &mut self.optimizer)?;
-        self.step = restored.batches;
-        Ok(restored.run)
-    }
-
-    /// Every replica's `mine` joined: where each part of the streamed data is, whichever
-    /// replica reads it.
-    pub fn join_data_positions(&mut self, mine: &DataPosition) -> Result<DataPosition> {
-        let mine = serde_json::to_vec(mine)?;
-        self.comm.run(move |c| training_state::join_data_positions(c, &mine))
-    }
-
     /// Goes on over the ring `comm` (a rollback rebuilt it): the collectives in flight on the old
     /// one and the batches merged so far are dropped; the state comes from a snapshot next.
     pub fn relink(&mut self, comm: CommWorker) {
@@ -172,21 +104,43 @@ impl Replica {
         self.gradients.clear();
     }
 
-    /// Gives the state after step `step` — `mine`, where this rank holds it — to the ranks
-    /// that lack it (healing from a peer).
-    pub fn share_state(&mut self, step: usize, mine: Option<Arc<Vec<u8>>>) -> Result<Shared> {
-        self.comm
-            .run(move |c| c.share(&format!("the state of step {step}"), mine.as_deref().map(Vec::as_slice)))
-    }
-
     /// Makes every rank start from rank 0's parameters.
     pub fn broadcast_parameters(&mut self) -> Result<()> {
         broadcast_parameters(&self.comm, &self.params)
     }
 
+    /// On a GPU, kernels run after the calls that launch them return: a traced step waits for
+    /// them at the end of each compute span, so that the span is the GPU's time (untraced steps
+    /// never wait).
+    fn settle_for_trace(&self) -> Result<()> {
+        settle_for_trace(&self.timeline, &self.device)
+    }
+
+    /// The checksum of this replica's parameters.
+    pub fn checksum(&self) -> Result<ParamChecksum> {
+        Ok(ParamChecksum::of(&self.params)?)
+    }
+}
+
+impl RankReplica for Replica {
+    fn held(&mut self) -> Held<'_> {
+        Held {
+            params: &self.params,
+            optimizer: &mut self.optimizer,
+            step: &mut self.step,
+            ring: &self.comm,
+            timeline: &mut self.timeline,
+        }
+    }
+
+    /// The device the replica computes on.
+    fn device(&self) -> &Device {
+        &self.device
+    }
+
     /// One synchronous data-parallel step on this rank's `batch`; with gradient merge, the
     /// optimizer steps (and gradients are all-reduced) on every k-th batch only.
-    pub fn train_step(&mut self, batch: &Batch) -> Result<StepReport> {
+    fn train_step(&mut self, batch: &Batch) -> Result<StepReport> {
         let started = Instant::now();
         let step = self.step;
         let comm_before = self.comm.busy_time();
@@ -254,66 +208,25 @@ impl Replica {
         record(&mut self.timeline, || format!("loss gather {step}"), "wait", gathering);
         self.step += 1;
         Ok(StepReport {
-            loss: figures.mean_loss,
+            loss: Some(figures.mean_loss),
+            loss_spread: Some(figures.loss_spread),
             lr,
             step_time: started.elapsed(),
             comm_time: self.comm.busy_time().saturating_sub(comm_before),
             exposed_comm_time,
-            loss_spread: figures.loss_spread,
             peak_rss_bytes: figures.peak_rss_bytes,
             peak_activation_bytes: held_bytes + backward.recomputed_bytes,
+            pipeline: None,
+            peak_activations: 0,
             stop_asked: figures.stop,
         })
     }
 
-    /// On a GPU, kernels run after the calls that launch them return: a traced step waits for
-    /// them at the end of each compute span, so that the span is the GPU's time (untraced steps
-    /// never wait).
-    fn settle_for_trace(&self) -> Result<()> {
-        settle_for_trace(&self.timeline, &self.device)
-    }
-
     /// Scores this rank's share of the held-out rows, a piece at a time, and sums the scores
     /// of all ranks.
-    pub fn evaluate(&mut self, share: Pieces) -> Result<Score> {
+    fn evaluate(&mut self, share: Pieces) -> Result<Option<Score>> {
         let score = score_pieces(&self.model, share, self.loss, &self.device)?;
-        sum_over_ranks(&self.comm, score)
-    }
-
-    /// The checksum of this replica's parameters.
-    pub fn checksum(&self) -> Result<ParamChecksum> {
-        Ok(ParamChecksum::of(&self.params)?)
-    }
-
-    /// Compares every replica's checksum; a difference stops training with
-    /// an error naming the ranks that disagree with rank 0, and a parameter
-    /// value that is not finite with one naming this rank and the parameter.
-    pub fn check_replicas_agree(&mut self) -> Result<ParamChecksum> {
-        // One copy of the parameters serves both checks.
-        let values = checksum::values_of(&self.params)?;
-        let mine = ParamChecksum::of_values(&values);
-        let step = self.step;
-        let all = self
-            .comm
-            .run(move |c| c.all_gather(&format!("all-gather of parameter checksums at step {step}"), &mine.0))?;
-        // After the gather, which every rank joins: one rank stopping before it would leave
-        // the others waiting there.
-        checksum::check_finite(self.rank(), step, &values)?;
-        let reference = &all[0];
-        let diverged: Vec<String> = all
-            .iter()
-            .enumerate()
-            .filter(|(_, sum)| *sum != reference)
-            .map(|(rank, sum)| format!("rank {rank} has {}", hex_prefix(sum)))
-            .collect();
-        if !diverged.is_empty() {
-            bail!(
-                "replicas diverged at step {step}: rank 0 has parameter checksum {}, {}",
-                hex_prefix(reference),
-                diverged.join(", ")
-            );
-        }
-        Ok(mine)
+        sum_over_ranks(&self.comm, score).map(Some)
     }
 }
 
@@ -350,8 +263,4 @@ fn settle_for_trace(timeline: &Option<Timeline>, device: &Device) -> Result<()> 
         device.synchronize()?;
     }
     Ok(())
-}
-
-fn hex_prefix(bytes: &[u8]) -> String {
-    hex::encode(&bytes[..bytes.len().min(8)])
 }

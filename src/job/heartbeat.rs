@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 use anyhow::{anyhow, Result};
 use tokio::sync::oneshot;
 
-use crate::actors::rollback::OrderLine;
+use crate::actors::rollback::{OrderLine, RollbackOrder};
 use crate::collective::preemption::is_preemption;
 use crate::config::JobConfig;
 use crate::net::auth::Credentials;
@@ -132,7 +132,7 @@ async fn beat(
             Ok(Ok(Beat::RollBack { generation, reason })) => match orders {
                 Some(orders) => {
                     last_answer = Instant::now();
-                    orders.order(generation, reason);
+                    orders.order(RollbackOrder { generation, reason });
                 }
                 None => return Err(anyhow!("rank {rank}: {reason}")),
             },

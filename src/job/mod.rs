@@ -387,6 +387,7 @@ impl TrainingJob {
             link: Some(link),
             data_endpoint,
             in_place: None,
+            inbox: None,
         }
     }
 

@@ -346,6 +346,7 @@ fn stage_actor(
         generation: Some(generation),
         bus: Some(bus),
         in_place: None,
+        inbox: None,
     }
 }
 

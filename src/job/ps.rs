@@ -20,10 +20,11 @@ use super::outputs::{write_config, write_summary};
 use super::process::{host_of, refused_if_mismatched, RankRecovery, RoleMirror};
 use super::shard_generations::ShardGenerations;
 use super::{FaultPlan, FaultReport, Recovery, Refusal, RunOptions};
+use crate::actors::ctr_device::CtrDevice;
 use crate::actors::ps_trainer::{PsInPlace, PsOutcome, PsTrainer};
 use crate::actors::pserver::{PServer, TakeShardSpans};
 use crate::actors::rollback::OrderLine;
-use crate::actors::{Coordinator, DeviceActor};
+use crate::actors::Coordinator;
 use crate::collective::preemption::PreemptionWatch;
 use crate::config::{DatasetKind, JobConfig, PsMode};
 use crate::data::ctr::{ClickLogParser, CriteoSynth, CtrSource, Split};
@@ -472,13 +473,14 @@ impl ParameterServerJob {
             train_data: self.train_data.clone(),
             test_data: self.test_data.clone(),
             client: Some(client),
-            device: SyncArbiter::start(1, DeviceActor::default),
+            device: SyncArbiter::start(1, CtrDevice::default),
             // Whichever trainer ends at place 0 has the shards save their tables.
             save_tables: true,
             monitor: (rank == 0).then(|| options.monitor(&self.config, rank, "ps_trainer")),
             trace,
             recovery,
             in_place: None,
+            inbox: None,
             faults: None,
         }
     }

@@ -341,13 +341,18 @@ impl StruckCluster<'_> {
             faults: Arc::new(RoleFaults::new(switch.clone(), planned)),
             first,
         });
+        // A rank's actor takes the coordinator's orders as messages: its heartbeats carry none
+        // (one would stop it). A shard, driven by a loop beside its actor, hears them on its
+        // heartbeats.
+        let shard = self.config.cluster.is_parameter_server() && rank < self.config.cluster.server_num;
+        let heard_on_heartbeats = shard.then_some(&orders_in);
         let ended = switch
             .govern(watched(
                 work,
                 rank,
                 CoordinatorAt::InMemory(&line),
                 self.config,
-                Some(&orders_in),
+                heard_on_heartbeats,
             ))
             .await;
         if ended.is_err() {

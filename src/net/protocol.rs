@@ -247,6 +247,32 @@ pub struct ConnectionLost {
     pub line: u64,
 }
 
+/// The coordinator lost a rank: every survivor leaves what it is blocked in and joins generation
+/// `generation`. A message to the rank's actor: sent by a coordinator in the same process, or
+/// handed on by the heartbeat that heard it from one in another.
+#[derive(Message, Debug, Clone, PartialEq, Eq)]
+#[rtype(result = "()")]
+pub struct RollbackOrder {
+    /// The generation to join.
+    pub generation: u64,
+    /// Which rank was lost, and why.
+    pub reason: String,
+}
+
+/// Rank `rank`'s actor, in the coordinator's process, takes the coordinator's rollback orders
+/// as messages (sent by incarnation line `line`): they go to it at once instead of riding on
+/// the answers to its heartbeats.
+#[derive(Message)]
+#[rtype(result = "()")]
+pub struct ReachRank {
+    /// The rank.
+    pub rank: usize,
+    /// The incarnation's line.
+    pub line: u64,
+    /// Its actor.
+    pub actor: Recipient<RollbackOrder>,
+}
+
 /// Where a role's requests to the coordinator go: one recipient per message, so the buses and
 /// the server are independent of the actor that answers them.
 #[derive(Clone)]
@@ -259,6 +285,7 @@ pub struct CoordinatorLine {
     pub(super) list_dead: Recipient<ListDead>,
     pub(super) leave: Recipient<Leave>,
     pub(super) connection_lost: Recipient<ConnectionLost>,
+    reach: Recipient<ReachRank>,
     /// The process this line speaks for: this one, or an incarnation of a role of a simulated
     /// cluster.
     pub(super) process: u32,
@@ -280,6 +307,15 @@ impl CoordinatorLine {
             line: u64::from(self.process),
         });
     }
+
+    /// Rank `rank`'s `actor` takes the coordinator's rollback orders from now on.
+    pub fn reach(&self, rank: usize, actor: Recipient<RollbackOrder>) {
+        self.reach.do_send(ReachRank {
+            rank,
+            line: u64::from(self.process),
+            actor,
+        });
+    }
 }
 
 impl<A> From<Addr<A>> for CoordinatorLine
@@ -291,7 +327,8 @@ where
         + Handler<Heartbeat>
         + Handler<ListDead>
         + Handler<Leave>
-        + Handler<ConnectionLost>,
+        + Handler<ConnectionLost>
+        + Handler<ReachRank>,
     A::Context: ToEnvelope<A, Join>
         + ToEnvelope<A, Barrier>
         + ToEnvelope<A, Gather>
@@ -299,7 +336,8 @@ where
         + ToEnvelope<A, Heartbeat>
         + ToEnvelope<A, ListDead>
         + ToEnvelope<A, Leave>
-        + ToEnvelope<A, ConnectionLost>,
+        + ToEnvelope<A, ConnectionLost>
+        + ToEnvelope<A, ReachRank>,
 {
     fn from(coordinator: Addr<A>) -> Self {
         Self {
@@ -310,7 +348,8 @@ where
             heartbeat: coordinator.clone().recipient(),
             list_dead: coordinator.clone().recipient(),
             leave: coordinator.clone().recipient(),
-            connection_lost: coordinator.recipient(),
+            connection_lost: coordinator.clone().recipient(),
+            reach: coordinator.recipient(),
             process: std::process::id(),
         }
     }

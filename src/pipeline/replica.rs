@@ -2,7 +2,6 @@
 //! pipeline, the optimizer of the stage's parameters, and the data-parallel ring among the
 //! stage's replicas (hybrid data × pipeline parallelism).
 
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, Result};
@@ -13,49 +12,15 @@ use super::partition::{balanced, explicit};
 use super::schedule::ScheduleKind;
 use super::stage::{Chunk, Stage};
 use crate::collective::rank_figures::{JobFigures, RankFigures};
-use crate::collective::training_state::{self, RunRecord};
-use crate::collective::{preemption, sum_over_ranks, GradientSync};
+use crate::collective::{preemption, sum_over_ranks, GradientSync, Held, RankReplica, StepReport};
 use crate::config::{JobConfig, LossKind, ScheduleMode};
-use crate::data::{Batch, DataPosition, Pieces};
-use crate::engines::comm::{CommWorker, Communicator, Shared};
-use crate::models::export::ModelInfo;
+use crate::data::{Batch, Pieces};
+use crate::engines::comm::{CommWorker, Communicator};
 use crate::models::{training_loss, Block, Model, NamedParam, Score};
 use crate::optim::{LrPolicy, Optimizer};
 use crate::refusal::Refusal;
 use crate::telemetry::metrics::peak_rss_bytes;
-use crate::telemetry::timeline::{record, Span, Timeline};
-
-/// What one pipeline step measured on this rank.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct PipelineReport {
-    /// Mean loss over the global batch, on the ranks holding the last virtual stage.
-    pub loss: Option<f32>,
-    /// Learning rate of the step.
-    pub lr: f64,
-    /// Wall time of the step.
-    pub step_time: Duration,
-    /// Time the communication thread spent in the step's all-reduces.
-    pub allreduce_time: Duration,
-    /// Time the step waited for them after the schedule: what backward did not hide.
-    pub exposed_allreduce_time: Duration,
-    /// Most micro-batch activations held at once.
-    pub peak_activations: usize,
-    /// Most bytes of activations held for backward at once.
-    pub peak_activation_bytes: usize,
-    /// Time the stage waited for its neighbours in the schedule (the bubble).
-    pub pipeline_wait: Duration,
-    /// Time of the schedule (forwards, backwards and waits), without the all-reduce and the
-    /// optimizer.
-    pub pipeline_time: Duration,
-    /// Largest minus smallest of the replicas' losses, on the ranks holding the last virtual
-    /// stage.
-    pub loss_spread: Option<f32>,
-    /// The largest peak resident set of the processes of the replicas of the last virtual stage
-    /// (on the ranks holding it; elsewhere this rank's own).
-    pub peak_rss_bytes: u64,
-    /// Whether the job was asked to stop (preemption): the same step on every rank.
-    pub stop_asked: bool,
-}
+use crate::telemetry::timeline::{record, Timeline};
 
 /// A rank's stage, optimizer and links.
 pub struct PipelineReplica {
@@ -199,20 +164,6 @@ impl PipelineReplica {
         })
     }
 
-    /// The stage's parameters, optimizer state, batches trained and the `losses` it saw, to `out` as one
-    /// checkpoint file.
-    pub fn save_state(&self, out: &mut dyn std::io::Write, export: &ModelInfo, run: &RunRecord) -> Result<()> {
-        training_state::write(out, &self.params, export, &self.optimizer, self.step, run)
-    }
-
-    /// Continues from a state saved by [`PipelineReplica::save_state`] (by this stage of any
-    /// replica), as if never stopped; returns the run record it held.
-    pub fn restore_state(&mut self, bytes: &[u8]) -> Result<RunRecord> {
-        let restored = training_state::restore(bytes, &self.params, &mut self.optimizer)?;
-        self.step = restored.batches;
-        Ok(restored.run)
-    }
-
     /// Goes on over new links to the neighbour stages and a new ring among the stage's replicas
     /// (a rollback rebuilt them): the batches merged so far are dropped; the state comes from a
     /// snapshot next.
@@ -224,28 +175,45 @@ impl PipelineReplica {
         Ok(())
     }
 
-    /// Every replica's `mine` joined: where each part of the streamed data is, whichever
-    /// replica reads it.
-    pub fn join_data_positions(&mut self, mine: &DataPosition) -> Result<DataPosition> {
-        let mine = serde_json::to_vec(mine)?;
-        self.data_parallel
-            .run(move |c| training_state::join_data_positions(c, &mine))
+    /// `batch` cut into the step's micro-batches: inputs and labels.
+    fn micro_batches(&self, batch: &Batch) -> Result<(Vec<Tensor>, Vec<Tensor>)> {
+        let m = self.micro_batches;
+        let rows = batch.rows();
+        anyhow::ensure!(
+            rows.is_multiple_of(m) && rows > 0,
+            "a batch of {rows} rows does not split into {m} micro-batches"
+        );
+        let (x, y) = batch.tensors(&self.device)?;
+        let size = rows / m;
+        let inputs = (0..m)
+            .map(|i| x.narrow(0, i * size, size))
+            .collect::<candle_core::Result<_>>()?;
+        let labels = (0..m)
+            .map(|i| y.narrow(0, i * size, size))
+            .collect::<candle_core::Result<_>>()?;
+        Ok((inputs, labels))
+    }
+}
+
+impl RankReplica for PipelineReplica {
+    fn held(&mut self) -> Held<'_> {
+        Held {
+            params: &self.params,
+            optimizer: &mut self.optimizer,
+            step: &mut self.step,
+            ring: &self.data_parallel,
+            timeline: &mut self.timeline,
+        }
     }
 
-    /// Gives the stage's state after step `step` — `mine`, where this rank holds it — to the
-    /// stage's replicas that lack it (healing from a peer).
-    pub fn share_state(&mut self, step: usize, mine: Option<Arc<Vec<u8>>>) -> Result<Shared> {
-        self.data_parallel.run(move |c| {
-            c.share(
-                &format!("the stage's state of step {step}"),
-                mine.as_deref().map(Vec::as_slice),
-            )
-        })
+    /// The device the stage computes on.
+    fn device(&self) -> &Device {
+        &self.device
     }
 
     /// One step on this replica's part of the global batch; with gradient merge, the optimizer
     /// steps (and gradients are all-reduced) on every k-th batch only.
-    pub fn train_step(&mut self, batch: &Batch) -> Result<PipelineReport> {
+    fn train_step(&mut self, batch: &Batch) -> Result<StepReport> {
         let started = Instant::now();
         let at = self.step;
         let lr = self.lr_policy.at(self.gradients.optimizer_step(at));
@@ -314,18 +282,17 @@ impl PipelineReplica {
             self.stop_decided = figures.stop;
         }
         self.step += 1;
-        Ok(PipelineReport {
+        Ok(StepReport {
             loss: self.holds_loss.then_some(figures.mean_loss),
             loss_spread: self.holds_loss.then_some(figures.loss_spread),
             peak_rss_bytes: figures.peak_rss_bytes,
             lr,
             step_time: started.elapsed(),
-            allreduce_time: self.data_parallel.busy_time().saturating_sub(comm_before),
-            exposed_allreduce_time: exposed,
+            comm_time: self.data_parallel.busy_time().saturating_sub(comm_before),
+            exposed_comm_time: exposed,
             peak_activations: step.peak_activations,
             peak_activation_bytes: step.peak_activation_bytes,
-            pipeline_wait: step.waiting,
-            pipeline_time: step.elapsed,
+            pipeline: Some((step.waiting, step.elapsed)),
             stop_asked: deciding || heard.backward,
         })
     }
@@ -334,7 +301,7 @@ impl PipelineReplica {
     /// on the ranks holding the last virtual stage. The rows go through the pipeline a piece at
     /// a time, each piece cut into up to `accumulate_steps` micro-batches of near-equal size;
     /// every stage of a replica reads the same share.
-    pub fn evaluate(&mut self, share: Pieces) -> Result<Option<Score>> {
+    fn evaluate(&mut self, share: Pieces) -> Result<Option<Score>> {
         let mut score = Score::default();
         for piece in share {
             let piece = piece?;
@@ -357,47 +324,5 @@ impl PipelineReplica {
             return Ok(None);
         }
         sum_over_ranks(&self.data_parallel, score).map(Some)
-    }
-
-    /// The device the stage computes on.
-    pub fn device(&self) -> &Device {
-        &self.device
-    }
-
-    /// Starts recording a timeline, measured from `origin`.
-    pub fn trace_from(&mut self, origin: Instant) {
-        self.timeline = Some(Timeline::new(origin));
-    }
-
-    /// The spans recorded so far (none unless tracing).
-    pub fn take_spans(&mut self) -> Vec<Span> {
-        self.timeline.as_mut().map(Timeline::take).unwrap_or_default()
-    }
-
-    /// The stage's parameters by name.
-    pub fn parameters(&self) -> Result<Vec<(String, Vec<f32>)>> {
-        self.params
-            .iter()
-            .map(|p| Ok((p.name.clone(), p.var.flatten_all()?.to_vec1::<f32>()?)))
-            .collect()
-    }
-
-    /// `batch` cut into the step's micro-batches: inputs and labels.
-    fn micro_batches(&self, batch: &Batch) -> Result<(Vec<Tensor>, Vec<Tensor>)> {
-        let m = self.micro_batches;
-        let rows = batch.rows();
-        anyhow::ensure!(
-            rows.is_multiple_of(m) && rows > 0,
-            "a batch of {rows} rows does not split into {m} micro-batches"
-        );
-        let (x, y) = batch.tensors(&self.device)?;
-        let size = rows / m;
-        let inputs = (0..m)
-            .map(|i| x.narrow(0, i * size, size))
-            .collect::<candle_core::Result<_>>()?;
-        let labels = (0..m)
-            .map(|i| y.narrow(0, i * size, size))
-            .collect::<candle_core::Result<_>>()?;
-        Ok((inputs, labels))
     }
 }

@@ -1,0 +1,169 @@
+//! What a rank's device thread holds, whatever the strategy: a replica of what it trains (the
+//! whole model of a data-parallel rank, a pipeline rank's stage) with its optimizer and the
+//! ring among the replicas holding the same parameters. The step and evaluation differ per
+//! strategy; saving, restoring and sharing the state, joining data positions, the timeline and
+//! reading the parameters are written here once, over what [`RankReplica::held`] lends.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Result};
+use candle_core::Device;
+
+use super::training_state::{self, RunRecord};
+use super::{checksum, ParamChecksum};
+use crate::data::{Batch, DataPosition, Pieces};
+use crate::engines::comm::{CommWorker, Shared};
+use crate::models::export::ModelInfo;
+use crate::models::{NamedParam, Score};
+use crate::optim::Optimizer;
+use crate::telemetry::timeline::{Span, Timeline};
+
+/// One training step as a rank measured it, whatever its strategy.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct StepReport {
+    /// Mean loss over the global batch; `None` on a pipeline stage that does not hold it.
+    pub loss: Option<f32>,
+    /// Largest minus smallest of the replicas' losses, where the loss is held.
+    pub loss_spread: Option<f32>,
+    /// Learning rate of the step.
+    pub lr: f64,
+    /// Wall time of the step on this rank.
+    pub step_time: Duration,
+    /// Time the communication thread spent in the step's collectives.
+    pub comm_time: Duration,
+    /// The part of it compute did not hide: the time the step waited for it.
+    pub exposed_comm_time: Duration,
+    /// A pipeline stage's wait for its neighbours, and its schedule's time (forwards, backwards
+    /// and waits, without the all-reduce and the optimizer).
+    pub pipeline: Option<(Duration, Duration)>,
+    /// Most micro-batch activations held at once (a pipeline's schedule; 0 elsewhere).
+    pub peak_activations: usize,
+    /// Most bytes of activations held for backward at once: what forward kept, plus the block
+    /// outputs recomputation made again.
+    pub peak_activation_bytes: usize,
+    /// The largest peak resident set of the processes reported on.
+    pub peak_rss_bytes: u64,
+    /// Whether any rank was asked to stop (preemption): the same step on every rank.
+    pub stop_asked: bool,
+}
+
+/// What a replica lends the calls written once for all: its parameters, optimizer, batches
+/// trained, the ring among the replicas of the same parameters, and its timeline.
+pub struct Held<'a> {
+    /// The parameters, in model (or stage) order.
+    pub params: &'a [NamedParam],
+    /// Their optimizer.
+    pub optimizer: &'a mut Optimizer,
+    /// Batches trained.
+    pub step: &'a mut usize,
+    /// The ring among the replicas holding the same parameters.
+    pub ring: &'a CommWorker,
+    /// Spans recorded, when tracing.
+    pub timeline: &'a mut Option<Timeline>,
+}
+
+/// A rank's replica on its device thread: what differs per strategy is the step and the
+/// evaluation; the rest is provided over [`RankReplica::held`].
+pub trait RankReplica: Send {
+    /// Lends what the provided calls work on.
+    fn held(&mut self) -> Held<'_>;
+
+    /// The device the replica computes on.
+    fn device(&self) -> &Device;
+
+    /// One step on this rank's part of the global batch.
+    fn train_step(&mut self, batch: &Batch) -> Result<StepReport>;
+
+    /// The score of `share` (this replica's part of the held-out split) summed over the
+    /// replicas; `None` where the rank holds no output (a pipeline stage before the last).
+    fn evaluate(&mut self, share: Pieces) -> Result<Option<Score>>;
+
+    /// The parameters (a model file's, `export` describing the model), optimizer state, batches
+    /// trained and `run`, to `out` as one checkpoint file.
+    fn save_state(&mut self, out: &mut dyn std::io::Write, export: &ModelInfo, run: &RunRecord) -> Result<()> {
+        let held = self.held();
+        training_state::write(out, held.params, export, held.optimizer, *held.step, run)
+    }
+
+    /// Continues from a state saved by [`RankReplica::save_state`] (by the same part of any
+    /// replica), as if never stopped; answers the run record it held.
+    fn restore_state(&mut self, bytes: &[u8]) -> Result<RunRecord> {
+        let held = self.held();
+        let restored = training_state::restore(bytes, held.params, held.optimizer)?;
+        *held.step = restored.batches;
+        Ok(restored.run)
+    }
+
+    /// Gives the state after step `step` — `mine`, where this rank holds it — to the replicas
+    /// that lack it (healing from a peer).
+    fn share_state(&mut self, step: usize, mine: Option<Arc<Vec<u8>>>) -> Result<Shared> {
+        self.held()
+            .ring
+            .run(move |c| c.share(&format!("the state of step {step}"), mine.as_deref().map(Vec::as_slice)))
+    }
+
+    /// Every replica's `mine` joined: where each part of the streamed data is, whichever
+    /// replica reads it.
+    fn join_data_positions(&mut self, mine: &DataPosition) -> Result<DataPosition> {
+        let mine = serde_json::to_vec(mine)?;
+        self.held()
+            .ring
+            .run(move |c| training_state::join_data_positions(c, &mine))
+    }
+
+    /// Starts recording a timeline, measured from `origin`.
+    fn trace_from(&mut self, origin: Instant) {
+        *self.held().timeline = Some(Timeline::new(origin));
+    }
+
+    /// The spans recorded so far (none unless tracing).
+    fn take_spans(&mut self) -> Vec<Span> {
+        self.held().timeline.as_mut().map(Timeline::take).unwrap_or_default()
+    }
+
+    /// The parameters' values by name.
+    fn parameters(&mut self) -> Result<Vec<(String, Vec<f32>)>> {
+        self.held()
+            .params
+            .iter()
+            .map(|p| Ok((p.name.clone(), p.var.flatten_all()?.to_vec1::<f32>()?)))
+            .collect()
+    }
+
+    /// Compares every replica's checksum; a difference stops training with
+    /// an error naming the ranks that disagree with rank 0, and a parameter
+    /// value that is not finite with one naming this rank and the parameter.
+    fn check_replicas_agree(&mut self) -> Result<ParamChecksum> {
+        // One copy of the parameters serves both checks.
+        let held = self.held();
+        let values = checksum::values_of(held.params)?;
+        let mine = ParamChecksum::of_values(&values);
+        let step = *held.step;
+        let all = held
+            .ring
+            .run(move |c| c.all_gather(&format!("all-gather of parameter checksums at step {step}"), &mine.0))?;
+        // After the gather, which every rank joins: one rank stopping before it would leave
+        // the others waiting there.
+        checksum::check_finite(held.ring.rank(), step, &values)?;
+        let reference = &all[0];
+        let diverged: Vec<String> = all
+            .iter()
+            .enumerate()
+            .filter(|(_, sum)| *sum != reference)
+            .map(|(rank, sum)| format!("rank {rank} has {}", hex_prefix(sum)))
+            .collect();
+        if !diverged.is_empty() {
+            bail!(
+                "replicas diverged at step {step}: rank 0 has parameter checksum {}, {}",
+                hex_prefix(reference),
+                diverged.join(", ")
+            );
+        }
+        Ok(mine)
+    }
+}
+
+fn hex_prefix(bytes: &[u8]) -> String {
+    hex::encode(&bytes[..bytes.len().min(8)])
+}
