@@ -18,7 +18,7 @@ use crate::collective::training_state::RunRecord;
 use crate::collective::StepReport;
 use crate::config::JobConfig;
 use crate::data::{Batch, Pieces};
-use crate::models::Score;
+use crate::models::{HeldOut, Score};
 use crate::telemetry::monitor::StepSample;
 
 /// What a strategy's rank does differently in its steps.
@@ -158,21 +158,7 @@ pub(crate) async fn train_generation<S: StrategySteps>(
         if let Some(loss) = report.loss {
             generation.losses.push(loss);
             if let Some(monitor) = &mut run.monitor {
-                let sample = StepSample {
-                    loss,
-                    loss_spread: report.loss_spread,
-                    lr: report.lr,
-                    step_time: report.step_time,
-                    comm_time: report.comm_time,
-                    exposed_comm_time: report.exposed_comm_time,
-                    bubble_fraction: report
-                        .pipeline
-                        .map(|(wait, time)| wait.as_secs_f64() / time.as_secs_f64().max(1e-9)),
-                    peak_rss_bytes: report.peak_rss_bytes,
-                    sparse_tables: None,
-                    eval,
-                };
-                monitor.record(step + 1, sample)?;
+                monitor.record(step + 1, sample_of(&report, loss, eval))?;
             }
             check_loss(rank, step + 1, loss)?;
         }
@@ -201,4 +187,23 @@ pub(crate) async fn train_generation<S: StrategySteps>(
         trace.write(rank, &place.role, run.clock_offset_us, spans)?;
     }
     Ok(generation)
+}
+
+/// The monitor's sample of a step whose global mean loss is `loss`, scored `eval` on the
+/// held-out split where it was.
+fn sample_of(report: &StepReport, loss: f32, eval: Option<HeldOut>) -> StepSample {
+    StepSample {
+        loss,
+        loss_spread: report.loss_spread,
+        lr: report.lr,
+        step_time: report.step_time,
+        comm_time: report.comm_time,
+        exposed_comm_time: report.exposed_comm_time,
+        bubble_fraction: report
+            .pipeline
+            .map(|(wait, time)| wait.as_secs_f64() / time.as_secs_f64().max(1e-9)),
+        peak_rss_bytes: report.peak_rss_bytes,
+        sparse_tables: None,
+        eval,
+    }
 }

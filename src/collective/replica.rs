@@ -10,7 +10,7 @@ use super::evaluation::{score_pieces, sum_over_ranks};
 use super::preemption;
 use super::rank_figures::RankFigures;
 use super::rank_replica::{Held, RankReplica, StepReport};
-use super::{GradientSync, ParamChecksum};
+use super::{Averaged, GradientSync, ParamChecksum};
 use crate::config::{JobConfig, LossKind};
 use crate::data::{Batch, Pieces};
 use crate::engines::comm::CommWorker;
@@ -109,6 +109,25 @@ impl Replica {
         broadcast_parameters(&self.comm, &self.params)
     }
 
+    /// The optimizer's step on step `step`'s `averaged` gradients, clipped to the global norm
+    /// where the job asks.
+    fn apply(&mut self, mut averaged: Averaged, step: usize) -> Result<()> {
+        let stepping = Instant::now();
+        if self.grad_clip_norm > 0.0 {
+            let vars: Vec<Var> = self.params.iter().map(|p| p.var.clone()).collect();
+            clip_by_global_norm(&mut averaged.grads, &vars, self.grad_clip_norm)?;
+        }
+        self.optimizer.step(&averaged.grads)?;
+        settle_for_trace(&self.timeline, &self.device)?;
+        record(
+            &mut self.timeline,
+            || format!("optimizer {step}"),
+            "optimizer",
+            stepping,
+        );
+        Ok(())
+    }
+
     /// On a GPU, kernels run after the calls that launch them return: a traced step waits for
     /// them at the end of each compute span, so that the span is the GPU's time (untraced steps
     /// never wait).
@@ -179,21 +198,9 @@ impl RankReplica for Replica {
         );
 
         let mut exposed_comm_time = Duration::ZERO;
-        if let Some(mut averaged) = gradients.finish(&mut self.timeline)? {
+        if let Some(averaged) = gradients.finish(&mut self.timeline)? {
             exposed_comm_time = averaged.exposed;
-            let stepping = Instant::now();
-            if self.grad_clip_norm > 0.0 {
-                let vars: Vec<Var> = self.params.iter().map(|p| p.var.clone()).collect();
-                clip_by_global_norm(&mut averaged.grads, &vars, self.grad_clip_norm)?;
-            }
-            self.optimizer.step(&averaged.grads)?;
-            settle_for_trace(&self.timeline, &self.device)?;
-            record(
-                &mut self.timeline,
-                || format!("optimizer {step}"),
-                "optimizer",
-                stepping,
-            );
+            self.apply(averaged, step)?;
         }
 
         let gathering = Instant::now();

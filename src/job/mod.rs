@@ -45,7 +45,7 @@ use anyhow::{Context, Result};
 use crate::actors::device::{ModelFactory, RingLink};
 use crate::actors::rank_parts::RankParts;
 use crate::actors::{DeviceActor, Trainer};
-use crate::config::{DatasetKind, JobConfig, LossKind, ModelKind};
+use crate::config::{DatasetKind, JobConfig, LossKind, ModelKind, TrainConfig};
 use crate::data::ctr::DataLayout;
 use crate::data::table::{streamed_splits, table_splits, Columns, TableFormat};
 use crate::data::text::TextCorpus;
@@ -272,37 +272,7 @@ impl TrainingJob {
                 in_memory((train_windows, test_windows))
             }
             DatasetKind::Csv | DatasetKind::Parquet | DatasetKind::Arrays => {
-                let format = match train.dataset {
-                    DatasetKind::Parquet => TableFormat::Parquet,
-                    DatasetKind::Arrays => TableFormat::Arrays,
-                    _ => TableFormat::Csv,
-                };
-                let columns = Columns {
-                    label: Some(&train.label_column),
-                    features: train.feature_columns.as_deref(),
-                    regression: train.loss.is_some_and(LossKind::is_regression),
-                };
-                let (splits, feature_columns) = match train.data_parts {
-                    // Cut into parts: streamed from the files, each rank reading its own.
-                    Some(parts) => {
-                        let layout = DataLayout::of(train, parts);
-                        let (streamed, test, outputs) =
-                            streamed_splits(format, &train.train_files, &train.test_files, columns, layout)?;
-                        let feature_columns = streamed.feature_columns.clone();
-                        ((streamed.into(), test.into(), outputs), feature_columns)
-                    }
-                    None => {
-                        let splits = table_splits(
-                            format,
-                            &train.train_files,
-                            &train.test_files,
-                            columns,
-                            train.test_fraction,
-                            train.seed,
-                        )?;
-                        (in_memory((splits.train, splits.test)), splits.feature_columns)
-                    }
-                };
+                let (splits, feature_columns) = table_data(train)?;
                 extra.insert("feature_columns".to_string(), serde_json::to_string(&feature_columns)?);
                 splits
             }
@@ -310,30 +280,7 @@ impl TrainingJob {
                 anyhow::bail!("click logs train on parameter servers: see `ParameterServerJob`")
             }
         };
-        let spec = match train.model {
-            ModelKind::Mlp => ModelSpec::Mlp {
-                inputs: train_data.dim(),
-                hidden: train.hidden_sizes(),
-                outputs,
-            },
-            ModelKind::Gpt => ModelSpec::Gpt(GptConfig {
-                vocab: outputs,
-                block_size: train.gpt.block_size,
-                n_layer: train.gpt.n_layer,
-                n_head: train.gpt.n_head,
-                n_embd: train.gpt.n_embd,
-                // The head's own weight: a tied one needs the embedding and the head in one
-                // backward pass, which neither per-block data parallelism nor stages at both
-                // ends of a pipeline give.
-                tie_head: false,
-            }),
-            ModelKind::WideDeep | ModelKind::DeepFm | ModelKind::Custom => {
-                anyhow::bail!(
-                    "{} trains on parameter servers: see `ParameterServerJob`",
-                    train.model.name()
-                )
-            }
-        };
+        let spec = model_spec(train, train_data.dim(), outputs)?;
         let builder = spec.clone();
         let mut job = Self::new(
             config,
@@ -461,4 +408,69 @@ impl TrainingJob {
             process::run(self, rank, options)
         }
     }
+}
+
+/// The splits of a table dataset (CSV, Parquet, arrays) and its feature columns: streamed from
+/// the files, each rank reading its own parts, when cut into parts (`train.data_parts`); else in
+/// memory.
+fn table_data(train: &TrainConfig) -> Result<((RowSource, RowSource, usize), Vec<String>)> {
+    let format = match train.dataset {
+        DatasetKind::Parquet => TableFormat::Parquet,
+        DatasetKind::Arrays => TableFormat::Arrays,
+        _ => TableFormat::Csv,
+    };
+    let columns = Columns {
+        label: Some(&train.label_column),
+        features: train.feature_columns.as_deref(),
+        regression: train.loss.is_some_and(LossKind::is_regression),
+    };
+    Ok(match train.data_parts {
+        // Cut into parts: streamed from the files, each rank reading its own.
+        Some(parts) => {
+            let layout = DataLayout::of(train, parts);
+            let (streamed, test, outputs) =
+                streamed_splits(format, &train.train_files, &train.test_files, columns, layout)?;
+            let feature_columns = streamed.feature_columns.clone();
+            ((streamed.into(), test.into(), outputs), feature_columns)
+        }
+        None => {
+            let splits = table_splits(
+                format,
+                &train.train_files,
+                &train.test_files,
+                columns,
+                train.test_fraction,
+                train.seed,
+            )?;
+            (in_memory((splits.train, splits.test)), splits.feature_columns)
+        }
+    })
+}
+
+/// The model `train` asks for, over `inputs` features and `outputs` outputs.
+fn model_spec(train: &TrainConfig, inputs: usize, outputs: usize) -> Result<ModelSpec> {
+    Ok(match train.model {
+        ModelKind::Mlp => ModelSpec::Mlp {
+            inputs,
+            hidden: train.hidden_sizes(),
+            outputs,
+        },
+        ModelKind::Gpt => ModelSpec::Gpt(GptConfig {
+            vocab: outputs,
+            block_size: train.gpt.block_size,
+            n_layer: train.gpt.n_layer,
+            n_head: train.gpt.n_head,
+            n_embd: train.gpt.n_embd,
+            // The head's own weight: a tied one needs the embedding and the head in one
+            // backward pass, which neither per-block data parallelism nor stages at both
+            // ends of a pipeline give.
+            tie_head: false,
+        }),
+        ModelKind::WideDeep | ModelKind::DeepFm | ModelKind::Custom => {
+            anyhow::bail!(
+                "{} trains on parameter servers: see `ParameterServerJob`",
+                train.model.name()
+            )
+        }
+    })
 }

@@ -22,8 +22,8 @@ use super::shard_generations::ShardGenerations;
 use super::{FaultPlan, FaultReport, Recovery, Refusal, RunOptions};
 use crate::actors::ctr_device::CtrDevice;
 use crate::actors::ps_trainer::{PsInPlace, PsOutcome, PsTrainer};
-use crate::actors::pserver::{PServer, TakeShardSpans};
-use crate::actors::rollback::OrderLine;
+use crate::actors::pserver::{PServer, TakeShardSpans, WrittenCheckpoint};
+use crate::actors::rollback::{OrderLine, Orders};
 use crate::actors::Coordinator;
 use crate::collective::preemption::PreemptionWatch;
 use crate::config::{DatasetKind, JobConfig, PsMode};
@@ -264,65 +264,43 @@ impl ParameterServerJob {
 
     /// Serves shard `index` at `cluster.pservers[index]` until every trainer has left.
     pub fn run_server(&self, index: usize, options: &RunOptions) -> Result<()> {
+        let ShardStart {
+            endpoint,
+            listener,
+            recovery,
+            order_line,
+            orders,
+            shard,
+            mirror,
+            timeout,
+            credentials,
+            heartbeats,
+            _watch,
+        } = self.start_server(index, options)?;
         let config = self.config.clone();
-        let endpoint = config.cluster.pservers.get(index).cloned().with_context(|| {
-            format!("parameter server {index}: cluster.pservers (PADDLE_PSERVERS_IP_PORT_LIST) has no entry {index}")
-        })?;
-        let listener = TcpListener::bind(&endpoint)
-            .with_context(|| format!("parameter server {index}: cannot listen on {endpoint}"))?;
-        listener.set_nonblocking(true)?;
-        let RankRecovery { recovery, orders } = RankRecovery::plan(&config, options)?;
-        let shard = start_shard(self, index, &recovery)?;
-        // A shard that rolls back in place keeps a copy of its state on the next node.
-        let mirror = match orders.is_some() {
-            true => RoleMirror::bind(&config, host_of(&endpoint), &recovery)?,
-            false => None,
-        };
-        let timeout = config.fault_tolerance.timeout();
-        let credentials = Credentials::of_cluster(&config.cluster, timeout)?;
-        tracing::info!(
-            "parameter server {index} of {} listening on {endpoint}",
-            config.cluster.server_num
-        );
-        let heartbeats = self.heartbeat_line(index)?;
-        let (order_line, orders) = orders.unzip();
-        // Sync mode: a first SIGTERM does not end the shard, which tells the trainers at their
-        // next step and serves on until they checkpointed and left; the other modes end at once.
-        let _watch = (config.strategy.ps_mode() == PsMode::Sync)
-            .then(PreemptionWatch::install)
-            .transpose()?;
         System::new()
             .block_on(async move {
                 let max_frame = config.cluster.max_frame_bytes();
                 // Without a coordinator process of its own, server 0 hosts it.
-                if let (0, Some((master, credentials)), None) = (index, &heartbeats, &orders) {
-                    let coordinator = Coordinator::new(config.roles(), timeout).with_names_of(&config);
-                    host_coordinator(coordinator, master, &config.fault_tolerance, max_frame, credentials)
-                        .await
-                        .with_context(|| format!("parameter server {index}"))?;
+                if let (0, Some(at), None) = (index, &heartbeats, &orders) {
+                    host_job_coordinator(&config, at).await?;
                 }
                 let listener = tokio::net::TcpListener::from_std(listener)?;
                 let (all_left, done) = oneshot::channel();
                 let trace = options.trace_target();
-                let origin = trace.as_ref().map(|t| t.origin.instant);
-                // Measured at start, while the coordinator surely serves.
+                // Measured at start, while the coordinator surely serves; server 0 hosting the
+                // coordinator shares its clock.
                 let clock_offset_us = match (&trace, &heartbeats) {
-                    // Server 0 hosting the coordinator shares its clock.
-                    (Some(_), Some((master, credentials))) if index > 0 || orders.is_some() => {
-                        let mut bus = ControlBus::connect(master, timeout, max_frame, credentials).await?;
-                        bus.clock_offset_us().await?
+                    (Some(_), Some(at)) if index > 0 || orders.is_some() => {
+                        clock_offset_us(at, timeout, max_frame).await?
                     }
                     _ => 0.0,
                 };
                 let (acknowledge, acks) = mpsc::unbounded_channel();
-                let server = PServer::new(shard, all_left, timeout)
-                    .traced_from(origin)
-                    .writing_in(&options.run_dir, recovery.store.as_ref().map(|store| store.root()));
-                let server = match &orders {
-                    Some(_) => server.recovering_in_place(recovery.start_step().unwrap_or(0) as u64, acknowledge)?,
-                    None => server,
-                };
-                let actor = PServer::start_in_arbiter(&Arbiter::new().handle(), move |_| server);
+                let in_place = orders.is_some().then_some(acknowledge);
+                let server =
+                    PServer::new(shard, all_left, timeout).traced_from(trace.as_ref().map(|t| t.origin.instant));
+                let actor = shard_actor(server, options, &recovery, in_place)?;
                 let open = Arc::new(AtomicUsize::new(0));
                 actix::spawn(serve_shard(
                     listener,
@@ -352,12 +330,7 @@ impl ParameterServerJob {
                             .await
                             .map_err(|_| anyhow!("parameter server {index} stopped before every trainer left"))?,
                     }
-                    // The last trainer's leave is answered after the shard learns of it: wait
-                    // (boundedly) until the trainers have read their answers and hung up.
-                    let deadline = tokio::time::Instant::now() + LEAVE_GRACE;
-                    while open.load(Ordering::SeqCst) > 0 && tokio::time::Instant::now() < deadline {
-                        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
-                    }
+                    wait_for_hang_ups(&open).await;
                     tracing::info!("parameter server {index}: every trainer has left; shutting down");
                     if let Some(trace) = &trace {
                         let spans = actor.send(TakeShardSpans).await?;
@@ -368,6 +341,45 @@ impl ParameterServerJob {
                 with_heartbeats(serving, index, heartbeats.as_ref(), &config, order_line.as_ref()).await
             })
             .map_err(refused_if_mismatched)
+    }
+
+    /// What shard `index` serves with, set up before its actor system starts.
+    fn start_server(&self, index: usize, options: &RunOptions) -> Result<ShardStart> {
+        let config = &self.config;
+        let (endpoint, listener) = shard_listener(config, index)?;
+        let RankRecovery { recovery, orders } = RankRecovery::plan(config, options)?;
+        let shard = start_shard(self, index, &recovery)?;
+        // A shard that rolls back in place keeps a copy of its state on the next node.
+        let mirror = match orders.is_some() {
+            true => RoleMirror::bind(config, host_of(&endpoint), &recovery)?,
+            false => None,
+        };
+        let timeout = config.fault_tolerance.timeout();
+        let credentials = Credentials::of_cluster(&config.cluster, timeout)?;
+        tracing::info!(
+            "parameter server {index} of {} listening on {endpoint}",
+            config.cluster.server_num
+        );
+        let heartbeats = self.heartbeat_line(index)?;
+        let (order_line, orders) = orders.unzip();
+        // Sync mode: a first SIGTERM does not end the shard, which tells the trainers at their
+        // next step and serves on until they checkpointed and left; the other modes end at once.
+        let watch = (config.strategy.ps_mode() == PsMode::Sync)
+            .then(PreemptionWatch::install)
+            .transpose()?;
+        Ok(ShardStart {
+            endpoint,
+            listener,
+            recovery,
+            order_line,
+            orders,
+            shard,
+            mirror,
+            timeout,
+            credentials,
+            heartbeats,
+            _watch: watch,
+        })
     }
 
     /// Where role `rank` (servers first, then trainers) heartbeats, when the job has a
@@ -661,4 +673,79 @@ pub fn shard_index_from_env(job: &JobConfig) -> Result<usize> {
                 job.cluster.pservers
             )
         })
+}
+
+/// Shard `index`'s endpoint (`cluster.pservers`) and its listener, bound there.
+fn shard_listener(config: &JobConfig, index: usize) -> Result<(String, TcpListener)> {
+    let endpoint = config.cluster.pservers.get(index).cloned().with_context(|| {
+        format!("parameter server {index}: cluster.pservers (PADDLE_PSERVERS_IP_PORT_LIST) has no entry {index}")
+    })?;
+    let listener = TcpListener::bind(&endpoint)
+        .with_context(|| format!("parameter server {index}: cannot listen on {endpoint}"))?;
+    listener.set_nonblocking(true)?;
+    Ok((endpoint, listener))
+}
+
+/// How far the clock of the coordinator at `master` is ahead of this process's, in µs.
+async fn clock_offset_us(
+    (master, credentials): &(String, Credentials),
+    timeout: std::time::Duration,
+    max_frame: usize,
+) -> Result<f64> {
+    let mut bus = ControlBus::connect(master, timeout, max_frame, credentials).await?;
+    bus.clock_offset_us().await
+}
+
+/// The last trainer's leave is answered after the shard learns of it: waits (boundedly) until
+/// the trainers have read their answers and hung up (`open` connections left).
+async fn wait_for_hang_ups(open: &AtomicUsize) {
+    let deadline = tokio::time::Instant::now() + LEAVE_GRACE;
+    while open.load(Ordering::SeqCst) > 0 && tokio::time::Instant::now() < deadline {
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+}
+
+/// A shard's process before its actor system starts: where it listens, what it recovers from,
+/// how it hears rollback orders and heartbeats to the coordinator.
+struct ShardStart {
+    endpoint: String,
+    listener: TcpListener,
+    recovery: Recovery,
+    order_line: Option<OrderLine>,
+    orders: Option<Orders>,
+    shard: Shard,
+    mirror: Option<RoleMirror>,
+    timeout: std::time::Duration,
+    credentials: Credentials,
+    heartbeats: Option<(String, Credentials)>,
+    /// Held while the shard serves (sync mode's first SIGTERM).
+    _watch: Option<PreemptionWatch>,
+}
+
+/// Starts `server` on an arbiter of its own, writing in the run directory and the checkpoint
+/// store; recovering in place (its checkpoint files handed to
+/// `acknowledge`) where the job does.
+fn shard_actor(
+    server: PServer,
+    options: &RunOptions,
+    recovery: &Recovery,
+    acknowledge: Option<mpsc::UnboundedSender<WrittenCheckpoint>>,
+) -> Result<Addr<PServer>> {
+    let server = server.writing_in(&options.run_dir, recovery.store.as_ref().map(|store| store.root()));
+    let server = match acknowledge {
+        Some(acknowledge) => server.recovering_in_place(recovery.start_step().unwrap_or(0) as u64, acknowledge)?,
+        None => server,
+    };
+    Ok(PServer::start_in_arbiter(&Arbiter::new().handle(), move |_| server))
+}
+
+/// Hosts the coordinator of `config`'s job at `master`, in server 0's process (a job without a
+/// coordinator process of its own).
+async fn host_job_coordinator(config: &JobConfig, (master, credentials): &(String, Credentials)) -> Result<()> {
+    let coordinator = Coordinator::new(config.roles(), config.fault_tolerance.timeout()).with_names_of(config);
+    let max_frame = config.cluster.max_frame_bytes();
+    host_coordinator(coordinator, master, &config.fault_tolerance, max_frame, credentials)
+        .await
+        .context("parameter server 0")?;
+    Ok(())
 }

@@ -9,6 +9,8 @@
 //! not end the trainer: it joins the next generation, restores its own state of the committed
 //! checkpoint (geo's; the shards hold the rest) and trains on from that step.
 
+mod steps;
+
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -16,31 +18,26 @@ use actix::prelude::*;
 use anyhow::{anyhow, Context as _, Result};
 
 use super::buddy::Buddy;
-use super::ctr_device::{
-    CtrDevice, CtrOwnState, FlushCtr, PlanCtr, PredictCtr, PrepareCtr, RestoreCtrOwnState, TrainCtr,
-};
-use super::divergence::check_loss;
+use super::ctr_device::{CtrDevice, CtrOwnState, FlushCtr, PlanCtr, PredictCtr, PrepareCtr, RestoreCtrOwnState};
 use super::faults::RoleFaults;
 use super::kept::{acknowledge_checkpoint, Kept};
 use super::ps_requests::{pull_rows, pull_when_ready, push, shard_stats, sparse_table_metrics, Pulled};
-use super::recovery::{Recovery, StopAtCheckpoint};
+use super::recovery::Recovery;
 use super::rollback::{OrderInbox, Orders, RollbackOrder};
 use super::LOSSES_RESERVED;
 use crate::checkpoint::HeldFile;
 use crate::collective::preemption::is_preemption;
 use crate::config::TrainLength;
 use crate::config::{JobConfig, PsMode};
-use crate::data::ctr::{CtrLoader, CtrSource, DataLayout, DataPosition};
+use crate::data::ctr::{CtrLoader, CtrSource, DataPosition};
 use crate::models::SparseModelDef;
 use crate::net::protocol::Roster;
 use crate::net::ControlBus;
 use crate::ps::client::PsClient;
-use crate::ps::push_lane::PushLane;
 use crate::ps::snapshot::shard_file_name;
 use crate::ps::wire::{Reply, Request, ShardStats};
-use crate::telemetry::metrics::peak_rss_bytes;
-use crate::telemetry::monitor::{Monitor, MonitorSettings, StepSample};
-use crate::telemetry::timeline::{Lane, Timeline, TraceTarget};
+use crate::telemetry::monitor::{Monitor, MonitorSettings};
+use crate::telemetry::timeline::{Timeline, TraceTarget};
 
 /// What a parameter-server trainer needs.
 pub struct PsTrainer {
@@ -238,25 +235,18 @@ impl PsRun {
     }
 
     async fn execute(mut self, mut in_place: Option<PsInPlace>) -> Result<PsOutcome> {
-        let rank = self.rank;
-        let job = self.job.clone();
-        let train = &job.train;
         let mut client = self.client.take().context("TrainPs was sent twice")?;
         client.wait_for_servers().await?;
-
-        // Only a run measured in epochs counts the records (a byte scan of the files).
-        let steps = match train.length() {
-            TrainLength::Steps(steps) => steps,
-            length => length.steps((self.train_data.records_per_epoch()? as usize / train.batch_size).max(1))?,
-        };
+        let steps = self.run_steps()?;
         // The shards hold the state of a checkpoint; the trainers move on to its step, with
         // their own state (geo's) of that checkpoint.
-        let mut first = match &mut in_place {
+        let first = match &mut in_place {
             Some(in_place) => self.join(in_place, &mut client).await?,
             None => self.recovery.first_step(steps)?,
         };
         self.recovery.check_first_step(first, steps)?;
         self.prepare(first, buddy_of(in_place.as_ref())).await?;
+        let train = &self.job.train;
         let mut progress = Progress {
             first,
             losses: Vec::with_capacity(steps.min(LOSSES_RESERVED)),
@@ -269,10 +259,49 @@ impl PsRun {
             timeline: self.trace.as_ref().map(|(t, _)| Timeline::new(t.origin.instant)),
         };
         let started = Instant::now();
-        // Each pass is one generation; a new one starts only on a rollback order to a newer
-        // generation, so the passes are bounded by the roles the job loses.
+        self.train_generations(&mut client, &mut in_place, steps, &mut progress)
+            .await?;
+        if let Some(updates) = self.device.send(FlushCtr).await?? {
+            push(
+                &mut client,
+                self.place,
+                steps as u64,
+                &self.job,
+                updates,
+                "final geo push",
+            )
+            .await?;
+        }
+        let elapsed = started.elapsed();
+        if let Some(monitor) = &progress.monitor {
+            monitor.finish();
+        }
+        self.write_timeline(&mut progress)?;
+        self.finish(&mut client, steps, progress, elapsed).await
+    }
+
+    /// Batches of the whole run; only a run measured in epochs counts the records (a byte scan
+    /// of the files).
+    fn run_steps(&self) -> Result<usize> {
+        let train = &self.job.train;
+        Ok(match train.length() {
+            TrainLength::Steps(steps) => steps,
+            length => length.steps((self.train_data.records_per_epoch()? as usize / train.batch_size).max(1))?,
+        })
+    }
+
+    /// Trains to the end of the run: one pass per generation, a new one only on a rollback
+    /// order to a newer generation, so the passes are bounded by the roles the job loses.
+    async fn train_generations(
+        &mut self,
+        client: &mut PsClient,
+        in_place: &mut Option<PsInPlace>,
+        steps: usize,
+        progress: &mut Progress,
+    ) -> Result<()> {
+        let mut first = progress.first;
         loop {
-            let failure = match &mut in_place {
+            let failure = match in_place {
                 Some(PsInPlace {
                     bus, orders, mirror, ..
                 }) => {
@@ -280,19 +309,19 @@ impl PsRun {
                         bus,
                         buddy: mirror.as_ref().map(|(_, buddy)| buddy),
                     };
-                    let training = self.train_steps(&mut client, first, steps, &mut progress, Some(line));
+                    let training = self.train_steps(client, first, steps, progress, Some(line));
                     orders.interrupting(training).await
                 }
-                None => self.train_steps(&mut client, first, steps, &mut progress, None).await,
+                None => self.train_steps(client, first, steps, progress, None).await,
             };
             let Err(failure) = failure else {
-                break;
+                return Ok(());
             };
             if is_preemption(&failure) {
                 // Every trainer stopped after the same step: the shards may go once all left.
                 let leave = vec![Request::Leave { trainer: self.place }; client.server_num()];
                 if let Err(e) = client.call_all(leave, "leave").await {
-                    tracing::warn!(trainer = rank, "leaving the shards after stopping: {e:#}");
+                    tracing::warn!(trainer = self.rank, "leaving the shards after stopping: {e:#}");
                 }
                 return Err(failure);
             }
@@ -300,37 +329,40 @@ impl PsRun {
                 return Err(failure);
             };
             in_place.orders.explain(failure).await?;
-            first = self.join(in_place, &mut client).await?;
+            first = self.join(in_place, client).await?;
             progress.losses.truncate(first.saturating_sub(progress.first));
             self.prepare(first, buddy_of(Some(in_place))).await?;
         }
-        let place = self.place;
-        if let Some(updates) = self.device.send(FlushCtr).await?? {
-            push(&mut client, place, steps as u64, &job, updates, "final geo push").await?;
-        }
-        let elapsed = started.elapsed();
-        if let Some(monitor) = &progress.monitor {
-            monitor.finish();
-        }
+    }
+
+    /// Writes the trainer's timeline, when tracing.
+    fn write_timeline(&self, progress: &mut Progress) -> Result<()> {
         if let (Some((trace, clock_offset_us)), Some(mut timeline)) = (&self.trace, progress.timeline.take()) {
             // Servers are tracks 0.., trainers after them, as they are numbered for heartbeats.
-            trace.write(
-                self.role(),
-                &format!("trainer {rank}"),
-                *clock_offset_us,
-                timeline.take(),
-            )?;
+            let role = format!("trainer {}", self.rank);
+            trace.write(self.role(), &role, *clock_offset_us, timeline.take())?;
         }
+        Ok(())
+    }
+
+    /// Ends training at the shards, scores this trainer's share of the held-out data (shard 0
+    /// answers the AUC over all), has the tables saved (from place 0) and leaves.
+    async fn finish(
+        &mut self,
+        client: &mut PsClient,
+        steps: usize,
+        progress: Progress,
+        elapsed: Duration,
+    ) -> Result<PsOutcome> {
+        let place = self.place;
         let servers = client.server_num();
         let everyone = |request: Request| vec![request; servers];
         client
             .call_all(everyone(Request::EndTraining { trainer: place }), "end of training")
             .await?;
-
-        // Every trainer scores its share of the held-out data; shard 0 answers the AUC over all.
-        let (auc, test_samples) = self.evaluate(&mut client, steps as u64).await?;
+        let (auc, test_samples) = self.evaluate(client, steps as u64).await?;
         let shards = if place == 0 {
-            let shards = shard_stats(&mut client).await?;
+            let shards = shard_stats(client).await?;
             if self.save_tables {
                 client.call_all(everyone(Request::Save), "save of the tables").await?;
             }
@@ -342,14 +374,15 @@ impl PsRun {
             .call_all(everyone(Request::Leave { trainer: place }), "leave")
             .await?;
         let trained = steps - progress.first;
+        let seconds = elapsed.as_secs_f64().max(1e-9);
         Ok(PsOutcome {
-            rank,
+            rank: self.rank,
             place,
             trainers: self.trainers,
             steps,
             losses: progress.losses,
-            samples_per_sec: (trained * train.batch_size) as f64 / elapsed.as_secs_f64().max(1e-9),
-            comm_time_ratio: progress.comm_time.as_secs_f64() / elapsed.as_secs_f64().max(1e-9),
+            samples_per_sec: (trained * self.job.train.batch_size) as f64 / seconds,
+            comm_time_ratio: progress.comm_time.as_secs_f64() / seconds,
             auc,
             test_samples,
             shards,
@@ -513,150 +546,6 @@ impl PsRun {
             }
         }
         Some(joined)
-    }
-
-    /// Trains steps `first..steps`, taking the checkpoints due.
-    async fn train_steps(
-        &mut self,
-        client: &mut PsClient,
-        first: usize,
-        steps: usize,
-        progress: &mut Progress,
-        mut in_place: Option<InPlaceLine<'_>>,
-    ) -> Result<()> {
-        let (rank, place, job) = (self.rank, self.place, self.job.clone());
-        let train = &job.train;
-        let layout = DataLayout::of(train, job.world_size());
-        let mut loader = CtrLoader::new(self.train_data.clone(), layout, train.batch_size, place, self.trainers)
-            .with_context(|| format!("trainer {rank}: training data"))?;
-        match self.resume_data.take() {
-            Some(at) => loader
-                .resume_at(&at)
-                .with_context(|| format!("trainer {rank}: resuming the training data at step {first}"))?,
-            None => loader.skip_batches(first)?,
-        }
-        // Async mode pulls step t+1's rows while step t computes, as Paddle's async
-        // communicator does, and hands its pushes to a lane that sends them while it trains on:
-        // its trainers wait only for what the staleness bound and the send queue say. Sync mode
-        // cannot (step t+1's pull waits for step t's pushes), nor can geo (its plan depends on
-        // the local copies step t changes). Nor is a checkpoint's step pulled ahead: the
-        // trainers wait there until every one has pushed up to it.
-        let overlap = job.strategy.ps_mode() == PsMode::Async;
-        let mut lane =
-            overlap.then(|| PushLane::start(client.another_lane(), place, &job.strategy.a_sync_configs, first as u64));
-        let mut prefetched: Option<Pulled> = None;
-        // Tables with a row policy report their rows at progress-log steps.
-        let policed = !job.strategy.sparse_table_configs.is_empty();
-        // Sync mode: SIGTERM asks the trainers to stop at a checkpoint, all after the same step
-        // (the shards tell them, [`PulledRows::stop`]); the other modes share no step and end.
-        let mut stop = StopAtCheckpoint::new(job.strategy.ps_mode() == PsMode::Sync)?;
-        for step in first..steps {
-            if let Some(faults) = &self.faults {
-                faults.before_step(&format!("trainer {rank}"), step).await;
-            }
-            let step_started = Instant::now();
-            // Communication counts as the time the step waits for it.
-            let mut step_comm = Duration::ZERO;
-            let pulled = match prefetched.take() {
-                Some(pulled) => pulled,
-                None => {
-                    let batch = loader.next_batch()?;
-                    let plan = self.device.send(PlanCtr { batch, training: true }).await??;
-                    let pulling = Instant::now();
-                    let pulled = pull_when_ready(client, lane.as_mut(), place, step as u64, plan).await?;
-                    step_comm += pulling.elapsed();
-                    pulled
-                }
-            };
-            if let Some(t) = &mut progress.timeline {
-                let name = format!("pull {step}");
-                t.record_between(Lane::Communication, name, "pull", pulled.started, pulled.finished);
-            }
-            let asked = pulled.rows.iter().any(|rows| rows.stop);
-            let next = stop.after(asked, &job, &self.recovery, step + 1, steps);
-            let checkpoint_due = next.checkpoint;
-            // The next step's pull is planned before this one trains: the device takes
-            // messages in order.
-            let next_plan = match overlap && step + 1 < steps && !checkpoint_due {
-                true => {
-                    let batch = loader.next_batch()?;
-                    Some(self.device.send(PlanCtr { batch, training: true }).await??)
-                }
-                false => None,
-            };
-            let computing = Instant::now();
-            let training = self.device.send(TrainCtr(pulled.rows));
-            let (outcome, trained) = match next_plan {
-                Some(plan) => {
-                    let training = async { (training.await, Instant::now()) };
-                    let next = pull_when_ready(client, lane.as_mut(), place, step as u64 + 1, plan);
-                    let ((outcome, trained), next) = futures::join!(training, next);
-                    let next = next?;
-                    step_comm += next.finished.saturating_duration_since(trained);
-                    prefetched = Some(next);
-                    (outcome??, trained)
-                }
-                None => (training.await??, Instant::now()),
-            };
-            if let Some(t) = &mut progress.timeline {
-                t.record_between(Lane::Compute, format!("train {step}"), "compute", computing, trained);
-            }
-            if let Some(updates) = outcome.push {
-                let pushing = Instant::now();
-                let what = format!("push of step {step}");
-                match lane.as_mut() {
-                    Some(lane) => lane.send(step as u64, updates).await?,
-                    None => push(client, place, step as u64, &job, updates, &what).await?,
-                }
-                step_comm += pushing.elapsed();
-                if let Some(t) = &mut progress.timeline {
-                    t.record_between(
-                        Lane::Communication,
-                        format!("push {step}"),
-                        "push",
-                        pushing,
-                        Instant::now(),
-                    );
-                }
-            }
-            progress.comm_time += step_comm;
-            progress.losses.push(outcome.loss);
-            if let Some(monitor) = &mut progress.monitor {
-                let sparse_tables = match policed && monitor.is_log_step(step + 1) {
-                    true => Some(sparse_table_metrics(&job, &self.model, &shard_stats(client).await?)),
-                    false => None,
-                };
-                let sample = StepSample {
-                    loss: outcome.loss,
-                    // Trainers exchange no losses: the loss is trainer 0's part of the batch.
-                    loss_spread: None,
-                    lr: train.lr,
-                    step_time: step_started.elapsed(),
-                    comm_time: step_comm,
-                    exposed_comm_time: step_comm,
-                    bubble_fraction: None,
-                    peak_rss_bytes: peak_rss_bytes(),
-                    sparse_tables,
-                    eval: None,
-                };
-                monitor.record(step + 1, sample)?;
-            }
-            check_loss(rank, step + 1, outcome.loss)?;
-            if checkpoint_due {
-                if let Some(lane) = lane.as_mut() {
-                    lane.flush().await?;
-                }
-                self.checkpoint(client, step + 1, loader.position(), in_place.as_mut())
-                    .await?;
-            }
-            if let Some(preempted) = next.stop {
-                return Err(preempted.into());
-            }
-        }
-        if let Some(lane) = lane.as_mut() {
-            lane.flush().await?;
-        }
-        Ok(())
     }
 
     /// The checkpoint after `step` steps, the quiesce point of every mode: this trainer has
