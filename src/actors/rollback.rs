@@ -209,6 +209,23 @@ impl Orders {
     }
 }
 
+/// The handler of the coordinator's rollback orders for rank actor `$actor`: each goes to the
+/// inbox (`$actor.inbox`, set when the actor started in a job that rolls back in place).
+macro_rules! takes_rollback_orders {
+    ($actor:ty) => {
+        impl actix::Handler<$crate::actors::rollback::RollbackOrder> for $actor {
+            type Result = ();
+
+            fn handle(&mut self, order: $crate::actors::rollback::RollbackOrder, _: &mut Self::Context) {
+                if let Some(inbox) = &self.inbox {
+                    inbox.take(order);
+                }
+            }
+        }
+    };
+}
+pub(crate) use takes_rollback_orders;
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -22,7 +22,7 @@ use super::kept::{acknowledge_checkpoint, BuddyCopy, Kept, RankCheckpoint, Resto
 use super::rank_parts::RankParts;
 use super::rank_steps::{train_generation, Place, StrategySteps};
 use super::recovery::stage_file;
-use super::rollback::{OrderInbox, Orders, RollbackOrder};
+use super::rollback::{takes_rollback_orders, OrderInbox, Orders};
 use super::run_loop::{run_steps, RunLoop};
 use crate::checkpoint::HeldFile;
 use crate::collective::preemption::is_preemption;
@@ -169,15 +169,7 @@ impl Actor for StageActor {
     }
 }
 
-impl Handler<RollbackOrder> for StageActor {
-    type Result = ();
-
-    fn handle(&mut self, order: RollbackOrder, _: &mut Self::Context) {
-        if let Some(inbox) = &self.inbox {
-            inbox.take(order);
-        }
-    }
-}
+takes_rollback_orders!(StageActor);
 
 impl Handler<TrainStage> for StageActor {
     type Result = ResponseFuture<Result<StageOutcome>>;

@@ -17,7 +17,7 @@ use super::kept::{acknowledge_checkpoint, Kept, RankCheckpoint, Restore};
 use super::rank_parts::RankParts;
 use super::rank_steps::{train_generation, Place, StrategySteps};
 use super::recovery::REPLICA_FILE;
-use super::rollback::{OrderInbox, Orders, RollbackOrder};
+use super::rollback::{takes_rollback_orders, OrderInbox, Orders};
 use super::run_loop::{run_steps, RunLoop};
 use crate::collective::preemption::is_preemption;
 use crate::collective::training_state::RunRecord;
@@ -111,15 +111,7 @@ impl Actor for Trainer {
     }
 }
 
-impl Handler<RollbackOrder> for Trainer {
-    type Result = ();
-
-    fn handle(&mut self, order: RollbackOrder, _: &mut Self::Context) {
-        if let Some(inbox) = &self.inbox {
-            inbox.take(order);
-        }
-    }
-}
+takes_rollback_orders!(Trainer);
 
 impl Handler<Train> for Trainer {
     type Result = ResponseFuture<Result<RankOutcome>>;

@@ -23,7 +23,7 @@ use super::faults::RoleFaults;
 use super::kept::{acknowledge_checkpoint, Kept};
 use super::ps_requests::{pull_rows, pull_when_ready, push, shard_stats, sparse_table_metrics, Pulled};
 use super::recovery::Recovery;
-use super::rollback::{OrderInbox, Orders, RollbackOrder};
+use super::rollback::{takes_rollback_orders, OrderInbox, Orders};
 use super::LOSSES_RESERVED;
 use crate::checkpoint::HeldFile;
 use crate::collective::preemption::is_preemption;
@@ -139,15 +139,7 @@ impl Actor for PsTrainer {
     }
 }
 
-impl Handler<RollbackOrder> for PsTrainer {
-    type Result = ();
-
-    fn handle(&mut self, order: RollbackOrder, _: &mut Self::Context) {
-        if let Some(inbox) = &self.inbox {
-            inbox.take(order);
-        }
-    }
-}
+takes_rollback_orders!(PsTrainer);
 
 impl Handler<TrainPs> for PsTrainer {
     type Result = ResponseFuture<Result<PsOutcome>>;
