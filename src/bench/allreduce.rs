@@ -18,6 +18,7 @@ use crate::engines::compute::device_for;
 use crate::job::connect_control;
 use crate::launch::{supervise, ChildSpec, OutputMode, PREEMPTION_GRACE_S};
 use crate::net::auth::{ClusterToken, Credentials, TOKEN_VAR};
+use crate::net::protocol::Roster;
 
 /// Arguments shared by the parent and its ranks.
 #[derive(Debug, Clone, clap::Args)]
@@ -209,21 +210,71 @@ fn env_usize(name: &str) -> Result<usize> {
         .with_context(|| format!("{name} = {value:?} is not a number"))
 }
 
+/// What [`run`] tells a rank through the environment: where it sits in the benchmark, and
+/// the cluster token.
+struct RankPlace {
+    rank: usize,
+    world: usize,
+    master: String,
+    credentials: Credentials,
+    nodes: usize,
+    node_ip: String,
+}
+
+impl RankPlace {
+    fn from_env(timeout: Duration) -> Result<Self> {
+        Ok(Self {
+            rank: env_usize("PADDLE_TRAINER_ID")?,
+            world: env_usize("PADDLE_TRAINERS_NUM")?,
+            master: std::env::var("PADDLE_MASTER").context("PADDLE_MASTER is not set")?,
+            credentials: Credentials::from_env(timeout)?,
+            nodes: env_usize("PADDLE_NNODES")?,
+            node_ip: std::env::var("POD_IP").context("POD_IP is not set")?,
+        })
+    }
+}
+
 /// One rank of the benchmark (started by [`run`]).
 pub fn run_rank(args: &AllReduceArgs) -> Result<()> {
     anyhow::ensure!(args.iters >= 1, "--iters must be at least 1");
-    let rank = env_usize("PADDLE_TRAINER_ID")?;
-    let world = env_usize("PADDLE_TRAINERS_NUM")?;
-    let master = std::env::var("PADDLE_MASTER").context("PADDLE_MASTER is not set")?;
     let timeout = Duration::from_secs(120);
-    let credentials = Credentials::from_env(timeout)?;
-    let nodes = env_usize("PADDLE_NNODES")?;
-    let node_ip = std::env::var("POD_IP").context("POD_IP is not set")?;
+    let place = RankPlace::from_env(timeout)?;
+    let node_ip = &place.node_ip;
     let listener =
         TcpListener::bind((node_ip.as_str(), 0)).with_context(|| format!("binding the ring listener on {node_ip}"))?;
-    let endpoint = listener.local_addr()?.to_string();
-    let control = credentials.clone();
-    let roster = actix::System::new().block_on(async move {
+    let roster = join_rendezvous(&place, listener.local_addr()?.to_string(), timeout)?;
+    let device = match args.backend {
+        Backend::Ring => Device::Cpu,
+        Backend::Nccl => device_for(DeviceKind::Gpu, place.rank)?,
+    };
+    let mut comm = connect_ring(&place, &roster, &listener, args, timeout)?;
+    #[cfg(feature = "cuda")]
+    if args.backend == Backend::Nccl {
+        comm.join_nccl(&device, timeout)?;
+    }
+    if place.rank == 0 && !args.json {
+        print_header();
+    }
+    for &size_mb in &args.size_mb {
+        let len = ((size_mb * (1 << 20) as f64) as usize) / 4;
+        let times = time_all_reduces(&mut comm, len, &device, args)?;
+        let median = slowest_rank_median(&mut comm, &times)?;
+        let figures = AllReduceFigures::new(args, &place, len * 4, median);
+        if place.rank == 0 {
+            print_figures(size_mb, &figures, args.json)?;
+        }
+    }
+    comm.barrier("end of benchmark")?;
+    Ok(())
+}
+
+/// Rendezvouses every rank at the master (rank 0 hosting the coordinator) and returns the
+/// roster with every rank's ring endpoint.
+fn join_rendezvous(place: &RankPlace, endpoint: String, timeout: Duration) -> Result<Roster> {
+    let (rank, world) = (place.rank, place.world);
+    let master = place.master.clone();
+    let control = place.credentials.clone();
+    actix::System::new().block_on(async move {
         let fault_tolerance = FaultToleranceConfig {
             timeout_s: timeout.as_secs_f64(),
             ..FaultToleranceConfig::default()
@@ -232,115 +283,132 @@ pub fn run_rank(args: &AllReduceArgs) -> Result<()> {
         let mut bus = connect_control(coordinator, rank, &master, &fault_tolerance, 1 << 20, &control).await?;
         let roster = bus.join(rank, world, endpoint, None, Default::default()).await?;
         Ok::<_, anyhow::Error>(roster)
-    })?;
-    let device = match args.backend {
-        Backend::Ring => Device::Cpu,
-        Backend::Nccl => device_for(DeviceKind::Gpu, rank)?,
-    };
+    })
+}
+
+/// The communicator the benchmark times: the ring (flat or hierarchical, as `args` says)
+/// between the roster's endpoints, or a lone rank's.
+fn connect_ring(
+    place: &RankPlace,
+    roster: &Roster,
+    listener: &TcpListener,
+    args: &AllReduceArgs,
+    timeout: Duration,
+) -> Result<Communicator> {
     let endpoints = roster
         .endpoints
         .iter()
         .map(|e| e.parse())
         .collect::<Result<Vec<_>, _>>()?;
-    let mut comm = if world == 1 {
-        Communicator::single()
-    } else {
-        let abandoned = Abandoned::never();
-        let links = RingLinks {
-            endpoints: &endpoints,
-            listener: &listener,
-            timeout,
-            shared_memory: args.transport == Transport::Shm,
-            credentials: &credentials,
-            abandoned: &abandoned,
-        };
-        let nodes = NodeLayout {
-            nodes,
-            per_node: world / nodes.max(1),
-        };
-        let hierarchical = args.algorithm == Algorithm::Hierarchical;
-        hierarchy::connect_communicator(rank, &links, Some(hierarchical), nodes)?
+    if place.world == 1 {
+        return Ok(Communicator::single());
+    }
+    let abandoned = Abandoned::never();
+    let links = RingLinks {
+        endpoints: &endpoints,
+        listener,
+        timeout,
+        shared_memory: args.transport == Transport::Shm,
+        credentials: &place.credentials,
+        abandoned: &abandoned,
     };
-    #[cfg(feature = "cuda")]
-    if args.backend == Backend::Nccl {
-        comm.join_nccl(&device, timeout)?;
-    }
-    if rank == 0 && !args.json {
-        println!(
-            "{:>10} {:>6} {:>6} {:>9} {:>7} {:>12} {:>5} {:>12} {:>12} {:>12}",
-            "size_MiB",
-            "nnodes",
-            "nproc",
-            "transport",
-            "backend",
-            "algorithm",
-            "wire",
-            "median_ms",
-            "algbw_GB/s",
-            "busbw_GB/s"
-        );
-    }
-    for &size_mb in &args.size_mb {
-        let len = ((size_mb * (1 << 20) as f64) as usize) / 4;
-        let mut all_reduce = buffer_of(len, &device, args.wire)?;
-        let mut times = Vec::with_capacity(args.iters);
-        for iter in 0..args.iters + 2 {
-            comm.barrier("benchmark barrier")?;
-            let start = Instant::now();
-            all_reduce(&mut comm)?;
-            if iter >= 2 {
-                times.push(start.elapsed().as_secs_f64());
-            }
+    let nodes = NodeLayout {
+        nodes: place.nodes,
+        per_node: place.world / place.nodes.max(1),
+    };
+    let hierarchical = args.algorithm == Algorithm::Hierarchical;
+    hierarchy::connect_communicator(place.rank, &links, Some(hierarchical), nodes)
+}
+
+/// Each timed iteration's seconds on this rank, after two warm-up ones; a barrier before each
+/// makes the ranks start together.
+fn time_all_reduces(comm: &mut Communicator, len: usize, device: &Device, args: &AllReduceArgs) -> Result<Vec<f64>> {
+    let mut all_reduce = buffer_of(len, device, args.wire)?;
+    let mut times = Vec::with_capacity(args.iters);
+    for iter in 0..args.iters + 2 {
+        comm.barrier("benchmark barrier")?;
+        let start = Instant::now();
+        all_reduce(comm)?;
+        if iter >= 2 {
+            times.push(start.elapsed().as_secs_f64());
         }
-        // As nccl-tests and the PyTorch peer do: an iteration takes as long
-        // as its slowest rank.
-        let mine: Vec<u8> = times.iter().flat_map(|t| t.to_le_bytes()).collect();
-        let all = comm.all_gather("benchmark timings", &mine)?;
-        let mut slowest: Vec<f64> = (0..times.len())
-            .map(|i| {
-                all.iter()
-                    .map(|rank| f64::from_le_bytes(rank[i * 8..(i + 1) * 8].try_into().unwrap_or_default()))
-                    .fold(0.0, f64::max)
-            })
-            .collect();
-        slowest.sort_by(f64::total_cmp);
-        let median = slowest[slowest.len() / 2];
-        let bytes = len * 4;
+    }
+    Ok(times)
+}
+
+/// The median over iterations of the slowest rank's time: as nccl-tests and the PyTorch peer
+/// do, an iteration takes as long as its slowest rank.
+fn slowest_rank_median(comm: &mut Communicator, times: &[f64]) -> Result<f64> {
+    let mine: Vec<u8> = times.iter().flat_map(|t| t.to_le_bytes()).collect();
+    let all = comm.all_gather("benchmark timings", &mine)?;
+    let mut slowest: Vec<f64> = (0..times.len())
+        .map(|i| {
+            all.iter()
+                .map(|rank| f64::from_le_bytes(rank[i * 8..(i + 1) * 8].try_into().unwrap_or_default()))
+                .fold(0.0, f64::max)
+        })
+        .collect();
+    slowest.sort_by(f64::total_cmp);
+    Ok(slowest[slowest.len() / 2])
+}
+
+impl AllReduceFigures {
+    /// The figures of a `bytes` buffer whose all-reduce took `median` seconds.
+    fn new(args: &AllReduceArgs, place: &RankPlace, bytes: usize, median: f64) -> Self {
+        let world = place.world;
         let algbw = bytes as f64 / median / 1e9;
-        let figures = AllReduceFigures {
+        Self {
             op: "allreduce",
             nproc: world,
             transport: args.transport,
             backend: args.backend,
             algorithm: args.algorithm,
             wire: args.wire,
-            nnodes: nodes,
+            nnodes: place.nodes,
             bytes,
             median_s: median,
             algbw_gbps: algbw,
             busbw_gbps: algbw * 2.0 * (world - 1) as f64 / world as f64,
-        };
-        if rank == 0 {
-            if args.json {
-                println!("{}", serde_json::to_string(&figures)?);
-            } else {
-                println!(
-                    "{:>10} {:>6} {:>6} {:>9} {:>7} {:>12} {:>5} {:>12.3} {:>12.3} {:>12.3}",
-                    size_mb,
-                    nodes,
-                    world,
-                    format!("{:?}", args.transport).to_lowercase(),
-                    format!("{:?}", args.backend).to_lowercase(),
-                    format!("{:?}", args.algorithm).to_lowercase(),
-                    format!("{:?}", args.wire).to_lowercase(),
-                    median * 1e3,
-                    figures.algbw_gbps,
-                    figures.busbw_gbps
-                );
-            }
         }
     }
-    comm.barrier("end of benchmark")?;
+}
+
+/// The table's header line (the table form only).
+fn print_header() {
+    println!(
+        "{:>10} {:>6} {:>6} {:>9} {:>7} {:>12} {:>5} {:>12} {:>12} {:>12}",
+        "size_MiB",
+        "nnodes",
+        "nproc",
+        "transport",
+        "backend",
+        "algorithm",
+        "wire",
+        "median_ms",
+        "algbw_GB/s",
+        "busbw_GB/s"
+    );
+}
+
+/// One size's figures, as a JSON object or a table row.
+fn print_figures(size_mb: f64, figures: &AllReduceFigures, json: bool) -> Result<()> {
+    if json {
+        println!("{}", serde_json::to_string(figures)?);
+    } else {
+        println!(
+            "{:>10} {:>6} {:>6} {:>9} {:>7} {:>12} {:>5} {:>12.3} {:>12.3} {:>12.3}",
+            size_mb,
+            figures.nnodes,
+            figures.nproc,
+            format!("{:?}", figures.transport).to_lowercase(),
+            format!("{:?}", figures.backend).to_lowercase(),
+            format!("{:?}", figures.algorithm).to_lowercase(),
+            format!("{:?}", figures.wire).to_lowercase(),
+            figures.median_s * 1e3,
+            figures.algbw_gbps,
+            figures.busbw_gbps
+        );
+    }
     Ok(())
 }
 

@@ -199,6 +199,8 @@ impl Drop for ShardProcesses {
     }
 }
 
+/// Connects a client to the shards and measures every id count of `args` against them, then
+/// lets the shards go.
 async fn measure(
     endpoints: &[String],
     width: usize,
@@ -215,72 +217,107 @@ async fn measure(
     let mut figures = Vec::new();
     let mut step = 0;
     for &count in &args.ids {
-        let mut rng = SplitMix64::new(count as u64);
-        let mut by_shard = vec![Vec::new(); shards];
-        for _ in 0..count {
-            let id = rng.next_u64();
-            by_shard[shard_of(0, id, shards)].push(id);
-        }
-        let pulls = || {
-            by_shard
-                .iter()
-                .map(|ids| {
-                    Request::Pull(PullRequest {
-                        trainer: 0,
-                        version: 0,
-                        after_training: false,
-                        training: true,
-                        ids: vec![ids.clone()],
-                        dense: false,
-                    })
-                })
-                .collect::<Vec<_>>()
-        };
-        let pushes = |step: u64| {
-            by_shard
-                .iter()
-                .map(|ids| {
-                    Request::Push(PushRequest {
-                        trainer: 0,
-                        step,
-                        part: Part::WHOLE,
-                        kind: UpdateKind::Gradients,
-                        ids: vec![ids.clone()],
-                        values: vec![vec![1e-3; ids.len() * width]],
-                        counts: Vec::new(),
-                        dense: Vec::new(),
-                        stop: false,
-                    })
-                })
-                .collect::<Vec<_>>()
-        };
-        // A push creates the rows, which the pulls then read.
-        step += 1;
-        client.call_all(pushes(step), "warm-up push").await?;
-        client.call_all(pulls(), "warm-up pull").await?;
-        let mut times = Vec::with_capacity(args.iters);
-        for _ in 0..args.iters {
-            let requests = pulls();
-            let started = Instant::now();
-            client.call_all(requests, "pull").await?;
-            times.push(started.elapsed());
-        }
-        figures.push(figures_of("pull", shards, width, count, &mut times));
-        let mut times = Vec::with_capacity(args.iters);
-        for _ in 0..args.iters {
-            step += 1;
-            let requests = pushes(step);
-            let started = Instant::now();
-            client.call_all(requests, "push").await?;
-            times.push(started.elapsed());
-        }
-        figures.push(figures_of("push", shards, width, count, &mut times));
-        check_parts_join_to_the_whole(&mut client, pulls()).await?;
+        let by_shard = ids_by_shard(count, shards);
+        figures.extend(measure_case(&mut client, &by_shard, width, args.iters, &mut step).await?);
     }
     client
         .call_all(vec![Request::Leave { trainer: 0 }; shards], "leave")
         .await?;
     Ok(figures)
+}
+
+/// `count` ids, seeded by the count so every shard setting reads the same ones, grouped by
+/// the shard that holds them.
+fn ids_by_shard(count: usize, shards: usize) -> Vec<Vec<u64>> {
+    let mut rng = SplitMix64::new(count as u64);
+    let mut by_shard = vec![Vec::new(); shards];
+    for _ in 0..count {
+        let id = rng.next_u64();
+        by_shard[shard_of(0, id, shards)].push(id);
+    }
+    by_shard
+}
+
+/// The pull and push figures of one set of ids; `step` numbers the pushes across cases.
+async fn measure_case(
+    client: &mut PsClient,
+    by_shard: &[Vec<u64>],
+    width: usize,
+    iters: usize,
+    step: &mut u64,
+) -> Result<[PsFigures; 2]> {
+    let shards = by_shard.len();
+    let count = by_shard.iter().map(Vec::len).sum();
+    // A push creates the rows, which the pulls then read.
+    *step += 1;
+    client
+        .call_all(push_requests(by_shard, width, *step), "warm-up push")
+        .await?;
+    client.call_all(pull_requests(by_shard), "warm-up pull").await?;
+    let mut times = time_requests(client, iters, "pull", || pull_requests(by_shard)).await?;
+    let pull = figures_of("pull", shards, width, count, &mut times);
+    let mut times = time_requests(client, iters, "push", || {
+        *step += 1;
+        push_requests(by_shard, width, *step)
+    })
+    .await?;
+    let push = figures_of("push", shards, width, count, &mut times);
+    check_parts_join_to_the_whole(client, pull_requests(by_shard)).await?;
+    Ok([pull, push])
+}
+
+/// The time of each of `iters` calls to all shards; building the requests is not timed.
+async fn time_requests(
+    client: &mut PsClient,
+    iters: usize,
+    what: &str,
+    mut requests: impl FnMut() -> Vec<Request>,
+) -> Result<Vec<Duration>> {
+    let mut times = Vec::with_capacity(iters);
+    for _ in 0..iters {
+        let requests = requests();
+        let started = Instant::now();
+        client.call_all(requests, what).await?;
+        times.push(started.elapsed());
+    }
+    Ok(times)
+}
+
+/// One training pull per shard, of that shard's ids.
+fn pull_requests(by_shard: &[Vec<u64>]) -> Vec<Request> {
+    by_shard
+        .iter()
+        .map(|ids| {
+            Request::Pull(PullRequest {
+                trainer: 0,
+                version: 0,
+                after_training: false,
+                training: true,
+                ids: vec![ids.clone()],
+                dense: false,
+            })
+        })
+        .collect()
+}
+
+/// One gradient push per shard, a small constant gradient for each of that shard's ids.
+fn push_requests(by_shard: &[Vec<u64>], width: usize, step: u64) -> Vec<Request> {
+    by_shard
+        .iter()
+        .map(|ids| {
+            Request::Push(PushRequest {
+                trainer: 0,
+                step,
+                part: Part::WHOLE,
+                kind: UpdateKind::Gradients,
+                ids: vec![ids.clone()],
+                values: vec![vec![1e-3; ids.len() * width]],
+                counts: Vec::new(),
+                dense: Vec::new(),
+                stop: false,
+            })
+        })
+        .collect()
 }
 
 /// The rows pulled in pipelined parts (as timed) equal those of one whole pull: the check

@@ -126,6 +126,26 @@ impl ClusterConfig {
 
     /// Range and consistency checks of the section.
     pub(crate) fn check(&self) -> Result<(), FieldError> {
+        self.check_node_counts()?;
+        let world_size = self.checked_world_size()?;
+        if self.device == DeviceKind::Gpu && !cfg!(feature = "cuda") {
+            return Err(FieldError::new("cluster.device", GPU_NOT_BUILT));
+        }
+        self.check_addresses(world_size)?;
+        if !(1..=MAX_FRAME_MB).contains(&self.max_frame_mb) {
+            return Err(FieldError::new(
+                "cluster.max_frame_mb",
+                format!(
+                    "must be in [1, {MAX_FRAME_MB}] MiB (a frame's length is a 32-bit number), got {}",
+                    self.max_frame_mb
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    /// At least one node and one process a node; an elastic job's minimum within its nodes.
+    fn check_node_counts(&self) -> Result<(), FieldError> {
         if self.nnodes == 0 {
             return Err(FieldError::new("cluster.nnodes", "must be at least 1, got 0"));
         }
@@ -133,18 +153,21 @@ impl ClusterConfig {
             return Err(FieldError::new("cluster.nproc_per_node", "must be at least 1, got 0"));
         }
         match self.min_nnodes {
-            Some(0) => return Err(FieldError::new("cluster.min_nnodes", "must be at least 1, got 0")),
-            Some(min) if min > self.nnodes => {
-                return Err(FieldError::new(
-                    "cluster.min_nnodes",
-                    format!(
-                        "{min} is more than cluster.nnodes = {} (--nnodes MIN:MAX needs MIN <= MAX)",
-                        self.nnodes
-                    ),
-                ))
-            }
-            _ => {}
+            Some(0) => Err(FieldError::new("cluster.min_nnodes", "must be at least 1, got 0")),
+            Some(min) if min > self.nnodes => Err(FieldError::new(
+                "cluster.min_nnodes",
+                format!(
+                    "{min} is more than cluster.nnodes = {} (--nnodes MIN:MAX needs MIN <= MAX)",
+                    self.nnodes
+                ),
+            )),
+            _ => Ok(()),
         }
+    }
+
+    /// `nnodes × nproc_per_node`, when it does not overflow and agrees with a given
+    /// `world_size`.
+    fn checked_world_size(&self) -> Result<usize, FieldError> {
         let Some(product) = self.nnodes.checked_mul(self.nproc_per_node) else {
             return Err(FieldError::new(
                 "cluster.nproc_per_node",
@@ -165,18 +188,21 @@ impl ClusterConfig {
                 ));
             }
         }
-        if self.device == DeviceKind::Gpu && !cfg!(feature = "cuda") {
-            return Err(FieldError::new("cluster.device", GPU_NOT_BUILT));
-        }
+        Ok(product)
+    }
+
+    /// The master, trainer and parameter-server addresses are `host:port`s, and the lists
+    /// have one entry per trainer and per server.
+    fn check_addresses(&self, world_size: usize) -> Result<(), FieldError> {
         if let Some(master) = &self.master {
             check_host_port(master).map_err(|why| FieldError::new("cluster.master", why))?;
         }
         check_address_list("cluster.endpoints", &self.endpoints)?;
-        if !self.endpoints.is_empty() && self.endpoints.len() != product {
+        if !self.endpoints.is_empty() && self.endpoints.len() != world_size {
             return Err(FieldError::new(
                 "cluster.endpoints",
                 format!(
-                    "has {} entries but the world size is {product} \
+                    "has {} entries but the world size is {world_size} \
                      (cluster.nnodes × cluster.nproc_per_node = {} × {})",
                     self.endpoints.len(),
                     self.nnodes,
@@ -192,15 +218,6 @@ impl ClusterConfig {
                     "lists {} parameter servers but cluster.server_num = {}",
                     self.pservers.len(),
                     self.server_num
-                ),
-            ));
-        }
-        if !(1..=MAX_FRAME_MB).contains(&self.max_frame_mb) {
-            return Err(FieldError::new(
-                "cluster.max_frame_mb",
-                format!(
-                    "must be in [1, {MAX_FRAME_MB}] MiB (a frame's length is a 32-bit number), got {}",
-                    self.max_frame_mb
                 ),
             ));
         }

@@ -514,6 +514,23 @@ impl TrainConfig {
 
     /// Range checks of the section; `world_size` is needed for the batch split.
     pub(crate) fn check(&self, world_size: usize) -> Result<(), FieldError> {
+        self.check_hidden_sizes()?;
+        self.check_columns()?;
+        at_least("train.synthetic_samples", self.synthetic_samples, 1)?;
+        at_least("train.synthetic_features", self.synthetic_features, 1)?;
+        at_least("train.synthetic_classes", self.synthetic_classes, 2)?;
+        at_least("train.synthetic_vocab", self.synthetic_vocab, 1)?;
+        at_least("train.embedding_dim", self.embedding_dim, 1)?;
+        self.check_test_fraction()?;
+        self.check_length()?;
+        self.check_batch(world_size)?;
+        self.check_optimizer()?;
+        self.check_seed()?;
+        at_least("train.log_every", self.log_every, 1)
+    }
+
+    /// Every hidden layer has a unit.
+    fn check_hidden_sizes(&self) -> Result<(), FieldError> {
         for (i, &width) in self.hidden_sizes().iter().enumerate() {
             if width == 0 {
                 return Err(FieldError::new(
@@ -522,12 +539,11 @@ impl TrainConfig {
                 ));
             }
         }
-        self.check_columns()?;
-        at_least("train.synthetic_samples", self.synthetic_samples, 1)?;
-        at_least("train.synthetic_features", self.synthetic_features, 1)?;
-        at_least("train.synthetic_classes", self.synthetic_classes, 2)?;
-        at_least("train.synthetic_vocab", self.synthetic_vocab, 1)?;
-        at_least("train.embedding_dim", self.embedding_dim, 1)?;
+        Ok(())
+    }
+
+    /// Both the training and the held-out part of the data get samples.
+    fn check_test_fraction(&self) -> Result<(), FieldError> {
         let f = self.test_fraction;
         if !(f > 0.0 && f < 1.0) {
             return Err(FieldError::new(
@@ -535,20 +551,27 @@ impl TrainConfig {
                 format!("must be strictly between 0 and 1, got {f}"),
             ));
         }
+        Ok(())
+    }
+
+    /// The run's length: steps or epochs, not both, at least one of either.
+    fn check_length(&self) -> Result<(), FieldError> {
         match (self.steps, self.epochs) {
-            (Some(steps), Some(epochs)) => {
-                return Err(FieldError::new(
-                    "train.steps",
-                    format!(
-                        "train.steps = {steps} contradicts train.epochs = {epochs}: \
-                         give only one of them"
-                    ),
-                ))
-            }
-            (Some(steps), None) => at_least("train.steps", steps, 1)?,
-            (None, Some(epochs)) => at_least("train.epochs", epochs, 1)?,
-            (None, None) => {}
+            (Some(steps), Some(epochs)) => Err(FieldError::new(
+                "train.steps",
+                format!(
+                    "train.steps = {steps} contradicts train.epochs = {epochs}: \
+                     give only one of them"
+                ),
+            )),
+            (Some(steps), None) => at_least("train.steps", steps, 1),
+            (None, Some(epochs)) => at_least("train.epochs", epochs, 1),
+            (None, None) => Ok(()),
         }
+    }
+
+    /// The batches are not empty, and the global one splits evenly over the replicas.
+    fn check_batch(&self, world_size: usize) -> Result<(), FieldError> {
         at_least("train.batch_size", self.batch_size, 1)?;
         if let Some(rows) = self.eval_batch_size {
             at_least("train.eval_batch_size", rows, 1)?;
@@ -562,6 +585,11 @@ impl TrainConfig {
                 ),
             ));
         }
+        Ok(())
+    }
+
+    /// The learning rate's schedule and the optimizer's settings.
+    fn check_optimizer(&self) -> Result<(), FieldError> {
         positive_finite("train.lr", self.lr)?;
         let lr_min = self.lr_min;
         if !(lr_min.is_finite() && (0.0..=self.lr).contains(&lr_min)) {
@@ -596,6 +624,11 @@ impl TrainConfig {
                 format!("must be a finite number >= 0, got {wd}"),
             ));
         }
+        Ok(())
+    }
+
+    /// The seed survives a round trip through the resolved config's TOML.
+    fn check_seed(&self) -> Result<(), FieldError> {
         if i64::try_from(self.seed).is_err() {
             return Err(FieldError::new(
                 "train.seed",
@@ -606,7 +639,7 @@ impl TrainConfig {
                 ),
             ));
         }
-        at_least("train.log_every", self.log_every, 1)
+        Ok(())
     }
 }
 

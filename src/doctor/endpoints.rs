@@ -77,59 +77,9 @@ pub(super) struct JobEndpoints {
 pub(super) fn job_endpoints(cluster: &ClusterConfig, node_ip: Option<IpAddr>) -> Result<JobEndpoints> {
     let host = node_ip.map_or_else(|| DEFAULT_NODE_IP.to_string(), |ip| ip.to_string());
     if cluster.is_parameter_server() {
-        let launch = LaunchPsArgs {
-            roles: PsRoles {
-                server_num: Some(cluster.server_num),
-                worker_num: Some(cluster.world_size()),
-                servers: cluster.pservers.clone(),
-                workers: cluster.endpoints.clone(),
-            },
-            host,
-            started_port: Some(DEFAULT_STARTED_PORT),
-            processes: ProcessFlags::default(),
-            master: cluster.master.clone(),
-            command: Vec::new(),
-        };
-        let JobAddresses { master, servers, .. } = launch
-            .addresses()
-            .context("the addresses `flotilla launch-ps` would choose")?;
-        let mut endpoints = vec![endpoint("cluster.master".into(), master, cluster.master.is_none())];
-        endpoints.extend(listed("cluster.pservers", servers, cluster.pservers.is_empty()));
-        return Ok(JobEndpoints {
-            endpoints,
-            unplaced: Vec::new(),
-        });
+        return ps_job_endpoints(cluster, host);
     }
-    let launched = if cluster.master.is_some() && !cluster.endpoints.is_empty() {
-        None
-    } else if cluster.nnodes == 1 {
-        let launch = LaunchArgs {
-            nnodes: NodeRange { min: 1, max: 1 },
-            nproc_per_node: Some(cluster.nproc_per_node),
-            devices: Vec::new(),
-            run_mode: None,
-            ps_roles: PsRoles::default(),
-            node_ip: host.clone(),
-            cluster_node_ips: vec![host],
-            master: cluster.master.clone(),
-            node_rank: None,
-            master_addr: None,
-            master_port: None,
-            rdzv_endpoint: None,
-            rdzv_backend: None,
-            standalone: false,
-            started_port: Some(DEFAULT_STARTED_PORT),
-            processes: ProcessFlags::default(),
-            command: Vec::new(),
-        };
-        Some(
-            launch
-                .addresses()
-                .context("the addresses `flotilla launch` would choose")?,
-        )
-    } else {
-        None
-    };
+    let launched = launcher_addresses(cluster, host)?;
     let mut found = JobEndpoints {
         endpoints: Vec::new(),
         unplaced: Vec::new(),
@@ -155,6 +105,65 @@ pub(super) fn job_endpoints(cluster: &ClusterConfig, node_ip: Option<IpAddr>) ->
         (true, None) => found.unplaced.push("cluster.endpoints"),
     }
     Ok(found)
+}
+
+/// A parameter-server job's coordinator and servers, where the config or else `launch-ps`
+/// (at `host`, with its default flags) puts them: one launcher sees every address.
+fn ps_job_endpoints(cluster: &ClusterConfig, host: String) -> Result<JobEndpoints> {
+    let launch = LaunchPsArgs {
+        roles: PsRoles {
+            server_num: Some(cluster.server_num),
+            worker_num: Some(cluster.world_size()),
+            servers: cluster.pservers.clone(),
+            workers: cluster.endpoints.clone(),
+        },
+        host,
+        started_port: Some(DEFAULT_STARTED_PORT),
+        processes: ProcessFlags::default(),
+        master: cluster.master.clone(),
+        command: Vec::new(),
+    };
+    let JobAddresses { master, servers, .. } = launch
+        .addresses()
+        .context("the addresses `flotilla launch-ps` would choose")?;
+    let mut endpoints = vec![endpoint("cluster.master".into(), master, cluster.master.is_none())];
+    endpoints.extend(listed("cluster.pservers", servers, cluster.pservers.is_empty()));
+    Ok(JobEndpoints {
+        endpoints,
+        unplaced: Vec::new(),
+    })
+}
+
+/// The addresses `flotilla launch` would choose at `host` with its default flags, when the
+/// config leaves some to it; `None` when it leaves none, or on several nodes, where they
+/// depend on flags the doctor does not see.
+fn launcher_addresses(cluster: &ClusterConfig, host: String) -> Result<Option<JobAddresses>> {
+    if (cluster.master.is_some() && !cluster.endpoints.is_empty()) || cluster.nnodes != 1 {
+        return Ok(None);
+    }
+    let launch = LaunchArgs {
+        nnodes: NodeRange { min: 1, max: 1 },
+        nproc_per_node: Some(cluster.nproc_per_node),
+        devices: Vec::new(),
+        run_mode: None,
+        ps_roles: PsRoles::default(),
+        node_ip: host.clone(),
+        cluster_node_ips: vec![host],
+        master: cluster.master.clone(),
+        node_rank: None,
+        master_addr: None,
+        master_port: None,
+        rdzv_endpoint: None,
+        rdzv_backend: None,
+        standalone: false,
+        started_port: Some(DEFAULT_STARTED_PORT),
+        processes: ProcessFlags::default(),
+        command: Vec::new(),
+    };
+    let addresses = launch
+        .addresses()
+        .context("the addresses `flotilla launch` would choose")?;
+    Ok(Some(addresses))
 }
 
 fn endpoint(key: String, address: String, by_launcher: bool) -> Endpoint {

@@ -5,6 +5,7 @@
 //! stops answering, the others' collectives are broken off at once and fail naming why, instead
 //! of waiting out the timeout.
 
+use std::sync::mpsc::{Receiver, Sender};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::thread::JoinHandle;
 
@@ -22,6 +23,7 @@ use crate::collective::preemption::PREEMPTED_EXIT_CODE;
 use crate::collective::preemption::{self, PreemptionWatch};
 use crate::config::{placement, process_env, JobConfig};
 use crate::engines::comm::{CommWorker, Communicator, RingBreaker, Wire};
+use crate::net::auth::Credentials;
 use crate::net::protocol::Roster;
 
 /// This process's place among the ranks of a job, and the ring to the others.
@@ -53,24 +55,9 @@ impl ProcessGroup {
     pub fn init(config: &JobConfig) -> Result<Self> {
         let mut config = config.clone();
         let world = config.world_size();
-        let rank = match placement::rank(&process_env)? {
-            Some(rank) => rank,
-            None if world == 1 => 0,
-            None => bail!(
-                "{}: a process group of {world} ranks needs this process's rank (PADDLE_TRAINER_ID or RANK): \
-                 start the program with `flotilla launch --nproc_per_node {world} -- PROGRAM`",
-                config.source_name
-            ),
-        };
+        let rank = rank_of(&config, world)?;
         if world == 1 {
-            let comm = CommWorker::spawn(Communicator::single())?;
-            return Ok(Self {
-                rank,
-                comm,
-                config: Arc::new(config),
-                control: None,
-                _preemption: PreemptionWatch::install()?,
-            });
+            return Self::alone(rank, config);
         }
         // Under torchrun's agent the ranks meet their coordinator through its store.
         torchrun::meet_coordinator(&mut config, rank, &process_env)?;
@@ -83,42 +70,8 @@ impl ProcessGroup {
         } = bind(&config, rank)?;
         let breaker = RingBreaker::default();
         let link = ring_link(&config, rank, listener, &credentials, &breaker);
-        let (roster_to, roster) = std::sync::mpsc::channel();
-        let (finish, finished) = oneshot::channel();
-        let failure = Arc::new(Mutex::new(None));
-        let thread = {
-            let (config, failure) = (config.clone(), failure.clone());
-            std::thread::Builder::new()
-                .name(format!("rank {rank} control"))
-                .spawn(move || {
-                    let outcome =
-                        keep_in_touch(&config, rank, &master, &credentials, data_endpoint, roster_to, finished);
-                    if let Err(e) = &outcome {
-                        // Whatever collective the program is blocked in can never finish.
-                        *failure.lock().unwrap_or_else(PoisonError::into_inner) = Some(format!("{e:#}"));
-                        breaker.break_for(u64::MAX);
-                    }
-                    outcome
-                })
-                .context("cannot start the thread that talks to the coordinator")?
-        };
-        let roster: Roster = match roster.recv() {
-            Ok(roster) => roster,
-            Err(_) => {
-                let why = thread
-                    .join()
-                    .map_err(|_| anyhow!("the thread that talks to the coordinator panicked"))?;
-                return Err(why
-                    .err()
-                    .unwrap_or_else(|| anyhow!("the rendezvous ended without a roster")))
-                .with_context(|| {
-                    format!(
-                        "rank {rank}: joining the job at {}",
-                        config.cluster.master.as_deref().unwrap_or("?")
-                    )
-                });
-            }
-        };
+        let (line, roster) = ControlLine::start(&config, rank, master, credentials, data_endpoint, breaker)?;
+        let (line, roster) = line.wait_for_roster(&roster, rank, &config)?;
         let comm = CommWorker::spawn(link.into_communicator(&roster)?)?;
         // From here a SIGTERM waits for the loop's `stop_asked`; before, it ends the process.
         let preemption = PreemptionWatch::install()?;
@@ -127,12 +80,20 @@ impl ProcessGroup {
             rank,
             comm,
             config,
-            control: Some(ControlLine {
-                finish,
-                failure,
-                thread,
-            }),
+            control: Some(line),
             _preemption: preemption,
+        })
+    }
+
+    /// The group of a job of one rank: no coordinator, no ring.
+    fn alone(rank: usize, config: JobConfig) -> Result<Self> {
+        let comm = CommWorker::spawn(Communicator::single())?;
+        Ok(Self {
+            rank,
+            comm,
+            config: Arc::new(config),
+            control: None,
+            _preemption: PreemptionWatch::install()?,
         })
     }
 
@@ -205,6 +166,80 @@ impl ProcessGroup {
     }
 }
 
+/// This process's rank, as its launcher's environment names it; 0 in a job of one rank,
+/// which needs no launcher.
+fn rank_of(config: &JobConfig, world: usize) -> Result<usize> {
+    match placement::rank(&process_env)? {
+        Some(rank) => Ok(rank),
+        None if world == 1 => Ok(0),
+        None => bail!(
+            "{}: a process group of {world} ranks needs this process's rank (PADDLE_TRAINER_ID or RANK): \
+             start the program with `flotilla launch --nproc_per_node {world} -- PROGRAM`",
+            config.source_name
+        ),
+    }
+}
+
+impl ControlLine {
+    /// Starts rank `rank`'s control thread ([`keep_in_touch`]), which hands the roster over on
+    /// the returned channel. When the thread fails, whatever collective the program is blocked
+    /// in can never finish: `breaker` breaks it off, and the failure is kept to explain it.
+    fn start(
+        config: &Arc<JobConfig>,
+        rank: usize,
+        master: String,
+        credentials: Credentials,
+        data_endpoint: String,
+        breaker: RingBreaker,
+    ) -> Result<(Self, Receiver<Roster>)> {
+        let (roster_to, roster) = std::sync::mpsc::channel();
+        let (finish, finished) = oneshot::channel();
+        let failure = Arc::new(Mutex::new(None));
+        let thread = {
+            let (config, failure) = (config.clone(), failure.clone());
+            std::thread::Builder::new()
+                .name(format!("rank {rank} control"))
+                .spawn(move || {
+                    let outcome =
+                        keep_in_touch(&config, rank, &master, &credentials, data_endpoint, roster_to, finished);
+                    if let Err(e) = &outcome {
+                        // Whatever collective the program is blocked in can never finish.
+                        *failure.lock().unwrap_or_else(PoisonError::into_inner) = Some(format!("{e:#}"));
+                        breaker.break_for(u64::MAX);
+                    }
+                    outcome
+                })
+                .context("cannot start the thread that talks to the coordinator")?
+        };
+        let line = Self {
+            finish,
+            failure,
+            thread,
+        };
+        Ok((line, roster))
+    }
+
+    /// The roster the control thread got at the rendezvous, or why it got none.
+    fn wait_for_roster(self, roster: &Receiver<Roster>, rank: usize, config: &JobConfig) -> Result<(Self, Roster)> {
+        if let Ok(roster) = roster.recv() {
+            return Ok((self, roster));
+        }
+        let why = self
+            .thread
+            .join()
+            .map_err(|_| anyhow!("the thread that talks to the coordinator panicked"))?;
+        Err(why
+            .err()
+            .unwrap_or_else(|| anyhow!("the rendezvous ended without a roster")))
+        .with_context(|| {
+            format!(
+                "rank {rank}: joining the job at {}",
+                config.cluster.master.as_deref().unwrap_or("?")
+            )
+        })
+    }
+}
+
 /// The control thread of rank `rank`: hosts the coordinator on rank 0 (unless it runs as a
 /// process of its own), joins the job reachable at `data_endpoint`, hands the roster over, and
 /// heartbeats until `finished` fires; then waits at the end barrier and says goodbye.
@@ -212,9 +247,9 @@ fn keep_in_touch(
     config: &JobConfig,
     rank: usize,
     master: &str,
-    credentials: &crate::net::auth::Credentials,
+    credentials: &Credentials,
     data_endpoint: String,
-    roster_to: std::sync::mpsc::Sender<Roster>,
+    roster_to: Sender<Roster>,
     finished: oneshot::Receiver<()>,
 ) -> Result<()> {
     let coordinator = (rank == 0 && !coordinator_is_own_process()).then(|| {

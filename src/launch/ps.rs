@@ -3,7 +3,7 @@
 //! supervises them. Servers listen on `host:started_port + i` unless `--servers` lists their
 //! endpoints; trainers need no listening port, but get `PADDLE_TRAINER_ENDPOINTS` as in Paddle.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use anyhow::{bail, ensure, Result};
 
@@ -141,72 +141,46 @@ impl LaunchPsArgs {
             trainers: workers,
             servers,
         } = self.addresses()?;
-        let role_command = |role: &str| -> Result<(PathBuf, Vec<String>)> {
-            match self.command.split_first() {
-                Some((first, rest)) if first == "train" => Ok((
-                    flotilla.clone(),
-                    ["run", "--role", role]
-                        .iter()
-                        .map(|s| s.to_string())
-                        .chain(rest.iter().cloned())
-                        .collect(),
-                )),
-                Some((first, rest)) => Ok((PathBuf::from(first), rest.to_vec())),
-                None => bail!("launch-ps needs a command after `--`: `train --config FILE` or a program"),
-            }
-        };
-        let common = [
+        let job = [
             ("PADDLE_MASTER", master),
             ("PADDLE_PSERVERS_IP_PORT_LIST", servers.join(",")),
             ("PADDLE_PSERVER_ENDPOINTS", servers.join(",")),
             ("PADDLE_TRAINER_ENDPOINTS", workers.join(",")),
             ("PADDLE_TRAINERS_NUM", workers.len().to_string()),
         ];
-        let here = |endpoint: &String| endpoint.rsplit_once(':').is_some_and(|(ip, _)| ip == self.host);
         // This node's processes share its cores; one launcher starts the whole job only when
         // every role is on its node.
-        let processes = servers.iter().chain(&workers).filter(|e| here(e)).count();
+        let processes = servers.iter().chain(&workers).filter(|e| self.is_here(e)).count();
         let token = credentials_env(
             processes == servers.len() + workers.len(),
             self.processes.job_id.as_deref(),
         )?;
+        let env = RoleEnv {
+            job: job.into_iter().map(|(k, v)| (k.to_string(), v)).collect(),
+            node: thread_env(processes)
+                .into_iter()
+                .chain(token)
+                .map(|(k, v)| (k.to_string(), v))
+                .collect(),
+        };
         let mut children = Vec::with_capacity(processes);
-        for (role, endpoints) in [("pserver", &servers), ("trainer", &workers)] {
-            let (program, args) = role_command(role)?;
+        for (role, endpoints) in [(PsRole::Server, &servers), (PsRole::Trainer, &workers)] {
+            let (program, args) = self.role_command(&flotilla, role)?;
             for (index, endpoint) in endpoints.iter().enumerate() {
                 let (ip, port) = endpoint
                     .rsplit_once(':')
                     .ok_or_else(|| anyhow::anyhow!("{endpoint:?} is not a host:port address"))?;
-                if !here(endpoint) {
+                if !self.is_here(endpoint) {
                     continue;
                 }
-                let mut env: Vec<(String, String)> = common.iter().map(|(k, v)| (k.to_string(), v.clone())).collect();
-                env.push(("POD_IP".into(), ip.to_string()));
-                env.push(("PADDLE_PORT".into(), port.to_string()));
-                if role == "pserver" {
-                    env.push(("TRAINING_ROLE".into(), "PSERVER".into()));
-                } else {
-                    env.push(("TRAINING_ROLE".into(), "TRAINER".into()));
-                    env.push(("PADDLE_TRAINER_ID".into(), index.to_string()));
-                    env.push(("PADDLE_CURRENT_ENDPOINT".into(), endpoint.clone()));
-                }
-                env.extend(thread_env(processes).into_iter().map(|(k, v)| (k.into(), v)));
-                env.extend(token.iter().map(|(k, v)| (k.to_string(), v.clone())));
                 children.push(ChildSpec {
-                    // As the coordinator numbers the roles: servers first, then trainers.
-                    rank: if role == "pserver" {
-                        index
-                    } else {
-                        servers.len() + index
-                    },
-                    name: format!("{} {index}", if role == "pserver" { "server" } else { "trainer" }),
+                    rank: role.rank(index, servers.len()),
+                    name: format!("{} {index}", role.process_name()),
                     program: program.clone(),
                     args: args.clone(),
-                    env,
+                    env: env.of(role, index, endpoint, (ip, port)),
                     restart_alone: false,
-                    log: self
-                        .processes
-                        .log(if role == "pserver" { "serverlog" } else { "workerlog" }, index),
+                    log: self.processes.log(role.log_name(), index),
                 });
             }
         }
@@ -217,6 +191,28 @@ impl LaunchPsArgs {
             self.host
         );
         Ok(children)
+    }
+
+    /// Whether `endpoint` is on this node (`--host`).
+    fn is_here(&self, endpoint: &str) -> bool {
+        endpoint.rsplit_once(':').is_some_and(|(ip, _)| ip == self.host)
+    }
+
+    /// The program and arguments a `role` process runs: `train …` runs this binary as that
+    /// role, any other command as it is.
+    fn role_command(&self, flotilla: &Path, role: PsRole) -> Result<(PathBuf, Vec<String>)> {
+        match self.command.split_first() {
+            Some((first, rest)) if first == "train" => Ok((
+                flotilla.to_path_buf(),
+                ["run", "--role", role.run_role()]
+                    .iter()
+                    .map(|s| s.to_string())
+                    .chain(rest.iter().cloned())
+                    .collect(),
+            )),
+            Some((first, rest)) => Ok((PathBuf::from(first), rest.to_vec())),
+            None => bail!("launch-ps needs a command after `--`: `train --config FILE` or a program"),
+        }
     }
 
     /// The endpoints of one role: the explicit list, or `count` ports on `--host` from
@@ -246,6 +242,76 @@ impl LaunchPsArgs {
         Ok((0..count)
             .map(|i| format!("{}:{}", self.host, usize::from(self.started_port()) + first + i))
             .collect())
+    }
+}
+
+/// The two kinds of process of a parameter-server job.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum PsRole {
+    Server,
+    Trainer,
+}
+
+impl PsRole {
+    /// The role as `run --role` takes it.
+    fn run_role(self) -> &'static str {
+        match self {
+            Self::Server => "pserver",
+            Self::Trainer => "trainer",
+        }
+    }
+
+    /// The job rank of the role's process `index`, as the coordinator numbers the roles:
+    /// the `servers` first, then the trainers.
+    fn rank(self, index: usize, servers: usize) -> usize {
+        match self {
+            Self::Server => index,
+            Self::Trainer => servers + index,
+        }
+    }
+
+    /// How the launcher names the role's processes.
+    fn process_name(self) -> &'static str {
+        match self {
+            Self::Server => "server",
+            Self::Trainer => "trainer",
+        }
+    }
+
+    /// The role's log files, named as Paddle's launcher names them.
+    fn log_name(self) -> &'static str {
+        match self {
+            Self::Server => "serverlog",
+            Self::Trainer => "workerlog",
+        }
+    }
+}
+
+/// The environment every process on this node gets, around the variables of its own role.
+struct RoleEnv {
+    /// The job's addresses, the same on every node.
+    job: Vec<(String, String)>,
+    /// This node's thread counts and the job's credentials.
+    node: Vec<(String, String)>,
+}
+
+impl RoleEnv {
+    /// The environment of `role` process `index`, listening at `endpoint` (`ip`, `port`), as
+    /// Paddle's launcher sets it.
+    fn of(&self, role: PsRole, index: usize, endpoint: &str, (ip, port): (&str, &str)) -> Vec<(String, String)> {
+        let mut env = self.job.clone();
+        env.push(("POD_IP".into(), ip.to_string()));
+        env.push(("PADDLE_PORT".into(), port.to_string()));
+        match role {
+            PsRole::Server => env.push(("TRAINING_ROLE".into(), "PSERVER".into())),
+            PsRole::Trainer => {
+                env.push(("TRAINING_ROLE".into(), "TRAINER".into()));
+                env.push(("PADDLE_TRAINER_ID".into(), index.to_string()));
+                env.push(("PADDLE_CURRENT_ENDPOINT".into(), endpoint.to_string()));
+            }
+        }
+        env.extend(self.node.iter().cloned());
+        env
     }
 }
 

@@ -252,21 +252,63 @@ fn run_once(
     alone: Restarts,
     death_watch: Option<&DeathWatch>,
 ) -> Result<(), Ended> {
-    let mut running = Vec::with_capacity(children.len());
+    let mut round = Round {
+        children,
+        mode,
+        interrupts,
+        bar,
+        alone,
+        running: Vec::with_capacity(children.len()),
+        interrupted_at: None,
+    };
     for spec in children {
-        match start(spec, mode, bar) {
-            Ok(child) => running.push(child),
-            Err(e) => {
-                stop_all(&mut running, libc::SIGTERM, interrupts);
-                return Err(Ended::Stopped(e));
-            }
-        }
+        let child = round.start_or_stop_all(spec)?;
+        round.running.push(child);
     }
-    let mut interrupted_at = None;
     loop {
-        let signals = interrupts.count();
-        let (forwarded, grace) = interrupts.forwarded();
-        if signals > 0 && interrupted_at.is_none() {
+        round.handle_interrupts()?;
+        if let Some(watch) = death_watch {
+            kill_declared_dead(&mut round.running, children, watch);
+        }
+        let statuses = round.poll_for_cause()?;
+        if let Some((index, status)) = first_cause(&statuses) {
+            round.handle_failure(index, status)?;
+            continue;
+        }
+        if statuses.iter().all(Option::is_some) {
+            return round.finish(&statuses);
+        }
+        thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// One start of every child, while it runs: its processes (in the children's order) and when
+/// the launcher was interrupted.
+struct Round<'a> {
+    children: &'a [ChildSpec],
+    mode: OutputMode,
+    interrupts: &'a Interrupts,
+    bar: &'a LauncherBar,
+    alone: Restarts<'a>,
+    running: Vec<Running>,
+    interrupted_at: Option<Instant>,
+}
+
+impl Round<'_> {
+    /// Starts `spec`; a process that cannot start ends the round, the others stopped.
+    fn start_or_stop_all(&mut self, spec: &ChildSpec) -> Result<Running, Ended> {
+        start(spec, self.mode, self.bar).map_err(|e| {
+            stop_all(&mut self.running, libc::SIGTERM, self.interrupts);
+            Ended::Stopped(e)
+        })
+    }
+
+    /// Forwards the launcher's first signal to the processes; a second signal, or their
+    /// outlasting the grace it gives, kills them and ends the round.
+    fn handle_interrupts(&mut self) -> Result<(), Ended> {
+        let signals = self.interrupts.count();
+        let (forwarded, grace) = self.interrupts.forwarded();
+        if signals > 0 && self.interrupted_at.is_none() {
             tracing::warn!(
                 "interrupted: forwarding {} to {} process(es); a second signal kills them",
                 if forwarded == libc::SIGTERM {
@@ -274,98 +316,117 @@ fn run_once(
                 } else {
                     "SIGINT"
                 },
-                running.len()
+                self.running.len()
             );
-            signal_groups(&running, forwarded);
+            signal_groups(&self.running, forwarded);
             // A stopped (SIGSTOP) process acts on the signal only once continued.
-            signal_groups(&running, libc::SIGCONT);
-            interrupted_at = Some(Instant::now());
+            signal_groups(&self.running, libc::SIGCONT);
+            self.interrupted_at = Some(Instant::now());
         }
-        if let Some(at) = interrupted_at {
-            let why = if signals > 1 {
-                Some("a second signal".to_string())
-            } else {
-                (at.elapsed() >= grace).then(|| format!("they did not stop within {grace:?}"))
-            };
-            if let Some(why) = why {
-                tracing::warn!("killing the processes still running: {why}");
-                kill_all(&mut running);
-                return Err(Ended::Stopped(anyhow!(
-                    "interrupted; the processes still running were killed ({why})"
-                )));
-            }
+        let Some(at) = self.interrupted_at else {
+            return Ok(());
+        };
+        let why = if signals > 1 {
+            Some("a second signal".to_string())
+        } else {
+            (at.elapsed() >= grace).then(|| format!("they did not stop within {grace:?}"))
+        };
+        if let Some(why) = why {
+            tracing::warn!("killing the processes still running: {why}");
+            kill_all(&mut self.running);
+            return Err(Ended::Stopped(anyhow!(
+                "interrupted; the processes still running were killed ({why})"
+            )));
         }
-        if let Some(watch) = death_watch {
-            kill_declared_dead(&mut running, children, watch);
-        }
-        let mut statuses = poll(&mut running)?;
-        // A process that stopped for preemption (a SIGTERM the launcher forwarded, or one the
-        // engine sent it directly) did as asked: the others stop after the same step.
-        let failed_exit = |s: &ExitStatus| !(s.success() || stopped_for_preemption(s));
+        Ok(())
+    }
+
+    /// Every process's exit status (`None` while running), polled a moment later again when
+    /// one that takes its peers down has failed.
+    fn poll_for_cause(&mut self) -> Result<Vec<Option<ExitStatus>>, Ended> {
+        let statuses = poll(&mut self.running)?;
         let failed_here = |(status, spec): (&Option<ExitStatus>, &ChildSpec)| {
             status.is_some_and(|s| failed_exit(&s)) && !spec.restart_alone
         };
-        if statuses.iter().zip(children).any(failed_here) {
+        if statuses.iter().zip(self.children).any(failed_here) {
             // The peers of a killed process fail within moments of it, and may be reaped first:
             // a moment more lets the cause show itself. (A process restarted alone has no peers
             // that fail with it: it is replaced at once.)
             thread::sleep(CAUSE_GRACE);
-            statuses = poll(&mut running)?;
+            return poll(&mut self.running);
         }
-        // A process that refused to start is the cause (no restart changes it); else one killed
-        // by a signal; the ones that then lost it as a peer failed because of it.
-        let failed = statuses
-            .iter()
-            .enumerate()
-            .filter_map(|(index, status)| status.filter(failed_exit).map(|s| (index, s)))
-            .min_by_key(|(_, status)| (!refused(status), status.signal().is_none()));
-        if let Some((index, status)) = failed {
-            let mut failed = running.remove(index);
-            // What the failed process left running in its group would otherwise live on.
-            kill_all(std::slice::from_mut(&mut failed));
-            let interrupted = interrupted_at.is_some();
-            if children[index].restart_alone && !interrupted && !refused(&status) && *alone.done < alone.max {
-                *alone.done += 1;
-                tracing::warn!(
-                    "{:#}\nrestarting {} alone (restart {} of {}): the other processes roll back in place \
-                     to the last committed checkpoint and wait for it",
-                    failure(&failed, status, false, "the other processes go on"),
-                    failed.name,
-                    alone.done,
-                    alone.max
-                );
-                let mut spec = children[index].clone();
-                spec.env.push((RESUME_VAR.to_string(), "1".to_string()));
-                match start(&spec, mode, bar) {
-                    Ok(replacement) => running.insert(index, replacement),
-                    Err(e) => {
-                        stop_all(&mut running, libc::SIGTERM, interrupts);
-                        return Err(Ended::Stopped(e));
-                    }
-                }
-                continue;
-            }
-            stop_all(&mut running, libc::SIGTERM, interrupts);
-            let error = failure(&failed, status, interrupted, "the other processes were stopped");
-            return Err(if interrupted || refused(&status) {
-                Ended::Stopped(error)
-            } else {
-                Ended::Failed(error)
-            });
-        }
-        if statuses.iter().all(Option::is_some) {
-            // Whatever the processes left running in their groups ends with the job.
-            kill_all(&mut running);
-            if statuses.iter().flatten().any(stopped_for_preemption) {
-                return Err(Ended::Stopped(ProcessesPreempted.into()));
-            }
-            if interrupted_at.is_some() {
-                return Err(Ended::Stopped(anyhow!("interrupted")));
-            }
-            return Ok(());
-        }
-        thread::sleep(Duration::from_millis(20));
+        Ok(statuses)
     }
+
+    /// Replaces the failed process at `index` alone when it may be and `alone` allows; else
+    /// stops the others and ends the round with the failure.
+    fn handle_failure(&mut self, index: usize, status: ExitStatus) -> Result<(), Ended> {
+        let mut failed = self.running.remove(index);
+        // What the failed process left running in its group would otherwise live on.
+        kill_all(std::slice::from_mut(&mut failed));
+        let interrupted = self.interrupted_at.is_some();
+        if self.children[index].restart_alone && !interrupted && !refused(&status) && *self.alone.done < self.alone.max
+        {
+            return self.restart_alone(index, &failed, status);
+        }
+        stop_all(&mut self.running, libc::SIGTERM, self.interrupts);
+        let error = failure(&failed, status, interrupted, "the other processes were stopped");
+        Err(if interrupted || refused(&status) {
+            Ended::Stopped(error)
+        } else {
+            Ended::Failed(error)
+        })
+    }
+
+    /// Starts a replacement of the failed process at `index`, resuming from the last committed
+    /// checkpoint, in its place among the running ones.
+    fn restart_alone(&mut self, index: usize, failed: &Running, status: ExitStatus) -> Result<(), Ended> {
+        *self.alone.done += 1;
+        tracing::warn!(
+            "{:#}\nrestarting {} alone (restart {} of {}): the other processes roll back in place \
+             to the last committed checkpoint and wait for it",
+            failure(failed, status, false, "the other processes go on"),
+            failed.name,
+            self.alone.done,
+            self.alone.max
+        );
+        let mut spec = self.children[index].clone();
+        spec.env.push((RESUME_VAR.to_string(), "1".to_string()));
+        let replacement = self.start_or_stop_all(&spec)?;
+        self.running.insert(index, replacement);
+        Ok(())
+    }
+
+    /// Ends the round once every process has exited without failing: in success, or stopped
+    /// when they were preempted or interrupted.
+    fn finish(&mut self, statuses: &[Option<ExitStatus>]) -> Result<(), Ended> {
+        // Whatever the processes left running in their groups ends with the job.
+        kill_all(&mut self.running);
+        if statuses.iter().flatten().any(stopped_for_preemption) {
+            return Err(Ended::Stopped(ProcessesPreempted.into()));
+        }
+        if self.interrupted_at.is_some() {
+            return Err(Ended::Stopped(anyhow!("interrupted")));
+        }
+        Ok(())
+    }
+}
+
+/// A failed exit: a process that stopped for preemption (a SIGTERM the launcher forwarded, or
+/// one the engine sent it directly) did as asked, and the others stop after the same step.
+fn failed_exit(status: &ExitStatus) -> bool {
+    !(status.success() || stopped_for_preemption(status))
+}
+
+/// The failed process that caused the others' failure, by index: one that refused to start (no
+/// restart changes it); else one killed by a signal; the ones that then lost it as a peer
+/// failed because of it.
+fn first_cause(statuses: &[Option<ExitStatus>]) -> Option<(usize, ExitStatus)> {
+    statuses
+        .iter()
+        .enumerate()
+        .filter_map(|(index, status)| status.filter(failed_exit).map(|s| (index, s)))
+        .min_by_key(|(_, status)| (!refused(status), status.signal().is_none()))
 }
 
 /// Kills the processes that may be restarted alone and that the coordinator declared dead while

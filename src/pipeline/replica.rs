@@ -2,6 +2,7 @@
 //! pipeline, the optimizer of the stage's parameters, and the data-parallel ring among the
 //! stage's replicas (hybrid data × pipeline parallelism).
 
+use std::ops::Range;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, Result};
@@ -10,9 +11,9 @@ use candle_core::{Device, Tensor, Var};
 use super::link::{Signals, StageLink};
 use super::partition::{balanced, explicit};
 use super::schedule::ScheduleKind;
-use super::stage::{Chunk, Stage};
+use super::stage::{Chunk, Stage, StageStep};
 use crate::collective::rank_figures::{JobFigures, RankFigures};
-use crate::collective::{preemption, sum_over_ranks, GradientSync, Held, RankReplica, StepReport};
+use crate::collective::{preemption, sum_over_ranks, Averaged, GradientSync, Held, RankReplica, StepReport};
 use crate::config::{JobConfig, LossKind, ScheduleMode};
 use crate::data::{Batch, Pieces};
 use crate::engines::comm::{CommWorker, Communicator};
@@ -65,6 +66,81 @@ pub fn schedule_kind(job: &JobConfig) -> ScheduleKind {
     }
 }
 
+/// The model's blocks cut into `pp_degree × virtual stages` runs, by parameter count or at
+/// the configured boundaries.
+fn cut_into_stages(job: &JobConfig, kind: ScheduleKind, model: &Model) -> Result<Vec<Range<usize>>> {
+    let configs = &job.strategy.pipeline_configs;
+    let p = job.strategy.hybrid_configs.pp_degree;
+    let virtual_stages = p * kind.virtual_stages();
+    let weights: Vec<usize> = model
+        .blocks()
+        .iter()
+        .map(|b| b.parameters().iter().map(|(_, v)| v.elem_count()).sum())
+        .collect();
+    // The config was valid without the model; a cut the model's blocks cannot take is still
+    // the user's input, which no restart changes.
+    if configs.stage_boundaries.is_empty() {
+        balanced(&weights, virtual_stages).with_context(|| {
+            format!(
+                "strategy.hybrid_configs.pp_degree × strategy.pipeline_configs.virtual_pipeline_stages = \
+                 {p} × {}: cutting the model into stages",
+                kind.virtual_stages()
+            )
+        })
+    } else {
+        explicit(&configs.stage_boundaries, weights.len(), virtual_stages).with_context(|| {
+            format!(
+                "strategy.pipeline_configs.stage_boundaries = {:?}: cutting the model into stages",
+                configs.stage_boundaries
+            )
+        })
+    }
+    .map_err(Refusal::wrap)
+}
+
+/// The blocks whose outputs are kept for backward when the job recomputes activations
+/// (indices in the whole model), `None` when it does not.
+fn recompute_checkpoints(job: &JobConfig, model: &Model) -> Result<Option<Vec<usize>>> {
+    if !job.strategy.recompute {
+        return Ok(None);
+    }
+    let names: Vec<&str> = model.blocks().iter().map(|b| b.name()).collect();
+    Ok(Some(job.strategy.recompute_configs.resolve(&names)?))
+}
+
+/// The chunks of `stage` (the runs `k` of `cuts` with `k mod p = stage`), taken from `model`,
+/// each cut for backward as the job asks: around the recomputation `checkpoints`, per block
+/// when all-reduces overlap backward, else whole.
+fn stage_chunks(
+    model: Model,
+    cuts: Vec<Range<usize>>,
+    p: usize,
+    stage: usize,
+    checkpoints: Option<&[usize]>,
+    overlap_allreduce: bool,
+) -> Vec<Chunk> {
+    let mut blocks: Vec<Option<Box<dyn Block>>> = model.into_blocks().into_iter().map(Some).collect();
+    cuts.into_iter()
+        .enumerate()
+        .filter(|(k, _)| k % p == stage)
+        .map(|(_, range)| {
+            let chunk_blocks = range.clone().filter_map(|i| blocks[i].take()).collect();
+            match checkpoints {
+                None if overlap_allreduce => Chunk::per_block(chunk_blocks),
+                None => Chunk::new(chunk_blocks),
+                Some(all) => {
+                    let within: Vec<usize> = all
+                        .iter()
+                        .filter(|c| range.contains(c))
+                        .map(|c| c - range.start)
+                        .collect();
+                    Chunk::recomputed(chunk_blocks, &within)
+                }
+            }
+        })
+        .collect()
+}
+
 impl PipelineReplica {
     /// Stage `stage` of `model` (every rank builds the whole model from the seed and keeps its
     /// chunks), linked to its neighbours by `link` and to its replicas by `data_parallel`, in a
@@ -83,59 +159,11 @@ impl PipelineReplica {
         let configs = &job.strategy.pipeline_configs;
         let p = job.strategy.hybrid_configs.pp_degree;
         let virtual_stages = p * kind.virtual_stages();
-        let weights: Vec<usize> = model
-            .blocks()
-            .iter()
-            .map(|b| b.parameters().iter().map(|(_, v)| v.elem_count()).sum())
-            .collect();
-        // The config was valid without the model; a cut the model's blocks cannot take is still
-        // the user's input, which no restart changes.
-        let cuts = if configs.stage_boundaries.is_empty() {
-            balanced(&weights, virtual_stages).with_context(|| {
-                format!(
-                    "strategy.hybrid_configs.pp_degree × strategy.pipeline_configs.virtual_pipeline_stages = \
-                     {p} × {}: cutting the model into stages",
-                    kind.virtual_stages()
-                )
-            })
-        } else {
-            explicit(&configs.stage_boundaries, weights.len(), virtual_stages).with_context(|| {
-                format!(
-                    "strategy.pipeline_configs.stage_boundaries = {:?}: cutting the model into stages",
-                    configs.stage_boundaries
-                )
-            })
-        }
-        .map_err(Refusal::wrap)?;
+        let cuts = cut_into_stages(job, kind, &model)?;
         let dp = job.strategy.hybrid_configs.dp_degree;
         let overlap_allreduce = dp > 1 && !configs.pp_allreduce_in_optimize;
-        let checkpoints = if job.strategy.recompute {
-            let names: Vec<&str> = model.blocks().iter().map(|b| b.name()).collect();
-            Some(job.strategy.recompute_configs.resolve(&names)?)
-        } else {
-            None
-        };
-        let mut blocks: Vec<Option<Box<dyn Block>>> = model.into_blocks().into_iter().map(Some).collect();
-        let chunks: Vec<Chunk> = cuts
-            .into_iter()
-            .enumerate()
-            .filter(|(k, _)| k % p == stage)
-            .map(|(_, range)| {
-                let chunk_blocks = range.clone().filter_map(|i| blocks[i].take()).collect();
-                match &checkpoints {
-                    None if overlap_allreduce => Chunk::per_block(chunk_blocks),
-                    None => Chunk::new(chunk_blocks),
-                    Some(all) => {
-                        let within: Vec<usize> = all
-                            .iter()
-                            .filter(|c| range.contains(c))
-                            .map(|c| c - range.start)
-                            .collect();
-                        Chunk::recomputed(chunk_blocks, &within)
-                    }
-                }
-            })
-            .collect();
+        let checkpoints = recompute_checkpoints(job, &model)?;
+        let chunks = stage_chunks(model, cuts, p, stage, checkpoints.as_deref(), overlap_allreduce);
         let stage = Stage::new(stage, p, chunks, kind, configs.accumulate_steps)?;
         let params = stage.parameters();
         let vars: Vec<Var> = params.iter().map(|p| p.var.clone()).collect();
@@ -193,6 +221,78 @@ impl PipelineReplica {
             .collect::<candle_core::Result<_>>()?;
         Ok((inputs, labels))
     }
+
+    /// Preemption in two steps, on the step's own messages: a rank asked to stop says so
+    /// forward, so the ranks holding the loss hear every stage of their replica and agree over
+    /// the replicas in the gather of the losses; the next step's backward messages tell every
+    /// stage, and all stop after that step. Returns whether this rank was asked, and whether
+    /// the stop it tells backward was decided.
+    fn signal_stop(&mut self) -> (bool, bool) {
+        let asked_here = preemption::asked();
+        let deciding = std::mem::take(&mut self.stop_decided);
+        self.link.signal(Signals {
+            forward: asked_here,
+            backward: deciding,
+        });
+        (asked_here, deciding)
+    }
+
+    /// Runs the stage's schedule over the micro-batches and averages the gradients over the
+    /// stage's replicas: overlapping, each bucket goes to the communication thread as soon as
+    /// its last backward is done; otherwise the whole stage's go after the schedule, in the
+    /// same order. No average on a batch merged into later ones.
+    fn run_schedule(
+        &mut self,
+        at: usize,
+        inputs: &[Tensor],
+        labels: &[Tensor],
+    ) -> Result<(StageStep, Option<Averaged>)> {
+        let kind = self.loss;
+        let loss = |i: usize, out: &Tensor| training_loss(kind, out, &labels[i]);
+        let overlap = self.overlap_allreduce;
+        let mut gradients = self.gradients.begin(at, &self.data_parallel);
+        let step = self.stage.step(
+            self.link.as_mut(),
+            inputs,
+            &loss,
+            &mut self.timeline,
+            &mut |first, grads| {
+                if overlap {
+                    gradients.stop_if_failed()?;
+                    for (index, grad) in (first..).zip(grads) {
+                        gradients.add(index, grad)?;
+                    }
+                }
+                Ok(())
+            },
+        )?;
+        if !overlap {
+            for &index in &self.gradient_order {
+                gradients.add(index, &step.gradients[index])?;
+            }
+        }
+        let averaged = gradients.finish(&mut self.timeline)?;
+        Ok((step, averaged))
+    }
+
+    /// The job's figures of step `at`: only the ranks holding the loss gather them over the
+    /// replicas (the other stages' rings carry no extra message), and keep the stop they agreed
+    /// on for the next step to tell.
+    fn gather_figures(&mut self, at: usize, loss: Option<f32>, stop: bool) -> Result<JobFigures> {
+        let mine = RankFigures {
+            loss: loss.unwrap_or(0.0),
+            peak_rss_bytes: peak_rss_bytes(),
+            stop,
+        };
+        if !self.holds_loss {
+            return Ok(JobFigures::of(&[mine]));
+        }
+        let figures = self
+            .data_parallel
+            .run(move |c| mine.gather(c, &format!("gather of the losses of step {at}")))?;
+        self.stop_decided = figures.stop;
+        Ok(figures)
+    }
 }
 
 impl RankReplica for PipelineReplica {
@@ -219,46 +319,9 @@ impl RankReplica for PipelineReplica {
         let lr = self.lr_policy.at(self.gradients.optimizer_step(at));
         self.optimizer.set_learning_rate(lr);
         let (inputs, labels) = self.micro_batches(batch)?;
-        let kind = self.loss;
-        let loss = |i: usize, out: &Tensor| training_loss(kind, out, &labels[i]);
         let comm_before = self.data_parallel.busy_time();
-
-        // Overlapping, each bucket of gradients goes to the communication thread as soon as its
-        // last backward is done; otherwise the whole stage's go after the schedule, in the same
-        // order.
-        let overlap = self.overlap_allreduce;
-        let mut gradients = self.gradients.begin(at, &self.data_parallel);
-        // Preemption in two steps, on the step's own messages: a rank asked to stop says so
-        // forward, so the ranks holding the loss hear every stage of their replica and agree
-        // over the replicas in the gather of the losses; the next step's backward messages tell
-        // every stage, and all stop after that step.
-        let asked_here = preemption::asked();
-        let deciding = std::mem::take(&mut self.stop_decided);
-        self.link.signal(Signals {
-            forward: asked_here,
-            backward: deciding,
-        });
-        let step = self.stage.step(
-            self.link.as_mut(),
-            &inputs,
-            &loss,
-            &mut self.timeline,
-            &mut |first, grads| {
-                if overlap {
-                    gradients.stop_if_failed()?;
-                    for (index, grad) in (first..).zip(grads) {
-                        gradients.add(index, grad)?;
-                    }
-                }
-                Ok(())
-            },
-        )?;
-        if !overlap {
-            for &index in &self.gradient_order {
-                gradients.add(index, &step.gradients[index])?;
-            }
-        }
-        let averaged = gradients.finish(&mut self.timeline)?;
+        let (asked_here, deciding) = self.signal_stop();
+        let (step, averaged) = self.run_schedule(at, &inputs, &labels)?;
         let exposed = averaged.as_ref().map_or(Duration::ZERO, |a| a.exposed);
         if let Some(averaged) = averaged {
             let stepping = Instant::now();
@@ -266,21 +329,7 @@ impl RankReplica for PipelineReplica {
             record(&mut self.timeline, || format!("optimizer {at}"), "optimizer", stepping);
         }
         let heard = self.link.heard();
-        // Only the ranks holding the loss report; the other stages' rings carry no extra message.
-        let mine = RankFigures {
-            loss: step.loss.unwrap_or(0.0),
-            peak_rss_bytes: peak_rss_bytes(),
-            stop: asked_here || heard.forward,
-        };
-        let figures = if self.holds_loss {
-            self.data_parallel
-                .run(move |c| mine.gather(c, &format!("gather of the losses of step {at}")))?
-        } else {
-            JobFigures::of(&[mine])
-        };
-        if self.holds_loss {
-            self.stop_decided = figures.stop;
-        }
+        let figures = self.gather_figures(at, step.loss, asked_here || heard.forward)?;
         self.step += 1;
         Ok(StepReport {
             loss: self.holds_loss.then_some(figures.mean_loss),

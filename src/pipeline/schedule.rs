@@ -168,29 +168,11 @@ pub fn simulate(
     forward: f64,
     backward: f64,
 ) -> Result<Simulation> {
-    let (p, m, v) = (stages, micro_batches, kind.virtual_stages());
-    let chunks = p * v;
+    let (p, m) = (stages, micro_batches);
     let schedules = (0..p).map(|s| stage_ops(kind, p, m, s)).collect::<Result<Vec<_>>>()?;
-    for (s, ops) in schedules.iter().enumerate() {
-        let mut seen = std::collections::HashSet::new();
-        for op in ops {
-            ensure!(seen.insert(*op), "stage {s} runs {op:?} twice");
-        }
-        ensure!(
-            ops.len() == 2 * m * v,
-            "stage {s} runs {} ops, expected {}",
-            ops.len(),
-            2 * m * v
-        );
-    }
-    // done_f[micro][virtual stage], done_b likewise: the time each ended.
-    let mut done_f = vec![vec![None::<f64>; chunks]; m];
-    let mut done_b = vec![vec![None::<f64>; chunks]; m];
+    check_every_op_once(&schedules, m * kind.virtual_stages())?;
+    let mut clock = Clock::new(p, m, kind.virtual_stages(), forward, backward);
     let mut next = vec![0usize; p];
-    let mut free_at = vec![0.0f64; p];
-    let mut busy = vec![0.0f64; p];
-    let mut in_flight = vec![0usize; p];
-    let mut peak = vec![0usize; p];
     let mut remaining: usize = schedules.iter().map(Vec::len).sum();
     while remaining > 0 {
         let mut progressed = false;
@@ -198,49 +180,10 @@ pub fn simulate(
             let Some(op) = schedules[s].get(next[s]).copied() else {
                 continue;
             };
-            let ready = match op {
-                Op::Forward { micro, chunk } => {
-                    let k = chunk * p + s;
-                    if k == 0 {
-                        Some(0.0)
-                    } else {
-                        done_f[micro][k - 1]
-                    }
-                }
-                Op::Backward { micro, chunk } => {
-                    let k = chunk * p + s;
-                    if k + 1 == chunks {
-                        done_f[micro][k]
-                    } else {
-                        done_b[micro][k + 1]
-                    }
-                }
-            };
-            let Some(ready) = ready else {
+            let Some(ready) = clock.ready(op, s) else {
                 continue;
             };
-            let start = ready.max(free_at[s]);
-            let (cost, end) = match op {
-                Op::Forward { .. } => (forward, start + forward),
-                Op::Backward { .. } => (backward, start + backward),
-            };
-            match op {
-                Op::Forward { micro, chunk } => {
-                    done_f[micro][chunk * p + s] = Some(end);
-                    in_flight[s] += 1;
-                    peak[s] = peak[s].max(in_flight[s]);
-                }
-                Op::Backward { micro, chunk } => {
-                    ensure!(
-                        done_f[micro][chunk * p + s].is_some(),
-                        "stage {s} runs {op:?} before its forward"
-                    );
-                    done_b[micro][chunk * p + s] = Some(end);
-                    in_flight[s] -= 1;
-                }
-            }
-            free_at[s] = end;
-            busy[s] += cost;
+            clock.run(op, s, ready)?;
             next[s] += 1;
             remaining -= 1;
             progressed = true;
@@ -250,12 +193,121 @@ pub fn simulate(
             "the {kind:?} schedules of {p} stages and {m} micro-batches deadlock"
         );
     }
-    let makespan = free_at.iter().copied().fold(0.0, f64::max);
-    Ok(Simulation {
-        makespan,
-        idle_fraction: busy.iter().map(|b| 1.0 - b / makespan).collect(),
-        peak_in_flight: peak,
-    })
+    Ok(clock.simulation())
+}
+
+/// Every stage runs each of its `2 · chunk_passes` ops (a forward and a backward of each
+/// micro-batch through each of its chunks) exactly once.
+fn check_every_op_once(schedules: &[Vec<Op>], chunk_passes: usize) -> Result<()> {
+    for (s, ops) in schedules.iter().enumerate() {
+        let mut seen = std::collections::HashSet::new();
+        for op in ops {
+            ensure!(seen.insert(*op), "stage {s} runs {op:?} twice");
+        }
+        ensure!(
+            ops.len() == 2 * chunk_passes,
+            "stage {s} runs {} ops, expected {}",
+            ops.len(),
+            2 * chunk_passes
+        );
+    }
+    Ok(())
+}
+
+/// The simulated time of every stage: when each pass ended, and what the stages did so far.
+struct Clock {
+    stages: usize,
+    /// Virtual stages in all.
+    chunks: usize,
+    forward: f64,
+    backward: f64,
+    /// `done_f[micro][virtual stage]`: when that forward ended; `done_b` likewise.
+    done_f: Vec<Vec<Option<f64>>>,
+    done_b: Vec<Vec<Option<f64>>>,
+    /// Per stage: when it is next free, its time computing, its forwards awaiting their
+    /// backward now and at most.
+    free_at: Vec<f64>,
+    busy: Vec<f64>,
+    in_flight: Vec<usize>,
+    peak: Vec<usize>,
+}
+
+impl Clock {
+    fn new(p: usize, m: usize, v: usize, forward: f64, backward: f64) -> Self {
+        let chunks = p * v;
+        Self {
+            stages: p,
+            chunks,
+            forward,
+            backward,
+            done_f: vec![vec![None; chunks]; m],
+            done_b: vec![vec![None; chunks]; m],
+            free_at: vec![0.0; p],
+            busy: vec![0.0; p],
+            in_flight: vec![0; p],
+            peak: vec![0; p],
+        }
+    }
+
+    /// When `op`'s input exists on stage `s`, `None` while it does not.
+    fn ready(&self, op: Op, s: usize) -> Option<f64> {
+        match op {
+            Op::Forward { micro, chunk } => {
+                let k = chunk * self.stages + s;
+                if k == 0 {
+                    Some(0.0)
+                } else {
+                    self.done_f[micro][k - 1]
+                }
+            }
+            Op::Backward { micro, chunk } => {
+                let k = chunk * self.stages + s;
+                if k + 1 == self.chunks {
+                    self.done_f[micro][k]
+                } else {
+                    self.done_b[micro][k + 1]
+                }
+            }
+        }
+    }
+
+    /// Runs `op` on stage `s` from when both the stage is free and its input is `ready`.
+    fn run(&mut self, op: Op, s: usize, ready: f64) -> Result<()> {
+        let start = ready.max(self.free_at[s]);
+        let cost = match op {
+            Op::Forward { .. } => self.forward,
+            Op::Backward { .. } => self.backward,
+        };
+        let end = start + cost;
+        match op {
+            Op::Forward { micro, chunk } => {
+                self.done_f[micro][chunk * self.stages + s] = Some(end);
+                self.in_flight[s] += 1;
+                self.peak[s] = self.peak[s].max(self.in_flight[s]);
+            }
+            Op::Backward { micro, chunk } => {
+                ensure!(
+                    self.done_f[micro][chunk * self.stages + s].is_some(),
+                    "stage {s} runs {op:?} before its forward"
+                );
+                self.done_b[micro][chunk * self.stages + s] = Some(end);
+                self.in_flight[s] -= 1;
+            }
+        }
+        self.free_at[s] = end;
+        self.busy[s] += cost;
+        Ok(())
+    }
+
+    /// The figures of the schedules once every op ran.
+    fn simulation(self) -> Simulation {
+        let makespan = self.free_at.iter().copied().fold(0.0, f64::max);
+        Simulation {
+            makespan,
+            idle_fraction: self.busy.iter().map(|b| 1.0 - b / makespan).collect(),
+            peak_in_flight: self.peak,
+        }
+    }
 }
 
 #[cfg(test)]

@@ -8,11 +8,12 @@ use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
 use anyhow::{ensure, Context as _, Result};
+use candle_core::backprop::GradStore;
 use candle_core::{Tensor, Var};
 
 use super::link::StageLink;
 use super::schedule::{stage_ops, Op, ScheduleKind};
-use crate::engines::compute::segments::{self, Forward, Segments};
+use crate::engines::compute::segments::{self, Backward, Forward, Segments};
 use crate::models::{Block, NamedParam};
 use crate::telemetry::timeline::{record, Timeline};
 
@@ -190,17 +191,14 @@ impl Stage {
         inputs: &[Tensor],
     ) -> Result<Vec<Tensor>> {
         let (p, s) = (self.stages, self.index);
-        let last = self.chunks.len() * p - 1;
+        let last = self.last_virtual_stage();
         let mut outputs = Vec::new();
         for micro in 0..micro_batches {
             for (chunk, Chunk { blocks, .. }) in self.chunks.iter().enumerate() {
                 let virtual_stage = chunk * p + s;
                 let what = format!("evaluation forward of micro-batch {micro} into virtual stage {virtual_stage}");
                 let input = if virtual_stage == 0 {
-                    inputs
-                        .get(micro)
-                        .with_context(|| format!("stage {s}: no input for micro-batch {micro}"))?
-                        .clone()
+                    self.data_input(inputs, micro)?
                 } else {
                     link.recv_forward(&what)?
                 };
@@ -231,134 +229,264 @@ impl Stage {
         timeline: &mut Option<Timeline>,
         finished: &mut dyn FnMut(usize, &[Tensor]) -> Result<()>,
     ) -> Result<StageStep> {
-        let (p, s, m, v) = (self.stages, self.index, self.micro_batches, self.chunks.len());
-        let last = v * p - 1;
         let chunk_first = self.chunk_firsts();
-        let mut backwards_left = vec![m; v];
-        let mut sums: Vec<Vec<Option<Tensor>>> = self.chunks.iter().map(|c| vec![None; c.params.len()]).collect();
-        let mut stash: HashMap<(usize, usize), Stashed> = HashMap::new();
-        let mut loss_sum = 0.0f32;
-        let (mut peak, mut held_bytes, mut peak_bytes) = (0, 0usize, 0usize);
+        let mut run = StepRun {
+            link,
+            timeline,
+            backwards_left: vec![self.micro_batches; self.chunks.len()],
+            sums: self.chunks.iter().map(|c| vec![None; c.params.len()]).collect(),
+            stash: HashMap::new(),
+            loss_sum: 0.0,
+            peak: 0,
+            held_bytes: 0,
+            peak_bytes: 0,
+            waiting: Duration::ZERO,
+        };
         let started = Instant::now();
-        let mut waiting = Duration::ZERO;
-        for op in self.schedule.clone() {
+        for &op in &self.schedule {
             match op {
-                Op::Forward { micro, chunk } => {
-                    let virtual_stage = chunk * p + s;
-                    let what = format!("forward of micro-batch {micro} into virtual stage {virtual_stage}");
-                    let input = if virtual_stage == 0 {
-                        inputs
-                            .get(micro)
-                            .with_context(|| format!("stage {s}: no input for micro-batch {micro}"))?
-                            .clone()
-                    } else {
-                        let asked = Instant::now();
-                        let received = link.recv_forward(&what)?;
-                        waiting += asked.elapsed();
-                        record(timeline, || format!("recv activation {micro}"), "recv", asked);
-                        Var::from_tensor(&received)?.as_tensor().clone()
-                    };
-                    let computing = Instant::now();
-                    let Chunk { blocks, segments, .. } = &self.chunks[chunk];
-                    let forward =
-                        segments::forward(blocks, segments, input).with_context(|| format!("stage {s}: {what}"))?;
-                    let loss_gradient = if virtual_stage == last {
-                        // Each micro-batch's mean loss weighs 1/m of the batch's.
-                        let (l, g) = segments::loss_gradient(forward.output(), |out| loss(micro, out)? / m as f64)?;
-                        loss_sum += l;
-                        Some(g)
-                    } else {
-                        None
-                    };
-                    record(timeline, || span_name('F', micro, chunk, v), "forward", computing);
-                    if loss_gradient.is_none() {
-                        let sending = Instant::now();
-                        link.send_forward(&what, forward.output().detach())?;
-                        record(timeline, || format!("send activation {micro}"), "send", sending);
-                    }
-                    held_bytes += forward.held_bytes();
-                    stash.insert((micro, chunk), Stashed { forward, loss_gradient });
-                    peak = peak.max(stash.len());
-                    peak_bytes = peak_bytes.max(held_bytes);
-                }
+                Op::Forward { micro, chunk } => self.run_forward(&mut run, micro, chunk, inputs, loss)?,
                 Op::Backward { micro, chunk } => {
-                    let virtual_stage = chunk * p + s;
-                    let what = format!("backward of micro-batch {micro} out of virtual stage {virtual_stage}");
-                    let stashed = stash
-                        .remove(&(micro, chunk))
-                        .with_context(|| format!("stage {s}: {what} before its forward"))?;
-                    let upstream = match stashed.loss_gradient {
-                        Some(g) => g,
-                        None => {
-                            let asked = Instant::now();
-                            let upstream = link.recv_backward(&what)?;
-                            waiting += asked.elapsed();
-                            record(timeline, || format!("recv gradient {micro}"), "recv", asked);
-                            upstream
-                        }
-                    };
-                    let computing = Instant::now();
-                    let forward_bytes = stashed.forward.held_bytes();
-                    let Chunk { blocks, segments, .. } = &self.chunks[chunk];
-                    let chunk_sums = &mut sums[chunk];
-                    backwards_left[chunk] -= 1;
-                    let last_backward = backwards_left[chunk] == 0;
-                    let (firsts, chunk_params) = (&self.chunks[chunk].block_first, &self.chunks[chunk].params);
-                    // Every parameter a segment's graph reached gets its share, so a weight
-                    // used in two segments of the chunk (a tied head) sums both.
-                    let done = segments::backward(blocks, segments, stashed.forward, &upstream, &mut |range, grads| {
-                        for (var, sum) in chunk_params.iter().zip(chunk_sums.iter_mut()) {
-                            if let Some(g) = grads.get(var.as_tensor()) {
-                                *sum = Some(match sum.take() {
-                                    Some(acc) => (acc + g)?,
-                                    None => g.clone(),
-                                });
-                            }
-                        }
-                        if last_backward {
-                            let (start, end) = (firsts[range.start], firsts[range.end]);
-                            let final_sums = chunk_sums[start..end]
-                                .iter()
-                                .zip(&chunk_params[start..end])
-                                .map(|(sum, var)| sum.clone().map_or_else(|| var.zeros_like(), Ok))
-                                .collect::<candle_core::Result<Vec<_>>>()?;
-                            finished(chunk_first[chunk] + start, &final_sums)?;
-                        }
-                        Ok(())
-                    })
-                    .with_context(|| format!("stage {s}: {what}"))?;
-                    record(timeline, || span_name('B', micro, chunk, v), "backward", computing);
-                    peak_bytes = peak_bytes.max(held_bytes + done.recomputed_bytes);
-                    held_bytes -= forward_bytes;
-                    if virtual_stage > 0 {
-                        let g = done
-                            .input_gradient
-                            .with_context(|| format!("stage {s}: {what}: no gradient for the input"))?;
-                        let sending = Instant::now();
-                        link.send_backward(&what, g)?;
-                        record(timeline, || format!("send gradient {micro}"), "send", sending);
-                    }
+                    let first = chunk_first[chunk];
+                    self.run_backward(&mut run, micro, chunk, &mut |start, sums| finished(first + start, sums))?
                 }
             }
         }
-        let gradients = sums
-            .into_iter()
-            .zip(&self.chunks)
-            .flat_map(|(sums, chunk)| sums.into_iter().zip(&chunk.params))
-            .map(|(sum, var)| match sum {
-                Some(g) => Ok(g),
-                None => Ok(var.zeros_like()?),
-            })
-            .collect::<Result<Vec<_>>>()?;
+        self.step_result(run, started)
+    }
+
+    /// The last virtual stage, whose output goes into the loss.
+    fn last_virtual_stage(&self) -> usize {
+        self.chunks.len() * self.stages - 1
+    }
+
+    /// Micro-batch `micro`'s data, the input of virtual stage 0.
+    fn data_input(&self, inputs: &[Tensor], micro: usize) -> Result<Tensor> {
+        let s = self.index;
+        Ok(inputs
+            .get(micro)
+            .with_context(|| format!("stage {s}: no input for micro-batch {micro}"))?
+            .clone())
+    }
+
+    /// The forward of micro-batch `micro` through `chunk`: its input from the data or the
+    /// previous stage, its output to the next stage or, on the last virtual stage, into the
+    /// loss; the pass is stashed for its backward.
+    fn run_forward(
+        &self,
+        run: &mut StepRun,
+        micro: usize,
+        chunk: usize,
+        inputs: &[Tensor],
+        loss: &dyn Fn(usize, &Tensor) -> candle_core::Result<Tensor>,
+    ) -> Result<()> {
+        let (s, m) = (self.index, self.micro_batches);
+        let virtual_stage = chunk * self.stages + s;
+        let what = format!("forward of micro-batch {micro} into virtual stage {virtual_stage}");
+        let input = if virtual_stage == 0 {
+            self.data_input(inputs, micro)?
+        } else {
+            let received = run.receive(|| format!("recv activation {micro}"), |link| link.recv_forward(&what))?;
+            // A fresh variable: backward stops here and yields the input's gradient.
+            Var::from_tensor(&received)?.as_tensor().clone()
+        };
+        let computing = Instant::now();
+        let Chunk { blocks, segments, .. } = &self.chunks[chunk];
+        let forward = segments::forward(blocks, segments, input).with_context(|| format!("stage {s}: {what}"))?;
+        let loss_gradient = if virtual_stage == self.last_virtual_stage() {
+            // Each micro-batch's mean loss weighs 1/m of the batch's.
+            let (l, g) = segments::loss_gradient(forward.output(), |out| loss(micro, out)? / m as f64)?;
+            run.loss_sum += l;
+            Some(g)
+        } else {
+            None
+        };
+        record(
+            run.timeline,
+            || span_name('F', micro, chunk, self.chunks.len()),
+            "forward",
+            computing,
+        );
+        if loss_gradient.is_none() {
+            run.send(
+                || format!("send activation {micro}"),
+                |link| link.send_forward(&what, forward.output().detach()),
+            )?;
+        }
+        run.stash(micro, chunk, Stashed { forward, loss_gradient });
+        Ok(())
+    }
+
+    /// The backward of micro-batch `micro` through `chunk`: from the loss's gradient or the
+    /// next stage's, its parameters' gradients summed (`finished` gets a segment's final sums,
+    /// indexed within the chunk, at the chunk's last backward), its input's gradient sent to
+    /// the previous stage.
+    fn run_backward(
+        &self,
+        run: &mut StepRun,
+        micro: usize,
+        chunk: usize,
+        finished: &mut dyn FnMut(usize, &[Tensor]) -> Result<()>,
+    ) -> Result<()> {
+        let s = self.index;
+        let virtual_stage = chunk * self.stages + s;
+        let what = format!("backward of micro-batch {micro} out of virtual stage {virtual_stage}");
+        let stashed = run
+            .stash
+            .remove(&(micro, chunk))
+            .with_context(|| format!("stage {s}: {what} before its forward"))?;
+        let upstream = match stashed.loss_gradient {
+            Some(g) => g,
+            None => run.receive(|| format!("recv gradient {micro}"), |link| link.recv_backward(&what))?,
+        };
+        let computing = Instant::now();
+        let forward_bytes = stashed.forward.held_bytes();
+        run.backwards_left[chunk] -= 1;
+        let last_backward = run.backwards_left[chunk] == 0;
+        let done = self.chunks[chunk]
+            .backward_summed(
+                stashed.forward,
+                &upstream,
+                &mut run.sums[chunk],
+                last_backward,
+                finished,
+            )
+            .with_context(|| format!("stage {s}: {what}"))?;
+        record(
+            run.timeline,
+            || span_name('B', micro, chunk, self.chunks.len()),
+            "backward",
+            computing,
+        );
+        run.peak_bytes = run.peak_bytes.max(run.held_bytes + done.recomputed_bytes);
+        run.held_bytes -= forward_bytes;
+        if virtual_stage > 0 {
+            let g = done
+                .input_gradient
+                .with_context(|| format!("stage {s}: {what}: no gradient for the input"))?;
+            run.send(|| format!("send gradient {micro}"), |link| link.send_backward(&what, g))?;
+        }
+        Ok(())
+    }
+
+    /// What the finished step produced: every parameter's summed gradient (zeros for one no
+    /// micro-batch reached), the loss where it was computed, and the step's figures.
+    fn step_result(&self, run: StepRun, started: Instant) -> Result<StageStep> {
+        let gradients = self
+            .chunks
+            .iter()
+            .zip(&run.sums)
+            .map(|(chunk, sums)| sums_or_zeros(sums, &chunk.params))
+            .collect::<candle_core::Result<Vec<_>>>()?
+            .concat();
         Ok(StageStep {
             gradients,
-            loss: (last % p == s).then_some(loss_sum),
-            peak_activations: peak,
-            peak_activation_bytes: peak_bytes,
-            waiting,
+            loss: (self.last_virtual_stage() % self.stages == self.index).then_some(run.loss_sum),
+            peak_activations: run.peak,
+            peak_activation_bytes: run.peak_bytes,
+            waiting: run.waiting,
             elapsed: started.elapsed(),
         })
     }
+}
+
+impl Chunk {
+    /// Backward of one micro-batch's `forward` from `upstream`, adding every parameter's
+    /// gradient to `sums`. On the chunk's `last` backward, `finished(first, sums)` gets each
+    /// segment's final sums as soon as they are ready, `first` indexed within the chunk.
+    fn backward_summed(
+        &self,
+        forward: Forward,
+        upstream: &Tensor,
+        sums: &mut [Option<Tensor>],
+        last: bool,
+        finished: &mut dyn FnMut(usize, &[Tensor]) -> Result<()>,
+    ) -> Result<Backward> {
+        segments::backward(&self.blocks, &self.segments, forward, upstream, &mut |range, grads| {
+            add_gradients(&self.params, sums, grads)?;
+            if last {
+                let (start, end) = (self.block_first[range.start], self.block_first[range.end]);
+                finished(start, &sums_or_zeros(&sums[start..end], &self.params[start..end])?)?;
+            }
+            Ok(())
+        })
+    }
+}
+
+/// A step in progress: the link and timeline it uses, and what it accumulates as the
+/// schedule runs.
+struct StepRun<'a> {
+    link: &'a mut dyn StageLink,
+    timeline: &'a mut Option<Timeline>,
+    /// Per chunk, the backwards still to run: its gradients are final after the last.
+    backwards_left: Vec<usize>,
+    /// Per chunk, each parameter's gradient summed over the micro-batches so far.
+    sums: Vec<Vec<Option<Tensor>>>,
+    /// The forwards awaiting their backward, by micro-batch and chunk.
+    stash: HashMap<(usize, usize), Stashed>,
+    loss_sum: f32,
+    peak: usize,
+    held_bytes: usize,
+    peak_bytes: usize,
+    waiting: Duration,
+}
+
+impl StepRun<'_> {
+    /// Receives from a neighbour: the wait is the stage's share of the bubble.
+    fn receive(
+        &mut self,
+        span: impl FnOnce() -> String,
+        recv: impl FnOnce(&mut dyn StageLink) -> Result<Tensor>,
+    ) -> Result<Tensor> {
+        let asked = Instant::now();
+        let received = recv(&mut *self.link)?;
+        self.waiting += asked.elapsed();
+        record(self.timeline, span, "recv", asked);
+        Ok(received)
+    }
+
+    /// Sends to a neighbour, the send on the timeline.
+    fn send(
+        &mut self,
+        span: impl FnOnce() -> String,
+        send: impl FnOnce(&mut dyn StageLink) -> Result<()>,
+    ) -> Result<()> {
+        let sending = Instant::now();
+        send(&mut *self.link)?;
+        record(self.timeline, span, "send", sending);
+        Ok(())
+    }
+
+    /// Holds a forward pass until its backward, counting its activations toward the peaks.
+    fn stash(&mut self, micro: usize, chunk: usize, stashed: Stashed) {
+        self.held_bytes += stashed.forward.held_bytes();
+        self.stash.insert((micro, chunk), stashed);
+        self.peak = self.peak.max(self.stash.len());
+        self.peak_bytes = self.peak_bytes.max(self.held_bytes);
+    }
+}
+
+/// Adds the gradient `grads` holds for each parameter to its sum: every parameter a segment's
+/// graph reached gets its share, so a weight used in two segments of a chunk (a tied head)
+/// sums both.
+fn add_gradients(params: &[Var], sums: &mut [Option<Tensor>], grads: &GradStore) -> candle_core::Result<()> {
+    for (var, sum) in params.iter().zip(sums.iter_mut()) {
+        if let Some(g) = grads.get(var.as_tensor()) {
+            *sum = Some(match sum.take() {
+                Some(acc) => (acc + g)?,
+                None => g.clone(),
+            });
+        }
+    }
+    Ok(())
+}
+
+/// The summed gradients of `params`, zeros for those no backward reached.
+fn sums_or_zeros(sums: &[Option<Tensor>], params: &[Var]) -> candle_core::Result<Vec<Tensor>> {
+    sums.iter()
+        .zip(params)
+        .map(|(sum, var)| sum.clone().map_or_else(|| var.zeros_like(), Ok))
+        .collect()
 }
 
 /// A span's name on the timeline: `F3` is the forward of micro-batch 3, `B3.1` the backward

@@ -299,41 +299,19 @@ pub async fn write_request<W: AsyncWrite + Unpin>(
     call: &ShardCall,
     max_frame_bytes: usize,
 ) -> io::Result<()> {
-    let stamped = |header| Stamped {
+    let (header, sections) = request_frame(&call.request)?;
+    let stamped = Stamped {
         generation: call.generation,
         header,
     };
-    let (header, sections) = match &call.request {
-        Request::Pull(pull) => (
-            Header::Pull {
-                trainer: pull.trainer as u32,
-                version: pull.version,
-                after_training: pull.after_training,
-                training: pull.training,
-                ids: counts(pull.ids.iter().map(Vec::len))?,
-                dense: pull.dense,
-            },
-            pull.ids.iter().map(|ids| bytes_of(ids)).collect(),
-        ),
-        Request::Push(push) => (
-            Header::Push {
-                trainer: push.trainer as u32,
-                step: push.step,
-                part: push.part,
-                kind: push.kind,
-                ids: counts(push.ids.iter().map(Vec::len))?,
-                values: counts(push.values.iter().map(Vec::len))?,
-                counts: counts(push.counts.iter().map(Vec::len))?,
-                dense: count(push.dense.len())?,
-                stop: push.stop,
-            },
-            push.ids
-                .iter()
-                .map(|ids| bytes_of(ids))
-                .chain(push.values.iter().chain(&push.counts).map(|v| bytes_of(v)))
-                .chain(std::iter::once(bytes_of(&push.dense)))
-                .collect(),
-        ),
+    write_frame(out, &stamped, &sections, max_frame_bytes).await
+}
+
+/// `request`'s header and its payload's sections, borrowed from the request's vectors.
+fn request_frame(request: &Request) -> io::Result<(Header, Vec<&[u8]>)> {
+    Ok(match request {
+        Request::Pull(pull) => pull_frame(pull)?,
+        Request::Push(push) => push_frame(push)?,
         Request::EndTraining { trainer } => (
             Header::EndTraining {
                 trainer: *trainer as u32,
@@ -360,23 +338,60 @@ pub async fn write_request<W: AsyncWrite + Unpin>(
             trainer,
             scores,
             labels,
-        } => {
-            if scores.len() != labels.len() {
-                return Err(io::Error::new(
-                    io::ErrorKind::InvalidInput,
-                    format!("{} scores for {} labels", scores.len(), labels.len()),
-                ));
-            }
-            (
-                Header::Evaluated {
-                    trainer: *trainer as u32,
-                    samples: count(scores.len())?,
-                },
-                vec![bytes_of(scores), bytes_of(labels)],
-            )
-        }
+        } => evaluated_frame(*trainer, scores, labels)?,
+    })
+}
+
+/// A pull's header and its ids, table by table.
+fn pull_frame(pull: &PullRequest) -> io::Result<(Header, Vec<&[u8]>)> {
+    let header = Header::Pull {
+        trainer: pull.trainer as u32,
+        version: pull.version,
+        after_training: pull.after_training,
+        training: pull.training,
+        ids: counts(pull.ids.iter().map(Vec::len))?,
+        dense: pull.dense,
     };
-    write_frame(out, &stamped(header), &sections, max_frame_bytes).await
+    Ok((header, pull.ids.iter().map(|ids| bytes_of(ids)).collect()))
+}
+
+/// A push's header and its sections: the ids, values and counts table by table, then the
+/// dense values.
+fn push_frame(push: &PushRequest) -> io::Result<(Header, Vec<&[u8]>)> {
+    let header = Header::Push {
+        trainer: push.trainer as u32,
+        step: push.step,
+        part: push.part,
+        kind: push.kind,
+        ids: counts(push.ids.iter().map(Vec::len))?,
+        values: counts(push.values.iter().map(Vec::len))?,
+        counts: counts(push.counts.iter().map(Vec::len))?,
+        dense: count(push.dense.len())?,
+        stop: push.stop,
+    };
+    let sections = push
+        .ids
+        .iter()
+        .map(|ids| bytes_of(ids))
+        .chain(push.values.iter().chain(&push.counts).map(|v| bytes_of(v)))
+        .chain(std::iter::once(bytes_of(&push.dense)))
+        .collect();
+    Ok((header, sections))
+}
+
+/// A trainer's held-out scores and labels, one of each per sample.
+fn evaluated_frame<'a>(trainer: usize, scores: &'a [f32], labels: &'a [f32]) -> io::Result<(Header, Vec<&'a [u8]>)> {
+    if scores.len() != labels.len() {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            format!("{} scores for {} labels", scores.len(), labels.len()),
+        ));
+    }
+    let header = Header::Evaluated {
+        trainer: trainer as u32,
+        samples: count(scores.len())?,
+    };
+    Ok((header, vec![bytes_of(scores), bytes_of(labels)]))
 }
 
 /// Reads the next request, its ids and values straight into their vectors; `None` when the

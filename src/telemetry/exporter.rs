@@ -53,6 +53,7 @@ struct Gauges {
 type TableGauges = Family<Vec<(String, String)>, Gauge>;
 
 impl Gauges {
+    /// Every gauge, in the order a scrape lists them, each sample labelled with `labels`.
     fn registry(&self, labels: &MetricLabels) -> Registry {
         let labels = [
             ("job", labels.job.clone()),
@@ -61,87 +62,118 @@ impl Gauges {
         ];
         let mut registry =
             Registry::with_prefix_and_labels("flotilla", labels.into_iter().map(|(k, v)| (k.into(), v.into())));
-        let g = self.clone();
-        registry.register("steps", "Training steps done", g.steps);
-        registry.register("loss", "Mean loss over the global batch of the last step", g.loss);
+        self.register_step_figures(&mut registry);
+        self.register_resources(&mut registry);
+        self.register_evaluation(&mut registry);
+        self.register_sparse_tables(&mut registry);
+        registry
+    }
+
+    /// The figures of the last step, and the training counters.
+    fn register_step_figures(&self, registry: &mut Registry) {
+        registry.register("steps", "Training steps done", self.steps.clone());
+        registry.register(
+            "loss",
+            "Mean loss over the global batch of the last step",
+            self.loss.clone(),
+        );
         registry.register(
             "loss_spread",
             "Largest minus smallest rank loss of the last step",
-            g.loss_spread,
+            self.loss_spread.clone(),
         );
         registry.register(
             "samples_per_second",
             "Global samples per second of the last step",
-            g.samples_per_sec,
+            self.samples_per_sec.clone(),
         );
-        registry.register("step_time_seconds", "Wall time of the last step", g.step_time);
+        registry.register(
+            "step_time_seconds",
+            "Wall time of the last step",
+            self.step_time.clone(),
+        );
         registry.register(
             "comm_time_ratio",
             "Time in communication over step time, last step",
-            g.comm_time_ratio,
+            self.comm_time_ratio.clone(),
         );
         registry.register(
             "exposed_comm_ratio",
             "Time compute waited for communication over step time, last step",
-            g.exposed_comm_ratio,
+            self.exposed_comm_ratio.clone(),
         );
         registry.register(
             "bubble_fraction",
             "Pipeline jobs: time stages waited for neighbours over schedule time, last step",
-            g.bubble_fraction,
+            self.bubble_fraction.clone(),
         );
-        registry.register("learning_rate", "Learning rate of the last step", g.learning_rate);
+        registry.register(
+            "learning_rate",
+            "Learning rate of the last step",
+            self.learning_rate.clone(),
+        );
+    }
+
+    /// What the job's processes hold of the machine.
+    fn register_resources(&self, registry: &mut Registry) {
         registry.register(
             "peak_rss_bytes",
             "Largest peak resident set of the job's processes",
-            g.peak_rss,
+            self.peak_rss.clone(),
         );
         registry.register(
             "gpu_memory_bytes",
             "GPU jobs: device memory in use on the reporting process's GPUs",
-            g.gpu_memory,
+            self.gpu_memory.clone(),
         );
         registry.register(
             "gpu_utilization_percent",
             "GPU jobs: share of time a kernel ran on the reporting process's GPUs",
-            g.gpu_utilization,
+            self.gpu_utilization.clone(),
         );
+    }
+
+    /// The last held-out score.
+    fn register_evaluation(&self, registry: &mut Registry) {
         registry.register(
             "eval_loss",
             "Mean loss on the held-out split, where it was last scored (train.eval_every)",
-            g.eval_loss,
+            self.eval_loss.clone(),
         );
         registry.register(
             "eval_accuracy",
             "Classification: accuracy on the held-out split, where it was last scored",
-            g.eval_accuracy,
+            self.eval_accuracy.clone(),
         );
         registry.register(
             "eval_mse",
             "Regression: mean squared error on the held-out split, where it was last scored",
-            g.eval_mse,
+            self.eval_mse.clone(),
         );
+    }
+
+    /// Parameter-server jobs: the rows of each sparse table.
+    fn register_sparse_tables(&self, registry: &mut Registry) {
         registry.register(
             "sparse_table_rows",
             "Parameter-server jobs with row policies: rows a table holds over all shards",
-            g.sparse_rows,
+            self.sparse_rows.clone(),
         );
         registry.register(
             "sparse_table_admitted_rows",
             "Rows a table's entry rule stored so far",
-            g.sparse_admitted,
+            self.sparse_admitted.clone(),
         );
         registry.register(
             "sparse_table_evicted_rows",
             "Rows a table evicted for its memory cap so far",
-            g.sparse_evicted,
+            self.sparse_evicted.clone(),
         );
         registry.register(
             "sparse_table_deleted_rows",
             "Rows a table deleted at pass ends so far",
-            g.sparse_deleted,
+            self.sparse_deleted.clone(),
         );
-        registry
     }
 }
 
