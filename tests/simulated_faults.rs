@@ -9,7 +9,7 @@ mod common;
 use std::time::Duration;
 
 use common::{config, ps_matches_uninterrupted, PIPELINE_2X2};
-use flotilla::actors::faults::RoleFault;
+use flotilla::actors::recovery::faults::RoleFault;
 use flotilla::config::JobConfig;
 use flotilla::engines::comm::memory::LinkFault;
 use flotilla::job::ps::{ParameterServerJob, PsSummary};

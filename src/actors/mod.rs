@@ -5,20 +5,15 @@
 //! communicators, [`ctr_device`] a parameter-server trainer's CTR worker). Every message an
 //! actor accepts is defined in its file.
 
-pub mod buddy;
 pub mod coordinator;
 pub mod ctr_device;
 pub mod device;
-mod divergence;
-pub mod faults;
-pub(crate) mod kept;
 mod ps_requests;
 pub mod ps_trainer;
 pub mod pserver;
 pub mod rank_parts;
 mod rank_steps;
 pub mod recovery;
-pub mod rollback;
 mod run_loop;
 pub mod stage;
 pub mod trainer;

@@ -29,7 +29,7 @@ use anyhow::{anyhow, Context as _, Result};
 use futures::channel::oneshot;
 use tokio::sync::mpsc;
 
-use super::kept::Kept;
+use super::recovery::kept::Kept;
 use crate::checkpoint::{CheckpointStore, FileRecord};
 use crate::collective::preemption;
 use crate::metrics::auc;

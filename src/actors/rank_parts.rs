@@ -7,7 +7,7 @@ use std::sync::Arc;
 use actix::Addr;
 
 use super::device::{DeviceActor, ModelFactory};
-use super::faults::RoleFaults;
+use super::recovery::faults::RoleFaults;
 use super::recovery::Recovery;
 use crate::config::JobConfig;
 use crate::data::RowSource;

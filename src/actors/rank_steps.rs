@@ -10,8 +10,8 @@ use std::time::{Duration, Instant};
 use anyhow::{Context as _, Result};
 
 use super::device::TakeSpans;
-use super::divergence::check_loss;
 use super::rank_parts::RankParts;
+use super::recovery::divergence::check_loss;
 use super::recovery::StopAtCheckpoint;
 use super::run_loop::{eval_due, RunLoop};
 use crate::collective::training_state::RunRecord;

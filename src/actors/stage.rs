@@ -15,14 +15,14 @@ use bytes::Bytes;
 use futures::future::BoxFuture;
 use serde::{Deserialize, Serialize};
 
-use super::buddy::Buddy;
 use super::device::{Evaluate, Prepare, ReadParameters, Relink, ReplicaPart, StageLinks, StageRelink, TrainStep};
-use super::faults::RoleFaults;
-use super::kept::{acknowledge_checkpoint, BuddyCopy, Kept, RankCheckpoint, Restore};
 use super::rank_parts::RankParts;
 use super::rank_steps::{train_generation, Place, StrategySteps};
+use super::recovery::buddy::Buddy;
+use super::recovery::faults::RoleFaults;
+use super::recovery::kept::{acknowledge_checkpoint, BuddyCopy, Kept, RankCheckpoint, Restore};
+use super::recovery::rollback::{takes_rollback_orders, OrderInbox, Orders};
 use super::recovery::stage_file;
-use super::rollback::{takes_rollback_orders, OrderInbox, Orders};
 use super::run_loop::{run_steps, RunLoop};
 use crate::checkpoint::HeldFile;
 use crate::collective::preemption::is_preemption;

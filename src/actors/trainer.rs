@@ -12,12 +12,12 @@ use actix::prelude::*;
 use anyhow::{anyhow, Context as _, Result};
 
 use super::device::{CheckReplicas, Evaluate, Prepare, ReadParameters, Relink, ReplicaPart, RingLink, TrainStep};
-use super::faults::RoleFaults;
-use super::kept::{acknowledge_checkpoint, Kept, RankCheckpoint, Restore};
 use super::rank_parts::RankParts;
 use super::rank_steps::{train_generation, Place, StrategySteps};
+use super::recovery::faults::RoleFaults;
+use super::recovery::kept::{acknowledge_checkpoint, Kept, RankCheckpoint, Restore};
+use super::recovery::rollback::{takes_rollback_orders, OrderInbox, Orders};
 use super::recovery::REPLICA_FILE;
-use super::rollback::{takes_rollback_orders, OrderInbox, Orders};
 use super::run_loop::{run_steps, RunLoop};
 use crate::collective::preemption::is_preemption;
 use crate::collective::training_state::RunRecord;

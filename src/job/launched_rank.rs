@@ -10,10 +10,10 @@ use std::sync::Arc;
 use anyhow::Result;
 
 use super::control::connect_control;
-use super::heartbeat::{watched, CoordinatorAt};
 use super::process::{bind, RankEndpoints, RankRecovery};
 use super::{Recovery, RunOptions};
-use crate::actors::rollback::{OrderLine, Orders};
+use crate::actors::recovery::heartbeat::{watched, CoordinatorAt};
+use crate::actors::recovery::rollback::{OrderLine, Orders};
 use crate::actors::Coordinator;
 use crate::config::JobConfig;
 use crate::engines::comm::RingBreaker;

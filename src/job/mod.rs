@@ -8,7 +8,6 @@ mod control;
 mod coordinator;
 mod distributed_model;
 pub mod generation;
-mod heartbeat;
 mod launched_rank;
 mod outputs;
 mod pipeline;

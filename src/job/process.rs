@@ -12,16 +12,16 @@ use anyhow::{anyhow, Context, Result};
 
 use super::launched_rank::{LaunchedRank, RankStart};
 use super::{Recovery, Refusal, RunOptions, RunOutcome, TrainingJob};
-use crate::actors::buddy::Buddy;
 use crate::actors::device::RingLink;
-use crate::actors::rollback::{order_line, OrderLine, Orders};
+use crate::actors::recovery::buddy::Buddy;
+use crate::actors::recovery::file_mirror::{serve_mirror, MirrorLine};
+use crate::actors::recovery::rollback::{order_line, OrderLine, Orders};
 use crate::actors::trainer::InPlace;
 use crate::checkpoint::CheckpointStore;
 use crate::config::JobConfig;
 use crate::engines::comm::hierarchy::NodeLayout;
 use crate::engines::comm::RingBreaker;
 use crate::net::auth::Credentials;
-use crate::net::file_mirror::{serve_mirror, MirrorLine};
 use crate::net::protocol::Mismatch;
 
 /// Set (to any value) on the trainers of a job whose coordinator runs as a process of its own
@@ -105,7 +105,7 @@ pub(super) fn bind(config: &JobConfig, rank: usize) -> Result<RankEndpoints> {
     })
 }
 
-/// A role's checkpoint mirror ([`crate::net::file_mirror`]), for a job that recovers in place
+/// A role's checkpoint mirror ([`crate::actors::recovery::file_mirror`]), for a job that recovers in place
 /// and takes checkpoints: bound when the role starts, served for its life.
 pub(super) struct RoleMirror {
     listener: TcpListener,

@@ -14,9 +14,9 @@ use anyhow::{anyhow, bail, Context, Result};
 use tokio::sync::oneshot;
 
 use super::control::connect_control;
-use super::heartbeat::{watched, CoordinatorAt};
 use super::process::{bind, coordinator_is_own_process, ring_link, RankEndpoints};
 use super::torchrun;
+use crate::actors::recovery::heartbeat::{watched, CoordinatorAt};
 use crate::actors::Coordinator;
 #[cfg(doc)]
 use crate::collective::preemption::PREEMPTED_EXIT_CODE;

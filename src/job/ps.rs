@@ -15,7 +15,6 @@ use serde::Serialize;
 use tokio::sync::mpsc;
 
 use super::control::host_coordinator;
-use super::heartbeat::{watched, CoordinatorAt};
 use super::outputs::{write_config, write_summary};
 use super::process::{host_of, refused_if_mismatched, RankRecovery, RoleMirror};
 use super::shard_generations::ShardGenerations;
@@ -23,7 +22,8 @@ use super::{FaultPlan, FaultReport, Recovery, Refusal, RunOptions};
 use crate::actors::ctr_device::CtrDevice;
 use crate::actors::ps_trainer::{PsInPlace, PsOutcome, PsTrainer};
 use crate::actors::pserver::{PServer, TakeShardSpans, WrittenCheckpoint};
-use crate::actors::rollback::{OrderLine, Orders};
+use crate::actors::recovery::heartbeat::{watched, CoordinatorAt};
+use crate::actors::recovery::rollback::{OrderLine, Orders};
 use crate::actors::Coordinator;
 use crate::collective::preemption::PreemptionWatch;
 use crate::config::{DatasetKind, JobConfig, PsMode};

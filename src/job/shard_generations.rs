@@ -17,10 +17,10 @@ use tokio::sync::mpsc;
 
 use super::ps::ParameterServerJob;
 use super::Recovery;
-use crate::actors::buddy::Buddy;
-use crate::actors::kept::commit_on_this_node;
 use crate::actors::pserver::{CheckpointCommitted, KeepsState, PServer, RestoreState, RollBack, WrittenCheckpoint};
-use crate::actors::rollback::Orders;
+use crate::actors::recovery::buddy::Buddy;
+use crate::actors::recovery::kept::commit_on_this_node;
+use crate::actors::recovery::rollback::Orders;
 use crate::checkpoint::HeldFile;
 use crate::net::protocol::Roster;
 use crate::net::ControlBus;

@@ -16,11 +16,11 @@ use std::sync::{Arc, Mutex, PoisonError};
 use actix::prelude::*;
 use anyhow::{anyhow, ensure, Result};
 
-use super::heartbeat::{watched, CoordinatorAt};
 use super::{Recovery, RunOptions, RunOutcome, TrainingJob};
 use crate::actors::device::{RingLink, RANKS_RING};
-use crate::actors::faults::{RoleFault, RoleFaults, RoleSwitch};
-use crate::actors::rollback::{order_line, Orders};
+use crate::actors::recovery::faults::{RoleFault, RoleFaults, RoleSwitch};
+use crate::actors::recovery::heartbeat::{watched, CoordinatorAt};
+use crate::actors::recovery::rollback::{order_line, Orders};
 use crate::actors::trainer::{InPlace, RankOutcome};
 use crate::actors::Coordinator;
 use crate::config::JobConfig;

@@ -8,12 +8,11 @@
 //! picks free ports, so two jobs on one host never collide; the nodes of a
 //! multi-node job agree on [`DEFAULT_STARTED_PORT`].
 
-mod death_watch;
 mod ports;
 mod ps;
 mod supervisor;
 
-pub use death_watch::DeathWatch;
+pub use crate::actors::recovery::death_watch::DeathWatch;
 pub use ps::{LaunchPsArgs, PsRoles};
 pub use supervisor::{supervise, OutputMode, PREEMPTION_GRACE_S};
 

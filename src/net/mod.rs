@@ -12,15 +12,12 @@
 //! - [`ps_server`]: a parameter-server shard's TCP endpoint, likewise.
 //! - [`listen`]: the accept loop the endpoints share (token handshake first).
 //! - [`tcp_store`]: a client of PyTorch's TCPStore, where ranks under torchrun meet.
-//! - [`file_mirror`]: a role's checkpoint mirror, where another node's role stores a copy of
-//!   a file only it holds, and fetches it back after losing its disk.
 //!
 //! Bulk tensors (all-reduce chunks) do not travel here: they go through the
 //! communicators of `engines::comm`, on their own sockets.
 
 pub mod auth;
 pub mod bus;
-pub mod file_mirror;
 pub mod frame;
 pub mod frame_stream;
 pub mod listen;

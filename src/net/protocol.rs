@@ -21,7 +21,7 @@ pub struct Join {
     pub world_size: usize,
     /// Its data-plane listener, `ip:port`.
     pub data_endpoint: String,
-    /// Its checkpoint mirror, `ip:port`, when it serves one ([`crate::net::file_mirror`]).
+    /// Its checkpoint mirror, `ip:port`, when it serves one ([`crate::actors::recovery::file_mirror`]).
     pub mirror: Option<String>,
     /// The settings it was started with ([`crate::config::JobConfig::shared_settings`]; empty
     /// when it has none to compare).

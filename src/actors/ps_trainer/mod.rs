@@ -17,13 +17,13 @@ use std::time::{Duration, Instant};
 use actix::prelude::*;
 use anyhow::{anyhow, Context as _, Result};
 
-use super::buddy::Buddy;
 use super::ctr_device::{CtrDevice, CtrOwnState, FlushCtr, PlanCtr, PredictCtr, PrepareCtr, RestoreCtrOwnState};
-use super::faults::RoleFaults;
-use super::kept::{acknowledge_checkpoint, Kept};
 use super::ps_requests::{pull_rows, pull_when_ready, push, shard_stats, sparse_table_metrics, Pulled};
+use super::recovery::buddy::Buddy;
+use super::recovery::faults::RoleFaults;
+use super::recovery::kept::{acknowledge_checkpoint, Kept};
+use super::recovery::rollback::{takes_rollback_orders, OrderInbox, Orders};
 use super::recovery::Recovery;
-use super::rollback::{takes_rollback_orders, OrderInbox, Orders};
 use super::LOSSES_RESERVED;
 use crate::checkpoint::HeldFile;
 use crate::collective::preemption::is_preemption;

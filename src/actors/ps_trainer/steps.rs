@@ -8,7 +8,7 @@ use anyhow::{Context as _, Result};
 
 use super::{pull_when_ready, push, shard_stats, sparse_table_metrics, InPlaceLine, Progress, PsRun, Pulled};
 use crate::actors::ctr_device::{PlanCtr, TrainCtr};
-use crate::actors::divergence::check_loss;
+use crate::actors::recovery::divergence::check_loss;
 use crate::actors::recovery::StopAtCheckpoint;
 use crate::config::PsMode;
 use crate::data::ctr::{CtrLoader, DataLayout};

@@ -12,10 +12,10 @@ use serde::{Deserialize, Serialize};
 use tokio::net::{TcpListener, TcpStream};
 use tokio_util::codec::{Framed, LengthDelimitedCodec};
 
-use super::auth::{self, Credentials};
-use super::frame::{codec, encode_with, Frame};
-use super::listen::accept_authenticated;
 use crate::checkpoint::{check_file_name, CheckpointStore, FileRecord};
+use crate::net::auth::{self, Credentials};
+use crate::net::frame::{codec, encode_with, Frame};
+use crate::net::listen::accept_authenticated;
 
 /// The largest piece of a file in one frame.
 const PIECE: usize = 16 << 20;

@@ -1,5 +1,27 @@
-//! Where a run starts and where it saves: step 0 or a committed checkpoint, and the
-//! checkpoint directory the run writes to.
+//! What happens when a rank dies, in one place. This file: where a run starts and where it
+//! saves (step 0 or a committed checkpoint, and the checkpoint directory the run writes to).
+//! Beside it:
+//! - [`heartbeat`]: a role's heartbeats to the coordinator, which carry rollback orders to the
+//!   roles it does not reach as messages;
+//! - [`rollback`]: a rollback order's way to the rank's actor, and from it to the training loop;
+//! - [`kept`]: the states a rank keeps to roll back to, its checkpoint writes and commits;
+//! - [`buddy`] and [`file_mirror`]: the copy of a file only one node holds, on the next node;
+//! - [`faults`]: the faults a simulated cluster injects; [`divergence`]: a loss that is not
+//!   finite stops the job;
+//! - [`death_watch`]: the launcher kills a process the coordinator declared dead.
+//!
+//! Elsewhere, by layer: the checkpoint's content (`collective::training_state`), preemption
+//! (`collective::preemption`: the replicas agree on the step to stop at), and resuming a run
+//! directory (`job::resumed`).
+
+pub mod buddy;
+pub mod death_watch;
+pub(crate) mod divergence;
+pub mod faults;
+pub mod file_mirror;
+pub(crate) mod heartbeat;
+pub(crate) mod kept;
+pub mod rollback;
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;

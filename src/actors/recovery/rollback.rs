@@ -213,10 +213,10 @@ impl Orders {
 /// inbox (`$actor.inbox`, set when the actor started in a job that rolls back in place).
 macro_rules! takes_rollback_orders {
     ($actor:ty) => {
-        impl actix::Handler<$crate::actors::rollback::RollbackOrder> for $actor {
+        impl actix::Handler<$crate::actors::recovery::rollback::RollbackOrder> for $actor {
             type Result = ();
 
-            fn handle(&mut self, order: $crate::actors::rollback::RollbackOrder, _: &mut Self::Context) {
+            fn handle(&mut self, order: $crate::actors::recovery::rollback::RollbackOrder, _: &mut Self::Context) {
                 if let Some(inbox) = &self.inbox {
                     inbox.take(order);
                 }

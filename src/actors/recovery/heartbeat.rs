@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 use anyhow::{anyhow, Result};
 use tokio::sync::oneshot;
 
-use crate::actors::rollback::{OrderLine, RollbackOrder};
+use crate::actors::recovery::rollback::{OrderLine, RollbackOrder};
 use crate::collective::preemption::is_preemption;
 use crate::config::JobConfig;
 use crate::net::auth::Credentials;
@@ -28,7 +28,7 @@ use crate::net::ControlBus;
 
 /// Where a role's heartbeats go.
 #[derive(Clone, Copy)]
-pub(super) enum CoordinatorAt<'a> {
+pub(crate) enum CoordinatorAt<'a> {
     /// At `master`, over TCP: each role beats on a connection of its own.
     Tcp {
         /// The coordinator's `ip:port`.
@@ -42,7 +42,7 @@ pub(super) enum CoordinatorAt<'a> {
 
 impl<'a> CoordinatorAt<'a> {
     /// At `master`, proving `credentials`.
-    pub(super) fn tcp(master: &'a str, credentials: &'a Credentials) -> Self {
+    pub(crate) fn tcp(master: &'a str, credentials: &'a Credentials) -> Self {
         Self::Tcp { master, credentials }
     }
 
@@ -58,7 +58,7 @@ impl<'a> CoordinatorAt<'a> {
 /// Runs `work` (rank `rank`'s part of the job) while heartbeating to the coordinator `at`;
 /// ends with the first error of either. Rollback orders go down `orders` (a role that does not
 /// roll back in place stops on one).
-pub(super) async fn watched<T>(
+pub(crate) async fn watched<T>(
     work: impl Future<Output = Result<T>>,
     rank: usize,
     at: CoordinatorAt<'_>,

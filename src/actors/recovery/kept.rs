@@ -9,7 +9,7 @@ use actix::Addr;
 use anyhow::{Context as _, Result};
 
 use super::buddy::Buddy;
-use super::device::{DeviceActor, RestoreCheckpoint, SaveCheckpoint, ShareState, Snapshot};
+use crate::actors::device::{DeviceActor, RestoreCheckpoint, SaveCheckpoint, ShareState, Snapshot};
 use crate::checkpoint::{CheckpointStore, CommitRecord, HeldFile};
 use crate::collective::training_state::RunRecord;
 use crate::engines::comm::Shared;

@@ -7,7 +7,7 @@
 
 use anyhow::{Context as _, Result};
 
-use crate::net::file_mirror::MirrorLine;
+use crate::actors::recovery::file_mirror::MirrorLine;
 use crate::net::protocol::Roster;
 
 /// How a role reaches its buddy node's mirror.
