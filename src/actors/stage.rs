@@ -159,17 +159,7 @@ impl StageOutcome {
     }
 }
 
-impl Actor for StageActor {
-    type Context = Context<Self>;
-
-    fn started(&mut self, ctx: &mut Context<Self>) {
-        if let Some(in_place) = &self.in_place {
-            self.inbox = Some(in_place.orders.reach(self.parts.rank, self.bus.as_ref(), ctx));
-        }
-    }
-}
-
-takes_rollback_orders!(StageActor);
+takes_rollback_orders!(StageActor, |this, _in_place| (this.parts.rank, this.bus.as_ref()));
 
 impl Handler<TrainStage> for StageActor {
     type Result = ResponseFuture<Result<StageOutcome>>;

@@ -101,17 +101,7 @@ impl Trainer {
     }
 }
 
-impl Actor for Trainer {
-    type Context = Context<Self>;
-
-    fn started(&mut self, ctx: &mut Context<Self>) {
-        if let Some(in_place) = &self.in_place {
-            self.inbox = Some(in_place.orders.reach(self.parts.rank, self.bus.as_ref(), ctx));
-        }
-    }
-}
-
-takes_rollback_orders!(Trainer);
+takes_rollback_orders!(Trainer, |this, _in_place| (this.parts.rank, this.bus.as_ref()));
 
 impl Handler<Train> for Trainer {
     type Result = ResponseFuture<Result<RankOutcome>>;

@@ -128,18 +128,9 @@ impl PsTrainer {
     }
 }
 
-impl Actor for PsTrainer {
-    type Context = Context<Self>;
-
-    fn started(&mut self, ctx: &mut Context<Self>) {
-        if let Some(in_place) = &self.in_place {
-            let role = self.job.cluster.server_num + self.rank;
-            self.inbox = Some(in_place.orders.reach(role, Some(&in_place.bus), ctx));
-        }
-    }
-}
-
-takes_rollback_orders!(PsTrainer);
+takes_rollback_orders!(PsTrainer, |this, in_place| {
+    (this.job.cluster.server_num + this.rank, Some(&in_place.bus))
+});
 
 impl Handler<TrainPs> for PsTrainer {
     type Result = ResponseFuture<Result<PsOutcome>>;

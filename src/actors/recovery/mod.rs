@@ -1,12 +1,12 @@
 //! What happens when a rank dies, in one place. This file: where a run starts and where it
 //! saves (step 0 or a committed checkpoint, and the checkpoint directory the run writes to).
 //! Beside it:
-//! - [`heartbeat`]: a role's heartbeats to the coordinator, which carry rollback orders to the
+//! - `heartbeat`: a role's heartbeats to the coordinator, which carry rollback orders to the
 //!   roles it does not reach as messages;
 //! - [`rollback`]: a rollback order's way to the rank's actor, and from it to the training loop;
-//! - [`kept`]: the states a rank keeps to roll back to, its checkpoint writes and commits;
+//! - `kept`: the states a rank keeps to roll back to, its checkpoint writes and commits;
 //! - [`buddy`] and [`file_mirror`]: the copy of a file only one node holds, on the next node;
-//! - [`faults`]: the faults a simulated cluster injects; [`divergence`]: a loss that is not
+//! - [`faults`]: the faults a simulated cluster injects; `divergence`: a loss that is not
 //!   finite stops the job;
 //! - [`death_watch`]: the launcher kills a process the coordinator declared dead.
 //!

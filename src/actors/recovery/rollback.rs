@@ -209,10 +209,25 @@ impl Orders {
     }
 }
 
-/// The handler of the coordinator's rollback orders for rank actor `$actor`: each goes to the
-/// inbox (`$actor.inbox`, set when the actor started in a job that rolls back in place).
+/// Rank actor `$actor` takes the coordinator's rollback orders: when it starts in a job that
+/// rolls back in place (its `in_place`, holding its `orders`), it is reached as the rank and
+/// over the control line `$reach` answers (`$this` the actor); each order then goes to its
+/// `inbox`.
 macro_rules! takes_rollback_orders {
-    ($actor:ty) => {
+    ($actor:ty, |$this:ident, $in_place:ident| $reach:expr) => {
+        impl actix::Actor for $actor {
+            type Context = actix::Context<Self>;
+
+            fn started(&mut self, ctx: &mut Self::Context) {
+                let $this = &*self;
+                if let Some($in_place) = &$this.in_place {
+                    let (rank, bus) = $reach;
+                    let inbox = $in_place.orders.reach(rank, bus, ctx);
+                    self.inbox = Some(inbox);
+                }
+            }
+        }
+
         impl actix::Handler<$crate::actors::recovery::rollback::RollbackOrder> for $actor {
             type Result = ();
 
