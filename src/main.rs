@@ -14,7 +14,7 @@ use flotilla::bench::pipeline::{self as pipeline_bench, PipelineBenchArgs};
 use flotilla::bench::ps::{self as ps_bench, PsBenchArgs, PsBenchShardArgs};
 use flotilla::cli::{ConfigArgs, DefaultConfig, TrainArgs};
 use flotilla::collective::preemption::{is_preemption, PREEMPTED_EXIT_CODE};
-use flotilla::config::{process_env, JobConfig};
+use flotilla::config::{process_env, JobConfig, Strategy};
 use flotilla::data::ctr::{write_click_log, write_synthetic, CriteoSynth, Split};
 use flotilla::job::ps::{ParameterServerJob, PsSummary};
 use flotilla::job::ps_serving;
@@ -617,22 +617,22 @@ fn run_role(role: Role, args: &TrainArgs) -> Result<()> {
     let env = flotilla::config::placement::launched_env()?;
     let config = args.load_config(&env, &BUILT_IN)?;
     let options = args.options(&config)?;
-    match (role, config.cluster.is_parameter_server()) {
+    match (role, config.resolved_strategy()) {
         (Role::Coordinator, _) => flotilla::job::run_coordinator(&config, &options),
-        (Role::Pserver, true) => {
+        (Role::Pserver, Strategy::ParameterServer) => {
             one_allocator_arena();
             let job = ParameterServerJob::builtin(config)?;
             job.run_server(flotilla::job::ps::shard_index_from_env(&job.config)?, &options)
         }
-        (Role::Pserver, false) => bail!(
+        (Role::Pserver, _) => bail!(
             "--role pserver: {} is not a parameter-server job (cluster.server_num = 0); start it with `flotilla launch-ps`",
             config.source_name
         ),
-        (Role::Trainer, parameter_server) => {
+        (Role::Trainer, strategy) => {
             let rank = flotilla::config::placement::rank(&env)?.ok_or_else(|| {
                 anyhow::anyhow!("`run --role trainer` needs its rank: PADDLE_TRAINER_ID or RANK (and the rest of a launcher's environment), or an engine's (srun, mpirun); use `flotilla launch` or `launch-ps`, or `flotilla train` for an in-process job")
             })?;
-            if parameter_server {
+            if strategy == Strategy::ParameterServer {
                 flotilla::job::torchrun::refuse_parameter_servers(&config, &env).map_err(Refusal::wrap)?;
                 let summary = ParameterServerJob::builtin(config)?.run_trainer(rank, &options)?;
                 print_ps_summary(summary.as_ref(), &options)?;
@@ -687,7 +687,7 @@ fn print_out(text: &str) {
 fn train(args: &TrainArgs) -> Result<()> {
     let config = args.load_config(&process_env, &BUILT_IN)?;
     let options = args.prepare(&config)?;
-    if config.cluster.is_parameter_server() {
+    if config.resolved_strategy() == Strategy::ParameterServer {
         let summary = ParameterServerJob::builtin(config)?.run(&options)?;
         print_ps_summary(summary.as_ref(), &options)?;
     } else {

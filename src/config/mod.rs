@@ -56,7 +56,7 @@ pub use fault_tolerance::{FaultToleranceConfig, RecoveryMode};
 pub use memory::{BlockRef, GradientMergeConfigs, RecomputeConfigs};
 pub use pipeline::{HybridConfigs, PipelineConfigs, ScheduleMode};
 pub use sparse_tables::SparseTableConfig;
-pub use strategy::{AsyncConfigs, DistributedStrategy, PsMode};
+pub use strategy::{AsyncConfigs, DistributedStrategy, PsMode, Strategy};
 pub use train::{
     DatasetKind, GptShape, LossKind, LrScaling, LrSchedule, ModelKind, OptimizerKind, TrainConfig, TrainLength,
 };
@@ -197,6 +197,18 @@ impl Default for JobConfig {
 }
 
 impl JobConfig {
+    /// The job's strategy: parameter servers where the cluster has shards, else a pipeline where
+    /// `strategy.pipeline` asks, else data parallelism.
+    pub fn resolved_strategy(&self) -> Strategy {
+        if self.cluster.is_parameter_server() {
+            Strategy::ParameterServer
+        } else if self.strategy.pipeline {
+            Strategy::Pipeline
+        } else {
+            Strategy::DataParallel
+        }
+    }
+
     /// Loads `path`, applies environment overrides read through `env` and then the `--set`
     /// `overrides` (each `section.key=value`), and validates the result.
     pub fn from_file(

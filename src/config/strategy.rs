@@ -30,6 +30,19 @@ const fn unsupported(key: &'static str, reason: &'static str) -> UnsupportedKey 
     }
 }
 
+/// How a job spreads over its ranks: the one value the runtime decides by, resolved from the
+/// config ([`super::JobConfig::resolved_strategy`]) instead of its flags being asked one by one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Strategy {
+    /// Every rank holds the whole model; gradients are all-reduced.
+    DataParallel,
+    /// The model is cut into stages (`strategy.pipeline`), with data parallelism across the
+    /// stage groups.
+    Pipeline,
+    /// Shards hold the parameters (`cluster.server_num` > 0); trainers pull and push.
+    ParameterServer,
+}
+
 /// `[strategy]` section: how gradients are synchronised between data-parallel replicas.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(default, deny_unknown_fields)]

@@ -17,7 +17,7 @@ use std::time::Duration;
 
 use anyhow::Result;
 
-use crate::config::{ConfigError, DeviceKind, JobConfig, GPU_NOT_BUILT};
+use crate::config::{ConfigError, DeviceKind, JobConfig, Strategy, GPU_NOT_BUILT};
 use endpoints::job_endpoints;
 use network::{check_peers, check_port, is_local, resolve, resolved_line, Resolved};
 use report::{Line, Report};
@@ -84,17 +84,15 @@ fn describe(config: &JobConfig) -> String {
         1 => "1 node".to_string(),
         n => format!("{n} nodes"),
     };
-    if cluster.is_parameter_server() {
-        format!(
+    match config.resolved_strategy() {
+        Strategy::ParameterServer => format!(
             "parameter-server ({}), {} server(s) and {} trainer(s)",
             config.strategy.ps_mode().name(),
             cluster.server_num,
             config.world_size()
-        )
-    } else if config.strategy.pipeline {
-        format!("pipeline, {} ranks on {nodes}", config.world_size())
-    } else {
-        format!("collective, {} ranks on {nodes}", config.world_size())
+        ),
+        Strategy::Pipeline => format!("pipeline, {} ranks on {nodes}", config.world_size()),
+        Strategy::DataParallel => format!("collective, {} ranks on {nodes}", config.world_size()),
     }
 }
 

@@ -44,7 +44,7 @@ use anyhow::{Context, Result};
 use crate::actors::device::{ModelFactory, RingLink};
 use crate::actors::rank_parts::RankParts;
 use crate::actors::{DeviceActor, Trainer};
-use crate::config::{DatasetKind, JobConfig, LossKind, ModelKind, TrainConfig};
+use crate::config::{DatasetKind, JobConfig, LossKind, ModelKind, Strategy, TrainConfig};
 use crate::data::ctr::DataLayout;
 use crate::data::table::{streamed_splits, table_splits, Columns, TableFormat};
 use crate::data::text::TextCorpus;
@@ -352,7 +352,7 @@ impl TrainingJob {
     /// All ranks as actors of this process, ring links in memory.
     pub fn run_simulated(&self, options: &RunOptions) -> Result<RunOutcome> {
         self.simulated_with(options, |job, options| {
-            if job.config.strategy.pipeline {
+            if job.config.resolved_strategy() == Strategy::Pipeline {
                 pipeline::run(job, options)
             } else {
                 simulated::run(job, options)
@@ -369,7 +369,7 @@ impl TrainingJob {
     ) -> Result<(RunOutcome, FaultReport)> {
         let mut report = None;
         let outcome = self.simulated_with(options, |job, options| {
-            let (outcome, replaced) = if job.config.strategy.pipeline {
+            let (outcome, replaced) = if job.config.resolved_strategy() == Strategy::Pipeline {
                 pipeline::run_with_faults(job, options, faults)?
             } else {
                 simulated::run_with_faults(job, options, faults)?
@@ -401,7 +401,7 @@ impl TrainingJob {
             outputs::write_config(&options.run_dir, &self.config)?;
         }
         // Rank 0 writes the outputs before it leaves the job.
-        if self.config.strategy.pipeline {
+        if self.config.resolved_strategy() == Strategy::Pipeline {
             pipeline::run_rank(self, rank, options)
         } else {
             process::run(self, rank, options)

@@ -16,7 +16,7 @@ use serde::Serialize;
 
 use super::outputs::CONFIG_FILE;
 use super::ps::build_shard;
-use crate::config::JobConfig;
+use crate::config::{JobConfig, Strategy};
 use crate::data::ctr::{ClickLogParser, CtrLoader, CtrSource, DataLayout};
 use crate::metrics::auc;
 use crate::models::{ParamInit, SparseModelDef};
@@ -52,7 +52,7 @@ impl ServingModel {
         // The run's own tables replace whatever it started from.
         config.train.init_tables_from = None;
         ensure!(
-            config.cluster.is_parameter_server(),
+            config.resolved_strategy() == Strategy::ParameterServer,
             "{} is not a parameter-server run",
             run_dir.display()
         );

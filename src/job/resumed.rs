@@ -14,7 +14,7 @@ use toml::Value;
 
 use super::outputs::{SEALED_CONFIG_FILE, SUMMARY_FILE};
 use super::CONFIG_FILE;
-use crate::config::{JobConfig, TrainLength};
+use crate::config::{JobConfig, Strategy, TrainLength};
 
 /// The keys a resumed run may change; every other one is refused.
 pub const SAFE_TO_CHANGE: &[&str] = &[
@@ -85,8 +85,9 @@ pub fn resumed_config(run_dir: &Path, env: &dyn Fn(&str) -> Option<String>, over
     let resumed = JobConfig::from_file(&path, env, overrides)?;
     let (before, after) = (saved.leaves()?, resumed.leaves()?);
     let unset = Value::String("unset".to_string());
-    let reshards = !saved.cluster.is_parameter_server() && !resumed.cluster.is_parameter_server();
-    let rehashes = saved.cluster.is_parameter_server() && resumed.cluster.is_parameter_server();
+    let parameter_servers = [&saved, &resumed].map(|config| config.resolved_strategy() == Strategy::ParameterServer);
+    let reshards = parameter_servers == [false, false];
+    let rehashes = parameter_servers == [true, true];
     let may_change = |key: &str| {
         SAFE_TO_CHANGE.contains(&key)
             || (reshards && COLLECTIVE_LAYOUT.contains(&key))

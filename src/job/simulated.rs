@@ -23,7 +23,7 @@ use crate::actors::recovery::heartbeat::{watched, CoordinatorAt};
 use crate::actors::recovery::rollback::{order_line, Orders};
 use crate::actors::trainer::{InPlace, RankOutcome};
 use crate::actors::Coordinator;
-use crate::config::JobConfig;
+use crate::config::{JobConfig, Strategy};
 use crate::engines::comm::hierarchy::{self, NodeLayout};
 use crate::engines::comm::memory::{LinkFault, MemoryRings};
 use crate::engines::comm::RingBreaker;
@@ -344,7 +344,8 @@ impl StruckCluster<'_> {
         // A rank's actor takes the coordinator's orders as messages: its heartbeats carry none
         // (one would stop it). A shard, driven by a loop beside its actor, hears them on its
         // heartbeats.
-        let shard = self.config.cluster.is_parameter_server() && rank < self.config.cluster.server_num;
+        let shard =
+            self.config.resolved_strategy() == Strategy::ParameterServer && rank < self.config.cluster.server_num;
         let heard_on_heartbeats = shard.then_some(&orders_in);
         let ended = switch
             .govern(watched(

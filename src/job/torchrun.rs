@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 use anyhow::{anyhow, Context, Result};
 
 use super::process::address_towards;
-use crate::config::{host_port, JobConfig};
+use crate::config::{host_port, JobConfig, Strategy};
 use crate::net::tcp_store::TcpStoreClient;
 
 /// Set to `True` by torchrun's agent when it serves the store at `MASTER_ADDR:MASTER_PORT`.
@@ -49,7 +49,7 @@ pub fn agent_may_restart(env: &dyn Fn(&str) -> Option<String>) -> bool {
 /// Refuses a parameter-server job under torchrun's agent: it starts only workers of one kind,
 /// while the job's coordinator lives in its first server, which nothing would start.
 pub fn refuse_parameter_servers(config: &JobConfig, env: &dyn Fn(&str) -> Option<String>) -> Result<()> {
-    if agent_store(env).is_some() && config.cluster.is_parameter_server() {
+    if agent_store(env).is_some() && config.resolved_strategy() == Strategy::ParameterServer {
         anyhow::bail!(
             "{}: a parameter-server job (cluster.server_num = {}) cannot be started by torchrun, which \
              starts trainers only: start it with `flotilla launch-ps` (or `flotilla launch --server_num N`)",

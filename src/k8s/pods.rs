@@ -7,7 +7,7 @@ use anyhow::{bail, Result};
 use k8s_openapi::api::core::v1::{EnvVar, EnvVarSource, ObjectFieldSelector};
 
 use super::{K8sOptions, Operator, CONFIG_DIR, CONFIG_FILE};
-use crate::config::{DeviceKind, JobConfig};
+use crate::config::{DeviceKind, JobConfig, Strategy};
 
 /// The variable an Indexed Job's pod reads its index into (from the pod's annotation).
 pub(super) const INDEX_VAR: &str = "FLOTILLA_INDEX";
@@ -52,7 +52,7 @@ impl PodGroup {
 pub(super) fn groups(config: &JobConfig, options: &K8sOptions) -> Result<Vec<PodGroup>> {
     let port = options.port()?;
     let name = options.name.as_str();
-    if config.cluster.is_parameter_server() {
+    if config.resolved_strategy() == Strategy::ParameterServer {
         return parameter_servers(config, options, port);
     }
     let nodes = config.cluster.nnodes;

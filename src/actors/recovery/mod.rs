@@ -30,7 +30,7 @@ use anyhow::{anyhow, ensure, Context as _, Result};
 
 use crate::checkpoint::{Checkpoint, CheckpointStore};
 use crate::collective::preemption::{Preempted, PreemptionWatch};
-use crate::config::{JobConfig, LrScaling, PsMode};
+use crate::config::{JobConfig, LrScaling, PsMode, Strategy};
 use crate::net::protocol::Roster;
 use crate::ps::snapshot::shard_file_name;
 use crate::refusal::Refusal;
@@ -87,10 +87,12 @@ pub(crate) struct Recovery {
 /// files as another cut into stages, a parameter-server job's on other numbers of servers and
 /// trainers (resharding).
 fn check_layout(checkpoint: &Checkpoint, config: &JobConfig) -> Result<()> {
+    let strategy = config.resolved_strategy();
     let pipeline_recut =
-        config.strategy.pipeline && stage_files(checkpoint).len() != config.strategy.hybrid_configs.pp_degree;
-    let reshards = !config.cluster.is_parameter_server() && checkpoint.world_size() != config.roles();
-    if config.cluster.is_parameter_server() && checkpoint.world_size() != config.roles() {
+        strategy == Strategy::Pipeline && stage_files(checkpoint).len() != config.strategy.hybrid_configs.pp_degree;
+    let other_ranks = checkpoint.world_size() != config.roles();
+    let reshards = strategy != Strategy::ParameterServer && other_ranks;
+    if strategy == Strategy::ParameterServer && other_ranks {
         // Its rows are re-hashed onto the servers there are now (their dense slices re-cut),
         // and the trainers there are now split the same global batches.
         let servers = checkpoint.numbered_files(shard_file_name).len();
@@ -411,7 +413,9 @@ impl StopAtCheckpoint {
 /// completed, and in geo mode where the trainers have pushed.
 pub(crate) fn may_fall_after(config: &JobConfig, done: usize) -> bool {
     let mut granularity = config.strategy.merge_steps();
-    if let (true, PsMode::Geo { k_steps }) = (config.cluster.is_parameter_server(), config.strategy.ps_mode()) {
+    if let (Strategy::ParameterServer, PsMode::Geo { k_steps }) =
+        (config.resolved_strategy(), config.strategy.ps_mode())
+    {
         granularity = granularity.max(k_steps);
     }
     done.is_multiple_of(granularity.max(1))
