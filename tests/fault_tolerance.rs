@@ -96,11 +96,7 @@ fn survive(job: &Job, signal: i32, extra: &[&str]) -> String {
     }
     let finished = launcher.finish(180);
     end_leftovers(children);
-    assert!(
-        finished.success,
-        "the job did not survive:\n{}\n{}",
-        finished.stdout, finished.stderr
-    );
+    finished.assert_success("the job did not survive");
     let restarted = format!("restarting all {} processes (restart 1 of 1)", job.processes);
     assert!(finished.stderr.contains(&restarted), "{}", finished.stderr);
     assert!(

@@ -137,11 +137,7 @@ fn every_rendered_manifest_is_valid_against_the_official_schemas() {
             let items = render(&[job, &["--operator", operator], flags].concat());
             assert_eq!(items.len(), count + claims, "{job:?} {operator} {flags:?}: {items:?}");
             let validated = validate(&core_objects(&items));
-            assert!(
-                validated.success,
-                "{job:?} --operator {operator} {flags:?}:\n{}\n{}",
-                validated.stdout, validated.stderr
-            );
+            validated.assert_success(&format!("{job:?} --operator {operator} {flags:?}"));
         }
     }
     // The validator itself refuses what the schema does not allow.

@@ -29,11 +29,7 @@ fn ranks_started_with_torchruns_variables_train_as_the_in_process_cluster() {
         })
         .collect();
     for (rank, finished) in ranks.into_iter().map(|started| started.finish(120)).enumerate() {
-        assert!(
-            finished.success,
-            "rank {rank}:\n{}\n{}",
-            finished.stdout, finished.stderr
-        );
+        finished.assert_success(&format!("rank {rank}"));
     }
     let summary: serde_json::Value = common::read_summary(dir.path());
     assert_eq!(summary["world_size"], 2);
@@ -150,11 +146,7 @@ fn ranks_started_by(mpirun: &str, package: &str, flags: &[&str]) {
         ("FLOTILLA_RUN_DIR", run_dir),
     ];
     let finished = start_program(mpirun, &[flags, &rank].concat(), &env).finish(180);
-    assert!(
-        finished.success,
-        "{mpirun} failed:\n{}\n{}",
-        finished.stdout, finished.stderr
-    );
+    finished.assert_success(&format!("{mpirun} failed"));
     let summary: serde_json::Value = common::read_summary(dir.path());
     assert_eq!(summary["world_size"], 4);
     let simulated = train_in_process(config(&[STEPS, "cluster.nproc_per_node=4"]));
@@ -185,11 +177,7 @@ fn launchers_given_a_node_rank_and_the_coordinator_train_as_the_in_process_clust
         })
         .collect();
     for (node, finished) in nodes.into_iter().map(|node| node.finish(120)).enumerate() {
-        assert!(
-            finished.success,
-            "node {node}:\n{}\n{}",
-            finished.stdout, finished.stderr
-        );
+        finished.assert_success(&format!("node {node}"));
     }
     let summary: serde_json::Value = common::read_summary(&dirs[0].path().join("run"));
     assert_eq!(summary["world_size"], 2);

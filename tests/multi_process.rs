@@ -27,16 +27,8 @@ fn launched_job_matches_ground_truth(transport: &str) {
         "--run-dir", run_dir.to_str().unwrap(),
     ];
     let finished = flotilla(&args, &[], 120);
-    assert!(
-        finished.success,
-        "launch failed:\n{}\n{}",
-        finished.stdout, finished.stderr
-    );
-    assert!(
-        finished.stdout.contains("[rank 0]"),
-        "output is prefixed by rank:\n{}",
-        finished.stdout
-    );
+    finished.assert_success("launch failed");
+    common::assert_says(&finished.stdout, "[rank 0]", "output is prefixed by rank");
     let summary: serde_json::Value = common::read_summary(&run_dir);
     assert_eq!(summary["world_size"], 2);
     assert_eq!(summary["cluster"], "multi-process");
@@ -254,11 +246,7 @@ fn ctrl_c_reaches_every_rank_and_the_launch_stops() {
         finished.stderr
     );
     assert!(alive.is_empty(), "ranks {alive:?} outlived the launcher");
-    assert!(
-        finished.stderr.contains("[rank 0] "),
-        "rank 0 was training:\n{}",
-        finished.stderr
-    );
+    common::assert_says(&finished.stderr, "[rank 0] ", "rank 0 was training");
     assert!(finished.stderr.contains("interrupted"), "{}", finished.stderr);
 }
 
@@ -285,7 +273,7 @@ fn two_jobs_launched_on_one_host_without_ports_pick_their_own_and_both_finish() 
         })
         .collect();
     for (i, finished) in started.into_iter().map(|job| job.finish(180)).enumerate() {
-        assert!(finished.success, "job {i}:\n{}\n{}", finished.stdout, finished.stderr);
+        finished.assert_success(&format!("job {i}"));
         assert!(
             dirs[i].path().join("run/summary.json").exists(),
             "job {i} wrote no summary"

@@ -42,11 +42,7 @@ fn the_own_loop_on_two_processes_equals_one_process() {
         program.to_str().unwrap(), "--run-dir", launched.to_str().unwrap(), "--set", steps,
     ];
     let finished = flotilla(&args, &[], 120);
-    assert!(
-        finished.success,
-        "launch failed:\n{}\n{}",
-        finished.stdout, finished.stderr
-    );
+    finished.assert_success("launch failed");
     assert_eq!(read_summary(&launched)["world_size"], 2);
     assert!(
         finished.stderr.contains("[rank 1]") && finished.stderr.contains("joined the process group rank=1"),
@@ -82,7 +78,7 @@ fn the_own_loop_under_torchrun_equals_one_process() {
         args.extend(["--run-dir", run_dir.to_str().unwrap(), "--set", steps]);
         let env = [("FLOTILLA_TOKEN", common::TEST_TOKEN.to_string())];
         let finished = common::start_program(program, &args, &env).finish(120);
-        assert!(finished.success, "{program}:\n{}\n{}", finished.stdout, finished.stderr);
+        finished.assert_success(program);
     };
     run(program.to_str().unwrap(), &[], &alone);
     #[rustfmt::skip]
@@ -130,11 +126,7 @@ fn a_rank_that_dies_stops_the_others_with_its_name_not_a_hang() {
     unsafe { libc::kill(ranks[&1], libc::SIGKILL) };
     let finished = launcher.finish(60);
     assert!(!finished.success, "{}", finished.stderr);
-    assert!(
-        finished.stderr.contains("rank 1"),
-        "the error names the dead rank:\n{}",
-        finished.stderr
-    );
+    common::assert_says(&finished.stderr, "rank 1", "the error names the dead rank");
     assert!(!run_dir.join("params.safetensors").exists());
 }
 

@@ -49,11 +49,7 @@ fn launched_pipeline_matches_ground_truth(transport: &str) {
         args.extend(["--set", *set]);
     }
     let finished = flotilla(&args, &[], 180);
-    assert!(
-        finished.success,
-        "{transport}: launch failed:\n{}\n{}",
-        finished.stdout, finished.stderr
-    );
+    finished.assert_success(&format!("{transport}: launch failed"));
     let summary: serde_json::Value = common::read_summary(&run_dir);
     assert_eq!(summary["strategy"], "pipeline");
     assert_eq!(summary["world_size"], 4);
@@ -165,11 +161,7 @@ fn interleaved_deep_and_one_stage_pipelines_launch_bit_identical_to_in_process()
             args.extend(["--set", set]);
         }
         let finished = flotilla(&args, &[], 180);
-        assert!(
-            finished.success,
-            "{overrides:?}: launch failed:\n{}\n{}",
-            finished.stdout, finished.stderr
-        );
+        finished.assert_success(&format!("{overrides:?}: launch failed"));
         let summary: serde_json::Value = common::read_summary(&run_dir);
         let overrides: Vec<&str> = overrides.iter().map(String::as_str).collect();
         let in_process = train_in_process(config(&overrides));
@@ -251,11 +243,7 @@ fn a_stage_larger_than_a_frame_hands_its_parameters_to_rank_0_in_pieces() {
         args.extend(["--set", *set]);
     }
     let finished = flotilla(&args, &[], 180);
-    assert!(
-        finished.success,
-        "launch failed:\n{}\n{}",
-        finished.stdout, finished.stderr
-    );
+    finished.assert_success("launch failed");
     let summary: serde_json::Value = common::read_summary(&run_dir);
     let in_process = train_in_process(config(&settings));
     assert_eq!(summary["param_checksum"], in_process.summary.param_checksum.as_str());

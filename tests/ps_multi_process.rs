@@ -23,20 +23,12 @@ fn launch_ps_trains_the_ctr_job_to_the_expected_auc_and_servers_exit() {
         "--run-dir", run_dir.to_str().unwrap(), "--trace", trace.to_str().unwrap(),
     ];
     let finished = flotilla(&args, &[], 240);
-    assert!(
-        finished.success,
-        "launch-ps failed:\n{}\n{}",
-        finished.stdout, finished.stderr
-    );
-    assert!(
-        finished.stderr.contains("[server 1]"),
-        "servers ran:\n{}",
-        finished.stderr
-    );
-    assert!(
-        finished.stderr.contains("every trainer has left; shutting down"),
-        "servers shut down cleanly:\n{}",
-        finished.stderr
+    finished.assert_success("launch-ps failed");
+    common::assert_says(&finished.stderr, "[server 1]", "servers ran");
+    common::assert_says(
+        &finished.stderr,
+        "every trainer has left; shutting down",
+        "servers shut down cleanly",
     );
     let summary: serde_json::Value = common::read_summary(&run_dir);
     assert_eq!(summary["mode"], "sync");

@@ -58,11 +58,7 @@ fn torchrun_job(
 }
 
 fn succeeded(finished: &common::Finished, what: &str) {
-    assert!(
-        finished.success,
-        "{what} failed:\n{}\n{}",
-        finished.stdout, finished.stderr
-    );
+    finished.assert_success(&format!("{what} failed"));
 }
 
 /// Ends with the checksum of the in-process run of `sets`.
@@ -91,10 +87,10 @@ fn ranks_torchrun_starts_on_one_node_train_as_the_in_process_cluster() {
         let args = ["--standalone", "--nproc-per-node", "2"];
         let finished = torchrun(&[], &args, &run_dir, &sets, &token()).finish(120);
         succeeded(&finished, name);
-        assert!(
-            finished.stderr.contains("met through torchrun's store"),
-            "{name}: the ranks met through torchrun's store:\n{}",
-            finished.stderr
+        common::assert_says(
+            &finished.stderr,
+            "met through torchrun's store",
+            &format!("{name}: the ranks met through torchrun's store"),
         );
         ends_as_in_process(&run_dir, 2, &sets);
     }
@@ -119,10 +115,10 @@ fn ranks_torchrun_restarts_after_a_worker_is_killed_resume_and_end_as_the_uninte
     let finished = started.finish(180);
     end_leftovers(workers.into_iter().chain(restarted));
     succeeded(&finished, "torchrun --max-restarts 1");
-    assert!(
-        finished.stderr.contains("resuming from checkpoint"),
-        "the restarted workers resumed:\n{}",
-        finished.stderr
+    common::assert_says(
+        &finished.stderr,
+        "resuming from checkpoint",
+        "the restarted workers resumed",
     );
     ends_as_in_process(&run_dir, 2, &sets);
 }

@@ -128,11 +128,7 @@ fn launched_regression_equals_one_process(format: &str, extra: &str) {
         "train", "--config", config_path.to_str().unwrap(), "--run-dir", run_dir.to_str().unwrap(),
     ];
     let finished = flotilla(&args, &[], 120);
-    assert!(
-        finished.success,
-        "launch failed:\n{}\n{}",
-        finished.stdout, finished.stderr
-    );
+    finished.assert_success("launch failed");
     let summary = read_summary(&run_dir);
     assert_eq!(summary["world_size"], 2);
     assert!(

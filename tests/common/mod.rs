@@ -262,6 +262,19 @@ pub struct Finished {
     pub stderr: String,
 }
 
+impl Finished {
+    /// Panics unless the process succeeded, with `what` went wrong and all it printed.
+    pub fn assert_success(&self, what: &str) {
+        assert!(self.success, "{what}:\n{}\n{}", self.stdout, self.stderr);
+    }
+}
+
+/// Panics unless `text` (a process's output) holds `needle`, saying `what` was expected and
+/// showing `text`.
+pub fn assert_says(text: &str, needle: &str, what: &str) {
+    assert!(text.contains(needle), "{what}:\n{text}");
+}
+
 /// A flotilla process started by a test, its output being collected.
 pub struct Started {
     pub child: std::process::Child,
