@@ -7,7 +7,9 @@ use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::time::{Duration, Instant};
 
-use common::{flotilla, free_port_range, read_summary, start_flotilla, trace_spans, trace_tracks, wait_or_kill};
+use common::{
+    flotilla, free_port_range, local_launch, read_summary, start_flotilla, trace_spans, trace_tracks, wait_or_kill,
+};
 use serde_json::Value;
 
 const STEPS: usize = 40;
@@ -41,21 +43,18 @@ fn a_launched_two_rank_job_leaves_every_steps_metrics_and_timelines_on_one_clock
     let port = free_port_range(3).to_string();
     let steps = format!("train.steps={STEPS}");
     let launched = flotilla(
-        &[
-            "launch",
-            "--nproc_per_node",
+        &local_launch(
             "2",
-            "--started_port",
             &port,
-            "--",
-            "train",
-            "--run-dir",
-            run_dir.to_str().unwrap(),
-            "--trace",
-            trace_dir.to_str().unwrap(),
-            "--set",
-            &steps,
-        ],
+            &[
+                "--run-dir",
+                run_dir.to_str().unwrap(),
+                "--trace",
+                trace_dir.to_str().unwrap(),
+                "--set",
+                &steps,
+            ],
+        ),
         &[],
         120,
     );
@@ -311,21 +310,18 @@ fn a_launched_pipelines_outputs_and_metrics_share_the_launchers_run_directory() 
     let dir = tempfile::tempdir().unwrap();
     let port = free_port_range(3).to_string();
     let launched = flotilla(
-        &[
-            "launch",
-            "--nproc_per_node",
+        &local_launch(
             "2",
-            "--started_port",
             &port,
-            "--",
-            "train",
-            "--set",
-            "strategy.pipeline=true",
-            "--set",
-            "strategy.hybrid_configs.pp_degree=2",
-            "--set",
-            "train.steps=10",
-        ],
+            &[
+                "--set",
+                "strategy.pipeline=true",
+                "--set",
+                "strategy.hybrid_configs.pp_degree=2",
+                "--set",
+                "train.steps=10",
+            ],
+        ),
         &[("FLOTILLA_RUN_DIR", dir.path().display().to_string())],
         120,
     );

@@ -2,7 +2,9 @@
 
 mod common;
 
-use common::{config, flotilla, free_port_range, max_abs_diff, read_params, start_flotilla, train_in_process};
+use common::{
+    config, flotilla, free_port_range, local_launch, max_abs_diff, read_params, start_flotilla, train_in_process,
+};
 
 const STEPS: &str = "train.steps=20";
 
@@ -206,21 +208,18 @@ fn ctrl_c_reaches_every_rank_and_the_launch_stops() {
     let port = free_port_range(3).to_string();
     let dir = tempfile::tempdir().unwrap();
     let launcher = start_flotilla(
-        &[
-            "launch",
-            "--nproc_per_node",
+        &local_launch(
             "2",
-            "--started_port",
             &port,
-            "--",
-            "train",
-            "--config",
-            "config.toml",
-            "--set",
-            "train.steps=1000000",
-            "--run-dir",
-            dir.path().to_str().unwrap(),
-        ],
+            &[
+                "--config",
+                "config.toml",
+                "--set",
+                "train.steps=1000000",
+                "--run-dir",
+                dir.path().to_str().unwrap(),
+            ],
+        ),
         &[],
     );
     std::thread::sleep(std::time::Duration::from_secs(2));

@@ -269,6 +269,22 @@ impl Finished {
     }
 }
 
+/// The arguments of `flotilla launch` starting `nproc` ranks on this host, their ports from
+/// `port` on, each running `train` with `args`.
+pub fn local_launch<'a>(nproc: &'a str, port: &'a str, args: &[&'a str]) -> Vec<&'a str> {
+    let mut launch = vec![
+        "launch",
+        "--nproc_per_node",
+        nproc,
+        "--started_port",
+        port,
+        "--",
+        "train",
+    ];
+    launch.extend_from_slice(args);
+    launch
+}
+
 /// Panics unless `text` (a process's output) holds `needle`, saying `what` was expected and
 /// showing `text`.
 pub fn assert_says(text: &str, needle: &str, what: &str) {
