@@ -2,14 +2,15 @@
 //! device actor step by step (the data-parallel trainer, the pipeline stage): fault injection,
 //! the step, periodic evaluation, the monitor's sample, the loss check, the strategy's own
 //! check, a checkpoint or a stop where due; then the final evaluation, the timeline, and the
-//! figures every outcome reports (one `comm_time_ratio`). What differs between strategies — the
-//! device's messages, the checkpoint's files, a replica check — is a [`StrategySteps`].
+//! figures every outcome reports (one `comm_time_ratio`). The step and the evaluation are the
+//! device actor's, whose replica trait serves both strategies; what differs — the checkpoint's
+//! files, a replica check — is a [`StrategySteps`].
 
 use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, Result};
 
-use super::device::TakeSpans;
+use super::device::{Evaluate, TakeSpans, TrainStep};
 use super::rank_parts::RankParts;
 use super::recovery::divergence::check_loss;
 use super::recovery::StopAtCheckpoint;
@@ -17,19 +18,11 @@ use super::run_loop::{eval_due, RunLoop};
 use crate::collective::training_state::RunRecord;
 use crate::collective::StepReport;
 use crate::config::JobConfig;
-use crate::data::{Batch, Pieces};
 use crate::models::{HeldOut, Score};
 use crate::telemetry::monitor::StepSample;
 
 /// What a strategy's rank does differently in its steps.
 pub(crate) trait StrategySteps {
-    /// One training step on this rank's part of the global batch.
-    async fn step(&mut self, batch: Batch) -> Result<StepReport>;
-
-    /// The score of this rank's share of the held-out split; `None` where the rank holds no
-    /// output (a pipeline stage before the last).
-    async fn evaluate(&mut self, share: Pieces) -> Result<Option<Score>>;
-
     /// What the strategy checks after `done` steps (the data-parallel replicas' checksums).
     async fn after_step(&mut self, done: usize) -> Result<()>;
 
@@ -144,14 +137,15 @@ pub(crate) async fn train_generation<S: StrategySteps>(
         if let Some(faults) = &parts.faults {
             faults.before_step(&format!("rank {rank}"), step).await;
         }
-        let report = strategy
-            .step(run.loader.batch(step)?)
-            .await
+        let report = parts
+            .device
+            .send(TrainStep(run.loader.batch(step)?))
+            .await?
             .with_context(|| format!("step {step}"))?;
         generation.add(&report);
         let mut eval = None;
         if eval_due(job, step + 1, steps) {
-            let score = strategy.evaluate(test_share()?).await?;
+            let score = parts.device.send(Evaluate(test_share()?)).await??;
             scored = Some((step + 1, score));
             eval = score.map(|score| score.held_out(loss_kind));
         }
@@ -180,7 +174,7 @@ pub(crate) async fn train_generation<S: StrategySteps>(
     generation.elapsed = started.elapsed();
     generation.score = match scored {
         Some((done, score)) if done == steps => score,
-        _ => strategy.evaluate(test_share()?).await?,
+        _ => parts.device.send(Evaluate(test_share()?)).await??,
     };
     if let Some(trace) = &parts.trace {
         let spans = parts.device.send(TakeSpans).await??;

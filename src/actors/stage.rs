@@ -15,7 +15,7 @@ use bytes::Bytes;
 use futures::future::BoxFuture;
 use serde::{Deserialize, Serialize};
 
-use super::device::{Evaluate, Prepare, ReadParameters, Relink, ReplicaPart, StageLinks, StageRelink, TrainStep};
+use super::device::{Prepare, ReadParameters, Relink, ReplicaPart, StageLinks, StageRelink};
 use super::rank_parts::RankParts;
 use super::rank_steps::{train_generation, Place, StrategySteps};
 use super::recovery::buddy::Buddy;
@@ -27,9 +27,7 @@ use super::run_loop::{run_steps, RunLoop};
 use crate::checkpoint::HeldFile;
 use crate::collective::preemption::is_preemption;
 use crate::collective::training_state::RunRecord;
-use crate::collective::StepReport;
 use crate::config::HybridConfigs;
-use crate::data::{Batch, Pieces};
 use crate::engines::comm::Communicator;
 use crate::models::Score;
 use crate::net::frame::{encode_with, Frame};
@@ -448,14 +446,6 @@ impl StageRun {
 }
 
 impl StrategySteps for StageRun {
-    async fn step(&mut self, batch: Batch) -> Result<StepReport> {
-        self.parts.device.send(TrainStep(batch)).await?
-    }
-
-    async fn evaluate(&mut self, share: Pieces) -> Result<Option<Score>> {
-        self.parts.device.send(Evaluate(share)).await?
-    }
-
     async fn after_step(&mut self, _done: usize) -> Result<()> {
         Ok(())
     }

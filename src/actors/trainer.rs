@@ -11,7 +11,7 @@
 use actix::prelude::*;
 use anyhow::{anyhow, Context as _, Result};
 
-use super::device::{CheckReplicas, Evaluate, Prepare, ReadParameters, Relink, ReplicaPart, RingLink, TrainStep};
+use super::device::{CheckReplicas, Prepare, ReadParameters, Relink, ReplicaPart, RingLink};
 use super::rank_parts::RankParts;
 use super::rank_steps::{train_generation, Place, StrategySteps};
 use super::recovery::faults::RoleFaults;
@@ -22,9 +22,7 @@ use super::run_loop::{run_steps, RunLoop};
 use crate::collective::preemption::is_preemption;
 use crate::collective::training_state::RunRecord;
 use crate::collective::ParamChecksum;
-use crate::collective::StepReport;
 use crate::config::JobConfig;
-use crate::data::{Batch, Pieces};
 use crate::models::Score;
 use crate::net::protocol::Roster;
 use crate::net::ControlBus;
@@ -319,14 +317,6 @@ impl TrainingRun {
 }
 
 impl StrategySteps for TrainingRun {
-    async fn step(&mut self, batch: Batch) -> Result<StepReport> {
-        self.parts.device.send(TrainStep(batch)).await?
-    }
-
-    async fn evaluate(&mut self, share: Pieces) -> Result<Option<Score>> {
-        self.parts.device.send(Evaluate(share)).await?
-    }
-
     /// Every `strategy.check_every` steps the replicas compare their parameters' checksums.
     async fn after_step(&mut self, done: usize) -> Result<()> {
         let every = self.parts.job.strategy.check_every;
