@@ -307,26 +307,20 @@ pub struct ShareState {
 }
 
 /// What the device thread holds: nothing until [`Prepare`], then the rank's replica.
+#[derive(Default)]
 enum DeviceState {
+    #[default]
     Unprepared,
     Whole(Replica),
     Stage(PipelineReplica),
 }
 
 /// The device thread's state.
+#[derive(Default)]
 pub struct DeviceActor {
     state: DeviceState,
     /// What the model's checkpoint files say besides its parameters.
     export: ModelInfo,
-}
-
-impl Default for DeviceActor {
-    fn default() -> Self {
-        Self {
-            state: DeviceState::Unprepared,
-            export: ModelInfo::default(),
-        }
-    }
 }
 
 impl DeviceState {

@@ -11,7 +11,7 @@ struct Cli {
 
 fn args(line: &str) -> LaunchArgs {
     Cli::try_parse_from(std::iter::once("launch").chain(line.split_whitespace()))
-        .unwrap()
+        .expect("the launch line parses")
         .launch
 }
 

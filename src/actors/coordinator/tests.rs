@@ -121,8 +121,8 @@ async fn a_silent_rank_is_declared_dead_and_everyone_is_told() {
             line: 0,
         })
         .await
-        .unwrap()
-        .unwrap();
+        .expect("the coordinator answers")
+        .expect("the heartbeat is answered");
     }
     let barrier = c.send(Barrier {
         rank: 0,
@@ -143,7 +143,9 @@ async fn a_silent_rank_is_declared_dead_and_everyone_is_told() {
         }
     };
     let (waited, ()) = futures::join!(barrier, beating);
-    let err = waited.unwrap().expect_err("the barrier cannot complete");
+    let err = waited
+        .expect("the coordinator answers")
+        .expect_err("the barrier cannot complete");
     assert!(err.contains("rank 1 declared dead: no heartbeat for"), "{err}");
     let refused = c
         .send(Heartbeat {
@@ -153,7 +155,7 @@ async fn a_silent_rank_is_declared_dead_and_everyone_is_told() {
             line: 0,
         })
         .await
-        .unwrap()
+        .expect("the coordinator answers")
         .unwrap_err();
     assert_eq!(refused, err, "every later heartbeat hears why the job stopped");
 }
@@ -174,27 +176,31 @@ fn coordinator_of_its_own(world: usize) -> (Addr<Coordinator>, oneshot::Receiver
 async fn once_the_job_was_asked_to_stop_a_lost_rank_is_not_awaited_and_the_coordinator_ends() {
     let (c, mut finished) = coordinator_of_its_own(2);
     for rank in [0, 1] {
-        beat(&c, rank, rank as u64).await.unwrap();
+        beat(&c, rank, rank as u64).await.expect("the heartbeat is answered");
     }
-    c.send(JobAskedToStop).await.unwrap();
-    c.send(ConnectionLost { rank: 0, line: 0 }).await.unwrap();
+    c.send(JobAskedToStop).await.expect("the coordinator answers");
+    c.send(ConnectionLost { rank: 0, line: 0 })
+        .await
+        .expect("the coordinator answers");
     assert!(finished.try_recv().is_err(), "rank 1 still runs");
     let err = beat(&c, 1, 1).await.unwrap_err();
     assert!(
         err.contains("rank 0 declared dead after the job was asked to stop"),
         "{err}"
     );
-    c.send(ConnectionLost { rank: 1, line: 1 }).await.unwrap();
+    c.send(ConnectionLost { rank: 1, line: 1 })
+        .await
+        .expect("the coordinator answers");
     assert!(finished.try_recv().is_ok(), "no rank runs on");
 }
 
 #[actix::test]
 async fn a_rank_awaited_when_the_job_is_asked_to_stop_is_not_waited_for() {
     let (c, mut finished) = coordinator_of_its_own(2);
-    beat(&c, 0, 0).await.unwrap();
+    beat(&c, 0, 0).await.expect("the heartbeat is answered");
     // Rank 1 ended with the signal before it reached the coordinator.
     let (joined, ()) = futures::join!(join(&c, 0, 2), async {
-        c.send(JobAskedToStop).await.unwrap();
+        c.send(JobAskedToStop).await.expect("the coordinator answers");
     });
     let err = joined.expect_err("nobody completes the rendezvous");
     assert!(
@@ -202,15 +208,19 @@ async fn a_rank_awaited_when_the_job_is_asked_to_stop_is_not_waited_for() {
         "{err}"
     );
     assert!(finished.try_recv().is_err(), "rank 0 still runs");
-    c.send(ConnectionLost { rank: 0, line: 0 }).await.unwrap();
+    c.send(ConnectionLost { rank: 0, line: 0 })
+        .await
+        .expect("the coordinator answers");
     assert!(finished.try_recv().is_ok(), "no rank runs on");
 }
 
 #[actix::test]
 async fn a_rank_lost_while_the_job_runs_is_awaited() {
     let (c, mut finished) = coordinator_of_its_own(1);
-    beat(&c, 0, 0).await.unwrap();
-    c.send(ConnectionLost { rank: 0, line: 0 }).await.unwrap();
+    beat(&c, 0, 0).await.expect("the heartbeat is answered");
+    c.send(ConnectionLost { rank: 0, line: 0 })
+        .await
+        .expect("the coordinator answers");
     assert!(finished.try_recv().is_err(), "its replacement is awaited");
 }
 
@@ -226,15 +236,23 @@ async fn a_lost_connection_is_a_death_unless_the_rank_left() {
         line: 1,
     })
     .await
-    .unwrap()
-    .unwrap();
-    let spoofed = c.send(Leave { rank: 1, line: 9 }).await.unwrap();
+    .expect("the coordinator answers")
+    .expect("the heartbeat is answered");
+    let spoofed = c
+        .send(Leave { rank: 1, line: 9 })
+        .await
+        .expect("the coordinator answers");
     assert!(
         spoofed.is_err_and(|e| e.contains("only on the connection that carries its heartbeats")),
         "a leave from another line must not end rank 1's failure detection"
     );
-    c.send(Leave { rank: 1, line: 1 }).await.unwrap().unwrap();
-    c.send(ConnectionLost { rank: 1, line: 1 }).await.unwrap();
+    c.send(Leave { rank: 1, line: 1 })
+        .await
+        .expect("the coordinator answers")
+        .expect("the rank leaves");
+    c.send(ConnectionLost { rank: 1, line: 1 })
+        .await
+        .expect("the coordinator answers");
     c.send(Heartbeat {
         rank: 0,
         pid: 0,
@@ -242,9 +260,11 @@ async fn a_lost_connection_is_a_death_unless_the_rank_left() {
         line: 2,
     })
     .await
-    .unwrap()
+    .expect("the coordinator answers")
     .expect("a rank that left is not dead");
-    c.send(ConnectionLost { rank: 0, line: 2 }).await.unwrap();
+    c.send(ConnectionLost { rank: 0, line: 2 })
+        .await
+        .expect("the coordinator answers");
     let err = c
         .send(Heartbeat {
             rank: 1,
@@ -253,7 +273,7 @@ async fn a_lost_connection_is_a_death_unless_the_rank_left() {
             line: 3,
         })
         .await
-        .unwrap()
+        .expect("the coordinator answers")
         .unwrap_err();
     assert!(
         err.contains("rank 0 declared dead: its heartbeat connection broke"),
@@ -282,22 +302,11 @@ async fn beat(c: &Addr<Coordinator>, rank: usize, line: u64) -> Result<Beat, Str
     .expect("coordinator alive")
 }
 
-#[actix::test]
-async fn in_place_a_lost_rank_rolls_the_survivors_back_and_its_replacement_rejoins() {
-    let store_dir = tempfile::tempdir().unwrap();
-    let store = CheckpointStore::new(store_dir.path(), 3);
-    let c = Coordinator::new(3, Duration::from_secs(30))
-        .with_heartbeat_deadline(Duration::from_secs(30))
-        .with_checkpoints(Some(store), None)
-        .recovering_in_place()
-        .start();
-    let (a, b, d) = futures::join!(join(&c, 0, 3), join(&c, 1, 3), join(&c, 2, 3));
-    assert!(a.is_ok() && b.is_ok() && d.is_ok());
-    for rank in 0..3 {
-        assert_eq!(beat(&c, rank, rank as u64).await, Ok(Beat::Alive));
-    }
-    // Every rank acknowledges step 10's checkpoint; ranks 0 and 2 wrote a copy each on their
-    // nodes, rank 2 one more on a buddy node: committed, recording every holder (the files
+/// Every rank of `c`'s three acknowledges step 10's checkpoint; ranks 0 and 2 wrote a copy each
+/// on their nodes, rank 2 one more on a buddy node: committed in `store_dir`, recording every
+/// holder (the files are theirs to commit). A coordinator restarted from the record answers
+/// rank 1's acknowledgement again with it.
+async fn step_10_is_committed_and_answered_again(c: &Addr<Coordinator>, store_dir: &std::path::Path) {
     // are theirs to commit).
     let written = crate::checkpoint::FileRecord {
         name: "replica".into(),
@@ -317,9 +326,12 @@ async fn in_place_a_lost_rank_rolls_the_survivors_back_and_its_replacement_rejoi
     };
     let (x, y, z) = futures::join!(ack(0), ack(1), ack(2));
     for answer in [x, y, z] {
-        answer.unwrap().expect("committed");
+        answer.expect("the coordinator answers").expect("committed");
     }
-    let record = CheckpointStore::new(store_dir.path(), 3).recorded().unwrap().unwrap();
+    let record = CheckpointStore::new(store_dir, 3)
+        .recorded()
+        .expect("the record reads")
+        .expect("a commit is recorded");
     assert_eq!(record.step, 10);
     assert_eq!(
         record.files,
@@ -338,15 +350,37 @@ async fn in_place_a_lost_rank_rolls_the_survivors_back_and_its_replacement_rejoi
         step: 10,
         files: Vec::new(),
     };
-    assert_eq!(restarted.send(again).await.unwrap(), Ok(record));
+    assert_eq!(
+        restarted.send(again).await.expect("the coordinator answers"),
+        Ok(record)
+    );
+}
+
+#[actix::test]
+async fn in_place_a_lost_rank_rolls_the_survivors_back_and_its_replacement_rejoins() {
+    let store_dir = tempfile::tempdir().expect("a temporary directory");
+    let store = CheckpointStore::new(store_dir.path(), 3);
+    let c = Coordinator::new(3, Duration::from_secs(30))
+        .with_heartbeat_deadline(Duration::from_secs(30))
+        .with_checkpoints(Some(store), None)
+        .recovering_in_place()
+        .start();
+    let (a, b, d) = futures::join!(join(&c, 0, 3), join(&c, 1, 3), join(&c, 2, 3));
+    assert!(a.is_ok() && b.is_ok() && d.is_ok());
+    for rank in 0..3 {
+        assert_eq!(beat(&c, rank, rank as u64).await, Ok(Beat::Alive));
+    }
+    step_10_is_committed_and_answered_again(&c, store_dir.path()).await;
 
     // Rank 1's line breaks: rank 0, waiting at a barrier, is told at once; rank 2 at its beat.
     let waiting = c.send(Barrier {
         rank: 0,
         name: "end".into(),
     });
-    c.send(ConnectionLost { rank: 1, line: 1 }).await.unwrap();
-    let told = waiting.await.unwrap().unwrap_err();
+    c.send(ConnectionLost { rank: 1, line: 1 })
+        .await
+        .expect("the coordinator answers");
+    let told = waiting.await.expect("the coordinator answers").unwrap_err();
     assert!(
         told.contains("rank 1 declared dead") && told.contains("generation 1 resumes from the checkpoint of step 10"),
         "{told}"
@@ -355,16 +389,21 @@ async fn in_place_a_lost_rank_rolls_the_survivors_back_and_its_replacement_rejoi
         Ok(Beat::RollBack { generation: 1, reason }) => assert_eq!(reason, told),
         other => panic!("rank 2 should roll back: {other:?}"),
     }
-    assert_eq!(c.send(ListDead).await.unwrap(), vec![DeadProcess { rank: 1, pid: 101 }]);
+    assert_eq!(
+        c.send(ListDead).await.expect("the coordinator answers"),
+        vec![DeadProcess { rank: 1, pid: 101 }]
+    );
     // A request of the old generation is refused; the replacement beats as a newcomer.
     let stale = c.send(Barrier {
         rank: 2,
         name: "x".into(),
     });
-    assert!(stale.await.unwrap().is_err());
+    assert!(stale.await.expect("the coordinator answers").is_err());
     assert_eq!(beat(&c, 1, 7).await, Ok(Beat::Alive));
     // The old line's loss after the replacement beat on a new one is no new death.
-    c.send(ConnectionLost { rank: 1, line: 1 }).await.unwrap();
+    c.send(ConnectionLost { rank: 1, line: 1 })
+        .await
+        .expect("the coordinator answers");
     let (a, b, d) = futures::join!(join(&c, 2, 3), join(&c, 0, 3), join(&c, 1, 3));
     let roster = a.expect("generation 1 formed");
     assert_eq!((roster.generation, roster.resume_step), (1, Some(10)));
@@ -416,13 +455,15 @@ async fn in_place_a_reached_rank_gets_its_order_as_a_message_not_on_a_heartbeat(
         actor: rank_0.clone().recipient(),
     })
     .await
-    .unwrap();
+    .expect("the coordinator answers");
     for rank in 0..2 {
         assert_eq!(beat(&c, rank, rank as u64).await, Ok(Beat::Alive));
     }
-    c.send(ConnectionLost { rank: 1, line: 1 }).await.unwrap();
+    c.send(ConnectionLost { rank: 1, line: 1 })
+        .await
+        .expect("the coordinator answers");
     // Sent at once, before any heartbeat; the heartbeat that follows carries nothing.
-    let orders = rank_0.send(TakenOrders).await.unwrap();
+    let orders = rank_0.send(TakenOrders).await.expect("the order taker answers");
     assert_eq!(orders.len(), 1, "{orders:?}");
     assert_eq!(orders[0].generation, 1);
     assert!(
@@ -439,8 +480,8 @@ async fn in_place_a_reached_rank_gets_its_order_as_a_message_not_on_a_heartbeat(
         actor: late.clone().recipient(),
     })
     .await
-    .unwrap();
-    assert_eq!(late.send(TakenOrders).await.unwrap(), orders);
+    .expect("the coordinator answers");
+    assert_eq!(late.send(TakenOrders).await.expect("the order taker answers"), orders);
 }
 
 #[actix::test]
@@ -449,12 +490,12 @@ async fn in_place_a_rank_joining_again_from_a_new_process_replaces_the_old_one()
         .recovering_in_place()
         .start();
     let (a, b) = futures::join!(join(&c, 0, 2), join(&c, 1, 2));
-    assert_eq!(a.unwrap().generation, 0);
-    assert_eq!(b.unwrap().generation, 0);
+    assert_eq!(a.expect("joined").generation, 0);
+    assert_eq!(b.expect("joined").generation, 0);
     // Rank 1 restarted before its old line was seen to break.
     let (rejoined, survivor) = futures::join!(join(&c, 1, 2), join(&c, 0, 2));
-    assert_eq!(rejoined.unwrap().generation, 1);
-    assert_eq!(survivor.unwrap().generation, 1);
+    assert_eq!(rejoined.expect("joined").generation, 1);
+    assert_eq!(survivor.expect("joined").generation, 1);
     // A replacement of another job's shape is refused as a mismatch, and changes nothing.
     let err = join_with(&c, 1, 3, Settings::new()).await.unwrap_err();
     assert_eq!(
@@ -506,7 +547,9 @@ async fn acknowledge(c: &Addr<Coordinator>, rank: usize, step: usize) -> Result<
 async fn elastic_a_node_not_replaced_in_time_is_dropped_and_a_late_one_is_admitted_at_the_next_checkpoint() {
     let c = elastic_job(3, elastic(2, 3, 200)).await;
     // Rank 2's node is gone for good: once the elastic timeout passes, ranks 0 and 1 go on.
-    c.send(ConnectionLost { rank: 2, line: 2 }).await.unwrap();
+    c.send(ConnectionLost { rank: 2, line: 2 })
+        .await
+        .expect("the coordinator answers");
     let started = Instant::now();
     let (a, b) = futures::join!(join(&c, 0, 3), join(&c, 1, 3));
     let shrunk = a.expect("generation 1 formed without rank 2");
@@ -528,7 +571,10 @@ async fn elastic_a_node_not_replaced_in_time_is_dropped_and_a_late_one_is_admitt
             name: "b".into()
         })
     );
-    assert_eq!((x.unwrap(), y.unwrap()), (Ok(()), Ok(())));
+    assert_eq!(
+        (x.expect("the coordinator answers"), y.expect("the coordinator answers")),
+        (Ok(()), Ok(()))
+    );
     // A node comes back: it waits for the next checkpoint, which the two commit as theirs.
     let late = c.send(Join {
         rank: 2,
@@ -558,7 +604,7 @@ async fn elastic_a_node_not_replaced_in_time_is_dropped_and_a_late_one_is_admitt
     );
     assert_eq!(grown.endpoints[2], "endpoint-2b");
     assert_eq!(b, Ok(grown.clone()));
-    assert_eq!(late.unwrap(), Ok(grown));
+    assert_eq!(late.expect("the coordinator answers"), Ok(grown));
 }
 
 #[actix::test]
@@ -570,11 +616,15 @@ async fn elastic_a_node_whose_ranks_are_found_dead_one_by_one_is_dropped_once() 
     let c = elastic_job(4, per_node_2).await;
     // Rank 2 is found dead and rank 0 rejoins at once; then rank 3, and rank 1 rejoins: the
     // generation that replaced the first still forms, with the first node alone.
-    c.send(ConnectionLost { rank: 2, line: 2 }).await.unwrap();
+    c.send(ConnectionLost { rank: 2, line: 2 })
+        .await
+        .expect("the coordinator answers");
     let first = join(&c, 0, 4);
     let second = async {
         tokio::time::sleep(Duration::from_millis(50)).await;
-        c.send(ConnectionLost { rank: 3, line: 3 }).await.unwrap();
+        c.send(ConnectionLost { rank: 3, line: 3 })
+            .await
+            .expect("the coordinator answers");
         join(&c, 1, 4).await
     };
     let (a, b) = futures::join!(first, second);
@@ -616,7 +666,10 @@ async fn elastic_a_restarted_coordinator_counts_the_members_its_ranks_announce()
             }),
             line: rank as u64,
         };
-        assert_eq!(restarted.send(beat).await.unwrap(), Ok(Beat::Alive));
+        assert_eq!(
+            restarted.send(beat).await.expect("the coordinator answers"),
+            Ok(Beat::Alive)
+        );
     }
     let record = futures::join!(acknowledge(&restarted, 0, 10), acknowledge(&restarted, 1, 10));
     for answer in [record.0, record.1] {
@@ -627,8 +680,12 @@ async fn elastic_a_restarted_coordinator_counts_the_members_its_ranks_announce()
 #[actix::test]
 async fn elastic_fewer_nodes_than_the_minimum_stop_the_job_saying_so() {
     let c = elastic_job(3, elastic(2, 3, 100)).await;
-    c.send(ConnectionLost { rank: 1, line: 1 }).await.unwrap();
-    c.send(ConnectionLost { rank: 2, line: 2 }).await.unwrap();
+    c.send(ConnectionLost { rank: 1, line: 1 })
+        .await
+        .expect("the coordinator answers");
+    c.send(ConnectionLost { rank: 2, line: 2 })
+        .await
+        .expect("the coordinator answers");
     let err = join(&c, 0, 3).await.unwrap_err();
     assert!(
         err.contains("1 whole node(s) joined generation")

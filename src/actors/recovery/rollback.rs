@@ -25,7 +25,6 @@ const ASK_EVERY: Duration = Duration::from_millis(20);
 /// The heartbeat side: where the orders it hears go (to the rank's actor).
 #[derive(Clone)]
 pub struct OrderLine {
-    ring: RingBreaker,
     actor: ActorSlot,
     inbox: OrderInbox,
     member_of: MemberOf,
@@ -81,13 +80,12 @@ pub fn order_line(grace: Duration) -> (OrderLine, Orders) {
     let (tx, rx) = watch::channel(None);
     let member_of = MemberOf::default();
     let asked = Arc::new(Notify::new());
-    let (ring, actor) = (RingBreaker::default(), ActorSlot::default());
+    let actor = ActorSlot::default();
     let inbox = OrderInbox {
-        ring: ring.clone(),
+        ring: RingBreaker::default(),
         orders: Arc::new(tx),
     };
     let line = OrderLine {
-        ring,
         actor: actor.clone(),
         inbox: inbox.clone(),
         member_of: member_of.clone(),
@@ -131,7 +129,7 @@ impl OrderLine {
 
     /// Where the rank's ring hands its sockets.
     pub fn breaker(&self) -> RingBreaker {
-        self.ring.clone()
+        self.inbox.ring.clone()
     }
 }
 
