@@ -9,8 +9,8 @@ use std::time::Duration;
 use actix::Actor;
 use flotilla::actors::Coordinator;
 use flotilla::net::auth::{self, ClusterToken, Credentials};
-use flotilla::net::protocol::{Beat, Roster};
-use flotilla::net::{server, ControlBus, ControlMessage, Frame};
+use flotilla::net::protocol::{Answer, Beat, Join, Request};
+use flotilla::net::{server, ControlBus, Frame};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 
@@ -64,13 +64,13 @@ fn framed(body: &[u8]) -> Vec<u8> {
 #[actix::test]
 async fn bad_frames_close_only_their_connection() {
     let addr = start_coordinator(1).await;
-    let join = Frame::control(ControlMessage::Join {
+    let join = Frame::control(Request::Join(Join {
         rank: 0,
         world_size: 1,
         data_endpoint: "127.0.0.1:9".into(),
         mirror: None,
         settings: Default::default(),
-    })
+    }))
     .encode()
     .expect("encode");
     // A well-formed frame from a client that skipped the handshake: dropped unread.
@@ -87,18 +87,9 @@ async fn bad_frames_close_only_their_connection() {
     closes_after(&addr, Some(TOKEN), &(1u32 << 30).to_be_bytes()).await;
     // A header length larger than the frame.
     closes_after(&addr, Some(TOKEN), &framed(&[200, 0, 0, 0, 1, 2])).await;
-    // A well-formed frame carrying a message the coordinator never accepts.
-    let roster = Frame::control(ControlMessage::Roster(Box::new(Roster {
-        members: vec![],
-        endpoints: vec![],
-        mirrors: vec![],
-        generation: 0,
-        resume_step: None,
-        record: None,
-    })))
-    .encode()
-    .expect("encode");
-    closes_after(&addr, Some(TOKEN), &framed(&roster)).await;
+    // A well-formed frame carrying an answer, which no request decodes as.
+    let answer = Frame::control(Answer::Clock { unix_us: 1.0 }).encode().expect("encode");
+    closes_after(&addr, Some(TOKEN), &framed(&answer)).await;
 
     let mut bus = ControlBus::connect(&addr, Duration::from_secs(5), CAP, &credentials(TOKEN))
         .await

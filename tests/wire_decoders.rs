@@ -12,8 +12,10 @@ use bytes::Bytes;
 use flotilla::actors::stage::StageOutcome;
 use flotilla::checkpoint::FileRecord;
 use flotilla::net::auth::{accept_on, connect_on, ClusterToken, Credentials};
-use flotilla::net::protocol::{Beat, DeadProcess, Membership, Roster};
-use flotilla::net::{ControlMessage, Frame};
+use flotilla::net::protocol::{
+    Answer, Beat, DeadProcess, Heartbeat, Join, Membership, Request as ControlRequest, Roster,
+};
+use flotilla::net::Frame;
 use flotilla::ps::wire::{
     read_reply, read_request, write_reply, write_request, Part, PullRequest, PulledRows, PushRequest, Reply, Request,
     ShardCall, UpdateKind,
@@ -52,69 +54,85 @@ fn decode_with_every_decoder(body: &[u8]) {
     let _ = decode_request(body);
     let _ = decode_reply(body);
     let body = Bytes::copy_from_slice(body);
-    let _ = Frame::<ControlMessage>::decode(body.clone());
+    let _ = Frame::<ControlRequest>::decode(body.clone());
+    let _ = Frame::<Answer>::decode(body.clone());
     let _ = StageOutcome::from_bytes(body);
 }
 
-fn control_frames() -> Vec<Frame> {
+fn control_requests() -> Vec<Frame<ControlRequest>> {
     vec![
-        Frame::control(ControlMessage::Join {
+        Frame::control(ControlRequest::Join(Join {
             rank: 3,
             world_size: 4,
             data_endpoint: "127.0.0.1:6174".into(),
             mirror: Some("127.0.0.1:41000".into()),
             settings: [("train.lr".to_string(), "0.05".to_string())].into(),
-        }),
-        Frame::control(ControlMessage::Mismatched {
-            reason: "train.lr = 0.1, the job has 0.05".into(),
-        }),
-        Frame::control(ControlMessage::Gathered {
-            name: "stage outcomes".into(),
-            lengths: vec![3, 0, 5],
-        }),
+        })),
         Frame {
-            header: ControlMessage::Gather {
+            header: ControlRequest::Gather {
                 rank: 1,
                 name: "checkpoint of step 40".into(),
             },
             payload: Bytes::from_static(b"a part of some bytes"),
         },
-        Frame::control(ControlMessage::Heartbeat {
+        Frame::control(ControlRequest::Heartbeat(Heartbeat {
             rank: 2,
             pid: 4321,
             member_of: Some(Membership {
                 generation: 3,
                 members: vec![0, 2],
             }),
+        })),
+        Frame::control(ControlRequest::Acknowledge {
+            rank: 2,
+            step: 40,
+            files: vec![held_file()],
+        }),
+    ]
+}
+
+fn held_file() -> flotilla::checkpoint::HeldFile {
+    flotilla::checkpoint::HeldFile {
+        record: FileRecord {
+            name: "rank-0.safetensors".into(),
+            bytes: 1024,
+            crc32c: 0x1234_5678,
+        },
+        nodes: vec!["10.0.0.1".into(), "10.0.0.2".into()],
+    }
+}
+
+fn control_answers() -> Vec<Frame<Answer>> {
+    let record = flotilla::checkpoint::CommitRecord {
+        step: 40,
+        world_size: 2,
+        files: vec![held_file()],
+    };
+    vec![
+        Frame::control(Answer::Mismatched {
+            reason: "train.lr = 0.1, the job has 0.05".into(),
         }),
         Frame {
-            header: ControlMessage::Acknowledge { rank: 2, step: 40 },
-            payload: Bytes::from_static(b"[]"),
+            header: Answer::Gathered {
+                name: "stage outcomes".into(),
+                lengths: vec![3, 0, 5],
+            },
+            payload: Bytes::from_static(b"abcdefgh"),
         },
-        Frame::control(ControlMessage::Alive(Beat::RollBack {
+        Frame::control(Answer::Alive(Beat::RollBack {
             generation: 3,
             reason: "rank 1 declared dead".into(),
         })),
-        Frame::control(ControlMessage::Roster(Box::new(Roster {
+        Frame::control(Answer::Roster(Box::new(Roster {
             members: vec![0, 1],
             endpoints: vec!["127.0.0.1:6171".into(), "127.0.0.1:6172".into()],
             mirrors: vec![None, Some("127.0.0.1:41001".into())],
             generation: 3,
             resume_step: Some(40),
-            record: Some(flotilla::checkpoint::CommitRecord {
-                step: 40,
-                world_size: 2,
-                files: vec![flotilla::checkpoint::HeldFile {
-                    record: flotilla::checkpoint::FileRecord {
-                        name: "rank-0.safetensors".into(),
-                        bytes: 1024,
-                        crc32c: 0x1234_5678,
-                    },
-                    nodes: vec!["10.0.0.1".into(), "10.0.0.2".into()],
-                }],
-            }),
+            record: Some(record.clone()),
         }))),
-        Frame::control(ControlMessage::Dead {
+        Frame::control(Answer::Committed(record)),
+        Frame::control(Answer::Dead {
             processes: vec![DeadProcess { rank: 1, pid: 77 }],
         }),
     ]
@@ -202,7 +220,11 @@ fn stage_outcome() -> StageOutcome {
 
 /// Every valid encoding the decoders are tested from.
 fn valid_encodings() -> Vec<Bytes> {
-    let mut all: Vec<Bytes> = control_frames().iter().map(|f| f.encode().expect("encodes")).collect();
+    let mut all: Vec<Bytes> = control_requests()
+        .iter()
+        .map(|f| f.encode().expect("encodes"))
+        .collect();
+    all.extend(control_answers().iter().map(|f| f.encode().expect("encodes")));
     all.extend(
         requests()
             .into_iter()
@@ -310,8 +332,12 @@ proptest! {
 
 #[test]
 fn valid_encodings_decode_to_what_was_encoded() {
-    for frame in control_frames() {
-        let decoded = Frame::<ControlMessage>::decode(frame.encode().expect("encodes")).expect("decodes");
+    for frame in control_requests() {
+        let decoded = Frame::<ControlRequest>::decode(frame.encode().expect("encodes")).expect("decodes");
+        assert_eq!(decoded, frame);
+    }
+    for frame in control_answers() {
+        let decoded = Frame::<Answer>::decode(frame.encode().expect("encodes")).expect("decodes");
         assert_eq!(decoded, frame);
     }
     for (generation, request) in requests().into_iter().enumerate() {

@@ -10,10 +10,10 @@ use tokio::net::TcpStream;
 use tokio_util::codec::{Framed, LengthDelimitedCodec};
 
 use super::auth::{self, Credentials};
-use super::frame::{codec, ControlMessage, Frame};
+use super::frame::{codec, Frame};
 use super::protocol::{
-    Acknowledge, Barrier, Beat, CoordinatorLine, DeadProcess, Gather, Heartbeat, Join, JoinRefused, Leave, ListDead,
-    Membership, Mismatch, Roster, Settings,
+    Answer, Beat, Call, CoordinatorLine, DeadProcess, Heartbeat, Join, Membership, Mismatch, Reply, Request, Roster,
+    Settings,
 };
 use crate::checkpoint::{CommitRecord, HeldFile};
 use crate::telemetry::clock::{self, ClockSample};
@@ -35,7 +35,7 @@ pub enum ControlBus {
     /// Another process: frames over TCP.
     Tcp {
         /// The framed connection.
-        connection: Framed<TcpStream, LengthDelimitedCodec>,
+        connection: Box<Framed<TcpStream, LengthDelimitedCodec>>,
         /// The coordinator's `ip:port`, for errors.
         master: String,
         /// How long one request may take, beyond the coordinator's own
@@ -93,7 +93,7 @@ impl ControlBus {
         };
         stream.set_nodelay(true)?;
         Ok(Self::Tcp {
-            connection: Framed::new(stream, codec(max_frame_bytes)),
+            connection: Box::new(Framed::new(stream, codec(max_frame_bytes))),
             master: master.to_string(),
             timeout,
             credentials: credentials.clone(),
@@ -113,38 +113,17 @@ impl ControlBus {
         mirror: Option<String>,
         settings: Settings,
     ) -> Result<Roster> {
-        match self {
-            Self::InMemory(coordinator) => match coordinator
-                .join
-                .send(Join {
-                    rank,
-                    world_size,
-                    data_endpoint,
-                    mirror,
-                    settings,
-                })
-                .await
-                .context("the coordinator stopped")?
-            {
-                Ok(roster) => Ok(roster),
-                Err(JoinRefused::Mismatch(reason)) => Err(anyhow!(Mismatch(reason)).context(format!("rank {rank}"))),
-                Err(JoinRefused::Failed(reason)) => Err(anyhow!("rank {rank}: {reason}")),
-            },
-            Self::Tcp { .. } => match self
-                .request(Frame::control(ControlMessage::Join {
-                    rank,
-                    world_size,
-                    data_endpoint,
-                    mirror,
-                    settings,
-                }))
-                .await?
-                .header
-            {
-                ControlMessage::Roster(roster) => Ok(*roster),
-                ControlMessage::Mismatched { reason } => Err(anyhow!(Mismatch(reason)).context(format!("rank {rank}"))),
-                other => Err(self.unexpected(rank, other)),
-            },
+        let join = Join {
+            rank,
+            world_size,
+            data_endpoint,
+            mirror,
+            settings,
+        };
+        match self.ask(Request::Join(join), None).await? {
+            Answer::Roster(roster) => Ok(*roster),
+            Answer::Mismatched { reason } => Err(anyhow!(Mismatch(reason)).context(format!("rank {rank}"))),
+            other => Err(unexpected(rank, other)),
         }
     }
 
@@ -183,27 +162,10 @@ impl ControlBus {
 
     /// Waits until every rank has reached barrier `name`.
     pub async fn barrier(&mut self, rank: usize, name: &str) -> Result<()> {
-        match self {
-            Self::InMemory(coordinator) => coordinator
-                .barrier
-                .send(Barrier {
-                    rank,
-                    name: name.to_string(),
-                })
-                .await
-                .context("the coordinator stopped")?
-                .map_err(|reason| anyhow!("rank {rank}: {reason}")),
-            Self::Tcp { .. } => match self
-                .request(Frame::control(ControlMessage::Barrier {
-                    rank,
-                    name: name.to_string(),
-                }))
-                .await?
-                .header
-            {
-                ControlMessage::Released { .. } => Ok(()),
-                other => Err(self.unexpected(rank, other)),
-            },
+        let name = name.to_string();
+        match self.ask(Request::Barrier { rank, name }, None).await? {
+            Answer::Released { .. } => Ok(()),
+            other => Err(unexpected(rank, other)),
         }
     }
 
@@ -213,17 +175,7 @@ impl ControlBus {
     /// `cluster.max_frame_mb` (a pipeline stage's final parameters can be larger).
     pub async fn gather(&mut self, rank: usize, name: &str, part: Bytes) -> Result<Vec<Bytes>> {
         match self {
-            Self::InMemory(coordinator) => coordinator
-                .gather
-                .send(Gather {
-                    rank,
-                    name: name.to_string(),
-                    part,
-                })
-                .await
-                .context("the coordinator stopped")?
-                .map(|parts| if rank == 0 { parts } else { Vec::new() })
-                .map_err(|reason| anyhow!("rank {rank}: {reason}")),
+            Self::InMemory(_) => Ok(self.gather_round(rank, name, part).await?.1),
             Self::Tcp { .. } => self.gather_in_pieces(rank, name, part).await,
         }
     }
@@ -267,23 +219,16 @@ impl ControlBus {
         })
     }
 
-    /// One round of a gather over TCP: every rank's part length, and (to rank 0) the parts.
+    /// One round of a gather: every rank's part length, and (to rank 0) the parts.
     async fn gather_round(&mut self, rank: usize, name: &str, part: Bytes) -> Result<(Vec<u64>, Vec<Bytes>)> {
-        let request = Frame {
-            header: ControlMessage::Gather {
-                rank,
-                name: name.to_string(),
-            },
-            payload: part,
+        let gather = Request::Gather {
+            rank,
+            name: name.to_string(),
         };
-        let answer = self.request(request).await?;
-        match answer.header {
-            ControlMessage::Gathered { lengths, .. } if rank == 0 => {
-                let parts = split_parts(rank, answer.payload, &lengths)?;
-                Ok((lengths, parts))
-            }
-            ControlMessage::Gathered { lengths, .. } => Ok((lengths, Vec::new())),
-            other => Err(self.unexpected(rank, other)),
+        let reply = self.call(gather, part, None).await?;
+        match reply.answer {
+            Answer::Gathered { lengths, .. } => Ok((lengths, reply.parts)),
+            other => Err(unexpected(rank, other)),
         }
     }
 
@@ -291,26 +236,9 @@ impl ControlBus {
     /// waits until the coordinator has committed it (every rank acknowledged); answers its
     /// record of the checkpoint's files and the nodes holding them.
     pub async fn acknowledge(&mut self, rank: usize, step: usize, files: Vec<HeldFile>) -> Result<CommitRecord> {
-        match self {
-            Self::InMemory(coordinator) => coordinator
-                .acknowledge
-                .send(Acknowledge { rank, step, files })
-                .await
-                .context("the coordinator stopped")?
-                .map_err(|reason| anyhow!("rank {rank}: {reason}")),
-            Self::Tcp { .. } => {
-                let request = Frame {
-                    header: ControlMessage::Acknowledge { rank, step },
-                    payload: Bytes::from(serde_json::to_vec(&files)?),
-                };
-                let answer = self.request(request).await?;
-                match answer.header {
-                    ControlMessage::Committed { step: committed } if committed == step => {
-                        serde_json::from_slice(&answer.payload).context("the coordinator's record of the commit")
-                    }
-                    other => Err(self.unexpected(rank, other)),
-                }
-            }
+        match self.ask(Request::Acknowledge { rank, step, files }, None).await? {
+            Answer::Committed(record) if record.step == step => Ok(record),
+            other => Err(unexpected(rank, other)),
         }
     }
 
@@ -325,75 +253,31 @@ impl ControlBus {
         member_of: Option<Membership>,
         limit: Duration,
     ) -> Result<Result<Beat, String>> {
-        if let Self::InMemory(coordinator) = self {
-            return coordinator
-                .heartbeat
-                .send(Heartbeat {
-                    rank,
-                    pid: coordinator.process,
-                    member_of,
-                    line: u64::from(coordinator.process),
-                })
-                .await
-                .context("the coordinator stopped");
-        }
-        match self
-            .request_within(
-                Frame::control(ControlMessage::Heartbeat {
-                    rank,
-                    pid: std::process::id(),
-                    member_of,
-                }),
-                limit,
-            )
-            .await?
-            .header
-        {
-            ControlMessage::Alive(beat) => Ok(Ok(beat)),
-            ControlMessage::Refused { reason } => Ok(Err(reason)),
-            other => Err(self.unexpected(rank, other)),
+        let beat = Heartbeat {
+            rank,
+            pid: self.process(),
+            member_of,
+        };
+        match self.ask(Request::Heartbeat(beat), Some(limit)).await? {
+            Answer::Alive(beat) => Ok(Ok(beat)),
+            Answer::Refused { reason } => Ok(Err(reason)),
+            other => Err(unexpected(rank, other)),
         }
     }
 
     /// The processes the coordinator declared dead, newest last (a launcher's question).
     pub async fn list_dead(&mut self, limit: Duration) -> Result<Vec<DeadProcess>> {
-        if let Self::InMemory(coordinator) = self {
-            return coordinator
-                .list_dead
-                .send(ListDead)
-                .await
-                .context("the coordinator stopped");
-        }
-        match self
-            .request_within(Frame::control(ControlMessage::ListDead), limit)
-            .await?
-            .header
-        {
-            ControlMessage::Dead { processes } => Ok(processes),
-            other => Err(self.unexpected(0, other)),
+        match self.ask(Request::ListDead, Some(limit)).await? {
+            Answer::Dead { processes } => Ok(processes),
+            other => Err(unexpected(0, other)),
         }
     }
 
     /// Tells the coordinator `rank` has finished, so its silence is not a death.
     pub async fn leave(&mut self, rank: usize, limit: Duration) -> Result<()> {
-        if let Self::InMemory(coordinator) = self {
-            return coordinator
-                .leave
-                .send(Leave {
-                    rank,
-                    line: u64::from(coordinator.process),
-                })
-                .await
-                .context("the coordinator stopped")?
-                .map_err(|reason| anyhow!("rank {rank}: {reason}"));
-        }
-        match self
-            .request_within(Frame::control(ControlMessage::Leave { rank }), limit)
-            .await?
-            .header
-        {
-            ControlMessage::Alive(_) => Ok(()),
-            other => Err(self.unexpected(rank, other)),
+        match self.ask(Request::Leave { rank }, Some(limit)).await? {
+            Answer::Alive(_) => Ok(()),
+            other => Err(unexpected(rank, other)),
         }
     }
 
@@ -407,41 +291,69 @@ impl ControlBus {
         let mut samples = Vec::with_capacity(CLOCK_PROBES);
         for _ in 0..CLOCK_PROBES {
             let sent = clock::unix_now_us();
-            let answer = self.request(Frame::control(ControlMessage::ClockProbe)).await?;
+            let answer = self.ask(Request::ClockProbe, None).await?;
             let received = clock::unix_now_us();
-            match answer.header {
-                ControlMessage::Clock { unix_us } => samples.push(ClockSample {
+            match answer {
+                Answer::Clock { unix_us } => samples.push(ClockSample {
                     sent,
                     remote: unix_us,
                     received,
                 }),
-                other => return Err(self.unexpected(0, other)),
+                other => return Err(unexpected(0, other)),
             }
         }
         Ok(clock::offset_us(&samples))
     }
 
-    fn unexpected(&self, rank: usize, answer: ControlMessage) -> anyhow::Error {
-        match answer {
-            ControlMessage::Refused { reason } => anyhow!("rank {rank}: {reason}"),
-            other => anyhow!("rank {rank}: unexpected answer from the coordinator: {other:?}"),
+    /// The process this bus speaks for: this one, or the incarnation of a simulated role.
+    fn process(&self) -> u32 {
+        match self {
+            Self::InMemory(coordinator) => coordinator.process,
+            Self::Tcp { .. } => std::process::id(),
         }
     }
 
-    /// Sends `message` and waits for the answer; the coordinator answers within its own
-    /// deadline, so past that plus a grace period it is presumed dead.
-    async fn request(&mut self, message: Frame) -> Result<Frame> {
+    /// The coordinator's answer to `request`, which hands nothing over.
+    async fn ask(&mut self, request: Request, limit: Option<Duration>) -> Result<Answer> {
+        Ok(self.call(request, Bytes::new(), limit).await?.answer)
+    }
+
+    /// The coordinator's reply to `request` handing over `part`: an actor message in one process,
+    /// a frame over TCP (waiting at most `limit`, or the coordinator's own deadline and a grace
+    /// period, past which it is presumed dead). In memory the line is the incarnation's.
+    async fn call(&mut self, request: Request, part: Bytes, limit: Option<Duration>) -> Result<Reply> {
         let limit = match self {
-            Self::Tcp { timeout, .. } => *timeout + Duration::from_secs(5),
-            Self::InMemory(_) => Duration::ZERO,
+            Self::InMemory(coordinator) => {
+                let line = u64::from(coordinator.process);
+                let call = Call { request, part, line };
+                return coordinator.call.send(call).await.context("the coordinator stopped");
+            }
+            Self::Tcp { timeout, .. } => limit.unwrap_or(*timeout + Duration::from_secs(5)),
         };
-        self.request_within(message, limit).await
+        let receives_parts = request.receives_parts();
+        let answer = self
+            .request_within(
+                Frame {
+                    header: request,
+                    payload: part,
+                },
+                limit,
+            )
+            .await?;
+        let parts = match &answer.header {
+            Answer::Gathered { lengths, .. } if receives_parts => split_parts(answer.payload, lengths)?,
+            _ => Vec::new(),
+        };
+        Ok(Reply {
+            answer: answer.header,
+            parts,
+        })
     }
 
     /// Sends `message` and waits at most `limit` for the answer. A line that broke (the
     /// coordinator's process was restarted) is connected again, within `limit`, and the message
     /// sent once more: every request is one the coordinator may hear twice.
-    async fn request_within(&mut self, message: Frame, limit: Duration) -> Result<Frame> {
+    async fn request_within(&mut self, message: Frame<Request>, limit: Duration) -> Result<Frame<Answer>> {
         let Self::Tcp {
             connection,
             master,
@@ -517,7 +429,7 @@ async fn exchange(
     encoded: Bytes,
     limit: Duration,
     master: &str,
-) -> Result<Frame, Exchange> {
+) -> Result<Frame<Answer>, Exchange> {
     connection
         .send(encoded)
         .await
@@ -537,12 +449,21 @@ async fn exchange(
     Frame::decode(answer.freeze()).map_err(Exchange::Failed)
 }
 
+/// The error for an answer that is not the one asked for: the coordinator's refusal, or a
+/// message out of place.
+fn unexpected(rank: usize, answer: Answer) -> anyhow::Error {
+    match answer {
+        Answer::Refused { reason } => anyhow!("rank {rank}: {reason}"),
+        other => anyhow!("rank {rank}: unexpected answer from the coordinator: {other:?}"),
+    }
+}
+
 /// A gather's answer payload cut into the parts its header lists.
-fn split_parts(rank: usize, mut payload: Bytes, lengths: &[u64]) -> Result<Vec<Bytes>> {
+fn split_parts(mut payload: Bytes, lengths: &[u64]) -> Result<Vec<Bytes>> {
     let total = lengths.iter().try_fold(0u64, |sum, &n| sum.checked_add(n));
     ensure!(
         total == Some(payload.len() as u64),
-        "rank {rank}: the coordinator's gather lists parts that do not fill its {} bytes",
+        "the coordinator's gather lists parts that do not fill its {} bytes",
         payload.len()
     );
     Ok(lengths.iter().map(|&n| payload.split_to(n as usize)).collect())
@@ -614,13 +535,13 @@ mod tests {
             let mut framed = Framed::new(stream, codec(1 << 20));
             framed.next().await.context("the first request")??;
             tokio::time::sleep(Duration::from_millis(200)).await;
-            let late = ControlMessage::Refused {
+            let late = Answer::Refused {
                 reason: "the late answer".into(),
             };
             framed.send(Frame::control(late).encode()?).await?;
             framed.next().await.context("the second request")??;
             framed
-                .send(Frame::control(ControlMessage::Dead { processes: Vec::new() }).encode()?)
+                .send(Frame::control(Answer::Dead { processes: Vec::new() }).encode()?)
                 .await?;
             anyhow::Ok(())
         });

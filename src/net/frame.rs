@@ -7,147 +7,14 @@
 use anyhow::{bail, ensure, Context, Result};
 use bytes::{BufMut, Bytes, BytesMut};
 use serde::de::DeserializeOwned;
-use serde::{Deserialize, Serialize};
+use serde::Serialize;
 use tokio_util::codec::LengthDelimitedCodec;
 
-use super::protocol::{Beat, DeadProcess, Membership, Roster, Settings};
-
-/// Messages of the control plane.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub enum ControlMessage {
-    /// A trainer announces itself at rendezvous, with the endpoint its ring
-    /// listener is bound to.
-    Join {
-        /// The rank the launcher gave it.
-        rank: usize,
-        /// The world size it was configured with, checked against the
-        /// coordinator's.
-        world_size: usize,
-        /// `ip:port` of its data-plane listener.
-        data_endpoint: String,
-        /// `ip:port` of its checkpoint mirror, if it serves one.
-        mirror: Option<String>,
-        /// The settings it was started with, by dotted key (no secret among them).
-        settings: Settings,
-    },
-    /// A join was refused: the rank was started for another job (the reason names the
-    /// difference), so no restart of it can help.
-    Mismatched {
-        /// What differs.
-        reason: String,
-    },
-    /// Rendezvous complete: every rank's data endpoint, the generation, the step to resume at.
-    Roster(Box<Roster>),
-    /// A request was refused or failed; the reason names what went wrong.
-    Refused {
-        /// Human-readable cause.
-        reason: String,
-    },
-    /// A rank waits at the barrier `name`.
-    Barrier {
-        /// Who is waiting.
-        rank: usize,
-        /// Which barrier.
-        name: String,
-    },
-    /// Everyone reached barrier `name`.
-    Released {
-        /// Which barrier.
-        name: String,
-    },
-    /// A rank hands rank 0 its part of gather `name`: the frame's payload.
-    Gather {
-        /// Who hands it.
-        rank: usize,
-        /// Which gather.
-        name: String,
-    },
-    /// Everyone reached gather `name`; to rank 0 the payload is every rank's part, by rank,
-    /// back to back (to the others it is empty).
-    Gathered {
-        /// Which gather.
-        name: String,
-        /// Bytes of each rank's part, by rank (to every rank: how a gather in pieces knows
-        /// when every rank has sent its last).
-        lengths: Vec<u64>,
-    },
-    /// A rank wrote its files of step `step`'s checkpoint (the payload: their records, JSON)
-    /// and waits for the commit.
-    Acknowledge {
-        /// Who acknowledges.
-        rank: usize,
-        /// The checkpoint's step.
-        step: usize,
-    },
-    /// Every rank acknowledged step `step`'s checkpoint and the coordinator committed it (the
-    /// payload: its record of which node holds which file, JSON).
-    Committed {
-        /// The checkpoint's step.
-        step: usize,
-    },
-    /// A rank is alive; sent every `fault_tolerance.heartbeat_interval_ms` on a connection of
-    /// its own. Answered by [`ControlMessage::Alive`], or refused once the job is aborted.
-    Heartbeat {
-        /// Who is alive.
-        rank: usize,
-        /// Its process id on its node.
-        pid: u32,
-        /// The generation it last joined, and its members (none before its first roster).
-        member_of: Option<Membership>,
-    },
-    /// A launcher asks which processes the coordinator declared dead.
-    ListDead,
-    /// The processes declared dead, newest last.
-    Dead {
-        /// Rank and process id of each.
-        processes: Vec<DeadProcess>,
-    },
-    /// The coordinator heard the heartbeat (or the farewell): go on, or roll back.
-    Alive(Beat),
-    /// A rank has finished and stops heartbeating: its silence is no longer a death.
-    Leave {
-        /// Who leaves.
-        rank: usize,
-    },
-    /// What time is it at the coordinator? Asked a few times at start by roles that record a
-    /// timeline, to put every process's spans on the coordinator's clock.
-    ClockProbe,
-    /// The coordinator's wall clock when it answered a [`ControlMessage::ClockProbe`].
-    Clock {
-        /// Microseconds since the Unix epoch.
-        unix_us: f64,
-    },
-}
-
-impl ControlMessage {
-    /// The rank a role's request speaks for; `None` for the coordinator's answers and probes.
-    pub fn rank(&self) -> Option<usize> {
-        match self {
-            Self::Join { rank, .. }
-            | Self::Barrier { rank, .. }
-            | Self::Gather { rank, .. }
-            | Self::Acknowledge { rank, .. }
-            | Self::Heartbeat { rank, .. }
-            | Self::Leave { rank } => Some(*rank),
-            Self::Roster(_)
-            | Self::Refused { .. }
-            | Self::Released { .. }
-            | Self::Gathered { .. }
-            | Self::Committed { .. }
-            | Self::Mismatched { .. }
-            | Self::ListDead
-            | Self::Dead { .. }
-            | Self::Alive(_)
-            | Self::ClockProbe
-            | Self::Clock { .. } => None,
-        }
-    }
-}
-
-/// One frame: a header and its payload. The control plane's headers are [`ControlMessage`]s;
-/// other protocols (the parameter servers') bring their own header type.
+/// One frame: a header and its payload. The coordinator's protocol has its
+/// [`Request`](super::protocol::Request)s and [`Answer`](super::protocol::Answer)s as headers;
+/// other protocols bring their own header type.
 #[derive(Debug, Clone, PartialEq)]
-pub struct Frame<H = ControlMessage> {
+pub struct Frame<H> {
     /// The typed message.
     pub header: H,
     /// Raw little-endian tensor bytes (empty for pure control messages).
@@ -223,19 +90,20 @@ pub fn codec(max_frame_bytes: usize) -> LengthDelimitedCodec {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::net::protocol::{Join, Request};
     use bytes::Buf;
     use tokio_util::codec::{Decoder, Encoder};
 
     #[test]
     fn round_trip_with_payload() -> anyhow::Result<()> {
         let frame = Frame {
-            header: ControlMessage::Join {
+            header: Request::Join(Join {
                 rank: 3,
                 world_size: 4,
                 data_endpoint: "127.0.0.1:9".into(),
                 mirror: Some("127.0.0.1:10".into()),
                 settings: [("train.lr".to_string(), "0.05".to_string())].into(),
-            },
+            }),
             payload: Bytes::from_static(&[1, 2, 3, 4]),
         };
         assert_eq!(Frame::decode(frame.encode()?)?, frame);
@@ -244,9 +112,9 @@ mod tests {
 
     #[test]
     fn malformed_frames_are_errors_not_panics() {
-        assert!(Frame::<ControlMessage>::decode(Bytes::from_static(&[1])).is_err());
-        assert!(Frame::<ControlMessage>::decode(Bytes::from_static(&[255, 255, 255, 255, 0])).is_err());
-        assert!(Frame::<ControlMessage>::decode(Bytes::from_static(&[2, 0, 0, 0, 200, 200])).is_err());
+        assert!(Frame::<Request>::decode(Bytes::from_static(&[1])).is_err());
+        assert!(Frame::<Request>::decode(Bytes::from_static(&[255, 255, 255, 255, 0])).is_err());
+        assert!(Frame::<Request>::decode(Bytes::from_static(&[2, 0, 0, 0, 200, 200])).is_err());
     }
 
     #[test]

@@ -1,9 +1,10 @@
 //! Transport of the control plane: framed messages between roles.
 //!
-//! - [`frame`]: a frame is a postcard-encoded [`ControlMessage`] header
-//!   followed by raw little-endian tensor bytes, inside a length-delimited
-//!   TCP frame whose size is capped.
-//! - [`protocol`]: the coordinator's protocol as actor messages, and the
+//! - [`frame`]: a frame is a postcard-encoded header followed by raw
+//!   little-endian tensor bytes, inside a length-delimited TCP frame whose
+//!   size is capped.
+//! - [`protocol`]: the coordinator's protocol, one request enum and one
+//!   answer enum (the actor's message and the frames' headers alike), and the
 //!   [`CoordinatorLine`] the transports deliver them through.
 //! - [`bus`]: the one interface roles talk to the coordinator through, in
 //!   memory (actor messages) or over TCP (frames).
@@ -27,5 +28,5 @@ pub mod server;
 pub mod tcp_store;
 
 pub use bus::ControlBus;
-pub use frame::{ControlMessage, Frame};
+pub use frame::Frame;
 pub use protocol::CoordinatorLine;

@@ -1,7 +1,8 @@
-//! The coordinator's protocol as actor messages: what a role asks of the coordinator, the same
-//! whether the role shares its process (the messages themselves) or reaches it over TCP (frames
-//! that the coordinator's server turns into these messages). The transports address the
-//! coordinator through a [`CoordinatorLine`], so they need not know the actor behind it.
+//! The coordinator's protocol: one [`Request`] enum and one [`Answer`] enum, the same values
+//! whether the role shares the coordinator's process (a [`Call`] to its actor) or reaches it
+//! over TCP (the headers of frames, which the coordinator's server decodes and hands to the
+//! actor as the same [`Call`]). The transports address the coordinator through a
+//! [`CoordinatorLine`], so they need not know the actor behind it.
 
 use actix::dev::ToEnvelope;
 use actix::prelude::*;
@@ -10,10 +11,168 @@ use serde::{Deserialize, Serialize};
 
 use crate::checkpoint::{CommitRecord, HeldFile};
 
+/// What a role asks of the coordinator: the header of a frame on the wire and, inside a
+/// [`Call`], the coordinator actor's message — one value in both places, so the server only
+/// decodes, sends and encodes. Answered by an [`Answer`].
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub enum Request {
+    /// A rank joins the job: at the start, and again after every rollback.
+    Join(Join),
+    /// A rank waits until every rank has reached barrier `name`; answered by
+    /// [`Answer::Released`].
+    Barrier {
+        /// The waiting rank.
+        rank: usize,
+        /// The barrier's name; the same name must be used by all ranks.
+        name: String,
+    },
+    /// A rank hands rank 0 its part of gather `name` (the call's part: the frame's payload) and
+    /// waits until every rank has handed its own; answered by [`Answer::Gathered`].
+    Gather {
+        /// The arriving rank.
+        rank: usize,
+        /// The gather's name; the same name must be used by all ranks.
+        name: String,
+    },
+    /// A rank wrote `files` for the checkpoint of step `step` and waits until every rank has:
+    /// then the coordinator commits the checkpoint's manifest, and answers
+    /// [`Answer::Committed`].
+    Acknowledge {
+        /// The acknowledging rank.
+        rank: usize,
+        /// The checkpoint's step.
+        step: usize,
+        /// What this rank wrote for it (nothing when another rank holds the same state), with
+        /// the other nodes it stored copies on.
+        files: Vec<HeldFile>,
+    },
+    /// A rank is alive; sent every `fault_tolerance.heartbeat_interval_ms` on a line of its own.
+    /// Answered by [`Answer::Alive`], or refused once the job is stopped.
+    Heartbeat(Heartbeat),
+    /// A rank has finished: its silence from now on is not a death. Refused unless it comes on
+    /// the line that carries the rank's heartbeats.
+    Leave {
+        /// The leaving rank.
+        rank: usize,
+    },
+    /// A launcher asks which processes the coordinator declared dead; answered by
+    /// [`Answer::Dead`].
+    ListDead,
+    /// What time is it at the coordinator? Asked a few times at start by roles that record a
+    /// timeline, to put every process's spans on the coordinator's clock.
+    ClockProbe,
+}
+
+impl Request {
+    /// The rank a request speaks for; `None` for a launcher's question and a clock probe.
+    pub fn rank(&self) -> Option<usize> {
+        match self {
+            Self::Join(Join { rank, .. })
+            | Self::Barrier { rank, .. }
+            | Self::Gather { rank, .. }
+            | Self::Acknowledge { rank, .. }
+            | Self::Heartbeat(Heartbeat { rank, .. })
+            | Self::Leave { rank } => Some(*rank),
+            Self::ListDead | Self::ClockProbe => None,
+        }
+    }
+
+    /// Whether the reply hands back every rank's part: to rank 0 at a gather, alone.
+    pub fn receives_parts(&self) -> bool {
+        matches!(self, Self::Gather { rank: 0, .. })
+    }
+}
+
+/// The coordinator's answer to a [`Request`]: a frame's header on the wire, with the
+/// [`Reply`]'s parts as its payload.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub enum Answer {
+    /// Rendezvous complete: every rank's data endpoint, the generation, the step to resume at.
+    Roster(Box<Roster>),
+    /// A join was refused: the rank was started for another job (the reason names the
+    /// difference), so no restart of it can help.
+    Mismatched {
+        /// What differs.
+        reason: String,
+    },
+    /// A request was refused or failed; the reason names what went wrong.
+    Refused {
+        /// Human-readable cause.
+        reason: String,
+    },
+    /// Everyone reached barrier `name`.
+    Released {
+        /// Which barrier.
+        name: String,
+    },
+    /// Everyone reached gather `name`; to rank 0 the reply's parts are every rank's part, by
+    /// rank (to the others there are none).
+    Gathered {
+        /// Which gather.
+        name: String,
+        /// Bytes of each rank's part, by rank (to every rank: how a gather in pieces knows
+        /// when every rank has sent its last).
+        lengths: Vec<u64>,
+    },
+    /// Every rank acknowledged the checkpoint and the coordinator committed it: its record of
+    /// which node holds which file.
+    Committed(CommitRecord),
+    /// The coordinator heard the heartbeat (or the farewell): go on, or roll back.
+    Alive(Beat),
+    /// The processes declared dead, newest last.
+    Dead {
+        /// Rank and process id of each.
+        processes: Vec<DeadProcess>,
+    },
+    /// The coordinator's wall clock when it answered a [`Request::ClockProbe`].
+    Clock {
+        /// Microseconds since the Unix epoch.
+        unix_us: f64,
+    },
+}
+
+/// A [`Request`] as the coordinator actor's message: with the part it hands over (a gather's;
+/// empty otherwise) and the line it came on (a launched role's connection, or a simulated
+/// role's incarnation), so the loss of an old process's line is told from its replacement's.
+#[derive(Message, Debug)]
+#[rtype(result = "Reply")]
+pub struct Call {
+    /// What is asked.
+    pub request: Request,
+    /// What the request hands over.
+    pub part: Bytes,
+    /// Which line carried it.
+    pub line: u64,
+}
+
+/// The coordinator's [`Answer`], with the parts it hands back (a gather's, to rank 0): shared in
+/// one process, back to back as the frame's payload over TCP.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Reply {
+    /// The answer.
+    pub answer: Answer,
+    /// What it hands back.
+    pub parts: Vec<Bytes>,
+}
+
+impl Reply {
+    /// An answer that hands nothing back.
+    pub fn bare(answer: Answer) -> Self {
+        Self {
+            answer,
+            parts: Vec::new(),
+        }
+    }
+
+    /// The refusal that says `reason`.
+    pub fn refused(reason: impl Into<String>) -> Self {
+        Self::bare(Answer::Refused { reason: reason.into() })
+    }
+}
+
 /// Rank `rank` joins the job, reachable for ring traffic at `data_endpoint`: at the start, and
 /// again after every rollback (a survivor, or the replacement of a lost rank).
-#[derive(Message, Debug)]
-#[rtype(result = "Result<Roster, JoinRefused>")]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Join {
     /// The joining rank.
     pub rank: usize,
@@ -30,16 +189,6 @@ pub struct Join {
 
 /// A job's settings by dotted key, as text.
 pub type Settings = std::collections::BTreeMap<String, String>;
-
-/// Why a rank may not join.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum JoinRefused {
-    /// It was started for another job (another world size, other settings): no restart of it
-    /// can help.
-    Mismatch(String),
-    /// Anything else: the job stopped, the rendezvous timed out.
-    Failed(String),
-}
 
 /// A rank was started for another job than the coordinator's: the reason names what differs.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -131,44 +280,6 @@ impl Roster {
     }
 }
 
-/// Rank `rank` waits until every rank has reached barrier `name`.
-#[derive(Message, Debug)]
-#[rtype(result = "Result<(), String>")]
-pub struct Barrier {
-    /// The waiting rank.
-    pub rank: usize,
-    /// The barrier's name; the same name must be used by all ranks.
-    pub name: String,
-}
-
-/// Rank `rank` hands `part` to rank 0 at gather `name` and waits until every rank has
-/// handed its own. Every rank is answered with every rank's part, by rank (shared, not
-/// copied); the buses hand the parts to rank 0 alone and their lengths to every rank.
-#[derive(Message, Debug)]
-#[rtype(result = "Result<Vec<Bytes>, String>")]
-pub struct Gather {
-    /// The arriving rank.
-    pub rank: usize,
-    /// The gather's name; the same name must be used by all ranks.
-    pub name: String,
-    /// What this rank hands rank 0 (empty when it has nothing to add).
-    pub part: Bytes,
-}
-
-/// Rank `rank` wrote `files` for the checkpoint of step `step` and waits until every rank has:
-/// then the coordinator commits the checkpoint's manifest, and answers.
-#[derive(Message, Debug)]
-#[rtype(result = "Result<CommitRecord, String>")]
-pub struct Acknowledge {
-    /// The acknowledging rank.
-    pub rank: usize,
-    /// The checkpoint's step.
-    pub step: usize,
-    /// What this rank wrote for it (nothing when another rank holds the same state), with the
-    /// other nodes it stored copies on.
-    pub files: Vec<HeldFile>,
-}
-
 /// The generation a rank last joined, and who trains in it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Membership {
@@ -178,10 +289,8 @@ pub struct Membership {
     pub members: Vec<usize>,
 }
 
-/// Rank `rank` is alive, heard on the control line numbered `line`. Answered with the reason
-/// once the job is stopped.
-#[derive(Message, Debug)]
-#[rtype(result = "Result<Beat, String>")]
+/// Rank `rank` is alive.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Heartbeat {
     /// The living rank.
     pub rank: usize,
@@ -190,9 +299,6 @@ pub struct Heartbeat {
     /// The generation it last joined (none before its first roster): a coordinator that was
     /// restarted learns from it who trains, and in which generation.
     pub member_of: Option<Membership>,
-    /// Which connection carried it (so the loss of an old process's line is told from the
-    /// loss of its replacement's).
-    pub line: u64,
 }
 
 /// The coordinator's answer to a heartbeat.
@@ -210,12 +316,6 @@ pub enum Beat {
     },
 }
 
-/// The processes the coordinator declared dead, newest last: a launcher kills those of its own
-/// that still run (a stopped one, say), so that they are replaced.
-#[derive(Message, Debug)]
-#[rtype(result = "Vec<DeadProcess>")]
-pub struct ListDead;
-
 /// A process the coordinator declared dead.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct DeadProcess {
@@ -223,17 +323,6 @@ pub struct DeadProcess {
     pub rank: usize,
     /// Its process id on its node.
     pub pid: u32,
-}
-
-/// Rank `rank` has finished: its silence from now on is not a death. Refused (with the reason)
-/// unless it comes on the line that carries the rank's heartbeats.
-#[derive(Message, Debug)]
-#[rtype(result = "Result<(), String>")]
-pub struct Leave {
-    /// The leaving rank.
-    pub rank: usize,
-    /// Which connection carried it.
-    pub line: u64,
 }
 
 /// Rank `rank`'s heartbeat line `line` broke before it left: its process is gone (unless a
@@ -273,17 +362,11 @@ pub struct ReachRank {
     pub actor: Recipient<RollbackOrder>,
 }
 
-/// Where a role's requests to the coordinator go: one recipient per message, so the buses and
-/// the server are independent of the actor that answers them.
+/// Where a role's requests to the coordinator go, so the buses and the server are independent of
+/// the actor that answers them.
 #[derive(Clone)]
 pub struct CoordinatorLine {
-    pub(super) join: Recipient<Join>,
-    pub(super) barrier: Recipient<Barrier>,
-    pub(super) gather: Recipient<Gather>,
-    pub(super) acknowledge: Recipient<Acknowledge>,
-    pub(super) heartbeat: Recipient<Heartbeat>,
-    pub(super) list_dead: Recipient<ListDead>,
-    pub(super) leave: Recipient<Leave>,
+    pub(super) call: Recipient<Call>,
     pub(super) connection_lost: Recipient<ConnectionLost>,
     reach: Recipient<ReachRank>,
     /// The process this line speaks for: this one, or an incarnation of a role of a simulated
@@ -320,34 +403,12 @@ impl CoordinatorLine {
 
 impl<A> From<Addr<A>> for CoordinatorLine
 where
-    A: Handler<Join>
-        + Handler<Barrier>
-        + Handler<Gather>
-        + Handler<Acknowledge>
-        + Handler<Heartbeat>
-        + Handler<ListDead>
-        + Handler<Leave>
-        + Handler<ConnectionLost>
-        + Handler<ReachRank>,
-    A::Context: ToEnvelope<A, Join>
-        + ToEnvelope<A, Barrier>
-        + ToEnvelope<A, Gather>
-        + ToEnvelope<A, Acknowledge>
-        + ToEnvelope<A, Heartbeat>
-        + ToEnvelope<A, ListDead>
-        + ToEnvelope<A, Leave>
-        + ToEnvelope<A, ConnectionLost>
-        + ToEnvelope<A, ReachRank>,
+    A: Handler<Call> + Handler<ConnectionLost> + Handler<ReachRank>,
+    A::Context: ToEnvelope<A, Call> + ToEnvelope<A, ConnectionLost> + ToEnvelope<A, ReachRank>,
 {
     fn from(coordinator: Addr<A>) -> Self {
         Self {
-            join: coordinator.clone().recipient(),
-            barrier: coordinator.clone().recipient(),
-            gather: coordinator.clone().recipient(),
-            acknowledge: coordinator.clone().recipient(),
-            heartbeat: coordinator.clone().recipient(),
-            list_dead: coordinator.clone().recipient(),
-            leave: coordinator.clone().recipient(),
+            call: coordinator.clone().recipient(),
             connection_lost: coordinator.clone().recipient(),
             reach: coordinator.recipient(),
             process: std::process::id(),

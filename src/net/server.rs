@@ -1,27 +1,21 @@
-//! The coordinator's TCP endpoint: each connection's frames become actor
-//! messages, and the actor's answers go back as frames. A malformed frame,
-//! one above the cap or an unexpected message closes that connection with a
-//! log line; the server keeps serving the others. An answer above the cap
-//! (a large gather) goes back as a refusal that says so. A connection speaks for one rank, the
+//! The coordinator's TCP endpoint: each connection's frames are decoded into the coordinator's
+//! [`Call`]s, and the actor's replies go back as frames. A malformed frame or one above the cap
+//! closes that connection with a log line; the server keeps serving the others. An answer above
+//! the cap (a large gather) goes back as a refusal that says so. A connection speaks for one rank, the
 //! first it names: a message for another rank closes it, so no process can send heartbeats, a
 //! leave or a barrier arrival in another rank's name.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use actix::MailboxError;
 use bytes::Bytes;
 use futures::{SinkExt, StreamExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio_util::codec::{Framed, LengthDelimitedCodec};
 
 use super::auth::Credentials;
-use super::frame::{codec, encode_with, ControlMessage, Frame};
+use super::frame::{codec, encode_with, Frame};
 use super::listen::accept_authenticated;
-use super::protocol::{
-    Acknowledge, Barrier, Beat, ConnectionLost, CoordinatorLine, Gather, Heartbeat, Join, JoinRefused, Leave, ListDead,
-    Roster,
-};
-use crate::checkpoint::{CommitRecord, HeldFile};
+use super::protocol::{Answer, Call, ConnectionLost, CoordinatorLine, Reply, Request};
 
 /// Numbers the control connections of this process, so that a rank's heartbeat line is told
 /// apart from the line of the process it replaced.
@@ -65,10 +59,6 @@ async fn handle_connection(
     served
 }
 
-/// An answer's header and the parts its payload carries back to back; or the refusal that goes
-/// back instead.
-type Answer = Result<(ControlMessage, Vec<Bytes>), ControlMessage>;
-
 /// One control connection, and what it has said so far.
 struct Connection {
     coordinator: CoordinatorLine,
@@ -82,7 +72,7 @@ struct Connection {
 }
 
 impl Connection {
-    /// Decodes each frame, has the coordinator answer it, and sends the answer back.
+    /// Decodes each frame, hands it to the coordinator, and sends the answer back.
     async fn serve_frames(
         &mut self,
         framed: &mut Framed<TcpStream, LengthDelimitedCodec>,
@@ -90,20 +80,17 @@ impl Connection {
     ) -> Result<(), String> {
         while let Some(body) = framed.next().await {
             let body = body.map_err(|e| format!("bad frame: {e}"))?;
-            let frame: Frame = Frame::decode(body.freeze()).map_err(|e| e.to_string())?;
-            if let Err(reason) = self.speaks_for(&frame) {
+            let frame: Frame<Request> = Frame::decode(body.freeze()).map_err(|e| e.to_string())?;
+            if let Err(reason) = self.speaks_for(&frame.header) {
                 // Told, so the sender does not take the closed line for a lost coordinator.
-                let refusal = Frame::control(ControlMessage::Refused { reason: reason.clone() })
+                let refusal = Frame::control(Answer::Refused { reason: reason.clone() })
                     .encode()
                     .map_err(|e| e.to_string())?;
                 let _ = framed.send(refusal).await;
                 return Err(reason);
             }
-            let (header, parts) = self
-                .answer(frame)
-                .await?
-                .unwrap_or_else(|refusal| (refusal, Vec::new()));
-            let encoded = encode_answer(&header, &parts, max_frame_bytes)?;
+            let reply = self.call(frame).await;
+            let encoded = encode_reply(&reply, max_frame_bytes)?;
             framed
                 .send(encoded)
                 .await
@@ -112,9 +99,9 @@ impl Connection {
         Ok(())
     }
 
-    /// Refuses a frame for another rank than the one this connection speaks for.
-    fn speaks_for(&mut self, frame: &Frame) -> Result<(), String> {
-        let Some(claimed) = frame.header.rank() else {
+    /// Refuses a request for another rank than the one this connection speaks for.
+    fn speaks_for(&mut self, request: &Request) -> Result<(), String> {
+        let Some(claimed) = request.rank() else {
             return Ok(());
         };
         match *self.speaks_for.get_or_insert(claimed) {
@@ -123,117 +110,35 @@ impl Connection {
         }
     }
 
-    /// The coordinator's answer to `frame`; an error for a message no rank sends.
-    async fn answer(&mut self, frame: Frame) -> Result<Answer, String> {
-        let coordinator = &self.coordinator;
-        Ok(match frame.header {
-            ControlMessage::Join {
-                rank,
-                world_size,
-                data_endpoint,
-                mirror,
-                settings,
-            } => {
-                let join = Join {
-                    rank,
-                    world_size,
-                    data_endpoint,
-                    mirror,
-                    settings,
-                };
-                joined(coordinator.join.send(join).await)
-            }
-            ControlMessage::Barrier { rank, name } => {
-                let arrived = Barrier {
-                    rank,
-                    name: name.clone(),
-                };
-                answered(coordinator.barrier.send(arrived).await)
-                    .map(|()| (ControlMessage::Released { name }, Vec::new()))
-            }
-            ControlMessage::Gather { rank, name } => {
-                let part = Gather {
-                    rank,
-                    name: name.clone(),
-                    part: frame.payload,
-                };
-                answered(coordinator.gather.send(part).await).map(|parts| gathered(rank, name, parts))
-            }
-            ControlMessage::Acknowledge { rank, step } => {
-                let files: Vec<HeldFile> = serde_json::from_slice(&frame.payload)
-                    .map_err(|e| format!("rank {rank}'s acknowledgement of step {step}: {e}"))?;
-                answered(coordinator.acknowledge.send(Acknowledge { rank, step, files }).await)
-                    .and_then(|record| committed(step, &record))
-            }
-            ControlMessage::Heartbeat { rank, pid, member_of } => {
-                self.heartbeats_of = Some(rank);
-                let beat = Heartbeat {
-                    rank,
-                    pid,
-                    member_of,
-                    line: self.line,
-                };
-                answered(coordinator.heartbeat.send(beat).await).map(|beat| (ControlMessage::Alive(beat), Vec::new()))
-            }
-            ControlMessage::Leave { rank } => {
-                let left = answered(coordinator.leave.send(Leave { rank, line: self.line }).await);
-                if left.is_ok() {
-                    self.heartbeats_of = None;
-                }
-                left.map(|()| (ControlMessage::Alive(Beat::Alive), Vec::new()))
-            }
-            ControlMessage::ListDead => {
-                let processes = coordinator
-                    .list_dead
-                    .send(ListDead)
-                    .await
-                    .map_err(|e| format!("coordinator unavailable: {e}"))?;
-                Ok((ControlMessage::Dead { processes }, Vec::new()))
-            }
-            ControlMessage::ClockProbe => Ok((
-                ControlMessage::Clock {
-                    unix_us: crate::telemetry::clock::unix_now_us(),
-                },
-                Vec::new(),
-            )),
-            other => return Err(format!("unexpected message {other:?}")),
-        })
+    /// The coordinator's reply to `frame`, on this connection's line; a heartbeat makes this the
+    /// line of its rank's heartbeats, until the rank leaves on it.
+    async fn call(&mut self, frame: Frame<Request>) -> Reply {
+        if let Request::Heartbeat(beat) = &frame.header {
+            self.heartbeats_of = Some(beat.rank);
+        }
+        let leaves = matches!(frame.header, Request::Leave { .. });
+        let call = Call {
+            request: frame.header,
+            part: frame.payload,
+            line: self.line,
+        };
+        let reply = match self.coordinator.call.send(call).await {
+            Ok(reply) => reply,
+            Err(e) => return Reply::refused(format!("coordinator unavailable: {e}")),
+        };
+        if leaves && !matches!(reply.answer, Answer::Refused { .. }) {
+            self.heartbeats_of = None;
+        }
+        reply
     }
 }
 
-/// The answer to a join: the roster, or the refusal that says why not.
-fn joined(sent: Result<Result<Roster, JoinRefused>, MailboxError>) -> Answer {
-    match sent {
-        Ok(Ok(roster)) => Ok((ControlMessage::Roster(Box::new(roster)), Vec::new())),
-        Ok(Err(JoinRefused::Mismatch(reason))) => Err(ControlMessage::Mismatched { reason }),
-        Ok(Err(JoinRefused::Failed(reason))) => Err(ControlMessage::Refused { reason }),
-        Err(e) => Err(ControlMessage::Refused {
-            reason: format!("coordinator unavailable: {e}"),
-        }),
-    }
-}
-
-/// The answer to a gather: every rank's part to rank 0, their lengths to every rank.
-fn gathered(rank: usize, name: String, parts: Vec<Bytes>) -> (ControlMessage, Vec<Bytes>) {
-    let lengths = parts.iter().map(|p| p.len() as u64).collect();
-    let payload = if rank == 0 { parts } else { Vec::new() };
-    (ControlMessage::Gathered { name, lengths }, payload)
-}
-
-/// The answer to an acknowledgement: the commit's record, as JSON.
-fn committed(step: usize, record: &CommitRecord) -> Answer {
-    let record = serde_json::to_vec(record).map_err(|e| ControlMessage::Refused {
-        reason: format!("the commit of step {step}: {e}"),
-    })?;
-    Ok((ControlMessage::Committed { step }, vec![Bytes::from(record)]))
-}
-
-/// `header` with `parts` as its payload, as a frame; an answer above the cap goes back as a
-/// refusal that says so.
-fn encode_answer(header: &ControlMessage, parts: &[Bytes], max_frame_bytes: usize) -> Result<Bytes, String> {
-    let payload_len = parts.iter().map(Bytes::len).sum();
-    let encoded = encode_with(header, payload_len, |out| {
-        parts.iter().for_each(|p| out.extend_from_slice(p))
+/// `reply` as a frame, its parts back to back as the payload; a reply above the cap goes back
+/// as a refusal that says so.
+fn encode_reply(reply: &Reply, max_frame_bytes: usize) -> Result<Bytes, String> {
+    let payload_len = reply.parts.iter().map(Bytes::len).sum();
+    let encoded = encode_with(&reply.answer, payload_len, |out| {
+        reply.parts.iter().for_each(|p| out.extend_from_slice(p))
     })
     .map_err(|e| e.to_string())?;
     if encoded.len() <= max_frame_bytes {
@@ -243,18 +148,7 @@ fn encode_answer(header: &ControlMessage, parts: &[Bytes], max_frame_bytes: usiz
         "the coordinator's answer of {} bytes exceeds cluster.max_frame_mb ({max_frame_bytes} bytes)",
         encoded.len()
     );
-    Frame::control(ControlMessage::Refused { reason })
+    Frame::control(Answer::Refused { reason })
         .encode()
         .map_err(|e| e.to_string())
-}
-
-/// The coordinator's answer, or the refusal that goes back instead.
-fn answered<T>(sent: Result<Result<T, String>, MailboxError>) -> Result<T, ControlMessage> {
-    match sent {
-        Ok(Ok(answer)) => Ok(answer),
-        Ok(Err(reason)) => Err(ControlMessage::Refused { reason }),
-        Err(e) => Err(ControlMessage::Refused {
-            reason: format!("coordinator unavailable: {e}"),
-        }),
-    }
 }

@@ -10,7 +10,6 @@ use tokio::sync::oneshot;
 
 use super::{reply, Coordinator, Waiter};
 use crate::checkpoint::{CommitRecord, HeldFile};
-use crate::net::protocol::{Acknowledge, Barrier, Gather};
 
 /// A rank waiting at a barrier or gather: its part (empty at a barrier), and where its answer goes.
 pub(super) type Arrival = (Bytes, Waiter<Vec<Bytes>>);
@@ -23,43 +22,40 @@ pub(super) struct Waiting {
     commits: Option<usize>,
 }
 
-impl Handler<Barrier> for Coordinator {
-    type Result = ResponseFuture<Result<(), String>>;
-
-    fn handle(&mut self, msg: Barrier, ctx: &mut Self::Context) -> Self::Result {
-        let answer = reply(self.arrive(msg.rank, msg.name, Bytes::new(), None, ctx));
-        Box::pin(async move { answer.await.map(|_| ()) })
+impl Coordinator {
+    /// Rank `rank` arrives at barrier or gather `name`, handing over `part`: answered with every
+    /// rank's part, by rank, once all have arrived.
+    pub(super) fn gather(
+        &mut self,
+        rank: usize,
+        name: String,
+        part: Bytes,
+        ctx: &mut Context<Self>,
+    ) -> ResponseFuture<Result<Vec<Bytes>, String>> {
+        reply(self.arrive(rank, name, part, None, ctx))
     }
-}
 
-impl Handler<Gather> for Coordinator {
-    type Result = ResponseFuture<Result<Vec<Bytes>, String>>;
-
-    fn handle(&mut self, msg: Gather, ctx: &mut Self::Context) -> Self::Result {
-        reply(self.arrive(msg.rank, msg.name, msg.part, None, ctx))
-    }
-}
-
-impl Handler<Acknowledge> for Coordinator {
-    type Result = ResponseFuture<Result<CommitRecord, String>>;
-
-    fn handle(&mut self, msg: Acknowledge, ctx: &mut Self::Context) -> Self::Result {
+    /// Rank `rank` wrote `files` for the checkpoint of step `step`: answered with the commit's
+    /// record once every rank has acknowledged it.
+    pub(super) fn acknowledge(
+        &mut self,
+        rank: usize,
+        step: usize,
+        files: &[HeldFile],
+        ctx: &mut Context<Self>,
+    ) -> ResponseFuture<Result<CommitRecord, String>> {
         // Committed already: the rank's answer was lost (a coordinator that died committing).
-        if let Some(record) = self.record.as_ref().filter(|r| r.step == msg.step) {
+        if let Some(record) = self.record.as_ref().filter(|r| r.step == step) {
             let record = record.clone();
-            tracing::info!(
-                rank = msg.rank,
-                step = msg.step,
-                "acknowledged again: already committed"
-            );
+            tracing::info!(rank, step, "acknowledged again: already committed");
             return Box::pin(async move { Ok(record) });
         }
-        let part = match serde_json::to_vec(&msg.files) {
+        let part = match serde_json::to_vec(files) {
             Ok(json) => Bytes::from(json),
-            Err(e) => return Box::pin(async move { Err(format!("rank {}'s file records: {e}", msg.rank)) }),
+            Err(e) => return Box::pin(async move { Err(format!("rank {rank}'s file records: {e}")) }),
         };
-        let name = format!("checkpoint of step {}", msg.step);
-        let answer = reply(self.arrive(msg.rank, name, part, Some(msg.step), ctx));
+        let name = format!("checkpoint of step {step}");
+        let answer = reply(self.arrive(rank, name, part, Some(step), ctx));
         Box::pin(async move {
             let parts = answer.await?;
             let record = parts.first().ok_or("a commit without its record")?;

@@ -7,12 +7,12 @@ use std::time::{Duration, Instant};
 use actix::prelude::*;
 
 use super::{Coordinator, JobAskedToStop};
-use crate::net::protocol::{Beat, ConnectionLost, DeadProcess, Heartbeat, Leave, ListDead, ReachRank, RollbackOrder};
+use crate::net::protocol::{Beat, ConnectionLost, Heartbeat, ReachRank, RollbackOrder};
 
-impl Handler<Heartbeat> for Coordinator {
-    type Result = Result<Beat, String>;
-
-    fn handle(&mut self, msg: Heartbeat, _: &mut Self::Context) -> Self::Result {
+impl Coordinator {
+    /// Rank `msg.rank` is alive, heard on line `line`: go on, or roll back; refused with the
+    /// reason once the job is stopped.
+    pub(super) fn heartbeat(&mut self, msg: Heartbeat, line: u64) -> Result<Beat, String> {
         if let Some(reason) = &self.stopped {
             return Err(reason.clone());
         }
@@ -26,7 +26,7 @@ impl Handler<Heartbeat> for Coordinator {
         if other_process {
             return Ok(Beat::Alive);
         }
-        self.last_heard.insert(msg.rank, (Instant::now(), msg.line, msg.pid));
+        self.last_heard.insert(msg.rank, (Instant::now(), line, msg.pid));
         self.reannounced(&msg);
         // A rank whose actor this coordinator reaches has its order already.
         Ok(if self.behind(msg.rank) && !self.reached.contains_key(&msg.rank) {
@@ -38,35 +38,24 @@ impl Handler<Heartbeat> for Coordinator {
             Beat::Alive
         })
     }
-}
 
-impl Handler<ListDead> for Coordinator {
-    type Result = Vec<DeadProcess>;
-
-    fn handle(&mut self, _: ListDead, _: &mut Self::Context) -> Self::Result {
-        self.dead.clone()
-    }
-}
-
-impl Handler<Leave> for Coordinator {
-    type Result = Result<(), String>;
-
-    fn handle(&mut self, msg: Leave, _: &mut Self::Context) -> Self::Result {
+    /// Rank `rank` has finished, said on line `line`: its silence from now on is not a death.
+    pub(super) fn leave(&mut self, rank: usize, line: u64) -> Result<(), String> {
         // Only the line that carries a rank's heartbeats may end them: a leave on another one
         // (a stale process of the job, or the same command started twice) would switch off the
         // failure detection of a rank that still trains.
-        if let Some(&(_, line, pid)) = self.last_heard.get(&msg.rank) {
-            if line != msg.line {
+        if let Some(&(_, beats_on, pid)) = self.last_heard.get(&rank) {
+            if beats_on != line {
                 let reason = format!(
                     "{} may leave only on the connection that carries its heartbeats (those of pid {pid}): \
                      a leave from another connection is refused",
-                    self.name(msg.rank)
+                    self.name(rank)
                 );
                 tracing::warn!("{reason}");
                 return Err(reason);
             }
         }
-        self.left.insert(msg.rank);
+        self.left.insert(rank);
         self.finish_if_over();
         Ok(())
     }

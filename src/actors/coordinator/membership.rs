@@ -10,7 +10,17 @@ use tokio::sync::oneshot;
 
 use super::{reply, Coordinator, Joined};
 use crate::config::JobConfig;
-use crate::net::protocol::{DeadProcess, Heartbeat, Join, JoinRefused, Membership, Roster, Settings};
+use crate::net::protocol::{DeadProcess, Heartbeat, Join, Membership, Roster, Settings};
+
+/// Why a rank may not join.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(super) enum JoinRefused {
+    /// It was started for another job (another world size, other settings): no restart of it
+    /// can help.
+    Mismatch(String),
+    /// Anything else: the job stopped, the rendezvous timed out.
+    Failed(String),
+}
 
 /// Elastic membership: the job may go on with fewer nodes than it was started for, down to
 /// `min_nodes`, and grows back when nodes come.
@@ -63,10 +73,10 @@ impl Elastic {
     }
 }
 
-impl Handler<Join> for Coordinator {
-    type Result = ResponseFuture<Result<Roster, JoinRefused>>;
-
-    fn handle(&mut self, msg: Join, ctx: &mut Self::Context) -> Self::Result {
+impl Coordinator {
+    /// Rank `msg.rank` joins: answered with the roster once its generation forms, or the
+    /// refusal that says why not.
+    pub(super) fn join(&mut self, msg: Join, ctx: &mut Context<Self>) -> ResponseFuture<Result<Roster, JoinRefused>> {
         if let Some(refusal) = self.refuse_join(&msg) {
             if let JoinRefused::Mismatch(reason) = &refusal {
                 tracing::error!("refused a join: {reason}");

@@ -17,6 +17,7 @@
 //! no rank of the job lives on.
 
 mod barriers;
+mod calls;
 mod liveness;
 mod membership;
 #[cfg(test)]
