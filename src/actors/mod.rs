@@ -11,6 +11,7 @@ pub mod device;
 mod ps_requests;
 pub mod ps_trainer;
 pub mod pserver;
+mod rank_generations;
 pub mod rank_parts;
 mod rank_steps;
 pub mod recovery;

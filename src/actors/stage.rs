@@ -16,6 +16,7 @@ use futures::future::BoxFuture;
 use serde::{Deserialize, Serialize};
 
 use super::device::{Prepare, ReadParameters, Relink, ReplicaPart, StageLinks, StageRelink};
+use super::rank_generations::{train_generations, RankGenerations};
 use super::rank_parts::RankParts;
 use super::rank_steps::{train_generation, Place, StrategySteps};
 use super::recovery::buddy::Buddy;
@@ -25,7 +26,6 @@ use super::recovery::rollback::{takes_rollback_orders, OrderInbox, Orders};
 use super::recovery::stage_file;
 use super::run_loop::{run_steps, RunLoop};
 use crate::checkpoint::HeldFile;
-use crate::collective::preemption::is_preemption;
 use crate::collective::training_state::RunRecord;
 use crate::config::HybridConfigs;
 use crate::engines::comm::Communicator;
@@ -227,7 +227,7 @@ impl StageRun {
                 trace_from: self.parts.trace.as_ref().map(|t| t.origin.instant),
             })
             .await??;
-        let mut first = match &roster {
+        let first = match &roster {
             Some(roster) => roster.resume_step.unwrap_or(0),
             None => self.parts.recovery.start_step().unwrap_or(0),
         };
@@ -244,63 +244,13 @@ impl StageRun {
             self.parts.monitor.as_ref(),
             clock_offset_us,
         )?;
-        // Each pass is one generation; a new one starts only on a rollback order to a newer
-        // generation, so the passes are bounded by the ranks the job loses.
-        loop {
-            let failure = match self.train_generation(first, &mut run).await {
-                Ok(outcome) => {
-                    run.finish();
-                    return Ok(outcome);
-                }
-                // Every rank stopped after the same step: nothing to recover.
-                Err(e) if is_preemption(&e) => return Err(e),
-                Err(e) => e,
-            };
-            first = self.roll_back(failure).await?;
-        }
-    }
-
-    /// After `failure`: the coordinator's rollback order that explains it, and the next
-    /// generation joined; returns the step it resumes after. Without an order, `failure` stands.
-    async fn roll_back(&mut self, mut failure: anyhow::Error) -> Result<usize> {
-        loop {
-            let Some(in_place) = self.in_place.as_mut() else {
-                return Err(failure);
-            };
-            in_place.orders.explain(failure).await?;
-            let bus = self
-                .bus
-                .as_mut()
-                .context("a stage rolling back needs a line to the coordinator")?;
-            match (in_place.rejoin)(bus).await {
-                Ok(generation) => {
-                    let roster = generation.roster.context("a rejoined generation has a roster")?;
-                    in_place.orders.joined(&roster);
-                    self.parts
-                        .device
-                        .send(Relink::Stage(StageRelink {
-                            stage: self.stage,
-                            link: generation.link,
-                            data_parallel: generation.data_parallel,
-                        }))
-                        .await??;
-                    tracing::info!(
-                        rank = self.parts.rank,
-                        generation = roster.generation,
-                        resume_step = roster.resume_step.unwrap_or(0),
-                        "rejoined"
-                    );
-                    let first = roster.resume_step.unwrap_or(0);
-                    self.roster = Some(roster);
-                    return Ok(first);
-                }
-                Err(e) => failure = e,
-            }
-        }
+        let outcome = train_generations(&mut self, &mut run, first).await?;
+        run.finish();
+        Ok(outcome)
     }
 
     /// Trains from the state after step `first` to the end of the run and evaluates.
-    async fn train_generation(&mut self, first: usize, run: &mut RunLoop) -> Result<StageOutcome> {
+    async fn train_generation(&mut self, run: &mut RunLoop, first: usize) -> Result<StageOutcome> {
         let job = self.parts.job.clone();
         let (rank, stage) = (self.parts.rank, self.stage);
         // This generation's part of every global batch (another one when membership changed).
@@ -442,6 +392,44 @@ impl StageRun {
             self.roster.as_ref(),
         )
         .await
+    }
+}
+
+impl RankGenerations for StageRun {
+    type Run = RunLoop;
+    type Outcome = StageOutcome;
+
+    fn rank(&self) -> usize {
+        self.parts.rank
+    }
+
+    async fn generation(&mut self, run: &mut RunLoop, first: usize) -> Result<StageOutcome> {
+        self.train_generation(run, first).await
+    }
+
+    fn orders(&mut self) -> Option<&mut Orders> {
+        self.in_place.as_mut().map(|in_place| &mut in_place.orders)
+    }
+
+    /// Joins the next generation over new stage and data-parallel rings.
+    async fn rejoin(&mut self, _run: &mut RunLoop) -> Result<Roster> {
+        let in_place = self.in_place.as_mut().context("a rollback without in-place recovery")?;
+        let bus = self
+            .bus
+            .as_mut()
+            .context("a stage rolling back needs a line to the coordinator")?;
+        let generation = (in_place.rejoin)(bus).await?;
+        let roster = generation.roster.context("a rejoined generation has a roster")?;
+        self.parts
+            .device
+            .send(Relink::Stage(StageRelink {
+                stage: self.stage,
+                link: generation.link,
+                data_parallel: generation.data_parallel,
+            }))
+            .await??;
+        self.roster = Some(roster.clone());
+        Ok(roster)
     }
 }
 

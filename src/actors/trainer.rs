@@ -12,6 +12,7 @@ use actix::prelude::*;
 use anyhow::{anyhow, Context as _, Result};
 
 use super::device::{CheckReplicas, Prepare, ReadParameters, Relink, ReplicaPart, RingLink};
+use super::rank_generations::{train_generations, RankGenerations};
 use super::rank_parts::RankParts;
 use super::rank_steps::{train_generation, Place, StrategySteps};
 use super::recovery::faults::RoleFaults;
@@ -19,7 +20,6 @@ use super::recovery::kept::{acknowledge_checkpoint, Kept, RankCheckpoint, Restor
 use super::recovery::rollback::{takes_rollback_orders, OrderInbox, Orders};
 use super::recovery::REPLICA_FILE;
 use super::run_loop::{run_steps, RunLoop};
-use crate::collective::preemption::is_preemption;
 use crate::collective::training_state::RunRecord;
 use crate::collective::ParamChecksum;
 use crate::config::JobConfig;
@@ -135,7 +135,7 @@ impl TrainingRun {
         let job = self.parts.job.clone();
         let link = self.link.take().context("Train was sent twice")?;
         let endpoint = self.data_endpoint.clone();
-        let mut roster = join_training(self.bus_mut()?, rank, &job, endpoint).await?;
+        let roster = join_training(self.bus_mut()?, rank, &job, endpoint).await?;
         self.parts.recovery.check_joined(&roster)?;
         if let Some(in_place) = &self.in_place {
             in_place.orders.joined(&roster);
@@ -171,58 +171,10 @@ impl TrainingRun {
             self.parts.monitor.as_ref(),
             clock_offset_us,
         )?;
-        let mut failure = None;
-        // Each pass is one generation; a new one starts only on a rollback order to a newer
-        // generation, so the passes are bounded by the ranks the job loses.
-        loop {
-            if let Some(error) = failure.take() {
-                let Some(in_place) = self.in_place.as_mut() else {
-                    return Err(error);
-                };
-                in_place.orders.explain(error).await?;
-                match self.rejoin().await {
-                    Ok(next) => roster = next,
-                    Err(e) => {
-                        failure = Some(e);
-                        continue;
-                    }
-                }
-            }
-            match self.train_generation(&roster, &mut run).await {
-                Ok(outcome) => {
-                    run.finish();
-                    return Ok(outcome);
-                }
-                // Every rank stopped after the same step: nothing to recover.
-                Err(e) if is_preemption(&e) => return Err(e),
-                Err(e) => failure = Some(e),
-            }
-        }
-    }
-
-    /// Joins the next generation over a new ring after a rollback order.
-    async fn rejoin(&mut self) -> Result<Roster> {
-        let in_place = self.in_place.as_ref().context("a rollback without in-place recovery")?;
-        let (link, endpoint) = (in_place.relink)()?;
-        let (rank, job) = (self.parts.rank, self.parts.job.clone());
-        let roster = join_training(self.bus_mut()?, rank, &job, endpoint).await?;
-        let in_place = self.in_place.as_ref().context("a rollback without in-place recovery")?;
-        in_place.orders.joined(&roster);
-        self.parts
-            .device
-            .send(Relink::Ring {
-                job: self.parts.job.clone(),
-                link,
-                roster: roster.clone(),
-            })
-            .await??;
-        tracing::info!(
-            rank = self.parts.rank,
-            generation = roster.generation,
-            resume_step = roster.resume_step.unwrap_or(0),
-            "rejoined"
-        );
-        Ok(roster)
+        self.roster = Some(roster);
+        let outcome = train_generations(&mut self, &mut run, first).await?;
+        run.finish();
+        Ok(outcome)
     }
 
     /// Brings the replica to the state after `step` steps: see [`Restore::to`].
@@ -240,13 +192,12 @@ impl TrainingRun {
         restore.to(step, || recovery.read_replica(step, roster)).await
     }
 
-    /// Trains one generation, from its roster's resume step to the end of the run.
-    async fn train_generation(&mut self, roster: &Roster, run: &mut RunLoop) -> Result<RankOutcome> {
+    /// Trains one generation, from the state after step `first` to the end of the run.
+    async fn train_generation(&mut self, run: &mut RunLoop, first: usize) -> Result<RankOutcome> {
         let rank = self.parts.rank;
         let job = self.parts.job.clone();
+        let roster = self.roster.as_ref().context("a generation before the rendezvous")?;
         let (place, world) = place_in(roster, rank)?;
-        let first = roster.resume_step.unwrap_or(0);
-        self.roster = Some(roster.clone());
         // This generation's part of every global batch (another one when membership changed).
         run.loader.place(place, world)?;
         let restored = self.restore(first).await?;
@@ -313,6 +264,41 @@ impl TrainingRun {
             .context("a trainer without a line to the coordinator")?;
         let kept = in_place.then_some(&mut self.kept);
         acknowledge_checkpoint(bus, (self.parts.rank, step), written, kept, &store, Some(&roster)).await
+    }
+}
+
+impl RankGenerations for TrainingRun {
+    type Run = RunLoop;
+    type Outcome = RankOutcome;
+
+    fn rank(&self) -> usize {
+        self.parts.rank
+    }
+
+    async fn generation(&mut self, run: &mut RunLoop, first: usize) -> Result<RankOutcome> {
+        self.train_generation(run, first).await
+    }
+
+    fn orders(&mut self) -> Option<&mut Orders> {
+        self.in_place.as_mut().map(|in_place| &mut in_place.orders)
+    }
+
+    /// Joins the next generation over a new ring.
+    async fn rejoin(&mut self, _run: &mut RunLoop) -> Result<Roster> {
+        let in_place = self.in_place.as_ref().context("a rollback without in-place recovery")?;
+        let (link, endpoint) = (in_place.relink)()?;
+        let (rank, job) = (self.parts.rank, self.parts.job.clone());
+        let roster = join_training(self.bus_mut()?, rank, &job, endpoint).await?;
+        self.parts
+            .device
+            .send(Relink::Ring {
+                job: self.parts.job.clone(),
+                link,
+                roster: roster.clone(),
+            })
+            .await??;
+        self.roster = Some(roster.clone());
+        Ok(roster)
     }
 }
 

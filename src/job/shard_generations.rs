@@ -69,7 +69,7 @@ impl ShardGenerations<'_> {
             let event = tokio::select! {
                 left = &mut done => Event::Left(left.is_ok()),
                 ack = acks.recv() => Event::Written(ack),
-                interrupted = self.orders.interrupting(std::future::pending::<Result<Infallible>>()) => {
+                interrupted = self.orders.interruption().of(std::future::pending::<Result<Infallible>>()) => {
                     Event::Interrupted(interrupted.map_or_else(|e| e, |never| match never {}))
                 }
             };

@@ -19,6 +19,7 @@ use anyhow::{anyhow, Context as _, Result};
 
 use super::ctr_device::{CtrDevice, CtrOwnState, FlushCtr, PlanCtr, PredictCtr, PrepareCtr, RestoreCtrOwnState};
 use super::ps_requests::{pull_rows, pull_when_ready, push, shard_stats, sparse_table_metrics, Pulled};
+use super::rank_generations::{train_generations, RankGenerations};
 use super::recovery::buddy::Buddy;
 use super::recovery::faults::RoleFaults;
 use super::recovery::kept::{acknowledge_checkpoint, Kept};
@@ -26,7 +27,6 @@ use super::recovery::rollback::{takes_rollback_orders, OrderInbox, Orders};
 use super::recovery::Recovery;
 use super::LOSSES_RESERVED;
 use crate::checkpoint::HeldFile;
-use crate::collective::preemption::is_preemption;
 use crate::config::TrainLength;
 use crate::config::{JobConfig, PsMode};
 use crate::data::ctr::{CtrLoader, CtrSource, DataPosition};
@@ -154,6 +154,8 @@ impl Handler<TrainPs> for PsTrainer {
             resume_data: None,
             roster: None,
             faults: self.faults.clone(),
+            orders: None,
+            steps: 0,
         };
         Box::pin(RoleFaults::govern(
             self.faults.clone(),
@@ -187,13 +189,34 @@ struct PsRun {
     /// The roster of the generation training, when the job recovers in place.
     roster: Option<Roster>,
     faults: Option<Arc<RoleFaults>>,
+    /// The coordinator's rollback orders, when the trainer rolls back in place.
+    orders: Option<Orders>,
+    /// Steps of the whole run.
+    steps: usize,
 }
 
 /// A trainer's lines in a job that recovers in place: to the coordinator, and to the next
 /// node's checkpoint mirror.
-struct InPlaceLine<'a> {
-    bus: &'a mut ControlBus,
-    buddy: Option<&'a Buddy>,
+struct InPlaceLine {
+    bus: ControlBus,
+    /// The address announced at each rendezvous.
+    endpoint: String,
+    mirror: Option<(String, Buddy)>,
+}
+
+impl InPlaceLine {
+    /// How the trainer reaches the next node's checkpoint mirror, if it keeps copies there.
+    fn buddy(&self) -> Option<&Buddy> {
+        self.mirror.as_ref().map(|(_, buddy)| buddy)
+    }
+}
+
+/// What outlives a rollback: the links to the shards and the coordinator, and what the run
+/// has measured so far.
+struct PsLoop {
+    client: PsClient,
+    line: Option<InPlaceLine>,
+    progress: Progress,
 }
 
 /// What a trainer accumulates over its run, across rollbacks.
@@ -217,20 +240,35 @@ impl PsRun {
         self.job.cluster.server_num + self.job.world_size()
     }
 
-    async fn execute(mut self, mut in_place: Option<PsInPlace>) -> Result<PsOutcome> {
+    async fn execute(mut self, in_place: Option<PsInPlace>) -> Result<PsOutcome> {
         let mut client = self.client.take().context("TrainPs was sent twice")?;
         client.wait_for_servers().await?;
         let steps = self.run_steps()?;
+        self.steps = steps;
+        let mut line = in_place.map(|in_place| {
+            self.orders = Some(in_place.orders);
+            InPlaceLine {
+                bus: in_place.bus,
+                endpoint: in_place.endpoint,
+                mirror: in_place.mirror,
+            }
+        });
         // The shards hold the state of a checkpoint; the trainers move on to its step, with
         // their own state (geo's) of that checkpoint.
-        let first = match &mut in_place {
-            Some(in_place) => self.join(in_place, &mut client).await?,
+        let first = match &mut line {
+            Some(line) => {
+                let roster = self.join(line, &mut client).await?;
+                if let Some(orders) = &self.orders {
+                    orders.joined(&roster);
+                }
+                roster.resume_step.unwrap_or(0)
+            }
             None => self.recovery.first_step(steps)?,
         };
         self.recovery.check_first_step(first, steps)?;
-        self.prepare(first, buddy_of(in_place.as_ref())).await?;
+        self.prepare(first, line.as_ref().and_then(InPlaceLine::buddy)).await?;
         let train = &self.job.train;
-        let mut progress = Progress {
+        let progress = Progress {
             first,
             losses: Vec::with_capacity(steps.min(LOSSES_RESERVED)),
             comm_time: Duration::ZERO,
@@ -241,9 +279,14 @@ impl PsRun {
                 .transpose()?,
             timeline: self.trace.as_ref().map(|(t, _)| Timeline::new(t.origin.instant)),
         };
+        let mut run = PsLoop { client, line, progress };
         let started = Instant::now();
-        self.train_generations(&mut client, &mut in_place, steps, &mut progress)
-            .await?;
+        train_generations(&mut self, &mut run, first).await?;
+        let PsLoop {
+            mut client,
+            mut progress,
+            ..
+        } = run;
         if let Some(updates) = self.device.send(FlushCtr).await?? {
             push(
                 &mut client,
@@ -271,51 +314,6 @@ impl PsRun {
             TrainLength::Steps(steps) => steps,
             length => length.steps((self.train_data.records_per_epoch()? as usize / train.batch_size).max(1))?,
         })
-    }
-
-    /// Trains to the end of the run: one pass per generation, a new one only on a rollback
-    /// order to a newer generation, so the passes are bounded by the roles the job loses.
-    async fn train_generations(
-        &mut self,
-        client: &mut PsClient,
-        in_place: &mut Option<PsInPlace>,
-        steps: usize,
-        progress: &mut Progress,
-    ) -> Result<()> {
-        let mut first = progress.first;
-        loop {
-            let failure = match in_place {
-                Some(PsInPlace {
-                    bus, orders, mirror, ..
-                }) => {
-                    let line = InPlaceLine {
-                        bus,
-                        buddy: mirror.as_ref().map(|(_, buddy)| buddy),
-                    };
-                    let training = self.train_steps(client, first, steps, progress, Some(line));
-                    orders.interrupting(training).await
-                }
-                None => self.train_steps(client, first, steps, progress, None).await,
-            };
-            let Err(failure) = failure else {
-                return Ok(());
-            };
-            if is_preemption(&failure) {
-                // Every trainer stopped after the same step: the shards may go once all left.
-                let leave = vec![Request::Leave { trainer: self.place }; client.server_num()];
-                if let Err(e) = client.call_all(leave, "leave").await {
-                    tracing::warn!(trainer = self.rank, "leaving the shards after stopping: {e:#}");
-                }
-                return Err(failure);
-            }
-            let Some(in_place) = in_place.as_mut() else {
-                return Err(failure);
-            };
-            in_place.orders.explain(failure).await?;
-            first = self.join(in_place, client).await?;
-            progress.losses.truncate(first.saturating_sub(progress.first));
-            self.prepare(first, buddy_of(Some(in_place))).await?;
-        }
     }
 
     /// Writes the trainer's timeline, when tracing.
@@ -373,9 +371,8 @@ impl PsRun {
     }
 
     /// Joins the forming generation — with elastic membership, once admitted — at its place
-    /// among the generation's trainers: its requests carry it from now on. Returns the step it
-    /// resumes after.
-    async fn join(&mut self, in_place: &mut PsInPlace, client: &mut PsClient) -> Result<usize> {
+    /// among the generation's trainers: its requests carry it from now on. Returns its roster.
+    async fn join(&mut self, in_place: &mut InPlaceLine, client: &mut PsClient) -> Result<Roster> {
         let roster = in_place
             .bus
             .join_admitted(
@@ -387,7 +384,6 @@ impl PsRun {
             )
             .await?;
         self.recovery.check_joined(&roster)?;
-        in_place.orders.joined(&roster);
         client.enter(roster.generation);
         let servers = self.job.cluster.server_num;
         let trainers: Vec<usize> = roster.members().into_iter().filter(|&m| m >= servers).collect();
@@ -402,19 +398,17 @@ impl PsRun {
             self.kept = Kept::default();
             (self.place, self.trainers) = (place, trainers.len());
         }
-        let first = roster.resume_step.unwrap_or(0);
         if roster.generation > 0 {
             tracing::info!(
                 trainer = self.rank,
                 generation = roster.generation,
-                resume_step = first,
                 place,
                 trainers = self.trainers,
-                "rejoined"
+                "joined at its place among the generation's trainers"
             );
         }
-        self.roster = Some(roster);
-        Ok(first)
+        self.roster = Some(roster.clone());
+        Ok(roster)
     }
 
     /// A fresh worker on the device, with this trainer's own state after `step` steps — where
@@ -543,7 +537,7 @@ impl PsRun {
         client: &mut PsClient,
         step: usize,
         data: DataPosition,
-        in_place: Option<&mut InPlaceLine<'_>>,
+        in_place: Option<&mut InPlaceLine>,
     ) -> Result<()> {
         let store = self.recovery.checkpoint_store()?;
         let place = self.place;
@@ -560,7 +554,7 @@ impl PsRun {
         if let Some(line) = &in_place {
             self.kept.taken(step, bytes.clone());
             // No other node holds a trainer's own state.
-            if let (Some(buddy), Some(roster)) = (line.buddy, &self.roster) {
+            if let (Some(buddy), Some(roster)) = (line.buddy(), &self.roster) {
                 held.nodes
                     .extend(buddy.copy(roster, self.role(), step, &written.name, &bytes).await?);
             }
@@ -577,7 +571,7 @@ impl PsRun {
         match in_place {
             Some(line) => {
                 let (role, roster) = (self.role(), self.roster.as_ref());
-                acknowledge_checkpoint(line.bus, (role, step), files, Some(&mut self.kept), &store, roster).await
+                acknowledge_checkpoint(&mut line.bus, (role, step), files, Some(&mut self.kept), &store, roster).await
             }
             None if place == 0 => {
                 let mut files = Vec::new();
@@ -622,9 +616,49 @@ impl PsRun {
     }
 }
 
-/// The buddy of a trainer that rolls back in place, if it keeps copies on the next node.
-fn buddy_of(in_place: Option<&PsInPlace>) -> Option<&Buddy> {
-    in_place?.mirror.as_ref().map(|(_, buddy)| buddy)
+impl RankGenerations for PsRun {
+    type Run = PsLoop;
+    type Outcome = ();
+
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    /// The generation's steps, interrupted where a rollback order comes (the shards a trainer
+    /// waits for may be lost).
+    async fn generation(&mut self, run: &mut PsLoop, first: usize) -> Result<()> {
+        let interruption = self.orders.as_ref().map(Orders::interruption);
+        let steps = self.steps;
+        let training = self.train_steps(&mut run.client, first, steps, &mut run.progress, run.line.as_mut());
+        match interruption {
+            Some(interruption) => interruption.of(training).await,
+            None => training.await,
+        }
+    }
+
+    fn orders(&mut self) -> Option<&mut Orders> {
+        self.orders.as_mut()
+    }
+
+    /// Joins the next generation and restores this trainer's own state of its checkpoint (the
+    /// shards restore theirs).
+    async fn rejoin(&mut self, run: &mut PsLoop) -> Result<Roster> {
+        let line = run.line.as_mut().context("a rollback without in-place recovery")?;
+        let roster = self.join(line, &mut run.client).await?;
+        let first = roster.resume_step.unwrap_or(0);
+        let progress = &mut run.progress;
+        progress.losses.truncate(first.saturating_sub(progress.first));
+        self.prepare(first, line.buddy()).await?;
+        Ok(roster)
+    }
+
+    /// Every trainer stopped after the same step: the shards may go once all left.
+    async fn preempted(&mut self, run: &mut PsLoop) {
+        let leave = vec![Request::Leave { trainer: self.place }; run.client.server_num()];
+        if let Err(e) = run.client.call_all(leave, "leave").await {
+            tracing::warn!(trainer = self.rank, "leaving the shards after stopping: {e:#}");
+        }
+    }
 }
 
 /// The file of the own state of the trainer at place `place` in a checkpoint.

@@ -37,7 +37,7 @@ impl PsRun {
         first: usize,
         steps: usize,
         progress: &mut Progress,
-        mut in_place: Option<InPlaceLine<'_>>,
+        mut in_place: Option<&mut InPlaceLine>,
     ) -> Result<()> {
         let job = self.job.clone();
         let mut pass = self.start_pass(client, first)?;
@@ -70,7 +70,8 @@ impl PsRun {
                     lane.flush().await?;
                 }
                 let position = pass.loader.position();
-                self.checkpoint(client, step + 1, position, in_place.as_mut()).await?;
+                self.checkpoint(client, step + 1, position, in_place.as_deref_mut())
+                    .await?;
             }
             if let Some(preempted) = next.stop {
                 return Err(preempted.into());

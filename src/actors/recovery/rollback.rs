@@ -74,6 +74,32 @@ pub struct Orders {
     actor: ActorSlot,
 }
 
+/// Interrupts work when an order to a generation newer than the one the rank acted on comes.
+pub struct Interruption {
+    acted_on: u64,
+    orders: watch::Receiver<Option<RollbackOrder>>,
+}
+
+impl Interruption {
+    /// Runs `work` until it ends or the order comes; then it is dropped where it waits, and
+    /// fails with the order's reason (which [`Orders::explain`] then finds at once).
+    pub async fn of<T>(mut self, work: impl Future<Output = Result<T>>) -> Result<T> {
+        let acted_on = self.acted_on;
+        tokio::pin!(work);
+        let heard = tokio::select! {
+            outcome = &mut work => return outcome,
+            heard = self.orders.wait_for(|o| o.as_ref().is_some_and(|o| o.generation > acted_on)) => {
+                heard.map(|order| order.clone())
+            }
+        };
+        match heard {
+            Ok(Some(order)) => Err(anyhow!("interrupted by the coordinator: {}", order.reason)),
+            // No more orders can come (the heartbeats ended): the work goes on alone.
+            _ => work.await,
+        }
+    }
+}
+
 /// A line for orders and its receiving end; `grace` bounds how long a failed rank waits to hear
 /// whether its failure was a peer's death.
 pub fn order_line(grace: Duration) -> (OrderLine, Orders) {
@@ -161,22 +187,13 @@ impl Orders {
         }
     }
 
-    /// Runs `work` until it ends or an order to a generation this rank has not rolled back to
-    /// yet comes; then it is dropped where it waits, and fails with the order's reason (which
-    /// [`Orders::explain`] then finds at once).
-    pub async fn interrupting<T>(&mut self, work: impl Future<Output = Result<T>>) -> Result<T> {
-        let acted_on = self.acted_on;
-        tokio::pin!(work);
-        let heard = tokio::select! {
-            outcome = &mut work => return outcome,
-            heard = self.orders.wait_for(|o| o.as_ref().is_some_and(|o| o.generation > acted_on)) => {
-                heard.map(|order| order.clone())
-            }
-        };
-        match heard {
-            Ok(Some(order)) => Err(anyhow!("interrupted by the coordinator: {}", order.reason)),
-            // No more orders can come (the heartbeats ended): the work goes on alone.
-            _ => work.await,
+    /// What interrupts work on an order to a generation this rank has not rolled back to yet
+    /// ([`Interruption::of`]); it holds no borrow of the orders, so the work may borrow what
+    /// holds them.
+    pub fn interruption(&self) -> Interruption {
+        Interruption {
+            acted_on: self.acted_on,
+            orders: self.orders.clone(),
         }
     }
 
