@@ -16,8 +16,8 @@ use flotilla::cli::{ConfigArgs, DefaultConfig, TrainArgs};
 use flotilla::collective::preemption::{is_preemption, PREEMPTED_EXIT_CODE};
 use flotilla::config::{process_env, JobConfig, Strategy};
 use flotilla::data::ctr::{write_click_log, write_synthetic, CriteoSynth, Split};
+use flotilla::job::ps::serving as ps_serving;
 use flotilla::job::ps::{ParameterServerJob, PsSummary};
-use flotilla::job::ps_serving;
 use flotilla::job::serving::Weights;
 use flotilla::job::{Refusal, RunOptions, RunOutcome, TrainingJob, REFUSAL_EXIT_CODE};
 use flotilla::launch::{

@@ -11,8 +11,9 @@ use std::process::Command;
 use common::{ctr_config, run, saved_shard};
 use flotilla::config::JobConfig;
 use flotilla::data::ctr::{write_synthetic, CriteoSynth, Split};
+use flotilla::job::ps::serving as ps_serving;
 use flotilla::job::ps::ParameterServerJob;
-use flotilla::job::{ps_serving, RunOptions};
+use flotilla::job::RunOptions;
 
 /// Runs `flotilla args…`: its JSON answer on success, its stderr on failure.
 fn flotilla(args: &[&str]) -> Result<serde_json::Value, String> {

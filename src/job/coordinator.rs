@@ -10,7 +10,7 @@ use anyhow::Result;
 use tokio::sync::oneshot;
 
 use super::control::host_coordinator;
-use super::process::master;
+use super::launched_rank::master;
 use super::{Recovery, Resume, RunOptions};
 use crate::actors::{Coordinator, JobAskedToStop};
 use crate::collective::preemption::{self, PreemptionWatch};

@@ -6,22 +6,18 @@
 
 mod control;
 mod coordinator;
+mod data_parallel;
 mod distributed_model;
 pub mod generation;
 mod launched_rank;
 mod outputs;
 mod pipeline;
-mod process;
 mod process_group;
 pub mod ps;
-pub mod ps_serving;
-mod ps_struck;
 mod resumed;
 pub mod run_dir;
 pub mod serving;
-mod shard_generations;
 mod simulated;
-mod stage_rings;
 pub mod torchrun;
 
 pub(crate) use crate::actors::recovery::Recovery;
@@ -30,8 +26,8 @@ pub use crate::refusal::{Refusal, REFUSAL_EXIT_CODE};
 pub use control::connect_control;
 pub use coordinator::run_coordinator;
 pub use distributed_model::{DistributedModel, Output};
+pub use launched_rank::{coordinator_is_own_process, COORDINATOR_PROCESS_VAR};
 pub use outputs::{write_params, RunOutcome, Summary, CONFIG_FILE};
-pub use process::{coordinator_is_own_process, COORDINATOR_PROCESS_VAR};
 pub use process_group::ProcessGroup;
 pub use resumed::{resumed_config, SAFE_TO_CHANGE};
 pub use simulated::{FaultPlan, FaultReport};
@@ -404,7 +400,7 @@ impl TrainingJob {
         if self.config.resolved_strategy() == Strategy::Pipeline {
             pipeline::run_rank(self, rank, options)
         } else {
-            process::run(self, rank, options)
+            data_parallel::run(self, rank, options)
         }
     }
 }

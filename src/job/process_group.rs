@@ -14,7 +14,8 @@ use anyhow::{anyhow, bail, Context, Result};
 use tokio::sync::oneshot;
 
 use super::control::connect_control;
-use super::process::{bind, coordinator_is_own_process, ring_link, RankEndpoints};
+use super::data_parallel::ring_link;
+use super::launched_rank::{bind, coordinator_is_own_process, RankEndpoints};
 use super::torchrun;
 use crate::actors::recovery::heartbeat::{watched, CoordinatorAt};
 use crate::actors::Coordinator;

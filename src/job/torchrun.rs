@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, Context, Result};
 
-use super::process::address_towards;
+use super::launched_rank::address_towards;
 use crate::config::{host_port, JobConfig, Strategy};
 use crate::net::tcp_store::TcpStoreClient;
 

@@ -10,7 +10,6 @@
 //!   memory (actor messages) or over TCP (frames).
 //! - [`server`]: the coordinator's TCP endpoint, turning frames into actor
 //!   messages.
-//! - [`ps_server`]: a parameter-server shard's TCP endpoint, likewise.
 //! - [`listen`]: the accept loop the endpoints share (token handshake first).
 //! - [`tcp_store`]: a client of PyTorch's TCPStore, where ranks under torchrun meet.
 //!
@@ -23,7 +22,6 @@ pub mod frame;
 pub mod frame_stream;
 pub mod listen;
 pub mod protocol;
-pub mod ps_server;
 pub mod server;
 pub mod tcp_store;
 

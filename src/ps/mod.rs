@@ -14,11 +14,11 @@
 //!
 //! Layout: storage ([`table`], [`dense`], [`optimizer`], [`snapshot`]); the
 //! shard's rules per mode ([`shard`]); where a row lives ([`placement`]);
-//! what travels between trainer and shard ([`wire`]); the trainer's side
-//! ([`client`] for the links, [`worker`] for its step on the device thread, [`push_lane`] for
-//! async mode's pushes sent while it trains on).
-//! The shard actor and its TCP endpoint are in `actors::pserver` and
-//! `net::ps_server`.
+//! what travels between trainer and shard ([`wire`]) and the shard's TCP endpoint
+//! ([`server`]); the trainer's side ([`client`] for the links, [`worker`] for its step on the
+//! device thread, [`push_lane`] for async mode's pushes sent while it trains on).
+//! The shard's actor is a role, in `actors::pserver`: it keeps the shard's state across
+//! rollbacks with the recovery pieces, which sit above this module.
 
 pub mod client;
 pub mod dense;
@@ -30,6 +30,7 @@ pub mod policy;
 pub mod push_lane;
 mod row_index;
 mod row_pages;
+pub mod server;
 pub mod shard;
 pub mod snapshot;
 pub mod table;

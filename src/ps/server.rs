@@ -9,9 +9,9 @@ use actix::Recipient;
 use tokio::io::{BufReader, BufWriter};
 use tokio::net::{TcpListener, TcpStream};
 
-use super::auth::Credentials;
-use super::listen::accept_authenticated;
-use crate::ps::wire::{read_request, write_reply, ShardCall};
+use super::wire::{read_request, write_reply, ShardCall};
+use crate::net::auth::Credentials;
+use crate::net::listen::accept_authenticated;
 
 /// Accepts trainer connections until the actor system stops; `open` counts the connections
 /// being served, so the shard can let the last answers go out before it exits. A connection

@@ -14,10 +14,10 @@ use anyhow::{bail, ensure, Context, Result};
 use candle_core::{Device, Tensor};
 use serde::Serialize;
 
-use super::outputs::CONFIG_FILE;
-use super::ps::build_shard;
+use super::build_shard;
 use crate::config::{JobConfig, Strategy};
 use crate::data::ctr::{ClickLogParser, CtrLoader, CtrSource, DataLayout};
+use crate::job::outputs::CONFIG_FILE;
 use crate::metrics::auc;
 use crate::models::{ParamInit, SparseModelDef};
 use crate::ps::dense::dense_range;

@@ -15,13 +15,13 @@ use anyhow::{anyhow, Context as _, Result};
 use futures::channel::oneshot;
 use tokio::sync::mpsc;
 
-use super::ps::ParameterServerJob;
-use super::Recovery;
+use super::ParameterServerJob;
 use crate::actors::pserver::{CheckpointCommitted, KeepsState, PServer, RestoreState, RollBack, WrittenCheckpoint};
 use crate::actors::recovery::buddy::Buddy;
 use crate::actors::recovery::kept::commit_on_this_node;
 use crate::actors::recovery::rollback::Orders;
 use crate::checkpoint::HeldFile;
+use crate::job::Recovery;
 use crate::net::protocol::Roster;
 use crate::net::ControlBus;
 use crate::ps::snapshot::shard_file_name;

@@ -4,6 +4,8 @@
 //! they are linked by rings over TCP or shared memory ([`super::stage_rings`]), and rank 0
 //! writes the outputs from the outcomes replica 0's ranks gather to it over the control bus.
 
+mod stage_rings;
+
 use std::net::TcpListener;
 use std::sync::Arc;
 
@@ -12,10 +14,9 @@ use anyhow::{anyhow, Context as _, Result};
 use bytes::Bytes;
 use futures::future::BoxFuture;
 
-use super::launched_rank::{LaunchedRank, RankStart};
-use super::process::{bind_data_endpoint, host_of, refused_if_mismatched, RoleMirror};
+use super::launched_rank::{bind_data_endpoint, host_of, refused_if_mismatched, LaunchedRank, RankStart, RoleMirror};
 use super::simulated::run_struck;
-use super::{stage_rings, FaultPlan, FaultReport, Recovery, RunOptions, RunOutcome, Summary, TrainingJob};
+use super::{FaultPlan, FaultReport, Recovery, RunOptions, RunOutcome, Summary, TrainingJob};
 use crate::actors::device::StageLinks;
 use crate::actors::stage::{Rejoin, StageActor, StageGeneration, StageInPlace, StageOutcome, TrainStage};
 use crate::actors::Coordinator;

@@ -2,6 +2,10 @@
 //! `cluster.server_num` shards — all as actors of this process (simulated cluster), or as one
 //! role of a job started by `flotilla launch-ps` (`TRAINING_ROLE`, Paddle's variables).
 
+pub mod serving;
+mod shard_generations;
+mod struck;
+
 use std::net::TcpListener;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -14,10 +18,10 @@ use serde::Serialize;
 
 use tokio::sync::mpsc;
 
+use self::shard_generations::ShardGenerations;
 use super::control::host_coordinator;
+use super::launched_rank::{host_of, refused_if_mismatched, RankRecovery, RoleMirror};
 use super::outputs::{write_config, write_summary};
-use super::process::{host_of, refused_if_mismatched, RankRecovery, RoleMirror};
-use super::shard_generations::ShardGenerations;
 use super::{FaultPlan, FaultReport, Recovery, Refusal, RunOptions};
 use crate::actors::ctr_device::CtrDevice;
 use crate::actors::ps_trainer::{PsInPlace, PsOutcome, PsTrainer};
@@ -30,12 +34,12 @@ use crate::config::{DatasetKind, JobConfig, PsMode};
 use crate::data::ctr::{ClickLogParser, CriteoSynth, CtrSource, Split};
 use crate::models::{ParamInit, SparseModelDef};
 use crate::net::auth::Credentials;
-use crate::net::ps_server::serve_shard;
 use crate::net::ControlBus;
 use crate::ps::client::{PsClient, ShardLink};
 use crate::ps::dense::{dense_range, DenseSlice};
 use crate::ps::optimizer::ServerOptimizer;
 use crate::ps::policy::RowPolicy;
+use crate::ps::server::serve_shard;
 use crate::ps::snapshot::shard_file_name;
 use crate::ps::table::{RowInit, SparseTable};
 use crate::ps::wire::{ShardStats, TableStats};
@@ -259,7 +263,7 @@ impl ParameterServerJob {
         options: &RunOptions,
         faults: &FaultPlan,
     ) -> Result<(PsSummary, FaultReport)> {
-        super::ps_struck::run_with_faults(self, options, faults)
+        struck::run_with_faults(self, options, faults)
     }
 
     /// Serves shard `index` at `cluster.pservers[index]` until every trainer has left.
