@@ -7,6 +7,7 @@
 //! started again, rejoins. The pods meet Pod Security's `restricted` profile. Flags the API
 //! server would reject are refused here, naming them.
 
+mod names;
 mod objects;
 mod operators;
 mod pods;

@@ -5,44 +5,13 @@ use std::collections::BTreeMap;
 
 use anyhow::Result;
 use k8s_openapi::api::batch::v1::{Job, JobSpec};
-use k8s_openapi::api::core::v1::{
-    ConfigMap, PersistentVolumeClaim, PersistentVolumeClaimSpec, Service, ServicePort, ServiceSpec,
-    VolumeResourceRequirements,
-};
-use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+use k8s_openapi::api::core::v1::{ConfigMap, PersistentVolumeClaim, Service, ServicePort, ServiceSpec};
 
+use super::names::{config_map_name, metadata, shared_claim_name, JOB_LABEL};
 use super::pods::PodGroup;
-use super::template::pod_template;
+use super::template::{claim_spec, pod_template};
 use super::{K8sOptions, Plan, CONFIG_FILE};
 use crate::config::JobConfig;
-
-/// The label every object of a job carries, its value the job's name.
-pub(super) const JOB_LABEL: &str = "flotilla.io/job";
-/// The label of a pod's role in its job.
-const ROLE_LABEL: &str = "flotilla.io/role";
-
-/// An object's name, namespace and the job's label.
-pub(super) fn metadata(options: &K8sOptions, name: String) -> ObjectMeta {
-    ObjectMeta {
-        name: Some(name),
-        namespace: options.namespace.clone(),
-        labels: Some(job_labels(options, None)),
-        ..Default::default()
-    }
-}
-
-/// The labels of a job's objects, and of its pods of `role`.
-pub(super) fn job_labels(options: &K8sOptions, role: Option<&str>) -> BTreeMap<String, String> {
-    let mut labels = BTreeMap::from([
-        ("app.kubernetes.io/name".to_string(), "flotilla".to_string()),
-        (JOB_LABEL.to_string(), options.name.clone()),
-    ]);
-    if let Some(role) = role {
-        labels.insert(ROLE_LABEL.to_string(), role.to_string());
-    }
-    labels
-}
 
 /// The job's resolved config, as every pod reads it. What differs between pods and clusters —
 /// the coordinator's and the peers' addresses, the token — is left out: each pod's launcher and
@@ -61,21 +30,6 @@ pub(super) fn config_map(config: &JobConfig, options: &K8sOptions) -> Result<Con
     })
 }
 
-/// The ConfigMap holding the job's config.
-pub(super) fn config_map_name(options: &K8sOptions) -> String {
-    format!("{}-config", options.name)
-}
-
-/// The claim of the shared checkpoint volume.
-pub(super) fn shared_claim_name(options: &K8sOptions) -> String {
-    format!("{}-checkpoints", options.name)
-}
-
-/// The Secret the cluster token is read from (created by the user, never rendered).
-pub(super) fn token_secret_name(options: &K8sOptions) -> String {
-    format!("{}-token", options.name)
-}
-
 /// The ReadWriteMany volume every pod keeps its checkpoints and the run's outputs on
 /// (`--volume shared`): a pod started again on another node finds them, and they outlive the
 /// job.
@@ -83,22 +37,6 @@ pub(super) fn shared_volume(options: &K8sOptions) -> PersistentVolumeClaim {
     PersistentVolumeClaim {
         metadata: metadata(options, shared_claim_name(options)),
         spec: Some(claim_spec(options, "ReadWriteMany")),
-        ..Default::default()
-    }
-}
-
-/// A checkpoint volume's claim of `--storage` from `--storage-class`, in `access_mode`.
-pub(super) fn claim_spec(options: &K8sOptions, access_mode: &str) -> PersistentVolumeClaimSpec {
-    PersistentVolumeClaimSpec {
-        access_modes: Some(vec![access_mode.into()]),
-        storage_class_name: options.storage_class.clone(),
-        resources: Some(VolumeResourceRequirements {
-            requests: Some(BTreeMap::from([(
-                "storage".to_string(),
-                Quantity(options.storage.clone()),
-            )])),
-            ..Default::default()
-        }),
         ..Default::default()
     }
 }

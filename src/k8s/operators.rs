@@ -8,7 +8,8 @@ use k8s_openapi::api::core::v1::PodTemplateSpec;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use serde::Serialize;
 
-use super::objects::{metadata, restarts};
+use super::names::metadata;
+use super::objects::restarts;
 use super::pods::PodGroup;
 use super::template::pod_template;
 use super::{Plan, VolumeMode};

@@ -8,16 +8,18 @@ use std::collections::BTreeMap;
 
 use k8s_openapi::api::core::v1::{
     Capabilities, ConfigMapVolumeSource, Container, ContainerPort, EmptyDirVolumeSource, EnvVar, EnvVarSource,
-    EphemeralVolumeSource, LocalObjectReference, PersistentVolumeClaimTemplate, PersistentVolumeClaimVolumeSource,
-    PodSecurityContext, PodSpec, PodTemplateSpec, ResourceRequirements, SeccompProfile, SecretKeySelector,
-    SecurityContext, Volume, VolumeMount,
+    EphemeralVolumeSource, LocalObjectReference, PersistentVolumeClaimSpec, PersistentVolumeClaimTemplate,
+    PersistentVolumeClaimVolumeSource, PodSecurityContext, PodSpec, PodTemplateSpec, ResourceRequirements,
+    SeccompProfile, SecretKeySelector, SecurityContext, Volume, VolumeMount, VolumeResourceRequirements,
 };
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 
-use super::objects::{claim_spec, config_map_name, job_labels, shared_claim_name, token_secret_name};
+use super::names::{config_map_name, job_labels, shared_claim_name, token_secret_name};
 use super::pods::PodGroup;
-use super::{Operator, Plan, VolumeMode, CONFIG_DIR, DATA_DIR, RUN_AS_USER, RUN_DIR, SCRATCH_DIR, TOKEN_KEY};
+use super::{
+    K8sOptions, Operator, Plan, VolumeMode, CONFIG_DIR, DATA_DIR, RUN_AS_USER, RUN_DIR, SCRATCH_DIR, TOKEN_KEY,
+};
 use crate::config::JobConfig;
 use crate::launch::RUN_DIR_VAR;
 use crate::net::auth::TOKEN_VAR;
@@ -221,6 +223,22 @@ fn resources(config: &JobConfig, group: &PodGroup) -> ResourceRequirements {
     ResourceRequirements {
         requests: Some(requests),
         limits: (gpus > 0).then(|| BTreeMap::from([("nvidia.com/gpu".to_string(), Quantity(gpus.to_string()))])),
+        ..Default::default()
+    }
+}
+
+/// A checkpoint volume's claim of `--storage` from `--storage-class`, in `access_mode`.
+pub(super) fn claim_spec(options: &K8sOptions, access_mode: &str) -> PersistentVolumeClaimSpec {
+    PersistentVolumeClaimSpec {
+        access_modes: Some(vec![access_mode.into()]),
+        storage_class_name: options.storage_class.clone(),
+        resources: Some(VolumeResourceRequirements {
+            requests: Some(BTreeMap::from([(
+                "storage".to_string(),
+                Quantity(options.storage.clone()),
+            )])),
+            ..Default::default()
+        }),
         ..Default::default()
     }
 }
