@@ -9,8 +9,8 @@ mod common;
 use std::path::{Path, PathBuf};
 
 use common::{
-    children_of, config, end_leftovers, flotilla, free_port_range, pick, ps_matches_uninterrupted, start_flotilla,
-    train_in_process, wait_for_commit, wait_for_training, PIPELINE_2X2,
+    children_of, config, end_leftovers, flotilla, free_port_range, pick, ps_matches_uninterrupted,
+    start_launched_training, train_in_process, wait_for_commit, wait_for_training, PIPELINE_2X2,
 };
 use flotilla::job::{Resume, RunOptions, TrainingJob};
 
@@ -64,7 +64,7 @@ const PARAMETER_SERVER: Job = Job {
 fn survive(job: &Job, signal: i32, extra: &[&str]) -> String {
     let dir = tempfile::tempdir().unwrap();
     let (run_dir, checkpoints) = (dir.path().join("run"), dir.path().join("checkpoints"));
-    let port = free_port_range(job.processes as u16 + 1).to_string();
+    let port = free_port_range(job.processes as u16 + 1);
     let mut settings: Vec<String> = job.settings.iter().chain(extra).map(|s| s.to_string()).collect();
     settings.extend([
         format!("train.steps={}", job.steps),
@@ -75,13 +75,7 @@ fn survive(job: &Job, signal: i32, extra: &[&str]) -> String {
         // pipeline jobs, is tested in `in_place_recovery.rs`.
         "fault_tolerance.recovery=restart".to_string(),
     ]);
-    let mut args = job.launcher.to_vec();
-    #[rustfmt::skip]
-    args.extend(["--started_port", &port, "--", "train", "--config", job.config, "--run-dir", run_dir.to_str().unwrap()]);
-    for set in &settings {
-        args.extend(["--set", set.as_str()]);
-    }
-    let launcher = start_flotilla(&args, &[]);
+    let launcher = start_launched_training(job.launcher, port, job.config, &run_dir, &settings);
     let (victim, at) = (pick(job.victims), job.every * (1 + pick(2)));
     eprintln!("signal {signal} to process {victim} (in start order) after the checkpoint of step {at}");
     wait_for_commit(&checkpoints, at);
@@ -234,16 +228,13 @@ fn a_second_run_refused_by_the_first_runs_checkpoints_stops_instead_of_resuming_
 /// Launches `job` for its steps into `run_dir`, with `settings`, and waits until it trains.
 fn launch_training(job: &Job, run_dir: &Path, settings: &[&str]) -> common::Started {
     // Its processes and the coordinator's.
-    let port = free_port_range(job.processes as u16 + 1).to_string();
+    let port = free_port_range(job.processes as u16 + 1);
     let steps = format!("train.steps={}", job.steps);
-    let mut args = job.launcher.to_vec();
-    #[rustfmt::skip]
-    args.extend(["--started_port", &port, "--", "train", "--config", job.config,
-        "--run-dir", run_dir.to_str().unwrap(), "--set", &steps]);
-    for setting in job.settings.iter().chain(settings) {
-        args.extend(["--set", setting]);
-    }
-    let launcher = start_flotilla(&args, &[]);
+    let settings: Vec<&str> = [steps.as_str()]
+        .into_iter()
+        .chain(job.settings.iter().chain(settings).copied())
+        .collect();
+    let launcher = start_launched_training(job.launcher, port, job.config, run_dir, &settings);
     wait_for_training(run_dir);
     launcher
 }

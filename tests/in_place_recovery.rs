@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 
 use common::{
     children_of, config, end_leftovers, free_port_range, pick, ps_matches_uninterrupted, role_pids, start_flotilla,
-    train_in_process, trainer_ranks, wait_for_commit, PIPELINE_2X2,
+    start_launched_training, train_in_process, trainer_ranks, wait_for_commit, PIPELINE_2X2,
 };
 
 /// A launched job that recovers in place, and the settings of its uninterrupted in-process twin.
@@ -149,7 +149,7 @@ fn wait_for_replacement(launcher: u32, roles: usize, gone: i32) -> Vec<i32> {
 fn launch_and_hurt(job: &Job, victim: Victim, fault: Fault, extra: &[&str]) -> Hurt {
     let dir = tempfile::tempdir().unwrap();
     let (run_dir, checkpoints) = (dir.path().join("run"), dir.path().join("checkpoints"));
-    let port = free_port_range(job.roles.len() as u16 + 1).to_string();
+    let port = free_port_range(job.roles.len() as u16 + 1);
     let mut settings = job.sets();
     settings.extend(extra.iter().map(|s| s.to_string()));
     settings.extend([
@@ -158,14 +158,7 @@ fn launch_and_hurt(job: &Job, victim: Victim, fault: Fault, extra: &[&str]) -> H
         "fault_tolerance.max_restarts=2".to_string(),
         "fault_tolerance.heartbeat_interval_ms=200".to_string(),
     ]);
-    let mut args = job.launcher.to_vec();
-    #[rustfmt::skip]
-    args.extend(["--started_port", &port, "--", "train", "--config", job.config,
-        "--run-dir", run_dir.to_str().unwrap()]);
-    for set in &settings {
-        args.extend(["--set", set.as_str()]);
-    }
-    let launcher = start_flotilla(&args, &[]);
+    let launcher = start_launched_training(job.launcher, port, job.config, &run_dir, &settings);
     let pid = launcher.child.id();
     let at = job.every * (1 + pick(3));
     eprintln!("{fault:?} of {victim:?} after the checkpoint of step {at}");

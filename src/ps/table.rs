@@ -503,18 +503,26 @@ fn lowest_sixteenth(mut scored: Vec<(f32, u64)>, budget: usize) -> Vec<u64> {
     scored[..count].iter().map(|&(_, id)| id).collect()
 }
 
+/// The optimizers the tests of the tables and of the shards' snapshots train with.
 #[cfg(test)]
-mod tests {
-    use super::*;
+pub(crate) mod test_optimizers {
+    use super::ServerOptimizer;
 
-    const INIT: RowInit = RowInit { seed: 42, bound: 0.5 };
-    const ADAM: ServerOptimizer = ServerOptimizer::Adam {
+    pub(crate) const ADAM: ServerOptimizer = ServerOptimizer::Adam {
         lr: 0.01,
         beta1: 0.9,
         beta2: 0.999,
         epsilon: 1e-8,
     };
-    const SGD: ServerOptimizer = ServerOptimizer::Sgd { lr: 0.1, momentum: 0.0 };
+    pub(crate) const SGD: ServerOptimizer = ServerOptimizer::Sgd { lr: 0.1, momentum: 0.0 };
+}
+
+#[cfg(test)]
+mod tests {
+    use super::test_optimizers::{ADAM, SGD};
+    use super::*;
+
+    const INIT: RowInit = RowInit { seed: 42, bound: 0.5 };
 
     fn expected_row(table: &str, id: u64, width: usize) -> Vec<f32> {
         let mut row = vec![0.0; width];

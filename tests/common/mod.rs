@@ -285,6 +285,26 @@ pub fn local_launch<'a>(nproc: &'a str, port: &'a str, args: &[&'a str]) -> Vec<
     launch
 }
 
+/// Starts `launcher` (the launch command and its process counts) on ports from `port`, each of
+/// its processes training `config` into `run_dir` with every one of `settings` as a `--set`.
+pub fn start_launched_training(
+    launcher: &[&str],
+    port: u16,
+    config: &str,
+    run_dir: &Path,
+    settings: &[impl AsRef<str>],
+) -> Started {
+    let port = port.to_string();
+    let run_dir = run_dir.to_str().expect("a UTF-8 run directory");
+    let mut args = launcher.to_vec();
+    #[rustfmt::skip]
+    args.extend(["--started_port", &port, "--", "train", "--config", config, "--run-dir", run_dir]);
+    for setting in settings {
+        args.extend(["--set", setting.as_ref()]);
+    }
+    start_flotilla(&args, &[])
+}
+
 /// Panics unless `text` (a process's output) holds `needle`, saying `what` was expected and
 /// showing `text`.
 pub fn assert_says(text: &str, needle: &str, what: &str) {

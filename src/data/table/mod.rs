@@ -571,11 +571,47 @@ mod tests {
         Ok(())
     }
 
-    const REGRESS: Columns = Columns {
+    /// Every column but the label, a value to regress.
+    pub(super) const REGRESS: Columns = Columns {
         label: Some("y"),
         features: None,
         regression: true,
     };
+
+    const CLASSES: Columns = Columns {
+        regression: false,
+        ..REGRESS
+    };
+
+    /// CSV texts whose error both readers must place on the file's line (the header is line 1)
+    /// through `\r\n` endings and blank lines before it: the text, its columns, the line and
+    /// what the error says after it.
+    pub(super) const LINE_ERRORS: [(&str, Columns, usize, &str); 4] = [
+        (
+            "x,y\r\n1,abc\r\n",
+            REGRESS,
+            2,
+            ", column \"y\": \"abc\" is not a number",
+        ),
+        (
+            "x,y\n1,2\n\n\n3,abc\n",
+            REGRESS,
+            5,
+            ", column \"y\": \"abc\" is not a number",
+        ),
+        (
+            "x,y\r\n1,0\r\n\r\n2,1.5\r\n",
+            CLASSES,
+            4,
+            ", column \"y\": 1.5 is not a class id",
+        ),
+        (
+            "x,y\r\n1,2\r\n3\r\n",
+            REGRESS,
+            3,
+            ": malformed CSV: 1 cells where the rows before have 2",
+        ),
+    ];
 
     #[test]
     fn columns_are_found_by_name_in_every_file() -> Result<()> {
@@ -699,36 +735,11 @@ mod tests {
     #[test]
     fn errors_name_the_file_s_line_through_crlf_and_blank_lines() -> Result<()> {
         let dir = tempfile::tempdir()?;
-        let classes = Columns {
-            regression: false,
-            ..REGRESS
-        };
-        for (text, columns, expected) in [
-            (
-                "x,y\r\n1,abc\r\n",
-                REGRESS,
-                "line 2, column \"y\": \"abc\" is not a number",
-            ),
-            (
-                "x,y\n1,2\n\n\n3,abc\n",
-                REGRESS,
-                "line 5, column \"y\": \"abc\" is not a number",
-            ),
-            (
-                "x,y\r\n1,0\r\n\r\n2,1.5\r\n",
-                classes,
-                "line 4, column \"y\": 1.5 is not a class id",
-            ),
-            (
-                "x,y\r\n1,2\r\n3\r\n",
-                REGRESS,
-                "line 3: malformed CSV: 1 cells where the rows before have 2",
-            ),
-        ] {
+        for (text, columns, line, error) in LINE_ERRORS {
             let file = write(dir.path(), "lines.csv", text);
             let err = table_splits(TableFormat::Csv, &[file], &[], columns, 0.5, 1).unwrap_err();
             let message = format!("{err:#}");
-            assert!(message.contains(expected), "{text:?}: {message}");
+            assert!(message.contains(&format!("line {line}{error}")), "{text:?}: {message}");
         }
         Ok(())
     }

@@ -48,6 +48,7 @@ use std::time::Duration;
 use anyhow::Context;
 
 use crate::net::auth::Credentials;
+use tcp::ReceiveLeft;
 
 /// What connecting a rank's rings takes: every rank's data endpoint (by global rank), the
 /// rank's one listener, and how its connections are made.
@@ -101,24 +102,13 @@ pub fn connect_ring_transport(
     credentials: &Credentials,
     abandoned: &Abandoned,
 ) -> anyhow::Result<Box<dyn RingTransport>> {
-    Ok(if shared_memory && shm::usable_for(endpoints) {
-        Box::new(shm::ShmTransport::connect(
-            place,
-            endpoints,
-            listener,
-            timeout,
-            credentials,
-            abandoned,
-        )?)
+    let shared_memory = shared_memory && shm::usable_for(endpoints);
+    let streams = links::connect_ring_links(&place, endpoints, listener, timeout, credentials, abandoned)?;
+    let links = tcp::ConnectedLinks::new(place, streams, timeout);
+    Ok(if shared_memory {
+        Box::new(shm::ShmLeft::open(links)?)
     } else {
-        Box::new(tcp::TcpTransport::connect(
-            place,
-            endpoints,
-            listener,
-            timeout,
-            credentials,
-            abandoned,
-        )?)
+        Box::new(tcp::TcpLeft::open(links)?)
     })
 }
 

@@ -12,20 +12,16 @@
 
 use std::fs::OpenOptions;
 use std::io::{self, Read, Write};
-use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::net::{SocketAddr, TcpStream};
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
-use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
 
-use super::links::{connect_ring_links, link_error};
 use super::send_queue::{MessageSink, SendQueue};
-use super::transport::{MessageHeader, RingTransport};
-use super::RingPlace;
-use super::{Abandoned, LinkBreak};
-use crate::net::auth::Credentials;
+use super::tcp::{ConnectedLinks, Incoming, ProcessTransport, ReceiveLeft};
+use super::transport::MessageHeader;
 
 /// Bytes per slot: one piece of the streamed all-reduce.
 const SLOT_BYTES: usize = 1 << 18;
@@ -183,16 +179,15 @@ impl Drop for ShmSink {
 }
 
 /// One rank's two shared-memory links.
-pub struct ShmTransport {
-    place: RingPlace,
-    to_right: SendQueue,
+pub type ShmTransport = ProcessTransport<ShmLeft>;
+
+/// The receiving half of a shared-memory link: doorbells read from the
+/// socket, the chunks they announce out of the left neighbour's region.
+pub struct ShmLeft {
     from_left: TcpStream,
-    incoming: Region,
+    /// The left neighbour's link file, mapped.
+    region: Region,
     next_slot: usize,
-    received: u64,
-    timeout: Duration,
-    /// Clones of the two sockets, for breaking the links from another thread.
-    sockets: LinkBreak,
 }
 
 /// Removes the link file once both sides have it mapped (or on failure).
@@ -204,20 +199,17 @@ impl Drop for RemoveOnDrop {
     }
 }
 
-impl ShmTransport {
-    /// Joins the ring as [`super::tcp::TcpTransport::connect`] does, then
-    /// swaps the data path of both links to shared memory. Every endpoint
+impl ReceiveLeft for ShmLeft {
+    /// Swaps the data path of both links to shared memory. Every endpoint
     /// must be on this host.
-    pub fn connect(
-        place: RingPlace,
-        endpoints: &[SocketAddr],
-        listener: &TcpListener,
-        timeout: Duration,
-        credentials: &Credentials,
-        abandoned: &Abandoned,
-    ) -> Result<Self> {
-        let (mut to_right, mut from_left, sockets) =
-            connect_ring_links(&place, endpoints, listener, timeout, credentials, abandoned)?;
+    fn open(links: ConnectedLinks) -> Result<ShmTransport> {
+        let ConnectedLinks {
+            place,
+            mut to_right,
+            mut from_left,
+            timeout,
+            sockets,
+        } = links;
         let (rank, left) = (place.rank(), place.rank_at(place.left()));
         let unique = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
@@ -261,64 +253,20 @@ impl ShmTransport {
             next_slot: 0,
             in_flight: 0,
         };
-        Ok(Self {
-            place,
-            to_right: SendQueue::new(sink, format!("ring-shm-send-rank{rank}"))?,
+        let to_right = SendQueue::new(sink, format!("ring-shm-send-rank{rank}"))?;
+        let from_left = ShmLeft {
             from_left,
-            incoming,
+            region: incoming,
             next_slot: 0,
-            received: 0,
-            timeout,
-            sockets,
-        })
+        };
+        Ok(ProcessTransport::new(place, to_right, from_left, timeout, sockets))
     }
 
-    fn link_error(&self, op: &str, peer: usize, e: io::Error) -> anyhow::Error {
-        link_error(op, peer, &self.place, self.timeout, e)
-    }
-
-    fn read_doorbell(&mut self, op: &str) -> Result<Doorbell> {
-        let mut bytes = [0u8; Doorbell::SIZE];
-        (&self.from_left)
-            .read_exact(&mut bytes)
-            .map_err(|e| self.link_error(op, self.left(), e))?;
-        Doorbell::decode(&bytes).ok_or_else(|| {
-            let left = self.place.rank_at(self.left());
-            anyhow::anyhow!("{op}: corrupt doorbell from rank {left} (bad magic)")
-        })
-    }
-}
-
-impl RingTransport for ShmTransport {
-    fn rank(&self) -> usize {
-        self.place.position()
-    }
-
-    fn link_break(&self) -> Option<LinkBreak> {
-        Some(self.sockets.clone())
-    }
-
-    fn world_size(&self) -> usize {
-        self.place.world_size()
-    }
-
-    unsafe fn send_queued(&mut self, op: &str, bytes: &[u8]) -> Result<()> {
-        // SAFETY: the caller keeps `bytes` valid and unchanged until `flush`.
-        unsafe { self.to_right.push(bytes) }.map_err(|e| self.link_error(op, self.right(), e))
-    }
-
-    fn flush(&mut self, op: &str) -> Result<()> {
-        self.to_right
-            .wait_all()
-            .map_err(|e| self.link_error(op, self.right(), e))
-    }
-
-    fn recv(&mut self, op: &str, len: usize, on_recv: &mut dyn FnMut(usize, &[u8])) -> Result<()> {
-        let seq = self.received;
-        self.received += 1;
+    fn recv(&mut self, incoming: &Incoming, on_recv: &mut dyn FnMut(usize, &[u8])) -> Result<()> {
+        let (op, seq, len) = (incoming.op, incoming.header.seq, incoming.header.len as usize);
         let mut offset = 0;
         loop {
-            let bell = self.read_doorbell(op)?;
+            let bell = self.read_doorbell(incoming)?;
             let chunk = bell.chunk_len as usize;
             let expected_slot = (self.next_slot % SLOTS) as u32;
             if bell.seq != seq
@@ -329,7 +277,7 @@ impl RingTransport for ShmTransport {
             {
                 bail!(
                     "{op}: rank {} rang for message #{} of {} bytes ({} bytes in slot {}), expected #{seq} of {len} bytes in slot {expected_slot} (ranks out of step)",
-                    self.place.rank_at(self.left()),
+                    incoming.left_rank(),
                     bell.seq,
                     bell.msg_len,
                     chunk,
@@ -337,17 +285,31 @@ impl RingTransport for ShmTransport {
                 );
             }
             // SAFETY: the doorbell hands this slot to us until we credit it.
-            let piece = unsafe { std::slice::from_raw_parts(self.incoming.slot(self.next_slot), chunk) };
+            let piece = unsafe { std::slice::from_raw_parts(self.region.slot(self.next_slot), chunk) };
             on_recv(offset, piece);
             self.next_slot = (self.next_slot + 1) % SLOTS;
-            (&self.from_left)
-                .write_all(&[1])
-                .map_err(|e| self.link_error(op, self.left(), e))?;
+            (&self.from_left).write_all(&[1]).map_err(|e| incoming.error(e))?;
             offset += chunk;
             if offset == len {
                 return Ok(());
             }
         }
+    }
+}
+
+impl ShmLeft {
+    fn read_doorbell(&self, incoming: &Incoming) -> Result<Doorbell> {
+        let mut bytes = [0u8; Doorbell::SIZE];
+        (&self.from_left)
+            .read_exact(&mut bytes)
+            .map_err(|e| incoming.error(e))?;
+        Doorbell::decode(&bytes).ok_or_else(|| {
+            anyhow::anyhow!(
+                "{}: corrupt doorbell from rank {} (bad magic)",
+                incoming.op,
+                incoming.left_rank()
+            )
+        })
     }
 }
 

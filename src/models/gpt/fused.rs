@@ -19,6 +19,8 @@ fn row_len(layout: &Layout) -> candle_core::Result<usize> {
 /// A kernel computed row by row. Implementations mark `row` `#[inline(always)]`, so that it is
 /// compiled into [`EveryRow`]'s loop for the CPU's vector unit.
 trait RowKernel {
+    /// The name candle knows the kernel's op by, for errors.
+    const NAME: &'static str;
     /// Output row `out` from row `r` of the input, `x`, and for a backward kernel the row of
     /// the upstream gradient, `g` (empty otherwise).
     fn row(&self, r: usize, x: &[f32], g: &[f32], out: &mut [f32]);
@@ -48,13 +50,13 @@ impl<K: RowKernel> pulp::WithSimd for EveryRow<'_, K> {
 
 /// A new tensor of `layout`'s shape whose rows of `row` values are `kernel`'s of the input's
 /// rows (and of `g`'s, for a backward kernel: a gradient of the same shape).
-fn map_rows(
+fn map_rows<K: RowKernel>(
     (storage, layout): (&CpuStorage, &Layout),
     g: Option<(&CpuStorage, &Layout)>,
-    op: &str,
     row: usize,
-    kernel: &impl RowKernel,
+    kernel: &K,
 ) -> candle_core::Result<(CpuStorage, Shape)> {
+    let op = K::NAME;
     let x = cpu_values(storage, layout, op)?;
     let g = g.map(|(g, g_layout)| cpu_values(g, g_layout, op)).transpose()?;
     if let Some(g) = &g {
@@ -129,15 +131,77 @@ fn exp(x: f32) -> f32 {
     e_r * f32::from_bits(((n as i32 + 127) as u32) << 23)
 }
 
+/// A fused forward kernel, with the backward kernel that turns the tensor it saves and the
+/// upstream gradient into the input's gradient.
+trait ForwardKernel: RowKernel + Send + Sync + 'static {
+    /// The forward tensor the backward kernel reads beside the gradient.
+    const SAVES: Saved;
+    type Backward: RowKernel;
+    /// The backward kernel, with this kernel's settings.
+    fn backward(&self) -> Self::Backward;
+}
+
+/// Which tensor of the forward op its backward kernel reads.
+enum Saved {
+    Input,
+    Output,
+}
+
+/// A [`ForwardKernel`] as candle's op, with its backward registered.
+struct Forward<K>(K);
+
+impl<K: ForwardKernel> CustomOp1 for Forward<K> {
+    fn name(&self) -> &'static str {
+        K::NAME
+    }
+
+    fn cpu_fwd(&self, storage: &CpuStorage, layout: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+        map_rows((storage, layout), None, row_len(layout)?, &self.0)
+    }
+
+    fn bwd(&self, input: &Tensor, output: &Tensor, grad: &Tensor) -> candle_core::Result<Option<Tensor>> {
+        let saved = match K::SAVES {
+            Saved::Input => input,
+            Saved::Output => output,
+        };
+        Ok(Some(
+            saved.apply_op2_no_bwd(&grad.contiguous()?, &Backward(self.0.backward()))?,
+        ))
+    }
+}
+
+/// A backward kernel as candle's op over the saved tensor and the gradient (it has no
+/// gradient of its own).
+struct Backward<K>(K);
+
+impl<K: RowKernel> CustomOp2 for Backward<K> {
+    fn name(&self) -> &'static str {
+        K::NAME
+    }
+
+    fn cpu_fwd(
+        &self,
+        saved: &CpuStorage,
+        saved_layout: &Layout,
+        grad: &CpuStorage,
+        grad_layout: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let n = row_len(saved_layout)?;
+        map_rows((saved, saved_layout), Some((grad, grad_layout)), n, &self.0)
+    }
+}
+
 /// Softmax over the last dimension of `(…, T, T)` attention scores, row `q` over keys `0..=q`
 /// only (the later keys get probability 0): the causal mask and the softmax in one pass.
 pub(super) fn causal_softmax(scores: &Tensor) -> candle_core::Result<Tensor> {
-    scores.contiguous()?.apply_op1(CausalSoftmax)
+    scores.contiguous()?.apply_op1(Forward(CausalSoftmax))
 }
 
 struct CausalSoftmax;
 
 impl RowKernel for CausalSoftmax {
+    const NAME: &'static str = "causal-softmax";
+
     #[inline(always)]
     fn row(&self, r: usize, x: &[f32], _: &[f32], out: &mut [f32]) {
         // Rows are `(…, query, key)`: query `r mod T` sees keys `0..=query`.
@@ -152,41 +216,21 @@ impl RowKernel for CausalSoftmax {
     }
 }
 
-impl CustomOp1 for CausalSoftmax {
-    fn name(&self) -> &'static str {
-        "causal-softmax"
-    }
+impl ForwardKernel for CausalSoftmax {
+    const SAVES: Saved = Saved::Output;
+    type Backward = SoftmaxBackward;
 
-    fn cpu_fwd(&self, storage: &CpuStorage, layout: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
-        map_rows((storage, layout), None, self.name(), row_len(layout)?, self)
-    }
-
-    fn bwd(&self, _scores: &Tensor, probs: &Tensor, grad: &Tensor) -> candle_core::Result<Option<Tensor>> {
-        Ok(Some(probs.apply_op2_no_bwd(&grad.contiguous()?, &SoftmaxBackward)?))
+    fn backward(&self) -> SoftmaxBackward {
+        SoftmaxBackward
     }
 }
 
 /// `dx = y ⊙ (g − Σ g ⊙ y)` row by row, from the probabilities `y` and their gradient `g`.
 struct SoftmaxBackward;
 
-impl CustomOp2 for SoftmaxBackward {
-    fn name(&self) -> &'static str {
-        "softmax-backward"
-    }
-
-    fn cpu_fwd(
-        &self,
-        probs: &CpuStorage,
-        probs_layout: &Layout,
-        grad: &CpuStorage,
-        grad_layout: &Layout,
-    ) -> candle_core::Result<(CpuStorage, Shape)> {
-        let n = row_len(probs_layout)?;
-        map_rows((probs, probs_layout), Some((grad, grad_layout)), self.name(), n, self)
-    }
-}
-
 impl RowKernel for SoftmaxBackward {
+    const NAME: &'static str = "softmax-backward";
+
     #[inline(always)]
     fn row(&self, _: usize, y: &[f32], g: &[f32], dx: &mut [f32]) {
         let dot = lane_sum(y.len(), |i| y[i] * g[i]);
@@ -198,7 +242,7 @@ impl RowKernel for SoftmaxBackward {
 
 /// `(x − mean) / sqrt(var + eps)` over the last dimension.
 pub(super) fn normalize(x: &Tensor, eps: f32) -> candle_core::Result<Tensor> {
-    x.contiguous()?.apply_op1(Normalize { eps })
+    x.contiguous()?.apply_op1(Forward(Normalize { eps }))
 }
 
 struct Normalize {
@@ -215,6 +259,8 @@ fn moments(row: &[f32], eps: f32) -> (f32, f32) {
 }
 
 impl RowKernel for Normalize {
+    const NAME: &'static str = "normalize";
+
     #[inline(always)]
     fn row(&self, _: usize, x: &[f32], _: &[f32], out: &mut [f32]) {
         let (mean, inv_std) = moments(x, self.eps);
@@ -224,20 +270,12 @@ impl RowKernel for Normalize {
     }
 }
 
-impl CustomOp1 for Normalize {
-    fn name(&self) -> &'static str {
-        "normalize"
-    }
+impl ForwardKernel for Normalize {
+    const SAVES: Saved = Saved::Input;
+    type Backward = NormalizeBackward;
 
-    fn cpu_fwd(&self, storage: &CpuStorage, layout: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
-        map_rows((storage, layout), None, self.name(), row_len(layout)?, self)
-    }
-
-    fn bwd(&self, x: &Tensor, _normalized: &Tensor, grad: &Tensor) -> candle_core::Result<Option<Tensor>> {
-        Ok(Some(x.apply_op2_no_bwd(
-            &grad.contiguous()?,
-            &NormalizeBackward { eps: self.eps },
-        )?))
+    fn backward(&self) -> NormalizeBackward {
+        NormalizeBackward { eps: self.eps }
     }
 }
 
@@ -247,24 +285,9 @@ struct NormalizeBackward {
     eps: f32,
 }
 
-impl CustomOp2 for NormalizeBackward {
-    fn name(&self) -> &'static str {
-        "normalize-backward"
-    }
-
-    fn cpu_fwd(
-        &self,
-        input: &CpuStorage,
-        input_layout: &Layout,
-        grad: &CpuStorage,
-        grad_layout: &Layout,
-    ) -> candle_core::Result<(CpuStorage, Shape)> {
-        let n = row_len(input_layout)?;
-        map_rows((input, input_layout), Some((grad, grad_layout)), self.name(), n, self)
-    }
-}
-
 impl RowKernel for NormalizeBackward {
+    const NAME: &'static str = "normalize-backward";
+
     #[inline(always)]
     fn row(&self, _: usize, x: &[f32], g: &[f32], dx: &mut [f32]) {
         let n = x.len();
@@ -279,7 +302,7 @@ impl RowKernel for NormalizeBackward {
 
 /// `x · Φ(x)`, the exact (erf) GELU.
 pub(super) fn gelu(x: &Tensor) -> candle_core::Result<Tensor> {
-    x.contiguous()?.apply_op1(Gelu)
+    x.contiguous()?.apply_op1(Forward(Gelu))
 }
 
 struct Gelu;
@@ -320,6 +343,8 @@ fn erf(x: f32) -> f32 {
 }
 
 impl RowKernel for Gelu {
+    const NAME: &'static str = "gelu";
+
     #[inline(always)]
     fn row(&self, _: usize, x: &[f32], _: &[f32], y: &mut [f32]) {
         for (y, &x) in y.iter_mut().zip(x) {
@@ -328,41 +353,21 @@ impl RowKernel for Gelu {
     }
 }
 
-impl CustomOp1 for Gelu {
-    fn name(&self) -> &'static str {
-        "gelu"
-    }
+impl ForwardKernel for Gelu {
+    const SAVES: Saved = Saved::Input;
+    type Backward = GeluBackward;
 
-    fn cpu_fwd(&self, storage: &CpuStorage, layout: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
-        map_rows((storage, layout), None, self.name(), row_len(layout)?, self)
-    }
-
-    fn bwd(&self, x: &Tensor, _y: &Tensor, grad: &Tensor) -> candle_core::Result<Option<Tensor>> {
-        Ok(Some(x.apply_op2_no_bwd(&grad.contiguous()?, &GeluBackward)?))
+    fn backward(&self) -> GeluBackward {
+        GeluBackward
     }
 }
 
 /// `dx = g · (Φ(x) + x · φ(x))`.
 struct GeluBackward;
 
-impl CustomOp2 for GeluBackward {
-    fn name(&self) -> &'static str {
-        "gelu-backward"
-    }
-
-    fn cpu_fwd(
-        &self,
-        input: &CpuStorage,
-        input_layout: &Layout,
-        grad: &CpuStorage,
-        grad_layout: &Layout,
-    ) -> candle_core::Result<(CpuStorage, Shape)> {
-        let n = row_len(input_layout)?;
-        map_rows((input, input_layout), Some((grad, grad_layout)), self.name(), n, self)
-    }
-}
-
 impl RowKernel for GeluBackward {
+    const NAME: &'static str = "gelu-backward";
+
     #[inline(always)]
     fn row(&self, _: usize, x: &[f32], g: &[f32], dx: &mut [f32]) {
         // 1 / sqrt(2π)
@@ -389,6 +394,8 @@ struct ScaleShiftRows<'a> {
 }
 
 impl RowKernel for ScaleShiftRows<'_> {
+    const NAME: &'static str = "scale-shift";
+
     #[inline(always)]
     fn row(&self, _: usize, x: &[f32], _: &[f32], y: &mut [f32]) {
         for (((y, &x), &g), &b) in y.iter_mut().zip(x).zip(self.gain).zip(self.bias) {
@@ -399,7 +406,7 @@ impl RowKernel for ScaleShiftRows<'_> {
 
 impl CustomOp3 for ScaleShift {
     fn name(&self) -> &'static str {
-        "scale-shift"
+        ScaleShiftRows::NAME
     }
 
     fn cpu_fwd(
@@ -424,7 +431,7 @@ impl CustomOp3 for ScaleShift {
             );
         }
         let rows = ScaleShiftRows { gain, bias };
-        map_rows((x, x_layout), None, self.name(), n, &rows)
+        map_rows((x, x_layout), None, n, &rows)
     }
 
     fn bwd(

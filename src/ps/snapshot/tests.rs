@@ -2,6 +2,7 @@
 
 use super::*;
 use crate::ps::optimizer::ServerOptimizer;
+use crate::ps::table::test_optimizers::{ADAM, SGD};
 use crate::ps::table::RowInit;
 
 const INFO: ShardSnapshotInfo = ShardSnapshotInfo {
@@ -9,13 +10,6 @@ const INFO: ShardSnapshotInfo = ShardSnapshotInfo {
     server_num: 3,
 };
 const INIT: RowInit = RowInit { seed: 9, bound: 0.1 };
-const ADAM: ServerOptimizer = ServerOptimizer::Adam {
-    lr: 0.01,
-    beta1: 0.9,
-    beta2: 0.999,
-    epsilon: 1e-8,
-};
-const SGD: ServerOptimizer = ServerOptimizer::Sgd { lr: 0.1, momentum: 0.0 };
 
 /// A shard as a few steps of training leave it: Adam on the dense slice
 /// and on table `user`, stateless SGD on table `item`.

@@ -4,15 +4,9 @@ use super::*;
 use crate::data::{Batch, DataPosition, Inputs, RankBatches, RowSource, Targets};
 
 use super::parquet_files;
+use crate::data::table::tests::{LINE_ERRORS, REGRESS};
 
 const ROWS: usize = 101;
-
-/// Every column but the label: the CSV's text column is named where it is read.
-const REGRESS: Columns = Columns {
-    label: Some("y"),
-    features: None,
-    regression: true,
-};
 
 /// Row `i`: features `i` and `-i`, label `i / 2` — each row its own.
 fn row(i: usize) -> Vec<f32> {
@@ -269,32 +263,7 @@ fn the_ranks_held_out_shares_hold_every_row_once_in_pieces() -> Result<()> {
 fn a_streamed_file_s_errors_name_its_lines() -> Result<()> {
     let dir = tempfile::tempdir()?;
     let file = dir.path().join("bad.csv").to_string_lossy().into_owned();
-    let classes = Columns {
-        regression: false,
-        ..REGRESS
-    };
-    for (text, columns, expected) in [
-        (
-            "x,y\r\n1,abc\r\n",
-            REGRESS,
-            "bad.csv:2, column \"y\": \"abc\" is not a number",
-        ),
-        (
-            "x,y\n1,2\n\n\n3,abc\n",
-            REGRESS,
-            "bad.csv:5, column \"y\": \"abc\" is not a number",
-        ),
-        (
-            "x,y\r\n1,0\r\n2,1.5\r\n",
-            classes,
-            "bad.csv:3, column \"y\": 1.5 is not a class id",
-        ),
-        (
-            "x,y\r\n1,2\r\n3\r\n",
-            REGRESS,
-            "bad.csv:3: malformed CSV: 1 cells where the rows before have 2",
-        ),
-    ] {
+    for (text, columns, line, error) in LINE_ERRORS {
         std::fs::write(&file, text)?;
         let files = std::slice::from_ref(&file);
         let err = StreamedTable::open(TableFormat::Csv, files, columns, layout(1, 0), "t")
@@ -304,7 +273,10 @@ fn a_streamed_file_s_errors_name_its_lines() -> Result<()> {
             })
             .unwrap_err();
         let message = format!("{err:#}");
-        assert!(message.contains(expected), "{text:?}: {message}");
+        assert!(
+            message.contains(&format!("bad.csv:{line}{error}")),
+            "{text:?}: {message}"
+        );
     }
     Ok(())
 }
