@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{bail, ensure, Context, Result};
 
-use super::stream::RowFile;
+use super::row_file::RowFile;
 use super::{label_value, npy_files, Columns, Layout};
 
 /// Rows decoded at a time.

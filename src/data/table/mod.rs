@@ -6,6 +6,7 @@
 
 mod array_file;
 mod parquet;
+mod row_file;
 mod stream;
 
 use std::io::{BufReader, Read as _, Seek as _, SeekFrom};

@@ -5,6 +5,7 @@ use std::path::Path;
 
 use anyhow::{bail, ensure, Context, Result};
 
+use super::row_file::RowFile;
 use super::{Columns, Layout, Rows};
 
 /// A Parquet file opened for the columns a model reads.
@@ -137,4 +138,38 @@ fn schema_line(field: &parquet::schema::types::Type) -> String {
         .split_whitespace()
         .collect::<Vec<_>>()
         .join(" ")
+}
+
+impl RowFile for ParquetColumns {
+    fn open(path: &Path, columns: Columns) -> Result<Self> {
+        ParquetColumns::open(path, columns)
+    }
+
+    fn rows(&self) -> u64 {
+        ParquetColumns::rows(self)
+    }
+
+    /// The row group holding `row`.
+    fn block_of(&self, row: u64, regression: bool) -> Result<(u64, Vec<Vec<f32>>)> {
+        use parquet::file::reader::FileReader;
+
+        let metadata = self.reader.metadata();
+        let mut first = 0u64;
+        for index in 0..metadata.num_row_groups() {
+            let rows = metadata.row_group(index).num_rows().max(0) as u64;
+            if row < first + rows {
+                let unreadable = || format!("cannot read row group {index}");
+                let group = self.reader.get_row_group(index).with_context(unreadable)?;
+                let values = group
+                    .get_row_iter(Some(self.projection.clone()))
+                    .with_context(unreadable)?
+                    .enumerate()
+                    .map(|(i, decoded)| self.values(decoded, first + i as u64 + 1, regression))
+                    .collect::<Result<_>>()?;
+                return Ok((first, values));
+            }
+            first += rows;
+        }
+        bail!("no row {} in a file of {first} rows", row + 1)
+    }
 }

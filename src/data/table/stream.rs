@@ -9,9 +9,10 @@ use std::io::{BufRead, BufReader, Seek, SeekFrom};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use anyhow::{anyhow, bail, ensure, Context, Result};
+use anyhow::{anyhow, ensure, Context, Result};
 
 use super::array_file::ArrayTable;
+use super::row_file::RowFile;
 use super::{csv_header, csv_reader, csv_values, malformed, record_line, Columns, Layout, ParquetColumns, TableFormat};
 use crate::data::parts::cut::{cut_by_measure, cut_into_parts, Segment};
 use crate::data::parts::text::{count_records, is_gzip};
@@ -411,54 +412,6 @@ impl CsvPart {
             0 => format!("{}:{line}", path.display()),
             start => format!("{} (the part from byte {start}), line {line}", path.display()),
         }
-    }
-}
-
-/// A file whose rows are read by index, a block of rows decoded at a time: Parquet (a row
-/// group) or named arrays (a run of rows).
-pub(crate) trait RowFile: Sized + Send {
-    /// The file at `path`, its `columns` found and checked.
-    fn open(path: &Path, columns: Columns) -> Result<Self>;
-
-    /// Rows in the file.
-    fn rows(&self) -> u64;
-
-    /// The first row and the values (features, then the label) of a block of rows holding
-    /// `row`, labels checked as `regression` says.
-    fn block_of(&self, row: u64, regression: bool) -> Result<(u64, Vec<Vec<f32>>)>;
-}
-
-impl RowFile for ParquetColumns {
-    fn open(path: &Path, columns: Columns) -> Result<Self> {
-        ParquetColumns::open(path, columns)
-    }
-
-    fn rows(&self) -> u64 {
-        ParquetColumns::rows(self)
-    }
-
-    /// The row group holding `row`.
-    fn block_of(&self, row: u64, regression: bool) -> Result<(u64, Vec<Vec<f32>>)> {
-        use parquet::file::reader::FileReader;
-
-        let metadata = self.reader.metadata();
-        let mut first = 0u64;
-        for index in 0..metadata.num_row_groups() {
-            let rows = metadata.row_group(index).num_rows().max(0) as u64;
-            if row < first + rows {
-                let unreadable = || format!("cannot read row group {index}");
-                let group = self.reader.get_row_group(index).with_context(unreadable)?;
-                let values = group
-                    .get_row_iter(Some(self.projection.clone()))
-                    .with_context(unreadable)?
-                    .enumerate()
-                    .map(|(i, decoded)| self.values(decoded, first + i as u64 + 1, regression))
-                    .collect::<Result<_>>()?;
-                return Ok((first, values));
-            }
-            first += rows;
-        }
-        bail!("no row {} in a file of {first} rows", row + 1)
     }
 }
 
