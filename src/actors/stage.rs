@@ -249,37 +249,6 @@ impl StageRun {
         Ok(outcome)
     }
 
-    /// Trains from the state after step `first` to the end of the run and evaluates.
-    async fn train_generation(&mut self, run: &mut RunLoop, first: usize) -> Result<StageOutcome> {
-        let job = self.parts.job.clone();
-        let (rank, stage) = (self.parts.rank, self.stage);
-        // This generation's part of every global batch (another one when membership changed).
-        let (replica, d) = self.replica_place();
-        run.loader.place(replica, d)?;
-        let restored = self.restore(first).await?;
-        let place = Place {
-            replica,
-            replicas: d,
-            role: format!("stage {stage} (replica {replica})"),
-        };
-        let parts = self.parts.clone();
-        let generation = train_generation(self, &parts, place, run, first, restored).await?;
-        let parameters = self.parts.device.send(ReadParameters).await??;
-        Ok(StageOutcome {
-            rank,
-            steps: run.steps,
-            evaluated: generation.score,
-            samples_per_sec: generation.samples_per_sec(&job, run.steps),
-            allreduce_ratio: generation.comm_time_ratio(),
-            exposed_allreduce_ratio: generation.exposed_comm_ratio(),
-            peak_activations: generation.peak_activations,
-            peak_activation_bytes: generation.peak_activation_bytes,
-            bubble_fraction: generation.bubble_fraction(),
-            parameters,
-            losses: generation.losses,
-        })
-    }
-
     /// The ranks of this stage in every replica training this generation, by replica.
     fn replicas_of_stage(&self) -> Vec<usize> {
         let hybrid = &self.parts.job.strategy.hybrid_configs;
@@ -403,8 +372,35 @@ impl RankGenerations for StageRun {
         self.parts.rank
     }
 
+    /// Trains from the state after step `first` to the end of the run and evaluates.
     async fn generation(&mut self, run: &mut RunLoop, first: usize) -> Result<StageOutcome> {
-        self.train_generation(run, first).await
+        let job = self.parts.job.clone();
+        let (rank, stage) = (self.parts.rank, self.stage);
+        // This generation's part of every global batch (another one when membership changed).
+        let (replica, d) = self.replica_place();
+        run.loader.place(replica, d)?;
+        let restored = self.restore(first).await?;
+        let place = Place {
+            replica,
+            replicas: d,
+            role: format!("stage {stage} (replica {replica})"),
+        };
+        let parts = self.parts.clone();
+        let generation = train_generation(self, &parts, place, run, first, restored).await?;
+        let parameters = self.parts.device.send(ReadParameters).await??;
+        Ok(StageOutcome {
+            rank,
+            steps: run.steps,
+            evaluated: generation.score,
+            samples_per_sec: generation.samples_per_sec(&job, run.steps),
+            allreduce_ratio: generation.comm_time_ratio(),
+            exposed_allreduce_ratio: generation.exposed_comm_ratio(),
+            peak_activations: generation.peak_activations,
+            peak_activation_bytes: generation.peak_activation_bytes,
+            bubble_fraction: generation.bubble_fraction(),
+            parameters,
+            losses: generation.losses,
+        })
     }
 
     fn orders(&mut self) -> Option<&mut Orders> {

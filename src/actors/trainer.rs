@@ -192,44 +192,6 @@ impl TrainingRun {
         restore.to(step, || recovery.read_replica(step, roster)).await
     }
 
-    /// Trains one generation, from the state after step `first` to the end of the run.
-    async fn train_generation(&mut self, run: &mut RunLoop, first: usize) -> Result<RankOutcome> {
-        let rank = self.parts.rank;
-        let job = self.parts.job.clone();
-        let roster = self.roster.as_ref().context("a generation before the rendezvous")?;
-        let (place, world) = place_in(roster, rank)?;
-        // This generation's part of every global batch (another one when membership changed).
-        run.loader.place(place, world)?;
-        let restored = self.restore(first).await?;
-        let at = Place {
-            replica: place,
-            replicas: world,
-            role: "trainer".to_string(),
-        };
-        let parts = self.parts.clone();
-        let generation = train_generation(self, &parts, at, run, first, restored).await?;
-        let param_checksum = self.parts.device.send(CheckReplicas).await??;
-        let test_score = generation
-            .score
-            .context("a data-parallel replica scores the held-out split")?;
-        let parameters = self.parts.device.send(ReadParameters).await??;
-        self.bus_mut()?.barrier(rank, "end of training").await?;
-        Ok(RankOutcome {
-            rank: place,
-            world_size: world,
-            steps: run.steps,
-            final_loss: generation.losses.last().copied().unwrap_or(f32::NAN),
-            test_score,
-            samples_per_sec: generation.samples_per_sec(&job, run.steps),
-            comm_time_ratio: generation.comm_time_ratio(),
-            exposed_comm_ratio: generation.exposed_comm_ratio(),
-            param_checksum,
-            parameters,
-            peak_activation_bytes: generation.peak_activation_bytes,
-            losses: generation.losses,
-        })
-    }
-
     /// The line to the coordinator.
     fn bus_mut(&mut self) -> Result<&mut ControlBus> {
         self.bus.as_mut().context("a trainer without a line to the coordinator")
@@ -275,8 +237,42 @@ impl RankGenerations for TrainingRun {
         self.parts.rank
     }
 
+    /// Trains one generation, from the state after step `first` to the end of the run.
     async fn generation(&mut self, run: &mut RunLoop, first: usize) -> Result<RankOutcome> {
-        self.train_generation(run, first).await
+        let rank = self.parts.rank;
+        let job = self.parts.job.clone();
+        let roster = self.roster.as_ref().context("a generation before the rendezvous")?;
+        let (place, world) = place_in(roster, rank)?;
+        // This generation's part of every global batch (another one when membership changed).
+        run.loader.place(place, world)?;
+        let restored = self.restore(first).await?;
+        let at = Place {
+            replica: place,
+            replicas: world,
+            role: "trainer".to_string(),
+        };
+        let parts = self.parts.clone();
+        let generation = train_generation(self, &parts, at, run, first, restored).await?;
+        let param_checksum = self.parts.device.send(CheckReplicas).await??;
+        let test_score = generation
+            .score
+            .context("a data-parallel replica scores the held-out split")?;
+        let parameters = self.parts.device.send(ReadParameters).await??;
+        self.bus_mut()?.barrier(rank, "end of training").await?;
+        Ok(RankOutcome {
+            rank: place,
+            world_size: world,
+            steps: run.steps,
+            final_loss: generation.losses.last().copied().unwrap_or(f32::NAN),
+            test_score,
+            samples_per_sec: generation.samples_per_sec(&job, run.steps),
+            comm_time_ratio: generation.comm_time_ratio(),
+            exposed_comm_ratio: generation.exposed_comm_ratio(),
+            param_checksum,
+            parameters,
+            peak_activation_bytes: generation.peak_activation_bytes,
+            losses: generation.losses,
+        })
     }
 
     fn orders(&mut self) -> Option<&mut Orders> {

@@ -479,10 +479,21 @@ mod tests {
         Credentials::new(ClusterToken::new(text).unwrap(), Duration::from_secs(2))
     }
 
-    #[actix::test]
-    async fn a_connection_reset_during_the_handshake_is_tried_again() {
+    /// A listener on a free loopback port, and its address.
+    async fn listen() -> (TcpListener, String) {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let master = listener.local_addr().unwrap().to_string();
+        (listener, master)
+    }
+
+    /// A bus to `master` presenting `token`, trying for at most `seconds`.
+    async fn connect(master: &str, token: &str, seconds: u64) -> Result<ControlBus> {
+        ControlBus::connect(master, Duration::from_secs(seconds), 1 << 20, &credentials(token)).await
+    }
+
+    #[actix::test]
+    async fn a_connection_reset_during_the_handshake_is_tried_again() {
+        let (listener, master) = listen().await;
         let server_side = credentials("a cluster token of enough length");
         let serving = tokio::spawn(async move {
             // The first connection is closed with its hello unread, as a dying endpoint does.
@@ -490,13 +501,7 @@ mod tests {
             let (mut stream, _) = listener.accept().await.unwrap();
             auth::accept(&mut stream, &server_side).await.map(|()| stream)
         });
-        let bus = ControlBus::connect(
-            &master,
-            Duration::from_secs(10),
-            1 << 20,
-            &credentials("a cluster token of enough length"),
-        )
-        .await;
+        let bus = connect(&master, "a cluster token of enough length", 10).await;
         assert!(bus.is_ok(), "{:#}", bus.err().unwrap());
         assert!(serving.await.unwrap().is_ok());
     }
@@ -505,20 +510,13 @@ mod tests {
     async fn a_coordinator_with_another_token_is_refused_without_retrying() {
         // Accepted once: a retry would wait for a handshake that never comes and end in a
         // timeout, not in the mismatch.
-        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let master = listener.local_addr().unwrap().to_string();
+        let (listener, master) = listen().await;
         let server_side = credentials("the coordinators token, long enough");
         let serving = tokio::spawn(async move {
             let (mut stream, _) = listener.accept().await.unwrap();
             auth::accept(&mut stream, &server_side).await
         });
-        let refused = ControlBus::connect(
-            &master,
-            Duration::from_secs(60),
-            1 << 20,
-            &credentials("another token, also long enough"),
-        )
-        .await;
+        let refused = connect(&master, "another token, also long enough", 60).await;
         let message = format!("{:#}", refused.err().unwrap());
         assert!(message.contains("does not know the cluster token"), "{message}");
         assert!(serving.await.unwrap().is_err());
@@ -526,8 +524,7 @@ mod tests {
 
     #[actix::test]
     async fn the_late_answer_to_a_request_given_up_is_dropped_not_taken_for_the_next() {
-        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let master = listener.local_addr().unwrap().to_string();
+        let (listener, master) = listen().await;
         let server_side = credentials("a cluster token of enough length");
         let serving = tokio::spawn(async move {
             let (mut stream, _) = listener.accept().await?;
@@ -545,14 +542,7 @@ mod tests {
                 .await?;
             anyhow::Ok(())
         });
-        let mut bus = ControlBus::connect(
-            &master,
-            Duration::from_secs(10),
-            1 << 20,
-            &credentials("a cluster token of enough length"),
-        )
-        .await
-        .unwrap();
+        let mut bus = connect(&master, "a cluster token of enough length", 10).await.unwrap();
         let given_up = tokio::time::timeout(Duration::from_millis(50), bus.list_dead(Duration::from_secs(10))).await;
         assert!(given_up.is_err(), "the first answer comes after 200 ms");
         let answer = bus.list_dead(Duration::from_secs(10)).await;
