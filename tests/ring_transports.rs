@@ -1,6 +1,6 @@
 //! The ring collectives over the transports between processes — TCP
-//! sockets on 127.0.0.1 and shared memory — one thread per rank: sums
-//! against a plain sum, for sizes that cut segments into many pieces, into
+//! sockets on 127.0.0.1 and shared memory — one thread per rank: sums (all-reduce, and
+//! reduce-scatter then all-gather of the shards) against a plain sum, for sizes that cut segments into many pieces, into
 //! uneven ones, and into empty ones.
 
 mod common;
@@ -9,7 +9,7 @@ use std::net::{SocketAddr, TcpListener};
 use std::time::Duration;
 
 use flotilla::engines::comm::tcp::TcpTransport;
-use flotilla::engines::comm::{connect_ring_transport, Abandoned, Communicator, RingPlace, RingTransport};
+use flotilla::engines::comm::{connect_ring_transport, Abandoned, Communicator, RingPlace, RingTransport, Wire};
 use flotilla::net::auth::{ClusterToken, Credentials};
 
 const TOKEN: &str = "the ring transports test's token";
@@ -110,7 +110,15 @@ fn all_reduce_matches_plain_sum(kind: Kind) {
                 .iter()
                 .map(|&len| {
                     let mut data = rank_buffer(c.rank(), len);
-                    c.all_reduce_sum("test all-reduce", &mut data).map(|()| data)
+                    c.all_reduce_sum("test all-reduce", &mut data)?;
+                    // The same sum as a sharded optimizer takes it: reduce-scatter, then the
+                    // shards alone (the rest overwritten) gathered.
+                    let mut sharded = rank_buffer(c.rank(), len);
+                    let shard = c.reduce_scatter_sum_as("test reduce-scatter", &mut sharded, Wire::F32)?;
+                    let mut gathered = vec![f32::NAN; len];
+                    gathered[shard.clone()].copy_from_slice(&sharded[shard]);
+                    c.all_gather_shards_as("test all-gather", &mut gathered, Wire::F32)?;
+                    anyhow::Ok((data, gathered))
                 })
                 .collect::<Vec<_>>()
         });
@@ -118,9 +126,10 @@ fn all_reduce_matches_plain_sum(kind: Kind) {
             let inputs: Vec<Vec<f32>> = (0..n).map(|r| rank_buffer(r, len)).collect();
             let expected: Vec<f32> = (0..len).map(|j| inputs.iter().map(|b| b[j]).sum()).collect();
             for (rank, per_size) in results.iter().enumerate() {
-                let got = per_size[i].as_ref().expect("all-reduce succeeds");
+                let (all_reduced, gathered) = per_size[i].as_ref().expect("the collectives succeed");
                 // Multiples of 1/8 below 1000: every partial sum is exact.
-                assert!(got == &expected, "{kind:?} n={n} len={len} rank={rank}");
+                assert!(all_reduced == &expected, "{kind:?} n={n} len={len} rank={rank}");
+                assert!(gathered == &expected, "{kind:?} n={n} len={len} rank={rank}: sharded");
             }
         }
     }

@@ -241,45 +241,79 @@ mod tests {
             .into_iter()
             .flat_map(|len| [(len, Wire::F32), (len, Wire::Bf16)])
         {
-            let communicators = memory_communicators(6, Some(layout), Duration::from_secs(10));
-            let results: Vec<Vec<f32>> = std::thread::scope(|s| {
-                let handles: Vec<_> = communicators
-                    .into_iter()
-                    .map(|mut c| {
-                        s.spawn(move || {
-                            // Multiples of 1/8 below 1000: every sum is exact in any order.
-                            let mut data: Vec<f32> = (0..len)
-                                .map(|i| ((c.rank() * 7919 + i * 31) % 1000) as f32 / 8.0)
-                                .collect();
-                            c.all_reduce_sum_as("test", &mut data, wire).map(|()| data)
-                        })
-                    })
-                    .collect();
-                handles
-                    .into_iter()
-                    .map(|h| h.join().expect("rank thread"))
-                    .collect::<Result<_>>()
+            let results = on_every_rank(layout, |c| {
+                let mut data = rank_values(c.rank(), len);
+                c.all_reduce_sum_as("test", &mut data, wire).map(|()| data)
             })?;
-            let expected: Vec<f32> = (0..len)
-                .map(|i| (0..6).map(|r| ((r * 7919 + i * 31) % 1000) as f32 / 8.0).sum())
-                .collect();
-            if wire == Wire::F32 {
-                for result in results {
-                    assert_eq!(result, expected, "len {len}");
-                }
-                continue;
-            }
-            // bfloat16 on the wire: the same bits everywhere, within the bound of `wire` (the
-            // values are positive, so the sum of magnitudes is the sum).
-            for (i, &exact) in expected.iter().enumerate() {
-                let bound = 6.0 * crate::engines::comm::wire::BF16_ROUNDING * exact;
-                assert!((results[0][i] - exact).abs() <= bound, "len {len} i {i}");
-            }
-            for result in &results {
-                let same = result.iter().zip(&results[0]).all(|(a, b)| a.to_bits() == b.to_bits());
-                assert!(same, "len {len}: the ranks disagree");
-            }
+            assert_sums(&results, len, wire);
         }
         Ok(())
+    }
+
+    /// The hierarchical reduce-scatter leaves each rank the sums of its shard (a rail's shard of
+    /// a node's share), and the all-gather of the shards alone hands every rank the whole sum.
+    #[test]
+    fn the_hierarchical_reduce_scatter_and_all_gather_make_an_all_reduce() -> Result<()> {
+        let layout = NodeLayout { nodes: 3, per_node: 2 };
+        for (len, wire) in [0, 1, 5, 1031, 200_003]
+            .into_iter()
+            .flat_map(|len| [(len, Wire::F32), (len, Wire::Bf16)])
+        {
+            let results = on_every_rank(layout, |c| {
+                let mut data = rank_values(c.rank(), len);
+                let shard = c.reduce_scatter_sum_as("scatter", &mut data, wire)?;
+                anyhow::ensure!(shard == c.shard_of(len), "the shard returned is shard_of's");
+                let mut gathered = vec![f32::NAN; len];
+                gathered[shard.clone()].copy_from_slice(&data[shard]);
+                c.all_gather_shards_as("gather", &mut gathered, wire).map(|()| gathered)
+            })?;
+            assert_sums(&results, len, wire);
+        }
+        Ok(())
+    }
+
+    /// Multiples of 1/8 below 1000: every sum of them is exact in any order.
+    fn rank_values(rank: usize, len: usize) -> Vec<f32> {
+        (0..len).map(|i| ((rank * 7919 + i * 31) % 1000) as f32 / 8.0).collect()
+    }
+
+    /// `work` on every rank of six in memory, hierarchical over `layout`: each rank's result.
+    fn on_every_rank<T: Send>(
+        layout: NodeLayout,
+        work: impl Fn(&mut Communicator) -> Result<T> + Sync,
+    ) -> Result<Vec<T>> {
+        let communicators = memory_communicators(6, Some(layout), Duration::from_secs(10));
+        std::thread::scope(|s| {
+            let handles: Vec<_> = communicators
+                .into_iter()
+                .map(|mut c| {
+                    let work = &work;
+                    s.spawn(move || work(&mut c))
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().expect("rank thread")).collect()
+        })
+    }
+
+    /// Every rank's `results` are the sums of the six ranks' values: exactly on an `f32` wire;
+    /// on a bfloat16 wire the same bits everywhere, within the bound of `wire` (the values are
+    /// positive, so the sum of magnitudes is the sum).
+    fn assert_sums(results: &[Vec<f32>], len: usize, wire: Wire) {
+        let inputs: Vec<Vec<f32>> = (0..6).map(|r| rank_values(r, len)).collect();
+        let expected: Vec<f32> = (0..len).map(|i| inputs.iter().map(|b| b[i]).sum()).collect();
+        if wire == Wire::F32 {
+            for result in results {
+                assert_eq!(*result, expected, "len {len}");
+            }
+            return;
+        }
+        for (i, &exact) in expected.iter().enumerate() {
+            let bound = 6.0 * crate::engines::comm::wire::BF16_ROUNDING * exact;
+            assert!((results[0][i] - exact).abs() <= bound, "len {len} i {i}");
+        }
+        for result in results {
+            let same = result.iter().zip(&results[0]).all(|(a, b)| a.to_bits() == b.to_bits());
+            assert!(same, "len {len}: the ranks disagree");
+        }
     }
 }

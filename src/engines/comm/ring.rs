@@ -62,6 +62,13 @@ fn segment(len: usize, n: usize, i: usize) -> Range<usize> {
     (i * len / n)..((i + 1) * len / n)
 }
 
+/// The segment of a buffer of `len` values rank `rank` of a ring of `n` finishes first in the
+/// ring all-reduce: the reduce-scatter's last step hands it the sums of the segment after its
+/// own.
+fn ring_shard(len: usize, n: usize, rank: usize) -> Range<usize> {
+    segment(len, n, (rank + 1) % n.max(1))
+}
+
 /// A shared view of segment `a` and a mutable one of segment `b` of the same
 /// buffer; the two must not overlap.
 fn split_segments<T>(data: &mut [T], a: Range<usize>, b: Range<usize>) -> (&[T], &mut [T]) {
@@ -167,12 +174,45 @@ impl Communicator {
         self.ring_steps(op, data, 0..2 * n.saturating_sub(1), wire)
     }
 
+    /// The part of a buffer of `len` values whose finished sums this rank holds after
+    /// [`Communicator::reduce_scatter_sum_as`], and hands every rank in
+    /// [`Communicator::all_gather_shards_as`]: the ranks' shards are disjoint and cover the
+    /// buffer (a rank's may be empty when `len` is below the world size).
+    pub fn shard_of(&self, len: usize) -> Range<usize> {
+        match &self.levels {
+            Some(levels) => levels.shard_of(len),
+            None => ring_shard(len, self.world_size(), self.rank()),
+        }
+    }
+
+    /// Sums `data` over all ranks, leaving this rank the finished sums of its shard
+    /// ([`Communicator::shard_of`], returned) and partial sums elsewhere, its values travelling
+    /// as `wire` says: a sharded optimizer's reduction of gradients, half an all-reduce's
+    /// traffic. On a bfloat16 wire the partial sums are rounded as they travel; the finished
+    /// ones stay `f32`.
+    pub fn reduce_scatter_sum_as(&mut self, op: &str, data: &mut [f32], wire: Wire) -> Result<Range<usize>> {
+        if let Some(levels) = self.levels.as_mut() {
+            return levels.reduce_scatter_sum(op, data, wire);
+        }
+        self.reduce_scatter_sum(op, data, wire)
+    }
+
+    /// Hands every rank's shard of `data` ([`Communicator::shard_of`]) to every rank: after a
+    /// sharded optimizer's step, the parameters each rank updated reach all. On a bfloat16 wire
+    /// every rank, the owner too, ends with the rounded values, so all hold the same bits.
+    pub fn all_gather_shards_as(&mut self, op: &str, data: &mut [f32], wire: Wire) -> Result<()> {
+        if let Some(levels) = self.levels.as_mut() {
+            return levels.all_gather_shards(op, data, wire);
+        }
+        self.all_gather_reduced(op, data, wire)
+    }
+
     /// The reduce-scatter half of the ring all-reduce: afterwards this rank holds the sum over
     /// the ring of the returned segment of `data` (the rest is partly reduced).
     fn reduce_scatter_sum(&mut self, op: &str, data: &mut [f32], wire: Wire) -> Result<Range<usize>> {
         let (n, rank) = (self.world_size(), self.rank());
         self.ring_steps(op, data, 0..n.saturating_sub(1), wire)?;
-        Ok(segment(data.len(), n, (rank + 1) % n))
+        Ok(ring_shard(data.len(), n, rank))
     }
 
     /// The all-gather half of the ring all-reduce: each rank's segment of
@@ -379,6 +419,28 @@ impl Levels {
         self.rail.all_reduce_sum_as(op, &mut data[share], wire)?;
         self.node.all_gather_reduced(op, data, wire)
     }
+
+    /// A rank's shard: its rail's shard of its node's share.
+    fn shard_of(&self, len: usize) -> Range<usize> {
+        let share = self.node.shard_of(len);
+        let within = self.rail.shard_of(share.len());
+        share.start + within.start..share.start + within.end
+    }
+
+    /// Reduce-scatter in the node, then of this rank's share across the nodes: only a
+    /// `1/per_node` share of the buffer crosses between nodes, as in the all-reduce.
+    fn reduce_scatter_sum(&mut self, op: &str, data: &mut [f32], wire: Wire) -> Result<Range<usize>> {
+        let share = self.node.reduce_scatter_sum(op, data, wire)?;
+        let within = self.rail.reduce_scatter_sum(op, &mut data[share.clone()], wire)?;
+        Ok(share.start + within.start..share.start + within.end)
+    }
+
+    /// All-gather of this rank's node share across the nodes, then in the node.
+    fn all_gather_shards(&mut self, op: &str, data: &mut [f32], wire: Wire) -> Result<()> {
+        let share = self.node.shard_of(data.len());
+        self.rail.all_gather_reduced(op, &mut data[share], wire)?;
+        self.node.all_gather_reduced(op, data, wire)
+    }
 }
 
 /// Raw views of the buffer an all-reduce streams and of its bfloat16 staging copy: pieces of
@@ -530,6 +592,42 @@ mod tests {
                     let same = r.iter().zip(&results[0]).all(|(a, b)| a.to_bits() == b.to_bits());
                     assert!(same, "n={n} len={len}: rank {rank} differs from rank 0");
                 }
+            }
+        }
+        Ok(())
+    }
+
+    /// A reduce-scatter leaves each rank the exact sums of its shard, the shards cover the
+    /// buffer once, and an all-gather of the shards alone (the rest overwritten with NaN) hands
+    /// every rank the whole sum.
+    #[test]
+    fn a_reduce_scatter_then_an_all_gather_of_the_shards_is_an_all_reduce() -> anyhow::Result<()> {
+        for n in 1..=5usize {
+            for len in [0, 1, n + 1, 1031, 100_003] {
+                let results = run_ring(n, |c| {
+                    let mut data = rank_buffer(c.rank(), len);
+                    let shard = c.reduce_scatter_sum_as("scatter", &mut data, Wire::F32)?;
+                    anyhow::ensure!(shard == c.shard_of(len), "the shard returned is shard_of's");
+                    let summed = data[shard.clone()].to_vec();
+                    let mut gathered = vec![f32::NAN; len];
+                    gathered[shard.clone()].copy_from_slice(&summed);
+                    c.all_gather_shards_as("gather", &mut gathered, Wire::F32)?;
+                    Ok((shard, summed, gathered))
+                });
+                let inputs: Vec<Vec<f32>> = (0..n).map(|r| rank_buffer(r, len)).collect();
+                let expected: Vec<f32> = (0..len).map(|i| inputs.iter().map(|b| b[i]).sum()).collect();
+                let mut covered = vec![0usize; len];
+                for (rank, result) in results.into_iter().enumerate() {
+                    let (shard, summed, gathered) = result?;
+                    // Multiples of 1/8 below 1000: every sum is exact in any order.
+                    assert_eq!(summed, expected[shard.clone()], "n={n} len={len} rank={rank}");
+                    assert_eq!(gathered, expected, "n={n} len={len} rank={rank}");
+                    shard.for_each(|i| covered[i] += 1);
+                }
+                assert!(
+                    covered.iter().all(|&c| c == 1),
+                    "n={n} len={len}: shards overlap or miss"
+                );
             }
         }
         Ok(())
