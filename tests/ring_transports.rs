@@ -299,3 +299,40 @@ fn silent_and_slow_strangers_at_every_ring_endpoint_cost_the_ring_nothing() {
         drop(strangers);
     }
 }
+
+/// `flotilla bench allreduce --collective` times each collective between real processes and
+/// reports it as nccl-tests does: the bus bandwidth of an all-reduce is algbw × 2(n−1)/n, of a
+/// reduce-scatter or an all-gather algbw × (n−1)/n.
+#[test]
+fn the_benchmark_times_each_collective_between_processes() {
+    for (collective, factor) in [("allreduce", 1.0), ("reducescatter", 0.5), ("allgather", 0.5)] {
+        let args = [
+            "bench",
+            "allreduce",
+            "--nproc",
+            "2",
+            "--size-mb",
+            "1",
+            "--iters",
+            "2",
+            "--json",
+            "--collective",
+            collective,
+        ];
+        let bench = common::flotilla(&args, &[], 120);
+        bench.assert_success(&format!("bench allreduce --collective {collective}"));
+        let figures: serde_json::Value = bench
+            .stdout
+            .lines()
+            .find(|line| line.starts_with('{'))
+            .and_then(|line| serde_json::from_str(line).ok())
+            .unwrap_or_else(|| panic!("no figures from {collective}:\n{}", bench.stdout));
+        assert_eq!(figures["op"], collective, "{figures}");
+        let (algbw, busbw) = (figures["algbw_gbps"].as_f64(), figures["busbw_gbps"].as_f64());
+        let (Some(algbw), Some(busbw)) = (algbw, busbw) else {
+            panic!("{collective}: no bandwidths in {figures}")
+        };
+        assert!(algbw > 0.0, "{figures}");
+        assert!((busbw - factor * algbw).abs() <= 1e-9 * algbw, "{figures}");
+    }
+}

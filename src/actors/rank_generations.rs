@@ -22,6 +22,13 @@ pub(crate) trait RankGenerations {
     /// The rank, for the logs.
     fn rank(&self) -> usize;
 
+    /// Says that the rank joined `roster`'s generation after a rollback.
+    fn rejoined(&self, roster: &Roster) {
+        let (rank, generation) = (self.rank(), roster.generation);
+        let resume_step = roster.resume_step.unwrap_or(0);
+        tracing::info!(rank, generation, resume_step, "rejoined");
+    }
+
     /// Trains the generation from the state after step `first` to the end of the run.
     async fn generation(&mut self, run: &mut Self::Run, first: usize) -> Result<Self::Outcome>;
 
@@ -70,10 +77,8 @@ async fn roll_back<R: RankGenerations>(rank: &mut R, run: &mut R::Run, mut failu
                 if let Some(orders) = rank.orders() {
                     orders.joined(&roster);
                 }
-                let first = roster.resume_step.unwrap_or(0);
-                let (rank, generation) = (rank.rank(), roster.generation);
-                tracing::info!(rank, generation, resume_step = first, "rejoined");
-                return Ok(first);
+                rank.rejoined(&roster);
+                return Ok(roster.resume_step.unwrap_or(0));
             }
             Err(e) => failure = e,
         }

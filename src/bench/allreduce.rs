@@ -1,7 +1,8 @@
-//! `flotilla bench allreduce`: all-reduce between real processes, by the ring on loopback or
-//! by NCCL on one GPU per process, reported as nccl-tests does: median time, algorithm
-//! bandwidth (bytes / time) and bus bandwidth (algbw × 2(n−1)/n, what each link carries,
-//! comparable across world sizes).
+//! `flotilla bench allreduce`: all-reduce between real processes — or the sharded optimizer's
+//! reduce-scatter and all-gather of shards (`--collective`) — by the ring on loopback or by
+//! NCCL on one GPU per process, reported as nccl-tests does: median time, algorithm bandwidth
+//! (bytes of the whole buffer / time) and bus bandwidth (what each link carries, comparable
+//! across world sizes: algbw × 2(n−1)/n for an all-reduce, × (n−1)/n for the other two).
 
 use std::net::TcpListener;
 use std::time::{Duration, Instant};
@@ -47,6 +48,40 @@ pub struct AllReduceArgs {
     /// `strategy.fp16_allreduce`); the figures count the f32 buffer's bytes either way.
     #[arg(long, value_enum, default_value_t = Wire::F32)]
     pub wire: Wire,
+    /// The collective timed: the all-reduce, or one half of it as a sharded optimizer uses
+    /// them (the ring only).
+    #[arg(long, value_enum, default_value_t = Collective::AllReduce)]
+    pub collective: Collective,
+}
+
+/// The collective a benchmark times (nccl-tests' `all_reduce_perf`, `reduce_scatter_perf`,
+/// `all_gather_perf`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, Serialize)]
+pub enum Collective {
+    /// Every rank ends with the sum of the whole buffer.
+    #[value(name = "allreduce")]
+    #[serde(rename = "allreduce")]
+    AllReduce,
+    /// Every rank ends with the sum of its shard of the buffer.
+    #[value(name = "reducescatter")]
+    #[serde(rename = "reducescatter")]
+    ReduceScatter,
+    /// Every rank's shard of the buffer reaches every rank.
+    #[value(name = "allgather")]
+    #[serde(rename = "allgather")]
+    AllGather,
+}
+
+impl Collective {
+    /// The bytes each link carries per byte of the buffer, over `1 / algbw`: nccl-tests' bus
+    /// bandwidth factor.
+    fn bus_factor(self, world: usize) -> f64 {
+        let n = world as f64;
+        match self {
+            Self::AllReduce => 2.0 * (n - 1.0) / n,
+            Self::ReduceScatter | Self::AllGather => (n - 1.0) / n,
+        }
+    }
 }
 
 /// Where this node's ranks sit in a benchmark over several nodes (one `bench allreduce` per
@@ -101,8 +136,8 @@ pub enum Transport {
 /// One size's figures.
 #[derive(Debug, Clone, Serialize)]
 pub struct AllReduceFigures {
-    /// Always `"allreduce"`.
-    pub op: &'static str,
+    /// The collective timed.
+    pub op: Collective,
     /// Processes.
     pub nproc: usize,
     /// The ring transport.
@@ -131,6 +166,11 @@ pub fn run(nproc: usize, nodes: &NodeFlags, args: &AllReduceArgs) -> Result<()> 
     anyhow::ensure!(
         world >= 2 || args.backend == Backend::Nccl,
         "a ring all-reduce benchmark needs two ranks or more (--nproc × --nnodes)"
+    );
+    anyhow::ensure!(
+        args.collective == Collective::AllReduce || args.backend == Backend::Ring,
+        "--collective {:?} is the ring's: NCCL's reduce-scatter and all-gather are not wired to this benchmark",
+        args.collective
     );
     anyhow::ensure!(
         nodes.node_rank < nodes.nnodes,
@@ -163,6 +203,8 @@ pub fn run(nproc: usize, nodes: &NodeFlags, args: &AllReduceArgs) -> Result<()> 
     rank_args.push(format!("{:?}", args.algorithm).to_lowercase());
     rank_args.push("--wire".to_string());
     rank_args.push(format!("{:?}", args.wire).to_lowercase());
+    rank_args.push("--collective".to_string());
+    rank_args.push(format!("{:?}", args.collective).to_lowercase());
     let threads = std::thread::available_parallelism()
         .map_or(1, |n| n.get())
         .div_ceil(nproc)
@@ -323,7 +365,7 @@ fn connect_ring(
 /// Each timed iteration's seconds on this rank, after two warm-up ones; a barrier before each
 /// makes the ranks start together.
 fn time_all_reduces(comm: &mut Communicator, len: usize, device: &Device, args: &AllReduceArgs) -> Result<Vec<f64>> {
-    let mut all_reduce = buffer_of(len, device, args.wire)?;
+    let mut all_reduce = buffer_of(len, device, args.wire, args.collective)?;
     let mut times = Vec::with_capacity(args.iters);
     for iter in 0..args.iters + 2 {
         comm.barrier("benchmark barrier")?;
@@ -358,7 +400,7 @@ impl AllReduceFigures {
         let world = place.world;
         let algbw = bytes as f64 / median / 1e9;
         Self {
-            op: "allreduce",
+            op: args.collective,
             nproc: world,
             transport: args.transport,
             backend: args.backend,
@@ -368,7 +410,7 @@ impl AllReduceFigures {
             bytes,
             median_s: median,
             algbw_gbps: algbw,
-            busbw_gbps: algbw * 2.0 * (world - 1) as f64 / world as f64,
+            busbw_gbps: algbw * args.collective.bus_factor(world),
         }
     }
 }
@@ -376,7 +418,8 @@ impl AllReduceFigures {
 /// The table's header line (the table form only).
 fn print_header() {
     println!(
-        "{:>10} {:>6} {:>6} {:>9} {:>7} {:>12} {:>5} {:>12} {:>12} {:>12}",
+        "{:>13} {:>10} {:>6} {:>6} {:>9} {:>7} {:>12} {:>5} {:>12} {:>12} {:>12}",
+        "collective",
         "size_MiB",
         "nnodes",
         "nproc",
@@ -396,7 +439,8 @@ fn print_figures(size_mb: f64, figures: &AllReduceFigures, json: bool) -> Result
         println!("{}", serde_json::to_string(figures)?);
     } else {
         println!(
-            "{:>10} {:>6} {:>6} {:>9} {:>7} {:>12} {:>5} {:>12.3} {:>12.3} {:>12.3}",
+            "{:>13} {:>10} {:>6} {:>6} {:>9} {:>7} {:>12} {:>5} {:>12.3} {:>12.3} {:>12.3}",
+            format!("{:?}", figures.op).to_lowercase(),
             size_mb,
             figures.nnodes,
             figures.nproc,
@@ -415,10 +459,10 @@ fn print_figures(size_mb: f64, figures: &AllReduceFigures, json: bool) -> Result
 /// One timed all-reduce of a benchmark's buffer.
 type TimedAllReduce = Box<dyn FnMut(&mut Communicator) -> Result<()>>;
 
-/// A buffer of `len` floats on `device` and the all-reduce the benchmark times: the ring's, in
-/// place on the host, its values travelling as `wire` says, or NCCL's (every figure includes
-/// waiting for the GPU).
-fn buffer_of(len: usize, device: &Device, wire: Wire) -> Result<TimedAllReduce> {
+/// A buffer of `len` floats on `device` and the collective the benchmark times: the ring's, in
+/// place on the host, its values travelling as `wire` says, or NCCL's all-reduce (every figure
+/// includes waiting for the GPU).
+fn buffer_of(len: usize, device: &Device, wire: Wire, collective: Collective) -> Result<TimedAllReduce> {
     let data: Vec<f32> = (0..len).map(|i| (i % 97) as f32).collect();
     Ok(if device.is_cuda() {
         let tensor = Tensor::from_vec(data, len, device)?;
@@ -428,6 +472,17 @@ fn buffer_of(len: usize, device: &Device, wire: Wire) -> Result<TimedAllReduce> 
         })
     } else {
         let mut data = data;
-        Box::new(move |comm| comm.all_reduce_sum_as("benchmark all-reduce", &mut data, wire))
+        match collective {
+            Collective::AllReduce => {
+                Box::new(move |comm| comm.all_reduce_sum_as("benchmark all-reduce", &mut data, wire))
+            }
+            Collective::ReduceScatter => Box::new(move |comm| {
+                comm.reduce_scatter_sum_as("benchmark reduce-scatter", &mut data, wire)
+                    .map(drop)
+            }),
+            Collective::AllGather => {
+                Box::new(move |comm| comm.all_gather_shards_as("benchmark all-gather", &mut data, wire))
+            }
+        }
     })
 }

@@ -402,9 +402,10 @@ impl PsRun {
             tracing::info!(
                 trainer = self.rank,
                 generation = roster.generation,
+                resume_step = roster.resume_step.unwrap_or(0),
                 place,
                 trainers = self.trainers,
-                "joined at its place among the generation's trainers"
+                "rejoined"
             );
         }
         self.roster = Some(roster.clone());
@@ -639,6 +640,9 @@ impl RankGenerations for PsRun {
     fn orders(&mut self) -> Option<&mut Orders> {
         self.orders.as_mut()
     }
+
+    /// Its join says so, with its place among the trainers (a replacement's first join too).
+    fn rejoined(&self, _roster: &Roster) {}
 
     /// Joins the next generation and restores this trainer's own state of its checkpoint (the
     /// shards restore theirs).
