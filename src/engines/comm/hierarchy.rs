@@ -236,12 +236,8 @@ mod tests {
 
     #[test]
     fn the_hierarchical_all_reduce_sums_as_the_flat_one_and_agrees_on_every_rank() -> Result<()> {
-        let layout = NodeLayout { nodes: 3, per_node: 2 };
-        for (len, wire) in [0, 1, 5, 1031, 200_003]
-            .into_iter()
-            .flat_map(|len| [(len, Wire::F32), (len, Wire::Bf16)])
-        {
-            let results = on_every_rank(layout, |c| {
+        for (len, wire) in CASES.into_iter().flat_map(|len| [(len, Wire::F32), (len, Wire::Bf16)]) {
+            let results = on_every_rank(|c| {
                 let mut data = rank_values(c.rank(), len);
                 c.all_reduce_sum_as("test", &mut data, wire).map(|()| data)
             })?;
@@ -254,12 +250,8 @@ mod tests {
     /// a node's share), and the all-gather of the shards alone hands every rank the whole sum.
     #[test]
     fn the_hierarchical_reduce_scatter_and_all_gather_make_an_all_reduce() -> Result<()> {
-        let layout = NodeLayout { nodes: 3, per_node: 2 };
-        for (len, wire) in [0, 1, 5, 1031, 200_003]
-            .into_iter()
-            .flat_map(|len| [(len, Wire::F32), (len, Wire::Bf16)])
-        {
-            let results = on_every_rank(layout, |c| {
+        for (len, wire) in CASES.into_iter().flat_map(|len| [(len, Wire::F32), (len, Wire::Bf16)]) {
+            let results = on_every_rank(|c| {
                 let mut data = rank_values(c.rank(), len);
                 let shard = c.reduce_scatter_sum_as("scatter", &mut data, wire)?;
                 anyhow::ensure!(shard == c.shard_of(len), "the shard returned is shard_of's");
@@ -272,16 +264,17 @@ mod tests {
         Ok(())
     }
 
+    /// Buffer lengths of the hierarchical tests: empty, fewer values than ranks, uneven shares.
+    const CASES: [usize; 5] = [0, 1, 5, 1031, 200_003];
+
     /// Multiples of 1/8 below 1000: every sum of them is exact in any order.
     fn rank_values(rank: usize, len: usize) -> Vec<f32> {
         (0..len).map(|i| ((rank * 7919 + i * 31) % 1000) as f32 / 8.0).collect()
     }
 
-    /// `work` on every rank of six in memory, hierarchical over `layout`: each rank's result.
-    fn on_every_rank<T: Send>(
-        layout: NodeLayout,
-        work: impl Fn(&mut Communicator) -> Result<T> + Sync,
-    ) -> Result<Vec<T>> {
+    /// `work` on every rank of six in memory, hierarchical over 3 nodes of 2: each rank's result.
+    fn on_every_rank<T: Send>(work: impl Fn(&mut Communicator) -> Result<T> + Sync) -> Result<Vec<T>> {
+        let layout = NodeLayout { nodes: 3, per_node: 2 };
         let communicators = memory_communicators(6, Some(layout), Duration::from_secs(10));
         std::thread::scope(|s| {
             let handles: Vec<_> = communicators
