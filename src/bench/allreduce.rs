@@ -299,7 +299,7 @@ pub fn run_rank(args: &AllReduceArgs) -> Result<()> {
     }
     for &size_mb in &args.size_mb {
         let len = ((size_mb * (1 << 20) as f64) as usize) / 4;
-        let times = time_all_reduces(&mut comm, len, &device, args)?;
+        let times = time_collectives(&mut comm, len, &device, args)?;
         let median = slowest_rank_median(&mut comm, &times)?;
         let figures = AllReduceFigures::new(args, &place, len * 4, median);
         if place.rank == 0 {
@@ -364,13 +364,13 @@ fn connect_ring(
 
 /// Each timed iteration's seconds on this rank, after two warm-up ones; a barrier before each
 /// makes the ranks start together.
-fn time_all_reduces(comm: &mut Communicator, len: usize, device: &Device, args: &AllReduceArgs) -> Result<Vec<f64>> {
-    let mut all_reduce = buffer_of(len, device, args.wire, args.collective)?;
+fn time_collectives(comm: &mut Communicator, len: usize, device: &Device, args: &AllReduceArgs) -> Result<Vec<f64>> {
+    let mut collective = buffer_of(len, device, args.wire, args.collective)?;
     let mut times = Vec::with_capacity(args.iters);
     for iter in 0..args.iters + 2 {
         comm.barrier("benchmark barrier")?;
         let start = Instant::now();
-        all_reduce(comm)?;
+        collective(comm)?;
         if iter >= 2 {
             times.push(start.elapsed().as_secs_f64());
         }
@@ -456,13 +456,13 @@ fn print_figures(size_mb: f64, figures: &AllReduceFigures, json: bool) -> Result
     Ok(())
 }
 
-/// One timed all-reduce of a benchmark's buffer.
-type TimedAllReduce = Box<dyn FnMut(&mut Communicator) -> Result<()>>;
+/// One timed collective over a benchmark's buffer.
+type TimedCollective = Box<dyn FnMut(&mut Communicator) -> Result<()>>;
 
 /// A buffer of `len` floats on `device` and the collective the benchmark times: the ring's, in
 /// place on the host, its values travelling as `wire` says, or NCCL's all-reduce (every figure
 /// includes waiting for the GPU).
-fn buffer_of(len: usize, device: &Device, wire: Wire, collective: Collective) -> Result<TimedAllReduce> {
+fn buffer_of(len: usize, device: &Device, wire: Wire, collective: Collective) -> Result<TimedCollective> {
     let data: Vec<f32> = (0..len).map(|i| (i % 97) as f32).collect();
     Ok(if device.is_cuda() {
         let tensor = Tensor::from_vec(data, len, device)?;

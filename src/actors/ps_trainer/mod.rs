@@ -155,7 +155,6 @@ impl Handler<TrainPs> for PsTrainer {
             roster: None,
             faults: self.faults.clone(),
             orders: None,
-            steps: 0,
         };
         Box::pin(RoleFaults::govern(
             self.faults.clone(),
@@ -191,8 +190,6 @@ struct PsRun {
     faults: Option<Arc<RoleFaults>>,
     /// The coordinator's rollback orders, when the trainer rolls back in place.
     orders: Option<Orders>,
-    /// Steps of the whole run.
-    steps: usize,
 }
 
 /// A trainer's lines in a job that recovers in place: to the coordinator, and to the next
@@ -217,6 +214,8 @@ struct PsLoop {
     client: PsClient,
     line: Option<InPlaceLine>,
     progress: Progress,
+    /// Steps of the whole run.
+    steps: usize,
 }
 
 /// What a trainer accumulates over its run, across rollbacks.
@@ -244,7 +243,6 @@ impl PsRun {
         let mut client = self.client.take().context("TrainPs was sent twice")?;
         client.wait_for_servers().await?;
         let steps = self.run_steps()?;
-        self.steps = steps;
         let mut line = in_place.map(|in_place| {
             self.orders = Some(in_place.orders);
             InPlaceLine {
@@ -279,7 +277,12 @@ impl PsRun {
                 .transpose()?,
             timeline: self.trace.as_ref().map(|(t, _)| Timeline::new(t.origin.instant)),
         };
-        let mut run = PsLoop { client, line, progress };
+        let mut run = PsLoop {
+            client,
+            line,
+            progress,
+            steps,
+        };
         let started = Instant::now();
         train_generations(&mut self, &mut run, first).await?;
         let PsLoop {
@@ -629,8 +632,7 @@ impl RankGenerations for PsRun {
     /// waits for may be lost).
     async fn generation(&mut self, run: &mut PsLoop, first: usize) -> Result<()> {
         let interruption = self.orders.as_ref().map(Orders::interruption);
-        let steps = self.steps;
-        let training = self.train_steps(&mut run.client, first, steps, &mut run.progress, run.line.as_mut());
+        let training = self.train_steps(&mut run.client, first, run.steps, &mut run.progress, run.line.as_mut());
         match interruption {
             Some(interruption) => interruption.of(training).await,
             None => training.await,
