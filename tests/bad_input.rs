@@ -64,9 +64,14 @@ fn world_size_contradiction_is_named() {
 
 #[test]
 fn strategies_not_built_yet_say_so() {
-    let err = train_with("", &["--set", "strategy.sharding=true"]);
+    let err = train_with("", &["--set", "strategy.amp=true"]);
     assert!(
-        err.contains("strategy.sharding") && err.contains("not supported yet"),
+        err.contains("strategy.amp") && err.contains("not supported yet"),
+        "{err}"
+    );
+    let err = train_with("", &["--set", "strategy.sharding=true", "--set", "strategy.sharding_configs.stage=3"]);
+    assert!(
+        err.contains("strategy.sharding_configs.stage: 3 (the parameters sharded too) is not supported yet"),
         "{err}"
     );
 }

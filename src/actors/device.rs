@@ -396,8 +396,7 @@ impl Handler<Relink> for DeviceActor {
         match (&mut self.state, msg) {
             (DeviceState::Whole(replica), Relink::Ring { job, link, roster }) => {
                 let comm = comm_worker(&job, link, &roster, &replica.device().clone())?;
-                replica.relink(comm);
-                Ok(())
+                replica.relink(comm)
             }
             (DeviceState::Stage(stage), Relink::Stage(links)) => {
                 let link = links.link.on(links.stage, &stage.device().clone())?;

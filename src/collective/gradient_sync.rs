@@ -4,7 +4,9 @@
 //! on the communication thread as soon as it is full, while backward goes on — by NCCL on GPUs
 //! (the bucket stays on the device), by the ring elsewhere, in f32 or, with
 //! `strategy.fp16_allreduce`, in bfloat16 on the wire. With gradient merge the buckets of k
-//! batches are summed first and all-reduced once.
+//! batches are summed first and all-reduced once. With sharded gradients
+//! (`sharding_configs.stage = 2`) each bucket is reduce-scattered instead, and a rank keeps the
+//! averaged values of its shard alone.
 
 use std::ops::Range;
 use std::time::{Duration, Instant};
@@ -15,7 +17,7 @@ use candle_core::{Device, Tensor, Var};
 
 use super::gradient_bucket::{BucketFill, BucketValues};
 use super::BucketPlan;
-use crate::config::JobConfig;
+use crate::config::{JobConfig, ShardingStage};
 use crate::engines::comm::{CommWorker, Pending, Wire};
 use crate::models::NamedParam;
 use crate::optim::GradientMerge;
@@ -32,16 +34,36 @@ pub struct GradientSync {
     device: Device,
     /// Whether every batch steps the optimizer (no gradient merge).
     merges_nothing: bool,
+    /// Whether each bucket is reduce-scattered (sharded gradients) rather than all-reduced.
+    scatters: bool,
+}
+
+/// What a step's averaging leaves this rank.
+pub enum AveragedGradients {
+    /// The gradient of every parameter.
+    Whole(GradStore),
+    /// This rank's shard of each bucket's averaged values, in bucket order (sharded gradients).
+    Shards(Vec<Vec<f32>>),
 }
 
 /// The averaged gradients of a step, ready for the optimizer.
 pub struct Averaged {
-    /// The gradient of every parameter.
-    pub grads: GradStore,
+    /// The gradients.
+    pub grads: AveragedGradients,
     /// Time compute waited after backward while an all-reduce ran: what backward did not hide.
     /// Counted only while a collective ran (not the hand-over between the threads), so it is
     /// part of the communication time and never exceeds it.
     pub exposed: Duration,
+}
+
+impl AveragedGradients {
+    /// Every parameter's gradient; an error for shards, which only a sharded optimizer steps on.
+    pub fn into_whole(self) -> Result<GradStore> {
+        match self {
+            Self::Whole(grads) => Ok(grads),
+            Self::Shards(_) => bail!("sharded gradients reached an optimizer of whole parameters"),
+        }
+    }
 }
 
 impl GradientSync {
@@ -84,12 +106,18 @@ impl GradientSync {
             wire,
             device: device.clone(),
             merges_nothing: job.strategy.merge_steps() == 1,
+            scatters: job.strategy.sharding_stage() == Some(ShardingStage::Gradients),
         })
     }
 
     /// Number of fusion buckets.
     pub fn buckets(&self) -> usize {
         self.plan.buckets.len()
+    }
+
+    /// The fusion buckets.
+    pub fn plan(&self) -> &BucketPlan {
+        &self.plan
     }
 
     /// The optimizer step that batch `batch` belongs to (the learning rate follows it).
@@ -162,9 +190,13 @@ impl StepGradients<'_> {
         self.filling.push(grad, bucket.len)?;
         if position + 1 == bucket.params.len() {
             if let Some(merged) = sync.merge.add(self.step, bucket_index, self.filling.take()?)? {
-                let (step, wire) = (self.step, sync.wire);
-                self.reducing
-                    .push(submit_bucket(self.comm, step, bucket_index, merged, wire));
+                let reduction = Reduction {
+                    step: self.step,
+                    bucket: bucket_index,
+                    wire: sync.wire,
+                    scatters: sync.scatters,
+                };
+                self.reducing.push(reduction.submit(self.comm, merged));
             }
         }
         Ok(())
@@ -219,7 +251,7 @@ impl StepGradients<'_> {
         }
         if self.direct {
             return Ok(Some(Averaged {
-                grads: self.kept,
+                grads: AveragedGradients::Whole(self.kept),
                 exposed: Duration::ZERO,
             }));
         }
@@ -227,6 +259,7 @@ impl StepGradients<'_> {
             return Ok(None);
         }
         let mut grads = GradStore::default();
+        let mut shards = Vec::new();
         let (mut waits, mut collectives) = (Vec::new(), Vec::new());
         for (index, (bucket, reduced)) in sync.plan.buckets.iter().zip(self.reducing).enumerate() {
             let waiting = Instant::now();
@@ -235,11 +268,19 @@ impl StepGradients<'_> {
             collectives.push((started, ended));
             record(timeline, || format!("wait for bucket {index}"), "wait", waiting);
             if let Some(timeline) = timeline {
+                let collective = if sync.scatters { "reduce-scatter" } else { "all-reduce" };
                 let name = format!(
-                    "all-reduce bucket {index} ({} KiB)",
-                    values.len() * sync.wire.width() / 1024
+                    "{collective} bucket {index} ({} KiB)",
+                    bucket.len * sync.wire.width() / 1024
                 );
                 timeline.record_between(Lane::Communication, name, "allreduce", started, ended);
+            }
+            if sync.scatters {
+                let BucketValues::Host(shard) = values else {
+                    bail!("step {}: bucket {index}'s shard came back on the device", self.step)
+                };
+                shards.push(shard);
+                continue;
             }
             let mut offset = 0;
             for &param in &bucket.params {
@@ -248,6 +289,10 @@ impl StepGradients<'_> {
                 offset += var.elem_count();
             }
         }
+        let grads = match sync.scatters {
+            true => AveragedGradients::Shards(shards),
+            false => AveragedGradients::Whole(grads),
+        };
         Ok(Some(Averaged {
             grads,
             exposed: overlap(&waits, &collectives),
@@ -275,25 +320,41 @@ struct ReducedBucket {
     ended: Instant,
 }
 
-/// Hands bucket `index`'s gradients of `step` to the communication thread, which all-reduces
-/// them (carried as `wire` says) and divides by the world size.
-fn submit_bucket(
-    comm: &CommWorker,
+/// How one bucket of one step is averaged.
+struct Reduction {
     step: usize,
-    index: usize,
-    values: BucketValues,
+    bucket: usize,
     wire: Wire,
-) -> Pending<ReducedBucket> {
-    comm.submit(move |c| {
-        let started = Instant::now();
-        let op = format!("all-reduce of gradient bucket {index} at step {step}");
-        let values = values.all_reduce_mean(c, &op, wire)?;
-        Ok(ReducedBucket {
-            values,
-            started,
-            ended: Instant::now(),
+    /// Reduce-scattered (sharded gradients), leaving this rank its shard; else all-reduced.
+    scatters: bool,
+}
+
+impl Reduction {
+    /// Hands the bucket's gradients `values` to the communication thread, which averages them
+    /// over the ranks.
+    fn submit(self, comm: &CommWorker, values: BucketValues) -> Pending<ReducedBucket> {
+        comm.submit(move |c| {
+            let started = Instant::now();
+            let Self {
+                step,
+                bucket,
+                wire,
+                scatters,
+            } = self;
+            let values = if scatters {
+                let op = format!("reduce-scatter of gradient bucket {bucket} at step {step}");
+                BucketValues::Host(values.reduce_scatter_mean(c, &op, wire)?)
+            } else {
+                let op = format!("all-reduce of gradient bucket {bucket} at step {step}");
+                values.all_reduce_mean(c, &op, wire)?
+            };
+            Ok(ReducedBucket {
+                values,
+                started,
+                ended: Instant::now(),
+            })
         })
-    })
+    }
 }
 
 #[cfg(test)]

@@ -12,12 +12,14 @@ pub mod preemption;
 pub mod rank_figures;
 mod rank_replica;
 mod replica;
+mod sharded_states;
 pub mod training_state;
 
 pub use bucket::{Bucket, BucketPlan};
 pub use checksum::ParamChecksum;
 pub use evaluation::score_pieces;
 pub(crate) use evaluation::sum_over_ranks;
-pub use gradient_sync::{Averaged, GradientSync, StepGradients};
-pub use rank_replica::{Held, RankReplica, StepReport};
+pub use gradient_sync::{Averaged, AveragedGradients, GradientSync, StepGradients};
+pub use rank_replica::{Held, HeldOptimizer, RankReplica, StepReport};
 pub use replica::{backward_order, broadcast_parameters, Replica};
+pub use sharded_states::ShardedStates;

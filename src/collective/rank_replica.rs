@@ -11,12 +11,12 @@ use anyhow::{bail, Result};
 use candle_core::Device;
 
 use super::training_state::{self, RunRecord};
-use super::{checksum, ParamChecksum};
+use super::{checksum, ParamChecksum, ShardedStates};
 use crate::data::{Batch, DataPosition, Pieces};
 use crate::engines::comm::{CommWorker, Shared};
 use crate::models::export::ModelInfo;
 use crate::models::{NamedParam, Score};
-use crate::optim::Optimizer;
+use crate::optim::{Optimizer, OptimizerState};
 use crate::telemetry::timeline::{Span, Timeline};
 
 /// One training step as a rank measured it, whatever its strategy.
@@ -54,13 +54,32 @@ pub struct Held<'a> {
     /// The parameters, in model (or stage) order.
     pub params: &'a [NamedParam],
     /// Their optimizer.
-    pub optimizer: &'a mut Optimizer,
+    pub optimizer: HeldOptimizer<'a>,
     /// Batches trained.
     pub step: &'a mut usize,
     /// The ring among the replicas holding the same parameters.
     pub ring: &'a CommWorker,
     /// Spans recorded, when tracing.
     pub timeline: &'a mut Option<Timeline>,
+}
+
+/// A replica's optimizer, over the whole parameters or over this rank's shards of them.
+pub enum HeldOptimizer<'a> {
+    /// Every parameter's states.
+    Whole(&'a mut Optimizer),
+    /// This rank's shards of them ([`ShardedStates`]).
+    Sharded(&'a mut ShardedStates),
+}
+
+impl Held<'_> {
+    /// The optimizer's kind and its whole state by parameter: a sharded optimizer gathers its
+    /// shards over the ring, so every rank of the ring calls this together.
+    fn optimizer_state(&self) -> Result<(&'static str, OptimizerState)> {
+        Ok(match &self.optimizer {
+            HeldOptimizer::Whole(optimizer) => (optimizer.name(), optimizer.state()?),
+            HeldOptimizer::Sharded(states) => (states.name(), states.state(self.params, self.ring)?),
+        })
+    }
 }
 
 /// A rank's replica on its device thread: what differs per strategy is the step and the
@@ -83,15 +102,30 @@ pub trait RankReplica: Send {
     /// trained and `run`, to `out` as one checkpoint file.
     fn save_state(&mut self, out: &mut dyn std::io::Write, export: &ModelInfo, run: &RunRecord) -> Result<()> {
         let held = self.held();
-        training_state::write(out, held.params, export, held.optimizer, *held.step, run)
+        let optimizer = held.optimizer_state()?;
+        training_state::write(out, held.params, export, optimizer, *held.step, run)
     }
 
     /// Continues from a state saved by [`RankReplica::save_state`] (by the same part of any
     /// replica), as if never stopped; answers the run record it held.
     fn restore_state(&mut self, bytes: &[u8]) -> Result<RunRecord> {
-        let held = self.held();
-        let restored = training_state::restore(bytes, held.params, held.optimizer)?;
-        *held.step = restored.batches;
+        let Held {
+            params,
+            optimizer,
+            step,
+            ..
+        } = self.held();
+        let restored = match optimizer {
+            HeldOptimizer::Whole(optimizer) => {
+                let kind = optimizer.name();
+                training_state::restore(bytes, params, kind, |state| Ok(optimizer.load_state(state)?))?
+            }
+            HeldOptimizer::Sharded(states) => {
+                let kind = states.name();
+                training_state::restore(bytes, params, kind, |state| states.load_state(state, params))?
+            }
+        };
+        *step = restored.batches;
         Ok(restored.run)
     }
 

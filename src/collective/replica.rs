@@ -9,8 +9,8 @@ use candle_core::{Device, Tensor, Var};
 use super::evaluation::{score_pieces, sum_over_ranks};
 use super::preemption;
 use super::rank_figures::RankFigures;
-use super::rank_replica::{Held, RankReplica, StepReport};
-use super::{Averaged, GradientSync, ParamChecksum};
+use super::rank_replica::{Held, HeldOptimizer, RankReplica, StepReport};
+use super::{Averaged, GradientSync, ParamChecksum, ShardedStates};
 use crate::config::{JobConfig, LossKind};
 use crate::data::{Batch, Pieces};
 use crate::engines::comm::CommWorker;
@@ -20,12 +20,19 @@ use crate::optim::{clip_by_global_norm, LrPolicy, Optimizer};
 use crate::telemetry::metrics::peak_rss_bytes;
 use crate::telemetry::timeline::{record, Timeline};
 
+/// A replica's optimizer: over the whole parameters, or over this rank's shards of them
+/// (`strategy.sharding`).
+enum ReplicaOptimizer {
+    Whole(Optimizer),
+    Sharded(ShardedStates),
+}
+
 /// A model replica that trains in lockstep with the other ranks.
 pub struct Replica {
     model: Model,
     params: Vec<NamedParam>,
     gradients: GradientSync,
-    optimizer: Optimizer,
+    optimizer: ReplicaOptimizer,
     lr_policy: LrPolicy,
     comm: CommWorker,
     device: Device,
@@ -55,7 +62,16 @@ impl Replica {
         // The job's world, not this generation's: with elastic membership the global batch, and
         // so its learning rate, stays the same on fewer ranks.
         let lr_policy = LrPolicy::new(&job.train, job.world_size(), gradients.optimizer_step(steps));
-        let optimizer = Optimizer::new(&job.train, vars, lr_policy.at(0))?;
+        let optimizer = match job.strategy.sharding_stage() {
+            None => ReplicaOptimizer::Whole(Optimizer::new(&job.train, vars, lr_policy.at(0))?),
+            Some(_) => ReplicaOptimizer::Sharded(ShardedStates::new(
+                &job.train,
+                gradients.plan(),
+                &params,
+                &comm,
+                lr_policy.at(0),
+            )?),
+        };
         let blocks = model.blocks().len();
         let (segments, whole) = if job.strategy.recompute {
             let names: Vec<&str> = model.blocks().iter().map(|b| b.name()).collect();
@@ -68,6 +84,11 @@ impl Replica {
             rank = comm.rank(),
             buckets = gradients.buckets(),
             params = model.parameter_count(),
+            sharding_stage = job.strategy.sharding_stage().map(|s| s.number()),
+            optimizer_state_bytes = match &optimizer {
+                ReplicaOptimizer::Whole(_) => None,
+                ReplicaOptimizer::Sharded(states) => Some(states.state_bytes()),
+            },
             "replica ready"
         );
         Ok(Self {
@@ -98,10 +119,15 @@ impl Replica {
     }
 
     /// Goes on over the ring `comm` (a rollback rebuilt it): the collectives in flight on the old
-    /// one and the batches merged so far are dropped; the state comes from a snapshot next.
-    pub fn relink(&mut self, comm: CommWorker) {
+    /// one and the batches merged so far are dropped; sharded states are cut anew for the ring
+    /// (it may have another number of ranks). The state comes from a snapshot next.
+    pub fn relink(&mut self, comm: CommWorker) -> Result<()> {
+        if let ReplicaOptimizer::Sharded(states) = &mut self.optimizer {
+            *states = states.recut(self.gradients.plan(), &self.params, &comm)?;
+        }
         self.comm = comm;
         self.gradients.clear();
+        Ok(())
     }
 
     /// Makes every rank start from rank 0's parameters.
@@ -110,14 +136,22 @@ impl Replica {
     }
 
     /// The optimizer's step on step `step`'s `averaged` gradients, clipped to the global norm
-    /// where the job asks.
-    fn apply(&mut self, mut averaged: Averaged, step: usize) -> Result<()> {
+    /// where the job asks; a sharded one then all-gathers the parameters.
+    fn apply(&mut self, averaged: Averaged, step: usize) -> Result<()> {
         let stepping = Instant::now();
-        if self.grad_clip_norm > 0.0 {
-            let vars: Vec<Var> = self.params.iter().map(|p| p.var.clone()).collect();
-            clip_by_global_norm(&mut averaged.grads, &vars, self.grad_clip_norm)?;
+        match &mut self.optimizer {
+            ReplicaOptimizer::Whole(optimizer) => {
+                let mut grads = averaged.grads.into_whole()?;
+                if self.grad_clip_norm > 0.0 {
+                    let vars: Vec<Var> = self.params.iter().map(|p| p.var.clone()).collect();
+                    clip_by_global_norm(&mut grads, &vars, self.grad_clip_norm)?;
+                }
+                optimizer.step(&grads)?;
+            }
+            ReplicaOptimizer::Sharded(states) => {
+                states.step(&self.params, averaged.grads, self.grad_clip_norm, &self.comm, step)?;
+            }
         }
-        self.optimizer.step(&averaged.grads)?;
         settle_for_trace(&self.timeline, &self.device)?;
         record(
             &mut self.timeline,
@@ -145,7 +179,10 @@ impl RankReplica for Replica {
     fn held(&mut self) -> Held<'_> {
         Held {
             params: &self.params,
-            optimizer: &mut self.optimizer,
+            optimizer: match &mut self.optimizer {
+                ReplicaOptimizer::Whole(optimizer) => HeldOptimizer::Whole(optimizer),
+                ReplicaOptimizer::Sharded(states) => HeldOptimizer::Sharded(states),
+            },
             step: &mut self.step,
             ring: &self.comm,
             timeline: &mut self.timeline,
@@ -164,7 +201,10 @@ impl RankReplica for Replica {
         let step = self.step;
         let comm_before = self.comm.busy_time();
         let lr = self.lr_policy.at(self.gradients.optimizer_step(step));
-        self.optimizer.set_learning_rate(lr);
+        match &mut self.optimizer {
+            ReplicaOptimizer::Whole(optimizer) => optimizer.set_learning_rate(lr),
+            ReplicaOptimizer::Sharded(states) => states.set_learning_rate(lr),
+        }
         let (x, y) = batch.tensors(&self.device)?;
         record(&mut self.timeline, || format!("data {step}"), "data", started);
 

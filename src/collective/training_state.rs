@@ -15,7 +15,7 @@ use crate::data::DataPosition;
 use crate::engines::comm::Communicator;
 use crate::models::export::{from_torch_layout, in_torch_layout, ModelInfo, OPTIMIZER_PREFIX};
 use crate::models::NamedParam;
-use crate::optim::{Optimizer, OptimizerState};
+use crate::optim::OptimizerState;
 use anyhow::{bail, ensure, Context, Result};
 
 /// The metadata key that marks a model file as a training state.
@@ -58,17 +58,17 @@ pub fn join_data_positions(comm: &mut Communicator, mine: &[u8]) -> Result<DataP
     Ok(joined)
 }
 
-/// Writes `params` (by name, `info` describing their model), `optimizer`'s state, `batches`
-/// (batches trained so far) and `run` to `out` as a safetensors file.
+/// Writes `params` (by name, `info` describing their model), the state of their optimizer (of
+/// kind `optimizer`, by parameter), `batches` (batches trained so far) and `run` to `out` as a
+/// safetensors file.
 pub fn write(
     out: &mut dyn Write,
     params: &[NamedParam],
     info: &ModelInfo,
-    optimizer: &Optimizer,
+    (optimizer, state): (&str, OptimizerState),
     batches: usize,
     run: &RunRecord,
 ) -> Result<()> {
-    let state = optimizer.state()?;
     let mut tensors = Vec::with_capacity(params.len() + state.tensors.len());
     for p in params {
         tensors.push((p.name.clone(), in_torch_layout(p, p.var.as_tensor())?));
@@ -86,7 +86,7 @@ pub fn write(
     let loss_bits: Vec<u32> = run.losses.iter().map(|l| l.to_bits()).collect();
     let mut metadata = info.metadata()?;
     metadata.extend([
-        (OPTIMIZER.to_string(), optimizer.name().to_string()),
+        (OPTIMIZER.to_string(), optimizer.to_string()),
         ("optimizer_steps".to_string(), state.steps.to_string()),
         ("batches".to_string(), batches.to_string()),
         ("loss_bits".to_string(), serde_json::to_string(&loss_bits)?),
@@ -143,11 +143,17 @@ pub fn merge_stages(stages: &[Vec<u8>]) -> Result<Vec<u8>> {
     Ok(safetensors::serialize(tensors, Some(metadata))?)
 }
 
-/// Loads bytes written by [`write()`] into `params` and `optimizer`. A file of another model (a
-/// parameter missing, extra or of another shape) or of another optimizer is refused by name
-/// before anything changes; of a whole model ([`merge_stages`]), the parameters of other stages
-/// are left.
-pub fn restore(bytes: &[u8], params: &[NamedParam], optimizer: &mut Optimizer) -> Result<Restored> {
+/// Loads bytes written by [`write()`] into `params` and, through `load`, into their optimizer
+/// of kind `optimizer` (its state by parameter). A file of another model (a parameter missing,
+/// extra or of another shape) or of another optimizer is refused by name before anything
+/// changes, as is a state `load` refuses; of a whole model ([`merge_stages`]), the parameters of
+/// other stages are left.
+pub fn restore(
+    bytes: &[u8],
+    params: &[NamedParam],
+    optimizer: &str,
+    load: impl FnOnce(OptimizerState) -> Result<()>,
+) -> Result<Restored> {
     // Views into the bytes: only the tensors this model holds are decoded (a whole model's file
     // holds every stage's).
     let file = safetensors::SafeTensors::deserialize(bytes).context("not a safetensors file")?;
@@ -159,9 +165,8 @@ pub fn restore(bytes: &[u8], params: &[NamedParam], optimizer: &mut Optimizer) -
     };
     let kind = meta(OPTIMIZER)?;
     ensure!(
-        kind == optimizer.name(),
-        "the checkpoint holds {kind} state, this job trains with {}",
-        optimizer.name()
+        kind == optimizer,
+        "the checkpoint holds {kind} state, this job trains with {optimizer}"
     );
     let steps: u64 = meta("optimizer_steps")?.parse().context("optimizer_steps")?;
     let batches: usize = meta("batches")?.parse().context("batches")?;
@@ -205,7 +210,7 @@ pub fn restore(bytes: &[u8], params: &[NamedParam], optimizer: &mut Optimizer) -
         let value = from_torch_layout(&params[i], &file.tensor(key)?, &format!("optimizer slot {key}"))?;
         state.tensors.push((i, slot.to_string(), value));
     }
-    optimizer.load_state(state)?;
+    load(state)?;
     for (p, value) in params.iter().zip(values) {
         p.var.set(&value)?;
     }
@@ -224,6 +229,7 @@ mod tests {
     use crate::config::{OptimizerKind, TrainConfig};
     use crate::models::export::ModelFile;
     use crate::models::{mlp, Model, ParamInit};
+    use crate::optim::Optimizer;
     use candle_core::backprop::GradStore;
     use candle_core::{Device, Tensor};
 
@@ -246,7 +252,7 @@ mod tests {
             losses: vec![0.5],
             data: None,
         };
-        write(&mut bytes, &params, &info, &optimizer, 1, &run)?;
+        write(&mut bytes, &params, &info, (optimizer.name(), optimizer.state()?), 1, &run)?;
         Ok((model, optimizer, bytes))
     }
 
@@ -284,7 +290,9 @@ mod tests {
     fn a_restored_state_steps_on_bit_for_bit() -> Result<()> {
         let (model, mut optimizer, bytes) = trained(3)?;
         let (other, mut other_optimizer, _) = trained(4)?;
-        let restored = restore(&bytes, &other.parameters(), &mut other_optimizer)?;
+        let restored = restore(&bytes, &other.parameters(), "adamw", |state| {
+            Ok(other_optimizer.load_state(state)?)
+        })?;
         assert_eq!(
             restored,
             Restored {
@@ -301,7 +309,10 @@ mod tests {
         // A model of another shape is refused by the parameter, and keeps its values.
         let wider = mlp(3, &[5], 2, &ParamInit::new(4, Device::Cpu))?;
         let before = values(&wider)?;
-        let err = restore(&bytes, &wider.parameters(), &mut other_optimizer).unwrap_err();
+        let err = restore(&bytes, &wider.parameters(), "adamw", |state| {
+            Ok(other_optimizer.load_state(state)?)
+        })
+        .unwrap_err();
         assert!(
             format!("{err:#}").contains("parameter fc0.bias: the file's is F32 [4], the model's F32 [5]"),
             "{err:#}"

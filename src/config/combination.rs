@@ -1,6 +1,7 @@
 //! Rules across sections: which models, data sets and optimizers each strategy trains, so a
 //! mismatch is a config error naming the key rather than a failure deep inside a run.
 
+use super::sharding::check_sharding;
 use super::sparse_tables::check_sparse_tables;
 use super::{
     DatasetKind, FieldError, HybridConfigs, JobConfig, LrSchedule, ModelKind, OptimizerKind, PipelineConfigs, PsMode,
@@ -11,6 +12,7 @@ use super::{
 pub(super) fn check(config: &JobConfig) -> Result<(), FieldError> {
     let train = &config.train;
     check_pipeline(config)?;
+    check_sharding(config)?;
     check_checkpoints(config)?;
     check_hierarchical_allreduce(config)?;
     check_elastic(config)?;
@@ -271,9 +273,12 @@ fn check_collective(config: &JobConfig) -> Result<(), FieldError> {
 fn check_pipeline(config: &JobConfig) -> Result<(), FieldError> {
     let strategy = &config.strategy;
     if !strategy.pipeline {
-        if strategy.hybrid_configs != HybridConfigs::default()
-            || strategy.pipeline_configs != PipelineConfigs::default()
-        {
+        let hybrid = &strategy.hybrid_configs;
+        let sharded_only = HybridConfigs {
+            sharding_degree: hybrid.sharding_degree,
+            ..HybridConfigs::default()
+        };
+        if *hybrid != sharded_only || strategy.pipeline_configs != PipelineConfigs::default() {
             return Err(FieldError::new(
                 "strategy.pipeline",
                 "pipeline_configs / hybrid_configs are set but strategy.pipeline is false: set it to true",

@@ -34,6 +34,7 @@ mod pipeline;
 pub mod placement;
 mod provenance;
 pub mod reference;
+mod sharding;
 mod sparse_tables;
 mod strategy;
 mod train;
@@ -55,6 +56,7 @@ pub use cluster::{host_port, ClusterConfig, DeviceKind};
 pub use fault_tolerance::{FaultToleranceConfig, RecoveryMode};
 pub use memory::{BlockRef, GradientMergeConfigs, RecomputeConfigs};
 pub use pipeline::{HybridConfigs, PipelineConfigs, ScheduleMode};
+pub use sharding::{ShardingConfigs, ShardingStage};
 pub use sparse_tables::SparseTableConfig;
 pub use strategy::{AsyncConfigs, DistributedStrategy, PsMode, Strategy};
 pub use train::{

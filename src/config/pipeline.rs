@@ -62,6 +62,9 @@ pub struct HybridConfigs {
     pub dp_degree: usize,
     /// Pipeline stages (`p`).
     pub pp_degree: usize,
+    /// Ranks that split the optimizer's states (and gradients) between them, with
+    /// `strategy.sharding`: 1 (unset) or the world size, every data-parallel rank.
+    pub sharding_degree: usize,
 }
 
 /// Where each rank sits in the `dp_degree` × `pp_degree` grid, defined once: ranks are numbered
@@ -101,6 +104,7 @@ impl Default for HybridConfigs {
         Self {
             dp_degree: 1,
             pp_degree: 1,
+            sharding_degree: 1,
         }
     }
 }

@@ -56,6 +56,12 @@ const PADDLE_NAMES: &[(&str, &str)] = &[
     ),
     ("strategy.hybrid_configs.dp_degree", "`hybrid_configs.dp_degree`"),
     ("strategy.hybrid_configs.pp_degree", "`hybrid_configs.pp_degree`"),
+    (
+        "strategy.hybrid_configs.sharding_degree",
+        "`hybrid_configs.sharding_degree`",
+    ),
+    ("strategy.sharding", "`sharding`"),
+    ("strategy.sharding_configs.stage", "`sharding_configs.stage`"),
     ("strategy.recompute", "`recompute`"),
     (
         "strategy.recompute_configs.checkpoints",

@@ -8,6 +8,7 @@ use serde::{Deserialize, Serialize};
 
 use super::memory::{GradientMergeConfigs, RecomputeConfigs};
 use super::pipeline::{HybridConfigs, PipelineConfigs};
+use super::sharding::{ShardingConfigs, ShardingStage};
 use super::sparse_tables::SparseTableConfig;
 use super::{FieldError, UnsupportedKey};
 
@@ -15,8 +16,6 @@ use super::{FieldError, UnsupportedKey};
 /// the "not supported yet" error. Checked before deserialization so these never surface as a
 /// misleading "unknown field".
 pub(crate) const UNSUPPORTED_KEYS: &[UnsupportedKey] = &[
-    unsupported("sharding", "sharding"),
-    unsupported("sharding_configs", "sharding"),
     unsupported("amp", "mixed precision"),
     unsupported("amp_configs", "mixed precision"),
 ];
@@ -81,8 +80,15 @@ pub struct DistributedStrategy {
     pub pipeline: bool,
     /// Schedule and micro-batching of the pipeline.
     pub pipeline_configs: PipelineConfigs,
-    /// Pipeline stages × data-parallel replicas of the pipeline.
+    /// Pipeline stages × data-parallel replicas of the pipeline, and the sharding degree.
     pub hybrid_configs: HybridConfigs,
+    /// Sharded states (ZeRO): the data-parallel ranks split the optimizer's states, and with
+    /// `sharding_configs.stage = 2` the averaged gradients, instead of each holding them all.
+    /// Every rank still ends each step with the same parameters, bit for bit those of plain
+    /// data parallelism.
+    pub sharding: bool,
+    /// What sharding splits.
+    pub sharding_configs: ShardingConfigs,
     /// Activation recomputation: only the outputs of `recompute_configs.checkpoints` are kept
     /// from forward to backward; the rest is recomputed in backward.
     pub recompute: bool,
@@ -172,6 +178,8 @@ impl Default for DistributedStrategy {
             pipeline: false,
             pipeline_configs: PipelineConfigs::default(),
             hybrid_configs: HybridConfigs::default(),
+            sharding: false,
+            sharding_configs: ShardingConfigs::default(),
             recompute: false,
             recompute_configs: RecomputeConfigs::default(),
             gradient_merge: false,
@@ -186,6 +194,16 @@ impl DistributedStrategy {
     pub fn fuse_grad_size_bytes(&self) -> usize {
         // Float-to-int `as` saturates, and validation keeps the value positive and finite.
         ((self.fuse_grad_size_in_mb * (1u64 << 20) as f64) as usize).max(1)
+    }
+
+    /// What the data-parallel ranks split between them, with `strategy.sharding` (the stage
+    /// was checked when the config loaded).
+    pub fn sharding_stage(&self) -> Option<ShardingStage> {
+        match (self.sharding, self.sharding_configs.stage) {
+            (false, _) => None,
+            (true, 1) => Some(ShardingStage::OptimizerStates),
+            (true, _) => Some(ShardingStage::Gradients),
+        }
     }
 
     /// The parameter-server update mode these keys select.
@@ -282,15 +300,10 @@ mod tests {
 
     #[test]
     fn unsupported_strategies_are_rejected_with_the_reason() {
-        let msg = err_text(load_str("[strategy.sharding_configs]\nstage = 2\n"));
-        assert_eq!(
-            msg,
-            "config.toml: strategy.sharding_configs: not supported yet (sharding)"
-        );
-        let msg = err_text(load_with("", &[], &["strategy.sharding=true"]));
-        assert_eq!(msg, "--set: strategy.sharding: not supported yet (sharding)");
         let msg = err_text(load_str("[strategy]\namp = false\n"));
         assert!(msg.ends_with("not supported yet (mixed precision)"), "{msg}");
+        let msg = err_text(load_with("", &[], &["strategy.amp_configs.use_bf16=true"]));
+        assert_eq!(msg, "--set: strategy.amp_configs: not supported yet (mixed precision)");
     }
 
     #[test]

@@ -44,6 +44,11 @@ impl Output {
 impl DistributedModel {
     /// Wraps `model` for `group`: every rank starts from rank 0's parameters.
     pub fn new(model: Model, group: ProcessGroup) -> Result<Self> {
+        anyhow::ensure!(
+            !group.config().strategy.sharding,
+            "strategy.sharding: a program's own loop steps its own optimizer on whole gradients; sharded \
+             states need the runtime's optimizer (`flotilla train`)"
+        );
         let params = model.parameters();
         let vars: Vec<Var> = params.iter().map(|p| p.var.clone()).collect();
         let device = vars.first().context("the model has no parameters")?.device().clone();
@@ -88,7 +93,8 @@ impl DistributedModel {
         );
         let averaged = backward.and_then(|_| gradients.finish(&mut None));
         self.batches += 1;
-        Ok(self.group.explained(averaged)?.map(|averaged| averaged.grads))
+        let averaged = self.group.explained(averaged)?;
+        averaged.map(|averaged| averaged.grads.into_whole()).transpose()
     }
 
     /// The model's parameters, for the program's optimizer.

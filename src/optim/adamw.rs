@@ -12,7 +12,7 @@ use super::in_place::{AdamWStep, Moment};
 use super::{check_state_entry, OptimizerState};
 
 /// The state slots of one parameter: first and second moment.
-const SLOTS: &[&str] = &["m", "v"];
+pub(super) const SLOTS: &[&str] = &["m", "v"];
 
 /// One parameter and its moments; `None` for a non-float parameter, which (as in candle-nn) is
 /// never updated.

@@ -74,6 +74,22 @@ impl Optimizer {
         }
     }
 
+    /// The state slots it keeps per parameter.
+    pub fn slots(&self) -> &'static [&'static str] {
+        match self {
+            Self::Sgd(_) => sgd_momentum::SLOTS,
+            Self::AdamW(_) => adamw::SLOTS,
+        }
+    }
+
+    /// The learning rate of the next step.
+    pub fn learning_rate(&self) -> f64 {
+        match self {
+            Self::Sgd(o) => o.learning_rate(),
+            Self::AdamW(o) => o.learning_rate(),
+        }
+    }
+
     /// A copy of the state, unaffected by later steps.
     pub fn state(&self) -> candle_core::Result<OptimizerState> {
         match self {

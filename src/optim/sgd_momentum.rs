@@ -10,7 +10,7 @@ use super::in_place::{Accumulate, Descend};
 use super::{check_state_entry, OptimizerState};
 
 /// The state slot of one parameter: its velocity.
-const SLOTS: &[&str] = &["momentum"];
+pub(super) const SLOTS: &[&str] = &["momentum"];
 
 /// Hyper-parameters of [`SgdMomentum`].
 #[derive(Debug, Clone, Copy, PartialEq)]

@@ -13,7 +13,9 @@ use super::partition::{balanced, explicit};
 use super::schedule::ScheduleKind;
 use super::stage::{Chunk, Stage, StageStep};
 use crate::collective::rank_figures::{JobFigures, RankFigures};
-use crate::collective::{preemption, sum_over_ranks, Averaged, GradientSync, Held, RankReplica, StepReport};
+use crate::collective::{
+    preemption, sum_over_ranks, Averaged, GradientSync, Held, HeldOptimizer, RankReplica, StepReport,
+};
 use crate::config::{JobConfig, LossKind, ScheduleMode};
 use crate::data::{Batch, Pieces};
 use crate::engines::comm::{CommWorker, Communicator};
@@ -299,7 +301,7 @@ impl RankReplica for PipelineReplica {
     fn held(&mut self) -> Held<'_> {
         Held {
             params: &self.params,
-            optimizer: &mut self.optimizer,
+            optimizer: HeldOptimizer::Whole(&mut self.optimizer),
             step: &mut self.step,
             ring: &self.data_parallel,
             timeline: &mut self.timeline,
@@ -325,7 +327,7 @@ impl RankReplica for PipelineReplica {
         let exposed = averaged.as_ref().map_or(Duration::ZERO, |a| a.exposed);
         if let Some(averaged) = averaged {
             let stepping = Instant::now();
-            self.optimizer.step(&averaged.grads)?;
+            self.optimizer.step(&averaged.grads.into_whole()?)?;
             record(&mut self.timeline, || format!("optimizer {at}"), "optimizer", stepping);
         }
         let heard = self.link.heard();

@@ -1,0 +1,335 @@
+//! Sharded optimizer states (ZeRO stages 1 and 2; Paddle's `sharding`): every rank of the ring
+//! owns one shard of each fusion bucket — the part whose sums its reduce-scatter finishes
+//! ([`crate::engines::comm::Communicator::shard_of`]) — and keeps the optimizer's states of
+//! that shard alone, `1/n` of them. A step updates the shard's parameters from the shard's
+//! averaged gradients, then all-gathers every bucket's parameters, so all ranks hold the whole
+//! model again. The optimizer is the replicas' own, run over one flat variable per bucket: its
+//! arithmetic is element-wise, so a sharded job's parameters are bit for bit those of plain data
+//! parallelism (the reduce-scatter sums in the all-reduce's order).
+//!
+//! Checkpoints stay in the replica's layout (model-named tensors, every optimizer slot whole):
+//! saving gathers the slots of every shard, restoring takes this rank's shard of them, so a
+//! checkpoint resumes on any number of ranks, sharded or not.
+
+use std::ops::Range;
+
+use anyhow::{ensure, Context, Result};
+use candle_core::backprop::GradStore;
+use candle_core::{Device, Tensor, Var};
+
+use super::{AveragedGradients, BucketPlan};
+use crate::config::TrainConfig;
+use crate::engines::comm::{CommWorker, Wire};
+use crate::models::NamedParam;
+use crate::optim::{clip_by_global_norm, Optimizer, OptimizerState};
+
+/// A fusion bucket and this rank's shard of it.
+struct ShardedBucket {
+    /// Indices into the replica's parameters, in fill order.
+    params: Vec<usize>,
+    /// Values in the bucket.
+    len: usize,
+    /// This rank's part of them.
+    shard: Range<usize>,
+}
+
+/// A replica's optimizer over this rank's shards of the parameters.
+pub struct ShardedStates {
+    buckets: Vec<ShardedBucket>,
+    /// One flat variable per bucket, holding this rank's shard of its parameters.
+    shards: Vec<Var>,
+    optimizer: Optimizer,
+    train: TrainConfig,
+}
+
+impl ShardedStates {
+    /// The optimizer of `train` over this rank's shards (on `comm`'s ring) of `plan`'s buckets
+    /// of `params`, starting at learning rate `lr`.
+    pub fn new(
+        train: &TrainConfig,
+        plan: &BucketPlan,
+        params: &[NamedParam],
+        comm: &CommWorker,
+        lr: f64,
+    ) -> Result<Self> {
+        let lens: Vec<usize> = plan.buckets.iter().map(|b| b.len).collect();
+        let ranges = comm.run(move |c| Ok(lens.iter().map(|&len| c.shard_of(len)).collect::<Vec<_>>()))?;
+        let buckets: Vec<ShardedBucket> = plan
+            .buckets
+            .iter()
+            .zip(ranges)
+            .map(|(bucket, shard)| ShardedBucket {
+                params: bucket.params.clone(),
+                len: bucket.len,
+                shard,
+            })
+            .collect();
+        let device = params.first().map_or(Device::Cpu, |p| p.var.device().clone());
+        let shards = buckets
+            .iter()
+            .map(|b| Var::zeros(b.shard.len(), candle_core::DType::F32, &device))
+            .collect::<candle_core::Result<Vec<_>>>()?;
+        let optimizer = Optimizer::new(train, shards.clone(), lr)?;
+        Ok(Self {
+            buckets,
+            shards,
+            optimizer,
+            train: train.clone(),
+        })
+    }
+
+    /// The same states cut for the ring `comm` (a rollback rebuilt it, perhaps with another
+    /// number of ranks): empty, as a restore fills them next.
+    pub fn recut(&self, plan: &BucketPlan, params: &[NamedParam], comm: &CommWorker) -> Result<Self> {
+        Self::new(&self.train, plan, params, comm, self.optimizer.learning_rate())
+    }
+
+    /// The optimizer's kind, as a checkpoint names it.
+    pub fn name(&self) -> &'static str {
+        self.optimizer.name()
+    }
+
+    /// Sets the learning rate of the next step.
+    pub fn set_learning_rate(&mut self, lr: f64) {
+        self.optimizer.set_learning_rate(lr);
+    }
+
+    /// One step: this rank's shard of `params` updated from `averaged` (clipped to the global
+    /// norm `clip_norm` when positive), then every bucket's parameters all-gathered over `comm`.
+    pub fn step(
+        &mut self,
+        params: &[NamedParam],
+        averaged: AveragedGradients,
+        clip_norm: f64,
+        comm: &CommWorker,
+        step: usize,
+    ) -> Result<()> {
+        // The shards start from the parameters every rank holds (the last all-gather's, a
+        // broadcast's or a restore's).
+        for (bucket, shard) in self.buckets.iter().zip(&self.shards) {
+            shard.set(&bucket.slice(shard.device(), |i| Ok(params[i].var.as_tensor().clone()))?)?;
+        }
+        let mut grads = GradStore::default();
+        match averaged {
+            AveragedGradients::Whole(mut whole) => {
+                if clip_norm > 0.0 {
+                    let vars: Vec<Var> = params.iter().map(|p| p.var.clone()).collect();
+                    clip_by_global_norm(&mut whole, &vars, clip_norm)?;
+                }
+                for (bucket, shard) in self.buckets.iter().zip(&self.shards) {
+                    let grad = bucket.slice(shard.device(), |i| {
+                        let var = params[i].var.as_tensor();
+                        whole.get(var).cloned().with_context(|| format!("no gradient for {}", params[i].name))
+                    })?;
+                    grads.insert(shard.as_tensor(), grad);
+                }
+            }
+            AveragedGradients::Shards(values) => {
+                ensure!(
+                    values.len() == self.buckets.len(),
+                    "step {step}: {} gradient shards for {} buckets",
+                    values.len(),
+                    self.buckets.len()
+                );
+                let device = self.shards.first().map_or(Device::Cpu, |s| s.device().clone());
+                let mut tensors = Vec::with_capacity(values.len());
+                for (bucket, values) in self.buckets.iter().zip(values) {
+                    ensure!(
+                        values.len() == bucket.shard.len(),
+                        "step {step}: a gradient shard of {} values where this rank owns {}",
+                        values.len(),
+                        bucket.shard.len()
+                    );
+                    let len = values.len();
+                    tensors.push(Tensor::from_vec(values, len, &device)?);
+                }
+                if clip_norm > 0.0 {
+                    tensors = clip_shards(tensors, clip_norm, comm, step)?;
+                }
+                for (shard, grad) in self.shards.iter().zip(tensors) {
+                    grads.insert(shard.as_tensor(), grad);
+                }
+            }
+        }
+        self.optimizer.step(&grads)?;
+        self.gather_parameters(params, comm, step)
+    }
+
+    /// Hands every rank's updated shards to all, bucket by bucket, into `params`.
+    fn gather_parameters(&self, params: &[NamedParam], comm: &CommWorker, step: usize) -> Result<()> {
+        let gathers: Vec<_> = self
+            .buckets
+            .iter()
+            .zip(&self.shards)
+            .enumerate()
+            .map(|(index, (bucket, shard))| {
+                let whole = bucket.whole_from_shard(shard.as_tensor())?;
+                let op = format!("all-gather of parameter bucket {index} at step {step}");
+                Ok(comm.submit(move |c| {
+                    let mut whole = whole;
+                    c.all_gather_shards_as(&op, &mut whole, Wire::F32)?;
+                    Ok(whole)
+                }))
+            })
+            .collect::<Result<_>>()?;
+        for (bucket, gathered) in self.buckets.iter().zip(gathers) {
+            bucket.scatter_into(&gathered.wait()?, |i| &params[i].var)?;
+        }
+        Ok(())
+    }
+
+    /// The whole optimizer state by parameter (as [`Optimizer::state`] of an unsharded replica
+    /// gives it): every rank's shards gathered over `comm`. Every rank of the ring calls it.
+    pub fn state(&self, params: &[NamedParam], comm: &CommWorker) -> Result<OptimizerState> {
+        let local = self.optimizer.state()?;
+        // No update yet: no slot holds anything (SGD has no velocity), on every rank alike.
+        if local.steps == 0 {
+            return Ok(local);
+        }
+        let mut tensors = Vec::new();
+        for (index, bucket) in self.buckets.iter().enumerate() {
+            for &slot in self.optimizer.slots() {
+                let mine = local
+                    .tensors
+                    .iter()
+                    .find(|(b, s, _)| *b == index && s == slot)
+                    .map(|(_, _, t)| t.clone());
+                let mine = match mine {
+                    Some(tensor) => tensor,
+                    None => Tensor::zeros(bucket.shard.len(), candle_core::DType::F32, &Device::Cpu)?,
+                };
+                let whole = bucket.whole_from_shard(&mine)?;
+                let op = format!("all-gather of optimizer slot {slot} of bucket {index}");
+                let whole = comm.run(move |c| {
+                    let mut whole = whole;
+                    c.all_gather_shards_as(&op, &mut whole, Wire::F32)?;
+                    Ok(whole)
+                })?;
+                let mut offset = 0;
+                for &param in &bucket.params {
+                    let var = &params[param].var;
+                    let n = var.elem_count();
+                    let values = Tensor::from_slice(&whole[offset..offset + n], var.shape(), var.device())?;
+                    tensors.push((param, slot.to_string(), values));
+                    offset += n;
+                }
+            }
+        }
+        Ok(OptimizerState {
+            steps: local.steps,
+            tensors,
+        })
+    }
+
+    /// Takes this rank's shards of `state` (whole, by parameter of `params`); checks every entry
+    /// before changing anything.
+    pub fn load_state(&mut self, state: OptimizerState, params: &[NamedParam]) -> Result<()> {
+        let mut by_param = std::collections::HashMap::new();
+        for (index, slot, tensor) in state.tensors {
+            let param = params
+                .get(index)
+                .with_context(|| format!("optimizer state of parameter {index}, beyond the {}", params.len()))?;
+            ensure!(
+                tensor.dims() == param.var.dims(),
+                "optimizer slot {slot} of {}: shape {:?}, the parameter's is {:?}",
+                param.name,
+                tensor.dims(),
+                param.var.dims()
+            );
+            by_param.insert((index, slot), tensor);
+        }
+        let mut tensors = Vec::new();
+        for (index, (bucket, var)) in self.buckets.iter().zip(&self.shards).enumerate() {
+            for &slot in self.optimizer.slots() {
+                if !bucket.params.iter().any(|&i| by_param.contains_key(&(i, slot.to_string()))) {
+                    continue;
+                }
+                let shard = bucket.slice(var.device(), |i| match by_param.get(&(i, slot.to_string())) {
+                    Some(tensor) => Ok(tensor.clone()),
+                    None => Ok(params[i].var.as_tensor().zeros_like()?),
+                })?;
+                tensors.push((index, slot.to_string(), shard));
+            }
+        }
+        self.optimizer.load_state(OptimizerState {
+            steps: state.steps,
+            tensors,
+        })?;
+        Ok(())
+    }
+
+    /// Bytes of optimizer state this rank holds.
+    pub fn state_bytes(&self) -> usize {
+        let values: usize = self.buckets.iter().map(|b| b.shard.len()).sum();
+        values * self.optimizer.slots().len() * std::mem::size_of::<f32>()
+    }
+}
+
+impl ShardedBucket {
+    /// This rank's shard of the bucket, from each parameter's tensor (`of(index)`, the
+    /// parameter's shape): the flat values of the parameters in fill order, cut to the shard.
+    fn slice(&self, device: &Device, of: impl Fn(usize) -> Result<Tensor>) -> Result<Tensor> {
+        let mut pieces = Vec::new();
+        let mut offset = 0;
+        for &param in &self.params {
+            let tensor = of(param)?;
+            let n = tensor.elem_count();
+            let (start, end) = (self.shard.start.max(offset), self.shard.end.min(offset + n));
+            if start < end {
+                pieces.push(tensor.flatten_all()?.narrow(0, start - offset, end - start)?);
+            }
+            offset += n;
+        }
+        ensure!(offset == self.len, "a bucket of {} values filled with {offset}", self.len);
+        Ok(match pieces.len() {
+            0 => Tensor::zeros(0, candle_core::DType::F32, device)?,
+            1 => pieces.remove(0).contiguous()?,
+            _ => Tensor::cat(&pieces, 0)?,
+        })
+    }
+
+    /// A buffer of the whole bucket holding `shard`'s values at this rank's place (zeros
+    /// elsewhere), for an all-gather of the shards.
+    fn whole_from_shard(&self, shard: &Tensor) -> Result<Vec<f32>> {
+        let mut whole = vec![0f32; self.len];
+        whole[self.shard.clone()].copy_from_slice(&shard.to_vec1::<f32>()?);
+        Ok(whole)
+    }
+
+    /// Sets each parameter (`var(index)`) from its values in the whole bucket `values`.
+    fn scatter_into<'a>(&self, values: &[f32], var: impl Fn(usize) -> &'a Var) -> Result<()> {
+        let mut offset = 0;
+        for &param in &self.params {
+            let var = var(param);
+            let n = var.elem_count();
+            var.set(&Tensor::from_slice(&values[offset..offset + n], var.shape(), var.device())?)?;
+            offset += n;
+        }
+        Ok(())
+    }
+}
+
+/// The shards' gradients `grads` scaled to a global norm of at most `max_norm` (as
+/// [`clip_by_global_norm`] scales whole ones): the sum of squares of every rank's shards, added in
+/// rank order on every rank, so all scale alike.
+fn clip_shards(grads: Vec<Tensor>, max_norm: f64, comm: &CommWorker, step: usize) -> Result<Vec<Tensor>> {
+    let mut squares = 0f64;
+    for grad in &grads {
+        squares += grad.to_dtype(candle_core::DType::F64)?.sqr()?.sum_all()?.to_scalar::<f64>()?;
+    }
+    let op = format!("all-gather of the gradient norm's parts at step {step}");
+    let parts = comm.run(move |c| c.all_gather(&op, &squares.to_le_bytes()))?;
+    let mut total = 0f64;
+    for part in parts {
+        let bytes: [u8; 8] = part.as_slice().try_into().context("a norm part of another width")?;
+        total += f64::from_le_bytes(bytes);
+    }
+    let scale = max_norm / (total.sqrt() + 1e-6);
+    if scale >= 1.0 {
+        return Ok(grads);
+    }
+    Ok(grads
+        .into_iter()
+        .map(|g| g.affine(scale, 0.0))
+        .collect::<candle_core::Result<_>>()?)
+}

@@ -1,0 +1,113 @@
+//! Sharded states (`strategy.sharding`, ZeRO stages 1 and 2) train exactly as plain data
+//! parallelism on the same ranks, and so within `data_parallel_equivalence.rs`'s tolerance of
+//! one process.
+//!
+//! Bit for bit against data parallelism: a stage-2 rank's reduce-scatter sums every value in the
+//! order the all-reduce does (the same ring steps), a stage-1 rank all-reduces as data
+//! parallelism does, the division by the world and the optimizer's arithmetic are element-wise,
+//! and the all-gather of the updated shards copies values. Only clipping differs: the global norm
+//! is summed from the ranks' shards, in another order, so clipped runs are held to the
+//! one-process tolerance (1e-5) instead.
+
+mod common;
+
+use common::{config, max_abs_diff, train_in_process};
+use flotilla::job::RunOutcome;
+
+/// 20 steps of the default MLP job with `settings`.
+fn run(settings: &[&str]) -> RunOutcome {
+    train_in_process(config(&[&["train.steps=20", "strategy.check_every=5"], settings].concat()))
+}
+
+/// The job `settings` on `world` ranks trains to the same bits with sharding stage 1 and 2 as
+/// without, and within 1e-5 of one process.
+fn assert_sharding_changes_nothing(world: usize, settings: &[&str]) {
+    let ranks = format!("cluster.nproc_per_node={world}");
+    let plain = run(&[&[ranks.as_str()], settings].concat());
+    for stage in ["1", "2"] {
+        let stage = format!("strategy.sharding_configs.stage={stage}");
+        let sharded = run(&[&[ranks.as_str(), "strategy.sharding=true", &stage], settings].concat());
+        assert_eq!(sharded.summary.steps, 20);
+        let diff = max_abs_diff(&plain.parameters, &sharded.parameters);
+        assert_eq!(diff, 0.0, "{world} ranks, {stage} {settings:?}: max |Δparam| = {diff:e}");
+        assert_eq!(plain.losses, sharded.losses, "{world} ranks, {stage}");
+    }
+    let single = run(&[&["cluster.nproc_per_node=1"], settings].concat());
+    let diff = max_abs_diff(&single.parameters, &plain.parameters);
+    assert!(diff <= 1e-5, "{world} ranks against one process: max |Δparam| = {diff:e}");
+}
+
+#[test]
+fn sgd_with_momentum_on_two_and_four_ranks_matches_data_parallelism_bit_for_bit() {
+    // 2 KiB buckets: fc1's 1,290 values and fc0's 8,320 in buckets of their own, cut into
+    // shards the world does not divide evenly.
+    for world in [2, 4] {
+        assert_sharding_changes_nothing(world, &["strategy.fuse_grad_size_in_MB=0.002"]);
+    }
+}
+
+#[test]
+fn adamw_with_weight_decay_on_three_ranks_matches_data_parallelism_bit_for_bit() {
+    assert_sharding_changes_nothing(
+        3,
+        &[
+            "train.optimizer=\"adamw\"",
+            "train.lr=0.001",
+            "train.weight_decay=0.01",
+            "train.batch_size=66",
+            "train.hidden_sizes=[37, 19]",
+            "strategy.fuse_grad_size_in_MB=0.0005",
+        ],
+    );
+}
+
+#[test]
+fn a_gpt_sharded_over_four_ranks_matches_data_parallelism_bit_for_bit() {
+    assert_sharding_changes_nothing(
+        4,
+        &[
+            "train.model=\"gpt\"",
+            "train.dataset=\"text\"",
+            "train.gpt.n_layer=2",
+            "train.gpt.n_head=2",
+            "train.gpt.n_embd=16",
+            "train.gpt.block_size=16",
+            "train.batch_size=16",
+            "train.optimizer=\"adamw\"",
+            "train.lr=0.003",
+            "train.test_fraction=0.002",
+            "strategy.fuse_grad_size_in_MB=0.01",
+        ],
+    );
+}
+
+#[test]
+fn gradient_merge_and_recompute_combine_with_sharded_gradients() {
+    assert_sharding_changes_nothing(
+        2,
+        &[
+            "strategy.gradient_merge=true",
+            "strategy.gradient_merge_configs.k_steps=2",
+            "strategy.recompute=true",
+            "strategy.recompute_configs.checkpoints=[\"fc0\"]",
+            "strategy.fuse_grad_size_in_MB=0.002",
+        ],
+    );
+}
+
+/// A norm limit that binds at every step: the shards' norm is the whole gradient's, summed in
+/// another order.
+#[test]
+fn clipping_the_sharded_gradients_clips_the_global_norm() {
+    let clip = ["train.grad_clip_norm=0.05", "strategy.fuse_grad_size_in_MB=0.002"];
+    let plain = run(&[&["cluster.nproc_per_node=4"], &clip[..]].concat());
+    let unclipped = run(&["cluster.nproc_per_node=4", "strategy.sharding=true", "strategy.sharding_configs.stage=2"]);
+    for stage in ["1", "2"] {
+        let stage = format!("strategy.sharding_configs.stage={stage}");
+        let sharded = run(&[&["cluster.nproc_per_node=4", "strategy.sharding=true", &stage], &clip[..]].concat());
+        let diff = max_abs_diff(&plain.parameters, &sharded.parameters);
+        assert!(diff <= 1e-5, "{stage}: max |Δparam| = {diff:e}");
+        let moved = max_abs_diff(&unclipped.parameters, &sharded.parameters);
+        assert!(moved > 1e-3, "{stage}: clipping moved the parameters by only {moved:e}");
+    }
+}
