@@ -111,3 +111,49 @@ fn clipping_the_sharded_gradients_clips_the_global_norm() {
         assert!(moved > 1e-3, "{stage}: clipping moved the parameters by only {moved:e}");
     }
 }
+
+/// A checkpoint holds the whole state in the replica's layout, whatever the sharding: one of
+/// four sharded ranks resumes on two sharded ranks and on two plain ones, and a plain one on four
+/// sharded ranks, as the uninterrupted run goes on (within the resharding tolerance, 1e-5: the
+/// ranks' means are summed in another order on another number of ranks).
+#[test]
+fn a_checkpoint_resumes_on_another_number_of_ranks_sharded_or_not() {
+    use common::{flotilla, read_params};
+    let dir = tempfile::tempdir().expect("temp dir");
+    let job = |ranks: usize, sharded: bool| {
+        let mut settings = vec![
+            "train.batch_size=48".to_string(),
+            "strategy.fuse_grad_size_in_MB=0.002".to_string(),
+            "train.optimizer=\"adamw\"".to_string(),
+            "train.lr=0.001".to_string(),
+            "fault_tolerance.checkpoint_every=10".to_string(),
+            format!("cluster.nproc_per_node={ranks}"),
+        ];
+        // Unsharded, the stage goes back to its default (a stage without sharding is refused).
+        settings.push(format!("strategy.sharding={sharded}"));
+        settings.push(format!("strategy.sharding_configs.stage={}", if sharded { 2 } else { 1 }));
+        settings.into_iter().flat_map(|s| ["--set".to_string(), s]).collect::<Vec<_>>()
+    };
+    let train = |run_dir: &std::path::Path, flags: Vec<String>, steps: usize, resume: bool| {
+        let steps = format!("train.steps={steps}");
+        let mode = if resume { "--resume" } else { "--run-dir" };
+        let mut args = vec!["train", mode, run_dir.to_str().expect("utf-8"), "--set", &steps];
+        args.extend(flags.iter().map(String::as_str));
+        let finished = flotilla(&args, &[], 120);
+        assert!(finished.success, "{}", finished.stderr);
+        if resume {
+            assert!(finished.stderr.contains("state restored rank=0 step=20"), "{}", finished.stderr);
+        }
+    };
+    let uninterrupted = dir.path().join("uninterrupted");
+    train(&uninterrupted, job(4, true), 30, false);
+    let expected = read_params(&uninterrupted.join("params.safetensors"));
+    for (from, to) in [((4, true), (2, true)), ((4, true), (2, false)), ((4, false), (4, true))] {
+        let run_dir = dir.path().join(format!("{from:?}-{to:?}"));
+        train(&run_dir, job(from.0, from.1), 20, false);
+        train(&run_dir, job(to.0, to.1), 30, true);
+        let diff = max_abs_diff(&expected, &read_params(&run_dir.join("params.safetensors")));
+        eprintln!("{from:?} → {to:?}: max |Δparam| = {diff:e}");
+        assert!(diff <= 1e-5, "{from:?} → {to:?}: max |Δparam| = {diff:e}");
+    }
+}

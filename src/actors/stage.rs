@@ -338,6 +338,8 @@ impl StageRun {
             step,
             file: stage_file(self.stage),
             writes,
+            // A stage's replicas hold whole states.
+            gathered: false,
             device: &self.parts.device,
             store: &store,
             kept: in_place.then_some(&mut self.kept),

@@ -214,6 +214,7 @@ impl TrainingRun {
                 true => roster.first_on_its_host(self.parts.rank, roster.members()),
                 false => place == 0,
             },
+            gathered: self.parts.job.strategy.sharding,
             device: &self.parts.device,
             store: &store,
             kept: in_place.then_some(&mut self.kept),

@@ -54,14 +54,6 @@ impl BucketFill {
 }
 
 impl BucketValues {
-    /// Number of values.
-    pub(super) fn len(&self) -> usize {
-        match self {
-            Self::Host(values) => values.len(),
-            Self::Device(tensor) => tensor.elem_count(),
-        }
-    }
-
     /// The mean of the bucket over all ranks of `comm`, carried as `wire` says: by NCCL when
     /// the ranks have it, else by the ring (a device bucket through host memory).
     pub(super) fn all_reduce_mean(self, comm: &mut Communicator, op: &str, wire: Wire) -> Result<Self> {
@@ -72,6 +64,19 @@ impl BucketValues {
             }
             Self::Device(tensor) => Self::Device(comm.all_reduce_mean_tensor(op, tensor, wire)?),
         })
+    }
+
+    /// This rank's shard of the bucket's mean over all ranks of `comm` (the reduce-scatter's,
+    /// [`Communicator::shard_of`]), carried as `wire` says; a device bucket goes through host
+    /// memory to the ring.
+    pub(super) fn reduce_scatter_mean(self, comm: &mut Communicator, op: &str, wire: Wire) -> Result<Vec<f32>> {
+        let mut values = match self {
+            Self::Host(values) => values,
+            Self::Device(tensor) => tensor.to_vec1::<f32>()?,
+        };
+        let shard = comm.reduce_scatter_sum_as(op, &mut values, wire)?;
+        let world = comm.world_size() as f32;
+        Ok(values[shard].iter().map(|v| v / world).collect())
     }
 
     /// The `len` values from `offset` as a tensor of `shape` on `device`.

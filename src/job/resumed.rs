@@ -37,8 +37,9 @@ pub const SAFE_TO_CHANGE: &[&str] = &[
     "cluster.shared_memory",
 ];
 
-/// The keys of a collective job's layout: its checkpoint holds one copy of the replica, or of
-/// each pipeline stage, every parameter under its model name, and each rank reads its share of
+/// The keys of a collective job's layout: its checkpoint holds one copy of the replica (sharded
+/// optimizer states gathered whole), or of each pipeline stage, every parameter and optimizer slot
+/// under its model name, and each rank reads its share of
 /// the same global batches — so it resumes on any number of ranks that divides the global batch,
 /// cut into any number of stages (the sums of a step are then associated differently).
 const COLLECTIVE_LAYOUT: &[&str] = &[
@@ -52,6 +53,9 @@ const COLLECTIVE_LAYOUT: &[&str] = &[
     "strategy.hybrid_configs.dp_degree",
     "strategy.pipeline_configs.stage_boundaries",
     "strategy.pipeline_configs.virtual_pipeline_stages",
+    "strategy.sharding",
+    "strategy.sharding_configs.stage",
+    "strategy.hybrid_configs.sharding_degree",
 ];
 
 /// The keys of a parameter-server job's layout: its checkpoint holds every row by (table, id)
@@ -115,7 +119,7 @@ pub fn resumed_config(run_dir: &Path, env: &dyn Fn(&str) -> Option<String>, over
             refused.join("; "),
             SAFE_TO_CHANGE.join(", ")
                 + if reshards {
-                    ", and its layout (cluster.nnodes, cluster.nproc_per_node, the pipeline's degrees and stages)"
+                    ", and its layout (cluster.nnodes, cluster.nproc_per_node, the pipeline's degrees and stages, sharding)"
                 } else if rehashes {
                     ", and its numbers of servers and trainers (cluster.server_num, cluster.nnodes, cluster.nproc_per_node)"
                 } else {

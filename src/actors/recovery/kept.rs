@@ -64,6 +64,9 @@ pub(crate) struct RankCheckpoint<'a> {
     /// Whether this rank writes the file (one rank of those holding the same state, or of each
     /// node's).
     pub(crate) writes: bool,
+    /// Whether the rank takes part in taking the state even where it writes nothing: sharded
+    /// states are gathered from every rank of the ring.
+    pub(crate) gathered: bool,
     /// Its device actor, which holds the state.
     pub(crate) device: &'a Addr<DeviceActor>,
     /// Where checkpoints go.
@@ -79,6 +82,10 @@ impl RankCheckpoint<'_> {
     pub(crate) async fn write(self, run: RunRecord) -> Result<(Option<HeldFile>, Option<Arc<Vec<u8>>>)> {
         let Some(kept) = self.kept else {
             if !self.writes {
+                if self.gathered {
+                    // This rank's shards go to the writer; the copy it took is not needed here.
+                    self.device.send(Snapshot { run }).await??;
+                }
                 return Ok((None, None));
             }
             let save = SaveCheckpoint {
