@@ -42,6 +42,20 @@ const DATA_PARALLEL: Job = Job {
     every: 500,
 };
 
+/// The same ranks with sharded states: each keeps a third of AdamW's moments and of the
+/// averaged gradients (stage 2).
+const SHARDED: Job = Job {
+    settings: &[
+        "cluster.nproc_per_node=3",
+        "train.batch_size=48",
+        "train.optimizer=\"adamw\"",
+        "train.lr=0.001",
+        "strategy.sharding=true",
+        "strategy.sharding_configs.stage=2",
+    ],
+    ..DATA_PARALLEL
+};
+
 /// Two pipeline replicas of two stages (1F1B, 4 micro-batches).
 const PIPELINE: Job = Job {
     launcher: &["launch", "--nproc_per_node", "4"],
@@ -267,6 +281,12 @@ fn kill_a_role(job: &Job) -> Hurt {
 fn a_killed_rank_is_replaced_alone_and_the_survivors_roll_back_in_their_processes() {
     let hurt = kill_a_role(&DATA_PARALLEL);
     equals_uninterrupted(&DATA_PARALLEL, &[], &hurt.summary, &hurt.run_dir);
+}
+
+#[test]
+fn a_killed_rank_of_a_sharded_job_is_replaced_alone_and_the_run_ends_as_uninterrupted() {
+    let hurt = kill_a_role(&SHARDED);
+    equals_uninterrupted(&SHARDED, &[], &hurt.summary, &hurt.run_dir);
 }
 
 /// The rows of a planted regression, `y = 2a − b + c/2`, as CSV with a header.
