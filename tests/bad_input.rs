@@ -69,7 +69,15 @@ fn strategies_not_built_yet_say_so() {
         err.contains("strategy.amp") && err.contains("not supported yet"),
         "{err}"
     );
-    let err = train_with("", &["--set", "strategy.sharding=true", "--set", "strategy.sharding_configs.stage=3"]);
+    let err = train_with(
+        "",
+        &[
+            "--set",
+            "strategy.sharding=true",
+            "--set",
+            "strategy.sharding_configs.stage=3",
+        ],
+    );
     assert!(
         err.contains("strategy.sharding_configs.stage: 3 (the parameters sharded too) is not supported yet"),
         "{err}"

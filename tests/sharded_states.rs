@@ -16,7 +16,9 @@ use flotilla::job::RunOutcome;
 
 /// 20 steps of the default MLP job with `settings`.
 fn run(settings: &[&str]) -> RunOutcome {
-    train_in_process(config(&[&["train.steps=20", "strategy.check_every=5"], settings].concat()))
+    train_in_process(config(
+        &[&["train.steps=20", "strategy.check_every=5"], settings].concat(),
+    ))
 }
 
 /// The job `settings` on `world` ranks trains to the same bits with sharding stage 1 and 2 as
@@ -29,12 +31,18 @@ fn assert_sharding_changes_nothing(world: usize, settings: &[&str]) {
         let sharded = run(&[&[ranks.as_str(), "strategy.sharding=true", &stage], settings].concat());
         assert_eq!(sharded.summary.steps, 20);
         let diff = max_abs_diff(&plain.parameters, &sharded.parameters);
-        assert_eq!(diff, 0.0, "{world} ranks, {stage} {settings:?}: max |Δparam| = {diff:e}");
+        assert_eq!(
+            diff, 0.0,
+            "{world} ranks, {stage} {settings:?}: max |Δparam| = {diff:e}"
+        );
         assert_eq!(plain.losses, sharded.losses, "{world} ranks, {stage}");
     }
     let single = run(&[&["cluster.nproc_per_node=1"], settings].concat());
     let diff = max_abs_diff(&single.parameters, &plain.parameters);
-    assert!(diff <= 1e-5, "{world} ranks against one process: max |Δparam| = {diff:e}");
+    assert!(
+        diff <= 1e-5,
+        "{world} ranks against one process: max |Δparam| = {diff:e}"
+    );
 }
 
 #[test]
@@ -101,10 +109,18 @@ fn gradient_merge_and_recompute_combine_with_sharded_gradients() {
 fn clipping_the_sharded_gradients_clips_the_global_norm() {
     let clip = ["train.grad_clip_norm=0.05", "strategy.fuse_grad_size_in_MB=0.002"];
     let plain = run(&[&["cluster.nproc_per_node=4"], &clip[..]].concat());
-    let unclipped = run(&["cluster.nproc_per_node=4", "strategy.sharding=true", "strategy.sharding_configs.stage=2"]);
+    let unclipped = run(&[
+        "cluster.nproc_per_node=4",
+        "strategy.sharding=true",
+        "strategy.sharding_configs.stage=2",
+    ]);
     for stage in ["1", "2"] {
         let stage = format!("strategy.sharding_configs.stage={stage}");
-        let sharded = run(&[&["cluster.nproc_per_node=4", "strategy.sharding=true", &stage], &clip[..]].concat());
+        let sharded = run(&[
+            &["cluster.nproc_per_node=4", "strategy.sharding=true", &stage],
+            &clip[..],
+        ]
+        .concat());
         let diff = max_abs_diff(&plain.parameters, &sharded.parameters);
         assert!(diff <= 1e-5, "{stage}: max |Δparam| = {diff:e}");
         let moved = max_abs_diff(&unclipped.parameters, &sharded.parameters);
@@ -131,8 +147,14 @@ fn a_checkpoint_resumes_on_another_number_of_ranks_sharded_or_not() {
         ];
         // Unsharded, the stage goes back to its default (a stage without sharding is refused).
         settings.push(format!("strategy.sharding={sharded}"));
-        settings.push(format!("strategy.sharding_configs.stage={}", if sharded { 2 } else { 1 }));
-        settings.into_iter().flat_map(|s| ["--set".to_string(), s]).collect::<Vec<_>>()
+        settings.push(format!(
+            "strategy.sharding_configs.stage={}",
+            if sharded { 2 } else { 1 }
+        ));
+        settings
+            .into_iter()
+            .flat_map(|s| ["--set".to_string(), s])
+            .collect::<Vec<_>>()
     };
     let train = |run_dir: &std::path::Path, flags: Vec<String>, steps: usize, resume: bool| {
         let steps = format!("train.steps={steps}");
@@ -142,7 +164,11 @@ fn a_checkpoint_resumes_on_another_number_of_ranks_sharded_or_not() {
         let finished = flotilla(&args, &[], 120);
         assert!(finished.success, "{}", finished.stderr);
         if resume {
-            assert!(finished.stderr.contains("state restored rank=0 step=20"), "{}", finished.stderr);
+            assert!(
+                finished.stderr.contains("state restored rank=0 step=20"),
+                "{}",
+                finished.stderr
+            );
         }
     };
     let uninterrupted = dir.path().join("uninterrupted");

@@ -24,7 +24,7 @@ use crate::telemetry::timeline::{record, Timeline};
 /// (`strategy.sharding`).
 enum ReplicaOptimizer {
     Whole(Optimizer),
-    Sharded(ShardedStates),
+    Sharded(Box<ShardedStates>),
 }
 
 /// A model replica that trains in lockstep with the other ranks.
@@ -64,13 +64,13 @@ impl Replica {
         let lr_policy = LrPolicy::new(&job.train, job.world_size(), gradients.optimizer_step(steps));
         let optimizer = match job.strategy.sharding_stage() {
             None => ReplicaOptimizer::Whole(Optimizer::new(&job.train, vars, lr_policy.at(0))?),
-            Some(_) => ReplicaOptimizer::Sharded(ShardedStates::new(
+            Some(_) => ReplicaOptimizer::Sharded(Box::new(ShardedStates::new(
                 &job.train,
                 gradients.plan(),
                 &params,
                 &comm,
                 lr_policy.at(0),
-            )?),
+            )?)),
         };
         let blocks = model.blocks().len();
         let (segments, whole) = if job.strategy.recompute {
@@ -123,7 +123,7 @@ impl Replica {
     /// (it may have another number of ranks). The state comes from a snapshot next.
     pub fn relink(&mut self, comm: CommWorker) -> Result<()> {
         if let ReplicaOptimizer::Sharded(states) = &mut self.optimizer {
-            *states = states.recut(self.gradients.plan(), &self.params, &comm)?;
+            **states = states.recut(self.gradients.plan(), &self.params, &comm)?;
         }
         self.comm = comm;
         self.gradients.clear();

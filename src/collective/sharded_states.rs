@@ -119,7 +119,10 @@ impl ShardedStates {
                 for (bucket, shard) in self.buckets.iter().zip(&self.shards) {
                     let grad = bucket.slice(shard.device(), |i| {
                         let var = params[i].var.as_tensor();
-                        whole.get(var).cloned().with_context(|| format!("no gradient for {}", params[i].name))
+                        whole
+                            .get(var)
+                            .cloned()
+                            .with_context(|| format!("no gradient for {}", params[i].name))
                     })?;
                     grads.insert(shard.as_tensor(), grad);
                 }
@@ -241,7 +244,11 @@ impl ShardedStates {
         let mut tensors = Vec::new();
         for (index, (bucket, var)) in self.buckets.iter().zip(&self.shards).enumerate() {
             for &slot in self.optimizer.slots() {
-                if !bucket.params.iter().any(|&i| by_param.contains_key(&(i, slot.to_string()))) {
+                if !bucket
+                    .params
+                    .iter()
+                    .any(|&i| by_param.contains_key(&(i, slot.to_string())))
+                {
                     continue;
                 }
                 let shard = bucket.slice(var.device(), |i| match by_param.get(&(i, slot.to_string())) {
@@ -280,7 +287,11 @@ impl ShardedBucket {
             }
             offset += n;
         }
-        ensure!(offset == self.len, "a bucket of {} values filled with {offset}", self.len);
+        ensure!(
+            offset == self.len,
+            "a bucket of {} values filled with {offset}",
+            self.len
+        );
         Ok(match pieces.len() {
             0 => Tensor::zeros(0, candle_core::DType::F32, device)?,
             1 => pieces.remove(0).contiguous()?,
@@ -302,7 +313,11 @@ impl ShardedBucket {
         for &param in &self.params {
             let var = var(param);
             let n = var.elem_count();
-            var.set(&Tensor::from_slice(&values[offset..offset + n], var.shape(), var.device())?)?;
+            var.set(&Tensor::from_slice(
+                &values[offset..offset + n],
+                var.shape(),
+                var.device(),
+            )?)?;
             offset += n;
         }
         Ok(())
@@ -315,7 +330,11 @@ impl ShardedBucket {
 fn clip_shards(grads: Vec<Tensor>, max_norm: f64, comm: &CommWorker, step: usize) -> Result<Vec<Tensor>> {
     let mut squares = 0f64;
     for grad in &grads {
-        squares += grad.to_dtype(candle_core::DType::F64)?.sqr()?.sum_all()?.to_scalar::<f64>()?;
+        squares += grad
+            .to_dtype(candle_core::DType::F64)?
+            .sqr()?
+            .sum_all()?
+            .to_scalar::<f64>()?;
     }
     let op = format!("all-gather of the gradient norm's parts at step {step}");
     let parts = comm.run(move |c| c.all_gather(&op, &squares.to_le_bytes()))?;

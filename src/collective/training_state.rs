@@ -252,7 +252,14 @@ mod tests {
             losses: vec![0.5],
             data: None,
         };
-        write(&mut bytes, &params, &info, (optimizer.name(), optimizer.state()?), 1, &run)?;
+        write(
+            &mut bytes,
+            &params,
+            &info,
+            (optimizer.name(), optimizer.state()?),
+            1,
+            &run,
+        )?;
         Ok((model, optimizer, bytes))
     }
 

@@ -8,7 +8,7 @@
 //! parameter-server tables. It is a lower bound of the real use (no allocator or framework
 //! overhead), so a job it refuses could never have run.
 
-use super::{DatasetKind, FieldError, JobConfig, ModelKind, OptimizerKind, TrainConfig, TrainLength};
+use super::{DatasetKind, FieldError, JobConfig, ModelKind, OptimizerKind, ShardingStage, TrainConfig, TrainLength};
 use crate::data::ctr::CtrShape;
 
 /// Bytes of one f32.
@@ -69,11 +69,11 @@ fn total(needs: &[Need]) -> u128 {
 fn estimate(config: &JobConfig) -> Vec<Need> {
     let train = &config.train;
     let trainers = config.cluster.nproc_per_node as u128;
-    // Gradients and optimizer state are as large as the parameters, per state slot.
-    let state_copies: u128 = match train.optimizer {
-        OptimizerKind::Sgd if train.momentum == 0.0 => 2,
-        OptimizerKind::Sgd | OptimizerKind::Adagrad => 3,
-        OptimizerKind::Adamw | OptimizerKind::Adam => 4,
+    // The optimizer's state slots, each as large as the parameters.
+    let slots: u128 = match train.optimizer {
+        OptimizerKind::Sgd if train.momentum == 0.0 => 0,
+        OptimizerKind::Sgd | OptimizerKind::Adagrad => 1,
+        OptimizerKind::Adamw | OptimizerKind::Adam => 2,
     };
     // Activations of one row's forward pass, which training holds with their gradients.
     let (model_keys, params, row_activations) = model_size(train);
@@ -101,13 +101,24 @@ fn estimate(config: &JobConfig) -> Vec<Need> {
         }
         _ => 0,
     };
-    let row_bytes = mul(&[train.embedding_dim as u128 + 1, state_copies - 1, F32]);
+    let row_bytes = mul(&[train.embedding_dim as u128 + 1, slots + 1, F32]);
     let activations = activations(config, row_activations, &model_keys);
+    let [gradients, optimizer] = sharded_states(config, params, slots);
     vec![
         Need {
-            keys: model_keys,
-            what: "parameters, gradients and optimizer state",
-            bytes: mul(&[params, state_copies, F32, trainers]),
+            keys: model_keys.clone(),
+            what: "parameters",
+            bytes: mul(&[params, F32, trainers]),
+        },
+        Need {
+            keys: [&model_keys[..], &["strategy.sharding_configs.stage"]].concat(),
+            what: "gradients",
+            bytes: mul(&[gradients, F32, trainers]),
+        },
+        Need {
+            keys: [&model_keys[..], &["train.optimizer", "strategy.sharding"]].concat(),
+            what: "optimizer state",
+            bytes: mul(&[optimizer, F32, trainers]),
         },
         activations,
         Need {
@@ -130,6 +141,24 @@ fn estimate(config: &JobConfig) -> Vec<Need> {
             bytes: mul(&[table_rows, row_bytes]),
         },
     ]
+}
+
+/// The values of gradients and of optimizer state one rank holds, for `params` parameters and an
+/// optimizer of `slots` slots: all of them, or with `strategy.sharding` a shard of the optimizer's
+/// slots (and of the parameters it updates) and, at stage 2, of the averaged gradients, besides
+/// the buckets in flight (at most the whole).
+fn sharded_states(config: &JobConfig, params: u128, slots: u128) -> [u128; 2] {
+    let strategy = &config.strategy;
+    let world = config.world_size().max(1) as u128;
+    let shard = params.div_ceil(world);
+    match strategy.sharding_stage() {
+        None => [params, mul(&[params, slots])],
+        Some(ShardingStage::OptimizerStates) => [params, mul(&[shard, slots + 1])],
+        Some(ShardingStage::Gradients) => {
+            let buckets = (strategy.fuse_grad_size_bytes() as u128 / F32).min(params);
+            [shard.saturating_add(buckets).min(params), mul(&[shard, slots + 1])]
+        }
+    }
 }
 
 /// The model's part of the estimate: the keys that size it, its parameters, and the bytes of
@@ -298,10 +327,9 @@ mod tests {
             msg.starts_with("train.hidden_sizes: the job needs at least 8.4 TiB"),
             "{msg}"
         );
-        assert!(
-            msg.contains("parameters, gradients and optimizer state: 6.5 TiB (train.hidden_sizes)"),
-            "{msg}"
-        );
+        for part in ["parameters", "gradients", "optimizer state"] {
+            assert!(msg.contains(&format!("{part}: 2.2 TiB (train.hidden_sizes)")), "{msg}");
+        }
         assert!(msg.ends_with("more than the 64.0 GiB available"), "{msg}");
     }
 
@@ -350,6 +378,42 @@ mod tests {
             "{msg}"
         );
         assert!(node_bytes(&gpt(Some(256))) > node_bytes(&by_default));
+    }
+
+    #[test]
+    fn sharded_states_count_a_shard_of_the_optimizer_and_at_stage_2_of_the_gradients() {
+        let adamw = |stage: Option<u8>| {
+            job(|c| {
+                c.cluster.nproc_per_node = 4;
+                c.train.optimizer = OptimizerKind::Adamw;
+                c.train.hidden_sizes = Some(vec![4_000_000_000]);
+                c.strategy.fuse_grad_size_in_mb = 1.0;
+                if let Some(stage) = stage {
+                    c.strategy.sharding = true;
+                    c.strategy.sharding_configs.stage = stage;
+                }
+            })
+        };
+        let part = |config: &JobConfig, what: &str| {
+            estimate(config)
+                .into_iter()
+                .find(|n| n.what == what)
+                .map(|n| n.bytes)
+                .unwrap_or_default()
+        };
+        let (plain, one, two) = (adamw(None), adamw(Some(1)), adamw(Some(2)));
+        // Bytes of all the ranks' values of `count` each.
+        let bytes = |count: u128| count * F32 * 4;
+        let params = part(&plain, "parameters") / bytes(1);
+        assert_eq!(part(&plain, "gradients"), bytes(params));
+        assert_eq!(part(&plain, "optimizer state"), bytes(2 * params));
+        // Each of the 4 ranks: a quarter of the two moments and of the parameters it updates.
+        let quarter = params.div_ceil(4);
+        assert_eq!(part(&one, "optimizer state"), bytes(3 * quarter));
+        assert_eq!(part(&one, "gradients"), bytes(params));
+        // Stage 2 keeps a quarter of the averaged gradients, and a 1 MiB bucket in flight.
+        assert_eq!(part(&two, "gradients"), bytes(quarter + (1 << 20) / F32));
+        assert_eq!(part(&two, "optimizer state"), part(&one, "optimizer state"));
     }
 
     #[test]

@@ -122,9 +122,15 @@ mod tests {
             assert!(config.is_ok(), "{:?}", config.err());
         }
         let msg = refusal(&["strategy.sharding=true", "strategy.sharding_configs.stage=3"]);
-        assert!(msg.contains("strategy.sharding_configs.stage: 3 (the parameters sharded too) is not supported yet"), "{msg}");
+        assert!(
+            msg.contains("strategy.sharding_configs.stage: 3 (the parameters sharded too) is not supported yet"),
+            "{msg}"
+        );
         let msg = refusal(&["strategy.sharding=true", "strategy.sharding_configs.stage=4"]);
-        assert!(msg.contains("must be 1 (optimizer states), 2 (and gradients) or 3 (and parameters), got 4"), "{msg}");
+        assert!(
+            msg.contains("must be 1 (optimizer states), 2 (and gradients) or 3 (and parameters), got 4"),
+            "{msg}"
+        );
         let msg = refusal(&["strategy.sharding_configs.stage=2"]);
         assert!(msg.contains("strategy.sharding: sharding_configs"), "{msg}");
     }
@@ -134,21 +140,40 @@ mod tests {
         let config = load_with(
             "",
             &[],
-            &["cluster.nproc_per_node=4", "strategy.sharding=true", "strategy.hybrid_configs.sharding_degree=4"],
+            &[
+                "cluster.nproc_per_node=4",
+                "strategy.sharding=true",
+                "strategy.hybrid_configs.sharding_degree=4",
+            ],
         );
         assert!(config.is_ok(), "{:?}", config.err());
         let msg = refusal(&["strategy.sharding=true", "strategy.hybrid_configs.sharding_degree=2"]);
-        assert!(msg.contains("strategy.hybrid_configs.sharding_degree: 2: the states are split over all 4"), "{msg}");
+        assert!(
+            msg.contains("strategy.hybrid_configs.sharding_degree: 2: the states are split over all 4"),
+            "{msg}"
+        );
         let msg = refusal(&["strategy.hybrid_configs.sharding_degree=4"]);
         assert!(msg.contains("but strategy.sharding is false"), "{msg}");
-        let msg = refusal(&["strategy.sharding=true", "cluster.server_num=1", "train.model=\"wide_deep\"", "train.dataset=\"criteo_synthetic\"", "train.optimizer=\"sgd\""]);
-        assert!(msg.contains("strategy.sharding: splits the optimizer states of collective training"), "{msg}");
+        let msg = refusal(&[
+            "strategy.sharding=true",
+            "cluster.server_num=1",
+            "train.model=\"wide_deep\"",
+            "train.dataset=\"criteo_synthetic\"",
+            "train.optimizer=\"sgd\"",
+        ]);
+        assert!(
+            msg.contains("strategy.sharding: splits the optimizer states of collective training"),
+            "{msg}"
+        );
         let msg = refusal(&[
             "strategy.sharding=true",
             "strategy.pipeline=true",
             "strategy.hybrid_configs.pp_degree=2",
             "strategy.hybrid_configs.dp_degree=2",
         ]);
-        assert!(msg.contains("strategy.sharding: not supported with strategy.pipeline yet"), "{msg}");
+        assert!(
+            msg.contains("strategy.sharding: not supported with strategy.pipeline yet"),
+            "{msg}"
+        );
     }
 }
