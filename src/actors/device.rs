@@ -14,7 +14,7 @@ use anyhow::{anyhow, Context as _, Result};
 
 use crate::checkpoint::{CheckpointStore, FileRecord};
 use crate::collective::training_state::RunRecord;
-use crate::collective::{ParamChecksum, RankReplica, Replica, StepReport};
+use crate::collective::{ParamChecksum, RankReplica, Replica, StateBytes, StepReport};
 use crate::config::JobConfig;
 use crate::data::{Batch, DataPosition, Pieces};
 use crate::engines::comm::hierarchy::{self, NodeLayout};
@@ -275,6 +275,11 @@ pub struct CheckReplicas;
 #[rtype(result = "Result<Vec<(String, Vec<f32>)>>")]
 pub struct ReadParameters;
 
+/// Tells the bytes of state the rank holds.
+#[derive(Message)]
+#[rtype(result = "Result<StateBytes>")]
+pub struct ReadStateBytes;
+
 /// Writes this rank's training state as file `file` of step `step`'s checkpoint in `store`.
 #[derive(Message)]
 #[rtype(result = "Result<FileRecord>")]
@@ -428,6 +433,14 @@ impl Handler<CheckReplicas> for DeviceActor {
 
     fn handle(&mut self, _: CheckReplicas, _: &mut Self::Context) -> Self::Result {
         self.state.replica()?.check_replicas_agree()
+    }
+}
+
+impl Handler<ReadStateBytes> for DeviceActor {
+    type Result = Result<StateBytes>;
+
+    fn handle(&mut self, _: ReadStateBytes, _: &mut Self::Context) -> Self::Result {
+        Ok(self.state.replica()?.state_bytes())
     }
 }
 

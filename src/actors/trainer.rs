@@ -11,7 +11,7 @@
 use actix::prelude::*;
 use anyhow::{anyhow, Context as _, Result};
 
-use super::device::{CheckReplicas, Prepare, ReadParameters, Relink, ReplicaPart, RingLink};
+use super::device::{CheckReplicas, Prepare, ReadParameters, ReadStateBytes, Relink, ReplicaPart, RingLink};
 use super::rank_generations::{train_generations, RankGenerations};
 use super::rank_parts::RankParts;
 use super::rank_steps::{train_generation, Place, StrategySteps};
@@ -21,7 +21,7 @@ use super::recovery::rollback::{takes_rollback_orders, OrderInbox, Orders};
 use super::recovery::REPLICA_FILE;
 use super::run_loop::{run_steps, RunLoop};
 use crate::collective::training_state::RunRecord;
-use crate::collective::ParamChecksum;
+use crate::collective::{ParamChecksum, StateBytes};
 use crate::config::JobConfig;
 use crate::models::Score;
 use crate::net::protocol::Roster;
@@ -86,6 +86,8 @@ pub struct RankOutcome {
     /// The most bytes of activations this rank held for backward at once in one step of this
     /// generation ([`crate::collective::StepReport::peak_activation_bytes`]).
     pub peak_activation_bytes: usize,
+    /// The bytes of state this rank held at the end.
+    pub state_bytes: StateBytes,
 }
 
 impl Trainer {
@@ -259,6 +261,7 @@ impl RankGenerations for TrainingRun {
             .score
             .context("a data-parallel replica scores the held-out split")?;
         let parameters = self.parts.device.send(ReadParameters).await??;
+        let state_bytes = self.parts.device.send(ReadStateBytes).await??;
         self.bus_mut()?.barrier(rank, "end of training").await?;
         Ok(RankOutcome {
             rank: place,
@@ -272,6 +275,7 @@ impl RankGenerations for TrainingRun {
             param_checksum,
             parameters,
             peak_activation_bytes: generation.peak_activation_bytes,
+            state_bytes,
             losses: generation.losses,
         })
     }

@@ -48,6 +48,19 @@ pub struct StepReport {
     pub stop_asked: bool,
 }
 
+/// The bytes of state a rank holds between steps: its parameters, the averaged gradients its
+/// optimizer steps on, and the optimizer's state (a sharded optimizer's copy of the parameters it
+/// updates included).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+pub struct StateBytes {
+    /// Parameters.
+    pub parameters: usize,
+    /// Averaged gradients.
+    pub gradients: usize,
+    /// Optimizer state.
+    pub optimizer: usize,
+}
+
 /// What a replica lends the calls written once for all: its parameters, optimizer, batches
 /// trained, the ring among the replicas of the same parameters, and its timeline.
 pub struct Held<'a> {
@@ -154,6 +167,22 @@ pub trait RankReplica: Send {
     /// The spans recorded so far (none unless tracing).
     fn take_spans(&mut self) -> Vec<Span> {
         self.held().timeline.as_mut().map(Timeline::take).unwrap_or_default()
+    }
+
+    /// The bytes of the state this rank holds.
+    fn state_bytes(&mut self) -> StateBytes {
+        let held = self.held();
+        let values: usize = held.params.iter().map(|p| p.var.elem_count()).sum();
+        let f32_bytes = std::mem::size_of::<f32>();
+        let (gradients, optimizer) = match &held.optimizer {
+            HeldOptimizer::Whole(optimizer) => (values, values * optimizer.slots().len()),
+            HeldOptimizer::Sharded(states) => states.held_values(values),
+        };
+        StateBytes {
+            parameters: values * f32_bytes,
+            gradients: gradients * f32_bytes,
+            optimizer: optimizer * f32_bytes,
+        }
     }
 
     /// The parameters' values by name.

@@ -64,8 +64,8 @@ impl Replica {
         let lr_policy = LrPolicy::new(&job.train, job.world_size(), gradients.optimizer_step(steps));
         let optimizer = match job.strategy.sharding_stage() {
             None => ReplicaOptimizer::Whole(Optimizer::new(&job.train, vars, lr_policy.at(0))?),
-            Some(_) => ReplicaOptimizer::Sharded(Box::new(ShardedStates::new(
-                &job.train,
+            Some(stage) => ReplicaOptimizer::Sharded(Box::new(ShardedStates::new(
+                (&job.train, stage),
                 gradients.plan(),
                 &params,
                 &comm,
@@ -85,10 +85,6 @@ impl Replica {
             buckets = gradients.buckets(),
             params = model.parameter_count(),
             sharding_stage = job.strategy.sharding_stage().map(|s| s.number()),
-            optimizer_state_bytes = match &optimizer {
-                ReplicaOptimizer::Whole(_) => None,
-                ReplicaOptimizer::Sharded(states) => Some(states.state_bytes()),
-            },
             "replica ready"
         );
         Ok(Self {

@@ -18,7 +18,7 @@ use candle_core::backprop::GradStore;
 use candle_core::{Device, Tensor, Var};
 
 use super::{AveragedGradients, BucketPlan};
-use crate::config::TrainConfig;
+use crate::config::{ShardingStage, TrainConfig};
 use crate::engines::comm::{CommWorker, Wire};
 use crate::models::NamedParam;
 use crate::optim::{clip_by_global_norm, Optimizer, OptimizerState};
@@ -40,13 +40,15 @@ pub struct ShardedStates {
     shards: Vec<Var>,
     optimizer: Optimizer,
     train: TrainConfig,
+    /// What is sharded besides the optimizer's states.
+    stage: ShardingStage,
 }
 
 impl ShardedStates {
-    /// The optimizer of `train` over this rank's shards (on `comm`'s ring) of `plan`'s buckets
+    /// The optimizer of `train` at sharding `stage` over this rank's shards (on `comm`'s ring) of `plan`'s buckets
     /// of `params`, starting at learning rate `lr`.
     pub fn new(
-        train: &TrainConfig,
+        (train, stage): (&TrainConfig, ShardingStage),
         plan: &BucketPlan,
         params: &[NamedParam],
         comm: &CommWorker,
@@ -75,13 +77,15 @@ impl ShardedStates {
             shards,
             optimizer,
             train: train.clone(),
+            stage,
         })
     }
 
     /// The same states cut for the ring `comm` (a rollback rebuilt it, perhaps with another
     /// number of ranks): empty, as a restore fills them next.
     pub fn recut(&self, plan: &BucketPlan, params: &[NamedParam], comm: &CommWorker) -> Result<Self> {
-        Self::new(&self.train, plan, params, comm, self.optimizer.learning_rate())
+        let lr = self.optimizer.learning_rate();
+        Self::new((&self.train, self.stage), plan, params, comm, lr)
     }
 
     /// The optimizer's kind, as a checkpoint names it.
@@ -265,10 +269,15 @@ impl ShardedStates {
         Ok(())
     }
 
-    /// Bytes of optimizer state this rank holds.
-    pub fn state_bytes(&self) -> usize {
-        let values: usize = self.buckets.iter().map(|b| b.shard.len()).sum();
-        values * self.optimizer.slots().len() * std::mem::size_of::<f32>()
+    /// The values of averaged gradients and of optimizer state (its slots and the shard of the
+    /// parameters it updates) this rank holds, of a model of `params` values.
+    pub fn held_values(&self, params: usize) -> (usize, usize) {
+        let shard: usize = self.buckets.iter().map(|b| b.shard.len()).sum();
+        let gradients = match self.stage {
+            ShardingStage::OptimizerStates => params,
+            ShardingStage::Gradients => shard,
+        };
+        (gradients, shard * (self.optimizer.slots().len() + 1))
     }
 }
 

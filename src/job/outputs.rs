@@ -14,6 +14,7 @@ use serde::Serialize;
 use super::TrainingJob;
 use crate::actors::trainer::RankOutcome;
 use crate::checkpoint::write_atomically;
+use crate::collective::StateBytes;
 use crate::config::{JobConfig, LossKind};
 use crate::models::export::{write_model, ModelInfo};
 use crate::models::{Model, ParamInit};
@@ -65,6 +66,10 @@ pub struct Summary {
     /// stages (replica 0's), or a data-parallel job's one stage, the whole model (rank 0's).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub peak_activation_bytes: Option<Vec<usize>>,
+    /// Data-parallel jobs: the bytes of parameters, averaged gradients and optimizer state rank 0
+    /// holds (with `strategy.sharding`, its shards).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub state_bytes: Option<StateBytes>,
     /// Pipeline jobs: time stages waited for their neighbours over the time of the schedules,
     /// averaged over stages (the bubble's share of the pipeline's step).
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -104,6 +109,7 @@ impl RunOutcome {
                 param_checksum: rank0.param_checksum.to_string(),
                 matrix_kernel: crate::models::cpu_matrix_kernel().to_string(),
                 peak_activation_bytes: Some(vec![rank0.peak_activation_bytes]),
+                state_bytes: Some(rank0.state_bytes),
                 bubble_fraction: None,
             },
             parameters: rank0.parameters,

@@ -393,6 +393,7 @@ fn summarise(job: &TrainingJob, replica0: &[StageOutcome], cluster: &str) -> Res
             param_checksum: ParamChecksum::of_values(&parameters).to_string(),
             matrix_kernel: crate::models::cpu_matrix_kernel().to_string(),
             peak_activation_bytes: Some(replica0.iter().map(|o| o.peak_activation_bytes).collect()),
+            state_bytes: None,
             bubble_fraction: Some(replica0.iter().map(|o| o.bubble_fraction).sum::<f64>() / replica0.len() as f64),
         },
         losses: holder.losses.clone(),
