@@ -103,6 +103,41 @@ fn gradient_merge_and_recompute_combine_with_sharded_gradients() {
     );
 }
 
+/// Sharding inside each of 2 nodes of 2 ranks, the nodes holding replicas of the shards: the
+/// reduce-scatter sums a node's share over the node, then across the nodes, as the hierarchical
+/// all-reduce does — so the run is bit for bit the hierarchical data-parallel one, while each
+/// rank holds half of the optimizer's states (and at stage 2 of the gradients).
+#[test]
+fn sharding_inside_the_nodes_with_replicas_across_matches_the_hierarchical_all_reduce() {
+    let nodes = [
+        "cluster.nnodes=2",
+        "cluster.nproc_per_node=2",
+        "train.optimizer=\"adamw\"",
+        "train.lr=0.001",
+        "strategy.fuse_grad_size_in_MB=0.002",
+    ];
+    let plain = run(&[&nodes[..], &["strategy.use_hierarchical_allreduce=true"]].concat());
+    let whole = plain.summary.state_bytes.expect("a data-parallel run's state bytes");
+    for stage in ["1", "2"] {
+        let stage = format!("strategy.sharding_configs.stage={stage}");
+        let hybrid = [
+            "strategy.sharding=true",
+            "strategy.hybrid_configs.sharding_degree=2",
+            "strategy.hybrid_configs.dp_degree=2",
+            &stage,
+        ];
+        let sharded = run(&[&nodes[..], &hybrid[..]].concat());
+        let diff = max_abs_diff(&plain.parameters, &sharded.parameters);
+        assert_eq!(diff, 0.0, "{stage}: max |Δparam| = {diff:e}");
+        let held = sharded.summary.state_bytes.expect("a data-parallel run's state bytes");
+        // Half of the two moments, and half of the parameters as the shard's own copy.
+        assert!(
+            held.optimizer.abs_diff(whole.optimizer * 3 / 4) <= 64,
+            "{stage}: {held:?} against {whole:?}"
+        );
+    }
+}
+
 /// A norm limit that binds at every step: the shards' norm is the whole gradient's, summed in
 /// another order.
 #[test]

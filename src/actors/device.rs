@@ -391,7 +391,11 @@ impl Handler<Prepare> for DeviceActor {
 
 /// The communication thread over `link`, with NCCL beside the ring on GPU jobs.
 fn comm_worker(job: &JobConfig, link: RingLink, roster: &Roster, device: &candle_core::Device) -> Result<CommWorker> {
-    CommWorker::spawn_on(link.into_communicator(roster)?, device, job.fault_tolerance.timeout())
+    let mut comm = link.into_communicator(roster)?;
+    if job.shards_within_nodes() {
+        comm = comm.sharding_within_nodes()?;
+    }
+    CommWorker::spawn_on(comm, device, job.fault_tolerance.timeout())
 }
 
 impl Handler<Relink> for DeviceActor {

@@ -274,8 +274,10 @@ fn check_pipeline(config: &JobConfig) -> Result<(), FieldError> {
     let strategy = &config.strategy;
     if !strategy.pipeline {
         let hybrid = &strategy.hybrid_configs;
+        // Sharding's degrees are checked with its keys.
         let sharded_only = HybridConfigs {
             sharding_degree: hybrid.sharding_degree,
+            dp_degree: if strategy.sharding { hybrid.dp_degree } else { 1 },
             ..HybridConfigs::default()
         };
         if *hybrid != sharded_only || strategy.pipeline_configs != PipelineConfigs::default() {

@@ -1,6 +1,8 @@
 //! `strategy.sharding` and `[strategy.sharding_configs]` (Paddle's names; ZeRO's stages): the
 //! data-parallel ranks split the optimizer's states (stage 1) and the averaged gradients too
-//! (stage 2) instead of each holding all of them.
+//! (stage 2) instead of each holding all of them — all the ranks, or (`hybrid_configs`'
+//! `sharding_degree = nproc_per_node`, `dp_degree = nnodes`) each node's ranks, the nodes holding
+//! replicas of the same shards.
 
 use serde::{Deserialize, Serialize};
 
@@ -42,8 +44,26 @@ impl ShardingStage {
     }
 }
 
-/// Checks the sharding keys against the rest of the job: collective data parallelism over
-/// every rank (`hybrid_configs.sharding_degree` the world size, or left at 1), stages 1 and 2.
+impl JobConfig {
+    /// Whether sharded states split each node's ranks alone, every node holding the same shards
+    /// (`hybrid_configs.sharding_degree` = `cluster.nproc_per_node` of several nodes).
+    pub fn shards_within_nodes(&self) -> bool {
+        self.strategy.sharding && (2..self.world_size()).contains(&self.strategy.hybrid_configs.sharding_degree)
+    }
+
+    /// Whether the all-reduce runs on two levels of rings: `strategy.use_hierarchical_allreduce`,
+    /// or `true` where shards stay within the nodes (they are those levels' node rings).
+    pub fn hierarchical_setting(&self) -> Option<bool> {
+        match self.shards_within_nodes() {
+            true => Some(true),
+            false => self.strategy.use_hierarchical_allreduce,
+        }
+    }
+}
+
+/// Checks the sharding keys against the rest of the job: collective data parallelism, stages 1
+/// and 2, sharded over every rank (`hybrid_configs.sharding_degree` the world size, or left at 1)
+/// or inside each node of several (`sharding_degree = nproc_per_node`, `dp_degree = nnodes`).
 pub(super) fn check_sharding(config: &JobConfig) -> Result<(), FieldError> {
     let strategy = &config.strategy;
     let degree = strategy.hybrid_configs.sharding_degree;
@@ -87,19 +107,49 @@ pub(super) fn check_sharding(config: &JobConfig) -> Result<(), FieldError> {
         }
     }
     let world = config.world_size();
+    let (nodes, per_node) = (config.cluster.nnodes, config.cluster.nproc_per_node);
     if degree == 0 {
         return Err(FieldError::new(
             "strategy.hybrid_configs.sharding_degree",
             "must be at least 1, got 0",
         ));
     }
-    if degree > 1 && degree != world {
+    let within_nodes = degree > 1 && degree != world;
+    if within_nodes && (degree != per_node || nodes < 2) {
         return Err(FieldError::new(
             "strategy.hybrid_configs.sharding_degree",
             format!(
-                "{degree}: the states are split over all {world} data-parallel ranks (leave it 1 or set {world}); \
-                 replicas across sharding groups are not supported yet"
+                "{degree}: shards span every rank (the world size {world}, or leave it 1) or each node's ranks \
+                 (cluster.nproc_per_node = {per_node} of several nodes, the nodes holding replicas); other sharding \
+                 groups are not supported yet"
             ),
+        ));
+    }
+    let dp_degree = strategy.hybrid_configs.dp_degree;
+    let replicas = if within_nodes { nodes } else { 1 };
+    if dp_degree != replicas {
+        return Err(FieldError::new(
+            "strategy.hybrid_configs.dp_degree",
+            format!(
+                "{dp_degree}: dp_degree × sharding_degree must be the world size {world}; with sharding_degree = \
+                 {degree} there are {replicas} replica(s) of the shards"
+            ),
+        ));
+    }
+    if within_nodes && strategy.use_hierarchical_allreduce == Some(false) {
+        return Err(FieldError::new(
+            "strategy.use_hierarchical_allreduce",
+            format!(
+                "false, but sharding inside the nodes (hybrid_configs.sharding_degree = {degree}) runs on the two \
+                 levels of rings: leave it unset"
+            ),
+        ));
+    }
+    if within_nodes && config.cluster.min_nnodes.is_some() {
+        return Err(FieldError::new(
+            "cluster.min_nnodes",
+            "elastic membership with sharding inside the nodes is not supported yet: shard over every rank \
+             (hybrid_configs.sharding_degree = 1)",
         ));
     }
     Ok(())
@@ -136,6 +186,57 @@ mod tests {
     }
 
     #[test]
+    fn shards_within_nodes_take_nproc_per_node_ranks_and_the_nodes_are_replicas() {
+        let nodes = [
+            "cluster.nnodes=2",
+            "strategy.sharding=true",
+            "strategy.hybrid_configs.sharding_degree=2",
+        ];
+        let config = load_with(
+            "",
+            &[],
+            &[
+                &nodes[..],
+                &["cluster.nproc_per_node=2", "strategy.hybrid_configs.dp_degree=2"],
+            ]
+            .concat(),
+        )
+        .expect("sharding inside 2 nodes of 2");
+        assert!(config.shards_within_nodes());
+        assert_eq!(config.hierarchical_setting(), Some(true));
+        let msg = err_text(load_with(
+            "",
+            &[],
+            &[&nodes[..], &["cluster.nproc_per_node=2"]].concat(),
+        ));
+        assert!(
+            msg.contains("strategy.hybrid_configs.dp_degree: 1: dp_degree × sharding_degree must be the world size 4"),
+            "{msg}"
+        );
+        let msg = err_text(load_with(
+            "",
+            &[],
+            &[
+                &nodes[..],
+                &[
+                    "cluster.nproc_per_node=2",
+                    "strategy.hybrid_configs.dp_degree=2",
+                    "strategy.use_hierarchical_allreduce=false",
+                ],
+            ]
+            .concat(),
+        ));
+        assert!(
+            msg.contains("strategy.use_hierarchical_allreduce: false, but sharding inside the nodes"),
+            "{msg}"
+        );
+        let every =
+            load_with("", &[], &["cluster.nproc_per_node=4", "strategy.sharding=true"]).expect("sharding over all");
+        assert!(!every.shards_within_nodes());
+        assert_eq!(every.hierarchical_setting(), None);
+    }
+
+    #[test]
     fn the_degree_is_the_world_and_the_strategy_collective() {
         let config = load_with(
             "",
@@ -149,7 +250,7 @@ mod tests {
         assert!(config.is_ok(), "{:?}", config.err());
         let msg = refusal(&["strategy.sharding=true", "strategy.hybrid_configs.sharding_degree=2"]);
         assert!(
-            msg.contains("strategy.hybrid_configs.sharding_degree: 2: the states are split over all 4"),
+            msg.contains("strategy.hybrid_configs.sharding_degree: 2: shards span every rank"),
             "{msg}"
         );
         let msg = refusal(&["strategy.hybrid_configs.sharding_degree=4"]);

@@ -78,7 +78,7 @@ pub(crate) fn ring_link(
         listener,
         timeout: config.fault_tolerance.timeout(),
         shared_memory: config.cluster.shared_memory,
-        hierarchical: config.strategy.use_hierarchical_allreduce,
+        hierarchical: config.hierarchical_setting(),
         configured: NodeLayout::configured(config),
         credentials: credentials.clone(),
         breaker: breaker.clone(),

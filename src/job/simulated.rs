@@ -102,11 +102,7 @@ pub struct FaultReport {
 /// The nodes a simulated job's all-reduce is hierarchical over: only when asked for (its ranks
 /// share one process, so no hosts tell).
 fn in_process_layout(config: &JobConfig) -> Result<Option<NodeLayout>> {
-    hierarchy::choose(
-        config.strategy.use_hierarchical_allreduce,
-        None,
-        NodeLayout::configured(config),
-    )
+    hierarchy::choose(config.hierarchical_setting(), None, NodeLayout::configured(config))
 }
 
 pub(super) fn run(job: &TrainingJob, options: &RunOptions) -> Result<RunOutcome> {

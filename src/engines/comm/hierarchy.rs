@@ -264,6 +264,43 @@ mod tests {
         Ok(())
     }
 
+    /// Sharding inside the nodes: a rank's shard is its node's share, the same on every node, and
+    /// the reduce-scatter and all-gather of the shards still make an all-reduce.
+    #[test]
+    fn shards_within_the_nodes_are_the_node_shares_summed_over_all_ranks() -> Result<()> {
+        let layout = NodeLayout { nodes: 3, per_node: 2 };
+        for (len, wire) in CASES.into_iter().flat_map(|len| [(len, Wire::F32), (len, Wire::Bf16)]) {
+            let communicators = memory_communicators(6, Some(layout), Duration::from_secs(10))
+                .into_iter()
+                .map(Communicator::sharding_within_nodes)
+                .collect::<Result<Vec<_>>>()?;
+            let results = on_every_rank_of(communicators, |c| {
+                let mut data = rank_values(c.rank(), len);
+                let shard = c.reduce_scatter_sum_as("scatter", &mut data, wire)?;
+                anyhow::ensure!(shard == c.shard_of(len), "the shard returned is shard_of's");
+                let local = c.rank() % layout.per_node;
+                let share = (local + 1) % 2 * len / 2..((local + 1) % 2 + 1) * len / 2;
+                anyhow::ensure!(
+                    shard == share,
+                    "rank {}: shard {shard:?}, its node share {share:?}",
+                    c.rank()
+                );
+                let mut gathered = vec![f32::NAN; len];
+                gathered[shard.clone()].copy_from_slice(&data[shard]);
+                c.all_gather_shards_as("gather", &mut gathered, wire).map(|()| gathered)
+            })?;
+            assert_sums(&results, len, wire);
+        }
+        let flat = memory_communicators(2, None, Duration::from_secs(1)).remove(0);
+        let refused = flat
+            .sharding_within_nodes()
+            .err()
+            .map(|e| e.to_string())
+            .unwrap_or_default();
+        assert!(refused.contains("needs the hierarchical rings"), "{refused}");
+        Ok(())
+    }
+
     /// Buffer lengths of the hierarchical tests: empty, fewer values than ranks, uneven shares.
     const CASES: [usize; 5] = [0, 1, 5, 1031, 200_003];
 
@@ -275,7 +312,14 @@ mod tests {
     /// `work` on every rank of six in memory, hierarchical over 3 nodes of 2: each rank's result.
     fn on_every_rank<T: Send>(work: impl Fn(&mut Communicator) -> Result<T> + Sync) -> Result<Vec<T>> {
         let layout = NodeLayout { nodes: 3, per_node: 2 };
-        let communicators = memory_communicators(6, Some(layout), Duration::from_secs(10));
+        on_every_rank_of(memory_communicators(6, Some(layout), Duration::from_secs(10)), work)
+    }
+
+    /// `work` on every one of `communicators`, each on a thread of its own: each one's result.
+    fn on_every_rank_of<T: Send>(
+        communicators: Vec<Communicator>,
+        work: impl Fn(&mut Communicator) -> Result<T> + Sync,
+    ) -> Result<Vec<T>> {
         std::thread::scope(|s| {
             let handles: Vec<_> = communicators
                 .into_iter()

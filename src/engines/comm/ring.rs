@@ -101,8 +101,27 @@ impl Communicator {
         self.levels = Some(Box::new(Levels {
             node: Self::new(node),
             rail: Self::new(rail),
+            shards_in_node: false,
         }));
         self
+    }
+
+    /// This hierarchical communicator with shards that split a buffer over the ranks of a node
+    /// alone, every node holding the same shards (sharding inside the nodes, replicas across
+    /// them): [`Communicator::reduce_scatter_sum_as`] then sums this rank's node share over the
+    /// node and all-reduces it across the nodes, and [`Communicator::all_gather_shards_as`]
+    /// gathers within the node. The sums are the hierarchical all-reduce's. A flat ring has no
+    /// nodes to shard in: an error.
+    pub fn sharding_within_nodes(mut self) -> Result<Self> {
+        let Some(levels) = self.levels.as_mut() else {
+            anyhow::bail!(
+                "sharding inside the nodes needs the hierarchical rings (several nodes of several ranks), \
+                 and this rank's ring of {} is flat",
+                self.transport.world_size()
+            )
+        };
+        levels.shards_in_node = true;
+        Ok(self)
     }
 
     /// Whether the all-reduce is hierarchical.
@@ -407,6 +426,9 @@ struct Levels {
     node: Communicator,
     /// The ranks of this rank's local index, one per node.
     rail: Communicator,
+    /// Shards split a node's ranks alone, replicated across the nodes
+    /// ([`Communicator::sharding_within_nodes`]).
+    shards_in_node: bool,
 }
 
 impl Levels {
@@ -420,9 +442,13 @@ impl Levels {
         self.node.all_gather_reduced(op, data, wire)
     }
 
-    /// A rank's shard: its rail's shard of its node's share.
+    /// A rank's shard: its rail's shard of its node's share (the share itself when shards
+    /// stay in the node).
     fn shard_of(&self, len: usize) -> Range<usize> {
         let share = self.node.shard_of(len);
+        if self.shards_in_node {
+            return share;
+        }
         let within = self.rail.shard_of(share.len());
         share.start + within.start..share.start + within.end
     }
@@ -431,12 +457,19 @@ impl Levels {
     /// `1/per_node` share of the buffer crosses between nodes, as in the all-reduce.
     fn reduce_scatter_sum(&mut self, op: &str, data: &mut [f32], wire: Wire) -> Result<Range<usize>> {
         let share = self.node.reduce_scatter_sum(op, data, wire)?;
+        if self.shards_in_node {
+            self.rail.all_reduce_sum_as(op, &mut data[share.clone()], wire)?;
+            return Ok(share);
+        }
         let within = self.rail.reduce_scatter_sum(op, &mut data[share.clone()], wire)?;
         Ok(share.start + within.start..share.start + within.end)
     }
 
     /// All-gather of this rank's node share across the nodes, then in the node.
     fn all_gather_shards(&mut self, op: &str, data: &mut [f32], wire: Wire) -> Result<()> {
+        if self.shards_in_node {
+            return self.node.all_gather_reduced(op, data, wire);
+        }
         let share = self.node.shard_of(data.len());
         self.rail.all_gather_reduced(op, &mut data[share], wire)?;
         self.node.all_gather_reduced(op, data, wire)
