@@ -19,6 +19,7 @@ mod spec;
 mod tower;
 mod wide_deep;
 
+pub(crate) use affine::affine;
 pub use affine::cpu_matrix_kernel;
 pub use deepfm::DeepFm;
 pub use gpt::{continue_text, gpt, GptConfig, Sampler};
