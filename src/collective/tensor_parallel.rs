@@ -40,8 +40,26 @@ impl LayerGroup {
         self.comm.world_size()
     }
 
+    /// The largest of the ranks' `values`, element by element (all pass as many).
+    pub(super) fn max(&self, values: Vec<f32>, what: &'static str) -> candle_core::Result<Vec<f32>> {
+        let all = self
+            .comm
+            .run(move |c| c.all_gather(what, bytemuck::cast_slice(&values)))
+            .map_err(|e| candle_core::Error::Msg(format!("{e:#}")))?;
+        let mut largest: Vec<f32> = Vec::new();
+        for bytes in all {
+            let values: Vec<f32> = bytemuck::pod_collect_to_vec(&bytes);
+            if largest.is_empty() {
+                largest = values;
+            } else {
+                largest.iter_mut().zip(values).for_each(|(l, v)| *l = l.max(v));
+            }
+        }
+        Ok(largest)
+    }
+
     /// `values` summed over the group.
-    fn sum(&self, values: Vec<f32>, what: &'static str) -> candle_core::Result<Vec<f32>> {
+    pub(super) fn sum(&self, values: Vec<f32>, what: &'static str) -> candle_core::Result<Vec<f32>> {
         self.comm
             .run(move |c| {
                 let mut values = values;
@@ -70,7 +88,9 @@ impl CustomOp1 for Enter {
 
     fn bwd(&self, _: &Tensor, _: &Tensor, grad: &Tensor) -> candle_core::Result<Option<Tensor>> {
         let values = grad.flatten_all()?.to_vec1::<f32>()?;
-        let summed = self.0.sum(values, "all-reduce of a tensor-parallel layer's input gradient")?;
+        let summed = self
+            .0
+            .sum(values, "all-reduce of a tensor-parallel layer's input gradient")?;
         Tensor::from_vec(summed, grad.shape(), grad.device()).map(Some)
     }
 }
@@ -82,7 +102,9 @@ impl CustomOp1 for Leave {
 
     fn cpu_fwd(&self, storage: &CpuStorage, layout: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
         let values = cpu_values(storage, layout, "a row-parallel layer's partial output")?.to_vec();
-        let summed = self.0.sum(values, "all-reduce of a row-parallel layer's partial outputs")?;
+        let summed = self
+            .0
+            .sum(values, "all-reduce of a row-parallel layer's partial outputs")?;
         Ok((CpuStorage::F32(summed), layout.shape().clone()))
     }
 
@@ -138,7 +160,12 @@ fn slice_of(len: usize, parts: usize, rank: usize, what: &str) -> Result<(usize,
 impl ColumnParallel {
     /// This rank's part of the layer of whole weight `weight` (in, out) and bias `bias` (out).
     pub fn from_whole(weight: &Tensor, bias: &Tensor, activation: Activation, group: &LayerGroup) -> Result<Self> {
-        let (start, size) = slice_of(weight.dim(1)?, group.size(), group.rank(), "a column-parallel layer's outputs")?;
+        let (start, size) = slice_of(
+            weight.dim(1)?,
+            group.size(),
+            group.rank(),
+            "a column-parallel layer's outputs",
+        )?;
         Ok(Self {
             weight: Var::from_tensor(&weight.narrow(1, start, size)?.contiguous()?)?,
             bias: Var::from_tensor(&bias.narrow(0, start, size)?.contiguous()?)?,
@@ -149,14 +176,24 @@ impl ColumnParallel {
 
     /// This rank's slice of the outputs for input `x` (…, in).
     pub fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
-        affine(&enter(x, &self.group)?, self.weight.as_tensor(), self.bias.as_tensor(), self.activation)
+        affine(
+            &enter(x, &self.group)?,
+            self.weight.as_tensor(),
+            self.bias.as_tensor(),
+            self.activation,
+        )
     }
 }
 
 impl RowParallel {
     /// This rank's part of the layer of whole weight `weight` (in, out) and bias `bias` (out).
     pub fn from_whole(weight: &Tensor, bias: &Tensor, group: &LayerGroup) -> Result<Self> {
-        let (start, size) = slice_of(weight.dim(0)?, group.size(), group.rank(), "a row-parallel layer's inputs")?;
+        let (start, size) = slice_of(
+            weight.dim(0)?,
+            group.size(),
+            group.rank(),
+            "a row-parallel layer's inputs",
+        )?;
         Ok(Self {
             weight: Var::from_tensor(&weight.narrow(0, start, size)?.contiguous()?)?,
             bias: Var::from_tensor(&bias.contiguous()?)?,
@@ -181,7 +218,9 @@ mod tests {
     /// A deterministic, irregular tensor of `dims`.
     fn values(dims: &[usize], salt: usize) -> candle_core::Result<Tensor> {
         let n: usize = dims.iter().product();
-        let v: Vec<f32> = (0..n).map(|i| ((i * 37 + salt * 101) as f32 * 0.173).sin() * 0.5).collect();
+        let v: Vec<f32> = (0..n)
+            .map(|i| ((i * 37 + salt * 101) as f32 * 0.173).sin() * 0.5)
+            .collect();
         Tensor::from_vec(v, dims, &Device::Cpu)
     }
 
@@ -278,7 +317,10 @@ mod tests {
     fn a_layer_the_group_does_not_divide_is_refused() -> Result<()> {
         let group = LayerGroup::new(CommWorker::spawn(Communicator::single())?);
         let err = slice_of(10, 4, 0, "a column-parallel layer's outputs").unwrap_err();
-        assert_eq!(err.to_string(), "a column-parallel layer's outputs: 10 does not split into 4 equal parts");
+        assert_eq!(
+            err.to_string(),
+            "a column-parallel layer's outputs: 10 does not split into 4 equal parts"
+        );
         assert_eq!((group.rank(), group.size()), (0, 1));
         Ok(())
     }
