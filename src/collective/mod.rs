@@ -15,7 +15,6 @@ mod replica;
 mod sharded_states;
 pub mod tensor_parallel;
 pub mod training_state;
-pub mod vocab_parallel;
 
 pub use bucket::{Bucket, BucketPlan};
 pub use checksum::ParamChecksum;

@@ -37,7 +37,7 @@ pub fn cpu_matrix_kernel() -> &'static str {
 
 /// `act(x W + b)` for `x` (…, in), `W` (in, out), `b` (out): the fused kernel on the CPU in f32,
 /// candle's composed ops elsewhere (a GPU).
-pub(crate) fn affine(
+pub(super) fn affine(
     x: &Tensor,
     weight: &Tensor,
     bias: &Tensor,

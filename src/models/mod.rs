@@ -14,12 +14,12 @@ mod init;
 mod linear;
 mod loss;
 mod mlp;
+pub mod parallel;
 mod sparse;
 mod spec;
 mod tower;
 mod wide_deep;
 
-pub(crate) use affine::affine;
 pub use affine::cpu_matrix_kernel;
 pub use deepfm::DeepFm;
 pub use gpt::{continue_text, gpt, GptConfig, Sampler};
