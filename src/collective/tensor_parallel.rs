@@ -162,6 +162,73 @@ mod tests {
         Ok(())
     }
 
+    /// A GPT layer (4 heads, width 16) split over 1, 2 and 4 ranks: each rank's output and input
+    /// gradient are the whole layer's, and each parameter's gradient its part of the whole one —
+    /// q, k, v and the MLP's first map by columns, the projections back by rows, the LayerNorms
+    /// and the projections' biases whole.
+    #[test]
+    fn a_gpt_layer_split_by_heads_and_hidden_width_computes_the_whole_layer() -> Result<()> {
+        use crate::models::{gpt, Block, GptConfig, ParamInit};
+        let config = GptConfig {
+            vocab: 12,
+            block_size: 8,
+            n_layer: 1,
+            n_head: 4,
+            n_embd: 16,
+            tie_head: false,
+        };
+        let layer = || -> Result<Box<dyn Block>> {
+            let mut blocks = gpt(&config, &ParamInit::new(7, Device::Cpu))?.into_blocks();
+            Ok(blocks.remove(1))
+        };
+        let (x, r) = (values(&[2, 5, 16], 8)?, values(&[2, 5, 16], 9)?);
+        /// The layer's output, and the gradients of its input and of its parameters by name.
+        type Ran = (Tensor, Tensor, Vec<(String, Tensor)>);
+        fn run(layer: &dyn Block, x: &Tensor, r: &Tensor) -> Result<Ran> {
+            let input = Var::from_tensor(x)?;
+            let y = layer.forward(input.as_tensor())?;
+            let grads = (&y * r)?.sum_all()?.backward()?;
+            let grad = |v: &Var| grads.get(v.as_tensor()).cloned().expect("a gradient");
+            let params = layer
+                .parameters()
+                .into_iter()
+                .map(|(name, var)| (name, grad(&var)))
+                .collect();
+            Ok((y, grad(&input), params))
+        }
+        let (y, dx, whole) = run(layer()?.as_ref(), &x, &r)?;
+        for size in [1, 2, 4] {
+            let results = on_every_rank(size, |group| {
+                let part = layer()?.split(group)?;
+                Ok((group.rank(), run(part.as_ref(), &x, &r)?))
+            })?;
+            for (rank, (y_part, dx_part, params)) in results {
+                close("y", &y_part, &y)?;
+                close("dx", &dx_part, &dx)?;
+                for ((name, grad), (whole_name, whole_grad)) in params.iter().zip(&whole) {
+                    assert_eq!(name, whole_name);
+                    let rows = name.ends_with("proj.weight");
+                    let columns = !name.starts_with("ln") && !name.ends_with("proj.bias") && !rows;
+                    let dim = match (rows, columns, name.ends_with("weight")) {
+                        (true, _, _) => Some(0),
+                        (_, true, true) => Some(1),
+                        (_, true, false) => Some(0),
+                        _ => None,
+                    };
+                    let expected = match dim {
+                        Some(dim) => {
+                            let len = whole_grad.dim(dim)? / size;
+                            whole_grad.narrow(dim, rank * len, len)?
+                        }
+                        None => whole_grad.clone(),
+                    };
+                    close(name, grad, &expected)?;
+                }
+            }
+        }
+        Ok(())
+    }
+
     const VOCAB: usize = 12;
 
     fn logits() -> candle_core::Result<Tensor> {

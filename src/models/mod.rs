@@ -48,6 +48,12 @@ pub trait Block: Send {
     /// order.
     fn parameters(&self) -> Vec<(String, Var)>;
 
+    /// This rank's part of the block with its weights split over `group` (tensor parallelism),
+    /// or why it cannot be split.
+    fn split(self: Box<Self>, _group: &parallel::Group) -> Result<Box<dyn Block>> {
+        anyhow::bail!("block {} cannot be split over the ranks of a layer group", self.name())
+    }
+
     /// The parameters (names inside the block) held as the transpose of PyTorch's layout: the
     /// affine weights stored (in, out), which the model file writes (out, in) as `nn.Linear`
     /// holds them.

@@ -3,16 +3,22 @@
 use candle_core::{Tensor, Var, D};
 
 use super::dense::{Dense, INIT_STD};
+use crate::models::parallel::{slice_of, Group, Split};
 use crate::models::ParamInit;
 
 /// Heads attend, each over its own `n_embd / n_head` slice, to the positions
 /// at or before their own; the heads' outputs are concatenated and projected.
+/// Split over a layer group, a rank holds its share of the heads: their
+/// columns of q, k and v and their rows of the output projection.
 pub(super) struct CausalSelfAttention {
     q: Dense,
     k: Dense,
     v: Dense,
     proj: Dense,
+    /// Heads this rank computes.
     n_head: usize,
+    /// Width of each head.
+    head_dim: usize,
 }
 
 impl CausalSelfAttention {
@@ -33,13 +39,28 @@ impl CausalSelfAttention {
             v: dense("v", INIT_STD)?,
             proj: dense("proj", INIT_STD * residual_scale)?,
             n_head,
+            head_dim: n_embd / n_head,
+        })
+    }
+
+    /// This rank's share of the heads over `group`: one all-reduce forward (after the output
+    /// projection) and one backward (of the input's gradient).
+    pub(super) fn split(self, group: &Group) -> anyhow::Result<Self> {
+        let heads = slice_of(self.n_head, group.size(), group.rank(), "attention heads")?;
+        Ok(Self {
+            q: self.q.split(Split::Columns, group)?,
+            k: self.k.split(Split::Columns, group)?,
+            v: self.v.split(Split::Columns, group)?,
+            proj: self.proj.split(Split::Rows, group)?,
+            n_head: heads.len(),
+            head_dim: self.head_dim,
         })
     }
 
     /// `x` of shape (B, T, C) → (B, T, C).
     pub(super) fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
         let (b, t, c) = x.dims3()?;
-        let (h, d) = (self.n_head, c / self.n_head);
+        let (h, d) = (self.n_head, self.head_dim);
         let rows = x.reshape((b * t, c))?;
         // Each layout is made contiguous once, so matmuls and their gradients
         // never run on strided views: q, v as (B, H, T, D), k as (B, H, D, T).
@@ -66,7 +87,7 @@ impl CausalSelfAttention {
             softmax_last_dim(&scores.broadcast_add(&causal_mask(t, x.device())?)?)?
         };
         let y = probs.matmul(&v)?; // (B, H, T, D)
-        let y = y.transpose(1, 2)?.contiguous()?.reshape((b * t, c))?;
+        let y = y.transpose(1, 2)?.contiguous()?.reshape((b * t, h * d))?;
         self.proj.forward(&y)?.reshape((b, t, c))
     }
 

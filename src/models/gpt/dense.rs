@@ -3,6 +3,7 @@
 use candle_core::{DType, Tensor, Var};
 
 use crate::models::affine::affine;
+use crate::models::parallel::{Group, Split, SplitAffine};
 use crate::models::{Activation, ParamInit};
 
 /// Standard deviation of GPT-2's initial weights.
@@ -18,10 +19,13 @@ pub(super) fn uniform_bound(std: f32) -> f32 {
 
 /// `y = x W + b` on rows, `W` stored (in, out) like [`crate::models::Linear`]
 /// so no gradient goes through a transposed view. Unlike `Linear` it starts
-/// GPT-2's way: weights of a chosen standard deviation, bias zero.
-pub(super) struct Dense {
-    weight: Var,
-    bias: Var,
+/// GPT-2's way: weights of a chosen standard deviation, bias zero. Under
+/// tensor parallelism a rank holds its part of it ([`Dense::split`]).
+pub(super) enum Dense {
+    /// The whole map.
+    Whole { weight: Var, bias: Var },
+    /// This rank's part of a map split over a layer group.
+    Split(SplitAffine),
 }
 
 impl Dense {
@@ -34,22 +38,42 @@ impl Dense {
         std: f32,
         init: &ParamInit,
     ) -> candle_core::Result<Self> {
-        Ok(Self {
+        Ok(Self::Whole {
             weight: init.uniform(&format!("{name}.weight"), &[inputs, outputs], uniform_bound(std))?,
             bias: Var::zeros(outputs, DType::F32, init.device())?,
         })
     }
 
-    /// `x` of shape (rows, inputs) → (rows, outputs).
+    /// This rank's part of the whole map, split as `split` over `group`.
+    pub(super) fn split(self, split: Split, group: &Group) -> anyhow::Result<Self> {
+        let (weight, bias) = self.weight_and_bias();
+        let part = SplitAffine::from_whole(weight.as_tensor(), bias.as_tensor(), Activation::Identity, split, group)?;
+        Ok(Self::Split(part))
+    }
+
+    /// `x` of shape (rows, inputs) → (rows, outputs): this rank's slice of the outputs of a map
+    /// split by columns.
     pub(super) fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
-        affine(x, self.weight.as_tensor(), self.bias.as_tensor(), Activation::Identity)
+        match self {
+            Self::Whole { weight, bias } => affine(x, weight.as_tensor(), bias.as_tensor(), Activation::Identity),
+            Self::Split(part) => part.forward(x),
+        }
+    }
+
+    /// The weight and bias this rank holds.
+    fn weight_and_bias(&self) -> (&Var, &Var) {
+        match self {
+            Self::Whole { weight, bias } => (weight, bias),
+            Self::Split(part) => (&part.weight, &part.bias),
+        }
     }
 
     /// `"{prefix}.weight"`, `"{prefix}.bias"`.
     pub(super) fn parameters(&self, prefix: &str) -> Vec<(String, Var)> {
+        let (weight, bias) = self.weight_and_bias();
         vec![
-            (format!("{prefix}.weight"), self.weight.clone()),
-            (format!("{prefix}.bias"), self.bias.clone()),
+            (format!("{prefix}.weight"), weight.clone()),
+            (format!("{prefix}.bias"), bias.clone()),
         ]
     }
 }

@@ -5,6 +5,7 @@ use candle_core::{Tensor, Var};
 use super::attention::CausalSelfAttention;
 use super::dense::{Dense, INIT_STD};
 use super::norm::LayerNorm;
+use crate::models::parallel::{Group, Split};
 use crate::models::{Block, ParamInit};
 
 /// `x + attn(ln1(x))`, then `x + mlp(ln2(x))`; the MLP is C → 4C → C with
@@ -56,6 +57,7 @@ impl Block for TransformerLayer {
         let (b, t, c) = x.dims3()?;
         let x = (x + self.attn.forward(&self.ln1.forward(x)?)?)?;
         let hidden = self.fc.forward(&self.ln2.forward(&x)?.reshape((b * t, c))?)?;
+        // Split over a layer group, this rank holds its slice of the hidden width.
         let hidden = if x.device().is_cpu() {
             super::fused::gelu(&hidden)?
         } else {
@@ -73,6 +75,27 @@ impl Block for TransformerLayer {
             "mlp.fc.weight",
             "mlp.proj.weight",
         ]
+    }
+
+    /// Attention split by heads, the MLP's first map by columns and its second by rows; the
+    /// LayerNorms whole on every rank.
+    fn split(self: Box<Self>, group: &Group) -> anyhow::Result<Box<dyn Block>> {
+        let Self {
+            name,
+            ln1,
+            attn,
+            ln2,
+            fc,
+            proj,
+        } = *self;
+        Ok(Box::new(Self {
+            name,
+            ln1,
+            attn: attn.split(group)?,
+            ln2,
+            fc: fc.split(Split::Columns, group)?,
+            proj: proj.split(Split::Rows, group)?,
+        }))
     }
 
     fn parameters(&self) -> Vec<(String, Var)> {
