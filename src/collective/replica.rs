@@ -132,8 +132,10 @@ impl Replica {
     }
 
     /// The optimizer's step on step `step`'s `averaged` gradients, clipped to the global norm
-    /// where the job asks; a sharded one then all-gathers the parameters.
-    fn apply(&mut self, averaged: Averaged, step: usize) -> Result<()> {
+    /// where the job asks; a sharded one then all-gathers the parameters, and answers the time
+    /// it waited for them.
+    fn apply(&mut self, averaged: Averaged, step: usize) -> Result<Duration> {
+        let mut waited = Duration::ZERO;
         let stepping = Instant::now();
         match &mut self.optimizer {
             ReplicaOptimizer::Whole(optimizer) => {
@@ -145,7 +147,8 @@ impl Replica {
                 optimizer.step(&grads)?;
             }
             ReplicaOptimizer::Sharded(states) => {
-                states.step(&self.params, averaged.grads, self.grad_clip_norm, &self.comm, step)?;
+                let (clip, comm) = ((self.grad_clip_norm, step), &self.comm);
+                waited = states.step(&self.params, averaged.grads, clip, comm, &mut self.timeline)?;
             }
         }
         settle_for_trace(&self.timeline, &self.device)?;
@@ -155,7 +158,7 @@ impl Replica {
             "optimizer",
             stepping,
         );
-        Ok(())
+        Ok(waited)
     }
 
     /// On a GPU, kernels run after the calls that launch them return: a traced step waits for
@@ -236,7 +239,7 @@ impl RankReplica for Replica {
         let mut exposed_comm_time = Duration::ZERO;
         if let Some(averaged) = gradients.finish(&mut self.timeline)? {
             exposed_comm_time = averaged.exposed;
-            self.apply(averaged, step)?;
+            exposed_comm_time += self.apply(averaged, step)?;
         }
 
         let gathering = Instant::now();

@@ -12,6 +12,7 @@
 //! checkpoint resumes on any number of ranks, sharded or not.
 
 use std::ops::Range;
+use std::time::{Duration, Instant};
 
 use anyhow::{ensure, Context, Result};
 use candle_core::backprop::GradStore;
@@ -22,6 +23,7 @@ use crate::config::{ShardingStage, TrainConfig};
 use crate::engines::comm::{CommWorker, Wire};
 use crate::models::NamedParam;
 use crate::optim::{clip_by_global_norm, Optimizer, OptimizerState};
+use crate::telemetry::timeline::{Lane, Timeline};
 
 /// A fusion bucket and this rank's shard of it.
 struct ShardedBucket {
@@ -100,14 +102,16 @@ impl ShardedStates {
 
     /// One step: this rank's shard of `params` updated from `averaged` (clipped to the global
     /// norm `clip_norm` when positive), then every bucket's parameters all-gathered over `comm`.
+    /// Answers the time compute waited for the all-gathers (none of it hidden), whose spans go
+    /// to `timeline` when tracing.
     pub fn step(
         &mut self,
         params: &[NamedParam],
         averaged: AveragedGradients,
-        clip_norm: f64,
+        (clip_norm, step): (f64, usize),
         comm: &CommWorker,
-        step: usize,
-    ) -> Result<()> {
+        timeline: &mut Option<Timeline>,
+    ) -> Result<Duration> {
         // The shards start from the parameters every rank holds (the last all-gather's, a
         // broadcast's or a restore's).
         for (bucket, shard) in self.buckets.iter().zip(&self.shards) {
@@ -159,11 +163,18 @@ impl ShardedStates {
             }
         }
         self.optimizer.step(&grads)?;
-        self.gather_parameters(params, comm, step)
+        self.gather_parameters(params, comm, step, timeline)
     }
 
-    /// Hands every rank's updated shards to all, bucket by bucket, into `params`.
-    fn gather_parameters(&self, params: &[NamedParam], comm: &CommWorker, step: usize) -> Result<()> {
+    /// Hands every rank's updated shards to all, bucket by bucket, into `params`; answers the
+    /// time waited for them.
+    fn gather_parameters(
+        &self,
+        params: &[NamedParam],
+        comm: &CommWorker,
+        step: usize,
+        timeline: &mut Option<Timeline>,
+    ) -> Result<Duration> {
         let gathers: Vec<_> = self
             .buckets
             .iter()
@@ -173,16 +184,25 @@ impl ShardedStates {
                 let whole = bucket.whole_from_shard(shard.as_tensor())?;
                 let op = format!("all-gather of parameter bucket {index} at step {step}");
                 Ok(comm.submit(move |c| {
+                    let started = Instant::now();
                     let mut whole = whole;
                     c.all_gather_shards_as(&op, &mut whole, Wire::F32)?;
-                    Ok(whole)
+                    Ok((whole, started, Instant::now()))
                 }))
             })
             .collect::<Result<_>>()?;
-        for (bucket, gathered) in self.buckets.iter().zip(gathers) {
-            bucket.scatter_into(&gathered.wait()?, |i| &params[i].var)?;
+        let mut waited = Duration::ZERO;
+        for (index, (bucket, gathered)) in self.buckets.iter().zip(gathers).enumerate() {
+            let waiting = Instant::now();
+            let (whole, started, ended) = gathered.wait()?;
+            waited += waiting.elapsed();
+            if let Some(timeline) = timeline {
+                let name = format!("all-gather parameter bucket {index} ({} KiB)", bucket.len * 4 / 1024);
+                timeline.record_between(Lane::Communication, name, "allgather", started, ended);
+            }
+            bucket.scatter_into(&whole, |i| &params[i].var)?;
         }
-        Ok(())
+        Ok(waited)
     }
 
     /// The whole optimizer state by parameter (as [`Optimizer::state`] of an unsharded replica
