@@ -58,12 +58,14 @@ impl Default for PipelineConfigs {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(default, deny_unknown_fields)]
 pub struct HybridConfigs {
-    /// Replicas of the whole pipeline (`d`); each stage all-reduces within its replicas.
+    /// Replicas of the whole pipeline (`d`); each stage all-reduces within its replicas. With
+    /// sharding inside the nodes, the replicas of the shards (the number of nodes).
     pub dp_degree: usize,
     /// Pipeline stages (`p`).
     pub pp_degree: usize,
     /// Ranks that split the optimizer's states (and gradients) between them, with
-    /// `strategy.sharding`: 1 (unset) or the world size, every data-parallel rank.
+    /// `strategy.sharding`: 1 (unset) or the world size, every rank; or `cluster.nproc_per_node`
+    /// of several nodes, each node's ranks, the nodes holding replicas (`dp_degree` = nodes).
     pub sharding_degree: usize,
 }
 
