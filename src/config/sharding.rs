@@ -90,22 +90,30 @@ pub(super) fn check_sharding(config: &JobConfig) -> Result<(), FieldError> {
             "not supported with strategy.pipeline yet: shard the states of a data-parallel job",
         ));
     }
-    match strategy.sharding_configs.stage {
-        1 | 2 => {}
-        3 => {
-            return Err(FieldError::new(
-                "strategy.sharding_configs.stage",
-                "3 (the parameters sharded too) is not supported yet: use 1 (optimizer states) or 2 \
-                 (and gradients)",
-            ))
-        }
-        other => {
-            return Err(FieldError::new(
-                "strategy.sharding_configs.stage",
-                format!("must be 1 (optimizer states), 2 (and gradients) or 3 (and parameters), got {other}"),
-            ))
-        }
+    check_stage(strategy.sharding_configs.stage)?;
+    check_degrees(config)
+}
+
+/// Stages 1 and 2 are built.
+fn check_stage(stage: u8) -> Result<(), FieldError> {
+    let key = "strategy.sharding_configs.stage";
+    match stage {
+        1 | 2 => Ok(()),
+        3 => Err(FieldError::new(
+            key,
+            "3 (the parameters sharded too) is not supported yet: use 1 (optimizer states) or 2 (and gradients)",
+        )),
+        other => Err(FieldError::new(
+            key,
+            format!("must be 1 (optimizer states), 2 (and gradients) or 3 (and parameters), got {other}"),
+        )),
     }
+}
+
+/// The shards span every rank, or each node's ranks with the nodes as replicas.
+fn check_degrees(config: &JobConfig) -> Result<(), FieldError> {
+    let strategy = &config.strategy;
+    let degree = strategy.hybrid_configs.sharding_degree;
     let world = config.world_size();
     let (nodes, per_node) = (config.cluster.nnodes, config.cluster.nproc_per_node);
     if degree == 0 {
