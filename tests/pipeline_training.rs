@@ -149,17 +149,7 @@ fn more_stages_than_blocks_is_an_error_naming_both() {
 
 #[test]
 fn a_character_gpt_trains_in_a_hybrid_pipeline_like_one_process() {
-    let gpt = [
-        "train.model=\"gpt\"",
-        "train.dataset=\"text\"",
-        "train.gpt.n_layer=2",
-        "train.gpt.n_head=2",
-        "train.gpt.n_embd=16",
-        "train.gpt.block_size=16",
-        "train.batch_size=16",
-        "train.steps=4",
-        "train.test_fraction=0.002",
-    ];
+    let gpt = [&common::TINY_GPT[..], &["train.steps=4", "train.test_fraction=0.002"]].concat();
     let mut single = gpt.to_vec();
     single.push("cluster.nproc_per_node=1");
     let reference = train_in_process(config(&single));

@@ -431,6 +431,18 @@ pub const PIPELINE_2X2: [&str; 6] = [
     "strategy.pipeline_configs.accumulate_steps=4",
 ];
 
+/// A character GPT small enough to train a few steps in a test: 2 layers of 2 heads, width 16,
+/// 16-token windows, a global batch of 16.
+pub const TINY_GPT: [&str; 7] = [
+    "train.model=\"gpt\"",
+    "train.dataset=\"text\"",
+    "train.gpt.n_layer=2",
+    "train.gpt.n_head=2",
+    "train.gpt.n_embd=16",
+    "train.gpt.block_size=16",
+    "train.batch_size=16",
+];
+
 /// A chrome trace's process tracks, `(pid, name)` sorted by pid.
 pub fn trace_tracks(trace: &serde_json::Value) -> Vec<(u64, String)> {
     let mut tracks: Vec<(u64, String)> = trace["traceEvents"]
