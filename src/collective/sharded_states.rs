@@ -40,7 +40,9 @@ pub struct ShardedStates {
     buckets: Vec<ShardedBucket>,
     /// One flat variable per bucket, holding this rank's shard of its parameters.
     shards: Vec<Var>,
-    optimizer: Optimizer,
+    /// One optimizer per bucket, over its shard: a bucket's update can go to its all-gather
+    /// before the next one's is done. (Each steps once a step, as one over all would.)
+    optimizers: Vec<Optimizer>,
     train: TrainConfig,
     /// What is sharded besides the optimizer's states.
     stage: ShardingStage,
@@ -73,11 +75,18 @@ impl ShardedStates {
             .iter()
             .map(|b| Var::zeros(b.shard.len(), candle_core::DType::F32, &device))
             .collect::<candle_core::Result<Vec<_>>>()?;
-        let optimizer = Optimizer::new(train, shards.clone(), lr)?;
+        ensure!(
+            !shards.is_empty(),
+            "a sharded optimizer over a model without parameters"
+        );
+        let optimizers = shards
+            .iter()
+            .map(|shard| Optimizer::new(train, vec![shard.clone()], lr))
+            .collect::<candle_core::Result<Vec<_>>>()?;
         Ok(Self {
             buckets,
             shards,
-            optimizer,
+            optimizers,
             train: train.clone(),
             stage,
         })
@@ -86,24 +95,32 @@ impl ShardedStates {
     /// The same states cut for the ring `comm` (a rollback rebuilt it, perhaps with another
     /// number of ranks): empty, as a restore fills them next.
     pub fn recut(&self, plan: &BucketPlan, params: &[NamedParam], comm: &CommWorker) -> Result<Self> {
-        let lr = self.optimizer.learning_rate();
+        let lr = self.first().learning_rate();
         Self::new((&self.train, self.stage), plan, params, comm, lr)
+    }
+
+    /// The first bucket's optimizer: all are of one kind, at one learning rate and count.
+    fn first(&self) -> &Optimizer {
+        &self.optimizers[0]
     }
 
     /// The optimizer's kind, as a checkpoint names it.
     pub fn name(&self) -> &'static str {
-        self.optimizer.name()
+        self.first().name()
     }
 
     /// Sets the learning rate of the next step.
     pub fn set_learning_rate(&mut self, lr: f64) {
-        self.optimizer.set_learning_rate(lr);
+        for optimizer in &mut self.optimizers {
+            optimizer.set_learning_rate(lr);
+        }
     }
 
     /// One step: this rank's shard of `params` updated from `averaged` (clipped to the global
-    /// norm `clip_norm` when positive), then every bucket's parameters all-gathered over `comm`.
-    /// Answers the time compute waited for the all-gathers (none of it hidden), whose spans go
-    /// to `timeline` when tracing.
+    /// norm `clip_norm` when positive), then every bucket's parameters all-gathered over `comm`
+    /// — each bucket's as soon as its shard is updated, while the next one's update runs.
+    /// Answers the time compute waited for the all-gathers, whose spans go to `timeline` when
+    /// tracing.
     pub fn step(
         &mut self,
         params: &[NamedParam],
@@ -112,85 +129,24 @@ impl ShardedStates {
         comm: &CommWorker,
         timeline: &mut Option<Timeline>,
     ) -> Result<Duration> {
-        // The shards start from the parameters every rank holds (the last all-gather's, a
-        // broadcast's or a restore's).
-        for (bucket, shard) in self.buckets.iter().zip(&self.shards) {
+        let grads = self.shard_gradients(params, averaged, (clip_norm, step), comm)?;
+        let mut gathers = Vec::with_capacity(self.buckets.len());
+        for (index, ((bucket, shard), grad)) in self.buckets.iter().zip(&self.shards).zip(grads).enumerate() {
+            // The shard starts from the parameters every rank holds (the last all-gather's, a
+            // broadcast's or a restore's).
             shard.set(&bucket.slice(shard.device(), |i| Ok(params[i].var.as_tensor().clone()))?)?;
+            let mut store = GradStore::default();
+            store.insert(shard.as_tensor(), grad);
+            self.optimizers[index].step(&store)?;
+            let whole = bucket.whole_from_shard(shard.as_tensor())?;
+            let op = format!("all-gather of parameter bucket {index} at step {step}");
+            gathers.push(comm.submit(move |c| {
+                let started = Instant::now();
+                let mut whole = whole;
+                c.all_gather_shards_as(&op, &mut whole, Wire::F32)?;
+                Ok((whole, started, Instant::now()))
+            }));
         }
-        let mut grads = GradStore::default();
-        match averaged {
-            AveragedGradients::Whole(mut whole) => {
-                if clip_norm > 0.0 {
-                    let vars: Vec<Var> = params.iter().map(|p| p.var.clone()).collect();
-                    clip_by_global_norm(&mut whole, &vars, clip_norm)?;
-                }
-                for (bucket, shard) in self.buckets.iter().zip(&self.shards) {
-                    let grad = bucket.slice(shard.device(), |i| {
-                        let var = params[i].var.as_tensor();
-                        whole
-                            .get(var)
-                            .cloned()
-                            .with_context(|| format!("no gradient for {}", params[i].name))
-                    })?;
-                    grads.insert(shard.as_tensor(), grad);
-                }
-            }
-            AveragedGradients::Shards(values) => {
-                ensure!(
-                    values.len() == self.buckets.len(),
-                    "step {step}: {} gradient shards for {} buckets",
-                    values.len(),
-                    self.buckets.len()
-                );
-                let device = self.shards.first().map_or(Device::Cpu, |s| s.device().clone());
-                let mut tensors = Vec::with_capacity(values.len());
-                for (bucket, values) in self.buckets.iter().zip(values) {
-                    ensure!(
-                        values.len() == bucket.shard.len(),
-                        "step {step}: a gradient shard of {} values where this rank owns {}",
-                        values.len(),
-                        bucket.shard.len()
-                    );
-                    let len = values.len();
-                    tensors.push(Tensor::from_vec(values, len, &device)?);
-                }
-                if clip_norm > 0.0 {
-                    tensors = clip_shards(tensors, clip_norm, comm, step)?;
-                }
-                for (shard, grad) in self.shards.iter().zip(tensors) {
-                    grads.insert(shard.as_tensor(), grad);
-                }
-            }
-        }
-        self.optimizer.step(&grads)?;
-        self.gather_parameters(params, comm, step, timeline)
-    }
-
-    /// Hands every rank's updated shards to all, bucket by bucket, into `params`; answers the
-    /// time waited for them.
-    fn gather_parameters(
-        &self,
-        params: &[NamedParam],
-        comm: &CommWorker,
-        step: usize,
-        timeline: &mut Option<Timeline>,
-    ) -> Result<Duration> {
-        let gathers: Vec<_> = self
-            .buckets
-            .iter()
-            .zip(&self.shards)
-            .enumerate()
-            .map(|(index, (bucket, shard))| {
-                let whole = bucket.whole_from_shard(shard.as_tensor())?;
-                let op = format!("all-gather of parameter bucket {index} at step {step}");
-                Ok(comm.submit(move |c| {
-                    let started = Instant::now();
-                    let mut whole = whole;
-                    c.all_gather_shards_as(&op, &mut whole, Wire::F32)?;
-                    Ok((whole, started, Instant::now()))
-                }))
-            })
-            .collect::<Result<_>>()?;
         let mut waited = Duration::ZERO;
         for (index, (bucket, gathered)) in self.buckets.iter().zip(gathers).enumerate() {
             let waiting = Instant::now();
@@ -205,21 +161,80 @@ impl ShardedStates {
         Ok(waited)
     }
 
+    /// This rank's shard of each bucket's averaged gradients, clipped to the global norm
+    /// `clip_norm` when positive.
+    fn shard_gradients(
+        &self,
+        params: &[NamedParam],
+        averaged: AveragedGradients,
+        (clip_norm, step): (f64, usize),
+        comm: &CommWorker,
+    ) -> Result<Vec<Tensor>> {
+        match averaged {
+            AveragedGradients::Whole(mut whole) => {
+                if clip_norm > 0.0 {
+                    let vars: Vec<Var> = params.iter().map(|p| p.var.clone()).collect();
+                    clip_by_global_norm(&mut whole, &vars, clip_norm)?;
+                }
+                self.buckets
+                    .iter()
+                    .zip(&self.shards)
+                    .map(|(bucket, shard)| {
+                        bucket.slice(shard.device(), |i| {
+                            let var = params[i].var.as_tensor();
+                            whole
+                                .get(var)
+                                .cloned()
+                                .with_context(|| format!("no gradient for {}", params[i].name))
+                        })
+                    })
+                    .collect()
+            }
+            AveragedGradients::Shards(values) => {
+                ensure!(
+                    values.len() == self.buckets.len(),
+                    "step {step}: {} gradient shards for {} buckets",
+                    values.len(),
+                    self.buckets.len()
+                );
+                let mut tensors = Vec::with_capacity(values.len());
+                for ((bucket, shard), values) in self.buckets.iter().zip(&self.shards).zip(values) {
+                    ensure!(
+                        values.len() == bucket.shard.len(),
+                        "step {step}: a gradient shard of {} values where this rank owns {}",
+                        values.len(),
+                        bucket.shard.len()
+                    );
+                    let len = values.len();
+                    tensors.push(Tensor::from_vec(values, len, shard.device())?);
+                }
+                match clip_norm > 0.0 {
+                    true => clip_shards(tensors, clip_norm, comm, step),
+                    false => Ok(tensors),
+                }
+            }
+        }
+    }
+
     /// The whole optimizer state by parameter (as [`Optimizer::state`] of an unsharded replica
     /// gives it): every rank's shards gathered over `comm`. Every rank of the ring calls it.
     pub fn state(&self, params: &[NamedParam], comm: &CommWorker) -> Result<OptimizerState> {
-        let local = self.optimizer.state()?;
+        let steps = self.first().state()?.steps;
         // No update yet: no slot holds anything (SGD has no velocity), on every rank alike.
-        if local.steps == 0 {
-            return Ok(local);
+        if steps == 0 {
+            return Ok(OptimizerState {
+                steps,
+                tensors: Vec::new(),
+            });
         }
         let mut tensors = Vec::new();
-        for (index, bucket) in self.buckets.iter().enumerate() {
-            for &slot in self.optimizer.slots() {
+        for (index, (bucket, optimizer)) in self.buckets.iter().zip(&self.optimizers).enumerate() {
+            let local = optimizer.state()?;
+            for &slot in optimizer.slots() {
                 let mine = local
                     .tensors
                     .iter()
-                    .find(|(b, s, _)| *b == index && s == slot)
+                    .find(|(_, s, _)| s == slot)
                     .map(|(_, _, t)| t.clone());
                 let mine = match mine {
                     Some(tensor) => tensor,
@@ -242,14 +257,11 @@ impl ShardedStates {
                 }
             }
         }
-        Ok(OptimizerState {
-            steps: local.steps,
-            tensors,
-        })
+        Ok(OptimizerState { steps, tensors })
     }
 
     /// Takes this rank's shards of `state` (whole, by parameter of `params`); checks every entry
-    /// before changing anything.
+    /// and cuts every shard before changing anything.
     pub fn load_state(&mut self, state: OptimizerState, params: &[NamedParam]) -> Result<()> {
         let mut by_param = std::collections::HashMap::new();
         for (index, slot, tensor) in state.tensors {
@@ -265,9 +277,11 @@ impl ShardedStates {
             );
             by_param.insert((index, slot), tensor);
         }
-        let mut tensors = Vec::new();
-        for (index, (bucket, var)) in self.buckets.iter().zip(&self.shards).enumerate() {
-            for &slot in self.optimizer.slots() {
+        let slots = self.first().slots();
+        let mut by_bucket = Vec::with_capacity(self.buckets.len());
+        for (bucket, var) in self.buckets.iter().zip(&self.shards) {
+            let mut tensors = Vec::new();
+            for &slot in slots {
                 if !bucket
                     .params
                     .iter()
@@ -279,13 +293,16 @@ impl ShardedStates {
                     Some(tensor) => Ok(tensor.clone()),
                     None => Ok(params[i].var.as_tensor().zeros_like()?),
                 })?;
-                tensors.push((index, slot.to_string(), shard));
+                tensors.push((0, slot.to_string(), shard));
             }
+            by_bucket.push(tensors);
         }
-        self.optimizer.load_state(OptimizerState {
-            steps: state.steps,
-            tensors,
-        })?;
+        for (optimizer, tensors) in self.optimizers.iter_mut().zip(by_bucket) {
+            optimizer.load_state(OptimizerState {
+                steps: state.steps,
+                tensors,
+            })?;
+        }
         Ok(())
     }
 
@@ -297,7 +314,7 @@ impl ShardedStates {
             ShardingStage::OptimizerStates => params,
             ShardingStage::Gradients => shard,
         };
-        (gradients, shard * (self.optimizer.slots().len() + 1))
+        (gradients, shard * (self.first().slots().len() + 1))
     }
 }
 
