@@ -205,6 +205,17 @@ fn a_checkpoint_resumes_on_another_number_of_ranks_sharded_or_not() {
     for (from, to) in [((4, true), (2, true)), ((4, true), (2, false)), ((4, false), (4, true))] {
         let run_dir = dir.path().join(format!("{from:?}-{to:?}"));
         train(&run_dir, job(from.0, from.1), 20, false);
+        let checkpoints = run_dir.join("checkpoints");
+        let inspected = flotilla(
+            &["checkpoint", "inspect", checkpoints.to_str().expect("utf-8")],
+            &[],
+            30,
+        );
+        let layout = match from.1 {
+            true => "4 rank(s) with sharded states (stage 2), one copy of the replica (the shards gathered)",
+            false => "4 rank(s), one copy of the replica",
+        };
+        assert!(inspected.stdout.contains(layout), "{}", inspected.stdout);
         train(&run_dir, job(to.0, to.1), 30, true);
         let diff = max_abs_diff(&expected, &read_params(&run_dir.join("params.safetensors")));
         eprintln!("{from:?} → {to:?}: max |Δparam| = {diff:e}");

@@ -149,7 +149,13 @@ fn layout(world_size: usize, files: &[FileContents]) -> String {
         let replicas = world_size / stages.max(1);
         format!("pipeline: {stages} stage(s) × {replicas} data-parallel replica(s)")
     } else {
-        format!("data parallel: {world_size} rank(s), one copy of the replica")
+        match files.iter().find_map(|f| f.metadata.get("sharding_stage")) {
+            Some(stage) => format!(
+                "data parallel: {world_size} rank(s) with sharded states (stage {stage}), one copy of the replica \
+                 (the shards gathered)"
+            ),
+            None => format!("data parallel: {world_size} rank(s), one copy of the replica"),
+        }
     }
 }
 

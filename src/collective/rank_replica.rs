@@ -10,13 +10,13 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Result};
 use candle_core::Device;
 
-use super::training_state::{self, RunRecord};
+use super::training_state::{self, RunRecord, SavedOptimizer};
 use super::{checksum, ParamChecksum, ShardedStates};
 use crate::data::{Batch, DataPosition, Pieces};
 use crate::engines::comm::{CommWorker, Shared};
 use crate::models::export::ModelInfo;
 use crate::models::{NamedParam, Score};
-use crate::optim::{Optimizer, OptimizerState};
+use crate::optim::Optimizer;
 use crate::telemetry::timeline::{Span, Timeline};
 
 /// One training step as a rank measured it, whatever its strategy.
@@ -85,12 +85,20 @@ pub enum HeldOptimizer<'a> {
 }
 
 impl Held<'_> {
-    /// The optimizer's kind and its whole state by parameter: a sharded optimizer gathers its
-    /// shards over the ring, so every rank of the ring calls this together.
-    fn optimizer_state(&self) -> Result<(&'static str, OptimizerState)> {
+    /// The optimizer's whole state by parameter, as a file holds it: a sharded optimizer
+    /// gathers its shards over the ring, so every rank of the ring calls this together.
+    fn optimizer_state(&self) -> Result<SavedOptimizer> {
         Ok(match &self.optimizer {
-            HeldOptimizer::Whole(optimizer) => (optimizer.name(), optimizer.state()?),
-            HeldOptimizer::Sharded(states) => (states.name(), states.state(self.params, self.ring)?),
+            HeldOptimizer::Whole(optimizer) => SavedOptimizer {
+                kind: optimizer.name(),
+                state: optimizer.state()?,
+                sharding_stage: None,
+            },
+            HeldOptimizer::Sharded(states) => SavedOptimizer {
+                kind: states.name(),
+                state: states.state(self.params, self.ring)?,
+                sharding_stage: Some(states.stage().number()),
+            },
         })
     }
 }

@@ -104,6 +104,11 @@ impl ShardedStates {
         &self.optimizers[0]
     }
 
+    /// What is sharded.
+    pub fn stage(&self) -> ShardingStage {
+        self.stage
+    }
+
     /// The optimizer's kind, as a checkpoint names it.
     pub fn name(&self) -> &'static str {
         self.first().name()

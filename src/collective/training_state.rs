@@ -25,6 +25,19 @@ const OPTIMIZER: &str = "optimizer";
 /// model, of which a stage of another cut restores its own parameters.
 const WHOLE_MODEL: &str = "whole_model";
 
+/// The metadata key of the sharding stage whose optimizer shards were gathered into the file.
+const SHARDING: &str = "sharding_stage";
+
+/// An optimizer's state as a training state file holds it.
+pub struct SavedOptimizer {
+    /// Its kind ([`crate::optim::Optimizer::name`]).
+    pub kind: &'static str,
+    /// Its whole state, by parameter.
+    pub state: OptimizerState,
+    /// The sharding stage it was gathered from, when it was sharded.
+    pub sharding_stage: Option<u8>,
+}
+
 /// The metadata key of the streamed data's position.
 const DATA_POSITION: &str = "data_position";
 
@@ -65,10 +78,15 @@ pub fn write(
     out: &mut dyn Write,
     params: &[NamedParam],
     info: &ModelInfo,
-    (optimizer, state): (&str, OptimizerState),
+    optimizer: SavedOptimizer,
     batches: usize,
     run: &RunRecord,
 ) -> Result<()> {
+    let SavedOptimizer {
+        kind,
+        state,
+        sharding_stage,
+    } = optimizer;
     let mut tensors = Vec::with_capacity(params.len() + state.tensors.len());
     for p in params {
         tensors.push((p.name.clone(), in_torch_layout(p, p.var.as_tensor())?));
@@ -86,13 +104,16 @@ pub fn write(
     let loss_bits: Vec<u32> = run.losses.iter().map(|l| l.to_bits()).collect();
     let mut metadata = info.metadata()?;
     metadata.extend([
-        (OPTIMIZER.to_string(), optimizer.to_string()),
+        (OPTIMIZER.to_string(), kind.to_string()),
         ("optimizer_steps".to_string(), state.steps.to_string()),
         ("batches".to_string(), batches.to_string()),
         ("loss_bits".to_string(), serde_json::to_string(&loss_bits)?),
     ]);
     if let Some(data) = &run.data {
         metadata.insert(DATA_POSITION.to_string(), serde_json::to_string(data)?);
+    }
+    if let Some(stage) = sharding_stage {
+        metadata.insert(SHARDING.to_string(), stage.to_string());
     }
     write_tensors(out, &tensors, metadata)
 }
@@ -252,14 +273,12 @@ mod tests {
             losses: vec![0.5],
             data: None,
         };
-        write(
-            &mut bytes,
-            &params,
-            &info,
-            (optimizer.name(), optimizer.state()?),
-            1,
-            &run,
-        )?;
+        let saved = SavedOptimizer {
+            kind: optimizer.name(),
+            state: optimizer.state()?,
+            sharding_stage: None,
+        };
+        write(&mut bytes, &params, &info, saved, 1, &run)?;
         Ok((model, optimizer, bytes))
     }
 
