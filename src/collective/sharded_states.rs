@@ -3,9 +3,9 @@
 //! ([`crate::engines::comm::Communicator::shard_of`]) — and keeps the optimizer's states of
 //! that shard alone, `1/n` of them. A step updates the shard's parameters from the shard's
 //! averaged gradients, then all-gathers every bucket's parameters, so all ranks hold the whole
-//! model again. The optimizer is the replicas' own, run over one flat variable per bucket: its
-//! arithmetic is element-wise, so a sharded job's parameters are bit for bit those of plain data
-//! parallelism (the reduce-scatter sums in the all-reduce's order).
+//! model again. The optimizer is the replicas' own, one per bucket over the bucket's flat shard:
+//! its arithmetic is element-wise, so a sharded job's parameters are bit for bit those of plain
+//! data parallelism (the reduce-scatter sums in the all-reduce's order).
 //!
 //! Checkpoints stay in the replica's layout (model-named tensors, every optimizer slot whole):
 //! saving gathers the slots of every shard, restoring takes this rank's shard of them, so a
@@ -49,8 +49,8 @@ pub struct ShardedStates {
 }
 
 impl ShardedStates {
-    /// The optimizer of `train` at sharding `stage` over this rank's shards (on `comm`'s ring) of `plan`'s buckets
-    /// of `params`, starting at learning rate `lr`.
+    /// The optimizer of `train` at sharding `stage` over this rank's shards (on `comm`'s ring)
+    /// of `plan`'s buckets of `params`, starting at learning rate `lr`.
     pub fn new(
         (train, stage): (&TrainConfig, ShardingStage),
         plan: &BucketPlan,
