@@ -127,10 +127,11 @@ fn line_column(text: &str, offset: usize) -> (usize, usize) {
 /// Rejects keys of features listed in the sections' "not supported yet" tables.
 fn reject_unsupported(table: &Table, provenance: &Provenance) -> Result<(), ConfigError> {
     for entry in strategy::UNSUPPORTED_KEYS {
-        let present = table
-            .get(entry.section)
-            .and_then(Value::as_table)
-            .is_some_and(|section| section.contains_key(entry.key));
+        let section = entry
+            .section
+            .split('.')
+            .try_fold(table, |table, name| table.get(name).and_then(Value::as_table));
+        let present = section.is_some_and(|section| section.contains_key(entry.key));
         if present {
             return Err(provenance.error(
                 format!("{}.{}", entry.section, entry.key),

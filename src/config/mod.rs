@@ -142,7 +142,7 @@ impl FieldError {
 /// option exists but is not built yet, instead of suggesting a typo with "unknown field".
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct UnsupportedKey {
-    /// Top-level section, e.g. `strategy`.
+    /// The section, dotted, e.g. `strategy` or `strategy.hybrid_configs`.
     pub(crate) section: &'static str,
     /// Key inside the section, e.g. `a_sync`.
     pub(crate) key: &'static str,
