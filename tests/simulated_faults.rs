@@ -66,10 +66,24 @@ fn role(rank: usize, step: usize, fault: RoleFault) -> FaultPlan {
 /// the message alone.
 #[test]
 fn a_killed_rank_is_replaced_alone_and_the_job_ends_as_without_faults() {
-    let job = job(&[]);
-    let expected = uninterrupted(&job);
+    killed_ranks_are_replaced_alone(&job(&[]));
+}
+
+/// The same with sharded states (stage 2, AdamW): every rank's relinked ring cuts the shards
+/// anew, and the restored state gives each its shard back.
+#[test]
+fn a_killed_rank_of_a_sharded_job_is_replaced_alone_and_the_job_ends_as_without_faults() {
+    #[rustfmt::skip]
+    let sharded = ["strategy.sharding=true", "strategy.sharding_configs.stage=2", "train.optimizer=\"adamw\"", "train.lr=0.001"];
+    killed_ranks_are_replaced_alone(&job(&sharded));
+}
+
+/// Rank 1, then rank 0, of `job` killed at step 30: each is replaced alone, and the job ends
+/// with the parameters of the uninterrupted run.
+fn killed_ranks_are_replaced_alone(job: &TrainingJob) {
+    let expected = uninterrupted(job);
     for rank in [1, 0] {
-        let (checksum, report) = run(&job, &role(rank, 30, RoleFault::Kill));
+        let (checksum, report) = run(job, &role(rank, 30, RoleFault::Kill));
         let mut replaced = vec![0; 3];
         replaced[rank] = 1;
         assert_eq!(report.replaced, replaced, "rank {rank} killed");
