@@ -90,7 +90,8 @@ pub struct DistributedStrategy {
     /// Sharded states (ZeRO): the data-parallel ranks split the optimizer's states, and with
     /// `sharding_configs.stage = 2` the averaged gradients, instead of each holding them all.
     /// Every rank still ends each step with the same parameters, bit for bit those of plain
-    /// data parallelism.
+    /// data parallelism on an f32 wire without clipping (the global norm is summed from the
+    /// shards, in another order).
     pub sharding: bool,
     /// What sharding splits.
     pub sharding_configs: ShardingConfigs,
