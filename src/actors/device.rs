@@ -248,6 +248,11 @@ pub struct Snapshot {
     pub run: RunRecord,
 }
 
+/// Takes part in a save that another rank of the ring writes ([`RankReplica::join_save`]).
+#[derive(Message)]
+#[rtype(result = "Result<()>")]
+pub struct JoinSave;
+
 /// Every replica's position in the streamed data joined (over the ring of the replicas, or of
 /// the stage's replicas): each replica reads only its parts.
 #[derive(Message)]
@@ -463,6 +468,14 @@ impl Handler<Snapshot> for DeviceActor {
         let mut bytes = Vec::new();
         self.state.replica()?.save_state(&mut bytes, &self.export, &msg.run)?;
         Ok(bytes)
+    }
+}
+
+impl Handler<JoinSave> for DeviceActor {
+    type Result = Result<()>;
+
+    fn handle(&mut self, _: JoinSave, _: &mut Self::Context) -> Self::Result {
+        self.state.replica()?.join_save()
     }
 }
 

@@ -127,6 +127,12 @@ pub trait RankReplica: Send {
         training_state::write(out, held.params, export, optimizer, *held.step, run)
     }
 
+    /// Takes part in a save another rank of the ring writes: a sharded optimizer hands its
+    /// shards over in the gather every rank joins; nothing is serialized here.
+    fn join_save(&mut self) -> Result<()> {
+        self.held().optimizer_state().map(drop)
+    }
+
     /// Continues from a state saved by [`RankReplica::save_state`] (by the same part of any
     /// replica), as if never stopped; answers the run record it held.
     fn restore_state(&mut self, bytes: &[u8]) -> Result<RunRecord> {

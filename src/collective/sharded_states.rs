@@ -20,10 +20,14 @@ use candle_core::{Device, Tensor, Var};
 
 use super::{AveragedGradients, BucketPlan};
 use crate::config::{ShardingStage, TrainConfig};
-use crate::engines::comm::{CommWorker, Wire};
+use crate::engines::comm::{CommWorker, Pending, Wire};
 use crate::models::NamedParam;
 use crate::optim::{clip_by_global_norm, Optimizer, OptimizerState};
 use crate::telemetry::timeline::{Lane, Timeline};
+
+/// A bucket's values gathered from every rank, with when the communication thread started and
+/// ended the all-gather.
+type Gathered = (Vec<f32>, Instant, Instant);
 
 /// A fusion bucket and this rank's shard of it.
 struct ShardedBucket {
@@ -143,14 +147,8 @@ impl ShardedStates {
             let mut store = GradStore::default();
             store.insert(shard.as_tensor(), grad);
             self.optimizers[index].step(&store)?;
-            let whole = bucket.whole_from_shard(shard.as_tensor())?;
             let op = format!("all-gather of parameter bucket {index} at step {step}");
-            gathers.push(comm.submit(move |c| {
-                let started = Instant::now();
-                let mut whole = whole;
-                c.all_gather_shards_as(&op, &mut whole, Wire::F32)?;
-                Ok((whole, started, Instant::now()))
-            }));
+            gathers.push(bucket.gather(shard.as_tensor(), comm, op)?);
         }
         let mut waited = Duration::ZERO;
         for (index, (bucket, gathered)) in self.buckets.iter().zip(gathers).enumerate() {
@@ -245,13 +243,8 @@ impl ShardedStates {
                     Some(tensor) => tensor,
                     None => Tensor::zeros(bucket.shard.len(), candle_core::DType::F32, &Device::Cpu)?,
                 };
-                let whole = bucket.whole_from_shard(&mine)?;
                 let op = format!("all-gather of optimizer slot {slot} of bucket {index}");
-                let whole = comm.run(move |c| {
-                    let mut whole = whole;
-                    c.all_gather_shards_as(&op, &mut whole, Wire::F32)?;
-                    Ok(whole)
-                })?;
+                let (whole, ..) = bucket.gather(&mine, comm, op)?.wait()?;
                 let mut offset = 0;
                 for &param in &bucket.params {
                     let var = &params[param].var;
@@ -350,12 +343,16 @@ impl ShardedBucket {
         })
     }
 
-    /// A buffer of the whole bucket holding `shard`'s values at this rank's place (zeros
-    /// elsewhere), for an all-gather of the shards.
-    fn whole_from_shard(&self, shard: &Tensor) -> Result<Vec<f32>> {
+    /// Hands `shard`, this rank's values, to the all-gather `op` of every rank's over `comm`:
+    /// the whole bucket, and when the communication thread worked on it.
+    fn gather(&self, shard: &Tensor, comm: &CommWorker, op: String) -> Result<Pending<Gathered>> {
         let mut whole = vec![0f32; self.len];
         whole[self.shard.clone()].copy_from_slice(&shard.to_vec1::<f32>()?);
-        Ok(whole)
+        Ok(comm.submit(move |c| {
+            let started = Instant::now();
+            c.all_gather_shards_as(&op, &mut whole, Wire::F32)?;
+            Ok((whole, started, Instant::now()))
+        }))
     }
 
     /// Sets each parameter (`var(index)`) from its values in the whole bucket `values`.

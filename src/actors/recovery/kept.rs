@@ -9,7 +9,7 @@ use actix::Addr;
 use anyhow::{Context as _, Result};
 
 use super::buddy::Buddy;
-use crate::actors::device::{DeviceActor, RestoreCheckpoint, SaveCheckpoint, ShareState, Snapshot};
+use crate::actors::device::{DeviceActor, JoinSave, RestoreCheckpoint, SaveCheckpoint, ShareState, Snapshot};
 use crate::checkpoint::{CheckpointStore, CommitRecord, HeldFile};
 use crate::collective::training_state::RunRecord;
 use crate::engines::comm::Shared;
@@ -83,8 +83,7 @@ impl RankCheckpoint<'_> {
         let Some(kept) = self.kept else {
             if !self.writes {
                 if self.gathered {
-                    // This rank's shards go to the writer; the copy it took is not needed here.
-                    self.device.send(Snapshot { run }).await??;
+                    self.device.send(JoinSave).await??;
                 }
                 return Ok((None, None));
             }

@@ -251,14 +251,7 @@ mod tests {
     #[test]
     fn the_hierarchical_reduce_scatter_and_all_gather_make_an_all_reduce() -> Result<()> {
         for (len, wire) in CASES.into_iter().flat_map(|len| [(len, Wire::F32), (len, Wire::Bf16)]) {
-            let results = on_every_rank(|c| {
-                let mut data = rank_values(c.rank(), len);
-                let shard = c.reduce_scatter_sum_as("scatter", &mut data, wire)?;
-                anyhow::ensure!(shard == c.shard_of(len), "the shard returned is shard_of's");
-                let mut gathered = vec![f32::NAN; len];
-                gathered[shard.clone()].copy_from_slice(&data[shard]);
-                c.all_gather_shards_as("gather", &mut gathered, wire).map(|()| gathered)
-            })?;
+            let results = on_every_rank(|c| scatter_then_gather(c, len, wire).map(|(_, gathered)| gathered))?;
             assert_sums(&results, len, wire);
         }
         Ok(())
@@ -275,9 +268,7 @@ mod tests {
                 .map(Communicator::sharding_within_nodes)
                 .collect::<Result<Vec<_>>>()?;
             let results = on_every_rank_of(communicators, |c| {
-                let mut data = rank_values(c.rank(), len);
-                let shard = c.reduce_scatter_sum_as("scatter", &mut data, wire)?;
-                anyhow::ensure!(shard == c.shard_of(len), "the shard returned is shard_of's");
+                let (shard, gathered) = scatter_then_gather(c, len, wire)?;
                 let local = c.rank() % layout.per_node;
                 let share = (local + 1) % 2 * len / 2..((local + 1) % 2 + 1) * len / 2;
                 anyhow::ensure!(
@@ -285,9 +276,7 @@ mod tests {
                     "rank {}: shard {shard:?}, its node share {share:?}",
                     c.rank()
                 );
-                let mut gathered = vec![f32::NAN; len];
-                gathered[shard.clone()].copy_from_slice(&data[shard]);
-                c.all_gather_shards_as("gather", &mut gathered, wire).map(|()| gathered)
+                Ok(gathered)
             })?;
             assert_sums(&results, len, wire);
         }
@@ -299,6 +288,18 @@ mod tests {
             .unwrap_or_default();
         assert!(refused.contains("needs the hierarchical rings"), "{refused}");
         Ok(())
+    }
+
+    /// A reduce-scatter of this rank's values of `len`, then the all-gather of the shard alone
+    /// (the rest of the buffer NaN): the shard, and the buffer every rank ends with.
+    fn scatter_then_gather(c: &mut Communicator, len: usize, wire: Wire) -> Result<(std::ops::Range<usize>, Vec<f32>)> {
+        let mut data = rank_values(c.rank(), len);
+        let shard = c.reduce_scatter_sum_as("scatter", &mut data, wire)?;
+        anyhow::ensure!(shard == c.shard_of(len), "the shard returned is shard_of's");
+        let mut gathered = vec![f32::NAN; len];
+        gathered[shard.clone()].copy_from_slice(&data[shard.clone()]);
+        c.all_gather_shards_as("gather", &mut gathered, wire)?;
+        Ok((shard, gathered))
     }
 
     /// Buffer lengths of the hierarchical tests: empty, fewer values than ranks, uneven shares.
