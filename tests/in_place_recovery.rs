@@ -56,6 +56,21 @@ const SHARDED: Job = Job {
     ..DATA_PARALLEL
 };
 
+/// Two replicas of an MLP whose layers two ranks split (tensor parallelism).
+const SPLIT_LAYERS: Job = Job {
+    launcher: &["launch", "--nproc_per_node", "4"],
+    roles: &["rank 0", "rank 1", "rank 2", "rank 3"],
+    settings: &[
+        "cluster.nproc_per_node=4",
+        "train.batch_size=48",
+        "strategy.hybrid_configs.dp_degree=2",
+        "strategy.hybrid_configs.mp_degree=2",
+    ],
+    steps: 2000,
+    every: 250,
+    ..DATA_PARALLEL
+};
+
 /// Two pipeline replicas of two stages (1F1B, 4 micro-batches).
 const PIPELINE: Job = Job {
     launcher: &["launch", "--nproc_per_node", "4"],
@@ -287,6 +302,12 @@ fn a_killed_rank_is_replaced_alone_and_the_survivors_roll_back_in_their_processe
 fn a_killed_rank_of_a_sharded_job_is_replaced_alone_and_the_run_ends_as_uninterrupted() {
     let hurt = kill_a_role(&SHARDED);
     equals_uninterrupted(&SHARDED, &[], &hurt.summary, &hurt.run_dir);
+}
+
+#[test]
+fn a_killed_rank_of_a_job_splitting_its_layers_is_replaced_alone_and_the_run_ends_as_uninterrupted() {
+    let hurt = kill_a_role(&SPLIT_LAYERS);
+    equals_uninterrupted(&SPLIT_LAYERS, &[], &hurt.summary, &hurt.run_dir);
 }
 
 /// The rows of a planted regression, `y = 2a − b + c/2`, as CSV with a header.

@@ -24,7 +24,7 @@ fn with_replicas<T: Send>(f: impl Fn(&mut Replica) -> T + Sync) -> Vec<T> {
                 s.spawn(move || {
                     let model = mlp(4, &[6], 3, &ParamInit::new(rank as u64, Device::Cpu)).expect("model");
                     let comm = CommWorker::spawn(Communicator::new(Box::new(transport))).expect("comm thread");
-                    let mut replica = Replica::new(model, job, comm, Device::Cpu, 100).expect("replica");
+                    let mut replica = Replica::new(model, job, (comm, None), Device::Cpu, 100).expect("replica");
                     f(&mut replica)
                 })
             })

@@ -78,13 +78,23 @@ fn a_killed_rank_of_a_sharded_job_is_replaced_alone_and_the_job_ends_as_without_
     killed_ranks_are_replaced_alone(&job(&sharded));
 }
 
+/// Two replicas of an MLP whose layers two ranks split (tensor parallelism): the replacement
+/// joins both its rings, the survivors relink their layer groups in place, and every rank cuts
+/// its part of the layers from the whole restored state.
+#[test]
+fn a_killed_rank_of_a_job_splitting_its_layers_is_replaced_alone_and_the_job_ends_as_without_faults() {
+    #[rustfmt::skip]
+    let split = ["cluster.world_size=4", "train.batch_size=64", "strategy.hybrid_configs.dp_degree=2", "strategy.hybrid_configs.mp_degree=2"];
+    killed_ranks_are_replaced_alone(&job(&split));
+}
+
 /// Rank 1, then rank 0, of `job` killed at step 30: each is replaced alone, and the job ends
 /// with the parameters of the uninterrupted run.
 fn killed_ranks_are_replaced_alone(job: &TrainingJob) {
     let expected = uninterrupted(job);
     for rank in [1, 0] {
         let (checksum, report) = run(job, &role(rank, 30, RoleFault::Kill));
-        let mut replaced = vec![0; 3];
+        let mut replaced = vec![0; job.config.world_size()];
         replaced[rank] = 1;
         assert_eq!(report.replaced, replaced, "rank {rank} killed");
         assert_eq!(checksum, expected, "rank {rank} killed");

@@ -10,16 +10,19 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use actix::prelude::*;
-use anyhow::{anyhow, Context as _, Result};
+use anyhow::{anyhow, bail, Context as _, Result};
 
 use crate::checkpoint::{CheckpointStore, FileRecord};
+use crate::collective::tensor_parallel::RingGroup;
 use crate::collective::training_state::RunRecord;
 use crate::collective::{ParamChecksum, RankReplica, Replica, StateBytes, StepReport};
 use crate::config::JobConfig;
 use crate::data::{Batch, DataPosition, Pieces};
 use crate::engines::comm::hierarchy::{self, NodeLayout};
 use crate::engines::comm::memory::MemoryRings;
-use crate::engines::comm::{parse_endpoints, CommWorker, Communicator, RingBreaker, RingLinks, RingTransport, Shared};
+use crate::engines::comm::{
+    parse_endpoints, CommWorker, Communicator, RingBreaker, RingLinks, RingPlace, RingTransport, Shared,
+};
 use crate::engines::compute::device_for;
 use crate::models::export::ModelInfo;
 use crate::models::{Model, ParamInit, Score};
@@ -37,9 +40,8 @@ pub type ModelFactory = Arc<dyn Fn(&ParamInit) -> Result<Model> + Send + Sync>;
 pub enum RingLink {
     /// Alone: collectives are no-ops.
     Single,
-    /// Threads of one process: the rank's communicator over rings in memory.
-    Memory(Communicator),
-    /// A rank of a simulated cluster that recovers in place: its end of each generation's ring.
+    /// A rank of a simulated cluster (threads of one process): its end of each generation's
+    /// rings in memory.
     Simulated {
         /// This rank.
         rank: usize,
@@ -78,7 +80,6 @@ impl RingLink {
     fn rank(&self) -> usize {
         match self {
             Self::Single => 0,
-            Self::Memory(communicator) => communicator.rank(),
             Self::Simulated { rank, .. } | Self::Tcp { rank, .. } => *rank,
         }
     }
@@ -95,7 +96,6 @@ impl RingLink {
         };
         Ok(match self {
             Self::Single => Communicator::single(),
-            Self::Memory(communicator) => communicator,
             Self::Simulated {
                 rings, layout, breaker, ..
             } => {
@@ -138,6 +138,87 @@ impl RingLink {
                 breaker.arm(ring.link_breaks());
                 ring
             }
+        })
+    }
+}
+
+/// The rings of a data-parallel rank: among the replicas of its part of the model, and, where
+/// its layers are split (tensor parallelism), among the ranks that split them.
+pub(crate) struct RankRings {
+    /// The data-parallel ring.
+    pub replicas: Communicator,
+    /// The layer group's ring.
+    pub layers: Option<Communicator>,
+}
+
+impl RingLink {
+    /// Rank `self`'s rings in `roster`'s generation of `job`: the one ring of all the ranks, or
+    /// with `hybrid_configs.mp_degree` > 1 the data-parallel ring of its part of the layers
+    /// (ranks `r·mp + part`) and its replica's layer group (ranks `replica·mp + 0..mp`).
+    pub(crate) fn into_rings(self, roster: &Roster, job: &JobConfig) -> Result<RankRings> {
+        let mp = job.mp_degree();
+        if mp == 1 {
+            let replicas = self.into_communicator(roster)?;
+            return Ok(RankRings { replicas, layers: None });
+        }
+        let generation = roster.generation;
+        let member = self.rank();
+        let rank = roster
+            .place_of(member)
+            .ok_or_else(|| anyhow!("rank {member} is not in the roster of generation {generation}"))?;
+        let (replica, part) = job.tensor_place_of(rank);
+        let replicas = roster.world_size() / mp;
+        let data_parallel: Vec<usize> = (0..replicas).map(|r| r * mp + part).collect();
+        let group: Vec<usize> = (0..mp).map(|p| replica * mp + p).collect();
+        let (data_name, group_name) = (
+            format!("the data-parallel ring of layer part {part}"),
+            format!("the layer group of replica {replica}"),
+        );
+        let (ring, layers, breaker): (Box<dyn RingTransport>, Box<dyn RingTransport>, _) = match self {
+            Self::Simulated { rings, breaker, .. } => {
+                let ring = rings.take(generation, &data_name, replicas, replica)?;
+                let layers = rings.take(generation, &group_name, mp, part)?;
+                (Box::new(ring), Box::new(layers), breaker)
+            }
+            Self::Tcp {
+                listener,
+                timeout,
+                shared_memory,
+                credentials,
+                breaker,
+                ..
+            } => {
+                let endpoints = parse_endpoints(&roster.endpoints)?;
+                let abandoned = breaker.abandons(generation);
+                let links = RingLinks {
+                    endpoints: &endpoints,
+                    listener: &listener,
+                    timeout,
+                    shared_memory,
+                    credentials: &credentials,
+                    abandoned: &abandoned,
+                };
+                // A listener takes a hello only from its ring-left neighbour: the ring of all the
+                // ranks first, whose barriers keep the next two rings' connecting apart.
+                let mut all = Communicator::new(links.connect(RingPlace::identity(rank, endpoints.len()))?);
+                all.barrier("the ring of all ranks connected")?;
+                let connect = |members: Vec<usize>, position: usize, name: &str| {
+                    RingPlace::new(position, members)
+                        .and_then(|place| links.connect(place))
+                        .with_context(|| format!("rank {rank}: connecting {name}"))
+                };
+                let ring = connect(data_parallel, replica, &data_name)?;
+                all.barrier("data-parallel rings connected")?;
+                let layers = connect(group, part, &group_name)?;
+                (ring, layers, breaker)
+            }
+            Self::Single => bail!("rank {member} trains alone: it has no layer group"),
+        };
+        let (replicas, layers) = (Communicator::new(ring), Communicator::new(layers));
+        breaker.arm(replicas.link_breaks().into_iter().chain(layers.link_breaks()));
+        Ok(RankRings {
+            replicas,
+            layers: Some(layers),
         })
     }
 }
@@ -365,8 +446,8 @@ impl Handler<Prepare> for DeviceActor {
                 roster,
                 broadcast,
             } => {
-                let comm = comm_worker(&msg.job, link, &roster, &device)?;
-                let mut replica = Replica::new(model, &msg.job, comm, device, msg.steps)?;
+                let rings = rank_rings(&msg.job, link, &roster, &device)?;
+                let mut replica = Replica::new(model, &msg.job, rings, device, msg.steps)?;
                 if broadcast {
                     replica.broadcast_parameters()?;
                 }
@@ -394,13 +475,34 @@ impl Handler<Prepare> for DeviceActor {
     }
 }
 
-/// The communication thread over `link`, with NCCL beside the ring on GPU jobs.
-fn comm_worker(job: &JobConfig, link: RingLink, roster: &Roster, device: &candle_core::Device) -> Result<CommWorker> {
-    let mut comm = link.into_communicator(roster)?;
+/// The communication threads over `link`'s rings: the data-parallel ring's (with NCCL beside it
+/// on GPU jobs), and the layer group's where the layers are split.
+fn comm_workers(
+    job: &JobConfig,
+    link: RingLink,
+    roster: &Roster,
+    device: &candle_core::Device,
+) -> Result<(CommWorker, Option<CommWorker>)> {
+    let RankRings { mut replicas, layers } = link.into_rings(roster, job)?;
     if job.shards_within_nodes() {
-        comm = comm.sharding_within_nodes()?;
+        replicas = replicas.sharding_within_nodes()?;
     }
-    CommWorker::spawn_on(comm, device, job.fault_tolerance.timeout())
+    let timeout = job.fault_tolerance.timeout();
+    let layers = layers
+        .map(|ring| CommWorker::spawn_on(ring, device, timeout))
+        .transpose()?;
+    Ok((CommWorker::spawn_on(replicas, device, timeout)?, layers))
+}
+
+/// A new replica's rings ([`comm_workers`]), its layer group's as the split layers see it.
+fn rank_rings(
+    job: &JobConfig,
+    link: RingLink,
+    roster: &Roster,
+    device: &candle_core::Device,
+) -> Result<(CommWorker, Option<Arc<RingGroup>>)> {
+    let (replicas, layers) = comm_workers(job, link, roster, device)?;
+    Ok((replicas, layers.map(|comm| Arc::new(RingGroup::new(comm)))))
 }
 
 impl Handler<Relink> for DeviceActor {
@@ -409,8 +511,8 @@ impl Handler<Relink> for DeviceActor {
     fn handle(&mut self, msg: Relink, _: &mut Self::Context) -> Result<()> {
         match (&mut self.state, msg) {
             (DeviceState::Whole(replica), Relink::Ring { job, link, roster }) => {
-                let comm = comm_worker(&job, link, &roster, &replica.device().clone())?;
-                replica.relink(comm)
+                let (comm, layers) = comm_workers(&job, link, &roster, &replica.device().clone())?;
+                replica.relink(comm, layers)
             }
             (DeviceState::Stage(stage), Relink::Stage(links)) => {
                 let link = links.link.on(links.stage, &stage.device().clone())?;

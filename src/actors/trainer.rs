@@ -167,7 +167,7 @@ impl TrainingRun {
         let mut run = RunLoop::start(
             &job,
             &self.parts.train_data,
-            place_in(&roster, rank)?,
+            data_place(&job, &roster, rank)?,
             &self.parts.recovery,
             first,
             self.parts.monitor.as_ref(),
@@ -216,7 +216,8 @@ impl TrainingRun {
                 true => roster.first_on_its_host(self.parts.rank, roster.members()),
                 false => place == 0,
             },
-            gathered: self.parts.job.strategy.sharding,
+            // Sharded states are gathered over the ring, split layers over their groups.
+            gathered: self.parts.job.strategy.sharding || self.parts.job.mp_degree() > 1,
             device: &self.parts.device,
             store: &store,
             kept: in_place.then_some(&mut self.kept),
@@ -247,20 +248,23 @@ impl RankGenerations for TrainingRun {
         let roster = self.roster.as_ref().context("a generation before the rendezvous")?;
         let (place, world) = place_in(roster, rank)?;
         // This generation's part of every global batch (another one when membership changed).
-        run.loader.place(place, world)?;
+        let (replica, replicas) = data_place(&job, roster, rank)?;
+        run.loader.place(replica, replicas)?;
         let restored = self.restore(first).await?;
         let at = Place {
-            replica: place,
-            replicas: world,
+            replica,
+            replicas,
             role: "trainer".to_string(),
         };
         let parts = self.parts.clone();
         let generation = train_generation(self, &parts, at, run, first, restored).await?;
-        let param_checksum = self.parts.device.send(CheckReplicas).await??;
+        self.parts.device.send(CheckReplicas).await??;
         let test_score = generation
             .score
             .context("a data-parallel replica scores the held-out split")?;
+        // The whole model's, split layers gathered: its checksum is the whole model's too.
         let parameters = self.parts.device.send(ReadParameters).await??;
+        let param_checksum = ParamChecksum::of_values(&parameters);
         let state_bytes = self.parts.device.send(ReadStateBytes).await??;
         self.bus_mut()?.barrier(rank, "end of training").await?;
         Ok(RankOutcome {
@@ -322,6 +326,14 @@ impl StrategySteps for TrainingRun {
 async fn join_training(bus: &mut ControlBus, rank: usize, job: &JobConfig, data_endpoint: String) -> Result<Roster> {
     bus.join_admitted(rank, job.world_size(), data_endpoint, None, job.shared_settings())
         .await
+}
+
+/// The replica `rank` trains in `roster`'s generation, and how many replicas train: the ranks,
+/// or where layers are split the layer groups, whose ranks all read the same batches.
+fn data_place(job: &JobConfig, roster: &Roster, rank: usize) -> Result<(usize, usize)> {
+    let (place, world) = place_in(roster, rank)?;
+    let mp = job.mp_degree();
+    Ok((place / mp, world / mp))
 }
 
 /// Where `rank` trains in `roster`'s generation, and how many ranks train it.

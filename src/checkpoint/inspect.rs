@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use anyhow::{bail, Context, Result};
 use serde::Serialize;
 
-use super::{CheckpointStore, MANIFEST, SAFETENSORS, STEP_PREFIX};
+use super::{CheckpointStore, LAYER_PARTS, MANIFEST, SAFETENSORS, SHARDING_STAGE, STEP_PREFIX};
 
 /// A safetensors file's metadata, by key.
 type Metadata = BTreeMap<String, String>;
@@ -149,12 +149,22 @@ fn layout(world_size: usize, files: &[FileContents]) -> String {
         let replicas = world_size / stages.max(1);
         format!("pipeline: {stages} stage(s) × {replicas} data-parallel replica(s)")
     } else {
-        match files.iter().find_map(|f| f.metadata.get("sharding_stage")) {
-            Some(stage) => format!(
-                "data parallel: {world_size} rank(s) with sharded states (stage {stage}), one copy of the replica \
-                 (the shards gathered)"
-            ),
-            None => format!("data parallel: {world_size} rank(s), one copy of the replica"),
+        let meta = |key: &str| files.iter().find_map(|f| f.metadata.get(key));
+        let ranks = match meta(LAYER_PARTS) {
+            Some(parts) => format!("{world_size} rank(s) splitting each layer {parts} ways (tensor parallelism)"),
+            None => format!("{world_size} rank(s)"),
+        };
+        let gathered = match (meta(SHARDING_STAGE), meta(LAYER_PARTS)) {
+            (Some(_), Some(_)) => " (the shards and the layers' parts gathered)",
+            (Some(_), None) => " (the shards gathered)",
+            (None, Some(_)) => " (the layers' parts gathered)",
+            (None, None) => "",
+        };
+        match meta(SHARDING_STAGE) {
+            Some(stage) => {
+                format!("data parallel: {ranks} with sharded states (stage {stage}), one copy of the replica{gathered}")
+            }
+            None => format!("data parallel: {ranks}, one copy of the replica{gathered}"),
         }
     }
 }

@@ -30,6 +30,14 @@ pub const MANIFEST: &str = "manifest.json";
 /// The manifest's `format` value.
 const FORMAT: &str = "flotilla-checkpoint";
 const STEP_PREFIX: &str = "step-";
+
+/// The metadata key of a training state file naming the sharding stage whose optimizer shards
+/// were gathered into it.
+pub const SHARDING_STAGE: &str = "sharding_stage";
+
+/// The metadata key of a training state file naming how many ranks split the layers (tensor
+/// parallelism) whose parts were gathered into it.
+pub const LAYER_PARTS: &str = "mp_degree";
 /// Checkpoint files with this suffix are safetensors, whose header is checked on reading.
 const SAFETENSORS: &str = ".safetensors";
 /// The safetensors format's largest header.

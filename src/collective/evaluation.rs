@@ -19,7 +19,7 @@ pub fn score_pieces(
     let mut score = Score::default();
     for piece in pieces {
         let (x, y) = piece?.tensors(device)?;
-        score += Score::of(loss, &model.forward(&x)?, &y)?;
+        score += model.score(loss, &model.forward(&x)?, &y)?;
     }
     Ok(score)
 }

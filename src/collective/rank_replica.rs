@@ -7,16 +7,18 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use anyhow::{bail, Result};
-use candle_core::Device;
+use anyhow::{bail, ensure, Context, Result};
+use candle_core::{Device, Var};
 
+use super::tensor_parallel::{gather_parts, part_of};
 use super::training_state::{self, RunRecord, SavedOptimizer};
 use super::{checksum, ParamChecksum, ShardedStates};
 use crate::data::{Batch, DataPosition, Pieces};
 use crate::engines::comm::{CommWorker, Shared};
 use crate::models::export::ModelInfo;
+use crate::models::parallel::Group;
 use crate::models::{NamedParam, Score};
-use crate::optim::Optimizer;
+use crate::optim::{Optimizer, OptimizerState};
 use crate::telemetry::timeline::{Span, Timeline};
 
 /// One training step as a rank measured it, whatever its strategy.
@@ -72,6 +74,8 @@ pub struct Held<'a> {
     pub step: &'a mut usize,
     /// The ring among the replicas holding the same parameters.
     pub ring: &'a CommWorker,
+    /// The ranks that split the layers with this one (tensor parallelism; alone, none do).
+    pub layers: &'a Group,
     /// Spans recorded, when tracing.
     pub timeline: &'a mut Option<Timeline>,
 }
@@ -85,10 +89,11 @@ pub enum HeldOptimizer<'a> {
 }
 
 impl Held<'_> {
-    /// The optimizer's whole state by parameter, as a file holds it: a sharded optimizer
-    /// gathers its shards over the ring, so every rank of the ring calls this together.
-    fn optimizer_state(&self) -> Result<SavedOptimizer> {
-        Ok(match &self.optimizer {
+    /// The parameters and the optimizer's state by parameter as one process holds them, as a
+    /// file holds them: a sharded optimizer gathers its shards over the ring, split layers
+    /// their parts over the layer group, so every rank of both calls this together.
+    fn whole_state(&self) -> Result<(Vec<NamedParam>, SavedOptimizer)> {
+        let mut saved = match &self.optimizer {
             HeldOptimizer::Whole(optimizer) => SavedOptimizer {
                 kind: optimizer.name(),
                 state: optimizer.state()?,
@@ -99,8 +104,91 @@ impl Held<'_> {
                 state: states.state(self.params, self.ring)?,
                 sharding_stage: Some(states.stage().number()),
             },
-        })
+        };
+        // One gather of every split tensor: the parameters', then their slots'.
+        let split = |index: usize| self.params.get(index).and_then(|p| p.split);
+        let mut parts = Vec::new();
+        for (index, p) in self.params.iter().enumerate() {
+            if let Some(dim) = split(index) {
+                parts.push((dim, p.var.as_tensor().clone()));
+            }
+        }
+        for (index, _, tensor) in &saved.state.tensors {
+            if let Some(dim) = split(*index) {
+                parts.push((dim, tensor.clone()));
+            }
+        }
+        let mut whole = gather_parts(self.layers, parts)?.into_iter();
+        let mut params = Vec::with_capacity(self.params.len());
+        for p in self.params {
+            let mut p = p.clone();
+            if p.split.take().is_some() {
+                let tensor = whole.next().context("a split parameter was not gathered")?;
+                p.var = Var::from_tensor(&tensor)?;
+            }
+            params.push(p);
+        }
+        for (index, _, tensor) in &mut saved.state.tensors {
+            if split(*index).is_some() {
+                *tensor = whole.next().context("a split optimizer slot was not gathered")?;
+            }
+        }
+        Ok((params, saved))
     }
+}
+
+/// Stand-ins of `params` in the whole model's shapes, for a file to be read into: a split
+/// parameter's a variable of its whole shape (its parts' lengths summed over `layers`, whose
+/// ranks all call this together: a vocabulary's slices may differ by one), the others the
+/// parameters themselves.
+fn whole_shaped(params: &[NamedParam], layers: &Group) -> Result<Vec<NamedParam>> {
+    let lengths: Vec<u32> = params
+        .iter()
+        .filter_map(|p| p.split.map(|dim| p.var.dims()[dim] as u32))
+        .collect();
+    let mut whole_lengths = vec![0usize; lengths.len()];
+    if !lengths.is_empty() {
+        let all = layers.gather(
+            bytemuck::cast_slice(&lengths).to_vec(),
+            "all-gather of split parameters' lengths",
+        )?;
+        for theirs in all {
+            let theirs: Vec<u32> = bytemuck::pod_collect_to_vec(&theirs);
+            ensure!(
+                theirs.len() == lengths.len(),
+                "a rank of the layer group splits other parameters"
+            );
+            whole_lengths
+                .iter_mut()
+                .zip(theirs)
+                .for_each(|(sum, length)| *sum += length as usize);
+        }
+    }
+    let mut whole_lengths = whole_lengths.into_iter();
+    params
+        .iter()
+        .map(|p| {
+            let mut whole = p.clone();
+            if let Some(dim) = whole.split.take() {
+                let mut dims = p.var.dims().to_vec();
+                dims[dim] = whole_lengths
+                    .next()
+                    .context("a split parameter's length was not gathered")?;
+                whole.var = Var::zeros(dims, p.var.dtype(), p.var.device())?;
+            }
+            Ok(whole)
+        })
+        .collect()
+}
+
+/// `state`, read in the whole model's shapes, cut to this rank's parts of `params`.
+fn state_part(mut state: OptimizerState, params: &[NamedParam], layers: &Group) -> Result<OptimizerState> {
+    for (index, _, tensor) in &mut state.tensors {
+        if let Some(dim) = params.get(*index).and_then(|p| p.split) {
+            *tensor = part_of(layers, dim, tensor)?;
+        }
+    }
+    Ok(state)
 }
 
 /// A rank's replica on its device thread: what differs per strategy is the step and the
@@ -123,14 +211,15 @@ pub trait RankReplica: Send {
     /// trained and `run`, to `out` as one checkpoint file.
     fn save_state(&mut self, out: &mut dyn std::io::Write, export: &ModelInfo, run: &RunRecord) -> Result<()> {
         let held = self.held();
-        let optimizer = held.optimizer_state()?;
-        training_state::write(out, held.params, export, optimizer, *held.step, run)
+        let (params, optimizer) = held.whole_state()?;
+        training_state::write(out, &params, export, optimizer, (*held.step, held.layers.size()), run)
     }
 
-    /// Takes part in a save another rank of the ring writes: a sharded optimizer hands its
-    /// shards over in the gather every rank joins; nothing is serialized here.
+    /// Takes part in a save another rank writes: a sharded optimizer hands its shards over in
+    /// the gather every rank of the ring joins, split layers their parts in the layer group's;
+    /// nothing is serialized here.
     fn join_save(&mut self) -> Result<()> {
-        self.held().optimizer_state().map(drop)
+        self.held().whole_state().map(drop)
     }
 
     /// Continues from a state saved by [`RankReplica::save_state`] (by the same part of any
@@ -140,18 +229,27 @@ pub trait RankReplica: Send {
             params,
             optimizer,
             step,
+            layers,
             ..
         } = self.held();
+        // The file holds the whole model: read into its shapes, then cut to this rank's parts.
+        let whole = whole_shaped(params, layers)?;
+        let part = |state| state_part(state, params, layers);
         let restored = match optimizer {
             HeldOptimizer::Whole(optimizer) => {
                 let kind = optimizer.name();
-                training_state::restore(bytes, params, kind, |state| Ok(optimizer.load_state(state)?))?
+                training_state::restore(bytes, &whole, kind, |state| Ok(optimizer.load_state(part(state)?)?))?
             }
             HeldOptimizer::Sharded(states) => {
                 let kind = states.name();
-                training_state::restore(bytes, params, kind, |state| states.load_state(state, params))?
+                training_state::restore(bytes, &whole, kind, |state| states.load_state(part(state)?, params))?
             }
         };
+        for (p, whole) in params.iter().zip(&whole) {
+            if let Some(dim) = p.split {
+                p.var.set(&part_of(layers, dim, whole.var.as_tensor())?)?;
+            }
+        }
         *step = restored.batches;
         Ok(restored.run)
     }
@@ -199,12 +297,25 @@ pub trait RankReplica: Send {
         }
     }
 
-    /// The parameters' values by name.
+    /// The whole model's parameters' values by name: split ones gathered over the layer group,
+    /// whose ranks all call this together.
     fn parameters(&mut self) -> Result<Vec<(String, Vec<f32>)>> {
-        self.held()
+        let held = self.held();
+        let parts = held
             .params
             .iter()
-            .map(|p| Ok((p.name.clone(), p.var.flatten_all()?.to_vec1::<f32>()?)))
+            .filter_map(|p| p.split.map(|dim| (dim, p.var.as_tensor().clone())))
+            .collect();
+        let mut whole = gather_parts(held.layers, parts)?.into_iter();
+        held.params
+            .iter()
+            .map(|p| {
+                let tensor = match p.split {
+                    Some(_) => whole.next().context("a split parameter was not gathered")?,
+                    None => p.var.as_tensor().clone(),
+                };
+                Ok((p.name.clone(), tensor.flatten_all()?.to_vec1::<f32>()?))
+            })
             .collect()
     }
 

@@ -1,22 +1,26 @@
 //! One rank's replica: the model, its optimizer and the communicator, and
 //! the data-parallel training step over them. Runs on the device thread.
 
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use anyhow::Result;
+use anyhow::{Context, Result};
+use candle_core::backprop::GradStore;
 use candle_core::{Device, Tensor, Var};
 
 use super::evaluation::{score_pieces, sum_over_ranks};
 use super::preemption;
 use super::rank_figures::RankFigures;
 use super::rank_replica::{Held, HeldOptimizer, RankReplica, StepReport};
+use super::tensor_parallel::RingGroup;
 use super::{Averaged, GradientSync, ParamChecksum, ShardedStates};
 use crate::config::{JobConfig, LossKind};
 use crate::data::{Batch, Pieces};
 use crate::engines::comm::CommWorker;
 use crate::engines::compute::segments::{self, Segments};
-use crate::models::{training_loss, Model, NamedParam, Score};
-use crate::optim::{clip_by_global_norm, LrPolicy, Optimizer};
+use crate::models::parallel::{Alone, Group};
+use crate::models::{Model, NamedParam, Score};
+use crate::optim::{scale_to_norm, sum_of_squares, LrPolicy, Optimizer};
 use crate::telemetry::metrics::peak_rss_bytes;
 use crate::telemetry::timeline::{record, Timeline};
 
@@ -35,6 +39,11 @@ pub struct Replica {
     optimizer: ReplicaOptimizer,
     lr_policy: LrPolicy,
     comm: CommWorker,
+    /// The ranks that split the model's layers with this one (tensor parallelism), over a ring
+    /// of their own; `None`: the layers are whole.
+    layer_ring: Option<Arc<RingGroup>>,
+    /// The same group as the layers see it ([`Alone`] where they are whole).
+    layers: Group,
     device: Device,
     /// How forward and backward cut the model: per block (each block's gradients go to their
     /// buckets as soon as they are done), or recomputed segments.
@@ -53,15 +62,32 @@ pub struct Replica {
 }
 
 impl Replica {
-    /// A replica of `model` for `job`, talking to the other ranks through
-    /// `comm`, in a run of `steps` batches.
-    pub fn new(model: Model, job: &JobConfig, comm: CommWorker, device: Device, steps: usize) -> Result<Self> {
+    /// A replica of `model` for `job`, talking to the other replicas through `comm`, in a run
+    /// of `steps` batches; its layers split over `layer_ring` where it is given.
+    pub fn new(
+        model: Model,
+        job: &JobConfig,
+        (comm, layer_ring): (CommWorker, Option<Arc<RingGroup>>),
+        device: Device,
+        steps: usize,
+    ) -> Result<Self> {
+        let layers: Group = match &layer_ring {
+            Some(ring) => ring.clone(),
+            None => Arc::new(Alone),
+        };
+        let model = model
+            .split(&layers)
+            .context("splitting the model over its layer group (strategy.hybrid_configs.mp_degree)")?;
         let params = model.parameters();
         let vars: Vec<Var> = params.iter().map(|p| p.var.clone()).collect();
         let gradients = GradientSync::new(job, vars.clone(), &backward_order(&model, &params), &device)?;
-        // The job's world, not this generation's: with elastic membership the global batch, and
-        // so its learning rate, stays the same on fewer ranks.
-        let lr_policy = LrPolicy::new(&job.train, job.world_size(), gradients.optimizer_step(steps));
+        // The job's replicas, not this generation's: with elastic membership the global batch,
+        // and so its learning rate, stays the same on fewer ranks.
+        let lr_policy = LrPolicy::new(
+            &job.train,
+            job.data_parallel_replicas(),
+            gradients.optimizer_step(steps),
+        );
         let optimizer = match job.strategy.sharding_stage() {
             None => ReplicaOptimizer::Whole(Optimizer::new(&job.train, vars, lr_policy.at(0))?),
             Some(stage) => ReplicaOptimizer::Sharded(Box::new(ShardedStates::new(
@@ -94,6 +120,8 @@ impl Replica {
             optimizer,
             lr_policy,
             comm,
+            layer_ring,
+            layers,
             device,
             segments,
             whole,
@@ -114,10 +142,16 @@ impl Replica {
         self.comm.world_size()
     }
 
-    /// Goes on over the ring `comm` (a rollback rebuilt it): the collectives in flight on the old
-    /// one and the batches merged so far are dropped; sharded states are cut anew for the ring
-    /// (it may have another number of ranks). The state comes from a snapshot next.
-    pub fn relink(&mut self, comm: CommWorker) -> Result<()> {
+    /// Goes on over the ring `comm` and the layer group's `layer_comm` (a rollback rebuilt
+    /// them): the collectives in flight on the old ones and the batches merged so far are
+    /// dropped; sharded states are cut anew for the ring (it may have another number of ranks).
+    /// The state comes from a snapshot next.
+    pub fn relink(&mut self, comm: CommWorker, layer_comm: Option<CommWorker>) -> Result<()> {
+        match (&self.layer_ring, layer_comm) {
+            (Some(ring), Some(comm)) => ring.relink(comm),
+            (None, None) => {}
+            _ => anyhow::bail!("a relink changed whether the layers are split"),
+        }
         if let ReplicaOptimizer::Sharded(states) = &mut self.optimizer {
             **states = states.recut(self.gradients.plan(), &self.params, &comm)?;
         }
@@ -141,8 +175,7 @@ impl Replica {
             ReplicaOptimizer::Whole(optimizer) => {
                 let mut grads = averaged.grads.into_whole()?;
                 if self.grad_clip_norm > 0.0 {
-                    let vars: Vec<Var> = self.params.iter().map(|p| p.var.clone()).collect();
-                    clip_by_global_norm(&mut grads, &vars, self.grad_clip_norm)?;
+                    clip_split_by_global_norm(&mut grads, &self.params, &self.layers, self.grad_clip_norm)?;
                 }
                 optimizer.step(&grads)?;
             }
@@ -184,6 +217,7 @@ impl RankReplica for Replica {
             },
             step: &mut self.step,
             ring: &self.comm,
+            layers: &self.layers,
             timeline: &mut self.timeline,
         }
     }
@@ -216,7 +250,7 @@ impl RankReplica for Replica {
         let forward = segments::forward(blocks, cut, x)?;
         let held_bytes = forward.held_bytes();
         let (local_loss, upstream) =
-            segments::loss_gradient(forward.output(), |out| training_loss(self.loss, out, &y))?;
+            segments::loss_gradient(forward.output(), |out| self.model.loss(self.loss, out, &y))?;
         self.settle_for_trace()?;
         record(&mut self.timeline, || format!("forward {step}"), "forward", forwarding);
 
@@ -300,6 +334,31 @@ pub fn broadcast_parameters(comm: &CommWorker, params: &[NamedParam]) -> Result<
         p.var.set(&flat.narrow(0, offset, n)?.reshape(p.var.shape())?)?;
         offset += n;
     }
+    Ok(())
+}
+
+/// Scales `grads` of `params` to a global norm of at most `max_norm` ([`scale_to_norm`]): the
+/// norm of the whole model's gradients, each split parameter's parts summed over `layers`, the
+/// whole ones (equal on every rank of the group) counted once.
+fn clip_split_by_global_norm(
+    grads: &mut GradStore,
+    params: &[NamedParam],
+    layers: &Group,
+    max_norm: f64,
+) -> Result<()> {
+    let (split, whole): (Vec<&NamedParam>, Vec<&NamedParam>) = params.iter().partition(|p| p.split.is_some());
+    let vars = |params: Vec<&NamedParam>| -> Vec<Var> { params.into_iter().map(|p| p.var.clone()).collect() };
+    let mut squares = sum_of_squares(grads, &vars(whole))?;
+    let split_squares = sum_of_squares(grads, &vars(split))?;
+    for bytes in layers.gather(
+        split_squares.to_le_bytes().to_vec(),
+        "all-gather of the gradient norm's parts",
+    )? {
+        let bytes: [u8; 8] = bytes.as_slice().try_into().context("a norm part of another width")?;
+        squares += f64::from_le_bytes(bytes);
+    }
+    let vars: Vec<Var> = params.iter().map(|p| p.var.clone()).collect();
+    scale_to_norm(grads, &vars, squares.sqrt(), max_norm)?;
     Ok(())
 }
 

@@ -2,55 +2,106 @@
 //! ([`crate::models::parallel`]) on a communication thread of their own, one ring per group of
 //! ranks that split the same layers.
 
-use anyhow::Result;
+use std::sync::{PoisonError, RwLock};
 
-use crate::engines::comm::CommWorker;
-use crate::models::parallel::LayerGroup;
+use anyhow::{Context, Result};
+use candle_core::Tensor;
 
-/// The ranks of a ring, splitting layers between them.
+use crate::engines::comm::{CommWorker, Communicator};
+use crate::models::parallel::{balanced_slice, Group, LayerGroup};
+
+/// The ranks of a ring, splitting layers between them. The ring is replaced in place when the
+/// job rolls back (the split layers keep the group).
 pub struct RingGroup {
-    comm: CommWorker,
+    comm: RwLock<CommWorker>,
 }
 
 impl RingGroup {
     /// The group of the ranks of `comm`'s ring.
     pub fn new(comm: CommWorker) -> Self {
-        Self { comm }
+        Self {
+            comm: RwLock::new(comm),
+        }
+    }
+
+    /// Goes on over `comm`, the next generation's ring of the same ranks.
+    pub fn relink(&self, comm: CommWorker) {
+        *self.comm.write().unwrap_or_else(PoisonError::into_inner) = comm;
+    }
+
+    /// `work` on the ring's communication thread.
+    fn run<T: Send + 'static>(&self, work: impl FnOnce(&mut Communicator) -> Result<T> + Send + 'static) -> Result<T> {
+        self.comm.read().unwrap_or_else(PoisonError::into_inner).run(work)
     }
 }
 
 impl LayerGroup for RingGroup {
     fn rank(&self) -> usize {
-        self.comm.rank()
+        self.comm.read().unwrap_or_else(PoisonError::into_inner).rank()
     }
 
     fn size(&self) -> usize {
-        self.comm.world_size()
+        self.comm.read().unwrap_or_else(PoisonError::into_inner).world_size()
     }
 
     fn sum(&self, values: Vec<f32>, what: &'static str) -> Result<Vec<f32>> {
-        self.comm.run(move |c| {
+        self.run(move |c| {
             let mut values = values;
             c.all_reduce_sum(what, &mut values)?;
             Ok(values)
         })
     }
 
-    fn max(&self, values: Vec<f32>, what: &'static str) -> Result<Vec<f32>> {
-        let all = self
-            .comm
-            .run(move |c| c.all_gather(what, bytemuck::cast_slice(&values)))?;
-        let mut largest: Vec<f32> = Vec::new();
-        for bytes in all {
-            let values: Vec<f32> = bytemuck::pod_collect_to_vec(&bytes);
-            if largest.is_empty() {
-                largest = values;
-            } else {
-                largest.iter_mut().zip(values).for_each(|(l, v)| *l = l.max(v));
-            }
-        }
-        Ok(largest)
+    fn gather(&self, bytes: Vec<u8>, what: &'static str) -> Result<Vec<Vec<u8>>> {
+        self.run(move |c| c.all_gather_sized(what, &bytes))
     }
+}
+
+/// The whole tensors of which each rank of `group` holds `parts` — each `(dim, part)` this
+/// rank's slice along `dim` ([`balanced_slice`]), in rank order — in one gather.
+pub fn gather_parts(group: &Group, parts: Vec<(usize, Tensor)>) -> Result<Vec<Tensor>> {
+    if group.size() == 1 || parts.is_empty() {
+        return Ok(parts.into_iter().map(|(_, part)| part).collect());
+    }
+    // Each part's length along its split dimension (slices may differ by one), then its values.
+    let mut mine = Vec::new();
+    for (dim, part) in &parts {
+        mine.push(f32::from_bits(u32::try_from(part.dim(*dim)?)?));
+        mine.extend(part.flatten_all()?.to_vec1::<f32>()?);
+    }
+    let all = group.gather(bytemuck::cast_slice(&mine).to_vec(), "all-gather of split parameters")?;
+    let mut ranks: Vec<(Vec<f32>, usize)> = all
+        .iter()
+        .map(|bytes| (bytemuck::pod_collect_to_vec(bytes), 0))
+        .collect();
+    let mut whole = Vec::with_capacity(parts.len());
+    for (dim, part) in &parts {
+        let slices = ranks
+            .iter_mut()
+            .map(|(values, offset)| {
+                let length = values
+                    .get(*offset)
+                    .context("a rank gathered fewer split parts")?
+                    .to_bits() as usize;
+                let mut dims = part.dims().to_vec();
+                dims[*dim] = length;
+                let n: usize = dims.iter().product();
+                let slice = values
+                    .get(*offset + 1..*offset + 1 + n)
+                    .context("a rank gathered fewer split values")?;
+                *offset += 1 + n;
+                Ok(Tensor::from_slice(slice, dims, part.device())?)
+            })
+            .collect::<Result<Vec<_>>>()?;
+        whole.push(Tensor::cat(&slices, *dim)?);
+    }
+    Ok(whole)
+}
+
+/// This rank's part of `whole`, split over `group` along `dim` as [`gather_parts`] joins it.
+pub fn part_of(group: &Group, dim: usize, whole: &Tensor) -> Result<Tensor> {
+    let slice = balanced_slice(whole.dim(dim)?, group.size(), group.rank());
+    Ok(whole.narrow(dim, slice.start, slice.len())?.contiguous()?)
 }
 
 #[cfg(test)]
@@ -199,7 +250,7 @@ mod tests {
         let (y, dx, whole) = run(layer()?.as_ref(), &x, &r)?;
         for size in [1, 2, 4] {
             let results = on_every_rank(size, |group| {
-                let part = layer()?.split(group)?;
+                let (part, _) = layer()?.split(group, &crate::models::parallel::Flow::Whole, false)?;
                 Ok((group.rank(), run(part.as_ref(), &x, &r)?))
             })?;
             for (rank, (y_part, dx_part, params)) in results {
@@ -250,7 +301,8 @@ mod tests {
         let loss = crate::models::cross_entropy(whole.as_tensor(), &targets()?)?;
         let grads = loss.backward()?;
         let whole_grad = grads.get(whole.as_tensor()).expect("a gradient").clone();
-        for size in [1, 2, 3, 4] {
+        // 5 ranks: slices of 3, 3, 2, 2, 2 tokens.
+        for size in [1, 2, 3, 4, 5] {
             let results = on_every_rank(size, |group| {
                 let slice = vocab_slice(VOCAB, group)?;
                 let part = Var::from_tensor(&logits()?.narrow(2, slice.start, slice.len())?.contiguous()?)?;
@@ -263,6 +315,25 @@ mod tests {
                 close("loss", &part_loss, &loss)?;
                 close("gradient", &grad, &whole_grad.narrow(2, slice.start, slice.len())?)?;
             }
+        }
+        Ok(())
+    }
+
+    /// Parts of unequal length (a vocabulary the group does not divide) gather into the whole
+    /// tensors, in one gather of several, and the whole ones cut back into the same parts.
+    #[test]
+    fn parts_gather_into_the_whole_and_cut_back() -> Result<()> {
+        let (rows, columns) = (values(&[10, 3], 1)?, values(&[4, 7], 2)?);
+        let gathered = on_every_rank(4, |group| {
+            let parts = vec![(0, part_of(group, 0, &rows)?), (1, part_of(group, 1, &columns)?)];
+            let dims: Vec<Vec<usize>> = parts.iter().map(|(_, p)| p.dims().to_vec()).collect();
+            Ok((dims, gather_parts(group, parts)?))
+        })?;
+        for (rank, (dims, whole)) in gathered.into_iter().enumerate() {
+            let (r, c) = ([3, 3, 2, 2][rank], [2, 2, 2, 1][rank]);
+            assert_eq!(dims, [vec![r, 3], vec![4, c]]);
+            close("rows", &whole[0], &rows)?;
+            close("columns", &whole[1], &columns)?;
         }
         Ok(())
     }
@@ -282,7 +353,7 @@ mod tests {
             .reshape((2, 3, 4))?;
         let whole_grad = (&whole * &upstream)?.sum_all()?.backward()?;
         let whole_grad = whole_grad.get(whole_table.as_tensor()).expect("a gradient").clone();
-        for size in [1, 2, 4] {
+        for size in [1, 2, 4, 5] {
             let results = on_every_rank(size, |group| {
                 let slice = vocab_slice(VOCAB, group)?;
                 let part = Var::from_tensor(&table.narrow(0, slice.start, slice.len())?.contiguous()?)?;
@@ -300,13 +371,9 @@ mod tests {
                 )?;
             }
         }
-        let refusals = on_every_rank(4, |group| Ok(vocab_slice(10, group).err().map(|e| e.to_string())))?;
-        for refusal in refusals {
-            assert_eq!(
-                refusal.as_deref(),
-                Some("a vocabulary's tokens: 10 does not split into 4 equal parts")
-            );
-        }
+        // A vocabulary the group does not divide: the first ranks hold one token more.
+        let slices = on_every_rank(4, |group| vocab_slice(10, group))?;
+        assert_eq!(slices, [0..3, 3..6, 6..8, 8..10]);
         Ok(())
     }
 }

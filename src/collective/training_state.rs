@@ -10,7 +10,7 @@
 use std::collections::HashMap;
 use std::io::Write;
 
-use crate::checkpoint::write_tensors;
+use crate::checkpoint::{write_tensors, LAYER_PARTS, SHARDING_STAGE};
 use crate::data::DataPosition;
 use crate::engines::comm::Communicator;
 use crate::models::export::{from_torch_layout, in_torch_layout, ModelInfo, OPTIMIZER_PREFIX};
@@ -24,9 +24,6 @@ const OPTIMIZER: &str = "optimizer";
 /// Metadata of a state merged from a pipeline's stages ([`merge_stages`]): it holds the whole
 /// model, of which a stage of another cut restores its own parameters.
 const WHOLE_MODEL: &str = "whole_model";
-
-/// The metadata key of the sharding stage whose optimizer shards were gathered into the file.
-const SHARDING: &str = "sharding_stage";
 
 /// An optimizer's state as a training state file holds it.
 pub struct SavedOptimizer {
@@ -73,13 +70,13 @@ pub fn join_data_positions(comm: &mut Communicator, mine: &[u8]) -> Result<DataP
 
 /// Writes `params` (by name, `info` describing their model), the state of their optimizer (of
 /// kind `optimizer`, by parameter), `batches` (batches trained so far) and `run` to `out` as a
-/// safetensors file.
+/// safetensors file; `layer_parts` ranks split the layers the file holds whole (1: none).
 pub fn write(
     out: &mut dyn Write,
     params: &[NamedParam],
     info: &ModelInfo,
     optimizer: SavedOptimizer,
-    batches: usize,
+    (batches, layer_parts): (usize, usize),
     run: &RunRecord,
 ) -> Result<()> {
     let SavedOptimizer {
@@ -113,7 +110,10 @@ pub fn write(
         metadata.insert(DATA_POSITION.to_string(), serde_json::to_string(data)?);
     }
     if let Some(stage) = sharding_stage {
-        metadata.insert(SHARDING.to_string(), stage.to_string());
+        metadata.insert(SHARDING_STAGE.to_string(), stage.to_string());
+    }
+    if layer_parts > 1 {
+        metadata.insert(LAYER_PARTS.to_string(), layer_parts.to_string());
     }
     write_tensors(out, &tensors, metadata)
 }
@@ -278,7 +278,7 @@ mod tests {
             state: optimizer.state()?,
             sharding_stage: None,
         };
-        write(&mut bytes, &params, &info, saved, 1, &run)?;
+        write(&mut bytes, &params, &info, saved, (1, 1), &run)?;
         Ok((model, optimizer, bytes))
     }
 

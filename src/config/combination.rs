@@ -3,6 +3,7 @@
 
 use super::sharding::check_sharding;
 use super::sparse_tables::check_sparse_tables;
+use super::tensor_parallel::check_tensor_parallel;
 use super::{
     DatasetKind, FieldError, HybridConfigs, JobConfig, LrSchedule, ModelKind, OptimizerKind, PipelineConfigs, PsMode,
     RecoveryMode,
@@ -11,6 +12,7 @@ use super::{
 /// Checks that strategy, model, data set and optimizer fit together.
 pub(super) fn check(config: &JobConfig) -> Result<(), FieldError> {
     let train = &config.train;
+    check_tensor_parallel(config)?;
     check_pipeline(config)?;
     check_sharding(config)?;
     check_checkpoints(config)?;
@@ -274,10 +276,14 @@ fn check_pipeline(config: &JobConfig) -> Result<(), FieldError> {
     let strategy = &config.strategy;
     if !strategy.pipeline {
         let hybrid = &strategy.hybrid_configs;
-        // Sharding's degrees are checked with its keys.
+        // Sharding's and tensor parallelism's degrees are checked with their keys; plain data
+        // parallelism's replicas are every rank (`dp_degree` left 1 or the world size).
+        let split = strategy.sharding || hybrid.mp_degree > 1;
+        let replicas = split || hybrid.dp_degree == config.world_size();
         let sharded_only = HybridConfigs {
             sharding_degree: hybrid.sharding_degree,
-            dp_degree: if strategy.sharding { hybrid.dp_degree } else { 1 },
+            mp_degree: hybrid.mp_degree,
+            dp_degree: if replicas { hybrid.dp_degree } else { 1 },
             ..HybridConfigs::default()
         };
         if *hybrid != sharded_only || strategy.pipeline_configs != PipelineConfigs::default() {

@@ -75,8 +75,12 @@ fn estimate(config: &JobConfig) -> Vec<Need> {
         OptimizerKind::Sgd | OptimizerKind::Adagrad => 1,
         OptimizerKind::Adamw | OptimizerKind::Adam => 2,
     };
-    // Activations of one row's forward pass, which training holds with their gradients.
+    // Activations of one row's forward pass, which training holds with their gradients; split
+    // layers (tensor parallelism) hold a part of the parameters and of the activations on each
+    // rank (at least: the LayerNorms and the residual stream stay whole).
     let (model_keys, params, row_activations) = model_size(train);
+    let mp = config.mp_degree() as u128;
+    let (params, row_activations) = (params.div_ceil(mp), row_activations.div_ceil(mp));
     let data_rows = match train.dataset {
         DatasetKind::Synthetic => train.synthetic_features.saturating_add(1),
         DatasetKind::CriteoSynthetic => CtrShape::CRITEO.slots * 2 + CtrShape::CRITEO.dense + 1,
@@ -227,7 +231,7 @@ fn activations(config: &JobConfig, row: u128, model_keys: &[&'static str]) -> Ne
         true => config.strategy.hybrid_configs.pp_degree.max(1) as u128,
         false => 1,
     };
-    let local_batch = config.train.local_batch_size(config.world_size()) as u128;
+    let local_batch = config.train.local_batch_size(config.data_parallel_replicas()) as u128;
     let training = mul(&[local_batch, row, 2, trainers]);
     let evaluation = mul(&[config.eval_batch_rows() as u128, row, trainers]) / stages;
     if evaluation > training {

@@ -37,6 +37,7 @@ pub mod reference;
 mod sharding;
 mod sparse_tables;
 mod strategy;
+mod tensor_parallel;
 mod train;
 
 use std::path::{Path, PathBuf};
@@ -338,7 +339,7 @@ impl JobConfig {
     pub fn eval_batch_rows(&self) -> usize {
         let replicas = match self.strategy.pipeline {
             true => self.strategy.hybrid_configs.dp_degree,
-            false => self.world_size(),
+            false => self.data_parallel_replicas(),
         };
         let rows = self
             .train

@@ -59,10 +59,17 @@ impl Default for PipelineConfigs {
 #[serde(default, deny_unknown_fields)]
 pub struct HybridConfigs {
     /// Replicas of the whole pipeline (`d`); each stage all-reduces within its replicas. With
-    /// sharding inside the nodes, the replicas of the shards (the number of nodes).
+    /// sharding inside the nodes, the replicas of the shards (the number of nodes); with
+    /// `mp_degree`, the replicas of the split model.
     pub dp_degree: usize,
     /// Pipeline stages (`p`).
     pub pp_degree: usize,
+    /// Ranks that split each layer's weights between them (tensor parallelism, Megatron's
+    /// layout): a GPT's attention by heads and its MLP by hidden width, its embedding and logits
+    /// by vocabulary; an MLP's layers in column-then-row pairs. The innermost axis of the rank
+    /// grid: a replica's ranks are consecutive, so on one node. `dp_degree × mp_degree` is the
+    /// world size.
+    pub mp_degree: usize,
     /// Ranks that split the optimizer's states (and gradients) between them, with
     /// `strategy.sharding`: 1 (unset) or the world size, every rank; or `cluster.nproc_per_node`
     /// of several nodes, each node's ranks, the nodes holding replicas (`dp_degree` = nodes).
@@ -106,6 +113,7 @@ impl Default for HybridConfigs {
         Self {
             dp_degree: 1,
             pp_degree: 1,
+            mp_degree: 1,
             sharding_degree: 1,
         }
     }

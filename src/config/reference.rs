@@ -56,6 +56,7 @@ const PADDLE_NAMES: &[(&str, &str)] = &[
     ),
     ("strategy.hybrid_configs.dp_degree", "`hybrid_configs.dp_degree`"),
     ("strategy.hybrid_configs.pp_degree", "`hybrid_configs.pp_degree`"),
+    ("strategy.hybrid_configs.mp_degree", "`hybrid_configs.mp_degree`"),
     (
         "strategy.hybrid_configs.sharding_degree",
         "`hybrid_configs.sharding_degree`",

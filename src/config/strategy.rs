@@ -18,11 +18,6 @@ use super::{FieldError, UnsupportedKey};
 pub(crate) const UNSUPPORTED_KEYS: &[UnsupportedKey] = &[
     unsupported("amp", "mixed precision"),
     unsupported("amp_configs", "mixed precision"),
-    UnsupportedKey {
-        section: "strategy.hybrid_configs",
-        key: "mp_degree",
-        reason: "tensor parallelism",
-    },
 ];
 
 /// Entry of [`UNSUPPORTED_KEYS`] in the `[strategy]` section.
@@ -308,11 +303,6 @@ mod tests {
     fn unsupported_strategies_are_rejected_with_the_reason() {
         let msg = err_text(load_str("[strategy]\namp = false\n"));
         assert!(msg.ends_with("not supported yet (mixed precision)"), "{msg}");
-        let msg = err_text(load_with("", &[], &["strategy.hybrid_configs.mp_degree=2"]));
-        assert_eq!(
-            msg,
-            "--set: strategy.hybrid_configs.mp_degree: not supported yet (tensor parallelism)"
-        );
         let msg = err_text(load_with("", &[], &["strategy.amp_configs.use_bf16=true"]));
         assert_eq!(msg, "--set: strategy.amp_configs: not supported yet (mixed precision)");
     }

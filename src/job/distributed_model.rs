@@ -49,6 +49,11 @@ impl DistributedModel {
             "strategy.sharding: a program's own loop steps its own optimizer on whole gradients; sharded \
              states need the runtime's optimizer (`flotilla train`)"
         );
+        anyhow::ensure!(
+            group.config().mp_degree() == 1,
+            "strategy.hybrid_configs.mp_degree: a program's own loop trains its own whole model; split layers need \
+             the runtime's models (`flotilla train`)"
+        );
         let params = model.parameters();
         let vars: Vec<Var> = params.iter().map(|p| p.var.clone()).collect();
         let device = vars.first().context("the model has no parameters")?.device().clone();

@@ -38,7 +38,7 @@ pub const SAFE_TO_CHANGE: &[&str] = &[
 ];
 
 /// The keys of a collective job's layout: its checkpoint holds one copy of the replica (sharded
-/// optimizer states gathered whole), or of each pipeline stage, every parameter and optimizer slot
+/// optimizer states and split layers gathered whole), or of each pipeline stage, every parameter and optimizer slot
 /// under its model name, and each rank reads its share of
 /// the same global batches — so it resumes on any number of ranks that divides the global batch,
 /// cut into any number of stages (the sums of a step are then associated differently).
@@ -51,6 +51,7 @@ const COLLECTIVE_LAYOUT: &[&str] = &[
     "strategy.pipeline",
     "strategy.hybrid_configs.pp_degree",
     "strategy.hybrid_configs.dp_degree",
+    "strategy.hybrid_configs.mp_degree",
     "strategy.pipeline_configs.stage_boundaries",
     "strategy.pipeline_configs.virtual_pipeline_stages",
     "strategy.sharding",

@@ -112,16 +112,17 @@ pub(super) fn run(job: &TrainingJob, options: &RunOptions) -> Result<RunOutcome>
     let layout = in_process_layout(&job.config)?;
     let outcomes = System::new().block_on(async move {
         let coordinator = Coordinator::for_job(&job.config, &recovery).start();
-        let links: Vec<RingLink> = if world == 1 {
-            vec![RingLink::Single]
-        } else {
-            hierarchy::memory_communicators(world, layout, timeout)
-                .into_iter()
-                .map(RingLink::Memory)
-                .collect()
-        };
+        let rings = Arc::new(MemoryRings::new(timeout, Vec::new()));
+        let links = (0..world).map(|rank| match world {
+            1 => RingLink::Single,
+            _ => RingLink::Simulated {
+                rank,
+                rings: rings.clone(),
+                layout,
+                breaker: RingBreaker::default(),
+            },
+        });
         let runs: Vec<_> = links
-            .into_iter()
             .enumerate()
             .map(|(rank, link)| {
                 let bus = ControlBus::InMemory(coordinator.clone().into());

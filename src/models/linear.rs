@@ -2,7 +2,9 @@
 
 use candle_core::{Tensor, Var};
 
-use super::affine::affine;
+use anyhow::Context as _;
+
+use super::parallel::{AffineMap, Flow, Group, Split};
 use super::{Block, ParamInit};
 
 /// What follows the affine map.
@@ -21,9 +23,7 @@ pub enum Activation {
 /// transposed gradient element by element, which cost a sixth of a step.
 pub struct Linear {
     name: String,
-    weight: Var,
-    bias: Var,
-    activation: Activation,
+    map: AffineMap,
 }
 
 impl Linear {
@@ -35,11 +35,14 @@ impl Linear {
         activation: Activation,
         init: &ParamInit,
     ) -> candle_core::Result<Self> {
-        Ok(Self {
-            name: name.to_string(),
+        let map = AffineMap::Whole {
             weight: init.fan_in_uniform(&format!("{name}.weight"), &[inputs, outputs], inputs)?,
             bias: init.fan_in_uniform(&format!("{name}.bias"), &[outputs], inputs)?,
             activation,
+        };
+        Ok(Self {
+            name: name.to_string(),
+            map,
         })
     }
 }
@@ -50,7 +53,34 @@ impl Block for Linear {
     }
 
     fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
-        affine(x, self.weight.as_tensor(), self.bias.as_tensor(), self.activation)
+        self.map.forward(x)
+    }
+
+    /// Megatron's pairs: a layer taking the whole input is split by columns (its outputs
+    /// sliced), the next by rows (its outputs whole again); a last layer taking the whole input
+    /// stays whole on every rank, so the model's outputs are whole.
+    fn split(self: Box<Self>, group: &Group, input: &Flow, last: bool) -> anyhow::Result<(Box<dyn Block>, Flow)> {
+        let Self { name, map } = *self;
+        let (map, out) = match (input, last) {
+            (Flow::Sliced(_), _) => (map.split(Split::Rows, group)?, Flow::Whole),
+            (Flow::Whole, true) => (map, Flow::Whole),
+            (Flow::Whole, false) => {
+                let map = map
+                    .split(Split::Columns, group)
+                    .with_context(|| format!("splitting layer {name}"))?;
+                let AffineMap::Split(part) = &map else {
+                    anyhow::bail!("layer {name} was not split");
+                };
+                let outputs = part.bias.elem_count();
+                let start = group.rank() * outputs;
+                (map, Flow::Sliced(start..start + outputs))
+            }
+        };
+        Ok((Box::new(Self { name, map }), out))
+    }
+
+    fn split_parameters(&self) -> Vec<(String, usize)> {
+        self.map.split_parameters("")
     }
 
     fn transposed_parameters(&self) -> &'static [&'static str] {
@@ -58,9 +88,7 @@ impl Block for Linear {
     }
 
     fn parameters(&self) -> Vec<(String, Var)> {
-        vec![
-            ("bias".to_string(), self.bias.clone()),
-            ("weight".to_string(), self.weight.clone()),
-        ]
+        let [(_, weight), (_, bias)] = self.map.parameters("");
+        vec![("bias".to_string(), bias), ("weight".to_string(), weight)]
     }
 }

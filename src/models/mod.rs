@@ -36,6 +36,8 @@ pub use wide_deep::WideDeep;
 use anyhow::{ensure, Result};
 use candle_core::{Tensor, Var};
 
+use crate::config::LossKind;
+
 /// One unit of a sequential model: a function of its input with named
 /// parameters.
 pub trait Block: Send {
@@ -49,9 +51,22 @@ pub trait Block: Send {
     fn parameters(&self) -> Vec<(String, Var)>;
 
     /// This rank's part of the block with its weights split over `group` (tensor parallelism),
-    /// or why it cannot be split.
-    fn split(self: Box<Self>, _group: &parallel::Group) -> Result<Box<dyn Block>> {
+    /// given what it takes in (`input`) and whether it is the model's `last` block; answers what
+    /// it hands on, or why it cannot be split.
+    fn split(
+        self: Box<Self>,
+        _group: &parallel::Group,
+        _input: &parallel::Flow,
+        _last: bool,
+    ) -> Result<(Box<dyn Block>, parallel::Flow)> {
         anyhow::bail!("block {} cannot be split over the ranks of a layer group", self.name())
+    }
+
+    /// The parameters (names inside the block) split over the block's layer group, each with
+    /// the dimension (of the held layout) it is split along; each rank holds its equal slice, in
+    /// rank order.
+    fn split_parameters(&self) -> Vec<(String, usize)> {
+        Vec::new()
     }
 
     /// The parameters (names inside the block) held as the transpose of PyTorch's layout: the
@@ -65,16 +80,26 @@ pub trait Block: Send {
     /// [`parameters`](Self::parameters); `index` is the block's place in its model (or stage).
     fn named_parameters(&self, index: usize) -> Vec<NamedParam> {
         let transposed = self.transposed_parameters();
+        let split = self.split_parameters();
         self.parameters()
             .into_iter()
             .map(|(param, var)| NamedParam {
                 name: format!("{}.{param}", self.name()),
                 block: index,
                 transposed: transposed.contains(&param.as_str()),
+                split: split.iter().find(|(name, _)| *name == param).map(|&(_, dim)| dim),
                 var,
             })
             .collect()
     }
+}
+
+/// Logits split over the vocabulary are a cross-entropy's.
+fn split_logits_only(kind: LossKind) -> candle_core::Result<()> {
+    if kind != LossKind::CrossEntropy {
+        candle_core::bail!("logits split over a vocabulary are scored by cross-entropy, not {kind:?}");
+    }
+    Ok(())
 }
 
 /// A parameter with its model-wide name.
@@ -88,11 +113,16 @@ pub struct NamedParam {
     pub var: Var,
     /// Held as the transpose of PyTorch's layout ([`Block::transposed_parameters`]).
     pub transposed: bool,
+    /// The dimension (of the held layout) the parameter is split along over its layer group,
+    /// where it is ([`Block::split_parameters`]).
+    pub split: Option<usize>,
 }
 
 /// A model: blocks applied in order.
 pub struct Model {
     blocks: Vec<Box<dyn Block>>,
+    /// The slice of the vocabulary its logits hold, where they are split over a layer group.
+    vocab_slice: Option<(std::ops::Range<usize>, parallel::Group)>,
 }
 
 impl Model {
@@ -104,7 +134,55 @@ impl Model {
         if let Some(w) = names.windows(2).find(|w| w[0] == w[1]) {
             anyhow::bail!("two blocks are named {:?}; block names must be unique", w[0]);
         }
-        Ok(Self { blocks })
+        Ok(Self {
+            blocks,
+            vocab_slice: None,
+        })
+    }
+
+    /// This rank's part of the model split over `group` (tensor parallelism, Megatron's layout):
+    /// each block split given what the one before hands on. Its logits are whole, or its slice
+    /// of the vocabulary (a GPT's); a group of one splits nothing.
+    pub fn split(self, group: &parallel::Group) -> Result<Self> {
+        if group.size() == 1 {
+            return Ok(self);
+        }
+        let last = self.blocks.len() - 1;
+        let mut flow = parallel::Flow::Whole;
+        let mut blocks = Vec::with_capacity(self.blocks.len());
+        for (index, block) in self.blocks.into_iter().enumerate() {
+            let (part, out) = block.split(group, &flow, index == last)?;
+            blocks.push(part);
+            flow = out;
+        }
+        let vocab_slice = match flow {
+            parallel::Flow::Whole => None,
+            parallel::Flow::Sliced(range) => Some((range, group.clone())),
+        };
+        Ok(Self { blocks, vocab_slice })
+    }
+
+    /// The mean training loss `kind` of `outputs` (this model's) against `targets`; logits split
+    /// over the vocabulary take the split cross-entropy, which never gathers them.
+    pub fn loss(&self, kind: LossKind, outputs: &Tensor, targets: &Tensor) -> candle_core::Result<Tensor> {
+        match &self.vocab_slice {
+            None => training_loss(kind, outputs, targets),
+            Some((slice, group)) => {
+                split_logits_only(kind)?;
+                parallel::vocab::cross_entropy(outputs, targets, slice, group)
+            }
+        }
+    }
+
+    /// The score of `outputs` (this model's) against `targets` under a job trained with `kind`.
+    pub fn score(&self, kind: LossKind, outputs: &Tensor, targets: &Tensor) -> candle_core::Result<Score> {
+        match &self.vocab_slice {
+            None => Score::of(kind, outputs, targets),
+            Some((slice, group)) => {
+                split_logits_only(kind)?;
+                parallel::vocab::score(outputs, targets, slice, group)
+            }
+        }
     }
 
     /// The blocks, in order.

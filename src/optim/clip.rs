@@ -8,13 +8,24 @@ use candle_core::{DType, Var};
 /// Scales the gradients of `vars` in `grads` to a global norm of at most `max_norm`; answers
 /// the norm they had.
 pub fn clip_by_global_norm(grads: &mut GradStore, vars: &[Var], max_norm: f64) -> candle_core::Result<f64> {
+    let norm = sum_of_squares(grads, vars)?.sqrt();
+    scale_to_norm(grads, vars, norm, max_norm)?;
+    Ok(norm)
+}
+
+/// The sum of the squares of the gradients of `vars` in `grads`, in f64.
+pub fn sum_of_squares(grads: &GradStore, vars: &[Var]) -> candle_core::Result<f64> {
     let mut squares = 0f64;
     for var in vars {
         if let Some(grad) = grads.get(var.as_tensor()) {
             squares += grad.to_dtype(DType::F64)?.sqr()?.sum_all()?.to_scalar::<f64>()?;
         }
     }
-    let norm = squares.sqrt();
+    Ok(squares)
+}
+
+/// Scales the gradients of `vars`, whose global norm is `norm`, to at most `max_norm`.
+pub fn scale_to_norm(grads: &mut GradStore, vars: &[Var], norm: f64, max_norm: f64) -> candle_core::Result<()> {
     let scale = max_norm / (norm + 1e-6);
     if scale < 1.0 {
         for var in vars {
@@ -23,7 +34,7 @@ pub fn clip_by_global_norm(grads: &mut GradStore, vars: &[Var], max_norm: f64) -
             }
         }
     }
-    Ok(norm)
+    Ok(())
 }
 
 #[cfg(test)]

@@ -8,7 +8,7 @@ mod lr_policy;
 mod sgd_momentum;
 
 pub use adamw::AdamW;
-pub use clip::clip_by_global_norm;
+pub use clip::{clip_by_global_norm, scale_to_norm, sum_of_squares};
 pub use gradient_merge::{check_run_length, GradientMerge, MergeBuffer};
 pub use lr_policy::LrPolicy;
 pub use sgd_momentum::{SgdMomentum, SgdMomentumConfig};

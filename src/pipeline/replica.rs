@@ -3,6 +3,7 @@
 //! stage's replicas (hybrid data × pipeline parallelism).
 
 use std::ops::Range;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, Result};
@@ -19,6 +20,7 @@ use crate::collective::{
 use crate::config::{JobConfig, LossKind, ScheduleMode};
 use crate::data::{Batch, Pieces};
 use crate::engines::comm::{CommWorker, Communicator};
+use crate::models::parallel::{Alone, Group};
 use crate::models::{training_loss, Block, Model, NamedParam, Score};
 use crate::optim::{LrPolicy, Optimizer};
 use crate::refusal::Refusal;
@@ -56,6 +58,8 @@ pub struct PipelineReplica {
     step: usize,
     /// Spans of the schedule, all-reduces and optimizer steps, when tracing.
     timeline: Option<Timeline>,
+    /// The layer group of a stage: itself alone (its layers are whole).
+    layers: Group,
 }
 
 /// The schedule `job` asks for.
@@ -191,6 +195,7 @@ impl PipelineReplica {
             loss: job.train.resolved_loss()?,
             step: 0,
             timeline: None,
+            layers: Arc::new(Alone),
         })
     }
 
@@ -304,6 +309,7 @@ impl RankReplica for PipelineReplica {
             optimizer: HeldOptimizer::Whole(&mut self.optimizer),
             step: &mut self.step,
             ring: &self.data_parallel,
+            layers: &self.layers,
             timeline: &mut self.timeline,
         }
     }

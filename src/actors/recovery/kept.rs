@@ -65,7 +65,7 @@ pub(crate) struct RankCheckpoint<'a> {
     /// node's).
     pub(crate) writes: bool,
     /// Whether the rank takes part in taking the state even where it writes nothing: sharded
-    /// states are gathered from every rank of the ring.
+    /// states are gathered from every rank of the ring, split layers from their groups.
     pub(crate) gathered: bool,
     /// Its device actor, which holds the state.
     pub(crate) device: &'a Addr<DeviceActor>,

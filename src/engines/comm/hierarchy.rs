@@ -7,11 +7,10 @@
 //! rank).
 
 use std::net::{IpAddr, SocketAddr};
-use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
 
-use super::{memory, Communicator, RingLinks, RingPlace};
+use super::{Communicator, RingLinks, RingPlace};
 use crate::config::JobConfig;
 
 /// Ranks on nodes: `nodes` nodes of `per_node` ranks, rank `node·per_node + local`.
@@ -104,44 +103,6 @@ pub fn choose(
     }
 }
 
-/// Communicators for the `world` ranks of one process, over rings in memory: hierarchical over
-/// `layout` when given.
-pub fn memory_communicators(world: usize, layout: Option<NodeLayout>, timeout: Duration) -> Vec<Communicator> {
-    let flat = memory::ring(world, timeout);
-    let Some(layout) = layout else {
-        return flat.into_iter().map(|end| Communicator::new(Box::new(end))).collect();
-    };
-    // Each rank's end of its node's ring and of its rail's, by rank.
-    let nodes = ends_by_rank(world, (0..layout.nodes).map(|node| layout.node_ranks(node)), timeout);
-    let rails = ends_by_rank(
-        world,
-        (0..layout.per_node).map(|local| layout.rail_ranks(local)),
-        timeout,
-    );
-    flat.into_iter()
-        .zip(nodes.into_iter().zip(rails))
-        .filter_map(|(flat, (node, rail))| {
-            Some(Communicator::new(Box::new(flat)).into_levels(Box::new(node?), Box::new(rail?)))
-        })
-        .collect()
-}
-
-/// A ring in memory over each group of ranks of `groups`, its ends by rank.
-fn ends_by_rank(
-    world: usize,
-    groups: impl Iterator<Item = Vec<usize>>,
-    timeout: Duration,
-) -> Vec<Option<memory::MemoryTransport>> {
-    let mut ends: Vec<Option<memory::MemoryTransport>> = (0..world).map(|_| None).collect();
-    for ranks in groups {
-        let ring = memory::ring(ranks.len(), timeout);
-        for (rank, end) in ranks.into_iter().zip(ring) {
-            ends[rank] = Some(end);
-        }
-    }
-    ends
-}
-
 /// Rank `rank`'s communicator over the processes at `links.endpoints`: the flat ring, and the
 /// node and rail rings of a hierarchical all-reduce where `setting`
 /// (`strategy.use_hierarchical_allreduce`) and the ranks' hosts choose one (see [`choose`]).
@@ -191,6 +152,51 @@ fn connect_levels(flat: Communicator, layout: NodeLayout, links: &RingLinks) -> 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::engines::comm::memory;
+    use std::time::Duration;
+
+    /// Communicators for the `world` ranks of one process, over rings in memory: hierarchical over
+    /// `layout` when given (jobs take named rings of [`MemoryRings`](super::memory::MemoryRings)).
+    pub(crate) fn memory_communicators(
+        world: usize,
+        layout: Option<NodeLayout>,
+        timeout: Duration,
+    ) -> Vec<Communicator> {
+        let flat = memory::ring(world, timeout);
+        let Some(layout) = layout else {
+            return flat.into_iter().map(|end| Communicator::new(Box::new(end))).collect();
+        };
+        // Each rank's end of its node's ring and of its rail's, by rank.
+        let nodes = ends_by_rank(world, (0..layout.nodes).map(|node| layout.node_ranks(node)), timeout);
+        let rails = ends_by_rank(
+            world,
+            (0..layout.per_node).map(|local| layout.rail_ranks(local)),
+            timeout,
+        );
+        flat.into_iter()
+            .zip(nodes.into_iter().zip(rails))
+            .filter_map(|(flat, (node, rail))| {
+                Some(Communicator::new(Box::new(flat)).into_levels(Box::new(node?), Box::new(rail?)))
+            })
+            .collect()
+    }
+
+    /// A ring in memory over each group of ranks of `groups`, its ends by rank.
+    fn ends_by_rank(
+        world: usize,
+        groups: impl Iterator<Item = Vec<usize>>,
+        timeout: Duration,
+    ) -> Vec<Option<memory::MemoryTransport>> {
+        let mut ends: Vec<Option<memory::MemoryTransport>> = (0..world).map(|_| None).collect();
+        for ranks in groups {
+            let ring = memory::ring(ranks.len(), timeout);
+            for (rank, end) in ranks.into_iter().zip(ring) {
+                ends[rank] = Some(end);
+            }
+        }
+        ends
+    }
+
     use crate::engines::comm::Wire;
 
     fn endpoints(hosts: &[&str]) -> Vec<SocketAddr> {

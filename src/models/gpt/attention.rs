@@ -2,8 +2,8 @@
 
 use candle_core::{Tensor, Var, D};
 
-use super::dense::{Dense, INIT_STD};
-use crate::models::parallel::{slice_of, Group, Split};
+use super::dense::{dense, INIT_STD};
+use crate::models::parallel::{slice_of, AffineMap, Group, Split};
 use crate::models::ParamInit;
 
 /// Heads attend, each over its own `n_embd / n_head` slice, to the positions
@@ -11,10 +11,10 @@ use crate::models::ParamInit;
 /// Split over a layer group, a rank holds its share of the heads: their
 /// columns of q, k and v and their rows of the output projection.
 pub(super) struct CausalSelfAttention {
-    q: Dense,
-    k: Dense,
-    v: Dense,
-    proj: Dense,
+    q: AffineMap,
+    k: AffineMap,
+    v: AffineMap,
+    proj: AffineMap,
     /// Heads this rank computes.
     n_head: usize,
     /// Width of each head.
@@ -32,7 +32,7 @@ impl CausalSelfAttention {
         residual_scale: f32,
         init: &ParamInit,
     ) -> candle_core::Result<Self> {
-        let dense = |part: &str, std| Dense::new(&format!("{name}.{part}"), n_embd, n_embd, std, init);
+        let dense = |part: &str, std| dense(&format!("{name}.{part}"), n_embd, n_embd, std, init);
         Ok(Self {
             q: dense("q", INIT_STD)?,
             k: dense("k", INIT_STD)?,
@@ -93,10 +93,21 @@ impl CausalSelfAttention {
 
     /// The projections' parameters under `prefix`.
     pub(super) fn parameters(&self, prefix: &str) -> Vec<(String, Var)> {
-        [("q", &self.q), ("k", &self.k), ("v", &self.v), ("proj", &self.proj)]
-            .into_iter()
-            .flat_map(|(part, dense)| dense.parameters(&format!("{prefix}.{part}")))
+        self.projections()
+            .flat_map(|(part, map)| map.parameters(&format!("{prefix}.{part}")))
             .collect()
+    }
+
+    /// The parameters of [`parameters`](Self::parameters) split over a layer group, with the
+    /// dimension each is split along.
+    pub(super) fn split_parameters(&self, prefix: &str) -> Vec<(String, usize)> {
+        self.projections()
+            .flat_map(|(part, map)| map.split_parameters(&format!("{prefix}.{part}")))
+            .collect()
+    }
+
+    fn projections(&self) -> impl Iterator<Item = (&'static str, &AffineMap)> {
+        [("q", &self.q), ("k", &self.k), ("v", &self.v), ("proj", &self.proj)].into_iter()
     }
 }
 

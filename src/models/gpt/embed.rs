@@ -1,14 +1,21 @@
 //! The `embed` block: token ids to vectors.
 
+use std::ops::Range;
+
+use anyhow::Context as _;
 use candle_core::{Tensor, Var};
 
 use super::dense::{uniform_bound, INIT_STD};
+use crate::models::parallel::{vocab, Flow, Group};
 use crate::models::{Block, ParamInit};
 
 /// Token embedding plus learned position embedding.
 pub(super) struct Embedding {
     token: Var,
     position: Var,
+    /// The slice of the vocabulary whose rows `token` holds, where the table is split over a
+    /// layer group.
+    vocab_slice: Option<(Range<usize>, Group)>,
 }
 
 impl Embedding {
@@ -19,6 +26,7 @@ impl Embedding {
         Ok(Self {
             token: init.uniform("embed.token", &[vocab, n_embd], bound)?,
             position: init.uniform("embed.position", &[block_size, n_embd], bound)?,
+            vocab_slice: None,
         })
     }
 
@@ -40,8 +48,32 @@ impl Block for Embedding {
         if t > block_size {
             candle_core::bail!("sequence of {t} tokens is longer than the block size {block_size}");
         }
-        let tokens = self.token.index_select(&ids.flatten_all()?, 0)?.reshape((b, t, c))?;
+        let tokens = match &self.vocab_slice {
+            None => self.token.index_select(&ids.flatten_all()?, 0)?.reshape((b, t, c))?,
+            Some((slice, group)) => vocab::embed(ids, &self.token, slice, group)?,
+        };
         tokens.broadcast_add(&self.position.narrow(0, 0, t)?)
+    }
+
+    /// The token table split by rows over the vocabulary (Megatron's vocabulary-parallel
+    /// embedding); the positions whole. Hands on every token's embedding.
+    fn split(self: Box<Self>, group: &Group, _input: &Flow, _last: bool) -> anyhow::Result<(Box<dyn Block>, Flow)> {
+        let slice = vocab::vocab_slice(self.token.dim(0)?, group)
+            .context("strategy.hybrid_configs.mp_degree splits the GPT's vocabulary")?;
+        let token = Var::from_tensor(&self.token.narrow(0, slice.start, slice.len())?.contiguous()?)?;
+        let part = Self {
+            token,
+            position: self.position,
+            vocab_slice: Some((slice, group.clone())),
+        };
+        Ok((Box::new(part), Flow::Whole))
+    }
+
+    fn split_parameters(&self) -> Vec<(String, usize)> {
+        match self.vocab_slice {
+            Some(_) => vec![("token".to_string(), 0)],
+            None => Vec::new(),
+        }
     }
 
     fn parameters(&self) -> Vec<(String, Var)> {

@@ -1,9 +1,11 @@
 //! The `head` block: final LayerNorm and the projection to logits.
 
+use anyhow::Context as _;
 use candle_core::{Tensor, Var};
 
 use super::dense::{uniform_bound, INIT_STD};
 use super::norm::LayerNorm;
+use crate::models::parallel::{enter, vocab, Flow, Group};
 use crate::models::{Block, ParamInit};
 
 /// Where the head's (C → vocab) projection lives.
@@ -13,6 +15,9 @@ enum Projection {
     /// The embedding's (vocab, C) token table, used transposed; reported by
     /// the `embed` block only.
     Tied(Var),
+    /// This rank's columns of its own weight, those of its slice of the vocabulary, over a
+    /// layer group.
+    Split { weight: Var, group: Group },
 }
 
 /// `ln_f(x) · W` without bias (as GPT-2), giving next-token logits.
@@ -54,6 +59,7 @@ impl Block for Head {
             // The one transposed operand left: the table is shared, and the
             // embedding needs it (vocab, C) for its row lookups.
             Projection::Tied(table) => rows.matmul(&table.as_tensor().t()?)?,
+            Projection::Split { weight, group } => enter(&rows, group)?.matmul(weight.as_tensor())?,
         };
         let vocab = logits.dim(1)?;
         logits.reshape((b, t, vocab))
@@ -65,9 +71,35 @@ impl Block for Head {
 
     fn parameters(&self) -> Vec<(String, Var)> {
         let mut params = self.ln.parameters("ln");
-        if let Projection::Own(weight) = &self.projection {
+        if let Projection::Own(weight) | Projection::Split { weight, .. } = &self.projection {
             params.push(("weight".to_string(), weight.clone()));
         }
         params
+    }
+
+    /// The projection split by columns over the vocabulary: hands on this rank's slice of the
+    /// logits, which the split cross-entropy scores without gathering them.
+    fn split(self: Box<Self>, group: &Group, _input: &Flow, _last: bool) -> anyhow::Result<(Box<dyn Block>, Flow)> {
+        let Projection::Own(weight) = self.projection else {
+            anyhow::bail!("a head tied to the embedding is not split over a layer group");
+        };
+        let slice = vocab::vocab_slice(weight.dim(1)?, group)
+            .context("strategy.hybrid_configs.mp_degree splits the GPT's vocabulary")?;
+        let weight = Var::from_tensor(&weight.narrow(1, slice.start, slice.len())?.contiguous()?)?;
+        let part = Self {
+            ln: self.ln,
+            projection: Projection::Split {
+                weight,
+                group: group.clone(),
+            },
+        };
+        Ok((Box::new(part), Flow::Sliced(slice)))
+    }
+
+    fn split_parameters(&self) -> Vec<(String, usize)> {
+        match self.projection {
+            Projection::Split { .. } => vec![("weight".to_string(), 1)],
+            _ => Vec::new(),
+        }
     }
 }

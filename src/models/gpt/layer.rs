@@ -3,9 +3,9 @@
 use candle_core::{Tensor, Var};
 
 use super::attention::CausalSelfAttention;
-use super::dense::{Dense, INIT_STD};
+use super::dense::{dense, INIT_STD};
 use super::norm::LayerNorm;
-use crate::models::parallel::{Group, Split};
+use crate::models::parallel::{AffineMap, Flow, Group, Split};
 use crate::models::{Block, ParamInit};
 
 /// `x + attn(ln1(x))`, then `x + mlp(ln2(x))`; the MLP is C → 4C → C with
@@ -15,8 +15,8 @@ pub(super) struct TransformerLayer {
     ln1: LayerNorm,
     attn: CausalSelfAttention,
     ln2: LayerNorm,
-    fc: Dense,
-    proj: Dense,
+    fc: AffineMap,
+    proj: AffineMap,
 }
 
 impl TransformerLayer {
@@ -35,8 +35,8 @@ impl TransformerLayer {
             ln1: LayerNorm::new(n_embd, init)?,
             attn: CausalSelfAttention::new(&format!("{name}.attn"), n_embd, n_head, residual_scale, init)?,
             ln2: LayerNorm::new(n_embd, init)?,
-            fc: Dense::new(&format!("{name}.mlp.fc"), n_embd, 4 * n_embd, INIT_STD, init)?,
-            proj: Dense::new(
+            fc: dense(&format!("{name}.mlp.fc"), n_embd, 4 * n_embd, INIT_STD, init)?,
+            proj: dense(
                 &format!("{name}.mlp.proj"),
                 4 * n_embd,
                 n_embd,
@@ -78,8 +78,13 @@ impl Block for TransformerLayer {
     }
 
     /// Attention split by heads, the MLP's first map by columns and its second by rows; the
-    /// LayerNorms whole on every rank.
-    fn split(self: Box<Self>, group: &Group) -> anyhow::Result<Box<dyn Block>> {
+    /// LayerNorms whole on every rank. Takes and hands on the whole residual stream.
+    fn split(self: Box<Self>, group: &Group, input: &Flow, _last: bool) -> anyhow::Result<(Box<dyn Block>, Flow)> {
+        anyhow::ensure!(
+            *input == Flow::Whole,
+            "layer {} takes the whole residual stream",
+            self.name
+        );
         let Self {
             name,
             ln1,
@@ -88,14 +93,22 @@ impl Block for TransformerLayer {
             fc,
             proj,
         } = *self;
-        Ok(Box::new(Self {
+        let layer = Box::new(Self {
             name,
             ln1,
             attn: attn.split(group)?,
             ln2,
             fc: fc.split(Split::Columns, group)?,
             proj: proj.split(Split::Rows, group)?,
-        }))
+        });
+        Ok((layer, Flow::Whole))
+    }
+
+    fn split_parameters(&self) -> Vec<(String, usize)> {
+        let mut split = self.attn.split_parameters("attn");
+        split.extend(self.fc.split_parameters("mlp.fc"));
+        split.extend(self.proj.split_parameters("mlp.proj"));
+        split
     }
 
     fn parameters(&self) -> Vec<(String, Var)> {

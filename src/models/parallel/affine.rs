@@ -31,8 +31,7 @@ pub struct SplitAffine {
 
 impl SplitAffine {
     /// This rank's part, split as `split`, of the map of whole weight `weight` (in, out) and
-    /// bias `bias` (out); the activation must be element-wise on the outputs' slices, so a map
-    /// split by rows takes none.
+    /// bias `bias` (out); a map split by rows applies its activation after the sum.
     pub fn from_whole(
         weight: &Tensor,
         bias: &Tensor,
@@ -50,10 +49,6 @@ impl SplitAffine {
                 )
             }
             Split::Rows => {
-                anyhow::ensure!(
-                    activation == Activation::Identity,
-                    "a row-split map sums partial outputs: its activation comes after the sum"
-                );
                 let slice = slice_of(weight.dim(0)?, parts, rank, "a row-split map's inputs")?;
                 (weight.narrow(0, slice.start, slice.len())?, bias.clone())
             }
@@ -76,8 +71,97 @@ impl SplitAffine {
             Split::Rows => {
                 let no_bias = bias.zeros_like()?;
                 let partial = affine(x, weight, &no_bias, Activation::Identity)?;
-                leave(&partial, &self.group)?.broadcast_add(bias)
+                let y = leave(&partial, &self.group)?.broadcast_add(bias)?;
+                match self.activation {
+                    Activation::Identity => Ok(y),
+                    Activation::Relu => y.relu(),
+                }
             }
         }
+    }
+
+    /// The dimensions along which the group splits the weight and the bias (`None`: whole).
+    pub fn split_dims(&self) -> (Option<usize>, Option<usize>) {
+        match self.split {
+            Split::Columns => (Some(1), Some(0)),
+            Split::Rows => (Some(0), None),
+        }
+    }
+}
+
+/// An affine map, whole or this rank's part of one split over a layer group.
+pub enum AffineMap {
+    /// The whole map `act(x W + b)`, `W` stored (in, out).
+    Whole {
+        /// `W`.
+        weight: Var,
+        /// `b`.
+        bias: Var,
+        /// `act`.
+        activation: Activation,
+    },
+    /// This rank's part of the map.
+    Split(SplitAffine),
+}
+
+impl AffineMap {
+    /// This rank's part of the whole map, split as `split` over `group`.
+    pub fn split(self, split: Split, group: &Group) -> anyhow::Result<Self> {
+        let Self::Whole {
+            weight,
+            bias,
+            activation,
+        } = self
+        else {
+            anyhow::bail!("an affine map is split once");
+        };
+        let part = SplitAffine::from_whole(weight.as_tensor(), bias.as_tensor(), activation, split, group)?;
+        Ok(Self::Split(part))
+    }
+
+    /// The outputs for `x` (…, in); split by columns, this rank's slice of them.
+    pub fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        match self {
+            Self::Whole {
+                weight,
+                bias,
+                activation,
+            } => affine(x, weight.as_tensor(), bias.as_tensor(), *activation),
+            Self::Split(part) => part.forward(x),
+        }
+    }
+
+    /// `("{prefix}.weight", W)` and `("{prefix}.bias", b)` (`"weight"`, `"bias"` under an empty
+    /// prefix), as this rank holds them.
+    pub fn parameters(&self, prefix: &str) -> [(String, Var); 2] {
+        let (weight, bias) = match self {
+            Self::Whole { weight, bias, .. } => (weight, bias),
+            Self::Split(part) => (&part.weight, &part.bias),
+        };
+        [
+            (named(prefix, "weight"), weight.clone()),
+            (named(prefix, "bias"), bias.clone()),
+        ]
+    }
+
+    /// The parameters of [`parameters`](Self::parameters) the group splits, with the dimension
+    /// it splits them along.
+    pub fn split_parameters(&self, prefix: &str) -> Vec<(String, usize)> {
+        let Self::Split(part) = self else {
+            return Vec::new();
+        };
+        let (weight, bias) = part.split_dims();
+        [("weight", weight), ("bias", bias)]
+            .into_iter()
+            .filter_map(|(name, dim)| dim.map(|dim| (named(prefix, name), dim)))
+            .collect()
+    }
+}
+
+/// `"{prefix}.{name}"`, or `name` alone under no prefix.
+fn named(prefix: &str, name: &str) -> String {
+    match prefix {
+        "" => name.to_string(),
+        _ => format!("{prefix}.{name}"),
     }
 }

@@ -18,7 +18,7 @@ pub mod vocab;
 
 use std::sync::Arc;
 
-pub use affine::{Split, SplitAffine};
+pub use affine::{AffineMap, Split, SplitAffine};
 pub use ops::{enter, leave};
 
 /// The ranks that split a layer between them, as the layers see them.
@@ -33,8 +33,54 @@ pub trait LayerGroup: Send + Sync {
     /// names the collective in errors.
     fn sum(&self, values: Vec<f32>, what: &'static str) -> anyhow::Result<Vec<f32>>;
 
+    /// Every rank's `bytes`, in rank order (each rank may pass another length).
+    fn gather(&self, bytes: Vec<u8>, what: &'static str) -> anyhow::Result<Vec<Vec<u8>>>;
+
     /// The largest of the ranks' `values`, element by element.
-    fn max(&self, values: Vec<f32>, what: &'static str) -> anyhow::Result<Vec<f32>>;
+    fn max(&self, values: Vec<f32>, what: &'static str) -> anyhow::Result<Vec<f32>> {
+        let mut largest = values.clone();
+        for bytes in self.gather(bytemuck::cast_slice(&values).to_vec(), what)? {
+            let theirs: Vec<f32> = bytemuck::pod_collect_to_vec(&bytes);
+            anyhow::ensure!(
+                theirs.len() == largest.len(),
+                "{what}: a rank passed another number of values"
+            );
+            largest.iter_mut().zip(theirs).for_each(|(l, v)| *l = l.max(v));
+        }
+        Ok(largest)
+    }
+}
+
+/// The group of a rank that splits nothing: every layer whole, every collective the identity.
+pub struct Alone;
+
+impl LayerGroup for Alone {
+    fn rank(&self) -> usize {
+        0
+    }
+
+    fn size(&self) -> usize {
+        1
+    }
+
+    fn sum(&self, values: Vec<f32>, _: &'static str) -> anyhow::Result<Vec<f32>> {
+        Ok(values)
+    }
+
+    fn gather(&self, bytes: Vec<u8>, _: &'static str) -> anyhow::Result<Vec<Vec<u8>>> {
+        Ok(vec![bytes])
+    }
+}
+
+/// What a block of a model split over a group takes in or hands on: whole on every rank, or
+/// each rank's slice `range` of the last dimension (a column-split map's outputs, a
+/// vocabulary's logits).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Flow {
+    /// Every rank holds all of it.
+    Whole,
+    /// This rank holds `range` of the last dimension.
+    Sliced(std::ops::Range<usize>),
 }
 
 /// A layer group, shared by the layers it splits.
@@ -46,11 +92,18 @@ pub fn slice_of(len: usize, parts: usize, rank: usize, what: &str) -> anyhow::Re
         parts > 0 && len.is_multiple_of(parts),
         "{what}: {len} does not split into {parts} equal parts"
     );
-    let size = len / parts;
-    Ok(rank * size..(rank + 1) * size)
+    Ok(balanced_slice(len, parts, rank))
 }
 
-/// `sum` or `max` of a group, as candle's error (inside autograd ops).
-fn collective(result: anyhow::Result<Vec<f32>>) -> candle_core::Result<Vec<f32>> {
+/// The part `rank` of `parts` holds of `len` values, in order: the first `len % parts` ranks one
+/// more than the others (equal slices where `parts` divides `len`).
+pub fn balanced_slice(len: usize, parts: usize, rank: usize) -> std::ops::Range<usize> {
+    let (size, more) = (len / parts, len % parts);
+    let start = rank * size + rank.min(more);
+    start..start + size + usize::from(rank < more)
+}
+
+/// A group's collective, as candle's error (inside autograd ops).
+fn collective<T>(result: anyhow::Result<T>) -> candle_core::Result<T> {
     result.map_err(|e| candle_core::Error::Msg(format!("{e:#}")))
 }

@@ -10,13 +10,20 @@ use std::sync::Mutex;
 use anyhow::Result;
 use candle_core::{CpuStorage, CustomOp1, DType, Layout, Shape, Tensor, D};
 
-use super::{collective, leave, slice_of, Group};
+use super::{balanced_slice, collective, leave, Group};
 use crate::cpu_values::{cpu_values, with_cpu_values};
+use crate::models::Score;
 
-/// The slice of a vocabulary of `vocab` tokens rank `rank` of `group` holds: equal slices
-/// (checked to divide).
+/// The slice of a vocabulary of `vocab` tokens rank `rank` of `group` holds: equal slices, the
+/// first ranks one token more where the group does not divide the vocabulary (a character
+/// vocabulary is what the text makes it).
 pub fn vocab_slice(vocab: usize, group: &Group) -> Result<Range<usize>> {
-    slice_of(vocab, group.size(), group.rank(), "a vocabulary's tokens")
+    anyhow::ensure!(
+        vocab >= group.size(),
+        "a vocabulary of {vocab} tokens does not split over {} ranks",
+        group.size()
+    );
+    Ok(balanced_slice(vocab, group.size(), group.rank()))
 }
 
 /// The embeddings of token `ids` (u32, any shape) from `table`, this rank's rows `slice` of the
@@ -53,6 +60,57 @@ pub fn cross_entropy(
         log_sums: Mutex::new(Vec::new()),
     })?;
     losses.mean_all()
+}
+
+/// The score of logits split over `group` (as [`cross_entropy`] takes them) against `targets`:
+/// the mean cross-entropy, and the positions whose most likely token — the first of ties over
+/// the whole vocabulary — is the target, agreed on from each rank's largest logit and its place.
+pub fn score(logits: &Tensor, targets: &Tensor, slice: &Range<usize>, group: &Group) -> candle_core::Result<Score> {
+    let count = targets.elem_count();
+    let mean_loss = cross_entropy(logits, targets, slice, group)?.to_scalar::<f32>()?;
+    let width = logits.dim(D::Minus1)?;
+    let rows = logits.reshape(((), width))?;
+    // Per position, this slice's largest logit and its token (the first of ties).
+    let best: Vec<(f32, u32)> = with_cpu_values(&rows.contiguous()?, "a vocabulary slice's logits", |values| {
+        values
+            .chunks_exact(width)
+            .map(|row| {
+                let i = crate::models::argmax(row);
+                (row[i], (slice.start + i) as u32)
+            })
+            .collect()
+    })?;
+    let mine: Vec<u8> = best
+        .iter()
+        .flat_map(|&(v, i)| [v.to_le_bytes(), i.to_le_bytes()])
+        .flatten()
+        .collect();
+    let all = collective(group.gather(mine, "all-gather of the slices' most likely tokens"))?;
+    // The ranks' slices are in token order, so the first rank holding the largest logit holds
+    // the first of its ties.
+    let mut best = best;
+    for theirs in all {
+        let pairs = theirs.chunks_exact(8).map(|b| {
+            let value = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+            (value, u32::from_le_bytes([b[4], b[5], b[6], b[7]]))
+        });
+        for (mine, (value, token)) in best.iter_mut().zip(pairs) {
+            if value > mine.0 || (value == mine.0 && token < mine.1) {
+                *mine = (value, token);
+            }
+        }
+    }
+    let targets = targets.flatten_all()?.to_dtype(DType::U32)?.to_vec1::<u32>()?;
+    let correct = best
+        .iter()
+        .zip(&targets)
+        .filter(|((_, token), target)| token == *target)
+        .count();
+    Ok(Score {
+        total: correct as f64,
+        loss_total: f64::from(mean_loss) * count as f64,
+        count,
+    })
 }
 
 /// Each position's cross-entropy from its slice of the logits: `log Σ exp(l) − l[target]` over

@@ -1,0 +1,181 @@
+//! Tensor parallelism (`strategy.hybrid_configs.mp_degree`, Megatron's layout) trains as one
+//! process does on the same global batch, within a stated tolerance: a split layer sums its
+//! partial products (a row-split map's over the group, a column-split map's input gradients) and
+//! the vocabulary's softmax (max and sum of exponentials over the slices) in another order than
+//! one process does, a reassociation of f32 sums of about 2⁻²⁴ relative each, which 20 steps of
+//! SGD or AdamW carry to well under 1e-5 of the parameters — the tolerance
+//! `data_parallel_equivalence.rs` holds data parallelism to. The checkpoint holds the whole
+//! model whatever the split, so a job resumes on another one.
+
+mod common;
+
+use common::{config, max_abs_diff, train_in_process, TINY_GPT};
+use flotilla::job::RunOutcome;
+
+/// One process against every split's run agree to this, parameters and losses alike.
+const TOLERANCE: f32 = 1e-5;
+
+/// 20 steps of the default job (an MLP on digits) with `settings`.
+fn run(settings: &[&str]) -> RunOutcome {
+    train_in_process(config(
+        &[&["train.steps=20", "strategy.check_every=5"], settings].concat(),
+    ))
+}
+
+/// `settings` trained on `layout` — `(dp_degree, mp_degree)` — ends within [`TOLERANCE`] of one
+/// process, its losses too, and scores the held-out split alike.
+fn assert_like_one_process(layouts: &[(usize, usize)], settings: &[&str]) {
+    let single = run(&[&["cluster.nproc_per_node=1"], settings].concat());
+    for &(dp, mp) in layouts {
+        let layout = [
+            format!("cluster.nproc_per_node={}", dp * mp),
+            format!("strategy.hybrid_configs.dp_degree={dp}"),
+            format!("strategy.hybrid_configs.mp_degree={mp}"),
+        ];
+        let layout: Vec<&str> = layout.iter().map(String::as_str).collect();
+        let split = run(&[&layout[..], settings].concat());
+        assert_eq!(split.summary.steps, 20);
+        let diff = max_abs_diff(&single.parameters, &split.parameters);
+        assert!(
+            diff <= TOLERANCE,
+            "dp {dp} × mp {mp} {settings:?}: max |Δparam| = {diff:e}"
+        );
+        eprintln!("dp {dp} × mp {mp}: max |Δparam| = {diff:e}");
+        // Each rank holds its part of the split layers: less than the whole model, more than
+        // its 1/mp share (the LayerNorms, biases and the MLP's classifier stay whole).
+        let held = |run: &RunOutcome| run.summary.state_bytes.expect("state bytes").parameters;
+        let (whole, part) = (held(&single), held(&split));
+        assert!(
+            part < whole && part * mp >= whole,
+            "dp {dp} × mp {mp}: {part} bytes of {whole}"
+        );
+        for (step, (a, b)) in single.losses.iter().zip(&split.losses).enumerate() {
+            assert!(
+                (a - b).abs() <= TOLERANCE * (1.0 + a.abs()),
+                "dp {dp} × mp {mp}: step {step}: loss {a} vs {b}"
+            );
+        }
+        let (a, b) = (single.summary.test_loss, split.summary.test_loss);
+        assert!(
+            (a - b).abs() <= 1e-4 * (1.0 + a.abs()),
+            "dp {dp} × mp {mp}: test loss {a} vs {b}"
+        );
+    }
+}
+
+#[test]
+fn an_mlp_split_over_two_and_four_ranks_trains_as_one_process() {
+    // Hidden layers 64 and 32: the first split by columns, the second by rows (its ReLU after
+    // the sum), the classifier whole on every rank.
+    assert_like_one_process(&[(1, 2), (1, 4), (2, 2)], &["train.hidden_sizes=[64, 32]"]);
+}
+
+#[test]
+fn a_gpt_split_over_two_and_four_ranks_trains_as_one_process() {
+    // Four heads: two or one per rank; the character vocabulary split unevenly where the
+    // group does not divide it.
+    let gpt = [
+        &TINY_GPT[..],
+        &[
+            "train.gpt.n_head=4",
+            "train.optimizer=\"adamw\"",
+            "train.lr=0.003",
+            "train.grad_clip_norm=0.5",
+            "train.test_fraction=0.002",
+        ],
+    ]
+    .concat();
+    assert_like_one_process(&[(1, 2), (1, 4), (2, 2)], &gpt);
+}
+
+/// `flotilla train` flags for `settings`.
+fn set_flags(settings: &[String]) -> Vec<String> {
+    settings.iter().flat_map(|s| ["--set".to_string(), s.clone()]).collect()
+}
+
+/// `(dp_degree, mp_degree)` on `dp × mp` ranks.
+fn layout((dp, mp): (usize, usize)) -> Vec<String> {
+    vec![
+        format!("cluster.nproc_per_node={}", dp * mp),
+        format!("strategy.hybrid_configs.dp_degree={dp}"),
+        format!("strategy.hybrid_configs.mp_degree={mp}"),
+    ]
+}
+
+/// Launched as processes (rings over shared memory and TCP), a GPT split 2 ways in 2 replicas
+/// ends bit for bit as the same job simulated in one process (the same sums in the same order),
+/// its `params.safetensors` the whole model in one process's names and shapes. Its checkpoint
+/// holds the whole model: it resumes unsplit on 4 ranks and split 4 ways, and an unsplit one
+/// resumes split, each as the uninterrupted split run goes on (within [`TOLERANCE`]: the
+/// partial products are summed in another order after the change).
+#[test]
+fn a_split_job_across_processes_checkpoints_the_whole_model_and_resumes_on_another_split() {
+    use common::{flotilla, read_params};
+    let dir = tempfile::tempdir().expect("temp dir");
+    let gpt: Vec<String> = [
+        &TINY_GPT[..],
+        &[
+            "train.gpt.n_head=4",
+            "train.optimizer=\"adamw\"",
+            "train.lr=0.003",
+            "train.test_fraction=0.002",
+            "fault_tolerance.checkpoint_every=10",
+        ],
+    ]
+    .concat()
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    let train = |run_dir: &std::path::Path, split: (usize, usize), steps: usize, resume: bool| {
+        let steps = format!("train.steps={steps}");
+        let mode = if resume { "--resume" } else { "--run-dir" };
+        let flags = set_flags(&[&gpt[..], &layout(split)[..]].concat());
+        let mut args = vec!["train", mode, run_dir.to_str().expect("utf-8"), "--set", &steps];
+        args.extend(flags.iter().map(String::as_str));
+        let finished = flotilla(&args, &[], 180);
+        assert!(finished.success, "{split:?}: {}", finished.stderr);
+        if resume {
+            assert!(
+                finished.stderr.contains("state restored rank=0 step=20"),
+                "{}",
+                finished.stderr
+            );
+        }
+    };
+    let uninterrupted = dir.path().join("uninterrupted");
+    train(&uninterrupted, (2, 2), 30, false);
+    let expected = read_params(&uninterrupted.join("params.safetensors"));
+    let two_by_two = layout((2, 2));
+    let settings: Vec<&str> = gpt.iter().chain(&two_by_two).map(String::as_str).collect();
+    let simulated = train_in_process(config(&[&settings[..], &["train.steps=30"]].concat()));
+    assert_eq!(
+        max_abs_diff(&expected, &simulated.parameters),
+        0.0,
+        "launched against simulated"
+    );
+    let single = run(&[&["cluster.nproc_per_node=1", "train.steps=30"], &TINY_GPT[..]].concat());
+    assert_eq!(
+        expected.iter().map(|(n, v)| (n, v.len())).collect::<Vec<_>>(),
+        single.parameters.iter().map(|(n, v)| (n, v.len())).collect::<Vec<_>>(),
+        "params.safetensors holds the whole model"
+    );
+    for (from, to) in [((2, 2), (4, 1)), ((2, 2), (1, 4)), ((4, 1), (2, 2))] {
+        let run_dir = dir.path().join(format!("{from:?}-{to:?}"));
+        train(&run_dir, from, 20, false);
+        let checkpoints = run_dir.join("checkpoints");
+        let inspected = flotilla(
+            &["checkpoint", "inspect", checkpoints.to_str().expect("utf-8")],
+            &[],
+            30,
+        );
+        let split = match from.1 {
+            1 => "data parallel: 4 rank(s), one copy of the replica\n".to_string(),
+            mp => format!("4 rank(s) splitting each layer {mp} ways (tensor parallelism), one copy of the replica (the layers' parts gathered)"),
+        };
+        assert!(inspected.stdout.contains(&split), "{}", inspected.stdout);
+        train(&run_dir, to, 30, true);
+        let diff = max_abs_diff(&expected, &read_params(&run_dir.join("params.safetensors")));
+        eprintln!("{from:?} → {to:?}: max |Δparam| = {diff:e}");
+        assert!(diff <= TOLERANCE, "{from:?} → {to:?}: max |Δparam| = {diff:e}");
+    }
+}
