@@ -88,6 +88,36 @@ fn a_gpt_split_over_two_and_four_ranks_trains_as_one_process() {
     assert_like_one_process(&[(1, 2), (1, 4), (2, 2)], &gpt);
 }
 
+/// Sharded states over the data-parallel ranks of each layer part (ZeRO stages 1 and 2 over
+/// `dp_degree` ranks) train a split GPT bit for bit as the same split without sharding, as they
+/// do an unsplit model (`sharded_states.rs`): the shards are cut from each rank's own parts.
+#[test]
+fn sharded_states_of_a_split_gpt_train_it_bit_for_bit_as_without_sharding() {
+    let gpt = [
+        &TINY_GPT[..],
+        &[
+            "train.gpt.n_head=4",
+            "train.optimizer=\"adamw\"",
+            "train.lr=0.003",
+            "train.test_fraction=0.002",
+            "strategy.fuse_grad_size_in_MB=0.01",
+        ],
+    ]
+    .concat();
+    let split: Vec<String> = layout((2, 2));
+    let split: Vec<&str> = split.iter().map(String::as_str).collect();
+    let plain = run(&[&gpt[..], &split[..]].concat());
+    for stage in ["1", "2"] {
+        let stage = format!("strategy.sharding_configs.stage={stage}");
+        let sharded = run(&[&gpt[..], &split[..], &["strategy.sharding=true", stage.as_str()]].concat());
+        assert_eq!(max_abs_diff(&plain.parameters, &sharded.parameters), 0.0, "{stage}");
+        assert_eq!(plain.losses, sharded.losses, "{stage}");
+        let held = |run: &RunOutcome| run.summary.state_bytes.expect("state bytes").optimizer;
+        // AdamW's two moments of every part, against two moments and a copy of half of them.
+        assert!(held(&sharded) < held(&plain), "{stage}: the moments are sharded");
+    }
+}
+
 /// `flotilla train` flags for `settings`.
 fn set_flags(settings: &[String]) -> Vec<String> {
     settings.iter().flat_map(|s| ["--set".to_string(), s.clone()]).collect()

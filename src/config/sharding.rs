@@ -122,6 +122,20 @@ fn check_degrees(config: &JobConfig) -> Result<(), FieldError> {
             "must be at least 1, got 0",
         ));
     }
+    if config.mp_degree() > 1 {
+        // Every data-parallel rank's shards: the layout is checked with mp_degree.
+        let ranks = world / config.mp_degree();
+        if degree > 1 && degree != ranks {
+            return Err(FieldError::new(
+                "strategy.hybrid_configs.sharding_degree",
+                format!(
+                    "{degree}: with strategy.hybrid_configs.mp_degree, shards span every data-parallel rank ({ranks}, or \
+                     leave it 1); sharding inside the nodes is not supported yet"
+                ),
+            ));
+        }
+        return Ok(());
+    }
     let within_nodes = degree > 1 && degree != world;
     if within_nodes && (degree != per_node || nodes < 2) {
         return Err(FieldError::new(

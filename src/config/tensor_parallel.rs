@@ -27,8 +27,9 @@ impl JobConfig {
 }
 
 /// Checks `mp_degree` against the rest of the job: collective data parallelism on CPUs (not yet
-/// with pipelines, sharded states, elastic membership or the hierarchical all-reduce),
-/// `dp_degree × mp_degree` the world size, a GPT's heads or an MLP's hidden layers split evenly.
+/// with pipelines, elastic membership or the hierarchical all-reduce; sharded states over every
+/// data-parallel rank, without clipping), `dp_degree × sharding_degree × mp_degree` the world
+/// size, a GPT's heads or an MLP's hidden layers split evenly.
 pub(super) fn check_tensor_parallel(config: &JobConfig) -> Result<(), FieldError> {
     let hybrid = &config.strategy.hybrid_configs;
     let mp = hybrid.mp_degree;
@@ -49,8 +50,11 @@ pub(super) fn check_tensor_parallel(config: &JobConfig) -> Result<(), FieldError
     if strategy.pipeline {
         return not_with("strategy.pipeline", "not supported yet");
     }
-    if strategy.sharding {
-        return not_with("strategy.sharding", "not supported yet");
+    if strategy.sharding && config.train.grad_clip_norm > 0.0 {
+        return not_with(
+            "train.grad_clip_norm",
+            "not supported with strategy.sharding yet: the norm would sum shards of split and whole layers alike",
+        );
     }
     if config.cluster.min_nnodes.is_some() {
         return not_with("cluster.min_nnodes", "elastic membership is not supported yet");
@@ -62,10 +66,20 @@ pub(super) fn check_tensor_parallel(config: &JobConfig) -> Result<(), FieldError
         return not_with("cluster.device", "\"gpu\": split layers run on CPUs only so far");
     }
     let (dp, world) = (hybrid.dp_degree, config.world_size());
-    if dp.checked_mul(mp) != Some(world) {
+    // Sharded over every data-parallel rank, Paddle counts them as `sharding_degree` (with
+    // `dp_degree` 1, the shards' replicas) or as `dp_degree`.
+    let sharding = match strategy.sharding {
+        true if dp == 1 => hybrid.sharding_degree,
+        _ => 1,
+    };
+    if dp.checked_mul(sharding).and_then(|d| d.checked_mul(mp)) != Some(world) {
+        let product = match strategy.sharding {
+            true => format!("dp_degree × sharding_degree × mp_degree = {dp} × {sharding} × {mp}"),
+            false => format!("dp_degree × mp_degree = {dp} × {mp}"),
+        };
         return Err(FieldError::new(
             "strategy.hybrid_configs",
-            format!("dp_degree × mp_degree = {dp} × {mp} must equal the world size {world}"),
+            format!("{product} must equal the world size {world}"),
         ));
     }
     check_model(config, mp)
@@ -139,9 +153,18 @@ mod tests {
                 "4 does not divide hidden layer 0's width 6",
             ),
             (
-                vec![mp2, dp2, "strategy.sharding=true"],
-                "strategy.sharding",
-                "not supported yet",
+                vec![mp2, dp2, "strategy.sharding=true", "train.grad_clip_norm=1.0"],
+                "train.grad_clip_norm",
+                "not supported with strategy.sharding yet",
+            ),
+            (
+                vec![
+                    mp2,
+                    "strategy.sharding=true",
+                    "strategy.hybrid_configs.sharding_degree=4",
+                ],
+                "strategy.hybrid_configs.sharding_degree",
+                "1 × 4 × 2 must equal the world size 4",
             ),
             (
                 vec!["strategy.hybrid_configs.mp_degree=0"],
@@ -164,6 +187,14 @@ mod tests {
         ];
         let fits = load_with("", &[], &[&gpt[..], &[mp2, dp2]].concat());
         assert!(fits.is_ok(), "{:?}", fits.err());
+        // Sharded over both data-parallel ranks, counted either way.
+        for shards in [
+            [dp2, "strategy.sharding=true"],
+            ["strategy.hybrid_configs.sharding_degree=2", "strategy.sharding=true"],
+        ] {
+            let fits = load_with("", &[], &[&gpt[..], &[mp2], &shards[..]].concat());
+            assert!(fits.is_ok(), "{shards:?}: {:?}", fits.err());
+        }
         let msg = refusal(&[&gpt[1..], &["strategy.hybrid_configs.mp_degree=4"]].concat());
         assert!(msg.contains("4 does not divide train.gpt.n_head = 6"), "{msg}");
     }
