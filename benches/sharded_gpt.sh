@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
-# The GPT trained data-parallel and with sharded states (strategy.sharding, stages 1 and 2), by 1,
-# 2 and 4 trainer processes on loopback, one compute thread each — as
-# ../shared/peers/torch_sharded_gpt.py runs PyTorch's DDP and FSDP2 (same shape: 4 heads, a
+# The GPT trained data-parallel, with sharded states (strategy.sharding, stages 1 and 2) and split
+# by tensor parallelism over every rank (hybrid_configs.mp_degree, layout "mp"), by 1, 2 and 4
+# trainer processes on loopback, one compute thread each — as
+# ../shared/peers/torch_sharded_gpt.py runs PyTorch's DDP, FSDP2 and DTensor tensor parallelism
+# ("tp") (same shape: 4 heads, a
 # 64-token window, the text's 78-character vocabulary, AdamW). Prints one JSON line per layout
 # and world size: tokens/s (global, from the median step time after the first 3 steps, as the
 # peer counts), rank 0's bytes of parameters, averaged gradients and optimizer state
 # (summary.json's state_bytes) and the largest peak RSS of the ranks.
 #   bash benches/sharded_gpt.sh [world sizes...]             (default: 1 2 4)
-#   N_EMBD=384 N_LAYER=4 BATCH=16 STEPS=12 bash benches/sharded_gpt.sh 4
+#   N_EMBD=384 N_LAYER=4 BATCH=16 STEPS=12 LAYOUTS="dp mp" bash benches/sharded_gpt.sh 4
 set -euo pipefail
 cd "$(dirname "$0")/.."
 cargo build --release --quiet
@@ -15,11 +17,12 @@ bin=target/release/flotilla
 port=${PORT:-6590}
 n_embd=${N_EMBD:-384} n_layer=${N_LAYER:-4} batch=${BATCH:-16} steps=${STEPS:-12}
 for world in ${@:-1 2 4}; do
-  for layout in dp stage1 stage2; do
+  for layout in ${LAYOUTS:-dp stage1 stage2 mp}; do
     case $layout in
       dp) sharding=() ;;
       stage1) sharding=(--set strategy.sharding=true --set strategy.sharding_configs.stage=1) ;;
       stage2) sharding=(--set strategy.sharding=true --set strategy.sharding_configs.stage=2) ;;
+      mp) sharding=(--set strategy.hybrid_configs.dp_degree=1 --set "strategy.hybrid_configs.mp_degree=$world") ;;
     esac
     [ "$world" = 1 ] && [ "$layout" != dp ] && continue
     dir=$(mktemp -d)

@@ -140,7 +140,7 @@ fn layout((dp, mp): (usize, usize)) -> Vec<String> {
 /// partial products are summed in another order after the change).
 #[test]
 fn a_split_job_across_processes_checkpoints_the_whole_model_and_resumes_on_another_split() {
-    use common::{flotilla, read_params};
+    use common::{flotilla, free_port_range, read_params};
     let dir = tempfile::tempdir().expect("temp dir");
     let gpt: Vec<String> = [
         &TINY_GPT[..],
@@ -156,11 +156,15 @@ fn a_split_job_across_processes_checkpoints_the_whole_model_and_resumes_on_anoth
     .iter()
     .map(|s| s.to_string())
     .collect();
+    // Every run a process per rank under `flotilla launch`.
     let train = |run_dir: &std::path::Path, split: (usize, usize), steps: usize, resume: bool| {
+        let (ranks, port) = ((split.0 * split.1).to_string(), free_port_range(5).to_string());
         let steps = format!("train.steps={steps}");
         let mode = if resume { "--resume" } else { "--run-dir" };
         let flags = set_flags(&[&gpt[..], &layout(split)[..]].concat());
-        let mut args = vec!["train", mode, run_dir.to_str().expect("utf-8"), "--set", &steps];
+        #[rustfmt::skip]
+        let mut args = vec!["launch", "--nproc_per_node", &ranks, "--started_port", &port, "--", "train", mode,
+            run_dir.to_str().expect("utf-8"), "--set", &steps];
         args.extend(flags.iter().map(String::as_str));
         let finished = flotilla(&args, &[], 180);
         assert!(finished.success, "{split:?}: {}", finished.stderr);

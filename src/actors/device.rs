@@ -174,11 +174,20 @@ impl RingLink {
             format!("the data-parallel ring of layer part {part}"),
             format!("the layer group of replica {replica}"),
         );
-        let (ring, layers, breaker): (Box<dyn RingTransport>, Box<dyn RingTransport>, _) = match self {
+        // A ring of one (one replica, or a group of one) is no ring: its collectives are no-ops.
+        let (replicas, layers, breaker) = match self {
             Self::Simulated { rings, breaker, .. } => {
-                let ring = rings.take(generation, &data_name, replicas, replica)?;
-                let layers = rings.take(generation, &group_name, mp, part)?;
-                (Box::new(ring), Box::new(layers), breaker)
+                let take = |name: &str, size: usize, position: usize| -> Result<Communicator> {
+                    Ok(match size {
+                        1 => Communicator::single(),
+                        _ => Communicator::new(Box::new(rings.take(generation, name, size, position)?)),
+                    })
+                };
+                (
+                    take(&data_name, replicas, replica)?,
+                    take(&group_name, mp, part)?,
+                    breaker,
+                )
             }
             Self::Tcp {
                 listener,
@@ -202,19 +211,23 @@ impl RingLink {
                 // ranks first, whose barriers keep the next two rings' connecting apart.
                 let mut all = Communicator::new(links.connect(RingPlace::identity(rank, endpoints.len()))?);
                 all.barrier("the ring of all ranks connected")?;
-                let connect = |members: Vec<usize>, position: usize, name: &str| {
-                    RingPlace::new(position, members)
-                        .and_then(|place| links.connect(place))
-                        .with_context(|| format!("rank {rank}: connecting {name}"))
+                let connect = |members: Vec<usize>, position: usize, name: &str| -> Result<Communicator> {
+                    if members.len() == 1 {
+                        return Ok(Communicator::single());
+                    }
+                    let place = RingPlace::new(position, members)?;
+                    let ring = links
+                        .connect(place)
+                        .with_context(|| format!("rank {rank}: connecting {name}"))?;
+                    Ok(Communicator::new(ring))
                 };
-                let ring = connect(data_parallel, replica, &data_name)?;
+                let replicas = connect(data_parallel, replica, &data_name)?;
                 all.barrier("data-parallel rings connected")?;
                 let layers = connect(group, part, &group_name)?;
-                (ring, layers, breaker)
+                (replicas, layers, breaker)
             }
             Self::Single => bail!("rank {member} trains alone: it has no layer group"),
         };
-        let (replicas, layers) = (Communicator::new(ring), Communicator::new(layers));
         breaker.arm(replicas.link_breaks().into_iter().chain(layers.link_breaks()));
         Ok(RankRings {
             replicas,
