@@ -88,6 +88,28 @@ fn a_gpt_split_over_two_and_four_ranks_trains_as_one_process() {
     assert_like_one_process(&[(1, 2), (1, 4), (2, 2)], &gpt);
 }
 
+/// Recomputation runs a segment's split layers — and their collectives — again in backward, in
+/// the same order on every rank of the group; gradient merge all-reduces every second batch.
+/// Both leave the split GPT within the tolerance of one process doing the same.
+#[test]
+fn recompute_and_gradient_merge_combine_with_split_layers() {
+    let gpt = [
+        &TINY_GPT[..],
+        &[
+            "train.gpt.n_head=4",
+            "train.optimizer=\"adamw\"",
+            "train.lr=0.003",
+            "train.test_fraction=0.002",
+            "strategy.gradient_merge=true",
+            "strategy.gradient_merge_configs.k_steps=2",
+            "strategy.recompute=true",
+            "strategy.recompute_configs.checkpoints=[\"h0\"]",
+        ],
+    ]
+    .concat();
+    assert_like_one_process(&[(1, 2), (2, 2)], &gpt);
+}
+
 /// Sharded states over the data-parallel ranks of each layer part (ZeRO stages 1 and 2 over
 /// `dp_degree` ranks) train a split GPT bit for bit as the same split without sharding, as they
 /// do an unsplit model (`sharded_states.rs`): the shards are cut from each rank's own parts.
