@@ -138,6 +138,17 @@ fn sharded_states_of_a_split_gpt_train_it_bit_for_bit_as_without_sharding() {
         // AdamW's two moments of every part, against two moments and a copy of half of them.
         assert!(held(&sharded) < held(&plain), "{stage}: the moments are sharded");
     }
+    // Clipped, the global norm adds the shards' squares — the split parameters' over the layer
+    // group, the whole ones' once — in another order than one process: within the tolerance.
+    for stage in ["1", "2"] {
+        let stage = format!("strategy.sharding_configs.stage={stage}");
+        let clipped = [
+            &gpt[..],
+            &["strategy.sharding=true", stage.as_str(), "train.grad_clip_norm=0.5"],
+        ]
+        .concat();
+        assert_like_one_process(&[(2, 2)], &clipped);
+    }
 }
 
 /// `flotilla train` flags for `settings`.

@@ -5,14 +5,13 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
-use candle_core::backprop::GradStore;
 use candle_core::{Device, Tensor, Var};
 
 use super::evaluation::{score_pieces, sum_over_ranks};
 use super::preemption;
 use super::rank_figures::RankFigures;
 use super::rank_replica::{Held, HeldOptimizer, RankReplica, StepReport};
-use super::tensor_parallel::RingGroup;
+use super::tensor_parallel::{clip_split_by_global_norm, RingGroup};
 use super::{Averaged, GradientSync, ParamChecksum, ShardedStates};
 use crate::config::{JobConfig, LossKind};
 use crate::data::{Batch, Pieces};
@@ -20,7 +19,7 @@ use crate::engines::comm::CommWorker;
 use crate::engines::compute::segments::{self, Segments};
 use crate::models::parallel::{Alone, Group};
 use crate::models::{Model, NamedParam, Score};
-use crate::optim::{scale_to_norm, sum_of_squares, LrPolicy, Optimizer};
+use crate::optim::{LrPolicy, Optimizer};
 use crate::telemetry::metrics::peak_rss_bytes;
 use crate::telemetry::timeline::{record, Timeline};
 
@@ -180,8 +179,8 @@ impl Replica {
                 optimizer.step(&grads)?;
             }
             ReplicaOptimizer::Sharded(states) => {
-                let (clip, comm) = ((self.grad_clip_norm, step), &self.comm);
-                waited = states.step(&self.params, averaged.grads, clip, comm, &mut self.timeline)?;
+                let (clip, rings) = ((self.grad_clip_norm, step), (&self.comm, &self.layers));
+                waited = states.step(&self.params, averaged.grads, clip, rings, &mut self.timeline)?;
             }
         }
         settle_for_trace(&self.timeline, &self.device)?;
@@ -334,31 +333,6 @@ pub fn broadcast_parameters(comm: &CommWorker, params: &[NamedParam]) -> Result<
         p.var.set(&flat.narrow(0, offset, n)?.reshape(p.var.shape())?)?;
         offset += n;
     }
-    Ok(())
-}
-
-/// Scales `grads` of `params` to a global norm of at most `max_norm` ([`scale_to_norm`]): the
-/// norm of the whole model's gradients, each split parameter's parts summed over `layers`, the
-/// whole ones (equal on every rank of the group) counted once.
-fn clip_split_by_global_norm(
-    grads: &mut GradStore,
-    params: &[NamedParam],
-    layers: &Group,
-    max_norm: f64,
-) -> Result<()> {
-    let (split, whole): (Vec<&NamedParam>, Vec<&NamedParam>) = params.iter().partition(|p| p.split.is_some());
-    let vars = |params: Vec<&NamedParam>| -> Vec<Var> { params.into_iter().map(|p| p.var.clone()).collect() };
-    let mut squares = sum_of_squares(grads, &vars(whole))?;
-    let split_squares = sum_of_squares(grads, &vars(split))?;
-    for bytes in layers.gather(
-        split_squares.to_le_bytes().to_vec(),
-        "all-gather of the gradient norm's parts",
-    )? {
-        let bytes: [u8; 8] = bytes.as_slice().try_into().context("a norm part of another width")?;
-        squares += f64::from_le_bytes(bytes);
-    }
-    let vars: Vec<Var> = params.iter().map(|p| p.var.clone()).collect();
-    scale_to_norm(grads, &vars, squares.sqrt(), max_norm)?;
     Ok(())
 }
 

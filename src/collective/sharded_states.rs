@@ -18,11 +18,13 @@ use anyhow::{ensure, Context, Result};
 use candle_core::backprop::GradStore;
 use candle_core::{Device, Tensor, Var};
 
+use super::tensor_parallel::clip_split_by_global_norm;
 use super::{AveragedGradients, BucketPlan};
 use crate::config::{ShardingStage, TrainConfig};
 use crate::engines::comm::{CommWorker, Pending, Wire};
+use crate::models::parallel::Group;
 use crate::models::NamedParam;
-use crate::optim::{clip_by_global_norm, Optimizer, OptimizerState};
+use crate::optim::{Optimizer, OptimizerState};
 use crate::telemetry::timeline::{Lane, Timeline};
 
 /// A bucket's values gathered from every rank, with when the communication thread started and
@@ -135,10 +137,10 @@ impl ShardedStates {
         params: &[NamedParam],
         averaged: AveragedGradients,
         (clip_norm, step): (f64, usize),
-        comm: &CommWorker,
+        (comm, layers): (&CommWorker, &Group),
         timeline: &mut Option<Timeline>,
     ) -> Result<Duration> {
-        let grads = self.shard_gradients(params, averaged, (clip_norm, step), comm)?;
+        let grads = self.shard_gradients(params, averaged, (clip_norm, step), (comm, layers))?;
         let mut gathers = Vec::with_capacity(self.buckets.len());
         for (index, ((bucket, shard), grad)) in self.buckets.iter().zip(&self.shards).zip(grads).enumerate() {
             // The shard starts from the parameters every rank holds (the last all-gather's, a
@@ -165,19 +167,19 @@ impl ShardedStates {
     }
 
     /// This rank's shard of each bucket's averaged gradients, clipped to the global norm
-    /// `clip_norm` when positive.
+    /// `clip_norm` when positive (the norm of the whole model's, split layers' parts summed over
+    /// `layers`).
     fn shard_gradients(
         &self,
         params: &[NamedParam],
         averaged: AveragedGradients,
         (clip_norm, step): (f64, usize),
-        comm: &CommWorker,
+        (comm, layers): (&CommWorker, &Group),
     ) -> Result<Vec<Tensor>> {
         match averaged {
             AveragedGradients::Whole(mut whole) => {
                 if clip_norm > 0.0 {
-                    let vars: Vec<Var> = params.iter().map(|p| p.var.clone()).collect();
-                    clip_by_global_norm(&mut whole, &vars, clip_norm)?;
+                    clip_split_by_global_norm(&mut whole, params, layers, clip_norm)?;
                 }
                 self.buckets
                     .iter()
@@ -211,10 +213,23 @@ impl ShardedStates {
                     let len = values.len();
                     tensors.push(Tensor::from_vec(values, len, shard.device())?);
                 }
-                match clip_norm > 0.0 {
-                    true => clip_shards(tensors, clip_norm, comm, step),
-                    false => Ok(tensors),
+                if clip_norm <= 0.0 {
+                    return Ok(tensors);
                 }
+                let mut squares = [0f64; 2];
+                for (bucket, grad) in self.buckets.iter().zip(&tensors) {
+                    let [split, whole] = bucket.squares(grad, params)?;
+                    squares = [squares[0] + split, squares[1] + whole];
+                }
+                let total = sum_of_shards(squares, (comm, layers), step)?;
+                let scale = clip_norm / (total.sqrt() + 1e-6);
+                if scale >= 1.0 {
+                    return Ok(tensors);
+                }
+                Ok(tensors
+                    .into_iter()
+                    .map(|g| g.affine(scale, 0.0))
+                    .collect::<candle_core::Result<_>>()?)
             }
         }
     }
@@ -356,6 +371,32 @@ impl ShardedBucket {
     }
 
     /// Sets each parameter (`var(index)`) from its values in the whole bucket `values`.
+    /// The sums of squares of `grad`, this rank's shard of the bucket's gradients: of the
+    /// elements of split parameters (tensor parallelism) and of the others.
+    fn squares(&self, grad: &Tensor, params: &[NamedParam]) -> Result<[f64; 2]> {
+        let sum = |t: &Tensor| -> Result<f64> {
+            Ok(t.to_dtype(candle_core::DType::F64)?
+                .sqr()?
+                .sum_all()?
+                .to_scalar::<f64>()?)
+        };
+        if self.params.iter().all(|&i| params[i].split.is_none()) {
+            return Ok([0.0, sum(grad)?]);
+        }
+        let mut squares = [0f64; 2];
+        let mut offset = 0;
+        for &param in &self.params {
+            let n = params[param].var.elem_count();
+            let (start, end) = (self.shard.start.max(offset), self.shard.end.min(offset + n));
+            if start < end {
+                let piece = grad.narrow(0, start - self.shard.start, end - start)?;
+                squares[usize::from(params[param].split.is_none())] += sum(&piece)?;
+            }
+            offset += n;
+        }
+        Ok(squares)
+    }
+
     fn scatter_into<'a>(&self, values: &[f32], var: impl Fn(usize) -> &'a Var) -> Result<()> {
         let mut offset = 0;
         for &param in &self.params {
@@ -372,31 +413,28 @@ impl ShardedBucket {
     }
 }
 
-/// The shards' gradients `grads` scaled to a global norm of at most `max_norm` (as
-/// [`clip_by_global_norm`] scales whole ones): the sum of squares of every rank's shards, added in
-/// rank order on every rank, so all scale alike.
-fn clip_shards(grads: Vec<Tensor>, max_norm: f64, comm: &CommWorker, step: usize) -> Result<Vec<Tensor>> {
-    let mut squares = 0f64;
-    for grad in &grads {
-        squares += grad
-            .to_dtype(candle_core::DType::F64)?
-            .sqr()?
-            .sum_all()?
-            .to_scalar::<f64>()?;
-    }
+/// The squared global norm of the whole model's averaged gradients from each rank's sums of
+/// squares of its shards — `[of split parameters' elements, of the others']` — added in rank order
+/// on every rank of `comm`'s ring, so all scale alike; the split parameters' sums then over the
+/// layer group (each holds its own parts), the others' counted once (every rank of the group holds
+/// the same).
+fn sum_of_shards(squares: [f64; 2], (comm, layers): (&CommWorker, &Group), step: usize) -> Result<f64> {
     let op = format!("all-gather of the gradient norm's parts at step {step}");
-    let parts = comm.run(move |c| c.all_gather(&op, &squares.to_le_bytes()))?;
-    let mut total = 0f64;
+    let mine: Vec<u8> = squares.iter().flat_map(|s| s.to_le_bytes()).collect();
+    let parts = comm.run(move |c| c.all_gather(&op, &mine))?;
+    let [mut split, mut whole] = [0f64; 2];
     for part in parts {
-        let bytes: [u8; 8] = part.as_slice().try_into().context("a norm part of another width")?;
+        let bytes: [u8; 16] = part.as_slice().try_into().context("a norm part of another width")?;
+        split += f64::from_le_bytes(bytes[..8].try_into()?);
+        whole += f64::from_le_bytes(bytes[8..].try_into()?);
+    }
+    let mut total = whole;
+    for bytes in layers.gather(
+        split.to_le_bytes().to_vec(),
+        "all-gather of the gradient norm's split parts",
+    )? {
+        let bytes: [u8; 8] = bytes.as_slice().try_into().context("a norm part of another width")?;
         total += f64::from_le_bytes(bytes);
     }
-    let scale = max_norm / (total.sqrt() + 1e-6);
-    if scale >= 1.0 {
-        return Ok(grads);
-    }
-    Ok(grads
-        .into_iter()
-        .map(|g| g.affine(scale, 0.0))
-        .collect::<candle_core::Result<_>>()?)
+    Ok(total)
 }

@@ -5,10 +5,13 @@
 use std::sync::{PoisonError, RwLock};
 
 use anyhow::{Context, Result};
-use candle_core::Tensor;
+use candle_core::backprop::GradStore;
+use candle_core::{Tensor, Var};
 
 use crate::engines::comm::{CommWorker, Communicator};
 use crate::models::parallel::{balanced_slice, Group, LayerGroup};
+use crate::models::NamedParam;
+use crate::optim::{scale_to_norm, sum_of_squares};
 
 /// The ranks of a ring, splitting layers between them. The ring is replaced in place when the
 /// job rolls back (the split layers keep the group).
@@ -102,6 +105,31 @@ pub fn gather_parts(group: &Group, parts: Vec<(usize, Tensor)>) -> Result<Vec<Te
 pub fn part_of(group: &Group, dim: usize, whole: &Tensor) -> Result<Tensor> {
     let slice = balanced_slice(whole.dim(dim)?, group.size(), group.rank());
     Ok(whole.narrow(dim, slice.start, slice.len())?.contiguous()?)
+}
+
+/// Scales `grads` of `params` to a global norm of at most `max_norm` ([`scale_to_norm`]): the
+/// norm of the whole model's gradients, each split parameter's parts summed over `layers`, the
+/// whole ones (equal on every rank of the group) counted once.
+pub(crate) fn clip_split_by_global_norm(
+    grads: &mut GradStore,
+    params: &[NamedParam],
+    layers: &Group,
+    max_norm: f64,
+) -> Result<()> {
+    let (split, whole): (Vec<&NamedParam>, Vec<&NamedParam>) = params.iter().partition(|p| p.split.is_some());
+    let vars = |params: Vec<&NamedParam>| -> Vec<Var> { params.into_iter().map(|p| p.var.clone()).collect() };
+    let mut squares = sum_of_squares(grads, &vars(whole))?;
+    let split_squares = sum_of_squares(grads, &vars(split))?;
+    for bytes in layers.gather(
+        split_squares.to_le_bytes().to_vec(),
+        "all-gather of the gradient norm's parts",
+    )? {
+        let bytes: [u8; 8] = bytes.as_slice().try_into().context("a norm part of another width")?;
+        squares += f64::from_le_bytes(bytes);
+    }
+    let vars: Vec<Var> = params.iter().map(|p| p.var.clone()).collect();
+    scale_to_norm(grads, &vars, squares.sqrt(), max_norm)?;
+    Ok(())
 }
 
 #[cfg(test)]

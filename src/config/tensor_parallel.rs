@@ -28,7 +28,7 @@ impl JobConfig {
 
 /// Checks `mp_degree` against the rest of the job: collective data parallelism on CPUs (not yet
 /// with pipelines, elastic membership or the hierarchical all-reduce; sharded states over every
-/// data-parallel rank, without clipping), `dp_degree × sharding_degree × mp_degree` the world
+/// data-parallel rank), `dp_degree × sharding_degree × mp_degree` the world
 /// size, a GPT's heads or an MLP's hidden layers split evenly.
 pub(super) fn check_tensor_parallel(config: &JobConfig) -> Result<(), FieldError> {
     let hybrid = &config.strategy.hybrid_configs;
@@ -49,12 +49,6 @@ pub(super) fn check_tensor_parallel(config: &JobConfig) -> Result<(), FieldError
     }
     if strategy.pipeline {
         return not_with("strategy.pipeline", "not supported yet");
-    }
-    if strategy.sharding && config.train.grad_clip_norm > 0.0 {
-        return not_with(
-            "train.grad_clip_norm",
-            "not supported with strategy.sharding yet: the norm would sum shards of split and whole layers alike",
-        );
     }
     if config.cluster.min_nnodes.is_some() {
         return not_with("cluster.min_nnodes", "elastic membership is not supported yet");
@@ -151,11 +145,6 @@ mod tests {
                 vec!["strategy.hybrid_configs.mp_degree=4", "train.hidden_sizes=[6, 8]"],
                 "strategy.hybrid_configs.mp_degree",
                 "4 does not divide hidden layer 0's width 6",
-            ),
-            (
-                vec![mp2, dp2, "strategy.sharding=true", "train.grad_clip_norm=1.0"],
-                "train.grad_clip_norm",
-                "not supported with strategy.sharding yet",
             ),
             (
                 vec![
