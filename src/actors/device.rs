@@ -124,17 +124,17 @@ impl RingLink {
                 breaker,
                 ..
             } => {
-                let (rank, endpoints) = (place()?, parse_endpoints(&roster.endpoints)?);
-                let abandoned = breaker.abandons(generation);
-                let links = RingLinks {
-                    endpoints: &endpoints,
+                let rank = place()?;
+                let tcp = TcpRings {
                     listener: &listener,
                     timeout,
                     shared_memory,
                     credentials: &credentials,
-                    abandoned: &abandoned,
+                    breaker: &breaker,
                 };
-                let ring = hierarchy::connect_communicator(rank, &links, hierarchical, configured)?;
+                let ring = tcp.connect(roster, |links| {
+                    hierarchy::connect_communicator(rank, links, hierarchical, configured)
+                })?;
                 breaker.arm(ring.link_breaks());
                 ring
             }
@@ -197,33 +197,33 @@ impl RingLink {
                 breaker,
                 ..
             } => {
-                let endpoints = parse_endpoints(&roster.endpoints)?;
-                let abandoned = breaker.abandons(generation);
-                let links = RingLinks {
-                    endpoints: &endpoints,
+                let tcp = TcpRings {
                     listener: &listener,
                     timeout,
                     shared_memory,
                     credentials: &credentials,
-                    abandoned: &abandoned,
+                    breaker: &breaker,
                 };
-                // A listener takes a hello only from its ring-left neighbour: the ring of all the
-                // ranks first, whose barriers keep the next two rings' connecting apart.
-                let mut all = Communicator::new(links.connect(RingPlace::identity(rank, endpoints.len()))?);
-                all.barrier("the ring of all ranks connected")?;
-                let connect = |members: Vec<usize>, position: usize, name: &str| -> Result<Communicator> {
-                    if members.len() == 1 {
-                        return Ok(Communicator::single());
-                    }
-                    let place = RingPlace::new(position, members)?;
-                    let ring = links
-                        .connect(place)
-                        .with_context(|| format!("rank {rank}: connecting {name}"))?;
-                    Ok(Communicator::new(ring))
-                };
-                let replicas = connect(data_parallel, replica, &data_name)?;
-                all.barrier("data-parallel rings connected")?;
-                let layers = connect(group, part, &group_name)?;
+                let (replicas, layers) = tcp.connect(roster, |links| {
+                    // A listener takes a hello only from its ring-left neighbour: the ring of all
+                    // the ranks first, whose barriers keep the next two rings' connecting apart.
+                    let world = links.endpoints.len();
+                    let mut all = Communicator::new(links.connect(RingPlace::identity(rank, world))?);
+                    all.barrier("the ring of all ranks connected")?;
+                    let connect = |members: Vec<usize>, position: usize, name: &str| -> Result<Communicator> {
+                        if members.len() == 1 {
+                            return Ok(Communicator::single());
+                        }
+                        let place = RingPlace::new(position, members)?;
+                        let ring = links
+                            .connect(place)
+                            .with_context(|| format!("rank {rank}: connecting {name}"))?;
+                        Ok(Communicator::new(ring))
+                    };
+                    let replicas = connect(data_parallel, replica, &data_name)?;
+                    all.barrier("data-parallel rings connected")?;
+                    Ok((replicas, connect(group, part, &group_name)?))
+                })?;
                 (replicas, layers, breaker)
             }
             Self::Single => bail!("rank {member} trains alone: it has no layer group"),
@@ -232,6 +232,32 @@ impl RingLink {
         Ok(RankRings {
             replicas,
             layers: Some(layers),
+        })
+    }
+}
+
+/// What connecting a rank's rings over TCP (or shared memory between processes) takes.
+struct TcpRings<'a> {
+    listener: &'a TcpListener,
+    timeout: Duration,
+    shared_memory: bool,
+    credentials: &'a Credentials,
+    breaker: &'a RingBreaker,
+}
+
+impl TcpRings<'_> {
+    /// `connect` over the links to the endpoints of `roster`'s generation, given up if a
+    /// rollback order passes that generation.
+    fn connect<T>(&self, roster: &Roster, connect: impl FnOnce(&RingLinks) -> Result<T>) -> Result<T> {
+        let endpoints = parse_endpoints(&roster.endpoints)?;
+        let abandoned = self.breaker.abandons(roster.generation);
+        connect(&RingLinks {
+            endpoints: &endpoints,
+            listener: self.listener,
+            timeout: self.timeout,
+            shared_memory: self.shared_memory,
+            credentials: self.credentials,
+            abandoned: &abandoned,
         })
     }
 }
