@@ -92,6 +92,12 @@ fn describe(config: &JobConfig) -> String {
             config.world_size()
         ),
         Strategy::Pipeline => format!("pipeline, {} ranks on {nodes}", config.world_size()),
+        Strategy::DataParallel if config.mp_degree() > 1 => format!(
+            "collective, {} ranks on {nodes}: {} replica(s) of the model, each layer split {} ways",
+            config.world_size(),
+            config.data_parallel_replicas(),
+            config.mp_degree()
+        ),
         Strategy::DataParallel => format!("collective, {} ranks on {nodes}", config.world_size()),
     }
 }
