@@ -15,6 +15,7 @@ mod rank_generations;
 pub mod rank_parts;
 mod rank_steps;
 pub mod recovery;
+pub mod ring_link;
 mod run_loop;
 pub mod stage;
 pub mod trainer;

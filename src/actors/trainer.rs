@@ -11,7 +11,7 @@
 use actix::prelude::*;
 use anyhow::{anyhow, Context as _, Result};
 
-use super::device::{CheckReplicas, Prepare, ReadParameters, ReadStateBytes, Relink, ReplicaPart, RingLink};
+use super::device::{CheckReplicas, Prepare, ReadParameters, ReadStateBytes, Relink, ReplicaPart};
 use super::rank_generations::{train_generations, RankGenerations};
 use super::rank_parts::RankParts;
 use super::rank_steps::{train_generation, Place, StrategySteps};
@@ -19,6 +19,7 @@ use super::recovery::faults::RoleFaults;
 use super::recovery::kept::{acknowledge_checkpoint, Kept, RankCheckpoint, Restore};
 use super::recovery::rollback::{takes_rollback_orders, OrderInbox, Orders};
 use super::recovery::REPLICA_FILE;
+use super::ring_link::RingLink;
 use super::run_loop::{run_steps, RunLoop};
 use crate::collective::training_state::RunRecord;
 use crate::collective::{ParamChecksum, StateBytes};

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, ensure, Context, Result};
-use candle_core::{Device, Var};
+use candle_core::{Device, Tensor, Var};
 
 use super::tensor_parallel::{gather_parts, part_of};
 use super::training_state::{self, RunRecord, SavedOptimizer};
@@ -105,36 +105,47 @@ impl Held<'_> {
                 sharding_stage: Some(states.stage().number()),
             },
         };
-        // One gather of every split tensor: the parameters', then their slots'.
-        let split = |index: usize| self.params.get(index).and_then(|p| p.split);
-        let mut parts = Vec::new();
-        for (index, p) in self.params.iter().enumerate() {
-            if let Some(dim) = split(index) {
-                parts.push((dim, p.var.as_tensor().clone()));
-            }
-        }
-        for (index, _, tensor) in &saved.state.tensors {
-            if let Some(dim) = split(*index) {
-                parts.push((dim, tensor.clone()));
-            }
-        }
-        let mut whole = gather_parts(self.layers, parts)?.into_iter();
-        let mut params = Vec::with_capacity(self.params.len());
-        for p in self.params {
-            let mut p = p.clone();
-            if p.split.take().is_some() {
-                let tensor = whole.next().context("a split parameter was not gathered")?;
-                p.var = Var::from_tensor(&tensor)?;
-            }
-            params.push(p);
-        }
-        for (index, _, tensor) in &mut saved.state.tensors {
-            if split(*index).is_some() {
-                *tensor = whole.next().context("a split optimizer slot was not gathered")?;
-            }
-        }
+        let params = gather_whole(self.params, &mut saved.state.tensors, self.layers)?;
         Ok((params, saved))
     }
+}
+
+/// `params` as one process holds them, and their optimizer `slots` (by parameter index) likewise:
+/// the split ones' parts gathered over `layers`, in one gather, every rank of the group calling
+/// this together.
+fn gather_whole(
+    params: &[NamedParam],
+    slots: &mut [(usize, String, Tensor)],
+    layers: &Group,
+) -> Result<Vec<NamedParam>> {
+    let split = |index: usize| params.get(index).and_then(|p| p.split);
+    let mut parts = Vec::new();
+    for (index, p) in params.iter().enumerate() {
+        if let Some(dim) = split(index) {
+            parts.push((dim, p.var.as_tensor().clone()));
+        }
+    }
+    for (index, _, tensor) in slots.iter() {
+        if let Some(dim) = split(*index) {
+            parts.push((dim, tensor.clone()));
+        }
+    }
+    let mut whole = gather_parts(layers, parts)?.into_iter();
+    let mut gathered = Vec::with_capacity(params.len());
+    for p in params {
+        let mut p = p.clone();
+        if p.split.take().is_some() {
+            let tensor = whole.next().context("a split parameter was not gathered")?;
+            p.var = Var::from_tensor(&tensor)?;
+        }
+        gathered.push(p);
+    }
+    for (index, _, tensor) in slots.iter_mut() {
+        if split(*index).is_some() {
+            *tensor = whole.next().context("a split optimizer slot was not gathered")?;
+        }
+    }
+    Ok(gathered)
 }
 
 /// Stand-ins of `params` in the whole model's shapes, for a file to be read into: a split
@@ -301,21 +312,9 @@ pub trait RankReplica: Send {
     /// whose ranks all call this together.
     fn parameters(&mut self) -> Result<Vec<(String, Vec<f32>)>> {
         let held = self.held();
-        let parts = held
-            .params
-            .iter()
-            .filter_map(|p| p.split.map(|dim| (dim, p.var.as_tensor().clone())))
-            .collect();
-        let mut whole = gather_parts(held.layers, parts)?.into_iter();
-        held.params
-            .iter()
-            .map(|p| {
-                let tensor = match p.split {
-                    Some(_) => whole.next().context("a split parameter was not gathered")?,
-                    None => p.var.as_tensor().clone(),
-                };
-                Ok((p.name.clone(), tensor.flatten_all()?.to_vec1::<f32>()?))
-            })
+        gather_whole(held.params, &mut [], held.layers)?
+            .into_iter()
+            .map(|p| Ok((p.name, p.var.flatten_all()?.to_vec1::<f32>()?)))
             .collect()
     }
 

@@ -13,7 +13,7 @@ use anyhow::Result;
 
 use super::launched_rank::{bind_data_endpoint, refused_if_mismatched, LaunchedRank, RankStart};
 use super::{RunOptions, RunOutcome, TrainingJob};
-use crate::actors::device::RingLink;
+use crate::actors::ring_link::RingLink;
 use crate::actors::trainer::InPlace;
 use crate::config::JobConfig;
 use crate::engines::comm::hierarchy::NodeLayout;

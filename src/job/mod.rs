@@ -37,8 +37,9 @@ use std::sync::Arc;
 
 use anyhow::{Context, Result};
 
-use crate::actors::device::{ModelFactory, RingLink};
+use crate::actors::device::ModelFactory;
 use crate::actors::rank_parts::RankParts;
+use crate::actors::ring_link::RingLink;
 use crate::actors::{DeviceActor, Trainer};
 use crate::config::{DatasetKind, JobConfig, LossKind, ModelKind, Strategy, TrainConfig};
 use crate::data::ctr::DataLayout;

@@ -17,10 +17,10 @@ use actix::prelude::*;
 use anyhow::{anyhow, ensure, Result};
 
 use super::{Recovery, RunOptions, RunOutcome, TrainingJob};
-use crate::actors::device::{RingLink, RANKS_RING};
 use crate::actors::recovery::faults::{RoleFault, RoleFaults, RoleSwitch};
 use crate::actors::recovery::heartbeat::{watched, CoordinatorAt};
 use crate::actors::recovery::rollback::{order_line, Orders};
+use crate::actors::ring_link::{RingLink, RANKS_RING};
 use crate::actors::trainer::{InPlace, RankOutcome};
 use crate::actors::Coordinator;
 use crate::config::{JobConfig, Strategy};
