@@ -63,8 +63,8 @@ pub trait Block: Send {
     }
 
     /// The parameters (names inside the block) split over the block's layer group, each with
-    /// the dimension (of the held layout) it is split along; each rank holds its equal slice, in
-    /// rank order.
+    /// the dimension (of the held layout) it is split along; each rank holds its slice in rank
+    /// order, as [`parallel::balanced_slice`] cuts it.
     fn split_parameters(&self) -> Vec<(String, usize)> {
         Vec::new()
     }
