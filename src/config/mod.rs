@@ -348,6 +348,15 @@ impl JobConfig {
         rows.max(1)
     }
 
+    /// The replicas a collective job's global batch is cut among before the strategy's checks:
+    /// the ranks, or where `mp_degree` divides them, the layer groups.
+    fn batch_replicas(&self) -> usize {
+        match self.world_size().is_multiple_of(self.mp_degree()) {
+            true => self.data_parallel_replicas(),
+            false => self.world_size(),
+        }
+    }
+
     /// Number of trainer processes in the job (`cluster.nnodes × cluster.nproc_per_node`).
     pub fn world_size(&self) -> usize {
         self.cluster.world_size()
@@ -383,7 +392,8 @@ impl JobConfig {
         self.cluster.check()?;
         host_limits::check(self, &host_limits::HostLimits::of_this_host())?;
         self.strategy.check()?;
-        self.train.check(self.world_size())?;
+        // The batch is cut among the data-parallel replicas (the layer groups, where layers are split).
+        self.train.check(self.batch_replicas())?;
         self.fault_tolerance.check()?;
         combination::check(self)?;
         footprint::check(self, footprint::available_memory())

@@ -512,8 +512,9 @@ impl TrainConfig {
         Ok(())
     }
 
-    /// Range checks of the section; `world_size` is needed for the batch split.
-    pub(crate) fn check(&self, world_size: usize) -> Result<(), FieldError> {
+    /// Range checks of the section; the batch is split among `replicas` (the world size, or its
+    /// layer groups where layers are split).
+    pub(crate) fn check(&self, replicas: usize) -> Result<(), FieldError> {
         self.check_hidden_sizes()?;
         self.check_columns()?;
         at_least("train.synthetic_samples", self.synthetic_samples, 1)?;
@@ -523,7 +524,7 @@ impl TrainConfig {
         at_least("train.embedding_dim", self.embedding_dim, 1)?;
         self.check_test_fraction()?;
         self.check_length()?;
-        self.check_batch(world_size)?;
+        self.check_batch(replicas)?;
         self.check_optimizer()?;
         self.check_seed()?;
         at_least("train.log_every", self.log_every, 1)
@@ -571,16 +572,17 @@ impl TrainConfig {
     }
 
     /// The batches are not empty, and the global one splits evenly over the replicas.
-    fn check_batch(&self, world_size: usize) -> Result<(), FieldError> {
+    fn check_batch(&self, replicas: usize) -> Result<(), FieldError> {
         at_least("train.batch_size", self.batch_size, 1)?;
         if let Some(rows) = self.eval_batch_size {
             at_least("train.eval_batch_size", rows, 1)?;
         }
-        if !self.batch_size.is_multiple_of(world_size) {
+        if !self.batch_size.is_multiple_of(replicas) {
             return Err(FieldError::new(
                 "train.batch_size",
                 format!(
-                    "the global batch size {} is not divisible by the world size {world_size}",
+                    "the global batch size {} is not divisible by the {replicas} data-parallel replicas (the world \
+                     size, or its layer groups)",
                     self.batch_size
                 ),
             ));
@@ -690,11 +692,16 @@ mod tests {
         let msg = err_text(load_str("[cluster]\nnnodes = 2\n[train]\nbatch_size = 6\n"));
         assert_eq!(
             msg,
-            "config.toml: train.batch_size: the global batch size 6 is not divisible by the \
-             world size 4"
+            "config.toml: train.batch_size: the global batch size 6 is not divisible by the 4 \
+             data-parallel replicas (the world size, or its layer groups)"
         );
         let config = load_str("[train]\nbatch_size = 6\n").unwrap();
         assert_eq!(config.train.local_batch_size(config.world_size()), 3);
+        // Split over 2 ranks each, 4 ranks are 2 replicas: 6 rows of 3 each.
+        let split =
+            "[cluster]\nnnodes = 2\n[train]\nbatch_size = 6\n[strategy.hybrid_configs]\ndp_degree = 2\nmp_degree = 2\n";
+        let config = load_str(split).unwrap();
+        assert_eq!(config.train.local_batch_size(config.data_parallel_replicas()), 3);
     }
 
     #[test]
