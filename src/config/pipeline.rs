@@ -72,7 +72,9 @@ pub struct HybridConfigs {
     pub mp_degree: usize,
     /// Ranks that split the optimizer's states (and gradients) between them, with
     /// `strategy.sharding`: 1 (unset) or the world size, every rank; or `cluster.nproc_per_node`
-    /// of several nodes, each node's ranks, the nodes holding replicas (`dp_degree` = nodes).
+    /// of several nodes, each node's ranks, the nodes holding replicas (`dp_degree` = nodes). With
+    /// `mp_degree`, every data-parallel rank of each layer part: 1, or the world size / `mp_degree`
+    /// (then `dp_degree` 1).
     pub sharding_degree: usize,
 }
 
