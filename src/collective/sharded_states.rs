@@ -18,7 +18,7 @@ use anyhow::{ensure, Context, Result};
 use candle_core::backprop::GradStore;
 use candle_core::{Device, Tensor, Var};
 
-use super::tensor_parallel::clip_split_by_global_norm;
+use super::tensor_parallel::{clip_split_by_global_norm, sum_over_group};
 use super::{AveragedGradients, BucketPlan};
 use crate::config::{ShardingStage, TrainConfig};
 use crate::engines::comm::{CommWorker, Pending, Wire};
@@ -428,13 +428,5 @@ fn sum_of_shards(squares: [f64; 2], (comm, layers): (&CommWorker, &Group), step:
         split += f64::from_le_bytes(bytes[..8].try_into()?);
         whole += f64::from_le_bytes(bytes[8..].try_into()?);
     }
-    let mut total = whole;
-    for bytes in layers.gather(
-        split.to_le_bytes().to_vec(),
-        "all-gather of the gradient norm's split parts",
-    )? {
-        let bytes: [u8; 8] = bytes.as_slice().try_into().context("a norm part of another width")?;
-        total += f64::from_le_bytes(bytes);
-    }
-    Ok(total)
+    Ok(whole + sum_over_group(layers, split)?)
 }

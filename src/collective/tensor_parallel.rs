@@ -118,18 +118,25 @@ pub(crate) fn clip_split_by_global_norm(
 ) -> Result<()> {
     let (split, whole): (Vec<&NamedParam>, Vec<&NamedParam>) = params.iter().partition(|p| p.split.is_some());
     let vars = |params: Vec<&NamedParam>| -> Vec<Var> { params.into_iter().map(|p| p.var.clone()).collect() };
-    let mut squares = sum_of_squares(grads, &vars(whole))?;
     let split_squares = sum_of_squares(grads, &vars(split))?;
-    for bytes in layers.gather(
-        split_squares.to_le_bytes().to_vec(),
-        "all-gather of the gradient norm's parts",
-    )? {
-        let bytes: [u8; 8] = bytes.as_slice().try_into().context("a norm part of another width")?;
-        squares += f64::from_le_bytes(bytes);
-    }
+    let squares = sum_of_squares(grads, &vars(whole))? + sum_over_group(layers, split_squares)?;
     let vars: Vec<Var> = params.iter().map(|p| p.var.clone()).collect();
     scale_to_norm(grads, &vars, squares.sqrt(), max_norm)?;
     Ok(())
+}
+
+/// The sum over `group` of each rank's part `mine` of a gradient norm's square, added in rank
+/// order on every rank, so all scale alike.
+pub(crate) fn sum_over_group(group: &Group, mine: f64) -> Result<f64> {
+    let mut sum = 0f64;
+    for bytes in group.gather(
+        mine.to_le_bytes().to_vec(),
+        "all-gather of the gradient norm's split parts",
+    )? {
+        let bytes: [u8; 8] = bytes.as_slice().try_into().context("a norm part of another width")?;
+        sum += f64::from_le_bytes(bytes);
+    }
+    Ok(sum)
 }
 
 #[cfg(test)]
