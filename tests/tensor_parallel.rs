@@ -30,44 +30,40 @@ fn run(settings: &[&str]) -> RunOutcome {
     ))
 }
 
-/// `settings` trained on `layout` — `(dp_degree, mp_degree)` — ends within [`TOLERANCE`] of one
-/// process, its losses too, and scores the held-out split alike (its mean loss within 1e-4: the
-/// parameters' differences, scored over every held-out position).
-fn assert_like_one_process(layouts: &[(usize, usize)], settings: &[&str]) {
+/// `settings` trained on each of `layouts` (each the flags of a [`grid`]) ends within
+/// [`TOLERANCE`] of one process, its losses too, and scores the held-out split alike (its mean
+/// loss within 1e-4: the parameters' differences, scored over every held-out position).
+fn assert_like_one_process(layouts: &[Vec<String>], settings: &[&str]) {
     let single = run(&[&["cluster.nproc_per_node=1"], settings].concat());
-    for &(dp, mp) in layouts {
-        let layout = [
-            format!("cluster.nproc_per_node={}", dp * mp),
-            format!("strategy.hybrid_configs.dp_degree={dp}"),
-            format!("strategy.hybrid_configs.mp_degree={mp}"),
-        ];
+    for layout in layouts {
         let layout: Vec<&str> = layout.iter().map(String::as_str).collect();
         let split = run(&[&layout[..], settings].concat());
+        let (mp, pp) = (setting(&layout, "mp_degree"), setting(&layout, "pp_degree"));
+        let layout = layout.join(" ");
         assert_eq!(split.summary.steps, 20);
         let diff = max_abs_diff(&single.parameters, &split.parameters);
-        assert!(
-            diff <= TOLERANCE,
-            "dp {dp} × mp {mp} {settings:?}: max |Δparam| = {diff:e}"
-        );
-        eprintln!("dp {dp} × mp {mp}: max |Δparam| = {diff:e}");
+        assert!(diff <= TOLERANCE, "{layout} {settings:?}: max |Δparam| = {diff:e}");
+        eprintln!("{layout}: max |Δparam| = {diff:e}");
         // Each rank holds its part of the split layers: less than the whole model, more than
         // its 1/mp share (the LayerNorms, biases and the MLP's classifier stay whole).
-        let held = |run: &RunOutcome| run.summary.state_bytes.expect("state bytes").parameters;
-        let (whole, part) = (held(&single), held(&split));
-        assert!(
-            part < whole && part * mp >= whole,
-            "dp {dp} × mp {mp}: {part} bytes of {whole}"
-        );
+        if let (None, Some(held)) = (pp, split.summary.state_bytes) {
+            let (whole, part) = (
+                single.summary.state_bytes.expect("state bytes").parameters,
+                held.parameters,
+            );
+            let mp = mp.expect("a split layout");
+            assert!(part < whole && part * mp >= whole, "{layout}: {part} bytes of {whole}");
+        }
         for (step, (a, b)) in single.losses.iter().zip(&split.losses).enumerate() {
             assert!(
                 (a - b).abs() <= TOLERANCE * (1.0 + a.abs()),
-                "dp {dp} × mp {mp}: step {step}: loss {a} vs {b}"
+                "{layout}: step {step}: loss {a} vs {b}"
             );
         }
         let (a, b) = (single.summary.test_loss, split.summary.test_loss);
         assert!(
             (a - b).abs() <= 1e-4 * (1.0 + a.abs()),
-            "dp {dp} × mp {mp}: test loss {a} vs {b}"
+            "{layout}: test loss {a} vs {b}"
         );
     }
 }
@@ -76,7 +72,10 @@ fn assert_like_one_process(layouts: &[(usize, usize)], settings: &[&str]) {
 fn an_mlp_split_over_two_and_four_ranks_trains_as_one_process() {
     // Hidden layers 64 and 32: the first split by columns, the second by rows (its ReLU after
     // the sum), the classifier whole on every rank.
-    assert_like_one_process(&[(1, 2), (1, 4), (2, 2)], &["train.hidden_sizes=[64, 32]"]);
+    assert_like_one_process(
+        &[layout((1, 2)), layout((1, 4)), layout((2, 2))],
+        &["train.hidden_sizes=[64, 32]"],
+    );
 }
 
 #[test]
@@ -84,7 +83,32 @@ fn a_gpt_split_over_two_and_four_ranks_trains_as_one_process() {
     // Four heads: two or one per rank; the character vocabulary split unevenly where the
     // group does not divide it.
     let gpt = [&TINY_GPT[..], &SPLIT_GPT[..], &["train.grad_clip_norm=0.5"]].concat();
-    assert_like_one_process(&[(1, 2), (1, 4), (2, 2)], &gpt);
+    assert_like_one_process(&[layout((1, 2)), layout((1, 4)), layout((2, 2))], &gpt);
+}
+
+/// A pipeline's stages split over layer groups (Megatron's 3-D layout): each part of a stage
+/// hands its activations to the same part of the next, and the last stage's vocabulary-split
+/// cross-entropy sums over its group. 2 × 2 × 2 on 8 ranks and 1 × 2 × 2 interleaved train as
+/// one process does, within the tolerance; the MLP's column-split layer may end a stage, its
+/// slice handed on.
+#[test]
+fn a_pipeline_of_split_stages_trains_as_one_process() {
+    let gpt = [&TINY_GPT[..], &SPLIT_GPT[..]].concat();
+    let interleaved = [
+        grid((1, 2, 2)),
+        vec!["strategy.pipeline_configs.virtual_pipeline_stages=2".into()],
+    ]
+    .concat();
+    assert_like_one_process(
+        &[grid((2, 2, 2)), interleaved],
+        &[&gpt[..], &["train.gpt.n_layer=4"]].concat(),
+    );
+    let cut_after_a_column_split = [
+        grid((2, 2, 2)),
+        vec!["strategy.pipeline_configs.stage_boundaries=[1]".into()],
+    ]
+    .concat();
+    assert_like_one_process(&[cut_after_a_column_split], &["train.hidden_sizes=[64, 32]"]);
 }
 
 /// Recomputation runs a segment's split layers — and their collectives — again in backward, in
@@ -103,7 +127,7 @@ fn recompute_and_gradient_merge_combine_with_split_layers() {
         ],
     ]
     .concat();
-    assert_like_one_process(&[(1, 2), (2, 2)], &gpt);
+    assert_like_one_process(&[layout((1, 2)), layout((2, 2))], &gpt);
 }
 
 /// Sharded states over the data-parallel ranks of each layer part (ZeRO stages 1 and 2 over
@@ -133,7 +157,7 @@ fn sharded_states_of_a_split_gpt_train_it_bit_for_bit_as_without_sharding() {
             &["strategy.sharding=true", stage.as_str(), "train.grad_clip_norm=0.5"],
         ]
         .concat();
-        assert_like_one_process(&[(2, 2)], &clipped);
+        assert_like_one_process(&[layout((2, 2))], &clipped);
     }
 }
 
@@ -142,13 +166,33 @@ fn set_flags(settings: &[String]) -> Vec<String> {
     settings.iter().flat_map(|s| ["--set".to_string(), s.clone()]).collect()
 }
 
+/// The value of `key` among a layout's `flags` (`strategy.hybrid_configs.KEY=N`), if set.
+fn setting(flags: &[&str], key: &str) -> Option<usize> {
+    let prefix = format!("strategy.hybrid_configs.{key}=");
+    flags.iter().find_map(|f| f.strip_prefix(&prefix)?.parse().ok())
+}
+
 /// `(dp_degree, mp_degree)` on `dp × mp` ranks.
 fn layout((dp, mp): (usize, usize)) -> Vec<String> {
-    vec![
-        format!("cluster.nproc_per_node={}", dp * mp),
+    grid((dp, mp, 1))
+}
+
+/// `(dp_degree, mp_degree, pp_degree)` on `dp × mp × pp` ranks, a pipeline (of 2 micro-batches
+/// a step) where `pp` > 1.
+fn grid((dp, mp, pp): (usize, usize, usize)) -> Vec<String> {
+    let mut flags = vec![
+        format!("cluster.nproc_per_node={}", dp * mp * pp),
         format!("strategy.hybrid_configs.dp_degree={dp}"),
         format!("strategy.hybrid_configs.mp_degree={mp}"),
-    ]
+    ];
+    if pp > 1 {
+        flags.extend([
+            "strategy.pipeline=true".to_string(),
+            format!("strategy.hybrid_configs.pp_degree={pp}"),
+            "strategy.pipeline_configs.accumulate_steps=2".to_string(),
+        ]);
+    }
+    flags
 }
 
 /// Launched as processes (rings over shared memory and TCP), a GPT split 2 ways in 2 replicas

@@ -79,6 +79,19 @@ pub struct StageRelink {
     pub link: StageLinks,
     /// The ring among this stage's data-parallel replicas.
     pub data_parallel: Communicator,
+    /// The ring of the ranks that split the stage's layers with this one, where they are split.
+    pub layers: Option<Communicator>,
+}
+
+impl StageRelink {
+    /// The layer group's communication thread, where the layers are split.
+    fn layer_worker(&mut self, job: &JobConfig, device: &candle_core::Device) -> Result<Option<CommWorker>> {
+        let timeout = job.fault_tolerance.timeout();
+        self.layers
+            .take()
+            .map(|ring| CommWorker::spawn_on(ring, device, timeout))
+            .transpose()
+    }
 }
 
 /// Goes on over new links after a rollback: the replica stays, its links are rebuilt (the
@@ -96,7 +109,12 @@ pub enum Relink {
         roster: Roster,
     },
     /// A pipeline rank's new links.
-    Stage(StageRelink),
+    Stage {
+        /// The job.
+        job: Arc<JobConfig>,
+        /// The links.
+        links: StageRelink,
+    },
 }
 
 /// How a pipeline stage reaches its neighbour stages.
@@ -258,15 +276,16 @@ impl Handler<Prepare> for DeviceActor {
                 }
                 DeviceState::Whole(replica)
             }
-            ReplicaPart::Stage { links, .. } => {
+            ReplicaPart::Stage { mut links, .. } => {
+                let layers = links
+                    .layer_worker(&msg.job, &device)?
+                    .map(|comm| Arc::new(RingGroup::new(comm)));
                 let link = links.link.on(links.stage, &device)?;
-                let stage = links.stage;
                 DeviceState::Stage(PipelineReplica::new(
                     &msg.job,
                     model,
-                    stage,
-                    link,
-                    links.data_parallel,
+                    (links.stage, link),
+                    (links.data_parallel, layers),
                     device,
                     msg.steps,
                 )?)
@@ -319,9 +338,11 @@ impl Handler<Relink> for DeviceActor {
                 let (comm, layers) = comm_workers(&job, link, &roster, &replica.device().clone())?;
                 replica.relink(comm, layers)
             }
-            (DeviceState::Stage(stage), Relink::Stage(links)) => {
-                let link = links.link.on(links.stage, &stage.device().clone())?;
-                stage.relink(link, links.data_parallel)
+            (DeviceState::Stage(stage), Relink::Stage { job, mut links }) => {
+                let device = stage.device().clone();
+                let layers = links.layer_worker(&job, &device)?;
+                let link = links.link.on(links.stage, &device)?;
+                stage.relink(link, links.data_parallel, layers)
             }
             _ => Err(anyhow!("a relink of another strategy than the rank's replica")),
         }

@@ -27,14 +27,15 @@ use super::recovery::stage_file;
 use super::run_loop::{run_steps, RunLoop};
 use crate::checkpoint::HeldFile;
 use crate::collective::training_state::RunRecord;
-use crate::config::HybridConfigs;
+use crate::config::{GridPlace, HybridConfigs};
 use crate::engines::comm::Communicator;
 use crate::models::Score;
 use crate::net::frame::{encode_with, Frame};
 use crate::net::protocol::Roster;
 use crate::net::ControlBus;
 
-/// A pipeline rank (`replica × pp_degree + stage`): its parts, and its first links.
+/// A pipeline rank (`(replica × pp_degree + stage) × mp_degree + part`): its parts, and its
+/// first links.
 pub struct StageActor {
     /// What the rank trains with.
     pub parts: RankParts,
@@ -57,6 +58,21 @@ pub struct StageGeneration {
     pub link: StageLinks,
     /// The ring among this stage's replicas.
     pub data_parallel: Communicator,
+    /// The ring of the ranks that split this stage's layers, where they are split.
+    pub layers: Option<Communicator>,
+}
+
+impl StageGeneration {
+    /// The generation's links as the device actor takes them, for stage `stage`.
+    fn into_relink(self, stage: usize) -> (Option<Roster>, StageRelink) {
+        let links = StageRelink {
+            stage,
+            link: self.link,
+            data_parallel: self.data_parallel,
+            layers: self.layers,
+        };
+        (self.roster, links)
+    }
 }
 
 /// Joins the next generation over the rank's line to the coordinator: a new data endpoint, the
@@ -163,11 +179,9 @@ impl Handler<TrainStage> for StageActor {
     type Result = ResponseFuture<Result<StageOutcome>>;
 
     fn handle(&mut self, _: TrainStage, _: &mut Self::Context) -> Self::Result {
-        let (replica, stage) = self.parts.job.strategy.hybrid_configs.place_of(self.parts.rank);
         let run = StageRun {
+            place: self.parts.job.strategy.hybrid_configs.place_of(self.parts.rank),
             parts: self.parts.clone(),
-            replica,
-            stage,
             bus: self.bus.take(),
             in_place: self.in_place.take(),
             kept: Kept::default(),
@@ -184,8 +198,8 @@ impl Handler<TrainStage> for StageActor {
 
 struct StageRun {
     parts: RankParts,
-    replica: usize,
-    stage: usize,
+    /// This rank's replica, stage and part of the stage's layers.
+    place: GridPlace,
     bus: Option<ControlBus>,
     in_place: Option<StageInPlace>,
     kept: Kept,
@@ -201,11 +215,7 @@ impl StageRun {
             (Some(_), Some(bus)) => bus.clock_offset_us().await?,
             _ => 0.0,
         };
-        let StageGeneration {
-            roster,
-            link,
-            data_parallel,
-        } = generation;
+        let (roster, links) = generation.into_relink(self.place.stage);
         if let Some(roster) = &roster {
             self.parts.recovery.check_joined(roster)?;
         }
@@ -215,14 +225,7 @@ impl StageRun {
                 job: job.clone(),
                 model: self.parts.model.clone(),
                 export: self.parts.export.clone(),
-                part: ReplicaPart::Stage {
-                    rank,
-                    links: StageRelink {
-                        stage: self.stage,
-                        link,
-                        data_parallel,
-                    },
-                },
+                part: ReplicaPart::Stage { rank, links },
                 steps: run_steps(&job, &self.parts.train_data)?,
                 trace_from: self.parts.trace.as_ref().map(|t| t.origin.instant),
             })
@@ -249,15 +252,17 @@ impl StageRun {
         Ok(outcome)
     }
 
-    /// The ranks of this stage in every replica training this generation, by replica.
+    /// The ranks holding this rank's part of its stage in every replica training this
+    /// generation, by replica.
     fn replicas_of_stage(&self) -> Vec<usize> {
         let hybrid = &self.parts.job.strategy.hybrid_configs;
+        let GridPlace { stage, part, .. } = self.place;
         match &self.roster {
             Some(roster) => training_replicas(hybrid, roster)
                 .into_iter()
-                .map(|replica| hybrid.rank_of(replica, self.stage))
+                .map(|replica| hybrid.rank_of(GridPlace { replica, stage, part }))
                 .collect(),
-            None => hybrid.replicas_of(self.stage),
+            None => hybrid.replicas_of(stage, part),
         }
     }
 
@@ -268,10 +273,10 @@ impl StageRun {
         match &self.roster {
             Some(roster) => {
                 let training = training_replicas(hybrid, roster);
-                let place = training.iter().position(|&replica| replica == self.replica);
-                (place.unwrap_or(self.replica), training.len().max(1))
+                let place = training.iter().position(|&replica| replica == self.place.replica);
+                (place.unwrap_or(self.place.replica), training.len().max(1))
             }
-            None => (self.replica, hybrid.dp_degree),
+            None => (self.place.replica, hybrid.dp_degree),
         }
     }
 
@@ -280,7 +285,7 @@ impl StageRun {
     /// [`Restore::to`].
     async fn restore(&mut self, step: usize) -> Result<RunRecord> {
         let ring_ranks = self.replicas_of_stage();
-        let file = stage_file(self.stage);
+        let file = stage_file(self.place.stage);
         // Only a stage no other node runs has a copy on the next node; another's replicas share it.
         let buddy = match (&self.in_place, &self.roster) {
             (Some(StageInPlace { buddy: Some(buddy), .. }), Some(roster))
@@ -302,7 +307,7 @@ impl StageRun {
             buddy,
         };
         let (recovery, world_size, roster) = (&self.parts.recovery, self.parts.job.world_size(), self.roster.as_ref());
-        let cut = (self.stage, self.parts.job.strategy.hybrid_configs.pp_degree);
+        let cut = (self.place.stage, self.parts.job.strategy.hybrid_configs.pp_degree);
         restore
             .to(step, || recovery.read_stage(step, world_size, roster, cut))
             .await
@@ -318,28 +323,31 @@ impl StageRun {
             return Ok(None);
         }
         buddy
-            .copy(roster, self.parts.rank, step, &stage_file(self.stage), state)
+            .copy(roster, self.parts.rank, step, &stage_file(self.place.stage), state)
             .await
     }
 
     /// The checkpoint after `step` steps: replica 0's rank of each stage writes the stage's
-    /// state (its replicas are equal), every rank acknowledges, the coordinator commits. A rank
-    /// that rolls back in place keeps its state in memory too, and each node keeps its own copy:
-    /// the first replica of each stage on a node writes the stage there, and the node's first
-    /// rank commits the node's files once the coordinator has.
+    /// state (its replicas are equal; split layers gathered from the parts to part 0), every
+    /// rank acknowledges, the coordinator commits. A rank that rolls back in place keeps its
+    /// state in memory too, and each node keeps its own copy: the first replica of each stage
+    /// on a node writes the stage there, and the node's first rank commits the node's files
+    /// once the coordinator has.
     async fn write_checkpoint(&mut self, step: usize, run: RunRecord) -> Result<()> {
         let store = self.parts.recovery.checkpoint_store()?;
         let in_place = self.in_place.is_some();
-        let writes = match (in_place, &self.roster) {
-            (true, Some(roster)) => roster.first_on_its_host(self.parts.rank, self.replicas_of_stage()),
-            _ => self.replica == 0,
-        };
+        let GridPlace { replica, stage, part } = self.place;
+        let writes = part == 0
+            && match (in_place, &self.roster) {
+                (true, Some(roster)) => roster.first_on_its_host(self.parts.rank, self.replicas_of_stage()),
+                _ => replica == 0,
+            };
         let checkpoint = RankCheckpoint {
             step,
-            file: stage_file(self.stage),
+            file: stage_file(stage),
             writes,
-            // A stage's replicas hold whole states.
-            gathered: false,
+            // Replica 0's split layers are gathered from its layer group.
+            gathered: replica == 0 && self.parts.job.mp_degree() > 1,
             device: &self.parts.device,
             store: &store,
             kept: in_place.then_some(&mut self.kept),
@@ -377,7 +385,7 @@ impl RankGenerations for StageRun {
     /// Trains from the state after step `first` to the end of the run and evaluates.
     async fn generation(&mut self, run: &mut RunLoop, first: usize) -> Result<StageOutcome> {
         let job = self.parts.job.clone();
-        let (rank, stage) = (self.parts.rank, self.stage);
+        let (rank, stage) = (self.parts.rank, self.place.stage);
         // This generation's part of every global batch (another one when membership changed).
         let (replica, d) = self.replica_place();
         run.loader.place(replica, d)?;
@@ -416,16 +424,10 @@ impl RankGenerations for StageRun {
             .bus
             .as_mut()
             .context("a stage rolling back needs a line to the coordinator")?;
-        let generation = (in_place.rejoin)(bus).await?;
-        let roster = generation.roster.context("a rejoined generation has a roster")?;
-        self.parts
-            .device
-            .send(Relink::Stage(StageRelink {
-                stage: self.stage,
-                link: generation.link,
-                data_parallel: generation.data_parallel,
-            }))
-            .await??;
+        let (roster, links) = (in_place.rejoin)(bus).await?.into_relink(self.place.stage);
+        let roster = roster.context("a rejoined generation has a roster")?;
+        let job = self.parts.job.clone();
+        self.parts.device.send(Relink::Stage { job, links }).await??;
         self.roster = Some(roster.clone());
         Ok(roster)
     }
@@ -441,14 +443,13 @@ impl StrategySteps for StageRun {
     }
 }
 
-/// The replicas every stage of which trains in `roster`'s generation (all of them, unless
+/// The replicas every rank of which trains in `roster`'s generation (all of them, unless
 /// elastic membership went on without some), in order.
 pub(crate) fn training_replicas(hybrid: &HybridConfigs, roster: &Roster) -> Vec<usize> {
     (0..hybrid.dp_degree)
         .filter(|&replica| {
             hybrid
-                .stages_of(replica)
-                .into_iter()
+                .ranks_of_replica(replica)
                 .all(|rank| roster.place_of(rank).is_some())
         })
         .collect()

@@ -144,12 +144,20 @@ fn layout(world_size: usize, files: &[FileContents]) -> String {
     let (stages, shards) = (count("stage-"), count("ps-shard-"));
     if shards > 0 {
         let trainers = world_size.saturating_sub(shards);
-        format!("parameter servers: {shards} shard(s), {trainers} trainer(s)")
-    } else if stages > 0 {
-        let replicas = world_size / stages.max(1);
-        format!("pipeline: {stages} stage(s) × {replicas} data-parallel replica(s)")
+        return format!("parameter servers: {shards} shard(s), {trainers} trainer(s)");
+    }
+    let meta = |key: &str| files.iter().find_map(|f| f.metadata.get(key));
+    if stages > 0 {
+        let parts: usize = meta(LAYER_PARTS).and_then(|parts| parts.parse().ok()).unwrap_or(1);
+        let replicas = world_size / (stages * parts).max(1);
+        match parts {
+            1 => format!("pipeline: {stages} stage(s) × {replicas} data-parallel replica(s)"),
+            _ => format!(
+                "pipeline: {stages} stage(s) × {replicas} data-parallel replica(s), each stage's layers split \
+                 {parts} ways (tensor parallelism; the parts gathered)"
+            ),
+        }
     } else {
-        let meta = |key: &str| files.iter().find_map(|f| f.metadata.get(key));
         let ranks = match meta(LAYER_PARTS) {
             Some(parts) => format!("{world_size} rank(s) splitting each layer {parts} ways (tensor parallelism)"),
             None => format!("{world_size} rank(s)"),

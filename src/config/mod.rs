@@ -56,7 +56,7 @@ pub(crate) use cluster::GPU_NOT_BUILT;
 pub use cluster::{host_port, ClusterConfig, DeviceKind};
 pub use fault_tolerance::{FaultToleranceConfig, RecoveryMode};
 pub use memory::{BlockRef, GradientMergeConfigs, RecomputeConfigs};
-pub use pipeline::{HybridConfigs, PipelineConfigs, ScheduleMode};
+pub use pipeline::{GridPlace, HybridConfigs, PipelineConfigs, ScheduleMode};
 pub use sharding::{ShardingConfigs, ShardingStage};
 pub use sparse_tables::SparseTableConfig;
 pub use strategy::{AsyncConfigs, DistributedStrategy, PsMode, Strategy};

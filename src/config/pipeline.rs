@@ -67,8 +67,8 @@ pub struct HybridConfigs {
     /// Ranks that split each layer's weights between them (tensor parallelism, Megatron's
     /// layout): a GPT's attention by heads and its MLP by hidden width, its embedding and logits
     /// by vocabulary; an MLP's layers in column-then-row pairs. The innermost axis of the rank
-    /// grid: a replica's ranks are consecutive, so on one node. `dp_degree × mp_degree` is the
-    /// world size.
+    /// grid: a replica's (a stage's, in a pipeline) ranks are consecutive, so on one node.
+    /// `dp_degree × pp_degree × mp_degree` is the world size.
     pub mp_degree: usize,
     /// Ranks that split the optimizer's states (and gradients) between them, with
     /// `strategy.sharding`: 1 (unset) or the world size, every rank; or `cluster.nproc_per_node`
@@ -78,35 +78,70 @@ pub struct HybridConfigs {
     pub sharding_degree: usize,
 }
 
-/// Where each rank sits in the `dp_degree` × `pp_degree` grid, defined once: ranks are numbered
-/// replica-major, replica `r`'s stages being ranks `r·p … r·p + p − 1`.
+/// A rank's place in the `dp_degree` × `pp_degree` × `mp_degree` grid.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GridPlace {
+    /// The replica of the pipeline.
+    pub replica: usize,
+    /// The pipeline stage.
+    pub stage: usize,
+    /// The part of the stage's split layers (0 where they are whole).
+    pub part: usize,
+}
+
+/// Where each rank sits in the `dp_degree` × `pp_degree` × `mp_degree` grid, defined once:
+/// ranks are numbered replica-major, then by stage, the layer group innermost (Megatron's
+/// order: a stage's parts consecutive, so on one node), rank `(r·p + s)·mp + k` holding part
+/// `k` of stage `s` of replica `r`.
 impl HybridConfigs {
-    /// Rank `rank`'s `(replica, stage)`.
-    pub fn place_of(&self, rank: usize) -> (usize, usize) {
-        (rank / self.pp_degree, rank % self.pp_degree)
+    /// The layer group's size (1: layers whole).
+    fn parts(&self) -> usize {
+        self.mp_degree.max(1)
     }
 
-    /// The rank of `stage` in `replica`.
-    pub fn rank_of(&self, replica: usize, stage: usize) -> usize {
-        replica * self.pp_degree + stage
+    /// Rank `rank`'s place.
+    pub fn place_of(&self, rank: usize) -> GridPlace {
+        let (group, part) = (rank / self.parts(), rank % self.parts());
+        GridPlace {
+            replica: group / self.pp_degree,
+            stage: group % self.pp_degree,
+            part,
+        }
     }
 
-    /// The ranks holding `stage`, by replica: the stage's data-parallel ring.
-    pub fn replicas_of(&self, stage: usize) -> Vec<usize> {
+    /// The rank at `place`.
+    pub fn rank_of(&self, place: GridPlace) -> usize {
+        (place.replica * self.pp_degree + place.stage) * self.parts() + place.part
+    }
+
+    /// The ranks holding part `part` of `stage`, by replica: their data-parallel ring.
+    pub fn replicas_of(&self, stage: usize, part: usize) -> Vec<usize> {
         (0..self.dp_degree)
-            .map(|replica| self.rank_of(replica, stage))
+            .map(|replica| self.rank_of(GridPlace { replica, stage, part }))
             .collect()
     }
 
-    /// The ranks of `replica`, by stage: its stage rings.
-    pub fn stages_of(&self, replica: usize) -> Vec<usize> {
-        (0..self.pp_degree).map(|stage| self.rank_of(replica, stage)).collect()
+    /// The ranks holding part `part` of `replica`'s stages, by stage: their stage rings.
+    pub fn stages_of(&self, replica: usize, part: usize) -> Vec<usize> {
+        (0..self.pp_degree)
+            .map(|stage| self.rank_of(GridPlace { replica, stage, part }))
+            .collect()
     }
 
-    /// How errors and logs name rank `rank`: `rank 3 (stage 1 of replica 1)`.
+    /// Every rank of `replica`, all of whose ranks must train for it to.
+    pub fn ranks_of_replica(&self, replica: usize) -> std::ops::Range<usize> {
+        let ranks = self.pp_degree * self.parts();
+        replica * ranks..(replica + 1) * ranks
+    }
+
+    /// How errors and logs name rank `rank`: `rank 3 (stage 1 of replica 1)`, and with split
+    /// layers `rank 3 (part 1 of stage 1 of replica 0)`.
     pub fn name_of(&self, rank: usize) -> String {
-        let (replica, stage) = self.place_of(rank);
-        format!("rank {rank} (stage {stage} of replica {replica})")
+        let GridPlace { replica, stage, part } = self.place_of(rank);
+        match self.parts() {
+            1 => format!("rank {rank} (stage {stage} of replica {replica})"),
+            _ => format!("rank {rank} (part {part} of stage {stage} of replica {replica})"),
+        }
     }
 }
 
@@ -133,10 +168,15 @@ impl PipelineConfigs {
                 "must be at least 1, got 0",
             ));
         }
-        if d.checked_mul(p) != Some(world_size) {
+        let mp = hybrid.parts();
+        if d.checked_mul(p).and_then(|n| n.checked_mul(mp)) != Some(world_size) {
+            let product = match mp {
+                1 => format!("dp_degree × pp_degree = {d} × {p}"),
+                _ => format!("dp_degree × pp_degree × mp_degree = {d} × {p} × {mp}"),
+            };
             return Err(FieldError::new(
                 "strategy.hybrid_configs",
-                format!("dp_degree × pp_degree = {d} × {p} must equal the world size {world_size}"),
+                format!("{product} must equal the world size {world_size}"),
             ));
         }
         let m = self.accumulate_steps;

@@ -26,10 +26,11 @@ impl JobConfig {
     }
 }
 
-/// Checks `mp_degree` against the rest of the job: collective data parallelism on CPUs (not yet
-/// with pipelines, elastic membership or the hierarchical all-reduce; sharded states over every
-/// data-parallel rank), `dp_degree × sharding_degree × mp_degree` the world
-/// size, a GPT's heads or an MLP's hidden layers split evenly.
+/// Checks `mp_degree` against the rest of the job: collective data parallelism or pipelines on
+/// CPUs (not yet with elastic membership or the hierarchical all-reduce; sharded states over
+/// every data-parallel rank), `dp_degree × sharding_degree × mp_degree` the world size (with a
+/// pipeline `dp_degree × pp_degree × mp_degree`), a GPT's heads or an MLP's hidden layers split
+/// evenly.
 pub(super) fn check_tensor_parallel(config: &JobConfig) -> Result<(), FieldError> {
     let hybrid = &config.strategy.hybrid_configs;
     let mp = hybrid.mp_degree;
@@ -47,9 +48,6 @@ pub(super) fn check_tensor_parallel(config: &JobConfig) -> Result<(), FieldError
             "splits the layers of collective training, not a parameter-server job's: leave mp_degree 1",
         );
     }
-    if strategy.pipeline {
-        return not_with("strategy.pipeline", "not supported yet");
-    }
     if config.cluster.min_nnodes.is_some() {
         return not_with("cluster.min_nnodes", "elastic membership is not supported yet");
     }
@@ -58,6 +56,10 @@ pub(super) fn check_tensor_parallel(config: &JobConfig) -> Result<(), FieldError
     }
     if config.cluster.device == DeviceKind::Gpu {
         return not_with("cluster.device", "\"gpu\": split layers run on CPUs only so far");
+    }
+    if strategy.pipeline {
+        // `dp_degree × pp_degree × mp_degree` is checked with the pipeline's keys.
+        return check_model(config, mp);
     }
     let (dp, world) = (hybrid.dp_degree, config.world_size());
     // Sharded over every data-parallel rank, Paddle counts them as `sharding_degree` (with

@@ -94,6 +94,37 @@ pub trait Block: Send {
     }
 }
 
+/// How a model's outputs are trained and scored: whole, or (a GPT split over a layer group)
+/// this rank's slice of the vocabulary's logits, whose cross-entropy never gathers them.
+#[derive(Clone, Default)]
+pub struct Logits {
+    vocab_slice: Option<(std::ops::Range<usize>, parallel::Group)>,
+}
+
+impl Logits {
+    /// The mean training loss `kind` of `outputs` against `targets`.
+    pub fn loss(&self, kind: LossKind, outputs: &Tensor, targets: &Tensor) -> candle_core::Result<Tensor> {
+        match &self.vocab_slice {
+            None => training_loss(kind, outputs, targets),
+            Some((slice, group)) => {
+                split_logits_only(kind)?;
+                parallel::vocab::cross_entropy(outputs, targets, slice, group)
+            }
+        }
+    }
+
+    /// The score of `outputs` against `targets` under a job trained with `kind`.
+    pub fn score(&self, kind: LossKind, outputs: &Tensor, targets: &Tensor) -> candle_core::Result<Score> {
+        match &self.vocab_slice {
+            None => Score::of(kind, outputs, targets),
+            Some((slice, group)) => {
+                split_logits_only(kind)?;
+                parallel::vocab::score(outputs, targets, slice, group)
+            }
+        }
+    }
+}
+
 /// Logits split over the vocabulary are a cross-entropy's.
 fn split_logits_only(kind: LossKind) -> candle_core::Result<()> {
     if kind != LossKind::CrossEntropy {
@@ -121,8 +152,8 @@ pub struct NamedParam {
 /// A model: blocks applied in order.
 pub struct Model {
     blocks: Vec<Box<dyn Block>>,
-    /// The slice of the vocabulary its logits hold, where they are split over a layer group.
-    vocab_slice: Option<(std::ops::Range<usize>, parallel::Group)>,
+    /// How its outputs train and score.
+    logits: Logits,
 }
 
 impl Model {
@@ -136,7 +167,7 @@ impl Model {
         }
         Ok(Self {
             blocks,
-            vocab_slice: None,
+            logits: Logits::default(),
         })
     }
 
@@ -159,30 +190,21 @@ impl Model {
             parallel::Flow::Whole => None,
             parallel::Flow::Sliced(range) => Some((range, group.clone())),
         };
-        Ok(Self { blocks, vocab_slice })
+        Ok(Self {
+            blocks,
+            logits: Logits { vocab_slice },
+        })
     }
 
     /// The mean training loss `kind` of `outputs` (this model's) against `targets`; logits split
     /// over the vocabulary take the split cross-entropy, which never gathers them.
     pub fn loss(&self, kind: LossKind, outputs: &Tensor, targets: &Tensor) -> candle_core::Result<Tensor> {
-        match &self.vocab_slice {
-            None => training_loss(kind, outputs, targets),
-            Some((slice, group)) => {
-                split_logits_only(kind)?;
-                parallel::vocab::cross_entropy(outputs, targets, slice, group)
-            }
-        }
+        self.logits.loss(kind, outputs, targets)
     }
 
     /// The score of `outputs` (this model's) against `targets` under a job trained with `kind`.
     pub fn score(&self, kind: LossKind, outputs: &Tensor, targets: &Tensor) -> candle_core::Result<Score> {
-        match &self.vocab_slice {
-            None => Score::of(kind, outputs, targets),
-            Some((slice, group)) => {
-                split_logits_only(kind)?;
-                parallel::vocab::score(outputs, targets, slice, group)
-            }
-        }
+        self.logits.score(kind, outputs, targets)
     }
 
     /// The blocks, in order.
@@ -190,9 +212,15 @@ impl Model {
         &self.blocks
     }
 
-    /// The blocks, in order, to be cut into pipeline stages.
+    /// The blocks, in order.
     pub fn into_blocks(self) -> Vec<Box<dyn Block>> {
         self.blocks
+    }
+
+    /// The blocks, in order, to be cut into pipeline stages, and how the last one's outputs
+    /// train and score.
+    pub fn into_parts(self) -> (Vec<Box<dyn Block>>, Logits) {
+        (self.blocks, self.logits)
     }
 
     /// Every parameter, block by block in model order, each block's in its

@@ -14,6 +14,7 @@ use super::partition::{balanced, explicit};
 use super::schedule::ScheduleKind;
 use super::stage::{Chunk, Stage, StageStep};
 use crate::collective::rank_figures::{JobFigures, RankFigures};
+use crate::collective::tensor_parallel::RingGroup;
 use crate::collective::{
     preemption, sum_over_ranks, Averaged, GradientSync, Held, HeldOptimizer, RankReplica, StepReport,
 };
@@ -21,7 +22,7 @@ use crate::config::{JobConfig, LossKind, ScheduleMode};
 use crate::data::{Batch, Pieces};
 use crate::engines::comm::{CommWorker, Communicator};
 use crate::models::parallel::{Alone, Group};
-use crate::models::{training_loss, Block, Model, NamedParam, Score};
+use crate::models::{Block, Logits, Model, NamedParam, Score};
 use crate::optim::{LrPolicy, Optimizer};
 use crate::refusal::Refusal;
 use crate::telemetry::metrics::peak_rss_bytes;
@@ -50,6 +51,9 @@ pub struct PipelineReplica {
     micro_batches: usize,
     /// The loss trained, which also says how evaluation scores.
     loss: LossKind,
+    /// How the last virtual stage's outputs train and score (a slice of the vocabulary's
+    /// logits where the layers are split).
+    logits: Logits,
     holds_loss: bool,
     /// On the ranks holding the loss: whether some rank of the job was asked to stop during the
     /// last step, which this step's backward messages tell the other stages.
@@ -58,7 +62,10 @@ pub struct PipelineReplica {
     step: usize,
     /// Spans of the schedule, all-reduces and optimizer steps, when tracing.
     timeline: Option<Timeline>,
-    /// The layer group of a stage: itself alone (its layers are whole).
+    /// The ranks that split the stage's layers with this one (tensor parallelism), over a ring
+    /// of their own; `None`: the layers are whole.
+    layer_ring: Option<Arc<RingGroup>>,
+    /// The same group as the layers see it ([`Alone`] where they are whole).
     layers: Group,
 }
 
@@ -114,18 +121,18 @@ fn recompute_checkpoints(job: &JobConfig, model: &Model) -> Result<Option<Vec<us
     Ok(Some(job.strategy.recompute_configs.resolve(&names)?))
 }
 
-/// The chunks of `stage` (the runs `k` of `cuts` with `k mod p = stage`), taken from `model`,
-/// each cut for backward as the job asks: around the recomputation `checkpoints`, per block
-/// when all-reduces overlap backward, else whole.
+/// The chunks of `stage` (the runs `k` of `cuts` with `k mod p = stage`), taken from the
+/// model's `blocks`, each cut for backward as the job asks: around the recomputation
+/// `checkpoints`, per block when all-reduces overlap backward, else whole.
 fn stage_chunks(
-    model: Model,
+    blocks: Vec<Box<dyn Block>>,
     cuts: Vec<Range<usize>>,
     p: usize,
     stage: usize,
     checkpoints: Option<&[usize]>,
     overlap_allreduce: bool,
 ) -> Vec<Chunk> {
-    let mut blocks: Vec<Option<Box<dyn Block>>> = model.into_blocks().into_iter().map(Some).collect();
+    let mut blocks: Vec<Option<Box<dyn Block>>> = blocks.into_iter().map(Some).collect();
     cuts.into_iter()
         .enumerate()
         .filter(|(k, _)| k % p == stage)
@@ -148,16 +155,15 @@ fn stage_chunks(
 }
 
 impl PipelineReplica {
-    /// Stage `stage` of `model` (every rank builds the whole model from the seed and keeps its
-    /// chunks), linked to its neighbours by `link` and to its replicas by `data_parallel`, in a
-    /// run of `steps` batches.
-    #[allow(clippy::too_many_arguments)]
+    /// Stage `stage` of `model` (every rank builds the whole model from the seed, cuts it into
+    /// stages as a whole, splits it over its layer group and keeps its chunks), linked to its
+    /// neighbours by `link`, to its replicas by `data_parallel` and to the ranks splitting its
+    /// layers by `layer_ring` where they are split, in a run of `steps` batches.
     pub fn new(
         job: &JobConfig,
         model: Model,
-        stage: usize,
-        link: Box<dyn StageLink>,
-        data_parallel: Communicator,
+        (stage, link): (usize, Box<dyn StageLink>),
+        (data_parallel, layer_ring): (Communicator, Option<Arc<RingGroup>>),
         device: Device,
         steps: usize,
     ) -> Result<Self> {
@@ -165,11 +171,21 @@ impl PipelineReplica {
         let configs = &job.strategy.pipeline_configs;
         let p = job.strategy.hybrid_configs.pp_degree;
         let virtual_stages = p * kind.virtual_stages();
+        // Cut by the whole blocks' sizes: every part of a stage holds the same blocks, whatever
+        // its share of an unevenly split vocabulary.
         let cuts = cut_into_stages(job, kind, &model)?;
         let dp = job.strategy.hybrid_configs.dp_degree;
         let overlap_allreduce = dp > 1 && !configs.pp_allreduce_in_optimize;
         let checkpoints = recompute_checkpoints(job, &model)?;
-        let chunks = stage_chunks(model, cuts, p, stage, checkpoints.as_deref(), overlap_allreduce);
+        let layers: Group = match &layer_ring {
+            Some(ring) => ring.clone(),
+            None => Arc::new(Alone),
+        };
+        let (blocks, logits) = model
+            .split(&layers)
+            .context("splitting the model over its layer group (strategy.hybrid_configs.mp_degree)")?
+            .into_parts();
+        let chunks = stage_chunks(blocks, cuts, p, stage, checkpoints.as_deref(), overlap_allreduce);
         let stage = Stage::new(stage, p, chunks, kind, configs.accumulate_steps)?;
         let params = stage.parameters();
         let vars: Vec<Var> = params.iter().map(|p| p.var.clone()).collect();
@@ -193,16 +209,28 @@ impl PipelineReplica {
             device,
             micro_batches: configs.accumulate_steps,
             loss: job.train.resolved_loss()?,
+            logits,
             step: 0,
             timeline: None,
-            layers: Arc::new(Alone),
+            layer_ring,
+            layers,
         })
     }
 
-    /// Goes on over new links to the neighbour stages and a new ring among the stage's replicas
-    /// (a rollback rebuilt them): the batches merged so far are dropped; the state comes from a
-    /// snapshot next.
-    pub fn relink(&mut self, link: Box<dyn StageLink>, data_parallel: Communicator) -> Result<()> {
+    /// Goes on over new links to the neighbour stages, a new ring among the stage's replicas
+    /// and the layer group's `layer_comm` (a rollback rebuilt them): the batches merged so far
+    /// are dropped; the state comes from a snapshot next.
+    pub fn relink(
+        &mut self,
+        link: Box<dyn StageLink>,
+        data_parallel: Communicator,
+        layer_comm: Option<CommWorker>,
+    ) -> Result<()> {
+        match (&self.layer_ring, layer_comm) {
+            (Some(ring), Some(comm)) => ring.relink(comm),
+            (None, None) => {}
+            _ => anyhow::bail!("a relink changed whether the layers are split"),
+        }
         self.link = link;
         self.data_parallel = CommWorker::spawn_on(data_parallel, &self.device, self.collective_timeout)?;
         self.gradients.clear();
@@ -254,8 +282,8 @@ impl PipelineReplica {
         inputs: &[Tensor],
         labels: &[Tensor],
     ) -> Result<(StageStep, Option<Averaged>)> {
-        let kind = self.loss;
-        let loss = |i: usize, out: &Tensor| training_loss(kind, out, &labels[i]);
+        let (kind, logits) = (self.loss, &self.logits);
+        let loss = |i: usize, out: &Tensor| logits.loss(kind, out, &labels[i]);
         let overlap = self.overlap_allreduce;
         let mut gradients = self.gradients.begin(at, &self.data_parallel);
         let step = self.stage.step(
@@ -374,7 +402,7 @@ impl RankReplica for PipelineReplica {
             let inputs: Vec<Tensor> = tensors.iter().map(|(x, _)| x.clone()).collect();
             let outputs = self.stage.forward_only(self.link.as_mut(), parts, &inputs)?;
             for (out, (_, y)) in outputs.iter().zip(&tensors) {
-                score += Score::of(self.loss, out, y)?;
+                score += self.logits.score(self.loss, out, y)?;
             }
         }
         if !self.holds_loss {

@@ -21,8 +21,8 @@ use crate::actors::device::StageLinks;
 use crate::actors::stage::{Rejoin, StageActor, StageGeneration, StageInPlace, StageOutcome, TrainStage};
 use crate::actors::Coordinator;
 use crate::collective::ParamChecksum;
-use crate::config::{HybridConfigs, JobConfig};
-use crate::engines::comm::memory::{self, MemoryRings};
+use crate::config::{GridPlace, HybridConfigs, JobConfig};
+use crate::engines::comm::memory::MemoryRings;
 use crate::engines::comm::{Communicator, RingBreaker, RingTransport};
 use crate::net::auth::Credentials;
 use crate::net::ControlBus;
@@ -33,54 +33,42 @@ use crate::telemetry::timeline::TraceTarget;
 pub(super) fn run(job: &TrainingJob, options: &RunOptions) -> Result<RunOutcome> {
     let config = job.config.clone();
     let trace = options.trace_target();
-    let (d, p) = (
-        config.strategy.hybrid_configs.dp_degree,
-        config.strategy.hybrid_configs.pp_degree,
-    );
+    let hybrid = config.strategy.hybrid_configs.clone();
     let timeout = config.fault_tolerance.timeout();
     let recovery = Recovery::plan(&config, &options.run_dir, &options.resume)?;
     let outcomes = System::new().block_on(async move {
         // For the checkpoint protocol's gathers.
         let coordinator = Coordinator::for_job(&config, &recovery).start();
-        // links[rank]: stage links within each replica, rings across replicas of each stage.
-        let mut stage_links: Vec<Option<StageLinks>> = Vec::with_capacity(d * p);
-        for _ in 0..d {
-            stage_links.extend(
-                memory_links(p, timeout)
-                    .into_iter()
-                    .map(|l| Some(StageLinks::Made(Box::new(l)))),
-            );
-        }
-        let mut rings: Vec<Vec<Option<Communicator>>> = (0..p)
-            .map(|_| {
-                if d == 1 {
-                    vec![Some(Communicator::single())]
-                } else {
-                    memory::ring(d, timeout)
-                        .into_iter()
-                        .map(|t| Some(Communicator::new(Box::new(t))))
-                        .collect()
+        // Stage links by rank: channels within each part of each replica.
+        let mut stage_links: Vec<Option<StageLinks>> = (0..config.world_size()).map(|_| None).collect();
+        for replica in 0..hybrid.dp_degree {
+            for part in 0..config.mp_degree() {
+                let links = memory_links(hybrid.pp_degree, timeout);
+                for (rank, link) in hybrid.stages_of(replica, part).into_iter().zip(links) {
+                    stage_links[rank] = Some(StageLinks::Made(Box::new(link)));
                 }
-            })
-            .collect();
-        let runs = (0..d * p).map(|rank| {
-            let (replica, stage) = config.strategy.hybrid_configs.place_of(rank);
-            let (link, data_parallel) = (stage_links[rank].take(), rings[stage][replica].take());
+            }
+        }
+        let rings = MemoryRings::new(timeout, Vec::new());
+        let runs = stage_links.into_iter().enumerate().map(|(rank, link)| {
+            let group_rings = group_rings_in_memory(&hybrid, rank, &rings, 0);
             let bus = ControlBus::InMemory(coordinator.clone().into());
             let recovery = recovery.clone();
             let trace = trace.clone();
             async move {
+                let (data_parallel, layers) = group_rings?;
                 let generation = StageGeneration {
                     roster: None,
-                    link: link.context("each rank's stage link is taken once")?,
-                    data_parallel: data_parallel.context("each rank's ring is taken once")?,
+                    link: link.context("every rank has a stage link")?,
+                    data_parallel,
+                    layers,
                 };
                 train(stage_actor(job, rank, generation, bus, recovery, options, trace)).await
             }
         });
         futures::future::try_join_all(runs).await
     })?;
-    summarise(job, &outcomes[..p], "in-process")
+    summarise(job, &outcomes, "in-process")
 }
 
 /// All ranks in this process, struck by `plan` and recovering in place: each incarnation joins
@@ -113,42 +101,83 @@ pub(super) fn run_with_faults(
             train(actor).await
         }
     })?;
-    let p = config.strategy.hybrid_configs.pp_degree;
-    Ok((summarise(job, &outcomes[..p], "in-process")?, report))
+    Ok((summarise(job, &outcomes, "in-process")?, report))
 }
 
 /// The ring of a simulated pipeline laid out as `hybrid` says that carries rank `from`'s
 /// messages to rank `to`, and `from`'s position in it: the forward ring to the next stage, the
-/// backward ring to the stage before, the ring of the stage's replicas to the next replica.
+/// backward ring to the stage before, the ring of the stage's replicas to the next replica, the
+/// stage's layer group to the next part.
 fn ring_between(hybrid: &HybridConfigs, from: usize, to: usize) -> Option<(String, usize)> {
-    let (d, p) = (hybrid.dp_degree, hybrid.pp_degree);
-    let ((replica, stage), (to_replica, to_stage)) = (hybrid.place_of(from), hybrid.place_of(to));
-    if replica == to_replica && to_stage == stage + 1 {
-        Some((forward_ring(replica), stage))
-    } else if replica == to_replica && to_stage + 1 == stage {
-        Some((backward_ring(replica), p - 1 - stage))
-    } else if d > 1 && stage == to_stage && to_replica == (replica + 1) % d {
-        Some((replicas_ring(stage), replica))
+    let (d, p, mp) = (hybrid.dp_degree, hybrid.pp_degree, hybrid.mp_degree.max(1));
+    let (at, next) = (hybrid.place_of(from), hybrid.place_of(to));
+    let GridPlace { replica, stage, part } = at;
+    let same_stage_part = next.stage == stage && next.part == part;
+    if next.replica == replica && next.part == part && next.stage == stage + 1 {
+        Some((forward_ring(replica, part), stage))
+    } else if next.replica == replica && next.part == part && next.stage + 1 == stage {
+        Some((backward_ring(replica, part), p - 1 - stage))
+    } else if d > 1 && same_stage_part && next.replica == (replica + 1) % d {
+        Some((replicas_ring(stage, part), replica))
+    } else if mp > 1 && next.replica == replica && next.stage == stage && next.part == (part + 1) % mp {
+        Some((layers_ring(replica, stage), part))
     } else {
         None
     }
 }
 
-fn forward_ring(replica: usize) -> String {
-    format!("forward stages of replica {replica}")
+fn forward_ring(replica: usize, part: usize) -> String {
+    format!("forward stages of part {part} of replica {replica}")
 }
 
-fn backward_ring(replica: usize) -> String {
-    format!("backward stages of replica {replica}")
+fn backward_ring(replica: usize, part: usize) -> String {
+    format!("backward stages of part {part} of replica {replica}")
 }
 
-fn replicas_ring(stage: usize) -> String {
-    format!("replicas of stage {stage}")
+fn replicas_ring(stage: usize, part: usize) -> String {
+    format!("replicas of part {part} of stage {stage}")
+}
+
+fn layers_ring(replica: usize, stage: usize) -> String {
+    format!("layer group of stage {stage} of replica {replica}")
+}
+
+/// Rank `rank`'s ends of generation `generation`'s rings in memory among the ranks that hold
+/// its part of its stage in the other replicas, and among those that split its stage's layers
+/// with it (where they are split). A ring of one is no ring: its collectives are no-ops.
+fn group_rings_in_memory(
+    hybrid: &HybridConfigs,
+    rank: usize,
+    rings: &MemoryRings,
+    generation: u64,
+) -> Result<(Communicator, Option<Communicator>)> {
+    let GridPlace { replica, stage, part } = hybrid.place_of(rank);
+    let (d, mp) = (hybrid.dp_degree, hybrid.mp_degree.max(1));
+    let data_parallel = match d {
+        1 => Communicator::single(),
+        _ => Communicator::new(Box::new(rings.take(
+            generation,
+            &replicas_ring(stage, part),
+            d,
+            replica,
+        )?)),
+    };
+    let layers = match mp {
+        1 => None,
+        _ => Some(Communicator::new(Box::new(rings.take(
+            generation,
+            &layers_ring(replica, stage),
+            mp,
+            part,
+        )?))),
+    };
+    Ok((data_parallel, layers))
 }
 
 /// How rank `rank` of a simulated pipeline joins each generation: through the coordinator, then
-/// its ends of that generation's rings in memory — among its stage's replicas, and the forward
-/// and backward rings of its replica's stages — which a rollback order breaks.
+/// its ends of that generation's rings in memory — among its stage's replicas, the forward and
+/// backward rings of its replica's stages, its stage's layer group — which a rollback order
+/// breaks.
 fn rejoin_in_memory(config: Arc<JobConfig>, rank: usize, rings: Arc<MemoryRings>, breaker: RingBreaker) -> Rejoin {
     Box::new(move |bus: &mut ControlBus| -> BoxFuture<'_, Result<StageGeneration>> {
         let (config, rings, breaker) = (config.clone(), rings.clone(), breaker.clone());
@@ -158,13 +187,11 @@ fn rejoin_in_memory(config: Arc<JobConfig>, rank: usize, rings: Arc<MemoryRings>
                 .join(rank, config.world_size(), endpoint, None, config.shared_settings())
                 .await?;
             let hybrid = &config.strategy.hybrid_configs;
-            let (d, p, generation) = (hybrid.dp_degree, hybrid.pp_degree, roster.generation);
-            let (replica, stage) = hybrid.place_of(rank);
-            let data_parallel = match d {
-                1 => Communicator::single(),
-                _ => Communicator::new(Box::new(rings.take(generation, &replicas_ring(stage), d, replica)?)),
-            };
+            let (p, generation) = (hybrid.pp_degree, roster.generation);
+            let GridPlace { replica, stage, part } = hybrid.place_of(rank);
+            let (data_parallel, layers) = group_rings_in_memory(hybrid, rank, &rings, generation)?;
             let mut breaks: Vec<_> = data_parallel.link_breaks();
+            breaks.extend(layers.iter().flat_map(Communicator::link_breaks));
             let link = match p {
                 // One stage: hand-offs between its own chunks loop back in memory.
                 1 => StageLinks::Made(Box::new(
@@ -173,8 +200,8 @@ fn rejoin_in_memory(config: Arc<JobConfig>, rank: usize, rings: Arc<MemoryRings>
                         .context("a one-stage pipeline has a link")?,
                 )),
                 _ => {
-                    let forward = rings.take(generation, &forward_ring(replica), p, stage)?;
-                    let backward = rings.take(generation, &backward_ring(replica), p, p - 1 - stage)?;
+                    let forward = rings.take(generation, &forward_ring(replica, part), p, stage)?;
+                    let backward = rings.take(generation, &backward_ring(replica, part), p, p - 1 - stage)?;
                     breaks.extend(forward.link_break());
                     breaks.extend(backward.link_break());
                     StageLinks::Rings {
@@ -188,6 +215,7 @@ fn rejoin_in_memory(config: Arc<JobConfig>, rank: usize, rings: Arc<MemoryRings>
                 roster: Some(roster),
                 link,
                 data_parallel,
+                layers,
             })
         })
     })
@@ -197,7 +225,7 @@ fn rejoin_in_memory(config: Arc<JobConfig>, rank: usize, rings: Arc<MemoryRings>
 /// of its own: then a lost rank is replaced in place), and writes the outputs.
 pub(super) fn run_rank(job: &TrainingJob, rank: usize, options: &RunOptions) -> Result<Option<RunOutcome>> {
     let trace = options.trace_target();
-    let p = job.config.strategy.hybrid_configs.pp_degree;
+    let reporting = job.config.strategy.hybrid_configs.stages_of(0, 0);
     let (launched, start) = LaunchedRank::prepare(job.config.clone(), rank, options)?;
     let RankStart {
         listener,
@@ -235,18 +263,23 @@ pub(super) fn run_rank(job: &TrainingJob, rank: usize, options: &RunOptions) -> 
                 actor.in_place = in_place;
                 let outcome = train(actor).await?;
                 // Rank 0 holds only its own stage, and the outputs need every stage's parameters
-                // and the last stage's losses: replica 0's ranks (0..p) hand it their outcomes.
-                // The gather is the end-of-training barrier too, so no rank leaves while another
-                // still needs it.
-                let part = if rank < p { outcome.to_bytes()? } else { Bytes::new() };
+                // and the last stage's losses: replica 0's ranks of part 0 (holding the whole
+                // parameters) hand it their outcomes. The gather is the end-of-training barrier
+                // too, so no rank leaves while another still needs it.
+                let part = match reporting.contains(&rank) {
+                    true => outcome.to_bytes()?,
+                    false => Bytes::new(),
+                };
                 let parts = bus.gather(rank, "stage outcomes of replica 0", part).await?;
                 if rank != 0 {
                     return Ok(None);
                 }
-                let replica0 = parts
-                    .into_iter()
-                    .take(p)
-                    .map(StageOutcome::from_bytes)
+                let replica0 = reporting
+                    .iter()
+                    .map(|&rank| {
+                        let bytes = parts.get(rank).cloned().unwrap_or_default();
+                        StageOutcome::from_bytes(bytes)
+                    })
                     .collect::<Result<Vec<_>>>()
                     .context("rank 0: gathering the stage outcomes of replica 0")?;
                 let outcome = summarise(job, &replica0, "multi-process")?;
@@ -292,7 +325,7 @@ impl StageRings {
             )
             .await?;
         let abandoned = self.breaker.abandons(roster.generation);
-        let (link, data_parallel) = stage_rings::connect(
+        let (link, data_parallel, layers) = stage_rings::connect(
             bus,
             config,
             rank,
@@ -303,6 +336,7 @@ impl StageRings {
         )
         .await?;
         let mut sockets: Vec<_> = data_parallel.link_breaks();
+        sockets.extend(layers.iter().flat_map(Communicator::link_breaks));
         if let StageLinks::Rings { forward, backward } = &link {
             sockets.extend(forward.link_break());
             sockets.extend(backward.link_break());
@@ -312,6 +346,7 @@ impl StageRings {
             roster: Some(roster),
             link,
             data_parallel,
+            layers,
         })
     }
 
@@ -329,7 +364,8 @@ impl StageRings {
 }
 
 /// Rank `rank`'s stage actor with its own device actor, starting with `generation`'s links and
-/// `bus` to the coordinator; the rank of replica 0's last stage, which sees the loss, reports.
+/// `bus` to the coordinator; the rank of replica 0's last stage (its part 0), which sees the
+/// loss, reports.
 /// Must run inside an actix system.
 fn stage_actor(
     job: &TrainingJob,
@@ -340,8 +376,9 @@ fn stage_actor(
     options: &RunOptions,
     trace: Option<TraceTarget>,
 ) -> StageActor {
-    let p = job.config.strategy.hybrid_configs.pp_degree;
-    let monitor = (rank == p - 1).then(|| options.monitor(&job.config, rank, "stage"));
+    let hybrid = &job.config.strategy.hybrid_configs;
+    let last = hybrid.stages_of(0, 0).pop();
+    let monitor = (Some(rank) == last).then(|| options.monitor(&job.config, rank, "stage"));
     StageActor {
         parts: job.rank_parts(rank, recovery, monitor, trace),
         generation: Some(generation),
@@ -363,9 +400,16 @@ async fn train(actor: StageActor) -> Result<StageOutcome> {
         .map_err(|e| e.context(name))
 }
 
-/// The run's outcome from replica 0's stages (replicas hold equal parameters).
-fn summarise(job: &TrainingJob, replica0: &[StageOutcome], cluster: &str) -> Result<RunOutcome> {
+/// The run's outcome from replica 0's stages, part 0 of each (replicas hold equal parameters,
+/// and part 0 the whole of its stage's): found among `outcomes` by rank.
+fn summarise(job: &TrainingJob, outcomes: &[StageOutcome], cluster: &str) -> Result<RunOutcome> {
     let config = &job.config;
+    let reporting = config.strategy.hybrid_configs.stages_of(0, 0);
+    let replica0: Vec<&StageOutcome> = reporting
+        .iter()
+        .map(|&rank| outcomes.iter().find(|o| o.rank == rank))
+        .collect::<Option<_>>()
+        .context("an outcome of replica 0's stages is missing")?;
     let last = replica0.last().context("a pipeline needs at least one stage")?;
     let holder = replica0
         .iter()

@@ -1,7 +1,8 @@
 //! The rings of one rank of a launched pipeline job, all served by the rank's one data
-//! endpoint: the data-parallel ring among its stage's replicas, and the forward and backward
-//! rings among its replica's stages. A listener accepts only a hello from its ring-left
-//! neighbour, so the rings are connected in phases that coordinator barriers keep apart.
+//! endpoint: the data-parallel ring among its stage's replicas, the forward and backward rings
+//! among its replica's stages, and the ring of the ranks that split its stage's layers. A
+//! listener accepts only a hello from its ring-left neighbour, so the rings are connected in
+//! phases that coordinator barriers keep apart.
 
 use std::net::{SocketAddr, TcpListener};
 use std::time::Duration;
@@ -10,7 +11,7 @@ use anyhow::{anyhow, Context, Result};
 
 use crate::actors::device::StageLinks;
 use crate::actors::stage::training_replicas;
-use crate::config::JobConfig;
+use crate::config::{GridPlace, JobConfig};
 use crate::engines::comm::{Abandoned, Communicator, RingLinks, RingPlace, RingTransport};
 use crate::net::auth::Credentials;
 use crate::net::protocol::Roster;
@@ -18,10 +19,11 @@ use crate::net::ControlBus;
 use crate::pipeline::link::memory_links;
 
 /// Connects rank `rank`'s rings over `listener`, its data endpoint: (a) the data-parallel ring
-/// of its stage (ranks `r·p + stage` of the replicas `r` training in `roster`'s generation, when
-/// more than one does), then (b) the forward stage ring of its replica (ranks `replica·p +
-/// 0..p`, when `pp_degree` > 1), then (c) the backward one. A rollback order past the roster's
-/// generation (`abandoned`) stops the connecting.
+/// of its part of its stage (the ranks of that part and stage in the replicas training in
+/// `roster`'s generation, when more than one does), then (b) the forward stage ring of its
+/// part of its replica (when `pp_degree` > 1), then (c) the backward one, then (d) its stage's
+/// layer group (when `mp_degree` > 1). A rollback order past the roster's generation
+/// (`abandoned`) stops the connecting.
 pub(super) async fn connect(
     bus: &mut ControlBus,
     config: &JobConfig,
@@ -30,10 +32,10 @@ pub(super) async fn connect(
     listener: TcpListener,
     credentials: Credentials,
     abandoned: Abandoned,
-) -> Result<(StageLinks, Communicator)> {
+) -> Result<(StageLinks, Communicator, Option<Communicator>)> {
     let hybrid = &config.strategy.hybrid_configs;
-    let p = hybrid.pp_degree;
-    let (replica, stage) = hybrid.place_of(rank);
+    let (p, mp) = (hybrid.pp_degree, config.mp_degree());
+    let GridPlace { replica, stage, part } = hybrid.place_of(rank);
     let training = training_replicas(hybrid, roster);
     // Every rank's endpoint by rank; one not training this generation is never connected to.
     let unspecified = SocketAddr::from(([0, 0, 0, 0], 0));
@@ -55,7 +57,10 @@ pub(super) async fn connect(
         abandoned,
     };
     let data_parallel = if training.len() > 1 {
-        let replicas: Vec<usize> = training.iter().map(|&r| hybrid.rank_of(r, stage)).collect();
+        let replicas: Vec<usize> = training
+            .iter()
+            .map(|&replica| hybrid.rank_of(GridPlace { replica, stage, part }))
+            .collect();
         let position = training.iter().position(|&r| r == replica).with_context(|| {
             format!(
                 "{} does not train in generation {}",
@@ -63,31 +68,50 @@ pub(super) async fn connect(
                 roster.generation
             )
         })?;
-        let name = format!("the data-parallel ring of stage {stage}");
+        let name = format!("the data-parallel ring of part {part} of stage {stage}");
         Communicator::new(rings.connect(&name, replicas, position).await?)
     } else {
         Communicator::single()
     };
+    let mut connected = training.len() > 1;
     let link = if p > 1 {
-        if training.len() > 1 {
+        if connected {
             bus.barrier(rank, "data-parallel rings connected").await?;
         }
-        let stages = hybrid.stages_of(replica);
-        let name = format!("the forward stage ring of replica {replica}");
+        let stages = hybrid.stages_of(replica, part);
+        let name = format!("the forward stage ring of part {part} of replica {replica}");
         let forward = rings.connect(&name, stages.clone(), stage).await?;
         bus.barrier(rank, "forward stage rings connected").await?;
-        let name = format!("the backward stage ring of replica {replica}");
+        let name = format!("the backward stage ring of part {part} of replica {replica}");
         let backward = rings
             .connect(&name, stages.into_iter().rev().collect(), p - 1 - stage)
             .await?;
+        connected = true;
         StageLinks::Rings { forward, backward }
     } else {
         // One stage: hand-offs between its own chunks (interleaving) loop back in memory.
         let to_itself = memory_links(1, rings.timeout).pop();
         StageLinks::Made(Box::new(to_itself.context("a one-stage pipeline has a link")?))
     };
+    let layers = if mp > 1 {
+        if connected {
+            bus.barrier(rank, "stage rings connected").await?;
+        }
+        let group = GridPlace {
+            replica,
+            stage,
+            part: 0,
+        };
+        let members = (0..mp)
+            .map(|part| hybrid.rank_of(GridPlace { part, ..group }))
+            .collect();
+        let name = format!("the layer group of stage {stage} of replica {replica}");
+        Some(Communicator::new(rings.connect(&name, members, part).await?))
+    } else {
+        None
+    };
     tracing::info!("{}: pipeline rings connected", rings.who);
-    Ok((link, data_parallel))
+    Ok((link, data_parallel, layers))
 }
 
 /// What connecting one of a rank's rings takes.
