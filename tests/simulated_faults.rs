@@ -216,6 +216,26 @@ fn a_message_lost_between_stages_or_replicas_costs_the_rank_that_waited_for_it()
     }
 }
 
+/// A two-stage pipeline whose stages two ranks split (its MLP's column-split layer ends stage
+/// 0): a killed rank is replaced alone, its stage's layer group relinked in place; a message lost
+/// on stage 1's layer group costs the rank that waited for it. Each run ends as without faults.
+#[test]
+fn a_pipeline_of_split_stages_recovers_from_a_killed_rank_and_a_lost_layer_message() {
+    #[rustfmt::skip]
+    let split = ["strategy.pipeline=true", "cluster.nproc_per_node=4", "strategy.hybrid_configs.pp_degree=2",
+        "strategy.hybrid_configs.mp_degree=2", "strategy.pipeline_configs.accumulate_steps=4",
+        "strategy.pipeline_configs.stage_boundaries=[1]", "train.hidden_sizes=[64, 32]"];
+    let job = TrainingJob::builtin(config(&[&RECOVERING[..], &split].concat())).expect("job");
+    killed_ranks_are_replaced_alone(&job);
+    let plan = FaultPlan {
+        links: vec![(2, 3, LinkFault::Drop { message: 100 })],
+        ..FaultPlan::default()
+    };
+    let (checksum, report) = run(&job, &plan);
+    assert_eq!(report.replaced, vec![0, 0, 0, 1], "a layer group's message lost");
+    assert_eq!(checksum, uninterrupted(&job), "a layer group's message lost");
+}
+
 /// Two shards and two trainers of `examples/ctr_ps.toml` (roles 0 and 1 are the servers, 2 and 3
 /// the trainers), recovering as the other jobs here, with `extra` settings.
 fn ps_settings(extra: &[&'static str]) -> Vec<&'static str> {

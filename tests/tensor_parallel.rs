@@ -195,6 +195,32 @@ fn grid((dp, mp, pp): (usize, usize, usize)) -> Vec<String> {
     flags
 }
 
+/// Trains `settings` (the rank count among them) for `steps` as a process per rank under
+/// `flotilla launch` in `run_dir`, or resumes there from its step 20.
+fn launched(run_dir: &std::path::Path, settings: &[String], steps: usize, resume: bool) {
+    let ranks = settings
+        .iter()
+        .find_map(|s| s.strip_prefix("cluster.nproc_per_node="))
+        .expect("a rank count");
+    let port = common::free_port_range(5).to_string();
+    let steps = format!("train.steps={steps}");
+    let mode = if resume { "--resume" } else { "--run-dir" };
+    let flags = set_flags(settings);
+    #[rustfmt::skip]
+    let mut args = vec!["launch", "--nproc_per_node", ranks, "--started_port", &port, "--", "train", mode,
+        run_dir.to_str().expect("utf-8"), "--set", &steps];
+    args.extend(flags.iter().map(String::as_str));
+    let finished = common::flotilla(&args, &[], 180);
+    assert!(finished.success, "{settings:?}: {}", finished.stderr);
+    if resume {
+        assert!(
+            finished.stderr.contains("state restored rank=0 step=20"),
+            "{}",
+            finished.stderr
+        );
+    }
+}
+
 /// Launched as processes (rings over shared memory and TCP), a GPT split 2 ways in 2 replicas
 /// ends bit for bit as the same job simulated in one process (the same sums in the same order),
 /// its `params.safetensors` the whole model in one process's names and shapes. Its checkpoint
@@ -203,32 +229,15 @@ fn grid((dp, mp, pp): (usize, usize, usize)) -> Vec<String> {
 /// partial products are summed in another order after the change).
 #[test]
 fn a_split_job_across_processes_checkpoints_the_whole_model_and_resumes_on_another_split() {
-    use common::{flotilla, free_port_range, read_params};
+    use common::{flotilla, read_params};
     let dir = tempfile::tempdir().expect("temp dir");
     let gpt: Vec<String> = [&TINY_GPT[..], &SPLIT_GPT[..], &["fault_tolerance.checkpoint_every=10"]]
         .concat()
         .iter()
         .map(|s| s.to_string())
         .collect();
-    // Every run a process per rank under `flotilla launch`.
     let train = |run_dir: &std::path::Path, split: (usize, usize), steps: usize, resume: bool| {
-        let (ranks, port) = ((split.0 * split.1).to_string(), free_port_range(5).to_string());
-        let steps = format!("train.steps={steps}");
-        let mode = if resume { "--resume" } else { "--run-dir" };
-        let flags = set_flags(&[&gpt[..], &layout(split)[..]].concat());
-        #[rustfmt::skip]
-        let mut args = vec!["launch", "--nproc_per_node", &ranks, "--started_port", &port, "--", "train", mode,
-            run_dir.to_str().expect("utf-8"), "--set", &steps];
-        args.extend(flags.iter().map(String::as_str));
-        let finished = flotilla(&args, &[], 180);
-        assert!(finished.success, "{split:?}: {}", finished.stderr);
-        if resume {
-            assert!(
-                finished.stderr.contains("state restored rank=0 step=20"),
-                "{}",
-                finished.stderr
-            );
-        }
+        launched(run_dir, &[&gpt[..], &layout(split)[..]].concat(), steps, resume)
     };
     let uninterrupted = dir.path().join("uninterrupted");
     train(&uninterrupted, (2, 2), 30, false);
@@ -265,5 +274,60 @@ fn a_split_job_across_processes_checkpoints_the_whole_model_and_resumes_on_anoth
         let diff = max_abs_diff(&expected, &read_params(&run_dir.join("params.safetensors")));
         eprintln!("{from:?} → {to:?}: max |Δparam| = {diff:e}");
         assert!(diff <= TOLERANCE, "{from:?} → {to:?}: max |Δparam| = {diff:e}");
+    }
+}
+
+/// Launched as 4 processes (each stage's layer group, stage rings and replica rings over shared
+/// memory and TCP), a 2-stage pipeline whose stages are split 2 ways ends bit for bit as the
+/// same job simulated in one process. Part 0 of each stage writes the whole stage: the
+/// checkpoint resumes as an unsplit pipeline of 2 replicas, and an unsplit one resumes split,
+/// each as the uninterrupted run goes on (within [`TOLERANCE`]).
+#[test]
+fn a_pipeline_of_split_stages_across_processes_resumes_split_another_way() {
+    use common::{flotilla, read_params};
+    let dir = tempfile::tempdir().expect("temp dir");
+    let gpt: Vec<String> = [&TINY_GPT[..], &SPLIT_GPT[..], &["fault_tolerance.checkpoint_every=10"]]
+        .concat()
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+    let (split, unsplit) = (
+        [&gpt[..], &grid((1, 2, 2))[..]].concat(),
+        [&gpt[..], &grid((2, 1, 2))[..]].concat(),
+    );
+    let uninterrupted = dir.path().join("uninterrupted");
+    launched(&uninterrupted, &split, 30, false);
+    let expected = read_params(&uninterrupted.join("params.safetensors"));
+    let settings: Vec<&str> = split.iter().map(String::as_str).collect();
+    let simulated = train_in_process(config(&[&settings[..], &["train.steps=30"]].concat()));
+    assert_eq!(
+        max_abs_diff(&expected, &simulated.parameters),
+        0.0,
+        "launched against simulated"
+    );
+    for (run, (from, to, says)) in [
+        (
+            &split,
+            &unsplit,
+            "pipeline: 2 stage(s) × 1 data-parallel replica(s), each stage's layers split 2 ways",
+        ),
+        (&unsplit, &split, "pipeline: 2 stage(s) × 2 data-parallel replica(s)\n"),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let run_dir = dir.path().join(format!("resumed-{run}"));
+        launched(&run_dir, from, 20, false);
+        let checkpoints = run_dir.join("checkpoints");
+        let inspected = flotilla(
+            &["checkpoint", "inspect", checkpoints.to_str().expect("utf-8")],
+            &[],
+            30,
+        );
+        assert!(inspected.stdout.contains(says), "{}", inspected.stdout);
+        launched(&run_dir, to, 30, true);
+        let diff = max_abs_diff(&expected, &read_params(&run_dir.join("params.safetensors")));
+        eprintln!("{}: resumed, max |Δparam| = {diff:e}", says.trim());
+        assert!(diff <= TOLERANCE, "{says}: max |Δparam| = {diff:e}");
     }
 }

@@ -148,43 +148,40 @@ fn gather_whole(
     Ok(gathered)
 }
 
-/// Stand-ins of `params` in the whole model's shapes, for a file to be read into: a split
-/// parameter's a variable of its whole shape (its parts' lengths summed over `layers`, whose
-/// ranks all call this together: a vocabulary's slices may differ by one), the others the
-/// parameters themselves.
-fn whole_shaped(params: &[NamedParam], layers: &Group) -> Result<Vec<NamedParam>> {
-    let lengths: Vec<u32> = params
-        .iter()
-        .filter_map(|p| p.split.map(|dim| p.var.dims()[dim] as u32))
-        .collect();
-    let mut whole_lengths = vec![0usize; lengths.len()];
-    if !lengths.is_empty() {
-        let all = layers.gather(
-            bytemuck::cast_slice(&lengths).to_vec(),
-            "all-gather of split parameters' lengths",
-        )?;
-        for theirs in all {
-            let theirs: Vec<u32> = bytemuck::pod_collect_to_vec(&theirs);
-            ensure!(
-                theirs.len() == lengths.len(),
-                "a rank of the layer group splits other parameters"
-            );
-            whole_lengths
-                .iter_mut()
-                .zip(theirs)
-                .for_each(|(sum, length)| *sum += length as usize);
-        }
-    }
-    let mut whole_lengths = whole_lengths.into_iter();
+/// Stand-ins of `params` in the whole model's shapes, for the state file `bytes` (which holds
+/// the whole model) to be read into: a split parameter's a variable of the shape the file gives
+/// it (a vocabulary's slices may differ by one, so no rank knows the whole length alone), the
+/// others the parameters themselves. Reads no values and asks no other rank, so a rank restores
+/// whatever the others of its group do meanwhile.
+fn whole_shaped(params: &[NamedParam], bytes: &[u8]) -> Result<Vec<NamedParam>> {
+    let file = safetensors::SafeTensors::deserialize(bytes).context("not a safetensors file")?;
     params
         .iter()
         .map(|p| {
             let mut whole = p.clone();
             if let Some(dim) = whole.split.take() {
-                let mut dims = p.var.dims().to_vec();
-                dims[dim] = whole_lengths
-                    .next()
-                    .context("a split parameter's length was not gathered")?;
+                let view = file
+                    .tensor(&p.name)
+                    .with_context(|| format!("the checkpoint has no parameter {}", p.name))?;
+                let mut dims = view.shape().to_vec();
+                if p.transposed {
+                    dims.reverse();
+                }
+                let part = p.var.dims();
+                let holds_part = dims.len() == part.len()
+                    && (0..dims.len()).all(|d| {
+                        if d == dim {
+                            dims[d] >= part[d]
+                        } else {
+                            dims[d] == part[d]
+                        }
+                    });
+                ensure!(
+                    holds_part,
+                    "parameter {}: the checkpoint's {dims:?} does not hold this rank's part {part:?} (split along \
+                     dimension {dim})",
+                    p.name
+                );
                 whole.var = Var::zeros(dims, p.var.dtype(), p.var.device())?;
             }
             Ok(whole)
@@ -244,7 +241,7 @@ pub trait RankReplica: Send {
             ..
         } = self.held();
         // The file holds the whole model: read into its shapes, then cut to this rank's parts.
-        let whole = whole_shaped(params, layers)?;
+        let whole = whole_shaped(params, bytes)?;
         let part = |state| state_part(state, params, layers);
         let restored = match optimizer {
             HeldOptimizer::Whole(optimizer) => {

@@ -187,15 +187,18 @@ impl Restore<'_> {
             }
             return restored(rank, device, step, disk()?, "disk".to_string(), started).await;
         };
-        if step == 0 && kept.at(0).is_none() {
-            // A fresh state is step 0's: kept to roll back to until a checkpoint is committed.
-            let initial = device
-                .send(Snapshot {
-                    run: RunRecord::default(),
-                })
-                .await??;
+        if step == 0 {
+            // A fresh state is step 0's, kept to roll back to until a checkpoint is committed. A
+            // rank that held it returns to it; then every rank takes it anew, together: the
+            // snapshot gathers sharded states and split layers from the ranks holding them, a
+            // replacement's (whose state is fresh) among them.
+            let run = match kept.at(0) {
+                Some(bytes) => restored(rank, device, step, bytes, "memory".to_string(), started).await?,
+                None => RunRecord::default(),
+            };
+            let initial = device.send(Snapshot { run: run.clone() }).await??;
             kept.committed = Some((0, Arc::new(initial)));
-            return Ok(RunRecord::default());
+            return Ok(run);
         }
         let local = match kept.at(step) {
             Some(bytes) => Some((bytes, "memory".to_string())),
@@ -216,15 +219,10 @@ impl Restore<'_> {
                 }
             },
         };
-        // Every rank holds step 0's state (a fresh one is it): nothing to share.
-        let (bytes, from) = if step > 0 {
-            let mine = local.as_ref().map(|(bytes, _)| bytes.clone());
-            match device.send(ShareState { step, mine }).await?? {
-                Shared::Held => local.context("a rank without the state was told it held it")?,
-                Shared::Received { bytes, from } => (Arc::new(bytes), format!("rank {}", ring_ranks[from])),
-            }
-        } else {
-            local.context("step 0's state is kept")?
+        let mine = local.as_ref().map(|(bytes, _)| bytes.clone());
+        let (bytes, from) = match device.send(ShareState { step, mine }).await?? {
+            Shared::Held => local.context("a rank without the state was told it held it")?,
+            Shared::Received { bytes, from } => (Arc::new(bytes), format!("rank {}", ring_ranks[from])),
         };
         if from != "memory" {
             kept.committed = Some((step, bytes.clone()));
