@@ -82,6 +82,43 @@ fn a_gpt_sharded_over_two_and_four_ranks_matches_data_parallelism_bit_for_bit() 
     }
 }
 
+/// A pipeline's stages shard their states over their replicas (each stage part's data-parallel
+/// ring): 2 replicas of 2 stages, and the 4-D layout — 2 sharded replicas × 2 stages × 2 parts
+/// of each stage's split layers — train bit for bit as without sharding, the replicas counted as
+/// `dp_degree` (stage 1) or as `sharding_degree` (stage 2).
+#[test]
+fn a_pipelines_stages_shard_their_states_over_their_replicas_bit_for_bit() {
+    #[rustfmt::skip]
+    let pipeline = [&common::TINY_GPT[..], &["train.optimizer=\"adamw\"", "train.lr=0.003",
+        "train.test_fraction=0.002", "strategy.fuse_grad_size_in_MB=0.01", "strategy.pipeline=true",
+        "strategy.hybrid_configs.pp_degree=2", "strategy.pipeline_configs.accumulate_steps=2", "train.gpt.n_head=4"]]
+    .concat();
+    for (ranks, mp) in [(4, 1), (8, 2)] {
+        let (ranks, mp) = (
+            format!("cluster.nproc_per_node={ranks}"),
+            format!("strategy.hybrid_configs.mp_degree={mp}"),
+        );
+        let layout = [&pipeline[..], &[ranks.as_str(), mp.as_str()]].concat();
+        let plain = run(&[&layout[..], &["strategy.hybrid_configs.dp_degree=2"]].concat());
+        for (stage, replicas) in [
+            ("1", "strategy.hybrid_configs.dp_degree=2"),
+            ("2", "strategy.hybrid_configs.sharding_degree=2"),
+        ] {
+            let stage = format!("strategy.sharding_configs.stage={stage}");
+            let sharded = run(&[&layout[..], &[replicas, "strategy.sharding=true", stage.as_str()]].concat());
+            let diff = max_abs_diff(&plain.parameters, &sharded.parameters);
+            assert_eq!(diff, 0.0, "{ranks} {mp} {stage}: max |Δparam| = {diff:e}");
+            assert_eq!(plain.losses, sharded.losses, "{ranks} {mp} {stage}");
+            let held = |run: &RunOutcome| run.summary.state_bytes.expect("state bytes").optimizer;
+            // AdamW's two moments of stage 0, against two moments and a copy of half of them.
+            assert!(
+                held(&sharded) < held(&plain),
+                "{ranks} {mp} {stage}: the moments are sharded"
+            );
+        }
+    }
+}
+
 #[test]
 fn gradient_merge_and_recompute_combine_with_sharded_gradients() {
     assert_sharding_changes_nothing(

@@ -214,6 +214,11 @@ fn stage_outcome() -> StageOutcome {
         peak_activations: 4,
         peak_activation_bytes: 4096,
         bubble_fraction: 0.2,
+        state_bytes: flotilla::collective::StateBytes {
+            parameters: 48,
+            gradients: 48,
+            optimizer: 96,
+        },
         parameters: vec![("block1.weight".into(), vec![0.5; 12]), ("block1.bias".into(), vec![])],
     }
 }

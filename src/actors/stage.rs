@@ -15,7 +15,7 @@ use bytes::Bytes;
 use futures::future::BoxFuture;
 use serde::{Deserialize, Serialize};
 
-use super::device::{Prepare, ReadParameters, Relink, ReplicaPart, StageLinks, StageRelink};
+use super::device::{Prepare, ReadParameters, ReadStateBytes, Relink, ReplicaPart, StageLinks, StageRelink};
 use super::rank_generations::{train_generations, RankGenerations};
 use super::rank_parts::RankParts;
 use super::rank_steps::{train_generation, Place, StrategySteps};
@@ -27,6 +27,7 @@ use super::recovery::stage_file;
 use super::run_loop::{run_steps, RunLoop};
 use crate::checkpoint::HeldFile;
 use crate::collective::training_state::RunRecord;
+use crate::collective::StateBytes;
 use crate::config::{GridPlace, HybridConfigs};
 use crate::engines::comm::Communicator;
 use crate::models::Score;
@@ -119,6 +120,8 @@ pub struct StageOutcome {
     /// Time waiting for neighbours over the time of the schedules: the stage's bubble as a
     /// share of the pipeline's step.
     pub bubble_fraction: f64,
+    /// The bytes of parameters, gradients and optimizer state the rank holds.
+    pub state_bytes: StateBytes,
     /// The stage's final parameters by name (as bytes, they travel apart from the serialized
     /// rest: see [`StageOutcome::to_bytes`]).
     #[serde(skip)]
@@ -276,7 +279,7 @@ impl StageRun {
                 let place = training.iter().position(|&replica| replica == self.place.replica);
                 (place.unwrap_or(self.place.replica), training.len().max(1))
             }
-            None => (self.place.replica, hybrid.dp_degree),
+            None => (self.place.replica, hybrid.replicas()),
         }
     }
 
@@ -398,7 +401,9 @@ impl RankGenerations for StageRun {
         let parts = self.parts.clone();
         let generation = train_generation(self, &parts, place, run, first, restored).await?;
         let parameters = self.parts.device.send(ReadParameters).await??;
+        let state_bytes = self.parts.device.send(ReadStateBytes).await??;
         Ok(StageOutcome {
+            state_bytes,
             rank,
             steps: run.steps,
             evaluated: generation.score,
@@ -446,7 +451,7 @@ impl StrategySteps for StageRun {
 /// The replicas every rank of which trains in `roster`'s generation (all of them, unless
 /// elastic membership went on without some), in order.
 pub(crate) fn training_replicas(hybrid: &HybridConfigs, roster: &Roster) -> Vec<usize> {
-    (0..hybrid.dp_degree)
+    (0..hybrid.replicas())
         .filter(|&replica| {
             hybrid
                 .ranks_of_replica(replica)
@@ -476,6 +481,7 @@ mod tests {
             peak_activations: 4,
             peak_activation_bytes: 4096,
             bubble_fraction: 0.5,
+            state_bytes: StateBytes::default(),
             parameters: vec![("fc0.weight".into(), vec![1.0, -2.0, 3.5]), ("fc0.bias".into(), vec![])],
         };
         let bytes = outcome.to_bytes().unwrap();

@@ -53,7 +53,7 @@ pub struct StepReport {
 /// The bytes of state a rank holds between steps: its parameters, the averaged gradients its
 /// optimizer steps on, and the optimizer's state (a sharded optimizer's copy of the parameters it
 /// updates included).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct StateBytes {
     /// Parameters.
     pub parameters: usize,

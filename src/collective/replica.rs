@@ -10,25 +10,18 @@ use candle_core::{Device, Tensor, Var};
 use super::evaluation::{score_pieces, sum_over_ranks};
 use super::preemption;
 use super::rank_figures::RankFigures;
-use super::rank_replica::{Held, HeldOptimizer, RankReplica, StepReport};
-use super::tensor_parallel::{clip_split_by_global_norm, RingGroup};
-use super::{Averaged, GradientSync, ParamChecksum, ShardedStates};
+use super::rank_replica::{Held, RankReplica, StepReport};
+use super::tensor_parallel::RingGroup;
+use super::{Averaged, GradientSync, ParamChecksum, ReplicaOptimizer};
 use crate::config::{JobConfig, LossKind};
 use crate::data::{Batch, Pieces};
 use crate::engines::comm::CommWorker;
 use crate::engines::compute::segments::{self, Segments};
 use crate::models::parallel::{Alone, Group};
 use crate::models::{Model, NamedParam, Score};
-use crate::optim::{LrPolicy, Optimizer};
+use crate::optim::LrPolicy;
 use crate::telemetry::metrics::peak_rss_bytes;
 use crate::telemetry::timeline::{record, Timeline};
-
-/// A replica's optimizer: over the whole parameters, or over this rank's shards of them
-/// (`strategy.sharding`).
-enum ReplicaOptimizer {
-    Whole(Optimizer),
-    Sharded(Box<ShardedStates>),
-}
 
 /// A model replica that trains in lockstep with the other ranks.
 pub struct Replica {
@@ -79,7 +72,7 @@ impl Replica {
             .context("splitting the model over its layer group (strategy.hybrid_configs.mp_degree)")?;
         let params = model.parameters();
         let vars: Vec<Var> = params.iter().map(|p| p.var.clone()).collect();
-        let gradients = GradientSync::new(job, vars.clone(), &backward_order(&model, &params), &device)?;
+        let gradients = GradientSync::new(job, vars, &backward_order(&model, &params), &device)?;
         // The job's replicas, not this generation's: with elastic membership the global batch,
         // and so its learning rate, stays the same on fewer ranks.
         let lr_policy = LrPolicy::new(
@@ -87,16 +80,7 @@ impl Replica {
             job.data_parallel_replicas(),
             gradients.optimizer_step(steps),
         );
-        let optimizer = match job.strategy.sharding_stage() {
-            None => ReplicaOptimizer::Whole(Optimizer::new(&job.train, vars, lr_policy.at(0))?),
-            Some(stage) => ReplicaOptimizer::Sharded(Box::new(ShardedStates::new(
-                (&job.train, stage),
-                gradients.plan(),
-                &params,
-                &comm,
-                lr_policy.at(0),
-            )?)),
-        };
+        let optimizer = ReplicaOptimizer::new(job, gradients.plan(), &params, &comm, lr_policy.at(0))?;
         let blocks = model.blocks().len();
         let (segments, whole) = if job.strategy.recompute {
             let names: Vec<&str> = model.blocks().iter().map(|b| b.name()).collect();
@@ -151,9 +135,7 @@ impl Replica {
             (None, None) => {}
             _ => anyhow::bail!("a relink changed whether the layers are split"),
         }
-        if let ReplicaOptimizer::Sharded(states) = &mut self.optimizer {
-            **states = states.recut(self.gradients.plan(), &self.params, &comm)?;
-        }
+        self.optimizer.recut(self.gradients.plan(), &self.params, &comm)?;
         self.comm = comm;
         self.gradients.clear();
         Ok(())
@@ -168,21 +150,11 @@ impl Replica {
     /// where the job asks; a sharded one then all-gathers the parameters, and answers the time
     /// it waited for them.
     fn apply(&mut self, averaged: Averaged, step: usize) -> Result<Duration> {
-        let mut waited = Duration::ZERO;
         let stepping = Instant::now();
-        match &mut self.optimizer {
-            ReplicaOptimizer::Whole(optimizer) => {
-                let mut grads = averaged.grads.into_whole()?;
-                if self.grad_clip_norm > 0.0 {
-                    clip_split_by_global_norm(&mut grads, &self.params, &self.layers, self.grad_clip_norm)?;
-                }
-                optimizer.step(&grads)?;
-            }
-            ReplicaOptimizer::Sharded(states) => {
-                let (clip, rings) = ((self.grad_clip_norm, step), (&self.comm, &self.layers));
-                waited = states.step(&self.params, averaged.grads, clip, rings, &mut self.timeline)?;
-            }
-        }
+        let (clip, rings) = ((self.grad_clip_norm, step), (&self.comm, &self.layers));
+        let waited = self
+            .optimizer
+            .step(&self.params, averaged.grads, clip, rings, &mut self.timeline)?;
         settle_for_trace(&self.timeline, &self.device)?;
         record(
             &mut self.timeline,
@@ -210,10 +182,7 @@ impl RankReplica for Replica {
     fn held(&mut self) -> Held<'_> {
         Held {
             params: &self.params,
-            optimizer: match &mut self.optimizer {
-                ReplicaOptimizer::Whole(optimizer) => HeldOptimizer::Whole(optimizer),
-                ReplicaOptimizer::Sharded(states) => HeldOptimizer::Sharded(states),
-            },
+            optimizer: self.optimizer.held(),
             step: &mut self.step,
             ring: &self.comm,
             layers: &self.layers,
@@ -233,10 +202,7 @@ impl RankReplica for Replica {
         let step = self.step;
         let comm_before = self.comm.busy_time();
         let lr = self.lr_policy.at(self.gradients.optimizer_step(step));
-        match &mut self.optimizer {
-            ReplicaOptimizer::Whole(optimizer) => optimizer.set_learning_rate(lr),
-            ReplicaOptimizer::Sharded(states) => states.set_learning_rate(lr),
-        }
+        self.optimizer.set_learning_rate(lr);
         let (x, y) = batch.tensors(&self.device)?;
         record(&mut self.timeline, || format!("data {step}"), "data", started);
 

@@ -153,11 +153,7 @@ fn estimate(config: &JobConfig) -> Vec<Need> {
 /// the buckets in flight (at most the whole).
 fn sharded_states(config: &JobConfig, params: u128, slots: u128) -> [u128; 2] {
     let strategy = &config.strategy;
-    let degree = match config.shards_within_nodes() {
-        true => strategy.hybrid_configs.sharding_degree,
-        false => config.world_size(),
-    };
-    let shard = params.div_ceil(degree.max(1) as u128);
+    let shard = params.div_ceil(config.sharding_ranks().max(1) as u128);
     match strategy.sharding_stage() {
         None => [params, mul(&[params, slots])],
         Some(ShardingStage::OptimizerStates) => [params, mul(&[shard, slots + 1])],

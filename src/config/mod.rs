@@ -338,7 +338,7 @@ impl JobConfig {
     /// more activations than a training step (scoring hundreds of GPT windows at once held 15×).
     pub fn eval_batch_rows(&self) -> usize {
         let replicas = match self.strategy.pipeline {
-            true => self.strategy.hybrid_configs.dp_degree,
+            true => self.strategy.hybrid_configs.replicas(),
             false => self.data_parallel_replicas(),
         };
         let rows = self

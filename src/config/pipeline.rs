@@ -99,6 +99,12 @@ impl HybridConfigs {
         self.mp_degree.max(1)
     }
 
+    /// Replicas of the pipeline (of the model, without one): `dp_degree`, times
+    /// `sharding_degree` where the states are sharded over replicas Paddle counts apart.
+    pub fn replicas(&self) -> usize {
+        self.dp_degree * self.sharding_degree.max(1)
+    }
+
     /// Rank `rank`'s place.
     pub fn place_of(&self, rank: usize) -> GridPlace {
         let (group, part) = (rank / self.parts(), rank % self.parts());
@@ -116,7 +122,7 @@ impl HybridConfigs {
 
     /// The ranks holding part `part` of `stage`, by replica: their data-parallel ring.
     pub fn replicas_of(&self, stage: usize, part: usize) -> Vec<usize> {
-        (0..self.dp_degree)
+        (0..self.replicas())
             .map(|replica| self.rank_of(GridPlace { replica, stage, part }))
             .collect()
     }
@@ -160,23 +166,33 @@ impl PipelineConfigs {
     /// Range and consistency checks, given the hybrid layout, the world size and the global
     /// batch.
     pub(crate) fn check(&self, hybrid: &HybridConfigs, world_size: usize, batch_size: usize) -> Result<(), FieldError> {
-        let (d, p) = (hybrid.dp_degree, hybrid.pp_degree);
-        if d == 0 || p == 0 {
-            let key = if d == 0 { "dp_degree" } else { "pp_degree" };
+        let (dp, p) = (hybrid.dp_degree, hybrid.pp_degree);
+        if dp == 0 || p == 0 {
+            let key = if dp == 0 { "dp_degree" } else { "pp_degree" };
             return Err(FieldError::new(
                 format!("strategy.hybrid_configs.{key}"),
                 "must be at least 1, got 0",
             ));
         }
-        let mp = hybrid.parts();
+        // The pipeline's replicas: `dp_degree`, or `sharding_degree` where the shards' are
+        // counted apart (the sharding keys check which).
+        let (sharding, mp) = (hybrid.sharding_degree.max(1), hybrid.parts());
+        let d = hybrid.replicas();
         if d.checked_mul(p).and_then(|n| n.checked_mul(mp)) != Some(world_size) {
-            let product = match mp {
-                1 => format!("dp_degree × pp_degree = {d} × {p}"),
-                _ => format!("dp_degree × pp_degree × mp_degree = {d} × {p} × {mp}"),
-            };
+            let degrees = [("dp", dp), ("sharding", sharding), ("pp", p), ("mp", mp)];
+            let set: Vec<_> = degrees
+                .iter()
+                .filter(|&&(key, n)| n > 1 || key == "dp" || key == "pp")
+                .collect();
+            let names: Vec<String> = set.iter().map(|(key, _)| format!("{key}_degree")).collect();
+            let values: Vec<String> = set.iter().map(|(_, n)| n.to_string()).collect();
             return Err(FieldError::new(
                 "strategy.hybrid_configs",
-                format!("{product} must equal the world size {world_size}"),
+                format!(
+                    "{} = {} must equal the world size {world_size}",
+                    names.join(" × "),
+                    values.join(" × ")
+                ),
             ));
         }
         let m = self.accumulate_steps;

@@ -48,7 +48,22 @@ impl JobConfig {
     /// Whether sharded states split each node's ranks alone, every node holding the same shards
     /// (`hybrid_configs.sharding_degree` = `cluster.nproc_per_node` of several nodes).
     pub fn shards_within_nodes(&self) -> bool {
-        self.strategy.sharding && (2..self.world_size()).contains(&self.strategy.hybrid_configs.sharding_degree)
+        let split = self.strategy.pipeline || self.mp_degree() > 1;
+        self.strategy.sharding
+            && !split
+            && (2..self.world_size()).contains(&self.strategy.hybrid_configs.sharding_degree)
+    }
+
+    /// The ranks among which each sharded state is split: the world, each node's ranks, every
+    /// data-parallel rank of a layer part, or every replica of a pipeline stage's part.
+    pub fn sharding_ranks(&self) -> usize {
+        if self.strategy.pipeline {
+            self.strategy.hybrid_configs.replicas()
+        } else if self.shards_within_nodes() {
+            self.strategy.hybrid_configs.sharding_degree
+        } else {
+            self.data_parallel_replicas()
+        }
     }
 
     /// Whether the all-reduce runs on two levels of rings: `strategy.use_hierarchical_allreduce`,
@@ -84,12 +99,6 @@ pub(super) fn check_sharding(config: &JobConfig) -> Result<(), FieldError> {
              keeps them on its servers already",
         ));
     }
-    if strategy.pipeline {
-        return Err(FieldError::new(
-            "strategy.sharding",
-            "not supported with strategy.pipeline yet: shard the states of a data-parallel job",
-        ));
-    }
     check_stage(strategy.sharding_configs.stage)?;
     check_degrees(config)
 }
@@ -121,6 +130,22 @@ fn check_degrees(config: &JobConfig) -> Result<(), FieldError> {
             "strategy.hybrid_configs.sharding_degree",
             "must be at least 1, got 0",
         ));
+    }
+    if strategy.pipeline {
+        // The replicas of each part of a stage shard its states, counted as dp_degree or as
+        // sharding_degree; the pipeline's keys check the product.
+        let dp = strategy.hybrid_configs.dp_degree;
+        if degree > 1 && dp > 1 {
+            return Err(FieldError::new(
+                "strategy.hybrid_configs.sharding_degree",
+                format!(
+                    "{degree} with dp_degree = {dp}: a pipeline's shards span every replica of a stage (count them \
+                     as dp_degree or as sharding_degree, the other 1); sharding groups inside the replicas are not \
+                     supported yet"
+                ),
+            ));
+        }
+        return Ok(());
     }
     if config.mp_degree() > 1 {
         // Every data-parallel rank's shards: the layout is checked with mp_degree.
@@ -291,12 +316,28 @@ mod tests {
         let msg = refusal(&[
             "strategy.sharding=true",
             "strategy.pipeline=true",
+            "cluster.nproc_per_node=8",
             "strategy.hybrid_configs.pp_degree=2",
             "strategy.hybrid_configs.dp_degree=2",
+            "strategy.hybrid_configs.sharding_degree=2",
         ]);
         assert!(
-            msg.contains("strategy.sharding: not supported with strategy.pipeline yet"),
+            msg.contains("strategy.hybrid_configs.sharding_degree: 2 with dp_degree = 2: a pipeline's shards span"),
             "{msg}"
         );
+        // Each stage's replicas shard its states, counted either way.
+        for replicas in [
+            "strategy.hybrid_configs.dp_degree=2",
+            "strategy.hybrid_configs.sharding_degree=2",
+        ] {
+            let pipeline = [
+                "strategy.sharding=true",
+                "strategy.pipeline=true",
+                "strategy.hybrid_configs.pp_degree=2",
+                replicas,
+            ];
+            let loaded = load_with("", &[], &[&["cluster.nproc_per_node=4"], &pipeline[..]].concat());
+            assert!(loaded.is_ok(), "{replicas}: {:?}", loaded.err());
+        }
     }
 }

@@ -66,8 +66,9 @@ pub struct Summary {
     /// stages (replica 0's), or a data-parallel job's one stage, the whole model (rank 0's).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub peak_activation_bytes: Option<Vec<usize>>,
-    /// Data-parallel jobs: the bytes of parameters, averaged gradients and optimizer state rank 0
-    /// holds (with `strategy.sharding`, its shards).
+    /// The bytes of parameters, averaged gradients and optimizer state rank 0 holds (with
+    /// `strategy.sharding`, its shards; in a pipeline, of its stage); none in parameter-server
+    /// jobs.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub state_bytes: Option<StateBytes>,
     /// Pipeline jobs: time stages waited for their neighbours over the time of the schedules,

@@ -16,14 +16,14 @@ use super::stage::{Chunk, Stage, StageStep};
 use crate::collective::rank_figures::{JobFigures, RankFigures};
 use crate::collective::tensor_parallel::RingGroup;
 use crate::collective::{
-    preemption, sum_over_ranks, Averaged, GradientSync, Held, HeldOptimizer, RankReplica, StepReport,
+    preemption, sum_over_ranks, Averaged, GradientSync, Held, RankReplica, ReplicaOptimizer, StepReport,
 };
 use crate::config::{JobConfig, LossKind, ScheduleMode};
 use crate::data::{Batch, Pieces};
 use crate::engines::comm::{CommWorker, Communicator};
 use crate::models::parallel::{Alone, Group};
 use crate::models::{Block, Logits, Model, NamedParam, Score};
-use crate::optim::{LrPolicy, Optimizer};
+use crate::optim::LrPolicy;
 use crate::refusal::Refusal;
 use crate::telemetry::metrics::peak_rss_bytes;
 use crate::telemetry::timeline::{record, Timeline};
@@ -32,7 +32,7 @@ use crate::telemetry::timeline::{record, Timeline};
 pub struct PipelineReplica {
     stage: Stage,
     params: Vec<NamedParam>,
-    optimizer: Optimizer,
+    optimizer: ReplicaOptimizer,
     lr_policy: LrPolicy,
     link: Box<dyn StageLink>,
     /// The ring among the stage's replicas, on its own thread (with NCCL beside it on GPUs).
@@ -174,7 +174,7 @@ impl PipelineReplica {
         // Cut by the whole blocks' sizes: every part of a stage holds the same blocks, whatever
         // its share of an unevenly split vocabulary.
         let cuts = cut_into_stages(job, kind, &model)?;
-        let dp = job.strategy.hybrid_configs.dp_degree;
+        let dp = job.strategy.hybrid_configs.replicas();
         let overlap_allreduce = dp > 1 && !configs.pp_allreduce_in_optimize;
         let checkpoints = recompute_checkpoints(job, &model)?;
         let layers: Group = match &layer_ring {
@@ -190,9 +190,10 @@ impl PipelineReplica {
         let params = stage.parameters();
         let vars: Vec<Var> = params.iter().map(|p| p.var.clone()).collect();
         let gradient_order = stage.gradient_order();
-        let gradients = GradientSync::new(job, vars.clone(), &gradient_order, &device)?;
+        let gradients = GradientSync::new(job, vars, &gradient_order, &device)?;
         let lr_policy = LrPolicy::new(&job.train, dp, gradients.optimizer_step(steps));
-        let optimizer = Optimizer::new(&job.train, vars, lr_policy.at(0))?;
+        let data_parallel = CommWorker::spawn_on(data_parallel, &device, job.fault_tolerance.timeout())?;
+        let optimizer = ReplicaOptimizer::new(job, gradients.plan(), &params, &data_parallel, lr_policy.at(0))?;
         Ok(Self {
             holds_loss: (virtual_stages - 1) % p == stage.index(),
             stop_decided: false,
@@ -201,7 +202,7 @@ impl PipelineReplica {
             optimizer,
             lr_policy,
             link,
-            data_parallel: CommWorker::spawn_on(data_parallel, &device, job.fault_tolerance.timeout())?,
+            data_parallel,
             collective_timeout: job.fault_tolerance.timeout(),
             overlap_allreduce,
             gradients,
@@ -233,6 +234,8 @@ impl PipelineReplica {
         }
         self.link = link;
         self.data_parallel = CommWorker::spawn_on(data_parallel, &self.device, self.collective_timeout)?;
+        self.optimizer
+            .recut(self.gradients.plan(), &self.params, &self.data_parallel)?;
         self.gradients.clear();
         self.stop_decided = false;
         Ok(())
@@ -334,7 +337,7 @@ impl RankReplica for PipelineReplica {
     fn held(&mut self) -> Held<'_> {
         Held {
             params: &self.params,
-            optimizer: HeldOptimizer::Whole(&mut self.optimizer),
+            optimizer: self.optimizer.held(),
             step: &mut self.step,
             ring: &self.data_parallel,
             layers: &self.layers,
@@ -358,10 +361,14 @@ impl RankReplica for PipelineReplica {
         let comm_before = self.data_parallel.busy_time();
         let (asked_here, deciding) = self.signal_stop();
         let (step, averaged) = self.run_schedule(at, &inputs, &labels)?;
-        let exposed = averaged.as_ref().map_or(Duration::ZERO, |a| a.exposed);
+        let mut exposed = averaged.as_ref().map_or(Duration::ZERO, |a| a.exposed);
         if let Some(averaged) = averaged {
             let stepping = Instant::now();
-            self.optimizer.step(&averaged.grads.into_whole()?)?;
+            // No clipping: a pipeline's global norm would span every stage.
+            let rings = (&self.data_parallel, &self.layers);
+            exposed += self
+                .optimizer
+                .step(&self.params, averaged.grads, (0.0, at), rings, &mut self.timeline)?;
             record(&mut self.timeline, || format!("optimizer {at}"), "optimizer", stepping);
         }
         let heard = self.link.heard();

@@ -41,7 +41,7 @@ pub(super) fn run(job: &TrainingJob, options: &RunOptions) -> Result<RunOutcome>
         let coordinator = Coordinator::for_job(&config, &recovery).start();
         // Stage links by rank: channels within each part of each replica.
         let mut stage_links: Vec<Option<StageLinks>> = (0..config.world_size()).map(|_| None).collect();
-        for replica in 0..hybrid.dp_degree {
+        for replica in 0..hybrid.replicas() {
             for part in 0..config.mp_degree() {
                 let links = memory_links(hybrid.pp_degree, timeout);
                 for (rank, link) in hybrid.stages_of(replica, part).into_iter().zip(links) {
@@ -109,7 +109,7 @@ pub(super) fn run_with_faults(
 /// backward ring to the stage before, the ring of the stage's replicas to the next replica, the
 /// stage's layer group to the next part.
 fn ring_between(hybrid: &HybridConfigs, from: usize, to: usize) -> Option<(String, usize)> {
-    let (d, p, mp) = (hybrid.dp_degree, hybrid.pp_degree, hybrid.mp_degree.max(1));
+    let (d, p, mp) = (hybrid.replicas(), hybrid.pp_degree, hybrid.mp_degree.max(1));
     let (at, next) = (hybrid.place_of(from), hybrid.place_of(to));
     let GridPlace { replica, stage, part } = at;
     let same_stage_part = next.stage == stage && next.part == part;
@@ -152,7 +152,7 @@ fn group_rings_in_memory(
     generation: u64,
 ) -> Result<(Communicator, Option<Communicator>)> {
     let GridPlace { replica, stage, part } = hybrid.place_of(rank);
-    let (d, mp) = (hybrid.dp_degree, hybrid.mp_degree.max(1));
+    let (d, mp) = (hybrid.replicas(), hybrid.mp_degree.max(1));
     let data_parallel = match d {
         1 => Communicator::single(),
         _ => Communicator::new(Box::new(rings.take(
@@ -437,7 +437,7 @@ fn summarise(job: &TrainingJob, outcomes: &[StageOutcome], cluster: &str) -> Res
             param_checksum: ParamChecksum::of_values(&parameters).to_string(),
             matrix_kernel: crate::models::cpu_matrix_kernel().to_string(),
             peak_activation_bytes: Some(replica0.iter().map(|o| o.peak_activation_bytes).collect()),
-            state_bytes: None,
+            state_bytes: Some(replica0[0].state_bytes),
             bubble_fraction: Some(replica0.iter().map(|o| o.bubble_fraction).sum::<f64>() / replica0.len() as f64),
         },
         losses: holder.losses.clone(),

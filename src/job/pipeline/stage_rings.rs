@@ -36,6 +36,11 @@ pub(super) async fn connect(
     let hybrid = &config.strategy.hybrid_configs;
     let (p, mp) = (hybrid.pp_degree, config.mp_degree());
     let GridPlace { replica, stage, part } = hybrid.place_of(rank);
+    // Rings name the part they join only where the layers are split.
+    let of_part = match mp {
+        1 => String::new(),
+        _ => format!("part {part} of "),
+    };
     let training = training_replicas(hybrid, roster);
     // Every rank's endpoint by rank; one not training this generation is never connected to.
     let unspecified = SocketAddr::from(([0, 0, 0, 0], 0));
@@ -68,7 +73,7 @@ pub(super) async fn connect(
                 roster.generation
             )
         })?;
-        let name = format!("the data-parallel ring of part {part} of stage {stage}");
+        let name = format!("the data-parallel ring of {of_part}stage {stage}");
         Communicator::new(rings.connect(&name, replicas, position).await?)
     } else {
         Communicator::single()
@@ -79,10 +84,10 @@ pub(super) async fn connect(
             bus.barrier(rank, "data-parallel rings connected").await?;
         }
         let stages = hybrid.stages_of(replica, part);
-        let name = format!("the forward stage ring of part {part} of replica {replica}");
+        let name = format!("the forward stage ring of {of_part}replica {replica}");
         let forward = rings.connect(&name, stages.clone(), stage).await?;
         bus.barrier(rank, "forward stage rings connected").await?;
-        let name = format!("the backward stage ring of part {part} of replica {replica}");
+        let name = format!("the backward stage ring of {of_part}replica {replica}");
         let backward = rings
             .connect(&name, stages.into_iter().rev().collect(), p - 1 - stage)
             .await?;
