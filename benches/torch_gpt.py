@@ -7,11 +7,16 @@ text's 78 characters), AdamW lr 3e-3, global batch 32 windows. Tokens are random
 the speed is measured (tokens/s of forward, backward and the optimizer step), so this is the
 one-stage baseline the pipeline runs of `benches/gpt_pipeline.sh` compare with.
 
-Run: $PY benches/torch_gpt.py --steps 30 --threads 2 [--json out.json]
+With --bf16 the forward and the loss run under CPU autocast to bfloat16 (PyTorch's mixed
+precision: linear layers and matmuls in bfloat16, f32 parameters and optimizer), the peer of
+flotilla's `strategy.amp` with `amp_configs.use_bf16`.
+
+Run: $PY benches/torch_gpt.py --steps 30 --threads 2 [--n-embd 64] [--bf16] [--json out.json]
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import time
 
@@ -56,18 +61,27 @@ def main():
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--block", type=int, default=64)
+    ap.add_argument("--n-embd", type=int, default=64)
+    ap.add_argument("--n-layer", type=int, default=4)
+    ap.add_argument("--bf16", action="store_true")
     ap.add_argument("--json")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     vocab = 78
-    model = Gpt(vocab, args.block, 4, 4, 64)
+    model = Gpt(vocab, args.block, args.n_layer, 4, args.n_embd)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     ids = torch.randint(vocab, (args.batch, args.block + 1))
     x, y = ids[:, :-1], ids[:, 1:]
 
+    def precision():
+        if args.bf16:
+            return torch.autocast(device_type="cpu", dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
     def step():
-        loss = F.cross_entropy(model(x).reshape(-1, vocab), y.reshape(-1))
+        with precision():
+            loss = F.cross_entropy(model(x).reshape(-1, vocab), y.reshape(-1))
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -82,6 +96,8 @@ def main():
         "peer": "pytorch single process",
         "torch": torch.__version__,
         "threads": args.threads,
+        "n_embd": args.n_embd,
+        "precision": "bf16 autocast" if args.bf16 else "f32",
         "tokens_per_sec": args.steps * args.batch * args.block / elapsed,
     }
     print(json.dumps(figures))

@@ -88,6 +88,7 @@ pub mod checkpoint;
 pub mod cli;
 pub mod collective;
 pub mod config;
+pub mod cpu_features;
 pub mod cpu_values;
 pub mod data;
 pub mod doctor;

@@ -81,6 +81,10 @@ enum Command {
         /// Where to write the PNG (default: RUN_DIR/report.png).
         #[arg(short, long)]
         out: Option<PathBuf>,
+        /// Another run's directory, whose loss is drawn over this run's (the same job in
+        /// another precision or layout, say).
+        #[arg(long)]
+        compare: Option<PathBuf>,
     },
     /// Print the Kubernetes manifests of a job (JSON, a `List` for `kubectl apply -f`): a
     /// headless Service, its config as a ConfigMap, checkpoint volumes and its pods, as
@@ -328,9 +332,9 @@ fn run(cli: Cli) -> Result<()> {
         Command::LaunchPs(args) => launch_ps(args),
         Command::Data(data) => data_command(data),
         Command::Bench(bench) => bench_command(bench),
-        Command::Report { run_dir, out } => {
+        Command::Report { run_dir, out, compare } => {
             let out = out.unwrap_or_else(|| run_dir.join("report.png"));
-            flotilla::telemetry::report::render(&run_dir, &out)?;
+            flotilla::telemetry::report::render(&run_dir, &out, compare.as_deref())?;
             print_out(&format!("wrote {}\n", out.display()));
             Ok(())
         }

@@ -21,7 +21,7 @@ use crate::data::{Batch, DataPosition, Pieces};
 use crate::engines::comm::{CommWorker, Communicator, RingTransport, Shared};
 use crate::engines::compute::device_for;
 use crate::models::export::ModelInfo;
-use crate::models::{Model, ParamInit, Score};
+use crate::models::{Model, ParamInit, Precision, Score};
 use crate::net::protocol::Roster;
 use crate::pipeline::link::{StageLink, TransportStageLink};
 use crate::pipeline::replica::PipelineReplica;
@@ -261,7 +261,7 @@ impl Handler<Prepare> for DeviceActor {
             ReplicaPart::Stage { rank, .. } => *rank,
         };
         let device = device_for(msg.job.cluster.device, rank)?;
-        let init = ParamInit::new(msg.job.train.seed, device.clone());
+        let init = ParamInit::new(msg.job.train.seed, device.clone()).with_products(Precision::of(&msg.job));
         let model = (msg.model)(&init).context("building the model")?;
         self.state = match msg.part {
             ReplicaPart::Whole {

@@ -147,7 +147,7 @@ mod tests {
     use crate::engines::comm::{memory, Communicator};
     use crate::models::parallel::vocab::{cross_entropy, embed, vocab_slice};
     use crate::models::parallel::{Group, Split, SplitAffine};
-    use crate::models::Activation;
+    use crate::models::{Activation, Precision};
     use candle_core::{Device, Tensor, Var};
 
     /// `work` on every rank of a group of `size` in memory: each rank's result.
@@ -211,8 +211,9 @@ mod tests {
             .map(|v| whole.get(v.as_tensor()).cloned().expect("a gradient"));
         for size in [1, 2, 4] {
             let results = on_every_rank(size, |group| {
-                let first = SplitAffine::from_whole(&w1, &b1, Activation::Relu, Split::Columns, group)?;
-                let second = SplitAffine::from_whole(&w2, &b2, Activation::Identity, Split::Rows, group)?;
+                let f32 = Precision::F32;
+                let first = SplitAffine::from_whole((&w1, &b1), (Activation::Relu, f32), Split::Columns, group)?;
+                let second = SplitAffine::from_whole((&w2, &b2), (Activation::Identity, f32), Split::Rows, group)?;
                 let input = Var::from_tensor(&x)?;
                 let y = second.forward(&first.forward(input.as_tensor())?)?;
                 let part = (&y * &r)?.sum_all()?.backward()?;
@@ -232,9 +233,8 @@ mod tests {
         }
         let refused = on_every_rank(4, |group| {
             Ok(SplitAffine::from_whole(
-                &values(&[6, 10], 1)?,
-                &values(&[10], 2)?,
-                Activation::Relu,
+                (&values(&[6, 10], 1)?, &values(&[10], 2)?),
+                (Activation::Relu, Precision::F32),
                 Split::Columns,
                 group,
             )

@@ -1,6 +1,7 @@
 //! Rules across sections: which models, data sets and optimizers each strategy trains, so a
 //! mismatch is a config error naming the key rather than a failure deep inside a run.
 
+use super::amp::check_amp;
 use super::sharding::check_sharding;
 use super::sparse_tables::check_sparse_tables;
 use super::tensor_parallel::check_tensor_parallel;
@@ -15,6 +16,7 @@ pub(super) fn check(config: &JobConfig) -> Result<(), FieldError> {
     check_tensor_parallel(config)?;
     check_pipeline(config)?;
     check_sharding(config)?;
+    check_amp(config)?;
     check_checkpoints(config)?;
     check_hierarchical_allreduce(config)?;
     check_elastic(config)?;

@@ -8,7 +8,7 @@ use std::path::Path;
 use toml::{Table, Value};
 
 use super::provenance::Provenance;
-use super::{env, overrides, strategy, ConfigError, JobConfig, MAX_CONFIG_BYTES, ROOT_KEY};
+use super::{env, overrides, ConfigError, JobConfig, MAX_CONFIG_BYTES, ROOT_KEY};
 
 /// The text of the config file at `path`, at most [`MAX_CONFIG_BYTES`] of it: one past that is
 /// an error rather than a read without end.
@@ -41,7 +41,6 @@ pub(super) fn load(
     let mut provenance = Provenance::new(source_name);
     env::apply(&mut table, env, &mut provenance)?;
     overrides::apply(&mut table, overrides, &mut provenance)?;
-    reject_unsupported(&table, &provenance)?;
     trainers_from_world_size(&mut table, &mut provenance);
     let mut config = deserialize(table, &provenance)?;
     config.source_name = source_name.to_string();
@@ -122,24 +121,6 @@ fn line_column(text: &str, offset: usize) -> (usize, usize) {
     let line_start = before.rfind('\n').map_or(0, |i| i + 1);
     let column = before[line_start..].chars().count() + 1;
     (line, column)
-}
-
-/// Rejects keys of features listed in the sections' "not supported yet" tables.
-fn reject_unsupported(table: &Table, provenance: &Provenance) -> Result<(), ConfigError> {
-    for entry in strategy::UNSUPPORTED_KEYS {
-        let section = entry
-            .section
-            .split('.')
-            .try_fold(table, |table, name| table.get(name).and_then(Value::as_table));
-        let present = section.is_some_and(|section| section.contains_key(entry.key));
-        if present {
-            return Err(provenance.error(
-                format!("{}.{}", entry.section, entry.key),
-                format!("not supported yet ({})", entry.reason),
-            ));
-        }
-    }
-    Ok(())
 }
 
 /// Deserializes the merged table, naming the dotted key of the first error.

@@ -20,6 +20,7 @@
 //! environment variable, or `--set`) and the dotted key, e.g.
 //! `config.toml: strategy.fuse_grad_size_in_MB: invalid type: string "x", expected f64`.
 
+mod amp;
 mod click_log;
 mod cluster;
 mod combination;
@@ -137,18 +138,6 @@ impl FieldError {
             also: rest.iter().map(|key| key.to_string()).collect(),
         }
     }
-}
-
-/// A key that belongs to a feature of a later release. Rejecting it explicitly tells users the
-/// option exists but is not built yet, instead of suggesting a typo with "unknown field".
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct UnsupportedKey {
-    /// The section, dotted, e.g. `strategy` or `strategy.hybrid_configs`.
-    pub(crate) section: &'static str,
-    /// Key inside the section, e.g. `a_sync`.
-    pub(crate) key: &'static str,
-    /// The feature it belongs to, shown in parentheses after "not supported yet".
-    pub(crate) reason: &'static str,
 }
 
 /// Reads an environment variable of this process; pass `&process_env` to the loaders.

@@ -75,6 +75,25 @@ const PADDLE_NAMES: &[(&str, &str)] = &[
     ),
     ("strategy.gradient_merge_configs.avg", "`gradient_merge_configs.avg`"),
     ("strategy.use_hierarchical_allreduce", "`use_hierarchical_allreduce`"),
+    ("strategy.amp", "`amp`"),
+    ("strategy.amp_configs.use_bf16", "`amp_configs.use_bf16`"),
+    ("strategy.amp_configs.use_pure_fp16", "`amp_configs.use_pure_fp16`"),
+    (
+        "strategy.amp_configs.custom_white_list",
+        "`amp_configs.custom_white_list`",
+    ),
+    (
+        "strategy.amp_configs.custom_black_list",
+        "`amp_configs.custom_black_list`",
+    ),
+    (
+        "strategy.amp_configs.init_loss_scaling",
+        "`amp_configs.init_loss_scaling`",
+    ),
+    (
+        "strategy.amp_configs.use_dynamic_loss_scaling",
+        "`amp_configs.use_dynamic_loss_scaling`",
+    ),
     (
         "strategy.sparse_table_configs.<name>.count_filter",
         "`CountFilterEntry`",

@@ -6,28 +6,12 @@ use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 
+use super::amp::AmpConfigs;
 use super::memory::{GradientMergeConfigs, RecomputeConfigs};
 use super::pipeline::{HybridConfigs, PipelineConfigs};
 use super::sharding::{ShardingConfigs, ShardingStage};
 use super::sparse_tables::SparseTableConfig;
-use super::{FieldError, UnsupportedKey};
-
-/// Keys of `[strategy]` and its tables that belong to strategies of a later release, with the strategy named in
-/// the "not supported yet" error. Checked before deserialization so these never surface as a
-/// misleading "unknown field".
-pub(crate) const UNSUPPORTED_KEYS: &[UnsupportedKey] = &[
-    unsupported("amp", "mixed precision"),
-    unsupported("amp_configs", "mixed precision"),
-];
-
-/// Entry of [`UNSUPPORTED_KEYS`] in the `[strategy]` section.
-const fn unsupported(key: &'static str, reason: &'static str) -> UnsupportedKey {
-    UnsupportedKey {
-        section: "strategy",
-        key,
-        reason,
-    }
-}
+use super::FieldError;
 
 /// How a job spreads over its ranks: the one value the runtime decides by, resolved from the
 /// config ([`super::JobConfig::resolved_strategy`]) instead of its flags being asked one by one.
@@ -108,6 +92,12 @@ pub struct DistributedStrategy {
     /// associated differently, so it differs from the flat ring in the last bits.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub use_hierarchical_allreduce: Option<bool>,
+    /// Mixed precision: on CPUs with AVX-512 BF16 the dense layers' products take bfloat16
+    /// operands and sum in f32 (forward and backward); parameters, optimizer and checkpoints
+    /// stay f32.
+    pub amp: bool,
+    /// How mixed precision computes (Paddle's keys).
+    pub amp_configs: AmpConfigs,
 }
 
 /// `[strategy.a_sync_configs]`, Paddle's name for the asynchronous parameter-server settings.
@@ -186,6 +176,8 @@ impl Default for DistributedStrategy {
             gradient_merge: false,
             gradient_merge_configs: GradientMergeConfigs::default(),
             use_hierarchical_allreduce: None,
+            amp: false,
+            amp_configs: AmpConfigs::default(),
         }
     }
 }
@@ -297,14 +289,6 @@ mod tests {
             ),
             (4, 1, 16)
         );
-    }
-
-    #[test]
-    fn unsupported_strategies_are_rejected_with_the_reason() {
-        let msg = err_text(load_str("[strategy]\namp = false\n"));
-        assert!(msg.ends_with("not supported yet (mixed precision)"), "{msg}");
-        let msg = err_text(load_with("", &[], &["strategy.amp_configs.use_bf16=true"]));
-        assert_eq!(msg, "--set: strategy.amp_configs: not supported yet (mixed precision)");
     }
 
     #[test]

@@ -50,8 +50,10 @@ pub(super) fn run(job: &TrainingJob, rank: usize, options: &RunOptions) -> Resul
                 let outcome = trainer.train().await?;
                 // The rank at place 0 writes the outputs before it says goodbye: until then its
                 // loss is a death the coordinator recovers from.
-                let loss = job.config.train.resolved_loss()?;
-                let outcome = (outcome.rank == 0).then(|| RunOutcome::from_rank0(outcome, loss, "multi-process"));
+                let outcome = match outcome.rank {
+                    0 => Some(RunOutcome::from_rank0(outcome, &job.config, "multi-process")?),
+                    _ => None,
+                };
                 if let Some(outcome) = &outcome {
                     outcome.write(&options.run_dir, job)?;
                 }

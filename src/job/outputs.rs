@@ -15,9 +15,9 @@ use super::TrainingJob;
 use crate::actors::trainer::RankOutcome;
 use crate::checkpoint::write_atomically;
 use crate::collective::StateBytes;
-use crate::config::{JobConfig, LossKind};
+use crate::config::JobConfig;
 use crate::models::export::{write_model, ModelInfo};
-use crate::models::{Model, ParamInit};
+use crate::models::{Model, ParamInit, Precision};
 
 /// The resolved config of a run, in its run directory.
 pub const CONFIG_FILE: &str = "config.toml";
@@ -60,7 +60,8 @@ pub struct Summary {
     pub exposed_comm_ratio: f64,
     /// SHA-256 of every parameter's bytes in name order.
     pub param_checksum: String,
-    /// The CPU matrix kernel of rank 0's process ([`crate::models::cpu_matrix_kernel`]).
+    /// The CPU matrix kernel of rank 0's process's dense layers
+    /// ([`crate::models::Precision::matrix_kernel`]): `avx512_bf16` under `strategy.amp`.
     pub matrix_kernel: String,
     /// Per stage, the most bytes of activations held for backward at once: a pipeline job's
     /// stages (replica 0's), or a data-parallel job's one stage, the whole model (rank 0's).
@@ -91,9 +92,9 @@ pub struct RunOutcome {
 impl RunOutcome {
     /// The outcome of a data-parallel run, as the rank at place 0 of its last generation tells
     /// it (`world_size`: the ranks that trained that generation).
-    pub(super) fn from_rank0(rank0: RankOutcome, loss: LossKind, cluster: &str) -> Self {
-        let held_out = rank0.test_score.held_out(loss);
-        Self {
+    pub(super) fn from_rank0(rank0: RankOutcome, config: &JobConfig, cluster: &str) -> Result<Self> {
+        let held_out = rank0.test_score.held_out(config.train.resolved_loss()?);
+        Ok(Self {
             summary: Summary {
                 strategy: "collective".to_string(),
                 world_size: rank0.world_size,
@@ -108,14 +109,14 @@ impl RunOutcome {
                 comm_time_ratio: rank0.comm_time_ratio,
                 exposed_comm_ratio: rank0.exposed_comm_ratio,
                 param_checksum: rank0.param_checksum.to_string(),
-                matrix_kernel: crate::models::cpu_matrix_kernel().to_string(),
+                matrix_kernel: Precision::of(config).matrix_kernel().to_string(),
                 peak_activation_bytes: Some(vec![rank0.peak_activation_bytes]),
                 state_bytes: Some(rank0.state_bytes),
                 bubble_fraction: None,
             },
             parameters: rank0.parameters,
             losses: rank0.losses,
-        }
+        })
     }
 
     /// Writes `params.safetensors` (the model file of `job`'s model, [`crate::models::export`]),

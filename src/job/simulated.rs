@@ -143,11 +143,7 @@ fn from_rank0(job: &TrainingJob, outcomes: Vec<RankOutcome>) -> Result<RunOutcom
         .into_iter()
         .find(|outcome| outcome.rank == 0)
         .ok_or_else(|| anyhow!("no rank trained at place 0"))?;
-    Ok(RunOutcome::from_rank0(
-        rank0,
-        job.config.train.resolved_loss()?,
-        "in-process",
-    ))
+    RunOutcome::from_rank0(rank0, &job.config, "in-process")
 }
 
 /// The incarnation of each rank that runs now: its id (its "pid") and its switch.

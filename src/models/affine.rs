@@ -5,14 +5,16 @@
 //! four-pass ReLU gradient and a generic reduction for the bias.
 //!
 //! The GEMMs are the `gemm` crate's (the kernel candle's matmul uses), run with candle's thread
-//! count; the crate picks its AVX-512, AVX2/FMA or portable kernel at run time.
+//! count; the crate picks its AVX-512, AVX2/FMA or portable kernel at run time. Under
+//! `strategy.amp` they take bfloat16 operands with f32 sums instead ([`super::bf16_matmul`]).
 
 use candle_core::{CpuStorage, CustomOp3, DType, Layout, Shape, Tensor};
 use gemm::Parallelism;
 
 use crate::cpu_values::{cpu_values, with_cpu_values};
 
-use super::Activation;
+use super::{bf16_matmul, Activation};
+use crate::config::JobConfig;
 
 /// The f32 matrix kernel gemm runs on this CPU, chosen as gemm chooses it: `avx512f`,
 /// `avx2+fma`, `neon` or its `portable` one — recorded with every throughput figure.
@@ -35,16 +37,45 @@ pub fn cpu_matrix_kernel() -> &'static str {
     "portable"
 }
 
-/// `act(x W + b)` for `x` (…, in), `W` (in, out), `b` (out): the fused kernel on the CPU in f32,
-/// candle's composed ops elsewhere (a GPU).
+/// What an affine map's products are computed in.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum Precision {
+    /// f32 operands and sums.
+    #[default]
+    F32,
+    /// bfloat16 operands, f32 sums (`strategy.amp`).
+    Bf16,
+}
+
+impl Precision {
+    /// The products `job` asks for.
+    pub fn of(job: &JobConfig) -> Self {
+        match job.bf16_products() {
+            true => Self::Bf16,
+            false => Self::F32,
+        }
+    }
+
+    /// The kernel the dense layers' products run on in this process, as summaries record it:
+    /// [`cpu_matrix_kernel`]'s, or `avx512_bf16` for bfloat16 products.
+    pub fn matrix_kernel(self) -> &'static str {
+        match self {
+            Self::F32 => cpu_matrix_kernel(),
+            Self::Bf16 => "avx512_bf16",
+        }
+    }
+}
+
+/// `act(x W + b)` for `x` (…, in), `W` (in, out), `b` (out): the fused kernel on the CPU in f32
+/// (its products in `products`), candle's composed ops elsewhere (a GPU).
 pub(super) fn affine(
     x: &Tensor,
     weight: &Tensor,
     bias: &Tensor,
-    activation: Activation,
+    (activation, products): (Activation, Precision),
 ) -> candle_core::Result<Tensor> {
     if x.device().is_cpu() && x.dtype() == DType::F32 {
-        return x.contiguous()?.apply_op3(weight, bias, Affine { activation });
+        return x.contiguous()?.apply_op3(weight, bias, Affine { activation, products });
     }
     let y = x.broadcast_matmul(weight)?.broadcast_add(bias)?;
     match activation {
@@ -55,6 +86,7 @@ pub(super) fn affine(
 
 struct Affine {
     activation: Activation,
+    products: Precision,
 }
 
 /// The shape (inputs, outputs) of the weight, checked against the input and the bias.
@@ -79,23 +111,43 @@ fn parallelism() -> Parallelism {
     }
 }
 
-/// A row-major matrix: its values and the strides of a step down a row and along a column.
+/// A matrix as it lies in memory: its values and the strides of a step down a column (to the
+/// next row) and along a row (to the next column).
 struct Matrix<T> {
     values: T,
     row_stride: isize,
     col_stride: isize,
 }
 
-/// `a` (m×k) by `b` (k×n) into row-major `out` (m×n), added to what `out` holds when `accumulate`.
+impl Matrix<&[f32]> {
+    /// Element `(row, col)`.
+    fn at(&self, row: usize, col: usize) -> f32 {
+        self.values[row * self.row_stride as usize + col * self.col_stride as usize]
+    }
+}
+
+/// `a` (m×k) by `b` (k×n) into row-major `out` (m×n), added to what `out` holds when `accumulate`,
+/// its products in `products`.
 fn matmul(
     (m, k, n): (usize, usize, usize),
     a: Matrix<&[f32]>,
     b: Matrix<&[f32]>,
     out: &mut [f32],
-    accumulate: bool,
+    (accumulate, products): (bool, Precision),
 ) -> candle_core::Result<()> {
     if out.len() != m * n || a.values.len() != m * k || b.values.len() != k * n {
         candle_core::bail!("linear: a {m}×{k} by {k}×{n} product over buffers that do not fit");
+    }
+    if products == Precision::Bf16 {
+        let threads = candle_core::utils::get_num_threads();
+        return bf16_matmul::matmul(
+            (m, k, n),
+            |r, c| a.at(r, c),
+            |r, c| b.at(r, c),
+            out,
+            accumulate,
+            threads,
+        );
     }
     // SAFETY: the three buffers hold exactly the m×k, k×n and m×n values the strides address
     // (checked above); `out` is borrowed mutably and so overlaps neither input.
@@ -172,7 +224,7 @@ impl CustomOp3 for Affine {
             plain(x, inputs),
             plain(weight, outputs),
             &mut y,
-            true,
+            (true, self.products),
         )?;
         if self.activation == Activation::Relu {
             for v in &mut y {
@@ -195,8 +247,9 @@ impl CustomOp3 for Affine {
         grad: &Tensor,
     ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
         let dims = dims(x.layout(), weight.layout(), bias.layout())?;
+        let products = self.products;
         with_cpu_values(&grad.contiguous()?, "linear gradient", |grad| match self.activation {
-            Activation::Identity => gradients(dims, x, weight, bias, grad),
+            Activation::Identity => gradients((dims, products), x, weight, bias, grad),
             Activation::Relu => {
                 // The upstream gradient where the ReLU let the value through (y > 0).
                 let masked: Vec<f32> = with_cpu_values(y, "linear output", |y| {
@@ -205,7 +258,7 @@ impl CustomOp3 for Affine {
                         .map(|(&g, &y)| if y > 0.0 { g } else { 0.0 })
                         .collect()
                 })?;
-                gradients(dims, x, weight, bias, &masked)
+                gradients((dims, products), x, weight, bias, &masked)
             }
         })?
     }
@@ -215,9 +268,9 @@ impl CustomOp3 for Affine {
 type Gradients = (Option<Tensor>, Option<Tensor>, Option<Tensor>);
 
 /// The gradients of the input (when it needs one), the weight and the bias, from `g`, the
-/// gradient of the affine map's output (rows × outputs).
+/// gradient of the affine map's output (rows × outputs), the products in `products`.
 fn gradients(
-    (rows, inputs, outputs): (usize, usize, usize),
+    ((rows, inputs, outputs), products): ((usize, usize, usize), Precision),
     x: &Tensor,
     weight: &Tensor,
     bias: &Tensor,
@@ -236,7 +289,7 @@ fn gradients(
             transposed(x, inputs),
             plain(g, outputs),
             &mut weight_grad,
-            false,
+            (false, products),
         )
     })??;
     let input_grad = match x.track_op() {
@@ -248,7 +301,7 @@ fn gradients(
                     plain(g, outputs),
                     transposed(w, outputs),
                     &mut input_grad,
-                    false,
+                    (false, products),
                 )
             })??;
             Some(Tensor::from_vec(input_grad, x.shape(), x.device())?)
@@ -305,7 +358,7 @@ mod tests {
                     let grad = |v: &Var| grads.get(v.as_tensor()).cloned().expect("a gradient");
                     Ok((y, grad(&x), grad(&w), grad(&b)))
                 };
-                let fused = run(&|| affine(&x, &w, &b, activation))?;
+                let fused = run(&|| affine(&x, &w, &b, (activation, Precision::F32)))?;
                 let reference = run(&|| composed(&x, &w, &b, activation))?;
                 let case = format!("{x_dims:?} → {outputs}, {activation:?}");
                 close(&format!("{case}: y"), &fused.0, &reference.0)?;
@@ -317,13 +370,56 @@ mod tests {
         Ok(())
     }
 
+    /// `t` with every value rounded to bfloat16, as f32.
+    fn rounded(t: &Tensor) -> candle_core::Result<Tensor> {
+        let values: Vec<f32> = t
+            .flatten_all()?
+            .to_vec1::<f32>()?
+            .into_iter()
+            .map(|v| f32::from_bits(u32::from(bf16_matmul::bf16_bits(v)) << 16))
+            .collect();
+        Tensor::from_vec(values, t.shape(), t.device())
+    }
+
+    /// With bfloat16 products the map and its gradients are f32 arithmetic on operands rounded
+    /// to bfloat16: forward `x̃ W̃ + b`, backward `g̃ W̃ᵀ`, `x̃ᵀ g̃` (the upstream gradient
+    /// rounded too) and the bias's f32 sum; up to the order of the f32 sums.
+    #[test]
+    fn bfloat16_products_are_f32_arithmetic_on_rounded_operands() -> candle_core::Result<()> {
+        let device = Device::Cpu;
+        let bf16 = (Activation::Relu, Precision::Bf16);
+        let x = Var::from_tensor(&Tensor::randn(0f32, 0.5, (37, 19), &device)?)?;
+        let w = Var::from_tensor(&Tensor::randn(0f32, 0.5, (19, 11), &device)?)?;
+        let b = Var::from_tensor(&Tensor::randn(0f32, 0.5, 11, &device)?)?;
+        let forward = affine(&x, &w, &b, bf16);
+        if !crate::cpu_features::bf16_dot_products() {
+            // Refused where the CPU cannot (the config refuses `strategy.amp` there first).
+            assert!(forward.is_err());
+            return Ok(());
+        }
+        let y = forward?;
+        let upstream = Tensor::randn(0f32, 0.5, (37, 11), &device)?;
+        let grads = (&y * &upstream)?.sum_all()?.backward()?;
+        let (xr, wr) = (rounded(&x)?, rounded(&w)?);
+        let expected = xr.matmul(&wr)?.broadcast_add(&b)?.relu()?;
+        close("y", &y, &expected)?;
+        let g = (&upstream * y.gt(0f32)?.to_dtype(DType::F32)?)?;
+        let gr = rounded(&g)?;
+        close("dX", grads.get(&x).expect("dX"), &gr.matmul(&wr.t()?)?)?;
+        close("dW", grads.get(&w).expect("dW"), &xr.t()?.matmul(&gr)?)?;
+        close("db", grads.get(&b).expect("db"), &g.sum(0)?)?;
+        Ok(())
+    }
+
     #[test]
     fn an_input_that_needs_no_gradient_gets_none() -> candle_core::Result<()> {
         let device = Device::Cpu;
         let x = Tensor::ones((4, 3), candle_core::DType::F32, &device)?;
         let w = Var::ones((3, 2), candle_core::DType::F32, &device)?;
         let b = Var::zeros(2, candle_core::DType::F32, &device)?;
-        let grads = affine(&x, &w, &b, Activation::Relu)?.sum_all()?.backward()?;
+        let grads = affine(&x, &w, &b, (Activation::Relu, Precision::F32))?
+            .sum_all()?
+            .backward()?;
         assert!(grads.get(&x).is_none());
         assert_eq!(grads.get(&w).expect("dW").to_vec2::<f32>()?, vec![vec![4.0; 2]; 3]);
         assert_eq!(grads.get(&b).expect("db").to_vec1::<f32>()?, vec![4.0; 2]);

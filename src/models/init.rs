@@ -3,20 +3,36 @@
 
 use candle_core::{Device, Tensor, Var};
 
+use super::Precision;
 use crate::rng::SplitMix64;
 
 /// Creates parameters from a seed; each parameter's values depend only on
-/// the seed and its name.
+/// the seed and its name. It also tells the layers it builds how to compute their products.
 #[derive(Debug, Clone)]
 pub struct ParamInit {
     seed: u64,
     device: Device,
+    products: Precision,
 }
 
 impl ParamInit {
-    /// Initialiser for `seed`, placing tensors on `device`.
+    /// Initialiser for `seed`, placing tensors on `device`; the layers compute in f32.
     pub fn new(seed: u64, device: Device) -> Self {
-        Self { seed, device }
+        Self {
+            seed,
+            device,
+            products: Precision::F32,
+        }
+    }
+
+    /// The same, the layers' products computed in `products` (`strategy.amp`).
+    pub fn with_products(self, products: Precision) -> Self {
+        Self { products, ..self }
+    }
+
+    /// What the layers' products are computed in.
+    pub fn products(&self) -> Precision {
+        self.products
     }
 
     /// The device parameters are placed on.

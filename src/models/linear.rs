@@ -39,6 +39,7 @@ impl Linear {
             weight: init.fan_in_uniform(&format!("{name}.weight"), &[inputs, outputs], inputs)?,
             bias: init.fan_in_uniform(&format!("{name}.bias"), &[outputs], inputs)?,
             activation,
+            products: init.products(),
         };
         Ok(Self {
             name: name.to_string(),

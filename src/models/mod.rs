@@ -7,6 +7,7 @@
 //! in backward), and the pipeline engine will cut the same list into stages.
 
 mod affine;
+mod bf16_matmul;
 mod deepfm;
 pub mod export;
 mod gpt;
@@ -20,7 +21,7 @@ mod spec;
 mod tower;
 mod wide_deep;
 
-pub use affine::cpu_matrix_kernel;
+pub use affine::{cpu_matrix_kernel, Precision};
 pub use deepfm::DeepFm;
 pub use gpt::{continue_text, gpt, GptConfig, Sampler};
 pub use init::ParamInit;

@@ -60,14 +60,18 @@ type Area<'a> = DrawingArea<BitMapBackend<'a>, Shift>;
 type Chart<'a, 'b> = ChartContext<'a, BitMapBackend<'b>, Cartesian2d<RangedCoordu64, RangedCoordf64>>;
 
 /// Draws `run_dir/metrics.jsonl` (and the title from `run_dir/summary.json`, where there is
-/// one) into the PNG `out`, [`IMAGE_SIZE`] pixels.
-pub fn render(run_dir: &Path, out: &Path) -> Result<()> {
+/// one) into the PNG `out`, [`IMAGE_SIZE`] pixels; the loss of the run in `compare` (another
+/// run directory) overlaid on its loss, where given.
+pub fn render(run_dir: &Path, out: &Path, compare: Option<&Path>) -> Result<()> {
     ensure!(
         out.extension().is_some_and(|e| e.eq_ignore_ascii_case("png")),
         "{}: the report is a PNG; give a file name ending in .png",
         out.display()
     );
     let steps = load_steps(run_dir)?;
+    let other = compare
+        .map(|dir| Ok::<_, anyhow::Error>((run_name(dir), load_steps(dir)?)))
+        .transpose()?;
     register_fonts()?;
     let root = BitMapBackend::new(out, IMAGE_SIZE).into_drawing_area();
     root.fill(&WHITE)?;
@@ -77,7 +81,12 @@ pub fn render(run_dir: &Path, out: &Path) -> Result<()> {
     let (charts, legends) = body.split_horizontally(IMAGE_SIZE.0 - LEGEND_WIDTH);
     let (charts, legends) = (charts.split_evenly((3, 1)), legends.split_evenly((3, 1)));
     let steps_range = step_range(&steps);
-    draw_loss(&charts[0], &legends[0], &steps, steps_range.clone())?;
+    let losses = Losses {
+        steps: &steps,
+        name: run_name(run_dir),
+        other: other.as_ref().map(|(name, steps)| (name.as_str(), &steps[..])),
+    };
+    draw_loss(&charts[0], &legends[0], &losses, steps_range.clone())?;
     draw_throughput(&charts[1], &legends[1], &steps, steps_range.clone())?;
     draw_comm(
         &charts[2],
@@ -123,18 +132,21 @@ fn register_fonts() -> Result<()> {
     Ok(())
 }
 
+/// The run directory's name.
+fn run_name(run_dir: &Path) -> String {
+    run_dir
+        .file_name()
+        .unwrap_or(run_dir.as_os_str())
+        .to_string_lossy()
+        .into_owned()
+}
+
 /// "strategy · cluster × ranks · N steps" from `summary.json`; the run directory's name in
 /// their place where it is absent.
 fn title(run_dir: &Path, steps: usize) -> String {
     let mut parts = summary_parts(run_dir);
     if parts.is_empty() {
-        parts.push(
-            run_dir
-                .file_name()
-                .unwrap_or(run_dir.as_os_str())
-                .to_string_lossy()
-                .into_owned(),
-        );
+        parts.push(run_name(run_dir));
     }
     parts.push(format!("{steps} step{}", if steps == 1 { "" } else { "s" }));
     parts.join(" · ")
@@ -355,7 +367,24 @@ fn line<DB: DrawingBackend>(points: Vec<(u64, f64)>, style: ShapeStyle) -> LineS
     LineSeries::new(points, style).point_size(dot)
 }
 
-fn draw_loss(area: &Area, column: &Area, steps: &[StepMetrics], steps_range: Range<u64>) -> Result<()> {
+/// The losses the loss panel draws: the run's, and another run's to compare, by name.
+struct Losses<'a> {
+    steps: &'a [StepMetrics],
+    name: String,
+    other: Option<(&'a str, &'a [StepMetrics])>,
+}
+
+/// `(step, loss)` of each step whose loss is a number.
+fn finite_losses(steps: &[StepMetrics]) -> Vec<(u64, f64)> {
+    steps
+        .iter()
+        .filter(|m| m.loss.is_finite())
+        .map(|m| (m.step as u64, f64::from(m.loss)))
+        .collect()
+}
+
+fn draw_loss(area: &Area, column: &Area, losses: &Losses, steps_range: Range<u64>) -> Result<()> {
+    let steps = losses.steps;
     // (step, loss, half the spread) where the loss is a number.
     let finite: Vec<(u64, f64, f64)> = steps
         .iter()
@@ -369,7 +398,9 @@ fn draw_loss(area: &Area, column: &Area, steps: &[StepMetrics], steps_range: Ran
         })
         .collect();
     let raw: Vec<(u64, f64)> = finite.iter().map(|&(s, loss, _)| (s, loss)).collect();
-    let values: Vec<f64> = raw.iter().map(|&(_, v)| v).collect();
+    let other: Option<(&str, Vec<(u64, f64)>)> = losses.other.map(|(name, steps)| (name, finite_losses(steps)));
+    let others = other.iter().flat_map(|(_, points)| points.iter().map(|&(_, v)| v));
+    let values: Vec<f64> = raw.iter().map(|&(_, v)| v).chain(others).collect();
     let ceiling = spike_ceiling(&values);
     let floor = values.iter().copied().fold(f64::INFINITY, f64::min);
     // A loss falling over decades is read on a log scale; a flat line at 0 otherwise.
@@ -390,9 +421,16 @@ fn draw_loss(area: &Area, column: &Area, steps: &[StepMetrics], steps_range: Ran
         caption += &format!(" — {skipped} non-finite not drawn");
     }
     let drawn = finite.iter().filter(|&&(_, loss, _)| loss <= ceiling);
+    let compared = other
+        .iter()
+        .flat_map(|(_, points)| points.iter().map(|&(_, v)| v).filter(|&v| v <= ceiling));
     let y = match long {
-        true => padded_range(drawn.map(|&(_, loss, _)| scale(loss))),
-        false => padded_range(drawn.flat_map(|&(_, loss, half)| [scale(loss - half), scale(loss + half)])),
+        true => padded_range(drawn.map(|&(_, loss, _)| scale(loss)).chain(compared.map(scale))),
+        false => padded_range(
+            drawn
+                .flat_map(|&(_, loss, half)| [scale(loss - half), scale(loss + half)])
+                .chain(compared.map(scale)),
+        ),
     };
     let mut chart = panel(area, &caption, steps_range, y, ("loss", log))?;
     let scaled = |points: Vec<(u64, f64)>| points.into_iter().map(|(s, v)| (s, scale(v))).collect::<Vec<_>>();
@@ -421,6 +459,17 @@ fn draw_loss(area: &Area, column: &Area, steps: &[StepMetrics], steps_range: Ran
         let style = LOSS.stroke_width(2);
         chart.draw_series(line(scaled(raw), style))?;
         entries.insert(0, (Sample::Line(style), "loss".to_owned()));
+    }
+    if let Some((name, points)) = other {
+        // Each run's line named by its directory, the other's drawn as this one's is.
+        entries[0].1 = losses.name.clone();
+        let style = EXPOSED.stroke_width(2);
+        let points = match long {
+            true => means(&bins(&scaled(moving_average(&points, window)))),
+            false => scaled(points),
+        };
+        chart.draw_series(line(points, style))?;
+        entries.insert(1, (Sample::Line(style), name.to_owned()));
     }
     legend(column, &chart, &entries)
 }
@@ -580,8 +629,33 @@ mod tests {
             std::fs::write(dir.path().join("summary.json"), summary)?;
         }
         let out = dir.path().join("report.png");
-        render(dir.path(), &out)?;
+        render(dir.path(), &out, None)?;
         png_size(&out)
+    }
+
+    /// Another run's loss drawn over this one's, short runs and long ones alike; a compared
+    /// directory without metrics is an error naming it.
+    #[test]
+    fn another_runs_loss_is_overlaid() -> Result<()> {
+        for (ours, theirs) in [
+            (synthetic(50, false), synthetic(40, false)),
+            (long_run(), synthetic(30, false)),
+        ] {
+            let (dir, other) = (tempfile::tempdir()?, tempfile::tempdir()?);
+            write_metrics(dir.path(), &ours)?;
+            write_metrics(other.path(), &theirs)?;
+            let out = dir.path().join("report.png");
+            render(dir.path(), &out, Some(other.path()))?;
+            assert_eq!(png_size(&out)?, IMAGE_SIZE);
+        }
+        let (dir, empty) = (tempfile::tempdir()?, tempfile::tempdir()?);
+        write_metrics(dir.path(), &synthetic(5, false))?;
+        let error = format!(
+            "{:#}",
+            render(dir.path(), &dir.path().join("r.png"), Some(empty.path())).unwrap_err()
+        );
+        assert!(error.contains(&empty.path().display().to_string()), "{error}");
+        Ok(())
     }
 
     /// A 100 000-step run: the loss falls over three decades with rare spikes a hundred times
@@ -609,7 +683,7 @@ mod tests {
         std::fs::write(dir.path().join("config.toml"), "[cluster]\nserver_num = 2\n")?;
         assert!(on_parameter_servers(dir.path()));
         write_metrics(dir.path(), &synthetic(30, false))?;
-        render(dir.path(), &dir.path().join("report.png"))?;
+        render(dir.path(), &dir.path().join("report.png"), None)?;
         std::fs::write(dir.path().join("config.toml"), "[cluster]\nserver_num = 0\n")?;
         assert!(!on_parameter_servers(dir.path()));
         Ok(())
@@ -696,12 +770,12 @@ mod tests {
     fn a_missing_or_empty_log_is_explained() -> Result<()> {
         let dir = tempfile::tempdir()?;
         let out = dir.path().join("report.png");
-        let error = format!("{:#}", render(dir.path(), &out).unwrap_err());
+        let error = format!("{:#}", render(dir.path(), &out, None).unwrap_err());
         let path = dir.path().join(METRICS_FILE);
         assert!(error.contains(&path.display().to_string()), "{error}");
         assert!(error.contains("every training run writes"), "{error}");
         std::fs::write(&path, "\n")?;
-        let error = format!("{:#}", render(dir.path(), &out).unwrap_err());
+        let error = format!("{:#}", render(dir.path(), &out, None).unwrap_err());
         assert!(error.contains("no steps recorded"), "{error}");
         assert!(!out.exists());
         Ok(())

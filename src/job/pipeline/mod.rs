@@ -24,6 +24,7 @@ use crate::collective::ParamChecksum;
 use crate::config::{GridPlace, HybridConfigs, JobConfig};
 use crate::engines::comm::memory::MemoryRings;
 use crate::engines::comm::{Communicator, RingBreaker, RingTransport};
+use crate::models::Precision;
 use crate::net::auth::Credentials;
 use crate::net::ControlBus;
 use crate::pipeline::link::memory_links;
@@ -435,7 +436,7 @@ fn summarise(job: &TrainingJob, outcomes: &[StageOutcome], cluster: &str) -> Res
             comm_time_ratio: holder.allreduce_ratio,
             exposed_comm_ratio: holder.exposed_allreduce_ratio,
             param_checksum: ParamChecksum::of_values(&parameters).to_string(),
-            matrix_kernel: crate::models::cpu_matrix_kernel().to_string(),
+            matrix_kernel: Precision::of(config).matrix_kernel().to_string(),
             peak_activation_bytes: Some(replica0.iter().map(|o| o.peak_activation_bytes).collect()),
             state_bytes: Some(replica0[0].state_bytes),
             bubble_fraction: Some(replica0.iter().map(|o| o.bubble_fraction).sum::<f64>() / replica0.len() as f64),

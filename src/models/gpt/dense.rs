@@ -31,5 +31,6 @@ pub(super) fn dense(
         weight: init.uniform(&format!("{name}.weight"), &[inputs, outputs], uniform_bound(std))?,
         bias: Var::zeros(outputs, DType::F32, init.device())?,
         activation: Activation::Identity,
+        products: init.products(),
     })
 }

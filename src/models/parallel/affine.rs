@@ -3,7 +3,7 @@
 use candle_core::{Tensor, Var};
 
 use super::{enter, leave, slice_of, Group};
-use crate::models::affine::affine;
+use crate::models::affine::{affine, Precision};
 use crate::models::Activation;
 
 /// How an affine map's weight `W` (in, out) is split.
@@ -25,17 +25,19 @@ pub struct SplitAffine {
     /// This rank's slice of `b` (by columns), or the whole `b` (by rows).
     pub bias: Var,
     activation: Activation,
+    /// What its products are computed in.
+    products: Precision,
     split: Split,
     group: Group,
 }
 
 impl SplitAffine {
     /// This rank's part, split as `split`, of the map of whole weight `weight` (in, out) and
-    /// bias `bias` (out); a map split by rows applies its activation after the sum.
+    /// bias `bias` (out), computing as `activation` and `products` say; a map split by rows applies its activation
+    /// after the sum.
     pub fn from_whole(
-        weight: &Tensor,
-        bias: &Tensor,
-        activation: Activation,
+        (weight, bias): (&Tensor, &Tensor),
+        (activation, products): (Activation, Precision),
         split: Split,
         group: &Group,
     ) -> anyhow::Result<Self> {
@@ -57,6 +59,7 @@ impl SplitAffine {
             weight: Var::from_tensor(&weight.contiguous()?)?,
             bias: Var::from_tensor(&bias.contiguous()?)?,
             activation,
+            products,
             split,
             group: group.clone(),
         })
@@ -67,10 +70,10 @@ impl SplitAffine {
     pub fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
         let (weight, bias) = (self.weight.as_tensor(), self.bias.as_tensor());
         match self.split {
-            Split::Columns => affine(&enter(x, &self.group)?, weight, bias, self.activation),
+            Split::Columns => affine(&enter(x, &self.group)?, weight, bias, (self.activation, self.products)),
             Split::Rows => {
                 let no_bias = bias.zeros_like()?;
-                let partial = affine(x, weight, &no_bias, Activation::Identity)?;
+                let partial = affine(x, weight, &no_bias, (Activation::Identity, self.products))?;
                 let y = leave(&partial, &self.group)?.broadcast_add(bias)?;
                 match self.activation {
                     Activation::Identity => Ok(y),
@@ -99,6 +102,8 @@ pub enum AffineMap {
         bias: Var,
         /// `act`.
         activation: Activation,
+        /// What its products are computed in.
+        products: Precision,
     },
     /// This rank's part of the map.
     Split(SplitAffine),
@@ -111,11 +116,13 @@ impl AffineMap {
             weight,
             bias,
             activation,
+            products,
         } = self
         else {
             anyhow::bail!("an affine map is split once");
         };
-        let part = SplitAffine::from_whole(weight.as_tensor(), bias.as_tensor(), activation, split, group)?;
+        let whole = (weight.as_tensor(), bias.as_tensor());
+        let part = SplitAffine::from_whole(whole, (activation, products), split, group)?;
         Ok(Self::Split(part))
     }
 
@@ -126,7 +133,8 @@ impl AffineMap {
                 weight,
                 bias,
                 activation,
-            } => affine(x, weight.as_tensor(), bias.as_tensor(), *activation),
+                products,
+            } => affine(x, weight.as_tensor(), bias.as_tensor(), (*activation, *products)),
             Self::Split(part) => part.forward(x),
         }
     }
