@@ -162,39 +162,45 @@ impl Default for HybridConfigs {
     }
 }
 
+/// The degrees are at least 1 and their product is the world size.
+fn check_degrees(hybrid: &HybridConfigs, world_size: usize) -> Result<(), FieldError> {
+    let (dp, p) = (hybrid.dp_degree, hybrid.pp_degree);
+    if dp == 0 || p == 0 {
+        let key = if dp == 0 { "dp_degree" } else { "pp_degree" };
+        return Err(FieldError::new(
+            format!("strategy.hybrid_configs.{key}"),
+            "must be at least 1, got 0",
+        ));
+    }
+    // The pipeline's replicas: `dp_degree`, or `sharding_degree` where the shards' are counted
+    // apart (the sharding keys check which).
+    let (sharding, mp) = (hybrid.sharding_degree.max(1), hybrid.parts());
+    if hybrid.replicas().checked_mul(p).and_then(|n| n.checked_mul(mp)) == Some(world_size) {
+        return Ok(());
+    }
+    let degrees = [("dp", dp), ("sharding", sharding), ("pp", p), ("mp", mp)];
+    let set: Vec<_> = degrees
+        .iter()
+        .filter(|&&(key, n)| n > 1 || key == "dp" || key == "pp")
+        .collect();
+    let names: Vec<String> = set.iter().map(|(key, _)| format!("{key}_degree")).collect();
+    let values: Vec<String> = set.iter().map(|(_, n)| n.to_string()).collect();
+    Err(FieldError::new(
+        "strategy.hybrid_configs",
+        format!(
+            "{} = {} must equal the world size {world_size}",
+            names.join(" × "),
+            values.join(" × ")
+        ),
+    ))
+}
+
 impl PipelineConfigs {
     /// Range and consistency checks, given the hybrid layout, the world size and the global
     /// batch.
     pub(crate) fn check(&self, hybrid: &HybridConfigs, world_size: usize, batch_size: usize) -> Result<(), FieldError> {
-        let (dp, p) = (hybrid.dp_degree, hybrid.pp_degree);
-        if dp == 0 || p == 0 {
-            let key = if dp == 0 { "dp_degree" } else { "pp_degree" };
-            return Err(FieldError::new(
-                format!("strategy.hybrid_configs.{key}"),
-                "must be at least 1, got 0",
-            ));
-        }
-        // The pipeline's replicas: `dp_degree`, or `sharding_degree` where the shards' are
-        // counted apart (the sharding keys check which).
-        let (sharding, mp) = (hybrid.sharding_degree.max(1), hybrid.parts());
-        let d = hybrid.replicas();
-        if d.checked_mul(p).and_then(|n| n.checked_mul(mp)) != Some(world_size) {
-            let degrees = [("dp", dp), ("sharding", sharding), ("pp", p), ("mp", mp)];
-            let set: Vec<_> = degrees
-                .iter()
-                .filter(|&&(key, n)| n > 1 || key == "dp" || key == "pp")
-                .collect();
-            let names: Vec<String> = set.iter().map(|(key, _)| format!("{key}_degree")).collect();
-            let values: Vec<String> = set.iter().map(|(_, n)| n.to_string()).collect();
-            return Err(FieldError::new(
-                "strategy.hybrid_configs",
-                format!(
-                    "{} = {} must equal the world size {world_size}",
-                    names.join(" × "),
-                    values.join(" × ")
-                ),
-            ));
-        }
+        let (d, p) = (hybrid.replicas(), hybrid.pp_degree);
+        check_degrees(hybrid, world_size)?;
         let m = self.accumulate_steps;
         if m == 0 {
             return Err(FieldError::new(

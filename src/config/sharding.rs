@@ -103,6 +103,24 @@ pub(super) fn check_sharding(config: &JobConfig) -> Result<(), FieldError> {
     check_degrees(config)
 }
 
+/// The replicas of each part of a pipeline stage shard its states, counted as dp_degree or as
+/// sharding_degree; the pipeline's keys check the product.
+fn check_pipeline_degree(config: &JobConfig) -> Result<(), FieldError> {
+    let hybrid = &config.strategy.hybrid_configs;
+    let (degree, dp) = (hybrid.sharding_degree, hybrid.dp_degree);
+    if degree > 1 && dp > 1 {
+        return Err(FieldError::new(
+            "strategy.hybrid_configs.sharding_degree",
+            format!(
+                "{degree} with dp_degree = {dp}: a pipeline's shards span every replica of a stage (count them as \
+                 dp_degree or as sharding_degree, the other 1); sharding groups inside the replicas are not \
+                 supported yet"
+            ),
+        ));
+    }
+    Ok(())
+}
+
 /// Stages 1 and 2 are built.
 fn check_stage(stage: u8) -> Result<(), FieldError> {
     let key = "strategy.sharding_configs.stage";
@@ -132,20 +150,7 @@ fn check_degrees(config: &JobConfig) -> Result<(), FieldError> {
         ));
     }
     if strategy.pipeline {
-        // The replicas of each part of a stage shard its states, counted as dp_degree or as
-        // sharding_degree; the pipeline's keys check the product.
-        let dp = strategy.hybrid_configs.dp_degree;
-        if degree > 1 && dp > 1 {
-            return Err(FieldError::new(
-                "strategy.hybrid_configs.sharding_degree",
-                format!(
-                    "{degree} with dp_degree = {dp}: a pipeline's shards span every replica of a stage (count them \
-                     as dp_degree or as sharding_degree, the other 1); sharding groups inside the replicas are not \
-                     supported yet"
-                ),
-            ));
-        }
-        return Ok(());
+        return check_pipeline_degree(config);
     }
     if config.mp_degree() > 1 {
         // Every data-parallel rank's shards: the layout is checked with mp_degree.

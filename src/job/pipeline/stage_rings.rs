@@ -42,20 +42,10 @@ pub(super) async fn connect(
         _ => format!("part {part} of "),
     };
     let training = training_replicas(hybrid, roster);
-    // Every rank's endpoint by rank; one not training this generation is never connected to.
-    let unspecified = SocketAddr::from(([0, 0, 0, 0], 0));
-    let endpoints = (0..config.world_size())
-        .map(|member| match roster.endpoint_of(member) {
-            Some(endpoint) => endpoint
-                .parse::<SocketAddr>()
-                .with_context(|| format!("rank {member} announced a bad endpoint {endpoint:?}")),
-            None => Ok(unspecified),
-        })
-        .collect::<Result<Vec<_>>>()?;
     let rings = Rings {
         who: hybrid.name_of(rank),
         listener,
-        endpoints,
+        endpoints: endpoints(config, roster)?,
         timeout: config.fault_tolerance.timeout(),
         shared_memory: config.cluster.shared_memory,
         credentials,
@@ -102,21 +92,26 @@ pub(super) async fn connect(
         if connected {
             bus.barrier(rank, "stage rings connected").await?;
         }
-        let group = GridPlace {
-            replica,
-            stage,
-            part: 0,
-        };
-        let members = (0..mp)
-            .map(|part| hybrid.rank_of(GridPlace { part, ..group }))
-            .collect();
-        let name = format!("the layer group of stage {stage} of replica {replica}");
-        Some(Communicator::new(rings.connect(&name, members, part).await?))
+        Some(rings.layer_group(config, rank).await?)
     } else {
         None
     };
     tracing::info!("{}: pipeline rings connected", rings.who);
     Ok((link, data_parallel, layers))
+}
+
+/// Every rank's data endpoint in `roster`, by rank; one not training this generation (never
+/// connected to) as the unspecified address.
+fn endpoints(config: &JobConfig, roster: &Roster) -> Result<Vec<SocketAddr>> {
+    let unspecified = SocketAddr::from(([0, 0, 0, 0], 0));
+    (0..config.world_size())
+        .map(|member| match roster.endpoint_of(member) {
+            Some(endpoint) => endpoint
+                .parse::<SocketAddr>()
+                .with_context(|| format!("rank {member} announced a bad endpoint {endpoint:?}")),
+            None => Ok(unspecified),
+        })
+        .collect()
 }
 
 /// What connecting one of a rank's rings takes.
@@ -133,6 +128,17 @@ struct Rings {
 }
 
 impl Rings {
+    /// The ring of the ranks that split the layers of rank `rank`'s stage with it.
+    async fn layer_group(&self, config: &JobConfig, rank: usize) -> Result<Communicator> {
+        let hybrid = &config.strategy.hybrid_configs;
+        let place = hybrid.place_of(rank);
+        let members = (0..config.mp_degree())
+            .map(|part| hybrid.rank_of(GridPlace { part, ..place }))
+            .collect();
+        let name = format!("the layer group of stage {} of replica {}", place.stage, place.replica);
+        Ok(Communicator::new(self.connect(&name, members, place.part).await?))
+    }
+
     /// Joins the ring over `members` (global ranks, in ring order) at `position`. Connecting
     /// blocks, so it runs on the blocking pool: the coordinator that rank 0 hosts on this
     /// thread keeps answering meanwhile.
