@@ -221,115 +221,103 @@ fn launched(run_dir: &std::path::Path, settings: &[String], steps: usize, resume
     }
 }
 
-/// Launched as processes (rings over shared memory and TCP), a GPT split 2 ways in 2 replicas
-/// ends bit for bit as the same job simulated in one process (the same sums in the same order),
-/// its `params.safetensors` the whole model in one process's names and shapes. Its checkpoint
-/// holds the whole model: it resumes unsplit on 4 ranks and split 4 ways, and an unsplit one
-/// resumes split, each as the uninterrupted split run goes on (within [`TOLERANCE`]: the
-/// partial products are summed in another order after the change).
-#[test]
-fn a_split_job_across_processes_checkpoints_the_whole_model_and_resumes_on_another_split() {
+/// The split GPT, checkpointing every 10 steps, laid out by `layout`'s flags.
+fn checkpointed_gpt(layout: &[String]) -> Vec<String> {
+    let gpt = [&TINY_GPT[..], &SPLIT_GPT[..], &["fault_tolerance.checkpoint_every=10"]].concat();
+    gpt.iter()
+        .map(|s| s.to_string())
+        .chain(layout.iter().cloned())
+        .collect()
+}
+
+/// The checkpointed GPT launched on `layout` for 30 steps ends bit for bit as the same job
+/// simulated in one process; then each of `changes` — launched on its first layout for 20 steps,
+/// its checkpoint inspected to say its text, resumed on its second layout — ends within
+/// [`TOLERANCE`] of that run (the partial products are summed in another order after the
+/// change). Answers the uninterrupted run's parameters.
+fn resumes_on_other_layouts(
+    layout: &[String],
+    changes: &[(Vec<String>, Vec<String>, String)],
+) -> Vec<(String, Vec<f32>)> {
     use common::{flotilla, read_params};
     let dir = tempfile::tempdir().expect("temp dir");
-    let gpt: Vec<String> = [&TINY_GPT[..], &SPLIT_GPT[..], &["fault_tolerance.checkpoint_every=10"]]
-        .concat()
-        .iter()
-        .map(|s| s.to_string())
-        .collect();
-    let train = |run_dir: &std::path::Path, split: (usize, usize), steps: usize, resume: bool| {
-        launched(run_dir, &[&gpt[..], &layout(split)[..]].concat(), steps, resume)
-    };
     let uninterrupted = dir.path().join("uninterrupted");
-    train(&uninterrupted, (2, 2), 30, false);
+    launched(&uninterrupted, &checkpointed_gpt(layout), 30, false);
     let expected = read_params(&uninterrupted.join("params.safetensors"));
-    let two_by_two = layout((2, 2));
-    let settings: Vec<&str> = gpt.iter().chain(&two_by_two).map(String::as_str).collect();
+    let settings = checkpointed_gpt(layout);
+    let settings: Vec<&str> = settings.iter().map(String::as_str).collect();
     let simulated = train_in_process(config(&[&settings[..], &["train.steps=30"]].concat()));
     assert_eq!(
         max_abs_diff(&expected, &simulated.parameters),
         0.0,
         "launched against simulated"
     );
+    for (change, (from, to, says)) in changes.iter().enumerate() {
+        let run_dir = dir.path().join(format!("resumed-{change}"));
+        launched(&run_dir, &checkpointed_gpt(from), 20, false);
+        let checkpoints = run_dir.join("checkpoints");
+        let inspected = flotilla(
+            &["checkpoint", "inspect", checkpoints.to_str().expect("utf-8")],
+            &[],
+            30,
+        );
+        assert!(inspected.stdout.contains(says.as_str()), "{}", inspected.stdout);
+        launched(&run_dir, &checkpointed_gpt(to), 30, true);
+        let diff = max_abs_diff(&expected, &read_params(&run_dir.join("params.safetensors")));
+        eprintln!("{from:?} → {to:?}: max |Δparam| = {diff:e}");
+        assert!(diff <= TOLERANCE, "{from:?} → {to:?}: max |Δparam| = {diff:e}");
+    }
+    expected
+}
+
+/// Launched as processes (rings over shared memory and TCP), a GPT split 2 ways in 2 replicas
+/// ends bit for bit as the same job simulated in one process (the same sums in the same order),
+/// its `params.safetensors` the whole model in one process's names and shapes. Its checkpoint
+/// holds the whole model: it resumes unsplit on 4 ranks and split 4 ways, and an unsplit one
+/// resumes split, each as the uninterrupted split run goes on.
+#[test]
+fn a_split_job_across_processes_checkpoints_the_whole_model_and_resumes_on_another_split() {
+    let says = |mp: usize| match mp {
+        1 => "data parallel: 4 rank(s), one copy of the replica\n".to_string(),
+        mp => format!(
+            "4 rank(s) splitting each layer {mp} ways (tensor parallelism), one copy of the replica (the layers' \
+             parts gathered)"
+        ),
+    };
+    let changes: Vec<_> = [((2, 2), (4, 1)), ((2, 2), (1, 4)), ((4, 1), (2, 2))]
+        .into_iter()
+        .map(|(from, to)| (layout(from), layout(to), says(from.1)))
+        .collect();
+    let expected = resumes_on_other_layouts(&layout((2, 2)), &changes);
     let single = run(&[&["cluster.nproc_per_node=1", "train.steps=30"], &TINY_GPT[..]].concat());
     assert_eq!(
         expected.iter().map(|(n, v)| (n, v.len())).collect::<Vec<_>>(),
         single.parameters.iter().map(|(n, v)| (n, v.len())).collect::<Vec<_>>(),
         "params.safetensors holds the whole model"
     );
-    for (from, to) in [((2, 2), (4, 1)), ((2, 2), (1, 4)), ((4, 1), (2, 2))] {
-        let run_dir = dir.path().join(format!("{from:?}-{to:?}"));
-        train(&run_dir, from, 20, false);
-        let checkpoints = run_dir.join("checkpoints");
-        let inspected = flotilla(
-            &["checkpoint", "inspect", checkpoints.to_str().expect("utf-8")],
-            &[],
-            30,
-        );
-        let split = match from.1 {
-            1 => "data parallel: 4 rank(s), one copy of the replica\n".to_string(),
-            mp => format!("4 rank(s) splitting each layer {mp} ways (tensor parallelism), one copy of the replica (the layers' parts gathered)"),
-        };
-        assert!(inspected.stdout.contains(&split), "{}", inspected.stdout);
-        train(&run_dir, to, 30, true);
-        let diff = max_abs_diff(&expected, &read_params(&run_dir.join("params.safetensors")));
-        eprintln!("{from:?} → {to:?}: max |Δparam| = {diff:e}");
-        assert!(diff <= TOLERANCE, "{from:?} → {to:?}: max |Δparam| = {diff:e}");
-    }
 }
 
 /// Launched as 4 processes (each stage's layer group, stage rings and replica rings over shared
 /// memory and TCP), a 2-stage pipeline whose stages are split 2 ways ends bit for bit as the
 /// same job simulated in one process. Part 0 of each stage writes the whole stage: the
 /// checkpoint resumes as an unsplit pipeline of 2 replicas, and an unsplit one resumes split,
-/// each as the uninterrupted run goes on (within [`TOLERANCE`]).
+/// each as the uninterrupted run goes on.
 #[test]
 fn a_pipeline_of_split_stages_across_processes_resumes_split_another_way() {
-    use common::{flotilla, read_params};
-    let dir = tempfile::tempdir().expect("temp dir");
-    let gpt: Vec<String> = [&TINY_GPT[..], &SPLIT_GPT[..], &["fault_tolerance.checkpoint_every=10"]]
-        .concat()
-        .iter()
-        .map(|s| s.to_string())
-        .collect();
-    let (split, unsplit) = (
-        [&gpt[..], &grid((1, 2, 2))[..]].concat(),
-        [&gpt[..], &grid((2, 1, 2))[..]].concat(),
-    );
-    let uninterrupted = dir.path().join("uninterrupted");
-    launched(&uninterrupted, &split, 30, false);
-    let expected = read_params(&uninterrupted.join("params.safetensors"));
-    let settings: Vec<&str> = split.iter().map(String::as_str).collect();
-    let simulated = train_in_process(config(&[&settings[..], &["train.steps=30"]].concat()));
-    assert_eq!(
-        max_abs_diff(&expected, &simulated.parameters),
-        0.0,
-        "launched against simulated"
-    );
-    for (run, (from, to, says)) in [
+    let (split, unsplit) = (grid((1, 2, 2)), grid((2, 1, 2)));
+    let changes = [
         (
-            &split,
-            &unsplit,
-            "pipeline: 2 stage(s) × 1 data-parallel replica(s), each stage's layers split 2 ways",
+            split.clone(),
+            unsplit.clone(),
+            "pipeline: 2 stage(s) × 1 data-parallel replica(s), each stage's layers split 2 ways".to_string(),
         ),
-        (&unsplit, &split, "pipeline: 2 stage(s) × 2 data-parallel replica(s)\n"),
-    ]
-    .into_iter()
-    .enumerate()
-    {
-        let run_dir = dir.path().join(format!("resumed-{run}"));
-        launched(&run_dir, from, 20, false);
-        let checkpoints = run_dir.join("checkpoints");
-        let inspected = flotilla(
-            &["checkpoint", "inspect", checkpoints.to_str().expect("utf-8")],
-            &[],
-            30,
-        );
-        assert!(inspected.stdout.contains(says), "{}", inspected.stdout);
-        launched(&run_dir, to, 30, true);
-        let diff = max_abs_diff(&expected, &read_params(&run_dir.join("params.safetensors")));
-        eprintln!("{}: resumed, max |Δparam| = {diff:e}", says.trim());
-        assert!(diff <= TOLERANCE, "{says}: max |Δparam| = {diff:e}");
-    }
+        (
+            unsplit,
+            split.clone(),
+            "pipeline: 2 stage(s) × 2 data-parallel replica(s)\n".to_string(),
+        ),
+    ];
+    resumes_on_other_layouts(&split, &changes);
 }
 
 /// `examples/gpt_hybrid.toml` — 2 sharded replicas × 2 stages × 2 parts on 8 ranks in this
