@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use anyhow::{anyhow, bail, Context as _, Result};
 
-use crate::config::JobConfig;
+use crate::config::{GridPlace, JobConfig};
 use crate::engines::comm::hierarchy::{self, NodeLayout};
 use crate::engines::comm::memory::MemoryRings;
 use crate::engines::comm::{parse_endpoints, Communicator, RingBreaker, RingLinks, RingPlace};
@@ -145,7 +145,7 @@ impl RingLink {
         let rank = roster
             .place_of(member)
             .ok_or_else(|| anyhow!("rank {member} is not in the roster of generation {generation}"))?;
-        let (replica, part) = job.tensor_place_of(rank);
+        let GridPlace { replica, part, .. } = job.strategy.hybrid_configs.place_of(rank);
         let replicas = roster.world_size() / mp;
         let data_parallel: Vec<usize> = (0..replicas).map(|r| r * mp + part).collect();
         let group: Vec<usize> = (0..mp).map(|p| replica * mp + p).collect();

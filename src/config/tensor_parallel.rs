@@ -12,13 +12,6 @@ impl JobConfig {
         self.strategy.hybrid_configs.mp_degree.max(1)
     }
 
-    /// Rank `rank`'s place in the `dp_degree` × `mp_degree` grid: `(replica, part)`, the ranks
-    /// of one replica consecutive (the layer group innermost, so on one node's shared memory).
-    pub fn tensor_place_of(&self, rank: usize) -> (usize, usize) {
-        let mp = self.mp_degree();
-        (rank / mp, rank % mp)
-    }
-
     /// Replicas of the whole model that train over a data-parallel ring: the world, or its
     /// layer groups.
     pub fn data_parallel_replicas(&self) -> usize {
