@@ -341,3 +341,48 @@ fn the_4d_hybrid_example_trains_and_its_loss_falls() {
     // From ln 78 ≈ 4.36 (uniform over the characters) down within a few AdamW steps.
     assert!(first > 4.0 && last < first - 0.3, "loss {first} → {last}");
 }
+
+/// The 4-D layout's checkpoint (2 replicas sharding their states × 2 stages × 2 parts, run as
+/// one process) holds every stage whole: resumed with the replicas unsharded it ends bit for bit
+/// as the uninterrupted sharded run (sharding changes no bit of training).
+#[test]
+fn the_4d_hybrid_checkpoint_resumes_unsharded_bit_for_bit() {
+    use common::flotilla;
+    let dir = tempfile::tempdir().expect("temp dir");
+    let checksum = |run: &std::path::Path| -> String {
+        let summary = std::fs::read_to_string(run.join("summary.json")).expect("a summary");
+        let summary: serde_json::Value = serde_json::from_str(&summary).expect("json");
+        summary["param_checksum"].as_str().expect("a checksum").to_string()
+    };
+    let train = |run: &std::path::Path, steps: &str| {
+        #[rustfmt::skip]
+        let args = ["train", "--config", "examples/gpt_hybrid.toml", "--run-dir", run.to_str().expect("utf-8"),
+            "--set", steps, "--set", "fault_tolerance.checkpoint_every=10", "--set", "train.test_fraction=0.002"];
+        let finished = flotilla(&args, &[], 120);
+        assert!(finished.success, "{}", finished.stderr);
+    };
+    let (uninterrupted, resumed) = (dir.path().join("uninterrupted"), dir.path().join("resumed"));
+    train(&uninterrupted, "train.steps=30");
+    train(&resumed, "train.steps=20");
+    let checkpoints = resumed.join("checkpoints");
+    let inspected = flotilla(
+        &["checkpoint", "inspect", checkpoints.to_str().expect("utf-8")],
+        &[],
+        30,
+    );
+    let says = "pipeline: 2 stage(s) × 2 data-parallel replica(s), each stage's layers split 2 ways (tensor \
+                parallelism; the parts gathered), its states sharded over them (stage 2; the shards gathered)";
+    assert!(inspected.stdout.contains(says), "{}", inspected.stdout);
+    #[rustfmt::skip]
+    let unsharded = ["train", "--resume", resumed.to_str().expect("utf-8"), "--set", "train.steps=30",
+        "--set", "strategy.sharding=false", "--set", "strategy.sharding_configs.stage=1",
+        "--set", "strategy.hybrid_configs.sharding_degree=1", "--set", "strategy.hybrid_configs.dp_degree=2"];
+    let finished = flotilla(&unsharded, &[], 120);
+    assert!(finished.success, "{}", finished.stderr);
+    assert!(
+        finished.stderr.contains("state restored rank=0 step=20"),
+        "{}",
+        finished.stderr
+    );
+    assert_eq!(checksum(&resumed), checksum(&uninterrupted));
+}

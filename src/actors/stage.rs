@@ -331,7 +331,8 @@ impl StageRun {
     }
 
     /// The checkpoint after `step` steps: replica 0's rank of each stage writes the stage's
-    /// state (its replicas are equal; split layers gathered from the parts to part 0), every
+    /// state (its replicas are equal; split layers gathered from the parts to part 0, sharded
+    /// states from the replicas), every
     /// rank acknowledges, the coordinator commits. A rank that rolls back in place keeps its
     /// state in memory too, and each node keeps its own copy: the first replica of each stage
     /// on a node writes the stage there, and the node's first rank commits the node's files
@@ -349,8 +350,9 @@ impl StageRun {
             step,
             file: stage_file(stage),
             writes,
-            // Replica 0's split layers are gathered from its layer group.
-            gathered: replica == 0 && self.parts.job.mp_degree() > 1,
+            // Sharded states are gathered from every replica of the stage's part, replica 0's
+            // split layers from its layer group.
+            gathered: self.parts.job.strategy.sharding || (replica == 0 && self.parts.job.mp_degree() > 1),
             device: &self.parts.device,
             store: &store,
             kept: in_place.then_some(&mut self.kept),

@@ -150,13 +150,14 @@ fn layout(world_size: usize, files: &[FileContents]) -> String {
     if stages > 0 {
         let parts: usize = meta(LAYER_PARTS).and_then(|parts| parts.parse().ok()).unwrap_or(1);
         let replicas = world_size / (stages * parts).max(1);
-        match parts {
-            1 => format!("pipeline: {stages} stage(s) × {replicas} data-parallel replica(s)"),
-            _ => format!(
-                "pipeline: {stages} stage(s) × {replicas} data-parallel replica(s), each stage's layers split \
-                 {parts} ways (tensor parallelism; the parts gathered)"
-            ),
+        let mut layout = format!("pipeline: {stages} stage(s) × {replicas} data-parallel replica(s)");
+        if parts > 1 {
+            layout += &format!(", each stage's layers split {parts} ways (tensor parallelism; the parts gathered)");
         }
+        if let Some(stage) = meta(SHARDING_STAGE) {
+            layout += &format!(", its states sharded over them (stage {stage}; the shards gathered)");
+        }
+        layout
     } else {
         let ranks = match meta(LAYER_PARTS) {
             Some(parts) => format!("{world_size} rank(s) splitting each layer {parts} ways (tensor parallelism)"),
