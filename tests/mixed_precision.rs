@@ -5,8 +5,9 @@
 //! by well under a percent of it, and AdamW's normalised steps do not let that grow). An AdamW
 //! step moves a weight by about the learning rate at most, so no weight can drift further than
 //! 50 × 3e-3 from f32's; a weight whose gradient hovers near zero may get there (AdamW
-//! normalises away its size), but their root mean square stays within 2e-3. Ranks split the batch as in f32: two
-//! data-parallel ranks stay within 1e-5 of one process doing the same (sums in another order).
+//! normalises away its size), but their root mean square stays within 2e-3. Ranks split the
+//! batch as in f32: two data-parallel ranks, and two pipeline stages, stay within 1e-5 of one
+//! process doing the same (sums in another order).
 //! On a CPU without AVX-512 BF16 the job is refused, naming the key.
 
 mod common;
@@ -85,5 +86,15 @@ fn bfloat16_products_train_the_gpt_within_a_stated_bound_of_f32() {
     assert!(
         diff <= 1e-5,
         "2 ranks against 1, both bfloat16: max |Δparam| = {diff:e}"
+    );
+    #[rustfmt::skip]
+    let pipeline = ["cluster.nproc_per_node=2", "strategy.pipeline=true", "strategy.hybrid_configs.pp_degree=2",
+        "strategy.pipeline_configs.accumulate_steps=2"];
+    let stages = run(&[&AMP[..], &pipeline[..]].concat());
+    assert_eq!(stages.summary.matrix_kernel, "avx512_bf16");
+    let diff = max_abs_diff(&bf16.parameters, &stages.parameters);
+    assert!(
+        diff <= 1e-5,
+        "2 stages against 1 process, both bfloat16: max |Δparam| = {diff:e}"
     );
 }

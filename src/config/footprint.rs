@@ -77,10 +77,15 @@ fn estimate(config: &JobConfig) -> Vec<Need> {
     };
     // Activations of one row's forward pass, which training holds with their gradients; split
     // layers (tensor parallelism) hold a part of the parameters and of the activations on each
-    // rank (at least: the LayerNorms and the residual stream stay whole).
+    // rank (at least: the LayerNorms and the residual stream stay whole), and a pipeline's
+    // stages each a share of the parameters (its stages' shares add up to the model).
     let (model_keys, params, row_activations) = model_size(train);
     let mp = config.mp_degree() as u128;
-    let (params, row_activations) = (params.div_ceil(mp), row_activations.div_ceil(mp));
+    let stages = match config.strategy.pipeline {
+        true => config.strategy.hybrid_configs.pp_degree.max(1) as u128,
+        false => 1,
+    };
+    let (params, row_activations) = (params.div_ceil(mp * stages), row_activations.div_ceil(mp));
     let data_rows = match train.dataset {
         DatasetKind::Synthetic => train.synthetic_features.saturating_add(1),
         DatasetKind::CriteoSynthetic => CtrShape::CRITEO.slots * 2 + CtrShape::CRITEO.dense + 1,
@@ -417,6 +422,43 @@ mod tests {
         // Stage 2 keeps a quarter of the averaged gradients, and a 1 MiB bucket in flight.
         assert_eq!(part(&two, "gradients"), bytes(quarter + (1 << 20) / F32));
         assert_eq!(part(&two, "optimizer state"), part(&one, "optimizer state"));
+    }
+
+    /// A rank holds its stage's share of the parameters and its part of the split layers': the
+    /// node's ranks together hold the model once per replica on it.
+    #[test]
+    fn pipeline_stages_and_split_layers_hold_their_share_of_the_parameters() {
+        let params = |edit: &dyn Fn(&mut JobConfig)| {
+            let config = job(|c| {
+                c.cluster.nproc_per_node = 4;
+                c.train.hidden_sizes = Some(vec![4096, 4096]);
+                edit(c);
+            });
+            estimate(&config)
+                .into_iter()
+                .find(|n| n.what == "parameters")
+                .map_or(0, |n| n.bytes)
+        };
+        let replicas = params(&|_| {});
+        let pipeline = params(&|c| {
+            c.strategy.pipeline = true;
+            c.strategy.hybrid_configs.pp_degree = 2;
+            c.strategy.hybrid_configs.dp_degree = 2;
+        });
+        let split = params(&|c| {
+            c.strategy.hybrid_configs.mp_degree = 4;
+        });
+        // Four whole replicas; two replicas of two stages; one model split four ways (each
+        // share rounded up to whole values: a few bytes more).
+        let ranks_rounding = 4 * F32 * 4;
+        assert!(
+            (pipeline * 2).abs_diff(replicas) <= ranks_rounding,
+            "{pipeline} × 2 against {replicas}"
+        );
+        assert!(
+            (split * 4).abs_diff(replicas) <= ranks_rounding,
+            "{split} × 4 against {replicas}"
+        );
     }
 
     #[test]
