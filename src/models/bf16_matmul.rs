@@ -53,6 +53,13 @@ pub(super) fn matmul(
     if m == 0 || n == 0 {
         return Ok(());
     }
+    if k == 0 {
+        // An empty sum.
+        if !accumulate {
+            out.fill(0.0);
+        }
+        return Ok(());
+    }
     let pairs = k.div_ceil(2);
     let panels = pack_b(&b, k, n, pairs);
     let block = |(index, rows): (usize, &mut [f32])| {
@@ -231,7 +238,14 @@ mod tests {
             assert!(matmul((1, 1, 1), |_, _| 1.0, |_, _| 1.0, out, false, 1).is_err());
             return;
         }
-        for (m, k, n) in [(1, 1, 1), (3, 5, 7), (8, 32, 32), (17, 33, 65), (70, 129, 40)] {
+        for (m, k, n) in [
+            (1, 1, 1),
+            (2, 0, 3),
+            (3, 5, 7),
+            (8, 32, 32),
+            (17, 33, 65),
+            (70, 129, 40),
+        ] {
             let a: Vec<f32> = (0..m * k).map(|i| ((i * 7919) % 201) as f32 / 100.0 - 1.0).collect();
             let b: Vec<f32> = (0..k * n).map(|i| ((i * 104_729) % 197) as f32 / 50.0 - 2.0).collect();
             // A as it lies (row-major m×k); B read transposed from an n×k row-major buffer.
