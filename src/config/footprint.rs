@@ -66,25 +66,34 @@ fn total(needs: &[Need]) -> u128 {
     needs.iter().map(|n| n.bytes).fold(0, u128::saturating_add)
 }
 
-fn estimate(config: &JobConfig) -> Vec<Need> {
-    let train = &config.train;
-    let trainers = config.cluster.nproc_per_node as u128;
-    // The optimizer's state slots, each as large as the parameters.
-    let slots: u128 = match train.optimizer {
+/// The optimizer's state slots, each as large as the parameters.
+fn optimizer_slots(train: &TrainConfig) -> u128 {
+    match train.optimizer {
         OptimizerKind::Sgd if train.momentum == 0.0 => 0,
         OptimizerKind::Sgd | OptimizerKind::Adagrad => 1,
         OptimizerKind::Adamw | OptimizerKind::Adam => 2,
-    };
+    }
+}
+
+/// The stages a replica is cut into: `pp_degree` in a pipeline, else 1.
+fn pipeline_stages(config: &JobConfig) -> u128 {
+    match config.strategy.pipeline {
+        true => config.strategy.hybrid_configs.pp_degree.max(1) as u128,
+        false => 1,
+    }
+}
+
+fn estimate(config: &JobConfig) -> Vec<Need> {
+    let train = &config.train;
+    let trainers = config.cluster.nproc_per_node as u128;
+    let slots = optimizer_slots(train);
     // Activations of one row's forward pass, which training holds with their gradients; split
     // layers (tensor parallelism) hold a part of the parameters and of the activations on each
     // rank (at least: the LayerNorms and the residual stream stay whole), and a pipeline's
     // stages each a share of the parameters (its stages' shares add up to the model).
     let (model_keys, params, row_activations) = model_size(train);
     let mp = config.mp_degree() as u128;
-    let stages = match config.strategy.pipeline {
-        true => config.strategy.hybrid_configs.pp_degree.max(1) as u128,
-        false => 1,
-    };
+    let stages = pipeline_stages(config);
     let (params, row_activations) = (params.div_ceil(mp * stages), row_activations.div_ceil(mp));
     let data_rows = match train.dataset {
         DatasetKind::Synthetic => train.synthetic_features.saturating_add(1),
@@ -228,10 +237,7 @@ fn model_size(train: &TrainConfig) -> (Vec<&'static str>, u128, u128) {
 fn activations(config: &JobConfig, row: u128, model_keys: &[&'static str]) -> Need {
     let trainers = config.cluster.nproc_per_node as u128;
     // A pipeline's stage holds its own blocks' share of a replica's rows.
-    let stages = match config.strategy.pipeline {
-        true => config.strategy.hybrid_configs.pp_degree.max(1) as u128,
-        false => 1,
-    };
+    let stages = pipeline_stages(config);
     let local_batch = config.train.local_batch_size(config.data_parallel_replicas()) as u128;
     let training = mul(&[local_batch, row, 2, trainers]);
     let evaluation = mul(&[config.eval_batch_rows() as u128, row, trainers]) / stages;
