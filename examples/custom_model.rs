@@ -12,12 +12,12 @@
 //!     cargo run --release -- launch --nproc_per_node 2 -- target/release/examples/custom_model --set train.epochs=5
 
 use anyhow::Result;
-use candle_core::{Tensor, Var};
+use candle_core::Tensor;
 
 use flotilla::cli::{standard_command_line, DefaultConfig};
 use flotilla::data::Dataset;
 use flotilla::job::TrainingJob;
-use flotilla::models::{Activation, Block, Linear, Model, ParamInit};
+use flotilla::models::{Activation, Block, Linear, Model, Param, ParamInit};
 
 /// A block flotilla has never heard of: `x + relu(x W + b)`, a residual layer.
 struct Residual {
@@ -34,7 +34,7 @@ impl Block for Residual {
         x + self.inner.forward(x)?
     }
 
-    fn parameters(&self) -> Vec<(String, Var)> {
+    fn parameters(&self) -> Vec<(String, Param)> {
         self.inner.parameters()
     }
 }

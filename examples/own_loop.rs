@@ -61,7 +61,7 @@ fn main() -> Result<()> {
     };
     let model = spec.build(&ParamInit::new(train.seed, Device::Cpu))?;
     let mut model = DistributedModel::new(model, group)?;
-    let mut optimizer = Momentum::new(model.parameters(), train.lr, 0.9);
+    let mut optimizer = Momentum::new(model.parameters()?, train.lr, 0.9);
     for step in 0..steps {
         let (x, y) = rows(train.seed, step as u64, mine.clone())?;
         let output = model.forward(&x)?;

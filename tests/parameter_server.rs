@@ -60,7 +60,11 @@ fn reference(config: &JobConfig, def: &SparseModelDef) -> (Vec<f32>, Vec<HashMap
     let train = &config.train;
     let job = ParameterServerJob::new(config.clone(), def.clone()).unwrap();
     let model = def.build(&ParamInit::new(train.seed, Device::Cpu)).unwrap();
-    let params: Vec<Var> = model.parameters().into_iter().map(|(_, v)| v).collect();
+    let params: Vec<Var> = model
+        .parameters()
+        .into_iter()
+        .map(|(_, p)| p.var().expect("held"))
+        .collect();
     let specs = def.tables();
     assert!(
         specs

@@ -39,7 +39,7 @@ fn reference() -> HashMap<String, Vec<f32>> {
             (
                 p.name,
                 grads
-                    .get(p.var.as_tensor())
+                    .get(p.param.var().unwrap().as_tensor())
                     .unwrap()
                     .flatten_all()
                     .unwrap()

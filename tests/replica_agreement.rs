@@ -56,7 +56,7 @@ fn a_diverged_replica_is_named() {
     let errors = with_replicas(|r| {
         r.broadcast_parameters().expect("broadcast");
         if r.rank() == 1 {
-            let p = r.held().params[0].var.clone();
+            let p = r.held().params[0].param.var().expect("held");
             p.set(&(p.as_tensor() + 1e-3).expect("perturb")).expect("set");
         }
         r.check_replicas_agree()

@@ -18,7 +18,7 @@ use crate::config::JobConfig;
 use crate::cpu_values::cpu_values;
 use crate::data::Dataset;
 use crate::job::{RunOptions, TrainingJob};
-use crate::models::{mlp, Block, Model, ParamInit};
+use crate::models::{mlp, Block, Model, Param, ParamInit};
 
 /// Arguments of `flotilla bench pipeline`.
 #[derive(Debug, Clone, clap::Args)]
@@ -143,13 +143,13 @@ pub fn run(args: &PipelineBenchArgs) -> Result<()> {
 /// A block of known cost: `x · scale`, taking `cost` in forward and `2 · cost` in backward.
 struct TimedBlock {
     name: String,
-    scale: Var,
+    scale: Param,
     cost: Duration,
 }
 
 impl TimedBlock {
     fn new(name: String, cost: Duration, init: &ParamInit) -> candle_core::Result<Self> {
-        let scale = Var::from_tensor(&Tensor::ones(1, candle_core::DType::F32, init.device())?)?;
+        let scale = Var::from_tensor(&Tensor::ones(1, candle_core::DType::F32, init.device())?)?.into();
         Ok(Self { name, scale, cost })
     }
 }
@@ -160,10 +160,11 @@ impl Block for TimedBlock {
     }
 
     fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
-        x.broadcast_mul(self.scale.as_tensor())?.apply_op1(Delay(self.cost))
+        x.broadcast_mul(self.scale.var()?.as_tensor())?
+            .apply_op1(Delay(self.cost))
     }
 
-    fn parameters(&self) -> Vec<(String, Var)> {
+    fn parameters(&self) -> Vec<(String, Param)> {
         vec![("scale".to_string(), self.scale.clone())]
     }
 }

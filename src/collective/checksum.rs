@@ -38,7 +38,7 @@ impl ParamChecksum {
 pub(crate) fn values_of(params: &[NamedParam]) -> candle_core::Result<Vec<(String, Vec<f32>)>> {
     params
         .iter()
-        .map(|p| Ok((p.name.clone(), p.var.flatten_all()?.to_vec1::<f32>()?)))
+        .map(|p| Ok((p.name.clone(), p.param.var()?.flatten_all()?.to_vec1::<f32>()?)))
         .collect()
 }
 

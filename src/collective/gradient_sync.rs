@@ -13,19 +13,19 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, ensure, Context, Result};
 use candle_core::backprop::GradStore;
-use candle_core::{Device, Tensor, Var};
+use candle_core::{Device, Tensor};
 
 use super::gradient_bucket::{BucketFill, BucketValues};
 use super::BucketPlan;
 use crate::config::{JobConfig, ShardingStage};
 use crate::engines::comm::{CommWorker, Pending, Wire};
-use crate::models::NamedParam;
+use crate::models::{NamedParam, Param};
 use crate::optim::GradientMerge;
 use crate::telemetry::timeline::{record, Lane, Timeline};
 
 /// A replica's gradient averaging: its buckets, merge and wire format.
 pub struct GradientSync {
-    vars: Vec<Var>,
+    params: Vec<Param>,
     plan: BucketPlan,
     /// The bucket and the place in it of the n-th gradient handed over.
     slots: Vec<(usize, usize)>,
@@ -67,25 +67,25 @@ impl AveragedGradients {
 }
 
 impl GradientSync {
-    /// The averaging of `vars`' gradients over the replicas, as `job` configures it; backward
-    /// hands the gradients over in `arrival` order (indices into `vars`, each once), the order the
+    /// The averaging of `params`' gradients over the replicas, as `job` configures it; backward
+    /// hands the gradients over in `arrival` order (indices into `params`, each once), the order the
     /// buckets are cut in.
-    pub fn new(job: &JobConfig, vars: Vec<Var>, arrival: &[usize], device: &Device) -> Result<Self> {
-        let mut seen = vec![false; vars.len()];
+    pub fn new(job: &JobConfig, params: Vec<Param>, arrival: &[usize], device: &Device) -> Result<Self> {
+        let mut seen = vec![false; params.len()];
         for &index in arrival {
             ensure!(
-                index < vars.len() && !std::mem::replace(&mut seen[index], true),
+                index < params.len() && !std::mem::replace(&mut seen[index], true),
                 "the gradient order names parameter {index} twice or beyond the {} parameters",
-                vars.len()
+                params.len()
             );
         }
         ensure!(
-            arrival.len() == vars.len(),
+            arrival.len() == params.len(),
             "the gradient order names {} of the {} parameters",
             arrival.len(),
-            vars.len()
+            params.len()
         );
-        let sized: Vec<(usize, usize)> = arrival.iter().map(|&i| (i, vars[i].elem_count())).collect();
+        let sized: Vec<(usize, usize)> = arrival.iter().map(|&i| (i, params[i].elem_count())).collect();
         let plan = BucketPlan::new(&sized, job.strategy.fuse_grad_size_bytes());
         let wire = if job.strategy.fp16_allreduce {
             Wire::Bf16
@@ -99,7 +99,7 @@ impl GradientSync {
             .flat_map(|(b, bucket)| (0..bucket.params.len()).map(move |position| (b, position)))
             .collect();
         Ok(Self {
-            vars,
+            params,
             slots,
             merge: GradientMerge::new(&job.strategy, plan.buckets.len()),
             plan,
@@ -184,7 +184,7 @@ impl StepGradients<'_> {
         }
         self.next += 1;
         if self.direct {
-            self.kept.insert(sync.vars[index].as_tensor(), grad.clone());
+            self.kept.insert(sync.params[index].var()?.as_tensor(), grad.clone());
             return Ok(());
         }
         self.filling.push(grad, bucket.len)?;
@@ -225,7 +225,7 @@ impl StepGradients<'_> {
         for block in blocks.rev() {
             for (index, param) in params.iter().enumerate().filter(|(_, p)| p.block == block) {
                 let grad = grads
-                    .get(param.var.as_tensor())
+                    .get(param.param.var()?.as_tensor())
                     .with_context(|| format!("no gradient for {}", param.name))?;
                 self.add(index, grad)?;
             }
@@ -238,7 +238,7 @@ impl StepGradients<'_> {
     pub fn finish(self, timeline: &mut Option<Timeline>) -> Result<Option<Averaged>> {
         let sync = self.sync;
         let arrived = self.next;
-        let expected = sync.vars.len();
+        let expected = sync.params.len();
         if arrived < expected {
             // Wait for what is in flight, so no collective is left behind, then report.
             for reduced in self.reducing {
@@ -284,9 +284,12 @@ impl StepGradients<'_> {
             }
             let mut offset = 0;
             for &param in &bucket.params {
-                let var = &sync.vars[param];
-                grads.insert(var.as_tensor(), values.gradient(offset, var.shape(), &sync.device)?);
-                offset += var.elem_count();
+                let param = &sync.params[param];
+                grads.insert(
+                    param.var()?.as_tensor(),
+                    values.gradient(offset, param.shape(), &sync.device)?,
+                );
+                offset += param.elem_count();
             }
         }
         let grads = match sync.scatters {

@@ -17,7 +17,7 @@ use crate::data::{Batch, DataPosition, Pieces};
 use crate::engines::comm::{CommWorker, Shared};
 use crate::models::export::ModelInfo;
 use crate::models::parallel::Group;
-use crate::models::{NamedParam, Score};
+use crate::models::{NamedParam, Param, Score};
 use crate::optim::{Optimizer, OptimizerState};
 use crate::telemetry::timeline::{Span, Timeline};
 
@@ -122,7 +122,7 @@ fn gather_whole(
     let mut parts = Vec::new();
     for (index, p) in params.iter().enumerate() {
         if let Some(dim) = split(index) {
-            parts.push((dim, p.var.as_tensor().clone()));
+            parts.push((dim, p.param.var()?.as_tensor().clone()));
         }
     }
     for (index, _, tensor) in slots.iter() {
@@ -136,7 +136,7 @@ fn gather_whole(
         let mut p = p.clone();
         if p.split.take().is_some() {
             let tensor = whole.next().context("a split parameter was not gathered")?;
-            p.var = Var::from_tensor(&tensor)?;
+            p.param = Param::new(Var::from_tensor(&tensor)?);
         }
         gathered.push(p);
     }
@@ -167,7 +167,7 @@ fn whole_shaped(params: &[NamedParam], bytes: &[u8]) -> Result<Vec<NamedParam>> 
                 if p.transposed {
                     dims.reverse();
                 }
-                let part = p.var.dims();
+                let part = p.param.dims();
                 let holds_part = dims.len() == part.len()
                     && (0..dims.len()).all(|d| {
                         if d == dim {
@@ -182,7 +182,7 @@ fn whole_shaped(params: &[NamedParam], bytes: &[u8]) -> Result<Vec<NamedParam>> 
                      dimension {dim})",
                     p.name
                 );
-                whole.var = Var::zeros(dims, p.var.dtype(), p.var.device())?;
+                whole.param = Param::new(Var::zeros(dims, p.param.dtype(), p.param.device())?);
             }
             Ok(whole)
         })
@@ -255,7 +255,7 @@ pub trait RankReplica: Send {
         };
         for (p, whole) in params.iter().zip(&whole) {
             if let Some(dim) = p.split {
-                p.var.set(&part_of(layers, dim, whole.var.as_tensor())?)?;
+                p.param.set(&part_of(layers, dim, whole.param.var()?.as_tensor())?)?;
             }
         }
         *step = restored.batches;
@@ -292,7 +292,7 @@ pub trait RankReplica: Send {
     /// The bytes of the state this rank holds.
     fn state_bytes(&mut self) -> StateBytes {
         let held = self.held();
-        let values: usize = held.params.iter().map(|p| p.var.elem_count()).sum();
+        let values: usize = held.params.iter().map(|p| p.param.elem_count()).sum();
         let f32_bytes = std::mem::size_of::<f32>();
         let (gradients, optimizer) = match &held.optimizer {
             HeldOptimizer::Whole(optimizer) => (values, values * optimizer.slots().len()),
@@ -311,7 +311,7 @@ pub trait RankReplica: Send {
         let held = self.held();
         gather_whole(held.params, &mut [], held.layers)?
             .into_iter()
-            .map(|p| Ok((p.name, p.var.flatten_all()?.to_vec1::<f32>()?)))
+            .map(|p| Ok((p.name, p.param.var()?.flatten_all()?.to_vec1::<f32>()?)))
             .collect()
     }
 

@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
-use candle_core::{Device, Tensor, Var};
+use candle_core::{Device, Tensor};
 
 use super::evaluation::{score_pieces, sum_over_ranks};
 use super::preemption;
@@ -71,8 +71,8 @@ impl Replica {
             .split(&layers)
             .context("splitting the model over its layer group (strategy.hybrid_configs.mp_degree)")?;
         let params = model.parameters();
-        let vars: Vec<Var> = params.iter().map(|p| p.var.clone()).collect();
-        let gradients = GradientSync::new(job, vars, &backward_order(&model, &params), &device)?;
+        let slots = params.iter().map(|p| p.param.clone()).collect();
+        let gradients = GradientSync::new(job, slots, &backward_order(&model, &params), &device)?;
         // The job's replicas, not this generation's: with elastic membership the global batch,
         // and so its learning rate, stays the same on fewer ranks.
         let lr_policy = LrPolicy::new(
@@ -289,14 +289,14 @@ pub fn backward_order(model: &Model, params: &[NamedParam]) -> Vec<usize> {
 pub fn broadcast_parameters(comm: &CommWorker, params: &[NamedParam]) -> Result<()> {
     let flat = params
         .iter()
-        .map(|p| p.var.flatten_all())
+        .map(|p| p.param.var()?.flatten_all())
         .collect::<candle_core::Result<Vec<_>>>()?;
     let flat = Tensor::cat(&flat, 0)?;
     let flat = comm.run(move |c| c.broadcast_tensor("broadcast of the initial parameters", flat, 0))?;
     let mut offset = 0;
     for p in params {
-        let n = p.var.elem_count();
-        p.var.set(&flat.narrow(0, offset, n)?.reshape(p.var.shape())?)?;
+        let n = p.param.elem_count();
+        p.param.set(&flat.narrow(0, offset, n)?.reshape(p.param.shape())?)?;
         offset += n;
     }
     Ok(())

@@ -30,7 +30,10 @@ impl ReplicaOptimizer {
     pub fn new(job: &JobConfig, plan: &BucketPlan, params: &[NamedParam], comm: &CommWorker, lr: f64) -> Result<Self> {
         Ok(match job.strategy.sharding_stage() {
             None => {
-                let vars = params.iter().map(|p| p.var.clone()).collect();
+                let vars = params
+                    .iter()
+                    .map(|p| p.param.var())
+                    .collect::<candle_core::Result<_>>()?;
                 Self::Whole(Optimizer::new(&job.train, vars, lr)?)
             }
             Some(stage) => Self::Sharded(Box::new(ShardedStates::new(

@@ -23,7 +23,7 @@ use super::{AveragedGradients, BucketPlan};
 use crate::config::{ShardingStage, TrainConfig};
 use crate::engines::comm::{CommWorker, Pending, Wire};
 use crate::models::parallel::Group;
-use crate::models::NamedParam;
+use crate::models::{NamedParam, Param};
 use crate::optim::{Optimizer, OptimizerState};
 use crate::telemetry::timeline::{Lane, Timeline};
 
@@ -76,7 +76,7 @@ impl ShardedStates {
                 shard,
             })
             .collect();
-        let device = params.first().map_or(Device::Cpu, |p| p.var.device().clone());
+        let device = params.first().map_or(Device::Cpu, |p| p.param.device().clone());
         let shards = buckets
             .iter()
             .map(|b| Var::zeros(b.shard.len(), candle_core::DType::F32, &device))
@@ -145,7 +145,7 @@ impl ShardedStates {
         for (index, ((bucket, shard), grad)) in self.buckets.iter().zip(&self.shards).zip(grads).enumerate() {
             // The shard starts from the parameters every rank holds (the last all-gather's, a
             // broadcast's or a restore's).
-            shard.set(&bucket.slice(shard.device(), |i| Ok(params[i].var.as_tensor().clone()))?)?;
+            shard.set(&bucket.slice(shard.device(), |i| Ok(params[i].param.var()?.as_tensor().clone()))?)?;
             let mut store = GradStore::default();
             store.insert(shard.as_tensor(), grad);
             self.optimizers[index].step(&store)?;
@@ -161,7 +161,7 @@ impl ShardedStates {
                 let name = format!("all-gather parameter bucket {index} ({} KiB)", bucket.len * 4 / 1024);
                 timeline.record_between(Lane::Communication, name, "allgather", started, ended);
             }
-            bucket.scatter_into(&whole, |i| &params[i].var)?;
+            bucket.scatter_into(&whole, |i| &params[i].param)?;
         }
         Ok(waited)
     }
@@ -186,9 +186,9 @@ impl ShardedStates {
                     .zip(&self.shards)
                     .map(|(bucket, shard)| {
                         bucket.slice(shard.device(), |i| {
-                            let var = params[i].var.as_tensor();
+                            let var = params[i].param.var()?;
                             whole
-                                .get(var)
+                                .get(var.as_tensor())
                                 .cloned()
                                 .with_context(|| format!("no gradient for {}", params[i].name))
                         })
@@ -261,11 +261,11 @@ impl ShardedStates {
                 let op = format!("all-gather of optimizer slot {slot} of bucket {index}");
                 let (whole, ..) = bucket.gather(&mine, comm, op)?.wait()?;
                 let mut offset = 0;
-                for &param in &bucket.params {
-                    let var = &params[param].var;
-                    let n = var.elem_count();
-                    let values = Tensor::from_slice(&whole[offset..offset + n], var.shape(), var.device())?;
-                    tensors.push((param, slot.to_string(), values));
+                for &index in &bucket.params {
+                    let param = &params[index].param;
+                    let n = param.elem_count();
+                    let values = Tensor::from_slice(&whole[offset..offset + n], param.shape(), param.device())?;
+                    tensors.push((index, slot.to_string(), values));
                     offset += n;
                 }
             }
@@ -282,11 +282,11 @@ impl ShardedStates {
                 .get(index)
                 .with_context(|| format!("optimizer state of parameter {index}, beyond the {}", params.len()))?;
             ensure!(
-                tensor.dims() == param.var.dims(),
+                tensor.dims() == param.param.dims(),
                 "optimizer slot {slot} of {}: shape {:?}, the parameter's is {:?}",
                 param.name,
                 tensor.dims(),
-                param.var.dims()
+                param.param.dims()
             );
             by_param.insert((index, slot), tensor);
         }
@@ -304,7 +304,7 @@ impl ShardedStates {
                 }
                 let shard = bucket.slice(var.device(), |i| match by_param.get(&(i, slot.to_string())) {
                     Some(tensor) => Ok(tensor.clone()),
-                    None => Ok(params[i].var.as_tensor().zeros_like()?),
+                    None => Ok(params[i].param.var()?.as_tensor().zeros_like()?),
                 })?;
                 tensors.push((0, slot.to_string(), shard));
             }
@@ -370,7 +370,6 @@ impl ShardedBucket {
         }))
     }
 
-    /// Sets each parameter (`var(index)`) from its values in the whole bucket `values`.
     /// The sums of squares of `grad`, this rank's shard of the bucket's gradients: of the
     /// elements of split parameters (tensor parallelism) and of the others.
     fn squares(&self, grad: &Tensor, params: &[NamedParam]) -> Result<[f64; 2]> {
@@ -386,7 +385,7 @@ impl ShardedBucket {
         let mut squares = [0f64; 2];
         let mut offset = 0;
         for &param in &self.params {
-            let n = params[param].var.elem_count();
+            let n = params[param].param.elem_count();
             let (start, end) = (self.shard.start.max(offset), self.shard.end.min(offset + n));
             if start < end {
                 let piece = grad.narrow(0, start - self.shard.start, end - start)?;
@@ -397,15 +396,16 @@ impl ShardedBucket {
         Ok(squares)
     }
 
-    fn scatter_into<'a>(&self, values: &[f32], var: impl Fn(usize) -> &'a Var) -> Result<()> {
+    /// Holds each parameter (`param(index)`) from its values in the whole bucket `values`.
+    fn scatter_into<'a>(&self, values: &[f32], param: impl Fn(usize) -> &'a Param) -> Result<()> {
         let mut offset = 0;
-        for &param in &self.params {
-            let var = var(param);
-            let n = var.elem_count();
-            var.set(&Tensor::from_slice(
+        for &index in &self.params {
+            let param = param(index);
+            let n = param.elem_count();
+            param.hold(&Tensor::from_slice(
                 &values[offset..offset + n],
-                var.shape(),
-                var.device(),
+                param.shape(),
+                param.device(),
             )?)?;
             offset += n;
         }

@@ -117,11 +117,15 @@ pub(crate) fn clip_split_by_global_norm(
     max_norm: f64,
 ) -> Result<()> {
     let (split, whole): (Vec<&NamedParam>, Vec<&NamedParam>) = params.iter().partition(|p| p.split.is_some());
-    let vars = |params: Vec<&NamedParam>| -> Vec<Var> { params.into_iter().map(|p| p.var.clone()).collect() };
-    let split_squares = sum_of_squares(grads, &vars(split))?;
-    let squares = sum_of_squares(grads, &vars(whole))? + sum_over_group(layers, split_squares)?;
-    let vars: Vec<Var> = params.iter().map(|p| p.var.clone()).collect();
-    scale_to_norm(grads, &vars, squares.sqrt(), max_norm)?;
+    let vars = |params: Vec<&NamedParam>| {
+        params
+            .into_iter()
+            .map(|p| p.param.var())
+            .collect::<candle_core::Result<Vec<Var>>>()
+    };
+    let split_squares = sum_of_squares(grads, &vars(split)?)?;
+    let squares = sum_of_squares(grads, &vars(whole)?)? + sum_over_group(layers, split_squares)?;
+    scale_to_norm(grads, &vars(params.iter().collect())?, squares.sqrt(), max_norm)?;
     Ok(())
 }
 
@@ -218,7 +222,9 @@ mod tests {
                 let y = second.forward(&first.forward(input.as_tensor())?)?;
                 let part = (&y * &r)?.sum_all()?.backward()?;
                 let grad = |v: &Var| part.get(v.as_tensor()).cloned().expect("a gradient");
-                let parts = [&first.weight, &first.bias, &second.weight, &second.bias, &input].map(grad);
+                let held = [&first.weight, &first.bias, &second.weight, &second.bias].map(|p| p.var());
+                let [w1, b1, w2, b2] = held.map(|v| v.expect("a held parameter"));
+                let parts = [&w1, &b1, &w2, &b2, &input].map(grad);
                 Ok((group.rank(), y, parts))
             })?;
             let part = 8 / size;
@@ -278,8 +284,8 @@ mod tests {
             let params = layer
                 .parameters()
                 .into_iter()
-                .map(|(name, var)| (name, grad(&var)))
-                .collect();
+                .map(|(name, param)| Ok((name, grad(&param.var()?))))
+                .collect::<Result<_>>()?;
             Ok((y, grad(&input), params))
         }
         let (y, dx, whole) = run(layer()?.as_ref(), &x, &r)?;

@@ -86,7 +86,7 @@ pub fn write(
     } = optimizer;
     let mut tensors = Vec::with_capacity(params.len() + state.tensors.len());
     for p in params {
-        tensors.push((p.name.clone(), in_torch_layout(p, p.var.as_tensor())?));
+        tensors.push((p.name.clone(), in_torch_layout(p, p.param.var()?.as_tensor())?));
     }
     for (index, slot, tensor) in state.tensors {
         let p = params
@@ -233,7 +233,7 @@ pub fn restore(
     }
     load(state)?;
     for (p, value) in params.iter().zip(values) {
-        p.var.set(&value)?;
+        p.param.set(&value)?;
     }
     Ok(Restored {
         batches,
@@ -262,7 +262,14 @@ mod tests {
             ..TrainConfig::default()
         };
         let params = model.parameters();
-        let mut optimizer = Optimizer::new(&train, params.iter().map(|p| p.var.clone()).collect(), 0.1)?;
+        let mut optimizer = Optimizer::new(
+            &train,
+            params
+                .iter()
+                .map(|p| p.param.var())
+                .collect::<candle_core::Result<_>>()?,
+            0.1,
+        )?;
         step(&model, &mut optimizer)?;
         let info = ModelInfo {
             loss: Some("mse".to_string()),
@@ -293,7 +300,7 @@ mod tests {
         let params = model.parameters();
         Ok(params
             .iter()
-            .map(|p| p.var.flatten_all()?.to_vec1::<f32>())
+            .map(|p| p.param.var()?.flatten_all()?.to_vec1::<f32>())
             .collect::<candle_core::Result<_>>()?)
     }
 

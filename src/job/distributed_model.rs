@@ -55,9 +55,14 @@ impl DistributedModel {
              the runtime's models (`flotilla train`)"
         );
         let params = model.parameters();
-        let vars: Vec<Var> = params.iter().map(|p| p.var.clone()).collect();
-        let device = vars.first().context("the model has no parameters")?.device().clone();
-        let gradients = GradientSync::new(group.config(), vars, &backward_order(&model, &params), &device)?;
+        let device = params
+            .first()
+            .context("the model has no parameters")?
+            .param
+            .device()
+            .clone();
+        let slots = params.iter().map(|p| p.param.clone()).collect();
+        let gradients = GradientSync::new(group.config(), slots, &backward_order(&model, &params), &device)?;
         group.explained(broadcast_parameters(group.comm(), &params))?;
         let segments = Segments::per_block(model.blocks().len());
         Ok(Self {
@@ -103,8 +108,12 @@ impl DistributedModel {
     }
 
     /// The model's parameters, for the program's optimizer.
-    pub fn parameters(&self) -> Vec<Var> {
-        self.params.iter().map(|p| p.var.clone()).collect()
+    pub fn parameters(&self) -> Result<Vec<Var>> {
+        Ok(self
+            .params
+            .iter()
+            .map(|p| p.param.var())
+            .collect::<candle_core::Result<_>>()?)
     }
 
     /// The model.

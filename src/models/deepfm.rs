@@ -9,11 +9,11 @@
 //! inner product, in linear time), and the deep tower reads the fields' factors concatenated.
 
 use anyhow::{ensure, Result};
-use candle_core::{Tensor, Var};
+use candle_core::Tensor;
 
 use super::sparse::{Lookup, SparseModel, SparseTableSpec};
 use super::tower::{run_tower, tower};
-use super::{Activation, Block, Linear, ParamInit};
+use super::{Activation, Block, Linear, Param, ParamInit};
 use crate::data::ctr::CtrShape;
 
 /// DeepFM. Tables: `embedding` (width `embedding_dim`, read by every slot) and `first_order`
@@ -38,7 +38,7 @@ impl DeepFm {
                 let bound = 1.0 / (embedding_dim as f32).sqrt();
                 let weight = init.uniform("dense_factors.weight", &[shape.dense, embedding_dim], bound)?;
                 let first_order = Linear::new("first_order_dense", shape.dense, 1, Activation::Identity, init)?;
-                Ok((DenseFactors { weight }, first_order))
+                Ok((DenseFactors { weight: weight.into() }, first_order))
             })
             .transpose()?;
         Ok(Self {
@@ -103,7 +103,7 @@ fn pairwise_interactions(factors: &Tensor) -> candle_core::Result<Tensor> {
 /// The dense features' factor vectors: `(batch, dense)` values to `(batch, dense, width)` factors,
 /// each feature's value times its learned vector.
 struct DenseFactors {
-    weight: Var,
+    weight: Param,
 }
 
 impl Block for DenseFactors {
@@ -112,10 +112,11 @@ impl Block for DenseFactors {
     }
 
     fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
-        x.unsqueeze(2)?.broadcast_mul(&self.weight.as_tensor().unsqueeze(0)?)
+        x.unsqueeze(2)?
+            .broadcast_mul(&self.weight.var()?.as_tensor().unsqueeze(0)?)
     }
 
-    fn parameters(&self) -> Vec<(String, Var)> {
+    fn parameters(&self) -> Vec<(String, Param)> {
         vec![("weight".to_string(), self.weight.clone())]
     }
 }

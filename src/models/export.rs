@@ -95,7 +95,7 @@ pub fn write_model(out: &mut dyn Write, model: &Model, info: &ModelInfo) -> Resu
     let tensors = model
         .parameters()
         .iter()
-        .map(|p| Ok((p.name.clone(), in_torch_layout(p, p.var.as_tensor())?)))
+        .map(|p| Ok((p.name.clone(), in_torch_layout(p, p.param.var()?.as_tensor())?)))
         .collect::<Result<Vec<_>>>()?;
     write_tensors(out, &tensors, info.metadata()?)
 }
@@ -108,7 +108,7 @@ pub(crate) fn in_torch_layout(p: &NamedParam, tensor: &Tensor) -> Result<Tensor>
 
 /// The shape of `p` in PyTorch's layout.
 fn torch_dims(p: &NamedParam) -> Vec<usize> {
-    let dims = p.var.dims();
+    let dims = p.param.dims();
     if p.transposed {
         dims.iter().rev().copied().collect()
     } else {
@@ -130,7 +130,7 @@ pub(crate) fn from_torch_layout(
         view.dtype(),
         view.shape()
     );
-    let tensor: Tensor = view.load(p.var.device())?;
+    let tensor: Tensor = view.load(p.param.device())?;
     Ok(if p.transposed {
         tensor.t()?.contiguous()?
     } else {
@@ -187,7 +187,7 @@ impl<'a> ModelFile<'a> {
             bail!("the file has a tensor {extra} the model lacks: it holds another model");
         }
         for (p, value) in params.iter().zip(values) {
-            p.var.set(&value)?;
+            p.param.set(&value)?;
         }
         Ok(())
     }
@@ -222,7 +222,7 @@ mod tests {
         assert_eq!(raw.tensor("fc0.weight")?.shape(), [4, 3]);
         assert_eq!(raw.tensor("fc1.bias")?.shape(), [2]);
         // (out, in): row o of the file is column o of the stored (in, out) weight.
-        let stored = trained.parameters()[1].var.as_tensor().to_vec2::<f32>()?;
+        let stored = trained.parameters()[1].param.var()?.as_tensor().to_vec2::<f32>()?;
         let written: Tensor = raw.tensor("fc0.weight")?.load(&Device::Cpu)?;
         assert_eq!(written.to_vec2::<f32>()?[2][1], stored[1][2]);
 
@@ -243,12 +243,12 @@ mod tests {
         let small = mlp(3, &[4], 2, &ParamInit::new(1, device.clone()))?;
         let deeper = mlp(3, &[4, 4], 2, &ParamInit::new(1, device.clone()))?;
         let wider = mlp(3, &[5], 2, &ParamInit::new(1, device.clone()))?;
-        let before = small.parameters()[0].var.as_tensor().to_vec1::<f32>()?;
+        let before = small.parameters()[0].param.var()?.as_tensor().to_vec1::<f32>()?;
         let info = ModelInfo::default();
         let err = |bytes: Vec<u8>| format!("{:#}", ModelFile::parse(&bytes).unwrap().load_into(&small).unwrap_err());
         let text = err(file_of(&wider, &info));
         assert!(text.contains("tensor fc0.bias") && text.contains("[5]"), "{text}");
-        assert_eq!(small.parameters()[0].var.as_tensor().to_vec1::<f32>()?, before);
+        assert_eq!(small.parameters()[0].param.var()?.as_tensor().to_vec1::<f32>()?, before);
         let text = err(file_of(&deeper, &info));
         assert!(text.contains("tensor fc1.bias: the file's is F32 [4]"), "{text}");
         // The tensors of `small`'s file, then one of them dropped or one added.
@@ -282,7 +282,7 @@ mod tests {
         );
         assert!(text.contains("no built-in model"), "{text}");
         let mut plain = Vec::new();
-        let tensors = [("w".to_string(), small.parameters()[0].var.as_tensor().clone())];
+        let tensors = [("w".to_string(), small.parameters()[0].param.var()?.as_tensor().clone())];
         write_tensors(&mut plain, &tensors, HashMap::new())?;
         let text = format!("{:#}", ModelFile::parse(&plain).err().unwrap());
         assert!(text.contains("not a flotilla model file"), "{text}");

@@ -111,7 +111,7 @@ mod tests {
 
     fn param(model: &Model, name: &str) -> anyhow::Result<Var> {
         let found = model.parameters().into_iter().find(|p| p.name == name);
-        Ok(found.with_context(|| format!("no parameter {name}"))?.var)
+        Ok(found.with_context(|| format!("no parameter {name}"))?.param.var()?)
     }
 
     #[test]
@@ -175,9 +175,9 @@ mod tests {
         // ones make every term (including the softmax's) count.
         let mut rng = SplitMix64::new(42);
         for p in model.parameters() {
-            let noise: Vec<f32> = (0..p.var.elem_count()).map(|_| rng.uniform(-0.5, 0.5)).collect();
-            p.var
-                .set(&(p.var.as_tensor() + Tensor::from_vec(noise, p.var.shape(), &Device::Cpu)?)?)?;
+            let noise: Vec<f32> = (0..p.param.elem_count()).map(|_| rng.uniform(-0.5, 0.5)).collect();
+            let moved = (p.param.var()?.as_tensor() + Tensor::from_vec(noise, p.param.shape(), &Device::Cpu)?)?;
+            p.param.set(&moved)?;
         }
         let x = ids(&[0, 3, 1, 4, 1, 5, 2, 6, 5, 3], 2)?;
         let y = ids(&[3, 1, 4, 1, 5, 2, 6, 5, 3, 5], 2)?;
@@ -266,11 +266,15 @@ mod tests {
         for p in model.parameters() {
             let store = if p.block < 2 { &early } else { &late };
             let staged = store
-                .get(&p.var)
+                .get(p.param.var()?.as_tensor())
                 .context("staged gradient")?
                 .flatten_all()?
                 .to_vec1::<f32>()?;
-            let reference = whole.get(&p.var).context("gradient")?.flatten_all()?.to_vec1::<f32>()?;
+            let reference = whole
+                .get(p.param.var()?.as_tensor())
+                .context("gradient")?
+                .flatten_all()?
+                .to_vec1::<f32>()?;
             for (s, r) in staged.iter().zip(&reference) {
                 assert!((s - r).abs() <= 1e-6 + 1e-4 * r.abs(), "{}: {s} vs {r}", p.name);
             }
@@ -291,7 +295,11 @@ mod tests {
             tie_head: true,
         };
         let model = gpt(&config, &ParamInit::new(0, Device::Cpu))?;
-        let vars = model.parameters().into_iter().map(|p| p.var).collect();
+        let vars = model
+            .parameters()
+            .into_iter()
+            .map(|p| p.param.var())
+            .collect::<candle_core::Result<_>>()?;
         let params = candle_nn::ParamsAdamW {
             lr: 3e-3,
             ..Default::default()

@@ -1,11 +1,11 @@
 //! A fully connected block with an optional activation.
 
-use candle_core::{Tensor, Var};
+use candle_core::Tensor;
 
 use anyhow::Context as _;
 
 use super::parallel::{AffineMap, Flow, Group, Split};
-use super::{Block, ParamInit};
+use super::{Block, Param, ParamInit};
 
 /// What follows the affine map.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -36,8 +36,10 @@ impl Linear {
         init: &ParamInit,
     ) -> candle_core::Result<Self> {
         let map = AffineMap::Whole {
-            weight: init.fan_in_uniform(&format!("{name}.weight"), &[inputs, outputs], inputs)?,
-            bias: init.fan_in_uniform(&format!("{name}.bias"), &[outputs], inputs)?,
+            weight: init
+                .fan_in_uniform(&format!("{name}.weight"), &[inputs, outputs], inputs)?
+                .into(),
+            bias: init.fan_in_uniform(&format!("{name}.bias"), &[outputs], inputs)?.into(),
             activation,
             products: init.products(),
         };
@@ -88,7 +90,7 @@ impl Block for Linear {
         &["weight"]
     }
 
-    fn parameters(&self) -> Vec<(String, Var)> {
+    fn parameters(&self) -> Vec<(String, Param)> {
         let [(_, weight), (_, bias)] = self.map.parameters("");
         vec![("bias".to_string(), bias), ("weight".to_string(), weight)]
     }

@@ -56,8 +56,8 @@ mod tests {
         let x = Tensor::ones((5, 4), candle_core::DType::F32, &Device::Cpu)?;
         assert_eq!(model.forward(&x)?.dims(), &[5, 3]);
         let again = mlp(4, &[8, 6], 3, &init)?;
-        let a = model.parameters()[1].var.flatten_all()?.to_vec1::<f32>()?;
-        let b = again.parameters()[1].var.flatten_all()?.to_vec1::<f32>()?;
+        let a = model.parameters()[1].param.var()?.flatten_all()?.to_vec1::<f32>()?;
+        let b = again.parameters()[1].param.var()?.flatten_all()?.to_vec1::<f32>()?;
         assert_eq!(a, b);
         Ok(())
     }

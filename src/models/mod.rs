@@ -16,6 +16,7 @@ mod linear;
 mod loss;
 mod mlp;
 pub mod parallel;
+mod param;
 mod sparse;
 mod spec;
 mod tower;
@@ -30,12 +31,13 @@ pub use loss::{
     argmax, click_probability, correct_predictions, cross_entropy, sigmoid_cross_entropy, training_loss, HeldOut, Score,
 };
 pub use mlp::mlp;
+pub use param::Param;
 pub use sparse::{Lookup, SparseModel, SparseModelBuilder, SparseModelDef, SparseTableSpec};
 pub use spec::ModelSpec;
 pub use wide_deep::WideDeep;
 
 use anyhow::{ensure, Result};
-use candle_core::{Tensor, Var};
+use candle_core::Tensor;
 
 use crate::config::LossKind;
 
@@ -49,7 +51,7 @@ pub trait Block: Send {
     fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor>;
     /// The block's parameters with their names inside the block, in a fixed
     /// order.
-    fn parameters(&self) -> Vec<(String, Var)>;
+    fn parameters(&self) -> Vec<(String, Param)>;
 
     /// This rank's part of the block with its weights split over `group` (tensor parallelism),
     /// given what it takes in (`input`) and whether it is the model's `last` block; answers what
@@ -84,12 +86,12 @@ pub trait Block: Send {
         let split = self.split_parameters();
         self.parameters()
             .into_iter()
-            .map(|(param, var)| NamedParam {
-                name: format!("{}.{param}", self.name()),
+            .map(|(name, param)| NamedParam {
                 block: index,
-                transposed: transposed.contains(&param.as_str()),
-                split: split.iter().find(|(name, _)| *name == param).map(|&(_, dim)| dim),
-                var,
+                transposed: transposed.contains(&name.as_str()),
+                split: split.iter().find(|(split, _)| *split == name).map(|&(_, dim)| dim),
+                name: format!("{}.{name}", self.name()),
+                param,
             })
             .collect()
     }
@@ -141,8 +143,8 @@ pub struct NamedParam {
     pub name: String,
     /// Index of the block that owns it, in its model (or pipeline stage).
     pub block: usize,
-    /// The trainable variable.
-    pub var: Var,
+    /// The trainable variable's slot, shared with the block that reads it.
+    pub param: Param,
     /// Held as the transpose of PyTorch's layout ([`Block::transposed_parameters`]).
     pub transposed: bool,
     /// The dimension (of the held layout) the parameter is split along over its layer group,
@@ -245,13 +247,13 @@ impl Model {
                 .find(|(name, _)| *name == p.name)
                 .ok_or_else(|| anyhow::anyhow!("no values for parameter {}", p.name))?;
             ensure!(
-                flat.len() == p.var.elem_count(),
+                flat.len() == p.param.elem_count(),
                 "parameter {}: {} values for a shape of {:?}",
                 p.name,
                 flat.len(),
-                p.var.dims()
+                p.param.dims()
             );
-            tensors.push(Tensor::from_slice(flat, p.var.dims(), p.var.device())?);
+            tensors.push(Tensor::from_slice(flat, p.param.dims(), p.param.device())?);
         }
         ensure!(
             values.len() == params.len(),
@@ -260,14 +262,14 @@ impl Model {
             params.len()
         );
         for (p, tensor) in params.iter().zip(tensors) {
-            p.var.set(&tensor)?;
+            p.param.set(&tensor)?;
         }
         Ok(())
     }
 
     /// Total number of scalar parameters.
     pub fn parameter_count(&self) -> usize {
-        self.parameters().iter().map(|p| p.var.elem_count()).sum()
+        self.parameters().iter().map(|p| p.param.elem_count()).sum()
     }
 
     /// The logits for input `x`.

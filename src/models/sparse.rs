@@ -10,9 +10,9 @@
 use std::sync::Arc;
 
 use anyhow::{ensure, Result};
-use candle_core::{Tensor, Var};
+use candle_core::Tensor;
 
-use super::{Block, DeepFm, ParamInit, WideDeep};
+use super::{Block, DeepFm, Param, ParamInit, WideDeep};
 use crate::config::{ModelKind, OptimizerKind, TrainConfig};
 use crate::data::ctr::CtrShape;
 
@@ -93,10 +93,10 @@ pub trait SparseModel: Send {
 
     /// The dense parameters as `"{block}.{param}"`, sorted by name: the order in which they are
     /// flattened and split over the servers.
-    fn parameters(&self) -> Vec<(String, Var)> {
-        let mut params: Vec<(String, Var)> = (self.blocks().into_iter().enumerate())
+    fn parameters(&self) -> Vec<(String, Param)> {
+        let mut params: Vec<(String, Param)> = (self.blocks().into_iter().enumerate())
             .flat_map(|(index, block)| block.named_parameters(index))
-            .map(|p| (p.name, p.var))
+            .map(|p| (p.name, p.param))
             .collect();
         params.sort_by(|a, b| a.0.cmp(&b.0));
         params

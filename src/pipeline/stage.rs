@@ -14,7 +14,7 @@ use candle_core::{Tensor, Var};
 use super::link::StageLink;
 use super::schedule::{stage_ops, Op, ScheduleKind};
 use crate::engines::compute::segments::{self, Backward, Forward, Segments};
-use crate::models::{Block, NamedParam};
+use crate::models::{Block, NamedParam, Param};
 use crate::telemetry::timeline::{record, Timeline};
 
 /// A contiguous run of a model's blocks on one stage, and how its backward is cut.
@@ -22,7 +22,7 @@ pub struct Chunk {
     blocks: Vec<Box<dyn Block>>,
     segments: Segments,
     /// The blocks' parameters, block by block.
-    params: Vec<Var>,
+    params: Vec<Param>,
     /// Where block `b`'s parameters start in `params`; one more entry for the end.
     block_first: Vec<usize>,
 }
@@ -52,7 +52,7 @@ impl Chunk {
         let (mut params, mut block_first) = (Vec::new(), Vec::with_capacity(blocks.len() + 1));
         for block in &blocks {
             block_first.push(params.len());
-            params.extend(block.parameters().into_iter().map(|(_, var)| var));
+            params.extend(block.parameters().into_iter().map(|(_, param)| param));
         }
         block_first.push(params.len());
         Self {
@@ -469,9 +469,9 @@ impl StepRun<'_> {
 /// Adds the gradient `grads` holds for each parameter to its sum: every parameter a segment's
 /// graph reached gets its share, so a weight used in two segments of a chunk (a tied head)
 /// sums both.
-fn add_gradients(params: &[Var], sums: &mut [Option<Tensor>], grads: &GradStore) -> candle_core::Result<()> {
-    for (var, sum) in params.iter().zip(sums.iter_mut()) {
-        if let Some(g) = grads.get(var.as_tensor()) {
+fn add_gradients(params: &[Param], sums: &mut [Option<Tensor>], grads: &GradStore) -> candle_core::Result<()> {
+    for (param, sum) in params.iter().zip(sums.iter_mut()) {
+        if let Some(g) = grads.get(param.var()?.as_tensor()) {
             *sum = Some(match sum.take() {
                 Some(acc) => (acc + g)?,
                 None => g.clone(),
@@ -482,10 +482,13 @@ fn add_gradients(params: &[Var], sums: &mut [Option<Tensor>], grads: &GradStore)
 }
 
 /// The summed gradients of `params`, zeros for those no backward reached.
-fn sums_or_zeros(sums: &[Option<Tensor>], params: &[Var]) -> candle_core::Result<Vec<Tensor>> {
+fn sums_or_zeros(sums: &[Option<Tensor>], params: &[Param]) -> candle_core::Result<Vec<Tensor>> {
     sums.iter()
         .zip(params)
-        .map(|(sum, var)| sum.clone().map_or_else(|| var.zeros_like(), Ok))
+        .map(|(sum, param)| {
+            sum.clone()
+                .map_or_else(|| Tensor::zeros(param.shape(), param.dtype(), param.device()), Ok)
+        })
         .collect()
 }
 

@@ -196,7 +196,9 @@ impl CtrWorker {
     pub fn new(job: &JobConfig, model: &SparseModelDef, device: Device) -> Result<Self> {
         let tables = model.tables();
         let model = model.build(&ParamInit::new(job.train.seed, device.clone()))?;
-        let dense_vars: Vec<Var> = model.parameters().into_iter().map(|(_, v)| v).collect();
+        let dense_vars = (model.parameters().into_iter())
+            .map(|(_, param)| param.var())
+            .collect::<candle_core::Result<Vec<Var>>>()?;
         let dense_len = dense_vars.iter().map(|v| v.elem_count()).sum();
         let dense_optimizer = ServerOptimizer::for_job(job);
         let geo = match job.strategy.ps_mode() {

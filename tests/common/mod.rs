@@ -122,7 +122,12 @@ pub fn read_params(path: &Path) -> Vec<(String, Vec<f32>)> {
     model
         .parameters()
         .into_iter()
-        .map(|p| (p.name, p.var.flatten_all().unwrap().to_vec1::<f32>().unwrap()))
+        .map(|p| {
+            (
+                p.name,
+                p.param.var().unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+            )
+        })
         .collect()
 }
 

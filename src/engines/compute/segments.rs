@@ -234,7 +234,11 @@ mod tests {
         let forward = forward(&blocks, segments, x).unwrap();
         let held = forward.held_bytes();
         let (_, upstream) = loss_gradient(forward.output(), |o| candle_nn::loss::cross_entropy(o, &y)).unwrap();
-        let vars: Vec<Var> = blocks.iter().flat_map(|b| b.parameters()).map(|(_, v)| v).collect();
+        let vars: Vec<Var> = blocks
+            .iter()
+            .flat_map(|b| b.parameters())
+            .map(|(_, p)| p.var().unwrap())
+            .collect();
         let mut sums = vec![Vec::new(); vars.len()];
         let done = backward(&blocks, segments, forward, &upstream, &mut |_, grads| {
             for (var, sum) in vars.iter().zip(sums.iter_mut()) {

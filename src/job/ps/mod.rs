@@ -563,8 +563,8 @@ pub fn build_shard(job: &JobConfig, model: &SparseModelDef, index: usize) -> Res
     let optimizer = ServerOptimizer::for_job(job);
     let built = model.build(&ParamInit::new(job.train.seed, candle_core::Device::Cpu))?;
     let mut dense = Vec::new();
-    for (_, var) in built.parameters() {
-        dense.extend(var.flatten_all()?.to_vec1::<f32>()?);
+    for (_, param) in built.parameters() {
+        dense.extend(param.var()?.flatten_all()?.to_vec1::<f32>()?);
     }
     let range = dense_range(dense.len(), index, servers);
     let slice = DenseSlice::new(range.start, dense[range].to_vec(), optimizer);

@@ -1,10 +1,10 @@
 //! Causal multi-head self-attention.
 
-use candle_core::{Tensor, Var, D};
+use candle_core::{Tensor, D};
 
 use super::dense::{dense, INIT_STD};
 use crate::models::parallel::{slice_of, AffineMap, Group, Split};
-use crate::models::ParamInit;
+use crate::models::{Param, ParamInit};
 
 /// Heads attend, each over its own `n_embd / n_head` slice, to the positions
 /// at or before their own; the heads' outputs are concatenated and projected.
@@ -92,7 +92,7 @@ impl CausalSelfAttention {
     }
 
     /// The projections' parameters under `prefix`.
-    pub(super) fn parameters(&self, prefix: &str) -> Vec<(String, Var)> {
+    pub(super) fn parameters(&self, prefix: &str) -> Vec<(String, Param)> {
         self.projections()
             .flat_map(|(part, map)| map.parameters(&format!("{prefix}.{part}")))
             .collect()

@@ -7,12 +7,12 @@ use candle_core::{Tensor, Var};
 
 use super::dense::{uniform_bound, INIT_STD};
 use crate::models::parallel::{vocab, Flow, Group};
-use crate::models::{Block, ParamInit};
+use crate::models::{Block, Param, ParamInit};
 
 /// Token embedding plus learned position embedding.
 pub(super) struct Embedding {
-    token: Var,
-    position: Var,
+    token: Param,
+    position: Param,
     /// The slice of the vocabulary whose rows `token` holds, where the table is split over a
     /// layer group.
     vocab_slice: Option<(Range<usize>, Group)>,
@@ -24,14 +24,14 @@ impl Embedding {
     pub(super) fn new(vocab: usize, block_size: usize, n_embd: usize, init: &ParamInit) -> candle_core::Result<Self> {
         let bound = uniform_bound(INIT_STD);
         Ok(Self {
-            token: init.uniform("embed.token", &[vocab, n_embd], bound)?,
-            position: init.uniform("embed.position", &[block_size, n_embd], bound)?,
+            token: init.uniform("embed.token", &[vocab, n_embd], bound)?.into(),
+            position: init.uniform("embed.position", &[block_size, n_embd], bound)?.into(),
             vocab_slice: None,
         })
     }
 
     /// The token table, which a tied head shares.
-    pub(super) fn token_table(&self) -> &Var {
+    pub(super) fn token_table(&self) -> &Param {
         &self.token
     }
 }
@@ -44,23 +44,25 @@ impl Block for Embedding {
     /// (B, T) u32 token ids, T at most the block size → (B, T, C) f32.
     fn forward(&self, ids: &Tensor) -> candle_core::Result<Tensor> {
         let (b, t) = ids.dims2()?;
-        let (block_size, c) = self.position.dims2()?;
+        let (token, position) = (self.token.var()?, self.position.var()?);
+        let (block_size, c) = position.dims2()?;
         if t > block_size {
             candle_core::bail!("sequence of {t} tokens is longer than the block size {block_size}");
         }
         let tokens = match &self.vocab_slice {
-            None => self.token.index_select(&ids.flatten_all()?, 0)?.reshape((b, t, c))?,
-            Some((slice, group)) => vocab::embed(ids, &self.token, slice, group)?,
+            None => token.index_select(&ids.flatten_all()?, 0)?.reshape((b, t, c))?,
+            Some((slice, group)) => vocab::embed(ids, &token, slice, group)?,
         };
-        tokens.broadcast_add(&self.position.narrow(0, 0, t)?)
+        tokens.broadcast_add(&position.narrow(0, 0, t)?)
     }
 
     /// The token table split by rows over the vocabulary (Megatron's vocabulary-parallel
     /// embedding); the positions whole. Hands on every token's embedding.
     fn split(self: Box<Self>, group: &Group, _input: &Flow, _last: bool) -> anyhow::Result<(Box<dyn Block>, Flow)> {
-        let slice = vocab::vocab_slice(self.token.dim(0)?, group)
+        let slice = vocab::vocab_slice(self.token.dims()[0], group)
             .context("strategy.hybrid_configs.mp_degree splits the GPT's vocabulary")?;
-        let token = Var::from_tensor(&self.token.narrow(0, slice.start, slice.len())?.contiguous()?)?;
+        let table = self.token.var()?;
+        let token = Var::from_tensor(&table.narrow(0, slice.start, slice.len())?.contiguous()?)?.into();
         let part = Self {
             token,
             position: self.position,
@@ -76,7 +78,7 @@ impl Block for Embedding {
         }
     }
 
-    fn parameters(&self) -> Vec<(String, Var)> {
+    fn parameters(&self) -> Vec<(String, Param)> {
         vec![
             ("token".to_string(), self.token.clone()),
             ("position".to_string(), self.position.clone()),

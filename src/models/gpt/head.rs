@@ -6,18 +6,18 @@ use candle_core::{Tensor, Var};
 use super::dense::{uniform_bound, INIT_STD};
 use super::norm::LayerNorm;
 use crate::models::parallel::{enter, vocab, Flow, Group};
-use crate::models::{Block, ParamInit};
+use crate::models::{Block, Param, ParamInit};
 
 /// Where the head's (C → vocab) projection lives.
 enum Projection {
     /// Its own (C, vocab) weight, `"head.weight"`.
-    Own(Var),
+    Own(Param),
     /// The embedding's (vocab, C) token table, used transposed; reported by
     /// the `embed` block only.
-    Tied(Var),
+    Tied(Param),
     /// This rank's columns of its own weight, those of its slice of the vocabulary, over a
     /// layer group.
-    Split { weight: Var, group: Group },
+    Split { weight: Param, group: Group },
 }
 
 /// `ln_f(x) · W` without bias (as GPT-2), giving next-token logits.
@@ -32,12 +32,12 @@ impl Head {
         let weight = init.uniform("head.weight", &[n_embd, vocab], uniform_bound(INIT_STD))?;
         Ok(Self {
             ln: LayerNorm::new(n_embd, init)?,
-            projection: Projection::Own(weight),
+            projection: Projection::Own(weight.into()),
         })
     }
 
     /// A head projecting with `token_table` (vocab, C), the embedding's.
-    pub(super) fn tied(token_table: &Var, n_embd: usize, init: &ParamInit) -> candle_core::Result<Self> {
+    pub(super) fn tied(token_table: &Param, n_embd: usize, init: &ParamInit) -> candle_core::Result<Self> {
         Ok(Self {
             ln: LayerNorm::new(n_embd, init)?,
             projection: Projection::Tied(token_table.clone()),
@@ -55,11 +55,11 @@ impl Block for Head {
         let (b, t, c) = x.dims3()?;
         let rows = self.ln.forward(x)?.reshape((b * t, c))?;
         let logits = match &self.projection {
-            Projection::Own(weight) => rows.matmul(weight.as_tensor())?,
+            Projection::Own(weight) => rows.matmul(weight.var()?.as_tensor())?,
             // The one transposed operand left: the table is shared, and the
             // embedding needs it (vocab, C) for its row lookups.
-            Projection::Tied(table) => rows.matmul(&table.as_tensor().t()?)?,
-            Projection::Split { weight, group } => enter(&rows, group)?.matmul(weight.as_tensor())?,
+            Projection::Tied(table) => rows.matmul(&table.var()?.as_tensor().t()?)?,
+            Projection::Split { weight, group } => enter(&rows, group)?.matmul(weight.var()?.as_tensor())?,
         };
         let vocab = logits.dim(1)?;
         logits.reshape((b, t, vocab))
@@ -69,7 +69,7 @@ impl Block for Head {
         &["weight"]
     }
 
-    fn parameters(&self) -> Vec<(String, Var)> {
+    fn parameters(&self) -> Vec<(String, Param)> {
         let mut params = self.ln.parameters("ln");
         if let Projection::Own(weight) | Projection::Split { weight, .. } = &self.projection {
             params.push(("weight".to_string(), weight.clone()));
@@ -83,9 +83,10 @@ impl Block for Head {
         let Projection::Own(weight) = self.projection else {
             anyhow::bail!("a head tied to the embedding is not split over a layer group");
         };
-        let slice = vocab::vocab_slice(weight.dim(1)?, group)
+        let slice = vocab::vocab_slice(weight.dims()[1], group)
             .context("strategy.hybrid_configs.mp_degree splits the GPT's vocabulary")?;
-        let weight = Var::from_tensor(&weight.narrow(1, slice.start, slice.len())?.contiguous()?)?;
+        let whole = weight.var()?;
+        let weight = Var::from_tensor(&whole.narrow(1, slice.start, slice.len())?.contiguous()?)?.into();
         let part = Self {
             ln: self.ln,
             projection: Projection::Split {

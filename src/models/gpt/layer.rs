@@ -1,12 +1,12 @@
 //! One pre-LayerNorm transformer layer: the `h{i}` blocks.
 
-use candle_core::{Tensor, Var};
+use candle_core::Tensor;
 
 use super::attention::CausalSelfAttention;
 use super::dense::{dense, INIT_STD};
 use super::norm::LayerNorm;
 use crate::models::parallel::{AffineMap, Flow, Group, Split};
-use crate::models::{Block, ParamInit};
+use crate::models::{Block, Param, ParamInit};
 
 /// `x + attn(ln1(x))`, then `x + mlp(ln2(x))`; the MLP is C → 4C → C with
 /// the exact (erf) GELU, PyTorch's `nn.GELU()` default.
@@ -111,7 +111,7 @@ impl Block for TransformerLayer {
         split
     }
 
-    fn parameters(&self) -> Vec<(String, Var)> {
+    fn parameters(&self) -> Vec<(String, Param)> {
         let mut params = self.ln1.parameters("ln1");
         params.extend(self.attn.parameters("attn"));
         params.extend(self.ln2.parameters("ln2"));

@@ -7,27 +7,28 @@
 
 use candle_core::{DType, Tensor, Var, D};
 
-use crate::models::ParamInit;
+use crate::models::{Param, ParamInit};
 
 const EPS: f64 = 1e-5;
 
 /// `gain · (x − mean) / sqrt(var + ε) + bias` over the last dimension.
 pub(super) struct LayerNorm {
-    gain: Var,
-    bias: Var,
+    gain: Param,
+    bias: Param,
 }
 
 impl LayerNorm {
     /// Gain 1 and bias 0, so the layer starts as a plain normalisation.
     pub(super) fn new(width: usize, init: &ParamInit) -> candle_core::Result<Self> {
         Ok(Self {
-            gain: Var::ones(width, DType::F32, init.device())?,
-            bias: Var::zeros(width, DType::F32, init.device())?,
+            gain: Var::ones(width, DType::F32, init.device())?.into(),
+            bias: Var::zeros(width, DType::F32, init.device())?.into(),
         })
     }
 
     pub(super) fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
-        let (gain, bias) = (self.gain.as_tensor(), self.bias.as_tensor());
+        let (gain, bias) = (self.gain.var()?, self.bias.var()?);
+        let (gain, bias) = (gain.as_tensor(), bias.as_tensor());
         if x.device().is_cpu() {
             return super::fused::scale_shift(&super::fused::normalize(x, EPS as f32)?, gain, bias);
         }
@@ -38,7 +39,7 @@ impl LayerNorm {
     }
 
     /// `"{prefix}.gain"`, `"{prefix}.bias"`.
-    pub(super) fn parameters(&self, prefix: &str) -> Vec<(String, Var)> {
+    pub(super) fn parameters(&self, prefix: &str) -> Vec<(String, Param)> {
         vec![
             (format!("{prefix}.gain"), self.gain.clone()),
             (format!("{prefix}.bias"), self.bias.clone()),

@@ -2,6 +2,8 @@
 
 use candle_core::{Tensor, Var};
 
+use crate::models::Param;
+
 use super::{enter, leave, slice_of, Group};
 use crate::models::affine::{affine, Precision};
 use crate::models::Activation;
@@ -21,9 +23,9 @@ pub enum Split {
 /// This rank's part of an affine map split over a group.
 pub struct SplitAffine {
     /// This rank's part of `W`: (in, out / n) split by columns, (in / n, out) by rows.
-    pub weight: Var,
+    pub weight: Param,
     /// This rank's slice of `b` (by columns), or the whole `b` (by rows).
-    pub bias: Var,
+    pub bias: Param,
     activation: Activation,
     /// What its products are computed in.
     products: Precision,
@@ -56,8 +58,8 @@ impl SplitAffine {
             }
         };
         Ok(Self {
-            weight: Var::from_tensor(&weight.contiguous()?)?,
-            bias: Var::from_tensor(&bias.contiguous()?)?,
+            weight: Param::new(Var::from_tensor(&weight.contiguous()?)?),
+            bias: Param::new(Var::from_tensor(&bias.contiguous()?)?),
             activation,
             products,
             split,
@@ -68,7 +70,8 @@ impl SplitAffine {
     /// The outputs for `x` (…, in): this rank's slice of them (split by columns), or all of
     /// them from this rank's slice of the input (by rows).
     pub fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
-        let (weight, bias) = (self.weight.as_tensor(), self.bias.as_tensor());
+        let (weight, bias) = (self.weight.var()?, self.bias.var()?);
+        let (weight, bias) = (weight.as_tensor(), bias.as_tensor());
         match self.split {
             Split::Columns => affine(&enter(x, &self.group)?, weight, bias, (self.activation, self.products)),
             Split::Rows => {
@@ -97,9 +100,9 @@ pub enum AffineMap {
     /// The whole map `act(x W + b)`, `W` stored (in, out).
     Whole {
         /// `W`.
-        weight: Var,
+        weight: Param,
         /// `b`.
-        bias: Var,
+        bias: Param,
         /// `act`.
         activation: Activation,
         /// What its products are computed in.
@@ -121,8 +124,13 @@ impl AffineMap {
         else {
             anyhow::bail!("an affine map is split once");
         };
-        let whole = (weight.as_tensor(), bias.as_tensor());
-        let part = SplitAffine::from_whole(whole, (activation, products), split, group)?;
+        let (weight, bias) = (weight.var()?, bias.var()?);
+        let part = SplitAffine::from_whole(
+            (weight.as_tensor(), bias.as_tensor()),
+            (activation, products),
+            split,
+            group,
+        )?;
         Ok(Self::Split(part))
     }
 
@@ -134,14 +142,19 @@ impl AffineMap {
                 bias,
                 activation,
                 products,
-            } => affine(x, weight.as_tensor(), bias.as_tensor(), (*activation, *products)),
+            } => affine(
+                x,
+                weight.var()?.as_tensor(),
+                bias.var()?.as_tensor(),
+                (*activation, *products),
+            ),
             Self::Split(part) => part.forward(x),
         }
     }
 
     /// `("{prefix}.weight", W)` and `("{prefix}.bias", b)` (`"weight"`, `"bias"` under an empty
     /// prefix), as this rank holds them.
-    pub fn parameters(&self, prefix: &str) -> [(String, Var); 2] {
+    pub fn parameters(&self, prefix: &str) -> [(String, Param); 2] {
         let (weight, bias) = match self {
             Self::Whole { weight, bias, .. } => (weight, bias),
             Self::Split(part) => (&part.weight, &part.bias),

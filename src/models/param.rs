@@ -1,0 +1,152 @@
+//! A parameter as blocks read it: a variable held whole, or — with sharded parameters
+//! (`sharding_configs.stage = 3`) — released between the moments a block uses it, while the
+//! optimizer keeps this rank's shard of its values elsewhere.
+//!
+//! candle cannot shrink a variable's storage in place (as PyTorch's FSDP resizes its to zero),
+//! so a released parameter drops its variable, and the next gather holds a fresh one. Every
+//! block and the replica's parameter list share one slot per parameter, so all of them see the
+//! same variable; no other copy of it may be kept, or its memory would outlive the release.
+
+use std::sync::{Arc, RwLock, RwLockReadGuard, RwLockWriteGuard};
+
+use candle_core::{DType, Device, Shape, Tensor, Var};
+
+/// A shared slot holding one parameter's variable, or nothing while it is released.
+#[derive(Clone)]
+pub struct Param(Arc<Slot>);
+
+struct Slot {
+    shape: Shape,
+    dtype: DType,
+    device: Device,
+    held: RwLock<Option<Var>>,
+}
+
+impl Param {
+    /// A parameter holding `var`.
+    pub fn new(var: Var) -> Self {
+        Self(Arc::new(Slot {
+            shape: var.shape().clone(),
+            dtype: var.dtype(),
+            device: var.device().clone(),
+            held: RwLock::new(Some(var)),
+        }))
+    }
+
+    /// The variable; an error while the parameter is released.
+    pub fn var(&self) -> candle_core::Result<Var> {
+        match &*self.read() {
+            Some(var) => Ok(var.clone()),
+            None => candle_core::bail!(
+                "a parameter of shape {:?} was read while released (sharded parameters are gathered before a \
+                 block runs)",
+                self.0.shape
+            ),
+        }
+    }
+
+    /// The variable's shape, held or not.
+    pub fn shape(&self) -> &Shape {
+        &self.0.shape
+    }
+
+    /// The dimensions of [`shape`](Self::shape).
+    pub fn dims(&self) -> &[usize] {
+        self.0.shape.dims()
+    }
+
+    /// Number of values.
+    pub fn elem_count(&self) -> usize {
+        self.0.shape.elem_count()
+    }
+
+    /// The values' type.
+    pub fn dtype(&self) -> DType {
+        self.0.dtype
+    }
+
+    /// The device the values live on.
+    pub fn device(&self) -> &Device {
+        &self.0.device
+    }
+
+    /// Copies `values` into the held variable.
+    pub fn set(&self, values: &Tensor) -> candle_core::Result<()> {
+        self.var()?.set(values)
+    }
+
+    /// Holds `values` (of the parameter's shape): copied into the variable held, or (released)
+    /// as a fresh one.
+    pub fn hold(&self, values: &Tensor) -> candle_core::Result<()> {
+        if values.shape() != &self.0.shape {
+            candle_core::bail!(
+                "a parameter of shape {:?} given values of shape {:?}",
+                self.0.shape,
+                values.shape()
+            );
+        }
+        let mut held = self.write();
+        match &*held {
+            Some(var) => var.set(values),
+            None => {
+                *held = Some(Var::from_tensor(
+                    &values.to_dtype(self.0.dtype)?.to_device(&self.0.device)?,
+                )?);
+                Ok(())
+            }
+        }
+    }
+
+    /// Drops the variable (its memory goes once no graph holds it any more).
+    pub fn release(&self) {
+        *self.write() = None;
+    }
+
+    /// Whether a variable is held.
+    pub fn is_held(&self) -> bool {
+        self.read().is_some()
+    }
+
+    /// A lock poisoned by a panic elsewhere still guards a whole value (each write replaces it).
+    fn read(&self) -> RwLockReadGuard<'_, Option<Var>> {
+        self.0.held.read().unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    fn write(&self) -> RwLockWriteGuard<'_, Option<Var>> {
+        self.0.held.write().unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+}
+
+impl std::fmt::Debug for Param {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Param")
+            .field("shape", &self.0.shape)
+            .field("held", &self.is_held())
+            .finish()
+    }
+}
+
+impl From<Var> for Param {
+    fn from(var: Var) -> Self {
+        Self::new(var)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_released_parameter_keeps_its_shape_and_refuses_reads_until_held_again() -> anyhow::Result<()> {
+        let param = Param::new(Var::ones((2, 3), DType::F32, &Device::Cpu)?);
+        let shared = param.clone();
+        param.release();
+        assert!(!shared.is_held());
+        assert_eq!(shared.dims(), &[2, 3]);
+        assert!(shared.var().is_err());
+        assert!(param.hold(&Tensor::zeros(3, DType::F32, &Device::Cpu)?).is_err());
+        param.hold(&Tensor::full(2f32, (2, 3), &Device::Cpu)?)?;
+        assert_eq!(shared.var()?.as_tensor().to_vec2::<f32>()?, vec![vec![2f32; 3]; 2]);
+        Ok(())
+    }
+}
