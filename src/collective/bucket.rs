@@ -48,6 +48,27 @@ impl BucketPlan {
         }
         Self { buckets }
     }
+
+    /// One bucket per block (sharded parameters gather a block's at once): parameters given as
+    /// `(index, values, block)` in backward order, a bucket closing where the block changes.
+    pub fn per_block(backward_order: &[(usize, usize, usize)]) -> Self {
+        let mut buckets: Vec<Bucket> = Vec::new();
+        let mut previous = None;
+        for &(index, values, block) in backward_order {
+            match buckets.last_mut() {
+                Some(bucket) if previous == Some(block) => {
+                    bucket.params.push(index);
+                    bucket.len += values;
+                }
+                _ => buckets.push(Bucket {
+                    params: vec![index],
+                    len: values,
+                }),
+            }
+            previous = Some(block);
+        }
+        Self { buckets }
+    }
 }
 
 #[cfg(test)]
@@ -64,5 +85,12 @@ mod tests {
         assert_eq!(plan.buckets.iter().map(|b| b.len).sum::<usize>(), 58);
         let one = BucketPlan::new(&[(1, 10), (0, 3)], 1 << 30);
         assert_eq!(one.buckets.len(), 1);
+    }
+
+    #[test]
+    fn per_block_buckets_close_where_the_block_changes() {
+        let plan = BucketPlan::per_block(&[(3, 10, 2), (2, 5, 2), (1, 40, 1), (0, 3, 0)]);
+        let cut: Vec<(Vec<usize>, usize)> = plan.buckets.into_iter().map(|b| (b.params, b.len)).collect();
+        assert_eq!(cut, vec![(vec![3, 2], 15), (vec![1], 40), (vec![0], 3)]);
     }
 }

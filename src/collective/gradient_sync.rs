@@ -5,8 +5,9 @@
 //! (the bucket stays on the device), by the ring elsewhere, in f32 or, with
 //! `strategy.fp16_allreduce`, in bfloat16 on the wire. With gradient merge the buckets of k
 //! batches are summed first and all-reduced once. With sharded gradients
-//! (`sharding_configs.stage = 2`) each bucket is reduce-scattered instead, and a rank keeps the
-//! averaged values of its shard alone.
+//! (`sharding_configs.stage` 2 and 3) each bucket is reduce-scattered instead, and a rank keeps
+//! the averaged values of its shard alone; with sharded parameters (stage 3) a bucket is one
+//! block's parameters, the unit they are gathered in.
 
 use std::ops::Range;
 use std::time::{Duration, Instant};
@@ -32,8 +33,10 @@ pub struct GradientSync {
     merge: GradientMerge<BucketValues>,
     wire: Wire,
     device: Device,
-    /// Whether every batch steps the optimizer (no gradient merge).
-    merges_nothing: bool,
+    /// Whether a replica alone may hand its gradients to the optimizer as backward made them: it
+    /// merges nothing, and its optimizer steps on whole gradients (sharded parameters are
+    /// released once their gradients are handed over, so they step on their shards).
+    direct_when_alone: bool,
     /// Whether each bucket is reduce-scattered (sharded gradients) rather than all-reduced.
     scatters: bool,
 }
@@ -70,7 +73,7 @@ impl GradientSync {
     /// The averaging of `params`' gradients over the replicas, as `job` configures it; backward
     /// hands the gradients over in `arrival` order (indices into `params`, each once), the order the
     /// buckets are cut in.
-    pub fn new(job: &JobConfig, params: Vec<Param>, arrival: &[usize], device: &Device) -> Result<Self> {
+    pub fn new(job: &JobConfig, params: &[NamedParam], arrival: &[usize], device: &Device) -> Result<Self> {
         let mut seen = vec![false; params.len()];
         for &index in arrival {
             ensure!(
@@ -85,8 +88,16 @@ impl GradientSync {
             arrival.len(),
             params.len()
         );
-        let sized: Vec<(usize, usize)> = arrival.iter().map(|&i| (i, params[i].elem_count())).collect();
-        let plan = BucketPlan::new(&sized, job.strategy.fuse_grad_size_bytes());
+        let stage = job.strategy.sharding_stage();
+        let plan = if stage == Some(ShardingStage::Parameters) {
+            let sized: Vec<_> = (arrival.iter())
+                .map(|&i| (i, params[i].param.elem_count(), params[i].block))
+                .collect();
+            BucketPlan::per_block(&sized)
+        } else {
+            let sized: Vec<_> = arrival.iter().map(|&i| (i, params[i].param.elem_count())).collect();
+            BucketPlan::new(&sized, job.strategy.fuse_grad_size_bytes())
+        };
         let wire = if job.strategy.fp16_allreduce {
             Wire::Bf16
         } else {
@@ -99,14 +110,14 @@ impl GradientSync {
             .flat_map(|(b, bucket)| (0..bucket.params.len()).map(move |position| (b, position)))
             .collect();
         Ok(Self {
-            params,
+            params: params.iter().map(|p| p.param.clone()).collect(),
             slots,
             merge: GradientMerge::new(&job.strategy, plan.buckets.len()),
             plan,
             wire,
             device: device.clone(),
-            merges_nothing: job.strategy.merge_steps() == 1,
-            scatters: job.strategy.sharding_stage() == Some(ShardingStage::Gradients),
+            direct_when_alone: job.strategy.merge_steps() == 1 && stage != Some(ShardingStage::Parameters),
+            scatters: stage.is_some_and(ShardingStage::scatters_gradients),
         })
     }
 
@@ -135,7 +146,7 @@ impl GradientSync {
     /// gradients to the optimizer as backward made them.
     pub fn begin<'a>(&'a mut self, step: usize, comm: &'a CommWorker) -> StepGradients<'a> {
         StepGradients {
-            direct: self.merges_nothing && comm.world_size() == 1,
+            direct: self.direct_when_alone && comm.world_size() == 1,
             filling: BucketFill::new(&self.device),
             sync: self,
             comm,

@@ -205,6 +205,14 @@ pub trait RankReplica: Send {
     /// Lends what the provided calls work on.
     fn held(&mut self) -> Held<'_>;
 
+    /// Holds the whole parameters where a rank keeps only its shard of them between steps
+    /// (sharded parameters): gathered from the ring's ranks where `from_peers` (every rank of
+    /// the ring calling together), else allocated for a restore to fill. The provided calls that
+    /// read or write the parameters call it first.
+    fn hold_parameters(&mut self, _from_peers: bool) -> Result<()> {
+        Ok(())
+    }
+
     /// The device the replica computes on.
     fn device(&self) -> &Device;
 
@@ -218,6 +226,7 @@ pub trait RankReplica: Send {
     /// The parameters (a model file's, `export` describing the model), optimizer state, batches
     /// trained and `run`, to `out` as one checkpoint file.
     fn save_state(&mut self, out: &mut dyn std::io::Write, export: &ModelInfo, run: &RunRecord) -> Result<()> {
+        self.hold_parameters(true)?;
         let held = self.held();
         let (params, optimizer) = held.whole_state()?;
         training_state::write(out, &params, export, optimizer, (*held.step, held.layers.size()), run)
@@ -227,12 +236,14 @@ pub trait RankReplica: Send {
     /// the gather every rank of the ring joins, split layers their parts in the layer group's;
     /// nothing is serialized here.
     fn join_save(&mut self) -> Result<()> {
+        self.hold_parameters(true)?;
         self.held().whole_state().map(drop)
     }
 
     /// Continues from a state saved by [`RankReplica::save_state`] (by the same part of any
     /// replica), as if never stopped; answers the run record it held.
     fn restore_state(&mut self, bytes: &[u8]) -> Result<RunRecord> {
+        self.hold_parameters(false)?;
         let Held {
             params,
             optimizer,
@@ -294,12 +305,12 @@ pub trait RankReplica: Send {
         let held = self.held();
         let values: usize = held.params.iter().map(|p| p.param.elem_count()).sum();
         let f32_bytes = std::mem::size_of::<f32>();
-        let (gradients, optimizer) = match &held.optimizer {
-            HeldOptimizer::Whole(optimizer) => (values, values * optimizer.slots().len()),
+        let [parameters, gradients, optimizer] = match &held.optimizer {
+            HeldOptimizer::Whole(optimizer) => [values, values, values * optimizer.slots().len()],
             HeldOptimizer::Sharded(states) => states.held_values(values),
         };
         StateBytes {
-            parameters: values * f32_bytes,
+            parameters: parameters * f32_bytes,
             gradients: gradients * f32_bytes,
             optimizer: optimizer * f32_bytes,
         }
@@ -308,6 +319,7 @@ pub trait RankReplica: Send {
     /// The whole model's parameters' values by name: split ones gathered over the layer group,
     /// whose ranks all call this together.
     fn parameters(&mut self) -> Result<Vec<(String, Vec<f32>)>> {
+        self.hold_parameters(true)?;
         let held = self.held();
         gather_whole(held.params, &mut [], held.layers)?
             .into_iter()
@@ -320,6 +332,7 @@ pub trait RankReplica: Send {
     /// value that is not finite with one naming this rank and the parameter.
     fn check_replicas_agree(&mut self) -> Result<ParamChecksum> {
         // One copy of the parameters serves both checks.
+        self.hold_parameters(true)?;
         let held = self.held();
         let values = checksum::values_of(held.params)?;
         let mine = ParamChecksum::of_values(&values);

@@ -11,12 +11,13 @@ use super::evaluation::{score_pieces, sum_over_ranks};
 use super::preemption;
 use super::rank_figures::RankFigures;
 use super::rank_replica::{Held, RankReplica, StepReport};
+use super::sharded_parameters::{BlockGathers, Holding};
 use super::tensor_parallel::RingGroup;
 use super::{Averaged, GradientSync, ParamChecksum, ReplicaOptimizer};
 use crate::config::{JobConfig, LossKind};
 use crate::data::{Batch, Pieces};
 use crate::engines::comm::CommWorker;
-use crate::engines::compute::segments::{self, Segments};
+use crate::engines::compute::segments::{self, AroundSegments, Segments};
 use crate::models::parallel::{Alone, Group};
 use crate::models::{Model, NamedParam, Score};
 use crate::optim::LrPolicy;
@@ -43,6 +44,8 @@ pub struct Replica {
     /// The model as one segment, where nothing keeps it cut (no recomputation): what a replica
     /// alone uses, with no all-reduce to overlap and so no passes between segments to pay.
     whole: Option<Segments>,
+    /// What is held of sharded parameters (stage 3; whole otherwise).
+    holding: Holding,
     /// The loss trained, which also says how evaluation scores.
     loss: LossKind,
     /// Clip the averaged gradients to this global norm (0: never).
@@ -71,8 +74,7 @@ impl Replica {
             .split(&layers)
             .context("splitting the model over its layer group (strategy.hybrid_configs.mp_degree)")?;
         let params = model.parameters();
-        let slots = params.iter().map(|p| p.param.clone()).collect();
-        let gradients = GradientSync::new(job, slots, &backward_order(&model, &params), &device)?;
+        let gradients = GradientSync::new(job, &params, &backward_order(&model, &params), &device)?;
         // The job's replicas, not this generation's: with elastic membership the global batch,
         // and so its learning rate, stays the same on fewer ranks.
         let lr_policy = LrPolicy::new(
@@ -82,7 +84,12 @@ impl Replica {
         );
         let optimizer = ReplicaOptimizer::new(job, gradients.plan(), &params, &comm, lr_policy.at(0))?;
         let blocks = model.blocks().len();
-        let (segments, whole) = if job.strategy.recompute {
+        let (segments, whole) = if optimizer.parameter_shards().is_some() {
+            // Sharded parameters: each block gathered for its forward and again for its
+            // backward, which recomputes it.
+            let every_block: Vec<usize> = (0..blocks).collect();
+            (Segments::recomputed(blocks, &every_block), None)
+        } else if job.strategy.recompute {
             let names: Vec<&str> = model.blocks().iter().map(|b| b.name()).collect();
             let recomputed = Segments::recomputed(blocks, &job.strategy.recompute_configs.resolve(&names)?);
             (recomputed, None)
@@ -108,6 +115,7 @@ impl Replica {
             device,
             segments,
             whole,
+            holding: Holding::Whole,
             loss: job.train.resolved_loss()?,
             grad_clip_norm: job.train.grad_clip_norm,
             step: 0,
@@ -136,6 +144,9 @@ impl Replica {
             _ => anyhow::bail!("a relink changed whether the layers are split"),
         }
         self.optimizer.recut(self.gradients.plan(), &self.params, &comm)?;
+        if self.holding == Holding::Shards {
+            self.holding = Holding::Lost;
+        }
         self.comm = comm;
         self.gradients.clear();
         Ok(())
@@ -178,7 +189,30 @@ impl Replica {
     }
 }
 
+/// The hook around a pass's segments: the gathers of sharded parameters, or nothing.
+fn around<'a>(
+    gathers: &'a mut Option<BlockGathers>,
+    (optimizer, params): (&'a ReplicaOptimizer, &'a [NamedParam]),
+    comm: &'a CommWorker,
+    timeline: &'a mut Option<Timeline>,
+) -> Box<dyn AroundSegments + 'a> {
+    match (gathers, optimizer.parameter_shards()) {
+        (Some(gathers), Some(states)) => Box::new(gathers.around((states, params), comm, timeline)),
+        _ => Box::new(()),
+    }
+}
+
 impl RankReplica for Replica {
+    fn hold_parameters(&mut self, from_peers: bool) -> Result<()> {
+        match self.optimizer.parameter_shards() {
+            Some(states) => {
+                let at = (self.step, from_peers);
+                self.holding.hold_whole((states, &self.params), &self.comm, at)
+            }
+            None => Ok(()),
+        }
+    }
+
     fn held(&mut self) -> Held<'_> {
         Held {
             params: &self.params,
@@ -207,12 +241,25 @@ impl RankReplica for Replica {
         record(&mut self.timeline, || format!("data {step}"), "data", started);
 
         let forwarding = Instant::now();
+        let mut gathers = match self.optimizer.parameter_shards() {
+            Some(states) => {
+                self.holding.keep_shards(states, &self.params)?;
+                Some(BlockGathers::new(states, &self.params, self.model.blocks().len(), step))
+            }
+            None => None,
+        };
         let blocks = self.model.blocks();
         let cut = match &self.whole {
             Some(whole) if self.comm.world_size() == 1 => whole,
             _ => &self.segments,
         };
-        let forward = segments::forward(blocks, cut, x)?;
+        let held = (&self.optimizer, &self.params[..]);
+        let forward = segments::forward_around(
+            blocks,
+            cut,
+            x,
+            &mut *around(&mut gathers, held, &self.comm, &mut self.timeline),
+        )?;
         let held_bytes = forward.held_bytes();
         let (local_loss, upstream) =
             segments::loss_gradient(forward.output(), |out| self.model.loss(self.loss, out, &y))?;
@@ -224,9 +271,13 @@ impl RankReplica for Replica {
         let backwarding = Instant::now();
         let params = &self.params;
         let mut gradients = self.gradients.begin(step, &self.comm);
-        let backward = segments::backward(blocks, cut, forward, &upstream, &mut |range, grads| {
-            gradients.add_blocks(params, range, grads)
-        })?;
+        let backward = segments::backward_around(
+            blocks,
+            cut,
+            (forward, &upstream),
+            &mut |range, grads| gradients.add_blocks(params, range, grads),
+            &mut *around(&mut gathers, held, &self.comm, &mut self.timeline),
+        )?;
         settle_for_trace(&self.timeline, &self.device)?;
         record(
             &mut self.timeline,
@@ -235,7 +286,7 @@ impl RankReplica for Replica {
             backwarding,
         );
 
-        let mut exposed_comm_time = Duration::ZERO;
+        let mut exposed_comm_time = gathers.map_or(Duration::ZERO, |g| g.waited);
         if let Some(averaged) = gradients.finish(&mut self.timeline)? {
             exposed_comm_time = averaged.exposed;
             exposed_comm_time += self.apply(averaged, step)?;
@@ -270,6 +321,7 @@ impl RankReplica for Replica {
     /// Scores this rank's share of the held-out rows, a piece at a time, and sums the scores
     /// of all ranks.
     fn evaluate(&mut self, share: Pieces) -> Result<Option<Score>> {
+        self.hold_parameters(true)?;
         let score = score_pieces(&self.model, share, self.loss, &self.device)?;
         sum_over_ranks(&self.comm, score).map(Some)
     }

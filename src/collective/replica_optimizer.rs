@@ -9,7 +9,7 @@ use anyhow::Result;
 use super::rank_replica::HeldOptimizer;
 use super::tensor_parallel::clip_split_by_global_norm;
 use super::{AveragedGradients, BucketPlan, ShardedStates};
-use crate::config::JobConfig;
+use crate::config::{JobConfig, ShardingStage};
 use crate::engines::comm::CommWorker;
 use crate::models::parallel::Group;
 use crate::models::NamedParam;
@@ -60,6 +60,14 @@ impl ReplicaOptimizer {
         match self {
             Self::Whole(optimizer) => optimizer.set_learning_rate(lr),
             Self::Sharded(states) => states.set_learning_rate(lr),
+        }
+    }
+
+    /// The shards of the parameters themselves, where they are sharded (stage 3).
+    pub fn parameter_shards(&self) -> Option<&ShardedStates> {
+        match self {
+            Self::Sharded(states) if states.stage() == ShardingStage::Parameters => Some(states),
+            _ => None,
         }
     }
 

@@ -1,9 +1,11 @@
-//! Sharded optimizer states (ZeRO stages 1 and 2; Paddle's `sharding`): every rank of the ring
+//! Sharded optimizer states (ZeRO stages 1 to 3; Paddle's `sharding`): every rank of the ring
 //! owns one shard of each fusion bucket — the part whose sums its reduce-scatter finishes
 //! ([`crate::engines::comm::Communicator::shard_of`]) — and keeps the optimizer's states of
 //! that shard alone, `1/n` of them. A step updates the shard's parameters from the shard's
-//! averaged gradients, then all-gathers every bucket's parameters, so all ranks hold the whole
-//! model again. The optimizer is the replicas' own, one per bucket over the bucket's flat shard:
+//! averaged gradients, then (stages 1 and 2) all-gathers every bucket's parameters, so all ranks
+//! hold the whole model again. With sharded parameters (stage 3) the shards are the parameters'
+//! only lasting copy: a bucket is one block's parameters, gathered where the block runs
+//! ([`ShardedStates::gather`], [`ShardedStates::hold`]) and released after. The optimizer is the replicas' own, one per bucket over the bucket's flat shard:
 //! its arithmetic is element-wise, so a sharded job's parameters are bit for bit those of plain
 //! data parallelism (the reduce-scatter sums in the all-reduce's order).
 //!
@@ -29,7 +31,7 @@ use crate::telemetry::timeline::{Lane, Timeline};
 
 /// A bucket's values gathered from every rank, with when the communication thread started and
 /// ended the all-gather.
-type Gathered = (Vec<f32>, Instant, Instant);
+pub(super) type Gathered = (Vec<f32>, Instant, Instant);
 
 /// A fusion bucket and this rank's shard of it.
 struct ShardedBucket {
@@ -141,29 +143,94 @@ impl ShardedStates {
         timeline: &mut Option<Timeline>,
     ) -> Result<Duration> {
         let grads = self.shard_gradients(params, averaged, (clip_norm, step), (comm, layers))?;
-        let mut gathers = Vec::with_capacity(self.buckets.len());
-        for (index, ((bucket, shard), grad)) in self.buckets.iter().zip(&self.shards).zip(grads).enumerate() {
-            // The shard starts from the parameters every rank holds (the last all-gather's, a
+        let whole_afterwards = self.stage != ShardingStage::Parameters;
+        if whole_afterwards {
+            // The shards start from the parameters every rank holds (the last all-gather's, a
             // broadcast's or a restore's).
-            shard.set(&bucket.slice(shard.device(), |i| Ok(params[i].param.var()?.as_tensor().clone()))?)?;
+            self.take_shards(params)?;
+        }
+        let mut gathers = Vec::with_capacity(self.buckets.len());
+        for (index, (shard, grad)) in self.shards.iter().zip(grads).enumerate() {
             let mut store = GradStore::default();
             store.insert(shard.as_tensor(), grad);
             self.optimizers[index].step(&store)?;
-            let op = format!("all-gather of parameter bucket {index} at step {step}");
-            gathers.push(bucket.gather(shard.as_tensor(), comm, op)?);
+            if whole_afterwards {
+                gathers.push(self.gather(index, comm, step)?);
+            }
         }
         let mut waited = Duration::ZERO;
-        for (index, (bucket, gathered)) in self.buckets.iter().zip(gathers).enumerate() {
-            let waiting = Instant::now();
-            let (whole, started, ended) = gathered.wait()?;
-            waited += waiting.elapsed();
-            if let Some(timeline) = timeline {
-                let name = format!("all-gather parameter bucket {index} ({} KiB)", bucket.len * 4 / 1024);
-                timeline.record_between(Lane::Communication, name, "allgather", started, ended);
-            }
-            bucket.scatter_into(&whole, |i| &params[i].param)?;
+        for (index, gathered) in gathers.into_iter().enumerate() {
+            waited += self.hold(index, gathered, params, timeline)?;
         }
         Ok(waited)
+    }
+
+    /// Takes this rank's shards from `params`, held whole (built, broadcast, restored, or
+    /// gathered by the last step).
+    pub fn take_shards(&self, params: &[NamedParam]) -> Result<()> {
+        for (bucket, shard) in self.buckets.iter().zip(&self.shards) {
+            shard.set(&bucket.slice(shard.device(), |i| Ok(params[i].param.var()?.as_tensor().clone()))?)?;
+        }
+        Ok(())
+    }
+
+    /// Starts the all-gather over `comm` of bucket `index`'s parameters from every rank's shard
+    /// of them (for step `step`).
+    pub fn gather(&self, index: usize, comm: &CommWorker, step: usize) -> Result<Pending<Gathered>> {
+        let op = format!("all-gather of parameter bucket {index} at step {step}");
+        self.buckets[index].gather(self.shards[index].as_tensor(), comm, op)
+    }
+
+    /// Holds bucket `index`'s `params` once their all-gather is done; answers the time waited
+    /// for it, and records its span on `timeline` when tracing.
+    pub fn hold(
+        &self,
+        index: usize,
+        gathered: Pending<Gathered>,
+        params: &[NamedParam],
+        timeline: &mut Option<Timeline>,
+    ) -> Result<Duration> {
+        let bucket = &self.buckets[index];
+        let waiting = Instant::now();
+        let (whole, started, ended) = gathered.wait()?;
+        let waited = waiting.elapsed();
+        if let Some(timeline) = timeline {
+            let name = format!("all-gather parameter bucket {index} ({} KiB)", bucket.len * 4 / 1024);
+            timeline.record_between(Lane::Communication, name, "allgather", started, ended);
+        }
+        bucket.scatter_into(&whole, |i| &params[i].param)?;
+        Ok(waited)
+    }
+
+    /// Releases bucket `index`'s `params` (sharded parameters: the shard stays).
+    pub fn release(&self, index: usize, params: &[NamedParam]) {
+        for &param in &self.buckets[index].params {
+            params[param].param.release();
+        }
+    }
+
+    /// Gathers every bucket's `params` over `comm` (every rank of the ring calling together), so
+    /// the whole model is held, as for a checkpoint or an evaluation.
+    pub fn gather_all(&self, params: &[NamedParam], comm: &CommWorker, step: usize) -> Result<()> {
+        let gathers = (0..self.buckets.len())
+            .map(|index| self.gather(index, comm, step))
+            .collect::<Result<Vec<_>>>()?;
+        for (index, gathered) in gathers.into_iter().enumerate() {
+            self.hold(index, gathered, params, &mut None)?;
+        }
+        Ok(())
+    }
+
+    /// The bucket holding each of `blocks` blocks' parameters (`None` for a block without any),
+    /// where a bucket is one block's (sharded parameters).
+    pub fn bucket_of_blocks(&self, params: &[NamedParam], blocks: usize) -> Vec<Option<usize>> {
+        let mut of_block = vec![None; blocks];
+        for (index, bucket) in self.buckets.iter().enumerate() {
+            for &param in &bucket.params {
+                of_block[params[param].block] = Some(index);
+            }
+        }
+        of_block
     }
 
     /// This rank's shard of each bucket's averaged gradients, clipped to the global norm
@@ -319,15 +386,17 @@ impl ShardedStates {
         Ok(())
     }
 
-    /// The values of averaged gradients and of optimizer state (its slots and the shard of the
-    /// parameters it updates) this rank holds, of a model of `params` values.
-    pub fn held_values(&self, params: usize) -> (usize, usize) {
+    /// The values of parameters, averaged gradients and optimizer state (its slots, and the
+    /// shard of the parameters it updates where the parameters are held whole too) this rank
+    /// holds between steps, of a model of `params` values.
+    pub fn held_values(&self, params: usize) -> [usize; 3] {
         let shard: usize = self.buckets.iter().map(|b| b.shard.len()).sum();
-        let gradients = match self.stage {
-            ShardingStage::OptimizerStates => params,
-            ShardingStage::Gradients => shard,
-        };
-        (gradients, shard * (self.first().slots().len() + 1))
+        let slots = self.first().slots().len();
+        match self.stage {
+            ShardingStage::OptimizerStates => [params, params, shard * (slots + 1)],
+            ShardingStage::Gradients => [params, shard, shard * (slots + 1)],
+            ShardingStage::Parameters => [shard, shard, shard * slots],
+        }
     }
 }
 

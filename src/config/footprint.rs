@@ -91,10 +91,16 @@ fn estimate(config: &JobConfig) -> Vec<Need> {
     // layers (tensor parallelism) hold a part of the parameters and of the activations on each
     // rank (at least: the LayerNorms and the residual stream stay whole), and a pipeline's
     // stages each a share of the parameters (its stages' shares add up to the model).
-    let (model_keys, params, row_activations) = model_size(train);
+    let ModelSize {
+        keys: model_keys,
+        params,
+        largest_block,
+        row: row_activations,
+    } = model_size(train);
     let mp = config.mp_degree() as u128;
     let stages = pipeline_stages(config);
     let (params, row_activations) = (params.div_ceil(mp * stages), row_activations.div_ceil(mp));
+    let largest_block = largest_block.div_ceil(mp).min(params);
     let data_rows = match train.dataset {
         DatasetKind::Synthetic => train.synthetic_features.saturating_add(1),
         DatasetKind::CriteoSynthetic => CtrShape::CRITEO.slots * 2 + CtrShape::CRITEO.dense + 1,
@@ -121,12 +127,12 @@ fn estimate(config: &JobConfig) -> Vec<Need> {
     };
     let row_bytes = mul(&[train.embedding_dim as u128 + 1, slots + 1, F32]);
     let activations = activations(config, row_activations, &model_keys);
-    let [gradients, optimizer] = sharded_states(config, params, slots);
+    let [held_params, gradients, optimizer] = sharded_states(config, (params, largest_block), slots);
     vec![
         Need {
-            keys: model_keys.clone(),
+            keys: [&model_keys[..], &["strategy.sharding_configs.stage"]].concat(),
             what: "parameters",
-            bytes: mul(&[params, F32, trainers]),
+            bytes: mul(&[held_params, F32, trainers]),
         },
         Need {
             keys: [&model_keys[..], &["strategy.sharding_configs.stage"]].concat(),
@@ -161,26 +167,42 @@ fn estimate(config: &JobConfig) -> Vec<Need> {
     ]
 }
 
-/// The values of gradients and of optimizer state one rank holds, for `params` parameters and an
-/// optimizer of `slots` slots: all of them, or with `strategy.sharding` a shard of the optimizer's
-/// slots (and of the parameters it updates) and, at stage 2, of the averaged gradients, besides
-/// the buckets in flight (at most the whole).
-fn sharded_states(config: &JobConfig, params: u128, slots: u128) -> [u128; 2] {
+/// The values of parameters, gradients and optimizer state one rank holds, for `params`
+/// parameters (the largest block's `largest_block`) and an optimizer of `slots` slots: all of
+/// them, or with `strategy.sharding` a shard of the optimizer's slots (and of the parameters it
+/// updates), at stage 2 of the averaged gradients too, besides the buckets in flight (at most
+/// the whole), and at stage 3 of the parameters too, besides two blocks' parameters and
+/// gradients in flight (the block running and the next one gathered; a block's gradients and
+/// their bucket).
+fn sharded_states(config: &JobConfig, (params, largest_block): (u128, u128), slots: u128) -> [u128; 3] {
     let strategy = &config.strategy;
     let shard = params.div_ceil(config.sharding_ranks().max(1) as u128);
+    let in_flight = |values: u128| shard.saturating_add(values).min(params);
     match strategy.sharding_stage() {
-        None => [params, mul(&[params, slots])],
-        Some(ShardingStage::OptimizerStates) => [params, mul(&[shard, slots + 1])],
+        None => [params, params, mul(&[params, slots])],
+        Some(ShardingStage::OptimizerStates) => [params, params, mul(&[shard, slots + 1])],
         Some(ShardingStage::Gradients) => {
-            let buckets = (strategy.fuse_grad_size_bytes() as u128 / F32).min(params);
-            [shard.saturating_add(buckets).min(params), mul(&[shard, slots + 1])]
+            let buckets = strategy.fuse_grad_size_bytes() as u128 / F32;
+            [params, in_flight(buckets), mul(&[shard, slots + 1])]
+        }
+        Some(ShardingStage::Parameters) => {
+            let blocks = in_flight(mul(&[2, largest_block]));
+            [blocks, blocks, mul(&[shard, slots])]
         }
     }
 }
 
-/// The model's part of the estimate: the keys that size it, its parameters, and the bytes of
+/// What sizes a model: the keys that do, its parameters, its largest block's, and the bytes of
 /// activations one row's forward pass holds.
-fn model_size(train: &TrainConfig) -> (Vec<&'static str>, u128, u128) {
+struct ModelSize {
+    keys: Vec<&'static str>,
+    params: u128,
+    largest_block: u128,
+    row: u128,
+}
+
+/// The model's part of the estimate.
+fn model_size(train: &TrainConfig) -> ModelSize {
     match train.model {
         ModelKind::Mlp => {
             let (inputs, classes) = match train.dataset {
@@ -194,7 +216,7 @@ fn model_size(train: &TrainConfig) -> (Vec<&'static str>, u128, u128) {
                 "train.synthetic_features",
                 "train.synthetic_classes",
             ];
-            (keys, dense_parameters(&widths), row)
+            dense_model(keys, &widths, row)
         }
         ModelKind::WideDeep | ModelKind::DeepFm => {
             let shape = CtrShape::of_train(train);
@@ -205,10 +227,15 @@ fn model_size(train: &TrainConfig) -> (Vec<&'static str>, u128, u128) {
             let widths = widths(inputs, &train.hidden_sizes(), 1);
             let row = mul(&[widths.iter().sum(), F32]);
             let keys = vec!["train.hidden_sizes", "train.embedding_dim"];
-            (keys, dense_parameters(&widths), row)
+            dense_model(keys, &widths, row)
         }
         // The program's own model: its size is unknown until it is built.
-        ModelKind::Custom => (vec!["train.model"], 0, 0),
+        ModelKind::Custom => ModelSize {
+            keys: vec!["train.model"],
+            params: 0,
+            largest_block: 0,
+            row: 0,
+        },
         ModelKind::Gpt => {
             let g = &train.gpt;
             let (c, t, layers, heads) = (
@@ -218,14 +245,18 @@ fn model_size(train: &TrainConfig) -> (Vec<&'static str>, u128, u128) {
                 g.n_head as u128,
             );
             let per_layer = mul(&[12, c, c]).saturating_add(13 * c);
-            let params = mul(&[layers, per_layer])
-                .saturating_add(mul(&[2 * TEXT_VOCAB + t, c]))
-                .saturating_add(2 * c);
+            let (embed, head) = (mul(&[TEXT_VOCAB + t, c]), mul(&[TEXT_VOCAB, c]).saturating_add(2 * c));
+            let params = mul(&[layers, per_layer]).saturating_add(embed).saturating_add(head);
             // Per token and layer: the residual stream and MLP (about 16 C) and the attention
             // scores (heads × T); then the logits.
             let per_token =
                 mul(&[layers, mul(&[16, c]).saturating_add(mul(&[2, heads, t]))]).saturating_add(TEXT_VOCAB);
-            (vec!["train.gpt"], params, mul(&[t, per_token, F32]))
+            ModelSize {
+                keys: vec!["train.gpt"],
+                params,
+                largest_block: per_layer.max(embed).max(head),
+                row: mul(&[t, per_token, F32]),
+            }
         }
     }
 }
@@ -265,12 +296,16 @@ fn widths(inputs: usize, hidden: &[usize], outputs: usize) -> Vec<u128> {
         .collect()
 }
 
-/// Weights and biases of dense layers of `widths`.
-fn dense_parameters(widths: &[u128]) -> u128 {
-    widths
-        .windows(2)
-        .map(|w| mul(&[w[0] + 1, w[1]]))
-        .fold(0, u128::saturating_add)
+/// A model of dense layers of `widths` (their weights and biases), sized by `keys`, of `row`
+/// bytes of activations a row.
+fn dense_model(keys: Vec<&'static str>, widths: &[u128], row: u128) -> ModelSize {
+    let layers: Vec<u128> = widths.windows(2).map(|w| mul(&[w[0] + 1, w[1]])).collect();
+    ModelSize {
+        keys,
+        params: layers.iter().copied().fold(0, u128::saturating_add),
+        largest_block: layers.iter().copied().max().unwrap_or(0),
+        row,
+    }
 }
 
 /// The saturating product of `factors`.

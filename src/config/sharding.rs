@@ -1,6 +1,6 @@
 //! `strategy.sharding` and `[strategy.sharding_configs]` (Paddle's names; ZeRO's stages): the
-//! data-parallel ranks split the optimizer's states (stage 1) and the averaged gradients too
-//! (stage 2) instead of each holding all of them — all the ranks, or (`hybrid_configs`'
+//! data-parallel ranks split the optimizer's states (stage 1), the averaged gradients too
+//! (stage 2) and the parameters too (stage 3) instead of each holding all of them — all the ranks, or (`hybrid_configs`'
 //! `sharding_degree = nproc_per_node`, `dp_degree = nnodes`) each node's ranks, the nodes holding
 //! replicas of the same shards.
 
@@ -15,7 +15,10 @@ pub struct ShardingConfigs {
     /// What the data-parallel ranks split between them: 1, the optimizer's states (each rank
     /// updates its shard of the parameters, then all-gathers them); 2, the averaged gradients
     /// too (each bucket is reduce-scattered instead of all-reduced, half the traffic, and a rank
-    /// keeps only its shard). 3, the parameters too, is not built yet.
+    /// keeps only its shard); 3, the parameters too (each block's are all-gathered just before
+    /// its forward and again before its backward, which recomputes the block's forward, and
+    /// released after; between steps a rank holds only its shards). Stage 3 is built for
+    /// collective data parallelism, not yet inside pipeline stages.
     pub stage: u8,
 }
 
@@ -32,6 +35,8 @@ pub enum ShardingStage {
     OptimizerStates,
     /// Stage 2: the averaged gradients as well, reduce-scattered.
     Gradients,
+    /// Stage 3: the parameters as well, gathered a block at a time where they are used.
+    Parameters,
 }
 
 impl ShardingStage {
@@ -40,7 +45,13 @@ impl ShardingStage {
         match self {
             Self::OptimizerStates => 1,
             Self::Gradients => 2,
+            Self::Parameters => 3,
         }
+    }
+
+    /// Whether each bucket of gradients is reduce-scattered (this rank keeps its shard alone).
+    pub fn scatters_gradients(self) -> bool {
+        self != Self::OptimizerStates
     }
 }
 
@@ -99,7 +110,7 @@ pub(super) fn check_sharding(config: &JobConfig) -> Result<(), FieldError> {
              keeps them on its servers already",
         ));
     }
-    check_stage(strategy.sharding_configs.stage)?;
+    check_stage(config)?;
     check_degrees(config)
 }
 
@@ -121,15 +132,16 @@ fn check_pipeline_degree(config: &JobConfig) -> Result<(), FieldError> {
     Ok(())
 }
 
-/// Stages 1 and 2 are built.
-fn check_stage(stage: u8) -> Result<(), FieldError> {
+/// Stages 1, 2 and 3; the third outside pipelines.
+fn check_stage(config: &JobConfig) -> Result<(), FieldError> {
     let key = "strategy.sharding_configs.stage";
-    match stage {
+    match config.strategy.sharding_configs.stage {
         1 | 2 => Ok(()),
-        3 => Err(FieldError::new(
+        3 if config.strategy.pipeline => Err(FieldError::new(
             key,
-            "3 (the parameters sharded too) is not supported yet: use 1 (optimizer states) or 2 (and gradients)",
+            "3 (the parameters sharded too) inside pipeline stages (strategy.pipeline = true) is not supported yet:              use 1 (optimizer states) or 2 (and gradients)",
         )),
+        3 => Ok(()),
         other => Err(FieldError::new(
             key,
             format!("must be 1 (optimizer states), 2 (and gradients) or 3 (and parameters), got {other}"),
@@ -217,15 +229,21 @@ mod tests {
     }
 
     #[test]
-    fn stages_one_and_two_load_and_the_rest_is_refused_naming_the_key() {
-        for stage in [1, 2] {
+    fn stages_one_to_three_load_and_the_rest_is_refused_naming_the_key() {
+        for stage in [1, 2, 3] {
             let stage = format!("strategy.sharding_configs.stage={stage}");
             let config = load_with("", &[], &["cluster.nproc_per_node=4", "strategy.sharding=true", &stage]);
             assert!(config.is_ok(), "{:?}", config.err());
         }
-        let msg = refusal(&["strategy.sharding=true", "strategy.sharding_configs.stage=3"]);
+        let msg = refusal(&[
+            "strategy.sharding=true",
+            "strategy.sharding_configs.stage=3",
+            "strategy.pipeline=true",
+            "strategy.hybrid_configs.pp_degree=2",
+            "strategy.hybrid_configs.dp_degree=2",
+        ]);
         assert!(
-            msg.contains("strategy.sharding_configs.stage: 3 (the parameters sharded too) is not supported yet"),
+            msg.contains("strategy.sharding_configs.stage: 3 (the parameters sharded too) inside pipeline stages"),
             "{msg}"
         );
         let msg = refusal(&["strategy.sharding=true", "strategy.sharding_configs.stage=4"]);

@@ -195,7 +195,8 @@ impl DistributedStrategy {
         match (self.sharding, self.sharding_configs.stage) {
             (false, _) => None,
             (true, 1) => Some(ShardingStage::OptimizerStates),
-            (true, _) => Some(ShardingStage::Gradients),
+            (true, 2) => Some(ShardingStage::Gradients),
+            (true, _) => Some(ShardingStage::Parameters),
         }
     }
 

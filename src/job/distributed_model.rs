@@ -61,8 +61,7 @@ impl DistributedModel {
             .param
             .device()
             .clone();
-        let slots = params.iter().map(|p| p.param.clone()).collect();
-        let gradients = GradientSync::new(group.config(), slots, &backward_order(&model, &params), &device)?;
+        let gradients = GradientSync::new(group.config(), &params, &backward_order(&model, &params), &device)?;
         group.explained(broadcast_parameters(group.comm(), &params))?;
         let segments = Segments::per_block(model.blocks().len());
         Ok(Self {

@@ -188,9 +188,8 @@ impl PipelineReplica {
         let chunks = stage_chunks(blocks, cuts, p, stage, checkpoints.as_deref(), overlap_allreduce);
         let stage = Stage::new(stage, p, chunks, kind, configs.accumulate_steps)?;
         let params = stage.parameters();
-        let slots = params.iter().map(|p| p.param.clone()).collect();
         let gradient_order = stage.gradient_order();
-        let gradients = GradientSync::new(job, slots, &gradient_order, &device)?;
+        let gradients = GradientSync::new(job, &params, &gradient_order, &device)?;
         let lr_policy = LrPolicy::new(&job.train, dp, gradients.optimizer_step(steps));
         let data_parallel = CommWorker::spawn_on(data_parallel, &device, job.fault_tolerance.timeout())?;
         let optimizer = ReplicaOptimizer::new(job, gradients.plan(), &params, &data_parallel, lr_policy.at(0))?;

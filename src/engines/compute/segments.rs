@@ -114,9 +114,47 @@ fn run(blocks: &[Box<dyn Block>], range: Range<usize>, input: &Tensor) -> Result
     Ok((h, bytes))
 }
 
+/// A pass over a segment.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Pass {
+    /// Its forward.
+    Forward,
+    /// Its backward (with the forward again where it is recomputed).
+    Backward,
+}
+
+/// What runs around each segment's passes: nothing, or (sharded parameters) the gathers that
+/// hold a segment's parameters while it runs and the releases after.
+pub trait AroundSegments {
+    /// Before `pass` over the blocks of `range`.
+    fn entering(&mut self, range: &Range<usize>, pass: Pass) -> Result<()>;
+    /// After it (in backward, once the segment's gradients were handed on).
+    fn leaving(&mut self, range: &Range<usize>, pass: Pass) -> Result<()>;
+}
+
+impl AroundSegments for () {
+    fn entering(&mut self, _: &Range<usize>, _: Pass) -> Result<()> {
+        Ok(())
+    }
+
+    fn leaving(&mut self, _: &Range<usize>, _: Pass) -> Result<()> {
+        Ok(())
+    }
+}
+
 /// Forward of `blocks` cut as `segments`. Pass a variable as `input` to get its gradient back
 /// from [`backward`].
 pub fn forward(blocks: &[Box<dyn Block>], segments: &Segments, input: Tensor) -> Result<Forward> {
+    forward_around(blocks, segments, input, &mut ())
+}
+
+/// [`forward`], with `around` run around each segment.
+pub fn forward_around(
+    blocks: &[Box<dyn Block>],
+    segments: &Segments,
+    input: Tensor,
+    around: &mut dyn AroundSegments,
+) -> Result<Forward> {
     let mut records = Vec::with_capacity(segments.ranges.len());
     let mut held_bytes = 0;
     let mut h = input;
@@ -126,7 +164,9 @@ pub fn forward(blocks: &[Box<dyn Block>], segments: &Segments, input: Tensor) ->
         } else {
             Var::from_tensor(&h.detach())?.as_tensor().clone()
         };
+        around.entering(range, Pass::Forward)?;
         let (output, bytes) = run(blocks, range.clone(), &segment_input)?;
+        around.leaving(range, Pass::Forward)?;
         if segments.recompute {
             if k > 0 {
                 held_bytes += bytes_of(&segment_input);
@@ -186,10 +226,22 @@ pub fn backward(
     upstream: &Tensor,
     on_segment: &mut dyn FnMut(Range<usize>, &GradStore) -> Result<()>,
 ) -> Result<Backward> {
+    backward_around(blocks, segments, (forward, upstream), on_segment, &mut ())
+}
+
+/// [`backward`], with `around` run around each segment.
+pub fn backward_around(
+    blocks: &[Box<dyn Block>],
+    segments: &Segments,
+    (forward, upstream): (Forward, &Tensor),
+    on_segment: &mut dyn FnMut(Range<usize>, &GradStore) -> Result<()>,
+    around: &mut dyn AroundSegments,
+) -> Result<Backward> {
     let mut upstream = upstream.clone();
     let mut recomputed_bytes = 0;
     let mut input_gradient = None;
     for (range, record) in segments.ranges.iter().zip(forward.records).rev() {
+        around.entering(range, Pass::Backward)?;
         let output = match record.output {
             Some(kept) => kept,
             None => {
@@ -201,6 +253,8 @@ pub fn backward(
         let grads = (output * &upstream)?.sum_all()?.backward()?;
         on_segment(range.clone(), &grads)?;
         input_gradient = grads.get(&record.input).map(Tensor::detach);
+        drop(grads);
+        around.leaving(range, Pass::Backward)?;
         if range.start > 0 {
             upstream = input_gradient.clone().with_context(|| {
                 format!(
