@@ -56,6 +56,20 @@ const SHARDED: Job = Job {
     ..DATA_PARALLEL
 };
 
+/// The same ranks with sharded parameters (stage 3): between steps each keeps a third of the
+/// parameters besides, gathered a layer at a time where the step runs it.
+const SHARDED_PARAMETERS: Job = Job {
+    settings: &[
+        "cluster.nproc_per_node=3",
+        "train.batch_size=48",
+        "train.optimizer=\"adamw\"",
+        "train.lr=0.001",
+        "strategy.sharding=true",
+        "strategy.sharding_configs.stage=3",
+    ],
+    ..DATA_PARALLEL
+};
+
 /// Two replicas of an MLP whose layers two ranks split (tensor parallelism).
 const SPLIT_LAYERS: Job = Job {
     launcher: &["launch", "--nproc_per_node", "4"],
@@ -302,6 +316,12 @@ fn a_killed_rank_is_replaced_alone_and_the_survivors_roll_back_in_their_processe
 fn a_killed_rank_of_a_sharded_job_is_replaced_alone_and_the_run_ends_as_uninterrupted() {
     let hurt = kill_a_role(&SHARDED);
     equals_uninterrupted(&SHARDED, &[], &hurt.summary, &hurt.run_dir);
+}
+
+#[test]
+fn a_killed_rank_of_a_job_sharding_its_parameters_is_replaced_alone_and_the_run_ends_as_uninterrupted() {
+    let hurt = kill_a_role(&SHARDED_PARAMETERS);
+    equals_uninterrupted(&SHARDED_PARAMETERS, &[], &hurt.summary, &hurt.run_dir);
 }
 
 #[test]
