@@ -69,13 +69,15 @@ fn a_killed_rank_is_replaced_alone_and_the_job_ends_as_without_faults() {
     killed_ranks_are_replaced_alone(&job(&[]));
 }
 
-/// The same with sharded states (stage 2, AdamW): every rank's relinked ring cuts the shards
-/// anew, and the restored state gives each its shard back.
+/// The same with sharded states (AdamW; stage 2, and stage 3 whose parameters are sharded too):
+/// every rank's relinked ring cuts the shards anew, and the restored state gives each its shard
+/// back.
 #[test]
 fn a_killed_rank_of_a_sharded_job_is_replaced_alone_and_the_job_ends_as_without_faults() {
-    #[rustfmt::skip]
-    let sharded = ["strategy.sharding=true", "strategy.sharding_configs.stage=2", "train.optimizer=\"adamw\"", "train.lr=0.001"];
-    killed_ranks_are_replaced_alone(&job(&sharded));
+    for stage in ["strategy.sharding_configs.stage=2", "strategy.sharding_configs.stage=3"] {
+        let sharded = ["strategy.sharding=true", stage, "train.optimizer=\"adamw\"", "train.lr=0.001"];
+        killed_ranks_are_replaced_alone(&job(&sharded));
+    }
 }
 
 /// Two replicas of an MLP whose layers two ranks split (tensor parallelism): the replacement
@@ -109,12 +111,17 @@ fn a_stalled_rank_is_declared_dead_killed_and_replaced_and_the_job_ends_as_witho
     assert_eq!(checksum, uninterrupted(&job));
 }
 
+/// Whole replicas, and replicas keeping only their shards of the parameters (stage 3), which the
+/// step-0 state kept in memory gives back.
 #[test]
 fn without_checkpoints_a_killed_rank_costs_a_replay_from_step_0() {
-    let job = job(&["fault_tolerance.checkpoint_every=0"]);
-    let (checksum, report) = run(&job, &role(1, 40, RoleFault::Kill));
-    assert_eq!(report.replaced, vec![0, 1, 0]);
-    assert_eq!(checksum, uninterrupted(&job));
+    let sharded = ["strategy.sharding=true", "strategy.sharding_configs.stage=3"];
+    for settings in [&[][..], &sharded[..]] {
+        let job = job(&[&["fault_tolerance.checkpoint_every=0"][..], settings].concat());
+        let (checksum, report) = run(&job, &role(1, 40, RoleFault::Kill));
+        assert_eq!(report.replaced, vec![0, 1, 0], "{settings:?}");
+        assert_eq!(checksum, uninterrupted(&job), "{settings:?}");
+    }
 }
 
 #[test]
