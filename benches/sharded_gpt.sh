@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPT trained data-parallel, with sharded states (strategy.sharding, stages 1 and 2) and split
+# The GPT trained data-parallel, with sharded states (strategy.sharding, stages 1, 2 and 3) and split
 # by tensor parallelism over every rank (hybrid_configs.mp_degree, layout "mp"), by 1, 2 and 4
 # trainer processes on loopback, one compute thread each — as
 # ../shared/peers/torch_sharded_gpt.py runs PyTorch's DDP, FSDP2 and DTensor tensor parallelism
@@ -17,11 +17,12 @@ bin=target/release/flotilla
 port=${PORT:-6590}
 n_embd=${N_EMBD:-384} n_layer=${N_LAYER:-4} batch=${BATCH:-16} steps=${STEPS:-12}
 for world in ${@:-1 2 4}; do
-  for layout in ${LAYOUTS:-dp stage1 stage2 mp}; do
+  for layout in ${LAYOUTS:-dp stage1 stage2 stage3 mp}; do
     case $layout in
       dp) sharding=() ;;
       stage1) sharding=(--set strategy.sharding=true --set strategy.sharding_configs.stage=1) ;;
       stage2) sharding=(--set strategy.sharding=true --set strategy.sharding_configs.stage=2) ;;
+      stage3) sharding=(--set strategy.sharding=true --set strategy.sharding_configs.stage=3) ;;
       mp) sharding=(--set strategy.hybrid_configs.dp_degree=1 --set "strategy.hybrid_configs.mp_degree=$world") ;;
     esac
     [ "$world" = 1 ] && [ "$layout" != dp ] && continue
