@@ -34,6 +34,12 @@ impl SplitMix64 {
         mix64(self.state)
     }
 
+    /// Moves on `n` draws at once, as if `next_u64` had been called `n` times: a stream's values
+    /// from the n-th on, without the ones before.
+    pub fn skip(&mut self, n: u64) {
+        self.state = self.state.wrapping_add(n.wrapping_mul(0x9E37_79B9_7F4A_7C15));
+    }
+
     /// Uniform in [0, 1).
     pub fn next_f32(&mut self) -> f32 {
         (self.next_u64() >> 40) as f32 / (1u64 << 24) as f32
@@ -96,6 +102,17 @@ mod tests {
         let mut x = SplitMix64::for_stream(7, "shuffle", 1);
         let mut y = SplitMix64::for_stream(7, "shuffle", 2);
         assert_ne!(x.next_u64(), y.next_u64());
+    }
+
+    #[test]
+    fn skipping_n_draws_lands_where_n_draws_do() {
+        let mut drawn = SplitMix64::for_stream(5, "skip", 0);
+        for _ in 0..1000 {
+            drawn.next_u64();
+        }
+        let mut skipped = SplitMix64::for_stream(5, "skip", 0);
+        skipped.skip(1000);
+        assert_eq!(drawn.next_u64(), skipped.next_u64());
     }
 
     #[test]

@@ -75,7 +75,12 @@ fn a_killed_rank_is_replaced_alone_and_the_job_ends_as_without_faults() {
 #[test]
 fn a_killed_rank_of_a_sharded_job_is_replaced_alone_and_the_job_ends_as_without_faults() {
     for stage in ["strategy.sharding_configs.stage=2", "strategy.sharding_configs.stage=3"] {
-        let sharded = ["strategy.sharding=true", stage, "train.optimizer=\"adamw\"", "train.lr=0.001"];
+        let sharded = [
+            "strategy.sharding=true",
+            stage,
+            "train.optimizer=\"adamw\"",
+            "train.lr=0.001",
+        ];
         killed_ranks_are_replaced_alone(&job(&sharded));
     }
 }

@@ -261,7 +261,9 @@ impl Handler<Prepare> for DeviceActor {
             ReplicaPart::Stage { rank, .. } => *rank,
         };
         let device = device_for(msg.job.cluster.device, rank)?;
-        let init = ParamInit::new(msg.job.train.seed, device.clone()).with_products(Precision::of(&msg.job));
+        let init = ParamInit::new(msg.job.train.seed, device.clone())
+            .with_products(Precision::of(&msg.job))
+            .deferring(msg.job.defers_parameters() && matches!(msg.part, ReplicaPart::Whole { .. }));
         let model = (msg.model)(&init).context("building the model")?;
         self.state = match msg.part {
             ReplicaPart::Whole {

@@ -104,6 +104,7 @@ impl Replica {
             "replica ready"
         );
         Ok(Self {
+            holding: Holding::of(&params),
             model,
             params,
             gradients,
@@ -115,7 +116,6 @@ impl Replica {
             device,
             segments,
             whole,
-            holding: Holding::Whole,
             loss: job.train.resolved_loss()?,
             grad_clip_norm: job.train.grad_clip_norm,
             step: 0,
@@ -152,8 +152,12 @@ impl Replica {
         Ok(())
     }
 
-    /// Makes every rank start from rank 0's parameters.
+    /// Makes every rank start from rank 0's parameters; parameters made released need nothing:
+    /// every rank draws their values from the same recipes.
     pub fn broadcast_parameters(&mut self) -> Result<()> {
+        if self.holding == Holding::Deferred {
+            return Ok(());
+        }
         broadcast_parameters(&self.comm, &self.params)
     }
 

@@ -21,6 +21,9 @@ use crate::telemetry::timeline::Timeline;
 /// What a replica with sharded parameters holds of them.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum Holding {
+    /// Nothing yet: the model was made released ([`crate::models::ParamInit::deferring`]), each
+    /// value drawn from its recipe where a shard or the whole model is taken.
+    Deferred,
     /// The whole model (built, broadcast, restored, or gathered for a checkpoint or an
     /// evaluation): the next step takes its shards from it.
     Whole,
@@ -32,9 +35,18 @@ pub(super) enum Holding {
 }
 
 impl Holding {
+    /// What a replica holds of `params` as it is made: nothing where they were made released.
+    pub(super) fn of(params: &[NamedParam]) -> Self {
+        match params.iter().all(|p| p.param.is_held()) {
+            true => Self::Whole,
+            false => Self::Deferred,
+        }
+    }
+
     /// Holds the whole model of `params`, whose shards `states` keeps: gathered over `comm`
-    /// (every rank of the ring calling together, at step `step`) where `from_peers`, else
-    /// allocated for a restore to fill (no other rank asked).
+    /// (every rank of the ring calling together, at step `step`) where `from_peers` (drawn from
+    /// their recipes, where nothing was held yet), else allocated for a restore to fill (no
+    /// other rank asked).
     pub(super) fn hold_whole(
         &mut self,
         (states, params): (&ShardedStates, &[NamedParam]),
@@ -48,6 +60,12 @@ impl Holding {
                 comm.rank()
             ),
             (Self::Shards, true) => states.gather_all(params, comm, step)?,
+            (Self::Deferred, true) => {
+                for p in params.iter().filter(|p| !p.param.is_held()) {
+                    p.param
+                        .hold(&p.param.values(0..p.param.elem_count())?.reshape(p.param.shape())?)?;
+                }
+            }
             (_, false) => {
                 for p in params {
                     p.param.hold(&candle_core::Tensor::zeros(
@@ -67,7 +85,7 @@ impl Holding {
         match *self {
             Self::Shards => return Ok(()),
             Self::Lost => bail!("a step on sharded parameters that were cut anew and never restored"),
-            Self::Whole => states.take_shards(params)?,
+            Self::Whole | Self::Deferred => states.take_shards(params)?,
         }
         for p in params {
             p.param.release();

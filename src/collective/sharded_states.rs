@@ -169,7 +169,7 @@ impl ShardedStates {
     /// gathered by the last step).
     pub fn take_shards(&self, params: &[NamedParam]) -> Result<()> {
         for (bucket, shard) in self.buckets.iter().zip(&self.shards) {
-            shard.set(&bucket.slice(shard.device(), |i| Ok(params[i].param.var()?.as_tensor().clone()))?)?;
+            shard.set(&bucket.slice(shard.device(), params, |i, range| Ok(params[i].param.values(range)?))?)?;
         }
         Ok(())
     }
@@ -252,12 +252,11 @@ impl ShardedStates {
                     .iter()
                     .zip(&self.shards)
                     .map(|(bucket, shard)| {
-                        bucket.slice(shard.device(), |i| {
+                        bucket.slice(shard.device(), params, |i, range| {
                             let var = params[i].param.var()?;
-                            whole
-                                .get(var.as_tensor())
-                                .cloned()
-                                .with_context(|| format!("no gradient for {}", params[i].name))
+                            let grad = (whole.get(var.as_tensor()))
+                                .with_context(|| format!("no gradient for {}", params[i].name))?;
+                            Ok(grad.flatten_all()?.narrow(0, range.start, range.len())?)
                         })
                     })
                     .collect()
@@ -369,9 +368,11 @@ impl ShardedStates {
                 {
                     continue;
                 }
-                let shard = bucket.slice(var.device(), |i| match by_param.get(&(i, slot.to_string())) {
-                    Some(tensor) => Ok(tensor.clone()),
-                    None => Ok(params[i].param.var()?.as_tensor().zeros_like()?),
+                let shard = bucket.slice(var.device(), params, |i, range| {
+                    match by_param.get(&(i, slot.to_string())) {
+                        Some(tensor) => Ok(tensor.flatten_all()?.narrow(0, range.start, range.len())?),
+                        None => Ok(Tensor::zeros(range.len(), candle_core::DType::F32, var.device())?),
+                    }
                 })?;
                 tensors.push((0, slot.to_string(), shard));
             }
@@ -401,17 +402,22 @@ impl ShardedStates {
 }
 
 impl ShardedBucket {
-    /// This rank's shard of the bucket, from each parameter's tensor (`of(index)`, the
-    /// parameter's shape): the flat values of the parameters in fill order, cut to the shard.
-    fn slice(&self, device: &Device, of: impl Fn(usize) -> Result<Tensor>) -> Result<Tensor> {
+    /// This rank's shard of the bucket of `params`: the flat values of the parameters in fill
+    /// order, cut to the shard, each parameter's part of it asked of `of(index, range)` (the
+    /// range of its flat values).
+    fn slice(
+        &self,
+        device: &Device,
+        params: &[NamedParam],
+        of: impl Fn(usize, Range<usize>) -> Result<Tensor>,
+    ) -> Result<Tensor> {
         let mut pieces = Vec::new();
         let mut offset = 0;
         for &param in &self.params {
-            let tensor = of(param)?;
-            let n = tensor.elem_count();
+            let n = params[param].param.elem_count();
             let (start, end) = (self.shard.start.max(offset), self.shard.end.min(offset + n));
             if start < end {
-                pieces.push(tensor.flatten_all()?.narrow(0, start - offset, end - start)?);
+                pieces.push(of(param, start - offset..end - offset)?);
             }
             offset += n;
         }

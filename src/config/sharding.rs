@@ -65,6 +65,13 @@ impl JobConfig {
             && (2..self.world_size()).contains(&self.strategy.hybrid_configs.sharding_degree)
     }
 
+    /// Whether the model is made released, each rank drawing only its shard of the initial
+    /// parameters (sharded parameters of layers that are not split: splitting cuts the whole
+    /// values).
+    pub fn defers_parameters(&self) -> bool {
+        self.strategy.sharding_stage() == Some(ShardingStage::Parameters) && self.mp_degree() == 1
+    }
+
     /// The ranks among which each sharded state is split: the world, each node's ranks, every
     /// data-parallel rank of a layer part, or every replica of a pipeline stage's part.
     pub fn sharding_ranks(&self) -> usize {

@@ -38,7 +38,7 @@ impl DeepFm {
                 let bound = 1.0 / (embedding_dim as f32).sqrt();
                 let weight = init.uniform("dense_factors.weight", &[shape.dense, embedding_dim], bound)?;
                 let first_order = Linear::new("first_order_dense", shape.dense, 1, Activation::Identity, init)?;
-                Ok((DenseFactors { weight: weight.into() }, first_order))
+                Ok((DenseFactors { weight }, first_order))
             })
             .transpose()?;
         Ok(Self {
@@ -133,6 +133,7 @@ mod tests {
         let width = 3;
         let model = DeepFm::new(CtrShape::CRITEO, width, &[4], &init)?;
         let factors = init.uniform("probe", &[2, 39, width], 1.0)?;
+        let factors = factors.var()?;
         let fast = pairwise_interactions(factors.as_tensor())?;
         let values: Vec<Vec<Vec<f32>>> = factors.as_tensor().to_vec3()?;
         for (sample, got) in values.iter().zip(fast.flatten_all()?.to_vec1::<f32>()?) {

@@ -36,10 +36,8 @@ impl Linear {
         init: &ParamInit,
     ) -> candle_core::Result<Self> {
         let map = AffineMap::Whole {
-            weight: init
-                .fan_in_uniform(&format!("{name}.weight"), &[inputs, outputs], inputs)?
-                .into(),
-            bias: init.fan_in_uniform(&format!("{name}.bias"), &[outputs], inputs)?.into(),
+            weight: init.fan_in_uniform(&format!("{name}.weight"), &[inputs, outputs], inputs)?,
+            bias: init.fan_in_uniform(&format!("{name}.bias"), &[outputs], inputs)?,
             activation,
             products: init.products(),
         };

@@ -25,7 +25,7 @@ mod wide_deep;
 pub use affine::{cpu_matrix_kernel, Precision};
 pub use deepfm::DeepFm;
 pub use gpt::{continue_text, gpt, GptConfig, Sampler};
-pub use init::ParamInit;
+pub use init::{ParamInit, Recipe};
 pub use linear::{Activation, Linear};
 pub use loss::{
     argmax, click_probability, correct_predictions, cross_entropy, sigmoid_cross_entropy, training_loss, HeldOut, Score,

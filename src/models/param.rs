@@ -7,9 +7,12 @@
 //! block and the replica's parameter list share one slot per parameter, so all of them see the
 //! same variable; no other copy of it may be kept, or its memory would outlive the release.
 
+use std::ops::Range;
 use std::sync::{Arc, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
 use candle_core::{DType, Device, Shape, Tensor, Var};
+
+use super::init::Recipe;
 
 /// A shared slot holding one parameter's variable, or nothing while it is released.
 #[derive(Clone)]
@@ -20,6 +23,8 @@ struct Slot {
     dtype: DType,
     device: Device,
     held: RwLock<Option<Var>>,
+    /// How its first values are made, where it was made released ([`Param::deferred`]).
+    recipe: Option<Recipe>,
 }
 
 impl Param {
@@ -30,7 +35,35 @@ impl Param {
             dtype: var.dtype(),
             device: var.device().clone(),
             held: RwLock::new(Some(var)),
+            recipe: None,
         }))
+    }
+
+    /// A released parameter of `shape` whose first values `recipe` makes where they are asked
+    /// for ([`values`](Self::values)).
+    pub fn deferred(shape: &[usize], dtype: DType, device: &Device, recipe: Recipe) -> Self {
+        Self(Arc::new(Slot {
+            shape: Shape::from_dims(shape),
+            dtype,
+            device: device.clone(),
+            held: RwLock::new(None),
+            recipe: Some(recipe),
+        }))
+    }
+
+    /// The flat (row-major) values at `range`: the held variable's, or a released parameter's
+    /// first values from its recipe.
+    pub fn values(&self, range: Range<usize>) -> candle_core::Result<Tensor> {
+        if let Some(var) = &*self.read() {
+            return var.flatten_all()?.narrow(0, range.start, range.len());
+        }
+        match &self.0.recipe {
+            Some(recipe) => Tensor::from_vec(recipe.values(range.clone()), range.len(), &self.0.device),
+            None => candle_core::bail!(
+                "a released parameter of shape {:?} has no values to give (gather it first)",
+                self.0.shape
+            ),
+        }
     }
 
     /// The variable; an error while the parameter is released.

@@ -267,8 +267,8 @@ mod tests {
         use candle_core::{DType, Device};
         let device = Device::Cpu;
         let init = ParamInit::new(11, device.clone());
-        let rows = init.uniform("rows", &[5, 3], 1.0)?;
-        let weights = init.uniform("weights", &[2, 2, 3], 1.0)?;
+        let rows = init.uniform("rows", &[5, 3], 1.0)?.var()?;
+        let weights = init.uniform("weights", &[2, 2, 3], 1.0)?.var()?;
         // Sample 0: slot 0 holds rows 0 and 1, slot 1 row 2; sample 1: slot 0 row 3, slot 1
         // rows 1, 4 and 1 again (a value repeated in a cell counts twice).
         let index = Tensor::new(&[0u32, 1, 2, 3, 1, 4, 1], &device)?;

@@ -1,9 +1,7 @@
 //! The affine maps inside the GPT blocks.
 
-use candle_core::{DType, Var};
-
 use crate::models::parallel::AffineMap;
-use crate::models::{Activation, Param, ParamInit};
+use crate::models::{Activation, ParamInit};
 
 /// Standard deviation of GPT-2's initial weights.
 pub(super) const INIT_STD: f32 = 0.02;
@@ -28,10 +26,8 @@ pub(super) fn dense(
     init: &ParamInit,
 ) -> candle_core::Result<AffineMap> {
     Ok(AffineMap::Whole {
-        weight: init
-            .uniform(&format!("{name}.weight"), &[inputs, outputs], uniform_bound(std))?
-            .into(),
-        bias: Param::new(Var::zeros(outputs, DType::F32, init.device())?),
+        weight: init.uniform(&format!("{name}.weight"), &[inputs, outputs], uniform_bound(std))?,
+        bias: init.constant(&[outputs], 0.0)?,
         activation: Activation::Identity,
         products: init.products(),
     })

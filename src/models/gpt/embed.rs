@@ -24,8 +24,8 @@ impl Embedding {
     pub(super) fn new(vocab: usize, block_size: usize, n_embd: usize, init: &ParamInit) -> candle_core::Result<Self> {
         let bound = uniform_bound(INIT_STD);
         Ok(Self {
-            token: init.uniform("embed.token", &[vocab, n_embd], bound)?.into(),
-            position: init.uniform("embed.position", &[block_size, n_embd], bound)?.into(),
+            token: init.uniform("embed.token", &[vocab, n_embd], bound)?,
+            position: init.uniform("embed.position", &[block_size, n_embd], bound)?,
             vocab_slice: None,
         })
     }

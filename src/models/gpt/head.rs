@@ -32,7 +32,7 @@ impl Head {
         let weight = init.uniform("head.weight", &[n_embd, vocab], uniform_bound(INIT_STD))?;
         Ok(Self {
             ln: LayerNorm::new(n_embd, init)?,
-            projection: Projection::Own(weight.into()),
+            projection: Projection::Own(weight),
         })
     }
 

@@ -5,7 +5,7 @@
 //! CPU the normalisation is our fused kernel ([`super::fused::normalize`]);
 //! elsewhere it is written from differentiable tensor ops.
 
-use candle_core::{DType, Tensor, Var, D};
+use candle_core::{Tensor, D};
 
 use crate::models::{Param, ParamInit};
 
@@ -21,8 +21,8 @@ impl LayerNorm {
     /// Gain 1 and bias 0, so the layer starts as a plain normalisation.
     pub(super) fn new(width: usize, init: &ParamInit) -> candle_core::Result<Self> {
         Ok(Self {
-            gain: Var::ones(width, DType::F32, init.device())?.into(),
-            bias: Var::zeros(width, DType::F32, init.device())?.into(),
+            gain: init.constant(&[width], 1.0)?,
+            bias: init.constant(&[width], 0.0)?,
         })
     }
 
