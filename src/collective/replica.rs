@@ -9,7 +9,7 @@ use candle_core::{Device, Tensor};
 
 use super::evaluation::{score_pieces, sum_over_ranks};
 use super::preemption;
-use super::rank_figures::RankFigures;
+use super::rank_figures::{JobFigures, RankFigures};
 use super::rank_replica::{Held, RankReplica, StepReport};
 use super::sharded_parameters::{BlockGathers, Holding};
 use super::tensor_parallel::RingGroup;
@@ -180,6 +180,36 @@ impl Replica {
         Ok(waited)
     }
 
+    /// The gathers of step `step`'s sharded parameters (stage 3), the shards alone kept first;
+    /// `None` where the parameters are whole.
+    fn begin_gathers(&mut self, step: usize) -> Result<Option<BlockGathers>> {
+        let Some(states) = self.optimizer.parameter_shards() else {
+            return Ok(None);
+        };
+        self.holding.keep_shards(states, &self.params)?;
+        Ok(Some(BlockGathers::new(
+            states,
+            &self.params,
+            self.model.blocks().len(),
+            step,
+        )))
+    }
+
+    /// Every rank's loss (this one's `loss`), peak RSS and stop request at step `step`.
+    fn gather_figures(&mut self, loss: f32, step: usize) -> Result<JobFigures> {
+        let gathering = Instant::now();
+        let mine = RankFigures {
+            loss,
+            peak_rss_bytes: peak_rss_bytes(),
+            stop: preemption::asked(),
+        };
+        let figures = self
+            .comm
+            .run(move |c| mine.gather(c, &format!("gather of the losses of step {step}")))?;
+        record(&mut self.timeline, || format!("loss gather {step}"), "wait", gathering);
+        Ok(figures)
+    }
+
     /// On a GPU, kernels run after the calls that launch them return: a traced step waits for
     /// them at the end of each compute span, so that the span is the GPU's time (untraced steps
     /// never wait).
@@ -245,13 +275,7 @@ impl RankReplica for Replica {
         record(&mut self.timeline, || format!("data {step}"), "data", started);
 
         let forwarding = Instant::now();
-        let mut gathers = match self.optimizer.parameter_shards() {
-            Some(states) => {
-                self.holding.keep_shards(states, &self.params)?;
-                Some(BlockGathers::new(states, &self.params, self.model.blocks().len(), step))
-            }
-            None => None,
-        };
+        let mut gathers = self.begin_gathers(step)?;
         let blocks = self.model.blocks();
         let cut = match &self.whole {
             Some(whole) if self.comm.world_size() == 1 => whole,
@@ -290,22 +314,14 @@ impl RankReplica for Replica {
             backwarding,
         );
 
+        // What compute waited for: the parameters' gathers, the gradients' reductions, and a
+        // sharded optimizer's all-gathers.
         let mut exposed_comm_time = gathers.map_or(Duration::ZERO, |g| g.waited);
         if let Some(averaged) = gradients.finish(&mut self.timeline)? {
-            exposed_comm_time = averaged.exposed;
+            exposed_comm_time += averaged.exposed;
             exposed_comm_time += self.apply(averaged, step)?;
         }
-
-        let gathering = Instant::now();
-        let mine = RankFigures {
-            loss: local_loss,
-            peak_rss_bytes: peak_rss_bytes(),
-            stop: preemption::asked(),
-        };
-        let figures = self
-            .comm
-            .run(move |c| mine.gather(c, &format!("gather of the losses of step {step}")))?;
-        record(&mut self.timeline, || format!("loss gather {step}"), "wait", gathering);
+        let figures = self.gather_figures(local_loss, step)?;
         self.step += 1;
         Ok(StepReport {
             loss: Some(figures.mean_loss),

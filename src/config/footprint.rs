@@ -87,20 +87,12 @@ fn estimate(config: &JobConfig) -> Vec<Need> {
     let train = &config.train;
     let trainers = config.cluster.nproc_per_node as u128;
     let slots = optimizer_slots(train);
-    // Activations of one row's forward pass, which training holds with their gradients; split
-    // layers (tensor parallelism) hold a part of the parameters and of the activations on each
-    // rank (at least: the LayerNorms and the residual stream stay whole), and a pipeline's
-    // stages each a share of the parameters (its stages' shares add up to the model).
     let ModelSize {
         keys: model_keys,
         params,
         largest_block,
         row: row_activations,
-    } = model_size(train);
-    let mp = config.mp_degree() as u128;
-    let stages = pipeline_stages(config);
-    let (params, row_activations) = (params.div_ceil(mp * stages), row_activations.div_ceil(mp));
-    let largest_block = largest_block.div_ceil(mp).min(params);
+    } = model_size(train).per_rank(config);
     let data_rows = match train.dataset {
         DatasetKind::Synthetic => train.synthetic_features.saturating_add(1),
         DatasetKind::CriteoSynthetic => CtrShape::CRITEO.slots * 2 + CtrShape::CRITEO.dense + 1,
@@ -193,12 +185,29 @@ fn sharded_states(config: &JobConfig, (params, largest_block): (u128, u128), slo
 }
 
 /// What sizes a model: the keys that do, its parameters, its largest block's, and the bytes of
-/// activations one row's forward pass holds.
+/// activations one row's forward pass holds (which training holds with their gradients).
 struct ModelSize {
     keys: Vec<&'static str>,
     params: u128,
     largest_block: u128,
     row: u128,
+}
+
+impl ModelSize {
+    /// A rank's share of the model under `config`: split layers (tensor parallelism) hold a
+    /// part of the parameters and of the activations on each rank (at least: the LayerNorms and
+    /// the residual stream stay whole), and a pipeline's stages each a share of the parameters
+    /// (its stages' shares add up to the model).
+    fn per_rank(self, config: &JobConfig) -> Self {
+        let mp = config.mp_degree() as u128;
+        let params = self.params.div_ceil(mp * pipeline_stages(config));
+        Self {
+            params,
+            largest_block: self.largest_block.div_ceil(mp).min(params),
+            row: self.row.div_ceil(mp),
+            keys: self.keys,
+        }
+    }
 }
 
 /// The model's part of the estimate.
@@ -463,6 +472,28 @@ mod tests {
         // Stage 2 keeps a quarter of the averaged gradients, and a 1 MiB bucket in flight.
         assert_eq!(part(&two, "gradients"), bytes(quarter + (1 << 20) / F32));
         assert_eq!(part(&two, "optimizer state"), part(&one, "optimizer state"));
+    }
+
+    #[test]
+    fn sharded_parameters_count_a_shard_of_everything_and_two_blocks_in_flight() {
+        let deep = |stage: Option<u8>| {
+            job(|c| {
+                c.cluster.nproc_per_node = 4;
+                c.train.optimizer = OptimizerKind::Adamw;
+                c.train.hidden_sizes = Some(vec![1000; 8]);
+                c.strategy.sharding = stage.is_some();
+                c.strategy.sharding_configs.stage = stage.unwrap_or(1);
+            })
+        };
+        let part =
+            |config: &JobConfig, what: &str| estimate(config).into_iter().find(|n| n.what == what).map(|n| n.bytes);
+        let (plain, three) = (deep(None), deep(Some(3)));
+        let bytes = |count: u128| count * F32 * 4;
+        let params = part(&plain, "parameters").expect("parameters") / bytes(1);
+        let (quarter, layer) = (params.div_ceil(4), 1001 * 1000);
+        assert_eq!(part(&three, "parameters"), Some(bytes(quarter + 2 * layer)));
+        assert_eq!(part(&three, "gradients"), Some(bytes(quarter + 2 * layer)));
+        assert_eq!(part(&three, "optimizer state"), Some(bytes(2 * quarter)));
     }
 
     /// A rank holds its stage's share of the parameters and its part of the split layers': the
