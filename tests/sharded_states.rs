@@ -316,29 +316,39 @@ fn a_checkpoint_resumes_on_another_number_of_ranks_sharded_or_not() {
     }
 }
 
-/// A traced sharded step shows each bucket's reduce-scatter and its parameters' all-gather on the
-/// communication lane of every rank.
+/// A traced sharded step shows each bucket's reduce-scatter and its parameters' all-gathers on the
+/// communication lane of every rank: at stage 2 one of each per bucket; at stage 3 (a bucket per
+/// layer) one per layer's forward, and one per backward but the last layer's, which stays held.
 #[test]
 fn a_traced_sharded_step_shows_its_reduce_scatters_and_all_gathers() {
     use flotilla::job::{RunOptions, TrainingJob};
-    let dir = tempfile::tempdir().expect("temp dir");
-    let mut options = RunOptions::new(dir.path());
-    let traces = dir.path().join("trace");
-    options.trace = Some(traces.clone());
-    #[rustfmt::skip]
-    let job = config(&["train.steps=3", "cluster.nproc_per_node=2", "strategy.sharding=true",
-        "strategy.sharding_configs.stage=2", "strategy.fuse_grad_size_in_MB=0.002"]);
-    TrainingJob::builtin(job)
-        .expect("job")
-        .run_simulated(&options)
-        .expect("training succeeds");
-    let trace: serde_json::Value =
-        serde_json::from_slice(&std::fs::read(traces.join("trace.json")).expect("the merged trace")).expect("JSON");
-    for pid in 0..2 {
-        // Two buckets (fc1's 1,290 values, then fc0's 8,320) in each of 3 steps.
-        let scatters = common::trace_spans(&trace, pid, |n| n.starts_with("reduce-scatter bucket "));
-        let gathers = common::trace_spans(&trace, pid, |n| n.starts_with("all-gather parameter bucket "));
-        assert_eq!((scatters.len(), gathers.len()), (6, 6), "rank {pid}");
+    // Two buckets (fc1's 1,290 values, then fc0's 8,320) in each of 3 steps.
+    for (stage, gathers_per_step) in [
+        ("strategy.sharding_configs.stage=2", 2),
+        ("strategy.sharding_configs.stage=3", 3),
+    ] {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let mut options = RunOptions::new(dir.path());
+        let traces = dir.path().join("trace");
+        options.trace = Some(traces.clone());
+        #[rustfmt::skip]
+        let job = config(&["train.steps=3", "cluster.nproc_per_node=2", "strategy.sharding=true", stage,
+            "strategy.fuse_grad_size_in_MB=0.002"]);
+        TrainingJob::builtin(job)
+            .expect("job")
+            .run_simulated(&options)
+            .expect("training succeeds");
+        let trace: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(traces.join("trace.json")).expect("the merged trace")).expect("JSON");
+        for pid in 0..2 {
+            let scatters = common::trace_spans(&trace, pid, |n| n.starts_with("reduce-scatter bucket "));
+            let gathers = common::trace_spans(&trace, pid, |n| n.starts_with("all-gather parameter bucket "));
+            assert_eq!(
+                (scatters.len(), gathers.len()),
+                (6, 3 * gathers_per_step),
+                "{stage}, rank {pid}"
+            );
+        }
     }
 }
 
