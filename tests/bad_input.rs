@@ -77,10 +77,17 @@ fn strategies_not_built_yet_say_so() {
             "strategy.sharding=true",
             "--set",
             "strategy.sharding_configs.stage=3",
+            "--set",
+            "strategy.pipeline=true",
+            "--set",
+            "strategy.hybrid_configs.pp_degree=2",
         ],
     );
     assert!(
-        err.contains("strategy.sharding_configs.stage: 3 (the parameters sharded too) is not supported yet"),
+        err.contains(
+            "strategy.sharding_configs.stage: 3 (the parameters sharded too) inside pipeline stages \
+             (strategy.pipeline = true) is not supported yet: use 1"
+        ),
         "{err}"
     );
 }

@@ -146,7 +146,8 @@ fn check_stage(config: &JobConfig) -> Result<(), FieldError> {
         1 | 2 => Ok(()),
         3 if config.strategy.pipeline => Err(FieldError::new(
             key,
-            "3 (the parameters sharded too) inside pipeline stages (strategy.pipeline = true) is not supported yet:              use 1 (optimizer states) or 2 (and gradients)",
+            "3 (the parameters sharded too) inside pipeline stages (strategy.pipeline = true) is not supported yet: \
+             use 1 (optimizer states) or 2 (and gradients)",
         )),
         3 => Ok(()),
         other => Err(FieldError::new(
