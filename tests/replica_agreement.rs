@@ -13,14 +13,18 @@ use flotilla::models::{mlp, ParamInit};
 /// so only the broadcast can make them equal. Each replica lives on its own
 /// thread, as on the device actors.
 fn with_replicas<T: Send>(f: impl Fn(&mut Replica) -> T + Sync) -> Vec<T> {
-    let job = JobConfig::default();
+    with_replicas_of(&JobConfig::default(), f)
+}
+
+/// [`with_replicas`] of `job`.
+fn with_replicas_of<T: Send>(job: &JobConfig, f: impl Fn(&mut Replica) -> T + Sync) -> Vec<T> {
     let transports = memory::ring(2, Duration::from_secs(10));
     std::thread::scope(|s| {
         let handles: Vec<_> = transports
             .into_iter()
             .enumerate()
             .map(|(rank, transport)| {
-                let (job, f) = (&job, &f);
+                let f = &f;
                 s.spawn(move || {
                     let model = mlp(4, &[6], 3, &ParamInit::new(rank as u64, Device::Cpu)).expect("model");
                     let comm = CommWorker::spawn(Communicator::new(Box::new(transport))).expect("comm thread");
@@ -66,4 +70,39 @@ fn a_diverged_replica_is_named() {
     for err in errors {
         assert!(err.contains("diverged") && err.contains("rank 1 has"), "{err}");
     }
+}
+
+/// With sharded parameters nothing is gathered whole to be checked: each rank checks its own
+/// shards, so a value that is not finite in rank 1's shard of a layer is named with the piece
+/// of the parameter it lies in.
+#[test]
+fn a_sharded_parameter_that_is_not_finite_is_named_with_its_piece_and_rank() {
+    let mut job = JobConfig::default();
+    job.strategy.sharding = true;
+    job.strategy.sharding_configs.stage = 3;
+    let results = with_replicas_of(&job, |r| {
+        r.broadcast_parameters().expect("broadcast");
+        if r.rank() == 1 {
+            // fc0's bucket is its bias (6 values) then its weight (24); rank 1 holds the part its
+            // reduce-scatter finishes, the first 15: the bias and the weight's first 9.
+            let weight = r
+                .held()
+                .params
+                .iter()
+                .find(|p| p.name == "fc0.weight")
+                .expect("fc0")
+                .param
+                .clone();
+            weight
+                .set(&(weight.var().expect("held").as_tensor() * f64::NAN).expect("poison"))
+                .expect("set");
+        }
+        r.check_replicas_agree().map_err(|e| e.to_string())
+    });
+    assert!(results[0].is_ok(), "{:?}", results[0]);
+    let err = results[1].as_ref().expect_err("rank 1's shard holds NaN");
+    assert!(
+        err.contains("parameter fc0.weight[0..9] holds NaN (element 0) (rank 1)"),
+        "{err}"
+    );
 }

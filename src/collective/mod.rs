@@ -23,7 +23,7 @@ pub use checksum::ParamChecksum;
 pub use evaluation::score_pieces;
 pub(crate) use evaluation::sum_over_ranks;
 pub use gradient_sync::{Averaged, AveragedGradients, GradientSync, StepGradients};
-pub use rank_replica::{Held, HeldOptimizer, RankReplica, StateBytes, StepReport};
+pub use rank_replica::{Held, HeldOptimizer, RankReplica, Replicated, StateBytes, StepReport};
 pub use replica::{backward_order, broadcast_parameters, Replica};
 pub use replica_optimizer::ReplicaOptimizer;
 pub use sharded_states::ShardedStates;

@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, ensure, Context, Result};
 use candle_core::{Device, Tensor, Var};
+use sha2::Digest;
 
 use super::tensor_parallel::{gather_parts, part_of};
 use super::training_state::{self, RunRecord, SavedOptimizer};
@@ -327,38 +328,67 @@ pub trait RankReplica: Send {
             .collect()
     }
 
-    /// Compares every replica's checksum; a difference stops training with
-    /// an error naming the ranks that disagree with rank 0, and a parameter
-    /// value that is not finite with one naming this rank and the parameter.
-    fn check_replicas_agree(&mut self) -> Result<ParamChecksum> {
-        // One copy of the parameters serves both checks.
+    /// What the replicas of this one's values hold alike: the whole parameters, which every rank
+    /// of the ring holds.
+    fn replicated(&mut self) -> Result<Replicated> {
         self.hold_parameters(true)?;
-        let held = self.held();
-        let values = checksum::values_of(held.params)?;
+        whole_replicated(&self.held())
+    }
+
+    /// Compares the checksums of what replicas hold alike (every rank's parameters; with sharded
+    /// parameters, the shards of the ranks holding the same ones); a difference stops training
+    /// with an error naming the ranks that disagree with the first holding the same, and a value
+    /// that is not finite with one naming this rank and the parameter.
+    fn check_replicas_agree(&mut self) -> Result<ParamChecksum> {
+        // One copy of the values serves both checks.
+        let Replicated { key, values } = self.replicated()?;
         let mine = ParamChecksum::of_values(&values);
+        let held = self.held();
         let step = *held.step;
+        let mut payload = sha2::Sha256::digest(&key).to_vec();
+        payload.extend(mine.0);
         let all = held
             .ring
-            .run(move |c| c.all_gather(&format!("all-gather of parameter checksums at step {step}"), &mine.0))?;
+            .run(move |c| c.all_gather(&format!("all-gather of parameter checksums at step {step}"), &payload))?;
         // After the gather, which every rank joins: one rank stopping before it would leave
         // the others waiting there.
         checksum::check_finite(held.ring.rank(), step, &values)?;
-        let reference = &all[0];
-        let diverged: Vec<String> = all
-            .iter()
-            .enumerate()
-            .filter(|(_, sum)| *sum != reference)
-            .map(|(rank, sum)| format!("rank {rank} has {}", hex_prefix(sum)))
-            .collect();
-        if !diverged.is_empty() {
-            bail!(
-                "replicas diverged at step {step}: rank 0 has parameter checksum {}, {}",
-                hex_prefix(reference),
-                diverged.join(", ")
-            );
+        let (keys, sums): (Vec<&[u8]>, Vec<&[u8]>) = all.iter().map(|p| p.split_at(p.len().min(32))).unzip();
+        for (first, sum) in sums.iter().enumerate() {
+            if keys[..first].contains(&keys[first]) {
+                continue;
+            }
+            let diverged: Vec<String> = (first + 1..sums.len())
+                .filter(|&rank| keys[rank] == keys[first] && sums[rank] != *sum)
+                .map(|rank| format!("rank {rank} has {}", hex_prefix(sums[rank])))
+                .collect();
+            if !diverged.is_empty() {
+                bail!(
+                    "replicas diverged at step {step}: rank {first} has parameter checksum {}, {}",
+                    hex_prefix(sum),
+                    diverged.join(", ")
+                );
+            }
         }
         Ok(mine)
     }
+}
+
+/// Values replicas hold alike, and what tells their holders apart: the ranks of one `key` hold
+/// the same `values` (by name).
+pub struct Replicated {
+    /// The same on the ranks that hold the same values (empty: every rank of the ring).
+    pub key: Vec<u8>,
+    /// The values, by name.
+    pub values: Vec<(String, Vec<f32>)>,
+}
+
+/// Every parameter `held`, which every rank of the ring holds alike.
+pub(super) fn whole_replicated(held: &Held<'_>) -> Result<Replicated> {
+    Ok(Replicated {
+        key: Vec::new(),
+        values: checksum::values_of(held.params)?,
+    })
 }
 
 fn hex_prefix(bytes: &[u8]) -> String {

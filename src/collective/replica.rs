@@ -10,7 +10,7 @@ use candle_core::{Device, Tensor};
 use super::evaluation::{score_pieces, sum_over_ranks};
 use super::preemption;
 use super::rank_figures::{JobFigures, RankFigures};
-use super::rank_replica::{Held, RankReplica, StepReport};
+use super::rank_replica::{whole_replicated, Held, RankReplica, Replicated, StepReport};
 use super::sharded_parameters::{BlockGathers, Holding};
 use super::tensor_parallel::RingGroup;
 use super::{Averaged, GradientSync, ParamChecksum, ReplicaOptimizer};
@@ -244,6 +244,20 @@ impl RankReplica for Replica {
                 self.holding.hold_whole((states, &self.params), &self.comm, at)
             }
             None => Ok(()),
+        }
+    }
+
+    /// With sharded parameters, this rank's shards, which only the ranks holding the same shards
+    /// hold alike (the replicas across nodes of shards within nodes; none where the shards span
+    /// every rank): no rank gathers the whole model to be checked.
+    fn replicated(&mut self) -> Result<Replicated> {
+        match self.optimizer.parameter_shards() {
+            Some(states) => {
+                self.holding.keep_shards(states, &self.params)?;
+                let (key, values) = states.shard_pieces(&self.params)?;
+                Ok(Replicated { key, values })
+            }
+            None => whole_replicated(&self.held()),
         }
     }
 

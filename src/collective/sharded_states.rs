@@ -221,6 +221,34 @@ impl ShardedStates {
         Ok(())
     }
 
+    /// This rank's shard of each parameter of `params` it holds a piece of, named
+    /// `"{name}[start..end]"` (the piece's range of the parameter's flat values), and what
+    /// identifies the shards: the ranks holding the same ones (replicas of them) answer the same.
+    pub fn shard_pieces(&self, params: &[NamedParam]) -> Result<(Vec<u8>, Vec<(String, Vec<f32>)>)> {
+        let mut key = Vec::new();
+        let mut pieces = Vec::new();
+        for (bucket, shard) in self.buckets.iter().zip(&self.shards) {
+            key.extend(
+                [bucket.shard.start, bucket.shard.end]
+                    .map(|b| (b as u64).to_le_bytes())
+                    .concat(),
+            );
+            let values = shard.as_tensor().to_vec1::<f32>()?;
+            let mut offset = 0;
+            for &param in &bucket.params {
+                let n = params[param].param.elem_count();
+                let (start, end) = (bucket.shard.start.max(offset), bucket.shard.end.min(offset + n));
+                if start < end {
+                    let name = format!("{}[{}..{}]", params[param].name, start - offset, end - offset);
+                    let at = start - bucket.shard.start;
+                    pieces.push((name, values[at..at + end - start].to_vec()));
+                }
+                offset += n;
+            }
+        }
+        Ok((key, pieces))
+    }
+
     /// The bucket holding each of `blocks` blocks' parameters (`None` for a block without any),
     /// where a bucket is one block's (sharded parameters).
     pub fn bucket_of_blocks(&self, params: &[NamedParam], blocks: usize) -> Vec<Option<usize>> {
