@@ -254,8 +254,7 @@ impl RankReplica for Replica {
         match self.optimizer.parameter_shards() {
             Some(states) => {
                 self.holding.keep_shards(states, &self.params)?;
-                let (key, values) = states.shard_pieces(&self.params)?;
-                Ok(Replicated { key, values })
+                states.shard_pieces(&self.params)
             }
             None => whole_replicated(&self.held()),
         }

@@ -21,7 +21,7 @@ use candle_core::backprop::GradStore;
 use candle_core::{Device, Tensor, Var};
 
 use super::tensor_parallel::{clip_split_by_global_norm, sum_over_group};
-use super::{AveragedGradients, BucketPlan};
+use super::{AveragedGradients, BucketPlan, Replicated};
 use crate::config::{ShardingStage, TrainConfig};
 use crate::engines::comm::{CommWorker, Pending, Wire};
 use crate::models::parallel::Group;
@@ -222,9 +222,9 @@ impl ShardedStates {
     }
 
     /// This rank's shard of each parameter of `params` it holds a piece of, named
-    /// `"{name}[start..end]"` (the piece's range of the parameter's flat values), and what
-    /// identifies the shards: the ranks holding the same ones (replicas of them) answer the same.
-    pub fn shard_pieces(&self, params: &[NamedParam]) -> Result<(Vec<u8>, Vec<(String, Vec<f32>)>)> {
+    /// `"{name}[start..end]"` (the piece's range of the parameter's flat values), keyed by the
+    /// shards' ranges: the ranks holding the same ones (replicas of them) have the same key.
+    pub fn shard_pieces(&self, params: &[NamedParam]) -> Result<Replicated> {
         let mut key = Vec::new();
         let mut pieces = Vec::new();
         for (bucket, shard) in self.buckets.iter().zip(&self.shards) {
@@ -246,7 +246,7 @@ impl ShardedStates {
                 offset += n;
             }
         }
-        Ok((key, pieces))
+        Ok(Replicated { key, values: pieces })
     }
 
     /// The bucket holding each of `blocks` blocks' parameters (`None` for a block without any),
