@@ -5,9 +5,10 @@
 //! averaged gradients, then (stages 1 and 2) all-gathers every bucket's parameters, so all ranks
 //! hold the whole model again. With sharded parameters (stage 3) the shards are the parameters'
 //! only lasting copy: a bucket is one block's parameters, gathered where the block runs
-//! ([`ShardedStates::gather`], [`ShardedStates::hold`]) and released after. The optimizer is the replicas' own, one per bucket over the bucket's flat shard:
-//! its arithmetic is element-wise, so a sharded job's parameters are bit for bit those of plain
-//! data parallelism (the reduce-scatter sums in the all-reduce's order).
+//! ([`ShardedStates::gather`], [`ShardedStates::hold`]) and released after. The optimizer is the
+//! replicas' own, one per bucket over the bucket's flat shard: its arithmetic is element-wise, so
+//! the parameters of stages 1 and 2 are bit for bit those of plain data parallelism (the
+//! reduce-scatter sums in the all-reduce's order; stage 3's buckets, cut by block, in another).
 //!
 //! Checkpoints stay in the replica's layout (model-named tensors, every optimizer slot whole):
 //! saving gathers the slots of every shard, restoring takes this rank's shard of them, so a
@@ -234,16 +235,9 @@ impl ShardedStates {
                     .concat(),
             );
             let values = shard.as_tensor().to_vec1::<f32>()?;
-            let mut offset = 0;
-            for &param in &bucket.params {
-                let n = params[param].param.elem_count();
-                let (start, end) = (bucket.shard.start.max(offset), bucket.shard.end.min(offset + n));
-                if start < end {
-                    let name = format!("{}[{}..{}]", params[param].name, start - offset, end - offset);
-                    let at = start - bucket.shard.start;
-                    pieces.push((name, values[at..at + end - start].to_vec()));
-                }
-                offset += n;
+            for (param, own, held) in bucket.pieces(params) {
+                let name = format!("{}[{}..{}]", params[param].name, own.start, own.end);
+                pieces.push((name, values[held].to_vec()));
             }
         }
         Ok(Replicated { key, values: pieces })
@@ -439,21 +433,15 @@ impl ShardedBucket {
         params: &[NamedParam],
         of: impl Fn(usize, Range<usize>) -> Result<Tensor>,
     ) -> Result<Tensor> {
-        let mut pieces = Vec::new();
-        let mut offset = 0;
-        for &param in &self.params {
-            let n = params[param].param.elem_count();
-            let (start, end) = (self.shard.start.max(offset), self.shard.end.min(offset + n));
-            if start < end {
-                pieces.push(of(param, start - offset..end - offset)?);
-            }
-            offset += n;
-        }
+        let filled: usize = self.params.iter().map(|&i| params[i].param.elem_count()).sum();
         ensure!(
-            offset == self.len,
-            "a bucket of {} values filled with {offset}",
+            filled == self.len,
+            "a bucket of {} values filled with {filled}",
             self.len
         );
+        let mut pieces = (self.pieces(params))
+            .map(|(param, own, _)| of(param, own))
+            .collect::<Result<Vec<_>>>()?;
         Ok(match pieces.len() {
             0 => Tensor::zeros(0, candle_core::DType::F32, device)?,
             1 => pieces.remove(0).contiguous()?,
@@ -486,17 +474,33 @@ impl ShardedBucket {
             return Ok([0.0, sum(grad)?]);
         }
         let mut squares = [0f64; 2];
-        let mut offset = 0;
-        for &param in &self.params {
-            let n = params[param].param.elem_count();
-            let (start, end) = (self.shard.start.max(offset), self.shard.end.min(offset + n));
-            if start < end {
-                let piece = grad.narrow(0, start - self.shard.start, end - start)?;
-                squares[usize::from(params[param].split.is_none())] += sum(&piece)?;
-            }
-            offset += n;
+        for (param, _, held) in self.pieces(params) {
+            let piece = grad.narrow(0, held.start, held.len())?;
+            squares[usize::from(params[param].split.is_none())] += sum(&piece)?;
         }
         Ok(squares)
+    }
+
+    /// The parameters (of `params`) this rank's shard holds a piece of, in fill order: each with
+    /// the piece's range of the parameter's flat values and of the shard's.
+    fn pieces<'a>(
+        &'a self,
+        params: &'a [NamedParam],
+    ) -> impl Iterator<Item = (usize, Range<usize>, Range<usize>)> + 'a {
+        let mut offset = 0;
+        self.params.iter().filter_map(move |&param| {
+            let n = params[param].param.elem_count();
+            let (start, end) = (self.shard.start.max(offset), self.shard.end.min(offset + n));
+            let at = offset;
+            offset += n;
+            (start < end).then(|| {
+                (
+                    param,
+                    start - at..end - at,
+                    start - self.shard.start..end - self.shard.start,
+                )
+            })
+        })
     }
 
     /// Holds each parameter (`param(index)`) from its values in the whole bucket `values`.
