@@ -1,8 +1,8 @@
 //! `strategy.sharding` and `[strategy.sharding_configs]` (Paddle's names; ZeRO's stages): the
 //! data-parallel ranks split the optimizer's states (stage 1), the averaged gradients too
-//! (stage 2) and the parameters too (stage 3) instead of each holding all of them — all the ranks, or (`hybrid_configs`'
-//! `sharding_degree = nproc_per_node`, `dp_degree = nnodes`) each node's ranks, the nodes holding
-//! replicas of the same shards.
+//! (stage 2) and the parameters too (stage 3) instead of each holding all of them — all the
+//! ranks, or (`hybrid_configs`' `sharding_degree = nproc_per_node`, `dp_degree = nnodes`) each
+//! node's ranks, the nodes holding replicas of the same shards.
 
 use serde::{Deserialize, Serialize};
 
