@@ -63,16 +63,12 @@ impl Holding {
             (Self::Deferred, true) => {
                 for p in params.iter().filter(|p| !p.param.is_held()) {
                     p.param
-                        .hold(&p.param.values(0..p.param.elem_count())?.reshape(p.param.shape())?)?;
+                        .hold(&p.param.values(0..p.param.elem_count())?.to_vec1::<f32>()?)?;
                 }
             }
             (_, false) => {
                 for p in params {
-                    p.param.hold(&candle_core::Tensor::zeros(
-                        p.param.shape(),
-                        p.param.dtype(),
-                        p.param.device(),
-                    )?)?;
+                    p.param.hold(&vec![0.0; p.param.elem_count()])?;
                 }
             }
         }

@@ -509,11 +509,7 @@ impl ShardedBucket {
         for &index in &self.params {
             let param = param(index);
             let n = param.elem_count();
-            param.hold(&Tensor::from_slice(
-                &values[offset..offset + n],
-                param.shape(),
-                param.device(),
-            )?)?;
+            param.hold(&values[offset..offset + n])?;
             offset += n;
         }
         Ok(())

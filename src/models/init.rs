@@ -7,7 +7,7 @@
 
 use std::ops::Range;
 
-use candle_core::{DType, Device, Tensor, Var};
+use candle_core::{DType, Device, Var};
 
 use super::{Param, Precision};
 use crate::rng::SplitMix64;
@@ -112,8 +112,7 @@ impl ParamInit {
             return Ok(Param::deferred(shape, DType::F32, &self.device, recipe));
         }
         let count = shape.iter().product();
-        let values = Tensor::from_vec(recipe.values(0..count), shape, &self.device)?;
-        Ok(Param::new(Var::from_tensor(&values)?))
+        Ok(Param::new(Var::from_vec(recipe.values(0..count), shape, &self.device)?))
     }
 }
 

@@ -108,22 +108,25 @@ impl Param {
         self.var()?.set(values)
     }
 
-    /// Holds `values` (of the parameter's shape): copied into the variable held, or (released)
-    /// as a fresh one.
-    pub fn hold(&self, values: &Tensor) -> candle_core::Result<()> {
-        if values.shape() != &self.0.shape {
-            candle_core::bail!(
-                "a parameter of shape {:?} given values of shape {:?}",
-                self.0.shape,
-                values.shape()
-            );
+    /// Holds `values`, the parameter's flat (row-major) values: copied into the variable held,
+    /// or (released) into a fresh one, in one copy.
+    pub fn hold(&self, values: &[f32]) -> candle_core::Result<()> {
+        let Slot {
+            shape, dtype, device, ..
+        } = &*self.0;
+        if values.len() != shape.elem_count() {
+            candle_core::bail!("a parameter of shape {shape:?} given {} values", values.len());
         }
         let mut held = self.write();
         match &*held {
-            Some(var) => var.set(values),
+            Some(var) => var.set(&Tensor::from_slice(values, shape, device)?),
+            None if *dtype == DType::F32 => {
+                *held = Some(Var::from_slice(values, shape, device)?);
+                Ok(())
+            }
             None => {
                 *held = Some(Var::from_tensor(
-                    &values.to_dtype(self.0.dtype)?.to_device(&self.0.device)?,
+                    &Tensor::from_slice(values, shape, device)?.to_dtype(*dtype)?,
                 )?);
                 Ok(())
             }
@@ -177,8 +180,8 @@ mod tests {
         assert!(!shared.is_held());
         assert_eq!(shared.dims(), &[2, 3]);
         assert!(shared.var().is_err());
-        assert!(param.hold(&Tensor::zeros(3, DType::F32, &Device::Cpu)?).is_err());
-        param.hold(&Tensor::full(2f32, (2, 3), &Device::Cpu)?)?;
+        assert!(param.hold(&[0.0; 3]).is_err());
+        param.hold(&[2.0; 6])?;
         assert_eq!(shared.var()?.as_tensor().to_vec2::<f32>()?, vec![vec![2f32; 3]; 2]);
         Ok(())
     }
