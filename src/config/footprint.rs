@@ -438,6 +438,15 @@ mod tests {
         assert!(node_bytes(&gpt(Some(256))) > node_bytes(&by_default));
     }
 
+    /// The bytes of `config`'s estimate for `what` (0 where it has no such term).
+    fn part(config: &JobConfig, what: &str) -> u128 {
+        estimate(config)
+            .into_iter()
+            .find(|n| n.what == what)
+            .map(|n| n.bytes)
+            .unwrap_or_default()
+    }
+
     #[test]
     fn sharded_states_count_a_shard_of_the_optimizer_and_at_stage_2_of_the_gradients() {
         let adamw = |stage: Option<u8>| {
@@ -451,13 +460,6 @@ mod tests {
                     c.strategy.sharding_configs.stage = stage;
                 }
             })
-        };
-        let part = |config: &JobConfig, what: &str| {
-            estimate(config)
-                .into_iter()
-                .find(|n| n.what == what)
-                .map(|n| n.bytes)
-                .unwrap_or_default()
         };
         let (plain, one, two) = (adamw(None), adamw(Some(1)), adamw(Some(2)));
         // Bytes of all the ranks' values of `count` each.
@@ -485,15 +487,13 @@ mod tests {
                 c.strategy.sharding_configs.stage = stage.unwrap_or(1);
             })
         };
-        let part =
-            |config: &JobConfig, what: &str| estimate(config).into_iter().find(|n| n.what == what).map(|n| n.bytes);
         let (plain, three) = (deep(None), deep(Some(3)));
         let bytes = |count: u128| count * F32 * 4;
-        let params = part(&plain, "parameters").expect("parameters") / bytes(1);
+        let params = part(&plain, "parameters") / bytes(1);
         let (quarter, layer) = (params.div_ceil(4), 1001 * 1000);
-        assert_eq!(part(&three, "parameters"), Some(bytes(quarter + 2 * layer)));
-        assert_eq!(part(&three, "gradients"), Some(bytes(quarter + 2 * layer)));
-        assert_eq!(part(&three, "optimizer state"), Some(bytes(2 * quarter)));
+        assert_eq!(part(&three, "parameters"), bytes(quarter + 2 * layer));
+        assert_eq!(part(&three, "gradients"), bytes(quarter + 2 * layer));
+        assert_eq!(part(&three, "optimizer state"), bytes(2 * quarter));
     }
 
     /// A rank holds its stage's share of the parameters and its part of the split layers': the
