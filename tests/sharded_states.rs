@@ -34,11 +34,20 @@ fn assert_sharding_changes_nothing(world: usize, settings: &[&str]) {
         assert_eq!(sharded.summary.steps, 20);
         let diff = max_abs_diff(&plain.parameters, &sharded.parameters);
         let case = format!("{world} ranks, {stage} {settings:?}: max |Δparam| = {diff:e}");
+        // Every held-out row scored, whatever each rank's share: a sharded replica scores
+        // them block by block, each block's parameters gathered for it.
+        assert_eq!(plain.summary.test_samples, sharded.summary.test_samples, "{case}");
+        let test_loss = (plain.summary.test_loss - sharded.summary.test_loss).abs();
         if bitwise {
             assert_eq!(diff, 0.0, "{case}");
             assert_eq!(plain.losses, sharded.losses, "{case}");
+            assert_eq!(test_loss, 0.0, "{case}");
         } else {
             assert!(diff <= 1e-5, "{case}");
+            assert!(
+                test_loss <= 1e-5 * plain.summary.test_loss.abs().max(1.0),
+                "{case}: Δtest_loss = {test_loss:e}"
+            );
         }
     }
     let single = run(&[&["cluster.nproc_per_node=1"], settings].concat());
@@ -313,6 +322,51 @@ fn a_checkpoint_resumes_on_another_number_of_ranks_sharded_or_not() {
         let diff = max_abs_diff(&expected, &read_params(&run_dir.join("params.safetensors")));
         eprintln!("{from:?} → {to:?}: max |Δparam| = {diff:e}");
         assert!(diff <= 1e-5, "{from:?} → {to:?}: max |Δparam| = {diff:e}");
+    }
+}
+
+/// A stage-3 checkpoint, gathered and written a block at a time, is the file a replica holding
+/// the whole model writes, tensor for tensor: on two ranks (where stage 3 trains bit for bit as
+/// data parallelism) every parameter and optimizer slot is there under its name, in its shape,
+/// with the same bits.
+#[test]
+fn a_sharded_parameters_checkpoint_holds_what_a_whole_replica_writes() {
+    use std::collections::BTreeMap;
+    let dir = tempfile::tempdir().expect("temp dir");
+    let state = |name: &str, sharding: &[&str]| -> BTreeMap<String, (Vec<usize>, Vec<u8>)> {
+        let run_dir = dir.path().join(name);
+        #[rustfmt::skip]
+        let mut args = vec!["train", "--run-dir", run_dir.to_str().expect("utf-8"), "--set", "train.steps=10",
+            "--set", "cluster.nproc_per_node=2", "--set", "train.optimizer=\"adamw\"", "--set", "train.lr=0.001",
+            "--set", "fault_tolerance.checkpoint_every=10", "--set", "strategy.fuse_grad_size_in_MB=0.002"];
+        for setting in sharding {
+            args.extend(["--set", setting]);
+        }
+        let finished = common::flotilla(&args, &[], 120);
+        assert!(finished.success, "{}", finished.stderr);
+        let step = run_dir.join("checkpoints").join("step-00000010");
+        let file = std::fs::read_dir(&step)
+            .expect("the checkpoint of step 10")
+            .map(|entry| entry.expect("an entry").path())
+            .find(|path| path.extension().is_some_and(|e| e == "safetensors"))
+            .expect("a state file");
+        let bytes = std::fs::read(&file).expect("the state file");
+        let tensors = safetensors::SafeTensors::deserialize(&bytes).expect("a safetensors file");
+        tensors
+            .tensors()
+            .into_iter()
+            .map(|(name, view)| (name, (view.shape().to_vec(), view.data().to_vec())))
+            .collect()
+    };
+    let whole = state("whole", &[]);
+    let sharded = state(
+        "sharded",
+        &["strategy.sharding=true", "strategy.sharding_configs.stage=3"],
+    );
+    assert!(whole.keys().any(|k| k.starts_with("optimizer.")), "{:?}", whole.keys());
+    assert_eq!(whole.keys().collect::<Vec<_>>(), sharded.keys().collect::<Vec<_>>());
+    for (name, tensor) in &whole {
+        assert!(sharded[name] == *tensor, "{name} differs");
     }
 }
 

@@ -21,7 +21,7 @@ use crate::data::{Batch, DataPosition, Pieces};
 use crate::engines::comm::{CommWorker, Communicator, RingTransport, Shared};
 use crate::engines::compute::device_for;
 use crate::models::export::ModelInfo;
-use crate::models::{Model, ParamInit, Precision, Score};
+use crate::models::{Model, NamedValues, ParamInit, Precision, Score};
 use crate::net::protocol::Roster;
 use crate::pipeline::link::{StageLink, TransportStageLink};
 use crate::pipeline::replica::PipelineReplica;
@@ -179,10 +179,14 @@ pub struct Evaluate(pub Pieces);
 #[rtype(result = "Result<ParamChecksum>")]
 pub struct CheckReplicas;
 
-/// Copies out the parameters, by name.
+/// Copies out the whole model's parameters, by name, on the rank that keeps them (the one that
+/// reports them); every rank of the ring and of the layer group joins the gathers.
 #[derive(Message)]
-#[rtype(result = "Result<Vec<(String, Vec<f32>)>>")]
-pub struct ReadParameters;
+#[rtype(result = "Result<Option<NamedValues>>")]
+pub struct ReadParameters {
+    /// Whether this rank keeps them (`None` is answered elsewhere).
+    pub keep: bool,
+}
 
 /// Tells the bytes of state the rank holds.
 #[derive(Message)]
@@ -384,10 +388,10 @@ impl Handler<ReadStateBytes> for DeviceActor {
 }
 
 impl Handler<ReadParameters> for DeviceActor {
-    type Result = Result<Vec<(String, Vec<f32>)>>;
+    type Result = Result<Option<NamedValues>>;
 
-    fn handle(&mut self, _: ReadParameters, _: &mut Self::Context) -> Self::Result {
-        self.state.replica()?.parameters()
+    fn handle(&mut self, msg: ReadParameters, _: &mut Self::Context) -> Self::Result {
+        self.state.replica()?.parameters(msg.keep)
     }
 }
 

@@ -122,8 +122,9 @@ pub struct StageOutcome {
     pub bubble_fraction: f64,
     /// The bytes of parameters, gradients and optimizer state the rank holds.
     pub state_bytes: StateBytes,
-    /// The stage's final parameters by name (as bytes, they travel apart from the serialized
-    /// rest: see [`StageOutcome::to_bytes`]).
+    /// The stage's final parameters by name, on the stage's replica 0 (which reports them; empty
+    /// on the others). As bytes, they travel apart from the serialized rest: see
+    /// [`StageOutcome::to_bytes`].
     #[serde(skip)]
     pub parameters: Vec<(String, Vec<f32>)>,
 }
@@ -402,7 +403,7 @@ impl RankGenerations for StageRun {
         };
         let parts = self.parts.clone();
         let generation = train_generation(self, &parts, place, run, first, restored).await?;
-        let parameters = self.parts.device.send(ReadParameters).await??;
+        let parameters = (self.parts.device.send(ReadParameters { keep: replica == 0 }).await??).unwrap_or_default();
         let state_bytes = self.parts.device.send(ReadStateBytes).await??;
         Ok(StageOutcome {
             state_bytes,

@@ -24,7 +24,7 @@ use super::run_loop::{run_steps, RunLoop};
 use crate::collective::training_state::RunRecord;
 use crate::collective::{ParamChecksum, StateBytes};
 use crate::config::JobConfig;
-use crate::models::Score;
+use crate::models::{NamedValues, Score};
 use crate::net::protocol::Roster;
 use crate::net::ControlBus;
 
@@ -78,10 +78,8 @@ pub struct RankOutcome {
     pub comm_time_ratio: f64,
     /// Communication not hidden behind backward, over step time.
     pub exposed_comm_ratio: f64,
-    /// Checksum of the final parameters.
-    pub param_checksum: ParamChecksum,
-    /// Final parameters by name.
-    pub parameters: Vec<(String, Vec<f32>)>,
+    /// Final parameters by name, with their checksum: at place 0 only, which reports them.
+    pub parameters: Option<(NamedValues, ParamChecksum)>,
     /// Global mean loss of every step.
     pub losses: Vec<f32>,
     /// The most bytes of activations this rank held for backward at once in one step of this
@@ -264,8 +262,10 @@ impl RankGenerations for TrainingRun {
             .score
             .context("a data-parallel replica scores the held-out split")?;
         // The whole model's, split layers gathered: its checksum is the whole model's too.
-        let parameters = self.parts.device.send(ReadParameters).await??;
-        let param_checksum = ParamChecksum::of_values(&parameters);
+        let parameters = (self.parts.device.send(ReadParameters { keep: place == 0 }).await??).map(|values| {
+            let checksum = ParamChecksum::of_values(&values);
+            (values, checksum)
+        });
         let state_bytes = self.parts.device.send(ReadStateBytes).await??;
         self.bus_mut()?.barrier(rank, "end of training").await?;
         Ok(RankOutcome {
@@ -277,7 +277,6 @@ impl RankGenerations for TrainingRun {
             samples_per_sec: generation.samples_per_sec(&job, run.steps),
             comm_time_ratio: generation.comm_time_ratio(),
             exposed_comm_ratio: generation.exposed_comm_ratio(),
-            param_checksum,
             parameters,
             peak_activation_bytes: generation.peak_activation_bytes,
             state_bytes,

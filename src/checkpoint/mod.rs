@@ -674,16 +674,36 @@ pub fn write_tensors(
     tensors: &[(String, Tensor)],
     metadata: HashMap<String, String>,
 ) -> Result<()> {
+    let mut entries = Vec::with_capacity(tensors.len());
+    for (name, tensor) in tensors {
+        ensure!(tensor.dtype() == DType::F32, "{name} is {:?}, not f32", tensor.dtype());
+        entries.push((name.clone(), tensor.dims().to_vec()));
+    }
+    write_header(out, &entries, metadata)?;
+    for (_, tensor) in tensors {
+        let values = tensor.flatten_all()?.to_vec1::<f32>()?;
+        out.write_all(bytemuck::cast_slice(&values))?;
+    }
+    Ok(())
+}
+
+/// Writes the header of a safetensors file of f32 tensors named and shaped as `entries` (in the
+/// order their values follow) with `metadata`: the values are then written one tensor after
+/// another, as they come.
+pub fn write_header(
+    out: &mut dyn Write,
+    entries: &[(String, Vec<usize>)],
+    metadata: HashMap<String, String>,
+) -> Result<()> {
     let mut header = serde_json::Map::new();
     // In key order: replicas of one state write the same bytes, whatever each process's hash
     // order (their copies are compared by checksum).
     let metadata: std::collections::BTreeMap<String, String> = metadata.into_iter().collect();
     header.insert("__metadata__".to_string(), serde_json::to_value(metadata)?);
     let mut offset = 0usize;
-    for (name, tensor) in tensors {
-        ensure!(tensor.dtype() == DType::F32, "{name} is {:?}, not f32", tensor.dtype());
-        let end = offset + tensor.elem_count() * 4;
-        let entry = serde_json::json!({"dtype": "F32", "shape": tensor.dims(), "data_offsets": [offset, end]});
+    for (name, dims) in entries {
+        let end = offset + dims.iter().product::<usize>() * 4;
+        let entry = serde_json::json!({"dtype": "F32", "shape": dims, "data_offsets": [offset, end]});
         ensure!(
             header.insert(name.clone(), entry).is_none(),
             "two tensors are named {name}"
@@ -695,10 +715,6 @@ pub fn write_tensors(
     header.resize(header.len().next_multiple_of(8), b' ');
     out.write_all(&(header.len() as u64).to_le_bytes())?;
     out.write_all(&header)?;
-    for (_, tensor) in tensors {
-        let values = tensor.flatten_all()?.to_vec1::<f32>()?;
-        out.write_all(bytemuck::cast_slice(&values))?;
-    }
     Ok(())
 }
 

@@ -13,6 +13,7 @@ pub mod rank_figures;
 mod rank_replica;
 mod replica;
 mod replica_optimizer;
+mod sharded_checkpoint;
 mod sharded_parameters;
 mod sharded_states;
 pub mod tensor_parallel;

@@ -18,7 +18,7 @@ use crate::data::{Batch, DataPosition, Pieces};
 use crate::engines::comm::{CommWorker, Shared};
 use crate::models::export::ModelInfo;
 use crate::models::parallel::Group;
-use crate::models::{NamedParam, Param, Score};
+use crate::models::{NamedParam, NamedValues, Param, Score};
 use crate::optim::{Optimizer, OptimizerState};
 use crate::telemetry::timeline::{Span, Timeline};
 
@@ -227,18 +227,14 @@ pub trait RankReplica: Send {
     /// The parameters (a model file's, `export` describing the model), optimizer state, batches
     /// trained and `run`, to `out` as one checkpoint file.
     fn save_state(&mut self, out: &mut dyn std::io::Write, export: &ModelInfo, run: &RunRecord) -> Result<()> {
-        self.hold_parameters(true)?;
-        let held = self.held();
-        let (params, optimizer) = held.whole_state()?;
-        training_state::write(out, &params, export, optimizer, (*held.step, held.layers.size()), run)
+        save_whole(self, Some(out), export, run)
     }
 
     /// Takes part in a save another rank writes: a sharded optimizer hands its shards over in
     /// the gather every rank of the ring joins, split layers their parts in the layer group's;
     /// nothing is serialized here.
     fn join_save(&mut self) -> Result<()> {
-        self.hold_parameters(true)?;
-        self.held().whole_state().map(drop)
+        save_whole(self, None, &ModelInfo::default(), &RunRecord::default())
     }
 
     /// Continues from a state saved by [`RankReplica::save_state`] (by the same part of any
@@ -317,15 +313,11 @@ pub trait RankReplica: Send {
         }
     }
 
-    /// The whole model's parameters' values by name: split ones gathered over the layer group,
-    /// whose ranks all call this together.
-    fn parameters(&mut self) -> Result<Vec<(String, Vec<f32>)>> {
-        self.hold_parameters(true)?;
-        let held = self.held();
-        gather_whole(held.params, &mut [], held.layers)?
-            .into_iter()
-            .map(|p| Ok((p.name, p.param.var()?.flatten_all()?.to_vec1::<f32>()?)))
-            .collect()
+    /// The whole model's parameters' values by name, answered where `keep` (the rank that
+    /// reports them; `None` elsewhere): split ones gathered over the layer group, sharded ones
+    /// over the ring, whose ranks all call this together.
+    fn parameters(&mut self, keep: bool) -> Result<Option<NamedValues>> {
+        whole_parameters(self, keep)
     }
 
     /// What the replicas of this one's values hold alike: the whole parameters, which every rank
@@ -372,6 +364,38 @@ pub trait RankReplica: Send {
         }
         Ok(mine)
     }
+}
+
+/// [`RankReplica::save_state`] of a replica that holds the whole parameters to save them (those
+/// of its layer group's parts, gathered): written to `out`, or only joined where `None`.
+pub(super) fn save_whole<R: RankReplica + ?Sized>(
+    replica: &mut R,
+    out: Option<&mut dyn std::io::Write>,
+    export: &ModelInfo,
+    run: &RunRecord,
+) -> Result<()> {
+    replica.hold_parameters(true)?;
+    let held = replica.held();
+    let (params, optimizer) = held.whole_state()?;
+    match out {
+        Some(out) => training_state::write(out, &params, export, optimizer, (*held.step, held.layers.size()), run),
+        None => Ok(()),
+    }
+}
+
+/// [`RankReplica::parameters`] of a replica that holds the whole parameters to read them.
+pub(super) fn whole_parameters<R: RankReplica + ?Sized>(replica: &mut R, keep: bool) -> Result<Option<NamedValues>> {
+    replica.hold_parameters(true)?;
+    let held = replica.held();
+    let whole = gather_whole(held.params, &mut [], held.layers)?;
+    if !keep {
+        return Ok(None);
+    }
+    whole
+        .into_iter()
+        .map(|p| Ok((p.name, p.param.var()?.flatten_all()?.to_vec1::<f32>()?)))
+        .collect::<Result<_>>()
+        .map(Some)
 }
 
 /// Values replicas hold alike, and what tells their holders apart: the ranks of one `key` hold

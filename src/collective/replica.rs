@@ -10,16 +10,19 @@ use candle_core::{Device, Tensor};
 use super::evaluation::{score_pieces, sum_over_ranks};
 use super::preemption;
 use super::rank_figures::{JobFigures, RankFigures};
-use super::rank_replica::{whole_replicated, Held, RankReplica, Replicated, StepReport};
-use super::sharded_parameters::{BlockGathers, Holding};
+use super::rank_replica::{save_whole, whole_parameters, whole_replicated, Held, RankReplica, Replicated, StepReport};
+use super::sharded_checkpoint::save_streamed;
+use super::sharded_parameters::{score_pieces_sharded, BlockGathers, Holding};
 use super::tensor_parallel::RingGroup;
+use super::training_state::RunRecord;
 use super::{Averaged, GradientSync, ParamChecksum, ReplicaOptimizer};
 use crate::config::{JobConfig, LossKind};
 use crate::data::{Batch, Pieces};
 use crate::engines::comm::CommWorker;
 use crate::engines::compute::segments::{self, AroundSegments, Segments};
+use crate::models::export::ModelInfo;
 use crate::models::parallel::{Alone, Group};
-use crate::models::{Model, NamedParam, Score};
+use crate::models::{Model, NamedParam, NamedValues, Score};
 use crate::optim::LrPolicy;
 use crate::telemetry::metrics::peak_rss_bytes;
 use crate::telemetry::timeline::{record, Timeline};
@@ -217,6 +220,24 @@ impl Replica {
         settle_for_trace(&self.timeline, &self.device)
     }
 
+    /// Saves the state to `out`, or joins the save another rank writes where `None`: streamed
+    /// bucket by bucket where the parameters are sharded over whole layers (split layers are
+    /// gathered whole over their group first).
+    fn save_or_join(
+        &mut self,
+        out: Option<&mut dyn std::io::Write>,
+        export: &ModelInfo,
+        run: &RunRecord,
+    ) -> Result<()> {
+        match self.optimizer.parameter_shards() {
+            Some(states) if self.layers.size() == 1 => {
+                self.holding.keep_shards(states, &self.params)?;
+                save_streamed((states, &self.params), &self.comm, out, (export, run, self.step))
+            }
+            _ => save_whole(self, out, export, run),
+        }
+    }
+
     /// The checksum of this replica's parameters.
     pub fn checksum(&self) -> Result<ParamChecksum> {
         Ok(ParamChecksum::of(&self.params)?)
@@ -244,6 +265,28 @@ impl RankReplica for Replica {
                 self.holding.hold_whole((states, &self.params), &self.comm, at)
             }
             None => Ok(()),
+        }
+    }
+
+    /// With sharded parameters over whole layers, gathered and written a bucket at a time: no
+    /// rank holds the whole model or its optimizer state.
+    fn save_state(&mut self, out: &mut dyn std::io::Write, export: &ModelInfo, run: &RunRecord) -> Result<()> {
+        self.save_or_join(Some(out), export, run)
+    }
+
+    fn join_save(&mut self) -> Result<()> {
+        self.save_or_join(None, &ModelInfo::default(), &RunRecord::default())
+    }
+
+    /// With sharded parameters over whole layers, gathered a bucket at a time: only the rank
+    /// that keeps them holds the whole model.
+    fn parameters(&mut self, keep: bool) -> Result<Option<NamedValues>> {
+        match self.optimizer.parameter_shards() {
+            Some(states) if self.layers.size() == 1 => {
+                self.holding.keep_shards(states, &self.params)?;
+                states.whole_values(&self.params, &self.comm, (self.step, keep))
+            }
+            _ => whole_parameters(self, keep),
         }
     }
 
@@ -353,9 +396,22 @@ impl RankReplica for Replica {
 
     /// Scores this rank's share of the held-out rows, a piece at a time, and sums the scores
     /// of all ranks.
+    /// With sharded parameters, block by block: no rank holds the whole model.
     fn evaluate(&mut self, share: Pieces) -> Result<Option<Score>> {
-        self.hold_parameters(true)?;
-        let score = score_pieces(&self.model, share, self.loss, &self.device)?;
+        let score = match self.optimizer.parameter_shards() {
+            Some(states) => {
+                self.holding.keep_shards(states, &self.params)?;
+                let held = (states, &self.params[..]);
+                score_pieces_sharded(
+                    &self.model,
+                    share,
+                    (self.loss, &self.device),
+                    held,
+                    (&self.comm, self.step),
+                )?
+            }
+            None => score_pieces(&self.model, share, self.loss, &self.device)?,
+        };
         sum_over_ranks(&self.comm, score).map(Some)
     }
 }

@@ -9,13 +9,16 @@
 use std::ops::Range;
 use std::time::Duration;
 
-use anyhow::{bail, Result};
+use anyhow::{bail, Context, Result};
+use candle_core::Device;
 
 use super::sharded_states::Gathered;
 use super::ShardedStates;
+use crate::config::LossKind;
+use crate::data::Batch;
 use crate::engines::comm::{CommWorker, Pending};
 use crate::engines::compute::segments::{AroundSegments, Pass};
-use crate::models::NamedParam;
+use crate::models::{Model, NamedParam, Score};
 use crate::telemetry::timeline::Timeline;
 
 /// What a replica with sharded parameters holds of them.
@@ -204,4 +207,53 @@ impl AroundSegments for Gathering<'_> {
         }
         Ok(())
     }
+}
+
+/// The score of `pieces` of held-out rows under `model`, whose parameters `params` are sharded
+/// (`states` keeps the shards; none is held): round by round, every rank of `comm`'s ring takes
+/// its next piece and all run the blocks in order, each block's parameters gathered just before
+/// it runs (the next one's while it does) and released after; the activations leave the graph
+/// after each block, so a block's gathered parameters go with it. A rank whose share has run out
+/// still joins a round's gathers; the rounds end when no rank has a piece left.
+pub(super) fn score_pieces_sharded(
+    model: &Model,
+    mut pieces: impl Iterator<Item = Result<Batch>>,
+    (loss, device): (LossKind, &Device),
+    (states, params): (&ShardedStates, &[NamedParam]),
+    (comm, step): (&CommWorker, usize),
+) -> Result<Score> {
+    let blocks = model.blocks();
+    let mut score = Score::default();
+    for round in 0usize.. {
+        let piece = pieces.next().transpose()?;
+        if !any_rank_has_piece(comm, piece.is_some(), round)? {
+            break;
+        }
+        let (mut gathers, mut untraced) = (BlockGathers::new(states, params, blocks.len(), step), None);
+        let mut around = gathers.around((states, params), comm, &mut untraced);
+        let mut held = piece.map(|piece| piece.tensors(device)).transpose()?;
+        for (index, block) in blocks.iter().enumerate() {
+            around.entering(&(index..index + 1), Pass::Forward)?;
+            if let Some((h, _)) = &mut held {
+                *h = (block.forward(h))
+                    .with_context(|| format!("evaluation: forward of block {}", block.name()))?
+                    .detach();
+            }
+            around.release(index);
+        }
+        if let Some((outputs, targets)) = held {
+            score += model.score(loss, &outputs, &targets)?;
+        }
+    }
+    Ok(score)
+}
+
+/// Whether any rank of `comm`'s ring has a piece for evaluation round `round` (`mine`: this one).
+fn any_rank_has_piece(comm: &CommWorker, mine: bool, round: usize) -> Result<bool> {
+    let mut count = [f32::from(u8::from(mine))];
+    let count = comm.run(move |c| {
+        c.all_reduce_sum(&format!("all-reduce of evaluation round {round}"), &mut count)?;
+        Ok(count[0])
+    })?;
+    Ok(count > 0.0)
 }

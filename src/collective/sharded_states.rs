@@ -26,7 +26,7 @@ use super::{AveragedGradients, BucketPlan, Replicated};
 use crate::config::{ShardingStage, TrainConfig};
 use crate::engines::comm::{CommWorker, Pending, Wire};
 use crate::models::parallel::Group;
-use crate::models::{NamedParam, Param};
+use crate::models::{NamedParam, NamedValues, Param};
 use crate::optim::{Optimizer, OptimizerState};
 use crate::telemetry::timeline::{Lane, Timeline};
 
@@ -213,11 +213,79 @@ impl ShardedStates {
     /// Gathers every bucket's `params` over `comm` (every rank of the ring calling together), so
     /// the whole model is held, as for a checkpoint or an evaluation.
     pub fn gather_all(&self, params: &[NamedParam], comm: &CommWorker, step: usize) -> Result<()> {
-        let gathers = (0..self.buckets.len())
-            .map(|index| self.gather(index, comm, step))
-            .collect::<Result<Vec<_>>>()?;
-        for (index, gathered) in gathers.into_iter().enumerate() {
-            self.hold(index, gathered, params, &mut None)?;
+        let what = format!("the parameters at step {step}");
+        self.each_gathered(
+            comm,
+            &what,
+            |index| Ok(self.parameter_shard(index)),
+            |index, whole| self.buckets[index].scatter_into(&whole, |i| &params[i].param),
+        )
+    }
+
+    /// The whole model's values of `params` by name, where `keep` (else `None`): gathered over
+    /// `comm` a bucket at a time, every rank of the ring calling together, so that no rank but
+    /// the one keeping them holds the whole model.
+    pub fn whole_values(
+        &self,
+        params: &[NamedParam],
+        comm: &CommWorker,
+        (step, keep): (usize, bool),
+    ) -> Result<Option<NamedValues>> {
+        let mut values: Vec<Option<Vec<f32>>> = vec![None; params.len()];
+        let what = format!("the parameters at step {step}");
+        self.each_gathered(
+            comm,
+            &what,
+            |index| Ok(self.parameter_shard(index)),
+            |index, whole| {
+                if keep {
+                    for (param, range) in self.buckets[index].spans(params) {
+                        values[param] = Some(whole[range].to_vec());
+                    }
+                }
+                Ok(())
+            },
+        )?;
+        if !keep {
+            return Ok(None);
+        }
+        let named = params
+            .iter()
+            .zip(values)
+            .map(|(p, values)| {
+                Ok((
+                    p.name.clone(),
+                    values.with_context(|| format!("{} is in no bucket", p.name))?,
+                ))
+            })
+            .collect::<Result<_>>()?;
+        Ok(Some(named))
+    }
+
+    /// All-gathers over `comm`, bucket after bucket, what `shard(index)` gives of each (this
+    /// rank's shard of its parameters or of an optimizer slot, named `what` in the collective's
+    /// name), handing each bucket's whole values to `each`: the next bucket's gather runs while
+    /// `each` works, and no more than two buckets are held at once. Every rank of the ring calls
+    /// it together.
+    pub(super) fn each_gathered(
+        &self,
+        comm: &CommWorker,
+        what: &str,
+        shard: impl Fn(usize) -> Result<Tensor>,
+        mut each: impl FnMut(usize, Vec<f32>) -> Result<()>,
+    ) -> Result<()> {
+        let start = |index: usize| -> Result<Pending<Gathered>> {
+            let op = format!("all-gather of {what} in bucket {index}");
+            self.buckets[index].gather(&shard(index)?, comm, op)
+        };
+        let mut next = Some(start(0)?);
+        for index in 0..self.buckets.len() {
+            let pending = next.take().context("a bucket's gather was never started")?;
+            if index + 1 < self.buckets.len() {
+                next = Some(start(index + 1)?);
+            }
+            let (whole, ..) = pending.wait()?;
+            each(index, whole)?;
         }
         Ok(())
     }
@@ -325,40 +393,68 @@ impl ShardedStates {
     /// The whole optimizer state by parameter (as [`Optimizer::state`] of an unsharded replica
     /// gives it): every rank's shards gathered over `comm`. Every rank of the ring calls it.
     pub fn state(&self, params: &[NamedParam], comm: &CommWorker) -> Result<OptimizerState> {
-        let steps = self.first().state()?.steps;
-        // No update yet: no slot holds anything (SGD has no velocity), on every rank alike.
-        if steps == 0 {
-            return Ok(OptimizerState {
-                steps,
-                tensors: Vec::new(),
-            });
-        }
+        let steps = self.optimizer_steps()?;
         let mut tensors = Vec::new();
-        for (index, (bucket, optimizer)) in self.buckets.iter().zip(&self.optimizers).enumerate() {
-            let local = optimizer.state()?;
-            for &slot in optimizer.slots() {
-                let mine = local
-                    .tensors
-                    .iter()
-                    .find(|(_, s, _)| s == slot)
-                    .map(|(_, _, t)| t.clone());
-                let mine = match mine {
-                    Some(tensor) => tensor,
-                    None => Tensor::zeros(bucket.shard.len(), candle_core::DType::F32, &Device::Cpu)?,
-                };
-                let op = format!("all-gather of optimizer slot {slot} of bucket {index}");
-                let (whole, ..) = bucket.gather(&mine, comm, op)?.wait()?;
-                let mut offset = 0;
-                for &index in &bucket.params {
-                    let param = &params[index].param;
-                    let n = param.elem_count();
-                    let values = Tensor::from_slice(&whole[offset..offset + n], param.shape(), param.device())?;
-                    tensors.push((index, slot.to_string(), values));
-                    offset += n;
-                }
-            }
+        for &slot in self.slots_saved()? {
+            let what = format!("optimizer slot {slot}");
+            self.each_gathered(
+                comm,
+                &what,
+                |index| self.slot_shard(index, slot),
+                |index, whole| {
+                    for (param, range) in self.buckets[index].spans(params) {
+                        let p = &params[param].param;
+                        let values = Tensor::from_slice(&whole[range], p.shape(), p.device())?;
+                        tensors.push((param, slot.to_string(), values));
+                    }
+                    Ok(())
+                },
+            )?;
         }
         Ok(OptimizerState { steps, tensors })
+    }
+
+    /// The optimizer's update count.
+    pub(super) fn optimizer_steps(&self) -> Result<u64> {
+        Ok(self.first().state()?.steps)
+    }
+
+    /// The optimizer slots a saved state holds: none before the first update (no slot holds
+    /// anything yet, on every rank alike; SGD has no velocity), else every slot of every
+    /// parameter.
+    pub(super) fn slots_saved(&self) -> Result<&'static [&'static str]> {
+        Ok(match self.optimizer_steps()? {
+            0 => &[],
+            _ => self.first().slots(),
+        })
+    }
+
+    /// This rank's shard of optimizer slot `slot` of bucket `index` (zeros where the optimizer
+    /// has not set it).
+    pub(super) fn slot_shard(&self, index: usize, slot: &str) -> Result<Tensor> {
+        let state = self.optimizers[index].state()?;
+        match state.tensors.into_iter().find(|(_, s, _)| s == slot) {
+            Some((_, _, tensor)) => Ok(tensor),
+            None => Ok(Tensor::zeros(
+                self.buckets[index].shard.len(),
+                candle_core::DType::F32,
+                &Device::Cpu,
+            )?),
+        }
+    }
+
+    /// This rank's shard of bucket `index`'s parameters.
+    pub(super) fn parameter_shard(&self, index: usize) -> Tensor {
+        self.shards[index].as_tensor().clone()
+    }
+
+    /// Each bucket's parameters (of `params`) with their ranges of the bucket's flat values, in
+    /// bucket order and each bucket's fill order.
+    pub(super) fn bucket_spans<'a>(
+        &'a self,
+        params: &'a [NamedParam],
+    ) -> impl Iterator<Item = Vec<(usize, Range<usize>)>> + 'a {
+        self.buckets.iter().map(|b| b.spans(params).collect())
     }
 
     /// Takes this rank's shards of `state` (whole, by parameter of `params`); checks every entry
@@ -500,6 +596,17 @@ impl ShardedBucket {
                     start - self.shard.start..end - self.shard.start,
                 )
             })
+        })
+    }
+
+    /// Each parameter of the bucket (an index into `params`) with its range of the bucket's
+    /// flat values, in fill order.
+    fn spans<'a>(&'a self, params: &'a [NamedParam]) -> impl Iterator<Item = (usize, Range<usize>)> + 'a {
+        let mut offset = 0;
+        self.params.iter().map(move |&param| {
+            let n = params[param].param.elem_count();
+            offset += n;
+            (param, offset - n..offset)
         })
     }
 

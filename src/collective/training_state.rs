@@ -97,25 +97,54 @@ pub fn write(
             in_torch_layout(p, &tensor)?,
         ));
     }
-    // Bit patterns, so that a NaN loss survives too.
-    let loss_bits: Vec<u32> = run.losses.iter().map(|l| l.to_bits()).collect();
-    let mut metadata = info.metadata()?;
-    metadata.extend([
-        (OPTIMIZER.to_string(), kind.to_string()),
-        ("optimizer_steps".to_string(), state.steps.to_string()),
-        ("batches".to_string(), batches.to_string()),
-        ("loss_bits".to_string(), serde_json::to_string(&loss_bits)?),
-    ]);
-    if let Some(data) = &run.data {
-        metadata.insert(DATA_POSITION.to_string(), serde_json::to_string(data)?);
-    }
-    if let Some(stage) = sharding_stage {
-        metadata.insert(SHARDING_STAGE.to_string(), stage.to_string());
-    }
-    if layer_parts > 1 {
-        metadata.insert(LAYER_PARTS.to_string(), layer_parts.to_string());
-    }
+    let header = StateHeader {
+        kind,
+        optimizer_steps: state.steps,
+        sharding_stage,
+        batches,
+        layer_parts,
+    };
+    let metadata = header.metadata(info, run)?;
     write_tensors(out, &tensors, metadata)
+}
+
+/// What a training state's metadata says besides the model's description and the run record.
+pub struct StateHeader {
+    /// The optimizer's kind ([`crate::optim::Optimizer::name`]).
+    pub kind: &'static str,
+    /// Its update count.
+    pub optimizer_steps: u64,
+    /// The sharding stage the state was gathered from, when it was sharded.
+    pub sharding_stage: Option<u8>,
+    /// Batches trained.
+    pub batches: usize,
+    /// Ranks that split the layers the file holds whole (1: none).
+    pub layer_parts: usize,
+}
+
+impl StateHeader {
+    /// The file's metadata: `info`'s (the model's), this header's and `run`'s.
+    pub fn metadata(&self, info: &ModelInfo, run: &RunRecord) -> Result<HashMap<String, String>> {
+        // Bit patterns, so that a NaN loss survives too.
+        let loss_bits: Vec<u32> = run.losses.iter().map(|l| l.to_bits()).collect();
+        let mut metadata = info.metadata()?;
+        metadata.extend([
+            (OPTIMIZER.to_string(), self.kind.to_string()),
+            ("optimizer_steps".to_string(), self.optimizer_steps.to_string()),
+            ("batches".to_string(), self.batches.to_string()),
+            ("loss_bits".to_string(), serde_json::to_string(&loss_bits)?),
+        ]);
+        if let Some(data) = &run.data {
+            metadata.insert(DATA_POSITION.to_string(), serde_json::to_string(data)?);
+        }
+        if let Some(stage) = self.sharding_stage {
+            metadata.insert(SHARDING_STAGE.to_string(), stage.to_string());
+        }
+        if self.layer_parts > 1 {
+            metadata.insert(LAYER_PARTS.to_string(), self.layer_parts.to_string());
+        }
+        Ok(metadata)
+    }
 }
 
 /// The metadata of a training state, which must be one.

@@ -16,7 +16,7 @@ use crate::actors::trainer::RankOutcome;
 use crate::checkpoint::write_atomically;
 use crate::collective::StateBytes;
 use crate::config::JobConfig;
-use crate::models::export::{write_model, ModelInfo};
+use crate::models::export::{write_model, write_values, ModelInfo};
 use crate::models::{Model, ParamInit, Precision};
 
 /// The resolved config of a run, in its run directory.
@@ -94,6 +94,7 @@ impl RunOutcome {
     /// it (`world_size`: the ranks that trained that generation).
     pub(super) fn from_rank0(rank0: RankOutcome, config: &JobConfig, cluster: &str) -> Result<Self> {
         let held_out = rank0.test_score.held_out(config.train.resolved_loss()?);
+        let (parameters, param_checksum) = rank0.parameters.context("the rank at place 0 reported no parameters")?;
         Ok(Self {
             summary: Summary {
                 strategy: "collective".to_string(),
@@ -108,13 +109,13 @@ impl RunOutcome {
                 test_samples: held_out.samples,
                 comm_time_ratio: rank0.comm_time_ratio,
                 exposed_comm_ratio: rank0.exposed_comm_ratio,
-                param_checksum: rank0.param_checksum.to_string(),
+                param_checksum: param_checksum.to_string(),
                 matrix_kernel: Precision::of(config).matrix_kernel().to_string(),
                 peak_activation_bytes: Some(vec![rank0.peak_activation_bytes]),
                 state_bytes: Some(rank0.state_bytes),
                 bubble_fraction: None,
             },
-            parameters: rank0.parameters,
+            parameters,
             losses: rank0.losses,
         })
     }
@@ -122,10 +123,12 @@ impl RunOutcome {
     /// Writes `params.safetensors` (the model file of `job`'s model, [`crate::models::export`]),
     /// then `summary.json`, into `run_dir`.
     pub fn write(&self, run_dir: &Path, job: &TrainingJob) -> Result<()> {
-        // A model of the job's shape on the host, holding the trained values.
-        let model = (job.model)(&ParamInit::new(job.config.train.seed, Device::Cpu))?;
-        model.assign(&self.parameters)?;
-        write_params(run_dir, &model, &job.export)?;
+        // The job's model's shapes, holding no values of their own: the trained ones are written
+        // from where they are, so the host holds the whole model once.
+        let shapes = (job.model)(&ParamInit::new(job.config.train.seed, Device::Cpu).deferring(true))?;
+        write_output(run_dir, PARAMS_FILE, |out| {
+            write_values(out, &shapes, &self.parameters, &job.export)
+        })?;
         write_summary(run_dir, &self.summary)
     }
 }

@@ -29,7 +29,7 @@ use candle_core::{Device, Tensor};
 use safetensors::SafeTensors;
 
 use super::{Model, ModelSpec, NamedParam, ParamInit};
-use crate::checkpoint::write_tensors;
+use crate::checkpoint::{write_header, write_tensors};
 
 /// The `format` of a model file.
 pub const FORMAT: &str = "flotilla-model";
@@ -100,14 +100,61 @@ pub fn write_model(out: &mut dyn Write, model: &Model, info: &ModelInfo) -> Resu
     write_tensors(out, &tensors, info.metadata()?)
 }
 
+/// Writes the model file of a model of `model`'s shapes holding `values` (flat, by name, as
+/// ranks report them) to `out`, `info` describing it, one parameter at a time: `model` need hold
+/// no values of its own (made [`ParamInit::deferring`]). A name missing, unknown or of another
+/// size is refused before anything is written.
+pub fn write_values(out: &mut dyn Write, model: &Model, values: &[(String, Vec<f32>)], info: &ModelInfo) -> Result<()> {
+    let params = model.parameters();
+    let by_name: HashMap<&str, &[f32]> = values.iter().map(|(n, v)| (n.as_str(), v.as_slice())).collect();
+    ensure!(
+        by_name.len() == params.len(),
+        "{} parameters given for a model of {}",
+        by_name.len(),
+        params.len()
+    );
+    let mut entries = Vec::with_capacity(params.len());
+    for p in &params {
+        let flat = by_name
+            .get(p.name.as_str())
+            .with_context(|| format!("no values for parameter {}", p.name))?;
+        ensure!(
+            flat.len() == p.param.elem_count(),
+            "parameter {}: {} values for a shape of {:?}",
+            p.name,
+            flat.len(),
+            p.param.dims()
+        );
+        entries.push((p.name.clone(), torch_dims(p)));
+    }
+    write_header(out, &entries, info.metadata()?)?;
+    for p in &params {
+        write_in_torch_layout(out, p, by_name[p.name.as_str()])?;
+    }
+    Ok(())
+}
+
 /// `tensor`, a value of `p`'s shape (the parameter, an optimizer slot), as PyTorch lays it out:
 /// a view, copied only as it is written.
 pub(crate) fn in_torch_layout(p: &NamedParam, tensor: &Tensor) -> Result<Tensor> {
     Ok(if p.transposed { tensor.t()? } else { tensor.clone() })
 }
 
+/// Writes `values` — the flat values of `p`, or of a value of its shape, in its own layout — to
+/// `out` in PyTorch's.
+pub(crate) fn write_in_torch_layout(out: &mut dyn Write, p: &NamedParam, values: &[f32]) -> Result<()> {
+    if p.transposed {
+        let value = Tensor::from_slice(values, p.param.shape(), &Device::Cpu)?;
+        let laid_out = value.t()?.flatten_all()?.to_vec1::<f32>()?;
+        out.write_all(bytemuck::cast_slice(&laid_out))?;
+    } else {
+        out.write_all(bytemuck::cast_slice(values))?;
+    }
+    Ok(())
+}
+
 /// The shape of `p` in PyTorch's layout.
-fn torch_dims(p: &NamedParam) -> Vec<usize> {
+pub(crate) fn torch_dims(p: &NamedParam) -> Vec<usize> {
     let dims = p.param.dims();
     if p.transposed {
         dims.iter().rev().copied().collect()

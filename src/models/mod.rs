@@ -36,6 +36,9 @@ pub use sparse::{Lookup, SparseModel, SparseModelBuilder, SparseModelDef, Sparse
 pub use spec::ModelSpec;
 pub use wide_deep::WideDeep;
 
+/// A model's parameters' values by name, each flat in the model's own layout: what ranks report.
+pub type NamedValues = Vec<(String, Vec<f32>)>;
+
 use anyhow::{ensure, Result};
 use candle_core::Tensor;
 
@@ -234,37 +237,6 @@ impl Model {
             .enumerate()
             .flat_map(|(index, block)| block.named_parameters(index))
             .collect()
-    }
-
-    /// Sets every parameter from `values`, flat and by name (as ranks report them); a name
-    /// missing or of another size is refused before anything changes.
-    pub fn assign(&self, values: &[(String, Vec<f32>)]) -> Result<()> {
-        let params = self.parameters();
-        let mut tensors = Vec::with_capacity(params.len());
-        for p in &params {
-            let (_, flat) = values
-                .iter()
-                .find(|(name, _)| *name == p.name)
-                .ok_or_else(|| anyhow::anyhow!("no values for parameter {}", p.name))?;
-            ensure!(
-                flat.len() == p.param.elem_count(),
-                "parameter {}: {} values for a shape of {:?}",
-                p.name,
-                flat.len(),
-                p.param.dims()
-            );
-            tensors.push(Tensor::from_slice(flat, p.param.dims(), p.param.device())?);
-        }
-        ensure!(
-            values.len() == params.len(),
-            "{} parameters given for a model of {}",
-            values.len(),
-            params.len()
-        );
-        for (p, tensor) in params.iter().zip(tensors) {
-            p.param.set(&tensor)?;
-        }
-        Ok(())
     }
 
     /// Total number of scalar parameters.
