@@ -3,9 +3,9 @@
 //! the bytes instead of an allocation that aborts the process.
 //!
 //! The estimate counts what grows with the keys: parameters with their gradients and optimizer
-//! state, activations of one batch or of one evaluation pass (whichever is larger: training's
-//! are freed before the held-out set is scored), generated data, the per-step loss record, and
-//! parameter-server tables. It is a lower bound of the real use (no allocator or framework
+//! state, the whole model's values the first rank reports at the end, activations of one batch
+//! or of one evaluation pass (whichever is larger: training's are freed before the held-out set
+//! is scored), generated data, the per-step loss record, and parameter-server tables. It is a lower bound of the real use (no allocator or framework
 //! overhead), so a job it refuses could never have run.
 
 use super::{DatasetKind, FieldError, JobConfig, ModelKind, OptimizerKind, ShardingStage, TrainConfig, TrainLength};
@@ -87,12 +87,16 @@ fn estimate(config: &JobConfig) -> Vec<Need> {
     let train = &config.train;
     let trainers = config.cluster.nproc_per_node as u128;
     let slots = optimizer_slots(train);
+    let size = model_size(train);
+    // At the end the first rank reports the whole model's values (gathered, where it holds a
+    // part or a shard of them) for the run's model file.
+    let reported = size.params;
     let ModelSize {
         keys: model_keys,
         params,
         largest_block,
         row: row_activations,
-    } = model_size(train).per_rank(config);
+    } = size.per_rank(config);
     let data_rows = match train.dataset {
         DatasetKind::Synthetic => train.synthetic_features.saturating_add(1),
         DatasetKind::CriteoSynthetic => CtrShape::CRITEO.slots * 2 + CtrShape::CRITEO.dense + 1,
@@ -135,6 +139,11 @@ fn estimate(config: &JobConfig) -> Vec<Need> {
             keys: [&model_keys[..], &["train.optimizer", "strategy.sharding"]].concat(),
             what: "optimizer state",
             bytes: mul(&[optimizer, F32, trainers]),
+        },
+        Need {
+            keys: model_keys.clone(),
+            what: "the final parameters the first rank reports",
+            bytes: mul(&[reported, F32]),
         },
         activations,
         Need {
@@ -382,12 +391,17 @@ mod tests {
     fn a_huge_hidden_layer_is_refused_naming_the_key_and_the_bytes() {
         let msg = refusal(&job(|c| c.train.hidden_sizes = Some(vec![4_000_000_000])), 64 * GIB);
         assert!(
-            msg.starts_with("train.hidden_sizes: the job needs at least 8.4 TiB"),
+            msg.starts_with("train.hidden_sizes: the job needs at least 9.5 TiB"),
             "{msg}"
         );
+        // Two ranks' states, and the whole model's values once, as the first rank reports them.
         for part in ["parameters", "gradients", "optimizer state"] {
             assert!(msg.contains(&format!("{part}: 2.2 TiB (train.hidden_sizes)")), "{msg}");
         }
+        assert!(
+            msg.contains("the final parameters the first rank reports: 1.1 TiB (train.hidden_sizes)"),
+            "{msg}"
+        );
         assert!(msg.ends_with("more than the 64.0 GiB available"), "{msg}");
     }
 
