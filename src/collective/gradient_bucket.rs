@@ -79,17 +79,26 @@ impl BucketValues {
         Ok(values[shard].iter().map(|v| v / world).collect())
     }
 
-    /// The `len` values from `offset` as a tensor of `shape` on `device`.
-    pub(super) fn gradient(&self, offset: usize, shape: &Shape, device: &Device) -> Result<Tensor> {
-        let len = shape.elem_count();
-        let values = match self {
-            Self::Host(values) => Tensor::from_slice(&values[offset..offset + len], len, device)?,
-            Self::Device(tensor) => tensor.narrow(0, offset, len)?,
-        };
-        values
-            .reshape(shape)
-            .with_context(|| format!("a gradient of shape {shape:?} at offset {offset}"))
+    /// The bucket as one flat tensor on `device`: host values are moved in, not copied, where the
+    /// job computes on the CPU, so every parameter's gradient is a view of it ([`gradient_of`])
+    /// and the averaged gradients take no memory beyond the bucket's.
+    pub(super) fn into_flat(self, device: &Device) -> Result<Tensor> {
+        Ok(match self {
+            Self::Host(values) => {
+                let len = values.len();
+                Tensor::from_vec(values, len, device)?
+            }
+            Self::Device(tensor) => tensor,
+        })
     }
+}
+
+/// The gradient of `shape` at `offset` of `flat`, a bucket's values ([`BucketValues::into_flat`]):
+/// a view of them.
+pub(super) fn gradient_of(flat: &Tensor, offset: usize, shape: &Shape) -> Result<Tensor> {
+    flat.narrow(0, offset, shape.elem_count())?
+        .reshape(shape)
+        .with_context(|| format!("a gradient of shape {shape:?} at offset {offset}"))
 }
 
 impl MergeBuffer for BucketValues {
@@ -164,7 +173,7 @@ mod tests {
             .divided_by(2.0)?;
         let shape = Shape::from((2, 2));
         for bucket in [device, host] {
-            let grad = bucket.gradient(2, &shape, &Device::Cpu)?;
+            let grad = gradient_of(&bucket.into_flat(&Device::Cpu)?, 2, &shape)?;
             assert_eq!(grad.to_vec2::<f32>()?, [[2.0, 2.5], [3.0, 3.5]]);
         }
         assert!(BucketValues::Host(vec![1.0])

@@ -16,7 +16,7 @@ use anyhow::{bail, ensure, Context, Result};
 use candle_core::backprop::GradStore;
 use candle_core::{Device, Tensor};
 
-use super::gradient_bucket::{BucketFill, BucketValues};
+use super::gradient_bucket::{gradient_of, BucketFill, BucketValues};
 use super::BucketPlan;
 use crate::config::{JobConfig, ShardingStage};
 use crate::engines::comm::{CommWorker, Pending, Wire};
@@ -293,13 +293,11 @@ impl StepGradients<'_> {
                 shards.push(shard);
                 continue;
             }
+            let flat = values.into_flat(&sync.device)?;
             let mut offset = 0;
             for &param in &bucket.params {
                 let param = &sync.params[param];
-                grads.insert(
-                    param.var()?.as_tensor(),
-                    values.gradient(offset, param.shape(), &sync.device)?,
-                );
+                grads.insert(param.var()?.as_tensor(), gradient_of(&flat, offset, param.shape())?);
                 offset += param.elem_count();
             }
         }
