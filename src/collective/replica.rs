@@ -395,8 +395,7 @@ impl RankReplica for Replica {
     }
 
     /// Scores this rank's share of the held-out rows, a piece at a time, and sums the scores
-    /// of all ranks.
-    /// With sharded parameters, block by block: no rank holds the whole model.
+    /// of all ranks; with sharded parameters block by block, so no rank holds the whole model.
     fn evaluate(&mut self, share: Pieces) -> Result<Option<Score>> {
         let score = match self.optimizer.parameter_shards() {
             Some(states) => {

@@ -26,7 +26,7 @@ use super::{AveragedGradients, BucketPlan, Replicated};
 use crate::config::{ShardingStage, TrainConfig};
 use crate::engines::comm::{CommWorker, Pending, Wire};
 use crate::models::parallel::Group;
-use crate::models::{NamedParam, NamedValues, Param};
+use crate::models::{NamedParam, NamedValues};
 use crate::optim::{Optimizer, OptimizerState};
 use crate::telemetry::timeline::{Lane, Timeline};
 
@@ -199,7 +199,7 @@ impl ShardedStates {
             let name = format!("all-gather parameter bucket {index} ({} KiB)", bucket.len * 4 / 1024);
             timeline.record_between(Lane::Communication, name, "allgather", started, ended);
         }
-        bucket.scatter_into(&whole, |i| &params[i].param)?;
+        bucket.scatter_into(&whole, params)?;
         Ok(waited)
     }
 
@@ -218,7 +218,7 @@ impl ShardedStates {
             comm,
             &what,
             |index| Ok(self.parameter_shard(index)),
-            |index, whole| self.buckets[index].scatter_into(&whole, |i| &params[i].param),
+            |index, whole| self.buckets[index].scatter_into(&whole, params),
         )
     }
 
@@ -610,14 +610,11 @@ impl ShardedBucket {
         })
     }
 
-    /// Holds each parameter (`param(index)`) from its values in the whole bucket `values`.
-    fn scatter_into<'a>(&self, values: &[f32], param: impl Fn(usize) -> &'a Param) -> Result<()> {
-        let mut offset = 0;
-        for &index in &self.params {
-            let param = param(index);
-            let n = param.elem_count();
-            param.hold(&values[offset..offset + n])?;
-            offset += n;
+    /// Holds each parameter of the bucket (of `params`) from its values in the whole bucket
+    /// `values`.
+    fn scatter_into(&self, values: &[f32], params: &[NamedParam]) -> Result<()> {
+        for (param, range) in self.spans(params) {
+            params[param].param.hold(&values[range])?;
         }
         Ok(())
     }

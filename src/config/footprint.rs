@@ -87,16 +87,6 @@ fn estimate(config: &JobConfig) -> Vec<Need> {
     let train = &config.train;
     let trainers = config.cluster.nproc_per_node as u128;
     let slots = optimizer_slots(train);
-    let size = model_size(train);
-    // At the end the first rank reports the whole model's values (gathered, where it holds a
-    // part or a shard of them) for the run's model file.
-    let reported = size.params;
-    let ModelSize {
-        keys: model_keys,
-        params,
-        largest_block,
-        row: row_activations,
-    } = size.per_rank(config);
     let data_rows = match train.dataset {
         DatasetKind::Synthetic => train.synthetic_features.saturating_add(1),
         DatasetKind::CriteoSynthetic => CtrShape::CRITEO.slots * 2 + CtrShape::CRITEO.dense + 1,
@@ -122,7 +112,45 @@ fn estimate(config: &JobConfig) -> Vec<Need> {
         _ => 0,
     };
     let row_bytes = mul(&[train.embedding_dim as u128 + 1, slots + 1, F32]);
-    let activations = activations(config, row_activations, &model_keys);
+    let mut needs = model_needs(config, slots);
+    needs.extend([
+        Need {
+            keys: vec!["train.synthetic_samples", "train.synthetic_features"],
+            what: "generated data",
+            bytes: mul(&[generated, trainers]),
+        },
+        Need {
+            keys: vec!["train.steps"],
+            what: "the loss of every step",
+            bytes: mul(&[losses, trainers]),
+        },
+        Need {
+            keys: vec![
+                "train.synthetic_vocab",
+                "train.synthetic_samples",
+                "train.embedding_dim",
+            ],
+            what: "parameter-server table rows",
+            bytes: mul(&[table_rows, row_bytes]),
+        },
+    ]);
+    needs
+}
+
+/// The model's part of the estimate on one node, with an optimizer of `slots` slots: every
+/// trainer's parameters, gradients and optimizer state (its share of them, as `config` cuts and
+/// shards them), the whole model's values the first rank reports at the end (gathered, where it
+/// holds a part or a shard of them, for the run's model file), and the activations.
+fn model_needs(config: &JobConfig, slots: u128) -> Vec<Need> {
+    let trainers = config.cluster.nproc_per_node as u128;
+    let size = model_size(&config.train);
+    let reported = size.params;
+    let ModelSize {
+        keys: model_keys,
+        params,
+        largest_block,
+        row: row_activations,
+    } = size.per_rank(config);
     let [held_params, gradients, optimizer] = sharded_states(config, (params, largest_block), slots);
     vec![
         Need {
@@ -145,26 +173,7 @@ fn estimate(config: &JobConfig) -> Vec<Need> {
             what: "the final parameters the first rank reports",
             bytes: mul(&[reported, F32]),
         },
-        activations,
-        Need {
-            keys: vec!["train.synthetic_samples", "train.synthetic_features"],
-            what: "generated data",
-            bytes: mul(&[generated, trainers]),
-        },
-        Need {
-            keys: vec!["train.steps"],
-            what: "the loss of every step",
-            bytes: mul(&[losses, trainers]),
-        },
-        Need {
-            keys: vec![
-                "train.synthetic_vocab",
-                "train.synthetic_samples",
-                "train.embedding_dim",
-            ],
-            what: "parameter-server table rows",
-            bytes: mul(&[table_rows, row_bytes]),
-        },
+        activations(config, row_activations, &model_keys),
     ]
 }
 
