@@ -20,14 +20,15 @@ n_embd=${N_EMBD:-2048} n_head=${N_HEAD:-16} steps=${STEPS:-3} limit_gib=${LIMIT_
 cgroups=/sys/fs/cgroup/memory
 [ -w "$cgroups" ] || { echo "largest_gpt.sh: needs a writable cgroup v1 memory controller at $cgroups (run as root)" >&2; exit 1; }
 
+# The cgroup of the run in progress (one at a time).
+group=$cgroups/flotilla-largest-gpt-$$
+
 # Whatever a run left (an interrupted script): its processes killed, its cgroup removed.
 cleanup() {
-  for group in "$cgroups"/flotilla-largest-gpt-$$; do
-    [ -d "$group" ] || continue
-    for pid in $(cat "$group/cgroup.procs"); do kill -9 "$pid" 2>/dev/null || true; done
-    sleep 1
-    rmdir "$group"
-  done
+  [ -d "$group" ] || return 0
+  for pid in $(cat "$group/cgroup.procs"); do kill -9 "$pid" 2>/dev/null || true; done
+  sleep 1
+  rmdir "$group"
 }
 trap cleanup EXIT
 
@@ -35,9 +36,8 @@ trap cleanup EXIT
 run() {
   local layout=$1 layers=$2 sharding=()
   [ "$layout" = stage3 ] && sharding=(--set strategy.sharding=true --set strategy.sharding_configs.stage=3)
-  local dir group
+  local dir
   dir=$(mktemp -d)
-  group=$cgroups/flotilla-largest-gpt-$$
   mkdir "$group"
   echo $((limit_gib << 30)) > "$group/memory.limit_in_bytes"
   (
@@ -65,7 +65,7 @@ run() {
   cgroup_peak=$(cat "$group/memory.max_usage_in_bytes")
   rmdir "$group"
   python3 - "$dir" "$layout" "$layers" "$finished" "$peak" "$cgroup_peak" <<'EOF'
-import json, os, struct, sys
+import json, math, os, struct, sys
 run, layout, layers, finished, peak_kib, cgroup_peak = sys.argv[1:]
 finished = finished == "true" and os.path.exists(f"{run}/summary.json")
 line = dict(layout=layout, n_layer=int(layers), finished=finished, peak_rss_gib=int(peak_kib) / 2**20,
@@ -73,8 +73,7 @@ line = dict(layout=layout, n_layer=int(layers), finished=finished, peak_rss_gib=
 if finished:
     with open(f"{run}/params.safetensors", "rb") as f:
         header = json.loads(f.read(struct.unpack("<Q", f.read(8))[0]))
-    counts = [v["shape"] for k, v in header.items() if k != "__metadata__"]
-    line["parameters"] = sum(eval("*".join(map(str, s)) or "1") for s in counts)
+    line["parameters"] = sum(math.prod(v["shape"]) for k, v in header.items() if k != "__metadata__")
     steps = [json.loads(l) for l in open(f"{run}/metrics.jsonl")]
     line["step_time_s"] = steps[-1]["step_time_s"]
     line["losses"] = [round(s["loss"], 4) for s in steps]
